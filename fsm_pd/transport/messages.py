@@ -1,0 +1,241 @@
+"""The side channel's closed set of messages and their msgpack body codec.
+
+Every message is a frozen, slotted, keyword-only dataclass. The wire body is a msgpack array of the field values in
+declaration order (common fields first), so a message costs no key names on the wire. The type travels outside the
+body, in the frame header (see ``signing.py``), and ``CODEC`` maps it to the class: there is no lookup by class name
+and no pickle, so a peer can only ever make us build one of the six classes below.
+
+Field types are checked once, in ``__post_init__``, so a message built locally and a message decoded from the wire pass
+the same checks, and anything wrong raises ``MalformedMessage`` and nothing else. The checks are derived from the
+annotations through a small closed table (``_CHECKS``); a class whose annotation has no entry fails at import.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from enum import IntEnum
+from typing import Any, ClassVar, Final
+
+import msgpack
+
+_U64_LIMIT: Final = 1 << 64
+
+
+class MalformedMessage(ValueError):
+    """A body that is not a well-formed message of its declared type."""
+
+
+class MessageType(IntEnum):
+    """The one-byte type tag in the frame header. Values are wire format: never renumber."""
+
+    PREPARE = 1
+    READY = 2
+    PULLED = 3
+    ABORT = 4
+    ABORT_ACK = 5
+    HEARTBEAT = 6
+
+
+# -- field checks: annotation text -> function that returns the normalised value or raises MalformedMessage ---------
+
+
+def _check_uint(value: Any) -> int:
+    # bool is an int subclass; a True where a room id belongs is a bug, not a 1.
+    if type(value) is not int or not 0 <= value < _U64_LIMIT:
+        raise MalformedMessage(f"expected an int in [0, 2**64), got {value!r:.80}")
+    return value
+
+
+def _check_str(value: Any) -> str:
+    if type(value) is not str:
+        raise MalformedMessage(f"expected a str, got {type(value).__name__}")
+    return value
+
+
+def _check_float(value: Any) -> float:
+    # An int is accepted and widened, so that a logprob of 0 written as ``0`` is not an error.
+    if type(value) not in (float, int):
+        raise MalformedMessage(f"expected a float, got {type(value).__name__}")
+    return float(value)
+
+
+def _check_optional_float(value: Any) -> float | None:
+    return None if value is None else _check_float(value)
+
+
+def _check_optional_float_list(value: Any) -> list[float] | None:
+    if value is None:
+        return None
+    if type(value) is not list:
+        raise MalformedMessage(f"expected a list of floats or None, got {type(value).__name__}")
+    return [_check_float(item) for item in value]
+
+
+_LAYOUT_VALUE_TYPES: Final = (type(None), bool, int, float, str)
+
+
+def _check_layout(value: Any) -> dict:
+    # A layout is a flat record (KVLayout.to_dict()); whether it is a *valid* layout is the handshake's business.
+    if type(value) is not dict:
+        raise MalformedMessage(f"expected a dict, got {type(value).__name__}")
+    for key, item in value.items():
+        if type(key) is not str or type(item) not in _LAYOUT_VALUE_TYPES:
+            raise MalformedMessage(f"layout entries must be str -> scalar, got {key!r:.40}: {type(item).__name__}")
+    return dict(value)
+
+
+_CHECKS: Final[dict[str, Callable[[Any], Any]]] = {
+    "int": _check_uint,
+    "str": _check_str,
+    "float": _check_float,
+    "float | None": _check_optional_float,
+    "list[float] | None": _check_optional_float_list,
+    "dict": _check_layout,
+}
+
+
+# -- the messages ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Message:
+    """Fields every message carries. ``nonce`` and ``sent_at`` feed the receiver's replay and staleness checks."""
+
+    TYPE: ClassVar[MessageType]
+
+    room: int  # SGLang's bootstrap_room; 0 for HEARTBEAT
+    sender: str  # node id of the sender (self-declared: see docs/side-channel.md on what the MAC does not prove)
+    nonce: int  # random 63-bit, fresh per message
+    sent_at: float  # sender's wall clock, seconds since the epoch
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            try:
+                normalised = _CHECKS[f.type](getattr(self, f.name))
+            except MalformedMessage as exc:
+                raise MalformedMessage(f"{type(self).__name__}.{f.name}: {exc}") from None
+            object.__setattr__(self, f.name, normalised)
+        if not math.isfinite(self.sent_at):
+            raise MalformedMessage(f"{type(self).__name__}.sent_at must be finite")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Prepare(_Message):
+    """D -> P: pages are reserved; here is where to answer and what my pool looks like."""
+
+    TYPE: ClassVar[MessageType] = MessageType.PREPARE
+
+    transfer_id: int
+    reply_to: str  # D's side-channel address, e.g. "tcp://127.0.0.1:5555"
+    layout: dict  # KVLayout.to_dict()
+    page_count: int
+    prompt_len: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ready(_Message):
+    """P -> D: the KV is published under ``uuid`` at ``transfer_addr``; pull it, and here is the first token."""
+
+    TYPE: ClassVar[MessageType] = MessageType.READY
+
+    transfer_id: int
+    uuid: int
+    transfer_addr: str
+    backend: str
+    layout: dict
+    page_count: int
+    first_token: int
+    first_logprob: float | None
+    input_logprobs: list[float] | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pulled(_Message):
+    """D -> P: the pull finished and was verified; release the staging buffer."""
+
+    TYPE: ClassVar[MessageType] = MessageType.PULLED
+
+    transfer_id: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Abort(_Message):
+    """Either side -> the other: I gave up on this room."""
+
+    TYPE: ClassVar[MessageType] = MessageType.ABORT
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AbortAck(_Message):
+    """Answer to ABORT: the other side has released what it held for the room."""
+
+    TYPE: ClassVar[MessageType] = MessageType.ABORT_ACK
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Heartbeat(_Message):
+    """Liveness beacon; ``addr`` is the sender's own side-channel address. Not tied to a room."""
+
+    TYPE: ClassVar[MessageType] = MessageType.HEARTBEAT
+
+    addr: str
+
+    def __post_init__(self) -> None:
+        super(Heartbeat, self).__post_init__()  # explicit form: slots=True replaces the class, breaking bare super()
+        if self.room != 0:
+            raise MalformedMessage("Heartbeat.room must be 0")
+
+
+Message = Prepare | Ready | Pulled | Abort | AbortAck | Heartbeat
+
+# The one table from wire type to class. Decoding goes through here and nowhere else.
+CODEC: Final[dict[MessageType, type[_Message]]] = {
+    cls.TYPE: cls for cls in (Prepare, Ready, Pulled, Abort, AbortAck, Heartbeat)
+}
+assert set(CODEC) == set(MessageType), "every MessageType needs exactly one class"
+
+# Field names per class, in wire order; computed once, and every annotation checked against _CHECKS at import.
+_FIELD_NAMES: Final[dict[MessageType, tuple[str, ...]]] = {}
+for _type, _cls in CODEC.items():
+    for _f in fields(_cls):
+        if _f.type not in _CHECKS:
+            raise TypeError(f"{_cls.__name__}.{_f.name}: no wire check for annotation {_f.type!r}")
+    _FIELD_NAMES[_type] = tuple(_f.name for _f in fields(_cls))
+
+
+def encode_body(msg: Message) -> bytes:
+    """The msgpack body of ``msg`` (the type is not included: it goes in the frame header)."""
+    values = [getattr(msg, name) for name in _FIELD_NAMES[msg.TYPE]]
+    return msgpack.packb(values, use_bin_type=True)
+
+
+def decode_body(type_byte: int, body: bytes) -> Message:
+    """Build a message of wire type ``type_byte`` from ``body``. Raises ``MalformedMessage`` on any defect."""
+    try:
+        msg_type = MessageType(type_byte)
+    except ValueError:
+        raise MalformedMessage(f"unknown message type {type_byte}") from None
+    names = _FIELD_NAMES[msg_type]
+    try:
+        # Containers are capped by the frame size already; strict_map_key keeps map keys to str/bytes.
+        values = msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types (ValueError, ExtraData, FormatError, ...)
+        raise MalformedMessage(f"body is not msgpack: {type(exc).__name__}") from None
+    if type(values) is not list or len(values) != len(names):
+        raise MalformedMessage(f"{msg_type.name} body must be an array of {len(names)} fields")
+    return CODEC[msg_type](**dict(zip(names, values, strict=True)))
+
+
+def new_nonce() -> int:
+    return secrets.randbits(63)
+
+
+def stamped(cls: type[_Message], *, sender: str, **fields_: Any) -> Message:
+    """Build ``cls`` with a fresh nonce and the current wall-clock time; the caller gives the rest."""
+    return cls(sender=sender, nonce=new_nonce(), sent_at=time.time(), **fields_)
