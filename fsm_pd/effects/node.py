@@ -1,0 +1,116 @@
+"""The runtime loop of one node and role: decide → journal → execute effects; results come back as events.
+
+``submit`` may be called from any thread (handlers' worker threads, the side-channel listener, the timer thread);
+``step`` runs on the node's own loop thread and is the only place rooms change. One step decides every queued event,
+commits their journal rows in one transaction, and only then runs their effects: group commit and write-ahead in one.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from fsm_pd.machines import Decision, KVPoll, Room, TransferMachine
+from fsm_pd.store.journal import Journal, read_journal
+
+Observer = Callable[[Room, Decision, float], None]
+
+
+class Node:
+    def __init__(self, node_id: str, machine: TransferMachine, journal: Journal | None, interpreter: Any,
+                 clock: Any, deadlines: Mapping[str, float]):
+        missing = set(machine.deadlines.values()) - set(deadlines)
+        if missing:
+            raise ValueError(f"{machine.role} deadlines missing for timers {sorted(missing)}")
+        self.node_id = node_id
+        self.role = machine.role
+        self.machine = machine
+        self.journal = journal
+        self.interpreter = interpreter
+        self.clock = clock
+        self.deadlines = dict(deadlines)
+        self.rooms: dict[int, Room] = {}
+        self.timers: dict[tuple[int, str], Any] = {}
+        self.observers: list[Observer] = []
+        self.dropped_unknown_room = 0
+        self._inbox: deque[tuple[int, str, dict, float]] = deque()
+        self.wakeup = threading.Event()
+
+    def submit(self, room: int, trigger: str, payload: dict | None = None, at: float | None = None) -> None:
+        """Queue an event for the next step. Thread-safe."""
+        self._inbox.append((room, trigger, payload or {}, self.clock.now() if at is None else at))
+        self.wakeup.set()
+
+    def create(self, room: int, payload: dict | None = None) -> None:
+        """Queue the creation of a room; the node's deadlines are recorded in the journaled event."""
+        self.submit(room, "create", {"deadlines": self.deadlines, **(payload or {})})
+
+    def step(self) -> int:
+        """Decide, journal and execute everything queued so far; returns how many events were processed."""
+        self.wakeup.clear()
+        batch: list[tuple[Room, Decision, float]] = []
+        journal, node_id, role, fire = self.journal, self.node_id, self.role, self.machine.fire
+        while self._inbox:
+            room_id, trigger, payload, at = self._inbox.popleft()
+            room = self.rooms.get(room_id)
+            if room is None:
+                if trigger != "create":
+                    self.dropped_unknown_room += 1  # already cleared: nothing left to journal it against
+                    continue
+                room = self.rooms[room_id] = Room(room_id)
+            decision = fire(room, trigger, payload)
+            if journal is not None:
+                journal.add(node_id, role, room_id, decision.version, trigger, decision.src, decision.dst,
+                            _payload_json(payload, decision), at)
+            batch.append((room, decision, at))
+        if journal is not None:
+            journal.flush()
+        for room, decision, at in batch:
+            for observe in self.observers:
+                observe(room, decision, at)
+            if decision.effects:
+                self.interpreter.run(self, room, decision)
+        return len(batch)
+
+    def poll(self, room: int) -> KVPoll | None:
+        found = self.rooms.get(room)
+        return None if found is None else KVPoll[found.state]
+
+    def clear(self, room: int) -> None:
+        """Forget a terminal room; later events for it are dropped and counted."""
+        found = self.rooms.get(room)
+        if found is not None and not found.terminal:
+            raise ValueError(f"room {room} is {found.state}; only terminal rooms can be cleared")
+        self.rooms.pop(room, None)
+
+    def recover(self, reason: str = "node restarted") -> list[int]:
+        """Rebuild rooms from this node's journal and fail those it left unfinished. Returns their ids.
+
+        The rebuilt rooms go through the same ``fire`` as live ones, so they resume at the journaled version.
+        """
+        if self.journal is None:
+            return []
+        self.journal.flush()
+        rooms: dict[int, Room] = {}
+        for row in read_journal(self.journal.url):
+            if row.node == self.node_id and row.role == self.role:
+                room = rooms.setdefault(row.room, Room(row.room))
+                self.machine.fire(room, row.trigger, row.event)
+        self.rooms = rooms
+        unfinished = sorted(r.room for r in rooms.values() if not r.terminal)
+        for room_id in unfinished:
+            self.submit(room_id, "error", {"blame": "local", "reason": reason})
+        return unfinished
+
+
+def _payload_json(payload: dict, decision: Decision) -> str:
+    event = json.dumps(payload, separators=(",", ":")) if payload else "{}"
+    extra = ""
+    if decision.ignored is not None:
+        extra = ',"ignored":' + json.dumps(decision.ignored)
+    elif decision.reason is not None:
+        extra = ',"reason":' + json.dumps(decision.reason)
+    return '{"event":' + event + ',"effects":' + decision.effects_json + extra + "}"

@@ -1,0 +1,65 @@
+"""Guards: pure predicates over a room's recorded state and the event's payload.
+
+A guard may read ``room`` (its state, the triggers it has accepted, its armed timers, its recorded context) and
+``payload``; nothing else. No clocks, no randomness, no globals: that is what makes a journal replayable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def is_new(room: Any, payload: dict) -> bool:
+    return room.version == 0
+
+
+def kv_ready_seen(room: Any, payload: dict) -> bool:
+    return "kv_ready" in room.seen
+
+
+def published_seen(room: Any, payload: dict) -> bool:
+    return "published" in room.seen
+
+
+def bootstrap_resolved_seen(room: Any, payload: dict) -> bool:
+    return "bootstrap_resolved" in room.seen
+
+
+def pages_reserved_seen(room: Any, payload: dict) -> bool:
+    return "pages_reserved" in room.seen
+
+
+def pulled_seen(room: Any, payload: dict) -> bool:
+    return "pulled" in room.seen
+
+
+def timer_armed(room: Any, payload: dict) -> bool:
+    """A timeout counts only for a timer that is still armed: a cancelled timer that fires late is ignored."""
+    return payload.get("timer") in room.armed
+
+
+def layout_matches(room: Any, payload: dict) -> bool:
+    """The peer's KV layout agrees with ours in everything but the page count.
+
+    The transfer libraries check only byte sizes; two pools with swapped head_dim and page_size would transfer
+    "successfully" and corrupt the cache, so the layouts are compared before anything moves.
+    """
+    ours, theirs = room.ctx.get("layout"), payload.get("peer_layout")
+    if not isinstance(ours, dict) or not isinstance(theirs, dict):
+        return False
+    return {k: v for k, v in ours.items() if k != "num_pages"} == {k: v for k, v in theirs.items() if k != "num_pages"}
+
+
+GUARDS = {
+    f.__name__: f
+    for f in (
+        is_new,
+        kv_ready_seen,
+        published_seen,
+        bootstrap_resolved_seen,
+        pages_reserved_seen,
+        pulled_seen,
+        timer_armed,
+        layout_matches,
+    )
+}

@@ -1,0 +1,99 @@
+"""The decode-side (receiver) transfer machine: one literal table, the only source of truth.
+
+Theory of operation
+-------------------
+A room is created when the decode node accepts a request carrying a ``bootstrap_room`` (``create``). It asks the
+bootstrap server where the prefill node is (``ResolveBootstrap`` → ``bootstrap_resolved``) and, at the same time,
+reserves KV pages for the prompt (``ReservePages`` → ``pages_reserved``; this is admission control and may wait).
+When both are done it sends PREPARE and waits for READY (``kv_published``). READY's layout is checked against ours;
+then the staging buffer is pulled and verified on a worker thread (``Pull`` → ``pulled``), written into the
+reserved pages on the model thread (``Scatter`` → ``scattered``), and PULLED tells the prefill node to let go.
+
+Rules
+-----
+- Every non-terminal state has exactly one deadline timer (``DEADLINES``), armed on entry and cancelled on exit.
+- ``abort``, ``peer_abort``, ``peer_failed`` (the prefill node's heartbeat stopped), ``timeout`` and ``error``
+  lead to Failed from every non-terminal state, and every one of those exits frees the reserved pages; success
+  keeps them (the request decodes from them).
+- Nothing pulled is scattered before it is verified: ``Scatter`` is only ever asked for by ``pulled``, which the
+  pull handler emits only for a ready, error-free, layout-checked buffer.
+- Success and Failed are terminal and sticky: late or duplicate events are journaled as ignored.
+"""
+
+from __future__ import annotations
+
+from fsm_pd.machines.effects import (
+    ArmTimer,
+    CancelTimer,
+    FreePages,
+    Pull,
+    ReservePages,
+    ResolveBootstrap,
+    Scatter,
+    Send,
+)
+
+ROLE = "decode"
+
+DEADLINES = {
+    "Bootstrapping": "bootstrap",  # prefill node not found, or no pages for the prompt in time
+    "WaitingForInput": "waiting",  # PREPARE sent, no READY (SGLang's waiting timeout)
+    "Transferring": "transfer",  # READY seen, the pull is not verified and scattered in time
+}
+
+RECEIVER_TRANSITIONS = [
+    # --- creation: find the prefill node and reserve pages, in either order ---
+    {"trigger": "create", "source": "Bootstrapping", "dest": "Bootstrapping",
+     "conditions": ["is_new"], "effects": (ArmTimer("bootstrap"), ResolveBootstrap(), ReservePages())},
+    {"trigger": "bootstrap_resolved", "source": "Bootstrapping", "dest": "WaitingForInput",
+     "conditions": ["pages_reserved_seen"],
+     "effects": (CancelTimer("bootstrap"), ArmTimer("waiting"), Send("PREPARE"))},
+    {"trigger": "bootstrap_resolved", "source": "Bootstrapping", "dest": "Bootstrapping", "effects": ()},
+    {"trigger": "pages_reserved", "source": "Bootstrapping", "dest": "WaitingForInput",
+     "conditions": ["bootstrap_resolved_seen"],
+     "effects": (CancelTimer("bootstrap"), ArmTimer("waiting"), Send("PREPARE"))},
+    {"trigger": "pages_reserved", "source": "Bootstrapping", "dest": "Bootstrapping", "effects": ()},
+    # --- READY: check the layout, then pull, verify, scatter ---
+    {"trigger": "kv_published", "source": "WaitingForInput", "dest": "Failed",
+     "unless": ["layout_matches"], "reason": "layout mismatch",
+     "effects": (CancelTimer("waiting"), Send("ABORT"), FreePages())},
+    {"trigger": "kv_published", "source": "WaitingForInput", "dest": "Transferring",
+     "effects": (CancelTimer("waiting"), ArmTimer("transfer"), Pull())},
+    {"trigger": "pulled", "source": "Transferring", "dest": "Transferring",
+     "unless": ["pulled_seen"], "effects": (Scatter(),)},
+    {"trigger": "scattered", "source": "Transferring", "dest": "Success",
+     "conditions": ["pulled_seen"], "effects": (CancelTimer("transfer"), Send("PULLED"))},
+    # --- failures from Bootstrapping: no PREPARE sent, so the prefill node does not know us yet ---
+    {"trigger": "abort", "source": "Bootstrapping", "dest": "Failed",
+     "effects": (CancelTimer("bootstrap"), FreePages())},
+    {"trigger": "peer_abort", "source": "Bootstrapping", "dest": "Failed",
+     "effects": (CancelTimer("bootstrap"), FreePages())},
+    {"trigger": "peer_failed", "source": "Bootstrapping", "dest": "Failed",
+     "effects": (CancelTimer("bootstrap"), FreePages())},
+    {"trigger": "timeout", "source": "Bootstrapping", "dest": "Failed",
+     "conditions": ["timer_armed"], "effects": (CancelTimer("bootstrap"), FreePages())},
+    {"trigger": "error", "source": "Bootstrapping", "dest": "Failed",
+     "effects": (CancelTimer("bootstrap"), FreePages())},
+    # --- failures from WaitingForInput: tell the prefill node, free the pages ---
+    {"trigger": "abort", "source": "WaitingForInput", "dest": "Failed",
+     "effects": (CancelTimer("waiting"), Send("ABORT"), FreePages())},
+    {"trigger": "peer_abort", "source": "WaitingForInput", "dest": "Failed",
+     "effects": (CancelTimer("waiting"), FreePages())},
+    {"trigger": "peer_failed", "source": "WaitingForInput", "dest": "Failed",
+     "effects": (CancelTimer("waiting"), FreePages())},
+    {"trigger": "timeout", "source": "WaitingForInput", "dest": "Failed",
+     "conditions": ["timer_armed"], "effects": (CancelTimer("waiting"), Send("ABORT"), FreePages())},
+    {"trigger": "error", "source": "WaitingForInput", "dest": "Failed",
+     "effects": (CancelTimer("waiting"), Send("ABORT"), FreePages())},
+    # --- failures from Transferring: the pull result, if it ever comes, lands on a terminal room and is ignored ---
+    {"trigger": "abort", "source": "Transferring", "dest": "Failed",
+     "effects": (CancelTimer("transfer"), Send("ABORT"), FreePages())},
+    {"trigger": "peer_abort", "source": "Transferring", "dest": "Failed",
+     "effects": (CancelTimer("transfer"), FreePages())},
+    {"trigger": "peer_failed", "source": "Transferring", "dest": "Failed",
+     "effects": (CancelTimer("transfer"), FreePages())},
+    {"trigger": "timeout", "source": "Transferring", "dest": "Failed",
+     "conditions": ["timer_armed"], "effects": (CancelTimer("transfer"), Send("ABORT"), FreePages())},
+    {"trigger": "error", "source": "Transferring", "dest": "Failed",
+     "effects": (CancelTimer("transfer"), Send("ABORT"), FreePages())},
+]

@@ -1,0 +1,144 @@
+"""Replay: re-fire each journaled room through the same tables and check that the journal agrees.
+
+For every (node, role, room) the rows are taken in version order and fired through the role's machine with no
+effects run. Each row's recorded ``src``, ``dst`` and effect list must come out again; the first row that does not
+is a :class:`Divergence` and the room is reported inconsistent (later rows of that room are not compared: the
+replayed state no longer means anything). Missing or repeated versions are divergences too.
+
+The result is also the operator's explanation of what happened: final state, failure reason, which trigger ended
+the room, and how long it spent in each state.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+
+from fsm_pd.machines import MACHINES, TERMINAL, Room
+from fsm_pd.store.journal import JournalRow
+
+
+@dataclass(frozen=True, slots=True)
+class Divergence:
+    node: str
+    role: str
+    room: int
+    version: int
+    trigger: str
+    field: str  # "src", "dst", "effects" or "version"
+    expected: object  # what the tables produce now
+    recorded: object  # what the journal says
+
+    def describe(self) -> str:
+        return (f"room {self.room} {self.role} ({self.node}) version {self.version} {self.trigger}: "
+                f"expected {self.field} {self.expected!r}, journal has {self.recorded!r}")
+
+
+@dataclass(slots=True)
+class RoomReport:
+    room: int
+    role: str
+    node: str
+    final: str
+    reason: str | None
+    ended_by: str | None
+    started_at: float
+    ended_at: float
+    time_in_state: dict[str, float]
+    events: list[dict]
+    divergence: Divergence | None = None
+    replayed_state: str | None = None
+
+    @property
+    def consistent(self) -> bool:
+        return self.divergence is None
+
+    @property
+    def failed(self) -> bool:
+        return self.final == "Failed"
+
+    def to_dict(self) -> dict:
+        out = {
+            "room": self.room, "role": self.role, "node": self.node, "final": self.final, "reason": self.reason,
+            "ended_by": self.ended_by, "consistent": self.consistent, "started_at": self.started_at,
+            "ended_at": self.ended_at, "time_in_state": self.time_in_state, "events": self.events,
+        }
+        if self.divergence is not None:
+            out["divergence"] = asdict(self.divergence)
+        return out
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    rooms: list[RoomReport] = field(default_factory=list)
+
+    @property
+    def divergences(self) -> list[Divergence]:
+        return [r.divergence for r in self.rooms if r.divergence is not None]
+
+    @property
+    def consistent(self) -> bool:
+        return not self.divergences
+
+    def final_states(self) -> dict[tuple[str, str, int], str]:
+        return {(r.node, r.role, r.room): r.final for r in self.rooms}
+
+
+def replay(rows: Iterable[JournalRow]) -> ReplayResult:
+    """Replay every room found in ``rows`` (from one journal or several merged)."""
+    groups: dict[tuple[str, str, int], list[JournalRow]] = defaultdict(list)
+    for row in rows:
+        groups[(row.node, row.role, row.room)].append(row)
+    result = ReplayResult()
+    for (node, role, room_id), room_rows in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
+        room_rows.sort(key=lambda r: (r.version, r.seq))
+        result.rooms.append(_replay_room(node, role, room_id, room_rows))
+    return result
+
+
+def _replay_room(node: str, role: str, room_id: int, rows: list[JournalRow]) -> RoomReport:
+    machine = MACHINES.get(role)
+    room = Room(room_id)
+    divergence = None
+    for expected_version, row in enumerate(rows):
+        if machine is None:
+            divergence = Divergence(node, role, room_id, row.version, row.trigger, "role", sorted(MACHINES), role)
+            break
+        if row.version != expected_version:
+            divergence = Divergence(node, role, room_id, row.version, row.trigger, "version",
+                                    expected_version, row.version)
+            break
+        decision = machine.fire(room, row.trigger, row.event)
+        effects = [e.to_dict() for e in decision.effects]
+        for name, expected, recorded in (("src", decision.src, row.src), ("dst", decision.dst, row.dst),
+                                         ("effects", effects, row.payload.get("effects"))):
+            if expected != recorded:
+                divergence = Divergence(node, role, room_id, row.version, row.trigger, name, expected, recorded)
+                break
+        if divergence is not None:
+            break
+    return _report(node, role, room_id, rows, divergence, room.state)
+
+
+def _report(node, role, room_id, rows, divergence, replayed_state) -> RoomReport:
+    events, time_in_state = [], {}
+    final, reason, ended_by, entered_at = rows[0].src, None, None, rows[0].at
+    for row in rows:
+        event = {"trigger": row.trigger, "src": row.src, "dst": row.dst, "at": row.at, "version": row.version}
+        if "ignored" in row.payload:
+            event["ignored"] = row.payload["ignored"]
+        detail = row.event.get("reason") or row.event.get("timer")
+        if detail is not None:
+            event["detail"] = detail
+        events.append(event)
+        if row.dst != row.src:
+            time_in_state[row.src] = round(time_in_state.get(row.src, 0.0) + (row.at - entered_at), 6)
+            entered_at = row.at
+            if row.dst in TERMINAL:
+                ended_by, reason = row.trigger, row.payload.get("reason")
+        final = row.dst
+    if final not in TERMINAL:
+        time_in_state[final] = round(time_in_state.get(final, 0.0) + (rows[-1].at - entered_at), 6)
+    return RoomReport(room_id, role, node, final, reason, ended_by, rows[0].at, rows[-1].at, time_in_state, events,
+                      divergence, replayed_state)

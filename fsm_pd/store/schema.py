@@ -1,0 +1,35 @@
+"""The journal's schema (SQLAlchemy Core). One append-only table of transitions, one row of metadata."""
+
+from __future__ import annotations
+
+from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, UniqueConstraint
+
+SCHEMA_VERSION = 1
+
+metadata = MetaData()
+
+transitions = Table(
+    "transitions",
+    metadata,
+    Column("seq", Integer, primary_key=True, autoincrement=True),
+    Column("node", Text, nullable=False),
+    Column("role", Text, nullable=False),
+    Column("room", Integer, nullable=False),
+    Column("version", Integer, nullable=False),
+    Column("trigger", Text, nullable=False),
+    Column("src", Text, nullable=False),
+    Column("dst", Text, nullable=False),
+    Column("payload", Text, nullable=False),  # JSON: {"event": ..., "effects": [...], "ignored"?: ..., "reason"?: ...}
+    Column("at", Float, nullable=False),
+    UniqueConstraint("node", "role", "room", "version", name="uq_transition_version"),
+    sqlite_autoincrement=True,
+)
+
+journal_meta = Table(
+    "journal_meta",
+    metadata,
+    Column("key", String(64), primary_key=True),
+    Column("value", Text, nullable=False),
+)
+
+COLUMNS = ("node", "role", "room", "version", "trigger", "src", "dst", "payload", "at")
