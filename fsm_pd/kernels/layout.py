@@ -61,6 +61,26 @@ class KVLayout:
         size = self.page_size * 2 * self.kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
         return size * self.num_layers
 
+    def staging_shape(self, rows: int) -> tuple[int, int, int, int, int]:
+        """Shape of a staging array of ``rows`` pages of every layer: ``(num_layers, rows, *page_shape)``.
+
+        ``rows`` is a bucket (``fsm_pd.kernels.buckets.page_bucket``), not the request's page count: both sides of a
+        transfer derive the same shape from the page count without sending it.
+        """
+        return (self.num_layers, rows, *self.page_shape)
+
+    def pool_spec(self):
+        """``PartitionSpec`` of one layer's pool array: the KV-head axis (2) split over ``shard_axis``."""
+        from jax.sharding import PartitionSpec  # local: jax is heavy and the sans-IO layers never need this
+
+        return PartitionSpec(None, None, self.shard_axis, None)
+
+    def staging_spec(self):
+        """``PartitionSpec`` of a staging array: the pool's spec with the layer axis in front."""
+        from jax.sharding import PartitionSpec
+
+        return PartitionSpec(None, *self.pool_spec())
+
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold ``num_tokens`` tokens (the last page may be partly filled)."""
         return -(-num_tokens // self.page_size)

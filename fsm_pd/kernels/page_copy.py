@@ -1,0 +1,99 @@
+"""The public page kernels: validate in Python, bucket the page count, then run one jitted call for all layers.
+
+``gather_pages`` copies a request's pages out of the pool into one staging array; ``scatter_pages`` writes a staging
+array into pages of another pool, donating it. Two implementations sit behind them: ``"jnp"`` (XLA gather/scatter,
+any backend) and ``"pallas"`` (DMA kernels, TPU; interpret mode elsewhere). ``"auto"`` picks Pallas on TPU.
+
+Staging is ONE stacked array ``[num_layers, rows, page_size, 2*kv_heads, head_dim]`` rather than a tuple of per-layer
+arrays: a transfer then registers, pulls, checks and host-copies a single buffer whose shape both sides derive from
+the page count (``KVLayout.staging_shape(page_bucket(n))``), and the ZMQ fallback sends it as one contiguous payload.
+``rows = page_bucket(len(page_ids))``; rows ``>= len(page_ids)`` are padding (copies of page 0 from ``"jnp"``,
+unspecified from ``"pallas"``) and scatter never writes them anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import jax
+import numpy as np
+
+from fsm_pd.kernels import jnp_copy, pallas_copy
+from fsm_pd.kernels.buckets import page_bucket
+from fsm_pd.kernels.layout import PAD_PAGE, KVLayout
+from fsm_pd.kernels.placement import pool_placement
+from fsm_pd.kernels.runs import page_runs
+from fsm_pd.kernels.validation import Pool, check_page_ids, check_pool, check_staging
+
+Impl = Literal["auto", "jnp", "pallas"]
+PageIds = Sequence[int] | np.ndarray | jax.Array
+
+# Mosaic lays the last axis out in 128-lane tiles; tpu-inference pads narrower head dims to 128 before its DMA
+# kernel. We do not pad (that would copy the whole pool), so "auto" keeps such pools on the XLA path.
+_LANES = 128
+
+
+def _platform(pool: Pool) -> str:
+    return next(iter(pool[0].devices())).platform
+
+
+def resolve_impl(pool: Sequence[jax.Array], impl: Impl = "auto") -> Literal["jnp", "pallas"]:
+    """The implementation ``impl`` means for this pool: ``"auto"`` is Pallas on TPU for lane-aligned head dims."""
+    if impl == "auto":
+        aligned = pool[0].shape[-1] % _LANES == 0
+        return "pallas" if _platform(tuple(pool)) == "tpu" and aligned else "jnp"
+    if impl not in ("jnp", "pallas"):
+        raise ValueError(f"unknown kernel implementation {impl!r}: use 'auto', 'jnp' or 'pallas'")
+    return impl
+
+
+def gather_pages(
+    pool: Sequence[jax.Array], page_ids: PageIds, *, impl: Impl = "auto", layout: KVLayout | None = None
+) -> jax.Array:
+    """Copy pages ``page_ids`` of every layer, in that order, into a new staging array.
+
+    pool: L x [num_pages, page_size, 2H, D]. Returns [L, page_bucket(n), page_size, 2H, D], placed like the pool
+    (sharded on axis 3 where the pool is sharded on axis 2). The pool is only read. Raises ``ValueError`` for page
+    ids that are not distinct ints in ``[1, num_pages)``.
+    """
+    pool = check_pool(pool, layout)
+    ids = check_page_ids(page_ids, pool[0].shape[0])
+    rows = page_bucket(ids.size)
+    placement = pool_placement(pool)
+    if resolve_impl(pool, impl) == "pallas":
+        runs = page_runs(ids, rows)
+        return pallas_copy.gather_runs(pool, runs, rows, placement=placement, interpret=_platform(pool) != "tpu")
+    row_pages = np.full(rows, PAD_PAGE, dtype=np.int32)
+    row_pages[: ids.size] = ids
+    out_sharding = None if placement is None else placement.staging_sharding
+    return jnp_copy.gather_rows(pool, row_pages, out_sharding=out_sharding)
+
+
+def scatter_pages(
+    pool: Sequence[jax.Array],
+    staging: jax.Array,
+    page_ids: PageIds,
+    *,
+    impl: Impl = "auto",
+    layout: KVLayout | None = None,
+) -> Pool:
+    """Write staging row ``i`` of every layer into page ``page_ids[i]``; rows past ``len(page_ids)`` are ignored.
+
+    staging: [L, rows >= n, page_size, 2H, D]. The pool is DONATED: its arrays are invalid afterwards, use the
+    returned tuple (same shapes and sharding). Validation happens before donation, so a rejected call leaves the pool
+    intact. A staging array with a bucketed row count compiles once per bucket.
+    """
+    pool = check_pool(pool, layout)
+    ids = check_page_ids(page_ids, pool[0].shape[0])
+    check_staging(staging, pool, ids.size)
+    rows = staging.shape[1]
+    placement = pool_placement(pool)
+    if resolve_impl(pool, impl) == "pallas":
+        runs = page_runs(ids, rows)
+        return pallas_copy.scatter_runs(pool, staging, runs, placement=placement, interpret=_platform(pool) != "tpu")
+    num_pages = pool[0].shape[0]
+    # Padding rows get distinct out-of-range ids, which the scatter drops (see jnp_copy.scatter_rows).
+    row_pages = np.arange(num_pages, num_pages + rows, dtype=np.int32)
+    row_pages[: ids.size] = ids
+    return jnp_copy.scatter_rows(pool, staging, row_pages)
