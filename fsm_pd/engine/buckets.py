@@ -1,0 +1,58 @@
+"""Shape bucketing: the one place that decides which padded shapes the jitted model functions see.
+
+XLA compiles one program per input shape. Rounding every variable size (prompt length, batch, page-table width) up to
+a power of two bounds the number of programs a running server ever compiles to a few per dimension, at the price of
+at most 2x padding.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MIN_TOKEN_BUCKET = 16  # below this, padding costs nothing worth another program
+MIN_BATCH_BUCKET = 1
+MIN_PAGE_BUCKET = 1
+
+
+def next_power_of_two(n: int) -> int:
+    if n < 1:
+        return 1
+    return 1 << (n - 1).bit_length()
+
+
+def token_bucket(n: int) -> int:
+    """Padded length for ``n`` prompt tokens."""
+    return max(MIN_TOKEN_BUCKET, next_power_of_two(n))
+
+
+def batch_bucket(n: int) -> int:
+    """Padded batch size for ``n`` sequences."""
+    return max(MIN_BATCH_BUCKET, next_power_of_two(n))
+
+
+def page_bucket(n: int) -> int:
+    """Padded page-table width for sequences spanning at most ``n`` pages."""
+    return max(MIN_PAGE_BUCKET, next_power_of_two(n))
+
+
+def pad_1d(values, size: int, fill: int = 0, dtype=np.int32) -> np.ndarray:
+    """``values`` padded with ``fill`` to ``size`` entries (host side, so padding never triggers a device compile)."""
+    arr = np.asarray(values, dtype=dtype).reshape(-1)
+    if arr.shape[0] > size:
+        raise ValueError(f"{arr.shape[0]} values do not fit in a bucket of {size}")
+    out = np.full((size,), fill, dtype=dtype)
+    out[: arr.shape[0]] = arr
+    return out
+
+
+def pad_2d(rows, num_rows: int, num_cols: int, fill: int = 0, dtype=np.int32) -> np.ndarray:
+    """A ``[num_rows, num_cols]`` array holding ``rows`` (each possibly shorter), the rest ``fill``."""
+    out = np.full((num_rows, num_cols), fill, dtype=dtype)
+    if len(rows) > num_rows:
+        raise ValueError(f"{len(rows)} rows do not fit in a bucket of {num_rows}")
+    for i, row in enumerate(rows):
+        row = np.asarray(row, dtype=dtype).reshape(-1)
+        if row.shape[0] > num_cols:
+            raise ValueError(f"row {i} has {row.shape[0]} entries, more than the bucket width {num_cols}")
+        out[i, : row.shape[0]] = row
+    return out

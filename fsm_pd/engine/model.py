@@ -1,0 +1,227 @@
+"""The Llama-family decoder (Llama, Qwen2, Qwen3) over the paged KV pool: prefill and decode.
+
+The jitted core, ``forward_paged``, runs ``S`` new tokens for each of ``B`` sequences: prefill is ``S`` = the prompt
+bucket, decode is ``S = 1``. The host-side wrappers below pad every variable size to a bucket (``buckets.py``) so a
+running server compiles a handful of programs, and check page ids before anything is written. The pool argument is
+donated: after a call, only the returned pool is valid.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fsm_pd.engine import buckets
+from fsm_pd.engine.attention import paged_attention, reference_attention
+from fsm_pd.engine.config import ModelConfig
+from fsm_pd.engine.rope import apply_rope, inverse_frequencies
+from fsm_pd.kernels.layout import PAD_PAGE
+
+# Incremented while tracing, i.e. once per compiled program: lets tests and the server see recompiles.
+TRACE_COUNTS: collections.Counter[str] = collections.Counter()
+
+
+def rms_norm(x, weight, eps: float):
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def _project_qkv(config: ModelConfig, layer: dict, h, positions, inv_freq):
+    # h: [B, S, D] -> q: [B, S, H, Dh], k, v: [B, S, KVH, Dh]
+    b, s, _ = h.shape
+    q, k, v = h @ layer["wq"], h @ layer["wk"], h @ layer["wv"]
+    if config.attention_bias:
+        q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
+    q = q.reshape(b, s, config.num_heads, config.head_dim)
+    k = k.reshape(b, s, config.num_kv_heads, config.head_dim)
+    v = v.reshape(b, s, config.num_kv_heads, config.head_dim)
+    if config.qk_norm:
+        q = rms_norm(q, layer["q_norm"], config.rms_norm_eps)
+        k = rms_norm(k, layer["k_norm"], config.rms_norm_eps)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def _decoder_layer(config: ModelConfig, layer: dict, x, positions, inv_freq, attend: Callable):
+    """One pre-norm block. ``attend(q, k, v) -> (out, extra)`` decides where K/V live; ``extra`` is passed back."""
+    b, s, _ = x.shape
+    q, k, v = _project_qkv(config, layer, rms_norm(x, layer["attn_norm"], config.rms_norm_eps), positions, inv_freq)
+    attn, extra = attend(q, k, v)
+    x = x + attn.reshape(b, s, -1) @ layer["wo"]
+    h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
+    x = x + (jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])) @ layer["w_down"]
+    return x, extra
+
+
+def _logits(config: ModelConfig, params: dict, h):
+    # h: [..., D] -> [..., V] in float32, so sampling and logprobs see full precision whatever the weights' dtype
+    head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
+    return (h @ head).astype(jnp.float32)
+
+
+@partial(jax.jit, static_argnames=("config", "with_logprobs"), donate_argnames=("pool",))
+def forward_paged(params, pool, tokens, starts, lengths, page_tables, *, config: ModelConfig, with_logprobs=False):
+    """Run ``tokens: [B, S]`` at positions ``starts[:, None] + [0, S)`` through the decoder.
+
+    Only the first ``lengths[b]`` tokens of row ``b`` are real; the rest write to the pad page. ``page_tables: [B, P]``
+    lists each row's pages in position order. Returns the logits of each row's last real token ``[B, V]``, the updated
+    pool, and with ``with_logprobs`` the log-probability of ``tokens[b, s + 1]`` after ``tokens[b, :s + 1]``
+    ``[B, S - 1]`` (else ``None``).
+    """
+    TRACE_COUNTS["forward_paged"] += 1
+    b, s = tokens.shape
+    positions = starts[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]  # [B, S]
+    inv_freq = jnp.asarray(inverse_frequencies(config))
+    x = params["embed"][tokens]  # [B, S, D]
+    new_pool = []
+    for layer, layer_pool in zip(params["layers"], pool, strict=True):
+        attend = partial(
+            paged_attention, layer_pool=layer_pool, page_tables=page_tables, starts=starts, lengths=lengths
+        )
+        x, layer_pool = _decoder_layer(config, layer, x, positions, inv_freq, attend)
+        new_pool.append(layer_pool)
+    h = rms_norm(x, params["final_norm"], config.rms_norm_eps)
+    last = h[jnp.arange(b), jnp.maximum(lengths - 1, 0)]  # [B, D]
+    next_logprobs = None
+    if with_logprobs:
+        logprobs = jax.nn.log_softmax(_logits(config, params, h[:, :-1]), axis=-1)  # [B, S-1, V]
+        next_logprobs = jnp.take_along_axis(logprobs, tokens[:, 1:, None], axis=-1)[..., 0]
+    return _logits(config, params, last), tuple(new_pool), next_logprobs
+
+
+@partial(jax.jit, static_argnames=("config",))
+def forward_reference(params, tokens, *, config: ModelConfig):
+    """Logits ``[S, V]`` of every position of one contiguous sequence ``tokens: [S]``, with no KV pool at all."""
+    positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)[None, :]
+    inv_freq = jnp.asarray(inverse_frequencies(config))
+    x = params["embed"][tokens][None]  # [1, S, D]
+    for layer in params["layers"]:
+        attend = lambda q, k, v: (reference_attention(q[0], k[0], v[0])[None], None)
+        x, _ = _decoder_layer(config, layer, x, positions, inv_freq, attend)
+    return _logits(config, params, rms_norm(x, params["final_norm"], config.rms_norm_eps))[0]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    logits: jax.Array  # [B, V] for prefill_batch, [V] for prefill: the last prompt position's logits
+    pool: tuple
+    # Per prompt position, the logprob of that token given the ones before it; None where there is no earlier token
+    # in this call (the first one). Only when asked for.
+    token_logprobs: list | None = None
+
+
+def prefill_batch(
+    config: ModelConfig,
+    params: dict,
+    pool: tuple,
+    prompts: Sequence[Sequence[int]],
+    page_ids: Sequence[Sequence[int]],
+    *,
+    start_positions: Sequence[int] | None = None,
+    return_logprobs: bool = False,
+) -> PrefillResult:
+    """Prefill several prompts in one call; ``prompts[i]`` goes to positions ``start_positions[i]`` onwards.
+
+    ``page_ids[i]`` are request ``i``'s pages in position order, covering positions ``[0, start + len)``; a non-zero
+    start means the earlier positions are already in those pages (a cached prefix or an earlier chunk).
+    """
+    if len(prompts) != len(page_ids) or not prompts:
+        raise ValueError("prefill needs one page list per prompt, and at least one prompt")
+    starts = list(start_positions) if start_positions is not None else [0] * len(prompts)
+    page_size, num_pages = pool[0].shape[1], pool[0].shape[0]
+    for prompt, pages, start in zip(prompts, page_ids, starts, strict=True):
+        if not prompt:
+            raise ValueError("cannot prefill an empty prompt")
+        _check_pages(pages, start + len(prompt), page_size, num_pages)
+    # Pages past the prompt (reserved for decode) are not read yet; leaving them out keeps the gather small.
+    page_ids = [
+        list(pages)[: -(-(start + len(x)) // page_size)]
+        for x, pages, start in zip(prompts, page_ids, starts, strict=True)
+    ]
+    b = buckets.batch_bucket(len(prompts))
+    s = buckets.token_bucket(max(len(x) for x in prompts))
+    p = buckets.page_bucket(max(len(pages) for pages in page_ids))
+    logits, pool, next_logprobs = forward_paged(
+        params,
+        pool,
+        buckets.pad_2d(prompts, b, s),
+        buckets.pad_1d(starts, b),
+        buckets.pad_1d([len(x) for x in prompts], b),
+        buckets.pad_2d(page_ids, b, p, fill=PAD_PAGE),
+        config=config,
+        with_logprobs=return_logprobs,
+    )
+    token_logprobs = None
+    if return_logprobs:
+        host = np.asarray(next_logprobs)
+        token_logprobs = [[None] + host[i, : len(x) - 1].tolist() for i, x in enumerate(prompts)]
+    return PrefillResult(logits[: len(prompts)], pool, token_logprobs)
+
+
+def prefill(
+    config: ModelConfig,
+    params: dict,
+    pool: tuple,
+    token_ids: Sequence[int],
+    page_ids: Sequence[int],
+    *,
+    start_pos: int = 0,
+    return_logprobs: bool = False,
+) -> PrefillResult:
+    """Prefill one prompt into ``page_ids``; ``logits`` is ``[V]``, ``token_logprobs`` a list of ``len(token_ids)``."""
+    out = prefill_batch(
+        config, params, pool, [token_ids], [page_ids], start_positions=[start_pos], return_logprobs=return_logprobs
+    )
+    return PrefillResult(out.logits[0], out.pool, out.token_logprobs[0] if return_logprobs else None)
+
+
+def decode(config: ModelConfig, params: dict, pool: tuple, tokens, positions, page_tables) -> tuple[jax.Array, tuple]:
+    """One decode step for a batch: ``tokens, positions: [B]``, ``page_tables: [B, max_pages]`` padded with page 0.
+
+    ``positions[b]`` is where ``tokens[b]`` goes (the number of tokens already cached for that sequence). Returns
+    logits ``[B, V]`` and the updated pool. Rows added to reach the batch bucket are all-pad: they write only to the
+    pad page.
+    """
+    tokens = np.asarray(tokens, dtype=np.int32).reshape(-1)
+    positions = np.asarray(positions, dtype=np.int32).reshape(-1)
+    tables = np.asarray(page_tables, dtype=np.int32)
+    n = tokens.shape[0]
+    if positions.shape != (n,) or tables.ndim != 2 or tables.shape[0] != n:
+        raise ValueError(
+            f"decode shapes disagree: tokens {tokens.shape}, positions {positions.shape}, page_tables {tables.shape}"
+        )
+    page_size, num_pages = pool[0].shape[1], pool[0].shape[0]
+    for row in range(n):
+        _check_pages(tables[row, : positions[row] // page_size + 1], positions[row] + 1, page_size, num_pages)
+    # Only the pages up to the furthest position are ever read, so trim the table before bucketing its width.
+    width = buckets.page_bucket(int(positions.max()) // page_size + 1)
+    tables = tables[:, :width]
+    b = buckets.batch_bucket(n)
+    logits, pool, _ = forward_paged(
+        params,
+        pool,
+        buckets.pad_1d(tokens, b)[:, None],
+        buckets.pad_1d(positions, b),
+        buckets.pad_1d(np.ones(n), b),
+        buckets.pad_2d(tables, b, width, fill=PAD_PAGE),
+        config=config,
+    )
+    return logits[:n], pool
+
+
+def _check_pages(pages, num_tokens: int, page_size: int, num_pages: int) -> None:
+    needed = -(-num_tokens // page_size)
+    pages = [int(x) for x in pages]
+    if len(pages) < needed:
+        raise ValueError(f"{num_tokens} tokens need {needed} pages of {page_size}, got {len(pages)}")
+    used = pages[:needed]
+    if PAD_PAGE in used:
+        raise ValueError(f"page {PAD_PAGE} is the reserved padding page and cannot hold a request's KV: {used}")
+    if max(used) >= num_pages or min(used) < 0:
+        raise ValueError(f"page ids {used} out of range for a pool of {num_pages} pages")

@@ -1,0 +1,89 @@
+"""The parameter tree of the decoder: its shapes, and random initialisation for the built-in and benchmark models.
+
+Layout (linear weights stored ``[in, out]`` so the forward pass is ``x @ w``)::
+
+    {"embed": [V, D], "final_norm": [D], "lm_head": [D, V] (absent when tied),
+     "layers": [ {"attn_norm": [D], "wq": [D, H*Dh], "wk": [D, KVH*Dh], "wv": [D, KVH*Dh], "wo": [H*Dh, D],
+                  "bq"/"bk"/"bv": [out] (attention_bias), "q_norm"/"k_norm": [Dh] (qk_norm),
+                  "mlp_norm": [D], "w_gate": [D, I], "w_up": [D, I], "w_down": [I, D]}, ... ]}
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fsm_pd.engine.config import ModelConfig
+
+
+def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d, dh, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q_out, kv_out = config.num_heads * dh, config.num_kv_heads * dh
+    shapes = {
+        "attn_norm": (d,),
+        "wq": (d, q_out),
+        "wk": (d, kv_out),
+        "wv": (d, kv_out),
+        "wo": (q_out, d),
+        "mlp_norm": (d,),
+        "w_gate": (d, inter),
+        "w_up": (d, inter),
+        "w_down": (inter, d),
+    }
+    if config.attention_bias:
+        shapes.update(bq=(q_out,), bk=(kv_out,), bv=(kv_out,))
+    if config.qk_norm:
+        shapes.update(q_norm=(dh,), k_norm=(dh,))
+    return shapes
+
+
+def top_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    shapes = {"embed": (config.vocab_size, config.hidden_size), "final_norm": (config.hidden_size,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (config.hidden_size, config.vocab_size)
+    return shapes
+
+
+def check_params(config: ModelConfig, params: dict) -> None:
+    """Raise ``ValueError`` naming the first parameter whose presence or shape disagrees with ``config``."""
+    for name, shape in top_shapes(config).items():
+        _check_one(name, params.get(name), shape)
+    if len(params.get("layers", ())) != config.num_layers:
+        raise ValueError(f"expected {config.num_layers} layers, got {len(params.get('layers', ()))}")
+    for i, layer in enumerate(params["layers"]):
+        for name, shape in layer_shapes(config).items():
+            _check_one(f"layers[{i}].{name}", layer.get(name), shape)
+
+
+def _check_one(name: str, value, shape: tuple[int, ...]) -> None:
+    if value is None:
+        raise ValueError(f"parameter {name} is missing")
+    if tuple(value.shape) != shape:
+        raise ValueError(f"parameter {name} has shape {tuple(value.shape)}, expected {shape}")
+
+
+def random_params(config: ModelConfig, seed: int = 0, std: float = 0.02) -> dict:
+    """Fixed-seed random weights: norms at 1, biases and matrices ``N(0, std)``; identical on every machine."""
+    rng = np.random.default_rng(seed)  # numpy, not jax.random: its stream does not depend on the jax version
+
+    def draw(name: str, shape: tuple[int, ...]) -> jnp.ndarray:
+        if name.endswith("norm"):
+            value = np.ones(shape, dtype=np.float32)
+        else:
+            value = rng.normal(0.0, std, size=shape).astype(np.float32)
+        return jnp.asarray(value, dtype=config.dtype)
+
+    params = {name: draw(name, shape) for name, shape in top_shapes(config).items()}
+    params["layers"] = [
+        {name: draw(name, shape) for name, shape in layer_shapes(config).items()} for _ in range(config.num_layers)
+    ]
+    return params
+
+
+def cast_params(params: dict, dtype: str) -> dict:
+    return jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype=dtype), params)
+
+
+def count_params(params: dict) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))

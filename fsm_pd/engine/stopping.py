@@ -1,0 +1,74 @@
+"""When a request stops: EOS or a stop token, a stop string in the decoded text, or ``max_new_tokens``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import StrEnum
+
+from fsm_pd.engine.sampling import SamplingParams
+from fsm_pd.engine.tokenizer import Tokenizer
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # EOS, a stop token or a stop string (OpenAI's name for all three)
+    LENGTH = "length"  # max_new_tokens reached
+
+
+class StopChecker:
+    """Feeds on one request's generated tokens and says when to stop and what text to return."""
+
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, eos_token_ids: Sequence[int] = ()) -> None:
+        self._tokenizer = tokenizer
+        self._params = params
+        self._stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self._stop_ids |= set(eos_token_ids or tokenizer.eos_token_ids)
+        self._longest_stop = max((len(s) for s in params.stop), default=0)
+        self._searched = 0  # text before this index has been searched for stop strings already
+        self._text = ""
+        self.output_ids: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self.matched_stop: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        """The generated text so far, without special tokens and cut before a matched stop string."""
+        if isinstance(self.matched_stop, str):
+            return self._text
+        return self._tokenizer.decode(self.output_ids)
+
+    def append(self, token_id: int) -> bool:
+        """Record one generated token; returns True once the request is finished (then append no more)."""
+        if self.finished:
+            raise RuntimeError("append after the request finished")
+        token_id = int(token_id)
+        self.output_ids.append(token_id)
+        if token_id in self._stop_ids:
+            self._finish(FinishReason.STOP, token_id)
+        elif self._params.stop and self._find_stop_string():
+            pass
+        elif len(self.output_ids) >= self._params.max_new_tokens:
+            self._finish(FinishReason.LENGTH, None)
+        return self.finished
+
+    def _find_stop_string(self) -> bool:
+        # Decoding everything each step is O(n) per token; fine for the lengths a stop string is used with, and it
+        # sidesteps multi-byte characters split across tokens.
+        text = self._tokenizer.decode(self.output_ids)
+        start = max(0, self._searched - self._longest_stop + 1)
+        hits = [(i, s) for s in self._params.stop if (i := text.find(s, start)) >= 0]
+        self._searched = len(text)
+        if not hits:
+            return False
+        index, stop = min(hits)
+        self._text = text[:index]
+        self._finish(FinishReason.STOP, stop)
+        return True
+
+    def _finish(self, reason: FinishReason, matched: int | str | None) -> None:
+        self.finish_reason = reason
+        self.matched_stop = matched

@@ -1,0 +1,144 @@
+"""HF safetensors checkpoints <-> the engine's parameter tree (``params.py``).
+
+Reads a single ``model.safetensors``, a sharded one (``model.safetensors.index.json``) or any ``*.safetensors`` in the
+directory, and maps HF tensor names onto the tree, transposing linear weights from HF's ``[out, in]`` to ``[in, out]``.
+The inverse (``save_hf_checkpoint``) lets tests and tools write checkpoints without torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from fsm_pd.engine.config import ModelConfig
+from fsm_pd.engine.params import check_params, layer_shapes, top_shapes
+
+INDEX_FILE = "model.safetensors.index.json"
+
+_LAYER_TENSORS = {  # param name -> (HF name under model.layers.{i}., is a linear weight to transpose)
+    "attn_norm": ("input_layernorm.weight", False),
+    "wq": ("self_attn.q_proj.weight", True),
+    "wk": ("self_attn.k_proj.weight", True),
+    "wv": ("self_attn.v_proj.weight", True),
+    "wo": ("self_attn.o_proj.weight", True),
+    "bq": ("self_attn.q_proj.bias", False),
+    "bk": ("self_attn.k_proj.bias", False),
+    "bv": ("self_attn.v_proj.bias", False),
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
+    "mlp_norm": ("post_attention_layernorm.weight", False),
+    "w_gate": ("mlp.gate_proj.weight", True),
+    "w_up": ("mlp.up_proj.weight", True),
+    "w_down": ("mlp.down_proj.weight", True),
+}
+_TOP_TENSORS = {
+    "embed": ("model.embed_tokens.weight", False),
+    "final_norm": ("model.norm.weight", False),
+    "lm_head": ("lm_head.weight", True),
+}
+
+
+class CheckpointError(ValueError):
+    """The checkpoint's files are missing, inconsistent, or lack tensors the config needs."""
+
+
+def tensor_plan(config: ModelConfig) -> Iterator[tuple[tuple, str, bool]]:
+    """``(tree path, HF name, transpose)`` for every tensor the config needs, in a stable order."""
+    for name in top_shapes(config):
+        hf_name, transpose = _TOP_TENSORS[name]
+        yield (name,), hf_name, transpose
+    for i in range(config.num_layers):
+        for name in layer_shapes(config):
+            hf_name, transpose = _LAYER_TENSORS[name]
+            yield ("layers", i, name), f"model.layers.{i}.{hf_name}", transpose
+
+
+def locate_tensors(directory: Path) -> dict[str, Path]:
+    """Map every tensor name in the checkpoint to the safetensors file that holds it."""
+    from safetensors import safe_open
+
+    index = directory / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no weight_map")
+        files = {name: directory / file for name, file in weight_map.items()}
+        absent = sorted({str(p.name) for p in files.values() if not p.is_file()})
+        if absent:
+            raise CheckpointError(f"{index} names shard files that are not in {directory}: {absent}")
+        return files
+    shards = sorted(directory.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no *.safetensors (or {INDEX_FILE}) in {directory}")
+    files = {}
+    for shard in shards:
+        with safe_open(str(shard), framework="np") as handle:
+            files.update({name: shard for name in handle.keys()})  # noqa: SIM118 - safe_open is not a Mapping
+    return files
+
+
+def load_params(directory: Path, config: ModelConfig) -> dict:
+    """Read the tensors ``config`` needs, cast to ``config.dtype``; extra tensors (e.g. rotary buffers) are ignored."""
+    from safetensors import safe_open
+
+    located = locate_tensors(directory)
+    plan = list(tensor_plan(config))
+    missing = [hf_name for _, hf_name, _ in plan if hf_name not in located]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise CheckpointError(f"checkpoint {directory} lacks {len(missing)} tensor(s) the config needs: {shown}")
+
+    by_file: dict[Path, list] = {}
+    for path, hf_name, transpose in plan:
+        by_file.setdefault(located[hf_name], []).append((path, hf_name, transpose))
+    params: dict = {"layers": [{} for _ in range(config.num_layers)]}
+    for file, entries in by_file.items():
+        with safe_open(str(file), framework="np") as handle:
+            for path, hf_name, transpose in entries:
+                host = handle.get_tensor(hf_name)
+                value = jnp.asarray(host.T if transpose else host, dtype=config.dtype)
+                _set(params, path, value)
+    try:
+        check_params(config, params)
+    except ValueError as err:
+        raise CheckpointError(f"checkpoint {directory} does not match its config: {err}") from err
+    return params
+
+
+def save_hf_checkpoint(directory: Path, config: ModelConfig, params: dict, *, max_shard_tensors: int | None = None):
+    """Write ``params`` as HF-named safetensors; with ``max_shard_tensors``, as shards plus an index file."""
+    from safetensors.numpy import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for path, hf_name, transpose in tensor_plan(config):
+        host = np.asarray(_get(params, path))
+        tensors[hf_name] = np.ascontiguousarray(host.T if transpose else host)
+    if max_shard_tensors is None:
+        save_file(tensors, str(directory / "model.safetensors"))
+        return
+    names = list(tensors)
+    chunks = [names[i : i + max_shard_tensors] for i in range(0, len(names), max_shard_tensors)]
+    weight_map = {}
+    for k, chunk in enumerate(chunks):
+        file = f"model-{k + 1:05d}-of-{len(chunks):05d}.safetensors"
+        save_file({name: tensors[name] for name in chunk}, str(directory / file))
+        weight_map.update({name: file for name in chunk})
+    (directory / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+
+
+def _set(tree: dict, path: tuple, value) -> None:
+    node = tree
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+
+
+def _get(tree: dict, path: tuple):
+    for key in path:
+        tree = tree[key]
+    return tree
