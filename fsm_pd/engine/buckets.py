@@ -2,16 +2,18 @@
 
 XLA compiles one program per input shape. Rounding every variable size (prompt length, batch, page-table width) up to
 a power of two bounds the number of programs a running server ever compiles to a few per dimension, at the price of
-at most 2x padding.
+at most 2x padding. Page counts follow the kernels' rule (``fsm_pd.kernels.buckets``) so that a page table and a
+staging array for the same request agree on width, and long contexts grow in steps rather than doublings.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from fsm_pd.kernels.buckets import page_bucket as _kernel_page_bucket
+
 MIN_TOKEN_BUCKET = 16  # below this, padding costs nothing worth another program
 MIN_BATCH_BUCKET = 1
-MIN_PAGE_BUCKET = 1
 
 
 def next_power_of_two(n: int) -> int:
@@ -32,7 +34,7 @@ def batch_bucket(n: int) -> int:
 
 def page_bucket(n: int) -> int:
     """Padded page-table width for sequences spanning at most ``n`` pages."""
-    return max(MIN_PAGE_BUCKET, next_power_of_two(n))
+    return _kernel_page_bucket(max(1, n))
 
 
 def pad_1d(values, size: int, fill: int = 0, dtype=np.int32) -> np.ndarray:
