@@ -96,7 +96,7 @@ class Journal:
                 if found is None:
                     conn.execute(insert(journal_meta).values(key="schema_version", value=str(SCHEMA_VERSION)))
         except SQLAlchemyError as exc:
-            raise JournalError(f"cannot open journal {target}: {exc}") from exc
+            raise JournalError(f"cannot open journal {target}: {getattr(exc, 'orig', None) or exc}") from exc
         if found is not None and found != str(SCHEMA_VERSION):
             raise SchemaVersionError(
                 f"journal {target} has schema version {found}; this fsm-pd reads and writes version {SCHEMA_VERSION}"
@@ -158,7 +158,7 @@ def read_journal(target: str | os.PathLike) -> list[JournalRow]:
             rows = [_row(r) for r in result]
         engine.dispose()
     except SQLAlchemyError as exc:
-        raise JournalError(f"cannot read journal {text}: {exc}") from exc
+        raise JournalError(f"cannot read journal {text}: {getattr(exc, 'orig', None) or exc}") from exc
     return rows
 
 

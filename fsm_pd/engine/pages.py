@@ -1,0 +1,79 @@
+"""The KV page allocator: which pages of the pool belong to which room.
+
+Page 0 is the reserved padding page and is never handed out. A room holds at most one reservation; freeing a room
+that holds nothing is a no-op (effects are idempotent), and a room that was freed cannot reserve again, so a
+reservation that completes after its room already failed is refused instead of leaking.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+
+class OutOfPages(Exception):
+    """Not enough free pages now; the caller may queue and retry when pages are freed."""
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int):
+        if num_pages < 2:
+            raise ValueError("num_pages must be at least 2 (page 0 is reserved)")
+        self.num_pages = num_pages
+        self._free: deque[int] = deque(range(1, num_pages))
+        self._held: dict[int, list[int]] = {}
+        self._closed: set[int] = set()
+        self._lock = threading.Lock()
+        self.reservations = 0
+        self.frees = 0
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def reserved_pages(self) -> int:
+        return self.num_pages - 1 - len(self._free)
+
+    def holders(self) -> dict[int, int]:
+        """Room → number of pages it holds."""
+        with self._lock:
+            return {room: len(pages) for room, pages in self._held.items()}
+
+    def reserve(self, room: int, count: int) -> list[int]:
+        """Give ``room`` ``count`` pages; raises :class:`OutOfPages` if there are not enough free right now."""
+        if count < 1:
+            raise ValueError(f"a reservation needs at least one page, got {count}")
+        if count > self.num_pages - 1:
+            raise ValueError(f"{count} pages can never fit in a pool of {self.num_pages - 1} usable pages")
+        with self._lock:
+            if room in self._held:
+                raise ValueError(f"room {room} already holds pages")
+            if room in self._closed:
+                raise ValueError(f"room {room} was already freed; it cannot reserve again")
+            if count > len(self._free):
+                raise OutOfPages(f"room {room} needs {count} pages, {len(self._free)} free")
+            pages = [self._free.popleft() for _ in range(count)]
+            self._held[room] = pages
+            self.reservations += 1
+            return pages
+
+    def pages_of(self, room: int) -> list[int]:
+        with self._lock:
+            return list(self._held.get(room, ()))
+
+    def free(self, room: int) -> int:
+        """Return the room's pages to the pool; returns how many (0 if it held none)."""
+        with self._lock:
+            self._closed.add(room)
+            pages = self._held.pop(room, None)
+            if not pages:
+                return 0
+            self._free.extend(pages)
+            self.frees += 1
+            return len(pages)
+
+    def forget(self, room: int) -> None:
+        """Drop the memory that ``room`` was freed (once its id can no longer come back)."""
+        with self._lock:
+            self._closed.discard(room)

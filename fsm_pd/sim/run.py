@@ -1,0 +1,63 @@
+"""``fsm-pd simulate``: run N requests through the simulated cluster and summarise what happened."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+from fsm_pd.sim.world import SimConfig, World
+
+
+def schedule_requests(world: World) -> None:
+    """Poisson arrivals with prompt lengths from 1 token to many pages; one P crash if the fault plan wants one."""
+    config, at = world.config, 0.0
+    for room in range(1, config.requests + 1):
+        at += world.rng.expovariate(1.0 / config.mean_interarrival)
+        world.add_request(room, world.rng.randint(1, config.max_prompt), at)
+    if world.faults.prefill_crash():
+        crash_at = world.rng.random() * at
+        world.clock.call_at(crash_at, world.crash_prefill)
+
+
+def simulate(config: SimConfig, journal_dir: str | os.PathLike | None = None, durability: str = "normal") -> dict:
+    world = World(config, journal_dir, durability)
+    try:
+        schedule_requests(world)
+        world.run()
+        return summarize(world)
+    finally:
+        world.close()
+
+
+def summarize(world: World) -> dict:
+    """What the client saw (the decode side's outcome), what the prefill side saw, and what leaked."""
+    decode_failed, prefill_failed = Counter(), Counter()
+    succeeded = 0
+    for room in world.requests:
+        d = world.decode.rooms.get(room)
+        if d is not None and d.state == "Success":
+            succeeded += 1
+        else:
+            decode_failed[d.reason if d is not None else "never reached decode"] += 1
+        p = world.prefill.rooms.get(room)
+        if p is not None and p.state == "Failed":
+            prefill_failed[p.reason] += 1
+    unfinished = [r.room for n in (world.prefill, world.decode) for r in n.rooms.values() if not r.terminal]
+    return {
+        "requests": len(world.requests),
+        "seed": world.config.seed,
+        "fault_rate": world.config.fault_rate,
+        "succeeded": succeeded,
+        "failed": len(world.requests) - succeeded,
+        "failed_by_reason": dict(sorted(decode_failed.items())),
+        "prefill_failed_by_reason": dict(sorted(prefill_failed.items())),
+        "prefill_crashes": world.crashes,
+        "messages": dict(sorted(world.messages.items())),
+        "unfinished_rooms": len(unfinished),
+        "leaks": {
+            "staging_buffers_held": len(world.staging.held),
+            "pages_reserved": world.pages.reserved_pages,
+            "violations": world.staging.violations,
+        },
+        "virtual_seconds": round(world.clock.now(), 6),
+    }
