@@ -1,0 +1,133 @@
+"""The transfer-backend contract: how a staging pytree gets from the prefill node (P) to the decode node (D).
+
+P ``publish``es the gathered staging arrays under a fresh uuid and holds them until D says PULLED (``release``),
+until the hold expires, or until P gives up (``fail``). D ``pull``s them with a spec of what it expects. Every backend
+keeps the same promises, because the state machines above it must turn every outcome into an event on time:
+
+* ``pull`` returns or raises within ``timeout_s`` whatever the peer does (dead, silent, erroring, wrong uuid);
+* it returns only arrays that are ready, error-free and shaped/typed as the spec says;
+* once a hold ends (released, failed, expired) its memory is freed and a late pull fails fast instead of hanging.
+"""
+
+from __future__ import annotations
+
+import secrets
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import jax
+
+Blame = Literal["remote", "local"]
+
+# Transfer ids are random 63-bit ints: they fit int64 (JSON, msgpack, SQLite) as well as the uint64 the jax transfer
+# server wants, and at this width a collision (which the jax server would turn into a silent data swap) is negligible.
+UUID_BITS = 63
+
+
+def new_uuid() -> int:
+    """A fresh transfer id in ``[1, 2**63)``; 0 is never issued so that it can mean "none" in messages."""
+    while True:
+        value = secrets.randbits(UUID_BITS)
+        if value:
+            return value
+
+
+def check_uuid(uuid: int) -> int:
+    if not isinstance(uuid, int) or isinstance(uuid, bool) or not 0 < uuid < 1 << UUID_BITS:
+        raise ValueError(f"transfer uuid must be an int in [1, 2**{UUID_BITS}), got {uuid!r}")
+    return uuid
+
+
+class TransferError(Exception):
+    """Base class of everything a backend raises about a transfer."""
+
+
+class TransferTimeout(TransferError):
+    """The pull did not complete within its deadline (peer silent, dead before answering, or never published)."""
+
+
+class TransferFailed(TransferError):
+    """The pull ended with an error.
+
+    ``blame`` says who is at fault so that the state machine can record it: ``"remote"`` when the peer failed, went
+    away or published an error; ``"local"`` when this node asked for something the peer did not publish (spec
+    mismatch) or cannot receive it.
+    """
+
+    def __init__(self, reason: str, blame: Blame = "remote") -> None:
+        if blame not in ("remote", "local"):
+            raise ValueError(f"blame must be 'remote' or 'local', got {blame!r}")
+        super().__init__(f"{reason} (blame: {blame})")
+        self.reason = reason
+        self.blame = blame
+
+
+class BackendUnavailable(TransferError):
+    """The backend cannot run in this process (missing library or API)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OpenEntries:
+    """P-side holds that are still pinning memory: for leak checks and metrics."""
+
+    count: int
+    nbytes: int
+
+
+class TransferBackend(ABC):
+    """One node's end of the data plane. P uses the publish side, D the pull side; one object may do both.
+
+    Thread safety: every method may be called from any thread. ``pull`` blocks, so callers run it on a worker thread.
+    """
+
+    name: ClassVar[str] = "?"
+
+    @property
+    @abstractmethod
+    def address(self) -> str:
+        """What D passes to ``pull`` to reach this node's published entries."""
+
+    @abstractmethod
+    def publish(self, uuid: int, staging: Sequence[jax.Array], hold_timeout_s: float) -> None:
+        """Make ``staging`` pullable under ``uuid`` until ``release``/``fail`` or ``hold_timeout_s`` seconds pass.
+
+        The backend keeps its own references: the caller may drop its own, but must not delete or donate the arrays.
+        Raises ``ValueError`` for a uuid that this node already used.
+        """
+
+    @abstractmethod
+    def release(self, uuid: int) -> None:
+        """End the hold after D reported PULLED; a later pull of ``uuid`` fails fast. Unknown uuids are ignored."""
+
+    @abstractmethod
+    def fail(self, uuid: int, reason: str) -> None:
+        """Replace the entry (published or not yet) with an error: pulls of ``uuid`` raise ``TransferFailed``."""
+
+    @abstractmethod
+    def open_entries(self) -> OpenEntries:
+        """Holds that are still pinning memory."""
+
+    @abstractmethod
+    def pull(
+        self, address: str, uuid: int, spec: Sequence[jax.ShapeDtypeStruct], timeout_s: float
+    ) -> tuple[jax.Array, ...]:
+        """Fetch the arrays P published under ``uuid``; verified against ``spec`` before returning.
+
+        ``spec`` gives shape and dtype of every array and optionally the sharding to put it on (default: this
+        process's first device). Raises ``TransferTimeout`` or ``TransferFailed`` within ``timeout_s``.
+        """
+
+    def forget(self, address: str) -> None:  # noqa: B027 - optional hook, a no-op for connectionless backends
+        """Drop any cached connection to ``address`` (the next pull connects fresh)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """End every hold, drop connections, stop threads. Idempotent."""
+
+    def __enter__(self) -> TransferBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,129 @@
+"""In-process backend for unit tests and the deterministic simulation: a process-global table of nodes.
+
+It keeps the full contract (deadlines, tombstones, hold expiry, spec verification, one delivery per uuid) so that
+code tested against it behaves the same on the real backends; it only skips the network. Pulled arrays are copies,
+as they would be after a real transfer, so P may free its staging right after release.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from collections.abc import Sequence
+
+import jax
+
+from fsm_pd.transport.backends.base import OpenEntries, TransferBackend, TransferFailed, TransferTimeout, check_uuid
+from fsm_pd.transport.backends.holds import Hold, HoldTable
+from fsm_pd.transport.backends.spec import (
+    array_keys,
+    layout_digest,
+    normalize_spec,
+    spec_keys,
+    summarize,
+    verify_pulled,
+)
+
+_nodes: dict[str, FakeTransferBackend] = {}
+_nodes_lock = threading.Lock()
+_ids = itertools.count(1)
+
+
+class FakeTransferBackend(TransferBackend):
+    name = "fake"
+
+    def __init__(self, *, tombstone_ttl_s: float = 600.0) -> None:
+        self._address = f"fake://{os.getpid()}/{next(_ids)}"
+        self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s)
+        self._changed = threading.Condition(self._holds.lock)  # pullers wait here for publish/end/close
+        self._delivered: set[int] = set()
+        self._closed = False
+        with _nodes_lock:
+            _nodes[self._address] = self
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    # ---- P side ----
+
+    def publish(self, uuid: int, staging: Sequence[jax.Array], hold_timeout_s: float) -> None:
+        arrays = tuple(staging)
+        for i, arr in enumerate(arrays):
+            if not isinstance(arr, jax.Array) or arr.is_deleted():
+                raise TypeError(f"staging[{i}] must be a live jax.Array, got {type(arr).__name__}")
+        nbytes = sum(a.nbytes for a in arrays)
+        with self._changed:
+            self._holds.publish(uuid, nbytes, hold_timeout_s, lambda _deadline: arrays)
+            self._changed.notify_all()
+
+    def release(self, uuid: int) -> None:
+        self._holds.end(uuid, "released after the pull")
+
+    def fail(self, uuid: int, reason: str) -> None:
+        check_uuid(uuid)
+        self._holds.end(uuid, f"failed by producer: {reason}", unpublished_too=True)
+
+    def open_entries(self) -> OpenEntries:
+        return self._holds.open_entries()
+
+    def _retire(self, uuid: int, reason: str, hold: Hold | None) -> None:
+        self._delivered.discard(uuid)
+        self._changed.notify_all()  # called under the table lock, which the condition shares
+
+    def _take(self, uuid: int, deadline: float) -> tuple[jax.Array, ...]:
+        """Wait until ``uuid`` is published (or ended) and claim its single delivery."""
+        with self._changed:
+            while True:
+                if self._closed:
+                    raise TransferFailed(f"producer {self._address} closed during the pull")
+                reason = self._holds.tombstone(uuid)
+                if reason is not None:
+                    raise TransferFailed(f"transfer {uuid}: {reason}")
+                hold = self._holds.get(uuid)
+                if hold is not None:
+                    if uuid in self._delivered:
+                        raise TransferFailed(f"transfer {uuid} was already pulled and awaits release")
+                    self._delivered.add(uuid)
+                    return hold.payload
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransferTimeout(f"transfer {uuid} not published on {self._address} in time")
+                self._changed.wait(remaining)
+
+    # ---- D side ----
+
+    def pull(
+        self, address: str, uuid: int, spec: Sequence[jax.ShapeDtypeStruct], timeout_s: float
+    ) -> tuple[jax.Array, ...]:
+        deadline = time.monotonic() + timeout_s
+        check_uuid(uuid)
+        want = normalize_spec(spec)
+        with _nodes_lock:
+            node = _nodes.get(address)
+        if node is None:  # like a refused connection: nobody listens there
+            raise TransferFailed(f"no fake transfer node at {address!r}")
+        published = node._take(uuid, deadline)
+        have_keys, want_keys = array_keys(published, count_shards=False), spec_keys(want, count_shards=False)
+        if layout_digest(have_keys) != layout_digest(want_keys):
+            raise TransferFailed(
+                f"spec mismatch for transfer {uuid}: published {summarize(have_keys)}, expected {summarize(want_keys)}",
+                "local",
+            )
+        try:
+            copies = [jax.device_put(a, s.sharding, may_alias=False) for a, s in zip(published, want, strict=True)]
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory on this node
+            raise TransferFailed(f"could not place pulled arrays: {exc}", "local") from exc
+        return verify_pulled(copies, want, lambda exc: TransferFailed(f"pulled array errored: {exc}"))
+
+    def close(self) -> None:
+        with _nodes_lock:
+            _nodes.pop(self._address, None)
+        with self._changed:
+            if self._closed:
+                return
+            self._closed = True
+            self._holds.close("producer closed")
+            self._changed.notify_all()

@@ -1,0 +1,115 @@
+"""P-side bookkeeping shared by every backend: which published entries still pin memory, and why ended ones ended.
+
+A hold ends exactly once — released (D said PULLED), failed (P gave up), expired (nobody pulled in time) or closed —
+and at that moment the backend's ``retire`` hook replaces the entry with a tombstone so that a late or duplicate
+pull fails fast with the reason instead of hanging, and the staging memory is freed. Tombstones are remembered for
+a while so that a uuid is never published twice.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsm_pd.transport.backends.base import OpenEntries, check_uuid
+from fsm_pd.transport.backends.timers import DeadlineScheduler, TimerHandle, scheduler
+
+
+@dataclass(slots=True, eq=False)
+class Hold:
+    uuid: int
+    nbytes: int
+    deadline: float  # monotonic
+    payload: Any  # whatever the backend registered; the reference that keeps the memory alive
+    timer: TimerHandle | None = field(default=None, repr=False)
+
+
+# retire(uuid, reason, hold or None): called once per ended uuid, under the table lock.
+RetireHook = Callable[[int, str, "Hold | None"], None]
+
+
+class HoldTable:
+    def __init__(
+        self,
+        retire: RetireHook,
+        *,
+        tombstone_ttl_s: float = 600.0,
+        max_tombstones: int = 65536,
+        deadlines: DeadlineScheduler | None = None,
+    ) -> None:
+        self._retire = retire
+        self._tombstone_ttl_s = tombstone_ttl_s
+        self._max_tombstones = max_tombstones
+        self._deadlines = deadlines or scheduler()
+        # Reentrant: backends call table methods from inside their own hooks (e.g. a server thread reading a hold).
+        self.lock = threading.RLock()
+        self._holds: dict[int, Hold] = {}
+        self._tombstones: OrderedDict[int, tuple[str, float]] = OrderedDict()
+        self._closed = False
+
+    def publish(self, uuid: int, nbytes: int, hold_timeout_s: float, expose: Callable[[float], Any]) -> Hold:
+        """Record a hold; ``expose(deadline)`` makes the entry pullable and returns what keeps it alive.
+
+        ``expose`` runs under the lock, so an expiry or ``fail`` can never overtake the registration.
+        """
+        check_uuid(uuid)
+        if not hold_timeout_s > 0:
+            raise ValueError(f"hold_timeout_s must be positive, got {hold_timeout_s!r}")
+        with self.lock:
+            if self._closed:
+                raise RuntimeError("backend is closed")
+            if uuid in self._holds or uuid in self._tombstones:
+                raise ValueError(f"uuid {uuid} was already published on this node; transfer ids are never reused")
+            deadline = time.monotonic() + hold_timeout_s
+            hold = Hold(uuid, nbytes, deadline, expose(deadline))
+            self._holds[uuid] = hold
+            hold.timer = self._deadlines.call_at(
+                deadline, lambda: self.end(uuid, f"hold expired after {hold_timeout_s:g} s without a pull")
+            )
+            return hold
+
+    def end(self, uuid: int, reason: str, *, unpublished_too: bool = False) -> bool:
+        """End the hold of ``uuid`` (no-op if already ended). With ``unpublished_too``, tombstone an unknown uuid."""
+        with self.lock:
+            hold = self._holds.pop(uuid, None)
+            if hold is None and (uuid in self._tombstones or not unpublished_too):
+                return False
+            if hold is not None and hold.timer is not None:
+                hold.timer.cancel()
+            self._remember(uuid, reason)
+            self._retire(uuid, reason, hold)
+            return True
+
+    def get(self, uuid: int) -> Hold | None:
+        with self.lock:
+            return self._holds.get(uuid)
+
+    def tombstone(self, uuid: int) -> str | None:
+        """Why ``uuid`` ended, if it did (and is still remembered)."""
+        with self.lock:
+            entry = self._tombstones.get(uuid)
+            return entry[0] if entry else None
+
+    def open_entries(self) -> OpenEntries:
+        with self.lock:
+            return OpenEntries(len(self._holds), sum(h.nbytes for h in self._holds.values()))
+
+    def close(self, reason: str = "producer closed") -> None:
+        with self.lock:
+            self._closed = True
+            for uuid in list(self._holds):
+                self.end(uuid, reason)
+
+    def _remember(self, uuid: int, reason: str) -> None:
+        now = time.monotonic()
+        self._tombstones[uuid] = (reason, now)
+        self._tombstones.move_to_end(uuid)
+        while self._tombstones:
+            oldest, (_, at) = next(iter(self._tombstones.items()))
+            if len(self._tombstones) <= self._max_tombstones and now - at < self._tombstone_ttl_s:
+                break
+            del self._tombstones[oldest]

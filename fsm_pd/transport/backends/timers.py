@@ -1,0 +1,87 @@
+"""One daemon thread per process that runs callbacks at monotonic deadlines: hold expiry on P, watchdogs on D.
+
+The jax transfer library processes its own expiries lazily (only when new traffic arrives), so backends keep time
+themselves. A single thread with a heap is enough: callbacks are short (drop a reference, register a tombstone,
+poison a connection) and must not block.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+
+class TimerHandle:
+    __slots__ = ("cancelled", "fn", "when")
+
+    def __init__(self, when: float, fn: Callable[[], None]) -> None:
+        self.when = when
+        self.fn = fn
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.fn = _noop  # drop references held by the closure now rather than at the deadline
+
+
+def _noop() -> None:
+    pass
+
+
+class DeadlineScheduler:
+    def __init__(self, name: str = "fsm-pd-deadlines") -> None:
+        self._name = name
+        self._heap: list[tuple[float, int, TimerHandle]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def call_at(self, when: float, fn: Callable[[], None]) -> TimerHandle:
+        """Run ``fn`` on the scheduler thread at monotonic time ``when`` unless cancelled first."""
+        handle = TimerHandle(when, fn)
+        with self._cond:
+            heapq.heappush(self._heap, (when, next(self._seq), handle))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        return handle
+
+    def call_later(self, delay_s: float, fn: Callable[[], None]) -> TimerHandle:
+        return self.call_at(time.monotonic() + delay_s, fn)
+
+    def pending(self) -> int:
+        with self._cond:
+            return sum(not h.cancelled for _, _, h in self._heap)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    while self._heap and self._heap[0][2].cancelled:
+                        heapq.heappop(self._heap)
+                    now = time.monotonic()
+                    if self._heap and self._heap[0][0] <= now:
+                        handle = heapq.heappop(self._heap)[2]
+                        break
+                    self._cond.wait(self._heap[0][0] - now if self._heap else None)
+            if handle.cancelled:
+                continue
+            try:
+                handle.fn()
+            except Exception:  # a failing callback must not stop every other deadline in the process
+                log.exception("deadline callback failed")
+
+
+_scheduler = DeadlineScheduler()
+
+
+def scheduler() -> DeadlineScheduler:
+    """The process-wide scheduler shared by all backends."""
+    return _scheduler
