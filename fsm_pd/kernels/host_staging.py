@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from functools import cache
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
@@ -71,8 +70,11 @@ class HostStagingPool:
         self.memory_kind = host_memory_kind(list(sharding.device_set))
         self.sharding = sharding.with_memory_kind(self.memory_kind)
         shape, dtype = layout.staging_shape(self.rows), np.dtype(layout.dtype)
-        allocate = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.sharding)
-        self._slots = [HostSlot(index, allocate(), self) for index in range(num_slots)]
+        # device_put rather than a jitted zeros: on jaxlib 0.10.2 a jit output placed by a SingleDeviceSharding in
+        # pinned_host loses its host memory space in its type, and the in-place copy below then fails to trace.
+        self._slots = [
+            HostSlot(index, jax.device_put(np.zeros(shape, dtype), self.sharding), self) for index in range(num_slots)
+        ]
         self._free = list(range(num_slots))
         self._held: set[int] = set()
         self._changed = threading.Condition()
@@ -126,13 +128,14 @@ class HostStagingPool:
 
 
 @cache
-def _row_writer(sharding: jax.sharding.Sharding, to_host: bool):
-    """A jitted ``buffer[:, :rows] = staging`` that donates ``buffer`` and keeps it in ``sharding``'s memory."""
+def _row_writer(sharding: jax.sharding.Sharding):
+    """A jitted ``buffer[:, :rows] = staging`` that donates ``buffer`` and keeps it in ``sharding`` (and its memory)."""
 
     def write(buffer: jax.Array, staging: jax.Array) -> jax.Array:
-        # buffer: [L, slot_rows, ps, 2H, D] (host); staging: [L, rows <= slot_rows, ps, 2H, D] (device)
-        if to_host:
-            staging = jax.device_put(staging, jax.memory.Space.Host)  # the operands of one update share a memory
+        # buffer: [L, slot_rows, ps, 2H, D] in host memory; staging: [L, rows <= slot_rows, ps, 2H, D] on device.
+        # The operands of one update must share a memory space and sharding, so move staging to the buffer's first;
+        # XLA then writes the rows straight into the donated host buffer.
+        staging = jax.device_put(staging, sharding)
         return jax.lax.dynamic_update_slice(buffer, staging, (0,) * buffer.ndim)
 
     return jax.jit(write, donate_argnums=0, out_shardings=sharding)
@@ -151,7 +154,7 @@ def copy_to_host(staging: jax.Array, slot: HostSlot) -> HostSlot:
         raise ValueError(f"staging shape {list(shape)} does not fit a host slot of shape {list(slot_shape)}")
     if np.dtype(staging.dtype) != np.dtype(pool.layout.dtype):
         raise ValueError(f"staging dtype {staging.dtype} does not match the host pool dtype {pool.layout.dtype}")
-    writer = _row_writer(pool.sharding, to_host=pool.memory_kind in _HOST_KINDS)
+    writer = _row_writer(pool.sharding)
     slot.buffer = writer(slot.buffer, staging)
     slot.staged_rows = shape[1]
     return slot

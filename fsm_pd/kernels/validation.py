@@ -64,7 +64,7 @@ def check_page_ids(page_ids: Sequence[int] | np.ndarray | jax.Array, num_pages: 
         raise ValueError(f"page ids must be ints, got dtype {ids.dtype}")
     bad = np.unique(ids[(ids < 1) | (ids >= num_pages)])
     if bad.size:
-        reserved = f"; page {PAD_PAGE} is the reserved padding page" if PAD_PAGE in bad else ""
+        reserved = f" (page {PAD_PAGE} is the reserved padding page)" if PAD_PAGE in bad else ""
         raise ValueError(f"page ids {_show(bad)} are out of range [1, {num_pages}){reserved}")
     values, counts = np.unique(ids, return_counts=True)
     repeated = values[counts > 1]

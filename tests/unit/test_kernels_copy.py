@@ -1,0 +1,160 @@
+"""gather_pages / scatter_pages against a NumPy reference, for every implementation.
+
+"pallas" runs here in Pallas's TPU interpret mode (HBM, DMAs and DMA semaphores simulated on the CPU, with DMAs
+executed only when waited on), so a kernel that forgets a wait or mixes up offsets fails these tests.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fsm_pd.kernels import gather_pages, jnp_copy, page_bucket, pallas_copy, resolve_impl, scatter_pages
+
+IMPLS = ["jnp", "pallas"]
+PAGE_SHAPE = (2, 4, 8)  # page_size, 2*kv_heads, head_dim: tiny, the kernels never look inside a page
+
+jit_settings = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def numbered_pool(num_layers: int, num_pages: int, offset: float = 0.0) -> list[np.ndarray]:
+    """Layers whose every element is distinct, so any misplaced element shows."""
+    size = num_pages * int(np.prod(PAGE_SHAPE))
+    return [
+        (np.arange(size, dtype=np.float32) + layer * size + offset).reshape(num_pages, *PAGE_SHAPE)
+        for layer in range(num_layers)
+    ]
+
+
+def reference_gather(pool: list[np.ndarray], ids: list[int]) -> np.ndarray:
+    return np.stack([layer[ids] for layer in pool])  # [L, n, page_size, 2H, D]
+
+
+def reference_scatter(pool: list[np.ndarray], staging: np.ndarray, ids: list[int]) -> list[np.ndarray]:
+    out = [layer.copy() for layer in pool]
+    for index, layer in enumerate(out):
+        layer[ids] = staging[index, : len(ids)]
+    return out
+
+
+def to_device(pool: list[np.ndarray]) -> tuple[jax.Array, ...]:
+    return tuple(jnp.asarray(layer) for layer in pool)
+
+
+@st.composite
+def pages_case(draw):
+    """(num_layers, num_pages, page ids): ids distinct in [1, num_pages), sometimes sorted so that runs form."""
+    num_layers = draw(st.sampled_from([1, 2]))
+    num_pages = draw(st.sampled_from([2, 5, 9, 12]))
+    ids = draw(st.lists(st.integers(1, num_pages - 1), min_size=1, max_size=num_pages - 1, unique=True))
+    if draw(st.booleans()):
+        ids.sort()
+    return num_layers, num_pages, ids
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@jit_settings
+@given(case=pages_case())
+def test_gather_matches_numpy(impl, case):
+    num_layers, num_pages, ids = case
+    pool = numbered_pool(num_layers, num_pages)
+    staging = gather_pages(to_device(pool), ids, impl=impl)
+    assert staging.shape == (num_layers, page_bucket(len(ids)), *PAGE_SHAPE)
+    np.testing.assert_array_equal(np.asarray(staging)[:, : len(ids)], reference_gather(pool, ids))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@jit_settings
+@given(case=pages_case())
+def test_scatter_matches_numpy_and_never_writes_padding_rows(impl, case):
+    num_layers, num_pages, ids = case
+    pool = numbered_pool(num_layers, num_pages)
+    rows = page_bucket(len(ids))
+    staging = -np.stack(numbered_pool(num_layers, rows, offset=1.0))
+    staging[:, len(ids) :] = np.nan  # padding rows: if any lands in the pool (page 0 included), equality fails
+    updated = scatter_pages(to_device(pool), jnp.asarray(staging), ids, impl=impl)
+    expected = reference_scatter(pool, staging, ids)
+    assert len(updated) == num_layers
+    for got, want in zip(updated, expected, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@jit_settings
+@given(case=pages_case(), data=st.data())
+def test_round_trip_moves_pages_between_pools(impl, case, data):
+    """Prefill gathers its pages, decode scatters them into different pages of its own pool."""
+    num_layers, num_pages, src_ids = case
+    dst_ids = data.draw(st.permutations(range(1, num_pages)).map(lambda p: list(p[: len(src_ids)])))
+    src = numbered_pool(num_layers, num_pages)
+    dst = numbered_pool(num_layers, num_pages, offset=0.25)
+    staging = gather_pages(to_device(src), src_ids, impl=impl)
+    updated = scatter_pages(to_device(dst), staging, dst_ids, impl=impl)
+    for layer in range(num_layers):
+        got = np.asarray(updated[layer])
+        np.testing.assert_array_equal(got[dst_ids], src[layer][src_ids])
+        untouched = np.setdiff1d(np.arange(num_pages), dst_ids)
+        np.testing.assert_array_equal(got[untouched], dst[layer][untouched])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bfloat16_pool(impl):
+    pool = [layer.astype(jnp.bfloat16) for layer in numbered_pool(2, 6)]
+    staging = gather_pages(to_device(pool), [4, 1, 2], impl=impl)
+    assert staging.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(staging)[:, :3], reference_gather(pool, [4, 1, 2]))
+    updated = scatter_pages(to_device(pool), staging, [5, 3, 4], impl=impl)
+    np.testing.assert_array_equal(np.asarray(updated[1]), reference_scatter(pool, np.asarray(staging), [5, 3, 4])[1])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_scatter_donates_the_pool(impl):
+    pool = to_device(numbered_pool(2, 6))
+    staging = gather_pages(pool, [1, 2], impl=impl)
+    updated = scatter_pages(pool, staging, [4, 5], impl=impl)
+    assert all(layer.is_deleted() for layer in pool)
+    assert not any(layer.is_deleted() for layer in updated)
+    with pytest.raises(RuntimeError, match="deleted"):
+        np.asarray(pool[0])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gather_leaves_the_pool_alive(impl):
+    pool = to_device(numbered_pool(2, 6))
+    gather_pages(pool, [1, 2, 3], impl=impl)
+    assert not any(layer.is_deleted() for layer in pool)
+
+
+def compiled(impl: str) -> tuple[int, int]:
+    """(gather, scatter) compilations so far of the jitted function behind ``impl``."""
+    if impl == "jnp":
+        return jnp_copy.gather_rows._cache_size(), jnp_copy.scatter_rows._cache_size()
+    return pallas_copy._gather_jit._cache_size(), pallas_copy._scatter_jit._cache_size()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_new_lengths_within_a_bucket_do_not_recompile(impl):
+    num_pages = 23  # a pool shape no other test uses, so every compile counted here is ours
+    pool = to_device(numbered_pool(1, num_pages))
+    before = compiled(impl)
+    for n in (5, 6, 7, 8):  # one bucket (8 rows); different ids and run patterns each time
+        ids = list(range(num_pages - n, num_pages)) if n % 2 else list(range(1, 2 * n, 2))
+        staging = gather_pages(pool, ids, impl=impl)
+        pool = scatter_pages(pool, staging, ids[::-1], impl=impl)
+    assert tuple(a - b for a, b in zip(compiled(impl), before, strict=True)) == (1, 1)
+    staging = gather_pages(pool, list(range(1, 10)), impl=impl)  # 9 pages: the next bucket (16 rows)
+    scatter_pages(pool, staging, list(range(10, 19)), impl=impl)
+    assert tuple(a - b for a, b in zip(compiled(impl), before, strict=True)) == (2, 2)
+
+
+def test_auto_is_jnp_off_tpu_and_unknown_names_are_rejected():
+    pool = to_device(numbered_pool(1, 3))
+    assert jax.default_backend() != "tpu"
+    assert resolve_impl(pool, "auto") == "jnp"
+    assert resolve_impl(pool, "pallas") == "pallas"
+    with pytest.raises(ValueError, match="unknown kernel implementation 'triton'"):
+        resolve_impl(pool, "triton")
