@@ -114,9 +114,12 @@ def test_bfloat16_pool(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_scatter_donates_the_pool(impl):
     pool = to_device(numbered_pool(2, 6))
+    addresses = [layer.unsafe_buffer_pointer() for layer in pool]
     staging = gather_pages(pool, [1, 2], impl=impl)
     updated = scatter_pages(pool, staging, [4, 5], impl=impl)
     assert all(layer.is_deleted() for layer in pool)
+    # XLA reused the donated buffers: the pages were written in place, not into a copy of the pool.
+    assert [layer.unsafe_buffer_pointer() for layer in updated] == addresses
     assert not any(layer.is_deleted() for layer in updated)
     with pytest.raises(RuntimeError, match="deleted"):
         np.asarray(pool[0])
