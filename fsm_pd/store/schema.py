@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, UniqueConstraint
+from sqlalchemy import REAL, Column, Integer, MetaData, String, Table, Text, UniqueConstraint
 
 SCHEMA_VERSION = 1
 
@@ -20,7 +20,7 @@ transitions = Table(
     Column("src", Text, nullable=False),
     Column("dst", Text, nullable=False),
     Column("payload", Text, nullable=False),  # JSON: {"event": ..., "effects": [...], "ignored"?: ..., "reason"?: ...}
-    Column("at", Float, nullable=False),
+    Column("at", REAL, nullable=False),
     UniqueConstraint("node", "role", "room", "version", name="uq_transition_version"),
     sqlite_autoincrement=True,
 )
