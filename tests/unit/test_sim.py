@@ -1,0 +1,91 @@
+"""The simulation and the replay command end to end: determinism, no-fault success, explained failures."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+
+from fsm_pd.report import to_json
+from fsm_pd.sim import SimConfig, World, simulate
+from fsm_pd.store import read_journal, replay
+
+
+def replay_json(journal_dir) -> str:
+    rows = read_journal(journal_dir / "prefill.db") + read_journal(journal_dir / "decode.db")
+    result = replay(rows)
+    return to_json(result, result.rooms, ["prefill.db", "decode.db"])
+
+
+def test_no_faults_means_every_request_succeeds(tmp_path):
+    summary = simulate(SimConfig(requests=200, seed=3, fault_rate=0.0), tmp_path)
+    assert summary["succeeded"] == summary["requests"] == 200
+    assert summary["failed_by_reason"] == {} and summary["prefill_failed_by_reason"] == {}
+    assert summary["leaks"] == {"staging_buffers_held": 0, "pages_reserved": 0, "violations": []}
+
+
+def test_same_seed_same_history(tmp_path):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    assert simulate(SimConfig(requests=150, seed=11, fault_rate=0.3), a) == simulate(
+        SimConfig(requests=150, seed=11, fault_rate=0.3), b)
+    assert replay_json(a) == replay_json(b)
+    simulate(SimConfig(requests=150, seed=12, fault_rate=0.3), c)
+    assert replay_json(a) != replay_json(c)
+
+
+def test_faults_end_every_room_and_replay_matches_live_state(tmp_path):
+    world = World(SimConfig(requests=300, seed=5, fault_rate=0.25), tmp_path)
+    from fsm_pd.sim.run import schedule_requests
+
+    schedule_requests(world)
+    world.run()
+    world.close()
+    live = {(n.node_id, n.role, r.room): r.state for n in (world.prefill, world.decode) for r in n.rooms.values()}
+    assert all(state in ("Success", "Failed") for state in live.values())
+    assert "Failed" in live.values() and "Success" in live.values()
+    result = replay(read_journal(tmp_path / "prefill.db") + read_journal(tmp_path / "decode.db"))
+    assert result.consistent and result.final_states() == live
+
+
+def run_cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "fsm_pd.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_simulate_then_replay_explains_every_failed_room(tmp_path):
+    sim = run_cli("simulate", "--requests", "300", "--seed", "7", "--fault-rate", "0.2", "--journal-dir", "sim",
+                  cwd=tmp_path)
+    assert sim.returncode == 0, sim.stderr
+    summary = json.loads(sim.stdout)
+    assert summary["failed"] > 0
+    rep = run_cli("replay", "sim/prefill.db", "sim/decode.db", "--failed", "--format", "json", cwd=tmp_path)
+    assert rep.returncode == 0, rep.stderr
+    rooms = json.loads(rep.stdout)["rooms"]
+    failed = [r for r in rooms if r["final"] == "Failed"]
+    assert len({r["room"] for r in rooms}) >= summary["failed"]
+    for r in failed:
+        assert r["reason"] and r["ended_by"] in ("abort", "peer_abort", "peer_failed", "timeout", "error")
+        assert r["consistent"] and r["events"][0]["trigger"] == "create"
+    table = run_cli("replay", "sim/prefill.db", "sim/decode.db", "--failed", cwd=tmp_path)
+    assert table.returncode == 0 and "every room replays consistently" in table.stdout
+    html = run_cli("replay", "sim/prefill.db", "sim/decode.db", "--failed", "--format", "html", "--out", "t.html",
+                   cwd=tmp_path)
+    assert html.returncode == 0 and "<html>" in (tmp_path / "t.html").read_text()[:200]
+
+    conn = sqlite3.connect(tmp_path / "sim" / "decode.db")
+    room = conn.execute("SELECT room FROM transitions WHERE trigger='scattered' LIMIT 1").fetchone()[0]
+    conn.execute("UPDATE transitions SET dst='Failed' WHERE room=? AND trigger='scattered'", (room,))
+    conn.commit()
+    conn.close()
+    broken = run_cli("replay", "sim/prefill.db", "sim/decode.db", "--failed", cwd=tmp_path)
+    assert broken.returncode == 3
+    assert f"room {room} decode" in broken.stderr
+
+
+def test_unreadable_journal_exits_2(tmp_path):
+    (tmp_path / "x.db").write_text("garbage")
+    assert run_cli("replay", "x.db", cwd=tmp_path).returncode == 2
+    assert run_cli("replay", "missing.db", cwd=tmp_path).returncode == 2
+    bad = run_cli("simulate", "--fault-rate", "2", cwd=tmp_path)
+    assert bad.returncode == 2 and "between 0 and 1" in bad.stderr
