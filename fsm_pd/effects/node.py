@@ -42,7 +42,8 @@ class Node:
     def submit(self, room: int, trigger: str, payload: dict | None = None, at: float | None = None) -> None:
         """Queue an event for the next step. Thread-safe."""
         self._inbox.append((room, trigger, payload or {}, self.clock.now() if at is None else at))
-        self.wakeup.set()
+        if not self.wakeup.is_set():  # Event.set takes a lock; most submits find the loop already woken
+            self.wakeup.set()
 
     def create(self, room: int, payload: dict | None = None) -> None:
         """Queue the creation of a room; the node's deadlines are recorded in the journaled event."""
@@ -106,11 +107,15 @@ class Node:
         return unfinished
 
 
+# one encoder for the process: json.dumps with non-default options builds a new encoder per call
+_encode = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def _payload_json(payload: dict, decision: Decision) -> str:
-    event = json.dumps(payload, separators=(",", ":")) if payload else "{}"
+    event = _encode(payload) if payload else "{}"
     extra = ""
     if decision.ignored is not None:
-        extra = ',"ignored":' + json.dumps(decision.ignored)
+        extra = ',"ignored":' + _encode(decision.ignored)
     elif decision.reason is not None:
-        extra = ',"reason":' + json.dumps(decision.reason)
+        extra = ',"reason":' + _encode(decision.reason)
     return '{"event":' + event + ',"effects":' + decision.effects_json + extra + "}"

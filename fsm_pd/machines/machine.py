@@ -132,8 +132,11 @@ class TransferMachine:
             room.version += 1
             return Decision(room.room, version, trigger, src, src, (), "[]", ignored=f"room is already {src}")
         for row in self._index.get((trigger, src), ()):
-            if all(guard(room, payload) is want for guard, want in row.conditions):
-                break
+            for guard, want in row.conditions:
+                if guard(room, payload) is not want:
+                    break
+            else:
+                break  # every condition held: this row wins
         else:
             room.version += 1
             return Decision(room.room, version, trigger, src, src, (), "[]", ignored=f"no {trigger} from {src}")
