@@ -1,0 +1,229 @@
+"""Model throughput on this machine: fsm-pd's paged decoder vs the same weights in transformers (torch, CPU).
+
+For each model and batch size: prefill tokens/s (B prompts of --prompt-len tokens in one call) and decode tokens/s
+(B sequences, one token each per step). Each round is one prefill then --decode-steps greedy steps; the two engines
+take turns call by call, and after one untimed warm-up round (which compiles every shape) the figures are medians
+over --repeats rounds (prefill) or over every timed step (decode). Ratios are fsm-pd / transformers: above 1, fsm-pd
+is faster.
+
+    python bench/model.py                  # tiny + ~100M Llama, batches 1, 8, 32
+    python bench/model.py --json --models tiny --batches 1,4 --decode-steps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import numpy as np
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from fsm_pd.engine import model as decoder
+from fsm_pd.engine.config import ModelConfig
+from fsm_pd.engine.params import count_params
+from fsm_pd.engine.tiny import tiny_model_parts
+from fsm_pd.engine.weights import load_params, save_hf_checkpoint
+
+# ~110M parameters: GPT-2-small-sized Llama with GQA and a 32k vocab (tied embeddings).
+LLAMA_100M = dict(
+    vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+    num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=True, rms_norm_eps=1e-5,
+)  # fmt: skip
+PAGE_SIZE = 16
+
+err = Console(stderr=True)
+
+
+def try_import_torch():
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None, None
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning)  # past_key_values renames across versions
+    return torch, transformers
+
+
+def prepare(name: str, workdir: Path, torch, transformers):
+    """``(config, params, torch_model or None)`` with identical weights on both sides."""
+    directory = workdir / name
+    if name == "tiny":
+        config, params, _ = tiny_model_parts()
+        save_hf_checkpoint(directory, config, params)
+        (directory / "config.json").write_text(json.dumps(config.to_hf()))
+        if transformers is None:
+            return config, params, None
+    elif name == "llama100m":
+        if transformers is None:
+            from fsm_pd.engine.params import random_params
+
+            hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **LLAMA_100M}
+            config = ModelConfig.from_hf(hf)
+            return config, random_params(config, seed=0), None
+        torch.manual_seed(0)
+        hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_100M))
+        hf_model.save_pretrained(directory, safe_serialization=True)
+    else:
+        raise SystemExit(f"unknown model {name!r}; choose from tiny, llama100m")
+    config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
+    params = load_params(directory, config)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return config, params, reference
+
+
+class FsmRunner:
+    """One prefill of ``batch`` prompts, then ``steps`` greedy decode steps, through fsm-pd's paged decoder."""
+
+    name = "fsm-pd"
+
+    def __init__(self, config, params, batch: int, prompt_len: int, steps: int) -> None:
+        self.config, self.params, self.prompt_len, self.steps = config, params, prompt_len, steps
+        rng = np.random.default_rng(0)
+        self.prompts = rng.integers(0, config.vocab_size, size=(batch, prompt_len)).tolist()
+        pages_each = -(-(prompt_len + steps) // PAGE_SIZE)
+        self.tables = np.arange(1, batch * pages_each + 1, dtype=np.int32).reshape(batch, pages_each)
+        layer_shape = (batch * pages_each + 1, PAGE_SIZE, 2 * config.num_kv_heads, config.head_dim)
+        self.pool = tuple(jax.numpy.zeros(layer_shape, config.dtype) for _ in range(config.num_layers))
+
+    def round(self) -> Iterator[float]:
+        """Seconds taken by the prefill, then by each decode step, yielded as each finishes."""
+        start = time.perf_counter()
+        result = decoder.prefill_batch(self.config, self.params, self.pool, self.prompts, self.tables.tolist())
+        tokens = np.asarray(jax.numpy.argmax(result.logits, axis=-1))
+        self.pool = result.pool
+        yield time.perf_counter() - start
+        for step in range(self.steps):
+            start = time.perf_counter()
+            positions = np.full(len(tokens), self.prompt_len + step, dtype=np.int32)
+            logits, self.pool = decoder.decode(self.config, self.params, self.pool, tokens, positions, self.tables)
+            tokens = np.asarray(jax.numpy.argmax(logits, axis=-1))
+            yield time.perf_counter() - start
+
+
+class TorchRunner:
+    """The same work through transformers' forward with its own KV cache."""
+
+    name = "transformers"
+
+    def __init__(self, torch, model, vocab: int, batch: int, prompt_len: int, steps: int) -> None:
+        self.torch, self.model, self.steps = torch, model, steps
+        self.ids = torch.from_numpy(np.random.default_rng(0).integers(0, vocab, size=(batch, prompt_len)))
+
+    def round(self) -> Iterator[float]:
+        with self.torch.inference_mode():
+            start = time.perf_counter()
+            out = self.model(self.ids, use_cache=True, logits_to_keep=1)
+            tokens, cache = out.logits[:, -1].argmax(-1, keepdim=True), out.past_key_values
+            yield time.perf_counter() - start
+            for _ in range(self.steps):
+                start = time.perf_counter()
+                out = self.model(tokens, past_key_values=cache, use_cache=True)
+                tokens, cache = out.logits[:, -1].argmax(-1, keepdim=True), out.past_key_values
+                yield time.perf_counter() - start
+
+
+def measure(runners: list, repeats: int, batch: int, prompt_len: int, advance) -> list[tuple[float, float]]:
+    """``(prefill tok/s, decode tok/s)`` per runner, medians over ``repeats`` rounds after one untimed warm-up.
+
+    The runners take turns call by call (prefill, prefill, step, step, ...), so on a shared machine a burst of someone
+    else's load hits both alike and the ratio stays meaningful even when the absolute figures wobble.
+    """
+    prefills = [[] for _ in runners]
+    steps = [[] for _ in runners]
+    for round_ in range(repeats + 1):
+        for i, timings in enumerate(zip(*(runner.round() for runner in runners), strict=True)):
+            if round_:  # round 0 compiles every shape (jax) and warms caches (both)
+                for runner_index, seconds in enumerate(timings):
+                    (steps if i else prefills)[runner_index].append(seconds)
+        advance()
+    return [
+        (batch * prompt_len / statistics.median(p), batch / statistics.median(d))
+        for p, d in zip(prefills, steps, strict=True)
+    ]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="tiny,llama100m", help="comma-separated: tiny, llama100m")
+    parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--decode-steps", type=int, default=16, help="decode steps per round")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (prefill + decode) per batch size")
+    parser.add_argument("--no-reference", action="store_true", help="skip transformers, report fsm-pd only")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    args = parser.parse_args(argv)
+    models, batches = args.models.split(","), [int(b) for b in args.batches.split(",")]
+
+    torch, transformers = (None, None) if args.no_reference else try_import_torch()
+    if torch is None and not args.no_reference:
+        err.print("[yellow]transformers/torch not importable: reporting fsm-pd alone (pip install -e '.[reference]')")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, Progress(console=err, transient=True) as progress:
+        task = progress.add_task("benchmarking", total=len(models) * len(batches) * (args.repeats + 1))
+        advance = lambda: progress.advance(task)
+        for name in models:
+            progress.update(task, description=f"{name}: preparing weights")
+            config, params, reference = prepare(name, Path(tmp), torch, transformers)
+            for batch in batches:
+                progress.update(task, description=f"{name} batch {batch}")
+                shape = (batch, args.prompt_len, args.decode_steps)
+                runners = [FsmRunner(config, params, *shape)]
+                if reference is not None:
+                    runners.append(TorchRunner(torch, reference, config.vocab_size, *shape))
+                results = measure(runners, args.repeats, batch, args.prompt_len, advance)
+                (prefill, decode), *ref = results
+                row = dict(model=name, params=count_params(params), batch=batch, prefill_tok_s=prefill,
+                           decode_tok_s=decode)  # fmt: skip
+                if ref:
+                    ((ref_prefill, ref_decode),) = ref
+                    row |= dict(torch_prefill_tok_s=ref_prefill, torch_decode_tok_s=ref_decode,
+                                prefill_ratio=prefill / ref_prefill, decode_ratio=decode / ref_decode)  # fmt: skip
+                rows.append(row)
+    report = {
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
+                    "jax_backend": jax.default_backend(), "torch": getattr(torch, "__version__", None),
+                    "torch_threads": torch.get_num_threads() if torch else None},
+        "settings": {"prompt_len": args.prompt_len, "decode_steps": args.decode_steps, "repeats": args.repeats,
+                     "page_size": PAGE_SIZE, "dtype": "float32", "statistic": "median"},
+        "results": rows,
+    }  # fmt: skip
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print_table(report)
+    return 0
+
+
+def print_table(report: dict) -> None:
+    settings = report["settings"]
+    table = Table(
+        title=f"fsm-pd model throughput (CPU, float32, prompt {settings['prompt_len']}, medians; ratio = fsm-pd / "
+        "transformers)"
+    )
+    for column in ("model", "params", "batch", "prefill tok/s", "ratio", "decode tok/s", "ratio"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    for row in report["results"]:
+        ratios = [f"{row[key]:.2f}x" if key in row else "n/a" for key in ("prefill_ratio", "decode_ratio")]
+        table.add_row(
+            row["model"], f"{row['params'] / 1e6:.1f}M", str(row["batch"]), f"{row['prefill_tok_s']:,.0f}",
+            ratios[0], f"{row['decode_tok_s']:,.1f}", ratios[1],
+        )  # fmt: skip
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
