@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     torch, transformers = (None, None) if args.no_reference else try_import_torch()
     if torch is None and not args.no_reference:
         err.print("[yellow]transformers/torch not importable: reporting fsm-pd alone (pip install -e '.[reference]')")
-    rows = []
+    rows, load_before = [], os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp, Progress(console=err, transient=True) as progress:
         task = progress.add_task("benchmarking", total=len(models) * len(batches) * (args.repeats + 1))
         advance = lambda: progress.advance(task)
@@ -196,7 +196,9 @@ def main(argv=None) -> int:
     report = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
                     "jax_backend": jax.default_backend(), "torch": getattr(torch, "__version__", None),
-                    "torch_threads": torch.get_num_threads() if torch else None},
+                    "torch_threads": torch.get_num_threads() if torch else None,
+                    # Other work on a shared machine skews the figures: a 1-minute load above the core count says so.
+                    "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]}},
         "settings": {"prompt_len": args.prompt_len, "decode_steps": args.decode_steps, "repeats": args.repeats,
                      "page_size": PAGE_SIZE, "dtype": "float32", "statistic": "median"},
         "results": rows,
@@ -223,6 +225,13 @@ def print_table(report: dict) -> None:
             ratios[0], f"{row['decode_tok_s']:,.1f}", ratios[1],
         )  # fmt: skip
     Console().print(table)
+    machine = report["machine"]
+    load = machine["load_average_1m"]
+    Console().print(
+        f"{machine['cpus']} CPUs, jax {machine['jax']} ({machine['jax_backend']}), torch {machine['torch']} "
+        f"({machine['torch_threads']} threads); 1-min load average {load['before']:.1f} before, "
+        f"{load['after']:.1f} after"
+    )
 
 
 if __name__ == "__main__":
