@@ -197,8 +197,7 @@ def decode(config: ModelConfig, params: dict, pool: tuple, tokens, positions, pa
             f"decode shapes disagree: tokens {tokens.shape}, positions {positions.shape}, page_tables {tables.shape}"
         )
     page_size, num_pages = pool[0].shape[1], pool[0].shape[0]
-    for row in range(n):
-        _check_pages(tables[row, : positions[row] // page_size + 1], positions[row] + 1, page_size, num_pages)
+    _check_decode_tables(tables, positions, page_size, num_pages)
     # Only the pages up to the furthest position are ever read, so trim the table before bucketing its width.
     width = buckets.page_bucket(int(positions.max()) // page_size + 1)
     tables = tables[:, :width]
@@ -213,6 +212,22 @@ def decode(config: ModelConfig, params: dict, pool: tuple, tokens, positions, pa
         config=config,
     )
     return logits[:n], pool
+
+
+def _check_decode_tables(tables: np.ndarray, positions: np.ndarray, page_size: int, num_pages: int) -> None:
+    # Vectorised: this runs every decode step, for every sequence of the batch.
+    if (positions < 0).any():
+        raise ValueError(f"negative decode positions: {positions.tolist()}")
+    needed = positions // page_size + 1  # pages each row reads, the one receiving this token included
+    if needed.max() > tables.shape[1]:
+        raise ValueError(f"a position needs {int(needed.max())} pages; the page tables have {tables.shape[1]} columns")
+    in_use = np.arange(tables.shape[1])[None, :] < needed[:, None]
+    used = tables[in_use]
+    if (used == PAD_PAGE).any():
+        rows = sorted(set(np.nonzero((tables == PAD_PAGE) & in_use)[0].tolist()))
+        raise ValueError(f"rows {rows} map positions to page {PAD_PAGE}, the reserved padding page")
+    if (used < 0).any() or (used >= num_pages).any():
+        raise ValueError(f"page ids out of range for a pool of {num_pages} pages")
 
 
 def _check_pages(pages, num_tokens: int, page_size: int, num_pages: int) -> None:

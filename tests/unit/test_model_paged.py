@@ -137,9 +137,17 @@ def test_prefill_rejects_bad_page_lists(tiny, pages, error):
         tiny.prefill(fresh_pool(tiny), PROMPT, pages)
 
 
-def test_decode_rejects_writing_into_the_pad_page(tiny):
-    with pytest.raises(ValueError, match="padding page"):
-        tiny.decode(fresh_pool(tiny), [1], [4], [[3, 0]])  # position 4 falls in the table's page 0
+@pytest.mark.parametrize(
+    "positions, tables, error",
+    [
+        ([4], [[3, 0]], "padding page"),  # position 4 falls in the table's page 0
+        ([2, 8], [[3, 0], [5, 6]], "needs 3 pages"),
+        ([1], [[40]], "out of range"),
+    ],
+)
+def test_decode_rejects_bad_page_tables(tiny, positions, tables, error):
+    with pytest.raises(ValueError, match=error):
+        tiny.decode(fresh_pool(tiny), [1] * len(positions), positions, tables)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
