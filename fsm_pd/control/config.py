@@ -1,0 +1,44 @@
+"""Deadlines: defaults, and the ``FSM_PD_*`` environment variables that override them.
+
+The bootstrap and waiting defaults are SGLang's (``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` and
+``..._WAITING_TIMEOUT``, 300 s). SGLang has no pull-hold or transfer deadline; ours default to 60 s: long enough for
+a multi-GB pull on a slow link, short enough that an abandoned staging buffer does not pin memory for minutes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+DEFAULTS = {
+    "prefill": {"bootstrap": 300.0, "waiting": 300.0, "pull_hold": 60.0},
+    "decode": {"bootstrap": 300.0, "waiting": 300.0, "transfer": 60.0},
+}
+
+ENV = {
+    "bootstrap": "FSM_PD_BOOTSTRAP_TIMEOUT",
+    "waiting": "FSM_PD_WAITING_TIMEOUT",
+    "pull_hold": "FSM_PD_PULL_HOLD_TIMEOUT",
+    "transfer": "FSM_PD_TRANSFER_TIMEOUT",
+}
+
+
+def resolve_deadlines(role: str, explicit: Mapping[str, float] | None = None,
+                      environ: Mapping[str, str] = os.environ) -> dict[str, float]:
+    """Defaults, overridden by the environment, overridden by explicit values (flags)."""
+    deadlines = dict(DEFAULTS[role])
+    for timer in deadlines:
+        text = environ.get(ENV[timer])
+        if text is not None:
+            try:
+                deadlines[timer] = float(text)
+            except ValueError:
+                raise ValueError(f"{ENV[timer]}={text!r} is not a number of seconds") from None
+    for timer, value in (explicit or {}).items():
+        if timer not in deadlines:
+            raise ValueError(f"unknown {role} deadline {timer!r}; known: {sorted(deadlines)}")
+        deadlines[timer] = float(value)
+    for timer, value in deadlines.items():
+        if not value > 0:
+            raise ValueError(f"the {timer} deadline must be positive, got {value}")
+    return deadlines

@@ -1,0 +1,157 @@
+"""Effect handlers of the decode node (receiver): resolve, reserve, PREPARE, pull and verify, scatter, free.
+
+Pulls block, so they run on a small worker pool; every pool access (scatter, and freeing pages a queued scatter may
+still write) is a job on the model thread, in order. A pulled buffer is scattered only after the backend verified it
+(ready, error-free, shaped as our layout says), and only when the machine asks for it with ``Scatter``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import jax
+
+from fsm_pd.effects import EffectError, EffectInterpreter
+from fsm_pd.engine.pages import OutOfPages
+from fsm_pd.kernels import page_bucket, scatter_pages
+from fsm_pd.machines.effects import FreePages, Pull, ReservePages, ResolveBootstrap, Scatter, Send
+from fsm_pd.transport import Abort, PeerUnreachable, Prepare, Pulled, SideChannelError
+from fsm_pd.transport.backends import TransferFailed, TransferTimeout
+
+if TYPE_CHECKING:
+    from fsm_pd.control.manager import KVManager
+    from fsm_pd.effects import Node
+    from fsm_pd.machines import Room
+
+log = logging.getLogger(__name__)
+
+
+class DecodeEffects:
+    def __init__(self, manager: KVManager, pull_workers: int = 4):
+        self.m = manager
+        self.workers = ThreadPoolExecutor(max_workers=pull_workers, thread_name_prefix="pull")
+        self.pulled: dict[int, jax.Array] = {}  # room -> verified staging waiting for Scatter
+        self.waiting_for_pages: deque[tuple[int, int]] = deque()
+        self._pages_lock = threading.Lock()
+
+    def interpreter(self) -> EffectInterpreter:
+        return EffectInterpreter({ResolveBootstrap: self.resolve_bootstrap, ReservePages: self.reserve_pages,
+                                  Send: self.send, Pull: self.pull, Scatter: self.scatter,
+                                  FreePages: self.free_pages})
+
+    def resolve_bootstrap(self, node: Node, room: Room, effect: ResolveBootstrap) -> None:
+        ctx = dict(room.ctx)
+
+        def resolve():
+            try:
+                found = self.m.resolver(ctx)
+            except Exception as exc:  # noqa: BLE001 - a lookup failure is the peer's side's fault
+                node.submit(room.room, "error", {"blame": "remote", "reason": f"bootstrap lookup failed: {exc}"})
+                return
+            node.submit(room.room, "bootstrap_resolved", found)
+
+        self.workers.submit(resolve)
+
+    def reserve_pages(self, node: Node, room: Room, effect: ReservePages) -> None:
+        with self._pages_lock:
+            self.waiting_for_pages.append((room.room, int(room.ctx["page_count"])))
+        self._grant(node)
+
+    def _grant(self, node: Node) -> None:
+        """Admission in arrival order: the head of the queue waits for pages; rooms that ended leave the queue."""
+        with self._pages_lock:
+            while self.waiting_for_pages:
+                room_id, count = self.waiting_for_pages[0]
+                state = node.rooms.get(room_id)
+                if state is None or state.terminal:
+                    self.waiting_for_pages.popleft()
+                    continue
+                try:
+                    pages = self.m.allocator.reserve(room_id, count)
+                except OutOfPages:
+                    return
+                except ValueError as exc:
+                    self.waiting_for_pages.popleft()
+                    node.submit(room_id, "error", {"blame": "local", "reason": str(exc)})
+                    continue
+                self.waiting_for_pages.popleft()
+                node.submit(room_id, "pages_reserved", {"pages": pages})
+
+    def send(self, node: Node, room: Room, effect: Send) -> None:
+        ctx, channel = room.ctx, self.m.side_channel
+        if effect.kind == "PREPARE":
+            msg = channel.stamp(Prepare, room=room.room, transfer_id=room.room, reply_to=channel.address,
+                                layout=self.m.layout.to_dict(), page_count=len(ctx["pages"]),
+                                prompt_len=int(ctx.get("prompt_len", 0)))
+        elif effect.kind == "PULLED":
+            msg = channel.stamp(Pulled, room=room.room, transfer_id=room.room)
+        elif effect.kind == "ABORT":
+            msg = channel.stamp(Abort, room=room.room, reason=room.reason or "aborted")
+        else:
+            raise EffectError(f"the decode node does not send {effect.kind}")
+        try:
+            channel.send(ctx["prefill_addr"], msg)
+        except PeerUnreachable as exc:
+            if effect.kind in ("ABORT", "PULLED"):
+                return  # best effort: the prefill node's pull-hold deadline frees its side
+            raise EffectError(f"prefill node unreachable: {exc}", blame="remote") from exc
+        except SideChannelError as exc:
+            raise EffectError(f"side channel: {exc}") from exc
+
+    def pull(self, node: Node, room: Room, effect: Pull) -> None:
+        ctx, layout = room.ctx, self.m.layout
+        if int(ctx["page_count"]) != len(ctx["pages"]):
+            raise EffectError(f"READY announces {ctx['page_count']} pages, we reserved {len(ctx['pages'])}",
+                              blame="remote")
+        spec = (jax.ShapeDtypeStruct(layout.staging_shape(page_bucket(len(ctx["pages"]))), layout.dtype,
+                                     sharding=self.m.staging_sharding),)
+        address, uuid, room_id = ctx["transfer_addr"], int(ctx["uuid"]), room.room
+        timeout = self.m.deadlines["transfer"]
+
+        def work():
+            try:
+                (staging,) = self.m.backend.pull(address, uuid, spec, timeout)
+            except TransferTimeout as exc:
+                node.submit(room_id, "error", {"blame": "timeout", "reason": f"pull timed out: {exc}"})
+            except TransferFailed as exc:
+                node.submit(room_id, "error", {"blame": exc.blame, "reason": f"pull failed: {exc.reason}"})
+            except Exception as exc:  # noqa: BLE001
+                node.submit(room_id, "error", {"blame": "local", "reason": f"pull failed: {exc}"})
+            else:
+                self.pulled[room_id] = staging
+                node.submit(room_id, "pulled", {"bytes": int(staging.nbytes)})
+
+        self.workers.submit(work)
+
+    def scatter(self, node: Node, room: Room, effect: Scatter) -> None:
+        staging, pages, room_id = self.pulled.pop(room.room), list(room.ctx["pages"]), room.room
+
+        def write(owner):
+            owner.pool = scatter_pages(owner.pool, staging, pages, layout=self.m.layout)
+            jax.block_until_ready(owner.pool)
+
+        def done(future):
+            exc = future.exception()
+            if exc is None:
+                node.submit(room_id, "scattered", {})
+            else:
+                node.submit(room_id, "error", {"blame": "local", "reason": f"scatter failed: {exc}"})
+
+        self.m.model.submit(write).add_done_callback(done)
+
+    def free_pages(self, node: Node, room: Room, effect: FreePages) -> None:
+        self.pulled.pop(room.room, None)
+        self.m.model.submit(lambda owner: self.release(node, room.room))
+
+    def release(self, node: Node, room_id: int) -> int:
+        """Give a room's pages back (on the model thread) and let queued rooms in."""
+        freed = self.m.allocator.free(room_id)
+        self._grant(node)
+        return freed
+
+    def close(self) -> None:
+        self.workers.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,210 @@
+"""``KVManager``: one per process and role. It owns the node loop, the journal, the side channel, the transfer
+backend, the model thread (the KV pool) and, on the decode side, the page allocator.
+
+Threads: the *loop* thread runs ``node.step()`` and is the only one that changes rooms; the *model* thread is the only
+one that touches the pool; the side-channel listener, the timer thread and the pull workers only ``submit`` events.
+The public methods may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from fsm_pd.control.config import resolve_deadlines
+from fsm_pd.control.decode_effects import DecodeEffects
+from fsm_pd.control.prefill_effects import PrefillEffects
+from fsm_pd.effects import Node, RealClock
+from fsm_pd.engine.model_thread import ModelThread
+from fsm_pd.engine.pages import PageAllocator
+from fsm_pd.kernels import KVLayout
+from fsm_pd.machines import RECEIVER, SENDER, KVPoll
+from fsm_pd.store import Journal
+from fsm_pd.transport import Abort, Prepare, Pulled, Ready, SideChannel
+from fsm_pd.transport.backends import create_backend
+
+log = logging.getLogger(__name__)
+
+EARLY_ROOMS = 4096  # messages for rooms not created yet (D's PREPARE can beat the request to P) are kept this long
+
+
+def direct_resolver(ctx: Mapping[str, Any]) -> dict:
+    """Resolve the prefill node from an address given with the request (no bootstrap server)."""
+    if "prefill_addr" not in ctx:
+        raise LookupError("the request names no prefill side-channel address and no bootstrap server is configured")
+    return {"prefill_addr": ctx["prefill_addr"], "peer": ctx.get("peer", "prefill")}
+
+
+class KVManager:
+    def __init__(self, *, role: str, node_id: str, layout: KVLayout, journal: str, secret: bytes,
+                 backend: str = "zmq", backend_options: Mapping[str, Any] | None = None,
+                 deadlines: Mapping[str, float] | None = None, pool: Any = None,
+                 resolver: Callable[[Mapping[str, Any]], dict] = direct_resolver, host: str = "127.0.0.1",
+                 durability: str = "full", staging_sharding: Any = None):
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+        self.role, self.node_id, self.layout = role, node_id, layout
+        self.deadlines = resolve_deadlines(role, deadlines)
+        self.resolver = resolver
+        self.staging_sharding = staging_sharding
+        self.model = ModelThread(pool, name=f"model[{node_id}]")
+        options = dict(backend_options or {})
+        if backend in ("jax", "zmq"):
+            options.setdefault("host", host)
+        self.backend = create_backend(backend, **options)
+        self.side_channel = SideChannel(node_id=node_id, secret=secret, on_message=self._on_message,
+                                        bind=f"tcp://{host}:0")
+        self.journal = Journal(journal, durability=durability)
+        self.clock = RealClock()
+        if role == "prefill":
+            self.allocator = None
+            self.effects: PrefillEffects | DecodeEffects = PrefillEffects(self)
+            machine = SENDER
+        else:
+            self.allocator = PageAllocator(layout.num_pages)
+            self.effects = DecodeEffects(self)
+            machine = RECEIVER
+        self.node = Node(node_id, machine, self.journal, self.effects.interpreter(), self.clock, self.deadlines)
+        self._lock = threading.Lock()
+        self._known: set[int] = set()
+        self._early: OrderedDict[int, list[tuple[str, dict]]] = OrderedDict()
+        self._ended = threading.Condition()
+        self.node.observers.append(self._observe)
+        self.recovered = self.node.recover()
+        self._known.update(self.node.rooms)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"fsm-loop[{node_id}]", daemon=True)
+        self._thread.start()
+
+    # --- the loop ---
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.node.wakeup.wait(0.05)
+            try:
+                self.node.step()
+            except Exception:  # a journal that cannot be written stops the node: acting unjournaled breaks replay
+                log.exception("node %s stopped: the journal could not be written", self.node_id)
+                self._stop.set()
+
+    def _observe(self, room, decision, at) -> None:
+        if decision.dst != decision.src and room.terminal:
+            with self._ended:
+                self._ended.notify_all()
+
+    # --- events in ---
+    def _submit(self, room: int, trigger: str, payload: dict) -> None:
+        """Deliver now if the room exists (or is being created); otherwise keep it until it is."""
+        with self._lock:
+            if room in self._known:
+                self.node.submit(room, trigger, payload)
+                return
+            self._early.setdefault(room, []).append((trigger, payload))
+            self._early.move_to_end(room)
+            while len(self._early) > EARLY_ROOMS:
+                self._early.popitem(last=False)
+
+    def _create(self, room: int, payload: dict) -> None:
+        with self._lock:
+            if room in self._known:
+                raise ValueError(f"room {room} already exists on {self.node_id}")
+            self._known.add(room)
+            self.node.create(room, payload)
+            for trigger, early in self._early.pop(room, ()):
+                self.node.submit(room, trigger, early)
+
+    def _on_message(self, msg) -> None:
+        if isinstance(msg, Prepare) and self.role == "prefill":
+            self._submit(msg.room, "metadata_received", {
+                "peer": msg.sender, "reply_to": msg.reply_to, "peer_layout": msg.layout,
+                "peer_page_count": msg.page_count, "transfer_id": msg.transfer_id})
+        elif isinstance(msg, Pulled) and self.role == "prefill":
+            self._submit(msg.room, "pull_done", {"peer": msg.sender})
+        elif isinstance(msg, Ready) and self.role == "decode":
+            self._submit(msg.room, "kv_published", {
+                "peer_layout": msg.layout, "uuid": msg.uuid, "transfer_addr": msg.transfer_addr,
+                "backend": msg.backend, "page_count": msg.page_count, "first_token": msg.first_token,
+                "first_logprob": msg.first_logprob, "input_logprobs": msg.input_logprobs})
+        elif isinstance(msg, Abort):
+            self._submit(msg.room, "peer_abort", {"reason": msg.reason, "peer": msg.sender})
+        else:
+            log.info("%s ignores a %s message", self.node_id, type(msg).__name__)
+
+    # --- the prefill side ---
+    def add_sender(self, room: int, pages: list[int], prompt_len: int = 0) -> None:
+        """A request with ``bootstrap_room`` arrived; its KV is (or will be) in ``pages`` of our pool."""
+        self._require("prefill")
+        self._create(room, {"layout": self.layout.to_dict(), "pages": list(pages), "prompt_len": prompt_len})
+
+    def kv_ready(self, room: int, first_token: int = 0, first_logprob: float | None = None,
+                 input_logprobs: list[float] | None = None) -> None:
+        """Our prefill of ``room`` finished: its pages hold the KV and the first token is known."""
+        self._require("prefill")
+        self._submit(room, "kv_ready", {"first_token": first_token, "first_logprob": first_logprob,
+                                        "input_logprobs": input_logprobs})
+
+    # --- the decode side ---
+    def add_receiver(self, room: int, page_count: int, prompt_len: int = 0, **where: Any) -> None:
+        """A request with ``bootstrap_room`` arrived; ``where`` tells the resolver how to find the prefill node."""
+        self._require("decode")
+        self._create(room, {"layout": self.layout.to_dict(), "page_count": page_count, "prompt_len": prompt_len,
+                            **where})
+
+    def finish(self, room: int) -> None:
+        """The request finished decoding: free its pages (on the model thread, after any queued write)."""
+        self._require("decode")
+        self.model.submit(lambda owner: self.effects.release(self.node, room))
+
+    # --- both sides ---
+    def abort(self, room: int, reason: str = "aborted") -> None:
+        self._submit(room, "abort", {"reason": reason})
+
+    def poll(self, room: int) -> KVPoll | None:
+        """The room's state, read without advancing anything (None if it does not exist here)."""
+        return self.node.poll(room)
+
+    def reason(self, room: int) -> str | None:
+        found = self.node.rooms.get(room)
+        return None if found is None else found.reason
+
+    def wait(self, room: int, timeout: float) -> KVPoll | None:
+        """Block until the room is terminal or ``timeout`` passes; returns its state then."""
+        with self._ended:
+            self._ended.wait_for(lambda: (s := self.node.poll(room)) is not None and s.name in ("Success", "Failed"),
+                                 timeout)
+        return self.node.poll(room)
+
+    def clear(self, room: int) -> None:
+        with self._lock:
+            self.node.clear(room)
+            self._known.discard(room)
+
+    def counters(self) -> dict:
+        """What this node holds right now: for leak checks, /server_info and /metrics."""
+        states = Counter(r.state for r in list(self.node.rooms.values()))
+        out = {"rooms_by_state": dict(states), "open_transfer_entries": self.backend.open_entries().count,
+               "side_channel_dropped": self.side_channel.dropped}
+        if self.role == "prefill":
+            out["staging_buffers_held"] = self.effects.held()
+        else:
+            out["pages_reserved"] = self.allocator.reserved_pages
+            out["pages_free"] = self.allocator.free_pages
+            out["pulled_awaiting_scatter"] = len(self.effects.pulled)
+        return out
+
+    def _require(self, role: str) -> None:
+        if self.role != role:
+            raise RuntimeError(f"{self.node_id} is a {self.role} node")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.side_channel.close()
+        self.clock.close()
+        if isinstance(self.effects, DecodeEffects):
+            self.effects.close()
+        self.model.close()
+        self.backend.close()
+        self.journal.close()

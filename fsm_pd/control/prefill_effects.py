@@ -1,0 +1,86 @@
+"""Effect handlers of the prefill node (sender): gather and publish, READY/ABORT, release the staging buffer."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+from fsm_pd.effects import EffectError, EffectInterpreter
+from fsm_pd.kernels import gather_pages
+from fsm_pd.machines.effects import GatherAndPublish, ReleaseStaging, Send
+from fsm_pd.transport import Abort, PeerUnreachable, Ready, SideChannelError
+from fsm_pd.transport.backends import new_uuid
+
+if TYPE_CHECKING:
+    from fsm_pd.control.manager import KVManager
+    from fsm_pd.effects import Node
+    from fsm_pd.machines import Room
+
+log = logging.getLogger(__name__)
+
+
+class PrefillEffects:
+    def __init__(self, manager: KVManager):
+        self.m = manager
+        self.staging: dict[int, int] = {}  # room -> uuid of a staging buffer being gathered or published
+
+    def interpreter(self) -> EffectInterpreter:
+        return EffectInterpreter({GatherAndPublish: self.gather_and_publish, ReleaseStaging: self.release_staging,
+                                  Send: self.send})
+
+    def gather_and_publish(self, node: Node, room: Room, effect: GatherAndPublish) -> None:
+        uuid, pages = new_uuid(), list(room.ctx["pages"])
+        self.staging[room.room] = uuid
+
+        def gather(owner):
+            staging = gather_pages(owner.pool, pages, layout=self.m.layout)
+            staging.block_until_ready()
+            return staging
+
+        self.m.model.submit(gather).add_done_callback(lambda f: self._publish(node, room.room, uuid, f))
+
+    def _publish(self, node: Node, room_id: int, uuid: int, gathered: Future) -> None:
+        if self.staging.get(room_id) != uuid:
+            return  # the room ended while we gathered: the buffer is simply dropped
+        try:
+            staging = gathered.result()
+            self.m.backend.publish(uuid, (staging,), self.m.deadlines["pull_hold"])
+        except Exception as exc:  # noqa: BLE001 - any failure here fails the room, with the reason
+            node.submit(room_id, "error", {"blame": "local", "reason": f"gather/publish failed: {exc}"})
+            return
+        node.submit(room_id, "published", {"uuid": uuid, "transfer_addr": self.m.backend.address,
+                                           "rows": int(staging.shape[1])})
+
+    def release_staging(self, node: Node, room: Room, effect: ReleaseStaging) -> None:
+        uuid = self.staging.pop(room.room, None)
+        if uuid is None:
+            return
+        if room.state == "Success":
+            self.m.backend.release(uuid)
+        else:  # late pullers get an error at once instead of waiting for a buffer that is gone
+            self.m.backend.fail(uuid, room.reason or "transfer failed")
+
+    def send(self, node: Node, room: Room, effect: Send) -> None:
+        ctx, channel = room.ctx, self.m.side_channel
+        if effect.kind == "READY":
+            msg = channel.stamp(Ready, room=room.room, transfer_id=ctx["transfer_id"], uuid=ctx["uuid"],
+                                transfer_addr=ctx["transfer_addr"], backend=self.m.backend.name,
+                                layout=self.m.layout.to_dict(), page_count=len(ctx["pages"]),
+                                first_token=ctx.get("first_token", 0), first_logprob=ctx.get("first_logprob"),
+                                input_logprobs=ctx.get("input_logprobs"))
+        elif effect.kind == "ABORT":
+            msg = channel.stamp(Abort, room=room.room, reason=room.reason or "aborted")
+        else:
+            raise EffectError(f"the prefill node does not send {effect.kind}")
+        try:
+            channel.send(ctx["reply_to"], msg)
+        except PeerUnreachable as exc:
+            if effect.kind == "ABORT":
+                return  # telling a dead peer we gave up is best effort; its own deadlines end its side
+            raise EffectError(f"decode node unreachable: {exc}", blame="remote") from exc
+        except SideChannelError as exc:
+            raise EffectError(f"side channel: {exc}") from exc
+
+    def held(self) -> int:
+        return len(self.staging)
