@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -113,6 +114,8 @@ class DecodeEffects:
         timeout = self.m.deadlines["transfer"]
 
         def work():
+            if self.m.fault_pull_delay_s:
+                time.sleep(self.m.fault_pull_delay_s)
             try:
                 (staging,) = self.m.backend.pull(address, uuid, spec, timeout)
             except TransferTimeout as exc:

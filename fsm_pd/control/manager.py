@@ -43,13 +43,14 @@ class KVManager:
                  backend: str = "zmq", backend_options: Mapping[str, Any] | None = None,
                  deadlines: Mapping[str, float] | None = None, pool: Any = None,
                  resolver: Callable[[Mapping[str, Any]], dict] = direct_resolver, host: str = "127.0.0.1",
-                 durability: str = "full", staging_sharding: Any = None):
+                 durability: str = "full", staging_sharding: Any = None, fault_pull_delay_s: float = 0.0):
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
         self.role, self.node_id, self.layout = role, node_id, layout
         self.deadlines = resolve_deadlines(role, deadlines)
         self.resolver = resolver
         self.staging_sharding = staging_sharding
+        self.fault_pull_delay_s = fault_pull_delay_s  # fault injection: hold each pull back this long (tests, drills)
         self.model = ModelThread(pool, name=f"model[{node_id}]")
         options = dict(backend_options or {})
         if backend in ("jax", "zmq"):
@@ -166,6 +167,8 @@ class KVManager:
         return self.node.poll(room)
 
     def reason(self, room: int) -> str | None:
+        if self.node.poll(room) is not KVPoll.Failed:
+            return None
         found = self.node.rooms.get(room)
         return None if found is None else found.reason
 
@@ -183,7 +186,7 @@ class KVManager:
 
     def counters(self) -> dict:
         """What this node holds right now: for leak checks, /server_info and /metrics."""
-        states = Counter(r.state for r in list(self.node.rooms.values()))
+        states = Counter(list(self.node.states.values()))
         out = {"rooms_by_state": dict(states), "open_transfer_entries": self.backend.open_entries().count,
                "side_channel_dropped": self.side_channel.dropped}
         if self.role == "prefill":

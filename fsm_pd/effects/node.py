@@ -33,6 +33,9 @@ class Node:
         self.clock = clock
         self.deadlines = dict(deadlines)
         self.rooms: dict[int, Room] = {}
+        # what other threads may see: a state is published here only once it is journaled and its effects started,
+        # so nobody acts on a transition that a crash could still take back
+        self.states: dict[int, str] = {}
         self.timers: dict[tuple[int, str], Any] = {}
         self.observers: list[Observer] = []
         self.dropped_unknown_room = 0
@@ -69,16 +72,20 @@ class Node:
             batch.append((room, decision, at))
         if journal is not None:
             journal.flush()
+        for room, decision, _ in batch:
+            if decision.effects:
+                self.interpreter.run(self, room, decision)
+            self.states[room.room] = decision.dst
+        # observers (waiters, metrics) hear of a decision once its effects have been started
         for room, decision, at in batch:
             for observe in self.observers:
                 observe(room, decision, at)
-            if decision.effects:
-                self.interpreter.run(self, room, decision)
         return len(batch)
 
     def poll(self, room: int) -> KVPoll | None:
-        found = self.rooms.get(room)
-        return None if found is None else KVPoll[found.state]
+        """The room's journaled state; reading it never advances anything. Thread-safe."""
+        found = self.states.get(room)
+        return None if found is None else KVPoll[found]
 
     def clear(self, room: int) -> None:
         """Forget a terminal room; later events for it are dropped and counted."""
@@ -86,6 +93,7 @@ class Node:
         if found is not None and not found.terminal:
             raise ValueError(f"room {room} is {found.state}; only terminal rooms can be cleared")
         self.rooms.pop(room, None)
+        self.states.pop(room, None)
 
     def recover(self, reason: str = "node restarted") -> list[int]:
         """Rebuild rooms from this node's journal and fail those it left unfinished. Returns their ids.
@@ -101,6 +109,7 @@ class Node:
                 room = rooms.setdefault(row.room, Room(row.room))
                 self.machine.fire(room, row.trigger, row.event)
         self.rooms = rooms
+        self.states = {room_id: room.state for room_id, room in rooms.items()}
         unfinished = sorted(r.room for r in rooms.values() if not r.terminal)
         for room_id in unfinished:
             self.submit(room_id, "error", {"blame": "local", "reason": reason})

@@ -1,0 +1,269 @@
+"""Two real processes on 127.0.0.1 hand a KV cache across, for each backend, and every fault ends cleanly.
+
+Each test starts a prefill and a decode process (``pd_node.py``: a KVManager driven over stdin), creates rooms,
+injects a fault (SIGKILL, an abort, a layout mismatch, forged messages), and then checks what the journals say, that
+the failure came within its deadline, that every page and buffer is back, and that ``fsm-pd replay`` agrees.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from fsm_pd.kernels import KVLayout
+from fsm_pd.store import read_journal, replay
+from fsm_pd.transport import Abort, Pulled, generate_secret, secret_env
+from fsm_pd.transport.signing import seal
+
+NODE = Path(__file__).with_name("pd_node.py")
+SMALL = KVLayout(num_layers=2, num_pages=64, page_size=4, kv_heads=2, head_dim=8)
+# 128 KiB per page over all layers: 512 pages are 64 MiB
+LARGE = KVLayout(num_layers=4, num_pages=520, page_size=16, kv_heads=4, head_dim=64)
+BACKENDS = ["zmq", "jax"]
+
+
+class NodeProcess:
+    def __init__(self, tmp: Path, role: str, backend: str, layout: KVLayout, secret: bytes, *, seed=None,
+                 deadlines=None, pull_delay=0.0, backend_options=None, env=None, name=None):
+        self.role, self.name = role, name or f"{role}-0"
+        self.journal = tmp / f"{self.name}.db"
+        self.args = [sys.executable, str(NODE), "--role", role, "--node-id", self.name, "--journal", str(self.journal),
+                     "--backend", backend, "--layout", json.dumps(layout.to_dict()),
+                     "--deadlines", json.dumps(deadlines or {}), "--pull-delay", str(pull_delay),
+                     "--backend-options", json.dumps(backend_options or {})]
+        if seed is not None:
+            self.args += ["--seed", str(seed)]
+        self.env = {**os.environ, **secret_env(secret), **(env or {})}
+        self.start()
+
+    def start(self):
+        self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=self.env)
+        self.info = self._read(120)
+        return self.info
+
+    def _read(self, timeout):
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError(f"{self.name} did not answer within {timeout}s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.name} exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def __call__(self, op, timeout=60, **fields):
+        self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
+        self.proc.stdin.flush()
+        out = self._read(timeout)
+        assert "error" not in out, out
+        return out
+
+    def kill(self):
+        self.proc.kill()  # SIGKILL, to the process this test started
+        self.proc.wait()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            try:
+                self("quit", timeout=30)
+            except (TimeoutError, RuntimeError, BrokenPipeError, AssertionError):
+                pass
+            self.proc.wait(timeout=30)
+        if self.proc.poll() is None:
+            self.kill()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    started = []
+    secret = generate_secret()
+
+    def start(role, backend, layout=SMALL, **kw):
+        node = NodeProcess(tmp_path, role, backend, layout, secret, seed=1 if role == "prefill" else None, **kw)
+        started.append(node)
+        return node
+
+    start.secret = secret
+    yield start
+    for node in started:
+        node.stop()
+
+
+def transfer(p, d, room, pages):
+    p("add_sender", room=room, pages=pages)
+    d("add_receiver", room=room, page_count=len(pages), prefill_addr=p.info["side_channel"])
+    p("kv_ready", room=room, first_token=7)
+
+
+def final(journal: Path, room: int) -> tuple[str, str | None, float, float]:
+    """(final state, reason, first at, last state change at) of a room in a journal."""
+    rows = [r for r in read_journal(journal) if r.room == room]
+    changes = [r for r in rows if r.src != r.dst]
+    last = changes[-1] if changes else rows[-1]
+    return last.dst, last.payload.get("reason"), rows[0].at, last.at
+
+
+def assert_replay_consistent(*journals):
+    result = replay([row for j in journals for row in read_journal(j)])
+    assert result.consistent, [d.describe() for d in result.divergences]
+    return result
+
+
+def wait_for_state(node, room, state, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if node("state", room=room)["state"] == state:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{node.name} room {room} never reached {state}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_byte_exact_handoff_up_to_64_mib(cluster, backend):
+    p = cluster("prefill", backend, LARGE)
+    d = cluster("decode", backend, LARGE)
+    rooms = {1: [7], 2: [3, 4, 5, 90, 91], 3: list(range(200, 237)), 4: list(range(1, 513))}
+    for room, pages in rooms.items():
+        transfer(p, d, room, pages)
+        assert d("wait", room=room, timeout=120)["state"] == "Success"
+        assert p("wait", room=room, timeout=60)["state"] == "Success"
+        assert d("digest", room=room)["digest"] == p("digest", room=room, pages=pages)["digest"], room
+        d("finish", room=room)
+    assert p("counters")["open_transfer_entries"] == 0 and p("counters")["staging_buffers_held"] == 0
+    counters = d("counters")
+    assert counters["pages_reserved"] == 0 and counters["pulled_awaiting_scatter"] == 0
+    p.stop(), d.stop()
+    result = assert_replay_consistent(p.journal, d.journal)
+    assert {r.final for r in result.rooms} == {"Success"} and len(result.rooms) == 8
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sharded_pools_on_a_two_device_mesh(cluster, backend):
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    layout = KVLayout(num_layers=2, num_pages=32, page_size=4, kv_heads=4, head_dim=8, shard_axis="kv")
+    p = cluster("prefill", backend, layout, env=env)
+    d = cluster("decode", backend, layout, env=env)
+    assert p.info["devices"] == 2 and d.info["devices"] == 2
+    transfer(p, d, 1, [2, 3, 9, 10, 11])
+    assert d("wait", room=1)["state"] == "Success", d("state", room=1)
+    assert d("digest", room=1)["digest"] == p("digest", room=1, pages=[2, 3, 9, 10, 11])["digest"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_killed_before_the_pull(cluster, backend):
+    p = cluster("prefill", backend, deadlines={"pull_hold": 5})
+    d = cluster("decode", backend, deadlines={"transfer": 3}, pull_delay=1.0)
+    transfer(p, d, 1, [1, 2, 3])
+    wait_for_state(d, 1, "Transferring")  # READY arrived; the pull starts in 1 s
+    p.kill()
+    assert d("wait", room=1, timeout=10)["state"] == "Failed"
+    state, reason, _, failed_at = final(d.journal, 1)
+    ready_at = next(r.at for r in read_journal(d.journal) if r.trigger == "kv_published")
+    assert failed_at - ready_at <= 3.5, "failed within the transfer deadline"
+    assert "error" in reason or "timeout" in reason
+    assert d("counters")["pages_reserved"] == 0
+    restarted = p.start()  # the prefill node comes back on its journal and fails what it left unfinished
+    assert restarted["recovered"] == [1]
+    assert p("wait", room=1)["state"] == "Failed"
+    assert final(p.journal, 1)[1] == "local error: node restarted"
+    assert p("counters")["open_transfer_entries"] == 0
+    p.stop(), d.stop()
+    assert_replay_consistent(p.journal, d.journal)
+
+
+def test_prefill_killed_during_the_pull(cluster):
+    # a throttled zmq sender makes a 16 MiB pull take seconds, so the kill lands inside it
+    p = cluster("prefill", "zmq", LARGE, backend_options={"max_send_rate": 4e6}, deadlines={"pull_hold": 30})
+    d = cluster("decode", "zmq", LARGE, deadlines={"transfer": 4})
+    transfer(p, d, 1, list(range(1, 129)))
+    wait_for_state(d, 1, "Transferring")
+    time.sleep(0.5)
+    p.kill()
+    assert d("wait", room=1, timeout=15)["state"] == "Failed"
+    _, reason, _, failed_at = final(d.journal, 1)
+    ready_at = next(r.at for r in read_journal(d.journal) if r.trigger == "kv_published")
+    assert failed_at - ready_at <= 4.5 and "pull" in reason
+    assert d("counters")["pages_reserved"] == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_killed_before_pulling_frees_the_prefill_hold(cluster, backend):
+    p = cluster("prefill", backend, deadlines={"pull_hold": 2})
+    d = cluster("decode", backend, pull_delay=30)
+    transfer(p, d, 1, [4, 5])
+    wait_for_state(d, 1, "Transferring")
+    d.kill()
+    assert p("wait", room=1, timeout=10)["state"] == "Failed"
+    _, reason, _, _ = final(p.journal, 1)
+    assert reason == "pull_hold timeout"
+    counters = p("counters")
+    assert counters["open_transfer_entries"] == 0 and counters["staging_buffers_held"] == 0
+    p.stop()
+    assert_replay_consistent(p.journal, d.journal)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_failure_makes_a_late_pull_fail_fast(cluster, backend):
+    p = cluster("prefill", backend)
+    d = cluster("decode", backend, pull_delay=1.0)
+    transfer(p, d, 1, [6, 7])
+    wait_for_state(d, 1, "Transferring")
+    p("abort", room=1, reason="prefill gave up")
+    assert d("wait", room=1)["state"] == "Failed"
+    assert final(d.journal, 1)[1] == "aborted by peer: prefill gave up"
+    time.sleep(2.0)  # the delayed pull runs against the failed entry and must come back at once
+    late = [r for r in read_journal(d.journal) if r.trigger == "error"]
+    assert late and "ignored" in late[0].payload, "the late pull's failure lands on a finished room"
+    started = next(r.at for r in read_journal(d.journal) if r.trigger == "kv_published") + 1.0
+    assert late[0].at - started < 1.0, "the pull of a failed entry failed fast instead of hanging"
+    assert d("counters")["pages_reserved"] == 0 and p("counters")["open_transfer_entries"] == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layout_mismatch_fails_both_sides_before_anything_moves(cluster, backend):
+    p = cluster("prefill", backend)
+    other = KVLayout(num_layers=2, num_pages=64, page_size=4, kv_heads=2, head_dim=16)
+    d = cluster("decode", backend, other)
+    transfer(p, d, 1, [1, 2])
+    assert p("wait", room=1)["state"] == "Failed" and d("wait", room=1)["state"] == "Failed"
+    assert final(p.journal, 1)[1] == "layout mismatch"
+    assert final(d.journal, 1)[1] == "aborted by peer: layout mismatch"
+    assert d("counters")["pages_reserved"] == 0 and p("counters")["staging_buffers_held"] == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forged_unsigned_and_duplicate_messages_change_nothing(cluster, backend):
+    p = cluster("prefill", backend)
+    d = cluster("decode", backend, pull_delay=0.5)
+    transfer(p, d, 1, [3, 4])
+    wait_for_state(d, 1, "Transferring")
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 1000)
+    push.connect(d.info["side_channel"])
+    forged = Abort(room=1, sender="prefill-0", nonce=12345, sent_at=time.time(), reason="forged")
+    push.send(seal(forged, b"not the cluster secret, just 32 bytes long!"))
+    push.send(b"\x01\x04unsigned garbage")
+    assert d("wait", room=1)["state"] == "Success"
+    assert p("wait", room=1)["state"] == "Success"
+    dropped = d("counters")["side_channel_dropped"]
+    assert dropped["bad_mac"] >= 1 and sum(dropped.values()) >= 2
+    # a second, validly signed PULLED for the finished room: delivered once at most, never a state change
+    duplicate = Pulled(room=1, sender="decode-0", nonce=999, sent_at=time.time(), transfer_id=1)
+    push.disconnect(d.info["side_channel"])
+    push.connect(p.info["side_channel"])
+    push.send(seal(duplicate, cluster.secret))
+    time.sleep(0.5)
+    push.close()
+    ctx.term()
+    assert p("state", room=1)["state"] == "Success"
+    p.stop(), d.stop()
+    assert_replay_consistent(p.journal, d.journal)
+    assert [r.trigger for r in read_journal(p.journal) if r.room == 1 and r.src != r.dst][-1] == "pull_done"
