@@ -13,42 +13,73 @@ import time
 from collections.abc import Callable
 
 
-class VirtualClock:
-    """Time moves only when told to; timers fire in (time, arming order), so runs are deterministic."""
+class TimerHeap:
+    """Timers ordered by (time, arming order). Cancelled entries are dropped lazily, and the heap is compacted when
+    they are the majority: nearly every deadline is cancelled long before it is due, and keeping them all (with their
+    callbacks) would grow memory with the request rate times the deadline."""
 
-    def __init__(self, start: float = 0.0):
-        self._now = start
+    def __init__(self):
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._cancelled: set[int] = set()
         self._ids = itertools.count()
 
-    def now(self) -> float:
-        return self._now
-
-    def call_at(self, when: float, callback: Callable[[], None]) -> int:
+    def push(self, when: float, callback: Callable[[], None]) -> int:
         handle = next(self._ids)
         heapq.heappush(self._heap, (when, handle, callback))
         return handle
 
     def cancel(self, handle: int) -> None:
         self._cancelled.add(handle)
+        if len(self._cancelled) > 64 and 2 * len(self._cancelled) > len(self._heap):
+            self._heap = [entry for entry in self._heap if entry[1] not in self._cancelled]
+            heapq.heapify(self._heap)
+            self._cancelled.clear()
 
     def next_time(self) -> float | None:
         while self._heap and self._heap[0][1] in self._cancelled:
             self._cancelled.discard(heapq.heappop(self._heap)[1])
         return self._heap[0][0] if self._heap else None
 
-    def fire_next(self) -> bool:
-        """Advance to the earliest pending timer and fire every timer due at that instant."""
-        when = self.next_time()
-        if when is None:
-            return False
-        self._now = max(self._now, when)
-        while self._heap and self._heap[0][0] <= self._now:
+    def pop_due(self, now: float) -> list[Callable[[], None]]:
+        due = []
+        while self._heap and self._heap[0][0] <= now:
             _, handle, callback = heapq.heappop(self._heap)
             if handle in self._cancelled:
                 self._cancelled.discard(handle)
-                continue
+            else:
+                due.append(callback)
+        return due
+
+    def __len__(self) -> int:
+        return len(self._heap) - len(self._cancelled)
+
+
+class VirtualClock:
+    """Time moves only when told to; timers fire in (time, arming order), so runs are deterministic."""
+
+    def __init__(self, start: float = 0.0):
+        self._now = start
+        self._timers = TimerHeap()
+
+    def now(self) -> float:
+        return self._now
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> int:
+        return self._timers.push(when, callback)
+
+    def cancel(self, handle: int) -> None:
+        self._timers.cancel(handle)
+
+    def next_time(self) -> float | None:
+        return self._timers.next_time()
+
+    def fire_next(self) -> bool:
+        """Advance to the earliest pending timer and fire every timer due at that instant."""
+        when = self._timers.next_time()
+        if when is None:
+            return False
+        self._now = max(self._now, when)
+        for callback in self._timers.pop_due(self._now):
             callback()
         return True
 
@@ -57,9 +88,7 @@ class RealClock:
     """Wall-clock timers serviced by one daemon thread (not a thread per timer)."""
 
     def __init__(self):
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
-        self._cancelled: set[int] = set()
-        self._ids = itertools.count()
+        self._timers = TimerHeap()
         self._cv = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="fsm-pd-timers", daemon=True)
@@ -70,14 +99,13 @@ class RealClock:
 
     def call_at(self, when: float, callback: Callable[[], None]) -> int:
         with self._cv:
-            handle = next(self._ids)
-            heapq.heappush(self._heap, (when, handle, callback))
+            handle = self._timers.push(when, callback)
             self._cv.notify()
         return handle
 
     def cancel(self, handle: int) -> None:
         with self._cv:
-            self._cancelled.add(handle)
+            self._timers.cancel(handle)
 
     def close(self) -> None:
         with self._cv:
@@ -88,12 +116,13 @@ class RealClock:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._closed and (not self._heap or self._heap[0][0] > time.time()):
-                    self._cv.wait(None if not self._heap else max(0.0, self._heap[0][0] - time.time()))
+                while not self._closed:
+                    when = self._timers.next_time()
+                    if when is not None and when <= time.time():
+                        break
+                    self._cv.wait(None if when is None else when - time.time())
                 if self._closed:
                     return
-                _, handle, callback = heapq.heappop(self._heap)
-                if handle in self._cancelled:
-                    self._cancelled.discard(handle)
-                    continue
-            callback()
+                due = self._timers.pop_due(time.time())
+            for callback in due:
+                callback()

@@ -56,29 +56,31 @@ class Node:
         """Decide, journal and execute everything queued so far; returns how many events were processed."""
         self.wakeup.clear()
         batch: list[tuple[Room, Decision, float]] = []
-        journal, node_id, role, fire = self.journal, self.node_id, self.role, self.machine.fire
-        while self._inbox:
-            room_id, trigger, payload, at = self._inbox.popleft()
-            room = self.rooms.get(room_id)
+        rows: list[tuple] = []
+        rooms, inbox, node_id, role, fire = self.rooms, self._inbox, self.node_id, self.role, self.machine.fire
+        while inbox:
+            room_id, trigger, payload, at = inbox.popleft()
+            room = rooms.get(room_id)
             if room is None:
                 if trigger != "create":
                     self.dropped_unknown_room += 1  # already cleared: nothing left to journal it against
                     continue
-                room = self.rooms[room_id] = Room(room_id)
+                room = rooms[room_id] = Room(room_id)
             decision = fire(room, trigger, payload)
-            if journal is not None:
-                journal.add(node_id, role, room_id, decision.version, trigger, decision.src, decision.dst,
-                            _payload_json(payload, decision), at)
+            rows.append((node_id, role, room_id, decision.version, trigger, decision.src, decision.dst,
+                         _payload_json(payload, decision), at))
             batch.append((room, decision, at))
-        if journal is not None:
-            journal.flush()
+        if self.journal is not None and rows:
+            self.journal.add_rows(rows)
+            self.journal.flush()
+        run, states = self.interpreter.run, self.states
         for room, decision, _ in batch:
             if decision.effects:
-                self.interpreter.run(self, room, decision)
-            self.states[room.room] = decision.dst
+                run(self, room, decision)
+            states[room.room] = decision.dst
         # observers (waiters, metrics) hear of a decision once its effects have been started
-        for room, decision, at in batch:
-            for observe in self.observers:
+        for observe in self.observers:
+            for room, decision, at in batch:
                 observe(room, decision, at)
         return len(batch)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from transitions import Machine
 
@@ -42,8 +42,9 @@ class Room:
         return self.state in TERMINAL
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(NamedTuple):
+    """What one event did to one room. A NamedTuple: one is built per event on the hot path."""
+
     room: int
     version: int
     trigger: str

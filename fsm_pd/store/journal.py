@@ -111,6 +111,10 @@ class Journal:
         """Buffer one row; ``payload`` is already JSON text."""
         self._pending.append((node, role, room, version, trigger, src, dst, payload, at))
 
+    def add_rows(self, rows: list[tuple]) -> None:
+        """Buffer ready-made row tuples in ``COLUMNS`` order (the node loop's batch)."""
+        self._pending.extend(rows)
+
     @property
     def pending(self) -> int:
         return len(self._pending)
