@@ -18,6 +18,7 @@ rows durably"; the ratio says how much of it the whole control plane keeps.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sqlite3
@@ -27,11 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import gc
-
 from fsm_pd.effects import EffectInterpreter, Node, VirtualClock
-from fsm_pd.gc_policy import SERVING_THRESHOLDS
 from fsm_pd.engine.pages import PageAllocator
+from fsm_pd.gc_policy import SERVING_THRESHOLDS
 from fsm_pd.machines import RECEIVER, SENDER
 from fsm_pd.machines.effects import (
     FreePages,
@@ -117,7 +116,8 @@ def raw_insert(rows: list[tuple], batch: int, durability: str, path: Path) -> fl
     conn.execute("CREATE TABLE transitions (seq INTEGER PRIMARY KEY AUTOINCREMENT, node TEXT, role TEXT, "
                  "room INTEGER, version INTEGER, trigger TEXT, src TEXT, dst TEXT, payload TEXT, at REAL, "
                  "UNIQUE(node, role, room, version))")
-    sql = "INSERT INTO transitions (node, role, room, version, trigger, src, dst, payload, at) VALUES (?,?,?,?,?,?,?,?,?)"
+    sql = ("INSERT INTO transitions (node, role, room, version, trigger, src, dst, payload, at) "
+           "VALUES (?,?,?,?,?,?,?,?,?)")
     started = time.perf_counter()
     for i in range(0, len(rows), batch):
         conn.execute("BEGIN")

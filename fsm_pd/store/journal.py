@@ -175,7 +175,7 @@ def _row(r) -> JournalRow:
 
 
 def write_rows(target: str | os.PathLike, rows: Iterable[Sequence], *, durability: str = "full") -> None:
-    """Append ready-made rows (tests and tools): each ``(node, role, room, version, trigger, src, dst, payload, at)``."""
+    """Append ready-made rows (tests, tools): each ``(node, role, room, version, trigger, src, dst, payload, at)``."""
     journal = Journal(target, durability=durability)
     for row in rows:
         payload = row[7] if isinstance(row[7], str) else json.dumps(row[7])

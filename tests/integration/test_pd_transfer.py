@@ -7,6 +7,7 @@ the failure came within its deadline, that every page and buffer is back, and th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -71,10 +72,8 @@ class NodeProcess:
 
     def stop(self):
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(TimeoutError, RuntimeError, BrokenPipeError, AssertionError):
                 self("quit", timeout=30)
-            except (TimeoutError, RuntimeError, BrokenPipeError, AssertionError):
-                pass
             self.proc.wait(timeout=30)
         if self.proc.poll() is None:
             self.kill()

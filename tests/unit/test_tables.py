@@ -158,7 +158,8 @@ def test_kvpoll_integers_match_sglang():
 @pytest.mark.parametrize("machine", [SENDER, RECEIVER], ids=["sender", "receiver"])
 def test_fire_agrees_with_the_transitions_library(machine):
     """For every reachable state, trigger and guard outcome, fire() and the library's trigger() pick the same dest."""
-    fact_sets = [{}, {"kv_ready": {}}] if machine is SENDER else [{}, {"bootstrap_resolved": {}}, {"pages_reserved": {}}]
+    fact_sets = ([{}, {"kv_ready": {}}] if machine is SENDER
+                 else [{}, {"bootstrap_resolved": {}}, {"pages_reserved": {}}])
     payloads = [{}, {"peer_layout": LAYOUT}, {"peer_layout": OTHER}, {"timer": "bootstrap"}, {"timer": "waiting"},
                 {"timer": "transfer"}, {"timer": "pull_hold"}]
     checked = 0
