@@ -1,4 +1,4 @@
-"""Effect handlers of the decode node (receiver): resolve, reserve, PREPARE, pull and verify, scatter, free.
+"""Effect handlers of the decode node (receiver): resolve, admit, PREPARE, pull and verify, scatter, free.
 
 Pulls block, so they run on a small worker pool; every pool access (scatter, and freeing pages a queued scatter may
 still write) is a job on the model thread, in order. A pulled buffer is scattered only after the backend verified it
@@ -8,16 +8,13 @@ still write) is a job on the model thread, in order. A pulled buffer is scattere
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import jax
 
 from fsm_pd.effects import EffectError, EffectInterpreter
-from fsm_pd.engine.pages import OutOfPages
 from fsm_pd.kernels import page_bucket, scatter_pages
 from fsm_pd.machines.effects import FreePages, Pull, ReservePages, ResolveBootstrap, Scatter, Send
 from fsm_pd.transport import Abort, PeerUnreachable, Prepare, Pulled, SideChannelError
@@ -36,8 +33,6 @@ class DecodeEffects:
         self.m = manager
         self.workers = ThreadPoolExecutor(max_workers=pull_workers, thread_name_prefix="pull")
         self.pulled: dict[int, jax.Array] = {}  # room -> verified staging waiting for Scatter
-        self.waiting_for_pages: deque[tuple[int, int]] = deque()
-        self._pages_lock = threading.Lock()
 
     def interpreter(self) -> EffectInterpreter:
         return EffectInterpreter({ResolveBootstrap: self.resolve_bootstrap, ReservePages: self.reserve_pages,
@@ -58,29 +53,7 @@ class DecodeEffects:
         self.workers.submit(resolve)
 
     def reserve_pages(self, node: Node, room: Room, effect: ReservePages) -> None:
-        with self._pages_lock:
-            self.waiting_for_pages.append((room.room, int(room.ctx["page_count"])))
-        self._grant(node)
-
-    def _grant(self, node: Node) -> None:
-        """Admission in arrival order: the head of the queue waits for pages; rooms that ended leave the queue."""
-        with self._pages_lock:
-            while self.waiting_for_pages:
-                room_id, count = self.waiting_for_pages[0]
-                state = node.rooms.get(room_id)
-                if state is None or state.terminal:
-                    self.waiting_for_pages.popleft()
-                    continue
-                try:
-                    pages = self.m.allocator.reserve(room_id, count)
-                except OutOfPages:
-                    return
-                except ValueError as exc:
-                    self.waiting_for_pages.popleft()
-                    node.submit(room_id, "error", {"blame": "local", "reason": str(exc)})
-                    continue
-                self.waiting_for_pages.popleft()
-                node.submit(room_id, "pages_reserved", {"pages": pages})
+        self.m.admission.request(node, room.room, room.ctx.get("page_count"))
 
     def send(self, node: Node, room: Room, effect: Send) -> None:
         ctx, channel = room.ctx, self.m.side_channel
@@ -148,13 +121,8 @@ class DecodeEffects:
 
     def free_pages(self, node: Node, room: Room, effect: FreePages) -> None:
         self.pulled.pop(room.room, None)
-        self.m.model.submit(lambda owner: self.release(node, room.room))
-
-    def release(self, node: Node, room_id: int) -> int:
-        """Give a room's pages back (on the model thread) and let queued rooms in."""
-        freed = self.m.allocator.free(room_id)
-        self._grant(node)
-        return freed
+        # on the model thread, so that it runs after any scatter still queued for these pages
+        self.m.model.submit(lambda owner: self.m.admission.release(node, room.room))
 
     def close(self) -> None:
         self.workers.shutdown(wait=False, cancel_futures=True)

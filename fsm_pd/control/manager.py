@@ -14,8 +14,10 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from fsm_pd.control.admission import PoolAdmission, SchedulerAdmission
 from fsm_pd.control.config import resolve_deadlines
 from fsm_pd.control.decode_effects import DecodeEffects
+from fsm_pd.control.metrics import NodeMetrics
 from fsm_pd.control.prefill_effects import PrefillEffects
 from fsm_pd.effects import Node, RealClock
 from fsm_pd.engine.model_thread import ModelThread
@@ -43,7 +45,8 @@ class KVManager:
                  backend: str = "zmq", backend_options: Mapping[str, Any] | None = None,
                  deadlines: Mapping[str, float] | None = None, pool: Any = None,
                  resolver: Callable[[Mapping[str, Any]], dict] = direct_resolver, host: str = "127.0.0.1",
-                 durability: str = "full", staging_sharding: Any = None, fault_pull_delay_s: float = 0.0):
+                 durability: str = "full", staging_sharding: Any = None, fault_pull_delay_s: float = 0.0,
+                 admission: PoolAdmission | SchedulerAdmission | None = None):
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
         self.role, self.node_id, self.layout = role, node_id, layout
@@ -61,14 +64,15 @@ class KVManager:
         self.journal = Journal(journal, durability=durability)
         self.clock = RealClock()
         if role == "prefill":
-            self.allocator = None
+            self.admission = None
             self.effects: PrefillEffects | DecodeEffects = PrefillEffects(self)
             machine = SENDER
         else:
-            self.allocator = PageAllocator(layout.num_pages)
+            self.admission = admission if admission is not None else PoolAdmission(PageAllocator(layout.num_pages))
             self.effects = DecodeEffects(self)
             machine = RECEIVER
         self.node = Node(node_id, machine, self.journal, self.effects.interpreter(), self.clock, self.deadlines)
+        self.metrics = NodeMetrics(self.node)
         self._lock = threading.Lock()
         self._known: set[int] = set()
         self._early: OrderedDict[int, list[tuple[str, dict]]] = OrderedDict()
@@ -134,29 +138,46 @@ class KVManager:
             log.info("%s ignores a %s message", self.node_id, type(msg).__name__)
 
     # --- the prefill side ---
-    def add_sender(self, room: int, pages: list[int], prompt_len: int = 0) -> None:
-        """A request with ``bootstrap_room`` arrived; its KV is (or will be) in ``pages`` of our pool."""
-        self._require("prefill")
-        self._create(room, {"layout": self.layout.to_dict(), "pages": list(pages), "prompt_len": prompt_len})
+    def add_sender(self, room: int, pages: list[int] | None = None, prompt_len: int = 0) -> None:
+        """A request with ``bootstrap_room`` arrived; its KV is (or will be) in ``pages`` of our pool.
 
-    def kv_ready(self, room: int, first_token: int = 0, first_logprob: float | None = None,
-                 input_logprobs: list[float] | None = None) -> None:
+        The pages may instead come with ``kv_ready`` (chunked prefill learns them chunk by chunk).
+        """
+        self._require("prefill")
+        payload = {"layout": self.layout.to_dict(), "prompt_len": prompt_len}
+        if pages is not None:
+            payload["pages"] = [int(p) for p in pages]
+        self._create(room, payload)
+
+    def kv_ready(self, room: int, pages: list[int] | None = None, first_token: int = 0,
+                 first_logprob: float | None = None, input_logprobs: list[float] | None = None) -> None:
         """Our prefill of ``room`` finished: its pages hold the KV and the first token is known."""
         self._require("prefill")
-        self._submit(room, "kv_ready", {"first_token": first_token, "first_logprob": first_logprob,
-                                        "input_logprobs": input_logprobs})
+        payload = {"first_token": first_token, "first_logprob": first_logprob, "input_logprobs": input_logprobs}
+        if pages is not None:
+            payload["pages"] = [int(p) for p in pages]
+        self._submit(room, "kv_ready", payload)
 
     # --- the decode side ---
-    def add_receiver(self, room: int, page_count: int, prompt_len: int = 0, **where: Any) -> None:
+    def add_receiver(self, room: int, page_count: int | None = None, prompt_len: int = 0, **where: Any) -> None:
         """A request with ``bootstrap_room`` arrived; ``where`` tells the resolver how to find the prefill node."""
         self._require("decode")
         self._create(room, {"layout": self.layout.to_dict(), "page_count": page_count, "prompt_len": prompt_len,
                             **where})
 
+    def give_pages(self, room: int, pages: list[int]) -> None:
+        """The scheduler allocated ``pages`` for the room (SGLang's ``send_metadata``; ``SchedulerAdmission`` only)."""
+        self._require("decode")
+        if not isinstance(self.admission, SchedulerAdmission):
+            raise RuntimeError("pages are chosen by fsm-pd's own admission here; use SchedulerAdmission to pass them")
+        if not pages:
+            raise ValueError("a transfer needs at least one destination page")
+        self._submit(room, "pages_reserved", {"pages": [int(p) for p in pages]})
+
     def finish(self, room: int) -> None:
         """The request finished decoding: free its pages (on the model thread, after any queued write)."""
         self._require("decode")
-        self.model.submit(lambda owner: self.effects.release(self.node, room))
+        self.model.submit(lambda owner: self.admission.release(self.node, room))
 
     # --- both sides ---
     def abort(self, room: int, reason: str = "aborted") -> None:
@@ -192,8 +213,7 @@ class KVManager:
         if self.role == "prefill":
             out["staging_buffers_held"] = self.effects.held()
         else:
-            out["pages_reserved"] = self.allocator.reserved_pages
-            out["pages_free"] = self.allocator.free_pages
+            out.update(self.admission.counters())
             out["pulled_awaiting_scatter"] = len(self.effects.pulled)
         return out
 

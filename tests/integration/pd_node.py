@@ -87,7 +87,7 @@ def main() -> None:
                 state = manager.poll(room)
                 out = {"state": state.name if state is not None else None, "reason": manager.reason(room)}
             elif op == "digest":
-                pages = cmd.get("pages") or manager.allocator.pages_of(room)
+                pages = cmd.get("pages") or manager.admission.allocator.pages_of(room)
                 out = {"digest": digest(pages), "pages": pages}
             elif op == "abort":
                 manager.abort(room, cmd.get("reason", "aborted"))

@@ -1,0 +1,65 @@
+"""Prometheus metrics of one node, fed by the node loop's observers (after each decision is journaled).
+
+Each manager has its own ``CollectorRegistry`` so that several nodes can live in one process (tests, ``launch``);
+the HTTP layer serves ``generate_latest(metrics.registry)`` on ``/metrics``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from fsm_pd.machines.states import STATE_NAMES
+
+# seconds from the transfer's start to its end, on each side: P published -> PULLED, D READY -> scattered
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 36, 2))  # 1 KiB .. 32 GiB
+TRANSFER_START = {"prefill": "published", "decode": "kv_published"}
+
+
+class NodeMetrics:
+    def __init__(self, node, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        role = self.role = node.role
+        labels = {"role": role, "node": node.node_id}
+        self.rooms = Gauge("fsm_pd_rooms", "Rooms by state", ["role", "node", "state"], registry=self.registry)
+        self.transitions = Counter("fsm_pd_transitions", "Journaled events by trigger and outcome",
+                                   ["role", "node", "trigger", "dst"], registry=self.registry)
+        self.ignored = Counter("fsm_pd_ignored_events", "Events that changed nothing (late, duplicate, illegal)",
+                               ["role", "node", "trigger"], registry=self.registry)
+        self.failures = Counter("fsm_pd_failures", "Rooms that ended Failed, by reason",
+                                ["role", "node", "reason"], registry=self.registry)
+        self.transfer_seconds = Histogram("fsm_pd_transfer_seconds", "Transfer latency on this side",
+                                          ["role", "node"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.transfer_bytes = Histogram("fsm_pd_transfer_bytes", "Bytes per pulled KV transfer",
+                                        ["role", "node"], buckets=BYTES_BUCKETS, registry=self.registry)
+        self._labels = labels
+        for state in STATE_NAMES:  # counted at scrape time from the journaled states, so cleared rooms drop out
+            self.rooms.labels(state=state, **labels).set_function(
+                lambda s=state: sum(1 for v in list(node.states.values()) if v == s))
+        self._started: dict[int, float] = {}
+        node.observers.append(self.observe)
+
+    def observe(self, room, decision, at: float) -> None:
+        labels = self._labels
+        if decision.ignored is not None:
+            self.ignored.labels(trigger=decision.trigger, **labels).inc()
+            return
+        self.transitions.labels(trigger=decision.trigger, dst=decision.dst, **labels).inc()
+        if decision.trigger == TRANSFER_START[self.role]:
+            self._started[room.room] = at
+        if decision.trigger == "pulled":
+            self.transfer_bytes.labels(**labels).observe(float(room.ctx.get("bytes", 0)))
+        if decision.dst in ("Success", "Failed") and decision.src != decision.dst:
+            started = self._started.pop(room.room, None)
+            if decision.dst == "Success" and started is not None:
+                self.transfer_seconds.labels(**labels).observe(max(0.0, at - started))
+            if decision.dst == "Failed":
+                self.failures.labels(reason=_reason_label(decision.reason), **labels).inc()
+
+
+def _reason_label(reason: str | None) -> str:
+    """Keep label cardinality bounded: the reason up to its first detail (``remote error: pull failed``)."""
+    if not reason:
+        return "unknown"
+    head = reason.split(":", 2)
+    return ":".join(head[:2]).strip()[:80]
