@@ -8,6 +8,8 @@ module does:
   to make the library drop an unpulled entry (freeing its memory) and the only way to make a late pull fail
   instead of parking forever. The library's own expiry runs only when new traffic arrives, so a periodic "kick"
   registration keeps it running for tombstones and for abandoned pulls parked on this server.
+* Zero-size arrays stay off the wire (a pulled zero-byte buffer never becomes ready, jaxlib 0.10.2): D makes them
+  locally; the manifest's digest still covers them.
 * D polls readiness against its own deadline, and a watchdog poisons the connection if the deadline passes
   (a pull to a dead or silent peer never completes by itself). A poisoned or broken connection is dropped from
   the cache and never reused. ``is_ready()`` is True for errored arrays, so every buffer also goes through
@@ -119,7 +121,8 @@ class JaxTransferBackend(TransferBackend):
         keys = array_keys(arrays, count_shards=True)
         nbytes = sum(a.nbytes for a in arrays)
         manifest = Manifest(uuid, STATUS_OK, len(arrays), nbytes, layout_digest(keys), summarize(keys))
-        entry = [jax.device_put(manifest.encode(), _first_device([a.sharding for a in arrays])), *arrays]
+        manifest_array = jax.device_put(manifest.encode(), _first_device([a.sharding for a in arrays]))
+        entry = [manifest_array, *(a for a in arrays if a.size)]
 
         def expose(deadline: float) -> list[jax.Array]:
             # The library's own deadline is only a backstop behind our timer (which tombstones at ``deadline``).
@@ -184,6 +187,8 @@ class JaxTransferBackend(TransferBackend):
             jnp.uint8,
             sharding=jax.sharding.SingleDeviceSharding(_first_device([s.sharding for s in want])),
         )
+        non_empty = [bool(np.prod(s.shape, dtype=np.int64)) for s in want]
+        on_wire = [s for s, keep in zip(want, non_empty, strict=True) if keep]
         conn = self._connection(address)
         timed_out = threading.Event()
 
@@ -198,7 +203,7 @@ class JaxTransferBackend(TransferBackend):
         try:
             try:
                 kwargs = {"timeout": wall_deadline(deadline)} if self.features.timeouts else {}
-                out = conn.pull(uuid, [manifest_spec, *want], **kwargs)
+                out = conn.pull(uuid, [manifest_spec, *on_wire], **kwargs)
             except Exception as exc:  # noqa: BLE001
                 if timed_out.is_set():
                     raise classify(exc) from exc
@@ -213,7 +218,12 @@ class JaxTransferBackend(TransferBackend):
                 raise TransferTimeout(f"transfer {uuid} from {address}: data incomplete after {timeout_s:g} s")
         finally:
             watchdog.cancel()
-        return verify_pulled(out[1:], want, classify)
+        pulled = iter(out[1:])
+        arrays = [
+            next(pulled) if keep else jnp.zeros(s.shape, s.dtype, device=s.sharding)
+            for s, keep in zip(want, non_empty, strict=True)
+        ]
+        return verify_pulled(arrays, want, classify)
 
     def _check_manifest(self, arr: jax.Array, uuid: int, want: Sequence[jax.ShapeDtypeStruct], classify) -> None:
         try:
