@@ -1,0 +1,374 @@
+"""The transfer-backend contract, exercised between two real processes on 127.0.0.1 (``jax`` and ``zmq``).
+
+This process is D (the consumer); P is ``transfer_producer.py`` in a subprocess driven over stdin/stdout. The
+``fake`` backend runs the same contract in process. Deadline tests measure how long a failing pull took and assert
+the bound the contract promises: a pull returns or raises within its ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fsm_pd.transport.backends import (
+    TransferBackend,
+    TransferError,
+    TransferFailed,
+    TransferTimeout,
+    create_backend,
+    new_uuid,
+)
+
+HERE = Path(__file__).parent
+_spec = importlib.util.spec_from_file_location("transfer_producer", HERE / "transfer_producer.py")
+transfer_producer = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(transfer_producer)
+make_arrays = transfer_producer.make_arrays
+
+SLACK_S = 1.0  # scheduling slack on a busy 2-core machine, on top of a pull's own timeout
+NETWORK_BACKENDS = ["jax", "zmq"]
+
+
+class Producer:
+    """P in a subprocess; every call has its own timeout so that a wedged producer fails the test, not hangs it."""
+
+    def __init__(self, backend: str, **opts: object) -> None:
+        self.backend = backend
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "transfer_producer.py"), "--backend", backend, "--opts", json.dumps(opts)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.address = self._reply(timeout=60)["address"]
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.put(line)
+
+    def _reply(self, timeout: float = 30) -> dict:
+        reply = json.loads(self._lines.get(timeout=timeout))
+        assert "error" not in reply, reply
+        return reply
+
+    def call(self, **cmd: object) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def publish(self, seed: int, shapes: list, dtypes: list, hold_s: float = 30.0, uuid: int | None = None) -> int:
+        return self.call(op="publish", seed=seed, shapes=shapes, dtypes=dtypes, hold_s=hold_s, uuid=uuid)["uuid"]
+
+    def open_entries(self) -> tuple[int, int]:
+        reply = self.call(op="open")
+        return reply["count"], reply["nbytes"]
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.call(op="exit")
+            self.proc.wait(timeout=20)
+
+
+class InProcessProducer:
+    """The same driver surface over a ``fake`` backend living in this process."""
+
+    def __init__(self) -> None:
+        self.backend = create_backend("fake")
+        self.address = self.backend.address
+
+    def publish(self, seed: int, shapes: list, dtypes: list, hold_s: float = 30.0, uuid: int | None = None) -> int:
+        uuid = uuid or new_uuid()
+        self.backend.publish(uuid, [jax.device_put(a) for a in make_arrays(seed, shapes, dtypes)], hold_s)
+        return uuid
+
+    def call(self, op: str, **kw: object) -> dict:
+        getattr(self.backend, op)(**kw)
+        return {"ok": True}
+
+    def open_entries(self) -> tuple[int, int]:
+        entries = self.backend.open_entries()
+        return entries.count, entries.nbytes
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def specs(shapes: list, dtypes: list) -> list[jax.ShapeDtypeStruct]:
+    return [jax.ShapeDtypeStruct(tuple(s), jnp.dtype(d)) for s, d in zip(shapes, dtypes, strict=True)]
+
+
+def assert_bytes_equal(got: tuple[jax.Array, ...], expected: list[np.ndarray]) -> None:
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected, strict=True):
+        assert g.shape == e.shape and g.dtype == e.dtype
+        assert np.asarray(g).tobytes() == e.tobytes()
+
+
+def timed_failure(fn, *args) -> tuple[TransferError, float]:
+    start = time.monotonic()
+    with pytest.raises(TransferError) as info:
+        fn(*args)
+    return info.value, time.monotonic() - start
+
+
+@pytest.fixture(scope="module", params=[*NETWORK_BACKENDS, "fake"])
+def pair(request) -> tuple[Producer | InProcessProducer, TransferBackend]:
+    """A long-lived producer and this process's consumer backend, for tests that leave both healthy."""
+    name = request.param
+    producer = InProcessProducer() if name == "fake" else Producer(name)
+    consumer = producer.backend if name == "fake" else create_backend(name)
+    yield producer, consumer
+    producer.close()
+    if name != "fake":
+        consumer.close()
+
+
+SMALL = (
+    [[0], [1], [3, 5], [7, 11, 13], [1000], [2, 4, 8, 16], []],
+    ["float32", "bfloat16", "int8", "uint8", "int32", "float16", "float32"],
+)
+
+
+# ---------------------------------------------------------------- data gets there, exactly
+
+
+def test_small_mixed_arrays_arrive_byte_exact(pair):
+    producer, consumer = pair
+    shapes, dtypes = SMALL
+    uuid = producer.publish(1, shapes, dtypes)
+    got = consumer.pull(producer.address, uuid, specs(shapes, dtypes), 20)
+    assert_bytes_equal(got, make_arrays(1, shapes, dtypes))
+    producer.call(op="release", uuid=uuid)
+
+
+@pytest.mark.parametrize("sizes_kib", [[4], [1, 33, 517], [1500, 1, 2049]])
+def test_sizes_straddling_chunk_boundaries_arrive_byte_exact(pair, sizes_kib):
+    producer, consumer = pair
+    shapes, dtypes = [[k * 256] for k in sizes_kib], ["float32"] * len(sizes_kib)
+    uuid = producer.publish(2, shapes, dtypes)
+    assert_bytes_equal(consumer.pull(producer.address, uuid, specs(shapes, dtypes), 20), make_arrays(2, shapes, dtypes))
+    producer.call(op="release", uuid=uuid)
+
+
+@pytest.mark.parametrize("backend", NETWORK_BACKENDS)
+def test_64_mib_of_layers_arrives_byte_exact(backend):
+    shapes, dtypes = [[1 << 21]] * 8, ["float32"] * 8  # 8 layers x 8 MiB
+    producer = Producer(backend)
+    try:
+        with create_backend(backend) as consumer:
+            uuid = producer.publish(3, shapes, dtypes)
+            got = consumer.pull(producer.address, uuid, specs(shapes, dtypes), 60)
+            assert_bytes_equal(got, make_arrays(3, shapes, dtypes))
+            producer.call(op="release", uuid=uuid)
+            assert producer.open_entries() == (0, 0)
+    finally:
+        producer.close()
+
+
+def test_held_results_survive_later_pulls(pair):
+    """Receive memory is reused (zmq) only once nothing refers to it: kept results must never change."""
+    producer, consumer = pair
+    shapes, dtypes = [[1 << 19]] * 4, ["float32"] * 4  # 8 MiB: large enough for the receive-block pool
+    first_uuid = producer.publish(4, shapes, dtypes)
+    first = consumer.pull(producer.address, first_uuid, specs(shapes, dtypes), 30)
+    for seed in (5, 6):
+        uuid = producer.publish(seed, shapes, dtypes)
+        assert_bytes_equal(
+            consumer.pull(producer.address, uuid, specs(shapes, dtypes), 30), make_arrays(seed, shapes, dtypes)
+        )
+        producer.call(op="release", uuid=uuid)
+    assert_bytes_equal(first, make_arrays(4, shapes, dtypes))
+    producer.call(op="release", uuid=first_uuid)
+
+
+# ---------------------------------------------------------------- nothing unverified is returned
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [
+        pytest.param((["float32"], [[64]], [[65]]), id="shape"),
+        pytest.param((["float32"], [[64]], [[8, 8]]), id="same-bytes-shape"),
+        pytest.param((["float32", "int32"], [[64]], None), id="same-bytes-dtype"),
+        pytest.param((["float32"], [[64]], [[64], [1]]), id="extra-array"),
+    ],
+)
+def test_spec_mismatch_fails_blaming_the_consumer(pair, wrong):
+    producer, consumer = pair
+    dtypes, shapes, wrong_shapes = wrong
+    uuid = producer.publish(7, shapes, dtypes[:1])
+    want = specs(shapes, dtypes[1:]) if wrong_shapes is None else specs(wrong_shapes, dtypes * len(wrong_shapes))
+    err, elapsed = timed_failure(consumer.pull, producer.address, uuid, want, 10)
+    assert isinstance(err, TransferFailed) and err.blame == "local", err
+    assert "mismatch" in err.reason
+    assert elapsed < 5
+    producer.call(op="release", uuid=uuid)
+
+
+def test_unknown_uuid_times_out_within_deadline(pair):
+    producer, consumer = pair
+    err, elapsed = timed_failure(consumer.pull, producer.address, new_uuid(), specs([[4]], ["float32"]), 1.5)
+    assert isinstance(err, TransferTimeout), err
+    assert 1.4 <= elapsed <= 1.5 + SLACK_S
+
+
+# ---------------------------------------------------------------- producer-side endings fail pulls fast
+
+
+def test_fail_replaces_entry_and_pull_fails_fast(pair):
+    producer, consumer = pair
+    uuid = producer.publish(8, [[1024]], ["float32"])
+    producer.call(op="fail", uuid=uuid, reason="prefill OOM")
+    err, elapsed = timed_failure(consumer.pull, producer.address, uuid, specs([[1024]], ["float32"]), 10)
+    assert isinstance(err, TransferFailed) and err.blame == "remote", err
+    assert "prefill OOM" in err.reason
+    assert elapsed < 2
+    assert producer.open_entries() == (0, 0)
+
+
+def test_fail_wakes_a_pull_that_is_already_waiting(pair):
+    producer, consumer = pair
+    uuid = new_uuid()
+    result: queue.Queue = queue.Queue()
+    start = time.monotonic()
+
+    def pull() -> None:
+        try:
+            consumer.pull(producer.address, uuid, specs([[16]], ["float32"]), 10)
+            result.put(None)
+        except TransferError as exc:
+            result.put(exc)
+
+    threading.Thread(target=pull, daemon=True).start()
+    time.sleep(0.5)
+    producer.call(op="fail", uuid=uuid, reason="aborted by router")
+    err = result.get(timeout=15)
+    assert isinstance(err, TransferFailed) and "aborted by router" in err.reason, err
+    assert time.monotonic() - start < 0.5 + 3
+
+
+def test_duplicate_pull_after_release_fails_fast(pair):
+    producer, consumer = pair
+    uuid = producer.publish(9, [[256]], ["int32"])
+    consumer.pull(producer.address, uuid, specs([[256]], ["int32"]), 10)
+    producer.call(op="release", uuid=uuid)
+    err, elapsed = timed_failure(consumer.pull, producer.address, uuid, specs([[256]], ["int32"]), 10)
+    assert isinstance(err, TransferFailed) and "released" in err.reason, err
+    assert elapsed < 2
+
+
+def test_unpulled_hold_expires_frees_memory_and_fails_late_pulls(pair):
+    producer, consumer = pair
+    uuid = producer.publish(10, [[1 << 18]], ["float32"], hold_s=1.0)
+    assert producer.open_entries() == (1, 1 << 20)
+    deadline = time.monotonic() + 1.0 + 5
+    while producer.open_entries() != (0, 0):
+        assert time.monotonic() < deadline, "hold did not expire"
+        time.sleep(0.1)
+    err, elapsed = timed_failure(consumer.pull, producer.address, uuid, specs([[1 << 18]], ["float32"]), 10)
+    assert isinstance(err, TransferFailed) and "expired" in err.reason, err
+    assert elapsed < 2
+
+
+# ---------------------------------------------------------------- a dead producer never hangs the consumer
+
+
+@pytest.mark.parametrize("backend", NETWORK_BACKENDS)
+def test_producer_killed_before_pull(backend):
+    producer = Producer(backend)
+    uuid = producer.publish(11, [[1024]], ["float32"])
+    producer.kill()
+    with create_backend(backend) as consumer:
+        err, elapsed = timed_failure(consumer.pull, producer.address, uuid, specs([[1024]], ["float32"]), 3)
+    assert isinstance(err, TransferTimeout | TransferFailed), err
+    assert elapsed <= 3 + SLACK_S
+
+
+def _pull_in_thread(consumer, address, uuid, spec, timeout_s) -> tuple[threading.Thread, queue.Queue]:
+    result: queue.Queue = queue.Queue()
+
+    def run() -> None:
+        try:
+            result.put(consumer.pull(address, uuid, spec, timeout_s))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            result.put(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result
+
+
+@pytest.mark.parametrize("backend", NETWORK_BACKENDS)
+def test_producer_killed_while_pull_waits_for_publish(backend):
+    producer = Producer(backend)
+    with create_backend(backend) as consumer:
+        thread, result = _pull_in_thread(consumer, producer.address, new_uuid(), specs([[64]], ["float32"]), 4)
+        time.sleep(0.5)  # the request is parked on P
+        start = time.monotonic()
+        producer.kill()
+        err = result.get(timeout=4 + SLACK_S + 5)
+        assert isinstance(err, TransferTimeout | TransferFailed), err
+        assert time.monotonic() - start <= 4 + SLACK_S
+
+
+@pytest.mark.parametrize("backend", NETWORK_BACKENDS)
+def test_producer_killed_mid_transfer(backend):
+    """Freeze P (SIGSTOP) while bytes are flowing, so the pull is certainly mid-stream, then SIGKILL it."""
+    shapes, dtypes = [[1 << 22]] * 8, ["float32"] * 8  # 128 MiB: long enough to catch in flight
+    producer = Producer(backend)
+    with create_backend(backend) as consumer:
+        uuid = producer.publish(12, shapes, dtypes)
+        timeout_s = 8.0
+        begin = time.monotonic()
+        thread, result = _pull_in_thread(consumer, producer.address, uuid, specs(shapes, dtypes), timeout_s)
+        time.sleep(0.01)
+        os.kill(producer.proc.pid, signal.SIGSTOP)
+        if not thread.is_alive():  # finished in under 10 ms: this machine is too fast for the scenario
+            producer.kill()
+            pytest.skip("the transfer completed before the producer could be frozen")
+        time.sleep(0.3)
+        killed = time.monotonic()
+        producer.kill()
+        err = result.get(timeout=timeout_s + SLACK_S + 5)
+        assert isinstance(err, TransferTimeout | TransferFailed), err
+        assert time.monotonic() - begin <= timeout_s + SLACK_S
+        # A killed peer closes its sockets: both backends notice that well before the deadline.
+        assert time.monotonic() - killed < 3, err
+
+
+@pytest.mark.parametrize("backend", NETWORK_BACKENDS)
+def test_consumer_recovers_after_a_timed_out_pull(backend):
+    """A timed-out pull drops its connection; the next pull to the same producer connects fresh and succeeds."""
+    producer = Producer(backend)
+    try:
+        with create_backend(backend) as consumer:
+            err, _ = timed_failure(consumer.pull, producer.address, new_uuid(), specs([[8]], ["float32"]), 0.5)
+            assert isinstance(err, TransferTimeout)
+            uuid = producer.publish(13, [[300]], ["int32"])
+            assert_bytes_equal(
+                consumer.pull(producer.address, uuid, specs([[300]], ["int32"]), 10),
+                make_arrays(13, [[300]], ["int32"]),
+            )
+    finally:
+        producer.close()

@@ -1,0 +1,84 @@
+"""Producer (P) process for the transfer-backend tests and bench: a backend driven by JSON lines on stdin.
+
+    python transfer_producer.py --backend zmq [--opts '{"chunk_bytes": 1048576}']
+
+Prints ``{"address": ...}`` once ready, then answers one JSON line per command line:
+
+    {"op": "publish", "seed": 1, "shapes": [[4, 8]], "dtypes": ["float32"], "hold_s": 30} -> {"uuid": ...}
+    {"op": "fail", "uuid": u, "reason": "..."}  {"op": "release", "uuid": u}  -> {"ok": true}
+    {"op": "open"} -> {"count": n, "nbytes": b}          {"op": "exit"}
+
+Payloads come from ``make_arrays(seed, shapes, dtypes)``, which the consumer imports to know the expected bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+
+import numpy as np
+
+
+def make_arrays(seed: int, shapes: list, dtypes: list) -> list[np.ndarray]:
+    """Deterministic random bytes of each shape/dtype (any bit pattern, so NaNs are fine: compare bytes)."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for shape, dtype in zip(shapes, dtypes, strict=True):
+        dtype = jnp.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        out.append(np.frombuffer(rng.bytes(nbytes), np.uint8).view(dtype).reshape(shape))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", required=True)
+    parser.add_argument("--opts", default="{}")
+    args = parser.parse_args()
+
+    import jax
+
+    from fsm_pd.transport.backends import create_backend, new_uuid
+
+    backend = create_backend(args.backend, **json.loads(args.opts))
+    reply({"address": backend.address})
+    for line in sys.stdin:
+        try:
+            cmd = json.loads(line)
+            op = cmd["op"]
+            if op == "publish":
+                staging = [jax.device_put(a) for a in make_arrays(cmd["seed"], cmd["shapes"], cmd["dtypes"])]
+                jax.block_until_ready(staging)
+                uuid = cmd.get("uuid") or new_uuid()
+                backend.publish(uuid, staging, cmd.get("hold_s", 30.0))
+                reply({"uuid": uuid})
+            elif op == "fail":
+                backend.fail(cmd["uuid"], cmd["reason"])
+                reply({"ok": True})
+            elif op == "release":
+                backend.release(cmd["uuid"])
+                reply({"ok": True})
+            elif op == "open":
+                entries = backend.open_entries()
+                reply({"count": entries.count, "nbytes": entries.nbytes})
+            elif op == "exit":
+                break
+            else:
+                reply({"error": f"unknown op {op!r}"})
+        except Exception as exc:  # report, keep serving: the test decides what an error means
+            reply({"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
+    backend.close()
+    reply({"bye": True})
+
+
+def reply(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
