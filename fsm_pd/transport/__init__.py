@@ -1,5 +1,18 @@
 """Transport: the signed side channel between nodes (``side_channel``) and the KV data-plane backends (``backends``)."""
 
+from fsm_pd.transport.backends import (
+    BackendUnavailable,
+    OpenEntries,
+    TransferBackend,
+    TransferError,
+    TransferFailed,
+    TransferTimeout,
+    UnknownBackendError,
+    backend_names,
+    create_backend,
+    new_uuid,
+    register_backend,
+)
 from fsm_pd.transport.messages import (
     CODEC,
     Abort,
@@ -37,6 +50,7 @@ __all__ = [
     "SECRET_ENV",
     "Abort",
     "AbortAck",
+    "BackendUnavailable",
     "BadPeerAddress",
     "ChannelClosed",
     "Heartbeat",
@@ -44,6 +58,7 @@ __all__ = [
     "Message",
     "MessageTooLarge",
     "MessageType",
+    "OpenEntries",
     "PeerUnreachable",
     "Prepare",
     "Pulled",
@@ -52,8 +67,17 @@ __all__ = [
     "SecretError",
     "SideChannel",
     "SideChannelError",
+    "TransferBackend",
+    "TransferError",
+    "TransferFailed",
+    "TransferTimeout",
+    "UnknownBackendError",
+    "backend_names",
+    "create_backend",
     "generate_secret",
+    "new_uuid",
     "parse_secret",
+    "register_backend",
     "secret_env",
     "secret_from_env",
 ]

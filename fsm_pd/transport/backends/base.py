@@ -15,9 +15,10 @@ import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
-import jax
+if TYPE_CHECKING:  # annotations only: naming a backend must not import jax (the registry resolves lazily)
+    import jax
 
 Blame = Literal["remote", "local"]
 
