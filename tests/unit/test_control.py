@@ -1,0 +1,175 @@
+"""The control plane in one process: facades, aborts in both directions, early messages, heartbeat, metrics.
+
+Two KVManagers talk over the real side channel on 127.0.0.1 and the in-process ``fake`` data plane; the journals
+are real SQLite files.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from prometheus_client import generate_latest
+
+from fsm_pd.control import KVManager, resolve_deadlines
+from fsm_pd.control.admission import SchedulerAdmission
+from fsm_pd.control.facades import KVReceiver, KVSender, KVTransferError
+from fsm_pd.control.heartbeat import HeartbeatMonitor
+from fsm_pd.kernels import KVLayout, gather_pages
+from fsm_pd.machines import KVPoll
+from fsm_pd.store import read_journal, replay
+from fsm_pd.transport import generate_secret
+
+LAYOUT = KVLayout(num_layers=2, num_pages=32, page_size=4, kv_heads=1, head_dim=8)
+
+
+def pool(seed):
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.standard_normal(LAYOUT.layer_shape, dtype=np.float32) if seed else
+                             np.zeros(LAYOUT.layer_shape, np.float32)) for _ in range(LAYOUT.num_layers))
+
+
+@pytest.fixture
+def pair(tmp_path):
+    made = []
+
+    def make(decode_admission=None, **deadlines):
+        secret = generate_secret()
+        p = KVManager(role="prefill", node_id="p0", layout=LAYOUT, journal=str(tmp_path / "p.db"), secret=secret,
+                      backend="fake", pool=pool(1), deadlines={k: v for k, v in deadlines.items()
+                                                               if k in ("bootstrap", "waiting", "pull_hold")})
+        d = KVManager(role="decode", node_id="d0", layout=LAYOUT, journal=str(tmp_path / "d.db"), secret=secret,
+                      backend="fake", pool=pool(0), admission=decode_admission,
+                      deadlines={k: v for k, v in deadlines.items() if k in ("bootstrap", "waiting", "transfer")})
+        made.extend([p, d])
+        return p, d
+
+    yield make
+    for m in made:
+        m.close()
+
+
+def test_sglang_facades_drive_a_chunked_transfer(pair, tmp_path):
+    freed = []
+    p, d = pair(decode_admission=SchedulerAdmission(on_release=freed.append))
+    sender = KVSender(p, None, 5)
+    receiver = KVReceiver(d, None, 5)
+    assert sender.poll() == KVPoll.Bootstrapping
+    # no bootstrap server here: the decode node is told where the prefill node is
+    d.resolver = lambda ctx: {"prefill_addr": p.side_channel.address, "peer": "p0"}
+    receiver.init(prefill_dp_rank=0)
+    receiver.send_metadata([9, 10, 11])
+    sender.init(3)
+    sender.send([4])
+    assert d.wait(5, 0.3) != KVPoll.Success  # two pages still missing: nothing moves yet
+    sender.send([7, 8], first_token=42)
+    assert d.wait(5, 10) == KVPoll.Success and p.wait(5, 10) == KVPoll.Success
+    assert receiver.poll() == KVPoll.Success and sender.poll() == KVPoll.Success
+    got = np.asarray(d.model.call(lambda o: gather_pages(o.pool, [9, 10, 11])))[:, :3]
+    want = np.asarray(p.model.call(lambda o: gather_pages(o.pool, [4, 7, 8])))[:, :3]
+    assert np.array_equal(got, want)
+    assert d.node.rooms[5].ctx["first_token"] == 42
+    sender.clear()
+    receiver.clear()
+    assert p.poll(5) is None and freed == []
+
+
+def test_decode_abort_reaches_prefill_and_frees_pages(pair):
+    p, d = pair()
+    p.add_sender(1, [3, 4])
+    d.add_receiver(1, page_count=2, prefill_addr=p.side_channel.address)
+    assert _until(lambda: p.poll(1) == KVPoll.WaitingForInput)
+    d.abort(1, "client went away")
+    assert p.wait(1, 5) == KVPoll.Failed and d.wait(1, 5) == KVPoll.Failed
+    assert p.reason(1) == "aborted by peer: client went away"
+    assert _until(lambda: d.counters()["pages_reserved"] == 0)
+    with pytest.raises(KVTransferError, match="client went away"):
+        KVReceiver(d, None, 1).failure_exception()
+
+
+def test_prefill_abort_reaches_decode(pair):
+    p, d = pair()
+    p.add_sender(2, [3])
+    d.add_receiver(2, page_count=1, prefill_addr=p.side_channel.address)
+    assert _until(lambda: d.poll(2) == KVPoll.WaitingForInput and p.poll(2) == KVPoll.WaitingForInput)
+    p.abort(2, "prefill out of memory")
+    assert d.wait(2, 5) == KVPoll.Failed
+    assert d.reason(2) == "aborted by peer: prefill out of memory"
+
+
+def test_prepare_that_beats_the_request_to_prefill_is_kept(pair):
+    p, d = pair()
+    d.add_receiver(3, page_count=1, prefill_addr=p.side_channel.address)
+    time.sleep(0.3)  # PREPARE reaches the prefill node before it knows room 3
+    assert p.poll(3) is None
+    p.add_sender(3, [5])
+    p.kv_ready(3)
+    assert d.wait(3, 10) == KVPoll.Success and p.wait(3, 10) == KVPoll.Success
+
+
+def test_deadlines_fail_rooms_and_replay_explains_them(pair, tmp_path):
+    p, d = pair(bootstrap=0.3, waiting=0.4)
+    p.add_sender(4, [1])  # no decode side ever asks: bootstrap deadline
+    d.add_receiver(6, page_count=1, prefill_addr=p.side_channel.address)
+    p.add_sender(6, [2])  # PREPARE arrives, prefill never finishes: waiting deadlines on both sides
+    assert p.wait(4, 5) == KVPoll.Failed and p.reason(4) == "bootstrap timeout"
+    assert d.wait(6, 5) == KVPoll.Failed and d.reason(6) == "waiting timeout"
+    assert p.wait(6, 5) == KVPoll.Failed
+    p.close(), d.close()
+    result = replay(read_journal(tmp_path / "p.db") + read_journal(tmp_path / "d.db"))
+    assert result.consistent
+    ended = {(r.role, r.room): (r.ended_by, r.reason) for r in result.rooms}
+    assert ended[("prefill", 4)] == ("timeout", "bootstrap timeout")
+    assert ended[("decode", 6)] == ("timeout", "waiting timeout")
+    # the prefill side either timed out itself or heard the decode side's ABORT first
+    assert ended[("prefill", 6)] in {("timeout", "waiting timeout"), ("peer_abort", "aborted by peer: waiting timeout")}
+
+
+def test_metrics_count_transitions_and_failures(pair):
+    p, d = pair(bootstrap=0.2)
+    p.add_sender(1, [1])
+    assert p.wait(1, 5) == KVPoll.Failed
+    text = generate_latest(p.metrics.registry).decode()
+    assert 'fsm_pd_failures_total{node="p0",reason="bootstrap timeout",role="prefill"} 1.0' in text
+    assert 'fsm_pd_rooms{node="p0",role="prefill",state="Failed"} 1.0' in text
+    p.clear(1)
+    assert 'state="Failed"} 0.0' in generate_latest(p.metrics.registry).decode()
+
+
+def test_heartbeat_declares_a_node_dead_once_after_consecutive_misses():
+    alive = {"http://a": True, "http://b": True}
+    dead = []
+    monitor = HeartbeatMonitor(lambda url: alive[url], dead.append, interval_s=0.05, max_failures=3)
+    try:
+        monitor.watch("http://a")
+        monitor.watch("http://b")
+        alive["http://a"] = False
+        assert _until(lambda: dead == ["http://a"], 3)
+        time.sleep(0.3)
+        assert dead == ["http://a"] and monitor.watched() == ["http://b"]
+    finally:
+        monitor.close()
+
+
+def test_deadline_configuration(monkeypatch):
+    assert resolve_deadlines("decode")["waiting"] == 300.0
+    assert resolve_deadlines("prefill", environ={"FSM_PD_PULL_HOLD_TIMEOUT": "7"})["pull_hold"] == 7.0
+    assert resolve_deadlines("prefill", {"bootstrap": 3}, environ={"FSM_PD_BOOTSTRAP_TIMEOUT": "9"})["bootstrap"] == 3
+    with pytest.raises(ValueError, match="FSM_PD_WAITING_TIMEOUT"):
+        resolve_deadlines("decode", environ={"FSM_PD_WAITING_TIMEOUT": "soon"})
+    with pytest.raises(ValueError, match="unknown prefill deadline"):
+        resolve_deadlines("prefill", {"transfer": 1})
+    with pytest.raises(ValueError, match="positive"):
+        resolve_deadlines("decode", {"transfer": 0})
+
+
+def _until(predicate, timeout=5.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
