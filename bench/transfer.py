@@ -1,0 +1,318 @@
+"""P->D transfer throughput of every backend against two baselines, between two real processes on 127.0.0.1.
+
+    python bench/transfer.py [--json] [--runs 5] [--sizes 64,256] [--layers 16] [--backends jax,zmq]
+
+Per payload size (a list of per-layer float32 arrays) it measures, median of ``--runs`` after one warm-up:
+
+* ``raw_tcp``      baseline (a): the same bytes over a plain TCP socket, ``sendall`` -> ``recv_into`` a warm buffer;
+* ``raw_jax``      baseline (b): ``await_pull`` / ``pull`` of the same arrays with jax.experimental.transfer;
+* ``<backend>``    the backend's ``pull`` of an already published entry, verified (ready, error-free, shapes);
+* ``<backend>+kernels``  end to end: ``gather_pages`` on P -> publish -> pull -> verify -> ``scatter_pages`` on D,
+  timed on D from the request to the scattered pool being ready (includes the request's round trip to P).
+
+GB/s are 1e9 bytes per second; every figure is also printed as a ratio to ``raw_tcp``. The consumer (this process)
+spawns the producer as ``bench/transfer.py --serve`` and drives it with JSON lines on its stdin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+if os.environ.get("FSM_PD_BENCH_HANG_DUMP"):  # debugging aid: dump stacks of a stuck run
+    import faulthandler
+
+    faulthandler.dump_traceback_later(float(os.environ["FSM_PD_BENCH_HANG_DUMP"]), exit=True)
+
+PAGE_SIZE, KV_HEADS, HEAD_DIM = 16, 8, 128  # one page of one layer = 128 KiB of float32
+
+
+def layer_arrays(mib: int, layers: int, seed: int = 0) -> list[np.ndarray]:
+    n = (mib << 20) // 4 // layers
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(n, dtype=np.float32) for _ in range(layers)]
+
+
+def kv_layout(mib: int, layers: int):
+    from fsm_pd.kernels import KVLayout
+
+    pages = (mib << 20) // (layers * PAGE_SIZE * 2 * KV_HEADS * HEAD_DIM * 4)
+    layout = KVLayout(
+        num_layers=layers, num_pages=2 * pages + 1, page_size=PAGE_SIZE, kv_heads=KV_HEADS, head_dim=HEAD_DIM
+    )
+    return layout, pages
+
+
+def page_ids(layout, pages: int, seed: int) -> np.ndarray:
+    """Scattered (not contiguous) page ids, as after a while of allocation."""
+    return np.random.default_rng(seed).permutation(np.arange(1, layout.num_pages))[:pages].astype(np.int32)
+
+
+def make_pool(layout, seed: int):
+    import jax
+
+    rng = np.random.default_rng(seed)
+    return tuple(
+        jax.device_put(rng.standard_normal(layout.layer_shape, dtype=np.float32)) for _ in range(layout.num_layers)
+    )
+
+
+def server_config(opts: dict):
+    """The jax transfer-server settings of the ``jax`` backend options (both baselines share that server)."""
+    import dataclasses
+
+    from fsm_pd.transport.backends.jax_api import ServerConfig
+
+    names = {f.name for f in dataclasses.fields(ServerConfig)}
+    return ServerConfig(**{k: v for k, v in opts.get("jax", {}).items() if k in names})
+
+
+# ---------------------------------------------------------------- producer process (P)
+
+
+def serve(args: argparse.Namespace) -> None:
+    import jax
+
+    from fsm_pd.kernels import gather_pages
+    from fsm_pd.transport.backends import create_backend, new_uuid
+    from fsm_pd.transport.backends.jax_api import shared_server
+
+    opts = json.loads(args.backend_opts)
+    backends = {name: create_backend(name, **opts.get(name, {})) for name in args.backends.split(",")}
+    raw_server = shared_server(server_config(opts))  # the same server (and config) as the jax backend's
+    arrays: dict[int, list] = {}
+    pools: dict[int, tuple] = {}
+    tcp_payload = np.empty(0, np.uint8)
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def tcp_loop() -> None:
+        while True:  # one connection per payload size
+            conn, _ = listener.accept()
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while header := conn.recv(8):
+                conn.sendall(memoryview(tcp_payload)[: int.from_bytes(header, "little")])
+            conn.close()
+
+    threading.Thread(target=tcp_loop, daemon=True).start()
+    addresses = {n: b.address for n, b in backends.items()}
+    send({"tcp_port": listener.getsockname()[1], "raw_jax": raw_server.address(), "addresses": addresses})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op, mib = cmd["op"], cmd.get("mib")
+        if op == "setup":
+            arrays[mib] = [jax.device_put(a) for a in layer_arrays(mib, args.layers)]
+            layout, _ = kv_layout(mib, args.layers)
+            pools[mib] = make_pool(layout, seed=1)
+            tcp_payload = np.concatenate([np.asarray(a).view(np.uint8) for a in arrays[mib]])
+            jax.block_until_ready((arrays[mib], pools[mib]))
+            send({"ok": True})
+        elif op == "raw_publish":
+            uuid = new_uuid()
+            raw_server.await_pull(uuid, arrays[mib])
+            send({"uuid": uuid})
+        elif op == "publish":
+            uuid = new_uuid()
+            backends[cmd["backend"]].publish(uuid, arrays[mib], 60.0)
+            send({"uuid": uuid})
+        elif op == "gather_publish":
+            layout, pages = kv_layout(mib, args.layers)
+            staging = gather_pages(pools[mib], page_ids(layout, pages, seed=2), layout=layout)
+            uuid = new_uuid()
+            backends[cmd["backend"]].publish(uuid, [staging], 60.0)  # publish waits for nothing: pull does
+            send({"uuid": uuid})
+        elif op == "release":
+            backends[cmd["backend"]].release(cmd["uuid"])
+            send({"ok": True})
+        elif op == "exit":
+            break
+    for backend in backends.values():
+        backend.close()
+
+
+def send(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+# ---------------------------------------------------------------- consumer process (D) and the report
+
+
+class Producer:
+    def __init__(self, args: argparse.Namespace) -> None:
+        cmd = [sys.executable, os.path.abspath(__file__), "--serve", "--layers", str(args.layers)]
+        cmd += ["--backends", args.backends, "--backend-opts", args.backend_opts]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.hello = self.recv()
+
+    def call(self, **cmd: object) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.recv()
+
+    def recv(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"producer exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
+            self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def bench_size(producer: Producer, args: argparse.Namespace, mib: int) -> dict:
+    """Time every path on one payload size, interleaved run by run so that load from other processes on a shared
+    machine hits all paths alike; each path gets one untimed warm-up (compiles, connects) that also checks bytes."""
+    producer.call(op="setup", mib=mib)
+    expected = layer_arrays(mib, args.layers)
+    paths = {"raw_tcp": raw_tcp_path(producer, expected), "raw_jax": raw_jax_path(producer, args, mib, expected)}
+    backends = []
+    for name in args.backends.split(","):
+        backend, transfer, end_to_end = backend_paths(producer, args, mib, name, expected)
+        backends.append(backend)
+        paths[name], paths[f"{name}+kernels"] = transfer, end_to_end
+    for once in paths.values():
+        once(check=True)
+    times: dict[str, list[float]] = {path: [] for path in paths}
+    for _ in range(args.runs):
+        for path, once in paths.items():
+            times[path].append(once(check=False))
+    for backend in backends:
+        backend.close()
+    return {"nbytes": sum(a.nbytes for a in expected), "times": times}
+
+
+def raw_tcp_path(producer: Producer, expected: list[np.ndarray]):
+    nbytes = sum(a.nbytes for a in expected)
+    tcp = socket.create_connection(("127.0.0.1", producer.hello["tcp_port"]))
+    tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = np.empty(nbytes, np.uint8)  # one warm buffer: the best case any backend could reach
+    view = memoryview(buf)
+
+    def once(check: bool) -> float:
+        start = time.perf_counter()
+        tcp.sendall(nbytes.to_bytes(8, "little"))
+        got = 0
+        while got < nbytes:
+            got += tcp.recv_into(view[got:])
+        elapsed = time.perf_counter() - start
+        assert not check or buf.tobytes() == b"".join(a.tobytes() for a in expected), "raw tcp bytes differ"
+        return elapsed
+
+    return once
+
+
+def raw_jax_path(producer: Producer, args: argparse.Namespace, mib: int, expected: list[np.ndarray]):
+    import jax
+
+    from fsm_pd.transport.backends.jax_api import shared_server
+
+    conn = shared_server(server_config(json.loads(args.backend_opts))).connect(producer.hello["raw_jax"])
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device) for a in expected]
+
+    def once(check: bool) -> float:
+        uuid = producer.call(op="raw_publish", mib=mib)["uuid"]
+        start = time.perf_counter()
+        out = jax.block_until_ready(conn.pull(uuid, specs))
+        elapsed = time.perf_counter() - start
+        assert not check or all(np.array_equal(o, e) for o, e in zip(out, expected, strict=True)), "raw jax differs"
+        return elapsed
+
+    return once
+
+
+def backend_paths(producer: Producer, args: argparse.Namespace, mib: int, name: str, expected: list[np.ndarray]):
+    import jax
+
+    from fsm_pd.kernels import page_bucket, scatter_pages
+    from fsm_pd.transport.backends import create_backend
+
+    backend = create_backend(name, **json.loads(args.backend_opts).get(name, {}))
+    address = producer.hello["addresses"][name]
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in expected]
+    layout, pages = kv_layout(mib, args.layers)
+    staging_spec = [jax.ShapeDtypeStruct(layout.staging_shape(page_bucket(pages)), np.float32)]
+    dst_ids = page_ids(layout, pages, seed=3)
+    pool = [make_pool(layout, seed=4)]
+
+    def transfer(check: bool) -> float:
+        uuid = producer.call(op="publish", backend=name, mib=mib)["uuid"]
+        start = time.perf_counter()
+        out = backend.pull(address, uuid, specs, 60.0)
+        elapsed = time.perf_counter() - start
+        producer.call(op="release", backend=name, uuid=uuid)
+        assert not check or all(np.array_equal(o, e) for o, e in zip(out, expected, strict=True)), name
+        return elapsed
+
+    def end_to_end(check: bool) -> float:
+        start = time.perf_counter()
+        uuid = producer.call(op="gather_publish", backend=name, mib=mib)["uuid"]
+        (staging,) = backend.pull(address, uuid, staging_spec, 60.0)
+        pool[0] = jax.block_until_ready(scatter_pages(pool[0], staging, dst_ids, layout=layout))
+        elapsed = time.perf_counter() - start
+        producer.call(op="release", backend=name, uuid=uuid)
+        if check:  # D's pages now hold what P's pool (rebuilt here from its seed) has in the gathered pages
+            src_pool, src_ids = make_pool(layout, seed=1), page_ids(layout, pages, seed=2)
+            for src, dst in zip(src_pool, pool[0], strict=True):
+                assert np.array_equal(np.asarray(src)[src_ids], np.asarray(dst)[dst_ids]), f"{name}+kernels"
+        return elapsed
+
+    return backend, transfer, end_to_end
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--sizes", default="64,256", help="payload sizes in MiB")
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--backends", default="jax,zmq")
+    parser.add_argument("--backend-opts", default="{}", help='JSON options per backend, e.g. {"zmq": {"window": 4}}')
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve(args)
+        return
+
+    producer = Producer(args)
+    report = {"runs": args.runs, "layers": args.layers, "cpus": os.cpu_count(), "sizes": []}
+    try:
+        for mib in (int(s) for s in args.sizes.split(",")):
+            result = bench_size(producer, args, mib)
+            base = statistics.median(result["times"]["raw_tcp"])
+            rows = {}
+            for path, secs in result["times"].items():
+                median = statistics.median(secs)
+                rows[path] = {
+                    "gbps": round(result["nbytes"] / median / 1e9, 3),
+                    "ratio_to_raw_tcp": round(base / median, 3),
+                    "median_ms": round(median * 1e3, 2),
+                    "runs_ms": [round(s * 1e3, 2) for s in secs],
+                }
+            report["sizes"].append({"mib": mib, "paths": rows})
+    finally:
+        producer.close()
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    for entry in report["sizes"]:
+        print(f"\n{entry['mib']} MiB in {args.layers} float32 arrays, median of {args.runs}")
+        print(f"  {'path':<16}{'GB/s':>8}{'x raw_tcp':>11}{'median ms':>11}")
+        for path, row in entry["paths"].items():
+            print(f"  {path:<16}{row['gbps']:>8.2f}{row['ratio_to_raw_tcp']:>11.2f}{row['median_ms']:>11.1f}")
+
+
+if __name__ == "__main__":
+    main()
