@@ -1,0 +1,210 @@
+"""The bootstrap server: where prefill ranks register and decode nodes find them, wire-compatible with SGLang.
+
+``create_bootstrap_app`` builds the FastAPI app (routes below); ``BootstrapServer`` serves it with uvicorn on a
+background thread. Routes, as SGLang's ``CommonKVBootstrapServer`` has them (texts and status codes included):
+
+* ``PUT /route``: a prefill rank registers (``RankRegistration``) → ``200 OK``.
+* ``GET /route?prefill_dp_rank=&prefill_cp_rank=&target_tp_rank=&target_pp_rank=``: all four -1 → the layout
+  (``SERVER_INFO_KEYS``); otherwise that rank's ``{rank_ip, rank_port}`` plus fsm-pd's extras. 503 until every
+  rank registered, 404 for a rank not registered, 400 for a parameter absent or not an integer.
+* ``POST /register_dp_rank`` ``{bootstrap_room, dp_rank}`` → ``200 OK``; ``POST /query_dp_ranks``
+  ``{bootstrap_rooms: [...]}`` → ``{"<room>": dp_rank}`` for the rooms known.
+* ``GET /health`` → ``200 OK``.
+
+What fsm-pd adds without changing what an SGLang client sees: checked bodies (400 with the reason, never a 500 for
+what a client sent), a body size limit (413), a layout conflict check (409), and an optional shared token on the
+two writes (401 without ``Authorization: Bearer <token>``). Reads stay open because SGLang's decode sends no token.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import socket
+import threading
+import time
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from fsm_pd.bootstrap.body_limit import BodySizeLimit
+from fsm_pd.bootstrap.registry import PrefillRegistry, RegistrationConflict
+from fsm_pd.bootstrap.wire import (
+    BadRequest,
+    RankRegistration,
+    parse_dp_rank_query,
+    parse_dp_rank_registration,
+    parse_route_query,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 256 * 1024  # a registration with a KV layout is ~1 KiB; 256 KiB holds ~12k rooms per query
+
+
+def create_bootstrap_app(*, expected_ranks: int | None = None, token: str | None = None,
+                         entry_ttl_s: float = 120.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                         registry: PrefillRegistry | None = None) -> FastAPI:
+    """The bootstrap server's app. ``expected_ranks``, when given, is how many prefill ranks the operator expects
+    (a registration describing another count is refused with 409); otherwise the first registration's layout says.
+    ``token`` guards ``PUT /route`` and ``POST /register_dp_rank``. ``registry`` lets a caller share its own."""
+    if token is not None and not token:
+        raise ValueError("token must be a non-empty string, or None for no token")
+    registry = registry or PrefillRegistry(expected_ranks=expected_ranks, entry_ttl_s=entry_ttl_s)
+    app = FastAPI(title="fsm-pd bootstrap", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.registry = registry
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    expected_auth = None if token is None else f"Bearer {token}".encode()
+
+    def refused(request: Request) -> Response | None:
+        if expected_auth is None:
+            return None
+        given = request.headers.get("authorization", "").encode()
+        if hmac.compare_digest(given, expected_auth):
+            return None
+        reason = "missing" if not given else "wrong"
+        return PlainTextResponse(f"Unauthorized: {reason} bearer token for a write to the bootstrap server.",
+                                 status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(request: Request, exc: BadRequest) -> Response:
+        return PlainTextResponse(str(exc), status_code=400)
+
+    @app.exception_handler(RegistrationConflict)
+    async def conflict(request: Request, exc: RegistrationConflict) -> Response:
+        log.warning("refused a prefill registration: %s", exc)
+        return PlainTextResponse(str(exc), status_code=409)
+
+    @app.put("/route")
+    async def register_rank(request: Request) -> Response:
+        if (denied := refused(request)) is not None:
+            return denied
+        reg = RankRegistration.from_json(await _json_body(request))
+        count = registry.register(reg)
+        log.info("registered prefill rank dp=%d cp=%d tp=%d pp=%d at %s:%d (%d/%s)", *reg.key, reg.rank_ip,
+                 reg.rank_port, count, registry.expected_count)
+        return PlainTextResponse("OK")
+
+    @app.get("/route")
+    async def route(request: Request) -> Response:
+        dp, cp, tp, pp = parse_route_query(request.query_params)
+        if not registry.is_ready():
+            return PlainTextResponse(f"Prefill server not fully registered yet "
+                                     f"({registry.registered_count} workers registered).", status_code=503)
+        if (dp, cp, tp, pp) == (-1, -1, -1, -1):
+            return JSONResponse(registry.server_info())
+        info = registry.lookup(dp, cp, tp, pp)
+        if info is None:
+            return PlainTextResponse(f"Bootstrap info not found for dp_rank={dp} cp_rank={cp} tp_rank={tp} "
+                                     f"pp_rank={pp}", status_code=404)
+        return JSONResponse(info)
+
+    @app.post("/register_dp_rank")
+    async def register_dp_rank(request: Request) -> Response:
+        if (denied := refused(request)) is not None:
+            return denied
+        room, dp_rank = parse_dp_rank_registration(await _json_body(request))
+        registry.register_room(room, dp_rank)
+        return PlainTextResponse("OK")
+
+    @app.post("/query_dp_ranks")
+    async def query_dp_ranks(request: Request) -> Response:
+        return JSONResponse(registry.query_rooms(parse_dp_rank_query(await _json_body(request))))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return PlainTextResponse("OK")
+
+    return app
+
+
+async def _json_body(request: Request) -> Any:
+    body = await request.body()
+    if not body:
+        raise BadRequest("the request has no body; a JSON object is expected")
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise BadRequest("the body's JSON is nested too deeply") from None
+    except ValueError as exc:  # not UTF-8, not JSON, or an integer past Python's digit limit
+        raise BadRequest(f"the body is not valid JSON: {exc}") from None
+
+
+class BootstrapServer:
+    """Serves ``create_bootstrap_app`` on ``host:port`` from a daemon thread; ``port=0`` picks a free port.
+
+    The socket is bound here, before the thread starts, so ``.port`` is known (and a busy port fails in
+    ``start()``, not in the thread)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, expected_ranks: int | None = None,
+                 token: str | None = None, entry_ttl_s: float = 120.0,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, registry: PrefillRegistry | None = None):
+        self.host, self._requested_port = host, port
+        self.app = create_bootstrap_app(expected_ranks=expected_ranks, token=token, entry_ttl_s=entry_ttl_s,
+                                        max_body_bytes=max_body_bytes, registry=registry)
+        self.registry: PrefillRegistry = self.app.state.registry
+        self._socket: socket.socket | None = None
+        self._port: int | None = None
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port; it stays readable after ``stop()`` (a test may restart a server on it)."""
+        if self._port is None:
+            raise RuntimeError("the bootstrap server is not started")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout_s: float = 10.0) -> BootstrapServer:
+        if self._thread is not None:
+            raise RuntimeError("the bootstrap server is already started")
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self._requested_port))
+        except OSError:
+            sock.close()
+            raise
+        self._socket, self._port = sock, sock.getsockname()[1]
+        # access_log off: SGLang logs its bootstrap requests only at debug level too (decodes poll /health).
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_keep_alive=30, limit_concurrency=1024)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        name=f"bootstrap-server:{self.port}", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the bootstrap server on {self.host} did not start within {timeout_s}s")
+            time.sleep(0.01)
+        log.info("bootstrap server listening on %s", self.url)
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive() and self._server is not None:
+                self._server.force_exit = True  # open keep-alive connections held the graceful exit up
+                self._thread.join(timeout_s)
+        if self._socket is not None:
+            self._socket.close()
+        self._server = self._thread = self._socket = None
+
+    def __enter__(self) -> BootstrapServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
