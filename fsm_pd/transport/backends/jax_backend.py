@@ -20,6 +20,7 @@ module does:
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -189,7 +190,7 @@ class JaxTransferBackend(TransferBackend):
         )
         non_empty = [bool(np.prod(s.shape, dtype=np.int64)) for s in want]
         on_wire = [s for s, keep in zip(want, non_empty, strict=True) if keep]
-        conn = self._connection(address)
+        conn = self._connection(address, deadline)
         timed_out = threading.Event()
 
         def on_deadline() -> None:  # also unblocks a native pull() that blocks (as reported on TPU)
@@ -259,7 +260,12 @@ class JaxTransferBackend(TransferBackend):
             return TransferFailed(f"connection to producer {address} lost during transfer {uuid} ({text})")
         return TransferFailed(f"transfer {uuid} from {address} failed: {text}")
 
-    def _connection(self, address: str) -> object:
+    def _connection(self, address: str, deadline: float) -> object:
+        with self._conns_lock:
+            conn = self._conns.get(address)
+        if conn is not None:
+            return conn
+        _refuse_dead_address(address, deadline)
         with self._conns_lock:
             conn = self._conns.get(address)
             if conn is None:
@@ -295,3 +301,22 @@ class JaxTransferBackend(TransferBackend):
         self._holds.close("producer closed")
         with self._conns_lock:
             self._conns.clear()
+
+
+def _refuse_dead_address(address: str, deadline: float) -> None:
+    """Fail at once if nothing listens at ``address``.
+
+    The library's connect never fails: it retries every 2 s forever, so a pull to a dead producer would only end at
+    its deadline. One plain TCP connect to the control port tells "refused" apart in well under a millisecond; any
+    other outcome (slow, filtered) is left to the pull and its watchdog.
+    """
+    host, _, port = address.rpartition(":")
+    try:
+        probe = socket.create_connection(
+            (host.strip("[]"), int(port)), timeout=min(1.0, max(0.05, deadline - time.monotonic()))
+        )
+    except ConnectionRefusedError as exc:
+        raise TransferFailed(f"producer {address} is not listening (connection refused)") from exc
+    except (OSError, ValueError):
+        return
+    probe.close()
