@@ -372,3 +372,33 @@ def test_consumer_recovers_after_a_timed_out_pull(backend):
             )
     finally:
         producer.close()
+
+
+@pytest.mark.parametrize(
+    "missing",
+    [("error_arrays",), ("timeouts",), ("error_arrays", "timeouts", "poison")],
+    ids=["no-make_error_array", "no-timeouts", "jax-0.7-like"],
+)
+def test_jax_backend_keeps_the_contract_on_older_jaxlib_feature_sets(missing):
+    """Older jaxlibs lack make_error_array (<0.7.2), poisoning (<0.8.1) or timeouts (<0.10.1): same outcomes."""
+    from dataclasses import replace
+
+    from fsm_pd.transport.backends.jax_api import detect_features
+
+    features = replace(detect_features(), **dict.fromkeys(missing, False))
+    with create_backend("jax", features=features) as p, create_backend("jax", features=features) as d:
+        spec = specs([[32]], ["float32"])
+        for ending in ("release", "fail"):
+            uuid = new_uuid()
+            p.publish(uuid, [jnp.arange(32, dtype=jnp.float32)], 30)
+            if ending == "release":
+                np.testing.assert_array_equal(d.pull(p.address, uuid, spec, 5)[0], np.arange(32, dtype=np.float32))
+                p.release(uuid)
+            else:
+                p.fail(uuid, "prefill crashed")
+            err, elapsed = timed_failure(d.pull, p.address, uuid, spec, 5)
+            assert isinstance(err, TransferFailed) and ("released" if ending == "release" else "crashed") in err.reason
+            assert elapsed < 2
+        err, elapsed = timed_failure(d.pull, p.address, new_uuid(), spec, 0.5)
+        assert isinstance(err, TransferTimeout) and elapsed <= 0.5 + SLACK_S
+        assert p.open_entries().count == 0
