@@ -111,6 +111,8 @@ class ZmqTransferBackend(TransferBackend):
         check_uuid(uuid)
         want = normalize_spec(spec)
         want_keys = spec_keys(want, count_shards=False)
+        if self._closed:
+            raise TransferFailed("this zmq backend is closed", "local")
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
@@ -136,6 +138,7 @@ class ZmqTransferBackend(TransferBackend):
         return verify_pulled(arrays, want, lambda exc: TransferFailed(f"transfer {uuid}: {exc}", "local"))
 
     def close(self) -> None:
+        """End every hold and stop serving; waits for this backend's in-flight pulls (each ends by its deadline)."""
         with self._close_lock:
             if self._closed:
                 return

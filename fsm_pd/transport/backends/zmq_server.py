@@ -94,6 +94,8 @@ class ZmqPullServer:
 
     def notify(self, event: str, uuid: int, reason: str = "") -> None:
         """``"published"`` serves pulls parked on ``uuid``; ``"ended"`` aborts its streams with ``reason``."""
+        if self._stopping:  # e.g. a fail() after close: nobody is served any more
+            return
         self._commands.put((event, uuid, reason))
         os.write(self._wake_w, b"x")
 
