@@ -78,7 +78,11 @@ def create_bootstrap_app(*, expected_ranks: int | None = None, token: str | None
         log.warning("refused a prefill registration: %s", exc)
         return PlainTextResponse(str(exc), status_code=409)
 
-    @app.put("/route")
+    # One route for both methods, as SGLang has it, so that a 405 on /route lists both in its Allow header.
+    @app.api_route("/route", methods=["GET", "PUT"])
+    async def route(request: Request) -> Response:
+        return await (register_rank(request) if request.method == "PUT" else lookup(request))
+
     async def register_rank(request: Request) -> Response:
         if (denied := refused(request)) is not None:
             return denied
@@ -88,8 +92,7 @@ def create_bootstrap_app(*, expected_ranks: int | None = None, token: str | None
                  reg.rank_port, count, registry.expected_count)
         return PlainTextResponse("OK")
 
-    @app.get("/route")
-    async def route(request: Request) -> Response:
+    async def lookup(request: Request) -> Response:
         dp, cp, tp, pp = parse_route_query(request.query_params)
         if not registry.is_ready():
             return PlainTextResponse(f"Prefill server not fully registered yet "

@@ -183,7 +183,8 @@ def test_non_integer_route_parameter_is_400_naming_it(make_server, http, bad):
 
 def test_other_methods_on_route_are_405(make_server, http):
     server = make_server()
-    assert http.delete(server.url + "/route").status_code == 405
+    response = http.delete(server.url + "/route")
+    assert response.status_code == 405 and response.headers["allow"] == "GET, PUT"
     assert http.post(server.url + "/route", json={}).status_code == 405
 
 
