@@ -184,7 +184,7 @@ def test_non_integer_route_parameter_is_400_naming_it(make_server, http, bad):
 def test_other_methods_on_route_are_405(make_server, http):
     server = make_server()
     response = http.delete(server.url + "/route")
-    assert response.status_code == 405 and response.headers["allow"] == "GET, PUT"
+    assert response.status_code == 405 and set(response.headers["allow"].split(", ")) == {"GET", "PUT"}
     assert http.post(server.url + "/route", json={}).status_code == 405
 
 
