@@ -20,7 +20,6 @@ module does:
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -46,12 +45,17 @@ from fsm_pd.transport.backends.jax_api import (
     shared_server,
     wall_deadline,
 )
-from fsm_pd.transport.backends.jax_manifest import MANIFEST_BYTES, STATUS_OK, Manifest, ManifestError
+from fsm_pd.transport.backends.jax_failures import (
+    ERROR_PREFIX,
+    check_manifest,
+    classify_pull_error,
+    refuse_dead_address,
+)
+from fsm_pd.transport.backends.jax_manifest import MANIFEST_BYTES, STATUS_ENDED, STATUS_OK, Manifest
 from fsm_pd.transport.backends.spec import (
     array_keys,
     layout_digest,
     normalize_spec,
-    spec_keys,
     summarize,
     verify_pulled,
     wait_until_ready,
@@ -62,9 +66,6 @@ log = logging.getLogger(__name__)
 
 # Reserved for the expiry kick; issued uuids are below 2**63, so it can never collide with a transfer.
 KICK_UUID = (1 << 64) - 1
-_ERROR_PREFIX = "fsm-pd: "  # marks errors that a producer raised on purpose (tombstones), vs. transport failures
-_CONNECTION_LOST = ("Connection closed", "recv()", "InjectFailure", "Socket", "socket", "Connect")
-_LAYOUT_ERRORS = ("out of range", "Invalid slicing", "deleted before transfers completed")
 
 
 def _first_device(shardings: Sequence[jax.sharding.Sharding]) -> jax.Device:
@@ -144,7 +145,7 @@ class JaxTransferBackend(TransferBackend):
         return self._holds.open_entries()
 
     def _retire(self, uuid: int, reason: str, hold: Hold | None) -> None:
-        message = f"{_ERROR_PREFIX}transfer {uuid} {reason}"
+        message = f"{ERROR_PREFIX}transfer {uuid} {reason}"
         device = jax.local_devices()[0]
         try:
             if self.features.error_arrays:
@@ -153,7 +154,7 @@ class JaxTransferBackend(TransferBackend):
                 aval = jax.ShapeDtypeStruct((1,), jnp.uint8, sharding=jax.sharding.SingleDeviceSharding(device))
                 tombstone = [make_error_array(aval, message)]
             else:
-                ended = Manifest(uuid, 1, 0, 0, bytes(16), reason)
+                ended = Manifest(uuid, STATUS_ENDED, 0, 0, bytes(16), reason)
                 tombstone = [jax.device_put(ended.encode(), device)]
             self._await_pull(uuid, tombstone, time.monotonic() + self._tombstone_ttl_s)
         except Exception:  # the hold is ended either way; a failed tombstone only means late pulls time out
@@ -213,7 +214,7 @@ class JaxTransferBackend(TransferBackend):
             if not wait_until_ready(out[:1], deadline):
                 self._poison(address, conn)
                 raise TransferTimeout(f"transfer {uuid} from {address}: nothing arrived within {timeout_s:g} s")
-            self._check_manifest(out[0], uuid, want, classify)
+            check_manifest(out[0], uuid, want, classify)
             if not wait_until_ready(out[1:], deadline):
                 self._poison(address, conn)
                 raise TransferTimeout(f"transfer {uuid} from {address}: data incomplete after {timeout_s:g} s")
@@ -226,46 +227,18 @@ class JaxTransferBackend(TransferBackend):
         ]
         return verify_pulled(arrays, want, classify)
 
-    def _check_manifest(self, arr: jax.Array, uuid: int, want: Sequence[jax.ShapeDtypeStruct], classify) -> None:
-        try:
-            arr.block_until_ready()
-            manifest = Manifest.decode(np.asarray(arr))
-        except ManifestError as exc:
-            raise TransferFailed(f"transfer {uuid}: {exc}") from exc
-        except Exception as exc:  # noqa: BLE001 - the runtime's error on a pulled buffer
-            raise classify(exc) from exc
-        if manifest.uuid != uuid:
-            raise TransferFailed(f"asked for transfer {uuid}, producer answered with {manifest.uuid}")
-        if manifest.status != STATUS_OK:
-            raise TransferFailed(f"transfer {uuid} {manifest.text}")
-        want_keys = spec_keys(want, count_shards=True)
-        if manifest.digest != layout_digest(want_keys):
-            raise TransferFailed(
-                f"spec mismatch for transfer {uuid}: published {manifest.text}, expected {summarize(want_keys)}",
-                "local",
-            )
-
     def _classify(self, exc: Exception, address: str, conn: object, uuid: int, timed_out: bool) -> TransferError:
-        text = str(exc)
-        if timed_out:
-            return TransferTimeout(f"transfer {uuid} from {address} timed out; connection poisoned ({text})")
-        if _ERROR_PREFIX in text:  # a tombstone: P ended the entry on purpose; the connection is fine
-            return TransferFailed(text.split(_ERROR_PREFIX, 1)[1])
-        if "Pull expired" in text:
-            return TransferTimeout(f"transfer {uuid} from {address}: producer expired the pull ({text})")
-        if any(s in text for s in _LAYOUT_ERRORS):
-            return TransferFailed(f"transfer {uuid}: layout does not match the published entry ({text})", "local")
-        self._drop(address, conn)  # anything else may have broken the connection: never reuse it
-        if any(s in text for s in _CONNECTION_LOST):
-            return TransferFailed(f"connection to producer {address} lost during transfer {uuid} ({text})")
-        return TransferFailed(f"transfer {uuid} from {address} failed: {text}")
+        error, connection_suspect = classify_pull_error(str(exc), address, uuid, timed_out)
+        if connection_suspect:  # it may have broken the connection: never reuse it
+            self._drop(address, conn)
+        return error
 
     def _connection(self, address: str, deadline: float) -> object:
         with self._conns_lock:
             conn = self._conns.get(address)
         if conn is not None:
             return conn
-        _refuse_dead_address(address, deadline)
+        refuse_dead_address(address, deadline)
         with self._conns_lock:
             conn = self._conns.get(address)
             if conn is None:
@@ -301,22 +274,3 @@ class JaxTransferBackend(TransferBackend):
         self._holds.close("producer closed")
         with self._conns_lock:
             self._conns.clear()
-
-
-def _refuse_dead_address(address: str, deadline: float) -> None:
-    """Fail at once if nothing listens at ``address``.
-
-    The library's connect never fails: it retries every 2 s forever, so a pull to a dead producer would only end at
-    its deadline. One plain TCP connect to the control port tells "refused" apart in well under a millisecond; any
-    other outcome (slow, filtered) is left to the pull and its watchdog.
-    """
-    host, _, port = address.rpartition(":")
-    try:
-        probe = socket.create_connection(
-            (host.strip("[]"), int(port)), timeout=min(1.0, max(0.05, deadline - time.monotonic()))
-        )
-    except ConnectionRefusedError as exc:
-        raise TransferFailed(f"producer {address} is not listening (connection refused)") from exc
-    except (OSError, ValueError):
-        return
-    probe.close()
