@@ -23,6 +23,16 @@ ENV = {
 }
 
 
+def heartbeat_settings(environ: Mapping[str, str] = os.environ) -> dict:
+    """SGLang's decode heartbeat: every 5 s, two misses in a row declare the prefill node dead."""
+    try:
+        interval = float(environ.get("FSM_PD_HEARTBEAT_INTERVAL", "5.0"))
+        failures = int(environ.get("FSM_PD_HEARTBEAT_MAX_FAILURE", "2"))
+    except ValueError as exc:
+        raise ValueError(f"FSM_PD_HEARTBEAT_INTERVAL / FSM_PD_HEARTBEAT_MAX_FAILURE: {exc}") from None
+    return {"interval_s": interval, "max_failures": failures}
+
+
 def resolve_deadlines(role: str, explicit: Mapping[str, float] | None = None,
                       environ: Mapping[str, str] = os.environ) -> dict[str, float]:
     """Defaults, overridden by the environment, overridden by explicit values (flags)."""

@@ -14,11 +14,14 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from fsm_pd.bootstrap import check_health
 from fsm_pd.control.admission import PoolAdmission, SchedulerAdmission
-from fsm_pd.control.config import resolve_deadlines
+from fsm_pd.control.config import heartbeat_settings, resolve_deadlines
 from fsm_pd.control.decode_effects import DecodeEffects
+from fsm_pd.control.heartbeat import HeartbeatMonitor
 from fsm_pd.control.metrics import NodeMetrics
 from fsm_pd.control.prefill_effects import PrefillEffects
+from fsm_pd.control.resolver import PrefillResolver, register_prefill
 from fsm_pd.effects import Node, RealClock
 from fsm_pd.engine.model_thread import ModelThread
 from fsm_pd.engine.pages import PageAllocator
@@ -33,25 +36,20 @@ log = logging.getLogger(__name__)
 EARLY_ROOMS = 4096  # messages for rooms not created yet (D's PREPARE can beat the request to P) are kept this long
 
 
-def direct_resolver(ctx: Mapping[str, Any]) -> dict:
-    """Resolve the prefill node from an address given with the request (no bootstrap server)."""
-    if "prefill_addr" not in ctx:
-        raise LookupError("the request names no prefill side-channel address and no bootstrap server is configured")
-    return {"prefill_addr": ctx["prefill_addr"], "peer": ctx.get("peer", "prefill")}
-
-
 class KVManager:
     def __init__(self, *, role: str, node_id: str, layout: KVLayout, journal: str, secret: bytes,
                  backend: str = "zmq", backend_options: Mapping[str, Any] | None = None,
                  deadlines: Mapping[str, float] | None = None, pool: Any = None,
-                 resolver: Callable[[Mapping[str, Any]], dict] = direct_resolver, host: str = "127.0.0.1",
+                 resolver: Callable[[Mapping[str, Any]], dict] | None = None, host: str = "127.0.0.1",
                  durability: str = "full", staging_sharding: Any = None, fault_pull_delay_s: float = 0.0,
-                 admission: PoolAdmission | SchedulerAdmission | None = None):
+                 admission: PoolAdmission | SchedulerAdmission | None = None,
+                 heartbeat: Mapping[str, Any] | None = None):
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
         self.role, self.node_id, self.layout = role, node_id, layout
         self.deadlines = resolve_deadlines(role, deadlines)
-        self.resolver = resolver
+        self.host = host
+        self.resolver = resolver if resolver is not None else PrefillResolver()
         self.staging_sharding = staging_sharding
         self.fault_pull_delay_s = fault_pull_delay_s  # fault injection: hold each pull back this long (tests, drills)
         self.model = ModelThread(pool, name=f"model[{node_id}]")
@@ -78,6 +76,10 @@ class KVManager:
         self._early: OrderedDict[int, list[tuple[str, dict]]] = OrderedDict()
         self._ended = threading.Condition()
         self.node.observers.append(self._observe)
+        self.heartbeat = None
+        if role == "decode":
+            self.heartbeat = HeartbeatMonitor(**{"check": check_health, "on_dead": self._prefill_dead,
+                                                 **heartbeat_settings(), **(heartbeat or {})})
         self.recovered = self.node.recover()
         self._known.update(self.node.rooms)
         self._stop = threading.Event()
@@ -95,6 +97,8 @@ class KVManager:
                 self._stop.set()
 
     def _observe(self, room, decision, at) -> None:
+        if decision.trigger == "bootstrap_resolved" and decision.ignored is None and "bootstrap_url" in room.ctx:
+            self.heartbeat.watch(room.ctx["bootstrap_url"])
         if decision.dst != decision.src and room.terminal:
             with self._ended:
                 self._ended.notify_all()
@@ -137,7 +141,29 @@ class KVManager:
         else:
             log.info("%s ignores a %s message", self.node_id, type(msg).__name__)
 
+    def _prefill_dead(self, url: str) -> None:
+        """The heartbeat gave up on the prefill node behind ``url``: fail its rooms, forget what we cached."""
+        if hasattr(self.resolver, "forget"):
+            self.resolver.forget(url)
+        for room in list(self.node.rooms.values()):
+            ctx = room.ctx
+            if not room.terminal and ctx.get("bootstrap_url") == url:
+                self.node.submit(room.room, "peer_failed", {"reason": f"{url} stopped answering heartbeats"})
+                if "prefill_addr" in ctx:
+                    self.side_channel.forget_peer(ctx["prefill_addr"])
+                if "transfer_addr" in ctx:
+                    self.backend.forget(ctx["transfer_addr"])
+
     # --- the prefill side ---
+    def register_with(self, bootstrap_url: str, *, token: str | None = None, http_port: int | None = None,
+                      attempts: int = 5) -> None:
+        """Make this prefill node findable: register it with the bootstrap server at ``bootstrap_url``."""
+        self._require("prefill")
+        register_prefill(bootstrap_url, host=self.host, side_channel=self.side_channel.address,
+                         transfer_addr=self.backend.address, backend=self.backend.name,
+                         layout=self.layout.to_dict(), node_id=self.node_id, http_port=http_port, token=token,
+                         attempts=attempts)
+
     def add_sender(self, room: int, pages: list[int] | None = None, prompt_len: int = 0) -> None:
         """A request with ``bootstrap_room`` arrived; its KV is (or will be) in ``pages`` of our pool.
 
@@ -224,6 +250,8 @@ class KVManager:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        if self.heartbeat is not None:
+            self.heartbeat.close()
         self.side_channel.close()
         self.clock.close()
         if isinstance(self.effects, DecodeEffects):

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fsm_pd.bootstrap import BootstrapServer
 from fsm_pd.control import KVManager
 from fsm_pd.kernels import KVLayout, gather_pages
 from fsm_pd.transport import secret_from_env
@@ -26,8 +27,11 @@ def make_pool(layout: KVLayout, seed: int | None, sharding):
     rng = np.random.default_rng(seed)
     arrays = []
     for _ in range(layout.num_layers):
-        host = (rng.standard_normal(layout.layer_shape, dtype=np.float32) if seed is not None
-                else np.zeros(layout.layer_shape, np.float32))
+        host = (
+            rng.standard_normal(layout.layer_shape, dtype=np.float32)
+            if seed is not None
+            else np.zeros(layout.layer_shape, np.float32)
+        )
         arrays.append(jax.device_put(jnp.asarray(host, dtype=layout.dtype), sharding))
     return tuple(arrays)
 
@@ -43,6 +47,8 @@ def main() -> None:
     parser.add_argument("--deadlines", default="{}")
     parser.add_argument("--backend-options", default="{}")
     parser.add_argument("--pull-delay", type=float, default=0.0)
+    parser.add_argument("--bootstrap-port", type=int, default=None, help="prefill: serve a bootstrap server here")
+    parser.add_argument("--heartbeat", default="{}", help="decode: HeartbeatMonitor settings as JSON")
     args = parser.parse_args()
 
     layout = KVLayout.from_dict(json.loads(args.layout))
@@ -51,11 +57,24 @@ def main() -> None:
         mesh = jax.make_mesh((len(jax.devices()),), (layout.shard_axis,))
         pool_sharding = jax.sharding.NamedSharding(mesh, layout.pool_spec())
         staging_sharding = jax.sharding.NamedSharding(mesh, layout.staging_spec())
-    manager = KVManager(role=args.role, node_id=args.node_id, layout=layout, journal=args.journal,
-                        secret=secret_from_env(), backend=args.backend,
-                        backend_options=json.loads(args.backend_options), deadlines=json.loads(args.deadlines),
-                        pool=make_pool(layout, args.seed, pool_sharding), staging_sharding=staging_sharding,
-                        fault_pull_delay_s=args.pull_delay)
+    manager = KVManager(
+        role=args.role,
+        node_id=args.node_id,
+        layout=layout,
+        journal=args.journal,
+        secret=secret_from_env(),
+        backend=args.backend,
+        backend_options=json.loads(args.backend_options),
+        deadlines=json.loads(args.deadlines),
+        pool=make_pool(layout, args.seed, pool_sharding),
+        staging_sharding=staging_sharding,
+        fault_pull_delay_s=args.pull_delay,
+        heartbeat=json.loads(args.heartbeat),
+    )
+    bootstrap = None
+    if args.bootstrap_port is not None:
+        bootstrap = BootstrapServer(port=args.bootstrap_port).start()
+        manager.register_with(bootstrap.url)
 
     def digest(pages: list[int]) -> str:
         gathered = manager.model.call(lambda owner: np.asarray(gather_pages(owner.pool, pages, layout=layout)))
@@ -65,8 +84,16 @@ def main() -> None:
         sys.stdout.write(json.dumps(obj) + "\n")
         sys.stdout.flush()
 
-    answer({"side_channel": manager.side_channel.address, "transfer": manager.backend.address, "pid": os.getpid(),
-            "recovered": manager.recovered, "devices": len(jax.devices())})
+    answer(
+        {
+            "side_channel": manager.side_channel.address,
+            "transfer": manager.backend.address,
+            "pid": os.getpid(),
+            "recovered": manager.recovered,
+            "devices": len(jax.devices()),
+            "bootstrap": bootstrap.url if bootstrap else None,
+        }
+    )
     for line in sys.stdin:
         cmd = json.loads(line)
         op, room = cmd["op"], cmd.get("room")
@@ -78,7 +105,8 @@ def main() -> None:
                 manager.kv_ready(room, first_token=cmd.get("first_token", 0))
                 out = {}
             elif op == "add_receiver":
-                manager.add_receiver(room, cmd["page_count"], prefill_addr=cmd["prefill_addr"])
+                where = {k: cmd[k] for k in ("prefill_addr", "bootstrap_addr") if k in cmd}
+                manager.add_receiver(room, cmd["page_count"], **where)
                 out = {}
             elif op == "wait":
                 state = manager.wait(room, cmd.get("timeout", 30))
@@ -101,6 +129,8 @@ def main() -> None:
                 out = manager.counters()
             elif op == "quit":
                 manager.close()
+                if bootstrap is not None:
+                    bootstrap.stop()
                 answer({})
                 return
             else:
