@@ -402,3 +402,24 @@ def test_jax_backend_keeps_the_contract_on_older_jaxlib_feature_sets(missing):
         err, elapsed = timed_failure(d.pull, p.address, new_uuid(), spec, 0.5)
         assert isinstance(err, TransferTimeout) and elapsed <= 0.5 + SLACK_S
         assert p.open_entries().count == 0
+
+
+@pytest.mark.parametrize("backend", NETWORK_BACKENDS)
+def test_sharded_staging(backend):
+    """4-way split staging arrives with its sharding; a replicated spec is re-placed (zmq, which moves whole arrays)
+    or refused as a layout mismatch before any garbage is returned (jax, which moves per-shard buffers)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    run = subprocess.run(
+        [sys.executable, str(HERE / "transfer_sharded_check.py"), backend],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["same"] is True
+    if backend == "zmq":
+        assert result["replicated"] == "ok"
+    else:
+        assert "mismatch" in result["replicated"] and result["blame"] == "local", result

@@ -17,8 +17,8 @@ import numpy as np
 
 from fsm_pd.transport.backends.base import TransferError, TransferFailed
 
-# One array as the digest sees it: (shape, dtype name, number of per-device buffers).
-ArrayKey = tuple[tuple[int, ...], str, int]
+# One array as the digest sees it: (shape, dtype name, number of per-device buffers, shape of each buffer).
+ArrayKey = tuple[tuple[int, ...], str, int, tuple[int, ...]]
 
 
 def default_sharding() -> jax.sharding.Sharding:
@@ -43,28 +43,44 @@ def spec_nbytes(spec: Iterable[jax.ShapeDtypeStruct]) -> int:
     return sum(int(np.prod(s.shape, dtype=np.int64)) * jnp.dtype(s.dtype).itemsize for s in spec)
 
 
+def array_key(shape: Sequence[int], dtype: object, sharding: jax.sharding.Sharding | None) -> ArrayKey:
+    """``sharding=None`` for backends that move whole arrays (zmq, fake): only shape and dtype must match.
+
+    With a sharding (jax backend: one buffer per addressable shard, matched by index) the shard count and shard
+    shape must match too: a 4-way split pulled as replicated has the same count on 4 devices, not the same bytes.
+    """
+    shape = tuple(int(d) for d in shape)
+    if sharding is None:
+        return (shape, jnp.dtype(dtype).name, 1, shape)
+    return (shape, jnp.dtype(dtype).name, len(sharding.addressable_devices), tuple(sharding.shard_shape(shape)))
+
+
 def array_keys(arrays: Iterable[jax.Array], *, count_shards: bool) -> list[ArrayKey]:
-    return [(tuple(a.shape), jnp.dtype(a.dtype).name, len(a.addressable_shards) if count_shards else 1) for a in arrays]
+    return [array_key(a.shape, a.dtype, a.sharding if count_shards else None) for a in arrays]
 
 
 def spec_keys(spec: Iterable[jax.ShapeDtypeStruct], *, count_shards: bool) -> list[ArrayKey]:
-    return [
-        (tuple(s.shape), jnp.dtype(s.dtype).name, len(s.sharding.addressable_devices) if count_shards else 1)
-        for s in spec
-    ]
+    return [array_key(s.shape, s.dtype, s.sharding if count_shards else None) for s in spec]
 
 
 def layout_digest(keys: Iterable[ArrayKey]) -> bytes:
     """16-byte digest of an ordered list of array keys; equal digests mean the same byte layout and meaning."""
-    text = ";".join(f"{'x'.join(map(str, shape))}:{dtype}:{shards}" for shape, dtype, shards in keys)
+    text = ";".join(f"{_dims(shape)}:{dtype}:{shards}:{_dims(shard)}" for shape, dtype, shards, shard in keys)
     return hashlib.sha256(text.encode()).digest()[:16]
 
 
 def summarize(keys: Sequence[ArrayKey], limit: int = 4) -> str:
-    """Short human description for error messages: ``3 arrays [float32[4,8]x1, ...]``."""
-    parts = [f"{dtype}[{','.join(map(str, shape))}]x{shards}" for shape, dtype, shards in keys[:limit]]
+    """Short human description for error messages: ``3 arrays [float32[4,8], bf16[8,16]x4 of [8,4], ...]``."""
+    parts = [
+        f"{dtype}[{_dims(shape, ',')}]" + (f"x{shards} of [{_dims(shard, ',')}]" if shards > 1 else "")
+        for shape, dtype, shards, shard in keys[:limit]
+    ]
     more = f", ... {len(keys) - limit} more" if len(keys) > limit else ""
     return f"{len(keys)} arrays [{', '.join(parts)}{more}]"
+
+
+def _dims(shape: Sequence[int], sep: str = "x") -> str:
+    return sep.join(map(str, shape))
 
 
 def wait_until_ready(arrays: Sequence[jax.Array], deadline: float) -> bool:

@@ -28,7 +28,14 @@ from fsm_pd.transport.backends.base import (
 )
 from fsm_pd.transport.backends.holds import Hold, HoldTable
 from fsm_pd.transport.backends.host_buffers import HostBufferPool
-from fsm_pd.transport.backends.spec import layout_digest, normalize_spec, spec_keys, summarize, verify_pulled
+from fsm_pd.transport.backends.spec import (
+    array_key,
+    layout_digest,
+    normalize_spec,
+    spec_keys,
+    summarize,
+    verify_pulled,
+)
 from fsm_pd.transport.backends.zmq_server import ZmqEntry, ZmqPullServer
 
 _PEER_GONE = {
@@ -207,7 +214,7 @@ class _Receiver:
 
     def _header(self, header: dict) -> None:
         arrays = [(tuple(shape), dtype) for shape, dtype in header["arrays"]]
-        got_keys = [(shape, dtype, 1) for shape, dtype in arrays]
+        got_keys = [array_key(shape, dtype, None) for shape, dtype in arrays]
         if layout_digest(got_keys) != layout_digest(self.want_keys):  # P checked the digest too; trust neither
             raise TransferFailed(
                 f"spec mismatch for transfer {self.uuid}: published {summarize(got_keys)}, "
