@@ -2,7 +2,9 @@
 
     python bench/transfer.py [--json] [--runs 5] [--sizes 64,256] [--layers 16] [--backends jax,zmq]
 
-Per payload size (a list of per-layer float32 arrays) it measures, median of ``--runs`` after one warm-up:
+Per payload size (a list of per-layer float32 arrays) it reports the median of ``--runs`` timings per path, after one
+untimed warm-up per path that also checks the bytes; runs are interleaved across paths so that load from other
+processes hits all of them alike:
 
 * ``raw_tcp``      baseline (a): the same bytes over a plain TCP socket, ``sendall`` -> ``recv_into`` a warm buffer;
 * ``raw_jax``      baseline (b): ``await_pull`` / ``pull`` of the same arrays with jax.experimental.transfer;
@@ -11,7 +13,8 @@ Per payload size (a list of per-layer float32 arrays) it measures, median of ``-
   timed on D from the request to the scattered pool being ready (includes the request's round trip to P).
 
 GB/s are 1e9 bytes per second; every figure is also printed as a ratio to ``raw_tcp``. The consumer (this process)
-spawns the producer as ``bench/transfer.py --serve`` and drives it with JSON lines on its stdin.
+spawns the producer as ``bench/transfer.py --serve`` and drives it with JSON lines on its stdin. Set
+``FSM_PD_BENCH_HANG_DUMP=<seconds>`` to dump all stacks and exit if a run hangs.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import time
 
 import numpy as np
 
-if os.environ.get("FSM_PD_BENCH_HANG_DUMP"):  # debugging aid: dump stacks of a stuck run
+if os.environ.get("FSM_PD_BENCH_HANG_DUMP"):
     import faulthandler
 
     faulthandler.dump_traceback_later(float(os.environ["FSM_PD_BENCH_HANG_DUMP"]), exit=True)
