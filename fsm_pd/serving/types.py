@@ -1,0 +1,101 @@
+"""What the HTTP layer and the engines exchange: a request in, token outputs back, an engine protocol between them.
+
+An engine (prefill, decode or colocated) runs its model on the model thread and accepts requests from any thread.
+The HTTP layer builds a ``GenerateRequest``, calls ``engine.submit``, and reads ``TokenOutput``s from the returned
+``RequestStream`` (an async iterator, fed from the model thread through the event loop it was created on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from fsm_pd.engine.sampling import SamplingParams
+
+
+class EngineError(Exception):
+    """A request failed inside the engine; ``status`` is the HTTP status the API should answer with."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class Bootstrap:
+    """SGLang's PD fields, added by the router: where the prefill node's bootstrap server is, and the room."""
+
+    host: str
+    port: int
+    room: int
+
+    @property
+    def addr(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    seed: int  # SamplingParams.resolved_seed(), drawn once: P and D must sample with the same one
+    stream: bool = False
+    return_logprob: bool = False  # per-token output logprobs, and input_token_logprobs from prefill
+    bootstrap: Bootstrap | None = None  # required on prefill and decode nodes, absent on colocated ones
+
+
+@dataclass(slots=True)
+class TokenOutput:
+    """One generated token, in order. The last one has ``finish_reason`` set (SGLang's shape:
+    ``{"type": "length"}``, ``{"type": "stop", "matched": <id or string>}``, ``{"type": "abort", "message": ...}``).
+    """
+
+    token_id: int
+    logprob: float | None = None
+    finish_reason: dict | None = None
+    text: str | None = None  # the request's whole output text so far (stop strings cut); set on the last token
+    input_token_logprobs: list[float | None] | None = None  # from prefill, on the first token when asked for
+    meta: dict[str, Any] = field(default_factory=dict)  # e.g. prompt_tokens, cached_tokens, kv transfer seconds
+
+
+class RequestStream:
+    """Token outputs of one request, pushed from any thread, read with ``async for`` on the loop that made it."""
+
+    def __init__(self, rid: str, loop: asyncio.AbstractEventLoop | None = None):
+        self.rid = rid
+        self._loop = loop or asyncio.get_running_loop()
+        self._queue: asyncio.Queue[TokenOutput | BaseException] = asyncio.Queue()
+
+    def push(self, item: TokenOutput | BaseException) -> None:
+        """Thread-safe: an output, or the exception that ends the request (an ``EngineError``)."""
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    async def __aiter__(self) -> AsyncIterator[TokenOutput]:
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                return
+
+
+class Engine(Protocol):
+    role: str  # "prefill", "decode" or "colocated"
+    model_name: str
+    max_context: int  # prompt + generated tokens must fit
+
+    def submit(self, request: GenerateRequest, stream: RequestStream) -> None:
+        """Start the request; outputs (or an EngineError) arrive on ``stream``. Raises EngineError(400) at once for
+        a request this engine can never serve (too long, missing bootstrap fields on a PD node)."""
+
+    def abort(self, rid: str) -> bool:
+        """Stop the request and free what it holds; False if it is unknown or already finished."""
+
+    def info(self) -> dict:
+        """Fields for /server_info: role, model, pages free/reserved, rooms by state, ..."""
+
+    def close(self) -> None: ...
