@@ -43,7 +43,7 @@ class KVManager:
                  resolver: Callable[[Mapping[str, Any]], dict] | None = None, host: str = "127.0.0.1",
                  durability: str = "full", staging_sharding: Any = None, fault_pull_delay_s: float = 0.0,
                  admission: PoolAdmission | SchedulerAdmission | None = None,
-                 heartbeat: Mapping[str, Any] | None = None):
+                 heartbeat: Mapping[str, Any] | None = None, model: ModelThread | None = None):
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
         self.role, self.node_id, self.layout = role, node_id, layout
@@ -52,7 +52,10 @@ class KVManager:
         self.resolver = resolver if resolver is not None else PrefillResolver()
         self.staging_sharding = staging_sharding
         self.fault_pull_delay_s = fault_pull_delay_s  # fault injection: hold each pull back this long (tests, drills)
-        self.model = ModelThread(pool, name=f"model[{node_id}]")
+        # the model thread owns the pool; a serving engine passes its own so that forward passes, gathers and
+        # scatters share one queue
+        self._owns_model = model is None
+        self.model = model if model is not None else ModelThread(pool, name=f"model[{node_id}]")
         options = dict(backend_options or {})
         if backend in ("jax", "zmq"):
             options.setdefault("host", host)
@@ -256,6 +259,7 @@ class KVManager:
         self.clock.close()
         if isinstance(self.effects, DecodeEffects):
             self.effects.close()
-        self.model.close()
+        if self._owns_model:
+            self.model.close()
         self.backend.close()
         self.journal.close()
