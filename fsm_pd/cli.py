@@ -80,6 +80,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return EXIT_OK if result.consistent else EXIT_DIVERGED
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from fsm_pd.bootstrap.__main__ import serve as serve_bootstrap
+
+    return serve_bootstrap(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fsm-pd",
@@ -116,6 +122,21 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--format", choices=("table", "json", "html"), default="table", help="output format")
     rep.add_argument("--out", help="write to this file instead of standard output")
     rep.set_defaults(func=cmd_replay)
+
+    from fsm_pd.bootstrap.__main__ import DESCRIPTION as BOOTSTRAP_DESCRIPTION
+    from fsm_pd.bootstrap.__main__ import EPILOG as BOOTSTRAP_EPILOG
+    from fsm_pd.bootstrap.__main__ import add_arguments as add_bootstrap_arguments
+
+    serve = sub.add_parser(
+        "serve", help="run one node of a PD deployment",
+        description="Run one node of a prefill/decode deployment. Roles served today: bootstrap (the standalone "
+                    "bootstrap server; a prefill node also runs one in-process by default).\n\n"
+                    + BOOTSTRAP_DESCRIPTION,
+        epilog=BOOTSTRAP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument("--role", required=True, choices=("bootstrap",), help="which node to run")
+    add_bootstrap_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 
