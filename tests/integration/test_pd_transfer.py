@@ -7,6 +7,7 @@ the failure came within its deadline, that every page and buffer is back, and th
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -74,12 +75,13 @@ def test_prefill_killed_before_the_pull(cluster, backend):
     assert_replay_consistent(p.journal, d.journal)
 
 
-def test_prefill_killed_during_the_pull(cluster):
-    # a throttled zmq sender makes a 16 MiB pull take seconds, so the kill lands inside it
-    p = cluster("prefill", "zmq", LARGE, backend_options={"max_send_rate": 4e6}, deadlines={"pull_hold": 30})
-    d = cluster("decode", "zmq", LARGE, deadlines={"transfer": 4})
-    transfer(p, d, 1, list(range(1, 129)))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_killed_during_the_pull(cluster, backend):
+    p = cluster("prefill", backend, LARGE, deadlines={"pull_hold": 30})
+    d = cluster("decode", backend, LARGE, deadlines={"transfer": 4})
+    transfer(p, d, 1, list(range(1, 513)))  # 64 MiB
     wait_for_state(d, 1, "Transferring")
+    p.proc.send_signal(signal.SIGSTOP)  # freeze the producer with the pull under way, then kill it
     time.sleep(0.5)
     p.kill()
     assert d("wait", room=1, timeout=15)["state"] == "Failed"

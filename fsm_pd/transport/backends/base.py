@@ -41,6 +41,17 @@ def check_uuid(uuid: int) -> int:
     return uuid
 
 
+def live_staging(staging: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    """The staging arrays as a tuple, each checked to be a live (not deleted or donated) ``jax.Array``."""
+    import jax  # here, not at the top: naming or registering a backend must not import jax
+
+    arrays = tuple(staging)
+    for i, arr in enumerate(arrays):
+        if not isinstance(arr, jax.Array) or arr.is_deleted():
+            raise TypeError(f"staging[{i}] must be a live jax.Array, got {type(arr).__name__}")
+    return arrays
+
+
 class TransferError(Exception):
     """Base class of everything a backend raises about a transfer."""
 

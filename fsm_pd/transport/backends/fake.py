@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import jax
 
-from fsm_pd.transport.backends.base import OpenEntries, TransferBackend, TransferFailed, TransferTimeout, check_uuid
-from fsm_pd.transport.backends.holds import Hold, HoldTable
+from fsm_pd.transport.backends.base import TransferFailed, TransferTimeout, check_uuid, live_staging
+from fsm_pd.transport.backends.holds import Hold, HoldingBackend, HoldTable
 from fsm_pd.transport.backends.spec import (
     array_keys,
     layout_digest,
@@ -31,7 +31,7 @@ _nodes_lock = threading.Lock()
 _ids = itertools.count(1)
 
 
-class FakeTransferBackend(TransferBackend):
+class FakeTransferBackend(HoldingBackend):
     name = "fake"
 
     def __init__(self, *, tombstone_ttl_s: float = 600.0) -> None:
@@ -50,24 +50,11 @@ class FakeTransferBackend(TransferBackend):
     # ---- P side ----
 
     def publish(self, uuid: int, staging: Sequence[jax.Array], hold_timeout_s: float) -> None:
-        arrays = tuple(staging)
-        for i, arr in enumerate(arrays):
-            if not isinstance(arr, jax.Array) or arr.is_deleted():
-                raise TypeError(f"staging[{i}] must be a live jax.Array, got {type(arr).__name__}")
+        arrays = live_staging(staging)
         nbytes = sum(a.nbytes for a in arrays)
         with self._changed:
             self._holds.publish(uuid, nbytes, hold_timeout_s, lambda _deadline: arrays)
             self._changed.notify_all()
-
-    def release(self, uuid: int) -> None:
-        self._holds.end(uuid, "released after the pull")
-
-    def fail(self, uuid: int, reason: str) -> None:
-        check_uuid(uuid)
-        self._holds.end(uuid, f"failed by producer: {reason}", unpublished_too=True)
-
-    def open_entries(self) -> OpenEntries:
-        return self._holds.open_entries()
 
     def _retire(self, uuid: int, reason: str, hold: Hold | None) -> None:
         self._delivered.discard(uuid)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsm_pd.transport.backends.base import OpenEntries, check_uuid
+from fsm_pd.transport.backends.base import OpenEntries, TransferBackend, check_uuid
 from fsm_pd.transport.backends.timers import DeadlineScheduler, TimerHandle, scheduler
 
 
@@ -113,3 +113,20 @@ class HoldTable:
             if len(self._tombstones) <= self._max_tombstones and now - at < self._tombstone_ttl_s:
                 break
             del self._tombstones[oldest]
+
+
+class HoldingBackend(TransferBackend):
+    """A backend whose published entries live in a ``HoldTable`` (``self._holds``): release, fail and accounting
+    are the same for all of them; each backend says in ``_retire`` what ending an entry means for its transport."""
+
+    _holds: HoldTable
+
+    def release(self, uuid: int) -> None:
+        self._holds.end(uuid, "released after the pull")
+
+    def fail(self, uuid: int, reason: str) -> None:
+        check_uuid(uuid)
+        self._holds.end(uuid, f"failed by producer: {reason}", unpublished_too=True)
+
+    def open_entries(self) -> OpenEntries:
+        return self._holds.open_entries()

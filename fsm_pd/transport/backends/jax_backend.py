@@ -30,14 +30,13 @@ import numpy as np
 
 from fsm_pd.transport.backends.base import (
     BackendUnavailable,
-    OpenEntries,
-    TransferBackend,
     TransferError,
     TransferFailed,
     TransferTimeout,
     check_uuid,
+    live_staging,
 )
-from fsm_pd.transport.backends.holds import Hold, HoldTable
+from fsm_pd.transport.backends.holds import Hold, HoldingBackend, HoldTable
 from fsm_pd.transport.backends.jax_api import (
     ServerConfig,
     TransferFeatures,
@@ -74,7 +73,7 @@ def _first_device(shardings: Sequence[jax.sharding.Sharding]) -> jax.Device:
     return min(shardings[0].device_set, key=lambda d: d.id)
 
 
-class JaxTransferBackend(TransferBackend):
+class JaxTransferBackend(HoldingBackend):
     name = "jax"
 
     def __init__(
@@ -113,10 +112,8 @@ class JaxTransferBackend(TransferBackend):
 
     def publish(self, uuid: int, staging: Sequence[jax.Array], hold_timeout_s: float) -> None:
         check_uuid(uuid)
-        arrays = tuple(staging)
+        arrays = live_staging(staging)
         for i, arr in enumerate(arrays):
-            if not isinstance(arr, jax.Array) or arr.is_deleted():
-                raise TypeError(f"staging[{i}] must be a live jax.Array, got {type(arr).__name__}")
             if not arr.is_fully_addressable:
                 # await_pull registers only this process's shards; D would get 1/N of the data (sglang-jax#1364).
                 raise ValueError(f"staging[{i}] is not fully addressable; publish per-host local shards instead")
@@ -132,17 +129,6 @@ class JaxTransferBackend(TransferBackend):
             return entry
 
         self._holds.publish(uuid, nbytes, hold_timeout_s, expose)
-
-    def release(self, uuid: int) -> None:
-        # Also replaces the entry: D may have pulled only part of it (a spec mismatch), which keeps it pinned.
-        self._holds.end(uuid, "released after the pull")
-
-    def fail(self, uuid: int, reason: str) -> None:
-        check_uuid(uuid)
-        self._holds.end(uuid, f"failed by producer: {reason}", unpublished_too=True)
-
-    def open_entries(self) -> OpenEntries:
-        return self._holds.open_entries()
 
     def _retire(self, uuid: int, reason: str, hold: Hold | None) -> None:
         message = f"{ERROR_PREFIX}transfer {uuid} {reason}"

@@ -20,13 +20,12 @@ from zmq.utils.monitor import recv_monitor_message
 
 from fsm_pd.transport.backends import zmq_wire as wire
 from fsm_pd.transport.backends.base import (
-    OpenEntries,
-    TransferBackend,
     TransferFailed,
     TransferTimeout,
     check_uuid,
+    live_staging,
 )
-from fsm_pd.transport.backends.holds import Hold, HoldTable
+from fsm_pd.transport.backends.holds import Hold, HoldingBackend, HoldTable
 from fsm_pd.transport.backends.host_buffers import HostBufferPool
 from fsm_pd.transport.backends.spec import (
     array_key,
@@ -44,7 +43,7 @@ _PEER_GONE = {
 }
 
 
-class ZmqTransferBackend(TransferBackend):
+class ZmqTransferBackend(HoldingBackend):
     name = "zmq"
 
     def __init__(
@@ -81,23 +80,10 @@ class ZmqTransferBackend(TransferBackend):
         server = self._server
         if server is None:
             raise RuntimeError("this zmq backend was created with serve=False")
-        arrays = tuple(staging)
-        for i, arr in enumerate(arrays):
-            if not isinstance(arr, jax.Array) or arr.is_deleted():
-                raise TypeError(f"staging[{i}] must be a live jax.Array, got {type(arr).__name__}")
+        arrays = live_staging(staging)
         entry = ZmqEntry.of(arrays)
         self._holds.publish(uuid, sum(a.nbytes for a in arrays), hold_timeout_s, lambda _deadline: entry)
         server.notify("published", uuid)
-
-    def release(self, uuid: int) -> None:
-        self._holds.end(uuid, "released after the pull")
-
-    def fail(self, uuid: int, reason: str) -> None:
-        check_uuid(uuid)
-        self._holds.end(uuid, f"failed by producer: {reason}", unpublished_too=True)
-
-    def open_entries(self) -> OpenEntries:
-        return self._holds.open_entries()
 
     def _retire(self, uuid: int, reason: str, hold: Hold | None) -> None:
         # Dropping the hold frees the staging; chunks already queued keep only their own views alive until sent.
