@@ -1,0 +1,58 @@
+"""``create_app``: the HTTP server of one engine (prefill, decode or colocated), SGLang- and OpenAI-compatible."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from fsm_pd.api.auth import ApiKeyMiddleware
+from fsm_pd.api.context import ApiContext
+from fsm_pd.api.errors import install_error_handlers
+from fsm_pd.api.info_routes import info_router
+from fsm_pd.api.metrics import ApiMetrics, MetricsMiddleware
+from fsm_pd.api.openai_routes import openai_router
+from fsm_pd.api.sglang_routes import sglang_router
+from fsm_pd.bootstrap.body_limit import BodySizeLimit
+from fsm_pd.serving.types import Engine
+
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # a 128k-token prompt as JSON ids is ~1 MiB; leave ample room
+
+
+def create_app(engine: Engine, tokenizer, *, api_key: str | None = None, model_name: str | None = None,
+               model_path: str | None = None, bootstrap_port: int | None = None,
+               registries: Iterable[CollectorRegistry] | None = None, model_info: dict | None = None,
+               health_timeout_s: float = 30.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The app serving ``engine``.
+
+    * ``model_name``: the served model name (``/v1/models``, ``served_model_name``); defaults to
+      ``engine.model_name``. ``model_path`` (default: the same) is also accepted as a model name.
+    * ``bootstrap_port``: on a prefill node, its bootstrap server's port (reported as
+      ``disaggregation_bootstrap_port``); on a decode node, the port used when a router sends ``bootstrap_port:
+      null`` (SGLang's decode does the same with its own ``--disaggregation-bootstrap-port``).
+    * ``registries``: Prometheus registries for ``/metrics``; default: ``engine.registries`` if the engine has it.
+    * ``model_info``: extra ``/model_info`` fields, e.g. ``{"model_type": "llama", "architectures": [...]}``.
+    * ``api_key``: require ``Authorization: Bearer <api_key>`` (except on /health* and /metrics).
+    """
+    name = model_name or engine.model_name
+    ctx = ApiContext(engine=engine, tokenizer=tokenizer, model_name=name, model_path=model_path or name,
+                     bootstrap_port=bootstrap_port, model_info_extra=dict(model_info or {}))
+    if registries is None:
+        registries = getattr(engine, "registries", None) or ()
+    metrics = ApiMetrics(registries)
+
+    app = FastAPI(title=f"fsm-pd {engine.role} server", version="1",
+                  description="SGLang-compatible (/generate) and OpenAI-compatible (/v1/*) serving of one engine.")
+    app.state.ctx = ctx
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    app.include_router(sglang_router(ctx))
+    app.include_router(openai_router(ctx))
+    app.include_router(info_router(ctx, metrics, health_timeout_s=health_timeout_s))
+    # Added last runs first: the key is checked before the body is read, and metrics see every answer.
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    if api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    return app

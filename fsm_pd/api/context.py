@@ -1,0 +1,37 @@
+"""What every route of one server shares: the engine, its tokenizer, the names it answers to, its PD identity."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsm_pd.api.requests import NodeIdentity
+from fsm_pd.serving.types import Engine
+
+
+@dataclass(slots=True)
+class ApiContext:
+    engine: Engine
+    tokenizer: Any
+    model_name: str  # served_model_name: what /v1/models lists and OpenAI responses name
+    model_path: str  # what the model was loaded from; also accepted as a model name
+    bootstrap_port: int | None  # the prefill node's bootstrap server port (or a decode's default for null)
+    model_info_extra: dict = field(default_factory=dict)  # model_type, architectures, ... for /model_info
+    created: int = field(default_factory=lambda: int(time.time()))
+    live: dict = field(default_factory=dict)  # rid -> RequestRun of the requests this server is running
+
+    @property
+    def role(self) -> str:
+        return self.engine.role
+
+    @property
+    def node(self) -> NodeIdentity:
+        return NodeIdentity(role=self.engine.role, max_context=int(self.engine.max_context),
+                            model_names=frozenset({self.model_name, self.model_path}),
+                            bootstrap_port=self.bootstrap_port)
+
+    @property
+    def disaggregation_mode(self) -> str:
+        # SGLang reports the string "null" for a colocated server; sglang-router reads this field.
+        return self.role if self.role in ("prefill", "decode") else "null"

@@ -1,0 +1,137 @@
+"""Health, info and metrics routes: what sglang-router probes when it registers a worker and while it routes.
+
+* ``GET /health``: 200 while the engine says it is healthy (an engine may expose ``healthy``, a bool or a method;
+  without one, a running server is healthy). sglang-router requires a 200 here before it routes to the worker.
+* ``GET /health_generate``: on a colocated node, a real 1-token greedy generation (SGLang's meaning). On a prefill or
+  decode node a generation needs a partner node and a bootstrap room, and SGLang's trick (a fake bootstrap host that
+  skips the transfer) has no counterpart in fsm-pd's engines; so there it checks that the engine answers ``info()``
+  (which goes through its model thread) within the timeout. 200 or 503 with the reason.
+* ``GET /server_info`` and ``/model_info`` (and the older ``/get_server_info``, ``/get_model_info`` that the router
+  falls back to): the fields sglang-router keeps as worker labels (``model_path``, ``served_model_name``,
+  ``tp_size``, ``dp_size``, ``disaggregation_mode``, ``model_type``, ``architectures``) and the PD fields
+  (``disaggregation_bootstrap_port``), plus the engine's own ``info()`` under ``internal_states``.
+* ``GET /metrics``: Prometheus text of the engine's registries and the API's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+
+from fsm_pd.api.context import ApiContext
+from fsm_pd.api.metrics import ApiMetrics
+from fsm_pd.api.requests import new_rid
+from fsm_pd.api.runner import RequestRun
+from fsm_pd.engine.sampling import SamplingParams
+from fsm_pd.serving.types import GenerateRequest
+
+log = logging.getLogger(__name__)
+
+INFO_TIMEOUT_S = 5.0  # a router's registration waits on /server_info; a busy engine must not hold it up for long
+
+
+def _engine_healthy(engine) -> bool:
+    healthy = getattr(engine, "healthy", True)
+    return bool(healthy() if callable(healthy) else healthy)
+
+
+async def _engine_info(ctx: ApiContext, timeout_s: float) -> dict:
+    info = await asyncio.wait_for(asyncio.to_thread(ctx.engine.info), timeout_s)
+    return dict(info or {})
+
+
+def info_router(ctx: ApiContext, metrics: ApiMetrics, *, health_timeout_s: float) -> APIRouter:
+    router = APIRouter(tags=["info"])
+
+    @router.get("/health")
+    async def health() -> Response:
+        if not _engine_healthy(ctx.engine):
+            return JSONResponse({"status": "unhealthy"}, status_code=503)
+        return Response(status_code=200)
+
+    @router.get("/health_generate")
+    async def health_generate() -> Response:
+        try:
+            if ctx.role == "colocated":
+                await asyncio.wait_for(_one_token(ctx), health_timeout_s)
+            else:
+                await _engine_info(ctx, health_timeout_s)
+        except TimeoutError:
+            return JSONResponse({"status": "unhealthy", "reason": f"no answer within {health_timeout_s}s"}, 503)
+        except Exception as err:  # whatever broke, the answer is "unhealthy", with what broke
+            return JSONResponse({"status": "unhealthy", "reason": f"{type(err).__name__}: {err}"}, 503)
+        return Response(status_code=200)
+
+    async def server_info() -> dict:
+        try:
+            engine_info = await _engine_info(ctx, INFO_TIMEOUT_S)
+        except Exception as err:  # the static fields are what a router needs; report the engine part's failure
+            log.warning("engine.info() failed for /server_info: %s", err)
+            engine_info = {"error": f"{type(err).__name__}: {err}"}
+        return {
+            "model_path": ctx.model_path,
+            "tokenizer_path": ctx.model_path,
+            "served_model_name": ctx.model_name,
+            "tp_size": int(engine_info.get("tp_size", 1)),
+            "dp_size": int(engine_info.get("dp_size", 1)),
+            "pp_size": 1,
+            "load_balance_method": "round_robin",
+            "context_length": int(ctx.engine.max_context),
+            "disaggregation_mode": ctx.disaggregation_mode,
+            "disaggregation_bootstrap_port": ctx.bootstrap_port,
+            "disaggregation_transfer_backend": engine_info.get("transfer_backend"),
+            "role": ctx.role,
+            "version": _version(),
+            "internal_states": [engine_info],
+        }
+
+    async def model_info() -> dict:
+        return {
+            "model_path": ctx.model_path,
+            "tokenizer_path": ctx.model_path,
+            "served_model_name": ctx.model_name,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": None,
+            "architectures": None,
+            **ctx.model_info_extra,
+        }
+
+    for path in ("/server_info", "/get_server_info"):
+        router.add_api_route(path, server_info, methods=["GET"])
+    for path in ("/model_info", "/get_model_info"):
+        router.add_api_route(path, model_info, methods=["GET"])
+
+    @router.get("/metrics")
+    async def prometheus() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    return router
+
+
+async def _one_token(ctx: ApiContext) -> None:
+    ids = ctx.tokenizer.encode("hi")[:8] or [0]
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True, seed=0)
+    request = GenerateRequest(rid=f"health-{new_rid()}", input_ids=ids,
+                              sampling=sampling, seed=0)
+    run = RequestRun(ctx.engine, request, ctx.tokenizer, None)
+    try:
+        await run.run_to_end()
+    finally:
+        run.close()
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("fsm-pd")
+    except Exception:
+        return "unknown"

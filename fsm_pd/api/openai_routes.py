@@ -1,0 +1,131 @@
+"""OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions`` (whole or streamed), ``/v1/models``.
+
+Streamed text arrives as increments (``delta``s); what an increment may not yet show is explained in
+``api.outputs``. Token logprobs are the sampled token's only: fsm-pd does not compute alternatives, so
+``top_logprobs`` is null (completions) or empty (chat).
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from fsm_pd.api.context import ApiContext
+from fsm_pd.api.errors import ERROR_RESPONSES
+from fsm_pd.api.outputs import RequestState, openai_finish_reason
+from fsm_pd.api.requests import from_chat, from_completion
+from fsm_pd.api.runner import RequestRun
+from fsm_pd.api.schemas import ChatCompletionBody, CompletionBody
+from fsm_pd.api.streaming import answer_stream, answer_whole
+from fsm_pd.serving.types import TokenOutput
+
+
+def _usage(state: RequestState) -> dict:
+    return {"prompt_tokens": state.prompt_tokens, "completion_tokens": state.completion_tokens,
+            "total_tokens": state.prompt_tokens + state.completion_tokens}
+
+
+def _matched_stop(state: RequestState):
+    return (state.finish_reason or {}).get("matched")
+
+
+def _token_texts(state: RequestState, start: int) -> list[str]:
+    return [state.tokenizer.decode([tid], skip_special_tokens=False) for tid in state.output_ids[start:]]
+
+
+def completion_logprobs(state: RequestState, start: int = 0, offset: int = 0) -> dict:
+    """The legacy completions shape: ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``."""
+    tokens = _token_texts(state, start)
+    offsets, at = [], offset
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return {"tokens": tokens, "token_logprobs": state.logprobs[start:], "top_logprobs": None, "text_offset": offsets}
+
+
+def chat_logprobs(state: RequestState, start: int = 0) -> dict:
+    tokens = _token_texts(state, start)
+    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                        for t, lp in zip(tokens, state.logprobs[start:], strict=True)]}
+
+
+def openai_router(ctx: ApiContext) -> APIRouter:
+    router = APIRouter(tags=["openai"])
+
+    def envelope(state: RequestState, kind: str, prefix: str) -> dict:
+        return {"id": f"{prefix}-{state.request.rid}", "object": kind, "created": int(time.time()),
+                "model": ctx.model_name}
+
+    def usage_tail(body, prefix: str, kind: str):
+        def tail(state: RequestState) -> list[dict]:
+            if not (body.stream_options or {}).get("include_usage"):
+                return []
+            return [envelope(state, kind, prefix) | {"choices": [], "usage": _usage(state)}]
+        return tail
+
+    @router.post("/v1/completions", responses=ERROR_RESPONSES)
+    async def completions(body: CompletionBody, request: Request) -> Response:
+        gen = from_completion(ctx.node, ctx.tokenizer, body)
+        run = RequestRun(ctx.engine, gen, ctx.tokenizer, request, ctx.live)
+        if not gen.stream:
+            def whole(state: RequestState) -> dict:
+                choice = {"index": 0, "text": state.text(),
+                          "logprobs": completion_logprobs(state) if gen.return_logprob else None,
+                          "finish_reason": openai_finish_reason(state.finish_reason),
+                          "matched_stop": _matched_stop(state)}
+                return envelope(state, "text_completion", "cmpl") | {"choices": [choice], "usage": _usage(state)}
+            return await answer_whole(run, whole)
+
+        def chunk(state: RequestState, out: TokenOutput) -> list[dict]:
+            sent_before = len(state.sent_text)
+            delta = state.take_delta()
+            if not delta and not state.finished:
+                return []
+            new = state.take_logprob_start()
+            choice = {"index": 0, "text": delta,
+                      "logprobs": completion_logprobs(state, new, sent_before) if gen.return_logprob else None,
+                      "finish_reason": openai_finish_reason(state.finish_reason)}
+            if state.finished:
+                choice["matched_stop"] = _matched_stop(state)
+            return [envelope(state, "text_completion", "cmpl") | {"choices": [choice]}]
+
+        return await answer_stream(run, chunk, usage_tail(body, "cmpl", "text_completion"))
+
+    @router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    async def chat_completions(body: ChatCompletionBody, request: Request) -> Response:
+        gen = from_chat(ctx.node, ctx.tokenizer, body)
+        run = RequestRun(ctx.engine, gen, ctx.tokenizer, request, ctx.live)
+        if not gen.stream:
+            def whole(state: RequestState) -> dict:
+                choice = {"index": 0, "message": {"role": "assistant", "content": state.text()},
+                          "logprobs": chat_logprobs(state) if gen.return_logprob else None,
+                          "finish_reason": openai_finish_reason(state.finish_reason),
+                          "matched_stop": _matched_stop(state)}
+                return envelope(state, "chat.completion", "chatcmpl") | {"choices": [choice], "usage": _usage(state)}
+            return await answer_whole(run, whole)
+
+        def chunk(state: RequestState, out: TokenOutput) -> list[dict]:
+            delta = state.take_delta()
+            if not delta and not state.finished:
+                return []
+            new = state.take_logprob_start()
+            choice = {"index": 0, "delta": {"content": delta} if delta else {},
+                      "logprobs": chat_logprobs(state, new) if gen.return_logprob else None,
+                      "finish_reason": openai_finish_reason(state.finish_reason)}
+            return [envelope(state, "chat.completion.chunk", "chatcmpl") | {"choices": [choice]}]
+
+        head = [{"id": f"chatcmpl-{gen.rid}", "object": "chat.completion.chunk", "created": int(time.time()),
+                 "model": ctx.model_name,
+                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]}]
+        return await answer_stream(run, chunk, usage_tail(body, "chatcmpl", "chat.completion.chunk"), head)
+
+    @router.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "fsm-pd",
+                "root": ctx.model_path, "max_model_len": int(ctx.engine.max_context)}
+        return {"object": "list", "data": [card]}
+
+    return router

@@ -1,0 +1,138 @@
+"""What a request has produced so far: token ids, logprobs, the finish reason, and its text.
+
+Streaming sends text before the request ends, so two things are held back until they are certain: a trailing
+partial UTF-8 character (it decodes to U+FFFD and becomes a real character with the next token), and a tail that
+could be the start of a stop string (the engine cuts a matched stop string out of the final text, and a client
+must never have been shown it).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from fsm_pd.serving.types import GenerateRequest, TokenOutput
+
+
+def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
+
+
+@dataclass(slots=True)
+class RequestState:
+    request: GenerateRequest
+    tokenizer: object
+    started: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    finish_reason: dict | None = None
+    final_text: str | None = None
+    meta: dict = field(default_factory=dict)
+    sent_text: str = ""  # what the client was shown of the text (incremental streaming)
+    logprobs_sent: int = 0  # how many output tokens' logprobs the client was sent (incremental streaming)
+
+    def add(self, out: TokenOutput) -> None:
+        self.output_ids.append(int(out.token_id))
+        self.logprobs.append(out.logprob)
+        if out.input_token_logprobs is not None:
+            self.input_logprobs = list(out.input_token_logprobs)
+        self.meta.update(out.meta or {})
+        if out.finish_reason is not None:
+            self.finish_reason = dict(out.finish_reason)
+            self.final_text = out.text
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.meta.get("prompt_tokens", len(self.request.input_ids)))
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids)
+
+    def _text_ids(self) -> list[int]:
+        # A matched stop token id ends the output but is not part of its text (SGLang trims it too).
+        matched = (self.finish_reason or {}).get("matched")
+        if self.output_ids and isinstance(matched, int) and not isinstance(matched, bool) \
+                and self.output_ids[-1] == matched:
+            return self.output_ids[:-1]
+        return self.output_ids
+
+    def text(self) -> str:
+        """The whole text so far; once finished, the engine's own (stop strings cut) when it gave one."""
+        if self.finished and self.final_text is not None:
+            return self.final_text
+        return self.tokenizer.decode(self._text_ids())
+
+    def certain_text(self) -> str:
+        """The text that cannot change any more: all of it once finished, else without the held-back tail."""
+        text = self.text()
+        if self.finished:
+            return text
+        text = text.rstrip("\ufffd")
+        cut = _stop_prefix_len(text, self.request.sampling.stop)
+        return text[: len(text) - cut] if cut else text
+
+    def take_delta(self) -> str:
+        """New certain text since the last call (for OpenAI's incremental ``delta``s)."""
+        text = self.certain_text()
+        if not text.startswith(self.sent_text):  # cannot happen with the hold-back; never resend what was sent
+            return ""
+        delta, self.sent_text = text[len(self.sent_text):], text
+        return delta
+
+    def take_logprob_start(self) -> int:
+        """Index of the first output token whose logprob was not streamed yet; marks all up to now as sent."""
+        start, self.logprobs_sent = self.logprobs_sent, len(self.output_ids)
+        return start
+
+    def input_token_logprobs(self) -> list[list]:
+        """SGLang's ``[[logprob, token_id, None], ...]`` over the prompt; the first token has no logprob."""
+        values = self.input_logprobs or []
+        ids = self.request.input_ids
+        if len(values) == len(ids) - 1:
+            values = [None, *values]
+        return [[lp, tid, None] for lp, tid in zip(values, ids, strict=False)]
+
+    def output_token_logprobs(self) -> list[list]:
+        return [[lp, tid, None] for lp, tid in zip(self.logprobs, self.output_ids, strict=True)]
+
+    def sglang_meta(self) -> dict:
+        meta = {k: v for k, v in self.meta.items() if k not in ("prompt_tokens", "completion_tokens")}
+        meta.update({
+            "id": self.request.rid,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": int(self.meta.get("cached_tokens", 0)),
+            "e2e_latency": round(time.monotonic() - self.started, 6),
+        })
+        if self.request.return_logprob:
+            meta["input_token_logprobs"] = self.input_token_logprobs()
+            meta["output_token_logprobs"] = self.output_token_logprobs()
+        return meta
+
+    def sglang_response(self) -> dict:
+        """SGLang's /generate answer (cumulative ``text`` and ``output_ids`` in every streamed chunk, as SGLang's
+        default streaming does)."""
+        text = self.text() if self.finished else self.certain_text()
+        return {"text": text, "output_ids": list(self.output_ids), "meta_info": self.sglang_meta()}
+
+
+def openai_finish_reason(finish_reason: dict | None) -> str | None:
+    """OpenAI's names: "stop" or "length"; an aborted request reports "abort", as SGLang's OpenAI API does."""
+    if finish_reason is None:
+        return None
+    kind = finish_reason.get("type")
+    return kind if kind in ("stop", "length", "abort") else "stop"

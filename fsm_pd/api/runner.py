@@ -1,0 +1,103 @@
+"""Running one request on an engine from a request handler, and aborting it when its client goes away.
+
+A client that disconnects must free what its request holds (KV pages, a decode slot, a bootstrap room), so every
+wait on the engine is raced against the ASGI ``http.disconnect`` message. A request that finished is never aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from fsm_pd.api.outputs import RequestState
+from fsm_pd.serving.types import Engine, EngineError, GenerateRequest, RequestStream, TokenOutput
+
+log = logging.getLogger(__name__)
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body was read already (FastAPI parsed it), so the next message a server sends is the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class RequestRun:
+    """One submitted request: its outputs, accumulated into ``state``; ``close()`` aborts it unless it finished."""
+
+    def __init__(self, engine: Engine, request: GenerateRequest, tokenizer, http_request: Request | None,
+                 live: dict[str, RequestRun] | None = None):
+        self.engine = engine
+        self._live = live if live is not None else {}
+        self.state = RequestState(request, tokenizer)
+        self._http = http_request
+        self._stream = RequestStream(request.rid)
+        self._outputs = aiter(self._stream)
+        self._disconnect: asyncio.Task | None = None
+        self._closed = False
+        engine.submit(request, self._stream)  # an EngineError here is the engine refusing the request outright
+        self._live[request.rid] = self
+
+    @property
+    def rid(self) -> str:
+        return self.state.request.rid
+
+    async def next_output(self) -> TokenOutput | None:
+        """The next output (added to ``state``), None after the last. Raises EngineError, or ClientDisconnected."""
+        if self.state.finished:
+            return None
+        if self._http is None:  # an internal request (a health probe): nobody to go away
+            return self._add(await anext(self._outputs, None))
+        if self._disconnect is None:
+            self._disconnect = asyncio.ensure_future(_wait_disconnect(self._http))
+        pending = asyncio.ensure_future(anext(self._outputs))
+        done, _ = await asyncio.wait({pending, self._disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        if pending not in done:
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, Exception):
+                await pending
+            raise ClientDisconnected(self.rid)
+        try:
+            out = pending.result()
+        except StopAsyncIteration:
+            out = None
+        return self._add(out)
+
+    def _add(self, out: TokenOutput | None) -> TokenOutput:
+        if out is None:
+            raise EngineError("the engine ended the request without a finish reason", 500)
+        self.state.add(out)
+        return out
+
+    async def outputs(self) -> AsyncIterator[TokenOutput]:
+        while (out := await self.next_output()) is not None:
+            yield out
+
+    async def run_to_end(self) -> RequestState:
+        async for _ in self.outputs():
+            pass
+        return self.state
+
+    def close(self) -> None:
+        """Idempotent. Aborts the request in the engine if it has not finished (client gone, error, cancellation)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._live.pop(self.rid, None)
+        if self._disconnect is not None:
+            self._disconnect.cancel()
+        if not self.state.finished:
+            try:
+                aborted = self.engine.abort(self.rid)
+                log.info("request %s aborted before it finished (engine knew it: %s)", self.rid, aborted)
+            except Exception:  # an abort must not turn a disconnect into a server error
+                log.exception("engine.abort(%s) failed", self.rid)

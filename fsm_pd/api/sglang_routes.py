@@ -1,0 +1,42 @@
+"""SGLang's native routes: ``POST /generate`` and ``POST /abort_request``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from fsm_pd.api.context import ApiContext
+from fsm_pd.api.errors import ERROR_RESPONSES
+from fsm_pd.api.outputs import RequestState
+from fsm_pd.api.requests import from_generate
+from fsm_pd.api.runner import RequestRun
+from fsm_pd.api.schemas import AbortBody, GenerateBody
+from fsm_pd.api.streaming import answer_stream, answer_whole
+from fsm_pd.serving.types import TokenOutput
+
+
+def sglang_router(ctx: ApiContext) -> APIRouter:
+    router = APIRouter(tags=["sglang"])
+
+    @router.post("/generate", responses=ERROR_RESPONSES)
+    async def generate(body: GenerateBody, request: Request) -> Response:
+        """SGLang's /generate: ``{"text", "output_ids", "meta_info"}``; streamed, every chunk carries the whole
+        text and ids so far (SGLang's default)."""
+        gen = from_generate(ctx.node, ctx.tokenizer, body)
+        run = RequestRun(ctx.engine, gen, ctx.tokenizer, request, ctx.live)
+        if not gen.stream:
+            return await answer_whole(run, RequestState.sglang_response)
+
+        def chunk(state: RequestState, out: TokenOutput) -> list[dict]:
+            return [state.sglang_response()]
+
+        return await answer_stream(run, chunk)
+
+    @router.post("/abort_request", responses=ERROR_RESPONSES)
+    async def abort_request(body: AbortBody) -> dict:
+        """Abort by ``rid`` (SGLang's body), or every request this server is running with ``abort_all``. Always 200,
+        as SGLang answers; ``aborted`` lists the ids the engine knew and stopped."""
+        rids = list(ctx.live) if body.abort_all else [body.rid] if body.rid else []
+        return {"aborted": [rid for rid in rids if ctx.engine.abort(rid)]}
+
+    return router

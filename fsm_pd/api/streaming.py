@@ -1,0 +1,79 @@
+"""Answering a request whole or as Server-Sent Events (``data: {json}`` lines, then ``data: [DONE]``, as SGLang and
+OpenAI both do).
+
+A streamed answer waits for the request's first output before it sends its headers: a request the engine fails
+before its first token (a prefill whose KV transfer failed, a decode that lost its prefill) gets a real HTTP error
+status, which is what a PD router needs to see to report the failure, instead of a 200 with an error event.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from fsm_pd.api.errors import error_body
+from fsm_pd.api.outputs import RequestState
+from fsm_pd.api.runner import ClientDisconnected, RequestRun
+from fsm_pd.serving.types import EngineError, TokenOutput
+
+log = logging.getLogger(__name__)
+
+CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but logs and metrics say what happened
+DONE = b"data: [DONE]\n\n"
+
+ChunkRenderer = Callable[[RequestState, TokenOutput], list[dict]]
+TailRenderer = Callable[[RequestState], list[dict]]
+
+
+def sse(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def answer_whole(run: RequestRun, render: Callable[[RequestState], dict]) -> Response:
+    try:
+        state = await run.run_to_end()
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED)
+    finally:
+        run.close()
+    return JSONResponse(render(state))
+
+
+async def answer_stream(run: RequestRun, on_output: ChunkRenderer, on_end: TailRenderer | None = None,
+                        head: list[dict] | None = None) -> Response:
+    """SSE: ``head`` chunks, then ``on_output`` chunks for each output, ``on_end`` chunks, and ``[DONE]``.
+    An engine error after the headers went out is one ``data: {"error": ...}`` event (SGLang's way), then [DONE]."""
+    try:
+        first = await run.next_output()
+    except ClientDisconnected:
+        run.close()
+        return Response(status_code=CLIENT_CLOSED)
+    except BaseException:
+        run.close()
+        raise  # an EngineError becomes its HTTP status through the app's handler
+
+    async def events():
+        try:
+            for chunk in head or ():
+                yield sse(chunk)
+            out = first
+            while out is not None:
+                for chunk in on_output(run.state, out):
+                    yield sse(chunk)
+                out = await run.next_output()
+            for chunk in on_end(run.state) if on_end else ():
+                yield sse(chunk)
+            yield DONE
+        except EngineError as err:
+            yield sse(error_body(err.status, str(err)))
+            yield DONE
+        except ClientDisconnected:
+            log.info("client of %s went away mid-stream", run.rid)
+        finally:
+            run.close()
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
