@@ -8,7 +8,9 @@
 """
 
 from fsm_pd.api.app import create_app
+from fsm_pd.api.router import PrefillWorker, build_arg_parser, create_router_app, router_main
 from fsm_pd.api.server import AppServer, serve
-from fsm_pd.api.stub_engine import StubEngine, stub_tokenizer
+from fsm_pd.api.stub_engine import StubEngine, stub_server, stub_tokenizer
 
-__all__ = ["AppServer", "StubEngine", "create_app", "serve", "stub_tokenizer"]
+__all__ = ["AppServer", "PrefillWorker", "StubEngine", "build_arg_parser", "create_app", "create_router_app",
+           "router_main", "serve", "stub_server", "stub_tokenizer"]

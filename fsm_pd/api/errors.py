@@ -38,7 +38,8 @@ class ApiError(Exception):
 
 def error_body(status: int, message: str, code: str | None = None) -> dict:
     try:
-        kind = HTTPStatus(status).phrase.replace(" ", "") + "Error"
+        phrase = HTTPStatus(status).phrase.replace(" ", "")
+        kind = phrase if phrase.endswith("Error") else phrase + "Error"
     except ValueError:
         kind = "Error"
     return {"error": {"message": message, "type": kind, "code": code or status}}

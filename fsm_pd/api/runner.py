@@ -23,7 +23,7 @@ class ClientDisconnected(Exception):
     pass
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def wait_disconnect(request: Request) -> None:
     # The body was read already (FastAPI parsed it), so the next message a server sends is the disconnect.
     while True:
         message = await request.receive()
@@ -58,7 +58,7 @@ class RequestRun:
         if self._http is None:  # an internal request (a health probe): nobody to go away
             return self._add(await anext(self._outputs, None))
         if self._disconnect is None:
-            self._disconnect = asyncio.ensure_future(_wait_disconnect(self._http))
+            self._disconnect = asyncio.ensure_future(wait_disconnect(self._http))
         pending = asyncio.ensure_future(anext(self._outputs))
         done, _ = await asyncio.wait({pending, self._disconnect}, return_when=asyncio.FIRST_COMPLETED)
         if pending not in done:

@@ -10,7 +10,9 @@ stream with ``EngineError(499)``. Knobs inject faults: ``submit_error``, ``fail_
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from fsm_pd.engine.tokenizer import ByteTokenizer
@@ -150,3 +152,19 @@ class StubEngine:
                                 logprob=PREFILL_LOGPROB if request.return_logprob else None,
                                 finish_reason={"type": "length", "length": 0}, text="",
                                 input_token_logprobs=logprobs, meta={"prompt_tokens": len(request.input_ids)}))
+
+
+@contextlib.contextmanager
+def stub_server(role: str = "colocated", *, bootstrap_port: int | None = None, api_key: str | None = None,
+                **knobs) -> Iterator[tuple[str, StubEngine]]:
+    """A ``StubEngine`` behind ``create_app`` on 127.0.0.1 (a free port): yields ``(base_url, engine)``."""
+    from fsm_pd.api.app import create_app
+    from fsm_pd.api.server import AppServer
+
+    engine = StubEngine(role=role, **knobs)
+    app = create_app(engine, engine.tokenizer, bootstrap_port=bootstrap_port, api_key=api_key)
+    with AppServer(app) as server:
+        try:
+            yield server.url, engine
+        finally:
+            engine.close()
