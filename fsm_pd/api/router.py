@@ -296,6 +296,3 @@ def router_main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper())
     serve(app, args.host, args.port, log_level=args.log_level)
 
-
-if __name__ == "__main__":
-    router_main()
