@@ -2,13 +2,15 @@
 
 ``gather_pages`` copies a request's pages out of the pool into one staging array; ``scatter_pages`` writes a staging
 array into pages of another pool, donating it. Two implementations sit behind them: ``"jnp"`` (XLA gather/scatter,
-any backend) and ``"pallas"`` (DMA kernels, TPU; interpret mode elsewhere). ``"auto"`` picks Pallas on TPU.
+any backend), ``"pallas"`` (DMA kernels, TPU; interpret mode elsewhere) and ``"cpu"`` (block copies at memcpy
+speed for a pool on one CPU device, see ``cpu_copy``). ``"auto"`` picks Pallas on TPU and ``"cpu"`` for an unsharded
+CPU pool.
 
 Staging is ONE stacked array ``[num_layers, rows, page_size, 2*kv_heads, head_dim]`` rather than a tuple of per-layer
 arrays: a transfer then registers, pulls, checks and host-copies a single buffer whose shape both sides derive from
 the page count (``KVLayout.staging_shape(page_bucket(n))``), and the ZMQ fallback sends it as one contiguous payload.
-``rows = page_bucket(len(page_ids))``; rows ``>= len(page_ids)`` are padding (copies of page 0 from ``"jnp"``,
-unspecified from ``"pallas"``) and scatter never writes them anywhere.
+``rows = page_bucket(len(page_ids))``; rows ``>= len(page_ids)`` are padding (copies of page 0 from ``"jnp"`` and
+``"cpu"``, unspecified from ``"pallas"``) and scatter never writes them anywhere.
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ from typing import Literal
 import jax
 import numpy as np
 
-from fsm_pd.kernels import jnp_copy, pallas_copy
+from fsm_pd.kernels import cpu_copy, jnp_copy, pallas_copy
 from fsm_pd.kernels.buckets import page_bucket
 from fsm_pd.kernels.layout import PAD_PAGE, KVLayout
 from fsm_pd.kernels.placement import pool_placement
 from fsm_pd.kernels.runs import page_runs
 from fsm_pd.kernels.validation import Pool, check_page_ids, check_pool, check_staging
 
-Impl = Literal["auto", "jnp", "pallas"]
+Impl = Literal["auto", "jnp", "pallas", "cpu"]
 PageIds = Sequence[int] | np.ndarray | jax.Array
 
 # Mosaic lays the last axis out in 128-lane tiles; tpu-inference pads narrower head dims to 128 before its DMA
@@ -38,13 +40,20 @@ def _platform(pool: Pool) -> str:
     return next(iter(pool[0].devices())).platform
 
 
-def resolve_impl(pool: Sequence[jax.Array], impl: Impl = "auto") -> Literal["jnp", "pallas"]:
-    """The implementation ``impl`` means for this pool: ``"auto"`` is Pallas on TPU for lane-aligned head dims."""
+def resolve_impl(pool: Sequence[jax.Array], impl: Impl = "auto") -> Literal["jnp", "pallas", "cpu"]:
+    """The implementation ``impl`` means for this pool: ``"auto"`` is Pallas on TPU for lane-aligned head dims,
+    ``"cpu"`` for a pool on one CPU device, else ``"jnp"``."""
     if impl == "auto":
-        aligned = pool[0].shape[-1] % _LANES == 0
-        return "pallas" if _platform(tuple(pool)) == "tpu" and aligned else "jnp"
-    if impl not in ("jnp", "pallas"):
-        raise ValueError(f"unknown kernel implementation {impl!r}: use 'auto', 'jnp' or 'pallas'")
+        platform = _platform(tuple(pool))
+        if platform == "tpu":
+            return "pallas" if pool[0].shape[-1] % _LANES == 0 else "jnp"
+        if platform == "cpu" and isinstance(pool[0].sharding, jax.sharding.SingleDeviceSharding):
+            return "cpu"
+        return "jnp"
+    if impl == "cpu" and not isinstance(pool[0].sharding, jax.sharding.SingleDeviceSharding):
+        raise ValueError("impl='cpu' needs a pool on one device; use 'jnp' for a sharded pool")
+    if impl not in ("jnp", "pallas", "cpu"):
+        raise ValueError(f"unknown kernel implementation {impl!r}: use 'auto', 'jnp', 'pallas' or 'cpu'")
     return impl
 
 
@@ -55,13 +64,17 @@ def gather_pages(
 
     pool: L x [num_pages, page_size, 2H, D]. Returns [L, page_bucket(n), page_size, 2H, D], placed like the pool
     (sharded on axis 3 where the pool is sharded on axis 2). The pool is only read. Raises ``ValueError`` for page
-    ids that are not distinct ints in ``[1, num_pages)``.
+    ids that are not distinct ints in ``[1, num_pages)``. With ``"cpu"`` (the default on CPU) the copy is done
+    before this returns, reading the pool directly: call it only on the thread that owns the pool.
     """
     pool = check_pool(pool, layout)
     ids = check_page_ids(page_ids, pool[0].shape[0])
     rows = page_bucket(ids.size)
     placement = pool_placement(pool)
-    if resolve_impl(pool, impl) == "pallas":
+    chosen = resolve_impl(pool, impl)
+    if chosen == "cpu":
+        return cpu_copy.gather_host(pool, ids, rows)
+    if chosen == "pallas":
         runs = page_runs(ids, rows)
         return pallas_copy.gather_runs(pool, runs, rows, placement=placement, interpret=_platform(pool) != "tpu")
     row_pages = np.full(rows, PAD_PAGE, dtype=np.int32)
@@ -89,7 +102,12 @@ def scatter_pages(
     check_staging(staging, pool, ids.size)
     rows = staging.shape[1]
     placement = pool_placement(pool)
-    if resolve_impl(pool, impl) == "pallas":
+    chosen = resolve_impl(pool, impl)
+    if chosen == "cpu":
+        row_pages = np.zeros(rows, dtype=np.int32)
+        row_pages[: ids.size] = ids
+        return cpu_copy.scatter_loop(pool, staging, row_pages, np.int32(ids.size))
+    if chosen == "pallas":
         runs = page_runs(ids, rows)
         return pallas_copy.scatter_runs(pool, staging, runs, placement=placement, interpret=_platform(pool) != "tpu")
     num_pages = pool[0].shape[0]

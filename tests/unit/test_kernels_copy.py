@@ -1,7 +1,8 @@
 """gather_pages / scatter_pages against a NumPy reference, for every implementation.
 
 "pallas" runs here in Pallas's TPU interpret mode (HBM, DMAs and DMA semaphores simulated on the CPU, with DMAs
-executed only when waited on), so a kernel that forgets a wait or mixes up offsets fails these tests.
+executed only when waited on), so a kernel that forgets a wait or mixes up offsets fails these tests. "cpu" is the
+block-copy path that "auto" picks for a pool on one CPU device (recycled host blocks, a donated update loop).
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fsm_pd.kernels import gather_pages, jnp_copy, page_bucket, pallas_copy, resolve_impl, scatter_pages
+from fsm_pd.kernels import cpu_copy, gather_pages, jnp_copy, page_bucket, pallas_copy, resolve_impl, scatter_pages
 
-IMPLS = ["jnp", "pallas"]
+IMPLS = ["jnp", "pallas", "cpu"]
 PAGE_SHAPE = (2, 4, 8)  # page_size, 2*kv_heads, head_dim: tiny, the kernels never look inside a page
 
 jit_settings = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -136,6 +137,8 @@ def compiled(impl: str) -> tuple[int, int]:
     """(gather, scatter) compilations so far of the jitted function behind ``impl``."""
     if impl == "jnp":
         return jnp_copy.gather_rows._cache_size(), jnp_copy.scatter_rows._cache_size()
+    if impl == "cpu":  # the gather is NumPy block copies: nothing to compile
+        return 0, cpu_copy.scatter_loop._cache_size()
     return pallas_copy._gather_jit._cache_size(), pallas_copy._scatter_jit._cache_size()
 
 
@@ -148,16 +151,60 @@ def test_new_lengths_within_a_bucket_do_not_recompile(impl):
         ids = list(range(num_pages - n, num_pages)) if n % 2 else list(range(1, 2 * n, 2))
         staging = gather_pages(pool, ids, impl=impl)
         pool = scatter_pages(pool, staging, ids[::-1], impl=impl)
-    assert tuple(a - b for a, b in zip(compiled(impl), before, strict=True)) == (1, 1)
+    gathers = 0 if impl == "cpu" else 1
+    assert tuple(a - b for a, b in zip(compiled(impl), before, strict=True)) == (gathers, 1)
     staging = gather_pages(pool, list(range(1, 10)), impl=impl)  # 9 pages: the next bucket (16 rows)
     scatter_pages(pool, staging, list(range(10, 19)), impl=impl)
-    assert tuple(a - b for a, b in zip(compiled(impl), before, strict=True)) == (2, 2)
+    assert tuple(a - b for a, b in zip(compiled(impl), before, strict=True)) == (2 * gathers, 2)
 
 
-def test_auto_is_jnp_off_tpu_and_unknown_names_are_rejected():
+def test_auto_is_cpu_for_a_single_device_cpu_pool_and_unknown_names_are_rejected():
     pool = to_device(numbered_pool(1, 3))
-    assert jax.default_backend() != "tpu"
-    assert resolve_impl(pool, "auto") == "jnp"
+    assert jax.default_backend() == "cpu"
+    assert resolve_impl(pool, "auto") == "cpu"
+    assert resolve_impl(pool, "jnp") == "jnp"
     assert resolve_impl(pool, "pallas") == "pallas"
     with pytest.raises(ValueError, match="unknown kernel implementation 'triton'"):
         resolve_impl(pool, "triton")
+
+
+def test_cpu_gather_pads_with_page_0_and_returns_an_aliased_aligned_array():
+    pool = numbered_pool(2, 9)
+    staging = gather_pages(to_device(pool), [3, 4, 5, 7, 1], impl="cpu")  # runs [3..5], [7], [1]; 8 rows
+    assert staging.shape == (2, 8, *PAGE_SHAPE)
+    got = np.asarray(staging)
+    np.testing.assert_array_equal(got[:, :5], reference_gather(pool, [3, 4, 5, 7, 1]))
+    np.testing.assert_array_equal(got[:, 5:], np.stack([np.broadcast_to(layer[0], (3, *PAGE_SHAPE)) for layer in pool]))
+    assert staging.unsafe_buffer_pointer() % cpu_copy.ALIGNMENT == 0
+
+
+def test_cpu_gather_recycles_blocks_only_once_nothing_refers_to_them():
+    """A live staging array (or a NumPy view of one, as a transfer backend keeps while sending) is never written by
+    a later gather; once dropped, its warm block is reused."""
+    pool = to_device(numbered_pool(2, 40))
+    first = gather_pages(pool, list(range(1, 33)), impl="cpu")  # 32 pages
+    kept_view = np.asarray(first)[1]  # a view only: the staging array itself is dropped below
+    snapshot = kept_view.copy()
+    address = first.unsafe_buffer_pointer()
+    del first
+    second = gather_pages(pool, list(range(39, 7, -1)), impl="cpu")
+    assert second.unsafe_buffer_pointer() != address
+    np.testing.assert_array_equal(kept_view, snapshot)
+    del kept_view, second
+    # jax lets go of an aliased host array lazily, at its next dispatch; any later jax work does it.
+    jnp.zeros(()).block_until_ready()
+    known = {cpu_copy._aligned(block, 1).ctypes.data for block in cpu_copy.warm_blocks._blocks}  # no references
+    third = gather_pages(pool, list(range(5, 37)), impl="cpu")
+    assert third.unsafe_buffer_pointer() in known
+    np.testing.assert_array_equal(np.asarray(third)[:, :32], reference_gather(numbered_pool(2, 40), list(range(5, 37))))
+
+
+def test_cpu_scatter_loop_stops_at_the_page_count():
+    """The loop bound is the real page count, so rows past it (however many the bucket has) are never read."""
+    pool = numbered_pool(1, 6)
+    staging = np.full((1, 4, *PAGE_SHAPE), np.nan, np.float32)
+    staging[0, 0] = -1.0
+    updated = cpu_copy.scatter_loop(to_device(pool), jnp.asarray(staging), np.array([2, 0, 0, 0], np.int32), np.int32(1))
+    expected = pool[0].copy()
+    expected[2] = -1.0
+    np.testing.assert_array_equal(np.asarray(updated[0]), expected)

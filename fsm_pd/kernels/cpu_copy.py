@@ -1,0 +1,120 @@
+"""Page copies at memcpy speed for pools on one CPU device (``impl="cpu"``, what ``"auto"`` picks there).
+
+Why not XLA's gather and scatter: on CPU both are element loops (~1.3 and ~2.8 GB/s on the dev VM), and every
+gather writes a freshly allocated staging array. A fresh 64 MiB buffer is ~16k first-touch page faults, which cost
+more than the copy itself. A page of one layer is one contiguous block of bytes (axis 0), so both directions are a
+handful of block copies per layer:
+
+* gather: NumPy copies whole runs of consecutive pages (``runs.page_runs``) out of a zero-copy view of each pool
+  layer into a *warm*, 64-byte-aligned host block, which ``device_put`` then aliases (zero-copy on CPU for aligned
+  buffers). Blocks are recycled once nothing refers to them (see ``_WarmBlocks``). Reading the pool through a NumPy
+  view is synchronous and outside XLA's ordering, so this is only safe on the thread that owns the pool (the model
+  thread): ``np.asarray`` waits for pending writes, and no other thread may donate the pool meanwhile. Padding rows
+  hold copies of page 0, as with ``"jnp"``, so a recycled block never ships another request's KV.
+* scatter: a jitted ``fori_loop`` of ``dynamic_update_slice``, one page per step, on the donated pool. XLA updates
+  donated buffers in place, so each step is a page-sized memcpy (~10 GB/s against ~2.8 for the XLA scatter). The
+  loop runs to the real page count, a runtime scalar: padding rows are never written and a new length within a
+  bucket compiles nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from functools import partial
+
+import jax
+import numpy as np
+from jax import lax
+
+from fsm_pd.kernels.layout import PAD_PAGE
+from fsm_pd.kernels.runs import page_runs
+from fsm_pd.kernels.validation import Pool
+
+ALIGNMENT = 64  # XLA's CPU client aliases host buffers aligned to this instead of copying them
+_IDLE_REFS = 2  # the recycler's list entry + getrefcount's argument
+
+
+class _WarmBlocks:
+    """Host blocks kept after use, so that a gather writes into memory that is already paged in.
+
+    A block is reused only when CPython's reference count shows that nobody else holds it: the staging array
+    returned by ``gather_host`` aliases it, and jax keeps the NumPy array referenced for as long as that device
+    buffer (or any NumPy view of it, e.g. a transfer backend's send buffers) is alive. Blocks are only ever handed
+    out here, so a block seen idle under the lock stays idle until handed out again.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._blocks: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            for i in range(len(self._blocks)):  # index access only: a local name would add a reference
+                if self._blocks[i].nbytes == nbytes + ALIGNMENT and sys.getrefcount(self._blocks[i]) == _IDLE_REFS:
+                    return _aligned(self._blocks[i], nbytes)
+            # Forget idle blocks, oldest first, until the new one fits the budget.
+            i = 0
+            while i < len(self._blocks) and self.retained() + nbytes > self.max_bytes:
+                if sys.getrefcount(self._blocks[i]) == _IDLE_REFS:
+                    del self._blocks[i]
+                else:
+                    i += 1
+            owner = np.empty(nbytes + ALIGNMENT, np.uint8)
+            if self.retained() + owner.nbytes <= self.max_bytes:
+                self._blocks.append(owner)
+            return _aligned(owner, nbytes)
+
+    def retained(self) -> int:
+        return sum(b.nbytes for b in self._blocks)
+
+
+def _aligned(owner: np.ndarray, nbytes: int) -> np.ndarray:
+    start = -owner.ctypes.data % ALIGNMENT
+    return owner[start : start + nbytes]
+
+
+# Enough for a few staging arrays in flight at once; beyond it blocks are plain (cold) allocations.
+warm_blocks = _WarmBlocks(max_bytes=1 << 30)
+
+
+def gather_host(pool: Pool, ids: np.ndarray, rows: int) -> jax.Array:
+    """Stack pages ``ids`` of every layer into rows ``0..n`` of a new ``[L, rows, ...]`` array; rows past ``n`` hold
+    page 0. Only call this on the thread that owns ``pool``."""
+    layer_shape, dtype = pool[0].shape, np.dtype(pool[0].dtype)
+    shape = (len(pool), rows, *layer_shape[1:])
+    out = warm_blocks.take(int(np.prod(shape)) * dtype.itemsize).view(dtype).reshape(shape)
+    runs = page_runs(ids, rows)
+    spans = [
+        (int(p), int(r), int(k))
+        for p, r, k in zip(runs.page_starts, runs.row_starts, runs.lengths, strict=True)
+    ][: int(runs.num_runs[0])]
+    for staged, layer in zip(out, pool, strict=True):
+        src = np.asarray(layer)  # zero-copy view on CPU; waits for pending writes to the layer
+        for page, row, length in spans:
+            staged[row : row + length] = src[page : page + length]
+        if ids.size < rows:
+            staged[ids.size :] = src[PAD_PAGE]
+    # Committed like the pool: jit keys its cache on committedness, so a mismatch would compile a second scatter.
+    committed = getattr(pool[0], "_committed", True)
+    return jax.device_put(out, pool[0].sharding if committed else None)
+
+
+@partial(jax.jit, donate_argnums=0)
+def scatter_loop(pool: Pool, staging: jax.Array, row_pages: jax.Array, count: jax.Array) -> Pool:
+    """Write staging row ``r`` of every layer into page ``row_pages[r]`` for ``r < count``; the pool is donated.
+
+    row_pages: int32[rows] (entries past ``count`` are ignored); count: int32 scalar. One compile per bucket.
+    """
+    page_shape = pool[0].shape[1:]
+
+    def step(r, layers):
+        page = row_pages[r]
+        return tuple(
+            lax.dynamic_update_slice(layer, lax.dynamic_slice(staging, (i, r, 0, 0, 0), (1, 1, *page_shape))[0],
+                                     (page, 0, 0, 0))
+            for i, layer in enumerate(layers)
+        )
+
+    return lax.fori_loop(0, count, step, tuple(pool))
