@@ -7,7 +7,10 @@ handful of block copies per layer:
 
 * gather: NumPy copies whole runs of consecutive pages (``runs.page_runs``) out of a zero-copy view of each pool
   layer into a *warm*, 64-byte-aligned host block, which ``device_put`` then aliases (zero-copy on CPU for aligned
-  buffers). Blocks are recycled once nothing refers to them (see ``_WarmBlocks``). Reading the pool through a NumPy
+  buffers). Blocks are recycled once nothing refers to them (see ``_WarmBlocks``). One core copies ~6 GB/s here
+  (XLA's in-place update loop reaches ~11 with its own threads), so large gathers split the layers over two
+  helper threads (NumPy copies release the GIL: ~10 GB/s); the caller waits for them, so the pool is still only
+  read while its owner is blocked in ``gather_pages``. Reading the pool through a NumPy
   view is synchronous and outside XLA's ordering, so this is only safe on the thread that owns the pool (the model
   thread): ``np.asarray`` waits for pending writes, and no other thread may donate the pool meanwhile. Padding rows
   hold copies of page 0, as with ``"jnp"``, so a recycled block never ships another request's KV.
@@ -19,13 +22,21 @@ handful of block copies per layer:
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import jax
 import numpy as np
 from jax import lax
+
+try:  # jaxlib drops its references to aliased host arrays lazily, at its next dispatch; this does it now
+    from jax._src.lib._jax import collect_garbage as _release_deferred
+except ImportError:  # pragma: no cover - another jaxlib: a block then waits for the next dispatch to be reusable
+    def _release_deferred() -> None:
+        pass
 
 from fsm_pd.kernels.layout import PAD_PAGE
 from fsm_pd.kernels.runs import page_runs
@@ -50,6 +61,9 @@ class _WarmBlocks:
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> np.ndarray:
+        # Without this, a staging array dropped just before the next gather still looks referenced, and every
+        # other gather would page in a cold block (measured: 64 MiB gathers 11 ms instead of 7).
+        _release_deferred()
         with self._lock:
             for i in range(len(self._blocks)):  # index access only: a local name would add a reference
                 if self._blocks[i].nbytes == nbytes + ALIGNMENT and sys.getrefcount(self._blocks[i]) == _IDLE_REFS:
@@ -79,6 +93,19 @@ def _aligned(owner: np.ndarray, nbytes: int) -> np.ndarray:
 warm_blocks = _WarmBlocks(max_bytes=1 << 30)
 
 
+_PARALLEL_BYTES = 4 << 20  # below this, starting helper threads costs more than it saves
+_helpers: ThreadPoolExecutor | None = None
+_helpers_lock = threading.Lock()
+
+
+def _copy_threads() -> ThreadPoolExecutor:
+    global _helpers
+    with _helpers_lock:
+        if _helpers is None:
+            _helpers = ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1), thread_name_prefix="page-copy")
+        return _helpers
+
+
 def gather_host(pool: Pool, ids: np.ndarray, rows: int) -> jax.Array:
     """Stack pages ``ids`` of every layer into rows ``0..n`` of a new ``[L, rows, ...]`` array; rows past ``n`` hold
     page 0. Only call this on the thread that owns ``pool``."""
@@ -90,12 +117,24 @@ def gather_host(pool: Pool, ids: np.ndarray, rows: int) -> jax.Array:
         (int(p), int(r), int(k))
         for p, r, k in zip(runs.page_starts, runs.row_starts, runs.lengths, strict=True)
     ][: int(runs.num_runs[0])]
-    for staged, layer in zip(out, pool, strict=True):
-        src = np.asarray(layer)  # zero-copy view on CPU; waits for pending writes to the layer
-        for page, row, length in spans:
-            staged[row : row + length] = src[page : page + length]
-        if ids.size < rows:
-            staged[ids.size :] = src[PAD_PAGE]
+    sources = [np.asarray(layer) for layer in pool]  # zero-copy views on CPU; wait for pending writes
+
+    def copy_layers(layers: range) -> None:
+        for index in layers:
+            staged, src = out[index], sources[index]
+            for page, row, length in spans:
+                staged[row : row + length] = src[page : page + length]
+            if ids.size < rows:
+                staged[ids.size :] = src[PAD_PAGE]
+
+    helpers = _copy_threads() if out.nbytes >= _PARALLEL_BYTES and len(pool) > 1 else None
+    if helpers is None or helpers._max_workers < 2:
+        copy_layers(range(len(pool)))
+    else:
+        half = len(pool) // 2
+        first = helpers.submit(copy_layers, range(half))
+        copy_layers(range(half, len(pool)))  # this thread takes the other half
+        first.result()
     # Committed like the pool: jit keys its cache on committedness, so a mismatch would compile a second scatter.
     committed = getattr(pool[0], "_committed", True)
     return jax.device_put(out, pool[0].sharding if committed else None)

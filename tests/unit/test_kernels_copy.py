@@ -191,7 +191,8 @@ def test_cpu_gather_recycles_blocks_only_once_nothing_refers_to_them():
     assert second.unsafe_buffer_pointer() != address
     np.testing.assert_array_equal(kept_view, snapshot)
     del kept_view, second
-    # jax lets go of an aliased host array lazily, at its next dispatch; any later jax work does it.
+    # jaxlib lets go of an aliased host array asynchronously, after the device buffer is freed; a round trip
+    # through the runtime makes that deterministic here.
     jnp.zeros(()).block_until_ready()
     known = {cpu_copy._aligned(block, 1).ctypes.data for block in cpu_copy.warm_blocks._blocks}  # no references
     third = gather_pages(pool, list(range(5, 37)), impl="cpu")
