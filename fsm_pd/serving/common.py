@@ -1,0 +1,77 @@
+"""What every engine needs besides its scheduler: request checks, the context limit, and the table of live
+requests that ``abort`` works through."""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+from pathlib import Path
+
+from fsm_pd.engine.loader import LoadedModel
+from fsm_pd.serving.sequence import Sequence
+from fsm_pd.serving.types import EngineError, GenerateRequest
+
+ABORTED_STATUS = 499  # the client gave up (nginx's "client closed request"); not a server failure
+
+
+def max_context_for(model: LoadedModel, num_pages: int, page_size: int) -> int:
+    """Prompt plus generated tokens: bounded by the model's positions and by what the pool can ever hold."""
+    return min(model.config.max_position_embeddings, (num_pages - 1) * page_size)
+
+
+def check_request(request: GenerateRequest, max_context: int, *, needs_bootstrap: bool) -> None:
+    """Raise ``EngineError(400)`` for a request this engine can never serve."""
+    if needs_bootstrap and request.bootstrap is None:
+        raise EngineError(
+            f"request {request.rid}: a PD node needs bootstrap_host, bootstrap_port and bootstrap_room", 400
+        )
+    if not request.input_ids:
+        raise EngineError(f"request {request.rid}: the prompt is empty", 400)
+    if len(request.input_ids) >= max_context:
+        raise EngineError(
+            f"request {request.rid}: the input ({len(request.input_ids)} tokens) is longer than the "
+            f"model's context length ({max_context} tokens)",
+            400,
+        )
+
+
+def journal_path(journal: str | None, node_id: str) -> str:
+    """The journal file; without one, a file in a fresh temporary directory (tests, throwaway nodes)."""
+    if journal is not None:
+        return journal
+    return str(Path(tempfile.mkdtemp(prefix="fsm-pd-")) / f"{node_id}.db")
+
+
+class RequestTable:
+    """rid → live ``Sequence``, from ``submit`` until the request ends or is aborted. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._live: dict[str, Sequence] = {}
+        self._lock = threading.Lock()
+
+    def add(self, seq: Sequence) -> None:
+        with self._lock:
+            if seq.rid in self._live:
+                raise EngineError(f"request {seq.rid} is already running", 400)
+            self._live[seq.rid] = seq
+
+    def pop(self, rid: str) -> Sequence | None:
+        with self._lock:
+            return self._live.pop(rid, None)
+
+    def cancel(self, rid: str, reason: str = "aborted") -> Sequence | None:
+        """Mark the request cancelled and end its stream with ``EngineError(499)``; None if it is not live.
+
+        The scheduler frees what it holds at its next step on the model thread.
+        """
+        with self._lock:
+            seq = self._live.pop(rid, None)
+        if seq is None:
+            return None
+        seq.cancelled = True  # first, so the model thread stops streaming to it as early as possible
+        seq.stream.push(EngineError(f"request {rid} {reason}", ABORTED_STATUS))
+        return seq
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._live)

@@ -1,0 +1,221 @@
+"""``DecodeEngine``: receives each request's KV cache from a prefill node, then decodes with continuous batching.
+
+A request goes through:
+
+1. pre-allocation: ``add_receiver`` at once (the manager resolves the prefill node through its bootstrap server
+   meanwhile); the request waits in FIFO order until its prompt's pages fit with ``headroom_pages`` to spare, then
+   the scheduler reserves them and hands them over with ``give_pages`` (SGLang's ``send_metadata``);
+2. transfer: PREPARE, READY, pull and scatter are the manager's; Success or Failed reaches the scheduler through a
+   manager observer;
+3. decoding: on Success the request joins the running batch with READY's first token (streamed at once) and the
+   shared ``DecodeLoop`` takes it from there. At the end ``finish`` frees its pages on the model thread.
+
+Why the engine owns the pages (``SchedulerAdmission``) rather than the manager's ``PoolAdmission``: a decoding
+sequence grows, one page every ``page_size`` tokens, and those pages must come from the same allocator as the
+prompt's, or admission cannot see what decoding will need; and the headroom rule is a scheduling decision.
+Freeing stays the machine's job on failure: every failed room's ``FreePages`` calls back ``_on_release``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+from fsm_pd.control import KVManager
+from fsm_pd.control.admission import SchedulerAdmission
+from fsm_pd.engine.loader import LoadedModel, load_model
+from fsm_pd.engine.model_thread import ModelThread
+from fsm_pd.serving.common import RequestTable, check_request, journal_path, max_context_for
+from fsm_pd.serving.decode_loop import DecodeLoop
+from fsm_pd.serving.kv_pages import GrowingPageAllocator, pages_for
+from fsm_pd.serving.page_admission import admits
+from fsm_pd.serving.sequence import Sequence
+from fsm_pd.serving.step_driver import StepDriver
+from fsm_pd.serving.types import EngineError, GenerateRequest, RequestStream
+from fsm_pd.transport import generate_secret
+
+log = logging.getLogger(__name__)
+
+
+class DecodeEngine:
+    role = "decode"
+
+    def __init__(
+        self,
+        model: LoadedModel | str = "tiny",
+        *,
+        num_pages: int = 512,
+        page_size: int = 16,
+        node_id: str = "decode-0",
+        journal: str | None = None,
+        secret: bytes | None = None,
+        backend: str = "zmq",
+        backend_options: dict | None = None,
+        deadlines: dict | None = None,
+        host: str = "127.0.0.1",
+        max_running: int = 64,
+        headroom_pages: int | None = None,
+        heartbeat: dict | None = None,
+    ):
+        self.model = load_model(model) if isinstance(model, str) else model
+        self.model_name = self.model.name
+        self.page_size = page_size
+        self.layout = self.model.make_kv_layout(num_pages, page_size)
+        self.max_context = max_context_for(self.model, num_pages, page_size)
+        self.max_running = max_running
+        self.headroom_pages = headroom_pages if headroom_pages is not None else max(1, (num_pages - 1) // 8)
+        self.secret = secret if secret is not None else generate_secret()
+        self.model_thread = ModelThread(self.model.make_pool(self.layout), name=f"model[{node_id}]")
+        self.allocator = GrowingPageAllocator(num_pages)
+        self.requests = RequestTable()
+        self.loop = DecodeLoop(self.model, self.model_thread, self.allocator, page_size, release=self._finish)
+        self._rooms: dict[int, Sequence] = {}  # room -> live request not yet decoding (waiting or transferring)
+        self._awaiting_pages: deque[Sequence] = deque()
+        self._events: deque[tuple[int, str]] = deque()  # (room, Success|Failed), from the manager's loop thread
+        self._driver = StepDriver(self.model_thread, self._step, name=f"{node_id} scheduler")
+        self.manager = KVManager(
+            role="decode",
+            node_id=node_id,
+            layout=self.layout,
+            journal=journal_path(journal, node_id),
+            secret=self.secret,
+            backend=backend,
+            backend_options=backend_options,
+            deadlines=deadlines,
+            host=host,
+            admission=SchedulerAdmission(on_release=self._on_release),
+            heartbeat=heartbeat,
+            model=self.model_thread,
+        )
+        self.manager.node.observers.append(self._observe)
+
+    # --- any thread ---
+    def submit(self, request: GenerateRequest, stream: RequestStream) -> None:
+        check_request(request, self.max_context, needs_bootstrap=True)
+        room = request.bootstrap.room
+        seq = Sequence.start(
+            request,
+            stream,
+            key=room,
+            pages=[],
+            tokenizer=self.model.tokenizer,
+            eos_token_ids=self.model.eos_token_ids,
+            max_context=self.max_context,
+        )
+        if room in self._rooms:
+            raise EngineError(f"request {request.rid}: bootstrap_room {room} is in use by another request", 400)
+        self.requests.add(seq)
+        self._rooms[room] = seq
+        try:
+            self.manager.add_receiver(
+                room,
+                page_count=pages_for(seq.prompt_len, self.page_size),
+                prompt_len=seq.prompt_len,
+                bootstrap_addr=request.bootstrap.addr,
+            )
+        except ValueError as exc:
+            self._rooms.pop(room, None)
+            self.requests.pop(seq.rid)
+            raise EngineError(f"request {request.rid}: {exc}", 400) from None
+        self._awaiting_pages.append(seq)
+        self._driver.kick()
+
+    def abort(self, rid: str) -> bool:
+        seq = self.requests.cancel(rid)
+        if seq is None:
+            return False
+        # in pre-allocation or transfer the machine fails the room and frees its pages; once decoding (the room
+        # is Success, so this is ignored) the loop drops the sequence at its next step and finishes the room
+        self.manager.abort(seq.key, "aborted by the client")
+        self._driver.kick()
+        return True
+
+    def info(self) -> dict:
+        return {
+            "role": self.role,
+            "model": self.model_name,
+            "max_context": self.max_context,
+            "page_size": self.page_size,
+            "pages_free": self.allocator.free_pages,
+            "pages_reserved": self.allocator.reserved_pages,
+            "requests_live": len(self.requests),
+            "prealloc_queue": len(self._awaiting_pages),
+            "transfer_queue": len(self._rooms) - len(self._awaiting_pages),
+            "requests_running": len(self.loop.running),
+            "tokens_generated": self.loop.tokens_generated,
+            "preempted": self.loop.preempted,
+            **self.manager.counters(),
+        }
+
+    def close(self) -> None:
+        self._driver.close()
+        self.manager.close()
+        self.model_thread.close()
+
+    # --- the manager's loop thread ---
+    def _observe(self, room, decision, at) -> None:
+        if decision.dst != decision.src and decision.dst in ("Success", "Failed"):
+            self._events.append((room.room, decision.dst))
+            self._driver.kick()
+
+    # --- the model thread ---
+    def _on_release(self, room: int) -> None:
+        """The manager frees a room (it failed, or ``finish``): return its pages, admit whoever waits for them."""
+        self.allocator.free(room)
+        # Nothing reserves for this room after this: admission checks the room is alive on this same thread.
+        self.allocator.forget(room)
+        self._driver.kick()
+
+    def _step(self) -> bool:
+        while self._events:
+            self._on_room(*self._events.popleft())
+        self._admit()
+        return self.loop.step()
+
+    def _on_room(self, room: int, state: str) -> None:
+        seq = self._rooms.pop(room, None)
+        if seq is None:
+            return
+        if state == "Failed":
+            if not seq.cancelled:
+                seq.stream.push(EngineError(self.manager.reason(room) or "KV transfer failed", 500))
+            self.requests.pop(seq.rid)
+            self.manager.clear(room)  # its pages: the machine's FreePages calls _on_release
+            return
+        ctx = self.manager.node.rooms[room].ctx
+        seq.pages = list(ctx["pages"])
+        seq.meta["queue_and_transfer_seconds"] = round(time.monotonic() - seq.started, 6)
+        if seq.cancelled:
+            self._finish(seq)
+            return
+        input_logprobs = ctx.get("input_logprobs") if seq.request.return_logprob else None
+        first_logprob = ctx.get("first_logprob") if seq.request.return_logprob else None
+        if seq.emit(int(ctx["first_token"]), first_logprob, input_logprobs):
+            self._finish(seq)
+        else:
+            self.loop.add(seq)
+
+    def _admit(self) -> None:
+        queue, rooms = self._awaiting_pages, self.manager.node.rooms
+        while queue and len(self.loop.running) + len(self._rooms) - len(queue) < self.max_running:
+            seq = queue[0]
+            room = rooms.get(seq.key)  # None until the manager's loop has taken the create event
+            if seq.cancelled or self._rooms.get(seq.key) is not seq or (room is not None and room.terminal):
+                queue.popleft()  # it ended while waiting; _on_room answers it
+                continue
+            need = pages_for(seq.prompt_len, self.page_size)
+            if not admits(self.allocator, need, self.headroom_pages):
+                return
+            queue.popleft()
+            try:
+                pages = self.allocator.reserve(seq.key, need)
+            except ValueError:  # freed already: the room failed while we looked
+                continue
+            self.manager.give_pages(seq.key, pages)
+
+    def _finish(self, seq: Sequence) -> None:
+        """A decoded (or cancelled) request is done: ``finish`` frees its pages after any queued write."""
+        self.requests.pop(seq.rid)
+        self.manager.finish(seq.key)
+        self.manager.clear(seq.key)

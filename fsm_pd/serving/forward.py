@@ -1,0 +1,53 @@
+"""The model calls a scheduler makes on the model thread: prefill a batch of prompts and sample each one's first
+token, and the logprobs of chosen tokens. Shared by the prefill and colocated engines, so both sample the first
+token the same way (the request's seed, step 0) and a PD pair answers exactly like a colocated node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from fsm_pd.engine.loader import LoadedModel
+from fsm_pd.engine.model_thread import ModelThread
+from fsm_pd.engine.sampling import sample
+from fsm_pd.serving.types import GenerateRequest
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    token_id: int
+    logprob: float | None  # only when the request asked for logprobs
+    input_logprobs: list[float | None] | None
+
+
+def chosen_logprobs(logits, tokens) -> np.ndarray:
+    """``log_softmax(logits)[b, tokens[b]]`` for each row; on the host, where it costs one pass over ``[B, V]``
+    and compiles nothing per batch size."""
+    x = np.asarray(logits, dtype=np.float32)
+    x = x - x.max(axis=-1, keepdims=True)
+    log_norm = np.log(np.exp(x).sum(axis=-1))
+    return x[np.arange(x.shape[0]), np.asarray(tokens)] - log_norm
+
+
+def prefill_and_sample(
+    model: LoadedModel, owner: ModelThread, requests: Sequence[GenerateRequest], pages: Sequence[Sequence[int]]
+) -> list[FirstToken]:
+    """Prefill ``requests`` into ``pages`` (one list each) in one batch; model thread only (it replaces the pool)."""
+    want_logprobs = any(r.return_logprob for r in requests)
+    out = model.prefill_batch(
+        owner.pool, [r.input_ids for r in requests], [list(p) for p in pages], return_logprobs=want_logprobs
+    )
+    owner.pool = out.pool
+    tokens = sample(out.logits, [r.sampling for r in requests], [r.seed for r in requests], [0] * len(requests))
+    logprobs = chosen_logprobs(out.logits, tokens) if want_logprobs else None
+    return [
+        FirstToken(
+            int(tokens[i]),
+            float(logprobs[i]) if r.return_logprob else None,
+            out.token_logprobs[i] if r.return_logprob else None,
+        )
+        for i, r in enumerate(requests)
+    ]

@@ -1,0 +1,241 @@
+"""``PrefillEngine``: runs prompts and hands their KV cache to a decode node through the KV manager.
+
+A request goes through three queues, as in SGLang's prefill node:
+
+1. bootstrap: ``add_sender`` at once; the request waits until the decode node's PREPARE arrives (the sender room
+   reaches WaitingForInput), so prefill work is only spent on requests a decode node has pages for;
+2. prefill: on the model thread, in batches of prompts that fit the free pages; the first token is sampled with
+   the request's seed at step 0 (``max_new_tokens`` is 1 here) and handed over with ``kv_ready``;
+3. in flight: the manager gathers and publishes the pages and waits for PULLED. The request is answered once its
+   room reaches Success (one ``TokenOutput``, finish_reason length) or Failed (``EngineError(reason, 500)``); either
+   way its pages are freed then, on the model thread, after the gather that read them.
+
+Room transitions reach the scheduler through a manager observer (the manager's loop thread), which only queues
+them and kicks the model thread: every scheduling decision is taken on the model thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from fsm_pd.bootstrap import BootstrapServer
+from fsm_pd.control import KVManager
+from fsm_pd.engine.loader import LoadedModel, load_model
+from fsm_pd.engine.model_thread import ModelThread
+from fsm_pd.serving.common import RequestTable, check_request, journal_path, max_context_for
+from fsm_pd.serving.forward import FirstToken, prefill_and_sample
+from fsm_pd.serving.kv_pages import GrowingPageAllocator
+from fsm_pd.serving.page_admission import take_prefill_batch
+from fsm_pd.serving.sequence import Sequence
+from fsm_pd.serving.step_driver import StepDriver
+from fsm_pd.serving.types import EngineError, GenerateRequest, RequestStream, TokenOutput
+from fsm_pd.transport import generate_secret
+
+log = logging.getLogger(__name__)
+
+
+class PrefillEngine:
+    role = "prefill"
+
+    def __init__(
+        self,
+        model: LoadedModel | str = "tiny",
+        *,
+        num_pages: int = 512,
+        page_size: int = 16,
+        node_id: str = "prefill-0",
+        journal: str | None = None,
+        secret: bytes | None = None,
+        backend: str = "zmq",
+        backend_options: dict | None = None,
+        deadlines: dict | None = None,
+        host: str = "127.0.0.1",
+        bootstrap_port: int | None = 0,
+        bootstrap_url: str | None = None,
+        max_prefill_batch: int = 8,
+        max_prefill_tokens: int = 4096,
+    ):
+        """``bootstrap_port``: run a bootstrap server on it (0: any free port) and register with it; None and a
+        ``bootstrap_url``: register with that server instead; None and no URL: do not register (tests that tell
+        the decode side our side-channel address directly)."""
+        self.model = load_model(model) if isinstance(model, str) else model
+        self.model_name = self.model.name
+        self.page_size = page_size
+        self.layout = self.model.make_kv_layout(num_pages, page_size)
+        self.max_context = max_context_for(self.model, num_pages, page_size)
+        self.max_prefill_batch, self.max_prefill_tokens = max_prefill_batch, max_prefill_tokens
+        self.secret = secret if secret is not None else generate_secret()
+        self.model_thread = ModelThread(self.model.make_pool(self.layout), name=f"model[{node_id}]")
+        self.allocator = GrowingPageAllocator(num_pages)
+        self.requests = RequestTable()
+        self._rooms: dict[int, Sequence] = {}  # room -> its live request, in whichever queue
+        self._to_prefill: deque[Sequence] = deque()  # PREPARE arrived: waiting for pages and the model thread
+        self._in_flight: dict[int, FirstToken] = {}  # room -> first token of a prefilled request being pulled
+        self._events: deque[tuple[int, str]] = deque()  # (room, new state), from the manager's loop thread
+        self._driver = StepDriver(self.model_thread, self._step, name=f"{node_id} scheduler")
+        self.manager = KVManager(
+            role="prefill",
+            node_id=node_id,
+            layout=self.layout,
+            journal=journal_path(journal, node_id),
+            secret=self.secret,
+            backend=backend,
+            backend_options=backend_options,
+            deadlines=deadlines,
+            host=host,
+            model=self.model_thread,
+        )
+        self.manager.node.observers.append(self._observe)
+        self.bootstrap_server = None
+        if bootstrap_port is not None:
+            self.bootstrap_server = BootstrapServer(host, bootstrap_port).start()
+            bootstrap_url = self.bootstrap_server.url
+        self.bootstrap_url = bootstrap_url
+        if bootstrap_url is not None:
+            self.manager.register_with(bootstrap_url)
+
+    @property
+    def bootstrap_host_port(self) -> tuple[str, int] | None:
+        """Where requests for this node should point (``Bootstrap.host``, ``Bootstrap.port``)."""
+        if self.bootstrap_server is None:
+            return None
+        return self.bootstrap_server.host, self.bootstrap_server.port
+
+    # --- any thread ---
+    def submit(self, request: GenerateRequest, stream: RequestStream) -> None:
+        check_request(request, self.max_context, needs_bootstrap=True)
+        room = request.bootstrap.room
+        seq = Sequence.start(
+            request,
+            stream,
+            key=room,
+            pages=[],
+            tokenizer=self.model.tokenizer,
+            eos_token_ids=self.model.eos_token_ids,
+            max_context=self.max_context,
+        )
+        if room in self._rooms:
+            raise EngineError(f"request {request.rid}: bootstrap_room {room} is in use by another request", 400)
+        self.requests.add(seq)
+        self._rooms[room] = seq
+        try:
+            self.manager.add_sender(room, prompt_len=seq.prompt_len)
+        except ValueError as exc:  # the room's record from an earlier request is still here
+            self._rooms.pop(room, None)
+            self.requests.pop(seq.rid)
+            raise EngineError(f"request {request.rid}: {exc}", 400) from None
+
+    def abort(self, rid: str) -> bool:
+        seq = self.requests.cancel(rid)
+        if seq is None:
+            return False
+        self.manager.abort(seq.key, "aborted by the client")  # the observer frees its pages once it is Failed
+        self._driver.kick()
+        return True
+
+    def info(self) -> dict:
+        counters = self.manager.counters()
+        return {
+            "role": self.role,
+            "model": self.model_name,
+            "max_context": self.max_context,
+            "page_size": self.page_size,
+            "pages_free": self.allocator.free_pages,
+            "pages_reserved": self.allocator.reserved_pages,
+            "requests_live": len(self.requests),
+            "bootstrap_queue": len(self._rooms) - len(self._to_prefill) - len(self._in_flight),
+            "prefill_queue": len(self._to_prefill),
+            "in_flight": len(self._in_flight),
+            "bootstrap_url": self.bootstrap_url,
+            **counters,
+        }
+
+    def close(self) -> None:
+        self._driver.close()
+        self.manager.close()
+        if self.bootstrap_server is not None:
+            self.bootstrap_server.stop()
+        self.model_thread.close()
+
+    # --- the manager's loop thread ---
+    def _observe(self, room, decision, at) -> None:
+        if decision.dst != decision.src and decision.dst in ("WaitingForInput", "Success", "Failed"):
+            self._events.append((room.room, decision.dst))
+            self._driver.kick()
+
+    # --- the model thread ---
+    def _step(self) -> bool:
+        while self._events:
+            self._on_room(*self._events.popleft())
+        batch = take_prefill_batch(
+            self._to_prefill,
+            self.allocator,
+            self.page_size,
+            max_batch=self.max_prefill_batch,
+            max_tokens=self.max_prefill_tokens,
+            headroom=0,
+            drop=self._gone,
+        )
+        if batch:
+            self._prefill(batch)
+        # more prompts may fit now; if none fit, a room ending frees pages and kicks us again
+        return bool(batch) and bool(self._to_prefill)
+
+    def _gone(self, seq: Sequence) -> bool:
+        """A queued request that ended meanwhile (aborted, or its room failed: ``_on_room`` answers it)."""
+        room = self.manager.node.rooms.get(seq.key)
+        return seq.cancelled or self._rooms.get(seq.key) is not seq or room is None or room.terminal
+
+    def _on_room(self, room: int, state: str) -> None:
+        seq = self._rooms.get(room)
+        if state == "WaitingForInput":
+            if seq is not None and not seq.cancelled:
+                self._to_prefill.append(seq)
+            return
+        self._rooms.pop(room, None)
+        first = self._in_flight.pop(room, None)
+        if seq is not None:
+            self.requests.pop(seq.rid)
+            if state == "Success" and first is not None:
+                self._answer(seq, first)
+            elif state == "Failed" and not seq.cancelled:
+                seq.stream.push(EngineError(self.manager.reason(room) or "KV transfer failed", 500))
+        # a request still in the prefill queue is dropped there: its room is gone from the manager
+        self.allocator.free(room)
+        self.allocator.forget(room)
+        self.manager.clear(room)
+
+    def _prefill(self, batch: list[Sequence]) -> None:
+        try:
+            firsts = prefill_and_sample(
+                self.model, self.model_thread, [s.request for s in batch], [s.pages for s in batch]
+            )
+        except Exception as exc:  # noqa: BLE001 - fail these rooms (which frees their pages), keep serving
+            log.exception("prefill failed")
+            for seq in batch:
+                self.manager.node.submit(seq.key, "error", {"blame": "local", "reason": f"prefill failed: {exc}"})
+            return
+        for seq, first in zip(batch, firsts, strict=True):
+            self._in_flight[seq.key] = first
+            self.manager.kv_ready(
+                seq.key,
+                pages=seq.pages,
+                first_token=first.token_id,
+                first_logprob=first.logprob,
+                input_logprobs=first.input_logprobs,
+            )
+
+    def _answer(self, seq: Sequence, first: FirstToken) -> None:
+        if seq.cancelled:
+            return
+        seq.stream.push(
+            TokenOutput(
+                first.token_id,
+                logprob=first.logprob,
+                finish_reason={"type": "length"},
+                text=self.model.tokenizer.decode([first.token_id]),
+                input_token_logprobs=first.input_logprobs,
+                meta={"prompt_tokens": seq.prompt_len, "completion_tokens": 1, "cached_tokens": 0},
+            )
+        )

@@ -1,0 +1,104 @@
+"""One request being generated: its pages, its stop checker, and how its tokens become ``TokenOutput``s.
+
+A ``Sequence`` lives on the model thread only (the scheduler that owns it is the only one to read or change it);
+other threads reach it by setting ``cancelled`` through the engine's request table and waiting for the next step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from fsm_pd.engine.stopping import FinishReason, StopChecker
+from fsm_pd.engine.tokenizer import Tokenizer
+from fsm_pd.serving.types import GenerateRequest, RequestStream, TokenOutput
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: GenerateRequest
+    stream: RequestStream
+    key: int  # its pages' key in the allocator: the room on a decode node, a counter on a colocated one
+    prompt_len: int
+    pages: list[int]
+    checker: StopChecker
+    max_context: int
+    meta: dict = field(default_factory=dict)  # sent with the last output (prompt_tokens, kv transfer timing, ...)
+    cancelled: bool = False  # set by abort() from any thread; the scheduler drops the sequence at its next step
+    started: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def start(
+        cls,
+        request: GenerateRequest,
+        stream: RequestStream,
+        *,
+        key: int,
+        pages: list[int],
+        tokenizer: Tokenizer,
+        eos_token_ids,
+        max_context: int,
+        meta: dict | None = None,
+    ) -> Sequence:
+        checker = StopChecker(tokenizer, request.sampling, eos_token_ids)
+        return cls(
+            request,
+            stream,
+            key,
+            len(request.input_ids),
+            list(pages),
+            checker,
+            max_context,
+            {"prompt_tokens": len(request.input_ids), **(meta or {})},
+        )
+
+    @property
+    def rid(self) -> str:
+        return self.request.rid
+
+    @property
+    def generated(self) -> int:
+        return len(self.checker.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.checker.output_ids[-1]
+
+    @property
+    def next_position(self) -> int:
+        """Where the last generated token goes in the KV cache (it is fed back in the next decode step)."""
+        return self.prompt_len + self.generated - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.checker.finished or self.prompt_len + self.generated >= self.max_context
+
+    def emit(
+        self, token_id: int, logprob: float | None = None, input_token_logprobs: list[float | None] | None = None
+    ) -> bool:
+        """Record one generated token and stream it; returns True if it was the last one."""
+        self.checker.append(token_id)
+        done = self.finished
+        out = TokenOutput(
+            int(token_id),
+            logprob=None if logprob is None else float(logprob),
+            input_token_logprobs=input_token_logprobs,
+        )
+        if done:
+            out.finish_reason = finish_reason(self.checker)
+            out.text = self.checker.text
+            out.meta = {
+                **self.meta,
+                "completion_tokens": self.generated,
+                "e2e_seconds": round(time.monotonic() - self.started, 6),
+            }
+        if not self.cancelled:
+            self.stream.push(out)
+        return done
+
+
+def finish_reason(checker: StopChecker) -> dict:
+    """SGLang's finish_reason shape; a sequence that filled the context without a stop is a ``length`` finish."""
+    if checker.finish_reason is FinishReason.STOP:
+        return {"type": "stop", "matched": checker.matched_stop}
+    return {"type": "length"}
