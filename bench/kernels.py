@@ -1,6 +1,6 @@
 """Gather/scatter bandwidth of the page kernels against a NumPy fancy-index copy of the same bytes.
 
-    python bench/kernels.py [--json] [--pages 8,40,128] [--impl auto|jnp|pallas] [--repeats 20]
+    python bench/kernels.py [--json] [--pages 8,40,128] [--impl auto|jnp|pallas|cpu] [--repeats 20]
 
 Bytes counted are the real pages moved (``n * page_bytes`` across all layers), not the bucket's padding rows, so
 padding shows up as lost bandwidth. Page ids are a random sample (few contiguous runs: the worst case for the
@@ -78,7 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--pages", default="8,40,128", help="comma-separated page counts")
-    parser.add_argument("--impl", default="auto", choices=["auto", "jnp", "pallas"])
+    parser.add_argument("--impl", default="auto", choices=["auto", "jnp", "pallas", "cpu"])
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
 

@@ -35,8 +35,10 @@ from jax import lax
 try:  # jaxlib drops its references to aliased host arrays lazily, at its next dispatch; this does it now
     from jax._src.lib._jax import collect_garbage as _release_deferred
 except ImportError:  # pragma: no cover - another jaxlib: a block then waits for the next dispatch to be reusable
+
     def _release_deferred() -> None:
         pass
+
 
 from fsm_pd.kernels.layout import PAD_PAGE
 from fsm_pd.kernels.runs import page_runs
@@ -94,6 +96,7 @@ warm_blocks = _WarmBlocks(max_bytes=1 << 30)
 
 
 _PARALLEL_BYTES = 4 << 20  # below this, starting helper threads costs more than it saves
+_WORKERS = min(2, os.cpu_count() or 1)
 _helpers: ThreadPoolExecutor | None = None
 _helpers_lock = threading.Lock()
 
@@ -102,7 +105,7 @@ def _copy_threads() -> ThreadPoolExecutor:
     global _helpers
     with _helpers_lock:
         if _helpers is None:
-            _helpers = ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1), thread_name_prefix="page-copy")
+            _helpers = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="page-copy")
         return _helpers
 
 
@@ -113,10 +116,8 @@ def gather_host(pool: Pool, ids: np.ndarray, rows: int) -> jax.Array:
     shape = (len(pool), rows, *layer_shape[1:])
     out = warm_blocks.take(int(np.prod(shape)) * dtype.itemsize).view(dtype).reshape(shape)
     runs = page_runs(ids, rows)
-    spans = [
-        (int(p), int(r), int(k))
-        for p, r, k in zip(runs.page_starts, runs.row_starts, runs.lengths, strict=True)
-    ][: int(runs.num_runs[0])]
+    count = int(runs.num_runs[0])
+    spans = list(zip(*(a[:count].tolist() for a in (runs.page_starts, runs.row_starts, runs.lengths)), strict=True))
     sources = [np.asarray(layer) for layer in pool]  # zero-copy views on CPU; wait for pending writes
 
     def copy_layers(layers: range) -> None:
@@ -127,12 +128,11 @@ def gather_host(pool: Pool, ids: np.ndarray, rows: int) -> jax.Array:
             if ids.size < rows:
                 staged[ids.size :] = src[PAD_PAGE]
 
-    helpers = _copy_threads() if out.nbytes >= _PARALLEL_BYTES and len(pool) > 1 else None
-    if helpers is None or helpers._max_workers < 2:
+    if out.nbytes < _PARALLEL_BYTES or len(pool) < 2 or _WORKERS < 2:
         copy_layers(range(len(pool)))
     else:
         half = len(pool) // 2
-        first = helpers.submit(copy_layers, range(half))
+        first = _copy_threads().submit(copy_layers, range(half))
         copy_layers(range(half, len(pool)))  # this thread takes the other half
         first.result()
     # Committed like the pool: jit keys its cache on committedness, so a mismatch would compile a second scatter.
@@ -151,8 +151,9 @@ def scatter_loop(pool: Pool, staging: jax.Array, row_pages: jax.Array, count: ja
     def step(r, layers):
         page = row_pages[r]
         return tuple(
-            lax.dynamic_update_slice(layer, lax.dynamic_slice(staging, (i, r, 0, 0, 0), (1, 1, *page_shape))[0],
-                                     (page, 0, 0, 0))
+            lax.dynamic_update_slice(
+                layer, lax.dynamic_slice(staging, (i, r, 0, 0, 0), (1, 1, *page_shape))[0], (page, 0, 0, 0)
+            )
             for i, layer in enumerate(layers)
         )
 

@@ -205,7 +205,9 @@ def test_cpu_scatter_loop_stops_at_the_page_count():
     pool = numbered_pool(1, 6)
     staging = np.full((1, 4, *PAGE_SHAPE), np.nan, np.float32)
     staging[0, 0] = -1.0
-    updated = cpu_copy.scatter_loop(to_device(pool), jnp.asarray(staging), np.array([2, 0, 0, 0], np.int32), np.int32(1))
+    updated = cpu_copy.scatter_loop(
+        to_device(pool), jnp.asarray(staging), np.array([2, 0, 0, 0], np.int32), np.int32(1)
+    )
     expected = pool[0].copy()
     expected[2] = -1.0
     np.testing.assert_array_equal(np.asarray(updated[0]), expected)
