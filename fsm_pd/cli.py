@@ -80,10 +80,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return EXIT_OK if result.consistent else EXIT_DIVERGED
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from fsm_pd.bootstrap.__main__ import serve as serve_bootstrap
+def cmd_launch(args: argparse.Namespace) -> int:
+    from rich.console import Console
 
-    return serve_bootstrap(args)
+    from fsm_pd.launch import launch
+
+    return launch(prefill=args.prefill, decode=args.decode, port=args.port, model=args.model,
+                  backend=args.transfer_backend, journal_dir=Path(args.journal_dir), extra=[], console=Console())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,24 +126,33 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", help="write to this file instead of standard output")
     rep.set_defaults(func=cmd_replay)
 
-    from fsm_pd.bootstrap.__main__ import DESCRIPTION as BOOTSTRAP_DESCRIPTION
-    from fsm_pd.bootstrap.__main__ import EPILOG as BOOTSTRAP_EPILOG
-    from fsm_pd.bootstrap.__main__ import add_arguments as add_bootstrap_arguments
-
-    serve = sub.add_parser(
-        "serve", help="run one node of a PD deployment",
-        description="Run one node of a prefill/decode deployment. Roles served today: bootstrap (the standalone "
-                    "bootstrap server; a prefill node also runs one in-process by default).\n\n"
-                    + BOOTSTRAP_DESCRIPTION,
-        epilog=BOOTSTRAP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    sub.add_parser(
+        "serve", add_help=False, help="run one node: --role prefill|decode|colocated|router|bootstrap",
+        description="Run one node of a PD deployment; `fsm-pd serve --role ROLE --help` lists that role's flags.",
     )
-    serve.add_argument("--role", required=True, choices=("bootstrap",), help="which node to run")
-    add_bootstrap_arguments(serve)
-    serve.set_defaults(func=cmd_serve)
+
+    launch = sub.add_parser(
+        "launch", help="start a local PD cluster (prefill, decode, router) and serve until Ctrl-C",
+        description="Start N prefill nodes (each with its bootstrap server), M decode nodes and the built-in router "
+                    "on 127.0.0.1, print the router's URL, and serve until Ctrl-C or SIGTERM; then stop every "
+                    "process started here. Logs and journals go to --journal-dir.",
+    )
+    launch.add_argument("--prefill", type=_positive_int, default=1, help="prefill nodes (default 1)")
+    launch.add_argument("--decode", type=_positive_int, default=1, help="decode nodes (default 1)")
+    launch.add_argument("--port", type=int, default=30000, help="the router's port (default 30000)")
+    launch.add_argument("--model", default="tiny", help="'tiny' (built in) or an HF checkpoint directory")
+    launch.add_argument("--transfer-backend", default="zmq", help="jax | zmq (default zmq)")
+    launch.add_argument("--journal-dir", default="pd-cluster", help="journals and logs (default ./pd-cluster)")
+    launch.set_defaults(func=cmd_launch)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # each role has its own flags: serve_cli parses them (argparse cannot nest that)
+        from fsm_pd.serve_cli import serve_main
+
+        return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,133 @@
+"""``fsm-pd serve --role ROLE``: run one node. Each role has its own flags (``fsm-pd serve --role R --help``).
+
+- ``prefill``: prompts in, KV out; runs its bootstrap server on ``--bootstrap-port`` and registers with it.
+- ``decode``: pulls the KV of each request from the prefill node named by the router's bootstrap fields, then
+  generates the rest, streaming tokens.
+- ``colocated``: prefill and decode in one process, no transfer (the baseline PD is measured against).
+- ``router``: the built-in PD router, with sglang-router's flags (``--prefill URL [BOOTSTRAP_PORT]``, ``--decode URL``).
+- ``bootstrap``: a standalone bootstrap server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+ROLES = ("prefill", "decode", "colocated", "router", "bootstrap")
+DEADLINE_FLAGS = {"bootstrap": "FSM_PD_BOOTSTRAP_TIMEOUT", "waiting": "FSM_PD_WAITING_TIMEOUT",
+                  "pull_hold": "FSM_PD_PULL_HOLD_TIMEOUT", "transfer": "FSM_PD_TRANSFER_TIMEOUT"}
+
+
+def node_parser(role: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fsm-pd serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--role", choices=ROLES, required=True)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=30000, help="HTTP port (default 30000)")
+    parser.add_argument("--model", default="tiny", help="'tiny' (built in) or an HF checkpoint directory")
+    parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    parser.add_argument("--num-pages", type=int, default=512, help="KV pool pages, page 0 included (default 512)")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    parser.add_argument("--api-key", default=os.environ.get("FSM_PD_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on the APIs (default: $FSM_PD_API_KEY, else none)")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    if role in ("prefill", "decode"):
+        parser.add_argument("--node-id", default=f"{role}-0", help="this node's id in journals and messages")
+        parser.add_argument("--transfer-backend", default="zmq", help="jax | zmq | a registered plugin (default zmq)")
+        parser.add_argument("--journal", default=None,
+                            help="journal: a SQLite file or SQLAlchemy URL (default: ./journals/NODE_ID.db)")
+        parser.add_argument("--side-channel-secret", default=None,
+                            help="hex shared secret of the side channel (default: $FSM_PD_SIDE_CHANNEL_SECRET)")
+        for timer, env in DEADLINE_FLAGS.items():
+            if (timer == "pull_hold" and role == "decode") or (timer == "transfer" and role == "prefill"):
+                continue
+            parser.add_argument(f"--{timer.replace('_', '-')}-timeout", type=float, default=None, dest=timer,
+                                help=f"seconds (default: ${env}, else the built-in default; docs/control-plane.md)")
+    if role == "prefill":
+        parser.add_argument("--bootstrap-port", type=int, default=8998,
+                            help="serve the bootstrap server here and register with it (default 8998, SGLang's)")
+    return parser
+
+
+def serve_main(argv: Sequence[str]) -> int:
+    role_only = argparse.ArgumentParser(add_help=False)
+    role_only.add_argument("--role", choices=ROLES)
+    known, _ = role_only.parse_known_args(argv)
+    if known.role is None:
+        help_parser = argparse.ArgumentParser(prog="fsm-pd serve", description=__doc__,
+                                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        help_parser.add_argument("--role", choices=ROLES, required=True, help="which node to run")
+        help_parser.parse_args(argv)  # prints help for -h, or the missing --role error
+        return 2
+    if known.role == "bootstrap":
+        from fsm_pd.bootstrap.__main__ import add_arguments, serve
+
+        parser = argparse.ArgumentParser(prog="fsm-pd serve --role bootstrap")
+        parser.add_argument("--role", choices=ROLES, required=True)
+        add_arguments(parser)
+        return serve(parser.parse_args(argv))
+    if known.role == "router":
+        from fsm_pd.api.router import router_main
+
+        router_main([a for a in argv if a not in ("--role", "router")])
+        return 0
+    args = node_parser(known.role).parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_node(args)
+
+
+def run_node(args: argparse.Namespace) -> int:
+    from fsm_pd.api import create_app, serve
+    from fsm_pd.engine.loader import load_model
+    from fsm_pd.gc_policy import apply_serving_gc_policy
+    from fsm_pd.transport import SecretError
+
+    model = load_model(args.model)
+    try:
+        engine = build_engine(args, model)
+    except SecretError as exc:
+        print(f"fsm-pd serve: {exc} (give every node of the deployment the same --side-channel-secret)",
+              file=sys.stderr)
+        return 2
+    registries = [engine.manager.metrics.registry] if hasattr(engine, "manager") else None
+    app = create_app(engine, model.tokenizer, api_key=args.api_key, model_name=args.served_model_name or args.model,
+                     model_path=args.model, bootstrap_port=getattr(args, "bootstrap_port", None),
+                     registries=registries)
+    apply_serving_gc_policy()
+    try:
+        serve(app, args.host, args.port, log_level=args.log_level)
+    finally:
+        engine.close()
+    return 0
+
+
+def build_engine(args: argparse.Namespace, model):
+    sizes = {"num_pages": args.num_pages, "page_size": args.page_size}
+    if args.role == "colocated":
+        from fsm_pd.serving.colocated_engine import ColocatedEngine
+
+        return ColocatedEngine(model, **sizes)
+    from fsm_pd.transport import parse_secret, secret_from_env
+
+    secret = parse_secret(args.side_channel_secret) if args.side_channel_secret else secret_from_env()
+    journal = args.journal or str(Path("journals") / f"{args.node_id}.db")
+    if "://" not in journal:
+        Path(journal).parent.mkdir(parents=True, exist_ok=True)
+    deadlines = {t: getattr(args, t) for t in DEADLINE_FLAGS if getattr(args, t, None) is not None}
+    common = dict(node_id=args.node_id, journal=journal, secret=secret, backend=args.transfer_backend,
+                  deadlines=deadlines, host=args.host, **sizes)
+    if args.role == "prefill":
+        from fsm_pd.serving.prefill_engine import PrefillEngine
+
+        return PrefillEngine(model, bootstrap_port=args.bootstrap_port, **common)
+    from fsm_pd.serving.decode_engine import DecodeEngine
+
+    return DecodeEngine(model, **common)
+
+
+if __name__ == "__main__":
+    sys.exit(serve_main(sys.argv[1:]))

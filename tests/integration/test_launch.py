@@ -1,0 +1,50 @@
+"""`fsm-pd launch` starts a whole local PD cluster, serves a request through it, and stops all of it on SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from fsm_pd.store import read_journal, replay
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_launch_serves_through_the_router_and_stops_everything(tmp_path):
+    port = free_port()
+    journals = tmp_path / "cluster"
+    proc = subprocess.Popen([sys.executable, "-m", "fsm_pd.cli", "launch", "--port", str(port), "--journal-dir",
+                             str(journals)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        body = {"text": "Hello", "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+        answer = httpx.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=120).json()
+        assert len(answer["output_ids"]) == 8 and answer["meta_info"]["finish_reason"]["type"] == "length"
+    finally:
+        proc.send_signal(signal.SIGTERM)  # the launcher we started stops the processes it started
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert f"http://127.0.0.1:{port}" in out
+    assert not listening(port)
+    result = replay(read_journal(journals / "prefill-0.db") + read_journal(journals / "decode-0.db"))
+    assert result.consistent and {r.final for r in result.rooms} == {"Success"} and len(result.rooms) == 2
