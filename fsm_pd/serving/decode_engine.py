@@ -28,6 +28,7 @@ from fsm_pd.engine.loader import LoadedModel, load_model
 from fsm_pd.engine.model_thread import ModelThread
 from fsm_pd.serving.common import RequestTable, check_request, journal_path, max_context_for
 from fsm_pd.serving.decode_loop import DecodeLoop
+from fsm_pd.serving.forward import input_logprobs_from_wire
 from fsm_pd.serving.kv_pages import GrowingPageAllocator, pages_for
 from fsm_pd.serving.page_admission import admits
 from fsm_pd.serving.sequence import Sequence
@@ -125,9 +126,12 @@ class DecodeEngine:
         seq = self.requests.cancel(rid)
         if seq is None:
             return False
-        # in pre-allocation or transfer the machine fails the room and frees its pages; once decoding (the room
-        # is Success, so this is ignored) the loop drops the sequence at its next step and finishes the room
-        self.manager.abort(seq.key, "aborted by the client")
+        # In pre-allocation or transfer the machine fails the room and frees its pages. Once decoding the loop
+        # drops the sequence at its next step and finishes the room; no abort event then, as one ignored by the
+        # Success room could land after the room is cleared and leave a stale state behind (Node.clear races
+        # with a step in progress).
+        if self._rooms.get(seq.key) is seq:
+            self.manager.abort(seq.key, "aborted by the client")
         self._driver.kick()
         return True
 
@@ -189,7 +193,7 @@ class DecodeEngine:
         if seq.cancelled:
             self._finish(seq)
             return
-        input_logprobs = ctx.get("input_logprobs") if seq.request.return_logprob else None
+        input_logprobs = input_logprobs_from_wire(ctx.get("input_logprobs")) if seq.request.return_logprob else None
         first_logprob = ctx.get("first_logprob") if seq.request.return_logprob else None
         if seq.emit(int(ctx["first_token"]), first_logprob, input_logprobs):
             self._finish(seq)

@@ -51,3 +51,13 @@ def prefill_and_sample(
         )
         for i, r in enumerate(requests)
     ]
+
+
+# READY carries the prompt's logprobs as a list of floats; the first prompt token has none (nothing precedes it),
+# so the wire form leaves that entry out and the decode side puts the None back.
+def input_logprobs_to_wire(logprobs: list[float | None] | None) -> list[float] | None:
+    return None if logprobs is None else [float(x) for x in logprobs[1:]]
+
+
+def input_logprobs_from_wire(logprobs: list[float] | None) -> list[float | None] | None:
+    return None if logprobs is None else [None, *logprobs]

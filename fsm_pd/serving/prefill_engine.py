@@ -23,8 +23,9 @@ from fsm_pd.bootstrap import BootstrapServer
 from fsm_pd.control import KVManager
 from fsm_pd.engine.loader import LoadedModel, load_model
 from fsm_pd.engine.model_thread import ModelThread
+from fsm_pd.machines import KVPoll
 from fsm_pd.serving.common import RequestTable, check_request, journal_path, max_context_for
-from fsm_pd.serving.forward import FirstToken, prefill_and_sample
+from fsm_pd.serving.forward import FirstToken, input_logprobs_to_wire, prefill_and_sample
 from fsm_pd.serving.kv_pages import GrowingPageAllocator
 from fsm_pd.serving.page_admission import take_prefill_batch
 from fsm_pd.serving.sequence import Sequence
@@ -130,7 +131,8 @@ class PrefillEngine:
         seq = self.requests.cancel(rid)
         if seq is None:
             return False
-        self.manager.abort(seq.key, "aborted by the client")  # the observer frees its pages once it is Failed
+        if self.manager.poll(seq.key) not in (KVPoll.Success, KVPoll.Failed):  # else the room is being cleared
+            self.manager.abort(seq.key, "aborted by the client")  # the observer frees its pages once it is Failed
         self._driver.kick()
         return True
 
@@ -223,7 +225,7 @@ class PrefillEngine:
                 pages=seq.pages,
                 first_token=first.token_id,
                 first_logprob=first.logprob,
-                input_logprobs=first.input_logprobs,
+                input_logprobs=input_logprobs_to_wire(first.input_logprobs),
             )
 
     def _answer(self, seq: Sequence, first: FirstToken) -> None:
