@@ -77,7 +77,8 @@ class Node:
         for room, decision, _ in batch:
             if decision.effects:
                 run(self, room, decision)
-            states[room.room] = decision.dst
+            if rooms.get(room.room) is room:  # not cleared meanwhile by another thread: never resurrect a room
+                states[room.room] = decision.dst
         # observers (waiters, metrics) hear of a decision once its effects have been started
         for observe in self.observers:
             for room, decision, at in batch:

@@ -11,6 +11,11 @@ import threading
 from collections import deque
 
 
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """How many pages hold ``num_tokens`` positions (the last one may be partly filled)."""
+    return -(-num_tokens // page_size)
+
+
 class OutOfPages(Exception):
     """Not enough free pages now; the caller may queue and retry when pages are freed."""
 
@@ -56,7 +61,23 @@ class PageAllocator:
             pages = [self._free.popleft() for _ in range(count)]
             self._held[room] = pages
             self.reservations += 1
-            return pages
+            return list(pages)  # a copy: the caller must not be able to edit the record
+
+    def extend(self, room: int, count: int) -> list[int]:
+        """Append ``count`` pages to ``room``'s reservation (a decoding sequence grows a page every ``page_size``
+        tokens), making one if it holds none; all or nothing. Returns the new pages."""
+        if count < 1:
+            raise ValueError(f"extending needs at least one page, got {count}")
+        with self._lock:
+            if room in self._closed:
+                raise ValueError(f"room {room} was already freed; it cannot grow")
+            if count > len(self._free):
+                raise OutOfPages(f"room {room} needs {count} more pages, {len(self._free)} free")
+            pages = [self._free.popleft() for _ in range(count)]
+            if room not in self._held:
+                self.reservations += 1
+            self._held.setdefault(room, []).extend(pages)
+            return list(pages)
 
     def pages_of(self, room: int) -> list[int]:
         with self._lock:

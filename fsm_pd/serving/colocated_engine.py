@@ -12,10 +12,10 @@ from collections import deque
 
 from fsm_pd.engine.loader import LoadedModel, load_model
 from fsm_pd.engine.model_thread import ModelThread
+from fsm_pd.engine.pages import PageAllocator
 from fsm_pd.serving.common import RequestTable, check_request, max_context_for
 from fsm_pd.serving.decode_loop import DecodeLoop
 from fsm_pd.serving.forward import prefill_and_sample
-from fsm_pd.serving.kv_pages import GrowingPageAllocator
 from fsm_pd.serving.page_admission import take_prefill_batch
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.step_driver import StepDriver
@@ -51,7 +51,7 @@ class ColocatedEngine:
         # enough free pages for every running sequence to cross into one more page
         self.headroom_pages = headroom_pages if headroom_pages is not None else max(1, (num_pages - 1) // 8)
         self.model_thread = ModelThread(self.model.make_pool(self.layout), name="model[colocated]")
-        self.allocator = GrowingPageAllocator(num_pages)
+        self.allocator = PageAllocator(num_pages)
         self.requests = RequestTable()
         self.loop = DecodeLoop(self.model, self.model_thread, self.allocator, page_size, release=self._release)
         self._waiting: deque[Sequence] = deque()  # appended by submit (any thread), consumed on the model thread

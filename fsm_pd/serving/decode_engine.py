@@ -26,10 +26,10 @@ from fsm_pd.control import KVManager
 from fsm_pd.control.admission import SchedulerAdmission
 from fsm_pd.engine.loader import LoadedModel, load_model
 from fsm_pd.engine.model_thread import ModelThread
+from fsm_pd.engine.pages import PageAllocator, pages_for
 from fsm_pd.serving.common import RequestTable, check_request, journal_path, max_context_for
 from fsm_pd.serving.decode_loop import DecodeLoop
 from fsm_pd.serving.forward import input_logprobs_from_wire
-from fsm_pd.serving.kv_pages import GrowingPageAllocator, pages_for
 from fsm_pd.serving.page_admission import admits
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.step_driver import StepDriver
@@ -68,7 +68,7 @@ class DecodeEngine:
         self.headroom_pages = headroom_pages if headroom_pages is not None else max(1, (num_pages - 1) // 8)
         self.secret = secret if secret is not None else generate_secret()
         self.model_thread = ModelThread(self.model.make_pool(self.layout), name=f"model[{node_id}]")
-        self.allocator = GrowingPageAllocator(num_pages)
+        self.allocator = PageAllocator(num_pages)
         self.requests = RequestTable()
         self.loop = DecodeLoop(self.model, self.model_thread, self.allocator, page_size, release=self._finish)
         self._rooms: dict[int, Sequence] = {}  # room -> live request not yet decoding (waiting or transferring)

@@ -18,10 +18,9 @@ from collections.abc import Callable
 
 from fsm_pd.engine.loader import LoadedModel
 from fsm_pd.engine.model_thread import ModelThread
-from fsm_pd.engine.pages import OutOfPages
+from fsm_pd.engine.pages import OutOfPages, PageAllocator, pages_for
 from fsm_pd.engine.sampling import sample
 from fsm_pd.serving.forward import chosen_logprobs
-from fsm_pd.serving.kv_pages import GrowingPageAllocator, pages_for
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.types import EngineError
 
@@ -33,7 +32,7 @@ class DecodeLoop:
         self,
         model: LoadedModel,
         model_thread: ModelThread,
-        allocator: GrowingPageAllocator,
+        allocator: PageAllocator,
         page_size: int,
         release: Callable[[Sequence], None],
     ):

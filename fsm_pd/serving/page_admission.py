@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from fsm_pd.serving.kv_pages import GrowingPageAllocator, pages_for
+from fsm_pd.engine.pages import PageAllocator, pages_for
 from fsm_pd.serving.sequence import Sequence
 
 
-def admits(allocator: GrowingPageAllocator, need: int, headroom: int) -> bool:
+def admits(allocator: PageAllocator, need: int, headroom: int) -> bool:
     if allocator.reserved_pages == 0:
         return need <= allocator.free_pages
     return need + headroom <= allocator.free_pages
@@ -23,7 +23,7 @@ def admits(allocator: GrowingPageAllocator, need: int, headroom: int) -> bool:
 
 def take_prefill_batch(
     queue: deque[Sequence],
-    allocator: GrowingPageAllocator,
+    allocator: PageAllocator,
     page_size: int,
     *,
     max_batch: int,

@@ -23,10 +23,10 @@ from fsm_pd.bootstrap import BootstrapServer
 from fsm_pd.control import KVManager
 from fsm_pd.engine.loader import LoadedModel, load_model
 from fsm_pd.engine.model_thread import ModelThread
+from fsm_pd.engine.pages import PageAllocator
 from fsm_pd.machines import KVPoll
 from fsm_pd.serving.common import RequestTable, check_request, journal_path, max_context_for
 from fsm_pd.serving.forward import FirstToken, input_logprobs_to_wire, prefill_and_sample
-from fsm_pd.serving.kv_pages import GrowingPageAllocator
 from fsm_pd.serving.page_admission import take_prefill_batch
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.step_driver import StepDriver
@@ -68,7 +68,7 @@ class PrefillEngine:
         self.max_prefill_batch, self.max_prefill_tokens = max_prefill_batch, max_prefill_tokens
         self.secret = secret if secret is not None else generate_secret()
         self.model_thread = ModelThread(self.model.make_pool(self.layout), name=f"model[{node_id}]")
-        self.allocator = GrowingPageAllocator(num_pages)
+        self.allocator = PageAllocator(num_pages)
         self.requests = RequestTable()
         self._rooms: dict[int, Sequence] = {}  # room -> its live request, in whichever queue
         self._to_prefill: deque[Sequence] = deque()  # PREPARE arrived: waiting for pages and the model thread

@@ -1,0 +1,36 @@
+"""The page allocator: page 0 never handed out, one growing reservation per room, frees idempotent and final."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsm_pd.engine.pages import OutOfPages, PageAllocator, pages_for
+
+
+def test_reserve_extend_free():
+    pages = PageAllocator(8)
+    got = pages.reserve(1, 3)
+    assert 0 not in got and len(set(got)) == 3 and pages.free_pages == 4
+    got.append(99)  # the caller's copy, not the record
+    assert pages.pages_of(1) == got[:3]
+    more = pages.extend(1, 2)
+    assert pages.pages_of(1) == got[:3] + more and pages.reserved_pages == 5
+    with pytest.raises(OutOfPages):
+        pages.extend(1, 3)
+    assert pages.reserved_pages == 5, "all or nothing"
+    assert pages.free(1) == 5 and pages.free(1) == 0 and pages.free_pages == 7
+    for grow in (lambda: pages.reserve(1, 1), lambda: pages.extend(1, 1)):
+        with pytest.raises(ValueError, match="already freed"):
+            grow()
+
+
+def test_limits_are_clear():
+    pages = PageAllocator(4)
+    with pytest.raises(ValueError, match="never fit"):
+        pages.reserve(1, 4)
+    with pytest.raises(ValueError, match="at least one"):
+        pages.reserve(1, 0)
+    pages.reserve(2, 2)
+    with pytest.raises(OutOfPages):
+        pages.reserve(3, 2)
+    assert pages_for(0, 16) == 0 and pages_for(16, 16) == 1 and pages_for(17, 16) == 2
