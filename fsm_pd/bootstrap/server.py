@@ -21,12 +21,8 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import socket
-import threading
-import time
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
@@ -39,6 +35,7 @@ from fsm_pd.bootstrap.wire import (
     parse_dp_rank_registration,
     parse_route_query,
 )
+from fsm_pd.http_server import AppServer
 
 log = logging.getLogger(__name__)
 
@@ -136,78 +133,24 @@ async def _json_body(request: Request) -> Any:
         raise BadRequest(f"the body is not valid JSON: {exc}") from None
 
 
-class BootstrapServer:
+class BootstrapServer(AppServer):
     """Serves ``create_bootstrap_app`` on ``host:port`` from a daemon thread; ``port=0`` picks a free port.
 
-    The socket is bound here, before the thread starts, so ``.port`` is known (and a busy port fails in
-    ``start()``, not in the thread)."""
+    The socket is bound in ``start()``, before the thread starts, so ``.port`` is known (and a busy port fails
+    there, not in the thread)."""
+
+    name = "bootstrap server"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, expected_ranks: int | None = None,
                  token: str | None = None, entry_ttl_s: float = 120.0,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, registry: PrefillRegistry | None = None):
-        self.host, self._requested_port = host, port
-        self.app = create_bootstrap_app(expected_ranks=expected_ranks, token=token, entry_ttl_s=entry_ttl_s,
-                                        max_body_bytes=max_body_bytes, registry=registry)
-        self.registry: PrefillRegistry = self.app.state.registry
-        self._socket: socket.socket | None = None
-        self._port: int | None = None
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def port(self) -> int:
-        """The bound port; it stays readable after ``stop()`` (a test may restart a server on it)."""
-        if self._port is None:
-            raise RuntimeError("the bootstrap server is not started")
-        return self._port
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        app = create_bootstrap_app(expected_ranks=expected_ranks, token=token, entry_ttl_s=entry_ttl_s,
+                                   max_body_bytes=max_body_bytes, registry=registry)
+        # keep-alive 30 s and a concurrency cap: decode nodes poll /health; SGLang logs these at debug only too
+        super().__init__(app, host, port, timeout_keep_alive=30, limit_concurrency=1024)
+        self.registry: PrefillRegistry = app.state.registry
 
     def start(self, timeout_s: float = 10.0) -> BootstrapServer:
-        if self._thread is not None:
-            raise RuntimeError("the bootstrap server is already started")
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((self.host, self._requested_port))
-        except OSError:
-            sock.close()
-            raise
-        self._socket, self._port = sock, sock.getsockname()[1]
-        # access_log off: SGLang logs its bootstrap requests only at debug level too (decodes poll /health).
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_keep_alive=30, limit_concurrency=1024)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
-                                        name=f"bootstrap-server:{self.port}", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the bootstrap server on {self.host} did not start within {timeout_s}s")
-            time.sleep(0.01)
+        super().start(timeout_s)
         log.info("bootstrap server listening on %s", self.url)
         return self
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive() and self._server is not None:
-                self._server.force_exit = True  # open keep-alive connections held the graceful exit up
-                self._thread.join(timeout_s)
-        if self._socket is not None:
-            self._socket.close()
-        self._server = self._thread = self._socket = None
-
-    def __enter__(self) -> BootstrapServer:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()

@@ -1,0 +1,94 @@
+"""Serving an ASGI app with uvicorn: in the foreground (``serve``, for the CLI) or on a background thread
+(``AppServer``: the bootstrap server inside a prefill node, tests). 127.0.0.1 unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+import uvicorn
+
+log = logging.getLogger(__name__)
+
+
+def _uvicorn_config(app, log_level: str, **overrides) -> uvicorn.Config:
+    # lifespan off: the apps hold no startup state; timeout_keep_alive: routers keep pooled connections open.
+    options = {"access_log": False, "lifespan": "off", "timeout_keep_alive": 60, **overrides}
+    return uvicorn.Config(app, log_level=log_level, **options)
+
+
+def serve(app, host: str = "127.0.0.1", port: int = 30000, *, log_level: str = "info") -> None:
+    """Serve ``app`` until SIGINT/SIGTERM."""
+    config = _uvicorn_config(app, log_level)
+    config.host, config.port = host, port
+    uvicorn.Server(config).run()
+
+
+class AppServer:
+    """``app`` served on a daemon thread. Port 0 picks a free port; ``url`` says which."""
+
+    name = "server"
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning", **uvicorn_options):
+        self.app, self.host, self._requested_port, self.log_level = app, host, port, log_level
+        self._uvicorn_options = uvicorn_options
+        self._port: int | None = None
+        self._socket: socket.socket | None = None
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port; it stays readable after ``stop()`` (a test may restart a server on it)."""
+        if self._port is None:
+            raise RuntimeError(f"the {self.name} is not started")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout_s: float = 10.0) -> AppServer:
+        if self._thread is not None:
+            raise RuntimeError(f"the {self.name} is already started")
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self._requested_port))
+        except OSError:
+            sock.close()
+            raise
+        self._socket, self._port = sock, sock.getsockname()[1]
+        self._server = uvicorn.Server(_uvicorn_config(self.app, self.log_level, **self._uvicorn_options))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        name=f"{self.name}:{self._port}", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the {self.name} on {self.host} did not start within {timeout_s}s")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive() and self._server is not None:
+                self._server.force_exit = True  # open streams or keep-alive connections held the graceful exit up
+                self._thread.join(timeout_s)
+        if self._socket is not None:
+            self._socket.close()
+        self._server = self._thread = self._socket = None
+
+    def __enter__(self) -> AppServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
