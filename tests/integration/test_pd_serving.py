@@ -150,6 +150,9 @@ def test_real_sglang_router_and_openai_client(cluster):
         client = openai.OpenAI(base_url=base + "/v1", api_key="-", max_retries=0)
         completion = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
         assert completion.usage.completion_tokens >= 1 and completion.choices[0].finish_reason in ("length", "stop")
+        pieces = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                                stream=True))
+        assert "".join(p.choices[0].text for p in pieces if p.choices) == completion.choices[0].text
         chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
                                               max_tokens=8, temperature=0)
         assert chat.choices[0].message.role == "assistant"
