@@ -26,10 +26,12 @@ import httpx
 from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from fsm_pd.api.app import DEFAULT_MAX_BODY_BYTES
 from fsm_pd.api.auth import ApiKeyMiddleware
 from fsm_pd.api.errors import ERROR_RESPONSES, error_response, install_error_handlers
 from fsm_pd.api.router_merge import merge_json, merge_sse, new_room, prefill_input_logprobs, with_bootstrap
 from fsm_pd.api.runner import wait_disconnect
+from fsm_pd.bootstrap.body_limit import BodySizeLimit
 
 log = logging.getLogger(__name__)
 
@@ -201,9 +203,10 @@ class PDRouter:
 
 def create_router_app(prefill: Sequence[PrefillWorker | tuple[str, int | None] | str], decode: Sequence[str], *,
                       policy: str = "round_robin", api_key: str | None = None, request_timeout_s: float = 1800.0,
-                      seed: int | None = None) -> FastAPI:
+                      seed: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The router's app. ``prefill``: workers as ``PrefillWorker``, ``(url, bootstrap_port or None)`` or a bare
-    URL; ``decode``: URLs. ``api_key``: required from clients and sent to the workers (as sglang-router does)."""
+    URL; ``decode``: URLs. ``api_key``: required from clients and sent to the workers (as sglang-router does).
+    ``max_body_bytes``: larger request bodies get 413 before they are read whole (the same default as a worker's)."""
     workers = [w if isinstance(w, PrefillWorker) else PrefillWorker(w, None) if isinstance(w, str)
                else PrefillWorker(w[0], w[1]) for w in prefill]
     pd = PDRouter(workers, decode, policy=policy, api_key=api_key, request_timeout_s=request_timeout_s, seed=seed)
@@ -243,6 +246,7 @@ def create_router_app(prefill: Sequence[PrefillWorker | tuple[str, int | None] |
 
     for path in ("/server_info", "/get_server_info"):
         app.add_api_route(path, server_info, methods=["GET"])
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)  # added before the key: the key is checked first
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     return app
