@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import jax
 
+from fsm_pd.control.faults import FaultConfig, Faults
 from fsm_pd.effects import EffectError, EffectInterpreter
 from fsm_pd.kernels import page_bucket, scatter_pages
 from fsm_pd.machines.effects import FreePages, Pull, ReservePages, ResolveBootstrap, Scatter, Send
@@ -33,6 +34,7 @@ class DecodeEffects:
         self.m = manager
         self.workers = ThreadPoolExecutor(max_workers=pull_workers, thread_name_prefix="pull")
         self.pulled: dict[int, jax.Array] = {}  # room -> verified staging waiting for Scatter
+        self.faults = Faults(FaultConfig.from_env(), role="decode")  # off unless FSM_PD_FAULT_* are set
 
     def interpreter(self) -> EffectInterpreter:
         return EffectInterpreter({ResolveBootstrap: self.resolve_bootstrap, ReservePages: self.reserve_pages,
@@ -67,14 +69,32 @@ class DecodeEffects:
             msg = channel.stamp(Abort, room=room.room, reason=room.reason or "aborted")
         else:
             raise EffectError(f"the decode node does not send {effect.kind}")
+        delay = self.faults.message(effect.kind)
+        if delay is None:
+            return  # dropped by fault injection, as a lossy network would
+        addr, room_id, kind = ctx["prefill_addr"], room.room, effect.kind
+        if delay:
+            self.faults.later(delay, lambda: self._send_later(node, room_id, addr, msg, kind))
+            return
+        self._send(addr, msg, kind)
+
+    def _send_later(self, node: Node, room_id: int, addr: str, msg, kind: str) -> None:
         try:
-            channel.send(ctx["prefill_addr"], msg)
+            self._send(addr, msg, kind)
+        except EffectError as exc:
+            node.submit(room_id, "error", {"blame": exc.blame, "reason": exc.reason})
+
+    def _send(self, addr: str, msg, kind: str) -> None:
+        try:
+            self.m.side_channel.send(addr, msg)
         except PeerUnreachable as exc:
-            if effect.kind in ("ABORT", "PULLED"):
+            if kind in ("ABORT", "PULLED"):
                 return  # best effort: the prefill node's pull-hold deadline frees its side
             raise EffectError(f"prefill node unreachable: {exc}", blame="remote") from exc
         except SideChannelError as exc:
             raise EffectError(f"side channel: {exc}") from exc
+        if kind == "PREPARE":
+            self.faults.crash("after_prepare")
 
     def pull(self, node: Node, room: Room, effect: Pull) -> None:
         ctx, layout = room.ctx, self.m.layout
@@ -87,9 +107,12 @@ class DecodeEffects:
         timeout = self.m.deadlines["transfer"]
 
         def work():
-            if self.m.fault_pull_delay_s:
-                time.sleep(self.m.fault_pull_delay_s)
+            self.faults.crash("before_pull")
+            delay = max(self.m.fault_pull_delay_s, self.faults.pull_delay_s)
+            if delay:
+                time.sleep(delay)
             try:
+                self.faults.check("pull")
                 (staging,) = self.m.backend.pull(address, uuid, spec, timeout)
             except TransferTimeout as exc:
                 node.submit(room_id, "error", {"blame": "timeout", "reason": f"pull timed out: {exc}"})
@@ -98,21 +121,25 @@ class DecodeEffects:
             except Exception as exc:  # noqa: BLE001
                 node.submit(room_id, "error", {"blame": "local", "reason": f"pull failed: {exc}"})
             else:
+                self.faults.crash("after_pull")
                 self.pulled[room_id] = staging
                 node.submit(room_id, "pulled", {"bytes": int(staging.nbytes)})
 
         self.workers.submit(work)
 
     def scatter(self, node: Node, room: Room, effect: Scatter) -> None:
+        self.faults.crash("before_scatter")
         staging, pages, room_id = self.pulled.pop(room.room), list(room.ctx["pages"]), room.room
 
         def write(owner):
+            self.faults.check("scatter")
             owner.pool = scatter_pages(owner.pool, staging, pages, layout=self.m.layout)
             jax.block_until_ready(owner.pool)
 
         def done(future):
             exc = future.exception()
             if exc is None:
+                self.faults.crash("after_scatter")
                 node.submit(room_id, "scattered", {})
             else:
                 node.submit(room_id, "error", {"blame": "local", "reason": f"scatter failed: {exc}"})

@@ -6,6 +6,7 @@ import logging
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
+from fsm_pd.control.faults import FaultConfig, Faults
 from fsm_pd.effects import EffectError, EffectInterpreter
 from fsm_pd.kernels import gather_pages
 from fsm_pd.machines.effects import GatherAndPublish, ReleaseStaging, Send
@@ -24,16 +25,19 @@ class PrefillEffects:
     def __init__(self, manager: KVManager):
         self.m = manager
         self.staging: dict[int, int] = {}  # room -> uuid of a staging buffer being gathered or published
+        self.faults = Faults(FaultConfig.from_env(), role="prefill")  # off unless FSM_PD_FAULT_* are set
 
     def interpreter(self) -> EffectInterpreter:
         return EffectInterpreter({GatherAndPublish: self.gather_and_publish, ReleaseStaging: self.release_staging,
                                   Send: self.send})
 
     def gather_and_publish(self, node: Node, room: Room, effect: GatherAndPublish) -> None:
+        self.faults.crash("before_gather")
         uuid, pages = new_uuid(), list(room.ctx["pages"])
         self.staging[room.room] = uuid
 
         def gather(owner):
+            self.faults.check("gather")
             staging = gather_pages(owner.pool, pages, layout=self.m.layout)
             staging.block_until_ready()
             return staging
@@ -45,10 +49,13 @@ class PrefillEffects:
             return  # the room ended while we gathered: the buffer is simply dropped
         try:
             staging = gathered.result()
+            self.faults.crash("after_gather")
+            self.faults.check("publish")
             self.m.backend.publish(uuid, (staging,), self.m.deadlines["pull_hold"])
         except Exception as exc:  # noqa: BLE001 - any failure here fails the room, with the reason
             node.submit(room_id, "error", {"blame": "local", "reason": f"gather/publish failed: {exc}"})
             return
+        self.faults.crash("after_publish")
         node.submit(room_id, "published", {"uuid": uuid, "transfer_addr": self.m.backend.address,
                                            "rows": int(staging.shape[1])})
 
@@ -57,6 +64,7 @@ class PrefillEffects:
         if uuid is None:
             return
         if room.state == "Success":
+            self.faults.crash("after_pulled")
             self.m.backend.release(uuid)
         else:  # late pullers get an error at once instead of waiting for a buffer that is gone
             self.m.backend.fail(uuid, room.reason or "transfer failed")
@@ -73,14 +81,33 @@ class PrefillEffects:
             msg = channel.stamp(Abort, room=room.room, reason=room.reason or "aborted")
         else:
             raise EffectError(f"the prefill node does not send {effect.kind}")
+        delay = self.faults.message(effect.kind)
+        if delay is None:
+            return  # dropped by fault injection, as a lossy network would
+        addr, room_id, kind = ctx["reply_to"], room.room, effect.kind
+        if delay:
+            self.faults.later(delay, lambda: self._send_later(node, room_id, addr, msg, kind))
+            return
+        self._send(addr, msg, kind)
+
+    def _send_later(self, node: Node, room_id: int, addr: str, msg, kind: str) -> None:
         try:
-            channel.send(ctx["reply_to"], msg)
+            self._send(addr, msg, kind)
+        except EffectError as exc:
+            node.submit(room_id, "error", {"blame": exc.blame, "reason": exc.reason})
+
+    def _send(self, addr: str, msg, kind: str) -> None:
+        channel = self.m.side_channel
+        try:
+            channel.send(addr, msg)
         except PeerUnreachable as exc:
-            if effect.kind == "ABORT":
+            if kind == "ABORT":
                 return  # telling a dead peer we gave up is best effort; its own deadlines end its side
             raise EffectError(f"decode node unreachable: {exc}", blame="remote") from exc
         except SideChannelError as exc:
             raise EffectError(f"side channel: {exc}") from exc
+        if kind == "READY":
+            self.faults.crash("after_ready")
 
     def held(self) -> int:
         return len(self.staging)

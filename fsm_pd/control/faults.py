@@ -1,0 +1,233 @@
+"""Fault injection for drills and end-to-end fault tests: off unless ``FSM_PD_FAULT_*`` variables are set.
+
+``FaultConfig.from_env()`` reads them once, when a node's effect handlers are built; ``Faults`` holds the hooks the
+handlers consult. Every injected failure becomes an ``error`` event whose reason starts with ``injected fault``, so
+``fsm-pd replay`` tells drills from real failures. Variables (probabilities are in [0, 1], per attempt):
+
+| variable | effect |
+| --- | --- |
+| ``FSM_PD_FAULT_GATHER``, ``..._PUBLISH`` (prefill), ``..._PULL``, ``..._SCATTER`` (decode) | fail that stage |
+| ``FSM_PD_FAULT_DROP_MESSAGE`` | drop an outgoing side-channel message silently, as a lossy network would |
+| ``FSM_PD_FAULT_DELAY_MESSAGE_S`` and ``FSM_PD_FAULT_DELAY_MESSAGE_P`` (default 1) | send it that much later |
+| ``FSM_PD_FAULT_MESSAGES`` | which kinds the two above touch, e.g. ``READY,PULLED`` (default: all) |
+| ``FSM_PD_FAULT_PULL_DELAY_S`` | hold each pull back this long (a slow decode or link) |
+| ``FSM_PD_FAULT_CRASH_AT`` | ``os._exit`` the process the first time it reaches that point (``CRASH_POINTS``) |
+| ``FSM_PD_FAULT_SEED`` | seed of the dice, for repeatable drills |
+| ``FSM_PD_FAULT_PAUSE_FILE`` | nothing is injected while this file exists (warm up first; end a drill live) |
+
+An unknown ``FSM_PD_FAULT_*`` variable, a probability outside [0, 1] or an unknown crash point is an error at start:
+a misspelt drill must not silently run fault-free.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sys
+import threading
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+PREFIX = "FSM_PD_FAULT_"
+STAGES = ("gather", "publish", "pull", "scatter")
+MESSAGE_KINDS = ("PREPARE", "READY", "PULLED", "ABORT")
+# where FSM_PD_FAULT_CRASH_AT can kill the process, in the order a transfer passes them
+CRASH_POINTS = {
+    "prefill": ("before_gather", "after_gather", "after_publish", "after_ready", "after_pulled"),
+    "decode": ("after_prepare", "before_pull", "after_pull", "before_scatter", "after_scatter"),
+}
+CRASH_EXIT_CODE = 70  # distinguishable from a signal's 128+N in a test's assertion
+_KNOWN = {
+    *(s.upper() for s in STAGES),
+    "DROP_MESSAGE",
+    "DELAY_MESSAGE_S",
+    "DELAY_MESSAGE_P",
+    "MESSAGES",
+    "PULL_DELAY_S",
+    "CRASH_AT",
+    "SEED",
+    "PAUSE_FILE",
+}
+
+
+class InjectedFault(Exception):
+    """A failure the fault injection made up; its message is the reason journaled with the ``error`` event."""
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    stages: Mapping[str, float] = field(default_factory=dict)  # stage -> probability of failing it
+    drop_message: float = 0.0
+    delay_message_s: float = 0.0
+    delay_message_p: float = 1.0
+    messages: frozenset[str] = frozenset(MESSAGE_KINDS)
+    pull_delay_s: float = 0.0
+    crash_at: str | None = None
+    seed: int | None = None
+    pause_file: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> FaultConfig:
+        found = {k[len(PREFIX) :]: v.strip() for k, v in environ.items() if k.startswith(PREFIX)}
+        unknown = sorted(set(found) - _KNOWN)
+        if unknown:
+            raise ValueError(
+                f"unknown fault variable(s) {', '.join(PREFIX + u for u in unknown)}; "
+                f"known: {', '.join(PREFIX + k for k in sorted(_KNOWN))}"
+            )
+        stages = {s: _probability(found, s.upper()) for s in STAGES if found.get(s.upper())}
+        kinds = frozenset(k.strip().upper() for k in found.get("MESSAGES", "").split(",") if k.strip())
+        if kinds - set(MESSAGE_KINDS):
+            raise ValueError(
+                f"{PREFIX}MESSAGES: unknown kind(s) {sorted(kinds - set(MESSAGE_KINDS))}; "
+                f"known: {', '.join(MESSAGE_KINDS)}"
+            )
+        crash = found.get("CRASH_AT") or None
+        if crash is not None and crash not in {p for points in CRASH_POINTS.values() for p in points}:
+            raise ValueError(
+                f"{PREFIX}CRASH_AT={crash!r} is not a crash point; known: "
+                + "; ".join(f"{role}: {', '.join(p)}" for role, p in CRASH_POINTS.items())
+            )
+        try:
+            seed = int(found["SEED"]) if found.get("SEED") else None
+        except ValueError:
+            raise ValueError(f"{PREFIX}SEED={found['SEED']!r} is not an integer") from None
+        return cls(
+            stages={s: p for s, p in stages.items() if p > 0},
+            drop_message=_probability(found, "DROP_MESSAGE"),
+            delay_message_s=_seconds(found, "DELAY_MESSAGE_S"),
+            delay_message_p=_probability(found, "DELAY_MESSAGE_P", 1.0),
+            messages=kinds or frozenset(MESSAGE_KINDS),
+            pull_delay_s=_seconds(found, "PULL_DELAY_S"),
+            crash_at=crash,
+            seed=seed,
+            pause_file=found.get("PAUSE_FILE") or None,
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.stages or self.drop_message or self.delay_message_s or self.pull_delay_s or self.crash_at)
+
+    def describe(self) -> dict:
+        """The active settings, for logs and ``info()``."""
+        out = {f"fail_{s}": p for s, p in self.stages.items()}
+        if self.drop_message:
+            out["drop_message"] = self.drop_message
+        if self.delay_message_s:
+            out.update(delay_message_s=self.delay_message_s, delay_message_p=self.delay_message_p)
+        if (self.drop_message or self.delay_message_s) and self.messages != frozenset(MESSAGE_KINDS):
+            out["messages"] = sorted(self.messages)
+        if self.pull_delay_s:
+            out["pull_delay_s"] = self.pull_delay_s
+        if self.crash_at:
+            out["crash_at"] = self.crash_at
+        return out
+
+
+def _probability(found: Mapping[str, str], name: str, default: float = 0.0) -> float:
+    text = found.get(name)
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{PREFIX}{name}={text!r} is not a probability") from None
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{PREFIX}{name}={text!r} is not a probability in [0, 1]")
+    return value
+
+
+def _seconds(found: Mapping[str, str], name: str) -> float:
+    text = found.get(name)
+    if not text:
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{PREFIX}{name}={text!r} is not a number of seconds") from None
+    if value < 0:
+        raise ValueError(f"{PREFIX}{name}={text!r} must not be negative")
+    return value
+
+
+class Faults:
+    """The hooks of one node. Thread-safe: handlers call them from the loop, model and pull-worker threads."""
+
+    def __init__(
+        self, config: FaultConfig | None = None, *, role: str = "prefill", exit: Callable[[int], None] = os._exit
+    ):
+        self.config = config if config is not None else FaultConfig()
+        self.role = role
+        self.injected: Counter[str] = Counter()  # what was injected so far: stage, drop:KIND, delay:KIND
+        self._rng = random.Random(self.config.seed)
+        self._lock = threading.Lock()
+        self._exit = exit
+        if self.config.crash_at and self.config.crash_at not in CRASH_POINTS[role]:
+            log.warning("%sCRASH_AT=%s is not a %s point: it never fires here", PREFIX, self.config.crash_at, role)
+        if self.config.enabled:
+            log.warning("fault injection is ON for this %s node: %s", role, self.config.describe())
+
+    @property
+    def paused(self) -> bool:
+        return self.config.pause_file is not None and os.path.exists(self.config.pause_file)
+
+    def _roll(self, p: float) -> bool:
+        if p <= 0 or self.paused:
+            return False
+        with self._lock:
+            return self._rng.random() < p
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self.injected[what] += 1
+
+    def check(self, stage: str) -> None:
+        """Raise ``InjectedFault`` with probability ``FSM_PD_FAULT_<STAGE>``."""
+        p = self.config.stages.get(stage, 0.0)
+        if self._roll(p):
+            self._count(stage)
+            raise InjectedFault(f"injected fault: {stage} failed ({PREFIX}{stage.upper()}={p:g})")
+
+    def message(self, kind: str) -> float | None:
+        """For an outgoing message: None to drop it, else the seconds to hold it back (0: send now)."""
+        c = self.config
+        if kind not in c.messages:
+            return 0.0
+        if self._roll(c.drop_message):
+            self._count(f"drop:{kind}")
+            log.info("fault injection dropped a %s message", kind)
+            return None
+        if c.delay_message_s and self._roll(c.delay_message_p):
+            self._count(f"delay:{kind}")
+            return c.delay_message_s
+        return 0.0
+
+    def later(self, seconds: float, action: Callable[[], None]) -> None:
+        """Run ``action`` on its own daemon thread after ``seconds`` (a delayed message)."""
+        timer = threading.Timer(seconds, action)
+        timer.daemon = True
+        timer.start()
+
+    @property
+    def pull_delay_s(self) -> float:
+        return 0.0 if self.paused else self.config.pull_delay_s
+
+    def crash(self, point: str) -> None:
+        """Exit at once, without cleanup (like SIGKILL), if ``FSM_PD_FAULT_CRASH_AT`` names ``point``."""
+        if self.config.crash_at != point or self.paused:
+            return
+        self._count(f"crash:{point}")
+        message = f"fault injection: crashing the {self.role} process at {point} ({PREFIX}CRASH_AT)\n"
+        try:
+            sys.stderr.write(message)
+            sys.stderr.flush()
+        finally:
+            self._exit(CRASH_EXIT_CODE)
+
+    def counters(self) -> dict:
+        with self._lock:
+            return dict(self.injected)
