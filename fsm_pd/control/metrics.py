@@ -6,7 +6,10 @@ the HTTP layer serves ``generate_latest(metrics.registry)`` on ``/metrics``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from fsm_pd.machines.states import STATE_NAMES
 
@@ -14,6 +17,17 @@ from fsm_pd.machines.states import STATE_NAMES
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 36, 2))  # 1 KiB .. 32 GiB
 TRANSFER_START = {"prefill": "published", "decode": "kv_published"}
+# leak counters exported as gauges (``NodeMetrics.watch_leaks``): key of the engine's counters -> (metric, help)
+LEAK_GAUGES = {
+    "pages_free": ("fsm_pd_kv_pages_free", "KV pages free in this node's pool"),
+    "pages_reserved": ("fsm_pd_kv_pages_reserved", "KV pages reserved by requests and transfers"),
+    "staging_buffers_held": ("fsm_pd_staging_buffers_held", "Gathered KV staging buffers held (prefill)"),
+    "pulled_awaiting_scatter": ("fsm_pd_pulled_awaiting_scatter", "Pulled KV buffers not yet scattered (decode)"),
+    "host_pool_slots_in_use": ("fsm_pd_host_pool_slots_in_use", "Host staging pool slots in use"),
+    "open_transfer_entries": ("fsm_pd_open_transfer_entries", "Transfer-backend entries still pinning memory"),
+    "rooms_open": ("fsm_pd_rooms_open", "Rooms not yet Success or Failed"),
+    "requests_live": ("fsm_pd_requests_live", "Requests the engine is serving"),
+}
 
 
 class NodeMetrics:
@@ -39,6 +53,10 @@ class NodeMetrics:
         self._started: dict[int, float] = {}
         node.observers.append(self.observe)
 
+    def watch_leaks(self, source: Callable[[], Mapping[str, float | int | None]]) -> None:
+        """Export ``source()`` (an engine's ``leak_counters``) as gauges, read once per scrape."""
+        self.registry.register(_LeakCollector(source, self._labels))
+
     def observe(self, room, decision, at: float) -> None:
         labels = self._labels
         if decision.ignored is not None:
@@ -55,6 +73,23 @@ class NodeMetrics:
                 self.transfer_seconds.labels(**labels).observe(max(0.0, at - started))
             if decision.dst == "Failed":
                 self.failures.labels(reason=_reason_label(decision.reason), **labels).inc()
+
+
+class _LeakCollector:
+    def __init__(self, source, labels: Mapping[str, str]):
+        self.source, self.labels = source, dict(labels)
+
+    def describe(self):
+        return []  # the families depend on the role: nothing to check at registration
+
+    def collect(self):
+        values = self.source()
+        for key, (name, doc) in LEAK_GAUGES.items():
+            if values.get(key) is None:
+                continue
+            family = GaugeMetricFamily(name, doc, labels=list(self.labels))
+            family.add_metric(list(self.labels.values()), float(values[key]))
+            yield family
 
 
 def _reason_label(reason: str | None) -> str:

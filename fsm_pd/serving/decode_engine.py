@@ -90,6 +90,7 @@ class DecodeEngine:
             model=self.model_thread,
         )
         self.manager.node.observers.append(self._observe)
+        self.manager.metrics.watch_leaks(self.leak_counters)
 
     # --- any thread ---
     def submit(self, request: GenerateRequest, stream: RequestStream) -> None:
@@ -136,6 +137,7 @@ class DecodeEngine:
         return True
 
     def info(self) -> dict:
+        counters = self.manager.counters()
         return {
             "role": self.role,
             "model": self.model_name,
@@ -149,7 +151,24 @@ class DecodeEngine:
             "requests_running": len(self.loop.running),
             "tokens_generated": self.loop.tokens_generated,
             "preempted": self.loop.preempted,
-            **self.manager.counters(),
+            **counters,
+            "leaks": self.leak_counters(counters),
+            "faults": self.manager.effects.faults.config.describe(),
+            "faults_injected": self.manager.effects.faults.counters(),
+        }
+
+    def leak_counters(self, counters: dict | None = None) -> dict:
+        """What this node holds now; when idle: ``pages_free`` at its start value, everything else 0."""
+        counters = counters if counters is not None else self.manager.counters()
+        return {
+            "pages_free": self.allocator.free_pages,
+            "pages_reserved": self.allocator.reserved_pages,
+            "pulled_awaiting_scatter": counters["pulled_awaiting_scatter"],
+            "open_transfer_entries": counters["open_transfer_entries"],
+            "rooms_open": sum(n for s, n in counters["rooms_by_state"].items() if s not in ("Success", "Failed")),
+            "requests_live": len(self.requests),
+            "queued": len(self._rooms),
+            "requests_running": len(self.loop.running),
         }
 
     def close(self) -> None:

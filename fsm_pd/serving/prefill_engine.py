@@ -88,6 +88,7 @@ class PrefillEngine:
             model=self.model_thread,
         )
         self.manager.node.observers.append(self._observe)
+        self.manager.metrics.watch_leaks(self.leak_counters)
         self.bootstrap_server = None
         if bootstrap_port is not None:
             self.bootstrap_server = BootstrapServer(host, bootstrap_port).start()
@@ -151,6 +152,22 @@ class PrefillEngine:
             "in_flight": len(self._in_flight),
             "bootstrap_url": self.bootstrap_url,
             **counters,
+            "leaks": self.leak_counters(counters),
+            "faults": self.manager.effects.faults.config.describe(),
+            "faults_injected": self.manager.effects.faults.counters(),
+        }
+
+    def leak_counters(self, counters: dict | None = None) -> dict:
+        """What this node holds now; when idle: ``pages_free`` at its start value, everything else 0."""
+        counters = counters if counters is not None else self.manager.counters()
+        return {
+            "pages_free": self.allocator.free_pages,
+            "pages_reserved": self.allocator.reserved_pages,
+            "staging_buffers_held": counters["staging_buffers_held"],
+            "open_transfer_entries": counters["open_transfer_entries"],
+            "rooms_open": sum(n for s, n in counters["rooms_by_state"].items() if s not in ("Success", "Failed")),
+            "requests_live": len(self.requests),
+            "queued": len(self._rooms),
         }
 
     def close(self) -> None:
