@@ -99,7 +99,7 @@ class Node:
         self.states.pop(room, None)
 
     def recover(self, reason: str = "node restarted") -> list[int]:
-        """Rebuild rooms from this node's journal and fail those it left unfinished. Returns their ids.
+        """Rebuild this node's unfinished rooms from its journal and fail them. Returns their ids.
 
         The rebuilt rooms go through the same ``fire`` as live ones, so they resume at the journaled version.
         """
@@ -111,9 +111,11 @@ class Node:
             if row.node == self.node_id and row.role == self.role:
                 room = rooms.setdefault(row.room, Room(row.room))
                 self.machine.fire(room, row.trigger, row.event)
-        self.rooms = rooms
-        self.states = {room_id: room.state for room_id, room in rooms.items()}
-        unfinished = sorted(r.room for r in rooms.values() if not r.terminal)
+        # rooms that finished before the restart can never change again: keeping them would grow memory with the
+        # journal's whole history (their late events are then dropped and counted, not journaled)
+        self.rooms = {room_id: room for room_id, room in rooms.items() if not room.terminal}
+        self.states = {room_id: room.state for room_id, room in self.rooms.items()}
+        unfinished = sorted(self.rooms)
         for room_id in unfinished:
             self.submit(room_id, "error", {"blame": "local", "reason": reason})
         return unfinished
