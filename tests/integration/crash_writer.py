@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import sqlite3
 import sys
 import time
 
@@ -36,7 +37,9 @@ def main() -> None:
     node = Node(NODE_ID, SENDER, Journal(path, durability=durability), interp, VirtualClock(time.time()), DEADLINES)
     recovered = node.recover()
     node.step()
-    next_room = max((r.room for r in node.rooms.values()), default=0) + 1
+    conn = sqlite3.connect(path)  # recovery keeps only unfinished rooms in memory: ask the journal for the last id
+    next_room = (conn.execute("SELECT max(room) FROM transitions").fetchone()[0] or 0) + 1
+    conn.close()
     print(json.dumps({"recovered": recovered, "first_room": next_room}), flush=True)
 
     live: dict[int, str] = {}  # room -> what it still needs: "prepare", "kv", "pulled"
