@@ -50,6 +50,9 @@ def node_parser(role: str) -> argparse.ArgumentParser:
     if role == "prefill":
         parser.add_argument("--bootstrap-port", type=int, default=8998,
                             help="serve the bootstrap server here and register with it (default 8998, SGLang's)")
+        parser.add_argument("--bootstrap-token", default=os.environ.get("FSM_PD_BOOTSTRAP_TOKEN"),
+                            help="bearer token the bootstrap server's writes require (default: "
+                                 "$FSM_PD_BOOTSTRAP_TOKEN, else none; set one when binding beyond 127.0.0.1)")
     return parser
 
 
@@ -123,7 +126,8 @@ def build_engine(args: argparse.Namespace, model):
     if args.role == "prefill":
         from fsm_pd.serving.prefill_engine import PrefillEngine
 
-        return PrefillEngine(model, bootstrap_port=args.bootstrap_port, **common)
+        return PrefillEngine(model, bootstrap_port=args.bootstrap_port, bootstrap_token=args.bootstrap_token,
+                             **common)
     from fsm_pd.serving.decode_engine import DecodeEngine
 
     return DecodeEngine(model, **common)

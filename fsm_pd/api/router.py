@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -276,7 +277,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--policy", choices=POLICIES, default="round_robin")
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--api-key", default=os.environ.get("FSM_PD_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' (default: $FSM_PD_API_KEY, else none)")
     parser.add_argument("--request-timeout-secs", type=float, default=1800.0)
     parser.add_argument("--pd-disaggregation", action="store_true", help="accepted for sglang-router parity")
     parser.add_argument("--log-level", default="info")

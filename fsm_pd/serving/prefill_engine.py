@@ -54,6 +54,7 @@ class PrefillEngine:
         host: str = "127.0.0.1",
         bootstrap_port: int | None = 0,
         bootstrap_url: str | None = None,
+        bootstrap_token: str | None = None,
         max_prefill_batch: int = 8,
         max_prefill_tokens: int = 4096,
     ):
@@ -91,11 +92,11 @@ class PrefillEngine:
         self.manager.metrics.watch_leaks(self.leak_counters)
         self.bootstrap_server = None
         if bootstrap_port is not None:
-            self.bootstrap_server = BootstrapServer(host, bootstrap_port).start()
+            self.bootstrap_server = BootstrapServer(host, bootstrap_port, token=bootstrap_token).start()
             bootstrap_url = self.bootstrap_server.url
         self.bootstrap_url = bootstrap_url
         if bootstrap_url is not None:
-            self.manager.register_with(bootstrap_url)
+            self.manager.register_with(bootstrap_url, token=bootstrap_token)
 
     @property
     def bootstrap_host_port(self) -> tuple[str, int] | None:

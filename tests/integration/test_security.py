@@ -449,3 +449,18 @@ def test_colocated_and_prefill_nodes_listen_on_loopback_only(tmp_path):
         info = httpx.get(f"http://127.0.0.1:{port}/server_info", timeout=10).json()
         assert json.dumps(info)  # the node serves; its internals name only loopback addresses
         assert "0.0.0.0" not in json.dumps(info)
+
+
+def test_a_prefill_nodes_built_in_bootstrap_server_takes_a_token(tmp_path):
+    from fsm_pd.serving.prefill_engine import PrefillEngine
+
+    engine = PrefillEngine("tiny", num_pages=16, page_size=4, journal=str(tmp_path / "p.db"), bootstrap_token="t0k")
+    try:
+        url = engine.bootstrap_url
+        rank = httpx.get(url + "/route", params={"prefill_dp_rank": 0, "prefill_cp_rank": 0, "target_tp_rank": 0,
+                                                 "target_pp_rank": 0}, timeout=5)
+        assert rank.status_code == 200 and rank.json()["node_id"] == "prefill-0", "it registered with its token"
+        forged = httpx.put(url + "/route", json=rank.json(), timeout=5)
+        assert forged.status_code == 401
+    finally:
+        engine.close()
