@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 import jax
 
 from fsm_pd.control.faults import FaultConfig, Faults
+from fsm_pd.control.outbox import Outbox
 from fsm_pd.effects import EffectError, EffectInterpreter
 from fsm_pd.kernels import page_bucket, scatter_pages
 from fsm_pd.machines.effects import FreePages, Pull, ReservePages, ResolveBootstrap, Scatter, Send
-from fsm_pd.transport import Abort, PeerUnreachable, Prepare, Pulled, SideChannelError
+from fsm_pd.transport import Abort, Prepare, Pulled
 from fsm_pd.transport.backends import TransferFailed, TransferTimeout
 
 if TYPE_CHECKING:
@@ -35,6 +36,8 @@ class DecodeEffects:
         self.workers = ThreadPoolExecutor(max_workers=pull_workers, thread_name_prefix="pull")
         self.pulled: dict[int, jax.Array] = {}  # room -> verified staging waiting for Scatter
         self.faults = Faults(FaultConfig.from_env(), role="decode")  # off unless FSM_PD_FAULT_* are set
+        self.outbox = Outbox(manager.side_channel, self.faults, peer="prefill node",
+                             best_effort=frozenset({"ABORT", "PULLED"}), crash_after={"PREPARE": "after_prepare"})
 
     def interpreter(self) -> EffectInterpreter:
         return EffectInterpreter({ResolveBootstrap: self.resolve_bootstrap, ReservePages: self.reserve_pages,
@@ -69,32 +72,7 @@ class DecodeEffects:
             msg = channel.stamp(Abort, room=room.room, reason=room.reason or "aborted")
         else:
             raise EffectError(f"the decode node does not send {effect.kind}")
-        delay = self.faults.message(effect.kind)
-        if delay is None:
-            return  # dropped by fault injection, as a lossy network would
-        addr, room_id, kind = ctx["prefill_addr"], room.room, effect.kind
-        if delay:
-            self.faults.later(delay, lambda: self._send_later(node, room_id, addr, msg, kind))
-            return
-        self._send(addr, msg, kind)
-
-    def _send_later(self, node: Node, room_id: int, addr: str, msg, kind: str) -> None:
-        try:
-            self._send(addr, msg, kind)
-        except EffectError as exc:
-            node.submit(room_id, "error", {"blame": exc.blame, "reason": exc.reason})
-
-    def _send(self, addr: str, msg, kind: str) -> None:
-        try:
-            self.m.side_channel.send(addr, msg)
-        except PeerUnreachable as exc:
-            if kind in ("ABORT", "PULLED"):
-                return  # best effort: the prefill node's pull-hold deadline frees its side
-            raise EffectError(f"prefill node unreachable: {exc}", blame="remote") from exc
-        except SideChannelError as exc:
-            raise EffectError(f"side channel: {exc}") from exc
-        if kind == "PREPARE":
-            self.faults.crash("after_prepare")
+        self.outbox.send(node, room.room, ctx["prefill_addr"], msg, effect.kind)
 
     def pull(self, node: Node, room: Room, effect: Pull) -> None:
         ctx, layout = room.ctx, self.m.layout

@@ -7,10 +7,11 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from fsm_pd.control.faults import FaultConfig, Faults
+from fsm_pd.control.outbox import Outbox
 from fsm_pd.effects import EffectError, EffectInterpreter
 from fsm_pd.kernels import gather_pages
 from fsm_pd.machines.effects import GatherAndPublish, ReleaseStaging, Send
-from fsm_pd.transport import Abort, PeerUnreachable, Ready, SideChannelError
+from fsm_pd.transport import Abort, Ready
 from fsm_pd.transport.backends import new_uuid
 
 if TYPE_CHECKING:
@@ -26,6 +27,8 @@ class PrefillEffects:
         self.m = manager
         self.staging: dict[int, int] = {}  # room -> uuid of a staging buffer being gathered or published
         self.faults = Faults(FaultConfig.from_env(), role="prefill")  # off unless FSM_PD_FAULT_* are set
+        self.outbox = Outbox(manager.side_channel, self.faults, peer="decode node", best_effort=frozenset({"ABORT"}),
+                             crash_after={"READY": "after_ready"})
 
     def interpreter(self) -> EffectInterpreter:
         return EffectInterpreter({GatherAndPublish: self.gather_and_publish, ReleaseStaging: self.release_staging,
@@ -81,33 +84,7 @@ class PrefillEffects:
             msg = channel.stamp(Abort, room=room.room, reason=room.reason or "aborted")
         else:
             raise EffectError(f"the prefill node does not send {effect.kind}")
-        delay = self.faults.message(effect.kind)
-        if delay is None:
-            return  # dropped by fault injection, as a lossy network would
-        addr, room_id, kind = ctx["reply_to"], room.room, effect.kind
-        if delay:
-            self.faults.later(delay, lambda: self._send_later(node, room_id, addr, msg, kind))
-            return
-        self._send(addr, msg, kind)
-
-    def _send_later(self, node: Node, room_id: int, addr: str, msg, kind: str) -> None:
-        try:
-            self._send(addr, msg, kind)
-        except EffectError as exc:
-            node.submit(room_id, "error", {"blame": exc.blame, "reason": exc.reason})
-
-    def _send(self, addr: str, msg, kind: str) -> None:
-        channel = self.m.side_channel
-        try:
-            channel.send(addr, msg)
-        except PeerUnreachable as exc:
-            if kind == "ABORT":
-                return  # telling a dead peer we gave up is best effort; its own deadlines end its side
-            raise EffectError(f"decode node unreachable: {exc}", blame="remote") from exc
-        except SideChannelError as exc:
-            raise EffectError(f"side channel: {exc}") from exc
-        if kind == "READY":
-            self.faults.crash("after_ready")
+        self.outbox.send(node, room.room, ctx["reply_to"], msg, effect.kind)
 
     def held(self) -> int:
         return len(self.staging)
