@@ -33,13 +33,14 @@ def summarize(world: World) -> dict:
     """What the client saw (the decode side's outcome), what the prefill side saw, and what leaked."""
     decode_failed, prefill_failed = Counter(), Counter()
     succeeded = 0
+    live = world.live_rooms()
     for room in world.requests:
         d = world.decode.rooms.get(room)
         if d is not None and d.state == "Success":
             succeeded += 1
         else:
             decode_failed[d.reason if d is not None else "never reached decode"] += 1
-        p = world.prefill.rooms.get(room)
+        p = live.get((world.prefill_id, "prefill", room))
         if p is not None and p.state == "Failed":
             prefill_failed[p.reason] += 1
     unfinished = [r.room for n in (world.prefill, world.decode) for r in n.rooms.values() if not r.terminal]

@@ -70,6 +70,7 @@ class World:
                            config.decode_deadlines)
         self.decode.observers.append(self._on_decode_success)
         self.prefill_up = True
+        self.finished_before_restart: dict = {}  # prefill rooms that ended before a crash (a restart reloads none)
         self.crashes = 0
         self.missed_heartbeats = 0
         self.pending_arrivals = 0
@@ -181,6 +182,7 @@ class World:
         self.clock.call_at(self.clock.now() + self.config.restart_after, self._restart_prefill)
 
     def _restart_prefill(self) -> None:
+        self.finished_before_restart.update({r.room: r for r in self.prefill.rooms.values() if r.terminal})
         if self.prefill.journal is not None:
             self.prefill.journal.engine.dispose()  # the dead process's handle; nothing unflushed survives a crash
         self.prefill = self._prefill_node()
@@ -192,6 +194,12 @@ class World:
         if not self._heartbeat_armed:
             self._heartbeat_armed = True
             self.clock.call_at(self.clock.now() + self.config.heartbeat_interval, self._heartbeat)
+
+    def live_rooms(self) -> dict[tuple[str, str, int], object]:
+        """Every room either node has known in this run, by (node, role, room): what replay must reproduce."""
+        prefill = {**self.finished_before_restart, **self.prefill.rooms}
+        return {**{(self.prefill_id, "prefill", r): room for r, room in prefill.items()},
+                **{(self.decode_id, "decode", r): room for r, room in self.decode.rooms.items()}}
 
     def _heartbeat(self) -> None:
         """The decode node's health check of the prefill node (SGLang: GET /health, N misses → node failure)."""

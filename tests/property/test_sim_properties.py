@@ -106,7 +106,7 @@ class SimulationMachine(RuleBasedStateMachine):
             rows = read_journal(self.dir / "prefill.db") + read_journal(self.dir / "decode.db")
             result = replay(rows)
             assert result.consistent, [d.describe() for d in result.divergences]
-            live = {(n.node_id, n.role, r.room): r.state for n in self._nodes() for r in n.rooms.values()}
+            live = {key: room.state for key, room in world.live_rooms().items()}
             assert result.final_states() == live
         finally:
             world.close()

@@ -41,7 +41,7 @@ def test_faults_end_every_room_and_replay_matches_live_state(tmp_path):
     schedule_requests(world)
     world.run()
     world.close()
-    live = {(n.node_id, n.role, r.room): r.state for n in (world.prefill, world.decode) for r in n.rooms.values()}
+    live = {key: room.state for key, room in world.live_rooms().items()}
     assert all(state in ("Success", "Failed") for state in live.values())
     assert "Failed" in live.values() and "Success" in live.values()
     result = replay(read_journal(tmp_path / "prefill.db") + read_journal(tmp_path / "decode.db"))
