@@ -50,10 +50,10 @@ class GenerateBody(_Body):
     bootstrap_room: int | None = Field(None, ge=0, lt=2**64)
 
 
-class CompletionBody(_Body):
+class _OpenAIBody(_Body):
+    """What OpenAI's completions and chat completions bodies share, plus SGLang's PD fields."""
+
     model: str | None = None
-    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt only; a batch is refused with a 400
-    max_tokens: int | None = Field(None, description="default 16, as OpenAI")
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
@@ -63,16 +63,21 @@ class CompletionBody(_Body):
     seed: int | None = Field(None, ge=0)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    logprobs: int | None = Field(None, ge=0, le=20)
     n: int | None = None
-    best_of: int | None = None
-    echo: bool | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     user: str | None = None
     bootstrap_host: str | None = None
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     bootstrap_room: int | None = Field(None, ge=0, lt=2**64)
+
+
+class CompletionBody(_OpenAIBody):
+    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt only; a batch is refused with a 400
+    max_tokens: int | None = Field(None, description="default 16, as OpenAI")
+    logprobs: int | None = Field(None, ge=0, le=20)
+    best_of: int | None = None
+    echo: bool | None = None
 
 
 class TextPart(_Body):
@@ -85,30 +90,13 @@ class ChatMessage(_Body):
     content: str | list[TextPart] | None = None
 
 
-class ChatCompletionBody(_Body):
-    model: str | None = None
+class ChatCompletionBody(_OpenAIBody):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, description="default: what is left of the context")
     max_completion_tokens: int | None = Field(None, description="OpenAI's newer name; sglang-router sends this one")
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    stop: StopField = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    seed: int | None = Field(None, ge=0)
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    n: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    user: str | None = None
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = Field(None, ge=1, le=65535)
-    bootstrap_room: int | None = Field(None, ge=0, lt=2**64)
 
 
 class AbortBody(_Body):
