@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -109,35 +110,60 @@ def _copy_threads() -> ThreadPoolExecutor:
         return _helpers
 
 
-def gather_host(pool: Pool, ids: np.ndarray, rows: int) -> jax.Array:
-    """Stack pages ``ids`` of every layer into rows ``0..n`` of a new ``[L, rows, ...]`` array; rows past ``n`` hold
-    page 0. Only call this on the thread that owns ``pool``."""
-    layer_shape, dtype = pool[0].shape, np.dtype(pool[0].dtype)
-    shape = (len(pool), rows, *layer_shape[1:])
-    out = warm_blocks.take(int(np.prod(shape)) * dtype.itemsize).view(dtype).reshape(shape)
+def host_block(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A warm, aligned host array of ``shape`` to gather into (see ``_WarmBlocks``)."""
+    dtype = np.dtype(dtype)
+    return warm_blocks.take(int(np.prod(shape)) * dtype.itemsize).view(dtype).reshape(shape)
+
+
+def _layer_copier(pool: Pool, ids: np.ndarray, out: np.ndarray) -> Callable[[int], None]:
+    """``copy(i)`` fills ``out[i]`` from layer ``i``: rows ``< n`` from pages ``ids`` (a block copy per run of
+    consecutive pages), the rest from page 0."""
+    rows = out.shape[1]
     runs = page_runs(ids, rows)
     count = int(runs.num_runs[0])
     spans = list(zip(*(a[:count].tolist() for a in (runs.page_starts, runs.row_starts, runs.lengths)), strict=True))
     sources = [np.asarray(layer) for layer in pool]  # zero-copy views on CPU; wait for pending writes
 
-    def copy_layers(layers: range) -> None:
-        for index in layers:
-            staged, src = out[index], sources[index]
-            for page, row, length in spans:
-                staged[row : row + length] = src[page : page + length]
-            if ids.size < rows:
-                staged[ids.size :] = src[PAD_PAGE]
+    def copy(index: int) -> None:
+        staged, src = out[index], sources[index]
+        for page, row, length in spans:
+            staged[row : row + length] = src[page : page + length]
+        if ids.size < rows:
+            staged[ids.size :] = src[PAD_PAGE]
 
+    return copy
+
+
+def gather_host(pool: Pool, ids: np.ndarray, rows: int) -> jax.Array:
+    """Stack pages ``ids`` of every layer into rows ``0..n`` of a new ``[L, rows, ...]`` array; rows past ``n`` hold
+    page 0. Only call this on the thread that owns ``pool``."""
+    out = host_block((len(pool), rows, *pool[0].shape[1:]), pool[0].dtype)
+    copy = _layer_copier(pool, ids, out)
     if out.nbytes < _PARALLEL_BYTES or len(pool) < 2 or _WORKERS < 2:
-        copy_layers(range(len(pool)))
+        for index in range(len(pool)):
+            copy(index)
     else:
         half = len(pool) // 2
-        first = _copy_threads().submit(copy_layers, range(half))
-        copy_layers(range(half, len(pool)))  # this thread takes the other half
+        first = _copy_threads().submit(lambda: [copy(i) for i in range(half)])
+        for index in range(half, len(pool)):  # this thread takes the other half
+            copy(index)
         first.result()
     # Committed like the pool: jit keys its cache on committedness, so a mismatch would compile a second scatter.
     committed = getattr(pool[0], "_committed", True)
     return jax.device_put(out, pool[0].sharding if committed else None)
+
+
+def gather_into(pool: Pool, ids: np.ndarray, out: np.ndarray, on_layer: Callable[[int], None]) -> None:
+    """Fill host staging ``out`` layer by layer, in order, calling ``on_layer(i)`` once ``out[i]`` is final.
+
+    One thread, on purpose: this runs while a transfer streams the finished layers, and the wire needs the other
+    core. Only call this on the thread that owns ``pool``.
+    """
+    copy = _layer_copier(pool, ids, out)
+    for index in range(len(pool)):
+        copy(index)
+        on_layer(index)
 
 
 @partial(jax.jit, donate_argnums=0)

@@ -11,11 +11,17 @@ arrays: a transfer then registers, pulls, checks and host-copies a single buffer
 the page count (``KVLayout.staging_shape(page_bucket(n))``), and the ZMQ fallback sends it as one contiguous payload.
 ``rows = page_bucket(len(page_ids))``; rows ``>= len(page_ids)`` are padding (copies of page 0 from ``"jnp"`` and
 ``"cpu"``, unspecified from ``"pallas"``) and scatter never writes them anywhere.
+
+For a transfer that overlaps the copies with the wire there are per-layer variants: ``gather_pages_into`` fills a
+host staging array layer by layer and reports each finished layer (P streams it while the next is copied), and
+``scatter_layer`` writes one layer (D writes layer ``i`` while ``i + 1`` is still arriving). Layer ``i`` of a staging
+array is one contiguous byte range, so "the first ``k`` layers are final" is the same as "the first ``k * layer
+bytes`` are final", which is all a byte stream needs to know.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import jax
@@ -115,3 +121,47 @@ def scatter_pages(
     row_pages = np.arange(num_pages, num_pages + rows, dtype=np.int32)
     row_pages[: ids.size] = ids
     return jnp_copy.scatter_rows(pool, staging, row_pages)
+
+
+def staging_block(layout: KVLayout, num_pages: int) -> np.ndarray:
+    """A warm, 64-byte-aligned host array ``[L, page_bucket(num_pages), ...]`` for ``gather_pages_into``."""
+    return cpu_copy.host_block(layout.staging_shape(page_bucket(num_pages)), np.dtype(layout.dtype))
+
+
+def gather_pages_into(
+    pool: Sequence[jax.Array],
+    page_ids: PageIds,
+    out: np.ndarray,
+    *,
+    on_layer: Callable[[int], None] = lambda index: None,
+    layout: KVLayout | None = None,
+) -> None:
+    """``gather_pages`` into the host array ``out``, one layer at a time, calling ``on_layer(i)`` as soon as
+    ``out[i]`` is final (layers complete in order). Pools on one CPU device only (``impl="cpu"``); call it on the
+    thread that owns the pool. ``out`` must be ``[L, page_bucket(n), page_size, 2H, D]`` of the pool's dtype."""
+    pool = check_pool(pool, layout)
+    ids = check_page_ids(page_ids, pool[0].shape[0])
+    if resolve_impl(pool) != "cpu":
+        raise ValueError("gather_pages_into needs a pool on one CPU device; use gather_pages elsewhere")
+    want = (len(pool), page_bucket(ids.size), *pool[0].shape[1:])
+    if not isinstance(out, np.ndarray) or out.shape != want or out.dtype != np.dtype(pool[0].dtype):
+        got = f"{getattr(out, 'dtype', '?')}{list(getattr(out, 'shape', ()))}"
+        raise ValueError(f"gather_pages_into: out is {got}, expected {np.dtype(pool[0].dtype)}{list(want)}")
+    if not out.flags.writeable or not out.flags.c_contiguous:
+        raise ValueError("gather_pages_into: out must be a writable, C-contiguous array")
+    cpu_copy.gather_into(pool, ids, out, on_layer)
+
+
+def scatter_layer(
+    pool: Sequence[jax.Array], index: int, staged: jax.Array, page_ids: PageIds, *, impl: Impl = "auto"
+) -> Pool:
+    """``scatter_pages`` for layer ``index`` alone: ``staged`` is ``[1, rows >= n, page_size, 2H, D]``.
+
+    Only ``pool[index]`` is donated; the other layers are returned as they were.
+    """
+    pool = check_pool(pool)
+    if not 0 <= index < len(pool):
+        raise ValueError(f"layer {index} is out of range for a pool of {len(pool)} layers")
+    (layer,) = scatter_pages((pool[index],), staged, page_ids, impl=impl)
+    return (*pool[:index], layer, *pool[index + 1 :])
+
