@@ -6,7 +6,9 @@ the ``fsm_pd.transfer_backends`` entry-point group. ``docs/data-plane.md`` descr
 
 from fsm_pd.transport.backends.base import (
     BackendUnavailable,
+    OnProgress,
     OpenEntries,
+    StagingProgress,
     TransferBackend,
     TransferError,
     TransferFailed,
@@ -25,7 +27,9 @@ from fsm_pd.transport.backends.registry import (
 __all__ = [
     "ENTRY_POINT_GROUP",
     "BackendUnavailable",
+    "OnProgress",
     "OpenEntries",
+    "StagingProgress",
     "TransferBackend",
     "TransferError",
     "TransferFailed",

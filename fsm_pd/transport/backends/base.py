@@ -7,18 +7,24 @@ keeps the same promises, because the state machines above it must turn every out
 * ``pull`` returns or raises within ``timeout_s`` whatever the peer does (dead, silent, erroring, wrong uuid);
 * it returns only arrays that are ready, error-free and shaped/typed as the spec says;
 * once a hold ends (released, failed, expired) its memory is freed and a late pull fails fast instead of hanging.
+
+Backends that stream host bytes (``progressive = True``) also let the two ends overlap their page copies with the
+wire: P may publish a host staging array *before* it is filled (``publish_progressive``) and report how much of it
+is final, and D may act on each array's final prefix while the rest is still arriving (``pull(on_progress=...)``).
 """
 
 from __future__ import annotations
 
 import secrets
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 if TYPE_CHECKING:  # annotations only: naming a backend must not import jax (the registry resolves lazily)
     import jax
+    import numpy as np
 
 Blame = Literal["remote", "local"]
 
@@ -88,6 +94,37 @@ class OpenEntries:
     nbytes: int
 
 
+# on_progress(index, host, final_bytes): bytes [0, final_bytes) of pulled array ``index`` have landed in ``host``.
+OnProgress = Callable[[int, "np.ndarray", int], None]
+
+
+class StagingProgress:
+    """What ``publish_progressive`` returns: P calls ``advance(n)`` once bytes ``[0, n)`` of the host array are final.
+
+    The backend streams only final bytes, so a puller may arrive before the producer has written anything.
+    """
+
+    def __init__(self, host: np.ndarray, on_advance: Callable[[], None]) -> None:
+        if not getattr(host, "flags", None) or not host.flags.c_contiguous:
+            raise TypeError("a progressively published staging buffer must be a C-contiguous NumPy array")
+        self.host = host
+        self.nbytes = int(host.nbytes)
+        self._final = 0
+        self._on_advance = on_advance
+        self._lock = threading.Lock()
+
+    @property
+    def final_bytes(self) -> int:
+        return self._final
+
+    def advance(self, nbytes: int) -> None:
+        with self._lock:
+            if not self._final <= nbytes <= self.nbytes:
+                raise ValueError(f"final bytes may only grow within [{self._final}, {self.nbytes}], got {nbytes}")
+            self._final = nbytes
+        self._on_advance()
+
+
 class TransferBackend(ABC):
     """One node's end of the data plane. P uses the publish side, D the pull side; one object may do both.
 
@@ -95,6 +132,7 @@ class TransferBackend(ABC):
     """
 
     name: ClassVar[str] = "?"
+    progressive: ClassVar[bool] = False  # implements publish_progressive and calls pull's on_progress
 
     @property
     @abstractmethod
@@ -108,6 +146,15 @@ class TransferBackend(ABC):
         The backend keeps its own references: the caller may drop its own, but must not delete or donate the arrays.
         Raises ``ValueError`` for a uuid that this node already used.
         """
+
+    def publish_progressive(self, uuid: int, host: np.ndarray, hold_timeout_s: float) -> StagingProgress:
+        """Publish the host array ``host`` while it is still being filled; stream each byte once it is final.
+
+        Like ``publish`` (hold, release, fail, uuid rules), except that the caller keeps writing ``host`` in order
+        and reports with the returned ``StagingProgress.advance``. A producer that gives up calls ``fail(uuid)``.
+        Only backends with ``progressive = True`` implement it.
+        """
+        raise NotImplementedError(f"the {self.name} backend publishes finished arrays only; use publish()")
 
     @abstractmethod
     def release(self, uuid: int) -> None:
@@ -123,12 +170,22 @@ class TransferBackend(ABC):
 
     @abstractmethod
     def pull(
-        self, address: str, uuid: int, spec: Sequence[jax.ShapeDtypeStruct], timeout_s: float
+        self,
+        address: str,
+        uuid: int,
+        spec: Sequence[jax.ShapeDtypeStruct],
+        timeout_s: float,
+        on_progress: OnProgress | None = None,
     ) -> tuple[jax.Array, ...]:
         """Fetch the arrays P published under ``uuid``; verified against ``spec`` before returning.
 
         ``spec`` gives shape and dtype of every array and optionally the sharding to put it on (default: this
         process's first device). Raises ``TransferTimeout`` or ``TransferFailed`` within ``timeout_s``.
+
+        A progressive backend calls ``on_progress(index, host, n)`` on this thread whenever bytes ``[0, n)`` of
+        array ``index`` have landed in ``host`` (its spec's shape and dtype), arrays in order. P's layout was checked
+        against ``spec`` before the first byte was accepted and each chunk's length against the plan, but the pull
+        may still fail later, after a prefix was reported. Other backends never call it.
         """
 
     def forget(self, address: str) -> None:  # noqa: B027 - optional hook, a no-op for connectionless backends

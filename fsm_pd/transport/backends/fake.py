@@ -14,8 +14,16 @@ import time
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 
-from fsm_pd.transport.backends.base import TransferFailed, TransferTimeout, check_uuid, live_staging
+from fsm_pd.transport.backends.base import (
+    OnProgress,
+    StagingProgress,
+    TransferFailed,
+    TransferTimeout,
+    check_uuid,
+    live_staging,
+)
 from fsm_pd.transport.backends.holds import Hold, HoldingBackend, HoldTable
 from fsm_pd.transport.backends.spec import (
     array_keys,
@@ -33,6 +41,7 @@ _ids = itertools.count(1)
 
 class FakeTransferBackend(HoldingBackend):
     name = "fake"
+    progressive = True
 
     def __init__(self, *, tombstone_ttl_s: float = 600.0) -> None:
         self._address = f"fake://{os.getpid()}/{next(_ids)}"
@@ -55,6 +64,39 @@ class FakeTransferBackend(HoldingBackend):
         with self._changed:
             self._holds.publish(uuid, nbytes, hold_timeout_s, lambda _deadline: arrays)
             self._changed.notify_all()
+
+    def publish_progressive(self, uuid: int, host: np.ndarray, hold_timeout_s: float) -> StagingProgress:
+        progress = StagingProgress(host, self._wake)
+        with self._changed:
+            self._holds.publish(uuid, progress.nbytes, hold_timeout_s, lambda _deadline: progress)
+            self._changed.notify_all()
+        return progress
+
+    def _wake(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def _follow(self, uuid: int, progress: StagingProgress, deadline: float, on_progress: OnProgress | None):
+        """Copy a progressive entry's final bytes as they appear, like a stream would; the copy once complete."""
+        host = np.empty_like(progress.host)
+        src, dst = progress.host.reshape(-1).view(np.uint8), host.reshape(-1).view(np.uint8)
+        copied = 0
+        while copied < progress.nbytes:
+            with self._changed:
+                while progress.final_bytes == copied:
+                    if self._closed or self._holds.get(uuid) is None:
+                        reason = self._holds.tombstone(uuid) or "producer closed"
+                        raise TransferFailed(f"transfer {uuid} {reason} after {copied} of {progress.nbytes} bytes")
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TransferTimeout(f"transfer {uuid}: {copied} of {progress.nbytes} bytes in time")
+                    self._changed.wait(remaining)
+                final = progress.final_bytes
+            dst[copied:final] = src[copied:final]
+            copied = final
+            if on_progress is not None:  # outside the lock: the callback may take its time
+                on_progress(0, host, copied)
+        return (host,)
 
     def _retire(self, uuid: int, reason: str, hold: Hold | None) -> None:
         self._delivered.discard(uuid)
@@ -83,7 +125,12 @@ class FakeTransferBackend(HoldingBackend):
     # ---- D side ----
 
     def pull(
-        self, address: str, uuid: int, spec: Sequence[jax.ShapeDtypeStruct], timeout_s: float
+        self,
+        address: str,
+        uuid: int,
+        spec: Sequence[jax.ShapeDtypeStruct],
+        timeout_s: float,
+        on_progress: OnProgress | None = None,
     ) -> tuple[jax.Array, ...]:
         deadline = time.monotonic() + timeout_s
         check_uuid(uuid)
@@ -93,12 +140,16 @@ class FakeTransferBackend(HoldingBackend):
         if node is None:  # like a refused connection: nobody listens there
             raise TransferFailed(f"no fake transfer node at {address!r}")
         published = node._take(uuid, deadline)
-        have_keys, want_keys = array_keys(published, count_shards=False), spec_keys(want, count_shards=False)
+        progress = published if isinstance(published, StagingProgress) else None
+        shown = (progress.host,) if progress is not None else published
+        have_keys, want_keys = array_keys(shown, count_shards=False), spec_keys(want, count_shards=False)
         if layout_digest(have_keys) != layout_digest(want_keys):
             raise TransferFailed(
                 f"spec mismatch for transfer {uuid}: published {summarize(have_keys)}, expected {summarize(want_keys)}",
                 "local",
             )
+        if progress is not None:
+            published = node._follow(uuid, progress, deadline, on_progress)
         try:
             copies = [jax.device_put(a, s.sharding, may_alias=False) for a, s in zip(published, want, strict=True)]
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory on this node

@@ -30,6 +30,7 @@ import numpy as np
 
 from fsm_pd.transport.backends.base import (
     BackendUnavailable,
+    OnProgress,
     TransferError,
     TransferFailed,
     TransferTimeout,
@@ -165,7 +166,12 @@ class JaxTransferBackend(HoldingBackend):
     # ---- D side ----
 
     def pull(
-        self, address: str, uuid: int, spec: Sequence[jax.ShapeDtypeStruct], timeout_s: float
+        self,
+        address: str,
+        uuid: int,
+        spec: Sequence[jax.ShapeDtypeStruct],
+        timeout_s: float,
+        on_progress: OnProgress | None = None,  # never called: the library hands over whole arrays
     ) -> tuple[jax.Array, ...]:
         deadline = time.monotonic() + timeout_s
         check_uuid(uuid)

@@ -15,11 +15,14 @@ import time
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from fsm_pd.transport.backends import zmq_wire as wire
 from fsm_pd.transport.backends.base import (
+    OnProgress,
+    StagingProgress,
     TransferFailed,
     TransferTimeout,
     check_uuid,
@@ -27,15 +30,9 @@ from fsm_pd.transport.backends.base import (
 )
 from fsm_pd.transport.backends.holds import Hold, HoldingBackend, HoldTable
 from fsm_pd.transport.backends.host_buffers import HostBufferPool
-from fsm_pd.transport.backends.spec import (
-    array_key,
-    layout_digest,
-    normalize_spec,
-    spec_keys,
-    summarize,
-    verify_pulled,
-)
-from fsm_pd.transport.backends.zmq_server import ZmqEntry, ZmqPullServer
+from fsm_pd.transport.backends.host_stream import HostEntry, Landing
+from fsm_pd.transport.backends.spec import layout_digest, normalize_spec, spec_keys, summarize, verify_pulled
+from fsm_pd.transport.backends.zmq_server import ZmqPullServer
 
 _PEER_GONE = {
     zmq.EVENT_DISCONNECTED: "producer {address} disconnected during transfer {uuid}",
@@ -45,6 +42,7 @@ _PEER_GONE = {
 
 class ZmqTransferBackend(HoldingBackend):
     name = "zmq"
+    progressive = True
 
     def __init__(
         self,
@@ -81,16 +79,27 @@ class ZmqTransferBackend(HoldingBackend):
         if server is None:
             raise RuntimeError("this zmq backend was created with serve=False")
         arrays = live_staging(staging)
-        entry = ZmqEntry.of(arrays)
+        entry = HostEntry.of(arrays)
         self._holds.publish(uuid, sum(a.nbytes for a in arrays), hold_timeout_s, lambda _deadline: entry)
         server.notify("published", uuid)
+
+    def publish_progressive(self, uuid: int, host: np.ndarray, hold_timeout_s: float) -> StagingProgress:
+        check_uuid(uuid)
+        server = self._server
+        if server is None:
+            raise RuntimeError("this zmq backend was created with serve=False")
+        progress = StagingProgress(host, lambda: server.notify("filled", uuid))
+        entry = HostEntry.filling(progress)
+        self._holds.publish(uuid, progress.nbytes, hold_timeout_s, lambda _deadline: entry)
+        server.notify("published", uuid)
+        return progress
 
     def _retire(self, uuid: int, reason: str, hold: Hold | None) -> None:
         # Dropping the hold frees the staging; chunks already queued keep only their own views alive until sent.
         if self._server is not None:
             self._server.notify("ended", uuid, reason)
 
-    def _lookup(self, uuid: int) -> tuple[ZmqEntry | None, str | None]:
+    def _lookup(self, uuid: int) -> tuple[HostEntry | None, str | None]:
         with self._holds.lock:
             hold = self._holds.get(uuid)
             return (hold.payload, None) if hold is not None else (None, self._holds.tombstone(uuid))
@@ -98,7 +107,12 @@ class ZmqTransferBackend(HoldingBackend):
     # ---- D side ----
 
     def pull(
-        self, address: str, uuid: int, spec: Sequence[jax.ShapeDtypeStruct], timeout_s: float
+        self,
+        address: str,
+        uuid: int,
+        spec: Sequence[jax.ShapeDtypeStruct],
+        timeout_s: float,
+        on_progress: OnProgress | None = None,
     ) -> tuple[jax.Array, ...]:
         deadline = time.monotonic() + timeout_s
         check_uuid(uuid)
@@ -123,7 +137,8 @@ class ZmqTransferBackend(HoldingBackend):
                 "timeout_s": timeout_s,
             }
             sock.send_multipart([wire.PULL, wire.pack(request)])
-            arrays = _Receiver(sock, monitor, self._recv_pool, address, uuid, want, want_keys).run(deadline, timeout_s)
+            landing = Landing(self._recv_pool, uuid, want, want_keys, on_progress)
+            arrays = _Receiver(sock, monitor, landing, address, uuid).run(deadline, timeout_s)
         finally:
             sock.disable_monitor()
             monitor.close(linger=0)
@@ -143,15 +158,10 @@ class ZmqTransferBackend(HoldingBackend):
 
 
 class _Receiver:
-    """One pull's receive loop: header, chunks into aligned host arrays, per-array ``device_put``."""
+    """One pull's receive loop: header, credit-paced chunks straight into their ``Landing`` place."""
 
-    def __init__(self, sock, monitor, pool: HostBufferPool, address: str, uuid: int, want, want_keys) -> None:
-        self.sock, self.monitor, self.pool, self.address, self.uuid = sock, monitor, pool, address, uuid
-        self.want, self.want_keys = want, want_keys
-        self.host: list = []
-        self.placed: list[jax.Array] = []
-        self.plan: list[tuple[int, int, int]] = []
-        self.next_chunk = 0
+    def __init__(self, sock, monitor, landing: Landing, address: str, uuid: int) -> None:
+        self.sock, self.monitor, self.landing, self.address, self.uuid = sock, monitor, landing, address, uuid
         self.unacked = 0
 
     def run(self, deadline: float, timeout_s: float) -> list[jax.Array]:
@@ -161,11 +171,11 @@ class _Receiver:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                got = f"{self.next_chunk}/{len(self.plan)} chunks" if self.plan else "no header"
+                got = self.landing.progress_text()
                 raise TransferTimeout(f"transfer {self.uuid} from {self.address}: {got} after {timeout_s:g} s")
             events = dict(poller.poll(max(1, int(remaining * 1000))))
             if self.sock in events and self._drain():
-                return self.placed
+                return self.landing.placed
             if self.monitor in events:
                 event = recv_monitor_message(self.monitor)["event"]
                 if event in _PEER_GONE:
@@ -183,9 +193,11 @@ class _Receiver:
             if kind == wire.DATA:
                 self._chunk()
             elif kind == wire.HEAD:
-                self._header(wire.unpack(self.sock.recv()))
+                header = wire.unpack(self.sock.recv())
+                self.landing.header(header["arrays"])
+                self.chunk_bytes = int(header["chunk_bytes"])
             elif kind == wire.DONE:
-                if self.next_chunk != len(self.plan) or len(self.placed) != len(self.want):
+                if not self.landing.complete:
                     raise TransferFailed(f"transfer {self.uuid}: producer ended the stream early")
                 return True
             elif kind == wire.FAIL:
@@ -193,47 +205,23 @@ class _Receiver:
                 reason = body.get("reason", "unknown failure")
                 if body.get("published"):
                     reason = f"{reason} for transfer {self.uuid}: published {body['published']}, expected "
-                    reason += summarize(self.want_keys)
+                    reason += summarize(self.landing.want_keys)
                 raise TransferFailed(reason, "local" if body.get("blame") == "local" else "remote")
             else:
                 raise TransferFailed(f"transfer {self.uuid}: unexpected message {kind[:16]!r} from producer")
 
-    def _header(self, header: dict) -> None:
-        arrays = [(tuple(shape), dtype) for shape, dtype in header["arrays"]]
-        got_keys = [array_key(shape, dtype, None) for shape, dtype in arrays]
-        if layout_digest(got_keys) != layout_digest(self.want_keys):  # P checked the digest too; trust neither
-            raise TransferFailed(
-                f"spec mismatch for transfer {self.uuid}: published {summarize(got_keys)}, "
-                f"expected {summarize(self.want_keys)}",
-                "local",
-            )
-        self.host = self.pool.arrays(arrays)
-        self.flat = [h.reshape(-1).view("uint8") for h in self.host]
-        self.plan = wire.chunk_plan([h.nbytes for h in self.host], int(header["chunk_bytes"]))
-        self._place_finished()  # empty arrays have no chunks
-
     def _chunk(self) -> None:
-        if not self.plan or self.next_chunk >= len(self.plan):
-            raise TransferFailed(f"transfer {self.uuid}: data chunk outside the announced plan")
-        index, offset, length = self.plan[self.next_chunk]
-        received = self.sock.recv_into(self.flat[index][offset : offset + length])
-        if received != length:
-            raise TransferFailed(f"transfer {self.uuid}: chunk {self.next_chunk} has {received} bytes, not {length}")
-        self.next_chunk += 1
+        # Chunks carry no index: P cuts each array into chunk_bytes pieces, so the next one is at most that long.
+        landing = self.landing
+        expected = min(self.chunk_bytes, len(landing.flat[landing.index]) - landing.offset) if landing.started else 0
+        target = landing.target(expected)
+        received = self.sock.recv_into(target)
+        if received != expected:
+            raise TransferFailed(f"transfer {self.uuid}: a chunk has {received} bytes, not {expected}")
         self.unacked += 1
         self._ack()  # at once: the credit reaches P while this thread is still placing and receiving
-        self._place_finished()
+        landing.landed(received)
 
     def _ack(self) -> None:
         self.sock.send_multipart([wire.CREDIT, wire.pack_u32(self.unacked)])
         self.unacked = 0
-
-    def _place_finished(self) -> None:
-        """``device_put`` every array whose last chunk has landed, so host-to-device overlaps the rest."""
-        done_upto = self.plan[self.next_chunk][0] if self.next_chunk < len(self.plan) else len(self.host)
-        while len(self.placed) < done_upto:
-            i = len(self.placed)
-            try:
-                self.placed.append(jax.device_put(self.host[i], self.want[i].sharding))
-            except Exception as exc:  # noqa: BLE001 - e.g. out of device memory on this node
-                raise TransferFailed(f"transfer {self.uuid}: could not place array {i}: {exc}", "local") from exc

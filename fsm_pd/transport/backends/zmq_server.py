@@ -14,46 +14,20 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import jax
-import numpy as np
 import zmq
 
 from fsm_pd.transport.backends import zmq_wire as wire
-from fsm_pd.transport.backends.spec import array_keys, layout_digest, summarize
+from fsm_pd.transport.backends.host_stream import HostEntry
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class ZmqEntry:
-    """What a zmq hold keeps alive: the staging arrays and, once first streamed, their host bytes."""
-
-    arrays: tuple[jax.Array, ...]
-    digest: bytes
-    summary: str
-    _host: list[memoryview | None] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, arrays: tuple[jax.Array, ...]) -> ZmqEntry:
-        for arr in arrays:  # start device-to-host copies now so that streaming does not wait for them
-            arr.copy_to_host_async()
-        keys = array_keys(arrays, count_shards=False)
-        return cls(arrays, layout_digest(keys), summarize(keys), [None] * len(arrays))
-
-    def host_bytes(self, index: int) -> memoryview:
-        view = self._host[index]
-        if view is None:  # zero-copy on CPU; one host copy per array on accelerators
-            host = np.ascontiguousarray(np.asarray(self.arrays[index]))
-            view = self._host[index] = memoryview(host.reshape(-1).view(np.uint8))
-        return view
-
-
-@dataclass(eq=False)
 class _Stream:
     uuid: int
-    entry: ZmqEntry
+    entry: HostEntry
     plan: list[tuple[int, int, int]]
     credits: int
     expires: float  # the puller's own deadline: after it nobody is listening
@@ -63,7 +37,7 @@ class _Stream:
 class ZmqPullServer:
     def __init__(
         self,
-        lookup: Callable[[int], tuple[ZmqEntry | None, str | None]],
+        lookup: Callable[[int], tuple[HostEntry | None, str | None]],
         *,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -93,7 +67,8 @@ class ZmqPullServer:
     # ---- called from other threads ----
 
     def notify(self, event: str, uuid: int, reason: str = "") -> None:
-        """``"published"`` serves pulls parked on ``uuid``; ``"ended"`` aborts its streams with ``reason``."""
+        """``"published"`` serves pulls parked on ``uuid``; ``"ended"`` aborts its streams with ``reason``;
+        ``"filled"`` says more bytes of a progressive entry are final."""
         if self._stopping:  # e.g. a fail() after close: nobody is served any more
             return
         self._commands.put((event, uuid, reason))
@@ -190,19 +165,18 @@ class ZmqPullServer:
         elif bytes(request["digest"]) != entry.digest:
             self._fail(identity, "spec mismatch", blame="local", published=entry.summary)
         else:
-            header = {
-                "arrays": wire.describe_arrays([(a.shape, a.dtype) for a in entry.arrays]),
-                "chunk_bytes": self._chunk_bytes,
-            }
-            plan = wire.chunk_plan([a.nbytes for a in entry.arrays], self._chunk_bytes)
+            header = {"arrays": wire.describe_arrays(entry.shapes), "chunk_bytes": self._chunk_bytes}
+            plan = wire.chunk_plan(entry.sizes, self._chunk_bytes)
             if self._send(identity, [wire.HEAD, wire.pack(header)]):
                 self._streams[identity] = _Stream(uuid, entry, plan, max(1, int(request["window"])), expires)
 
     def _pump(self) -> None:
-        """Send every chunk that credits allow."""
+        """Send every chunk that credits allow and that is final (progressive entries fill while they stream)."""
         for identity, stream in list(self._streams.items()):
             while stream.credits > 0 and stream.next_chunk < len(stream.plan):
                 index, offset, length = stream.plan[stream.next_chunk]
+                if offset + length > stream.entry.final_bytes(index):
+                    break  # the producer's "filled" notice wakes us
                 chunk = stream.entry.host_bytes(index)[offset : offset + length]
                 if not self._send(identity, [wire.DATA, chunk]):
                     break

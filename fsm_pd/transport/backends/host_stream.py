@@ -1,0 +1,126 @@
+"""The two ends of a host-byte stream, shared by the backends that move staging arrays as plain bytes (zmq, tcp).
+
+P side, ``HostEntry``: what a hold keeps alive (the published arrays, or the host array still being filled), its
+layout digest, and the bytes to send. D side, ``Landing``: checks P's header against the spec, lands the bytes in
+aligned host arrays in order, reports progress and ``device_put``s every array as soon as its last byte is in (on
+CPU, that aliases the host array instead of copying it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from fsm_pd.transport.backends.base import OnProgress, StagingProgress, TransferFailed
+from fsm_pd.transport.backends.host_buffers import HostBufferPool
+from fsm_pd.transport.backends.spec import ArrayKey, array_key, array_keys, layout_digest, summarize
+
+
+@dataclass(eq=False)
+class HostEntry:
+    """A published entry: the staging arrays (or the one host array being filled) and their host bytes."""
+
+    shapes: list[tuple[tuple[int, ...], object]]
+    sizes: list[int]
+    digest: bytes
+    summary: str
+    _sources: tuple
+    _host: list[memoryview | None] = field(default_factory=list)
+    fill: StagingProgress | None = None  # progressive: only bytes [0, fill.final_bytes) of array 0 may be sent
+
+    @classmethod
+    def of(cls, arrays: tuple[jax.Array, ...]) -> HostEntry:
+        for arr in arrays:  # start device-to-host copies now so that streaming does not wait for them
+            arr.copy_to_host_async()
+        keys = array_keys(arrays, count_shards=False)
+        shapes = [(tuple(a.shape), a.dtype) for a in arrays]
+        sizes = [a.nbytes for a in arrays]
+        return cls(shapes, sizes, layout_digest(keys), summarize(keys), arrays, [None] * len(arrays))
+
+    @classmethod
+    def filling(cls, progress: StagingProgress) -> HostEntry:
+        host = progress.host
+        keys = [array_key(host.shape, host.dtype, None)]
+        view = memoryview(host.reshape(-1).view(np.uint8))
+        return cls([(tuple(host.shape), host.dtype)], [host.nbytes], layout_digest(keys), summarize(keys), (host,),
+                   [view], progress)
+
+    def host_bytes(self, index: int) -> memoryview:
+        view = self._host[index]
+        if view is None:  # zero-copy on CPU; one host copy per array on accelerators
+            host = np.ascontiguousarray(np.asarray(self._sources[index]))
+            view = self._host[index] = memoryview(host.reshape(-1).view(np.uint8))
+        return view
+
+    def final_bytes(self, index: int) -> int:
+        """How many leading bytes of array ``index`` may be sent now."""
+        return self.sizes[index] if self.fill is None else self.fill.final_bytes
+
+
+class Landing:
+    """Where one pull's bytes land: arrays in order, each filled front to back, never a byte past the spec."""
+
+    def __init__(self, pool: HostBufferPool, uuid: int, want, want_keys: list[ArrayKey],
+                 on_progress: OnProgress | None) -> None:
+        self.pool, self.uuid, self.want, self.want_keys, self.on_progress = pool, uuid, want, want_keys, on_progress
+        self.host: list[np.ndarray] = []
+        self.flat: list[memoryview] = []
+        self.placed: list[jax.Array] = []
+        self.index = 0  # the array being filled
+        self.offset = 0  # bytes of it already landed
+        self.started = False
+
+    def header(self, arrays: list) -> None:
+        """P's description of what it publishes; checked against our spec before any byte is accepted."""
+        shapes = [(tuple(shape), dtype) for shape, dtype in arrays]
+        got_keys = [array_key(shape, dtype, None) for shape, dtype in shapes]
+        if layout_digest(got_keys) != layout_digest(self.want_keys):  # P checked the digest too; trust neither
+            raise TransferFailed(
+                f"spec mismatch for transfer {self.uuid}: published {summarize(got_keys)}, "
+                f"expected {summarize(self.want_keys)}",
+                "local",
+            )
+        self.host = self.pool.arrays(shapes)
+        self.flat = [memoryview(h.reshape(-1).view(np.uint8)) for h in self.host]
+        self.started = True
+        self._advance_past_full()
+
+    @property
+    def complete(self) -> bool:
+        return self.started and self.index == len(self.host)
+
+    def target(self, nbytes: int) -> memoryview:
+        """The buffer the next ``nbytes`` of the stream go into (within the current array)."""
+        if not self.started or self.complete:
+            raise TransferFailed(f"transfer {self.uuid}: data outside the announced arrays")
+        room = len(self.flat[self.index]) - self.offset
+        if not 0 < nbytes <= room:
+            raise TransferFailed(f"transfer {self.uuid}: a {nbytes}-byte chunk does not fit array {self.index}")
+        return self.flat[self.index][self.offset : self.offset + nbytes]
+
+    def landed(self, nbytes: int) -> None:
+        """``nbytes`` more bytes are in the buffer ``target`` gave."""
+        index = self.index
+        self.offset += nbytes
+        if self.on_progress is not None:
+            self.on_progress(index, self.host[index], self.offset)
+        self._advance_past_full()
+
+    def _advance_past_full(self) -> None:
+        """``device_put`` every array whose last byte is in, so host-to-device overlaps the rest."""
+        while self.index < len(self.host) and self.offset == len(self.flat[self.index]):
+            index = self.index
+            try:
+                self.placed.append(jax.device_put(self.host[index], self.want[index].sharding))
+            except Exception as exc:  # noqa: BLE001 - e.g. out of device memory on this node
+                raise TransferFailed(f"transfer {self.uuid}: could not place array {index}: {exc}", "local") from exc
+            self.index += 1
+            self.offset = 0
+
+    def progress_text(self) -> str:
+        if not self.started:
+            return "no header"
+        done = sum(len(f) for f in self.flat[: self.index]) + self.offset
+        return f"{done} of {sum(len(f) for f in self.flat)} bytes"
