@@ -1,4 +1,4 @@
-"""The transfer-backend contract, exercised between two real processes on 127.0.0.1 (``jax`` and ``zmq``).
+"""The transfer-backend contract, exercised between two real processes on 127.0.0.1 (``jax``, ``zmq`` and ``tcp``).
 
 This process is D (the consumer); P is ``transfer_producer.py`` in a subprocess driven over stdin/stdout. The
 ``fake`` backend runs the same contract in process. Deadline tests measure how long a failing pull took and assert
@@ -39,7 +39,7 @@ _spec.loader.exec_module(transfer_producer)
 make_arrays = transfer_producer.make_arrays
 
 SLACK_S = 1.0  # scheduling slack on a busy 2-core machine, on top of a pull's own timeout
-NETWORK_BACKENDS = ["jax", "zmq"]
+NETWORK_BACKENDS = ["jax", "zmq", "tcp"]
 
 
 class Producer:
@@ -406,8 +406,8 @@ def test_jax_backend_keeps_the_contract_on_older_jaxlib_feature_sets(missing):
 
 @pytest.mark.parametrize("backend", NETWORK_BACKENDS)
 def test_sharded_staging(backend):
-    """4-way split staging arrives with its sharding; a replicated spec is re-placed (zmq, which moves whole arrays)
-    or refused as a layout mismatch before any garbage is returned (jax, which moves per-shard buffers)."""
+    """4-way split staging arrives with its sharding; a replicated spec is re-placed (zmq and tcp, which move whole
+    arrays) or refused as a layout mismatch before any garbage is returned (jax, which moves per-shard buffers)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     run = subprocess.run(
         [sys.executable, str(HERE / "transfer_sharded_check.py"), backend],
@@ -419,7 +419,7 @@ def test_sharded_staging(backend):
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["same"] is True
-    if backend == "zmq":
+    if backend in ("zmq", "tcp"):
         assert result["replicated"] == "ok"
     else:
         assert "mismatch" in result["replicated"] and result["blame"] == "local", result

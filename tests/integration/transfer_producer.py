@@ -5,6 +5,8 @@
 Prints ``{"address": ...}`` once ready, then answers one JSON line per command line:
 
     {"op": "publish", "seed": 1, "shapes": [[4, 8]], "dtypes": ["float32"], "hold_s": 30} -> {"uuid": ...}
+    {"op": "publish_progressive", "seed": 1, "shape": [8, 1024], "dtype": "float32", "parts": 8, "pause_s": 0.1,
+     "fill_parts": 8, "fail_after": null} -> {"uuid": ...}     # fills part by part on a thread, after replying
     {"op": "fail", "uuid": u, "reason": "..."}  {"op": "release", "uuid": u}  -> {"ok": true}
     {"op": "open"} -> {"count": n, "nbytes": b}          {"op": "exit"}
 
@@ -56,6 +58,10 @@ def main() -> None:
                 uuid = cmd.get("uuid") or new_uuid()
                 backend.publish(uuid, staging, cmd.get("hold_s", 30.0))
                 reply({"uuid": uuid})
+            elif op == "publish_progressive":
+                uuid = cmd.get("uuid") or new_uuid()
+                fill_slowly(backend, uuid, cmd)
+                reply({"uuid": uuid})
             elif op == "fail":
                 backend.fail(cmd["uuid"], cmd["reason"])
                 reply({"ok": True})
@@ -73,6 +79,32 @@ def main() -> None:
             reply({"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
     backend.close()
     reply({"bye": True})
+
+
+def fill_slowly(backend, uuid: int, cmd: dict) -> None:
+    """Publish an empty host array, then make it final ``parts`` pieces at a time, ``pause_s`` apart (the first
+    after one pause). Stops after ``fill_parts`` pieces; with ``fail_after``, fails the entry after that many."""
+    import threading
+    import time
+
+    (expected,) = make_arrays(cmd["seed"], [cmd["shape"]], [cmd["dtype"]])
+    host = np.zeros_like(expected)
+    progress = backend.publish_progressive(uuid, host, cmd.get("hold_s", 30.0))
+    src, dst = expected.reshape(-1).view(np.uint8), host.reshape(-1).view(np.uint8)
+    parts = cmd["parts"]
+    step = -(-src.size // parts)
+
+    def fill() -> None:
+        for part in range(cmd.get("fill_parts", parts)):
+            if cmd.get("fail_after") == part:
+                backend.fail(uuid, "gather failed on purpose")
+                return
+            time.sleep(cmd["pause_s"])
+            end = min(src.size, (part + 1) * step)
+            dst[part * step : end] = src[part * step : end]
+            progress.advance(end)
+
+    threading.Thread(target=fill, daemon=True).start()
 
 
 def reply(obj: dict) -> None:

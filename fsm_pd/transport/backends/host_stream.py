@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fsm_pd.transport.backends.base import OnProgress, StagingProgress, TransferFailed
@@ -46,6 +47,10 @@ class HostEntry:
         view = memoryview(host.reshape(-1).view(np.uint8))
         return cls([(tuple(host.shape), host.dtype)], [host.nbytes], layout_digest(keys), summarize(keys), (host,),
                    [view], progress)
+
+    def describe(self) -> list[list]:
+        """``[[shape, dtype name], ...]``: the header D checks against its spec."""
+        return [[list(shape), jnp.dtype(dtype).name] for shape, dtype in self.shapes]
 
     def host_bytes(self, index: int) -> memoryview:
         view = self._host[index]

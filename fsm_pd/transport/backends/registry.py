@@ -25,6 +25,7 @@ BackendFactory = Callable[..., TransferBackend]
 _BUILTINS: dict[str, str] = {
     "jax": "fsm_pd.transport.backends.jax_backend:JaxTransferBackend",
     "zmq": "fsm_pd.transport.backends.zmq_backend:ZmqTransferBackend",
+    "tcp": "fsm_pd.transport.backends.tcp_backend:TcpTransferBackend",
     "fake": "fsm_pd.transport.backends.fake:FakeTransferBackend",
 }
 

@@ -165,7 +165,7 @@ class ZmqPullServer:
         elif bytes(request["digest"]) != entry.digest:
             self._fail(identity, "spec mismatch", blame="local", published=entry.summary)
         else:
-            header = {"arrays": wire.describe_arrays(entry.shapes), "chunk_bytes": self._chunk_bytes}
+            header = {"arrays": entry.describe(), "chunk_bytes": self._chunk_bytes}
             plan = wire.chunk_plan(entry.sizes, self._chunk_bytes)
             if self._send(identity, [wire.HEAD, wire.pack(header)]):
                 self._streams[identity] = _Stream(uuid, entry, plan, max(1, int(request["window"])), expires)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-import jax.numpy as jnp
 import msgpack
 
 PROTOCOL_VERSION = 1
@@ -57,6 +56,3 @@ def chunk_plan(sizes: Sequence[int], chunk_bytes: int) -> list[tuple[int, int, i
             plan.append((index, offset, min(chunk_bytes, size - offset)))
     return plan
 
-
-def describe_arrays(shapes_dtypes: Sequence[tuple[Sequence[int], object]]) -> list[list]:
-    return [[list(shape), jnp.dtype(dtype).name] for shape, dtype in shapes_dtypes]

@@ -1,0 +1,223 @@
+"""The ``tcp`` backend: staging bytes over one plain TCP connection per pull, received straight into place.
+
+Same contract and the same P-side entries (``host_stream``) as the ``zmq`` backend, with a thinner wire: TCP's flow
+control replaces credits, and D ``recv_into``s every data frame directly into its aligned host array, the one copy
+a bare socket makes, where libzmq first lands each message in a buffer of its own and then copies it out (on the
+2-core dev VM that second copy cost about as much CPU as the kernel's). Use it where the copies compete with the
+wire for a few cores; ``zmq`` remains the fallback with ZeroMQ's own socket handling.
+
+Failures end a pull at once rather than at its deadline where TCP can tell: a refused connect (nobody listens), an
+EOF or reset (P died mid-stream), a FAIL frame (P ended the hold, or the layouts differ). A silent P is caught by
+the socket timeout, which is always the pull's remaining time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from fsm_pd.transport.backends import tcp_wire as wire
+from fsm_pd.transport.backends.base import (
+    OnProgress,
+    StagingProgress,
+    TransferFailed,
+    TransferTimeout,
+    check_uuid,
+    live_staging,
+)
+from fsm_pd.transport.backends.holds import Hold, HoldingBackend, HoldTable
+from fsm_pd.transport.backends.host_buffers import HostBufferPool
+from fsm_pd.transport.backends.host_stream import HostEntry, Landing
+from fsm_pd.transport.backends.spec import layout_digest, normalize_spec, spec_keys, summarize, verify_pulled
+from fsm_pd.transport.backends.tcp_server import TcpPullServer
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    if not isinstance(address, str) or not address.startswith("tcp://"):
+        raise TransferFailed(f"not a tcp backend address: {address!r}", "local")
+    host, _, port = address[len("tcp://") :].rpartition(":")
+    try:
+        return host.strip("[]"), int(port)
+    except ValueError:
+        raise TransferFailed(f"not a tcp backend address: {address!r}", "local") from None
+
+
+class TcpTransferBackend(HoldingBackend):
+    name = "tcp"
+    progressive = True
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        frame_bytes: int = 4 << 20,
+        tombstone_ttl_s: float = 600.0,
+        recv_pool_bytes: int = 1 << 30,
+        serve: bool = True,
+    ) -> None:
+        """``frame_bytes`` caps one data frame (P sends less when less is final); ``recv_pool_bytes`` caps the warm
+        receive blocks D keeps for reuse (``host_buffers``); ``serve=False`` makes a pull-only node."""
+        self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s)
+        self._changed = threading.Condition(self._holds.lock)  # publish, end and progress wake the stream threads
+        self._recv_pool = HostBufferPool(recv_pool_bytes)
+        self._server = (
+            TcpPullServer(self._lookup, self._changed, host=host, port=port, frame_bytes=frame_bytes)
+            if serve
+            else None
+        )
+        self._pulling: set[socket.socket] = set()
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    @property
+    def address(self) -> str:
+        if self._server is None:
+            raise RuntimeError("this tcp backend was created with serve=False and publishes nothing")
+        return self._server.address
+
+    # ---- P side ----
+
+    def publish(self, uuid: int, staging: Sequence[jax.Array], hold_timeout_s: float) -> None:
+        check_uuid(uuid)
+        self._require_server()
+        arrays = live_staging(staging)
+        entry = HostEntry.of(arrays)
+        self._publish(uuid, entry, sum(entry.sizes), hold_timeout_s)
+
+    def publish_progressive(self, uuid: int, host: np.ndarray, hold_timeout_s: float) -> StagingProgress:
+        check_uuid(uuid)
+        self._require_server()
+        progress = StagingProgress(host, self._wake)
+        self._publish(uuid, HostEntry.filling(progress), progress.nbytes, hold_timeout_s)
+        return progress
+
+    def _publish(self, uuid: int, entry: HostEntry, nbytes: int, hold_timeout_s: float) -> None:
+        with self._changed:
+            self._holds.publish(uuid, nbytes, hold_timeout_s, lambda _deadline: entry)
+            self._changed.notify_all()
+
+    def _wake(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def _require_server(self) -> None:
+        if self._server is None:
+            raise RuntimeError("this tcp backend was created with serve=False")
+
+    def _retire(self, uuid: int, reason: str, hold: Hold | None) -> None:
+        # Under the table lock, which the condition shares. Frames already being sent keep their views alive.
+        if self._server is not None:
+            self._server.ended(uuid)
+        self._changed.notify_all()
+
+    def _lookup(self, uuid: int) -> tuple[HostEntry | None, str | None]:
+        hold = self._holds.get(uuid)
+        return (hold.payload, None) if hold is not None else (None, self._holds.tombstone(uuid))
+
+    # ---- D side ----
+
+    def pull(
+        self,
+        address: str,
+        uuid: int,
+        spec: Sequence[jax.ShapeDtypeStruct],
+        timeout_s: float,
+        on_progress: OnProgress | None = None,
+    ) -> tuple[jax.Array, ...]:
+        deadline = time.monotonic() + timeout_s
+        check_uuid(uuid)
+        want = normalize_spec(spec)
+        want_keys = spec_keys(want, count_shards=False)
+        host, port = parse_address(address)
+        if self._closed:
+            raise TransferFailed("this tcp backend is closed", "local")
+        try:
+            sock = socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.001))
+        except TimeoutError as exc:
+            raise TransferTimeout(f"transfer {uuid}: connecting to {address} timed out") from exc
+        except OSError as exc:  # refused: nobody listens there (P died or never started)
+            raise TransferFailed(f"cannot connect to producer {address} for transfer {uuid}: {exc}") from exc
+        landing = Landing(self._recv_pool, uuid, want, want_keys, on_progress)
+        with sock:
+            self._track(sock, True)
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                request = {"v": wire.PROTOCOL_VERSION, "uuid": uuid, "digest": layout_digest(want_keys),
+                           "timeout_s": timeout_s}
+                arrays = _receive(sock, request, landing, deadline)
+            except TimeoutError as exc:
+                raise TransferTimeout(
+                    f"transfer {uuid} from {address}: {landing.progress_text()} after {timeout_s:g} s") from exc
+            except (OSError, ValueError) as exc:
+                why = "this tcp backend was closed" if self._closed else f"producer {address} went away"
+                raise TransferFailed(
+                    f"transfer {uuid}: {why} ({landing.progress_text()}): {exc}", "local" if self._closed else "remote"
+                ) from exc
+            finally:
+                self._track(sock, False)
+        return verify_pulled(arrays, want, lambda exc: TransferFailed(f"transfer {uuid}: {exc}", "local"))
+
+    def _track(self, sock: socket.socket, active: bool) -> None:
+        with self._close_lock:
+            (self._pulling.add if active else self._pulling.discard)(sock)
+
+    def close(self) -> None:
+        """End every hold, stop serving, and fail this backend's pulls in flight at once."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            pulling = list(self._pulling)
+        for sock in pulling:  # their recv returns EOF; the pull raises TransferFailed
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        self._holds.close("producer closed")
+        if self._server is not None:
+            self._server.stop()
+
+
+def _receive(sock: socket.socket, request: dict, landing: Landing, deadline: float) -> list[jax.Array]:
+    """Send the request, then read frames until END; every data byte goes straight to its place in ``landing``."""
+    _set_deadline(sock, deadline)
+    wire.send_request(sock, request)
+    while True:
+        _set_deadline(sock, deadline)
+        kind, length = wire.read_frame_header(sock)
+        if kind == wire.DATA:
+            remaining = length
+            while remaining:
+                _set_deadline(sock, deadline)
+                got = sock.recv_into(landing.target(remaining))
+                if got == 0:
+                    raise wire.PeerClosed("connection closed mid-frame")
+                landing.landed(got)
+                remaining -= got
+        elif kind == wire.HEAD:
+            landing.header(wire.read_message(sock, length)["arrays"])
+        elif kind == wire.END:
+            if not landing.complete:
+                raise TransferFailed(f"transfer {landing.uuid}: producer ended the stream early")
+            return landing.placed
+        elif kind == wire.FAIL:
+            body = wire.read_message(sock, length)
+            reason = body.get("reason", "unknown failure")
+            if body.get("published"):
+                reason = f"{reason} for transfer {landing.uuid}: published {body['published']}, expected "
+                reason += summarize(landing.want_keys)
+            raise TransferFailed(reason, "local" if body.get("blame") == "local" else "remote")
+        else:
+            raise TransferFailed(f"transfer {landing.uuid}: unexpected frame {kind!r} from producer")
+
+
+def _set_deadline(sock: socket.socket, deadline: float) -> None:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError("deadline passed")
+    sock.settimeout(remaining)

@@ -1,0 +1,168 @@
+"""P side of the tcp backend: accept pull connections and stream each one from its own thread.
+
+A stream thread never holds the table lock while it sends. It waits (on the backend's condition, which shares the
+hold table's lock) for the entry to be published or for more of a progressive entry to become final, then sends
+with a socket timeout at the puller's own deadline, so a vanished or stalled D ends the thread, never the server.
+A hold that ends mid-stream turns the next frame into a FAIL with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from fsm_pd.transport.backends import tcp_wire as wire
+from fsm_pd.transport.backends.host_stream import HostEntry
+
+log = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT_S = 10.0  # a connection must say what it wants within this
+# P waits this much past the puller's deadline before it hangs up, so that D's own timer fires first and reports a
+# timeout (not a producer that went away): both clocks start the same timeout, D's a little earlier.
+GRACE_S = 1.0
+
+
+class _Ended(Exception):
+    """The entry a stream serves ended (released, failed, expired or closed), or its puller's deadline passed."""
+
+
+class _Mismatch(Exception):
+    """The puller's spec digest is not the published layout's (the argument: a summary of what was published)."""
+
+
+class TcpPullServer:
+    def __init__(
+        self,
+        lookup: Callable[[int], tuple[HostEntry | None, str | None]],
+        changed: threading.Condition,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        frame_bytes: int = 4 << 20,
+    ) -> None:
+        """``lookup(uuid)`` (called under ``changed``'s lock) returns ``(entry, None)`` for a live hold,
+        ``(None, reason)`` for an ended one, else ``(None, None)``; ``changed`` is notified on every publish, end
+        and progress."""
+        self._lookup, self._changed, self._frame_bytes = lookup, changed, frame_bytes
+        self._delivered: set[int] = set()  # pulled once, awaiting release; guarded by ``changed``
+        self._listener = socket.create_server((host, port))
+        bound_host, bound_port = self._listener.getsockname()[:2]
+        self.address = f"tcp://{bound_host}:{bound_port}"
+        self._stopping = False
+        self._thread = threading.Thread(target=self._accept, name=f"fsm-pd-tcp-server {self.address}", daemon=True)
+        self._thread.start()
+
+    def ended(self, uuid: int) -> None:
+        """Called under ``changed``'s lock when a hold ends: a new publish would be a new delivery."""
+        self._delivered.discard(uuid)
+
+    def stop(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        self._listener.close()
+        self._thread.join(timeout=5)
+
+    def _accept(self) -> None:
+        while not self._stopping:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                if self._stopping:
+                    return
+                log.exception("tcp pull server %s: accept failed", self.address)
+                time.sleep(0.1)
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="fsm-pd-tcp-stream", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(REQUEST_TIMEOUT_S)
+            try:
+                request = wire.read_request(conn)
+                if request.get("v") != wire.PROTOCOL_VERSION:
+                    self._fail(conn, f"protocol version {request.get('v')} != {wire.PROTOCOL_VERSION}", "local")
+                    return
+                uuid, digest = int(request["uuid"]), bytes(request["digest"])
+                deadline = time.monotonic() + float(request.get("timeout_s", 60.0)) + GRACE_S
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.debug("tcp pull server %s: dropping a bad request: %s", self.address, exc)
+                return
+            try:
+                self._stream(conn, uuid, digest, deadline)
+            except _Ended as exc:
+                self._fail(conn, str(exc), "remote")
+            except _Mismatch as exc:
+                self._fail(conn, "spec mismatch", "local", published=str(exc))
+            except OSError as exc:  # the puller went away or stopped reading; its own deadline handles it
+                log.debug("tcp pull server %s: stream of %s ended: %s", self.address, uuid, exc)
+
+    def _stream(self, conn: socket.socket, uuid: int, digest: bytes, deadline: float) -> None:
+        entry = self._claim(uuid, digest, deadline)
+        if entry is None:
+            return
+        head = wire.pack({"arrays": entry.describe()})
+        self._send(conn, deadline, wire.frame_header(wire.HEAD, len(head)) + head)
+        for index, size in enumerate(entry.sizes):
+            sent = 0
+            while sent < size:
+                final = self._wait_final(uuid, entry, index, sent, deadline)
+                end = min(final, sent + self._frame_bytes)
+                self._send(conn, deadline, wire.frame_header(wire.DATA, end - sent))
+                self._send(conn, deadline, entry.host_bytes(index)[sent:end])
+                sent = end
+        self._send(conn, deadline, wire.frame_header(wire.END, 0))
+
+    def _claim(self, uuid: int, digest: bytes, deadline: float) -> HostEntry | None:
+        """Wait until ``uuid`` is published, then take its one delivery (None: not published by the deadline)."""
+        with self._changed:
+            while True:
+                entry, ended = self._lookup(uuid)
+                if ended is not None:
+                    raise _Ended(f"transfer {uuid} {ended}")
+                if entry is not None:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stopping:
+                    return None  # nobody published it in time; the puller times out on its own
+                self._changed.wait(remaining)
+            if uuid in self._delivered:
+                raise _Ended(f"transfer {uuid} was already pulled and awaits release")
+            if digest != entry.digest:
+                raise _Mismatch(entry.summary)
+            self._delivered.add(uuid)
+            return entry
+
+    def _wait_final(self, uuid: int, entry: HostEntry, index: int, sent: int, deadline: float) -> int:
+        """Bytes of array ``index`` that may be sent, once more than ``sent`` are final; raises if the hold ends."""
+        with self._changed:
+            while True:
+                current, ended = self._lookup(uuid)
+                if current is not entry:
+                    raise _Ended(f"transfer {uuid} {ended or 'ended'}")
+                final = entry.final_bytes(index)
+                if final > sent:
+                    return final
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise _Ended(f"transfer {uuid}: the producer did not finish filling it before the deadline")
+                self._changed.wait(remaining)
+
+    @staticmethod
+    def _send(conn: socket.socket, deadline: float, data: bytes | memoryview) -> None:
+        conn.settimeout(max(deadline - time.monotonic(), 0.001))
+        conn.sendall(data)
+
+    @staticmethod
+    def _fail(conn: socket.socket, reason: str, blame: str, published: str = "") -> None:
+        with contextlib.suppress(OSError):
+            conn.settimeout(1.0)
+            wire.send_message(conn, wire.FAIL, {"reason": reason, "blame": blame, "published": published})
+

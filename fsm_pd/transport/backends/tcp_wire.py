@@ -1,0 +1,87 @@
+"""Wire format of the ``tcp`` backend: one TCP connection per pull, one request, then typed frames.
+
+D -> P, once::
+
+    u32 length, msgpack {v, uuid, digest, timeout_s}
+
+P -> D, frames of ``u8 kind, u64 length, payload``::
+
+    H  msgpack {arrays: [[shape, dtype], ...]}    # what P published; D checks it against its spec
+    D  raw bytes                                  # the arrays' bytes, in order; a frame never spans two arrays
+    E  (empty)                                    # all bytes sent
+    F  msgpack {reason, blame, published}         # at any point, instead of the next frame
+
+TCP's own flow control paces the stream, so there are no credits: D reads each data frame straight into the place
+where its bytes belong (``recv_into``), which is the same single copy a plain socket makes.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+HEAD, DATA, END, FAIL = b"H", b"D", b"E", b"F"
+MAX_REQUEST_BYTES = 64 << 10
+MAX_MESSAGE_BYTES = 1 << 20  # a header or failure; data frames are bounded by the announced arrays instead
+_REQUEST = struct.Struct("<I")
+_FRAME = struct.Struct("<cQ")
+
+
+class PeerClosed(ConnectionError):
+    """The other end closed the connection before a whole message arrived."""
+
+
+def pack(obj: object) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes) -> dict:
+    obj = msgpack.unpackb(data, raw=False)
+    if not isinstance(obj, dict):
+        raise ValueError("message body is not a map")
+    return obj
+
+
+def recv_exact(sock: socket.socket, nbytes: int) -> bytes:
+    buf = bytearray(nbytes)
+    view, got = memoryview(buf), 0
+    while got < nbytes:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise PeerClosed(f"connection closed after {got} of {nbytes} bytes")
+        got += n
+    return bytes(buf)
+
+
+def send_request(sock: socket.socket, request: dict) -> None:
+    body = pack(request)
+    sock.sendall(_REQUEST.pack(len(body)) + body)
+
+
+def read_request(sock: socket.socket) -> dict:
+    (length,) = _REQUEST.unpack(recv_exact(sock, _REQUEST.size))
+    if length > MAX_REQUEST_BYTES:
+        raise ValueError(f"request of {length} bytes is over the {MAX_REQUEST_BYTES}-byte limit")
+    return unpack(recv_exact(sock, length))
+
+
+def frame_header(kind: bytes, length: int) -> bytes:
+    return _FRAME.pack(kind, length)
+
+
+def send_message(sock: socket.socket, kind: bytes, body: dict | None = None) -> None:
+    payload = b"" if body is None else pack(body)
+    sock.sendall(frame_header(kind, len(payload)) + payload)
+
+
+def read_frame_header(sock: socket.socket) -> tuple[bytes, int]:
+    return _FRAME.unpack(recv_exact(sock, _FRAME.size))
+
+
+def read_message(sock: socket.socket, length: int) -> dict:
+    if length > MAX_MESSAGE_BYTES:
+        raise ValueError(f"message of {length} bytes is over the {MAX_MESSAGE_BYTES}-byte limit")
+    return unpack(recv_exact(sock, length))
