@@ -8,7 +8,7 @@ from fsm_pd.kernels.page_copy import (
     gather_pages,
     gather_pages_into,
     resolve_impl,
-    scatter_layer,
+    scatter_layers,
     scatter_pages,
     staging_block,
 )
@@ -30,7 +30,7 @@ __all__ = [
     "page_bucket",
     "page_runs",
     "resolve_impl",
-    "scatter_layer",
+    "scatter_layers",
     "scatter_pages",
     "staging_block",
 ]

@@ -7,7 +7,7 @@ handful of block copies per layer:
 
 * gather: NumPy copies whole runs of consecutive pages (``runs.page_runs``) out of a zero-copy view of each pool
   layer into a *warm*, 64-byte-aligned host block, which ``device_put`` then aliases (zero-copy on CPU for aligned
-  buffers). Blocks are recycled once nothing refers to them (see ``_WarmBlocks``). One core copies ~6 GB/s here
+  buffers). Blocks are recycled once nothing refers to them (see ``host_blocks``). One core copies ~6 GB/s here
   (XLA's in-place update loop reaches ~11 with its own threads), so large gathers split the layers over two
   helper threads (NumPy copies release the GIL: ~10 GB/s); the caller waits for them, so the pool is still only
   read while its owner is blocked in ``gather_pages``. Reading the pool through a NumPy
@@ -23,7 +23,6 @@ handful of block copies per layer:
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,67 +32,14 @@ import jax
 import numpy as np
 from jax import lax
 
-try:  # jaxlib drops its references to aliased host arrays lazily, at its next dispatch; this does it now
-    from jax._src.lib._jax import collect_garbage as _release_deferred
-except ImportError:  # pragma: no cover - another jaxlib: a block then waits for the next dispatch to be reusable
-
-    def _release_deferred() -> None:
-        pass
-
-
+from fsm_pd.kernels.host_blocks import HostBlocks
 from fsm_pd.kernels.layout import PAD_PAGE
 from fsm_pd.kernels.runs import page_runs
 from fsm_pd.kernels.validation import Pool
 
-ALIGNMENT = 64  # XLA's CPU client aliases host buffers aligned to this instead of copying them
-_IDLE_REFS = 2  # the recycler's list entry + getrefcount's argument
-
-
-class _WarmBlocks:
-    """Host blocks kept after use, so that a gather writes into memory that is already paged in.
-
-    A block is reused only when CPython's reference count shows that nobody else holds it: the staging array
-    returned by ``gather_host`` aliases it, and jax keeps the NumPy array referenced for as long as that device
-    buffer (or any NumPy view of it, e.g. a transfer backend's send buffers) is alive. Blocks are only ever handed
-    out here, so a block seen idle under the lock stays idle until handed out again.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._blocks: list[np.ndarray] = []
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> np.ndarray:
-        # Without this, a staging array dropped just before the next gather still looks referenced, and every
-        # other gather would page in a cold block (measured: 64 MiB gathers 11 ms instead of 7).
-        _release_deferred()
-        with self._lock:
-            for i in range(len(self._blocks)):  # index access only: a local name would add a reference
-                if self._blocks[i].nbytes == nbytes + ALIGNMENT and sys.getrefcount(self._blocks[i]) == _IDLE_REFS:
-                    return _aligned(self._blocks[i], nbytes)
-            # Forget idle blocks, oldest first, until the new one fits the budget.
-            i = 0
-            while i < len(self._blocks) and self.retained() + nbytes > self.max_bytes:
-                if sys.getrefcount(self._blocks[i]) == _IDLE_REFS:
-                    del self._blocks[i]
-                else:
-                    i += 1
-            owner = np.empty(nbytes + ALIGNMENT, np.uint8)
-            if self.retained() + owner.nbytes <= self.max_bytes:
-                self._blocks.append(owner)
-            return _aligned(owner, nbytes)
-
-    def retained(self) -> int:
-        return sum(b.nbytes for b in self._blocks)
-
-
-def _aligned(owner: np.ndarray, nbytes: int) -> np.ndarray:
-    start = -owner.ctypes.data % ALIGNMENT
-    return owner[start : start + nbytes]
-
-
-# Enough for a few staging arrays in flight at once; beyond it blocks are plain (cold) allocations.
-warm_blocks = _WarmBlocks(max_bytes=1 << 30)
+# Enough for a few staging arrays in flight at once; beyond it blocks are plain (cold) allocations. Every size is
+# pooled: a small gather paid for in page faults is still a gather paid twice.
+warm_blocks = HostBlocks(max_bytes=1 << 30, min_pooled_bytes=0)
 
 
 _PARALLEL_BYTES = 4 << 20  # below this, starting helper threads costs more than it saves
@@ -111,9 +57,9 @@ def _copy_threads() -> ThreadPoolExecutor:
 
 
 def host_block(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """A warm, aligned host array of ``shape`` to gather into (see ``_WarmBlocks``)."""
-    dtype = np.dtype(dtype)
-    return warm_blocks.take(int(np.prod(shape)) * dtype.itemsize).view(dtype).reshape(shape)
+    """A warm, aligned host array of ``shape`` to gather into (see ``host_blocks``)."""
+    (block,) = warm_blocks.arrays([(shape, dtype)])
+    return block
 
 
 def _layer_copier(pool: Pool, ids: np.ndarray, out: np.ndarray) -> Callable[[int], None]:

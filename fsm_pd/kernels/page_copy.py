@@ -152,16 +152,16 @@ def gather_pages_into(
     cpu_copy.gather_into(pool, ids, out, on_layer)
 
 
-def scatter_layer(
-    pool: Sequence[jax.Array], index: int, staged: jax.Array, page_ids: PageIds, *, impl: Impl = "auto"
+def scatter_layers(
+    pool: Sequence[jax.Array], start: int, staged: jax.Array, page_ids: PageIds, *, impl: Impl = "auto"
 ) -> Pool:
-    """``scatter_pages`` for layer ``index`` alone: ``staged`` is ``[1, rows >= n, page_size, 2H, D]``.
+    """``scatter_pages`` for layers ``start .. start + g`` alone: ``staged`` is ``[g, rows >= n, page_size, 2H, D]``.
 
-    Only ``pool[index]`` is donated; the other layers are returned as they were.
+    Only those layers of the pool are donated; the others are returned as they were. One compile per (g, bucket).
     """
     pool = check_pool(pool)
-    if not 0 <= index < len(pool):
-        raise ValueError(f"layer {index} is out of range for a pool of {len(pool)} layers")
-    (layer,) = scatter_pages((pool[index],), staged, page_ids, impl=impl)
-    return (*pool[:index], layer, *pool[index + 1 :])
-
+    count = int(getattr(staged, "shape", (0,))[0])
+    if not (start >= 0 and count >= 1 and start + count <= len(pool)):
+        raise ValueError(f"layers {start}..{start + count} are out of range for a pool of {len(pool)} layers")
+    written = scatter_pages(pool[start : start + count], staged, page_ids, impl=impl)
+    return (*pool[:start], *written, *pool[start + count :])

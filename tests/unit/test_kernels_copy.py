@@ -14,7 +14,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fsm_pd.kernels import cpu_copy, gather_pages, jnp_copy, page_bucket, pallas_copy, resolve_impl, scatter_pages
+from fsm_pd.kernels import (
+    cpu_copy,
+    gather_pages,
+    gather_pages_into,
+    host_blocks,
+    jnp_copy,
+    page_bucket,
+    pallas_copy,
+    resolve_impl,
+    scatter_layers,
+    scatter_pages,
+)
 
 IMPLS = ["jnp", "pallas", "cpu"]
 PAGE_SHAPE = (2, 4, 8)  # page_size, 2*kv_heads, head_dim: tiny, the kernels never look inside a page
@@ -175,7 +186,7 @@ def test_cpu_gather_pads_with_page_0_and_returns_an_aliased_aligned_array():
     got = np.asarray(staging)
     np.testing.assert_array_equal(got[:, :5], reference_gather(pool, [3, 4, 5, 7, 1]))
     np.testing.assert_array_equal(got[:, 5:], np.stack([np.broadcast_to(layer[0], (3, *PAGE_SHAPE)) for layer in pool]))
-    assert staging.unsafe_buffer_pointer() % cpu_copy.ALIGNMENT == 0
+    assert staging.unsafe_buffer_pointer() % host_blocks.ALIGNMENT == 0
 
 
 def test_cpu_gather_recycles_blocks_only_once_nothing_refers_to_them():
@@ -194,7 +205,7 @@ def test_cpu_gather_recycles_blocks_only_once_nothing_refers_to_them():
     # jaxlib lets go of an aliased host array asynchronously, after the device buffer is freed; a round trip
     # through the runtime makes that deterministic here.
     jnp.zeros(()).block_until_ready()
-    known = {cpu_copy._aligned(block, 1).ctypes.data for block in cpu_copy.warm_blocks._blocks}  # no references
+    known = cpu_copy.warm_blocks.idle_addresses()
     third = gather_pages(pool, list(range(5, 37)), impl="cpu")
     assert third.unsafe_buffer_pointer() in known
     np.testing.assert_array_equal(np.asarray(third)[:, :32], reference_gather(numbered_pool(2, 40), list(range(5, 37))))
@@ -211,3 +222,51 @@ def test_cpu_scatter_loop_stops_at_the_page_count():
     expected = pool[0].copy()
     expected[2] = -1.0
     np.testing.assert_array_equal(np.asarray(updated[0]), expected)
+
+
+@jit_settings
+@given(case=pages_case())
+def test_gather_pages_into_fills_layers_in_order_and_matches_the_reference(case):
+    num_layers, num_pages, ids = case
+    pool = numbered_pool(num_layers, num_pages)
+    out = np.full((num_layers, page_bucket(len(ids)), *PAGE_SHAPE), -1.0, np.float32)
+    finished = []
+
+    def on_layer(index):  # the layer just reported is final; the next one is not written yet
+        np.testing.assert_array_equal(out[index, : len(ids)], reference_gather(pool, ids)[index])
+        if index + 1 < num_layers:
+            assert (out[index + 1] == -1.0).all()
+        finished.append(index)
+
+    gather_pages_into(to_device(pool), ids, out, on_layer=on_layer)
+    assert finished == list(range(num_layers))
+    np.testing.assert_array_equal(out[:, : len(ids)], reference_gather(pool, ids))
+    np.testing.assert_array_equal(out[:, len(ids) :], np.broadcast_to(np.stack(pool)[:, :1], out[:, len(ids) :].shape))
+
+
+def test_gather_pages_into_rejects_a_wrong_buffer_before_writing():
+    pool = to_device(numbered_pool(2, 9))
+    with pytest.raises(ValueError, match="expected float32"):
+        gather_pages_into(pool, [1, 2, 3], np.zeros((2, 2, *PAGE_SHAPE), np.float32))  # 3 pages need 4 rows
+    with pytest.raises(ValueError, match="expected float32"):
+        gather_pages_into(pool, [1, 2], np.zeros((2, 2, *PAGE_SHAPE), np.float16))
+    with pytest.raises(ValueError, match="appear more than once"):
+        gather_pages_into(pool, [1, 1], np.zeros((2, 2, *PAGE_SHAPE), np.float32))
+
+
+@pytest.mark.parametrize("impl", ["jnp", "cpu"])
+@pytest.mark.parametrize(("start", "count"), [(0, 1), (1, 2), (0, 4), (3, 1)])
+def test_scatter_layers_writes_only_its_layers(impl, start, count):
+    pool, source = numbered_pool(4, 9), numbered_pool(4, 9, offset=1e6)
+    ids = [7, 2, 5]
+    staging = reference_gather(source, [1, 2, 3, 4])  # 4 rows: one padding row past the 3 pages
+    updated = scatter_layers(to_device(pool), start, jnp.asarray(staging[start : start + count]), ids, impl=impl)
+    expected = reference_scatter(pool, staging, ids)
+    for layer in range(4):
+        want = expected[layer] if start <= layer < start + count else pool[layer]
+        np.testing.assert_array_equal(np.asarray(updated[layer]), want)
+
+
+def test_scatter_layers_rejects_layers_outside_the_pool():
+    with pytest.raises(ValueError, match="out of range"):
+        scatter_layers(to_device(numbered_pool(2, 9)), 1, jnp.zeros((2, 2, *PAGE_SHAPE)), [1, 2])

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fsm_pd.kernels.host_blocks import HostBlocks
 from fsm_pd.transport.backends.base import OnProgress, StagingProgress, TransferFailed
-from fsm_pd.transport.backends.host_buffers import HostBufferPool
 from fsm_pd.transport.backends.spec import ArrayKey, array_key, array_keys, layout_digest, summarize
 
 
@@ -67,7 +67,7 @@ class HostEntry:
 class Landing:
     """Where one pull's bytes land: arrays in order, each filled front to back, never a byte past the spec."""
 
-    def __init__(self, pool: HostBufferPool, uuid: int, want, want_keys: list[ArrayKey],
+    def __init__(self, pool: HostBlocks, uuid: int, want, want_keys: list[ArrayKey],
                  on_progress: OnProgress | None) -> None:
         self.pool, self.uuid, self.want, self.want_keys, self.on_progress = pool, uuid, want, want_keys, on_progress
         self.host: list[np.ndarray] = []

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from fsm_pd.kernels.host_blocks import HostBlocks
 from fsm_pd.transport.backends import tcp_wire as wire
 from fsm_pd.transport.backends.base import (
     OnProgress,
@@ -32,7 +34,6 @@ from fsm_pd.transport.backends.base import (
     live_staging,
 )
 from fsm_pd.transport.backends.holds import Hold, HoldingBackend, HoldTable
-from fsm_pd.transport.backends.host_buffers import HostBufferPool
 from fsm_pd.transport.backends.host_stream import HostEntry, Landing
 from fsm_pd.transport.backends.spec import layout_digest, normalize_spec, spec_keys, summarize, verify_pulled
 from fsm_pd.transport.backends.tcp_server import TcpPullServer
@@ -63,10 +64,10 @@ class TcpTransferBackend(HoldingBackend):
         serve: bool = True,
     ) -> None:
         """``frame_bytes`` caps one data frame (P sends less when less is final); ``recv_pool_bytes`` caps the warm
-        receive blocks D keeps for reuse (``host_buffers``); ``serve=False`` makes a pull-only node."""
+        receive blocks D keeps for reuse (``fsm_pd.kernels.host_blocks``); ``serve=False`` makes a pull-only node."""
         self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s)
         self._changed = threading.Condition(self._holds.lock)  # publish, end and progress wake the stream threads
-        self._recv_pool = HostBufferPool(recv_pool_bytes)
+        self._recv_pool = HostBlocks(recv_pool_bytes)
         self._server = (
             TcpPullServer(self._lookup, self._changed, host=host, port=port, frame_bytes=frame_bytes)
             if serve
@@ -140,6 +141,7 @@ class TcpTransferBackend(HoldingBackend):
             raise TransferFailed("this tcp backend is closed", "local")
         try:
             sock = socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.001))
+            sock.settimeout(None)  # blocking; every call is bounded by _arm instead
         except TimeoutError as exc:
             raise TransferTimeout(f"transfer {uuid}: connecting to {address} timed out") from exc
         except OSError as exc:  # refused: nobody listens there (P died or never started)
@@ -152,7 +154,7 @@ class TcpTransferBackend(HoldingBackend):
                 request = {"v": wire.PROTOCOL_VERSION, "uuid": uuid, "digest": layout_digest(want_keys),
                            "timeout_s": timeout_s}
                 arrays = _receive(sock, request, landing, deadline)
-            except TimeoutError as exc:
+            except (TimeoutError, BlockingIOError) as exc:  # BlockingIOError: SO_RCVTIMEO/SO_SNDTIMEO expired
                 raise TransferTimeout(
                     f"transfer {uuid} from {address}: {landing.progress_text()} after {timeout_s:g} s") from exc
             except (OSError, ValueError) as exc:
@@ -184,17 +186,22 @@ class TcpTransferBackend(HoldingBackend):
 
 
 def _receive(sock: socket.socket, request: dict, landing: Landing, deadline: float) -> list[jax.Array]:
-    """Send the request, then read frames until END; every data byte goes straight to its place in ``landing``."""
-    _set_deadline(sock, deadline)
+    """Send the request, then read frames until END; every data byte goes straight to its place in ``landing``.
+
+    The socket stays blocking and each call is bounded by SO_RCVTIMEO/SO_SNDTIMEO set to the time left, so that a
+    whole data frame is one ``recv_into(MSG_WAITALL)``: a Python-level timeout would poll before every partial
+    read, several hundred times per 64 MiB.
+    """
+    _arm(sock, deadline)
     wire.send_request(sock, request)
     while True:
-        _set_deadline(sock, deadline)
+        _arm(sock, deadline)
         kind, length = wire.read_frame_header(sock)
         if kind == wire.DATA:
             remaining = length
             while remaining:
-                _set_deadline(sock, deadline)
-                got = sock.recv_into(landing.target(remaining))
+                _arm(sock, deadline)
+                got = sock.recv_into(landing.target(remaining), remaining, socket.MSG_WAITALL)
                 if got == 0:
                     raise wire.PeerClosed("connection closed mid-frame")
                 landing.landed(got)
@@ -216,8 +223,12 @@ def _receive(sock: socket.socket, request: dict, landing: Landing, deadline: flo
             raise TransferFailed(f"transfer {landing.uuid}: unexpected frame {kind!r} from producer")
 
 
-def _set_deadline(sock: socket.socket, deadline: float) -> None:
+def _arm(sock: socket.socket, deadline: float) -> None:
+    """Bound the next blocking socket call by the time left before ``deadline``."""
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise TimeoutError("deadline passed")
-    sock.settimeout(remaining)
+    seconds = int(remaining)
+    timeval = struct.pack("ll", seconds, max(1, int((remaining - seconds) * 1e6)))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)

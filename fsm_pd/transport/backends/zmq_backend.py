@@ -19,6 +19,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from fsm_pd.kernels.host_blocks import HostBlocks
 from fsm_pd.transport.backends import zmq_wire as wire
 from fsm_pd.transport.backends.base import (
     OnProgress,
@@ -29,7 +30,6 @@ from fsm_pd.transport.backends.base import (
     live_staging,
 )
 from fsm_pd.transport.backends.holds import Hold, HoldingBackend, HoldTable
-from fsm_pd.transport.backends.host_buffers import HostBufferPool
 from fsm_pd.transport.backends.host_stream import HostEntry, Landing
 from fsm_pd.transport.backends.spec import layout_digest, normalize_spec, spec_keys, summarize, verify_pulled
 from fsm_pd.transport.backends.zmq_server import ZmqPullServer
@@ -56,9 +56,9 @@ class ZmqTransferBackend(HoldingBackend):
         serve: bool = True,
     ) -> None:
         """``window`` chunks of ``chunk_bytes`` may be in flight per pull; ``recv_pool_bytes`` caps the warm receive
-        blocks D keeps for reuse (see ``host_buffers``); ``serve=False`` makes a pull-only node."""
+        blocks D keeps for reuse (see ``fsm_pd.kernels.host_blocks``); ``serve=False`` makes a pull-only node."""
         self._window = window
-        self._recv_pool = HostBufferPool(recv_pool_bytes)
+        self._recv_pool = HostBlocks(recv_pool_bytes)
         self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s)
         self._server = ZmqPullServer(self._lookup, host=host, port=port, chunk_bytes=chunk_bytes) if serve else None
         self._ctx = zmq.Context()
