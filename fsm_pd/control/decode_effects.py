@@ -3,6 +3,12 @@
 Pulls block, so they run on a small worker pool; every pool access (scatter, and freeing pages a queued scatter may
 still write) is a job on the model thread, in order. A pulled buffer is scattered only after the backend verified it
 (ready, error-free, shaped as our layout says), and only when the machine asks for it with ``Scatter``.
+
+With a progressive backend and a pool on one CPU device, the scatter starts during the pull instead: each group of
+layers is written as soon as it has landed (``StreamedScatter``), and ``Scatter`` only waits for the last writes.
+A layer is final when it lands, and P's layout was checked before the first byte was accepted; what the pull can
+still fail on is the rest of the stream, and then the room fails and its pages (some already written) are freed
+behind every queued write, which finds the stream cancelled.
 """
 
 from __future__ import annotations
@@ -13,11 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import jax
+import numpy as np
 
 from fsm_pd.control.faults import FaultConfig, Faults
 from fsm_pd.control.outbox import Outbox
+from fsm_pd.control.overlap import StreamedScatter
 from fsm_pd.effects import EffectError, EffectInterpreter
-from fsm_pd.kernels import page_bucket, scatter_pages
+from fsm_pd.kernels import page_bucket, resolve_impl, scatter_pages
 from fsm_pd.machines.effects import FreePages, Pull, ReservePages, ResolveBootstrap, Scatter, Send
 from fsm_pd.transport import Abort, Prepare, Pulled
 from fsm_pd.transport.backends import TransferFailed, TransferTimeout
@@ -35,6 +43,9 @@ class DecodeEffects:
         self.m = manager
         self.workers = ThreadPoolExecutor(max_workers=pull_workers, thread_name_prefix="pull")
         self.pulled: dict[int, jax.Array] = {}  # room -> verified staging waiting for Scatter
+        self.streams: dict[int, StreamedScatter] = {}  # room -> layers written while its pull is in flight
+        pool = manager.model.pool
+        self.stream_layers = manager.backend.progressive and pool is not None and resolve_impl(pool) == "cpu"
         self.faults = Faults(FaultConfig.from_env(), role="decode")  # off unless FSM_PD_FAULT_* are set
         self.outbox = Outbox(manager.side_channel, self.faults, peer="prefill node",
                              best_effort=frozenset({"ABORT", "PULLED"}), crash_after={"PREPARE": "after_prepare"})
@@ -83,6 +94,10 @@ class DecodeEffects:
                                      sharding=self.m.staging_sharding),)
         address, uuid, room_id = ctx["transfer_addr"], int(ctx["uuid"]), room.room
         timeout = self.m.deadlines["transfer"]
+        stream = None
+        if self.stream_layers:  # registered before the pull starts, so that FreePages can always cancel it
+            stream = self.streams[room_id] = StreamedScatter(self.m.model, layout, list(ctx["pages"]),
+                                                             self.m.staging_sharding)
 
         def work():
             self.faults.crash("before_pull")
@@ -91,7 +106,8 @@ class DecodeEffects:
                 time.sleep(delay)
             try:
                 self.faults.check("pull")
-                (staging,) = self.m.backend.pull(address, uuid, spec, timeout)
+                (staging,) = self.m.backend.pull(address, uuid, spec, timeout,
+                                                 on_progress=None if stream is None else stream.on_progress)
             except TransferTimeout as exc:
                 node.submit(room_id, "error", {"blame": "timeout", "reason": f"pull timed out: {exc}"})
             except TransferFailed as exc:
@@ -107,10 +123,16 @@ class DecodeEffects:
 
     def scatter(self, node: Node, room: Room, effect: Scatter) -> None:
         self.faults.crash("before_scatter")
-        staging, pages, room_id = self.pulled.pop(room.room), list(room.ctx["pages"]), room.room
+        room_id, pages = room.room, list(room.ctx["pages"])
+        staging, stream = self.pulled.pop(room_id), self.streams.pop(room_id, None)
+        if stream is not None and stream.submitted:
+            stream.on_progress(0, np.asarray(staging), staging.nbytes)  # whatever the pull's last report left
 
         def write(owner):
             self.faults.check("scatter")
+            if stream is not None and stream.submitted:
+                stream.written(owner)
+                return
             owner.pool = scatter_pages(owner.pool, staging, pages, layout=self.m.layout)
             jax.block_until_ready(owner.pool)
 
@@ -126,8 +148,14 @@ class DecodeEffects:
 
     def free_pages(self, node: Node, room: Room, effect: FreePages) -> None:
         self.pulled.pop(room.room, None)
-        # on the model thread, so that it runs after any scatter still queued for these pages
-        self.m.model.submit(lambda owner: self.m.admission.release(node, room.room))
+        stream = self.streams.pop(room.room, None)
+
+        def free(owner) -> None:  # on the model thread: after any write still queued for these pages
+            if stream is not None:
+                stream.cancel()  # and writes queued later (a pull still landing layers) find it cancelled
+            self.m.admission.release(node, room.room)
+
+        self.m.model.submit(free)
 
     def close(self) -> None:
         self.workers.shutdown(wait=False, cancel_futures=True)

@@ -57,7 +57,7 @@ class KVManager:
         self._owns_model = model is None
         self.model = model if model is not None else ModelThread(pool, name=f"model[{node_id}]")
         options = dict(backend_options or {})
-        if backend in ("jax", "zmq"):
+        if backend in ("jax", "zmq", "tcp"):
             options.setdefault("host", host)
         self.backend = create_backend(backend, **options)
         self.side_channel = SideChannel(node_id=node_id, secret=secret, on_message=self._on_message,

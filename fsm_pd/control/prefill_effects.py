@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 
 from fsm_pd.control.faults import FaultConfig, Faults
 from fsm_pd.control.outbox import Outbox
+from fsm_pd.control.overlap import publish_while_gathering
 from fsm_pd.effects import EffectError, EffectInterpreter
-from fsm_pd.kernels import gather_pages
+from fsm_pd.kernels import gather_pages, resolve_impl
 from fsm_pd.machines.effects import GatherAndPublish, ReleaseStaging, Send
 from fsm_pd.transport import Abort, Ready
 from fsm_pd.transport.backends import new_uuid
@@ -36,31 +37,42 @@ class PrefillEffects:
 
     def gather_and_publish(self, node: Node, room: Room, effect: GatherAndPublish) -> None:
         self.faults.crash("before_gather")
-        uuid, pages = new_uuid(), list(room.ctx["pages"])
-        self.staging[room.room] = uuid
+        uuid, pages, room_id = new_uuid(), list(room.ctx["pages"]), room.room
+        self.staging[room_id] = uuid
 
         def gather(owner):
+            if self.staging.get(room_id) != uuid:
+                return  # the room ended while this waited for the model thread
             self.faults.check("gather")
+            if self.m.backend.progressive and resolve_impl(owner.pool) == "cpu":
+                self._publish_while_gathering(node, room_id, uuid, pages, owner.pool)
+                return
             staging = gather_pages(owner.pool, pages, layout=self.m.layout)
             staging.block_until_ready()
-            return staging
-
-        self.m.model.submit(gather).add_done_callback(lambda f: self._publish(node, room.room, uuid, f))
-
-    def _publish(self, node: Node, room_id: int, uuid: int, gathered: Future) -> None:
-        if self.staging.get(room_id) != uuid:
-            return  # the room ended while we gathered: the buffer is simply dropped
-        try:
-            staging = gathered.result()
+            if self.staging.get(room_id) != uuid:
+                return  # the room ended while we gathered: the buffer is simply dropped
             self.faults.crash("after_gather")
             self.faults.check("publish")
             self.m.backend.publish(uuid, (staging,), self.m.deadlines["pull_hold"])
-        except Exception as exc:  # noqa: BLE001 - any failure here fails the room, with the reason
-            node.submit(room_id, "error", {"blame": "local", "reason": f"gather/publish failed: {exc}"})
-            return
+            self._published(node, room_id, uuid, int(staging.shape[1]))
+
+        def failed(done: Future) -> None:
+            exc = done.exception()
+            if exc is not None:  # the room fails; its ReleaseStaging then fails the entry if it was published
+                node.submit(room_id, "error", {"blame": "local", "reason": f"gather/publish failed: {exc}"})
+
+        self.m.model.submit(gather).add_done_callback(failed)
+
+    def _publish_while_gathering(self, node: Node, room_id: int, uuid: int, pages: list[int], pool) -> None:
+        """READY goes out and D connects while the model thread still copies; each layer streams once copied."""
+        self.faults.check("publish")
+        publish_while_gathering(self.m.backend, uuid, pool, pages, self.m.layout, self.m.deadlines["pull_hold"],
+                                on_published=lambda rows: self._published(node, room_id, uuid, rows))
+        self.faults.crash("after_gather")
+
+    def _published(self, node: Node, room_id: int, uuid: int, rows: int) -> None:
         self.faults.crash("after_publish")
-        node.submit(room_id, "published", {"uuid": uuid, "transfer_addr": self.m.backend.address,
-                                           "rows": int(staging.shape[1])})
+        node.submit(room_id, "published", {"uuid": uuid, "transfer_addr": self.m.backend.address, "rows": int(rows)})
 
     def release_staging(self, node: Node, room: Room, effect: ReleaseStaging) -> None:
         uuid = self.staging.pop(room.room, None)

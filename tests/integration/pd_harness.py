@@ -21,7 +21,7 @@ NODE = Path(__file__).with_name("pd_node.py")
 SMALL = KVLayout(num_layers=2, num_pages=64, page_size=4, kv_heads=2, head_dim=8)
 # 128 KiB per page over all layers: 512 pages are 64 MiB
 LARGE = KVLayout(num_layers=4, num_pages=520, page_size=16, kv_heads=4, head_dim=64)
-BACKENDS = ["zmq", "jax"]
+BACKENDS = ["zmq", "jax", "tcp"]
 
 
 class NodeProcess:

@@ -110,7 +110,7 @@ def all_greedy(url: str) -> list[list[int]]:
         return list(pool.map(lambda p: greedy(url, p), PROMPTS))
 
 
-@pytest.mark.parametrize("backend", ["zmq", "jax"])
+@pytest.mark.parametrize("backend", ["zmq", "jax", "tcp"])
 def test_pd_answers_equal_colocated_answers(cluster, backend):
     colocated = cluster.serve("colocated")
     router = cluster.router(*cluster.pd(backend))
