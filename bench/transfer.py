@@ -1,6 +1,6 @@
 """P->D transfer throughput of every backend against two baselines, between two real processes on 127.0.0.1.
 
-    python bench/transfer.py [--json] [--runs 5] [--sizes 64,256] [--layers 16] [--backends jax,zmq]
+    python bench/transfer.py [--json] [--runs 5] [--sizes 64,256] [--layers 16] [--backends jax,zmq,tcp]
 
 Per payload size (a list of per-layer float32 arrays) it reports the median of ``--runs`` timings per path, after one
 untimed warm-up per path that also checks the bytes; runs are interleaved across paths so that load from other
@@ -9,8 +9,11 @@ processes hits all of them alike:
 * ``raw_tcp``      baseline (a): the same bytes over a plain TCP socket, ``sendall`` -> ``recv_into`` a warm buffer;
 * ``raw_jax``      baseline (b): ``await_pull`` / ``pull`` of the same arrays with jax.experimental.transfer;
 * ``<backend>``    the backend's ``pull`` of an already published entry, verified (ready, error-free, shapes);
-* ``<backend>+kernels``  end to end: ``gather_pages`` on P -> publish -> pull -> verify -> ``scatter_pages`` on D,
-  timed on D from the request to the scattered pool being ready (includes the request's round trip to P).
+* ``<backend>+kernels``  end to end, one step after the other: ``gather_pages`` on P -> publish -> pull -> verify ->
+  ``scatter_pages`` on D's model thread, timed on D from the request to the scattered pool being ready (includes the
+  request's round trip to P);
+* ``<backend>+overlap``  end to end as the handlers do it with a progressive backend: P publishes first and gathers
+  layer by layer while the stream sends; D writes each group of layers as it lands (``StreamedScatter``).
 
 GB/s are 1e9 bytes per second; every figure is also printed as a ratio to ``raw_tcp``. The consumer (this process)
 spawns the producer as ``bench/transfer.py --serve`` and drives it with JSON lines on its stdin. Set
@@ -85,6 +88,7 @@ def server_config(opts: dict):
 def serve(args: argparse.Namespace) -> None:
     import jax
 
+    from fsm_pd.control.overlap import publish_while_gathering
     from fsm_pd.kernels import gather_pages
     from fsm_pd.transport.backends import create_backend, new_uuid
     from fsm_pd.transport.backends.jax_api import shared_server
@@ -132,6 +136,13 @@ def serve(args: argparse.Namespace) -> None:
             uuid = new_uuid()
             backends[cmd["backend"]].publish(uuid, [staging], 60.0)  # publish waits for nothing: pull does
             send({"uuid": uuid})
+        elif op == "stream_publish":  # what the prefill handler does: publish first, then gather layer by layer
+            layout, pages = kv_layout(mib, args.layers)
+            uuid = new_uuid()
+            publish_while_gathering(  # D pulls while we gather: each layer streams as soon as it is final
+                backends[cmd["backend"]], uuid, pools[mib], page_ids(layout, pages, seed=2).tolist(), layout, 60.0,
+                on_published=lambda rows, uuid=uuid: send({"uuid": uuid}),
+            )
         elif op == "release":
             backends[cmd["backend"]].release(cmd["uuid"])
             send({"ok": True})
@@ -180,19 +191,19 @@ def bench_size(producer: Producer, args: argparse.Namespace, mib: int) -> dict:
     producer.call(op="setup", mib=mib)
     expected = layer_arrays(mib, args.layers)
     paths = {"raw_tcp": raw_tcp_path(producer, expected), "raw_jax": raw_jax_path(producer, args, mib, expected)}
-    backends = []
+    owned = []
     for name in args.backends.split(","):
-        backend, transfer, end_to_end = backend_paths(producer, args, mib, name, expected)
-        backends.append(backend)
-        paths[name], paths[f"{name}+kernels"] = transfer, end_to_end
+        backend, model, backend_paths_ = backend_paths(producer, args, mib, name, expected)
+        owned += [backend, model]
+        paths.update(backend_paths_)
     for once in paths.values():
         once(check=True)
     times: dict[str, list[float]] = {path: [] for path in paths}
     for _ in range(args.runs):
         for path, once in paths.items():
             times[path].append(once(check=False))
-    for backend in backends:
-        backend.close()
+    for thing in owned:
+        thing.close()
     return {"nbytes": sum(a.nbytes for a in expected), "times": times}
 
 
@@ -237,8 +248,11 @@ def raw_jax_path(producer: Producer, args: argparse.Namespace, mib: int, expecte
 
 
 def backend_paths(producer: Producer, args: argparse.Namespace, mib: int, name: str, expected: list[np.ndarray]):
+    """The transfer-only path and the end-to-end paths of one backend (``+overlap`` only where it is progressive)."""
     import jax
 
+    from fsm_pd.control.overlap import StreamedScatter
+    from fsm_pd.engine.model_thread import ModelThread
     from fsm_pd.kernels import page_bucket, scatter_pages
     from fsm_pd.transport.backends import create_backend
 
@@ -248,7 +262,7 @@ def backend_paths(producer: Producer, args: argparse.Namespace, mib: int, name: 
     layout, pages = kv_layout(mib, args.layers)
     staging_spec = [jax.ShapeDtypeStruct(layout.staging_shape(page_bucket(pages)), np.float32)]
     dst_ids = page_ids(layout, pages, seed=3)
-    pool = [make_pool(layout, seed=4)]
+    model = ModelThread(make_pool(layout, seed=4), name="bench-model")  # D's pool, owned as in a decode node
 
     def transfer(check: bool) -> float:
         uuid = producer.call(op="publish", backend=name, mib=mib)["uuid"]
@@ -259,20 +273,38 @@ def backend_paths(producer: Producer, args: argparse.Namespace, mib: int, name: 
         assert not check or all(np.array_equal(o, e) for o, e in zip(out, expected, strict=True)), name
         return elapsed
 
-    def end_to_end(check: bool) -> float:
+    def sequential(check: bool) -> float:
         start = time.perf_counter()
         uuid = producer.call(op="gather_publish", backend=name, mib=mib)["uuid"]
         (staging,) = backend.pull(address, uuid, staging_spec, 60.0)
-        pool[0] = jax.block_until_ready(scatter_pages(pool[0], staging, dst_ids, layout=layout))
+
+        def write(owner: ModelThread) -> None:
+            owner.pool = jax.block_until_ready(scatter_pages(owner.pool, staging, dst_ids, layout=layout))
+
+        model.call(write)
+        return finish(uuid, start, check, "kernels")
+
+    def overlapped(check: bool) -> float:
+        start = time.perf_counter()
+        uuid = producer.call(op="stream_publish", backend=name, mib=mib)["uuid"]
+        stream = StreamedScatter(model, layout, dst_ids.tolist())
+        backend.pull(address, uuid, staging_spec, 60.0, on_progress=stream.on_progress)
+        stream.finish().result()
+        return finish(uuid, start, check, "overlap")
+
+    def finish(uuid: int, start: float, check: bool, path: str) -> float:
         elapsed = time.perf_counter() - start
         producer.call(op="release", backend=name, uuid=uuid)
         if check:  # D's pages now hold what P's pool (rebuilt here from its seed) has in the gathered pages
             src_pool, src_ids = make_pool(layout, seed=1), page_ids(layout, pages, seed=2)
-            for src, dst in zip(src_pool, pool[0], strict=True):
-                assert np.array_equal(np.asarray(src)[src_ids], np.asarray(dst)[dst_ids]), f"{name}+kernels"
+            for src, dst in zip(src_pool, model.pool, strict=True):
+                assert np.array_equal(np.asarray(src)[src_ids], np.asarray(dst)[dst_ids]), f"{name}+{path}"
         return elapsed
 
-    return backend, transfer, end_to_end
+    paths = {name: transfer, f"{name}+kernels": sequential}
+    if backend.progressive:
+        paths[f"{name}+overlap"] = overlapped
+    return backend, model, paths
 
 
 def main() -> None:
@@ -281,7 +313,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--sizes", default="64,256", help="payload sizes in MiB")
     parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--backends", default="jax,zmq")
+    parser.add_argument("--backends", default="jax,zmq,tcp")
     parser.add_argument("--backend-opts", default="{}", help='JSON options per backend, e.g. {"zmq": {"window": 4}}')
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
