@@ -121,6 +121,8 @@ class ZmqPullServer:
             if event == "published":
                 for identity, (request, expires) in self._parked.pop(uuid, {}).items():
                     self._start(identity, request, expires)
+            elif event == "filled":
+                pass  # _pump runs after every wake-up and sends whatever became final
             elif event == "ended":
                 self._delivered.discard(uuid)
                 for identity, stream in list(self._streams.items()):
