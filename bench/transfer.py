@@ -15,9 +15,11 @@ processes hits all of them alike:
 * ``<backend>+overlap``  end to end as the handlers do it with a progressive backend: P publishes first and gathers
   layer by layer while the stream sends; D writes each group of layers as it lands (``StreamedScatter``).
 
-GB/s are 1e9 bytes per second; every figure is also printed as a ratio to ``raw_tcp``. The consumer (this process)
-spawns the producer as ``bench/transfer.py --serve`` and drives it with JSON lines on its stdin. Set
-``FSM_PD_BENCH_HANG_DUMP=<seconds>`` to dump all stacks and exit if a run hangs.
+GB/s are 1e9 bytes per second; every figure is also printed as a ratio to ``raw_tcp``. ``D cpu`` and ``P cpu`` are the
+mean CPU time per run of each process, all threads counted (including the small request and release messages): on a
+machine with few cores they say why a path is as fast as it is. The consumer (this process) spawns the producer as
+``bench/transfer.py --serve`` and drives it with JSON lines on its stdin. Set ``FSM_PD_BENCH_HANG_DUMP=<seconds>`` to
+dump all stacks and exit if a run hangs.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -199,12 +202,30 @@ def bench_size(producer: Producer, args: argparse.Namespace, mib: int) -> dict:
     for once in paths.values():
         once(check=True)
     times: dict[str, list[float]] = {path: [] for path in paths}
+    cpu = {path: [0.0, 0.0] for path in paths}  # CPU seconds of D (this process) and P over all timed runs
     for _ in range(args.runs):
         for path, once in paths.items():
+            before = (process_cpu_s(), process_cpu_s(producer.proc.pid))
             times[path].append(once(check=False))
+            after = (process_cpu_s(), process_cpu_s(producer.proc.pid))
+            cpu[path] = [total + a - b for total, a, b in zip(cpu[path], after, before, strict=True)]
     for thing in owned:
         thing.close()
-    return {"nbytes": sum(a.nbytes for a in expected), "times": times}
+    return {"nbytes": sum(a.nbytes for a in expected), "times": times, "cpu": cpu}
+
+
+def process_cpu_s(pid: int | None = None) -> float:
+    """User + system CPU seconds of a process, every thread counted (finished ones too). Linux only: NaN elsewhere.
+    For P, /proc counts in clock ticks (10 ms), which is why the report gives means over all runs."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def raw_tcp_path(producer: Producer, expected: list[np.ndarray]):
@@ -330,11 +351,13 @@ def main() -> None:
             rows = {}
             for path, secs in result["times"].items():
                 median = statistics.median(secs)
+                cpu_d, cpu_p = (total / len(secs) for total in result["cpu"][path])
                 rows[path] = {
                     "gbps": round(result["nbytes"] / median / 1e9, 3),
                     "ratio_to_raw_tcp": round(base / median, 3),
                     "median_ms": round(median * 1e3, 2),
                     "runs_ms": [round(s * 1e3, 2) for s in secs],
+                    "cpu_ms_per_run": {"decode": round(cpu_d * 1e3, 1), "prefill": round(cpu_p * 1e3, 1)},
                 }
             report["sizes"].append({"mib": mib, "paths": rows})
     finally:
@@ -344,9 +367,11 @@ def main() -> None:
         return
     for entry in report["sizes"]:
         print(f"\n{entry['mib']} MiB in {args.layers} float32 arrays, median of {args.runs}")
-        print(f"  {'path':<16}{'GB/s':>8}{'x raw_tcp':>11}{'median ms':>11}")
+        print(f"  {'path':<16}{'GB/s':>8}{'x raw_tcp':>11}{'median ms':>11}{'D cpu ms':>10}{'P cpu ms':>10}")
         for path, row in entry["paths"].items():
-            print(f"  {path:<16}{row['gbps']:>8.2f}{row['ratio_to_raw_tcp']:>11.2f}{row['median_ms']:>11.1f}")
+            cpu = row["cpu_ms_per_run"]
+            print(f"  {path:<16}{row['gbps']:>8.2f}{row['ratio_to_raw_tcp']:>11.2f}{row['median_ms']:>11.1f}"
+                  f"{cpu['decode']:>10.1f}{cpu['prefill']:>10.1f}")
 
 
 if __name__ == "__main__":
