@@ -88,6 +88,12 @@ class HoldTable:
         with self.lock:
             return self._holds.get(uuid)
 
+    def lookup(self, uuid: int) -> tuple[Any, str | None]:
+        """``(payload, None)`` for a live hold, ``(None, reason)`` for an ended one, ``(None, None)`` if unknown."""
+        with self.lock:
+            hold = self._holds.get(uuid)
+            return (hold.payload, None) if hold is not None else (None, self.tombstone(uuid))
+
     def tombstone(self, uuid: int) -> str | None:
         """Why ``uuid`` ended, if it did (and is still remembered)."""
         with self.lock:

@@ -69,7 +69,7 @@ class TcpTransferBackend(HoldingBackend):
         self._changed = threading.Condition(self._holds.lock)  # publish, end and progress wake the stream threads
         self._recv_pool = HostBlocks(recv_pool_bytes)
         self._server = (
-            TcpPullServer(self._lookup, self._changed, host=host, port=port, frame_bytes=frame_bytes)
+            TcpPullServer(self._holds.lookup, self._changed, host=host, port=port, frame_bytes=frame_bytes)
             if serve
             else None
         )
@@ -117,10 +117,6 @@ class TcpTransferBackend(HoldingBackend):
         if self._server is not None:
             self._server.ended(uuid)
         self._changed.notify_all()
-
-    def _lookup(self, uuid: int) -> tuple[HostEntry | None, str | None]:
-        hold = self._holds.get(uuid)
-        return (hold.payload, None) if hold is not None else (None, self._holds.tombstone(uuid))
 
     # ---- D side ----
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 import socket
 import struct
 
-import msgpack
+# The same msgpack bodies as the zmq wire (zmq_wire imports no zmq); re-exported so that callers use tcp_wire alone.
+from fsm_pd.transport.backends.zmq_wire import pack, unpack  # noqa: F401
 
 PROTOCOL_VERSION = 1
 HEAD, DATA, END, FAIL = b"H", b"D", b"E", b"F"
@@ -32,17 +33,6 @@ _FRAME = struct.Struct("<cQ")
 
 class PeerClosed(ConnectionError):
     """The other end closed the connection before a whole message arrived."""
-
-
-def pack(obj: object) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-def unpack(data: bytes) -> dict:
-    obj = msgpack.unpackb(data, raw=False)
-    if not isinstance(obj, dict):
-        raise ValueError("message body is not a map")
-    return obj
 
 
 def recv_exact(sock: socket.socket, nbytes: int) -> bytes:

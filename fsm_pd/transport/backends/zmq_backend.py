@@ -60,7 +60,9 @@ class ZmqTransferBackend(HoldingBackend):
         self._window = window
         self._recv_pool = HostBlocks(recv_pool_bytes)
         self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s)
-        self._server = ZmqPullServer(self._lookup, host=host, port=port, chunk_bytes=chunk_bytes) if serve else None
+        self._server = (
+            ZmqPullServer(self._holds.lookup, host=host, port=port, chunk_bytes=chunk_bytes) if serve else None
+        )
         self._ctx = zmq.Context()
         self._closed = False
         self._close_lock = threading.Lock()
@@ -98,11 +100,6 @@ class ZmqTransferBackend(HoldingBackend):
         # Dropping the hold frees the staging; chunks already queued keep only their own views alive until sent.
         if self._server is not None:
             self._server.notify("ended", uuid, reason)
-
-    def _lookup(self, uuid: int) -> tuple[HostEntry | None, str | None]:
-        with self._holds.lock:
-            hold = self._holds.get(uuid)
-            return (hold.payload, None) if hold is not None else (None, self._holds.tombstone(uuid))
 
     # ---- D side ----
 
