@@ -47,6 +47,7 @@ def publish_while_gathering(backend: TransferBackend, uuid: int, pool, pages: li
     layer_bytes = block[0].nbytes
     gather_pages_into(pool, pages, block, on_layer=lambda i: progress.advance((i + 1) * layer_bytes), layout=layout)
 
+
 GROUP_PAGE_BYTES = 512 << 10  # a loop step of a write job copies at least this much (one page of each layer)
 
 
