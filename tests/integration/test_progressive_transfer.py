@@ -1,14 +1,17 @@
 """Progressive publish between two real processes: P publishes a host array before filling it, D sees each final
 prefix as it lands, and every way the filling can stop ends the pull with a clear error well before its deadline.
 
-P is ``transfer_producer.py`` (op ``publish_progressive``), which fills the array part by part on a thread.
+P is ``transfer_producer.py`` (op ``publish_progressive``), which fills the array part by part on a thread. The
+last test is the tcp backend's own: the cap on the streams (threads) its producer serves at once.
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 from test_transfer_backends import Producer, make_arrays, specs, timed_failure
@@ -105,3 +108,25 @@ def test_producer_killed_mid_fill_fails_the_pull_at_once(backend):
     assert first.is_set()
     assert isinstance(err, TransferFailed) and err.blame == "remote"
     assert took < 5.0
+
+
+def test_tcp_refuses_pulls_beyond_its_stream_limit_at_once():
+    """Each served pull is a thread on P, so their number is capped; one over the cap fails at once, and the slot
+    comes back when a stream ends."""
+    with create_backend("tcp", max_streams=1) as producer, create_backend("tcp", serve=False) as consumer:
+        host, port = producer.address.removeprefix("tcp://").rsplit(":", 1)
+        idle = socket.create_connection((host, int(port)))  # takes the one stream, waiting for its request
+        err, took = timed_failure(consumer.pull, producer.address, 12345, specs([[8]], ["float32"]), TIMEOUT_S)
+        assert isinstance(err, TransferFailed) and "busy" in err.reason and took < 2.0
+        idle.close()
+        expected = np.arange(8, dtype=np.float32)
+        producer.publish(777, [jax.device_put(expected)], 30.0)
+        deadline = time.monotonic() + 5
+        while True:  # the stream thread notices the closed connection and gives its slot back
+            try:
+                (got,) = consumer.pull(producer.address, 777, specs([[8]], ["float32"]), TIMEOUT_S)
+                break
+            except TransferFailed as exc:
+                assert "busy" in exc.reason and time.monotonic() < deadline
+                time.sleep(0.05)
+        assert np.asarray(got).tobytes() == expected.tobytes()

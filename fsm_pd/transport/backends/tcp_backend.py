@@ -59,17 +59,20 @@ class TcpTransferBackend(HoldingBackend):
         host: str = "127.0.0.1",
         port: int = 0,
         frame_bytes: int = 4 << 20,
+        max_streams: int = 256,
         tombstone_ttl_s: float = 600.0,
         recv_pool_bytes: int = 1 << 30,
         serve: bool = True,
     ) -> None:
-        """``frame_bytes`` caps one data frame (P sends less when less is final); ``recv_pool_bytes`` caps the warm
-        receive blocks D keeps for reuse (``fsm_pd.kernels.host_blocks``); ``serve=False`` makes a pull-only node."""
+        """``frame_bytes`` caps one data frame (P sends less when less is final); ``max_streams`` caps the pulls P
+        serves at once (a thread each; more are refused); ``recv_pool_bytes`` caps the warm receive blocks D keeps
+        for reuse (``fsm_pd.kernels.host_blocks``); ``serve=False`` makes a pull-only node."""
         self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s)
         self._changed = threading.Condition(self._holds.lock)  # publish, end and progress wake the stream threads
         self._recv_pool = HostBlocks(recv_pool_bytes)
         self._server = (
-            TcpPullServer(self._holds.lookup, self._changed, host=host, port=port, frame_bytes=frame_bytes)
+            TcpPullServer(self._holds.lookup, self._changed, host=host, port=port, frame_bytes=frame_bytes,
+                          max_streams=max_streams)
             if serve
             else None
         )

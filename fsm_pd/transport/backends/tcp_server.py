@@ -43,11 +43,15 @@ class TcpPullServer:
         host: str = "127.0.0.1",
         port: int = 0,
         frame_bytes: int = 4 << 20,
+        max_streams: int = 256,
     ) -> None:
         """``lookup(uuid)`` (called under ``changed``'s lock) returns ``(entry, None)`` for a live hold,
         ``(None, reason)`` for an ended one, else ``(None, None)``; ``changed`` is notified on every publish, end
-        and progress."""
+        and progress. At most ``max_streams`` connections are served at once (a thread each); more are refused
+        with a FAIL, so a flood of connections costs no more than that many threads."""
         self._lookup, self._changed, self._frame_bytes = lookup, changed, frame_bytes
+        self._max_streams = max_streams
+        self._slots = threading.BoundedSemaphore(max_streams)
         self._delivered: set[int] = set()  # pulled once, awaiting release; guarded by ``changed``
         self._listener = socket.create_server((host, port))
         bound_host, bound_port = self._listener.getsockname()[:2]
@@ -79,9 +83,19 @@ class TcpPullServer:
                 log.exception("tcp pull server %s: accept failed", self.address)
                 time.sleep(0.1)
                 continue
+            if not self._slots.acquire(blocking=False):
+                with conn:  # a fresh connection's send buffer is empty: this FAIL cannot block
+                    self._fail(conn, f"producer busy: all {self._max_streams} pull streams in use", "remote")
+                continue
             threading.Thread(target=self._serve, args=(conn,), name="fsm-pd-tcp-stream", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        try:
+            self._serve_one(conn)
+        finally:
+            self._slots.release()
+
+    def _serve_one(self, conn: socket.socket) -> None:
         with conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(REQUEST_TIMEOUT_S)
