@@ -88,7 +88,7 @@ def main() -> int:
     parser.add_argument("--requests-per-level", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=96, help="approximate prompt length (default 96)")
-    parser.add_argument("--backend", default="zmq", help="PD transfer backend (default zmq)")
+    parser.add_argument("--backend", default="tcp", help="PD transfer backend (default tcp)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     console = Console(stderr=True)

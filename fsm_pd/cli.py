@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--decode", type=_positive_int, default=1, help="decode nodes (default 1)")
     launch.add_argument("--port", type=int, default=30000, help="the router's port (default 30000)")
     launch.add_argument("--model", default="tiny", help="'tiny' (built in) or an HF checkpoint directory")
-    launch.add_argument("--transfer-backend", default="zmq", help="jax | zmq | tcp (default zmq)")
+    launch.add_argument("--transfer-backend", default="tcp", help="tcp | zmq | jax (default tcp)")
     launch.add_argument("--journal-dir", default="pd-cluster", help="journals and logs (default ./pd-cluster)")
     launch.set_defaults(func=cmd_launch)
     return parser

@@ -37,8 +37,8 @@ def node_parser(role: str) -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     if role in ("prefill", "decode"):
         parser.add_argument("--node-id", default=f"{role}-0", help="this node's id in journals and messages")
-        parser.add_argument("--transfer-backend", default="zmq",
-                            help="jax | zmq | tcp | a registered plugin (default zmq; tcp: fastest between CPU hosts)")
+        parser.add_argument("--transfer-backend", default="tcp",
+                            help="tcp | zmq | jax | a registered plugin (default tcp: the fastest between CPU hosts)")
         parser.add_argument("--journal", default=None,
                             help="journal: a SQLite file or SQLAlchemy URL (default: ./journals/NODE_ID.db)")
         parser.add_argument("--side-channel-secret", default=None,

@@ -38,7 +38,7 @@ EARLY_ROOMS = 4096  # messages for rooms not created yet (D's PREPARE can beat t
 
 class KVManager:
     def __init__(self, *, role: str, node_id: str, layout: KVLayout, journal: str, secret: bytes,
-                 backend: str = "zmq", backend_options: Mapping[str, Any] | None = None,
+                 backend: str = "tcp", backend_options: Mapping[str, Any] | None = None,
                  deadlines: Mapping[str, float] | None = None, pool: Any = None,
                  resolver: Callable[[Mapping[str, Any]], dict] | None = None, host: str = "127.0.0.1",
                  durability: str = "full", staging_sharding: Any = None, fault_pull_delay_s: float = 0.0,

@@ -51,7 +51,7 @@ class DecodeEngine:
         node_id: str = "decode-0",
         journal: str | None = None,
         secret: bytes | None = None,
-        backend: str = "zmq",
+        backend: str = "tcp",
         backend_options: dict | None = None,
         deadlines: dict | None = None,
         host: str = "127.0.0.1",

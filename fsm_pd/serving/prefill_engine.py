@@ -48,7 +48,7 @@ class PrefillEngine:
         node_id: str = "prefill-0",
         journal: str | None = None,
         secret: bytes | None = None,
-        backend: str = "zmq",
+        backend: str = "tcp",
         backend_options: dict | None = None,
         deadlines: dict | None = None,
         host: str = "127.0.0.1",
