@@ -96,6 +96,10 @@ class Landing:
     def complete(self) -> bool:
         return self.started and self.index == len(self.host)
 
+    def room(self) -> int:
+        """Bytes left in the array being filled (0 before the header and once complete)."""
+        return len(self.flat[self.index]) - self.offset if self.started and not self.complete else 0
+
     def target(self, nbytes: int) -> memoryview:
         """The buffer the next ``nbytes`` of the stream go into (within the current array)."""
         if not self.started or self.complete:

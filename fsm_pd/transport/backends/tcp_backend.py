@@ -185,34 +185,30 @@ class TcpTransferBackend(HoldingBackend):
 
 
 def _receive(sock: socket.socket, request: dict, landing: Landing, deadline: float) -> list[jax.Array]:
-    """Send the request, then read frames until END; every data byte goes straight to its place in ``landing``.
+    """Send the request, then read frames until END; data bytes go to their place in ``landing``.
 
     The socket stays blocking and each call is bounded by SO_RCVTIMEO/SO_SNDTIMEO set to the time left, so that a
-    whole data frame is one ``recv_into(MSG_WAITALL)``: a Python-level timeout would poll before every partial
-    read, several hundred times per 64 MiB.
+    large data frame is one ``recv_into(MSG_WAITALL)`` straight into place (a Python-level timeout would poll
+    before every partial read, several hundred times per 64 MiB). Headers and small frames come through a small
+    buffer instead: P sends a small transfer as one write, and one read then brings all of it.
     """
     _arm(sock, deadline)
     wire.send_request(sock, request)
+    reader = _Reader(sock, deadline)
     while True:
-        _arm(sock, deadline)
-        kind, length = wire.read_frame_header(sock)
+        kind, length = wire.unpack_frame_header(reader.read(wire.FRAME_HEADER_BYTES))
         if kind == wire.DATA:
-            remaining = length
-            while remaining:
-                _arm(sock, deadline)
-                got = sock.recv_into(landing.target(remaining), remaining, socket.MSG_WAITALL)
-                if got == 0:
-                    raise wire.PeerClosed("connection closed mid-frame")
-                landing.landed(got)
-                remaining -= got
+            if not 0 < length <= landing.room():
+                raise TransferFailed(f"transfer {landing.uuid}: a {length}-byte frame does not fit the arrays")
+            reader.read_into(landing, length)
         elif kind == wire.HEAD:
-            landing.header(wire.read_message(sock, length)["arrays"])
+            landing.header(wire.unpack(reader.read(wire.check_message_length(length)))["arrays"])
         elif kind == wire.END:
             if not landing.complete:
                 raise TransferFailed(f"transfer {landing.uuid}: producer ended the stream early")
             return landing.placed
         elif kind == wire.FAIL:
-            body = wire.read_message(sock, length)
+            body = wire.unpack(reader.read(wire.check_message_length(length)))
             reason = body.get("reason", "unknown failure")
             if body.get("published"):
                 reason = f"{reason} for transfer {landing.uuid}: published {body['published']}, expected "
@@ -220,6 +216,66 @@ def _receive(sock: socket.socket, request: dict, landing: Landing, deadline: flo
             raise TransferFailed(reason, "local" if body.get("blame") == "local" else "remote")
         else:
             raise TransferFailed(f"transfer {landing.uuid}: unexpected frame {kind!r} from producer")
+
+
+class _Reader:
+    """Reads a pull's response through a 64 KiB buffer; large data goes around it, straight into place."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock, self.deadline = sock, deadline
+        self.buf = bytearray(64 << 10)
+        self.view = memoryview(self.buf)
+        self.start = self.end = 0  # buffered bytes: buf[start:end]
+
+    def _recv_some(self) -> None:
+        """One read into the buffer (after moving what is left to its front)."""
+        if self.start:
+            left = self.end - self.start
+            self.buf[:left] = self.buf[self.start : self.end]
+            self.start, self.end = 0, left
+        _arm(self.sock, self.deadline)
+        got = self.sock.recv_into(self.view[self.end :])
+        if got == 0:
+            raise wire.PeerClosed("connection closed mid-message")
+        self.end += got
+
+    def _take(self, out: memoryview) -> int:
+        """Copy buffered bytes into ``out``; how many."""
+        count = min(len(out), self.end - self.start)
+        out[:count] = self.view[self.start : self.start + count]
+        self.start += count
+        return count
+
+    def read(self, nbytes: int) -> bytes:
+        out = memoryview(bytearray(nbytes))
+        done = self._take(out)
+        while done < nbytes:
+            if nbytes - done > len(self.buf) // 2:
+                done += self._recv_into(out[done:])
+            else:
+                self._recv_some()
+                done += self._take(out[done:])
+        return out.tobytes()
+
+    def read_into(self, landing: Landing, nbytes: int) -> None:
+        """``nbytes`` of data to their place in ``landing`` (one array: frames never span two)."""
+        while nbytes:
+            target = landing.target(nbytes)
+            got = self._take(target)
+            if not got:
+                got = self._recv_into(target) if nbytes > len(self.buf) // 2 else 0
+            if not got:
+                self._recv_some()
+                continue
+            landing.landed(got)
+            nbytes -= got
+
+    def _recv_into(self, out: memoryview) -> int:
+        _arm(self.sock, self.deadline)
+        got = self.sock.recv_into(out, len(out), socket.MSG_WAITALL)
+        if got == 0:
+            raise wire.PeerClosed("connection closed mid-frame")
+        return got
 
 
 def _arm(sock: socket.socket, deadline: float) -> None:

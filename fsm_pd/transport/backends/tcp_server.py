@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import socket
 import threading
 import time
@@ -24,6 +25,7 @@ REQUEST_TIMEOUT_S = 10.0  # a connection must say what it wants within this
 # P waits this much past the puller's deadline before it hangs up, so that D's own timer fires first and reports a
 # timeout (not a producer that went away): both clocks start the same timeout, D's a little earlier.
 GRACE_S = 1.0
+COALESCE_BYTES = 256 << 10  # data frames up to this size are joined with their neighbours into one send
 
 
 class _Ended(Exception):
@@ -52,6 +54,13 @@ class TcpPullServer:
         self._lookup, self._changed, self._frame_bytes = lookup, changed, frame_bytes
         self._max_streams = max_streams
         self._slots = threading.BoundedSemaphore(max_streams)
+        # Long-lived daemon stream threads: starting a thread per pull is a handshake between two threads, and on a
+        # node whose other threads keep the GIL busy every handoff costs milliseconds. Daemons, so that a stream
+        # stuck until its deadline never holds up the process's exit.
+        self._work: queue.SimpleQueue[socket.socket | None] = queue.SimpleQueue()
+        self._workers_lock = threading.Lock()
+        self._workers = 0
+        self._idle = 0
         self._delivered: set[int] = set()  # pulled once, awaiting release; guarded by ``changed``
         self._listener = socket.create_server((host, port))
         bound_host, bound_port = self._listener.getsockname()[:2]
@@ -72,6 +81,12 @@ class TcpPullServer:
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
         self._listener.close()
         self._thread.join(timeout=5)
+        with self._changed:
+            self._changed.notify_all()  # parked streams see _stopping; streams of ended holds send their FAIL
+        with self._workers_lock:
+            workers = self._workers
+        for _ in range(workers):  # each worker exits when it reaches one (after the stream it is serving, if any)
+            self._work.put(None)
 
     def _accept(self) -> None:
         while not self._stopping:
@@ -87,7 +102,24 @@ class TcpPullServer:
                 with conn:  # a fresh connection's send buffer is empty: this FAIL cannot block
                     self._fail(conn, f"producer busy: all {self._max_streams} pull streams in use", "remote")
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="fsm-pd-tcp-stream", daemon=True).start()
+            self._dispatch(conn)
+
+    def _dispatch(self, conn: socket.socket) -> None:
+        with self._workers_lock:
+            grow = self._idle == 0
+            if grow:
+                self._workers += 1
+            else:
+                self._idle -= 1
+        self._work.put(conn)
+        if grow:
+            threading.Thread(target=self._worker, name="fsm-pd-tcp-stream", daemon=True).start()
+
+    def _worker(self) -> None:
+        while (conn := self._work.get()) is not None:
+            self._serve(conn)
+            with self._workers_lock:
+                self._idle += 1
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -119,20 +151,37 @@ class TcpPullServer:
                 log.debug("tcp pull server %s: stream of %s ended: %s", self.address, uuid, exc)
 
     def _stream(self, conn: socket.socket, uuid: int, digest: bytes, deadline: float) -> None:
+        """HEAD, DATA frames as bytes become final, END. Small pieces are joined into one send: on a busy node
+        every socket call is a GIL round trip (milliseconds each under contention), so a small transfer goes out
+        as one write instead of four."""
         entry = self._claim(uuid, digest, deadline)
         if entry is None:
             return
         head = wire.pack({"arrays": entry.describe()})
-        self._send(conn, deadline, wire.frame_header(wire.HEAD, len(head)) + head)
+        pending = [wire.frame_header(wire.HEAD, len(head)), head]
+
+        def flush() -> None:
+            if pending:
+                self._send(conn, deadline, b"".join(pending))
+                pending.clear()
+
         for index, size in enumerate(entry.sizes):
             sent = 0
             while sent < size:
+                if entry.final_bytes(index) <= sent:
+                    flush()  # before waiting for the producer: what is final goes out now
                 final = self._wait_final(uuid, entry, index, sent, deadline)
                 end = min(final, sent + self._frame_bytes)
-                self._send(conn, deadline, wire.frame_header(wire.DATA, end - sent))
-                self._send(conn, deadline, entry.host_bytes(index)[sent:end])
+                pending.append(wire.frame_header(wire.DATA, end - sent))
+                data = entry.host_bytes(index)[sent:end]
+                if len(data) <= COALESCE_BYTES:
+                    pending.append(data)
+                else:
+                    flush()
+                    self._send(conn, deadline, data)
                 sent = end
-        self._send(conn, deadline, wire.frame_header(wire.END, 0))
+        pending.append(wire.frame_header(wire.END, 0))
+        flush()
 
     def _claim(self, uuid: int, digest: bytes, deadline: float) -> HostEntry | None:
         """Wait until ``uuid`` is published, then take its one delivery (None: not published by the deadline)."""

@@ -29,6 +29,7 @@ MAX_REQUEST_BYTES = 64 << 10
 MAX_MESSAGE_BYTES = 1 << 20  # a header or failure; data frames are bounded by the announced arrays instead
 _REQUEST = struct.Struct("<I")
 _FRAME = struct.Struct("<cQ")
+FRAME_HEADER_BYTES = _FRAME.size
 
 
 class PeerClosed(ConnectionError):
@@ -52,10 +53,26 @@ def send_request(sock: socket.socket, request: dict) -> None:
 
 
 def read_request(sock: socket.socket) -> dict:
-    (length,) = _REQUEST.unpack(recv_exact(sock, _REQUEST.size))
+    """One read brings the whole request in the usual case (D sends it in one write)."""
+    data = sock.recv(_REQUEST.size + 4096)
+    while len(data) < _REQUEST.size:
+        data += _recv_more(sock, _REQUEST.size - len(data))
+    (length,) = _REQUEST.unpack(data[: _REQUEST.size])
     if length > MAX_REQUEST_BYTES:
         raise ValueError(f"request of {length} bytes is over the {MAX_REQUEST_BYTES}-byte limit")
-    return unpack(recv_exact(sock, length))
+    if len(data) > _REQUEST.size + length:
+        raise ValueError("bytes after the request: a pull sends one request and then waits")
+    body = data[_REQUEST.size :]
+    if len(body) < length:
+        body += recv_exact(sock, length - len(body))
+    return unpack(body)
+
+
+def _recv_more(sock: socket.socket, nbytes: int) -> bytes:
+    data = sock.recv(nbytes)
+    if not data:
+        raise PeerClosed("connection closed before the request was complete")
+    return data
 
 
 def frame_header(kind: bytes, length: int) -> bytes:
@@ -67,11 +84,11 @@ def send_message(sock: socket.socket, kind: bytes, body: dict | None = None) -> 
     sock.sendall(frame_header(kind, len(payload)) + payload)
 
 
-def read_frame_header(sock: socket.socket) -> tuple[bytes, int]:
-    return _FRAME.unpack(recv_exact(sock, _FRAME.size))
+def unpack_frame_header(data: bytes) -> tuple[bytes, int]:
+    return _FRAME.unpack(data)
 
 
-def read_message(sock: socket.socket, length: int) -> dict:
+def check_message_length(length: int) -> int:
     if length > MAX_MESSAGE_BYTES:
         raise ValueError(f"message of {length} bytes is over the {MAX_MESSAGE_BYTES}-byte limit")
-    return unpack(recv_exact(sock, length))
+    return length
