@@ -130,3 +130,17 @@ def test_tcp_refuses_pulls_beyond_its_stream_limit_at_once():
                 assert "busy" in exc.reason and time.monotonic() < deadline
                 time.sleep(0.05)
         assert np.asarray(got).tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("timeout_s", [float("nan"), -1.0, 1e9])
+def test_tcp_refuses_a_pull_with_a_nonsense_timeout(timeout_s):
+    """A stream thread parks for as long as the puller asks; a request that asks for forever is refused."""
+    from fsm_pd.transport.backends import tcp_wire as wire
+
+    with create_backend("tcp") as producer:
+        host, port = producer.address.removeprefix("tcp://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as raw:
+            wire.send_request(raw, {"v": wire.PROTOCOL_VERSION, "uuid": 1, "digest": b"x" * 16, "timeout_s": timeout_s})
+            kind, length = wire.unpack_frame_header(wire.recv_exact(raw, wire.FRAME_HEADER_BYTES))
+            body = wire.unpack(wire.recv_exact(raw, length))
+    assert kind == wire.FAIL and body["blame"] == "local" and "timeout_s" in body["reason"]

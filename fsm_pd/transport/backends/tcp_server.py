@@ -25,6 +25,7 @@ REQUEST_TIMEOUT_S = 10.0  # a connection must say what it wants within this
 # P waits this much past the puller's deadline before it hangs up, so that D's own timer fires first and reports a
 # timeout (not a producer that went away): both clocks start the same timeout, D's a little earlier.
 GRACE_S = 1.0
+MAX_TIMEOUT_S = 3600.0  # a pull that asks to be served for longer is a bad request
 COALESCE_BYTES = 256 << 10  # data frames up to this size are joined with their neighbours into one send
 
 
@@ -124,6 +125,8 @@ class TcpPullServer:
     def _serve(self, conn: socket.socket) -> None:
         try:
             self._serve_one(conn)
+        except Exception:  # a bug here must not cost the worker thread
+            log.exception("tcp pull server %s: a stream failed", self.address)
         finally:
             self._slots.release()
 
@@ -137,7 +140,11 @@ class TcpPullServer:
                     self._fail(conn, f"protocol version {request.get('v')} != {wire.PROTOCOL_VERSION}", "local")
                     return
                 uuid, digest = int(request["uuid"]), bytes(request["digest"])
-                deadline = time.monotonic() + float(request.get("timeout_s", 60.0)) + GRACE_S
+                timeout_s = float(request.get("timeout_s", 60.0))
+                if not 0 < timeout_s <= MAX_TIMEOUT_S:  # also refuses NaN
+                    self._fail(conn, f"timeout_s must be in (0, {MAX_TIMEOUT_S:g}], got {timeout_s!r}", "local")
+                    return
+                deadline = time.monotonic() + timeout_s + GRACE_S
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.debug("tcp pull server %s: dropping a bad request: %s", self.address, exc)
                 return
