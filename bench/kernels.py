@@ -2,6 +2,9 @@
 
     python bench/kernels.py [--json] [--pages 8,40,128] [--impl auto|jnp|pallas|cpu] [--repeats 20]
 
+It also times the same scatter done one layer at a time (``scatter_layers``, as D writes layers while a transfer
+is still arriving) and prints its ratio to the all-layers scatter.
+
 Bytes counted are the real pages moved (``n * page_bytes`` across all layers), not the bucket's padding rows, so
 padding shows up as lost bandwidth. Page ids are a random sample (few contiguous runs: the worst case for the
 run-length-encoded DMA path). ``--impl pallas`` off TPU runs the interpret mode, which measures the simulator, not
@@ -19,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fsm_pd.kernels import KVLayout, gather_pages, page_bucket, resolve_impl, scatter_pages
+from fsm_pd.kernels import KVLayout, gather_pages, page_bucket, resolve_impl, scatter_layers, scatter_pages
 
 LAYOUT = KVLayout(num_layers=4, num_pages=257, page_size=16, kv_heads=4, head_dim=64, dtype="float32")
 
@@ -51,6 +54,14 @@ def bench_pages(pool_np: list[np.ndarray], n: int, impl: str, repeats: int, rng)
     scatter_s = median_seconds(scatter, repeats)
 
     staging_np = np.asarray(staging)
+    layers = [jnp.asarray(staging_np[i : i + 1]) for i in range(LAYOUT.num_layers)]
+
+    def scatter_by_layer():
+        for index, layer in enumerate(layers):
+            state["pool"] = scatter_layers(state["pool"], index, layer, dst_ids, impl=impl)
+        jax.block_until_ready(state["pool"])
+
+    by_layer_s = median_seconds(scatter_by_layer, repeats)
     numpy_gather_s = median_seconds(lambda: np.stack([layer[ids] for layer in pool_np]), repeats)
 
     def numpy_scatter():
@@ -71,6 +82,8 @@ def bench_pages(pool_np: list[np.ndarray], n: int, impl: str, repeats: int, rng)
         "scatter_ratio": numpy_scatter_s / scatter_s,
         "gather_median_ms": gather_s * 1e3,
         "scatter_median_ms": scatter_s * 1e3,
+        "scatter_by_layer_median_ms": by_layer_s * 1e3,
+        "scatter_by_layer_ratio": scatter_s / by_layer_s,
     }
 
 
@@ -101,13 +114,15 @@ def main() -> None:
         f"backend={report['backend']} impl={impl} page_bytes={LAYOUT.page_bytes()} (all layers) repeats={args.repeats}"
     )
     # ratio = NumPy time / kernel time: above 1 the kernel is faster than the NumPy copy of the same bytes.
-    print("pages rows     MB | gather GB/s  numpy  ratio  med ms | scatter GB/s  numpy  ratio  med ms")
+    # by layer = all-layers scatter time / one-layer-at-a-time scatter time: below 1 the per-layer writes cost more.
+    print("pages rows     MB | gather GB/s  numpy  ratio  med ms | scatter GB/s  numpy  ratio  med ms | by layer")
     for r in results:
         print(
             f"{r['pages']:5d} {r['rows']:4d} {r['bytes'] / 1e6:6.1f} | {r['gather_gbps']:11.2f}"
             f" {r['numpy_gather_gbps']:6.2f} {r['gather_ratio']:6.2f} {r['gather_median_ms']:7.3f}"
             f" | {r['scatter_gbps']:12.2f}"
             f" {r['numpy_scatter_gbps']:6.2f} {r['scatter_ratio']:6.2f} {r['scatter_median_ms']:7.3f}"
+            f" | {r['scatter_by_layer_ratio']:8.2f}"
         )
 
 

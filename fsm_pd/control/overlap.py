@@ -7,8 +7,8 @@ layers done" is "k x layer bytes final", which is all a byte stream needs to kno
 D side, ``StreamedScatter``. A progressive backend reports, on the pulling thread, how many bytes of the staging
 array are final. Once the last byte of a group of layers is in, the group is handed to the model thread as its own
 ``scatter_layers`` job while later layers are still on the wire; when the pull returns only the last group is left
-to write. Groups, not single layers: each job loops over the pages once, and on the dev VM a loop step costs about
-as much as copying a 128 KiB page, so a group of layers per step keeps that overhead small.
+to write. Groups, not single layers: every write job pays a dispatch and a loop over the pages, so writing one layer
+at a time costs more than writing all at once (``python bench/kernels.py``: 1.3-1.75x as long for 1-17 MB).
 
 Why D may write before the pull has finished:
 
@@ -48,7 +48,9 @@ def publish_while_gathering(backend: TransferBackend, uuid: int, pool, pages: li
     gather_pages_into(pool, pages, block, on_layer=lambda i: progress.advance((i + 1) * layer_bytes), layout=layout)
 
 
-GROUP_PAGE_BYTES = 512 << 10  # a loop step of a write job copies at least this much (one page of each layer)
+# A loop step of a write job copies at least this much (one page of each layer in the group). On the 64 MiB transfer
+# bench (128 KiB pages) that is 4 layers, and groups of 4 came out a little ahead of 1, 2 and 8, within noise.
+GROUP_PAGE_BYTES = 512 << 10
 
 
 def layer_group(layout: KVLayout) -> int:
