@@ -6,6 +6,10 @@ from sqlalchemy import REAL, Column, Integer, MetaData, String, Table, Text, Uni
 
 SCHEMA_VERSION = 1
 
+# The largest bootstrap room a journal can hold: SQLite's INTEGER is signed 64-bit. SGLang's router draws rooms below
+# 2**63 too, so every room a real router sends fits; anything larger is refused before a room is created.
+MAX_ROOM = 2**63 - 1
+
 metadata = MetaData()
 
 transitions = Table(
