@@ -4,10 +4,11 @@
 For each generation request (``/generate``, ``/v1/completions``, ``/v1/chat/completions``): pick a prefill and a
 decode worker (round robin or random, each side on its own), add ``bootstrap_host`` / ``bootstrap_port`` /
 ``bootstrap_room`` (a random 63-bit room) to the client's JSON, send the same body to both at once, and answer with
-the decode's response once the prefill's is complete (as sglang-router does). If the prefill fails (an error
-status, or unreachable), the decode leg is cancelled (its connection closed, which aborts the request there) and the
-client gets the prefill's status and body (502 when it was unreachable). No retries: a failed request is reported.
-A client that goes away cancels both legs.
+the decode's response once the prefill's is complete (as sglang-router does). Neither leg is left waiting: the first
+to fail (an error status, or unreachable) closes the other (which aborts the request there) and the client gets the
+failed worker's status and error (502 when it was unreachable); ``--request-timeout-secs`` bounds the whole request,
+streams included (504, or a final SSE error event). No retries: a failed request is reported. A client that goes
+away cancels both legs. The legs themselves are ``router_legs.py``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fsm_pd.api.app import DEFAULT_MAX_BODY_BYTES
 from fsm_pd.api.auth import ApiKeyMiddleware
 from fsm_pd.api.errors import ERROR_RESPONSES, error_response, install_error_handlers
+from fsm_pd.api.router_legs import Leg, both_answered, relay, until
 from fsm_pd.api.router_merge import merge_json, merge_sse, new_room, prefill_input_logprobs, with_bootstrap
 from fsm_pd.api.runner import wait_disconnect
 from fsm_pd.bootstrap.body_limit import BodySizeLimit
@@ -38,6 +40,7 @@ log = logging.getLogger(__name__)
 
 POLICIES = ("round_robin", "random")
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+PROBE_TIMEOUT_S = 45.0  # health and info probes; longer than a worker's own /health_generate limit (30 s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,26 +62,6 @@ class Picker:
         return self._rng.choice(self.items) if self.policy == "random" else next(self._cycle)
 
 
-class _Leg:
-    """One worker call in flight; ``close()`` cancels it or closes its response (the worker sees a disconnect)."""
-
-    def __init__(self, client: httpx.AsyncClient, url: str, body: dict, headers: dict):
-        request = client.build_request("POST", url, json=body, headers=headers)
-        self.url = url
-        self.task = asyncio.ensure_future(client.send(request, stream=True))
-
-    async def response(self) -> httpx.Response:
-        return await self.task
-
-    async def close(self) -> None:
-        if not self.task.done():
-            self.task.cancel()
-            with contextlib.suppress(BaseException):
-                await self.task
-        elif not self.task.cancelled() and self.task.exception() is None:
-            await self.task.result().aclose()
-
-
 def _unreachable(side: str, url: str, err: Exception) -> Response:
     return error_response(502, f"{side} worker {url} failed: {type(err).__name__}: {err}", code=f"{side}_unreachable")
 
@@ -90,6 +73,7 @@ class PDRouter:
         self.prefill = Picker(prefill, policy, rng)
         self.decode = Picker([u.rstrip("/") for u in decode], policy, rng)
         self.api_key = api_key
+        self.request_timeout_s = request_timeout_s  # one deadline for the whole request, streams included
         self.timeout = httpx.Timeout(request_timeout_s, connect=10.0)
         self._client: httpx.AsyncClient | None = None
 
@@ -126,60 +110,35 @@ class PDRouter:
         worker, decode_url = self.prefill.pick(), self.decode.pick()
         sent = with_bootstrap(body, worker.url, worker.bootstrap_port, new_room())
         headers = self._headers(request)
-        prefill = _Leg(self.client, worker.url.rstrip("/") + path, sent, headers)
-        decode = _Leg(self.client, decode_url + path, sent, headers)
+        deadline = asyncio.get_running_loop().time() + self.request_timeout_s
+        prefill = Leg("prefill", worker.url, self.client, worker.url.rstrip("/") + path, sent, headers, whole=True)
+        decode = Leg("decode", decode_url, self.client, decode_url + path, sent, headers, whole=False)
         handed_off = False
         try:
-            try:
-                p_resp = await prefill.response()
-                p_body = await p_resp.aread()
-            except httpx.HTTPError as err:
-                return _unreachable("prefill", worker.url, err)
-            if p_resp.status_code >= 400:
-                log.info("prefill %s answered %d; decode leg cancelled", worker.url, p_resp.status_code)
-                return Response(p_body, status_code=p_resp.status_code,
-                                media_type=p_resp.headers.get("content-type", "application/json"))
+            failed = await both_answered(prefill, decode, deadline, self.request_timeout_s)
+            if failed is not None:
+                return failed
             merge = path == "/generate" and bool(body.get("return_logprob"))
-            p_logprobs = prefill_input_logprobs(p_body) if merge else None
-            try:
-                d_resp = await decode.response()
-                streaming = d_resp.headers.get("content-type", "").startswith("text/event-stream")
-                if not streaming or d_resp.status_code >= 400:
-                    d_body = await d_resp.aread()
-            except httpx.HTTPError as err:
-                return _unreachable("decode", decode_url, err)
+            p_logprobs = prefill_input_logprobs(prefill.body) if merge else None
+            d_resp = decode.response
             media_type = d_resp.headers.get("content-type", "application/json")
-            if not streaming or d_resp.status_code >= 400:
-                ok = d_resp.status_code < 400
-                return Response(merge_json(d_body, p_logprobs) if ok else d_body, status_code=d_resp.status_code,
+            if decode.body is not None:
+                return Response(merge_json(decode.body, p_logprobs), status_code=d_resp.status_code,
                                 media_type=media_type)
+            source = merge_sse(until(d_resp.aiter_lines(), deadline), p_logprobs) if merge else d_resp.aiter_raw()
             handed_off = True
-            return StreamingResponse(self._relay(d_resp, p_logprobs, merge), status_code=d_resp.status_code,
-                                     media_type=media_type)
+            return StreamingResponse(relay(source, d_resp, decode_url, deadline, self.request_timeout_s),
+                                     status_code=d_resp.status_code, media_type=media_type)
         finally:
             await prefill.close()
             if not handed_off:
                 await decode.close()
 
-    @staticmethod
-    async def _relay(d_resp: httpx.Response, p_logprobs: list | None, merge: bool):
-        try:
-            if merge:
-                async for chunk in merge_sse(d_resp.aiter_lines(), p_logprobs):
-                    yield chunk
-            else:
-                async for chunk in d_resp.aiter_raw():
-                    yield chunk
-        except httpx.HTTPError as err:  # the decode dropped its stream: end ours (the client sees the cut)
-            log.warning("decode stream broke: %s", err)
-        finally:
-            await d_resp.aclose()
-
     async def get_first_prefill(self, path: str) -> Response:
         url = self.prefill.items[0].url.rstrip("/") + path
         try:
             resp = await self.client.get(url, headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key
-                                         else None)
+                                         else None, timeout=PROBE_TIMEOUT_S)
         except httpx.HTTPError as err:
             return _unreachable("prefill", url, err)
         return Response(resp.content, status_code=resp.status_code,
@@ -192,7 +151,7 @@ class PDRouter:
 
         async def probe(url: str) -> int | str:
             try:
-                return (await self.client.get(url)).status_code
+                return (await self.client.get(url, timeout=PROBE_TIMEOUT_S)).status_code
             except httpx.HTTPError as err:
                 return f"{type(err).__name__}: {err}"
 

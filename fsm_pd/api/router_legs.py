@@ -1,0 +1,150 @@
+"""The two legs of one PD request at the router, and why neither can leave the client waiting.
+
+* Both legs start at once. Whichever fails first (an error status, or a worker that cannot be reached) closes the
+  other: a closed connection is a client disconnect to that worker, which aborts the request there and ends its
+  bootstrap room, so the partner is never left waiting for a peer that is gone.
+* One deadline covers the whole request: both legs' answers and every chunk of a relayed stream.
+* Every failure reaches the client with a reason. Before the answer has started: an error status with a JSON body
+  (the worker's own ``{"error": ...}`` body when it sent one, else one naming the worker and what it said). Once a
+  stream has started: a final SSE ``data: {"error": ...}`` event and ``data: [DONE]``, never silence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+import httpx
+from fastapi.responses import Response
+
+from fsm_pd.api.errors import error_body, error_response
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+DONE = b"data: [DONE]\n\n"
+
+
+class Leg:
+    """One worker call in flight. ``whole``: read the whole body (the prefill's); otherwise an event stream is left
+    open for relaying. ``close()`` cancels the call or closes its response (the worker sees a disconnect)."""
+
+    def __init__(self, side: str, worker_url: str, client: httpx.AsyncClient, url: str, body: dict, headers: dict,
+                 *, whole: bool):
+        self.side, self.worker_url = side, worker_url
+        self.response: httpx.Response | None = None
+        self.body: bytes | None = None
+        request = client.build_request("POST", url, json=body, headers=headers)
+        self.task = asyncio.ensure_future(self._run(client, request, whole))
+
+    async def _run(self, client: httpx.AsyncClient, request: httpx.Request, whole: bool) -> None:
+        self.response = response = await client.send(request, stream=True)
+        if whole or response.status_code >= 400 or not self.streaming:
+            self.body = await response.aread()
+
+    @property
+    def streaming(self) -> bool:
+        return self.response is not None and \
+            self.response.headers.get("content-type", "").startswith("text/event-stream")
+
+    def failure(self) -> Response | None:
+        """Once the call is done: the answer to give the client if this leg failed, else None."""
+        err = self.task.exception()
+        if isinstance(err, httpx.HTTPError):
+            return error_response(502, f"{self.side} worker {self.worker_url} failed: {type(err).__name__}: {err}",
+                                  code=f"{self.side}_unreachable")
+        if err is not None:
+            raise err
+        if self.response.status_code >= 400:
+            return upstream_error(self.side, self.worker_url, self.response, self.body or b"")
+        return None
+
+    async def close(self) -> None:
+        if not self.task.done():
+            self.task.cancel()
+            with contextlib.suppress(BaseException):
+                await self.task
+        elif not self.task.cancelled():
+            self.task.exception()  # retrieved: a failed leg that nobody asked about is not an error to log
+        if self.response is not None:
+            await self.response.aclose()
+
+
+def upstream_error(side: str, worker_url: str, response: httpx.Response, body: bytes) -> Response:
+    """A worker's error answer for the client: its own JSON error body as it is, else one that says who failed."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+        return Response(body, status_code=response.status_code, media_type="application/json")
+    text = body.decode("utf-8", errors="replace").strip()[:500] or response.reason_phrase
+    return error_response(response.status_code, f"{side} worker {worker_url} answered {response.status_code}: {text}",
+                          code=f"{side}_error")
+
+
+def deadline_error(waiting_for: list[Leg], timeout_s: float) -> Response:
+    who = " and ".join(f"the {leg.side} worker {leg.worker_url}" for leg in waiting_for)
+    return error_response(504, f"no answer from {who} within the request deadline of {timeout_s:g} s",
+                          code="request_timeout")
+
+
+async def both_answered(prefill: Leg, decode: Leg, deadline: float, timeout_s: float) -> Response | None:
+    """Wait until the prefill's answer is complete and the decode's has started (or was read whole). Returns the
+    client's error answer if a leg failed or the deadline passed, else None. The first leg to fail decides: the
+    caller closes both legs either way."""
+    pending = {prefill.task, decode.task}
+    loop = asyncio.get_running_loop()
+    while pending:
+        done, pending = await asyncio.wait(pending, timeout=max(0.0, deadline - loop.time()),
+                                           return_when=asyncio.FIRST_COMPLETED)
+        if not done:
+            return deadline_error([leg for leg in (prefill, decode) if leg.task in pending], timeout_s)
+        # the prefill's failure wins a tie: it is the cause when both fail at once (the decode then lost its KV)
+        for leg in (prefill, decode):
+            if leg.task in done and (failed := leg.failure()) is not None:
+                log.info("%s worker %s failed (%d); the other leg is cancelled", leg.side, leg.worker_url,
+                         failed.status_code)
+                return failed
+    return None
+
+
+async def until(items: AsyncIterator[T], deadline: float) -> AsyncIterator[T]:
+    """``items``, raising TimeoutError when the next one has not come by ``deadline`` (the event loop's clock)."""
+    iterator = aiter(items)
+    while True:
+        try:
+            async with asyncio.timeout_at(deadline):  # not around the yield: the consumer's time is not ours
+                item = await anext(iterator)
+        except StopAsyncIteration:
+            return
+        yield item
+
+
+async def relay(source: AsyncIterator[bytes], response: httpx.Response, worker_url: str, deadline: float,
+                timeout_s: float) -> AsyncIterator[bytes]:
+    """Pass an event stream through; if it breaks, stalls past the deadline or ends without ``[DONE]``, finish it
+    with an error event and ``[DONE]`` so the client always learns how its request ended."""
+    tail = b""
+    try:
+        try:
+            async for chunk in until(source, deadline):
+                tail = (tail + chunk)[-32:]
+                yield chunk
+        except TimeoutError:
+            problem = 504, f"the stream did not finish within the request deadline of {timeout_s:g} s"
+        except httpx.HTTPError as err:
+            problem = 502, f"decode worker {worker_url} broke off its stream: {type(err).__name__}: {err}"
+        else:
+            if tail.rstrip().endswith(b"data: [DONE]"):
+                return
+            problem = 502, f"decode worker {worker_url} ended its stream without [DONE]"
+        log.warning("stream from %s ended early: %s", worker_url, problem[1])
+        yield b"data: " + json.dumps(error_body(*problem), separators=(",", ":")).encode() + b"\n\n"
+        yield DONE
+    finally:
+        await response.aclose()
