@@ -1,0 +1,166 @@
+"""Memory soak: does a node's RSS stay flat over many short requests?
+
+Starts a `fsm-pd launch`-style cluster (the same process plan: prefill and decode `fsm-pd serve` children and the
+built-in router, tiny model, tcp transfers, on 127.0.0.1), sends ``--requests`` short generations through the router
+with at most ``--concurrency`` in flight (a mix of whole and streamed `/generate` and `/v1/completions` calls), and
+reads each process's RSS from /proc after the warm-up and at the end. What a node keeps per request shows up as
+KB per request = (RSS at end - RSS after warm-up) / requests after warm-up. Every request must succeed.
+
+    python bench/soak.py [--requests 20000] [--warmup 2000] [--concurrency 16] [--json]
+
+The target (issue 11) is under 0.05 KB per request on every node. RSS moves in steps (the allocator grows its arenas
+a page run at a time), so short runs read noisy: use at least a few thousand requests after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from fsm_pd.launch import HEALTH_TIMEOUT_S, free_port, plan, stop, wait_healthy
+from fsm_pd.transport import generate_secret, secret_env
+
+TEXT = "the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak"
+
+
+def rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def request_for(i: int) -> tuple[str, dict]:
+    """Short prompts of a few lengths (their compiled shapes are all seen during warm-up), varied text."""
+    vocabulary = TEXT.split()
+    words = [vocabulary[(i * 7 + k) % len(vocabulary)] for k in range(2 + i % 5)]
+    prompt = " ".join(words)
+    kind = i % 4
+    if kind == 3:
+        return "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                                   "stream": i % 8 == 7}
+    return "/generate", {"text": prompt, "stream": kind == 1,
+                         "sampling_params": {"max_new_tokens": 4, "temperature": 0.7, "ignore_eos": True}}
+
+
+async def one(client: httpx.AsyncClient, url: str, i: int) -> str | None:
+    """None if the request succeeded, else what went wrong."""
+    path, body = request_for(i)
+    try:
+        async with client.stream("POST", url + path, json=body) as r:
+            text = (await r.aread()).decode("utf-8", errors="replace")
+    except httpx.HTTPError as err:
+        return f"{type(err).__name__}: {err}"
+    if r.status_code != 200:
+        return f"{r.status_code}: {text[:200]}"
+    if body.get("stream") and ('"error"' in text or not text.rstrip().endswith("data: [DONE]")):
+        return f"stream ended badly: {text[-200:]}"
+    return None
+
+
+async def drive(url: str, first: int, count: int, concurrency: int, progress, task, failures: list) -> None:
+    queue = iter(range(first, first + count))
+    timeout = httpx.Timeout(120.0, connect=10.0)
+    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=concurrency)) as client:
+        async def worker():
+            for i in queue:
+                problem = await one(client, url, i)
+                if problem is not None:
+                    failures.append((i, problem))
+                progress.advance(task)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=20_000, help="requests after warm-up (default 20000)")
+    parser.add_argument("--warmup", type=int, default=2_000, help="requests before the first RSS reading")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--prefill", type=int, default=1)
+    parser.add_argument("--decode", type=int, default=1)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--transfer-backend", default="tcp")
+    parser.add_argument("--journal-dir", default=None, help="journals and logs (default: a temporary directory)")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON on stdout")
+    args = parser.parse_args(argv)
+    console = Console(stderr=True)
+
+    with tempfile.TemporaryDirectory(prefix="fsm-pd-soak-") as tmp:
+        journal_dir = Path(args.journal_dir or tmp)
+        journal_dir.mkdir(parents=True, exist_ok=True)
+        children = plan(args.prefill, args.decode, free_port(), args.model, args.transfer_backend, journal_dir,
+                        ["--log-level", "warning"])
+        env = {**os.environ, **secret_env(generate_secret())}
+        try:
+            for child in children:
+                console.print(f"starting {child.name} ({child.url})")
+                log = open(child.log, "w")  # noqa: SIM115 - the child keeps writing to it
+                child.proc = subprocess.Popen(child.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                              stdin=subprocess.DEVNULL)
+                wait_healthy(child, time.time() + HEALTH_TIMEOUT_S)
+            url = children[-1].url
+            failures: list[tuple[int, str]] = []
+            columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                       TextColumn("{task.fields[rate]}"), TimeRemainingColumn())
+            with Progress(*columns, console=console) as progress:
+                task = progress.add_task("warm-up", total=args.warmup, rate="")
+                asyncio.run(drive(url, 0, args.warmup, args.concurrency, progress, task, failures))
+                warm = {c.name: rss_kb(c.proc.pid) for c in children}
+                task = progress.add_task("soak", total=args.requests, rate="")
+                started = time.perf_counter()
+                elapsed = asyncio.run(_soak(url, args, progress, task, failures, children, started))
+            end = {c.name: rss_kb(c.proc.pid) for c in children}
+        finally:
+            stop(children)
+    figures = {name: {"rss_warm_kb": warm[name], "rss_end_kb": end[name],
+                      "kb_per_request": round((end[name] - warm[name]) / max(1, args.requests), 4)}
+               for name in warm}
+    result = {"requests": args.requests, "warmup": args.warmup, "concurrency": args.concurrency,
+              "failed": len(failures), "seconds": round(elapsed, 1),
+              "requests_per_s": round(args.requests / elapsed, 1), "nodes": figures}
+    for i, problem in failures[:5]:
+        console.print(f"[red]request {i} failed: {problem}[/]")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        console.print(f"{args.requests} requests after {args.warmup} warm-up, concurrency {args.concurrency}: "
+                      f"{len(failures)} failed, {result['requests_per_s']} requests/s")
+        for name, f in figures.items():
+            console.print(f"  {name:10s} RSS {f['rss_warm_kb'] / 1024:8.1f} MiB -> {f['rss_end_kb'] / 1024:8.1f} MiB"
+                          f"   {f['kb_per_request']:+.4f} KB/request")
+    return 1 if failures else 0
+
+
+async def _soak(url, args, progress, task, failures, children, started) -> float:
+    """The measured part; the progress line shows the request rate and each node's RSS as it goes."""
+    async def show():
+        while True:
+            await asyncio.sleep(2.0)
+            done = progress.tasks[task].completed
+            rate = done / max(1e-9, time.perf_counter() - started)
+            rss = " ".join(f"{c.name}={rss_kb(c.proc.pid) / 1024:.0f}M" for c in children)
+            progress.update(task, rate=f"{rate:5.0f}/s  RSS {rss}")
+
+    shower = asyncio.ensure_future(show())
+    try:
+        await drive(url, args.warmup, args.requests, args.concurrency, progress, task, failures)
+    finally:
+        shower.cancel()
+    return time.perf_counter() - started
+
+
+if __name__ == "__main__":
+    sys.exit(main())
