@@ -1,0 +1,49 @@
+"""Issue 11's "done means" on real processes: 32 concurrent mixed (streamed and whole, /generate and chat) requests
+through the built-in router while a node is SIGKILLed and restarted at the same address and ports, or SIGSTOPped for
+20 s; and bad input sent beside ordinary requests. The drills themselves are in ``drills.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from drills import bad_input, kill_and_restart, stop_and_continue
+from test_faults import REQUEST_BOUND_S, rig  # noqa: F401 - the fixture
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _no_hang(figures: dict) -> None:
+    assert figures["hung"] == 0 and figures["silent"] == 0, figures
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_node_killed_and_restarted_under_load(rig, role):
+    figures = kill_and_restart(rig(), role)
+    print(figures)
+    _no_hang(figures)
+    assert figures["in_flight_at_kill"] > 0, figures
+    assert figures["in_flight_max_end_s"] <= 10, figures  # every request the dead node held ended, with an error
+    assert figures["health_to_first_success_s"] <= 5, figures  # the new instance is used at once
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_node_stopped_for_20s_under_load(rig, role):
+    figures = stop_and_continue(rig(), role, seconds=20)
+    print(figures)
+    _no_hang(figures)
+    assert figures["longest_request_s"] <= REQUEST_BOUND_S, figures  # each ended by its deadlines
+    assert figures["overlapping_results"]["error"] > 0, figures
+
+
+def test_bad_input_gets_4xx_and_hurts_nobody(rig):
+    figures = bad_input(rig())
+    print(figures)
+    statuses = figures["statuses"]
+    assert figures["error"] == 0 and figures["hung"] == 0 and figures["silent"] == 0, figures
+    assert figures["health"] == {"prefill": 200, "decode": 200}, figures
+    for role in ("prefill", "decode"):
+        assert statuses[f"{role}: the same room again"] == [409], statuses
+        assert statuses[f"{role}: room 2**63"] == [400], statuses
+    for name, codes in statuses.items():
+        if "first use" not in name:
+            assert all(400 <= c < 500 for c in codes), (name, codes)
