@@ -7,6 +7,8 @@ requests share its batch, on the batch bucket, or on which node (prefill or deco
 
 from __future__ import annotations
 
+import math
+import numbers
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -16,6 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsm_pd.engine import buckets
+
+MAX_TOP_K = 2**30  # far above any vocabulary, far below int32: the sampler clips it to the vocabulary
+MAX_SEED = 2**63 - 1  # a seed is an int64 everywhere it is stored; the sampler uses its low 32 bits
+MAX_STOP_STRINGS = 64  # every decode step searches each one: a long list would slow the request's whole batch
+MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 on the device
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -30,18 +37,26 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        # Every value is checked here, before the request can join a batch: a value the batched programs cannot
+        # take (an int32 overflow, a NaN) would otherwise fail every request sampled with it.
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be an integer in [0, {MAX_TOP_K}] (0 keeps all), got {self.top_k!r}")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
         if isinstance(self.stop, str):  # a lone string is one stop string, not a tuple of characters
             object.__setattr__(self, "stop", (self.stop,))
-        if any(not s for s in self.stop):
+        if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        if any(not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be integers in [0, {MAX_TOKEN_ID}]")
 
     @property
     def greedy(self) -> bool:
@@ -50,6 +65,10 @@ class SamplingParams:
     def resolved_seed(self) -> int:
         """The seed to record with the request; drawn once, so every later step and node uses the same one."""
         return self.seed if self.seed is not None else secrets.randbits(31)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _sample_row(logits, temperature, top_p, top_k, seed, step):
@@ -85,6 +104,7 @@ def sample(logits, params: Sequence[SamplingParams], seeds: Sequence[int], steps
     if len(seeds) != n or len(steps) != n or logits.shape[0] < n:
         raise ValueError(f"{n} sampling params for {len(seeds)} seeds, {len(steps)} steps, {logits.shape[0]} rows")
     b = buckets.batch_bucket(n)
+    vocab = logits.shape[-1]
     logits = logits[:n] if logits.shape[0] != b else logits
     if logits.shape[0] != b:
         logits = jnp.pad(logits, ((0, b - n), (0, 0)))
@@ -92,7 +112,7 @@ def sample(logits, params: Sequence[SamplingParams], seeds: Sequence[int], steps
         logits,
         buckets.pad_1d([p.temperature for p in params], b, dtype=np.float32),
         buckets.pad_1d([p.top_p for p in params], b, fill=1, dtype=np.float32),
-        buckets.pad_1d([p.top_k for p in params], b, dtype=np.int32),
+        buckets.pad_1d([min(p.top_k, vocab) for p in params], b, dtype=np.int32),
         buckets.pad_1d([s & 0xFFFFFFFF for s in seeds], b, dtype=np.uint32),
         buckets.pad_1d(steps, b, dtype=np.int32),
     )
