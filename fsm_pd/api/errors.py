@@ -23,6 +23,8 @@ ERROR_RESPONSES = {
     400: {"description": "bad request: malformed JSON, a field out of range, a prompt too long"},
     401: {"description": "missing or wrong API key"},
     404: {"description": "unknown model"},
+    408: {"description": "the request's headers or body did not arrive in time"},
+    409: {"description": "the bootstrap_room was already used on this node"},
     500: {"description": "the engine failed"},
     503: {"description": "the engine cannot take the request now"},
 }
@@ -83,4 +85,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+        response = error_response(exc.status_code, str(exc.detail))
+        response.headers.update(exc.headers or {})
+        return response

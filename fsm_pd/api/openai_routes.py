@@ -19,6 +19,7 @@ from fsm_pd.api.requests import from_chat, from_completion
 from fsm_pd.api.runner import RequestRun
 from fsm_pd.api.schemas import ChatCompletionBody, CompletionBody
 from fsm_pd.api.streaming import answer_stream, answer_whole
+from fsm_pd.api.strict_json import StrictJSONRoute
 from fsm_pd.serving.types import TokenOutput
 
 
@@ -52,7 +53,7 @@ def chat_logprobs(state: RequestState, start: int = 0) -> dict:
 
 
 def openai_router(ctx: ApiContext) -> APIRouter:
-    router = APIRouter(tags=["openai"])
+    router = APIRouter(tags=["openai"], route_class=StrictJSONRoute)
 
     def envelope(state: RequestState, kind: str, prefix: str) -> dict:
         return {"id": f"{prefix}-{state.request.rid}", "object": kind, "created": int(time.time()),

@@ -85,7 +85,7 @@ def make_sampling(*, temperature, top_p, top_k, max_new_tokens, stop, stop_token
 def refuse_unsupported(**values) -> None:
     """Fields fsm-pd does not implement: accepted at their neutral value (the router sends them), refused otherwise."""
     neutral = {"n": 1, "best_of": 1, "echo": False, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-               "repetition_penalty": 1.0}
+               "repetition_penalty": 1.0, "min_p": 0.0}
     for name, value in values.items():
         if value is not None and value != neutral[name]:
             raise ApiError(400, f"{name}={value!r} is not supported by fsm-pd (only {neutral[name]!r})")
@@ -129,7 +129,7 @@ def from_generate(node: NodeIdentity, tokenizer, body: GenerateBody) -> Generate
         input_ids = tokenizer.encode(body.text)
     sp = body.sampling_params or SGLangSamplingParams()
     refuse_unsupported(n=sp.n, frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
-                       repetition_penalty=sp.repetition_penalty)
+                       repetition_penalty=sp.repetition_penalty, min_p=sp.min_p)
     max_new = sp.max_new_tokens if sp.max_new_tokens is not None else GENERATE_DEFAULT_MAX_NEW_TOKENS
     max_new = check_lengths(node, input_ids, max_new)
     seed = sp.seed if sp.seed is not None else sp.sampling_seed
@@ -156,7 +156,7 @@ def _openai_request(node: NodeIdentity, body, input_ids: list[int], max_tokens: 
 def from_completion(node: NodeIdentity, tokenizer, body: CompletionBody) -> GenerateRequest:
     check_model(node, body.model)
     refuse_unsupported(n=body.n, best_of=body.best_of, echo=body.echo, frequency_penalty=body.frequency_penalty,
-                       presence_penalty=body.presence_penalty)
+                       presence_penalty=body.presence_penalty, min_p=body.min_p)
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
@@ -173,7 +173,8 @@ def from_completion(node: NodeIdentity, tokenizer, body: CompletionBody) -> Gene
 
 def from_chat(node: NodeIdentity, tokenizer, body: ChatCompletionBody) -> GenerateRequest:
     check_model(node, body.model)
-    refuse_unsupported(n=body.n, frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty)
+    refuse_unsupported(n=body.n, frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+                       min_p=body.min_p)
     prompt, add_special = render_messages(getattr(tokenizer, "chat_template", None), body.messages,
                                           body.chat_template_kwargs)
     input_ids = tokenizer.encode(prompt, add_special_tokens=add_special)

@@ -34,6 +34,7 @@ from fsm_pd.api.errors import ERROR_RESPONSES, error_response, install_error_han
 from fsm_pd.api.router_legs import Leg, both_answered, relay, until
 from fsm_pd.api.router_merge import merge_json, merge_sse, new_room, prefill_input_logprobs, with_bootstrap
 from fsm_pd.api.runner import wait_disconnect
+from fsm_pd.api.strict_json import StrictJSONRoute
 from fsm_pd.bootstrap.body_limit import BodySizeLimit
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,9 @@ def create_router_app(prefill: Sequence[PrefillWorker | tuple[str, int | None] |
                 return await pd.dispatch(path, body, request)
             forward.__name__ = "forward_" + path.strip("/").replace("/", "_")
             return forward
-        app.add_api_route(path, route(), methods=["POST"], responses=ERROR_RESPONSES)
+        # strict JSON: NaN, Infinity or a lone surrogate gets a 400 here, not a 500 when the body is re-sent
+        app.router.add_api_route(path, route(), methods=["POST"], responses=ERROR_RESPONSES,
+                                 route_class_override=StrictJSONRoute)
 
     @app.get("/health")
     async def health() -> dict:

@@ -2,8 +2,10 @@
 
 Unknown fields are ignored, not refused: sglang-router re-serialises every request with its own defaults
 (``log_metrics``, ``return_bytes``, ``skip_special_tokens``, ...), and OpenAI clients send fields we do not use.
-Fields fsm-pd cannot honour with a non-default value (penalties, ``n > 1``, ``echo``) are checked in
-``api.requests`` and answered with a 400 that names them.
+Fields fsm-pd cannot honour with a non-default value (penalties, ``min_p``, ``n > 1``, ``echo``) are checked in
+``api.requests`` and answered with a 400 that names them. Every number is range-checked here or by
+``SamplingParams`` before a request can reach a batch; NaN and Infinity are refused (``allow_inf_nan=False``, and
+before that by ``api.strict_json``).
 """
 
 from __future__ import annotations
@@ -12,23 +14,28 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fsm_pd.engine.sampling import MAX_SEED, MAX_TOP_K
+from fsm_pd.store.schema import MAX_ROOM
+
 StopField = str | list[str] | None
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class SGLangSamplingParams(_Body):
     temperature: float | None = Field(None, ge=0, description="0 is greedy")
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, description="0 or -1 keeps every token")
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K, description="0 or -1 keeps every token")
+    min_p: float | None = Field(None, ge=0, le=1, description="only 0 (off) is supported")
     max_new_tokens: int | None = Field(None, ge=1)
     stop: StopField = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
-    seed: int | None = Field(None, ge=0, description="fsm-pd extension; SGLang's name sampling_seed is also read")
-    sampling_seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED,
+                             description="fsm-pd extension; SGLang's name sampling_seed is also read")
+    sampling_seed: int | None = Field(None, ge=0, le=MAX_SEED)
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -47,7 +54,7 @@ class GenerateBody(_Body):
     model: str | None = None
     bootstrap_host: str | None = None
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
-    bootstrap_room: int | None = Field(None, ge=0, lt=2**64)
+    bootstrap_room: int | None = Field(None, ge=0, le=MAX_ROOM)
 
 
 class _OpenAIBody(_Body):
@@ -56,11 +63,12 @@ class _OpenAIBody(_Body):
     model: str | None = None
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
+    min_p: float | None = Field(None, ge=0, le=1)
     stop: StopField = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int | None = None
@@ -69,7 +77,7 @@ class _OpenAIBody(_Body):
     user: str | None = None
     bootstrap_host: str | None = None
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
-    bootstrap_room: int | None = Field(None, ge=0, lt=2**64)
+    bootstrap_room: int | None = Field(None, ge=0, le=MAX_ROOM)
 
 
 class CompletionBody(_OpenAIBody):

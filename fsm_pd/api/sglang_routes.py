@@ -12,11 +12,12 @@ from fsm_pd.api.requests import from_generate
 from fsm_pd.api.runner import RequestRun
 from fsm_pd.api.schemas import AbortBody, GenerateBody
 from fsm_pd.api.streaming import answer_stream, answer_whole
+from fsm_pd.api.strict_json import StrictJSONRoute
 from fsm_pd.serving.types import TokenOutput
 
 
 def sglang_router(ctx: ApiContext) -> APIRouter:
-    router = APIRouter(tags=["sglang"])
+    router = APIRouter(tags=["sglang"], route_class=StrictJSONRoute)
 
     @router.post("/generate", responses=ERROR_RESPONSES)
     async def generate(body: GenerateBody, request: Request) -> Response:
