@@ -16,7 +16,6 @@ from fsm_pd.transport.backends import (
 from fsm_pd.transport.messages import (
     CODEC,
     Abort,
-    AbortAck,
     Heartbeat,
     MalformedMessage,
     Message,
@@ -24,6 +23,7 @@ from fsm_pd.transport.messages import (
     Prepare,
     Pulled,
     Ready,
+    new_instance_id,
 )
 from fsm_pd.transport.side_channel import (
     DROP_REASONS,
@@ -49,7 +49,6 @@ __all__ = [
     "DROP_REASONS",
     "SECRET_ENV",
     "Abort",
-    "AbortAck",
     "BackendUnavailable",
     "BadPeerAddress",
     "ChannelClosed",
@@ -75,6 +74,7 @@ __all__ = [
     "backend_names",
     "create_backend",
     "generate_secret",
+    "new_instance_id",
     "new_uuid",
     "parse_secret",
     "register_backend",

@@ -3,7 +3,12 @@
 Every message is a frozen, slotted, keyword-only dataclass. The wire body is a msgpack array of the field values in
 declaration order (common fields first), so a message costs no key names on the wire. The type travels outside the
 body, in the frame header (see ``signing.py``), and ``CODEC`` maps it to the class: there is no lookup by class name
-and no pickle, so a peer can only ever make us build one of the six classes below.
+and no pickle, so a peer can only ever make us build one of the five classes below.
+
+Every message names its sender three ways (``_Message``): ``sender`` (the node id, for people and journals),
+``origin`` (the sender's own side-channel address, so any message can be answered and tied to the peer at that
+address) and ``instance`` (a random id the sender's process drew at start, so a process restarted at the same
+address and node id is told apart from the one it replaced).
 
 Field types are checked once, in ``__post_init__``, so a message built locally and a message decoded from the wire pass
 the same checks, and anything wrong raises ``MalformedMessage`` and nothing else. The checks are derived from the
@@ -13,6 +18,7 @@ annotations through a small closed table (``_CHECKS``); a class whose annotation
 from __future__ import annotations
 
 import math
+import random
 import secrets
 import time
 from collections.abc import Callable
@@ -23,6 +29,7 @@ from typing import Any, ClassVar, Final
 import msgpack
 
 _U64_LIMIT: Final = 1 << 64
+MAX_INSTANCE_CHARS: Final = 64
 
 
 class MalformedMessage(ValueError):
@@ -36,7 +43,8 @@ class MessageType(IntEnum):
     READY = 2
     PULLED = 3
     ABORT = 4
-    ABORT_ACK = 5
+    # 5 was ABORT_ACK (wire version 1). It was never sent: no state waits for it, since each side releases a room on
+    # its own and every state has a deadline. Retired; do not reuse the number.
     HEARTBEAT = 6
 
 
@@ -88,9 +96,16 @@ def _check_layout(value: Any) -> dict:
     return dict(value)
 
 
+def _check_bool(value: Any) -> bool:
+    if type(value) is not bool:
+        raise MalformedMessage(f"expected a bool, got {type(value).__name__}")
+    return value
+
+
 _CHECKS: Final[dict[str, Callable[[Any], Any]]] = {
     "int": _check_uint,
     "str": _check_str,
+    "bool": _check_bool,
     "float": _check_float,
     "float | None": _check_optional_float,
     "list[float] | None": _check_optional_float_list,
@@ -109,6 +124,8 @@ class _Message:
 
     room: int  # SGLang's bootstrap_room; 0 for HEARTBEAT
     sender: str  # node id of the sender (self-declared: see docs/side-channel.md on what the MAC does not prove)
+    instance: str  # the sender process's instance id (new_instance_id), new at every start
+    origin: str  # the sender's own side-channel address: where answers and heartbeats go
     nonce: int  # random 63-bit, fresh per message
     sent_at: float  # sender's wall clock, seconds since the epoch
 
@@ -121,6 +138,10 @@ class _Message:
             object.__setattr__(self, f.name, normalised)
         if not math.isfinite(self.sent_at):
             raise MalformedMessage(f"{type(self).__name__}.sent_at must be finite")
+        if not 0 < len(self.instance) <= MAX_INSTANCE_CHARS:
+            raise MalformedMessage(f"{type(self).__name__}.instance must have 1 to {MAX_INSTANCE_CHARS} characters")
+        if not self.origin:
+            raise MalformedMessage(f"{type(self).__name__}.origin must not be empty")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -172,19 +193,13 @@ class Abort(_Message):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class AbortAck(_Message):
-    """Answer to ABORT: the other side has released what it held for the room."""
-
-    TYPE: ClassVar[MessageType] = MessageType.ABORT_ACK
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class Heartbeat(_Message):
-    """Liveness beacon; ``addr`` is the sender's own side-channel address. Not tied to a room."""
+    """A liveness probe of the peer node itself, not tied to a room. A ping (``pong=False``) is answered by a pong
+    to its ``origin``; both show the sender's ``instance``, so a restart is seen at the next probe."""
 
     TYPE: ClassVar[MessageType] = MessageType.HEARTBEAT
 
-    addr: str
+    pong: bool
 
     def __post_init__(self) -> None:
         super(Heartbeat, self).__post_init__()  # explicit form: slots=True replaces the class, breaking bare super()
@@ -192,12 +207,10 @@ class Heartbeat(_Message):
             raise MalformedMessage("Heartbeat.room must be 0")
 
 
-Message = Prepare | Ready | Pulled | Abort | AbortAck | Heartbeat
+Message = Prepare | Ready | Pulled | Abort | Heartbeat
 
 # The one table from wire type to class. Decoding goes through here and nowhere else.
-CODEC: Final[dict[MessageType, type[_Message]]] = {
-    cls.TYPE: cls for cls in (Prepare, Ready, Pulled, Abort, AbortAck, Heartbeat)
-}
+CODEC: Final[dict[MessageType, type[_Message]]] = {cls.TYPE: cls for cls in (Prepare, Ready, Pulled, Abort, Heartbeat)}
 assert set(CODEC) == set(MessageType), "every MessageType needs exactly one class"
 
 # Field names per class, in wire order; computed once, and every annotation checked against _CHECKS at import.
@@ -236,6 +249,12 @@ def new_nonce() -> int:
     return secrets.randbits(63)
 
 
-def stamped(cls: type[_Message], *, sender: str, **fields_: Any) -> Message:
+def new_instance_id(rng: random.Random | None = None) -> str:
+    """16 random hex characters naming one run of one node process. A simulation passes its seeded ``rng`` so that
+    the same seed gives the same ids; everything else uses the OS's randomness."""
+    return f"{(rng.getrandbits(64) if rng is not None else secrets.randbits(64)):016x}"
+
+
+def stamped(cls: type[_Message], *, sender: str, instance: str, origin: str, **fields_: Any) -> Message:
     """Build ``cls`` with a fresh nonce and the current wall-clock time; the caller gives the rest."""
-    return cls(sender=sender, nonce=new_nonce(), sent_at=time.time(), **fields_)
+    return cls(sender=sender, instance=instance, origin=origin, nonce=new_nonce(), sent_at=time.time(), **fields_)

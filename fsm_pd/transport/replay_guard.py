@@ -8,8 +8,9 @@ Three checks, in this order, after the MAC has passed:
   ``max_nonces``: when full, the nonce with the oldest ``sent_at`` is forgotten and its ``sent_at`` becomes a floor
   below which every message counts as replayed. So a forgotten nonce can never be replayed; under a flood the
   accepted window just narrows.
-- **duplicate**: a message with the same ``(sender, room, type)`` was already delivered (a retransmission with a fresh
-  nonce, say). HEARTBEAT is exempt: it repeats by design. The memory of delivered keys is an LRU of ``max_delivered``
+- **duplicate**: a message with the same ``(sender, instance, room, type)`` was already delivered (a retransmission
+  with a fresh nonce, say). The instance is part of the key because a restarted peer is a new sender: what it says
+  about a room is news, not a copy of what its predecessor said. HEARTBEAT is exempt: it repeats by design. The memory of delivered keys is an LRU of ``max_delivered``
   entries; a duplicate that arrives after its key was evicted is delivered again, which the control plane tolerates
   (late and duplicate messages for a room are journaled and ignored).
 
@@ -47,7 +48,7 @@ class ReplayGuard:
         self._nonces: set[int] = set()
         self._by_age: list[tuple[float, int]] = []  # min-heap of (sent_at, nonce), mirrors _nonces
         self._floor = float("-inf")  # sent_at of the newest nonce forgotten for lack of room
-        self._delivered: OrderedDict[tuple[str, int, MessageType], None] = OrderedDict()
+        self._delivered: OrderedDict[tuple[str, str, int, MessageType], None] = OrderedDict()
 
     def check(self, msg: Message, now: float) -> str | None:
         """Record ``msg`` and return ``None`` if it should be delivered, else the reason to drop it."""
@@ -59,7 +60,7 @@ class ReplayGuard:
         self._remember_nonce(msg)
         if msg.TYPE in _NOT_DEDUPLICATED:
             return None
-        key = (msg.sender, msg.room, msg.TYPE)
+        key = (msg.sender, msg.instance, msg.room, msg.TYPE)
         if key in self._delivered:
             self._delivered.move_to_end(key)
             return "duplicate"

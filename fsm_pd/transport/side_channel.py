@@ -1,23 +1,32 @@
 """One process's side channel: a bound PULL socket read by a background thread, and cached PUSH sockets to peers.
 
 Theory of operation. Every node binds one PULL socket (on 127.0.0.1 and a random port unless told otherwise) and
-advertises its address (``SideChannel.address``); PREPARE carries D's address in ``reply_to`` and HEARTBEAT carries
-the sender's in ``addr``, so nobody needs a fixed port. Sending connects a PUSH socket to the peer's address once and
-caches it. A listener thread drains the PULL socket, runs each frame through ``open_frame`` (size, version, MAC,
-body) and the ``ReplayGuard`` (freshness, nonce, duplicate), and hands what survives to ``on_message``. Everything
-else is counted per reason (``dropped``) and logged at most once per ``log_interval_s`` per reason.
+advertises its address (``SideChannel.address``). Every message it stamps carries that address as ``origin``, its
+node id as ``sender`` and its process's ``instance``, so a receiver knows who spoke, where to answer and whether the
+peer at that address is still the process it was talking to; nobody needs a fixed port. Sending connects a PUSH
+socket to the peer's address once and caches it. A listener thread drains the PULL socket, runs each frame through
+``open_frame`` (size, version, MAC, body) and the ``ReplayGuard`` (freshness, nonce, duplicate), and hands what
+survives to the observers and then to ``on_message``. Everything else is counted per reason (``dropped``) and logged
+at most once per ``log_interval_s`` per reason.
+
+Heartbeats belong to the channel. A HEARTBEAT ping is answered with a pong to its ``origin`` (while ``healthy()``
+says so) and ``ping(addr)`` sends one; both go out without blocking (``try_send``, then the ``Courier`` thread).
+Pings and pongs reach the observers (``add_observer``: a ``PeerMonitor``) but never ``on_message``, which sees only
+room messages.
 
 Bounded sends. The PUSH sockets set ``ZMQ_IMMEDIATE`` so that a frame is only queued on a live connection, and
 ``SNDTIMEO`` so that ``send`` waits at most ``send_timeout_s`` for one: a dead or absent peer makes ``send`` raise
 ``PeerUnreachable`` after that long, never block forever. The failed socket is then dropped, so the next send, e.g. to
-a restarted peer at the same address, starts afresh (``forget_peer`` does the same on demand). A return from
-``send`` means the frame was handed to a live connection, not that the peer processed it: acknowledgement is the
-control plane's business (READY answers PREPARE, PULLED answers READY, ABORT_ACK answers ABORT). ``LINGER`` is
-``linger_s``, so ``close`` waits that long at most for frames still in flight.
+a restarted peer at the same address, starts afresh (``forget_peer`` does the same on demand). ``try_send`` never
+waits: it returns False where ``send`` would have waited. A return from ``send`` means the frame was handed to a live
+connection, not that the peer processed it: acknowledgement is the control plane's business (READY answers PREPARE,
+PULLED answers READY, a pong answers a ping). ``LINGER`` is ``linger_s``, so ``close`` waits that long at most for
+frames still in flight.
 
-Threads. ``send``, ``forget_peer`` and ``close`` may be called from any thread; sends to different peers do not wait
-for each other. ``on_message`` runs on the listener thread, one message at a time: it must hand work off, not do it.
-An exception from it is logged and counted (``handler_errors``) and the listener carries on.
+Threads. ``send``, ``try_send``, ``ping``, ``forget_peer`` and ``close`` may be called from any thread; sends to
+different peers do not wait for each other. Observers and ``on_message`` run on the listener thread, one message at
+a time: they must hand work off, not do it. An exception from one is logged and counted (``handler_errors``) and the
+listener carries on.
 """
 
 from __future__ import annotations
@@ -26,12 +35,20 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
-from fsm_pd.transport.messages import MalformedMessage, Message, new_nonce
+from fsm_pd.transport.courier import Courier
+from fsm_pd.transport.messages import Heartbeat, MalformedMessage, Message, new_instance_id, new_nonce
+from fsm_pd.transport.peer_sockets import (
+    BadPeerAddress,
+    ChannelClosed,
+    MessageTooLarge,
+    PeerSockets,
+    PeerUnreachable,
+    SideChannelError,
+)
 from fsm_pd.transport.rate_limit import RateLimiter
 from fsm_pd.transport.replay_guard import (
     DEFAULT_MAX_DELIVERED,
@@ -48,37 +65,13 @@ from fsm_pd.transport.signing import (
     seal,
 )
 
+__all__ = ["DROP_REASONS", "BadPeerAddress", "ChannelClosed", "MessageTooLarge", "PeerUnreachable", "SideChannel",
+           "SideChannelError"]
+
 log = logging.getLogger(__name__)
 
 DROP_REASONS = (*REJECT_REASONS, "malformed", "stale", "replayed", "duplicate")
 _POLL_MS = 50  # how quickly the listener notices close(); idle cost is 20 wake-ups a second
-_PEER_SCHEMES = ("tcp://", "ipc://")
-
-
-class SideChannelError(Exception):
-    """Base of the errors ``SideChannel`` raises."""
-
-
-class PeerUnreachable(SideChannelError):
-    """The peer did not take the frame within ``send_timeout_s`` (dead, not yet started, or gone)."""
-
-
-class BadPeerAddress(SideChannelError, ValueError):
-    """The address is not one this channel can connect to (addresses arrive in messages: treat them as input)."""
-
-
-class MessageTooLarge(SideChannelError, ValueError):
-    """The encoded frame exceeds ``max_frame_bytes``; a peer with the same limit would drop it."""
-
-
-class ChannelClosed(SideChannelError):
-    """The channel was closed."""
-
-
-@dataclass(eq=False)
-class _Peer:
-    socket: zmq.Socket | None
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class SideChannel:
@@ -100,12 +93,22 @@ class SideChannel:
         max_delivered: int = DEFAULT_MAX_DELIVERED,
         clock: Callable[[], float] = time.time,
         log_interval_s: float = 10.0,
+        instance: str | None = None,
+        healthy: Callable[[], bool] | None = None,
+        heartbeat_timeout_s: float = 0.5,
     ) -> None:
+        """``instance``: this process's instance id (default: a new one). ``healthy``: pings are answered only while
+        it returns True; wire it to the node loop's health, so that peers declare a node with a dead loop dead.
+        ``heartbeat_timeout_s``: how long a ping or pong may wait for a connection before it is dropped."""
         self.node_id = node_id
+        self.instance = new_instance_id() if instance is None else instance
+        if not isinstance(self.instance, str) or not self.instance:
+            raise ValueError(f"instance must be a non-empty string, got {self.instance!r:.80}")
         self._secret = check_secret(secret)
         self._on_message = on_message
-        self._send_timeout_ms = max(1, round(send_timeout_s * 1000))
-        self._linger_ms = max(0, round(linger_s * 1000))
+        self._healthy = healthy
+        self._observers: tuple[Callable[[Message], None], ...] = ()
+        self._observers_lock = threading.Lock()
         self._max_frame_bytes = max_frame_bytes
         self._clock = clock
         self._guard = ReplayGuard(max_skew_s=max_skew_s, max_nonces=max_nonces, max_delivered=max_delivered)
@@ -117,9 +120,8 @@ class SideChannel:
         self._handler_errors = 0
 
         self._ctx = zmq.Context()
-        self._peers: dict[str, _Peer] = {}
-        self._peers_lock = threading.Lock()
-        self._closed = False
+        self._peers = PeerSockets(self._ctx, owner=node_id, send_timeout_ms=max(1, round(send_timeout_s * 1000)),
+                                  linger_ms=max(0, round(linger_s * 1000)))
         self._closed_from_listener = False
         self._stop = threading.Event()
         self._inbox = self._ctx.socket(zmq.PULL)
@@ -139,6 +141,8 @@ class SideChannel:
             scheme_host, port = endpoint.rsplit(":", 1)
             endpoint = f"{scheme_host.split('://', 1)[0]}://{advertise_host}:{port}"
         self.address = endpoint
+        self._courier = Courier(self._peers.try_send, timeout_s=heartbeat_timeout_s,
+                                name=f"side-channel-courier[{node_id}]")
         # The PULL socket belongs to the listener thread from here on.
         self._thread = threading.Thread(target=self._listen, name=f"side-channel[{node_id}]", daemon=True)
         self._thread.start()
@@ -146,8 +150,10 @@ class SideChannel:
     # -- sending ----------------------------------------------------------------------------------------------------
 
     def stamp(self, cls: type[Message], **fields_: Any) -> Message:
-        """Build a message of class ``cls`` from this node, with a fresh nonce and the current time."""
-        return cls(sender=self.node_id, nonce=new_nonce(), sent_at=self._clock(), **fields_)
+        """Build a message of class ``cls`` from this node (its id, instance and address), with a fresh nonce and
+        the current time."""
+        return cls(sender=self.node_id, instance=self.instance, origin=self.address, nonce=new_nonce(),
+                   sent_at=self._clock(), **fields_)
 
     def send(self, addr: str, msg: Message) -> None:
         """Sign and send ``msg`` to the side channel at ``addr``; returns once a live connection took the frame.
@@ -155,63 +161,45 @@ class SideChannel:
         Raises ``PeerUnreachable`` after at most ``send_timeout_s`` if none did, ``BadPeerAddress``,
         ``MessageTooLarge`` or ``ChannelClosed``.
         """
-        frame = seal(msg, self._secret)
-        if len(frame) > self._max_frame_bytes:
-            raise MessageTooLarge(f"{msg.TYPE.name} frame is {len(frame)} bytes > {self._max_frame_bytes}")
-        peer = self._peer(addr)
-        with peer.lock:
-            if peer.socket is None:  # closed or forgotten by another thread between lookup and lock
-                if self._closed:
-                    raise ChannelClosed(f"side channel of {self.node_id} is closed")
-                raise PeerUnreachable(f"{addr}: connection was dropped while sending")
-            try:
-                peer.socket.send(frame)
-                return
-            except zmq.Again:
-                problem = f"no live connection within {self._send_timeout_ms} ms"
-            except zmq.ZMQError as exc:
-                problem = str(exc)
-        self._forget(addr, peer)
-        raise PeerUnreachable(f"{addr}: {problem}")
+        self._peers.send(addr, self._seal(msg))
+
+    def try_send(self, addr: str, msg: Message) -> bool:
+        """Sign and send ``msg`` only if that needs no wait: True if a live connection took the frame, False if there
+        is none yet (the first send to an address connects in the background) or another thread is sending to that
+        peer. Raises ``BadPeerAddress``, ``MessageTooLarge`` or ``ChannelClosed``, as ``send`` does."""
+        return self._peers.try_send(addr, self._seal(msg))
+
+    def ping(self, addr: str) -> None:
+        """Send a HEARTBEAT ping to ``addr`` without waiting; the pong reaches the observers. Raises
+        ``BadPeerAddress`` or ``ChannelClosed``; an unreachable peer just does not answer."""
+        self._post_heartbeat(addr, pong=False)
 
     def forget_peer(self, addr: str) -> None:
         """Close and drop the cached socket for ``addr``; the next send connects afresh. No-op if none is cached."""
-        self._forget(addr, None)
+        self._peers.forget(addr)
 
-    def _forget(self, addr: str, only: _Peer | None) -> None:
-        # ``only``: drop the entry only if it is still this one, not a fresh socket another thread made meanwhile.
-        with self._peers_lock:
-            peer = self._peers.get(addr)
-            if peer is None or (only is not None and peer is not only):
-                return
-            del self._peers[addr]
-        with peer.lock:
-            if peer.socket is not None:
-                peer.socket.close(linger=0)  # it failed or its peer is gone: nothing in it is worth waiting for
-                peer.socket = None
+    def _post_heartbeat(self, addr: str, *, pong: bool) -> None:
+        frame = self._seal(self.stamp(Heartbeat, room=0, pong=pong))
+        if not self._peers.try_send(addr, frame):
+            self._courier.post(addr, pong, frame)
 
-    def _peer(self, addr: str) -> _Peer:
-        if not isinstance(addr, str) or not addr.startswith(_PEER_SCHEMES):
-            raise BadPeerAddress(f"not a tcp:// or ipc:// address: {addr!r:.100}")
-        with self._peers_lock:
-            if self._closed:
-                raise ChannelClosed(f"side channel of {self.node_id} is closed")
-            peer = self._peers.get(addr)
-            if peer is None:
-                sock = self._ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a live connection, so a dead peer times out
-                sock.setsockopt(zmq.SNDTIMEO, self._send_timeout_ms)
-                sock.setsockopt(zmq.LINGER, self._linger_ms)
-                sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-                try:
-                    sock.connect(addr)
-                except zmq.ZMQError as exc:
-                    sock.close(linger=0)
-                    raise BadPeerAddress(f"cannot connect to {addr!r:.100}: {exc}") from None
-                peer = self._peers[addr] = _Peer(sock)
-            return peer
+    def _seal(self, msg: Message) -> bytes:
+        frame = seal(msg, self._secret)
+        if len(frame) > self._max_frame_bytes:
+            raise MessageTooLarge(f"{msg.TYPE.name} frame is {len(frame)} bytes > {self._max_frame_bytes}")
+        return frame
 
     # -- receiving --------------------------------------------------------------------------------------------------
+
+    def add_observer(self, observer: Callable[[Message], None]) -> None:
+        """Call ``observer(msg)`` on the listener thread for every delivered message, heartbeats included, before
+        ``on_message``. It must not block (a ``PeerMonitor`` only notes who was heard)."""
+        with self._observers_lock:
+            self._observers = (*self._observers, observer)
+
+    def remove_observer(self, observer: Callable[[Message], None]) -> None:
+        with self._observers_lock:
+            self._observers = tuple(o for o in self._observers if o != observer)  # == : bound methods are rebuilt
 
     def _listen(self) -> None:
         try:
@@ -252,15 +240,30 @@ class SideChannel:
             return
         with self._counter_lock:
             self._delivered += 1
+        is_heartbeat = isinstance(msg, Heartbeat)
+        if is_heartbeat and not msg.pong and (self._healthy is None or self._healthy()):
+            self._answer(msg)
+        for observer in self._observers:
+            self._call(observer, msg)
+        if not is_heartbeat:
+            self._call(self._on_message, msg)
+
+    def _answer(self, ping: Heartbeat) -> None:
         try:
-            self._on_message(msg)
+            self._post_heartbeat(ping.origin, pong=True)
+        except SideChannelError as exc:  # an origin we cannot connect to, or we are closing
+            if self._log_limiter.allow("unanswerable_ping", self._clock()) is not None:
+                log.warning("side channel %s: cannot answer a ping from %r: %s", self.node_id, ping.sender, exc)
+
+    def _call(self, handler: Callable[[Message], None], msg: Message) -> None:
+        try:
+            handler(msg)
         except Exception:
             with self._counter_lock:
                 self._handler_errors += 1
             if self._log_limiter.allow("handler_error", self._clock()) is not None:
-                log.exception(
-                    "side channel %s: on_message raised for %s room=%s", self.node_id, msg.TYPE.name, msg.room
-                )
+                log.exception("side channel %s: a handler raised for %s room=%s", self.node_id, msg.TYPE.name,
+                              msg.room)
 
     def _drop(self, reason: str, detail: str) -> None:
         with self._counter_lock:
@@ -295,23 +298,22 @@ class SideChannel:
         with self._counter_lock:
             return self._handler_errors
 
+    @property
+    def unsent_heartbeats(self) -> int:
+        """Pings and pongs dropped because no connection to their peer came up within ``heartbeat_timeout_s``."""
+        return self._courier.expired
+
     def close(self) -> None:
         """Stop the listener, close every socket and the context. Idempotent; bounded by about ``linger_s``."""
-        with self._peers_lock:
-            if self._closed:
-                return
-            self._closed = True
-            peers, self._peers = list(self._peers.values()), {}
+        if not self._peers.mark_closed():
+            return
         in_listener = threading.current_thread() is self._thread
         self._closed_from_listener = in_listener
         self._stop.set()
         if not in_listener:  # from on_message the loop exits by itself once the handler returns
             self._thread.join()
-        for peer in peers:
-            with peer.lock:
-                if peer.socket is not None:
-                    peer.socket.close()  # with the socket's LINGER: in-flight frames get linger_s to leave
-                    peer.socket = None
+        self._courier.close()
+        self._peers.close_all()  # with each socket's LINGER: in-flight frames get linger_s to leave
         if not in_listener:
             self._ctx.term()
 

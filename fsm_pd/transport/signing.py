@@ -27,7 +27,9 @@ import msgpack
 
 from fsm_pd.transport.messages import Message, decode_body, encode_body
 
-WIRE_VERSION: Final = 1
+# 2: every message carries the sender's ``instance`` and ``origin``; HEARTBEAT is a ping/pong; ABORT_ACK is gone.
+# A version-1 peer's frames are dropped as ``bad_version``: all nodes of a cluster run one version.
+WIRE_VERSION: Final = 2
 HEADER_BYTES: Final = 2
 MAC_BYTES: Final = hashlib.sha256().digest_size  # 32
 DEFAULT_MAX_FRAME_BYTES: Final = 1 << 20  # 1 MiB: a READY with full input logprobs for a long prompt fits easily

@@ -146,7 +146,8 @@ def test_forged_unsigned_and_duplicate_messages_change_nothing(cluster, backend)
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 1000)
     push.connect(d.info["side_channel"])
-    forged = Abort(room=1, sender="prefill-0", nonce=12345, sent_at=time.time(), reason="forged")
+    forged = Abort(room=1, sender="prefill-0", instance="forged", origin=d.info["side_channel"], nonce=12345,
+                   sent_at=time.time(), reason="forged")
     push.send(seal(forged, b"not the cluster secret, just 32 bytes long!"))
     push.send(b"\x01\x04unsigned garbage")
     assert d("wait", room=1)["state"] == "Success"
@@ -154,7 +155,8 @@ def test_forged_unsigned_and_duplicate_messages_change_nothing(cluster, backend)
     dropped = d("counters")["side_channel_dropped"]
     assert dropped["bad_mac"] >= 1 and sum(dropped.values()) >= 2
     # a second, validly signed PULLED for the finished room: delivered once at most, never a state change
-    duplicate = Pulled(room=1, sender="decode-0", nonce=999, sent_at=time.time(), transfer_id=1)
+    duplicate = Pulled(room=1, sender="decode-0", instance="replayed", origin=d.info["side_channel"], nonce=999,
+                       sent_at=time.time(), transfer_id=1)
     push.disconnect(d.info["side_channel"])
     push.connect(p.info["side_channel"])
     push.send(seal(duplicate, cluster.secret))

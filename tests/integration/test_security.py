@@ -323,26 +323,28 @@ NO_UNPICKLE = textwrap.dedent("""
     import jax, numpy as np
     from fsm_pd.transport import generate_secret
     from fsm_pd.transport.backends import create_backend
-    from fsm_pd.transport.messages import Abort, AbortAck, Heartbeat, Prepare, Pulled, Ready
+    from fsm_pd.transport.messages import Abort, Heartbeat, Prepare, Pulled, Ready
     from fsm_pd.transport.side_channel import SideChannel
 
     secret = generate_secret()
-    got, arrived = [], threading.Event()
+    got, arrived, pong = [], threading.Event(), threading.Event()
     def inbox(msg):
         got.append(msg)
-        if len(got) == 6:
+        if len(got) == 4:
             arrived.set()
     a = SideChannel(node_id="a", secret=secret, on_message=inbox)
     b = SideChannel(node_id="b", secret=secret, on_message=lambda m: None)
+    b.add_observer(lambda m: pong.set() if isinstance(m, Heartbeat) and m.pong else None)
     layout = {"num_pages": 4, "page_size": 2}
     for msg in (b.stamp(Prepare, room=1, transfer_id=1, reply_to=b.address, layout=layout, page_count=1,
                         prompt_len=3),
                 b.stamp(Ready, room=1, transfer_id=1, uuid=5, transfer_addr="127.0.0.1:1", backend="zmq",
                         layout=layout, page_count=1, first_token=3, first_logprob=-0.5, input_logprobs=[-1.0]),
                 b.stamp(Pulled, room=1, transfer_id=1), b.stamp(Abort, room=2, reason="r"),
-                b.stamp(AbortAck, room=2), b.stamp(Heartbeat, room=0, addr=b.address)):
+                b.stamp(Heartbeat, room=0, pong=False)):
         b.send(a.address, msg)
     assert arrived.wait(10), got
+    assert pong.wait(10)  # the ping was answered
 
     p, d = create_backend("zmq", host="127.0.0.1"), create_backend("zmq", host="127.0.0.1")
     data = np.arange(4 * 8, dtype=np.float32).reshape(4, 8)

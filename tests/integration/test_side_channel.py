@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from fsm_pd.kernels.layout import KVLayout
-from fsm_pd.transport.messages import Abort, AbortAck, Heartbeat, MessageType, Prepare, Pulled, Ready, encode_body
+from fsm_pd.transport.messages import Abort, MessageType, Prepare, Pulled, Ready, encode_body
 from fsm_pd.transport.side_channel import (
     BadPeerAddress,
     ChannelClosed,
@@ -26,7 +26,7 @@ from fsm_pd.transport.side_channel import (
     PeerUnreachable,
     SideChannel,
 )
-from fsm_pd.transport.signing import generate_secret, seal, secret_env
+from fsm_pd.transport.signing import WIRE_VERSION, generate_secret, seal, secret_env
 
 SECRET = generate_secret()
 LAYOUT = KVLayout(num_layers=2, num_pages=16, page_size=4, kv_heads=1, head_dim=8).to_dict()
@@ -103,8 +103,6 @@ def one_of_each(channel: SideChannel, room: int, reply_to: str) -> list:
         ),
         stamp(Pulled, room=room, transfer_id=1),
         stamp(Abort, room=room, reason="test"),
-        stamp(AbortAck, room=room),
-        stamp(Heartbeat, room=0, addr=reply_to),
     ]
 
 
@@ -118,29 +116,27 @@ def test_two_channels_exchange_every_message_type(make_channel):
         a.send(b.address, msg)
     for msg in sent_to_a:
         b.send(a.address, msg)
-    assert b_in.wait_for(6) == sent_to_b  # one connection: order is kept
-    assert a_in.wait_for(6) == sent_to_a
-    assert {m.TYPE for m in sent_to_b} == set(MessageType)
-    assert a.delivered == b.delivered == 6
+    assert b_in.wait_for(4) == sent_to_b  # one connection: order is kept
+    assert a_in.wait_for(4) == sent_to_a
+    assert {m.TYPE for m in sent_to_b} == set(MessageType) - {MessageType.HEARTBEAT}  # heartbeats: test_heartbeats
+    for msg in b_in.messages:  # who sent it, from where, which run of that process
+        assert (msg.sender, msg.origin, msg.instance) == ("decode-0", a.address, a.instance)
+    assert a.instance != b.instance
+    assert a.delivered == b.delivered == 4
     assert not any(a.dropped.values()) and not any(b.dropped.values())
 
 
 ECHO_PEER = """
 import dataclasses, sys, time
-from fsm_pd.transport.messages import Heartbeat, Prepare, new_nonce
+from fsm_pd.transport.messages import new_nonce
 from fsm_pd.transport.side_channel import SideChannel
 from fsm_pd.transport.signing import secret_from_env
 
-reply_to = []
-
 def echo(msg):
-    # Learn where to answer from PREPARE.reply_to or HEARTBEAT.addr, then send every message back as our own.
-    if isinstance(msg, Prepare):
-        reply_to.append(msg.reply_to)
-    elif isinstance(msg, Heartbeat):
-        reply_to.append(msg.addr)
-    copy = dataclasses.replace(msg, sender=channel.node_id, nonce=new_nonce(), sent_at=time.time())
-    channel.send(reply_to[-1], copy)
+    # Every message says where it came from: send it back there as our own.
+    copy = dataclasses.replace(msg, sender=channel.node_id, instance=channel.instance, origin=channel.address,
+                               nonce=new_nonce(), sent_at=time.time())
+    channel.send(msg.origin, copy)
 
 channel = SideChannel(node_id="child", secret=secret_from_env(), on_message=echo)
 print(channel.address, flush=True)
@@ -165,11 +161,13 @@ def test_a_peer_in_another_process_gets_the_secret_from_env_and_answers(make_cha
         sent = one_of_each(parent, room=21, reply_to=parent.address)
         for msg in sent:
             parent.send(child_addr, msg)
-        echoed = inbox.wait_for(6, timeout=10)
+        echoed = inbox.wait_for(4, timeout=10)
         assert [m.TYPE for m in echoed] == [m.TYPE for m in sent]
         for got, orig in zip(echoed, sent, strict=True):
-            assert got.sender == "child" and got.nonce != orig.nonce
-            assert dataclasses.replace(got, sender=orig.sender, nonce=orig.nonce, sent_at=orig.sent_at) == orig
+            assert got.sender == "child" and got.nonce != orig.nonce and got.origin == child_addr
+            assert got.instance != parent.instance
+            assert dataclasses.replace(got, sender=orig.sender, instance=orig.instance, origin=orig.origin,
+                                       nonce=orig.nonce, sent_at=orig.sent_at) == orig
         child.stdin.close()
         assert child.stdout.readline().strip() == "closed"
         assert child.wait(timeout=10) == 0
@@ -189,7 +187,7 @@ def test_bad_frames_are_dropped_and_counted_while_valid_traffic_continues(make_c
     valid = b.stamp(Pulled, room=1, transfer_id=1)
     stale = dataclasses.replace(b.stamp(Pulled, room=2, transfer_id=1), sent_at=time.time() - 1000)
     future = dataclasses.replace(b.stamp(Pulled, room=3, transfer_id=1), sent_at=time.time() + 1000)
-    header = bytes((1, MessageType.PULLED))
+    header = bytes((WIRE_VERSION, MessageType.PULLED))
     signed_garbage = _sign(header + msgpack.packb(["not", "a", "pulled"]))
     big = b.stamp(Abort, room=4, reason="x" * limit)
 
@@ -202,7 +200,7 @@ def test_bad_frames_are_dropped_and_counted_while_valid_traffic_continues(make_c
     raw.send(seal(stale, SECRET))  # stale
     raw.send(seal(future, SECRET))  # stale
     raw.send(signed_garbage)  # malformed
-    raw.send(b"\x07" + seal(valid, SECRET)[1:])  # bad_version
+    raw.send(b"\x01" + seal(valid, SECRET)[1:])  # bad_version: wire version 1, before instances
     raw.send_multipart([seal(b.stamp(Pulled, room=6, transfer_id=1), SECRET), b"x"])  # malformed: two parts
     last = b.stamp(Pulled, room=7, transfer_id=1)
     raw.send(seal(last, SECRET))  # delivered: the listener survived all of the above
@@ -229,7 +227,7 @@ def test_a_frame_beyond_the_hard_cap_costs_the_sender_its_connection_not_the_lis
     a = make_channel("decode-0", inbox, max_frame_bytes=1024)
     raw_push(a.address).send(b"\x01" * 64 * 1024)  # above libzmq's MAXMSGSIZE backstop
     b = make_channel("prefill-0")
-    ok = b.stamp(Heartbeat, room=0, addr=b.address)
+    ok = b.stamp(Pulled, room=1, transfer_id=1)
     b.send(a.address, ok)
     assert inbox.wait_for(1) == [ok]
 
@@ -285,12 +283,12 @@ def test_send_to_a_dead_peer_raises_within_the_bound(make_channel):
 def test_forget_peer_drops_the_cached_socket(make_channel):
     inbox = Inbox()
     a, b = make_channel("a"), make_channel("b", inbox)
-    a.send(b.address, a.stamp(AbortAck, room=1))
+    a.send(b.address, a.stamp(Abort, room=1, reason="r"))
     assert b.address in a._peers
     a.forget_peer(b.address)
     a.forget_peer(b.address)  # idempotent
     assert b.address not in a._peers
-    a.send(b.address, a.stamp(AbortAck, room=2))
+    a.send(b.address, a.stamp(Abort, room=2, reason="r"))
     assert [m.room for m in inbox.wait_for(2)] == [1, 2]
 
 
@@ -313,8 +311,8 @@ def test_an_exception_in_on_message_is_counted_and_the_listener_carries_on(make_
         inbox(msg)
 
     a, b = make_channel("a", on_message=flaky), make_channel("b")
-    b.send(a.address, b.stamp(AbortAck, room=1))
-    b.send(a.address, b.stamp(AbortAck, room=2))
+    b.send(a.address, b.stamp(Abort, room=1, reason="r"))
+    b.send(a.address, b.stamp(Abort, room=2, reason="r"))
     assert [m.room for m in inbox.wait_for(1)] == [2]
     assert a.handler_errors == 1 and a.delivered == 2
 
@@ -323,14 +321,14 @@ def test_close_stops_the_thread_and_is_final(make_channel):
     before = set(threading.enumerate())
     inbox = Inbox()
     a, b = make_channel("a", inbox), make_channel("b")
-    b.send(a.address, b.stamp(AbortAck, room=1))
+    b.send(a.address, b.stamp(Abort, room=1, reason="r"))
     inbox.wait_for(1)
     a.close()
     b.close()
     b.close()  # idempotent
     assert set(threading.enumerate()) == before
     with pytest.raises(ChannelClosed):
-        b.send(a.address, b.stamp(AbortAck, room=2))
+        b.send(a.address, b.stamp(Abort, room=2, reason="r"))
 
 
 def test_close_from_inside_on_message_does_not_deadlock():
@@ -342,7 +340,7 @@ def test_close_from_inside_on_message_does_not_deadlock():
 
     channel = SideChannel(node_id="a", secret=SECRET, on_message=close_self)
     with SideChannel(node_id="b", secret=SECRET, on_message=Inbox()) as other:
-        other.send(channel.address, other.stamp(AbortAck, room=1))
+        other.send(channel.address, other.stamp(Abort, room=1, reason="r"))
         assert closed.wait(5)
     channel._thread.join(5)
     assert not channel._thread.is_alive()

@@ -27,9 +27,9 @@ from fsm_pd.control import KVManager
 from fsm_pd.kernels import KVLayout
 from fsm_pd.machines import KVPoll
 from fsm_pd.store import read_journal, replay
-from fsm_pd.transport import Abort, AbortAck, Heartbeat, Prepare, Pulled, Ready, generate_secret
+from fsm_pd.transport import Abort, Heartbeat, Prepare, Pulled, Ready, generate_secret
 from fsm_pd.transport.messages import MessageType
-from fsm_pd.transport.signing import seal
+from fsm_pd.transport.signing import WIRE_VERSION, seal
 
 LAYOUT = KVLayout(num_layers=2, num_pages=32, page_size=4, kv_heads=1, head_dim=8)
 LIVE = (11, 12, 13)
@@ -68,9 +68,8 @@ def valid_messages(stamp, rooms) -> list:
                       page_count=2, prompt_len=5),
                 stamp(Ready, room=room, transfer_id=room, uuid=room, transfer_addr="127.0.0.1:9", backend="fake",
                       layout=layout, page_count=2, first_token=1, first_logprob=-1.0, input_logprobs=[-1.0]),
-                stamp(Pulled, room=room, transfer_id=room), stamp(Abort, room=room, reason="forged"),
-                stamp(AbortAck, room=room)]
-    return out + [stamp(Heartbeat, room=0, addr="tcp://127.0.0.1:9")]
+                stamp(Pulled, room=room, transfer_id=room), stamp(Abort, room=room, reason="forged")]
+    return out + [stamp(Heartbeat, room=0, pong=False), stamp(Heartbeat, room=0, pong=True)]
 
 
 def garbage(rng: random.Random, stamp, secret: bytes) -> list[bytes | list[bytes]]:
@@ -84,7 +83,7 @@ def garbage(rng: random.Random, stamp, secret: bytes) -> list[bytes | list[bytes
         kind = rng.randrange(10)
         if kind == 0:  # random bytes of any length, sometimes with a plausible header
             frame = rng.randbytes(rng.randrange(0, 300))
-            frames.append(bytes((1, rng.randrange(1, 7))) + frame if rng.random() < 0.5 else frame)
+            frames.append(bytes((WIRE_VERSION, rng.randrange(1, 7))) + frame if rng.random() < 0.5 else frame)
         elif kind == 1:  # a flipped bit anywhere
             i = rng.randrange(len(good))
             frames.append(good[:i] + bytes((good[i] ^ (1 << rng.randrange(8)),)) + good[i + 1:])
@@ -100,15 +99,15 @@ def garbage(rng: random.Random, stamp, secret: bytes) -> list[bytes | list[bytes
             skew = rng.choice((-1, 1)) * rng.uniform(120, 10**6)
             frames.append(seal(dataclasses.replace(msg, nonce=rng.getrandbits(63), sent_at=time.time() + skew),
                                secret))
-        elif kind == 6:  # another wire version
-            frames.append(bytes((rng.choice([0, 2, 255]),)) + good[1:])
+        elif kind == 6:  # another wire version (1: before instances)
+            frames.append(bytes((rng.choice([0, 1, 3, 255]),)) + good[1:])
         elif kind == 7:  # a valid frame in two parts
             frames.append([good, rng.randbytes(rng.randrange(0, 20))])
         elif kind == 8:  # bigger than max_frame_bytes (below libzmq's hard cap, so it is counted)
             frames.append(good + bytes(1024 * 1024))
         else:  # correctly signed bytes that are not a message body
             body = rng.randbytes(rng.randrange(0, 60))
-            header = bytes((1, rng.randrange(1, 7)))
+            header = bytes((WIRE_VERSION, rng.randrange(1, 7)))
             frames.append(header + body + hmac.new(secret, header + body, hashlib.sha256).digest())
     return frames
 

@@ -16,7 +16,6 @@ from fsm_pd.kernels.layout import KVLayout
 from fsm_pd.transport.messages import (
     CODEC,
     Abort,
-    AbortAck,
     Heartbeat,
     MalformedMessage,
     MessageType,
@@ -25,12 +24,14 @@ from fsm_pd.transport.messages import (
     Ready,
     decode_body,
     encode_body,
+    new_instance_id,
     stamped,
 )
 from fsm_pd.transport.signing import (
     HEADER_BYTES,
     MAC_BYTES,
     SECRET_ENV,
+    WIRE_VERSION,
     RejectedFrame,
     SecretError,
     generate_secret,
@@ -43,7 +44,8 @@ from fsm_pd.transport.signing import (
 
 SECRET = bytes(range(32))
 LAYOUT = KVLayout(num_layers=2, num_pages=64, page_size=16, kv_heads=2, head_dim=8, dtype="bfloat16").to_dict()
-COMMON = dict(room=12345, sender="decode-0", nonce=987654321, sent_at=1_700_000_000.25)
+COMMON = dict(room=12345, sender="decode-0", instance="0123456789abcdef", origin="tcp://127.0.0.1:5555",
+              nonce=987654321, sent_at=1_700_000_000.25)
 
 EXAMPLES = [
     Prepare(
@@ -80,8 +82,8 @@ EXAMPLES = [
     ),
     Pulled(**COMMON, transfer_id=1),
     Abort(**COMMON, reason="decode: pull timed out after 30 s"),
-    AbortAck(**COMMON),
-    Heartbeat(**{**COMMON, "room": 0}, addr="tcp://127.0.0.1:5556"),
+    Heartbeat(**{**COMMON, "room": 0}, pong=False),
+    Heartbeat(**{**COMMON, "room": 0}, pong=True),
 ]
 
 
@@ -95,14 +97,45 @@ def test_the_codec_table_covers_every_type_once():
 def test_each_type_round_trips_through_body_and_frame(msg):
     assert decode_body(msg.TYPE, encode_body(msg)) == msg
     frame = seal(msg, SECRET)
-    assert frame[0] == 1 and frame[1] == msg.TYPE
+    assert frame[0] == WIRE_VERSION == 2 and frame[1] == msg.TYPE
     assert open_frame(frame, SECRET) == msg
 
 
 def test_body_is_a_compact_positional_array():
     body = encode_body(EXAMPLES[3])  # Pulled
-    assert msgpack.unpackb(body) == [12345, "decode-0", 987654321, 1_700_000_000.25, 1]
-    assert len(body) < 40
+    assert msgpack.unpackb(body) == [12345, "decode-0", "0123456789abcdef", "tcp://127.0.0.1:5555", 987654321,
+                                     1_700_000_000.25, 1]
+    assert len(body) < 80
+
+
+def test_every_message_names_its_sender_instance_and_origin():
+    for msg in EXAMPLES:
+        assert (msg.sender, msg.instance, msg.origin) == ("decode-0", "0123456789abcdef", "tcp://127.0.0.1:5555")
+    for field, bad in (("instance", ""), ("instance", "x" * 65), ("instance", None), ("origin", ""),
+                       ("origin", 5)):
+        with pytest.raises(MalformedMessage, match=field):
+            Pulled(**{**COMMON, field: bad}, transfer_id=1)
+
+
+def test_abort_ack_is_retired_and_its_number_stays_unused():
+    assert 5 not in set(MessageType) and not hasattr(MessageType, "ABORT_ACK")
+    with pytest.raises(MalformedMessage, match="unknown message type 5"):
+        decode_body(5, encode_body(EXAMPLES[4]))
+
+
+def test_a_version_1_frame_is_refused_as_bad_version():
+    frame = seal(EXAMPLES[3], SECRET)
+    with pytest.raises(RejectedFrame) as err:
+        open_frame(b"\x01" + frame[1:], SECRET)
+    assert err.value.reason == "bad_version"
+
+
+def test_instance_ids_are_16_hex_characters_and_a_seeded_rng_repeats_them():
+    import random
+
+    ids = {new_instance_id() for _ in range(100)}
+    assert len(ids) == 100 and all(len(i) == 16 and int(i, 16) >= 0 for i in ids)
+    assert new_instance_id(random.Random(3)) == new_instance_id(random.Random(3))
 
 
 def test_messages_are_frozen_and_slotted():
@@ -111,7 +144,7 @@ def test_messages_are_frozen_and_slotted():
         msg.room = 1
     assert not hasattr(msg, "__dict__")
     with pytest.raises(TypeError):
-        Pulled(1, "a", 2, 3.0, 4)  # keyword-only
+        Pulled(1, "a", "i", "tcp://h:1", 2, 3.0, 4)  # keyword-only
 
 
 def test_ints_are_widened_to_floats_and_checked_once_at_construction():
@@ -121,8 +154,8 @@ def test_ints_are_widened_to_floats_and_checked_once_at_construction():
 
 
 def test_stamped_fills_a_fresh_nonce_and_time():
-    a = stamped(Pulled, sender="p", room=1, transfer_id=2)
-    b = stamped(Pulled, sender="p", room=1, transfer_id=2)
+    a = stamped(Pulled, sender="p", instance="i", origin="tcp://h:1", room=1, transfer_id=2)
+    b = stamped(Pulled, sender="p", instance="i", origin="tcp://h:1", room=1, transfer_id=2)
     assert a.nonce != b.nonce and 0 <= a.nonce < 2**63 and a.sent_at > 1e9
 
 
@@ -161,9 +194,12 @@ def test_a_wrong_field_type_is_malformed(field, bad):
         Ready(**{**vars_of(EXAMPLES[1]), field: bad})
 
 
-def test_heartbeat_room_must_be_zero():
+def test_heartbeat_room_must_be_zero_and_pong_a_bool():
     with pytest.raises(MalformedMessage, match="room"):
-        Heartbeat(**COMMON, addr="tcp://127.0.0.1:1")
+        Heartbeat(**COMMON, pong=False)
+    for bad in (0, 1, None, "yes"):
+        with pytest.raises(MalformedMessage, match="pong"):
+            Heartbeat(**{**COMMON, "room": 0}, pong=bad)
 
 
 @pytest.mark.parametrize(
@@ -175,11 +211,12 @@ def test_heartbeat_room_must_be_zero():
         (MessageType.PULLED, b"\xc1"),  # never-used msgpack byte
         (MessageType.PULLED, encode_body(EXAMPLES[3]) + b"\x00"),  # trailing data
         (MessageType.PULLED, msgpack.packb({"room": 1})),
-        (MessageType.PULLED, msgpack.packb([1, "a", 2, 3.0])),  # one field short
-        (MessageType.PULLED, msgpack.packb([1, "a", 2, 3.0, 4, 5])),  # one too many
+        (MessageType.PULLED, msgpack.packb([1, "a", "i", "tcp://h:1", 2, 3.0])),  # one field short
+        (MessageType.PULLED, msgpack.packb([1, "a", "i", "tcp://h:1", 2, 3.0, 4, 5])),  # one too many
+        (MessageType.PULLED, msgpack.packb([1, "a", 2, 3.0, 4])),  # a version-1 body: no instance, no origin
         (MessageType.ABORT, encode_body(EXAMPLES[3])),  # a PULLED body under another type
-        (MessageType.PULLED, msgpack.packb([1, "a", 2, 3.0, msgpack.ExtType(1, b"x")])),
-        (MessageType.PULLED, msgpack.packb([-(2**63), "a", 2, 3.0, 4])),
+        (MessageType.PULLED, msgpack.packb([1, "a", "i", "tcp://h:1", 2, 3.0, msgpack.ExtType(1, b"x")])),
+        (MessageType.PULLED, msgpack.packb([-(2**63), "a", "i", "tcp://h:1", 2, 3.0, 4])),
         (MessageType.PULLED, b"\xdd\xff\xff\xff\xff"),  # array claiming 4G elements
         (MessageType.PREPARE, b"\x91" * 5000 + b"\x00"),  # deeply nested
     ],
@@ -197,7 +234,9 @@ logprob = st.floats(allow_nan=False)
 text = st.text(max_size=40)
 scalar = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | finite | text
 layouts = st.dictionaries(text, scalar, max_size=8)
-common = dict(room=u64, sender=text, nonce=st.integers(0, 2**63 - 1), sent_at=finite)
+nonempty = st.text(min_size=1, max_size=40)
+common = dict(room=u64, sender=text, instance=st.text(min_size=1, max_size=64), origin=nonempty,
+              nonce=st.integers(0, 2**63 - 1), sent_at=finite)
 
 STRATEGIES = {
     Prepare: st.builds(
@@ -218,8 +257,7 @@ STRATEGIES = {
     ),
     Pulled: st.builds(Pulled, **common, transfer_id=u64),
     Abort: st.builds(Abort, **common, reason=text),
-    AbortAck: st.builds(AbortAck, **common),
-    Heartbeat: st.builds(Heartbeat, **{**common, "room": st.just(0)}, addr=text),
+    Heartbeat: st.builds(Heartbeat, **{**common, "room": st.just(0)}, pong=st.booleans()),
 }
 any_message = st.one_of(*STRATEGIES.values())
 
@@ -252,8 +290,8 @@ def test_any_altered_byte_is_bad_mac(position):
 
 def test_a_body_without_mac_is_unsigned():
     msg = EXAMPLES[0]
-    bare = bytes((1, msg.TYPE)) + encode_body(msg)
-    for frame in (bare, b"\x01\x03"):
+    bare = bytes((WIRE_VERSION, msg.TYPE)) + encode_body(msg)
+    for frame in (bare, b"\x02\x03"):
         with pytest.raises(RejectedFrame) as err:
             open_frame(frame, SECRET)
         assert err.value.reason == "unsigned"
@@ -266,12 +304,12 @@ def test_oversized_and_wrong_version_frames_are_rejected_before_the_mac():
     assert err.value.reason == "oversized"
     assert open_frame(frame, SECRET, max_frame_bytes=len(frame)) == EXAMPLES[1]
     with pytest.raises(RejectedFrame) as err:
-        open_frame(b"\x02" + frame[1:], SECRET)
+        open_frame(b"\x03" + frame[1:], SECRET)
     assert err.value.reason == "bad_version"
 
 
 def test_the_mac_covers_the_type_byte():
-    frame = seal(AbortAck(**COMMON), SECRET)
+    frame = seal(Abort(**COMMON, reason=""), SECRET)
     swapped = frame[:1] + bytes((MessageType.PULLED,)) + frame[2:]
     with pytest.raises(RejectedFrame, match="bad_mac"):
         open_frame(swapped, SECRET)
@@ -352,7 +390,7 @@ random_body = st.recursive(
 def test_signed_random_msgpack_bodies_raise_only_malformed(msg_type, obj, arr):
     for body in (msgpack.packb(obj), msgpack.packb(arr)):
         try:
-            out = open_frame(_resign(bytes((1, msg_type)) + body), SECRET)
+            out = open_frame(_resign(bytes((WIRE_VERSION, msg_type)) + body), SECRET)
         except MalformedMessage:
             continue
         assert type(out) is CODEC[msg_type]

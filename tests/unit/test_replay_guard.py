@@ -1,4 +1,5 @@
-"""ReplayGuard: staleness, nonce replay with bounded memory, and once-only delivery per (sender, room, type)."""
+"""ReplayGuard: staleness, nonce replay with bounded memory, and once-only delivery per (sender, instance, room,
+type)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,12 @@ from fsm_pd.transport.replay_guard import ReplayGuard
 NOW = 1_700_000_000.0
 
 
-def pulled(nonce: int, *, room: int = 1, sender: str = "d0", sent_at: float = NOW) -> Pulled:
-    return Pulled(room=room, sender=sender, nonce=nonce, sent_at=sent_at, transfer_id=1)
+ORIGIN = "tcp://127.0.0.1:1"
+
+
+def pulled(nonce: int, *, room: int = 1, sender: str = "d0", sent_at: float = NOW, instance: str = "i1") -> Pulled:
+    return Pulled(room=room, sender=sender, instance=instance, origin=ORIGIN, nonce=nonce, sent_at=sent_at,
+                  transfer_id=1)
 
 
 def test_fresh_messages_pass_once_and_replays_are_caught():
@@ -44,14 +49,16 @@ def test_same_sender_room_and_type_is_delivered_once_even_with_a_fresh_nonce():
     assert guard.check(pulled(2), NOW) == "duplicate"
     assert guard.check(pulled(3, sender="d1"), NOW) is None  # another sender
     assert guard.check(pulled(4, room=2), NOW) is None  # another room
-    abort = Abort(room=1, sender="d0", nonce=5, sent_at=NOW, reason="x")
+    abort = Abort(room=1, sender="d0", instance="i1", origin=ORIGIN, nonce=5, sent_at=NOW, reason="x")
     assert guard.check(abort, NOW) is None  # another type
+    assert guard.check(pulled(6, instance="i2"), NOW) is None  # a restarted sender is news, not a copy
+    assert guard.check(pulled(7, instance="i2"), NOW) == "duplicate"
 
 
 def test_heartbeats_are_never_deduplicated():
     guard = ReplayGuard()
     for nonce in range(5):
-        beat = Heartbeat(room=0, sender="p0", nonce=nonce, sent_at=NOW, addr="tcp://127.0.0.1:1")
+        beat = Heartbeat(room=0, sender="p0", instance="i1", origin=ORIGIN, nonce=nonce, sent_at=NOW, pong=False)
         assert guard.check(beat, NOW) is None
 
 
