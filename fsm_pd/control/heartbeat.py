@@ -1,5 +1,9 @@
 """The decode node's health check of the prefill nodes it pulls from (SGLang's heartbeat).
 
+Superseded by ``PeerMonitor`` (``peer_monitor.py``), which probes the peer node itself over the side channel and
+sees restarts by instance id; this probe of the bootstrap server's ``/health`` misses a dead prefill node behind a
+standalone bootstrap server. It stays until the KV manager is wired to ``PeerMonitor``, and then goes.
+
 Every ``interval`` seconds each watched URL is checked; after ``max_failures`` misses in a row it is declared dead
 once, ``on_dead(url)`` fails its rooms and drops what was cached about it, and it stops being watched: the next
 request for that prefill node resolves it afresh (a restarted node at the same address is then used as new, the
