@@ -7,7 +7,8 @@ Rules (SGLang's ``CommonKVBootstrapServer`` unless marked *fsm-pd*):
   of being filed under a layout it does not belong to; only a restart of the server changes the layout.
 * The server is *ready* once every rank of that layout is in the table. *fsm-pd:* ranks are counted once each, so
   a rank that registers twice (a restart) cannot stand in for one that never came; SGLang counts registrations.
-  A re-registration replaces the rank's entry.
+  A re-registration replaces the rank's entry: a restarted prefill node's new side-channel address and instance
+  are what lookups return from then on.
 * ``room → dp rank`` entries live ``entry_ttl_s`` seconds. SGLang sweeps every TTL, so an entry there lives between
   one and two TTLs; here it is gone exactly when the TTL passes, and at most ``max_room_entries`` are kept (the
   oldest go first), so a flood of registrations cannot grow the table without bound.
@@ -18,6 +19,7 @@ in-process and call it from its own threads.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -25,6 +27,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from fsm_pd.bootstrap.wire import SERVER_INFO_KEYS, RankRegistration
+
+log = logging.getLogger(__name__)
 
 # Fields every rank of one prefill server must agree on; a mismatch means two servers share one bootstrap server.
 _LAYOUT_FIELDS = ("attn_tp_size", "attn_cp_size", "dp_size", "pp_size", "page_size", "kv_cache_dtype")
@@ -72,7 +76,11 @@ class PrefillRegistry:
                     raise RegistrationConflict(
                         "the registration disagrees with the prefill layout already registered: "
                         + ", ".join(differing) + "; restart the bootstrap server to change the layout")
+            old = self._ranks.get(reg.key)
             self._ranks[reg.key] = reg
+            if old is not None and old.instance != reg.instance:
+                log.info("prefill rank dp=%d cp=%d tp=%d pp=%d re-registered: instance %s replaces %s", *reg.key,
+                         reg.instance, old.instance)
             return len(self._ranks)
 
     @property

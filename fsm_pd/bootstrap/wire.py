@@ -36,9 +36,11 @@ SERVER_INFO_KEYS = (
 )
 
 # What fsm-pd adds to a rank: where its signed side channel listens (a zmq address), where and how its KV data
-# plane is reached, the KV page layout (``KVLayout.to_dict()``) and the node's id.
+# plane is reached, the KV page layout (``KVLayout.to_dict()``), the node's id, and the instance id of the process
+# that registered (a restarted node registers a new one, which is how a decode node tells it from its predecessor).
 EXTRA_FIELDS: dict[str, type] = {
     "side_channel": str, "transfer_addr": str, "transfer_backend": str, "kv_layout": dict, "node_id": str,
+    "instance": str,
 }
 
 ROUTE_QUERY = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
@@ -101,6 +103,7 @@ class RankRegistration:
     transfer_backend: str | None = None
     kv_layout: dict | None = None
     node_id: str | None = None
+    instance: str | None = None
 
     @property
     def dp_size(self) -> int:

@@ -2,8 +2,15 @@
 
 A request names its prefill node the SGLang way, ``bootstrap_host``/``bootstrap_port`` (here ``bootstrap_addr``,
 ``"host:port"``), or, without a bootstrap server, directly by side-channel address (``prefill_addr``). Lookups are
-cached per (bootstrap URL, dp rank); the heartbeat drops a URL's entries when its node dies, so a node restarted
-behind the same address is looked up afresh (SGLang issue 16903).
+cached per (bootstrap URL, dp rank). An entry names the prefill node's side-channel address and, when the node
+registered one, its process instance; the result carries it as ``prefill_instance``, so a room can be bound to the
+instance it started with.
+
+A cached entry is only as good as the process behind it. When that process dies or is replaced, the owner drops
+the entry so that the next request asks the bootstrap server afresh (SGLang issue 16903): ``forget(url)`` by
+bootstrap server, ``forget_peer(addr, instance)`` by what the peer monitor saw. ``forget_peer`` with an instance
+drops only entries naming that instance, so a late report about a dead instance cannot throw away the lookup that
+already found its successor.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ class PrefillResolver:
         self._lock = threading.Lock()
 
     def __call__(self, ctx: Mapping[str, Any]) -> dict:
+        """``{"prefill_addr", "peer"}``, plus ``"bootstrap_url"`` and, if registered, ``"prefill_instance"`` when
+        found through a bootstrap server. Raises ``LookupError``."""
         if "prefill_addr" in ctx:
             return {"prefill_addr": ctx["prefill_addr"], "peer": ctx.get("peer", "prefill")}
         if "bootstrap_addr" not in ctx:
@@ -39,21 +48,37 @@ class PrefillResolver:
                                   "(is it an fsm-pd prefill node?)")
             with self._lock:
                 self._cache[key] = found
-        return {"prefill_addr": found["side_channel"], "peer": found.get("node_id", "prefill"), "bootstrap_url": url}
+        out = {"prefill_addr": found["side_channel"], "peer": found.get("node_id", "prefill"), "bootstrap_url": url}
+        if found.get("instance"):
+            out["prefill_instance"] = found["instance"]
+        return out
 
     def forget(self, url: str) -> None:
+        """Drop every entry learned from the bootstrap server at ``url``."""
         with self._lock:
             for key in [k for k in self._cache if k[0] == url]:
                 del self._cache[key]
 
+    def forget_peer(self, addr: str, instance: str | None = None) -> int:
+        """Drop the entries whose prefill node listens at side-channel address ``addr`` (dead, or replaced), only
+        those naming ``instance`` if it is given. Returns how many were dropped."""
+        with self._lock:
+            stale = [key for key, found in self._cache.items()
+                     if found.get("side_channel") == addr and (instance is None or found.get("instance") == instance)]
+            for key in stale:
+                del self._cache[key]
+        return len(stale)
+
 
 def register_prefill(bootstrap_url: str, *, host: str, side_channel: str, transfer_addr: str, backend: str,
                      layout: dict, node_id: str, http_port: int | None = None, token: str | None = None,
-                     attempts: int = 5, backoff_base_s: float = 1.0) -> None:
-    """Register this prefill node (one rank) with its bootstrap server, retrying with SGLang's backoff."""
+                     attempts: int = 5, backoff_base_s: float = 1.0, instance: str | None = None) -> None:
+    """Register this prefill node (one rank) with its bootstrap server, retrying with SGLang's backoff. ``instance``
+    (the side channel's) replaces whatever an earlier process registered for the same rank."""
     port = int(side_channel.rsplit(":", 1)[1])
     reg = RankRegistration(rank_ip=host, rank_port=port, page_size=layout["page_size"],
                            kv_cache_dtype=layout["dtype"], prefill_http_port=http_port, side_channel=side_channel,
-                           transfer_addr=transfer_addr, transfer_backend=backend, kv_layout=layout, node_id=node_id)
+                           transfer_addr=transfer_addr, transfer_backend=backend, kv_layout=layout, node_id=node_id,
+                           instance=instance)
     register_prefill_rank(bootstrap_url, reg.to_json(), token=token, attempts=attempts,
                           backoff_base_s=backoff_base_s)

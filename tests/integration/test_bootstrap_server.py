@@ -224,13 +224,25 @@ def test_dp_rank_entries_expire_after_the_ttl(make_server, http):
 def test_extra_rank_fields_come_back_on_rank_lookup_only(make_server, http):
     server = make_server()
     extras = {"side_channel": "tcp://127.0.0.1:5555", "transfer_addr": "127.0.0.1:6000",
-              "transfer_backend": "zmq", "kv_layout": KV_LAYOUT, "node_id": "prefill-0"}
+              "transfer_backend": "zmq", "kv_layout": KV_LAYOUT, "node_id": "prefill-0",
+              "instance": "0123456789abcdef"}
     assert http.put(server.url + "/route", json={**sglang_registration(7001), **extras}).status_code == 200
     response = route(http, server, **RANK_0)
     assert response.json() == {"rank_ip": "127.0.0.1", "rank_port": 7001, **extras}
     layout = route(http, server, **LAYOUT_QUERY).json()
     SGLangPrefillServerInfo(**layout)
     assert not set(extras) & set(layout)
+
+
+def test_a_restarted_prefill_rank_replaces_its_predecessor_and_lookups_name_the_new_instance(make_server, http):
+    server = make_server()
+    first = {"side_channel": "tcp://127.0.0.1:5555", "node_id": "prefill-0", "instance": "aaaaaaaaaaaaaaaa"}
+    again = {"side_channel": "tcp://127.0.0.1:5556", "node_id": "prefill-0", "instance": "bbbbbbbbbbbbbbbb"}
+    for extras in (first, again):
+        assert http.put(server.url + "/route", json={**sglang_registration(7001), **extras}).status_code == 200
+    assert route(http, server, **RANK_0).json() == {"rank_ip": "127.0.0.1", "rank_port": 7001, **again}
+    assert server.registry.registered_count == 1
+    SGLangPrefillServerInfo(**route(http, server, **LAYOUT_QUERY).json())
 
 
 def test_token_guards_writes_and_leaves_reads_open(make_server, http):
@@ -295,6 +307,7 @@ BAD_FIELDS = [
     _with(rank_port=True), _with(attn_tp_rank=1.5), _with(attn_tp_rank=2, attn_tp_size=2), _with(attn_tp_size=0),
     _with(pp_rank=-1), _with(page_size=None), _with(rank_ip=""), _with(rank_ip=["127.0.0.1"]),
     _with(side_channel=5), _with(kv_layout=[1, 2]), _with(node_id=""), _with(prefill_http_port="http"),
+    _with(instance=""), _with(instance=7), _with(instance="x" * 2000),
     _with(attn_dp_size=10**9),
 ]
 
