@@ -1,8 +1,14 @@
 """Effect handlers of the decode node (receiver): resolve, admit, PREPARE, pull and verify, scatter, free.
 
-Pulls block, so they run on a small worker pool; every pool access (scatter, and freeing pages a queued scatter may
-still write) is a job on the model thread, in order. A pulled buffer is scattered only after the backend verified it
-(ready, error-free, shaped as our layout says), and only when the machine asks for it with ``Scatter``.
+They reach the world only through ports (``ports.py``). Lookups and pulls block, so their ports run them elsewhere
+and report back; every pool access (scatter, and freeing pages a queued scatter may still write) is a job on the model
+executor, in order. A pulled buffer is scattered only after the backend verified it (ready, error-free, shaped as our
+layout says), and only when the machine asks for it with ``Scatter``.
+
+Who owns a pulled buffer. A pull is *pending* from ``Pull`` until its result arrives. If the room is still pending
+then, the buffer goes to ``pulled`` until ``Scatter`` takes it (and discards it once written); if ``FreePages`` ran
+first (the room failed while the pull was in flight), the late result is discarded at once. One lock orders the two,
+so every pulled buffer is discarded exactly once, whichever comes first.
 
 With a progressive backend and a pool on one CPU device, the scatter starts during the pull instead: each group of
 layers is written as soon as it has landed (``StreamedScatter``), and ``Scatter`` only waits for the last writes.
@@ -14,24 +20,19 @@ behind every queued write, which finds the stream cancelled.
 from __future__ import annotations
 
 import logging
-import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+import threading
+from typing import TYPE_CHECKING, Any
 
-import jax
-import numpy as np
-
-from fsm_pd.control.faults import FaultConfig, Faults
+from fsm_pd.control.faults import InjectedFault
 from fsm_pd.control.outbox import Outbox
-from fsm_pd.control.overlap import StreamedScatter
 from fsm_pd.effects import EffectError, EffectInterpreter
-from fsm_pd.kernels import page_bucket, resolve_impl, scatter_pages
 from fsm_pd.machines.effects import FreePages, Pull, ReservePages, ResolveBootstrap, Scatter, Send
-from fsm_pd.transport import Abort, Prepare, Pulled
-from fsm_pd.transport.backends import TransferFailed, TransferTimeout
+from fsm_pd.transport.backends.base import TransferFailed, TransferTimeout
+from fsm_pd.transport.messages import Abort, Prepare, Pulled
 
 if TYPE_CHECKING:
-    from fsm_pd.control.manager import KVManager
+    from fsm_pd.control.faults import Faults
+    from fsm_pd.control.ports import Admission, DecodeKV, ModelExecutor, PullPort, ResolverPort, SideChannelPort
     from fsm_pd.effects import Node
     from fsm_pd.machines import Room
 
@@ -39,16 +40,18 @@ log = logging.getLogger(__name__)
 
 
 class DecodeEffects:
-    def __init__(self, manager: KVManager, pull_workers: int = 4):
-        self.m = manager
-        self.workers = ThreadPoolExecutor(max_workers=pull_workers, thread_name_prefix="pull")
-        self.pulled: dict[int, jax.Array] = {}  # room -> verified staging waiting for Scatter
-        self.streams: dict[int, StreamedScatter] = {}  # room -> layers written while its pull is in flight
-        pool = manager.model.pool
-        self.stream_layers = manager.backend.progressive and pool is not None and resolve_impl(pool) == "cpu"
-        self.faults = Faults(FaultConfig.from_env(), role="decode")  # off unless FSM_PD_FAULT_* are set
-        self.outbox = Outbox(manager.side_channel, self.faults, peer="prefill node",
-                             best_effort=frozenset({"ABORT", "PULLED"}), crash_after={"PREPARE": "after_prepare"})
+    def __init__(self, *, layout: dict, channel: SideChannelPort, resolver: ResolverPort, admission: Admission,
+                 puller: PullPort, model: ModelExecutor, kv: DecodeKV, faults: Faults, pull_delay_s: float = 0.0):
+        self.layout = dict(layout)
+        self.channel, self.resolver, self.admission = channel, resolver, admission
+        self.puller, self.model, self.kv, self.faults = puller, model, kv, faults
+        self.pull_delay_s = pull_delay_s  # fault injection: hold each pull back this long (tests, drills)
+        self._lock = threading.Lock()  # orders a pull's result against FreePages (see the module docstring)
+        self.pending: set[int] = set()  # rooms whose pull has not reported yet
+        self.pulled: dict[int, Any] = {}  # room -> verified staging waiting for Scatter
+        self.streams: dict[int, Any] = {}  # room -> layers written while its pull is in flight
+        self.outbox = Outbox(channel, faults, peer="prefill node", best_effort=frozenset({"ABORT", "PULLED"}),
+                             crash_after={"PREPARE": "after_prepare"})
 
     def interpreter(self) -> EffectInterpreter:
         return EffectInterpreter({ResolveBootstrap: self.resolve_bootstrap, ReservePages: self.reserve_pages,
@@ -56,26 +59,24 @@ class DecodeEffects:
                                   FreePages: self.free_pages})
 
     def resolve_bootstrap(self, node: Node, room: Room, effect: ResolveBootstrap) -> None:
-        ctx = dict(room.ctx)
+        room_id = room.room
 
-        def resolve():
-            try:
-                found = self.m.resolver(ctx)
-            except Exception as exc:  # noqa: BLE001 - a lookup failure is the peer's side's fault
-                node.submit(room.room, "error", {"blame": "remote", "reason": f"bootstrap lookup failed: {exc}"})
-                return
-            node.submit(room.room, "bootstrap_resolved", found)
+        def resolved(found: dict | None, error: BaseException | None) -> None:
+            if error is not None:  # a lookup failure is the peer's side's fault
+                node.submit(room_id, "error", {"blame": "remote", "reason": f"bootstrap lookup failed: {error}"})
+            else:
+                node.submit(room_id, "bootstrap_resolved", found)
 
-        self.workers.submit(resolve)
+        self.resolver.resolve(room.ctx, resolved)
 
     def reserve_pages(self, node: Node, room: Room, effect: ReservePages) -> None:
-        self.m.admission.request(node, room.room, room.ctx.get("page_count"))
+        self.admission.request(node, room.room, room.ctx.get("page_count"))
 
     def send(self, node: Node, room: Room, effect: Send) -> None:
-        ctx, channel = room.ctx, self.m.side_channel
+        ctx, channel = room.ctx, self.channel
         if effect.kind == "PREPARE":
             msg = channel.stamp(Prepare, room=room.room, transfer_id=room.room, reply_to=channel.address,
-                                layout=self.m.layout.to_dict(), page_count=len(ctx["pages"]),
+                                layout=self.layout, page_count=len(ctx["pages"]),
                                 prompt_len=int(ctx.get("prompt_len", 0)))
         elif effect.kind == "PULLED":
             msg = channel.stamp(Pulled, room=room.room, transfer_id=room.room)
@@ -86,57 +87,67 @@ class DecodeEffects:
         self.outbox.send(node, room.room, ctx["prefill_addr"], msg, effect.kind)
 
     def pull(self, node: Node, room: Room, effect: Pull) -> None:
-        ctx, layout = room.ctx, self.m.layout
-        if int(ctx["page_count"]) != len(ctx["pages"]):
-            raise EffectError(f"READY announces {ctx['page_count']} pages, we reserved {len(ctx['pages'])}",
+        ctx, room_id = room.ctx, room.room
+        pages = list(ctx["pages"])
+        if int(ctx["page_count"]) != len(pages):
+            raise EffectError(f"READY announces {ctx['page_count']} pages, we reserved {len(pages)}",
                               blame="remote")
-        spec = (jax.ShapeDtypeStruct(layout.staging_shape(page_bucket(len(ctx["pages"]))), layout.dtype,
-                                     sharding=self.m.staging_sharding),)
-        address, uuid, room_id = ctx["transfer_addr"], int(ctx["uuid"]), room.room
-        timeout = self.m.deadlines["transfer"]
-        stream = None
-        if self.stream_layers:  # registered before the pull starts, so that FreePages can always cancel it
-            stream = self.streams[room_id] = StreamedScatter(self.m.model, layout, list(ctx["pages"]),
-                                                             self.m.staging_sharding)
+        stream = self.kv.stream(pages)
+        with self._lock:
+            self.pending.add(room_id)
+            if stream is not None:  # registered before the pull starts, so that FreePages can always cancel it
+                self.streams[room_id] = stream
+        self.faults.crash("before_pull")
+        try:
+            self.faults.check("pull")
+        except InjectedFault as exc:
+            with self._lock:
+                self.pending.discard(room_id)
+            node.submit(room_id, "error", {"blame": "local", "reason": f"pull failed: {exc}"})
+            return
+        self.puller.pull(ctx["transfer_addr"], int(ctx["uuid"]), len(pages), float(ctx["deadlines"]["transfer"]),
+                         done=lambda staging, error: self._pulled(node, room_id, staging, error),
+                         on_progress=None if stream is None else stream.on_progress,
+                         delay_s=max(self.pull_delay_s, self.faults.pull_delay_s))
 
-        def work():
-            self.faults.crash("before_pull")
-            delay = max(self.m.fault_pull_delay_s, self.faults.pull_delay_s)
-            if delay:
-                time.sleep(delay)
-            try:
-                self.faults.check("pull")
-                (staging,) = self.m.backend.pull(address, uuid, spec, timeout,
-                                                 on_progress=None if stream is None else stream.on_progress)
-            except TransferTimeout as exc:
-                node.submit(room_id, "error", {"blame": "timeout", "reason": f"pull timed out: {exc}"})
-            except TransferFailed as exc:
-                node.submit(room_id, "error", {"blame": exc.blame, "reason": f"pull failed: {exc.reason}"})
-            except Exception as exc:  # noqa: BLE001
-                node.submit(room_id, "error", {"blame": "local", "reason": f"pull failed: {exc}"})
+    def _pulled(self, node: Node, room_id: int, staging: Any, error: BaseException | None) -> None:
+        """The pull's result, on whatever thread the pull port reports from."""
+        if error is not None:
+            with self._lock:
+                self.pending.discard(room_id)
+            if isinstance(error, TransferTimeout):
+                node.submit(room_id, "error", {"blame": "timeout", "reason": f"pull timed out: {error}"})
+            elif isinstance(error, TransferFailed):
+                node.submit(room_id, "error", {"blame": error.blame, "reason": f"pull failed: {error.reason}"})
             else:
-                self.faults.crash("after_pull")
+                node.submit(room_id, "error", {"blame": "local", "reason": f"pull failed: {error}"})
+            return
+        self.faults.crash("after_pull")
+        with self._lock:
+            alive = room_id in self.pending
+            self.pending.discard(room_id)
+            if alive:
                 self.pulled[room_id] = staging
-                node.submit(room_id, "pulled", {"bytes": int(staging.nbytes)})
-
-        self.workers.submit(work)
+        if not alive:  # FreePages already ran: nobody will ever scatter this
+            self.kv.discard(staging)
+            return
+        node.submit(room_id, "pulled", {"bytes": int(staging.nbytes)})
 
     def scatter(self, node: Node, room: Room, effect: Scatter) -> None:
         self.faults.crash("before_scatter")
         room_id, pages = room.room, list(room.ctx["pages"])
-        staging, stream = self.pulled.pop(room_id), self.streams.pop(room_id, None)
-        if stream is not None and stream.submitted:
-            stream.on_progress(0, np.asarray(staging), staging.nbytes)  # whatever the pull's last report left
+        with self._lock:
+            staging, stream = self.pulled.pop(room_id), self.streams.pop(room_id, None)
+        streamed = stream is not None and self.kv.complete_stream(stream, staging)
 
-        def write(owner):
-            self.faults.check("scatter")
-            if stream is not None and stream.submitted:
-                stream.written(owner)
-                return
-            owner.pool = scatter_pages(owner.pool, staging, pages, layout=self.m.layout)
-            jax.block_until_ready(owner.pool)
+        def write(owner: Any) -> None:
+            try:
+                self.faults.check("scatter")
+                self.kv.scatter(owner, staging, pages, stream if streamed else None)
+            finally:
+                self.kv.discard(staging)
 
-        def done(future):
+        def done(future) -> None:
             exc = future.exception()
             if exc is None:
                 self.faults.crash("after_scatter")
@@ -144,18 +155,24 @@ class DecodeEffects:
             else:
                 node.submit(room_id, "error", {"blame": "local", "reason": f"scatter failed: {exc}"})
 
-        self.m.model.submit(write).add_done_callback(done)
+        self.model.submit(write).add_done_callback(done)
 
     def free_pages(self, node: Node, room: Room, effect: FreePages) -> None:
-        self.pulled.pop(room.room, None)
-        stream = self.streams.pop(room.room, None)
+        room_id = room.room
+        with self._lock:
+            self.pending.discard(room_id)  # a pull still in flight discards its result itself
+            staging = self.pulled.pop(room_id, None)
+            stream = self.streams.pop(room_id, None)
+        if staging is not None:
+            self.kv.discard(staging)
 
-        def free(owner) -> None:  # on the model thread: after any write still queued for these pages
+        def free(owner: Any) -> None:  # on the model thread: after any write still queued for these pages
             if stream is not None:
-                stream.cancel()  # and writes queued later (a pull still landing layers) find it cancelled
-            self.m.admission.release(node, room.room)
+                self.kv.cancel(stream)  # and writes queued later (a pull still landing layers) find it cancelled
+            self.admission.release(node, room_id)
 
-        self.m.model.submit(free)
+        self.model.submit(free)
 
-    def close(self) -> None:
-        self.workers.shutdown(wait=False, cancel_futures=True)
+    def finish(self, node: Node, room: int) -> None:
+        """The request finished decoding: free its pages (on the model thread, after any queued write)."""
+        self.model.submit(lambda owner: self.admission.release(node, room))

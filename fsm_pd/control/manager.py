@@ -1,39 +1,48 @@
-"""``KVManager``: one per process and role. It owns the node loop, the journal, the side channel, the transfer
-backend, the model thread (the KV pool) and, on the decode side, the page allocator.
+"""``KVManager``: one per process and role. The jax-free ``NodeCore`` (rooms, routing, early messages) plus the real
+ports the effect handlers use (``ports.py``) plus the loop thread that steps the node.
+
+It owns the journal, the side channel and its per-peer sender threads, the transfer backend, the worker pool for
+pulls and bootstrap lookups, the model thread (the KV pool) and, on the decode side, the page admission.
 
 Threads: the *loop* thread runs ``node.step()`` and is the only one that changes rooms; the *model* thread is the only
-one that touches the pool; the side-channel listener, the timer thread and the pull workers only ``submit`` events.
-The public methods may be called from any thread.
+one that touches the pool; the side-channel listener, the timer thread, the sender threads and the workers only
+``submit`` events. The public methods may be called from any thread.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fsm_pd.bootstrap import check_health
 from fsm_pd.control.admission import PoolAdmission, SchedulerAdmission
 from fsm_pd.control.config import heartbeat_settings, resolve_deadlines
+from fsm_pd.control.core import NodeCore, RoomInUse
 from fsm_pd.control.decode_effects import DecodeEffects
+from fsm_pd.control.faults import FaultConfig, Faults
 from fsm_pd.control.heartbeat import HeartbeatMonitor
+from fsm_pd.control.jax_kv import JaxKV
 from fsm_pd.control.metrics import NodeMetrics
 from fsm_pd.control.prefill_effects import PrefillEffects
 from fsm_pd.control.resolver import PrefillResolver, register_prefill
+from fsm_pd.control.sending import PeerSenders
+from fsm_pd.control.workers import ThreadedPuller, ThreadedResolver
 from fsm_pd.effects import Node, RealClock
 from fsm_pd.engine.model_thread import ModelThread
 from fsm_pd.engine.pages import PageAllocator
 from fsm_pd.kernels import KVLayout
 from fsm_pd.machines import RECEIVER, SENDER, KVPoll
 from fsm_pd.store import Journal
-from fsm_pd.transport import Abort, Prepare, Pulled, Ready, SideChannel
-from fsm_pd.transport.backends import create_backend
+from fsm_pd.transport import SideChannel
+from fsm_pd.transport.backends import create_backend, new_uuid
 
 log = logging.getLogger(__name__)
 
-EARLY_ROOMS = 4096  # messages for rooms not created yet (D's PREPARE can beat the request to P) are kept this long
+__all__ = ["KVManager", "RoomInUse"]
 
 
 class KVManager:
@@ -51,7 +60,6 @@ class KVManager:
         self.host = host
         self.resolver = resolver if resolver is not None else PrefillResolver()
         self.staging_sharding = staging_sharding
-        self.fault_pull_delay_s = fault_pull_delay_s  # fault injection: hold each pull back this long (tests, drills)
         # the model thread owns the pool; a serving engine passes its own so that forward passes, gathers and
         # scatters share one queue
         self._owns_model = model is None
@@ -62,29 +70,36 @@ class KVManager:
         self.backend = create_backend(backend, **options)
         self.side_channel = SideChannel(node_id=node_id, secret=secret, on_message=self._on_message,
                                         bind=f"tcp://{host}:0")
+        self.senders = PeerSenders(self.side_channel, name=f"send[{node_id}]")
+        self.workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"work[{node_id}]")
         self.journal = Journal(journal, durability=durability)
         self.clock = RealClock()
+        kv = JaxKV(layout, self.model, progressive=self.backend.progressive, sharding=staging_sharding)
+        faults = Faults(FaultConfig.from_env(), role=role)  # off unless FSM_PD_FAULT_* are set
         if role == "prefill":
             self.admission = None
-            self.effects: PrefillEffects | DecodeEffects = PrefillEffects(self)
+            self.effects: PrefillEffects | DecodeEffects = PrefillEffects(
+                layout=layout.to_dict(), channel=self.senders, transfer=self.backend, model=self.model, kv=kv,
+                faults=faults, new_uuid=new_uuid)
             machine = SENDER
         else:
             self.admission = admission if admission is not None else PoolAdmission(PageAllocator(layout.num_pages))
-            self.effects = DecodeEffects(self)
+            self.effects = DecodeEffects(
+                layout=layout.to_dict(), channel=self.senders,
+                resolver=ThreadedResolver(lambda ctx: self.resolver(ctx), self.workers), admission=self.admission,
+                puller=ThreadedPuller(self.backend, kv.pull_spec, self.workers), model=self.model, kv=kv,
+                faults=faults, pull_delay_s=fault_pull_delay_s)
             machine = RECEIVER
         self.node = Node(node_id, machine, self.journal, self.effects.interpreter(), self.clock, self.deadlines)
+        self.core = NodeCore(self.node, layout.to_dict())
         self.metrics = NodeMetrics(self.node)
-        self._lock = threading.Lock()
-        self._known: set[int] = set()
-        self._early: OrderedDict[int, list[tuple[str, dict]]] = OrderedDict()
         self._ended = threading.Condition()
         self.node.observers.append(self._observe)
         self.heartbeat = None
         if role == "decode":
             self.heartbeat = HeartbeatMonitor(**{"check": check_health, "on_dead": self._prefill_dead,
                                                  **heartbeat_settings(), **(heartbeat or {})})
-        self.recovered = self.node.recover()
-        self._known.update(self.node.rooms)
+        self.recovered = self.core.recover()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"fsm-loop[{node_id}]", daemon=True)
         self._thread.start()
@@ -106,62 +121,26 @@ class KVManager:
             with self._ended:
                 self._ended.notify_all()
 
-    # --- events in ---
-    def _submit(self, room: int, trigger: str, payload: dict) -> None:
-        """Deliver now if the room exists (or is being created); otherwise keep it until it is."""
-        with self._lock:
-            if room in self._known:
-                self.node.submit(room, trigger, payload)
-                return
-            self._early.setdefault(room, []).append((trigger, payload))
-            self._early.move_to_end(room)
-            while len(self._early) > EARLY_ROOMS:
-                self._early.popitem(last=False)
-
-    def _create(self, room: int, payload: dict) -> None:
-        with self._lock:
-            if room in self._known:
-                raise ValueError(f"room {room} already exists on {self.node_id}")
-            self._known.add(room)
-            self.node.create(room, payload)
-            for trigger, early in self._early.pop(room, ()):
-                self.node.submit(room, trigger, early)
-
     def _on_message(self, msg) -> None:
-        if isinstance(msg, Prepare) and self.role == "prefill":
-            self._submit(msg.room, "metadata_received", {
-                "peer": msg.sender, "reply_to": msg.reply_to, "peer_layout": msg.layout,
-                "peer_page_count": msg.page_count, "transfer_id": msg.transfer_id})
-        elif isinstance(msg, Pulled) and self.role == "prefill":
-            self._submit(msg.room, "pull_done", {"peer": msg.sender})
-        elif isinstance(msg, Ready) and self.role == "decode":
-            self._submit(msg.room, "kv_published", {
-                "peer_layout": msg.layout, "uuid": msg.uuid, "transfer_addr": msg.transfer_addr,
-                "backend": msg.backend, "page_count": msg.page_count, "first_token": msg.first_token,
-                "first_logprob": msg.first_logprob, "input_logprobs": msg.input_logprobs})
-        elif isinstance(msg, Abort):
-            self._submit(msg.room, "peer_abort", {"reason": msg.reason, "peer": msg.sender})
-        else:
-            log.info("%s ignores a %s message", self.node_id, type(msg).__name__)
+        core = getattr(self, "core", None)  # the listener starts before the rest of the manager is built
+        if core is not None:
+            core.on_message(msg)
 
     def _prefill_dead(self, url: str) -> None:
         """The heartbeat gave up on the prefill node behind ``url``: fail its rooms, forget what we cached."""
         if hasattr(self.resolver, "forget"):
             self.resolver.forget(url)
-        for room in list(self.node.rooms.values()):
-            ctx = room.ctx
-            if not room.terminal and ctx.get("bootstrap_url") == url:
-                self.node.submit(room.room, "peer_failed", {"reason": f"{url} stopped answering heartbeats"})
-                if "prefill_addr" in ctx:
-                    self.side_channel.forget_peer(ctx["prefill_addr"])
-                if "transfer_addr" in ctx:
-                    self.backend.forget(ctx["transfer_addr"])
+        for ctx in self.core.fail_rooms_of(url, f"{url} stopped answering heartbeats"):
+            if "prefill_addr" in ctx:
+                self.side_channel.forget_peer(ctx["prefill_addr"])
+            if "transfer_addr" in ctx:
+                self.backend.forget(ctx["transfer_addr"])
 
     # --- the prefill side ---
     def register_with(self, bootstrap_url: str, *, token: str | None = None, http_port: int | None = None,
                       attempts: int = 5) -> None:
         """Make this prefill node findable: register it with the bootstrap server at ``bootstrap_url``."""
-        self._require("prefill")
+        self.core._require("prefill")
         register_prefill(bootstrap_url, host=self.host, side_channel=self.side_channel.address,
                          transfer_addr=self.backend.address, backend=self.backend.name,
                          layout=self.layout.to_dict(), node_id=self.node_id, http_port=http_port, token=token,
@@ -172,55 +151,40 @@ class KVManager:
 
         The pages may instead come with ``kv_ready`` (chunked prefill learns them chunk by chunk).
         """
-        self._require("prefill")
-        payload = {"layout": self.layout.to_dict(), "prompt_len": prompt_len}
-        if pages is not None:
-            payload["pages"] = [int(p) for p in pages]
-        self._create(room, payload)
+        self.core.add_sender(room, pages, prompt_len)
 
     def kv_ready(self, room: int, pages: list[int] | None = None, first_token: int = 0,
                  first_logprob: float | None = None, input_logprobs: list[float] | None = None) -> None:
         """Our prefill of ``room`` finished: its pages hold the KV and the first token is known."""
-        self._require("prefill")
-        payload = {"first_token": first_token, "first_logprob": first_logprob, "input_logprobs": input_logprobs}
-        if pages is not None:
-            payload["pages"] = [int(p) for p in pages]
-        self._submit(room, "kv_ready", payload)
+        self.core.kv_ready(room, pages, first_token, first_logprob, input_logprobs)
 
     # --- the decode side ---
     def add_receiver(self, room: int, page_count: int | None = None, prompt_len: int = 0, **where: Any) -> None:
         """A request with ``bootstrap_room`` arrived; ``where`` tells the resolver how to find the prefill node."""
-        self._require("decode")
-        self._create(room, {"layout": self.layout.to_dict(), "page_count": page_count, "prompt_len": prompt_len,
-                            **where})
+        self.core.add_receiver(room, page_count, prompt_len, **where)
 
     def give_pages(self, room: int, pages: list[int]) -> None:
         """The scheduler allocated ``pages`` for the room (SGLang's ``send_metadata``; ``SchedulerAdmission`` only)."""
-        self._require("decode")
+        self.core._require("decode")
         if not isinstance(self.admission, SchedulerAdmission):
             raise RuntimeError("pages are chosen by fsm-pd's own admission here; use SchedulerAdmission to pass them")
-        if not pages:
-            raise ValueError("a transfer needs at least one destination page")
-        self._submit(room, "pages_reserved", {"pages": [int(p) for p in pages]})
+        self.core.give_pages(room, pages)
 
     def finish(self, room: int) -> None:
         """The request finished decoding: free its pages (on the model thread, after any queued write)."""
-        self._require("decode")
-        self.model.submit(lambda owner: self.admission.release(self.node, room))
+        self.core._require("decode")
+        self.effects.finish(self.node, room)
 
     # --- both sides ---
     def abort(self, room: int, reason: str = "aborted") -> None:
-        self._submit(room, "abort", {"reason": reason})
+        self.core.abort(room, reason)
 
     def poll(self, room: int) -> KVPoll | None:
         """The room's state, read without advancing anything (None if it does not exist here)."""
-        return self.node.poll(room)
+        return self.core.poll(room)
 
     def reason(self, room: int) -> str | None:
-        if self.node.poll(room) is not KVPoll.Failed:
-            return None
-        found = self.node.rooms.get(room)
-        return None if found is None else found.reason
+        return self.core.reason(room)
 
     def wait(self, room: int, timeout: float) -> KVPoll | None:
         """Block until the room is terminal or ``timeout`` passes; returns its state then."""
@@ -230,9 +194,7 @@ class KVManager:
         return self.node.poll(room)
 
     def clear(self, room: int) -> None:
-        with self._lock:
-            self.node.clear(room)
-            self._known.discard(room)
+        self.core.clear(room)
 
     def counters(self) -> dict:
         """What this node holds right now: for leak checks, /server_info and /metrics."""
@@ -246,19 +208,15 @@ class KVManager:
             out["pulled_awaiting_scatter"] = len(self.effects.pulled)
         return out
 
-    def _require(self, role: str) -> None:
-        if self.role != role:
-            raise RuntimeError(f"{self.node_id} is a {self.role} node")
-
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
         if self.heartbeat is not None:
             self.heartbeat.close()
+        self.senders.close()
         self.side_channel.close()
         self.clock.close()
-        if isinstance(self.effects, DecodeEffects):
-            self.effects.close()
+        self.workers.shutdown(wait=False, cancel_futures=True)
         if self._owns_model:
             self.model.close()
         self.backend.close()

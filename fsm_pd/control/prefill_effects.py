@@ -1,22 +1,25 @@
-"""Effect handlers of the prefill node (sender): gather and publish, READY/ABORT, release the staging buffer."""
+"""Effect handlers of the prefill node (sender): gather and publish, READY/ABORT, release the staging buffer.
+
+They reach the world only through ports (``ports.py``): the model executor and the pool operations for the gather,
+the transfer backend's publish half, the side channel. ``KVManager`` gives them the real ports, ``fsm_pd.sim`` the
+simulated ones, so the simulation runs this code.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from fsm_pd.control.faults import FaultConfig, Faults
 from fsm_pd.control.outbox import Outbox
-from fsm_pd.control.overlap import publish_while_gathering
 from fsm_pd.effects import EffectError, EffectInterpreter
-from fsm_pd.kernels import gather_pages, resolve_impl
 from fsm_pd.machines.effects import GatherAndPublish, ReleaseStaging, Send
-from fsm_pd.transport import Abort, Ready
-from fsm_pd.transport.backends import new_uuid
+from fsm_pd.transport.messages import Abort, Ready
 
 if TYPE_CHECKING:
-    from fsm_pd.control.manager import KVManager
+    from fsm_pd.control.faults import Faults
+    from fsm_pd.control.ports import ModelExecutor, PrefillKV, PublishPort, SideChannelPort
     from fsm_pd.effects import Node
     from fsm_pd.machines import Room
 
@@ -24,11 +27,13 @@ log = logging.getLogger(__name__)
 
 
 class PrefillEffects:
-    def __init__(self, manager: KVManager):
-        self.m = manager
+    def __init__(self, *, layout: dict, channel: SideChannelPort, transfer: PublishPort, model: ModelExecutor,
+                 kv: PrefillKV, faults: Faults, new_uuid: Callable[[], int]):
+        self.layout = dict(layout)
+        self.channel, self.transfer, self.model, self.kv = channel, transfer, model, kv
+        self.faults, self.new_uuid = faults, new_uuid
         self.staging: dict[int, int] = {}  # room -> uuid of a staging buffer being gathered or published
-        self.faults = Faults(FaultConfig.from_env(), role="prefill")  # off unless FSM_PD_FAULT_* are set
-        self.outbox = Outbox(manager.side_channel, self.faults, peer="decode node", best_effort=frozenset({"ABORT"}),
+        self.outbox = Outbox(channel, faults, peer="decode node", best_effort=frozenset({"ABORT"}),
                              crash_after={"READY": "after_ready"})
 
     def interpreter(self) -> EffectInterpreter:
@@ -37,23 +42,31 @@ class PrefillEffects:
 
     def gather_and_publish(self, node: Node, room: Room, effect: GatherAndPublish) -> None:
         self.faults.crash("before_gather")
-        uuid, pages, room_id = new_uuid(), list(room.ctx["pages"]), room.room
+        uuid, pages, room_id = self.new_uuid(), list(room.ctx["pages"]), room.room
+        hold_s = float(room.ctx["deadlines"]["pull_hold"])
         self.staging[room_id] = uuid
 
-        def gather(owner):
+        def gather(owner: Any) -> None:
             if self.staging.get(room_id) != uuid:
                 return  # the room ended while this waited for the model thread
             self.faults.check("gather")
-            if self.m.backend.progressive and resolve_impl(owner.pool) == "cpu":
-                self._publish_while_gathering(node, room_id, uuid, pages, owner.pool)
+            if self.transfer.progressive and self.kv.gathers_progressively(owner):
+                self.faults.check("publish")
+                self.kv.publish_while_gathering(owner, self.transfer, uuid, pages, hold_s,
+                                                lambda rows: self._published(node, room_id, uuid, rows))
+                self.faults.crash("after_gather")
                 return
-            staging = gather_pages(owner.pool, pages, layout=self.m.layout)
-            staging.block_until_ready()
+            staging = self.kv.gather(owner, pages)
             if self.staging.get(room_id) != uuid:
-                return  # the room ended while we gathered: the buffer is simply dropped
+                self.kv.discard(staging)  # the room ended while we gathered
+                return
             self.faults.crash("after_gather")
-            self.faults.check("publish")
-            self.m.backend.publish(uuid, (staging,), self.m.deadlines["pull_hold"])
+            try:
+                self.faults.check("publish")
+                self.transfer.publish(uuid, (staging,), hold_s)
+            except BaseException:
+                self.kv.discard(staging)  # never published: nobody else will let it go
+                raise
             self._published(node, room_id, uuid, int(staging.shape[1]))
 
         def failed(done: Future) -> None:
@@ -61,18 +74,11 @@ class PrefillEffects:
             if exc is not None:  # the room fails; its ReleaseStaging then fails the entry if it was published
                 node.submit(room_id, "error", {"blame": "local", "reason": f"gather/publish failed: {exc}"})
 
-        self.m.model.submit(gather).add_done_callback(failed)
-
-    def _publish_while_gathering(self, node: Node, room_id: int, uuid: int, pages: list[int], pool) -> None:
-        """READY goes out and D connects while the model thread still copies; each layer streams once copied."""
-        self.faults.check("publish")
-        publish_while_gathering(self.m.backend, uuid, pool, pages, self.m.layout, self.m.deadlines["pull_hold"],
-                                on_published=lambda rows: self._published(node, room_id, uuid, rows))
-        self.faults.crash("after_gather")
+        self.model.submit(gather).add_done_callback(failed)
 
     def _published(self, node: Node, room_id: int, uuid: int, rows: int) -> None:
         self.faults.crash("after_publish")
-        node.submit(room_id, "published", {"uuid": uuid, "transfer_addr": self.m.backend.address, "rows": int(rows)})
+        node.submit(room_id, "published", {"uuid": uuid, "transfer_addr": self.transfer.address, "rows": int(rows)})
 
     def release_staging(self, node: Node, room: Room, effect: ReleaseStaging) -> None:
         uuid = self.staging.pop(room.room, None)
@@ -80,18 +86,17 @@ class PrefillEffects:
             return
         if room.state == "Success":
             self.faults.crash("after_pulled")
-            self.m.backend.release(uuid)
+            self.transfer.release(uuid)
         else:  # late pullers get an error at once instead of waiting for a buffer that is gone
-            self.m.backend.fail(uuid, room.reason or "transfer failed")
+            self.transfer.fail(uuid, room.reason or "transfer failed")
 
     def send(self, node: Node, room: Room, effect: Send) -> None:
-        ctx, channel = room.ctx, self.m.side_channel
+        ctx, channel = room.ctx, self.channel
         if effect.kind == "READY":
             msg = channel.stamp(Ready, room=room.room, transfer_id=ctx["transfer_id"], uuid=ctx["uuid"],
-                                transfer_addr=ctx["transfer_addr"], backend=self.m.backend.name,
-                                layout=self.m.layout.to_dict(), page_count=len(ctx["pages"]),
-                                first_token=ctx.get("first_token", 0), first_logprob=ctx.get("first_logprob"),
-                                input_logprobs=ctx.get("input_logprobs"))
+                                transfer_addr=ctx["transfer_addr"], backend=self.transfer.name, layout=self.layout,
+                                page_count=len(ctx["pages"]), first_token=ctx.get("first_token", 0),
+                                first_logprob=ctx.get("first_logprob"), input_logprobs=ctx.get("input_logprobs"))
         elif effect.kind == "ABORT":
             msg = channel.stamp(Abort, room=room.room, reason=room.reason or "aborted")
         else:

@@ -173,3 +173,88 @@ def _until(predicate, timeout=5.0) -> bool:
         time.sleep(0.01)
     return predicate()
 
+
+
+class BlockingChannel:
+    """A side channel whose sends to ``dead`` block until ``release`` is set, then fail like a dead ZMQ peer."""
+
+    address = "tcp://127.0.0.1:1"
+
+    def __init__(self):
+        import threading
+
+        self.release = threading.Event()
+        self.blocked = threading.Event()
+        self.sent: list[tuple[str, object]] = []
+        self.waited_out = False  # a send blocked until its wait ran out: whoever called it was stuck that long
+
+    def send(self, addr, msg):
+        from fsm_pd.transport import PeerUnreachable
+
+        if addr == "tcp://dead:1":
+            self.blocked.set()
+            self.waited_out |= not self.release.wait(30)
+            raise PeerUnreachable(f"{addr}: no live connection within 1000 ms")
+        self.sent.append((addr, msg))
+
+    def forget_peer(self, addr):
+        pass
+
+
+def test_a_send_to_a_dead_peer_blocks_neither_the_loop_nor_other_peers():
+    from fsm_pd.control.faults import Faults
+    from fsm_pd.control.outbox import Outbox
+    from fsm_pd.control.sending import PeerSenders
+    from fsm_pd.effects import EffectInterpreter, Node, VirtualClock
+    from fsm_pd.machines import SENDER
+    from fsm_pd.machines.effects import Send
+
+    channel = BlockingChannel()
+    senders = PeerSenders(channel)
+    outbox = Outbox(senders, Faults(), peer="decode node", best_effort=frozenset({"ABORT"}), crash_after={})
+
+    def send(node, room, effect):
+        outbox.send(node, room.room, room.ctx["reply_to"], f"{effect.kind} {room.room}", effect.kind)
+
+    layout = {"num_layers": 1, "num_pages": 4, "page_size": 2, "kv_heads": 1, "head_dim": 4}
+    node = Node("p", SENDER, None, EffectInterpreter({Send: send}), VirtualClock(),
+                {"bootstrap": 5.0, "waiting": 5.0, "pull_hold": 5.0})
+    for room, addr in ((1, "tcp://dead:1"), (2, "tcp://dead:1"), (3, "tcp://live:1")):
+        node.create(room, {"layout": layout})
+        node.submit(room, "metadata_received", {"peer_layout": layout, "reply_to": addr})
+        node.submit(room, "abort" if room != 2 else "error", {"reason": "client went away"})
+    node.step()  # sends ABORT to the dead peer twice and to the live one: returns without waiting for any of them
+    assert not channel.waited_out, "the node loop waited for a send to a dead peer"
+    try:
+        assert channel.blocked.wait(10)
+        assert _until(lambda: ("tcp://live:1", "ABORT 3") in channel.sent, 10)  # while the dead peer still blocks
+    finally:
+        channel.release.set()
+    # ABORT is best effort: a dead peer's deadlines end its side, so nothing more happens to the rooms
+    assert _until(lambda: senders.pending() == 0)
+    assert node.step() == 0
+    senders.close()
+
+
+def test_a_dead_peer_fails_everything_queued_for_it_at_once():
+    import threading
+
+    from fsm_pd.control.sending import PeerSenders
+    from fsm_pd.transport import PeerUnreachable
+
+    channel = BlockingChannel()
+    senders = PeerSenders(channel)
+    outcomes, all_done = [], threading.Event()
+
+    def done(error):
+        outcomes.append(error)
+        if len(outcomes) == 3:
+            all_done.set()
+
+    for n in range(3):
+        senders.post("tcp://dead:1", f"PREPARE {n}", done)
+    assert channel.blocked.wait(10)
+    channel.release.set()
+    assert all_done.wait(10)  # one timeout for the burst, not one per message
+    assert all(isinstance(e, PeerUnreachable) for e in outcomes)
+    senders.close()

@@ -1,0 +1,154 @@
+"""``NodeCore``: the jax-free heart of one node's control plane, shared by ``KVManager`` and the simulation.
+
+It owns nothing that does I/O. It turns requests into room creations and events, routes side-channel messages to
+events, keeps messages that beat their room (D's PREPARE can reach P before the request does), and fails the rooms
+bound to a peer that died. ``KVManager`` is this core plus the real ports and the loop thread; ``fsm_pd.sim`` is the
+same core plus simulated ports, stepped by the simulator.
+
+Thread safety: every method may be called from any thread; rooms change only in ``node.step()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from fsm_pd.effects import Node
+from fsm_pd.machines import KVPoll
+from fsm_pd.store.schema import MAX_ROOM
+from fsm_pd.transport.messages import Abort, Prepare, Pulled, Ready
+
+log = logging.getLogger(__name__)
+
+EARLY_ROOMS = 4096  # messages for rooms not created yet are kept for this many rooms, the oldest dropped first
+
+
+class RoomInUse(ValueError):
+    """A request named a bootstrap room this node has (or had) already: live, finished, or from before a restart."""
+
+
+class NodeCore:
+    def __init__(self, node: Node, layout: dict):
+        """``layout``: our ``KVLayout.to_dict()``, recorded in every room (the peer's is checked against it)."""
+        self.node, self.role, self.node_id = node, node.role, node.node_id
+        self.layout = dict(layout)
+        self._lock = threading.Lock()
+        self._known: set[int] = set()
+        self._early: OrderedDict[int, list[tuple[str, dict]]] = OrderedDict()
+
+    # --- events in ---
+    def submit(self, room: int, trigger: str, payload: dict) -> None:
+        """Deliver now if the room exists (or is being created); otherwise keep it until it is."""
+        with self._lock:
+            if room in self._known:
+                self.node.submit(room, trigger, payload)
+                return
+            self._early.setdefault(room, []).append((trigger, payload))
+            self._early.move_to_end(room)
+            while len(self._early) > EARLY_ROOMS:
+                self._early.popitem(last=False)
+
+    def create(self, room: int, payload: dict) -> None:
+        if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room <= MAX_ROOM:
+            raise ValueError(f"bootstrap_room must be an integer in [0, {MAX_ROOM}], got {room!r}")
+        journal = self.node.journal
+        with self._lock:
+            # A room is created once per node, ever: a second create would journal a duplicate row, and a journal
+            # that cannot be written stops the loop. Finished rooms leave memory, so the journal is asked too.
+            if room in self._known or (journal is not None and journal.has_room(self.node_id, self.role, room)):
+                raise RoomInUse(f"bootstrap_room {room} was already used on {self.node_id}; a room is used once")
+            self._known.add(room)
+            self.node.create(room, payload)
+            for trigger, early in self._early.pop(room, ()):
+                self.node.submit(room, trigger, early)
+
+    def on_message(self, msg: Any) -> None:
+        """A side-channel message, already authenticated and deduplicated: the event it means for its room."""
+        if isinstance(msg, Prepare) and self.role == "prefill":
+            self.submit(msg.room, "metadata_received", {
+                "peer": msg.sender, "reply_to": msg.reply_to, "peer_layout": msg.layout,
+                "peer_page_count": msg.page_count, "transfer_id": msg.transfer_id})
+        elif isinstance(msg, Pulled) and self.role == "prefill":
+            self.submit(msg.room, "pull_done", {"peer": msg.sender})
+        elif isinstance(msg, Ready) and self.role == "decode":
+            self.submit(msg.room, "kv_published", {
+                "peer_layout": msg.layout, "uuid": msg.uuid, "transfer_addr": msg.transfer_addr,
+                "backend": msg.backend, "page_count": msg.page_count, "first_token": msg.first_token,
+                "first_logprob": msg.first_logprob, "input_logprobs": msg.input_logprobs})
+        elif isinstance(msg, Abort):
+            self.submit(msg.room, "peer_abort", {"reason": msg.reason, "peer": msg.sender})
+        else:
+            log.info("%s ignores a %s message", self.node_id, type(msg).__name__)
+
+    def recover(self, reason: str = "node restarted") -> list[int]:
+        """Rebuild the unfinished rooms from the journal and fail them (``Node.recover``); returns their ids."""
+        with self._lock:
+            recovered = self.node.recover(reason)
+            self._known.update(self.node.rooms)
+        return recovered
+
+    def clear(self, room: int) -> None:
+        with self._lock:
+            self.node.clear(room)
+            self._known.discard(room)
+
+    # --- requests ---
+    def add_sender(self, room: int, pages: list[int] | None = None, prompt_len: int = 0) -> None:
+        self._require("prefill")
+        payload: dict[str, Any] = {"layout": self.layout, "prompt_len": prompt_len}
+        if pages is not None:
+            payload["pages"] = [int(p) for p in pages]
+        self.create(room, payload)
+
+    def kv_ready(self, room: int, pages: list[int] | None = None, first_token: int = 0,
+                 first_logprob: float | None = None, input_logprobs: list[float] | None = None) -> None:
+        self._require("prefill")
+        payload: dict[str, Any] = {"first_token": first_token, "first_logprob": first_logprob,
+                                   "input_logprobs": input_logprobs}
+        if pages is not None:
+            payload["pages"] = [int(p) for p in pages]
+        self.submit(room, "kv_ready", payload)
+
+    def add_receiver(self, room: int, page_count: int | None = None, prompt_len: int = 0, **where: Any) -> None:
+        self._require("decode")
+        self.create(room, {"layout": self.layout, "page_count": page_count, "prompt_len": prompt_len, **where})
+
+    def give_pages(self, room: int, pages: list[int]) -> None:
+        self._require("decode")
+        if not pages:
+            raise ValueError("a transfer needs at least one destination page")
+        self.submit(room, "pages_reserved", {"pages": [int(p) for p in pages]})
+
+    def abort(self, room: int, reason: str = "aborted") -> None:
+        self.submit(room, "abort", {"reason": reason})
+
+    # --- peers ---
+    def fail_rooms_of(self, bootstrap_url: str, reason: str) -> list[dict]:
+        """The prefill node behind ``bootstrap_url`` is dead: fail every unfinished room resolved through it.
+        Returns those rooms' contexts (what the caller may want to forget: addresses, connections)."""
+        failed = []
+        for room in list(self.node.rooms.values()):
+            ctx = room.ctx
+            if not room.terminal and ctx.get("bootstrap_url") == bootstrap_url:
+                self.node.submit(room.room, "peer_failed", {"reason": reason})
+                failed.append(ctx)
+        return failed
+
+    # --- reading ---
+    def poll(self, room: int) -> KVPoll | None:
+        return self.node.poll(room)
+
+    def reason(self, room: int) -> str | None:
+        if self.node.poll(room) is not KVPoll.Failed:
+            return None
+        found = self.node.rooms.get(room)
+        return None if found is None else found.reason
+
+    def early_rooms(self) -> int:
+        return len(self._early)
+
+    def _require(self, role: str) -> None:
+        if self.role != role:
+            raise RuntimeError(f"{self.node_id} is a {self.role} node")

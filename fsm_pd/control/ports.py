@@ -1,0 +1,138 @@
+"""The narrow ports the effect handlers talk to the world through. No jax, no zmq, no threads here.
+
+A handler holds only the ports it needs, never the ``KVManager``. Each port has two implementations: the real one
+(``KVManager`` wires them: ``sending.py``, ``workers.py``, ``jax_kv.py``, the transfer backend, the ``ModelThread``)
+and a deterministic one in ``fsm_pd.sim`` driven by one seeded RNG and the virtual clock. So the simulation and the
+property tests run exactly the handlers that serve.
+
+Ports that would block (a send to a dead peer, a pull, a bootstrap lookup) are asynchronous: they return at once and
+report through a ``done`` callback, from whichever thread the implementation uses. A handler's callback only hands the
+outcome to the node as an event (``node.submit``), which is thread-safe.
+
+| port | real | simulated |
+| --- | --- | --- |
+| clock and timers (``Node.clock``) | ``RealClock`` | ``VirtualClock`` |
+| ``SideChannelPort`` | ``PeerSenders`` over the signed ZMQ ``SideChannel`` | ``fsm_pd.sim.network`` (the same frames) |
+| ``PublishPort`` (prefill) | the transfer backend | ``fsm_pd.sim.transfer`` |
+| ``PullPort`` (decode) | ``ThreadedPuller``: the backend on worker threads | ``fsm_pd.sim.transfer`` |
+| ``ResolverPort`` (decode) | ``ThreadedResolver``: ``PrefillResolver`` (HTTP) on workers | the same resolver over an in-memory registry |
+| ``ModelExecutor`` | ``ModelThread``: jobs in order on the thread that owns the pool | ``fsm_pd.sim.model``: in order, with delay |
+| ``PrefillKV`` / ``DecodeKV`` | ``JaxKV``: the page kernels | ``fsm_pd.sim.kv``: records every buffer and write |
+| ``Admission`` (decode) | ``PoolAdmission`` / ``SchedulerAdmission`` | ``PoolAdmission`` over a recording allocator |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from fsm_pd.effects import Node
+
+T = TypeVar("T")
+
+# done(error): None once a live connection took the frame, else why it could not leave
+SendDone = Callable[[BaseException | None], None]
+# done(result, error): exactly one of them is None
+ResultDone = Callable[[Any, BaseException | None], None]
+# on_progress(index, host, final_bytes): the transfer backend's progress hook (``TransferBackend.pull``)
+OnProgress = Callable[[int, Any, int], None]
+
+
+class SideChannelPort(Protocol):
+    """Signed messages to peers. ``post`` never blocks the caller: the node loop must not wait for a dead peer."""
+
+    @property
+    def address(self) -> str: ...
+
+    def stamp(self, cls: type, **fields: Any) -> Any:
+        """Build a message of class ``cls`` from this node (sender, nonce, send time filled in)."""
+
+    def post(self, addr: str, msg: Any, done: SendDone) -> None:
+        """Queue ``msg`` for ``addr``; messages to one peer leave in order. ``done`` reports how it went."""
+
+    def forget_peer(self, addr: str) -> None:
+        """Drop any connection cached for ``addr`` (a restarted peer is connected afresh)."""
+
+
+class PublishPort(Protocol):
+    """The prefill side of the transfer backend (``TransferBackend``'s publish half). None of these block."""
+
+    name: str
+    progressive: bool
+
+    @property
+    def address(self) -> str: ...
+
+    def publish(self, uuid: int, staging: Sequence[Any], hold_timeout_s: float) -> None: ...
+
+    def release(self, uuid: int) -> None: ...
+
+    def fail(self, uuid: int, reason: str) -> None: ...
+
+
+class PullPort(Protocol):
+    """The decode side of the transfer backend, made asynchronous."""
+
+    def pull(self, address: str, uuid: int, page_count: int, timeout_s: float, *, done: ResultDone,
+             on_progress: OnProgress | None = None, delay_s: float = 0.0) -> None:
+        """Start pulling the staging array published under ``uuid``; ``done(staging, None)`` with a verified array of
+        ``page_count`` pages (bucketed), or ``done(None, error)`` with ``TransferTimeout``/``TransferFailed``/other.
+        ``delay_s`` holds the pull back first (fault injection: a slow link)."""
+
+
+class ResolverPort(Protocol):
+    def resolve(self, ctx: Mapping[str, Any], done: ResultDone) -> None:
+        """Find the room's prefill node; ``done(found, None)`` with the fields to merge into the room's context
+        (``prefill_addr``, ``peer``, and ``bootstrap_url`` when a bootstrap server was asked), or ``done(None, error)``."""
+
+
+class ModelExecutor(Protocol):
+    """Runs ``job(owner)`` in submission order on the one thread that owns the KV pool (``owner.pool``)."""
+
+    def submit(self, job: Callable[[Any], T]) -> Future[T]: ...
+
+
+class PrefillKV(Protocol):
+    """The prefill node's pool operations; ``owner`` is the model executor's owner object, passed to every job."""
+
+    def gather(self, owner: Any, pages: list[int]) -> Any:
+        """Copy ``pages`` of every layer into a new staging array (``.shape[1]`` rows, ``.nbytes``); ready on return."""
+
+    def gathers_progressively(self, owner: Any) -> bool:
+        """Whether ``publish_while_gathering`` can be used on this pool (a progressive backend is also needed)."""
+
+    def publish_while_gathering(self, owner: Any, transfer: PublishPort, uuid: int, pages: list[int],
+                                hold_timeout_s: float, on_published: Callable[[int], None]) -> None: ...
+
+    def discard(self, staging: Any) -> None:
+        """A staging array that will never be published: let it go."""
+
+
+class DecodeKV(Protocol):
+    """The decode node's pool operations."""
+
+    def stream(self, pages: list[int]) -> Any | None:
+        """A streamed scatter of a pull into ``pages`` (layers written as they land), or None to scatter at the end."""
+
+    def complete_stream(self, stream: Any, staging: Any) -> bool:
+        """Loop thread, before the final write is queued: hand the stream whatever the pull left; True if the stream
+        writes the pages (the final job then only waits for it)."""
+
+    def scatter(self, owner: Any, staging: Any, pages: list[int], stream: Any | None) -> None:
+        """Model thread: write the verified ``staging`` into ``pages`` (or wait for ``stream`` to have written them)."""
+
+    def cancel(self, stream: Any) -> None:
+        """Model thread, before the pages are freed: the stream's writes still queued become no-ops."""
+
+    def discard(self, staging: Any) -> None:
+        """A pulled array that is done with or will never be scattered: let it go. Called once per pulled array."""
+
+
+class Admission(Protocol):
+    def request(self, node: Node, room: int, count: int | None) -> None: ...
+
+    def release(self, node: Node, room: int) -> int: ...
+
+    def counters(self) -> dict: ...
