@@ -8,7 +8,9 @@ it; the frame is then handed to the courier.
 The courier keeps at most one frame per (address, kind): a newer ping or pong to the same peer replaces an older one,
 which is stale anyway. Its one thread offers every pending frame once per pass, without ever blocking on one, so a
 dead peer cannot hold up the heartbeats of a live one. A frame that has not left within ``timeout_s`` is dropped and
-counted: a peer that cannot take a heartbeat for that long will be missing heartbeats anyway.
+counted: a peer that cannot take a heartbeat for that long will be missing heartbeats anyway. ``on_expired(addr)``
+is then told, so that the side channel drops its socket to that address instead of reconnecting to a dead peer
+forever (a restarted peer usually comes back on another port).
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ MAX_PENDING = 4096  # one slot per (peer, kind): a node watching more peers than
 class Courier:
     """``offer(addr, frame) -> bool`` is a non-blocking send that may raise; the courier retries it."""
 
-    def __init__(self, offer: Callable[[str, bytes], bool], *, timeout_s: float, name: str):
+    def __init__(self, offer: Callable[[str, bytes], bool], *, timeout_s: float, name: str,
+                 on_expired: Callable[[str], None] = lambda addr: None):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        self._offer, self._timeout_s = offer, timeout_s
+        self._offer, self._timeout_s, self._on_expired = offer, timeout_s, on_expired
         self._pending: dict[tuple[str, Hashable], tuple[bytes, float]] = {}
         self._cv = threading.Condition()
         self._stopped = False
@@ -63,12 +66,16 @@ class Courier:
                     return
                 batch = list(self._pending.items())
             for key, entry in batch:
-                sent = self._try(key[0], entry[0])
-                if sent or time.monotonic() >= entry[1]:
-                    with self._cv:
-                        if self._pending.get(key) is entry:  # not replaced by a newer frame meanwhile
-                            del self._pending[key]
-                            self.expired += not sent
+                done = self._try(key[0], entry[0])
+                if not done and time.monotonic() < entry[1]:
+                    continue
+                with self._cv:
+                    current = self._pending.get(key) is entry  # not replaced by a newer frame meanwhile
+                    if current:
+                        del self._pending[key]
+                        self.expired += not done
+                if current and not done:
+                    self._safely_expire(key[0])
             with self._cv:
                 if self._pending and not self._stopped:
                     self._cv.wait(RETRY_S)
@@ -84,6 +91,12 @@ class Courier:
                 self.expired += 1
             return True
         return False
+
+    def _safely_expire(self, addr: str) -> None:
+        try:
+            self._on_expired(addr)
+        except Exception:
+            log.exception("courier: on_expired(%s) raised", addr)
 
     def close(self) -> None:
         with self._cv:

@@ -142,7 +142,7 @@ class SideChannel:
             endpoint = f"{scheme_host.split('://', 1)[0]}://{advertise_host}:{port}"
         self.address = endpoint
         self._courier = Courier(self._peers.try_send, timeout_s=heartbeat_timeout_s,
-                                name=f"side-channel-courier[{node_id}]")
+                                name=f"side-channel-courier[{node_id}]", on_expired=self._peers.forget)
         # The PULL socket belongs to the listener thread from here on.
         self._thread = threading.Thread(target=self._listen, name=f"side-channel[{node_id}]", daemon=True)
         self._thread.start()

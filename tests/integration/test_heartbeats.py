@@ -185,3 +185,17 @@ def test_on_the_real_clock_a_killed_peer_is_declared_dead(make_channel):
     finally:
         monitor.close()
         clock.close()
+
+
+def test_a_ping_nobody_takes_expires_and_its_socket_is_dropped(make_channel):
+    a = make_channel("decode-0", heartbeat_timeout_s=0.1)
+    gone = make_channel("prefill-0")
+    addr = gone.address
+    gone.close()
+    a.ping(addr)
+    for _ in range(500):  # bounded polling: the courier gives up 0.1 s after the ping, then drops the socket
+        if a.unsent_heartbeats and addr not in a._peers:
+            break
+        threading.Event().wait(0.02)
+    assert a.unsent_heartbeats == 1
+    assert addr not in a._peers  # not reconnecting to a dead address forever
