@@ -16,7 +16,7 @@ already found its successor.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fsm_pd.bootstrap import RankRegistration, register_prefill_rank, resolve_prefill
@@ -24,8 +24,10 @@ from fsm_pd.bootstrap.client import base_url
 
 
 class PrefillResolver:
-    def __init__(self, *, retries: int = 14, interval_s: float = 1.0):
-        self.retries, self.interval_s = retries, interval_s
+    def __init__(self, *, retries: int = 14, interval_s: float = 1.0,
+                 lookup: Callable[..., dict] = resolve_prefill):
+        """``lookup``: ``resolve_prefill`` (HTTP); the simulation passes its in-memory bootstrap registry's."""
+        self.retries, self.interval_s, self.lookup = retries, interval_s, lookup
         self._cache: dict[tuple[str, int], dict] = {}
         self._lock = threading.Lock()
 
@@ -42,7 +44,7 @@ class PrefillResolver:
         with self._lock:
             found = self._cache.get(key)
         if found is None:
-            found = resolve_prefill(url, dp_rank=key[1], retries=self.retries, interval=self.interval_s)
+            found = self.lookup(url, dp_rank=key[1], retries=self.retries, interval=self.interval_s)
             if not found.get("side_channel"):
                 raise LookupError(f"the prefill rank registered at {url} has no fsm-pd side channel "
                                   "(is it an fsm-pd prefill node?)")
