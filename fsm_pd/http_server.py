@@ -1,5 +1,9 @@
 """Serving an ASGI app with uvicorn: in the foreground (``serve``, for the CLI) or on a background thread
 (``AppServer``: the bootstrap server inside a prefill node, tests). 127.0.0.1 unless told otherwise.
+
+Every server bounds how long a client may take to send a request's headers and body (``ReadTimeouts``; flags, else
+``$FSM_PD_HEADER_TIMEOUT_S`` / ``$FSM_PD_BODY_TIMEOUT_S``, else 10 s and 30 s), so slow clients cannot hold
+connections open.
 """
 
 from __future__ import annotations
@@ -11,18 +15,23 @@ import time
 
 import uvicorn
 
+from fsm_pd.read_deadlines import ReadTimeouts
+
 log = logging.getLogger(__name__)
 
 
-def _uvicorn_config(app, log_level: str, **overrides) -> uvicorn.Config:
+def _uvicorn_config(app, log_level: str, read_timeouts: ReadTimeouts | None = None, **overrides) -> uvicorn.Config:
     # lifespan off: the apps hold no startup state; timeout_keep_alive: routers keep pooled connections open.
-    options = {"access_log": False, "lifespan": "off", "timeout_keep_alive": 60, **overrides}
+    timeouts = read_timeouts if read_timeouts is not None else ReadTimeouts.from_env()
+    options = {"access_log": False, "lifespan": "off", "timeout_keep_alive": 60, "http": timeouts.protocol(),
+               **overrides}
     return uvicorn.Config(app, log_level=log_level, **options)
 
 
-def serve(app, host: str = "127.0.0.1", port: int = 30000, *, log_level: str = "info") -> None:
-    """Serve ``app`` until SIGINT/SIGTERM."""
-    config = _uvicorn_config(app, log_level)
+def serve(app, host: str = "127.0.0.1", port: int = 30000, *, log_level: str = "info",
+          read_timeouts: ReadTimeouts | None = None) -> None:
+    """Serve ``app`` until SIGINT/SIGTERM. ``read_timeouts``: default ``ReadTimeouts.from_env()``."""
+    config = _uvicorn_config(app, log_level, read_timeouts)
     config.host, config.port = host, port
     uvicorn.Server(config).run()
 
@@ -32,8 +41,10 @@ class AppServer:
 
     name = "server"
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning", **uvicorn_options):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning",
+                 read_timeouts: ReadTimeouts | None = None, **uvicorn_options):
         self.app, self.host, self._requested_port, self.log_level = app, host, port, log_level
+        self.read_timeouts = read_timeouts
         self._uvicorn_options = uvicorn_options
         self._port: int | None = None
         self._socket: socket.socket | None = None
@@ -63,7 +74,8 @@ class AppServer:
             sock.close()
             raise
         self._socket, self._port = sock, sock.getsockname()[1]
-        self._server = uvicorn.Server(_uvicorn_config(self.app, self.log_level, **self._uvicorn_options))
+        self._server = uvicorn.Server(_uvicorn_config(self.app, self.log_level, self.read_timeouts,
+                                                      **self._uvicorn_options))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name=f"{self.name}:{self._port}", daemon=True)
         self._thread.start()

@@ -17,6 +17,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from fsm_pd.read_deadlines import add_read_timeout_flags, read_timeouts_from_args
+
 ROLES = ("prefill", "decode", "colocated", "router", "bootstrap")
 DEADLINE_FLAGS = {"bootstrap": "FSM_PD_BOOTSTRAP_TIMEOUT", "waiting": "FSM_PD_WAITING_TIMEOUT",
                   "pull_hold": "FSM_PD_PULL_HOLD_TIMEOUT", "transfer": "FSM_PD_TRANSFER_TIMEOUT"}
@@ -35,6 +37,7 @@ def node_parser(role: str) -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=os.environ.get("FSM_PD_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on the APIs (default: $FSM_PD_API_KEY, else none)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_read_timeout_flags(parser)
     if role in ("prefill", "decode"):
         parser.add_argument("--node-id", default=f"{role}-0", help="this node's id in journals and messages")
         parser.add_argument("--transfer-backend", default="tcp",
@@ -103,7 +106,7 @@ def run_node(args: argparse.Namespace) -> int:
                      registries=registries)
     apply_serving_gc_policy()
     try:
-        serve(app, args.host, args.port, log_level=args.log_level)
+        serve(app, args.host, args.port, log_level=args.log_level, read_timeouts=read_timeouts_from_args(args))
     finally:
         engine.close()
     return 0

@@ -36,6 +36,7 @@ from fsm_pd.api.router_merge import merge_json, merge_sse, new_room, prefill_inp
 from fsm_pd.api.runner import wait_disconnect
 from fsm_pd.api.strict_json import StrictJSONRoute
 from fsm_pd.bootstrap.body_limit import BodySizeLimit
+from fsm_pd.read_deadlines import add_read_timeout_flags, read_timeouts_from_args
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +245,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--request-timeout-secs", type=float, default=1800.0)
     parser.add_argument("--pd-disaggregation", action="store_true", help="accepted for sglang-router parity")
     parser.add_argument("--log-level", default="info")
+    add_read_timeout_flags(parser)
     return parser
 
 
@@ -262,5 +264,5 @@ def router_main(argv: Sequence[str] | None = None) -> None:
     except ValueError as err:
         parser.error(str(err))
     logging.basicConfig(level=args.log_level.upper())
-    serve(app, args.host, args.port, log_level=args.log_level)
+    serve(app, args.host, args.port, log_level=args.log_level, read_timeouts=read_timeouts_from_args(args))
 
