@@ -3,15 +3,31 @@
 Everything that touches the pool (a forward pass, a gather for a transfer, a scatter of pulled KV, freeing pages
 that a queued scatter may still write) is a job on this thread, so jobs are ordered: a FreePages queued after a
 Scatter runs after it, and pages can never be handed to another request while a write to them is pending.
+
+A job that raises fails its own future and the thread goes on. Some failures leave nothing to go on with: the
+process is out of memory, a job raised something that is not an ``Exception`` (``SystemExit``, ``KeyboardInterrupt``),
+or the pool's buffers were lost (a failed call that had donated them). Then the thread is *dead*: ``dead`` says why,
+every queued and later job fails at once with ``ModelThreadDead``, and the ``on_death`` callbacks run (the engine
+fails its requests, ``/health`` turns 503). A dead model thread is not restarted: its pool can no longer be trusted.
 """
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
+log = logging.getLogger(__name__)
+
 T = TypeVar("T")
+_STOP = object()
+
+
+class ModelThreadDead(RuntimeError):
+    """The model thread died; nothing runs on it any more."""
 
 
 class ModelThread:
@@ -19,14 +35,112 @@ class ModelThread:
 
     def __init__(self, pool: Any = None, name: str = "model"):
         self.pool = pool
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self.name = name
+        self.dead: str | None = None  # why the thread died; None while it serves
+        self.on_death: list[Callable[[str], None]] = []  # called once, on the dying thread, with the reason
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # orders submit against death and close: no job is queued after the drain
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
 
     def submit(self, job: Callable[[ModelThread], T]) -> Future[T]:
-        return self._executor.submit(job, self)
+        future: Future[T] = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self.name} is closed: cannot schedule new jobs")
+            if self.dead is not None:
+                future.set_exception(ModelThreadDead(f"{self.name} is dead: {self.dead}"))
+                return future
+            self._jobs.put((job, future))
+        return future
 
     def call(self, job: Callable[[ModelThread], T], timeout: float | None = None) -> T:
         """Run ``job`` on the model thread and wait for its result."""
         return self.submit(job).result(timeout)
 
+    def health(self) -> str | None:
+        """Why this thread cannot serve (None while it can)."""
+        if self.dead is None and not self._closed and not self._thread.is_alive():
+            return f"{self.name} exited"  # cannot happen through _run; reported rather than assumed
+        return self.dead
+
     def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        """Stop after the job in progress; queued jobs are cancelled."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._jobs.put(_STOP)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    # --- the model thread ---
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is _STOP:
+                self._drain(None)
+                return
+            job, future = item
+            if self._closed:
+                future.cancel()
+                continue
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = job(self)
+            except BaseException as exc:  # noqa: BLE001 - the job's failure is its caller's, unless it is fatal
+                future.set_exception(exc)
+                if (reason := self._fatal(exc)) is not None:
+                    self._die(reason)
+                    return
+            else:
+                future.set_result(result)
+
+    def _fatal(self, exc: BaseException) -> str | None:
+        if not isinstance(exc, Exception) or isinstance(exc, MemoryError):
+            return f"a job raised {type(exc).__name__}: {exc}"
+        if lost := [i for i, array in enumerate(_arrays(self.pool)) if _deleted(array)]:
+            return f"the KV pool was lost (layers {lost[:4]} deleted) after {type(exc).__name__}: {exc}"
+        return None
+
+    def _die(self, reason: str) -> None:
+        with self._lock:
+            self.dead = reason
+        log.critical("%s died: %s", self.name, reason)
+        self._drain(ModelThreadDead(f"{self.name} is dead: {reason}"))
+        for callback in list(self.on_death):
+            try:
+                callback(reason)
+            except Exception:  # one listener's failure must not keep the others from hearing
+                log.exception("an on_death callback of %s failed", self.name)
+
+    def _drain(self, error: BaseException | None) -> None:
+        """Fail (or, at close, cancel) every job still queued."""
+        while True:
+            try:
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if item is _STOP:
+                continue
+            _, future = item
+            if error is None or not future.set_running_or_notify_cancel():
+                future.cancel()
+            else:
+                future.set_exception(error)
+
+
+def _arrays(pool: Any) -> list:
+    if isinstance(pool, (tuple, list)):
+        return [a for item in pool for a in _arrays(item)]
+    return [] if pool is None else [pool]
+
+
+def _deleted(array: Any) -> bool:
+    is_deleted = getattr(array, "is_deleted", None)
+    try:
+        return bool(is_deleted()) if callable(is_deleted) else False
+    except Exception:  # an array that cannot even say is as good as lost
+        return True
