@@ -101,6 +101,8 @@ class KVManager:
                                                  **heartbeat_settings(), **(heartbeat or {})})
         self.recovered = self.core.recover()
         self._stop = threading.Event()
+        self.dead: str | None = None  # why the loop stopped on its own (None while it runs, or closed on purpose)
+        self.on_stopped: list[Callable[[str], None]] = []  # told once, on the loop thread, when it stops on its own
         self._thread = threading.Thread(target=self._loop, name=f"fsm-loop[{node_id}]", daemon=True)
         self._thread.start()
 
@@ -110,9 +112,25 @@ class KVManager:
             self.node.wakeup.wait(0.05)
             try:
                 self.node.step()
-            except Exception:  # a journal that cannot be written stops the node: acting unjournaled breaks replay
+            except Exception as exc:  # a journal that cannot be written stops the node: unjournaled acts break replay
                 log.exception("node %s stopped: the journal could not be written", self.node_id)
-                self._stop.set()
+                self._stopped(f"the node loop stopped: the journal could not be written: {type(exc).__name__}: {exc}")
+                return
+
+    def _stopped(self, reason: str) -> None:
+        self.dead = reason
+        self._stop.set()
+        for callback in list(self.on_stopped):
+            try:
+                callback(reason)
+            except Exception:  # one listener's failure must not keep the others from hearing
+                log.exception("an on_stopped callback of %s failed", self.node_id)
+
+    def health(self) -> str | None:
+        """Why this node cannot serve (None while it can): its loop stopped, or its model thread died."""
+        if self.dead is None and not self._stop.is_set() and not self._thread.is_alive():
+            return "the node loop exited"
+        return self.dead or self.model.health()
 
     def _observe(self, room, decision, at) -> None:
         if decision.trigger == "bootstrap_resolved" and decision.ignored is None and "bootstrap_url" in room.ctx:
@@ -178,6 +196,10 @@ class KVManager:
     # --- both sides ---
     def abort(self, room: int, reason: str = "aborted") -> None:
         self.core.abort(room, reason)
+
+    def fail(self, room: int, reason: str) -> None:
+        """Fail the room for a local reason (its prefill failed, say); the machine frees what it holds."""
+        self.core.submit(room, "error", {"blame": "local", "reason": reason})
 
     def poll(self, room: int) -> KVPoll | None:
         """The room's state, read without advancing anything (None if it does not exist here)."""
