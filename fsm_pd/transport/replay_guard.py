@@ -10,9 +10,10 @@ Three checks, in this order, after the MAC has passed:
   accepted window just narrows.
 - **duplicate**: a message with the same ``(sender, instance, room, type)`` was already delivered (a retransmission
   with a fresh nonce, say). The instance is part of the key because a restarted peer is a new sender: what it says
-  about a room is news, not a copy of what its predecessor said. HEARTBEAT is exempt: it repeats by design. The memory of delivered keys is an LRU of ``max_delivered``
-  entries; a duplicate that arrives after its key was evicted is delivered again, which the control plane tolerates
-  (late and duplicate messages for a room are journaled and ignored).
+  about a room is news, not a copy of what its predecessor said. HEARTBEAT is exempt: it repeats by design. The
+  memory of delivered keys is an LRU of ``max_delivered`` entries; a duplicate that arrives after its key was
+  evicted is delivered again, which the control plane tolerates (late and duplicate messages for a room are
+  journaled and ignored).
 
 Not thread-safe: the side channel's listener thread is its only user.
 """
