@@ -2,13 +2,16 @@
 
 Page 0 is the reserved padding page and is never handed out. A room holds at most one reservation; freeing a room
 that holds nothing is a no-op (effects are idempotent), and a room that was freed cannot reserve again, so a
-reservation that completes after its room already failed is refused instead of leaking.
+reservation that completes after its room already failed is refused instead of leaking. That memory of freed rooms
+is for races between a free and a reservation already under way, so it is short: the last ``remember_closed``
+rooms (``forget`` drops one earlier, once its id cannot come back). Reuse of a room id long after is refused by the
+journal, not here.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -20,14 +23,20 @@ class OutOfPages(Exception):
     """Not enough free pages now; the caller may queue and retry when pages are freed."""
 
 
+REMEMBER_CLOSED = 4096  # freed rooms kept to refuse a late reservation; far more than can be in flight at once
+
+
 class PageAllocator:
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, remember_closed: int = REMEMBER_CLOSED):
         if num_pages < 2:
             raise ValueError("num_pages must be at least 2 (page 0 is reserved)")
+        if remember_closed < 1:
+            raise ValueError("remember_closed must be at least 1")
         self.num_pages = num_pages
         self._free: deque[int] = deque(range(1, num_pages))
         self._held: dict[int, list[int]] = {}
-        self._closed: set[int] = set()
+        self._closed: OrderedDict[int, None] = OrderedDict()  # recently freed rooms, oldest first
+        self._remember_closed = remember_closed
         self._lock = threading.Lock()
         self.reservations = 0
         self.frees = 0
@@ -86,7 +95,10 @@ class PageAllocator:
     def free(self, room: int) -> int:
         """Return the room's pages to the pool; returns how many (0 if it held none)."""
         with self._lock:
-            self._closed.add(room)
+            self._closed[room] = None
+            self._closed.move_to_end(room)
+            if len(self._closed) > self._remember_closed:
+                self._closed.popitem(last=False)
             pages = self._held.pop(room, None)
             if not pages:
                 return 0
@@ -97,4 +109,4 @@ class PageAllocator:
     def forget(self, room: int) -> None:
         """Drop the memory that ``room`` was freed (once its id can no longer come back)."""
         with self._lock:
-            self._closed.discard(room)
+            self._closed.pop(room, None)

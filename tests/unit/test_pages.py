@@ -34,3 +34,15 @@ def test_limits_are_clear():
     with pytest.raises(OutOfPages):
         pages.reserve(3, 2)
     assert pages_for(0, 16) == 0 and pages_for(16, 16) == 1 and pages_for(17, 16) == 2
+
+
+def test_the_memory_of_freed_rooms_is_bounded():
+    pages = PageAllocator(8, remember_closed=3)
+    for room in range(1, 101):  # a long life of short requests that were never forgotten explicitly
+        pages.reserve(room, 1)
+        pages.free(room)
+    assert len(pages._closed) == 3
+    for room in (98, 99, 100):  # the most recent still refuse a late reservation
+        with pytest.raises(ValueError, match="already freed"):
+            pages.reserve(room, 1)
+    assert pages.reserve(1, 1)  # long gone from memory: refusing reuse is the journal's job
