@@ -73,6 +73,10 @@ class VirtualClock:
     def next_time(self) -> float | None:
         return self._timers.next_time()
 
+    def advance_to(self, when: float) -> None:
+        """Move time forward to ``when`` without firing anything (the caller fired everything due before it)."""
+        self._now = max(self._now, when)
+
     def fire_next(self) -> bool:
         """Advance to the earliest pending timer and fire every timer due at that instant."""
         when = self._timers.next_time()

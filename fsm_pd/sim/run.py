@@ -5,18 +5,23 @@ from __future__ import annotations
 import os
 from collections import Counter
 
+from fsm_pd.sim.invariants import overdue_rooms, ownership_violations
 from fsm_pd.sim.world import SimConfig, World
 
 
 def schedule_requests(world: World) -> None:
-    """Poisson arrivals with prompt lengths from 1 token to many pages; one P crash if the fault plan wants one."""
+    """Poisson arrivals with prompt lengths from 1 token to many pages; a crash of either node if the plan wants one."""
     config, at = world.config, 0.0
     for room in range(1, config.requests + 1):
         at += world.rng.expovariate(1.0 / config.mean_interarrival)
         world.add_request(room, world.rng.randint(1, config.max_prompt), at)
-    if world.faults.prefill_crash():
+    if world.plan.prefill_crash():
         crash_at = world.rng.random() * at
         world.clock.call_at(crash_at, world.crash_prefill)
+    if world.plan.decode_crash():
+        crash_at = world.rng.random() * at
+        world.clock.call_at(crash_at, lambda: world.crash("decode", restart_after=world.config.restart_after,
+                                                          after_commit=True))
 
 
 def simulate(config: SimConfig, journal_dir: str | os.PathLike | None = None, durability: str = "normal") -> dict:
@@ -34,8 +39,9 @@ def summarize(world: World) -> dict:
     decode_failed, prefill_failed = Counter(), Counter()
     succeeded = 0
     live = world.live_rooms()
+    decode = world.decode.live_rooms()
     for room in world.requests:
-        d = world.decode.rooms.get(room)
+        d = decode.get(room)
         if d is not None and d.state == "Success":
             succeeded += 1
         else:
@@ -43,7 +49,7 @@ def summarize(world: World) -> dict:
         p = live.get((world.prefill_id, "prefill", room))
         if p is not None and p.state == "Failed":
             prefill_failed[p.reason] += 1
-    unfinished = [r.room for n in (world.prefill, world.decode) for r in n.rooms.values() if not r.terminal]
+    unfinished = [r.room for s in (world.prefill, world.decode) for r in s.live_rooms().values() if not r.terminal]
     return {
         "requests": len(world.requests),
         "seed": world.config.seed,
@@ -53,12 +59,15 @@ def summarize(world: World) -> dict:
         "failed_by_reason": dict(sorted(decode_failed.items())),
         "prefill_failed_by_reason": dict(sorted(prefill_failed.items())),
         "prefill_crashes": world.crashes,
-        "messages": dict(sorted(world.messages.items())),
+        "decode_crashes": world.decode.crashes,
+        "messages": dict(sorted(world.network.counts.items())),
         "unfinished_rooms": len(unfinished),
         "leaks": {
-            "staging_buffers_held": len(world.staging.held),
-            "pages_reserved": world.pages.reserved_pages,
-            "violations": world.staging.violations,
+            "staging_buffers_held": len(world.ledger.holdings("staging")),
+            "pages_reserved": len(world.ledger.holdings("pages")),
+            "transfer_entries_open": len(world.ledger.holdings("entry")),
+            "pulled_buffers_held": len(world.ledger.holdings("pulled")),
+            "violations": ownership_violations(world) + overdue_rooms(world),
         },
         "virtual_seconds": round(world.clock.now(), 6),
     }

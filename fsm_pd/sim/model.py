@@ -1,0 +1,45 @@
+"""The simulated model thread: jobs run one at a time, in submission order, each ``delay`` virtual seconds after
+the one before (a slow model thread is a larger delay). Futures complete on the simulator's thread, so their
+callbacks run at once, in order."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from fsm_pd.sim.scheduler import Scheduler
+
+
+class SimModel:
+    def __init__(self, sched: Scheduler, instance: Any, delay: Callable[[], float]):
+        self.sched, self.instance, self.delay = sched, instance, delay
+        self.pool = None
+        self._queue: deque[tuple[Callable[[Any], Any], Future]] = deque()
+        self._running = False
+
+    def submit(self, job: Callable[[Any], Any]) -> Future:
+        future: Future = Future()
+        self._queue.append((job, future))
+        if not self._running:
+            self._next()
+        return future
+
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def _next(self) -> None:
+        self._running = bool(self._queue)
+        if self._running:
+            self.sched.later(self.delay(), self._run_head, self.instance)
+
+    def _run_head(self) -> None:
+        job, future = self._queue.popleft()
+        try:
+            result = job(self)
+        except Exception as exc:  # noqa: BLE001 - delivered through the future, as a thread pool does
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+        self._next()

@@ -1,0 +1,123 @@
+"""The simulated side channel: the real signed frames over an in-memory network that can misbehave.
+
+A sender's ``SimSideChannel`` stamps a real message (``fsm_pd.transport.messages``) and seals it into the real frame
+(``signing.seal``). The network decides its fate with the world's one RNG: delivered after a small latency, dropped,
+duplicated, delayed far beyond the deadlines, reordered (a random extra latency), or lost in a partition. The
+receiver opens the frame (``open_frame``: MAC and body checks) and runs it through its own ``ReplayGuard`` (fresh per
+process instance, as a restarted process's is) before its ``NodeCore`` routes it to a room.
+
+Like the ZMQ channel with ``IMMEDIATE`` and a send timeout, a send to an address where no process listens fails with
+``PeerUnreachable`` after ``send_timeout_s``; a frame handed to a live process that dies before it arrives is lost.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsm_pd.sim.faults import FaultPlan
+from fsm_pd.sim.scheduler import Scheduler
+from fsm_pd.transport.messages import MalformedMessage
+from fsm_pd.transport.replay_guard import ReplayGuard
+from fsm_pd.transport.side_channel import PeerUnreachable
+from fsm_pd.transport.signing import RejectedFrame, open_frame, seal
+
+SEND_TIMEOUT_S = 1.0  # the side channel's default send timeout
+LATENCY_S = (0.0002, 0.0005)
+
+
+@dataclass(eq=False)
+class _Endpoint:
+    instance: Any
+    deliver: Callable[[Any], None]
+    guard: ReplayGuard = field(default_factory=ReplayGuard)
+
+
+class SimNetwork:
+    def __init__(self, sched: Scheduler, rng: random.Random, plan: FaultPlan, secret: bytes, max_delay_s: float):
+        self.sched, self.clock, self.rng, self.plan, self.secret = sched, sched.clock, rng, plan, secret
+        self.max_delay_s = max_delay_s  # how late a "delayed" frame may arrive
+        self.endpoints: dict[str, _Endpoint] = {}
+        self.partitioned_until = float("-inf")
+        self.counts: Counter[str] = Counter()
+
+    def bind(self, address: str, instance: Any, deliver: Callable[[Any], None]) -> None:
+        """``instance`` listens at ``address`` from now on (a restart rebinds the same address)."""
+        self.endpoints[address] = _Endpoint(instance, deliver)
+
+    def partition(self, seconds: float) -> None:
+        self.partitioned_until = max(self.partitioned_until, self.clock.now() + seconds)
+
+    @property
+    def partitioned(self) -> bool:
+        return self.clock.now() < self.partitioned_until
+
+    def reachable(self, address: str) -> bool:
+        found = self.endpoints.get(address)
+        return found is not None and found.instance.alive and not self.partitioned
+
+    def transmit(self, sender: Any, address: str, frame: bytes, done: Callable[[BaseException | None], None]) -> None:
+        target = self.endpoints.get(address)
+        if target is None or not target.instance.alive:
+            self.counts["unreachable"] += 1
+            error = PeerUnreachable(f"{address}: no live connection within {SEND_TIMEOUT_S * 1000:.0f} ms")
+            self.sched.later(SEND_TIMEOUT_S, lambda: done(error), sender)
+            return
+        self.sched.later(0.0, lambda: done(None), sender)  # a live connection took the frame
+        if self.partitioned:
+            self.counts["partitioned"] += 1
+            return
+        fate = self.plan.message()
+        self.counts[fate] += 1
+        if fate == "drop":
+            return
+        latency = self.rng.uniform(*LATENCY_S)
+        if fate == "delay":
+            latency += self.rng.random() * self.max_delay_s
+        elif fate == "reorder":
+            latency += self.rng.random() * 0.01
+        for copy in range(2 if fate == "duplicate" else 1):
+            self.sched.later(latency + copy * 0.0001, lambda: self._arrive(target.instance, address, frame))
+
+    def _arrive(self, instance: Any, address: str, frame: bytes) -> None:
+        target = self.endpoints.get(address)
+        if target is None or target.instance is not instance or not instance.alive:
+            self.counts["lost"] += 1  # the connection died with the process it led to
+            return
+        try:
+            msg = open_frame(frame, self.secret)
+        except (RejectedFrame, MalformedMessage):
+            self.counts["rejected"] += 1
+            return
+        reason = target.guard.check(msg, self.clock.now())
+        if reason is not None:
+            self.counts[reason] += 1
+            return
+        self.counts["delivered"] += 1
+        target.deliver(msg)
+
+
+class SimSideChannel:
+    """One process instance's ``SideChannelPort`` on the simulated network."""
+
+    def __init__(self, network: SimNetwork, instance: Any, node_id: str, address: str, instance_id: str):
+        self.network, self.instance, self.node_id = network, instance, node_id
+        self._address, self.instance_id = address, instance_id
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def stamp(self, cls: type, **fields: Any) -> Any:
+        net = self.network
+        return cls(sender=self.node_id, instance=self.instance_id, origin=self._address,
+                   nonce=net.rng.getrandbits(63), sent_at=net.clock.now(), **fields)
+
+    def post(self, addr: str, msg: Any, done: Callable[[BaseException | None], None]) -> None:
+        self.network.transmit(self.instance, addr, seal(msg, self.network.secret), done)
+
+    def forget_peer(self, addr: str) -> None:
+        pass  # no cached connections here

@@ -1,0 +1,134 @@
+"""One simulated node: a slot (role, node id, addresses, journal file) and the process instance running in it.
+
+An ``Instance`` is what a real process is: the production ``NodeCore``, ``Node`` and effect handlers, wired to the
+simulated ports. It dies whole: ``crash`` marks it dead (its pending callbacks never run, its holdings are freed by
+its death) and drops its journal handle. ``SimNode.start`` runs a new instance at the same addresses, rebuilt from the
+journal by the production recovery (``NodeCore.recover`` -> ``Node.recover``), with a new instance id.
+
+``CrashableInterpreter`` crashes the process inside ``Node.step`` after the step's journal rows were committed and
+before their effects ran: the window a write-ahead journal exists for.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fsm_pd.control.admission import PoolAdmission
+from fsm_pd.control.core import NodeCore
+from fsm_pd.control.decode_effects import DecodeEffects
+from fsm_pd.control.faults import Faults
+from fsm_pd.control.prefill_effects import PrefillEffects
+from fsm_pd.effects import Node
+from fsm_pd.engine.pages import PageAllocator
+from fsm_pd.machines import RECEIVER, SENDER, Room
+from fsm_pd.sim.bootstrap import SimResolver
+from fsm_pd.sim.kv import RecordingAllocator, SimKV
+from fsm_pd.sim.model import SimModel
+from fsm_pd.sim.network import SimSideChannel
+from fsm_pd.sim.transfer import SimPuller, SimTransferServer
+from fsm_pd.transport.messages import new_instance_id
+
+if TYPE_CHECKING:
+    from fsm_pd.sim.world import World
+
+
+class NodeCrashed(BaseException):
+    """Raised inside ``Node.step`` to kill the process between journal commit and effects (not an ``Exception``:
+    nothing in the loop may catch it)."""
+
+
+class CrashableInterpreter:
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.armed = False
+
+    def run(self, node: Node, room: Room, decision: Any) -> None:
+        if self.armed and decision.effects:
+            self.armed = False
+            raise NodeCrashed(f"{node.node_id} crashed after journaling room {room.room} v{decision.version}")
+        self.inner.run(node, room, decision)
+
+
+class Instance:
+    def __init__(self, world: World, slot: SimNode, generation: int):
+        self.alive = True
+        self.name = f"{slot.node_id}#{generation}"
+        self.created: dict[int, float] = {}  # room -> when this instance created (or recovered) it
+        w = self.world = world
+        self.model = SimModel(w.sched, self, lambda: w.model_delay)
+        self.channel = SimSideChannel(w.network, self, slot.node_id, slot.address, new_instance_id(w.rng))
+        faults = Faults(role=slot.role)  # FSM_PD_FAULT_* drive real processes; the simulation has its FaultPlan
+        self.journal = w.open_journal(slot.role)
+        if slot.role == "prefill":
+            self.pages = PageAllocator(w.config.prefill_pages)  # the prefill engine's pool
+            self.page_room: dict[int, int] = {}
+            self.transfer = SimTransferServer(w.sched, w.ledger, self, slot.transfer_address)
+            kv = SimKV(w.ledger, self, w.page_bytes, room_of_pages=lambda pages: self.page_room[pages[0]])
+            self.effects: PrefillEffects | DecodeEffects = PrefillEffects(
+                layout=w.prefill_layout, channel=self.channel, transfer=self.transfer, model=self.model, kv=kv,
+                faults=faults, new_uuid=lambda: w.rng.getrandbits(63) or 1)
+            machine, deadlines, layout = SENDER, w.config.prefill_deadlines, w.prefill_layout
+        else:
+            self.allocator = RecordingAllocator(w.config.num_pages, w.ledger, self)
+            self.admission = PoolAdmission(self.allocator)
+            self.resolver = SimResolver(w.sched, self, w.plan, w.bootstrap)
+            puller = SimPuller(w.sched, w.ledger, self, w.plan, w.transfer_server, lambda: w.network.partitioned)
+            self.effects = DecodeEffects(
+                layout=w.decode_layout, channel=self.channel, resolver=self.resolver, admission=self.admission,
+                puller=puller, model=self.model, kv=SimKV(w.ledger, self, w.page_bytes, allocator=self.allocator),
+                faults=faults)
+            machine, deadlines, layout = RECEIVER, w.config.decode_deadlines, w.decode_layout
+        self.interpreter = CrashableInterpreter(self.effects.interpreter())
+        self.node = Node(slot.node_id, machine, self.journal, self.interpreter, w.clock, deadlines)
+        self.core = NodeCore(self.node, layout)
+        w.network.bind(slot.address, self, self.core.on_message)
+
+    def idle(self) -> bool:
+        return self.model.queued() == 0
+
+
+class SimNode:
+    def __init__(self, world: World, role: str, node_id: str, address: str, transfer_address: str | None = None):
+        self.world, self.role, self.node_id = world, role, node_id
+        self.address, self.transfer_address = address, transfer_address
+        self.generation = 0
+        self.instance: Instance | None = None
+        self.earlier: dict[int, Room] = {}  # rooms that ended in earlier instances (a restart reloads none)
+        self.crashes = 0
+        self.restart_after: float | None = None  # for a crash armed to happen inside a step
+
+    @property
+    def alive(self) -> bool:
+        return self.instance is not None and self.instance.alive
+
+    def start(self) -> Instance:
+        """Start a new process instance at this slot's addresses, recovering from the journal."""
+        old = self.instance
+        if old is not None:
+            assert not old.alive, "start a new instance only after the old one died"
+            keep = old.node.rooms.values() if old.journal is None else (r for r in old.node.rooms.values()
+                                                                         if r.terminal)
+            self.earlier.update({r.room: r for r in keep})
+        self.generation += 1
+        inst = self.instance = Instance(self.world, self, self.generation)
+        now = self.world.clock.now()
+        for room in inst.core.recover():
+            inst.created[room] = now
+        self.world.started(self, inst)
+        return inst
+
+    def crash(self) -> None:
+        inst = self.instance
+        if inst is None or not inst.alive:
+            return
+        inst.alive = False
+        inst.interpreter.armed = False
+        self.crashes += 1
+        self.world.ledger.crash(inst)
+        if inst.journal is not None:
+            inst.journal.engine.dispose()  # the dead process's handle; every step was committed before it died
+
+    def live_rooms(self) -> dict[int, Room]:
+        """Every room this slot knows, as its processes left them: what replaying its journal must give."""
+        current = self.instance.node.rooms if self.instance is not None else {}
+        return {**self.earlier, **current}

@@ -1,0 +1,33 @@
+"""Work scheduled on the virtual clock, bound to the process instance that owns it.
+
+Everything the simulated ports do later (a message arriving, a pull finishing, a model job running) is a callback
+here. A callback owned by an instance that has crashed meanwhile never runs: the process that would have run it is
+gone. ``in_flight`` counts callbacks that are still work (not deadlines or heartbeats): when it is zero and no node
+has queued events, the world is quiet and nothing held can still be let go by work under way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fsm_pd.effects import VirtualClock
+
+
+class Scheduler:
+    def __init__(self, clock: VirtualClock):
+        self.clock = clock
+        self.in_flight = 0
+
+    def later(self, delay: float, fn: Callable[[], None], owner: Any = None, *, work: bool = True) -> None:
+        """Run ``fn`` ``delay`` virtual seconds from now, unless ``owner`` (an instance) is dead by then."""
+        if work:
+            self.in_flight += 1
+
+        def fire() -> None:
+            if work:
+                self.in_flight -= 1
+            if owner is None or owner.alive:
+                fn()
+
+        self.clock.call_at(self.clock.now() + max(0.0, delay), fire)
