@@ -10,10 +10,11 @@ Three checks, in this order, after the MAC has passed:
   accepted window just narrows.
 - **duplicate**: a message with the same ``(sender, instance, room, type)`` was already delivered (a retransmission
   with a fresh nonce, say). The instance is part of the key because a restarted peer is a new sender: what it says
-  about a room is news, not a copy of what its predecessor said. HEARTBEAT is exempt: it repeats by design. The
-  memory of delivered keys is an LRU of ``max_delivered`` entries; a duplicate that arrives after its key was
-  evicted is delivered again, which the control plane tolerates (late and duplicate messages for a room are
-  journaled and ignored).
+  about a room is news, not a copy of what its predecessor said. HEARTBEAT is exempt: it repeats by design. A
+  delivered key is remembered for ``max_skew_s`` (the nonces' window) and at most ``max_delivered`` of them, the
+  oldest forgotten first: copies come within moments, while keeping every key for as long as room was left grew
+  memory with every message (issue 11's soak). A duplicate that arrives after its key was forgotten is delivered
+  again, which the control plane tolerates (late and duplicate messages for a room are journaled and ignored).
 
 Not thread-safe: the side channel's listener thread is its only user.
 """
@@ -49,7 +50,8 @@ class ReplayGuard:
         self._nonces: set[int] = set()
         self._by_age: list[tuple[float, int]] = []  # min-heap of (sent_at, nonce), mirrors _nonces
         self._floor = float("-inf")  # sent_at of the newest nonce forgotten for lack of room
-        self._delivered: OrderedDict[tuple[str, str, int, MessageType], None] = OrderedDict()
+        # key -> when it was delivered, oldest first (receiver clock; a duplicate does not refresh it)
+        self._delivered: OrderedDict[tuple[str, str, int, MessageType], float] = OrderedDict()
 
     def check(self, msg: Message, now: float) -> str | None:
         """Record ``msg`` and return ``None`` if it should be delivered, else the reason to drop it."""
@@ -63,12 +65,15 @@ class ReplayGuard:
             return None
         key = (msg.sender, msg.instance, msg.room, msg.TYPE)
         if key in self._delivered:
-            self._delivered.move_to_end(key)
             return "duplicate"
-        self._delivered[key] = None
+        self._delivered[key] = now
         if len(self._delivered) > self._max_delivered:
             self._delivered.popitem(last=False)
         return None
+
+    @property
+    def remembered_deliveries(self) -> int:
+        return len(self._delivered)
 
     @property
     def remembered_nonces(self) -> int:
@@ -79,6 +84,9 @@ class ReplayGuard:
         while self._by_age and self._by_age[0][0] < horizon:
             _, nonce = heapq.heappop(self._by_age)
             self._nonces.discard(nonce)
+        delivered = self._delivered
+        while delivered and next(iter(delivered.values())) < horizon:
+            delivered.popitem(last=False)
 
     def _remember_nonce(self, msg: Message) -> None:
         self._nonces.add(msg.nonce)

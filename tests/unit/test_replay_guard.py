@@ -62,12 +62,21 @@ def test_heartbeats_are_never_deduplicated():
         assert guard.check(beat, NOW) is None
 
 
-def test_delivered_keys_are_an_lru_of_bounded_size():
+def test_delivered_keys_are_bounded_in_number():
     guard = ReplayGuard(max_delivered=2)
     for room in (1, 2, 3):
         assert guard.check(pulled(room, room=room), NOW) is None
     assert guard.check(pulled(10, room=1), NOW) is None  # evicted: delivered again (tolerated downstream)
     assert guard.check(pulled(11, room=3), NOW) == "duplicate"
+
+
+def test_delivered_keys_are_forgotten_after_the_skew_window():
+    guard = ReplayGuard(max_skew_s=5)
+    for room in range(100):  # a steady flow of messages, one per room, over 100 s
+        assert guard.check(pulled(room, room=room, sent_at=NOW + room), NOW + room) is None
+        assert guard.remembered_deliveries <= 6 and guard.remembered_nonces <= 6
+    assert guard.check(pulled(1000, room=99, sent_at=NOW + 99), NOW + 99) == "duplicate"  # within the window
+    assert guard.check(pulled(1001, room=90, sent_at=NOW + 99), NOW + 99) is None  # long after: delivered again
 
 
 @settings(max_examples=100, deadline=None)
