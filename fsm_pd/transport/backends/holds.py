@@ -4,6 +4,12 @@ A hold ends exactly once — released (D said PULLED), failed (P gave up), expir
 and at that moment the backend's ``retire`` hook replaces the entry with a tombstone so that a late or duplicate
 pull fails fast with the reason instead of hanging, and the staging memory is freed. Tombstones are remembered for
 a while so that a uuid is never published twice.
+
+How long depends on how the hold ended. A failed or expired entry is what a puller may still be waiting for, so its
+tombstone lasts ``tombstone_ttl_s`` (up to ``max_tombstones``); these are rare. A released one was pulled and
+acknowledged by its only consumer, and every request ends that way: its tombstone joins a short list of the last
+``max_released`` (a duplicate pull comes within moments), or the table would grow with the request rate times the
+TTL (issue 11's soak). A uuid is drawn at random from 2**63, so forgetting it risks no reuse.
 """
 
 from __future__ import annotations
@@ -39,16 +45,19 @@ class HoldTable:
         *,
         tombstone_ttl_s: float = 600.0,
         max_tombstones: int = 65536,
+        max_released: int = 1024,
         deadlines: DeadlineScheduler | None = None,
     ) -> None:
         self._retire = retire
         self._tombstone_ttl_s = tombstone_ttl_s
         self._max_tombstones = max_tombstones
+        self._max_released = max_released
         self._deadlines = deadlines or scheduler()
         # Reentrant: backends call table methods from inside their own hooks (e.g. a server thread reading a hold).
         self.lock = threading.RLock()
         self._holds: dict[int, Hold] = {}
         self._tombstones: OrderedDict[int, tuple[str, float]] = OrderedDict()
+        self._released: OrderedDict[int, str] = OrderedDict()  # the last released uuids, oldest first
         self._closed = False
 
     def publish(self, uuid: int, nbytes: int, hold_timeout_s: float, expose: Callable[[float], Any]) -> Hold:
@@ -62,7 +71,7 @@ class HoldTable:
         with self.lock:
             if self._closed:
                 raise RuntimeError("backend is closed")
-            if uuid in self._holds or uuid in self._tombstones:
+            if uuid in self._holds or uuid in self._tombstones or uuid in self._released:
                 raise ValueError(f"uuid {uuid} was already published on this node; transfer ids are never reused")
             deadline = time.monotonic() + hold_timeout_s
             hold = Hold(uuid, nbytes, deadline, expose(deadline))
@@ -72,15 +81,21 @@ class HoldTable:
             )
             return hold
 
-    def end(self, uuid: int, reason: str, *, unpublished_too: bool = False) -> bool:
-        """End the hold of ``uuid`` (no-op if already ended). With ``unpublished_too``, tombstone an unknown uuid."""
+    def end(self, uuid: int, reason: str, *, unpublished_too: bool = False, released: bool = False) -> bool:
+        """End the hold of ``uuid`` (no-op if already ended). With ``unpublished_too``, tombstone an unknown uuid.
+        ``released``: its consumer has it (a short memory suffices, see the module's doc)."""
         with self.lock:
             hold = self._holds.pop(uuid, None)
-            if hold is None and (uuid in self._tombstones or not unpublished_too):
+            if hold is None and (uuid in self._tombstones or uuid in self._released or not unpublished_too):
                 return False
             if hold is not None and hold.timer is not None:
                 hold.timer.cancel()
-            self._remember(uuid, reason)
+            if released:
+                self._released[uuid] = reason
+                if len(self._released) > self._max_released:
+                    self._released.popitem(last=False)
+            else:
+                self._remember(uuid, reason)
             self._retire(uuid, reason, hold)
             return True
 
@@ -98,7 +113,12 @@ class HoldTable:
         """Why ``uuid`` ended, if it did (and is still remembered)."""
         with self.lock:
             entry = self._tombstones.get(uuid)
-            return entry[0] if entry else None
+            return entry[0] if entry else self._released.get(uuid)
+
+    def remembered(self) -> int:
+        """Tombstones held now (both kinds)."""
+        with self.lock:
+            return len(self._tombstones) + len(self._released)
 
     def open_entries(self) -> OpenEntries:
         with self.lock:
@@ -128,7 +148,7 @@ class HoldingBackend(TransferBackend):
     _holds: HoldTable
 
     def release(self, uuid: int) -> None:
-        self._holds.end(uuid, "released after the pull")
+        self._holds.end(uuid, "released after the pull", released=True)
 
     def fail(self, uuid: int, reason: str) -> None:
         check_uuid(uuid)
