@@ -15,7 +15,7 @@ import time
 
 import uvicorn
 
-from fsm_pd.read_deadlines import ReadTimeouts
+from fsm_pd.http_protocol import ReadTimeouts
 
 log = logging.getLogger(__name__)
 

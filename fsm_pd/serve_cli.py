@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from fsm_pd.read_deadlines import add_read_timeout_flags, read_timeouts_from_args
+from fsm_pd.http_protocol import add_read_timeout_flags, read_timeouts_from_args
 
 ROLES = ("prefill", "decode", "colocated", "router", "bootstrap")
 DEADLINE_FLAGS = {"bootstrap": "FSM_PD_BOOTSTRAP_TIMEOUT", "waiting": "FSM_PD_WAITING_TIMEOUT",

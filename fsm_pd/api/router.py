@@ -36,7 +36,7 @@ from fsm_pd.api.router_merge import merge_json, merge_sse, new_room, prefill_inp
 from fsm_pd.api.runner import wait_disconnect
 from fsm_pd.api.strict_json import StrictJSONRoute
 from fsm_pd.bootstrap.body_limit import BodySizeLimit
-from fsm_pd.read_deadlines import add_read_timeout_flags, read_timeouts_from_args
+from fsm_pd.http_protocol import add_read_timeout_flags, read_timeouts_from_args
 
 log = logging.getLogger(__name__)
 

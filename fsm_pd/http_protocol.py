@@ -1,9 +1,10 @@
-"""Read deadlines for HTTP connections: a client gets so long to send a request's headers, and so long for its body.
+"""The HTTP/1.1 connection protocol of every fsm-pd server: uvicorn's h11 protocol with read deadlines, and silence
+toward clients that are gone.
 
-Uvicorn bounds only the idle time between two requests (``timeout_keep_alive``). A client that opens a connection
-and sends nothing, or drips a header line or a body byte now and then, holds its connection (a socket, a protocol
-object, for a body a request task) for as long as it likes; a few hundred of them starve a node. This is the h11
-protocol uvicorn already runs, with one timer per connection, armed while the server waits for the client:
+**Read deadlines.** Uvicorn bounds only the idle time between two requests (``timeout_keep_alive``). A client that
+opens a connection and sends nothing, or drips a header line or a body byte now and then, holds its connection (a
+socket, a protocol object, for a body a request task) for as long as it likes; a few hundred of them starve a node.
+One timer per connection is armed while the server waits for the client:
 
 * **headers**: from the connection's start, or from the first byte of a next request on a kept-alive connection,
   until the request line and headers are complete;
@@ -13,6 +14,13 @@ protocol uvicorn already runs, with one timer per connection, armed while the se
 When a deadline passes the client gets ``408 Request Timeout`` (if no response has started) and the connection is
 closed; a request task already running sees ``http.disconnect``, as for any client that went away. Waiting on the
 server (a long generation, a stream) is never timed here: the client has said everything by then.
+
+**Clients that are gone.** When a client drops a streamed answer, asyncio closes the transport at once but tells
+uvicorn only a loop turn later (``connection_lost``). A stream relayed from buffered data (the router) writes many
+chunks in that turn; asyncio drops each and, from the fifth, logs "socket.send() raised exception." for every one,
+hundreds per cancelled stream. Here the first write to a closing transport marks the request's client as gone
+instead, as ``connection_lost`` will: uvicorn drops the rest quietly, and the app hears ``http.disconnect`` now, so a
+router cancels the stream's upstream legs without waiting.
 """
 
 from __future__ import annotations
@@ -70,7 +78,7 @@ class DeadlineH11Protocol(H11Protocol):
 
     # --- uvicorn's protocol events, each followed by a look at what the connection now waits for ---
     def connection_made(self, transport) -> None:
-        super().connection_made(transport)
+        super().connection_made(_GoneClientGuard(transport, self))
         self._watch()
 
     def data_received(self, data: bytes) -> None:
@@ -84,6 +92,13 @@ class DeadlineH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._arm(None)
         super().connection_lost(exc)
+
+    def client_gone(self) -> None:
+        """A write found the transport closing: the client is gone (``connection_lost`` will follow)."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete and not cycle.disconnected:
+            cycle.disconnected = True
+            cycle.message_event.set()
 
     # --- the deadline ---
     def _awaited(self) -> str | None:
@@ -125,13 +140,26 @@ class DeadlineH11Protocol(H11Protocol):
             text = f"request {waiting_for} not received within {limit:g} s\n".encode()
             self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
                                  b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(text), text))
-        if cycle is not None and not cycle.response_complete:
-            # the request task (if any) must stop writing now and see the client as gone: uvicorn would only
-            # mark it in connection_lost, a loop turn later
-            cycle.disconnected = True
-            cycle.message_event.set()
         self._waiting_for = None
         self.transport.close()
+        self.client_gone()  # the request task (if any) must stop now, not a loop turn later
+
+
+class _GoneClientGuard:
+    """The transport as uvicorn sees it: a write once it is closing goes nowhere and tells the protocol."""
+
+    def __init__(self, transport, protocol: DeadlineH11Protocol):
+        self._transport = transport
+        self._protocol = protocol
+
+    def write(self, data) -> None:
+        if self._transport.is_closing():
+            self._protocol.client_gone()
+            return
+        self._transport.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
 
 
 def add_read_timeout_flags(parser) -> None:

@@ -1,20 +1,26 @@
-"""Slow clients cannot hold a server's connections: real sockets on 127.0.0.1 against a node app (stub engine) served
-with short read deadlines. Connections that send nothing, drip their headers or stall in their body are closed
+"""The connection protocol of fsm-pd's servers, over real sockets on 127.0.0.1 (stub engines).
+
+Slow clients cannot hold connections: those that send nothing, drip their headers or stall in their body are closed
 (408 where a request began), while ordinary requests, kept-alive connections and long generations are untouched.
+Clients that drop a stream leave no log noise behind and cancel the router's decode leg.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import socket
+import struct
 import threading
 import time
 
 import httpx
 import pytest
 
-from fsm_pd.api import StubEngine, create_app
+from fsm_pd.api import StubEngine, create_app, create_router_app
+from fsm_pd.http_protocol import ReadTimeouts
 from fsm_pd.http_server import AppServer
-from fsm_pd.read_deadlines import ReadTimeouts
 
 LIMIT_S = 1.0  # the server's deadlines; every wait below is bounded by GIVE_UP_S, far above them
 GIVE_UP_S = 60.0
@@ -135,3 +141,47 @@ def test_read_timeouts_from_flags_environment_and_defaults(monkeypatch):
     monkeypatch.setenv("FSM_PD_BODY_TIMEOUT_S", "soon")
     with pytest.raises(ValueError, match="FSM_PD_BODY_TIMEOUT_S"):
         ReadTimeouts.from_env()
+
+
+def _drop_streams(port: int, count: int, *, reset: bool) -> None:
+    """``count`` clients at once, each reading the start of a long stream and then leaving (RST or FIN)."""
+    body = json.dumps({"text": "a", "stream": True, "sampling_params": {"max_new_tokens": 500}}).encode()
+
+    def one() -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(HEAD + b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            got = b""
+            while len(got) < 2000:
+                chunk = sock.recv(4096)
+                assert chunk, got
+                got += chunk
+            assert got.startswith(b"HTTP/1.1 200 ")
+            if reset:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    threads = [threading.Thread(target=one) for _ in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(GIVE_UP_S)
+
+
+@pytest.mark.parametrize("reset, token_delay_s", [(True, 0.0), (False, 0.002)])
+def test_router_streams_cut_by_clients_end_quietly_and_cancel_the_decode(caplog, reset, token_delay_s):
+    caplog.set_level(logging.WARNING, logger="asyncio")
+    prefill, decode = StubEngine(role="prefill"), StubEngine(role="decode", token_delay_s=token_delay_s)
+    with contextlib.ExitStack() as stack:
+        p_url = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=8998))).url
+        d_url = stack.enter_context(AppServer(create_app(decode, decode.tokenizer, bootstrap_port=8998))).url
+        router = stack.enter_context(AppServer(create_router_app([(p_url, 8998)], [d_url])))
+        _drop_streams(router.port, 32, reset=reset)
+        deadline = time.monotonic() + GIVE_UP_S
+        while decode.live and time.monotonic() < deadline:  # every decode leg ends (cancelled, or ran out)
+            time.sleep(0.02)
+        assert decode.live == []
+        with httpx.Client(base_url=router.url, timeout=30) as client:  # the router still serves
+            assert client.post("/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 2}}).is_success
+        prefill.close()
+        decode.close()
+    noise = [r.getMessage() for r in caplog.records if "socket.send() raised exception" in r.getMessage()]
+    assert noise == []
