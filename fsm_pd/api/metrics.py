@@ -12,6 +12,8 @@ from collections.abc import Iterable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 # Routes counted by name; anything else is "other", so a scanner probing random paths cannot grow the label set.
+CLIENT_CLOSED = 499  # nginx's "client closed request": what a request whose client left before its end is counted as
+
 COUNTED_ROUTES = frozenset({
     "/generate", "/v1/completions", "/v1/chat/completions", "/v1/models", "/abort_request", "/health",
     "/health_generate", "/server_info", "/get_server_info", "/model_info", "/get_model_info", "/metrics",
@@ -33,7 +35,10 @@ class ApiMetrics:
 
 
 class MetricsMiddleware:
-    """Pure ASGI (not BaseHTTPMiddleware, which would hide the client's disconnect from the handlers)."""
+    """Pure ASGI (not BaseHTTPMiddleware, which would hide the client's disconnect from the handlers).
+
+    A request is counted under the status it answered, except that one whose client disconnected before the
+    response ended (a stream cut short: its 200 was already sent) is counted as 499."""
 
     def __init__(self, app, metrics: ApiMetrics):
         self.app = app
@@ -46,15 +51,24 @@ class MetricsMiddleware:
         route = scope.get("path", "")
         route = route if route in COUNTED_ROUTES else "other"
         started = time.monotonic()
-        status = {"code": 500}
+        status = {"code": 500, "complete": False, "client_gone": False}
 
         async def counting_send(message):
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
                 self.metrics.seconds.labels(route).observe(time.monotonic() - started)
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                status["complete"] = True
             await send(message)
 
+        async def watching_receive():
+            message = await receive()
+            if message["type"] == "http.disconnect" and not status["complete"]:
+                status["client_gone"] = True  # a stream's 200 went out, but the client left before its end
+            return message
+
         try:
-            await self.app(scope, receive, counting_send)
+            await self.app(scope, watching_receive, counting_send)
         finally:
-            self.metrics.requests.labels(route, str(status["code"])).inc()
+            code = CLIENT_CLOSED if status["client_gone"] else status["code"]
+            self.metrics.requests.labels(route, str(code)).inc()

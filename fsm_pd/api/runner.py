@@ -23,6 +23,13 @@ class ClientDisconnected(Exception):
     pass
 
 
+def _abandon(task: asyncio.Future) -> None:
+    """Cancel a task nobody will await; whatever it ends with (the abort's EngineError, a cancellation) is
+    retrieved, so asyncio never logs "Task exception was never retrieved" for it."""
+    task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
 async def wait_disconnect(request: Request) -> None:
     # The body was read already (FastAPI parsed it), so the next message a server sends is the disconnect.
     while True:
@@ -60,7 +67,11 @@ class RequestRun:
         if self._disconnect is None:
             self._disconnect = asyncio.ensure_future(wait_disconnect(self._http))
         pending = asyncio.ensure_future(anext(self._outputs))
-        done, _ = await asyncio.wait({pending, self._disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait({pending, self._disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled (a stream whose client left): the read must not outlive us unheard
+            _abandon(pending)
+            raise
         if pending not in done:
             pending.cancel()
             with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, Exception):
@@ -94,7 +105,7 @@ class RequestRun:
         self._closed = True
         self._live.pop(self.rid, None)
         if self._disconnect is not None:
-            self._disconnect.cancel()
+            _abandon(self._disconnect)
         if not self.state.finished:
             try:
                 aborted = self.engine.abort(self.rid)
