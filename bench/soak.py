@@ -2,14 +2,19 @@
 
 Starts a `fsm-pd launch`-style cluster (the same process plan: prefill and decode `fsm-pd serve` children and the
 built-in router, tiny model, tcp transfers, on 127.0.0.1), sends ``--requests`` short generations through the router
-with at most ``--concurrency`` in flight (a mix of whole and streamed `/generate` and `/v1/completions` calls), and
-reads each process's RSS from /proc after the warm-up and at the end. What a node keeps per request shows up as
-KB per request = (RSS at end - RSS after warm-up) / requests after warm-up. Every request must succeed.
+with at most ``--concurrency`` in flight (a mix of whole and streamed `/generate` and `/v1/completions` calls, greedy
+and sampled), and reads each process's RSS from /proc after the warm-up and at the end. What a node keeps per
+request shows up as KB per request = (RSS at end - RSS after warm-up) / requests after warm-up. Every request must
+succeed.
 
-    python bench/soak.py [--requests 20000] [--warmup 2000] [--concurrency 16] [--json]
+    python bench/soak.py [--requests 20000] [--warmup 2000] [--warmup-s 90] [--concurrency 16] [--json]
 
-The target (issue 11) is under 0.05 KB per request on every node. RSS moves in steps (the allocator grows its arenas
-a page run at a time), so short runs read noisy: use at least a few thousand requests after warm-up.
+The target (issue 11) is under 0.05 KB per request on every node. The warm-up first sweeps the shapes the servers
+compile (every batch size up to ``--concurrency``, greedy, sampled and mixed batches): a program compiled late shows
+up as a step of megabytes that is not a leak. It then runs the soak's own mix for ``--warmup`` requests and at least
+``--warmup-s`` seconds, because a node's time-windowed tables (the side channel's replay nonces and delivered keys,
+60 s) fill to request rate x window and only then is RSS steady. RSS also moves in steps as the allocator grows its
+arenas, so short runs read noisy: use many thousands of requests. ``--json`` adds the RSS samples taken every 10 s.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from fsm_pd.launch import HEALTH_TIMEOUT_S, free_port, plan, stop, wait_healthy
 from fsm_pd.transport import generate_secret, secret_env
 
 TEXT = "the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak"
+SAMPLE_EVERY_S = 10.0
 
 
 def rss_kb(pid: int) -> int:
@@ -42,22 +48,23 @@ def rss_kb(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def request_for(i: int) -> tuple[str, dict]:
-    """Short prompts of a few lengths (their compiled shapes are all seen during warm-up), varied text."""
+def request_for(i: int, temperature: float | None = None) -> tuple[str, dict]:
+    """Short prompts of a few lengths, varied text; a quarter greedy OpenAI completions unless ``temperature``
+    sets every request's."""
     vocabulary = TEXT.split()
-    words = [vocabulary[(i * 7 + k) % len(vocabulary)] for k in range(2 + i % 5)]
-    prompt = " ".join(words)
+    prompt = " ".join(vocabulary[(i * 7 + k) % len(vocabulary)] for k in range(2 + i % 5))
     kind = i % 4
     if kind == 3:
-        return "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0,
-                                   "stream": i % 8 == 7}
+        return "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 4, "stream": i % 8 == 7,
+                                   "temperature": 0.0 if temperature is None else temperature}
     return "/generate", {"text": prompt, "stream": kind == 1,
-                         "sampling_params": {"max_new_tokens": 4, "temperature": 0.7, "ignore_eos": True}}
+                         "sampling_params": {"max_new_tokens": 4, "ignore_eos": True,
+                                             "temperature": 0.7 if temperature is None else temperature}}
 
 
-async def one(client: httpx.AsyncClient, url: str, i: int) -> str | None:
+async def one(client: httpx.AsyncClient, url: str, i: int, temperature: float | None) -> str | None:
     """None if the request succeeded, else what went wrong."""
-    path, body = request_for(i)
+    path, body = request_for(i, temperature)
     try:
         async with client.stream("POST", url + path, json=body) as r:
             text = (await r.aread()).decode("utf-8", errors="replace")
@@ -70,24 +77,79 @@ async def one(client: httpx.AsyncClient, url: str, i: int) -> str | None:
     return None
 
 
-async def drive(url: str, first: int, count: int, concurrency: int, progress, task, failures: list) -> None:
+async def drive(url: str, first: int, count: int, concurrency: int, advance, failures: list,
+                temperature: float | None = None) -> None:
     queue = iter(range(first, first + count))
     timeout = httpx.Timeout(120.0, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=concurrency)) as client:
         async def worker():
             for i in queue:
-                problem = await one(client, url, i)
+                problem = await one(client, url, i, temperature)
                 if problem is not None:
                     failures.append((i, problem))
-                progress.advance(task)
+                advance()
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+
+def shape_sweep(concurrency: int) -> list[tuple[float | None, int, int]]:
+    """(temperature, concurrency, requests) phases that make the servers compile every batch shape the soak uses."""
+    levels = [c for c in (1, 2, 4, 8, 16, 32, 64, 128) if c < concurrency] + [concurrency]
+    return [(temperature, c, 8 * c) for temperature in (0.0, 0.7, None) for c in levels]
+
+
+def warm_up(url: str, args, progress, console, failures: list) -> int:
+    """The shape sweep, then the soak's mix until ``--warmup`` requests and ``--warmup-s`` seconds; returns how many
+    requests it sent."""
+    sweep = shape_sweep(args.concurrency)
+    task = progress.add_task("warm-up", total=sum(n for *_, n in sweep) + args.warmup, rate="")
+    advance = lambda: progress.advance(task)  # noqa: E731
+    sent, started = 0, time.perf_counter()
+    for temperature, level, count in sweep:
+        asyncio.run(drive(url, sent, count, level, advance, failures, temperature))
+        sent += count
+    mixed = 0
+    while mixed < args.warmup or time.perf_counter() - started < args.warmup_s:
+        batch = max(args.warmup - mixed, 20 * args.concurrency)
+        progress.update(task, total=sent + batch)
+        asyncio.run(drive(url, sent, batch, args.concurrency, advance, failures))
+        sent, mixed = sent + batch, mixed + batch
+        if not console.is_terminal:
+            console.print(f"warm-up: {sent} requests, {time.perf_counter() - started:.0f} s")
+    return sent
+
+
+async def soak(url: str, first: int, args, progress, failures: list, children, samples: list) -> float:
+    """The measured part; the progress line shows the request rate and each node's RSS as it goes."""
+    task = progress.add_task("soak", total=args.requests, rate="")
+    started = time.perf_counter()
+
+    async def show():
+        while True:
+            await asyncio.sleep(SAMPLE_EVERY_S)
+            done = progress.tasks[task].completed
+            rate = done / max(1e-9, time.perf_counter() - started)
+            rss = {c.name: rss_kb(c.proc.pid) for c in children}
+            samples.append({"requests": int(done), **rss})
+            text = " ".join(f"{name}={kb / 1024:.1f}M" for name, kb in rss.items())
+            progress.update(task, rate=f"{rate:5.0f}/s  RSS {text}")
+            if not progress.console.is_terminal:  # no live bar in a log: a line per sample
+                progress.console.print(f"soak: {done:.0f}/{args.requests}  {rate:.0f}/s  RSS {text}")
+
+    shower = asyncio.ensure_future(show())
+    try:
+        await drive(url, first, args.requests, args.concurrency, lambda: progress.advance(task), failures)
+    finally:
+        shower.cancel()
+    return time.perf_counter() - started
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=20_000, help="requests after warm-up (default 20000)")
-    parser.add_argument("--warmup", type=int, default=2_000, help="requests before the first RSS reading")
+    parser.add_argument("--warmup", type=int, default=2_000, help="mixed requests before the first RSS reading")
+    parser.add_argument("--warmup-s", type=float, default=90.0,
+                        help="and at least this many seconds of warm-up (longer than the 60 s windows; default 90)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--prefill", type=int, default=1)
     parser.add_argument("--decode", type=int, default=1)
@@ -97,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON on stdout")
     args = parser.parse_args(argv)
     console = Console(stderr=True)
+    failures: list[tuple[int, str]] = []
+    samples: list[dict] = []
 
     with tempfile.TemporaryDirectory(prefix="fsm-pd-soak-") as tmp:
         journal_dir = Path(args.journal_dir or tmp)
@@ -112,54 +176,32 @@ def main(argv: list[str] | None = None) -> int:
                                               stdin=subprocess.DEVNULL)
                 wait_healthy(child, time.time() + HEALTH_TIMEOUT_S)
             url = children[-1].url
-            failures: list[tuple[int, str]] = []
             columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                        TextColumn("{task.fields[rate]}"), TimeRemainingColumn())
             with Progress(*columns, console=console) as progress:
-                task = progress.add_task("warm-up", total=args.warmup, rate="")
-                asyncio.run(drive(url, 0, args.warmup, args.concurrency, progress, task, failures))
+                warmed = warm_up(url, args, progress, console, failures)
                 warm = {c.name: rss_kb(c.proc.pid) for c in children}
-                task = progress.add_task("soak", total=args.requests, rate="")
-                started = time.perf_counter()
-                elapsed = asyncio.run(_soak(url, args, progress, task, failures, children, started))
+                elapsed = asyncio.run(soak(url, warmed, args, progress, failures, children, samples))
             end = {c.name: rss_kb(c.proc.pid) for c in children}
         finally:
             stop(children)
+
     figures = {name: {"rss_warm_kb": warm[name], "rss_end_kb": end[name],
                       "kb_per_request": round((end[name] - warm[name]) / max(1, args.requests), 4)}
                for name in warm}
-    result = {"requests": args.requests, "warmup": args.warmup, "concurrency": args.concurrency,
+    result = {"requests": args.requests, "warmup": warmed, "concurrency": args.concurrency,
               "failed": len(failures), "seconds": round(elapsed, 1),
-              "requests_per_s": round(args.requests / elapsed, 1), "nodes": figures}
+              "requests_per_s": round(args.requests / elapsed, 1), "nodes": figures, "samples": samples}
     for i, problem in failures[:5]:
         console.print(f"[red]request {i} failed: {problem}[/]")
     if args.json:
         print(json.dumps(result, indent=2))
-    else:
-        console.print(f"{args.requests} requests after {args.warmup} warm-up, concurrency {args.concurrency}: "
-                      f"{len(failures)} failed, {result['requests_per_s']} requests/s")
-        for name, f in figures.items():
-            console.print(f"  {name:10s} RSS {f['rss_warm_kb'] / 1024:8.1f} MiB -> {f['rss_end_kb'] / 1024:8.1f} MiB"
-                          f"   {f['kb_per_request']:+.4f} KB/request")
+    console.print(f"{args.requests} requests after {warmed} warm-up, concurrency {args.concurrency}: "
+                  f"{len(failures)} failed, {result['requests_per_s']} requests/s")
+    for name, f in figures.items():
+        console.print(f"  {name:10s} RSS {f['rss_warm_kb'] / 1024:8.1f} MiB -> {f['rss_end_kb'] / 1024:8.1f} MiB"
+                      f"   {f['kb_per_request']:+.4f} KB/request")
     return 1 if failures else 0
-
-
-async def _soak(url, args, progress, task, failures, children, started) -> float:
-    """The measured part; the progress line shows the request rate and each node's RSS as it goes."""
-    async def show():
-        while True:
-            await asyncio.sleep(2.0)
-            done = progress.tasks[task].completed
-            rate = done / max(1e-9, time.perf_counter() - started)
-            rss = " ".join(f"{c.name}={rss_kb(c.proc.pid) / 1024:.0f}M" for c in children)
-            progress.update(task, rate=f"{rate:5.0f}/s  RSS {rss}")
-
-    shower = asyncio.ensure_future(show())
-    try:
-        await drive(url, args.warmup, args.requests, args.concurrency, progress, task, failures)
-    finally:
-        shower.cancel()
-    return time.perf_counter() - started
 
 
 if __name__ == "__main__":
