@@ -1,7 +1,8 @@
 """Health, info and metrics routes: what sglang-router probes when it registers a worker and while it routes.
 
-* ``GET /health``: 200 while the engine says it is healthy (an engine may expose ``healthy``, a bool or a method;
-  without one, a running server is healthy). sglang-router requires a 200 here before it routes to the worker.
+* ``GET /health``: 200 while the engine can serve; 503 ``{"status": "unhealthy", "reason": ...}`` once it cannot
+  (its node loop stopped, its model thread died: the engine's ``health()``; or a ``healthy`` flag). Without either,
+  a running server is healthy. sglang-router requires a 200 here before it routes to the worker.
 * ``GET /health_generate``: on a colocated node, a real 1-token greedy generation (SGLang's meaning). On a prefill or
   decode node a generation needs a partner node and a bootstrap room, and SGLang's trick (a fake bootstrap host that
   skips the transfer) has no counterpart in fsm-pd's engines; so there it checks that the engine answers ``info()``
@@ -33,9 +34,21 @@ log = logging.getLogger(__name__)
 INFO_TIMEOUT_S = 5.0  # a router's registration waits on /server_info; a busy engine must not hold it up for long
 
 
-def _engine_healthy(engine) -> bool:
-    healthy = getattr(engine, "healthy", True)
-    return bool(healthy() if callable(healthy) else healthy)
+def health_problem(engine) -> str | None:
+    """Why the engine cannot serve, or None. An engine says so through ``health()`` (the reason, or None; the PD
+    and colocated engines: a stopped node loop, a dead model thread) or a ``healthy`` flag."""
+    try:
+        probe = getattr(engine, "health", None)
+        if callable(probe):
+            return probe()
+        healthy = getattr(engine, "healthy", True)
+        return None if (healthy() if callable(healthy) else healthy) else "the engine reports that it is unhealthy"
+    except Exception as err:  # a probe that breaks is an answer too
+        return f"the health check failed: {type(err).__name__}: {err}"
+
+
+def _unhealthy(reason: str) -> JSONResponse:
+    return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
 
 
 async def _engine_info(ctx: ApiContext, timeout_s: float) -> dict:
@@ -48,21 +61,23 @@ def info_router(ctx: ApiContext, metrics: ApiMetrics, *, health_timeout_s: float
 
     @router.get("/health")
     async def health() -> Response:
-        if not _engine_healthy(ctx.engine):
-            return JSONResponse({"status": "unhealthy"}, status_code=503)
+        if (reason := health_problem(ctx.engine)) is not None:
+            return _unhealthy(reason)
         return Response(status_code=200)
 
     @router.get("/health_generate")
     async def health_generate() -> Response:
+        if (reason := health_problem(ctx.engine)) is not None:
+            return _unhealthy(reason)
         try:
             if ctx.role == "colocated":
                 await asyncio.wait_for(_one_token(ctx), health_timeout_s)
             else:
                 await _engine_info(ctx, health_timeout_s)
         except TimeoutError:
-            return JSONResponse({"status": "unhealthy", "reason": f"no answer within {health_timeout_s}s"}, 503)
+            return _unhealthy(f"no answer within {health_timeout_s}s")
         except Exception as err:  # whatever broke, the answer is "unhealthy", with what broke
-            return JSONResponse({"status": "unhealthy", "reason": f"{type(err).__name__}: {err}"}, 503)
+            return _unhealthy(f"{type(err).__name__}: {err}")
         return Response(status_code=200)
 
     async def server_info() -> dict:
