@@ -128,10 +128,10 @@ class DecodeEffects:
             self.pending.discard(room_id)
             if alive:
                 self.pulled[room_id] = staging
+        nbytes = int(staging.nbytes)
         if not alive:  # FreePages already ran: nobody will ever scatter this
             self.kv.discard(staging)
-            return
-        node.submit(room_id, "pulled", {"bytes": int(staging.nbytes)})
+        node.submit(room_id, "pulled", {"bytes": nbytes})  # late: journaled as ignored, for replay to show
 
     def scatter(self, node: Node, room: Room, effect: Scatter) -> None:
         self.faults.crash("before_scatter")

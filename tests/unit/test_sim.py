@@ -107,3 +107,24 @@ def test_unreadable_journal_exits_2(tmp_path):
     assert run_cli("replay", "missing.db", cwd=tmp_path).returncode == 2
     bad = run_cli("simulate", "--fault-rate", "2", cwd=tmp_path)
     assert bad.returncode == 2 and "between 0 and 1" in bad.stderr
+
+
+def test_a_pull_that_lands_after_its_room_ended_is_discarded_exactly_once(tmp_path):
+    """The leak found by reading the code (issue 11), kept as a scenario: the client leaves while the pull has every
+    byte but has not reported; FreePages runs first, then the pull reports success for a room that has ended."""
+    from fsm_pd.sim.invariants import leaks, ownership_violations
+
+    world = World(SimConfig(requests=0, seed=1, num_pages=64), tmp_path, durability="off")
+    world.add_request(1, 100, at=0.001)
+    effects = world.decode.instance.effects
+    assert world.run_until(lambda: 1 in effects.pending and world.ledger.holdings("pulled"))
+    (landed,) = world.ledger.holdings("pulled")
+    world.abort("decode", 1, "client went away")
+    world.run()
+    world.close()
+    assert world.decode.instance.node.rooms[1].reason == "client went away"
+    assert world.ledger.attempts[("pulled", landed.key)] == 1
+    assert world.ledger.freed[("pulled", landed.key)] == "the handler discarding it"
+    assert effects.pulled == {} and leaks(world) == [] and ownership_violations(world) == []
+    late = [r for r in read_journal(tmp_path / "decode.db") if r.trigger == "pulled"]
+    assert [(r.src, r.payload.get("ignored")) for r in late] == [("Failed", "room is already Failed")]
