@@ -11,22 +11,18 @@ ledger, and a page -> room map for the write check.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 from fsm_pd.engine.pages import PageAllocator
 from fsm_pd.sim.ledger import Ledger
-
-_buffer_ids = itertools.count(1)
-
 
 class SimBuffer:
     """A staging or pulled array, as far as the handlers can tell: rows, bytes, and whose KV it is."""
 
     __slots__ = ("key", "kind", "nbytes", "room", "rows")
 
-    def __init__(self, kind: str, room: int, rows: int, page_bytes: int):
-        self.key, self.kind, self.room, self.rows = next(_buffer_ids), kind, room, rows
+    def __init__(self, key: int, kind: str, room: int, rows: int, page_bytes: int):
+        self.key, self.kind, self.room, self.rows = key, kind, room, rows
         self.nbytes = rows * page_bytes
 
     @property
@@ -67,7 +63,7 @@ class SimKV:
     # --- prefill ---
     def gather(self, owner: Any, pages: list[int]) -> SimBuffer:
         room = self.room_of_pages(pages)
-        buf = SimBuffer("staging", room, len(pages), self.page_bytes)
+        buf = SimBuffer(self.ledger.new_id(), "staging", room, len(pages), self.page_bytes)
         self.ledger.alloc("staging", buf.key, self.instance, room)
         return buf
 

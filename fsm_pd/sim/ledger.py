@@ -9,6 +9,7 @@ for the kinds that hold memory. A crashed instance's holdings are freed by its d
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,11 @@ class Ledger:
         self.allocated: Counter[str] = Counter()
         self.violations: list[str] = []
         self.writes = 0
+        self._ids = itertools.count(1)
+
+    def new_id(self) -> int:
+        """A fresh buffer number, counted per world so that a failing run names the same buffers every time."""
+        return next(self._ids)
 
     def alloc(self, kind: str, key: Any, instance: Any, room: int) -> None:
         ident = (kind, key)

@@ -104,6 +104,6 @@ class SimPuller:
 
     def _landed(self, entry: SimBuffer, done: Callable) -> None:
         """Every byte is here: the pulled array exists on this node from now on, whatever the room does."""
-        pulled = SimBuffer("pulled", entry.room, entry.rows, entry.nbytes // max(1, entry.rows))
+        pulled = SimBuffer(self.ledger.new_id(), "pulled", entry.room, entry.rows, entry.nbytes // max(1, entry.rows))
         self.ledger.alloc("pulled", pulled.key, self.instance, pulled.room)
         self.sched.later(REPORT_S + self.plan.pull_reports_late(), lambda: done(pulled, None), self.instance)

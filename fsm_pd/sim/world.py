@@ -234,6 +234,17 @@ class World:
         if until is not None:
             self.clock.advance_to(until)
 
+    def run_until(self, predicate, limit: int = 100_000) -> bool:
+        """Fire timers one at a time until ``predicate()`` holds (True) or nothing is left to fire (False)."""
+        for _ in range(limit):
+            while self.step_nodes():
+                pass
+            if predicate():
+                return True
+            if not self.clock.fire_next():
+                return False
+        return predicate()
+
     def quiet(self) -> bool:
         """No work under way: nothing held now can still be let go by a callback or a queued job."""
         return self.sched.in_flight == 0 and all(s.instance.idle() for s in (self.prefill, self.decode) if s.alive)
