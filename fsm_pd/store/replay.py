@@ -15,7 +15,6 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
-from fsm_pd.effects.interpreter import RecordingInterpreter
 from fsm_pd.machines import MACHINES, TERMINAL, Room
 from fsm_pd.store.journal import JournalRow
 
@@ -101,7 +100,6 @@ def replay(rows: Iterable[JournalRow]) -> ReplayResult:
 def _replay_room(node: str, role: str, room_id: int, rows: list[JournalRow]) -> RoomReport:
     machine = MACHINES.get(role)
     room = Room(room_id)
-    recorder = RecordingInterpreter()  # effects are recorded, never run
     divergence = None
     for expected_version, row in enumerate(rows):
         if machine is None:
@@ -112,9 +110,7 @@ def _replay_room(node: str, role: str, room_id: int, rows: list[JournalRow]) -> 
                                     expected_version, row.version)
             break
         decision = machine.fire(room, row.trigger, row.event)
-        recorder.calls.clear()
-        recorder.run(None, room, decision)
-        effects = [effect.to_dict() for _, _, effect in recorder.calls]
+        effects = [effect.to_dict() for effect in decision.effects]  # described, never run
         for name, expected, recorded in (("src", decision.src, row.src), ("dst", decision.dst, row.dst),
                                          ("effects", effects, row.payload.get("effects"))):
             if expected != recorded:

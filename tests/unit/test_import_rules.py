@@ -1,0 +1,97 @@
+"""The package import rules of ``docs/architecture.md``, checked against the code.
+
+The table in the doc is the source: for each ``fsm_pd/<package>`` row, the fsm-pd packages it may import (third
+column) and the modules it never imports (fourth column). Imports are read with ``ast`` from every module of the
+package, function-level ones included, ``if TYPE_CHECKING:`` blocks excepted. Packages that never import one of the
+heavy libraries are also imported in a fresh interpreter, which proves they do not load it through another package.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "fsm_pd"
+HEAVY = ("jax", "zmq", "sqlalchemy", "fastapi")
+
+
+def rules() -> dict[str, tuple[set[str], set[str]]]:
+    """{package: (fsm-pd packages it may import, modules it never imports)} from the architecture table."""
+    found = {}
+    for line in (ROOT / "docs" / "architecture.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or not re.fullmatch(r"`fsm_pd/\w+`", cells[0]):
+            continue
+        name = cells[0].strip("`").split("/", 1)[1]
+        found[name] = (set(re.findall(r"`(\w+)`", cells[2])), set(re.findall(r"`([\w.]+)`", cells[3])))
+    return found
+
+
+RULES = rules()
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, dotted module) of every absolute import in ``path``, outside ``if TYPE_CHECKING:``."""
+    tree = ast.parse(path.read_text(), str(path))
+    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _type_checking(node.test)
+               for stmt in node.body for n in ast.walk(stmt)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def _type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def violations(package: str) -> list[str]:
+    allowed, never = RULES[package]
+    found = []
+    for path in sorted((PACKAGE / package).rglob("*.py")):
+        where = path.relative_to(ROOT)
+        for line, module in imports(path):
+            parts = module.split(".")
+            if parts[0] == "fsm_pd" and len(parts) > 1 and parts[1] != package and parts[1] not in allowed:
+                found.append(f"{where}:{line} imports {module}: {package} may import only {sorted(allowed)}")
+            elif parts[0] in never:
+                found.append(f"{where}:{line} imports {module}: {package} never imports {parts[0]}")
+    return found
+
+
+def test_the_table_names_every_package():
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert packages <= set(RULES), f"add these packages to docs/architecture.md: {sorted(packages - set(RULES))}"
+    assert RULES["machines"] == (set(), RULES["machines"][1]) and {"jax", "time"} <= RULES["machines"][1]
+    assert "jax" in RULES["sim"][1]
+
+
+@pytest.mark.parametrize("package", sorted(RULES))
+def test_package_imports_follow_the_table(package):
+    assert violations(package) == []
+
+
+LOADS_NO_HEAVY = sorted(p for p, (_, never) in RULES.items() if set(HEAVY) & never)
+
+
+@pytest.mark.parametrize("package", LOADS_NO_HEAVY)
+def test_package_loads_none_of_its_forbidden_libraries(package):
+    forbidden = sorted(set(HEAVY) & RULES[package][1])
+    code = (f"import sys, fsm_pd.{package}\n"
+            f"print(sorted(m for m in {forbidden!r} if m in sys.modules or any(k.startswith(m + '.') "
+            "for k in sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"importing fsm_pd.{package} loads {out.stdout.strip()}"
