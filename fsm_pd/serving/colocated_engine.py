@@ -16,6 +16,7 @@ from fsm_pd.engine.pages import PageAllocator
 from fsm_pd.serving.common import RequestTable, check_request, max_context_for
 from fsm_pd.serving.decode_loop import DecodeLoop
 from fsm_pd.serving.forward import prefill_and_sample
+from fsm_pd.serving.isolate import run_isolating
 from fsm_pd.serving.page_admission import take_prefill_batch
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.step_driver import StepDriver
@@ -120,18 +121,13 @@ class ColocatedEngine:
         )
         if not batch:
             return
-        try:
-            firsts = prefill_and_sample(
-                self.model, self.model_thread, [s.request for s in batch], [s.pages for s in batch]
-            )
-        except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving the others
-            log.exception("prefill failed")
-            for seq in batch:
-                seq.stream.push(EngineError(f"prefill failed: {exc}", 500))
-                self._release(seq)
-            return
+        firsts = run_isolating(batch, lambda seqs: prefill_and_sample(
+            self.model, self.model_thread, [s.request for s in seqs], [s.pages for s in seqs]), "prefill")
         for seq, first in zip(batch, firsts, strict=True):
-            if seq.emit(first.token_id, first.logprob, first.input_logprobs):
+            if isinstance(first, Exception):  # fail this request alone, keep serving the others
+                seq.stream.push(EngineError(f"prefill failed: {first}", 500))
+                self._release(seq)
+            elif seq.emit(first.token_id, first.logprob, first.input_logprobs):
                 self._release(seq)
             else:
                 self.loop.add(seq)

@@ -21,6 +21,7 @@ from fsm_pd.engine.model_thread import ModelThread
 from fsm_pd.engine.pages import OutOfPages, PageAllocator, pages_for
 from fsm_pd.engine.sampling import sample
 from fsm_pd.serving.forward import chosen_logprobs
+from fsm_pd.serving.isolate import run_isolating
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.types import EngineError
 
@@ -62,19 +63,20 @@ class DecodeLoop:
         batch = self._with_pages()
         if not batch:
             return bool(self.running)
-        try:
-            tokens, logprobs = self._forward(batch)
-        except Exception as exc:  # a failed step leaves the pool unknown: fail its sequences, keep serving others
-            log.exception("decode step failed")
-            for seq in batch:
-                self.end(seq, EngineError(f"decode step failed: {exc}", 500))
-            return bool(self.running)
-        for i, seq in enumerate(batch):
-            lp = float(logprobs[i]) if logprobs is not None and seq.request.return_logprob else None
+        for seq, row in zip(batch, run_isolating(batch, self._forward_rows, "decode step"), strict=True):
+            if isinstance(row, Exception):  # this sequence fails alone; its neighbours got their tokens
+                self.end(seq, EngineError(f"decode step failed: {row}", 500))
+                continue
+            token, lp = row
             self.tokens_generated += 1
-            if seq.emit(int(tokens[i]), lp):
+            if seq.emit(token, lp):
                 self.end(seq)
         return bool(self.running)
+
+    def _forward_rows(self, batch: list[Sequence]) -> list[tuple[int, float | None]]:
+        tokens, logprobs = self._forward(batch)
+        return [(int(tokens[i]), float(logprobs[i]) if logprobs is not None and seq.request.return_logprob else None)
+                for i, seq in enumerate(batch)]
 
     def _with_pages(self) -> list[Sequence]:
         ready, stalled = [], []
