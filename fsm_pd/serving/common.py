@@ -7,11 +7,19 @@ import tempfile
 import threading
 from pathlib import Path
 
+from fsm_pd.control.manager import RoomInUse
 from fsm_pd.engine.loader import LoadedModel
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.types import EngineError, GenerateRequest
+from fsm_pd.store.schema import MAX_ROOM
 
 ABORTED_STATUS = 499  # the client gave up (nginx's "client closed request"); not a server failure
+ROOM_IN_USE_STATUS = 409  # a conflict with this node's state (the room's earlier request), not a malformed request
+
+
+def room_error_status(exc: ValueError) -> int:
+    """The HTTP status for the manager refusing a room: 409 for a reused room, 400 for anything else."""
+    return ROOM_IN_USE_STATUS if isinstance(exc, RoomInUse) else 400
 
 
 def max_context_for(model: LoadedModel, num_pages: int, page_size: int) -> int:
@@ -25,6 +33,9 @@ def check_request(request: GenerateRequest, max_context: int, *, needs_bootstrap
         raise EngineError(
             f"request {request.rid}: a PD node needs bootstrap_host, bootstrap_port and bootstrap_room", 400
         )
+    if needs_bootstrap and not 0 <= request.bootstrap.room <= MAX_ROOM:
+        raise EngineError(f"request {request.rid}: bootstrap_room must be in [0, {MAX_ROOM}], "
+                          f"got {request.bootstrap.room}", 400)
     if not request.input_ids:
         raise EngineError(f"request {request.rid}: the prompt is empty", 400)
     if len(request.input_ids) >= max_context:

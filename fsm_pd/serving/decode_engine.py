@@ -27,7 +27,14 @@ from fsm_pd.control.admission import SchedulerAdmission
 from fsm_pd.engine.loader import LoadedModel, load_model
 from fsm_pd.engine.model_thread import ModelThread
 from fsm_pd.engine.pages import PageAllocator, pages_for
-from fsm_pd.serving.common import RequestTable, check_request, journal_path, max_context_for
+from fsm_pd.serving.common import (
+    ROOM_IN_USE_STATUS,
+    RequestTable,
+    check_request,
+    journal_path,
+    max_context_for,
+    room_error_status,
+)
 from fsm_pd.serving.decode_loop import DecodeLoop
 from fsm_pd.serving.forward import input_logprobs_from_wire
 from fsm_pd.serving.page_admission import admits
@@ -106,7 +113,8 @@ class DecodeEngine:
             max_context=self.max_context,
         )
         if room in self._rooms:
-            raise EngineError(f"request {request.rid}: bootstrap_room {room} is in use by another request", 400)
+            raise EngineError(f"request {request.rid}: bootstrap_room {room} is in use by another request",
+                              ROOM_IN_USE_STATUS)
         self.requests.add(seq)
         self._rooms[room] = seq
         try:
@@ -116,10 +124,10 @@ class DecodeEngine:
                 prompt_len=seq.prompt_len,
                 bootstrap_addr=request.bootstrap.addr,
             )
-        except ValueError as exc:
+        except ValueError as exc:  # RoomInUse: the room was used before, maybe before a restart
             self._rooms.pop(room, None)
             self.requests.pop(seq.rid)
-            raise EngineError(f"request {request.rid}: {exc}", 400) from None
+            raise EngineError(f"request {request.rid}: {exc}", room_error_status(exc)) from None
         self._awaiting_pages.append(seq)
         self._driver.kick()
 

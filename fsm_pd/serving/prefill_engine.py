@@ -25,8 +25,16 @@ from fsm_pd.engine.loader import LoadedModel, load_model
 from fsm_pd.engine.model_thread import ModelThread
 from fsm_pd.engine.pages import PageAllocator
 from fsm_pd.machines import KVPoll
-from fsm_pd.serving.common import RequestTable, check_request, journal_path, max_context_for
+from fsm_pd.serving.common import (
+    ROOM_IN_USE_STATUS,
+    RequestTable,
+    check_request,
+    journal_path,
+    max_context_for,
+    room_error_status,
+)
 from fsm_pd.serving.forward import FirstToken, input_logprobs_to_wire, prefill_and_sample
+from fsm_pd.serving.isolate import run_isolating
 from fsm_pd.serving.page_admission import take_prefill_batch
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.step_driver import StepDriver
@@ -119,15 +127,16 @@ class PrefillEngine:
             max_context=self.max_context,
         )
         if room in self._rooms:
-            raise EngineError(f"request {request.rid}: bootstrap_room {room} is in use by another request", 400)
+            raise EngineError(f"request {request.rid}: bootstrap_room {room} is in use by another request",
+                              ROOM_IN_USE_STATUS)
         self.requests.add(seq)
         self._rooms[room] = seq
         try:
             self.manager.add_sender(room, prompt_len=seq.prompt_len)
-        except ValueError as exc:  # the room's record from an earlier request is still here
+        except ValueError as exc:  # RoomInUse: the room was used before, maybe before a restart
             self._rooms.pop(room, None)
             self.requests.pop(seq.rid)
-            raise EngineError(f"request {request.rid}: {exc}", 400) from None
+            raise EngineError(f"request {request.rid}: {exc}", room_error_status(exc)) from None
 
     def abort(self, rid: str) -> bool:
         seq = self.requests.cancel(rid)
@@ -227,16 +236,12 @@ class PrefillEngine:
         self.manager.clear(room)
 
     def _prefill(self, batch: list[Sequence]) -> None:
-        try:
-            firsts = prefill_and_sample(
-                self.model, self.model_thread, [s.request for s in batch], [s.pages for s in batch]
-            )
-        except Exception as exc:  # noqa: BLE001 - fail these rooms (which frees their pages), keep serving
-            log.exception("prefill failed")
-            for seq in batch:
-                self.manager.node.submit(seq.key, "error", {"blame": "local", "reason": f"prefill failed: {exc}"})
-            return
+        firsts = run_isolating(batch, lambda seqs: prefill_and_sample(
+            self.model, self.model_thread, [s.request for s in seqs], [s.pages for s in seqs]), "prefill")
         for seq, first in zip(batch, firsts, strict=True):
+            if isinstance(first, Exception):  # fail its room (which frees its pages), keep serving the others
+                self.manager.fail(seq.key, f"prefill failed: {first}")
+                continue
             self._in_flight[seq.key] = first
             self.manager.kv_ready(
                 seq.key,
