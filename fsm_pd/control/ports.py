@@ -15,8 +15,8 @@ outcome to the node as an event (``node.submit``), which is thread-safe.
 | ``SideChannelPort`` | ``PeerSenders`` over the signed ZMQ ``SideChannel`` | ``fsm_pd.sim.network`` (the same frames) |
 | ``PublishPort`` (prefill) | the transfer backend | ``fsm_pd.sim.transfer`` |
 | ``PullPort`` (decode) | ``ThreadedPuller``: the backend on worker threads | ``fsm_pd.sim.transfer`` |
-| ``ResolverPort`` (decode) | ``ThreadedResolver``: ``PrefillResolver`` (HTTP) on workers | the same resolver over an in-memory registry |
-| ``ModelExecutor`` | ``ModelThread``: jobs in order on the thread that owns the pool | ``fsm_pd.sim.model``: in order, with delay |
+| ``ResolverPort`` (decode) | ``ThreadedResolver``: ``PrefillResolver`` (HTTP) on workers | the same, in memory |
+| ``ModelExecutor`` | ``ModelThread``: jobs in order on the thread owning the pool | ``fsm_pd.sim.model``: with delay |
 | ``PrefillKV`` / ``DecodeKV`` | ``JaxKV``: the page kernels | ``fsm_pd.sim.kv``: records every buffer and write |
 | ``Admission`` (decode) | ``PoolAdmission`` / ``SchedulerAdmission`` | ``PoolAdmission`` over a recording allocator |
 """
@@ -85,7 +85,8 @@ class PullPort(Protocol):
 class ResolverPort(Protocol):
     def resolve(self, ctx: Mapping[str, Any], done: ResultDone) -> None:
         """Find the room's prefill node; ``done(found, None)`` with the fields to merge into the room's context
-        (``prefill_addr``, ``peer``, and ``bootstrap_url`` when a bootstrap server was asked), or ``done(None, error)``."""
+        (``prefill_addr``, ``peer``, and ``bootstrap_url`` when a bootstrap server was asked), or
+        ``done(None, error)``."""
 
 
 class ModelExecutor(Protocol):

@@ -16,6 +16,7 @@ from typing import Any
 from fsm_pd.engine.pages import PageAllocator
 from fsm_pd.sim.ledger import Ledger
 
+
 class SimBuffer:
     """A staging or pulled array, as far as the handlers can tell: rows, bytes, and whose KV it is."""
 

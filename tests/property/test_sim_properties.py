@@ -151,7 +151,7 @@ class SimulationMachine(RuleBasedStateMachine):
 
     @invariant()
     def states_are_table_states_and_terminals_stick(self):
-        for (node, role, room_id), room in self.world.live_rooms().items():
+        for (_node, role, room_id), room in self.world.live_rooms().items():
             assert room.state in STATE_NAMES
             key = (role, room_id)
             if key in self.terminal_seen:
