@@ -102,9 +102,24 @@ def test_transfer_deadline_on_decode(cluster):
     assert d("wait", room=1, timeout=10) == {"state": "Failed", "reason": "transfer timeout"}
     assert elapsed_in(d.journal, 1, "Transferring") <= 1.0 + SLACK
     assert p("wait", room=1, timeout=10) == {"state": "Failed", "reason": "aborted by peer: transfer timeout"}
-    time.sleep(2.5)  # the delayed pull lands on a finished room and must not scatter anything
+    # the delayed pull reports to a finished room: its result (the entry was failed meanwhile, so an error) is
+    # journaled as ignored, and nothing is scattered
+    late = late_results(d.journal, 1)
+    assert late and all((r.src, r.payload.get("ignored")) == ("Failed", "room is already Failed") for r in late), late
+    assert "scattered" not in {r.trigger for r in read_journal(d.journal) if r.room == 1}
     assert [t for t, _ in path(d.journal, 1)][-1] == "timeout"
     baseline(p, d)
+
+
+def late_results(journal, room, timeout=30.0):
+    """The rows of a pull's result (``pulled`` or ``error``) journaled after the room had failed, once one exists."""
+    deadline = time.time() + timeout
+    while True:
+        rows = [r for r in read_journal(journal) if r.room == room and r.src == "Failed"
+                and r.trigger in ("pulled", "error")]
+        if rows or time.time() > deadline:
+            return rows
+        time.sleep(0.1)
 
 
 def test_pull_hold_deadline_on_prefill(cluster):
