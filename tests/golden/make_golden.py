@@ -21,7 +21,7 @@ def success(world: World) -> None:
 
 
 def timeout(world: World) -> None:
-    world.faults.drop_next = 1  # the decode node's PREPARE never arrives
+    world.plan.forced_messages.append("drop")  # the decode node's PREPARE never arrives
     world.add_request(1, 40, at=0.0)
 
 
