@@ -1,0 +1,22 @@
+"""Suite-wide test settings: what the ``slow`` marker means.
+
+``@pytest.mark.slow`` is for tests too long for every run (soaks, long drills, long hypothesis profiles): they are
+deselected unless ``FSM_PD_SLOW=1`` is set or ``-m`` names the marker (``-m slow`` runs only them). CI's default run
+(``bash .ci/run``) leaves them out, so the whole suite stays within its time budget. Every test also has a timeout
+(pytest-timeout, 300 s by default in pyproject.toml; a longer test sets its own with ``@pytest.mark.timeout(S)``).
+"""
+
+from __future__ import annotations
+
+import os
+
+SLOW_ENV = "FSM_PD_SLOW"
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get(SLOW_ENV) == "1" or "slow" in (config.getoption("markexpr") or ""):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if item.get_closest_marker("slow") is None]
