@@ -21,9 +21,7 @@ class JaxKV:
         """``progressive``: the transfer backend streams host bytes, so copies may overlap the wire."""
         self.layout, self.model, self.sharding = layout, model, sharding
         self.progressive = progressive
-        pool = model.pool
-        # D writes layers as they land only on a pool on one CPU device (see overlap.py)
-        self.stream_layers = progressive and pool is not None and resolve_impl(pool) == "cpu"
+        self._stream_layers: bool | None = None  # decided at the first pull: a prefill node never asks
 
     # --- prefill ---
     def gather(self, owner: Any, pages: list[int]) -> jax.Array:
@@ -42,6 +40,14 @@ class JaxKV:
     def pull_spec(self, page_count: int) -> tuple[jax.ShapeDtypeStruct]:
         shape = self.layout.staging_shape(page_bucket(page_count))
         return (jax.ShapeDtypeStruct(shape, self.layout.dtype, sharding=self.sharding),)
+
+    @property
+    def stream_layers(self) -> bool:
+        """D writes layers as they land only on a pool on one CPU device (see overlap.py)."""
+        if self._stream_layers is None:
+            pool = self.model.pool
+            self._stream_layers = self.progressive and pool is not None and resolve_impl(pool) == "cpu"
+        return self._stream_layers
 
     def stream(self, pages: list[int]) -> StreamedScatter | None:
         if not self.stream_layers:
