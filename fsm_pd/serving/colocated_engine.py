@@ -13,7 +13,7 @@ from collections import deque
 from fsm_pd.engine.loader import LoadedModel, load_model
 from fsm_pd.engine.model_thread import ModelThread
 from fsm_pd.engine.pages import PageAllocator
-from fsm_pd.serving.common import RequestTable, check_request, max_context_for
+from fsm_pd.serving.common import RequestTable, check_request, max_context_for, refuse_if_unhealthy
 from fsm_pd.serving.decode_loop import DecodeLoop
 from fsm_pd.serving.forward import prefill_and_sample
 from fsm_pd.serving.isolate import run_isolating
@@ -58,9 +58,11 @@ class ColocatedEngine:
         self._waiting: deque[Sequence] = deque()  # appended by submit (any thread), consumed on the model thread
         self._keys = itertools.count(1)
         self._driver = StepDriver(self.model_thread, self._step, name="colocated scheduler")
+        self.model_thread.on_death.append(self._cannot_serve)
 
     # --- any thread ---
     def submit(self, request: GenerateRequest, stream: RequestStream) -> None:
+        refuse_if_unhealthy(self.health())
         check_request(request, self.max_context, needs_bootstrap=False)
         seq = Sequence.start(
             request,
@@ -80,6 +82,13 @@ class ColocatedEngine:
         if found is not None:
             self._driver.kick()
         return found is not None
+
+    def health(self) -> str | None:
+        """Why this node cannot serve (its model thread died), or None: ``/health``."""
+        return self.model_thread.health()
+
+    def _cannot_serve(self, reason: str) -> None:
+        self.requests.fail_all(EngineError(f"this node cannot serve: {reason}", 503))
 
     def info(self) -> dict:
         return {

@@ -9,10 +9,13 @@ from pathlib import Path
 
 from fsm_pd.control.manager import RoomInUse
 from fsm_pd.engine.loader import LoadedModel
+from fsm_pd.machines import KVPoll
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.types import EngineError, GenerateRequest
 from fsm_pd.store.schema import MAX_ROOM
 
+ENDED = (KVPoll.Success, KVPoll.Failed)  # a room in either state changes no more
+UNAVAILABLE_STATUS = 503  # the node cannot serve at all (its loop stopped, its model thread died)
 ABORTED_STATUS = 499  # the client gave up (nginx's "client closed request"); not a server failure
 ROOM_IN_USE_STATUS = 409  # a conflict with this node's state (the room's earlier request), not a malformed request
 
@@ -20,6 +23,12 @@ ROOM_IN_USE_STATUS = 409  # a conflict with this node's state (the room's earlie
 def room_error_status(exc: ValueError) -> int:
     """The HTTP status for the manager refusing a room: 409 for a reused room, 400 for anything else."""
     return ROOM_IN_USE_STATUS if isinstance(exc, RoomInUse) else 400
+
+
+def refuse_if_unhealthy(reason: str | None) -> None:
+    """``EngineError(503)`` for a request that reaches a node that can no longer serve (``engine.health()``)."""
+    if reason is not None:
+        raise EngineError(f"this node cannot serve: {reason}", UNAVAILABLE_STATUS)
 
 
 def max_context_for(model: LoadedModel, num_pages: int, page_size: int) -> int:
@@ -82,6 +91,15 @@ class RequestTable:
         seq.cancelled = True  # first, so the model thread stops streaming to it as early as possible
         seq.stream.push(EngineError(f"request {rid} {reason}", ABORTED_STATUS))
         return seq
+
+    def fail_all(self, error: Exception) -> int:
+        """End every live request with ``error`` (the engine can no longer serve); returns how many."""
+        with self._lock:
+            live, self._live = list(self._live.values()), {}
+        for seq in live:
+            seq.cancelled = True  # nothing may stream to it after its error
+            seq.stream.push(error)
+        return len(live)
 
     def __len__(self) -> int:
         with self._lock:

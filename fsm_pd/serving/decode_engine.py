@@ -14,6 +14,10 @@ Why the engine owns the pages (``SchedulerAdmission``) rather than the manager's
 sequence grows, one page every ``page_size`` tokens, and those pages must come from the same allocator as the
 prompt's, or admission cannot see what decoding will need; and the headroom rule is a scheduling decision.
 Freeing stays the machine's job on failure: every failed room's ``FreePages`` calls back ``_on_release``.
+
+Threads: the observer (the manager's loop thread, the owner of rooms) copies what the scheduler needs from a room
+that ended (READY's first token and logprobs and the pages at Success, the reason at Failed) into the event it
+queues; the model thread reads rooms only through ``manager.poll``. See ``docs/threads.md``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from typing import Any
 
 from fsm_pd.control import KVManager
 from fsm_pd.control.admission import SchedulerAdmission
@@ -28,11 +33,13 @@ from fsm_pd.engine.loader import LoadedModel, load_model
 from fsm_pd.engine.model_thread import ModelThread
 from fsm_pd.engine.pages import PageAllocator, pages_for
 from fsm_pd.serving.common import (
+    ENDED,
     ROOM_IN_USE_STATUS,
     RequestTable,
     check_request,
     journal_path,
     max_context_for,
+    refuse_if_unhealthy,
     room_error_status,
 )
 from fsm_pd.serving.decode_loop import DecodeLoop
@@ -80,7 +87,8 @@ class DecodeEngine:
         self.loop = DecodeLoop(self.model, self.model_thread, self.allocator, page_size, release=self._finish)
         self._rooms: dict[int, Sequence] = {}  # room -> live request not yet decoding (waiting or transferring)
         self._awaiting_pages: deque[Sequence] = deque()
-        self._events: deque[tuple[int, str]] = deque()  # (room, Success|Failed), from the manager's loop thread
+        # (room, Success|Failed, what the scheduler needs of it), queued by the manager's loop thread
+        self._events: deque[tuple[int, str, Any]] = deque()
         self._driver = StepDriver(self.model_thread, self._step, name=f"{node_id} scheduler")
         self.manager = KVManager(
             role="decode",
@@ -98,9 +106,12 @@ class DecodeEngine:
         )
         self.manager.node.observers.append(self._observe)
         self.manager.metrics.watch_leaks(self.leak_counters)
+        self.manager.on_stopped.append(self._cannot_serve)
+        self.model_thread.on_death.append(self._cannot_serve)
 
     # --- any thread ---
     def submit(self, request: GenerateRequest, stream: RequestStream) -> None:
+        refuse_if_unhealthy(self.health())
         check_request(request, self.max_context, needs_bootstrap=True)
         room = request.bootstrap.room
         seq = Sequence.start(
@@ -143,6 +154,14 @@ class DecodeEngine:
             self.manager.abort(seq.key, "aborted by the client")
         self._driver.kick()
         return True
+
+    def health(self) -> str | None:
+        """Why this node cannot serve (its loop stopped, its model thread died), or None: ``/health``."""
+        return self.manager.health()
+
+    def _cannot_serve(self, reason: str) -> None:
+        """The loop or the model thread is gone: nothing in flight can finish, so every request ends now."""
+        self.requests.fail_all(EngineError(f"this decode node cannot serve: {reason}", 503))
 
     def info(self) -> dict:
         counters = self.manager.counters()
@@ -187,7 +206,13 @@ class DecodeEngine:
     # --- the manager's loop thread ---
     def _observe(self, room, decision, at) -> None:
         if decision.dst != decision.src and decision.dst in ("Success", "Failed"):
-            self._events.append((room.room, decision.dst))
+            if decision.dst == "Failed":
+                detail: Any = room.reason
+            else:  # the room is the loop's: copy what the model thread will read
+                ctx = room.ctx
+                detail = {"pages": list(ctx.get("pages") or ()), "first_token": ctx.get("first_token"),
+                          "first_logprob": ctx.get("first_logprob"), "input_logprobs": ctx.get("input_logprobs")}
+            self._events.append((room.room, decision.dst, detail))
             self._driver.kick()
 
     # --- the model thread ---
@@ -204,18 +229,18 @@ class DecodeEngine:
         self._admit()
         return self.loop.step()
 
-    def _on_room(self, room: int, state: str) -> None:
+    def _on_room(self, room: int, state: str, detail: Any) -> None:
         seq = self._rooms.pop(room, None)
         if seq is None:
             return
         if state == "Failed":
             if not seq.cancelled:
-                seq.stream.push(EngineError(self.manager.reason(room) or "KV transfer failed", 500))
+                seq.stream.push(EngineError(detail or "KV transfer failed", 500))
             self.requests.pop(seq.rid)
             self.manager.clear(room)  # its pages: the machine's FreePages calls _on_release
             return
-        ctx = self.manager.node.rooms[room].ctx
-        seq.pages = list(ctx["pages"])
+        ctx = detail
+        seq.pages = ctx["pages"]
         seq.meta["queue_and_transfer_seconds"] = round(time.monotonic() - seq.started, 6)
         if seq.cancelled:
             self._finish(seq)
@@ -228,11 +253,11 @@ class DecodeEngine:
             self.loop.add(seq)
 
     def _admit(self) -> None:
-        queue, rooms = self._awaiting_pages, self.manager.node.rooms
+        queue = self._awaiting_pages
         while queue and len(self.loop.running) + len(self._rooms) - len(queue) < self.max_running:
             seq = queue[0]
-            room = rooms.get(seq.key)  # None until the manager's loop has taken the create event
-            if seq.cancelled or self._rooms.get(seq.key) is not seq or (room is not None and room.terminal):
+            state = self.manager.poll(seq.key)  # None until the manager's loop has taken the create event
+            if seq.cancelled or self._rooms.get(seq.key) is not seq or state in ENDED:
                 queue.popleft()  # it ended while waiting; _on_room answers it
                 continue
             need = pages_for(seq.prompt_len, self.page_size)

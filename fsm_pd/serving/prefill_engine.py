@@ -11,7 +11,9 @@ A request goes through three queues, as in SGLang's prefill node:
    way its pages are freed then, on the model thread, after the gather that read them.
 
 Room transitions reach the scheduler through a manager observer (the manager's loop thread), which only queues
-them and kicks the model thread: every scheduling decision is taken on the model thread.
+them (with the failure reason, read there) and kicks the model thread: every scheduling decision is taken on the
+model thread, which reads rooms only through ``manager.poll`` (the published states) and changes them only through
+the manager's calls (``kv_ready``, ``fail``, ``abort``, ``clear``); see ``docs/threads.md``.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ from fsm_pd.engine.model_thread import ModelThread
 from fsm_pd.engine.pages import PageAllocator
 from fsm_pd.machines import KVPoll
 from fsm_pd.serving.common import (
+    ENDED,
     ROOM_IN_USE_STATUS,
     RequestTable,
     check_request,
     journal_path,
     max_context_for,
+    refuse_if_unhealthy,
     room_error_status,
 )
 from fsm_pd.serving.forward import FirstToken, input_logprobs_to_wire, prefill_and_sample
@@ -82,7 +86,7 @@ class PrefillEngine:
         self._rooms: dict[int, Sequence] = {}  # room -> its live request, in whichever queue
         self._to_prefill: deque[Sequence] = deque()  # PREPARE arrived: waiting for pages and the model thread
         self._in_flight: dict[int, FirstToken] = {}  # room -> first token of a prefilled request being pulled
-        self._events: deque[tuple[int, str]] = deque()  # (room, new state), from the manager's loop thread
+        self._events: deque[tuple[int, str, str | None]] = deque()  # (room, state, reason): the loop thread's
         self._driver = StepDriver(self.model_thread, self._step, name=f"{node_id} scheduler")
         self.manager = KVManager(
             role="prefill",
@@ -98,6 +102,8 @@ class PrefillEngine:
         )
         self.manager.node.observers.append(self._observe)
         self.manager.metrics.watch_leaks(self.leak_counters)
+        self.manager.on_stopped.append(self._cannot_serve)
+        self.model_thread.on_death.append(self._cannot_serve)
         self.bootstrap_server = None
         if bootstrap_port is not None:
             self.bootstrap_server = BootstrapServer(host, bootstrap_port, token=bootstrap_token).start()
@@ -115,6 +121,7 @@ class PrefillEngine:
 
     # --- any thread ---
     def submit(self, request: GenerateRequest, stream: RequestStream) -> None:
+        refuse_if_unhealthy(self.health())
         check_request(request, self.max_context, needs_bootstrap=True)
         room = request.bootstrap.room
         seq = Sequence.start(
@@ -146,6 +153,14 @@ class PrefillEngine:
             self.manager.abort(seq.key, "aborted by the client")  # the observer frees its pages once it is Failed
         self._driver.kick()
         return True
+
+    def health(self) -> str | None:
+        """Why this node cannot serve (its loop stopped, its model thread died), or None: ``/health``."""
+        return self.manager.health()
+
+    def _cannot_serve(self, reason: str) -> None:
+        """The loop or the model thread is gone: nothing in flight can finish, so every request ends now."""
+        self.requests.fail_all(EngineError(f"this prefill node cannot serve: {reason}", 503))
 
     def info(self) -> dict:
         counters = self.manager.counters()
@@ -190,7 +205,7 @@ class PrefillEngine:
     # --- the manager's loop thread ---
     def _observe(self, room, decision, at) -> None:
         if decision.dst != decision.src and decision.dst in ("WaitingForInput", "Success", "Failed"):
-            self._events.append((room.room, decision.dst))
+            self._events.append((room.room, decision.dst, room.reason if decision.dst == "Failed" else None))
             self._driver.kick()
 
     # --- the model thread ---
@@ -213,10 +228,10 @@ class PrefillEngine:
 
     def _gone(self, seq: Sequence) -> bool:
         """A queued request that ended meanwhile (aborted, or its room failed: ``_on_room`` answers it)."""
-        room = self.manager.node.rooms.get(seq.key)
-        return seq.cancelled or self._rooms.get(seq.key) is not seq or room is None or room.terminal
+        state = self.manager.poll(seq.key)
+        return seq.cancelled or self._rooms.get(seq.key) is not seq or state is None or state in ENDED
 
-    def _on_room(self, room: int, state: str) -> None:
+    def _on_room(self, room: int, state: str, reason: str | None) -> None:
         seq = self._rooms.get(room)
         if state == "WaitingForInput":
             if seq is not None and not seq.cancelled:
@@ -229,7 +244,7 @@ class PrefillEngine:
             if state == "Success" and first is not None:
                 self._answer(seq, first)
             elif state == "Failed" and not seq.cancelled:
-                seq.stream.push(EngineError(self.manager.reason(room) or "KV transfer failed", 500))
+                seq.stream.push(EngineError(reason or "KV transfer failed", 500))
         # a request still in the prefill queue is dropped there: its room is gone from the manager
         self.allocator.free(room)
         self.allocator.forget(room)
