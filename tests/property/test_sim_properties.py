@@ -24,6 +24,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -182,11 +183,15 @@ class SimulationMachine(RuleBasedStateMachine):
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-_profile = dict(PROFILES[os.environ.get("FSM_PD_PROPERTY_PROFILE", "ci")])
+PROFILE = os.environ.get("FSM_PD_PROPERTY_PROFILE", "ci")
+_profile = dict(PROFILES[PROFILE])
 if os.environ.get("FSM_PD_PROPERTY_EXAMPLES"):
     _profile["max_examples"] = int(os.environ["FSM_PD_PROPERTY_EXAMPLES"])
 SimulationMachine.TestCase.settings = settings(
-    **_profile, deadline=None, print_blob=True,
+    **_profile, deadline=None, print_blob=True, report_multiple_bugs=False,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
 )
+# A passing CI run takes about 70 s; a failing one also shrinks its example, which may take minutes: let it finish
+# rather than cut it off without the example. The long profile is not bounded at all.
+pytestmark = pytest.mark.timeout(900 if PROFILE == "ci" else 0)
 TestSimulation = SimulationMachine.TestCase
