@@ -293,12 +293,13 @@ def test_decode_sigkilled_while_pulling(rig):
     outcome = pending.result()
     assert_clean(outcome)
     assert not outcome.ok
-    r.p.wait_baseline()  # pull_hold freed the staging buffer and the transfer entry
+    r.p.wait_baseline()  # the prefill room's end freed the staging buffer and the transfer entry
     r.faults_off()
     r.d.restart()
     r.check_recovered()
     failures = r.failures()
-    assert failures["prefill"] == ["pull_hold timeout"]
+    # the router closes the prefill leg as soon as the decode leg breaks; pull_hold ends the room if that is slower
+    assert failures["prefill"] in (["aborted by the client"], ["pull_hold timeout"])
     assert failures["decode"] == ["local error: node restarted"]
 
 
@@ -335,7 +336,8 @@ def test_bootstrap_server_down(rig):
     assert not outcome.ok
     r.check_recovered()
     failures = r.failures()
-    assert failures["prefill"] == ["bootstrap timeout"]
+    # both rooms wait out the same bootstrap deadline; when the decode's ends first, the router closes the prefill leg
+    assert failures["prefill"] in (["bootstrap timeout"], ["aborted by the client"])
     assert len(failures["decode"]) == 1
     assert any(w in failures["decode"][0] for w in ("bootstrap timeout", "bootstrap lookup failed"))
 
