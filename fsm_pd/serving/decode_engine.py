@@ -232,6 +232,8 @@ class DecodeEngine:
     def _on_room(self, room: int, state: str, detail: Any) -> None:
         seq = self._rooms.pop(room, None)
         if seq is None:
+            if state == "Failed":  # a room no request of ours holds (failed by a restart): nothing else forgets it
+                self.manager.clear(room)
             return
         if state == "Failed":
             if not seq.cancelled:
