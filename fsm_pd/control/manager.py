@@ -135,9 +135,24 @@ class KVManager:
     def _observe(self, room, decision, at) -> None:
         if decision.trigger == "bootstrap_resolved" and decision.ignored is None and "bootstrap_url" in room.ctx:
             self.heartbeat.watch(room.ctx["bootstrap_url"])
+        if decision.dst == "Failed" and decision.src != "Failed" and self.role == "decode":
+            self._forget_failed_peer(room)
         if decision.dst != decision.src and room.terminal:
             with self._ended:
                 self._ended.notify_all()
+
+    def _forget_failed_peer(self, room) -> None:
+        """A room the prefill side failed (unreachable, aborted, lost): look its prefill node up afresh next time.
+
+        A prefill restarted behind the same bootstrap server listens on new ports; without this the decode node
+        kept sending PREPAREs to the dead instance's cached address until the heartbeat gave up on it, which it
+        never does when the bootstrap server itself came back (SGLang issue 16903)."""
+        reason, addr = room.reason or "", room.ctx.get("prefill_addr")
+        if addr and reason.startswith(("remote error", "peer failed", "aborted by peer")):
+            forget = getattr(self.resolver, "forget_peer", None)
+            if forget is not None:
+                forget(addr)
+            self.side_channel.forget_peer(addr)
 
     def _on_message(self, msg) -> None:
         core = getattr(self, "core", None)  # the listener starts before the rest of the manager is built
@@ -162,7 +177,7 @@ class KVManager:
         register_prefill(bootstrap_url, host=self.host, side_channel=self.side_channel.address,
                          transfer_addr=self.backend.address, backend=self.backend.name,
                          layout=self.layout.to_dict(), node_id=self.node_id, http_port=http_port, token=token,
-                         attempts=attempts)
+                         attempts=attempts, instance=self.side_channel.instance)
 
     def add_sender(self, room: int, pages: list[int] | None = None, prompt_len: int = 0) -> None:
         """A request with ``bootstrap_room`` arrived; its KV is (or will be) in ``pages`` of our pool.
