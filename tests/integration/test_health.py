@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-import time
 
 import httpx
 import pytest
+from polling import until
 
 from fsm_pd.api import AppServer, StubEngine, create_app
-from fsm_pd.engine.loader import load_model
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.decode_engine import DecodeEngine
 from fsm_pd.serving.prefill_engine import PrefillEngine
@@ -21,18 +20,6 @@ CLIENT_TIMEOUT_S = 120.0  # a hang shows up as this timeout, far beyond any answ
 JOURNAL_REFUSES = "injected: the disk refuses journal writes"
 
 
-@pytest.fixture(scope="module")
-def model():
-    return load_model("tiny")
-
-
-def until(predicate, timeout_s: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def refuse_journal_writes(path: str) -> None:

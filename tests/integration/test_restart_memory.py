@@ -5,29 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 
 import pytest
+from polling import until
 
-from fsm_pd.engine.loader import load_model
 from fsm_pd.engine.sampling import SamplingParams
 from fsm_pd.serving.decode_engine import DecodeEngine
 from fsm_pd.serving.prefill_engine import PrefillEngine
 from fsm_pd.serving.types import Bootstrap, GenerateRequest, RequestStream
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model("tiny")
-
-
-def until(predicate, timeout_s: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def request(rid: str, bootstrap: Bootstrap) -> GenerateRequest:

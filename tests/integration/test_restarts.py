@@ -19,7 +19,7 @@ def _no_hang(figures: dict) -> None:
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_a_node_killed_and_restarted_under_load(rig, role):
+def test_a_node_killed_and_restarted_under_load(rig, role):  # noqa: F811 - rig is test_faults' fixture
     figures = kill_and_restart(rig(), role)
     print(figures)
     _no_hang(figures)
@@ -29,7 +29,7 @@ def test_a_node_killed_and_restarted_under_load(rig, role):
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_a_node_stopped_for_20s_under_load(rig, role):
+def test_a_node_stopped_for_20s_under_load(rig, role):  # noqa: F811
     figures = stop_and_continue(rig(), role, seconds=20)
     print(figures)
     _no_hang(figures)
@@ -37,7 +37,7 @@ def test_a_node_stopped_for_20s_under_load(rig, role):
     assert figures["overlapping_results"]["error"] > 0, figures
 
 
-def test_bad_input_gets_4xx_and_hurts_nobody(rig):
+def test_bad_input_gets_4xx_and_hurts_nobody(rig):  # noqa: F811
     figures = bad_input(rig())
     print(figures)
     statuses = figures["statuses"]
