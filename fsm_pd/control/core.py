@@ -1,9 +1,9 @@
 """``NodeCore``: the jax-free heart of one node's control plane, shared by ``KVManager`` and the simulation.
 
 It owns nothing that does I/O. It turns requests into room creations and events, routes side-channel messages to
-events, keeps messages that beat their room (D's PREPARE can reach P before the request does), and fails the rooms
-bound to a peer that died. ``KVManager`` is this core plus the real ports and the loop thread; ``fsm_pd.sim`` is the
-same core plus simulated ports, stepped by the simulator.
+events, and keeps messages that beat their room (D's PREPARE can reach P before the request does). Rooms bound to a
+peer that died or restarted are failed by ``PeerWatch`` (``peers.py``). ``KVManager`` is this core plus the real
+ports and the loop thread; ``fsm_pd.sim`` is the same core plus simulated ports, stepped by the simulator.
 
 Thread safety: every method may be called from any thread; rooms change only in ``node.step()``.
 """
@@ -69,7 +69,7 @@ class NodeCore:
         if isinstance(msg, Prepare) and self.role == "prefill":
             self.submit(msg.room, "metadata_received", {
                 "peer": msg.sender, "reply_to": msg.reply_to, "peer_layout": msg.layout,
-                "peer_page_count": msg.page_count, "transfer_id": msg.transfer_id})
+                "peer_page_count": msg.page_count, "transfer_id": msg.transfer_id, "peer_instance": msg.instance})
         elif isinstance(msg, Pulled) and self.role == "prefill":
             self.submit(msg.room, "pull_done", {"peer": msg.sender})
         elif isinstance(msg, Ready) and self.role == "decode":
@@ -123,18 +123,6 @@ class NodeCore:
 
     def abort(self, room: int, reason: str = "aborted") -> None:
         self.submit(room, "abort", {"reason": reason})
-
-    # --- peers ---
-    def fail_rooms_of(self, bootstrap_url: str, reason: str) -> list[dict]:
-        """The prefill node behind ``bootstrap_url`` is dead: fail every unfinished room resolved through it.
-        Returns those rooms' contexts (what the caller may want to forget: addresses, connections)."""
-        failed = []
-        for room in list(self.node.rooms.values()):
-            ctx = room.ctx
-            if not room.terminal and ctx.get("bootstrap_url") == bootstrap_url:
-                self.node.submit(room.room, "peer_failed", {"reason": reason})
-                failed.append(ctx)
-        return failed
 
     # --- reading ---
     def poll(self, room: int) -> KVPoll | None:

@@ -2,7 +2,8 @@
 ports the effect handlers use (``ports.py``) plus the loop thread that steps the node.
 
 It owns the journal, the side channel and its per-peer sender threads, the transfer backend, the worker pool for
-pulls and bootstrap lookups, the model thread (the KV pool) and, on the decode side, the page admission.
+pulls and bootstrap lookups, the model thread (the KV pool), the heartbeats of its peers (``PeerWatch``) and, on the
+decode side, the page admission.
 
 Threads: the *loop* thread runs ``node.step()`` and is the only one that changes rooms; the *model* thread is the only
 one that touches the pool; the side-channel listener, the timer thread, the sender threads and the workers only
@@ -18,15 +19,14 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from fsm_pd.bootstrap import check_health
 from fsm_pd.control.admission import PoolAdmission, SchedulerAdmission
 from fsm_pd.control.config import heartbeat_settings, resolve_deadlines
 from fsm_pd.control.core import NodeCore, RoomInUse
 from fsm_pd.control.decode_effects import DecodeEffects
 from fsm_pd.control.faults import FaultConfig, Faults
-from fsm_pd.control.heartbeat import HeartbeatMonitor
 from fsm_pd.control.jax_kv import JaxKV
 from fsm_pd.control.metrics import NodeMetrics
+from fsm_pd.control.peers import PeerWatch, manager_forget
 from fsm_pd.control.prefill_effects import PrefillEffects
 from fsm_pd.control.resolver import PrefillResolver, register_prefill
 from fsm_pd.control.sending import PeerSenders
@@ -68,8 +68,9 @@ class KVManager:
         if backend in ("jax", "zmq", "tcp"):
             options.setdefault("host", host)
         self.backend = create_backend(backend, **options)
+        # pings are answered only while this node can serve: peers then fail their rooms bound to us
         self.side_channel = SideChannel(node_id=node_id, secret=secret, on_message=self._on_message,
-                                        bind=f"tcp://{host}:0")
+                                        bind=f"tcp://{host}:0", healthy=self._answers_pings)
         self.senders = PeerSenders(self.side_channel, name=f"send[{node_id}]")
         self.workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"work[{node_id}]")
         self.journal = Journal(journal, durability=durability)
@@ -95,15 +96,15 @@ class KVManager:
         self.metrics = NodeMetrics(self.node)
         self._ended = threading.Condition()
         self.node.observers.append(self._observe)
-        self.heartbeat = None
-        if role == "decode":
-            self.heartbeat = HeartbeatMonitor(**{"check": check_health, "on_dead": self._prefill_dead,
-                                                 **heartbeat_settings(), **(heartbeat or {})})
-        self.recovered = self.core.recover()
         self._stop = threading.Event()
         self.dead: str | None = None  # why the loop stopped on its own (None while it runs, or closed on purpose)
-        self.on_stopped: list[Callable[[str], None]] = []  # told once, on the loop thread, when it stops on its own
         self._thread = threading.Thread(target=self._loop, name=f"fsm-loop[{node_id}]", daemon=True)
+        # heartbeats of the peers our rooms are bound to; their death or restart fails those rooms at once
+        self.peers = PeerWatch(self.node, self.side_channel, self.clock,
+                               **{**heartbeat_settings(), **(heartbeat or {})},
+                               forget=manager_forget(self.resolver, self.side_channel, self.backend)).start()
+        self.recovered = self.core.recover()
+        self.on_stopped: list[Callable[[str], None]] = []  # told once, on the loop thread, when it stops on its own
         self._thread.start()
 
     # --- the loop ---
@@ -128,46 +129,23 @@ class KVManager:
 
     def health(self) -> str | None:
         """Why this node cannot serve (None while it can): its loop stopped, or its model thread died."""
-        if self.dead is None and not self._stop.is_set() and not self._thread.is_alive():
+        started = self._thread.ident is not None
+        if self.dead is None and not self._stop.is_set() and started and not self._thread.is_alive():
             return "the node loop exited"
         return self.dead or self.model.health()
 
+    def _answers_pings(self) -> bool:
+        return getattr(self, "_thread", None) is None or self.health() is None  # still starting: answer
+
     def _observe(self, room, decision, at) -> None:
-        if decision.trigger == "bootstrap_resolved" and decision.ignored is None and "bootstrap_url" in room.ctx:
-            self.heartbeat.watch(room.ctx["bootstrap_url"])
-        if decision.dst == "Failed" and decision.src != "Failed" and self.role == "decode":
-            self._forget_failed_peer(room)
         if decision.dst != decision.src and room.terminal:
             with self._ended:
                 self._ended.notify_all()
-
-    def _forget_failed_peer(self, room) -> None:
-        """A room the prefill side failed (unreachable, aborted, lost): look its prefill node up afresh next time.
-
-        A prefill restarted behind the same bootstrap server listens on new ports; without this the decode node
-        kept sending PREPAREs to the dead instance's cached address until the heartbeat gave up on it, which it
-        never does when the bootstrap server itself came back (SGLang issue 16903)."""
-        reason, addr = room.reason or "", room.ctx.get("prefill_addr")
-        if addr and reason.startswith(("remote error", "peer failed", "aborted by peer")):
-            forget = getattr(self.resolver, "forget_peer", None)
-            if forget is not None:
-                forget(addr)
-            self.side_channel.forget_peer(addr)
 
     def _on_message(self, msg) -> None:
         core = getattr(self, "core", None)  # the listener starts before the rest of the manager is built
         if core is not None:
             core.on_message(msg)
-
-    def _prefill_dead(self, url: str) -> None:
-        """The heartbeat gave up on the prefill node behind ``url``: fail its rooms, forget what we cached."""
-        if hasattr(self.resolver, "forget"):
-            self.resolver.forget(url)
-        for ctx in self.core.fail_rooms_of(url, f"{url} stopped answering heartbeats"):
-            if "prefill_addr" in ctx:
-                self.side_channel.forget_peer(ctx["prefill_addr"])
-            if "transfer_addr" in ctx:
-                self.backend.forget(ctx["transfer_addr"])
 
     # --- the prefill side ---
     def register_with(self, bootstrap_url: str, *, token: str | None = None, http_port: int | None = None,
@@ -248,8 +226,7 @@ class KVManager:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        if self.heartbeat is not None:
-            self.heartbeat.close()
+        self.peers.close()
         self.senders.close()
         self.side_channel.close()
         self.clock.close()

@@ -89,17 +89,19 @@ class PeerMonitor:
     # -- what to watch ----------------------------------------------------------------------------------------------
 
     def watch(self, addr: str, instance: str | None = None) -> str | None:
-        """Watch ``addr`` (idempotent) and ping it at once. ``instance`` is the one the caller expects there (from
-        the bootstrap lookup or a message), used until the peer says otherwise. Returns the instance known at
-        ``addr`` now; a caller whose expected instance differs is bound to a peer that is gone."""
+        """Watch ``addr`` (idempotent; a new address is pinged at once). ``instance`` is the one the caller expects
+        there (from the bootstrap lookup or a message), used until the peer says otherwise. Returns the instance
+        known at ``addr`` now; a caller whose expected instance differs is bound to a peer that is gone."""
         with self._lock:
             entry = self._watches.get(addr)
-            if entry is None:
+            new = entry is None
+            if new:
                 entry = self._watches[addr] = _Watch(instance)
             elif entry.instance is None and instance not in entry.retired:
                 entry.instance = instance
             known = entry.instance
-        self._ping(addr)
+        if new:  # one ping per address, not one per room bound to it
+            self._ping(addr)
         return known
 
     def unwatch(self, addr: str) -> None:

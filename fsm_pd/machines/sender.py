@@ -15,6 +15,8 @@ Rules
   ``timeout`` is accepted only while that timer is armed. So every room ends, whatever the peer does.
 - ``abort`` (local), ``peer_abort`` (ABORT from the decode node), ``timeout`` and ``error`` lead to Failed from
   every non-terminal state. We tell the peer (ABORT) whenever we know it and it did not tell us first.
+- ``peer_failed`` (the decode node we know died or was replaced: ``fsm_pd.control.peers``) leads to Failed from the
+  states where we know it, with nobody left to tell.
 - The staging buffer exists only in Transferring, so exactly the exits from Transferring release it.
 - Success and Failed are terminal and sticky: a late or duplicate event is journaled as ignored, never applied.
 - Rows are tried in order; the first whose conditions hold (and whose ``unless`` do not) wins.
@@ -64,6 +66,7 @@ SENDER_TRANSITIONS = [
     {"trigger": "abort", "source": "WaitingForInput", "dest": "Failed",
      "effects": (CancelTimer("waiting"), Send("ABORT"))},
     {"trigger": "peer_abort", "source": "WaitingForInput", "dest": "Failed", "effects": (CancelTimer("waiting"),)},
+    {"trigger": "peer_failed", "source": "WaitingForInput", "dest": "Failed", "effects": (CancelTimer("waiting"),)},
     {"trigger": "timeout", "source": "WaitingForInput", "dest": "Failed",
      "conditions": ["timer_armed"], "effects": (CancelTimer("waiting"), Send("ABORT"))},
     {"trigger": "error", "source": "WaitingForInput", "dest": "Failed",
@@ -72,6 +75,8 @@ SENDER_TRANSITIONS = [
     {"trigger": "abort", "source": "Transferring", "dest": "Failed",
      "effects": (CancelTimer("pull_hold"), Send("ABORT"), ReleaseStaging())},
     {"trigger": "peer_abort", "source": "Transferring", "dest": "Failed",
+     "effects": (CancelTimer("pull_hold"), ReleaseStaging())},
+    {"trigger": "peer_failed", "source": "Transferring", "dest": "Failed",
      "effects": (CancelTimer("pull_hold"), ReleaseStaging())},
     {"trigger": "timeout", "source": "Transferring", "dest": "Failed",
      "conditions": ["timer_armed"], "effects": (CancelTimer("pull_hold"), Send("ABORT"), ReleaseStaging())},

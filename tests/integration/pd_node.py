@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--backend-options", default="{}")
     parser.add_argument("--pull-delay", type=float, default=0.0)
     parser.add_argument("--bootstrap-port", type=int, default=None, help="prefill: serve a bootstrap server here")
-    parser.add_argument("--heartbeat", default="{}", help="decode: HeartbeatMonitor settings as JSON")
+    parser.add_argument("--heartbeat", default="{}", help="heartbeat settings as JSON: interval_s, max_failures")
     args = parser.parse_args()
 
     layout = KVLayout.from_dict(json.loads(args.layout))

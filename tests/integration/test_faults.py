@@ -213,7 +213,8 @@ def rig(tmp_path, request):
 
 
 # how a decode room ends when its prefill node dies: the router cancels the decode leg, the pull fails, the heartbeat
-DECODE_LOST_PREFILL = ("aborted by the client", "pull failed", "pull timed out", "transfer timeout")
+DECODE_LOST_PREFILL = ("aborted by the client", "pull failed", "pull timed out", "transfer timeout",
+                       "missed 2 heartbeats")
 
 
 def in_background(fn, *args):
@@ -240,11 +241,7 @@ def test_prefill_crashes_before_the_transfer(rig):
     failures = r.failures()
     assert failures["prefill"] == ["local error: node restarted"]
     # the router cancels the decode leg when the prefill leg breaks, usually before the heartbeat notices
-    assert (
-        len(failures["decode"]) == 1
-        and failures["decode"][0] in DECODE_LOST_PREFILL
-        or "stopped answering" in (failures["decode"][0])
-    )
+    assert len(failures["decode"]) == 1 and any(w in failures["decode"][0] for w in DECODE_LOST_PREFILL)
 
 
 def test_prefill_sigkilled_during_the_transfer(rig):
@@ -263,7 +260,7 @@ def test_prefill_sigkilled_during_the_transfer(rig):
     failures = r.failures()
     assert failures["prefill"] == ["local error: node restarted"]
     assert len(failures["decode"]) == 1
-    assert any(w in failures["decode"][0] for w in (*DECODE_LOST_PREFILL, "stopped answering heartbeats"))
+    assert any(w in failures["decode"][0] for w in DECODE_LOST_PREFILL)
 
 
 def test_prefill_crashes_after_the_transfer(rig):

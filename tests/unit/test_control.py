@@ -16,7 +16,6 @@ from prometheus_client import generate_latest
 from fsm_pd.control import KVManager, resolve_deadlines
 from fsm_pd.control.admission import SchedulerAdmission
 from fsm_pd.control.facades import KVReceiver, KVSender, KVTransferError
-from fsm_pd.control.heartbeat import HeartbeatMonitor
 from fsm_pd.kernels import KVLayout, gather_pages
 from fsm_pd.machines import KVPoll
 from fsm_pd.store import read_journal, replay
@@ -136,21 +135,6 @@ def test_metrics_count_transitions_and_failures(pair):
     assert 'fsm_pd_rooms{node="p0",role="prefill",state="Failed"} 1.0' in text
     p.clear(1)
     assert 'state="Failed"} 0.0' in generate_latest(p.metrics.registry).decode()
-
-
-def test_heartbeat_declares_a_node_dead_once_after_consecutive_misses():
-    alive = {"http://a": True, "http://b": True}
-    dead = []
-    monitor = HeartbeatMonitor(lambda url: alive[url], dead.append, interval_s=0.05, max_failures=3)
-    try:
-        monitor.watch("http://a")
-        monitor.watch("http://b")
-        alive["http://a"] = False
-        assert _until(lambda: dead == ["http://a"], 3)
-        time.sleep(0.3)
-        assert dead == ["http://a"] and monitor.watched() == ["http://b"]
-    finally:
-        monitor.close()
 
 
 def test_deadline_configuration(monkeypatch):

@@ -55,6 +55,9 @@ SENDER_EXPECTED = {
     ("Transferring", "published"): "Transferring",
     **{(s, t): "Failed" for s in ("Bootstrapping", "WaitingForInput", "Transferring")
        for t in ("abort", "peer_abort", "error")},
+    # the decode node is known (bound) only once its PREPARE arrived
+    ("WaitingForInput", "peer_failed"): "Failed",
+    ("Transferring", "peer_failed"): "Failed",
 }
 RECEIVER_EXPECTED = {
     ("Bootstrapping", "bootstrap_resolved"): "Bootstrapping",
