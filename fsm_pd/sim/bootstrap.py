@@ -54,5 +54,6 @@ class SimResolver:
             return
         done(found, None)
 
-    def forget(self, url: str) -> None:
-        self.resolver.forget(url)
+    def forget_peer(self, addr: str, instance: str | None, transfer_addrs: set[str]) -> None:
+        """``PeerWatch``'s ``forget``: the prefill node at ``addr`` died or was replaced; look it up afresh."""
+        self.resolver.forget_peer(addr, instance)

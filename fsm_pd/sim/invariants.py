@@ -4,6 +4,7 @@
   ledger records every attempt), and no write reaches a page after its ``FreePages``;
 - no leaks: once the world is quiet, nothing is held for a room that has ended;
 - liveness: every room ends within the sum of its role's deadlines;
+- peers: no room stays bound to a dead peer process longer than the heartbeats take to notice;
 - the live state of every room equals the replay of its node's journal.
 """
 
@@ -42,6 +43,24 @@ def overdue_rooms(world: World) -> list[str]:
             if not room.terminal and created is not None and now - created > budget + 1e-9:
                 found.append(f"{slot.role} room {room.room} is still {room.state} {now - created:.3f} s after it "
                              f"was created; its deadlines add up to {budget} s")
+    return found
+
+
+def bound_to_dead_peers(world: World) -> list[str]:
+    """Rooms still bound (``PeerWatch``) to a peer instance that died more than ``max_failures + 1`` heartbeat
+    intervals ago (or was bound that long ago, if it was bound to an instance already dead)."""
+    config, now, found = world.config, world.clock.now(), []
+    grace = (config.heartbeat_max_failures + 1) * config.heartbeat_interval + 0.01  # + the pong's latency
+    for slot in (world.prefill, world.decode):
+        if not slot.alive:
+            continue
+        for room, (addr, instance, since) in slot.instance.peers.bound().items():
+            peer = world.instances.get(instance)
+            if peer is None or peer.died_at is None:
+                continue
+            if now - max(peer.died_at, since) > grace:
+                found.append(f"{slot.role} room {room} is still bound to {peer.name} at {addr}, dead since "
+                             f"t={peer.died_at:.3f} (bound at t={since:.3f}, now t={now:.3f})")
     return found
 
 

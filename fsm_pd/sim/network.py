@@ -20,7 +20,7 @@ from typing import Any
 
 from fsm_pd.sim.faults import FaultPlan
 from fsm_pd.sim.scheduler import Scheduler
-from fsm_pd.transport.messages import MalformedMessage
+from fsm_pd.transport.messages import Heartbeat, MalformedMessage, Message
 from fsm_pd.transport.replay_guard import ReplayGuard
 from fsm_pd.transport.side_channel import PeerUnreachable
 from fsm_pd.transport.signing import RejectedFrame, open_frame, seal
@@ -59,18 +59,21 @@ class SimNetwork:
         found = self.endpoints.get(address)
         return found is not None and found.instance.alive and not self.partitioned
 
-    def transmit(self, sender: Any, address: str, frame: bytes, done: Callable[[BaseException | None], None]) -> None:
+    def transmit(self, sender: Any, address: str, frame: bytes, done: Callable[[BaseException | None], None], *,
+                 faults: bool = True) -> None:
+        """``faults=False`` (heartbeats): only crashes and partitions touch the frame, as fault injection on real
+        processes (``FSM_PD_FAULT_*``) only touches room messages; and they are not work that keeps the world busy."""
         target = self.endpoints.get(address)
         if target is None or not target.instance.alive:
             self.counts["unreachable"] += 1
             error = PeerUnreachable(f"{address}: no live connection within {SEND_TIMEOUT_S * 1000:.0f} ms")
-            self.sched.later(SEND_TIMEOUT_S, lambda: done(error), sender)
+            self.sched.later(SEND_TIMEOUT_S, lambda: done(error), sender, work=faults)
             return
-        self.sched.later(0.0, lambda: done(None), sender)  # a live connection took the frame
+        self.sched.later(0.0, lambda: done(None), sender, work=faults)  # a live connection took the frame
         if self.partitioned:
             self.counts["partitioned"] += 1
             return
-        fate = self.plan.message()
+        fate = self.plan.message() if faults else "deliver"
         self.counts[fate] += 1
         if fate == "drop":
             return
@@ -80,7 +83,8 @@ class SimNetwork:
         elif fate == "reorder":
             latency += self.rng.random() * 0.01
         for copy in range(2 if fate == "duplicate" else 1):
-            self.sched.later(latency + copy * 0.0001, lambda: self._arrive(target.instance, address, frame))
+            self.sched.later(latency + copy * 0.0001, lambda: self._arrive(target.instance, address, frame),
+                             work=faults)
 
     def _arrive(self, instance: Any, address: str, frame: bytes) -> None:
         target = self.endpoints.get(address)
@@ -101,11 +105,15 @@ class SimNetwork:
 
 
 class SimSideChannel:
-    """One process instance's ``SideChannelPort`` on the simulated network."""
+    """One process instance's ``SideChannelPort`` on the simulated network, and its ``PingPort``: like the real
+    ``SideChannel``, it answers a HEARTBEAT ping with a pong, shows every delivered message to its observers (the
+    ``PeerMonitor``) and hands only room messages to the node (``on_message``)."""
 
     def __init__(self, network: SimNetwork, instance: Any, node_id: str, address: str, instance_id: str):
         self.network, self.instance, self.node_id = network, instance, node_id
         self._address, self.instance_id = address, instance_id
+        self.on_message: Callable[[Message], None] = lambda msg: None
+        self._observers: list[Callable[[Message], None]] = []
 
     @property
     def address(self) -> str:
@@ -121,3 +129,26 @@ class SimSideChannel:
 
     def forget_peer(self, addr: str) -> None:
         pass  # no cached connections here
+
+    def ping(self, addr: str) -> None:
+        self._heartbeat(addr, pong=False)
+
+    def add_observer(self, observer: Callable[[Message], None]) -> None:
+        self._observers.append(observer)
+
+    def remove_observer(self, observer: Callable[[Message], None]) -> None:
+        self._observers = [o for o in self._observers if o != observer]
+
+    def receive(self, msg: Message) -> None:
+        """A message that passed the MAC and replay checks (``SimNetwork._arrive``)."""
+        heartbeat = isinstance(msg, Heartbeat)
+        if heartbeat and not msg.pong:
+            self._heartbeat(msg.origin, pong=True)
+        for observer in list(self._observers):
+            observer(msg)
+        if not heartbeat:
+            self.on_message(msg)
+
+    def _heartbeat(self, addr: str, *, pong: bool) -> None:
+        msg = self.stamp(Heartbeat, room=0, pong=pong)
+        self.network.transmit(self.instance, addr, seal(msg, self.network.secret), lambda error: None, faults=False)

@@ -1,9 +1,10 @@
 """One simulated node: a slot (role, node id, addresses, journal file) and the process instance running in it.
 
-An ``Instance`` is what a real process is: the production ``NodeCore``, ``Node`` and effect handlers, wired to the
-simulated ports. It dies whole: ``crash`` marks it dead (its pending callbacks never run, its holdings are freed by
-its death) and drops its journal handle. ``SimNode.start`` runs a new instance at the same addresses, rebuilt from the
-journal by the production recovery (``NodeCore.recover`` -> ``Node.recover``), with a new instance id.
+An ``Instance`` is what a real process is: the production ``NodeCore``, ``Node``, effect handlers and ``PeerWatch``
+(heartbeats of the peer, on this instance's timers), wired to the simulated ports. It dies whole: ``crash`` marks it
+dead (its pending callbacks never run, its holdings are freed by its death) and drops its journal handle.
+``SimNode.start`` runs a new instance at the same addresses, rebuilt from the journal by the production recovery
+(``NodeCore.recover`` -> ``Node.recover``), with a new instance id.
 
 ``CrashableInterpreter`` crashes the process inside ``Node.step`` after the step's journal rows were committed and
 before their effects ran: the window a write-ahead journal exists for.
@@ -17,6 +18,7 @@ from fsm_pd.control.admission import PoolAdmission
 from fsm_pd.control.core import NodeCore
 from fsm_pd.control.decode_effects import DecodeEffects
 from fsm_pd.control.faults import Faults
+from fsm_pd.control.peers import PeerWatch
 from fsm_pd.control.prefill_effects import PrefillEffects
 from fsm_pd.effects import Node
 from fsm_pd.engine.pages import PageAllocator
@@ -25,6 +27,7 @@ from fsm_pd.sim.bootstrap import SimResolver
 from fsm_pd.sim.kv import RecordingAllocator, SimKV
 from fsm_pd.sim.model import SimModel
 from fsm_pd.sim.network import SimSideChannel
+from fsm_pd.sim.scheduler import OwnedTimers
 from fsm_pd.sim.transfer import SimPuller, SimTransferServer
 from fsm_pd.transport.messages import new_instance_id
 
@@ -52,6 +55,7 @@ class CrashableInterpreter:
 class Instance:
     def __init__(self, world: World, slot: SimNode, generation: int):
         self.alive = True
+        self.died_at: float | None = None
         self.name = f"{slot.node_id}#{generation}"
         self.created: dict[int, float] = {}  # room -> when this instance created (or recovered) it
         w = self.world = world
@@ -81,7 +85,12 @@ class Instance:
         self.interpreter = CrashableInterpreter(self.effects.interpreter())
         self.node = Node(slot.node_id, machine, self.journal, self.interpreter, w.clock, deadlines)
         self.core = NodeCore(self.node, layout)
-        w.network.bind(slot.address, self, self.core.on_message)
+        self.channel.on_message = self.core.on_message
+        forget = self.resolver.forget_peer if slot.role == "decode" else None
+        self.peers = PeerWatch(self.node, self.channel, OwnedTimers(w.clock, self),
+                               interval_s=w.config.heartbeat_interval, max_failures=w.config.heartbeat_max_failures,
+                               forget=forget).start()
+        w.network.bind(slot.address, self, self.channel.receive)
 
     def idle(self) -> bool:
         return self.model.queued() == 0
@@ -122,6 +131,7 @@ class SimNode:
         if inst is None or not inst.alive:
             return
         inst.alive = False
+        inst.died_at = self.world.clock.now()
         inst.interpreter.armed = False
         self.crashes += 1
         self.world.ledger.crash(inst)

@@ -31,3 +31,21 @@ class Scheduler:
                 fn()
 
         self.clock.call_at(self.clock.now() + max(0.0, delay), fire)
+
+
+class OwnedTimers:
+    """``call_at``/``cancel``/``now`` on the virtual clock for one process instance (its ``PeerMonitor``'s timers):
+    a timer of an instance that has crashed never fires, as a dead process's timer thread does not."""
+
+    def __init__(self, clock: VirtualClock, owner: Any):
+        self.clock, self.owner = clock, owner
+
+    def now(self) -> float:
+        return self.clock.now()
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> int:
+        owner = self.owner
+        return self.clock.call_at(when, lambda: callback() if owner.alive else None)
+
+    def cancel(self, handle: int) -> None:
+        self.clock.cancel(handle)

@@ -75,8 +75,11 @@ class World:
         self.durability = durability
         self.requests: dict[int, int] = {}  # room -> prompt length
         self.pending_arrivals = 0
-        self.watched: dict[str, int] = {}  # bootstrap url -> heartbeats missed in a row (the decode node's monitor)
-        self._heartbeat_armed = False
+        self.restarts_pending = 0
+        self.instances: dict[str, Instance] = {}  # every process instance that ran, by its instance id
+        # called whenever the nodes have settled after a timer fired: checks that must hold at every instant, not
+        # only between the property suite's rules (a rule may move time on by seconds)
+        self.probes: list = []
         self.prefill = SimNode(self, "prefill", self.prefill_id, self.prefill_addr, self.transfer_addr)
         self.decode = SimNode(self, "decode", self.decode_id, self.decode_addr)
         self.prefill.start()
@@ -94,13 +97,14 @@ class World:
 
     def started(self, slot: SimNode, inst: Instance) -> None:
         """A new instance runs in ``slot``: hook it up the way its engine and the deployment would."""
+        self.instances[inst.channel.instance_id] = inst
         if slot.role == "prefill":
             inst.node.observers.append(lambda room, decision, at: self._prefill_observed(inst, room, decision))
             self.bootstrap.register({"rank_ip": "10.0.0.1", "rank_port": 7000, "side_channel": slot.address,
                                      "transfer_addr": slot.transfer_address, "transfer_backend": "sim",
-                                     "kv_layout": self.prefill_layout, "node_id": slot.node_id})
+                                     "kv_layout": self.prefill_layout, "node_id": slot.node_id,
+                                     "instance": inst.channel.instance_id})
         else:
-            self.watched.clear()  # the monitor lived in the dead process
             inst.node.observers.append(lambda room, decision, at: self._decode_observed(inst, room, decision))
 
     def _prefill_observed(self, inst: Instance, room, decision) -> None:
@@ -110,9 +114,6 @@ class World:
             inst.pages.free(room.room)
 
     def _decode_observed(self, inst: Instance, room, decision) -> None:
-        if decision.trigger == "bootstrap_resolved" and decision.ignored is None and "bootstrap_url" in room.ctx:
-            self.watched.setdefault(room.ctx["bootstrap_url"], 0)
-            self._arm_heartbeat()
         if decision.dst == "Success" and decision.src != "Success":  # decoding runs, then its pages are freed
             self.sched.later(self.config.decode_time, lambda: inst.effects.finish(inst.node, room.room), inst)
 
@@ -130,7 +131,6 @@ class World:
             side = self.rng.choice(("prefill", "decode"))
             self.sched.later(at - now + self.rng.random() * 0.02, lambda: self.abort(side, room, "client went away"),
                              work=False)
-        self._arm_heartbeat()
 
     def _arrive_prefill(self, room: int, prompt_len: int) -> None:
         self.pending_arrivals -= 1
@@ -184,29 +184,14 @@ class World:
         if after is None:
             return
         dead = slot.instance
-        self.sched.later(after, lambda: slot.start() if slot.instance is dead else None, work=False)
-        self._arm_heartbeat()
+        self.restarts_pending += 1
 
-    # --- the decode node's heartbeat of the prefill node ---
-    def _arm_heartbeat(self) -> None:
-        if not self._heartbeat_armed:
-            self._heartbeat_armed = True
-            self.sched.later(self.config.heartbeat_interval, self._heartbeat, work=False)
+        def restart() -> None:
+            self.restarts_pending -= 1
+            if slot.instance is dead:
+                slot.start()
 
-    def _heartbeat(self) -> None:
-        self._heartbeat_armed = False
-        inst = self.decode.instance
-        if inst.alive:
-            up = self.prefill.alive and not self.network.partitioned
-            for url in list(self.watched):
-                self.watched[url] = 0 if up else self.watched[url] + 1
-                if self.watched[url] >= self.config.heartbeat_max_failures:  # as KVManager._prefill_dead does
-                    del self.watched[url]
-                    inst.resolver.forget(url)
-                    inst.core.fail_rooms_of(url, f"{url} stopped answering heartbeats")
-        busy = self.pending_arrivals or any(not r.terminal for r in inst.node.rooms.values())
-        if self.watched and (busy or not self.prefill.alive):
-            self._arm_heartbeat()
+        self.sched.later(after, restart, work=False)
 
     # --- running ---
     def step_nodes(self) -> int:
@@ -223,12 +208,12 @@ class World:
         return done
 
     def run(self, until: float | None = None) -> None:
-        """Process events and fire timers until nothing is left, or until virtual time ``until``."""
+        """Process events and fire timers until nothing is left to do, or until virtual time ``until``. Heartbeats
+        alone are not something to do: they tick for ever, and would never let an idle world stop."""
         while True:
-            while self.step_nodes():
-                pass
+            self._settle()
             nxt = self.clock.next_time()
-            if nxt is None or (until is not None and nxt > until):
+            if nxt is None or (until is not None and nxt > until) or self.idle():
                 break
             self.clock.fire_next()
         if until is not None:
@@ -237,17 +222,29 @@ class World:
     def run_until(self, predicate, limit: int = 100_000) -> bool:
         """Fire timers one at a time until ``predicate()`` holds (True) or nothing is left to fire (False)."""
         for _ in range(limit):
-            while self.step_nodes():
-                pass
+            self._settle()
             if predicate():
                 return True
-            if not self.clock.fire_next():
+            if self.idle() or not self.clock.fire_next():
                 return False
         return predicate()
 
     def quiet(self) -> bool:
         """No work under way: nothing held now can still be let go by a callback or a queued job."""
         return self.sched.in_flight == 0 and all(s.instance.idle() for s in (self.prefill, self.decode) if s.alive)
+
+    def _settle(self) -> None:
+        while self.step_nodes():
+            pass
+        for probe in self.probes:
+            probe()
+
+    def idle(self) -> bool:
+        """Quiet, every room ended, no request or restart still to come: only heartbeats would fire now."""
+        if self.pending_arrivals or self.restarts_pending or not self.quiet():
+            return False
+        return all(room.terminal for slot in (self.prefill, self.decode) if slot.alive
+                   for room in slot.instance.node.rooms.values())
 
     @property
     def crashes(self) -> int:

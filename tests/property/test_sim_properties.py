@@ -8,7 +8,8 @@ between journal commit and effects, restarting later or at once (a peer instance
 
 After every step (``fsm_pd.sim.invariants``): every page reservation, staging buffer, transfer entry and pulled
 buffer is freed exactly once (every attempt is recorded); no write reaches a page after its ``FreePages``; nothing is
-held for an ended room once the world is quiet; every room ends within the sum of its deadlines; the live rooms equal
+held for an ended room once the world is quiet; every room ends within the sum of its deadlines; no room stays bound
+to a dead peer instance longer than the heartbeats take to notice (three intervals); the live rooms equal
 the replay of the journals; a terminal room never changes. At teardown every node is restarted, time runs past every
 deadline, and everything must have ended and been freed.
 
@@ -32,7 +33,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from fsm_pd.machines.states import STATE_NAMES, TERMINAL
 from fsm_pd.sim import SimConfig, World
 from fsm_pd.sim.faults import MESSAGE_FATES
-from fsm_pd.sim.invariants import journal_disagreements, leaks, overdue_rooms, ownership_violations
+from fsm_pd.sim.invariants import (
+    bound_to_dead_peers,
+    journal_disagreements,
+    leaks,
+    overdue_rooms,
+    ownership_violations,
+)
 
 PROFILES = {
     "ci": {"max_examples": 100, "stateful_step_count": 40, "derandomize": True},
@@ -53,6 +60,8 @@ class SimulationMachine(RuleBasedStateMachine):
         self.world = World(config, self.dir, durability="off")
         self.next_room = 1
         self.terminal_seen: dict[tuple[str, int], str] = {}
+        self.instant_violations: list[str] = []
+        self.world.probes.append(lambda: self.instant_violations.extend(bound_to_dead_peers(self.world)))
 
     # --- requests and clients ---
     @rule(prompt_len=st.integers(1, 300))
@@ -145,6 +154,10 @@ class SimulationMachine(RuleBasedStateMachine):
     @invariant()
     def every_room_ends_within_its_deadlines(self):
         assert overdue_rooms(self.world) == []
+
+    @invariant()
+    def no_room_outlives_its_peer_by_more_than_the_heartbeats(self):
+        assert self.instant_violations[:3] == []  # checked at every instant the world settled, not only now
 
     @invariant()
     def live_state_is_the_replay_of_the_journals(self):

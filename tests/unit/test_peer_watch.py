@@ -1,0 +1,94 @@
+"""``PeerWatch`` on the simulation: rooms bound to a peer process that died or was replaced fail within the heartbeat
+bound, with a reason that says which, and the next request finds the new process."""
+
+from __future__ import annotations
+
+from fsm_pd.sim import SimConfig, World
+from fsm_pd.sim.invariants import leaks, ownership_violations
+from fsm_pd.store import read_journal
+
+
+def world_with_a_slow_gather(tmp_path) -> World:
+    """One request whose gather takes 30 s: D waits in WaitingForInput, P in Transferring, both bound to the other."""
+    world = World(SimConfig(requests=0, seed=4, num_pages=64), tmp_path, durability="off")
+    world.model_delay = 30.0
+    world.add_request(1, 40, at=0.001)
+    assert world.run_until(lambda: world.prefill.instance.peers.bound() and world.decode.instance.peers.bound())
+    return world
+
+
+def failure(world: World, role: str, room: int) -> tuple[str, float]:
+    """(reason, time) of the room's move to Failed in ``role``'s journal."""
+    (row,) = [r for r in read_journal(world.journal_dir / f"{role}.db") if r.room == room and r.dst == "Failed"
+              and r.src != "Failed"]
+    return row.payload["reason"], row.at
+
+
+def test_a_dead_prefill_fails_the_decode_rooms_bound_to_it_within_three_heartbeats(tmp_path):
+    world = world_with_a_slow_gather(tmp_path)
+    (bound_room,) = world.decode.instance.peers.bound()
+    died = world.clock.now()
+    world.crash("prefill")  # and it stays dead
+    world.run(until=died + 10)
+    reason, at = failure(world, "decode", bound_room)
+    assert reason == (f"peer failed: prefill node at {world.prefill_addr} missed 2 heartbeats 1 s apart: it died, "
+                      "hangs or is cut off")
+    assert at - died <= 3.0 + 0.01, "two missed heartbeats, one second apart, after at most one more interval"
+    assert world.decode.instance.peers.bound() == {}
+    assert world.decode.instance.resolver.resolver._cache == {}, "the dead node's lookup was dropped"
+    world.close()
+
+
+def test_a_dead_decode_fails_the_prefill_rooms_bound_to_it_and_frees_their_staging(tmp_path):
+    world = world_with_a_slow_gather(tmp_path)
+    world.model_delay = 0.0005
+    world.run_until(lambda: world.ledger.holdings("staging"))  # the gather is done, the staging buffer published
+    died = world.clock.now()
+    world.crash("decode")
+    world.run(until=died + 10)
+    reason, at = failure(world, "prefill", 1)
+    assert reason.startswith(f"peer failed: decode node at {world.decode_addr} missed 2 heartbeats")
+    assert at - died <= 3.01 < world.config.prefill_deadlines["pull_hold"], "before its own deadline would"
+    assert world.ledger.holdings("staging") == [] and leaks(world) == [] and ownership_violations(world) == []
+    world.close()
+
+
+def test_a_prefill_replaced_at_the_same_address_fails_rooms_of_the_old_instance_at_once(tmp_path):
+    world = world_with_a_slow_gather(tmp_path)
+    old = world.prefill.instance.channel.instance_id
+    died = world.clock.now()
+    world.crash("prefill", restart_after=0.0)  # the new process answers the next heartbeat, as a new instance
+    world.model_delay = 0.0005
+    world.run(until=died + 1.5)
+    new = world.prefill.instance
+    reason, at = failure(world, "decode", 1)
+    assert reason == (f"peer failed: prefill node at {world.prefill_addr} restarted: instance {old} was replaced by "
+                      f"{new.channel.instance_id}")
+    assert at - died <= 1.01, "the first pong from the new instance tells"
+
+    world.add_request(2, 40, at=world.clock.now() + 0.001)  # the next request goes to the new instance
+    world.run()
+    assert world.decode.instance.node.rooms[2].state == "Success"
+    assert new.node.rooms[2].state == "Success"
+    world.close()
+
+
+def test_a_lookup_that_names_a_replaced_instance_binds_the_room_to_the_instance_there_now(tmp_path):
+    """The resolver's cache still names the old instance after the monitor saw the new one (a lookup that raced the
+    restart). The room's messages reach the new process, which its request reached too: it is bound to that one, so
+    the new one's death or replacement fails it."""
+    world = world_with_a_slow_gather(tmp_path)
+    resolver = world.decode.instance.resolver.resolver
+    stale = dict(next(iter(resolver._cache.values())))
+    world.crash("prefill", restart_after=0.0)
+    world.model_delay = 0.0005
+    world.run(until=world.clock.now() + 1.5)  # room 1 failed through the replaced instance; the cache was dropped
+    new = world.prefill.instance.channel.instance_id
+    resolver._cache[(world.bootstrap.url, 0)] = stale
+    world.add_request(3, 40, at=world.clock.now() + 0.001)
+    assert world.run_until(lambda: 3 in world.decode.instance.peers.bound())
+    assert world.decode.instance.peers.bound()[3][:2] == (world.prefill_addr, new) != (world.prefill_addr,
+                                                                                        stale["instance"])
+    world.run()
+    assert world.decode.instance.node.rooms[3].state == "Success"
+    world.close()
