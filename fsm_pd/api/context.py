@@ -29,7 +29,19 @@ class ApiContext:
     def node(self) -> NodeIdentity:
         return NodeIdentity(role=self.engine.role, max_context=int(self.engine.max_context),
                             model_names=frozenset({self.model_name, self.model_path}),
-                            bootstrap_port=self.bootstrap_port)
+                            bootstrap_port=self.bootstrap_port, vocab_size=self.vocab_size)
+
+    @property
+    def model_config(self):
+        """The engine's model config (``engine.model.config``), None for an engine without a model (the stub)."""
+        return getattr(getattr(self.engine, "model", None), "config", None)
+
+    @property
+    def vocab_size(self) -> int | None:
+        config = self.model_config
+        if config is not None:
+            return int(config.vocab_size)
+        return getattr(self.tokenizer, "vocab_size", None)
 
     @property
     def disaggregation_mode(self) -> str:

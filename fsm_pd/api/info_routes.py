@@ -113,8 +113,7 @@ def info_router(ctx: ApiContext, metrics: ApiMetrics, *, health_timeout_s: float
             "weight_version": "default",
             "has_image_understanding": False,
             "has_audio_understanding": False,
-            "model_type": None,
-            "architectures": None,
+            **_model_identity(ctx),
             **ctx.model_info_extra,
         }
 
@@ -141,6 +140,17 @@ async def _one_token(ctx: ApiContext) -> None:
         await run.run_to_end()
     finally:
         run.close()
+
+
+def _model_identity(ctx: ApiContext) -> dict:
+    """``model_type`` and ``architectures`` as the checkpoint's config.json names them (from the loaded config);
+    null for an engine without a model."""
+    config = ctx.model_config
+    if config is None:
+        return {"model_type": None, "architectures": None}
+    hf = config.to_hf()
+    return {"model_type": hf.get("model_type"), "architectures": hf.get("architectures"),
+            "vocab_size": int(config.vocab_size)}
 
 
 def _version() -> str:

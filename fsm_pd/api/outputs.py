@@ -108,7 +108,7 @@ class RequestState:
     def output_token_logprobs(self) -> list[list]:
         return [[lp, tid, None] for lp, tid in zip(self.logprobs, self.output_ids, strict=True)]
 
-    def sglang_meta(self) -> dict:
+    def sglang_meta(self, prompt_logprobs: bool = True) -> dict:
         meta = {k: v for k, v in self.meta.items() if k not in ("prompt_tokens", "completion_tokens")}
         meta.update({
             "id": self.request.rid,
@@ -119,15 +119,16 @@ class RequestState:
             "e2e_latency": round(time.monotonic() - self.started, 6),
         })
         if self.request.return_logprob:
-            meta["input_token_logprobs"] = self.input_token_logprobs()
+            meta["input_token_logprobs"] = self.input_token_logprobs() if prompt_logprobs else []
             meta["output_token_logprobs"] = self.output_token_logprobs()
         return meta
 
-    def sglang_response(self) -> dict:
+    def sglang_response(self, prompt_logprobs: bool = True) -> dict:
         """SGLang's /generate answer (cumulative ``text`` and ``output_ids`` in every streamed chunk, as SGLang's
-        default streaming does)."""
+        default streaming does). ``prompt_logprobs=False`` (a decode node): ``input_token_logprobs`` is left empty,
+        because both PD routers put the prefill's list in front of the decode's and the prompt must count once."""
         text = self.text() if self.finished else self.certain_text()
-        return {"text": text, "output_ids": list(self.output_ids), "meta_info": self.sglang_meta()}
+        return {"text": text, "output_ids": list(self.output_ids), "meta_info": self.sglang_meta(prompt_logprobs)}
 
 
 def openai_finish_reason(finish_reason: dict | None) -> str | None:

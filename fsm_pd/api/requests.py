@@ -26,6 +26,7 @@ class NodeIdentity:
     max_context: int
     model_names: frozenset[str]
     bootstrap_port: int | None  # this node's bootstrap port: the default for a request with bootstrap_port null
+    vocab_size: int | None = None  # the model's vocabulary (token ids the model embeds), not the tokenizer's size
 
 
 def new_rid() -> str:
@@ -109,8 +110,10 @@ def check_lengths(node: NodeIdentity, input_ids: list[int], max_new_tokens: int 
     return max_new_tokens
 
 
-def check_token_ids(tokenizer, ids: list[int], what: str) -> None:
-    vocab = getattr(tokenizer, "vocab_size", None)
+def check_token_ids(node: NodeIdentity, ids: list[int], what: str) -> None:
+    """Ids must be ones the model can embed: its own output (the model's vocabulary can be larger than the
+    tokenizer's, e.g. padded to a multiple of 64) is a valid prompt."""
+    vocab = node.vocab_size
     bad = [i for i in ids if i < 0 or (vocab is not None and i >= vocab)]
     if bad:
         raise ApiError(400, f"{what} holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
@@ -124,7 +127,7 @@ def from_generate(node: NodeIdentity, tokenizer, body: GenerateBody) -> Generate
         raise ApiError(400, "give exactly one of text or input_ids")
     if body.input_ids is not None:
         input_ids = list(body.input_ids)
-        check_token_ids(tokenizer, input_ids, "input_ids")
+        check_token_ids(node, input_ids, "input_ids")
     else:
         input_ids = tokenizer.encode(body.text)
     sp = body.sampling_params or SGLangSamplingParams()
@@ -166,7 +169,7 @@ def from_completion(node: NodeIdentity, tokenizer, body: CompletionBody) -> Gene
         input_ids = tokenizer.encode(prompt)
     else:
         input_ids = list(prompt)
-        check_token_ids(tokenizer, input_ids, "prompt")
+        check_token_ids(node, input_ids, "prompt")
     max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
     return _openai_request(node, body, input_ids, max_tokens, return_logprob=body.logprobs is not None)
 

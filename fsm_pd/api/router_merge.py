@@ -52,9 +52,13 @@ def prefill_input_logprobs(body: bytes) -> list | None:
 
 
 def merge_into(answer: dict, prefill_logprobs: list) -> dict:
+    """Prefill's list first, then the decode's (empty from an fsm-pd decode node). A decode list that already
+    covers the prompt (a decode that repeats the prefill's) is left as it is: the prompt counts once."""
     meta = answer.get("meta_info")
     if isinstance(meta, dict):
-        meta["input_token_logprobs"] = prefill_logprobs + list(meta.get("input_token_logprobs") or [])
+        own = list(meta.get("input_token_logprobs") or [])
+        if len(own) < len(prefill_logprobs):
+            meta["input_token_logprobs"] = prefill_logprobs + own
     return answer
 
 

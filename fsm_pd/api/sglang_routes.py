@@ -25,11 +25,12 @@ def sglang_router(ctx: ApiContext) -> APIRouter:
         text and ids so far (SGLang's default)."""
         gen = from_generate(ctx.node, ctx.tokenizer, body)
         run = RequestRun(ctx.engine, gen, ctx.tokenizer, request, ctx.live)
+        prompt_logprobs = ctx.role != "decode"  # the routers put the prefill's in front; once is enough
         if not gen.stream:
-            return await answer_whole(run, RequestState.sglang_response)
+            return await answer_whole(run, lambda state: state.sglang_response(prompt_logprobs))
 
         def chunk(state: RequestState, out: TokenOutput) -> list[dict]:
-            return [state.sglang_response()]
+            return [state.sglang_response(prompt_logprobs)]
 
         return await answer_stream(run, chunk)
 

@@ -3,7 +3,8 @@ tests, and fuzzing the API (its outputs are scripted, so every route can be exer
 
 It behaves like the real engines where the HTTP layer can tell: a prefill node answers one token with
 ``finish_reason {"type": "length", "length": 0}`` (SGLang's prefill answer) and the prompt's logprobs; a decode or
-colocated node generates up to ``max_new_tokens`` tokens of ``reply`` (repeated), stopping at EOS, a stop token id
+colocated node generates up to ``max_new_tokens`` tokens (a decode node's first one carries the prompt's logprobs, as
+READY brings them from the prefill) of ``reply`` (repeated), stopping at EOS, a stop token id
 or a stop string; PD nodes refuse a request without bootstrap fields with ``EngineError(400)``; an abort ends the
 stream with ``EngineError(499)``. Knobs inject faults: ``submit_error``, ``fail_after``, ``hang``, ``token_delay_s``.
 """
@@ -125,6 +126,8 @@ class StubEngine:
                 self._finish(request.rid)
             out = TokenOutput(token_id=token, logprob=DECODE_LOGPROB if request.return_logprob else None,
                               finish_reason=finish, text=text, meta={"prompt_tokens": len(request.input_ids)})
+            if step == 0 and self.role == "decode" and request.return_logprob:  # the prefill's, carried by READY
+                out.input_token_logprobs = [None] + [PREFILL_LOGPROB] * (len(request.input_ids) - 1)
             stream.push(out)
             if finish is not None:
                 return

@@ -1,0 +1,75 @@
+"""What SGLang and OpenAI clients send, through a real PD pair (tiny model) behind the built-in router and the real
+sglang-router, next to a colocated node: prompt logprobs counted once, sampling parameters that need state on the
+decode side (penalties count the first token, which the prefill sampled), fan-out (``n``, batches), ``echo``.
+
+One cluster per module (processes started here, stopped by PID); everything on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import httpx
+import pytest
+from test_pd_serving import Cluster, free_port
+
+TIMEOUT_S = 180
+
+
+@pytest.fixture(scope="module")
+def urls(tmp_path_factory):
+    """{"colocated", "router", "sglang-router" (absent without the package)} -> base URL."""
+    cluster = Cluster(tmp_path_factory.mktemp("pd-features"))
+    try:
+        p, boot, d = cluster.pd("zmq")
+        found = {"colocated": cluster.serve("colocated"), "router": cluster.router(p, boot, d), "decode": d}
+        try:
+            import sglang_router  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            port = free_port()
+            found["sglang-router"] = cluster.start("sglang-router", [
+                sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", p,
+                str(boot), "--decode", d, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host",
+                "127.0.0.1", "--prometheus-port", str(free_port()), "--policy", "random"], f"http://127.0.0.1:{port}")
+        yield found
+    finally:
+        cluster.stop()
+
+
+def routers(urls) -> list[str]:
+    return [urls[name] for name in ("router", "sglang-router") if name in urls]
+
+
+def generate(url: str, body: dict) -> dict:
+    r = httpx.post(url + "/generate", json=body, timeout=TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_prompt_logprobs_come_back_once_through_both_routers(urls):
+    prompt = "count me once"
+    body = {"text": prompt, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}
+    want = generate(urls["colocated"], body)["meta_info"]
+    assert len(want["input_token_logprobs"]) == want["prompt_tokens"] > 1
+    for url in routers(urls):
+        meta = generate(url, body)["meta_info"]
+        assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"], url
+        assert [x[1] for x in meta["input_token_logprobs"]] == [x[1] for x in want["input_token_logprobs"]]
+        assert [x[0] for x in meta["input_token_logprobs"]] == pytest.approx(
+            [x[0] for x in want["input_token_logprobs"]], abs=1e-4)
+        assert len(meta["output_token_logprobs"]) == 3
+        with httpx.stream("POST", url + "/generate", json={**body, "stream": True}, timeout=TIMEOUT_S) as r:
+            assert r.status_code == 200
+            chunks = [line[5:].strip() for line in r.iter_lines() if line.startswith("data:")]
+        last = json.loads(chunks[-2])
+        assert len(last["meta_info"]["input_token_logprobs"]) == meta["prompt_tokens"], url
+
+
+def test_model_info_names_the_architecture(urls):
+    for url in (urls["colocated"], urls["router"]):
+        info = httpx.get(url + "/get_model_info", timeout=30).json()
+        assert info["model_type"] and info["architectures"] and info["architectures"][0].endswith("ForCausalLM")
