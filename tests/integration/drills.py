@@ -138,4 +138,6 @@ def bad_input(rig: Rig, *, workers: int = 8) -> dict:
     healthy = {n.role: httpx.get(n.url + "/health", timeout=10).status_code for n in (rig.p, rig.d)}
     rig.p.wait_baseline()
     rig.d.wait_baseline()
-    return {"drill": "bad input", **_counts(load.snapshot()), "statuses": statuses, "health": healthy}
+    outcomes = load.snapshot()
+    errors = sorted({f"{o.status} {o.detail[:160]}" for o in outcomes if o.result != "ok"})
+    return {"drill": "bad input", **_counts(outcomes), "statuses": statuses, "health": healthy, "errors": errors[:5]}

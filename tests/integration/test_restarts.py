@@ -9,9 +9,8 @@ import pytest
 from drills import bad_input, kill_and_restart, stop_and_continue
 from test_faults import REQUEST_BOUND_S, rig  # noqa: F401 - the fixture
 
-# The acceptance drills of issue 11. Marked slow (run with FSM_PD_SLOW=1 or -m slow) until peer identity is wired
-# into the node core: the prefill kill/restart drill still fails (the decode node keeps the dead instance).
-pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+# The acceptance drills of issue 11: about two minutes together on two idle cores.
+pytestmark = pytest.mark.timeout(600)
 
 
 def _no_hang(figures: dict) -> None:
