@@ -90,8 +90,8 @@ def load_model(spec: str = TINY_SPEC, *, dtype: str = "float32", progress: bool 
     if path.suffix == ".gguf" or path.is_file():
         return load_gguf(path, dtype=dtype, progress=progress)
     if not path.is_dir():
-        raise FileNotFoundError(f"model {spec!r} is not {TINY_SPEC!r}, a named model ({', '.join(NAMED_MODELS)}), "
-                                "a .gguf file or an existing directory")
+        raise FileNotFoundError(f"model {spec!r} is neither {TINY_SPEC!r} nor an existing directory (nor a named "
+                                f"model: {', '.join(NAMED_MODELS)}; nor a .gguf file)")
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} not found: not an HF checkpoint directory")
