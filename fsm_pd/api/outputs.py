@@ -125,8 +125,8 @@ class RequestState:
 
     def sglang_response(self, prompt_logprobs: bool = True) -> dict:
         """SGLang's /generate answer (cumulative ``text`` and ``output_ids`` in every streamed chunk, as SGLang's
-        default streaming does). ``prompt_logprobs=False`` (a decode node): ``input_token_logprobs`` is left empty,
-        because both PD routers put the prefill's list in front of the decode's and the prompt must count once."""
+        default streaming does). ``prompt_logprobs=False`` (a decode node's whole answer): ``input_token_logprobs`` is
+        left empty, because both PD routers put the prefill's list in front of it and the prompt must count once."""
         text = self.text() if self.finished else self.certain_text()
         return {"text": text, "output_ids": list(self.output_ids), "meta_info": self.sglang_meta(prompt_logprobs)}
 

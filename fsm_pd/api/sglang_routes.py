@@ -25,12 +25,15 @@ def sglang_router(ctx: ApiContext) -> APIRouter:
         text and ids so far (SGLang's default)."""
         gen = from_generate(ctx.node, ctx.tokenizer, body)
         run = RequestRun(ctx.engine, gen, ctx.tokenizer, request, ctx.live)
-        prompt_logprobs = ctx.role != "decode"  # the routers put the prefill's in front; once is enough
         if not gen.stream:
+            # Both PD routers put the prefill's prompt logprobs in front of a whole decode answer's: a decode node
+            # leaves its copy out. Streamed, sglang-router merges nothing (and the built-in router never prepends to
+            # a list that covers the prompt), so the decode's copy is the one the client gets.
+            prompt_logprobs = ctx.role != "decode"
             return await answer_whole(run, lambda state: state.sglang_response(prompt_logprobs))
 
         def chunk(state: RequestState, out: TokenOutput) -> list[dict]:
-            return [state.sglang_response(prompt_logprobs)]
+            return [state.sglang_response()]
 
         return await answer_stream(run, chunk)
 
