@@ -1,8 +1,9 @@
 """Fault injection for drills and end-to-end fault tests: off unless ``FSM_PD_FAULT_*`` variables are set.
 
 ``FaultConfig.from_env()`` reads them once, when a node's effect handlers are built; ``Faults`` holds the hooks the
-handlers consult. Every injected failure becomes an ``error`` event whose reason starts with ``injected fault``, so
-``fsm-pd replay`` tells drills from real failures. Variables (probabilities are in [0, 1], per attempt):
+handlers consult. Every injected failure becomes an ``error`` event whose reason contains ``injected fault: <stage>
+failed`` after the handler's own words (``local error: pull failed: injected fault: ...``), so ``fsm-pd replay``
+tells drills from real failures. Variables (probabilities are in [0, 1], per attempt):
 
 | variable | effect |
 | --- | --- |
