@@ -92,3 +92,16 @@ def test_a_lookup_that_names_a_replaced_instance_binds_the_room_to_the_instance_
     world.run()
     assert world.decode.instance.node.rooms[3].state == "Success"
     world.close()
+
+
+def test_rooms_that_end_are_unbound_and_a_quiet_world_watches_only_addresses(tmp_path):
+    """The binding index does not grow with the request count: every room leaves it when it ends."""
+    world = World(SimConfig(requests=0, seed=2, num_pages=64), tmp_path, durability="off")
+    for room in range(1, 51):
+        world.add_request(room, 20 + room, at=0.001 * room)
+    world.run()
+    assert sum(r.state == "Success" for r in world.decode.instance.node.rooms.values()) == 50
+    for slot in (world.prefill, world.decode):
+        assert slot.instance.peers.bound_count() == 0
+        assert len(slot.instance.peers.monitor.watched()) == 1  # the one peer address, not one entry per room
+    world.close()
