@@ -106,6 +106,28 @@ class PageAllocator:
             self.frees += 1
             return len(pages)
 
+    def give_back(self, room: int) -> int:
+        """Return the room's pages to the pool but keep the room open: a retracted sequence reserves again when it
+        resumes (``free`` would refuse that). Returns how many pages came back."""
+        with self._lock:
+            pages = self._held.pop(room, None)
+            if not pages:
+                return 0
+            self._free.extend(pages)
+            self.frees += 1
+            return len(pages)
+
+    def reset_order(self) -> bool:
+        """Put the free pages back in their starting order (1, 2, ...) when no room holds any; False otherwise.
+
+        Pages freed in the order requests end come back scattered; an idle node can start again from a fresh
+        pool's order (``/flush_cache``). The memory of freed rooms stays: it still guards late reservations."""
+        with self._lock:
+            if self._held:
+                return False
+            self._free = deque(range(1, self.num_pages))
+            return True
+
     def forget(self, room: int) -> None:
         """Drop the memory that ``room`` was freed (once its id can no longer come back)."""
         with self._lock:

@@ -1,7 +1,9 @@
 """``ColocatedEngine``: prefill and decode in one process, no transfer; the baseline a PD pair must match.
 
 One scheduler step on the model thread: drop aborted prompts, prefill a batch of waiting prompts that fit (pages
-and headroom), stream their first tokens, then one decode step for every running sequence.
+and headroom), stream their first tokens, then one decode step for every running sequence. Under KV pressure the
+decode loop retracts the newest running requests and resumes them later (``retraction.py``); no new prompt is
+prefilled while one waits to resume.
 """
 
 from __future__ import annotations
@@ -10,14 +12,24 @@ import itertools
 import logging
 from collections import deque
 
+from prometheus_client import CollectorRegistry
+
 from fsm_pd.engine.loader import LoadedModel, load_model
 from fsm_pd.engine.model_thread import ModelThread
 from fsm_pd.engine.pages import PageAllocator
-from fsm_pd.serving.common import RequestTable, check_request, max_context_for, refuse_if_unhealthy
+from fsm_pd.serving.common import (
+    RequestTable,
+    check_request,
+    flush_when_idle,
+    max_context_for,
+    pool_tokens_for,
+    refuse_if_unhealthy,
+)
 from fsm_pd.serving.decode_loop import DecodeLoop
 from fsm_pd.serving.forward import prefill_and_sample
 from fsm_pd.serving.isolate import run_isolating
 from fsm_pd.serving.page_admission import take_prefill_batch
+from fsm_pd.serving.retraction import RetractionCollector
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.step_driver import StepDriver
 from fsm_pd.serving.types import EngineError, GenerateRequest, RequestStream
@@ -44,6 +56,7 @@ class ColocatedEngine:
         self.page_size = page_size
         self.layout = self.model.make_kv_layout(num_pages, page_size)
         self.max_context = max_context_for(self.model, num_pages, page_size)
+        self.pool_tokens = pool_tokens_for(num_pages, page_size)
         self.max_running, self.max_prefill_batch, self.max_prefill_tokens = (
             max_running,
             max_prefill_batch,
@@ -54,16 +67,20 @@ class ColocatedEngine:
         self.model_thread = ModelThread(self.model.make_pool(self.layout), name="model[colocated]")
         self.allocator = PageAllocator(num_pages)
         self.requests = RequestTable()
-        self.loop = DecodeLoop(self.model, self.model_thread, self.allocator, page_size, release=self._release)
+        self.loop = DecodeLoop(self.model, self.model_thread, self.allocator, page_size, release=self._release,
+                               headroom_pages=self.headroom_pages, max_recompute_batch=max_prefill_batch,
+                               max_recompute_tokens=max_prefill_tokens)
         self._waiting: deque[Sequence] = deque()  # appended by submit (any thread), consumed on the model thread
         self._keys = itertools.count(1)
         self._driver = StepDriver(self.model_thread, self._step, name="colocated scheduler")
         self.model_thread.on_death.append(self._cannot_serve)
+        self.registries = [CollectorRegistry()]  # /metrics (create_app reads engine.registries)
+        self.registries[0].register(RetractionCollector(self.loop.counters, {"role": "colocated", "node": "colocated"}))
 
     # --- any thread ---
     def submit(self, request: GenerateRequest, stream: RequestStream) -> None:
         refuse_if_unhealthy(self.health())
-        check_request(request, self.max_context, needs_bootstrap=False)
+        check_request(request, self.max_context, needs_bootstrap=False, pool_tokens=self.pool_tokens)
         seq = Sequence.start(
             request,
             stream,
@@ -102,8 +119,12 @@ class ColocatedEngine:
             "requests_waiting": len(self._waiting),
             "requests_running": len(self.loop.running),
             "tokens_generated": self.loop.tokens_generated,
-            "preempted": self.loop.preempted,
+            **self.loop.counters(),
         }
+
+    def flush_cache(self) -> tuple[bool, str]:
+        """SGLang's ``/flush_cache`` (see ``common.flush_when_idle``); any thread: runs on the model thread."""
+        return self.model_thread.call(lambda _owner: flush_when_idle(self.allocator, len(self.requests)), 30.0)
 
     def close(self) -> None:
         self._driver.close()
@@ -113,11 +134,11 @@ class ColocatedEngine:
     def _step(self) -> bool:
         self._prefill()
         running = self.loop.step()
-        return running or bool(self._waiting) and self.allocator.reserved_pages == 0
+        return running or bool(self._waiting) and self.allocator.reserved_pages == 0 and not self.loop.resuming
 
     def _prefill(self) -> None:
         room_for = self.max_running - len(self.loop.running)
-        if room_for <= 0 or not self._waiting:
+        if room_for <= 0 or not self._waiting or self.loop.resuming:
             return
         batch = take_prefill_batch(
             self._waiting,

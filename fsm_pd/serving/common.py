@@ -9,6 +9,7 @@ from pathlib import Path
 
 from fsm_pd.control.manager import RoomInUse
 from fsm_pd.engine.loader import LoadedModel
+from fsm_pd.engine.pages import PageAllocator
 from fsm_pd.machines import KVPoll
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.types import EngineError, GenerateRequest
@@ -36,8 +37,11 @@ def max_context_for(model: LoadedModel, num_pages: int, page_size: int) -> int:
     return min(model.config.max_position_embeddings, (num_pages - 1) * page_size)
 
 
-def check_request(request: GenerateRequest, max_context: int, *, needs_bootstrap: bool) -> None:
-    """Raise ``EngineError(400)`` for a request this engine can never serve."""
+def check_request(request: GenerateRequest, max_context: int, *, needs_bootstrap: bool,
+                  pool_tokens: int | None = None) -> None:
+    """Raise ``EngineError(400)`` for a request this engine can never serve. ``pool_tokens``: what the KV pool holds
+    on a node that decodes; a request whose prompt plus ``max_new_tokens`` is more could never finish there, even
+    alone, as retraction frees pages only for others."""
     if needs_bootstrap and request.bootstrap is None:
         raise EngineError(
             f"request {request.rid}: a PD node needs bootstrap_host, bootstrap_port and bootstrap_room", 400
@@ -53,6 +57,29 @@ def check_request(request: GenerateRequest, max_context: int, *, needs_bootstrap
             f"model's context length ({max_context} tokens)",
             400,
         )
+    wanted = len(request.input_ids) + request.sampling.max_new_tokens
+    if pool_tokens is not None and wanted > pool_tokens:
+        raise EngineError(
+            f"request {request.rid}: {len(request.input_ids)} prompt tokens + max_new_tokens "
+            f"{request.sampling.max_new_tokens} = {wanted} tokens can never fit this node's KV pool of "
+            f"{pool_tokens} tokens; lower max_new_tokens",
+            400,
+        )
+
+
+def pool_tokens_for(num_pages: int, page_size: int) -> int:
+    """Tokens the whole KV pool holds (page 0 is padding)."""
+    return (num_pages - 1) * page_size
+
+
+def flush_when_idle(allocator: PageAllocator, live: int) -> tuple[bool, str]:
+    """SGLang's ``/flush_cache`` on an engine with ``live`` requests; model thread only. fsm-pd keeps no prefix
+    cache, so an idle node has nothing cached to drop: it puts the pool's free pages back in their starting order.
+    Refused (False) while a request is live or a page is held, as SGLang refuses while requests run or wait."""
+    if live or not allocator.reset_order():
+        return False, (f"Cache not flushed: {live} requests are live and {allocator.reserved_pages} KV pages "
+                       f"reserved; flush when the node is idle.")
+    return True, "Cache flushed (fsm-pd has no prefix cache; the KV pool's free pages are back in starting order)."
 
 
 def journal_path(journal: str | None, node_id: str) -> str:

@@ -8,7 +8,10 @@ A request goes through:
 2. transfer: PREPARE, READY, pull and scatter are the manager's; Success or Failed reaches the scheduler through a
    manager observer;
 3. decoding: on Success the request joins the running batch with READY's first token (streamed at once) and the
-   shared ``DecodeLoop`` takes it from there. At the end ``finish`` frees its pages on the model thread.
+   shared ``DecodeLoop`` takes it from there. At the end ``finish`` frees its pages on the model thread. Under KV
+   pressure the loop retracts the newest running requests and later resumes them, recomputing their KV here from
+   prompt plus output (``retraction.py``); their rooms stay at Success meanwhile, and no new request is admitted
+   while one waits to resume.
 
 Why the engine owns the pages (``SchedulerAdmission``) rather than the manager's ``PoolAdmission``: a decoding
 sequence grows, one page every ``page_size`` tokens, and those pages must come from the same allocator as the
@@ -37,14 +40,17 @@ from fsm_pd.serving.common import (
     ROOM_IN_USE_STATUS,
     RequestTable,
     check_request,
+    flush_when_idle,
     journal_path,
     max_context_for,
+    pool_tokens_for,
     refuse_if_unhealthy,
     room_error_status,
 )
 from fsm_pd.serving.decode_loop import DecodeLoop
 from fsm_pd.serving.forward import input_logprobs_from_wire
 from fsm_pd.serving.page_admission import admits
+from fsm_pd.serving.retraction import RetractionCollector
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.step_driver import StepDriver
 from fsm_pd.serving.types import EngineError, GenerateRequest, RequestStream
@@ -78,13 +84,15 @@ class DecodeEngine:
         self.page_size = page_size
         self.layout = self.model.make_kv_layout(num_pages, page_size)
         self.max_context = max_context_for(self.model, num_pages, page_size)
+        self.pool_tokens = pool_tokens_for(num_pages, page_size)
         self.max_running = max_running
         self.headroom_pages = headroom_pages if headroom_pages is not None else max(1, (num_pages - 1) // 8)
         self.secret = secret if secret is not None else generate_secret()
         self.model_thread = ModelThread(self.model.make_pool(self.layout), name=f"model[{node_id}]")
         self.allocator = PageAllocator(num_pages)
         self.requests = RequestTable()
-        self.loop = DecodeLoop(self.model, self.model_thread, self.allocator, page_size, release=self._finish)
+        self.loop = DecodeLoop(self.model, self.model_thread, self.allocator, page_size, release=self._finish,
+                               headroom_pages=self.headroom_pages)
         self._rooms: dict[int, Sequence] = {}  # room -> live request not yet decoding (waiting or transferring)
         self._awaiting_pages: deque[Sequence] = deque()
         # (room, Success|Failed, what the scheduler needs of it), queued by the manager's loop thread
@@ -106,13 +114,15 @@ class DecodeEngine:
         )
         self.manager.node.observers.append(self._observe)
         self.manager.metrics.watch_leaks(self.leak_counters)
+        self.manager.metrics.registry.register(
+            RetractionCollector(self.loop.counters, {"role": "decode", "node": node_id}))
         self.manager.on_stopped.append(self._cannot_serve)
         self.model_thread.on_death.append(self._cannot_serve)
 
     # --- any thread ---
     def submit(self, request: GenerateRequest, stream: RequestStream) -> None:
         refuse_if_unhealthy(self.health())
-        check_request(request, self.max_context, needs_bootstrap=True)
+        check_request(request, self.max_context, needs_bootstrap=True, pool_tokens=self.pool_tokens)
         room = request.bootstrap.room
         seq = Sequence.start(
             request,
@@ -177,7 +187,7 @@ class DecodeEngine:
             "transfer_queue": len(self._rooms) - len(self._awaiting_pages),
             "requests_running": len(self.loop.running),
             "tokens_generated": self.loop.tokens_generated,
-            "preempted": self.loop.preempted,
+            **self.loop.counters(),
             **counters,
             "leaks": self.leak_counters(counters),
             "faults": self.manager.effects.faults.config.describe(),
@@ -196,7 +206,13 @@ class DecodeEngine:
             "requests_live": len(self.requests),
             "queued": len(self._rooms),
             "requests_running": len(self.loop.running),
+            "requests_retracted": len(self.loop.retracted),
         }
+
+    def flush_cache(self) -> tuple[bool, str]:
+        """SGLang's ``/flush_cache``: on an idle node, put the pool's free pages back in their starting order (there
+        is no prefix cache to drop); refused while any request is live. Any thread: runs on the model thread."""
+        return self.model_thread.call(lambda _owner: flush_when_idle(self.allocator, len(self.requests)), 30.0)
 
     def close(self) -> None:
         self._driver.close()
@@ -255,6 +271,8 @@ class DecodeEngine:
             self.loop.add(seq)
 
     def _admit(self) -> None:
+        if self.loop.resuming:  # retracted requests take the pages first (SGLang puts them back at the head)
+            return
         queue = self._awaiting_pages
         while queue and len(self.loop.running) + len(self._rooms) - len(queue) < self.max_running:
             seq = queue[0]
@@ -277,3 +295,4 @@ class DecodeEngine:
         self.requests.pop(seq.rid)
         self.manager.finish(seq.key)
         self.manager.clear(seq.key)
+

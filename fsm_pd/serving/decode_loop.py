@@ -2,13 +2,13 @@
 
 Shared by the decode and colocated engines; they differ only in how a sequence joins (READY's first token after a
 transfer, or a local prefill) and in what ``release`` does with its pages at the end. Each step: drop cancelled
-sequences, give each sequence the page its next position needs, run one batched decode (bucketed by
-``engine.model.decode``), sample with the request's seed at step = tokens generated so far, stream every token,
-and release the sequences that finished.
+sequences, resume retracted ones whose pages fit (recomputing their KV), give each running sequence the page its
+next position needs (retracting the newest when the pool cannot grow them all: ``retraction.py``), run one batched
+decode (bucketed by ``engine.model.decode``), sample with the request's seed at step = tokens generated so far,
+stream every token, and release the sequences that finished.
 
-Out of pages: a sequence that cannot get its next page sits the step out and waits for others to finish; when no
-sequence at all can run, the youngest waiting one is stopped with a 503 so the rest make progress (a decode node
-cannot recompute a prompt it never prefilled, so there is no retract-and-retry here).
+While any sequence waits to resume, ``resuming`` is True and the engines admit no new request: retracted ones go
+first, or new arrivals could take their pages for ever.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from fsm_pd.engine.pages import OutOfPages, PageAllocator, pages_for
 from fsm_pd.engine.sampling import sample
 from fsm_pd.serving.forward import chosen_logprobs
 from fsm_pd.serving.isolate import run_isolating
+from fsm_pd.serving.page_admission import admits
+from fsm_pd.serving.retraction import pick_retractions
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.types import EngineError
 
@@ -36,15 +38,33 @@ class DecodeLoop:
         allocator: PageAllocator,
         page_size: int,
         release: Callable[[Sequence], None],
+        *,
+        headroom_pages: int = 0,
+        max_recompute_batch: int = 8,
+        max_recompute_tokens: int = 4096,
     ):
         self.model = model
         self.model_thread = model_thread
         self.allocator = allocator
         self.page_size = page_size
         self.release = release  # returns a finished, failed or cancelled sequence's pages (model thread)
+        self.headroom_pages = headroom_pages  # left free when a retracted sequence resumes, for the others to grow
+        self.max_recompute_batch, self.max_recompute_tokens = max_recompute_batch, max_recompute_tokens
         self.running: list[Sequence] = []
+        self.retracted: list[Sequence] = []  # oldest first: they resume in arrival order
         self.tokens_generated = 0
-        self.preempted = 0
+        self.preempted = 0  # retractions
+        self.resumed = 0
+        self.recomputed_tokens = 0
+
+    @property
+    def resuming(self) -> bool:
+        """Retracted sequences wait for pages: admit nothing new until they are back."""
+        return bool(self.retracted)
+
+    def counters(self) -> dict:
+        return {"preempted": self.preempted, "resumed": self.resumed, "recomputed_tokens": self.recomputed_tokens,
+                "retracted_waiting": len(self.retracted)}
 
     def add(self, seq: Sequence) -> None:
         """Join a sequence whose first token is already emitted; model thread only."""
@@ -57,13 +77,16 @@ class DecodeLoop:
         self.release(seq)
 
     def step(self) -> bool:
-        """One decode step for every sequence that can take one; returns True while sequences remain."""
+        """One decode step for every sequence that can take one; returns True while another step can progress."""
         for seq in [s for s in self.running if s.cancelled]:
             self.end(seq)
+        for seq in [s for s in self.retracted if s.cancelled]:
+            self.retracted.remove(seq)
+            self.release(seq)
+        self._resume()
         batch = self._with_pages()
-        if not batch:
-            return bool(self.running)
-        for seq, row in zip(batch, run_isolating(batch, self._forward_rows, "decode step"), strict=True):
+        for seq, row in zip(batch, run_isolating(batch, self._forward_rows, "decode step") if batch else [],
+                            strict=True):
             if isinstance(row, Exception):  # this sequence fails alone; its neighbours got their tokens
                 self.end(seq, EngineError(f"decode step failed: {row}", 500))
                 continue
@@ -71,29 +94,83 @@ class DecodeLoop:
             self.tokens_generated += 1
             if seq.emit(token, lp):
                 self.end(seq)
-        return bool(self.running)
+        # Nothing could run: the oldest waits for pages held outside the batch (transfers), and whoever frees them
+        # kicks the scheduler, so no step is queued until then. With an empty pool a retracted sequence resumes at
+        # the next step.
+        return (bool(batch) and bool(self.running)) or (bool(self.retracted) and self.allocator.reserved_pages == 0)
 
     def _forward_rows(self, batch: list[Sequence]) -> list[tuple[int, float | None]]:
         tokens, logprobs = self._forward(batch)
         return [(int(tokens[i]), float(logprobs[i]) if logprobs is not None and seq.request.return_logprob else None)
                 for i, seq in enumerate(batch)]
 
+    def _missing(self, seq: Sequence) -> int:
+        return max(0, pages_for(seq.next_position + 1, self.page_size) - len(seq.pages))
+
     def _with_pages(self) -> list[Sequence]:
-        ready, stalled = [], []
+        by_age = sorted(self.running, key=lambda s: s.started)
+        demands = [(seq, len(seq.pages), self._missing(seq)) for seq in by_age]
+        for seq in pick_retractions(demands, self.allocator.free_pages):
+            self._retract(seq)
+        ready = []
         for seq in self.running:
-            missing = pages_for(seq.next_position + 1, self.page_size) - len(seq.pages)
+            missing = self._missing(seq)
             if missing > 0:
                 try:
                     seq.pages.extend(self.allocator.extend(seq.key, missing))
-                except OutOfPages:
-                    stalled.append(seq)
+                except OutOfPages:  # only the oldest, while pages are held outside the batch: it waits a step
                     continue
             ready.append(seq)
-        if not ready and stalled:
-            youngest = max(stalled, key=lambda s: s.started)
-            self.preempted += 1
-            self.end(youngest, EngineError("out of KV pages: the request was stopped to let others finish", 503))
         return ready
+
+    def _retract(self, seq: Sequence) -> None:
+        """Give every page of ``seq`` back and queue it to resume; its tokens and stream stay as they are."""
+        self.running.remove(seq)
+        given = self.allocator.give_back(seq.key)
+        seq.pages = []
+        self.retracted.append(seq)
+        self.retracted.sort(key=lambda s: s.started)
+        self.preempted += 1
+        log.info("retracted request %s (%d pages, %d tokens generated) under KV pressure; %d free",
+                 seq.rid, given, seq.generated, self.allocator.free_pages)
+
+    def _resume(self) -> None:
+        """Resume the oldest retracted sequences whose pages fit with headroom to spare; one batched recompute."""
+        batch: list[Sequence] = []
+        tokens = 0
+        while self.retracted and len(batch) < self.max_recompute_batch:
+            seq = self.retracted[0]
+            if batch and tokens + seq.next_position > self.max_recompute_tokens:
+                break
+            need = pages_for(seq.next_position + 1, self.page_size)
+            if not admits(self.allocator, need, self.headroom_pages):
+                break
+            try:
+                seq.pages = self.allocator.extend(seq.key, need)
+            except OutOfPages:
+                break
+            self.retracted.pop(0)
+            batch.append(seq)
+            tokens += seq.next_position
+        if not batch:
+            return
+        for seq, result in zip(batch, run_isolating(batch, self._recompute, "recompute"), strict=True):
+            if isinstance(result, Exception):
+                self.running.append(seq)  # end() takes it from the running list
+                self.end(seq, EngineError(f"recomputing the KV of a retracted request failed: {result}", 500))
+                continue
+            self.running.append(seq)
+            self.resumed += 1
+            self.recomputed_tokens += seq.next_position
+
+    def _recompute(self, batch: list[Sequence]) -> list[None]:
+        """Write the KV of every position before ``next_position`` (prompt, then all generated tokens but the
+        last, which the next decode step feeds in); the logits are not needed, the next token is."""
+        owner = self.model_thread
+        ids = [list(s.request.input_ids) + s.checker.output_ids[:-1] for s in batch]
+        out = self.model.prefill_batch(owner.pool, ids, [s.pages for s in batch])
+        owner.pool = out.pool
+        return [None] * len(batch)
 
     def _forward(self, batch: list[Sequence]):
         owner = self.model_thread
