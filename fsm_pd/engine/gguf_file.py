@@ -109,8 +109,8 @@ def config_from_gguf(reader, *, dtype: str = "float32", path: str = "") -> Model
         num_heads=heads,
         num_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv", heads)),
         head_dim=int(field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        rms_norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=_decimal(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=_decimal(field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=scaling,
         max_position_embeddings=int(field(reader, f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensors,
@@ -120,6 +120,11 @@ def config_from_gguf(reader, *, dtype: str = "float32", path: str = "") -> Model
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=() if eos is None else (int(eos),),
     )
+
+
+def _decimal(value) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-05, not 9.999999747378752e-06)."""
+    return float(str(np.float32(value)))
 
 
 def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
