@@ -64,6 +64,8 @@ class RequestState:
     def _text_ids(self) -> list[int]:
         # A matched stop token id ends the output but is not part of its text (SGLang trims it too).
         matched = (self.finish_reason or {}).get("matched")
+        if self.request.sampling.no_stop_trim:
+            return self.output_ids
         if self.output_ids and isinstance(matched, int) and not isinstance(matched, bool) \
                 and self.output_ids[-1] == matched:
             return self.output_ids[:-1]
@@ -81,6 +83,8 @@ class RequestState:
         if self.finished:
             return text
         text = text.rstrip("\ufffd")
+        if self.request.sampling.no_stop_trim:  # a stop string will be shown anyway: nothing to hold back
+            return text
         cut = _stop_prefix_len(text, self.request.sampling.stop)
         return text[: len(text) - cut] if cut else text
 

@@ -1,5 +1,10 @@
 """Choosing the next token from logits, for a batch whose rows each have their own sampling parameters.
 
+Before sampling, a row's logits are adjusted by its own history only (SGLang's penalties, over the tokens the request
+generated so far, the first one included, which a PD prefill sampled): the repetition penalty divides a seen token's
+positive logit (multiplies a negative one), the frequency penalty subtracts ``count * penalty``, the presence
+penalty subtracts ``penalty`` once, then ``logit_bias`` is added. Then temperature, top-k, top-p and min-p.
+
 Randomness is a function of ``(seed, step)`` only: row ``b`` draws with ``fold_in(PRNGKey(seed_b), step_b)``, where
 ``step_b`` counts the tokens that request has generated. So a request's output does not depend on which other
 requests share its batch, on the batch bucket, or on which node (prefill or decode) samples a given step.
@@ -23,6 +28,7 @@ MAX_TOP_K = 2**30  # far above any vocabulary, far below int32: the sampler clip
 MAX_SEED = 2**63 - 1  # a seed is an int64 everywhere it is stored; the sampler uses its low 32 bits
 MAX_STOP_STRINGS = 64  # every decode step searches each one: a long list would slow the request's whole batch
 MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 on the device
+MAX_LOGIT_BIAS = 1024  # entries; each is a column of a dense [B, V] bias built for every step of the batch
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,6 +41,12 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=())  # stop strings; the text returned ends before the first match
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
+    min_p: float = 0.0  # drop tokens whose probability is below min_p times the most likely one's
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted once per earlier occurrence in the output
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted once if the token occurs in the output
+    repetition_penalty: float = 1.0  # in (0, 2]: a seen token's logit is divided (positive) or multiplied by it
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())  # (token id, added to its logit)
+    no_stop_trim: bool = False  # keep the matched stop string or stop token in the returned text
 
     def __post_init__(self) -> None:
         # Every value is checked here, before the request can join a batch: a value the batched programs cannot
@@ -57,6 +69,28 @@ class SamplingParams:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         if any(not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be integers in [0, {MAX_TOKEN_ID}]")
+        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2 <= value <= 2):
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2):
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        for tid, bias in self.logit_bias:
+            if not _is_int(tid) or not 0 <= tid <= MAX_TOKEN_ID or not (math.isfinite(bias) and -100 <= bias <= 100):
+                raise ValueError(f"logit_bias maps token ids in [0, {MAX_TOKEN_ID}] to numbers in [-100, 100], "
+                                 f"got {tid!r}: {bias!r}")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits need this row's history or a bias before sampling."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1
+                    or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -71,7 +105,7 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _sample_row(logits, temperature, top_p, top_k, seed, step):
+def _sample_row(logits, temperature, top_p, top_k, min_p, seed, step):
     # logits: [V] float32
     vocab = logits.shape[0]
     key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
@@ -83,22 +117,54 @@ def _sample_row(logits, temperature, top_p, top_k, seed, step):
     probs = jax.nn.softmax(ranked)
     # A token survives top-p if the tokens ranked above it hold less than top_p: the most likely always survives.
     mass_before = jnp.cumsum(probs) - probs
-    ranked = jnp.where(mass_before < top_p, ranked, -jnp.inf)
+    keep = (mass_before < top_p) & (probs >= min_p * probs[0])  # probs[0]: the most likely token's
+    ranked = jnp.where(keep, ranked, -jnp.inf)
     sampled = order[jax.random.categorical(key, ranked)]
     return jnp.where(temperature <= 0, order[0], sampled).astype(jnp.int32)
 
 
 @jax.jit
-def sample_tokens(logits, temperature, top_p, top_k, seeds, steps):
-    """Next token per row: ``logits: [B, V]``; the rest ``[B]`` (float, float, int, uint32, int). Returns ``[B]``."""
-    return jax.vmap(_sample_row)(logits.astype(jnp.float32), temperature, top_p, top_k, seeds, steps)
+def sample_tokens(logits, temperature, top_p, top_k, min_p, seeds, steps):
+    """Next token per row: ``logits: [B, V]``; the rest ``[B]`` (float, float, int, float, uint32, int).
+    Returns ``[B]``."""
+    return jax.vmap(_sample_row)(logits.astype(jnp.float32), temperature, top_p, top_k, min_p, seeds, steps)
 
 
-def sample(logits, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int]) -> np.ndarray:
+@jax.jit
+def adjust_logits(logits, counts, frequency, presence, repetition, bias):
+    """SGLang's penalties and the logit bias: ``logits, counts, bias: [B, V]``; the penalties ``[B]``."""
+    logits = logits.astype(jnp.float32)
+    seen = counts > 0
+    rep = repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - frequency[:, None] * counts - presence[:, None] * seen
+    return logits + bias
+
+
+def penalty_inputs(params: Sequence[SamplingParams], histories: Sequence[Sequence[int]], rows: int, vocab: int):
+    """Host arrays for ``adjust_logits``: per-row token counts of the history and the dense bias, padded to
+    ``rows``. Ids outside the vocabulary (a bias for a token the model has not) are ignored."""
+    counts = np.zeros((rows, vocab), np.float32)
+    bias = np.zeros((rows, vocab), np.float32)
+    for b, (p, history) in enumerate(zip(params, histories, strict=True)):
+        if not p.adjusts_logits:
+            continue
+        ids = np.asarray(history, dtype=np.int64)
+        ids = ids[(ids >= 0) & (ids < vocab)]
+        counts[b] = np.bincount(ids, minlength=vocab)[:vocab]
+        for tid, value in p.logit_bias:
+            if tid < vocab:
+                bias[b, tid] += value
+    return counts, bias
+
+
+def sample(logits, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int],
+           histories: Sequence[Sequence[int]] | None = None) -> np.ndarray:
     """Sample one token for each of the first ``len(params)`` rows of ``logits: [>=B, V]``; returns ``[B]`` int32.
 
-    ``seeds[b]`` is the request's resolved seed, ``steps[b]`` how many tokens it has generated before this one.
-    Rows are padded to the batch bucket so the sampling program compiles once per bucket.
+    ``seeds[b]`` is the request's resolved seed, ``steps[b]`` how many tokens it has generated before this one,
+    ``histories[b]`` those tokens (needed only by rows with penalties; None: nothing generated yet). Rows are
+    padded to the batch bucket so the sampling program compiles once per bucket.
     """
     n = len(params)
     if len(seeds) != n or len(steps) != n or logits.shape[0] < n:
@@ -108,11 +174,21 @@ def sample(logits, params: Sequence[SamplingParams], seeds: Sequence[int], steps
     logits = logits[:n] if logits.shape[0] != b else logits
     if logits.shape[0] != b:
         logits = jnp.pad(logits, ((0, b - n), (0, 0)))
+    if any(p.adjusts_logits for p in params):
+        counts, bias = penalty_inputs(params, histories if histories is not None else [()] * n, b, vocab)
+        logits = adjust_logits(
+            logits, counts,
+            buckets.pad_1d([p.frequency_penalty for p in params], b, dtype=np.float32),
+            buckets.pad_1d([p.presence_penalty for p in params], b, dtype=np.float32),
+            buckets.pad_1d([p.repetition_penalty for p in params], b, fill=1, dtype=np.float32),
+            bias,
+        )
     tokens = sample_tokens(
         logits,
         buckets.pad_1d([p.temperature for p in params], b, dtype=np.float32),
         buckets.pad_1d([p.top_p for p in params], b, fill=1, dtype=np.float32),
         buckets.pad_1d([min(p.top_k, vocab) for p in params], b, dtype=np.int32),
+        buckets.pad_1d([p.min_p for p in params], b, dtype=np.float32),
         buckets.pad_1d([s & 0xFFFFFFFF for s in seeds], b, dtype=np.uint32),
         buckets.pad_1d(steps, b, dtype=np.int32),
     )

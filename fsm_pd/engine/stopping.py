@@ -1,4 +1,6 @@
-"""When a request stops: EOS or a stop token, a stop string in the decoded text, or ``max_new_tokens``."""
+"""When a request stops: EOS or a stop token, a stop string in the decoded text, or ``max_new_tokens``.
+
+The text returned ends before a matched stop string unless ``no_stop_trim`` (SGLang's flag) keeps it."""
 
 from __future__ import annotations
 
@@ -65,7 +67,7 @@ class StopChecker:
         if not hits:
             return False
         index, stop = min(hits)
-        self._text = text[:index]
+        self._text = text if self._params.no_stop_trim else text[:index]
         self._finish(FinishReason.STOP, stop)
         return True
 

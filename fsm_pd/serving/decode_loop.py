@@ -111,7 +111,7 @@ class DecodeLoop:
         by_age = sorted(self.running, key=lambda s: s.started)
         demands = [(seq, len(seq.pages), self._missing(seq)) for seq in by_age]
         for seq in pick_retractions(demands, self.allocator.free_pages):
-            self._retract(seq)
+            self.end(seq, EngineError("out of KV pages: the request was stopped to let others finish", 503))
         ready = []
         for seq in self.running:
             missing = self._missing(seq)
@@ -181,7 +181,8 @@ class DecodeLoop:
         )
         requests = [s.request for s in batch]
         tokens = sample(
-            logits, [r.sampling for r in requests], [r.seed for r in requests], [s.generated for s in batch]
+            logits, [r.sampling for r in requests], [r.seed for r in requests], [s.generated for s in batch],
+            histories=[s.checker.output_ids for s in batch],  # penalties count every output token, the first too
         )
         logprobs = chosen_logprobs(logits, tokens) if any(r.return_logprob for r in requests) else None
         return tokens, logprobs
