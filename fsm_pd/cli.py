@@ -86,10 +86,13 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from fsm_pd.launch import launch
 
     return launch(prefill=args.prefill, decode=args.decode, port=args.port, model=args.model,
-                  backend=args.transfer_backend, journal_dir=Path(args.journal_dir), extra=[], console=Console())
+                  backend=args.transfer_backend, journal_dir=Path(args.journal_dir), extra=["--dtype", args.dtype],
+                  console=Console(), warmup=args.warmup)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fsm_pd.serve_cli import add_model_flags
+
     parser = argparse.ArgumentParser(
         prog="fsm-pd",
         description="Prefill/decode disaggregation for JAX; every KV handoff a journaled, replayable state machine.",
@@ -140,9 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--prefill", type=_positive_int, default=1, help="prefill nodes (default 1)")
     launch.add_argument("--decode", type=_positive_int, default=1, help="decode nodes (default 1)")
     launch.add_argument("--port", type=int, default=30000, help="the router's port (default 30000)")
-    launch.add_argument("--model", default="tiny", help="'tiny' (built in) or an HF checkpoint directory")
+    add_model_flags(launch)
     launch.add_argument("--transfer-backend", default="tcp", help="tcp | zmq | jax (default tcp)")
     launch.add_argument("--journal-dir", default="pd-cluster", help="journals and logs (default ./pd-cluster)")
+    launch.add_argument("--no-warmup", dest="warmup", action="store_false",
+                        help="skip the first chat request that launch sends through the router once every node is "
+                             "up (it compiles what a short chat needs, and prints the answer and the time it took)")
     launch.set_defaults(func=cmd_launch)
     return parser
 

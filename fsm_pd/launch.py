@@ -1,14 +1,17 @@
 """``fsm-pd launch``: a whole local PD cluster with one command.
 
-Starts N prefill nodes (each with its bootstrap server), M decode nodes and the built-in router, every one a
-``fsm-pd serve`` child process on 127.0.0.1 sharing a freshly generated side-channel secret, waits until each
-answers ``/health``, prints the router's URL, and serves until Ctrl-C or SIGTERM. Then it stops exactly the processes
+Starts N prefill nodes (each with its bootstrap server) and M decode nodes at once (they load the model side by side),
+then the built-in router, every one a ``fsm-pd serve`` child process on 127.0.0.1 sharing a freshly generated
+side-channel secret, and waits until each answers ``/health``. Then it sends one chat request through the router
+(the warm-up: it compiles the programs a short chat needs on both nodes), prints its answer and the time from the
+command to that answer, prints the router's URL, and serves until Ctrl-C or SIGTERM. Then it stops exactly the processes
 it started (SIGTERM, then SIGKILL after a grace period). If any node dies on its own, the whole cluster is stopped
 and the exit status says so.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -26,6 +29,8 @@ from fsm_pd.transport import generate_secret, secret_env
 
 HEALTH_TIMEOUT_S = 300.0  # the first start compiles the model's kernels
 STOP_GRACE_S = 10.0
+WARMUP_QUESTION = "What is the capital of France?"
+WARMUP_TIMEOUT_S = 300.0
 
 
 def free_port() -> int:
@@ -71,7 +76,9 @@ def plan(prefill: int, decode: int, port: int, model: str, backend: str, journal
 def wait_healthy(child: Child, deadline: float) -> None:
     while time.time() < deadline:
         if child.proc.poll() is not None:
-            raise RuntimeError(f"{child.name} exited with {child.proc.returncode}; see {child.log}")
+            lines = child.log.read_text(errors="replace").strip().splitlines() if child.log.is_file() else []
+            last = f": {lines[-1]}" if lines else ""
+            raise RuntimeError(f"{child.name} exited with {child.proc.returncode}{last} (log: {child.log})")
         try:
             if httpx.get(child.url + "/health", timeout=2.0).status_code == 200:
                 return
@@ -96,29 +103,58 @@ def stop(children: list[Child]) -> None:
             child.proc.wait()
 
 
+def warm_up(router: str, model: str) -> str:
+    """One greedy chat request through the router; its answer. Compiles the prefill and decode programs that a
+    short chat needs, so the user's first request does not wait for them."""
+    body = {"model": model, "messages": [{"role": "user", "content": WARMUP_QUESTION}], "max_tokens": 32,
+            "temperature": 0}
+    response = httpx.post(router + "/v1/chat/completions", json=body, timeout=WARMUP_TIMEOUT_S)
+    if response.status_code != 200:
+        raise RuntimeError(f"the warm-up request failed with {response.status_code}: {response.text[:300]}")
+    return response.json()["choices"][0]["message"]["content"]
+
+
 def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, journal_dir: Path,
-           extra: list[str], console: Console) -> int:
+           extra: list[str], console: Console, warmup: bool = True) -> int:
+    started = time.time()
     journal_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **secret_env(generate_secret())}
     children = plan(prefill, decode, port, model, backend, journal_dir, extra)
+    nodes, router_child = children[:-1], children[-1]
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
+
+    def start(child: Child) -> None:
+        log = open(child.log, "w")  # noqa: SIM115 - the child keeps writing to it
+        child.proc = subprocess.Popen(child.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                      stdin=subprocess.DEVNULL)
+
     try:
         with console.status("starting the cluster") as status:
-            for child in children:
-                status.update(f"starting {child.name} ({child.url}); log: {child.log}")
-                log = open(child.log, "w")  # noqa: SIM115 - the child keeps writing to it
-                child.proc = subprocess.Popen(child.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                              stdin=subprocess.DEVNULL)
-                wait_healthy(child, time.time() + HEALTH_TIMEOUT_S)
-        router = children[-1].url
+            status.update(f"loading {model} on {', '.join(c.name for c in nodes)}; logs in {journal_dir}")
+            for child in nodes:
+                start(child)
+            deadline = time.time() + HEALTH_TIMEOUT_S
+            for child in nodes:
+                wait_healthy(child, deadline)
+            status.update(f"starting the router ({router_child.url})")
+            start(router_child)
+            wait_healthy(router_child, time.time() + HEALTH_TIMEOUT_S)
+            router = router_child.url
+            if warmup:
+                status.update(f"warm-up: asking {WARMUP_QUESTION!r} through the router (compiles on first use)")
+                answer = warm_up(router, model)
+                console.print(f"{WARMUP_QUESTION} -> {answer!r}  (first answer {time.time() - started:.1f} s "
+                              "after the command)")
         console.print(f"[bold green]fsm-pd is serving {model} at {router}[/] "
                       f"({prefill} prefill, {decode} decode, {backend} transfers; journals and logs in {journal_dir})")
-        console.print(f"  curl {router}/generate -d '{{\"text\": \"Hello\", \"sampling_params\": "
-                      f"{{\"max_new_tokens\": 16, \"temperature\": 0}}}}'")
+        chat = {"messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 32, "temperature": 0}
+        console.print(f"  curl {router}/v1/chat/completions -H 'Content-Type: application/json' "
+                      f"-d '{json.dumps(chat)}'", soft_wrap=True)
         console.print(f"  python -c \"import openai; print(openai.OpenAI(base_url='{router}/v1', api_key='-')"
-                      f".completions.create(model='{model}', prompt='Hello', max_tokens=16).choices[0].text)\"")
+                      f".chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': "
+                      f"'What is 2+2?'}}], temperature=0).choices[0].message.content)\"", soft_wrap=True)
         console.print("  Ctrl-C stops every process started here.")
         while not stopping.wait(0.5):
             dead = [c for c in children if c.proc.poll() is not None]
@@ -128,7 +164,7 @@ def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, jo
                 return 1
         console.print("stopping")
         return 0
-    except RuntimeError as exc:
+    except (RuntimeError, httpx.HTTPError) as exc:
         console.print(f"[bold red]fsm-pd launch: {exc}[/]")
         return 1
     finally:

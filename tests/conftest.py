@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 
 SLOW_ENV = "FSM_PD_SLOW"
+# Every node a test starts (fsm-pd serve / launch without --model) serves the built-in tiny model, not SmolLM2.
+os.environ["FSM_PD_MODEL"] = "tiny"
 
 
 def pytest_collection_modifyitems(config, items):

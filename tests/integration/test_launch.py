@@ -45,6 +45,8 @@ def test_launch_serves_through_the_router_and_stops_everything(tmp_path):
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     assert f"http://127.0.0.1:{port}" in out
+    assert "What is the capital of France? -> " in out and "after the command" in out  # launch's warm-up request
     assert not listening(port)
     result = replay(read_journal(journals / "prefill-0.db") + read_journal(journals / "decode-0.db"))
-    assert result.consistent and {r.final for r in result.rooms} == {"Success"} and len(result.rooms) == 2
+    # two rooms (prefill and decode side) for the warm-up, two for the request above
+    assert result.consistent and {r.final for r in result.rooms} == {"Success"} and len(result.rooms) == 4
