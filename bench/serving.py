@@ -1,12 +1,14 @@
 """Serving latency and throughput: 1 prefill + 1 decode behind the built-in router versus one colocated server.
 
-Starts the servers itself (`fsm-pd serve`, tiny model unless --model, 127.0.0.1), then for each concurrency level
+Starts the servers itself (`fsm-pd serve`, tiny model unless --model, 127.0.0.1; with the process helpers of
+`fsm-pd launch`, so it runs after `pip install -e .` alone), then for each concurrency level
 sends streamed `/generate` requests and measures, per request, time to first token (TTFT) and the gaps between
 later tokens (inter-token latency, ITL); per run, requests/s and output tokens/s. Prints p50/p99 and the PD/colocated
 ratio of each figure, and the share of PD's TTFT spent moving KV (decode journal: READY -> scattered).
 Every server and the client share this machine's cores, so PD (three processes) competes with itself here.
 
-    python bench/serving.py [--concurrency 1 8 32] [--requests-per-level 32] [--max-new-tokens 32] [--json]
+    python bench/serving.py [--model tiny|smollm2|PATH] [--concurrency 1 8 32] [--requests-per-level 32]
+                            [--max-new-tokens 32] [--json]
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -27,10 +30,46 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
-from test_pd_serving import Cluster  # noqa: E402 - the same process harness the end-to-end tests use
+from fsm_pd.launch import HEALTH_TIMEOUT_S, Child, free_port, stop, wait_healthy
+from fsm_pd.store import read_journal
+from fsm_pd.transport import generate_secret, secret_env
 
-from fsm_pd.store import read_journal  # noqa: E402
+
+class Servers:
+    """The `fsm-pd serve` processes this bench starts on 127.0.0.1, stopped by PID (launch's ``stop``) at the end."""
+
+    def __init__(self, tmp: Path, model: str):
+        self.tmp, self.model, self.children = tmp, model, []
+        self.env = {**os.environ, **secret_env(generate_secret())}
+
+    def start(self, name: str, argv: list[str], port: int) -> str:
+        child = Child(name, argv, f"http://127.0.0.1:{port}", self.tmp / f"{name}.log")
+        child.proc = subprocess.Popen(argv, stdout=open(child.log, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                                      env=self.env, stdin=subprocess.DEVNULL)
+        self.children.append(child)
+        wait_healthy(child, time.time() + HEALTH_TIMEOUT_S)
+        return child.url
+
+    def serve(self, role: str, *extra: str) -> str:
+        port = free_port()
+        argv = [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", role, "--port", str(port),
+                "--model", self.model, *extra]
+        if role in ("prefill", "decode"):
+            argv += ["--journal", str(self.tmp / f"{role}-{port}.db"), "--node-id", f"{role}-{port}"]
+        return self.start(f"{role}-{port}", argv, port)
+
+    def pd(self, backend: str) -> tuple[str, int, str]:
+        boot = free_port()
+        prefill = self.serve("prefill", "--bootstrap-port", str(boot), "--transfer-backend", backend)
+        return prefill, boot, self.serve("decode", "--transfer-backend", backend)
+
+    def router(self, prefill: str, boot: int, decode: str) -> str:
+        port = free_port()
+        return self.start("router", [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", "router", "--port",
+                                     str(port), "--prefill", prefill, str(boot), "--decode", decode], port)
+
+    def stop(self) -> None:
+        stop(self.children)
 
 
 def one_request(url: str, prompt: str, max_new_tokens: int) -> dict:
@@ -84,6 +123,7 @@ def transfer_seconds(journals: list[Path]) -> list[float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny", help="tiny (default), smollm2, a .gguf file or an HF directory")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--requests-per-level", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -98,7 +138,7 @@ def main() -> int:
                for _ in range(args.requests_per_level)]
 
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = Cluster(Path(tmp))
+        cluster = Servers(Path(tmp), args.model)
         try:
             with console.status("starting colocated, prefill, decode and router (first start compiles)"):
                 urls = {"colocated": cluster.serve("colocated"), "pd": cluster.router(*cluster.pd(args.backend))}
@@ -117,7 +157,7 @@ def main() -> int:
             cluster.stop()
 
     pd_ttft = statistics.mean(figures["pd"][lvl]["ttft_p50"] for lvl in args.concurrency)
-    result = {"backend": args.backend, "requests_per_level": args.requests_per_level,
+    result = {"model": args.model, "backend": args.backend, "requests_per_level": args.requests_per_level,
               "max_new_tokens": args.max_new_tokens, "levels": {}, "load_average": os.getloadavg(),
               "kv_transfer_seconds_median": statistics.median(spans) if spans else None,
               "kv_transfer_share_of_pd_ttft_p50": (statistics.median(spans) / pd_ttft) if spans else None}
@@ -128,7 +168,7 @@ def main() -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    table = Table(title=f"1P1D ({args.backend}) vs colocated, tiny model, "
+    table = Table(title=f"1P1D ({args.backend}) vs colocated, {args.model}, "
                         f"{args.requests_per_level} requests per level")
     for name in ("concurrency", "mode", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "req/s", "out tok/s"):
         table.add_column(name, justify="right")
