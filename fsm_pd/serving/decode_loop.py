@@ -111,7 +111,7 @@ class DecodeLoop:
         by_age = sorted(self.running, key=lambda s: s.started)
         demands = [(seq, len(seq.pages), self._missing(seq)) for seq in by_age]
         for seq in pick_retractions(demands, self.allocator.free_pages):
-            self.end(seq, EngineError("out of KV pages: the request was stopped to let others finish", 503))
+            self._retract(seq)
         ready = []
         for seq in self.running:
             missing = self._missing(seq)
