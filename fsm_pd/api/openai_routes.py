@@ -1,8 +1,10 @@
 """OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions`` (whole or streamed), ``/v1/models``.
 
 Streamed text arrives as increments (``delta``s); what an increment may not yet show is explained in
-``api.outputs``. Token logprobs are the sampled token's only: fsm-pd does not compute alternatives, so
-``top_logprobs`` is null (completions) or empty (chat).
+``api.outputs``. Token logprobs are the sampled token's only: fsm-pd does not compute alternatives yet, so a request
+for them (completions ``logprobs`` > 0, chat ``top_logprobs`` > 0) is a 400. ``echo`` (whole answers): the prompt's
+text before the completion's, and with ``logprobs`` the prompt's tokens and logprobs before the output's (the first
+prompt token's is null), which with ``max_tokens`` 0 is lm-eval's loglikelihood request.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from fsm_pd.api.context import ApiContext
-from fsm_pd.api.errors import ERROR_RESPONSES
+from fsm_pd.api.errors import ERROR_RESPONSES, ApiError
+from fsm_pd.api.fanout import answer_plan
 from fsm_pd.api.outputs import RequestState, openai_finish_reason
 from fsm_pd.api.requests import from_chat, from_completion
 from fsm_pd.api.runner import RequestRun
@@ -36,14 +39,20 @@ def _token_texts(state: RequestState, start: int) -> list[str]:
     return [state.tokenizer.decode([tid], skip_special_tokens=False) for tid in state.output_ids[start:]]
 
 
-def completion_logprobs(state: RequestState, start: int = 0, offset: int = 0) -> dict:
-    """The legacy completions shape: ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``."""
+def completion_logprobs(state: RequestState, start: int = 0, offset: int = 0, echo: bool = False) -> dict:
+    """The legacy completions shape: ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``; with
+    ``echo``, the prompt's tokens first."""
     tokens = _token_texts(state, start)
+    values = list(state.logprobs[start:])
+    if echo:
+        prompt = state.input_token_logprobs()
+        tokens = [state.tokenizer.decode([tid], skip_special_tokens=False) for _, tid, _ in prompt] + tokens
+        values = [lp for lp, _, _ in prompt] + values
     offsets, at = [], offset
     for token in tokens:
         offsets.append(at)
         at += len(token)
-    return {"tokens": tokens, "token_logprobs": state.logprobs[start:], "top_logprobs": None, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
 
 
 def chat_logprobs(state: RequestState, start: int = 0) -> dict:
@@ -68,16 +77,34 @@ def openai_router(ctx: ApiContext) -> APIRouter:
 
     @router.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: CompletionBody, request: Request) -> Response:
-        gen = from_completion(ctx.node, ctx.tokenizer, body)
-        run = RequestRun(ctx.engine, gen, ctx.tokenizer, request, ctx.live)
+        plan = from_completion(ctx.node, ctx.tokenizer, body)
+        echo = bool(body.echo)
+        if echo and plan.stream:
+            raise ApiError(400, "echo=true is served on whole answers only (stream=false)")
+        want_logprobs = body.logprobs is not None
+
+        def choice(state: RequestState, index: int) -> dict:
+            text = state.text()
+            if echo:
+                text = ctx.tokenizer.decode(state.request.input_ids) + text
+            return {"index": index, "text": text,
+                    "logprobs": completion_logprobs(state, echo=echo) if want_logprobs else None,
+                    "finish_reason": openai_finish_reason(state.finish_reason), "matched_stop": _matched_stop(state)}
+
+        def answer(groups: list[list[RequestState]]) -> dict:
+            states = [state for group in groups for state in group]
+            usage = {"prompt_tokens": sum(g[0].prompt_tokens for g in groups),
+                     "completion_tokens": sum(s.completion_tokens for s in states)}
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+            return envelope(states[0], "text_completion", "cmpl") | {
+                "choices": [choice(state, i) for i, state in enumerate(states)], "usage": usage}
+
+        if not plan.single:
+            return await answer_plan(ctx, plan, request, answer)
+        gen = plan.requests[0]
+        run = RequestRun(ctx.engine, gen, ctx.tokenizer, request, ctx.live, hide_output=plan.hide_output)
         if not gen.stream:
-            def whole(state: RequestState) -> dict:
-                choice = {"index": 0, "text": state.text(),
-                          "logprobs": completion_logprobs(state) if gen.return_logprob else None,
-                          "finish_reason": openai_finish_reason(state.finish_reason),
-                          "matched_stop": _matched_stop(state)}
-                return envelope(state, "text_completion", "cmpl") | {"choices": [choice], "usage": _usage(state)}
-            return await answer_whole(run, whole)
+            return await answer_whole(run, lambda state: answer([[state]]))
 
         def chunk(state: RequestState, out: TokenOutput) -> list[dict]:
             sent_before = len(state.sent_text)
@@ -96,16 +123,25 @@ def openai_router(ctx: ApiContext) -> APIRouter:
 
     @router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionBody, request: Request) -> Response:
-        gen = from_chat(ctx.node, ctx.tokenizer, body)
+        plan = from_chat(ctx.node, ctx.tokenizer, body)
+
+        def chat_answer(groups: list[list[RequestState]]) -> dict:
+            states = groups[0]
+            choices = [{"index": i, "message": {"role": "assistant", "content": state.text()},
+                        "logprobs": chat_logprobs(state) if state.request.return_logprob else None,
+                        "finish_reason": openai_finish_reason(state.finish_reason),
+                        "matched_stop": _matched_stop(state)} for i, state in enumerate(states)]
+            completion = sum(s.completion_tokens for s in states)
+            usage = {"prompt_tokens": states[0].prompt_tokens, "completion_tokens": completion,
+                     "total_tokens": states[0].prompt_tokens + completion}
+            return envelope(states[0], "chat.completion", "chatcmpl") | {"choices": choices, "usage": usage}
+
+        if not plan.single:
+            return await answer_plan(ctx, plan, request, chat_answer)
+        gen = plan.requests[0]
         run = RequestRun(ctx.engine, gen, ctx.tokenizer, request, ctx.live)
         if not gen.stream:
-            def whole(state: RequestState) -> dict:
-                choice = {"index": 0, "message": {"role": "assistant", "content": state.text()},
-                          "logprobs": chat_logprobs(state) if gen.return_logprob else None,
-                          "finish_reason": openai_finish_reason(state.finish_reason),
-                          "matched_stop": _matched_stop(state)}
-                return envelope(state, "chat.completion", "chatcmpl") | {"choices": [choice], "usage": _usage(state)}
-            return await answer_whole(run, whole)
+            return await answer_whole(run, lambda state: chat_answer([[state]]))
 
         def chunk(state: RequestState, out: TokenOutput) -> list[dict]:
             delta = state.take_delta()

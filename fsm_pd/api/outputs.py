@@ -38,13 +38,19 @@ class RequestState:
     meta: dict = field(default_factory=dict)
     sent_text: str = ""  # what the client was shown of the text (incremental streaming)
     logprobs_sent: int = 0  # how many output tokens' logprobs the client was sent (incremental streaming)
+    hide_output: bool = False  # max tokens 0: the engine's one token is not the client's
 
     def add(self, out: TokenOutput) -> None:
-        self.output_ids.append(int(out.token_id))
-        self.logprobs.append(out.logprob)
         if out.input_token_logprobs is not None:
             self.input_logprobs = list(out.input_token_logprobs)
         self.meta.update(out.meta or {})
+        if self.hide_output:
+            if out.finish_reason is not None:
+                self.finish_reason, self.final_text = {"type": "length", "length": 0}, ""
+                self.meta["completion_tokens"] = 0
+            return
+        self.output_ids.append(int(out.token_id))
+        self.logprobs.append(out.logprob)
         if out.finish_reason is not None:
             self.finish_reason = dict(out.finish_reason)
             self.final_text = out.text

@@ -1,15 +1,24 @@
-"""Request bodies to ``GenerateRequest``s: tokenising, sampling parameters, PD bootstrap fields, and every check that
-turns a bad request into a 400/404 before the engine sees it.
+"""Request bodies to ``Plan``s of ``GenerateRequest``s: tokenising, sampling parameters, PD bootstrap fields, and
+every check that turns a bad request into a 400/404 before the engine sees it.
+
+Fan-out: a batch of prompts and ``n`` (or ``best_of``) completions per prompt become one engine request each, at this
+layer. Request ``k`` (prompt ``k // copies``, copy ``k % copies``) gets the rid ``{rid}-{k}``, the bootstrap room
+``derive(room, k)`` and, with an explicit seed, the seed ``derive(seed, k)`` (``k = 0`` keeps the room and seed as
+they are). A PD prefill and decode node get the same body from the router and derive the same rooms and seeds, so
+every copy meets its partner and samples deterministically.
+
+``max_new_tokens = 0`` (SGLang; OpenAI's ``max_tokens = 0``): the engine generates one token, which is not shown.
 """
 
 from __future__ import annotations
 
+import hashlib
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fsm_pd.api.chat_template import render_messages
 from fsm_pd.api.errors import ApiError
-from fsm_pd.api.schemas import ChatCompletionBody, CompletionBody, GenerateBody, SGLangSamplingParams
+from fsm_pd.api.schemas import MAX_BATCH, ChatCompletionBody, CompletionBody, GenerateBody, SGLangSamplingParams
 from fsm_pd.engine.sampling import SamplingParams
 from fsm_pd.serving.types import Bootstrap, GenerateRequest
 
@@ -55,6 +64,15 @@ def resolve_bootstrap(node: NodeIdentity, host: str | None, port: int | None, ro
     return Bootstrap(host=host, port=port, room=room)
 
 
+def derive(value: int, k: int, bits: int = 63) -> int:
+    """The k-th value derived from ``value`` (itself for k = 0): a hash, so copies do not collide with rooms or seeds
+    of other requests."""
+    if k == 0:
+        return value
+    digest = hashlib.blake2b(f"{value}:{k}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & ((1 << bits) - 1)
+
+
 def choose_seed(seed: int | None, bootstrap: Bootstrap | None, params: SamplingParams) -> int:
     """An explicit seed wins. Without one, a PD request takes its seed from the room: the prefill and decode nodes
     get the same body from the router and must sample with the same seed, and the room is what they share."""
@@ -65,31 +83,71 @@ def choose_seed(seed: int | None, bootstrap: Bootstrap | None, params: SamplingP
     return params.resolved_seed()
 
 
-def make_sampling(*, temperature, top_p, top_k, max_new_tokens, stop, stop_token_ids, ignore_eos,
-                  seed) -> SamplingParams:
+NEUTRAL = {  # fields fsm-pd does not serve (yet), with the values that mean "not used"
+    "json_schema": (None,), "regex": (None,), "ebnf": (None,), "structural_tag": (None,),
+    "min_new_tokens": (None, 0), "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "top_logprobs_num": (None, 0), "logprob_start_len": (None, -1), "return_text_in_logprobs": (None, False),
+    "lora_path": (None,), "image_data": (None,), "return_hidden_states": (None, False),
+    "custom_logit_processor": (None,), "response_format": (None, {"type": "text"}), "tools": (None, []),
+    "tool_choice": (None, "none"), "parallel_tool_calls": (None, True), "suffix": (None, ""),
+    "top_logprobs": (None, 0),
+}
+WHY = {
+    "json_schema": "structured output is not served yet", "regex": "structured output is not served yet",
+    "ebnf": "structured output is not served yet", "structural_tag": "structured output is not served yet",
+    "response_format": "structured output is not served yet (only {'type': 'text'})",
+    "tools": "tool calling is not served yet", "tool_choice": "tool calling is not served yet",
+    "parallel_tool_calls": "tool calling is not served yet",
+    "top_logprobs_num": "top alternatives are not computed yet (the chosen tokens' logprobs are)",
+    "top_logprobs": "top alternatives are not computed yet (the chosen tokens' logprobs are)",
+}
+
+
+def refuse_unsupported(body, *names: str) -> None:
+    """A 400 naming the first field of ``names`` that holds anything but its neutral value."""
+    for name in names:
+        value = getattr(body, name)
+        if value not in NEUTRAL[name]:
+            why = WHY.get(name, "fsm-pd does not serve it")
+            raise ApiError(400, f"{name}={value!r} is not supported: {why}")
+
+
+def logit_bias_items(bias: dict[str, float] | None, node: NodeIdentity) -> tuple[tuple[int, float], ...]:
+    items = []
+    for key, value in (bias or {}).items():
+        try:
+            tid = int(key)
+        except ValueError:
+            raise ApiError(400, f"logit_bias keys are token ids, got {key!r}") from None
+        items.append((tid, float(value)))
+    check_token_ids(node, [t for t, _ in items], "logit_bias")
+    return tuple(items)
+
+
+def make_sampling(node: NodeIdentity, src, *, max_new_tokens, seed, repetition_penalty=None) -> SamplingParams:
+    """SamplingParams from a body (``src``: SGLang's sampling_params or an OpenAI body: the same names)."""
+    stop = src.stop
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    check_token_ids(node, list(src.stop_token_ids or ()), "stop_token_ids")
     try:
         return SamplingParams(
-            temperature=1.0 if temperature is None else float(temperature),
-            top_p=1.0 if top_p is None else float(top_p),
-            top_k=0 if top_k is None or top_k < 0 else int(top_k),  # SGLang's -1 means "all", as our 0 does
-            max_new_tokens=max_new_tokens,
+            temperature=1.0 if src.temperature is None else float(src.temperature),
+            top_p=1.0 if src.top_p is None else float(src.top_p),
+            top_k=0 if src.top_k is None or src.top_k < 0 else int(src.top_k),  # SGLang's -1 means "all", as 0 does
+            min_p=float(src.min_p or 0.0),
+            max_new_tokens=max(1, max_new_tokens),  # 0: one token is generated and not shown
             stop=stops,
-            stop_token_ids=tuple(stop_token_ids or ()),
-            ignore_eos=bool(ignore_eos),
+            stop_token_ids=tuple(src.stop_token_ids or ()),
+            ignore_eos=bool(src.ignore_eos) or max_new_tokens == 0,
             seed=seed,
+            frequency_penalty=float(src.frequency_penalty or 0.0),
+            presence_penalty=float(src.presence_penalty or 0.0),
+            repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
+            logit_bias=logit_bias_items(src.logit_bias, node),
+            no_stop_trim=bool(src.no_stop_trim),
         )
     except ValueError as err:
         raise ApiError(400, str(err)) from err
-
-
-def refuse_unsupported(**values) -> None:
-    """Fields fsm-pd does not implement: accepted at their neutral value (the router sends them), refused otherwise."""
-    neutral = {"n": 1, "best_of": 1, "echo": False, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-               "repetition_penalty": 1.0, "min_p": 0.0}
-    for name, value in values.items():
-        if value is not None and value != neutral[name]:
-            raise ApiError(400, f"{name}={value!r} is not supported by fsm-pd (only {neutral[name]!r})")
 
 
 def check_lengths(node: NodeIdentity, input_ids: list[int], max_new_tokens: int | None) -> int:
@@ -102,8 +160,8 @@ def check_lengths(node: NodeIdentity, input_ids: list[int], max_new_tokens: int 
     room = node.max_context - len(input_ids)
     if max_new_tokens is None:
         return room
-    if max_new_tokens < 1:
-        raise ApiError(400, f"max tokens must be at least 1, got {max_new_tokens}")
+    if max_new_tokens < 0:
+        raise ApiError(400, f"max tokens must be at least 0, got {max_new_tokens}")
     if max_new_tokens > room:
         raise ApiError(400, f"{len(input_ids)} prompt tokens + {max_new_tokens} new tokens exceed this model's "
                             f"context of {node.max_context} tokens")
@@ -119,67 +177,149 @@ def check_token_ids(node: NodeIdentity, ids: list[int], what: str) -> None:
         raise ApiError(400, f"{what} holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
 
 
-def from_generate(node: NodeIdentity, tokenizer, body: GenerateBody) -> GenerateRequest:
-    check_model(node, body.model)
-    if isinstance(body.text, list) or (body.input_ids and isinstance(body.input_ids[0], list)):
-        raise ApiError(400, "batched /generate (a list of prompts) is not supported; send one request per prompt")
+@dataclass(slots=True)
+class Plan:
+    """What one HTTP request runs: ``requests`` (prompt-major, ``copies`` per prompt), of which the best ``keep``
+    per prompt are answered (``best_of``: ranked by the sum of output logprobs; else all)."""
+
+    requests: list[GenerateRequest]
+    prompts: list[list[int]]
+    copies: int = 1
+    keep: int = 1
+    batched: bool = False  # the client sent a list of prompts: the answer is a list
+    hide_output: bool = False  # max tokens 0
+    stream: bool = False
+
+    @property
+    def single(self) -> bool:
+        return len(self.requests) == 1 and not self.batched
+
+    def fan_out(self, base: GenerateRequest, prompt_index: int) -> list[GenerateRequest]:
+        out = []
+        for copy in range(self.copies):
+            k = prompt_index * self.copies + copy
+            boot = base.bootstrap if base.bootstrap is None else replace(base.bootstrap,
+                                                                          room=derive(base.bootstrap.room, k))
+            seed = derive(base.seed, k)  # the same on both PD nodes: base.seed is (explicit, or the shared room's)
+            out.append(replace(base, rid=base.rid if self.single_rid else f"{base.rid}-{k}", seed=seed,
+                               bootstrap=boot, input_ids=list(base.input_ids)))
+        return out
+
+    @property
+    def single_rid(self) -> bool:
+        return self.copies == 1 and not self.batched
+
+
+def _prompts_of_generate(node: NodeIdentity, tokenizer, body: GenerateBody) -> tuple[list[list[int]], bool]:
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "give exactly one of text or input_ids")
     if body.input_ids is not None:
-        input_ids = list(body.input_ids)
-        check_token_ids(node, input_ids, "input_ids")
+        batched = bool(body.input_ids) and isinstance(body.input_ids[0], list)
+        prompts = [list(p) for p in body.input_ids] if batched else [list(body.input_ids)]
+        for p in prompts:
+            check_token_ids(node, p, "input_ids")
     else:
-        input_ids = tokenizer.encode(body.text)
+        batched = isinstance(body.text, list)
+        prompts = [tokenizer.encode(t) for t in (body.text if batched else [body.text])]
+    if batched and not 1 <= len(prompts) <= MAX_BATCH:
+        raise ApiError(400, f"a batch holds 1 to {MAX_BATCH} prompts, got {len(prompts)}")
+    return prompts, batched
+
+
+def _build(node: NodeIdentity, plan: Plan, rid: str | None, make) -> Plan:
+    """Fill ``plan.requests``: ``make(input_ids)`` gives each prompt's base request."""
+    if plan.stream and len(plan.prompts) * plan.copies > 1:
+        raise ApiError(400, "stream=true with several prompts or n > 1 is not supported yet; send one request per "
+                            "prompt, or stream=false")
+    rid = rid or new_rid()
+    for j, ids in enumerate(plan.prompts):
+        base = make(ids)
+        base.rid = rid
+        plan.requests.extend(plan.fan_out(base, j))
+    return plan
+
+
+def from_generate(node: NodeIdentity, tokenizer, body: GenerateBody) -> Plan:
+    check_model(node, body.model)
+    refuse_unsupported(body, "top_logprobs_num", "logprob_start_len", "return_text_in_logprobs", "lora_path",
+                       "image_data", "return_hidden_states", "custom_logit_processor")
     sp = body.sampling_params or SGLangSamplingParams()
-    refuse_unsupported(n=sp.n, frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
-                       repetition_penalty=sp.repetition_penalty, min_p=sp.min_p)
+    refuse_unsupported(sp, "json_schema", "regex", "ebnf", "structural_tag", "min_new_tokens", "skip_special_tokens",
+                       "spaces_between_special_tokens")
+    prompts, batched = _prompts_of_generate(node, tokenizer, body)
     max_new = sp.max_new_tokens if sp.max_new_tokens is not None else GENERATE_DEFAULT_MAX_NEW_TOKENS
-    max_new = check_lengths(node, input_ids, max_new)
     seed = sp.seed if sp.seed is not None else sp.sampling_seed
-    sampling = make_sampling(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_new_tokens=max_new,
-                             stop=sp.stop, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, seed=seed)
     bootstrap = resolve_bootstrap(node, body.bootstrap_host, body.bootstrap_port, body.bootstrap_room)
-    return GenerateRequest(rid=body.rid or new_rid(), input_ids=input_ids, sampling=sampling,
-                           seed=choose_seed(seed, bootstrap, sampling), stream=body.stream,
-                           return_logprob=body.return_logprob, bootstrap=bootstrap)
+    plan = Plan([], prompts, copies=sp.n or 1, keep=sp.n or 1, batched=batched, hide_output=max_new == 0,
+                stream=body.stream)
+
+    def make(input_ids: list[int]) -> GenerateRequest:
+        new = check_lengths(node, input_ids, max_new)
+        sampling = make_sampling(node, sp, max_new_tokens=new, seed=seed, repetition_penalty=sp.repetition_penalty)
+        return GenerateRequest(rid="", input_ids=input_ids, sampling=sampling,
+                               seed=choose_seed(seed, bootstrap, sampling), stream=body.stream,
+                               return_logprob=body.return_logprob, bootstrap=bootstrap)
+
+    return _build(node, plan, body.rid, make)
 
 
-def _openai_request(node: NodeIdentity, body, input_ids: list[int], max_tokens: int | None,
-                    return_logprob: bool) -> GenerateRequest:
-    max_new = check_lengths(node, input_ids, max_tokens)
-    sampling = make_sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                             max_new_tokens=max_new, stop=body.stop, stop_token_ids=body.stop_token_ids,
-                             ignore_eos=body.ignore_eos, seed=body.seed)
+def _openai_plan(node: NodeIdentity, body, prompts: list[list[int]], max_tokens: int | None, return_logprob: bool,
+                 *, batched: bool = False, copies: int = 1, keep: int = 1) -> Plan:
+    refuse_unsupported(body, "response_format", "tools", "tool_choice", "parallel_tool_calls", "regex", "ebnf",
+                       "json_schema", "skip_special_tokens")
     bootstrap = resolve_bootstrap(node, body.bootstrap_host, body.bootstrap_port, body.bootstrap_room)
-    return GenerateRequest(rid=new_rid(), input_ids=input_ids, sampling=sampling,
-                           seed=choose_seed(body.seed, bootstrap, sampling), stream=body.stream,
-                           return_logprob=return_logprob, bootstrap=bootstrap)
+    plan = Plan([], prompts, copies=copies, keep=keep, batched=batched, hide_output=max_tokens == 0,
+                stream=body.stream)
+
+    def make(input_ids: list[int]) -> GenerateRequest:
+        new = check_lengths(node, input_ids, max_tokens)
+        sampling = make_sampling(node, body, max_new_tokens=new, seed=body.seed,
+                                 repetition_penalty=body.repetition_penalty)
+        return GenerateRequest(rid="", input_ids=input_ids, sampling=sampling,
+                               seed=choose_seed(body.seed, bootstrap, sampling), stream=body.stream,
+                               return_logprob=return_logprob, bootstrap=bootstrap)
+
+    return _build(node, plan, None, make)
 
 
-def from_completion(node: NodeIdentity, tokenizer, body: CompletionBody) -> GenerateRequest:
+def from_completion(node: NodeIdentity, tokenizer, body: CompletionBody) -> Plan:
     check_model(node, body.model)
-    refuse_unsupported(n=body.n, best_of=body.best_of, echo=body.echo, frequency_penalty=body.frequency_penalty,
-                       presence_penalty=body.presence_penalty, min_p=body.min_p)
+    refuse_unsupported(body, "suffix")
     prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise ApiError(400, "a list of several prompts is not supported; send one request per prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        input_ids = tokenizer.encode(prompt)
-    else:
-        input_ids = list(prompt)
-        check_token_ids(node, input_ids, "prompt")
+    batched = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
+    items = prompt if batched else [prompt]
+    if batched and not 1 <= len(items) <= MAX_BATCH:
+        raise ApiError(400, f"a batch holds 1 to {MAX_BATCH} prompts, got {len(items)}")
+    prompts = []
+    for item in items:
+        ids = tokenizer.encode(item) if isinstance(item, str) else list(item)
+        if not isinstance(item, str):
+            check_token_ids(node, ids, "prompt")
+        prompts.append(ids)
+    if body.logprobs:
+        raise ApiError(400, f"logprobs={body.logprobs} asks for top alternatives, which are not computed yet; "
+                            "logprobs=0 returns the chosen tokens' logprobs")
     max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
-    return _openai_request(node, body, input_ids, max_tokens, return_logprob=body.logprobs is not None)
+    if max_tokens == 0 and not body.echo:
+        raise ApiError(400, "max_tokens=0 returns nothing without echo=true")
+    n = body.n or 1
+    best_of = body.best_of or n
+    if best_of < n:
+        raise ApiError(400, f"best_of ({best_of}) must be at least n ({n})")
+    if best_of > n and body.stream:
+        raise ApiError(400, "best_of > n cannot be streamed (as OpenAI)")
+    return _openai_plan(node, body, prompts, max_tokens, return_logprob=body.logprobs is not None or best_of > n,
+                        batched=batched and len(items) > 1, copies=best_of, keep=n)
 
 
-def from_chat(node: NodeIdentity, tokenizer, body: ChatCompletionBody) -> GenerateRequest:
+def from_chat(node: NodeIdentity, tokenizer, body: ChatCompletionBody) -> Plan:
     check_model(node, body.model)
-    refuse_unsupported(n=body.n, frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
-                       min_p=body.min_p)
+    refuse_unsupported(body, "top_logprobs")
     prompt, add_special = render_messages(getattr(tokenizer, "chat_template", None), body.messages,
                                           body.chat_template_kwargs)
     input_ids = tokenizer.encode(prompt, add_special_tokens=add_special)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return _openai_request(node, body, input_ids, max_tokens, return_logprob=bool(body.logprobs))
+    if max_tokens == 0:
+        raise ApiError(400, "max_tokens=0 is not served in chat (nothing would be returned)")
+    n = body.n or 1
+    return _openai_plan(node, body, [input_ids], max_tokens, return_logprob=bool(body.logprobs), copies=n, keep=n)

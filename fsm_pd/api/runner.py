@@ -42,10 +42,10 @@ class RequestRun:
     """One submitted request: its outputs, accumulated into ``state``; ``close()`` aborts it unless it finished."""
 
     def __init__(self, engine: Engine, request: GenerateRequest, tokenizer, http_request: Request | None,
-                 live: dict[str, RequestRun] | None = None):
+                 live: dict[str, RequestRun] | None = None, *, hide_output: bool = False):
         self.engine = engine
         self._live = live if live is not None else {}
-        self.state = RequestState(request, tokenizer)
+        self.state = RequestState(request, tokenizer, hide_output=hide_output)
         self._http = http_request
         self._stream = RequestStream(request.rid)
         self._outputs = aiter(self._stream)

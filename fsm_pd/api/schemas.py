@@ -2,8 +2,9 @@
 
 Unknown fields are ignored, not refused: sglang-router re-serialises every request with its own defaults
 (``log_metrics``, ``return_bytes``, ``skip_special_tokens``, ...), and OpenAI clients send fields we do not use.
-Fields fsm-pd cannot honour with a non-default value (penalties, ``min_p``, ``n > 1``, ``echo``) are checked in
-``api.requests`` and answered with a 400 that names them. Every number is range-checked here or by
+Every field declared here is read: either served, or (structured output, tools, top
+alternatives, ...) answered with a 400 that names it when it holds anything but its neutral value (``api.requests``;
+``tests/unit/test_api_schema_fields.py`` fails on a field nobody reads). Every number is range-checked here or by
 ``SamplingParams`` before a request can reach a batch; NaN and Infinity are refused (``allow_inf_nan=False``, and
 before that by ``api.strict_json``).
 """
@@ -18,6 +19,9 @@ from fsm_pd.engine.sampling import MAX_SEED, MAX_TOP_K
 from fsm_pd.store.schema import MAX_ROOM
 
 StopField = str | list[str] | None
+MAX_N = 16  # completions per prompt (n, best_of): each is a request of its own in the engine
+MAX_BATCH = 64  # prompts in one batched request
+LogitBias = dict[str, float] | None  # token id (as OpenAI's JSON keys are strings) -> added to its logit
 
 
 class _Body(BaseModel):
@@ -28,8 +32,8 @@ class SGLangSamplingParams(_Body):
     temperature: float | None = Field(None, ge=0, description="0 is greedy")
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K, description="0 or -1 keeps every token")
-    min_p: float | None = Field(None, ge=0, le=1, description="only 0 (off) is supported")
-    max_new_tokens: int | None = Field(None, ge=1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    max_new_tokens: int | None = Field(None, ge=0, description="0: the prompt only (its logprobs), no output")
     stop: StopField = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
@@ -39,13 +43,23 @@ class SGLangSamplingParams(_Body):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
-    n: int | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    logit_bias: LogitBias = None
+    no_stop_trim: bool | None = None
+    # not served (yet): a 400 names them unless neutral
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    min_new_tokens: int | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
 
 
 class GenerateBody(_Body):
-    """SGLang's ``/generate``: one prompt as ``text`` or ``input_ids``."""
+    """SGLang's ``/generate``: one prompt as ``text`` or ``input_ids``, or a batch as a list of either."""
 
-    text: str | list[str] | None = None  # a list (a batch) is refused with a 400 that says so
+    text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: SGLangSamplingParams | None = None
     stream: bool = False
@@ -55,6 +69,14 @@ class GenerateBody(_Body):
     bootstrap_host: str | None = None
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     bootstrap_room: int | None = Field(None, ge=0, le=MAX_ROOM)
+    # not served (yet): a 400 names them unless neutral
+    top_logprobs_num: int | None = None
+    logprob_start_len: int | None = None
+    return_text_in_logprobs: bool | None = None
+    lora_path: str | None = None
+    image_data: Any = None
+    return_hidden_states: bool | None = None
+    custom_logit_processor: str | None = None
 
 
 class _OpenAIBody(_Body):
@@ -71,21 +93,34 @@ class _OpenAIBody(_Body):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    n: int | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N)
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    user: str | None = None
+    repetition_penalty: float | None = None  # SGLang's extension
+    logit_bias: LogitBias = None
+    no_stop_trim: bool | None = None  # SGLang's extension
+    user: str | None = None  # accepted and not used: OpenAI's end-user id for abuse monitoring
+    # not served (yet): a 400 names them unless neutral
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | None = None
+    skip_special_tokens: bool | None = None
     bootstrap_host: str | None = None
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     bootstrap_room: int | None = Field(None, ge=0, le=MAX_ROOM)
 
 
 class CompletionBody(_OpenAIBody):
-    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt only; a batch is refused with a 400
-    max_tokens: int | None = Field(None, description="default 16, as OpenAI")
+    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or a batch (a list of prompts)
+    max_tokens: int | None = Field(None, ge=0, description="default 16, as OpenAI; 0 with echo: the prompt only")
     logprobs: int | None = Field(None, ge=0, le=20)
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     echo: bool | None = None
+    suffix: str | None = None  # not served: a 400 unless empty
 
 
 class TextPart(_Body):
@@ -100,8 +135,9 @@ class ChatMessage(_Body):
 
 class ChatCompletionBody(_OpenAIBody):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, description="default: what is left of the context")
-    max_completion_tokens: int | None = Field(None, description="OpenAI's newer name; sglang-router sends this one")
+    max_tokens: int | None = Field(None, ge=0, description="default: what is left of the context")
+    max_completion_tokens: int | None = Field(None, ge=0,
+                                              description="OpenAI's newer name; sglang-router sends this one")
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None

@@ -7,6 +7,7 @@ from fastapi.responses import Response
 
 from fsm_pd.api.context import ApiContext
 from fsm_pd.api.errors import ERROR_RESPONSES
+from fsm_pd.api.fanout import answer_plan
 from fsm_pd.api.outputs import RequestState
 from fsm_pd.api.requests import from_generate
 from fsm_pd.api.runner import RequestRun
@@ -22,9 +23,15 @@ def sglang_router(ctx: ApiContext) -> APIRouter:
     @router.post("/generate", responses=ERROR_RESPONSES)
     async def generate(body: GenerateBody, request: Request) -> Response:
         """SGLang's /generate: ``{"text", "output_ids", "meta_info"}``; streamed, every chunk carries the whole
-        text and ids so far (SGLang's default)."""
-        gen = from_generate(ctx.node, ctx.tokenizer, body)
-        run = RequestRun(ctx.engine, gen, ctx.tokenizer, request, ctx.live)
+        text and ids so far (SGLang's default). A batch (``text``/``input_ids`` as a list) or ``n > 1``: a list of
+        such answers, prompt-major."""
+        plan = from_generate(ctx.node, ctx.tokenizer, body)
+        if not plan.single:  # a batch or n > 1: a list of answers, prompt-major (as SGLang's)
+            prompt_logprobs = ctx.role != "decode"
+            return await answer_plan(ctx, plan, request, lambda groups: [
+                state.sglang_response(prompt_logprobs) for group in groups for state in group])
+        gen = plan.requests[0]
+        run = RequestRun(ctx.engine, gen, ctx.tokenizer, request, ctx.live, hide_output=plan.hide_output)
         if not gen.stream:
             # Both PD routers put the prefill's prompt logprobs in front of a whole decode answer's: a decode node
             # leaves its copy out. Streamed, sglang-router merges nothing (and the built-in router never prepends to

@@ -51,10 +51,14 @@ def test_out_of_range_room_is_400_before_the_engine(node, path, room, fragment):
     ({"top_k": -2}, "top_k"),
     ({"temperature": -0.5}, "temperature"),
     ({"top_p": 1.5}, "top_p"),
-    ({"min_p": 0.5}, "min_p"),
+    ({"min_p": -0.1}, "min_p"),
     ({"min_p": 2}, "min_p"),
-    ({"repetition_penalty": 1.2}, "repetition_penalty"),
-    ({"presence_penalty": 1}, "presence_penalty"),
+    ({"repetition_penalty": 2.5}, "repetition_penalty"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"logit_bias": {"1": 101}}, "logit_bias"),
+    ({"logit_bias": {"999": 1}}, "logit_bias"),
+    ({"n": 17}, "n"),
     ({"seed": 2**63}, "seed"),
     ({"sampling_seed": -1}, "sampling_seed"),
     ({"stop": ["x"] * 65}, "stop strings"),
@@ -73,7 +77,7 @@ def test_out_of_range_sampling_is_400_before_the_engine(node, params, fragment):
 @pytest.mark.parametrize("path, extra", [
     ("/v1/completions", {"prompt": "a", "top_k": 10**12}),
     ("/v1/completions", {"prompt": "a", "seed": 2**64}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "min_p": 0.3}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "min_p": 1.3}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "stop": ["s"] * 100}),
 ])
 def test_openai_out_of_range_sampling_is_400(node, path, extra):

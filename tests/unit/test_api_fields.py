@@ -60,3 +60,89 @@ def test_decode_node_leaves_prompt_logprobs_to_the_prefills_copy():
         body = {"text": "hey", "return_logprob": True, "sampling_params": {"max_new_tokens": 2}, **PD}
         meta = client.post("/generate", json=body).json()["meta_info"]
     assert meta["input_token_logprobs"] == [] and len(meta["output_token_logprobs"]) == 2
+
+
+@pytest.fixture
+def pd_decode():
+    engine = StubEngine(role="decode")
+    with served(engine) as client:
+        yield client, engine
+
+
+def test_n_fans_out_with_derived_rooms_seeds_and_rids(pd_decode):
+    client, engine = pd_decode
+    body = {"text": "hi", "rid": "r", "sampling_params": {"n": 3, "max_new_tokens": 2, "seed": 5}, **PD}
+    answers = client.post("/generate", json=body).json()
+    assert isinstance(answers, list) and len(answers) == 3
+    reqs = sorted(engine.submitted, key=lambda r: r.rid)
+    assert [r.rid for r in reqs] == ["r-0", "r-1", "r-2"]
+    assert reqs[0].bootstrap.room == 7 and reqs[0].seed == 5  # copy 0 keeps the room and seed it was given
+    assert len({r.bootstrap.room for r in reqs}) == 3 and len({r.seed for r in reqs}) == 3
+    again = StubEngine(role="decode")  # the partner node derives the same rooms and seeds from the same body
+    with served(again) as other:
+        other.post("/generate", json=body)
+    assert sorted((r.bootstrap.room, r.seed) for r in again.submitted) == \
+        sorted((r.bootstrap.room, r.seed) for r in reqs)
+
+
+def test_a_batch_of_prompts_is_answered_in_order():
+    engine = StubEngine()
+    with served(engine) as client:
+        answers = client.post("/generate", json={"input_ids": [[1, 2], [3], [4, 5, 6]],
+                                                 "sampling_params": {"max_new_tokens": 1}}).json()
+        assert [a["meta_info"]["prompt_tokens"] for a in answers] == [2, 1, 3]
+        completion = client.post("/v1/completions", json={"prompt": ["ab", "c"], "max_tokens": 2, "n": 2}).json()
+    assert [c["index"] for c in completion["choices"]] == [0, 1, 2, 3]
+    assert completion["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}
+
+
+def test_max_new_tokens_zero_returns_the_prompt_only():
+    engine = StubEngine()
+    with served(engine) as client:
+        answer = client.post("/generate", json={"text": "hey", "return_logprob": True,
+                                                "sampling_params": {"max_new_tokens": 0}}).json()
+    assert answer["text"] == "" and answer["output_ids"] == [] and answer["meta_info"]["completion_tokens"] == 0
+    assert answer["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert engine.submitted[0].sampling.max_new_tokens == 1  # the engine makes one token, which nobody sees
+
+
+def test_echo_with_logprobs_and_max_tokens_zero_is_lm_evals_loglikelihood(pd_decode):
+    client, _ = pd_decode
+    body = {"prompt": "hey", "echo": True, "logprobs": 0, "max_tokens": 0, **PD}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["text"] == "hey"
+    assert choice["logprobs"]["tokens"] == ["h", "e", "y"]
+    assert choice["logprobs"]["token_logprobs"] == [None, -1.0, -1.0]  # the prefill's, as READY carried them
+    assert choice["logprobs"]["text_offset"] == [0, 1, 2]
+
+
+def test_best_of_keeps_the_n_most_likely(monkeypatch):
+    engine = StubEngine()
+    with served(engine) as client:
+        answer = client.post("/v1/completions", json={"prompt": "a", "best_of": 3, "n": 1, "max_tokens": 2}).json()
+    assert len(engine.submitted) == 3 and all(r.return_logprob for r in engine.submitted)
+    assert len(answer["choices"]) == 1 and answer["choices"][0]["logprobs"] is None
+
+
+def test_no_stop_trim_keeps_the_stop_string():
+    engine = StubEngine()
+    with served(engine) as client:
+        body = {"text": "a", "sampling_params": {"stop": "wor", "max_new_tokens": 20}}
+        trimmed = client.post("/generate", json=body).json()["text"]
+        body["sampling_params"]["no_stop_trim"] = True
+        kept = client.post("/generate", json=body).json()
+    assert trimmed == " hello " and engine.submitted[-1].sampling.no_stop_trim
+    assert kept["meta_info"]["finish_reason"]["matched"] == "wor"
+
+
+def test_stop_checker_keeps_the_stop_string_with_no_stop_trim():
+    from fsm_pd.engine.sampling import SamplingParams
+    from fsm_pd.engine.stopping import StopChecker
+
+    tok = StubEngine().tokenizer
+    for trim, want in ((False, "ab"), (True, "abcd")):
+        checker = StopChecker(tok, SamplingParams(stop=("cd",), no_stop_trim=trim, max_new_tokens=9), ())
+        for tid in tok.encode("abcde"):
+            if checker.append(tid):
+                break
+        assert checker.text == want
