@@ -32,6 +32,7 @@ from fsm_pd.serving.common import (
     ROOM_IN_USE_STATUS,
     RequestTable,
     check_request,
+    flush_when_idle,
     journal_path,
     max_context_for,
     refuse_if_unhealthy,
@@ -181,6 +182,10 @@ class PrefillEngine:
             "faults": self.manager.effects.faults.config.describe(),
             "faults_injected": self.manager.effects.faults.counters(),
         }
+
+    def flush_cache(self) -> tuple[bool, str]:
+        """SGLang's ``/flush_cache`` (see ``common.flush_when_idle``); any thread: runs on the model thread."""
+        return self.model_thread.call(lambda _owner: flush_when_idle(self.allocator, len(self.requests)), 30.0)
 
     def leak_counters(self, counters: dict | None = None) -> dict:
         """What this node holds now; when idle: ``pages_free`` at its start value, everything else 0."""
