@@ -20,7 +20,7 @@ import asyncio
 import logging
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from fsm_pd.api.context import ApiContext
 from fsm_pd.api.metrics import ApiMetrics
@@ -121,6 +121,15 @@ def info_router(ctx: ApiContext, metrics: ApiMetrics, *, health_timeout_s: float
         router.add_api_route(path, server_info, methods=["GET"])
     for path in ("/model_info", "/get_model_info"):
         router.add_api_route(path, model_info, methods=["GET"])
+
+    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        """SGLang's: 200 and a message when flushed, 400 while requests are live (the engine's ``flush_cache()``)."""
+        flush = getattr(ctx.engine, "flush_cache", None)
+        if flush is None:
+            return PlainTextResponse("Cache flushed (this engine keeps no cache).\n")
+        ok, message = await asyncio.to_thread(flush)
+        return PlainTextResponse(message + "\n", status_code=200 if ok else 400)
 
     @router.get("/metrics")
     async def prometheus() -> Response:
