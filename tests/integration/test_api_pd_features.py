@@ -73,3 +73,29 @@ def test_model_info_names_the_architecture(urls):
     for url in (urls["colocated"], urls["router"]):
         info = httpx.get(url + "/get_model_info", timeout=30).json()
         assert info["model_type"] and info["architectures"] and info["architectures"][0].endswith("ForCausalLM")
+
+
+def test_penalties_through_pd_equal_colocated(urls):
+    # Greedy, so any difference is the penalty state: the decode's history must hold the prefill's first token.
+    plain = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    penalised = {**plain, "frequency_penalty": 1.5, "presence_penalty": 0.5, "repetition_penalty": 1.8,
+                 "logit_bias": {"101": 3.0}}
+    for prompt in ("The quick brown fox", "aaaa"):
+        want = generate(urls["colocated"], {"text": prompt, "sampling_params": penalised})["output_ids"]
+        assert want != generate(urls["colocated"], {"text": prompt, "sampling_params": plain})["output_ids"]
+        assert generate(urls["router"], {"text": prompt, "sampling_params": penalised})["output_ids"] == want
+        if "sglang-router" in urls:  # it re-serialises sampling_params and drops logit_bias (0.3.2): penalties only
+            no_bias = {k: v for k, v in penalised.items() if k != "logit_bias"}
+            want = generate(urls["colocated"], {"text": prompt, "sampling_params": no_bias})["output_ids"]
+            assert generate(urls["sglang-router"], {"text": prompt, "sampling_params": no_bias})["output_ids"] == want
+
+
+def test_n_and_max_new_tokens_zero_through_the_router(urls):
+    body = {"text": "fan out", "sampling_params": {"n": 3, "max_new_tokens": 4, "temperature": 1.0, "seed": 3}}
+    got = generate(urls["router"], body)
+    want = generate(urls["colocated"], body)  # seeds derive the same on every node
+    assert len(got) == 3 and [a["output_ids"] for a in got] == [a["output_ids"] for a in want]
+    zero = generate(urls["router"], {"text": "only the prompt", "return_logprob": True,
+                                     "sampling_params": {"max_new_tokens": 0}})
+    assert zero["output_ids"] == [] and len(zero["meta_info"]["input_token_logprobs"]) == zero["meta_info"][
+        "prompt_tokens"]
