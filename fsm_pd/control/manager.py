@@ -103,6 +103,8 @@ class KVManager:
         self.peers = PeerWatch(self.node, self.side_channel, self.clock,
                                **{**heartbeat_settings(), **(heartbeat or {})},
                                forget=manager_forget(self.resolver, self.side_channel, self.backend)).start()
+        if isinstance(self.resolver, PrefillResolver):
+            self.resolver.watch_with(self.peers)
         self.recovered = self.core.recover()
         self.on_stopped: list[Callable[[str], None]] = []  # told once, on the loop thread, when it stops on its own
         self._thread.start()

@@ -113,6 +113,12 @@ class PeerMonitor:
         with self._lock:
             return {addr: entry.instance for addr, entry in self._watches.items()}
 
+    def suspect(self, addr: str) -> bool:
+        """Whether ``addr`` is watched and missed its last heartbeat: it may be dead, not yet declared so."""
+        with self._lock:
+            entry = self._watches.get(addr)
+            return entry is not None and entry.misses > 0
+
     def instance_of(self, addr: str) -> str | None:
         with self._lock:
             entry = self._watches.get(addr)

@@ -9,6 +9,9 @@ the node registered one, ``prefill_instance``); a prefill room binds to its deco
   (``peer_failed``), whichever instance it was bound to.
 - **Replaced.** A message from the address names a new instance (the peer restarted at the same address): the rooms
   bound to the old instance fail at once with a reason that names the restart; rooms of the new one go on.
+- **Moved.** The bootstrap server names another process for the rank a cached lookup pointed at (the resolver asks
+  afresh as soon as that node misses a heartbeat: ``PrefillResolver.watch_with``): the rooms bound to the old one
+  fail at once, the same way. This is how a prefill node restarted at a new address is noticed before its death is.
 - **Bound to the living.** A room is bound to the instance the monitor knows at the address, even when its lookup
   named an older one (a lookup that raced a restart): its messages reach the process there now, the one its request
   reached too.
@@ -125,6 +128,13 @@ class PeerWatch:
         self._fail(addr, lambda b: True, None,
                    f"{self.peer_name} at {addr} missed {monitor.max_failures} heartbeats {monitor.interval_s:g} s "
                    "apart: it died, hangs or is cut off")
+
+    def moved(self, addr: str, old: str | None, new: str | None) -> None:
+        """The bootstrap server names another process for the rank that ``addr`` served (the resolver saw it): the
+        node restarted, most likely at another address, and the process at ``addr`` is gone."""
+        self._fail(addr, lambda b: old is None or b.instance in (old, None), old,
+                   f"{self.peer_name} at {addr} restarted: instance {old} was replaced by {new} in the bootstrap "
+                   "server's registry")
 
     def replaced(self, addr: str, old: str, new: str) -> None:
         # a room bound while nothing was known there was bound to whoever answered first: the old instance

@@ -11,6 +11,12 @@ the entry so that the next request asks the bootstrap server afresh (SGLang issu
 bootstrap server, ``forget_peer(addr, instance)`` by what the peer monitor saw. ``forget_peer`` with an instance
 drops only entries naming that instance, so a late report about a dead instance cannot throw away the lookup that
 already found its successor.
+
+Watched by a ``PeerWatch`` (``watch_with``), the resolver does not wait for a death to be declared: a cached entry
+whose node missed its last heartbeat is asked afresh, and when the bootstrap server now names another process for
+the same rank (a new instance, usually at a new address: the node restarted), the rooms bound to the old one fail
+at once (``PeerWatch.moved``). A prefill node that restarts faster than its death can be declared is then used at
+once, not after the old one's rooms failed.
 """
 
 from __future__ import annotations
@@ -30,6 +36,13 @@ class PrefillResolver:
         self.retries, self.interval_s, self.lookup = retries, interval_s, lookup
         self._cache: dict[tuple[str, int], dict] = {}
         self._lock = threading.Lock()
+        self._suspect: Callable[[str], bool] = lambda addr: False
+        self._moved: Callable[[str, str | None, str | None], None] | None = None
+
+    def watch_with(self, peers: Any) -> None:
+        """Consult ``peers`` (a ``PeerWatch``): distrust cached nodes that missed a heartbeat, and report a rank
+        whose registration moved to another process (``peers.moved(old_addr, old_instance, new_instance)``)."""
+        self._suspect, self._moved = peers.monitor.suspect, peers.moved
 
     def __call__(self, ctx: Mapping[str, Any]) -> dict:
         """``{"prefill_addr", "peer"}``, plus ``"bootstrap_url"`` and, if registered, ``"prefill_instance"`` when
@@ -43,13 +56,18 @@ class PrefillResolver:
         key = (url, int(ctx.get("prefill_dp_rank", 0)))
         with self._lock:
             found = self._cache.get(key)
-        if found is None:
+        doubted = found if found is not None and self._suspect(found["side_channel"]) else None
+        if found is None or doubted is not None:
             found = self.lookup(url, dp_rank=key[1], retries=self.retries, interval=self.interval_s)
             if not found.get("side_channel"):
                 raise LookupError(f"the prefill rank registered at {url} has no fsm-pd side channel "
                                   "(is it an fsm-pd prefill node?)")
             with self._lock:
                 self._cache[key] = found
+            moved = doubted is not None and (doubted["side_channel"], doubted.get("instance")) != (
+                found["side_channel"], found.get("instance"))
+            if moved and self._moved is not None:
+                self._moved(doubted["side_channel"], doubted.get("instance"), found.get("instance"))
         out = {"prefill_addr": found["side_channel"], "peer": found.get("node_id", "prefill"), "bootstrap_url": url}
         if found.get("instance"):
             out["prefill_instance"] = found["instance"]

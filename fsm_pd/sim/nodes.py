@@ -90,6 +90,8 @@ class Instance:
         self.peers = PeerWatch(self.node, self.channel, OwnedTimers(w.clock, self),
                                interval_s=w.config.heartbeat_interval, max_failures=w.config.heartbeat_max_failures,
                                forget=forget).start()
+        if slot.role == "decode":
+            self.resolver.resolver.watch_with(self.peers)
         w.network.bind(slot.address, self, self.channel.receive)
 
     def idle(self) -> bool:

@@ -170,3 +170,32 @@ def test_heartbeat_failure_fails_rooms_and_a_restarted_prefill_is_used_afresh(cl
     resolved = [r for r in read_journal(d.journal) if r.room == 2 and r.trigger == "bootstrap_resolved"][0]
     assert resolved.event["prefill_addr"] == p.info["side_channel"], "the stale lookup was dropped"
     assert final(p.journal, 1)[1] == "local error: node restarted"
+
+
+def test_a_prefill_restarted_at_a_new_address_is_used_before_its_death_is_declared(cluster):
+    """A prefill node that comes back faster than its death can be declared (here 30 missed heartbeats): the decode
+    node's next lookup distrusts the cached node, which missed a heartbeat, asks the bootstrap server and finds the
+    new process. The old one's room fails at once: by the new process's ABORT (it recovered the room from its
+    journal) or by the moved registration, whichever comes first; both name the restart."""
+    port = free_port()
+    p, d = pair(cluster, bootstrap_port=port, heartbeat={"interval_s": 0.5, "max_failures": 30})
+    request(p, d, 1, [2, 3], kv_ready=False)
+    wait_for_state(d, 1, "WaitingForInput")
+    old_side_channel = p.info["side_channel"]
+    p.kill()
+    killed_at = time.time()
+    time.sleep(max(0.0, killed_at + 1.2 - time.time()))  # two heartbeat intervals: one of them was missed
+    p.start()
+    assert p.info["side_channel"] != old_side_channel
+    request(p, d, 2, [4])
+    assert d("wait", room=2, timeout=20)["state"] == "Success"
+    resolved = [r for r in read_journal(d.journal) if r.room == 2 and r.trigger == "bootstrap_resolved"][0]
+    assert resolved.event["prefill_addr"] == p.info["side_channel"], "the cached, doubted lookup was not used"
+    assert d("wait", room=1, timeout=5)["state"] == "Failed"
+    reason = d("state", room=1)["reason"]
+    assert reason == "aborted by peer: local error: node restarted" or reason.startswith(
+        f"peer failed: prefill node at {old_side_channel} restarted: instance "), reason
+    failed_at = [r.at for r in read_journal(d.journal) if r.room == 1 and r.dst == "Failed"][0]
+    assert failed_at - killed_at < 0.5 * 30, "long before its death would have been declared"
+    p.stop(), d.stop()
+    assert_replay_consistent(p.journal, d.journal)
