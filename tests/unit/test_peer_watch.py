@@ -105,3 +105,33 @@ def test_rooms_that_end_are_unbound_and_a_quiet_world_watches_only_addresses(tmp
         assert slot.instance.peers.bound_count() == 0
         assert len(slot.instance.peers.monitor.watched()) == 1  # the one peer address, not one entry per room
     world.close()
+
+
+def test_the_resolver_asks_afresh_for_a_suspect_node_and_reports_a_moved_registration():
+    from fsm_pd.control.resolver import PrefillResolver
+
+    registry = {"side_channel": "tcp://a:1", "instance": "i1", "rank_ip": "a", "rank_port": 1}
+    lookups, moved, suspects = [], [], set()
+
+    def lookup(url, **_):
+        lookups.append(url)
+        return dict(registry)
+
+    class Peers:  # what watch_with uses of a PeerWatch
+        class monitor:  # noqa: N801
+            suspect = staticmethod(suspects.__contains__)
+
+        @staticmethod
+        def moved(addr, old, new):
+            moved.append((addr, old, new))
+
+    resolver = PrefillResolver(lookup=lookup)
+    resolver.watch_with(Peers)
+    ctx = {"bootstrap_addr": "boot:8998"}
+    assert resolver(ctx)["prefill_addr"] == "tcp://a:1" and resolver(ctx)["prefill_instance"] == "i1"
+    assert len(lookups) == 1, "a trusted node is served from the cache"
+    suspects.add("tcp://a:1")  # it missed a heartbeat; meanwhile it restarted elsewhere
+    registry.update(side_channel="tcp://b:2", instance="i2")
+    assert resolver(ctx)["prefill_addr"] == "tcp://b:2"
+    assert len(lookups) == 2 and moved == [("tcp://a:1", "i1", "i2")]
+    assert resolver(ctx)["prefill_addr"] == "tcp://b:2" and len(lookups) == 2, "the new one is trusted again"
