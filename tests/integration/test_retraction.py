@@ -43,13 +43,13 @@ def stream(url: str, i: int) -> tuple[list[str], dict]:
         for line in answer.iter_lines():
             if line.startswith("data: "):
                 events.append(line[len("data: "):])
-    chunks = [json.loads(e) for e in events if e != "[DONE]"]
+    chunks = [c for c in (json.loads(e) for e in events if e != "[DONE]") if "error" not in c]  # errors: see test
     if path == "/generate":
-        last = chunks[-1]
+        last = chunks[-1] if chunks else {"output_ids": None, "meta_info": {"finish_reason": None}}
         got = {"ids": last["output_ids"], "finish": last["meta_info"]["finish_reason"]}
     else:
         got = {"text": "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")),
-               "finish": [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")][-1]}
+               "finish": [None, *(c["choices"][0]["finish_reason"] for c in chunks if c.get("choices"))][-1]}
     return events, got
 
 

@@ -113,6 +113,36 @@ def test_a_retracted_request_can_be_aborted_while_it_waits(model):
         engine.close()
 
 
+def test_retracted_requests_resume_before_later_arrivals_are_admitted(model, monkeypatch):
+    import fsm_pd.serving.colocated_engine as colocated
+
+    engine = ColocatedEngine(model, num_pages=SMALL, page_size=PAGE_SIZE)
+    admitted_while_retracted = []
+
+    def watched(queue, *args, **kwargs):
+        batch = take_prefill_batch(queue, *args, **kwargs)
+        if batch and engine.loop.retracted:
+            admitted_while_retracted.append([s.rid for s in batch])
+        return batch
+
+    take_prefill_batch = colocated.take_prefill_batch
+    monkeypatch.setattr(colocated, "take_prefill_batch", watched)
+    try:
+        async def scenario():
+            first = [asyncio.ensure_future(generate(engine, greedy(f"f{i}", p))) for i, p in enumerate(PROMPTS)]
+            while not engine.loop.retracted:
+                await asyncio.sleep(0.002)
+            later = [asyncio.ensure_future(generate(engine, greedy(f"l{i}", p))) for i, p in enumerate(PROMPTS)]
+            return await asyncio.gather(*first, *later)
+
+        outs = run(scenario())
+        assert all(len(o) == NEW_TOKENS for o in outs)
+        assert engine.info()["preempted"] > 0
+        assert admitted_while_retracted == []
+    finally:
+        engine.close()
+
+
 def test_a_request_that_could_never_fit_the_pool_gets_400_at_submit(model):
     engine = ColocatedEngine(model, num_pages=SMALL, page_size=PAGE_SIZE)
     try:
