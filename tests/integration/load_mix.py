@@ -32,13 +32,13 @@ class Outcome:
         return self.ended - self.started
 
 
-def _body(kind: str, i: int, tokens: int) -> tuple[str, dict]:
+def _body(kind: str, i: int, tokens: int, model: str) -> tuple[str, dict]:
     prompt = f"request {i}: " + "abc " * (i % 7)
     if kind.startswith("generate"):
         body = {"text": prompt, "stream": kind.endswith("stream"),
                 "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}}
         return "/generate", body
-    body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
             "temperature": 0, "stream": kind.endswith("stream")}
     return "/v1/chat/completions", body
 
@@ -62,8 +62,14 @@ def _stream_result(lines) -> tuple[str, str]:
     return "silent", "the stream ended without [DONE]"
 
 
-def one_request(client: httpx.Client, url: str, kind: str, i: int, tokens: int, timeout: float) -> Outcome:
-    path, body = _body(kind, i, tokens)
+def served_model(url: str) -> str:
+    """The model id the server answers to (a chat request naming another one gets a 404)."""
+    return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def one_request(client: httpx.Client, url: str, kind: str, i: int, tokens: int, timeout: float,
+                model: str) -> Outcome:
+    path, body = _body(kind, i, tokens, model)
     started = time.monotonic()
     try:
         if body["stream"]:
@@ -88,6 +94,7 @@ class LoadMix:
 
     def __init__(self, url: str, *, workers: int = 32, tokens: int = 6, timeout: float = 60.0):
         self.url, self.workers, self.tokens, self.timeout = url, workers, tokens, timeout
+        self.model = served_model(url)
         self.outcomes: list[Outcome] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -111,7 +118,8 @@ class LoadMix:
                 i = next(self._numbers)
                 with self._lock:
                     self._running[worker] = time.monotonic()
-                outcome = one_request(client, self.url, KINDS[turn % len(KINDS)], i, self.tokens, self.timeout)
+                outcome = one_request(client, self.url, KINDS[turn % len(KINDS)], i, self.tokens, self.timeout,
+                                      self.model)
                 with self._lock:
                     self.outcomes.append(outcome)
                     del self._running[worker]
