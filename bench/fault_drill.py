@@ -22,7 +22,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
 from drills import bad_input, kill_and_restart, stop_and_continue  # noqa: E402 - the harness the tests use
-from test_faults import Rig  # noqa: E402
+from fault_rig import Rig  # noqa: E402
 
 DRILLS = {
     "kill-prefill": lambda rig, a: kill_and_restart(rig, "prefill", workers=a.workers),

@@ -13,8 +13,8 @@ import signal
 import time
 
 import httpx
+from fault_rig import DEADLINE_S, Rig, generate
 from load_mix import LoadMix, Outcome
-from test_faults import DEADLINE_S, Rig, generate
 
 WORKERS = 32
 

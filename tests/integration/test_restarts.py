@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from drills import bad_input, kill_and_restart, stop_and_continue
-from test_faults import REQUEST_BOUND_S, rig  # noqa: F401 - the fixture
+from fault_rig import REQUEST_BOUND_S, rig  # noqa: F401 - the fixture
 
 # The acceptance drills of issue 11: about two minutes together on two idle cores.
 pytestmark = pytest.mark.timeout(600)

@@ -1,0 +1,205 @@
+"""The fault rig: ``fsm-pd serve`` prefill (with its bootstrap server), decode and the built-in router as real
+processes, with short deadlines and heartbeats from the ``FSM_PD_*`` environment and fault injection behind a pause
+file; plus the one-request client the fault tests and drills use. ``test_faults.py``, ``test_restarts.py`` (through
+``drills.py``) and ``bench/fault_drill.py`` build on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from test_pd_serving import PAGE_SIZE, Cluster, free_port
+
+DEADLINE_S = 4.0  # every deadline of both nodes
+ENV = {
+    "FSM_PD_BOOTSTRAP_TIMEOUT": str(DEADLINE_S),
+    "FSM_PD_WAITING_TIMEOUT": str(DEADLINE_S),
+    "FSM_PD_PULL_HOLD_TIMEOUT": str(DEADLINE_S),
+    "FSM_PD_TRANSFER_TIMEOUT": str(DEADLINE_S),
+    "FSM_PD_HEARTBEAT_INTERVAL": "0.5",
+    "FSM_PD_HEARTBEAT_MAX_FAILURE": "2",
+}
+# a room passes at most three deadlines on each side; plus scheduling noise of three servers on 2 cores
+REQUEST_BOUND_S = 3 * DEADLINE_S + 8
+TOKENS = 6
+PROMPTS = ["Hi", "a" * (PAGE_SIZE + 1), "The quick brown fox " * 3, "0123456789" * 5, "?", "z" * (PAGE_SIZE * 3)]
+
+
+@dataclass
+class Outcome:
+    status: int
+    body: dict
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
+
+
+def generate(url: str, prompt: str = "Hello", tokens: int = TOKENS) -> Outcome:
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}}
+    started = time.monotonic()
+    answer = httpx.post(url + "/generate", json=body, timeout=REQUEST_BOUND_S + 30)
+    return Outcome(answer.status_code, answer.json(), time.monotonic() - started)
+
+
+def assert_clean(outcome: Outcome) -> None:
+    """A full answer, or an HTTP error with an error body; in either case within the bound."""
+    assert outcome.seconds <= REQUEST_BOUND_S, f"took {outcome.seconds:.1f}s: {outcome}"
+    if outcome.ok:
+        assert len(outcome.body["output_ids"]) == TOKENS, outcome
+    else:
+        assert outcome.status >= 400 and outcome.body["error"]["message"], outcome
+
+
+def info(url: str) -> dict:
+    return httpx.get(url + "/server_info", timeout=10).json()["internal_states"][0]
+
+
+class Rig:
+    """One prefill (with its bootstrap server), one decode, the built-in router: processes this test started."""
+
+    def __init__(self, tmp_path, *, prefill_env=None, decode_env=None, host="127.0.0.1", wrap=None):
+        self.cluster, self.tmp = Cluster(tmp_path), tmp_path
+        self.pause = tmp_path / "faults-paused"
+        self.pause.touch()
+        self.warm_failures: set = set()
+        base = {**self.cluster.env, **ENV, "FSM_PD_FAULT_PAUSE_FILE": str(self.pause)}
+        self.envs = {"prefill": {**base, **(prefill_env or {})}, "decode": {**base, **(decode_env or {})}}
+        self.boot = free_port()
+        self.p = self.node("prefill", "--bootstrap-port", str(self.boot))
+        self.d = self.node("decode")
+        self.router = self.cluster.router(self.p.url, self.boot, self.d.url)
+
+    def node(self, role: str, *extra: str) -> Node:
+        self.cluster.env = self.envs[role]
+        url = self.cluster.serve(role, *extra)
+        return Node(self, role, url, self.cluster.procs[-1])
+
+    def warm_up(self, concurrency: int = 8) -> None:
+        """Fault-free requests (the pause file exists) until a round all succeeds: the first ones compile the
+        kernels and may miss the short deadlines. Their failures are left out of ``failures()``."""
+        for _ in range(6):
+            with ThreadPoolExecutor(concurrency) as pool:
+                outcomes = list(
+                    pool.map(lambda i: generate(self.router, PROMPTS[i % len(PROMPTS)]), range(concurrency))
+                )
+            if all(o.ok for o in outcomes):
+                break
+        assert all(o.ok for o in outcomes), outcomes
+        self.p.baseline, self.d.baseline = self.p.wait_idle(), self.d.wait_idle()
+        for node in (self.p, self.d):  # the same counters, as gauges on /metrics
+            text = httpx.get(node.url + "/metrics", timeout=10).text
+            want = f'fsm_pd_kv_pages_free{{node="{node.role}-{node.url.rsplit(":", 1)[1]}",role="{node.role}"}} '
+            assert want + f"{float(node.baseline['pages_free'])}" in text, text
+            assert "fsm_pd_open_transfer_entries" in text and "fsm_pd_rooms_open" in text
+        self.warm_failures = {(r["role"], r["room"]) for r in self.replay() if r["final"] == "Failed"}
+
+    def faults_on(self) -> None:
+        self.pause.unlink()
+
+    def faults_off(self) -> None:
+        self.pause.touch()
+
+    def follow_up(self) -> None:
+        self.faults_off()
+        outcome = generate(self.router, "follow-up")
+        assert outcome.ok, outcome
+
+    def check_recovered(self) -> None:
+        """Survivors healthy, a follow-up succeeds, every counter back at its baseline."""
+        for node in (self.p, self.d):
+            assert httpx.get(node.url + "/health", timeout=5).status_code == 200
+        self.follow_up()
+        self.p.wait_baseline()
+        self.d.wait_baseline()
+
+    def replay(self) -> list[dict]:
+        """``fsm-pd replay --format json`` on every journal: exit status 0 (consistent), the rooms."""
+        journals = sorted(str(j) for j in self.tmp.glob("*.db"))
+        done = subprocess.run(
+            [sys.executable, "-m", "fsm_pd.cli", "replay", *journals, "--format", "json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        doc = json.loads(done.stdout)
+        assert doc["consistent"] and not doc["divergences"]
+        return doc["rooms"]
+
+    def failures(self) -> dict[str, list[str]]:
+        """role -> reasons of its failed rooms; every Failed room has one."""
+        found: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for room in self.replay():
+            if room["final"] == "Failed" and (room["role"], room["room"]) not in self.warm_failures:
+                assert room["reason"], room
+                found[room["role"]].append(room["reason"])
+        return found
+
+    def stop(self) -> None:
+        self.cluster.stop()
+
+
+class Node:
+    def __init__(self, rig: Rig, role: str, url: str, proc: subprocess.Popen):
+        self.rig, self.role, self.url, self.proc = rig, role, url, proc
+        self.baseline: dict | None = None
+
+    def leaks(self) -> dict:
+        return info(self.url)["leaks"]
+
+    def wait_idle(self, timeout: float = 20) -> dict:
+        deadline = time.time() + timeout
+        while True:
+            leaks = self.leaks()
+            idle = {k: v for k, v in leaks.items() if k not in ("pages_free",)}
+            if not any(idle.values()) or time.time() > deadline:
+                assert not any(idle.values()), f"{self.role} not idle: {leaks}"
+                return leaks
+            time.sleep(0.2)
+
+    def wait_baseline(self, timeout: float = 3 * DEADLINE_S + 10) -> None:
+        deadline = time.time() + timeout
+        while (leaks := self.leaks()) != self.baseline and time.time() < deadline:
+            time.sleep(0.2)
+        assert leaks == self.baseline, f"{self.role} leaks: {leaks} != baseline {self.baseline}"
+
+    def wait_state(self, state: str, timeout: float = 20) -> None:
+        deadline = time.time() + timeout
+        while info(self.url)["rooms_by_state"].get(state, 0) == 0:
+            assert time.time() < deadline, f"no {self.role} room reached {state}"
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def restart(self) -> None:
+        """The same command line, ports and journal: the node recovers its rooms from the journal."""
+        self.rig.cluster.env = self.rig.envs[self.role]
+        self.rig.cluster.start(f"{self.role}-restarted-{len(self.rig.cluster.procs)}", list(self.proc.args), self.url)
+        self.proc = self.rig.cluster.procs[-1]
+        self.baseline = self.wait_idle() if self.baseline is None else self.baseline
+
+
+@pytest.fixture
+def rig(tmp_path, request):
+    made = []
+
+    def make(**kwargs) -> Rig:
+        made.append(Rig(tmp_path, **kwargs))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.stop()
