@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from test_pd_serving import PAGE_SIZE, Cluster
+from test_pd_serving import PAGE_SIZE, Cluster, free_port
 
 STREAMS, NEW_TOKENS = 40, 256
 PROMPTS = [f"stream {i}: the quick brown fox" for i in range(STREAMS)]  # 27 or 28 bytes: 2 pages of 16
@@ -63,7 +63,7 @@ def engine_info(url: str) -> dict:
 
 
 def test_forty_streams_on_a_pool_for_twenty_all_complete_with_unpressured_output(cluster):
-    boot = cluster_free_port()
+    boot = free_port()
     p = cluster.serve("prefill", "--model", "tiny", "--bootstrap-port", str(boot), "--transfer-backend", "tcp")
     d = cluster.serve("decode", "--model", "tiny", "--transfer-backend", "tcp", "--num-pages", str(DECODE_PAGES))
     router = cluster.router(p, boot, d)
@@ -115,8 +115,3 @@ def test_forty_streams_on_a_pool_for_twenty_all_complete_with_unpressured_output
     assert answer.status_code == 400, answer.text
     assert "context" in answer.text or "KV pool" in answer.text
 
-
-def cluster_free_port() -> int:
-    from test_pd_serving import free_port
-
-    return free_port()
