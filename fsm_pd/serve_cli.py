@@ -53,6 +53,9 @@ def node_parser(role: str) -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=os.environ.get("FSM_PD_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on the APIs (default: $FSM_PD_API_KEY, else none)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.add_argument("--compile-cache", default=None, metavar="DIR",
+                        help="JAX's persistent compilation cache, so that a restarted node does not compile again "
+                             "(default: $FSM_PD_COMPILE_CACHE, else ~/.cache/fsm-pd/jax; 'off' disables it)")
     add_read_timeout_flags(parser)
     if role in ("prefill", "decode"):
         parser.add_argument("--node-id", default=f"{role}-0", help="this node's id in journals and messages")
@@ -104,11 +107,13 @@ def serve_main(argv: Sequence[str]) -> int:
 
 
 def run_node(args: argparse.Namespace) -> int:
+    from fsm_pd import compile_cache
     from fsm_pd.api import create_app, serve
     from fsm_pd.engine.loader import load_model
     from fsm_pd.gc_policy import apply_serving_gc_policy
     from fsm_pd.transport import SecretError
 
+    compile_cache.enable(args.compile_cache or compile_cache.default_dir())
     try:
         model = load_model(args.model, dtype=args.dtype, progress=True)
     except (FileNotFoundError, ValueError) as exc:  # missing file or package, unsupported or corrupt checkpoint
