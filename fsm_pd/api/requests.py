@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from fsm_pd.api.chat_template import render_messages
 from fsm_pd.api.errors import ApiError
 from fsm_pd.api.schemas import MAX_BATCH, ChatCompletionBody, CompletionBody, GenerateBody, SGLangSamplingParams
+from fsm_pd.engine.grammar import grammar_of
 from fsm_pd.engine.sampling import SamplingParams
 from fsm_pd.serving.types import Bootstrap, GenerateRequest
 
@@ -84,18 +85,16 @@ def choose_seed(seed: int | None, bootstrap: Bootstrap | None, params: SamplingP
 
 
 NEUTRAL = {  # fields fsm-pd does not serve (yet), with the values that mean "not used"
-    "json_schema": (None,), "regex": (None,), "ebnf": (None,), "structural_tag": (None,),
+    "structural_tag": (None,),
     "min_new_tokens": (None, 0), "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "top_logprobs_num": (None, 0), "logprob_start_len": (None, -1), "return_text_in_logprobs": (None, False),
     "lora_path": (None,), "image_data": (None,), "return_hidden_states": (None, False),
-    "custom_logit_processor": (None,), "response_format": (None, {"type": "text"}), "tools": (None, []),
+    "custom_logit_processor": (None,), "tools": (None, []),
     "tool_choice": (None, "none"), "parallel_tool_calls": (None, True), "suffix": (None, ""),
     "top_logprobs": (None, 0),
 }
 WHY = {
-    "json_schema": "structured output is not served yet", "regex": "structured output is not served yet",
-    "ebnf": "structured output is not served yet", "structural_tag": "structured output is not served yet",
-    "response_format": "structured output is not served yet (only {'type': 'text'})",
+    "structural_tag": "structural tags are not served yet (json_schema, regex, ebnf and response_format are)",
     "tools": "tool calling is not served yet", "tool_choice": "tool calling is not served yet",
     "parallel_tool_calls": "tool calling is not served yet",
     "top_logprobs_num": "top alternatives are not computed yet (the chosen tokens' logprobs are)",
@@ -145,6 +144,7 @@ def make_sampling(node: NodeIdentity, src, *, max_new_tokens, seed, repetition_p
             repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
             logit_bias=logit_bias_items(src.logit_bias, node),
             no_stop_trim=bool(src.no_stop_trim),
+            grammar=grammar_of(src),  # json_schema, regex, ebnf, or OpenAI's response_format
         )
     except ValueError as err:
         raise ApiError(400, str(err)) from err
@@ -244,8 +244,7 @@ def from_generate(node: NodeIdentity, tokenizer, body: GenerateBody) -> Plan:
     refuse_unsupported(body, "top_logprobs_num", "logprob_start_len", "return_text_in_logprobs", "lora_path",
                        "image_data", "return_hidden_states", "custom_logit_processor")
     sp = body.sampling_params or SGLangSamplingParams()
-    refuse_unsupported(sp, "json_schema", "regex", "ebnf", "structural_tag", "min_new_tokens", "skip_special_tokens",
-                       "spaces_between_special_tokens")
+    refuse_unsupported(sp, "structural_tag", "min_new_tokens", "skip_special_tokens", "spaces_between_special_tokens")
     prompts, batched = _prompts_of_generate(node, tokenizer, body)
     max_new = sp.max_new_tokens if sp.max_new_tokens is not None else GENERATE_DEFAULT_MAX_NEW_TOKENS
     seed = sp.seed if sp.seed is not None else sp.sampling_seed
@@ -265,8 +264,7 @@ def from_generate(node: NodeIdentity, tokenizer, body: GenerateBody) -> Plan:
 
 def _openai_plan(node: NodeIdentity, body, prompts: list[list[int]], max_tokens: int | None, return_logprob: bool,
                  *, batched: bool = False, copies: int = 1, keep: int = 1) -> Plan:
-    refuse_unsupported(body, "response_format", "tools", "tool_choice", "parallel_tool_calls", "regex", "ebnf",
-                       "json_schema", "skip_special_tokens")
+    refuse_unsupported(body, "tools", "tool_choice", "parallel_tool_calls", "skip_special_tokens")
     bootstrap = resolve_bootstrap(node, body.bootstrap_host, body.bootstrap_port, body.bootstrap_room)
     plan = Plan([], prompts, copies=copies, keep=keep, batched=batched, hide_output=max_tokens == 0,
                 stream=body.stream)

@@ -3,7 +3,8 @@
 Before sampling, a row's logits are adjusted by its own history only (SGLang's penalties, over the tokens the request
 generated so far, the first one included, which a PD prefill sampled): the repetition penalty divides a seen token's
 positive logit (multiplies a negative one), the frequency penalty subtracts ``count * penalty``, the presence
-penalty subtracts ``penalty`` once, then ``logit_bias`` is added. Then temperature, top-k, top-p and min-p.
+penalty subtracts ``penalty`` once, then ``logit_bias`` is added. A row with a grammar (structured output,
+``grammar.py``) then loses every token its grammar does not allow. Then temperature, top-k, top-p and min-p.
 
 Randomness is a function of ``(seed, step)`` only: row ``b`` draws with ``fold_in(PRNGKey(seed_b), step_b)``, where
 ``step_b`` counts the tokens that request has generated. So a request's output does not depend on which other
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsm_pd.engine import buckets
+from fsm_pd.engine.grammar import GrammarSpec, GrammarState, bitmask
 
 MAX_TOP_K = 2**30  # far above any vocabulary, far below int32: the sampler clips it to the vocabulary
 MAX_SEED = 2**63 - 1  # a seed is an int64 everywhere it is stored; the sampler uses its low 32 bits
@@ -47,6 +49,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # in (0, 2]: a seen token's logit is divided (positive) or multiplied by it
     logit_bias: tuple[tuple[int, float], ...] = field(default=())  # (token id, added to its logit)
     no_stop_trim: bool = False  # keep the matched stop string or stop token in the returned text
+    grammar: GrammarSpec | None = None  # structured output: json_schema, regex or ebnf (grammar.grammar_of)
 
     def __post_init__(self) -> None:
         # Every value is checked here, before the request can join a batch: a value the batched programs cannot
@@ -141,6 +144,14 @@ def adjust_logits(logits, counts, frequency, presence, repetition, bias):
     return logits + bias
 
 
+@jax.jit
+def mask_logits(logits, mask):
+    """``logits: [B, V]`` with every token whose bit is clear in ``mask: [B, ceil(V / 32)]`` (int32) set to -inf."""
+    ids = jnp.arange(logits.shape[-1])
+    allowed = (mask[:, ids // 32] >> (ids % 32)) & 1
+    return jnp.where(allowed == 1, logits.astype(jnp.float32), -jnp.inf)
+
+
 def penalty_inputs(params: Sequence[SamplingParams], histories: Sequence[Sequence[int]], rows: int, vocab: int):
     """Host arrays for ``adjust_logits``: per-row token counts of the history and the dense bias, padded to
     ``rows``. Ids outside the vocabulary (a bias for a token the model has not) are ignored."""
@@ -159,11 +170,13 @@ def penalty_inputs(params: Sequence[SamplingParams], histories: Sequence[Sequenc
 
 
 def sample(logits, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int],
-           histories: Sequence[Sequence[int]] | None = None) -> np.ndarray:
+           histories: Sequence[Sequence[int]] | None = None,
+           grammars: Sequence[GrammarState | None] | None = None) -> np.ndarray:
     """Sample one token for each of the first ``len(params)`` rows of ``logits: [>=B, V]``; returns ``[B]`` int32.
 
     ``seeds[b]`` is the request's resolved seed, ``steps[b]`` how many tokens it has generated before this one,
-    ``histories[b]`` those tokens (needed only by rows with penalties; None: nothing generated yet). Rows are
+    ``histories[b]`` those tokens (needed only by rows with penalties; None: nothing generated yet),
+    ``grammars[b]`` the row's grammar state, whose mask is applied last (None: no row has one). Rows are
     padded to the batch bucket so the sampling program compiles once per bucket.
     """
     n = len(params)
@@ -183,6 +196,9 @@ def sample(logits, params: Sequence[SamplingParams], seeds: Sequence[int], steps
             buckets.pad_1d([p.repetition_penalty for p in params], b, fill=1, dtype=np.float32),
             bias,
         )
+    mask = bitmask(grammars, b, vocab) if grammars is not None else None
+    if mask is not None:
+        logits = mask_logits(logits, mask)
     tokens = sample_tokens(
         logits,
         buckets.pad_1d([p.temperature for p in params], b, dtype=np.float32),

@@ -1,4 +1,5 @@
-"""When a request stops: EOS or a stop token, a stop string in the decoded text, or ``max_new_tokens``.
+"""When a request stops: EOS or a stop token, a stop string in the decoded text, its grammar complete (structured
+output: ``grammar.py``), or ``max_new_tokens``.
 
 The text returned ends before a matched stop string unless ``no_stop_trim`` (SGLang's flag) keeps it."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from enum import StrEnum
 
+from fsm_pd.engine.grammar import new_state
 from fsm_pd.engine.sampling import SamplingParams
 from fsm_pd.engine.tokenizer import Tokenizer
 
@@ -31,6 +33,8 @@ class StopChecker:
         self.output_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
         self.matched_stop: int | str | None = None
+        # The request's parser, fed every token here (READY's first one too), masking the sampler's next step.
+        self.grammar = new_state(params.grammar, tokenizer) if params.grammar is not None else None
 
     @property
     def finished(self) -> bool:
@@ -49,8 +53,11 @@ class StopChecker:
             raise RuntimeError("append after the request finished")
         token_id = int(token_id)
         self.output_ids.append(token_id)
+        grammar_done = self.grammar is not None and self.grammar.advance(token_id)
         if token_id in self._stop_ids:
             self._finish(FinishReason.STOP, token_id)
+        elif grammar_done:  # the grammar takes nothing more: a stop, as if EOS had come next
+            self._finish(FinishReason.STOP, None)
         elif self._params.stop and self._find_stop_string():
             pass
         elif len(self.output_ids) >= self._params.max_new_tokens:

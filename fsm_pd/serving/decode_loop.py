@@ -183,6 +183,7 @@ class DecodeLoop:
         tokens = sample(
             logits, [r.sampling for r in requests], [r.seed for r in requests], [s.generated for s in batch],
             histories=[s.checker.output_ids for s in batch],  # penalties count every output token, the first too
+            grammars=[s.checker.grammar for s in batch],  # structured output: each parser has seen every token
         )
         logprobs = chosen_logprobs(logits, tokens) if any(r.return_logprob for r in requests) else None
         return tokens, logprobs

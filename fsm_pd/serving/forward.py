@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fsm_pd.engine.grammar import new_state
 from fsm_pd.engine.loader import LoadedModel
 from fsm_pd.engine.model_thread import ModelThread
 from fsm_pd.engine.sampling import sample
@@ -41,7 +42,10 @@ def prefill_and_sample(
         owner.pool, [r.input_ids for r in requests], [list(p) for p in pages], return_logprobs=want_logprobs
     )
     owner.pool = out.pool
-    tokens = sample(out.logits, [r.sampling for r in requests], [r.seed for r in requests], [0] * len(requests))
+    # A request's grammar masks its first token here too; the decode (or colocated) side's own parser is fed it next.
+    grammars = [new_state(r.sampling.grammar, model.tokenizer) if r.sampling.grammar else None for r in requests]
+    tokens = sample(out.logits, [r.sampling for r in requests], [r.seed for r in requests], [0] * len(requests),
+                    grammars=grammars)
     logprobs = chosen_logprobs(out.logits, tokens) if want_logprobs else None
     return [
         FirstToken(

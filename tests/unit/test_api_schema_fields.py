@@ -46,3 +46,16 @@ def test_every_declared_field_is_read(body_cls, convert, base):
     if body_cls is schemas.GenerateBody:
         unread = set(schemas.SGLangSamplingParams.model_fields) - nested
         assert not unread, f"sampling_params accepts fields nobody reads: {sorted(unread)}"
+
+
+@pytest.mark.parametrize("body_cls, convert, body, kind", [
+    (schemas.GenerateBody, from_generate, {"text": "a", "sampling_params": {"regex": "a+"}}, "regex"),
+    (schemas.GenerateBody, from_generate, {"text": "a", "sampling_params": {"json_schema": "{}"}}, "json_schema"),
+    (schemas.GenerateBody, from_generate, {"text": "a", "sampling_params": {"ebnf": 'root ::= "a"'}}, "ebnf"),
+    (schemas.CompletionBody, from_completion, {"prompt": "a", "regex": "b"}, "regex"),
+    (schemas.ChatCompletionBody, from_chat, {"messages": [{"role": "user", "content": "a"}],
+                                             "response_format": {"type": "json_object"}}, "json_schema"),
+])
+def test_structured_output_fields_reach_the_sampler(body_cls, convert, body, kind):
+    plan = convert(NODE, stub_tokenizer(), body_cls.model_validate(body))
+    assert [r.sampling.grammar.kind for r in plan.requests] == [kind]
