@@ -14,6 +14,7 @@ from fsm_pd.api.info_routes import info_router
 from fsm_pd.api.metrics import ApiMetrics, MetricsMiddleware
 from fsm_pd.api.openai_routes import openai_router
 from fsm_pd.api.sglang_routes import sglang_router
+from fsm_pd.api.tokenize_routes import tokenize_router
 from fsm_pd.bootstrap.body_limit import BodySizeLimit
 from fsm_pd.serving.types import Engine
 
@@ -49,6 +50,7 @@ def create_app(engine: Engine, tokenizer, *, api_key: str | None = None, model_n
     install_error_handlers(app)
     app.include_router(sglang_router(ctx))
     app.include_router(openai_router(ctx))
+    app.include_router(tokenize_router(ctx))
     app.include_router(info_router(ctx, metrics, health_timeout_s=health_timeout_s))
     # Added last runs first: the key is checked before the body is read, and metrics see every answer.
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)

@@ -17,6 +17,7 @@ CLIENT_CLOSED = 499  # nginx's "client closed request": what a request whose cli
 COUNTED_ROUTES = frozenset({
     "/generate", "/v1/completions", "/v1/chat/completions", "/v1/models", "/abort_request", "/health",
     "/health_generate", "/server_info", "/get_server_info", "/model_info", "/get_model_info", "/metrics",
+    "/flush_cache", "/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize", "/get_load",
 })
 
 

@@ -18,7 +18,7 @@ from fsm_pd.api.context import ApiContext
 from fsm_pd.api.errors import ERROR_RESPONSES, ApiError
 from fsm_pd.api.fanout import answer_plan
 from fsm_pd.api.outputs import RequestState, openai_finish_reason
-from fsm_pd.api.requests import from_chat, from_completion
+from fsm_pd.api.requests import check_model, from_chat, from_completion
 from fsm_pd.api.runner import RequestRun
 from fsm_pd.api.schemas import ChatCompletionBody, CompletionBody
 from fsm_pd.api.streaming import answer_stream, answer_whole
@@ -159,10 +159,18 @@ def openai_router(ctx: ApiContext) -> APIRouter:
                               "finish_reason": None}]}]
         return await answer_stream(run, chunk, usage_tail(body, "chatcmpl", "chat.completion.chunk"), head)
 
+    def card() -> dict:
+        return {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "fsm-pd",
+                "root": ctx.model_path, "max_model_len": int(ctx.engine.max_context)}
+
     @router.get("/v1/models")
     async def models() -> dict:
-        card = {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "fsm-pd",
-                "root": ctx.model_path, "max_model_len": int(ctx.engine.max_context)}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card()]}
+
+    @router.get("/v1/models/{model_id:path}", responses={404: ERROR_RESPONSES[404]})
+    async def one_model(model_id: str) -> dict:
+        """OpenAI's retrieve-model: the card of the served model (by its name or path), else 404."""
+        check_model(ctx.node, model_id)
+        return card()
 
     return router

@@ -277,7 +277,7 @@ def _openai_plan(node: NodeIdentity, body, prompts: list[list[int]], max_tokens:
                                seed=choose_seed(body.seed, bootstrap, sampling), stream=body.stream,
                                return_logprob=return_logprob, bootstrap=bootstrap)
 
-    return _build(node, plan, None, make)
+    return _build(node, plan, body.rid, make)
 
 
 def from_completion(node: NodeIdentity, tokenizer, body: CompletionBody) -> Plan:

@@ -8,7 +8,8 @@ the decode's response once the prefill's is complete (as sglang-router does). Ne
 to fail (an error status, or unreachable) closes the other (which aborts the request there) and the client gets the
 failed worker's status and error (502 when it was unreachable); ``--request-timeout-secs`` bounds the whole request,
 streams included (504, or a final SSE error event). No retries: a failed request is reported. A client that goes
-away cancels both legs. The legs themselves are ``router_legs.py``.
+away cancels both legs. The legs themselves are ``router_legs.py``; the other routes (abort, flush, tokenize, load,
+metrics) ``router_routes.py``.
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fsm_pd.api.app import DEFAULT_MAX_BODY_BYTES
 from fsm_pd.api.auth import ApiKeyMiddleware
 from fsm_pd.api.errors import ERROR_RESPONSES, error_response, install_error_handlers
+from fsm_pd.api.requests import new_rid
 from fsm_pd.api.router_legs import Leg, both_answered, relay, until
 from fsm_pd.api.router_merge import merge_json, merge_sse, new_room, prefill_input_logprobs, with_bootstrap
+from fsm_pd.api.router_metrics import RouterMetrics, RouterMetricsMiddleware
+from fsm_pd.api.router_routes import RunningRequests, install_router_routes, released
 from fsm_pd.api.runner import wait_disconnect
 from fsm_pd.api.strict_json import StrictJSONRoute
 from fsm_pd.bootstrap.body_limit import BodySizeLimit
@@ -78,6 +82,7 @@ class PDRouter:
         self.request_timeout_s = request_timeout_s  # one deadline for the whole request, streams included
         self.timeout = httpx.Timeout(request_timeout_s, connect=10.0)
         self._client: httpx.AsyncClient | None = None
+        self.running = RunningRequests()  # which workers hold each rid, for /abort_request
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -110,6 +115,10 @@ class PDRouter:
 
     async def _dual(self, path: str, body: dict, request: Request) -> Response:
         worker, decode_url = self.prefill.pick(), self.decode.pick()
+        if body.get("rid") is None:  # one rid on both workers, so /abort_request can name it (meta_info.id shows it)
+            body = {**body, "rid": new_rid()}
+        rid = body["rid"]
+        release = self.running.add(rid, (worker.url.rstrip("/"), decode_url)) if isinstance(rid, str) else lambda: None
         sent = with_bootstrap(body, worker.url, worker.bootstrap_port, new_room())
         headers = self._headers(request)
         deadline = asyncio.get_running_loop().time() + self.request_timeout_s
@@ -129,12 +138,13 @@ class PDRouter:
                                 media_type=media_type)
             source = merge_sse(until(d_resp.aiter_lines(), deadline), p_logprobs) if merge else d_resp.aiter_raw()
             handed_off = True
-            return StreamingResponse(relay(source, d_resp, decode_url, deadline, self.request_timeout_s),
-                                     status_code=d_resp.status_code, media_type=media_type)
+            stream = released(relay(source, d_resp, decode_url, deadline, self.request_timeout_s), release)
+            return StreamingResponse(stream, status_code=d_resp.status_code, media_type=media_type)
         finally:
             await prefill.close()
             if not handed_off:
                 await decode.close()
+                release()
 
     async def get_first_prefill(self, path: str) -> Response:
         url = self.prefill.items[0].url.rstrip("/") + path
@@ -175,6 +185,8 @@ def create_router_app(prefill: Sequence[PrefillWorker | tuple[str, int | None] |
     app = FastAPI(title="fsm-pd router", version="1",
                   description="A PD router: each request goes to one prefill and one decode worker at once.")
     app.state.router = pd
+    metrics = RouterMetrics()
+    app.state.metrics = metrics
     install_error_handlers(app)
 
     for path in GENERATION_PATHS:
@@ -206,13 +218,16 @@ def create_router_app(prefill: Sequence[PrefillWorker | tuple[str, int | None] |
     async def server_info() -> dict:
         return {"router": "fsm-pd", "policy": policy,
                 "prefill": [{"url": w.url, "bootstrap_port": w.bootstrap_port} for w in pd.prefill.items],
-                "decode": [{"url": u} for u in pd.decode.items]}
+                "decode": [{"url": u} for u in pd.decode.items],
+                "requests_running": len(pd.running)}  # rids the router is answering (and could abort) now
 
     for path in ("/server_info", "/get_server_info"):
         app.add_api_route(path, server_info, methods=["GET"])
+    install_router_routes(app, pd, metrics)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)  # added before the key: the key is checked first
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(RouterMetricsMiddleware, metrics=metrics)  # last added runs first: it sees every answer
     return app
 
 

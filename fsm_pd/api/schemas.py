@@ -83,6 +83,7 @@ class _OpenAIBody(_Body):
     """What OpenAI's completions and chat completions bodies share, plus SGLang's PD fields."""
 
     model: str | None = None
+    rid: str | None = Field(None, min_length=1, max_length=256, description="SGLang's request id (for /abort_request)")
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
@@ -146,3 +147,19 @@ class ChatCompletionBody(_OpenAIBody):
 class AbortBody(_Body):
     rid: str = ""
     abort_all: bool = False
+
+
+class TokenizeBody(_Body):
+    """SGLang's ``/tokenize``: one text or a list of texts."""
+
+    model: str | None = None
+    prompt: str | list[str]
+    add_special_tokens: bool | None = None  # default true
+
+
+class DetokenizeBody(_Body):
+    """SGLang's ``/detokenize``: one list of ids or a list of them."""
+
+    model: str | None = None
+    tokens: list[int] | list[list[int]]
+    skip_special_tokens: bool | None = None  # default true

@@ -1,4 +1,5 @@
-"""SGLang's native routes: ``POST /generate`` and ``POST /abort_request``."""
+"""SGLang's native routes: ``POST /generate`` and ``POST /abort_request`` (a rid with ``n`` > 1 or a batch aborts
+every copy)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ from fsm_pd.api.schemas import AbortBody, GenerateBody
 from fsm_pd.api.streaming import answer_stream, answer_whole
 from fsm_pd.api.strict_json import StrictJSONRoute
 from fsm_pd.serving.types import TokenOutput
+
+
+def fanned_out(rid: str, live) -> list[str]:
+    """``rid`` and the engine requests an ``n`` or batch request made of it (``{rid}-{k}``, api.requests)."""
+    return [rid] + [other for other in live if other.startswith(rid + "-") and other[len(rid) + 1:].isdigit()]
 
 
 def sglang_router(ctx: ApiContext) -> APIRouter:
@@ -48,7 +54,7 @@ def sglang_router(ctx: ApiContext) -> APIRouter:
     async def abort_request(body: AbortBody) -> dict:
         """Abort by ``rid`` (SGLang's body), or every request this server is running with ``abort_all``. Always 200,
         as SGLang answers; ``aborted`` lists the ids the engine knew and stopped."""
-        rids = list(ctx.live) if body.abort_all else [body.rid] if body.rid else []
+        rids = list(ctx.live) if body.abort_all else fanned_out(body.rid, ctx.live) if body.rid else []
         return {"aborted": [rid for rid in rids if ctx.engine.abort(rid)]}
 
     return router

@@ -1,0 +1,97 @@
+"""The built-in router's own Prometheus metrics (``GET /metrics`` on the router): requests by route and status, errors,
+latency to the end of the answer (a stream's last byte, not its headers), and requests in flight.
+
+A request whose client left before its answer ended is counted as 499 (nginx's "client closed request") and as an
+error of kind ``client_closed``; 4xx answers are ``client`` errors and 5xx ``upstream`` ones (the router's own 5xx
+are about a worker: unreachable, failed, too slow).
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from fsm_pd.api.metrics import CLIENT_CLOSED
+
+ROUTER_ROUTES = frozenset({
+    "/generate", "/v1/completions", "/v1/chat/completions", "/v1/models", "/abort_request", "/flush_cache",
+    "/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize", "/get_load", "/health", "/health_generate",
+    "/server_info", "/get_server_info", "/model_info", "/get_model_info", "/metrics",
+})
+
+
+def route_label(path: str) -> str:
+    if path in ROUTER_ROUTES:
+        return path
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{id}"  # one label for every model id: a client cannot grow the label set
+    return "other"
+
+
+def error_kind(status: int) -> str | None:
+    if status == CLIENT_CLOSED:
+        return "client_closed"
+    if status >= 500:
+        return "upstream"
+    if status >= 400:
+        return "client"
+    return None
+
+
+class RouterMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("fsm_pd_router_requests", "Requests answered by the router, by route and status",
+                                ["route", "status"], registry=self.registry)
+        self.errors = Counter("fsm_pd_router_errors", "Requests that ended in an error, by route and kind "
+                              "(client: 4xx, upstream: 5xx, client_closed: the client left first)",
+                              ["route", "kind"], registry=self.registry)
+        self.seconds = Histogram("fsm_pd_router_request_seconds", "Time from a request's arrival to the end of "
+                                 "its answer (streams included), by route", ["route"], registry=self.registry,
+                                 buckets=(0.005, 0.02, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800))
+        self.in_flight = Gauge("fsm_pd_router_requests_in_flight", "Requests the router is answering now, by route",
+                               ["route"], registry=self.registry)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RouterMetricsMiddleware:
+    """Pure ASGI, outermost: every request is counted, those the API key or the body limit refused included."""
+
+    def __init__(self, app, metrics: RouterMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = route_label(scope.get("path", ""))
+        started = time.monotonic()
+        seen = {"code": 500, "complete": False, "client_gone": False}
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                seen["code"] = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                seen["complete"] = True
+            await send(message)
+
+        async def watching_receive():
+            message = await receive()
+            if message["type"] == "http.disconnect" and not seen["complete"]:
+                seen["client_gone"] = True
+            return message
+
+        self.metrics.in_flight.labels(route).inc()
+        try:
+            await self.app(scope, watching_receive, counting_send)
+        finally:
+            self.metrics.in_flight.labels(route).dec()
+            code = CLIENT_CLOSED if seen["client_gone"] else seen["code"]
+            self.metrics.requests.labels(route, str(code)).inc()
+            self.metrics.seconds.labels(route).observe(time.monotonic() - started)
+            if (kind := error_kind(code)) is not None:
+                self.metrics.errors.labels(route, kind).inc()
