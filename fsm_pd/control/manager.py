@@ -73,6 +73,8 @@ class KVManager:
                                         bind=f"tcp://{host}:0", healthy=self._answers_pings)
         self.senders = PeerSenders(self.side_channel, name=f"send[{node_id}]")
         self.workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"work[{node_id}]")
+        # lookups on their own threads: a bootstrap server that is down holds them for its retries, never a pull
+        self.lookups = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"lookup[{node_id}]")
         self.journal = Journal(journal, durability=durability)
         self.clock = RealClock()
         kv = JaxKV(layout, self.model, progressive=self.backend.progressive, sharding=staging_sharding)
@@ -87,7 +89,7 @@ class KVManager:
             self.admission = admission if admission is not None else PoolAdmission(PageAllocator(layout.num_pages))
             self.effects = DecodeEffects(
                 layout=layout.to_dict(), channel=self.senders,
-                resolver=ThreadedResolver(lambda ctx: self.resolver(ctx), self.workers), admission=self.admission,
+                resolver=ThreadedResolver(lambda ctx: self.resolver(ctx), self.lookups), admission=self.admission,
                 puller=ThreadedPuller(self.backend, kv.pull_spec, self.workers), model=self.model, kv=kv,
                 faults=faults, pull_delay_s=fault_pull_delay_s)
             machine = RECEIVER
@@ -233,6 +235,7 @@ class KVManager:
         self.side_channel.close()
         self.clock.close()
         self.workers.shutdown(wait=False, cancel_futures=True)
+        self.lookups.shutdown(wait=False, cancel_futures=True)
         if self._owns_model:
             self.model.close()
         self.backend.close()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from typing import Any
 
 from fsm_pd.bootstrap import RankRegistration, register_prefill_rank, resolve_prefill
@@ -36,6 +37,7 @@ class PrefillResolver:
         self.retries, self.interval_s, self.lookup = retries, interval_s, lookup
         self._cache: dict[tuple[str, int], dict] = {}
         self._lock = threading.Lock()
+        self._asking: dict[tuple[str, int], Future] = {}  # lookups under way, shared by every room that waits
         self._suspect: Callable[[str], bool] = lambda addr: False
         self._moved: Callable[[str, str | None, str | None], None] | None = None
 
@@ -58,20 +60,41 @@ class PrefillResolver:
             found = self._cache.get(key)
         doubted = found if found is not None and self._suspect(found["side_channel"]) else None
         if found is None or doubted is not None:
-            found = self.lookup(url, dp_rank=key[1], retries=self.retries, interval=self.interval_s)
-            if not found.get("side_channel"):
-                raise LookupError(f"the prefill rank registered at {url} has no fsm-pd side channel "
-                                  "(is it an fsm-pd prefill node?)")
-            with self._lock:
-                self._cache[key] = found
-            moved = doubted is not None and (doubted["side_channel"], doubted.get("instance")) != (
-                found["side_channel"], found.get("instance"))
-            if moved and self._moved is not None:
-                self._moved(doubted["side_channel"], doubted.get("instance"), found.get("instance"))
+            found = self._ask(url, key, doubted)
         out = {"prefill_addr": found["side_channel"], "peer": found.get("node_id", "prefill"), "bootstrap_url": url}
         if found.get("instance"):
             out["prefill_instance"] = found["instance"]
         return out
+
+    def _ask(self, url: str, key: tuple[str, int], doubted: dict | None) -> dict:
+        """Ask the bootstrap server, once for all the rooms that need the same rank meanwhile: while a lookup is
+        under way the others wait for its answer instead of each retrying against a server that may be down."""
+        with self._lock:
+            pending = self._asking.get(key)
+            leader = pending is None
+            if leader:
+                pending = self._asking[key] = Future()
+        if not leader:
+            return pending.result()
+        try:
+            found = self.lookup(url, dp_rank=key[1], retries=self.retries, interval=self.interval_s)
+            if not found.get("side_channel"):
+                raise LookupError(f"the prefill rank registered at {url} has no fsm-pd side channel "
+                                  "(is it an fsm-pd prefill node?)")
+        except BaseException as exc:
+            with self._lock:
+                del self._asking[key]
+            pending.set_exception(exc)
+            raise
+        with self._lock:  # cached before the lookup stops being under way: no gap for a second lookup
+            self._cache[key] = found
+            del self._asking[key]
+        pending.set_result(found)
+        moved = doubted is not None and (doubted["side_channel"], doubted.get("instance")) != (
+            found["side_channel"], found.get("instance"))
+        if moved and self._moved is not None:
+            self._moved(doubted["side_channel"], doubted.get("instance"), found.get("instance"))
+        return found
 
     def forget(self, url: str) -> None:
         """Drop every entry learned from the bootstrap server at ``url``."""

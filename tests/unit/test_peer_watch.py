@@ -135,3 +135,26 @@ def test_the_resolver_asks_afresh_for_a_suspect_node_and_reports_a_moved_registr
     assert resolver(ctx)["prefill_addr"] == "tcp://b:2"
     assert len(lookups) == 2 and moved == [("tcp://a:1", "i1", "i2")]
     assert resolver(ctx)["prefill_addr"] == "tcp://b:2" and len(lookups) == 2, "the new one is trusted again"
+
+
+def test_rooms_that_need_the_same_rank_meanwhile_share_one_lookup():
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fsm_pd.control.resolver import PrefillResolver
+
+    release, calls = threading.Event(), []
+
+    def slow_lookup(url, **_):  # a bootstrap server that answers late (or is down and retried)
+        calls.append(url)
+        release.wait(10)
+        return {"side_channel": "tcp://a:1", "instance": "i1"}
+
+    resolver = PrefillResolver(lookup=slow_lookup)
+    ctx = {"bootstrap_addr": "boot:8998"}
+    with ThreadPoolExecutor(8) as pool:
+        answers = [pool.submit(resolver, ctx) for _ in range(8)]
+        threading.Timer(0.2, release.set).start()
+        assert {a.result(timeout=10)["prefill_addr"] for a in answers} == {"tcp://a:1"}
+    assert len(calls) == 1, "one lookup for the eight rooms"
+    assert resolver(ctx)["prefill_addr"] == "tcp://a:1" and len(calls) == 1
