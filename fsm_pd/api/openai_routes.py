@@ -23,6 +23,7 @@ from fsm_pd.api.runner import RequestRun
 from fsm_pd.api.schemas import ChatCompletionBody, CompletionBody
 from fsm_pd.api.streaming import answer_stream, answer_whole
 from fsm_pd.api.strict_json import StrictJSONRoute
+from fsm_pd.api.tools import ToolStreamer, parse_tool_calls
 from fsm_pd.serving.types import TokenOutput
 
 
@@ -125,12 +126,24 @@ def openai_router(ctx: ApiContext) -> APIRouter:
     async def chat_completions(body: ChatCompletionBody, request: Request) -> Response:
         plan = from_chat(ctx.node, ctx.tokenizer, body)
 
+        def message(state: RequestState) -> tuple[dict, str | None]:
+            text, reason = state.text(), openai_finish_reason(state.finish_reason)
+            if plan.tools is None:
+                return {"role": "assistant", "content": text}, reason
+            content, calls = parse_tool_calls(text, plan.tools)
+            if not calls:
+                return {"role": "assistant", "content": text}, reason
+            return ({"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]},
+                    "tool_calls" if reason == "stop" else reason)
+
         def chat_answer(groups: list[list[RequestState]]) -> dict:
             states = groups[0]
-            choices = [{"index": i, "message": {"role": "assistant", "content": state.text()},
-                        "logprobs": chat_logprobs(state) if state.request.return_logprob else None,
-                        "finish_reason": openai_finish_reason(state.finish_reason),
-                        "matched_stop": _matched_stop(state)} for i, state in enumerate(states)]
+            choices = []
+            for i, state in enumerate(states):
+                msg, reason = message(state)
+                choices.append({"index": i, "message": msg,
+                                "logprobs": chat_logprobs(state) if state.request.return_logprob else None,
+                                "finish_reason": reason, "matched_stop": _matched_stop(state)})
             completion = sum(s.completion_tokens for s in states)
             usage = {"prompt_tokens": states[0].prompt_tokens, "completion_tokens": completion,
                      "total_tokens": states[0].prompt_tokens + completion}
@@ -143,15 +156,31 @@ def openai_router(ctx: ApiContext) -> APIRouter:
         if not gen.stream:
             return await answer_whole(run, lambda state: chat_answer([[state]]))
 
+        streamer = ToolStreamer(plan.tools) if plan.tools is not None else None
+
         def chunk(state: RequestState, out: TokenOutput) -> list[dict]:
             delta = state.take_delta()
+            reason = openai_finish_reason(state.finish_reason)
+            calls = []
+            if streamer is not None:  # text that may be a tool call is held back, and parsed at the end
+                delta = streamer.feed(delta)
+                if state.finished:
+                    delta += streamer.finish()
+                    calls = [c.as_openai(index=i) for i, c in enumerate(streamer.calls)]
             if not delta and not state.finished:
                 return []
             new = state.take_logprob_start()
-            choice = {"index": 0, "delta": {"content": delta} if delta else {},
-                      "logprobs": chat_logprobs(state, new) if gen.return_logprob else None,
-                      "finish_reason": openai_finish_reason(state.finish_reason)}
-            return [envelope(state, "chat.completion.chunk", "chatcmpl") | {"choices": [choice]}]
+            logprobs = chat_logprobs(state, new) if gen.return_logprob else None
+            if not calls:
+                choice = {"index": 0, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
+                          "finish_reason": reason}
+                return [envelope(state, "chat.completion.chunk", "chatcmpl") | {"choices": [choice]}]
+            chunks = []
+            if delta:
+                chunks.append({"index": 0, "delta": {"content": delta}, "logprobs": None, "finish_reason": None})
+            chunks.append({"index": 0, "delta": {"tool_calls": calls}, "logprobs": logprobs,
+                           "finish_reason": "tool_calls" if reason == "stop" else reason})
+            return [envelope(state, "chat.completion.chunk", "chatcmpl") | {"choices": [c]} for c in chunks]
 
         head = [{"id": f"chatcmpl-{gen.rid}", "object": "chat.completion.chunk", "created": int(time.time()),
                  "model": ctx.model_name,

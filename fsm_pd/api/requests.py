@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 from fsm_pd.api.chat_template import render_messages
 from fsm_pd.api.errors import ApiError
 from fsm_pd.api.schemas import MAX_BATCH, ChatCompletionBody, CompletionBody, GenerateBody, SGLangSamplingParams
-from fsm_pd.engine.grammar import grammar_of
+from fsm_pd.api.tools import ToolPlan, forced_grammar, plan_tools, tool_dicts
+from fsm_pd.engine.grammar import GrammarSpec, grammar_of
 from fsm_pd.engine.sampling import SamplingParams
 from fsm_pd.serving.types import Bootstrap, GenerateRequest
 
@@ -95,8 +96,8 @@ NEUTRAL = {  # fields fsm-pd does not serve (yet), with the values that mean "no
 }
 WHY = {
     "structural_tag": "structural tags are not served yet (json_schema, regex, ebnf and response_format are)",
-    "tools": "tool calling is not served yet", "tool_choice": "tool calling is not served yet",
-    "parallel_tool_calls": "tool calling is not served yet",
+    "tools": "tools are served in chat completions only", "tool_choice": "tools are served in chat completions only",
+    "parallel_tool_calls": "tools are served in chat completions only",
     "top_logprobs_num": "top alternatives are not computed yet (the chosen tokens' logprobs are)",
     "top_logprobs": "top alternatives are not computed yet (the chosen tokens' logprobs are)",
 }
@@ -189,6 +190,7 @@ class Plan:
     batched: bool = False  # the client sent a list of prompts: the answer is a list
     hide_output: bool = False  # max tokens 0
     stream: bool = False
+    tools: ToolPlan | None = None  # chat with tools: the answers' calls are parsed (api.tools)
 
     @property
     def single(self) -> bool:
@@ -263,16 +265,22 @@ def from_generate(node: NodeIdentity, tokenizer, body: GenerateBody) -> Plan:
 
 
 def _openai_plan(node: NodeIdentity, body, prompts: list[list[int]], max_tokens: int | None, return_logprob: bool,
-                 *, batched: bool = False, copies: int = 1, keep: int = 1) -> Plan:
-    refuse_unsupported(body, "tools", "tool_choice", "parallel_tool_calls", "skip_special_tokens")
+                 *, batched: bool = False, copies: int = 1, keep: int = 1, tools: ToolPlan | None = None,
+                 grammar: GrammarSpec | None = None) -> Plan:
+    refuse_unsupported(body, "skip_special_tokens")
     bootstrap = resolve_bootstrap(node, body.bootstrap_host, body.bootstrap_port, body.bootstrap_room)
     plan = Plan([], prompts, copies=copies, keep=keep, batched=batched, hide_output=max_tokens == 0,
-                stream=body.stream)
+                stream=body.stream, tools=tools)
 
     def make(input_ids: list[int]) -> GenerateRequest:
         new = check_lengths(node, input_ids, max_tokens)
         sampling = make_sampling(node, body, max_new_tokens=new, seed=body.seed,
                                  repetition_penalty=body.repetition_penalty)
+        if grammar is not None:  # tool_choice required or named: the answer is one call
+            if sampling.grammar is not None:
+                raise ApiError(400, "tool_choice that forces a call cannot be combined with response_format, "
+                                    "json_schema, regex or ebnf")
+            sampling = replace(sampling, grammar=grammar)
         return GenerateRequest(rid="", input_ids=input_ids, sampling=sampling,
                                seed=choose_seed(body.seed, bootstrap, sampling), stream=body.stream,
                                return_logprob=return_logprob, bootstrap=bootstrap)
@@ -282,7 +290,7 @@ def _openai_plan(node: NodeIdentity, body, prompts: list[list[int]], max_tokens:
 
 def from_completion(node: NodeIdentity, tokenizer, body: CompletionBody) -> Plan:
     check_model(node, body.model)
-    refuse_unsupported(body, "suffix")
+    refuse_unsupported(body, "suffix", "tools", "tool_choice", "parallel_tool_calls")
     prompt = body.prompt
     batched = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
     items = prompt if batched else [prompt]
@@ -313,11 +321,14 @@ def from_completion(node: NodeIdentity, tokenizer, body: CompletionBody) -> Plan
 def from_chat(node: NodeIdentity, tokenizer, body: ChatCompletionBody) -> Plan:
     check_model(node, body.model)
     refuse_unsupported(body, "top_logprobs")
-    prompt, add_special = render_messages(getattr(tokenizer, "chat_template", None), body.messages,
-                                          body.chat_template_kwargs)
+    template = getattr(tokenizer, "chat_template", None)
+    tools = plan_tools(body, template)  # None: tool_choice none, or no tools
+    prompt, add_special = render_messages(template, body.messages, body.chat_template_kwargs,
+                                          tool_dicts(body.tools) if tools else None)
     input_ids = tokenizer.encode(prompt, add_special_tokens=add_special)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens == 0:
         raise ApiError(400, "max_tokens=0 is not served in chat (nothing would be returned)")
     n = body.n or 1
-    return _openai_plan(node, body, [input_ids], max_tokens, return_logprob=bool(body.logprobs), copies=n, keep=n)
+    return _openai_plan(node, body, [input_ids], max_tokens, return_logprob=bool(body.logprobs), copies=n, keep=n,
+                        tools=tools, grammar=forced_grammar(body, tools) if tools else None)

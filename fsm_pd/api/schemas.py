@@ -21,6 +21,7 @@ from fsm_pd.store.schema import MAX_ROOM
 StopField = str | list[str] | None
 MAX_N = 16  # completions per prompt (n, best_of): each is a request of its own in the engine
 MAX_BATCH = 64  # prompts in one batched request
+MAX_TOOLS = 128  # functions offered in one chat request
 LogitBias = dict[str, float] | None  # token id (as OpenAI's JSON keys are strings) -> added to its logit
 
 
@@ -79,6 +80,27 @@ class GenerateBody(_Body):
     custom_logit_processor: str | None = None
 
 
+class FunctionDef(_Body):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class ToolDef(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChosenFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
 class _OpenAIBody(_Body):
     """What OpenAI's completions and chat completions bodies share, plus SGLang's PD fields."""
 
@@ -103,8 +125,8 @@ class _OpenAIBody(_Body):
     user: str | None = None  # accepted and not used: OpenAI's end-user id for abuse monitoring
     # not served (yet): a 400 names them unless neutral
     response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)  # chat only (completions: a 400)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -132,6 +154,9 @@ class TextPart(_Body):
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls, given back to the template
+    tool_call_id: str | None = None  # a tool's answer: which call it answers
+    name: str | None = None
 
 
 class ChatCompletionBody(_OpenAIBody):
