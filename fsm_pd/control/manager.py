@@ -219,7 +219,8 @@ class KVManager:
         """What this node holds right now: for leak checks, /server_info and /metrics."""
         states = Counter(list(self.node.states.values()))
         out = {"rooms_by_state": dict(states), "open_transfer_entries": self.backend.open_entries().count,
-               "side_channel_dropped": self.side_channel.dropped}
+               "side_channel_dropped": self.side_channel.dropped, "rooms_bound_to_peers": self.peers.bound_count(),
+               "peers_watched": len(self.peers.monitor.watched())}
         if self.role == "prefill":
             out["staging_buffers_held"] = self.effects.held()
         else:

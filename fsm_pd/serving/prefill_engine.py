@@ -195,6 +195,7 @@ class PrefillEngine:
             "pages_reserved": self.allocator.reserved_pages,
             "staging_buffers_held": counters["staging_buffers_held"],
             "open_transfer_entries": counters["open_transfer_entries"],
+            "rooms_bound_to_peers": counters["rooms_bound_to_peers"],
             "rooms_open": sum(n for s, n in counters["rooms_by_state"].items() if s not in ("Success", "Failed")),
             "requests_live": len(self.requests),
             "queued": len(self._rooms),
