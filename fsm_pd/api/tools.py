@@ -51,7 +51,7 @@ def template_format(template: str | None) -> tuple[str, bool]:
         return QWEN, False
     if QWEN_OPEN in template:
         return QWEN, True
-    if PYTHON_TAG in template or '"parameters"' in template or "parameters" in template:
+    if PYTHON_TAG in template or "parameters" in template:
         return LLAMA3, True
     return QWEN, True
 
