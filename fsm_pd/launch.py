@@ -146,7 +146,7 @@ def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, jo
                 status.update(f"warm-up: asking {WARMUP_QUESTION!r} through the router (compiles on first use)")
                 answer = warm_up(router, model)
                 console.print(f"{WARMUP_QUESTION} -> {answer!r}  (first answer {time.time() - started:.1f} s "
-                              "after the command)")
+                              "after the command)", soft_wrap=True, markup=False, highlight=False)
         console.print(f"[bold green]fsm-pd is serving {model} at {router}[/] "
                       f"({prefill} prefill, {decode} decode, {backend} transfers; journals and logs in {journal_dir})")
         chat = {"messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 32, "temperature": 0}
