@@ -76,7 +76,8 @@ class NodeCore:
             self.submit(msg.room, "kv_published", {
                 "peer_layout": msg.layout, "uuid": msg.uuid, "transfer_addr": msg.transfer_addr,
                 "backend": msg.backend, "page_count": msg.page_count, "first_token": msg.first_token,
-                "first_logprob": msg.first_logprob, "input_logprobs": msg.input_logprobs})
+                "first_logprob": msg.first_logprob, "input_logprobs": msg.input_logprobs,
+                "top_logprobs": msg.top_logprobs})
         elif isinstance(msg, Abort):
             self.submit(msg.room, "peer_abort", {"reason": msg.reason, "peer": msg.sender})
         else:
@@ -103,10 +104,13 @@ class NodeCore:
         self.create(room, payload)
 
     def kv_ready(self, room: int, pages: list[int] | None = None, first_token: int = 0,
-                 first_logprob: float | None = None, input_logprobs: list[float] | None = None) -> None:
+                 first_logprob: float | None = None, input_logprobs: list[float] | None = None,
+                 top_logprobs: str | None = None) -> None:
         self._require("prefill")
         payload: dict[str, Any] = {"first_token": first_token, "first_logprob": first_logprob,
                                    "input_logprobs": input_logprobs}
+        if top_logprobs is not None:
+            payload["top_logprobs"] = top_logprobs
         if pages is not None:
             payload["pages"] = [int(p) for p in pages]
         self.submit(room, "kv_ready", payload)

@@ -169,9 +169,10 @@ class KVManager:
         self.core.add_sender(room, pages, prompt_len)
 
     def kv_ready(self, room: int, pages: list[int] | None = None, first_token: int = 0,
-                 first_logprob: float | None = None, input_logprobs: list[float] | None = None) -> None:
+                 first_logprob: float | None = None, input_logprobs: list[float] | None = None,
+                 top_logprobs: str | None = None) -> None:
         """Our prefill of ``room`` finished: its pages hold the KV and the first token is known."""
-        self.core.kv_ready(room, pages, first_token, first_logprob, input_logprobs)
+        self.core.kv_ready(room, pages, first_token, first_logprob, input_logprobs, top_logprobs)
 
     # --- the decode side ---
     def add_receiver(self, room: int, page_count: int | None = None, prompt_len: int = 0, **where: Any) -> None:

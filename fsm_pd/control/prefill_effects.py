@@ -96,7 +96,8 @@ class PrefillEffects:
             msg = channel.stamp(Ready, room=room.room, transfer_id=ctx["transfer_id"], uuid=ctx["uuid"],
                                 transfer_addr=ctx["transfer_addr"], backend=self.transfer.name, layout=self.layout,
                                 page_count=len(ctx["pages"]), first_token=ctx.get("first_token", 0),
-                                first_logprob=ctx.get("first_logprob"), input_logprobs=ctx.get("input_logprobs"))
+                                first_logprob=ctx.get("first_logprob"), input_logprobs=ctx.get("input_logprobs"),
+                                top_logprobs=ctx.get("top_logprobs"))
         elif effect.kind == "ABORT":
             msg = channel.stamp(Abort, room=room.room, reason=room.reason or "aborted")
         else:

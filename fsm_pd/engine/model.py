@@ -68,14 +68,16 @@ def _logits(config: ModelConfig, params: dict, h):
     return (h @ head).astype(jnp.float32)
 
 
-@partial(jax.jit, static_argnames=("config", "with_logprobs"), donate_argnames=("pool",))
-def forward_paged(params, pool, tokens, starts, lengths, page_tables, *, config: ModelConfig, with_logprobs=False):
+@partial(jax.jit, static_argnames=("config", "with_logprobs", "top_k"), donate_argnames=("pool",))
+def forward_paged(params, pool, tokens, starts, lengths, page_tables, *, config: ModelConfig, with_logprobs=False,
+                  top_k=0):
     """Run ``tokens: [B, S]`` at positions ``starts[:, None] + [0, S)`` through the decoder.
 
     Only the first ``lengths[b]`` tokens of row ``b`` are real; the rest write to the pad page. ``page_tables: [B, P]``
     lists each row's pages in position order. Returns the logits of each row's last real token ``[B, V]``, the updated
     pool, and with ``with_logprobs`` the log-probability of ``tokens[b, s + 1]`` after ``tokens[b, :s + 1]``
-    ``[B, S - 1]`` (else ``None``).
+    ``[B, S - 1]`` (else ``None``); with ``top_k`` too, that plus the ``top_k`` most likely tokens at each of those
+    positions, ``(values, ids)`` each ``[B, S - 1, top_k]`` (ties: the lower id first).
     """
     TRACE_COUNTS["forward_paged"] += 1
     b, s = tokens.shape
@@ -95,6 +97,9 @@ def forward_paged(params, pool, tokens, starts, lengths, page_tables, *, config:
     if with_logprobs:
         logprobs = jax.nn.log_softmax(_logits(config, params, h[:, :-1]), axis=-1)  # [B, S-1, V]
         next_logprobs = jnp.take_along_axis(logprobs, tokens[:, 1:, None], axis=-1)[..., 0]
+        if top_k:
+            # from the same log-softmax as the chosen ones, so a greedy token's logprob equals its top value exactly
+            next_logprobs = (next_logprobs, *jax.lax.top_k(logprobs, top_k))
     return _logits(config, params, last), tuple(new_pool), next_logprobs
 
 
@@ -117,6 +122,12 @@ class PrefillResult:
     # Per prompt position, the logprob of that token given the ones before it; None where there is no earlier token
     # in this call (the first one). Only when asked for.
     token_logprobs: list | None = None
+    # Per prompt position, its ``k`` most likely tokens as ``(logprob, token_id)``, best first; None at the first
+    # position. Only for prompts that asked for ``k > 0``.
+    token_top_logprobs: list | None = None
+
+
+MAX_TOP_LOGPROBS = 20  # as SGLang and OpenAI; prefill always computes this many, so one compiled variant serves all k
 
 
 def prefill_batch(
@@ -128,11 +139,13 @@ def prefill_batch(
     *,
     start_positions: Sequence[int] | None = None,
     return_logprobs: bool = False,
+    top_logprobs: Sequence[int] | None = None,
 ) -> PrefillResult:
     """Prefill several prompts in one call; ``prompts[i]`` goes to positions ``start_positions[i]`` onwards.
 
     ``page_ids[i]`` are request ``i``'s pages in position order, covering positions ``[0, start + len)``; a non-zero
     start means the earlier positions are already in those pages (a cached prefix or an earlier chunk).
+    ``top_logprobs[i]`` (with ``return_logprobs``; at most ``MAX_TOP_LOGPROBS``) asks for prompt ``i``'s alternatives.
     """
     if len(prompts) != len(page_ids) or not prompts:
         raise ValueError("prefill needs one page list per prompt, and at least one prompt")
@@ -150,6 +163,8 @@ def prefill_batch(
     b = buckets.batch_bucket(len(prompts))
     s = buckets.token_bucket(max(len(x) for x in prompts))
     p = buckets.page_bucket(max(len(pages) for pages in page_ids))
+    ks = [min(int(k), MAX_TOP_LOGPROBS, config.vocab_size) for k in (top_logprobs or [0] * len(prompts))]
+    top_k = min(MAX_TOP_LOGPROBS, config.vocab_size) if return_logprobs and any(ks) else 0
     logits, pool, next_logprobs = forward_paged(
         params,
         pool,
@@ -159,12 +174,24 @@ def prefill_batch(
         buckets.pad_2d(page_ids, b, p, fill=PAD_PAGE),
         config=config,
         with_logprobs=return_logprobs,
+        top_k=top_k,
     )
-    token_logprobs = None
+    token_logprobs = token_top = None
+    if top_k:
+        next_logprobs, top_values, top_ids = next_logprobs
+        top_values, top_ids = np.asarray(top_values), np.asarray(top_ids)
+        token_top = [_top_rows(top_values[i, : len(x) - 1], top_ids[i, : len(x) - 1], k) if k else None
+                     for i, (x, k) in enumerate(zip(prompts, ks, strict=True))]
     if return_logprobs:
         host = np.asarray(next_logprobs)
         token_logprobs = [[None] + host[i, : len(x) - 1].tolist() for i, x in enumerate(prompts)]
-    return PrefillResult(logits[: len(prompts)], pool, token_logprobs)
+    return PrefillResult(logits[: len(prompts)], pool, token_logprobs, token_top)
+
+
+def _top_rows(values, ids, k: int) -> list:
+    """``[None, [(logprob, id), ...], ...]``: the first position has nothing before it."""
+    values, ids = values[:, :k].tolist(), ids[:, :k].tolist()
+    return [None] + [list(zip(v, i, strict=True)) for v, i in zip(values, ids, strict=True)]
 
 
 def prefill(
@@ -176,12 +203,15 @@ def prefill(
     *,
     start_pos: int = 0,
     return_logprobs: bool = False,
+    top_logprobs: int = 0,
 ) -> PrefillResult:
     """Prefill one prompt into ``page_ids``; ``logits`` is ``[V]``, ``token_logprobs`` a list of ``len(token_ids)``."""
     out = prefill_batch(
-        config, params, pool, [token_ids], [page_ids], start_positions=[start_pos], return_logprobs=return_logprobs
+        config, params, pool, [token_ids], [page_ids], start_positions=[start_pos], return_logprobs=return_logprobs,
+        top_logprobs=[top_logprobs],
     )
-    return PrefillResult(out.logits[0], out.pool, out.token_logprobs[0] if return_logprobs else None)
+    return PrefillResult(out.logits[0], out.pool, out.token_logprobs[0] if return_logprobs else None,
+                         out.token_top_logprobs[0] if out.token_top_logprobs else None)
 
 
 def decode(config: ModelConfig, params: dict, pool: tuple, tokens, positions, page_tables) -> tuple[jax.Array, tuple]:

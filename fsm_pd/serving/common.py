@@ -11,6 +11,7 @@ from fsm_pd.control.manager import RoomInUse
 from fsm_pd.engine.loader import LoadedModel
 from fsm_pd.engine.pages import PageAllocator
 from fsm_pd.machines import KVPoll
+from fsm_pd.serving import top_logprobs
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.types import EngineError, GenerateRequest
 from fsm_pd.store.schema import MAX_ROOM
@@ -51,6 +52,11 @@ def check_request(request: GenerateRequest, max_context: int, *, needs_bootstrap
                           f"got {request.bootstrap.room}", 400)
     if not request.input_ids:
         raise EngineError(f"request {request.rid}: the prompt is empty", 400)
+    k = request.top_logprobs_num if request.return_logprob else 0
+    if needs_bootstrap and k and top_logprobs.wire_bytes(k, len(request.input_ids)) > top_logprobs.WIRE_BUDGET_BYTES:
+        # the prompt's alternatives cross in one READY frame
+        raise EngineError(f"request {request.rid}: top_logprobs_num={k} over a prompt of {len(request.input_ids)} "
+                          f"tokens is too much to hand from prefill to decode; ask for fewer alternatives", 400)
     if len(request.input_ids) >= max_context:
         raise EngineError(
             f"request {request.rid}: the input ({len(request.input_ids)} tokens) is longer than the "

@@ -53,6 +53,7 @@ from fsm_pd.serving.page_admission import admits
 from fsm_pd.serving.retraction import RetractionCollector
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.step_driver import StepDriver
+from fsm_pd.serving.top_logprobs import from_wire as top_logprobs_from_wire
 from fsm_pd.serving.types import EngineError, GenerateRequest, RequestStream
 from fsm_pd.transport import generate_secret
 
@@ -228,7 +229,8 @@ class DecodeEngine:
             else:  # the room is the loop's: copy what the model thread will read
                 ctx = room.ctx
                 detail = {"pages": list(ctx.get("pages") or ()), "first_token": ctx.get("first_token"),
-                          "first_logprob": ctx.get("first_logprob"), "input_logprobs": ctx.get("input_logprobs")}
+                          "first_logprob": ctx.get("first_logprob"), "input_logprobs": ctx.get("input_logprobs"),
+                          "top_logprobs": ctx.get("top_logprobs")}
             self._events.append((room.room, decision.dst, detail))
             self._driver.kick()
 
@@ -266,7 +268,13 @@ class DecodeEngine:
             return
         input_logprobs = input_logprobs_from_wire(ctx.get("input_logprobs")) if seq.request.return_logprob else None
         first_logprob = ctx.get("first_logprob") if seq.request.return_logprob else None
-        if seq.emit(int(ctx["first_token"]), first_logprob, input_logprobs):
+        try:
+            top, input_top = top_logprobs_from_wire(ctx.get("top_logprobs") if seq.request.return_logprob else None)
+        except ValueError as err:
+            seq.stream.push(EngineError(f"the prefill node's top logprobs are malformed: {err}", 502))
+            self._finish(seq)
+            return
+        if seq.emit(int(ctx["first_token"]), first_logprob, input_logprobs, top, input_top):
             self._finish(seq)
         else:
             self.loop.add(seq)

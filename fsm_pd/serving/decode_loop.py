@@ -20,11 +20,12 @@ from fsm_pd.engine.loader import LoadedModel
 from fsm_pd.engine.model_thread import ModelThread
 from fsm_pd.engine.pages import OutOfPages, PageAllocator, pages_for
 from fsm_pd.engine.sampling import sample
-from fsm_pd.serving.forward import chosen_logprobs
+from fsm_pd.serving.forward import top_ks
 from fsm_pd.serving.isolate import run_isolating
 from fsm_pd.serving.page_admission import admits
 from fsm_pd.serving.retraction import pick_retractions
 from fsm_pd.serving.sequence import Sequence
+from fsm_pd.serving.top_logprobs import chosen_and_top
 from fsm_pd.serving.types import EngineError
 
 log = logging.getLogger(__name__)
@@ -90,19 +91,20 @@ class DecodeLoop:
             if isinstance(row, Exception):  # this sequence fails alone; its neighbours got their tokens
                 self.end(seq, EngineError(f"decode step failed: {row}", 500))
                 continue
-            token, lp = row
+            token, lp, top = row
             self.tokens_generated += 1
-            if seq.emit(token, lp):
+            if seq.emit(token, lp, top_logprobs=top):
                 self.end(seq)
         # Nothing could run: the oldest waits for pages held outside the batch (transfers), and whoever frees them
         # kicks the scheduler, so no step is queued until then. With an empty pool a retracted sequence resumes at
         # the next step.
         return (bool(batch) and bool(self.running)) or (bool(self.retracted) and self.allocator.reserved_pages == 0)
 
-    def _forward_rows(self, batch: list[Sequence]) -> list[tuple[int, float | None]]:
-        tokens, logprobs = self._forward(batch)
-        return [(int(tokens[i]), float(logprobs[i]) if logprobs is not None and seq.request.return_logprob else None)
-                for i, seq in enumerate(batch)]
+    def _forward_rows(self, batch: list[Sequence]) -> list[tuple[int, float | None, list | None]]:
+        tokens, logprobs, tops = self._forward(batch)
+        want = logprobs is not None
+        return [(int(tokens[i]), float(logprobs[i]) if want and seq.request.return_logprob else None,
+                 tops[i] if want else None) for i, seq in enumerate(batch)]
 
     def _missing(self, seq: Sequence) -> int:
         return max(0, pages_for(seq.next_position + 1, self.page_size) - len(seq.pages))
@@ -185,5 +187,7 @@ class DecodeLoop:
             histories=[s.checker.output_ids for s in batch],  # penalties count every output token, the first too
             grammars=[s.checker.grammar for s in batch],  # structured output: each parser has seen every token
         )
-        logprobs = chosen_logprobs(logits, tokens) if any(r.return_logprob for r in requests) else None
-        return tokens, logprobs
+        if not any(r.return_logprob for r in requests):
+            return tokens, None, None
+        logprobs, tops = chosen_and_top(logits, tokens, top_ks(requests))
+        return tokens, logprobs, tops

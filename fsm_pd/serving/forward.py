@@ -14,6 +14,7 @@ from fsm_pd.engine.grammar import new_state
 from fsm_pd.engine.loader import LoadedModel
 from fsm_pd.engine.model_thread import ModelThread
 from fsm_pd.engine.sampling import sample
+from fsm_pd.serving.top_logprobs import TopRow, chosen_and_top, log_softmax_rows
 from fsm_pd.serving.types import GenerateRequest
 
 
@@ -22,15 +23,19 @@ class FirstToken:
     token_id: int
     logprob: float | None  # only when the request asked for logprobs
     input_logprobs: list[float | None] | None
+    top_logprobs: TopRow | None = None  # the first output token's alternatives, when asked for
+    input_top_logprobs: list[TopRow | None] | None = None  # the prompt's, None at its first position
 
 
 def chosen_logprobs(logits, tokens) -> np.ndarray:
     """``log_softmax(logits)[b, tokens[b]]`` for each row; on the host, where it costs one pass over ``[B, V]``
     and compiles nothing per batch size."""
-    x = np.asarray(logits, dtype=np.float32)
-    x = x - x.max(axis=-1, keepdims=True)
-    log_norm = np.log(np.exp(x).sum(axis=-1))
-    return x[np.arange(x.shape[0]), np.asarray(tokens)] - log_norm
+    return log_softmax_rows(logits)[np.arange(np.asarray(logits).shape[0]), np.asarray(tokens)]
+
+
+def top_ks(requests: Sequence[GenerateRequest]) -> list[int]:
+    """Each request's k: its ``top_logprobs_num`` when it asked for logprobs at all, else 0."""
+    return [r.top_logprobs_num if r.return_logprob else 0 for r in requests]
 
 
 def prefill_and_sample(
@@ -38,20 +43,24 @@ def prefill_and_sample(
 ) -> list[FirstToken]:
     """Prefill ``requests`` into ``pages`` (one list each) in one batch; model thread only (it replaces the pool)."""
     want_logprobs = any(r.return_logprob for r in requests)
+    ks = top_ks(requests)
     out = model.prefill_batch(
-        owner.pool, [r.input_ids for r in requests], [list(p) for p in pages], return_logprobs=want_logprobs
+        owner.pool, [r.input_ids for r in requests], [list(p) for p in pages], return_logprobs=want_logprobs,
+        top_logprobs=ks,
     )
     owner.pool = out.pool
     # A request's grammar masks its first token here too; the decode (or colocated) side's own parser is fed it next.
     grammars = [new_state(r.sampling.grammar, model.tokenizer) if r.sampling.grammar else None for r in requests]
     tokens = sample(out.logits, [r.sampling for r in requests], [r.seed for r in requests], [0] * len(requests),
                     grammars=grammars)
-    logprobs = chosen_logprobs(out.logits, tokens) if want_logprobs else None
+    logprobs, tops = chosen_and_top(out.logits, tokens, ks) if want_logprobs else (None, None)
     return [
         FirstToken(
             int(tokens[i]),
             float(logprobs[i]) if r.return_logprob else None,
             out.token_logprobs[i] if r.return_logprob else None,
+            tops[i] if ks[i] else None,
+            out.token_top_logprobs[i] if ks[i] else None,
         )
         for i, r in enumerate(requests)
     ]

@@ -43,6 +43,7 @@ from fsm_pd.serving.isolate import run_isolating
 from fsm_pd.serving.page_admission import take_prefill_batch
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.step_driver import StepDriver
+from fsm_pd.serving.top_logprobs import to_wire as top_logprobs_to_wire
 from fsm_pd.serving.types import EngineError, GenerateRequest, RequestStream, TokenOutput
 from fsm_pd.transport import generate_secret
 
@@ -270,6 +271,7 @@ class PrefillEngine:
                 first_token=first.token_id,
                 first_logprob=first.logprob,
                 input_logprobs=input_logprobs_to_wire(first.input_logprobs),
+                top_logprobs=top_logprobs_to_wire(first.top_logprobs, first.input_top_logprobs),
             )
 
     def _answer(self, seq: Sequence, first: FirstToken) -> None:
@@ -282,6 +284,8 @@ class PrefillEngine:
                 finish_reason={"type": "length"},
                 text=self.model.tokenizer.decode([first.token_id]),
                 input_token_logprobs=first.input_logprobs,
+                top_logprobs=first.top_logprobs,
+                input_top_logprobs=first.input_top_logprobs,
                 meta={"prompt_tokens": seq.prompt_len, "completion_tokens": 1, "cached_tokens": 0},
             )
         )

@@ -74,7 +74,12 @@ class Sequence:
         return self.checker.finished or self.prompt_len + self.generated >= self.max_context
 
     def emit(
-        self, token_id: int, logprob: float | None = None, input_token_logprobs: list[float | None] | None = None
+        self,
+        token_id: int,
+        logprob: float | None = None,
+        input_token_logprobs: list[float | None] | None = None,
+        top_logprobs: list | None = None,
+        input_top_logprobs: list | None = None,
     ) -> bool:
         """Record one generated token and stream it; returns True if it was the last one."""
         self.checker.append(token_id)
@@ -83,6 +88,8 @@ class Sequence:
             int(token_id),
             logprob=None if logprob is None else float(logprob),
             input_token_logprobs=input_token_logprobs,
+            top_logprobs=top_logprobs,
+            input_top_logprobs=input_top_logprobs,
         )
         if done:
             out.finish_reason = finish_reason(self.checker)

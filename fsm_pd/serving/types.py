@@ -44,6 +44,7 @@ class GenerateRequest:
     seed: int  # SamplingParams.resolved_seed(), drawn once: P and D must sample with the same one
     stream: bool = False
     return_logprob: bool = False  # per-token output logprobs, and input_token_logprobs from prefill
+    top_logprobs_num: int = 0  # with return_logprob: the k most likely tokens at each prompt and output position
     bootstrap: Bootstrap | None = None  # required on prefill and decode nodes, absent on colocated ones
 
 
@@ -58,6 +59,8 @@ class TokenOutput:
     finish_reason: dict | None = None
     text: str | None = None  # the request's whole output text so far (stop strings cut); set on the last token
     input_token_logprobs: list[float | None] | None = None  # from prefill, on the first token when asked for
+    top_logprobs: list[tuple[float, int]] | None = None  # (logprob, token_id), best first, when asked for
+    input_top_logprobs: list | None = None  # per prompt position (None at the first), on the first token
     meta: dict[str, Any] = field(default_factory=dict)  # e.g. prompt_tokens, cached_tokens, kv transfer seconds
 
 

@@ -75,6 +75,10 @@ def _check_optional_float(value: Any) -> float | None:
     return None if value is None else _check_float(value)
 
 
+def _check_optional_str(value: Any) -> str | None:
+    return None if value is None else _check_str(value)
+
+
 def _check_optional_float_list(value: Any) -> list[float] | None:
     if value is None:
         return None
@@ -109,6 +113,7 @@ _CHECKS: Final[dict[str, Callable[[Any], Any]]] = {
     "float": _check_float,
     "float | None": _check_optional_float,
     "list[float] | None": _check_optional_float_list,
+    "str | None": _check_optional_str,
     "dict": _check_layout,
 }
 
@@ -172,6 +177,8 @@ class Ready(_Message):
     first_token: int
     first_logprob: float | None
     input_logprobs: list[float] | None
+    # With top_logprobs_num: the first token's and the prompt's alternatives, packed (serving.top_logprobs.to_wire)
+    top_logprobs: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
