@@ -16,8 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
-import pytest
-from test_pd_serving import PAGE_SIZE, Cluster, free_port
+from processes import PAGE_SIZE, Cluster, free_port
 
 DEADLINE_S = 4.0  # every deadline of both nodes
 ENV = {
@@ -190,16 +189,3 @@ class Node:
         self.rig.cluster.start(f"{self.role}-restarted-{len(self.rig.cluster.procs)}", list(self.proc.args), self.url)
         self.proc = self.rig.cluster.procs[-1]
         self.baseline = self.wait_idle() if self.baseline is None else self.baseline
-
-
-@pytest.fixture
-def rig(tmp_path, request):
-    made = []
-
-    def make(**kwargs) -> Rig:
-        made.append(Rig(tmp_path, **kwargs))
-        return made[-1]
-
-    yield make
-    for r in made:
-        r.stop()

@@ -22,10 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from fault_rig import DEADLINE_S, ENV, PROMPTS, assert_clean, generate, info, rig
-from test_pd_serving import PAGE_SIZE, Cluster, free_port
-
-assert rig  # a fixture, used by name
+from fault_rig import DEADLINE_S, ENV, PROMPTS, assert_clean, generate, info
+from processes import PAGE_SIZE, Cluster, free_port
 
 # how a decode room ends when its prefill node dies: the router cancels the decode leg, the pull fails, the heartbeat
 DECODE_LOST_PREFILL = ("aborted by the client", "pull failed", "pull timed out", "transfer timeout",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from drills import bad_input, kill_and_restart, stop_and_continue
-from fault_rig import REQUEST_BOUND_S, rig  # noqa: F401 - the fixture
+from fault_rig import REQUEST_BOUND_S
 
 # The acceptance drills of issue 11: about two minutes together on two idle cores.
 pytestmark = pytest.mark.timeout(600)
@@ -18,7 +18,7 @@ def _no_hang(figures: dict) -> None:
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_a_node_killed_and_restarted_under_load(rig, role):  # noqa: F811 - rig is test_faults' fixture
+def test_a_node_killed_and_restarted_under_load(rig, role):
     figures = kill_and_restart(rig(), role)
     print(figures)
     _no_hang(figures)
@@ -28,7 +28,7 @@ def test_a_node_killed_and_restarted_under_load(rig, role):  # noqa: F811 - rig 
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_a_node_stopped_for_20s_under_load(rig, role):  # noqa: F811
+def test_a_node_stopped_for_20s_under_load(rig, role):
     figures = stop_and_continue(rig(), role, seconds=20)
     print(figures)
     _no_hang(figures)
@@ -36,7 +36,7 @@ def test_a_node_stopped_for_20s_under_load(rig, role):  # noqa: F811
     assert figures["overlapping_results"]["error"] > 0, figures
 
 
-def test_bad_input_gets_4xx_and_hurts_nobody(rig):  # noqa: F811
+def test_bad_input_gets_4xx_and_hurts_nobody(rig):
     figures = bad_input(rig())
     print(figures)
     statuses = figures["statuses"]

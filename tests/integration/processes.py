@@ -1,0 +1,81 @@
+"""Server processes a test (or a bench) starts on 127.0.0.1 and stops by PID: ``Cluster`` runs ``fsm-pd serve`` nodes
+and the built-in router with a shared side-channel secret, each logging to a file beside its journal. No pytest
+here, so that ``bench/`` scripts can use it after the README's install alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from fsm_pd.transport import generate_secret, secret_env
+
+PAGE_SIZE = 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_health(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, f"{url} exited with {proc.returncode}"
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} not healthy within {timeout}s")
+
+
+class Cluster:
+    """Processes this test starts, stopped (SIGTERM, then SIGKILL) by PID at the end."""
+
+    def __init__(self, tmp_path):
+        self.tmp, self.procs = tmp_path, []
+        self.env = {**os.environ, **secret_env(generate_secret()), "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
+
+    def start(self, name: str, argv: list[str], url: str) -> str:
+        log = open(self.tmp / f"{name}.log", "w")  # noqa: SIM115 - the child writes to it
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, stdin=subprocess.DEVNULL)
+        self.procs.append(proc)
+        wait_health(url, proc)
+        return url
+
+    def serve(self, role: str, *extra: str) -> str:
+        port = free_port()
+        argv = [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", role, "--port", str(port),
+                "--page-size", str(PAGE_SIZE), *extra]
+        if role in ("prefill", "decode"):
+            argv += ["--journal", str(self.tmp / f"{role}-{port}.db"), "--node-id", f"{role}-{port}"]
+        return self.start(f"{role}-{port}", argv, f"http://127.0.0.1:{port}")
+
+    def pd(self, backend: str) -> tuple[str, int, str]:
+        boot = free_port()
+        p = self.serve("prefill", "--bootstrap-port", str(boot), "--transfer-backend", backend)
+        d = self.serve("decode", "--transfer-backend", backend)
+        return p, boot, d
+
+    def router(self, p: str, boot: int, d: str) -> str:
+        port = free_port()
+        return self.start("router", [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", "router", "--port",
+                                     str(port), "--prefill", p, str(boot), "--decode", d], f"http://127.0.0.1:{port}")
+
+    def stop(self):
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
