@@ -1,10 +1,10 @@
 """OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions`` (whole or streamed), ``/v1/models``.
 
 Streamed text arrives as increments (``delta``s); what an increment may not yet show is explained in
-``api.outputs``. Token logprobs are the sampled token's only: fsm-pd does not compute alternatives yet, so a request
-for them (completions ``logprobs`` > 0, chat ``top_logprobs`` > 0) is a 400. ``echo`` (whole answers): the prompt's
-text before the completion's, and with ``logprobs`` the prompt's tokens and logprobs before the output's (the first
-prompt token's is null), which with ``max_tokens`` 0 is lm-eval's loglikelihood request.
+``api.outputs``. Token logprobs are the sampled token's, and with completions ``logprobs`` > 0 or chat
+``top_logprobs`` > 0 that many alternatives per token. ``echo`` (whole answers): the prompt's text before the
+completion's, and with ``logprobs`` the prompt's tokens, logprobs and alternatives before the output's (the first
+prompt token's are null), which with ``max_tokens`` 0 or 1 is lm-eval's loglikelihood request.
 """
 
 from __future__ import annotations
@@ -45,21 +45,35 @@ def completion_logprobs(state: RequestState, start: int = 0, offset: int = 0, ec
     ``echo``, the prompt's tokens first."""
     tokens = _token_texts(state, start)
     values = list(state.logprobs[start:])
+    tops = list(state.top_logprobs[start:])
     if echo:
         prompt = state.input_token_logprobs()
         tokens = [state.tokenizer.decode([tid], skip_special_tokens=False) for _, tid, _ in prompt] + tokens
         values = [lp for lp, _, _ in prompt] + values
+        tops = list(state.input_top_logprobs or [None] * len(prompt)) + tops
     offsets, at = [], offset
     for token in tokens:
         offsets.append(at)
         at += len(token)
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
+    top = None
+    if state.request.top_logprobs_num:  # {token text: logprob} per token, null for the first prompt token
+        top = [None if row is None else {_decode(state, tid): lp for lp, tid in row} for row in tops]
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top, "text_offset": offsets}
+
+
+def _decode(state: RequestState, tid: int) -> str:
+    return state.tokenizer.decode([tid], skip_special_tokens=False)
+
+
+def _chat_top(state: RequestState, row) -> list[dict]:
+    return [{"token": (t := _decode(state, tid)), "logprob": lp, "bytes": list(t.encode())} for lp, tid in row or ()]
 
 
 def chat_logprobs(state: RequestState, start: int = 0) -> dict:
     tokens = _token_texts(state, start)
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                        for t, lp in zip(tokens, state.logprobs[start:], strict=True)]}
+    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": _chat_top(state, top)}
+                        for t, lp, top in zip(tokens, state.logprobs[start:], state.top_logprobs[start:],
+                                              strict=True)]}
 
 
 def openai_router(ctx: ApiContext) -> APIRouter:

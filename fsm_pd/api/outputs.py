@@ -33,6 +33,8 @@ class RequestState:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
+    top_logprobs: list[list | None] = field(default_factory=list)  # per output token: [(logprob, id), ...]
+    input_top_logprobs: list | None = None  # per prompt position, None at the first
     finish_reason: dict | None = None
     final_text: str | None = None
     meta: dict = field(default_factory=dict)
@@ -43,6 +45,8 @@ class RequestState:
     def add(self, out: TokenOutput) -> None:
         if out.input_token_logprobs is not None:
             self.input_logprobs = list(out.input_token_logprobs)
+        if out.input_top_logprobs is not None:
+            self.input_top_logprobs = list(out.input_top_logprobs)
         self.meta.update(out.meta or {})
         if self.hide_output:
             if out.finish_reason is not None:
@@ -51,6 +55,7 @@ class RequestState:
             return
         self.output_ids.append(int(out.token_id))
         self.logprobs.append(out.logprob)
+        self.top_logprobs.append(out.top_logprobs)
         if out.finish_reason is not None:
             self.finish_reason = dict(out.finish_reason)
             self.final_text = out.text
@@ -107,16 +112,32 @@ class RequestState:
         start, self.logprobs_sent = self.logprobs_sent, len(self.output_ids)
         return start
 
+    def _text(self, tid: int) -> str | None:
+        return self.tokenizer.decode([tid], skip_special_tokens=False) if self.request.text_in_logprobs else None
+
     def input_token_logprobs(self) -> list[list]:
-        """SGLang's ``[[logprob, token_id, None], ...]`` over the prompt; the first token has no logprob."""
+        """SGLang's ``[[logprob, token_id, text or None], ...]`` over the prompt from ``logprob_start_len``; the
+        first prompt token has no logprob."""
         values = self.input_logprobs or []
         ids = self.request.input_ids
         if len(values) == len(ids) - 1:
             values = [None, *values]
-        return [[lp, tid, None] for lp, tid in zip(values, ids, strict=False)]
+        start = self.request.logprob_start_len
+        return [[lp, tid, self._text(tid)] for lp, tid in zip(values[start:], ids[start:], strict=False)]
 
     def output_token_logprobs(self) -> list[list]:
-        return [[lp, tid, None] for lp, tid in zip(self.logprobs, self.output_ids, strict=True)]
+        return [[lp, tid, self._text(tid)] for lp, tid in zip(self.logprobs, self.output_ids, strict=True)]
+
+    def _top_rows(self, rows) -> list:
+        return [None if row is None else [[lp, tid, self._text(tid)] for lp, tid in row] for row in rows]
+
+    def input_top_rows(self) -> list:
+        """SGLang's ``input_top_logprobs``: per prompt position from ``logprob_start_len``, ``[[logprob, id,
+        text or None], ...]`` best first, or None (the first prompt token)."""
+        return self._top_rows((self.input_top_logprobs or [])[self.request.logprob_start_len:])
+
+    def output_top_rows(self) -> list:
+        return self._top_rows(self.top_logprobs)
 
     def sglang_meta(self, prompt_logprobs: bool = True) -> dict:
         meta = {k: v for k, v in self.meta.items() if k not in ("prompt_tokens", "completion_tokens")}
@@ -131,6 +152,10 @@ class RequestState:
         if self.request.return_logprob:
             meta["input_token_logprobs"] = self.input_token_logprobs() if prompt_logprobs else []
             meta["output_token_logprobs"] = self.output_token_logprobs()
+            if self.request.top_logprobs_num:
+                # no router merges these, so a decode node gives its copy (from READY) whatever prompt_logprobs says
+                meta["input_top_logprobs"] = self.input_top_rows()
+                meta["output_top_logprobs"] = self.output_top_rows()
         return meta
 
     def sglang_response(self, prompt_logprobs: bool = True) -> dict:

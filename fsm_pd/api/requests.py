@@ -21,6 +21,7 @@ from fsm_pd.api.errors import ApiError
 from fsm_pd.api.schemas import MAX_BATCH, ChatCompletionBody, CompletionBody, GenerateBody, SGLangSamplingParams
 from fsm_pd.api.tools import ToolPlan, forced_grammar, plan_tools, tool_dicts
 from fsm_pd.engine.grammar import GrammarSpec, grammar_of
+from fsm_pd.engine.model import MAX_TOP_LOGPROBS
 from fsm_pd.engine.sampling import SamplingParams
 from fsm_pd.serving.types import Bootstrap, GenerateRequest
 
@@ -88,18 +89,14 @@ def choose_seed(seed: int | None, bootstrap: Bootstrap | None, params: SamplingP
 NEUTRAL = {  # fields fsm-pd does not serve (yet), with the values that mean "not used"
     "structural_tag": (None,),
     "min_new_tokens": (None, 0), "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
-    "top_logprobs_num": (None, 0), "logprob_start_len": (None, -1), "return_text_in_logprobs": (None, False),
     "lora_path": (None,), "image_data": (None,), "return_hidden_states": (None, False),
     "custom_logit_processor": (None,), "tools": (None, []),
     "tool_choice": (None, "none"), "parallel_tool_calls": (None, True), "suffix": (None, ""),
-    "top_logprobs": (None, 0),
 }
 WHY = {
     "structural_tag": "structural tags are not served yet (json_schema, regex, ebnf and response_format are)",
     "tools": "tools are served in chat completions only", "tool_choice": "tools are served in chat completions only",
     "parallel_tool_calls": "tools are served in chat completions only",
-    "top_logprobs_num": "top alternatives are not computed yet (the chosen tokens' logprobs are)",
-    "top_logprobs": "top alternatives are not computed yet (the chosen tokens' logprobs are)",
 }
 
 
@@ -122,6 +119,14 @@ def logit_bias_items(bias: dict[str, float] | None, node: NodeIdentity) -> tuple
         items.append((tid, float(value)))
     check_token_ids(node, [t for t, _ in items], "logit_bias")
     return tuple(items)
+
+
+def top_logprobs_num(value: int | None, name: str) -> int:
+    """How many alternatives per position: 0 to ``MAX_TOP_LOGPROBS`` (20, as SGLang and OpenAI)."""
+    k = int(value or 0)
+    if not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {k}")
+    return k
 
 
 def make_sampling(node: NodeIdentity, src, *, max_new_tokens, seed, repetition_penalty=None) -> SamplingParams:
@@ -243,8 +248,11 @@ def _build(node: NodeIdentity, plan: Plan, rid: str | None, make) -> Plan:
 
 def from_generate(node: NodeIdentity, tokenizer, body: GenerateBody) -> Plan:
     check_model(node, body.model)
-    refuse_unsupported(body, "top_logprobs_num", "logprob_start_len", "return_text_in_logprobs", "lora_path",
-                       "image_data", "return_hidden_states", "custom_logit_processor")
+    refuse_unsupported(body, "lora_path", "image_data", "return_hidden_states", "custom_logit_processor")
+    top_k = top_logprobs_num(body.top_logprobs_num, "top_logprobs_num")
+    start = -1 if body.logprob_start_len is None else body.logprob_start_len
+    if start < -1:
+        raise ApiError(400, f"logprob_start_len must be -1 (the whole prompt) or a position, got {start}")
     sp = body.sampling_params or SGLangSamplingParams()
     refuse_unsupported(sp, "structural_tag", "min_new_tokens", "skip_special_tokens", "spaces_between_special_tokens")
     prompts, batched = _prompts_of_generate(node, tokenizer, body)
@@ -259,14 +267,15 @@ def from_generate(node: NodeIdentity, tokenizer, body: GenerateBody) -> Plan:
         sampling = make_sampling(node, sp, max_new_tokens=new, seed=seed, repetition_penalty=sp.repetition_penalty)
         return GenerateRequest(rid="", input_ids=input_ids, sampling=sampling,
                                seed=choose_seed(seed, bootstrap, sampling), stream=body.stream,
-                               return_logprob=body.return_logprob, bootstrap=bootstrap)
+                               return_logprob=body.return_logprob, bootstrap=bootstrap, top_logprobs_num=top_k,
+                               logprob_start_len=max(start, 0), text_in_logprobs=bool(body.return_text_in_logprobs))
 
     return _build(node, plan, body.rid, make)
 
 
 def _openai_plan(node: NodeIdentity, body, prompts: list[list[int]], max_tokens: int | None, return_logprob: bool,
                  *, batched: bool = False, copies: int = 1, keep: int = 1, tools: ToolPlan | None = None,
-                 grammar: GrammarSpec | None = None) -> Plan:
+                 grammar: GrammarSpec | None = None, top_k: int = 0) -> Plan:
     refuse_unsupported(body, "skip_special_tokens")
     bootstrap = resolve_bootstrap(node, body.bootstrap_host, body.bootstrap_port, body.bootstrap_room)
     plan = Plan([], prompts, copies=copies, keep=keep, batched=batched, hide_output=max_tokens == 0,
@@ -283,7 +292,7 @@ def _openai_plan(node: NodeIdentity, body, prompts: list[list[int]], max_tokens:
             sampling = replace(sampling, grammar=grammar)
         return GenerateRequest(rid="", input_ids=input_ids, sampling=sampling,
                                seed=choose_seed(body.seed, bootstrap, sampling), stream=body.stream,
-                               return_logprob=return_logprob, bootstrap=bootstrap)
+                               return_logprob=return_logprob, bootstrap=bootstrap, top_logprobs_num=top_k)
 
     return _build(node, plan, body.rid, make)
 
@@ -302,9 +311,6 @@ def from_completion(node: NodeIdentity, tokenizer, body: CompletionBody) -> Plan
         if not isinstance(item, str):
             check_token_ids(node, ids, "prompt")
         prompts.append(ids)
-    if body.logprobs:
-        raise ApiError(400, f"logprobs={body.logprobs} asks for top alternatives, which are not computed yet; "
-                            "logprobs=0 returns the chosen tokens' logprobs")
     max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
     if max_tokens == 0 and not body.echo:
         raise ApiError(400, "max_tokens=0 returns nothing without echo=true")
@@ -315,12 +321,15 @@ def from_completion(node: NodeIdentity, tokenizer, body: CompletionBody) -> Plan
     if best_of > n and body.stream:
         raise ApiError(400, "best_of > n cannot be streamed (as OpenAI)")
     return _openai_plan(node, body, prompts, max_tokens, return_logprob=body.logprobs is not None or best_of > n,
-                        batched=batched and len(items) > 1, copies=best_of, keep=n)
+                        batched=batched and len(items) > 1, copies=best_of, keep=n,
+                        top_k=top_logprobs_num(body.logprobs, "logprobs"))
 
 
 def from_chat(node: NodeIdentity, tokenizer, body: ChatCompletionBody) -> Plan:
     check_model(node, body.model)
-    refuse_unsupported(body, "top_logprobs")
+    top_k = top_logprobs_num(body.top_logprobs, "top_logprobs")
+    if top_k and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs=true (as OpenAI)")
     template = getattr(tokenizer, "chat_template", None)
     tools = plan_tools(body, template)  # None: tool_choice none, or no tools
     prompt, add_special = render_messages(template, body.messages, body.chat_template_kwargs,
@@ -331,4 +340,4 @@ def from_chat(node: NodeIdentity, tokenizer, body: ChatCompletionBody) -> Plan:
         raise ApiError(400, "max_tokens=0 is not served in chat (nothing would be returned)")
     n = body.n or 1
     return _openai_plan(node, body, [input_ids], max_tokens, return_logprob=bool(body.logprobs), copies=n, keep=n,
-                        tools=tools, grammar=forced_grammar(body, tools) if tools else None)
+                        tools=tools, grammar=forced_grammar(body, tools) if tools else None, top_k=top_k)

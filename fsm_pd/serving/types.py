@@ -45,6 +45,8 @@ class GenerateRequest:
     stream: bool = False
     return_logprob: bool = False  # per-token output logprobs, and input_token_logprobs from prefill
     top_logprobs_num: int = 0  # with return_logprob: the k most likely tokens at each prompt and output position
+    logprob_start_len: int = 0  # the API shows prompt logprobs from this position on (the engine computes all)
+    text_in_logprobs: bool = False  # the API puts each logprob's token text in SGLang's third field
     bootstrap: Bootstrap | None = None  # required on prefill and decode nodes, absent on colocated ones
 
 

@@ -164,7 +164,8 @@ def test_colocated_node_ignores_bootstrap_fields(colocated):
     ({"text": "a", "sampling_params": {"ebnf": "root ::= missing"}}, "ebnf"),
     ({"text": "a", "sampling_params": {"regex": "a", "ebnf": "root ::= 'a'"}}, "at most one"),
     ({"text": "a", "sampling_params": {"structural_tag": "{}"}}, "structural_tag"),
-    ({"text": "a", "top_logprobs_num": 2, "return_logprob": True}, "top_logprobs_num"),
+    ({"text": "a", "top_logprobs_num": 21, "return_logprob": True}, "top_logprobs_num"),
+    ({"text": "a", "logprob_start_len": -2, "return_logprob": True}, "logprob_start_len"),
     ({"text": "a", "model": "other"}, "does not exist"),
 ])
 def test_generate_bad_input_is_400_with_a_message(colocated, body, fragment):

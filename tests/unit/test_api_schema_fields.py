@@ -11,9 +11,9 @@ from fsm_pd.api.stub_engine import stub_tokenizer
 
 NODE = NodeIdentity(role="colocated", max_context=512, model_names=frozenset({"m"}), bootstrap_port=None,
                     vocab_size=272)
-# read outside the converters: by the routes (stream_options, echo, logprobs: the answer's shape), the chat template
+# read outside the converters: by the routes (stream_options, echo: the answer's shape), the chat template
 # (messages' role and content, parts' type and text), or deliberately unused (user: OpenAI's abuse-monitoring id)
-READ_ELSEWHERE = {"stream_options", "user", "echo", "logprobs", "role", "content", "type", "text"}
+READ_ELSEWHERE = {"stream_options", "user", "echo", "role", "content", "type", "text"}
 
 
 def recorded(model_cls, reads: set[str]):
