@@ -75,9 +75,13 @@ class Rig:
         base = {**self.cluster.env, **ENV, "FSM_PD_FAULT_PAUSE_FILE": str(self.pause)}
         self.envs = {"prefill": {**base, **(prefill_env or {})}, "decode": {**base, **(decode_env or {})}}
         self.boot = free_port()
-        self.p = self.node("prefill", "--bootstrap-port", str(self.boot))
-        self.d = self.node("decode")
-        self.router = self.cluster.router(self.p.url, self.boot, self.d.url)
+        try:
+            self.p = self.node("prefill", "--bootstrap-port", str(self.boot))
+            self.d = self.node("decode")
+            self.router = self.cluster.router(self.p.url, self.boot, self.d.url)
+        except BaseException:  # nobody else holds this rig yet: stop what it started before it failed
+            self.cluster.stop()
+            raise
 
     def node(self, role: str, *extra: str) -> Node:
         self.cluster.env = self.envs[role]
