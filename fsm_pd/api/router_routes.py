@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Request
@@ -150,6 +151,7 @@ def install_router_routes(app: FastAPI, pd, metrics: RouterMetrics) -> None:
         app.add_api_route(path, forwarded(), methods=["POST"])
 
     async def one_model(model_id: str) -> Response:
-        return await first_prefill("GET", f"/v1/models/{model_id}")
+        # quoted: an id is client text, and a control character in it must reach the worker as a 404, not break the URL
+        return await first_prefill("GET", f"/v1/models/{quote(model_id, safe='')}")
 
     app.add_api_route("/v1/models/{model_id:path}", one_model, methods=["GET"])
