@@ -79,3 +79,25 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def pd_beside_colocated(cluster: Cluster, backend: str = "zmq") -> dict[str, str]:
+    """A PD pair behind the built-in router (and behind the real sglang-router when that package is installed), and a
+    colocated node to compare with: ``{"colocated", "router", "decode", "sglang-router"?}`` -> base URL."""
+    p, boot, d = cluster.pd(backend)
+    found = {"colocated": cluster.serve("colocated"), "router": cluster.router(p, boot, d), "decode": d}
+    try:
+        import sglang_router  # noqa: F401
+    except ImportError:
+        return found
+    port = free_port()
+    found["sglang-router"] = cluster.start("sglang-router", [
+        sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", p, str(boot),
+        "--decode", d, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+        "--prometheus-port", str(free_port()), "--policy", "random"], f"http://127.0.0.1:{port}")
+    return found
+
+
+def routers(urls: dict[str, str]) -> list[str]:
+    """The routers of ``pd_beside_colocated``'s answer that are running."""
+    return [urls[name] for name in ("router", "sglang-router") if name in urls]

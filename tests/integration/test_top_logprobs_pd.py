@@ -7,11 +7,9 @@ One cluster per module (processes started here, stopped by PID); everything on 1
 
 from __future__ import annotations
 
-import sys
-
 import httpx
 import pytest
-from processes import Cluster, free_port
+from processes import Cluster, pd_beside_colocated, routers
 
 TIMEOUT_S = 180
 K = 3
@@ -19,28 +17,12 @@ K = 3
 
 @pytest.fixture(scope="module")
 def urls(tmp_path_factory):
-    """{"colocated", "router", "sglang-router" (absent without the package)} -> base URL."""
+    """{"colocated", "router", "decode", "sglang-router" (absent without the package)} -> base URL."""
     cluster = Cluster(tmp_path_factory.mktemp("top-logprobs"))
     try:
-        p, boot, d = cluster.pd("zmq")
-        found = {"colocated": cluster.serve("colocated"), "router": cluster.router(p, boot, d)}
-        try:
-            import sglang_router  # noqa: F401
-        except ImportError:
-            pass
-        else:
-            port = free_port()
-            found["sglang-router"] = cluster.start("sglang-router", [
-                sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", p,
-                str(boot), "--decode", d, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host",
-                "127.0.0.1", "--prometheus-port", str(free_port()), "--policy", "random"], f"http://127.0.0.1:{port}")
-        yield found
+        yield pd_beside_colocated(cluster)
     finally:
         cluster.stop()
-
-
-def routers(urls) -> list[str]:
-    return [urls[name] for name in ("router", "sglang-router") if name in urls]
 
 
 def post(url: str, path: str, body: dict) -> dict:
