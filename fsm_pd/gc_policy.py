@@ -1,4 +1,4 @@
-"""The process's memory policy for a serving node: the garbage collector's and glibc malloc's.
+"""The process's garbage-collector policy for a serving node.
 
 The node loop allocates several short-lived containers per event (payload dicts, journal rows, decisions); reference
 counting frees nearly all of them. With CPython's default thresholds the cyclic collector still runs a young
@@ -16,16 +16,12 @@ for a pass over the unfrozen heap of a few tens of milliseconds.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import logging
 import threading
 import time
 
 SERVING_THRESHOLDS = (35_000, 20, 100)
-MALLOC_ARENAS = 2
-_M_ARENA_MAX = -8  # glibc's mallopt parameter (malloc.h)
 FULL_COLLECTION_EVERY_S = 10.0
 
 log = logging.getLogger(__name__)
@@ -55,21 +51,3 @@ def start_full_collections(every_s: float) -> threading.Event:
 
     threading.Thread(target=run, name="gc-full", daemon=True).start()
     return stop
-
-
-def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
-    """Cap glibc's malloc arenas (as ``MALLOC_ARENA_MAX`` does), before the process starts its threads.
-
-    glibc gives threads that contend for the heap arenas of their own, up to 8 per core, each grown and kept. A node
-    runs a dozen threads (loop, model, timers, senders, pulls, lookups, HTTP), so its RSS rose in steps of 1 to 15 MB
-    long after warm-up, a different node each run: a 20,000-request soak read 0.17 to 0.83 KB per request on one
-    node or another. With two arenas the same soak read 0.003 (prefill), 0.015 (decode) and 0.038 (router) KB per
-    request. Returns False where there is no glibc (musl, macOS) and nothing was changed."""
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
-        return False
-    try:
-        mallopt = ctypes.CDLL(libc_name).mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(_M_ARENA_MAX, arenas))

@@ -80,9 +80,6 @@ def node_parser(role: str) -> argparse.ArgumentParser:
 
 
 def serve_main(argv: Sequence[str]) -> int:
-    from fsm_pd.gc_policy import limit_malloc_arenas
-
-    limit_malloc_arenas()  # first, before any thread exists (the gc half of the policy waits for the model)
     role_only = argparse.ArgumentParser(add_help=False)
     role_only.add_argument("--role", choices=ROLES)
     known, _ = role_only.parse_known_args(argv)
