@@ -21,6 +21,34 @@ COUNTED_ROUTES = frozenset({
 })
 
 
+class ResponseWatch:
+    """Wraps an ASGI request's ``receive`` and ``send`` to see how its response went: the status, when the headers
+    left, and whether the client left before the body ended (a stream cut short: its 200 was already sent)."""
+
+    def __init__(self, receive, send):
+        self._receive, self._send = receive, send
+        self.code, self.complete, self.client_gone = 500, False, False
+        self.headers_at: float | None = None
+
+    async def send(self, message) -> None:
+        if message["type"] == "http.response.start":
+            self.code, self.headers_at = message["status"], time.monotonic()
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.complete = True
+        await self._send(message)
+
+    async def receive(self):
+        message = await self._receive()
+        if message["type"] == "http.disconnect" and not self.complete:
+            self.client_gone = True
+        return message
+
+    @property
+    def counted_code(self) -> int:
+        """The status to count: the one answered, or 499 when the client left before the response ended."""
+        return CLIENT_CLOSED if self.client_gone else self.code
+
+
 class ApiMetrics:
     def __init__(self, registries: Iterable[CollectorRegistry] = ()):
         self.registry = CollectorRegistry(auto_describe=True)
@@ -52,24 +80,10 @@ class MetricsMiddleware:
         route = scope.get("path", "")
         route = route if route in COUNTED_ROUTES else "other"
         started = time.monotonic()
-        status = {"code": 500, "complete": False, "client_gone": False}
-
-        async def counting_send(message):
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-                self.metrics.seconds.labels(route).observe(time.monotonic() - started)
-            elif message["type"] == "http.response.body" and not message.get("more_body", False):
-                status["complete"] = True
-            await send(message)
-
-        async def watching_receive():
-            message = await receive()
-            if message["type"] == "http.disconnect" and not status["complete"]:
-                status["client_gone"] = True  # a stream's 200 went out, but the client left before its end
-            return message
-
+        watch = ResponseWatch(receive, send)
         try:
-            await self.app(scope, watching_receive, counting_send)
+            await self.app(scope, watch.receive, watch.send)
         finally:
-            code = CLIENT_CLOSED if status["client_gone"] else status["code"]
-            self.metrics.requests.labels(route, str(code)).inc()
+            if watch.headers_at is not None:
+                self.metrics.seconds.labels(route).observe(watch.headers_at - started)
+            self.metrics.requests.labels(route, str(watch.counted_code)).inc()

@@ -12,7 +12,7 @@ import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from fsm_pd.api.metrics import CLIENT_CLOSED
+from fsm_pd.api.metrics import CLIENT_CLOSED, ResponseWatch
 
 ROUTER_ROUTES = frozenset({
     "/generate", "/v1/completions", "/v1/chat/completions", "/v1/models", "/abort_request", "/flush_cache",
@@ -70,27 +70,13 @@ class RouterMetricsMiddleware:
             return
         route = route_label(scope.get("path", ""))
         started = time.monotonic()
-        seen = {"code": 500, "complete": False, "client_gone": False}
-
-        async def counting_send(message):
-            if message["type"] == "http.response.start":
-                seen["code"] = message["status"]
-            elif message["type"] == "http.response.body" and not message.get("more_body", False):
-                seen["complete"] = True
-            await send(message)
-
-        async def watching_receive():
-            message = await receive()
-            if message["type"] == "http.disconnect" and not seen["complete"]:
-                seen["client_gone"] = True
-            return message
-
+        watch = ResponseWatch(receive, send)
         self.metrics.in_flight.labels(route).inc()
         try:
-            await self.app(scope, watching_receive, counting_send)
+            await self.app(scope, watch.receive, watch.send)
         finally:
             self.metrics.in_flight.labels(route).dec()
-            code = CLIENT_CLOSED if seen["client_gone"] else seen["code"]
+            code = watch.counted_code
             self.metrics.requests.labels(route, str(code)).inc()
             self.metrics.seconds.labels(route).observe(time.monotonic() - started)
             if (kind := error_kind(code)) is not None:
