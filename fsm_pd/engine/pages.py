@@ -99,23 +99,21 @@ class PageAllocator:
             self._closed.move_to_end(room)
             if len(self._closed) > self._remember_closed:
                 self._closed.popitem(last=False)
-            pages = self._held.pop(room, None)
-            if not pages:
-                return 0
-            self._free.extend(pages)
-            self.frees += 1
-            return len(pages)
+            return self._release(room)
 
     def give_back(self, room: int) -> int:
         """Return the room's pages to the pool but keep the room open: a retracted sequence reserves again when it
         resumes (``free`` would refuse that). Returns how many pages came back."""
         with self._lock:
-            pages = self._held.pop(room, None)
-            if not pages:
-                return 0
-            self._free.extend(pages)
-            self.frees += 1
-            return len(pages)
+            return self._release(room)
+
+    def _release(self, room: int) -> int:
+        pages = self._held.pop(room, None)
+        if not pages:
+            return 0
+        self._free.extend(pages)
+        self.frees += 1
+        return len(pages)
 
     def reset_order(self) -> bool:
         """Put the free pages back in their starting order (1, 2, ...) when no room holds any; False otherwise.

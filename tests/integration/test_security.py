@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from processes import free_port, wait_health
 
 import fsm_pd
 from fsm_pd.api import AppServer, StubEngine, create_app, create_router_app, stub_server
@@ -394,23 +395,6 @@ def listening_sockets(pid: int) -> list[tuple[str, int]]:
     return found
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"the server exited with {proc.returncode}"
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        time.sleep(0.3)
-    raise AssertionError(f"{url} did not become healthy in {timeout_s} s")
-
-
 @contextlib.contextmanager
 def serve_process(role: str, port: int, tmp_path: Path, *extra: str):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", **secret_env(generate_secret())}
@@ -419,7 +403,7 @@ def serve_process(role: str, port: int, tmp_path: Path, *extra: str):
                              "--num-pages", "64", "--log-level", "warning", *extra],
                             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
     try:
-        wait_healthy(proc, f"http://127.0.0.1:{port}")
+        wait_health(f"http://127.0.0.1:{port}", proc, timeout=180)
         yield proc
     finally:
         proc.send_signal(signal.SIGTERM)  # the process this test started
