@@ -6,24 +6,15 @@ import contextlib
 import json
 import socket
 import threading
-import time
 
 import httpx
 import pytest
+from polling import until
 
 from fsm_pd.api import AppServer, StubEngine, build_arg_parser, create_app, create_router_app
 from fsm_pd.api.router import PrefillWorker, parse_prefill_specs
 from fsm_pd.api.stub_engine import DECODE_LOGPROB, PREFILL_LOGPROB
 from fsm_pd.serving.types import EngineError
-
-
-def wait_until(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 class WaitsForDecode(StubEngine):
@@ -108,7 +99,7 @@ def test_prefill_failure_cancels_decode_and_returns_prefills_error(stream):
         assert r.status_code == 500
         assert r.json()["error"]["message"] == "stub prefill: injected KV transfer failure"
         assert decode.wait_submitted(1)
-        assert wait_until(lambda: decode.aborted == [decode.submitted[0].rid]), "decode leg was not cancelled"
+        assert until(lambda: decode.aborted == [decode.submitted[0].rid]), "decode leg was not cancelled"
 
 
 def test_prefill_4xx_is_passed_through():
@@ -130,7 +121,7 @@ def test_unreachable_prefill_is_502_and_cancels_decode():
         with AppServer(router) as rs:
             r = httpx.post(rs.url + "/generate", json={"text": "a"}, timeout=10)
             assert r.status_code == 502 and "prefill worker" in r.json()["error"]["message"]
-            assert wait_until(lambda: len(decode.submitted) == len(decode.aborted))
+            assert until(lambda: len(decode.submitted) == len(decode.aborted))
         decode.close()
 
 
@@ -207,7 +198,7 @@ def test_client_disconnect_at_the_router_aborts_both_legs():
                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         assert prefill.wait_submitted(1) and decode.wait_submitted(1)
         sock.close()
-        assert wait_until(lambda: prefill.aborted and decode.aborted), (prefill.aborted, decode.aborted)
+        assert until(lambda: prefill.aborted and decode.aborted), (prefill.aborted, decode.aborted)
 
 
 def test_router_api_key_is_required_and_forwarded():
