@@ -122,7 +122,6 @@ def info_router(ctx: ApiContext, metrics: ApiMetrics, *, health_timeout_s: float
     for path in ("/model_info", "/get_model_info"):
         router.add_api_route(path, model_info, methods=["GET"])
 
-    @router.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
         """SGLang's: 200 and a message when flushed, 400 while requests are live (the engine's ``flush_cache()``)."""
         flush = getattr(ctx.engine, "flush_cache", None)
@@ -130,6 +129,9 @@ def info_router(ctx: ApiContext, metrics: ApiMetrics, *, health_timeout_s: float
             return PlainTextResponse("Cache flushed (this engine keeps no cache).\n")
         ok, message = await asyncio.to_thread(flush)
         return PlainTextResponse(message + "\n", status_code=200 if ok else 400)
+
+    for method in ("GET", "POST"):  # one route per method: a shared route gives OpenAPI one id twice
+        router.add_api_route("/flush_cache", flush_cache, methods=[method], operation_id=f"flush_cache_{method.lower()}")
 
     @router.get("/metrics")
     async def prometheus() -> Response:

@@ -139,7 +139,8 @@ def install_router_routes(app: FastAPI, pd, metrics: RouterMetrics) -> None:
         return Response(body, media_type=content_type)
 
     app.router.add_api_route("/abort_request", abort_request, methods=["POST"], route_class_override=StrictJSONRoute)
-    app.add_api_route("/flush_cache", flush_cache, methods=["GET", "POST"])
+    for method in ("GET", "POST"):  # one route per method: a shared route gives OpenAPI one id twice
+        app.add_api_route("/flush_cache", flush_cache, methods=[method], operation_id=f"flush_cache_{method.lower()}")
     app.add_api_route("/get_load", get_load, methods=["GET"])
     app.add_api_route("/metrics", prometheus, methods=["GET"])
     for path in ("/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize"):

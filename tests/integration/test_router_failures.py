@@ -14,7 +14,8 @@ import threading
 
 import httpx
 import pytest
-from test_router import pd_cluster, sse_data, wait_until
+from polling import until as wait_until
+from test_router import pd_cluster, sse_data
 
 from fsm_pd.api import AppServer, StubEngine, create_app, create_router_app
 from fsm_pd.serving.types import EngineError, TokenOutput
