@@ -15,13 +15,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import bindparam, create_engine, event, insert, inspect, select
+from sqlalchemy import bindparam, create_engine, insert, inspect, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
+from fsm_pd.store.database import DURABILITY, DatabaseUrlError, create_journal_engine, journal_url  # noqa: F401
 from fsm_pd.store.schema import COLUMNS, SCHEMA_VERSION, journal_meta, metadata, transitions
-
-DURABILITY = {"full": "FULL", "normal": "NORMAL", "off": "OFF"}
 
 
 class JournalError(RuntimeError):
@@ -55,30 +54,15 @@ class JournalRow:
 
 
 def _url(target: str | os.PathLike) -> str:
-    text = os.fspath(target)
-    return text if "://" in text else f"sqlite:///{Path(text).absolute()}"
+    return journal_url(target)
 
 
 def _engine(url: str, durability: str) -> Engine:
-    if durability not in DURABILITY:
-        raise ValueError(f"durability must be one of {sorted(DURABILITY)}, got {durability!r}")
-    engine = create_engine(url)
-    if engine.dialect.name == "sqlite":
-        # pysqlite's own transaction handling is off so that BEGIN/COMMIT are exactly ours (SQLAlchemy's
-        # documented recipe); WAL lets replay read while a node writes.
-        @event.listens_for(engine, "connect")
-        def _on_connect(dbapi_conn, _record):
-            dbapi_conn.isolation_level = None
-            cursor = dbapi_conn.cursor()
-            cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.execute(f"PRAGMA synchronous={DURABILITY[durability]}")
-            cursor.close()
-
-        @event.listens_for(engine, "begin")
-        def _on_begin(conn):
-            conn.exec_driver_sql("BEGIN")
-
-    return engine
+    """The writer's engine (database.py: SQLite pragmas, PostgreSQL's synchronous_commit and timeouts)."""
+    try:
+        return create_journal_engine(url, durability)
+    except DatabaseUrlError as exc:
+        raise JournalError(str(exc)) from exc
 
 
 class Journal:
