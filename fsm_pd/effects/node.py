@@ -14,7 +14,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from fsm_pd.machines import Decision, KVPoll, Room, TransferMachine
-from fsm_pd.store.journal import Journal, read_journal
+from fsm_pd.store.journal import Journal
+from fsm_pd.store.reader import read_journal
 
 Observer = Callable[[Room, Decision, float], None]
 

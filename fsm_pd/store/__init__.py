@@ -6,15 +6,16 @@ from fsm_pd.store.journal import (
     JournalRow,
     SchemaVersionError,
     VersionConflict,
-    read_journal,
     write_rows,
 )
+from fsm_pd.store.reader import JournalReader, read_journal
 from fsm_pd.store.replay import Divergence, ReplayResult, RoomReport, replay
 
 __all__ = [
     "Divergence",
     "Journal",
     "JournalError",
+    "JournalReader",
     "JournalRow",
     "ReplayResult",
     "RoomReport",

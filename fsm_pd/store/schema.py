@@ -1,10 +1,32 @@
-"""The journal's schema (SQLAlchemy Core). One append-only table of transitions, one row of metadata."""
+"""The journal's schema (SQLAlchemy Core): the append-only transitions, one row per room, and metadata.
+
+Version 2 (this one) adds, over version 1:
+
+- the order of the unique index is (room, role, node, version), so one room's rows, and every room in room order,
+  are index reads (``replay --room``, streaming replay); version 1 journals get a second index with that order;
+- ``rooms``: one row per (room, role, node), written in the same group commit as the room's first row and updated in
+  the one that ends it. It holds the request id (``rid``) the room was created for, when it opened, and, once
+  finished, its final state and when. It is the journal's snapshot of open rooms (``closed_at IS NULL``: what a
+  restarted node must rebuild), its index of failed rooms and of request ids, and retention's list of what to
+  archive.
+"""
 
 from __future__ import annotations
 
-from sqlalchemy import REAL, Column, Integer, MetaData, String, Table, Text, UniqueConstraint
+from sqlalchemy import (
+    REAL,
+    Column,
+    Index,
+    Integer,
+    MetaData,
+    PrimaryKeyConstraint,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # The largest bootstrap room a journal can hold: SQLite's INTEGER is signed 64-bit. SGLang's router draws rooms below
 # 2**63 too, so every room a real router sends fits; anything larger is refused before a room is created.
@@ -25,8 +47,29 @@ transitions = Table(
     Column("dst", Text, nullable=False),
     Column("payload", Text, nullable=False),  # JSON: {"event": ..., "effects": [...], "ignored"?: ..., "reason"?: ...}
     Column("at", REAL, nullable=False),
-    UniqueConstraint("node", "role", "room", "version", name="uq_transition_version"),
+    # room first: one room's rows and room-ordered scans are index reads; (node, role, room) lookups use it too
+    UniqueConstraint("room", "role", "node", "version", name="uq_transition_version"),
     sqlite_autoincrement=True,
+)
+
+# What version 1 journals lack (their unique index leads with node); created when one is migrated.
+ROOM_ORDER_INDEX_DDL = ("CREATE INDEX IF NOT EXISTS ix_transitions_room_order "
+                        "ON transitions (room, role, node, version)")
+
+rooms = Table(
+    "rooms",
+    metadata,
+    Column("room", Integer, nullable=False),
+    Column("role", Text, nullable=False),
+    Column("node", Text, nullable=False),
+    Column("rid", Text, nullable=True),  # the client's request id, from the create event (null when none was given)
+    Column("opened_at", REAL, nullable=False),
+    Column("final", Text, nullable=True),  # Success or Failed once the room ended, null while it is open
+    Column("closed_at", REAL, nullable=True),  # the `at` of the row that ended it
+    PrimaryKeyConstraint("room", "role", "node", name="pk_rooms"),
+    Index("ix_rooms_rid", "rid"),
+    Index("ix_rooms_closed_at", "closed_at"),  # open rooms (NULL) for recovery; the oldest finished for retention
+    Index("ix_rooms_final", "final"),  # --failed
 )
 
 journal_meta = Table(

@@ -1,0 +1,201 @@
+"""Reading journals without loading them whole: one room, one request's rooms, a node's open rooms, or every room
+in room order as a stream.
+
+Every read goes through an index (``schema.py``): the transitions' unique (room, role, node, version) index gives a
+room's rows and the room-ordered scan, the ``rooms`` table gives open rooms and request ids. A *side* is one room's
+rows on one node, in version order: ``list[JournalRow]``. Streams yield side after side and keep only the current
+one in memory (SQLAlchemy's ``yield_per``: the driver fetches in batches, on PostgreSQL through a server cursor).
+
+Version 1 journals (before the room index) are read too, by the same queries: slower, since the database must sort,
+and without request ids, which version 1 did not record. Opening one with a writer (``Journal``) migrates it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import groupby
+from pathlib import Path
+
+from sqlalchemy import create_engine, inspect, select
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from fsm_pd.store.journal import JournalError, JournalRow, SchemaVersionError, _url
+from fsm_pd.store.schema import SCHEMA_VERSION, journal_meta, rooms, transitions
+
+READABLE_VERSIONS = ("1", str(SCHEMA_VERSION))
+ARCHIVE_KEY = "archive:"  # journal_meta keys naming the archive files retention wrote (retention.py)
+BATCH = 2000  # rows fetched per round trip while streaming
+CHUNK = 500  # rooms per IN (...) list
+
+Side = list[JournalRow]
+
+_t = transitions.c
+_ROOM_ORDER = (_t.room, _t.role, _t.node, _t.version)
+
+
+def row_from(r) -> JournalRow:
+    try:
+        payload = json.loads(r.payload)
+    except (TypeError, ValueError) as exc:
+        raise JournalError(f"journal row {r.seq} has a payload that is not JSON: {exc}") from exc
+    return JournalRow(r.seq, r.node, r.role, r.room, r.version, r.trigger, r.src, r.dst, payload, r.at)
+
+
+def side_key(side: Side) -> tuple[int, str, str]:
+    first = side[0]
+    return first.room, first.role, first.node
+
+
+def _sides(result) -> Iterator[Side]:
+    """Group a room-ordered row stream into sides."""
+    for _, group in groupby(result, key=lambda r: (r.room, r.role, r.node)):
+        yield [row_from(r) for r in group]
+
+
+def open_room_rows(conn: Connection, node: str, role: str) -> list[JournalRow]:
+    """Every row of ``node``'s unfinished rooms in ``role``, room by room in version order: what recovery needs.
+
+    Two index reads: the open rooms from ``rooms`` (``closed_at IS NULL``), then each one's rows.
+    """
+    r = rooms.c
+    ids = conn.execute(select(r.room).where(r.closed_at.is_(None), r.node == node, r.role == role)
+                       .order_by(r.room)).scalars().all()
+    out: list[JournalRow] = []
+    for i in range(0, len(ids), CHUNK):
+        chunk = ids[i:i + CHUNK]
+        result = conn.execute(select(transitions).where(_t.room.in_(chunk), _t.role == role, _t.node == node)
+                              .order_by(*_ROOM_ORDER))
+        out.extend(row_from(row) for row in result)
+    return out
+
+
+class JournalReader:
+    """One journal opened for reading. Use as a context manager, or ``close()`` it."""
+
+    def __init__(self, target: str | os.PathLike):
+        self.name = os.fspath(target)
+        if "://" not in self.name and not Path(self.name).is_file():
+            raise JournalError(f"no journal at {self.name}")
+        self.engine: Engine = create_engine(_url(self.name))
+        try:
+            with self.engine.connect() as conn:
+                names = set(inspect(conn).get_table_names())
+                if not {"transitions", "journal_meta"} <= names:
+                    raise JournalError(f"{self.name} is not an fsm-pd journal (tables: {sorted(names) or 'none'})")
+                meta = dict(conn.execute(select(journal_meta.c.key, journal_meta.c.value)).all())
+        except SQLAlchemyError as exc:
+            self.engine.dispose()
+            raise JournalError(f"cannot read journal {self.name}: {getattr(exc, 'orig', None) or exc}") from exc
+        except JournalError:
+            self.engine.dispose()
+            raise
+        self.version = meta.get("schema_version")
+        if self.version not in READABLE_VERSIONS:
+            self.engine.dispose()
+            raise SchemaVersionError(f"journal {self.name} has schema version {self.version}; this fsm-pd reads "
+                                     f"versions {', '.join(READABLE_VERSIONS)}")
+        self._archives = sorted(v for k, v in meta.items() if k.startswith(ARCHIVE_KEY))
+
+    def __enter__(self) -> JournalReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def _stream(self, query) -> Iterator:
+        try:
+            with self.engine.connect() as conn:
+                yield from conn.execution_options(yield_per=BATCH).execute(query)
+        except SQLAlchemyError as exc:
+            raise JournalError(f"cannot read journal {self.name}: {getattr(exc, 'orig', None) or exc}") from exc
+
+    def rows(self) -> Iterator[JournalRow]:
+        """Every row in commit order, streamed."""
+        return (row_from(r) for r in self._stream(select(transitions).order_by(_t.seq)))
+
+    def sides(self, room: int | None = None) -> Iterator[Side]:
+        """Every side (or those of one room) in (room, role, node) order, streamed through the room index."""
+        query = select(transitions).order_by(*_ROOM_ORDER)
+        if room is not None:
+            query = query.where(_t.room == room)
+        return _sides(self._stream(query))
+
+    def request_sides(self, rid: str) -> list[Side]:
+        """The sides of every room created for request ``rid`` (its ``rooms.rid``), in room order."""
+        if self.version == "1":
+            return []  # version 1 did not record request ids
+        r = rooms.c
+        keys = [tuple(k) for k in self._stream(select(r.room, r.role, r.node).where(r.rid == rid))]
+        out: list[Side] = []
+        for room, role, node in sorted(keys):
+            query = select(transitions).where(_t.room == room, _t.role == role, _t.node == node).order_by(_t.version)
+            out.extend(_sides(self._stream(query)))
+        return out
+
+    def archives(self) -> list[str]:
+        """The archive files retention moved this journal's finished rooms into, where they can be found.
+
+        Each is looked for at the path recorded, then beside this journal (a copied directory); missing ones are
+        returned as recorded, for the caller to report.
+        """
+        found = []
+        for recorded in self._archives:
+            path = Path(recorded)
+            if not path.is_file() and "://" not in self.name:
+                beside = Path(self.name).absolute().parent / path.name
+                path = beside if beside.is_file() else path
+            found.append(str(path))
+        return found
+
+
+def read_journal(target: str | os.PathLike) -> list[JournalRow]:
+    """Every row of an existing journal, in commit order (small journals, tests). Raises :class:`JournalError`."""
+    with JournalReader(target) as reader:
+        return list(reader.rows())
+
+
+def open_with_archives(targets: Sequence[str]) -> tuple[list[JournalReader], list[str]]:
+    """Readers for ``targets`` and every archive they name (each file once); and the archives that are missing."""
+    readers: list[JournalReader] = []
+    seen: set[str] = set()
+    missing: list[str] = []
+    try:
+        queue = list(targets)
+        while queue:
+            name = queue.pop(0)
+            key = name if "://" in name else str(Path(name).resolve())
+            if key in seen:
+                continue
+            seen.add(key)
+            if name not in targets and "://" not in name and not Path(name).is_file():
+                missing.append(name)
+                continue
+            reader = JournalReader(name)
+            readers.append(reader)
+            queue.extend(reader.archives())
+    except JournalError:
+        for reader in readers:
+            reader.close()
+        raise
+    return readers, missing
+
+
+def merged_sides(streams: Iterable[Iterator[Side]]) -> Iterator[Side]:
+    """Merge room-ordered side streams (several journals, their archives) into one, in (room, role, node) order.
+
+    A side found in two files (retention copies a room into its archive, then deletes it from the live journal; a
+    crash between the two leaves it in both) is yielded once.
+    """
+    last = None
+    for side in heapq.merge(*streams, key=side_key):
+        key = side_key(side)
+        if key != last:
+            yield side
+        last = key
