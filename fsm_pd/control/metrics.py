@@ -1,4 +1,5 @@
-"""Prometheus metrics of one node, fed by the node loop's observers (after each decision is journaled).
+"""Prometheus metrics of one node, fed by the node loop's observers (after each decision is journaled), and the log
+line of each failed room (``failure_log.py``).
 
 Each manager has its own ``CollectorRegistry`` so that several nodes can live in one process (tests, ``launch``);
 the HTTP layer serves ``generate_latest(metrics.registry)`` on ``/metrics``.
@@ -11,6 +12,8 @@ from collections.abc import Callable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from fsm_pd.control.failure_log import log_failed_room
+from fsm_pd.control.phases import PHASE_NAMES, REASON_CLASSES, PhaseClock, reason_class
 from fsm_pd.machines.states import STATE_NAMES
 
 # seconds from the transfer's start to its end, on each side: P published -> PULLED, D READY -> scattered
@@ -27,6 +30,8 @@ LEAK_GAUGES = {
     "open_transfer_entries": ("fsm_pd_open_transfer_entries", "Transfer-backend entries still pinning memory"),
     "rooms_open": ("fsm_pd_rooms_open", "Rooms not yet Success or Failed"),
     "requests_live": ("fsm_pd_requests_live", "Requests the engine is serving"),
+    "queued": ("fsm_pd_requests_queued", "Requests not yet answered (prefill) or not yet decoding (decode)"),
+    "requests_running": ("fsm_pd_requests_running", "Requests in the decode batch"),
 }
 
 
@@ -46,7 +51,21 @@ class NodeMetrics:
                                           ["role", "node"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.transfer_bytes = Histogram("fsm_pd_transfer_bytes", "Bytes per pulled KV transfer",
                                         ["role", "node"], buckets=BYTES_BUCKETS, registry=self.registry)
+        # per phase of each successful transfer, timed by the machine's own transitions (``phases.py``)
+        self.phase_seconds = Histogram("fsm_pd_transfer_phase_seconds",
+                                       "Seconds a successful transfer spent in each phase on this side",
+                                       ["role", "node", "phase"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.ended = Counter("fsm_pd_transfers_ended", "Transfers that ended, by outcome and class of failure reason",
+                             ["role", "node", "outcome", "reason"], registry=self.registry)
+        self.phases = PhaseClock()
+        self._node = node
         self._labels = labels
+        # every series exists from the first scrape (at 0), so rates and dashboards work before the first failure
+        for phase in PHASE_NAMES:
+            self.phase_seconds.labels(phase=phase, **labels)
+        self.ended.labels(outcome="success", reason="none", **labels)
+        for name in REASON_CLASSES:
+            self.ended.labels(outcome="failed", reason=name, **labels)
         for state in STATE_NAMES:  # counted at scrape time from the journaled states, so cleared rooms drop out
             self.rooms.labels(state=state, **labels).set_function(
                 lambda s=state: sum(1 for v in list(node.states.values()) if v == s))
@@ -59,6 +78,7 @@ class NodeMetrics:
 
     def observe(self, room, decision, at: float) -> None:
         labels = self._labels
+        seconds = self.phases.observe(room, decision, at)
         if decision.ignored is not None:
             self.ignored.labels(trigger=decision.trigger, **labels).inc()
             return
@@ -69,10 +89,17 @@ class NodeMetrics:
             self.transfer_bytes.labels(**labels).observe(float(room.ctx.get("bytes", 0)))
         if decision.dst in ("Success", "Failed") and decision.src != decision.dst:
             started = self._started.pop(room.room, None)
-            if decision.dst == "Success" and started is not None:
-                self.transfer_seconds.labels(**labels).observe(max(0.0, at - started))
+            if decision.dst == "Success":
+                if started is not None:
+                    self.transfer_seconds.labels(**labels).observe(max(0.0, at - started))
+                for phase, value in (seconds or {}).items():
+                    self.phase_seconds.labels(phase=phase, **labels).observe(value)
+                self.ended.labels(outcome="success", reason="none", **labels).inc()
             if decision.dst == "Failed":
                 self.failures.labels(reason=_reason_label(decision.reason), **labels).inc()
+                cls = reason_class(decision.trigger, decision.reason)
+                self.ended.labels(outcome="failed", reason=cls, **labels).inc()
+                log_failed_room(self._node, room, decision, cls)
 
 
 class _LeakCollector:
