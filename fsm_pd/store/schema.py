@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from sqlalchemy import (
     REAL,
+    BigInteger,
     Column,
+    Double,
     Index,
     Integer,
     MetaData,
@@ -34,19 +36,25 @@ MAX_ROOM = 2**63 - 1
 
 metadata = MetaData()
 
+# 64-bit ids and seconds on every database; SQLite keeps the DDL it always had (its INTEGER is 64-bit, its REAL 8
+# bytes, and only "INTEGER PRIMARY KEY" makes seq the rowid), while PostgreSQL's INTEGER (32-bit) would refuse a room
+# above 2**31 and its REAL (4 bytes) would round a Unix timestamp to minutes.
+BIG = BigInteger().with_variant(Integer, "sqlite")
+SECONDS = Double().with_variant(REAL, "sqlite")
+
 transitions = Table(
     "transitions",
     metadata,
-    Column("seq", Integer, primary_key=True, autoincrement=True),
+    Column("seq", BIG, primary_key=True, autoincrement=True),
     Column("node", Text, nullable=False),
     Column("role", Text, nullable=False),
-    Column("room", Integer, nullable=False),
+    Column("room", BIG, nullable=False),
     Column("version", Integer, nullable=False),
     Column("trigger", Text, nullable=False),
     Column("src", Text, nullable=False),
     Column("dst", Text, nullable=False),
     Column("payload", Text, nullable=False),  # JSON: {"event": ..., "effects": [...], "ignored"?: ..., "reason"?: ...}
-    Column("at", REAL, nullable=False),
+    Column("at", SECONDS, nullable=False),
     # room first: one room's rows and room-ordered scans are index reads; (node, role, room) lookups use it too
     UniqueConstraint("room", "role", "node", "version", name="uq_transition_version"),
     sqlite_autoincrement=True,
@@ -59,13 +67,13 @@ ROOM_ORDER_INDEX_DDL = ("CREATE INDEX IF NOT EXISTS ix_transitions_room_order "
 rooms = Table(
     "rooms",
     metadata,
-    Column("room", Integer, nullable=False),
+    Column("room", BIG, nullable=False),
     Column("role", Text, nullable=False),
     Column("node", Text, nullable=False),
     Column("rid", Text, nullable=True),  # the client's request id, from the create event (null when none was given)
-    Column("opened_at", REAL, nullable=False),
+    Column("opened_at", SECONDS, nullable=False),
     Column("final", Text, nullable=True),  # Success or Failed once the room ended, null while it is open
-    Column("closed_at", REAL, nullable=True),  # the `at` of the row that ended it
+    Column("closed_at", SECONDS, nullable=True),  # the `at` of the row that ended it
     PrimaryKeyConstraint("room", "role", "node", name="pk_rooms"),
     Index("ix_rooms_rid", "rid"),
     Index("ix_rooms_closed_at", "closed_at"),  # open rooms (NULL) for recovery; the oldest finished for retention
