@@ -59,6 +59,10 @@ def node_parser(role: str) -> argparse.ArgumentParser:
     add_read_timeout_flags(parser)
     if role in ("prefill", "decode"):
         parser.add_argument("--node-id", default=f"{role}-0", help="this node's id in journals and messages")
+        parser.add_argument("--advertise-host", default=None, metavar="ADDR",
+                            help="the address other machines reach this node at, put in everything it advertises "
+                                 "(bootstrap registration, side-channel reply_to, transfer endpoint); --host is only "
+                                 "what it binds (default: --host; required when --host is 0.0.0.0 or ::)")
         parser.add_argument("--transfer-backend", default="tcp",
                             help="tcp | zmq | jax | a registered plugin (default tcp: the fastest between CPU hosts)")
         parser.add_argument("--journal", default=None,
@@ -101,7 +105,15 @@ def serve_main(argv: Sequence[str]) -> int:
 
         router_main([a for a in argv if a not in ("--role", "router")])
         return 0
-    args = node_parser(known.role).parse_args(argv)
+    parser = node_parser(known.role)
+    args = parser.parse_args(argv)
+    if known.role in ("prefill", "decode"):
+        from fsm_pd.transport.addresses import WildcardAddress, advertised_host
+
+        try:
+            advertised_host(args.host, args.advertise_host)
+        except WildcardAddress as exc:
+            parser.error(str(exc))  # before the model loads: exit 2 with the usage line
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return run_node(args)
 
@@ -151,7 +163,7 @@ def build_engine(args: argparse.Namespace, model):
         Path(journal).parent.mkdir(parents=True, exist_ok=True)
     deadlines = {t: getattr(args, t) for t in DEADLINE_FLAGS if getattr(args, t, None) is not None}
     common = dict(node_id=args.node_id, journal=journal, secret=secret, backend=args.transfer_backend,
-                  deadlines=deadlines, host=args.host, **sizes)
+                  deadlines=deadlines, host=args.host, advertise_host=args.advertise_host, **sizes)
     if args.role == "prefill":
         from fsm_pd.serving.prefill_engine import PrefillEngine
 

@@ -38,6 +38,7 @@ from fsm_pd.kernels import KVLayout
 from fsm_pd.machines import RECEIVER, SENDER, KVPoll
 from fsm_pd.store import Journal
 from fsm_pd.transport import SideChannel
+from fsm_pd.transport.addresses import advertised_host, with_port
 from fsm_pd.transport.backends import create_backend, new_uuid
 
 log = logging.getLogger(__name__)
@@ -52,12 +53,17 @@ class KVManager:
                  resolver: Callable[[Mapping[str, Any]], dict] | None = None, host: str = "127.0.0.1",
                  durability: str = "full", staging_sharding: Any = None, fault_pull_delay_s: float = 0.0,
                  admission: PoolAdmission | SchedulerAdmission | None = None,
-                 heartbeat: Mapping[str, Any] | None = None, model: ModelThread | None = None):
+                 heartbeat: Mapping[str, Any] | None = None, model: ModelThread | None = None,
+                 advertise_host: str | None = None):
+        """``host``: what the side channel and the transfer server bind; ``advertise_host``: the host peers are told
+        (bootstrap registration, side-channel origin and reply_to, transfer address), by default ``host``. A wildcard
+        ``host`` needs an ``advertise_host`` (``WildcardAddress`` otherwise)."""
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
         self.role, self.node_id, self.layout = role, node_id, layout
         self.deadlines = resolve_deadlines(role, deadlines)
         self.host = host
+        self.advertise_host = advertised_host(host, advertise_host)
         self.resolver = resolver if resolver is not None else PrefillResolver()
         self.staging_sharding = staging_sharding
         # the model thread owns the pool; a serving engine passes its own so that forward passes, gathers and
@@ -67,10 +73,12 @@ class KVManager:
         options = dict(backend_options or {})
         if backend in ("jax", "zmq", "tcp"):
             options.setdefault("host", host)
+            options.setdefault("advertise_host", self.advertise_host)
         self.backend = create_backend(backend, **options)
         # pings are answered only while this node can serve: peers then fail their rooms bound to us
         self.side_channel = SideChannel(node_id=node_id, secret=secret, on_message=self._on_message,
-                                        bind=f"tcp://{host}:0", healthy=self._answers_pings)
+                                        bind=f"tcp://{with_port(host, 0)}", advertise_host=self.advertise_host,
+                                        healthy=self._answers_pings)
         self.senders = PeerSenders(self.side_channel, name=f"send[{node_id}]")
         self.workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"work[{node_id}]")
         # lookups on their own threads: a bootstrap server that is down holds them for its retries, never a pull
@@ -156,7 +164,7 @@ class KVManager:
                       attempts: int = 5) -> None:
         """Make this prefill node findable: register it with the bootstrap server at ``bootstrap_url``."""
         self.core._require("prefill")
-        register_prefill(bootstrap_url, host=self.host, side_channel=self.side_channel.address,
+        register_prefill(bootstrap_url, host=self.advertise_host, side_channel=self.side_channel.address,
                          transfer_addr=self.backend.address, backend=self.backend.name,
                          layout=self.layout.to_dict(), node_id=self.node_id, http_port=http_port, token=token,
                          attempts=attempts, instance=self.side_channel.instance)

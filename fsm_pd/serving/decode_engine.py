@@ -76,6 +76,7 @@ class DecodeEngine:
         backend_options: dict | None = None,
         deadlines: dict | None = None,
         host: str = "127.0.0.1",
+        advertise_host: str | None = None,
         max_running: int = 64,
         headroom_pages: int | None = None,
         heartbeat: dict | None = None,
@@ -109,6 +110,7 @@ class DecodeEngine:
             backend_options=backend_options,
             deadlines=deadlines,
             host=host,
+            advertise_host=advertise_host,  # our side channel's address in PREPARE's reply_to
             admission=SchedulerAdmission(on_release=self._on_release),
             heartbeat=heartbeat,
             model=self.model_thread,

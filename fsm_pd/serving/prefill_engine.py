@@ -66,6 +66,7 @@ class PrefillEngine:
         backend_options: dict | None = None,
         deadlines: dict | None = None,
         host: str = "127.0.0.1",
+        advertise_host: str | None = None,
         bootstrap_port: int | None = 0,
         bootstrap_url: str | None = None,
         bootstrap_token: str | None = None,
@@ -74,7 +75,8 @@ class PrefillEngine:
     ):
         """``bootstrap_port``: run a bootstrap server on it (0: any free port) and register with it; None and a
         ``bootstrap_url``: register with that server instead; None and no URL: do not register (tests that tell
-        the decode side our side-channel address directly)."""
+        the decode side our side-channel address directly). ``host`` is bound; ``advertise_host`` (default ``host``,
+        required when ``host`` is a wildcard) is what the bootstrap server and the decode nodes are told."""
         self.model = load_model(model) if isinstance(model, str) else model
         self.model_name = self.model.name
         self.page_size = page_size
@@ -100,6 +102,7 @@ class PrefillEngine:
             backend_options=backend_options,
             deadlines=deadlines,
             host=host,
+            advertise_host=advertise_host,
             model=self.model_thread,
         )
         self.manager.node.observers.append(self._observe)
@@ -119,7 +122,7 @@ class PrefillEngine:
         """Where requests for this node should point (``Bootstrap.host``, ``Bootstrap.port``)."""
         if self.bootstrap_server is None:
             return None
-        return self.bootstrap_server.host, self.bootstrap_server.port
+        return self.manager.advertise_host, self.bootstrap_server.port
 
     # --- any thread ---
     def submit(self, request: GenerateRequest, stream: RequestStream) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fsm_pd.engine.sampling import SamplingParams
+from fsm_pd.transport.addresses import with_port
 
 
 class EngineError(Exception):
@@ -33,7 +34,8 @@ class Bootstrap:
 
     @property
     def addr(self) -> str:
-        return f"{self.host}:{self.port}"
+        """``host:port``, an IPv6 host in brackets (whether the router sent them or not)."""
+        return with_port(self.host, self.port)
 
 
 @dataclass(slots=True)

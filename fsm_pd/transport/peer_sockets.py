@@ -122,6 +122,8 @@ class PeerSockets:
                 sock.setsockopt(zmq.SNDTIMEO, self._send_timeout_ms)
                 sock.setsockopt(zmq.LINGER, self._linger_ms)
                 sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+                if "[" in addr:  # an IPv6 literal: zmq connects only IPv4 unless told
+                    sock.setsockopt(zmq.IPV6, 1)
                 try:
                     sock.connect(addr)
                 except zmq.ZMQError as exc:

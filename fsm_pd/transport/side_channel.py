@@ -1,13 +1,14 @@
 """One process's side channel: a bound PULL socket read by a background thread, and cached PUSH sockets to peers.
 
 Theory of operation. Every node binds one PULL socket (on 127.0.0.1 and a random port unless told otherwise) and
-advertises its address (``SideChannel.address``). Every message it stamps carries that address as ``origin``, its
-node id as ``sender`` and its process's ``instance``, so a receiver knows who spoke, where to answer and whether the
-peer at that address is still the process it was talking to; nobody needs a fixed port. Sending connects a PUSH
-socket to the peer's address once and caches it. A listener thread drains the PULL socket, runs each frame through
-``open_frame`` (size, version, MAC, body) and the ``ReplayGuard`` (freshness, nonce, duplicate), and hands what
-survives to the observers and then to ``on_message``. Everything else is counted per reason (``dropped``) and logged
-at most once per ``log_interval_s`` per reason.
+advertises its address (``SideChannel.address``: the bound endpoint, with ``advertise_host`` in place of its host when
+the node binds a wildcard or an address its peers cannot reach). Every message it stamps carries that address as
+``origin``, its node id as ``sender`` and its process's ``instance``, so a receiver knows who spoke, where to answer
+and whether the peer at that address is still the process it was talking to; nobody needs a fixed port. Sending
+connects a PUSH socket to the peer's address once and caches it. A listener thread drains the PULL socket, runs each
+frame through ``open_frame`` (size, version, MAC, body) and the ``ReplayGuard`` (freshness, nonce, duplicate), and
+hands what survives to the observers and then to ``on_message``. Everything else is counted per reason (``dropped``)
+and logged at most once per ``log_interval_s`` per reason.
 
 Heartbeats belong to the channel. A HEARTBEAT ping is answered with a pong to its ``origin`` (while ``healthy()``
 says so) and ``ping(addr)`` sends one; both go out without blocking (``try_send``, then the ``Courier`` thread).
@@ -39,6 +40,7 @@ from typing import Any
 
 import zmq
 
+from fsm_pd.transport.addresses import with_host
 from fsm_pd.transport.courier import Courier
 from fsm_pd.transport.messages import Heartbeat, MalformedMessage, Message, new_instance_id, new_nonce
 from fsm_pd.transport.peer_sockets import (
@@ -130,6 +132,8 @@ class SideChannel:
             # libzmq's own cap, a backstop for memory only: it cuts the sender's connection without telling us, so it
             # sits well above max_frame_bytes and the counted "oversized" check below does the real work.
             self._inbox.setsockopt(zmq.MAXMSGSIZE, 4 * max_frame_bytes)
+            if "[" in bind:  # an IPv6 literal; set only then, as it makes an IPv4 bind report [::ffff:a.b.c.d]
+                self._inbox.setsockopt(zmq.IPV6, 1)
             # zmq spells "any free port" as "*"; accept the more familiar ":0" too.
             self._inbox.bind(bind[:-2] + ":*" if bind.endswith(":0") else bind)
             endpoint = self._inbox.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -138,8 +142,7 @@ class SideChannel:
             self._ctx.term()
             raise
         if advertise_host is not None and endpoint.startswith("tcp://"):
-            scheme_host, port = endpoint.rsplit(":", 1)
-            endpoint = f"{scheme_host.split('://', 1)[0]}://{advertise_host}:{port}"
+            endpoint = with_host(endpoint, advertise_host)
         self.address = endpoint
         self._courier = Courier(self._peers.try_send, timeout_s=heartbeat_timeout_s,
                                 name=f"side-channel-courier[{node_id}]", on_expired=self._peers.forget)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import jax
 
+from fsm_pd.transport.addresses import with_port
+
 
 @dataclass(frozen=True, slots=True)
 class TransferFeatures:
@@ -87,8 +89,8 @@ def shared_server(config: ServerConfig) -> object:
             client = jax.local_devices()[0].client
             server = transfer.start_transfer_server(
                 client,
-                f"{config.host}:{config.port}",
-                [f"{config.host}:0"] * config.channels,
+                with_port(config.host, config.port),
+                [with_port(config.host, 0)] * config.channels,
                 max_num_parallel_copies=config.parallel_copies,
                 transfer_size=config.transfer_size,
                 use_raw_buffers=False,  # entries own references: the source cannot vanish mid-transfer

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fsm_pd.transport.addresses import with_host
 from fsm_pd.transport.backends.base import (
     BackendUnavailable,
     OnProgress,
@@ -81,6 +82,7 @@ class JaxTransferBackend(HoldingBackend):
         self,
         *,
         host: str = "127.0.0.1",
+        advertise_host: str | None = None,
         port: int = 0,
         channels: int = 4,
         transfer_size: int = 8 << 20,
@@ -93,6 +95,7 @@ class JaxTransferBackend(HoldingBackend):
         if not self.features.available:
             raise BackendUnavailable(self.features.why_unavailable)
         self._server = shared_server(ServerConfig(host, port, channels, transfer_size, parallel_copies))
+        self._advertise_host = advertise_host  # named by ``address`` instead of the bound host
         self._tombstone_ttl_s = tombstone_ttl_s
         self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s)
         self._conns: dict[str, object] = {}
@@ -107,7 +110,8 @@ class JaxTransferBackend(HoldingBackend):
 
     @property
     def address(self) -> str:
-        return self._server.address()
+        bound = self._server.address()
+        return bound if self._advertise_host is None else with_host(bound, self._advertise_host)
 
     # ---- P side ----
 

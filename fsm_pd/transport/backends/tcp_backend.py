@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from fsm_pd.kernels.host_blocks import HostBlocks
+from fsm_pd.transport.addresses import with_host
 from fsm_pd.transport.backends import tcp_wire as wire
 from fsm_pd.transport.backends.base import (
     OnProgress,
@@ -57,6 +58,7 @@ class TcpTransferBackend(HoldingBackend):
         self,
         *,
         host: str = "127.0.0.1",
+        advertise_host: str | None = None,
         port: int = 0,
         frame_bytes: int = 4 << 20,
         max_streams: int = 256,
@@ -66,7 +68,9 @@ class TcpTransferBackend(HoldingBackend):
     ) -> None:
         """``frame_bytes`` caps one data frame (P sends less when less is final); ``max_streams`` caps the pulls P
         serves at once (a thread each; more are refused); ``recv_pool_bytes`` caps the warm receive blocks D keeps
-        for reuse (``fsm_pd.kernels.host_blocks``); ``serve=False`` makes a pull-only node."""
+        for reuse (``fsm_pd.kernels.host_blocks``); ``serve=False`` makes a pull-only node. ``address`` names
+        ``advertise_host`` instead of the bound ``host`` when it is given."""
+        self._advertise_host = advertise_host
         self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s)
         self._changed = threading.Condition(self._holds.lock)  # publish, end and progress wake the stream threads
         self._recv_pool = HostBlocks(recv_pool_bytes)
@@ -84,7 +88,9 @@ class TcpTransferBackend(HoldingBackend):
     def address(self) -> str:
         if self._server is None:
             raise RuntimeError("this tcp backend was created with serve=False and publishes nothing")
-        return self._server.address
+        if self._advertise_host is None:
+            return self._server.address
+        return with_host(self._server.address, self._advertise_host)
 
     # ---- P side ----
 

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from fsm_pd.transport.addresses import bare_host, is_ipv6, with_port
 from fsm_pd.transport.backends import tcp_wire as wire
 from fsm_pd.transport.backends.host_stream import HostEntry
 
@@ -63,9 +64,10 @@ class TcpPullServer:
         self._workers = 0
         self._idle = 0
         self._delivered: set[int] = set()  # pulled once, awaiting release; guarded by ``changed``
-        self._listener = socket.create_server((host, port))
+        family = socket.AF_INET6 if is_ipv6(host) else socket.AF_INET
+        self._listener = socket.create_server((bare_host(host), port), family=family)
         bound_host, bound_port = self._listener.getsockname()[:2]
-        self.address = f"tcp://{bound_host}:{bound_port}"
+        self.address = f"tcp://{with_port(bound_host, bound_port)}"  # IPv6 in brackets
         self._stopping = False
         self._thread = threading.Thread(target=self._accept, name=f"fsm-pd-tcp-server {self.address}", daemon=True)
         self._thread.start()

@@ -20,6 +20,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from fsm_pd.kernels.host_blocks import HostBlocks
+from fsm_pd.transport.addresses import with_host
 from fsm_pd.transport.backends import zmq_wire as wire
 from fsm_pd.transport.backends.base import (
     OnProgress,
@@ -48,6 +49,7 @@ class ZmqTransferBackend(HoldingBackend):
         self,
         *,
         host: str = "127.0.0.1",
+        advertise_host: str | None = None,
         port: int = 0,
         chunk_bytes: int = 512 << 10,
         window: int = 8,
@@ -56,7 +58,9 @@ class ZmqTransferBackend(HoldingBackend):
         serve: bool = True,
     ) -> None:
         """``window`` chunks of ``chunk_bytes`` may be in flight per pull; ``recv_pool_bytes`` caps the warm receive
-        blocks D keeps for reuse (see ``fsm_pd.kernels.host_blocks``); ``serve=False`` makes a pull-only node."""
+        blocks D keeps for reuse (see ``fsm_pd.kernels.host_blocks``); ``serve=False`` makes a pull-only node.
+        ``address`` names ``advertise_host`` instead of the bound ``host`` when it is given."""
+        self._advertise_host = advertise_host
         self._window = window
         self._recv_pool = HostBlocks(recv_pool_bytes)
         self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s)
@@ -71,7 +75,9 @@ class ZmqTransferBackend(HoldingBackend):
     def address(self) -> str:
         if self._server is None:
             raise RuntimeError("this zmq backend was created with serve=False and publishes nothing")
-        return self._server.address
+        if self._advertise_host is None:
+            return self._server.address
+        return with_host(self._server.address, self._advertise_host)
 
     # ---- P side ----
 
@@ -120,6 +126,8 @@ class ZmqTransferBackend(HoldingBackend):
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        if "[" in address:  # an IPv6 literal: zmq connects only IPv4 unless told
+            sock.setsockopt(zmq.IPV6, 1)
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
         try:
             try:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from fsm_pd.transport.addresses import is_ipv6, with_port
 from fsm_pd.transport.backends import zmq_wire as wire
 from fsm_pd.transport.backends.host_stream import HostEntry
 
@@ -52,7 +53,9 @@ class ZmqPullServer:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished peer raises instead of vanishing
         self._sock.setsockopt(zmq.SNDHWM, 0)  # credits bound what is queued, not the high-water mark
-        self._sock.bind(f"tcp://{host}:{port}")
+        if is_ipv6(host):  # only then: with it, an IPv4 bind would report its endpoint as [::ffff:a.b.c.d]
+            self._sock.setsockopt(zmq.IPV6, 1)
+        self._sock.bind(f"tcp://{with_port(host, port)}")
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
