@@ -49,6 +49,12 @@ def journal_url(target: str | os.PathLike) -> str:
     return raw
 
 
+def journal_name(target: str | os.PathLike) -> str:
+    """How messages name a journal: a path as given, a URL with its password masked."""
+    raw = os.fspath(target)
+    return shown(raw) if "://" in raw else raw
+
+
 def shown(url: str) -> str:
     """The URL for messages and logs: the password, if any, is masked."""
     try:
@@ -88,6 +94,15 @@ def create_journal_engine(url: str, durability: str) -> Engine:
         raise DatabaseUrlError(f"the driver of {shown(url)} ({engine.dialect.driver}) takes only named parameters; "
                                f"a journal needs a positional one (postgresql+psycopg, sqlite)")
     return engine
+
+
+def create_reader_engine(url: str) -> Engine:
+    """An engine for reading a journal (replay): the driver and the libpq timeouts of a writer, nothing it sets."""
+    parsed = make_url(url)
+    options = {}
+    if parsed.get_backend_name() == "postgresql" and parsed.get_driver_name() in LIBPQ_DRIVERS:
+        options["connect_args"] = {k: v for k, v in LIBPQ_DEFAULTS.items() if k not in parsed.query}
+    return create_engine(parsed, **options)
 
 
 def _sqlite(engine: Engine, durability: str) -> None:

@@ -25,7 +25,13 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from fsm_pd.machines import TERMINAL
-from fsm_pd.store.database import DURABILITY, DatabaseUrlError, create_journal_engine, journal_url  # noqa: F401
+from fsm_pd.store.database import (  # noqa: F401 - DURABILITY is re-exported
+    DURABILITY,
+    DatabaseUrlError,
+    create_journal_engine,
+    journal_name,
+    journal_url,
+)
 from fsm_pd.store.schema import (
     COLUMNS,
     ROOM_ORDER_INDEX_DDL,
@@ -86,6 +92,7 @@ class Journal:
 
     def __init__(self, target: str | os.PathLike, *, durability: str = "full"):
         self.url = _url(target)
+        self.name = journal_name(target)  # for messages: a URL's password masked
         self.durability = durability
         try:
             self.engine = _engine(self.url, durability)
@@ -99,13 +106,15 @@ class Journal:
                     _migrate_from_1(conn, target)
                     found = str(SCHEMA_VERSION)
         except SQLAlchemyError as exc:
-            raise JournalError(f"cannot open journal {target}: {getattr(exc, 'orig', None) or exc}") from exc
+            raise JournalError(f"cannot open journal {self.name}: {getattr(exc, 'orig', None) or exc}") from exc
         if found is not None and found != str(SCHEMA_VERSION):
             raise SchemaVersionError(
-                f"journal {target} has schema version {found}; this fsm-pd reads and writes version {SCHEMA_VERSION}"
+                f"journal {self.name} has schema version {found}; this fsm-pd reads and writes version {SCHEMA_VERSION}"
             )
         dialect = self.engine.dialect
-        self._insert = str(insert(transitions).compile(dialect=dialect, column_keys=list(COLUMNS)))
+        # for_executemany: no RETURNING of the new seq (PostgreSQL would add one; nobody reads it)
+        self._insert = str(insert(transitions).compile(dialect=dialect, column_keys=list(COLUMNS),
+                                                       for_executemany=True))
         self._open_room = str(insert(rooms).compile(
             dialect=dialect, column_keys=["room", "role", "node", "rid", "opened_at"]))
         self._close_room = str(update(rooms).where(
@@ -150,7 +159,7 @@ class Journal:
             finally:
                 conn.close()  # back to the pool
         except (SQLAlchemyError, self.engine.dialect.dbapi.Error) as exc:
-            raise JournalError(f"journal read failed: {exc}") from exc
+            raise JournalError(f"journal {self.name} read failed: {getattr(exc, 'orig', None) or exc}") from exc
         return found is not None
 
     @property
@@ -175,7 +184,7 @@ class Journal:
         except IntegrityError as exc:
             raise VersionConflict(f"a (node, role, room, version) was journaled twice: {exc.orig}") from exc
         except SQLAlchemyError as exc:
-            raise JournalError(f"journal write failed: {exc}") from exc
+            raise JournalError(f"journal {self.name} write failed: {getattr(exc, 'orig', None) or exc}") from exc
         self.rows_written += len(rows)
         self.commits += 1
         if self.retention is not None:

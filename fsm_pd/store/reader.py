@@ -19,10 +19,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from itertools import groupby
 from pathlib import Path
 
-from sqlalchemy import create_engine, inspect, select
+from sqlalchemy import inspect, select
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
+from fsm_pd.store.database import create_reader_engine, journal_name
 from fsm_pd.store.journal import JournalError, JournalRow, SchemaVersionError, _url
 from fsm_pd.store.schema import SCHEMA_VERSION, journal_meta, rooms, transitions
 
@@ -77,10 +78,10 @@ class JournalReader:
     """One journal opened for reading. Use as a context manager, or ``close()`` it."""
 
     def __init__(self, target: str | os.PathLike):
-        self.name = os.fspath(target)
+        self.name = journal_name(target)  # a URL's password masked
         if "://" not in self.name and not Path(self.name).is_file():
             raise JournalError(f"no journal at {self.name}")
-        self.engine: Engine = create_engine(_url(self.name))
+        self.engine: Engine = create_reader_engine(_url(target))
         try:
             with self.engine.connect() as conn:
                 names = set(inspect(conn).get_table_names())
