@@ -31,6 +31,8 @@ from fsm_pd.transport.backends.base import TransferFailed, TransferTimeout
 from fsm_pd.transport.messages import Abort, Prepare, Pulled
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from fsm_pd.control.faults import Faults
     from fsm_pd.control.ports import Admission, DecodeKV, ModelExecutor, PullPort, ResolverPort, SideChannelPort
     from fsm_pd.effects import Node
@@ -38,8 +40,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Appended to an ABORT's reason when the decode node takes the request over and prefills it itself (the decode
+# engine's ``--on-transfer-failure recompute``): the prefill node then answers its leg instead of failing it.
+RECOMPUTE_NOTE = " [the decode node recomputes this request]"
+
 
 class DecodeEffects:
+    # set by a decode engine that recomputes failed transfers: True for a failed room it will recompute
+    abort_note: Callable[[Room], bool] | None = None
+
     def __init__(self, *, layout: dict, channel: SideChannelPort, resolver: ResolverPort, admission: Admission,
                  puller: PullPort, model: ModelExecutor, kv: DecodeKV, faults: Faults, pull_delay_s: float = 0.0):
         self.layout = dict(layout)
@@ -81,7 +90,10 @@ class DecodeEffects:
         elif effect.kind == "PULLED":
             msg = channel.stamp(Pulled, room=room.room, transfer_id=room.room)
         elif effect.kind == "ABORT":
-            msg = channel.stamp(Abort, room=room.room, reason=room.reason or "aborted")
+            reason = room.reason or "aborted"
+            if self.abort_note is not None and self.abort_note(room):
+                reason += RECOMPUTE_NOTE
+            msg = channel.stamp(Abort, room=room.room, reason=reason)
         else:
             raise EffectError(f"the decode node does not send {effect.kind}")
         self.outbox.send(node, room.room, ctx["prefill_addr"], msg, effect.kind)

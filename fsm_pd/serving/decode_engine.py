@@ -13,6 +13,15 @@ A request goes through:
    prompt plus output (``retraction.py``); their rooms stay at Success meanwhile, and no new request is admitted
    while one waits to resume.
 
+When the transfer fails after this node reserved the request's pages (a failed or timed-out pull or scatter, the
+prefill node gone), ``on_transfer_failure`` decides: ``recompute`` (the default) prefills the prompt here, as the
+colocated engine does, samples the first token with the request's seed at step 0 and decodes on, so the client gets
+the answer an undisturbed run gives (greedy: identical); ``fail`` ends the request with the transfer's error (500).
+The room still ends Failed in the journal with its reason; the recompute is logged with the room and request id,
+counted (``recomputes``, ``fsm_pd_transfer_recomputes_total``) and named in the answer's ``meta_info.kv_recompute``.
+A recomputed request's pages are held under the key ``-(room + 1)``, never a room id, so the failed room's own
+``FreePages`` cannot free them. See ``serving.md``.
+
 Why the engine owns the pages (``SchedulerAdmission``) rather than the manager's ``PoolAdmission``: a decoding
 sequence grows, one page every ``page_size`` tokens, and those pages must come from the same allocator as the
 prompt's, or admission cannot see what decoding will need; and the headroom rule is a scheduling decision.
@@ -50,6 +59,7 @@ from fsm_pd.serving.common import (
 from fsm_pd.serving.decode_loop import DecodeLoop
 from fsm_pd.serving.forward import input_logprobs_from_wire
 from fsm_pd.serving.page_admission import admits
+from fsm_pd.serving.recompute import ON_TRANSFER_FAILURE, TransferRecompute
 from fsm_pd.serving.retraction import RetractionCollector
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.step_driver import StepDriver
@@ -80,7 +90,10 @@ class DecodeEngine:
         max_running: int = 64,
         headroom_pages: int | None = None,
         heartbeat: dict | None = None,
+        on_transfer_failure: str = "recompute",
     ):
+        if on_transfer_failure not in ON_TRANSFER_FAILURE:
+            raise ValueError(f"on_transfer_failure must be one of {ON_TRANSFER_FAILURE}, got {on_transfer_failure!r}")
         self.model = load_model(model) if isinstance(model, str) else model
         self.model_name = self.model.name
         self.page_size = page_size
@@ -119,6 +132,12 @@ class DecodeEngine:
         self.manager.metrics.watch_leaks(self.leak_counters)
         self.manager.metrics.registry.register(
             RetractionCollector(self.loop.counters, {"role": "decode", "node": node_id}))
+        self.recompute = TransferRecompute(self.model, self.model_thread, self.allocator, page_size,
+                                           enabled=on_transfer_failure == "recompute",
+                                           headroom_pages=self.headroom_pages)
+        self.manager.metrics.registry.register(self.recompute.collector({"role": "decode", "node": node_id}))
+        # the ABORT of a room we will recompute says so, so the prefill node answers its leg instead of failing it
+        self.manager.effects.abort_note = self._abort_note
         self.manager.on_stopped.append(self._cannot_serve)
         self.model_thread.on_death.append(self._cannot_serve)
 
@@ -191,6 +210,7 @@ class DecodeEngine:
             "requests_running": len(self.loop.running),
             "tokens_generated": self.loop.tokens_generated,
             **self.loop.counters(),
+            **self.recompute.counters(),
             **counters,
             "leaks": self.leak_counters(counters),
             "faults": self.manager.effects.faults.config.describe(),
@@ -211,6 +231,7 @@ class DecodeEngine:
             "queued": len(self._rooms),
             "requests_running": len(self.loop.running),
             "requests_retracted": len(self.loop.retracted),
+            "recomputes_waiting": len(self.recompute.waiting),
         }
 
     def flush_cache(self) -> tuple[bool, str]:
@@ -224,10 +245,15 @@ class DecodeEngine:
         self.model_thread.close()
 
     # --- the manager's loop thread ---
+    def _abort_note(self, room) -> bool:
+        """Whether the ABORT for this failed room says that we recompute it (the same rule as ``_on_room``)."""
+        seq = self._rooms.get(room.room)
+        return self.recompute.enabled and seq is not None and not seq.cancelled and bool(room.ctx.get("pages"))
+
     def _observe(self, room, decision, at) -> None:
         if decision.dst != decision.src and decision.dst in ("Success", "Failed"):
             if decision.dst == "Failed":
-                detail: Any = room.reason
+                detail: Any = {"reason": room.reason, "held_pages": bool(room.ctx.get("pages"))}
             else:  # the room is the loop's: copy what the model thread will read
                 ctx = room.ctx
                 detail = {"pages": list(ctx.get("pages") or ()), "first_token": ctx.get("first_token"),
@@ -247,8 +273,11 @@ class DecodeEngine:
     def _step(self) -> bool:
         while self._events:
             self._on_room(*self._events.popleft())
+        if not self.loop.resuming:  # retracted requests take the pages first, as for new ones
+            self.recompute.prefill(self.max_running - len(self.loop.running), self.loop.add, self._finish)
         self._admit()
-        return self.loop.step()
+        # a recompute whose pages did not fit waits for a page free, which kicks us; with none held it fits now
+        return self.loop.step() or (self.recompute.ready_to_run() and not self.loop.resuming)
 
     def _on_room(self, room: int, state: str, detail: Any) -> None:
         seq = self._rooms.pop(room, None)
@@ -257,10 +286,14 @@ class DecodeEngine:
                 self.manager.clear(room)
             return
         if state == "Failed":
-            if not seq.cancelled:
-                seq.stream.push(EngineError(detail or "KV transfer failed", 500))
-            self.requests.pop(seq.rid)
+            reason = detail["reason"] or "KV transfer failed"
             self.manager.clear(room)  # its pages: the machine's FreePages calls _on_release
+            if not seq.cancelled and self.recompute.enabled and detail["held_pages"]:
+                self.recompute.start(seq, room, reason)  # the request lives on under a key of its own
+                return
+            if not seq.cancelled:
+                seq.stream.push(EngineError(reason, 500))
+            self.requests.pop(seq.rid)
             return
         ctx = detail
         seq.pages = ctx["pages"]
@@ -304,6 +337,9 @@ class DecodeEngine:
     def _finish(self, seq: Sequence) -> None:
         """A decoded (or cancelled) request is done: ``finish`` frees its pages after any queued write."""
         self.requests.pop(seq.rid)
+        if self.recompute.owns(seq):  # its room was cleared when it failed; its pages are ours
+            self.recompute.release(seq)
+            return
         self.manager.finish(seq.key)
         self.manager.clear(seq.key)
 

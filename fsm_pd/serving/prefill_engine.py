@@ -8,7 +8,11 @@ A request goes through three queues, as in SGLang's prefill node:
    the request's seed at step 0 (``max_new_tokens`` is 1 here) and handed over with ``kv_ready``;
 3. in flight: the manager gathers and publishes the pages and waits for PULLED. The request is answered once its
    room reaches Success (one ``TokenOutput``, finish_reason length) or Failed (``EngineError(reason, 500)``); either
-   way its pages are freed then, on the model thread, after the gather that read them.
+   way its pages are freed then, on the model thread, after the gather that read them. One exception: when the
+   decode node's ABORT says it recomputes the request itself (``RECOMPUTE_NOTE``, its ``--on-transfer-failure
+   recompute``), the room still ends Failed but the request is answered as at Success, with the failure in
+   ``meta_info.kv_transfer_failed``: the client's answer comes from the decode node, which a router would
+   otherwise throw away for this leg's error.
 
 Room transitions reach the scheduler through a manager observer (the manager's loop thread), which only queues
 them (with the failure reason, read there) and kicks the model thread: every scheduling decision is taken on the
@@ -23,6 +27,7 @@ from collections import deque
 
 from fsm_pd.bootstrap import BootstrapServer
 from fsm_pd.control import KVManager
+from fsm_pd.control.decode_effects import RECOMPUTE_NOTE
 from fsm_pd.engine.loader import LoadedModel, load_model
 from fsm_pd.engine.model_thread import ModelThread
 from fsm_pd.engine.pages import PageAllocator
@@ -253,6 +258,10 @@ class PrefillEngine:
             self.requests.pop(seq.rid)
             if state == "Success" and first is not None:
                 self._answer(seq, first)
+            elif state == "Failed" and first is not None and reason is not None and RECOMPUTE_NOTE in reason:
+                log.info("room %d (request %s): the transfer failed and the decode node recomputes it: %s", room,
+                         seq.rid, reason)
+                self._answer(seq, first, {"kv_transfer_failed": reason})
             elif state == "Failed" and not seq.cancelled:
                 seq.stream.push(EngineError(reason or "KV transfer failed", 500))
         # a request still in the prefill queue is dropped there: its room is gone from the manager
@@ -277,7 +286,7 @@ class PrefillEngine:
                 top_logprobs=top_logprobs_to_wire(first.top_logprobs, first.input_top_logprobs),
             )
 
-    def _answer(self, seq: Sequence, first: FirstToken) -> None:
+    def _answer(self, seq: Sequence, first: FirstToken, extra_meta: dict | None = None) -> None:
         if seq.cancelled:
             return
         seq.stream.push(
@@ -289,6 +298,7 @@ class PrefillEngine:
                 input_token_logprobs=first.input_logprobs,
                 top_logprobs=first.top_logprobs,
                 input_top_logprobs=first.input_top_logprobs,
-                meta={"prompt_tokens": seq.prompt_len, "completion_tokens": 1, "cached_tokens": 0},
+                meta={"prompt_tokens": seq.prompt_len, "completion_tokens": 1, "cached_tokens": 0,
+                      **(extra_meta or {})},
             )
         )

@@ -1,0 +1,149 @@
+"""Recompute on the decode node: a request whose KV transfer failed is prefilled here instead of failing.
+
+The decode node has the weights, so when a transfer fails after it reserved the request's pages (a pull or scatter
+that failed or timed out, the prefill node dead or restarted), ``--on-transfer-failure recompute`` prefills the
+prompt on this node, samples the first token exactly as the prefill node does (``forward.prefill_and_sample``: the
+request's seed, step 0) and hands the request to the decode loop. Sampling depends on the seed and the step only,
+so the client gets the tokens an undisturbed run gives (greedy: identical). ``fail`` keeps the old behaviour: the
+request ends with the transfer's error.
+
+Why recompute is the default: by the time a transfer fails the client has waited for a prefill already, and failing
+costs a retry elsewhere (a new handshake, a new prefill, a new queue) where recomputing costs one prefill on a node
+that is known to be up and holds the request. What it costs: the prefill runs between decode steps, so the other
+requests on this node pause for it, as for a retraction's recompute.
+
+The room itself still ends Failed, with its reason, in the journal; the recompute is a log line naming the room and
+the request, a counter (``recomputes``; ``fsm_pd_transfer_recomputes_total``) and the answer's
+``meta_info.kv_recompute`` (``{"room", "reason", "seconds"}``). The failed room's ``FreePages`` returns the pages
+it held under the room id; the recompute reserves pages of its own under the key ``-(room + 1)`` (rooms are never
+negative), so that free cannot touch them. Model thread only, except ``counters``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from fsm_pd.engine.loader import LoadedModel
+from fsm_pd.engine.model_thread import ModelThread
+from fsm_pd.engine.pages import PageAllocator
+from fsm_pd.serving.forward import prefill_and_sample
+from fsm_pd.serving.isolate import run_isolating
+from fsm_pd.serving.page_admission import take_prefill_batch
+from fsm_pd.serving.sequence import Sequence
+from fsm_pd.serving.types import EngineError
+
+log = logging.getLogger(__name__)
+
+ON_TRANSFER_FAILURE = ("recompute", "fail")
+
+
+def recompute_key(room: int) -> int:
+    """The allocator key of a recomputed request: negative, so never a room's."""
+    return -(room + 1)
+
+
+class TransferRecompute:
+    def __init__(self, model: LoadedModel, model_thread: ModelThread, allocator: PageAllocator, page_size: int, *,
+                 enabled: bool, headroom_pages: int, max_batch: int = 8, max_tokens: int = 4096):
+        self.model, self.model_thread, self.allocator, self.page_size = model, model_thread, allocator, page_size
+        self.enabled, self.headroom_pages = enabled, headroom_pages
+        self.max_batch, self.max_tokens = max_batch, max_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.started = 0  # transfers failed and taken over here
+        self.completed = 0  # of those, prefilled here (the request then decodes as any other)
+        self.failed = 0  # the local prefill itself failed: the request got a 500
+        self.recomputed_tokens = 0
+
+    def counters(self) -> dict:
+        return {"recomputes": self.started, "recomputes_prefilled": self.completed,
+                "recomputes_failed": self.failed, "recompute_prompt_tokens": self.recomputed_tokens}
+
+    def owns(self, seq: Sequence) -> bool:
+        return seq.key < 0
+
+    def start(self, seq: Sequence, room: int, reason: str) -> None:
+        """Take over ``seq``, whose room failed with ``reason`` after its pages were reserved."""
+        seq.key = recompute_key(room)
+        seq.pages = []
+        seq.meta["kv_recompute"] = {"room": room, "reason": reason}
+        seq.meta["recompute_queued_at"] = time.monotonic()
+        self.waiting.append(seq)
+        self.started += 1
+        log.warning("room %d (request %s): the KV transfer failed (%s); recomputing its prompt of %d tokens on this "
+                    "node (--on-transfer-failure recompute)", room, seq.rid, reason, seq.prompt_len)
+
+    def ready_to_run(self) -> bool:
+        """Waiting work that fits as soon as a step runs (nothing holds pages, so the headroom is waived)."""
+        return bool(self.waiting) and self.allocator.reserved_pages == 0
+
+    def prefill(self, room_for: int, add: Callable[[Sequence], None], finish: Callable[[Sequence], None]) -> None:
+        """Prefill the waiting requests whose pages fit (``room_for`` running slots left), emit their first tokens
+        and hand them to ``add`` (the decode loop), or to ``finish`` when that token was their last."""
+        if not self.waiting or room_for <= 0:
+            return
+        batch = take_prefill_batch(self.waiting, self.allocator, self.page_size,
+                                   max_batch=min(room_for, self.max_batch), max_tokens=self.max_tokens,
+                                   headroom=self.headroom_pages, drop=lambda s: s.cancelled)
+        if not batch:
+            return
+        firsts = run_isolating(batch, lambda seqs: prefill_and_sample(
+            self.model, self.model_thread, [s.request for s in seqs], [s.pages for s in seqs]), "recompute prefill")
+        for seq, first in zip(batch, firsts, strict=True):
+            info = seq.meta["kv_recompute"]
+            info["seconds"] = round(time.monotonic() - seq.meta.pop("recompute_queued_at"), 6)
+            if isinstance(first, Exception):
+                self.failed += 1
+                seq.stream.push(EngineError(f"the KV transfer failed ({info['reason']}) and recomputing the "
+                                            f"prompt here failed too: {first}", 500))
+                finish(seq)
+                continue
+            self.completed += 1
+            self.recomputed_tokens += seq.prompt_len
+            log.info("room %d (request %s): prompt recomputed in %.3f s", info["room"], seq.rid, info["seconds"])
+            if seq.emit(first.token_id, first.logprob, first.input_logprobs, first.top_logprobs,
+                        first.input_top_logprobs):
+                finish(seq)
+            else:
+                add(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """A recomputed request ended: its pages go back (model thread)."""
+        self.allocator.free(seq.key)
+        self.allocator.forget(seq.key)
+
+    def collector(self, labels: dict[str, str]) -> RecomputeCollector:
+        return RecomputeCollector(self, labels)
+
+
+class RecomputeCollector:
+    """``/metrics``: transfers recomputed on this node, read at scrape time."""
+
+    def __init__(self, recompute: TransferRecompute, labels: dict[str, str]):
+        self._recompute, self._labels = recompute, dict(labels)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        values = self._recompute.counters()
+        names, label_values = list(self._labels), list(self._labels.values())
+        for name, key, doc in (
+            ("fsm_pd_transfer_recomputes", "recomputes",
+             "Requests whose KV transfer failed and whose prompt this decode node recomputed instead"),
+            ("fsm_pd_transfer_recompute_failures", "recomputes_failed",
+             "Recomputes whose own prefill failed (the request got a 500)"),
+            ("fsm_pd_transfer_recompute_prompt_tokens", "recompute_prompt_tokens",
+             "Prompt tokens prefilled on the decode node after failed transfers"),
+        ):
+            family = CounterMetricFamily(name, doc, labels=names)
+            family.add_metric(label_values, float(values[key]))
+            yield family
+        waiting = GaugeMetricFamily("fsm_pd_transfer_recomputes_waiting", "Recomputes waiting for pages",
+                                    labels=names)
+        waiting.add_metric(label_values, float(len(self._recompute.waiting)))
+        yield waiting

@@ -1,0 +1,117 @@
+"""``--on-transfer-failure``: a decode node whose KV transfer fails after it reserved the pages prefills the prompt
+itself and decodes on (``recompute``), or fails the request (``fail``). A prefill and a decode engine in one process
+(real side channel and bootstrap server on 127.0.0.1, the ``fake`` data plane); the failure is a fault injected into
+the decode node's pull or scatter."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from test_serving_colocated import PAGE_SIZE, PAGES, ids_of, run
+from test_serving_pd import assert_idle, pd_request
+
+from fsm_pd.control.faults import FaultConfig, Faults
+from fsm_pd.engine.loader import load_model
+from fsm_pd.serving.collect import generate
+from fsm_pd.serving.decode_engine import DecodeEngine
+from fsm_pd.serving.prefill_engine import PrefillEngine
+from fsm_pd.serving.types import EngineError
+from fsm_pd.store import read_journal
+
+PROMPTS = [[(7 * i + j) % 200 + 1 for j in range(n)] for i, n in enumerate((3, 9, 17, 30))]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny")
+
+
+def make_pair(model, tmp, policy):
+    p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp / "p.db"))
+    d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", secret=p.secret,
+                     journal=str(tmp / "d.db"), on_transfer_failure=policy)
+    return p, d
+
+
+@pytest.fixture(scope="module")
+def pair(model, tmp_path_factory):
+    p, d = make_pair(model, tmp_path_factory.mktemp("recompute"), "recompute")
+    yield p, d
+    d.close()
+    p.close()
+
+
+def fail_stage(d: DecodeEngine, stage: str | None) -> None:
+    """Make every later pull (or scatter) of ``d`` fail; None: none."""
+    d.manager.effects.faults = Faults(FaultConfig(stages={} if stage is None else {stage: 1.0}), role="decode")
+
+
+async def both(p, d, req):
+    """What a router does: the same request to both nodes at once. Both answers (or their errors)."""
+    return await asyncio.gather(generate(p, req), generate(d, req), return_exceptions=True)
+
+
+async def concurrently(p, d, requests):
+    return await asyncio.gather(*(both(p, d, r) for r in requests))
+
+
+def final_rows(journal_path, rooms):
+    last = {}
+    for row in read_journal(journal_path):
+        if row.room in rooms:
+            last[row.room] = row
+    return last
+
+
+@pytest.mark.parametrize("stage", ["pull", "scatter"])
+def test_recompute_gives_the_undisturbed_greedy_output(pair, stage):
+    p, d = pair
+    fail_stage(d, None)
+    want = [ids_of(run(both(p, d, pd_request(p, f"ok-{stage}-{i}", x, max_new_tokens=12)))[1])
+            for i, x in enumerate(PROMPTS)]
+    before = d.info()["recomputes"]
+    fail_stage(d, stage)
+    requests = [pd_request(p, f"bad-{stage}-{i}", x, max_new_tokens=12) for i, x in enumerate(PROMPTS)]
+    try:
+        got = run(concurrently(p, d, requests))
+    finally:
+        fail_stage(d, None)
+    for (prefill_out, decode_out), expected in zip(got, want, strict=True):
+        assert not isinstance(decode_out, BaseException), decode_out
+        assert ids_of(decode_out) == expected
+        recompute = decode_out[-1].meta["kv_recompute"]
+        assert f"injected fault: {stage} failed" in recompute["reason"] and recompute["seconds"] >= 0
+        # the prefill leg is answered too (a router would otherwise drop the decode's answer for its error)
+        assert not isinstance(prefill_out, BaseException), prefill_out
+        assert "the decode node recomputes" in prefill_out[0].meta["kv_transfer_failed"]
+    assert d.info()["recomputes"] - before == len(PROMPTS)
+    assert_idle(p, d)
+    # the rooms still ended Failed on both sides, with the injected fault as the reason
+    rooms = {r.bootstrap.room for r in requests}
+    for journal in (d.manager.journal.url, p.manager.journal.url):
+        last = final_rows(journal, rooms)
+        assert set(last) == rooms and {row.dst for row in last.values()} == {"Failed"}
+    metrics = d.manager.metrics.registry.get_sample_value("fsm_pd_transfer_recomputes_total",
+                                                          {"role": "decode", "node": "decode-0"})
+    assert metrics == d.info()["recomputes"]
+
+
+def test_fail_policy_fails_the_request(model, tmp_path):
+    p, d = make_pair(model, tmp_path, "fail")
+    try:
+        fail_stage(d, "pull")
+        prefill_out, decode_out = run(both(p, d, pd_request(p, "fails", PROMPTS[1], max_new_tokens=4)))
+        assert isinstance(decode_out, EngineError) and decode_out.status == 500
+        assert "injected fault: pull failed" in str(decode_out)
+        assert isinstance(prefill_out, EngineError) and "the decode node recomputes" not in str(prefill_out)
+        assert d.info()["recomputes"] == 0
+        assert_idle(p, d)
+    finally:
+        d.close()
+        p.close()
+
+
+def test_unknown_policy_is_refused(model):
+    with pytest.raises(ValueError, match="on_transfer_failure"):
+        DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", on_transfer_failure="retry")
