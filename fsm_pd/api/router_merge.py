@@ -32,8 +32,9 @@ def with_bootstrap(body: dict, prefill_url: str, bootstrap_port: int | None, roo
             "bootstrap_room": room}
 
 
-def prefill_input_logprobs(body: bytes) -> list | None:
-    """``meta_info.input_token_logprobs`` of a prefill answer: one JSON document, or SSE (its first data chunk)."""
+def prefill_input_logprobs(body: bytes) -> list[list | None] | None:
+    """``meta_info.input_token_logprobs`` of each answer in a prefill's response, in order: one answer (a JSON
+    document, or SSE: its first chunk that has them), or a list of answers (a batch or ``n > 1``, prompt-major)."""
     text = body.decode("utf-8", errors="replace").strip()
     documents = [text]
     if text.startswith("data:"):
@@ -45,38 +46,50 @@ def prefill_input_logprobs(body: bytes) -> list | None:
             parsed = json.loads(doc)
         except ValueError:
             return None
-        logprobs = (parsed.get("meta_info") or {}).get("input_token_logprobs") if isinstance(parsed, dict) else None
-        if logprobs is not None:
-            return list(logprobs)
+        if isinstance(parsed, list):
+            return [_input_logprobs(item) for item in parsed]
+        if (logprobs := _input_logprobs(parsed)) is not None:
+            return [logprobs]
     return None
 
 
-def merge_into(answer: dict, prefill_logprobs: list) -> dict:
+def _input_logprobs(answer) -> list | None:
+    logprobs = (answer.get("meta_info") or {}).get("input_token_logprobs") if isinstance(answer, dict) else None
+    return list(logprobs) if isinstance(logprobs, list) else None
+
+
+def merge_into(answer: dict, prefill_logprobs: list | None) -> dict:
     """Prefill's list first, then the decode's (empty from an fsm-pd decode node). A decode list that already
     covers the prompt (a decode that repeats the prefill's) is left as it is: the prompt counts once."""
     meta = answer.get("meta_info")
-    if isinstance(meta, dict):
+    if isinstance(meta, dict) and prefill_logprobs is not None:
         own = list(meta.get("input_token_logprobs") or [])
         if len(own) < len(prefill_logprobs):
             meta["input_token_logprobs"] = prefill_logprobs + own
     return answer
 
 
-def merge_json(decode_body: bytes, prefill_logprobs: list | None) -> bytes:
-    """The decode's JSON answer with the prefill's logprobs merged; unchanged if either side has none."""
+def merge_json(decode_body: bytes, prefill_logprobs: list[list | None] | None) -> bytes:
+    """The decode's JSON answer with the prefill's logprobs merged, answer by answer (a batch's i-th with the
+    prefill's i-th); unchanged if either side has none or they do not pair up."""
     if prefill_logprobs is None:
         return decode_body
     try:
         answer = json.loads(decode_body)
     except ValueError:
         return decode_body
-    if not isinstance(answer, dict) or not isinstance(answer.get("meta_info"), dict):
+    answers = answer if isinstance(answer, list) else [answer]
+    if len(answers) != len(prefill_logprobs) or not all(isinstance(a, dict) for a in answers):
         return decode_body
-    return json.dumps(merge_into(answer, prefill_logprobs), separators=(",", ":")).encode()
+    for one, logprobs in zip(answers, prefill_logprobs, strict=True):
+        merge_into(one, logprobs)
+    return json.dumps(answer, separators=(",", ":")).encode()
 
 
-async def merge_sse(lines: AsyncIterator[str], prefill_logprobs: list | None) -> AsyncIterator[bytes]:
-    """Re-emit an SSE stream line by line, merging into every ``data: {...}`` chunk that has a ``meta_info``."""
+async def merge_sse(lines: AsyncIterator[str], prefill_logprobs: list[list | None] | None) -> AsyncIterator[bytes]:
+    """Re-emit an SSE stream line by line, merging into every ``data: {...}`` chunk that has a ``meta_info`` (a
+    stream is one answer: batches and ``n > 1`` are not streamed)."""
+    prefill_logprobs = prefill_logprobs[0] if prefill_logprobs and len(prefill_logprobs) == 1 else None
     async for line in lines:
         if prefill_logprobs is not None and line.startswith("data:") and line[5:].strip() != "[DONE]":
             try:

@@ -82,3 +82,25 @@ def test_n_and_max_new_tokens_zero_through_the_router(urls):
                                      "sampling_params": {"max_new_tokens": 0}})
     assert zero["output_ids"] == [] and len(zero["meta_info"]["input_token_logprobs"]) == zero["meta_info"][
         "prompt_tokens"]
+
+
+def test_batched_prompt_logprobs_as_sgl_select_asks(urls):
+    # sgl.select scores each choice with one batched request: text as a list, max_new_tokens 0, prompt logprobs from
+    # logprob_start_len. Each answer must carry its own prompt's logprobs, once (a decode answer leaves them out and
+    # the router merges the prefill's, answer by answer).
+    texts = ["The capital of France is Paris", "The capital of France is London", "x"]
+    body = {"text": texts, "return_logprob": True, "return_text_in_logprobs": True, "logprob_start_len": 4,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0}}
+    want = generate(urls["colocated"], body)
+    assert [len(a["meta_info"]["input_token_logprobs"]) for a in want] == [
+        max(a["meta_info"]["prompt_tokens"] - 4, 0) for a in want]
+    assert len(want[0]["meta_info"]["input_token_logprobs"]) > 1
+    # The built-in router only: sglang-router 0.3.2 refuses a batched "text" in PD mode (422 "invalid type:
+    # sequence, expected a string"), so sgl.select cannot run through it.
+    for url in (urls["router"],):
+        got = generate(url, body)
+        assert len(got) == len(want), url
+        for answer, wanted in zip(got, want, strict=True):
+            rows, wanted_rows = answer["meta_info"]["input_token_logprobs"], wanted["meta_info"]["input_token_logprobs"]
+            assert [r[1:] for r in rows] == [r[1:] for r in wanted_rows], url  # ids and texts
+            assert [r[0] for r in rows] == pytest.approx([r[0] for r in wanted_rows], abs=1e-4), url
