@@ -40,44 +40,95 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    from fsm_pd.store import JournalError
+    from fsm_pd.store.reader import open_with_archives
 
-    from fsm_pd.report import render_html, render_table, to_json
-    from fsm_pd.store import JournalError, read_journal, replay
-
-    rows = []
-    for path in args.journals:
-        try:
-            rows.extend(read_journal(path))
-        except JournalError as exc:
-            print(f"fsm-pd replay: {exc}", file=sys.stderr)
-            return EXIT_UNREADABLE
-    result = replay(rows)
-    rooms = result.rooms
-    if args.room is not None:
-        rooms = [r for r in rooms if r.room == args.room]
-        if not rooms:
-            print(f"fsm-pd replay: room {args.room} is in none of {', '.join(args.journals)}", file=sys.stderr)
-            return EXIT_UNREADABLE
-    if args.failed:
-        failed_rooms = {r.room for r in rooms if r.failed or not r.consistent}
-        rooms = [r for r in rooms if r.room in failed_rooms]
-
+    try:
+        readers, missing = open_with_archives(args.journals)
+    except JournalError as exc:
+        print(f"fsm-pd replay: {exc}", file=sys.stderr)
+        return EXIT_UNREADABLE
+    files = [r.name for r in readers]
+    print(f"fsm-pd replay: reading {', '.join(files)}", file=sys.stderr)
+    for name in missing:
+        print(f"fsm-pd replay: archive {name} is named by a journal but missing; its rooms are not shown",
+              file=sys.stderr)
     out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout  # noqa: SIM115
     try:
-        if args.format == "json":
-            out.write(to_json(result, rooms, args.journals) + "\n")
-        elif args.format == "html":
-            out.write(render_html(result, rooms, args.journals))
-        else:
-            console = Console(file=out, width=160 if not out.isatty() else None)
-            render_table(result, rooms, args.journals, console)
+        if args.request is not None:
+            return _replay_request(args, readers, files, out)
+        return _replay_rooms(args, readers, files, out)
+    except JournalError as exc:
+        print(f"fsm-pd replay: {exc}", file=sys.stderr)
+        return EXIT_UNREADABLE
     finally:
         if out is not sys.stdout:
             out.close()
-    for d in result.divergences:
+        for reader in readers:
+            reader.close()
+
+
+def _console(out):
+    from rich.console import Console
+
+    return Console(file=out, width=160 if not out.isatty() else None)
+
+
+def _replay_rooms(args: argparse.Namespace, readers, files: list[str], out) -> int:
+    """Every room (or one), streamed room by room in room order from every journal and archive at once."""
+    from fsm_pd.report import HtmlWriter, JsonWriter, TableWriter
+    from fsm_pd.store.reader import merged_sides
+    from fsm_pd.store.replay import Summary, by_room, replay_sides
+
+    rooms = by_room(replay_sides(merged_sides([r.sides(args.room) for r in readers])))
+    writer = {"json": JsonWriter, "html": HtmlWriter}.get(args.format)
+    writer = writer(out, files) if writer else TableWriter(_console(out), files)
+    summary = Summary()
+    for sides in rooms:
+        summary.count(sides)
+        if args.failed and not any(s.failed or not s.consistent for s in sides):
+            continue
+        writer.room(sides)
+    if args.room is not None and summary.rooms == 0:
+        print(f"fsm-pd replay: room {args.room} is in none of {', '.join(files)}", file=sys.stderr)
+        return EXIT_UNREADABLE
+    writer.close(summary)
+    for d in summary.divergences:
         print(f"DIVERGED {d.describe()}", file=sys.stderr)
-    return EXIT_OK if result.consistent else EXIT_DIVERGED
+    return EXIT_OK if summary.consistent else EXIT_DIVERGED
+
+
+def _replay_request(args: argparse.Namespace, readers, files: list[str], out) -> int:
+    """Every attempt of one request: the rooms journaled with its rid, on any node, on one timeline."""
+    from fsm_pd.report import render_request, request_json
+    from fsm_pd.store.reader import merged_sides
+    from fsm_pd.store.replay import replay_sides
+    from fsm_pd.store.request import attempts
+
+    sides = merged_sides([iter(r.request_sides(args.request)) for r in readers])
+    chain = attempts(replay_sides(sides))
+    if not chain:
+        old = [r.name for r in readers if r.version == "1"]
+        hint = f" ({', '.join(old)} predate request ids: schema version 1)" if old else ""
+        print(f"fsm-pd replay: request {args.request} is in none of {', '.join(files)}{hint}", file=sys.stderr)
+        return EXIT_UNREADABLE
+    if args.format == "json":
+        out.write(request_json(args.request, chain, files) + "\n")
+    elif args.format == "html":
+        from fsm_pd.report import HtmlWriter
+        from fsm_pd.store.replay import Summary
+
+        writer, summary = HtmlWriter(out, files), Summary()
+        for attempt in chain:
+            summary.count(attempt.sides)
+            writer.room(attempt.sides)
+        writer.close(summary)
+    else:
+        render_request(args.request, chain, files, _console(out))
+    divergences = [s.divergence for a in chain for s in a.sides if s.divergence is not None]
+    for d in divergences:
+        print(f"DIVERGED {d.describe()}", file=sys.stderr)
+    return EXIT_DIVERGED if divergences else EXIT_OK
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -119,11 +170,18 @@ def build_parser() -> argparse.ArgumentParser:
         "replay", help="re-fire journaled transitions through the tables and explain each room",
         description="Read one or more journals (a prefill and a decode journal are merged by room), replay every "
                     "room through the same transition tables, and report final states, failure reasons and time "
-                    "spent in each state. Exit 0 when every room replays consistently, 3 when any diverges, "
+                    "spent in each state. Rooms stream one at a time through the journals' room index, so memory "
+                    "stays flat whatever their size. Exit 0 when every room replays consistently, 3 when any diverges, "
                     "2 when a journal cannot be read.",
     )
-    rep.add_argument("journals", nargs="+", metavar="JOURNAL", help="journal files (SQLite) or SQLAlchemy URLs")
-    rep.add_argument("--room", type=int, help="only this room (shows both sides on one timeline)")
+    rep.add_argument("journals", nargs="+", metavar="JOURNAL",
+                     help="journal files (SQLite) or SQLAlchemy URLs; the archives they name (fsm-pd serve "
+                          "--journal-keep) are read too, and every file read is listed on standard error")
+    which = rep.add_mutually_exclusive_group()
+    which.add_argument("--room", type=int, help="only this room (shows both sides on one timeline)")
+    which.add_argument("--request", metavar="RID",
+                       help="every attempt of this request id (each a room, on any node: retries, migrations) on "
+                            "one timeline: where each ran, state by state, why it failed, what came next")
     rep.add_argument("--failed", action="store_true", help="only rooms where a side failed (or that diverge)")
     rep.add_argument("--format", choices=("table", "json", "html"), default="table", help="output format")
     rep.add_argument("--out", help="write to this file instead of standard output")

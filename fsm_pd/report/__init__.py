@@ -1,6 +1,8 @@
-"""Presenting replay results to an operator: a terminal table, JSON, and a self-contained HTML timeline."""
+"""Presenting replay results to an operator: a terminal table, JSON, a self-contained HTML timeline, a request's
+attempts; each written room by room as the replay streams."""
 
-from fsm_pd.report.html import render_html
-from fsm_pd.report.table import render_table, to_json
+from fsm_pd.report.html import HtmlWriter
+from fsm_pd.report.request import render_request, request_json
+from fsm_pd.report.table import JsonWriter, TableWriter, print_timeline, to_json
 
-__all__ = ["render_html", "render_table", "to_json"]
+__all__ = ["HtmlWriter", "JsonWriter", "TableWriter", "print_timeline", "render_request", "request_json", "to_json"]

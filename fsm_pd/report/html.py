@@ -5,11 +5,11 @@ No scripts, fonts or stylesheets are fetched: the file opens offline and can be 
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 from html import escape
+from typing import TextIO
 
-from fsm_pd.store.replay import ReplayResult, RoomReport
+from fsm_pd.store.replay import RoomReport, Summary
 
 COLORS = {"Bootstrapping": "#9ecae1", "WaitingForInput": "#fdd49e", "Transferring": "#c7e9c0",
           "Success": "#31a354", "Failed": "#de2d26"}
@@ -28,22 +28,25 @@ h1{font-size:18px} .room{margin:14px 0;border-top:1px solid #ddd;padding-top:8px
 """
 
 
-def render_html(result: ReplayResult, rooms: Sequence[RoomReport], journals: Sequence[str]) -> str:
-    by_room: dict[int, list[RoomReport]] = defaultdict(list)
-    for r in rooms:
-        by_room[r.room].append(r)
-    legend = "".join(f'<span style="background:{c}">{escape(s)}</span>' for s, c in COLORS.items())
-    blocks = [_room_block(room, sides) for room, sides in sorted(by_room.items())]
-    verdict = ("every room replays consistently" if result.consistent
-               else f'<span class="bad">{len(result.divergences)} rooms diverge from the tables</span>')
-    return (
-        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>fsm-pd replay</title>"
-        f"<style>{STYLE}</style></head><body>"
-        f"<h1>fsm-pd replay: {escape(', '.join(journals))}</h1>"
-        f"<p>{len(by_room)} rooms shown; {verdict}.</p><p class='legend'>{legend}</p>"
-        + "".join(blocks)
-        + "</body></html>"
-    )
+class HtmlWriter:
+    """The page, written room by room as the replay streams; the verdict comes last, once every room is read."""
+
+    def __init__(self, out: TextIO, files: Sequence[str]):
+        self.out = out
+        self.shown = 0
+        legend = "".join(f'<span style="background:{c}">{escape(s)}</span>' for s, c in COLORS.items())
+        out.write("<!DOCTYPE html><html><head><meta charset='utf-8'><title>fsm-pd replay</title>"
+                  f"<style>{STYLE}</style></head><body>"
+                  f"<h1>fsm-pd replay: {escape(', '.join(files))}</h1><p class='legend'>{legend}</p>")
+
+    def room(self, sides: list[RoomReport]) -> None:
+        self.out.write(_room_block(sides[0].room, sides))
+        self.shown += 1
+
+    def close(self, summary: Summary) -> None:
+        verdict = ("every room replays consistently" if summary.consistent
+                   else f'<span class="bad">{len(summary.divergences)} rooms diverge from the tables</span>')
+        self.out.write(f"<p>{self.shown} rooms shown of {summary.rooms}; {verdict}.</p></body></html>")
 
 
 def _room_block(room: int, sides: list[RoomReport]) -> str:

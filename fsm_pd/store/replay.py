@@ -11,9 +11,12 @@ the room, and how long it spent in each state.
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from itertools import groupby
 
 from fsm_pd.machines import MACHINES, TERMINAL, Room
 from fsm_pd.store.journal import JournalRow
@@ -86,7 +89,10 @@ class ReplayResult:
 
 
 def replay(rows: Iterable[JournalRow]) -> ReplayResult:
-    """Replay every room found in ``rows`` (from one journal or several merged)."""
+    """Replay every room found in ``rows`` (from one journal or several merged), all in memory: small journals.
+
+    ``replay_sides`` is the same replay over a stream of sides, for journals of any size.
+    """
     groups: dict[tuple[str, str, int], list[JournalRow]] = defaultdict(list)
     for row in rows:
         groups[(row.node, row.role, row.room)].append(row)
@@ -95,6 +101,19 @@ def replay(rows: Iterable[JournalRow]) -> ReplayResult:
         room_rows.sort(key=lambda r: (r.version, r.seq))
         result.rooms.append(_replay_room(node, role, room_id, room_rows))
     return result
+
+
+def replay_sides(sides: Iterable[list[JournalRow]]) -> Iterator[RoomReport]:
+    """Replay a stream of sides (one room on one node, rows in version order), one report per side, lazily."""
+    for side in sides:
+        first = side[0]
+        yield _replay_room(first.node, first.role, first.room, side)
+
+
+def by_room(reports: Iterable[RoomReport]) -> Iterator[list[RoomReport]]:
+    """Group a room-ordered report stream into rooms: every side of one room together."""
+    for _, group in groupby(reports, key=lambda r: r.room):
+        yield list(group)
 
 
 def _replay_room(node: str, role: str, room_id: int, rows: list[JournalRow]) -> RoomReport:
@@ -110,7 +129,7 @@ def _replay_room(node: str, role: str, room_id: int, rows: list[JournalRow]) -> 
                                     expected_version, row.version)
             break
         decision = machine.fire(room, row.trigger, row.event)
-        effects = [effect.to_dict() for effect in decision.effects]  # described, never run
+        effects = _effect_dicts(decision.effects_json)  # described, never run
         for name, expected, recorded in (("src", decision.src, row.src), ("dst", decision.dst, row.dst),
                                          ("effects", effects, row.payload.get("effects"))):
             if expected != recorded:
@@ -119,6 +138,13 @@ def _replay_room(node: str, role: str, room_id: int, rows: list[JournalRow]) -> 
         if divergence is not None:
             break
     return _report(node, role, room_id, rows, divergence, room.state)
+
+
+@lru_cache(maxsize=256)
+def _effect_dicts(effects_json: str) -> list[dict]:
+    """A decision's effects as the journal records them. Effects are constants of the table rows (they carry no
+    per-request data), so each distinct list is decoded once; callers only compare it."""
+    return json.loads(effects_json)
 
 
 def _report(node, role, room_id, rows, divergence, replayed_state) -> RoomReport:
@@ -142,3 +168,21 @@ def _report(node, role, room_id, rows, divergence, replayed_state) -> RoomReport
         time_in_state[final] = round(time_in_state.get(final, 0.0) + (rows[-1].at - entered_at), 6)
     return RoomReport(room_id, role, node, final, reason, ended_by, rows[0].at, rows[-1].at, time_in_state, events,
                       divergence, replayed_state)
+
+
+@dataclass(slots=True)
+class Summary:
+    """What a streamed replay learned about every room it read, whatever it showed."""
+
+    rooms: int = 0
+    failed: int = 0  # rooms with a failed side
+    divergences: list[Divergence] = field(default_factory=list)
+
+    def count(self, sides: list[RoomReport]) -> None:
+        self.rooms += 1
+        self.failed += any(s.failed for s in sides)
+        self.divergences.extend(s.divergence for s in sides if s.divergence is not None)
+
+    @property
+    def consistent(self) -> bool:
+        return not self.divergences

@@ -1,0 +1,52 @@
+"""One client request's attempts: every room created for its request id, on any node, in the order they began.
+
+A router that retries or migrates a request opens a new bootstrap room per attempt and sends the client's request id
+as ``rid`` each time; each node journals it in the room's first row (and in its ``rooms`` row, the index
+``replay --request`` reads). An attempt is one room: its prefill side and its decode side, from whichever journals
+hold them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from fsm_pd.store.replay import RoomReport, by_room
+
+
+@dataclass(slots=True)
+class Attempt:
+    room: int
+    sides: list[RoomReport]  # ordered by role: decode, prefill
+
+    @property
+    def started_at(self) -> float:
+        return min(s.started_at for s in self.sides)
+
+    @property
+    def ended_at(self) -> float:
+        return max(s.ended_at for s in self.sides)
+
+    @property
+    def outcome(self) -> str:
+        """Success when every side succeeded, Failed when one failed, open while a side has not ended."""
+        finals = {s.final for s in self.sides}
+        if "Failed" in finals:
+            return "Failed"
+        return "Success" if finals == {"Success"} else "open"
+
+    @property
+    def failed_first(self) -> RoomReport | None:
+        """The side that failed first: the one whose failure the other side's was a consequence of, if any."""
+        failed = [s for s in self.sides if s.failed]
+        return min(failed, key=lambda s: s.ended_at) if failed else None
+
+    @property
+    def where(self) -> str:
+        return ", ".join(f"{s.role} {s.node}" for s in self.sides)
+
+
+def attempts(reports: Iterable[RoomReport]) -> list[Attempt]:
+    """Group room-ordered reports into attempts, in the order they began."""
+    found = [Attempt(sides[0].room, sides) for sides in by_room(reports)]
+    return sorted(found, key=lambda a: (a.started_at, a.room))
