@@ -96,9 +96,12 @@ class NodeCore:
             self._known.discard(room)
 
     # --- requests ---
-    def add_sender(self, room: int, pages: list[int] | None = None, prompt_len: int = 0) -> None:
+    def add_sender(self, room: int, pages: list[int] | None = None, prompt_len: int = 0,
+                   rid: str | None = None) -> None:
         self._require("prefill")
         payload: dict[str, Any] = {"layout": self.layout, "prompt_len": prompt_len}
+        if rid is not None:  # the client's request id, journaled with the room: replay --request chains attempts by it
+            payload["rid"] = rid
         if pages is not None:
             payload["pages"] = [int(p) for p in pages]
         self.create(room, payload)
@@ -115,9 +118,13 @@ class NodeCore:
             payload["pages"] = [int(p) for p in pages]
         self.submit(room, "kv_ready", payload)
 
-    def add_receiver(self, room: int, page_count: int | None = None, prompt_len: int = 0, **where: Any) -> None:
+    def add_receiver(self, room: int, page_count: int | None = None, prompt_len: int = 0, rid: str | None = None,
+                     **where: Any) -> None:
         self._require("decode")
-        self.create(room, {"layout": self.layout, "page_count": page_count, "prompt_len": prompt_len, **where})
+        payload = {"layout": self.layout, "page_count": page_count, "prompt_len": prompt_len, **where}
+        if rid is not None:
+            payload["rid"] = rid
+        self.create(room, payload)
 
     def give_pages(self, room: int, pages: list[int]) -> None:
         self._require("decode")

@@ -169,12 +169,14 @@ class KVManager:
                          layout=self.layout.to_dict(), node_id=self.node_id, http_port=http_port, token=token,
                          attempts=attempts, instance=self.side_channel.instance)
 
-    def add_sender(self, room: int, pages: list[int] | None = None, prompt_len: int = 0) -> None:
+    def add_sender(self, room: int, pages: list[int] | None = None, prompt_len: int = 0,
+                   rid: str | None = None) -> None:
         """A request with ``bootstrap_room`` arrived; its KV is (or will be) in ``pages`` of our pool.
 
-        The pages may instead come with ``kv_ready`` (chunked prefill learns them chunk by chunk).
+        The pages may instead come with ``kv_ready`` (chunked prefill learns them chunk by chunk). ``rid``, the
+        client's request id, is journaled with the room (``fsm-pd replay --request``).
         """
-        self.core.add_sender(room, pages, prompt_len)
+        self.core.add_sender(room, pages, prompt_len, rid)
 
     def kv_ready(self, room: int, pages: list[int] | None = None, first_token: int = 0,
                  first_logprob: float | None = None, input_logprobs: list[float] | None = None,

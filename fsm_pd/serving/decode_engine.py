@@ -165,6 +165,7 @@ class DecodeEngine:
                 room,
                 page_count=pages_for(seq.prompt_len, self.page_size),
                 prompt_len=seq.prompt_len,
+                rid=request.rid,
                 bootstrap_addr=request.bootstrap.addr,
             )
         except ValueError as exc:  # RoomInUse: the room was used before, maybe before a restart

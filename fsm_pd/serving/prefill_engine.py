@@ -149,7 +149,7 @@ class PrefillEngine:
         self.requests.add(seq)
         self._rooms[room] = seq
         try:
-            self.manager.add_sender(room, prompt_len=seq.prompt_len)
+            self.manager.add_sender(room, prompt_len=seq.prompt_len, rid=request.rid)
         except ValueError as exc:  # RoomInUse: the room was used before, maybe before a restart
             self._rooms.pop(room, None)
             self.requests.pop(seq.rid)
