@@ -41,6 +41,7 @@ from typing import Any
 
 from fsm_pd.control import KVManager
 from fsm_pd.control.admission import SchedulerAdmission
+from fsm_pd.control.phases import timing_meta
 from fsm_pd.engine.loader import LoadedModel, load_model
 from fsm_pd.engine.model_thread import ModelThread
 from fsm_pd.engine.pages import PageAllocator, pages_for
@@ -259,7 +260,8 @@ class DecodeEngine:
                 ctx = room.ctx
                 detail = {"pages": list(ctx.get("pages") or ()), "first_token": ctx.get("first_token"),
                           "first_logprob": ctx.get("first_logprob"), "input_logprobs": ctx.get("input_logprobs"),
-                          "top_logprobs": ctx.get("top_logprobs")}
+                          "top_logprobs": ctx.get("top_logprobs"), "ended_at": at,
+                          "timing": timing_meta(self.manager.metrics.phases.take(room.room))}
             self._events.append((room.room, decision.dst, detail))
             self._driver.kick()
 
@@ -299,6 +301,8 @@ class DecodeEngine:
         ctx = detail
         seq.pages = ctx["pages"]
         seq.meta["queue_and_transfer_seconds"] = round(time.monotonic() - seq.started, 6)
+        # SGLang's names: this room's phases, and queue_time from the transfer's end to joining the batch (now)
+        seq.meta.update(ctx["timing"], queue_time=round(max(0.0, time.time() - ctx["ended_at"]), 6))
         if seq.cancelled:
             self._finish(seq)
             return

@@ -91,6 +91,8 @@ class Sequence:
             top_logprobs=top_logprobs,
             input_top_logprobs=input_top_logprobs,
         )
+        if self.generated == 1 and not done:  # a stream's first chunk carries what is known (a PD transfer's timing)
+            out.meta = dict(self.meta)
         if done:
             out.finish_reason = finish_reason(self.checker)
             out.text = self.checker.text
