@@ -141,7 +141,7 @@ def test_timing_metrics_failures_and_dashboard(cluster):
         assert record["role"] == "decode" and record["node"] == node and record["state"] == "Transferring"
         assert record["reason_class"] == "transfer_error" and "injected fault" in record["reason"]
         first_row = next(r for r in read_journal(journal) if r.room == record["room"])
-        assert record["rid"] == first_row.event.get("rid")  # the rid journaled with the room (null until it is)
+        assert record["rid"] == first_row.event["rid"] == "obs-failed-1"  # the client's, journaled with the room
     argv = shlex.split(records[0]["replay"])
     assert argv == ["fsm-pd", "replay", "--room", str(records[0]["room"]), str(journal)]
     replayed = subprocess.run([sys.executable, "-m", "fsm_pd.cli", *argv[1:]], capture_output=True, text=True,
