@@ -67,6 +67,9 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                             help="tcp | zmq | jax | a registered plugin (default tcp: the fastest between CPU hosts)")
         parser.add_argument("--journal", default=None,
                             help="journal: a SQLite file or SQLAlchemy URL (default: ./journals/NODE_ID.db)")
+        from fsm_pd.store.retention import add_retention_flags
+
+        add_retention_flags(parser)  # --journal-keep, --journal-max-rows, --journal-archive-dir
         parser.add_argument("--side-channel-secret", default=None,
                             help="hex shared secret of the side channel (default: $FSM_PD_SIDE_CHANNEL_SECRET)")
         for timer, env in DEADLINE_FLAGS.items():
@@ -137,6 +140,15 @@ def run_node(args: argparse.Namespace) -> int:
         print(f"fsm-pd serve: {exc} (give every node of the deployment the same --side-channel-secret)",
               file=sys.stderr)
         return 2
+    if hasattr(engine, "manager"):  # finished rooms move to archives (--journal-keep, --journal-max-rows)
+        from fsm_pd.store.retention import attach_from_args
+
+        try:
+            attach_from_args(engine.manager.journal, args)
+        except ValueError as exc:
+            engine.close()
+            print(f"fsm-pd serve: {exc}", file=sys.stderr)
+            return 2
     registries = [engine.manager.metrics.registry] if hasattr(engine, "manager") else None
     app = create_app(engine, model.tokenizer, api_key=args.api_key, model_name=args.served_model_name or args.model,
                      model_path=args.model, bootstrap_port=getattr(args, "bootstrap_port", None),
