@@ -57,6 +57,11 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                         help="JAX's persistent compilation cache, so that a restarted node does not compile again "
                              "(default: $FSM_PD_COMPILE_CACHE, else ~/.cache/fsm-pd/jax; 'off' disables it)")
     add_read_timeout_flags(parser)
+    parser.add_argument("--drain-timeout-secs", type=float, default=30.0, metavar="S",
+                        help="on SIGTERM or POST /drain the node refuses new requests (503; /health answers 503 "
+                             "draining), waits up to S seconds for the open ones, aborts what is left, deregisters "
+                             "from the bootstrap server and exits 0; a second SIGTERM or SIGINT exits at once "
+                             "(default 30)")
     if role in ("prefill", "decode"):
         parser.add_argument("--node-id", default=f"{role}-0", help="this node's id in journals and messages")
         parser.add_argument("--advertise-host", default=None, metavar="ADDR",
@@ -77,6 +82,12 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                 continue
             parser.add_argument(f"--{timer.replace('_', '-')}-timeout", type=float, default=None, dest=timer,
                                 help=f"seconds (default: ${env}, else the built-in default; docs/control-plane.md)")
+    if role == "decode":
+        parser.add_argument("--on-transfer-failure", choices=("recompute", "fail"), default="recompute",
+                            help="when a KV transfer fails after this node reserved the pages: recompute (prefill "
+                                 "the prompt here and decode on; the client gets its answer, and the room still ends "
+                                 "Failed in the journal) or fail (the request gets the transfer's error, 500) "
+                                 "(default recompute)")
     if role == "prefill":
         parser.add_argument("--bootstrap-port", type=int, default=8998,
                             help="serve the bootstrap server here and register with it (default 8998, SGLang's)")
@@ -123,7 +134,8 @@ def serve_main(argv: Sequence[str]) -> int:
 
 def run_node(args: argparse.Namespace) -> int:
     from fsm_pd import compile_cache
-    from fsm_pd.api import create_app, serve
+    from fsm_pd.api import create_app
+    from fsm_pd.api.drain import serve_draining
     from fsm_pd.engine.loader import load_model
     from fsm_pd.gc_policy import apply_serving_gc_policy
     from fsm_pd.transport import SecretError
@@ -152,13 +164,21 @@ def run_node(args: argparse.Namespace) -> int:
     registries = [engine.manager.metrics.registry] if hasattr(engine, "manager") else None
     app = create_app(engine, model.tokenizer, api_key=args.api_key, model_name=args.served_model_name or args.model,
                      model_path=args.model, bootstrap_port=getattr(args, "bootstrap_port", None),
-                     registries=registries)
+                     registries=registries, drain_timeout_s=args.drain_timeout_secs)
     apply_serving_gc_policy()
     try:
-        serve(app, args.host, args.port, log_level=args.log_level, read_timeouts=read_timeouts_from_args(args))
+        serve_draining(app, args.host, args.port, log_level=args.log_level,
+                       read_timeouts=read_timeouts_from_args(args))
     finally:
+        logging.getLogger("fsm_pd.serve").info("closing the engine and its journal")
         engine.close()
-    return 0
+    logging.getLogger("fsm_pd.serve").info("stopped cleanly")
+    # Everything that must be saved is: the journal is closed. A worker thread still blocked (a bootstrap lookup
+    # retrying for 15 s) would hold the interpreter's exit, and a drain or a second SIGTERM must exit now.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def build_engine(args: argparse.Namespace, model):
@@ -183,7 +203,7 @@ def build_engine(args: argparse.Namespace, model):
                              **common)
     from fsm_pd.serving.decode_engine import DecodeEngine
 
-    return DecodeEngine(model, **common)
+    return DecodeEngine(model, on_transfer_failure=args.on_transfer_failure, **common)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry
 
 from fsm_pd.api.auth import ApiKeyMiddleware
 from fsm_pd.api.context import ApiContext
+from fsm_pd.api.drain import DEFAULT_DRAIN_TIMEOUT_S, Drain, DrainGate
 from fsm_pd.api.errors import install_error_handlers
 from fsm_pd.api.info_routes import info_router
 from fsm_pd.api.metrics import ApiMetrics, MetricsMiddleware
@@ -24,7 +25,8 @@ DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # a 128k-token prompt as JSON ids is 
 def create_app(engine: Engine, tokenizer, *, api_key: str | None = None, model_name: str | None = None,
                model_path: str | None = None, bootstrap_port: int | None = None,
                registries: Iterable[CollectorRegistry] | None = None, model_info: dict | None = None,
-               health_timeout_s: float = 30.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               health_timeout_s: float = 30.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> FastAPI:
     """The app serving ``engine``.
 
     * ``model_name``: the served model name (``/v1/models``, ``served_model_name``); defaults to
@@ -35,6 +37,8 @@ def create_app(engine: Engine, tokenizer, *, api_key: str | None = None, model_n
     * ``registries``: Prometheus registries for ``/metrics``; default: ``engine.registries`` if the engine has it.
     * ``model_info``: extra ``/model_info`` fields, e.g. ``{"model_type": "llama", "architectures": [...]}``.
     * ``api_key``: require ``Authorization: Bearer <api_key>`` (except on /health* and /metrics).
+    * ``drain_timeout_s``: how long a drain (SIGTERM under ``drain.serve_draining``, or ``POST /drain``) waits for
+      open requests before it aborts them (``app.state.drain``; ``drain.py``).
     """
     name = model_name or engine.model_name
     ctx = ApiContext(engine=engine, tokenizer=tokenizer, model_name=name, model_path=model_path or name,
@@ -42,17 +46,22 @@ def create_app(engine: Engine, tokenizer, *, api_key: str | None = None, model_n
     if registries is None:
         registries = getattr(engine, "registries", None) or ()
     metrics = ApiMetrics(registries)
+    ctx.drain = Drain(engine, ctx.live, timeout_s=drain_timeout_s, registry=metrics.registry)
 
     app = FastAPI(title=f"fsm-pd {engine.role} server", version="1",
                   description="SGLang-compatible (/generate) and OpenAI-compatible (/v1/*) serving of one engine.")
     app.state.ctx = ctx
     app.state.metrics = metrics
+    app.state.drain = ctx.drain
     install_error_handlers(app)
     app.include_router(sglang_router(ctx))
     app.include_router(openai_router(ctx))
     app.include_router(tokenize_router(ctx))
     app.include_router(info_router(ctx, metrics, health_timeout_s=health_timeout_s))
-    # Added last runs first: the key is checked before the body is read, and metrics see every answer.
+    app.include_router(ctx.drain.routes())
+    # Added last runs first: the key is checked before the body is read, and metrics see every answer (a drain's
+    # 503s too).
+    app.add_middleware(DrainGate, drain=ctx.drain)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)

@@ -20,6 +20,7 @@ class ApiContext:
     model_info_extra: dict = field(default_factory=dict)  # model_type, architectures, ... for /model_info
     created: int = field(default_factory=lambda: int(time.time()))
     live: dict = field(default_factory=dict)  # rid -> RequestRun of the requests this server is running
+    drain: Any = None  # the server's Drain (drain.py), once create_app made it
 
     @property
     def role(self) -> str:

@@ -2,7 +2,8 @@
 
 * ``GET /health``: 200 while the engine can serve; 503 ``{"status": "unhealthy", "reason": ...}`` once it cannot
   (its node loop stopped, its model thread died: the engine's ``health()``; or a ``healthy`` flag). Without either,
-  a running server is healthy. sglang-router requires a 200 here before it routes to the worker.
+  a running server is healthy. sglang-router requires a 200 here before it routes to the worker. A draining node
+  answers 503 ``{"status": "draining", ...}`` (``drain.py``), here and on ``/health_generate``.
 * ``GET /health_generate``: on a colocated node, a real 1-token greedy generation (SGLang's meaning). On a prefill or
   decode node a generation needs a partner node and a bootstrap room, and SGLang's trick (a fake bootstrap host that
   skips the transfer) has no counterpart in fsm-pd's engines; so there it checks that the engine answers ``info()``
@@ -61,12 +62,16 @@ def info_router(ctx: ApiContext, metrics: ApiMetrics, *, health_timeout_s: float
 
     @router.get("/health")
     async def health() -> Response:
+        if ctx.drain is not None and ctx.drain.draining:
+            return ctx.drain.health_answer()
         if (reason := health_problem(ctx.engine)) is not None:
             return _unhealthy(reason)
         return Response(status_code=200)
 
     @router.get("/health_generate")
     async def health_generate() -> Response:
+        if ctx.drain is not None and ctx.drain.draining:
+            return ctx.drain.health_answer()
         if (reason := health_problem(ctx.engine)) is not None:
             return _unhealthy(reason)
         try:

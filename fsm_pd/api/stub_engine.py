@@ -70,7 +70,7 @@ class StubEngine:
         with self._lock:
             return self.submit_seen.wait_for(lambda: len(self.submitted) >= count, timeout_s)
 
-    def abort(self, rid: str) -> bool:
+    def abort(self, rid: str, reason: str | None = None, status: int = 499) -> bool:
         with self._lock:
             stop = self._live.pop(rid, None)
             self.aborted.append(rid)

@@ -105,6 +105,24 @@ def register_prefill_rank(url: str, info: Mapping[str, Any], token: str | None =
         raise BootstrapError(f"{what}: refused with {_describe(response)}", status=response.status_code)
 
 
+def deregister_prefill_rank(url: str, info: Mapping[str, Any], token: str | None = None, *,
+                            timeout_s: float = 2.0) -> bool:
+    """``POST /deregister`` one prefill rank (the body it registered with), once: a draining node must not wait
+    long on a bootstrap server that is gone. True when it was removed; False when it was not registered or another
+    instance holds it now (both logged); ``BootstrapError`` when the server refused it or could not be reached."""
+    target = base_url(url) + "/deregister"
+    try:
+        response = httpx.post(target, json=dict(info), headers=_auth(token), timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise BootstrapError(f"deregistering at {target}: {type(exc).__name__}: {exc}") from exc
+    if response.status_code == 200:
+        return True
+    if response.status_code in (404, 409):
+        log.info("deregistering at %s: %s", target, _describe(response))
+        return False
+    raise BootstrapError(f"deregistering at {target}: {_describe(response)}", status=response.status_code)
+
+
 def _lookup(url: str, params: dict[str, int], *, what: str, retries: int, interval: float,
             timeout_s: float) -> dict[str, Any]:
     if retries < 0:

@@ -83,6 +83,22 @@ class PrefillRegistry:
                          reg.instance, old.instance)
             return len(self._ranks)
 
+    def deregister(self, reg: RankRegistration) -> str:
+        """*fsm-pd:* take a rank out (a prefill node draining before it stops), so lookups stop returning it.
+        Only the instance that registered it may: a late deregistration from a process that was already replaced
+        must not remove its successor. Returns ``"removed"``, ``"absent"`` (no such rank) or ``"replaced"`` (another
+        instance holds the rank; left in place). The layout stays fixed; the server is not ready again until the
+        rank registers again (decode lookups get 503 meanwhile, and retry)."""
+        with self._lock:
+            old = self._ranks.get(reg.key)
+            if old is None:
+                return "absent"
+            if reg.instance is not None and old.instance is not None and old.instance != reg.instance:
+                return "replaced"
+            del self._ranks[reg.key]
+            log.info("prefill rank dp=%d cp=%d tp=%d pp=%d (instance %s) deregistered", *reg.key, old.instance)
+            return "removed"
+
     @property
     def registered_count(self) -> int:
         with self._lock:

@@ -10,6 +10,8 @@ background thread. Routes, as SGLang's ``CommonKVBootstrapServer`` has them (tex
 * ``POST /register_dp_rank`` ``{bootstrap_room, dp_rank}`` → ``200 OK``; ``POST /query_dp_ranks``
   ``{bootstrap_rooms: [...]}`` → ``{"<room>": dp_rank}`` for the rooms known.
 * ``GET /health`` → ``200 OK``.
+* *fsm-pd:* ``POST /deregister`` with a rank's registration body → ``200 OK`` once that rank is out (a prefill node
+  draining), ``404`` if it is not registered, ``409`` if another instance holds it now (left in place).
 
 What fsm-pd adds without changing what an SGLang client sees: checked bodies (400 with the reason, never a 500 for
 what a client sent), a body size limit (413), a layout conflict check (409), and an optional shared token on the
@@ -101,6 +103,21 @@ def create_bootstrap_app(*, expected_ranks: int | None = None, token: str | None
             return PlainTextResponse(f"Bootstrap info not found for dp_rank={dp} cp_rank={cp} tp_rank={tp} "
                                      f"pp_rank={pp}", status_code=404)
         return JSONResponse(info)
+
+    @app.post("/deregister")
+    async def deregister(request: Request) -> Response:
+        if (denied := refused(request)) is not None:
+            return denied
+        reg = RankRegistration.from_json(await _json_body(request))
+        outcome = registry.deregister(reg)
+        if outcome == "removed":
+            return PlainTextResponse("OK")
+        if outcome == "absent":
+            return PlainTextResponse(f"No prefill rank dp={reg.key[0]} cp={reg.key[1]} tp={reg.key[2]} "
+                                     f"pp={reg.key[3]} is registered.", status_code=404)
+        return PlainTextResponse(f"Prefill rank dp={reg.key[0]} cp={reg.key[1]} tp={reg.key[2]} pp={reg.key[3]} "
+                                 f"is registered by another instance than {reg.instance}; left in place.",
+                                 status_code=409)
 
     @app.post("/register_dp_rank")
     async def register_dp_rank(request: Request) -> Response:

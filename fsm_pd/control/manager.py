@@ -28,7 +28,7 @@ from fsm_pd.control.jax_kv import JaxKV
 from fsm_pd.control.metrics import NodeMetrics
 from fsm_pd.control.peers import PeerWatch, manager_forget
 from fsm_pd.control.prefill_effects import PrefillEffects
-from fsm_pd.control.resolver import PrefillResolver, register_prefill
+from fsm_pd.control.resolver import PrefillResolver, deregister_prefill, register_prefill
 from fsm_pd.control.sending import PeerSenders
 from fsm_pd.control.workers import ThreadedPuller, ThreadedResolver
 from fsm_pd.effects import Node, RealClock
@@ -168,6 +168,15 @@ class KVManager:
                          transfer_addr=self.backend.address, backend=self.backend.name,
                          layout=self.layout.to_dict(), node_id=self.node_id, http_port=http_port, token=token,
                          attempts=attempts, instance=self.side_channel.instance)
+
+    def deregister_from(self, bootstrap_url: str, *, token: str | None = None, http_port: int | None = None) -> bool:
+        """Stop being findable (a drain): take this node's rank out of the bootstrap server, if this process still
+        holds it. True when removed; raises ``BootstrapError`` when the server refused or could not be reached."""
+        self.core._require("prefill")
+        return deregister_prefill(bootstrap_url, host=self.advertise_host, side_channel=self.side_channel.address,
+                                  transfer_addr=self.backend.address, backend=self.backend.name,
+                                  layout=self.layout.to_dict(), node_id=self.node_id, http_port=http_port,
+                                  token=token, instance=self.side_channel.instance)
 
     def add_sender(self, room: int, pages: list[int] | None = None, prompt_len: int = 0,
                    rid: str | None = None) -> None:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
-from fsm_pd.bootstrap import RankRegistration, register_prefill_rank, resolve_prefill
+from fsm_pd.bootstrap import RankRegistration, deregister_prefill_rank, register_prefill_rank, resolve_prefill
 from fsm_pd.bootstrap.client import base_url
 
 
@@ -113,15 +113,25 @@ class PrefillResolver:
         return len(stale)
 
 
-def register_prefill(bootstrap_url: str, *, host: str, side_channel: str, transfer_addr: str, backend: str,
-                     layout: dict, node_id: str, http_port: int | None = None, token: str | None = None,
-                     attempts: int = 5, backoff_base_s: float = 1.0, instance: str | None = None) -> None:
-    """Register this prefill node (one rank) with its bootstrap server, retrying with SGLang's backoff. ``instance``
-    (the side channel's) replaces whatever an earlier process registered for the same rank."""
+def prefill_registration(*, host: str, side_channel: str, transfer_addr: str, backend: str, layout: dict,
+                         node_id: str, http_port: int | None = None, instance: str | None = None) -> RankRegistration:
+    """This prefill node's registration (one rank): what it registers, and what it deregisters with."""
     port = int(side_channel.rsplit(":", 1)[1])
-    reg = RankRegistration(rank_ip=host, rank_port=port, page_size=layout["page_size"],
-                           kv_cache_dtype=layout["dtype"], prefill_http_port=http_port, side_channel=side_channel,
-                           transfer_addr=transfer_addr, transfer_backend=backend, kv_layout=layout, node_id=node_id,
-                           instance=instance)
-    register_prefill_rank(bootstrap_url, reg.to_json(), token=token, attempts=attempts,
-                          backoff_base_s=backoff_base_s)
+    return RankRegistration(rank_ip=host, rank_port=port, page_size=layout["page_size"],
+                            kv_cache_dtype=layout["dtype"], prefill_http_port=http_port, side_channel=side_channel,
+                            transfer_addr=transfer_addr, transfer_backend=backend, kv_layout=layout,
+                            node_id=node_id, instance=instance)
+
+
+def register_prefill(bootstrap_url: str, *, token: str | None = None, attempts: int = 5,
+                     backoff_base_s: float = 1.0, **registration: Any) -> None:
+    """Register this prefill node (``prefill_registration``'s fields) with its bootstrap server, retrying with
+    SGLang's backoff. ``instance`` (the side channel's) replaces whatever an earlier process registered for the
+    same rank."""
+    register_prefill_rank(bootstrap_url, prefill_registration(**registration).to_json(), token=token,
+                          attempts=attempts, backoff_base_s=backoff_base_s)
+
+
+def deregister_prefill(bootstrap_url: str, *, token: str | None = None, **registration: Any) -> bool:
+    """Take this prefill node's rank out of its bootstrap server (a drain), if this instance still holds it."""
+    return deregister_prefill_rank(bootstrap_url, prefill_registration(**registration).to_json(), token=token)

@@ -18,6 +18,7 @@ from fsm_pd.engine.loader import LoadedModel, load_model
 from fsm_pd.engine.model_thread import ModelThread
 from fsm_pd.engine.pages import PageAllocator
 from fsm_pd.serving.common import (
+    ABORTED_STATUS,
     RequestTable,
     check_request,
     flush_when_idle,
@@ -94,8 +95,10 @@ class ColocatedEngine:
         self._waiting.append(seq)
         self._driver.kick()
 
-    def abort(self, rid: str) -> bool:
-        found = self.requests.cancel(rid)
+    def abort(self, rid: str, reason: str | None = None, status: int = ABORTED_STATUS) -> bool:
+        """Stop the request and free what it holds; False if unknown or finished. ``reason`` (journaled, and in
+        the stream's error) and ``status`` default to a client's abort (499); a drain passes its own."""
+        found = self.requests.cancel(rid, reason or "aborted", status)
         if found is not None:
             self._driver.kick()
         return found is not None

@@ -112,8 +112,9 @@ class RequestTable:
         with self._lock:
             return self._live.pop(rid, None)
 
-    def cancel(self, rid: str, reason: str = "aborted") -> Sequence | None:
-        """Mark the request cancelled and end its stream with ``EngineError(499)``; None if it is not live.
+    def cancel(self, rid: str, reason: str = "aborted", status: int = ABORTED_STATUS) -> Sequence | None:
+        """Mark the request cancelled and end its stream with ``EngineError(status)`` (499: the client gave up; a
+        drain past its bound says 503); None if it is not live.
 
         The scheduler frees what it holds at its next step on the model thread.
         """
@@ -122,7 +123,7 @@ class RequestTable:
         if seq is None:
             return None
         seq.cancelled = True  # first, so the model thread stops streaming to it as early as possible
-        seq.stream.push(EngineError(f"request {rid} {reason}", ABORTED_STATUS))
+        seq.stream.push(EngineError(f"request {rid} {reason}", status))
         return seq
 
     def fail_all(self, error: Exception) -> int:

@@ -46,6 +46,7 @@ from fsm_pd.engine.loader import LoadedModel, load_model
 from fsm_pd.engine.model_thread import ModelThread
 from fsm_pd.engine.pages import PageAllocator, pages_for
 from fsm_pd.serving.common import (
+    ABORTED_STATUS,
     ENDED,
     ROOM_IN_USE_STATUS,
     RequestTable,
@@ -176,8 +177,10 @@ class DecodeEngine:
         self._awaiting_pages.append(seq)
         self._driver.kick()
 
-    def abort(self, rid: str) -> bool:
-        seq = self.requests.cancel(rid)
+    def abort(self, rid: str, reason: str | None = None, status: int = ABORTED_STATUS) -> bool:
+        """Stop the request and free what it holds; False if unknown or finished. ``reason`` (journaled, and in
+        the stream's error) and ``status`` default to a client's abort (499); a drain passes its own."""
+        seq = self.requests.cancel(rid, reason or "aborted", status)
         if seq is None:
             return False
         # In pre-allocation or transfer the machine fails the room and frees its pages. Once decoding the loop
@@ -185,7 +188,7 @@ class DecodeEngine:
         # Success room could land after the room is cleared and leave a stale state behind (Node.clear races
         # with a step in progress).
         if self._rooms.get(seq.key) is seq:
-            self.manager.abort(seq.key, "aborted by the client")
+            self.manager.abort(seq.key, reason or "aborted by the client")
         self._driver.kick()
         return True
 

@@ -33,6 +33,7 @@ from fsm_pd.engine.model_thread import ModelThread
 from fsm_pd.engine.pages import PageAllocator
 from fsm_pd.machines import KVPoll
 from fsm_pd.serving.common import (
+    ABORTED_STATUS,
     ENDED,
     ROOM_IN_USE_STATUS,
     RequestTable,
@@ -119,8 +120,18 @@ class PrefillEngine:
             self.bootstrap_server = BootstrapServer(host, bootstrap_port, token=bootstrap_token).start()
             bootstrap_url = self.bootstrap_server.url
         self.bootstrap_url = bootstrap_url
+        self._bootstrap_token = bootstrap_token
         if bootstrap_url is not None:
             self.manager.register_with(bootstrap_url, token=bootstrap_token)
+
+    def deregister(self) -> str:
+        """Stop being findable (a drain): take this node out of its bootstrap server. Says what happened; raises
+        ``BootstrapError`` when the server refused or could not be reached."""
+        if self.bootstrap_url is None:
+            return "not registered with a bootstrap server"
+        if self.manager.deregister_from(self.bootstrap_url, token=self._bootstrap_token):
+            return f"deregistered from the bootstrap server at {self.bootstrap_url}"
+        return f"the bootstrap server at {self.bootstrap_url} no longer listed this process"
 
     @property
     def bootstrap_host_port(self) -> tuple[str, int] | None:
@@ -155,12 +166,15 @@ class PrefillEngine:
             self.requests.pop(seq.rid)
             raise EngineError(f"request {request.rid}: {exc}", room_error_status(exc)) from None
 
-    def abort(self, rid: str) -> bool:
-        seq = self.requests.cancel(rid)
+    def abort(self, rid: str, reason: str | None = None, status: int = ABORTED_STATUS) -> bool:
+        """Stop the request and free what it holds; False if unknown or finished. ``reason`` (journaled, and in
+        the stream's error) and ``status`` default to a client's abort (499); a drain passes its own."""
+        seq = self.requests.cancel(rid, reason or "aborted", status)
         if seq is None:
             return False
         if self.manager.poll(seq.key) not in (KVPoll.Success, KVPoll.Failed):  # else the room is being cleared
-            self.manager.abort(seq.key, "aborted by the client")  # the observer frees its pages once it is Failed
+            # the observer frees its pages once it is Failed
+            self.manager.abort(seq.key, reason or "aborted by the client")
         self._driver.kick()
         return True
 

@@ -99,8 +99,9 @@ class Engine(Protocol):
         """Start the request; outputs (or an EngineError) arrive on ``stream``. Raises EngineError(400) at once for
         a request this engine can never serve (too long, missing bootstrap fields on a PD node)."""
 
-    def abort(self, rid: str) -> bool:
-        """Stop the request and free what it holds; False if it is unknown or already finished."""
+    def abort(self, rid: str, reason: str | None = None, status: int = 499) -> bool:
+        """Stop the request and free what it holds; False if it is unknown or already finished. ``reason`` and
+        ``status``: what the request's stream ends with (default: a client's abort, 499); a drain passes its own."""
 
     def info(self) -> dict:
         """Fields for /server_info: role, model, pages free/reserved, rooms by state, ..."""
