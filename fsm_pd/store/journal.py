@@ -18,7 +18,7 @@ import json
 import logging
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.engine import Engine
@@ -57,8 +57,9 @@ class VersionConflict(JournalError):
     """Two writers journaled the same (node, role, room, version): the room's history would fork."""
 
 
-@dataclass(frozen=True, slots=True)
-class JournalRow:
+class JournalRow(NamedTuple):
+    """One journaled transition as read back. A NamedTuple: a streamed replay builds a million of them."""
+
     seq: int
     node: str
     role: str
