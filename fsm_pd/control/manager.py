@@ -36,7 +36,7 @@ from fsm_pd.engine.model_thread import ModelThread
 from fsm_pd.engine.pages import PageAllocator
 from fsm_pd.kernels import KVLayout
 from fsm_pd.machines import RECEIVER, SENDER, KVPoll
-from fsm_pd.store import Journal
+from fsm_pd.store import Journal, JournalError
 from fsm_pd.transport import SideChannel
 from fsm_pd.transport.addresses import advertised_host, with_port
 from fsm_pd.transport.backends import create_backend, new_uuid
@@ -125,10 +125,18 @@ class KVManager:
             self.node.wakeup.wait(0.05)
             try:
                 self.node.step()
+                self.journal.keep_alive()  # a database server that went away fails the node even when idle
             except Exception as exc:  # a journal that cannot be written stops the node: unjournaled acts break replay
                 log.exception("node %s stopped: the journal could not be written", self.node_id)
                 self._stopped(f"the node loop stopped: the journal could not be written: {type(exc).__name__}: {exc}")
                 return
+
+    def _journal_lost(self, exc: JournalError) -> None:
+        """The journal could not say whether a room was used (its database is gone): like a journal that cannot
+        be written, this stops the node, so /health says so and nothing is done that the journal does not hold."""
+        if self.dead is None:
+            log.error("node %s stopped: %s", self.node_id, exc)
+            self._stopped(f"the journal could not be read: {exc}")
 
     def _stopped(self, reason: str) -> None:
         self.dead = reason
@@ -185,7 +193,11 @@ class KVManager:
         The pages may instead come with ``kv_ready`` (chunked prefill learns them chunk by chunk). ``rid``, the
         client's request id, is journaled with the room (``fsm-pd replay --request``).
         """
-        self.core.add_sender(room, pages, prompt_len, rid)
+        try:
+            self.core.add_sender(room, pages, prompt_len, rid)
+        except JournalError as exc:
+            self._journal_lost(exc)
+            raise
 
     def kv_ready(self, room: int, pages: list[int] | None = None, first_token: int = 0,
                  first_logprob: float | None = None, input_logprobs: list[float] | None = None,
@@ -196,7 +208,11 @@ class KVManager:
     # --- the decode side ---
     def add_receiver(self, room: int, page_count: int | None = None, prompt_len: int = 0, **where: Any) -> None:
         """A request with ``bootstrap_room`` arrived; ``where`` tells the resolver how to find the prefill node."""
-        self.core.add_receiver(room, page_count, prompt_len, **where)
+        try:
+            self.core.add_receiver(room, page_count, prompt_len, **where)
+        except JournalError as exc:
+            self._journal_lost(exc)
+            raise
 
     def give_pages(self, room: int, pages: list[int]) -> None:
         """The scheduler allocated ``pages`` for the room (SGLang's ``send_metadata``; ``SchedulerAdmission`` only)."""

@@ -14,6 +14,7 @@ from fsm_pd.machines import KVPoll
 from fsm_pd.serving import top_logprobs
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.types import EngineError, GenerateRequest
+from fsm_pd.store.journal import JournalError
 from fsm_pd.store.schema import MAX_ROOM
 
 ENDED = (KVPoll.Success, KVPoll.Failed)  # a room in either state changes no more
@@ -22,8 +23,11 @@ ABORTED_STATUS = 499  # the client gave up (nginx's "client closed request"); no
 ROOM_IN_USE_STATUS = 409  # a conflict with this node's state (the room's earlier request), not a malformed request
 
 
-def room_error_status(exc: ValueError) -> int:
-    """The HTTP status for the manager refusing a room: 409 for a reused room, 400 for anything else."""
+def room_error_status(exc: Exception) -> int:
+    """The HTTP status for the manager refusing a room: 409 for a reused room, 503 when its journal cannot be
+    read (the node stops), 400 for anything else."""
+    if isinstance(exc, JournalError):
+        return UNAVAILABLE_STATUS
     return ROOM_IN_USE_STATUS if isinstance(exc, RoomInUse) else 400
 
 

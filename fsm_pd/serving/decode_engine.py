@@ -67,6 +67,7 @@ from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.step_driver import StepDriver
 from fsm_pd.serving.top_logprobs import from_wire as top_logprobs_from_wire
 from fsm_pd.serving.types import EngineError, GenerateRequest, RequestStream
+from fsm_pd.store import JournalError
 from fsm_pd.transport import generate_secret
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,7 @@ class DecodeEngine:
                 rid=request.rid,
                 bootstrap_addr=request.bootstrap.addr,
             )
-        except ValueError as exc:  # RoomInUse: the room was used before, maybe before a restart
+        except (ValueError, JournalError) as exc:  # RoomInUse: used before, maybe before a restart
             self._rooms.pop(room, None)
             self.requests.pop(seq.rid)
             raise EngineError(f"request {request.rid}: {exc}", room_error_status(exc)) from None

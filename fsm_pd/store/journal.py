@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -31,6 +32,7 @@ from fsm_pd.store.database import (  # noqa: F401 - DURABILITY is re-exported
     create_journal_engine,
     journal_name,
     journal_url,
+    ping,
 )
 from fsm_pd.store.schema import (
     COLUMNS,
@@ -93,6 +95,7 @@ class Journal:
 
     def __init__(self, target: str | os.PathLike, *, durability: str = "full"):
         self.url = _url(target)
+        self._last_ok = time.monotonic()  # when the database last answered (keep_alive)
         self.name = journal_name(target)  # for messages: a URL's password masked
         self.durability = durability
         try:
@@ -188,9 +191,22 @@ class Journal:
             raise JournalError(f"journal {self.name} write failed: {getattr(exc, 'orig', None) or exc}") from exc
         self.rows_written += len(rows)
         self.commits += 1
+        self._last_ok = time.monotonic()
         if self.retention is not None:
             self.retention.after_flush(self)
         return len(rows)
+
+    def keep_alive(self, idle_s: float = 2.0) -> None:
+        """Ping a database server that has not answered for ``idle_s`` (a SQLite file is never pinged): an idle
+        node learns that its journal is gone before a request needs it. Raises :class:`JournalError` then."""
+        if self.engine.dialect.name == "sqlite" or time.monotonic() - self._last_ok < idle_s:
+            return
+        try:
+            ping(self.engine)
+        except SQLAlchemyError as exc:
+            reason = getattr(exc, 'orig', None) or exc
+            raise JournalError(f"journal {self.name} cannot be reached: {reason}") from exc
+        self._last_ok = time.monotonic()
 
     def close(self) -> None:
         self.flush()
