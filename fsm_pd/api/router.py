@@ -2,190 +2,73 @@
 ``--decode URL``, both repeatable).
 
 For each generation request (``/generate``, ``/v1/completions``, ``/v1/chat/completions``): pick a prefill and a
-decode worker (round robin or random, each side on its own), add ``bootstrap_host`` / ``bootstrap_port`` /
+decode worker among the healthy ones (``fleet.py``: health checks, a circuit breaker per worker, least outstanding
+requests by default), add ``bootstrap_host`` / ``bootstrap_port`` /
 ``bootstrap_room`` (a random 63-bit room) to the client's JSON, send the same body to both at once, and answer with
 the decode's response once the prefill's is complete (as sglang-router does). Neither leg is left waiting: the first
 to fail (an error status, or unreachable) closes the other (which aborts the request there) and the client gets the
 failed worker's status and error (502 when it was unreachable); ``--request-timeout-secs`` bounds the whole request,
-streams included (504, or a final SSE error event). No retries: a failed request is reported. A client that goes
-away cancels both legs. The legs themselves are ``router_legs.py``; the other routes (abort, flush, tokenize, load,
-metrics) ``router_routes.py``.
+streams included (504, or a final SSE error event). A worker failure before the answer starts (unreachable, a 5xx)
+is retried on another pair with a new bootstrap room and the same rid (``--max-retries``, a router-wide retry budget,
+``--retry-policy retry|fail``); a ``/generate`` stream whose decode breaks off migrates (``router_migrate.py``).
+A client that goes away cancels both legs. The legs themselves are ``router_legs.py``; the other routes (abort,
+flush, tokenize, load, metrics) ``router_routes.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import itertools
 import logging
 import os
-import random
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import httpx
 from fastapi import Body, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from fsm_pd.api.app import DEFAULT_MAX_BODY_BYTES
 from fsm_pd.api.auth import ApiKeyMiddleware
-from fsm_pd.api.errors import ERROR_RESPONSES, error_response, install_error_handlers
-from fsm_pd.api.requests import new_rid
-from fsm_pd.api.router_legs import Leg, both_answered, relay, until
-from fsm_pd.api.router_merge import merge_json, merge_sse, new_room, prefill_input_logprobs, with_bootstrap
+from fsm_pd.api.errors import ERROR_RESPONSES, install_error_handlers
+from fsm_pd.api.fleet import POLICIES, BreakerSettings
+from fsm_pd.api.router_core import (
+    DEFAULT_BREAKER,
+    DEFAULT_RETRY,
+    GENERATION_PATHS,
+    RETRY_POLICIES,
+    PDRouter,
+    PrefillWorker,
+    RetrySettings,
+)
 from fsm_pd.api.router_metrics import RouterMetrics, RouterMetricsMiddleware
-from fsm_pd.api.router_routes import RunningRequests, install_router_routes, released
-from fsm_pd.api.runner import wait_disconnect
+from fsm_pd.api.router_routes import install_router_routes
 from fsm_pd.api.strict_json import StrictJSONRoute
 from fsm_pd.bootstrap.body_limit import BodySizeLimit
 from fsm_pd.http_protocol import add_read_timeout_flags, read_timeouts_from_args
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("round_robin", "random")
-GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
-PROBE_TIMEOUT_S = 45.0  # health and info probes; longer than a worker's own /health_generate limit (30 s)
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillWorker:
-    url: str
-    bootstrap_port: int | None  # None: decode uses its own default (SGLang's "null")
-
-
-class Picker:
-    def __init__(self, items: Sequence, policy: str, rng: random.Random):
-        if not items:
-            raise ValueError("a PD router needs at least one prefill and one decode worker")
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        self.items, self.policy, self._rng = list(items), policy, rng
-        self._cycle = itertools.cycle(self.items)
-
-    def pick(self):
-        return self._rng.choice(self.items) if self.policy == "random" else next(self._cycle)
-
-
-def _unreachable(side: str, url: str, err: Exception) -> Response:
-    return error_response(502, f"{side} worker {url} failed: {type(err).__name__}: {err}", code=f"{side}_unreachable")
-
-
-class PDRouter:
-    def __init__(self, prefill: Sequence[PrefillWorker], decode: Sequence[str], *, policy: str = "round_robin",
-                 api_key: str | None = None, request_timeout_s: float = 1800.0, seed: int | None = None):
-        rng = random.Random(seed)
-        self.prefill = Picker(prefill, policy, rng)
-        self.decode = Picker([u.rstrip("/") for u in decode], policy, rng)
-        self.api_key = api_key
-        self.request_timeout_s = request_timeout_s  # one deadline for the whole request, streams included
-        self.timeout = httpx.Timeout(request_timeout_s, connect=10.0)
-        self._client: httpx.AsyncClient | None = None
-        self.running = RunningRequests()  # which workers hold each rid, for /abort_request
-
-    @property
-    def client(self) -> httpx.AsyncClient:
-        if self._client is None:  # made on first use, on the serving loop
-            self._client = httpx.AsyncClient(timeout=self.timeout, limits=httpx.Limits(max_connections=None))
-        return self._client
-
-    def _headers(self, request: Request) -> dict:
-        headers = {}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        if request_id := request.headers.get("x-request-id"):
-            headers["X-Request-ID"] = request_id
-        return headers
-
-    async def dispatch(self, path: str, body: dict, request: Request) -> Response:
-        """Run both legs; a client that disconnects before the answer starts cancels both."""
-        work = asyncio.ensure_future(self._dual(path, body, request))
-        gone = asyncio.ensure_future(wait_disconnect(request))
-        try:
-            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if work in done:
-                return work.result()
-            work.cancel()
-            with contextlib.suppress(BaseException):
-                await work
-            return Response(status_code=499)
-        finally:
-            gone.cancel()
-
-    async def _dual(self, path: str, body: dict, request: Request) -> Response:
-        worker, decode_url = self.prefill.pick(), self.decode.pick()
-        if body.get("rid") is None:  # one rid on both workers, so /abort_request can name it (meta_info.id shows it)
-            body = {**body, "rid": new_rid()}
-        rid = body["rid"]
-        release = self.running.add(rid, (worker.url.rstrip("/"), decode_url)) if isinstance(rid, str) else lambda: None
-        sent = with_bootstrap(body, worker.url, worker.bootstrap_port, new_room())
-        headers = self._headers(request)
-        deadline = asyncio.get_running_loop().time() + self.request_timeout_s
-        prefill = Leg("prefill", worker.url, self.client, worker.url.rstrip("/") + path, sent, headers, whole=True)
-        decode = Leg("decode", decode_url, self.client, decode_url + path, sent, headers, whole=False)
-        handed_off = False
-        try:
-            failed = await both_answered(prefill, decode, deadline, self.request_timeout_s)
-            if failed is not None:
-                return failed
-            merge = path == "/generate" and bool(body.get("return_logprob"))
-            p_logprobs = prefill_input_logprobs(prefill.body) if merge else None
-            d_resp = decode.response
-            media_type = d_resp.headers.get("content-type", "application/json")
-            if decode.body is not None:
-                return Response(merge_json(decode.body, p_logprobs), status_code=d_resp.status_code,
-                                media_type=media_type)
-            source = merge_sse(until(d_resp.aiter_lines(), deadline), p_logprobs) if merge else d_resp.aiter_raw()
-            handed_off = True
-            stream = released(relay(source, d_resp, decode_url, deadline, self.request_timeout_s), release)
-            return StreamingResponse(stream, status_code=d_resp.status_code, media_type=media_type)
-        finally:
-            await prefill.close()
-            if not handed_off:
-                await decode.close()
-                release()
-
-    async def get_first_prefill(self, path: str) -> Response:
-        url = self.prefill.items[0].url.rstrip("/") + path
-        try:
-            resp = await self.client.get(url, headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key
-                                         else None, timeout=PROBE_TIMEOUT_S)
-        except httpx.HTTPError as err:
-            return _unreachable("prefill", url, err)
-        return Response(resp.content, status_code=resp.status_code,
-                        media_type=resp.headers.get("content-type", "application/json"))
-
-    async def health_generate(self) -> Response:
-        """One pair's ``/health_generate``, both at once; 200 only if both are."""
-        worker, decode_url = self.prefill.pick(), self.decode.pick()
-        urls = [worker.url.rstrip("/") + "/health_generate", decode_url + "/health_generate"]
-
-        async def probe(url: str) -> int | str:
-            try:
-                return (await self.client.get(url, timeout=PROBE_TIMEOUT_S)).status_code
-            except httpx.HTTPError as err:
-                return f"{type(err).__name__}: {err}"
-
-        results = await asyncio.gather(*(probe(u) for u in urls))
-        healthy = all(isinstance(r, int) and r < 300 for r in results)
-        return JSONResponse({"healthy": healthy, "workers": dict(zip(urls, results, strict=True))},
-                            status_code=200 if healthy else 503)
+__all__ = ["PDRouter", "PrefillWorker", "RetrySettings", "build_arg_parser", "create_router_app", "router_main"]
 
 
 def create_router_app(prefill: Sequence[PrefillWorker | tuple[str, int | None] | str], decode: Sequence[str], *,
-                      policy: str = "round_robin", api_key: str | None = None, request_timeout_s: float = 1800.0,
-                      seed: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+                      policy: str = "least_outstanding", api_key: str | None = None,
+                      request_timeout_s: float = 1800.0, seed: int | None = None,
+                      max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, retry: RetrySettings = DEFAULT_RETRY,
+                      breaker: BreakerSettings = DEFAULT_BREAKER, health_interval_s: float = 5.0,
+                      health_timeout_s: float = 5.0) -> FastAPI:
     """The router's app. ``prefill``: workers as ``PrefillWorker``, ``(url, bootstrap_port or None)`` or a bare
     URL; ``decode``: URLs. ``api_key``: required from clients and sent to the workers (as sglang-router does).
-    ``max_body_bytes``: larger request bodies get 413 before they are read whole (the same default as a worker's)."""
+    ``max_body_bytes``: larger request bodies get 413 before they are read whole (the same default as a worker's).
+    ``retry``, ``breaker``, ``health_*``: see ``fleet.py`` and ``docs/fleet.md``."""
     workers = [w if isinstance(w, PrefillWorker) else PrefillWorker(w, None) if isinstance(w, str)
                else PrefillWorker(w[0], w[1]) for w in prefill]
-    pd = PDRouter(workers, decode, policy=policy, api_key=api_key, request_timeout_s=request_timeout_s, seed=seed)
+    metrics = RouterMetrics()
+    pd = PDRouter(workers, decode, policy=policy, api_key=api_key, request_timeout_s=request_timeout_s, seed=seed,
+                  retry=retry, breaker=breaker, health_interval_s=health_interval_s,
+                  health_timeout_s=health_timeout_s, metrics=metrics)
     app = FastAPI(title="fsm-pd router", version="1",
                   description="A PD router: each request goes to one prefill and one decode worker at once.")
     app.state.router = pd
-    metrics = RouterMetrics()
     app.state.metrics = metrics
     install_error_handlers(app)
 
@@ -201,7 +84,10 @@ def create_router_app(prefill: Sequence[PrefillWorker | tuple[str, int | None] |
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "prefill": len(pd.prefill.items), "decode": len(pd.decode.items)}
+        pd.ensure_health_checks()
+        admitted = {role: sum(w.admitted for w in ws) for role, ws in pd.fleet.workers.items()}
+        return {"status": "ok", "prefill": len(pd.fleet.workers["prefill"]), "decode": len(pd.fleet.workers["decode"]),
+                "admitted": admitted}
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
@@ -216,9 +102,11 @@ def create_router_app(prefill: Sequence[PrefillWorker | tuple[str, int | None] |
         app.add_api_route(path, proxied(), methods=["GET"])
 
     async def server_info() -> dict:
-        return {"router": "fsm-pd", "policy": policy,
-                "prefill": [{"url": w.url, "bootstrap_port": w.bootstrap_port} for w in pd.prefill.items],
-                "decode": [{"url": u} for u in pd.decode.items],
+        pd.ensure_health_checks()
+        return {"router": "fsm-pd", "policy": policy, "retry_policy": retry.policy, "max_retries": retry.max_retries,
+                "retry_budget": pd.budget.describe(),
+                "prefill": [w.describe() for w in pd.fleet.workers["prefill"]],
+                "decode": [w.describe() for w in pd.fleet.workers["decode"]],
                 "requests_running": len(pd.running)}  # rids the router is answering (and could abort) now
 
     for path in ("/server_info", "/get_server_info"):
@@ -254,7 +142,31 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode", action="append", required=True, metavar="URL", help="a decode worker")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--policy", choices=POLICIES, default="round_robin")
+    parser.add_argument("--policy", choices=POLICIES, default="least_outstanding",
+                        help="how a worker of each role is chosen among the healthy ones (default: least_outstanding, "
+                             "the fewest requests in flight from this router, ties in turn)")
+    fleet = parser.add_argument_group("health, circuit breaker and retries (docs/fleet.md)")
+    fleet.add_argument("--health-check-interval-secs", type=float, default=5.0,
+                       help="GET /health on every worker this often; any answer but 200 is a failure (default 5)")
+    fleet.add_argument("--health-check-timeout-secs", type=float, default=5.0,
+                       help="a health check without an answer within this is a failure (default 5)")
+    fleet.add_argument("--health-failure-threshold", type=int, default=3,
+                       help="consecutive failed health checks that eject a worker (default 3); a worker whose /health "
+                            "says draining is ejected at once")
+    fleet.add_argument("--cb-failure-threshold", type=int, default=3,
+                       help="consecutive failed requests that eject a worker (default 3)")
+    fleet.add_argument("--cb-timeout-duration-secs", type=float, default=10.0,
+                       help="an ejected worker is re-admitted by the first good health check after this (default 10)")
+    fleet.add_argument("--retry-policy", choices=RETRY_POLICIES, default="retry",
+                       help="retry: a failure before the answer starts is tried on another pair with a new room, a "
+                            "broken /generate stream migrates; fail: the client gets the failure (default retry)")
+    fleet.add_argument("--max-retries", "--retry-max-retries", type=int, default=2,
+                       help="retries and migrations per request (default 2)")
+    fleet.add_argument("--retry-budget-ratio", type=float, default=0.2,
+                       help="router-wide: retries over the window at most this x requests (default 0.2) ...")
+    fleet.add_argument("--retry-budget-min-per-sec", type=float, default=3.0,
+                       help="... but always this many per second (default 3)")
+    fleet.add_argument("--retry-budget-window-secs", type=float, default=10.0, help="the budget's window (default 10)")
     parser.add_argument("--api-key", default=os.environ.get("FSM_PD_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $FSM_PD_API_KEY, else none)")
     parser.add_argument("--request-timeout-secs", type=float, default=1800.0)
@@ -265,8 +177,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def router_app_from_args(args: argparse.Namespace) -> FastAPI:
+    retry = RetrySettings(args.retry_policy, args.max_retries, args.retry_budget_ratio, args.retry_budget_min_per_sec,
+                          args.retry_budget_window_secs)
+    breaker = BreakerSettings(args.health_failure_threshold, args.cb_failure_threshold, args.cb_timeout_duration_secs)
     return create_router_app(parse_prefill_specs(args.prefill), args.decode, policy=args.policy,
-                             api_key=args.api_key, request_timeout_s=args.request_timeout_secs)
+                             api_key=args.api_key, request_timeout_s=args.request_timeout_secs, retry=retry,
+                             breaker=breaker, health_interval_s=args.health_check_interval_secs,
+                             health_timeout_s=args.health_check_timeout_secs)
 
 
 def router_main(argv: Sequence[str] | None = None) -> None:

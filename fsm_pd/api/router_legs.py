@@ -63,6 +63,10 @@ class Leg:
             return upstream_error(self.side, self.worker_url, self.response, self.body or b"")
         return None
 
+    def unreachable(self) -> bool:
+        """Once the call is done: it failed without an HTTP answer (refused, reset, broken off)."""
+        return not self.task.cancelled() and isinstance(self.task.exception(), httpx.HTTPError)
+
     async def close(self) -> None:
         if not self.task.done():
             self.task.cancel()
@@ -93,24 +97,29 @@ def deadline_error(waiting_for: list[Leg], timeout_s: float) -> Response:
                           code="request_timeout")
 
 
-async def both_answered(prefill: Leg, decode: Leg, deadline: float, timeout_s: float) -> Response | None:
+async def both_answered(prefill: Leg, decode: Leg, deadline: float,
+                        timeout_s: float) -> tuple[Leg | None, Response] | None:
     """Wait until the prefill's answer is complete and the decode's has started (or was read whole). Returns the
-    client's error answer if a leg failed or the deadline passed, else None. The first leg to fail decides: the
-    caller closes both legs either way."""
+    failed leg (None: the deadline passed) and the client's error answer, else None. The first leg to fail decides:
+    the caller closes both legs either way."""
     pending = {prefill.task, decode.task}
     loop = asyncio.get_running_loop()
     while pending:
         done, pending = await asyncio.wait(pending, timeout=max(0.0, deadline - loop.time()),
                                            return_when=asyncio.FIRST_COMPLETED)
         if not done:
-            return deadline_error([leg for leg in (prefill, decode) if leg.task in pending], timeout_s)
+            return None, deadline_error([leg for leg in (prefill, decode) if leg.task in pending], timeout_s)
         # the prefill's failure wins a tie: it is the cause when both fail at once (the decode then lost its KV)
         for leg in (prefill, decode):
             if leg.task in done and (failed := leg.failure()) is not None:
                 log.info("%s worker %s failed (%d); the other leg is cancelled", leg.side, leg.worker_url,
                          failed.status_code)
-                return failed
+                return leg, failed
     return None
+
+    def unreachable(self) -> bool:
+        """Once the call is done: it failed without an HTTP answer (refused, reset, broken off)."""
+        return not self.task.cancelled() and isinstance(self.task.exception(), httpx.HTTPError)
 
 
 async def until(items: AsyncIterator[T], deadline: float) -> AsyncIterator[T]:

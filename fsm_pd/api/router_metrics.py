@@ -1,5 +1,6 @@
 """The built-in router's own Prometheus metrics (``GET /metrics`` on the router): requests by route and status, errors,
-latency to the end of the answer (a stream's last byte, not its headers), and requests in flight.
+latency to the end of the answer (a stream's last byte, not its headers), requests in flight, and the fleet's retries,
+migrations, refusals to retry, ejections and re-admissions.
 
 A request whose client left before its answer ended is counted as 499 (nginx's "client closed request") and as an
 error of kind ``client_closed``; 4xx answers are ``client`` errors and 5xx ``upstream`` ones (the router's own 5xx
@@ -52,8 +53,42 @@ class RouterMetrics:
                                  buckets=(0.005, 0.02, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800))
         self.in_flight = Gauge("fsm_pd_router_requests_in_flight", "Requests the router is answering now, by route",
                                ["route"], registry=self.registry)
+        # the fleet (docs/fleet.md): reason labels are "{side}_unreachable", "{side}_{status}", ... (a bounded set)
+        self.retries = Counter("fsm_pd_router_retries", "Attempts started again on another pair before the answer "
+                               "started, by the failure that caused them", ["reason"], registry=self.registry)
+        self.migrations = Counter("fsm_pd_router_migrations", "Requests moved to another decode after theirs failed "
+                                  "(a broken stream, or a whole answer lost after the prefill), by reason", ["reason"],
+                                  registry=self.registry)
+        self.gave_up = Counter("fsm_pd_router_failover_refused", "Failures not tried again: retries_exhausted, "
+                               "retry_budget (the router-wide budget was spent), no_prefill / no_decode (every "
+                               "worker of the role ejected)", ["reason"], registry=self.registry)
+        self.ejections = Counter("fsm_pd_router_worker_ejections", "Workers the circuit breaker ejected, by role and "
+                                 "reason (requests, health_check, draining)", ["role", "reason"],
+                                 registry=self.registry)
+        self.readmissions = Counter("fsm_pd_router_worker_readmissions", "Ejected workers re-admitted after their "
+                                    "cool-down and a good health check", ["role"], registry=self.registry)
+        self.admitted = Gauge("fsm_pd_router_workers_admitted", "Workers requests may be sent to now, by role",
+                              ["role"], registry=self.registry)
+        self.outstanding = Gauge("fsm_pd_router_worker_outstanding", "Requests in flight from this router, by worker",
+                                 ["role", "url"], registry=self.registry)
+        self._fleet = None
+
+    def fleet_event(self, event: str, role: str, reason: str) -> None:
+        if event == "ejected":
+            self.ejections.labels(role, reason).inc()
+        else:
+            self.readmissions.labels(role).inc()
+
+    def watch(self, fleet) -> None:
+        """Read the fleet's gauges at every scrape."""
+        self._fleet = fleet
 
     def render(self) -> tuple[bytes, str]:
+        if self._fleet is not None:
+            for role, workers in self._fleet.workers.items():
+                self.admitted.labels(role).set(sum(w.admitted for w in workers))
+                for w in workers:
+                    self.outstanding.labels(role, w.url).set(w.outstanding)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 

@@ -5,8 +5,8 @@
   Always 200 (as SGLang), ``{"aborted": [...]}`` lists the ids the workers stopped. An unknown rid aborts nothing.
 * ``GET|POST /flush_cache``: forwarded to every worker; 200 when all flushed, else the first failure's status (400:
   a worker is busy, 502: unreachable), with each worker's answer under ``workers``.
-* ``POST /tokenize``, ``/detokenize`` (and ``/v1/...``), ``GET /v1/models/{id}``: answered by the first prefill
-  worker (every worker serves the same model), as ``/model_info`` is.
+* ``POST /tokenize``, ``/detokenize`` (and ``/v1/...``), ``GET /v1/models/{id}``: answered by the first admitted
+  prefill worker (every worker serves the same model), as ``/model_info`` is.
 * ``GET /get_load``: each worker's own ``/get_load``, ``{"prefill": [{"url", "load"}], "decode": [...]}`` (``error``
   instead of ``load`` for a worker that did not answer).
 * ``GET /metrics``: the router's own Prometheus metrics (``router_metrics``).
@@ -78,7 +78,7 @@ def install_router_routes(app: FastAPI, pd, metrics: RouterMetrics) -> None:
     headers = {"Authorization": f"Bearer {pd.api_key}"} if pd.api_key else {}
 
     def all_workers() -> list[tuple[str, str]]:
-        return [("prefill", w.url.rstrip("/")) for w in pd.prefill.items] + [("decode", u) for u in pd.decode.items]
+        return [(w.role, w.url) for w in pd.fleet.all()]
 
     async def call(method: str, url: str, body: dict | None = None, raw: bytes | None = None) -> httpx.Response | str:
         """The worker's answer, or what went wrong reaching it. ``raw``: a client's body, sent as it came."""
@@ -91,7 +91,7 @@ def install_router_routes(app: FastAPI, pd, metrics: RouterMetrics) -> None:
             return f"{type(err).__name__}: {err}"
 
     async def first_prefill(method: str, path: str, raw: bytes | None = None) -> Response:
-        url = pd.prefill.items[0].url.rstrip("/")
+        url = pd.fleet.first("prefill").url
         answer = await call(method, url + path, raw=raw)
         if isinstance(answer, str):
             return error_response(502, f"prefill worker {url} failed: {answer}", code="prefill_unreachable")

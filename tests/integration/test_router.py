@@ -12,9 +12,11 @@ import pytest
 from polling import until
 
 from fsm_pd.api import AppServer, StubEngine, build_arg_parser, create_app, create_router_app
-from fsm_pd.api.router import PrefillWorker, parse_prefill_specs
+from fsm_pd.api.router import PrefillWorker, RetrySettings, parse_prefill_specs
 from fsm_pd.api.stub_engine import DECODE_LOGPROB, PREFILL_LOGPROB
 from fsm_pd.serving.types import EngineError
+
+NO_RETRY = RetrySettings(policy="fail")  # the tests of how one failed attempt reaches the client
 
 
 class WaitsForDecode(StubEngine):
@@ -94,7 +96,7 @@ def test_null_bootstrap_port_lets_decode_use_its_default():
 def test_prefill_failure_cancels_decode_and_returns_prefills_error(stream):
     prefill = StubEngine(role="prefill", fail_after=0)
     decode = StubEngine(role="decode", hang=True)  # waits for KV that will never come
-    with pd_cluster([prefill], [decode]) as (url, _, _):
+    with pd_cluster([prefill], [decode], retry=NO_RETRY) as (url, _, _):
         r = httpx.post(url + "/generate", json={"text": "hi", "stream": stream}, timeout=10)
         assert r.status_code == 500
         assert r.json()["error"]["message"] == "stub prefill: injected KV transfer failure"
@@ -117,7 +119,7 @@ def test_unreachable_prefill_is_502_and_cancels_decode():
     free.close()
     decode = StubEngine(role="decode", hang=True)
     with AppServer(create_app(decode, decode.tokenizer)) as d:
-        router = create_router_app([(f"http://127.0.0.1:{dead_port}", 9000)], [d.url])
+        router = create_router_app([(f"http://127.0.0.1:{dead_port}", 9000)], [d.url], retry=NO_RETRY)
         with AppServer(router) as rs:
             r = httpx.post(rs.url + "/generate", json={"text": "a"}, timeout=10)
             assert r.status_code == 502 and "prefill worker" in r.json()["error"]["message"]
@@ -127,7 +129,7 @@ def test_unreachable_prefill_is_502_and_cancels_decode():
 
 def test_decode_error_status_is_passed_through():
     decode = StubEngine(role="decode", fail_after=0)
-    with pd_cluster([StubEngine(role="prefill")], [decode]) as (url, _, _):
+    with pd_cluster([StubEngine(role="prefill")], [decode], retry=NO_RETRY) as (url, _, _):
         r = httpx.post(url + "/generate", json={"text": "a"}, timeout=10)
         assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
 

@@ -15,7 +15,7 @@ import threading
 import httpx
 import pytest
 from polling import until as wait_until
-from test_router import pd_cluster, sse_data
+from test_router import NO_RETRY, pd_cluster, sse_data
 
 from fsm_pd.api import AppServer, StubEngine, create_app, create_router_app
 from fsm_pd.serving.types import EngineError, TokenOutput
@@ -92,7 +92,7 @@ def error_event(text: str) -> dict:
 def test_failed_decode_cancels_the_waiting_prefill(stream):
     prefill = StubEngine(role="prefill", hang=True)  # waits for a decode that will never ask for its KV
     decode = StubEngine(role="decode", fail_after=0)
-    with pd_cluster([prefill], [decode]) as (url, _, _):
+    with pd_cluster([prefill], [decode], retry=NO_RETRY) as (url, _, _):
         r = httpx.post(url + "/generate", json={"text": "hi", "stream": stream}, timeout=CLIENT_TIMEOUT_S)
         assert r.status_code == 500 and r.json()["error"]["message"] == "stub engine: injected failure"
         assert prefill.wait_submitted(1)
@@ -107,7 +107,7 @@ def test_unreachable_decode_is_502_and_cancels_the_prefill():
     prefill = StubEngine(role="prefill", hang=True)
     with contextlib.ExitStack() as stack:
         p = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=9000)))
-        router = stack.enter_context(AppServer(create_router_app([(p.url, 9000)], [dead])))
+        router = stack.enter_context(AppServer(create_router_app([(p.url, 9000)], [dead], retry=NO_RETRY)))
         r = httpx.post(router.url + "/generate", json={"text": "a"}, timeout=CLIENT_TIMEOUT_S)
         assert r.status_code == 502 and r.json()["error"]["message"].startswith(f"decode worker {dead} failed")
         # the refusal can come before the prefill's request was even sent; whatever reached it was aborted
@@ -154,7 +154,7 @@ def test_a_stream_that_breaks_off_ends_with_an_error_event(then):
     with contextlib.ExitStack() as stack:
         d_url = stack.enter_context(scripted_worker(reply, then_close=True))
         p = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=9000)))
-        router = stack.enter_context(AppServer(create_router_app([(p.url, 9000)], [d_url])))
+        router = stack.enter_context(AppServer(create_router_app([(p.url, 9000)], [d_url], retry=NO_RETRY)))
         r = httpx.post(router.url + "/generate", json={"text": "a", "stream": True}, timeout=CLIENT_TIMEOUT_S)
     prefill.close()
     assert r.status_code == 200 and json.loads(sse_data(r.text)[0])["text"] == "a"
@@ -169,7 +169,7 @@ def test_a_worker_error_without_a_json_body_is_wrapped_with_its_name():
     with contextlib.ExitStack() as stack:
         d_url = stack.enter_context(scripted_worker(reply, then_close=True))
         p = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=9000)))
-        router = stack.enter_context(AppServer(create_router_app([(p.url, 9000)], [d_url])))
+        router = stack.enter_context(AppServer(create_router_app([(p.url, 9000)], [d_url], retry=NO_RETRY)))
         r = httpx.post(router.url + "/generate", json={"text": "a"}, timeout=CLIENT_TIMEOUT_S)
         assert wait_until(lambda: not prefill.live and len(prefill.aborted) == len(prefill.submitted))
     prefill.close()

@@ -1,0 +1,222 @@
+"""The router's view of its workers: which are healthy, how busy each is, and whether a failed request may be tried
+again. No I/O and no asyncio here except ``health_loop``: everything else takes a ``clock`` (seconds, monotonic), so
+the breaker, the picker and the retry budget are unit-tested with a fake one.
+
+* **Circuit breaker, per worker.** A worker is *ejected* (no new requests) after ``health_failures`` consecutive
+  failed health checks, or ``request_failures`` consecutive failed requests (counted apart: a node that answers
+  ``/health`` but fails every transfer is ejected too), and at once when its ``/health`` says
+  ``{"status": "draining"}``. It is *re-admitted* by the first successful health check once ``cooldown_s`` has
+  passed since its ejection.
+* **Selection.** ``least_outstanding`` (default): the admitted worker with the fewest requests this router has in
+  flight there, ties broken in turn so an idle fleet is used evenly; ``round_robin`` and ``random`` as before, over
+  the admitted workers. A caller may ask to avoid some workers (the ones that just failed a request): they are used
+  only if nothing else is admitted.
+* **Retry budget.** Retries over a sliding window may not exceed ``ratio`` of the requests that arrived in it, with a
+  floor of ``min_per_s`` retries per second, so a lone failure is always retried and a dead fleet is not hammered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("least_outstanding", "round_robin", "random")
+Clock = Callable[[], float]
+# observer(event, role, reason): event is "ejected" or "readmitted"; the router's metrics count them
+Observer = Callable[[str, str, str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerSettings:
+    health_failures: int = 3  # consecutive failed health checks that eject a worker
+    request_failures: int = 3  # consecutive failed requests that eject a worker
+    cooldown_s: float = 10.0  # an ejected worker waits this long before a good health check re-admits it
+
+
+@dataclass(eq=False)
+class Worker:
+    """One prefill or decode worker, as the router sees it."""
+
+    role: str  # "prefill" or "decode"
+    url: str  # no trailing slash
+    bootstrap_port: int | None = None  # prefill only; None: the decode's own default (SGLang's "null")
+    outstanding: int = 0  # requests this router has in flight there
+    admitted: bool = True
+    ejected_at: float = 0.0
+    reason: str = ""  # why it was last ejected (or last failed), for error messages and /server_info
+    health_failures: int = 0
+    request_failures: int = 0
+    last_health: str = "unchecked"
+
+    def describe(self) -> dict:
+        return {"url": self.url, "admitted": self.admitted, "outstanding": self.outstanding,
+                "health": self.last_health, **({"reason": self.reason} if self.reason else {}),
+                **({"bootstrap_port": self.bootstrap_port} if self.role == "prefill" else {})}
+
+
+class Fleet:
+    """The workers of both roles, their breakers, and selection among the admitted ones. Touched from the serving
+    loop only (no locks)."""
+
+    def __init__(self, prefill: Sequence[Worker], decode: Sequence[Worker], *, policy: str = "least_outstanding",
+                 breaker: BreakerSettings | None = None, clock: Clock = time.monotonic,
+                 rng: random.Random | None = None, observer: Observer | None = None):
+        if not prefill or not decode:
+            raise ValueError("a PD router needs at least one prefill and one decode worker")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        breaker = breaker or BreakerSettings()
+        if min(breaker.health_failures, breaker.request_failures) < 1 or breaker.cooldown_s < 0:
+            raise ValueError("the failure thresholds must be at least 1 and the cool-down not negative")
+        self.workers = {"prefill": list(prefill), "decode": list(decode)}
+        self.policy, self.breaker, self.clock = policy, breaker, clock
+        self._rng = rng or random.Random()
+        self._turn = {"prefill": 0, "decode": 0}
+        self._observer = observer or (lambda *_: None)
+
+    # selection
+
+    def pick(self, role: str, avoid: Iterable[Worker] = ()) -> Worker | None:
+        """An admitted worker of ``role`` (not one of ``avoid`` unless it is the only kind left); None if every
+        worker of the role is ejected."""
+        admitted = [w for w in self.workers[role] if w.admitted]
+        avoided = set(avoid)
+        candidates = [w for w in admitted if w not in avoided] or admitted
+        if not candidates:
+            return None
+        if self.policy == "random":
+            return self._rng.choice(candidates)
+        everyone = self.workers[role]
+        start = self._turn[role]
+        ordered = sorted(candidates, key=lambda w: (everyone.index(w) - start) % len(everyone))  # in turn from start
+        chosen = ordered[0] if self.policy == "round_robin" else min(ordered, key=lambda w: w.outstanding)
+        self._turn[role] = (everyone.index(chosen) + 1) % len(everyone)
+        return chosen
+
+    def first(self, role: str) -> Worker:
+        """The first admitted worker of ``role`` (the first one if none is): for requests any worker can answer."""
+        return next((w for w in self.workers[role] if w.admitted), self.workers[role][0])
+
+    def unavailable(self, role: str) -> str:
+        """Why no worker of ``role`` can be picked: each one and its reason."""
+        return "; ".join(f"{w.url} ejected: {w.reason or 'unhealthy'}" for w in self.workers[role])
+
+    # breaker inputs
+
+    def request_succeeded(self, worker: Worker) -> None:
+        worker.request_failures = 0
+
+    def request_failed(self, worker: Worker, reason: str) -> None:
+        worker.request_failures += 1
+        worker.reason = reason
+        if worker.request_failures >= self.breaker.request_failures:
+            self._eject(worker, f"{worker.request_failures} requests failed in a row, the last: {reason}")
+
+    def health_checked(self, worker: Worker, ok: bool, detail: str = "", draining: bool = False) -> None:
+        now = self.clock()
+        worker.last_health = "ok" if ok else detail or "failed"
+        if ok:
+            worker.health_failures = 0
+            if not worker.admitted and now - worker.ejected_at >= self.breaker.cooldown_s:
+                worker.admitted, worker.request_failures, worker.reason = True, 0, ""
+                log.info("%s worker %s re-admitted", worker.role, worker.url)
+                self._observer("readmitted", worker.role, "health_ok")
+            return
+        worker.health_failures += 1
+        if draining:
+            self._eject(worker, f"draining: {detail}", kind="draining")
+        elif worker.health_failures >= self.breaker.health_failures:
+            self._eject(worker, f"{worker.health_failures} health checks failed in a row, the last: {detail}",
+                        kind="health_check")
+
+    def _eject(self, worker: Worker, reason: str, kind: str = "requests") -> None:
+        worker.reason = reason
+        if not worker.admitted:
+            worker.ejected_at = self.clock()  # still failing: the cool-down starts again
+            return
+        worker.admitted, worker.ejected_at = False, self.clock()
+        log.warning("%s worker %s ejected: %s", worker.role, worker.url, reason)
+        self._observer("ejected", worker.role, kind)
+
+    def all(self) -> list[Worker]:
+        return self.workers["prefill"] + self.workers["decode"]
+
+
+class RetryBudget:
+    """Retries allowed over the last ``window_s``: at most ``ratio`` x the requests that arrived in it, and never
+    fewer than ``min_per_s`` x ``window_s``."""
+
+    def __init__(self, ratio: float = 0.2, min_per_s: float = 3.0, window_s: float = 10.0,
+                 clock: Clock = time.monotonic):
+        if ratio < 0 or min_per_s < 0 or window_s <= 0:
+            raise ValueError("the retry budget's ratio and floor must not be negative, its window positive")
+        self.ratio, self.min_per_s, self.window_s, self.clock = ratio, min_per_s, window_s, clock
+        self._requests: collections.deque[float] = collections.deque()
+        self._retries: collections.deque[float] = collections.deque()
+
+    def _trim(self, now: float) -> None:
+        for times in (self._requests, self._retries):
+            while times and times[0] <= now - self.window_s:
+                times.popleft()
+
+    def request(self) -> None:
+        """A client request arrived."""
+        now = self.clock()
+        self._trim(now)
+        self._requests.append(now)
+
+    def allowed(self) -> float:
+        return max(self.min_per_s * self.window_s, self.ratio * len(self._requests))
+
+    def try_retry(self) -> bool:
+        """Spend one retry if the budget has one left."""
+        now = self.clock()
+        self._trim(now)
+        if len(self._retries) + 1 > self.allowed():
+            return False
+        self._retries.append(now)
+        return True
+
+    def describe(self) -> str:
+        return (f"{len(self._retries)} retries in the last {self.window_s:g} s, allowed {self.allowed():g} "
+                f"(max({self.ratio:g} x {len(self._requests)} requests, {self.min_per_s:g}/s))")
+
+
+@dataclass
+class HealthChecker:
+    """GET ``/health`` on every worker every ``interval_s``; any answer but 200 within ``timeout_s`` is a failure."""
+
+    fleet: Fleet
+    interval_s: float = 5.0
+    timeout_s: float = 5.0
+    headers: dict = field(default_factory=dict)
+
+    async def check(self, client: httpx.AsyncClient, worker: Worker) -> None:
+        try:
+            resp = await client.get(worker.url + "/health", timeout=self.timeout_s, headers=self.headers)
+        except httpx.HTTPError as err:
+            self.fleet.health_checked(worker, False, f"{type(err).__name__}: {err}"[:200] or type(err).__name__)
+            return
+        if resp.status_code == 200:
+            self.fleet.health_checked(worker, True)
+            return
+        try:
+            status = resp.json().get("status")
+        except (ValueError, AttributeError):
+            status = None
+        self.fleet.health_checked(worker, False, f"/health answered {resp.status_code}: {resp.text.strip()[:200]}",
+                                  draining=status == "draining")
+
+    async def run(self, client: httpx.AsyncClient) -> None:
+        while True:
+            await asyncio.gather(*(self.check(client, w) for w in self.fleet.all()))
+            await asyncio.sleep(self.interval_s)

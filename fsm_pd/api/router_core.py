@@ -1,0 +1,407 @@
+"""The built-in router's request path: an attempt (one prefill leg and one decode leg on a pair the fleet picked,
+with a new bootstrap room and the client's rid), retries of a failed attempt before the answer starts (on another
+pair, within the request's tries and the router's retry budget), and the migration of a ``/generate`` stream whose
+decode broke off (``router_migrate.py``). ``router.py`` builds the app and reads the flags; ``fleet.py`` holds the
+health checks, breakers, selection and budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from fsm_pd.api.errors import error_body, error_response
+from fsm_pd.api.fleet import BreakerSettings, Fleet, HealthChecker, RetryBudget, Worker
+from fsm_pd.api.requests import new_rid
+from fsm_pd.api.router_legs import DONE, Leg, both_answered, relay, until
+from fsm_pd.api.router_merge import merge_json, merge_sse, new_room, prefill_input_logprobs, with_bootstrap
+from fsm_pd.api.router_metrics import RouterMetrics
+from fsm_pd.api.router_migrate import Progress, can_migrate, continued_body, max_new_tokens
+from fsm_pd.api.router_routes import RunningRequests
+from fsm_pd.api.runner import wait_disconnect
+
+log = logging.getLogger(__name__)
+
+
+log = logging.getLogger(__name__)
+
+GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+PROBE_TIMEOUT_S = 45.0  # health and info probes; longer than a worker's own /health_generate limit (30 s)
+ABORT_TIMEOUT_S = 2.0  # a retry first aborts the failed attempt's legs, so a node never holds the rid twice
+RETRY_POLICIES = ("retry", "fail")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillWorker:
+    url: str
+    bootstrap_port: int | None  # None: decode uses its own default (SGLang's "null")
+
+
+@dataclass(frozen=True, slots=True)
+class RetrySettings:
+    policy: str = "retry"  # "fail": every failure goes to the client as it came (today's sglang-router-like PD)
+    max_retries: int = 2  # per request: retries before the first token, and migrations of a stream, together
+    budget_ratio: float = 0.2  # router-wide: retries <= this x requests over the window ...
+    budget_min_per_s: float = 3.0  # ... but never fewer than this many per second
+    budget_window_s: float = 10.0
+
+
+DEFAULT_RETRY, DEFAULT_BREAKER = RetrySettings(), BreakerSettings()
+
+
+@dataclass
+class Failure:
+    """An attempt that ended before its answer reached the client."""
+
+    response: Response  # what the client gets if this is the end
+    retryable: bool
+    worker: Worker | None  # the worker to blame (its breaker counts it), if any
+    reason: str  # a metric label: "{side}_unreachable", "{side}_{status}", "request_timeout"
+    decode_after_prefill: bool = False  # the prefill had finished: re-running it is a migration
+
+
+@dataclass
+class Started:
+    """An attempt whose decode answered: its leg, and ``close`` to call once its answer is relayed."""
+
+    prefill: Leg
+    decode: Leg
+    worker: Worker
+    close: Callable[[], Awaitable[None]]
+
+
+def _unreachable(side: str, url: str, err: Exception) -> Response:
+    return error_response(502, f"{side} worker {url} failed: {type(err).__name__}: {err}", code=f"{side}_unreachable")
+
+
+def _message(response: Response) -> str:
+    try:
+        return json.loads(response.body)["error"]["message"]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return f"status {response.status_code}"
+
+
+class PDRouter:
+    def __init__(self, prefill: Sequence[PrefillWorker], decode: Sequence[str], *, policy: str = "least_outstanding",
+                 api_key: str | None = None, request_timeout_s: float = 1800.0, seed: int | None = None,
+                 retry: RetrySettings = DEFAULT_RETRY, breaker: BreakerSettings = DEFAULT_BREAKER,
+                 health_interval_s: float = 5.0, health_timeout_s: float = 5.0, metrics: RouterMetrics | None = None):
+        if retry.policy not in RETRY_POLICIES:
+            raise ValueError(f"retry policy must be one of {RETRY_POLICIES}, got {retry.policy!r}")
+        if retry.max_retries < 0 or health_interval_s <= 0 or health_timeout_s <= 0:
+            raise ValueError("--max-retries must not be negative, health-check interval and timeout positive")
+        self.metrics = metrics or RouterMetrics()
+        self.fleet = Fleet([Worker("prefill", w.url.rstrip("/"), w.bootstrap_port) for w in prefill],
+                           [Worker("decode", u.rstrip("/")) for u in decode], policy=policy, breaker=breaker,
+                           rng=random.Random(seed), observer=self.metrics.fleet_event)
+        self.metrics.watch(self.fleet)
+        self.retry = retry
+        self.budget = RetryBudget(retry.budget_ratio, retry.budget_min_per_s, retry.budget_window_s)
+        self.api_key = api_key
+        self.request_timeout_s = request_timeout_s  # one deadline for the whole request, streams included
+        self.timeout = httpx.Timeout(request_timeout_s, connect=10.0)
+        self._client: httpx.AsyncClient | None = None
+        self.running = RunningRequests()  # which workers hold each rid, for /abort_request
+        auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.health = HealthChecker(self.fleet, health_interval_s, health_timeout_s, auth)
+        self._health_task: asyncio.Task | None = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:  # made on first use, on the serving loop
+            self._client = httpx.AsyncClient(timeout=self.timeout, limits=httpx.Limits(max_connections=None))
+        return self._client
+
+    def ensure_health_checks(self) -> None:
+        """Start the health checks on the serving loop (the servers run without lifespan events), once; again if
+        they died."""
+        if self._health_task is None or self._health_task.done():
+            self._health_task = asyncio.ensure_future(self.health.run(self.client))
+
+    def _headers(self, request: Request) -> dict:
+        headers = {}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        if request_id := request.headers.get("x-request-id"):
+            headers["X-Request-ID"] = request_id
+        return headers
+
+    async def dispatch(self, path: str, body: dict, request: Request) -> Response:
+        """Run the request; a client that disconnects before the answer starts cancels its legs."""
+        self.ensure_health_checks()
+        work = asyncio.ensure_future(self._serve(path, body, request))
+        gone = asyncio.ensure_future(wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                return work.result()
+            work.cancel()
+            with contextlib.suppress(BaseException):
+                await work
+            return Response(status_code=499)
+        finally:
+            gone.cancel()
+
+    async def _serve(self, path: str, body: dict, request: Request) -> Response:
+        if body.get("rid") is None:  # one rid on every leg of every attempt (meta_info.id shows it)
+            body = {**body, "rid": new_rid()}
+        headers = self._headers(request)
+        deadline = asyncio.get_running_loop().time() + self.request_timeout_s
+        self.budget.request()
+        tries = Tries(self.retry.max_retries)
+        started = await self._until_started(path, body, headers, deadline, tries)
+        if isinstance(started, Response):
+            return started
+        merge = path == "/generate" and bool(body.get("return_logprob"))
+        p_logprobs = prefill_input_logprobs(started.prefill.body) if merge else None
+        d_resp = started.decode.response
+        media_type = d_resp.headers.get("content-type", "application/json")
+        if started.decode.body is not None:
+            await started.close()
+            return Response(merge_json(started.decode.body, p_logprobs), status_code=d_resp.status_code,
+                            media_type=media_type)
+        if can_migrate(path, body):
+            stream = self._migrating(path, body, headers, deadline, tries, started)
+        else:
+            source = merge_sse(until(d_resp.aiter_lines(), deadline), p_logprobs) if merge else d_resp.aiter_raw()
+            stream = self._closing(relay(source, d_resp, started.worker.url, deadline, self.request_timeout_s),
+                                   started)
+        return StreamingResponse(stream, status_code=d_resp.status_code, media_type=media_type)
+
+    async def _closing(self, stream: AsyncIterator[bytes], started: Started) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            await started.close()
+
+    async def _until_started(self, path: str, body: dict, headers: dict, deadline: float,
+                             tries: Tries) -> Started | Response:
+        """Attempts until one's decode answers, within the retry policy, the request's tries and the router's
+        budget. Every attempt is a new bootstrap room with the client's rid."""
+        avoid: list[Worker] = []
+        while True:
+            prefill, decode = self.fleet.pick("prefill", avoid), self.fleet.pick("decode", avoid)
+            if prefill is None or decode is None:
+                role = "prefill" if prefill is None else "decode"
+                self.metrics.gave_up.labels(f"no_{role}").inc()
+                last = f"; the last attempt: {tries.last}" if tries.last else ""
+                return error_response(503, f"no healthy {role} worker ({self.fleet.unavailable(role)}){last}",
+                                      code=f"no_healthy_{role}")
+            outcome = await self._attempt(path, body, prefill, decode, headers, deadline)
+            if isinstance(outcome, Started):
+                return outcome
+            refused = self._may_retry(outcome, tries)
+            if refused is not None:
+                return refused
+            await self._abort(body["rid"], (prefill.url, decode.url))
+            avoid = [outcome.worker] if outcome.worker is not None else []
+
+    def _may_retry(self, failure: Failure, tries: Tries, migration: bool = False) -> Response | None:
+        """None when ``failure`` is to be tried again (counted); else the client's answer."""
+        tries.last = _message(failure.response)
+        if not failure.retryable or self.retry.policy == "fail":
+            return failure.response
+        if tries.left <= 0:
+            self.metrics.gave_up.labels("retries_exhausted").inc()
+            return error_response(503, f"gave up after {tries.used + 1} attempts; the last: {tries.last}",
+                                  code="retries_exhausted")
+        if not self.budget.try_retry():
+            self.metrics.gave_up.labels("retry_budget").inc()
+            return error_response(503, f"not retried: the router's retry budget is spent ({self.budget.describe()});"
+                                       f" the failure: {tries.last}", code="retry_budget_exhausted")
+        tries.used += 1
+        kind = "migration" if migration or failure.decode_after_prefill else "retry"
+        (self.metrics.migrations if kind == "migration" else self.metrics.retries).labels(failure.reason).inc()
+        log.info("%s (attempt %d): %s", kind, tries.used + 1, tries.last)
+        return None
+
+    async def _attempt(self, path: str, body: dict, prefill: Worker, decode: Worker, headers: dict,
+                       deadline: float) -> Started | Failure:
+        rid = body["rid"]
+        pair = (prefill.url, decode.url)
+        release = self.running.add(rid, pair) if isinstance(rid, str) else lambda: None
+        sent = with_bootstrap(body, prefill.url, prefill.bootstrap_port, new_room())
+        prefill.outstanding += 1
+        decode.outstanding += 1
+        p_leg = Leg("prefill", prefill.url, self.client, prefill.url + path, sent, headers, whole=True)
+        d_leg = Leg("decode", decode.url, self.client, decode.url + path, sent, headers, whole=False)
+        closed = False
+
+        async def close() -> None:
+            nonlocal closed
+            if not closed:
+                closed = True
+                decode.outstanding -= 1
+                await d_leg.close()
+                release()
+
+        try:
+            failed = await both_answered(p_leg, d_leg, deadline, self.request_timeout_s)
+        except BaseException:
+            await close()
+            raise
+        finally:
+            prefill.outstanding -= 1
+            await p_leg.close()
+        if failed is None:
+            self.fleet.request_succeeded(prefill)
+            if d_leg.body is not None:
+                self.fleet.request_succeeded(decode)
+            return Started(p_leg, d_leg, decode, close)
+        await close()
+        leg, response = failed
+        return self._classify(leg, response, prefill, decode, p_leg)
+
+    def _classify(self, leg: Leg | None, response: Response, prefill: Worker, decode: Worker,
+                  p_leg: Leg) -> Failure:
+        if leg is None:  # the request's own deadline: nothing left to retry with
+            return Failure(response, False, None, "request_timeout")
+        worker = prefill if leg.side == "prefill" else decode
+        after = leg.side == "decode" and p_leg.task.done() and not p_leg.task.cancelled() and p_leg.failure() is None
+        if leg.unreachable():
+            reason = f"{leg.side}_unreachable"
+            self.fleet.request_failed(worker, _message(response))
+            return Failure(response, True, worker, reason, after)
+        status = response.status_code
+        if status == 409:  # a room this node had before: a new room is the cure, the node is fine
+            return Failure(response, True, None, f"{leg.side}_409", after)
+        if status >= 500:
+            self.fleet.request_failed(worker, _message(response))
+            return Failure(response, True, worker, f"{leg.side}_{status}", after)
+        return Failure(response, False, None, f"{leg.side}_{status}")
+
+    async def _abort(self, rid, pair: tuple[str, str]) -> None:
+        """Abort the rid on both workers of a failed attempt before the next one: closing a leg aborts it too,
+        but only once the worker notices the disconnect, and a node refuses a rid it still holds."""
+        if not isinstance(rid, str):
+            return
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+
+        async def one(url: str) -> None:
+            with contextlib.suppress(httpx.HTTPError):
+                await self.client.post(url + "/abort_request", json={"rid": rid}, headers=headers,
+                                       timeout=ABORT_TIMEOUT_S)
+
+        await asyncio.gather(*(one(url) for url in dict.fromkeys(pair)))
+
+    async def _prompt_ids(self, body: dict, headers: dict) -> list[int] | None:
+        if isinstance(body.get("input_ids"), list):
+            return list(body["input_ids"])
+        prefill = self.fleet.pick("prefill")
+        if prefill is None:
+            return None
+        try:
+            resp = await self.client.post(prefill.url + "/tokenize", json={"prompt": body["text"]}, headers=headers,
+                                          timeout=PROBE_TIMEOUT_S)
+            return list(resp.json()["tokens"]) if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+
+    async def _migrating(self, path: str, body: dict, headers: dict, deadline: float, tries: Tries,
+                         started: Started) -> AsyncIterator[bytes]:
+        """Relay a ``/generate`` stream; if its decode breaks off, continue it on another pair (``router_migrate``)."""
+        progress, prompt_ids = Progress(), None
+        try:
+            while True:
+                worker, response = started.worker, started.decode.response
+                try:
+                    async for line in until(response.aiter_lines(), deadline):
+                        if line.strip() == "data: [DONE]":
+                            self.fleet.request_succeeded(worker)
+                            yield DONE
+                            return
+                        yield (progress.splice(line) + "\n").encode()
+                    problem = f"decode worker {worker.url} ended its stream without [DONE]"
+                except TimeoutError:
+                    yield _error_event(504, f"the stream did not finish within the request deadline of "
+                                            f"{self.request_timeout_s:g} s")
+                    return
+                except httpx.HTTPError as err:
+                    problem = f"decode worker {worker.url} broke off its stream: {type(err).__name__}: {err}"
+                await started.close()
+                self.fleet.request_failed(worker, problem)
+                if progress.finished:  # the last token and its finish reason went out; only [DONE] is missing
+                    yield DONE
+                    return
+                progress.cut()
+                left = max_new_tokens(body) - len(progress.ids)
+                failure = Failure(error_response(502, problem, code="decode_stream_broken"), not progress.finished
+                                  and left > 0, worker, "decode_stream_broken")
+                refused = self._may_retry(failure, tries, migration=True)
+                if refused is None and prompt_ids is None:
+                    prompt_ids = await self._prompt_ids(body, headers)
+                    if prompt_ids is None:
+                        refused = failure.response
+                if refused is not None:
+                    log.warning("stream of %s not migrated: %s", body.get("rid"), _message(refused))
+                    yield _error_event(refused.status_code, _message(refused))
+                    return
+                next_body = continued_body(body, prompt_ids, progress.ids)
+                again = await self._until_started(path, next_body, headers, deadline, tries)
+                if isinstance(again, Response):
+                    yield _error_event(again.status_code, _message(again))
+                    return
+                started = again
+                if started.decode.body is not None:  # answered whole (an error the node sent as JSON)
+                    yield (progress.splice("data: " + started.decode.body.decode(errors="replace")) + "\n\n").encode()
+                    yield DONE
+                    return
+        finally:
+            await started.close()
+
+    async def get_first_prefill(self, path: str) -> Response:
+        url = self.fleet.first("prefill").url + path
+        try:
+            resp = await self.client.get(url, headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key
+                                         else None, timeout=PROBE_TIMEOUT_S)
+        except httpx.HTTPError as err:
+            return _unreachable("prefill", url, err)
+        return Response(resp.content, status_code=resp.status_code,
+                        media_type=resp.headers.get("content-type", "application/json"))
+
+    async def health_generate(self) -> Response:
+        """One pair's ``/health_generate``, both at once; 200 only if both are."""
+        prefill, decode = self.fleet.pick("prefill"), self.fleet.pick("decode")
+        if prefill is None or decode is None:
+            return JSONResponse({"healthy": False, "workers": {}}, status_code=503)
+        urls = [prefill.url + "/health_generate", decode.url + "/health_generate"]
+
+        async def probe(url: str) -> int | str:
+            try:
+                return (await self.client.get(url, timeout=PROBE_TIMEOUT_S)).status_code
+            except httpx.HTTPError as err:
+                return f"{type(err).__name__}: {err}"
+
+        results = await asyncio.gather(*(probe(u) for u in urls))
+        healthy = all(isinstance(r, int) and r < 300 for r in results)
+        return JSONResponse({"healthy": healthy, "workers": dict(zip(urls, results, strict=True))},
+                            status_code=200 if healthy else 503)
+
+
+@dataclass
+class Tries:
+    """One request's retries and migrations, together."""
+
+    max_retries: int
+    used: int = 0
+    last: str = ""
+
+    @property
+    def left(self) -> int:
+        return self.max_retries - self.used
+
+
+def _error_event(status: int, message: str) -> bytes:
+    return b"data: " + json.dumps(error_body(status, message), separators=(",", ":")).encode() + b"\n\n" + DONE
+
+
