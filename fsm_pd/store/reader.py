@@ -85,8 +85,7 @@ def open_room_rows(conn: Connection, node: str, role: str) -> list[JournalRow]:
     Two index reads: the open rooms from ``rooms`` (``closed_at IS NULL``), then each one's rows.
     """
     r = rooms.c
-    ids = conn.execute(select(r.room).where(r.closed_at.is_(None), r.node == node, r.role == role)
-                       .order_by(r.room)).scalars().all()
+    ids = conn.execute(select(r.room).where(r.closed_at.is_(None), r.node == node, r.role == role)).scalars().all()
     out: list[JournalRow] = []
     for i in range(0, len(ids), CHUNK):
         chunk = ids[i:i + CHUNK]
