@@ -171,7 +171,8 @@ def add_retention_flags(parser: argparse.ArgumentParser) -> None:
                         help="above N rows in the live journal the oldest finished rooms are archived whatever "
                              f"their age; 0 for no cap (default {DEFAULT_MAX_ROWS:,}, about 600 MB)")
     parser.add_argument("--journal-archive-dir", default=None, metavar="DIR",
-                        help="where archives go (default: beside the journal file; required for a journal URL)")
+                        help="where archives go (default: beside the journal file; a journal URL without it is "
+                             "not archived)")
 
 
 def attach_from_args(journal: Journal, args: argparse.Namespace) -> Retention | None:
@@ -180,6 +181,11 @@ def attach_from_args(journal: Journal, args: argparse.Namespace) -> Retention | 
     if keep is None and max_rows is None:
         return None
     archive_dir = Path(os.path.expanduser(args.journal_archive_dir)) if args.journal_archive_dir else None
+    if archive_dir is None and journal.engine.dialect.name != "sqlite":
+        # a database server's journal is usually a fleet's: every node would archive every node's rooms
+        log.warning("journal %s: retention is off (a database journal archives only with --journal-archive-dir; "
+                    "a fleet's shared journal is best kept in size by the database itself)", journal.name)
+        return None
     policy = Retention(keep_s=keep, max_rows=max_rows, archive_dir=archive_dir)
     policy.attach(journal)
     return policy
