@@ -60,12 +60,15 @@ class NodeMetrics:
         self.phases = PhaseClock()
         self._node = node
         self._labels = labels
-        # every series exists from the first scrape (at 0), so rates and dashboards work before the first failure
-        for phase in PHASE_NAMES:
-            self.phase_seconds.labels(phase=phase, **labels)
-        self.ended.labels(outcome="success", reason="none", **labels)
-        for name in REASON_CLASSES:
-            self.ended.labels(outcome="failed", reason=name, **labels)
+        # The observer runs on the node loop for every event: labelled children are looked up once and kept (a
+        # ``labels()`` call costs more than the rest of the observer). Every phase and outcome series exists from
+        # the first scrape (at 0), so rates and dashboards work before the first failure.
+        self._phase = {phase: self.phase_seconds.labels(role, node.node_id, phase) for phase in PHASE_NAMES}
+        self._success = self.ended.labels(role, node.node_id, "success", "none")
+        self._failed = {name: self.ended.labels(role, node.node_id, "failed", name) for name in REASON_CLASSES}
+        self._transfer_seconds = self.transfer_seconds.labels(role, node.node_id)
+        self._transfer_bytes = self.transfer_bytes.labels(role, node.node_id)
+        self._children: dict[tuple, object] = {}  # (metric, label values...) -> child, for the open label sets
         for state in STATE_NAMES:  # counted at scrape time from the journaled states, so cleared rooms drop out
             self.rooms.labels(state=state, **labels).set_function(
                 lambda s=state: sum(1 for v in list(node.states.values()) if v == s))
@@ -76,29 +79,35 @@ class NodeMetrics:
         """Export ``source()`` (an engine's ``leak_counters``) as gauges, read once per scrape."""
         self.registry.register(_LeakCollector(source, self._labels))
 
+    def _child(self, metric, *values: str):
+        key = (metric, *values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(self.role, self._node.node_id, *values)
+        return found
+
     def observe(self, room, decision, at: float) -> None:
-        labels = self._labels
         seconds = self.phases.observe(room, decision, at)
         if decision.ignored is not None:
-            self.ignored.labels(trigger=decision.trigger, **labels).inc()
+            self._child(self.ignored, decision.trigger).inc()
             return
-        self.transitions.labels(trigger=decision.trigger, dst=decision.dst, **labels).inc()
+        self._child(self.transitions, decision.trigger, decision.dst).inc()
         if decision.trigger == TRANSFER_START[self.role]:
             self._started[room.room] = at
         if decision.trigger == "pulled":
-            self.transfer_bytes.labels(**labels).observe(float(room.ctx.get("bytes", 0)))
+            self._transfer_bytes.observe(float(room.ctx.get("bytes", 0)))
         if decision.dst in ("Success", "Failed") and decision.src != decision.dst:
             started = self._started.pop(room.room, None)
             if decision.dst == "Success":
                 if started is not None:
-                    self.transfer_seconds.labels(**labels).observe(max(0.0, at - started))
+                    self._transfer_seconds.observe(max(0.0, at - started))
                 for phase, value in (seconds or {}).items():
-                    self.phase_seconds.labels(phase=phase, **labels).observe(value)
-                self.ended.labels(outcome="success", reason="none", **labels).inc()
+                    self._phase[phase].observe(value)
+                self._success.inc()
             if decision.dst == "Failed":
-                self.failures.labels(reason=_reason_label(decision.reason), **labels).inc()
+                self._child(self.failures, _reason_label(decision.reason)).inc()
                 cls = reason_class(decision.trigger, decision.reason)
-                self.ended.labels(outcome="failed", reason=cls, **labels).inc()
+                self._failed[cls].inc()
                 log_failed_room(self._node, room, decision, cls)
 
 
