@@ -147,7 +147,7 @@ class Journal:
         """Whether ``node`` ever journaled ``room`` in ``role``, counting rows buffered but not yet flushed.
 
         Callable from any thread: it reads through its own pooled connection (WAL lets it run beside the writer),
-        and the unique (node, role, room, version) index answers it without a scan.
+        and the unique (room, role, node, version) index answers it without a scan.
         """
         node_col, role_col, room_col = 0, 1, 2
         for row in self._pending:  # the writer swaps the list on flush; iterating the old one is safe
