@@ -1,12 +1,12 @@
 """The router's view of its workers: which are healthy, how busy each is, and whether a failed request may be tried
-again. No I/O and no asyncio here except ``health_loop``: everything else takes a ``clock`` (seconds, monotonic), so
+again. No I/O and no asyncio here except ``HealthChecker``: everything else takes a ``clock`` (seconds, monotonic), so
 the breaker, the picker and the retry budget are unit-tested with a fake one.
 
 * **Circuit breaker, per worker.** A worker is *ejected* (no new requests) after ``health_failures`` consecutive
   failed health checks, or ``request_failures`` consecutive failed requests (counted apart: a node that answers
   ``/health`` but fails every transfer is ejected too), and at once when its ``/health`` says
-  ``{"status": "draining"}``. It is *re-admitted* by the first successful health check once ``cooldown_s`` has
-  passed since its ejection.
+  ``{"status": "draining"}``. Failed requests never eject the last admitted worker of a role (its health checks
+  can). It is *re-admitted* by the first successful health check once ``cooldown_s`` has passed since its ejection.
 * **Selection.** ``least_outstanding`` (default): the admitted worker with the fewest requests this router has in
   flight there, ties broken in turn so an idle fleet is used evenly; ``round_robin`` and ``random`` as before, over
   the admitted workers. A caller may ask to avoid some workers (the ones that just failed a request): they are used
@@ -118,8 +118,14 @@ class Fleet:
     def request_failed(self, worker: Worker, reason: str) -> None:
         worker.request_failures += 1
         worker.reason = reason
-        if worker.request_failures >= self.breaker.request_failures:
+        if worker.request_failures >= self.breaker.request_failures and self._others_admitted(worker):
             self._eject(worker, f"{worker.request_failures} requests failed in a row, the last: {reason}")
+
+    def _others_admitted(self, worker: Worker) -> bool:
+        """Failed requests never eject the last admitted worker of a role (its health checks still can): when one
+        node's failure makes the survivors' requests fail for a while (they take its load, and compile new batch
+        shapes), ejecting them too would turn a partial outage into a total one."""
+        return any(w.admitted and w is not worker for w in self.workers[worker.role])
 
     def health_checked(self, worker: Worker, ok: bool, detail: str = "", draining: bool = False) -> None:
         now = self.clock()
@@ -155,7 +161,7 @@ class RetryBudget:
     """Retries allowed over the last ``window_s``: at most ``ratio`` x the requests that arrived in it, and never
     fewer than ``min_per_s`` x ``window_s``."""
 
-    def __init__(self, ratio: float = 0.2, min_per_s: float = 3.0, window_s: float = 10.0,
+    def __init__(self, ratio: float = 0.2, min_per_s: float = 10.0, window_s: float = 10.0,
                  clock: Clock = time.monotonic):
         if ratio < 0 or min_per_s < 0 or window_s <= 0:
             raise ValueError("the retry budget's ratio and floor must not be negative, its window positive")

@@ -164,8 +164,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                        help="retries and migrations per request (default 2)")
     fleet.add_argument("--retry-budget-ratio", type=float, default=0.2,
                        help="router-wide: retries over the window at most this x requests (default 0.2) ...")
-    fleet.add_argument("--retry-budget-min-per-sec", type=float, default=3.0,
-                       help="... but always this many per second (default 3)")
+    fleet.add_argument("--retry-budget-min-per-sec", type=float, default=10.0,
+                       help="... but always this many per second (default 10)")
     fleet.add_argument("--retry-budget-window-secs", type=float, default=10.0, help="the budget's window (default 10)")
     parser.add_argument("--api-key", default=os.environ.get("FSM_PD_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $FSM_PD_API_KEY, else none)")

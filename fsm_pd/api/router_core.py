@@ -51,7 +51,7 @@ class RetrySettings:
     policy: str = "retry"  # "fail": every failure goes to the client as it came (today's sglang-router-like PD)
     max_retries: int = 2  # per request: retries before the first token, and migrations of a stream, together
     budget_ratio: float = 0.2  # router-wide: retries <= this x requests over the window ...
-    budget_min_per_s: float = 3.0  # ... but never fewer than this many per second
+    budget_min_per_s: float = 10.0  # ... but never fewer than this many per second (Linkerd's default)
     budget_window_s: float = 10.0
 
 

@@ -96,10 +96,13 @@ def test_draining_ejects_at_once():
     assert events == [("ejected", "prefill", "draining")]
 
 
-def test_every_worker_ejected_means_none_to_pick_and_says_why():
-    f, _, _ = fleet(request_failures=1)
-    for w in f.workers["prefill"]:
-        f.request_failed(w, "ConnectError")
+def test_failed_requests_never_eject_the_last_admitted_worker_but_health_checks_do():
+    f, _, _ = fleet(request_failures=1, health_failures=1)
+    p0, p1 = f.workers["prefill"]
+    f.request_failed(p0, "ConnectError")
+    f.request_failed(p1, "bootstrap timeout")  # the survivor, overloaded for a while
+    assert not p0.admitted and p1.admitted
+    f.health_checked(p1, False, "ConnectError")
     assert f.pick("prefill") is None
     assert f.unavailable("prefill").count("ConnectError") == 2
     assert f.pick("decode") is not None
