@@ -2,7 +2,9 @@
 router. SIGTERM or ``POST /drain`` makes a node refuse new requests (503, ``/health`` 503 draining), finish the open
 ones within ``--drain-timeout-secs`` (aborting the rest with a 503 that names the drain), deregister from the
 bootstrap server, close its journal and exit 0; a second SIGTERM exits at once. The decode node is restarted at
-the same port and journal between the tests."""
+the same port and journal between the tests. First, on the same processes, ``--on-transfer-failure recompute``
+(the default) end to end: with every pull failing (fault injection, held off by a pause file until then), the
+router's answer is the undisturbed one."""
 
 from __future__ import annotations
 
@@ -26,11 +28,14 @@ TOKENS = 200
 def fleet(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("drain")
     c = Cluster(tmp)
+    pause = tmp / "faults-paused"
+    pause.touch()
+    c.env.update({"FSM_PD_FAULT_PULL": "1", "FSM_PD_FAULT_PAUSE_FILE": str(pause)})  # pull: the decode's stage
     try:
         p, boot, d = c.pd("tcp")
         router = c.router(p, boot, d)
         assert stream(router, "warm up", 4)[0] == "ok"
-        yield c, p, d, router
+        yield c, p, d, router, pause
     finally:
         c.stop()
 
@@ -70,9 +75,37 @@ def stream(url: str, prompt: str, tokens: int, *, first=None) -> tuple[str, int,
     return "error", got, "no finish reason"
 
 
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} in {url}/metrics")
+
+
+def test_a_failed_transfer_is_recomputed_on_decode_through_the_router(fleet):
+    c, p, d, router, pause = fleet
+    body = {"text": "recompute me, please", "sampling_params": {"max_new_tokens": 12, "temperature": 0,
+                                                                "ignore_eos": True}}
+    normal = httpx.post(router + "/generate", json=body, timeout=60).json()
+    assert "kv_recompute" not in normal["meta_info"]
+    pause.unlink()  # every pull of the decode node fails from now on
+    try:
+        answers = [httpx.post(router + "/generate", json=body, timeout=60) for _ in range(2)]
+    finally:
+        pause.touch()
+    for answer in answers:
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["output_ids"] == normal["output_ids"] and answer.json()["text"] == normal["text"]
+        recompute = answer.json()["meta_info"]["kv_recompute"]
+        assert "injected fault: pull failed" in recompute["reason"] and recompute["seconds"] >= 0
+    assert metric(d, "fsm_pd_transfer_recomputes_total") == 2
+
+
 def test_sigterm_drains_a_decode_node_under_load(fleet):
-    c, p, d, router = fleet
+    c, p, d, router, _ = fleet
     proc = proc_of(c, d)
+    journal = c.tmp / f"decode-{d.rsplit(':', 1)[1]}.db"
+    earlier = {row.room for row in read_journal(journal)}
     started = []
     with ThreadPoolExecutor(8) as pool:
         runs = [pool.submit(stream, router, f"drain me {i}", TOKENS, first=lambda: started.append(1))
@@ -100,16 +133,13 @@ def test_sigterm_drains_a_decode_node_under_load(fleet):
     for step in ("drain (sigterm): refusing new requests", "every request answered", "stopping the HTTP server",
                  "closing the engine and its journal", "stopped cleanly"):
         assert step in text, step
-    # every room of the drained node ended in Success: nothing was cut short
-    journal = next(c.tmp.glob(f"decode-{d.rsplit(':', 1)[1]}.db"))
-    finals = {}
-    for row in read_journal(journal):
-        finals[row.room] = row.dst
+    # every room of the drain's requests ended in Success: nothing was cut short
+    finals = {row.room: row.dst for row in read_journal(journal) if row.room not in earlier}
     assert finals and set(finals.values()) == {"Success"}
 
 
 def test_drain_bound_aborts_what_is_left_and_post_drain(fleet):
-    c, p, d, router = fleet
+    c, p, d, router, _ = fleet
     old = next(pr for pr in c.procs if d.rsplit(":", 1)[1] in pr.args)
     proc = restart(c, old, d, "--drain-timeout-secs", "1")
     result = []
@@ -128,7 +158,7 @@ def test_drain_bound_aborts_what_is_left_and_post_drain(fleet):
 
 
 def test_prefill_deregisters_and_a_second_sigterm_exits_at_once(fleet):
-    c, p, d, router = fleet
+    c, p, d, router, _ = fleet
     old = next(pr for pr in c.procs if d.rsplit(":", 1)[1] in pr.args)
     dproc = restart(c, old, d, "--drain-timeout-secs", "60")
     pproc = proc_of(c, p)
