@@ -44,11 +44,15 @@ class Cluster:
         self.env = {**os.environ, **secret_env(generate_secret()), "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
 
     def start(self, name: str, argv: list[str], url: str) -> str:
+        wait_health(url, self.launch(name, argv))
+        return url
+
+    def launch(self, name: str, argv: list[str]) -> subprocess.Popen:
+        """Start ``argv`` without waiting for it (several processes start faster side by side)."""
         log = open(self.tmp / f"{name}.log", "w")  # noqa: SIM115 - the child writes to it
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, stdin=subprocess.DEVNULL)
         self.procs.append(proc)
-        wait_health(url, proc)
-        return url
+        return proc
 
     def serve(self, role: str, *extra: str) -> str:
         port = free_port()

@@ -2,32 +2,28 @@
 ``::1``, so everything a peer is told must name ``[::1]`` (a peer told ``[::]`` would only reach it by luck) and every
 connection crosses IPv6 loopback. Skipped where this machine has no ``::1``.
 
-The transfer backends (P in a subprocess, as in ``test_transfer_backends.py``), the side channel, and a real prefill
-and decode engine pair in this process (the production ``KVManager``, bootstrap registration and tcp transfers),
-equal to colocated.
+The transfer backends (P in a subprocess, as in ``test_transfer_backends.py``), the side channel, and ``fsm-pd serve``
+prefill and decode processes behind the built-in router and sglang-router, equal to a colocated node.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
+import importlib.util
 import socket
+import sys
 import time
 
+import httpx
 import pytest
+from processes import PAGE_SIZE, Cluster, free_port, wait_health
 from test_transfer_backends import Producer, assert_bytes_equal, make_arrays, specs
 
 from fsm_pd.bootstrap import resolve_prefill
-from fsm_pd.engine.loader import load_model
-from fsm_pd.engine.sampling import SamplingParams
-from fsm_pd.serving.collect import generate
-from fsm_pd.serving.colocated_engine import ColocatedEngine
-from fsm_pd.serving.decode_engine import DecodeEngine
-from fsm_pd.serving.prefill_engine import PrefillEngine
-from fsm_pd.serving.types import Bootstrap, GenerateRequest
 from fsm_pd.transport import SideChannel, generate_secret
 from fsm_pd.transport.backends import create_backend
 from fsm_pd.transport.messages import Heartbeat
+
+PROMPTS = ["Hi", "over IPv6 " * 4, "x" * 40]
 
 
 def _has_ipv6_loopback() -> bool:
@@ -72,32 +68,43 @@ def test_a_side_channel_bound_to_the_ipv6_wildcard_is_answered_at_its_advertised
         assert pongs and pongs[0].sender == "v4"
 
 
-async def through_pd(p, d, req):
-    """What a router does: the request to both nodes at once; the answer is the decode node's."""
-    return await asyncio.gather(generate(p, req), generate(d, req))
-
-
-def test_a_pd_pair_bound_to_the_ipv6_wildcard_answers_as_colocated(tmp_path):
-    model = load_model("tiny")
-    sizes = {"num_pages": 64, "page_size": 4}
-    p = PrefillEngine(model, backend="tcp", host="::", advertise_host="::1", journal=str(tmp_path / "p.db"), **sizes)
-    d = DecodeEngine(model, backend="tcp", host="::", advertise_host="::1", secret=p.secret,
-                     journal=str(tmp_path / "d.db"), **sizes)
-    colocated = ColocatedEngine(model, **sizes)
+def test_a_pd_pair_on_ipv6_loopback_answers_as_colocated_behind_both_routers(tmp_path):
+    """``fsm-pd serve`` processes: the prefill binds ``::`` and advertises ``::1``, the decode binds ``::1``; the
+    routers are given bracketed worker URLs."""
+    cluster = Cluster(tmp_path)
     try:
-        host, port = p.bootstrap_host_port
-        assert host == "::1"
-        found = resolve_prefill(Bootstrap(host, port, 0).addr, retries=0)
+        serve = [sys.executable, "-m", "fsm_pd.cli", "serve", "--page-size", str(PAGE_SIZE)]
+        ports = {name: free_port() for name in ("prefill", "bootstrap", "decode", "colocated", "router", "sglang")}
+        base = {name: f"http://[::1]:{port}" for name, port in ports.items()}
+        nodes = {  # started together, then waited for: three JAX processes start faster side by side
+            "prefill": ["--role", "prefill", "--host", "::", "--advertise-host", "::1", "--bootstrap-port",
+                        str(ports["bootstrap"]), "--journal", str(tmp_path / "p.db")],
+            "decode": ["--role", "decode", "--host", "::1", "--journal", str(tmp_path / "d.db")],
+            "colocated": ["--role", "colocated", "--host", "::1"]}
+        procs = {n: cluster.launch(n, [*serve, *args, "--port", str(ports[n])]) for n, args in nodes.items()}
+        for name, proc in procs.items():
+            wait_health(base[name], proc)
+        found = resolve_prefill(base["bootstrap"], retries=0)
         assert found["rank_ip"] == "::1", found  # bare in the registration, as SGLang's rank_ip
         assert found["side_channel"].startswith("tcp://[::1]:") and found["transfer_addr"].startswith("tcp://[::1]:")
-        assert d.manager.side_channel.address.startswith("tcp://[::1]:")  # PREPARE's reply_to
-        for room, ids in enumerate([[5, 9, 2], list(range(1, 30))]):
-            req = GenerateRequest(f"r{room}", ids, SamplingParams(temperature=0.0, max_new_tokens=8), seed=0)
-            want = [o.token_id for o in asyncio.run(generate(colocated, req))]
-            pd_req = dataclasses.replace(req, bootstrap=Bootstrap(f"[{host}]", port, 100 + room))
-            _, got = asyncio.run(asyncio.wait_for(through_pd(p, d, pd_req), 120))
-            assert [o.token_id for o in got] == want
+        workers = ["--prefill", base["prefill"], str(ports["bootstrap"]), "--decode", base["decode"]]
+        routers = [cluster.start("router", [*serve[:4], "--role", "router", "--host", "::1", "--port",
+                                            str(ports["router"]), *workers], base["router"])]
+        if importlib.util.find_spec("sglang_router") is not None:  # it binds an IPv6 --host only in brackets
+            routers.append(cluster.start("sglang", [
+                sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", *workers, "--host",
+                "[::1]", "--port", str(ports["sglang"]), "--prometheus-host", "127.0.0.1", "--prometheus-port",
+                str(free_port()), "--policy", "random"], base["sglang"]))
+        want = [greedy(base["colocated"], prompt) for prompt in PROMPTS]
+        assert len(set(map(tuple, want))) == len(PROMPTS)
+        for router in routers:
+            assert [greedy(router, prompt) for prompt in PROMPTS] == want, router
     finally:
-        colocated.close()
-        d.close()
-        p.close()
+        cluster.stop()
+
+
+def greedy(base: str, prompt: str) -> list[int]:
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+    answer = httpx.post(base + "/generate", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["output_ids"]
