@@ -4,7 +4,9 @@ counters in each node's ``/metrics``, the failed-room log line and its replay co
 PromQL checked against what the nodes really export.
 
 A failed transfer is made with the decode node's fault injection (``FSM_PD_FAULT_PULL=1``), held off by a pause file
-until the successful requests are counted. One cluster for the module; processes stopped by PID; 127.0.0.1 only.
+until the successful requests are counted. Where the ``prometheus`` binary is installed (Debian: ``apt-get install
+prometheus``), a real Prometheus scrapes the two nodes and runs every dashboard query. One cluster for the module;
+processes stopped by PID; 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -176,3 +179,47 @@ def dashboard_selectors(dashboard: dict) -> list[tuple[str, set[str]]]:
         for metric, braces in SELECTOR.findall(expr):
             found.append((metric, {m[0] for m in MATCHER.findall(braces or "")}))
     return found
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs prometheus (apt-get install prometheus)")
+def test_a_real_prometheus_runs_every_dashboard_query(cluster, tmp_path):
+    """After the test above: Prometheus scrapes both nodes and answers each panel's PromQL with series."""
+    _, urls, _ = cluster
+    port = free_port()
+    targets = [urls[role].split("//", 1)[1] for role in ("prefill", "decode")]
+    config = tmp_path / "prometheus.yml"  # JSON is YAML
+    scrape = {"job_name": "fsm-pd", "static_configs": [{"targets": targets}]}
+    config.write_text(json.dumps({"global": {"scrape_interval": "1s"}, "scrape_configs": [scrape]}))
+    api = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "prometheus.log", "w") as log:
+        proc = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                                 f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        def query(expr: str) -> list:
+            r = httpx.get(api + "/api/v1/query", params={"query": expr}, timeout=10)
+            assert r.status_code == 200 and r.json()["status"] == "success", (expr, r.text)
+            return r.json()["data"]["result"]
+
+        deadline = time.time() + 60
+        while time.time() < deadline:  # ready, both targets up, with enough scrapes for a rate over 10 s
+            try:
+                ready = httpx.get(api + "/-/ready", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                ready = False
+            if ready and len(query("count_over_time(up[10s]) >= 3")) == 2:
+                break
+            assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()
+            time.sleep(0.5)
+        else:
+            raise AssertionError("prometheus did not scrape both nodes three times")
+        exprs = [t["expr"] for panel in json.loads(DASHBOARD.read_text())["panels"] for t in panel.get("targets", [])]
+        empty = []
+        for expr in exprs:
+            concrete = expr.replace("$__rate_interval", "10s").replace("$node", ".*").replace("$instance", ".*")
+            if not query(concrete):
+                empty.append(expr)
+        # only the error panel may be empty: no request was answered with an error status
+        assert all('status!~"2.."' in expr for expr in empty), empty
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
