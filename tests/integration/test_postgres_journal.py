@@ -26,6 +26,8 @@ from polling import until
 from postgres_server import PostgresServer, find_bin_dir
 from processes import PAGE_SIZE, Cluster, free_port
 
+from fsm_pd.effects import Node, RecordingInterpreter, VirtualClock
+from fsm_pd.machines import SENDER
 from fsm_pd.store import Journal, JournalError, VersionConflict, read_journal, replay
 
 if find_bin_dir() is None:
@@ -102,6 +104,30 @@ def test_two_writers_one_database_replay_as_from_the_files(db, pg, tmp_path):
     out = fsm_pd_replay(url, "--format", "json")
     assert out.returncode == 0, out.stderr
     assert len(json.loads(out.stdout)["rooms"]) == len(from_files.rooms)
+
+
+def test_a_restarted_node_recovers_only_its_own_open_rooms(db):
+    """Two prefill nodes share the tables; a restart of one fails its own open rooms and leaves the other's alone."""
+    url = db[1]
+    deadlines = {"bootstrap": 5.0, "waiting": 5.0, "pull_hold": 5.0}
+
+    def prefill(node_id: str) -> Node:
+        return Node(node_id, SENDER, Journal(url), RecordingInterpreter(), VirtualClock(), deadlines)
+
+    first, second = prefill("prefill-0"), prefill("prefill-1")
+    for node, rooms in ((first, (1, 2)), (second, (1, 3))):  # room 1 on both: rooms are per node
+        for room in rooms:
+            node.create(room, {"layout": {"num_layers": 1, "num_pages": 4, "page_size": 2, "kv_heads": 1,
+                                          "head_dim": 4}})
+        node.step()
+    restarted = prefill("prefill-0")
+    assert restarted.recover() == [1, 2]
+    restarted.step()
+    rows = read_journal(url)
+    failed = sorted((r.node, r.room) for r in rows if r.trigger == "error" and r.dst == "Failed")
+    assert failed == [("prefill-0", 1), ("prefill-0", 2)]
+    for node in (first, second, restarted):
+        node.journal.close()
 
 
 @pytest.mark.parametrize(("durability", "setting"), [("full", "on"), ("normal", "off"), ("off", "off")])
