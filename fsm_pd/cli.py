@@ -196,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
         "launch", help="start a local PD cluster (prefill, decode, router) and serve until Ctrl-C",
         description="Start N prefill nodes (each with its bootstrap server), M decode nodes and the built-in router "
                     "on 127.0.0.1, print the router's URL, and serve until Ctrl-C or SIGTERM; then stop every "
-                    "process started here. Logs and journals go to --journal-dir.",
+                    "process started here. A node that dies is reported and routed around while at least one prefill "
+                    "and one decode node are alive. Logs and journals go to --journal-dir.",
     )
     launch.add_argument("--prefill", type=_positive_int, default=1, help="prefill nodes (default 1)")
     launch.add_argument("--decode", type=_positive_int, default=1, help="decode nodes (default 1)")

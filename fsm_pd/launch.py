@@ -5,8 +5,10 @@ then the built-in router, every one a ``fsm-pd serve`` child process on 127.0.0.
 side-channel secret, and waits until each answers ``/health``. Then it sends one chat request through the router
 (the warm-up: it compiles the programs a short chat needs on both nodes), prints its answer and the time from the
 command to that answer, prints the router's URL, and serves until Ctrl-C or SIGTERM. Then it stops exactly the processes
-it started (SIGTERM, then SIGKILL after a grace period). If any node dies on its own, the whole cluster is stopped
-and the exit status says so.
+it started (SIGTERM, then SIGKILL after a grace period). A node that dies on its own is reported and the cluster keeps
+serving (the router's health checks and retries route around it: ``docs/fleet.md``) while at least one prefill and one
+decode node are alive; when a role has none left, or the router dies, the whole cluster is stopped and the exit
+status says so.
 """
 
 from __future__ import annotations
@@ -103,6 +105,24 @@ def stop(children: list[Child]) -> None:
             child.proc.wait()
 
 
+def survivors(nodes: list[Child], reported: set[str], console: Console) -> dict[str, int]:
+    """Nodes alive per role; says once about each node that exited (the router's health checks stop sending
+    there, and its requests in flight are retried on the others)."""
+    left, newly = {"prefill": 0, "decode": 0}, False
+    for child in nodes:
+        role = child.name.split("-")[0]
+        if child.proc.poll() is None:
+            left[role] += 1
+        elif child.name not in reported:
+            reported.add(child.name)
+            newly = True
+            console.print(f"[bold yellow]{child.name} exited with {child.proc.returncode} (see {child.log}); the "
+                          f"router routes around it[/]")
+    if newly and all(left.values()):
+        console.print(f"still serving, on {left['prefill']} prefill and {left['decode']} decode node(s)")
+    return left
+
+
 def warm_up(router: str, model: str) -> str:
     """One greedy chat request through the router; its answer. Compiles the prefill and decode programs that a
     short chat needs, so the user's first request does not wait for them."""
@@ -156,11 +176,16 @@ def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, jo
                       f".chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': "
                       f"'What is 2+2?'}}], temperature=0).choices[0].message.content)\"", soft_wrap=True)
         console.print("  Ctrl-C stops every process started here.")
+        reported: set[str] = set()
         while not stopping.wait(0.5):
-            dead = [c for c in children if c.proc.poll() is not None]
-            if dead:
-                console.print(f"[bold red]{dead[0].name} exited with {dead[0].proc.returncode}; stopping the "
-                              f"cluster (see {dead[0].log})[/]")
+            if router_child.proc.poll() is not None:
+                console.print(f"[bold red]the router exited with {router_child.proc.returncode}; stopping the "
+                              f"cluster (see {router_child.log})[/]")
+                return 1
+            left = survivors(nodes, reported, console)
+            if not all(left.values()):
+                role = next(r for r, n in left.items() if not n)
+                console.print(f"[bold red]no {role} node is left; stopping the cluster[/]")
                 return 1
         console.print("stopping")
         return 0

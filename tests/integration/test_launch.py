@@ -6,9 +6,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
+import psutil
 
 from fsm_pd.store import read_journal, replay
 
@@ -50,3 +52,36 @@ def test_launch_serves_through_the_router_and_stops_everything(tmp_path):
     result = replay(read_journal(journals / "prefill-0.db") + read_journal(journals / "decode-0.db"))
     # two rooms (prefill and decode side) for the warm-up, two for the request above
     assert result.consistent and {r.final for r in result.rooms} == {"Success"} and len(result.rooms) == 4
+
+
+def test_launch_keeps_serving_while_a_node_of_each_role_is_alive(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "fsm_pd.cli", "launch", "--prefill", "2", "--decode", "1",
+                             "--model", "tiny", "--no-warmup", "--port", str(port), "--journal-dir",
+                             str(tmp_path / "cluster")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    try:
+        deadline = time.time() + 300
+        while not any("fsm-pd is serving" in line for line in lines):
+            assert proc.poll() is None and time.time() < deadline, "".join(lines)
+            time.sleep(0.3)
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.post(url + "/generate", json=body, timeout=120).status_code == 200
+        # a node launch started (a child of the launcher this test started), found by its node id
+        (victim,) = [c for c in psutil.Process(proc.pid).children() if "prefill-1" in c.cmdline()]
+        victim.kill()
+        deadline = time.time() + 30
+        while not any("still serving, on 1 prefill and 1 decode" in line for line in lines):
+            assert proc.poll() is None and time.time() < deadline, "".join(lines)
+            time.sleep(0.2)
+        assert any("prefill-1 exited with -9" in line for line in lines)
+        for _ in range(3):  # whichever prefill the router picks, the answer comes
+            assert httpx.post(url + "/generate", json=body, timeout=120).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        reader.join(10)
+    assert proc.returncode == 0, "".join(lines)
