@@ -40,7 +40,7 @@ def url(addr: str) -> str:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    """``(fabric, client, addresses)``: the running fleet and a client thread inside the client namespace."""
+    """``(fabric, client, addresses, processes)``: the running fleet, a client thread inside the client namespace."""
     try:
         fabric = Fabric(f"fsmpd{os.getpid() % 100000}")
     except FabricUnavailable as exc:
