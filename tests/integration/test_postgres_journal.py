@@ -211,6 +211,11 @@ def test_a_1p1d_cluster_journals_to_one_database(cluster, pg, db):
         by_room.setdefault(r["room"], set()).add((r["node"], r["role"]))
     assert len(by_room) == len(prompts)
     assert all(sides == {("prefill-pg", "prefill"), ("decode-pg", "decode")} for sides in by_room.values())
+    rid = answers[0].json()["meta_info"]["id"]  # one request's story across both nodes, from the rooms table's rids
+    out = fsm_pd_replay(url, "--request", rid, "--format", "json")
+    assert out.returncode == 0, out.stderr
+    [attempt] = json.loads(out.stdout)["attempts"]
+    assert {(s["node"], s["role"]) for s in attempt["sides"]} == {("prefill-pg", "prefill"), ("decode-pg", "decode")}
 
 
 def test_database_stopped_mid_run_fails_the_nodes_loudly(cluster, tmp_path):
