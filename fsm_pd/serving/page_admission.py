@@ -8,6 +8,7 @@ of the queue waits for pages rather than being overtaken by smaller prompts fore
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -53,6 +54,7 @@ def take_prefill_batch(
             queue.popleft()
             continue
         queue.popleft()
+        seq.meta["queue_time"] = round(time.monotonic() - seq.queued_at, 6)  # SGLang's name: waiting -> forward
         batch.append(seq)
         tokens += seq.prompt_len
     return batch

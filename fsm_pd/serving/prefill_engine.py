@@ -23,11 +23,13 @@ the manager's calls (``kv_ready``, ``fail``, ``abort``, ``clear``); see ``docs/t
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 from fsm_pd.bootstrap import BootstrapServer
 from fsm_pd.control import KVManager
 from fsm_pd.control.decode_effects import RECOMPUTE_NOTE
+from fsm_pd.control.phases import timing_meta
 from fsm_pd.engine.loader import LoadedModel, load_model
 from fsm_pd.engine.model_thread import ModelThread
 from fsm_pd.engine.pages import PageAllocator
@@ -97,7 +99,8 @@ class PrefillEngine:
         self._rooms: dict[int, Sequence] = {}  # room -> its live request, in whichever queue
         self._to_prefill: deque[Sequence] = deque()  # PREPARE arrived: waiting for pages and the model thread
         self._in_flight: dict[int, FirstToken] = {}  # room -> first token of a prefilled request being pulled
-        self._events: deque[tuple[int, str, str | None]] = deque()  # (room, state, reason): the loop thread's
+        # (room, state, failure reason, SGLang timing fields at Success): the loop thread's
+        self._events: deque[tuple[int, str, str | None, dict]] = deque()
         self._driver = StepDriver(self.model_thread, self._step, name=f"{node_id} scheduler")
         self.manager = KVManager(
             role="prefill",
@@ -235,7 +238,8 @@ class PrefillEngine:
     # --- the manager's loop thread ---
     def _observe(self, room, decision, at) -> None:
         if decision.dst != decision.src and decision.dst in ("WaitingForInput", "Success", "Failed"):
-            self._events.append((room.room, decision.dst, room.reason if decision.dst == "Failed" else None))
+            timing = timing_meta(self.manager.metrics.phases.take(room.room)) if decision.dst == "Success" else {}
+            self._events.append((room.room, decision.dst, room.reason if decision.dst == "Failed" else None, timing))
             self._driver.kick()
 
     # --- the model thread ---
@@ -261,10 +265,11 @@ class PrefillEngine:
         state = self.manager.poll(seq.key)
         return seq.cancelled or self._rooms.get(seq.key) is not seq or state is None or state in ENDED
 
-    def _on_room(self, room: int, state: str, reason: str | None) -> None:
+    def _on_room(self, room: int, state: str, reason: str | None, timing: dict) -> None:
         seq = self._rooms.get(room)
         if state == "WaitingForInput":
             if seq is not None and not seq.cancelled:
+                seq.queued_at = time.monotonic()
                 self._to_prefill.append(seq)
             return
         self._rooms.pop(room, None)
@@ -272,7 +277,7 @@ class PrefillEngine:
         if seq is not None:
             self.requests.pop(seq.rid)
             if state == "Success" and first is not None:
-                self._answer(seq, first)
+                self._answer(seq, first, timing)
             elif state == "Failed" and first is not None and reason is not None and RECOMPUTE_NOTE in reason:
                 log.info("room %d (request %s): the transfer failed and the decode node recomputes it: %s", room,
                          seq.rid, reason)
@@ -313,7 +318,7 @@ class PrefillEngine:
                 input_token_logprobs=first.input_logprobs,
                 top_logprobs=first.top_logprobs,
                 input_top_logprobs=first.input_top_logprobs,
-                meta={"prompt_tokens": seq.prompt_len, "completion_tokens": 1, "cached_tokens": 0,
+                meta={**seq.meta, "prompt_tokens": seq.prompt_len, "completion_tokens": 1, "cached_tokens": 0,
                       **(extra_meta or {})},
             )
         )

@@ -26,6 +26,9 @@ class Sequence:
     meta: dict = field(default_factory=dict)  # sent with the last output (prompt_tokens, kv transfer timing, ...)
     cancelled: bool = False  # set by abort() from any thread; the scheduler drops the sequence at its next step
     started: float = field(default_factory=time.monotonic)
+    # when it joined the queue its forward pass is taken from (SGLang's wait queue): at creation, or for a prefill
+    # node once its room is bootstrapped; ``take_prefill_batch`` turns it into ``meta["queue_time"]``
+    queued_at: float = field(default_factory=time.monotonic)
 
     @classmethod
     def start(
