@@ -256,10 +256,11 @@ def test_database_stopped_mid_run_fails_the_nodes_loudly(cluster, tmp_path):
         rows = read_journal(url)
         result = replay(rows)
         assert result.consistent, [d.describe() for d in result.divergences]
-        succeeded = {(r.node, r.room) for r in result.rooms if r.final == "Success"}
-        # every answered request finished on both nodes, in the journal (a decode answer follows both Successes)
-        assert sum(1 for node, _ in succeeded if node == "decode-pg") >= ok
-        assert sum(1 for node, _ in succeeded if node == "prefill-pg") >= ok
+        decoded = {r.room for r in result.rooms if r.node == "decode-pg" and r.final == "Success"}
+        prefilled = {r.room for r in result.rooms if r.node == "prefill-pg"}
+        # every answered request's decode side finished in the journal, and its prefill side is there too (its
+        # Success may have been the one commit the outage refused: the pull_done after the decode node's pull)
+        assert len(decoded) >= ok and decoded <= prefilled
 
 
 def test_an_idle_node_notices_the_database_is_gone(cluster):
