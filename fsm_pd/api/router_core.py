@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 PROBE_TIMEOUT_S = 45.0  # health and info probes; longer than a worker's own /health_generate limit (30 s)
-ABORT_TIMEOUT_S = 2.0  # a retry first aborts the failed attempt's legs, so a node never holds the rid twice
+ABORT_TIMEOUT_S = 2.0  # a retry first aborts the failed attempt's open legs and reads them to their end
 RETRY_POLICIES = ("retry", "fail")
 
 
@@ -67,6 +67,7 @@ class Failure:
     worker: Worker | None  # the worker to blame (its breaker counts it), if any
     reason: str  # a metric label: "{side}_unreachable", "{side}_{status}", "request_timeout"
     decode_after_prefill: bool = False  # the prefill had finished: re-running it is a migration
+    retire: Callable[[bool], Awaitable[None]] | None = None  # closes the attempt's legs (True: before a retry)
 
 
 @dataclass
@@ -201,9 +202,9 @@ class PDRouter:
             if isinstance(outcome, Started):
                 return outcome
             refused = self._may_retry(outcome, tries)
+            await outcome.retire(refused is None)
             if refused is not None:
                 return refused
-            await self._abort(body["rid"], (prefill.url, decode.url))
             avoid = [outcome.worker] if outcome.worker is not None else []
 
     def _may_retry(self, failure: Failure, tries: Tries, migration: bool = False) -> Response | None:
@@ -248,19 +249,30 @@ class PDRouter:
         try:
             failed = await both_answered(p_leg, d_leg, deadline, self.request_timeout_s)
         except BaseException:
+            await p_leg.close()
             await close()
             raise
         finally:
             prefill.outstanding -= 1
-            await p_leg.close()
         if failed is None:
+            await p_leg.close()
             self.fleet.request_succeeded(prefill)
             if d_leg.body is not None:
                 self.fleet.request_succeeded(decode)
             return Started(p_leg, d_leg, decode, close)
-        await close()
         leg, response = failed
-        return self._classify(leg, response, prefill, decode, p_leg)
+        failure = self._classify(leg, response, prefill, decode, p_leg)
+
+        async def retire(before_retry: bool) -> None:
+            try:
+                if before_retry:
+                    await self._wind_down(rid, (p_leg, d_leg))
+            finally:
+                await p_leg.close()
+                await close()
+
+        failure.retire = retire
+        return failure
 
     def _classify(self, leg: Leg | None, response: Response, prefill: Worker, decode: Worker,
                   p_leg: Leg) -> Failure:
@@ -280,19 +292,26 @@ class PDRouter:
             return Failure(response, True, worker, f"{leg.side}_{status}", after)
         return Failure(response, False, None, f"{leg.side}_{status}")
 
-    async def _abort(self, rid, pair: tuple[str, str]) -> None:
-        """Abort the rid on both workers of a failed attempt before the next one: closing a leg aborts it too,
-        but only once the worker notices the disconnect, and a node refuses a rid it still holds."""
-        if not isinstance(rid, str):
+    async def _wind_down(self, rid, legs: tuple[Leg, Leg]) -> None:
+        """Before a retry with the same rid: abort it on the workers whose legs are still open and read those legs
+        to their end. A worker's handler aborts its rid once more when it closes (after an error or a disconnect);
+        closing our side of a leg would leave that late abort to hit the retry, if it lands on the same worker."""
+        open_legs = [leg for leg in legs if not (leg.task.done() and (leg.task.cancelled() or leg.task.exception()
+                                                                     or leg.body is not None))]
+        if not open_legs or not isinstance(rid, str):
             return
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
 
-        async def one(url: str) -> None:
-            with contextlib.suppress(httpx.HTTPError):
-                await self.client.post(url + "/abort_request", json={"rid": rid}, headers=headers,
-                                       timeout=ABORT_TIMEOUT_S)
+        async def one(leg: Leg) -> None:
+            with contextlib.suppress(httpx.HTTPError, TimeoutError):
+                async with asyncio.timeout(ABORT_TIMEOUT_S):
+                    await self.client.post(leg.worker_url + "/abort_request", json={"rid": rid}, headers=headers)
+                    await asyncio.wait({leg.task})
+                    if leg.response is not None and leg.body is None and not leg.task.cancelled() \
+                            and leg.task.exception() is None:
+                        await leg.response.aread()
 
-        await asyncio.gather(*(one(url) for url in dict.fromkeys(pair)))
+        await asyncio.gather(*(one(leg) for leg in open_legs))
 
     async def _prompt_ids(self, body: dict, headers: dict) -> list[int] | None:
         if isinstance(body.get("input_ids"), list):

@@ -1,0 +1,190 @@
+"""Fleet failover on real processes, shared by ``test_fleet_failover.py`` and ``bench/fleet_failover.py``: 2 prefill
++ 2 decode ``fsm-pd serve`` nodes (tiny model, tcp; fault_rig's heartbeats, 15 s room deadlines) behind the built-in
+router or the real sglang-router, 32 concurrent greedy requests of mixed kinds, and the phases: an undisturbed
+baseline, SIGKILL a prefill node mid-load, SIGKILL a decode node mid-stream, kill the last prefill node. No pytest
+here: the bench imports it after the README's install alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+from fault_rig import ENV
+from processes import Cluster, free_port
+
+CONCURRENCY = 32
+KINDS = ("generate", "generate-stream", "chat", "chat-stream")
+
+
+def request(kind: str, i: int, tokens: int) -> tuple[str, dict]:
+    prompt = f"request {i}: " + "abc " * (i % 5)
+    if kind.startswith("generate"):
+        return "/generate", {"text": prompt, "stream": kind.endswith("stream"), "sampling_params": {
+            "max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}}
+    return "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": prompt}],
+                                    "max_tokens": tokens, "temperature": 0, "stream": kind.endswith("stream")}
+
+
+def _error(r: httpx.Response) -> dict:
+    try:
+        return r.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return {"message": r.text[:300]}
+
+
+def send(router: str, kind: str, i: int, tokens: int, first_chunk=None) -> dict:
+    """One request; its status (0: the connection broke), output (ids for /generate, text for chat), whether a
+    stream ended with [DONE] and no error event, seconds, and the error if any."""
+    path, body = request(kind, i, tokens)
+    started = time.monotonic()
+    out: dict = {"kind": kind, "i": i}
+    try:
+        with httpx.Client(timeout=120) as client:
+            if not body["stream"]:
+                r = client.post(router + path, json=body)
+                out["status"] = r.status_code
+                if r.status_code == 200:
+                    doc = r.json()
+                    out["output"] = doc["output_ids"] if kind == "generate" else doc["choices"][0]["message"][
+                        "content"]
+                else:
+                    out["error"] = _error(r)
+            else:
+                with client.stream("POST", router + path, json=body) as r:
+                    out["status"] = r.status_code
+                    if r.status_code != 200:
+                        r.read()
+                        out["error"] = _error(r)
+                    else:
+                        out.update(_read_stream(r, kind, first_chunk))
+    except httpx.HTTPError as err:
+        out.update(status=0, error={"message": f"{type(err).__name__}: {err}"})
+    out["seconds"] = time.monotonic() - started
+    return out
+
+
+def _read_stream(r: httpx.Response, kind: str, first_chunk) -> dict:
+    text, ids, done, out = "", [], False, {}
+    for line in r.iter_lines():
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            done = True
+            break
+        event = json.loads(line[6:])
+        if "error" in event:
+            out["error"] = event["error"]
+            break
+        if first_chunk is not None:
+            first_chunk()
+        if kind == "generate-stream":
+            ids = event["output_ids"]
+        else:
+            text += event["choices"][0]["delta"].get("content") or ""
+    out["output"] = ids if kind == "generate-stream" else text
+    out["complete"] = done and "error" not in out
+    if not out["complete"] and "error" not in out:
+        out["error"] = {"message": "the stream ended without [DONE]"}
+    return out
+
+
+def run_load(router: str, tokens: int, kinds=KINDS, during=None) -> list[dict]:
+    """CONCURRENCY requests at once; ``during(results_so_far_count)`` runs on this thread meanwhile."""
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        chunks = []
+        futures = [pool.submit(send, router, kinds[i % len(kinds)], i, tokens, lambda i=i: chunks.append(i))
+                   for i in range(CONCURRENCY)]
+        if during is not None:
+            during(chunks)
+        return [f.result() for f in futures]
+
+
+def metric(router: str, name: str) -> dict[str, float]:
+    found = {}
+    for line in httpx.get(router + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name):
+            labels, _, value = line.rpartition(" ")
+            found[labels[len(name):]] = float(value)
+    return found
+
+
+def kill(proc) -> None:
+    os.kill(proc.pid, signal.SIGKILL)  # a node this test started
+    proc.wait(timeout=10)
+
+
+def by_request(results: list[dict]) -> dict:
+    return {(r["kind"], r["i"]): r.get("output") for r in results}
+
+
+
+def start_fleet(cluster: Cluster, router: str = "builtin") -> tuple[str, list[str], list[str], dict]:
+    """2 prefill + 2 decode nodes and a router (``builtin`` or ``sglang``): (router URL, prefill URLs, decode URLs,
+    node URL -> its process)."""
+    # fault_rig's heartbeats (a dead peer fails its rooms within ~1 s), but 15 s room deadlines: after a kill the
+    # survivors take twice the load and compile new batch shapes, which 2 busy cores can take seconds to do
+    cluster.env = {**cluster.env, **ENV, **{k: "15" for k in ENV if k.endswith("_TIMEOUT")}}
+    prefills, boots = [], []
+    for _ in range(2):
+        boots.append(free_port())
+        prefills.append(cluster.serve("prefill", "--bootstrap-port", str(boots[-1]), "--transfer-backend", "tcp"))
+    decodes = [cluster.serve("decode", "--transfer-backend", "tcp") for _ in range(2)]
+    procs = dict(zip(prefills + decodes, cluster.procs, strict=True))
+    port = free_port()
+    if router == "builtin":
+        argv = [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", "router", "--port", str(port),
+                "--health-check-interval-secs", "0.5", "--health-check-timeout-secs", "2"]
+    else:  # sglang-router 0.3.2 with its defaults for retries and breakers, health checks as often as ours
+        argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
+                "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                "--health-check-interval-secs", "1"]
+    for p, boot in zip(prefills, boots, strict=True):
+        argv += ["--prefill", p, str(boot)]
+    for d in decodes:
+        argv += ["--decode", d]
+    url = cluster.start("router", argv, f"http://127.0.0.1:{port}")
+    return url, prefills, decodes, procs
+
+
+def summary(results: list[dict], baseline: list[dict] | None = None) -> dict:
+    """ok / failed, latency, the first errors, and (against ``baseline``) how many outputs differ."""
+    ok = [r for r in results if r["status"] == 200 and r.get("complete", True)]
+    out = {"ok": len(ok), "failed": len(results) - len(ok),
+           "median_s": round(statistics.median(r["seconds"] for r in results), 2),
+           "max_s": round(max(r["seconds"] for r in results), 2),
+           "errors": sorted({f"{r['status']} {json.dumps(r.get('error'))[:160]}" for r in results
+                             if r not in ok})[:4]}
+    if baseline is not None:
+        before = by_request(baseline)
+        out["differ_from_baseline"] = sum(r.get("output") != before[(r["kind"], r["i"])] for r in ok)
+    return out
+
+
+def phases(router: str, prefills: list[str], decodes: list[str], procs: dict, short: int = 8,
+           long: int = 48) -> dict:
+    """Run every phase in order; each phase's results (lists of ``send`` answers) and the baselines."""
+    for _ in range(2):  # the first rounds compile (and may miss the short deadlines); the second is the baseline
+        baseline_short = run_load(router, short)
+        baseline_long = run_load(router, long, kinds=KINDS[:3])
+    found = {"baseline_short": baseline_short, "baseline_long": baseline_long}
+    found["prefill_kill"] = run_load(router, short, during=lambda chunks: (time.sleep(0.3),
+                                                                           kill(procs[prefills[0]])))
+    streams = {i for i in range(CONCURRENCY) if KINDS[:3][i % 3].endswith("stream")}
+
+    def kill_decode_mid_stream(chunks):
+        deadline = time.monotonic() + 60
+        while set(chunks) < streams and time.monotonic() < deadline:  # every stream has tokens out
+            time.sleep(0.01)
+        kill(procs[decodes[0]])
+
+    found["decode_kill"] = run_load(router, long, kinds=KINDS[:3], during=kill_decode_mid_stream)
+    kill(procs[prefills[1]])
+    found["no_prefill"] = run_load(router, short)
+    return found
