@@ -13,8 +13,8 @@ A request goes through:
    prompt plus output (``retraction.py``); their rooms stay at Success meanwhile, and no new request is admitted
    while one waits to resume.
 
-When the transfer fails after this node reserved the request's pages (a failed or timed-out pull or scatter, the
-prefill node gone), ``on_transfer_failure`` decides: ``recompute`` (the default) prefills the prompt here, as the
+When the transfer fails on this node after it reserved the request's pages (a pull or scatter that failed, a
+deadline that passed), ``on_transfer_failure`` decides: ``recompute`` (the default) prefills the prompt here, as the
 colocated engine does, samples the first token with the request's seed at step 0 and decodes on, so the client gets
 the answer an undisturbed run gives (greedy: identical); ``fail`` ends the request with the transfer's error (500).
 The room still ends Failed in the journal with its reason; the recompute is logged with the room and request id,
@@ -61,7 +61,7 @@ from fsm_pd.serving.common import (
 from fsm_pd.serving.decode_loop import DecodeLoop
 from fsm_pd.serving.forward import input_logprobs_from_wire
 from fsm_pd.serving.page_admission import admits
-from fsm_pd.serving.recompute import ON_TRANSFER_FAILURE, TransferRecompute
+from fsm_pd.serving.recompute import ON_TRANSFER_FAILURE, RECOMPUTED_TRIGGERS, TransferRecompute
 from fsm_pd.serving.retraction import RetractionCollector
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.step_driver import StepDriver
@@ -259,7 +259,10 @@ class DecodeEngine:
     def _observe(self, room, decision, at) -> None:
         if decision.dst != decision.src and decision.dst in ("Success", "Failed"):
             if decision.dst == "Failed":
-                detail: Any = {"reason": room.reason, "held_pages": bool(room.ctx.get("pages"))}
+                # recomputed: a failure this node saw itself (its pull or scatter failed, a deadline passed) once it
+                # held pages; a peer's abort or death means the prefill leg failed too, and the router moves on
+                detail: Any = {"reason": room.reason, "recompute": decision.trigger in RECOMPUTED_TRIGGERS
+                               and bool(room.ctx.get("pages"))}
             else:  # the room is the loop's: copy what the model thread will read
                 ctx = room.ctx
                 detail = {"pages": list(ctx.get("pages") or ()), "first_token": ctx.get("first_token"),
@@ -295,7 +298,7 @@ class DecodeEngine:
         if state == "Failed":
             reason = detail["reason"] or "KV transfer failed"
             self.manager.clear(room)  # its pages: the machine's FreePages calls _on_release
-            if not seq.cancelled and self.recompute.enabled and detail["held_pages"]:
+            if not seq.cancelled and self.recompute.enabled and detail["recompute"]:
                 self.recompute.start(seq, room, reason)  # the request lives on under a key of its own
                 return
             if not seq.cancelled:

@@ -1,11 +1,13 @@
 """Recompute on the decode node: a request whose KV transfer failed is prefilled here instead of failing.
 
-The decode node has the weights, so when a transfer fails after it reserved the request's pages (a pull or scatter
-that failed or timed out, the prefill node dead or restarted), ``--on-transfer-failure recompute`` prefills the
+The decode node has the weights, so when a transfer fails on it after it reserved the request's pages (a pull or
+scatter that failed, a waiting or transfer deadline that passed), ``--on-transfer-failure recompute`` prefills the
 prompt on this node, samples the first token exactly as the prefill node does (``forward.prefill_and_sample``: the
 request's seed, step 0) and hands the request to the decode loop. Sampling depends on the seed and the step only,
 so the client gets the tokens an undisturbed run gives (greedy: identical). ``fail`` keeps the old behaviour: the
-request ends with the transfer's error.
+request ends with the transfer's error. A room failed by its peer (an ABORT: the prefill request was aborted or
+failed; the prefill node dead or restarted) is not recomputed: the prefill leg of that request has failed too, so a
+router answers it with that failure, or retries it elsewhere, and closes this leg.
 
 Why recompute is the default: by the time a transfer fails the client has waited for a prefill already, and failing
 costs a retry elsewhere (a new handshake, a new prefill, a new queue) where recomputing costs one prefill on a node
@@ -40,6 +42,7 @@ from fsm_pd.serving.types import EngineError
 log = logging.getLogger(__name__)
 
 ON_TRANSFER_FAILURE = ("recompute", "fail")
+RECOMPUTED_TRIGGERS = frozenset({"error", "timeout"})  # the decode room's own failures (not abort, peer_*)
 
 
 def recompute_key(room: int) -> int:
