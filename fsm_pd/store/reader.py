@@ -233,12 +233,26 @@ def open_with_archives(targets: Sequence[str]) -> tuple[list[JournalReader], lis
 def merged_sides(streams: Iterable[Iterator[Side]]) -> Iterator[Side]:
     """Merge room-ordered side streams (several journals, their archives) into one, in (room, role, node) order.
 
-    A side found in two files (retention copies a room into its archive, then deletes it from the live journal; a
-    crash between the two leaves it in both) is yielded once.
+    A side found in more than one file is yielded once, its rows joined by version (the first file's row wins a
+    version both have): retention copies a room into its archive and then deletes it from the live journal, so a
+    crash between the two leaves it in both; and a message for an archived room that the node still held is
+    journaled, as ignored, in the live file.
     """
-    last = None
+    pending: list[Side] = []
     for side in heapq.merge(*streams, key=side_key):
-        key = side_key(side)
-        if key != last:
-            yield side
-        last = key
+        if pending and side_key(side) != side_key(pending[0]):
+            yield _joined(pending)
+            pending = []
+        pending.append(side)
+    if pending:
+        yield _joined(pending)
+
+
+def _joined(copies: list[Side]) -> Side:
+    if len(copies) == 1:
+        return copies[0]
+    by_version: dict[int, JournalRow] = {}
+    for side in copies:
+        for row in side:
+            by_version.setdefault(row.version, row)
+    return [by_version[v] for v in sorted(by_version)]

@@ -118,3 +118,21 @@ def test_a_room_in_both_files_is_replayed_once(tmp_path, capsys):
     doc = replay_json(capsys, copy)
     assert doc["journals"] == [str(copy), str(archive)]
     assert sorted(r["room"] for r in doc["rooms"]) == [0, 1, 2, 3]
+
+
+def test_a_late_row_for_an_archived_room_joins_its_history(tmp_path, capsys):
+    """A room archived while its node still held it gets a late (ignored) message: the row lands in the live
+    journal, and replay shows one history, not two."""
+    live = tmp_path / "p0.db"
+    node = history(live, days=1, per_day=2)  # room 0 failed, room 1 open
+    policy = Retention(keep_s=1.0, max_rows=None, clock=lambda: START + DAY)
+    policy.attach(node.journal)
+    node.create(7, {"layout": LAYOUT})
+    node.step()
+    assert policy.moved == 1 and counts(tmp_path / "p0.archive-2025-12.db") == (1, 2)
+    node.submit(0, "abort", {"reason": "again"})  # room 0 is still in memory: journaled as ignored, in live
+    node.step()
+    doc = replay_json(capsys, live)
+    [room0] = [r for r in doc["rooms"] if r["room"] == 0]
+    assert [e["version"] for e in room0["events"]] == [0, 1, 2] and room0["consistent"]
+    assert room0["events"][2]["ignored"]
