@@ -152,6 +152,20 @@ def test_a_second_writer_of_the_same_version_is_a_conflict(db):
     two.engine.dispose()
 
 
+def test_a_server_restarted_between_commits_is_reconnected_quietly():
+    """The pooled connection died with the old server; it is pinged before use and replaced, so no commit fails."""
+    with PostgresServer(fsync=False) as server:
+        journal = Journal(server.create_database("journal"))
+        for room, restart in ((1, True), (2, False)):
+            journal.add("prefill-0", "prefill", room, 0, "create", *CREATE, "{}", 1.0)
+            journal.flush()
+            if restart:
+                server.stop("fast")
+                server.start()
+        assert [r.room for r in read_journal(journal.url)] == [1, 2]
+        journal.close()
+
+
 def test_unreachable_server_fails_fast_and_names_the_journal():
     url = f"postgresql://fsm:pw-not-shown@127.0.0.1:{free_port()}/journal"  # nothing listens there
     started = time.monotonic()
