@@ -120,6 +120,16 @@ def kill(proc) -> None:
     proc.wait(timeout=10)
 
 
+def busiest(urls: list[str]) -> str:
+    """The node with the most requests now (a router may send all load to one node: the fault must hit some)."""
+    def load(url: str) -> int:
+        try:
+            return sum(rank["num_reqs"] for rank in httpx.get(url + "/get_load", timeout=5).json())
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return -1
+    return max(urls, key=load)
+
+
 def by_request(results: list[dict]) -> dict:
     return {(r["kind"], r["i"]): r.get("output") for r in results}
 
@@ -130,7 +140,8 @@ def start_fleet(cluster: Cluster, router: str = "builtin") -> tuple[str, list[st
     node URL -> its process)."""
     # fault_rig's heartbeats (a dead peer fails its rooms within ~1 s), but 15 s room deadlines: after a kill the
     # survivors take twice the load and compile new batch shapes, which 2 busy cores can take seconds to do
-    cluster.env = {**cluster.env, **ENV, **{k: "15" for k in ENV if k.endswith("_TIMEOUT")}}
+    cluster.env = {**cluster.env, **ENV, **{k: "15" for k in ENV if k.endswith("_TIMEOUT")},
+                   "FSM_PD_MODEL": "tiny"}  # the suite sets it too; the bench runs without the suite
     prefills, boots = [], []
     for _ in range(2):
         boots.append(free_port())
@@ -160,7 +171,9 @@ def summary(results: list[dict], baseline: list[dict] | None = None) -> dict:
            "median_s": round(statistics.median(r["seconds"] for r in results), 2),
            "max_s": round(max(r["seconds"] for r in results), 2),
            "errors": sorted({f"{r['status']} {json.dumps(r.get('error'))[:160]}" for r in results
-                             if r not in ok})[:4]}
+                             if r not in ok})[:4],
+           "failed_by_kind": {kind: sum(r["kind"] == kind for r in results if r not in ok)
+                              for kind in KINDS if any(r["kind"] == kind and r not in ok for r in results)}}
     if baseline is not None:
         before = by_request(baseline)
         out["differ_from_baseline"] = sum(r.get("output") != before[(r["kind"], r["i"])] for r in ok)
@@ -174,17 +187,24 @@ def phases(router: str, prefills: list[str], decodes: list[str], procs: dict, sh
         baseline_short = run_load(router, short)
         baseline_long = run_load(router, long, kinds=KINDS[:3])
     found = {"baseline_short": baseline_short, "baseline_long": baseline_long}
+    victims: dict[str, str] = {}
+
+    def kill_busiest(role: str, urls: list[str]) -> None:
+        victims[role] = busiest(urls)
+        kill(procs[victims[role]])
+
     found["prefill_kill"] = run_load(router, short, during=lambda chunks: (time.sleep(0.3),
-                                                                           kill(procs[prefills[0]])))
+                                                                           kill_busiest("prefill", prefills)))
     streams = {i for i in range(CONCURRENCY) if KINDS[:3][i % 3].endswith("stream")}
 
     def kill_decode_mid_stream(chunks):
         deadline = time.monotonic() + 60
         while set(chunks) < streams and time.monotonic() < deadline:  # every stream has tokens out
             time.sleep(0.01)
-        kill(procs[decodes[0]])
+        kill_busiest("decode", decodes)
 
     found["decode_kill"] = run_load(router, long, kinds=KINDS[:3], during=kill_decode_mid_stream)
-    kill(procs[prefills[1]])
+    found["victims"] = victims
+    kill(procs[next(p for p in prefills if p != victims["prefill"])])
     found["no_prefill"] = run_load(router, short)
     return found
