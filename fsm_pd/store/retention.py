@@ -8,11 +8,11 @@ ended in, ``<journal>.archive-YYYY-MM.db`` beside a journal file (or in ``archiv
 of the same schema: ``fsm-pd replay`` reads it like any other. The live journal names its archives in
 ``journal_meta`` (``archive:YYYY-MM``), so replay given the live journal finds them.
 
-The work runs on the writer's thread, after a group commit (``Journal.flush`` calls ``after_flush``), at most
-``batch`` rooms at a time so that one pass holds the node loop only briefly; a pass that found a full batch runs
-again after the next flush, otherwise the next check is ``check_every_s`` later. Each batch is first committed to
-the archive (replacing any copy of the same rooms there), then deleted from the live journal: a crash between the
-two leaves a room in both, which the next pass moves again and replay reads once.
+The work runs on the writer's thread, after a group commit (``Journal.flush`` calls ``after_flush``), first a
+minute after the node started, at most ``batch`` rooms at a time so that one pass holds the node loop only briefly;
+a pass that found a full batch runs again after the next flush, otherwise the next check is ``check_every_s``
+later. Each batch is first committed to the archive (replacing any copy of the same rooms there), then deleted from
+the live journal: a crash between the two leaves a room in both, which the next pass moves again and replay reads once.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class Retention:
     archive_dir: Path | None = None  # default: beside the journal file
     batch: int = 1000  # rooms per pass
     check_every_s: float = 60.0
+    start_after_s: float = 60.0  # the first pass waits this long after ``attach``: never competes with a start
     clock: Callable[[], float] = time.time
     moved: int = 0  # rooms archived so far
     _next_check: float = field(default=0.0, repr=False)
@@ -69,6 +70,7 @@ class Retention:
     def attach(self, journal: Journal) -> Journal:
         """Run on ``journal`` after its flushes; refuses at once a policy that could not write its archives."""
         archive_path(journal, "0000-00", self.archive_dir)
+        self._next_check = self.clock() + self.start_after_s
         journal.retention = self
         return journal
 

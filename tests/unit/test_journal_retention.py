@@ -55,7 +55,7 @@ def test_age_moves_finished_rooms_to_the_archive_and_replay_reads_it(tmp_path, c
     live = tmp_path / "p0.db"
     node = history(live)
     before = replay_json(capsys, live)
-    policy = Retention(keep_s=1.5 * DAY, max_rows=None, clock=lambda: START + 2 * DAY + 60)
+    policy = Retention(start_after_s=0, keep_s=1.5 * DAY, max_rows=None, clock=lambda: START + 2 * DAY + 60)
     policy.attach(node.journal)
     node.journal.flush()  # nothing pending: retention runs after commits only
     node.create(999, {"layout": LAYOUT})
@@ -77,7 +77,7 @@ def test_age_moves_finished_rooms_to_the_archive_and_replay_reads_it(tmp_path, c
 def test_the_row_cap_moves_the_oldest_finished_rooms_whatever_their_age(tmp_path):
     live = tmp_path / "p0.db"
     node = history(live, days=2)
-    policy = Retention(keep_s=None, max_rows=10, batch=5, clock=lambda: START + DAY + 3600)
+    policy = Retention(start_after_s=0, keep_s=None, max_rows=10, batch=5, clock=lambda: START + DAY + 3600)
     policy.attach(node.journal)
     node.submit(1, "abort", {"reason": "client went away"})  # room 1 (open, day 0) finishes now
     node.step()  # one pass: a full batch of 5, so the next commit runs another
@@ -102,7 +102,7 @@ def test_a_room_in_both_files_is_replayed_once(tmp_path, capsys):
     src = sqlite3.connect(live)
     src.execute(f"VACUUM INTO '{copy}'")
     src.close()
-    policy = Retention(keep_s=1.0, max_rows=None, clock=lambda: START + DAY)
+    policy = Retention(start_after_s=0, keep_s=1.0, max_rows=None, clock=lambda: START + DAY)
     journal = Journal(live)
     policy.attach(journal)
     journal.add("p0", "prefill", 500, 0, "create", "Bootstrapping", "Bootstrapping", '{"event":{},"effects":[]}',
@@ -125,7 +125,7 @@ def test_a_late_row_for_an_archived_room_joins_its_history(tmp_path, capsys):
     journal, and replay shows one history, not two."""
     live = tmp_path / "p0.db"
     node = history(live, days=1, per_day=2)  # room 0 failed, room 1 open
-    policy = Retention(keep_s=1.0, max_rows=None, clock=lambda: START + DAY)
+    policy = Retention(start_after_s=0, keep_s=1.0, max_rows=None, clock=lambda: START + DAY)
     policy.attach(node.journal)
     node.create(7, {"layout": LAYOUT})
     node.step()
