@@ -1,7 +1,8 @@
 """Fleet failover figures: 2 prefill + 2 decode `fsm-pd serve` nodes (tiny model, tcp, 127.0.0.1) behind a router, 32
 concurrent greedy requests of mixed kinds (/generate and chat, whole and streamed), through the phases of
-tests/integration/test_fleet_failover.py: an undisturbed baseline, SIGKILL a prefill node mid-load, SIGKILL a decode
-node once every stream has tokens out (no chat streams in that phase), kill the last prefill node.
+tests/integration/test_fleet_failover.py: an undisturbed baseline, SIGKILL the busiest prefill node mid-load, SIGKILL
+the busiest decode node once half the streams have tokens out (no chat streams in that phase), kill the last prefill
+node.
 
 Prints per phase: requests ok / failed, median and max seconds, outputs that differ from the undisturbed run, the
 first errors; for the built-in router also its retry, migration, refusal and ejection counters. `--router sglang`
@@ -42,7 +43,7 @@ def main() -> int:
             console.print(f"starting 2 prefill + 2 decode nodes and the {args.router} router (logs in {tmp})")
             router, prefills, decodes, procs = start_fleet(cluster, args.router)
             console.print("running the phases")
-            found = phases(router, prefills, decodes, procs)
+            found = phases(router, prefills, decodes, procs, warm_rounds=1)
             figures = {name: summary(found[name], found.get(base)) for name, base in PHASES}
             if args.router == "builtin":
                 figures["counters"] = {name: metric(router, f"fsm_pd_router_{name}_total") for name in (

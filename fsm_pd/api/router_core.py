@@ -67,7 +67,8 @@ class Failure:
     worker: Worker | None  # the worker to blame (its breaker counts it), if any
     reason: str  # a metric label: "{side}_unreachable", "{side}_{status}", "request_timeout"
     decode_after_prefill: bool = False  # the prefill had finished: re-running it is a migration
-    retire: Callable[[bool], Awaitable[None]] | None = None  # closes the attempt's legs (True: before a retry)
+    # closes the attempt's legs; those on the workers the next attempt uses (same rid) are first wound down
+    retire: Callable[[set[str]], Awaitable[None]] | None = None
 
 
 @dataclass
@@ -189,9 +190,8 @@ class PDRouter:
                              tries: Tries) -> Started | Response:
         """Attempts until one's decode answers, within the retry policy, the request's tries and the router's
         budget. Every attempt is a new bootstrap room with the client's rid."""
-        avoid: list[Worker] = []
+        prefill, decode = self.fleet.pick("prefill"), self.fleet.pick("decode")
         while True:
-            prefill, decode = self.fleet.pick("prefill", avoid), self.fleet.pick("decode", avoid)
             if prefill is None or decode is None:
                 role = "prefill" if prefill is None else "decode"
                 self.metrics.gave_up.labels(f"no_{role}").inc()
@@ -202,10 +202,12 @@ class PDRouter:
             if isinstance(outcome, Started):
                 return outcome
             refused = self._may_retry(outcome, tries)
-            await outcome.retire(refused is None)
             if refused is not None:
+                await outcome.retire(set())
                 return refused
             avoid = [outcome.worker] if outcome.worker is not None else []
+            prefill, decode = self.fleet.pick("prefill", avoid), self.fleet.pick("decode", avoid)
+            await outcome.retire({w.url for w in (prefill, decode) if w is not None})
 
     def _may_retry(self, failure: Failure, tries: Tries, migration: bool = False) -> Response | None:
         """None when ``failure`` is to be tried again (counted); else the client's answer."""
@@ -263,10 +265,9 @@ class PDRouter:
         leg, response = failed
         failure = self._classify(leg, response, prefill, decode, p_leg)
 
-        async def retire(before_retry: bool) -> None:
+        async def retire(reused: set[str]) -> None:
             try:
-                if before_retry:
-                    await self._wind_down(rid, (p_leg, d_leg))
+                await self._wind_down(rid, tuple(leg for leg in (p_leg, d_leg) if leg.worker_url in reused))
             finally:
                 await p_leg.close()
                 await close()
@@ -292,10 +293,10 @@ class PDRouter:
             return Failure(response, True, worker, f"{leg.side}_{status}", after)
         return Failure(response, False, None, f"{leg.side}_{status}")
 
-    async def _wind_down(self, rid, legs: tuple[Leg, Leg]) -> None:
-        """Before a retry with the same rid: abort it on the workers whose legs are still open and read those legs
-        to their end. A worker's handler aborts its rid once more when it closes (after an error or a disconnect);
-        closing our side of a leg would leave that late abort to hit the retry, if it lands on the same worker."""
+    async def _wind_down(self, rid, legs: tuple[Leg, ...]) -> None:
+        """Before a retry with the same rid on the same worker: abort it there if its leg is still open and read the
+        leg to its end. A worker's handler aborts its rid once more when it closes (after an error or a disconnect);
+        only closing our side of the leg would leave that late abort to hit the retry."""
         open_legs = [leg for leg in legs if not (leg.task.done() and (leg.task.cancelled() or leg.task.exception()
                                                                      or leg.body is not None))]
         if not open_legs or not isinstance(rid, str):

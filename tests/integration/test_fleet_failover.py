@@ -1,11 +1,11 @@
 """Requests survive a failed node: 2 prefill + 2 decode ``fsm-pd serve`` processes (tiny model, tcp, short heartbeats)
 behind the built-in router, 32 concurrent mixed streamed and whole greedy requests (the harness: ``failover.py``).
 
-One cluster, phases in order (each needs the damage of the one before): SIGKILL one prefill node mid-load, every
-request succeeds with the undisturbed run's output; SIGKILL one decode node once every stream has tokens out, every
-request completes with the undisturbed output (``/generate`` streams migrate, whole answers and streams that had not
-started are re-run; OpenAI streams do not migrate, so that phase sends none); then kill the last prefill node, and
-requests fail fast with 503 and the reason. Prints the figures (``pytest -s``).
+One cluster, phases in order (each needs the damage of the one before): SIGKILL the busiest prefill node mid-load,
+every request succeeds with the undisturbed run's output; SIGKILL the busiest decode node once half the streams have
+tokens out, every request completes with the undisturbed output (``/generate`` streams migrate, whole answers and
+streams that had not started are re-run; OpenAI streams do not migrate, so that phase sends none); then kill the last
+prefill node, and requests fail fast with 503 and the reason. Prints the figures (``pytest -s``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def test_requests_survive_a_killed_prefill_and_a_killed_decode(tmp_path):
         dead = found["no_prefill"]
         assert {r["status"] for r in dead} == {503}, [r for r in dead if r["status"] != 503][:3]
         assert all("prefill" in r["error"]["message"] for r in dead), dead[0]
-        assert figures["no_prefill"]["max_s"] < 5.0, figures["no_prefill"]
+        # bounded by the retries (3 attempts, each winding down its leg on the one busy decode left), not a deadline
+        assert figures["no_prefill"]["max_s"] < 10.0, figures["no_prefill"]
         # once the health checks have ejected it, the router does not even try: 503 at once, naming the workers
         deadline = time.monotonic() + 20
         while httpx.get(router + "/health", timeout=10).json()["admitted"]["prefill"] and time.monotonic() < deadline:
