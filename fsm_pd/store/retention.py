@@ -63,6 +63,7 @@ class Retention:
     batch: int = 1000  # rooms per pass
     check_every_s: float = 60.0
     start_after_s: float = 60.0  # the first pass waits this long after ``attach``: never competes with a start
+    node: str | None = None  # archive only this node's rooms (a journal shared by a fleet holds every node's)
     clock: Callable[[], float] = time.time
     moved: int = 0  # rooms archived so far
     _next_check: float = field(default=0.0, repr=False)
@@ -101,16 +102,17 @@ def archive_path(journal: Journal, month: str, archive_dir: Path | None) -> Path
 def archive_finished(journal: Journal, policy: Retention, now: float) -> int:
     """Move up to ``policy.batch`` finished rooms to their archives; returns how many were moved."""
     r, t = rooms.c, transitions.c
+    mine = [r.node == policy.node] if policy.node is not None else []
     with journal.engine.connect() as conn:
         chosen = []
         if policy.keep_s is not None:
-            chosen = conn.execute(select(rooms).where(r.closed_at.is_not(None), r.closed_at < now - policy.keep_s)
-                                  .order_by(r.closed_at).limit(policy.batch)).all()
+            chosen = conn.execute(select(rooms).where(r.closed_at.is_not(None), r.closed_at < now - policy.keep_s,
+                                                      *mine).order_by(r.closed_at).limit(policy.batch)).all()
         if not chosen and policy.max_rows is not None:
             live = conn.execute(select(func.count()).select_from(transitions)).scalar_one()
             if live > policy.max_rows:
-                chosen = conn.execute(select(rooms).where(r.closed_at.is_not(None), r.closed_at < now - MIN_AGE_S)
-                                      .order_by(r.closed_at).limit(policy.batch)).all()
+                chosen = conn.execute(select(rooms).where(r.closed_at.is_not(None), r.closed_at < now - MIN_AGE_S,
+                                                          *mine).order_by(r.closed_at).limit(policy.batch)).all()
         if not chosen:
             return 0
         keys = [(row.room, row.role, row.node) for row in chosen]
@@ -188,6 +190,6 @@ def attach_from_args(journal: Journal, args: argparse.Namespace) -> Retention | 
         log.warning("journal %s: retention is off (a database journal archives only with --journal-archive-dir; "
                     "a fleet's shared journal is best kept in size by the database itself)", journal.name)
         return None
-    policy = Retention(keep_s=keep, max_rows=max_rows, archive_dir=archive_dir)
+    policy = Retention(keep_s=keep, max_rows=max_rows, archive_dir=archive_dir, node=getattr(args, "node_id", None))
     policy.attach(journal)
     return policy

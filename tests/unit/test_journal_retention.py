@@ -136,3 +136,23 @@ def test_a_late_row_for_an_archived_room_joins_its_history(tmp_path, capsys):
     [room0] = [r for r in doc["rooms"] if r["room"] == 0]
     assert [e["version"] for e in room0["events"]] == [0, 1, 2] and room0["consistent"]
     assert room0["events"][2]["ignored"]
+
+
+def test_a_node_archives_only_its_own_rooms(tmp_path):
+    """A journal several nodes share: each node's retention moves its own finished rooms, never another's."""
+    live = tmp_path / "shared.db"
+    history(live, days=1, per_day=4).journal.close()  # p0's rooms 0-3, 0 and 2 failed
+    clock = VirtualClock(START)
+    other = Node("p1", SENDER, Journal(live), RecordingInterpreter(), clock, DEADLINES)
+    other.create(50, {"layout": LAYOUT})
+    other.submit(50, "abort", {"reason": "client went away"})
+    other.step()
+    policy = Retention(start_after_s=0, keep_s=1.0, max_rows=None, node="p1", clock=lambda: START + DAY)
+    policy.attach(other.journal)
+    other.create(51, {"layout": LAYOUT})
+    other.step()
+    assert policy.moved == 1
+    conn = sqlite3.connect(live)
+    left = sorted(conn.execute("SELECT node, room FROM rooms").fetchall())
+    conn.close()
+    assert left == [("p0", 0), ("p0", 1), ("p0", 2), ("p0", 3), ("p1", 51)]
