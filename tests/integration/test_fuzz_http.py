@@ -32,7 +32,8 @@ MODEL_FUZZ = settings(FUZZ, max_examples=max(EXAMPLES // 3, 5))
 def fuzzable(app) -> schemathesis.BaseSchema:
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
-    return schema
+    # POST /drain works: the server then answers every later generation request 503 (draining), by design
+    return schema.exclude(path="/drain")
 
 
 def assert_no_server_error(case) -> None:
