@@ -1,20 +1,26 @@
 """Running a ``Plan`` of several engine requests (a batch of prompts, ``n`` or ``best_of`` copies) for one HTTP
-request, whole (not streamed): all at once, one disconnect watch for all of them, every one aborted if the client
-goes away or one fails."""
+request, whole or streamed: all at once, one disconnect watch for all of them, every one aborted if the client goes
+away or one fails."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+from collections.abc import Callable
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from fsm_pd.api.context import ApiContext
+from fsm_pd.api.errors import error_body
 from fsm_pd.api.outputs import RequestState
 from fsm_pd.api.requests import Plan
 from fsm_pd.api.runner import RequestRun, wait_disconnect
-from fsm_pd.api.streaming import CLIENT_CLOSED
+from fsm_pd.api.streaming import CLIENT_CLOSED, DONE, sse
+from fsm_pd.serving.types import EngineError, TokenOutput
+
+log = logging.getLogger(__name__)
 
 
 async def run_plan(ctx: ApiContext, plan: Plan, request: Request) -> list[RequestState] | None:
@@ -60,3 +66,79 @@ async def answer_plan(ctx: ApiContext, plan: Plan, request: Request, render) -> 
     if states is None:
         return Response(status_code=CLIENT_CLOSED)
     return JSONResponse(render(best(plan, states)))
+
+
+IndexedRenderer = Callable[[int, RequestState, TokenOutput], list[dict]]
+
+
+async def stream_plan(ctx: ApiContext, plan: Plan, request: Request, on_output: IndexedRenderer,
+                      on_end: Callable[[list[RequestState]], list[dict]] | None = None,
+                      head: list[dict] | None = None) -> Response:
+    """Every request of a plan as one SSE stream, their chunks interleaved as outputs come; the renderer gets the
+    request's index (prompt-major) to name it in each chunk. As a single stream, the headers wait for the first
+    output, of every request here, so a failure before any token is a real HTTP status; a failure after is one
+    error event. The client going away, or one request failing, aborts them all."""
+    runs = [RequestRun(ctx.engine, gen, ctx.tokenizer, None, ctx.live, hide_output=plan.hide_output)
+            for gen in plan.requests]
+    gone = asyncio.ensure_future(wait_disconnect(request))
+    firsts = asyncio.ensure_future(asyncio.gather(*(run.next_output() for run in runs), return_exceptions=True))
+    done, _ = await asyncio.wait({firsts, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if firsts not in done:
+        await _cancelled(firsts, gone)
+        for run in runs:
+            run.close()
+        return Response(status_code=CLIENT_CLOSED)
+    firsts_out = firsts.result()
+    if failed := next((r for r in firsts_out if isinstance(r, BaseException)), None):
+        await _cancelled(gone)
+        for run in runs:
+            run.close()
+        raise failed  # an EngineError becomes its HTTP status through the app's handler
+
+    async def events():
+        # At most one unrendered output per request: the renderers read the request's state, which must hold
+        # exactly the outputs rendered so far plus the one being rendered.
+        reading: dict[asyncio.Future, int] = {}
+        try:
+            for chunk in head or ():
+                yield sse(chunk)
+            ready = list(enumerate(firsts_out))
+            while ready:
+                for index, out in ready:
+                    if out is not None:
+                        for chunk in on_output(index, runs[index].state, out):
+                            yield sse(chunk)
+                        reading[asyncio.ensure_future(runs[index].next_output())] = index
+                ready = []
+                if not reading:
+                    break
+                done, _ = await asyncio.wait({*reading, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if gone in done:
+                    log.info("client of %s went away mid-stream", plan.requests[0].rid)
+                    return
+                for task in done:
+                    index = reading.pop(task)
+                    try:
+                        ready.append((index, task.result()))
+                    except EngineError as err:
+                        yield sse(error_body(err.status, str(err)))
+                        yield DONE
+                        return
+            for chunk in on_end([run.state for run in runs]) if on_end else ():
+                yield sse(chunk)
+            yield DONE
+        finally:
+            await _cancelled(gone, *reading)
+            for run in runs:
+                run.close()
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _cancelled(*tasks: asyncio.Future) -> None:
+    for task in tasks:
+        if not task.done():
+            task.cancel()
+        with contextlib.suppress(BaseException):
+            await task

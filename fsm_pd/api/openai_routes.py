@@ -16,7 +16,7 @@ from fastapi.responses import Response
 
 from fsm_pd.api.context import ApiContext
 from fsm_pd.api.errors import ERROR_RESPONSES, ApiError
-from fsm_pd.api.fanout import answer_plan
+from fsm_pd.api.fanout import answer_plan, stream_plan
 from fsm_pd.api.outputs import RequestState, openai_finish_reason
 from fsm_pd.api.requests import check_model, from_chat, from_completion
 from fsm_pd.api.runner import RequestRun
@@ -83,11 +83,17 @@ def openai_router(ctx: ApiContext) -> APIRouter:
         return {"id": f"{prefix}-{state.request.rid}", "object": kind, "created": int(time.time()),
                 "model": ctx.model_name}
 
-    def usage_tail(body, prefix: str, kind: str):
-        def tail(state: RequestState) -> list[dict]:
+    def usage_tail(body, prefix: str, kind: str, prompts: int = 1):
+        """The usage chunk (stream_options.include_usage) of a stream's answers; ``prompts``: how many prompts they
+        answer (a batch counts each prompt once, however many copies)."""
+        def tail(states: list[RequestState]) -> list[dict]:
             if not (body.stream_options or {}).get("include_usage"):
                 return []
-            return [envelope(state, kind, prefix) | {"choices": [], "usage": _usage(state)}]
+            copies = len(states) // prompts
+            prompt = sum(s.prompt_tokens for s in states[::copies])
+            completion = sum(s.completion_tokens for s in states)
+            usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+            return [envelope(states[0], kind, prefix) | {"choices": [], "usage": usage}]
         return tail
 
     @router.post("/v1/completions", responses=ERROR_RESPONSES)
@@ -114,27 +120,29 @@ def openai_router(ctx: ApiContext) -> APIRouter:
             return envelope(states[0], "text_completion", "cmpl") | {
                 "choices": [choice(state, i) for i, state in enumerate(states)], "usage": usage}
 
-        if not plan.single:
-            return await answer_plan(ctx, plan, request, answer)
-        gen = plan.requests[0]
-        run = RequestRun(ctx.engine, gen, ctx.tokenizer, request, ctx.live, hide_output=plan.hide_output)
-        if not gen.stream:
-            return await answer_whole(run, lambda state: answer([[state]]))
-
-        def chunk(state: RequestState, out: TokenOutput) -> list[dict]:
+        def chunk(index: int, state: RequestState, out: TokenOutput) -> list[dict]:
             sent_before = len(state.sent_text)
             delta = state.take_delta()
             if not delta and not state.finished:
                 return []
             new = state.take_logprob_start()
-            choice = {"index": 0, "text": delta,
-                      "logprobs": completion_logprobs(state, new, sent_before) if gen.return_logprob else None,
+            choice = {"index": index, "text": delta,
+                      "logprobs": completion_logprobs(state, new, sent_before) if want_logprobs else None,
                       "finish_reason": openai_finish_reason(state.finish_reason)}
             if state.finished:
                 choice["matched_stop"] = _matched_stop(state)
             return [envelope(state, "text_completion", "cmpl") | {"choices": [choice]}]
 
-        return await answer_stream(run, chunk, usage_tail(body, "cmpl", "text_completion"))
+        tail = usage_tail(body, "cmpl", "text_completion", len(plan.prompts))
+        if not plan.single:
+            if plan.stream:
+                return await stream_plan(ctx, plan, request, chunk, tail)
+            return await answer_plan(ctx, plan, request, answer)
+        gen = plan.requests[0]
+        run = RequestRun(ctx.engine, gen, ctx.tokenizer, request, ctx.live, hide_output=plan.hide_output)
+        if not gen.stream:
+            return await answer_whole(run, lambda state: answer([[state]]))
+        return await answer_stream(run, lambda state, out: chunk(0, state, out), lambda state: tail([state]))
 
     @router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionBody, request: Request) -> Response:
@@ -163,20 +171,20 @@ def openai_router(ctx: ApiContext) -> APIRouter:
                      "total_tokens": states[0].prompt_tokens + completion}
             return envelope(states[0], "chat.completion", "chatcmpl") | {"choices": choices, "usage": usage}
 
-        if not plan.single:
+        if not plan.single and not plan.stream:
             return await answer_plan(ctx, plan, request, chat_answer)
         gen = plan.requests[0]
-        run = RequestRun(ctx.engine, gen, ctx.tokenizer, request, ctx.live)
         if not gen.stream:
+            run = RequestRun(ctx.engine, gen, ctx.tokenizer, request, ctx.live)
             return await answer_whole(run, lambda state: chat_answer([[state]]))
 
-        streamer = ToolStreamer(plan.tools) if plan.tools is not None else None
+        streamers = {i: ToolStreamer(plan.tools) for i in range(len(plan.requests))} if plan.tools is not None else {}
 
-        def chunk(state: RequestState, out: TokenOutput) -> list[dict]:
+        def chunk(index: int, state: RequestState, out: TokenOutput) -> list[dict]:
             delta = state.take_delta()
             reason = openai_finish_reason(state.finish_reason)
             calls = []
-            if streamer is not None:  # text that may be a tool call is held back, and parsed at the end
+            if (streamer := streamers.get(index)) is not None:  # text that may be a tool call is held back
                 delta = streamer.feed(delta)
                 if state.finished:
                     delta += streamer.finish()
@@ -186,21 +194,25 @@ def openai_router(ctx: ApiContext) -> APIRouter:
             new = state.take_logprob_start()
             logprobs = chat_logprobs(state, new) if gen.return_logprob else None
             if not calls:
-                choice = {"index": 0, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
+                choice = {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
                           "finish_reason": reason}
                 return [envelope(state, "chat.completion.chunk", "chatcmpl") | {"choices": [choice]}]
             chunks = []
             if delta:
-                chunks.append({"index": 0, "delta": {"content": delta}, "logprobs": None, "finish_reason": None})
-            chunks.append({"index": 0, "delta": {"tool_calls": calls}, "logprobs": logprobs,
+                chunks.append({"index": index, "delta": {"content": delta}, "logprobs": None, "finish_reason": None})
+            chunks.append({"index": index, "delta": {"tool_calls": calls}, "logprobs": logprobs,
                            "finish_reason": "tool_calls" if reason == "stop" else reason})
             return [envelope(state, "chat.completion.chunk", "chatcmpl") | {"choices": [c]} for c in chunks]
 
         head = [{"id": f"chatcmpl-{gen.rid}", "object": "chat.completion.chunk", "created": int(time.time()),
                  "model": ctx.model_name,
-                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}]}]
-        return await answer_stream(run, chunk, usage_tail(body, "chatcmpl", "chat.completion.chunk"), head)
+                 "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]} for i in range(len(plan.requests))]
+        tail = usage_tail(body, "chatcmpl", "chat.completion.chunk")
+        if not plan.single:
+            return await stream_plan(ctx, plan, request, chunk, tail, head)
+        run = RequestRun(ctx.engine, gen, ctx.tokenizer, request, ctx.live)
+        return await answer_stream(run, lambda state, out: chunk(0, state, out), lambda state: tail([state]), head)
 
     def card() -> dict:
         return {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "fsm-pd",

@@ -235,9 +235,6 @@ def _prompts_of_generate(node: NodeIdentity, tokenizer, body: GenerateBody) -> t
 
 def _build(node: NodeIdentity, plan: Plan, rid: str | None, make) -> Plan:
     """Fill ``plan.requests``: ``make(input_ids)`` gives each prompt's base request."""
-    if plan.stream and len(plan.prompts) * plan.copies > 1:
-        raise ApiError(400, "stream=true with several prompts or n > 1 is not supported yet; send one request per "
-                            "prompt, or stream=false")
     rid = rid or new_rid()
     for j, ids in enumerate(plan.prompts):
         base = make(ids)

@@ -8,7 +8,7 @@ from fastapi.responses import Response
 
 from fsm_pd.api.context import ApiContext
 from fsm_pd.api.errors import ERROR_RESPONSES
-from fsm_pd.api.fanout import answer_plan
+from fsm_pd.api.fanout import answer_plan, stream_plan
 from fsm_pd.api.outputs import RequestState
 from fsm_pd.api.requests import from_generate
 from fsm_pd.api.runner import RequestRun
@@ -32,6 +32,8 @@ def sglang_router(ctx: ApiContext) -> APIRouter:
         text and ids so far (SGLang's default). A batch (``text``/``input_ids`` as a list) or ``n > 1``: a list of
         such answers, prompt-major."""
         plan = from_generate(ctx.node, ctx.tokenizer, body)
+        if not plan.single and plan.stream:  # each chunk names its answer by "index", prompt-major (as SGLang's)
+            return await stream_plan(ctx, plan, request, lambda i, state, out: [state.sglang_response() | {"index": i}])
         if not plan.single:  # a batch or n > 1: a list of answers, prompt-major (as SGLang's)
             prompt_logprobs = ctx.role != "decode"
             return await answer_plan(ctx, plan, request, lambda groups: [

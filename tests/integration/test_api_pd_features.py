@@ -104,3 +104,21 @@ def test_batched_prompt_logprobs_as_sgl_select_asks(urls):
             rows, wanted_rows = answer["meta_info"]["input_token_logprobs"], wanted["meta_info"]["input_token_logprobs"]
             assert [r[1:] for r in rows] == [r[1:] for r in wanted_rows], url  # ids and texts
             assert [r[0] for r in rows] == pytest.approx([r[0] for r in wanted_rows], abs=1e-4), url
+
+
+def test_streamed_n_through_pd_equals_colocated(urls):
+    # Streamed fan-out on a PD pair: the prefill node answers every copy, the decode node streams them interleaved,
+    # each chunk named by its index; per index the last chunk equals colocated's answer (seeds derive the same).
+    body = {"text": ["stream two", "and three"], "stream": True,
+            "sampling_params": {"n": 2, "max_new_tokens": 5, "temperature": 1.0, "seed": 7}}
+
+    def last_per_index(url: str) -> dict[int, list[int]]:
+        with httpx.stream("POST", url + "/generate", json=body, timeout=TIMEOUT_S) as r:
+            assert r.status_code == 200, r.read()
+            chunks = [json.loads(line[5:]) for line in r.iter_lines()
+                      if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+        return {c["index"]: c["output_ids"] for c in chunks}
+
+    want = last_per_index(urls["colocated"])
+    assert sorted(want) == [0, 1, 2, 3] and all(len(ids) == 5 for ids in want.values())
+    assert last_per_index(urls["router"]) == want

@@ -4,6 +4,8 @@ vocabulary, the model's identity in /get_model_info, the decode node's part of t
 from __future__ import annotations
 
 import contextlib
+import json
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -146,3 +148,66 @@ def test_stop_checker_keeps_the_stop_string_with_no_stop_trim():
             if checker.append(tid):
                 break
         assert checker.text == want
+
+
+def _sse(text: str) -> list[dict]:
+    lines = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_a_streamed_batch_interleaves_answers_named_by_index():
+    # Streamed, each answer's chunks carry its index (prompt-major); read per index, each equals its whole answer.
+    engine = StubEngine()
+    with served(engine) as client:
+        body = {"input_ids": [[1, 2], [3]], "sampling_params": {"max_new_tokens": 3, "n": 2}}
+        whole = client.post("/generate", json=body).json()
+        chunks = _sse(client.post("/generate", json={**body, "stream": True}).text)
+        assert sorted({c["index"] for c in chunks}) == [0, 1, 2, 3]
+        last = {c["index"]: c for c in chunks}  # SGLang's chunks are cumulative: the last one is the answer
+        assert [last[i]["output_ids"] for i in range(4)] == [a["output_ids"] for a in whole]
+        assert [last[i]["meta_info"]["prompt_tokens"] for i in range(4)] == [2, 2, 1, 1]
+
+        body = {"prompt": ["ab", "c"], "max_tokens": 2, "n": 2, "stream": True,
+                "stream_options": {"include_usage": True}}
+        chunks = _sse(client.post("/v1/completions", json=body).text)
+        texts: dict[int, str] = {}
+        for c in chunks[:-1]:
+            (choice,) = c["choices"]
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        whole = client.post("/v1/completions", json={**body, "stream": False}).json()
+        assert texts == {c["index"]: c["text"] for c in whole["choices"]}
+        assert chunks[-1]["usage"] == whole["usage"] == {"prompt_tokens": 3, "completion_tokens": 8,
+                                                         "total_tokens": 11}
+
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 3, "stream": True}
+        chunks = _sse(client.post("/v1/chat/completions", json=body).text)
+        roles = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["delta"].get("role")]
+        assert roles == [0, 1, 2]
+        finished = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]]
+        assert sorted(finished) == [0, 1, 2]
+
+
+def test_a_streamed_batch_fails_with_a_status_before_its_first_token_and_with_an_event_after():
+    engine = StubEngine(fail_after=0)
+    body = {"text": ["a", "b"], "stream": True, "sampling_params": {"max_new_tokens": 3}}
+    with served(engine) as client:
+        r = client.post("/generate", json=body)
+        assert r.status_code == 500 and "injected" in r.json()["error"]["message"]
+        engine.fail_after = 1
+        chunks = _sse(client.post("/generate", json=body).text)
+        assert "injected" in chunks[-1]["error"]["message"]
+        assert all("output_ids" in c for c in chunks[:-1])
+
+
+def test_a_client_leaving_a_streamed_batch_aborts_every_copy():
+    engine = StubEngine(token_delay_s=0.05)
+    body = {"text": "a", "stream": True, "sampling_params": {"n": 3, "max_new_tokens": 200}}
+    with served(engine) as client:
+        with client.stream("POST", "/generate", json=body) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # the first chunk, then away
+        deadline = time.monotonic() + 5
+        while len(engine.aborted) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sorted(engine.aborted) == sorted(req.rid for req in engine.submitted) and not engine.live
