@@ -51,6 +51,15 @@ def restart(c: Cluster, proc: subprocess.Popen, url: str, *extra: str) -> subpro
     return c.procs[-1]
 
 
+def routed_again(router: str, timeout_s: float = 60) -> None:
+    """Until a request through the router succeeds: it ejected the drained decode node, and takes the restarted one
+    back at its next good health check after its cool-down."""
+    deadline = time.monotonic() + timeout_s
+    while stream(router, "are you back?", 2)[0] != "ok":
+        assert time.monotonic() < deadline, "the router did not take the restarted node back"
+        time.sleep(0.5)
+
+
 def stream(url: str, prompt: str, tokens: int, *, first=None) -> tuple[str, int, str]:
     """A streamed /generate: ("ok", tokens received, "") or ("error", tokens, message). ``first`` is called once the
     first token arrived."""
@@ -142,12 +151,14 @@ def test_drain_bound_aborts_what_is_left_and_post_drain(fleet):
     c, p, d, router, _ = fleet
     old = next(pr for pr in c.procs if d.rsplit(":", 1)[1] in pr.args)
     proc = restart(c, old, d, "--drain-timeout-secs", "1")
+    routed_again(router)
     result = []
     with ThreadPoolExecutor(1) as pool:
         run = pool.submit(stream, router, "never ends", 4000, first=lambda: result.append(time.monotonic()))
         deadline = time.monotonic() + 60
-        while not result and time.monotonic() < deadline:
+        while not result and time.monotonic() < deadline and not run.done():
             time.sleep(0.01)
+        assert result, f"the stream did not start: {run.result() if run.done() else 'no first token in 60 s'}"
         answer = httpx.post(d + "/drain", timeout=10)
         assert answer.status_code == 202 and answer.json()["trigger"] == "admin", answer.text
         status, got, message = run.result()
