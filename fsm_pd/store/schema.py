@@ -7,8 +7,7 @@ Version 2 (this one) adds, over version 1:
 - ``rooms``: one row per (room, role, node), written in the same group commit as the room's first row and updated in
   the one that ends it. It holds the request id (``rid``) the room was created for, when it opened, and, once
   finished, its final state and when. It is the journal's snapshot of open rooms (``closed_at IS NULL``: what a
-  restarted node must rebuild), its index of failed rooms and of request ids, and retention's list of what to
-  archive.
+  restarted node must rebuild), its index of request ids, and retention's list of what to archive.
 """
 
 from __future__ import annotations
@@ -77,7 +76,6 @@ rooms = Table(
     PrimaryKeyConstraint("room", "role", "node", name="pk_rooms"),
     Index("ix_rooms_rid", "rid"),
     Index("ix_rooms_closed_at", "closed_at"),  # open rooms (NULL) for recovery; the oldest finished for retention
-    Index("ix_rooms_final", "final"),  # --failed
 )
 
 journal_meta = Table(
