@@ -32,6 +32,7 @@ async def run_plan(ctx: ApiContext, plan: Plan, request: Request) -> list[Reques
         # return_exceptions: every run's ending is retrieved here, none is left to be logged as never retrieved
         work = asyncio.ensure_future(asyncio.gather(*(run.run_to_end() for run in runs), return_exceptions=True))
         gone = asyncio.ensure_future(wait_disconnect(request))
+        done: set = set()  # stays empty if the wait itself is cancelled: both tasks are then cancelled below
         try:
             done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
