@@ -46,6 +46,7 @@ class StubEngine:
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._live: dict[str, threading.Event] = {}
+        self._abort_reasons: dict[str, tuple[str, int]] = {}  # rid -> what its stream ends with, as the engines do
         self._reply_ids = self.tokenizer.encode(self.reply) or [ord("x")]
         self.submit_seen = threading.Condition(self._lock)
 
@@ -74,6 +75,8 @@ class StubEngine:
         with self._lock:
             stop = self._live.pop(rid, None)
             self.aborted.append(rid)
+            if stop is not None:
+                self._abort_reasons[rid] = (reason or "aborted", status)
         if stop is None:
             return False
         stop.set()
@@ -94,6 +97,11 @@ class StubEngine:
         with self._lock:
             return list(self._live)
 
+    def _aborted(self, rid: str) -> EngineError:
+        with self._lock:
+            reason, status = self._abort_reasons.pop(rid, ("aborted", 499))
+        return EngineError(f"request {rid} {reason}", status)
+
     def _finish(self, rid: str) -> None:
         with self._lock:
             self._live.pop(rid, None)
@@ -101,7 +109,7 @@ class StubEngine:
     def _produce(self, request: GenerateRequest, stream: RequestStream, stop: threading.Event) -> None:
         if self.hang:
             stop.wait()
-            stream.push(EngineError(f"request {request.rid} aborted", 499))
+            stream.push(self._aborted(request.rid))
             return
         if self.role == "prefill":
             self._prefill(request, stream, stop)
@@ -111,7 +119,7 @@ class StubEngine:
         ids: list[int] = []
         for step in range(sampling.max_new_tokens):
             if stop.wait(self.token_delay_s) if self.token_delay_s else stop.is_set():
-                stream.push(EngineError(f"request {request.rid} aborted", 499))
+                stream.push(self._aborted(request.rid))
                 return
             if self.fail_after is not None and step >= self.fail_after:
                 self._finish(request.rid)
