@@ -68,10 +68,11 @@ class Cluster:
         d = self.serve("decode", "--transfer-backend", backend)
         return p, boot, d
 
-    def router(self, p: str, boot: int, d: str) -> str:
+    def router(self, p: str, boot: int, d: str, *extra: str) -> str:
         port = free_port()
         return self.start("router", [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", "router", "--port",
-                                     str(port), "--prefill", p, str(boot), "--decode", d], f"http://127.0.0.1:{port}")
+                                     str(port), "--prefill", p, str(boot), "--decode", d, *extra],
+                          f"http://127.0.0.1:{port}")
 
     def stop(self):
         for proc in self.procs:

@@ -140,6 +140,8 @@ def test_bootstrap_server_down(rig):
             str(dead),
             "--decode",
             r.d.url,
+            "--retry-policy",  # one attempt: the rooms counted below are its
+            "fail",
         ],
         f"http://127.0.0.1:{port}",
     )
