@@ -45,6 +45,7 @@ def main() -> int:
             console.print("running the phases")
             found = phases(router, prefills, decodes, procs, warm_rounds=1)
             figures = {name: summary(found[name], found.get(base)) for name, base in PHASES}
+            figures["load_at_kill"] = found["load_at_kill"]  # requests each node ran when its role's victim died
             if args.router == "builtin":
                 figures["counters"] = {name: metric(router, f"fsm_pd_router_{name}_total") for name in (
                     "retries", "migrations", "failover_refused", "worker_ejections")}
@@ -61,8 +62,7 @@ def main() -> int:
         table.add_row(name, str(f["ok"]), str(f["failed"]), f"{f['median_s']:.2f}", f"{f['max_s']:.2f}",
                       str(f.get("differ_from_baseline", "")), "\n".join(e[:100] for e in f["errors"][:2]))
     Console().print(table)
-    if "counters" in figures:
-        print(json.dumps(figures["counters"]))
+    print(json.dumps({"load_at_kill": figures["load_at_kill"], **figures.get("counters", {})}))
     return 0
 
 

@@ -120,14 +120,23 @@ def kill(proc) -> None:
     proc.wait(timeout=10)
 
 
-def busiest(urls: list[str]) -> str:
-    """The node with the most requests now (a router may send all load to one node: the fault must hit some)."""
+def loads(urls: list[str]) -> dict[str, int]:
+    """Requests each node runs now (-1: no answer)."""
     def load(url: str) -> int:
         try:
             return sum(rank["num_reqs"] for rank in httpx.get(url + "/get_load", timeout=5).json())
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return -1
-    return max(urls, key=load)
+    return {url: load(url) for url in urls}
+
+
+def busiest(urls: list[str], seen: dict | None = None) -> str:
+    """The node with the most requests now (a router may send all load to one node: the fault must hit some);
+    ``seen`` gets the loads."""
+    now = loads(urls)
+    if seen is not None:
+        seen.update(now)
+    return max(urls, key=now.get)
 
 
 def by_request(results: list[dict]) -> dict:
@@ -192,9 +201,10 @@ def phases(router: str, prefills: list[str], decodes: list[str], procs: dict, sh
             break
     found = {"baseline_short": baseline_short, "baseline_long": baseline_long}
     victims: dict[str, str] = {}
+    at_kill: dict[str, dict] = {}
 
     def kill_busiest(role: str, urls: list[str]) -> None:
-        victims[role] = busiest(urls)
+        victims[role] = busiest(urls, at_kill.setdefault(role, {}))
         kill(procs[victims[role]])
 
     found["prefill_kill"] = run_load(router, short, during=lambda chunks: (time.sleep(0.3),
@@ -209,7 +219,7 @@ def phases(router: str, prefills: list[str], decodes: list[str], procs: dict, sh
         kill_busiest("decode", decodes)
 
     found["decode_kill"] = run_load(router, long, kinds=KINDS[:3], during=kill_decode_mid_stream)
-    found["victims"] = victims
+    found["victims"], found["load_at_kill"] = victims, at_kill
     kill(procs[next(p for p in prefills if p != victims["prefill"])])
     found["no_prefill"] = run_load(router, short)
     return found

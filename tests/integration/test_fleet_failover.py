@@ -47,6 +47,9 @@ def test_requests_survive_a_killed_prefill_and_a_killed_decode(tmp_path):
         deadline = time.monotonic() + 20
         while httpx.get(router + "/health", timeout=10).json()["admitted"]["prefill"] and time.monotonic() < deadline:
             time.sleep(0.1)
+        info = httpx.get(router + "/server_info", timeout=10).json()
+        print("router's outstanding:", {w["url"]: w["outstanding"] for w in info["prefill"] + info["decode"]})
+        assert all(w["outstanding"] == 0 for w in info["prefill"] + info["decode"]), info  # every attempt released
         fast = [send(router, "generate", i, 8) for i in range(4)]
         assert {r["error"]["code"] for r in fast} == {"no_healthy_prefill"}, fast
         assert all("ejected" in r["error"]["message"] for r in fast)
