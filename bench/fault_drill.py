@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -20,6 +21,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+# The drills serve the tiny model, as the tests do (whose conftest sets this): without it a node serves smollm2
+os.environ.setdefault("FSM_PD_MODEL", "tiny")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
 from drills import bad_input, kill_and_restart, stop_and_continue  # noqa: E402 - the harness the tests use
 from fault_rig import Rig  # noqa: E402
