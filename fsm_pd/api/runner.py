@@ -51,6 +51,7 @@ class RequestRun:
         self._outputs = aiter(self._stream)
         self._disconnect: asyncio.Task | None = None
         self._closed = False
+        self._ended_by_engine = False
         engine.submit(request, self._stream)  # an EngineError here is the engine refusing the request outright
         self._live[request.rid] = self
 
@@ -60,6 +61,15 @@ class RequestRun:
 
     async def next_output(self) -> TokenOutput | None:
         """The next output (added to ``state``), None after the last. Raises EngineError, or ClientDisconnected."""
+        try:
+            return await self._next_output()
+        except EngineError:
+            # The engine ended the request and forgot its rid: an abort by that rid from now on could only hit a
+            # later request with the same rid (a router's retry lands on the same node with the client's rid).
+            self._ended_by_engine = True
+            raise
+
+    async def _next_output(self) -> TokenOutput | None:
         if self.state.finished:
             return None
         if self._http is None:  # an internal request (a health probe): nobody to go away
@@ -103,10 +113,11 @@ class RequestRun:
         if self._closed:
             return
         self._closed = True
-        self._live.pop(self.rid, None)
+        if self._live.get(self.rid) is self:  # a later request with the same rid may have taken the name
+            del self._live[self.rid]
         if self._disconnect is not None:
             _abandon(self._disconnect)
-        if not self.state.finished:
+        if not self.state.finished and not self._ended_by_engine:
             try:
                 aborted = self.engine.abort(self.rid)
                 log.info("request %s aborted before it finished (engine knew it: %s)", self.rid, aborted)

@@ -130,3 +130,31 @@ def test_openapi_schema_describes_the_bodies():
     props = schema["components"]["schemas"]["GenerateBody"]["properties"]
     assert {"text", "input_ids", "sampling_params", "stream", "return_logprob", "bootstrap_room"} <= set(props)
     assert "400" in schema["paths"]["/v1/chat/completions"]["post"]["responses"]
+
+
+def test_a_request_the_engine_failed_never_aborts_a_later_one_with_its_rid():
+    # A router's retry reaches the same node with the client's rid while the failed attempt's handler is still
+    # winding down: closing the failed run must leave the new one running (the engine already forgot the old).
+    import asyncio
+
+    from fsm_pd.api import StubEngine
+    from fsm_pd.api.runner import RequestRun
+    from fsm_pd.serving.types import GenerateRequest, SamplingParams
+
+    engine, live = StubEngine(fail_after=0, token_delay_s=0.05), {}
+
+    def request() -> GenerateRequest:
+        return GenerateRequest(rid="client-1", input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=50), seed=0)
+
+    async def scenario() -> None:
+        failed = RequestRun(engine, request(), engine.tokenizer, None, live)
+        with pytest.raises(EngineError):
+            await failed.next_output()
+        engine.fail_after = None
+        retry = RequestRun(engine, request(), engine.tokenizer, None, live)
+        failed.close()
+        assert engine.live == ["client-1"] and live["client-1"] is retry
+        assert (await retry.next_output()) is not None
+        retry.close()
+
+    asyncio.run(scenario())
