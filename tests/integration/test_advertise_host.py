@@ -13,9 +13,9 @@ import socket
 import sys
 import time
 
-import httpx
 import pytest
 from processes import PAGE_SIZE, Cluster, free_port, wait_health
+from test_pd_serving import greedy
 from test_transfer_backends import Producer, assert_bytes_equal, make_arrays, specs
 
 from fsm_pd.bootstrap import resolve_prefill
@@ -103,8 +103,3 @@ def test_a_pd_pair_on_ipv6_loopback_answers_as_colocated_behind_both_routers(tmp
         cluster.stop()
 
 
-def greedy(base: str, prompt: str) -> list[int]:
-    body = {"text": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
-    answer = httpx.post(base + "/generate", json=body, timeout=120)
-    assert answer.status_code == 200, answer.text
-    return answer.json()["output_ids"]
