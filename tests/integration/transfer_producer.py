@@ -9,6 +9,8 @@ Prints ``{"address": ...}`` once ready, then answers one JSON line per command l
      "fill_parts": 8, "fail_after": null} -> {"uuid": ...}     # fills part by part on a thread, after replying
     {"op": "fail", "uuid": u, "reason": "..."}  {"op": "release", "uuid": u}  -> {"ok": true}
     {"op": "open"} -> {"count": n, "nbytes": b}          {"op": "exit"}
+    {"op": "pull", "address": a, "uuid": u, "seed": 1, "shapes": [[4, 8]], "dtypes": ["float32"], "timeout_s": 20}
+        -> {"equal": bool}      # this process as the consumer: pulls and compares with make_arrays(seed, ...)
 
 Payloads come from ``make_arrays(seed, shapes, dtypes)``, which the consumer imports to know the expected bytes.
 """
@@ -71,6 +73,11 @@ def main() -> None:
             elif op == "open":
                 entries = backend.open_entries()
                 reply({"count": entries.count, "nbytes": entries.nbytes})
+            elif op == "pull":
+                want = make_arrays(cmd["seed"], cmd["shapes"], cmd["dtypes"])
+                got = backend.pull(cmd["address"], cmd["uuid"], [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in want],
+                                   cmd.get("timeout_s", 20.0))
+                reply({"equal": all(np.asarray(g).tobytes() == w.tobytes() for g, w in zip(got, want, strict=True))})
             elif op == "exit":
                 break
             else:
