@@ -164,7 +164,8 @@ class PDRouter:
         if isinstance(started, Response):
             return started
         merge = path == "/generate" and bool(body.get("return_logprob"))
-        p_logprobs = prefill_input_logprobs(started.prefill.body) if merge else None
+        # (no prefill body: the decode recomputed and the prefill leg was not waited for; its prompt logprobs are lost)
+        p_logprobs = prefill_input_logprobs(started.prefill.body) if merge and started.prefill.body else None
         d_resp = started.decode.response
         media_type = d_resp.headers.get("content-type", "application/json")
         if started.decode.body is not None:
@@ -257,8 +258,9 @@ class PDRouter:
         finally:
             prefill.outstanding -= 1
         if failed is None:
+            if p_leg.task.done():  # else the decode recomputed without it (router_legs.both_answered)
+                self.fleet.request_succeeded(prefill)
             await p_leg.close()
-            self.fleet.request_succeeded(prefill)
             if d_leg.body is not None:
                 self.fleet.request_succeeded(decode)
             return Started(p_leg, d_leg, decode, close)

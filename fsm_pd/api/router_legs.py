@@ -22,6 +22,7 @@ import httpx
 from fastapi.responses import Response
 
 from fsm_pd.api.errors import error_body, error_response
+from fsm_pd.api.streaming import RECOMPUTED_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,12 @@ class Leg:
         self.response = response = await client.send(request, stream=True)
         if whole or response.status_code >= 400 or not self.streaming:
             self.body = await response.aread()
+
+    @property
+    def recomputed(self) -> bool:
+        """A decode answer the node computed without the prefill's KV (its transfer failed): the prefill leg no
+        longer matters to it."""
+        return self.response is not None and self.response.headers.get(RECOMPUTED_HEADER) == "1"
 
     @property
     def streaming(self) -> bool:
@@ -115,11 +122,10 @@ async def both_answered(prefill: Leg, decode: Leg, deadline: float,
                 log.info("%s worker %s failed (%d); the other leg is cancelled", leg.side, leg.worker_url,
                          failed.status_code)
                 return leg, failed
+        if prefill.task in pending and decode.task not in pending and decode.recomputed:
+            log.info("decode worker %s recomputed the prompt: the prefill leg is not waited for", decode.worker_url)
+            return None
     return None
-
-    def unreachable(self) -> bool:
-        """Once the call is done: it failed without an HTTP answer (refused, reset, broken off)."""
-        return not self.task.cancelled() and isinstance(self.task.exception(), httpx.HTTPError)
 
 
 async def until(items: AsyncIterator[T], deadline: float) -> AsyncIterator[T]:

@@ -23,6 +23,14 @@ log = logging.getLogger(__name__)
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but logs and metrics say what happened
 DONE = b"data: [DONE]\n\n"
+# On a decode node's answer whose prompt it prefilled itself after a failed KV transfer (--on-transfer-failure
+# recompute): the answer no longer depends on the prefill leg, so a router need not wait for it (a stopped prefill
+# node would hold the client until its deadline).
+RECOMPUTED_HEADER = "X-FSM-PD-KV-Recompute"
+
+
+def answer_headers(state: RequestState) -> dict:
+    return {RECOMPUTED_HEADER: "1"} if state.meta.get("kv_recompute") else {}
 
 ChunkRenderer = Callable[[RequestState, TokenOutput], list[dict]]
 TailRenderer = Callable[[RequestState], list[dict]]
@@ -39,7 +47,7 @@ async def answer_whole(run: RequestRun, render: Callable[[RequestState], dict]) 
         return Response(status_code=CLIENT_CLOSED)
     finally:
         run.close()
-    return JSONResponse(render(state))
+    return JSONResponse(render(state), headers=answer_headers(state))
 
 
 async def answer_stream(run: RequestRun, on_output: ChunkRenderer, on_end: TailRenderer | None = None,
@@ -76,4 +84,5 @@ async def answer_stream(run: RequestRun, on_output: ChunkRenderer, on_end: TailR
             run.close()
 
     return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                      **answer_headers(run.state)})
