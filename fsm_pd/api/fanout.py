@@ -17,7 +17,7 @@ from fsm_pd.api.errors import error_body
 from fsm_pd.api.outputs import RequestState
 from fsm_pd.api.requests import Plan
 from fsm_pd.api.runner import RequestRun, wait_disconnect
-from fsm_pd.api.streaming import CLIENT_CLOSED, DONE, sse
+from fsm_pd.api.streaming import CLIENT_CLOSED, DONE, SSE_HEADERS, sse
 from fsm_pd.serving.types import EngineError, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -133,8 +133,7 @@ async def stream_plan(ctx: ApiContext, plan: Plan, request: Request, on_output: 
             for run in runs:
                 run.close()
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 async def _cancelled(*tasks: asyncio.Future) -> None:

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but logs and metrics say what happened
 DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no cache or proxy holds the events back
 # On a decode node's answer whose prompt it prefilled itself after a failed KV transfer (--on-transfer-failure
 # recompute): the answer no longer depends on the prefill leg, so a router need not wait for it (a stopped prefill
 # node would hold the client until its deadline).
@@ -83,6 +84,5 @@ async def answer_stream(run: RequestRun, on_output: ChunkRenderer, on_end: TailR
         finally:
             run.close()
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                      **answer_headers(run.state)})
+    return StreamingResponse(events(), media_type="text/event-stream", headers={**SSE_HEADERS,
+                                                                                 **answer_headers(run.state)})
