@@ -13,6 +13,19 @@ def model():
     return load_model("tiny")
 
 
+@pytest.fixture(scope="module")
+def pd_urls(tmp_path_factory, request):
+    """One per test module: a PD pair behind the built-in router (and the real sglang-router when installed) beside a
+    colocated node, ``processes.pd_beside_colocated``'s ``{"colocated", "router", "decode", "sglang-router"?}``."""
+    from processes import Cluster, pd_beside_colocated
+
+    cluster = Cluster(tmp_path_factory.mktemp(request.module.__name__.rpartition(".")[2]))
+    try:
+        yield pd_beside_colocated(cluster)
+    finally:
+        cluster.stop()
+
+
 @pytest.fixture
 def rig(tmp_path):
     """``rig(**kwargs)`` starts a fault rig (``fault_rig.Rig``: prefill, decode and router processes); every rig a

@@ -103,6 +103,13 @@ def pd_beside_colocated(cluster: Cluster, backend: str = "zmq") -> dict[str, str
     return found
 
 
+def post_ok(url: str, path: str, body: dict, timeout_s: float = 180) -> dict | list:
+    """POST ``body`` as JSON, assert a 200 (the answer's text in the message otherwise), return the parsed answer."""
+    r = httpx.post(url + path, json=body, timeout=timeout_s)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def routers(urls: dict[str, str]) -> list[str]:
     """The routers of ``pd_beside_colocated``'s answer that are running."""
     return [urls[name] for name in ("router", "sglang-router") if name in urls]

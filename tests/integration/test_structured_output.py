@@ -14,7 +14,7 @@ import re
 import httpx
 import jsonschema
 import pytest
-from test_pd_serving import Cluster
+from processes import Cluster, post_ok
 
 TIMEOUT_S = 180
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -35,10 +35,8 @@ def urls(tmp_path_factory):
         cluster.stop()
 
 
-def generate(url: str, body: dict) -> dict:
-    r = httpx.post(url + "/generate", json=body, timeout=TIMEOUT_S)
-    assert r.status_code == 200, r.text
-    return r.json()
+def generate(url: str, body: dict) -> dict | list:
+    return post_ok(url, "/generate", body, TIMEOUT_S)
 
 
 @pytest.mark.parametrize("prompt", ["Describe a person as JSON:", "zz", "{\"name\": 1"])

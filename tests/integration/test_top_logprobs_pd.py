@@ -9,26 +9,14 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from processes import Cluster, pd_beside_colocated, routers
+from processes import post_ok, routers
 
 TIMEOUT_S = 180
 K = 3
 
 
-@pytest.fixture(scope="module")
-def urls(tmp_path_factory):
-    """{"colocated", "router", "decode", "sglang-router" (absent without the package)} -> base URL."""
-    cluster = Cluster(tmp_path_factory.mktemp("top-logprobs"))
-    try:
-        yield pd_beside_colocated(cluster)
-    finally:
-        cluster.stop()
 
 
-def post(url: str, path: str, body: dict) -> dict:
-    r = httpx.post(url + path, json=body, timeout=TIMEOUT_S)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def assert_rows_equal(got: list, want: list) -> None:
@@ -41,20 +29,20 @@ def assert_rows_equal(got: list, want: list) -> None:
             assert [x[0] for x in g] == pytest.approx([x[0] for x in w], abs=1e-4)
 
 
-def test_generate_top_logprobs_through_pd_equal_colocated(urls):
+def test_generate_top_logprobs_through_pd_equal_colocated(pd_urls):
     body = {"text": "alternatives, please", "return_logprob": True, "top_logprobs_num": K,
             "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
-    want = post(urls["colocated"], "/generate", body)["meta_info"]
+    want = post_ok(pd_urls["colocated"], "/generate", body)["meta_info"]
     assert len(want["input_top_logprobs"]) == want["prompt_tokens"] and want["input_top_logprobs"][0] is None
     assert all(len(row) == K for row in want["input_top_logprobs"][1:] + want["output_top_logprobs"])
     for (lp, tid, _), row in zip(want["output_token_logprobs"], want["output_top_logprobs"], strict=True):
         assert row[0][:2] == [lp, tid]  # greedy: the chosen token is the best, with exactly its logprob
-    for url in routers(urls):
-        meta = post(url, "/generate", body)["meta_info"]
+    for url in routers(pd_urls):
+        meta = post_ok(url, "/generate", body)["meta_info"]
         assert_rows_equal(meta["input_top_logprobs"], want["input_top_logprobs"])  # once, from the prefill
         assert_rows_equal(meta["output_top_logprobs"], want["output_top_logprobs"])
         assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
-    texts = post(urls["router"], "/generate", {**body, "return_text_in_logprobs": True})["meta_info"]
+    texts = post_ok(pd_urls["router"], "/generate", {**body, "return_text_in_logprobs": True})["meta_info"]
     assert all(isinstance(x[2], str) for row in texts["output_top_logprobs"] for x in row)
 
 
@@ -71,7 +59,7 @@ def lm_eval_loglikelihood(url: str, context: list[int], continuation: list[int],
     prompt = [ids] if text is None else text
     body = {"model": model_id(url), "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 0,
             "temperature": 0, "seed": 1234}
-    choice = post(url, "/v1/completions", body)["choices"][0]
+    choice = post_ok(url, "/v1/completions", body)["choices"][0]
     lp = choice["logprobs"]
     assert len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(context + continuation)
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
@@ -81,34 +69,34 @@ def lm_eval_loglikelihood(url: str, context: list[int], continuation: list[int],
     return sum(tokens), all(tok == max(top.values()) for tok, top in zip(tokens, tops, strict=True))
 
 
-def test_lm_eval_loglikelihood_request(urls):
-    colocated = urls["colocated"]
-    context = post(colocated, "/tokenize", {"prompt": "The quick brown fox"})["tokens"]
-    greedy = post(colocated, "/generate", {"input_ids": context, "sampling_params": {
+def test_lm_eval_loglikelihood_request(pd_urls):
+    colocated = pd_urls["colocated"]
+    context = post_ok(colocated, "/tokenize", {"prompt": "The quick brown fox"})["tokens"]
+    greedy = post_ok(colocated, "/generate", {"input_ids": context, "sampling_params": {
         "max_new_tokens": 3, "temperature": 0, "ignore_eos": True}})["output_ids"]
     other = [(t + 1) % 256 for t in greedy]  # not the greedy continuation
     want = lm_eval_loglikelihood(colocated, context, greedy)
     assert want[1] is True and want[0] < 0
     assert lm_eval_loglikelihood(colocated, context, other)[1] is False
-    for url in routers(urls):
-        as_text = url == urls.get("sglang-router")
-        text = post(colocated, "/detokenize", {"tokens": context + greedy})["text"] if as_text else None
+    for url in routers(pd_urls):
+        as_text = url == pd_urls.get("sglang-router")
+        text = post_ok(colocated, "/detokenize", {"tokens": context + greedy})["text"] if as_text else None
         got = lm_eval_loglikelihood(url, context, greedy, text)
         assert got[1] is True and got[0] == pytest.approx(want[0], abs=1e-4)
-        text = post(colocated, "/detokenize", {"tokens": context + other})["text"] if as_text else None
+        text = post_ok(colocated, "/detokenize", {"tokens": context + other})["text"] if as_text else None
         assert lm_eval_loglikelihood(url, context, other, text)[1] is False
 
 
-def test_openai_top_logprobs_shapes_through_the_router(urls):
-    chat = {"model": model_id(urls["router"]), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+def test_openai_top_logprobs_shapes_through_the_router(pd_urls):
+    chat = {"model": model_id(pd_urls["router"]), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
             "temperature": 0, "logprobs": True, "top_logprobs": 2}
-    want = post(urls["colocated"], "/v1/chat/completions", chat)["choices"][0]["logprobs"]["content"]
-    got = post(urls["router"], "/v1/chat/completions", chat)["choices"][0]["logprobs"]["content"]
+    want = post_ok(pd_urls["colocated"], "/v1/chat/completions", chat)["choices"][0]["logprobs"]["content"]
+    got = post_ok(pd_urls["router"], "/v1/chat/completions", chat)["choices"][0]["logprobs"]["content"]
     assert len(got) == len(want) == 3
     for g, w in zip(got, want, strict=True):
         assert [t["token"] for t in g["top_logprobs"]] == [t["token"] for t in w["top_logprobs"]]
         assert set(g["top_logprobs"][0]) == {"token", "logprob", "bytes"}
         assert g["top_logprobs"][0]["logprob"] == pytest.approx(g["logprob"], abs=1e-6)  # greedy
     completion = {"model": chat["model"], "prompt": "hello", "max_tokens": 2, "temperature": 0, "logprobs": 2}
-    lp = post(urls["router"], "/v1/completions", completion)["choices"][0]["logprobs"]
+    lp = post_ok(pd_urls["router"], "/v1/completions", completion)["choices"][0]["logprobs"]
     assert len(lp["top_logprobs"]) == 2 and all(len(top) <= 2 for top in lp["top_logprobs"])
