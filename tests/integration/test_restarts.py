@@ -29,10 +29,14 @@ def test_a_node_killed_and_restarted_under_load(rig, role):
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_a_node_stopped_for_20s_under_load(rig, role):
-    figures = stop_and_continue(rig(), role, seconds=20)
+    stop_s = 20
+    figures = stop_and_continue(rig(), role, seconds=stop_s)
     print(figures)
     _no_hang(figures)
-    assert figures["longest_request_s"] <= REQUEST_BOUND_S, figures  # each ended by its deadlines
+    # Stopped prefill: every request ends by its deadlines (a decode that recomputed does not wait for it). Stopped
+    # decode: a stream it was already sending stalls with it, the KV being there, and ends once it runs again.
+    bound = REQUEST_BOUND_S if role == "prefill" else stop_s + 8
+    assert figures["longest_request_s"] <= bound, figures
     assert figures["overlapping_results"]["error"] > 0, figures
 
 
