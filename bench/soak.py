@@ -17,6 +17,8 @@ up as a step of megabytes that is not a leak. It then runs the soak's own mix fo
 journal's SQLite page caches (2 MB per connection) as the journal grows, the allocator's arenas. Measured on a 2-core
 machine at ~70 requests/s, a node's RSS still rises by a few MB in steps over the first ~14,000 requests and is flat
 after (the JSON samples show the curve), hence the default warm-up. ``--json`` adds the RSS samples taken every 10 s.
+``--smaps DIR`` saves every child's /proc/PID/smaps (and its threads) at the end of the warm-up and at every sample,
+as ``DIR/<name>-<requests after warm-up>.smaps.gz``; `bench/smaps.py` diffs them by mapping to say where a step went.
 """
 
 from __future__ import annotations
@@ -38,8 +40,17 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from fsm_pd.launch import HEALTH_TIMEOUT_S, free_port, plan, stop, wait_healthy
 from fsm_pd.transport import generate_secret, secret_env
 
+sys.path.insert(0, str(Path(__file__).parent))
+import smaps  # noqa: E402 - bench/smaps.py, a sibling script
+
 TEXT = "the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak"
 SAMPLE_EVERY_S = 10.0
+
+
+def save_smaps(directory: Path | None, children, requests: int) -> None:
+    if directory is not None:
+        for c in children:
+            smaps.save(c.proc.pid, directory / f"{c.name}-{requests}.smaps.gz")
 
 
 def rss_kb(pid: int) -> int:
@@ -133,6 +144,7 @@ async def soak(url: str, first: int, args, progress, failures: list, children, s
             rate = done / max(1e-9, time.perf_counter() - started)
             rss = {c.name: rss_kb(c.proc.pid) for c in children}
             samples.append({"requests": int(done), **rss})
+            save_smaps(args.smaps, children, int(done))
             text = " ".join(f"{name}={kb / 1024:.1f}M" for name, kb in rss.items())
             progress.update(task, rate=f"{rate:5.0f}/s  RSS {text}")
             if not progress.console.is_terminal:  # no live bar in a log: a line per sample
@@ -160,7 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transfer-backend", default="tcp")
     parser.add_argument("--journal-dir", default=None, help="journals and logs (default: a temporary directory)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON on stdout")
+    parser.add_argument("--smaps", type=Path, default=None, metavar="DIR",
+                        help="save each child's smaps at warm-up end and every sample (diff: bench/smaps.py)")
     args = parser.parse_args(argv)
+    if args.smaps is not None:
+        args.smaps.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
     failures: list[tuple[int, str]] = []
     samples: list[dict] = []
@@ -184,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
             with Progress(*columns, console=console) as progress:
                 warmed = warm_up(url, args, progress, console, failures)
                 warm = {c.name: rss_kb(c.proc.pid) for c in children}
+                save_smaps(args.smaps, children, 0)
                 elapsed = asyncio.run(soak(url, warmed, args, progress, failures, children, samples))
             end = {c.name: rss_kb(c.proc.pid) for c in children}
+            save_smaps(args.smaps, children, args.requests)
         finally:
             stop(children)
 
