@@ -136,7 +136,8 @@ def info_router(ctx: ApiContext, metrics: ApiMetrics, *, health_timeout_s: float
         return PlainTextResponse(message + "\n", status_code=200 if ok else 400)
 
     for method in ("GET", "POST"):  # one route per method: a shared route gives OpenAPI one id twice
-        router.add_api_route("/flush_cache", flush_cache, methods=[method], operation_id=f"flush_cache_{method.lower()}")
+        router.add_api_route("/flush_cache", flush_cache, methods=[method],
+                             operation_id=f"flush_cache_{method.lower()}")
 
     @router.get("/metrics")
     async def prometheus() -> Response:
