@@ -116,6 +116,8 @@ class StubEngine:
             return
         sampling = request.sampling
         eos = () if sampling.ignore_eos else self.tokenizer.eos_token_ids
+        before = list(request.generated_before)  # a migrated stream goes on where it was, as an engine does
+        prompt_tokens = len(request.input_ids) - len(before)
         ids: list[int] = []
         for step in range(sampling.max_new_tokens):
             if stop.wait(self.token_delay_s) if self.token_delay_s else stop.is_set():
@@ -125,15 +127,16 @@ class StubEngine:
                 self._finish(request.rid)
                 stream.push(EngineError("stub engine: injected failure", 500))
                 return
-            token = self._reply_ids[step % len(self._reply_ids)]
+            token = self._reply_ids[(len(before) + step) % len(self._reply_ids)]
             ids.append(token)
-            finish, text = self._finish_reason(request, ids, token, eos)
+            finish, text = self._finish_reason(request, before + ids, token, eos)
             if finish is None and step == sampling.max_new_tokens - 1:
-                finish, text = {"type": "length", "length": sampling.max_new_tokens}, self.tokenizer.decode(ids)
+                finish = {"type": "length", "length": sampling.max_new_tokens}
+                text = self.tokenizer.decode(before + ids)
             if finish is not None:
                 self._finish(request.rid)
             out = TokenOutput(token_id=token, logprob=DECODE_LOGPROB if request.return_logprob else None,
-                              finish_reason=finish, text=text, meta={"prompt_tokens": len(request.input_ids)})
+                              finish_reason=finish, text=text, meta={"prompt_tokens": prompt_tokens})
             if step == 0 and self.role == "decode" and request.return_logprob:  # the prefill's, carried by READY
                 out.input_token_logprobs = [None] + [PREFILL_LOGPROB] * (len(request.input_ids) - 1)
             stream.push(out)

@@ -21,20 +21,27 @@ class FinishReason(StrEnum):
 class StopChecker:
     """Feeds on one request's generated tokens and says when to stop and what text to return."""
 
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, eos_token_ids: Sequence[int] = (),
+                 before: Sequence[int] = ()) -> None:
+        """``before``: tokens the request generated elsewhere (a migrated stream): part of its text, searched for
+        stop strings and fed to its grammar, but not of ``output_ids`` (``max_new_tokens`` counts what is left)."""
         self._tokenizer = tokenizer
         self._params = params
         self._stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self._stop_ids |= set(eos_token_ids or tokenizer.eos_token_ids)
         self._longest_stop = max((len(s) for s in params.stop), default=0)
-        self._searched = 0  # text before this index has been searched for stop strings already
+        self.before = [int(t) for t in before]
+        # text before this index has been searched for stop strings already (the old node searched ``before``'s)
+        self._searched = len(tokenizer.decode(self.before)) if self.before and params.stop else 0
         self._text = ""
         self.output_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
         self.matched_stop: int | str | None = None
         # The request's parser, fed every token here (READY's first one too), masking the sampler's next step.
         self.grammar = new_state(params.grammar, tokenizer) if params.grammar is not None else None
+        for token_id in self.before if self.grammar is not None else ():
+            self.grammar.advance(token_id)
 
     @property
     def finished(self) -> bool:
@@ -45,7 +52,12 @@ class StopChecker:
         """The generated text so far, without special tokens and cut before a matched stop string."""
         if isinstance(self.matched_stop, str):
             return self._text
-        return self._tokenizer.decode(self.output_ids)
+        return self._tokenizer.decode(self.history)
+
+    @property
+    def history(self) -> list[int]:
+        """Every token the request generated: ``before``, then this node's (what penalties count)."""
+        return self.before + self.output_ids if self.before else self.output_ids
 
     def append(self, token_id: int) -> bool:
         """Record one generated token; returns True once the request is finished (then append no more)."""
@@ -67,7 +79,7 @@ class StopChecker:
     def _find_stop_string(self) -> bool:
         # Decoding everything each step is O(n) per token; fine for the lengths a stop string is used with, and it
         # sidesteps multi-byte characters split across tokens.
-        text = self._tokenizer.decode(self.output_ids)
+        text = self._tokenizer.decode(self.history)
         start = max(0, self._searched - self._longest_stop + 1)
         hits = [(i, s) for s in self._params.stop if (i := text.find(s, start)) >= 0]
         self._searched = len(text)

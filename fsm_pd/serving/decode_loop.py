@@ -183,8 +183,8 @@ class DecodeLoop:
         )
         requests = [s.request for s in batch]
         tokens = sample(
-            logits, [r.sampling for r in requests], [r.seed for r in requests], [s.generated for s in batch],
-            histories=[s.checker.output_ids for s in batch],  # penalties count every output token, the first too
+            logits, [r.sampling for r in requests], [r.seed for r in requests], [s.step for s in batch],
+            histories=[s.checker.history for s in batch],  # penalties count every output token, the first too
             grammars=[s.checker.grammar for s in batch],  # structured output: each parser has seen every token
         )
         if not any(r.return_logprob for r in requests):

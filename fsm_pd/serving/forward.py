@@ -50,8 +50,11 @@ def prefill_and_sample(
     )
     owner.pool = out.pool
     # A request's grammar masks its first token here too; the decode (or colocated) side's own parser is fed it next.
-    grammars = [new_state(r.sampling.grammar, model.tokenizer) if r.sampling.grammar else None for r in requests]
-    tokens = sample(out.logits, [r.sampling for r in requests], [r.seed for r in requests], [0] * len(requests),
+    # A migrated stream's first token here follows the tokens it generated before: the step, penalties and grammar
+    # count them.
+    grammars = [_grammar_after(r, model.tokenizer) for r in requests]
+    tokens = sample(out.logits, [r.sampling for r in requests], [r.seed for r in requests],
+                    [len(r.generated_before) for r in requests], histories=[r.generated_before for r in requests],
                     grammars=grammars)
     logprobs, tops = chosen_and_top(out.logits, tokens, ks) if want_logprobs else (None, None)
     return [
@@ -64,6 +67,15 @@ def prefill_and_sample(
         )
         for i, r in enumerate(requests)
     ]
+
+
+def _grammar_after(request: GenerateRequest, tokenizer):
+    if not request.sampling.grammar:
+        return None
+    state = new_state(request.sampling.grammar, tokenizer)
+    for token_id in request.generated_before:
+        state.advance(token_id)
+    return state
 
 
 # READY carries the prompt's logprobs as a list of floats; the first prompt token has none (nothing precedes it),

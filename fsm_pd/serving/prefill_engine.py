@@ -318,7 +318,7 @@ class PrefillEngine:
                 input_token_logprobs=first.input_logprobs,
                 top_logprobs=first.top_logprobs,
                 input_top_logprobs=first.input_top_logprobs,
-                meta={**seq.meta, "prompt_tokens": seq.prompt_len, "completion_tokens": 1, "cached_tokens": 0,
+                meta={**seq.meta, "completion_tokens": 1, "cached_tokens": 0,
                       **(extra_meta or {})},
             )
         )

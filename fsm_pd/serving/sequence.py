@@ -43,7 +43,7 @@ class Sequence:
         max_context: int,
         meta: dict | None = None,
     ) -> Sequence:
-        checker = StopChecker(tokenizer, request.sampling, eos_token_ids)
+        checker = StopChecker(tokenizer, request.sampling, eos_token_ids, before=request.generated_before)
         return cls(
             request,
             stream,
@@ -52,7 +52,8 @@ class Sequence:
             list(pages),
             checker,
             max_context,
-            {"prompt_tokens": len(request.input_ids), **(meta or {})},
+            # the client's prompt: a migrated stream's earlier tokens are its completion's (``client_tokens``)
+            {"prompt_tokens": len(request.input_ids) - len(request.generated_before), **(meta or {})},
         )
 
     @property
@@ -62,6 +63,11 @@ class Sequence:
     @property
     def generated(self) -> int:
         return len(self.checker.output_ids)
+
+    @property
+    def step(self) -> int:
+        """The sampling step of the next token: every token the request generated before it, on any node."""
+        return len(self.request.generated_before) + self.generated
 
     @property
     def last_token(self) -> int:
@@ -101,7 +107,7 @@ class Sequence:
             out.text = self.checker.text
             out.meta = {
                 **self.meta,
-                "completion_tokens": self.generated,
+                "completion_tokens": self.step,
                 "e2e_seconds": round(time.monotonic() - self.started, 6),
             }
         if not self.cancelled:
