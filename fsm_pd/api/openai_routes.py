@@ -212,6 +212,10 @@ def openai_router(ctx: ApiContext) -> APIRouter:
         if not plan.single:
             return await stream_plan(ctx, plan, request, chunk, tail, head)
         run = RequestRun(ctx.engine, gen, ctx.tokenizer, request, ctx.live)
+        if plan.resumed:  # a migrated stream: its client has the head, and the text its parser has seen is re-fed
+            head = []
+            if 0 in streamers:
+                streamers[0].feed(run.state.sent_text)
         return await answer_stream(run, lambda state, out: chunk(0, state, out), lambda state: tail([state]), head)
 
     def card() -> dict:

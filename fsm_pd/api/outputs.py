@@ -42,6 +42,15 @@ class RequestState:
     logprobs_sent: int = 0  # how many output tokens' logprobs the client was sent (incremental streaming)
     hide_output: bool = False  # max tokens 0: the engine's one token is not the client's
 
+    def __post_init__(self) -> None:
+        before = self.request.generated_before
+        if before:  # a migrated stream: its client has the text of these tokens, all that was certain
+            self.output_ids = list(before)
+            self.logprobs = [None] * len(before)
+            self.top_logprobs = [None] * len(before)
+            self.logprobs_sent = len(before)
+            self.sent_text = self.certain_text()
+
     def add(self, out: TokenOutput) -> None:
         if out.input_token_logprobs is not None:
             self.input_logprobs = list(out.input_token_logprobs)

@@ -18,7 +18,14 @@ from dataclasses import dataclass, replace
 
 from fsm_pd.api.chat_template import render_messages
 from fsm_pd.api.errors import ApiError
-from fsm_pd.api.schemas import MAX_BATCH, ChatCompletionBody, CompletionBody, GenerateBody, SGLangSamplingParams
+from fsm_pd.api.schemas import (
+    MAX_BATCH,
+    ChatCompletionBody,
+    CompletionBody,
+    GenerateBody,
+    ResumeField,
+    SGLangSamplingParams,
+)
 from fsm_pd.api.tools import ToolPlan, forced_grammar, plan_tools, tool_dicts
 from fsm_pd.engine.grammar import GrammarSpec, grammar_of
 from fsm_pd.engine.model import MAX_TOP_LOGPROBS
@@ -196,6 +203,7 @@ class Plan:
     hide_output: bool = False  # max tokens 0
     stream: bool = False
     tools: ToolPlan | None = None  # chat with tools: the answers' calls are parsed (api.tools)
+    resumed: bool = False  # a migrated stream's continuation (fsm_pd_resume): its client has the stream's head
 
     @property
     def single(self) -> bool:
@@ -233,13 +241,35 @@ def _prompts_of_generate(node: NodeIdentity, tokenizer, body: GenerateBody) -> t
     return prompts, batched
 
 
-def _build(node: NodeIdentity, plan: Plan, rid: str | None, make) -> Plan:
-    """Fill ``plan.requests``: ``make(input_ids)`` gives each prompt's base request."""
+def budget(node: NodeIdentity, input_ids: list[int], before: list[int], max_new: int | None) -> tuple[list[int], int]:
+    """The ids a request prefills and how many tokens it may generate. A migrated stream's earlier tokens
+    (``before``) continue its prompt and count against its max tokens."""
+    if not before:
+        return input_ids, check_lengths(node, input_ids, max_new)
+    left = None if max_new is None else max_new - len(before)
+    if left is not None and left < 1:
+        raise ApiError(400, f"fsm_pd_resume: {len(before)} tokens generated already, max tokens {max_new}: nothing "
+                            "is left to generate")
+    ids = input_ids + before
+    return ids, check_lengths(node, ids, left)
+
+
+def _build(node: NodeIdentity, plan: Plan, rid: str | None, make, resume: ResumeField | None = None) -> Plan:
+    """Fill ``plan.requests``: ``make(input_ids, before)`` gives each prompt's base request (``before``: the tokens
+    a resumed stream generated already, ``api.resume``)."""
     rid = rid or new_rid()
+    before: list[int] = []
+    if resume is not None:
+        if len(plan.prompts) != 1 or plan.copies != 1 or plan.batched:
+            raise ApiError(400, "fsm_pd_resume continues one stream: a single prompt and n = 1")
+        check_token_ids(node, resume.output_ids, "fsm_pd_resume.output_ids")
+        before, plan.resumed = list(resume.output_ids), True
     for j, ids in enumerate(plan.prompts):
-        base = make(ids)
+        base = make(ids, before)
         base.rid = rid
         plan.requests.extend(plan.fan_out(base, j))
+    if resume is not None and resume.seed is not None:  # a sampled stream goes on with the same draws
+        plan.requests[0].seed = resume.seed
     return plan
 
 
@@ -259,15 +289,16 @@ def from_generate(node: NodeIdentity, tokenizer, body: GenerateBody) -> Plan:
     plan = Plan([], prompts, copies=sp.n or 1, keep=sp.n or 1, batched=batched, hide_output=max_new == 0,
                 stream=body.stream)
 
-    def make(input_ids: list[int]) -> GenerateRequest:
-        new = check_lengths(node, input_ids, max_new)
+    def make(prompt: list[int], before: list[int]) -> GenerateRequest:
+        input_ids, new = budget(node, prompt, before, max_new)
         sampling = make_sampling(node, sp, max_new_tokens=new, seed=seed, repetition_penalty=sp.repetition_penalty)
         return GenerateRequest(rid="", input_ids=input_ids, sampling=sampling,
                                seed=choose_seed(seed, bootstrap, sampling), stream=body.stream,
                                return_logprob=body.return_logprob, bootstrap=bootstrap, top_logprobs_num=top_k,
-                               logprob_start_len=max(start, 0), text_in_logprobs=bool(body.return_text_in_logprobs))
+                               logprob_start_len=max(start, 0), text_in_logprobs=bool(body.return_text_in_logprobs),
+                               generated_before=before)
 
-    return _build(node, plan, body.rid, make)
+    return _build(node, plan, body.rid, make, body.fsm_pd_resume)
 
 
 def _openai_plan(node: NodeIdentity, body, prompts: list[list[int]], max_tokens: int | None, return_logprob: bool,
@@ -278,8 +309,8 @@ def _openai_plan(node: NodeIdentity, body, prompts: list[list[int]], max_tokens:
     plan = Plan([], prompts, copies=copies, keep=keep, batched=batched, hide_output=max_tokens == 0,
                 stream=body.stream, tools=tools)
 
-    def make(input_ids: list[int]) -> GenerateRequest:
-        new = check_lengths(node, input_ids, max_tokens)
+    def make(prompt: list[int], before: list[int]) -> GenerateRequest:
+        input_ids, new = budget(node, prompt, before, max_tokens)
         sampling = make_sampling(node, body, max_new_tokens=new, seed=body.seed,
                                  repetition_penalty=body.repetition_penalty)
         if grammar is not None:  # tool_choice required or named: the answer is one call
@@ -289,9 +320,10 @@ def _openai_plan(node: NodeIdentity, body, prompts: list[list[int]], max_tokens:
             sampling = replace(sampling, grammar=grammar)
         return GenerateRequest(rid="", input_ids=input_ids, sampling=sampling,
                                seed=choose_seed(body.seed, bootstrap, sampling), stream=body.stream,
-                               return_logprob=return_logprob, bootstrap=bootstrap, top_logprobs_num=top_k)
+                               return_logprob=return_logprob, bootstrap=bootstrap, top_logprobs_num=top_k,
+                               generated_before=before)
 
-    return _build(node, plan, body.rid, make)
+    return _build(node, plan, body.rid, make, body.fsm_pd_resume)
 
 
 def from_completion(node: NodeIdentity, tokenizer, body: CompletionBody) -> Plan:

@@ -1,7 +1,7 @@
 """The built-in router's request path: an attempt (one prefill leg and one decode leg on a pair the fleet picked,
 with a new bootstrap room and the client's rid), retries of a failed attempt before the answer starts (on another
-pair, within the request's tries and the router's retry budget), and the migration of a ``/generate`` stream whose
-decode broke off (``router_migrate.py``). ``router.py`` builds the app and reads the flags; ``fleet.py`` holds the
+pair, within the request's tries and the router's retry budget), and the migration of a stream whose decode broke
+off (``router_migrate.py``). ``router.py`` builds the app and reads the flags; ``fleet.py`` holds the
 health checks, breakers, selection and budget.
 """
 
@@ -25,9 +25,10 @@ from fsm_pd.api.requests import new_rid
 from fsm_pd.api.router_legs import DONE, Leg, both_answered, relay, until
 from fsm_pd.api.router_merge import merge_json, merge_sse, new_room, prefill_input_logprobs, with_bootstrap
 from fsm_pd.api.router_metrics import RouterMetrics
-from fsm_pd.api.router_migrate import Progress, can_migrate, continued_body, max_new_tokens
+from fsm_pd.api.router_migrate import Progress, can_migrate
 from fsm_pd.api.router_routes import RunningRequests
 from fsm_pd.api.runner import wait_disconnect
+from fsm_pd.api.streaming import PROGRESS_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +158,9 @@ class PDRouter:
         if body.get("rid") is None:  # one rid on every leg of every attempt (meta_info.id shows it)
             body = {**body, "rid": new_rid()}
         headers = self._headers(request)
+        migrating = can_migrate(path, body) and self.retry.policy == "retry"
+        if migrating:  # the decode node's chunks then say which tokens they carry
+            headers[PROGRESS_HEADER] = "1"
         deadline = asyncio.get_running_loop().time() + self.request_timeout_s
         self.budget.request()
         tries = Tries(self.retry.max_retries)
@@ -172,7 +176,7 @@ class PDRouter:
             await started.close()
             return Response(merge_json(started.decode.body, p_logprobs), status_code=d_resp.status_code,
                             media_type=media_type)
-        if can_migrate(path, body):
+        if migrating:
             stream = self._migrating(path, body, headers, deadline, tries, started)
         else:
             source = merge_sse(until(d_resp.aiter_lines(), deadline), p_logprobs) if merge else d_resp.aiter_raw()
@@ -316,23 +320,10 @@ class PDRouter:
 
         await asyncio.gather(*(one(leg) for leg in open_legs))
 
-    async def _prompt_ids(self, body: dict, headers: dict) -> list[int] | None:
-        if isinstance(body.get("input_ids"), list):
-            return list(body["input_ids"])
-        prefill = self.fleet.pick("prefill")
-        if prefill is None:
-            return None
-        try:
-            resp = await self.client.post(prefill.url + "/tokenize", json={"prompt": body["text"]}, headers=headers,
-                                          timeout=PROBE_TIMEOUT_S)
-            return list(resp.json()["tokens"]) if resp.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
-            return None
-
     async def _migrating(self, path: str, body: dict, headers: dict, deadline: float, tries: Tries,
                          started: Started) -> AsyncIterator[bytes]:
-        """Relay a ``/generate`` stream; if its decode breaks off, continue it on another pair (``router_migrate``)."""
-        progress, prompt_ids = Progress(), None
+        """Relay a stream; if its decode breaks off, continue it on another pair (``router_migrate``)."""
+        progress = Progress()
         try:
             while True:
                 worker, response = started.worker, started.decode.response
@@ -342,7 +333,7 @@ class PDRouter:
                             self.fleet.request_succeeded(worker)
                             yield DONE
                             return
-                        yield (progress.splice(line) + "\n").encode()
+                        yield (progress.relay(line) + "\n").encode()
                     problem = f"decode worker {worker.url} ended its stream without [DONE]"
                 except TimeoutError:
                     yield _error_event(504, f"the stream did not finish within the request deadline of "
@@ -355,27 +346,20 @@ class PDRouter:
                 if progress.finished:  # the last token and its finish reason went out; only [DONE] is missing
                     yield DONE
                     return
-                progress.cut()
-                left = max_new_tokens(body) - len(progress.ids)
-                failure = Failure(error_response(502, problem, code="decode_stream_broken"), not progress.finished
-                                  and left > 0, worker, "decode_stream_broken")
+                failure = Failure(error_response(502, problem, code="decode_stream_broken"), True, worker,
+                                  "decode_stream_broken")
                 refused = self._may_retry(failure, tries, migration=True)
-                if refused is None and prompt_ids is None:
-                    prompt_ids = await self._prompt_ids(body, headers)
-                    if prompt_ids is None:
-                        refused = failure.response
                 if refused is not None:
                     log.warning("stream of %s not migrated: %s", body.get("rid"), _message(refused))
                     yield _error_event(refused.status_code, _message(refused))
                     return
-                next_body = continued_body(body, prompt_ids, progress.ids)
-                again = await self._until_started(path, next_body, headers, deadline, tries)
+                again = await self._until_started(path, progress.continued(body), headers, deadline, tries)
                 if isinstance(again, Response):
                     yield _error_event(again.status_code, _message(again))
                     return
                 started = again
                 if started.decode.body is not None:  # answered whole (an error the node sent as JSON)
-                    yield (progress.splice("data: " + started.decode.body.decode(errors="replace")) + "\n\n").encode()
+                    yield (progress.relay("data: " + started.decode.body.decode(errors="replace")) + "\n\n").encode()
                     yield DONE
                     return
         finally:

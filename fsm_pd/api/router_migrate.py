@@ -1,69 +1,66 @@
-"""Decode migration for ``/generate`` streams: when the decode node dies mid-stream, the router sends prompt + the
-tokens the client already has (as ``input_ids``) to a new prefill/decode pair with ``max_new_tokens`` reduced by them,
-and splices the new stream onto the old one.
+"""Decode migration: when the decode node of a stream dies mid-stream, the router continues the stream on a new
+prefill/decode pair, and the client sees one stream with no token missing or repeated.
 
-Why ``/generate`` only: its chunks carry the ids generated so far (``output_ids``, cumulative, as SGLang's), so the
-router knows exactly which tokens the client has; an OpenAI stream carries text increments only, and text does not
-map back to token ids. Why greedy output is unchanged: the new prefill recomputes the same KV for the same ids, and
-the decode's next token depends only on them (sampling with a temperature draws from ``fold_in(seed, step)``, and the
-step restarts at the new node, so a sampled continuation differs from an undisturbed run).
+How the router knows where the stream stands: it sends ``X-FSM-PD-Progress: 1`` (``api.streaming``), and every
+chunk the node sends then names the token ids it carries and the request's resolved seed under ``fsm_pd_progress``,
+which the router strips. That works the same for ``/generate`` and the OpenAI streams, whose chunks carry text
+increments only (text does not map back to token ids).
 
-The spliced chunks: ``output_ids`` and ``text`` are the old ones followed by the new ones, and ``meta_info`` counts
-``completion_tokens`` from the first token and ``prompt_tokens`` as the client's prompt. Known limits: a stop string
-that spans the cut is not seen, and text the old stream held back (a partial UTF-8 character, a possible stop-string
-prefix) at the cut is lost from ``text`` (never from ``output_ids``).
+How the stream goes on: the router sends the same body again, with a new room and ``fsm_pd_resume`` (the ids so far
+and the seed). Both new nodes prefill the prompt followed by those ids, and the new decode node starts from where
+the old one was (``GenerateRequest.generated_before``): those tokens are the start of its output, so stop strings
+spanning the cut are found, the text held back at the cut (a partial UTF-8 character, a possible stop-string prefix)
+is sent, a chat's tool-call parser has seen what came before, penalties and structured output count the earlier
+tokens, and ``usage`` counts the prompt once and every completion token. The sampling step goes on from the earlier
+tokens' count with the same seed, so a sampled continuation draws as the undisturbed stream would have (its logits
+may differ in the last bits: one prefill over the earlier tokens against a step each; the tests check greedy
+output). ``/generate``'s chunks are cumulative, so they need nothing more; a chat stream's continuation does not
+repeat the role chunk.
+
+What does not migrate: streams with logprobs (the earlier tokens' logprobs and the prompt's were the failed
+attempt's), and several choices or prompts in one stream (``n`` > 1, a batch).
 """
 
 from __future__ import annotations
 
 import json
 
-from fsm_pd.api.requests import GENERATE_DEFAULT_MAX_NEW_TOKENS
+from fsm_pd.api.streaming import PROGRESS_FIELD
 
 
 def can_migrate(path: str, body: dict) -> bool:
-    """A streamed single-prompt ``/generate`` without logprobs (their prompt half comes from the first prefill)."""
-    if path != "/generate" or body.get("stream") is not True or body.get("return_logprob"):
+    """A single streamed answer (one prompt, one choice) without logprobs."""
+    if body.get("stream") is not True:
         return False
-    sp = body.get("sampling_params") or {}
-    if not isinstance(sp, dict) or sp.get("n") not in (None, 1):
+    if path == "/generate":
+        sp = body.get("sampling_params") or {}
+        if body.get("return_logprob") or not isinstance(sp, dict) or sp.get("n") not in (None, 1):
+            return False
+        text, ids = body.get("text"), body.get("input_ids")
+        return isinstance(text, str) or (isinstance(ids, list) and all(isinstance(i, int) for i in ids))
+    logprobs = body.get("logprobs")  # completions: a count (0 too asks for them); chat: a bool
+    if body.get("n") not in (None, 1) or not (logprobs is None or logprobs is False):
         return False
-    text, ids = body.get("text"), body.get("input_ids")
-    return isinstance(text, str) or (isinstance(ids, list) and all(isinstance(i, int) for i in ids))
-
-
-def max_new_tokens(body: dict) -> int:
-    sp = body.get("sampling_params") or {}
-    value = sp.get("max_new_tokens")
-    return GENERATE_DEFAULT_MAX_NEW_TOKENS if value is None else int(value)
-
-
-def continued_body(body: dict, prompt_ids: list[int], sent_ids: list[int]) -> dict:
-    """The request that continues after ``sent_ids``: the same fields, the prompt and those tokens as ``input_ids``,
-    ``max_new_tokens`` reduced by them."""
-    out = {k: v for k, v in body.items() if k not in ("text", "input_ids")}
-    out["input_ids"] = list(prompt_ids) + list(sent_ids)
-    out["sampling_params"] = {**(body.get("sampling_params") or {}),
-                              "max_new_tokens": max_new_tokens(body) - len(sent_ids)}
-    return out
+    if path == "/v1/chat/completions":
+        return True
+    if path == "/v1/completions":
+        prompt = body.get("prompt")
+        return body.get("best_of") in (None, 1) and not body.get("echo") and (
+            isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(i, int) for i in prompt)))
+    return False
 
 
 class Progress:
-    """What the client has been sent of one ``/generate`` stream, across migrations."""
+    """What the client has of one stream, across migrations: the token ids its chunks carried, the seed, and
+    whether the finish went out."""
 
     def __init__(self) -> None:
         self.ids: list[int] = []
-        self.text = ""
-        self.finished = False  # a chunk with a finish reason went out
-        self._base_ids: list[int] = []
-        self._base_text = ""
+        self.seed: int | None = None
+        self.finished = False
 
-    def cut(self) -> None:
-        """The current stream broke: what was sent so far becomes the base of the next one."""
-        self._base_ids, self._base_text = list(self.ids), self.text
-
-    def splice(self, line: str) -> str:
-        """One SSE line of the current decode stream, as the client must see it (the base prepended)."""
+    def relay(self, line: str) -> str:
+        """One SSE line of the decode stream, as the client must see it (the progress field taken out)."""
         if not line.startswith("data:") or line[5:].strip() == "[DONE]":
             return line
         try:
@@ -72,19 +69,23 @@ class Progress:
             return line
         if not isinstance(chunk, dict) or "error" in chunk:
             return line
-        if isinstance(chunk.get("output_ids"), list):
-            chunk["output_ids"] = self._base_ids + chunk["output_ids"]
-            self.ids = chunk["output_ids"]
-        if isinstance(chunk.get("text"), str):
-            chunk["text"] = self._base_text + chunk["text"]
-            self.text = chunk["text"]
-        meta = chunk.get("meta_info")
-        if isinstance(meta, dict):
-            if self._base_ids:
-                if isinstance(meta.get("completion_tokens"), int):
-                    meta["completion_tokens"] += len(self._base_ids)
-                if isinstance(meta.get("prompt_tokens"), int):
-                    meta["prompt_tokens"] -= len(self._base_ids)
-            if meta.get("finish_reason"):
-                self.finished = True
-        return "data: " + json.dumps(chunk, separators=(",", ":"))
+        self.finished = self.finished or _finishes(chunk)
+        progress = chunk.pop(PROGRESS_FIELD, None)
+        if not isinstance(progress, dict):
+            return line
+        self.ids.extend(int(i) for i in progress.get("ids") or ())
+        if isinstance(progress.get("seed"), int):
+            self.seed = progress["seed"]
+        return "data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
+
+    def continued(self, body: dict) -> dict:
+        """The request that continues the stream on another pair."""
+        return {**body, "fsm_pd_resume": {"output_ids": list(self.ids), "seed": self.seed}}
+
+
+def _finishes(chunk: dict) -> bool:
+    meta = chunk.get("meta_info")
+    if isinstance(meta, dict) and meta.get("finish_reason"):
+        return True
+    choices = chunk.get("choices")
+    return isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") for c in choices)

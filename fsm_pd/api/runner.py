@@ -56,6 +56,10 @@ class RequestRun:
         self._live[request.rid] = self
 
     @property
+    def http_request(self) -> Request | None:
+        return self._http
+
+    @property
     def rid(self) -> str:
         return self.state.request.rid
 

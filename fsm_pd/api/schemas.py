@@ -57,6 +57,13 @@ class SGLangSamplingParams(_Body):
     spaces_between_special_tokens: bool | None = None
 
 
+class ResumeField(_Body):
+    """Internal, sent by the fsm-pd router only: continue a stream whose decode node failed (``api/resume.py``)."""
+
+    output_ids: list[int] = Field(..., description="the tokens the stream generated before it broke off")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="the request's resolved seed on the failed node")
+
+
 class GenerateBody(_Body):
     """SGLang's ``/generate``: one prompt as ``text`` or ``input_ids``, or a batch as a list of either."""
 
@@ -70,6 +77,7 @@ class GenerateBody(_Body):
     bootstrap_host: str | None = None
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     bootstrap_room: int | None = Field(None, ge=0, le=MAX_ROOM)
+    fsm_pd_resume: ResumeField | None = None
     # not served (yet): a 400 names them unless neutral
     top_logprobs_num: int | None = None
     logprob_start_len: int | None = None
@@ -135,6 +143,7 @@ class _OpenAIBody(_Body):
     bootstrap_host: str | None = None
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     bootstrap_room: int | None = Field(None, ge=0, le=MAX_ROOM)
+    fsm_pd_resume: ResumeField | None = None
 
 
 class CompletionBody(_OpenAIBody):

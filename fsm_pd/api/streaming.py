@@ -30,6 +30,12 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no cac
 RECOMPUTED_HEADER = "X-FSM-PD-KV-Recompute"
 
 
+# Asked for by the fsm-pd router on a stream it can migrate: each chunk then says which tokens it carries, under
+# PROGRESS_FIELD, which the router strips (``api/router_migrate.py``).
+PROGRESS_HEADER = "X-FSM-PD-Progress"
+PROGRESS_FIELD = "fsm_pd_progress"
+
+
 def answer_headers(state: RequestState) -> dict:
     return {RECOMPUTED_HEADER: "1"} if state.meta.get("kv_recompute") else {}
 
@@ -55,6 +61,7 @@ async def answer_stream(run: RequestRun, on_output: ChunkRenderer, on_end: TailR
                         head: list[dict] | None = None) -> Response:
     """SSE: ``head`` chunks, then ``on_output`` chunks for each output, ``on_end`` chunks, and ``[DONE]``.
     An engine error after the headers went out is one ``data: {"error": ...}`` event (SGLang's way), then [DONE]."""
+    reported = len(run.state.output_ids)  # a resumed stream's earlier tokens are the router's already
     try:
         first = await run.next_output()
     except ClientDisconnected:
@@ -64,13 +71,21 @@ async def answer_stream(run: RequestRun, on_output: ChunkRenderer, on_end: TailR
         run.close()
         raise  # an EngineError becomes its HTTP status through the app's handler
 
+    progress = run.http_request is not None and run.http_request.headers.get(PROGRESS_HEADER) == "1"
+
     async def events():
+        nonlocal reported
         try:
             for chunk in head or ():
                 yield sse(chunk)
             out = first
             while out is not None:
-                for chunk in on_output(run.state, out):
+                chunks = on_output(run.state, out)
+                if progress and chunks:
+                    ids = run.state.output_ids
+                    chunks[-1][PROGRESS_FIELD] = {"ids": ids[reported:], "seed": run.state.request.seed}
+                    reported = len(ids)
+                for chunk in chunks:
                     yield sse(chunk)
                 out = await run.next_output()
             for chunk in on_end(run.state) if on_end else ():

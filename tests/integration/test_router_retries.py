@@ -1,7 +1,7 @@
 """The built-in router's retries and migrations in front of stub workers, over real sockets on 127.0.0.1: a failed
 attempt is tried again on another pair with a new room and the same rid (the old legs aborted first), within the
-request's tries and the router's budget; a ``/generate`` stream whose decode breaks off continues on another decode
-with prompt + the tokens already sent."""
+request's tries and the router's budget; a stream whose decode breaks off continues on another pair from the tokens
+its chunks carried (``fsm_pd_resume``)."""
 
 from __future__ import annotations
 
@@ -86,36 +86,68 @@ def test_a_4xx_is_not_retried():
         assert r.status_code == 400 and good.submitted == []
 
 
-def test_a_broken_generate_stream_continues_on_another_decode():
-    def event(ids: list[int], text: str) -> bytes:
-        doc = {"text": text, "output_ids": ids, "meta_info": {"id": "x", "finish_reason": None,
-                                                              "prompt_tokens": 2, "completion_tokens": len(ids)}}
-        return b"data: " + json.dumps(doc).encode() + b"\n\n"
-
-    reply = SSE_HEAD + chunk(event([104], "h")) + chunk(event([104, 105], "hi"))  # then the connection drops
+def migrated(reply: bytes, path: str, body: dict) -> tuple[httpx.Response, StubEngine, str]:
+    """``body`` through the router to a decode that sends ``reply`` and drops the connection, and a stub decode:
+    (the client's answer, the stub decode that took the stream over, the router's migration counter)."""
     prefill, decode = StubEngine(role="prefill"), StubEngine(role="decode")
     with contextlib.ExitStack() as stack:
         dying = stack.enter_context(scripted_worker(reply, then_close=True))
         p = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=9000)))
         d = stack.enter_context(AppServer(create_app(decode, decode.tokenizer)))
         router = stack.enter_context(AppServer(create_router_app([(p.url, 9000)], [dying, d.url])))
-        body = {"text": "hi", "stream": True, "rid": "s-1",
-                "sampling_params": {"max_new_tokens": 5, "temperature": 0}}
-        r = httpx.post(router.url + "/generate", json=body, timeout=20)
-        events = [json.loads(x) for x in sse_data(r.text)[:-1]]
-        assert sse_data(r.text)[-1] == "[DONE]" and all("error" not in e for e in events), r.text
-        moved = decode.submitted[0]
-        prompt = prefill.tokenizer.encode("hi")
-        assert moved.rid == "s-1" and moved.input_ids == prompt + [104, 105]
-        assert moved.sampling.max_new_tokens == 3
-        last = events[-1]
-        assert last["output_ids"][:2] == [104, 105] and len(last["output_ids"]) == 5
-        assert last["text"].startswith("hi") and last["meta_info"]["completion_tokens"] == 5
-        assert last["meta_info"]["prompt_tokens"] == len(prompt)
-        assert [e["output_ids"][:2] for e in events[2:]] == [[104, 105]] * (len(events) - 2)  # no token twice
-        assert counter(router.url, "fsm_pd_router_migrations_total") == {'{reason="decode_stream_broken"}': 1.0}
+        r = httpx.post(router.url + path, json=body, timeout=20)
+        migrations = counter(router.url, "fsm_pd_router_migrations_total")
     prefill.close()
     decode.close()
+    assert migrations == {'{reason="decode_stream_broken"}': 1.0}
+    assert "fsm_pd_progress" not in r.text and sse_data(r.text)[-1] == "[DONE]", r.text
+    return r, decode, prefill.tokenizer
+
+
+def sse_event(doc: dict, ids: list[int]) -> bytes:
+    """An event as a node sends it to a router that asked for progress."""
+    return chunk(b"data: " + json.dumps({**doc, "fsm_pd_progress": {"ids": ids, "seed": 11}}).encode() + b"\n\n")
+
+
+def test_a_broken_generate_stream_continues_on_another_decode():
+    def event(ids: list[int], text: str) -> dict:
+        return {"text": text, "output_ids": ids, "meta_info": {"id": "x", "finish_reason": None,
+                                                               "prompt_tokens": 2, "completion_tokens": len(ids)}}
+
+    reply = SSE_HEAD + sse_event(event([104], "h"), [104]) + sse_event(event([104, 105], "hi"), [105])  # then drops
+    body = {"text": "hi", "stream": True, "rid": "s-1", "sampling_params": {"max_new_tokens": 5, "temperature": 0}}
+    r, decode, tokenizer = migrated(reply, "/generate", body)
+    events = [json.loads(x) for x in sse_data(r.text)[:-1]]
+    assert all("error" not in e for e in events), r.text
+    moved = decode.submitted[0]
+    prompt = tokenizer.encode("hi")
+    assert moved.rid == "s-1" and moved.input_ids == prompt + [104, 105] and moved.generated_before == [104, 105]
+    assert moved.sampling.max_new_tokens == 3 and moved.seed == 11  # the failed node's seed goes on
+    last = events[-1]
+    assert last["output_ids"][:2] == [104, 105] and len(last["output_ids"]) == 5
+    assert last["text"] == tokenizer.decode(last["output_ids"]) and last["meta_info"]["completion_tokens"] == 5
+    assert last["meta_info"]["prompt_tokens"] == len(prompt)
+    assert [e["output_ids"][:2] for e in events[2:]] == [[104, 105]] * (len(events) - 2)  # no token twice
+
+
+def test_a_broken_chat_stream_continues_with_one_role_chunk_and_every_token_once():
+    def event(delta: dict) -> dict:
+        return {"id": "chatcmpl-c-1", "object": "chat.completion.chunk", "model": "stub",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+
+    head = chunk(b"data: " + json.dumps(event({"role": "assistant", "content": ""})).encode() + b"\n\n")
+    reply = SSE_HEAD + head + sse_event(event({"content": " he"}), [32, 104, 101])  # then the connection drops
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "rid": "c-1", "max_tokens": 8,
+            "temperature": 0, "stream_options": {"include_usage": True}}
+    r, decode, tokenizer = migrated(reply, "/v1/chat/completions", body)
+    events = [json.loads(x) for x in sse_data(r.text)[:-1]]
+    assert all("error" not in e for e in events), r.text
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    assert sum("role" in d for d in deltas) == 1
+    assert "".join(d.get("content") or "" for d in deltas) == " hello w"  # the stub's reply, 8 tokens, once each
+    assert decode.submitted[0].generated_before == [32, 104, 101]
+    usage = events[-1]["usage"]
+    assert usage["completion_tokens"] == 8 and usage["prompt_tokens"] == len(decode.submitted[0].input_ids) - 3
 
 
 def draining_node() -> FastAPI:
