@@ -3,9 +3,9 @@ behind the built-in router, 32 concurrent mixed streamed and whole greedy reques
 
 One cluster, phases in order (each needs the damage of the one before): SIGKILL the busiest prefill node mid-load,
 every request succeeds with the undisturbed run's output; SIGKILL the busiest decode node once half the streams have
-tokens out, every request completes with the undisturbed output (``/generate`` streams migrate, whole answers and
-streams that had not started are re-run; OpenAI streams do not migrate, so that phase sends none); then kill the last
-prefill node, and requests fail fast with 503 and the reason. Prints the figures (``pytest -s``).
+tokens out, every request completes with the undisturbed output (streams, ``/generate`` and chat alike, migrate with
+what they had sent, whole answers and streams that had not started are re-run); then kill the last prefill node,
+and requests fail fast with 503 and the reason. Prints the figures (``pytest -s``).
 """
 
 from __future__ import annotations
