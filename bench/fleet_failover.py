@@ -1,7 +1,7 @@
 """Fleet failover figures: 2 prefill + 2 decode `fsm-pd serve` nodes (tiny model, tcp, 127.0.0.1) behind a router, 32
 concurrent greedy requests of mixed kinds (/generate and chat, whole and streamed), through the phases of
 tests/integration/test_fleet_failover.py: an undisturbed baseline, SIGKILL the busiest prefill node mid-load, SIGKILL
-the busiest decode node once half the streams have tokens out (no chat streams in that phase), kill the last prefill
+the busiest decode node once half the streams have tokens out, kill the last prefill
 node.
 
 Prints per phase: requests ok / failed, median and max seconds, outputs that differ from the undisturbed run, the
