@@ -25,7 +25,7 @@ from fsm_pd.api.requests import new_rid
 from fsm_pd.api.router_legs import DONE, Leg, both_answered, relay, until
 from fsm_pd.api.router_merge import merge_json, merge_sse, new_room, prefill_input_logprobs, with_bootstrap
 from fsm_pd.api.router_metrics import RouterMetrics
-from fsm_pd.api.router_migrate import Progress, can_migrate
+from fsm_pd.api.router_migrate import Progress, can_migrate, node_failure
 from fsm_pd.api.router_routes import RunningRequests
 from fsm_pd.api.runner import wait_disconnect
 from fsm_pd.api.streaming import PROGRESS_HEADER
@@ -333,8 +333,12 @@ class PDRouter:
                             self.fleet.request_succeeded(worker)
                             yield DONE
                             return
+                        if (failed := node_failure(line)) is not None:
+                            problem = f"decode worker {worker.url} failed the stream: {failed}"
+                            break
                         yield (progress.relay(line) + "\n").encode()
-                    problem = f"decode worker {worker.url} ended its stream without [DONE]"
+                    else:
+                        problem = f"decode worker {worker.url} ended its stream without [DONE]"
                 except TimeoutError:
                     yield _error_event(504, f"the stream did not finish within the request deadline of "
                                             f"{self.request_timeout_s:g} s")

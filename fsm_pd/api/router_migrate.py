@@ -6,16 +6,17 @@ chunk the node sends then names the token ids it carries and the request's resol
 which the router strips. That works the same for ``/generate`` and the OpenAI streams, whose chunks carry text
 increments only (text does not map back to token ids).
 
-How the stream goes on: the router sends the same body again, with a new room and ``fsm_pd_resume`` (the ids so far
-and the seed). Both new nodes prefill the prompt followed by those ids, and the new decode node starts from where
-the old one was (``GenerateRequest.generated_before``): those tokens are the start of its output, so stop strings
-spanning the cut are found, the text held back at the cut (a partial UTF-8 character, a possible stop-string prefix)
-is sent, a chat's tool-call parser has seen what came before, penalties and structured output count the earlier
-tokens, and ``usage`` counts the prompt once and every completion token. The sampling step goes on from the earlier
-tokens' count with the same seed, so a sampled continuation draws as the undisturbed stream would have (its logits
-may differ in the last bits: one prefill over the earlier tokens against a step each; the tests check greedy
-output). ``/generate``'s chunks are cumulative, so they need nothing more; a chat stream's continuation does not
-repeat the role chunk.
+When: the connection broke, the stream ended without ``[DONE]``, or the node sent an error event with a 5xx (a drain
+that had to abort the stream, an engine failure). How the stream goes on: the router sends the same body again, with
+a new room and ``fsm_pd_resume`` (the ids so far and the seed). Both new nodes prefill the prompt followed by those
+ids, and the new decode node starts from where the old one was (``GenerateRequest.generated_before``): those tokens
+are the start of its output, so stop strings spanning the cut are found, the text held back at the cut (a partial
+UTF-8 character, a possible stop-string prefix) is sent, a chat's tool-call parser has seen what came before,
+penalties and structured output count the earlier tokens, and ``usage`` counts the prompt once and every completion
+token. The sampling step goes on from the earlier tokens' count with the same seed, so a sampled continuation draws
+as the undisturbed stream would have (its logits may differ in the last bits: one prefill over the earlier tokens
+against a step each; the tests check greedy output). ``/generate``'s chunks are cumulative, so they need nothing
+more; a chat stream's continuation does not repeat the role chunk.
 
 What does not migrate: streams with logprobs (the earlier tokens' logprobs and the prompt's were the failed
 attempt's), and several choices or prompts in one stream (``n`` > 1, a batch).
@@ -26,6 +27,8 @@ from __future__ import annotations
 import json
 
 from fsm_pd.api.streaming import PROGRESS_FIELD
+
+RESUMABLE_CODES = (500, 502, 503)  # not 504: a deadline passed, and the request's own is all it had
 
 
 def can_migrate(path: str, body: dict) -> bool:
@@ -81,6 +84,19 @@ class Progress:
     def continued(self, body: dict) -> dict:
         """The request that continues the stream on another pair."""
         return {**body, "fsm_pd_resume": {"output_ids": list(self.ids), "seed": self.seed}}
+
+
+def node_failure(line: str) -> str | None:
+    """The message of an error event by which a node failed a stream it was sending (a 5xx: a drain past its bound
+    aborted it, the engine failed): the stream can go on elsewhere. None for any other line."""
+    if not line.startswith("data:") or '"error"' not in line:
+        return None
+    try:
+        error = json.loads(line[5:])["error"]
+        code = error["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return str(error.get("message")) if isinstance(code, int) and code in RESUMABLE_CODES else None
 
 
 def _finishes(chunk: dict) -> bool:

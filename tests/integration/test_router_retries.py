@@ -177,3 +177,18 @@ def test_a_worker_whose_health_says_draining_gets_no_new_requests():
             {'{reason="draining",role="decode"}': 1.0}
     good.close()
     prefill.close()
+
+
+def test_a_stream_its_draining_node_aborts_continues_elsewhere():
+    event = {"id": "cmpl-d-1", "object": "text_completion", "choices": [{"index": 0, "text": " h",
+                                                                         "finish_reason": None}]}
+    aborted = {"error": {"message": "aborted: this node is draining", "type": "ServiceUnavailableError",
+                         "code": 503}}
+    reply = (SSE_HEAD + sse_event(event, [32, 104]) + chunk(b"data: " + json.dumps(aborted).encode() + b"\n\n")
+             + chunk(b"data: [DONE]\n\n"))
+    body = {"prompt": "hi", "stream": True, "rid": "d-1", "max_tokens": 5, "temperature": 0}
+    r, decode, _ = migrated(reply, "/v1/completions", body)
+    events = [json.loads(x) for x in sse_data(r.text)[:-1]]
+    assert all("error" not in e for e in events), r.text
+    assert "".join(c["text"] for e in events for c in e["choices"]) == " hell"
+    assert decode.submitted[0].generated_before == [32, 104]
