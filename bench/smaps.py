@@ -80,7 +80,8 @@ def parse(text: str) -> Snapshot:
             continue
         if in_threads:
             tid, _, name = line.partition(" ")
-            threads[int(tid)] = name
+            if tid.isdigit():
+                threads[int(tid)] = name
             continue
         header = HEADER.match(line)
         if header:
@@ -147,7 +148,8 @@ def diff(old: Snapshot, new: Snapshot, top: int = 15) -> str:
         size = f" size {was.size_kb}->{m.size_kb} kB" if m.end != was.end else ""
         out.append(f"  {d_rss:+9d} kB rss {d_anon:+9d} kB anon  {describe(m, new)}{size}")
     for title, left, right, snap in (("new", new, old, new), ("gone", old, new, old)):
-        only = [m for s, m in left.mappings.items() if s not in right.mappings]
+        # A reservation (---p: an arena's rest, a guard page) holds no memory and moves as its arena grows.
+        only = [m for s, m in left.mappings.items() if s not in right.mappings and not m.perms.startswith("---")]
         out.append(f"{title} mappings: {len(only)}, {sum(m.kb('Rss') for m in only)} kB rss, "
                    f"{sum(m.size_kb for m in only)} kB size")
         for m in sorted(only, key=lambda m: -m.kb("Rss"))[:top]:

@@ -10,13 +10,15 @@ succeed.
     python bench/soak.py [--requests 20000] [--warmup 12000] [--warmup-s 90] [--concurrency 16] [--json]
 
 The target (issue 11) is under 0.05 KB per request on every node. The warm-up first sweeps the shapes the servers
-compile (every batch size up to ``--concurrency``, greedy, sampled and mixed batches): a program compiled late shows
-up as a step of megabytes that is not a leak. It then runs the soak's own mix for ``--warmup`` requests and at least
-``--warmup-s`` seconds, because a node's time-windowed tables (the side channel's replay nonces and delivered keys,
-60 s) fill to request rate x window and only then is RSS steady. Other bounded memory fills more slowly: the
-journal's SQLite page caches (2 MB per connection) as the journal grows, the allocator's arenas. Measured on a 2-core
-machine at ~70 requests/s, a node's RSS still rises by a few MB in steps over the first ~14,000 requests and is flat
-after (the JSON samples show the curve), hence the default warm-up. ``--json`` adds the RSS samples taken every 10 s.
+compile (every batch size up to ``--concurrency``, greedy, sampled and mixed batches, each with the shortest prompts
+alone, the longest alone and the mix): a program compiled late shows up as a step of megabytes that is not a leak,
+and the report counts the code mappings a node added during the soak (XLA maps each program it loads) to say so. It
+then runs the soak's own mix for ``--warmup`` requests and at least ``--warmup-s`` seconds, because a node's
+time-windowed tables (the side channel's replay nonces and delivered keys, 60 s) fill to request rate x window and
+only then is RSS steady. Other bounded memory fills more slowly: the journal's SQLite page caches (2 MB per
+connection) as the journal grows, the allocator's arenas. Measured on a 2-core machine at ~70 requests/s, a node's
+RSS still rises by a few MB in steps over the first ~14,000 requests and is flat after (the JSON samples show the
+curve), hence the default warm-up. ``--json`` adds the RSS samples taken every 10 s.
 ``--smaps DIR`` saves every child's /proc/PID/smaps (and its threads) at the end of the warm-up and at every sample,
 as ``DIR/<name>-<requests after warm-up>.smaps.gz``; `bench/smaps.py` diffs them by mapping to say where a step went.
 """
@@ -90,9 +92,10 @@ async def one(client: httpx.AsyncClient, url: str, i: int, temperature: float | 
     return None
 
 
-async def drive(url: str, first: int, count: int, concurrency: int, advance, failures: list,
+async def drive(url: str, indices, concurrency: int, advance, failures: list,
                 temperature: float | None = None) -> None:
-    queue = iter(range(first, first + count))
+    """Requests ``request_for(i)`` for every ``i`` of ``indices``, at most ``concurrency`` at a time."""
+    queue = iter(indices)
     timeout = httpx.Timeout(120.0, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=concurrency)) as client:
         async def worker():
@@ -105,27 +108,46 @@ async def drive(url: str, first: int, count: int, concurrency: int, advance, fai
         await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
-def shape_sweep(concurrency: int) -> list[tuple[float | None, int, int]]:
-    """(temperature, concurrency, requests) phases that make the servers compile every batch shape the soak uses."""
+def code_maps(pid: int) -> int:
+    """Anonymous executable mappings: XLA loads each program it compiles (or reads from the persistent cache) as
+    code of its own, so a rise during the soak means a program compiled late."""
+    with open(f"/proc/{pid}/maps") as f:
+        return sum(1 for line in f if len(fields := line.split()) == 5 and fields[1] == "r-xp")
+
+
+def shape_sweep(concurrency: int) -> list[tuple[float | None, int, range]]:
+    """(temperature, concurrency, request indices) phases that make the servers compile every program the soak uses.
+
+    A program is chosen per batch bucket and per length class of the batch's longest prompt (the prefill's token
+    bucket, the decode's page-table width), so each level runs the shortest prompts alone (``i % 5 == 0``: two
+    words, a decode batch within one page), the longest alone (``i % 5 == 4``) and the mix. Without the first, a
+    decode batch of 8 or 16 short prompts only came together by chance, thousands of requests into the soak, and
+    its compile grew the node by 3 to 6 MB (``docs/serving.md``)."""
     levels = [c for c in (1, 2, 4, 8, 16, 32, 64, 128) if c < concurrency] + [concurrency]
-    return [(temperature, c, 8 * c) for temperature in (0.0, 0.7, None) for c in levels]
+    phases = []
+    for temperature in (0.0, 0.7, None):
+        for c in levels:
+            n = 8 * c
+            phases += [(temperature, c, range(0, 5 * n, 5)), (temperature, c, range(4, 5 * n, 5)),
+                       (temperature, c, range(n))]
+    return phases
 
 
 def warm_up(url: str, args, progress, console, failures: list) -> int:
     """The shape sweep, then the soak's mix until ``--warmup`` requests and ``--warmup-s`` seconds; returns how many
     requests it sent."""
     sweep = shape_sweep(args.concurrency)
-    task = progress.add_task("warm-up", total=sum(n for *_, n in sweep) + args.warmup, rate="")
+    task = progress.add_task("warm-up", total=sum(len(r) for *_, r in sweep) + args.warmup, rate="")
     advance = lambda: progress.advance(task)  # noqa: E731
     sent, started = 0, time.perf_counter()
-    for temperature, level, count in sweep:
-        asyncio.run(drive(url, sent, count, level, advance, failures, temperature))
-        sent += count
+    for temperature, level, indices in sweep:
+        asyncio.run(drive(url, indices, level, advance, failures, temperature))
+        sent += len(indices)
     mixed = 0
     while mixed < args.warmup or time.perf_counter() - started < args.warmup_s:
         batch = max(args.warmup - mixed, 20 * args.concurrency)
         progress.update(task, total=sent + batch)
-        asyncio.run(drive(url, sent, batch, args.concurrency, advance, failures))
+        asyncio.run(drive(url, range(sent, sent + batch), args.concurrency, advance, failures))
         sent, mixed = sent + batch, mixed + batch
         if not console.is_terminal:
             console.print(f"warm-up: {sent} requests, {time.perf_counter() - started:.0f} s")
@@ -152,7 +174,8 @@ async def soak(url: str, first: int, args, progress, failures: list, children, s
 
     shower = asyncio.ensure_future(show())
     try:
-        await drive(url, first, args.requests, args.concurrency, lambda: progress.advance(task), failures)
+        await drive(url, range(first, first + args.requests), args.concurrency, lambda: progress.advance(task),
+                    failures)
     finally:
         shower.cancel()
     return time.perf_counter() - started
@@ -200,15 +223,18 @@ def main(argv: list[str] | None = None) -> int:
             with Progress(*columns, console=console) as progress:
                 warmed = warm_up(url, args, progress, console, failures)
                 warm = {c.name: rss_kb(c.proc.pid) for c in children}
+                warm_code = {c.name: code_maps(c.proc.pid) for c in children}
                 save_smaps(args.smaps, children, 0)
                 elapsed = asyncio.run(soak(url, warmed, args, progress, failures, children, samples))
             end = {c.name: rss_kb(c.proc.pid) for c in children}
+            late_code = {c.name: code_maps(c.proc.pid) - warm_code[c.name] for c in children}
             save_smaps(args.smaps, children, args.requests)
         finally:
             stop(children)
 
     figures = {name: {"rss_warm_kb": warm[name], "rss_end_kb": end[name],
-                      "kb_per_request": round((end[name] - warm[name]) / max(1, args.requests), 4)}
+                      "kb_per_request": round((end[name] - warm[name]) / max(1, args.requests), 4),
+                      "code_maps_added": late_code[name]}
                for name in warm}
     result = {"requests": args.requests, "warmup": warmed, "concurrency": args.concurrency,
               "failed": len(failures), "seconds": round(elapsed, 1),
@@ -221,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{len(failures)} failed, {result['requests_per_s']} requests/s")
     for name, f in figures.items():
         console.print(f"  {name:10s} RSS {f['rss_warm_kb'] / 1024:8.1f} MiB -> {f['rss_end_kb'] / 1024:8.1f} MiB"
-                      f"   {f['kb_per_request']:+.4f} KB/request")
+                      f"   {f['kb_per_request']:+.4f} KB/request"
+                      + (f"   ({f['code_maps_added']} code mappings added: a program compiled late)"
+                         if f["code_maps_added"] else ""))
     return 1 if failures else 0
 
 
