@@ -97,7 +97,7 @@ class KVManager:
             self.admission = admission if admission is not None else PoolAdmission(PageAllocator(layout.num_pages))
             self.effects = DecodeEffects(
                 layout=layout.to_dict(), channel=self.senders,
-                resolver=ThreadedResolver(lambda ctx: self.resolver(ctx), self.lookups), admission=self.admission,
+                resolver=ThreadedResolver(lambda: self.resolver, self.lookups), admission=self.admission,
                 puller=ThreadedPuller(self.backend, kv.pull_spec, self.workers), model=self.model, kv=kv,
                 faults=faults, pull_delay_s=fault_pull_delay_s)
             machine = RECEIVER

@@ -48,23 +48,42 @@ class PrefillResolver:
 
     def __call__(self, ctx: Mapping[str, Any]) -> dict:
         """``{"prefill_addr", "peer"}``, plus ``"bootstrap_url"`` and, if registered, ``"prefill_instance"`` when
-        found through a bootstrap server. Raises ``LookupError``."""
+        found through a bootstrap server. Blocks for a lookup's retries. Raises ``LookupError``."""
         if "prefill_addr" in ctx:
             return {"prefill_addr": ctx["prefill_addr"], "peer": ctx.get("peer", "prefill")}
-        if "bootstrap_addr" not in ctx:
-            raise LookupError("the request names neither a bootstrap server (bootstrap_host/bootstrap_port) "
-                              "nor a prefill side-channel address")
-        url = base_url(str(ctx["bootstrap_addr"]))
-        key = (url, int(ctx.get("prefill_dp_rank", 0)))
+        url, key = _key(ctx)
         with self._lock:
             found = self._cache.get(key)
         doubted = found if found is not None and self._suspect(found["side_channel"]) else None
         if found is None or doubted is not None:
             found = self._ask(url, key, doubted)
-        out = {"prefill_addr": found["side_channel"], "peer": found.get("node_id", "prefill"), "bootstrap_url": url}
-        if found.get("instance"):
-            out["prefill_instance"] = found["instance"]
-        return out
+        return _answer(url, found)
+
+    def without_waiting(self, ctx: Mapping[str, Any]) -> dict | Future | None:
+        """What ``self(ctx)`` would give, without blocking: the answer when no lookup is needed, a future of it when
+        a lookup of the same rank is under way, None when a lookup must be made (call ``self(ctx)`` on a worker).
+        Why: a bootstrap server that is down holds its lookup for the retries, and a room waiting on that lookup must
+        not hold a worker too, or rooms of live prefill nodes queue behind them until their bootstrap deadline."""
+        if "prefill_addr" in ctx:
+            return self(ctx)
+        url, key = _key(ctx)
+        with self._lock:
+            found, pending = self._cache.get(key), self._asking.get(key)
+        if found is not None and not self._suspect(found["side_channel"]):
+            return _answer(url, found)
+        if pending is None:
+            return None
+        answer: Future = Future()
+
+        def forward(done: Future) -> None:
+            error = done.exception()
+            if error is not None:
+                answer.set_exception(error)
+            else:
+                answer.set_result(_answer(url, done.result()))
+
+        pending.add_done_callback(forward)
+        return answer
 
     def _ask(self, url: str, key: tuple[str, int], doubted: dict | None) -> dict:
         """Ask the bootstrap server, once for all the rooms that need the same rank meanwhile: while a lookup is
@@ -111,6 +130,21 @@ class PrefillResolver:
             for key in stale:
                 del self._cache[key]
         return len(stale)
+
+
+def _key(ctx: Mapping[str, Any]) -> tuple[str, tuple[str, int]]:
+    if "bootstrap_addr" not in ctx:
+        raise LookupError("the request names neither a bootstrap server (bootstrap_host/bootstrap_port) "
+                          "nor a prefill side-channel address")
+    url = base_url(str(ctx["bootstrap_addr"]))
+    return url, (url, int(ctx.get("prefill_dp_rank", 0)))
+
+
+def _answer(url: str, found: dict) -> dict:
+    out = {"prefill_addr": found["side_channel"], "peer": found.get("node_id", "prefill"), "bootstrap_url": url}
+    if found.get("instance"):
+        out["prefill_instance"] = found["instance"]
+    return out
 
 
 def prefill_registration(*, host: str, side_channel: str, transfer_addr: str, backend: str, layout: dict,

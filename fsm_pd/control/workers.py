@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from typing import Any
 
 from fsm_pd.control.ports import OnProgress, ResultDone
@@ -52,11 +52,26 @@ class ThreadedPuller:
 
 
 class ThreadedResolver:
-    """``lookup(ctx)`` (a ``PrefillResolver``: HTTP with retries) on ``workers``."""
+    """A ``PrefillResolver`` (HTTP with retries): answered at once from its cache, joined to a lookup of the same
+    rank under way, else looked up on ``workers``. Only the one lookup per rank holds a worker, so a bootstrap
+    server that is down (retried for seconds) cannot hold every worker while rooms of live nodes wait."""
 
-    def __init__(self, lookup: Callable[[Mapping[str, Any]], dict], workers: Executor):
-        self.lookup, self.workers = lookup, workers
+    def __init__(self, resolver: Callable[[], Any], workers: Executor):
+        """``resolver()``: the node's resolver now (a test may swap it for a plain function of ``ctx``)."""
+        self.resolver, self.workers = resolver, workers
 
     def resolve(self, ctx: Mapping[str, Any], done: ResultDone) -> None:
-        ctx = dict(ctx)
-        self.workers.submit(_call, done, lambda: self.lookup(ctx))
+        ctx, lookup = dict(ctx), self.resolver()
+        without_waiting = getattr(lookup, "without_waiting", lambda ctx: None)
+        try:
+            now = without_waiting(ctx)
+        except Exception as exc:  # noqa: BLE001 - the handler decides what the failure means
+            _report(done, None, exc)
+            return
+        if isinstance(now, Future):
+            now.add_done_callback(lambda f: _report(done, None, f.exception()) if f.exception() is not None
+                                  else _report(done, f.result(), None))
+        elif now is not None:
+            _report(done, now, None)
+        else:
+            self.workers.submit(_call, done, lambda: lookup(ctx))
