@@ -217,11 +217,13 @@ class PDRouter:
     def _may_retry(self, failure: Failure, tries: Tries, migration: bool = False) -> Response | None:
         """None when ``failure`` is to be tried again (counted); else the client's answer."""
         tries.last = _message(failure.response)
+        tries.first = tries.first or tries.last
         if not failure.retryable or self.retry.policy == "fail":
             return failure.response
         if tries.left <= 0:
             self.metrics.gave_up.labels("retries_exhausted").inc()
-            return error_response(503, f"gave up after {tries.used + 1} attempts; the last: {tries.last}",
+            first = f"; the first: {tries.first}" if tries.first != tries.last else ""
+            return error_response(503, f"gave up after {tries.used + 1} attempts{first}; the last: {tries.last}",
                                   code="retries_exhausted")
         if not self.budget.try_retry():
             self.metrics.gave_up.labels("retry_budget").inc()
@@ -404,6 +406,7 @@ class Tries:
 
     max_retries: int
     used: int = 0
+    first: str = ""  # what went wrong first (a drain that aborted the stream), when later attempts fail otherwise
     last: str = ""
 
     @property

@@ -162,7 +162,10 @@ def test_drain_bound_aborts_what_is_left_and_post_drain(fleet):
         answer = httpx.post(d + "/drain", timeout=10)
         assert answer.status_code == 202 and answer.json()["trigger"] == "admin", answer.text
         status, got, message = run.result()
-    assert status == "error" and 0 < got < 4000 and "draining" in message and "drain timeout of 1 s" in message
+    # the router would move the aborted stream on, but its one decode node is draining (ejected, or refusing): the
+    # client's error names the drain that cut the stream
+    assert status == "error" and 0 < got < 4000, (status, got, message)
+    assert "drain timeout of 1 s" in message, message
     assert proc.wait(timeout=30) == 0
     text = (c.tmp / f"restarted-{c.procs.index(proc)}.log").read_text()
     assert "aborted 1 of 1 open requests" in text and "stopped cleanly" in text
