@@ -56,6 +56,9 @@ class Worker:
     health_failures: int = 0
     request_failures: int = 0
     last_health: str = "unchecked"
+    # set when its health checks eject it (not a drain: a draining node finishes its streams): the streams it is
+    # sending end, or move on, at once instead of waiting out the deadline on a stopped node's open connection
+    lost: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     def describe(self) -> dict:
         return {"url": self.url, "admitted": self.admitted, "outstanding": self.outstanding,
@@ -134,6 +137,7 @@ class Fleet:
             worker.health_failures = 0
             if not worker.admitted and now - worker.ejected_at >= self.breaker.cooldown_s:
                 worker.admitted, worker.request_failures, worker.reason = True, 0, ""
+                worker.lost = asyncio.Event()
                 log.info("%s worker %s re-admitted", worker.role, worker.url)
                 self._observer("readmitted", worker.role, "health_ok")
             return
@@ -143,6 +147,7 @@ class Fleet:
         elif worker.health_failures >= self.breaker.health_failures:
             self._eject(worker, f"{worker.health_failures} health checks failed in a row, the last: {detail}",
                         kind="health_check")
+            worker.lost.set()
 
     def _eject(self, worker: Worker, reason: str, kind: str = "requests") -> None:
         worker.reason = reason

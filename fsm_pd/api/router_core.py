@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fsm_pd.api.errors import error_body, error_response
 from fsm_pd.api.fleet import BreakerSettings, Fleet, HealthChecker, RetryBudget, Worker
 from fsm_pd.api.requests import new_rid
-from fsm_pd.api.router_legs import DONE, Leg, both_answered, relay, until
+from fsm_pd.api.router_legs import DONE, Leg, WorkerLost, both_answered, relay, until
 from fsm_pd.api.router_merge import merge_json, merge_sse, new_room, prefill_input_logprobs, with_bootstrap
 from fsm_pd.api.router_metrics import RouterMetrics
 from fsm_pd.api.router_migrate import Progress, can_migrate, node_failure
@@ -180,8 +180,8 @@ class PDRouter:
             stream = self._migrating(path, body, headers, deadline, tries, started)
         else:
             source = merge_sse(until(d_resp.aiter_lines(), deadline), p_logprobs) if merge else d_resp.aiter_raw()
-            stream = self._closing(relay(source, d_resp, started.worker.url, deadline, self.request_timeout_s),
-                                   started)
+            stream = self._closing(relay(source, d_resp, started.worker.url, deadline, self.request_timeout_s,
+                                         started.worker.lost), started)
         return StreamingResponse(stream, status_code=d_resp.status_code, media_type=media_type)
 
     async def _closing(self, stream: AsyncIterator[bytes], started: Started) -> AsyncIterator[bytes]:
@@ -256,7 +256,7 @@ class PDRouter:
                 release()
 
         try:
-            failed = await both_answered(p_leg, d_leg, deadline, self.request_timeout_s)
+            failed = await both_answered(p_leg, d_leg, deadline, self.request_timeout_s, (prefill.lost, decode.lost))
         except BaseException:
             await p_leg.close()
             await close()
@@ -289,6 +289,8 @@ class PDRouter:
             return Failure(response, False, None, "request_timeout")
         worker = prefill if leg.side == "prefill" else decode
         after = leg.side == "decode" and p_leg.task.done() and not p_leg.task.cancelled() and p_leg.failure() is None
+        if leg.lost:  # ejected by its health checks already
+            return Failure(response, True, worker, f"{leg.side}_lost", after)
         if leg.unreachable():
             reason = f"{leg.side}_unreachable"
             self.fleet.request_failed(worker, _message(response))
@@ -330,7 +332,7 @@ class PDRouter:
             while True:
                 worker, response = started.worker, started.decode.response
                 try:
-                    async for line in until(response.aiter_lines(), deadline):
+                    async for line in until(response.aiter_lines(), deadline, worker.lost):
                         if line.strip() == "data: [DONE]":
                             self.fleet.request_succeeded(worker)
                             yield DONE
@@ -347,6 +349,8 @@ class PDRouter:
                     return
                 except httpx.HTTPError as err:
                     problem = f"decode worker {worker.url} broke off its stream: {type(err).__name__}: {err}"
+                except WorkerLost:
+                    problem = f"decode worker {worker.url} failed its health checks mid-stream (dead, stopped or hung)"
                 await started.close()
                 self.fleet.request_failed(worker, problem)
                 if progress.finished:  # the last token and its finish reason went out; only [DONE] is missing

@@ -37,6 +37,7 @@ class Leg:
     def __init__(self, side: str, worker_url: str, client: httpx.AsyncClient, url: str, body: dict, headers: dict,
                  *, whole: bool):
         self.side, self.worker_url = side, worker_url
+        self.lost = False  # its worker's health checks ejected it before it answered (``both_answered``)
         self.response: httpx.Response | None = None
         self.body: bytes | None = None
         request = client.build_request("POST", url, json=body, headers=headers)
@@ -104,18 +105,38 @@ def deadline_error(waiting_for: list[Leg], timeout_s: float) -> Response:
                           code="request_timeout")
 
 
-async def both_answered(prefill: Leg, decode: Leg, deadline: float,
-                        timeout_s: float) -> tuple[Leg | None, Response] | None:
+async def both_answered(prefill: Leg, decode: Leg, deadline: float, timeout_s: float,
+                        lost: tuple[asyncio.Event, asyncio.Event] | None = None) -> tuple[Leg | None, Response] | None:
     """Wait until the prefill's answer is complete and the decode's has started (or was read whole). Returns the
     failed leg (None: the deadline passed) and the client's error answer, else None. The first leg to fail decides:
-    the caller closes both legs either way."""
+    the caller closes both legs either way. ``lost``: the prefill's and the decode's worker's events, set when their
+    health checks eject them (a stopped node never answers: its leg fails then instead of at the deadline)."""
     pending = {prefill.task, decode.task}
+    watchers = {asyncio.ensure_future(event.wait()): leg for event, leg in zip(lost or (), (prefill, decode),
+                                                                               strict=False)}
+    try:
+        return await _both_answered(prefill, decode, deadline, timeout_s, pending, watchers)
+    finally:
+        for watcher in watchers:
+            watcher.cancel()
+
+
+async def _both_answered(prefill: Leg, decode: Leg, deadline: float, timeout_s: float, pending: set,
+                         watchers: dict[asyncio.Future, Leg]) -> tuple[Leg | None, Response] | None:
     loop = asyncio.get_running_loop()
     while pending:
-        done, pending = await asyncio.wait(pending, timeout=max(0.0, deadline - loop.time()),
-                                           return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(pending | set(watchers), timeout=max(0.0, deadline - loop.time()),
+                                     return_when=asyncio.FIRST_COMPLETED)
         if not done:
             return None, deadline_error([leg for leg in (prefill, decode) if leg.task in pending], timeout_s)
+        pending -= done
+        for watcher in done & set(watchers):
+            leg = watchers[watcher]
+            if leg.task in pending:  # still waiting for its answer
+                leg.lost = True
+                return leg, error_response(502, f"{leg.side} worker {leg.worker_url} failed its health checks "
+                                                "before it answered (dead, stopped or hung)", code=f"{leg.side}_lost")
+            del watchers[watcher]
         # the prefill's failure wins a tie: it is the cause when both fail at once (the decode then lost its KV)
         for leg in (prefill, decode):
             if leg.task in done and (failed := leg.failure()) is not None:
@@ -128,30 +149,61 @@ async def both_answered(prefill: Leg, decode: Leg, deadline: float,
     return None
 
 
-async def until(items: AsyncIterator[T], deadline: float) -> AsyncIterator[T]:
-    """``items``, raising TimeoutError when the next one has not come by ``deadline`` (the event loop's clock)."""
+class WorkerLost(Exception):
+    """The worker's health checks ejected it (dead, stopped, hung) while its stream was being read."""
+
+
+async def until(items: AsyncIterator[T], deadline: float, lost: asyncio.Event | None = None) -> AsyncIterator[T]:
+    """``items``, raising TimeoutError when the next one has not come by ``deadline`` (the event loop's clock), and
+    WorkerLost once ``lost`` is set (a stopped node keeps its connections open: only its health checks tell)."""
     iterator = aiter(items)
-    while True:
-        try:
-            async with asyncio.timeout_at(deadline):  # not around the yield: the consumer's time is not ours
-                item = await anext(iterator)
-        except StopAsyncIteration:
-            return
-        yield item
+    waiting: asyncio.Timeout | None = None
+    fired = False
+
+    async def watch() -> None:  # one task per stream, not one per item: it cuts the wait short through its timeout
+        nonlocal fired
+        await lost.wait()
+        fired = True
+        if waiting is not None:
+            waiting.reschedule(asyncio.get_running_loop().time())
+
+    watcher = asyncio.ensure_future(watch()) if lost is not None else None
+    try:
+        while True:
+            if fired:
+                raise WorkerLost
+            try:
+                async with asyncio.timeout_at(deadline) as waiting:  # not around the yield: the consumer's time
+                    item = await anext(iterator)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                if fired:
+                    raise WorkerLost from None
+                raise
+            finally:
+                waiting = None
+            yield item
+    finally:
+        if watcher is not None:
+            watcher.cancel()
 
 
 async def relay(source: AsyncIterator[bytes], response: httpx.Response, worker_url: str, deadline: float,
-                timeout_s: float) -> AsyncIterator[bytes]:
-    """Pass an event stream through; if it breaks, stalls past the deadline or ends without ``[DONE]``, finish it
-    with an error event and ``[DONE]`` so the client always learns how its request ended."""
+                timeout_s: float, lost: asyncio.Event | None = None) -> AsyncIterator[bytes]:
+    """Pass an event stream through; if it breaks, stalls past the deadline, its worker is ejected as unhealthy
+    (``lost``) or it ends without ``[DONE]``, finish it with an error event and ``[DONE]`` so the client always
+    learns how its request ended."""
     tail = b""
     try:
         try:
-            async for chunk in until(source, deadline):
+            async for chunk in until(source, deadline, lost):
                 tail = (tail + chunk)[-32:]
                 yield chunk
         except TimeoutError:
             problem = 504, f"the stream did not finish within the request deadline of {timeout_s:g} s"
+        except WorkerLost:
+            problem = 502, f"decode worker {worker_url} failed its health checks mid-stream (dead, stopped or hung)"
         except httpx.HTTPError as err:
             problem = 502, f"decode worker {worker_url} broke off its stream: {type(err).__name__}: {err}"
         else:

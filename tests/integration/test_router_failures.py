@@ -33,9 +33,9 @@ class StallsAfterFirstToken(StubEngine):
 
 
 @contextlib.contextmanager
-def scripted_worker(reply: bytes, *, then_close: bool):
+def scripted_worker(reply: bytes, *, then_close: bool, hold_s: float = 10.0):
     """A raw HTTP worker: answers every request with ``reply`` (headers and the start of a body) and then closes the
-    connection (``then_close``) or holds it open until the client goes away."""
+    connection (``then_close``) or holds it open until the client goes away (or ``hold_s`` of silence)."""
     server = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()
 
@@ -47,7 +47,7 @@ def scripted_worker(reply: bytes, *, then_close: bool):
             except TimeoutError:
                 continue
             with conn:
-                conn.settimeout(10)
+                conn.settimeout(hold_s)
                 data = b""
                 while b"\r\n\r\n" not in data:
                     data += conn.recv(65536)

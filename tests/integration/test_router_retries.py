@@ -192,3 +192,41 @@ def test_a_stream_its_draining_node_aborts_continues_elsewhere():
     assert all("error" not in e for e in events), r.text
     assert "".join(c["text"] for e in events for c in e["choices"]) == " hell"
     assert decode.submitted[0].generated_before == [32, 104]
+
+
+def router_before_a_silent_decode(reply: bytes):
+    """A router in front of a stub prefill, a decode that sends ``reply`` and then nothing while holding the
+    connection (a stopped node: its /health gets the same silence), and a good stub decode; 0.1 s health checks."""
+    prefill, decode = StubEngine(role="prefill"), StubEngine(role="decode")
+    stack = contextlib.ExitStack()
+    silent = stack.enter_context(scripted_worker(reply, then_close=False, hold_s=300))  # past the client's 60 s
+    p = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=9000)))
+    d = stack.enter_context(AppServer(create_app(decode, decode.tokenizer)))
+    app = create_router_app([(p.url, 9000)], [silent, d.url], health_interval_s=0.1, health_timeout_s=0.3)
+    router = stack.enter_context(AppServer(app))
+    stack.callback(prefill.close)
+    stack.callback(decode.close)
+    return stack, router.url, decode
+
+
+def test_a_stream_whose_decode_stops_answering_moves_on_once_its_health_checks_fail():
+    event = {"id": "cmpl-s-1", "object": "text_completion", "choices": [{"index": 0, "text": " h",
+                                                                         "finish_reason": None}]}
+    stack, url, decode = router_before_a_silent_decode(SSE_HEAD + sse_event(event, [32, 104]))
+    with stack:
+        body = {"prompt": "hi", "stream": True, "rid": "s-1", "max_tokens": 5, "temperature": 0}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)  # the router's deadline is 30 min
+        events = [json.loads(x) for x in sse_data(r.text)[:-1]]
+        assert all("error" not in e for e in events), r.text
+        assert "".join(c["text"] for e in events for c in e["choices"]) == " hell"
+        assert decode.submitted[0].generated_before == [32, 104]
+        assert counter(url, "fsm_pd_router_migrations_total") == {'{reason="decode_stream_broken"}': 1.0}
+
+
+def test_a_whole_request_on_a_decode_that_never_answers_is_retried_once_its_health_checks_fail():
+    stack, url, decode = router_before_a_silent_decode(b"")
+    with stack:
+        r = httpx.post(url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 3}}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 3, r.text
+        assert len(decode.submitted) == 1
+        assert counter(url, "fsm_pd_router_migrations_total") == {'{reason="decode_lost"}': 1.0}
