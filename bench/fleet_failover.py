@@ -1,8 +1,8 @@
 """Fleet failover figures: 2 prefill + 2 decode `fsm-pd serve` nodes (tiny model, tcp, 127.0.0.1) behind a router, 32
 concurrent greedy requests of mixed kinds (/generate and chat, whole and streamed), through the phases of
-tests/integration/test_fleet_failover.py: an undisturbed baseline, SIGKILL the busiest prefill node mid-load, SIGKILL
-the busiest decode node once half the streams have tokens out, kill the last prefill
-node.
+tests/integration/test_fleet_failover.py: an undisturbed baseline, SIGKILL the busiest prefill node mid-load, SIGSTOP
+the busiest decode node once half the streams have tokens out (SIGCONT after), SIGKILL the busiest decode node the
+same way, kill the last prefill node.
 
 Prints per phase: requests ok / failed, median and max seconds, outputs that differ from the undisturbed run, the
 first errors; for the built-in router also its retry, migration, refusal and ejection counters. `--router sglang`
@@ -28,7 +28,7 @@ from failover import metric, phases, start_fleet, summary  # noqa: E402 - the ha
 from processes import Cluster  # noqa: E402
 
 PHASES = (("baseline_short", None), ("baseline_long", None), ("prefill_kill", "baseline_short"),
-          ("decode_kill", "baseline_long"), ("no_prefill", None))
+          ("decode_stop", "baseline_long"), ("decode_kill", "baseline_long"), ("no_prefill", None))
 
 
 def main() -> int:

@@ -1,7 +1,8 @@
 """Fleet failover on real processes, shared by ``test_fleet_failover.py`` and ``bench/fleet_failover.py``: 2 prefill
 + 2 decode ``fsm-pd serve`` nodes (tiny model, tcp; fault_rig's heartbeats, 15 s room deadlines) behind the built-in
 router or the real sglang-router, 32 concurrent greedy requests of mixed kinds, and the phases: an undisturbed
-baseline, SIGKILL a prefill node mid-load, SIGKILL a decode node mid-stream, kill the last prefill node. No pytest
+baseline, SIGKILL a prefill node mid-load, SIGSTOP a decode node mid-stream (SIGCONT after), SIGKILL a decode node
+mid-stream, kill the last prefill node. No pytest
 here: the bench imports it after the README's install alone.
 """
 
@@ -192,6 +193,24 @@ def summary(results: list[dict], baseline: list[dict] | None = None) -> dict:
     return out
 
 
+def _until_both_decodes_admitted(router: str, timeout_s: float = 60.0) -> None:
+    """After SIGCONT: until the router takes the stopped decode back (the built-in router's /health says; for
+    another router, a pause as long as its health checks need)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            admitted = httpx.get(router + "/health", timeout=10).json().get("admitted")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            admitted = None
+        if admitted is None:
+            time.sleep(5.0)
+            return
+        if admitted.get("decode") == 2:
+            return
+        time.sleep(0.2)
+    raise AssertionError("the router did not take the stopped decode node back within 60 s of SIGCONT")
+
+
 def phases(router: str, prefills: list[str], decodes: list[str], procs: dict, short: int = 8, long: int = 48,
            warm_rounds: int = 0) -> dict:
     """Run every phase in order; each phase's results (lists of ``send`` answers) and the baselines. The first
@@ -221,6 +240,16 @@ def phases(router: str, prefills: list[str], decodes: list[str], procs: dict, sh
             time.sleep(0.01)
         kill_busiest("decode", decodes)
 
+    def stop_decode_mid_stream(chunks):
+        deadline = time.monotonic() + 60
+        while 2 * len(set(chunks) & streams) < len(streams) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        victims["decode_stopped"] = busiest(decodes, at_kill.setdefault("decode_stopped", {}))
+        os.kill(procs[victims["decode_stopped"]].pid, signal.SIGSTOP)  # a node this test started
+
+    found["decode_stop"] = run_load(router, long, during=stop_decode_mid_stream)
+    os.kill(procs[victims["decode_stopped"]].pid, signal.SIGCONT)
+    _until_both_decodes_admitted(router)
     found["decode_kill"] = run_load(router, long, during=kill_decode_mid_stream)
     found["victims"], found["load_at_kill"] = victims, at_kill
     kill(procs[next(p for p in prefills if p != victims["prefill"])])
