@@ -67,8 +67,8 @@ class LoadedModel:
     def prefill_batch(self, pool, prompts, page_ids, **kwargs) -> decoder.PrefillResult:
         return decoder.prefill_batch(self.config, self.params, pool, prompts, page_ids, **kwargs)
 
-    def decode(self, pool, tokens, positions, page_tables) -> tuple[jax.Array, tuple]:
-        return decoder.decode(self.config, self.params, pool, tokens, positions, page_tables)
+    def decode(self, pool, tokens, positions, page_tables, **kwargs) -> tuple[jax.Array, tuple]:
+        return decoder.decode(self.config, self.params, pool, tokens, positions, page_tables, **kwargs)
 
 
 def load_model(spec: str = TINY_SPEC, *, dtype: str = "float32", progress: bool = False) -> LoadedModel:

@@ -140,12 +140,14 @@ def prefill_batch(
     start_positions: Sequence[int] | None = None,
     return_logprobs: bool = False,
     top_logprobs: Sequence[int] | None = None,
+    bucket_rows: bool = False,
 ) -> PrefillResult:
     """Prefill several prompts in one call; ``prompts[i]`` goes to positions ``start_positions[i]`` onwards.
 
     ``page_ids[i]`` are request ``i``'s pages in position order, covering positions ``[0, start + len)``; a non-zero
     start means the earlier positions are already in those pages (a cached prefix or an earlier chunk).
     ``top_logprobs[i]`` (with ``return_logprobs``; at most ``MAX_TOP_LOGPROBS``) asks for prompt ``i``'s alternatives.
+    ``bucket_rows`` leaves the batch bucket's padding rows in ``logits``, as ``decode`` does and for the same reason.
     """
     if len(prompts) != len(page_ids) or not prompts:
         raise ValueError("prefill needs one page list per prompt, and at least one prompt")
@@ -185,7 +187,7 @@ def prefill_batch(
     if return_logprobs:
         host = np.asarray(next_logprobs)
         token_logprobs = [[None] + host[i, : len(x) - 1].tolist() for i, x in enumerate(prompts)]
-    return PrefillResult(logits[: len(prompts)], pool, token_logprobs, token_top)
+    return PrefillResult(logits if bucket_rows else logits[: len(prompts)], pool, token_logprobs, token_top)
 
 
 def _top_rows(values, ids, k: int) -> list:
@@ -214,12 +216,15 @@ def prefill(
                          out.token_top_logprobs[0] if out.token_top_logprobs else None)
 
 
-def decode(config: ModelConfig, params: dict, pool: tuple, tokens, positions, page_tables) -> tuple[jax.Array, tuple]:
+def decode(config: ModelConfig, params: dict, pool: tuple, tokens, positions, page_tables, *,
+           bucket_rows: bool = False) -> tuple[jax.Array, tuple]:
     """One decode step for a batch: ``tokens, positions: [B]``, ``page_tables: [B, max_pages]`` padded with page 0.
 
     ``positions[b]`` is where ``tokens[b]`` goes (the number of tokens already cached for that sequence). Returns
     logits ``[B, V]`` and the updated pool. Rows added to reach the batch bucket are all-pad: they write only to the
-    pad page.
+    pad page. ``bucket_rows`` returns those rows too (``[batch_bucket(B), V]``, for ``sampling.sample``): cutting
+    them off on the device is a program per batch size, compiled the first time a batch of that exact size comes
+    together (the soak saw each cost a serving node 0.6 to 2.5 MB, thousands of requests in: ``docs/serving.md``).
     """
     tokens = np.asarray(tokens, dtype=np.int32).reshape(-1)
     positions = np.asarray(positions, dtype=np.int32).reshape(-1)
@@ -244,7 +249,7 @@ def decode(config: ModelConfig, params: dict, pool: tuple, tokens, positions, pa
         buckets.pad_2d(tables, b, width, fill=PAD_PAGE),
         config=config,
     )
-    return logits[:n], pool
+    return (logits if bucket_rows else logits[:n]), pool
 
 
 def _check_decode_tables(tables: np.ndarray, positions: np.ndarray, page_size: int, num_pages: int) -> None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import numpy as np
+
 from fsm_pd.engine.loader import LoadedModel
 from fsm_pd.engine.model_thread import ModelThread
 from fsm_pd.engine.pages import OutOfPages, PageAllocator, pages_for
@@ -170,7 +172,7 @@ class DecodeLoop:
         last, which the next decode step feeds in); the logits are not needed, the next token is."""
         owner = self.model_thread
         ids = [list(s.request.input_ids) + s.checker.output_ids[:-1] for s in batch]
-        out = self.model.prefill_batch(owner.pool, ids, [s.pages for s in batch])
+        out = self.model.prefill_batch(owner.pool, ids, [s.pages for s in batch], bucket_rows=True)
         owner.pool = out.pool
         return [None] * len(batch)
 
@@ -178,8 +180,8 @@ class DecodeLoop:
         owner = self.model_thread
         width = max(len(s.pages) for s in batch)
         tables = [s.pages + [0] * (width - len(s.pages)) for s in batch]
-        logits, owner.pool = self.model.decode(
-            owner.pool, [s.last_token for s in batch], [s.next_position for s in batch], tables
+        logits, owner.pool = self.model.decode(  # the bucket's rows: no program per batch size (engine/model.py)
+            owner.pool, [s.last_token for s in batch], [s.next_position for s in batch], tables, bucket_rows=True
         )
         requests = [s.request for s in batch]
         tokens = sample(
@@ -189,5 +191,5 @@ class DecodeLoop:
         )
         if not any(r.return_logprob for r in requests):
             return tokens, None, None
-        logprobs, tops = chosen_and_top(logits, tokens, top_ks(requests))
+        logprobs, tops = chosen_and_top(np.asarray(logits)[: len(batch)], tokens, top_ks(requests))
         return tokens, logprobs, tops

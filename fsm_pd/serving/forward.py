@@ -44,9 +44,9 @@ def prefill_and_sample(
     """Prefill ``requests`` into ``pages`` (one list each) in one batch; model thread only (it replaces the pool)."""
     want_logprobs = any(r.return_logprob for r in requests)
     ks = top_ks(requests)
-    out = model.prefill_batch(
+    out = model.prefill_batch(  # the bucket's rows: no program per batch size (engine/model.py)
         owner.pool, [r.input_ids for r in requests], [list(p) for p in pages], return_logprobs=want_logprobs,
-        top_logprobs=ks,
+        top_logprobs=ks, bucket_rows=True,
     )
     owner.pool = out.pool
     # A request's grammar masks its first token here too; the decode (or colocated) side's own parser is fed it next.
@@ -56,7 +56,8 @@ def prefill_and_sample(
     tokens = sample(out.logits, [r.sampling for r in requests], [r.seed for r in requests],
                     [len(r.generated_before) for r in requests], histories=[r.generated_before for r in requests],
                     grammars=grammars)
-    logprobs, tops = chosen_and_top(out.logits, tokens, ks) if want_logprobs else (None, None)
+    logprobs, tops = (chosen_and_top(np.asarray(out.logits)[: len(requests)], tokens, ks) if want_logprobs
+                      else (None, None))
     return [
         FirstToken(
             int(tokens[i]),
