@@ -91,6 +91,7 @@ def test_decode_step_with_a_bad_request(model, caplog):
         async def together():
             release = gate(engine)
             tasks = [asyncio.ensure_future(outcome(engine, dataclasses.replace(r, rid=r.rid + "-b"))) for r in good]
+            await asyncio.sleep(0)  # the tasks submit now, behind the gate: else the victim could run alone first
             stream = RequestStream(victim.rid)
             engine.submit(victim, stream)
             release.set()
