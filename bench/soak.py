@@ -7,18 +7,19 @@ and sampled), and reads each process's RSS from /proc after the warm-up and at t
 request shows up as KB per request = (RSS at end - RSS after warm-up) / requests after warm-up. Every request must
 succeed.
 
-    python bench/soak.py [--requests 20000] [--warmup 12000] [--warmup-s 90] [--concurrency 16] [--json]
+    python bench/soak.py [--requests 20000] [--warmup 12000] [--warmup-s 90] [--concurrency 16] [--rate 50] [--json]
 
 The target (issue 11) is under 0.05 KB per request on every node. The warm-up first sweeps the shapes the servers
 compile (every batch size up to ``--concurrency``, greedy, sampled and mixed batches, each with the shortest prompts
-alone, the longest alone and the mix): a program compiled late shows up as a step of megabytes that is not a leak,
-and the report counts the code mappings a node added during the soak (XLA maps each program it loads) to say so. It
-then runs the soak's own mix for ``--warmup`` requests and at least ``--warmup-s`` seconds, because a node's
-time-windowed tables (the side channel's replay nonces and delivered keys, 60 s) fill to request rate x window and
-only then is RSS steady. Other bounded memory fills more slowly: the journal's SQLite page caches (2 MB per
-connection) as the journal grows, the allocator's arenas. Measured on a 2-core machine at ~70 requests/s, a node's
-RSS still rises by a few MB in steps over the first ~14,000 requests and is flat after (the JSON samples show the
-curve), hence the default warm-up. ``--json`` adds the RSS samples taken every 10 s.
+alone, the longest alone and the mix), as fast as it can: a program compiled late shows up as a step of megabytes
+that is not a leak, and the report counts the code mappings a node added during the soak (XLA maps each program it
+loads) to say so. It then runs the soak's own mix for ``--warmup`` requests and at least ``--warmup-s`` seconds,
+because a node's time-windowed tables (the side channel's replay nonces and delivered keys, 60 s; the garbage
+between two full collections, 10 s) fill to request rate x window and only then is RSS steady. For the same reason
+the mixed warm-up and the soak run at one fixed ``--rate`` (at most ``--concurrency`` in flight), below what a
+shared 2-core machine sustains: run as fast as possible, the rate wanders with the machine's other load (70 to 130
+requests/s), and every new high in the rate raised those tables, and RSS, by a megabyte or two that no request
+keeps. Pacing changes when requests start, not what they are. ``--json`` adds the RSS samples taken every 10 s.
 ``--smaps DIR`` saves every child's /proc/PID/smaps (and its threads) at the end of the warm-up and at every sample,
 as ``DIR/<name>-<requests after warm-up>.smaps.gz``; `bench/smaps.py` diffs them by mapping to say where a step went.
 """
@@ -92,14 +93,32 @@ async def one(client: httpx.AsyncClient, url: str, i: int, temperature: float | 
     return None
 
 
+class Pacer:
+    """Starts at most ``rate`` requests per second (0: no limit), evenly spaced; never bursts to catch up."""
+
+    def __init__(self, rate: float):
+        self.interval = 1.0 / rate if rate > 0 else 0.0
+        self.next = 0.0
+
+    async def wait(self) -> None:
+        if self.interval:
+            now = time.perf_counter()
+            start = max(self.next, now)
+            self.next = start + self.interval
+            await asyncio.sleep(start - now)
+
+
 async def drive(url: str, indices, concurrency: int, advance, failures: list,
-                temperature: float | None = None) -> None:
-    """Requests ``request_for(i)`` for every ``i`` of ``indices``, at most ``concurrency`` at a time."""
+                temperature: float | None = None, rate: float = 0.0) -> None:
+    """Requests ``request_for(i)`` for every ``i`` of ``indices``, at most ``concurrency`` at a time and ``rate``
+    per second."""
     queue = iter(indices)
+    pacer = Pacer(rate)
     timeout = httpx.Timeout(120.0, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=concurrency)) as client:
         async def worker():
             for i in queue:
+                await pacer.wait()
                 problem = await one(client, url, i, temperature)
                 if problem is not None:
                     failures.append((i, problem))
@@ -133,9 +152,9 @@ def shape_sweep(concurrency: int) -> list[tuple[float | None, int, range]]:
     return phases
 
 
-def warm_up(url: str, args, progress, console, failures: list) -> int:
+def warm_up(url: str, args, progress, console, failures: list) -> tuple[int, float]:
     """The shape sweep, then the soak's mix until ``--warmup`` requests and ``--warmup-s`` seconds; returns how many
-    requests it sent."""
+    requests it sent, and the mix's requests per second."""
     sweep = shape_sweep(args.concurrency)
     task = progress.add_task("warm-up", total=sum(len(r) for *_, r in sweep) + args.warmup, rate="")
     advance = lambda: progress.advance(task)  # noqa: E731
@@ -143,15 +162,15 @@ def warm_up(url: str, args, progress, console, failures: list) -> int:
     for temperature, level, indices in sweep:
         asyncio.run(drive(url, indices, level, advance, failures, temperature))
         sent += len(indices)
-    mixed = 0
+    mixed, mixed_started = 0, time.perf_counter()
     while mixed < args.warmup or time.perf_counter() - started < args.warmup_s:
         batch = max(args.warmup - mixed, 20 * args.concurrency)
         progress.update(task, total=sent + batch)
-        asyncio.run(drive(url, range(sent, sent + batch), args.concurrency, advance, failures))
+        asyncio.run(drive(url, range(sent, sent + batch), args.concurrency, advance, failures, rate=args.rate))
         sent, mixed = sent + batch, mixed + batch
         if not console.is_terminal:
             console.print(f"warm-up: {sent} requests, {time.perf_counter() - started:.0f} s")
-    return sent
+    return sent, mixed / (time.perf_counter() - mixed_started)
 
 
 async def soak(url: str, first: int, args, progress, failures: list, children, samples: list) -> float:
@@ -175,7 +194,7 @@ async def soak(url: str, first: int, args, progress, failures: list, children, s
     shower = asyncio.ensure_future(show())
     try:
         await drive(url, range(first, first + args.requests), args.concurrency, lambda: progress.advance(task),
-                    failures)
+                    failures, rate=args.rate)
     finally:
         shower.cancel()
     return time.perf_counter() - started
@@ -189,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-s", type=float, default=90.0,
                         help="and at least this many seconds of warm-up (longer than the 60 s windows; default 90)")
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--rate", type=float, default=50.0,
+                        help="requests per second at most, in the mixed warm-up and the soak alike (default 50; "
+                             "0: as fast as --concurrency allows)")
     parser.add_argument("--prefill", type=int, default=1)
     parser.add_argument("--decode", type=int, default=1)
     parser.add_argument("--model", default="tiny")
@@ -221,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                        TextColumn("{task.fields[rate]}"), TimeRemainingColumn())
             with Progress(*columns, console=console) as progress:
-                warmed = warm_up(url, args, progress, console, failures)
+                warmed, warm_rate = warm_up(url, args, progress, console, failures)
                 warm = {c.name: rss_kb(c.proc.pid) for c in children}
                 warm_code = {c.name: code_maps(c.proc.pid) for c in children}
                 save_smaps(args.smaps, children, 0)
@@ -238,13 +260,15 @@ def main(argv: list[str] | None = None) -> int:
                for name in warm}
     result = {"requests": args.requests, "warmup": warmed, "concurrency": args.concurrency,
               "failed": len(failures), "seconds": round(elapsed, 1),
-              "requests_per_s": round(args.requests / elapsed, 1), "nodes": figures, "samples": samples}
+              "requests_per_s": round(args.requests / elapsed, 1), "rate": args.rate,
+              "warmup_requests_per_s": round(warm_rate, 1), "nodes": figures, "samples": samples}
     for i, problem in failures[:5]:
         console.print(f"[red]request {i} failed: {problem}[/]")
     if args.json:
         print(json.dumps(result, indent=2))
     console.print(f"{args.requests} requests after {warmed} warm-up, concurrency {args.concurrency}: "
-                  f"{len(failures)} failed, {result['requests_per_s']} requests/s")
+                  f"{len(failures)} failed, {result['requests_per_s']} requests/s "
+                  f"(warm-up mix {result['warmup_requests_per_s']}/s, --rate {args.rate:g})")
     for name, f in figures.items():
         console.print(f"  {name:10s} RSS {f['rss_warm_kb'] / 1024:8.1f} MiB -> {f['rss_end_kb'] / 1024:8.1f} MiB"
                       f"   {f['kb_per_request']:+.4f} KB/request"
