@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 PROBE_TIMEOUT_S = 45.0  # health and info probes; longer than a worker's own /health_generate limit (30 s)
 ABORT_TIMEOUT_S = 2.0  # a retry first aborts the failed attempt's open legs and reads them to their end
+LATE_LEG_S = 0.05  # an abort that found no request is sent once more after this (the leg's request came later)
 RETRY_POLICIES = ("retry", "fail")
 
 
@@ -313,10 +314,21 @@ class PDRouter:
             return
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
 
+        async def abort(leg: Leg) -> bool:
+            resp = await self.client.post(leg.worker_url + "/abort_request", json={"rid": rid}, headers=headers)
+            try:
+                return bool(resp.json().get("aborted"))  # the rid, or its copies' (n > 1)
+            except (ValueError, AttributeError, TypeError):
+                return True  # not ours to read: as before, one abort
+
         async def one(leg: Leg) -> None:
             with contextlib.suppress(httpx.HTTPError, TimeoutError):
                 async with asyncio.timeout(ABORT_TIMEOUT_S):
-                    await self.client.post(leg.worker_url + "/abort_request", json={"rid": rid}, headers=headers)
+                    if not await abort(leg):
+                        # The abort can reach the worker before the leg's own request did (its partner failed at
+                        # once: a draining prefill's 503), which then runs on and holds the rid the retry brings.
+                        await asyncio.sleep(LATE_LEG_S)
+                        await abort(leg)
                     await asyncio.wait({leg.task})
                     if leg.response is not None and leg.body is None and not leg.task.cancelled() \
                             and leg.task.exception() is None:
