@@ -82,7 +82,11 @@ class RequestStream:
 
     def push(self, item: TokenOutput | BaseException) -> None:
         """Thread-safe: an output, or the exception that ends the request (an ``EngineError``)."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the reader's loop is closed (its server stopped): nobody is left to tell
+            if not self._loop.is_closed():
+                raise
 
     async def __aiter__(self) -> AsyncIterator[TokenOutput]:
         while True:
