@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from itertools import groupby
 from pathlib import Path
 
+from orjson import loads as _fast_loads
 from sqlalchemy import inspect, select
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
@@ -39,19 +40,12 @@ _ROOM_ORDER = (_t.room, _t.role, _t.node, _t.version)
 
 
 def _loads(text: str):
-    """JSON text to Python: orjson when it is installed (several times faster on the payloads replay parses by the
-    million), else the standard library; orjson refuses NaN and Infinity, which ``json.dumps`` writes, so those
-    payloads go to the standard library."""
+    """JSON text to Python: orjson (several times faster on the payloads replay parses by the million); it refuses
+    NaN and Infinity, which ``json.dumps`` writes, so those payloads go to the standard library."""
     try:
         return _fast_loads(text)
     except ValueError:
         return json.loads(text)
-
-
-try:
-    from orjson import loads as _fast_loads
-except ImportError:  # an optional speed-up, never a dependency
-    _fast_loads = json.loads
 
 
 def row_from(r) -> JournalRow:
