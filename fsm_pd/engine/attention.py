@@ -1,9 +1,20 @@
 """Attention over the paged KV pool (see ``fsm_pd.kernels.layout``), and a contiguous reference to check it against.
 
-Every sequence of a batch is described by its page table ``[P]`` (page ids in position order, padded with the pad
-page), the position of its first new token (``start``) and how many of its ``S`` token slots are real (``length``).
-New K/V are scattered into the pool first, then each sequence's pages are gathered back in order, so gathered slot
-``t`` holds position ``t`` and a causal mask on ``t <= query position`` is all the masking needed.
+Every sequence of a batch is described by its page table (page ids in position order, padded with the pad page to
+the node's fixed table width), the position of its first new token (``start``) and how many of its ``S`` token slots
+are real (``length``).
+
+A call first stores the new tokens' K/V in their pages, then attends over the pages holding positions
+``[0, start + length)``, a block of pages at a time with an online softmax (flash-attention's running max and sum).
+Two properties follow, and both are why it is built this way:
+
+- The cost follows the batch's context, not the pool or the table width: the loop runs as many blocks as the longest
+  context in the batch needs, so one compiled program serves every context length (the table width is not a
+  compile-time dimension, and a step at 4096 pages costs what it costs at 64).
+- The pool is written in place. The write comes first and the loop reads what it wrote, so XLA needs a single
+  version of the donated pool. Reading the pool beside an independent write, or gathering the written pool in the
+  same fusion as the write, makes XLA keep two versions and copy the whole layer on every step
+  (``tests/unit/test_step_cost.py`` holds it to that).
 """
 
 from __future__ import annotations
@@ -15,6 +26,12 @@ from fsm_pd.kernels.layout import PAD_PAGE
 
 # Finite, so a row with every key masked (a padding row) softmaxes to uniform weights instead of NaN.
 MASK_VALUE = -1e30
+BLOCK_TOKENS = 256  # positions per attention block (rounded to whole pages): few loop trips, little masked waste
+
+
+def block_pages(page_size: int) -> int:
+    """Pages per attention block (``model.table_width`` makes page tables a multiple of it)."""
+    return max(1, BLOCK_TOKENS // page_size)
 
 
 def slot_indices(page_tables, starts, lengths, seq_len: int, page_size: int):
@@ -22,7 +39,6 @@ def slot_indices(page_tables, starts, lengths, seq_len: int, page_size: int):
 
     Padding tokens (``s >= length``) go to slot 0 of the pad page, which is never read as real KV.
     """
-    # page_tables: [B, P]; starts, lengths: [B]
     steps = jnp.arange(seq_len, dtype=jnp.int32)
     positions = starts[:, None] + steps[None, :]  # [B, S]
     real = steps[None, :] < lengths[:, None]
@@ -40,30 +56,43 @@ def write_kv(layer_pool, k, v, pages, offsets):
     return layer_pool.at[pages, offsets].set(interleaved.astype(layer_pool.dtype))
 
 
-def gather_kv(layer_pool, page_tables):
-    """Each sequence's K and V in position order, each ``[B, P * page_size, kv_heads, head_dim]``."""
-    b, p = page_tables.shape
-    _, page_size, two_kv, head_dim = layer_pool.shape
-    pages = layer_pool[page_tables]  # [B, P, page_size, 2*kv_heads, head_dim]
-    kv = pages.reshape(b, p * page_size, two_kv // 2, 2, head_dim)
-    return kv[:, :, :, 0, :], kv[:, :, :, 1, :]
+def attend_pages(q, layer_pool, page_tables, q_positions, kv_lengths):
+    """Causal GQA of ``q: [B, S, H, D]`` over the pool's pages, where table slot ``t`` holds position ``t``.
 
-
-def grouped_attention(q, k, v, q_positions, kv_lengths):
-    """Causal GQA of ``q: [B, S, H, D]`` over ``k, v: [B, T, KVH, D]`` where slot ``t`` holds position ``t``.
-
-    ``q_positions: [B, S]`` are the queries' positions, ``kv_lengths: [B]`` how many slots hold real KV.
+    ``q_positions: [B, S]`` are the queries' positions, ``kv_lengths: [B]`` how many positions hold real KV.
+    ``page_tables: [B, W]``. Returns ``[B, S, H, D]``.
     """
     b, s, heads, dim = q.shape
-    kv_heads = k.shape[2]
-    grouped = q.reshape(b, s, kv_heads, heads // kv_heads, dim)
-    scores = jnp.einsum("bskgd,btkd->bkgst", grouped, k.astype(q.dtype)) * (dim**-0.5)
-    t = jnp.arange(k.shape[1], dtype=jnp.int32)
-    visible = (t[None, None, :] <= q_positions[:, :, None]) & (t[None, None, :] < kv_lengths[:, None, None])
-    scores = jnp.where(visible[:, None, None, :, :], scores.astype(jnp.float32), MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # [B, KVH, G, S, T]
-    out = jnp.einsum("bkgst,btkd->bskgd", probs, v.astype(q.dtype))
-    return out.reshape(b, s, heads, dim)
+    _, page_size, two_kv, _ = layer_pool.shape
+    kv_heads = two_kv // 2
+    per_block = min(block_pages(page_size), page_tables.shape[1])
+    if page_tables.shape[1] % per_block:  # whole blocks only (static: a table narrower than its node's never is)
+        page_tables = jnp.pad(page_tables, ((0, 0), (0, per_block - page_tables.shape[1] % per_block)))
+    tokens = per_block * page_size
+    grouped = (q.reshape(b, s, kv_heads, heads // kv_heads, dim) * (dim**-0.5)).astype(jnp.float32)
+    blocks = (jnp.max(kv_lengths) + tokens - 1) // tokens
+
+    def block(i, carry):
+        running_max, total, acc = carry
+        table = jax.lax.dynamic_slice_in_dim(page_tables, i * per_block, per_block, axis=1)  # [B, per_block]
+        kv = layer_pool[table].reshape(b, tokens, kv_heads, 2, dim).astype(jnp.float32)
+        scores = jnp.einsum("bskgd,btkd->bkgst", grouped, kv[:, :, :, 0])
+        t = i * tokens + jnp.arange(tokens, dtype=jnp.int32)
+        visible = (t[None, None, :] <= q_positions[:, :, None]) & (t[None, None, :] < kv_lengths[:, None, None])
+        scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
+        new_max = jnp.maximum(running_max, scores.max(axis=-1))
+        weights = jnp.exp(scores - new_max[..., None])
+        scale = jnp.exp(running_max - new_max)
+        total = total * scale + weights.sum(axis=-1)
+        acc = acc * scale[..., None] + jnp.einsum("bkgst,btkd->bkgsd", weights, kv[:, :, :, 1])
+        return new_max, total, acc
+
+    shape = (b, kv_heads, heads // kv_heads, s)
+    start = (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
+             jnp.zeros((*shape, dim), jnp.float32))
+    _, total, acc = jax.lax.fori_loop(0, blocks, block, start)
+    out = acc / total[..., None]  # [B, KVH, G, S, D]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, s, heads, dim).astype(q.dtype)
 
 
 def paged_attention(q, k, v, layer_pool, page_tables, starts, lengths):
@@ -73,13 +102,10 @@ def paged_attention(q, k, v, layer_pool, page_tables, starts, lengths):
     attention output ``[B, S, H, D]`` and the updated layer pool.
     """
     _, seq_len = q.shape[:2]
-    page_size = layer_pool.shape[1]
-    pages, offsets = slot_indices(page_tables, starts, lengths, seq_len, page_size)
+    pages, offsets = slot_indices(page_tables, starts, lengths, seq_len, layer_pool.shape[1])
     layer_pool = write_kv(layer_pool, k, v, pages, offsets)
-    cached_k, cached_v = gather_kv(layer_pool, page_tables)
     q_positions = starts[:, None] + jnp.arange(seq_len, dtype=jnp.int32)[None, :]
-    out = grouped_attention(q, cached_k, cached_v, q_positions, starts + lengths)
-    return out, layer_pool
+    return attend_pages(q, layer_pool, page_tables, q_positions, starts + lengths), layer_pool
 
 
 def reference_attention(q, k, v):

@@ -1,8 +1,9 @@
 """The Llama-family decoder (Llama, Qwen2, Qwen3) over the paged KV pool: prefill and decode.
 
 The jitted core, ``forward_paged``, runs ``S`` new tokens for each of ``B`` sequences: prefill is ``S`` = the prompt
-bucket, decode is ``S = 1``. The host-side wrappers below pad every variable size to a bucket (``buckets.py``) so a
-running server compiles a handful of programs, and check page ids before anything is written. The pool argument is
+bucket, decode is ``S = 1``. The host-side wrappers below pad the batch and the prompt length to a bucket
+(``buckets.py``) and every page table to the pool's fixed width (``table_width``), so the programs a node can ever
+run are one per (batch bucket, token bucket), and check page ids before anything is written. The pool argument is
 donated: after a call, only the returned pool is valid.
 """
 
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsm_pd.engine import buckets
-from fsm_pd.engine.attention import paged_attention, reference_attention
+from fsm_pd.engine.attention import block_pages, paged_attention, reference_attention
 from fsm_pd.engine.config import ModelConfig
 from fsm_pd.engine.rope import apply_rope, inverse_frequencies
 from fsm_pd.kernels.layout import PAD_PAGE
@@ -68,16 +69,14 @@ def _logits(config: ModelConfig, params: dict, h):
     return (h @ head).astype(jnp.float32)
 
 
-@partial(jax.jit, static_argnames=("config", "with_logprobs", "top_k"), donate_argnames=("pool",))
-def forward_paged(params, pool, tokens, starts, lengths, page_tables, *, config: ModelConfig, with_logprobs=False,
-                  top_k=0):
+@partial(jax.jit, static_argnames=("config",), donate_argnames=("pool",))
+def forward_paged(params, pool, tokens, starts, lengths, page_tables, *, config: ModelConfig):
     """Run ``tokens: [B, S]`` at positions ``starts[:, None] + [0, S)`` through the decoder.
 
-    Only the first ``lengths[b]`` tokens of row ``b`` are real; the rest write to the pad page. ``page_tables: [B, P]``
-    lists each row's pages in position order. Returns the logits of each row's last real token ``[B, V]``, the updated
-    pool, and with ``with_logprobs`` the log-probability of ``tokens[b, s + 1]`` after ``tokens[b, :s + 1]``
-    ``[B, S - 1]`` (else ``None``); with ``top_k`` too, that plus the ``top_k`` most likely tokens at each of those
-    positions, ``(values, ids)`` each ``[B, S - 1, top_k]`` (ties: the lower id first).
+    Only the first ``lengths[b]`` tokens of row ``b`` are real; the rest write to the pad page. ``page_tables: [B, W]``
+    lists each row's pages in position order, padded to the node's table width (``table_width``). Returns the logits
+    of each row's last real token ``[B, V]``, the updated pool, and the final hidden state of every position
+    ``[B, S, D]`` (prompt logprobs are computed from it apart, so asking for them compiles no other forward pass).
     """
     TRACE_COUNTS["forward_paged"] += 1
     b, s = tokens.shape
@@ -93,14 +92,35 @@ def forward_paged(params, pool, tokens, starts, lengths, page_tables, *, config:
         new_pool.append(layer_pool)
     h = rms_norm(x, params["final_norm"], config.rms_norm_eps)
     last = h[jnp.arange(b), jnp.maximum(lengths - 1, 0)]  # [B, D]
-    next_logprobs = None
-    if with_logprobs:
-        logprobs = jax.nn.log_softmax(_logits(config, params, h[:, :-1]), axis=-1)  # [B, S-1, V]
-        next_logprobs = jnp.take_along_axis(logprobs, tokens[:, 1:, None], axis=-1)[..., 0]
-        if top_k:
-            # from the same log-softmax as the chosen ones, so a greedy token's logprob equals its top value exactly
-            next_logprobs = (next_logprobs, *jax.lax.top_k(logprobs, top_k))
-    return _logits(config, params, last), tuple(new_pool), next_logprobs
+    return _logits(config, params, last), tuple(new_pool), h
+
+
+LOGPROB_ROWS = 256  # positions per call of the prompt-logprob program: one shape, whatever the batch and prompt
+
+
+@partial(jax.jit, static_argnames=("config", "top_k"))
+def next_token_logprobs(params, hidden, next_ids, *, config: ModelConfig, top_k: int):
+    """For ``LOGPROB_ROWS`` positions, the logprob of the token that follows each (``hidden: [R, D]``,
+    ``next_ids: [R]``), and with ``top_k`` the ``top_k`` most likely tokens there, ``(values, ids)`` each
+    ``[R, top_k]`` (ties: the lower id first)."""
+    logprobs = jax.nn.log_softmax(_logits(config, params, hidden.astype(config.dtype)), axis=-1)  # [R, V]
+    chosen = jnp.take_along_axis(logprobs, next_ids[:, None], axis=-1)[:, 0]
+    if not top_k:
+        return chosen, None, None
+    # from the same log-softmax as the chosen ones, so a greedy token's logprob equals its top value exactly
+    return chosen, *jax.lax.top_k(logprobs, top_k)
+
+
+def table_width(config: ModelConfig, num_pages: int, page_size: int) -> int:
+    """Page-table columns every forward pass of a pool gets: enough for the longest sequence the pool and the model's
+    positions allow, rounded up to whole attention blocks. Fixed per pool, so it never selects a program."""
+    longest = min(config.max_position_embeddings, (num_pages - 1) * page_size)
+    per_block = block_pages(page_size)
+    return -(-pages_for_tokens(longest, page_size) // per_block) * per_block
+
+
+def pages_for_tokens(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
 
 
 @partial(jax.jit, static_argnames=("config",))
@@ -141,6 +161,7 @@ def prefill_batch(
     return_logprobs: bool = False,
     top_logprobs: Sequence[int] | None = None,
     bucket_rows: bool = False,
+    forward: Callable | None = None,
 ) -> PrefillResult:
     """Prefill several prompts in one call; ``prompts[i]`` goes to positions ``start_positions[i]`` onwards.
 
@@ -148,6 +169,7 @@ def prefill_batch(
     start means the earlier positions are already in those pages (a cached prefix or an earlier chunk).
     ``top_logprobs[i]`` (with ``return_logprobs``; at most ``MAX_TOP_LOGPROBS``) asks for prompt ``i``'s alternatives.
     ``bucket_rows`` leaves the batch bucket's padding rows in ``logits``, as ``decode`` does and for the same reason.
+    ``forward`` runs the pass (``programs.ForwardPrograms``: executables compiled ahead); default ``forward_paged``.
     """
     if len(prompts) != len(page_ids) or not prompts:
         raise ValueError("prefill needs one page list per prompt, and at least one prompt")
@@ -157,37 +179,52 @@ def prefill_batch(
         if not prompt:
             raise ValueError("cannot prefill an empty prompt")
         _check_pages(pages, start + len(prompt), page_size, num_pages)
-    # Pages past the prompt (reserved for decode) are not read yet; leaving them out keeps the gather small.
-    page_ids = [
-        list(pages)[: -(-(start + len(x)) // page_size)]
-        for x, pages, start in zip(prompts, page_ids, starts, strict=True)
-    ]
+    width = table_width(config, num_pages, page_size)
     b = buckets.batch_bucket(len(prompts))
     s = buckets.token_bucket(max(len(x) for x in prompts))
-    p = buckets.page_bucket(max(len(pages) for pages in page_ids))
-    ks = [min(int(k), MAX_TOP_LOGPROBS, config.vocab_size) for k in (top_logprobs or [0] * len(prompts))]
-    top_k = min(MAX_TOP_LOGPROBS, config.vocab_size) if return_logprobs and any(ks) else 0
-    logits, pool, next_logprobs = forward_paged(
+    logits, pool, hidden = (forward or partial(forward_paged, config=config))(
         params,
         pool,
         buckets.pad_2d(prompts, b, s),
         buckets.pad_1d(starts, b),
         buckets.pad_1d([len(x) for x in prompts], b),
-        buckets.pad_2d(page_ids, b, p, fill=PAD_PAGE),
-        config=config,
-        with_logprobs=return_logprobs,
-        top_k=top_k,
+        buckets.pad_2d([list(pages)[:width] for pages in page_ids], b, width, fill=PAD_PAGE),
     )
     token_logprobs = token_top = None
-    if top_k:
-        next_logprobs, top_values, top_ids = next_logprobs
-        top_values, top_ids = np.asarray(top_values), np.asarray(top_ids)
-        token_top = [_top_rows(top_values[i, : len(x) - 1], top_ids[i, : len(x) - 1], k) if k else None
-                     for i, (x, k) in enumerate(zip(prompts, ks, strict=True))]
     if return_logprobs:
-        host = np.asarray(next_logprobs)
-        token_logprobs = [[None] + host[i, : len(x) - 1].tolist() for i, x in enumerate(prompts)]
+        ks = [min(int(k), MAX_TOP_LOGPROBS, config.vocab_size) for k in (top_logprobs or [0] * len(prompts))]
+        token_logprobs, token_top = _prompt_logprobs(config, params, hidden, prompts, ks)
     return PrefillResult(logits if bucket_rows else logits[: len(prompts)], pool, token_logprobs, token_top)
+
+
+def _prompt_logprobs(config: ModelConfig, params: dict, hidden, prompts, ks: list[int]):
+    """Each prompt's ``[None, logprob of token 1, ...]``, and its top-``k`` rows where ``k`` > 0 (else None).
+
+    The positions that predict a next prompt token are taken from ``hidden`` on the host and run in fixed blocks of
+    ``LOGPROB_ROWS``, so this compiles one program (two with alternatives) for every batch and prompt length."""
+    host = np.asarray(hidden, dtype=np.float32)
+    rows = np.concatenate([host[i, : len(x) - 1] for i, x in enumerate(prompts)])
+    next_ids = np.concatenate([np.asarray(x[1:], dtype=np.int32) for x in prompts])
+    top_k = min(MAX_TOP_LOGPROBS, config.vocab_size) if any(ks) else 0
+    chosen, values, ids = [], [], []
+    for at in range(0, len(rows), LOGPROB_ROWS):
+        block = np.zeros((LOGPROB_ROWS, rows.shape[1]), np.float32)
+        block[: len(rows[at: at + LOGPROB_ROWS])] = rows[at: at + LOGPROB_ROWS]
+        out = next_token_logprobs(params, block, buckets.pad_1d(next_ids[at: at + LOGPROB_ROWS], LOGPROB_ROWS),
+                                  config=config, top_k=top_k)
+        chosen.append(np.asarray(out[0]))
+        if top_k:
+            values.append(np.asarray(out[1]))
+            ids.append(np.asarray(out[2]))
+    chosen = np.concatenate(chosen) if chosen else np.zeros(0, np.float32)
+    values, ids = (np.concatenate(values), np.concatenate(ids)) if values else (None, None)
+    token_logprobs, token_top, at = [], [], 0
+    for x, k in zip(prompts, ks, strict=True):
+        n = len(x) - 1
+        token_logprobs.append([None] + chosen[at: at + n].tolist())
+        token_top.append(_top_rows(values[at: at + n], ids[at: at + n], k) if k else None)
+        at += n
+    return token_logprobs, (token_top if top_k else None)
 
 
 def _top_rows(values, ids, k: int) -> list:
@@ -206,18 +243,19 @@ def prefill(
     start_pos: int = 0,
     return_logprobs: bool = False,
     top_logprobs: int = 0,
+    forward: Callable | None = None,
 ) -> PrefillResult:
     """Prefill one prompt into ``page_ids``; ``logits`` is ``[V]``, ``token_logprobs`` a list of ``len(token_ids)``."""
     out = prefill_batch(
         config, params, pool, [token_ids], [page_ids], start_positions=[start_pos], return_logprobs=return_logprobs,
-        top_logprobs=[top_logprobs],
+        top_logprobs=[top_logprobs], forward=forward,
     )
     return PrefillResult(out.logits[0], out.pool, out.token_logprobs[0] if return_logprobs else None,
                          out.token_top_logprobs[0] if out.token_top_logprobs else None)
 
 
 def decode(config: ModelConfig, params: dict, pool: tuple, tokens, positions, page_tables, *,
-           bucket_rows: bool = False) -> tuple[jax.Array, tuple]:
+           bucket_rows: bool = False, forward: Callable | None = None) -> tuple[jax.Array, tuple]:
     """One decode step for a batch: ``tokens, positions: [B]``, ``page_tables: [B, max_pages]`` padded with page 0.
 
     ``positions[b]`` is where ``tokens[b]`` goes (the number of tokens already cached for that sequence). Returns
@@ -236,18 +274,15 @@ def decode(config: ModelConfig, params: dict, pool: tuple, tokens, positions, pa
         )
     page_size, num_pages = pool[0].shape[1], pool[0].shape[0]
     _check_decode_tables(tables, positions, page_size, num_pages)
-    # Only the pages up to the furthest position are ever read, so trim the table before bucketing its width.
-    width = buckets.page_bucket(int(positions.max()) // page_size + 1)
-    tables = tables[:, :width]
+    width = table_width(config, num_pages, page_size)
     b = buckets.batch_bucket(n)
-    logits, pool, _ = forward_paged(
+    logits, pool, _ = (forward or partial(forward_paged, config=config))(
         params,
         pool,
         buckets.pad_1d(tokens, b)[:, None],
         buckets.pad_1d(positions, b),
         buckets.pad_1d(np.ones(n), b),
-        buckets.pad_2d(tables, b, width, fill=PAD_PAGE),
-        config=config,
+        buckets.pad_2d(tables[:, :width], b, width, fill=PAD_PAGE),
     )
     return (logits if bucket_rows else logits[:n]), pool
 
