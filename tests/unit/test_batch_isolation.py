@@ -97,7 +97,7 @@ def test_decode_step_with_a_bad_request(model, caplog):
             release.set()
             first = await anext(aiter(stream))  # the victim is decoding beside the others now
             # behind every check's back: a value no compiled sampler takes, from its next decode step on
-            object.__setattr__(victim.sampling, "top_p", "not a number")
+            object.__setattr__(victim.sampling, "temperature", "not a number")
             with pytest.raises(EngineError) as failed:
                 async for _ in stream:
                     pass
