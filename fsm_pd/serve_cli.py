@@ -21,6 +21,7 @@ from fsm_pd.http_protocol import add_read_timeout_flags, read_timeouts_from_args
 
 ROLES = ("prefill", "decode", "colocated", "router", "bootstrap")
 MODEL_ENV = "FSM_PD_MODEL"  # the default --model of serve and launch (the test suite sets it to "tiny")
+SKIP_WARMUP_ENV = "FSM_PD_SKIP_SERVER_WARMUP"  # the default of --skip-server-warmup
 DTYPES = ("float32", "bfloat16")
 
 
@@ -56,6 +57,11 @@ def node_parser(role: str) -> argparse.ArgumentParser:
     parser.add_argument("--compile-cache", default=None, metavar="DIR",
                         help="JAX's persistent compilation cache, so that a restarted node does not compile again "
                              "(default: $FSM_PD_COMPILE_CACHE, else ~/.cache/fsm-pd/jax; 'off' disables it)")
+    parser.add_argument("--skip-server-warmup", action="store_true",
+                        default=os.environ.get(SKIP_WARMUP_ENV) == "1",
+                        help="start serving without compiling first; each new shape then compiles when a request "
+                             "needs it, stalling that request and its batch (default: compile every shape this "
+                             f"node can form before /health answers; ${SKIP_WARMUP_ENV}=1 skips)")
     add_read_timeout_flags(parser)
     parser.add_argument("--drain-timeout-secs", type=float, default=30.0, metavar="S",
                         help="on SIGTERM or POST /drain the node refuses new requests (503; /health answers 503 "
@@ -136,11 +142,14 @@ def run_node(args: argparse.Namespace) -> int:
     from fsm_pd import compile_cache
     from fsm_pd.api import create_app
     from fsm_pd.api.drain import serve_draining
+    from fsm_pd.engine import compiles
     from fsm_pd.engine.loader import load_model
     from fsm_pd.gc_policy import apply_serving_gc_policy
+    from fsm_pd.serving.warmup import warm_up
     from fsm_pd.transport import SecretError
 
     compile_cache.enable(args.compile_cache or compile_cache.default_dir())
+    compiles.install()
     try:
         model = load_model(args.model, dtype=args.dtype, progress=True)
     except (FileNotFoundError, ValueError) as exc:  # missing file or package, unsupported or corrupt checkpoint
@@ -161,6 +170,9 @@ def run_node(args: argparse.Namespace) -> int:
             engine.close()
             print(f"fsm-pd serve: {exc}", file=sys.stderr)
             return 2
+    if not args.skip_server_warmup:
+        warm_up(engine, progress=True)
+    compiles.serving()
     registries = [engine.manager.metrics.registry] if hasattr(engine, "manager") else None
     app = create_app(engine, model.tokenizer, api_key=args.api_key, model_name=args.served_model_name or args.model,
                      model_path=args.model, bootstrap_port=getattr(args, "bootstrap_port", None),

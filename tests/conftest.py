@@ -13,6 +13,9 @@ import os
 SLOW_ENV = "FSM_PD_SLOW"
 # Every node a test starts (fsm-pd serve / launch without --model) serves the built-in tiny model, not SmolLM2.
 os.environ["FSM_PD_MODEL"] = "tiny"
+# ... and starts serving without its warm-up (seconds per node start; a test sends a few shapes). The warm-up's own
+# tests turn it back on (tests/unit/test_warmup.py, tests/integration/test_warmup_serving.py).
+os.environ["FSM_PD_SKIP_SERVER_WARMUP"] = "1"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,6 +11,8 @@ from collections.abc import Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
+from fsm_pd.engine.compiles import CompileCollector
+
 # Routes counted by name; anything else is "other", so a scanner probing random paths cannot grow the label set.
 CLIENT_CLOSED = 499  # nginx's "client closed request": what a request whose client left before its end is counted as
 
@@ -52,6 +54,7 @@ class ResponseWatch:
 class ApiMetrics:
     def __init__(self, registries: Iterable[CollectorRegistry] = ()):
         self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(CompileCollector())
         self.others = [r for r in registries if r is not None]
         self.requests = Counter("fsm_pd_http_requests", "HTTP requests answered, by route and status",
                                 ["route", "status"], registry=self.registry)

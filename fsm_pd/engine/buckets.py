@@ -32,6 +32,14 @@ def batch_bucket(n: int) -> int:
     return max(MIN_BATCH_BUCKET, next_power_of_two(n))
 
 
+def prefill_fits(batch: int, tokens: int, max_tokens: int) -> bool:
+    """Whether a prefill of ``batch`` prompts padded to ``tokens`` each fits a budget of ``max_tokens`` padded
+    tokens; one prompt always fits (the context bounds it). Schedulers batch by this rule and warm-up compiles by it
+    (``programs.prefill_shapes``): the padded shape, not the real tokens, is what a program costs and what selects
+    it."""
+    return batch_bucket(batch) == 1 or batch_bucket(batch) * token_bucket(tokens) <= token_bucket(max_tokens)
+
+
 def page_bucket(n: int) -> int:
     """Padded page-table width for sequences spanning at most ``n`` pages."""
     return _kernel_page_bucket(max(1, n))

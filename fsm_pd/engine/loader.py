@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from fsm_pd.engine import model as decoder
 from fsm_pd.engine.config import ModelConfig
+from fsm_pd.engine.programs import ForwardPrograms, programs_for
 from fsm_pd.engine.tokenizer import Tokenizer, load_hf_tokenizer
 from fsm_pd.engine.weights import load_params
 from fsm_pd.kernels.layout import KVLayout
@@ -32,12 +33,14 @@ NAMED_MODELS = {
 
 @dataclass(slots=True)
 class LoadedModel:
-    """A model ready to run. The methods are thin conveniences over the pure functions in ``engine.model``."""
+    """A model ready to run. The methods are thin conveniences over the pure functions in ``engine.model``; their
+    forward passes run the executables ``programs`` compiled ahead for the pool they are given."""
 
     name: str
     config: ModelConfig
     params: dict
     tokenizer: Tokenizer
+    _programs: dict = field(default_factory=dict, repr=False)  # pool signature -> ForwardPrograms
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -55,20 +58,36 @@ class LoadedModel:
         )
 
     def make_pool(self, layout: KVLayout) -> tuple[jax.Array, ...]:
-        """A zeroed pool for ``layout``, placed on the default device (sharding over ``shard_axis`` is the caller's)."""
+        """A zeroed pool for ``layout``, on the first device (sharding over ``shard_axis`` is the caller's)."""
         expected = self.make_kv_layout(layout.num_pages, layout.page_size, dtype=layout.dtype)
         if layout.transfer_key() | {"shard_axis": None} != expected.transfer_key():
             raise ValueError(f"layout {layout} does not fit this model (expected {expected})")
-        return tuple(jnp.zeros(layout.layer_shape, dtype=layout.dtype) for _ in range(layout.num_layers))
+        # Placed explicitly (committed): a forward pass returns the pool committed, and jit keys its programs on that,
+        # so a pool that started uncommitted would compile every page kernel twice (once at warm-up, once serving).
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return tuple(jnp.zeros(layout.layer_shape, dtype=layout.dtype, device=device)
+                     for _ in range(layout.num_layers))
+
+    def programs(self, pool) -> ForwardPrograms:
+        """The forward passes compiled for pools shaped and placed like ``pool`` (made on first use)."""
+        first = pool[0]
+        key = (first.shape, str(first.dtype), first.sharding)
+        programs = self._programs.get(key)
+        if programs is None:
+            programs = self._programs.setdefault(key, programs_for(self.config, self.params, pool))
+        return programs
 
     def prefill(self, pool, token_ids: Sequence[int], page_ids: Sequence[int], **kwargs) -> decoder.PrefillResult:
-        return decoder.prefill(self.config, self.params, pool, token_ids, page_ids, **kwargs)
+        return decoder.prefill(self.config, self.params, pool, token_ids, page_ids, forward=self.programs(pool),
+                               **kwargs)
 
     def prefill_batch(self, pool, prompts, page_ids, **kwargs) -> decoder.PrefillResult:
-        return decoder.prefill_batch(self.config, self.params, pool, prompts, page_ids, **kwargs)
+        return decoder.prefill_batch(self.config, self.params, pool, prompts, page_ids, forward=self.programs(pool),
+                                     **kwargs)
 
     def decode(self, pool, tokens, positions, page_tables, **kwargs) -> tuple[jax.Array, tuple]:
-        return decoder.decode(self.config, self.params, pool, tokens, positions, page_tables, **kwargs)
+        return decoder.decode(self.config, self.params, pool, tokens, positions, page_tables,
+                              forward=self.programs(pool), **kwargs)
 
 
 def load_model(spec: str = TINY_SPEC, *, dtype: str = "float32", progress: bool = False) -> LoadedModel:

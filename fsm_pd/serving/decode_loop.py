@@ -14,10 +14,12 @@ first, or new arrivals could take their pages for ever.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import numpy as np
 
+from fsm_pd.engine.buckets import prefill_fits
 from fsm_pd.engine.loader import LoadedModel
 from fsm_pd.engine.model_thread import ModelThread
 from fsm_pd.engine.pages import OutOfPages, PageAllocator, pages_for
@@ -56,6 +58,11 @@ class DecodeLoop:
         self.running: list[Sequence] = []
         self.retracted: list[Sequence] = []  # oldest first: they resume in arrival order
         self.tokens_generated = 0
+        # Seconds spent per phase of the decode steps (the model's forward pass, sampling with penalties and
+        # grammar masks, output logprobs, emitting: stop checks, detokenizing, streaming): what serving adds to the
+        # model's own step is everything but "forward" (bench/token_gap.py prints them per step).
+        self.phase_seconds = dict.fromkeys(("forward", "sample", "logprobs", "emit"), 0.0)
+        self.steps = 0
         self.preempted = 0  # retractions
         self.resumed = 0
         self.recomputed_tokens = 0
@@ -67,7 +74,8 @@ class DecodeLoop:
 
     def counters(self) -> dict:
         return {"preempted": self.preempted, "resumed": self.resumed, "recomputed_tokens": self.recomputed_tokens,
-                "retracted_waiting": len(self.retracted)}
+                "retracted_waiting": len(self.retracted), "decode_steps": self.steps,
+                "decode_phase_seconds": {k: round(v, 6) for k, v in self.phase_seconds.items()}}
 
     def add(self, seq: Sequence) -> None:
         """Join a sequence whose first token is already emitted; model thread only."""
@@ -88,8 +96,9 @@ class DecodeLoop:
             self.release(seq)
         self._resume()
         batch = self._with_pages()
-        for seq, row in zip(batch, run_isolating(batch, self._forward_rows, "decode step") if batch else [],
-                            strict=True):
+        rows = run_isolating(batch, self._forward_rows, "decode step") if batch else []
+        emitting = time.perf_counter()
+        for seq, row in zip(batch, rows, strict=True):
             if isinstance(row, Exception):  # this sequence fails alone; its neighbours got their tokens
                 self.end(seq, EngineError(f"decode step failed: {row}", 500))
                 continue
@@ -97,6 +106,9 @@ class DecodeLoop:
             self.tokens_generated += 1
             if seq.emit(token, lp, top_logprobs=top):
                 self.end(seq)
+        if batch:
+            self.steps += 1
+            self.phase_seconds["emit"] += time.perf_counter() - emitting
         # Nothing could run: the oldest waits for pages held outside the batch (transfers), and whoever frees them
         # kicks the scheduler, so no step is queued until then. With an empty pool a retracted sequence resumes at
         # the next step.
@@ -141,10 +153,10 @@ class DecodeLoop:
     def _resume(self) -> None:
         """Resume the oldest retracted sequences whose pages fit with headroom to spare; one batched recompute."""
         batch: list[Sequence] = []
-        tokens = 0
+        longest = 0
         while self.retracted and len(batch) < self.max_recompute_batch:
             seq = self.retracted[0]
-            if batch and tokens + seq.next_position > self.max_recompute_tokens:
+            if not prefill_fits(len(batch) + 1, max(longest, seq.next_position), self.max_recompute_tokens):
                 break
             need = pages_for(seq.next_position + 1, self.page_size)
             if not admits(self.allocator, need, self.headroom_pages):
@@ -155,7 +167,7 @@ class DecodeLoop:
                 break
             self.retracted.pop(0)
             batch.append(seq)
-            tokens += seq.next_position
+            longest = max(longest, seq.next_position)
         if not batch:
             return
         for seq, result in zip(batch, run_isolating(batch, self._recompute, "recompute"), strict=True):
@@ -178,18 +190,25 @@ class DecodeLoop:
 
     def _forward(self, batch: list[Sequence]):
         owner = self.model_thread
+        started = time.perf_counter()
         width = max(len(s.pages) for s in batch)
         tables = [s.pages + [0] * (width - len(s.pages)) for s in batch]
         logits, owner.pool = self.model.decode(  # the bucket's rows: no program per batch size (engine/model.py)
             owner.pool, [s.last_token for s in batch], [s.next_position for s in batch], tables, bucket_rows=True
         )
+        logits.block_until_ready()
+        sampling = time.perf_counter()
         requests = [s.request for s in batch]
         tokens = sample(
             logits, [r.sampling for r in requests], [r.seed for r in requests], [s.step for s in batch],
             histories=[s.checker.history for s in batch],  # penalties count every output token, the first too
             grammars=[s.checker.grammar for s in batch],  # structured output: each parser has seen every token
         )
+        sampled = time.perf_counter()
+        self.phase_seconds["forward"] += sampling - started
+        self.phase_seconds["sample"] += sampled - sampling
         if not any(r.return_logprob for r in requests):
             return tokens, None, None
         logprobs, tops = chosen_and_top(np.asarray(logits)[: len(batch)], tokens, top_ks(requests))
+        self.phase_seconds["logprobs"] += time.perf_counter() - sampled
         return tokens, logprobs, tops

@@ -12,6 +12,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from fsm_pd.engine.buckets import prefill_fits
 from fsm_pd.engine.pages import PageAllocator, pages_for
 from fsm_pd.serving.sequence import Sequence
 
@@ -32,18 +33,19 @@ def take_prefill_batch(
     headroom: int,
     drop: Callable[[Sequence], bool],
 ) -> list[Sequence]:
-    """Pop up to ``max_batch`` prompts (``max_tokens`` in all, but always at least one) off the head of ``queue``
-    and reserve their pages. ``drop(seq)`` says a queued request is gone (aborted, its room failed): it is popped
-    and skipped. Model thread only; other threads only append to ``queue``.
+    """Pop up to ``max_batch`` prompts (``max_tokens`` padded tokens in all: ``buckets.prefill_fits``; always at
+    least one) off the head of ``queue`` and reserve their pages. ``drop(seq)`` says a queued request is gone
+    (aborted, its room failed): it is popped and skipped. Model thread only; other threads only append to
+    ``queue``.
     """
     batch: list[Sequence] = []
-    tokens = 0
+    longest = 0
     while queue and len(batch) < max_batch:
         seq = queue[0]
         if drop(seq):
             queue.popleft()
             continue
-        if batch and tokens + seq.prompt_len > max_tokens:
+        if not prefill_fits(len(batch) + 1, max(longest, seq.prompt_len), max_tokens):
             break
         need = pages_for(seq.prompt_len, page_size)
         if not admits(allocator, need, headroom):
@@ -56,5 +58,5 @@ def take_prefill_batch(
         queue.popleft()
         seq.meta["queue_time"] = round(time.monotonic() - seq.queued_at, 6)  # SGLang's name: waiting -> forward
         batch.append(seq)
-        tokens += seq.prompt_len
+        longest = max(longest, seq.prompt_len)
     return batch

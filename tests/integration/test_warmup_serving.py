@@ -1,0 +1,46 @@
+"""Real processes with their default warm-up: a PD pair compiles every program it serves before ``/health`` answers,
+so requests of every kind through the router compile nothing on either node (``fsm_pd_compiles_total``)."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+from processes import Cluster, free_port
+
+WARMUP = {"FSM_PD_SKIP_SERVER_WARMUP": "0"}
+
+
+def compiles(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {phase: float(value) for phase, value in
+            re.findall(r'^fsm_pd_compiles_total\{phase="(\w+)"\} (\S+)$', text, flags=re.MULTILINE)}
+
+
+def test_a_warmed_pd_pair_compiles_nothing_while_serving(tmp_path):
+    cluster = Cluster(tmp_path)
+    cluster.env |= WARMUP
+    # a small pool keeps the context's buckets (and so the warm-up) short; the rule is the same at any size
+    pool = ("--num-pages", "48")
+    try:
+        boot = free_port()
+        prefill = cluster.serve("prefill", "--bootstrap-port", str(boot), *pool)
+        decode = cluster.serve("decode", *pool)
+        router = cluster.router(prefill, boot, decode)
+        for url in (prefill, decode):
+            assert compiles(url)["startup"] > 10 and compiles(url)["serving"] == 0
+        lengths = [2, 30, 100, 300, 700]
+        bodies = [{"input_ids": [(i * 13 + j) % 200 + 1 for j in range(n)], "stream": i % 2 == 0,
+                   "return_logprob": i % 3 == 0, "top_logprobs_num": 2 if i == 3 else 0,
+                   "sampling_params": {"max_new_tokens": 5 + i, "temperature": 0.7 if i % 2 else 0,
+                                       "ignore_eos": True, "frequency_penalty": 0.3 if i == 2 else 0}}
+                  for i, n in enumerate(lengths)]
+        with httpx.Client(timeout=120) as client:
+            for body in bodies:
+                assert client.post(router + "/generate", json=body).status_code == 200
+            chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            assert client.post(router + "/v1/chat/completions", json=chat).status_code == 200
+        assert compiles(prefill)["serving"] == 0, "the prefill node compiled while serving (see its log)"
+        assert compiles(decode)["serving"] == 0, "the decode node compiled while serving (see its log)"
+    finally:
+        cluster.stop()

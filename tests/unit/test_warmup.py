@@ -1,0 +1,78 @@
+"""Server warm-up: the shapes it compiles are the shapes the schedulers form, and a warmed node compiles nothing while
+it serves, whatever mix of requests comes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fsm_pd.engine import buckets, compiles
+from fsm_pd.engine.grammar import GrammarSpec
+from fsm_pd.engine.loader import load_model
+from fsm_pd.engine.pages import PageAllocator
+from fsm_pd.engine.programs import prefill_shapes
+from fsm_pd.engine.sampling import SamplingParams
+from fsm_pd.serving.collect import generate
+from fsm_pd.serving.colocated_engine import ColocatedEngine
+from fsm_pd.serving.page_admission import take_prefill_batch
+from fsm_pd.serving.sequence import Sequence
+from fsm_pd.serving.types import GenerateRequest, RequestStream
+from fsm_pd.serving.warmup import plan_for, warm_up
+
+MAX_BATCH, MAX_TOKENS, PAGE_SIZE, PAGES = 8, 512, 16, 64
+
+
+def queued(lengths: list[int], tokenizer) -> deque[Sequence]:
+    loop = asyncio.new_event_loop()  # streams need one; nothing is pushed to them here
+    return deque(Sequence.start(GenerateRequest(f"r{i}", [1] * n, SamplingParams(), seed=0),
+                                RequestStream(f"r{i}", loop),
+                                key=i, pages=[], tokenizer=tokenizer, eos_token_ids=(), max_context=PAGES * PAGE_SIZE)
+                 for i, n in enumerate(lengths))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, (PAGES - 1) * PAGE_SIZE - 1), min_size=1, max_size=20))
+def test_prefill_batches_take_only_shapes_the_warmup_compiles(lengths):
+    tokenizer = load_model("tiny").tokenizer
+    planned = set(prefill_shapes(MAX_BATCH, MAX_TOKENS, (PAGES - 1) * PAGE_SIZE - 1))
+    queue, allocator = queued(lengths, tokenizer), PageAllocator(4096)
+    while queue:
+        batch = take_prefill_batch(queue, allocator, PAGE_SIZE, max_batch=MAX_BATCH, max_tokens=MAX_TOKENS,
+                                   headroom=0, drop=lambda s: False)
+        assert batch
+        shape = (buckets.batch_bucket(len(batch)), buckets.token_bucket(max(s.prompt_len for s in batch)))
+        assert shape in planned, f"a batch of {[s.prompt_len for s in batch]} forms {shape}, which is not compiled"
+        for seq in batch:
+            allocator.free(seq.key)
+
+
+def test_a_warmed_colocated_node_compiles_nothing_while_serving():
+    engine = ColocatedEngine("tiny", num_pages=PAGES, page_size=PAGE_SIZE, max_prefill_tokens=MAX_TOKENS)
+    try:
+        report = warm_up(engine, progress=False)
+        assert report["forward_shapes"] == len(plan_for(engine).forward)
+        before = compiles.counts()["serving"]
+        compiles.serving()
+        schema = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
+        kinds = [  # every sampler path, penalties and a grammar, logprobs with and without alternatives
+            dict(temperature=0.0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, top_k=5, min_p=0.1),
+            dict(temperature=0.0, frequency_penalty=0.5, logit_bias=((65, 3.0),)),
+            dict(temperature=0.0, grammar=GrammarSpec("json_schema", schema)),
+        ]
+        lengths = [3, 17, 40, 90, 200, 600, 900]  # one prompt alone up to the context's bucket, and batches
+        requests = [GenerateRequest(f"r{i}", [(7 * i + j) % 250 + 1 for j in range(n)],
+                                    SamplingParams(max_new_tokens=1 + i % 7, ignore_eos=True, **kinds[i % 5]),
+                                    seed=i, return_logprob=i % 3 == 0, top_logprobs_num=2 if i % 6 == 0 else 0)
+                    for i, n in enumerate(lengths * 3)]
+
+        async def serve_all():
+            return await asyncio.gather(*(generate(engine, r) for r in requests))
+
+        outs = asyncio.run(asyncio.wait_for(serve_all(), 240))
+        assert all(out[-1].finish_reason is not None for out in outs)
+        assert compiles.counts()["serving"] == before, f"compiled while serving: {list(compiles.late)}"
+    finally:
+        engine.close()
