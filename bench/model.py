@@ -40,8 +40,8 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama_cpp_baseline import LlamaCppRunner, importable  # noqa: E402 - beside this script
 
-from fsm_pd.engine import model as decoder
 from fsm_pd.engine.config import ModelConfig
+from fsm_pd.engine.loader import LoadedModel
 from fsm_pd.engine.params import count_params
 from fsm_pd.engine.tiny import tiny_model_parts
 from fsm_pd.engine.weights import load_params, save_hf_checkpoint
@@ -110,31 +110,34 @@ def prepare(name: str, workdir: Path, torch, transformers):
 
 
 class FsmRunner:
-    """One prefill of ``batch`` prompts, then ``steps`` greedy decode steps, through fsm-pd's paged decoder."""
+    """One prefill of ``batch`` prompts, then ``steps`` greedy decode steps, through fsm-pd's paged decoder (the
+    executables a serving node compiles ahead, ``LoadedModel``'s path)."""
 
     name = "fsm-pd"
 
-    def __init__(self, config, params, batch: int, prompt_len: int, steps: int) -> None:
-        self.config, self.params, self.prompt_len, self.steps = config, params, prompt_len, steps
+    def __init__(self, config, params, batch: int, prompt_len: int, steps: int, pool_pages: int = 0) -> None:
+        """``pool_pages``: the pool's size, page 0 included (0: just enough for the batch)."""
+        self.model = LoadedModel("bench", config, params, None)
+        self.prompt_len, self.steps = prompt_len, steps
         rng = np.random.default_rng(0)
         self.prompts = rng.integers(0, config.vocab_size, size=(batch, prompt_len)).tolist()
         pages_each = -(-(prompt_len + steps) // PAGE_SIZE)
         self.tables = np.arange(1, batch * pages_each + 1, dtype=np.int32).reshape(batch, pages_each)
-        layer_shape = (batch * pages_each + 1, PAGE_SIZE, 2 * config.num_kv_heads, config.head_dim)
-        self.pool = tuple(jax.numpy.zeros(layer_shape, config.dtype) for _ in range(config.num_layers))
+        layout = self.model.make_kv_layout(max(pool_pages, batch * pages_each + 1), PAGE_SIZE)
+        self.pool = self.model.make_pool(layout)
 
     def round(self) -> Iterator[float]:
         """Seconds taken by the prefill, then by each decode step, yielded as each finishes."""
         start = time.perf_counter()
-        result = decoder.prefill_batch(self.config, self.params, self.pool, self.prompts, self.tables.tolist())
-        tokens = np.asarray(jax.numpy.argmax(result.logits, axis=-1))
+        result = self.model.prefill_batch(self.pool, self.prompts, self.tables.tolist())
+        tokens = np.asarray(result.logits).argmax(axis=-1)
         self.pool = result.pool
         yield time.perf_counter() - start
         for step in range(self.steps):
             start = time.perf_counter()
             positions = np.full(len(tokens), self.prompt_len + step, dtype=np.int32)
-            logits, self.pool = decoder.decode(self.config, self.params, self.pool, tokens, positions, self.tables)
-            tokens = np.asarray(jax.numpy.argmax(logits, axis=-1))
+            logits, self.pool = self.model.decode(self.pool, tokens, positions, self.tables)
+            tokens = np.asarray(logits).argmax(axis=-1)
             yield time.perf_counter() - start
 
 
@@ -187,17 +190,21 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--decode-steps", type=int, default=16, help="decode steps per round")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds (prefill + decode) per batch size")
+    parser.add_argument("--pool-pages", default="64,512,4096",
+                        help="pool sizes (pages of 16 tokens) for the step-cost sweep at batch 1; a step must cost "
+                             "the same at each (default 64,512,4096; empty: skip)")
     parser.add_argument("--no-reference", action="store_true", help="skip transformers, report fsm-pd only")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     args = parser.parse_args(argv)
     models, batches = args.models.split(","), [int(b) for b in args.batches.split(",")]
+    pools = [int(p) for p in args.pool_pages.split(",") if p]
 
     torch, transformers = (None, None) if args.no_reference else try_import_torch()
     if torch is None and not args.no_reference:
         err.print("[yellow]transformers/torch not importable: reporting fsm-pd alone (pip install -e '.[reference]')")
-    rows, load_before = [], os.getloadavg()[0]
+    rows, sweeps, load_before = [], [], os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp, Progress(console=err, transient=True) as progress:
-        task = progress.add_task("benchmarking", total=len(models) * len(batches) * (args.repeats + 1))
+        task = progress.add_task("benchmarking", total=len(models) * (len(batches) + bool(pools)) * (args.repeats + 1))
         advance = lambda: progress.advance(task)
         for name in models:
             progress.update(task, description=f"{name}: preparing weights")
@@ -229,6 +236,13 @@ def main(argv=None) -> int:
                                 prefill_ratio_llamacpp=prefill / cpp_prefill,
                                 decode_ratio_llamacpp=decode / cpp_decode)  # fmt: skip
                 rows.append(row)
+            if pools:  # the runners take turns step by step, so load on the machine hits every pool size alike
+                progress.update(task, description=f"{name}: step cost by pool size")
+                runners = [FsmRunner(config, params, 1, args.prompt_len, args.decode_steps, pool_pages=p)
+                           for p in pools]
+                steps_ms = [1000 / decode for _, decode in measure(runners, args.repeats, 1, args.prompt_len, advance)]
+                sweeps.append(dict(model=name, pool_pages=pools, decode_step_ms=steps_ms,
+                                   vs_smallest=[ms / steps_ms[0] for ms in steps_ms]))
     report = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
                     "jax_backend": jax.default_backend(), "torch": getattr(torch, "__version__", None),
@@ -238,6 +252,7 @@ def main(argv=None) -> int:
         "settings": {"prompt_len": args.prompt_len, "decode_steps": args.decode_steps, "repeats": args.repeats,
                      "page_size": PAGE_SIZE, "dtype": "float32", "statistic": "median"},
         "results": rows,
+        "pool_sweep": sweeps,
     }  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=1))
@@ -268,6 +283,13 @@ def print_table(report: dict) -> None:
                 f"prefill {row['llamacpp_prefill_tok_s']:,.0f} tok/s (fsm-pd {row['prefill_ratio_llamacpp']:.2f}x), "
                 f"decode {row['llamacpp_decode_tok_s']:,.1f} tok/s (fsm-pd {row['decode_ratio_llamacpp']:.2f}x)"
             )
+    for sweep in report["pool_sweep"]:
+        table = Table(title=f"{sweep['model']}: decode step at batch 1 by pool size (median; ratio vs the smallest)")
+        for column in ("pool pages", "step ms", "ratio"):
+            table.add_column(column, justify="right")
+        for pages, ms, ratio in zip(sweep["pool_pages"], sweep["decode_step_ms"], sweep["vs_smallest"], strict=True):
+            table.add_row(str(pages), f"{ms:.2f}", f"{ratio:.2f}x")
+        Console().print(table)
     machine = report["machine"]
     load = machine["load_average_1m"]
     Console().print(

@@ -30,7 +30,7 @@ from fsm_pd.serving.decode_loop import DecodeLoop
 from fsm_pd.serving.forward import prefill_and_sample
 from fsm_pd.serving.isolate import run_isolating
 from fsm_pd.serving.page_admission import take_prefill_batch
-from fsm_pd.serving.retraction import RetractionCollector
+from fsm_pd.serving.retraction import DecodeLoopCollector
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.step_driver import StepDriver
 from fsm_pd.serving.types import EngineError, GenerateRequest, RequestStream
@@ -76,7 +76,7 @@ class ColocatedEngine:
         self._driver = StepDriver(self.model_thread, self._step, name="colocated scheduler")
         self.model_thread.on_death.append(self._cannot_serve)
         self.registries = [CollectorRegistry()]  # /metrics (create_app reads engine.registries)
-        self.registries[0].register(RetractionCollector(self.loop.counters, {"role": "colocated", "node": "colocated"}))
+        self.registries[0].register(DecodeLoopCollector(self.loop.counters, {"role": "colocated", "node": "colocated"}))
 
     # --- any thread ---
     def submit(self, request: GenerateRequest, stream: RequestStream) -> None:

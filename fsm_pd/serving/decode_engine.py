@@ -62,7 +62,7 @@ from fsm_pd.serving.decode_loop import DecodeLoop
 from fsm_pd.serving.forward import input_logprobs_from_wire
 from fsm_pd.serving.page_admission import admits
 from fsm_pd.serving.recompute import ON_TRANSFER_FAILURE, RECOMPUTED_TRIGGERS, TransferRecompute
-from fsm_pd.serving.retraction import RetractionCollector
+from fsm_pd.serving.retraction import DecodeLoopCollector
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.step_driver import StepDriver
 from fsm_pd.serving.top_logprobs import from_wire as top_logprobs_from_wire
@@ -134,7 +134,7 @@ class DecodeEngine:
         self.manager.node.observers.append(self._observe)
         self.manager.metrics.watch_leaks(self.leak_counters)
         self.manager.metrics.registry.register(
-            RetractionCollector(self.loop.counters, {"role": "decode", "node": node_id}))
+            DecodeLoopCollector(self.loop.counters, {"role": "decode", "node": node_id}))
         self.recompute = TransferRecompute(self.model, self.model_thread, self.allocator, page_size,
                                            enabled=on_transfer_failure == "recompute",
                                            headroom_pages=self.headroom_pages)

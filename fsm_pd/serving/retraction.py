@@ -40,8 +40,9 @@ def pick_retractions(demands: Sequence[tuple[Item, int, int]], free_pages: int) 
     return victims
 
 
-class RetractionCollector:
-    """``/metrics``: the decode loop's retractions and resumptions, read at scrape time."""
+class DecodeLoopCollector:
+    """``/metrics``: the decode loop's retractions and resumptions, and its steps' time per phase, read at scrape
+    time."""
 
     def __init__(self, counters: Callable[[], dict], labels: dict[str, str]):
         self._counters, self._labels = counters, dict(labels)
@@ -64,3 +65,12 @@ class RetractionCollector:
                                     labels=names)
         waiting.add_metric(label_values, float(values["retracted_waiting"]))
         yield waiting
+        steps = CounterMetricFamily("fsm_pd_decode_steps", "Batched decode steps run", labels=names)
+        steps.add_metric(label_values, float(values["decode_steps"]))
+        yield steps
+        phases = CounterMetricFamily("fsm_pd_decode_phase_seconds", "Time in decode steps by phase: forward (the "
+                                     "model), sample, logprobs, emit (stop checks, detokenizing, streaming)",
+                                     labels=[*names, "phase"])
+        for phase, seconds in values["decode_phase_seconds"].items():
+            phases.add_metric([*label_values, phase], seconds)
+        yield phases
