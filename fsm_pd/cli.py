@@ -207,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--journal-dir", default="pd-cluster", help="journals and logs (default ./pd-cluster)")
     launch.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="skip the first chat request that launch sends through the router once every node is "
-                             "up (it compiles what a short chat needs, and prints the answer and the time it took)")
+                             "up (it proves the whole path serves, and prints the answer and the time it took). "
+                             "(Each node's own start-up compile is skipped by FSM_PD_SKIP_SERVER_WARMUP=1.)")
     launch.set_defaults(func=cmd_launch)
     return parser
 
