@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving import Servers  # noqa: E402 - beside this script
+from serving import Servers, serving_compiles  # noqa: E402 - beside this script
 
 from fsm_pd import compile_cache
 from fsm_pd.engine.loader import load_model
@@ -69,12 +69,6 @@ def stream_gaps_ms(url: str, prompt: list[int], tokens: int) -> list[float]:
             if line.startswith("data:") and line != "data: [DONE]":
                 arrivals.append(time.perf_counter())
     return [(b - a) * 1000 for a, b in zip(arrivals, arrivals[1:], strict=False)]
-
-
-def serving_compiles(url: str) -> int:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith('fsm_pd_compiles_total{phase="serving"}')))
 
 
 def phases_at(model, batch: int, prompt: list[int], tokens: int) -> dict:
