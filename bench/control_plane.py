@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 
 from fsm_pd.effects import EffectInterpreter, Node, VirtualClock
-from fsm_pd.engine.pages import PageAllocator
 from fsm_pd.gc_policy import SERVING_THRESHOLDS
 from fsm_pd.machines import RECEIVER, SENDER
 from fsm_pd.machines.effects import (
@@ -50,6 +49,7 @@ from fsm_pd.machines.effects import (
     Scatter,
     Send,
 )
+from fsm_pd.model.pages import PageAllocator
 from fsm_pd.store import Journal, read_journal
 from fsm_pd.store.database import DURABILITY, PG_SYNCHRONOUS_COMMIT, journal_url
 from fsm_pd.store.schema import metadata

@@ -33,8 +33,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from fsm_pd.engine import grammar as fsm_grammar
-from fsm_pd.engine.sampling import SamplingParams, mask_logits, sample
+from fsm_pd.model import grammar as fsm_grammar
+from fsm_pd.model.sampling import SamplingParams, mask_logits, sample
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 150},
@@ -94,15 +94,15 @@ def _byte_decoder() -> dict[str, int]:
 def load_vocab(name: str):
     """``(tokenizer, raw bytes per id, special ids)`` for ``tiny`` or ``smollm2``."""
     if name == "tiny":
-        from fsm_pd.engine.tiny import tiny_model_parts
+        from fsm_pd.model.tiny import tiny_model_parts
 
         tokenizer = tiny_model_parts()[2]
         raw = [bytes([i]) for i in range(256)] + [b""] * (tokenizer.vocab_size - 256)
         return tokenizer, raw, set(range(256, tokenizer.vocab_size))
     from gguf import GGUFReader
 
-    from fsm_pd.engine.gguf_tokenizer import tokenizer_from_gguf
-    from fsm_pd.engine.loader import NAMED_MODELS, resolve_named_model
+    from fsm_pd.model.gguf_tokenizer import tokenizer_from_gguf
+    from fsm_pd.model.loader import NAMED_MODELS, resolve_named_model
 
     assert name in NAMED_MODELS
     tokenizer = tokenizer_from_gguf(GGUFReader(resolve_named_model(name)))

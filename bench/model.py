@@ -40,11 +40,11 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama_cpp_baseline import LlamaCppRunner, importable  # noqa: E402 - beside this script
 
-from fsm_pd.engine.config import ModelConfig
-from fsm_pd.engine.loader import LoadedModel
-from fsm_pd.engine.params import count_params
-from fsm_pd.engine.tiny import tiny_model_parts
-from fsm_pd.engine.weights import load_params, save_hf_checkpoint
+from fsm_pd.model.config import ModelConfig
+from fsm_pd.model.loader import LoadedModel
+from fsm_pd.model.params import count_params
+from fsm_pd.model.tiny import tiny_model_parts
+from fsm_pd.model.weights import load_params, save_hf_checkpoint
 
 # ~110M parameters: GPT-2-small-sized Llama with GQA and a 32k vocab (tied embeddings).
 LLAMA_100M = dict(
@@ -80,7 +80,7 @@ def prepare(name: str, workdir: Path, torch, transformers):
             return config, params, None
     elif name == "llama100m":
         if transformers is None:
-            from fsm_pd.engine.params import random_params
+            from fsm_pd.model.params import random_params
 
             hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **LLAMA_100M}
             config = ModelConfig.from_hf(hf)
@@ -89,7 +89,7 @@ def prepare(name: str, workdir: Path, torch, transformers):
         hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_100M))
         hf_model.save_pretrained(directory, safe_serialization=True)
     elif name == "smollm2":
-        from fsm_pd.engine.loader import load_model, resolve_named_model
+        from fsm_pd.model.loader import load_model, resolve_named_model
 
         try:
             loaded = load_model("smollm2")
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
                     runners.append(TorchRunner(torch, reference, config.vocab_size, *shape))
                 llama = name == "smollm2" and batch == 1 and importable()
                 if llama:
-                    from fsm_pd.engine.loader import resolve_named_model
+                    from fsm_pd.model.loader import resolve_named_model
 
                     runners.append(LlamaCppRunner(resolve_named_model("smollm2"), config.vocab_size,
                                                   args.prompt_len, args.decode_steps))

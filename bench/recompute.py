@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from fsm_pd.control.faults import FaultConfig, Faults
-from fsm_pd.engine.loader import load_model
-from fsm_pd.engine.sampling import SamplingParams
+from fsm_pd.model.loader import load_model
+from fsm_pd.model.sampling import SamplingParams
 from fsm_pd.serving.decode_engine import DecodeEngine
 from fsm_pd.serving.prefill_engine import PrefillEngine
 from fsm_pd.serving.types import Bootstrap, GenerateRequest, RequestStream

@@ -273,8 +273,8 @@ def backend_paths(producer: Producer, args: argparse.Namespace, mib: int, name: 
     import jax
 
     from fsm_pd.control.overlap import StreamedScatter
-    from fsm_pd.engine.model_thread import ModelThread
     from fsm_pd.kernels import page_bucket, scatter_pages
+    from fsm_pd.model.model_thread import ModelThread
     from fsm_pd.transport.backends import create_backend
 
     backend = create_backend(name, **json.loads(args.backend_opts).get(name, {}))

@@ -142,9 +142,9 @@ def run_node(args: argparse.Namespace) -> int:
     from fsm_pd import compile_cache
     from fsm_pd.api import create_app
     from fsm_pd.api.drain import serve_draining
-    from fsm_pd.engine import compiles
-    from fsm_pd.engine.loader import load_model
     from fsm_pd.gc_policy import apply_serving_gc_policy
+    from fsm_pd.model import compiles
+    from fsm_pd.model.loader import load_model
     from fsm_pd.serving.warmup import warm_up
     from fsm_pd.transport import SecretError
 

@@ -11,7 +11,7 @@ import json
 from fsm_pd.api.errors import ApiError
 from fsm_pd.api.schemas import ChatMessage
 from fsm_pd.api.tools import fallback_system_text, template_format
-from fsm_pd.engine.tokenizer import render_chat
+from fsm_pd.model.tokenizer import render_chat
 
 DEFAULT_TEMPLATE_DOC = 'one "<role>: <text>" line per message, then "assistant:"'
 

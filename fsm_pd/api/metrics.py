@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
-from fsm_pd.engine.compiles import CompileCollector
+from fsm_pd.model.compiles import CompileCollector
 
 # Routes counted by name; anything else is "other", so a scanner probing random paths cannot grow the label set.
 CLIENT_CLOSED = 499  # nginx's "client closed request": what a request whose client left before its end is counted as

@@ -27,9 +27,9 @@ from fsm_pd.api.schemas import (
     SGLangSamplingParams,
 )
 from fsm_pd.api.tools import ToolPlan, forced_grammar, plan_tools, tool_dicts
-from fsm_pd.engine.grammar import GrammarSpec, grammar_of
-from fsm_pd.engine.model import MAX_TOP_LOGPROBS
-from fsm_pd.engine.sampling import SamplingParams
+from fsm_pd.model.decoder import MAX_TOP_LOGPROBS
+from fsm_pd.model.grammar import GrammarSpec, grammar_of
+from fsm_pd.model.sampling import SamplingParams
 from fsm_pd.serving.types import Bootstrap, GenerateRequest
 
 GENERATE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for /generate

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from fsm_pd.engine.tokenizer import ByteTokenizer
+from fsm_pd.model.tokenizer import ByteTokenizer
 from fsm_pd.serving.types import EngineError, GenerateRequest, RequestStream, TokenOutput
 
 PREFILL_LOGPROB = -1.0  # every logprob a stub prefill reports, so a test can tell whose values it sees
@@ -24,7 +24,7 @@ DECODE_LOGPROB = -2.0
 
 
 def stub_tokenizer() -> ByteTokenizer:
-    from fsm_pd.engine.tiny import CHATML_TEMPLATE
+    from fsm_pd.model.tiny import CHATML_TEMPLATE
 
     return ByteTokenizer(vocab_size=272, chat_template=CHATML_TEMPLATE)
 

@@ -9,7 +9,7 @@
 * **tool_choice.** ``none``: no tools in the prompt, nothing parsed. ``auto``: tools in the prompt; the answer is
   parsed. ``required`` and a named function: the answer is also *constrained* to one call of a listed (or the named)
   function whose arguments follow its ``parameters`` schema (a Lark grammar with ``%json``, through the structured
-  output grammar: ``engine/grammar.py``), so it is one even from a weak model.
+  output grammar: ``model/grammar.py``), so it is one even from a weak model.
 * **Malformed output stays content.** A call that does not parse as JSON, names no function, or names a function
   that was not offered, leaves the whole answer as plain ``content`` with no ``tool_calls``.
 * **Streaming.** Text is streamed as content until it could be the start of a call (Qwen: a tail that may begin
@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from fsm_pd.api.errors import ApiError
-from fsm_pd.engine.grammar import GrammarSpec
+from fsm_pd.model.grammar import GrammarSpec
 
 QWEN, LLAMA3 = "qwen", "llama3"
 QWEN_OPEN, QWEN_CLOSE = "<tool_call>", "</tool_call>"

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from fsm_pd.engine.pages import OutOfPages, PageAllocator
+from fsm_pd.model.pages import OutOfPages, PageAllocator
 
 if TYPE_CHECKING:
     from fsm_pd.effects import Node

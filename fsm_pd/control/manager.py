@@ -32,10 +32,10 @@ from fsm_pd.control.resolver import PrefillResolver, deregister_prefill, registe
 from fsm_pd.control.sending import PeerSenders
 from fsm_pd.control.workers import ThreadedPuller, ThreadedResolver
 from fsm_pd.effects import Node, RealClock
-from fsm_pd.engine.model_thread import ModelThread
-from fsm_pd.engine.pages import PageAllocator
 from fsm_pd.kernels import KVLayout
 from fsm_pd.machines import RECEIVER, SENDER, KVPoll
+from fsm_pd.model.model_thread import ModelThread
+from fsm_pd.model.pages import PageAllocator
 from fsm_pd.store import Journal, JournalError
 from fsm_pd.transport import SideChannel
 from fsm_pd.transport.addresses import advertised_host, with_port

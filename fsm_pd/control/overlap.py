@@ -32,8 +32,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from fsm_pd.engine.model_thread import ModelThread
 from fsm_pd.kernels import KVLayout, gather_pages_into, page_bucket, scatter_layers, staging_block
+from fsm_pd.model.model_thread import ModelThread
 from fsm_pd.transport.backends import TransferBackend
 
 

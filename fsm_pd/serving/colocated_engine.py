@@ -14,9 +14,9 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry
 
-from fsm_pd.engine.loader import LoadedModel, load_model
-from fsm_pd.engine.model_thread import ModelThread
-from fsm_pd.engine.pages import PageAllocator
+from fsm_pd.model.loader import LoadedModel, load_model
+from fsm_pd.model.model_thread import ModelThread
+from fsm_pd.model.pages import PageAllocator
 from fsm_pd.serving.common import (
     ABORTED_STATUS,
     RequestTable,

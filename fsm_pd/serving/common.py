@@ -8,9 +8,9 @@ import threading
 from pathlib import Path
 
 from fsm_pd.control.manager import RoomInUse
-from fsm_pd.engine.loader import LoadedModel
-from fsm_pd.engine.pages import PageAllocator
 from fsm_pd.machines import KVPoll
+from fsm_pd.model.loader import LoadedModel
+from fsm_pd.model.pages import PageAllocator
 from fsm_pd.serving import top_logprobs
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.types import EngineError, GenerateRequest

@@ -42,9 +42,9 @@ from typing import Any
 from fsm_pd.control import KVManager
 from fsm_pd.control.admission import SchedulerAdmission
 from fsm_pd.control.phases import timing_meta
-from fsm_pd.engine.loader import LoadedModel, load_model
-from fsm_pd.engine.model_thread import ModelThread
-from fsm_pd.engine.pages import PageAllocator, pages_for
+from fsm_pd.model.loader import LoadedModel, load_model
+from fsm_pd.model.model_thread import ModelThread
+from fsm_pd.model.pages import PageAllocator, pages_for
 from fsm_pd.serving.common import (
     ABORTED_STATUS,
     ENDED,

@@ -19,11 +19,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from fsm_pd.engine.buckets import prefill_fits
-from fsm_pd.engine.loader import LoadedModel
-from fsm_pd.engine.model_thread import ModelThread
-from fsm_pd.engine.pages import OutOfPages, PageAllocator, pages_for
-from fsm_pd.engine.sampling import sample
+from fsm_pd.model.buckets import prefill_fits
+from fsm_pd.model.loader import LoadedModel
+from fsm_pd.model.model_thread import ModelThread
+from fsm_pd.model.pages import OutOfPages, PageAllocator, pages_for
+from fsm_pd.model.sampling import sample
 from fsm_pd.serving.forward import top_ks
 from fsm_pd.serving.isolate import run_isolating
 from fsm_pd.serving.page_admission import admits
@@ -193,7 +193,7 @@ class DecodeLoop:
         started = time.perf_counter()
         width = max(len(s.pages) for s in batch)
         tables = [s.pages + [0] * (width - len(s.pages)) for s in batch]
-        logits, owner.pool = self.model.decode(  # the bucket's rows: no program per batch size (engine/model.py)
+        logits, owner.pool = self.model.decode(  # the bucket's rows: no program per batch size (model/decoder.py)
             owner.pool, [s.last_token for s in batch], [s.next_position for s in batch], tables, bucket_rows=True
         )
         logits.block_until_ready()

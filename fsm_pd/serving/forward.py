@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fsm_pd.engine.grammar import new_state
-from fsm_pd.engine.loader import LoadedModel
-from fsm_pd.engine.model_thread import ModelThread
-from fsm_pd.engine.sampling import sample
+from fsm_pd.model.grammar import new_state
+from fsm_pd.model.loader import LoadedModel
+from fsm_pd.model.model_thread import ModelThread
+from fsm_pd.model.sampling import sample
 from fsm_pd.serving.top_logprobs import TopRow, chosen_and_top, log_softmax_rows
 from fsm_pd.serving.types import GenerateRequest
 
@@ -44,7 +44,7 @@ def prefill_and_sample(
     """Prefill ``requests`` into ``pages`` (one list each) in one batch; model thread only (it replaces the pool)."""
     want_logprobs = any(r.return_logprob for r in requests)
     ks = top_ks(requests)
-    out = model.prefill_batch(  # the bucket's rows: no program per batch size (engine/model.py)
+    out = model.prefill_batch(  # the bucket's rows: no program per batch size (model/decoder.py)
         owner.pool, [r.input_ids for r in requests], [list(p) for p in pages], return_logprobs=want_logprobs,
         top_logprobs=ks, bucket_rows=True,
     )

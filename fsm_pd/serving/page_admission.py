@@ -12,8 +12,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from fsm_pd.engine.buckets import prefill_fits
-from fsm_pd.engine.pages import PageAllocator, pages_for
+from fsm_pd.model.buckets import prefill_fits
+from fsm_pd.model.pages import PageAllocator, pages_for
 from fsm_pd.serving.sequence import Sequence
 
 

@@ -30,10 +30,10 @@ from fsm_pd.bootstrap import BootstrapServer
 from fsm_pd.control import KVManager
 from fsm_pd.control.decode_effects import RECOMPUTE_NOTE
 from fsm_pd.control.phases import timing_meta
-from fsm_pd.engine.loader import LoadedModel, load_model
-from fsm_pd.engine.model_thread import ModelThread
-from fsm_pd.engine.pages import PageAllocator
 from fsm_pd.machines import KVPoll
+from fsm_pd.model.loader import LoadedModel, load_model
+from fsm_pd.model.model_thread import ModelThread
+from fsm_pd.model.pages import PageAllocator
 from fsm_pd.serving.common import (
     ABORTED_STATUS,
     ENDED,

@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from fsm_pd.engine.stopping import FinishReason, StopChecker
-from fsm_pd.engine.tokenizer import Tokenizer
+from fsm_pd.model.stopping import FinishReason, StopChecker
+from fsm_pd.model.tokenizer import Tokenizer
 from fsm_pd.serving.types import GenerateRequest, RequestStream, TokenOutput
 
 

@@ -12,7 +12,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from fsm_pd.engine.model_thread import ModelThread
+from fsm_pd.model.model_thread import ModelThread
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fsm_pd.engine.model import MAX_TOP_LOGPROBS
+from fsm_pd.model.decoder import MAX_TOP_LOGPROBS
 
 TopRow = list[tuple[float, int]]
 _HEADER = struct.Struct("<HI")  # k, rows

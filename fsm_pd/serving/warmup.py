@@ -25,11 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fsm_pd.engine import compiles, sampling
-from fsm_pd.engine.model import LOGPROB_ROWS, MAX_TOP_LOGPROBS, next_token_logprobs
-from fsm_pd.engine.pages import pages_for
-from fsm_pd.engine.programs import decode_shapes, prefill_shapes
 from fsm_pd.kernels import bucket_sizes, gather_pages, resolve_impl, scatter_layers, scatter_pages
+from fsm_pd.model import compiles, sampling
+from fsm_pd.model.decoder import LOGPROB_ROWS, MAX_TOP_LOGPROBS, next_token_logprobs
+from fsm_pd.model.pages import pages_for
+from fsm_pd.model.programs import decode_shapes, prefill_shapes
 
 log = logging.getLogger(__name__)
 

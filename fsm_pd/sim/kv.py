@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsm_pd.engine.pages import PageAllocator
+from fsm_pd.model.pages import PageAllocator
 from fsm_pd.sim.ledger import Ledger
 
 

@@ -21,8 +21,8 @@ from fsm_pd.control.faults import Faults
 from fsm_pd.control.peers import PeerWatch
 from fsm_pd.control.prefill_effects import PrefillEffects
 from fsm_pd.effects import Node
-from fsm_pd.engine.pages import PageAllocator
 from fsm_pd.machines import RECEIVER, SENDER, Room
+from fsm_pd.model.pages import PageAllocator
 from fsm_pd.sim.bootstrap import SimResolver
 from fsm_pd.sim.kv import RecordingAllocator, SimKV
 from fsm_pd.sim.model import SimModel

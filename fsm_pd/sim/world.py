@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsm_pd.effects import VirtualClock
-from fsm_pd.engine.pages import OutOfPages
+from fsm_pd.model.pages import OutOfPages
 from fsm_pd.sim.bootstrap import SimBootstrap
 from fsm_pd.sim.faults import FaultPlan
 from fsm_pd.sim.ledger import Ledger

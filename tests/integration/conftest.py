@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsm_pd.engine.loader import load_model
+from fsm_pd.model.loader import load_model
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import asyncio
 import json
 import sys
 
-from fsm_pd.engine.sampling import SamplingParams
+from fsm_pd.model.sampling import SamplingParams
 from fsm_pd.serving.collect import generate
 from fsm_pd.serving.prefill_engine import PrefillEngine
 from fsm_pd.serving.types import Bootstrap, EngineError, GenerateRequest

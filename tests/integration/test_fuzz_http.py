@@ -100,7 +100,7 @@ tiny = schemathesis.pytest.from_fixture("tiny_schema")
 
 @pytest.fixture(scope="module")
 def tiny_schema():
-    from fsm_pd.engine.loader import load_model
+    from fsm_pd.model.loader import load_model
     from fsm_pd.serving.colocated_engine import ColocatedEngine
 
     model = load_model("tiny")

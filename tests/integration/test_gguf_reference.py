@@ -24,8 +24,8 @@ if importlib.util.find_spec("accelerate") is None:
     pytest.skip("transformers loads GGUF files only with accelerate (pip install -e '.[reference]')",
                 allow_module_level=True)
 
-from fsm_pd.engine.loader import load_model, resolve_named_model  # noqa: E402
-from fsm_pd.engine.tokenizer import render_chat  # noqa: E402
+from fsm_pd.model.loader import load_model, resolve_named_model  # noqa: E402
+from fsm_pd.model.tokenizer import render_chat  # noqa: E402
 
 ATOL = RTOL = 1e-4
 PAGE_SIZE = 16

@@ -25,7 +25,7 @@ transformers = pytest.importorskip(
     "transformers", reason="the reference check needs transformers (pip install -e '.[reference]')"
 )
 
-from fsm_pd.engine.loader import load_model  # noqa: E402
+from fsm_pd.model.loader import load_model  # noqa: E402
 
 ATOL = RTOL = 1e-4
 DECODE_STEPS = 16

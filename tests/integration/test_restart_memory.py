@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 from polling import until
 
-from fsm_pd.engine.sampling import SamplingParams
+from fsm_pd.model.sampling import SamplingParams
 from fsm_pd.serving.decode_engine import DecodeEngine
 from fsm_pd.serving.prefill_engine import PrefillEngine
 from fsm_pd.serving.types import Bootstrap, GenerateRequest, RequestStream

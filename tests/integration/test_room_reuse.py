@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from fsm_pd.api import AppServer, create_app
-from fsm_pd.engine.loader import load_model
 from fsm_pd.machines import KVPoll
+from fsm_pd.model.loader import load_model
 from fsm_pd.serving.decode_engine import DecodeEngine
 from fsm_pd.serving.prefill_engine import PrefillEngine
 from fsm_pd.transport import generate_secret

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from fsm_pd.api import AppServer, StubEngine, create_app
-from fsm_pd.engine.config import ModelConfig
+from fsm_pd.model.config import ModelConfig
 
 PD = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 7}
 
@@ -138,8 +138,8 @@ def test_no_stop_trim_keeps_the_stop_string():
 
 
 def test_stop_checker_keeps_the_stop_string_with_no_stop_trim():
-    from fsm_pd.engine.sampling import SamplingParams
-    from fsm_pd.engine.stopping import StopChecker
+    from fsm_pd.model.sampling import SamplingParams
+    from fsm_pd.model.stopping import StopChecker
 
     tok = StubEngine().tokenizer
     for trim, want in ((False, "ab"), (True, "abcd")):

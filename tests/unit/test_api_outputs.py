@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fsm_pd.api.outputs import RequestState, openai_finish_reason
 from fsm_pd.api.stub_engine import stub_tokenizer
-from fsm_pd.engine.sampling import SamplingParams
+from fsm_pd.model.sampling import SamplingParams
 from fsm_pd.serving.types import GenerateRequest, TokenOutput
 
 

@@ -15,8 +15,8 @@ import threading
 import pytest
 from test_serving_colocated import PAGE_SIZE, PAGES, ids_of, request, run, until
 
-from fsm_pd.engine.loader import load_model
 from fsm_pd.machines import KVPoll
+from fsm_pd.model.loader import load_model
 from fsm_pd.serving.collect import generate
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.decode_engine import DecodeEngine

@@ -14,8 +14,8 @@ import logging
 import jax
 import pytest
 
-from fsm_pd.engine.loader import load_model
-from fsm_pd.engine.sampling import SamplingParams
+from fsm_pd.model.loader import load_model
+from fsm_pd.model.sampling import SamplingParams
 from fsm_pd.serving.collect import generate
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.types import GenerateRequest

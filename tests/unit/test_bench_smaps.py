@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import smaps  # noqa: E402
 import soak  # noqa: E402
 
-from fsm_pd.engine.tiny import tiny_model_parts  # noqa: E402
+from fsm_pd.model.tiny import tiny_model_parts  # noqa: E402
 
 
 def mapping(start: int, end: int, perms: str, path: str, rss: int, anon: int) -> str:

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 from test_serving_colocated import PAGE_SIZE, PAGES, request
 
-from fsm_pd.engine.loader import load_model
+from fsm_pd.model.loader import load_model
 from fsm_pd.serving.prefill_engine import PrefillEngine
 from fsm_pd.serving.types import Bootstrap, EngineError, RequestStream
 from fsm_pd.store import JournalError

@@ -12,7 +12,7 @@ import pytest
 from test_serving_colocated import PAGE_SIZE, PAGES, request, run
 from test_transfer_metrics import phase_seconds_from_journal
 
-from fsm_pd.engine.loader import load_model
+from fsm_pd.model.loader import load_model
 from fsm_pd.serving.collect import generate
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.decode_engine import DecodeEngine

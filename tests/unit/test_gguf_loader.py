@@ -12,10 +12,10 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from fsm_pd.engine.config import ModelConfig, UnsupportedModelError  # noqa: E402
-from fsm_pd.engine.gguf_file import GGUFError, unpermute_rotary  # noqa: E402
-from fsm_pd.engine.loader import load_model  # noqa: E402
-from fsm_pd.engine.params import random_params  # noqa: E402
+from fsm_pd.model.config import ModelConfig, UnsupportedModelError  # noqa: E402
+from fsm_pd.model.gguf_file import GGUFError, unpermute_rotary  # noqa: E402
+from fsm_pd.model.loader import load_model  # noqa: E402
+from fsm_pd.model.params import random_params  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["h e", "l l", "he ll", "Ġ w"]

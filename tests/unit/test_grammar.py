@@ -10,10 +10,10 @@ import jsonschema
 import numpy as np
 import pytest
 
-from fsm_pd.engine.grammar import ANY_JSON_OBJECT, GrammarSpec, bitmask, grammar_of, new_state
-from fsm_pd.engine.sampling import SamplingParams, sample
-from fsm_pd.engine.stopping import FinishReason, StopChecker
-from fsm_pd.engine.tokenizer import ByteTokenizer
+from fsm_pd.model.grammar import ANY_JSON_OBJECT, GrammarSpec, bitmask, grammar_of, new_state
+from fsm_pd.model.sampling import SamplingParams, sample
+from fsm_pd.model.stopping import FinishReason, StopChecker
+from fsm_pd.model.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer(vocab_size=272)  # the tiny model's
 EOS = set(TOK.eos_token_ids)

@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from fsm_pd.engine.config import UnsupportedModelError
-from fsm_pd.engine.loader import load_model
-from fsm_pd.engine.tokenizer import render_chat
-from fsm_pd.engine.weights import CheckpointError, save_hf_checkpoint
 from fsm_pd.kernels.layout import KVLayout
+from fsm_pd.model.config import UnsupportedModelError
+from fsm_pd.model.loader import load_model
+from fsm_pd.model.tokenizer import render_chat
+from fsm_pd.model.weights import CheckpointError, save_hf_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fsm_pd.engine import model as decoder
-from fsm_pd.engine.attention import paged_attention, reference_attention
-from fsm_pd.engine.loader import load_model
-from fsm_pd.engine.params import random_params
-from fsm_pd.engine.tiny import tiny_config
+from fsm_pd.model import decoder
+from fsm_pd.model.attention import paged_attention, reference_attention
+from fsm_pd.model.loader import load_model
+from fsm_pd.model.params import random_params
+from fsm_pd.model.tiny import tiny_config
 
 ATOL = 2e-5  # float32 on CPU, same weights: only summation order differs between the two paths
 

@@ -9,7 +9,7 @@ from concurrent.futures import CancelledError
 import jax.numpy as jnp
 import pytest
 
-from fsm_pd.engine.model_thread import ModelThread, ModelThreadDead
+from fsm_pd.model.model_thread import ModelThread, ModelThreadDead
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from fsm_pd.control.overlap import StreamedScatter, layer_group
-from fsm_pd.engine.model_thread import ModelThread
 from fsm_pd.kernels import KVLayout, page_bucket
+from fsm_pd.model.model_thread import ModelThread
 
 LAYOUT = KVLayout(num_layers=4, num_pages=12, page_size=2, kv_heads=2, head_dim=8)
 PAGES = [9, 3, 4]

@@ -17,7 +17,7 @@ import pytest
 from fsm_pd.api import AppServer, create_app
 from fsm_pd.api.router_migrate import Progress
 from fsm_pd.api.streaming import PROGRESS_HEADER
-from fsm_pd.engine.loader import load_model
+from fsm_pd.model.loader import load_model
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 
 TOKENS = 12

@@ -12,7 +12,7 @@ from prometheus_client import generate_latest
 from test_serving_colocated import PAGE_SIZE, PAGES, ids_of, request, run, until
 from test_serving_pd import assert_idle, pd_request, through_pd
 
-from fsm_pd.engine.loader import load_model
+from fsm_pd.model.loader import load_model
 from fsm_pd.serving.collect import generate
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.decode_engine import DecodeEngine

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fsm_pd.engine.sampling import SamplingParams, sample
-from fsm_pd.engine.stopping import FinishReason, StopChecker
-from fsm_pd.engine.tokenizer import ByteTokenizer
+from fsm_pd.model.sampling import SamplingParams, sample
+from fsm_pd.model.stopping import FinishReason, StopChecker
+from fsm_pd.model.tokenizer import ByteTokenizer
 
 VOCAB = 40
 

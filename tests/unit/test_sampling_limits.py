@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fsm_pd.engine.sampling import MAX_SEED, MAX_STOP_STRINGS, MAX_TOP_K, SamplingParams, sample
+from fsm_pd.model.sampling import MAX_SEED, MAX_STOP_STRINGS, MAX_TOP_K, SamplingParams, sample
 
 
 @pytest.mark.parametrize("fields", [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fsm_pd.engine.sampling import SamplingParams, adjust_logits, penalty_inputs, sample
+from fsm_pd.model.sampling import SamplingParams, adjust_logits, penalty_inputs, sample
 
 V = 64
 

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fsm_pd.engine.loader import LoadedModel, load_model
-from fsm_pd.engine.model import forward_reference
-from fsm_pd.engine.sampling import SamplingParams
-from fsm_pd.engine.tokenizer import ByteTokenizer
+from fsm_pd.model.decoder import forward_reference
+from fsm_pd.model.loader import LoadedModel, load_model
+from fsm_pd.model.sampling import SamplingParams
+from fsm_pd.model.tokenizer import ByteTokenizer
 from fsm_pd.serving.collect import generate
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.types import EngineError, GenerateRequest, RequestStream

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fsm_pd.engine import model as decoder
-from fsm_pd.engine.tiny import tiny_model_parts
+from fsm_pd.model import decoder
+from fsm_pd.model.tiny import tiny_model_parts
 
 PAGE_SIZE = 16
 

@@ -13,8 +13,8 @@ import pytest
 from test_serving_colocated import PAGE_SIZE, PAGES, request, run
 from test_serving_pd import pd, pd_request, through_pd  # noqa: F401 (pd is a fixture)
 
-from fsm_pd.engine import model as decoder
-from fsm_pd.engine.loader import load_model
+from fsm_pd.model import decoder
+from fsm_pd.model.loader import load_model
 from fsm_pd.serving import top_logprobs
 from fsm_pd.serving.collect import generate
 from fsm_pd.serving.colocated_engine import ColocatedEngine

@@ -9,12 +9,12 @@ from collections import deque
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fsm_pd.engine import buckets, compiles
-from fsm_pd.engine.grammar import GrammarSpec
-from fsm_pd.engine.loader import load_model
-from fsm_pd.engine.pages import PageAllocator
-from fsm_pd.engine.programs import prefill_shapes
-from fsm_pd.engine.sampling import SamplingParams
+from fsm_pd.model import buckets, compiles
+from fsm_pd.model.grammar import GrammarSpec
+from fsm_pd.model.loader import load_model
+from fsm_pd.model.pages import PageAllocator
+from fsm_pd.model.programs import prefill_shapes
+from fsm_pd.model.sampling import SamplingParams
 from fsm_pd.serving.collect import generate
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.page_admission import take_prefill_batch

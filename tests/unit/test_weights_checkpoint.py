@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fsm_pd.engine.config import ModelConfig, UnsupportedModelError
-from fsm_pd.engine.params import cast_params, random_params
-from fsm_pd.engine.tiny import tiny_config
-from fsm_pd.engine.tokenizer import load_hf_tokenizer
-from fsm_pd.engine.weights import INDEX_FILE, CheckpointError, load_params, save_hf_checkpoint
+from fsm_pd.model.config import ModelConfig, UnsupportedModelError
+from fsm_pd.model.params import cast_params, random_params
+from fsm_pd.model.tiny import tiny_config
+from fsm_pd.model.tokenizer import load_hf_tokenizer
+from fsm_pd.model.weights import INDEX_FILE, CheckpointError, load_params, save_hf_checkpoint
 
 HF_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 300, "hidden_size": 32,

@@ -26,7 +26,7 @@ from fsm_pd.kernels.layout import PAD_PAGE
 
 # Finite, so a row with every key masked (a padding row) softmaxes to uniform weights instead of NaN.
 MASK_VALUE = -1e30
-BLOCK_TOKENS = 64  # positions per attention block (whole pages); bench: 64 and 128 beat 32 and 256 on CPU (docs/model.md)
+BLOCK_TOKENS = 64  # positions per attention block (whole pages): 64 and 128 beat 32 and 256 on CPU (model.md)
 
 
 def block_pages(page_size: int) -> int:

@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from enum import StrEnum
 
-from fsm_pd.engine.grammar import new_state
-from fsm_pd.engine.sampling import SamplingParams
-from fsm_pd.engine.tokenizer import Tokenizer
+from fsm_pd.model.grammar import new_state
+from fsm_pd.model.sampling import SamplingParams
+from fsm_pd.model.tokenizer import Tokenizer
 
 
 class FinishReason(StrEnum):

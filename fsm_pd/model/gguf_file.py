@@ -19,9 +19,9 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from fsm_pd.engine.config import ModelConfig, RopeScaling, UnsupportedModelError
-from fsm_pd.engine.params import check_params, layer_shapes, top_shapes
-from fsm_pd.engine.weights import CheckpointError
+from fsm_pd.model.config import ModelConfig, RopeScaling, UnsupportedModelError
+from fsm_pd.model.params import check_params, layer_shapes, top_shapes
+from fsm_pd.model.weights import CheckpointError
 
 # Block formats this loader dequantizes (all through gguf.quants); anything else is refused by name.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fsm_pd.engine import buckets
-from fsm_pd.engine.grammar import GrammarSpec, GrammarState, bitmask
+from fsm_pd.model import buckets
+from fsm_pd.model.grammar import GrammarSpec, GrammarState, bitmask
 
 MAX_TOP_K = 2**30  # far above any vocabulary, far below int32: the sampler clips it to the vocabulary
 MAX_SEED = 2**63 - 1  # a seed is an int64 everywhere it is stored; the sampler uses its low 32 bits

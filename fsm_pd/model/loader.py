@@ -14,12 +14,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from fsm_pd.engine import model as decoder
-from fsm_pd.engine.config import ModelConfig
-from fsm_pd.engine.programs import ForwardPrograms, programs_for
-from fsm_pd.engine.tokenizer import Tokenizer, load_hf_tokenizer
-from fsm_pd.engine.weights import load_params
 from fsm_pd.kernels.layout import KVLayout
+from fsm_pd.model import decoder
+from fsm_pd.model.config import ModelConfig
+from fsm_pd.model.programs import ForwardPrograms, programs_for
+from fsm_pd.model.tokenizer import Tokenizer, load_hf_tokenizer
+from fsm_pd.model.weights import load_params
 
 TINY_SPEC = "tiny"
 DEFAULT_SPEC = "smollm2"
@@ -33,7 +33,7 @@ NAMED_MODELS = {
 
 @dataclass(slots=True)
 class LoadedModel:
-    """A model ready to run. The methods are thin conveniences over the pure functions in ``engine.model``; their
+    """A model ready to run. The methods are thin conveniences over the pure functions in ``model.decoder``; their
     forward passes run the executables ``programs`` compiled ahead for the pool they are given."""
 
     name: str
@@ -99,7 +99,7 @@ def load_model(spec: str = TINY_SPEC, *, dtype: str = "float32", progress: bool 
     mis-shaped or undecodable tensors.
     """
     if spec == TINY_SPEC:
-        from fsm_pd.engine.tiny import tiny_model_parts
+        from fsm_pd.model.tiny import tiny_model_parts
 
         config, params, tokenizer = tiny_model_parts(dtype)
         return LoadedModel(TINY_SPEC, config, params, tokenizer)
@@ -139,8 +139,8 @@ def resolve_named_model(name: str) -> Path:
 
 def load_gguf(path: Path, *, dtype: str = "float32", progress: bool = False, name: str | None = None) -> LoadedModel:
     """Read a GGUF file: metadata to config, tokenizer from its vocabulary, tensors dequantized into ``dtype``."""
-    from fsm_pd.engine.gguf_file import config_from_gguf, load_gguf_params, open_gguf
-    from fsm_pd.engine.gguf_tokenizer import tokenizer_from_gguf
+    from fsm_pd.model.gguf_file import config_from_gguf, load_gguf_params, open_gguf
+    from fsm_pd.model.gguf_tokenizer import tokenizer_from_gguf
 
     reader = open_gguf(path)
     config = config_from_gguf(reader, dtype=dtype, path=str(path))

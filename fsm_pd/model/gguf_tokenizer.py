@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import logging
 
-from fsm_pd.engine.config import UnsupportedModelError
-from fsm_pd.engine.gguf_file import GGUFError, field
-from fsm_pd.engine.tokenizer import HFTokenizer
+from fsm_pd.model.config import UnsupportedModelError
+from fsm_pd.model.gguf_file import GGUFError, field
+from fsm_pd.model.tokenizer import HFTokenizer
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from fsm_pd.engine.config import ModelConfig
+from fsm_pd.model.config import ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig) -> np.ndarray:

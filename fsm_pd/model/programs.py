@@ -16,9 +16,9 @@ from collections.abc import Iterable
 import jax
 import jax.numpy as jnp
 
-from fsm_pd.engine import buckets
-from fsm_pd.engine.config import ModelConfig
-from fsm_pd.engine.model import forward_paged, table_width
+from fsm_pd.model import buckets
+from fsm_pd.model.config import ModelConfig
+from fsm_pd.model.decoder import forward_paged, table_width
 
 
 def prefill_shapes(max_batch: int, max_tokens: int, max_prompt: int) -> list[tuple[int, int]]:

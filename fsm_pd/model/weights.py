@@ -15,8 +15,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from fsm_pd.engine.config import ModelConfig
-from fsm_pd.engine.params import check_params, fused_parts, layer_shapes, top_shapes
+from fsm_pd.model.config import ModelConfig
+from fsm_pd.model.params import check_params, fused_parts, layer_shapes, top_shapes
 
 INDEX_FILE = "model.safetensors.index.json"
 

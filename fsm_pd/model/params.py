@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fsm_pd.engine.config import ModelConfig
+from fsm_pd.model.config import ModelConfig
 
 
 def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -6,9 +6,9 @@ same gibberish on every machine: the weights come from a seeded numpy generator.
 
 from __future__ import annotations
 
-from fsm_pd.engine.config import ModelConfig
-from fsm_pd.engine.params import random_params
-from fsm_pd.engine.tokenizer import ByteTokenizer
+from fsm_pd.model.config import ModelConfig
+from fsm_pd.model.params import random_params
+from fsm_pd.model.tokenizer import ByteTokenizer
 
 TINY_SEED = 0
 # Larger than the usual 0.02 so that the logits are far from uniform and greedy decoding is not a coin toss on ties.

@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fsm_pd.engine import buckets
-from fsm_pd.engine.attention import block_pages, paged_attention, reference_attention
-from fsm_pd.engine.config import ModelConfig
-from fsm_pd.engine.rope import apply_rope, inverse_frequencies
 from fsm_pd.kernels.layout import PAD_PAGE
+from fsm_pd.model import buckets
+from fsm_pd.model.attention import block_pages, paged_attention, reference_attention
+from fsm_pd.model.config import ModelConfig
+from fsm_pd.model.rope import apply_rope, inverse_frequencies
 
 # Incremented while tracing, i.e. once per compiled program: lets tests and the server see recompiles.
 TRACE_COUNTS: collections.Counter[str] = collections.Counter()
