@@ -121,7 +121,7 @@ def serve_main(argv: Sequence[str]) -> int:
         add_arguments(parser)
         return serve(parser.parse_args(argv))
     if known.role == "router":
-        from fsm_pd.api.router import router_main
+        from fsm_pd.router.app import router_main
 
         router_main([a for a in argv if a not in ("--role", "router")])
         return 0

@@ -9,6 +9,11 @@ deselected unless ``FSM_PD_SLOW=1`` is set or ``-m`` names the marker (``-m slow
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
+
+# Helpers every test tree shares (the model-free stub engine) live beside this file, outside the package.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SLOW_ENV = "FSM_PD_SLOW"
 # Every node a test starts (fsm-pd serve / launch without --model) serves the built-in tiny model, not SmolLM2.

@@ -31,7 +31,7 @@ RECOMPUTED_HEADER = "X-FSM-PD-KV-Recompute"
 
 
 # Asked for by the fsm-pd router on a stream it can migrate: each chunk then says which tokens it carries, under
-# PROGRESS_FIELD, which the router strips (``api/router_migrate.py``).
+# PROGRESS_FIELD, which the router strips (``router/migrate.py``).
 PROGRESS_HEADER = "X-FSM-PD-Progress"
 PROGRESS_FIELD = "fsm_pd_progress"
 

@@ -14,8 +14,10 @@ import os
 
 import pytest
 from hypothesis import HealthCheck, settings
+from stub_engine import StubEngine
 
-from fsm_pd.api import AppServer, StubEngine, create_app, create_router_app
+from fsm_pd.api import AppServer, create_app
+from fsm_pd.router import create_router_app
 
 schemathesis = pytest.importorskip("schemathesis")  # a test dependency: pip install schemathesis
 GenerationMode = schemathesis.GenerationMode

@@ -10,8 +10,9 @@ import threading
 import httpx
 import pytest
 from polling import until
+from stub_engine import StubEngine
 
-from fsm_pd.api import AppServer, StubEngine, create_app
+from fsm_pd.api import AppServer, create_app
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.decode_engine import DecodeEngine
 from fsm_pd.serving.prefill_engine import PrefillEngine

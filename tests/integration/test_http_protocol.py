@@ -17,10 +17,12 @@ import time
 
 import httpx
 import pytest
+from stub_engine import StubEngine
 
-from fsm_pd.api import StubEngine, create_app, create_router_app
+from fsm_pd.api import create_app
 from fsm_pd.http_protocol import ReadTimeouts
 from fsm_pd.http_server import AppServer
+from fsm_pd.router import create_router_app
 
 LIMIT_S = 1.0  # the server's deadlines; every wait below is bounded by GIVE_UP_S, far above them
 GIVE_UP_S = 60.0

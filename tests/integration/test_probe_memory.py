@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import ssl
 
-from fsm_pd.api import stub_server
+from stub_engine import stub_server
+
 from fsm_pd.bootstrap.client import check_health
 
 

@@ -10,10 +10,11 @@ import threading
 import httpx
 import pytest
 from polling import until
+from stub_engine import DECODE_LOGPROB, PREFILL_LOGPROB, StubEngine
 
-from fsm_pd.api import AppServer, StubEngine, build_arg_parser, create_app, create_router_app
-from fsm_pd.api.router import PrefillWorker, RetrySettings, parse_prefill_specs
-from fsm_pd.api.stub_engine import DECODE_LOGPROB, PREFILL_LOGPROB
+from fsm_pd.api import AppServer, create_app
+from fsm_pd.router import build_arg_parser, create_router_app
+from fsm_pd.router.app import PrefillWorker, RetrySettings, parse_prefill_specs
 from fsm_pd.serving.types import EngineError
 
 NO_RETRY = RetrySettings(policy="fail")  # the tests of how one failed attempt reaches the client

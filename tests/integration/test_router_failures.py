@@ -15,9 +15,11 @@ import threading
 import httpx
 import pytest
 from polling import until as wait_until
+from stub_engine import StubEngine
 from test_router import NO_RETRY, pd_cluster, sse_data
 
-from fsm_pd.api import AppServer, StubEngine, create_app, create_router_app
+from fsm_pd.api import AppServer, create_app
+from fsm_pd.router import create_router_app
 from fsm_pd.serving.types import EngineError, TokenOutput
 
 CLIENT_TIMEOUT_S = 60.0  # far beyond every deadline the router is given here: a hang shows as a client timeout

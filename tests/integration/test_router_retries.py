@@ -12,11 +12,13 @@ import httpx
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from polling import until
+from stub_engine import StubEngine
 from test_router import pd_cluster, sse_data
 from test_router_failures import SSE_HEAD, chunk, scripted_worker
 
-from fsm_pd.api import AppServer, StubEngine, create_app, create_router_app
-from fsm_pd.api.router import RetrySettings
+from fsm_pd.api import AppServer, create_app
+from fsm_pd.router import create_router_app
+from fsm_pd.router.app import RetrySettings
 
 
 def counter(url: str, name: str) -> dict[str, float]:

@@ -29,10 +29,12 @@ import httpx
 import openai
 import pytest
 from processes import free_port, wait_health
+from stub_engine import StubEngine, stub_server
 
 import fsm_pd
-from fsm_pd.api import AppServer, StubEngine, create_app, create_router_app, stub_server
+from fsm_pd.api import AppServer, create_app
 from fsm_pd.control.resolver import register_prefill
+from fsm_pd.router import create_router_app
 from fsm_pd.transport import generate_secret, secret_env
 
 KEY = "sekrit-key"

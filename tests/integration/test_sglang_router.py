@@ -17,9 +17,7 @@ import time
 
 import httpx
 import pytest
-
-from fsm_pd.api import stub_server
-from fsm_pd.api.stub_engine import DECODE_LOGPROB, PREFILL_LOGPROB
+from stub_engine import DECODE_LOGPROB, PREFILL_LOGPROB, stub_server
 
 pytest.importorskip("sglang_router")
 

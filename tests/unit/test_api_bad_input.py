@@ -8,9 +8,11 @@ import contextlib
 
 import httpx
 import pytest
+from stub_engine import StubEngine, stub_server
 
-from fsm_pd.api import AppServer, StubEngine, create_app, create_router_app, stub_server
+from fsm_pd.api import AppServer, create_app
 from fsm_pd.api.strict_json import lone_surrogate_at, strict_loads
+from fsm_pd.router import create_router_app
 
 PD = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 8998}
 

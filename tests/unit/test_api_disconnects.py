@@ -9,8 +9,7 @@ import time
 
 import httpx
 import pytest
-
-from fsm_pd.api import stub_server
+from stub_engine import stub_server
 
 GIVE_UP_S = 30.0
 

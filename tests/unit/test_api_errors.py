@@ -8,8 +8,8 @@ import time
 
 import httpx
 import pytest
+from stub_engine import stub_server
 
-from fsm_pd.api import stub_server
 from fsm_pd.serving.types import EngineError
 
 
@@ -137,7 +137,8 @@ def test_a_request_the_engine_failed_never_aborts_a_later_one_with_its_rid():
     # winding down: closing the failed run must leave the new one running (the engine already forgot the old).
     import asyncio
 
-    from fsm_pd.api import StubEngine
+    from stub_engine import StubEngine
+
     from fsm_pd.api.runner import RequestRun
     from fsm_pd.serving.types import GenerateRequest, SamplingParams
 

@@ -10,8 +10,9 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from stub_engine import StubEngine
 
-from fsm_pd.api import AppServer, StubEngine, create_app
+from fsm_pd.api import AppServer, create_app
 from fsm_pd.model.config import ModelConfig
 
 PD = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 7}

@@ -8,8 +8,9 @@ import time
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter
+from stub_engine import StubEngine, stub_server
 
-from fsm_pd.api import AppServer, StubEngine, create_app, stub_server
+from fsm_pd.api import AppServer, create_app
 
 
 def test_health_is_200_and_503_when_the_engine_says_unhealthy():

@@ -6,9 +6,7 @@ import json
 
 import httpx
 import pytest
-
-from fsm_pd.api import stub_server
-from fsm_pd.api.stub_engine import DECODE_LOGPROB
+from stub_engine import DECODE_LOGPROB, stub_server
 
 
 def sse_events(text: str) -> list:

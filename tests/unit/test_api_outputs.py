@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from stub_engine import stub_tokenizer
+
 from fsm_pd.api.outputs import RequestState, openai_finish_reason
-from fsm_pd.api.stub_engine import stub_tokenizer
 from fsm_pd.model.sampling import SamplingParams
 from fsm_pd.serving.types import GenerateRequest, TokenOutput
 

@@ -4,10 +4,10 @@ requests (served, or refused with a 400 that names it). A field added to a schem
 from __future__ import annotations
 
 import pytest
+from stub_engine import stub_tokenizer
 
 from fsm_pd.api import schemas
 from fsm_pd.api.requests import NodeIdentity, from_chat, from_completion, from_generate
-from fsm_pd.api.stub_engine import stub_tokenizer
 
 NODE = NodeIdentity(role="colocated", max_context=512, model_names=frozenset({"m"}), bootstrap_port=None,
                     vocab_size=272)

@@ -8,8 +8,8 @@ import json
 
 import httpx
 import pytest
+from stub_engine import stub_server
 
-from fsm_pd.api import stub_server
 from fsm_pd.api.chat_template import render_messages
 from fsm_pd.api.schemas import ChatMessage, ToolDef
 from fsm_pd.api.tools import LLAMA3, QWEN, ToolPlan, ToolStreamer, parse_tool_calls, template_format

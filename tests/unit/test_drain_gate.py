@@ -10,8 +10,9 @@ import threading
 import time
 
 import httpx
+from stub_engine import StubEngine
 
-from fsm_pd.api import AppServer, StubEngine, create_app
+from fsm_pd.api import AppServer, create_app
 
 BODY = {"text": "hi", "sampling_params": {"max_new_tokens": 8}}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsm_pd.api.fleet import BreakerSettings, Fleet, RetryBudget, Worker
+from fsm_pd.router.fleet import BreakerSettings, Fleet, RetryBudget, Worker
 
 
 class Clock:

@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from fsm_pd.api import AppServer, create_app
-from fsm_pd.api.router_migrate import Progress
 from fsm_pd.api.streaming import PROGRESS_HEADER
 from fsm_pd.model.loader import load_model
+from fsm_pd.router.migrate import Progress
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 
 TOKENS = 12

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from fsm_pd.api.router_migrate import Progress, can_migrate
+from fsm_pd.router.migrate import Progress, can_migrate
 
 
 def data(doc: dict) -> str:

@@ -23,9 +23,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from fsm_pd.api.errors import error_response
-from fsm_pd.api.router_metrics import RouterMetrics
 from fsm_pd.api.schemas import AbortBody
 from fsm_pd.api.strict_json import StrictJSONRoute
+from fsm_pd.router.metrics import RouterMetrics
 
 FORWARD_TIMEOUT_S = 45.0
 

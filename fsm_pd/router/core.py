@@ -20,15 +20,15 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from fsm_pd.api.errors import error_body, error_response
-from fsm_pd.api.fleet import BreakerSettings, Fleet, HealthChecker, RetryBudget, Worker
 from fsm_pd.api.requests import new_rid
-from fsm_pd.api.router_legs import DONE, Leg, WorkerLost, both_answered, relay, until
-from fsm_pd.api.router_merge import merge_json, merge_sse, new_room, prefill_input_logprobs, with_bootstrap
-from fsm_pd.api.router_metrics import RouterMetrics
-from fsm_pd.api.router_migrate import Progress, can_migrate, node_failure
-from fsm_pd.api.router_routes import RunningRequests
 from fsm_pd.api.runner import wait_disconnect
 from fsm_pd.api.streaming import PROGRESS_HEADER
+from fsm_pd.router.fleet import BreakerSettings, Fleet, HealthChecker, RetryBudget, Worker
+from fsm_pd.router.legs import DONE, Leg, WorkerLost, both_answered, relay, until
+from fsm_pd.router.merge import merge_json, merge_sse, new_room, prefill_input_logprobs, with_bootstrap
+from fsm_pd.router.metrics import RouterMetrics
+from fsm_pd.router.migrate import Progress, can_migrate, node_failure
+from fsm_pd.router.routes import RunningRequests
 
 log = logging.getLogger(__name__)
 

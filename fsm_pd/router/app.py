@@ -29,8 +29,10 @@ from fastapi.responses import Response
 from fsm_pd.api.app import DEFAULT_MAX_BODY_BYTES
 from fsm_pd.api.auth import ApiKeyMiddleware
 from fsm_pd.api.errors import ERROR_RESPONSES, install_error_handlers
-from fsm_pd.api.fleet import POLICIES, BreakerSettings
-from fsm_pd.api.router_core import (
+from fsm_pd.api.strict_json import StrictJSONRoute
+from fsm_pd.bootstrap.body_limit import BodySizeLimit
+from fsm_pd.http_protocol import add_read_timeout_flags, read_timeouts_from_args
+from fsm_pd.router.core import (
     DEFAULT_BREAKER,
     DEFAULT_RETRY,
     GENERATION_PATHS,
@@ -39,11 +41,9 @@ from fsm_pd.api.router_core import (
     PrefillWorker,
     RetrySettings,
 )
-from fsm_pd.api.router_metrics import RouterMetrics, RouterMetricsMiddleware
-from fsm_pd.api.router_routes import install_router_routes
-from fsm_pd.api.strict_json import StrictJSONRoute
-from fsm_pd.bootstrap.body_limit import BodySizeLimit
-from fsm_pd.http_protocol import add_read_timeout_flags, read_timeouts_from_args
+from fsm_pd.router.fleet import POLICIES, BreakerSettings
+from fsm_pd.router.metrics import RouterMetrics, RouterMetricsMiddleware
+from fsm_pd.router.routes import install_router_routes
 
 log = logging.getLogger(__name__)
 
