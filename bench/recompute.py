@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fsm_pd.control.faults import FaultConfig, Faults
+from fsm_pd.effects.faults import FaultConfig, Faults
 from fsm_pd.model.loader import load_model
 from fsm_pd.model.sampling import SamplingParams
 from fsm_pd.serving.decode_engine import DecodeEngine

@@ -22,16 +22,16 @@ from typing import Any
 from fsm_pd.control.admission import PoolAdmission, SchedulerAdmission
 from fsm_pd.control.config import heartbeat_settings, resolve_deadlines
 from fsm_pd.control.core import NodeCore, RoomInUse
-from fsm_pd.control.decode_effects import DecodeEffects
-from fsm_pd.control.faults import FaultConfig, Faults
 from fsm_pd.control.jax_kv import JaxKV
 from fsm_pd.control.metrics import NodeMetrics
 from fsm_pd.control.peers import PeerWatch, manager_forget
-from fsm_pd.control.prefill_effects import PrefillEffects
 from fsm_pd.control.resolver import PrefillResolver, deregister_prefill, register_prefill
 from fsm_pd.control.sending import PeerSenders
 from fsm_pd.control.workers import ThreadedPuller, ThreadedResolver
 from fsm_pd.effects import Node, RealClock
+from fsm_pd.effects.decode import DecodeEffects
+from fsm_pd.effects.faults import FaultConfig, Faults
+from fsm_pd.effects.prefill import PrefillEffects
 from fsm_pd.kernels import KVLayout
 from fsm_pd.machines import RECEIVER, SENDER, KVPoll
 from fsm_pd.model.model_thread import ModelThread

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from fsm_pd.control.ports import SendDone
+from fsm_pd.effects.ports import SendDone
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future
 from typing import Any
 
-from fsm_pd.control.ports import OnProgress, ResultDone
+from fsm_pd.effects.ports import OnProgress, ResultDone
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from collections import deque
 
 from fsm_pd.bootstrap import BootstrapServer
 from fsm_pd.control import KVManager
-from fsm_pd.control.decode_effects import RECOMPUTE_NOTE
 from fsm_pd.control.phases import timing_meta
+from fsm_pd.effects.decode import RECOMPUTE_NOTE
 from fsm_pd.machines import KVPoll
 from fsm_pd.model.loader import LoadedModel, load_model
 from fsm_pd.model.model_thread import ModelThread

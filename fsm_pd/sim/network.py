@@ -20,9 +20,9 @@ from typing import Any
 
 from fsm_pd.sim.faults import FaultPlan
 from fsm_pd.sim.scheduler import Scheduler
+from fsm_pd.transport.errors import PeerUnreachable
 from fsm_pd.transport.messages import Heartbeat, MalformedMessage, Message
 from fsm_pd.transport.replay_guard import ReplayGuard
-from fsm_pd.transport.side_channel import PeerUnreachable
 from fsm_pd.transport.signing import RejectedFrame, open_frame, seal
 
 SEND_TIMEOUT_S = 1.0  # the side channel's default send timeout

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 from fsm_pd.control.admission import PoolAdmission
 from fsm_pd.control.core import NodeCore
-from fsm_pd.control.decode_effects import DecodeEffects
-from fsm_pd.control.faults import Faults
 from fsm_pd.control.peers import PeerWatch
-from fsm_pd.control.prefill_effects import PrefillEffects
 from fsm_pd.effects import Node
+from fsm_pd.effects.decode import DecodeEffects
+from fsm_pd.effects.faults import Faults
+from fsm_pd.effects.prefill import PrefillEffects
 from fsm_pd.machines import RECEIVER, SENDER, Room
 from fsm_pd.model.pages import PageAllocator
 from fsm_pd.sim.bootstrap import SimResolver

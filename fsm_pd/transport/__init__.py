@@ -1,83 +1,58 @@
-"""Transport: the signed side channel between nodes (``side_channel``) and the KV data-plane backends (``backends``)."""
+"""Transport: the signed side channel between nodes (``side_channel``) and the KV data-plane backends (``backends``).
 
-from fsm_pd.transport.backends import (
-    BackendUnavailable,
-    OpenEntries,
-    TransferBackend,
-    TransferError,
-    TransferFailed,
-    TransferTimeout,
-    UnknownBackendError,
-    backend_names,
-    create_backend,
-    new_uuid,
-    register_backend,
-)
-from fsm_pd.transport.messages import (
-    CODEC,
-    Abort,
-    Heartbeat,
-    MalformedMessage,
-    Message,
-    MessageType,
-    Prepare,
-    Pulled,
-    Ready,
-    new_instance_id,
-)
-from fsm_pd.transport.side_channel import (
-    DROP_REASONS,
-    BadPeerAddress,
-    ChannelClosed,
-    MessageTooLarge,
-    PeerUnreachable,
-    SideChannel,
-    SideChannelError,
-)
-from fsm_pd.transport.signing import (
-    SECRET_ENV,
-    RejectedFrame,
-    SecretError,
-    generate_secret,
-    parse_secret,
-    secret_env,
-    secret_from_env,
-)
+The names below load their module on first use (PEP 562), so importing one zmq-free module of this package
+(``messages``, ``errors``, ``backends.base``) does not load zmq with the side channel: the effect handlers and the
+simulation import those alone.
+"""
 
-__all__ = [
-    "CODEC",
-    "DROP_REASONS",
-    "SECRET_ENV",
-    "Abort",
-    "BackendUnavailable",
-    "BadPeerAddress",
-    "ChannelClosed",
-    "Heartbeat",
-    "MalformedMessage",
-    "Message",
-    "MessageTooLarge",
-    "MessageType",
-    "OpenEntries",
-    "PeerUnreachable",
-    "Prepare",
-    "Pulled",
-    "Ready",
-    "RejectedFrame",
-    "SecretError",
-    "SideChannel",
-    "SideChannelError",
-    "TransferBackend",
-    "TransferError",
-    "TransferFailed",
-    "TransferTimeout",
-    "UnknownBackendError",
-    "backend_names",
-    "create_backend",
-    "generate_secret",
-    "new_instance_id",
-    "new_uuid",
-    "parse_secret",
-    "register_backend",
-    "secret_env",
-    "secret_from_env",
-]
+from __future__ import annotations
+
+import importlib
+
+_HOME = {
+    "Abort": "messages",
+    "BackendUnavailable": "backends",
+    "BadPeerAddress": "errors",
+    "CODEC": "messages",
+    "ChannelClosed": "errors",
+    "DROP_REASONS": "side_channel",
+    "Heartbeat": "messages",
+    "MalformedMessage": "messages",
+    "Message": "messages",
+    "MessageTooLarge": "errors",
+    "MessageType": "messages",
+    "OpenEntries": "backends",
+    "PeerUnreachable": "errors",
+    "Prepare": "messages",
+    "Pulled": "messages",
+    "Ready": "messages",
+    "RejectedFrame": "signing",
+    "SECRET_ENV": "signing",
+    "SecretError": "signing",
+    "SideChannel": "side_channel",
+    "SideChannelError": "errors",
+    "TransferBackend": "backends",
+    "TransferError": "backends",
+    "TransferFailed": "backends",
+    "TransferTimeout": "backends",
+    "UnknownBackendError": "backends",
+    "backend_names": "backends",
+    "create_backend": "backends",
+    "generate_secret": "signing",
+    "new_instance_id": "messages",
+    "new_uuid": "backends",
+    "parse_secret": "signing",
+    "register_backend": "backends",
+    "secret_env": "signing",
+    "secret_from_env": "signing",
+}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    globals()[name] = value
+    return value

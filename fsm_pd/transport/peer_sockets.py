@@ -17,27 +17,15 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from fsm_pd.transport.errors import (  # noqa: F401 - raised here, and re-exported for the channel
+    BadPeerAddress,
+    ChannelClosed,
+    MessageTooLarge,
+    PeerUnreachable,
+    SideChannelError,
+)
+
 PEER_SCHEMES = ("tcp://", "ipc://")
-
-
-class SideChannelError(Exception):
-    """Base of the errors ``SideChannel`` raises."""
-
-
-class PeerUnreachable(SideChannelError):
-    """The peer did not take the frame within ``send_timeout_s`` (dead, not yet started, or gone)."""
-
-
-class BadPeerAddress(SideChannelError, ValueError):
-    """The address is not one this channel can connect to (addresses arrive in messages: treat them as input)."""
-
-
-class MessageTooLarge(SideChannelError, ValueError):
-    """The encoded frame exceeds ``max_frame_bytes``; a peer with the same limit would drop it."""
-
-
-class ChannelClosed(SideChannelError):
-    """The channel was closed."""
 
 
 @dataclass(eq=False)

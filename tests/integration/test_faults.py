@@ -5,7 +5,7 @@ For each fault: every request ends (a full answer or a clean HTTP error) within 
 servers stay healthy, a follow-up request succeeds, the leak counters of ``/server_info`` return to their baseline,
 and ``fsm-pd replay`` on the journals exits 0 and names each failure's reason.
 
-Faults are injected with ``FSM_PD_FAULT_*`` (``fsm_pd/control/faults.py``); each node starts with its pause file
+Faults are injected with ``FSM_PD_FAULT_*`` (``fsm_pd/effects/faults.py``); each node starts with its pause file
 present, so the warm-up (and the kernels' compilation) runs fault-free, and the follow-up runs after the pause file
 is back, on the same servers.
 """
@@ -25,7 +25,7 @@ import pytest
 from fault_rig import DEADLINE_S, ENV, PROMPTS, assert_clean, generate, info
 from processes import PAGE_SIZE, Cluster, free_port
 
-from fsm_pd.control.decode_effects import RECOMPUTE_NOTE
+from fsm_pd.effects.decode import RECOMPUTE_NOTE
 
 # how a decode room ends when its prefill node dies: the router cancels the decode leg, the pull fails, the heartbeat
 DECODE_LOST_PREFILL = ("aborted by the client", "pull failed", "pull timed out", "transfer timeout",

@@ -186,10 +186,10 @@ class BlockingChannel:
 
 
 def test_a_send_to_a_dead_peer_blocks_neither_the_loop_nor_other_peers():
-    from fsm_pd.control.faults import Faults
-    from fsm_pd.control.outbox import Outbox
     from fsm_pd.control.sending import PeerSenders
     from fsm_pd.effects import EffectInterpreter, Node, VirtualClock
+    from fsm_pd.effects.faults import Faults
+    from fsm_pd.effects.outbox import Outbox
     from fsm_pd.machines import SENDER
     from fsm_pd.machines.effects import Send
 

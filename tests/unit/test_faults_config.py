@@ -1,4 +1,4 @@
-"""Fault injection: ``FSM_PD_FAULT_*`` parsing and each hook (``fsm_pd/control/faults.py``)."""
+"""Fault injection: ``FSM_PD_FAULT_*`` parsing and each hook (``fsm_pd/effects/faults.py``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import threading
 import pytest
 from prometheus_client import generate_latest
 
-from fsm_pd.control.faults import CRASH_EXIT_CODE, CRASH_POINTS, FaultConfig, Faults, InjectedFault
 from fsm_pd.control.metrics import NodeMetrics
+from fsm_pd.effects.faults import CRASH_EXIT_CODE, CRASH_POINTS, FaultConfig, Faults, InjectedFault
 
 
 def test_off_by_default():

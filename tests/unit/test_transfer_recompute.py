@@ -11,7 +11,7 @@ import pytest
 from test_serving_colocated import PAGE_SIZE, PAGES, ids_of, run
 from test_serving_pd import assert_idle, pd_request
 
-from fsm_pd.control.faults import FaultConfig, Faults
+from fsm_pd.effects.faults import FaultConfig, Faults
 from fsm_pd.model.loader import load_model
 from fsm_pd.serving.collect import generate
 from fsm_pd.serving.decode_engine import DecodeEngine

@@ -23,9 +23,9 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from fsm_pd.control.faults import InjectedFault
-from fsm_pd.control.outbox import Outbox
 from fsm_pd.effects import EffectError, EffectInterpreter
+from fsm_pd.effects.faults import InjectedFault
+from fsm_pd.effects.outbox import Outbox
 from fsm_pd.machines.effects import FreePages, Pull, ReservePages, ResolveBootstrap, Scatter, Send
 from fsm_pd.transport.backends.base import TransferFailed, TransferTimeout
 from fsm_pd.transport.messages import Abort, Prepare, Pulled
@@ -33,9 +33,9 @@ from fsm_pd.transport.messages import Abort, Prepare, Pulled
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from fsm_pd.control.faults import Faults
-    from fsm_pd.control.ports import Admission, DecodeKV, ModelExecutor, PullPort, ResolverPort, SideChannelPort
     from fsm_pd.effects import Node
+    from fsm_pd.effects.faults import Faults
+    from fsm_pd.effects.ports import Admission, DecodeKV, ModelExecutor, PullPort, ResolverPort, SideChannelPort
     from fsm_pd.machines import Room
 
 log = logging.getLogger(__name__)

@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from fsm_pd.transport.side_channel import PeerUnreachable, SideChannelError
+from fsm_pd.transport.errors import PeerUnreachable, SideChannelError
 
 if TYPE_CHECKING:
-    from fsm_pd.control.faults import Faults
-    from fsm_pd.control.ports import SideChannelPort
     from fsm_pd.effects import Node
+    from fsm_pd.effects.faults import Faults
+    from fsm_pd.effects.ports import SideChannelPort
 
 
 class Outbox:

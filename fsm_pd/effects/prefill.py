@@ -12,15 +12,15 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from fsm_pd.control.outbox import Outbox
 from fsm_pd.effects import EffectError, EffectInterpreter
+from fsm_pd.effects.outbox import Outbox
 from fsm_pd.machines.effects import GatherAndPublish, ReleaseStaging, Send
 from fsm_pd.transport.messages import Abort, Ready
 
 if TYPE_CHECKING:
-    from fsm_pd.control.faults import Faults
-    from fsm_pd.control.ports import ModelExecutor, PrefillKV, PublishPort, SideChannelPort
     from fsm_pd.effects import Node
+    from fsm_pd.effects.faults import Faults
+    from fsm_pd.effects.ports import ModelExecutor, PrefillKV, PublishPort, SideChannelPort
     from fsm_pd.machines import Room
 
 log = logging.getLogger(__name__)
