@@ -1,8 +1,10 @@
 """The package import rules of ``docs/architecture.md``, checked against the code.
 
-The table in the doc is the source: for each ``fsm_pd/<package>`` row, the fsm-pd packages it may import (third
-column) and the modules it never imports (fourth column). Imports are read with ``ast`` from every module of the
-package, function-level ones included, ``if TYPE_CHECKING:`` blocks excepted. Packages that never import one of the
+The table in the doc is the source: for each ``fsm_pd/<package>`` or ``fsm_pd/<module>.py`` row, the fsm-pd packages
+and top-level modules it may import (third column) and the modules it never imports (fourth column). Imports are read
+with ``ast`` from every module of the package, function-level ones included, ``if TYPE_CHECKING:`` blocks excepted,
+and imports by name too: the argument of ``import_module`` / ``__import__`` / ``find_spec``, and the strings of a dict
+literal that name an fsm-pd module (lazy-export tables, the backend registry). Packages that never import one of the
 heavy libraries are also imported in a fresh interpreter, which proves they do not load it through another package.
 """
 
@@ -22,13 +24,14 @@ HEAVY = ("jax", "zmq", "sqlalchemy", "fastapi")
 
 
 def rules() -> dict[str, tuple[set[str], set[str]]]:
-    """{package: (fsm-pd packages it may import, modules it never imports)} from the architecture table."""
+    """{package or top-level module: (fsm-pd packages and modules it may import, modules it never imports)} from the
+    architecture table."""
     found = {}
     for line in (ROOT / "docs" / "architecture.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 4 or not re.fullmatch(r"`fsm_pd/\w+`", cells[0]):
+        if len(cells) != 4 or not re.fullmatch(r"`fsm_pd/\w+(\.py)?`", cells[0]):
             continue
-        name = cells[0].strip("`").split("/", 1)[1]
+        name = cells[0].strip("`").split("/", 1)[1].removesuffix(".py")
         found[name] = (set(re.findall(r"`(\w+)`", cells[2])), set(re.findall(r"`([\w.]+)`", cells[3])))
     return found
 
@@ -36,8 +39,20 @@ def rules() -> dict[str, tuple[set[str], set[str]]]:
 RULES = rules()
 
 
+STRING_IMPORTERS = {"import_module", "__import__", "find_spec"}
+
+
+def names_a_module(text: str) -> bool:
+    """``text`` is ``fsm_pd.a.b`` (or ``fsm_pd.a.b:attr``) and that module exists."""
+    dotted = text.split(":", 1)[0]
+    if not re.fullmatch(r"fsm_pd(\.\w+)+", dotted):
+        return False
+    path = ROOT.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
 def imports(path: Path) -> list[tuple[int, str]]:
-    """(line, dotted module) of every absolute import in ``path``, outside ``if TYPE_CHECKING:``."""
+    """(line, dotted module) of every absolute import in ``path``, outside ``if TYPE_CHECKING:``, by name included."""
     tree = ast.parse(path.read_text(), str(path))
     skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _type_checking(node.test)
                for stmt in node.body for n in ast.walk(stmt)}
@@ -49,6 +64,13 @@ def imports(path: Path) -> list[tuple[int, str]]:
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             found.append((node.lineno, node.module))
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and getattr(node.func, "attr", getattr(node.func, "id", None)) in STRING_IMPORTERS):
+            found.append((node.lineno, node.args[0].value))
+        elif isinstance(node, ast.Dict):
+            found += [(c.lineno, c.value.split(":", 1)[0]) for c in [*node.keys, *node.values]
+                      if isinstance(c, ast.Constant) and isinstance(c.value, str) and names_a_module(c.value)]
     return found
 
 
@@ -57,10 +79,16 @@ def _type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
+def sources(name: str) -> list[Path]:
+    """The files of a package, or the one file of a top-level module."""
+    module = PACKAGE / f"{name}.py"
+    return [module] if module.is_file() else sorted((PACKAGE / name).rglob("*.py"))
+
+
 def violations(package: str) -> list[str]:
     allowed, never = RULES[package]
     found = []
-    for path in sorted((PACKAGE / package).rglob("*.py")):
+    for path in sources(package):
         where = path.relative_to(ROOT)
         for line, module in imports(path):
             parts = module.split(".")
@@ -71,9 +99,11 @@ def violations(package: str) -> list[str]:
     return found
 
 
-def test_the_table_names_every_package():
+def test_the_table_names_every_package_and_top_level_module():
     packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
-    assert packages <= set(RULES), f"add these packages to docs/architecture.md: {sorted(packages - set(RULES))}"
+    modules = {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    missing = (packages | modules) - set(RULES)
+    assert not missing, f"add these to the table in docs/architecture.md: {sorted(missing)}"
     assert RULES["machines"] == (set(), RULES["machines"][1]) and {"jax", "time"} <= RULES["machines"][1]
     assert "jax" in RULES["sim"][1]
 
