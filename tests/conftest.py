@@ -12,8 +12,13 @@ import os
 import sys
 from pathlib import Path
 
-# Helpers every test tree shares (the model-free stub engine) live beside this file, outside the package.
+# Helpers every test tree shares (the model-free stub engine, the in-process "fake" transfer backend) live beside this
+# file, outside the package.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fsm_pd.transport.backends import register_backend  # noqa: E402 - after the path above
+
+register_backend("fake", "fake_backend:FakeTransferBackend", replace=True)
 
 SLOW_ENV = "FSM_PD_SLOW"
 # Every node a test starts (fsm-pd serve / launch without --model) serves the built-in tiny model, not SmolLM2.

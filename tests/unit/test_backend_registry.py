@@ -17,11 +17,11 @@ from fsm_pd.transport.backends import (
     register_backend,
     unregister_backend,
 )
-from fsm_pd.transport.backends.fake import FakeTransferBackend
+from fake_backend import FakeTransferBackend
 
 
 def test_builtin_names_are_listed():
-    assert {"jax", "zmq", "fake"} <= set(backend_names())
+    assert {"jax", "zmq", "tcp", "fake"} <= set(backend_names())  # fake: registered by tests/conftest.py
 
 
 def test_unknown_name_error_lists_known_backends():
@@ -56,7 +56,7 @@ def test_duplicate_registration_needs_replace():
     try:
         with pytest.raises(ValueError, match="already registered"):
             register_backend("test-dup", FakeTransferBackend)
-        register_backend("test-dup", "fsm_pd.transport.backends.fake:FakeTransferBackend", replace=True)
+        register_backend("test-dup", "fake_backend:FakeTransferBackend", replace=True)
         with create_backend("test-dup") as backend:
             assert isinstance(backend, FakeTransferBackend)
     finally:
@@ -64,17 +64,19 @@ def test_duplicate_registration_needs_replace():
 
 
 def test_shadowing_a_builtin_and_unregistering_restores_it():
+    from fsm_pd.transport.backends.tcp_backend import TcpTransferBackend
+
     class Marked(FakeTransferBackend):
         pass
 
-    register_backend("fake", Marked, replace=True)
+    register_backend("tcp", Marked, replace=True)
     try:
-        with create_backend("fake") as backend:
+        with create_backend("tcp") as backend:
             assert type(backend) is Marked
     finally:
-        unregister_backend("fake")
-    with create_backend("fake") as backend:
-        assert type(backend) is FakeTransferBackend
+        unregister_backend("tcp")
+    with create_backend("tcp") as backend:
+        assert type(backend) is TcpTransferBackend
 
 
 @pytest.mark.parametrize("factory", [42, "no-colon-here", None])
@@ -97,7 +99,7 @@ def test_entry_point_plugin_is_found_without_editing_fsm_pd(tmp_path, monkeypatc
     (tmp_path / "pigeon_transfer.py").write_text(
         textwrap.dedent(
             """
-            from fsm_pd.transport.backends.fake import FakeTransferBackend
+            from fake_backend import FakeTransferBackend
 
             class PigeonBackend(FakeTransferBackend):
                 name = "pigeon"

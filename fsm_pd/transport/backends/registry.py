@@ -26,7 +26,6 @@ _BUILTINS: dict[str, str] = {
     "jax": "fsm_pd.transport.backends.jax_backend:JaxTransferBackend",
     "zmq": "fsm_pd.transport.backends.zmq_backend:ZmqTransferBackend",
     "tcp": "fsm_pd.transport.backends.tcp_backend:TcpTransferBackend",
-    "fake": "fsm_pd.transport.backends.fake:FakeTransferBackend",
 }
 
 _lock = threading.Lock()

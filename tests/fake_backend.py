@@ -1,4 +1,5 @@
-"""In-process backend for unit tests and the deterministic simulation: a process-global table of nodes.
+"""In-process transfer backend for the tests (registered as ``fake`` by ``tests/conftest.py``): a process-global table
+of nodes.
 
 It keeps the full contract (deadlines, tombstones, hold expiry, spec verification, one delivery per uuid) so that
 code tested against it behaves the same on the real backends; it only skips the network. Pulled arrays are copies,
