@@ -6,6 +6,7 @@ import sys
 import textwrap
 
 import pytest
+from fake_backend import FakeTransferBackend
 
 from fsm_pd.transport.backends import (
     ENTRY_POINT_GROUP,
@@ -17,7 +18,6 @@ from fsm_pd.transport.backends import (
     register_backend,
     unregister_backend,
 )
-from fake_backend import FakeTransferBackend
 
 
 def test_builtin_names_are_listed():
