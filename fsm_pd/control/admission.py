@@ -36,19 +36,16 @@ class PoolAdmission:
         self.grant(node)
 
     def grant(self, node: Node) -> None:
-        """Admit in arrival order; the head waits for pages, rooms that ended meanwhile leave the queue."""
+        """Admit in arrival order; the head waits for pages. A room that ended left the queue in ``release`` (every
+        failed room's ``FreePages`` calls it), so no room's state is read here, off the loop."""
         with self._lock:
             while self._queue:
                 room, count = self._queue[0]
-                found = node.rooms.get(room)
-                if found is None or found.terminal:
-                    self._queue.popleft()
-                    continue
                 try:
                     pages = self.allocator.reserve(room, count)
                 except OutOfPages:
                     return
-                except ValueError as exc:  # a request that can never fit, or a reused room id
+                except ValueError as exc:  # can never fit, a reused room id, or freed while it queued here
                     self._queue.popleft()
                     node.submit(room, "error", {"blame": "local", "reason": str(exc)})
                     continue
@@ -56,6 +53,9 @@ class PoolAdmission:
                 node.submit(room, "pages_reserved", {"pages": pages})
 
     def release(self, node: Node, room: int) -> int:
+        with self._lock:
+            if any(waiting == room for waiting, _ in self._queue):
+                self._queue = deque(item for item in self._queue if item[0] != room)
         freed = self.allocator.free(room)
         self.grant(node)
         return freed

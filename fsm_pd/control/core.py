@@ -5,7 +5,8 @@ events, and keeps messages that beat their room (D's PREPARE can reach P before 
 peer that died or restarted are failed by ``PeerWatch`` (``peers.py``). ``KVManager`` is this core plus the real
 ports and the loop thread; ``fsm_pd.sim`` is the same core plus simulated ports, stepped by the simulator.
 
-Thread safety: every method may be called from any thread; rooms change only in ``node.step()``.
+Thread safety: every method may be called from any thread; rooms change only in ``node.step()``, and a clear is
+queued to it like an event.
 """
 
 from __future__ import annotations
@@ -140,10 +141,8 @@ class NodeCore:
         return self.node.poll(room)
 
     def reason(self, room: int) -> str | None:
-        if self.node.poll(room) is not KVPoll.Failed:
-            return None
-        found = self.node.rooms.get(room)
-        return None if found is None else found.reason
+        """Why the room failed (None while it has not), from what the loop published."""
+        return self.node.reasons.get(room)
 
     def early_rooms(self) -> int:
         return len(self._early)

@@ -8,6 +8,7 @@ commits their journal rows in one transaction, and only then runs their effects:
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -18,6 +19,8 @@ from fsm_pd.store.journal import Journal
 from fsm_pd.store.reader import open_room_rows, read_journal
 
 Observer = Callable[[Room, Decision, float], None]
+log = logging.getLogger(__name__)
+_CLEAR = object()  # an inbox entry that forgets a room instead of firing a trigger
 
 
 class Node:
@@ -33,10 +36,11 @@ class Node:
         self.interpreter = interpreter
         self.clock = clock
         self.deadlines = dict(deadlines)
-        self.rooms: dict[int, Room] = {}
+        self.rooms: dict[int, Room] = {}  # the loop's alone; everyone else reads ``states`` and ``reasons``
         # what other threads may see: a state is published here only once it is journaled and its effects started,
-        # so nobody acts on a transition that a crash could still take back
+        # so nobody acts on a transition that a crash could still take back; a failed room's reason likewise
         self.states: dict[int, str] = {}
+        self.reasons: dict[int, str | None] = {}
         self.timers: dict[tuple[int, str], Any] = {}
         self.observers: list[Observer] = []
         self.dropped_unknown_room = 0
@@ -49,6 +53,14 @@ class Node:
         if not self.wakeup.is_set():  # Event.set takes a lock; most submits find the loop already woken
             self.wakeup.set()
 
+    def clear(self, room: int) -> None:
+        """Forget a terminal room at the end of the next step; its later events are dropped and counted. Thread-safe:
+        like an event, it waits its turn in the inbox, so it never overtakes the room's own events nor races a
+        step (rooms change only on the loop)."""
+        self._inbox.append((room, _CLEAR, {}, 0.0))
+        if not self.wakeup.is_set():
+            self.wakeup.set()
+
     def create(self, room: int, payload: dict | None = None) -> None:
         """Queue the creation of a room; the node's deadlines are recorded in the journaled event."""
         self.submit(room, "create", {"deadlines": self.deadlines, **(payload or {})})
@@ -59,8 +71,13 @@ class Node:
         batch: list[tuple[Room, Decision, float]] = []
         rows: list[tuple] = []
         rooms, inbox, node_id, role, fire = self.rooms, self._inbox, self.node_id, self.role, self.machine.fire
+        clears: list[int] = []
         while inbox:
             room_id, trigger, payload, at = inbox.popleft()
+            if trigger is _CLEAR:  # later events for the room, in this step too, find no room and are dropped
+                if self._forget(room_id):
+                    clears.append(room_id)
+                continue
             room = rooms.get(room_id)
             if room is None:
                 if trigger != "create":
@@ -74,16 +91,20 @@ class Node:
         if self.journal is not None and rows:
             self.journal.add_rows(rows)
             self.journal.flush()
-        run, states = self.interpreter.run, self.states
+        run, states, reasons = self.interpreter.run, self.states, self.reasons
         for room, decision, _ in batch:
             if decision.effects:
                 run(self, room, decision)
-            if rooms.get(room.room) is room:  # not cleared meanwhile by another thread: never resurrect a room
-                states[room.room] = decision.dst
+            states[room.room] = decision.dst
+            if decision.dst == "Failed":
+                reasons[room.room] = room.reason
         # observers (waiters, metrics) hear of a decision once its effects have been started
         for observe in self.observers:
             for room, decision, at in batch:
                 observe(room, decision, at)
+        for room_id in clears:  # its last decision was published and observed above: now it is gone for all
+            states.pop(room_id, None)
+            reasons.pop(room_id, None)
         return len(batch)
 
     def poll(self, room: int) -> KVPoll | None:
@@ -91,13 +112,13 @@ class Node:
         found = self.states.get(room)
         return None if found is None else KVPoll[found]
 
-    def clear(self, room: int) -> None:
-        """Forget a terminal room; later events for it are dropped and counted."""
+    def _forget(self, room: int) -> bool:
         found = self.rooms.get(room)
-        if found is not None and not found.terminal:
-            raise ValueError(f"room {room} is {found.state}; only terminal rooms can be cleared")
+        if found is not None and not found.terminal:  # a caller's bug: forgetting it would strand its effects
+            log.error("%s: clear of room %d ignored: it is %s, not terminal", self.node_id, room, found.state)
+            return False
         self.rooms.pop(room, None)
-        self.states.pop(room, None)
+        return True
 
     def recover(self, reason: str = "node restarted", *, full_scan: bool = False) -> list[int]:
         """Rebuild this node's unfinished rooms from its journal and fail them. Returns their ids.
@@ -123,6 +144,7 @@ class Node:
         # journal's whole history (their late events are then dropped and counted, not journaled)
         self.rooms = {room_id: room for room_id, room in rooms.items() if not room.terminal}
         self.states = {room_id: room.state for room_id, room in self.rooms.items()}
+        self.reasons = {}
         unfinished = sorted(self.rooms)
         for room_id in unfinished:
             self.submit(room_id, "error", {"blame": "local", "reason": reason})

@@ -72,7 +72,8 @@ def test_sglang_facades_drive_a_chunked_transfer(pair, tmp_path):
     assert d.node.rooms[5].ctx["first_token"] == 42
     sender.clear()
     receiver.clear()
-    assert p.poll(5) is None and freed == []
+    # a clear is queued to the node's loop like an event (rooms change only there)
+    assert _until(lambda: p.poll(5) is None and d.poll(5) is None) and freed == []
 
 
 def test_decode_abort_reaches_prefill_and_frees_pages(pair):
@@ -133,8 +134,8 @@ def test_metrics_count_transitions_and_failures(pair):
     text = generate_latest(p.metrics.registry).decode()
     assert 'fsm_pd_failures_total{node="p0",reason="bootstrap timeout",role="prefill"} 1.0' in text
     assert 'fsm_pd_rooms{node="p0",role="prefill",state="Failed"} 1.0' in text
-    p.clear(1)
-    assert 'state="Failed"} 0.0' in generate_latest(p.metrics.registry).decode()
+    p.clear(1)  # queued to the loop
+    assert _until(lambda: 'state="Failed"} 0.0' in generate_latest(p.metrics.registry).decode())
 
 
 def test_deadline_configuration(monkeypatch):

@@ -118,3 +118,28 @@ def test_events_for_cleared_rooms_are_dropped_and_counted():
     node.clear(1)
     node.submit(1, "pull_done")
     assert node.step() == 0 and node.dropped_unknown_room == 1
+
+
+def test_a_clear_takes_its_turn_in_the_inbox():
+    """``clear`` is queued like an event (rooms change only in ``step``): what came before it is decided, published
+    and observed; what comes after finds no room; the room's published state goes last."""
+    node = Node("p", SENDER, None, RecordingInterpreter(), VirtualClock(), SENDER_DEADLINES)
+    seen = []
+    node.observers.append(lambda room, decision, at: seen.append((room.room, decision.trigger, decision.dst)))
+    node.create(1, {"layout": LAYOUT})
+    node.step()
+    node.submit(1, "abort", {"reason": "client left"})  # the same step decides it, then forgets the room
+    node.clear(1)
+    node.submit(1, "pull_done")
+    assert node.step() == 1 and node.dropped_unknown_room == 1
+    assert seen[-1] == (1, "abort", "Failed")
+    assert 1 not in node.rooms and node.poll(1) is None and node.reasons == {}
+
+
+def test_a_clear_of_a_live_room_is_refused_and_the_room_goes_on():
+    node = Node("p", SENDER, None, RecordingInterpreter(), VirtualClock(), SENDER_DEADLINES)
+    node.create(1, {"layout": LAYOUT})
+    node.step()
+    node.clear(1)  # a caller's bug: the room is still Bootstrapping
+    node.step()
+    assert node.rooms[1].state == "Bootstrapping" and node.poll(1) is not None
