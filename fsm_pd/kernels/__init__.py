@@ -1,36 +1,40 @@
-"""KV pool layout and the page kernels: gather pages to staging, scatter staging to pages, host staging slots."""
+"""KV pool layout and the page kernels: gather pages to staging, scatter staging to pages, host staging slots.
 
-from fsm_pd.kernels.buckets import bucket_sizes, page_bucket
-from fsm_pd.kernels.host_staging import HostPoolExhausted, HostSlot, HostStagingPool, copy_to_host, host_memory_kind
-from fsm_pd.kernels.layout import PAD_PAGE, KVLayout
-from fsm_pd.kernels.page_copy import (
-    Impl,
-    gather_pages,
-    gather_pages_into,
-    resolve_impl,
-    scatter_layers,
-    scatter_pages,
-    staging_block,
-)
-from fsm_pd.kernels.runs import PageRuns, page_runs
+The names below load their module on first use (PEP 562): ``layout`` and ``buckets`` are plain Python, and the model's
+bucketing and the jax-free schedulers import them without loading jax with the kernels.
+"""
 
-__all__ = [
-    "PAD_PAGE",
-    "HostPoolExhausted",
-    "HostSlot",
-    "HostStagingPool",
-    "Impl",
-    "KVLayout",
-    "PageRuns",
-    "bucket_sizes",
-    "copy_to_host",
-    "gather_pages",
-    "gather_pages_into",
-    "host_memory_kind",
-    "page_bucket",
-    "page_runs",
-    "resolve_impl",
-    "scatter_layers",
-    "scatter_pages",
-    "staging_block",
-]
+from __future__ import annotations
+
+import importlib
+
+_HOME = {
+    "HostPoolExhausted": "host_staging",
+    "HostSlot": "host_staging",
+    "HostStagingPool": "host_staging",
+    "Impl": "page_copy",
+    "KVLayout": "layout",
+    "PAD_PAGE": "layout",
+    "PageRuns": "runs",
+    "bucket_sizes": "buckets",
+    "copy_to_host": "host_staging",
+    "gather_pages": "page_copy",
+    "gather_pages_into": "page_copy",
+    "host_memory_kind": "host_staging",
+    "page_bucket": "buckets",
+    "page_runs": "runs",
+    "resolve_impl": "page_copy",
+    "scatter_layers": "page_copy",
+    "scatter_pages": "page_copy",
+    "staging_block": "page_copy",
+}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    globals()[name] = value
+    return value

@@ -14,31 +14,21 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry
 
-from fsm_pd.model.loader import LoadedModel, load_model
-from fsm_pd.model.model_thread import ModelThread
-from fsm_pd.model.pages import PageAllocator
-from fsm_pd.serving.common import (
-    ABORTED_STATUS,
-    RequestTable,
-    check_request,
-    flush_when_idle,
-    max_context_for,
-    pool_tokens_for,
-    refuse_if_unhealthy,
-)
+from fsm_pd.model.loader import LoadedModel
+from fsm_pd.serving.common import check_request
 from fsm_pd.serving.decode_loop import DecodeLoop
+from fsm_pd.serving.engine import EngineCore
 from fsm_pd.serving.forward import prefill_and_sample
 from fsm_pd.serving.isolate import run_isolating
-from fsm_pd.serving.page_admission import take_prefill_batch
 from fsm_pd.serving.retraction import DecodeLoopCollector
+from fsm_pd.serving.scheduling import take_prefill_batch
 from fsm_pd.serving.sequence import Sequence
-from fsm_pd.serving.step_driver import StepDriver
-from fsm_pd.serving.types import EngineError, GenerateRequest, RequestStream
+from fsm_pd.serving.types import EngineError, GenerateRequest
 
 log = logging.getLogger(__name__)
 
 
-class ColocatedEngine:
+class ColocatedEngine(EngineCore):
     role = "colocated"
 
     def __init__(
@@ -52,12 +42,7 @@ class ColocatedEngine:
         max_prefill_tokens: int = 4096,
         headroom_pages: int | None = None,
     ):
-        self.model = load_model(model) if isinstance(model, str) else model
-        self.model_name = self.model.name
-        self.page_size = page_size
-        self.layout = self.model.make_kv_layout(num_pages, page_size)
-        self.max_context = max_context_for(self.model, num_pages, page_size)
-        self.pool_tokens = pool_tokens_for(num_pages, page_size)
+        super().__init__(model, num_pages=num_pages, page_size=page_size, name="colocated")
         self.max_running, self.max_prefill_batch, self.max_prefill_tokens = (
             max_running,
             max_prefill_batch,
@@ -65,76 +50,29 @@ class ColocatedEngine:
         )
         # enough free pages for every running sequence to cross into one more page
         self.headroom_pages = headroom_pages if headroom_pages is not None else max(1, (num_pages - 1) // 8)
-        self.model_thread = ModelThread(self.model.make_pool(self.layout), name="model[colocated]")
-        self.allocator = PageAllocator(num_pages)
-        self.requests = RequestTable()
         self.loop = DecodeLoop(self.model, self.model_thread, self.allocator, page_size, release=self._release,
                                headroom_pages=self.headroom_pages, max_recompute_batch=max_prefill_batch,
                                max_recompute_tokens=max_prefill_tokens)
-        self._waiting: deque[Sequence] = deque()  # appended by submit (any thread), consumed on the model thread
+        self._waiting: deque[Sequence] = deque()  # the model thread's: arrivals waiting for their prefill
         self._keys = itertools.count(1)
-        self._driver = StepDriver(self.model_thread, self._step, name="colocated scheduler")
-        self.model_thread.on_death.append(self._cannot_serve)
         self.registries = [CollectorRegistry()]  # /metrics (create_app reads engine.registries)
         self.registries[0].register(DecodeLoopCollector(self.loop.counters, {"role": "colocated", "node": "colocated"}))
+        self._driver.start()
 
-    # --- any thread ---
-    def submit(self, request: GenerateRequest, stream: RequestStream) -> None:
-        refuse_if_unhealthy(self.health())
+    def _check(self, request: GenerateRequest) -> None:
         check_request(request, self.max_context, needs_bootstrap=False, pool_tokens=self.pool_tokens)
-        seq = Sequence.start(
-            request,
-            stream,
-            key=next(self._keys),
-            pages=[],
-            tokenizer=self.model.tokenizer,
-            eos_token_ids=self.model.eos_token_ids,
-            max_context=self.max_context,
-        )
-        self.requests.add(seq)
-        self._waiting.append(seq)
-        self._driver.kick()
 
-    def abort(self, rid: str, reason: str | None = None, status: int = ABORTED_STATUS) -> bool:
-        """Stop the request and free what it holds; False if unknown or finished. ``reason`` (journaled, and in
-        the stream's error) and ``status`` default to a client's abort (499); a drain passes its own."""
-        found = self.requests.cancel(rid, reason or "aborted", status)
-        if found is not None:
-            self._driver.kick()
-        return found is not None
-
-    def health(self) -> str | None:
-        """Why this node cannot serve (its model thread died), or None: ``/health``."""
-        return self.model_thread.health()
-
-    def _cannot_serve(self, reason: str) -> None:
-        self.requests.fail_all(EngineError(f"this node cannot serve: {reason}", 503))
+    def _key(self, request: GenerateRequest) -> int:
+        return next(self._keys)
 
     def info(self) -> dict:
-        return {
-            "role": self.role,
-            "model": self.model_name,
-            "max_context": self.max_context,
-            "page_size": self.page_size,
-            "pages_free": self.allocator.free_pages,
-            "pages_reserved": self.allocator.reserved_pages,
-            "requests_live": len(self.requests),
-            "requests_waiting": len(self._waiting),
-            "requests_running": len(self.loop.running),
-            "tokens_generated": self.loop.tokens_generated,
-            **self.loop.counters(),
-        }
-
-    def flush_cache(self) -> tuple[bool, str]:
-        """SGLang's ``/flush_cache`` (see ``common.flush_when_idle``); any thread: runs on the model thread."""
-        return self.model_thread.call(lambda _owner: flush_when_idle(self.allocator, len(self.requests)), 30.0)
-
-    def close(self) -> None:
-        self._driver.close()
-        self.model_thread.close()
+        return {**super().info(), "requests_waiting": len(self._waiting) + len(self.arrivals),
+                "requests_running": len(self.loop.running), "tokens_generated": self.loop.tokens_generated,
+                **self.loop.counters()}
 
     # --- the model thread ---
     def _step(self) -> bool:
+        self._waiting.extend(self._arrived())
         self._prefill()
         running = self.loop.step()
         return running or bool(self._waiting) and self.allocator.reserved_pages == 0 and not self.loop.resuming

@@ -112,6 +112,10 @@ class RequestTable:
                 raise EngineError(f"request {seq.rid} is already running", 400)
             self._live[seq.rid] = seq
 
+    def get(self, rid: str | None) -> Sequence | None:
+        with self._lock:
+            return self._live.get(rid)
+
     def pop(self, rid: str) -> Sequence | None:
         with self._lock:
             return self._live.pop(rid, None)

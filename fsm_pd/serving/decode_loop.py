@@ -26,8 +26,8 @@ from fsm_pd.model.pages import OutOfPages, PageAllocator, pages_for
 from fsm_pd.model.sampling import sample
 from fsm_pd.serving.forward import top_ks
 from fsm_pd.serving.isolate import run_isolating
-from fsm_pd.serving.page_admission import admits
 from fsm_pd.serving.retraction import pick_retractions
+from fsm_pd.serving.scheduling import admits
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.top_logprobs import chosen_and_top
 from fsm_pd.serving.types import EngineError

@@ -27,40 +27,24 @@ import time
 from collections import deque
 
 from fsm_pd.bootstrap import BootstrapServer
-from fsm_pd.control import KVManager
 from fsm_pd.control.phases import timing_meta
 from fsm_pd.effects.decode import RECOMPUTE_NOTE
-from fsm_pd.machines import KVPoll
-from fsm_pd.model.loader import LoadedModel, load_model
-from fsm_pd.model.model_thread import ModelThread
-from fsm_pd.model.pages import PageAllocator
-from fsm_pd.serving.common import (
-    ABORTED_STATUS,
-    ENDED,
-    ROOM_IN_USE_STATUS,
-    RequestTable,
-    check_request,
-    flush_when_idle,
-    journal_path,
-    max_context_for,
-    refuse_if_unhealthy,
-    room_error_status,
-)
+from fsm_pd.model.loader import LoadedModel
+from fsm_pd.serving.common import ENDED
 from fsm_pd.serving.forward import FirstToken, input_logprobs_to_wire, prefill_and_sample
 from fsm_pd.serving.isolate import run_isolating
-from fsm_pd.serving.page_admission import take_prefill_batch
+from fsm_pd.serving.pd_engine import PDEngine
+from fsm_pd.serving.scheduling import take_prefill_batch
 from fsm_pd.serving.sequence import Sequence
-from fsm_pd.serving.step_driver import StepDriver
 from fsm_pd.serving.top_logprobs import to_wire as top_logprobs_to_wire
-from fsm_pd.serving.types import EngineError, GenerateRequest, RequestStream, TokenOutput
-from fsm_pd.store import JournalError
-from fsm_pd.transport import generate_secret
+from fsm_pd.serving.types import EngineError, TokenOutput
 
 log = logging.getLogger(__name__)
 
 
-class PrefillEngine:
+class PrefillEngine(PDEngine):
     role = "prefill"
+    watched = ("WaitingForInput", "Success", "Failed")
 
     def __init__(
         self,
@@ -86,39 +70,12 @@ class PrefillEngine:
         ``bootstrap_url``: register with that server instead; None and no URL: do not register (tests that tell
         the decode side our side-channel address directly). ``host`` is bound; ``advertise_host`` (default ``host``,
         required when ``host`` is a wildcard) is what the bootstrap server and the decode nodes are told."""
-        self.model = load_model(model) if isinstance(model, str) else model
-        self.model_name = self.model.name
-        self.page_size = page_size
-        self.layout = self.model.make_kv_layout(num_pages, page_size)
-        self.max_context = max_context_for(self.model, num_pages, page_size)
+        super().__init__(model, num_pages=num_pages, page_size=page_size, node_id=node_id, journal=journal,
+                         secret=secret, backend=backend, backend_options=backend_options, deadlines=deadlines,
+                         host=host, advertise_host=advertise_host)
         self.max_prefill_batch, self.max_prefill_tokens = max_prefill_batch, max_prefill_tokens
-        self.secret = secret if secret is not None else generate_secret()
-        self.model_thread = ModelThread(self.model.make_pool(self.layout), name=f"model[{node_id}]")
-        self.allocator = PageAllocator(num_pages)
-        self.requests = RequestTable()
-        self._rooms: dict[int, Sequence] = {}  # room -> its live request, in whichever queue
         self._to_prefill: deque[Sequence] = deque()  # PREPARE arrived: waiting for pages and the model thread
         self._in_flight: dict[int, FirstToken] = {}  # room -> first token of a prefilled request being pulled
-        # (room, state, failure reason, SGLang timing fields at Success): the loop thread's
-        self._events: deque[tuple[int, str, str | None, dict]] = deque()
-        self._driver = StepDriver(self.model_thread, self._step, name=f"{node_id} scheduler")
-        self.manager = KVManager(
-            role="prefill",
-            node_id=node_id,
-            layout=self.layout,
-            journal=journal_path(journal, node_id),
-            secret=self.secret,
-            backend=backend,
-            backend_options=backend_options,
-            deadlines=deadlines,
-            host=host,
-            advertise_host=advertise_host,
-            model=self.model_thread,
-        )
-        self.manager.node.observers.append(self._observe)
-        self.manager.metrics.watch_leaks(self.leak_counters)
-        self.manager.on_stopped.append(self._cannot_serve)
-        self.model_thread.on_death.append(self._cannot_serve)
         self.bootstrap_server = None
         if bootstrap_port is not None:
             self.bootstrap_server = BootstrapServer(host, bootstrap_port, token=bootstrap_token).start()
@@ -127,6 +84,7 @@ class PrefillEngine:
         self._bootstrap_token = bootstrap_token
         if bootstrap_url is not None:
             self.manager.register_with(bootstrap_url, token=bootstrap_token)
+        self._driver.start()
 
     def deregister(self) -> str:
         """Stop being findable (a drain): take this node out of its bootstrap server. Says what happened; raises
@@ -144,108 +102,32 @@ class PrefillEngine:
             return None
         return self.manager.advertise_host, self.bootstrap_server.port
 
-    # --- any thread ---
-    def submit(self, request: GenerateRequest, stream: RequestStream) -> None:
-        refuse_if_unhealthy(self.health())
-        check_request(request, self.max_context, needs_bootstrap=True)
-        room = request.bootstrap.room
-        seq = Sequence.start(
-            request,
-            stream,
-            key=room,
-            pages=[],
-            tokenizer=self.model.tokenizer,
-            eos_token_ids=self.model.eos_token_ids,
-            max_context=self.max_context,
-        )
-        if room in self._rooms:
-            raise EngineError(f"request {request.rid}: bootstrap_room {room} is in use by another request",
-                              ROOM_IN_USE_STATUS)
-        self.requests.add(seq)
-        self._rooms[room] = seq
-        try:
-            self.manager.add_sender(room, prompt_len=seq.prompt_len, rid=request.rid)
-        except (ValueError, JournalError) as exc:  # RoomInUse: used before, maybe before a restart
-            self._rooms.pop(room, None)
-            self.requests.pop(seq.rid)
-            raise EngineError(f"request {request.rid}: {exc}", room_error_status(exc)) from None
+    def _open_room(self, seq: Sequence) -> None:
+        self.manager.add_sender(seq.key, prompt_len=seq.prompt_len, rid=seq.rid)
 
-    def abort(self, rid: str, reason: str | None = None, status: int = ABORTED_STATUS) -> bool:
-        """Stop the request and free what it holds; False if unknown or finished. ``reason`` (journaled, and in
-        the stream's error) and ``status`` default to a client's abort (499); a drain passes its own."""
-        seq = self.requests.cancel(rid, reason or "aborted", status)
-        if seq is None:
-            return False
-        if self.manager.poll(seq.key) not in (KVPoll.Success, KVPoll.Failed):  # else the room is being cleared
-            # the observer frees its pages once it is Failed
-            self.manager.abort(seq.key, reason or "aborted by the client")
-        self._driver.kick()
-        return True
+    def _role_info(self) -> dict:
+        in_flight, waiting = len(self._in_flight), len(self._to_prefill)
+        return {"bootstrap_queue": len(self.rooms) - waiting - in_flight, "prefill_queue": waiting,
+                "in_flight": in_flight, "bootstrap_url": self.bootstrap_url}
 
-    def health(self) -> str | None:
-        """Why this node cannot serve (its loop stopped, its model thread died), or None: ``/health``."""
-        return self.manager.health()
+    def _role_leaks(self, counters: dict) -> dict:
+        return {"staging_buffers_held": counters["staging_buffers_held"]}
 
-    def _cannot_serve(self, reason: str) -> None:
-        """The loop or the model thread is gone: nothing in flight can finish, so every request ends now."""
-        self.requests.fail_all(EngineError(f"this prefill node cannot serve: {reason}", 503))
-
-    def info(self) -> dict:
-        counters = self.manager.counters()
-        return {
-            "role": self.role,
-            "model": self.model_name,
-            "max_context": self.max_context,
-            "page_size": self.page_size,
-            "pages_free": self.allocator.free_pages,
-            "pages_reserved": self.allocator.reserved_pages,
-            "requests_live": len(self.requests),
-            "bootstrap_queue": len(self._rooms) - len(self._to_prefill) - len(self._in_flight),
-            "prefill_queue": len(self._to_prefill),
-            "in_flight": len(self._in_flight),
-            "bootstrap_url": self.bootstrap_url,
-            **counters,
-            "leaks": self.leak_counters(counters),
-            "faults": self.manager.effects.faults.config.describe(),
-            "faults_injected": self.manager.effects.faults.counters(),
-        }
-
-    def flush_cache(self) -> tuple[bool, str]:
-        """SGLang's ``/flush_cache`` (see ``common.flush_when_idle``); any thread: runs on the model thread."""
-        return self.model_thread.call(lambda _owner: flush_when_idle(self.allocator, len(self.requests)), 30.0)
-
-    def leak_counters(self, counters: dict | None = None) -> dict:
-        """What this node holds now; when idle: ``pages_free`` at its start value, everything else 0."""
-        counters = counters if counters is not None else self.manager.counters()
-        return {
-            "pages_free": self.allocator.free_pages,
-            "pages_reserved": self.allocator.reserved_pages,
-            "staging_buffers_held": counters["staging_buffers_held"],
-            "open_transfer_entries": counters["open_transfer_entries"],
-            "rooms_bound_to_peers": counters["rooms_bound_to_peers"],
-            "rooms_open": sum(n for s, n in counters["rooms_by_state"].items() if s not in ("Success", "Failed")),
-            "requests_live": len(self.requests),
-            "queued": len(self._rooms),
-        }
-
-    def close(self) -> None:
-        self._driver.close()
-        self.manager.close()
+    def _close_parts(self) -> None:
+        super()._close_parts()
         if self.bootstrap_server is not None:
             self.bootstrap_server.stop()
-        self.model_thread.close()
 
     # --- the manager's loop thread ---
-    def _observe(self, room, decision, at) -> None:
-        if decision.dst != decision.src and decision.dst in ("WaitingForInput", "Success", "Failed"):
-            timing = timing_meta(self.manager.metrics.phases.take(room.room)) if decision.dst == "Success" else {}
-            self._events.append((room.room, decision.dst, room.reason if decision.dst == "Failed" else None, timing))
-            self._driver.kick()
+    def _detail(self, room, decision, at) -> tuple[str | None, dict]:
+        timing = timing_meta(self.manager.metrics.phases.take(room.room)) if decision.dst == "Success" else {}
+        return (room.reason if decision.dst == "Failed" else None), timing
 
     # --- the model thread ---
     def _step(self) -> bool:
-        while self._events:
-            self._on_room(*self._events.popleft())
+        self._take_arrivals()
+        while self.room_events:
+            self._on_room(*self.room_events.popleft())
         batch = take_prefill_batch(
             self._to_prefill,
             self.allocator,
@@ -263,16 +145,17 @@ class PrefillEngine:
     def _gone(self, seq: Sequence) -> bool:
         """A queued request that ended meanwhile (aborted, or its room failed: ``_on_room`` answers it)."""
         state = self.manager.poll(seq.key)
-        return seq.cancelled or self._rooms.get(seq.key) is not seq or state is None or state in ENDED
+        return seq.cancelled or self.rooms.get(seq.key) is not seq or state is None or state in ENDED
 
-    def _on_room(self, room: int, state: str, reason: str | None, timing: dict) -> None:
-        seq = self._rooms.get(room)
+    def _on_room(self, room: int, state: str, detail: tuple[str | None, dict]) -> None:
+        reason, timing = detail
+        seq = self.rooms.get(room)
         if state == "WaitingForInput":
             if seq is not None and not seq.cancelled:
                 seq.queued_at = time.monotonic()
                 self._to_prefill.append(seq)
             return
-        self._rooms.pop(room, None)
+        self.rooms.pop(room, None)
         first = self._in_flight.pop(room, None)
         if seq is not None:
             self.requests.pop(seq.rid)

@@ -35,7 +35,7 @@ from fsm_pd.model.model_thread import ModelThread
 from fsm_pd.model.pages import PageAllocator
 from fsm_pd.serving.forward import prefill_and_sample
 from fsm_pd.serving.isolate import run_isolating
-from fsm_pd.serving.page_admission import take_prefill_batch
+from fsm_pd.serving.scheduling import take_prefill_batch
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.types import EngineError
 

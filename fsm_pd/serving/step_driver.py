@@ -3,7 +3,9 @@
 The scheduler does not get a thread of its own: its steps are jobs on the model thread's FIFO queue, so the KV
 manager's gathers, scatters and page frees run between two steps, in the order they were asked for, and nothing
 else ever touches the pool. ``kick()`` (any thread) makes sure one step is queued; a step that returns True queues
-the next one. A kick that lands while a step runs queues another step after it, so no wake-up is lost.
+the next one. A kick that lands while a step runs queues another step after it, so no wake-up is lost. A driver
+starts held: kicks before ``start()`` (a KV manager recovering rooms while its engine is still being built) are kept
+and run once the engine is whole.
 """
 
 from __future__ import annotations
@@ -25,10 +27,22 @@ class StepDriver:
         self._lock = threading.Lock()
         self._queued = False
         self._closed = False
+        self._held, self._kicked_while_held = True, False
         self.steps = 0
+
+    def start(self) -> None:
+        """Let steps run; one runs now if anything kicked before."""
+        with self._lock:
+            self._held = False
+            kicked = self._kicked_while_held
+        if kicked:
+            self.kick()
 
     def kick(self) -> None:
         with self._lock:
+            if self._held:
+                self._kicked_while_held = True
+                return
             if self._queued or self._closed:
                 return
             self._queued = True

@@ -17,7 +17,7 @@ from fsm_pd.model.programs import prefill_shapes
 from fsm_pd.model.sampling import SamplingParams
 from fsm_pd.serving.collect import generate
 from fsm_pd.serving.colocated_engine import ColocatedEngine
-from fsm_pd.serving.page_admission import take_prefill_batch
+from fsm_pd.serving.scheduling import take_prefill_batch
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.types import GenerateRequest, RequestStream
 from fsm_pd.serving.warmup import plan_for, warm_up

@@ -1,0 +1,136 @@
+"""``EngineCore``: what the prefill, decode and colocated engines share, and the thread rules they keep.
+
+An engine owns a model, a KV pool on its model thread, a page allocator and the table of live requests. The rules
+(``docs/threads.md``):
+
+- **Any thread** (the HTTP event loop, mostly) may call ``submit``, ``abort``, ``health``, ``info`` and
+  ``flush_cache``. They only check, record in the thread-safe ``RequestTable``, queue, and kick the scheduler: a new
+  request goes on ``arrivals``, a cancelled one is marked and left for the scheduler to drop.
+- **The model thread** runs ``_step`` (one scheduler step, queued by ``StepDriver``), and alone reads and changes
+  the scheduler's queues, the pool and the page reservations; ``arrivals`` reach it only through ``_step``.
+- When the model thread dies (or, on a PD node, the KV manager's loop stops), ``health`` says why and every live
+  request ends with a 503 at once (``_cannot_serve``).
+
+A role adds only what is its own: ``_check`` (what a request must carry there), ``_accept`` (what ``submit`` does
+past the common checks), ``_on_cancel`` (what an abort tells others), ``_step``, and its ``info`` fields.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from fsm_pd.model.loader import LoadedModel, load_model
+from fsm_pd.model.model_thread import ModelThread
+from fsm_pd.model.pages import PageAllocator
+from fsm_pd.serving.common import (
+    ABORTED_STATUS,
+    RequestTable,
+    flush_when_idle,
+    max_context_for,
+    pool_tokens_for,
+    refuse_if_unhealthy,
+)
+from fsm_pd.serving.sequence import Sequence
+from fsm_pd.serving.step_driver import StepDriver
+from fsm_pd.serving.types import EngineError, GenerateRequest, RequestStream
+
+FLUSH_TIMEOUT_S = 30.0
+
+
+class EngineCore:
+    role = "?"
+
+    def __init__(self, model: LoadedModel | str, *, num_pages: int, page_size: int, name: str):
+        self.model = load_model(model) if isinstance(model, str) else model
+        self.model_name = self.model.name
+        self.page_size = page_size
+        self.layout = self.model.make_kv_layout(num_pages, page_size)
+        self.max_context = max_context_for(self.model, num_pages, page_size)
+        self.pool_tokens = pool_tokens_for(num_pages, page_size)
+        self.model_thread = ModelThread(self.model.make_pool(self.layout), name=f"model[{name}]")
+        self.allocator = PageAllocator(num_pages)
+        self.requests = RequestTable()
+        self.arrivals: deque[Sequence] = deque()  # appended by submit (any thread), taken by _step (model thread)
+        self._driver = StepDriver(self.model_thread, self._step, name=f"{name} scheduler")
+        self.model_thread.on_death.append(self._cannot_serve)
+
+    # --- any thread ---
+    def submit(self, request: GenerateRequest, stream: RequestStream) -> None:
+        refuse_if_unhealthy(self.health())
+        self._check(request)
+        seq = Sequence.start(request, stream, key=self._key(request), pages=[], tokenizer=self.model.tokenizer,
+                             eos_token_ids=self.model.eos_token_ids, max_context=self.max_context)
+        self.requests.add(seq)
+        self.arrivals.append(seq)
+        try:
+            self._accept(seq)
+        except BaseException:
+            seq.cancelled = True  # the scheduler drops it from arrivals
+            self.requests.pop(seq.rid)
+            raise
+        self._driver.kick()
+
+    def abort(self, rid: str, reason: str | None = None, status: int = ABORTED_STATUS) -> bool:
+        """Stop the request and free what it holds; False if unknown or finished. ``reason`` (journaled, and in the
+        stream's error) and ``status`` default to a client's abort (499); a drain passes its own."""
+        seq = self.requests.cancel(rid, reason or "aborted", status)
+        if seq is None:
+            return False
+        self._on_cancel(seq, reason or "aborted by the client")
+        self._driver.kick()
+        return True
+
+    def health(self) -> str | None:
+        """Why this node cannot serve, or None: ``/health``."""
+        return self.model_thread.health()
+
+    def info(self) -> dict:
+        return {"role": self.role, "model": self.model_name, "max_context": self.max_context,
+                "page_size": self.page_size, "pages_free": self.allocator.free_pages,
+                "pages_reserved": self.allocator.reserved_pages, "requests_live": len(self.requests)}
+
+    def flush_cache(self) -> tuple[bool, str]:
+        """SGLang's ``/flush_cache`` (see ``common.flush_when_idle``); runs on the model thread."""
+        return self.model_thread.call(lambda _owner: flush_when_idle(self.allocator, len(self.requests)),
+                                      FLUSH_TIMEOUT_S)
+
+    def close(self) -> None:
+        self._driver.close()
+        self._close_parts()
+        self.model_thread.close()
+
+    def _cannot_serve(self, reason: str) -> None:
+        """The model thread (or the manager's loop) is gone: nothing in flight can finish, so every request ends."""
+        self.requests.fail_all(EngineError(f"this {self.role} node cannot serve: {reason}", 503))
+
+    # --- what a role adds ---
+    def _check(self, request: GenerateRequest) -> None:
+        """Raise ``EngineError(4xx)`` for a request this role can never serve."""
+        raise NotImplementedError
+
+    def _key(self, request: GenerateRequest) -> int:
+        """The request's key in the allocator (and, on a PD node, its room)."""
+        raise NotImplementedError
+
+    def _accept(self, seq: Sequence) -> None:
+        """What ``submit`` does once the request is recorded and queued (any thread); may raise ``EngineError``."""
+
+    def _on_cancel(self, seq: Sequence, reason: str) -> None:
+        """An abort of a live request (any thread): tell whoever else holds part of it."""
+
+    def _close_parts(self) -> None:
+        """Close what the role added, before the model thread stops."""
+
+    def _step(self) -> bool:
+        """One scheduler step (model thread); True while another step can make progress."""
+        raise NotImplementedError
+
+    def _arrived(self) -> list[Sequence]:
+        """The requests submitted since the last step, in order, without the ones already cancelled (aborted, or
+        their submit failed): model thread."""
+        taken = []
+        while self.arrivals:
+            seq = self.arrivals.popleft()
+            if not seq.cancelled:
+                taken.append(seq)
+        return taken
