@@ -58,42 +58,25 @@ from fsm_pd.serving.types import EngineError
 class DecodeEngine(PDEngine):
     role = "decode"
 
-    def __init__(
-        self,
-        model: LoadedModel | str = "tiny",
-        *,
-        num_pages: int = 512,
-        page_size: int = 16,
-        node_id: str = "decode-0",
-        journal: str | None = None,
-        secret: bytes | None = None,
-        backend: str = "tcp",
-        backend_options: dict | None = None,
-        deadlines: dict | None = None,
-        host: str = "127.0.0.1",
-        advertise_host: str | None = None,
-        max_running: int = 64,
-        headroom_pages: int | None = None,
-        heartbeat: dict | None = None,
-        on_transfer_failure: str = "recompute",
-    ):
+    def __init__(self, model: LoadedModel | str = "tiny", *, max_running: int = 64, headroom_pages: int | None = None,
+                 heartbeat: dict | None = None, on_transfer_failure: str = "recompute", **node):
+        """``node``: the settings of every PD node (``PDEngine``: pool size, node id, journal, secret, backend,
+        deadlines, host, advertise_host); ``heartbeat`` overrides the peer watch's timings."""
         if on_transfer_failure not in ON_TRANSFER_FAILURE:
             raise ValueError(f"on_transfer_failure must be one of {ON_TRANSFER_FAILURE}, got {on_transfer_failure!r}")
-        super().__init__(model, num_pages=num_pages, page_size=page_size, node_id=node_id, journal=journal,
-                         secret=secret, backend=backend, backend_options=backend_options, deadlines=deadlines,
-                         host=host, advertise_host=advertise_host,
-                         admission=SchedulerAdmission(on_release=self._on_release), heartbeat=heartbeat)
+        super().__init__(model, admission=SchedulerAdmission(on_release=self._on_release), heartbeat=heartbeat, **node)
         self.max_running = max_running
-        self.headroom_pages = headroom_pages if headroom_pages is not None else max(1, (num_pages - 1) // 8)
-        self.loop = DecodeLoop(self.model, self.model_thread, self.allocator, page_size, release=self._finish,
+        pages = self.layout.num_pages
+        self.headroom_pages = headroom_pages if headroom_pages is not None else max(1, (pages - 1) // 8)
+        self.loop = DecodeLoop(self.model, self.model_thread, self.allocator, self.page_size, release=self._finish,
                                headroom_pages=self.headroom_pages)
         self._awaiting_pages: deque[Sequence] = deque()
-        self.manager.metrics.registry.register(
-            DecodeLoopCollector(self.loop.counters, {"role": "decode", "node": node_id}))
-        self.recompute = TransferRecompute(self.model, self.model_thread, self.allocator, page_size,
+        labels = {"role": "decode", "node": self.node_id}
+        self.manager.metrics.registry.register(DecodeLoopCollector(self.loop.counters, labels))
+        self.recompute = TransferRecompute(self.model, self.model_thread, self.allocator, self.page_size,
                                            enabled=on_transfer_failure == "recompute",
                                            headroom_pages=self.headroom_pages)
-        self.manager.metrics.registry.register(self.recompute.collector({"role": "decode", "node": node_id}))
+        self.manager.metrics.registry.register(self.recompute.collector(labels))
         # the ABORT of a room we will recompute says so, so the prefill node answers its leg instead of failing it
         self.manager.effects.abort_note = self._abort_note
         self._driver.start()

@@ -32,9 +32,15 @@ OPEN_STATES = ("Bootstrapping", "WaitingForInput", "Transferring")
 class PDEngine(EngineCore):
     watched: tuple[str, ...] = ("Success", "Failed")  # the room states the scheduler hears of
 
-    def __init__(self, model: LoadedModel | str, *, num_pages: int, page_size: int, node_id: str,
-                 journal: str | None, secret: bytes | None, backend: str, backend_options: dict | None,
-                 deadlines: dict | None, host: str, advertise_host: str | None, **manager_options: Any):
+    def __init__(self, model: LoadedModel | str = "tiny", *, num_pages: int = 512, page_size: int = 16,
+                 node_id: str | None = None, journal: str | None = None, secret: bytes | None = None,
+                 backend: str = "tcp", backend_options: dict | None = None, deadlines: dict | None = None,
+                 host: str = "127.0.0.1", advertise_host: str | None = None, **manager_options: Any):
+        """The node settings both roles take. ``node_id`` defaults to ``<role>-0``; ``journal=None`` puts the journal
+        in a fresh temporary directory; ``secret=None`` draws a new side-channel secret (a decode node must get its
+        prefill node's). ``host`` is bound; ``advertise_host`` (default ``host``, required when ``host`` is a
+        wildcard) is what peers are told. ``manager_options`` go to ``KVManager`` (admission, heartbeat)."""
+        node_id = node_id or f"{self.role}-0"
         super().__init__(model, num_pages=num_pages, page_size=page_size, name=node_id)
         self.node_id = node_id
         self.secret = secret if secret is not None else generate_secret()

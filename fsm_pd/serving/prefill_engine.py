@@ -46,33 +46,15 @@ class PrefillEngine(PDEngine):
     role = "prefill"
     watched = ("WaitingForInput", "Success", "Failed")
 
-    def __init__(
-        self,
-        model: LoadedModel | str = "tiny",
-        *,
-        num_pages: int = 512,
-        page_size: int = 16,
-        node_id: str = "prefill-0",
-        journal: str | None = None,
-        secret: bytes | None = None,
-        backend: str = "tcp",
-        backend_options: dict | None = None,
-        deadlines: dict | None = None,
-        host: str = "127.0.0.1",
-        advertise_host: str | None = None,
-        bootstrap_port: int | None = 0,
-        bootstrap_url: str | None = None,
-        bootstrap_token: str | None = None,
-        max_prefill_batch: int = 8,
-        max_prefill_tokens: int = 4096,
-    ):
-        """``bootstrap_port``: run a bootstrap server on it (0: any free port) and register with it; None and a
-        ``bootstrap_url``: register with that server instead; None and no URL: do not register (tests that tell
-        the decode side our side-channel address directly). ``host`` is bound; ``advertise_host`` (default ``host``,
-        required when ``host`` is a wildcard) is what the bootstrap server and the decode nodes are told."""
-        super().__init__(model, num_pages=num_pages, page_size=page_size, node_id=node_id, journal=journal,
-                         secret=secret, backend=backend, backend_options=backend_options, deadlines=deadlines,
-                         host=host, advertise_host=advertise_host)
+    def __init__(self, model: LoadedModel | str = "tiny", *, bootstrap_port: int | None = 0,
+                 bootstrap_url: str | None = None, bootstrap_token: str | None = None, max_prefill_batch: int = 8,
+                 max_prefill_tokens: int = 4096, **node):
+        """``node``: the settings of every PD node (``PDEngine``: pool size, node id, journal, secret, backend,
+        deadlines, host, advertise_host). ``bootstrap_port``: run a bootstrap server on it (0: any free port) and
+        register with it; None and a ``bootstrap_url``: register with that server instead; None and no URL: do not
+        register (tests that tell the decode side our side-channel address directly)."""
+        super().__init__(model, **node)
+        host = self.manager.host
         self.max_prefill_batch, self.max_prefill_tokens = max_prefill_batch, max_prefill_tokens
         self._to_prefill: deque[Sequence] = deque()  # PREPARE arrived: waiting for pages and the model thread
         self._in_flight: dict[int, FirstToken] = {}  # room -> first token of a prefilled request being pulled
