@@ -89,11 +89,20 @@ def node_parser(role: str) -> argparse.ArgumentParser:
             parser.add_argument(f"--{timer.replace('_', '-')}-timeout", type=float, default=None, dest=timer,
                                 help=f"seconds (default: ${env}, else the built-in default; docs/control-plane.md)")
     if role == "decode":
+        parser.add_argument("--disaggregation-decode-enable-radix-cache", action="store_true",
+                            help="keep finished prompts' KV pages here too (SGLang's flag): a request whose prompt "
+                                 "starts with pages this node holds has the prefill node send only the rest, none "
+                                 "at all when it holds the whole prompt (default off: every page is sent)")
         parser.add_argument("--on-transfer-failure", choices=("recompute", "fail"), default="recompute",
                             help="when a KV transfer fails after this node reserved the pages: recompute (prefill "
                                  "the prompt here and decode on; the client gets its answer, and the room still ends "
                                  "Failed in the journal) or fail (the request gets the transfer's error, 500) "
                                  "(default recompute)")
+    if role in ("prefill", "colocated"):
+        parser.add_argument("--disable-radix-cache", action="store_true",
+                            help="compute every prompt whole: keep no prefix cache (SGLang's flag; by default the "
+                                 "KV pages of finished prompts stay cached and a prompt that starts the same way "
+                                 "computes only the rest, evicted least recently used first when pages run short)")
     if role == "prefill":
         parser.add_argument("--bootstrap-port", type=int, default=8998,
                             help="serve the bootstrap server here and register with it (default 8998, SGLang's)")
@@ -173,10 +182,9 @@ def run_node(args: argparse.Namespace) -> int:
     if not args.skip_server_warmup:
         warm_up(engine, progress=True)
     compiles.serving()
-    registries = [engine.manager.metrics.registry] if hasattr(engine, "manager") else None
     app = create_app(engine, model.tokenizer, api_key=args.api_key, model_name=args.served_model_name or args.model,
                      model_path=args.model, bootstrap_port=getattr(args, "bootstrap_port", None),
-                     registries=registries, drain_timeout_s=args.drain_timeout_secs)
+                     drain_timeout_s=args.drain_timeout_secs)
     apply_serving_gc_policy()
     try:
         serve_draining(app, args.host, args.port, log_level=args.log_level,
@@ -198,7 +206,7 @@ def build_engine(args: argparse.Namespace, model):
     if args.role == "colocated":
         from fsm_pd.serving.colocated_engine import ColocatedEngine
 
-        return ColocatedEngine(model, **sizes)
+        return ColocatedEngine(model, radix_cache=not args.disable_radix_cache, **sizes)
     from fsm_pd.transport import parse_secret, secret_from_env
 
     secret = parse_secret(args.side_channel_secret) if args.side_channel_secret else secret_from_env()
@@ -212,10 +220,11 @@ def build_engine(args: argparse.Namespace, model):
         from fsm_pd.serving.prefill_engine import PrefillEngine
 
         return PrefillEngine(model, bootstrap_port=args.bootstrap_port, bootstrap_token=args.bootstrap_token,
-                             **common)
+                             radix_cache=not args.disable_radix_cache, **common)
     from fsm_pd.serving.decode_engine import DecodeEngine
 
-    return DecodeEngine(model, on_transfer_failure=args.on_transfer_failure, **common)
+    return DecodeEngine(model, on_transfer_failure=args.on_transfer_failure,
+                        radix_cache=args.disaggregation_decode_enable_radix_cache, **common)
 
 
 if __name__ == "__main__":

@@ -27,9 +27,13 @@ from fsm_pd.api.tools import ToolStreamer, parse_tool_calls
 from fsm_pd.serving.types import TokenOutput
 
 
-def _usage(state: RequestState) -> dict:
-    return {"prompt_tokens": state.prompt_tokens, "completion_tokens": state.completion_tokens,
-            "total_tokens": state.prompt_tokens + state.completion_tokens}
+def _usage(prompts: list[RequestState], answers: list[RequestState]) -> dict:
+    """OpenAI's usage: each prompt once (however many answers it had), every answer's tokens, and how many prompt
+    tokens came from the prefix cache (``prompt_tokens_details.cached_tokens``)."""
+    prompt = sum(s.prompt_tokens for s in prompts)
+    completion = sum(s.completion_tokens for s in answers)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in prompts)}}
 
 
 def _matched_stop(state: RequestState):
@@ -90,10 +94,7 @@ def openai_router(ctx: ApiContext) -> APIRouter:
             if not (body.stream_options or {}).get("include_usage"):
                 return []
             copies = len(states) // prompts
-            prompt = sum(s.prompt_tokens for s in states[::copies])
-            completion = sum(s.completion_tokens for s in states)
-            usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-            return [envelope(states[0], kind, prefix) | {"choices": [], "usage": usage}]
+            return [envelope(states[0], kind, prefix) | {"choices": [], "usage": _usage(states[::copies], states)}]
         return tail
 
     @router.post("/v1/completions", responses=ERROR_RESPONSES)
@@ -114,11 +115,9 @@ def openai_router(ctx: ApiContext) -> APIRouter:
 
         def answer(groups: list[list[RequestState]]) -> dict:
             states = [state for group in groups for state in group]
-            usage = {"prompt_tokens": sum(g[0].prompt_tokens for g in groups),
-                     "completion_tokens": sum(s.completion_tokens for s in states)}
-            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
             return envelope(states[0], "text_completion", "cmpl") | {
-                "choices": [choice(state, i) for i, state in enumerate(states)], "usage": usage}
+                "choices": [choice(state, i) for i, state in enumerate(states)],
+                "usage": _usage([g[0] for g in groups], states)}
 
         def chunk(index: int, state: RequestState, out: TokenOutput) -> list[dict]:
             sent_before = len(state.sent_text)
@@ -166,10 +165,8 @@ def openai_router(ctx: ApiContext) -> APIRouter:
                 choices.append({"index": i, "message": msg,
                                 "logprobs": chat_logprobs(state) if state.request.return_logprob else None,
                                 "finish_reason": reason, "matched_stop": _matched_stop(state)})
-            completion = sum(s.completion_tokens for s in states)
-            usage = {"prompt_tokens": states[0].prompt_tokens, "completion_tokens": completion,
-                     "total_tokens": states[0].prompt_tokens + completion}
-            return envelope(states[0], "chat.completion", "chatcmpl") | {"choices": choices, "usage": usage}
+            return envelope(states[0], "chat.completion", "chatcmpl") | {"choices": choices,
+                                                                           "usage": _usage(states[:1], states)}
 
         if not plan.single and not plan.stream:
             return await answer_plan(ctx, plan, request, chat_answer)

@@ -81,6 +81,11 @@ class RequestState:
     def completion_tokens(self) -> int:
         return len(self.output_ids)
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV came from the prefix cache (on the node that prefilled them)."""
+        return int(self.meta.get("cached_tokens", 0))
+
     def _text_ids(self) -> list[int]:
         # A matched stop token id ends the output but is not part of its text (SGLang trims it too).
         matched = (self.finish_reason or {}).get("matched")
@@ -155,7 +160,7 @@ class RequestState:
             "finish_reason": self.finish_reason,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
-            "cached_tokens": int(self.meta.get("cached_tokens", 0)),
+            "cached_tokens": self.cached_tokens,
             "e2e_latency": round(time.monotonic() - self.started, 6),
         })
         if self.request.return_logprob:

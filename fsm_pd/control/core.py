@@ -70,7 +70,8 @@ class NodeCore:
         if isinstance(msg, Prepare) and self.role == "prefill":
             self.submit(msg.room, "metadata_received", {
                 "peer": msg.sender, "reply_to": msg.reply_to, "peer_layout": msg.layout,
-                "peer_page_count": msg.page_count, "transfer_id": msg.transfer_id, "peer_instance": msg.instance})
+                "peer_page_count": msg.page_count, "peer_cached_pages": msg.cached_pages,
+                "transfer_id": msg.transfer_id, "peer_instance": msg.instance})
         elif isinstance(msg, Pulled) and self.role == "prefill":
             self.submit(msg.room, "pull_done", {"peer": msg.sender})
         elif isinstance(msg, Ready) and self.role == "decode":
@@ -78,7 +79,7 @@ class NodeCore:
                 "peer_layout": msg.layout, "uuid": msg.uuid, "transfer_addr": msg.transfer_addr,
                 "backend": msg.backend, "page_count": msg.page_count, "first_token": msg.first_token,
                 "first_logprob": msg.first_logprob, "input_logprobs": msg.input_logprobs,
-                "top_logprobs": msg.top_logprobs})
+                "top_logprobs": msg.top_logprobs, "peer_cached_tokens": msg.cached_tokens})
         elif isinstance(msg, Abort):
             self.submit(msg.room, "peer_abort", {"reason": msg.reason, "peer": msg.sender})
         else:
@@ -109,10 +110,10 @@ class NodeCore:
 
     def kv_ready(self, room: int, pages: list[int] | None = None, first_token: int = 0,
                  first_logprob: float | None = None, input_logprobs: list[float] | None = None,
-                 top_logprobs: str | None = None) -> None:
+                 top_logprobs: str | None = None, cached_tokens: int = 0) -> None:
         self._require("prefill")
         payload: dict[str, Any] = {"first_token": first_token, "first_logprob": first_logprob,
-                                   "input_logprobs": input_logprobs}
+                                   "input_logprobs": input_logprobs, "cached_tokens": int(cached_tokens)}
         if top_logprobs is not None:
             payload["top_logprobs"] = top_logprobs
         if pages is not None:
@@ -127,11 +128,15 @@ class NodeCore:
             payload["rid"] = rid
         self.create(room, payload)
 
-    def give_pages(self, room: int, pages: list[int]) -> None:
+    def give_pages(self, room: int, pages: list[int], cached_pages: int = 0) -> None:
+        """The prompt's pages; the first ``cached_pages`` already hold their KV (D's prefix cache): P sends the
+        rest."""
         self._require("decode")
         if not pages:
             raise ValueError("a transfer needs at least one destination page")
-        self.submit(room, "pages_reserved", {"pages": [int(p) for p in pages]})
+        if not 0 <= cached_pages <= len(pages):
+            raise ValueError(f"{cached_pages} cached pages of {len(pages)}")
+        self.submit(room, "pages_reserved", {"pages": [int(p) for p in pages], "cached_pages": int(cached_pages)})
 
     def abort(self, room: int, reason: str = "aborted") -> None:
         self.submit(room, "abort", {"reason": reason})

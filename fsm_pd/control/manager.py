@@ -201,9 +201,10 @@ class KVManager:
 
     def kv_ready(self, room: int, pages: list[int] | None = None, first_token: int = 0,
                  first_logprob: float | None = None, input_logprobs: list[float] | None = None,
-                 top_logprobs: str | None = None) -> None:
-        """Our prefill of ``room`` finished: its pages hold the KV and the first token is known."""
-        self.core.kv_ready(room, pages, first_token, first_logprob, input_logprobs, top_logprobs)
+                 top_logprobs: str | None = None, cached_tokens: int = 0) -> None:
+        """Our prefill of ``room`` finished: its pages hold the KV and the first token is known; ``cached_tokens`` of
+        the prompt came from our prefix cache (journaled, and told to the decode node in READY)."""
+        self.core.kv_ready(room, pages, first_token, first_logprob, input_logprobs, top_logprobs, cached_tokens)
 
     # --- the decode side ---
     def add_receiver(self, room: int, page_count: int | None = None, prompt_len: int = 0, **where: Any) -> None:
@@ -214,12 +215,14 @@ class KVManager:
             self._journal_lost(exc)
             raise
 
-    def give_pages(self, room: int, pages: list[int]) -> None:
-        """The scheduler allocated ``pages`` for the room (SGLang's ``send_metadata``; ``SchedulerAdmission`` only)."""
+    def give_pages(self, room: int, pages: list[int], cached_pages: int = 0) -> None:
+        """The scheduler allocated ``pages`` for the room (SGLang's ``send_metadata``; ``SchedulerAdmission`` only);
+        the first ``cached_pages`` already hold the prompt's KV (our prefix cache), so the prefill node sends the
+        rest."""
         self.core._require("decode")
         if not isinstance(self.admission, SchedulerAdmission):
             raise RuntimeError("pages are chosen by fsm-pd's own admission here; use SchedulerAdmission to pass them")
-        self.core.give_pages(room, pages)
+        self.core.give_pages(room, pages, cached_pages)
 
     def finish(self, room: int) -> None:
         """The request finished decoding: free its pages (on the model thread, after any queued write)."""

@@ -86,7 +86,7 @@ class DecodeEffects:
         if effect.kind == "PREPARE":
             msg = channel.stamp(Prepare, room=room.room, transfer_id=room.room, reply_to=channel.address,
                                 layout=self.layout, page_count=len(ctx["pages"]),
-                                prompt_len=int(ctx.get("prompt_len", 0)))
+                                prompt_len=int(ctx.get("prompt_len", 0)), cached_pages=int(ctx.get("cached_pages", 0)))
         elif effect.kind == "PULLED":
             msg = channel.stamp(Pulled, room=room.room, transfer_id=room.room)
         elif effect.kind == "ABORT":
@@ -100,10 +100,15 @@ class DecodeEffects:
 
     def pull(self, node: Node, room: Room, effect: Pull) -> None:
         ctx, room_id = room.ctx, room.room
-        pages = list(ctx["pages"])
+        pages = pages_to_receive(ctx)
         if int(ctx["page_count"]) != len(pages):
-            raise EffectError(f"READY announces {ctx['page_count']} pages, we reserved {len(pages)}",
+            raise EffectError(f"READY announces {ctx['page_count']} pages, we wait for {len(pages)}",
                               blame="remote")
+        if not pages:  # our prefix cache holds the whole prompt: nothing moves
+            with self._lock:
+                self.pulled[room_id] = None
+            node.submit(room_id, "pulled", {"bytes": 0})
+            return
         stream = self.kv.stream(pages)
         with self._lock:
             self.pending.add(room_id)
@@ -147,9 +152,12 @@ class DecodeEffects:
 
     def scatter(self, node: Node, room: Room, effect: Scatter) -> None:
         self.faults.crash("before_scatter")
-        room_id, pages = room.room, list(room.ctx["pages"])
+        room_id, pages = room.room, pages_to_receive(room.ctx)
         with self._lock:
             staging, stream = self.pulled.pop(room_id), self.streams.pop(room_id, None)
+        if not pages:
+            node.submit(room_id, "scattered", {})
+            return
         streamed = stream is not None and self.kv.complete_stream(stream, staging)
 
         def write(owner: Any) -> None:
@@ -188,3 +196,8 @@ class DecodeEffects:
     def finish(self, node: Node, room: int) -> None:
         """The request finished decoding: free its pages (on the model thread, after any queued write)."""
         self.model.submit(lambda owner: self.admission.release(node, room))
+
+
+def pages_to_receive(ctx: dict) -> list[int]:
+    """The room's pages a transfer fills: all of them, but the leading ones our prefix cache already holds."""
+    return list(ctx["pages"])[int(ctx.get("cached_pages", 0)):]

@@ -42,8 +42,11 @@ class PrefillEffects:
 
     def gather_and_publish(self, node: Node, room: Room, effect: GatherAndPublish) -> None:
         self.faults.crash("before_gather")
-        uuid, pages, room_id = self.new_uuid(), list(room.ctx["pages"]), room.room
+        uuid, pages, room_id = self.new_uuid(), pages_to_send(room.ctx), room.room
         hold_s = float(room.ctx["deadlines"]["pull_hold"])
+        if not pages:  # the decode node's prefix cache holds the whole prompt: READY alone, nothing to pull
+            self._published(node, room_id, 0, 0)
+            return
         self.staging[room_id] = uuid
 
         def gather(owner: Any) -> None:
@@ -95,9 +98,9 @@ class PrefillEffects:
         if effect.kind == "READY":
             msg = channel.stamp(Ready, room=room.room, transfer_id=ctx["transfer_id"], uuid=ctx["uuid"],
                                 transfer_addr=ctx["transfer_addr"], backend=self.transfer.name, layout=self.layout,
-                                page_count=len(ctx["pages"]), first_token=ctx.get("first_token", 0),
+                                page_count=len(pages_to_send(ctx)), first_token=ctx.get("first_token", 0),
                                 first_logprob=ctx.get("first_logprob"), input_logprobs=ctx.get("input_logprobs"),
-                                top_logprobs=ctx.get("top_logprobs"))
+                                top_logprobs=ctx.get("top_logprobs"), cached_tokens=ctx.get("cached_tokens", 0))
         elif effect.kind == "ABORT":
             msg = channel.stamp(Abort, room=room.room, reason=room.reason or "aborted")
         else:
@@ -106,3 +109,8 @@ class PrefillEffects:
 
     def held(self) -> int:
         return len(self.staging)
+
+
+def pages_to_send(ctx: dict) -> list[int]:
+    """The room's pages the decode node lacks: all of them, but the leading ones its prefix cache holds."""
+    return list(ctx["pages"])[int(ctx.get("peer_cached_pages", 0)):]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict, deque
+from typing import Protocol
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -26,6 +27,14 @@ class OutOfPages(Exception):
 REMEMBER_CLOSED = 4096  # freed rooms kept to refuse a late reservation; far more than can be in flight at once
 
 
+class Reclaimer(Protocol):
+    """Who holds pages that are neither free nor a room's, and gives them back on demand: the prefix cache."""
+
+    def reclaimable(self) -> int: ...
+
+    def reclaim(self, count: int) -> int: ...
+
+
 class PageAllocator:
     def __init__(self, num_pages: int, remember_closed: int = REMEMBER_CLOSED):
         if num_pages < 2:
@@ -38,16 +47,24 @@ class PageAllocator:
         self._closed: OrderedDict[int, None] = OrderedDict()  # recently freed rooms, oldest first
         self._remember_closed = remember_closed
         self._lock = threading.Lock()
+        self._cached = 0  # pages the reclaimer (the prefix cache) adopted from rooms and has not released
+        self.reclaimer: Reclaimer | None = None
         self.reservations = 0
         self.frees = 0
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        """Pages a reservation can take now: the free list, and whatever the prefix cache would give back."""
+        return len(self._free) + (self.reclaimer.reclaimable() if self.reclaimer is not None else 0)
 
     @property
     def reserved_pages(self) -> int:
-        return self.num_pages - 1 - len(self._free)
+        """Pages rooms hold (not the prefix cache's)."""
+        return self.num_pages - 1 - len(self._free) - self._cached
+
+    @property
+    def cached_pages(self) -> int:
+        return self._cached
 
     def holders(self) -> dict[int, int]:
         """Room → number of pages it holds."""
@@ -60,6 +77,7 @@ class PageAllocator:
             raise ValueError(f"a reservation needs at least one page, got {count}")
         if count > self.num_pages - 1:
             raise ValueError(f"{count} pages can never fit in a pool of {self.num_pages - 1} usable pages")
+        self._make_room(count)
         with self._lock:
             if room in self._held:
                 raise ValueError(f"room {room} already holds pages")
@@ -77,6 +95,7 @@ class PageAllocator:
         tokens), making one if it holds none; all or nothing. Returns the new pages."""
         if count < 1:
             raise ValueError(f"extending needs at least one page, got {count}")
+        self._make_room(count)
         with self._lock:
             if room in self._closed:
                 raise ValueError(f"room {room} was already freed; it cannot grow")
@@ -87,6 +106,37 @@ class PageAllocator:
                 self.reservations += 1
             self._held.setdefault(room, []).extend(pages)
             return list(pages)
+
+    def _make_room(self, count: int) -> None:
+        """Have the reclaimer evict what the free list lacks for ``count`` pages (outside the lock: it releases)."""
+        short = count - len(self._free)
+        if short > 0 and self.reclaimer is not None:
+            self.reclaimer.reclaim(short)
+
+    def adopt(self, room: int, pages: list[int]) -> None:
+        """``pages`` of ``room``'s reservation now belong to the reclaimer: they leave the room and do not come back
+        with its ``free``, but with ``release``."""
+        if not pages:
+            return
+        with self._lock:
+            held = self._held.get(room, [])
+            taken = set(pages)
+            if not taken <= set(held):
+                raise ValueError(f"room {room} does not hold pages {sorted(taken - set(held))}")
+            rest = [p for p in held if p not in taken]
+            if rest:
+                self._held[room] = rest
+            else:
+                self._held.pop(room, None)
+            self._cached += len(taken)
+
+    def release(self, pages: list[int]) -> None:
+        """The reclaimer gives adopted ``pages`` back: they are free again."""
+        with self._lock:
+            if len(pages) > self._cached:
+                raise ValueError(f"{len(pages)} pages released, only {self._cached} were adopted")
+            self._free.extend(pages)
+            self._cached -= len(pages)
 
     def pages_of(self, room: int) -> list[int]:
         with self._lock:
@@ -116,12 +166,13 @@ class PageAllocator:
         return len(pages)
 
     def reset_order(self) -> bool:
-        """Put the free pages back in their starting order (1, 2, ...) when no room holds any; False otherwise.
+        """Put the free pages back in their starting order (1, 2, ...) when no room or cache holds any; False
+        otherwise.
 
         Pages freed in the order requests end come back scattered; an idle node can start again from a fresh
         pool's order (``/flush_cache``). The memory of freed rooms stays: it still guards late reservations."""
         with self._lock:
-            if self._held:
+            if self._held or self._cached:
                 return False
             self._free = deque(range(1, self.num_pages))
             return True

@@ -12,8 +12,6 @@ import itertools
 import logging
 from collections import deque
 
-from prometheus_client import CollectorRegistry
-
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.serving.common import check_request
 from fsm_pd.serving.decode_loop import DecodeLoop
@@ -21,7 +19,7 @@ from fsm_pd.serving.engine import EngineCore
 from fsm_pd.serving.forward import prefill_and_sample
 from fsm_pd.serving.isolate import run_isolating
 from fsm_pd.serving.retraction import DecodeLoopCollector
-from fsm_pd.serving.scheduling import take_prefill_batch
+from fsm_pd.serving.scheduling import end_prefix, take_prefill_batch
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.types import EngineError, GenerateRequest
 
@@ -41,8 +39,10 @@ class ColocatedEngine(EngineCore):
         max_prefill_batch: int = 8,
         max_prefill_tokens: int = 4096,
         headroom_pages: int | None = None,
+        radix_cache: bool = True,
     ):
-        super().__init__(model, num_pages=num_pages, page_size=page_size, name="colocated")
+        """``radix_cache``: reuse cached prompt prefixes (``--disable-radix-cache`` turns it off)."""
+        super().__init__(model, num_pages=num_pages, page_size=page_size, name="colocated", prefix_cache=radix_cache)
         self.max_running, self.max_prefill_batch, self.max_prefill_tokens = (
             max_running,
             max_prefill_batch,
@@ -52,11 +52,10 @@ class ColocatedEngine(EngineCore):
         self.headroom_pages = headroom_pages if headroom_pages is not None else max(1, (num_pages - 1) // 8)
         self.loop = DecodeLoop(self.model, self.model_thread, self.allocator, page_size, release=self._release,
                                headroom_pages=self.headroom_pages, max_recompute_batch=max_prefill_batch,
-                               max_recompute_tokens=max_prefill_tokens)
+                               max_recompute_tokens=max_prefill_tokens, cache=self.cache)
         self._waiting: deque[Sequence] = deque()  # the model thread's: arrivals waiting for their prefill
         self._keys = itertools.count(1)
-        self.registries = [CollectorRegistry()]  # /metrics (create_app reads engine.registries)
-        self.registries[0].register(DecodeLoopCollector(self.loop.counters, {"role": "colocated", "node": "colocated"}))
+        self.registry.register(DecodeLoopCollector(self.loop.counters, {"role": "colocated", "node": "colocated"}))
         self._driver.start()
 
     def _check(self, request: GenerateRequest) -> None:
@@ -89,11 +88,14 @@ class ColocatedEngine(EngineCore):
             max_tokens=self.max_prefill_tokens,
             headroom=self.headroom_pages,
             drop=lambda s: s.cancelled,
+            cache=self.cache,
         )
         if not batch:
             return
+        self._prefilling(batch)
         firsts = run_isolating(batch, lambda seqs: prefill_and_sample(
-            self.model, self.model_thread, [s.request for s in seqs], [s.pages for s in seqs]), "prefill")
+            self.model, self.model_thread, [s.request for s in seqs], [s.pages for s in seqs],
+            [s.prefix.tokens for s in seqs]), "prefill")
         for seq, first in zip(batch, firsts, strict=True):
             if isinstance(first, Exception):  # fail this request alone, keep serving the others
                 seq.stream.push(EngineError(f"prefill failed: {first}", 500))
@@ -105,6 +107,7 @@ class ColocatedEngine(EngineCore):
                 self.loop.add(seq)
 
     def _release(self, seq: Sequence) -> None:
-        self.allocator.free(seq.key)
+        # a request that emitted a token was prefilled: its prompt's pages hold its KV and may join the cache
+        end_prefix(self.cache, self.allocator, seq, keep=seq.generated > 0)
         self.allocator.forget(seq.key)  # keys are never reused
         self.requests.pop(seq.rid)

@@ -11,6 +11,7 @@ from fsm_pd.control.manager import RoomInUse
 from fsm_pd.machines import KVPoll
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.model.pages import PageAllocator
+from fsm_pd.model.prefix_cache import PrefixCache
 from fsm_pd.serving import top_logprobs
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.types import EngineError, GenerateRequest
@@ -82,14 +83,16 @@ def pool_tokens_for(num_pages: int, page_size: int) -> int:
     return (num_pages - 1) * page_size
 
 
-def flush_when_idle(allocator: PageAllocator, live: int) -> tuple[bool, str]:
-    """SGLang's ``/flush_cache`` on an engine with ``live`` requests; model thread only. fsm-pd keeps no prefix
-    cache, so an idle node has nothing cached to drop: it puts the pool's free pages back in their starting order.
-    Refused (False) while a request is live or a page is held, as SGLang refuses while requests run or wait."""
-    if live or not allocator.reset_order():
+def flush_when_idle(allocator: PageAllocator, live: int, cache: PrefixCache | None = None) -> tuple[bool, str]:
+    """SGLang's ``/flush_cache`` on an engine with ``live`` requests; model thread only: empties the prefix cache
+    and puts the pool's free pages back in their starting order. Refused (False) while a request is live or a page
+    is held, as SGLang refuses while requests run or wait."""
+    if live or allocator.reserved_pages:
         return False, (f"Cache not flushed: {live} requests are live and {allocator.reserved_pages} KV pages "
                        f"reserved; flush when the node is idle.")
-    return True, "Cache flushed (fsm-pd has no prefix cache; the KV pool's free pages are back in starting order)."
+    dropped = cache.clear() if cache is not None else 0
+    allocator.reset_order()
+    return True, f"Cache flushed: {dropped} cached KV pages dropped; the pool's free pages are back in starting order."
 
 
 def journal_path(journal: str | None, node_id: str) -> str:

@@ -49,7 +49,7 @@ from fsm_pd.serving.forward import input_logprobs_from_wire
 from fsm_pd.serving.pd_engine import PDEngine
 from fsm_pd.serving.recompute import ON_TRANSFER_FAILURE, RECOMPUTED_TRIGGERS, TransferRecompute
 from fsm_pd.serving.retraction import DecodeLoopCollector
-from fsm_pd.serving.scheduling import admit_waiting
+from fsm_pd.serving.scheduling import admit_waiting, end_prefix
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.top_logprobs import from_wire as top_logprobs_from_wire
 from fsm_pd.serving.types import EngineError
@@ -59,24 +59,28 @@ class DecodeEngine(PDEngine):
     role = "decode"
 
     def __init__(self, model: LoadedModel | str = "tiny", *, max_running: int = 64, headroom_pages: int | None = None,
-                 heartbeat: dict | None = None, on_transfer_failure: str = "recompute", **node):
+                 heartbeat: dict | None = None, on_transfer_failure: str = "recompute", radix_cache: bool = False,
+                 **node):
         """``node``: the settings of every PD node (``PDEngine``: pool size, node id, journal, secret, backend,
-        deadlines, host, advertise_host); ``heartbeat`` overrides the peer watch's timings."""
+        deadlines, host, advertise_host); ``heartbeat`` overrides the peer watch's timings. ``radix_cache`` (SGLang's
+        ``--disaggregation-decode-enable-radix-cache``): keep finished prompts' pages here too, and have the prefill
+        node send only the pages of a prompt this node does not already hold."""
         if on_transfer_failure not in ON_TRANSFER_FAILURE:
             raise ValueError(f"on_transfer_failure must be one of {ON_TRANSFER_FAILURE}, got {on_transfer_failure!r}")
-        super().__init__(model, admission=SchedulerAdmission(on_release=self._on_release), heartbeat=heartbeat, **node)
+        super().__init__(model, admission=SchedulerAdmission(on_release=self._on_release), heartbeat=heartbeat,
+                         prefix_cache=radix_cache, **node)
         self.max_running = max_running
         pages = self.layout.num_pages
         self.headroom_pages = headroom_pages if headroom_pages is not None else max(1, (pages - 1) // 8)
         self.loop = DecodeLoop(self.model, self.model_thread, self.allocator, self.page_size, release=self._finish,
-                               headroom_pages=self.headroom_pages)
+                               headroom_pages=self.headroom_pages, cache=self.cache)
         self._awaiting_pages: deque[Sequence] = deque()
         labels = {"role": "decode", "node": self.node_id}
-        self.manager.metrics.registry.register(DecodeLoopCollector(self.loop.counters, labels))
+        self.registry.register(DecodeLoopCollector(self.loop.counters, labels))
         self.recompute = TransferRecompute(self.model, self.model_thread, self.allocator, self.page_size,
                                            enabled=on_transfer_failure == "recompute",
                                            headroom_pages=self.headroom_pages)
-        self.manager.metrics.registry.register(self.recompute.collector(labels))
+        self.registry.register(self.recompute.collector(labels))
         # the ABORT of a room we will recompute says so, so the prefill node answers its leg instead of failing it
         self.manager.effects.abort_note = self._abort_note
         self._driver.start()
@@ -117,6 +121,7 @@ class DecodeEngine(PDEngine):
         return {"pages": list(ctx.get("pages") or ()), "first_token": ctx.get("first_token"),
                 "first_logprob": ctx.get("first_logprob"), "input_logprobs": ctx.get("input_logprobs"),
                 "top_logprobs": ctx.get("top_logprobs"), "ended_at": at,
+                "cached_tokens": int(ctx.get("peer_cached_tokens") or 0),
                 "timing": timing_meta(self.manager.metrics.phases.take(room.room))}
 
     # --- the model thread ---
@@ -136,7 +141,7 @@ class DecodeEngine(PDEngine):
             in_transfer = len(self.rooms) - len(self._awaiting_pages)
             admit_waiting(self._awaiting_pages, self.allocator, self.page_size, headroom=self.headroom_pages,
                           room_for=self.max_running - len(self.loop.running) - in_transfer, gone=self._gone,
-                          grant=self.manager.give_pages)
+                          grant=self.manager.give_pages, cache=self.cache)
         # a recompute whose pages did not fit waits for a page free, which kicks us; with none held it fits now
         return self.loop.step() or (self.recompute.ready_to_run() and not self.loop.resuming)
 
@@ -153,6 +158,7 @@ class DecodeEngine(PDEngine):
         if state == "Failed":
             reason = detail["reason"] or "KV transfer failed"
             self.manager.clear(room)  # its pages: the machine's FreePages calls _on_release
+            end_prefix(self.cache, self.allocator, seq, keep=False, free=False)  # its cached prefix goes back
             if not seq.cancelled and self.recompute.enabled and detail["recompute"]:
                 self.recompute.start(seq, room, reason)  # the request lives on under a key of its own
                 return
@@ -164,7 +170,8 @@ class DecodeEngine(PDEngine):
         seq.pages = ctx["pages"]
         seq.meta["queue_and_transfer_seconds"] = round(time.monotonic() - seq.started, 6)
         # SGLang's names: this room's phases, and queue_time from the transfer's end to joining the batch (now)
-        seq.meta.update(ctx["timing"], queue_time=round(max(0.0, time.time() - ctx["ended_at"]), 6))
+        seq.meta.update(ctx["timing"], queue_time=round(max(0.0, time.time() - ctx["ended_at"]), 6),
+                        cached_tokens=ctx["cached_tokens"])
         if seq.cancelled:
             self._finish(seq)
             return
@@ -187,5 +194,7 @@ class DecodeEngine(PDEngine):
         if self.recompute.owns(seq):  # its room was cleared when it failed; its pages are ours
             self.recompute.release(seq)
             return
+        # its prompt's pages (the transfer's and our cached prefix) join our cache; FreePages frees the rest
+        end_prefix(self.cache, self.allocator, seq, keep=True, free=False)
         self.manager.finish(seq.key)
         self.manager.clear(seq.key)

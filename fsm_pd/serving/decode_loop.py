@@ -23,6 +23,7 @@ from fsm_pd.model.buckets import prefill_fits
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.model.model_thread import ModelThread
 from fsm_pd.model.pages import OutOfPages, PageAllocator, pages_for
+from fsm_pd.model.prefix_cache import NO_MATCH, PrefixCache
 from fsm_pd.model.sampling import sample
 from fsm_pd.serving.forward import top_ks
 from fsm_pd.serving.isolate import run_isolating
@@ -47,12 +48,14 @@ class DecodeLoop:
         headroom_pages: int = 0,
         max_recompute_batch: int = 8,
         max_recompute_tokens: int = 4096,
+        cache: PrefixCache | None = None,
     ):
         self.model = model
         self.model_thread = model_thread
         self.allocator = allocator
         self.page_size = page_size
         self.release = release  # returns a finished, failed or cancelled sequence's pages (model thread)
+        self.cache = cache  # a retracted sequence lets go of its cached prefix: its pages may be evicted meanwhile
         self.headroom_pages = headroom_pages  # left free when a retracted sequence resumes, for the others to grow
         self.max_recompute_batch, self.max_recompute_tokens = max_recompute_batch, max_recompute_tokens
         self.running: list[Sequence] = []
@@ -142,6 +145,9 @@ class DecodeLoop:
     def _retract(self, seq: Sequence) -> None:
         """Give every page of ``seq`` back and queue it to resume; its tokens and stream stay as they are."""
         self.running.remove(seq)
+        if self.cache is not None:
+            self.cache.unlock(seq.prefix)
+            seq.prefix = NO_MATCH
         given = self.allocator.give_back(seq.key)
         seq.pages = []
         self.retracted.append(seq)

@@ -19,9 +19,13 @@ from __future__ import annotations
 
 from collections import deque
 
+from prometheus_client import CollectorRegistry
+
 from fsm_pd.model.loader import LoadedModel, load_model
 from fsm_pd.model.model_thread import ModelThread
 from fsm_pd.model.pages import PageAllocator
+from fsm_pd.model.prefix_cache import PrefixCache
+from fsm_pd.serving.cache_metrics import PrefillCollector
 from fsm_pd.serving.common import (
     ABORTED_STATUS,
     RequestTable,
@@ -40,7 +44,10 @@ FLUSH_TIMEOUT_S = 30.0
 class EngineCore:
     role = "?"
 
-    def __init__(self, model: LoadedModel | str, *, num_pages: int, page_size: int, name: str):
+    def __init__(self, model: LoadedModel | str, *, num_pages: int, page_size: int, name: str,
+                 prefix_cache: bool = False):
+        """``prefix_cache``: keep finished prompts' pages in a ``PrefixCache`` and reuse their longest cached prefix
+        (SGLang's radix cache)."""
         self.model = load_model(model) if isinstance(model, str) else model
         self.model_name = self.model.name
         self.page_size = page_size
@@ -49,7 +56,12 @@ class EngineCore:
         self.pool_tokens = pool_tokens_for(num_pages, page_size)
         self.model_thread = ModelThread(self.model.make_pool(self.layout), name=f"model[{name}]")
         self.allocator = PageAllocator(num_pages)
+        self.cache = PrefixCache(self.allocator, page_size) if prefix_cache else None
+        self.prefill_tokens = {"prefill_computed_tokens": 0, "prefill_cached_tokens": 0}  # the model thread's
         self.requests = RequestTable()
+        self.registry = CollectorRegistry()  # this engine's /metrics (create_app reads ``registries``)
+        self.registries = [self.registry]
+        self.registry.register(PrefillCollector(self.prefill_counters, {"role": self.role, "node": name}))
         self.arrivals: deque[Sequence] = deque()  # appended by submit (any thread), taken by _step (model thread)
         self._driver = StepDriver(self.model_thread, self._step, name=f"{name} scheduler")
         self.model_thread.on_death.append(self._cannot_serve)
@@ -85,14 +97,20 @@ class EngineCore:
         return self.model_thread.health()
 
     def info(self) -> dict:
+        """``pages_free`` counts the prefix cache's unlocked pages (a reservation takes them); ``pages_cached`` says
+        how many of all pages the cache holds."""
         return {"role": self.role, "model": self.model_name, "max_context": self.max_context,
                 "page_size": self.page_size, "pages_free": self.allocator.free_pages,
-                "pages_reserved": self.allocator.reserved_pages, "requests_live": len(self.requests)}
+                "pages_reserved": self.allocator.reserved_pages, "pages_cached": self.allocator.cached_pages,
+                "requests_live": len(self.requests), **self.prefill_counters()}
+
+    def prefill_counters(self) -> dict:
+        return {**self.prefill_tokens, **(self.cache.counters() if self.cache is not None else {})}
 
     def flush_cache(self) -> tuple[bool, str]:
         """SGLang's ``/flush_cache`` (see ``common.flush_when_idle``); runs on the model thread."""
-        return self.model_thread.call(lambda _owner: flush_when_idle(self.allocator, len(self.requests)),
-                                      FLUSH_TIMEOUT_S)
+        return self.model_thread.call(
+            lambda _owner: flush_when_idle(self.allocator, len(self.requests), self.cache), FLUSH_TIMEOUT_S)
 
     def close(self) -> None:
         self._driver.close()
@@ -124,6 +142,13 @@ class EngineCore:
     def _step(self) -> bool:
         """One scheduler step (model thread); True while another step can make progress."""
         raise NotImplementedError
+
+    def _prefilling(self, batch: list[Sequence]) -> list[int]:
+        """Count a prefill batch's computed and cached prompt tokens; returns where each one's prefill starts."""
+        starts = [seq.prefix.tokens for seq in batch]
+        self.prefill_tokens["prefill_cached_tokens"] += sum(starts)
+        self.prefill_tokens["prefill_computed_tokens"] += sum(s.prompt_len for s in batch) - sum(starts)
+        return starts
 
     def _arrived(self) -> list[Sequence]:
         """The requests submitted since the last step, in order, without the ones already cancelled (aborted, or

@@ -39,14 +39,18 @@ def top_ks(requests: Sequence[GenerateRequest]) -> list[int]:
 
 
 def prefill_and_sample(
-    model: LoadedModel, owner: ModelThread, requests: Sequence[GenerateRequest], pages: Sequence[Sequence[int]]
+    model: LoadedModel, owner: ModelThread, requests: Sequence[GenerateRequest], pages: Sequence[Sequence[int]],
+    starts: Sequence[int] | None = None,
 ) -> list[FirstToken]:
-    """Prefill ``requests`` into ``pages`` (one list each) in one batch; model thread only (it replaces the pool)."""
+    """Prefill ``requests`` into ``pages`` (one list each) in one batch; model thread only (it replaces the pool).
+    ``starts[i]``: how many leading prompt tokens already have their KV in ``pages[i]`` (a cached prefix)."""
     want_logprobs = any(r.return_logprob for r in requests)
     ks = top_ks(requests)
+    starts = list(starts) if starts is not None else [0] * len(requests)
     out = model.prefill_batch(  # the bucket's rows: no program per batch size (model/decoder.py)
-        owner.pool, [r.input_ids for r in requests], [list(p) for p in pages], return_logprobs=want_logprobs,
-        top_logprobs=ks, bucket_rows=True,
+        owner.pool, [r.input_ids[start:] for r, start in zip(requests, starts, strict=True)],
+        [list(p) for p in pages], start_positions=starts, return_logprobs=want_logprobs, top_logprobs=ks,
+        bucket_rows=True,
     )
     owner.pool = out.pool
     # A request's grammar masks its first token here too; the decode (or colocated) side's own parser is fed it next.

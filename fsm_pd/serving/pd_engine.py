@@ -35,13 +35,14 @@ class PDEngine(EngineCore):
     def __init__(self, model: LoadedModel | str = "tiny", *, num_pages: int = 512, page_size: int = 16,
                  node_id: str | None = None, journal: str | None = None, secret: bytes | None = None,
                  backend: str = "tcp", backend_options: dict | None = None, deadlines: dict | None = None,
-                 host: str = "127.0.0.1", advertise_host: str | None = None, **manager_options: Any):
+                 host: str = "127.0.0.1", advertise_host: str | None = None, prefix_cache: bool = False,
+                 **manager_options: Any):
         """The node settings both roles take. ``node_id`` defaults to ``<role>-0``; ``journal=None`` puts the journal
         in a fresh temporary directory; ``secret=None`` draws a new side-channel secret (a decode node must get its
         prefill node's). ``host`` is bound; ``advertise_host`` (default ``host``, required when ``host`` is a
         wildcard) is what peers are told. ``manager_options`` go to ``KVManager`` (admission, heartbeat)."""
         node_id = node_id or f"{self.role}-0"
-        super().__init__(model, num_pages=num_pages, page_size=page_size, name=node_id)
+        super().__init__(model, num_pages=num_pages, page_size=page_size, name=node_id, prefix_cache=prefix_cache)
         self.node_id = node_id
         self.secret = secret if secret is not None else generate_secret()
         self.rooms: dict[int, Sequence] = {}  # room -> its live request: the model thread's
@@ -50,6 +51,7 @@ class PDEngine(EngineCore):
                                  journal=journal_path(journal, node_id), secret=self.secret, backend=backend,
                                  backend_options=backend_options, deadlines=deadlines, host=host,
                                  advertise_host=advertise_host, model=self.model_thread, **manager_options)
+        self.registries.append(self.manager.metrics.registry)
         self.manager.node.observers.append(self._observe)
         self.manager.metrics.watch_leaks(self.leak_counters)
         self.manager.on_stopped.append(self._cannot_serve)

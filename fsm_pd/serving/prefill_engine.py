@@ -34,7 +34,7 @@ from fsm_pd.serving.common import ENDED
 from fsm_pd.serving.forward import FirstToken, input_logprobs_to_wire, prefill_and_sample
 from fsm_pd.serving.isolate import run_isolating
 from fsm_pd.serving.pd_engine import PDEngine
-from fsm_pd.serving.scheduling import take_prefill_batch
+from fsm_pd.serving.scheduling import end_prefix, take_prefill_batch
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.top_logprobs import to_wire as top_logprobs_to_wire
 from fsm_pd.serving.types import EngineError, TokenOutput
@@ -48,12 +48,13 @@ class PrefillEngine(PDEngine):
 
     def __init__(self, model: LoadedModel | str = "tiny", *, bootstrap_port: int | None = 0,
                  bootstrap_url: str | None = None, bootstrap_token: str | None = None, max_prefill_batch: int = 8,
-                 max_prefill_tokens: int = 4096, **node):
+                 max_prefill_tokens: int = 4096, radix_cache: bool = True, **node):
         """``node``: the settings of every PD node (``PDEngine``: pool size, node id, journal, secret, backend,
         deadlines, host, advertise_host). ``bootstrap_port``: run a bootstrap server on it (0: any free port) and
         register with it; None and a ``bootstrap_url``: register with that server instead; None and no URL: do not
-        register (tests that tell the decode side our side-channel address directly)."""
-        super().__init__(model, **node)
+        register (tests that tell the decode side our side-channel address directly). ``radix_cache``: reuse cached
+        prompt prefixes (``--disable-radix-cache`` turns it off); the decode node still gets every page."""
+        super().__init__(model, prefix_cache=radix_cache, **node)
         host = self.manager.host
         self.max_prefill_batch, self.max_prefill_tokens = max_prefill_batch, max_prefill_tokens
         self._to_prefill: deque[Sequence] = deque()  # PREPARE arrived: waiting for pages and the model thread
@@ -118,6 +119,7 @@ class PrefillEngine(PDEngine):
             max_tokens=self.max_prefill_tokens,
             headroom=0,
             drop=self._gone,
+            cache=self.cache,
         )
         if batch:
             self._prefill(batch)
@@ -149,14 +151,20 @@ class PrefillEngine(PDEngine):
                 self._answer(seq, first, {"kv_transfer_failed": reason})
             elif state == "Failed" and not seq.cancelled:
                 seq.stream.push(EngineError(reason or "KV transfer failed", 500))
-        # a request still in the prefill queue is dropped there: its room is gone from the manager
-        self.allocator.free(room)
+        # a request still in the prefill queue is dropped there: its room is gone from the manager. Its prompt's pages
+        # join the prefix cache once handed over; a failed transfer frees only the pages the request reserved.
+        if seq is not None:
+            end_prefix(self.cache, self.allocator, seq, keep=state == "Success")
+        else:
+            self.allocator.free(room)
         self.allocator.forget(room)
         self.manager.clear(room)
 
     def _prefill(self, batch: list[Sequence]) -> None:
+        self._prefilling(batch)
         firsts = run_isolating(batch, lambda seqs: prefill_and_sample(
-            self.model, self.model_thread, [s.request for s in seqs], [s.pages for s in seqs]), "prefill")
+            self.model, self.model_thread, [s.request for s in seqs], [s.pages for s in seqs],
+            [s.prefix.tokens for s in seqs]), "prefill")
         for seq, first in zip(batch, firsts, strict=True):
             if isinstance(first, Exception):  # fail its room (which frees its pages), keep serving the others
                 self.manager.fail(seq.key, f"prefill failed: {first}")
@@ -169,6 +177,7 @@ class PrefillEngine(PDEngine):
                 first_logprob=first.logprob,
                 input_logprobs=input_logprobs_to_wire(first.input_logprobs),
                 top_logprobs=top_logprobs_to_wire(first.top_logprobs, first.input_top_logprobs),
+                cached_tokens=seq.prefix.tokens,
             )
 
     def _answer(self, seq: Sequence, first: FirstToken, extra_meta: dict | None = None) -> None:
@@ -183,7 +192,6 @@ class PrefillEngine(PDEngine):
                 input_token_logprobs=first.input_logprobs,
                 top_logprobs=first.top_logprobs,
                 input_top_logprobs=first.input_top_logprobs,
-                meta={**seq.meta, "completion_tokens": 1, "cached_tokens": 0,
-                      **(extra_meta or {})},
+                meta={**seq.meta, "completion_tokens": 1, **(extra_meta or {})},
             )
         )

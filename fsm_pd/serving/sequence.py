@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from fsm_pd.model.prefix_cache import NO_MATCH, Match
 from fsm_pd.model.stopping import FinishReason, StopChecker
 from fsm_pd.model.tokenizer import Tokenizer
 from fsm_pd.serving.types import GenerateRequest, RequestStream, TokenOutput
@@ -24,6 +25,8 @@ class Sequence:
     checker: StopChecker
     max_context: int
     meta: dict = field(default_factory=dict)  # sent with the last output (prompt_tokens, kv transfer timing, ...)
+    # the cached prefix its first pages are (locked while it runs); its KV is not computed again
+    prefix: Match = NO_MATCH
     cancelled: bool = False  # set by abort() from any thread; the scheduler drops the sequence at its next step
     started: float = field(default_factory=time.monotonic)
     # when it joined the queue its forward pass is taken from (SGLang's wait queue): at creation, or for a prefill

@@ -160,6 +160,8 @@ class Prepare(_Message):
     layout: dict  # KVLayout.to_dict()
     page_count: int
     prompt_len: int
+    # D's own prefix cache already holds the first ``cached_pages`` of the prompt's pages: send the rest
+    cached_pages: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -179,6 +181,8 @@ class Ready(_Message):
     input_logprobs: list[float] | None
     # With top_logprobs_num: the first token's and the prompt's alternatives, packed (serving.top_logprobs.to_wire)
     top_logprobs: str | None = None
+    # prompt tokens P took from its own prefix cache instead of computing them (the answer's cached_tokens)
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -96,7 +96,8 @@ def test_a_batch_of_prompts_is_answered_in_order():
         assert [a["meta_info"]["prompt_tokens"] for a in answers] == [2, 1, 3]
         completion = client.post("/v1/completions", json={"prompt": ["ab", "c"], "max_tokens": 2, "n": 2}).json()
     assert [c["index"] for c in completion["choices"]] == [0, 1, 2, 3]
-    assert completion["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}
+    assert completion["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11,
+                                   "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_max_new_tokens_zero_returns_the_prompt_only():
@@ -179,7 +180,8 @@ def test_a_streamed_batch_interleaves_answers_named_by_index():
         whole = client.post("/v1/completions", json={**body, "stream": False}).json()
         assert texts == {c["index"]: c["text"] for c in whole["choices"]}
         assert chunks[-1]["usage"] == whole["usage"] == {"prompt_tokens": 3, "completion_tokens": 8,
-                                                         "total_tokens": 11}
+                                                         "total_tokens": 11,
+                                                         "prompt_tokens_details": {"cached_tokens": 0}}
 
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 3, "stream": True}
         chunks = _sse(client.post("/v1/chat/completions", json=body).text)

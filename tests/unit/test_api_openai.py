@@ -30,7 +30,8 @@ def test_completion_whole(server):
     assert body["id"].startswith("cmpl-")
     assert body["choices"][0]["text"] == " he"
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert engine.submitted[0].seed == 5
 
 

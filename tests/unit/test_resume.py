@@ -51,8 +51,8 @@ def client_view(lines: list[str], path: str) -> tuple[str, int, list[dict]]:
             continue
         doc = json.loads(line[5:])
         assert "error" not in doc and "fsm_pd_progress" not in doc, doc
-        if doc.get("usage"):
-            usage.append(doc["usage"])
+        if doc.get("usage"):  # how much of a resumed prompt the prefix cache held is not the stream's business
+            usage.append({k: v for k, v in doc["usage"].items() if k != "prompt_tokens_details"})
         if path == "/generate":  # cumulative: each chunk extends the one before
             assert doc["text"].startswith(text) and doc["output_ids"][:len(ids)] == ids, (text, ids, doc)
             text, ids = doc["text"], doc["output_ids"]

@@ -201,7 +201,7 @@ def test_pd_under_pressure_completes_every_request_with_unpressured_output(small
     info = d.info()
     assert info["preempted"] > 0 and info["resumed"] == info["preempted"] and info["retracted_waiting"] == 0
     assert_idle(p, d)
-    metrics = generate_latest(d.manager.metrics.registry).decode()
+    metrics = generate_latest(d.registry).decode()
     assert re.search(rf'fsm_pd_preemptions_total{{node="decode-0",role="decode"}} {info["preempted"]}\.0', metrics)
 
 

@@ -92,7 +92,7 @@ def test_recompute_gives_the_undisturbed_greedy_output(pair, stage):
     for journal in (d.manager.journal.url, p.manager.journal.url):
         last = final_rows(journal, rooms)
         assert set(last) == rooms and {row.dst for row in last.values()} == {"Failed"}
-    metrics = d.manager.metrics.registry.get_sample_value("fsm_pd_transfer_recomputes_total",
+    metrics = d.registry.get_sample_value("fsm_pd_transfer_recomputes_total",
                                                           {"role": "decode", "node": "decode-0"})
     assert metrics == d.info()["recomputes"]
 
