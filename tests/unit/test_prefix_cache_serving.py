@@ -59,7 +59,7 @@ def test_colocated_conversations_answer_the_same_and_later_turns_compute_less(mo
     cached = ColocatedEngine(model, num_pages=PAGES, page_size=PAGE_SIZE)
     try:
         for c, (system, users) in enumerate(chats):
-            ask = lambda engine, tag: lambda prompt: run(generate(engine, request(
+            ask = lambda engine, tag, c=c: lambda prompt: run(generate(engine, request(
                 f"{tag}{c}-{len(prompt)}", prompt, max_new_tokens=6, ignore_eos=True)))
             want, none = play(ask(plain, "p"), system, users)
             got, hits = play(ask(cached, "c"), system, users)
@@ -85,10 +85,11 @@ def test_pd_conversations_answer_like_colocated_with_the_cache_on_the_prefill_no
                      journal=str(tmp_path / "d.db"))
     try:
         for c, (system, users) in enumerate(chats):
-            want, _ = play(lambda x: run(generate(colocated, request(f"w{c}-{len(x)}", x, max_new_tokens=6,
-                                                                     ignore_eos=True))), system, users)
-            got, hits = play(lambda x: run(through_pd(p, d, pd_request(p, f"g{c}-{len(x)}", x, max_new_tokens=6,
-                                                                        ignore_eos=True))), system, users)
+            want, _ = play(lambda x, c=c: run(generate(colocated, request(f"w{c}-{len(x)}", x, max_new_tokens=6,
+                                                                          ignore_eos=True))), system, users)
+            got, hits = play(lambda x, c=c: run(through_pd(p, d, pd_request(p, f"g{c}-{len(x)}", x,
+                                                                             max_new_tokens=6, ignore_eos=True))),
+                             system, users)
             assert got == want and all(hit > 0 for hit in hits[1:])  # the decode node tells the prefill's hits
         assert p.info()["prefill_cached_tokens"] > 0 and until(lambda: settled(p) and settled(d))
     finally:
