@@ -12,7 +12,9 @@ from pathlib import Path
 # file, outside the package.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fsm_pd.transport.backends import register_backend  # noqa: E402 - after the path above
+from real_parts import RealParts  # noqa: E402 - after the path above
+
+from fsm_pd.transport.backends import register_backend  # noqa: E402
 
 register_backend("fake", "fake_backend:FakeTransferBackend", replace=True)
 
@@ -22,3 +24,9 @@ os.environ["FSM_PD_MODEL"] = "tiny"
 # tests turn it back on (tests/unit/test_warmup.py, tests/integration/test_warmup_serving.py).
 os.environ["FSM_PD_SKIP_SERVER_WARMUP"] = "1"
 
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "real_part(name, missing=None): the test runs this real part (a PostgreSQL "
+                                       "server, netns, ...); see tests/real_parts.py")
+    config.pluginmanager.register(RealParts(os.environ), "fsm-pd-real-parts")
