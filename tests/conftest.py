@@ -1,5 +1,7 @@
 """Suite-wide test settings. Every test has a timeout (pytest-timeout, 300 s by default in pyproject.toml; a longer
-test sets its own with ``@pytest.mark.timeout(S)``).
+test sets its own with ``@pytest.mark.timeout(S)``). Tests of real parts (PostgreSQL, netns, ...) say so with
+``@pytest.mark.real_part``, and a skip of one is counted and, where CI requires them, fails the run
+(``real_parts.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ os.environ["FSM_PD_MODEL"] = "tiny"
 # ... and starts serving without its warm-up (seconds per node start; a test sends a few shapes). The warm-up's own
 # tests turn it back on (tests/unit/test_warmup.py, tests/integration/test_warmup_serving.py).
 os.environ["FSM_PD_SKIP_SERVER_WARMUP"] = "1"
-
 
 
 def pytest_configure(config):
