@@ -12,6 +12,7 @@ import itertools
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 
 import jax
@@ -49,6 +50,7 @@ class FakeTransferBackend(HoldingBackend):
         self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s)
         self._changed = threading.Condition(self._holds.lock)  # pullers wait here for publish/end/close
         self._delivered: set[int] = set()
+        self._parked: Counter[int] = Counter()  # uuids pullers wait for, not published yet; guarded by _changed
         self._closed = False
         with _nodes_lock:
             _nodes[self._address] = self
@@ -106,22 +108,36 @@ class FakeTransferBackend(HoldingBackend):
     def _take(self, uuid: int, deadline: float) -> tuple[jax.Array, ...]:
         """Wait until ``uuid`` is published (or ended) and claim its single delivery."""
         with self._changed:
-            while True:
-                if self._closed:
-                    raise TransferFailed(f"producer {self._address} closed during the pull")
-                reason = self._holds.tombstone(uuid)
-                if reason is not None:
-                    raise TransferFailed(f"transfer {uuid}: {reason}")
-                hold = self._holds.get(uuid)
-                if hold is not None:
-                    if uuid in self._delivered:
-                        raise TransferFailed(f"transfer {uuid} was already pulled and awaits release")
-                    self._delivered.add(uuid)
-                    return hold.payload
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TransferTimeout(f"transfer {uuid} not published on {self._address} in time")
-                self._changed.wait(remaining)
+            parked = False
+            try:
+                while True:
+                    if self._closed:
+                        raise TransferFailed(f"producer {self._address} closed during the pull")
+                    reason = self._holds.tombstone(uuid)
+                    if reason is not None:
+                        raise TransferFailed(f"transfer {uuid}: {reason}")
+                    hold = self._holds.get(uuid)
+                    if hold is not None:
+                        if uuid in self._delivered:
+                            raise TransferFailed(f"transfer {uuid} was already pulled and awaits release")
+                        self._delivered.add(uuid)
+                        return hold.payload
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TransferTimeout(f"transfer {uuid} not published on {self._address} in time")
+                    if not parked:
+                        self._parked[uuid] += 1
+                        parked = True
+                    self._changed.wait(remaining)
+            finally:
+                if parked:
+                    self._parked[uuid] -= 1
+                    if not self._parked[uuid]:
+                        del self._parked[uuid]
+
+    def parked_pulls(self) -> frozenset[int]:
+        with self._changed:
+            return frozenset(self._parked)
 
     # ---- D side ----
 

@@ -229,8 +229,16 @@ def phases(router: str, prefills: list[str], decodes: list[str], procs: dict, sh
         victims[role] = busiest(urls, at_kill.setdefault(role, {}))
         kill(procs[victims[role]])
 
-    found["prefill_kill"] = run_load(router, short, during=lambda chunks: (time.sleep(0.3),
-                                                                           kill_busiest("prefill", prefills)))
+    def kill_prefill_holding_requests(chunks):
+        # a prefill node that holds none would die unnoticed: the phase would prove nothing
+        deadline = time.monotonic() + 60
+        while max((seen := loads(prefills)).values()) <= 0:
+            assert time.monotonic() < deadline, "no prefill node ever held a request of the load"
+            time.sleep(0.01)
+        at_kill["prefill"], victims["prefill"] = seen, max(prefills, key=seen.get)
+        kill(procs[victims["prefill"]])
+
+    found["prefill_kill"] = run_load(router, short, during=kill_prefill_holding_requests)
     streams = {i for i in range(CONCURRENCY) if KINDS[i % len(KINDS)].endswith("stream")}
 
     def kill_decode_mid_stream(chunks):

@@ -114,6 +114,8 @@ def main() -> None:
             elif op == "state":
                 state = manager.poll(room)
                 out = {"state": state.name if state is not None else None, "reason": manager.reason(room)}
+            elif op == "suspect":  # missed its last heartbeat, not yet declared dead
+                out = {"suspect": manager.peers.monitor.suspect(cmd["addr"])}
             elif op == "digest":
                 pages = cmd.get("pages") or manager.admission.allocator.pages_of(room)
                 out = {"digest": digest(pages), "pages": pages}

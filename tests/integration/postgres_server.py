@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import importlib.util
 import os
 import pwd
 import shutil
@@ -31,6 +32,16 @@ def find_bin_dir() -> str | None:
     for folder in candidates:
         if all(os.access(os.path.join(folder, p), os.X_OK) for p in PROGRAMS):
             return folder
+    return None
+
+
+def missing() -> str | None:
+    """Why a server cannot be run and spoken to here (None: it can): the PostgreSQL binaries, and psycopg."""
+    if find_bin_dir() is None:
+        return ("PostgreSQL is not installed (no initdb/postgres on PATH or in /usr/lib/postgresql/*/bin; "
+                "apt-get install -y postgresql)")
+    if importlib.util.find_spec("psycopg") is None:
+        return "the PostgreSQL driver psycopg is not installed (pip install 'fsm-pd[postgres]')"
     return None
 
 

@@ -20,6 +20,7 @@ import pytest
 from fsm_pd.bootstrap import (
     BootstrapError,
     BootstrapServer,
+    PrefillRegistry,
     RankRegistration,
     check_health,
     fetch_prefill_layout,
@@ -200,9 +201,19 @@ def test_dp_rank_of_a_room_is_registered_and_queried(make_server, http):
     assert http.post(server.url + "/query_dp_ranks", json={"bootstrap_rooms": []}).json() == {}
 
 
+class StepClock:
+    """The registry's clock, moved by the test: what expires is decided by the TTL, not by this machine's speed."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_dp_rank_entries_expire_after_the_ttl(make_server, http):
-    # Margins: a late wake-up only ages entries further, so "gone" checks are safe; "still there" keeps 0.4 s spare.
-    server = make_server(entry_ttl_s=1.0)
+    clock = StepClock()
+    server = make_server(registry=PrefillRegistry(entry_ttl_s=1.0, clock=clock))
 
     def query() -> dict:
         return http.post(server.url + "/query_dp_ranks", json={"bootstrap_rooms": [1, 2]}).json()
@@ -210,11 +221,13 @@ def test_dp_rank_entries_expire_after_the_ttl(make_server, http):
     http.post(server.url + "/register_dp_rank", json={"bootstrap_room": 1, "dp_rank": 1})
     http.post(server.url + "/register_dp_rank", json={"bootstrap_room": 2, "dp_rank": 0})
     assert query() == {"1": 1, "2": 0}
-    time.sleep(0.6)
+    clock.now += 0.5  # steps that add up exactly in binary floating point
     http.post(server.url + "/register_dp_rank", json={"bootstrap_room": 2, "dp_rank": 2})  # refreshes room 2
-    time.sleep(0.6)
-    assert query() == {"2": 2}  # room 1 is 1.2 s old, room 2 0.6 s
-    time.sleep(0.6)
+    clock.now += 0.375
+    assert query() == {"1": 1, "2": 2}  # room 1 is 0.875 s old
+    clock.now += 0.125
+    assert query() == {"2": 2}  # room 1 is 1 s old, room 2 0.5 s
+    clock.now += 0.5
     assert query() == {}
 
 

@@ -51,6 +51,10 @@ def restart(c: Cluster, proc: subprocess.Popen, url: str, *extra: str) -> subpro
     return c.procs[-1]
 
 
+def live_requests(url: str) -> int:
+    return httpx.get(url + "/server_info", timeout=10).json()["internal_states"][0]["requests_live"]
+
+
 def routed_again(router: str, timeout_s: float = 60) -> None:
     """Until a request through the router succeeds: it ejected the drained decode node, and takes the restarted one
     back at its next good health check after its cool-down."""
@@ -185,7 +189,10 @@ def test_prefill_deregisters_and_a_second_sigterm_exits_at_once(fleet):
         body = {"text": "x", "bootstrap_host": "127.0.0.1", "bootstrap_port": 9, "bootstrap_room": 99,
                 "sampling_params": {"max_new_tokens": 4}}
         waiting = pool.submit(httpx.post, d + "/generate", json=body, timeout=60)  # waits for a prefill node
-        time.sleep(1.0)
+        deadline = time.monotonic() + 30
+        while live_requests(d) != 1:  # the drain must have an open request to wait for
+            assert time.monotonic() < deadline and not waiting.done(), "the request never became live on the node"
+            time.sleep(0.05)
         os.kill(dproc.pid, signal.SIGTERM)
         deadline = time.monotonic() + 10
         while httpx.get(d + "/health", timeout=5).status_code != 503:

@@ -2,7 +2,8 @@
 behind the built-in router, 32 concurrent mixed streamed and whole greedy requests (the harness: ``failover.py``).
 
 One cluster, phases in order (each needs the damage of the one before):
-- SIGKILL the busiest prefill node mid-load: every request succeeds with the undisturbed run's output.
+- SIGKILL the busiest prefill node once it holds requests of the load: every request succeeds with the undisturbed
+  run's output.
 - SIGSTOP the busiest decode node once half the streams have tokens out: every request completes with the undisturbed
   output (the router's health checks eject the stopped node, its streams migrate and what it never answered is
   re-run). SIGCONT, and the router takes it back.
@@ -38,6 +39,7 @@ def test_requests_survive_a_killed_prefill_and_a_killed_decode(tmp_path):
         figures["refused"] = metric(router, "fsm_pd_router_failover_refused_total")
         figures["ejections"] = metric(router, "fsm_pd_router_worker_ejections_total")
         print("\nfleet failover figures:", json.dumps(figures))
+        assert found["load_at_kill"]["prefill"][found["victims"]["prefill"]] > 0, "the kill hit requests"
         for name in ("baseline_short", "baseline_long", "prefill_kill", "decode_stop", "decode_kill"):
             assert figures[name]["failed"] == 0, (name, figures[name])
             assert figures[name].get("differ_from_baseline", 0) == 0, (name, figures[name])

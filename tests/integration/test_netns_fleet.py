@@ -8,8 +8,9 @@ nodes bind the wildcard ``0.0.0.0`` and advertise their own address (``--adverti
 what it binds would send its peer to ``0.0.0.0``, which is the peer itself. Greedy answers through both routers
 must equal the colocated node's, and every prefill and decode node must have handed off or received KV.
 
-Runs as root where ``ip netns`` works (CI); skips with the reason elsewhere. Everything it made (processes by PID,
-namespaces with their veth pairs and bridge) is removed at the end, also when the test fails.
+Runs as root where ``ip netns`` works (CI); skips with the reason elsewhere (a real part: ``tests/real_parts.py``).
+Everything it made (processes by PID, namespaces with their veth pairs and bridge) is removed at the end, also when
+the test fails.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ import time
 import httpx
 import pytest
 from netns import Fabric, FabricUnavailable
+from real_parts import SGLANG_ROUTER
 
 from fsm_pd.transport import generate_secret, secret_env
+
+pytestmark = pytest.mark.real_part("netns")  # the fleet fixture finds out whether namespaces can be built here
 
 PORT, BOOTSTRAP_PORT = 30000, 8998  # every host has its own ports: the defaults everywhere
 PREFILL = {"p1": 11, "p2": 12}
@@ -114,15 +118,23 @@ def transfers_succeeded(base: str) -> float:
     return sum(float(v) for v in found)
 
 
-def test_pd_nodes_on_separate_hosts_answer_as_colocated_behind_both_routers(fleet):
-    fabric, client, addrs, procs = fleet
+@pytest.fixture(scope="module")
+def colocated_answers(fleet):
+    _, client, addrs, _ = fleet
     want = client.submit(all_greedy, url(addrs["colocated"])).result()
     assert all(ids is not None and len(ids) == 10 for ids in want), want
     assert len({tuple(ids) for ids in want}) >= 4, "varied prompts must give varied answers, or equality proves little"
-    routers = [name for name in ("router", "sglang") if name in procs]
-    for name in routers:
-        assert client.submit(all_greedy, url(addrs[name])).result() == want, f"through {name}"
+    return want
+
+
+def test_pd_nodes_on_separate_hosts_answer_as_colocated_behind_the_built_in_router(fleet, colocated_answers):
+    _, client, addrs, _ = fleet
+    assert client.submit(all_greedy, url(addrs["router"])).result() == colocated_answers
     counts = {n: client.submit(transfers_succeeded, url(addrs[n])).result() for n in (*PREFILL, *DECODE)}
     assert all(c >= 1 for c in counts.values()), f"every PD node must take part: {counts}"
-    if "sglang" not in procs:
-        pytest.skip("sglang-router is not installed: checked behind the built-in router only")
+
+
+@SGLANG_ROUTER
+def test_pd_nodes_on_separate_hosts_answer_as_colocated_behind_sglang_router(fleet, colocated_answers):
+    _, client, addrs, _ = fleet
+    assert client.submit(all_greedy, url(addrs["sglang"])).result() == colocated_answers

@@ -181,7 +181,8 @@ def dashboard_selectors(dashboard: dict) -> list[tuple[str, set[str]]]:
     return found
 
 
-@pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs prometheus (apt-get install prometheus)")
+@pytest.mark.real_part("prometheus", missing=None if shutil.which("prometheus") else
+                       "prometheus is not on PATH (apt-get install prometheus)")
 def test_a_real_prometheus_runs_every_dashboard_query(cluster, tmp_path):
     """After the test above: Prometheus scrapes both nodes and answers each panel's PromQL with series."""
     _, urls, _ = cluster

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from processes import PAGE_SIZE, Cluster, free_port
+from real_parts import SGLANG_ROUTER
 
 from fsm_pd.store import read_journal, replay
 
@@ -57,8 +58,8 @@ def test_pd_answers_equal_colocated_answers(cluster, backend):
     assert {r.final for r in result.rooms} == {"Success"}
 
 
+@SGLANG_ROUTER
 def test_real_sglang_router_and_openai_client(cluster):
-    pytest.importorskip("sglang_router")
     openai = pytest.importorskip("openai")
     p, boot, d = cluster.pd("zmq")
     port = free_port()

@@ -13,6 +13,7 @@ import time
 import pytest
 import zmq
 from pd_harness import BACKENDS, LARGE, assert_replay_consistent, cluster, final, transfer, wait_for_state
+from polling import until
 
 from fsm_pd.kernels import KVLayout
 from fsm_pd.store import read_journal
@@ -116,9 +117,10 @@ def test_prefill_failure_makes_a_late_pull_fail_fast(cluster, backend):
     p("abort", room=1, reason="prefill gave up")
     assert d("wait", room=1)["state"] == "Failed"
     assert final(d.journal, 1)[1] == "aborted by peer: prefill gave up"
-    time.sleep(2.0)  # the delayed pull runs against the failed entry and must come back at once
+    # the delayed pull (1 s after READY) runs against the failed entry and must come back at once
+    assert until(lambda: any(r.trigger == "error" for r in read_journal(d.journal)), 30), "the late pull never ended"
     late = [r for r in read_journal(d.journal) if r.trigger == "error"]
-    assert late and "ignored" in late[0].payload, "the late pull's failure lands on a finished room"
+    assert "ignored" in late[0].payload, "the late pull's failure lands on a finished room"
     started = next(r.at for r in read_journal(d.journal) if r.trigger == "kv_published") + 1.0
     assert late[0].at - started < 1.0, "the pull of a failed entry failed fast instead of hanging"
     assert d("counters")["pages_reserved"] == 0 and p("counters")["open_transfer_entries"] == 0
@@ -134,6 +136,10 @@ def test_layout_mismatch_fails_both_sides_before_anything_moves(cluster, backend
     assert final(p.journal, 1)[1] == "layout mismatch"
     assert final(d.journal, 1)[1] == "aborted by peer: layout mismatch"
     assert d("counters")["pages_reserved"] == 0 and p("counters")["staging_buffers_held"] == 0
+
+
+def pull_done_rows(journal, room: int) -> int:
+    return sum(r.room == room and r.trigger == "pull_done" for r in read_journal(journal))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -160,9 +166,10 @@ def test_forged_unsigned_and_duplicate_messages_change_nothing(cluster, backend)
     push.disconnect(d.info["side_channel"])
     push.connect(p.info["side_channel"])
     push.send(seal(duplicate, cluster.secret))
-    time.sleep(0.5)
     push.close()
     ctx.term()
+    # P's loop decided the duplicate once its row is journaled: only then can "nothing changed" be told
+    assert until(lambda: pull_done_rows(p.journal, 1) == 2, 30), "the duplicate PULLED never reached P's loop"
     assert p("state", room=1)["state"] == "Success"
     p.stop(), d.stop()
     assert_replay_consistent(p.journal, d.journal)

@@ -1,6 +1,6 @@
 """One PostgreSQL journal for a fleet, against a real PostgreSQL server (``postgres_server.py``: initdb in a temp dir,
-127.0.0.1, stopped by PID). Skipped, saying why, when PostgreSQL or psycopg is not installed (``.ci/run`` installs
-both).
+127.0.0.1, stopped by PID). A real part (``tests/real_parts.py``): skipped, saying why, when PostgreSQL or psycopg is
+not installed (``.ci/run`` installs both, and fails if these tests skip).
 
 - The journal itself on PostgreSQL: 64-bit rooms, timestamps to the microsecond, two writers in one database,
   ``--durability`` as ``synchronous_commit``, the libpq timeouts, a version conflict, ``fsm-pd replay URL``.
@@ -23,17 +23,15 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from polling import until
-from postgres_server import PostgresServer, find_bin_dir
+from postgres_server import PostgresServer
+from postgres_server import missing as postgres_missing
 from processes import PAGE_SIZE, Cluster, free_port
 
 from fsm_pd.effects import Node, RecordingInterpreter, VirtualClock
 from fsm_pd.machines import SENDER
 from fsm_pd.store import Journal, JournalError, VersionConflict, read_journal, replay
 
-if find_bin_dir() is None:
-    pytest.skip("PostgreSQL is not installed (no initdb/postgres on PATH or in /usr/lib/postgresql/*/bin; "
-                "apt-get install -y postgresql)", allow_module_level=True)
-pytest.importorskip("psycopg", reason="the PostgreSQL driver psycopg is not installed (pip install 'fsm-pd[postgres]')")
+pytestmark = pytest.mark.real_part("postgres", missing=postgres_missing())
 
 CREATE = ("Bootstrapping", "Bootstrapping")
 

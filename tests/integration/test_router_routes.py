@@ -151,9 +151,11 @@ def test_router_metrics_count_requests_errors_and_in_flight(pd):
     assert metric(during, "fsm_pd_router_requests_in_flight", route="/generate") == 1
     httpx.post(router + "/abort_request", json={"rid": "metrics-1"}, timeout=30)
     assert held.ended.wait(30)
-    time.sleep(0.5)  # the router counts a stream once its last byte is sent
-    after = httpx.get(router + "/metrics", timeout=30).text
-    assert metric(after, "fsm_pd_router_requests_in_flight", route="/generate") == 0
+    deadline = time.monotonic() + 30
+    while metric(after := httpx.get(router + "/metrics", timeout=30).text,  # counted once its last byte is sent
+                 "fsm_pd_router_requests_in_flight", route="/generate") != 0:
+        assert time.monotonic() < deadline, "the ended stream is still in flight"
+        time.sleep(0.05)
 
     def grew(name: str, **labels) -> float:
         return metric(after, name, **labels) - metric(before, name, **labels)

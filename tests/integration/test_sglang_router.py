@@ -1,5 +1,6 @@
 """The real sglang-router (the PyPI wheel's Rust binary, ``--pd-disaggregation``) in front of fsm-pd prefill and
-decode servers (stub engines), everything on 127.0.0.1. Skipped when sglang-router is not installed.
+decode servers (stub engines), everything on 127.0.0.1. Skipped when sglang-router is not installed (a real part:
+``tests/real_parts.py``).
 
 ``HF_ENDPOINT`` points at a closed local port: after registering a worker the router tries to fetch a tokenizer
 named by its ``model_path``, which must fail at once and locally (a warning only; routing works without it).
@@ -17,9 +18,10 @@ import time
 
 import httpx
 import pytest
+from real_parts import SGLANG_ROUTER
 from stub_engine import DECODE_LOGPROB, PREFILL_LOGPROB, stub_server
 
-pytest.importorskip("sglang_router")
+pytestmark = SGLANG_ROUTER
 
 BOOTSTRAP_PORT = 8998  # only passed along by the router; nothing needs to listen on it for stub engines
 REQUEST_TIMEOUT_S = 5  # the router's total per-request timeout: how long it waits for a silent decode leg

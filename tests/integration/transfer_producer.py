@@ -9,6 +9,7 @@ Prints ``{"address": ...}`` once ready, then answers one JSON line per command l
      "fill_parts": 8, "fail_after": null} -> {"uuid": ...}     # fills part by part on a thread, after replying
     {"op": "fail", "uuid": u, "reason": "..."}  {"op": "release", "uuid": u}  -> {"ok": true}
     {"op": "open"} -> {"count": n, "nbytes": b}          {"op": "exit"}
+    {"op": "parked"} -> {"uuids": [...] or null}         # uuids pulls wait for, unpublished (null: cannot tell)
     {"op": "pull", "address": a, "uuid": u, "seed": 1, "shapes": [[4, 8]], "dtypes": ["float32"], "timeout_s": 20}
         -> {"equal": bool}      # this process as the consumer: pulls and compares with make_arrays(seed, ...)
 
@@ -73,6 +74,9 @@ def main() -> None:
             elif op == "open":
                 entries = backend.open_entries()
                 reply({"count": entries.count, "nbytes": entries.nbytes})
+            elif op == "parked":
+                parked = backend.parked_pulls()
+                reply({"uuids": None if parked is None else sorted(parked)})
             elif op == "pull":
                 want = make_arrays(cmd["seed"], cmd["shapes"], cmd["dtypes"])
                 got = backend.pull(cmd["address"], cmd["uuid"], [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in want],

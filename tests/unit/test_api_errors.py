@@ -75,6 +75,22 @@ def _raw_post(url: str, path: str, body: dict) -> socket.socket:
     return sock
 
 
+def _read_until(sock: socket.socket, marker: bytes, timeout_s: float = 10.0) -> bytes:
+    sock.settimeout(timeout_s)
+    got = b""
+    while marker not in got and (chunk := sock.recv(4096)):
+        got += chunk
+    return got
+
+
+def counted(url: str, status: str, route: str = "/generate") -> float:
+    """Requests the API counted as answered: its middleware counts one once the handler and its response are done."""
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(f'fsm_pd_http_requests_total{{route="{route}",status="{status}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 @pytest.mark.parametrize("path, body", [
     ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 400}}),
     ("/generate", {"text": "a", "stream": True, "sampling_params": {"max_new_tokens": 400}}),
@@ -86,7 +102,8 @@ def test_client_disconnect_aborts_the_request(path, body):
     with stub_server(token_delay_s=0.05) as (url, engine):
         sock = _raw_post(url, path, body)
         assert engine.wait_submitted(1)
-        time.sleep(0.2)  # a few tokens in: streams have sent their headers by now
+        if body.get("stream"):  # cut it mid-stream, after its headers and first token: not before the headers
+            assert b"data: " in _read_until(sock, b"data: ")
         sock.close()
         rid = engine.submitted[0].rid
         assert wait_until(lambda: rid in engine.aborted), "the request was not aborted"
@@ -105,7 +122,8 @@ def test_finished_requests_are_not_aborted():
     with stub_server() as (url, engine):
         for stream in (False, True):
             assert httpx.post(url + "/generate", json={"text": "a", "stream": stream}).status_code == 200
-        time.sleep(0.1)
+        # a handler closes its run before its response ends, and is counted once it returned: both runs closed by then
+        assert wait_until(lambda: counted(url, "200") == 2)
         assert engine.aborted == []
 
 

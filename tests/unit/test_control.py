@@ -60,9 +60,14 @@ def test_sglang_facades_drive_a_chunked_transfer(pair, tmp_path):
     d.resolver = lambda ctx: {"prefill_addr": p.side_channel.address, "peer": "p0"}
     receiver.init(prefill_dp_rank=0)
     receiver.send_metadata([9, 10, 11])
+    assert _until(lambda: p.poll(5) == KVPoll.WaitingForInput)  # PREPARE is in: P's KV is all the transfer waits for
     sender.init(3)
     sender.send([4])
-    assert d.wait(5, 0.3) != KVPoll.Success  # two pages still missing: nothing moves yet
+    # Two pages are still missing: nothing may move yet. A room made now is queued behind whatever that send
+    # submitted; once P's loop has it, a premature start would show.
+    p.add_sender(6, [1])
+    assert _until(lambda: p.poll(6) is not None)
+    assert p.poll(5) == KVPoll.WaitingForInput
     sender.send([7, 8], first_token=42)
     assert d.wait(5, 10) == KVPoll.Success and p.wait(5, 10) == KVPoll.Success
     assert receiver.poll() == KVPoll.Success and sender.poll() == KVPoll.Success
@@ -102,7 +107,7 @@ def test_prefill_abort_reaches_decode(pair):
 def test_prepare_that_beats_the_request_to_prefill_is_kept(pair):
     p, d = pair()
     d.add_receiver(3, page_count=1, prefill_addr=p.side_channel.address)
-    time.sleep(0.3)  # PREPARE reaches the prefill node before it knows room 3
+    assert _until(lambda: p.core.early_rooms() == 1)  # PREPARE reached the prefill node before it knows room 3
     assert p.poll(3) is None
     p.add_sender(3, [5])
     p.kv_ready(3)

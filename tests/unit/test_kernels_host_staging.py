@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 
@@ -69,13 +70,29 @@ def test_exhausted_pool_times_out_cleanly_and_recovers_on_release():
     assert pool.acquire(timeout=0) is not None
 
 
+class SignallingCondition(threading.Condition):
+    """The pool's condition, telling the test each time a thread starts to wait on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.waits: queue.SimpleQueue[None] = queue.SimpleQueue()
+
+    def wait(self, timeout=None):
+        self.waits.put(None)
+        return super().wait(timeout)
+
+
 def test_a_waiting_acquire_gets_the_slot_another_thread_releases():
     pool = HostStagingPool(LAYOUT, num_slots=1, max_pages=1)
+    changed = pool._changed = SignallingCondition()
     slot = pool.acquire(timeout=0)
     got = []
     waiter = threading.Thread(target=lambda: got.append(pool.acquire(timeout=10)))
     waiter.start()
-    time.sleep(0.05)
+    changed.waits.get(timeout=10)  # the waiter looked for a free slot, found none and waits
+    with changed:
+        changed.notify_all()  # a wake-up that frees nothing: it must look again and go back to waiting
+    changed.waits.get(timeout=10)
     assert not got, "the waiter must block while the only slot is held"
     pool.release(slot)
     waiter.join(timeout=10)

@@ -1,6 +1,7 @@
 """The suite's own settings do what pyproject.toml and tests/conftest.py say: a test that runs past its timeout
-fails (and the run goes on), and ``slow`` tests run only when asked for. Checked on a throwaway suite run by a
-fresh pytest with this project's pyproject.toml and conftest.py."""
+fails (and the run goes on), and a real-part test that skips is reported, and fails the session where CI requires
+real parts (``tests/real_parts.py``). Checked on throwaway suites run by a fresh pytest with this project's
+pyproject.toml and conftest.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-THROWAWAY = '''
+TIMEOUTS = '''
 import time
 import pytest
 
@@ -22,34 +23,67 @@ def test_quick():
 @pytest.mark.timeout(1)
 def test_hangs():
     time.sleep(60)
+'''
 
-@pytest.mark.slow
-def test_long():
+REAL_PARTS = '''
+import pytest
+
+@pytest.mark.real_part("here", missing=None)
+def test_uses_a_part_that_is_here():
     pass
+
+@pytest.mark.real_part("gone", missing="gone is not installed (apt-get install gone)")
+def test_uses_a_part_that_is_missing():
+    raise AssertionError("must not run: its part is missing")
+
+@pytest.mark.real_part("here", missing=None)
+@pytest.mark.real_part("netlike")
+def test_finds_out_itself_that_its_part_is_missing():
+    pytest.skip("cannot build namespaces here")
+
+def test_without_parts():
+    pytest.skip("an ordinary skip counts against no part")
 '''
 
 
-def run_suite(tmp_path: Path, *args: str, slow_env: str | None = None) -> str:
+def run_suite(tmp_path: Path, tests: str, **env: str) -> tuple[int, str]:
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     (tmp_path / "tests").mkdir(exist_ok=True)
-    shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "tests" / "conftest.py")
-    (tmp_path / "tests" / "test_throwaway.py").write_text(THROWAWAY)
+    for helper in ("conftest.py", "real_parts.py"):
+        shutil.copy(ROOT / "tests" / helper, tmp_path / "tests" / helper)
+    (tmp_path / "tests" / "test_throwaway.py").write_text(tests)
     # only the plugin under test: the others this environment installs (schemathesis, hypothesis) load slowly
-    env = {k: v for k, v in os.environ.items() if k != "FSM_PD_SLOW"} | {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    if slow_env is not None:
-        env["FSM_PD_SLOW"] = slow_env
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "pytest_timeout", "-p", "no:cacheprovider",
-                           *args], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=120)
-    return done.stdout + done.stderr
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("FSM_PD_REQUIRE", "FSM_PD_ALLOW"))}
+    environ |= {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", **env}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "pytest_timeout", "-p", "no:cacheprovider"],
+                          cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=120)
+    return done.returncode, done.stdout + done.stderr
 
 
 def test_a_test_past_its_timeout_fails_and_the_run_goes_on(tmp_path):
-    out = run_suite(tmp_path)
+    _, out = run_suite(tmp_path, TIMEOUTS)
     assert "Timeout" in out and "FAILED tests/test_throwaway.py::test_hangs" in out
-    assert "1 failed, 1 passed, 1 deselected" in out
+    assert "1 failed, 1 passed" in out
 
 
-def test_slow_tests_run_only_when_asked_for(tmp_path):
-    assert "1 passed, 2 deselected" in run_suite(tmp_path, "-m", "slow")
-    assert "1 failed, 2 passed" in run_suite(tmp_path, slow_env="1")
+def test_real_part_skips_are_reported_and_fail_nothing_by_default(tmp_path):
+    status, out = run_suite(tmp_path, REAL_PARTS)
+    assert status == 0, out
+    assert "1 passed, 3 skipped" in out
+    assert "real parts: gone skipped 1, here ran 1, netlike skipped 1\n" in out
+    assert "real part gone missing: gone is not installed (apt-get install gone)" in out  # -ra lists the reason
+
+
+def test_where_real_parts_are_required_a_skip_fails_the_session_unless_allowed(tmp_path):
+    status, out = run_suite(tmp_path, REAL_PARTS, FSM_PD_REQUIRE_REAL_PARTS="1")
+    assert status == 1, out
+    assert "real parts: gone skipped 1, here ran 1, netlike skipped 1\n" in out
+    assert "real part gone skipped but FSM_PD_REQUIRE_REAL_PARTS=1 and FSM_PD_ALLOW_MISSING does not name it" in out
+    assert "real part netlike skipped but" in out and "cannot build namespaces here" in out
+
+    status, out = run_suite(tmp_path, REAL_PARTS, FSM_PD_REQUIRE_REAL_PARTS="1", FSM_PD_ALLOW_MISSING="gone")
+    assert status == 1 and "real part netlike skipped but" in out and "real part gone skipped but" not in out, out
+
+    status, out = run_suite(tmp_path, REAL_PARTS, FSM_PD_REQUIRE_REAL_PARTS="1", FSM_PD_ALLOW_MISSING="gone, netlike")
+    assert status == 0, out
+    assert "real parts: gone skipped 1 (allowed), here ran 1, netlike skipped 1 (allowed)\n" in out

@@ -168,6 +168,11 @@ class TransferBackend(ABC):
     def open_entries(self) -> OpenEntries:
         """Holds that are still pinning memory."""
 
+    def parked_pulls(self) -> frozenset[int] | None:
+        """The uuids that pulls wait for here because they are not published yet (for tests that must act while a
+        pull waits). None where the transport does not tell: ``jax``'s library parks pulls out of sight."""
+        return None
+
     @abstractmethod
     def pull(
         self,

@@ -14,6 +14,7 @@ import queue
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 
 from fsm_pd.transport.addresses import bare_host, is_ipv6, with_port
@@ -64,6 +65,7 @@ class TcpPullServer:
         self._workers = 0
         self._idle = 0
         self._delivered: set[int] = set()  # pulled once, awaiting release; guarded by ``changed``
+        self._parked: Counter[int] = Counter()  # streams waiting for their uuid's publish; guarded by ``changed``
         family = socket.AF_INET6 if is_ipv6(host) else socket.AF_INET
         self._listener = socket.create_server((bare_host(host), port), family=family)
         bound_host, bound_port = self._listener.getsockname()[:2]
@@ -71,6 +73,10 @@ class TcpPullServer:
         self._stopping = False
         self._thread = threading.Thread(target=self._accept, name=f"fsm-pd-tcp-server {self.address}", daemon=True)
         self._thread.start()
+
+    def parked(self) -> frozenset[int]:
+        with self._changed:
+            return frozenset(self._parked)
 
     def ended(self, uuid: int) -> None:
         """Called under ``changed``'s lock when a hold ends: a new publish would be a new delivery."""
@@ -195,16 +201,26 @@ class TcpPullServer:
     def _claim(self, uuid: int, digest: bytes, deadline: float) -> HostEntry | None:
         """Wait until ``uuid`` is published, then take its one delivery (None: not published by the deadline)."""
         with self._changed:
-            while True:
-                entry, ended = self._lookup(uuid)
-                if ended is not None:
-                    raise _Ended(f"transfer {uuid} {ended}")
-                if entry is not None:
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._stopping:
-                    return None  # nobody published it in time; the puller times out on its own
-                self._changed.wait(remaining)
+            parked = False
+            try:
+                while True:
+                    entry, ended = self._lookup(uuid)
+                    if ended is not None:
+                        raise _Ended(f"transfer {uuid} {ended}")
+                    if entry is not None:
+                        break
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or self._stopping:
+                        return None  # nobody published it in time; the puller times out on its own
+                    if not parked:
+                        self._parked[uuid] += 1
+                        parked = True
+                    self._changed.wait(remaining)
+            finally:
+                if parked:
+                    self._parked[uuid] -= 1
+                    if not self._parked[uuid]:
+                        del self._parked[uuid]
             if uuid in self._delivered:
                 raise _Ended(f"transfer {uuid} was already pulled and awaits release")
             if digest != entry.digest:

@@ -79,6 +79,9 @@ class ZmqTransferBackend(HoldingBackend):
             return self._server.address
         return with_host(self._server.address, self._advertise_host)
 
+    def parked_pulls(self) -> frozenset[int]:
+        return frozenset() if self._server is None else self._server.parked
+
     # ---- P side ----
 
     def publish(self, uuid: int, staging: Sequence[jax.Array], hold_timeout_s: float) -> None:

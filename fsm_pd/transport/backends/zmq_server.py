@@ -62,6 +62,7 @@ class ZmqPullServer:
         self._commands: queue.SimpleQueue[tuple[str, int, str]] = queue.SimpleQueue()
         self._streams: dict[bytes, _Stream] = {}
         self._parked: dict[int, dict[bytes, tuple[dict, float]]] = {}
+        self.parked: frozenset[int] = frozenset()  # _parked's uuids, for other threads: renewed after each round
         self._delivered: set[int] = set()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"fsm-pd-zmq-server {self.address}", daemon=True)
@@ -100,6 +101,7 @@ class ZmqPullServer:
                     self._drain_requests()
                 self._pump()
                 self._expire(time.monotonic())
+                self.parked = frozenset(self._parked)
         except Exception:
             log.exception("zmq pull server %s crashed", self.address)
         finally:

