@@ -16,7 +16,18 @@ STATE_ABBREV = {"Bootstrapping": "boot", "WaitingForInput": "wait", "Transferrin
 FINAL_STYLE = {"Success": "green", "Failed": "bold red"}
 # One plain line per side, in columns of fixed width (the reason last, unbounded): rooms stream in and are printed
 # as they come, and a rich Table costs ~7 ms a room to lay out, a minute for a million-row journal's failures.
-LINE = "{room:>20}  {side:<8} {final:<8} {ended:<11} {spent:<36} {total:>8}  {replay:<8} {reason}"
+LINE = "{room:>20}  {side:<8} {final:<8} {ended:<11} {spent:<36} {total:>8}  {pages:<16} {replay:<8} {reason}"
+
+
+def pages_moved(report: RoomReport) -> str:
+    """``moved/prompt pages`` and the caches' part: ``c`` tokens a prefill took from its cache, ``h`` leading pages
+    the decode node held."""
+    p = report.pages
+    if not p:
+        return "-"
+    if report.role == "prefill":
+        return f"{p['sent']}/{p['pages']} c{p['cached_tokens']} h{p['decode_cached_pages']}"
+    return f"{p.get('received', '?')}/{p['pages']} c{p.get('prefill_cached_tokens', 0)} h{p['cached_pages']}"
 
 
 def _seconds(value: float) -> str:
@@ -38,7 +49,7 @@ class TableWriter:
         self.color = console.is_terminal
         console.print(f"fsm-pd replay of {', '.join(self.files)}", style="bold", highlight=False)
         self._write(LINE.format(room="room", side="side", final="final", ended="ended by", spent="time in states",
-                                total="total", replay="replay", reason="reason"))
+                                total="total", pages="pages moved", replay="replay", reason="reason"))
 
     def _write(self, line: str) -> None:
         self.console.file.write(line + "\n")
@@ -46,7 +57,7 @@ class TableWriter:
     def room(self, sides: list[RoomReport]) -> None:
         for r in sides:
             line = LINE.format(room=r.room, side=r.role, final=r.final, ended=r.ended_by or "-", spent=spent(r),
-                               total=_seconds(r.ended_at - r.started_at),
+                               total=_seconds(r.ended_at - r.started_at), pages=pages_moved(r),
                                replay="ok" if r.consistent else "DIVERGED", reason=r.reason or "-")
             if self.color:  # a terminal: the final state in colour, through rich (a human is reading, not a pipe)
                 self.console.print(Text(line, style=FINAL_STYLE.get(r.final, "yellow")), highlight=False,

@@ -32,6 +32,7 @@ from fsm_pd.api.errors import ERROR_RESPONSES, install_error_handlers
 from fsm_pd.api.strict_json import StrictJSONRoute
 from fsm_pd.bootstrap.body_limit import BodySizeLimit
 from fsm_pd.http_protocol import add_read_timeout_flags, read_timeouts_from_args
+from fsm_pd.router.cache_aware import CacheAwareSettings
 from fsm_pd.router.core import (
     DEFAULT_BREAKER,
     DEFAULT_RETRY,
@@ -55,17 +56,18 @@ def create_router_app(prefill: Sequence[PrefillWorker | tuple[str, int | None] |
                       request_timeout_s: float = 1800.0, seed: int | None = None,
                       max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, retry: RetrySettings = DEFAULT_RETRY,
                       breaker: BreakerSettings = DEFAULT_BREAKER, health_interval_s: float = 5.0,
-                      health_timeout_s: float = 5.0) -> FastAPI:
+                      health_timeout_s: float = 5.0, cache_aware: CacheAwareSettings | None = None) -> FastAPI:
     """The router's app. ``prefill``: workers as ``PrefillWorker``, ``(url, bootstrap_port or None)`` or a bare
     URL; ``decode``: URLs. ``api_key``: required from clients and sent to the workers (as sglang-router does).
     ``max_body_bytes``: larger request bodies get 413 before they are read whole (the same default as a worker's).
-    ``retry``, ``breaker``, ``health_*``: see ``fleet.py`` and ``docs/fleet.md``."""
+    ``retry``, ``breaker``, ``health_*``: see ``fleet.py`` and ``docs/fleet.md``; ``cache_aware``: the knobs of
+    ``policy="cache_aware"`` (``cache_aware.py``)."""
     workers = [w if isinstance(w, PrefillWorker) else PrefillWorker(w, None) if isinstance(w, str)
                else PrefillWorker(w[0], w[1]) for w in prefill]
     metrics = RouterMetrics()
     pd = PDRouter(workers, decode, policy=policy, api_key=api_key, request_timeout_s=request_timeout_s, seed=seed,
                   retry=retry, breaker=breaker, health_interval_s=health_interval_s,
-                  health_timeout_s=health_timeout_s, metrics=metrics)
+                  health_timeout_s=health_timeout_s, metrics=metrics, cache_aware=cache_aware)
     app = FastAPI(title="fsm-pd router", version="1",
                   description="A PD router: each request goes to one prefill and one decode worker at once.")
     app.state.router = pd
@@ -144,7 +146,20 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--policy", choices=POLICIES, default="least_outstanding",
                         help="how a worker of each role is chosen among the healthy ones (default: least_outstanding, "
-                             "the fewest requests in flight from this router, ties in turn)")
+                             "the fewest requests in flight from this router, ties in turn; cache_aware: where the "
+                             "request's longest prefix went, so the node's prefix cache holds it)")
+    aware = parser.add_argument_group("--policy cache_aware (sglang-router's knobs and defaults)")
+    aware.add_argument("--cache-threshold", type=float, default=0.3,
+                       help="go where the longest prefix went only if it is more than this share of the request "
+                            "(default 0.3); else to the worker with the smallest record")
+    aware.add_argument("--balance-abs-threshold", type=int, default=64,
+                       help="the fleet is imbalanced, and the least busy worker is chosen, when the busiest has more "
+                            "than this many requests in flight over the idlest ... (default 64)")
+    aware.add_argument("--balance-rel-threshold", type=float, default=1.5,
+                       help="... and more than this times as many (default 1.5)")
+    aware.add_argument("--max-tree-size", type=int, default=1 << 24,
+                       help="characters of prefixes remembered per worker, least recently used dropped first "
+                            "(default 16M)")
     fleet = parser.add_argument_group("health, circuit breaker and retries (docs/fleet.md)")
     fleet.add_argument("--health-check-interval-secs", type=float, default=5.0,
                        help="GET /health on every worker this often; any answer but 200 is a failure (default 5)")
@@ -183,7 +198,9 @@ def router_app_from_args(args: argparse.Namespace) -> FastAPI:
     return create_router_app(parse_prefill_specs(args.prefill), args.decode, policy=args.policy,
                              api_key=args.api_key, request_timeout_s=args.request_timeout_secs, retry=retry,
                              breaker=breaker, health_interval_s=args.health_check_interval_secs,
-                             health_timeout_s=args.health_check_timeout_secs)
+                             health_timeout_s=args.health_check_timeout_secs,
+                             cache_aware=CacheAwareSettings(args.cache_threshold, args.balance_abs_threshold,
+                                                            args.balance_rel_threshold, args.max_tree_size))
 
 
 def router_main(argv: Sequence[str] | None = None) -> None:

@@ -23,6 +23,7 @@ from fsm_pd.api.errors import error_body, error_response
 from fsm_pd.api.requests import new_rid
 from fsm_pd.api.runner import wait_disconnect
 from fsm_pd.api.streaming import PROGRESS_HEADER
+from fsm_pd.router.cache_aware import CacheAwareSettings, routing_key
 from fsm_pd.router.fleet import BreakerSettings, Fleet, HealthChecker, RetryBudget, Worker
 from fsm_pd.router.legs import DONE, Leg, WorkerLost, both_answered, relay, until
 from fsm_pd.router.merge import merge_json, merge_sse, new_room, prefill_input_logprobs, with_bootstrap
@@ -98,7 +99,8 @@ class PDRouter:
     def __init__(self, prefill: Sequence[PrefillWorker], decode: Sequence[str], *, policy: str = "least_outstanding",
                  api_key: str | None = None, request_timeout_s: float = 1800.0, seed: int | None = None,
                  retry: RetrySettings = DEFAULT_RETRY, breaker: BreakerSettings = DEFAULT_BREAKER,
-                 health_interval_s: float = 5.0, health_timeout_s: float = 5.0, metrics: RouterMetrics | None = None):
+                 health_interval_s: float = 5.0, health_timeout_s: float = 5.0, metrics: RouterMetrics | None = None,
+                 cache_aware: CacheAwareSettings | None = None):
         if retry.policy not in RETRY_POLICIES:
             raise ValueError(f"retry policy must be one of {RETRY_POLICIES}, got {retry.policy!r}")
         if retry.max_retries < 0 or health_interval_s <= 0 or health_timeout_s <= 0:
@@ -106,7 +108,7 @@ class PDRouter:
         self.metrics = metrics or RouterMetrics()
         self.fleet = Fleet([Worker("prefill", w.url.rstrip("/"), w.bootstrap_port) for w in prefill],
                            [Worker("decode", u.rstrip("/")) for u in decode], policy=policy, breaker=breaker,
-                           rng=random.Random(seed), observer=self.metrics.fleet_event)
+                           rng=random.Random(seed), observer=self.metrics.fleet_event, cache_aware=cache_aware)
         self.metrics.watch(self.fleet)
         self.retry = retry
         self.budget = RetryBudget(retry.budget_ratio, retry.budget_min_per_s, retry.budget_window_s)
@@ -196,7 +198,8 @@ class PDRouter:
                              tries: Tries) -> Started | Response:
         """Attempts until one's decode answers, within the retry policy, the request's tries and the router's
         budget. Every attempt is a new bootstrap room with the client's rid."""
-        prefill, decode = self.fleet.pick("prefill"), self.fleet.pick("decode")
+        key = routing_key(body)
+        prefill, decode = self.fleet.pick("prefill", key=key), self.fleet.pick("decode", key=key)
         while True:
             if prefill is None or decode is None:
                 role = "prefill" if prefill is None else "decode"
@@ -212,7 +215,7 @@ class PDRouter:
                 await outcome.retire(set())
                 return refused
             avoid = [outcome.worker] if outcome.worker is not None else []
-            prefill, decode = self.fleet.pick("prefill", avoid), self.fleet.pick("decode", avoid)
+            prefill, decode = self.fleet.pick("prefill", avoid, key), self.fleet.pick("decode", avoid, key)
             await outcome.retire({w.url for w in (prefill, decode) if w is not None})
 
     def _may_retry(self, failure: Failure, tries: Tries, migration: bool = False) -> Response | None:

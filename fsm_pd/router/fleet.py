@@ -9,7 +9,8 @@ the breaker, the picker and the retry budget are unit-tested with a fake one.
   can). It is *re-admitted* by the first successful health check once ``cooldown_s`` has passed since its ejection.
 * **Selection.** ``least_outstanding`` (default): the admitted worker with the fewest requests this router has in
   flight there, ties broken in turn so an idle fleet is used evenly; ``round_robin`` and ``random`` as before, over
-  the admitted workers. A caller may ask to avoid some workers (the ones that just failed a request): they are used
+  the admitted workers; ``cache_aware``: where the request's longest prefix went, unless the fleet is imbalanced
+  (``cache_aware.py``). A caller may ask to avoid some workers (the ones that just failed a request): they are used
   only if nothing else is admitted.
 * **Retry budget.** Retries over a sliding window may not exceed ``ratio`` of the requests that arrived in it, with a
   floor of ``min_per_s`` retries per second, so a lone failure is always retried and a dead fleet is not hammered.
@@ -27,9 +28,11 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from fsm_pd.router.cache_aware import CacheAwarePicker, CacheAwareSettings
+
 log = logging.getLogger(__name__)
 
-POLICIES = ("least_outstanding", "round_robin", "random")
+POLICIES = ("least_outstanding", "round_robin", "random", "cache_aware")
 Clock = Callable[[], float]
 # observer(event, role, reason): event is "ejected" or "readmitted"; the router's metrics count them
 Observer = Callable[[str, str, str], None]
@@ -72,7 +75,8 @@ class Fleet:
 
     def __init__(self, prefill: Sequence[Worker], decode: Sequence[Worker], *, policy: str = "least_outstanding",
                  breaker: BreakerSettings | None = None, clock: Clock = time.monotonic,
-                 rng: random.Random | None = None, observer: Observer | None = None):
+                 rng: random.Random | None = None, observer: Observer | None = None,
+                 cache_aware: CacheAwareSettings | None = None):
         if not prefill or not decode:
             raise ValueError("a PD router needs at least one prefill and one decode worker")
         if policy not in POLICIES:
@@ -84,13 +88,15 @@ class Fleet:
         self.policy, self.breaker, self.clock = policy, breaker, clock
         self._rng = rng or random.Random()
         self._turn = {"prefill": 0, "decode": 0}
+        # per role: with decode-side prefix caches, the decode choice follows prefixes too (the same settings)
+        self._by_prefix = {role: CacheAwarePicker(cache_aware) for role in ("prefill", "decode")}
         self._observer = observer or (lambda *_: None)
 
     # selection
 
-    def pick(self, role: str, avoid: Iterable[Worker] = ()) -> Worker | None:
+    def pick(self, role: str, avoid: Iterable[Worker] = (), key: str = "") -> Worker | None:
         """An admitted worker of ``role`` (not one of ``avoid`` unless it is the only kind left); None if every
-        worker of the role is ejected."""
+        worker of the role is ejected. ``key``: the request's routing key (``cache_aware.routing_key``)."""
         admitted = [w for w in self.workers[role] if w.admitted]
         avoided = set(avoid)
         candidates = [w for w in admitted if w not in avoided] or admitted
@@ -98,6 +104,8 @@ class Fleet:
             return None
         if self.policy == "random":
             return self._rng.choice(candidates)
+        if self.policy == "cache_aware":
+            return self._by_prefix[role].choose(candidates, key)
         everyone = self.workers[role]
         start = self._turn[role]
         ordered = sorted(candidates, key=lambda w: (everyone.index(w) - start) % len(everyone))  # in turn from start

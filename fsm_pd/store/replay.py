@@ -52,6 +52,8 @@ class RoomReport:
     events: list[dict]
     divergence: Divergence | None = None
     replayed_state: str | None = None
+    # what the prefix caches did for the room's KV (``kv_pages``): pages of the prompt, pages moved, cache hits
+    pages: dict | None = None
 
     @property
     def consistent(self) -> bool:
@@ -66,6 +68,7 @@ class RoomReport:
             "room": self.room, "role": self.role, "node": self.node, "final": self.final, "reason": self.reason,
             "ended_by": self.ended_by, "consistent": self.consistent, "started_at": self.started_at,
             "ended_at": self.ended_at, "time_in_state": self.time_in_state, "events": self.events,
+            "pages": self.pages,
         }
         if self.divergence is not None:
             out["divergence"] = asdict(self.divergence)
@@ -167,7 +170,29 @@ def _report(node, role, room_id, rows, divergence, replayed_state) -> RoomReport
     if final not in TERMINAL:
         time_in_state[final] = round(time_in_state.get(final, 0.0) + (rows[-1].at - entered_at), 6)
     return RoomReport(room_id, role, node, final, reason, ended_by, rows[0].at, rows[-1].at, time_in_state, events,
-                      divergence, replayed_state)
+                      divergence, replayed_state, kv_pages(role, rows))
+
+
+def kv_pages(role: str, rows) -> dict | None:
+    """From one side's events: the prompt's pages, how many crossed (prefill: sent; decode: received) and what the
+    prefix caches held (prefill: prompt tokens it did not compute; the decode node's own leading pages). None
+    before the pages were known."""
+    found = {row.trigger: row.event for row in rows}
+    if role == "prefill":
+        pages = (found.get("kv_ready") or {}).get("pages") or (found.get("create") or {}).get("pages")
+        if pages is None:
+            return None
+        peer = int((found.get("metadata_received") or {}).get("peer_cached_pages", 0))
+        return {"pages": len(pages), "sent": len(pages) - peer, "decode_cached_pages": peer,
+                "cached_tokens": int((found.get("kv_ready") or {}).get("cached_tokens", 0))}
+    reserved = found.get("pages_reserved")
+    if reserved is None:
+        return None
+    out = {"pages": len(reserved.get("pages", [])), "cached_pages": int(reserved.get("cached_pages", 0))}
+    if "kv_published" in found:
+        out["received"] = int(found["kv_published"].get("page_count", 0))
+        out["prefill_cached_tokens"] = int(found["kv_published"].get("peer_cached_tokens") or 0)
+    return out
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ from fsm_pd.serving.collect import generate
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.decode_engine import DecodeEngine
 from fsm_pd.serving.prefill_engine import PrefillEngine
+from fsm_pd.store import read_journal, replay
 
 TURNS = 4
 
@@ -151,6 +152,13 @@ def test_a_decode_cache_has_the_prefill_send_only_what_it_lacks(model, tmp_path)
         assert sent[-1] == 0 and ids_of(again) == ids_of(run(generate(colocated, request(
             "again-c", whole, max_new_tokens=3, ignore_eos=True))))
         assert until(lambda: settled(p) and settled(d)) and d.info()["cached_pages"] > 0
+        # the journals say it too, room by room: replay shows what crossed and what each cache held
+        rooms = replay(read_journal(str(tmp_path / "p.db")) + read_journal(str(tmp_path / "d.db"))).rooms
+        sides = {r.role: r for r in rooms if r.room == max(r.room for r in rooms)}
+        whole_pages = len(whole) // PAGE_SIZE
+        assert sides["decode"].pages == {"pages": whole_pages, "cached_pages": whole_pages, "received": 0,
+                                         "prefill_cached_tokens": sides["prefill"].pages["cached_tokens"]}
+        assert sides["prefill"].pages["sent"] == 0 and sides["prefill"].pages["decode_cached_pages"] == whole_pages
     finally:
         d.close()
         p.close()
