@@ -99,6 +99,12 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                                  "Failed in the journal) or fail (the request gets the transfer's error, 500) "
                                  "(default recompute)")
     if role in ("prefill", "colocated"):
+        from fsm_pd.serving.scheduling import CHUNKED_PREFILL_SIZE  # jax-free: the help stays quick
+
+        parser.add_argument("--chunked-prefill-size", type=int, default=CHUNKED_PREFILL_SIZE, metavar="TOKENS",
+                            help="padded prompt tokens one prefill step computes; a longer prompt prefills in "
+                                 "chunks over several steps, and a colocated node decodes its running streams between "
+                                 f"them (SGLang's flag; default {CHUNKED_PREFILL_SIZE})")
         parser.add_argument("--disable-radix-cache", action="store_true",
                             help="compute every prompt whole: keep no prefix cache (SGLang's flag; by default the "
                                  "KV pages of finished prompts stay cached and a prompt that starts the same way "
@@ -206,7 +212,8 @@ def build_engine(args: argparse.Namespace, model):
     if args.role == "colocated":
         from fsm_pd.serving.colocated_engine import ColocatedEngine
 
-        return ColocatedEngine(model, radix_cache=not args.disable_radix_cache, **sizes)
+        return ColocatedEngine(model, radix_cache=not args.disable_radix_cache,
+                               chunked_prefill_size=args.chunked_prefill_size, **sizes)
     from fsm_pd.transport import parse_secret, secret_from_env
 
     secret = parse_secret(args.side_channel_secret) if args.side_channel_secret else secret_from_env()
@@ -220,7 +227,8 @@ def build_engine(args: argparse.Namespace, model):
         from fsm_pd.serving.prefill_engine import PrefillEngine
 
         return PrefillEngine(model, bootstrap_port=args.bootstrap_port, bootstrap_token=args.bootstrap_token,
-                             radix_cache=not args.disable_radix_cache, **common)
+                             radix_cache=not args.disable_radix_cache, chunked_prefill_size=args.chunked_prefill_size,
+                             **common)
     from fsm_pd.serving.decode_engine import DecodeEngine
 
     return DecodeEngine(model, on_transfer_failure=args.on_transfer_failure,

@@ -162,6 +162,7 @@ def prefill_batch(
     top_logprobs: Sequence[int] | None = None,
     bucket_rows: bool = False,
     forward: Callable | None = None,
+    following: Sequence[int | None] | None = None,
 ) -> PrefillResult:
     """Prefill several prompts in one call; ``prompts[i]`` goes to positions ``start_positions[i]`` onwards.
 
@@ -170,6 +171,8 @@ def prefill_batch(
     ``top_logprobs[i]`` (with ``return_logprobs``; at most ``MAX_TOP_LOGPROBS``) asks for prompt ``i``'s alternatives.
     ``bucket_rows`` leaves the batch bucket's padding rows in ``logits``, as ``decode`` does and for the same reason.
     ``forward`` runs the pass (``programs.ForwardPrograms``: executables compiled ahead); default ``forward_paged``.
+    ``following[i]``: the token after ``prompts[i]`` when it is one chunk of a longer prompt (else None): its logprob,
+    given the chunk, ends that chunk's ``token_logprobs`` (and ``token_top_logprobs``).
     """
     if len(prompts) != len(page_ids) or not prompts:
         raise ValueError("prefill needs one page list per prompt, and at least one prompt")
@@ -193,18 +196,21 @@ def prefill_batch(
     token_logprobs = token_top = None
     if return_logprobs:
         ks = [min(int(k), MAX_TOP_LOGPROBS, config.vocab_size) for k in (top_logprobs or [0] * len(prompts))]
-        token_logprobs, token_top = _prompt_logprobs(config, params, hidden, prompts, ks)
+        token_logprobs, token_top = _prompt_logprobs(config, params, hidden, prompts, ks,
+                                                     following or [None] * len(prompts))
     return PrefillResult(logits if bucket_rows else logits[: len(prompts)], pool, token_logprobs, token_top)
 
 
-def _prompt_logprobs(config: ModelConfig, params: dict, hidden, prompts, ks: list[int]):
-    """Each prompt's ``[None, logprob of token 1, ...]``, and its top-``k`` rows where ``k`` > 0 (else None).
+def _prompt_logprobs(config: ModelConfig, params: dict, hidden, prompts, ks: list[int], following: list):
+    """Each prompt's ``[None, logprob of token 1, ...]`` (and of its ``following`` token, if any), and its top-``k``
+    rows where ``k`` > 0 (else None).
 
     The positions that predict a next prompt token are taken from ``hidden`` on the host and run in fixed blocks of
     ``LOGPROB_ROWS``, so this compiles one program (two with alternatives) for every batch and prompt length."""
     host = np.asarray(hidden, dtype=np.float32)
-    rows = np.concatenate([host[i, : len(x) - 1] for i, x in enumerate(prompts)])
-    next_ids = np.concatenate([np.asarray(x[1:], dtype=np.int32) for x in prompts])
+    nexts = [list(x[1:]) + ([] if f is None else [f]) for x, f in zip(prompts, following, strict=True)]
+    rows = np.concatenate([host[i, : len(n)] for i, n in enumerate(nexts)])
+    next_ids = np.concatenate([np.asarray(n, dtype=np.int32) for n in nexts])
     top_k = min(MAX_TOP_LOGPROBS, config.vocab_size) if any(ks) else 0
     chosen, values, ids = [], [], []
     for at in range(0, len(rows), LOGPROB_ROWS):
@@ -219,8 +225,8 @@ def _prompt_logprobs(config: ModelConfig, params: dict, hidden, prompts, ks: lis
     chosen = np.concatenate(chosen) if chosen else np.zeros(0, np.float32)
     values, ids = (np.concatenate(values), np.concatenate(ids)) if values else (None, None)
     token_logprobs, token_top, at = [], [], 0
-    for x, k in zip(prompts, ks, strict=True):
-        n = len(x) - 1
+    for nxt, k in zip(nexts, ks, strict=True):
+        n = len(nxt)
         token_logprobs.append([None] + chosen[at: at + n].tolist())
         token_top.append(_top_rows(values[at: at + n], ids[at: at + n], k) if k else None)
         at += n

@@ -21,13 +21,12 @@ from fsm_pd.model.config import ModelConfig
 from fsm_pd.model.decoder import forward_paged, table_width
 
 
-def prefill_shapes(max_batch: int, max_tokens: int, max_prompt: int) -> list[tuple[int, int]]:
-    """Every (batch bucket, token bucket) a prefill can form: batches of up to ``max_batch`` prompts whose padded
-    size stays within ``max_tokens`` (``buckets.prefill_fits``), and one prompt alone of up to ``max_prompt``
-    tokens."""
+def prefill_shapes(max_batch: int, max_tokens: int) -> list[tuple[int, int]]:
+    """Every (batch bucket, token bucket) a prefill step can form: up to ``max_batch`` chunks whose padded size stays
+    within ``max_tokens`` (``buckets.prefill_fits``; a longer prompt is prefilled in chunks of at most that)."""
     shapes = []
     for batch in _powers_up_to(buckets.batch_bucket(max_batch)):
-        for tokens in _powers_up_to(buckets.token_bucket(max_prompt), start=buckets.MIN_TOKEN_BUCKET):
+        for tokens in _powers_up_to(buckets.token_bucket(max_tokens), start=buckets.MIN_TOKEN_BUCKET):
             if buckets.prefill_fits(batch, tokens, max_tokens):
                 shapes.append((batch, tokens))
     return shapes

@@ -16,10 +16,10 @@ from fsm_pd.model.loader import LoadedModel
 from fsm_pd.serving.common import check_request
 from fsm_pd.serving.decode_loop import DecodeLoop
 from fsm_pd.serving.engine import EngineCore
-from fsm_pd.serving.forward import prefill_and_sample
+from fsm_pd.serving.forward import prefill_step
 from fsm_pd.serving.isolate import run_isolating
 from fsm_pd.serving.retraction import DecodeLoopCollector
-from fsm_pd.serving.scheduling import end_prefix, take_prefill_batch
+from fsm_pd.serving.scheduling import CHUNKED_PREFILL_SIZE, end_prefix, plan_chunks, take_prefill_batch
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.types import EngineError, GenerateRequest
 
@@ -37,23 +37,23 @@ class ColocatedEngine(EngineCore):
         page_size: int = 16,
         max_running: int = 64,
         max_prefill_batch: int = 8,
-        max_prefill_tokens: int = 4096,
+        chunked_prefill_size: int = CHUNKED_PREFILL_SIZE,
         headroom_pages: int | None = None,
         radix_cache: bool = True,
     ):
-        """``radix_cache``: reuse cached prompt prefixes (``--disable-radix-cache`` turns it off)."""
+        """``radix_cache``: reuse cached prompt prefixes (``--disable-radix-cache`` turns it off).
+        ``chunked_prefill_size``: padded prompt tokens a step prefills before its decode step; a longer prompt takes
+        several steps, so the running streams keep getting tokens (SGLang's chunked prefill)."""
         super().__init__(model, num_pages=num_pages, page_size=page_size, name="colocated", prefix_cache=radix_cache)
-        self.max_running, self.max_prefill_batch, self.max_prefill_tokens = (
-            max_running,
-            max_prefill_batch,
-            max_prefill_tokens,
-        )
+        self.max_running, self.max_prefill_batch = max_running, max_prefill_batch
+        self.chunked_prefill_size = chunked_prefill_size
         # enough free pages for every running sequence to cross into one more page
         self.headroom_pages = headroom_pages if headroom_pages is not None else max(1, (num_pages - 1) // 8)
         self.loop = DecodeLoop(self.model, self.model_thread, self.allocator, page_size, release=self._release,
                                headroom_pages=self.headroom_pages, max_recompute_batch=max_prefill_batch,
-                               max_recompute_tokens=max_prefill_tokens, cache=self.cache)
+                               max_recompute_tokens=chunked_prefill_size, cache=self.cache)
         self._waiting: deque[Sequence] = deque()  # the model thread's: arrivals waiting for their prefill
+        self._chunking: list[Sequence] = []  # pages reserved, prompt partly prefilled: the next chunks go first
         self._keys = itertools.count(1)
         self.registry.register(DecodeLoopCollector(self.loop.counters, {"role": "colocated", "node": "colocated"}))
         self._driver.start()
@@ -66,6 +66,7 @@ class ColocatedEngine(EngineCore):
 
     def info(self) -> dict:
         return {**super().info(), "requests_waiting": len(self._waiting) + len(self.arrivals),
+                "requests_prefilling": len(self._chunking),
                 "requests_running": len(self.loop.running), "tokens_generated": self.loop.tokens_generated,
                 **self.loop.counters()}
 
@@ -74,29 +75,33 @@ class ColocatedEngine(EngineCore):
         self._waiting.extend(self._arrived())
         self._prefill()
         running = self.loop.step()
-        return running or bool(self._waiting) and self.allocator.reserved_pages == 0 and not self.loop.resuming
+        return (running or bool(self._chunking)
+                or bool(self._waiting) and self.allocator.reserved_pages == 0 and not self.loop.resuming)
 
     def _prefill(self) -> None:
-        room_for = self.max_running - len(self.loop.running)
-        if room_for <= 0 or not self._waiting or self.loop.resuming:
+        """One chunked-prefill step: the next chunks of prompts under way, then new prompts that fit beside them."""
+        for seq in [s for s in self._chunking if s.cancelled]:
+            self._chunking.remove(seq)
+            self._release(seq)
+        budget = self.chunked_prefill_size
+        chunks = plan_chunks(self._chunking, max_batch=self.max_prefill_batch, budget=budget)
+        room_for = self.max_running - len(self.loop.running) - len(self._chunking)
+        if room_for > 0 and self._waiting and not self.loop.resuming:
+            admitted = take_prefill_batch(self._waiting, self.allocator, self.page_size,
+                                          max_batch=min(room_for, self.max_prefill_batch - len(chunks)),
+                                          max_tokens=budget, headroom=self.headroom_pages,
+                                          drop=lambda s: s.cancelled, cache=self.cache, planned=chunks)
+            self._chunking += admitted
+            chunks = plan_chunks(admitted, max_batch=self.max_prefill_batch, budget=budget, planned=chunks)
+        if not chunks:
             return
-        batch = take_prefill_batch(
-            self._waiting,
-            self.allocator,
-            self.page_size,
-            max_batch=min(room_for, self.max_prefill_batch),
-            max_tokens=self.max_prefill_tokens,
-            headroom=self.headroom_pages,
-            drop=lambda s: s.cancelled,
-            cache=self.cache,
-        )
-        if not batch:
-            return
-        self._prefilling(batch)
-        firsts = run_isolating(batch, lambda seqs: prefill_and_sample(
-            self.model, self.model_thread, [s.request for s in seqs], [s.pages for s in seqs],
-            [s.prefix.tokens for s in seqs]), "prefill")
-        for seq, first in zip(batch, firsts, strict=True):
+        self._prefilling(chunks)
+        firsts = run_isolating(chunks, lambda part: prefill_step(self.model, self.model_thread, part), "prefill")
+        for chunk, first in zip(chunks, firsts, strict=True):
+            seq = chunk.seq
+            if first is None:  # more chunks to come
+                continue
+            self._chunking.remove(seq)
             if isinstance(first, Exception):  # fail this request alone, keep serving the others
                 seq.stream.push(EngineError(f"prefill failed: {first}", 500))
                 self._release(seq)

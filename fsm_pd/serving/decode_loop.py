@@ -19,16 +19,15 @@ from collections.abc import Callable
 
 import numpy as np
 
-from fsm_pd.model.buckets import prefill_fits
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.model.model_thread import ModelThread
 from fsm_pd.model.pages import OutOfPages, PageAllocator, pages_for
 from fsm_pd.model.prefix_cache import NO_MATCH, PrefixCache
 from fsm_pd.model.sampling import sample
-from fsm_pd.serving.forward import top_ks
+from fsm_pd.serving.forward import fill_kv, top_ks
 from fsm_pd.serving.isolate import run_isolating
 from fsm_pd.serving.retraction import pick_retractions
-from fsm_pd.serving.scheduling import admits
+from fsm_pd.serving.scheduling import CHUNKED_PREFILL_SIZE, admits
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.top_logprobs import chosen_and_top
 from fsm_pd.serving.types import EngineError
@@ -47,7 +46,7 @@ class DecodeLoop:
         *,
         headroom_pages: int = 0,
         max_recompute_batch: int = 8,
-        max_recompute_tokens: int = 4096,
+        max_recompute_tokens: int = CHUNKED_PREFILL_SIZE,
         cache: PrefixCache | None = None,
     ):
         self.model = model
@@ -159,11 +158,8 @@ class DecodeLoop:
     def _resume(self) -> None:
         """Resume the oldest retracted sequences whose pages fit with headroom to spare; one batched recompute."""
         batch: list[Sequence] = []
-        longest = 0
         while self.retracted and len(batch) < self.max_recompute_batch:
             seq = self.retracted[0]
-            if not prefill_fits(len(batch) + 1, max(longest, seq.next_position), self.max_recompute_tokens):
-                break
             need = pages_for(seq.next_position + 1, self.page_size)
             if not admits(self.allocator, need, self.headroom_pages):
                 break
@@ -173,7 +169,6 @@ class DecodeLoop:
                 break
             self.retracted.pop(0)
             batch.append(seq)
-            longest = max(longest, seq.next_position)
         if not batch:
             return
         for seq, result in zip(batch, run_isolating(batch, self._recompute, "recompute"), strict=True):
@@ -187,11 +182,11 @@ class DecodeLoop:
 
     def _recompute(self, batch: list[Sequence]) -> list[None]:
         """Write the KV of every position before ``next_position`` (prompt, then all generated tokens but the
-        last, which the next decode step feeds in); the logits are not needed, the next token is."""
-        owner = self.model_thread
-        ids = [list(s.request.input_ids) + s.checker.output_ids[:-1] for s in batch]
-        out = self.model.prefill_batch(owner.pool, ids, [s.pages for s in batch], bucket_rows=True)
-        owner.pool = out.pool
+        last, which the next decode step feeds in), in chunks of the prefill budget; the logits are not needed, the
+        next token is."""
+        fill_kv(self.model, self.model_thread, [(list(s.request.input_ids) + s.checker.output_ids[:-1], s.pages)
+                                                for s in batch],
+                budget=self.max_recompute_tokens, max_batch=self.max_recompute_batch)
         return [None] * len(batch)
 
     def _forward(self, batch: list[Sequence]):

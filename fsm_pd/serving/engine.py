@@ -143,12 +143,12 @@ class EngineCore:
         """One scheduler step (model thread); True while another step can make progress."""
         raise NotImplementedError
 
-    def _prefilling(self, batch: list[Sequence]) -> list[int]:
-        """Count a prefill batch's computed and cached prompt tokens; returns where each one's prefill starts."""
-        starts = [seq.prefix.tokens for seq in batch]
-        self.prefill_tokens["prefill_cached_tokens"] += sum(starts)
-        self.prefill_tokens["prefill_computed_tokens"] += sum(s.prompt_len for s in batch) - sum(starts)
-        return starts
+    def _prefilling(self, chunks) -> None:
+        """Count a prefill step's computed prompt tokens, and the cached ones of the prompts it starts."""
+        for chunk in chunks:
+            self.prefill_tokens["prefill_computed_tokens"] += chunk.length
+            if chunk.start == chunk.seq.prefix.tokens:
+                self.prefill_tokens["prefill_cached_tokens"] += chunk.start
 
     def _arrived(self) -> list[Sequence]:
         """The requests submitted since the last step, in order, without the ones already cancelled (aborted, or

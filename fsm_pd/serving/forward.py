@@ -8,12 +8,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
+from fsm_pd.model.buckets import batch_bucket
 from fsm_pd.model.grammar import new_state
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.model.model_thread import ModelThread
 from fsm_pd.model.sampling import sample
+from fsm_pd.serving.scheduling import Chunk, plan_chunks
 from fsm_pd.serving.top_logprobs import TopRow, chosen_and_top, log_softmax_rows
 from fsm_pd.serving.types import GenerateRequest
 
@@ -38,40 +41,99 @@ def top_ks(requests: Sequence[GenerateRequest]) -> list[int]:
     return [r.top_logprobs_num if r.return_logprob else 0 for r in requests]
 
 
-def prefill_and_sample(
-    model: LoadedModel, owner: ModelThread, requests: Sequence[GenerateRequest], pages: Sequence[Sequence[int]],
-    starts: Sequence[int] | None = None,
-) -> list[FirstToken]:
-    """Prefill ``requests`` into ``pages`` (one list each) in one batch; model thread only (it replaces the pool).
-    ``starts[i]``: how many leading prompt tokens already have their KV in ``pages[i]`` (a cached prefix)."""
+def prefill_step(model: LoadedModel, owner: ModelThread, chunks: Sequence[Chunk]) -> list[FirstToken | None]:
+    """Prefill one step's ``chunks`` (``scheduling.plan_chunks``) in one batch; model thread only (it replaces the
+    pool). Each sequence's ``prefilled`` advances; a chunk that ends its prompt gets the prompt's first output token
+    (sampled with the request's seed, at the step after the tokens it generated before), the others None. A
+    request's prompt logprobs gather on its sequence chunk by chunk (each chunk also scores the next chunk's first
+    token)."""
+    seqs = [c.seq for c in chunks]
+    requests = [s.request for s in seqs]
     want_logprobs = any(r.return_logprob for r in requests)
     ks = top_ks(requests)
-    starts = list(starts) if starts is not None else [0] * len(requests)
     out = model.prefill_batch(  # the bucket's rows: no program per batch size (model/decoder.py)
-        owner.pool, [r.input_ids[start:] for r, start in zip(requests, starts, strict=True)],
-        [list(p) for p in pages], start_positions=starts, return_logprobs=want_logprobs, top_logprobs=ks,
-        bucket_rows=True,
+        owner.pool, [s.request.input_ids[c.start:c.start + c.length] for s, c in zip(seqs, chunks, strict=True)],
+        [s.pages for s in seqs], start_positions=[c.start for c in chunks], return_logprobs=want_logprobs,
+        top_logprobs=ks, bucket_rows=True,
+        following=[None if c.last else s.request.input_ids[c.start + c.length] for s, c in zip(seqs, chunks,
+                                                                                                strict=True)],
     )
     owner.pool = out.pool
+    for i, (seq, chunk) in enumerate(zip(seqs, chunks, strict=True)):
+        seq.prefilled = chunk.start + chunk.length
+        if requests[i].return_logprob:  # [None, lp(start + 1), ...]: the chunk's own first token was scored before
+            seq.prompt_logprobs = (seq.prompt_logprobs or [None]) + out.token_logprobs[i][1:]
+            if ks[i]:
+                seq.prompt_top_logprobs = (seq.prompt_top_logprobs or [None]) + out.token_top_logprobs[i][1:]
+    done = [i for i, c in enumerate(chunks) if c.last]
+    firsts: list[FirstToken | None] = [None] * len(chunks)
+    if not done:
+        return firsts
+    ended = [requests[i] for i in done]
+    logits = out.logits if len(done) == len(chunks) else _rows(out.logits, done)
     # A request's grammar masks its first token here too; the decode (or colocated) side's own parser is fed it next.
     # A migrated stream's first token here follows the tokens it generated before: the step, penalties and grammar
     # count them.
-    grammars = [_grammar_after(r, model.tokenizer) for r in requests]
-    tokens = sample(out.logits, [r.sampling for r in requests], [r.seed for r in requests],
-                    [len(r.generated_before) for r in requests], histories=[r.generated_before for r in requests],
-                    grammars=grammars)
-    logprobs, tops = (chosen_and_top(np.asarray(out.logits)[: len(requests)], tokens, ks) if want_logprobs
-                      else (None, None))
-    return [
-        FirstToken(
-            int(tokens[i]),
-            float(logprobs[i]) if r.return_logprob else None,
-            out.token_logprobs[i] if r.return_logprob else None,
-            tops[i] if ks[i] else None,
-            out.token_top_logprobs[i] if ks[i] else None,
-        )
-        for i, r in enumerate(requests)
-    ]
+    tokens = sample(logits, [r.sampling for r in ended], [r.seed for r in ended],
+                    [len(r.generated_before) for r in ended], histories=[r.generated_before for r in ended],
+                    grammars=[_grammar_after(r, model.tokenizer) for r in ended])
+    ended_ks = [ks[i] for i in done]
+    logprobs, tops = (chosen_and_top(np.asarray(logits)[: len(ended)], tokens, ended_ks)
+                      if any(r.return_logprob for r in ended) else (None, None))
+    for j, i in enumerate(done):
+        seq, request = seqs[i], requests[i]
+        firsts[i] = FirstToken(int(tokens[j]), float(logprobs[j]) if request.return_logprob else None,
+                               seq.prompt_logprobs if request.return_logprob else None,
+                               tops[j] if ended_ks[j] else None, seq.prompt_top_logprobs if ended_ks[j] else None)
+    return firsts
+
+
+def _rows(logits, rows: list[int]):
+    """Some of a bucket's rows, as a bucket again and placed as the forward pass left them: picking them on the
+    device, or handing the sampler a fresh host array, would each compile a program while serving."""
+    picked = np.zeros((batch_bucket(len(rows)), logits.shape[-1]), np.float32)
+    picked[: len(rows)] = np.asarray(logits)[rows]
+    return jax.device_put(picked, logits.sharding)
+
+
+def prefill_and_sample(model: LoadedModel, owner: ModelThread, seqs: Sequence, *, budget: int,
+                       max_batch: int) -> list[FirstToken]:
+    """Prefill ``seqs`` (admitted: pages reserved, ``prefilled`` set) to their ends now, a budget-sized chunk step
+    after another, and sample each one's first token: for the recomputes, which do not interleave with decoding."""
+    firsts: dict[int, FirstToken] = {}
+    while len(firsts) < len(seqs):
+        pending = [s for s in seqs if id(s) not in firsts]
+        chunks = plan_chunks(pending, max_batch=max_batch, budget=budget)
+        for chunk, first in zip(chunks, prefill_step(model, owner, chunks), strict=True):
+            if first is not None:
+                firsts[id(chunk.seq)] = first
+    return [firsts[id(s)] for s in seqs]
+
+
+@dataclass(slots=True)
+class _Fill:
+    tokens: list[int]
+    pages: list[int]
+    prefilled: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.tokens)
+
+
+def fill_kv(model: LoadedModel, owner: ModelThread, items: Sequence[tuple[list[int], list[int]]], *, budget: int,
+            max_batch: int) -> None:
+    """Write the KV of each ``(tokens, pages)`` from position 0, in budget-sized chunk steps; no logits needed (a
+    retracted sequence resuming). Model thread only."""
+    fills = [_Fill(list(tokens), list(pages)) for tokens, pages in items]
+    while pending := [f for f in fills if f.prefilled < f.prompt_len]:
+        chunks = plan_chunks(pending, max_batch=max_batch, budget=budget)
+        out = model.prefill_batch(owner.pool, [c.seq.tokens[c.start:c.start + c.length] for c in chunks],
+                                  [c.seq.pages for c in chunks], start_positions=[c.start for c in chunks],
+                                  bucket_rows=True)
+        owner.pool = out.pool
+        for c in chunks:
+            c.seq.prefilled = c.start + c.length
 
 
 def _grammar_after(request: GenerateRequest, tokenizer):

@@ -31,10 +31,10 @@ from fsm_pd.control.phases import timing_meta
 from fsm_pd.effects.decode import RECOMPUTE_NOTE
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.serving.common import ENDED
-from fsm_pd.serving.forward import FirstToken, input_logprobs_to_wire, prefill_and_sample
+from fsm_pd.serving.forward import FirstToken, input_logprobs_to_wire, prefill_step
 from fsm_pd.serving.isolate import run_isolating
 from fsm_pd.serving.pd_engine import PDEngine
-from fsm_pd.serving.scheduling import end_prefix, take_prefill_batch
+from fsm_pd.serving.scheduling import CHUNKED_PREFILL_SIZE, Chunk, end_prefix, plan_chunks, take_prefill_batch
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.top_logprobs import to_wire as top_logprobs_to_wire
 from fsm_pd.serving.types import EngineError, TokenOutput
@@ -48,16 +48,18 @@ class PrefillEngine(PDEngine):
 
     def __init__(self, model: LoadedModel | str = "tiny", *, bootstrap_port: int | None = 0,
                  bootstrap_url: str | None = None, bootstrap_token: str | None = None, max_prefill_batch: int = 8,
-                 max_prefill_tokens: int = 4096, radix_cache: bool = True, **node):
+                 chunked_prefill_size: int = CHUNKED_PREFILL_SIZE, radix_cache: bool = True, **node):
         """``node``: the settings of every PD node (``PDEngine``: pool size, node id, journal, secret, backend,
         deadlines, host, advertise_host). ``bootstrap_port``: run a bootstrap server on it (0: any free port) and
         register with it; None and a ``bootstrap_url``: register with that server instead; None and no URL: do not
         register (tests that tell the decode side our side-channel address directly). ``radix_cache``: reuse cached
-        prompt prefixes (``--disable-radix-cache`` turns it off); the decode node still gets every page."""
+        prompt prefixes (``--disable-radix-cache`` turns it off); the decode node still gets every page.
+        ``chunked_prefill_size``: padded prompt tokens a prefill step computes; a longer prompt takes several."""
         super().__init__(model, prefix_cache=radix_cache, **node)
         host = self.manager.host
-        self.max_prefill_batch, self.max_prefill_tokens = max_prefill_batch, max_prefill_tokens
+        self.max_prefill_batch, self.chunked_prefill_size = max_prefill_batch, chunked_prefill_size
         self._to_prefill: deque[Sequence] = deque()  # PREPARE arrived: waiting for pages and the model thread
+        self._chunking: list[Sequence] = []  # pages reserved, prompt partly prefilled: the next chunks go first
         self._in_flight: dict[int, FirstToken] = {}  # room -> first token of a prefilled request being pulled
         self.bootstrap_server = None
         if bootstrap_port is not None:
@@ -89,9 +91,9 @@ class PrefillEngine(PDEngine):
         self.manager.add_sender(seq.key, prompt_len=seq.prompt_len, rid=seq.rid)
 
     def _role_info(self) -> dict:
-        in_flight, waiting = len(self._in_flight), len(self._to_prefill)
-        return {"bootstrap_queue": len(self.rooms) - waiting - in_flight, "prefill_queue": waiting,
-                "in_flight": in_flight, "bootstrap_url": self.bootstrap_url}
+        in_flight, waiting, chunking = len(self._in_flight), len(self._to_prefill), len(self._chunking)
+        return {"bootstrap_queue": len(self.rooms) - waiting - chunking - in_flight, "prefill_queue": waiting,
+                "prefilling": chunking, "in_flight": in_flight, "bootstrap_url": self.bootstrap_url}
 
     def _role_leaks(self, counters: dict) -> dict:
         return {"staging_buffers_held": counters["staging_buffers_held"]}
@@ -111,20 +113,19 @@ class PrefillEngine(PDEngine):
         self._take_arrivals()
         while self.room_events:
             self._on_room(*self.room_events.popleft())
-        batch = take_prefill_batch(
-            self._to_prefill,
-            self.allocator,
-            self.page_size,
-            max_batch=self.max_prefill_batch,
-            max_tokens=self.max_prefill_tokens,
-            headroom=0,
-            drop=self._gone,
-            cache=self.cache,
-        )
-        if batch:
-            self._prefill(batch)
+        # a prompt whose room ended mid-prefill is dropped: _on_room freed its pages
+        self._chunking = [s for s in self._chunking if not self._gone(s)]
+        budget = self.chunked_prefill_size
+        chunks = plan_chunks(self._chunking, max_batch=self.max_prefill_batch, budget=budget)
+        admitted = take_prefill_batch(self._to_prefill, self.allocator, self.page_size,
+                                      max_batch=self.max_prefill_batch - len(chunks), max_tokens=budget, headroom=0,
+                                      drop=self._gone, cache=self.cache, planned=chunks)
+        self._chunking += admitted
+        chunks = plan_chunks(admitted, max_batch=self.max_prefill_batch, budget=budget, planned=chunks)
+        if chunks:
+            self._prefill(chunks)
         # more prompts may fit now; if none fit, a room ending frees pages and kicks us again
-        return bool(batch) and bool(self._to_prefill)
+        return bool(self._chunking) or (bool(chunks) and bool(self._to_prefill))
 
     def _gone(self, seq: Sequence) -> bool:
         """A queued request that ended meanwhile (aborted, or its room failed: ``_on_room`` answers it)."""
@@ -160,15 +161,18 @@ class PrefillEngine(PDEngine):
         self.allocator.forget(room)
         self.manager.clear(room)
 
-    def _prefill(self, batch: list[Sequence]) -> None:
-        self._prefilling(batch)
-        firsts = run_isolating(batch, lambda seqs: prefill_and_sample(
-            self.model, self.model_thread, [s.request for s in seqs], [s.pages for s in seqs],
-            [s.prefix.tokens for s in seqs]), "prefill")
-        for seq, first in zip(batch, firsts, strict=True):
+    def _prefill(self, chunks: list[Chunk]) -> None:
+        self._prefilling(chunks)
+        firsts = run_isolating(chunks, lambda part: prefill_step(self.model, self.model_thread, part), "prefill")
+        for chunk, first in zip(chunks, firsts, strict=True):
+            seq = chunk.seq
             if isinstance(first, Exception):  # fail its room (which frees its pages), keep serving the others
+                self._chunking.remove(seq)
                 self.manager.fail(seq.key, f"prefill failed: {first}")
                 continue
+            if first is None:  # more chunks to come
+                continue
+            self._chunking.remove(seq)
             self._in_flight[seq.key] = first
             self.manager.kv_ready(
                 seq.key,

@@ -35,7 +35,7 @@ from fsm_pd.model.model_thread import ModelThread
 from fsm_pd.model.pages import PageAllocator
 from fsm_pd.serving.forward import prefill_and_sample
 from fsm_pd.serving.isolate import run_isolating
-from fsm_pd.serving.scheduling import take_prefill_batch
+from fsm_pd.serving.scheduling import CHUNKED_PREFILL_SIZE, take_prefill_batch
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.types import EngineError
 
@@ -52,7 +52,7 @@ def recompute_key(room: int) -> int:
 
 class TransferRecompute:
     def __init__(self, model: LoadedModel, model_thread: ModelThread, allocator: PageAllocator, page_size: int, *,
-                 enabled: bool, headroom_pages: int, max_batch: int = 8, max_tokens: int = 4096):
+                 enabled: bool, headroom_pages: int, max_batch: int = 8, max_tokens: int = CHUNKED_PREFILL_SIZE):
         self.model, self.model_thread, self.allocator, self.page_size = model, model_thread, allocator, page_size
         self.enabled, self.headroom_pages = enabled, headroom_pages
         self.max_batch, self.max_tokens = max_batch, max_tokens
@@ -95,7 +95,8 @@ class TransferRecompute:
         if not batch:
             return
         firsts = run_isolating(batch, lambda seqs: prefill_and_sample(
-            self.model, self.model_thread, [s.request for s in seqs], [s.pages for s in seqs]), "recompute prefill")
+            self.model, self.model_thread, seqs, budget=self.max_tokens, max_batch=self.max_batch),
+            "recompute prefill")
         for seq, first in zip(batch, firsts, strict=True):
             info = seq.meta["kv_recompute"]
             info["seconds"] = round(time.monotonic() - seq.meta.pop("recompute_queued_at"), 6)

@@ -5,7 +5,9 @@ grow into (one more page every ``page_size`` generated tokens). When nothing hol
 waived, so a prompt that fits the pool always gets in eventually. Requests are admitted in arrival order: the head
 of the queue waits for pages rather than being overtaken by smaller prompts forever.
 
-- ``take_prefill_batch``: the prompts a prefill step runs (prefill and colocated nodes, recomputes);
+- ``take_prefill_batch``: the prompts a prefill step admits (prefill and colocated nodes, recomputes);
+- ``plan_chunks``: what one prefill step computes of the admitted prompts, within the chunked-prefill budget (a long
+  prompt prefills over several steps, SGLang's chunked prefill);
 - ``admit_waiting``: the decode node's pre-allocation, SGLang's: reserve a waiting room's pages and hand them to its
   transfer (``KVManager.give_pages``) while running and transferring requests leave room.
 
@@ -16,20 +18,58 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
-from fsm_pd.model.buckets import prefill_fits
+from fsm_pd.model.buckets import MIN_TOKEN_BUCKET, prefill_fits, token_bucket
 from fsm_pd.model.pages import PageAllocator, pages_for
 from fsm_pd.model.prefix_cache import NO_MATCH, PrefixCache
 
 Sequence = Any  # anything with key, prompt_len, pages, meta and queued_at: typed loosely to stay jax-free
+# SGLang's --chunked-prefill-size: padded prompt tokens one prefill step computes, and the longest chunk of one
+# prompt. On 2 CPU cores SmolLM2 prefills 512 tokens in about 0.6 s: a colocated node's running streams wait no
+# longer than that for a long prompt, and a step loses ~8% of the throughput of a 2048-token one (bench/model.py).
+CHUNKED_PREFILL_SIZE = 512
 
 
 def admits(allocator: PageAllocator, need: int, headroom: int) -> bool:
     if allocator.reserved_pages == 0:
         return need <= allocator.free_pages
     return need + headroom <= allocator.free_pages
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Prompt positions ``[start, start + length)`` of ``seq`` to prefill in this step."""
+
+    seq: Any
+    start: int
+    length: int
+
+    @property
+    def last(self) -> bool:
+        """This chunk ends the prompt: its logits give the first token."""
+        return self.start + self.length >= self.seq.prompt_len
+
+
+def plan_chunks(admitted: Iterable[Any], *, max_batch: int, budget: int, planned: Iterable[Chunk] = ()) -> list[Chunk]:
+    """``planned`` and then the next chunk of each admitted prompt, in order, while the step stays within ``budget``
+    padded tokens (``buckets.prefill_fits``): the first prompt always gets a chunk, shrunk to a bucket that fits; a
+    later one only a chunk that fits beside those before it. Entries need ``prompt_len`` and ``prefilled``."""
+    chunks = list(planned)
+    longest = max((c.length for c in chunks), default=0)
+    for seq in admitted:
+        if len(chunks) >= max_batch:
+            break
+        length = min(seq.prompt_len - seq.prefilled, budget)
+        while not prefill_fits(len(chunks) + 1, max(longest, length), budget):
+            if length <= MIN_TOKEN_BUCKET:
+                return chunks
+            length = token_bucket(length) // 2  # the next bucket down
+        chunks.append(Chunk(seq, seq.prefilled, length))
+        longest = max(longest, length)
+    return chunks
 
 
 def take_prefill_batch(
@@ -42,18 +82,21 @@ def take_prefill_batch(
     headroom: int,
     drop: Callable[[Sequence], bool],
     cache: PrefixCache | None = None,
+    planned: Iterable[Chunk] = (),
 ) -> list[Sequence]:
-    """Pop up to ``max_batch`` prompts (``max_tokens`` padded tokens in all: ``buckets.prefill_fits``; always at
-    least one) off the head of ``queue`` and reserve their pages. ``drop(seq)`` says a queued request is gone
-    (aborted, its room failed): it is popped and skipped. Model thread only; other threads only append to
-    ``queue``.
+    """Pop up to ``max_batch`` prompts (their first chunks within ``max_tokens`` padded tokens in all:
+    ``buckets.prefill_fits``; always at least one) off the head of ``queue`` and reserve their pages. ``drop(seq)``
+    says a queued request is gone (aborted, its room failed): it is popped and skipped. Model thread only; other
+    threads only append to ``queue``.
 
     With a ``cache``, a prompt's longest cached prefix (whole pages, leaving at least one token to compute) is locked
     and becomes its first pages (``seq.prefix``); only the rest is reserved, and only the rest counts against the
-    token budget. A request that asked for its prompt's logprobs computes the whole prompt.
+    token budget. A request that asked for its prompt's logprobs computes the whole prompt. ``planned``: chunks this
+    step already runs (of prompts admitted before), which the new prompts' first chunks must fit beside.
     """
+    planned = list(planned)
     batch: list[Sequence] = []
-    longest = 0
+    longest = max((c.length for c in planned), default=0)
     while queue and len(batch) < max_batch:
         seq = queue[0]
         if drop(seq):
@@ -62,8 +105,8 @@ def take_prefill_batch(
         prefix = NO_MATCH
         if cache is not None and not seq.request.return_logprob:
             prefix = cache.match(seq.request.input_ids, max_pages=(seq.prompt_len - 1) // page_size)
-        computed = seq.prompt_len - prefix.tokens
-        if not prefill_fits(len(batch) + 1, max(longest, computed), max_tokens):
+        computed = min(seq.prompt_len - prefix.tokens, max_tokens)  # the first chunk of a longer prompt
+        if not prefill_fits(len(planned) + len(batch) + 1, max(longest, computed), max_tokens):
             break
         need = pages_for(seq.prompt_len, page_size) - len(prefix.pages)
         if not admits(allocator, need, headroom):
@@ -80,7 +123,7 @@ def take_prefill_batch(
         queue.popleft()
         if cache is not None:
             cache.record(prefix, seq.prompt_len)
-        seq.prefix, seq.pages = prefix, [*prefix.pages, *new]
+        seq.prefix, seq.pages, seq.prefilled = prefix, [*prefix.pages, *new], prefix.tokens
         seq.meta["cached_tokens"] = prefix.tokens
         seq.meta["queue_time"] = round(time.monotonic() - seq.queued_at, 6)  # SGLang's name: waiting -> forward
         batch.append(seq)

@@ -27,6 +27,10 @@ class Sequence:
     meta: dict = field(default_factory=dict)  # sent with the last output (prompt_tokens, kv transfer timing, ...)
     # the cached prefix its first pages are (locked while it runs); its KV is not computed again
     prefix: Match = NO_MATCH
+    prefilled: int = 0  # prompt tokens whose KV is in its pages: the prefix, then each prefilled chunk
+    # a chunked prefill's prompt logprobs (and top rows), gathered chunk by chunk: [None, lp(token 1), ...]
+    prompt_logprobs: list | None = None
+    prompt_top_logprobs: list | None = None
     cancelled: bool = False  # set by abort() from any thread; the scheduler drops the sequence at its next step
     started: float = field(default_factory=time.monotonic)
     # when it joined the queue its forward pass is taken from (SGLang's wait queue): at creation, or for a prefill

@@ -3,9 +3,10 @@
 A program compiled while serving stalls the request that needed it (seconds on CPU for SmolLM2) and every request
 batched with it, and grows the process. So a node compiles, before it answers ``/health``:
 
-- its forward passes, ahead of time (``engine.programs.ForwardPrograms``): prefill at every (batch, tokens) bucket
-  its scheduler can form (``prefill_shapes``: a prefill node's and a colocated node's batches, and a decode node's
-  recomputes), and decode at every batch bucket up to ``max_running``;
+- its forward passes, ahead of time (``model.programs.ForwardPrograms``): prefill at every (batch, tokens) bucket
+  its scheduler can form (``prefill_shapes``: every prefill step, a prefill node's, a colocated node's and a decode
+  node's recomputes, stays within its chunked-prefill budget), and decode at every batch bucket up to
+  ``max_running``;
 - the samplers and the prompt-logprob program, by running them once per batch bucket on zeros;
 - the page kernels a transfer runs (a decode node's scatters, whole and layer group by layer group; a prefill
   node's gathers where they are XLA programs), once per page bucket, into and out of free pages.
@@ -53,15 +54,15 @@ def plan_for(engine) -> WarmupPlan:
     max_prompt = engine.max_context - 1
     prompt_buckets = bucket_sizes(pages_for(max_prompt, engine.page_size))
     if engine.role == "prefill":
-        return WarmupPlan(prefill_shapes(engine.max_prefill_batch, engine.max_prefill_tokens, max_prompt),
+        return WarmupPlan(prefill_shapes(engine.max_prefill_batch, engine.chunked_prefill_size),
                           _powers(engine.max_prefill_batch), gather_buckets=prompt_buckets)
     # prefills here: a colocated node's prompts, and both nodes' recomputes (retracted requests, failed transfers)
     limits = [(engine.loop.max_recompute_batch, engine.loop.max_recompute_tokens)]
     if engine.role == "colocated":
-        limits.append((engine.max_prefill_batch, engine.max_prefill_tokens))
+        limits.append((engine.max_prefill_batch, engine.chunked_prefill_size))
     else:
         limits.append((engine.recompute.max_batch, engine.recompute.max_tokens))
-    forward = {shape for batch, tokens in limits for shape in prefill_shapes(batch, tokens, max_prompt)}
+    forward = {shape for batch, tokens in limits for shape in prefill_shapes(batch, tokens)}
     forward |= set(decode_shapes(engine.max_running))
     plan = WarmupPlan(sorted(forward), _powers(max(engine.max_running, *(batch for batch, _ in limits))))
     if engine.role == "decode":

@@ -17,7 +17,7 @@ from fsm_pd.model.programs import prefill_shapes
 from fsm_pd.model.sampling import SamplingParams
 from fsm_pd.serving.collect import generate
 from fsm_pd.serving.colocated_engine import ColocatedEngine
-from fsm_pd.serving.scheduling import take_prefill_batch
+from fsm_pd.serving.scheduling import plan_chunks, take_prefill_batch
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.types import GenerateRequest, RequestStream
 from fsm_pd.serving.warmup import plan_for, warm_up
@@ -35,22 +35,33 @@ def queued(lengths: list[int], tokenizer) -> deque[Sequence]:
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, (PAGES - 1) * PAGE_SIZE - 1), min_size=1, max_size=20))
-def test_prefill_batches_take_only_shapes_the_warmup_compiles(lengths):
+def test_prefill_steps_take_only_shapes_the_warmup_compiles(lengths):
+    """The chunked-prefill scheduler's steps (the chunks under way, then new prompts beside them) form only the
+    shapes the warm-up compiled, whatever the prompt lengths; every prompt is prefilled whole, once."""
     tokenizer = load_model("tiny").tokenizer
-    planned = set(prefill_shapes(MAX_BATCH, MAX_TOKENS, (PAGES - 1) * PAGE_SIZE - 1))
-    queue, allocator = queued(lengths, tokenizer), PageAllocator(4096)
-    while queue:
-        batch = take_prefill_batch(queue, allocator, PAGE_SIZE, max_batch=MAX_BATCH, max_tokens=MAX_TOKENS,
-                                   headroom=0, drop=lambda s: False)
-        assert batch
-        shape = (buckets.batch_bucket(len(batch)), buckets.token_bucket(max(s.prompt_len for s in batch)))
-        assert shape in planned, f"a batch of {[s.prompt_len for s in batch]} forms {shape}, which is not compiled"
-        for seq in batch:
-            allocator.free(seq.key)
+    planned = set(prefill_shapes(MAX_BATCH, MAX_TOKENS))
+    queue, allocator, under_way, done = queued(lengths, tokenizer), PageAllocator(4096), [], []
+    while queue or under_way:
+        chunks = plan_chunks(under_way, max_batch=MAX_BATCH, budget=MAX_TOKENS)
+        admitted = take_prefill_batch(queue, allocator, PAGE_SIZE, max_batch=MAX_BATCH - len(chunks),
+                                      max_tokens=MAX_TOKENS, headroom=0, drop=lambda s: False, planned=chunks)
+        under_way += admitted
+        chunks = plan_chunks(admitted, max_batch=MAX_BATCH, budget=MAX_TOKENS, planned=chunks)
+        assert chunks
+        shape = (buckets.batch_bucket(len(chunks)), buckets.token_bucket(max(c.length for c in chunks)))
+        assert shape in planned, f"chunks {[c.length for c in chunks]} form {shape}, which is not compiled"
+        for chunk in chunks:
+            assert chunk.start == chunk.seq.prefilled
+            chunk.seq.prefilled += chunk.length
+            if chunk.last:
+                under_way.remove(chunk.seq)
+                done.append(chunk.seq)
+                allocator.free(chunk.seq.key)
+    assert sorted(s.prompt_len for s in done) == sorted(lengths)
 
 
 def test_a_warmed_colocated_node_compiles_nothing_while_serving():
-    engine = ColocatedEngine("tiny", num_pages=PAGES, page_size=PAGE_SIZE, max_prefill_tokens=MAX_TOKENS)
+    engine = ColocatedEngine("tiny", num_pages=PAGES, page_size=PAGE_SIZE, chunked_prefill_size=MAX_TOKENS)
     try:
         report = warm_up(engine, progress=False)
         assert report["forward_shapes"] == len(plan_for(engine).forward)
