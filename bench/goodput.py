@@ -1,0 +1,228 @@
+"""Does PD pay for itself? Goodput under an SLO (DistServe's method), PD against colocated on the same cores.
+
+Both run the model a user gets (SmolLM2 unless --model) with default flags, behind the built-in router for PD:
+
+- PD: the prefill node pinned to core 0 and the decode node to core 1 (``taskset``), the router on both;
+- colocated: one node pinned to cores 0 and 1 together.
+
+Workloads (one run does all three): ``prefill-heavy`` (prompts of about --long-prompt tokens, --short-output new
+tokens), ``decode-heavy`` (prompts of about --short-prompt, --long-output new), ``mixed`` (30% long prompts, the rest
+short; --mixed-output new). Greedy, EOS ignored, streamed ``/generate`` requests with Poisson arrivals.
+
+The SLO comes from isolated latencies: one request at a time on the colocated node, medians; a request attains the
+SLO when its TTFT <= --ttft-scale x the isolated TTFT and its time per output token (after the first) <=
+--tpot-scale x the isolated one. For each workload and mode the request rate is swept upwards (--rates) until
+attainment falls below half; goodput is the highest rate with >= 90% attainment. The table prints attainment per
+rate, goodput per mode and the PD / colocated ratio, and each mode's TTFT phases at the goodput rate (queueing and
+prefill on the prefill node, the KV transfer, the decode node's queue).
+
+    python bench/goodput.py [--model smollm2] [--requests 24] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving import Servers, serving_compiles  # noqa: E402 - beside this script
+
+from fsm_pd.launch import free_port
+from fsm_pd.model.loader import load_model
+
+err = Console(stderr=True)
+WORKLOADS = ("prefill-heavy", "decode-heavy", "mixed")
+DEFAULT_RATES = "0.05,0.1,0.2,0.3,0.5,0.75,1,1.5,2,3,4"
+
+
+def workload(name: str, args, rng: random.Random, vocab: int) -> list[tuple[list[int], int]]:
+    """(prompt token ids, new tokens) of --requests requests; ids drawn from the model's vocabulary, past its first
+    tenth (special and byte tokens)."""
+    def prompt(n: int) -> list[int]:
+        n = max(4, int(rng.gauss(n, n / 10)))
+        return [rng.randrange(vocab // 10, vocab) for _ in range(n)]
+
+    if name == "prefill-heavy":
+        return [(prompt(args.long_prompt), args.short_output) for _ in range(args.requests)]
+    if name == "decode-heavy":
+        return [(prompt(args.short_prompt), args.long_output) for _ in range(args.requests)]
+    return [(prompt(args.long_prompt if rng.random() < 0.3 else args.short_prompt), args.mixed_output)
+            for _ in range(args.requests)]
+
+
+def stream(url: str, ids: list[int], new_tokens: int) -> dict:
+    body = {"input_ids": ids, "stream": True,
+            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
+    started, arrivals, meta = time.perf_counter(), [], {}
+    with httpx.stream("POST", url + "/generate", json=body, timeout=1800) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data:") and line != "data: [DONE]":
+                arrivals.append(time.perf_counter())
+                meta = json.loads(line[5:]).get("meta_info", meta)
+    ttft = arrivals[0] - started
+    tpot = (arrivals[-1] - arrivals[0]) / max(1, len(arrivals) - 1)
+    return {"ttft": ttft, "tpot": tpot, "meta": meta}
+
+
+def at_rate(url: str, requests: list[tuple[list[int], int]], rate: float, rng: random.Random) -> list[dict]:
+    """Send ``requests`` with Poisson arrivals at ``rate`` per second; each one's latencies."""
+    results: list[dict] = [{}] * len(requests)
+    threads = []
+
+    def one(i: int, ids, n) -> None:
+        results[i] = stream(url, ids, n)
+
+    for i, (ids, n) in enumerate(requests):
+        thread = threading.Thread(target=one, args=(i, ids, n), daemon=True)
+        thread.start()
+        threads.append(thread)
+        time.sleep(rng.expovariate(rate))
+    for thread in threads:
+        thread.join(1800)
+    return results
+
+
+def attainment(results: list[dict], slo: dict) -> float:
+    ok = [r for r in results if r and r["ttft"] <= slo["ttft"] and r["tpot"] <= slo["tpot"]]
+    return len(ok) / len(results)
+
+
+def phases(results: list[dict]) -> dict:
+    """Medians of the TTFT phases a PD answer's meta_info names (SGLang's names), and of the TTFT itself."""
+    out = {"ttft": statistics.median(r["ttft"] for r in results if r)}
+    for name in ("queue_time", "bootstrap_duration", "waiting_duration", "transfer_duration"):
+        values = [r["meta"][name] for r in results if r and name in r.get("meta", {})]
+        if values:
+            out[name] = statistics.median(values)
+    return out
+
+
+def start_mode(cluster: Servers, mode: str) -> tuple[str, list[str]]:
+    """The mode's server(s), pinned; returns (URL to send to, the nodes' URLs)."""
+    if mode == "colocated":
+        port = free_port()
+        url = cluster.start("colocated", ["taskset", "-c", "0,1", sys.executable, "-m", "fsm_pd.cli", "serve",
+                                          "--role", "colocated", "--port", str(port), "--model", cluster.model], port)
+        return url, [url]
+    boot, p_port, d_port = free_port(), free_port(), free_port()
+    tmp = cluster.tmp
+    node = [sys.executable, "-m", "fsm_pd.cli", "serve", "--model", cluster.model]
+    prefill = cluster.start("prefill", ["taskset", "-c", "0", *node, "--role", "prefill", "--port", str(p_port),
+                                        "--bootstrap-port", str(boot), "--journal", str(tmp / "prefill.db")], p_port)
+    decode = cluster.start("decode", ["taskset", "-c", "1", *node, "--role", "decode", "--port", str(d_port),
+                                      "--journal", str(tmp / "decode.db")], d_port)
+    return cluster.router(prefill, boot, decode), [prefill, decode]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--requests", type=int, default=24, help="requests per rate (default 24)")
+    parser.add_argument("--rates", default=DEFAULT_RATES, help=f"requests/s to sweep (default {DEFAULT_RATES})")
+    parser.add_argument("--long-prompt", type=int, default=480)
+    parser.add_argument("--short-prompt", type=int, default=48)
+    parser.add_argument("--short-output", type=int, default=16)
+    parser.add_argument("--long-output", type=int, default=128)
+    parser.add_argument("--mixed-output", type=int, default=48)
+    parser.add_argument("--ttft-scale", type=float, default=5.0)
+    parser.add_argument("--tpot-scale", type=float, default=3.0)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    rates = [float(r) for r in args.rates.split(",")]
+    names = [w for w in args.workloads.split(",") if w]
+    rng = random.Random(0)
+    vocab = load_model(args.model).config.vocab_size
+    loads = {name: workload(name, args, rng, vocab) for name in names}
+    report = {"model": args.model, "settings": vars(args), "load_average_before": os.getloadavg()[0],
+              "workloads": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        modes = {}
+        for mode in ("colocated", "pd"):
+            cluster = Servers(Path(tmp) / mode, args.model)
+            (Path(tmp) / mode).mkdir()
+            err.log(f"starting {mode} (each node warms up first)")
+            url, nodes = start_mode(cluster, mode)
+            modes[mode] = (cluster, url, nodes)
+        try:
+            for name in names:
+                colocated_url = modes["colocated"][1]
+                iso = [stream(colocated_url, ids, n) for ids, n in loads[name][:5]]
+                slo = {"ttft": args.ttft_scale * statistics.median(r["ttft"] for r in iso),
+                       "tpot": args.tpot_scale * statistics.median(r["tpot"] for r in iso)}
+                entry = {"slo": slo, "isolated": {"ttft": slo["ttft"] / args.ttft_scale,
+                                                  "tpot": slo["tpot"] / args.tpot_scale}, "modes": {}}
+                for mode, (_, url, _) in modes.items():
+                    sweep, best, phase_at_best, misses = [], 0.0, None, 0
+                    for rate in rates:
+                        err.log(f"{name} {mode}: {rate}/s")
+                        results = at_rate(url, loads[name], rate, random.Random(int(rate * 1000)))
+                        share = attainment(results, slo)
+                        sweep.append({"rate": rate, "attainment": share, **phases(results)})
+                        if share >= 0.9:
+                            best, phase_at_best = rate, phases(results)
+                        misses = misses + 1 if share < 0.5 else 0
+                        if misses >= 2:
+                            break
+                    entry["modes"][mode] = {"sweep": sweep, "goodput": best, "phases_at_goodput": phase_at_best}
+                entry["pd_over_colocated"] = (entry["modes"]["pd"]["goodput"] /
+                                              max(entry["modes"]["colocated"]["goodput"], 1e-9))
+                report["workloads"][name] = entry
+            report["compiles_after_startup"] = {mode: sum(serving_compiles(u) for u in nodes)
+                                                for mode, (_, _, nodes) in modes.items()}
+        finally:
+            for cluster, _, _ in modes.values():
+                cluster.stop()
+    report["load_average_after"] = os.getloadavg()[0]
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print_report(report)
+    return 0
+
+
+def print_report(report: dict) -> None:
+    console = Console(width=150)
+    for name, entry in report["workloads"].items():
+        slo = entry["slo"]
+        table = Table(title=f"{report['model']} {name}: SLO TTFT <= {slo['ttft']:.2f} s, TPOT <= "
+                            f"{slo['tpot'] * 1000:.0f} ms (isolated: {entry['isolated']['ttft']:.2f} s, "
+                            f"{entry['isolated']['tpot'] * 1000:.0f} ms)")
+        table.add_column("rate /s", justify="right")
+        for mode in entry["modes"]:
+            table.add_column(f"{mode} attained", justify="right")
+            table.add_column(f"{mode} TTFT p50", justify="right")
+        rates = sorted({s["rate"] for m in entry["modes"].values() for s in m["sweep"]})
+        for rate in rates:
+            row = [f"{rate:g}"]
+            for m in entry["modes"].values():
+                found = next((s for s in m["sweep"] if s["rate"] == rate), None)
+                row += [f"{found['attainment']:.0%}", f"{found['ttft']:.2f}"] if found else ["-", "-"]
+            table.add_row(*row)
+        console.print(table)
+        goodput = {mode: m["goodput"] for mode, m in entry["modes"].items()}
+        console.print("goodput: " + ", ".join(f"{mode} {g:g}/s" for mode, g in goodput.items())
+                      + f"; PD / colocated = {entry['pd_over_colocated']:.2f}x")
+        for mode, m in entry["modes"].items():
+            if m["phases_at_goodput"]:
+                console.print(f"  {mode} at its goodput, medians: " + ", ".join(
+                    f"{k} {v * 1000:.0f} ms" for k, v in m["phases_at_goodput"].items()))
+    console.print(f"compiles after start-up: {report.get('compiles_after_startup')}; 1-min load average "
+                  f"{report['load_average_before']:.1f} before, {report['load_average_after']:.1f} after")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
