@@ -1,10 +1,12 @@
 """The simulated data plane: a transfer server per prefill instance (``PublishPort``) and a puller per decode
 instance (``PullPort``), keeping the backend contract on the virtual clock.
 
-A published entry is held until ``release``, ``fail`` or its hold expires; then its staging buffer is freed and a
-tombstone makes later pulls fail at once. A pull connects (refused if no live server listens, or in a partition),
-waits for the entry to be published up to its deadline (``TransferTimeout``), takes the bytes, and reports after a
-local delay; that delay is where a pull can finish successfully after its room ended.
+The server's entries live in the production ``HoldTable`` (``fsm_pd.transport.backends.holds``), on the virtual
+clock: held until ``release``, ``fail`` or its hold expires, then retired (the staging buffer is freed) and remembered
+as a tombstone, so that a later pull fails at once, exactly as on the real backends. ``release`` and ``fail`` are
+``HoldingBackend``'s own. A pull connects (refused if no live server listens, or in a partition), waits for the
+entry to be published up to its deadline (``TransferTimeout``), takes the bytes, and reports after a local delay;
+that delay is where a pull can finish successfully after its room ended.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from typing import Any
 from fsm_pd.sim.faults import FaultPlan
 from fsm_pd.sim.kv import SimBuffer
 from fsm_pd.sim.ledger import Ledger
-from fsm_pd.sim.scheduler import Scheduler
-from fsm_pd.transport.backends.base import OpenEntries, TransferFailed, TransferTimeout
+from fsm_pd.sim.scheduler import OwnedDeadlines, OwnedTimers, Scheduler
+from fsm_pd.transport.backends.base import TransferFailed, TransferTimeout
+from fsm_pd.transport.backends.holds import Hold, HoldingBackend, HoldTable
 
 BYTES_PER_S = 2.5e9
 CONNECT_S = 0.0005
@@ -24,43 +27,46 @@ REPORT_S = 0.0002  # verify and place the pulled array
 POLL_S = 0.005  # how often a pull looks again for an entry not yet published
 
 
-class SimTransferServer:
+class SimTransferServer(HoldingBackend):
+    """The publish half of a backend over the real ``HoldTable``; pulls are ``SimPuller``'s."""
+
     name = "sim"
     progressive = False
 
     def __init__(self, sched: Scheduler, ledger: Ledger, instance: Any, address: str):
         self.sched, self.ledger, self.instance, self._address = sched, ledger, instance, address
-        self.entries: dict[int, SimBuffer] = {}
-        self.tombstones: dict[int, str] = {}
+        self._holds = HoldTable(self._retire, clock=OwnedDeadlines(OwnedTimers(sched.clock, instance)))
 
     @property
     def address(self) -> str:
         return self._address
 
     def publish(self, uuid: int, staging: Any, hold_timeout_s: float) -> None:
-        if uuid in self.entries or uuid in self.tombstones:
-            raise ValueError(f"transfer uuid {uuid} was already used on {self._address}")
         (buf,) = staging
-        self.entries[uuid] = buf
+        self._holds.publish(uuid, buf.nbytes, hold_timeout_s, lambda deadline: buf)
         self.ledger.alloc("entry", (self.instance.name, uuid), self.instance, buf.room)
-        self.sched.later(hold_timeout_s, lambda: self._end(uuid, "hold expired"), self.instance, work=False)
 
     def release(self, uuid: int) -> None:
         self.ledger.free("entry", (self.instance.name, uuid), by="release")
-        self._end(uuid, "released")
+        super().release(uuid)
 
     def fail(self, uuid: int, reason: str) -> None:
         self.ledger.free("entry", (self.instance.name, uuid), by="fail")
-        self._end(uuid, reason)
+        super().fail(uuid, reason)
 
-    def _end(self, uuid: int, reason: str) -> None:
-        buf = self.entries.pop(uuid, None)
-        self.tombstones.setdefault(uuid, reason)
-        if buf is not None:  # the backend lets the staging buffer go with its entry
-            self.ledger.free("staging", buf.key, by=f"the transfer entry ending ({reason})")
+    def _retire(self, uuid: int, reason: str, hold: Hold | None) -> None:
+        if hold is not None:  # the backend lets the staging buffer go with its entry
+            self.ledger.free("staging", hold.payload.key, by=f"the transfer entry ending ({reason})")
 
-    def open_entries(self) -> OpenEntries:
-        return OpenEntries(len(self.entries), sum(b.nbytes for b in self.entries.values()))
+    def lookup(self, uuid: int) -> tuple[Any, str | None]:
+        """What a pull finds: ``(buffer, None)``, ``(None, why it ended)``, or ``(None, None)`` if never published."""
+        return self._holds.lookup(uuid)
+
+    def pull(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("pulls go through SimPuller")
+
+    def close(self) -> None:
+        self._holds.close()
 
 
 class SimPuller:
@@ -84,10 +90,10 @@ class SimPuller:
         if server is None or not server.instance.alive or self.partitioned():
             done(None, TransferFailed(f"no live transfer server at {address}"))
             return
-        if uuid in server.tombstones:
-            done(None, TransferFailed(f"transfer {uuid}: {server.tombstones[uuid]}"))
+        entry, ended = server.lookup(uuid)
+        if ended is not None:
+            done(None, TransferFailed(f"transfer {uuid}: {ended}"))
             return
-        entry = server.entries.get(uuid)
         if entry is None:  # not published (yet, or ever: a restarted server never heard of it)
             self.sched.later(min(POLL_S, deadline - now), lambda: self._look(address, uuid, page_count, deadline,
                                                                             done), self.instance)
