@@ -128,3 +128,23 @@ def test_a_pull_that_lands_after_its_room_ended_is_discarded_exactly_once(tmp_pa
     assert effects.pulled == {} and leaks(world) == [] and ownership_violations(world) == []
     late = [r for r in read_journal(tmp_path / "decode.db") if r.trigger == "pulled"]
     assert [(r.src, r.payload.get("ignored")) for r in late] == [("Failed", "room is already Failed")]
+
+
+def test_rooms_arriving_while_their_ranks_lookup_is_under_way_join_it(tmp_path):
+    """The production resolver's joining (``PrefillResolver.resolve`` behind ``ThreadedResolver``) runs in the
+    simulation: rooms that need the rank while its lookup is under way share that lookup and its outcome."""
+    world = World(SimConfig(requests=0, seed=2, num_pages=64), tmp_path, durability="off")
+    world.plan.fail_next_resolve = 1  # the first lookup fails: every room waiting on it fails with it
+    for room in range(1, 5):
+        world.add_request(room, 30, at=0.001)
+    world.run()
+    decode = world.decode.instance.node.rooms
+    assert world.bootstrap.lookups == 0, "the failed lookup never reached the registry"
+    assert {decode[r].reason for r in range(1, 5)} == {
+        "remote error: bootstrap lookup failed: the bootstrap server did not answer"}
+    for room in range(5, 9):
+        world.add_request(room, 30, at=world.clock.now() + 0.001)
+    world.run()
+    assert world.bootstrap.lookups == 1, "one lookup for the four rooms, then the cache"
+    assert all(decode[r].state == "Success" for r in range(5, 9))
+    world.close()
