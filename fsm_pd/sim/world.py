@@ -46,6 +46,7 @@ class SimConfig:
     restart_after: float = 3.0
     decode_time: float = 0.05
     model_delay: float = 0.0005  # per model-thread job
+    progressive: float = 0.5  # the chance that a process instance copies KV layer by layer (a CPU pool, tcp)
 
 
 class World:
