@@ -97,11 +97,13 @@ class SimulationMachine(RuleBasedStateMachine):
         """Pulls take this long between having every byte and reporting it."""
         self.world.plan.slow_pulls_s = seconds
 
-    @rule(prompt_len=st.integers(1, 300), moment=st.sampled_from(["pulling", "landed", "scattering"]))
+    @rule(prompt_len=st.integers(1, 300), moment=st.sampled_from(["pulling", "streaming", "landed", "scattering"]))
     def client_leaves_during_the_transfer(self, prompt_len, moment):
         """A request runs until a chosen moment of its decode transfer, then its client leaves: while the pull runs
-        (``pulling``), once it has every byte but has not reported (``landed``: if it succeeds now, it succeeds for
-        a room that has ended), or once it reported and the scatter is queued on the model thread (``scattering``)."""
+        (``pulling``), once a streamed scatter has handed some layers but not all to the model thread
+        (``streaming``: the rest may land after the pages were freed), once it has every byte but has not reported
+        (``landed``: if it succeeds now, it succeeds for a room that has ended), or once it reported and the scatter
+        is queued on the model thread (``scattering``)."""
         world, room = self.world, self.next_room
         self.request(prompt_len)
 
@@ -114,6 +116,9 @@ class SimulationMachine(RuleBasedStateMachine):
                 return found is not None and "pulled" in found.seen
             if room not in decode.effects.pending:
                 return False
+            if moment == "streaming":
+                stream = decode.effects.streams.get(room)
+                return stream is None or (stream.submitted > 0 and not stream.complete)  # None: it never streams
             return moment == "pulling" or any(h.room == room for h in world.ledger.holdings("pulled"))
 
         world.run_until(reached)
