@@ -20,6 +20,7 @@ class SimModel:
         self._queue: deque[tuple[Callable[[Any], Any], Future]] = deque()
         self._running = False
         self._free_at = 0.0  # until when a job that returned still holds the thread
+        self.due_at = 0.0  # when the job at the head of the queue runs
 
     def submit(self, job: Callable[[Any], Any]) -> Future:
         future: Future = Future()
@@ -38,8 +39,10 @@ class SimModel:
     def _next(self) -> None:
         self._running = bool(self._queue)
         if self._running:
-            busy = max(0.0, self._free_at - self.sched.clock.now())
-            self.sched.later(busy + self.delay(), self._run_head, self.instance)
+            now = self.sched.clock.now()
+            wait = max(0.0, self._free_at - now) + self.delay()
+            self.due_at = now + wait
+            self.sched.later(wait, self._run_head, self.instance)
 
     def _run_head(self) -> None:
         job, future = self._queue.popleft()
