@@ -5,12 +5,14 @@
 - no leaks: once the world is quiet, nothing is held for a room that has ended;
 - liveness: every room ends within the sum of its role's deadlines;
 - peers: no room stays bound to a dead peer process longer than the heartbeats take to notice;
-- the live state of every room equals the replay of its node's journal.
+- the live state of every room equals the replay of its node's journal;
+- liveness: once the faults are over and every process has been up long enough to be known to its peer, every new
+  request succeeds on both sides within a bound (``recovery_s``, ``handoff_bound_s``).
 """
 
 from __future__ import annotations
 
-from fsm_pd.sim.world import World
+from fsm_pd.sim.world import SimConfig, World
 from fsm_pd.store import read_journal, replay
 
 
@@ -80,4 +82,35 @@ def journal_disagreements(world: World) -> list[str]:
     for key in sorted(set(replayed) | set(live)):
         if replayed.get(key) != live.get(key):
             found.append(f"{key}: live (state, version) {live.get(key)}, journal replays to {replayed.get(key)}")
+    return found
+
+
+def recovery_s(config: SimConfig) -> float:
+    """How long after the last fault (faults off, partitions healed, crashed nodes started again, the fault phase's
+    rooms ended) until a new request must succeed: a peer that died is declared dead, or one that was replaced is
+    seen to be, within ``max_failures + 1`` heartbeat intervals (misses are counted per interval, and the last
+    answer may have come just after a tick). By then each side has dropped what it knew of the other's old process
+    (``PeerWatch``'s ``forget``: the resolver's cached lookup among it), so nothing stale is left to fail on."""
+    return (config.heartbeat_max_failures + 1) * config.heartbeat_interval
+
+
+def handoff_bound_s(config: SimConfig) -> float:
+    """How long a request may take, from reaching the nodes to Success on both sides, in a cluster without faults:
+    the shortest deadline of either role. No step of a healthy handoff waits on a timer (each is a lookup, a
+    message, a gather, a pull or a scatter: milliseconds here), so a request still unfinished then is waiting for
+    something that only a deadline would end: a lookup, a message or a peer that will not come."""
+    return min(*config.prefill_deadlines.values(), *config.decode_deadlines.values())
+
+
+def not_succeeded(world: World, rooms: list[int]) -> list[str]:
+    """The rooms among ``rooms`` that have not reached Success on both sides, and where each side stands."""
+    found = []
+    for room in rooms:
+        sides = {}
+        for slot in (world.prefill, world.decode):
+            state = slot.live_rooms().get(room)
+            sides[slot.role] = "never created" if state is None else (
+                state.state if state.reason is None else f"{state.state} ({state.reason})")
+        if set(sides.values()) != {"Success"}:
+            found.append(f"room {room}: prefill {sides['prefill']}, decode {sides['decode']}")
     return found

@@ -191,6 +191,20 @@ class World:
     def crash_prefill(self) -> None:
         self.crash("prefill", restart_after=self.config.restart_after)
 
+    def heal(self) -> None:
+        """The fault phase is over: no more faults of any kind, partitions healed, a crash armed for a later step
+        disarmed, and every node that is down started again now (a restart still scheduled then finds it up)."""
+        plan = self.plan
+        plan.rate, plan.slow_pulls_s, plan.fail_next_pull, plan.fail_next_resolve = 0.0, 0.0, 0, 0
+        plan.forced_messages.clear()
+        self.model_delay = self.config.model_delay
+        self.network.partitioned_until = float("-inf")
+        for slot in (self.prefill, self.decode):
+            if slot.alive:
+                slot.instance.interpreter.armed = False
+            else:
+                slot.start()
+
     def _schedule_restart(self, slot: SimNode, after: float | None) -> None:
         if after is None:
             return

@@ -35,16 +35,21 @@ from fsm_pd.sim import SimConfig, World
 from fsm_pd.sim.faults import MESSAGE_FATES
 from fsm_pd.sim.invariants import (
     bound_to_dead_peers,
+    handoff_bound_s,
     journal_disagreements,
     leaks,
+    not_succeeded,
     overdue_rooms,
     ownership_violations,
+    recovery_s,
 )
 
 PROFILES = {
     "ci": {"max_examples": 100, "stateful_step_count": 40, "derandomize": True},
     "long": {"max_examples": 1000, "stateful_step_count": 80, "derandomize": False},
 }
+# the liveness phase's requests: sent at once (they share one bootstrap lookup), from one page to many
+LIVENESS_PROMPTS = (1, 40, 300, 17, 120)
 
 
 def _decode_pulls(world: World) -> list[int]:
@@ -183,22 +188,40 @@ class SimulationMachine(RuleBasedStateMachine):
         if world is None:
             return
         try:
-            world.plan.rate, world.plan.slow_pulls_s, world.model_delay = 0.0, 0.0, 0.0005
-            for slot in (world.prefill, world.decode):
-                if not slot.alive:
-                    slot.start()
-            world.run()  # past every deadline
-            unfinished = [key for key, room in world.live_rooms().items() if not room.terminal]
-            assert unfinished == [], f"rooms left unfinished: {unfinished}"
-            assert world.quiet()
-            assert leaks(world) == []
-            self.ownership()
-            self.every_room_ends_within_its_deadlines()
-            self.live_state_is_the_replay_of_the_journals()
-            self.states_are_table_states_and_terminals_stick()
+            world.heal()  # the fault phase is over: no faults, no partitions, every node up
+            world.run()  # past every deadline (bounded: a room that never ends raises Stuck)
+            self.everything_ended_and_was_freed()
+            self.new_requests_succeed()
+            world.run()
+            self.everything_ended_and_was_freed()
         finally:
             world.close()
             shutil.rmtree(self.dir, ignore_errors=True)
+
+    def everything_ended_and_was_freed(self):
+        world = self.world
+        unfinished = [key for key, room in world.live_rooms().items() if not room.terminal]
+        assert unfinished == [], f"rooms left unfinished: {unfinished}"
+        assert world.quiet()
+        assert leaks(world) == []
+        self.ownership()
+        self.every_room_ends_within_its_deadlines()
+        self.live_state_is_the_replay_of_the_journals()
+        self.states_are_table_states_and_terminals_stick()
+
+    def new_requests_succeed(self):
+        """Liveness: the cluster recovers. Once every process has been up for ``recovery_s`` (long enough for each
+        side to have noticed every death and restart of the other), a burst of new requests all reach Success on
+        both sides within ``handoff_bound_s`` (the shortest deadline)."""
+        world = self.world
+        world.run(until=world.clock.now() + recovery_s(world.config))
+        at = world.clock.now() + 0.001
+        rooms = list(range(self.next_room, self.next_room + len(LIVENESS_PROMPTS)))
+        self.next_room += len(rooms)
+        for room, prompt_len in zip(rooms, LIVENESS_PROMPTS, strict=True):
+            world.add_request(room, prompt_len, at)
+        world.run(until=at + handoff_bound_s(world.config))
+        assert not_succeeded(world, rooms) == [], f"t={world.clock.now():.3f}, the requests were sent at t={at:.3f}"
 
 
 PROFILE = os.environ.get("FSM_PD_PROPERTY_PROFILE", "ci")
