@@ -18,6 +18,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fsm_pd.control.core import RoomInUse
 from fsm_pd.effects import VirtualClock
 from fsm_pd.model.pages import OutOfPages
 from fsm_pd.sim.bootstrap import SimBootstrap
@@ -82,7 +83,9 @@ class World:
         if self.journal_dir is not None:
             self.journal_dir.mkdir(parents=True, exist_ok=True)
         self.durability = durability
-        self.requests: dict[int, int] = {}  # room -> prompt length
+        self.requests: dict[int, int] = {}  # room -> prompt length (of its first request)
+        self.refused: list[tuple[str, int]] = []  # (role, room): a request its node refused (the room was used)
+        self.reuse_accepted: list[str] = []  # a node took a room it had used before: it must refuse it
         self.pending_arrivals = 0
         self.restarts_pending = 0
         self.last_start = 0.0  # the latest time a scheduled request or restart begins
@@ -129,8 +132,9 @@ class World:
 
     # --- requests and clients ---
     def add_request(self, room: int, prompt_len: int, at: float) -> None:
-        """The router sends the request to both nodes at once (each leg with its own small delay)."""
-        self.requests[room] = prompt_len
+        """The router sends the request to both nodes at once (each leg with its own small delay). A room already
+        used is sent again as a client would (a retry, a collision): each node must refuse it."""
+        self.requests.setdefault(room, prompt_len)
         self.pending_arrivals += 2
         self.last_start = max(self.last_start, at + 0.02)  # the legs' jitter and a client's abort come within 20 ms
         now = self.clock.now()
@@ -146,16 +150,16 @@ class World:
     def _arrive_prefill(self, room: int, prompt_len: int) -> None:
         self.pending_arrivals -= 1
         inst = self.prefill.instance
-        if not inst.alive:
-            return  # connection refused; the decode leg finds out through its own deadlines
-        count = -(-prompt_len // LAYOUT["page_size"])
-        try:
-            pages = inst.pages.reserve(room, count)
+        if not inst.alive or not self._accepted(self.prefill, room, lambda: inst.core.add_sender(
+                room, prompt_len=prompt_len)):
+            return  # connection refused, or the room was used: the decode leg finds out through its own deadlines
+        inst.created[room] = self.clock.now()
+        try:  # the prefill engine's scheduler reserves the prompt's pages once the request is in
+            pages = inst.pages.reserve(room, -(-prompt_len // LAYOUT["page_size"]))
         except OutOfPages:
+            inst.core.abort(room, "out of pages")
             return
         inst.page_room.update(dict.fromkeys(pages, room))
-        inst.core.add_sender(room, prompt_len=prompt_len)
-        inst.created[room] = self.clock.now()
         prefill_s = 0.002 + prompt_len * 1e-5
         first_token = self.rng.randrange(256)
         self.sched.later(prefill_s, lambda: inst.core.kv_ready(room, pages=pages, first_token=first_token), inst)
@@ -163,11 +167,23 @@ class World:
     def _arrive_decode(self, room: int, prompt_len: int) -> None:
         self.pending_arrivals -= 1
         inst = self.decode.instance
-        if not inst.alive:
-            return
-        inst.core.add_receiver(room, page_count=-(-prompt_len // LAYOUT["page_size"]), prompt_len=prompt_len,
-                               bootstrap_addr=self.bootstrap_addr)
-        inst.created[room] = self.clock.now()
+        if inst.alive and self._accepted(self.decode, room, lambda: inst.core.add_receiver(
+                room, page_count=-(-prompt_len // LAYOUT["page_size"]), prompt_len=prompt_len,
+                bootstrap_addr=self.bootstrap_addr)):
+            inst.created[room] = self.clock.now()
+
+    def _accepted(self, slot: SimNode, room: int, create) -> bool:
+        """Create the room as the node's engine does; False if the node refused it (``RoomInUse``). A node that
+        takes a room it has used before (live, ended, or journaled by an earlier process) is a violation."""
+        used = room in slot.live_rooms()
+        try:
+            create()
+        except RoomInUse:
+            self.refused.append((slot.role, room))
+            return False
+        if used:
+            self.reuse_accepted.append(f"{slot.role} node accepted room {room} again at t={self.clock.now():.4f}")
+        return True
 
     def abort(self, side: str, room: int, reason: str) -> None:
         inst = (self.prefill if side == "prefill" else self.decode).instance

@@ -75,6 +75,14 @@ class SimulationMachine(RuleBasedStateMachine):
         self.next_room += 1
 
     @precondition(lambda self: self.next_room > 1)
+    @rule(prompt_len=st.integers(1, 300), data=st.data())
+    def reuse_room(self, prompt_len, data):
+        """A client sends a new request under a bootstrap room already used (a retry, two clients drawing the same
+        room): each node must refuse it, whether the first is under way, ended, or from before a restart."""
+        room = data.draw(st.integers(1, self.next_room - 1))
+        self.world.add_request(room, prompt_len, at=self.world.clock.now() + 0.001)
+
+    @precondition(lambda self: self.next_room > 1)
     @rule(side=st.sampled_from(["prefill", "decode"]), data=st.data())
     def abort(self, side, data):
         room = data.draw(st.integers(1, self.next_room - 1))
@@ -175,6 +183,9 @@ class SimulationMachine(RuleBasedStateMachine):
 
     @invariant()
     def states_are_table_states_and_terminals_stick(self):
+        """A room is created once per node, so what ended stays ended: a reused room must be refused (it would
+        otherwise start again, or fork its journal)."""
+        assert self.world.reuse_accepted == []
         for (_node, role, room_id), room in self.world.live_rooms().items():
             assert room.state in STATE_NAMES
             key = (role, room_id)

@@ -148,3 +148,29 @@ def test_rooms_arriving_while_their_ranks_lookup_is_under_way_join_it(tmp_path):
     assert world.bootstrap.lookups == 1, "one lookup for the four rooms, then the cache"
     assert all(decode[r].state == "Success" for r in range(5, 9))
     world.close()
+
+
+def test_a_reused_room_is_refused_by_both_nodes_live_ended_or_from_before_a_restart(tmp_path):
+    """``NodeCore.create`` (and the journal behind it) refuses a room it has used, as the engines answer 409."""
+    world = World(SimConfig(requests=0, seed=3, num_pages=64), tmp_path, durability="off")
+    world.model_delay = 1.0  # room 1 is still under way when it is sent again
+    world.add_request(1, 40, at=0.001)
+    world.add_request(1, 40, at=0.01)
+    world.run(until=0.5)
+    assert sorted(world.refused) == [("decode", 1), ("prefill", 1)]
+    world.model_delay = 0.0005
+    world.run()
+    world.add_request(1, 40, at=world.clock.now() + 0.001)  # ended
+    world.run()
+    world.crash("prefill", restart_after=0.0)
+    world.crash("decode", restart_after=0.0)
+    world.run(until=world.clock.now() + 1)
+    world.add_request(1, 40, at=world.clock.now() + 0.001)  # only the journal remembers it now
+    world.run()
+    world.close()
+    assert sorted(world.refused) == [("decode", 1)] * 3 + [("prefill", 1)] * 3
+    assert world.reuse_accepted == []
+    assert world.decode.live_rooms()[1].state == "Success" == world.prefill.live_rooms()[1].state
+    creates = [r for r in read_journal(tmp_path / "decode.db") + read_journal(tmp_path / "prefill.db")
+               if r.trigger == "create"]
+    assert len(creates) == 2, "one create per node, ever"
