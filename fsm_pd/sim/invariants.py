@@ -5,15 +5,18 @@
 - no leaks: once the world is quiet, nothing is held for a room that has ended;
 - liveness: every room ends within the sum of its role's deadlines;
 - peers: no room stays bound to a dead peer process longer than the heartbeats take to notice;
-- the live state of every room equals the replay of its node's journal;
+- the live state of every room equals the replay of its node's journal, and every journaled decision is the one
+  the literal tables give (``fsm_pd.sim.oracle``: read directly, not through ``fire``);
 - liveness: once the faults are over and every process has been up long enough to be known to its peer, every new
   request succeeds on both sides within a bound (``recovery_s``, ``handoff_bound_s``).
 """
 
 from __future__ import annotations
 
+from fsm_pd.sim.oracle import check_rows
 from fsm_pd.sim.world import SimConfig, World
 from fsm_pd.store import read_journal, replay
+from fsm_pd.store.journal import JournalRow
 
 
 def ownership_violations(world: World) -> list[str]:
@@ -66,22 +69,41 @@ def bound_to_dead_peers(world: World) -> list[str]:
     return found
 
 
-def journal_disagreements(world: World) -> list[str]:
+def journal_rows(world: World) -> list[JournalRow]:
+    rows: list[JournalRow] = []
+    for role in ("prefill", "decode"):
+        path = world.journal_dir / f"{role}.db" if world.journal_dir is not None else None
+        if path is not None and path.exists():
+            rows.extend(read_journal(path))
+    return rows
+
+
+def journal_disagreements(world: World, rows: list[JournalRow] | None = None) -> list[str]:
     """Replay both journals; every room must replay consistently to the state (and version) it has live."""
     if world.journal_dir is None:
         return []
-    rows = []
-    for role in ("prefill", "decode"):
-        path = world.journal_dir / f"{role}.db"
-        if path.exists():
-            rows.extend(read_journal(path))
-    result = replay(rows)
+    result = replay(journal_rows(world) if rows is None else rows)
     found = [d.describe() for d in result.divergences]
     replayed = {(r.node, r.role, r.room): (r.final, len(r.events)) for r in result.rooms}
     live = {key: (room.state, room.version) for key, room in world.live_rooms().items()}
     for key in sorted(set(replayed) | set(live)):
         if replayed.get(key) != live.get(key):
             found.append(f"{key}: live (state, version) {live.get(key)}, journal replays to {replayed.get(key)}")
+    return found
+
+
+def table_disagreements(world: World, rows: list[JournalRow] | None = None) -> list[str]:
+    """Every journaled decision, decided again by the oracle from the literal tables; and every live room where the
+    oracle leaves it (state, version, reason). Replay cannot see a wrong decision: it repeats it."""
+    if world.journal_dir is None:
+        return []
+    found, rooms = check_rows(journal_rows(world) if rows is None else rows)
+    for key, room in world.live_rooms().items():
+        oracle = rooms.get(key)
+        want = None if oracle is None else (oracle.state, oracle.version, oracle.reason)
+        if want != (room.state, room.version, room.reason):
+            found.append(f"{key}: live (state, version, reason) {(room.state, room.version, room.reason)}, "
+                         f"the tables give {want}")
     return found
 
 

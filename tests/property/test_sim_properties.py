@@ -37,11 +37,13 @@ from fsm_pd.sim.invariants import (
     bound_to_dead_peers,
     handoff_bound_s,
     journal_disagreements,
+    journal_rows,
     leaks,
     not_succeeded,
     overdue_rooms,
     ownership_violations,
     recovery_s,
+    table_disagreements,
 )
 
 PROFILES = {
@@ -178,8 +180,10 @@ class SimulationMachine(RuleBasedStateMachine):
         assert self.instant_violations[:3] == []  # checked at every instant the world settled, not only now
 
     @invariant()
-    def live_state_is_the_replay_of_the_journals(self):
-        assert journal_disagreements(self.world) == []
+    def live_state_is_the_replay_of_the_journals_and_the_tables_decision(self):
+        rows = journal_rows(self.world)
+        assert journal_disagreements(self.world, rows) == []
+        assert table_disagreements(self.world, rows)[:3] == []  # an oracle: the literal tables, not fire
 
     @invariant()
     def states_are_table_states_and_terminals_stick(self):
@@ -217,7 +221,7 @@ class SimulationMachine(RuleBasedStateMachine):
         assert leaks(world) == []
         self.ownership()
         self.every_room_ends_within_its_deadlines()
-        self.live_state_is_the_replay_of_the_journals()
+        self.live_state_is_the_replay_of_the_journals_and_the_tables_decision()
         self.states_are_table_states_and_terminals_stick()
 
     def new_requests_succeed(self):
