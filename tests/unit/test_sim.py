@@ -174,3 +174,30 @@ def test_a_reused_room_is_refused_by_both_nodes_live_ended_or_from_before_a_rest
     creates = [r for r in read_journal(tmp_path / "decode.db") + read_journal(tmp_path / "prefill.db")
                if r.trigger == "create"]
     assert len(creates) == 2, "one create per node, ever"
+
+
+def test_progressive_instances_publish_before_gathering_and_write_layers_as_they_land(tmp_path):
+    """With ``progressive`` the handlers' overlapped branches run: P publishes (and READY goes out) before its layers
+    are final, D's streamed scatter writes each group of layers (two of four) as it lands, and its ``Scatter`` only
+    waits. Without it, one gather and one write."""
+    for progressive, writes in ((1.0, 2), (0.0, 1)):
+        world = World(SimConfig(requests=0, seed=5, num_pages=64, progressive=progressive), tmp_path / str(writes),
+                      durability="off")
+        kv, final_when_published = world.prefill.instance.effects.kv, []
+        original = kv.publish_while_gathering
+
+        def spy(owner, transfer, uuid, pages, hold_s, on_published, original=original, seen=final_when_published):
+            def published(rows):
+                (_, progress), _ = transfer.lookup(uuid)
+                seen.append(progress.final_bytes)
+                on_published(rows)
+
+            original(owner, transfer, uuid, pages, hold_s, published)
+
+        kv.publish_while_gathering = spy
+        world.add_request(1, 40, at=0.001)
+        world.run()
+        world.close()
+        assert world.decode.instance.node.rooms[1].state == "Success" == world.prefill.instance.node.rooms[1].state
+        assert world.ledger.writes == writes
+        assert final_when_published == ([0] if progressive else [])  # published before any byte was final
