@@ -25,7 +25,7 @@ from fsm_pd.model.pages import PageAllocator
 from fsm_pd.sim.ledger import Ledger
 from fsm_pd.sim.scheduler import Scheduler
 
-GATHER_BYTES_PER_S = 1e9  # a layer-by-layer gather into host memory, about as fast as the wire: they overlap
+GATHER_BYTES_PER_S = 10e9  # a layer-by-layer gather into host memory (memcpy speed), on top of a model job's delay
 STREAM_GROUP = 2  # layers per streamed write job (the real group depends on page bytes; any divisor will do here)
 
 
@@ -131,7 +131,8 @@ class SimKV:
             raise
         on_published(block.rows)
         layer_bytes = block.nbytes // self.num_layers
-        layer_s = layer_bytes / GATHER_BYTES_PER_S
+        # as long as a model job, plus the copy: a slow model thread gathers slowly too, and D then waits for layers
+        layer_s = (self.model.delay() + block.nbytes / GATHER_BYTES_PER_S) / self.num_layers
         for layer in range(self.num_layers):
             final = (layer + 1) * layer_bytes
             self.sched.later((layer + 1) * layer_s, lambda final=final: progress.advance(final), self.instance)
