@@ -7,7 +7,7 @@ the effect handlers (``PrefillEffects``, ``DecodeEffects``), ``PoolAdmission`` o
 delay, reorder and partition them; either node can crash (also between journal commit and effects) and restart at the
 same addresses as a new instance, rebuilt from its journal. The same seed gives the same history, byte for byte.
 
-``run()`` is bounded in virtual time (``settle_bound``): a world that has not gone idle by then holds a room that
+``run()`` is bounded in virtual time (``bounds.py``): a world that has not gone idle by then holds a room that
 never ends, or work that never stops, and ``Stuck`` says which, instead of heartbeats ticking for ever.
 """
 
@@ -22,6 +22,7 @@ from fsm_pd.control.core import RoomInUse
 from fsm_pd.effects import VirtualClock
 from fsm_pd.model.pages import OutOfPages
 from fsm_pd.sim.bootstrap import SimBootstrap
+from fsm_pd.sim.bounds import Stuck, settle_bound, still_going
 from fsm_pd.sim.faults import FaultPlan
 from fsm_pd.sim.ledger import Ledger
 from fsm_pd.sim.network import SimNetwork
@@ -51,11 +52,6 @@ class SimConfig:
     decode_time: float = 0.05
     model_delay: float = 0.0005  # per model-thread job
     progressive: float = 0.5  # the chance that a process instance copies KV layer by layer (a CPU pool, tcp)
-
-
-class Stuck(AssertionError):
-    """The world did not go idle within its bound: something never ends (an assertion, so that a property test
-    reports it as a failure and shrinks it)."""
 
 
 class World:
@@ -252,44 +248,19 @@ class World:
     def run(self, until: float | None = None, *, within: float | None = None) -> None:
         """Process events and fire timers until nothing is left to do, or until virtual time ``until``. Heartbeats
         alone are not something to do: they tick for ever, and would never let an idle world stop. Without
-        ``until``, the world must go idle within ``within`` virtual seconds (default ``settle_bound()``), else
-        ``Stuck``."""
-        limit = None if until is not None else self.clock.now() + (self.settle_bound() if within is None else within)
+        ``until``, the world must go idle within ``within`` virtual seconds (default ``settle_bound``: see
+        ``bounds.py``), else ``Stuck``."""
+        limit = None if until is not None else self.clock.now() + (settle_bound(self) if within is None else within)
         while True:
             self._settle()
             nxt = self.clock.next_time()
             if nxt is None or (until is not None and nxt > until) or self.idle():
                 break
             if limit is not None and nxt > limit:
-                raise Stuck(self._still_going(limit))
+                raise Stuck(still_going(self, limit))
             self.clock.fire_next()
         if until is not None:
             self.clock.advance_to(until)
-
-    def settle_bound(self) -> float:
-        """The longest a world left alone may take from now to go idle: what is scheduled to begin (requests,
-        restarts) begins; every room then ends within the sum of its role's deadlines (one deadline per state, the
-        machines' guarantee); and what rooms leave behind finishes: a frame the network delays (up to
-        ``max_delay_s``), a pull that reports late (``slow_pulls_s``, plus up to 2 s drawn), the model thread's
-        queue (its head, then a few jobs per room at the current delay), a decode's run."""
-        c, now = self.config, self.clock.now()
-        room_s = max(sum(c.prefill_deadlines.values()), sum(c.decode_deadlines.values()))
-        models = [s.instance.model for s in (self.prefill, self.decode) if s.alive]
-        rooms = self.pending_arrivals + sum(not r.terminal for s in (self.prefill, self.decode) if s.alive
-                                           for r in s.instance.node.rooms.values())
-        backlog = sum(max(0.0, m.due_at - now) for m in models)
-        backlog += (sum(m.queued() for m in models) + 4 * rooms) * self.model_delay
-        after_rooms = self.network.max_delay_s + self.plan.slow_pulls_s + 2.0 + c.decode_time + backlog
-        return max(0.0, self.last_start - now) + room_s + after_rooms + 1.0
-
-    def _still_going(self, limit: float) -> str:
-        now = self.clock.now()
-        open_rooms = [f"{slot.role} room {r.room} {r.state} (since t={slot.instance.created.get(r.room, 0.0):.3f})"
-                      for slot in (self.prefill, self.decode) if slot.alive
-                      for r in slot.instance.node.rooms.values() if not r.terminal]
-        return (f"not idle at t={now:.3f}, the bound was t={limit:.3f}: {len(open_rooms)} room(s) never ended "
-                f"{open_rooms[:5]}, {self.sched.in_flight} callback(s) of work pending, "
-                f"{self.pending_arrivals} arrival(s) and {self.restarts_pending} restart(s) to come")
 
     def run_until(self, predicate, limit: int = 100_000) -> bool:
         """Fire timers one at a time until ``predicate()`` holds (True) or nothing is left to fire (False)."""
