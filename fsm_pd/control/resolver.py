@@ -13,10 +13,10 @@ drops only entries naming that instance, so a late report about a dead instance 
 already found its successor.
 
 Watched by a ``PeerWatch`` (``watch_with``), the resolver does not wait for a death to be declared: a cached entry
-whose node missed its last heartbeat is asked afresh, and when the bootstrap server now names another process for
-the same rank (a new instance, usually at a new address: the node restarted), the rooms bound to the old one fail
-at once (``PeerWatch.moved``). A prefill node that restarts faster than its death can be declared is then used at
-once, not after the old one's rooms failed.
+whose node missed its last heartbeat, or that nobody watches (a restart there would go unnoticed), is asked afresh,
+and when the bootstrap server now names another process for the same rank (a new instance, usually at a new address:
+the node restarted), the rooms bound to the old one fail at once (``PeerWatch.moved``). A prefill node that restarts
+faster than its death can be declared is then used at once, not after the old one's rooms failed.
 
 ``resolve`` never blocks: a room is answered from the cache, joins the lookup of its rank already under way, or leads
 a new one, which the caller's ``run`` port makes wherever blocking is allowed (``ThreadedResolver``: a worker thread;
@@ -52,8 +52,9 @@ class PrefillResolver:
         self._moved: Callable[[str, str | None, str | None], None] | None = None
 
     def watch_with(self, peers: Any) -> None:
-        """Consult ``peers`` (a ``PeerWatch``): distrust cached nodes that missed a heartbeat, and report a rank
-        whose registration moved to another process (``peers.moved(old_addr, old_instance, new_instance)``)."""
+        """Consult ``peers`` (a ``PeerWatch``): distrust cached nodes that missed a heartbeat or that nobody watches
+        (``PeerMonitor.suspect``), and report a rank whose registration moved to another process
+        (``peers.moved(old_addr, old_instance, new_instance)``)."""
         self._suspect, self._moved = peers.monitor.suspect, peers.moved
 
     def __call__(self, ctx: Mapping[str, Any]) -> dict:
