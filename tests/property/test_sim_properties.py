@@ -1,19 +1,26 @@
 """Property suite: hypothesis drives the simulation of the real handlers and checks the invariants after every step.
 
 The nodes are the production code (``NodeCore``, ``Node``, ``PrefillEffects``, ``DecodeEffects``, ``PoolAdmission``,
-``PrefillResolver``, the journals); only the ports are simulated (``fsm_pd.sim``). Rules: requests; message faults
-(drop, duplicate, delay, reorder) and partitions; failed pulls and bootstrap lookups; slow pulls and a pull that
-succeeds after its room ended; a slow model thread; client aborts on either side; a crash of either node, now or
-between journal commit and effects, restarting later or at once (a peer instance replaced); time passing.
+``ThreadedResolver`` over ``PrefillResolver``, ``HoldTable``, ``LayerStream``, ``PeerWatch``, the journals); only the
+ports are simulated (``fsm_pd.sim``). Rules: requests, and requests under a room already used; message faults (drop,
+duplicate, delay, reorder) and partitions; failed pulls and bootstrap lookups; slow pulls and a pull that succeeds
+after its room ended; a client leaving at a chosen moment of its transfer (also half-way through a streamed scatter);
+a slow model thread; client aborts on either side; a crash of either node, now or between journal commit and
+effects, restarting later or at once (a peer instance replaced), or down long enough to be declared dead; time
+passing.
 
 After every step (``fsm_pd.sim.invariants``): every page reservation, staging buffer, transfer entry and pulled
 buffer is freed exactly once (every attempt is recorded); no write reaches a page after its ``FreePages``; nothing is
 held for an ended room once the world is quiet; every room ends within the sum of its deadlines; no room stays bound
-to a dead peer instance longer than the heartbeats take to notice (three intervals); the live rooms equal
-the replay of the journals; a terminal room never changes. At teardown every node is restarted, time runs past every
-deadline, and everything must have ended and been freed.
+to a dead peer instance longer than the heartbeats take to notice (three intervals); the live rooms equal the replay
+of the journals, and every journaled decision is the one the literal tables give (``fsm_pd.sim.oracle``); no node
+accepts a room it has used, and a terminal room never changes.
 
-Profiles: the default is derandomized and sized for CI (about two minutes on two cores). Set
+At teardown, the liveness phase: the faults end, every node is up (``World.heal``), time runs until everything has
+ended and been freed (bounded: a room that never ends raises ``Stuck``); after ``recovery_s`` a burst of new
+requests must all reach Success on both sides within ``handoff_bound_s`` (``docs/simulation.md`` derives both).
+
+Profiles: the default is derandomized and sized for CI (about a minute on two cores). Set
 ``FSM_PD_PROPERTY_PROFILE=long`` for a randomized search ten times larger (``FSM_PD_PROPERTY_EXAMPLES`` overrides
 the number of examples of either).
 """
@@ -150,6 +157,13 @@ class SimulationMachine(RuleBasedStateMachine):
           restart_after=st.sampled_from([0.0, 1.0, 6.0]))
     def crash(self, role, after_commit, restart_after):
         self.world.crash(role, restart_after=restart_after, after_commit=after_commit)
+
+    @rule(role=st.sampled_from(["prefill", "decode"]), seconds=st.sampled_from([4.0, 8.0]))
+    def outage(self, role, seconds):
+        """The process dies and stays down longer than its peer takes to declare it dead (three heartbeat
+        intervals), then comes back as a new instance: what the peer forgot of it must not be used again."""
+        self.world.crash(role, restart_after=seconds)
+        self.world.run(until=self.world.clock.now() + seconds)
 
     @rule(role=st.sampled_from(["prefill", "decode"]))
     def replace_instance(self, role):
