@@ -160,8 +160,11 @@ class SimulationMachine(RuleBasedStateMachine):
 
     @rule(role=st.sampled_from(["prefill", "decode"]), seconds=st.sampled_from([4.0, 8.0]))
     def outage(self, role, seconds):
-        """The process dies and stays down longer than its peer takes to declare it dead (three heartbeat
-        intervals), then comes back as a new instance: what the peer forgot of it must not be used again."""
+        """A request is sent, so that the peer watches the process; 20 ms later the process dies and stays down
+        longer than its peer takes to declare it dead (three heartbeat intervals), then comes back as a new
+        instance: what the peer forgot of it must not be used again."""
+        self.request(40)
+        self.world.run(until=self.world.clock.now() + 0.02)
         self.world.crash(role, restart_after=seconds)
         self.world.run(until=self.world.clock.now() + seconds)
 
