@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from fsm_pd.sim.oracle import check_rows
 from fsm_pd.sim.world import SimConfig, World
-from fsm_pd.store import read_journal, replay
+from fsm_pd.store import replay
 from fsm_pd.store.journal import JournalRow
+from fsm_pd.store.reader import JournalReader
 
 
 def ownership_violations(world: World) -> list[str]:
@@ -69,12 +70,36 @@ def bound_to_dead_peers(world: World) -> list[str]:
     return found
 
 
+class JournalTail:
+    """One journal followed while it is written: its reader stays open, and each read fetches only the rows
+    committed since the last (the property suite reads both journals after every step)."""
+
+    def __init__(self, path):
+        self.path, self.reader, self.rows = path, None, []
+
+    def read(self) -> list[JournalRow]:
+        if self.reader is None:
+            if not self.path.exists():
+                return self.rows
+            self.reader = JournalReader(self.path)
+        self.rows.extend(self.reader.rows(after=self.rows[-1].seq if self.rows else 0))
+        return self.rows
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+
+
 def journal_rows(world: World) -> list[JournalRow]:
+    """Every row of both journals, in commit order per journal."""
+    if world.journal_dir is None:
+        return []
     rows: list[JournalRow] = []
     for role in ("prefill", "decode"):
-        path = world.journal_dir / f"{role}.db" if world.journal_dir is not None else None
-        if path is not None and path.exists():
-            rows.extend(read_journal(path))
+        tail = world.journal_tails.get(role)
+        if tail is None:
+            tail = world.journal_tails[role] = JournalTail(world.journal_dir / f"{role}.db")
+        rows.extend(tail.read())
     return rows
 
 

@@ -79,6 +79,7 @@ class World:
         if self.journal_dir is not None:
             self.journal_dir.mkdir(parents=True, exist_ok=True)
         self.durability = durability
+        self.journal_tails: dict[str, object] = {}  # the invariants' incremental readers (closed with the world)
         self.requests: dict[int, int] = {}  # room -> prompt length (of its first request)
         self.refused: list[tuple[str, int]] = []  # (role, room): a request its node refused (the room was used)
         self.reuse_accepted: list[str] = []  # a node took a room it had used before: it must refuse it
@@ -299,6 +300,8 @@ class World:
                 for r, room in slot.live_rooms().items()}
 
     def close(self) -> None:
+        for tail in self.journal_tails.values():
+            tail.close()
         for slot in (self.prefill, self.decode):
             inst = slot.instance
             if inst is not None and inst.journal is not None:
