@@ -35,6 +35,7 @@ from fsm_pd.transport.backends.spec import (
     summarize,
     verify_pulled,
 )
+from fsm_pd.transport.backends.timers import scheduler
 
 _nodes: dict[str, FakeTransferBackend] = {}
 _nodes_lock = threading.Lock()
@@ -47,7 +48,7 @@ class FakeTransferBackend(HoldingBackend):
 
     def __init__(self, *, tombstone_ttl_s: float = 600.0) -> None:
         self._address = f"fake://{os.getpid()}/{next(_ids)}"
-        self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s)
+        self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s, clock=scheduler())
         self._changed = threading.Condition(self._holds.lock)  # pullers wait here for publish/end/close
         self._delivered: set[int] = set()
         self._parked: Counter[int] = Counter()  # uuids pullers wait for, not published yet; guarded by _changed

@@ -114,10 +114,13 @@ class PeerMonitor:
             return {addr: entry.instance for addr, entry in self._watches.items()}
 
     def suspect(self, addr: str) -> bool:
-        """Whether ``addr`` is watched and missed its last heartbeat: it may be dead, not yet declared so."""
+        """Whether what is known of the process at ``addr`` is in doubt: it missed its last heartbeat (it may be
+        dead, not yet declared so), or nobody watches it, so a death or restart there would go unnoticed (it was
+        declared dead, or no room bound to it since it was looked up: every room that waited for the lookup ended
+        first)."""
         with self._lock:
             entry = self._watches.get(addr)
-            return entry is not None and entry.misses > 0
+            return entry is None or entry.misses > 0
 
     def instance_of(self, addr: str) -> str | None:
         with self._lock:

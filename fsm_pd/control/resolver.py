@@ -13,10 +13,15 @@ drops only entries naming that instance, so a late report about a dead instance 
 already found its successor.
 
 Watched by a ``PeerWatch`` (``watch_with``), the resolver does not wait for a death to be declared: a cached entry
-whose node missed its last heartbeat is asked afresh, and when the bootstrap server now names another process for
-the same rank (a new instance, usually at a new address: the node restarted), the rooms bound to the old one fail
-at once (``PeerWatch.moved``). A prefill node that restarts faster than its death can be declared is then used at
-once, not after the old one's rooms failed.
+whose node missed its last heartbeat, or that nobody watches (a restart there would go unnoticed), is asked afresh,
+and when the bootstrap server now names another process for the same rank (a new instance, usually at a new address:
+the node restarted), the rooms bound to the old one fail at once (``PeerWatch.moved``). A prefill node that restarts
+faster than its death can be declared is then used at once, not after the old one's rooms failed.
+
+``resolve`` never blocks: a room is answered from the cache, joins the lookup of its rank already under way, or leads
+a new one, which the caller's ``run`` port makes wherever blocking is allowed (``ThreadedResolver``: a worker thread;
+the simulation: its virtual clock). So the cache, the joining and the moved-registration check are the same code in
+a serving node and in the simulation. ``resolver(ctx)`` is the blocking form (the lookup on the calling thread).
 """
 
 from __future__ import annotations
@@ -28,6 +33,11 @@ from typing import Any
 
 from fsm_pd.bootstrap import RankRegistration, deregister_prefill_rank, register_prefill_rank, resolve_prefill
 from fsm_pd.bootstrap.client import base_url
+
+# done(result, error), as ``fsm_pd.effects.ports.ResultDone``
+Done = Callable[[Any, "BaseException | None"], None]
+# run(call, done): make the blocking ``call()`` somewhere it may block and report ``done(result, error)``
+Run = Callable[[Callable[[], Any], Done], None]
 
 
 class PrefillResolver:
@@ -42,78 +52,68 @@ class PrefillResolver:
         self._moved: Callable[[str, str | None, str | None], None] | None = None
 
     def watch_with(self, peers: Any) -> None:
-        """Consult ``peers`` (a ``PeerWatch``): distrust cached nodes that missed a heartbeat, and report a rank
-        whose registration moved to another process (``peers.moved(old_addr, old_instance, new_instance)``)."""
+        """Consult ``peers`` (a ``PeerWatch``): distrust cached nodes that missed a heartbeat or that nobody watches
+        (``PeerMonitor.suspect``), and report a rank whose registration moved to another process
+        (``peers.moved(old_addr, old_instance, new_instance)``)."""
         self._suspect, self._moved = peers.monitor.suspect, peers.moved
 
     def __call__(self, ctx: Mapping[str, Any]) -> dict:
         """``{"prefill_addr", "peer"}``, plus ``"bootstrap_url"`` and, if registered, ``"prefill_instance"`` when
-        found through a bootstrap server. Blocks for a lookup's retries. Raises ``LookupError``."""
-        if "prefill_addr" in ctx:
-            return {"prefill_addr": ctx["prefill_addr"], "peer": ctx.get("peer", "prefill")}
-        url, key = _key(ctx)
+        found through a bootstrap server. Blocks for a lookup's retries (made on this thread, or by the room that
+        leads the lookup of the same rank). Raises ``LookupError``."""
+        answer: Future = Future()
+        self.resolve(ctx, lambda found, error: _settle(answer, found, error), _run_here)
+        return answer.result()
+
+    def resolve(self, ctx: Mapping[str, Any], done: Done, run: Run) -> None:
+        """What ``self(ctx)`` gives, reported to ``done(answer, error)`` without blocking the caller: at once when no
+        lookup is needed (a ``prefill_addr``, a trusted cache entry), when the lookup of the same rank under way
+        ends, or when the lookup this room leads ends; ``run(call, done)`` makes that one. Why one per rank: a
+        bootstrap server that is down holds its lookup for the retries, and rooms must not each retry against it
+        (nor each hold a worker while rooms of live prefill nodes queue behind them until their deadline)."""
+        try:
+            if "prefill_addr" in ctx:
+                done({"prefill_addr": ctx["prefill_addr"], "peer": ctx.get("peer", "prefill")}, None)
+                return
+            url, key = _key(ctx)
+        except Exception as exc:  # noqa: BLE001 - the caller decides what the failure means
+            done(None, exc)
+            return
         with self._lock:
             found = self._cache.get(key)
         doubted = found if found is not None and self._suspect(found["side_channel"]) else None
-        if found is None or doubted is not None:
-            found = self._ask(url, key, doubted)
-        return _answer(url, found)
-
-    def without_waiting(self, ctx: Mapping[str, Any]) -> dict | Future | None:
-        """What ``self(ctx)`` would give, without blocking: the answer when no lookup is needed, a future of it when
-        a lookup of the same rank is under way, None when a lookup must be made (call ``self(ctx)`` on a worker).
-        Why: a bootstrap server that is down holds its lookup for the retries, and a room waiting on that lookup must
-        not hold a worker too, or rooms of live prefill nodes queue behind them until their bootstrap deadline."""
-        if "prefill_addr" in ctx:
-            return self(ctx)
-        url, key = _key(ctx)
-        with self._lock:
-            found, pending = self._cache.get(key), self._asking.get(key)
-        if found is not None and not self._suspect(found["side_channel"]):
-            return _answer(url, found)
-        if pending is None:
-            return None
-        answer: Future = Future()
-
-        def forward(done: Future) -> None:
-            error = done.exception()
-            if error is not None:
-                answer.set_exception(error)
-            else:
-                answer.set_result(_answer(url, done.result()))
-
-        pending.add_done_callback(forward)
-        return answer
-
-    def _ask(self, url: str, key: tuple[str, int], doubted: dict | None) -> dict:
-        """Ask the bootstrap server, once for all the rooms that need the same rank meanwhile: while a lookup is
-        under way the others wait for its answer instead of each retrying against a server that may be down."""
+        if found is not None and doubted is None:
+            done(_answer(url, found), None)
+            return
         with self._lock:
             pending = self._asking.get(key)
             leader = pending is None
             if leader:
                 pending = self._asking[key] = Future()
-        if not leader:
-            return pending.result()
-        try:
-            found = self.lookup(url, dp_rank=key[1], retries=self.retries, interval=self.interval_s)
-            if not found.get("side_channel"):
-                raise LookupError(f"the prefill rank registered at {url} has no fsm-pd side channel "
-                                  "(is it an fsm-pd prefill node?)")
-        except BaseException as exc:
-            with self._lock:
-                del self._asking[key]
-            pending.set_exception(exc)
-            raise
+        pending.add_done_callback(lambda ended: _forward(ended, url, done))
+        if leader:
+            lookup = self.lookup
+            run(lambda: lookup(url, dp_rank=key[1], retries=self.retries, interval=self.interval_s),
+                lambda found, error: self._looked_up(key, pending, doubted, found, error))
+
+    def _looked_up(self, key: tuple[str, int], pending: Future, doubted: dict | None, found: Any,
+                   error: BaseException | None) -> None:
+        """The lookup that ``key``'s rooms wait for ended: cache it, then answer them all."""
+        if error is None and not found.get("side_channel"):
+            error = LookupError(f"the prefill rank registered at {key[0]} has no fsm-pd side channel "
+                                "(is it an fsm-pd prefill node?)")
         with self._lock:  # cached before the lookup stops being under way: no gap for a second lookup
-            self._cache[key] = found
+            if error is None:
+                self._cache[key] = found
             del self._asking[key]
+        if error is not None:
+            pending.set_exception(error)
+            return
         pending.set_result(found)
         moved = doubted is not None and (doubted["side_channel"], doubted.get("instance")) != (
             found["side_channel"], found.get("instance"))
         if moved and self._moved is not None:
             self._moved(doubted["side_channel"], doubted.get("instance"), found.get("instance"))
-        return found
 
     def forget(self, url: str) -> None:
         """Drop every entry learned from the bootstrap server at ``url``."""
@@ -130,6 +130,30 @@ class PrefillResolver:
             for key in stale:
                 del self._cache[key]
         return len(stale)
+
+
+def _run_here(call: Callable[[], Any], done: Done) -> None:
+    try:
+        result = call()
+    except BaseException as exc:  # noqa: BLE001 - reported, and raised again by whoever waits on the answer
+        done(None, exc)
+    else:
+        done(result, None)
+
+
+def _settle(answer: Future, found: Any, error: BaseException | None) -> None:
+    if error is not None:
+        answer.set_exception(error)
+    else:
+        answer.set_result(found)
+
+
+def _forward(ended: Future, url: str, done: Done) -> None:
+    error = ended.exception()
+    if error is not None:
+        done(None, error)
+    else:
+        done(_answer(url, ended.result()), None)
 
 
 def _key(ctx: Mapping[str, Any]) -> tuple[str, tuple[str, int]]:

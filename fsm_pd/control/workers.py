@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 from typing import Any
 
 from fsm_pd.effects.ports import OnProgress, ResultDone
@@ -52,9 +52,10 @@ class ThreadedPuller:
 
 
 class ThreadedResolver:
-    """A ``PrefillResolver`` (HTTP with retries): answered at once from its cache, joined to a lookup of the same
-    rank under way, else looked up on ``workers``. Only the one lookup per rank holds a worker, so a bootstrap
-    server that is down (retried for seconds) cannot hold every worker while rooms of live nodes wait."""
+    """The real ``ResolverPort``: a ``PrefillResolver``'s ``resolve`` with its lookups made on ``workers``. A room is
+    answered at once from the cache, joins the lookup of its rank under way, or leads one; only that one lookup per
+    rank holds a worker, so a bootstrap server that is down (retried for seconds) cannot hold every worker while rooms
+    of live nodes wait. The simulation runs this class with simulated workers."""
 
     def __init__(self, resolver: Callable[[], Any], workers: Executor):
         """``resolver()``: the node's resolver now (a test may swap it for a plain function of ``ctx``)."""
@@ -62,16 +63,12 @@ class ThreadedResolver:
 
     def resolve(self, ctx: Mapping[str, Any], done: ResultDone) -> None:
         ctx, lookup = dict(ctx), self.resolver()
-        without_waiting = getattr(lookup, "without_waiting", lambda ctx: None)
-        try:
-            now = without_waiting(ctx)
-        except Exception as exc:  # noqa: BLE001 - the handler decides what the failure means
-            _report(done, None, exc)
-            return
-        if isinstance(now, Future):
-            now.add_done_callback(lambda f: _report(done, None, f.exception()) if f.exception() is not None
-                                  else _report(done, f.result(), None))
-        elif now is not None:
-            _report(done, now, None)
-        else:
+        resolve = getattr(lookup, "resolve", None)
+        if resolve is None:  # a plain function: it blocks, so it runs on a worker
             self.workers.submit(_call, done, lambda: lookup(ctx))
+            return
+        resolve(ctx, lambda result, error: _report(done, result, error), self.run)
+
+    def run(self, call: Callable[[], Any], done: ResultDone) -> None:
+        """The resolver's lookup port: one blocking lookup on a worker."""
+        self.workers.submit(_call, done, call)

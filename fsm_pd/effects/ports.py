@@ -13,9 +13,9 @@ outcome to the node as an event (``node.submit``), which is thread-safe.
 | --- | --- | --- |
 | clock and timers (``Node.clock``) | ``RealClock`` | ``VirtualClock`` |
 | ``SideChannelPort`` | ``PeerSenders`` over the signed ZMQ ``SideChannel`` | ``fsm_pd.sim.network`` (the same frames) |
-| ``PublishPort`` (prefill) | the transfer backend | ``fsm_pd.sim.transfer`` |
+| ``PublishPort`` (prefill) | the transfer backend | ``fsm_pd.sim.transfer`` (the real ``HoldTable``, virtual clock) |
 | ``PullPort`` (decode) | ``ThreadedPuller``: the backend on worker threads | ``fsm_pd.sim.transfer`` |
-| ``ResolverPort`` (decode) | ``ThreadedResolver``: ``PrefillResolver`` (HTTP), cached or on workers | in memory |
+| ``ResolverPort`` (decode) | ``ThreadedResolver``: ``PrefillResolver`` (HTTP) on workers | the same, lookup in memory |
 | ``ModelExecutor`` | ``ModelThread``: jobs in order on the thread owning the pool | ``fsm_pd.sim.model``: with delay |
 | ``PrefillKV`` / ``DecodeKV`` | ``JaxKV``: the page kernels | ``fsm_pd.sim.kv``: records every buffer and write |
 | ``Admission`` (decode) | ``PoolAdmission`` / ``SchedulerAdmission`` | ``PoolAdmission`` over a recording allocator |

@@ -49,6 +49,12 @@ class FaultPlan:
             return True
         return self._draw(0.2)
 
+    def pull_breaks_after(self, layers: int) -> int | None:
+        """None, or after how many of a pull's ``layers`` its connection is reset (0: before the first byte)."""
+        if not self.pull_fails():
+            return None
+        return self.rng.randrange(layers)
+
     def pull_reports_late(self) -> float:
         """Extra seconds before a pull that has its bytes reports them."""
         return self.slow_pulls_s + (self.rng.random() * 2.0 if self._draw(0.1) else 0.0)

@@ -5,13 +5,19 @@
 - no leaks: once the world is quiet, nothing is held for a room that has ended;
 - liveness: every room ends within the sum of its role's deadlines;
 - peers: no room stays bound to a dead peer process longer than the heartbeats take to notice;
-- the live state of every room equals the replay of its node's journal.
+- the live state of every room equals the replay of its node's journal, and every journaled decision is the one
+  the literal tables give (``fsm_pd.sim.oracle``: read directly, not through ``fire``);
+- liveness: once the faults are over and every process has been up long enough to be known to its peer, every new
+  request succeeds on both sides within a bound (``recovery_s``, ``handoff_bound_s``).
 """
 
 from __future__ import annotations
 
-from fsm_pd.sim.world import World
-from fsm_pd.store import read_journal, replay
+from fsm_pd.sim.oracle import check_rows
+from fsm_pd.sim.world import SimConfig, World
+from fsm_pd.store import replay
+from fsm_pd.store.journal import JournalRow
+from fsm_pd.store.reader import JournalReader
 
 
 def ownership_violations(world: World) -> list[str]:
@@ -64,20 +70,94 @@ def bound_to_dead_peers(world: World) -> list[str]:
     return found
 
 
-def journal_disagreements(world: World) -> list[str]:
+class JournalTail:
+    """One journal followed while it is written: its reader stays open, and each read fetches only the rows
+    committed since the last (the property suite reads both journals after every step)."""
+
+    def __init__(self, path):
+        self.path, self.reader, self.rows = path, None, []
+
+    def read(self) -> list[JournalRow]:
+        if self.reader is None:
+            if not self.path.exists():
+                return self.rows
+            self.reader = JournalReader(self.path)
+        self.rows.extend(self.reader.rows(after=self.rows[-1].seq if self.rows else 0))
+        return self.rows
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+
+
+def journal_rows(world: World) -> list[JournalRow]:
+    """Every row of both journals, in commit order per journal."""
+    if world.journal_dir is None:
+        return []
+    rows: list[JournalRow] = []
+    for role in ("prefill", "decode"):
+        tail = world.journal_tails.get(role)
+        if tail is None:
+            tail = world.journal_tails[role] = JournalTail(world.journal_dir / f"{role}.db")
+        rows.extend(tail.read())
+    return rows
+
+
+def journal_disagreements(world: World, rows: list[JournalRow] | None = None) -> list[str]:
     """Replay both journals; every room must replay consistently to the state (and version) it has live."""
     if world.journal_dir is None:
         return []
-    rows = []
-    for role in ("prefill", "decode"):
-        path = world.journal_dir / f"{role}.db"
-        if path.exists():
-            rows.extend(read_journal(path))
-    result = replay(rows)
+    result = replay(journal_rows(world) if rows is None else rows)
     found = [d.describe() for d in result.divergences]
     replayed = {(r.node, r.role, r.room): (r.final, len(r.events)) for r in result.rooms}
     live = {key: (room.state, room.version) for key, room in world.live_rooms().items()}
     for key in sorted(set(replayed) | set(live)):
         if replayed.get(key) != live.get(key):
             found.append(f"{key}: live (state, version) {live.get(key)}, journal replays to {replayed.get(key)}")
+    return found
+
+
+def table_disagreements(world: World, rows: list[JournalRow] | None = None) -> list[str]:
+    """Every journaled decision, decided again by the oracle from the literal tables; and every live room where the
+    oracle leaves it (state, version, reason). Replay cannot see a wrong decision: it repeats it."""
+    if world.journal_dir is None:
+        return []
+    found, rooms = check_rows(journal_rows(world) if rows is None else rows)
+    for key, room in world.live_rooms().items():
+        oracle = rooms.get(key)
+        want = None if oracle is None else (oracle.state, oracle.version, oracle.reason)
+        if want != (room.state, room.version, room.reason):
+            found.append(f"{key}: live (state, version, reason) {(room.state, room.version, room.reason)}, "
+                         f"the tables give {want}")
+    return found
+
+
+def recovery_s(config: SimConfig) -> float:
+    """How long after the last fault (faults off, partitions healed, crashed nodes started again, the fault phase's
+    rooms ended) until a new request must succeed: a peer that died is declared dead, or one that was replaced is
+    seen to be, within ``max_failures + 1`` heartbeat intervals (misses are counted per interval, and the last
+    answer may have come just after a tick). By then each side has dropped what it knew of the other's old process
+    (``PeerWatch``'s ``forget``: the resolver's cached lookup among it), so nothing stale is left to fail on."""
+    return (config.heartbeat_max_failures + 1) * config.heartbeat_interval
+
+
+def handoff_bound_s(config: SimConfig) -> float:
+    """How long a request may take, from reaching the nodes to Success on both sides, in a cluster without faults:
+    the shortest deadline of either role. No step of a healthy handoff waits on a timer (each is a lookup, a
+    message, a gather, a pull or a scatter: milliseconds here), so a request still unfinished then is waiting for
+    something that only a deadline would end: a lookup, a message or a peer that will not come."""
+    return min(*config.prefill_deadlines.values(), *config.decode_deadlines.values())
+
+
+def not_succeeded(world: World, rooms: list[int]) -> list[str]:
+    """The rooms among ``rooms`` that have not reached Success on both sides, and where each side stands."""
+    found = []
+    for room in rooms:
+        sides = {}
+        for slot in (world.prefill, world.decode):
+            state = slot.live_rooms().get(room)
+            sides[slot.role] = "never created" if state is None else (
+                state.state if state.reason is None else f"{state.state} ({state.reason})")
+        if set(sides.values()) != {"Success"}:
+            found.append(f"room {room}: prefill {sides['prefill']}, decode {sides['decode']}")
     return found

@@ -1,9 +1,15 @@
 """Simulated pool operations and page allocator: no bytes move, every buffer and every page write is recorded.
 
 ``SimKV`` is the ``PrefillKV`` and ``DecodeKV`` port of one process instance. Its buffers are ``SimBuffer`` records
-in the ledger (``staging`` on the prefill side; ``pulled`` ones are made by the simulated transfer). A scatter checks
-that every page it writes is still reserved by the room the data belongs to: a write after ``FreePages`` (or into
-pages handed to someone else since) is a violation.
+in the ledger (``staging`` on the prefill side; ``pulled`` ones are made by the simulated transfer). Every write into
+a page is checked against who holds the page: a write after ``FreePages`` (or into pages handed to someone else
+since) is a violation.
+
+An instance either copies layer by layer (``progressive``: a pool on one CPU device, beside the default ``tcp``
+backend) or whole buffers (a pool on an accelerator), a seeded choice per instance, so both branches of the
+production handlers run. Progressive, P publishes the staging buffer before gathering it and makes its layers final
+one at a time over virtual time (``publish_while_gathering``, the model thread busy meanwhile), and D writes each
+group of layers as it lands: a ``SimLayerStream``, the production ``LayerStream`` whose writes are ledger-checked.
 
 ``RecordingAllocator`` is the real ``PageAllocator`` with every reservation and every free attempt written to the
 ledger, and a page -> room map for the write check.
@@ -11,16 +17,27 @@ ledger, and a page -> room map for the write check.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from fsm_pd.control.layer_stream import LayerStream
 from fsm_pd.model.pages import PageAllocator
 from fsm_pd.sim.ledger import Ledger
+from fsm_pd.sim.scheduler import Scheduler
+
+GATHER_BYTES_PER_S = 10e9  # a layer-by-layer gather into host memory (memcpy speed), on top of a model job's delay
+STREAM_GROUP = 2  # layers per streamed write job (the real group depends on page bytes; any divisor will do here)
+
+
+class _Contiguous:
+    c_contiguous = True
 
 
 class SimBuffer:
-    """A staging or pulled array, as far as the handlers can tell: rows, bytes, and whose KV it is."""
+    """A staging or pulled array, as far as the handlers and ``StagingProgress`` can tell: rows, bytes, whose KV."""
 
     __slots__ = ("key", "kind", "nbytes", "room", "rows")
+    flags = _Contiguous()
 
     def __init__(self, key: int, kind: str, room: int, rows: int, page_bytes: int):
         self.key, self.kind, self.room, self.rows = key, kind, room, rows
@@ -54,44 +71,95 @@ class RecordingAllocator(PageAllocator):
             self.owner.pop(page, None)
         return freed
 
+    def check_write(self, room: int, pages: list[int], what: str) -> None:
+        """A write of ``room``'s KV reaches ``pages``: each must still be held by ``room``."""
+        self.ledger.writes += 1
+        for page in pages:
+            holder = self.owner.get(page)
+            if holder != room:
+                whose = "nobody" if holder is None else f"room {holder}"
+                self.ledger.violation(f"{what} of room {room} reached page {page}, held by {whose} "
+                                      "(after its FreePages)")
+
+
+class SimLayerStream(LayerStream):
+    """The production ``LayerStream``; a write is a ledger-checked page write of the room that pulls."""
+
+    def __init__(self, model: Any, pages: list[int], room: int, allocator: RecordingAllocator, *, num_layers: int,
+                 layer_bytes: int):
+        super().__init__(model, pages, num_layers=num_layers, layer_bytes=layer_bytes, group=STREAM_GROUP)
+        self.room, self.allocator = room, allocator
+
+    def stage(self, host: Any, layer: int) -> int:
+        return layer
+
+    def write(self, owner: Any, layer: int, staged: int) -> None:
+        layers = f"layers {layer}-{layer + self.group - 1}"
+        self.allocator.check_write(self.room, self.pages, f"a streamed write of {layers}")
+
 
 class SimKV:
-    def __init__(self, ledger: Ledger, instance: Any, page_bytes: int, *, room_of_pages: Any = None,
+    def __init__(self, ledger: Ledger, sched: Scheduler, model: Any, instance: Any, page_bytes: int,
+                 num_layers: int, *, progressive: bool, room_of_pages: Callable[[list[int]], int] | None = None,
                  allocator: RecordingAllocator | None = None):
-        self.ledger, self.instance, self.page_bytes = ledger, instance, page_bytes
+        self.ledger, self.sched, self.model, self.instance = ledger, sched, model, instance
+        self.page_bytes, self.num_layers, self.progressive = page_bytes, num_layers, progressive
         self.room_of_pages, self.allocator = room_of_pages, allocator
 
     # --- prefill ---
     def gather(self, owner: Any, pages: list[int]) -> SimBuffer:
+        return self._staging(pages)
+
+    def _staging(self, pages: list[int]) -> SimBuffer:
         room = self.room_of_pages(pages)
         buf = SimBuffer(self.ledger.new_id(), "staging", room, len(pages), self.page_bytes)
         self.ledger.alloc("staging", buf.key, self.instance, room)
         return buf
 
     def gathers_progressively(self, owner: Any) -> bool:
-        return False
+        return self.progressive
 
-    def publish_while_gathering(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("the simulated transfer is not progressive")
+    def publish_while_gathering(self, owner: Any, transfer: Any, uuid: int, pages: list[int], hold_timeout_s: float,
+                                on_published: Callable[[int], None]) -> None:
+        """As ``overlap.publish_while_gathering``: publish the (warm) staging block, READY may go, then the gather
+        makes one layer final after another, while the model thread does nothing else."""
+        block = self._staging(pages)
+        try:
+            progress = transfer.publish_progressive(uuid, block, hold_timeout_s)
+        except BaseException:
+            self.ledger.free("staging", block.key, by="the warm block going back unpublished")
+            raise
+        on_published(block.rows)
+        layer_bytes = block.nbytes // self.num_layers
+        # as long as a model job, plus the copy: a slow model thread gathers slowly too, and D then waits for layers
+        layer_s = (self.model.delay() + block.nbytes / GATHER_BYTES_PER_S) / self.num_layers
+        for layer in range(self.num_layers):
+            final = (layer + 1) * layer_bytes
+            self.sched.later((layer + 1) * layer_s, lambda final=final: progress.advance(final), self.instance)
+        self.model.busy_for(self.num_layers * layer_s)
 
     def discard(self, staging: SimBuffer) -> None:
         self.ledger.free(staging.kind, staging.key, by="the handler discarding it")
 
     # --- decode ---
-    def stream(self, pages: list[int]) -> None:
-        return None
+    def stream(self, pages: list[int]) -> SimLayerStream | None:
+        if not self.progressive:
+            return None
+        room = self.allocator.owner[pages[0]]  # the room pulling into them holds them now
+        return SimLayerStream(self.model, pages, room, self.allocator, num_layers=self.num_layers,
+                              layer_bytes=len(pages) * self.page_bytes // self.num_layers)
 
-    def complete_stream(self, stream: Any, staging: SimBuffer) -> bool:
-        return False
+    def complete_stream(self, stream: SimLayerStream, staging: SimBuffer) -> bool:
+        if not stream.submitted:
+            return False  # nothing landed early: one whole scatter is cheaper (as JaxKV)
+        stream.on_progress(0, staging, staging.nbytes)
+        return True
 
-    def scatter(self, owner: Any, staging: SimBuffer, pages: list[int], stream: Any) -> None:
-        self.ledger.writes += 1
-        for page in pages:
-            holder = self.allocator.owner.get(page)
-            if holder != staging.room:
-                whose = "nobody" if holder is None else f"room {holder}"
-                self.ledger.violation(f"a write of room {staging.room} reached page {page}, held by {whose} "
-                                      "(after its FreePages)")
+    def scatter(self, owner: Any, staging: SimBuffer, pages: list[int], stream: SimLayerStream | None) -> None:
+        if stream is not None:
+            stream.written(owner)
+            return
+        self.allocator.check_write(staging.room, pages, "a write")
 
-    def cancel(self, stream: Any) -> None:
-        pass
+    def cancel(self, stream: SimLayerStream) -> None:
+        stream.cancel()

@@ -1,6 +1,7 @@
 """The simulated model thread: jobs run one at a time, in submission order, each ``delay`` virtual seconds after
 the one before (a slow model thread is a larger delay). Futures complete on the simulator's thread, so their
-callbacks run at once, in order."""
+callbacks run at once, in order. A job that keeps the thread busy after it returned (a layer-by-layer gather whose
+layers become final over virtual time) says so with ``busy_for``."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ class SimModel:
         self.pool = None
         self._queue: deque[tuple[Callable[[Any], Any], Future]] = deque()
         self._running = False
+        self._free_at = 0.0  # until when a job that returned still holds the thread
+        self.due_at = 0.0  # when the job at the head of the queue runs
 
     def submit(self, job: Callable[[Any], Any]) -> Future:
         future: Future = Future()
@@ -26,13 +29,20 @@ class SimModel:
             self._next()
         return future
 
+    def busy_for(self, seconds: float) -> None:
+        """Called from a job: the thread is busy for ``seconds`` more; no job starts before then."""
+        self._free_at = max(self._free_at, self.sched.clock.now() + seconds)
+
     def queued(self) -> int:
         return len(self._queue)
 
     def _next(self) -> None:
         self._running = bool(self._queue)
         if self._running:
-            self.sched.later(self.delay(), self._run_head, self.instance)
+            now = self.sched.clock.now()
+            wait = max(0.0, self._free_at - now) + self.delay()
+            self.due_at = now + wait
+            self.sched.later(wait, self._run_head, self.instance)
 
     def _run_head(self) -> None:
         job, future = self._queue.popleft()

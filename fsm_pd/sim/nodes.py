@@ -63,11 +63,15 @@ class Instance:
         self.channel = SimSideChannel(w.network, self, slot.node_id, slot.address, new_instance_id(w.rng))
         faults = Faults(role=slot.role)  # FSM_PD_FAULT_* drive real processes; the simulation has its FaultPlan
         self.journal = w.open_journal(slot.role)
+        # a pool on one CPU device copies layer by layer (overlapping the wire), one on an accelerator whole buffers
+        self.progressive = w.rng.random() < w.config.progressive
+        layers = w.decode_layout["num_layers"]
         if slot.role == "prefill":
             self.pages = PageAllocator(w.config.prefill_pages)  # the prefill engine's pool
             self.page_room: dict[int, int] = {}
             self.transfer = SimTransferServer(w.sched, w.ledger, self, slot.transfer_address)
-            kv = SimKV(w.ledger, self, w.page_bytes, room_of_pages=lambda pages: self.page_room[pages[0]])
+            kv = SimKV(w.ledger, w.sched, self.model, self, w.page_bytes, layers, progressive=self.progressive,
+                       room_of_pages=lambda pages: self.page_room[pages[0]])
             self.effects: PrefillEffects | DecodeEffects = PrefillEffects(
                 layout=w.prefill_layout, channel=self.channel, transfer=self.transfer, model=self.model, kv=kv,
                 faults=faults, new_uuid=lambda: w.rng.getrandbits(63) or 1)
@@ -76,10 +80,13 @@ class Instance:
             self.allocator = RecordingAllocator(w.config.num_pages, w.ledger, self)
             self.admission = PoolAdmission(self.allocator)
             self.resolver = SimResolver(w.sched, self, w.plan, w.bootstrap)
-            puller = SimPuller(w.sched, w.ledger, self, w.plan, w.transfer_server, lambda: w.network.partitioned)
+            puller = SimPuller(w.sched, w.ledger, self, w.plan, w.transfer_server, lambda: w.network.partitioned,
+                               layers)
             self.effects = DecodeEffects(
                 layout=w.decode_layout, channel=self.channel, resolver=self.resolver, admission=self.admission,
-                puller=puller, model=self.model, kv=SimKV(w.ledger, self, w.page_bytes, allocator=self.allocator),
+                puller=puller, model=self.model,
+                kv=SimKV(w.ledger, w.sched, self.model, self, w.page_bytes, layers, progressive=self.progressive,
+                         allocator=self.allocator),
                 faults=faults)
             machine, deadlines, layout = RECEIVER, w.config.decode_deadlines, w.decode_layout
         self.interpreter = CrashableInterpreter(self.effects.interpreter())
@@ -137,6 +144,8 @@ class SimNode:
         inst.interpreter.armed = False
         self.crashes += 1
         self.world.ledger.crash(inst)
+        if self.role == "prefill":
+            inst.transfer.died()
         if inst.journal is not None:
             inst.journal.engine.dispose()  # the dead process's handle; every step was committed before it died
 

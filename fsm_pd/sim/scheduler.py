@@ -49,3 +49,27 @@ class OwnedTimers:
 
     def cancel(self, handle: int) -> None:
         self.clock.cancel(handle)
+
+
+class _Timer:
+    __slots__ = ("clock", "handle")
+
+    def __init__(self, clock: VirtualClock, handle: int):
+        self.clock, self.handle = clock, handle
+
+    def cancel(self) -> None:
+        self.clock.cancel(self.handle)
+
+
+class OwnedDeadlines:
+    """The ``HoldClock`` of a simulated transfer server: the real ``HoldTable``'s expiries on the virtual clock,
+    owned by the server's process (they die with it) and not counted as work (a hold that nobody pulls is not)."""
+
+    def __init__(self, timers: OwnedTimers):
+        self.timers = timers
+
+    def now(self) -> float:
+        return self.timers.now()
+
+    def call_at(self, when: float, fn: Callable[[], None]) -> _Timer:
+        return _Timer(self.timers.clock, self.timers.call_at(when, fn))

@@ -1,22 +1,32 @@
 """The simulated data plane: a transfer server per prefill instance (``PublishPort``) and a puller per decode
 instance (``PullPort``), keeping the backend contract on the virtual clock.
 
-A published entry is held until ``release``, ``fail`` or its hold expires; then its staging buffer is freed and a
-tombstone makes later pulls fail at once. A pull connects (refused if no live server listens, or in a partition),
-waits for the entry to be published up to its deadline (``TransferTimeout``), takes the bytes, and reports after a
-local delay; that delay is where a pull can finish successfully after its room ended.
+The server's entries live in the production ``HoldTable`` (``fsm_pd.transport.backends.holds``), on the virtual
+clock: held until ``release``, ``fail`` or its hold expires, then retired (the staging buffer is freed) and remembered
+as a tombstone, so that a later pull fails at once, exactly as on the real backends. ``release`` and ``fail`` are
+``HoldingBackend``'s own. Like the default ``tcp`` backend the server is progressive: an entry may be published
+before it is filled (``publish_progressive``, the real ``StagingProgress``), and only final bytes leave.
+
+A pull connects (refused if no live server listens, or in a partition), waits for the entry to be published up to
+its deadline (``TransferTimeout``), then streams it a layer at a time: each layer leaves once P made it final and
+lands after its wire time, and ``on_progress`` hears of it, as the tcp backend reports. A fault resets the
+connection before the first layer or after a few (a streamed scatter then has written some of them); a server that
+dies, ends the entry or is cut off fails the pull at the next layer. Once every byte is in, the pull reports after
+a local delay; that delay is where a pull can finish successfully after its room ended.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fsm_pd.sim.faults import FaultPlan
 from fsm_pd.sim.kv import SimBuffer
 from fsm_pd.sim.ledger import Ledger
-from fsm_pd.sim.scheduler import Scheduler
-from fsm_pd.transport.backends.base import OpenEntries, TransferFailed, TransferTimeout
+from fsm_pd.sim.scheduler import OwnedDeadlines, OwnedTimers, Scheduler
+from fsm_pd.transport.backends.base import StagingProgress, TransferFailed, TransferTimeout
+from fsm_pd.transport.backends.holds import Hold, HoldingBackend, HoldTable
 
 BYTES_PER_S = 2.5e9
 CONNECT_S = 0.0005
@@ -24,86 +34,160 @@ REPORT_S = 0.0002  # verify and place the pulled array
 POLL_S = 0.005  # how often a pull looks again for an entry not yet published
 
 
-class SimTransferServer:
+class SimTransferServer(HoldingBackend):
+    """The publish half of a backend over the real ``HoldTable``; pulls are ``SimPuller``'s."""
+
     name = "sim"
-    progressive = False
+    progressive = True
 
     def __init__(self, sched: Scheduler, ledger: Ledger, instance: Any, address: str):
         self.sched, self.ledger, self.instance, self._address = sched, ledger, instance, address
-        self.entries: dict[int, SimBuffer] = {}
-        self.tombstones: dict[int, str] = {}
+        self._holds = HoldTable(self._retire, clock=OwnedDeadlines(OwnedTimers(sched.clock, instance)))
+        self._waiting: dict[int, list[Callable[[], None]]] = {}  # uuid -> pulls waiting for more final bytes
 
     @property
     def address(self) -> str:
         return self._address
 
     def publish(self, uuid: int, staging: Any, hold_timeout_s: float) -> None:
-        if uuid in self.entries or uuid in self.tombstones:
-            raise ValueError(f"transfer uuid {uuid} was already used on {self._address}")
         (buf,) = staging
-        self.entries[uuid] = buf
+        self._publish(uuid, buf, None, hold_timeout_s)
+
+    def publish_progressive(self, uuid: int, host: SimBuffer, hold_timeout_s: float) -> StagingProgress:
+        progress = StagingProgress(host, lambda: self._wake(uuid))
+        self._publish(uuid, host, progress, hold_timeout_s)
+        return progress
+
+    def _publish(self, uuid: int, buf: SimBuffer, progress: StagingProgress | None, hold_timeout_s: float) -> None:
+        self._holds.publish(uuid, buf.nbytes, hold_timeout_s, lambda deadline: (buf, progress))
         self.ledger.alloc("entry", (self.instance.name, uuid), self.instance, buf.room)
-        self.sched.later(hold_timeout_s, lambda: self._end(uuid, "hold expired"), self.instance, work=False)
 
     def release(self, uuid: int) -> None:
         self.ledger.free("entry", (self.instance.name, uuid), by="release")
-        self._end(uuid, "released")
+        super().release(uuid)
 
     def fail(self, uuid: int, reason: str) -> None:
         self.ledger.free("entry", (self.instance.name, uuid), by="fail")
-        self._end(uuid, reason)
+        super().fail(uuid, reason)
 
-    def _end(self, uuid: int, reason: str) -> None:
-        buf = self.entries.pop(uuid, None)
-        self.tombstones.setdefault(uuid, reason)
-        if buf is not None:  # the backend lets the staging buffer go with its entry
-            self.ledger.free("staging", buf.key, by=f"the transfer entry ending ({reason})")
+    def _retire(self, uuid: int, reason: str, hold: Hold | None) -> None:
+        if hold is not None:  # the backend lets the staging buffer go with its entry
+            self.ledger.free("staging", hold.payload[0].key, by=f"the transfer entry ending ({reason})")
+        self._wake(uuid)  # a pull waiting for bytes finds the tombstone
 
-    def open_entries(self) -> OpenEntries:
-        return OpenEntries(len(self.entries), sum(b.nbytes for b in self.entries.values()))
+    def lookup(self, uuid: int) -> tuple[Any, str | None]:
+        """What a pull finds: ``((buffer, progress or None), None)``, ``(None, why it ended)``, or ``(None, None)``
+        if never published."""
+        return self._holds.lookup(uuid)
+
+    def wait_for_bytes(self, uuid: int, wake: Callable[[], None]) -> None:
+        self._waiting.setdefault(uuid, []).append(wake)
+
+    def _wake(self, uuid: int) -> None:
+        for wake in self._waiting.pop(uuid, ()):
+            wake()
+
+    def died(self) -> None:
+        """The process is gone: every stream it served breaks (the pullers see a reset)."""
+        for uuid in list(self._waiting):
+            self._wake(uuid)
+
+    def pull(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("pulls go through SimPuller")
+
+    def close(self) -> None:
+        self._holds.close()
+
+
+@dataclass(eq=False)
+class _Pull:
+    address: str
+    uuid: int
+    deadline: float
+    done: Callable[[Any, BaseException | None], None]
+    on_progress: Callable[[int, Any, int], None] | None
+    entry: SimBuffer | None = None
+    progress: StagingProgress | None = None
+    reset_at: int | None = None  # bytes after which a fault resets the connection
+    received: int = 0
 
 
 class SimPuller:
     def __init__(self, sched: Scheduler, ledger: Ledger, instance: Any, plan: FaultPlan,
-                 servers: Callable[[str], SimTransferServer | None], partitioned: Callable[[], bool]):
+                 servers: Callable[[str], SimTransferServer | None], partitioned: Callable[[], bool], layers: int):
+        """``layers``: a staging buffer streams in this many equal parts (the layout's layers)."""
         self.sched, self.ledger, self.instance, self.plan = sched, ledger, instance, plan
-        self.servers, self.partitioned = servers, partitioned
+        self.servers, self.partitioned, self.layers = servers, partitioned, layers
 
     def pull(self, address: str, uuid: int, page_count: int, timeout_s: float, *, done: Callable,
              on_progress: Any = None, delay_s: float = 0.0) -> None:
-        deadline = self.sched.clock.now() + timeout_s
-        self.sched.later(delay_s + CONNECT_S, lambda: self._look(address, uuid, page_count, deadline, done),
-                         self.instance)
+        p = _Pull(address, uuid, self.sched.clock.now() + timeout_s, done, on_progress)
+        self.sched.later(delay_s + CONNECT_S, lambda: self._look(p), self.instance)
 
-    def _look(self, address: str, uuid: int, page_count: int, deadline: float, done: Callable) -> None:
-        now = self.sched.clock.now()
-        if now >= deadline:
-            done(None, TransferTimeout(f"transfer {uuid} not pulled from {address} in time"))
-            return
-        server = self.servers(address)
+    def _server(self, p: _Pull) -> SimTransferServer | None:
+        server = self.servers(p.address)
         if server is None or not server.instance.alive or self.partitioned():
-            done(None, TransferFailed(f"no live transfer server at {address}"))
+            return None
+        return server
+
+    def _look(self, p: _Pull) -> None:
+        now = self.sched.clock.now()
+        if now >= p.deadline:
+            p.done(None, TransferTimeout(f"transfer {p.uuid} not pulled from {p.address} in time"))
             return
-        if uuid in server.tombstones:
-            done(None, TransferFailed(f"transfer {uuid}: {server.tombstones[uuid]}"))
+        server = self._server(p)
+        if server is None:
+            p.done(None, TransferFailed(f"no live transfer server at {p.address}"))
             return
-        entry = server.entries.get(uuid)
-        if entry is None:  # not published (yet, or ever: a restarted server never heard of it)
-            self.sched.later(min(POLL_S, deadline - now), lambda: self._look(address, uuid, page_count, deadline,
-                                                                            done), self.instance)
+        found, ended = server.lookup(p.uuid)
+        if ended is not None:
+            p.done(None, TransferFailed(f"transfer {p.uuid}: {ended}"))
             return
-        if self.plan.pull_fails():
-            done(None, TransferFailed("connection reset during the pull"))
+        if found is None:  # not published (yet, or ever: a restarted server never heard of it)
+            self.sched.later(min(POLL_S, p.deadline - now), lambda: self._look(p), self.instance)
             return
-        wire_s = entry.nbytes / BYTES_PER_S
-        if now + wire_s >= deadline:
-            self.sched.later(deadline - now, lambda: done(None, TransferTimeout(f"transfer {uuid}: too slow")),
+        p.entry, p.progress = found
+        reset_after = self.plan.pull_breaks_after(self.layers)
+        if reset_after is not None:
+            p.reset_at = reset_after * (p.entry.nbytes // self.layers)
+        self._stream(p)
+
+    def _stream(self, p: _Pull) -> None:
+        """Send the next layer that is final, or wait until P makes one final."""
+        now, total = self.sched.clock.now(), p.entry.nbytes
+        server = self._server(p)
+        found, ended = (None, "the server went away") if server is None else server.lookup(p.uuid)
+        if found is None and p.received < total:
+            p.done(None, TransferFailed(f"transfer {p.uuid} broke off after {p.received} of {total} bytes: {ended}"))
+            return
+        if p.reset_at is not None and p.received >= p.reset_at:
+            p.done(None, TransferFailed("connection reset during the pull"))
+            return
+        if p.received >= total:
+            self._landed(p)
+            return
+        final = total if p.progress is None else p.progress.final_bytes
+        if p.received >= final:  # P has not gathered the next layer yet
+            server.wait_for_bytes(p.uuid, lambda: self.sched.later(0.0, lambda: self._stream(p), self.instance))
+            return
+        layer = total // self.layers
+        upto = min(final, (p.received // layer + 1) * layer)
+        wire_s = (upto - p.received) / BYTES_PER_S
+        if now + wire_s >= p.deadline:
+            self.sched.later(p.deadline - now, lambda: p.done(None, TransferTimeout(f"transfer {p.uuid}: too slow")),
                              self.instance)
             return
-        self.sched.later(wire_s, lambda: self._landed(entry, done), self.instance)
+        self.sched.later(wire_s, lambda: self._arrived(p, upto), self.instance)
 
-    def _landed(self, entry: SimBuffer, done: Callable) -> None:
+    def _arrived(self, p: _Pull, upto: int) -> None:
+        p.received = upto
+        if p.on_progress is not None:
+            p.on_progress(0, p.entry, upto)
+        self._stream(p)
+
+    def _landed(self, p: _Pull) -> None:
         """Every byte is here: the pulled array exists on this node from now on, whatever the room does."""
+        entry = p.entry
         pulled = SimBuffer(self.ledger.new_id(), "pulled", entry.room, entry.rows, entry.nbytes // max(1, entry.rows))
         self.ledger.alloc("pulled", pulled.key, self.instance, pulled.room)
-        self.sched.later(REPORT_S + self.plan.pull_reports_late(), lambda: done(pulled, None), self.instance)
+        self.sched.later(REPORT_S + self.plan.pull_reports_late(), lambda: p.done(pulled, None), self.instance)

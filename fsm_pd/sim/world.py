@@ -6,6 +6,9 @@ the effect handlers (``PrefillEffects``, ``DecodeEffects``), ``PoolAdmission`` o
 ``transfer``, ``bootstrap``, ``model``, ``kv``): the network carries the real signed frames and can drop, duplicate,
 delay, reorder and partition them; either node can crash (also between journal commit and effects) and restart at the
 same addresses as a new instance, rebuilt from its journal. The same seed gives the same history, byte for byte.
+
+``run()`` is bounded in virtual time (``bounds.py``): a world that has not gone idle by then holds a room that
+never ends, or work that never stops, and ``Stuck`` says which, instead of heartbeats ticking for ever.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fsm_pd.control.core import RoomInUse
 from fsm_pd.effects import VirtualClock
 from fsm_pd.model.pages import OutOfPages
 from fsm_pd.sim.bootstrap import SimBootstrap
+from fsm_pd.sim.bounds import Stuck, settle_bound, still_going
 from fsm_pd.sim.faults import FaultPlan
 from fsm_pd.sim.ledger import Ledger
 from fsm_pd.sim.network import SimNetwork
@@ -46,6 +51,7 @@ class SimConfig:
     restart_after: float = 3.0
     decode_time: float = 0.05
     model_delay: float = 0.0005  # per model-thread job
+    progressive: float = 0.5  # the chance that a process instance copies KV layer by layer (a CPU pool, tcp)
 
 
 class World:
@@ -73,9 +79,13 @@ class World:
         if self.journal_dir is not None:
             self.journal_dir.mkdir(parents=True, exist_ok=True)
         self.durability = durability
-        self.requests: dict[int, int] = {}  # room -> prompt length
+        self.journal_tails: dict[str, object] = {}  # the invariants' incremental readers (closed with the world)
+        self.requests: dict[int, int] = {}  # room -> prompt length (of its first request)
+        self.refused: list[tuple[str, int]] = []  # (role, room): a request its node refused (the room was used)
+        self.reuse_accepted: list[str] = []  # a node took a room it had used before: it must refuse it
         self.pending_arrivals = 0
         self.restarts_pending = 0
+        self.last_start = 0.0  # the latest time a scheduled request or restart begins
         self.instances: dict[str, Instance] = {}  # every process instance that ran, by its instance id
         # called whenever the nodes have settled after a timer fired: checks that must hold at every instant, not
         # only between the property suite's rules (a rule may move time on by seconds)
@@ -119,9 +129,11 @@ class World:
 
     # --- requests and clients ---
     def add_request(self, room: int, prompt_len: int, at: float) -> None:
-        """The router sends the request to both nodes at once (each leg with its own small delay)."""
-        self.requests[room] = prompt_len
+        """The router sends the request to both nodes at once (each leg with its own small delay). A room already
+        used is sent again as a client would (a retry, a collision): each node must refuse it."""
+        self.requests.setdefault(room, prompt_len)
         self.pending_arrivals += 2
+        self.last_start = max(self.last_start, at + 0.02)  # the legs' jitter and a client's abort come within 20 ms
         now = self.clock.now()
         self.sched.later(at - now + self.rng.random() * 0.001, lambda: self._arrive_prefill(room, prompt_len),
                          work=False)
@@ -135,16 +147,16 @@ class World:
     def _arrive_prefill(self, room: int, prompt_len: int) -> None:
         self.pending_arrivals -= 1
         inst = self.prefill.instance
-        if not inst.alive:
-            return  # connection refused; the decode leg finds out through its own deadlines
-        count = -(-prompt_len // LAYOUT["page_size"])
-        try:
-            pages = inst.pages.reserve(room, count)
+        if not inst.alive or not self._accepted(self.prefill, room, lambda: inst.core.add_sender(
+                room, prompt_len=prompt_len)):
+            return  # connection refused, or the room was used: the decode leg finds out through its own deadlines
+        inst.created[room] = self.clock.now()
+        try:  # the prefill engine's scheduler reserves the prompt's pages once the request is in
+            pages = inst.pages.reserve(room, -(-prompt_len // LAYOUT["page_size"]))
         except OutOfPages:
+            inst.core.abort(room, "out of pages")
             return
         inst.page_room.update(dict.fromkeys(pages, room))
-        inst.core.add_sender(room, prompt_len=prompt_len)
-        inst.created[room] = self.clock.now()
         prefill_s = 0.002 + prompt_len * 1e-5
         first_token = self.rng.randrange(256)
         self.sched.later(prefill_s, lambda: inst.core.kv_ready(room, pages=pages, first_token=first_token), inst)
@@ -152,11 +164,23 @@ class World:
     def _arrive_decode(self, room: int, prompt_len: int) -> None:
         self.pending_arrivals -= 1
         inst = self.decode.instance
-        if not inst.alive:
-            return
-        inst.core.add_receiver(room, page_count=-(-prompt_len // LAYOUT["page_size"]), prompt_len=prompt_len,
-                               bootstrap_addr=self.bootstrap_addr)
-        inst.created[room] = self.clock.now()
+        if inst.alive and self._accepted(self.decode, room, lambda: inst.core.add_receiver(
+                room, page_count=-(-prompt_len // LAYOUT["page_size"]), prompt_len=prompt_len,
+                bootstrap_addr=self.bootstrap_addr)):
+            inst.created[room] = self.clock.now()
+
+    def _accepted(self, slot: SimNode, room: int, create) -> bool:
+        """Create the room as the node's engine does; False if the node refused it (``RoomInUse``). A node that
+        takes a room it has used before (live, ended, or journaled by an earlier process) is a violation."""
+        used = room in slot.live_rooms()
+        try:
+            create()
+        except RoomInUse:
+            self.refused.append((slot.role, room))
+            return False
+        if used:
+            self.reuse_accepted.append(f"{slot.role} node accepted room {room} again at t={self.clock.now():.4f}")
+        return True
 
     def abort(self, side: str, room: int, reason: str) -> None:
         inst = (self.prefill if side == "prefill" else self.decode).instance
@@ -180,11 +204,26 @@ class World:
     def crash_prefill(self) -> None:
         self.crash("prefill", restart_after=self.config.restart_after)
 
+    def heal(self) -> None:
+        """The fault phase is over: no more faults of any kind, partitions healed, a crash armed for a later step
+        disarmed, and every node that is down started again now (a restart still scheduled then finds it up)."""
+        plan = self.plan
+        plan.rate, plan.slow_pulls_s, plan.fail_next_pull, plan.fail_next_resolve = 0.0, 0.0, 0, 0
+        plan.forced_messages.clear()
+        self.model_delay = self.config.model_delay
+        self.network.partitioned_until = float("-inf")
+        for slot in (self.prefill, self.decode):
+            if slot.alive:
+                slot.instance.interpreter.armed = False
+            else:
+                slot.start()
+
     def _schedule_restart(self, slot: SimNode, after: float | None) -> None:
         if after is None:
             return
         dead = slot.instance
         self.restarts_pending += 1
+        self.last_start = max(self.last_start, self.clock.now() + after)
 
         def restart() -> None:
             self.restarts_pending -= 1
@@ -207,14 +246,19 @@ class World:
                 done += 1
         return done
 
-    def run(self, until: float | None = None) -> None:
+    def run(self, until: float | None = None, *, within: float | None = None) -> None:
         """Process events and fire timers until nothing is left to do, or until virtual time ``until``. Heartbeats
-        alone are not something to do: they tick for ever, and would never let an idle world stop."""
+        alone are not something to do: they tick for ever, and would never let an idle world stop. Without
+        ``until``, the world must go idle within ``within`` virtual seconds (default ``settle_bound``: see
+        ``bounds.py``), else ``Stuck``."""
+        limit = None if until is not None else self.clock.now() + (settle_bound(self) if within is None else within)
         while True:
             self._settle()
             nxt = self.clock.next_time()
             if nxt is None or (until is not None and nxt > until) or self.idle():
                 break
+            if limit is not None and nxt > limit:
+                raise Stuck(still_going(self, limit))
             self.clock.fire_next()
         if until is not None:
             self.clock.advance_to(until)
@@ -256,6 +300,8 @@ class World:
                 for r, room in slot.live_rooms().items()}
 
     def close(self) -> None:
+        for tail in self.journal_tails.values():
+            tail.close()
         for slot in (self.prefill, self.decode):
             inst = slot.instance
             if inst is not None and inst.journal is not None:

@@ -153,9 +153,13 @@ class JournalReader:
         finally:
             conn.close()
 
-    def rows(self) -> Iterator[JournalRow]:
-        """Every row in commit order, streamed."""
-        return (row_from(r) for r in self._stream(select(transitions).order_by(_t.seq)))
+    def rows(self, after: int = 0) -> Iterator[JournalRow]:
+        """Every row in commit order (only those after sequence number ``after``: a reader following a journal
+        that is still written), streamed."""
+        query = select(transitions).order_by(_t.seq)
+        if after:
+            query = query.where(_t.seq > after)
+        return (row_from(r) for r in self._stream(query))
 
     def sides(self, room: int | None = None) -> Iterator[Side]:
         """Every side (or those of one room) in (room, role, node) order, streamed through the room index."""

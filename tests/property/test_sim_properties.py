@@ -1,19 +1,26 @@
 """Property suite: hypothesis drives the simulation of the real handlers and checks the invariants after every step.
 
 The nodes are the production code (``NodeCore``, ``Node``, ``PrefillEffects``, ``DecodeEffects``, ``PoolAdmission``,
-``PrefillResolver``, the journals); only the ports are simulated (``fsm_pd.sim``). Rules: requests; message faults
-(drop, duplicate, delay, reorder) and partitions; failed pulls and bootstrap lookups; slow pulls and a pull that
-succeeds after its room ended; a slow model thread; client aborts on either side; a crash of either node, now or
-between journal commit and effects, restarting later or at once (a peer instance replaced); time passing.
+``ThreadedResolver`` over ``PrefillResolver``, ``HoldTable``, ``LayerStream``, ``PeerWatch``, the journals); only the
+ports are simulated (``fsm_pd.sim``). Rules: requests, and requests under a room already used; message faults (drop,
+duplicate, delay, reorder) and partitions; failed pulls and bootstrap lookups; slow pulls and a pull that succeeds
+after its room ended; a client leaving at a chosen moment of its transfer (also half-way through a streamed scatter);
+a slow model thread; client aborts on either side; a crash of either node, now or between journal commit and
+effects, restarting later or at once (a peer instance replaced), or down long enough to be declared dead; time
+passing.
 
 After every step (``fsm_pd.sim.invariants``): every page reservation, staging buffer, transfer entry and pulled
 buffer is freed exactly once (every attempt is recorded); no write reaches a page after its ``FreePages``; nothing is
 held for an ended room once the world is quiet; every room ends within the sum of its deadlines; no room stays bound
-to a dead peer instance longer than the heartbeats take to notice (three intervals); the live rooms equal
-the replay of the journals; a terminal room never changes. At teardown every node is restarted, time runs past every
-deadline, and everything must have ended and been freed.
+to a dead peer instance longer than the heartbeats take to notice (three intervals); the live rooms equal the replay
+of the journals, and every journaled decision is the one the literal tables give (``fsm_pd.sim.oracle``); no node
+accepts a room it has used, and a terminal room never changes.
 
-Profiles: the default is derandomized and sized for CI (about two minutes on two cores). Set
+At teardown, the liveness phase: the faults end, every node is up (``World.heal``), time runs until everything has
+ended and been freed (bounded: a room that never ends raises ``Stuck``); after ``recovery_s`` a burst of new
+requests must all reach Success on both sides within ``handoff_bound_s`` (``docs/simulation.md`` derives both).
+
+Profiles: the default is derandomized and sized for CI (about a minute on two cores). Set
 ``FSM_PD_PROPERTY_PROFILE=long`` for a randomized search ten times larger (``FSM_PD_PROPERTY_EXAMPLES`` overrides
 the number of examples of either).
 """
@@ -35,16 +42,23 @@ from fsm_pd.sim import SimConfig, World
 from fsm_pd.sim.faults import MESSAGE_FATES
 from fsm_pd.sim.invariants import (
     bound_to_dead_peers,
+    handoff_bound_s,
     journal_disagreements,
+    journal_rows,
     leaks,
+    not_succeeded,
     overdue_rooms,
     ownership_violations,
+    recovery_s,
+    table_disagreements,
 )
 
 PROFILES = {
     "ci": {"max_examples": 100, "stateful_step_count": 40, "derandomize": True},
     "long": {"max_examples": 1000, "stateful_step_count": 80, "derandomize": False},
 }
+# the liveness phase's requests: sent at once (they share one bootstrap lookup), from one page to many
+LIVENESS_PROMPTS = (1, 40, 300, 17, 120)
 
 
 def _decode_pulls(world: World) -> list[int]:
@@ -68,6 +82,14 @@ class SimulationMachine(RuleBasedStateMachine):
     def request(self, prompt_len):
         self.world.add_request(self.next_room, prompt_len, at=self.world.clock.now() + 0.001)
         self.next_room += 1
+
+    @precondition(lambda self: self.next_room > 1)
+    @rule(prompt_len=st.integers(1, 300), data=st.data())
+    def reuse_room(self, prompt_len, data):
+        """A client sends a new request under a bootstrap room already used (a retry, two clients drawing the same
+        room): each node must refuse it, whether the first is under way, ended, or from before a restart."""
+        room = data.draw(st.integers(1, self.next_room - 1))
+        self.world.add_request(room, prompt_len, at=self.world.clock.now() + 0.001)
 
     @precondition(lambda self: self.next_room > 1)
     @rule(side=st.sampled_from(["prefill", "decode"]), data=st.data())
@@ -97,11 +119,13 @@ class SimulationMachine(RuleBasedStateMachine):
         """Pulls take this long between having every byte and reporting it."""
         self.world.plan.slow_pulls_s = seconds
 
-    @rule(prompt_len=st.integers(1, 300), moment=st.sampled_from(["pulling", "landed", "scattering"]))
+    @rule(prompt_len=st.integers(1, 300), moment=st.sampled_from(["pulling", "streaming", "landed", "scattering"]))
     def client_leaves_during_the_transfer(self, prompt_len, moment):
         """A request runs until a chosen moment of its decode transfer, then its client leaves: while the pull runs
-        (``pulling``), once it has every byte but has not reported (``landed``: if it succeeds now, it succeeds for
-        a room that has ended), or once it reported and the scatter is queued on the model thread (``scattering``)."""
+        (``pulling``), once a streamed scatter has handed some layers but not all to the model thread
+        (``streaming``: the rest may land after the pages were freed), once it has every byte but has not reported
+        (``landed``: if it succeeds now, it succeeds for a room that has ended), or once it reported and the scatter
+        is queued on the model thread (``scattering``)."""
         world, room = self.world, self.next_room
         self.request(prompt_len)
 
@@ -114,6 +138,9 @@ class SimulationMachine(RuleBasedStateMachine):
                 return found is not None and "pulled" in found.seen
             if room not in decode.effects.pending:
                 return False
+            if moment == "streaming":
+                stream = decode.effects.streams.get(room)
+                return stream is None or (stream.submitted > 0 and not stream.complete)  # None: it never streams
             return moment == "pulling" or any(h.room == room for h in world.ledger.holdings("pulled"))
 
         world.run_until(reached)
@@ -130,6 +157,16 @@ class SimulationMachine(RuleBasedStateMachine):
           restart_after=st.sampled_from([0.0, 1.0, 6.0]))
     def crash(self, role, after_commit, restart_after):
         self.world.crash(role, restart_after=restart_after, after_commit=after_commit)
+
+    @rule(role=st.sampled_from(["prefill", "decode"]), seconds=st.sampled_from([4.0, 8.0]))
+    def outage(self, role, seconds):
+        """A request is sent, so that the peer watches the process; 20 ms later the process dies and stays down
+        longer than its peer takes to declare it dead (three heartbeat intervals), then comes back as a new
+        instance: what the peer forgot of it must not be used again."""
+        self.request(40)
+        self.world.run(until=self.world.clock.now() + 0.02)
+        self.world.crash(role, restart_after=seconds)
+        self.world.run(until=self.world.clock.now() + seconds)
 
     @rule(role=st.sampled_from(["prefill", "decode"]))
     def replace_instance(self, role):
@@ -160,11 +197,16 @@ class SimulationMachine(RuleBasedStateMachine):
         assert self.instant_violations[:3] == []  # checked at every instant the world settled, not only now
 
     @invariant()
-    def live_state_is_the_replay_of_the_journals(self):
-        assert journal_disagreements(self.world) == []
+    def live_state_is_the_replay_of_the_journals_and_the_tables_decision(self):
+        rows = journal_rows(self.world)
+        assert journal_disagreements(self.world, rows) == []
+        assert table_disagreements(self.world, rows)[:3] == []  # an oracle: the literal tables, not fire
 
     @invariant()
     def states_are_table_states_and_terminals_stick(self):
+        """A room is created once per node, so what ended stays ended: a reused room must be refused (it would
+        otherwise start again, or fork its journal)."""
+        assert self.world.reuse_accepted == []
         for (_node, role, room_id), room in self.world.live_rooms().items():
             assert room.state in STATE_NAMES
             key = (role, room_id)
@@ -178,22 +220,40 @@ class SimulationMachine(RuleBasedStateMachine):
         if world is None:
             return
         try:
-            world.plan.rate, world.plan.slow_pulls_s, world.model_delay = 0.0, 0.0, 0.0005
-            for slot in (world.prefill, world.decode):
-                if not slot.alive:
-                    slot.start()
-            world.run()  # past every deadline
-            unfinished = [key for key, room in world.live_rooms().items() if not room.terminal]
-            assert unfinished == [], f"rooms left unfinished: {unfinished}"
-            assert world.quiet()
-            assert leaks(world) == []
-            self.ownership()
-            self.every_room_ends_within_its_deadlines()
-            self.live_state_is_the_replay_of_the_journals()
-            self.states_are_table_states_and_terminals_stick()
+            world.heal()  # the fault phase is over: no faults, no partitions, every node up
+            world.run()  # past every deadline (bounded: a room that never ends raises Stuck)
+            self.everything_ended_and_was_freed()
+            self.new_requests_succeed()
+            world.run()
+            self.everything_ended_and_was_freed()
         finally:
             world.close()
             shutil.rmtree(self.dir, ignore_errors=True)
+
+    def everything_ended_and_was_freed(self):
+        world = self.world
+        unfinished = [key for key, room in world.live_rooms().items() if not room.terminal]
+        assert unfinished == [], f"rooms left unfinished: {unfinished}"
+        assert world.quiet()
+        assert leaks(world) == []
+        self.ownership()
+        self.every_room_ends_within_its_deadlines()
+        self.live_state_is_the_replay_of_the_journals_and_the_tables_decision()
+        self.states_are_table_states_and_terminals_stick()
+
+    def new_requests_succeed(self):
+        """Liveness: the cluster recovers. Once every process has been up for ``recovery_s`` (long enough for each
+        side to have noticed every death and restart of the other), a burst of new requests all reach Success on
+        both sides within ``handoff_bound_s`` (the shortest deadline)."""
+        world = self.world
+        world.run(until=world.clock.now() + recovery_s(world.config))
+        at = world.clock.now() + 0.001
+        rooms = list(range(self.next_room, self.next_room + len(LIVENESS_PROMPTS)))
+        self.next_room += len(rooms)
+        for room, prompt_len in zip(rooms, LIVENESS_PROMPTS, strict=True):
+            world.add_request(room, prompt_len, at)
+        world.run(until=at + handoff_bound_s(world.config))
+        assert not_succeeded(world, rooms) == [], f"t={world.clock.now():.3f}, the requests were sent at t={at:.3f}"
 
 
 PROFILE = os.environ.get("FSM_PD_PROPERTY_PROFILE", "ci")

@@ -158,3 +158,23 @@ def test_rooms_that_need_the_same_rank_meanwhile_share_one_lookup():
         assert {a.result(timeout=10)["prefill_addr"] for a in answers} == {"tcp://a:1"}
     assert len(calls) == 1, "one lookup for the eight rooms"
     assert resolver(ctx)["prefill_addr"] == "tcp://a:1" and len(calls) == 1
+
+
+def test_a_cached_lookup_of_a_node_nobody_watches_is_asked_afresh(tmp_path):
+    """Every room that waited for a lookup ended before binding, so nothing watches the node it named; that node is
+    then replaced. The next request must not bind to the old instance from the cache (found while deriving the
+    liveness bound: it failed with 'restarted' 10 s after the restart, long after any heartbeat)."""
+    world = World(SimConfig(requests=0, seed=1, num_pages=64), tmp_path, durability="off")
+    decode = world.decode
+    world.add_request(1, 40, at=0.001)
+    assert world.run_until(lambda: 1 in decode.instance.node.rooms)
+    world.abort("decode", 1, "client went away")  # while its lookup is under way
+    world.run()
+    assert decode.instance.resolver.resolver._cache and decode.instance.peers.monitor.watched() == {}
+    world.crash("prefill", restart_after=0.0)
+    world.run(until=world.clock.now() + 10)
+    world.add_request(2, 40, at=world.clock.now() + 0.001)
+    world.run()
+    assert decode.instance.node.rooms[2].state == "Success" == world.prefill.instance.node.rooms[2].state
+    assert world.bootstrap.lookups == 2
+    world.close()

@@ -128,3 +128,76 @@ def test_a_pull_that_lands_after_its_room_ended_is_discarded_exactly_once(tmp_pa
     assert effects.pulled == {} and leaks(world) == [] and ownership_violations(world) == []
     late = [r for r in read_journal(tmp_path / "decode.db") if r.trigger == "pulled"]
     assert [(r.src, r.payload.get("ignored")) for r in late] == [("Failed", "room is already Failed")]
+
+
+def test_rooms_arriving_while_their_ranks_lookup_is_under_way_join_it(tmp_path):
+    """The production resolver's joining (``PrefillResolver.resolve`` behind ``ThreadedResolver``) runs in the
+    simulation: rooms that need the rank while its lookup is under way share that lookup and its outcome."""
+    world = World(SimConfig(requests=0, seed=2, num_pages=64), tmp_path, durability="off")
+    world.plan.fail_next_resolve = 1  # the first lookup fails: every room waiting on it fails with it
+    for room in range(1, 5):
+        world.add_request(room, 30, at=0.001)
+    world.run()
+    decode = world.decode.instance.node.rooms
+    assert world.bootstrap.lookups == 0, "the failed lookup never reached the registry"
+    assert {decode[r].reason for r in range(1, 5)} == {
+        "remote error: bootstrap lookup failed: the bootstrap server did not answer"}
+    for room in range(5, 9):
+        world.add_request(room, 30, at=world.clock.now() + 0.001)
+    world.run()
+    assert world.bootstrap.lookups == 1, "one lookup for the four rooms, then the cache"
+    assert all(decode[r].state == "Success" for r in range(5, 9))
+    world.close()
+
+
+def test_a_reused_room_is_refused_by_both_nodes_live_ended_or_from_before_a_restart(tmp_path):
+    """``NodeCore.create`` (and the journal behind it) refuses a room it has used, as the engines answer 409."""
+    world = World(SimConfig(requests=0, seed=3, num_pages=64), tmp_path, durability="off")
+    world.model_delay = 1.0  # room 1 is still under way when it is sent again
+    world.add_request(1, 40, at=0.001)
+    world.add_request(1, 40, at=0.01)
+    world.run(until=0.5)
+    assert sorted(world.refused) == [("decode", 1), ("prefill", 1)]
+    world.model_delay = 0.0005
+    world.run()
+    world.add_request(1, 40, at=world.clock.now() + 0.001)  # ended
+    world.run()
+    world.crash("prefill", restart_after=0.0)
+    world.crash("decode", restart_after=0.0)
+    world.run(until=world.clock.now() + 1)
+    world.add_request(1, 40, at=world.clock.now() + 0.001)  # only the journal remembers it now
+    world.run()
+    world.close()
+    assert sorted(world.refused) == [("decode", 1)] * 3 + [("prefill", 1)] * 3
+    assert world.reuse_accepted == []
+    assert world.decode.live_rooms()[1].state == "Success" == world.prefill.live_rooms()[1].state
+    creates = [r for r in read_journal(tmp_path / "decode.db") + read_journal(tmp_path / "prefill.db")
+               if r.trigger == "create"]
+    assert len(creates) == 2, "one create per node, ever"
+
+
+def test_progressive_instances_publish_before_gathering_and_write_layers_as_they_land(tmp_path):
+    """With ``progressive`` the handlers' overlapped branches run: P publishes (and READY goes out) before its layers
+    are final, D's streamed scatter writes each group of layers (two of four) as it lands, and its ``Scatter`` only
+    waits. Without it, one gather and one write."""
+    for progressive, writes in ((1.0, 2), (0.0, 1)):
+        world = World(SimConfig(requests=0, seed=5, num_pages=64, progressive=progressive), tmp_path / str(writes),
+                      durability="off")
+        kv, final_when_published = world.prefill.instance.effects.kv, []
+        original = kv.publish_while_gathering
+
+        def spy(owner, transfer, uuid, pages, hold_s, on_published, original=original, seen=final_when_published):
+            def published(rows):
+                (_, progress), _ = transfer.lookup(uuid)
+                seen.append(progress.final_bytes)
+                on_published(rows)
+
+            original(owner, transfer, uuid, pages, hold_s, published)
+
+        kv.publish_while_gathering = spy
+        world.add_request(1, 40, at=0.001)
+        world.run()
+        world.close()
+        assert world.decode.instance.node.rooms[1].state == "Success" == world.prefill.instance.node.rooms[1].state
+        assert world.ledger.writes == writes
+        assert final_when_published == ([0] if progressive else [])  # published before any byte was final

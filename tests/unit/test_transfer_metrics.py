@@ -105,7 +105,7 @@ def test_a_failed_room_is_counted_by_class_and_logged_with_its_replay_command(pa
 
 def test_every_failure_the_simulation_produces_has_a_specific_class(tmp_path):
     """The reasons the production handlers give (under the simulation's faults) each land in a named class."""
-    simulate(SimConfig(requests=200, seed=11, fault_rate=0.2), tmp_path)
+    simulate(SimConfig(requests=200, seed=15, fault_rate=0.2), tmp_path)
     result = replay(read_journal(tmp_path / "prefill.db") + read_journal(tmp_path / "decode.db"))
     classes = {}
     for room in result.rooms:

@@ -10,28 +10,43 @@ tombstone lasts ``tombstone_ttl_s`` (up to ``max_tombstones``); these are rare. 
 acknowledged by its only consumer, and every request ends that way: its tombstone joins a short list of the last
 ``max_released`` (a duplicate pull comes within moments), or the table would grow with the request rate times the
 TTL (issue 11's soak). A uuid is drawn at random from 2**63, so forgetting it risks no reuse.
+
+Time comes from a ``HoldClock`` (``now`` and ``call_at``): the real backends pass the process's deadline scheduler
+(``timers.scheduler()``, monotonic time on its own thread), the simulation its virtual clock, so the hold expiries
+and tombstone TTLs it runs are this code's.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from fsm_pd.transport.backends.base import OpenEntries, TransferBackend, check_uuid
-from fsm_pd.transport.backends.timers import DeadlineScheduler, TimerHandle, scheduler
+from fsm_pd.transport.backends.timers import scheduler
+
+
+class Cancellable(Protocol):
+    def cancel(self) -> None: ...
+
+
+class HoldClock(Protocol):
+    """What a ``HoldTable`` needs of time: the present, and a callback at a later instant of the same clock."""
+
+    def now(self) -> float: ...
+
+    def call_at(self, when: float, fn: Callable[[], None]) -> Cancellable: ...
 
 
 @dataclass(slots=True, eq=False)
 class Hold:
     uuid: int
     nbytes: int
-    deadline: float  # monotonic
+    deadline: float  # on the table's clock
     payload: Any  # whatever the backend registered; the reference that keeps the memory alive
-    timer: TimerHandle | None = field(default=None, repr=False)
+    timer: Cancellable | None = field(default=None, repr=False)
 
 
 # retire(uuid, reason, hold or None): called once per ended uuid, under the table lock.
@@ -46,13 +61,14 @@ class HoldTable:
         tombstone_ttl_s: float = 600.0,
         max_tombstones: int = 65536,
         max_released: int = 1024,
-        deadlines: DeadlineScheduler | None = None,
+        clock: HoldClock | None = None,
     ) -> None:
+        """``clock``: where ``now`` and the expiry callbacks come from (default: the process's deadline scheduler)."""
         self._retire = retire
         self._tombstone_ttl_s = tombstone_ttl_s
         self._max_tombstones = max_tombstones
         self._max_released = max_released
-        self._deadlines = deadlines or scheduler()
+        self._clock = clock if clock is not None else scheduler()
         # Reentrant: backends call table methods from inside their own hooks (e.g. a server thread reading a hold).
         self.lock = threading.RLock()
         self._holds: dict[int, Hold] = {}
@@ -73,10 +89,10 @@ class HoldTable:
                 raise RuntimeError("backend is closed")
             if uuid in self._holds or uuid in self._tombstones or uuid in self._released:
                 raise ValueError(f"uuid {uuid} was already published on this node; transfer ids are never reused")
-            deadline = time.monotonic() + hold_timeout_s
+            deadline = self._clock.now() + hold_timeout_s
             hold = Hold(uuid, nbytes, deadline, expose(deadline))
             self._holds[uuid] = hold
-            hold.timer = self._deadlines.call_at(
+            hold.timer = self._clock.call_at(
                 deadline, lambda: self.end(uuid, f"hold expired after {hold_timeout_s:g} s without a pull")
             )
             return hold
@@ -131,7 +147,7 @@ class HoldTable:
                 self.end(uuid, reason)
 
     def _remember(self, uuid: int, reason: str) -> None:
-        now = time.monotonic()
+        now = self._clock.now()
         self._tombstones[uuid] = (reason, now)
         self._tombstones.move_to_end(uuid)
         while self._tombstones:

@@ -97,7 +97,7 @@ class JaxTransferBackend(HoldingBackend):
         self._server = shared_server(ServerConfig(host, port, channels, transfer_size, parallel_copies))
         self._advertise_host = advertise_host  # named by ``address`` instead of the bound host
         self._tombstone_ttl_s = tombstone_ttl_s
-        self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s)
+        self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s, clock=scheduler())
         self._conns: dict[str, object] = {}
         self._conns_lock = threading.Lock()
         self._deadlines = scheduler()

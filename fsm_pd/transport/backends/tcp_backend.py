@@ -38,6 +38,7 @@ from fsm_pd.transport.backends.holds import Hold, HoldingBackend, HoldTable
 from fsm_pd.transport.backends.host_stream import HostEntry, Landing
 from fsm_pd.transport.backends.spec import layout_digest, normalize_spec, spec_keys, summarize, verify_pulled
 from fsm_pd.transport.backends.tcp_server import TcpPullServer
+from fsm_pd.transport.backends.timers import scheduler
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -71,7 +72,7 @@ class TcpTransferBackend(HoldingBackend):
         for reuse (``fsm_pd.kernels.host_blocks``); ``serve=False`` makes a pull-only node. ``address`` names
         ``advertise_host`` instead of the bound ``host`` when it is given."""
         self._advertise_host = advertise_host
-        self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s)
+        self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s, clock=scheduler())
         self._changed = threading.Condition(self._holds.lock)  # publish, end and progress wake the stream threads
         self._recv_pool = HostBlocks(recv_pool_bytes)
         self._server = (

@@ -42,6 +42,11 @@ class DeadlineScheduler:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
 
+    @staticmethod
+    def now() -> float:
+        """The scheduler's clock: ``call_at`` deadlines are in this time."""
+        return time.monotonic()
+
     def call_at(self, when: float, fn: Callable[[], None]) -> TimerHandle:
         """Run ``fn`` on the scheduler thread at monotonic time ``when`` unless cancelled first."""
         handle = TimerHandle(when, fn)

@@ -33,6 +33,7 @@ from fsm_pd.transport.backends.base import (
 from fsm_pd.transport.backends.holds import Hold, HoldingBackend, HoldTable
 from fsm_pd.transport.backends.host_stream import HostEntry, Landing
 from fsm_pd.transport.backends.spec import layout_digest, normalize_spec, spec_keys, summarize, verify_pulled
+from fsm_pd.transport.backends.timers import scheduler
 from fsm_pd.transport.backends.zmq_server import ZmqPullServer
 
 _PEER_GONE = {
@@ -63,7 +64,7 @@ class ZmqTransferBackend(HoldingBackend):
         self._advertise_host = advertise_host
         self._window = window
         self._recv_pool = HostBlocks(recv_pool_bytes)
-        self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s)
+        self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s, clock=scheduler())
         self._server = (
             ZmqPullServer(self._holds.lookup, host=host, port=port, chunk_bytes=chunk_bytes) if serve else None
         )
