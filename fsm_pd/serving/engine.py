@@ -22,14 +22,8 @@ from collections import deque
 from fsm_pd.model.loader import LoadedModel, load_model
 from fsm_pd.model.model_thread import ModelThread
 from fsm_pd.model.pages import PageAllocator
-from fsm_pd.serving.common import (
-    ABORTED_STATUS,
-    RequestTable,
-    flush_when_idle,
-    max_context_for,
-    pool_tokens_for,
-    refuse_if_unhealthy,
-)
+from fsm_pd.serving.common import flush_when_idle, max_context_for, pool_tokens_for, refuse_if_unhealthy
+from fsm_pd.serving.request_table import ABORTED_STATUS, RequestTable
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.step_driver import StepDriver
 from fsm_pd.serving.types import EngineError, GenerateRequest, RequestStream
