@@ -107,4 +107,4 @@ class ColocatedEngine(EngineCore):
     def _release(self, seq: Sequence) -> None:
         self.allocator.free(seq.key)
         self.allocator.forget(seq.key)  # keys are never reused
-        self.requests.pop(seq.rid)
+        self.requests.pop(seq)

@@ -60,19 +60,22 @@ class EngineCore:
             self._accept(seq)
         except BaseException:
             seq.cancelled = True  # the scheduler drops it from arrivals
-            self.requests.pop(seq.rid)
+            self.requests.pop(seq)
             raise
         self._driver.kick()
 
-    def abort(self, rid: str, reason: str | None = None, status: int = ABORTED_STATUS) -> bool:
-        """Stop the request and free what it holds; False if unknown or finished. ``reason`` (journaled, and in the
-        stream's error) and ``status`` default to a client's abort (499); a drain passes its own."""
-        seq = self.requests.cancel(rid, reason or "aborted", status)
-        if seq is None:
-            return False
-        self._on_cancel(seq, reason or "aborted by the client")
-        self._driver.kick()
-        return True
+    def abort(self, rid: str, reason: str | None = None, status: int = ABORTED_STATUS, *,
+              room: int | None = None) -> bool:
+        """Stop the request and free what it holds; False if unknown or finished. ``room`` None: every live request
+        of ``rid``; a room: only that attempt, refused later if it has not arrived yet (``RequestTable``).
+        ``reason`` (journaled, and in the stream's error) and ``status`` default to a client's abort (499); a drain
+        passes its own."""
+        seqs = self.requests.cancel(rid, room, reason or "aborted", status)
+        for seq in seqs:
+            self._on_cancel(seq, reason or "aborted by the client")
+        if seqs:
+            self._driver.kick()
+        return bool(seqs)
 
     def health(self) -> str | None:
         """Why this node cannot serve, or None: ``/health``."""
