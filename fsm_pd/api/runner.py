@@ -7,13 +7,13 @@ wait on the engine is raced against the ASGI ``http.disconnect`` message. A requ
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 
 from fastapi import Request
 
 from fsm_pd.api.outputs import RequestState
+from fsm_pd.api.tasks import cancel_and_wait
 from fsm_pd.serving.types import Engine, EngineError, GenerateRequest, RequestStream, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -92,9 +92,9 @@ class RequestRun:
             _abandon(pending)
             raise
         if pending not in done:
-            pending.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, Exception):
-                await pending
+            # a read that ended meanwhile (the last output, or the request's error) is moot: the client is gone
+            await cancel_and_wait(pending, what=f"the read of request {self.rid}",
+                                  expected=(StopAsyncIteration, EngineError))
             raise ClientDisconnected(self.rid)
         try:
             out = pending.result()

@@ -8,7 +8,6 @@ health checks, breakers, selection and budget.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import random
@@ -23,15 +22,13 @@ from fsm_pd.api.errors import error_body, error_response
 from fsm_pd.api.requests import new_rid
 from fsm_pd.api.runner import wait_disconnect
 from fsm_pd.api.streaming import PROGRESS_HEADER
+from fsm_pd.api.tasks import cancel_and_wait
 from fsm_pd.router.fleet import BreakerSettings, Fleet, HealthChecker, RetryBudget, Worker
 from fsm_pd.router.legs import DONE, Leg, WorkerLost, both_answered, relay, until
 from fsm_pd.router.merge import merge_json, merge_sse, new_room, prefill_input_logprobs, with_bootstrap
 from fsm_pd.router.metrics import RouterMetrics
 from fsm_pd.router.migrate import Progress, can_migrate, node_failure
 from fsm_pd.router.routes import RunningRequests
-
-log = logging.getLogger(__name__)
-
 
 log = logging.getLogger(__name__)
 
@@ -139,24 +136,21 @@ class PDRouter:
         return headers
 
     async def dispatch(self, path: str, body: dict, request: Request) -> Response:
-        """Run the request; a client that disconnects before the answer starts cancels its legs."""
+        """Run the request; a client that disconnects before the answer starts cancels its legs (and so does this
+        handler being cancelled)."""
         self.ensure_health_checks()
+        if body.get("rid") is None:  # one rid on every leg of every attempt (meta_info.id shows it)
+            body = {**body, "rid": new_rid()}
         work = asyncio.ensure_future(self._serve(path, body, request))
         gone = asyncio.ensure_future(wait_disconnect(request))
         try:
             done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if work in done:
-                return work.result()
-            work.cancel()
-            with contextlib.suppress(BaseException):
-                await work
-            return Response(status_code=499)
+            return work.result() if work in done else Response(status_code=499)
         finally:
-            gone.cancel()
+            await cancel_and_wait(*(task for task in (work, gone) if not task.done()),
+                                  what=f"a task of request {body['rid']} on {path}")
 
     async def _serve(self, path: str, body: dict, request: Request) -> Response:
-        if body.get("rid") is None:  # one rid on every leg of every attempt (meta_info.id shows it)
-            body = {**body, "rid": new_rid()}
         headers = self._headers(request)
         migrating = can_migrate(path, body) and self.retry.policy == "retry"
         if migrating:  # the decode node's chunks then say which tokens they carry
@@ -252,21 +246,30 @@ class PDRouter:
             if not closed:
                 closed = True
                 decode.outstanding -= 1
-                await d_leg.close()
                 release()
+                await d_leg.close()
+
+        async def close_both() -> None:
+            try:
+                await p_leg.close()
+            finally:  # also when the caller is cancelled while the first one closes
+                await close()
 
         try:
             failed = await both_answered(p_leg, d_leg, deadline, self.request_timeout_s, (prefill.lost, decode.lost))
         except BaseException:
-            await p_leg.close()
-            await close()
+            await close_both()
             raise
         finally:
             prefill.outstanding -= 1
         if failed is None:
             if p_leg.task.done():  # else the decode recomputed without it (router_legs.both_answered)
                 self.fleet.request_succeeded(prefill)
-            await p_leg.close()
+            try:
+                await p_leg.close()
+            except BaseException:  # cancelled while the prefill's call ended: nobody will close the decode leg
+                await close()
+                raise
             if d_leg.body is not None:
                 self.fleet.request_succeeded(decode)
             return Started(p_leg, d_leg, decode, close)
@@ -277,8 +280,7 @@ class PDRouter:
             try:
                 await self._wind_down(rid, room, tuple(leg for leg in (p_leg, d_leg) if leg.worker_url in reused))
             finally:
-                await p_leg.close()
-                await close()
+                await close_both()
 
         failure.retire = retire
         return failure
