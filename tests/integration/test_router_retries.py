@@ -282,8 +282,8 @@ def draining_then_late_decode(decode: StubEngine, *, abort_status: int | None = 
 
 
 def test_the_abort_of_a_failed_attempt_that_comes_first_refuses_its_late_leg_and_the_retry_runs():
-    # The race LATE_LEG_S covered: the draining prefill refuses at once, the router aborts the attempt on the decode
-    # it reuses, and the attempt's own decode request comes after that abort.
+    # The race a second abort 50 ms later used to cover: the draining prefill refuses at once, the router aborts the
+    # attempt on the decode it reuses, and the attempt's own decode request comes after that abort.
     decode = StubEngine(role="decode")
     stack, url, good = draining_then_late_decode(decode)
     with stack:
