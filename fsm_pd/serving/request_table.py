@@ -8,6 +8,7 @@ reaches its own attempt only. An abort by rid alone keeps SGLang's meaning: ever
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
@@ -16,6 +17,8 @@ from fsm_pd.serving.types import EngineError
 
 if TYPE_CHECKING:
     from fsm_pd.serving.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 ABORTED_STATUS = 499  # the client gave up (nginx's "client closed request"); not a server failure
 # Rooms aborted before their request arrived, kept to refuse that request. It comes within milliseconds (it was on its
@@ -44,6 +47,7 @@ class RequestTable:
         with self._lock:  # the same lock as ``cancel``: an abort is either seen here or finds the request live
             if room is not None and room in self._aborted_rooms:
                 del self._aborted_rooms[room]
+                log.info("request %s (room %d) refused: its abort came before it", rid, room)  # the race, when seen
                 raise EngineError(f"request {rid} (room {room}) was aborted before it arrived", ABORTED_STATUS)
             if seq.identity in self._live:
                 where = f" in room {room}" if room is not None else ""
