@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
 from fsm_pd.model.sampling import SamplingParams
 from fsm_pd.serving.request_table import ABORTS_REMEMBERED, RequestTable
-from fsm_pd.serving.types import Bootstrap, EngineError, GenerateRequest, RequestStream
+from fsm_pd.serving.types import Bootstrap, EngineError, GenerateRequest
+
+
+class Pushed(list):
+    """A stream that keeps what is pushed to it."""
+
+    push = list.append
 
 
 @dataclass(eq=False)
@@ -17,7 +22,7 @@ class Live:
     """What the table reads of a ``Sequence``."""
 
     request: GenerateRequest
-    stream: RequestStream
+    stream: Pushed = field(default_factory=Pushed)
     cancelled: bool = False
 
     @property
@@ -28,7 +33,7 @@ class Live:
 def live(rid: str, room: int | None) -> Live:
     boot = Bootstrap("127.0.0.1", 8998, room) if room is not None else None
     request = GenerateRequest(rid, [1], SamplingParams(), seed=0, bootstrap=boot)
-    return Live(request, RequestStream(rid, asyncio.new_event_loop()))
+    return Live(request)
 
 
 def test_only_the_last_aborts_that_found_nothing_are_remembered():
@@ -44,9 +49,10 @@ def test_only_the_last_aborts_that_found_nothing_are_remembered():
 
 
 def test_a_colocated_request_is_its_rid():
-    table = RequestTable()
-    table.add(live("c", None))
+    table, first = RequestTable(), live("c", None)
+    table.add(first)
     with pytest.raises(EngineError) as err:
         table.add(live("c", None))
     assert err.value.status == 400 and "already running" in str(err.value)
-    assert [s.identity for s in table.cancel("c")] == [("c", None)] and len(table) == 0
+    assert table.cancel("c", reason="gone") == [first] and len(table) == 0
+    assert first.cancelled and [(str(e), e.status) for e in first.stream] == [("request c gone", 499)]
