@@ -6,7 +6,9 @@ It behaves like the real engines where the HTTP layer can tell: a prefill node a
 colocated node generates up to ``max_new_tokens`` tokens (a decode node's first one carries the prompt's logprobs, as
 READY brings them from the prefill) of ``reply`` (repeated), stopping at EOS, a stop token id
 or a stop string; PD nodes refuse a request without bootstrap fields with ``EngineError(400)``; an abort ends the
-stream with ``EngineError(499)``. Knobs inject faults: ``submit_error``, ``fail_after``, ``hang``, ``token_delay_s``.
+stream with ``EngineError(499)``. Live requests are kept in the engines' own ``RequestTable``, so they are keyed by
+attempt (rid and room) and an abort that names a room not yet arrived refuses it, as on a real node. Knobs inject
+faults: ``submit_error``, ``fail_after``, ``hang``, ``token_delay_s``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from fsm_pd.model.tokenizer import ByteTokenizer
+from fsm_pd.serving.request_table import RequestTable
 from fsm_pd.serving.types import EngineError, GenerateRequest, RequestStream, TokenOutput
 
 PREFILL_LOGPROB = -1.0  # every logprob a stub prefill reports, so a test can tell whose values it sees
@@ -27,6 +30,32 @@ def stub_tokenizer() -> ByteTokenizer:
     from fsm_pd.model.tiny import CHATML_TEMPLATE
 
     return ByteTokenizer(vocab_size=272, chat_template=CHATML_TEMPLATE)
+
+
+@dataclass(eq=False)
+class _Live:
+    """A stub request as the ``RequestTable`` holds it; cancelling it sets the event its thread waits on."""
+
+    request: GenerateRequest
+    stream: RequestStream
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def rid(self) -> str:
+        return self.request.rid
+
+    @property
+    def identity(self) -> tuple[str, int | None]:
+        return self.request.identity
+
+    @property
+    def cancelled(self) -> bool:
+        return self.stop.is_set()
+
+    @cancelled.setter
+    def cancelled(self, value: bool) -> None:
+        if value:
+            self.stop.set()
 
 
 @dataclass
@@ -41,12 +70,13 @@ class StubEngine:
     fail_after: int | None = None  # push EngineError(500) after this many tokens
     hang: bool = False  # produce nothing until aborted
     submitted: list[GenerateRequest] = field(default_factory=list)
-    aborted: list[str] = field(default_factory=list)
+    refused: list[tuple[GenerateRequest, EngineError]] = field(default_factory=list)  # by the table at submit
+    aborted: list[str] = field(default_factory=list)  # the rid of every abort, whether it found a request or not
+    aborts: list[tuple[str, int | None]] = field(default_factory=list)  # (rid, room) of every abort
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
-        self._live: dict[str, threading.Event] = {}
-        self._abort_reasons: dict[str, tuple[str, int]] = {}  # rid -> what its stream ends with, as the engines do
+        self.requests = RequestTable()
         self._reply_ids = self.tokenizer.encode(self.reply) or [ord("x")]
         self.submit_seen = threading.Condition(self._lock)
 
@@ -57,59 +87,50 @@ class StubEngine:
             raise EngineError(f"request {request.rid}: a {self.role} node needs bootstrap fields", 400)
         if len(request.input_ids) >= self.max_context:
             raise EngineError(f"request {request.rid}: the prompt is longer than the context", 400)
-        stop = threading.Event()
+        live = _Live(request, stream)
+        try:
+            self.requests.add(live)
+        except EngineError as err:
+            with self._lock:
+                self.refused.append((request, err))
+            raise
         with self._lock:
-            if request.rid in self._live:
-                raise EngineError(f"request {request.rid} is already running", 400)
-            self._live[request.rid] = stop
             self.submitted.append(request)
             self.submit_seen.notify_all()
-        threading.Thread(target=self._produce, args=(request, stream, stop), daemon=True,
+        threading.Thread(target=self._produce, args=(request, stream, live.stop), daemon=True,
                          name=f"stub-{request.rid}").start()
 
     def wait_submitted(self, count: int, timeout_s: float = 5.0) -> bool:
         with self._lock:
             return self.submit_seen.wait_for(lambda: len(self.submitted) >= count, timeout_s)
 
-    def abort(self, rid: str, reason: str | None = None, status: int = 499) -> bool:
+    def abort(self, rid: str, reason: str | None = None, status: int = 499, *, room: int | None = None) -> bool:
+        """As the engines: the table ends the aborted requests' streams with ``EngineError(status)`` and sets their
+        threads' stop events."""
         with self._lock:
-            stop = self._live.pop(rid, None)
             self.aborted.append(rid)
-            if stop is not None:
-                self._abort_reasons[rid] = (reason or "aborted", status)
-        if stop is None:
-            return False
-        stop.set()
-        return True
+            self.aborts.append((rid, room))
+        return bool(self.requests.cancel(rid, room, reason or "aborted", status))
 
     def info(self) -> dict:
-        with self._lock:
-            return {"role": self.role, "model": self.model_name, "running": len(self._live)}
+        return {"role": self.role, "model": self.model_name, "running": len(self.requests)}
 
     def close(self) -> None:
-        with self._lock:
-            stops, self._live = list(self._live.values()), {}
-        for stop in stops:
-            stop.set()
+        self.requests.fail_all(EngineError("the stub engine closed: aborted", 499))
 
     @property
     def live(self) -> list[str]:
-        with self._lock:
-            return list(self._live)
+        return [live.rid for live in self.requests.live()]
 
-    def _aborted(self, rid: str) -> EngineError:
-        with self._lock:
-            reason, status = self._abort_reasons.pop(rid, ("aborted", 499))
-        return EngineError(f"request {rid} {reason}", status)
-
-    def _finish(self, rid: str) -> None:
-        with self._lock:
-            self._live.pop(rid, None)
+    def _finish(self, request: GenerateRequest) -> None:
+        live = self.requests.get(*request.identity)
+        if live is not None and live.request is request:
+            self.requests.pop(live)
 
     def _produce(self, request: GenerateRequest, stream: RequestStream, stop: threading.Event) -> None:
+        """Runs on the request's own thread; an abort sets ``stop`` (its stream has its error already)."""
         if self.hang:
             stop.wait()
-            stream.push(self._aborted(request.rid))
             return
         if self.role == "prefill":
             self._prefill(request, stream, stop)
@@ -121,10 +142,9 @@ class StubEngine:
         ids: list[int] = []
         for step in range(sampling.max_new_tokens):
             if stop.wait(self.token_delay_s) if self.token_delay_s else stop.is_set():
-                stream.push(self._aborted(request.rid))
                 return
             if self.fail_after is not None and step >= self.fail_after:
-                self._finish(request.rid)
+                self._finish(request)
                 stream.push(EngineError("stub engine: injected failure", 500))
                 return
             token = self._reply_ids[(len(before) + step) % len(self._reply_ids)]
@@ -134,7 +154,7 @@ class StubEngine:
                 finish = {"type": "length", "length": sampling.max_new_tokens}
                 text = self.tokenizer.decode(before + ids)
             if finish is not None:
-                self._finish(request.rid)
+                self._finish(request)
             out = TokenOutput(token_id=token, logprob=DECODE_LOGPROB if request.return_logprob else None,
                               finish_reason=finish, text=text, meta={"prompt_tokens": prompt_tokens})
             if step == 0 and self.role == "decode" and request.return_logprob:  # the prefill's, carried by READY
@@ -154,13 +174,12 @@ class StubEngine:
 
     def _prefill(self, request: GenerateRequest, stream: RequestStream, stop: threading.Event) -> None:
         if stop.wait(self.token_delay_s) if self.token_delay_s else stop.is_set():
-            stream.push(EngineError(f"request {request.rid} aborted", 499))
             return
         if self.fail_after is not None:
-            self._finish(request.rid)
+            self._finish(request)
             stream.push(EngineError("stub prefill: injected KV transfer failure", 500))
             return
-        self._finish(request.rid)
+        self._finish(request)
         logprobs = [None] + [PREFILL_LOGPROB] * (len(request.input_ids) - 1) if request.return_logprob else None
         stream.push(TokenOutput(token_id=self._reply_ids[0],
                                 logprob=PREFILL_LOGPROB if request.return_logprob else None,

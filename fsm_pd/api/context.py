@@ -19,7 +19,8 @@ class ApiContext:
     bootstrap_port: int | None  # the prefill node's bootstrap server port (or a decode's default for null)
     model_info_extra: dict = field(default_factory=dict)  # model_type, architectures, ... for /model_info
     created: int = field(default_factory=lambda: int(time.time()))
-    live: dict = field(default_factory=dict)  # rid -> RequestRun of the requests this server is running
+    # (rid, room) -> RequestRun of the requests this server is running (``GenerateRequest.identity``)
+    live: dict = field(default_factory=dict)
     drain: Any = None  # the server's Drain (drain.py), once create_app made it
 
     @property

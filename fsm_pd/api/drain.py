@@ -48,7 +48,8 @@ DRAINING_STATUS = 503
 
 
 class Drain:
-    """The drain of one node's HTTP server. ``live`` is the server's rid → ``RequestRun`` table (``ctx.live``)."""
+    """The drain of one node's HTTP server. ``live`` is the server's (rid, room) → ``RequestRun`` table
+    (``ctx.live``)."""
 
     def __init__(self, engine: Any, live: dict, *, timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
                  registry: CollectorRegistry | None = None):
@@ -146,16 +147,16 @@ class Drain:
     def _abort_live(self) -> None:
         reason = (f"aborted: this node is draining (shutting down) and the request did not finish within the "
                   f"drain timeout of {self.timeout_s:g} s; retry it on another node")
-        rids = list(self.live)
-        for rid in rids:
+        live = list(self.live)
+        for rid, room in live:
             try:
-                if self.engine.abort(rid, reason=reason, status=DRAINING_STATUS):
+                if self.engine.abort(rid, reason=reason, status=DRAINING_STATUS, room=room):
                     self.aborted += 1
                     self._aborted.inc()
             except Exception:
                 log.exception("drain: aborting %s failed", rid)
         log.warning("drain: the bound of %g s passed; aborted %d of %d open requests", self.timeout_s, self.aborted,
-                    len(rids))
+                    len(live))
 
     def _deregister(self) -> None:
         deregister = getattr(self.engine, "deregister", None)

@@ -5,7 +5,6 @@ away or one fails."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
@@ -18,6 +17,7 @@ from fsm_pd.api.outputs import RequestState
 from fsm_pd.api.requests import Plan
 from fsm_pd.api.runner import RequestRun, wait_disconnect
 from fsm_pd.api.streaming import CLIENT_CLOSED, DONE, SSE_HEADERS, sse
+from fsm_pd.api.tasks import cancel_and_wait
 from fsm_pd.serving.types import EngineError, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -36,11 +36,8 @@ async def run_plan(ctx: ApiContext, plan: Plan, request: Request) -> list[Reques
         try:
             done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (work, gone):
-                if task not in done:
-                    task.cancel()
-                    with contextlib.suppress(BaseException):
-                        await task
+            await cancel_and_wait(*(task for task in (work, gone) if task not in done),
+                                  what=f"a task of request {plan.requests[0].rid}")
         if work not in done:
             return None
         results = work.result()
@@ -83,17 +80,25 @@ async def stream_plan(ctx: ApiContext, plan: Plan, request: Request, on_output: 
             for gen in plan.requests]
     gone = asyncio.ensure_future(wait_disconnect(request))
     firsts = asyncio.ensure_future(asyncio.gather(*(run.next_output() for run in runs), return_exceptions=True))
-    done, _ = await asyncio.wait({firsts, gone}, return_when=asyncio.FIRST_COMPLETED)
-    if firsts not in done:
-        await _cancelled(firsts, gone)
+
+    async def end(*tasks: asyncio.Future) -> None:
+        """Abort every run, then end ``tasks``. The runs first: once a stream is cancelled (its client went away),
+        Starlette's cancel scope raises again at every await, so nothing after one would run."""
         for run in runs:
             run.close()
+        await cancel_and_wait(*tasks, what=f"a task of request {plan.requests[0].rid}")
+
+    try:
+        done, _ = await asyncio.wait({firsts, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the handler itself is cancelled
+        await end(firsts, gone)
+        raise
+    if firsts not in done:
+        await end(firsts, gone)
         return Response(status_code=CLIENT_CLOSED)
     firsts_out = firsts.result()
     if failed := next((r for r in firsts_out if isinstance(r, BaseException)), None):
-        await _cancelled(gone)
-        for run in runs:
-            run.close()
+        await end(gone)
         raise failed  # an EngineError becomes its HTTP status through the app's handler
 
     async def events():
@@ -129,16 +134,6 @@ async def stream_plan(ctx: ApiContext, plan: Plan, request: Request, on_output: 
                 yield sse(chunk)
             yield DONE
         finally:
-            await _cancelled(gone, *reading)
-            for run in runs:
-                run.close()
+            await end(gone, *reading)
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
-
-
-async def _cancelled(*tasks: asyncio.Future) -> None:
-    for task in tasks:
-        if not task.done():
-            task.cancel()
-        with contextlib.suppress(BaseException):
-            await task

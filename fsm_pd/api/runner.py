@@ -7,13 +7,13 @@ wait on the engine is raced against the ASGI ``http.disconnect`` message. A requ
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 
 from fastapi import Request
 
 from fsm_pd.api.outputs import RequestState
+from fsm_pd.api.tasks import cancel_and_wait
 from fsm_pd.serving.types import Engine, EngineError, GenerateRequest, RequestStream, TokenOutput
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class RequestRun:
         self._closed = False
         self._ended_by_engine = False
         engine.submit(request, self._stream)  # an EngineError here is the engine refusing the request outright
-        self._live[request.rid] = self
+        self._live[request.identity] = self
 
     @property
     def http_request(self) -> Request | None:
@@ -63,13 +63,18 @@ class RequestRun:
     def rid(self) -> str:
         return self.state.request.rid
 
+    @property
+    def identity(self) -> tuple[str, int | None]:
+        """rid and room (PD), the rid alone (colocated): whom ``close`` aborts (``GenerateRequest.identity``)."""
+        return self.state.request.identity
+
     async def next_output(self) -> TokenOutput | None:
         """The next output (added to ``state``), None after the last. Raises EngineError, or ClientDisconnected."""
         try:
             return await self._next_output()
         except EngineError:
-            # The engine ended the request and forgot its rid: an abort by that rid from now on could only hit a
-            # later request with the same rid (a router's retry lands on the same node with the client's rid).
+            # The engine ended the request and forgot it: on a colocated node an abort by its rid from now on could
+            # only hit a later request with the same rid (on a PD node the abort names the room as well).
             self._ended_by_engine = True
             raise
 
@@ -87,9 +92,9 @@ class RequestRun:
             _abandon(pending)
             raise
         if pending not in done:
-            pending.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, Exception):
-                await pending
+            # a read that ended meanwhile (the last output, or the request's error) is moot: the client is gone
+            await cancel_and_wait(pending, what=f"the read of request {self.rid}",
+                                  expected=(StopAsyncIteration, EngineError))
             raise ClientDisconnected(self.rid)
         try:
             out = pending.result()
@@ -117,13 +122,14 @@ class RequestRun:
         if self._closed:
             return
         self._closed = True
-        if self._live.get(self.rid) is self:  # a later request with the same rid may have taken the name
-            del self._live[self.rid]
+        if self._live.get(self.identity) is self:  # a later request with the same identity may have taken it
+            del self._live[self.identity]
         if self._disconnect is not None:
             _abandon(self._disconnect)
         if not self.state.finished and not self._ended_by_engine:
-            try:
-                aborted = self.engine.abort(self.rid)
-                log.info("request %s aborted before it finished (engine knew it: %s)", self.rid, aborted)
+            rid, room = self.identity
+            try:  # by identity: on a PD node a retry of this request (the same rid, a new room) is not touched
+                aborted = self.engine.abort(rid, room=room)
+                log.info("request %s aborted before it finished (engine knew it: %s)", rid, aborted)
             except Exception:  # an abort must not turn a disconnect into a server error
-                log.exception("engine.abort(%s) failed", self.rid)
+                log.exception("engine.abort(%s) failed", rid)

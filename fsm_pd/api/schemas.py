@@ -180,6 +180,8 @@ class ChatCompletionBody(_OpenAIBody):
 
 class AbortBody(_Body):
     rid: str = ""
+    # fsm-pd's: on a PD node, abort only the attempt of ``rid`` in this bootstrap room (the built-in router sends it)
+    room: int | None = Field(None, ge=0, le=MAX_ROOM)
     abort_all: bool = False
 
 

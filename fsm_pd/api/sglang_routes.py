@@ -1,5 +1,5 @@
 """SGLang's native routes: ``POST /generate`` and ``POST /abort_request`` (a rid with ``n`` > 1 or a batch aborts
-every copy)."""
+every copy; with fsm-pd's ``room``, on a PD node, only the attempt in that room)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from fsm_pd.api.context import ApiContext
 from fsm_pd.api.errors import ERROR_RESPONSES
 from fsm_pd.api.fanout import answer_plan, stream_plan
 from fsm_pd.api.outputs import RequestState
-from fsm_pd.api.requests import from_generate
+from fsm_pd.api.requests import PD_ROLES, derive, from_generate
 from fsm_pd.api.runner import RequestRun
 from fsm_pd.api.schemas import AbortBody, GenerateBody
 from fsm_pd.api.streaming import answer_stream, answer_whole
@@ -19,8 +19,20 @@ from fsm_pd.serving.types import TokenOutput
 
 
 def fanned_out(rid: str, live) -> list[str]:
-    """``rid`` and the engine requests an ``n`` or batch request made of it (``{rid}-{k}``, api.requests)."""
-    return [rid] + [other for other in live if other.startswith(rid + "-") and other[len(rid) + 1:].isdigit()]
+    """``rid`` and the engine requests an ``n`` or batch request made of it (``{rid}-{k}``, api.requests), among the
+    rids in ``live``."""
+    return [rid] + sorted({other for other in live if other.startswith(rid + "-") and other[len(rid) + 1:].isdigit()})
+
+
+def named(rid: str, room: int | None, live) -> list[tuple[str, int | None]]:
+    """The engine requests (rid, room) an abort of ``rid`` names: ``rid`` and its copies (``fanned_out``), each with
+    the room it was given (copy ``k``: ``derive(room, k)``), or None for every request of that rid. ``(rid, room)``
+    is named even when it is not live: the engine then remembers the room and refuses that request when it comes.
+    An ``n`` or batch request's copy 0 keeps the room and is submitted first, so its refusal refuses them all."""
+    names = fanned_out(rid, [live_rid for live_rid, _ in live])
+    if room is None:
+        return [(name, None) for name in names]
+    return [(name, room if name == rid else derive(room, int(name[len(rid) + 1:]))) for name in names]
 
 
 def sglang_router(ctx: ApiContext) -> APIRouter:
@@ -54,9 +66,17 @@ def sglang_router(ctx: ApiContext) -> APIRouter:
 
     @router.post("/abort_request", responses=ERROR_RESPONSES)
     async def abort_request(body: AbortBody) -> dict:
-        """Abort by ``rid`` (SGLang's body), or every request this server is running with ``abort_all``. Always 200,
-        as SGLang answers; ``aborted`` lists the ids the engine knew and stopped."""
-        rids = list(ctx.live) if body.abort_all else fanned_out(body.rid, ctx.live) if body.rid else []
-        return {"aborted": [rid for rid in rids if ctx.engine.abort(rid)]}
+        """Abort by ``rid`` (SGLang's body): every live request of it; with ``room`` (fsm-pd's, what the built-in
+        router sends) only the attempt in that room, which if it has not arrived yet is refused when it does. Or every
+        request this server is running with ``abort_all``. Always 200, as SGLang answers; ``aborted`` lists the ids
+        the engine knew and stopped."""
+        if body.abort_all:
+            targets = list(ctx.live)
+        elif body.rid:
+            room = body.room if ctx.role in PD_ROLES else None  # a colocated node ignores PD fields
+            targets = named(body.rid, room, list(ctx.live))
+        else:
+            targets = []
+        return {"aborted": [rid for rid, room in targets if ctx.engine.abort(rid, room=room)]}
 
     return router

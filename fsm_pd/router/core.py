@@ -8,7 +8,6 @@ health checks, breakers, selection and budget.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import random
@@ -23,6 +22,7 @@ from fsm_pd.api.errors import error_body, error_response
 from fsm_pd.api.requests import new_rid
 from fsm_pd.api.runner import wait_disconnect
 from fsm_pd.api.streaming import PROGRESS_HEADER
+from fsm_pd.api.tasks import cancel_and_wait
 from fsm_pd.router.cache_aware import CacheAwareSettings, routing_key
 from fsm_pd.router.fleet import BreakerSettings, Fleet, HealthChecker, RetryBudget, Worker
 from fsm_pd.router.legs import DONE, Leg, WorkerLost, both_answered, relay, until
@@ -33,13 +33,9 @@ from fsm_pd.router.routes import RunningRequests
 
 log = logging.getLogger(__name__)
 
-
-log = logging.getLogger(__name__)
-
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 PROBE_TIMEOUT_S = 45.0  # health and info probes; longer than a worker's own /health_generate limit (30 s)
-ABORT_TIMEOUT_S = 2.0  # a retry first aborts the failed attempt's open legs and reads them to their end
-LATE_LEG_S = 0.05  # an abort that found no request is sent once more after this (the leg's request came later)
+ABORT_TIMEOUT_S = 2.0  # a retry first aborts the failed attempt's open legs on the workers it reuses
 RETRY_POLICIES = ("retry", "fail")
 
 
@@ -70,7 +66,7 @@ class Failure:
     worker: Worker | None  # the worker to blame (its breaker counts it), if any
     reason: str  # a metric label: "{side}_unreachable", "{side}_{status}", "request_timeout"
     decode_after_prefill: bool = False  # the prefill had finished: re-running it is a migration
-    # closes the attempt's legs; those on the workers the next attempt uses (same rid) are first wound down
+    # closes the attempt's legs; those still open on the workers the next attempt uses are aborted there first
     retire: Callable[[set[str]], Awaitable[None]] | None = None
 
 
@@ -142,24 +138,21 @@ class PDRouter:
         return headers
 
     async def dispatch(self, path: str, body: dict, request: Request) -> Response:
-        """Run the request; a client that disconnects before the answer starts cancels its legs."""
+        """Run the request; a client that disconnects before the answer starts cancels its legs (and so does this
+        handler being cancelled)."""
         self.ensure_health_checks()
+        if body.get("rid") is None:  # one rid on every leg of every attempt (meta_info.id shows it)
+            body = {**body, "rid": new_rid()}
         work = asyncio.ensure_future(self._serve(path, body, request))
         gone = asyncio.ensure_future(wait_disconnect(request))
         try:
             done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if work in done:
-                return work.result()
-            work.cancel()
-            with contextlib.suppress(BaseException):
-                await work
-            return Response(status_code=499)
+            return work.result() if work in done else Response(status_code=499)
         finally:
-            gone.cancel()
+            await cancel_and_wait(*(task for task in (work, gone) if not task.done()),
+                                  what=f"a task of request {body['rid']} on {path}")
 
     async def _serve(self, path: str, body: dict, request: Request) -> Response:
-        if body.get("rid") is None:  # one rid on every leg of every attempt (meta_info.id shows it)
-            body = {**body, "rid": new_rid()}
         headers = self._headers(request)
         migrating = can_migrate(path, body) and self.retry.policy == "retry"
         if migrating:  # the decode node's chunks then say which tokens they carry
@@ -241,10 +234,10 @@ class PDRouter:
 
     async def _attempt(self, path: str, body: dict, prefill: Worker, decode: Worker, headers: dict,
                        deadline: float) -> Started | Failure:
-        rid = body["rid"]
+        rid, room = body["rid"], new_room()  # the attempt's identity on both nodes: the client's rid, a new room
         pair = (prefill.url, decode.url)
         release = self.running.add(rid, pair) if isinstance(rid, str) else lambda: None
-        sent = with_bootstrap(body, prefill.url, prefill.bootstrap_port, new_room())
+        sent = with_bootstrap(body, prefill.url, prefill.bootstrap_port, room)
         prefill.outstanding += 1
         decode.outstanding += 1
         p_leg = Leg("prefill", prefill.url, self.client, prefill.url + path, sent, headers, whole=True)
@@ -256,21 +249,30 @@ class PDRouter:
             if not closed:
                 closed = True
                 decode.outstanding -= 1
-                await d_leg.close()
                 release()
+                await d_leg.close()
+
+        async def close_both() -> None:
+            try:
+                await p_leg.close()
+            finally:  # also when the caller is cancelled while the first one closes
+                await close()
 
         try:
             failed = await both_answered(p_leg, d_leg, deadline, self.request_timeout_s, (prefill.lost, decode.lost))
         except BaseException:
-            await p_leg.close()
-            await close()
+            await close_both()
             raise
         finally:
             prefill.outstanding -= 1
         if failed is None:
             if p_leg.task.done():  # else the decode recomputed without it (router_legs.both_answered)
                 self.fleet.request_succeeded(prefill)
-            await p_leg.close()
+            try:
+                await p_leg.close()
+            except BaseException:  # cancelled while the prefill's call ended: nobody will close the decode leg
+                await close()
+                raise
             if d_leg.body is not None:
                 self.fleet.request_succeeded(decode)
             return Started(p_leg, d_leg, decode, close)
@@ -279,10 +281,9 @@ class PDRouter:
 
         async def retire(reused: set[str]) -> None:
             try:
-                await self._wind_down(rid, tuple(leg for leg in (p_leg, d_leg) if leg.worker_url in reused))
+                await self._wind_down(rid, room, tuple(leg for leg in (p_leg, d_leg) if leg.worker_url in reused))
             finally:
-                await p_leg.close()
-                await close()
+                await close_both()
 
         failure.retire = retire
         return failure
@@ -307,37 +308,34 @@ class PDRouter:
             return Failure(response, True, worker, f"{leg.side}_{status}", after)
         return Failure(response, False, None, f"{leg.side}_{status}")
 
-    async def _wind_down(self, rid, legs: tuple[Leg, ...]) -> None:
-        """Before a retry with the same rid on the same worker: abort it there if its leg is still open and read the
-        leg to its end. A worker's handler aborts its rid once more when it closes (after an error or a disconnect);
-        only closing our side of the leg would leave that late abort to hit the retry."""
+    async def _wind_down(self, rid, room: int, legs: tuple[Leg, ...]) -> None:
+        """Before a retry on a worker the failed attempt used: abort that attempt there, by its rid and room, where
+        its leg is still open. The abort can only reach this attempt (the retry has the same rid and a new room), so
+        nothing it or the leg's closing does later can touch the retry. It frees the attempt at once, and it also
+        holds when it reaches the worker before the attempt's own request does (its partner failed at once: a
+        draining prefill's 503): the worker remembers the room and refuses that request when it comes."""
         open_legs = [leg for leg in legs if not (leg.task.done() and (leg.task.cancelled() or leg.task.exception()
                                                                      or leg.body is not None))]
         if not open_legs or not isinstance(rid, str):
             return
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
 
-        async def abort(leg: Leg) -> bool:
-            resp = await self.client.post(leg.worker_url + "/abort_request", json={"rid": rid}, headers=headers)
+        async def abort(leg: Leg) -> None:
             try:
-                return bool(resp.json().get("aborted"))  # the rid, or its copies' (n > 1)
-            except (ValueError, AttributeError, TypeError):
-                return True  # not ours to read: as before, one abort
-
-        async def one(leg: Leg) -> None:
-            with contextlib.suppress(httpx.HTTPError, TimeoutError):
                 async with asyncio.timeout(ABORT_TIMEOUT_S):
-                    if not await abort(leg):
-                        # The abort can reach the worker before the leg's own request did (its partner failed at
-                        # once: a draining prefill's 503), which then runs on and holds the rid the retry brings.
-                        await asyncio.sleep(LATE_LEG_S)
-                        await abort(leg)
-                    await asyncio.wait({leg.task})
-                    if leg.response is not None and leg.body is None and not leg.task.cancelled() \
-                            and leg.task.exception() is None:
-                        await leg.response.aread()
+                    resp = await self.client.post(leg.worker_url + "/abort_request", json={"rid": rid, "room": room},
+                                                  headers=headers)
+            except (httpx.HTTPError, TimeoutError) as err:
+                problem = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+            else:
+                if resp.status_code == 200:
+                    return
+                problem = f"it answered {resp.status_code}: {resp.text.strip()[:200]}"
+            # the leg is closed all the same: the worker then sees a disconnect and aborts the attempt itself
+            log.warning("could not abort request %s (room %d) on the %s worker %s before its retry: %s", rid, room,
+                        leg.side, leg.worker_url, problem)
 
-        await asyncio.gather(*(one(leg) for leg in open_legs))
+        await asyncio.gather(*(abort(leg) for leg in open_legs))
 
     async def _migrating(self, path: str, body: dict, headers: dict, deadline: float, tries: Tries,
                          started: Started) -> AsyncIterator[bytes]:

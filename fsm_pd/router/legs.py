@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -23,6 +22,7 @@ from fastapi.responses import Response
 
 from fsm_pd.api.errors import error_body, error_response
 from fsm_pd.api.streaming import RECOMPUTED_HEADER
+from fsm_pd.api.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +76,13 @@ class Leg:
         return not self.task.cancelled() and isinstance(self.task.exception(), httpx.HTTPError)
 
     async def close(self) -> None:
+        """Cancel the call, or close its response. The call is cancelled before anything is awaited: a caller
+        cancelled while this waits for the call to end gets its CancelledError, and leaves nothing running (a
+        cancelled call closes its own connection)."""
         if not self.task.done():
-            self.task.cancel()
-            with contextlib.suppress(BaseException):
-                await self.task
+            # an HTTP error is the leg failing as it was closed: nobody asked about it; anything else is logged
+            await cancel_and_wait(self.task, what=f"the {self.side} call to {self.worker_url}",
+                                  expected=(httpx.HTTPError,))
         elif not self.task.cancelled():
             self.task.exception()  # retrieved: a failed leg that nobody asked about is not an error to log
         if self.response is not None:

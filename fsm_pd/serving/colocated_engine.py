@@ -115,4 +115,4 @@ class ColocatedEngine(EngineCore):
         # a request that emitted a token was prefilled: its prompt's pages hold its KV and may join the cache
         end_prefix(self.cache, self.allocator, seq, keep=seq.generated > 0)
         self.allocator.forget(seq.key)  # keys are never reused
-        self.requests.pop(seq.rid)
+        self.requests.pop(seq)

@@ -1,10 +1,9 @@
-"""What every engine needs besides its scheduler: request checks, the context limit, and the table of live
-requests that ``abort`` works through."""
+"""What every engine needs besides its scheduler: request checks, the context limit, the journal's path and
+``/flush_cache``. The table of live requests that ``abort`` works through is ``request_table.py``."""
 
 from __future__ import annotations
 
 import tempfile
-import threading
 from pathlib import Path
 
 from fsm_pd.control.manager import RoomInUse
@@ -13,14 +12,12 @@ from fsm_pd.model.loader import LoadedModel
 from fsm_pd.model.pages import PageAllocator
 from fsm_pd.model.prefix_cache import PrefixCache
 from fsm_pd.serving import top_logprobs
-from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.types import EngineError, GenerateRequest
 from fsm_pd.store.journal import JournalError
 from fsm_pd.store.schema import MAX_ROOM
 
 ENDED = (KVPoll.Success, KVPoll.Failed)  # a room in either state changes no more
 UNAVAILABLE_STATUS = 503  # the node cannot serve at all (its loop stopped, its model thread died)
-ABORTED_STATUS = 499  # the client gave up (nginx's "client closed request"); not a server failure
 ROOM_IN_USE_STATUS = 409  # a conflict with this node's state (the room's earlier request), not a malformed request
 
 
@@ -100,52 +97,3 @@ def journal_path(journal: str | None, node_id: str) -> str:
     if journal is not None:
         return journal
     return str(Path(tempfile.mkdtemp(prefix="fsm-pd-")) / f"{node_id}.db")
-
-
-class RequestTable:
-    """rid → live ``Sequence``, from ``submit`` until the request ends or is aborted. Thread-safe."""
-
-    def __init__(self) -> None:
-        self._live: dict[str, Sequence] = {}
-        self._lock = threading.Lock()
-
-    def add(self, seq: Sequence) -> None:
-        with self._lock:
-            if seq.rid in self._live:
-                raise EngineError(f"request {seq.rid} is already running", 400)
-            self._live[seq.rid] = seq
-
-    def get(self, rid: str | None) -> Sequence | None:
-        with self._lock:
-            return self._live.get(rid)
-
-    def pop(self, rid: str) -> Sequence | None:
-        with self._lock:
-            return self._live.pop(rid, None)
-
-    def cancel(self, rid: str, reason: str = "aborted", status: int = ABORTED_STATUS) -> Sequence | None:
-        """Mark the request cancelled and end its stream with ``EngineError(status)`` (499: the client gave up; a
-        drain past its bound says 503); None if it is not live.
-
-        The scheduler frees what it holds at its next step on the model thread.
-        """
-        with self._lock:
-            seq = self._live.pop(rid, None)
-        if seq is None:
-            return None
-        seq.cancelled = True  # first, so the model thread stops streaming to it as early as possible
-        seq.stream.push(EngineError(f"request {rid} {reason}", status))
-        return seq
-
-    def fail_all(self, error: Exception) -> int:
-        """End every live request with ``error`` (the engine can no longer serve); returns how many."""
-        with self._lock:
-            live, self._live = list(self._live.values()), {}
-        for seq in live:
-            seq.cancelled = True  # nothing may stream to it after its error
-            seq.stream.push(error)
-        return len(live)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._live)

@@ -107,9 +107,8 @@ class DecodeEngine(PDEngine):
     def _abort_note(self, room) -> bool:
         """Whether the ABORT for this failed room says that we recompute it (the same rule as ``_on_room``): read
         from the room and the thread-safe request table, never from the model thread's ``rooms``."""
-        seq = self.requests.get(room.ctx.get("rid"))
-        return (self.recompute.enabled and seq is not None and seq.key == room.room and not seq.cancelled
-                and bool(room.ctx.get("pages")))
+        seq = self.requests.get(room.ctx.get("rid"), room.room)
+        return self.recompute.enabled and seq is not None and not seq.cancelled and bool(room.ctx.get("pages"))
 
     def _detail(self, room, decision, at) -> Any:
         if decision.dst == "Failed":
@@ -164,7 +163,7 @@ class DecodeEngine(PDEngine):
                 return
             if not seq.cancelled:
                 seq.stream.push(EngineError(reason, 500))
-            self.requests.pop(seq.rid)
+            self.requests.pop(seq)
             return
         ctx = detail
         seq.pages = ctx["pages"]
@@ -190,7 +189,7 @@ class DecodeEngine(PDEngine):
 
     def _finish(self, seq: Sequence) -> None:
         """A decoded (or cancelled) request is done: ``finish`` frees its pages after any queued write."""
-        self.requests.pop(seq.rid)
+        self.requests.pop(seq)
         if self.recompute.owns(seq):  # its room was cleared when it failed; its pages are ours
             self.recompute.release(seq)
             return

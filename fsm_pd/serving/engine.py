@@ -26,14 +26,8 @@ from fsm_pd.model.model_thread import ModelThread
 from fsm_pd.model.pages import PageAllocator
 from fsm_pd.model.prefix_cache import PrefixCache
 from fsm_pd.serving.cache_metrics import PrefillCollector
-from fsm_pd.serving.common import (
-    ABORTED_STATUS,
-    RequestTable,
-    flush_when_idle,
-    max_context_for,
-    pool_tokens_for,
-    refuse_if_unhealthy,
-)
+from fsm_pd.serving.common import flush_when_idle, max_context_for, pool_tokens_for, refuse_if_unhealthy
+from fsm_pd.serving.request_table import ABORTED_STATUS, RequestTable
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.step_driver import StepDriver
 from fsm_pd.serving.types import EngineError, GenerateRequest, RequestStream
@@ -78,19 +72,22 @@ class EngineCore:
             self._accept(seq)
         except BaseException:
             seq.cancelled = True  # the scheduler drops it from arrivals
-            self.requests.pop(seq.rid)
+            self.requests.pop(seq)
             raise
         self._driver.kick()
 
-    def abort(self, rid: str, reason: str | None = None, status: int = ABORTED_STATUS) -> bool:
-        """Stop the request and free what it holds; False if unknown or finished. ``reason`` (journaled, and in the
-        stream's error) and ``status`` default to a client's abort (499); a drain passes its own."""
-        seq = self.requests.cancel(rid, reason or "aborted", status)
-        if seq is None:
-            return False
-        self._on_cancel(seq, reason or "aborted by the client")
-        self._driver.kick()
-        return True
+    def abort(self, rid: str, reason: str | None = None, status: int = ABORTED_STATUS, *,
+              room: int | None = None) -> bool:
+        """Stop the request and free what it holds; False if unknown or finished. ``room`` None: every live request
+        of ``rid``; a room: only that attempt, refused later if it has not arrived yet (``RequestTable``).
+        ``reason`` (journaled, and in the stream's error) and ``status`` default to a client's abort (499); a drain
+        passes its own."""
+        seqs = self.requests.cancel(rid, room, reason or "aborted", status)
+        for seq in seqs:
+            self._on_cancel(seq, reason or "aborted by the client")
+        if seqs:
+            self._driver.kick()
+        return bool(seqs)
 
     def health(self) -> str | None:
         """Why this node cannot serve, or None: ``/health``."""

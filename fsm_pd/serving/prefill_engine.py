@@ -143,7 +143,7 @@ class PrefillEngine(PDEngine):
         self.rooms.pop(room, None)
         first = self._in_flight.pop(room, None)
         if seq is not None:
-            self.requests.pop(seq.rid)
+            self.requests.pop(seq)
             if state == "Success" and first is not None:
                 self._answer(seq, first, timing)
             elif state == "Failed" and first is not None and reason is not None and RECOMPUTE_NOTE in reason:

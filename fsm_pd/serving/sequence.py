@@ -68,6 +68,11 @@ class Sequence:
         return self.request.rid
 
     @property
+    def identity(self) -> tuple[str, int | None]:
+        """Its key in the engine's ``RequestTable``: rid and room on a PD node (``GenerateRequest.identity``)."""
+        return self.request.identity
+
+    @property
     def generated(self) -> int:
         return len(self.checker.output_ids)
 

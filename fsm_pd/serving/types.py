@@ -55,6 +55,13 @@ class GenerateRequest:
     # penalties and the sampling step count them, and ``sampling.max_new_tokens`` is what is left after them.
     generated_before: list[int] = field(default_factory=list)
 
+    @property
+    def identity(self) -> tuple[str, int | None]:
+        """Who this request is on a node: its rid and, on a PD node, its bootstrap room. Every attempt a router makes
+        of one client request carries the client's rid and a new room, so a retry is a different request there, and
+        an abort that names the room reaches only its own attempt. A colocated request (no room) is its rid."""
+        return self.rid, self.bootstrap.room if self.bootstrap is not None else None
+
 
 @dataclass(slots=True)
 class TokenOutput:
@@ -107,9 +114,11 @@ class Engine(Protocol):
         """Start the request; outputs (or an EngineError) arrive on ``stream``. Raises EngineError(400) at once for
         a request this engine can never serve (too long, missing bootstrap fields on a PD node)."""
 
-    def abort(self, rid: str, reason: str | None = None, status: int = 499) -> bool:
-        """Stop the request and free what it holds; False if it is unknown or already finished. ``reason`` and
-        ``status``: what the request's stream ends with (default: a client's abort, 499); a drain passes its own."""
+    def abort(self, rid: str, reason: str | None = None, status: int = 499, *, room: int | None = None) -> bool:
+        """Stop the request and free what it holds; False if it is unknown or already finished. ``room`` None: every
+        live request of ``rid`` (SGLang's meaning); a room: only the request with that identity, and if it has not
+        arrived yet it is refused when it does. ``reason`` and ``status``: what the request's stream ends with
+        (default: a client's abort, 499); a drain passes its own."""
 
     def info(self) -> dict:
         """Fields for /server_info: role, model, pages free/reserved, rooms by state, ..."""

@@ -5,10 +5,13 @@ its chunks carried (``fsm_pd_resume``)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import logging
 
 import httpx
+import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from polling import until
@@ -19,6 +22,7 @@ from test_router_failures import SSE_HEAD, chunk, scripted_worker
 from fsm_pd.api import AppServer, create_app
 from fsm_pd.router import create_router_app
 from fsm_pd.router.app import RetrySettings
+from fsm_pd.serving.types import EngineError
 
 
 def counter(url: str, name: str) -> dict[str, float]:
@@ -232,3 +236,82 @@ def test_a_whole_request_on_a_decode_that_never_answers_is_retried_once_its_heal
         assert r.status_code == 200 and len(r.json()["output_ids"]) == 3, r.text
         assert len(decode.submitted) == 1
         assert counter(url, "fsm_pd_router_migrations_total") == {'{reason="decode_lost"}': 1.0}
+
+
+class LateFirstGenerate:
+    """ASGI: the first /generate this node gets is read whole and then reaches the app ``delay_s`` later, as on a
+    node whose event loop comes to the handler late; /abort_request answers ``abort_status`` when one is set."""
+
+    def __init__(self, app, delay_s: float, abort_status: int | None = None):
+        self.app, self.delay_s, self.abort_status, self.held = app, delay_s, abort_status, False
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] == "/abort_request" and self.abort_status is not None:
+            await JSONResponse({"error": {"message": "boom"}}, status_code=self.abort_status)(scope, receive, send)
+            return
+        if scope["type"] == "http" and scope["path"] == "/generate" and not self.held:
+            self.held = True
+            message, received = await receive(), False
+            await asyncio.sleep(self.delay_s)
+
+            async def replay():
+                nonlocal received
+                if not received:
+                    received = True
+                    return message
+                return await receive()
+
+            await self.app(scope, replay, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def draining_then_late_decode(decode: StubEngine, *, abort_status: int | None = None):
+    """A router over a prefill that refuses at once as a draining node does (503), a good prefill, and one decode
+    whose first request reaches its engine 0.5 s late: after the router's abort of that attempt."""
+    draining = StubEngine(role="prefill", submit_error=EngineError("this node is draining", 503))
+    good = StubEngine(role="prefill")
+    stack = contextlib.ExitStack()
+    p_urls = [stack.enter_context(AppServer(create_app(e, e.tokenizer, bootstrap_port=port))).url
+              for e, port in ((draining, 9001), (good, 9002))]
+    d_app = LateFirstGenerate(create_app(decode, decode.tokenizer, bootstrap_port=8998), 0.5, abort_status)
+    d_url = stack.enter_context(AppServer(d_app)).url
+    router = stack.enter_context(AppServer(create_router_app([(p_urls[0], 9001), (p_urls[1], 9002)], [d_url])))
+    stack.callback(lambda: [e.close() for e in (draining, good, decode)])
+    return stack, router.url, good
+
+
+def test_the_abort_of_a_failed_attempt_that_comes_first_refuses_its_late_leg_and_the_retry_runs():
+    # The race a second abort 50 ms later used to cover: the draining prefill refuses at once, the router aborts the
+    # attempt on the decode it reuses, and the attempt's own decode request comes after that abort.
+    decode = StubEngine(role="decode")
+    stack, url, good = draining_then_late_decode(decode)
+    with stack:
+        r = httpx.post(url + "/generate", json={"text": "hi", "rid": "client-1",
+                                                "sampling_params": {"max_new_tokens": 3}}, timeout=20)
+        assert r.status_code == 200 and r.json()["text"] == " he", r.text
+        retry_room = good.submitted[0].bootstrap.room
+        # the late leg was refused when it came (it was not left waiting for a room its prefill never opened), and
+        # only the retry ran on the decode
+        assert until(lambda: decode.refused, timeout_s=5), f"the late leg ran: {decode.submitted}"
+        (late, err), = decode.refused
+        assert (late.rid, err.status) == ("client-1", 499) and late.bootstrap.room != retry_room
+        assert [q.bootstrap.room for q in decode.submitted] == [retry_room]
+        assert decode.aborts == [("client-1", late.bootstrap.room)]  # the router's abort named the attempt
+
+
+@pytest.mark.parametrize("abort_status", [500, 404])
+def test_a_failed_wind_down_abort_is_logged_and_the_retry_still_runs(caplog, abort_status):
+    caplog.set_level(logging.WARNING, logger="fsm_pd.router.core")
+    decode = StubEngine(role="decode")
+    stack, url, good = draining_then_late_decode(decode, abort_status=abort_status)
+    with stack:
+        r = httpx.post(url + "/generate", json={"text": "hi", "rid": "client-2",
+                                                "sampling_params": {"max_new_tokens": 3}}, timeout=20)
+        assert r.status_code == 200 and r.json()["text"] == " he", r.text
+        # the late leg, not aborted, was closed: its node aborts it when it notices, and the retry is not touched
+        assert until(lambda: decode.live == [])
+    warnings = [rec.getMessage() for rec in caplog.records if rec.name == "fsm_pd.router.core"]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("could not abort request client-2 (room ") and \
+        "on the decode worker http://127.0.0.1:" in warnings[0] and f"it answered {abort_status}" in warnings[0]

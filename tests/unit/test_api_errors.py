@@ -172,7 +172,7 @@ def test_a_request_the_engine_failed_never_aborts_a_later_one_with_its_rid():
         engine.fail_after = None
         retry = RequestRun(engine, request(), engine.tokenizer, None, live)
         failed.close()
-        assert engine.live == ["client-1"] and live["client-1"] is retry
+        assert engine.live == ["client-1"] and live[("client-1", None)] is retry
         assert (await retry.next_output()) is not None
         retry.close()
 

@@ -132,3 +132,53 @@ def test_abort_all_aborts_every_live_request():
         for t in threads:
             t.join(10)
         assert sorted(aborted) == sorted(r.rid for r in engine.submitted)
+
+
+def pd_body(rid: str, room: int, **extra) -> dict:
+    return {"text": "a", "rid": rid, "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": room,
+            **extra}
+
+
+def post_in_background(url: str, body: dict) -> tuple[threading.Thread, dict]:
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.setdefault("r", httpx.post(url + "/generate", json=body,
+                                                                               timeout=20)))
+    worker.start()
+    return worker, result
+
+
+def test_abort_request_with_a_room_stops_that_attempt_only_and_without_one_every_attempt():
+    with stub_server("decode", bootstrap_port=8998, hang=True) as (url, engine):
+        first, first_result = post_in_background(url, pd_body("twice", 11))
+        assert engine.wait_submitted(1)
+        retry, retry_result = post_in_background(url, pd_body("twice", 12))  # the same rid, a new room
+        assert engine.wait_submitted(2)
+        aborted = httpx.post(url + "/abort_request", json={"rid": "twice", "room": 11}).json()
+        first.join(10)
+        assert aborted == {"aborted": ["twice"]} and first_result["r"].status_code == 499
+        assert engine.live == ["twice"] and not retry_result  # the retry runs on
+        # SGLang's abort (what sglang-router sends): every live request of the rid
+        assert httpx.post(url + "/abort_request", json={"rid": "twice"}).json() == {"aborted": ["twice"]}
+        retry.join(10)
+        assert retry_result["r"].status_code == 499 and engine.live == []
+
+
+def test_an_abort_with_a_room_before_its_request_refuses_it_with_every_copy():
+    with stub_server("prefill", bootstrap_port=8998) as (url, engine):
+        early = httpx.post(url + "/abort_request", json={"rid": "late", "room": 21})
+        assert early.status_code == 200 and early.json() == {"aborted": []}
+        body = pd_body("late", 21, sampling_params={"n": 2, "max_new_tokens": 2})
+        late = httpx.post(url + "/generate", json=body, timeout=20)
+        assert late.status_code == 499 and "aborted before it arrived" in late.json()["error"]["message"]
+        assert engine.submitted == []  # copy 0 keeps the room and goes first: neither copy ran
+        retry = httpx.post(url + "/generate", json={**body, "bootstrap_room": 22}, timeout=20)
+        assert retry.status_code == 200 and len(retry.json()) == 2
+
+
+def test_a_colocated_node_ignores_the_room_of_an_abort():
+    with stub_server(hang=True) as (url, engine):
+        worker, result = post_in_background(url, {"text": "a", "rid": "solo"})
+        assert engine.wait_submitted(1)
+        assert httpx.post(url + "/abort_request", json={"rid": "solo", "room": 5}).json() == {"aborted": ["solo"]}
+        worker.join(10)
+        assert result["r"].status_code == 499

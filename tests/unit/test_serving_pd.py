@@ -183,6 +183,77 @@ def test_decode_abort_during_transfer_fails_the_prefill_request(pd, model):
     assert_idle(p, d)
 
 
+def test_an_abort_before_its_request_refuses_it_and_the_retry_with_the_same_rid_runs(pd, model):
+    # The router's abort of a failed attempt reached the decode node before the attempt's own request did (its
+    # prefill had refused at once). That request must not register and wait for a room its prefill never opens:
+    # it held the rid when the retry came, and the retry got 400 "already running".
+    p, d = pd
+    prompt = model.tokenizer.encode("an abort that came first")
+    late = pd_request(p, "late", prompt, max_new_tokens=6)
+    assert not d.abort("late", room=late.bootstrap.room)  # nothing live yet: the room is remembered
+    with pytest.raises(EngineError) as err:
+        d.submit(late, RequestStream("late", asyncio.new_event_loop()))
+    assert err.value.status == 499 and "aborted before it arrived" in str(err.value)
+    retry = pd_request(p, "late", prompt, max_new_tokens=6)  # the same rid, a new room
+    assert len(run(through_pd(p, d, retry))) == 6
+    assert_idle(p, d)
+
+
+async def opened(engine, room: int, *legs: asyncio.Future) -> None:
+    """Until ``engine`` has the room; a leg that failed meanwhile (its submit refused) raises here at once."""
+    while engine.manager.poll(room) is None:
+        for leg in legs:
+            if leg.done():
+                leg.result()
+        await asyncio.sleep(0.01)
+
+
+def test_a_retry_runs_beside_its_attempt_and_an_abort_by_room_stops_only_its_own(pd, model):
+    p, d = pd
+    prompt = model.tokenizer.encode("two attempts of one request")
+    first, retry = (pd_request(p, "twice", prompt, max_new_tokens=6) for _ in range(2))
+    release = hold_model_thread(p)  # the first attempt cannot finish before the retry is in
+
+    async def scenario():
+        old = [asyncio.ensure_future(generate(e, first)) for e in (p, d)]
+        await opened(d, first.bootstrap.room, *old)
+        new = asyncio.ensure_future(through_pd(p, d, retry))  # the same rid while the first is live on both
+        await opened(d, retry.bootstrap.room, new)
+        assert p.abort("twice", room=first.bootstrap.room) and d.abort("twice", room=first.bootstrap.room)
+        release.set()
+        return await asyncio.gather(*old, return_exceptions=True), await new
+
+    try:
+        old, new = run(scenario())
+    finally:
+        release.set()
+    assert [isinstance(o, EngineError) and o.status == 499 for o in old] == [True, True], old
+    assert len(new) == 6
+    assert_idle(p, d)
+
+
+def test_an_abort_by_rid_alone_stops_every_attempt_of_it(pd, model):
+    p, d = pd
+    prompt = model.tokenizer.encode("every attempt of a rid")
+    release = hold_model_thread(p)
+
+    async def scenario():
+        reqs = [pd_request(p, "all", prompt, max_new_tokens=6) for _ in range(2)]
+        legs = [asyncio.ensure_future(generate(e, r)) for r in reqs for e in (p, d)]
+        for r in reqs:
+            await opened(d, r.bootstrap.room, *legs)
+        assert p.abort("all") and d.abort("all")  # SGLang's abort: every live request of the rid
+        release.set()
+        return await asyncio.gather(*legs, return_exceptions=True)
+
+    try:
+        ends = run(scenario())
+    finally:
+        release.set()
+    assert [isinstance(e, EngineError) and e.status == 499 for e in ends] == [True] * 4, ends
+    assert_idle(p, d)
+
+
 def test_pd_nodes_refuse_requests_without_bootstrap_or_too_long(pd, model):
     p, d = pd
     for engine in (p, d):

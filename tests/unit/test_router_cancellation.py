@@ -1,0 +1,64 @@
+"""A router request whose client leaves while the router winds down a failed attempt ends there: the cancellation
+reaches it even while it waits for a leg's call to end, and no retry is sent for a client that is gone. The router
+runs in process; its workers are an ``httpx.MockTransport`` that scripts each worker's answer."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from fsm_pd.router.core import PDRouter, PrefillWorker
+
+
+class LeavingClient:
+    """The ASGI request as ``dispatch`` reads it: the client disconnects once ``gone`` is set."""
+
+    headers: dict = {}
+
+    def __init__(self, gone: asyncio.Event):
+        self.gone = gone
+
+    async def receive(self) -> dict:
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+
+def test_a_client_leaving_during_the_wind_down_cancels_the_request_and_gets_no_retry():
+    async def scenario() -> tuple[int, list[str]]:
+        closing, release = asyncio.Event(), asyncio.Event()
+        generate_calls: list[str] = []
+
+        async def workers(request: httpx.Request) -> httpx.Response:
+            host, path = request.url.host, request.url.path
+            if path == "/health":
+                return httpx.Response(200, json={})
+            if path == "/abort_request":
+                return httpx.Response(200, json={"aborted": []})
+            generate_calls.append(host)
+            if host == "p0":  # refuses at once, as a draining node does: the attempt is retried
+                return httpx.Response(503, json={"error": {"message": "draining", "type": "x", "code": 503}})
+            if host == "d0" and generate_calls.count("d0") == 1:
+                try:
+                    await asyncio.Event().wait()
+                except asyncio.CancelledError:  # the router closes this leg: its call takes a while to end
+                    closing.set()  # and meanwhile the client goes away
+                    await release.wait()
+                    raise
+            return httpx.Response(200, json={"text": "x", "output_ids": [1], "meta_info": {}})
+
+        router = PDRouter([PrefillWorker("http://p0", 8998), PrefillWorker("http://p1", 8998)], ["http://d0"],
+                          policy="round_robin", health_interval_s=60)
+        router._client = httpx.AsyncClient(transport=httpx.MockTransport(workers))
+        try:
+            response = await router.dispatch("/generate", {"text": "hi", "rid": "gone-1"}, LeavingClient(closing))
+            await asyncio.sleep(0.1)  # a retry, had one been started, would have reached p1 by now
+            return response.status_code, list(generate_calls)
+        finally:
+            release.set()
+            router._health_task.cancel()
+            await router.client.aclose()
+
+    status, calls = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert status == 499
+    assert sorted(calls) == ["d0", "p0"], calls  # the first attempt only: p1 never got the retry
