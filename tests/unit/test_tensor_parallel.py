@@ -1,0 +1,60 @@
+"""Tensor parallelism (``model/tensor_parallel.py``): the head split here, the model on 4 virtual devices in a fresh
+interpreter (jax fixes its CPU device count when it first creates the CPU client; see ``tp_mesh/tp_model_check.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsm_pd.kernels.layout import PAD_HEAD, KVLayout, kv_slot_heads
+from fsm_pd.model.tensor_parallel import query_slot_heads
+from fsm_pd.model.tiny import tiny_config
+
+CHECKS = Path(__file__).parent / "tp_mesh" / "tp_model_check.py"
+
+
+@pytest.mark.timeout(900)
+def test_model_on_a_four_device_mesh():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CHECKS)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=CHECKS.parents[3])
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
+
+
+@pytest.mark.parametrize("heads, kv_heads, tp, expected", [
+    (8, 4, 2, (0, 1, 2, 3, 4, 5, 6, 7)),  # two query heads per KV head, KV heads split
+    (4, 2, 4, (0, 1, 2, 3)),  # KV heads copied twice: each copy takes half its group
+    (9, 3, 3, tuple(range(9))),
+    (9, 3, 2, (*range(9), PAD_HEAD, PAD_HEAD, PAD_HEAD)),  # the padding KV slot brings 3 zero query heads
+    (3, 3, 2, (0, 1, 2, PAD_HEAD)),
+    (6, 2, 4, (0, 1, 2, PAD_HEAD, 3, 4, 5, PAD_HEAD)),  # a group of 3 on 2 copies: 2 + 1 and a zero head
+    # padded to 4 KV slots, each copied twice: a group of 3 splits 2 + 1 (+ a zero head)
+    (9, 3, 8, (0, 1, 2, PAD_HEAD, 3, 4, 5, PAD_HEAD, 6, 7, 8, PAD_HEAD, *[PAD_HEAD] * 4)),
+])
+def test_query_heads_follow_their_kv_slot(heads, kv_heads, tp, expected):
+    config = dataclasses.replace(tiny_config(), num_heads=heads, num_kv_heads=kv_heads)
+    slots = kv_slot_heads(kv_heads, tp)
+    queries = query_slot_heads(config, slots)
+    assert queries == expected
+    per_slot = len(queries) // len(slots)
+    for slot, head in enumerate(slots):  # every query head sits in a slot of its own KV head
+        for query in queries[slot * per_slot : (slot + 1) * per_slot]:
+            assert query == PAD_HEAD or query // config.group_size == head
+    assert sorted(q for q in queries if q != PAD_HEAD) == list(range(heads))  # each exactly once
+
+
+def test_a_layout_with_tp_counts_its_slots():
+    layout = KVLayout(num_layers=2, num_pages=4, page_size=8, kv_heads=3, head_dim=16, shard_axis="tp", tp=2)
+    assert layout.slot_heads == (0, 1, 2, PAD_HEAD) and layout.page_shape == (8, 8, 16)
+    assert KVLayout.from_dict({k: v for k, v in layout.to_dict().items() if k != "tp"}).tp == 1  # older peers
+    assert layout.transfer_key() == KVLayout(num_layers=2, num_pages=9, page_size=8, kv_heads=3,
+                                             head_dim=16).transfer_key()
+    with pytest.raises(ValueError, match="needs a shard_axis"):
+        KVLayout(num_layers=2, num_pages=4, page_size=8, kv_heads=3, head_dim=16, tp=2)
