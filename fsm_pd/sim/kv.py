@@ -62,11 +62,15 @@ class SimKV:
         self.room_of_pages, self.allocator = room_of_pages, allocator
 
     # --- prefill ---
-    def gather(self, owner: Any, pages: list[int]) -> SimBuffer:
+    def gather(self, owner: Any, pages: list[int], plan: Any) -> tuple[SimBuffer, ...]:
+        """One staging buffer per piece of the plan (one without tensor parallelism), each its share of the bytes."""
         room = self.room_of_pages(pages)
-        buf = SimBuffer(self.ledger.new_id(), "staging", room, len(pages), self.page_bytes)
-        self.ledger.alloc("staging", buf.key, self.instance, room)
-        return buf
+        slots = sum(piece.count for piece in plan.pieces)
+        bufs = tuple(SimBuffer(self.ledger.new_id(), "staging", room, len(pages),
+                               self.page_bytes * piece.count // slots) for piece in plan.pieces)
+        for buf in bufs:
+            self.ledger.alloc("staging", buf.key, self.instance, room)
+        return bufs
 
     def gathers_progressively(self, owner: Any) -> bool:
         return False
@@ -84,13 +88,14 @@ class SimKV:
     def complete_stream(self, stream: Any, staging: SimBuffer) -> bool:
         return False
 
-    def scatter(self, owner: Any, staging: SimBuffer, pages: list[int], stream: Any) -> None:
+    def scatter(self, owner: Any, pieces: tuple[SimBuffer, ...], pages: list[int], stream: Any, plan: Any) -> None:
         self.ledger.writes += 1
+        room = pieces[0].room
         for page in pages:
             holder = self.allocator.owner.get(page)
-            if holder != staging.room:
+            if holder != room or any(piece.room != room for piece in pieces):
                 whose = "nobody" if holder is None else f"room {holder}"
-                self.ledger.violation(f"a write of room {staging.room} reached page {page}, held by {whose} "
+                self.ledger.violation(f"a write of room {room} reached page {page}, held by {whose} "
                                       "(after its FreePages)")
 
     def cancel(self, stream: Any) -> None:

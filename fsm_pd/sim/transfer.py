@@ -70,7 +70,7 @@ class SimPuller:
         self.servers, self.partitioned = servers, partitioned
 
     def pull(self, address: str, uuid: int, page_count: int, timeout_s: float, *, done: Callable,
-             on_progress: Any = None, delay_s: float = 0.0) -> None:
+             on_progress: Any = None, delay_s: float = 0.0, piece: Any = None) -> None:
         deadline = self.sched.clock.now() + timeout_s
         self.sched.later(delay_s + CONNECT_S, lambda: self._look(address, uuid, page_count, deadline, done),
                          self.instance)

@@ -128,3 +128,20 @@ def test_a_pull_that_lands_after_its_room_ended_is_discarded_exactly_once(tmp_pa
     assert effects.pulled == {} and leaks(world) == [] and ownership_violations(world) == []
     late = [r for r in read_journal(tmp_path / "decode.db") if r.trigger == "pulled"]
     assert [(r.src, r.payload.get("ignored")) for r in late] == [("Failed", "room is already Failed")]
+
+
+def test_handoffs_between_tensor_parallel_sizes_run_the_multi_piece_handlers(tmp_path):
+    """P split over 2 devices, D over 1: every transfer is two pieces, each published, pulled (and failed at
+    random) on its own; rooms still end once, nothing is held afterwards, and the journals replay."""
+    config = SimConfig(requests=200, seed=1, fault_rate=0.1, prefill_tp=2, decode_tp=1)
+    summary = simulate(config, tmp_path)
+    assert summary["succeeded"] > 150
+    assert summary["leaks"] == {"staging_buffers_held": 0, "pages_reserved": 0, "transfer_entries_open": 0,
+                                "pulled_buffers_held": 0, "violations": []}
+    rows = read_journal(tmp_path / "prefill.db") + read_journal(tmp_path / "decode.db")
+    assert replay(rows).consistent
+    pulled = [r.payload["event"] for r in rows if r.trigger == "pulled" and "pieces" in r.payload.get("event", {})]
+    assert pulled and all([p[:2] for p in e["pieces"]] == [[0, 0], [1, 0]] for e in pulled)
+    failed = " ".join(summary["failed_by_reason"])  # either piece can fail the room, and the reason says which
+    assert "piece 0 (prefill shard 0 -> decode shard 0)" in failed and "piece 1 (prefill shard 1 -> decode shard 0)" \
+        in failed, summary["failed_by_reason"]
