@@ -86,7 +86,7 @@ class EngineCore:
 
     def info(self) -> dict:
         return {"role": self.role, "model": self.model_name, "max_context": self.max_context,
-                "page_size": self.page_size, "pages_free": self.allocator.free_pages,
+                "page_size": self.page_size, "tp_size": self.model.tp_size, "pages_free": self.allocator.free_pages,
                 "pages_reserved": self.allocator.reserved_pages, "requests_live": len(self.requests)}
 
     def flush_cache(self) -> tuple[bool, str]:

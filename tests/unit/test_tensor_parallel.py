@@ -58,3 +58,35 @@ def test_a_layout_with_tp_counts_its_slots():
                                              head_dim=16).transfer_key()
     with pytest.raises(ValueError, match="needs a shard_axis"):
         KVLayout(num_layers=2, num_pages=4, page_size=8, kv_heads=3, head_dim=16, tp=2)
+
+
+def test_a_tp_prefill_node_registers_one_entry_per_rank():
+    """SGLang's prefill ranks each PUT /route with their attn_tp_rank; the server answers the -1 layout query only once
+    every rank of attn_tp_size registered, which SGLang's decode relies on. A drain takes every rank out."""
+    from fsm_pd.bootstrap import BootstrapServer, fetch_prefill_layout, resolve_prefill
+    from fsm_pd.control.resolver import deregister_prefill, register_prefill
+
+    layout = KVLayout(num_layers=2, num_pages=4, page_size=8, kv_heads=3, head_dim=16, shard_axis="tp", tp=3)
+    node = dict(host="127.0.0.1", side_channel="tcp://127.0.0.1:7000", transfer_addr="tcp://127.0.0.1:7100",
+                backend="tcp", layout=layout.to_dict(), node_id="prefill-0", instance="a" * 16)
+    with BootstrapServer(port=0) as server:
+        register_prefill(server.url, **node)
+        assert fetch_prefill_layout(server.url, retries=0)["attn_tp_size"] == 3
+        for rank in range(3):
+            assert resolve_prefill(server.url, tp_rank=rank, retries=0)["side_channel"] == node["side_channel"]
+        assert deregister_prefill(server.url, **node)
+        with pytest.raises(LookupError):
+            resolve_prefill(server.url, tp_rank=2, retries=0)
+
+
+def test_serve_asks_jax_for_enough_host_devices():
+    from fsm_pd.serve_cli import ask_for_host_devices
+
+    env = {"XLA_FLAGS": "--xla_cpu_foo=1 --xla_force_host_platform_device_count=2"}
+    ask_for_host_devices(4, env)
+    assert env["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=4"
+    ask_for_host_devices(3, env)  # already enough: left alone
+    assert env["XLA_FLAGS"].endswith("=4")
+    empty: dict = {}
+    ask_for_host_devices(2, empty)
+    assert empty == {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
