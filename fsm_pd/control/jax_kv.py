@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from fsm_pd.control.overlap import StreamedScatter, publish_while_gathering
 from fsm_pd.kernels import KVLayout, gather_pages, page_bucket, resolve_impl, scatter_pages
+from fsm_pd.kernels.placement import pool_placement
 from fsm_pd.transport.reshard import Piece, ReshardPlan
 
 
@@ -109,8 +110,8 @@ class JaxKV:
             parts.append(joined[0] if len(joined) == 1 else jnp.concatenate(joined, axis=3))
         if len(devices) == 1:
             return parts[0]
-        sharding = NamedSharding(self.model.pool[0].sharding.mesh, self.layout.staging_spec())
         whole = (*shape[:3], 2 * self.layout.slots, shape[4])
+        sharding = pool_placement(self.model.pool).staging_sharding  # as the warm-up placed it: no new compile
         return jax.make_array_from_single_device_arrays(whole, sharding, parts)
 
     def cancel(self, stream: StreamedScatter) -> None:
