@@ -90,3 +90,11 @@ def test_serve_asks_jax_for_enough_host_devices():
     empty: dict = {}
     ask_for_host_devices(2, empty)
     assert empty == {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+
+
+def test_launch_passes_each_role_its_tp(tmp_path):
+    from fsm_pd.launch import plan
+
+    children = plan(1, 1, 30000, "tiny", "tcp", tmp_path, [], prefill_tp=2, decode_tp=4)
+    tp = {child.name: child.argv[child.argv.index("--tp") + 1] for child in children if "--tp" in child.argv}
+    assert tp == {"prefill-0": "2", "decode-0": "4"}
