@@ -139,7 +139,12 @@ def test_handoffs_between_tensor_parallel_sizes_run_the_multi_piece_handlers(tmp
     assert summary["leaks"] == {"staging_buffers_held": 0, "pages_reserved": 0, "transfer_entries_open": 0,
                                 "pulled_buffers_held": 0, "violations": []}
     rows = read_journal(tmp_path / "prefill.db") + read_journal(tmp_path / "decode.db")
-    assert replay(rows).consistent
+    result = replay(rows)
+    assert result.consistent
+    details = {e.get("detail") for room in result.rooms for e in room.events if e["trigger"] in ("published", "pulled")}
+    assert "2 pieces" in details  # replay's timeline shows what each piece did
+    assert any(d and d.startswith("prefill shard 0 -> decode shard 0: ") and "; prefill shard 1 -> decode shard 0: "
+               in d for d in details), details
     pulled = [r.payload["event"] for r in rows if r.trigger == "pulled" and "pieces" in r.payload.get("event", {})]
     assert pulled and all([p[:2] for p in e["pieces"]] == [[0, 0], [1, 0]] for e in pulled)
     failed = " ".join(summary["failed_by_reason"])  # either piece can fail the room, and the reason says which
