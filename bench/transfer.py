@@ -132,6 +132,7 @@ def serve(args: argparse.Namespace) -> None:
     raw_server = shared_server(server_config(opts))  # the same server (and config) as the jax backend's
     arrays: dict[int, list] = {}
     pools: dict[int, tuple] = {}
+    split_pools: dict[tuple[int, int], tuple] = {}
     tcp_payload = np.empty(0, np.uint8)
     listener = socket.create_server(("127.0.0.1", 0))
 
@@ -184,7 +185,9 @@ def serve(args: argparse.Namespace) -> None:
             from fsm_pd.transport.reshard import piece_uuid, plan_reshard
 
             layout, pages = kv_layout(mib, args.layers, cmd["src_tp"])
-            holder = SimpleNamespace(pool=split_pool(pools[mib], layout))
+            if (mib, layout.tp) not in split_pools:  # the same pool, split once: a prefill node's pool stays put
+                split_pools[(mib, layout.tp)] = split_pool(pools[mib], layout)
+            holder = SimpleNamespace(pool=split_pools[(mib, layout.tp)])
             plan = plan_reshard(KV_HEADS, cmd["src_tp"], cmd["dst_tp"])
             pieces = JaxKV(layout, holder, progressive=False).gather(holder, page_ids(layout, pages, seed=2).tolist(),
                                                                      plan)
