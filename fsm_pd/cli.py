@@ -138,7 +138,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     return launch(prefill=args.prefill, decode=args.decode, port=args.port, model=args.model,
                   backend=args.transfer_backend, journal_dir=Path(args.journal_dir), extra=["--dtype", args.dtype],
-                  console=Console(), warmup=args.warmup)
+                  console=Console(), warmup=args.warmup, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -204,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--port", type=int, default=30000, help="the router's port (default 30000)")
     add_model_flags(launch)
     launch.add_argument("--transfer-backend", default="tcp", help="tcp | zmq | jax (default tcp)")
+    launch.add_argument("--prefill-tp", type=_positive_int, default=1, metavar="N",
+                        help="each prefill node's --tp: its model split over N devices (default 1)")
+    launch.add_argument("--decode-tp", type=_positive_int, default=1, metavar="N",
+                        help="each decode node's --tp; may differ from --prefill-tp (default 1)")
     launch.add_argument("--journal-dir", default="pd-cluster", help="journals and logs (default ./pd-cluster)")
     launch.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="skip the first chat request that launch sends through the router once every node is "

@@ -52,8 +52,9 @@ class Child:
 
 
 def plan(prefill: int, decode: int, port: int, model: str, backend: str, journal_dir: Path,
-         extra: list[str]) -> list[Child]:
-    """The processes to start: prefill nodes, decode nodes, then the router that fronts them."""
+         extra: list[str], prefill_tp: int = 1, decode_tp: int = 1) -> list[Child]:
+    """The processes to start: prefill nodes, decode nodes, then the router that fronts them. ``prefill_tp`` and
+    ``decode_tp``: each node's ``--tp`` (they may differ: the handoff reshards the KV)."""
     serve = [sys.executable, "-m", "fsm_pd.cli", "serve"]
     common = ["--host", "127.0.0.1", "--model", model, "--transfer-backend", backend, *extra]
     children, router_args = [], []
@@ -61,14 +62,16 @@ def plan(prefill: int, decode: int, port: int, model: str, backend: str, journal
         http, boot = free_port(), free_port()
         children.append(Child(f"prefill-{i}", [*serve, "--role", "prefill", "--port", str(http),
                                                "--bootstrap-port", str(boot), "--node-id", f"prefill-{i}",
-                                               "--journal", str(journal_dir / f"prefill-{i}.db"), *common],
+                                               "--journal", str(journal_dir / f"prefill-{i}.db"),
+                                               "--tp", str(prefill_tp), *common],
                               f"http://127.0.0.1:{http}", journal_dir / f"prefill-{i}.log"))
         router_args += ["--prefill", f"http://127.0.0.1:{http}", str(boot)]
     for i in range(decode):
         http = free_port()
         children.append(Child(f"decode-{i}", [*serve, "--role", "decode", "--port", str(http),
                                               "--node-id", f"decode-{i}",
-                                              "--journal", str(journal_dir / f"decode-{i}.db"), *common],
+                                              "--journal", str(journal_dir / f"decode-{i}.db"),
+                                              "--tp", str(decode_tp), *common],
                               f"http://127.0.0.1:{http}", journal_dir / f"decode-{i}.log"))
         router_args += ["--decode", f"http://127.0.0.1:{http}"]
     children.append(Child("router", [*serve, "--role", "router", "--host", "127.0.0.1", "--port", str(port),
@@ -136,11 +139,11 @@ def warm_up(router: str, model: str) -> str:
 
 
 def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, journal_dir: Path,
-           extra: list[str], console: Console, warmup: bool = True) -> int:
+           extra: list[str], console: Console, warmup: bool = True, prefill_tp: int = 1, decode_tp: int = 1) -> int:
     started = time.time()
     journal_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **secret_env(generate_secret())}
-    children = plan(prefill, decode, port, model, backend, journal_dir, extra)
+    children = plan(prefill, decode, port, model, backend, journal_dir, extra, prefill_tp, decode_tp)
     nodes, router_child = children[:-1], children[-1]
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -41,6 +41,28 @@ DEADLINE_FLAGS = {"bootstrap": "FSM_PD_BOOTSTRAP_TIMEOUT", "waiting": "FSM_PD_WA
                   "pull_hold": "FSM_PD_PULL_HOLD_TIMEOUT", "transfer": "FSM_PD_TRANSFER_TIMEOUT"}
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def ask_for_host_devices(tp: int, environ=os.environ) -> None:
+    """Make jax's CPU platform offer at least ``tp`` devices: ``--xla_force_host_platform_device_count`` in
+    ``XLA_FLAGS``, unless it already asks for as many. It must be set before jax creates its CPU client, so call
+    this before anything imports jax. It concerns the host platform only: on a TPU or GPU host the mesh takes the
+    accelerators, and the flag changes nothing there."""
+    flag = "--xla_force_host_platform_device_count"
+    flags = environ.get("XLA_FLAGS", "").split()
+    asked = [f for f in flags if f.startswith(flag + "=")]
+    if asked and int(asked[-1].split("=", 1)[1]) >= tp:
+        return
+    environ["XLA_FLAGS"] = " ".join([f for f in flags if not f.startswith(flag + "=")] + [f"{flag}={tp}"])
+    if "jax" in sys.modules:
+        logging.getLogger("fsm_pd.serve").warning("jax was imported before --tp could ask for %d host devices", tp)
+
+
 def node_parser(role: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsm-pd serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -51,6 +73,11 @@ def node_parser(role: str) -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     parser.add_argument("--num-pages", type=int, default=512, help="KV pool pages, page 0 included (default 512)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    parser.add_argument("--tp", "--tp-size", "--tensor-parallel-size", type=positive_int, default=1, dest="tp",
+                        metavar="N",
+                        help="run the model SPMD over N devices (tensor parallelism: heads, MLP and KV pool split; "
+                             "docs/tensor-parallel.md). On a CPU host it asks jax for N virtual devices; a prefill "
+                             "and a decode node may use different N (default 1)")
     parser.add_argument("--api-key", default=os.environ.get("FSM_PD_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on the APIs (default: $FSM_PD_API_KEY, else none)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -150,6 +177,8 @@ def serve_main(argv: Sequence[str]) -> int:
         except WildcardAddress as exc:
             parser.error(str(exc))  # before the model loads: exit 2 with the usage line
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.tp > 1:
+        ask_for_host_devices(args.tp)
     return run_node(args)
 
 
@@ -166,10 +195,12 @@ def run_node(args: argparse.Namespace) -> int:
     compile_cache.enable(args.compile_cache or compile_cache.default_dir())
     compiles.install()
     try:
-        model = load_model(args.model, dtype=args.dtype, progress=True)
-    except (FileNotFoundError, ValueError) as exc:  # missing file or package, unsupported or corrupt checkpoint
-        print(f"fsm-pd serve: cannot load model {args.model!r}: {exc}", file=sys.stderr)
+        model = load_model(args.model, dtype=args.dtype, progress=True, tp=args.tp)
+    except (FileNotFoundError, ValueError) as exc:  # missing file or package, unsupported or corrupt checkpoint,
+        print(f"fsm-pd serve: cannot load model {args.model!r}: {exc}", file=sys.stderr)  # too few devices for --tp
         return 2
+    if model.tp is not None:
+        logging.getLogger("fsm_pd.serve").info("tensor parallel: %s", model.tp.describe())
     try:
         engine = build_engine(args, model)
     except SecretError as exc:

@@ -2,6 +2,12 @@
 
 This is the only control-plane module the effect handlers reach jax through, which keeps jax out of the handlers
 and out of the simulation that runs them.
+
+Between different tensor-parallel sizes (``transport/reshard.py``): P gathers its pool into staging as usual (split
+over its devices like the pool), then cuts each device's part into the plan's pieces, slots along axis 3, each on the
+device that holds it. D pulls each piece onto the device of the decode shard it belongs to, joins each shard's pieces
+and zero fills in slot order on that device, and writes the assembled staging (split over its devices like its pool)
+with the usual scatter. Nothing moves between D's devices, and nothing is copied where a piece is a whole shard.
 """
 
 from __future__ import annotations
@@ -10,10 +16,14 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from fsm_pd.control.overlap import StreamedScatter, publish_while_gathering
 from fsm_pd.kernels import KVLayout, gather_pages, page_bucket, resolve_impl, scatter_pages
+from fsm_pd.kernels.placement import pool_placement
+from fsm_pd.transport.reshard import Piece, ReshardPlan
 
 
 class JaxKV:
@@ -24,10 +34,16 @@ class JaxKV:
         self._stream_layers: bool | None = None  # decided at the first pull: a prefill node never asks
 
     # --- prefill ---
-    def gather(self, owner: Any, pages: list[int]) -> jax.Array:
+    def gather(self, owner: Any, pages: list[int], plan: ReshardPlan) -> tuple[jax.Array, ...]:
         staging = gather_pages(owner.pool, pages, layout=self.layout)
         staging.block_until_ready()
-        return staging
+        if plan.single:
+            return (staging,)
+        parts = device_parts(staging)
+        cut = lambda p: parts[p.src][:, :, :, 2 * p.src_slot : 2 * (p.src_slot + p.count)]  # noqa: E731
+        pieces = tuple(parts[p.src] if plan.whole(p) else cut(p) for p in plan.pieces)
+        jax.block_until_ready(pieces)
+        return pieces
 
     def gathers_progressively(self, owner: Any) -> bool:
         return resolve_impl(owner.pool) == "cpu"
@@ -37,9 +53,20 @@ class JaxKV:
         publish_while_gathering(transfer, uuid, owner.pool, pages, self.layout, hold_timeout_s, on_published)
 
     # --- decode ---
-    def pull_spec(self, page_count: int) -> tuple[jax.ShapeDtypeStruct]:
+    def pull_spec(self, page_count: int, piece: Piece | None = None) -> tuple[jax.ShapeDtypeStruct]:
         shape = self.layout.staging_shape(page_bucket(page_count))
-        return (jax.ShapeDtypeStruct(shape, self.layout.dtype, sharding=self.sharding),)
+        if piece is None or (self.layout.tp == 1 and piece.count == self.layout.slots):  # the whole staging
+            return (jax.ShapeDtypeStruct(shape, self.layout.dtype, sharding=self.sharding),)
+        shape = (*shape[:3], 2 * piece.count, shape[4])  # lands on the device of its decode shard
+        device = SingleDeviceSharding(self._devices()[piece.dst])
+        return (jax.ShapeDtypeStruct(shape, self.layout.dtype, sharding=device),)
+
+    def _devices(self) -> list:
+        """The pool's devices, in shard order."""
+        sharding = self.model.pool[0].sharding
+        if isinstance(sharding, NamedSharding):
+            return list(sharding.mesh.devices.flat)
+        return [next(iter(sharding.device_set))]
 
     @property
     def stream_layers(self) -> bool:
@@ -60,15 +87,43 @@ class JaxKV:
         stream.on_progress(0, np.asarray(staging), staging.nbytes)  # whatever the pull's last report left
         return True
 
-    def scatter(self, owner: Any, staging: jax.Array, pages: list[int], stream: StreamedScatter | None) -> None:
+    def scatter(self, owner: Any, pieces: tuple[jax.Array, ...], pages: list[int], stream: StreamedScatter | None,
+                plan: ReshardPlan) -> None:
         if stream is not None:
             stream.written(owner)
             return
+        staging = pieces[0] if plan.single else self.assemble(pieces, plan)
         owner.pool = scatter_pages(owner.pool, staging, pages, layout=self.layout)
         jax.block_until_ready(owner.pool)
+
+    def assemble(self, pieces: tuple[jax.Array, ...], plan: ReshardPlan) -> jax.Array:
+        """The staging array a handoff between equal splits would have pulled: each decode shard's pieces and zero
+        fills joined in slot order on its device, the shards then viewed as one array split like the pool."""
+        landed = {piece.index: array for piece, array in zip(plan.pieces, pieces, strict=True)}
+        devices = self._devices()
+        shape = pieces[0].shape
+        parts = []
+        for dst, device in enumerate(devices):
+            joined = [landed[part.index] if isinstance(part, Piece)
+                      else jnp.zeros((*shape[:3], 2 * part.count, shape[4]), pieces[0].dtype, device=device)
+                      for part in plan.into(dst)]
+            parts.append(joined[0] if len(joined) == 1 else jnp.concatenate(joined, axis=3))
+        if len(devices) == 1:
+            return parts[0]
+        whole = (*shape[:3], 2 * self.layout.slots, shape[4])
+        sharding = pool_placement(self.model.pool).staging_sharding  # as the warm-up placed it: no new compile
+        return jax.make_array_from_single_device_arrays(whole, sharding, parts)
 
     def cancel(self, stream: StreamedScatter) -> None:
         stream.cancel()
 
     def discard(self, staging: Any) -> None:
         """Dropping our reference is enough: a pulled array may alias a warm host block that its backend reuses."""
+
+
+def device_parts(staging: jax.Array) -> list[jax.Array]:
+    """Each device's part of a staging array split on its slot axis (3), in slot order: one part per shard."""
+    if isinstance(staging.sharding, SingleDeviceSharding):
+        return [staging]
+    shards = sorted(staging.addressable_shards, key=lambda shard: shard.index[3].start or 0)
+    return [shard.data for shard in shards]

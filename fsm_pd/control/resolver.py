@@ -172,24 +172,30 @@ def _answer(url: str, found: dict) -> dict:
 
 
 def prefill_registration(*, host: str, side_channel: str, transfer_addr: str, backend: str, layout: dict,
-                         node_id: str, http_port: int | None = None, instance: str | None = None) -> RankRegistration:
-    """This prefill node's registration (one rank): what it registers, and what it deregisters with."""
+                         node_id: str, http_port: int | None = None, instance: str | None = None,
+                         tp_rank: int = 0) -> RankRegistration:
+    """This prefill node's registration of TP rank ``tp_rank`` of ``layout["tp"]``: what it registers, and what it
+    deregisters with. One process drives every rank (SPMD), so all its ranks name the same addresses."""
     port = int(side_channel.rsplit(":", 1)[1])
     return RankRegistration(rank_ip=host, rank_port=port, page_size=layout["page_size"],
-                            kv_cache_dtype=layout["dtype"], prefill_http_port=http_port, side_channel=side_channel,
-                            transfer_addr=transfer_addr, transfer_backend=backend, kv_layout=layout,
-                            node_id=node_id, instance=instance)
+                            kv_cache_dtype=layout["dtype"], attn_tp_size=int(layout.get("tp", 1)), attn_tp_rank=tp_rank,
+                            prefill_http_port=http_port, side_channel=side_channel, transfer_addr=transfer_addr,
+                            transfer_backend=backend, kv_layout=layout, node_id=node_id, instance=instance)
 
 
 def register_prefill(bootstrap_url: str, *, token: str | None = None, attempts: int = 5,
                      backoff_base_s: float = 1.0, **registration: Any) -> None:
-    """Register this prefill node (``prefill_registration``'s fields) with its bootstrap server, retrying with
-    SGLang's backoff. ``instance`` (the side channel's) replaces whatever an earlier process registered for the
-    same rank."""
-    register_prefill_rank(bootstrap_url, prefill_registration(**registration).to_json(), token=token,
-                          attempts=attempts, backoff_base_s=backoff_base_s)
+    """Register this prefill node (``prefill_registration``'s fields) with its bootstrap server, one entry per TP
+    rank as SGLang's prefill ranks do, retrying with SGLang's backoff. ``instance`` (the side channel's) replaces
+    whatever an earlier process registered for the same rank."""
+    for rank in range(int(registration["layout"].get("tp", 1))):
+        register_prefill_rank(bootstrap_url, prefill_registration(**registration, tp_rank=rank).to_json(),
+                              token=token, attempts=attempts, backoff_base_s=backoff_base_s)
 
 
 def deregister_prefill(bootstrap_url: str, *, token: str | None = None, **registration: Any) -> bool:
-    """Take this prefill node's rank out of its bootstrap server (a drain), if this instance still holds it."""
-    return deregister_prefill_rank(bootstrap_url, prefill_registration(**registration).to_json(), token=token)
+    """Take this prefill node's ranks out of its bootstrap server (a drain), if this instance still holds them;
+    True when every rank was removed."""
+    ranks = range(int(registration["layout"].get("tp", 1)))
+    return all([deregister_prefill_rank(bootstrap_url, prefill_registration(**registration, tp_rank=rank).to_json(),
+                                        token=token) for rank in ranks])

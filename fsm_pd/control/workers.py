@@ -34,17 +34,18 @@ def _report(done: ResultDone, result: Any, error: BaseException | None) -> None:
 
 
 class ThreadedPuller:
-    """``backend.pull`` on ``workers``; ``spec_for(page_count)`` is what a verified staging array must look like."""
+    """``backend.pull`` on ``workers``; ``spec_for(page_count, piece)`` is what a verified staging array (or piece of
+    a resharding plan) must look like."""
 
-    def __init__(self, backend: Any, spec_for: Callable[[int], tuple], workers: Executor):
+    def __init__(self, backend: Any, spec_for: Callable[[int, Any], tuple], workers: Executor):
         self.backend, self.spec_for, self.workers = backend, spec_for, workers
 
     def pull(self, address: str, uuid: int, page_count: int, timeout_s: float, *, done: ResultDone,
-             on_progress: OnProgress | None = None, delay_s: float = 0.0) -> None:
+             on_progress: OnProgress | None = None, delay_s: float = 0.0, piece: Any = None) -> None:
         def work() -> Any:
             if delay_s:
                 time.sleep(delay_s)
-            (staging,) = self.backend.pull(address, uuid, self.spec_for(page_count), timeout_s,
+            (staging,) = self.backend.pull(address, uuid, self.spec_for(page_count, piece), timeout_s,
                                            on_progress=on_progress)
             return staging
 

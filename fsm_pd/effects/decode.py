@@ -15,12 +15,20 @@ layers is written as soon as it has landed (``StreamedScatter``), and ``Scatter`
 A layer is final when it lands, and P's layout was checked before the first byte was accepted; what the pull can
 still fail on is the rest of the stream, and then the room fails and its pages (some already written) are freed
 behind every queued write, which finds the stream cancelled.
+
+Different tensor-parallel sizes on P and D. The room is still one transfer: one ``Pull`` effect, one ``pulled`` or
+``error`` event. Its plan (``transport/reshard.py``, from P's layout in READY and ours) has one piece per run of KV
+slots a decode shard needs from a prefill shard, and the handler pulls every piece (its own uuid, ``piece_uuid``).
+The room's pull is pending until every piece landed (``pulled`` then carries all of them, in plan order, to
+``Scatter``, which assembles and writes them) or until the first piece fails: that error fails the room and names
+the piece and both shards; pieces that land later find no pending pull and are discarded at once.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from fsm_pd.effects import EffectError, EffectInterpreter
@@ -29,6 +37,7 @@ from fsm_pd.effects.outbox import Outbox
 from fsm_pd.machines.effects import FreePages, Pull, ReservePages, ResolveBootstrap, Scatter, Send
 from fsm_pd.transport.backends.base import TransferFailed, TransferTimeout
 from fsm_pd.transport.messages import Abort, Prepare, Pulled
+from fsm_pd.transport.reshard import Piece, ReshardPlan, piece_uuid, plan_between
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -45,6 +54,21 @@ log = logging.getLogger(__name__)
 RECOMPUTE_NOTE = " [the decode node recomputes this request]"
 
 
+class RoomPulls:
+    """The pulls of one room, one per piece of its plan; complete when every piece has landed."""
+
+    def __init__(self, plan: ReshardPlan):
+        self.plan = plan
+        self.landed: dict[int, Any] = {}  # piece index -> its verified array
+
+    def land(self, piece: Piece, staging: Any) -> bool:
+        self.landed[piece.index] = staging
+        return len(self.landed) == len(self.plan.pieces)
+
+    def arrays(self) -> tuple:
+        return tuple(self.landed[piece.index] for piece in self.plan.pieces)
+
+
 class DecodeEffects:
     # set by a decode engine that recomputes failed transfers: True for a failed room it will recompute
     abort_note: Callable[[Room], bool] | None = None
@@ -56,8 +80,8 @@ class DecodeEffects:
         self.puller, self.model, self.kv, self.faults = puller, model, kv, faults
         self.pull_delay_s = pull_delay_s  # fault injection: hold each pull back this long (tests, drills)
         self._lock = threading.Lock()  # orders a pull's result against FreePages (see the module docstring)
-        self.pending: set[int] = set()  # rooms whose pull has not reported yet
-        self.pulled: dict[int, Any] = {}  # room -> verified staging waiting for Scatter
+        self.pending: dict[int, RoomPulls] = {}  # rooms whose pull has not reported yet
+        self.pulled: dict[int, tuple] = {}  # room -> its verified pieces, waiting for Scatter
         self.streams: dict[int, Any] = {}  # room -> layers written while its pull is in flight
         self.outbox = Outbox(channel, faults, peer="prefill node", best_effort=frozenset({"ABORT", "PULLED"}),
                              crash_after={"PREPARE": "after_prepare"})
@@ -109,63 +133,80 @@ class DecodeEffects:
                 self.pulled[room_id] = None
             node.submit(room_id, "pulled", {"bytes": 0})
             return
-        stream = self.kv.stream(pages)
+        plan = plan_between(ctx["peer_layout"], self.layout)
+        stream = self.kv.stream(pages) if plan.single else None
         with self._lock:
-            self.pending.add(room_id)
+            self.pending[room_id] = RoomPulls(plan)
             if stream is not None:  # registered before the pull starts, so that FreePages can always cancel it
                 self.streams[room_id] = stream
         self.faults.crash("before_pull")
-        try:
-            self.faults.check("pull")
-        except InjectedFault as exc:
-            with self._lock:
-                self.pending.discard(room_id)
-            node.submit(room_id, "error", {"blame": "local", "reason": f"pull failed: {exc}"})
-            return
-        self.puller.pull(ctx["transfer_addr"], int(ctx["uuid"]), len(pages), float(ctx["deadlines"]["transfer"]),
-                         done=lambda staging, error: self._pulled(node, room_id, staging, error),
-                         on_progress=None if stream is None else stream.on_progress,
-                         delay_s=max(self.pull_delay_s, self.faults.pull_delay_s))
+        for piece in plan.pieces:
+            try:
+                self.faults.check("pull")
+            except InjectedFault as exc:
+                self._pulled(node, room_id, plan, piece, None, exc)
+                return
+            done = partial(self._pulled, node, room_id, plan, piece)
+            self.puller.pull(ctx["transfer_addr"], piece_uuid(int(ctx["uuid"]), piece.index), len(pages),
+                             float(ctx["deadlines"]["transfer"]), done=done,
+                             on_progress=None if stream is None else stream.on_progress,
+                             delay_s=max(self.pull_delay_s, self.faults.pull_delay_s), piece=piece)
 
-    def _pulled(self, node: Node, room_id: int, staging: Any, error: BaseException | None) -> None:
-        """The pull's result, on whatever thread the pull port reports from."""
+    def _pulled(self, node: Node, room_id: int, plan: ReshardPlan, piece: Piece, staging: Any,
+                error: BaseException | None) -> None:
+        """One piece's result, on whatever thread the pull port reports from."""
+        with self._lock:
+            pulls = self.pending.get(room_id)
+            if error is not None and pulls is not None:  # the first piece to fail fails the room's pull
+                del self.pending[room_id]
+            complete = error is None and pulls is not None and pulls.land(piece, staging)
+            if complete:
+                del self.pending[room_id]
+                self.pulled[room_id] = pulls.arrays()
         if error is not None:
-            with self._lock:
-                self.pending.discard(room_id)
+            if pulls is not None:  # pieces that landed before this one will never be scattered
+                for landed in pulls.landed.values():
+                    self.kv.discard(landed)
+            which = "" if plan.single else f"{piece.describe()}: "
             if isinstance(error, TransferTimeout):
-                node.submit(room_id, "error", {"blame": "timeout", "reason": f"pull timed out: {error}"})
+                node.submit(room_id, "error", {"blame": "timeout", "reason": f"pull timed out: {which}{error}"})
             elif isinstance(error, TransferFailed):
-                node.submit(room_id, "error", {"blame": error.blame, "reason": f"pull failed: {error.reason}"})
+                node.submit(room_id, "error", {"blame": error.blame, "reason": f"pull failed: {which}{error.reason}"})
             else:
-                node.submit(room_id, "error", {"blame": "local", "reason": f"pull failed: {error}"})
+                node.submit(room_id, "error", {"blame": "local", "reason": f"pull failed: {which}{error}"})
+            return
+        if pulls is None:  # FreePages already ran, or another piece failed: nobody will ever scatter this
+            self.kv.discard(staging)
+            if plan.single:  # journaled as ignored, for replay to show the late pull (a piece's failure shows)
+                node.submit(room_id, "pulled", {"bytes": int(staging.nbytes)})
+            return
+        if not complete:
             return
         self.faults.crash("after_pull")
-        with self._lock:
-            alive = room_id in self.pending
-            self.pending.discard(room_id)
-            if alive:
-                self.pulled[room_id] = staging
-        nbytes = int(staging.nbytes)
-        if not alive:  # FreePages already ran: nobody will ever scatter this
-            self.kv.discard(staging)
-        node.submit(room_id, "pulled", {"bytes": nbytes})  # late: journaled as ignored, for replay to show
+        arrays = pulls.arrays()
+        payload: dict[str, Any] = {"bytes": sum(int(a.nbytes) for a in arrays)}
+        if not plan.single:  # per piece: from which prefill shard, into which decode shard, how many bytes
+            payload["pieces"] = [[p.src, p.dst, int(a.nbytes)] for p, a in zip(pulls.plan.pieces, arrays, strict=True)]
+        node.submit(room_id, "pulled", payload)
 
     def scatter(self, node: Node, room: Room, effect: Scatter) -> None:
         self.faults.crash("before_scatter")
         room_id, pages = room.room, pages_to_receive(room.ctx)
         with self._lock:
-            staging, stream = self.pulled.pop(room_id), self.streams.pop(room_id, None)
+            pieces, stream = self.pulled.pop(room_id), self.streams.pop(room_id, None)
         if not pages:
             node.submit(room_id, "scattered", {})
             return
-        streamed = stream is not None and self.kv.complete_stream(stream, staging)
+        plan = plan_between(room.ctx["peer_layout"], self.layout)
+        streamed = stream is not None and self.kv.complete_stream(stream, pieces[0])
 
         def write(owner: Any) -> None:
             try:
                 self.faults.check("scatter")
-                self.kv.scatter(owner, staging, pages, stream if streamed else None)
+                self.kv.scatter(owner, pieces, pages, stream if streamed else None, plan)
             finally:
-                self.kv.discard(staging)
+                for piece in pieces:
+                    self.kv.discard(piece)
 
         def done(future) -> None:
             exc = future.exception()
@@ -180,11 +221,11 @@ class DecodeEffects:
     def free_pages(self, node: Node, room: Room, effect: FreePages) -> None:
         room_id = room.room
         with self._lock:
-            self.pending.discard(room_id)  # a pull still in flight discards its result itself
-            staging = self.pulled.pop(room_id, None)
+            pulls = self.pending.pop(room_id, None)  # a piece still in flight discards its result itself
+            pieces = self.pulled.pop(room_id, None) or (() if pulls is None else tuple(pulls.landed.values()))
             stream = self.streams.pop(room_id, None)
-        if staging is not None:
-            self.kv.discard(staging)
+        for piece in pieces:
+            self.kv.discard(piece)
 
         def free(owner: Any) -> None:  # on the model thread: after any write still queued for these pages
             if stream is not None:

@@ -76,10 +76,11 @@ class PullPort(Protocol):
     """The decode side of the transfer backend, made asynchronous."""
 
     def pull(self, address: str, uuid: int, page_count: int, timeout_s: float, *, done: ResultDone,
-             on_progress: OnProgress | None = None, delay_s: float = 0.0) -> None:
+             on_progress: OnProgress | None = None, delay_s: float = 0.0, piece: Any = None) -> None:
         """Start pulling the staging array published under ``uuid``; ``done(staging, None)`` with a verified array of
         ``page_count`` pages (bucketed), or ``done(None, error)`` with ``TransferTimeout``/``TransferFailed``/other.
-        ``delay_s`` holds the pull back first (fault injection: a slow link)."""
+        ``delay_s`` holds the pull back first (fault injection: a slow link). ``piece`` (``reshard.Piece``) says
+        which piece of a resharding plan this is: its shape and the decode device it lands on."""
 
 
 class ResolverPort(Protocol):
@@ -98,8 +99,10 @@ class ModelExecutor(Protocol):
 class PrefillKV(Protocol):
     """The prefill node's pool operations; ``owner`` is the model executor's owner object, passed to every job."""
 
-    def gather(self, owner: Any, pages: list[int]) -> Any:
-        """Copy ``pages`` of every layer into a new staging array (``.shape[1]`` rows, ``.nbytes``); ready on return."""
+    def gather(self, owner: Any, pages: list[int], plan: Any) -> tuple:
+        """Copy ``pages`` of every layer into staging, cut into the pieces of ``plan`` (``reshard.ReshardPlan``; one
+        piece, the whole staging, without tensor parallelism): arrays with ``.shape[1]`` rows and ``.nbytes``, in plan
+        order, ready on return."""
 
     def gathers_progressively(self, owner: Any) -> bool:
         """Whether ``publish_while_gathering`` can be used on this pool (a progressive backend is also needed)."""
@@ -121,8 +124,9 @@ class DecodeKV(Protocol):
         """Loop thread, before the final write is queued: hand the stream whatever the pull left; True if the stream
         writes the pages (the final job then only waits for it)."""
 
-    def scatter(self, owner: Any, staging: Any, pages: list[int], stream: Any | None) -> None:
-        """Model thread: write the verified ``staging`` into ``pages`` (or wait for ``stream`` to have written them)."""
+    def scatter(self, owner: Any, pieces: tuple, pages: list[int], stream: Any | None, plan: Any) -> None:
+        """Model thread: write the verified ``pieces`` of ``plan`` into ``pages`` (or wait for ``stream`` to have
+        written them)."""
 
     def cancel(self, stream: Any) -> None:
         """Model thread, before the pages are freed: the stream's writes still queued become no-ops."""

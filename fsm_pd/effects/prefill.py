@@ -3,6 +3,11 @@
 They reach the world only through ports (``ports.py``): the model executor and the pool operations for the gather,
 the transfer backend's publish half, the side channel. ``KVManager`` gives them the real ports, ``fsm_pd.sim`` the
 simulated ones, so the simulation runs this code.
+
+When the decode node splits its pool over another number of devices (its layout comes in PREPARE), the gathered
+staging is cut into the pieces of the resharding plan (``transport/reshard.py``), and each piece is published under
+its own uuid (``piece_uuid``). The room is still one transfer: one ``published`` event, one READY, and its
+``ReleaseStaging`` ends every piece's hold, released on success or failed with the room's reason.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from fsm_pd.effects import EffectError, EffectInterpreter
 from fsm_pd.effects.outbox import Outbox
 from fsm_pd.machines.effects import GatherAndPublish, ReleaseStaging, Send
 from fsm_pd.transport.messages import Abort, Ready
+from fsm_pd.transport.reshard import piece_uuid, plan_between
 
 if TYPE_CHECKING:
     from fsm_pd.effects import Node
@@ -32,7 +38,9 @@ class PrefillEffects:
         self.layout = dict(layout)
         self.channel, self.transfer, self.model, self.kv = channel, transfer, model, kv
         self.faults, self.new_uuid = faults, new_uuid
-        self.staging: dict[int, int] = {}  # room -> uuid of a staging buffer being gathered or published
+        # room -> (uuid, pieces) of a staging buffer being gathered or published: its pieces are published under
+        # piece_uuid(uuid, 0 .. pieces - 1)
+        self.staging: dict[int, tuple[int, int]] = {}
         self.outbox = Outbox(channel, faults, peer="decode node", best_effort=frozenset({"ABORT"}),
                              crash_after={"READY": "after_ready"})
 
@@ -47,30 +55,36 @@ class PrefillEffects:
         if not pages:  # the decode node's prefix cache holds the whole prompt: READY alone, nothing to pull
             self._published(node, room_id, 0, 0)
             return
-        self.staging[room_id] = uuid
+        plan = plan_between(self.layout, room.ctx["peer_layout"])
+        self.staging[room_id] = (uuid, len(plan.pieces))
 
         def gather(owner: Any) -> None:
-            if self.staging.get(room_id) != uuid:
+            if self.staging.get(room_id, (None,))[0] != uuid:
                 return  # the room ended while this waited for the model thread
             self.faults.check("gather")
-            if self.transfer.progressive and self.kv.gathers_progressively(owner):
+            if plan.single and self.transfer.progressive and self.kv.gathers_progressively(owner):
                 self.faults.check("publish")
                 self.kv.publish_while_gathering(owner, self.transfer, uuid, pages, hold_s,
                                                 lambda rows: self._published(node, room_id, uuid, rows))
                 self.faults.crash("after_gather")
                 return
-            staging = self.kv.gather(owner, pages)
-            if self.staging.get(room_id) != uuid:
-                self.kv.discard(staging)  # the room ended while we gathered
+            pieces = self.kv.gather(owner, pages, plan)
+            if self.staging.get(room_id, (None,))[0] != uuid:
+                for piece in pieces:
+                    self.kv.discard(piece)  # the room ended while we gathered
                 return
             self.faults.crash("after_gather")
-            try:
-                self.faults.check("publish")
-                self.transfer.publish(uuid, (staging,), hold_s)
-            except BaseException:
-                self.kv.discard(staging)  # never published: nobody else will let it go
-                raise
-            self._published(node, room_id, uuid, int(staging.shape[1]))
+            for index, (piece, staging) in enumerate(zip(plan.pieces, pieces, strict=True)):
+                try:
+                    self.faults.check("publish")
+                    self.transfer.publish(piece_uuid(uuid, index), (staging,), hold_s)
+                except BaseException as exc:
+                    for unpublished in pieces[index:]:
+                        self.kv.discard(unpublished)  # never published: nobody else will let them go
+                    if plan.single:
+                        raise
+                    raise EffectError(f"{piece.describe()}: {exc}") from exc
+            self._published(node, room_id, uuid, int(pieces[0].shape[1]), len(pieces))
 
         def failed(done: Future) -> None:
             exc = done.exception()
@@ -79,19 +93,25 @@ class PrefillEffects:
 
         self.model.submit(gather).add_done_callback(failed)
 
-    def _published(self, node: Node, room_id: int, uuid: int, rows: int) -> None:
+    def _published(self, node: Node, room_id: int, uuid: int, rows: int, pieces: int = 1) -> None:
         self.faults.crash("after_publish")
-        node.submit(room_id, "published", {"uuid": uuid, "transfer_addr": self.transfer.address, "rows": int(rows)})
+        payload = {"uuid": uuid, "transfer_addr": self.transfer.address, "rows": int(rows)}
+        if pieces > 1:  # journaled: how many pieces (uuids from piece_uuid(uuid, 0)) the decode node pulls
+            payload["pieces"] = pieces
+        node.submit(room_id, "published", payload)
 
     def release_staging(self, node: Node, room: Room, effect: ReleaseStaging) -> None:
-        uuid = self.staging.pop(room.room, None)
-        if uuid is None:
+        entry = self.staging.pop(room.room, None)
+        if entry is None:
             return
+        uuid, pieces = entry
         if room.state == "Success":
             self.faults.crash("after_pulled")
-            self.transfer.release(uuid)
+            for index in range(pieces):
+                self.transfer.release(piece_uuid(uuid, index))
         else:  # late pullers get an error at once instead of waiting for a buffer that is gone
-            self.transfer.fail(uuid, room.reason or "transfer failed")
+            for index in range(pieces):
+                self.transfer.fail(piece_uuid(uuid, index), room.reason or "transfer failed")
 
     def send(self, node: Node, room: Room, effect: Send) -> None:
         ctx, channel = room.ctx, self.channel

@@ -8,6 +8,11 @@ kernels point unused slots at it, so it must never hold a request's KV.
 
 The layout travels in PREPARE and READY and is compared before any pull, because the transfer library checks only
 byte sizes (see ``docs/data-plane.md``).
+
+Under tensor parallelism (``tp`` > 1) the pool is split on axis 2 over ``tp`` devices, one block of *KV slots* per
+device. ``kv_slot_heads`` says which of the model's KV heads each slot holds: every head once when ``tp`` divides
+``kv_heads``, each head copied ``tp / kv_heads`` times when ``kv_heads`` divides ``tp`` (SGLang replicates them the
+same way), and zero-filled padding heads added first when neither divides (SmolLM2's 3 KV heads on 2 devices).
 """
 
 from __future__ import annotations
@@ -15,6 +20,23 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 PAD_PAGE = 0
+PAD_HEAD = -1  # in ``kv_slot_heads``: a padding slot, all zeros, that no query reads
+
+
+def kv_slot_heads(kv_heads: int, tp: int) -> tuple[int, ...]:
+    """The model KV head each KV slot of a pool split ``tp`` ways holds, in slot order (``PAD_HEAD``: padding).
+
+    Slot ``s`` lives on shard ``s // (len(slots) // tp)``. The heads are padded to the smallest count that ``tp``
+    divides or that divides ``tp``, then each is copied ``tp // padded`` times (at least once), copies side by side.
+    """
+    if not isinstance(tp, int) or tp < 1 or not isinstance(kv_heads, int) or kv_heads < 1:
+        raise ValueError(f"kv_slot_heads needs positive ints, got kv_heads={kv_heads!r}, tp={tp!r}")
+    padded = kv_heads
+    while padded % tp and tp % padded:
+        padded += 1
+    heads = [*range(kv_heads), *[PAD_HEAD] * (padded - kv_heads)]
+    copies = max(1, tp // padded)
+    return tuple(head for head in heads for _ in range(copies))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -22,6 +44,8 @@ class KVLayout:
     """Shape, dtype and sharding of one node's KV pool.
 
     ``shard_axis`` names the mesh axis that splits the KV-head axis (axis 2), or ``None`` for an unsharded pool.
+    ``kv_heads`` is the model's KV head count; ``tp`` is how many devices the pool's KV slots are split over
+    (``kv_slot_heads``), so axis 2 holds ``2 * len(slot_heads)`` rows.
     """
 
     num_layers: int
@@ -31,19 +55,32 @@ class KVLayout:
     head_dim: int
     dtype: str = "float32"
     shard_axis: str | None = None
+    tp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_pages", "page_size", "kv_heads", "head_dim"):
+        for name in ("num_layers", "num_pages", "page_size", "kv_heads", "head_dim", "tp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
         if self.num_pages < 2:
             raise ValueError("KVLayout.num_pages must be at least 2: page 0 is the reserved padding page")
+        if self.tp > 1 and self.shard_axis is None:
+            raise ValueError(f"KVLayout.tp={self.tp} needs a shard_axis: the pool is split over that mesh axis")
+
+    @property
+    def slot_heads(self) -> tuple[int, ...]:
+        """The model KV head of each KV slot on axis 2 (``kv_slot_heads``); ``(0, 1, ...)`` when ``tp`` is 1."""
+        return kv_slot_heads(self.kv_heads, self.tp)
+
+    @property
+    def slots(self) -> int:
+        """KV slots per page and layer, padding and copies included: axis 2 has ``2 * slots`` rows."""
+        return len(self.slot_heads)
 
     @property
     def page_shape(self) -> tuple[int, int, int]:
-        """Shape of one page in one layer: ``(page_size, 2 * kv_heads, head_dim)``."""
-        return (self.page_size, 2 * self.kv_heads, self.head_dim)
+        """Shape of one page in one layer: ``(page_size, 2 * slots, head_dim)``."""
+        return (self.page_size, 2 * self.slots, self.head_dim)
 
     @property
     def layer_shape(self) -> tuple[int, int, int, int]:
@@ -58,7 +95,7 @@ class KVLayout:
         """Bytes of one page across all layers."""
         import numpy as np  # local: keeps this module importable by the sans-IO layers without numpy at import
 
-        size = self.page_size * 2 * self.kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
+        size = self.page_size * 2 * self.slots * self.head_dim * np.dtype(self.dtype).itemsize
         return size * self.num_layers
 
     def staging_shape(self, rows: int) -> tuple[int, int, int, int, int]:
@@ -70,10 +107,11 @@ class KVLayout:
         return (self.num_layers, rows, *self.page_shape)
 
     def pool_spec(self):
-        """``PartitionSpec`` of one layer's pool array: the KV-head axis (2) split over ``shard_axis``."""
+        """``PartitionSpec`` of one layer's pool array: the KV-head axis (2) split over ``shard_axis``. Written the
+        way compiled programs return it (no trailing ``None``), so a pool keeps one sharding object through steps."""
         from jax.sharding import PartitionSpec  # local: jax is heavy and the sans-IO layers never need this
 
-        return PartitionSpec(None, None, self.shard_axis, None)
+        return PartitionSpec(None, None, self.shard_axis)
 
     def staging_spec(self):
         """``PartitionSpec`` of a staging array: the pool's spec with the layer axis in front."""
@@ -86,9 +124,11 @@ class KVLayout:
         return -(-num_tokens // self.page_size)
 
     def transfer_key(self) -> dict:
-        """What must match between sender and receiver for a transfer: everything except the page count."""
+        """What must match between sender and receiver for a transfer: everything except the page count and how
+        the pool is split over devices (a handoff between different ``tp`` reshards: ``transport/reshard.py``)."""
         key = asdict(self)
-        del key["num_pages"]
+        for local in ("num_pages", "shard_axis", "tp"):
+            del key[local]
         return key
 
     def to_dict(self) -> dict:

@@ -40,4 +40,5 @@ def pool_placement(pool: Sequence[jax.Array]) -> Placement | None:
     spec = tuple(sharding.spec) + (None,) * (4 - len(sharding.spec))
     if spec[0] is not None or spec[1] is not None or spec[3] is not None:
         raise ValueError(f"only the KV-head axis (2) of a pool may be sharded, got {sharding.spec}")
-    return Placement(sharding.mesh, PartitionSpec(*spec), PartitionSpec(None, *spec))
+    # written as compiled programs return them (no trailing None): one sharding object, one compiled kernel
+    return Placement(sharding.mesh, PartitionSpec(*spec[:3]), PartitionSpec(None, *spec[:3]))

@@ -38,8 +38,13 @@ def timer_armed(room: Any, payload: dict) -> bool:
     return payload.get("timer") in room.armed
 
 
+# Layout fields each node chooses for itself: the pool's size, and how it is split over devices (a handoff between
+# different tensor-parallel sizes reshards the KV, ``transport/reshard.py``).
+_NODE_LOCAL = ("num_pages", "shard_axis", "tp")
+
+
 def layout_matches(room: Any, payload: dict) -> bool:
-    """The peer's KV layout agrees with ours in everything but the page count.
+    """The peer's KV layout agrees with ours in everything but the page count and the device split.
 
     The transfer libraries check only byte sizes; two pools with swapped head_dim and page_size would transfer
     "successfully" and corrupt the cache, so the layouts are compared before anything moves.
@@ -47,7 +52,8 @@ def layout_matches(room: Any, payload: dict) -> bool:
     ours, theirs = room.ctx.get("layout"), payload.get("peer_layout")
     if not isinstance(ours, dict) or not isinstance(theirs, dict):
         return False
-    return {k: v for k, v in ours.items() if k != "num_pages"} == {k: v for k, v in theirs.items() if k != "num_pages"}
+    return ({k: v for k, v in ours.items() if k not in _NODE_LOCAL}
+            == {k: v for k, v in theirs.items() if k not in _NODE_LOCAL})
 
 
 GUARDS = {

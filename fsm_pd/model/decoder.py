@@ -51,15 +51,21 @@ def _project_qkv(config: ModelConfig, layer: dict, h, positions, inv_freq):
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
-def _decoder_layer(config: ModelConfig, layer: dict, x, positions, inv_freq, attend: Callable):
-    """One pre-norm block. ``attend(q, k, v) -> (out, extra)`` decides where K/V live; ``extra`` is passed back."""
+def _decoder_layer(config: ModelConfig, layer: dict, x, positions, inv_freq, attend: Callable,
+                   reduce: Callable = lambda partial_sum: partial_sum):
+    """One pre-norm block. ``attend(q, k, v) -> (out, extra)`` decides where K/V live; ``extra`` is passed back.
+
+    ``reduce`` completes the two row-split products (attention out, MLP down): under tensor parallelism each device
+    holds some heads and some of the MLP's columns, so each product is a partial sum that ``reduce`` adds up over the
+    devices (``tensor_parallel.py``); on one device there is nothing to add.
+    """
     b, s, _ = x.shape
     q, k, v = _project_qkv(config, layer, rms_norm(x, layer["attn_norm"], config.rms_norm_eps), positions, inv_freq)
     attn, extra = attend(q, k, v)
-    x = x + attn.reshape(b, s, -1) @ layer["wo"]
+    x = x + reduce(attn.reshape(b, s, -1) @ layer["wo"])
     h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
     gate, up = jnp.split(h @ layer["w_gate_up"], 2, axis=-1)
-    x = x + (jax.nn.silu(gate) * up) @ layer["w_down"]
+    x = x + reduce((jax.nn.silu(gate) * up) @ layer["w_down"])
     return x, extra
 
 
@@ -78,6 +84,17 @@ def forward_paged(params, pool, tokens, starts, lengths, page_tables, *, config:
     of each row's last real token ``[B, V]``, the updated pool, and the final hidden state of every position
     ``[B, S, D]`` (prompt logprobs are computed from it apart, so asking for them compiles no other forward pass).
     """
+    return forward_layers(params, pool, tokens, starts, lengths, page_tables, config=config)
+
+
+def forward_layers(params, pool, tokens, starts, lengths, page_tables, *, config: ModelConfig,
+                   reduce: Callable = lambda partial_sum: partial_sum, real_kv=None):
+    """``forward_paged``'s body, for one device or for one shard of a tensor-parallel model (``reduce``: see
+    ``_decoder_layer``; ``config`` is then the shard's, with its share of the heads and of the MLP).
+
+    ``real_kv: [KVH]`` bool, under tensor parallelism with padding heads: False marks a padding slot, whose K and V
+    are stored as exact zeros (its weights are zero, but RoPE can turn a zero into -0.0, and a handoff between other
+    splits fills padding slots with +0.0: the pool's bytes would differ for no reason)."""
     TRACE_COUNTS["forward_paged"] += 1
     b, s = tokens.shape
     positions = starts[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]  # [B, S]
@@ -88,11 +105,17 @@ def forward_paged(params, pool, tokens, starts, lengths, page_tables, *, config:
         attend = partial(
             paged_attention, layer_pool=layer_pool, page_tables=page_tables, starts=starts, lengths=lengths
         )
-        x, layer_pool = _decoder_layer(config, layer, x, positions, inv_freq, attend)
+        if real_kv is not None:
+            attend = partial(_zero_padding_kv, attend, real_kv[:, None])
+        x, layer_pool = _decoder_layer(config, layer, x, positions, inv_freq, attend, reduce)
         new_pool.append(layer_pool)
     h = rms_norm(x, params["final_norm"], config.rms_norm_eps)
     last = h[jnp.arange(b), jnp.maximum(lengths - 1, 0)]  # [B, D]
     return _logits(config, params, last), tuple(new_pool), h
+
+
+def _zero_padding_kv(attend: Callable, keep, q, k, v):
+    return attend(q, jnp.where(keep, k, 0.0).astype(k.dtype), jnp.where(keep, v, 0.0).astype(v.dtype))
 
 
 LOGPROB_ROWS = 256  # positions per call of the prompt-logprob program: one shape, whatever the batch and prompt

@@ -13,11 +13,13 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 from fsm_pd.kernels.layout import KVLayout
 from fsm_pd.model import decoder
 from fsm_pd.model.config import ModelConfig
-from fsm_pd.model.programs import ForwardPrograms, programs_for
+from fsm_pd.model.programs import ForwardPrograms, placement_key, programs_for
+from fsm_pd.model.tensor_parallel import TP_AXIS, TensorParallel, plan_split, shard_params
 from fsm_pd.model.tokenizer import Tokenizer, load_hf_tokenizer
 from fsm_pd.model.weights import load_params
 
@@ -38,13 +40,18 @@ class LoadedModel:
 
     name: str
     config: ModelConfig
-    params: dict
+    params: dict  # with ``tp``, rearranged and placed on its mesh (``tensor_parallel.shard_params``)
     tokenizer: Tokenizer
+    tp: TensorParallel | None = None  # how the model is split over devices; None on one device
     _programs: dict = field(default_factory=dict, repr=False)  # pool signature -> ForwardPrograms
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.tokenizer.eos_token_ids or self.config.eos_token_ids
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self.tp is None else self.tp.size
 
     def make_kv_layout(self, num_pages: int, page_size: int, *, dtype: str | None = None) -> KVLayout:
         """The pool layout this model writes, for ``num_pages`` pages (page 0 included) of ``page_size`` tokens."""
@@ -55,26 +62,31 @@ class LoadedModel:
             kv_heads=self.config.num_kv_heads,
             head_dim=self.config.head_dim,
             dtype=dtype or self.config.dtype,
+            shard_axis=None if self.tp is None else TP_AXIS,
+            tp=self.tp_size,
         )
 
     def make_pool(self, layout: KVLayout) -> tuple[jax.Array, ...]:
-        """A zeroed pool for ``layout``, on the first device (sharding over ``shard_axis`` is the caller's)."""
+        """A zeroed pool for ``layout``: on the first device, or split over the model's mesh on the KV-head axis."""
         expected = self.make_kv_layout(layout.num_pages, layout.page_size, dtype=layout.dtype)
-        if layout.transfer_key() | {"shard_axis": None} != expected.transfer_key():
+        if layout != expected:
             raise ValueError(f"layout {layout} does not fit this model (expected {expected})")
         # Placed explicitly (committed): a forward pass returns the pool committed, and jit keys its programs on that,
         # so a pool that started uncommitted would compile every page kernel twice (once at warm-up, once serving).
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        return tuple(jnp.zeros(layout.layer_shape, dtype=layout.dtype, device=device)
-                     for _ in range(layout.num_layers))
+        if self.tp is None:
+            placement = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        else:
+            placement = NamedSharding(self.tp.mesh, layout.pool_spec())
+        zeros = jax.jit(lambda: jnp.zeros(layout.layer_shape, dtype=layout.dtype), out_shardings=placement)
+        return tuple(zeros() for _ in range(layout.num_layers))
 
     def programs(self, pool) -> ForwardPrograms:
         """The forward passes compiled for pools shaped and placed like ``pool`` (made on first use)."""
         first = pool[0]
-        key = (first.shape, str(first.dtype), first.sharding)
+        key = (first.shape, str(first.dtype), placement_key(first.sharding))
         programs = self._programs.get(key)
         if programs is None:
-            programs = self._programs.setdefault(key, programs_for(self.config, self.params, pool))
+            programs = self._programs.setdefault(key, programs_for(self.config, self.params, pool, self.tp))
         return programs
 
     def prefill(self, pool, token_ids: Sequence[int], page_ids: Sequence[int], **kwargs) -> decoder.PrefillResult:
@@ -90,14 +102,29 @@ class LoadedModel:
                               forward=self.programs(pool), **kwargs)
 
 
-def load_model(spec: str = TINY_SPEC, *, dtype: str = "float32", progress: bool = False) -> LoadedModel:
+def load_model(spec: str = TINY_SPEC, *, dtype: str = "float32", progress: bool = False, tp: int = 1) -> LoadedModel:
     """Load ``"tiny"``, a named model (``NAMED_MODELS``), a ``.gguf`` file, or an HF checkpoint directory holding
     ``config.json``, ``*.safetensors`` and ``tokenizer.json``. ``progress`` shows a bar on stderr while reading.
+    ``tp > 1`` splits it over the first ``tp`` devices (``with_tensor_parallel``).
 
     Raises ``FileNotFoundError`` for a missing directory, file or named model's package, ``UnsupportedModelError`` for
     an architecture or feature the decoder lacks, and ``CheckpointError`` (``GGUFError`` for GGUF files) for missing,
     mis-shaped or undecodable tensors.
     """
+    return with_tensor_parallel(_load(spec, dtype=dtype, progress=progress), tp)
+
+
+def with_tensor_parallel(model: LoadedModel, tp: int) -> LoadedModel:
+    """``model`` split over the first ``tp`` devices (``tensor_parallel.py``); itself for ``tp == 1``."""
+    if tp == 1:
+        return model
+    if model.tp is not None:
+        raise ValueError(f"model {model.name} is already split over {model.tp.size} devices")
+    plan = plan_split(model.config, tp)
+    return LoadedModel(model.name, model.config, shard_params(plan, model.params), model.tokenizer, plan)
+
+
+def _load(spec: str, *, dtype: str, progress: bool) -> LoadedModel:
     if spec == TINY_SPEC:
         from fsm_pd.model.tiny import tiny_model_parts
 

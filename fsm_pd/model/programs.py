@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from fsm_pd.model import buckets
 from fsm_pd.model.config import ModelConfig
 from fsm_pd.model.decoder import forward_paged, table_width
+from fsm_pd.model.tensor_parallel import TensorParallel, forward_sharded
 
 
 def prefill_shapes(max_batch: int, max_tokens: int) -> list[tuple[int, int]]:
@@ -45,31 +46,44 @@ def _powers_up_to(limit: int, start: int = 1) -> list[int]:
     return out
 
 
+def placement_key(sharding: jax.sharding.Sharding):
+    """One key for equivalent placements: a program returns ``P(None, None, 'tp')`` for a pool placed as
+    ``P(None, None, 'tp', None)``, and the two must not look like two pools (a second set of programs)."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = list(sharding.spec)
+        while spec and spec[-1] is None:
+            spec.pop()
+        return (sharding.mesh, tuple(spec), sharding.memory_kind)
+    return sharding
+
+
 _SHARED: dict = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def programs_for(config: ModelConfig, params: dict, pool: tuple) -> ForwardPrograms:
+def programs_for(config: ModelConfig, params: dict, pool: tuple, tp: TensorParallel | None = None) -> ForwardPrograms:
     """The ``ForwardPrograms`` of this model shape over pools like ``pool``, shared by every caller in the process
     (as ``jit``'s own cache is): the executables take the weights as arguments, so one compile serves every copy."""
-    signature = lambda arrays: tuple((a.shape, str(a.dtype), a.sharding) for a in jax.tree.leaves(arrays))
-    key = (config, signature(pool), signature(params))
+    signature = lambda arrays: tuple((a.shape, str(a.dtype), placement_key(a.sharding))
+                                     for a in jax.tree.leaves(arrays))
+    key = (config, signature(pool), signature(params), tp)
     with _SHARED_LOCK:
         programs = _SHARED.get(key)
         if programs is None:
-            programs = _SHARED[key] = ForwardPrograms(config, params, pool)
+            programs = _SHARED[key] = ForwardPrograms(config, params, pool, tp)
         return programs
 
 
 class ForwardPrograms:
-    """``forward_paged`` compiled for one model and one pool (its shape, dtype and placement), by input shape.
+    """``forward_paged`` compiled for one model and one pool (its shape, dtype and placement), by input shape; with
+    ``tp``, its tensor-parallel form (``tensor_parallel.forward_sharded``) over ``tp``'s mesh.
 
     Called like ``forward_paged`` without ``config``. Thread-safe: a node compiles ahead on its start-up thread, and
     a late compile, should one happen, runs on the model thread.
     """
 
-    def __init__(self, config: ModelConfig, params: dict, pool: tuple):
-        self.config = config
+    def __init__(self, config: ModelConfig, params: dict, pool: tuple, tp: TensorParallel | None = None):
+        self.config, self.tp = config, tp
         abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
         self._params = jax.tree.map(abstract, params)  # shapes only: no model's weights are kept alive here
         self._pool = tuple(abstract(a) for a in pool)
@@ -87,10 +101,14 @@ class ForwardPrograms:
             program = self._programs.get((batch, tokens))
         if program is not None:
             return program
-        ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-        program = forward_paged.lower(
-            self._params, self._pool, ints(batch, tokens), ints(batch), ints(batch), ints(batch, self.width),
-            config=self.config,
+        if self.tp is None:
+            ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+            forward, static = forward_paged, {"config": self.config}
+        else:  # the host's token arrays go to every device of the mesh
+            ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.tp.replicated)
+            forward, static = forward_sharded, {"tp": self.tp}
+        program = forward.lower(
+            self._params, self._pool, ints(batch, tokens), ints(batch), ints(batch), ints(batch, self.width), **static
         ).compile()
         with self._lock:
             return self._programs.setdefault((batch, tokens), program)

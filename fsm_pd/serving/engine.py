@@ -97,7 +97,7 @@ class EngineCore:
         """``pages_free`` counts the prefix cache's unlocked pages (a reservation takes them); ``pages_cached`` says
         how many of all pages the cache holds."""
         return {"role": self.role, "model": self.model_name, "max_context": self.max_context,
-                "page_size": self.page_size, "pages_free": self.allocator.free_pages,
+                "page_size": self.page_size, "tp_size": self.model.tp_size, "pages_free": self.allocator.free_pages,
                 "pages_reserved": self.allocator.reserved_pages, "pages_cached": self.allocator.cached_pages,
                 "requests_live": len(self.requests), **self.prefill_counters()}
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsm_pd.kernels import bucket_sizes, gather_pages, resolve_impl, scatter_layers, scatter_pages
+from fsm_pd.kernels.placement import pool_placement
 from fsm_pd.model import compiles, sampling
 from fsm_pd.model.decoder import LOGPROB_ROWS, MAX_TOP_LOGPROBS, next_token_logprobs
 from fsm_pd.model.pages import pages_for
@@ -130,12 +131,15 @@ def _run_kernels(owner, layout, plan: WarmupPlan, bar: _Bar) -> None:
 
     usable = layout.num_pages - 1
     group = layer_group(layout)
+    placement = pool_placement(owner.pool)  # a split pool's transfers land split like it (control/jax_kv.py)
     for rows in plan.scatter_buckets:
         bar.describe(f"scatter {rows} pages")
         pages = list(range(1, min(rows, usable) + 1))
         staging = np.zeros(layout.staging_shape(rows), layout.dtype)
-        owner.pool = scatter_pages(owner.pool, jnp.asarray(staging), pages, layout=layout)
-        owner.pool = scatter_layers(owner.pool, 0, jnp.asarray(staging[:group]), pages)
+        owner.pool = scatter_pages(owner.pool, jnp.asarray(staging) if placement is None else
+                                   jax.device_put(staging, placement.staging_sharding), pages, layout=layout)
+        if placement is None:  # layers are streamed into a pool on one device only
+            owner.pool = scatter_layers(owner.pool, 0, jnp.asarray(staging[:group]), pages)
         bar.advance()
     for rows in plan.gather_buckets:
         bar.describe(f"gather {rows} pages")

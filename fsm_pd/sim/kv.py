@@ -107,8 +107,15 @@ class SimKV:
         self.room_of_pages, self.allocator = room_of_pages, allocator
 
     # --- prefill ---
-    def gather(self, owner: Any, pages: list[int]) -> SimBuffer:
-        return self._staging(pages)
+    def gather(self, owner: Any, pages: list[int], plan: Any) -> tuple[SimBuffer, ...]:
+        """One staging buffer per piece of the plan (one without tensor parallelism), each its share of the bytes."""
+        room = self.room_of_pages(pages)
+        slots = sum(piece.count for piece in plan.pieces)
+        bufs = tuple(SimBuffer(self.ledger.new_id(), "staging", room, len(pages),
+                               self.page_bytes * piece.count // slots) for piece in plan.pieces)
+        for buf in bufs:
+            self.ledger.alloc("staging", buf.key, self.instance, room)
+        return bufs
 
     def _staging(self, pages: list[int]) -> SimBuffer:
         room = self.room_of_pages(pages)
@@ -155,11 +162,15 @@ class SimKV:
         stream.on_progress(0, staging, staging.nbytes)
         return True
 
-    def scatter(self, owner: Any, staging: SimBuffer, pages: list[int], stream: SimLayerStream | None) -> None:
+    def scatter(self, owner: Any, pieces: tuple[SimBuffer, ...], pages: list[int], stream: SimLayerStream | None,
+                plan: Any) -> None:
         if stream is not None:
             stream.written(owner)
             return
-        self.allocator.check_write(staging.room, pages, "a write")
+        room = pieces[0].room
+        if any(piece.room != room for piece in pieces):
+            self.ledger.violation(f"one write mixes the pieces of rooms {sorted({p.room for p in pieces})}")
+        self.allocator.check_write(room, pages, "a write")
 
     def cancel(self, stream: SimLayerStream) -> None:
         stream.cancel()

@@ -120,7 +120,7 @@ class SimPuller:
         self.servers, self.partitioned, self.layers = servers, partitioned, layers
 
     def pull(self, address: str, uuid: int, page_count: int, timeout_s: float, *, done: Callable,
-             on_progress: Any = None, delay_s: float = 0.0) -> None:
+             on_progress: Any = None, delay_s: float = 0.0, piece: Any = None) -> None:
         p = _Pull(address, uuid, self.sched.clock.now() + timeout_s, done, on_progress)
         self.sched.later(delay_s + CONNECT_S, lambda: self._look(p), self.instance)
 

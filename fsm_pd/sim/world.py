@@ -52,6 +52,13 @@ class SimConfig:
     decode_time: float = 0.05
     model_delay: float = 0.0005  # per model-thread job
     progressive: float = 0.5  # the chance that a process instance copies KV layer by layer (a CPU pool, tcp)
+    # tensor-parallel sizes: a handoff between different ones moves one piece per run of KV slots (transport/reshard)
+    prefill_tp: int = 1
+    decode_tp: int = 1
+
+
+def _split(tp: int) -> dict:
+    return {"tp": tp, "shard_axis": "tp"} if tp > 1 else {}
 
 
 class World:
@@ -70,8 +77,8 @@ class World:
         max_delay = 2 * max(*config.decode_deadlines.values(), *config.prefill_deadlines.values())
         self.network = SimNetwork(self.sched, self.rng, self.plan, self.rng.randbytes(32), max_delay)
         self.bootstrap = SimBootstrap(self.bootstrap_addr)
-        self.decode_layout = {**LAYOUT, "num_pages": config.num_pages}
-        self.prefill_layout = {**LAYOUT, "num_pages": config.prefill_pages}
+        self.decode_layout = {**LAYOUT, "num_pages": config.num_pages, **_split(config.decode_tp)}
+        self.prefill_layout = {**LAYOUT, "num_pages": config.prefill_pages, **_split(config.prefill_tp)}
         self.page_bytes = (LAYOUT["num_layers"] * LAYOUT["page_size"] * 2 * LAYOUT["kv_heads"] * LAYOUT["head_dim"]
                            * BYTES_PER_VALUE)
         self.model_delay = config.model_delay

@@ -150,6 +150,17 @@ def _effect_dicts(effects_json: str) -> list[dict]:
     return json.loads(effects_json)
 
 
+def _pieces(event: dict) -> str | None:
+    """What a handoff between different tensor-parallel sizes moved (``docs/tensor-parallel.md``): P's ``published``
+    says how many pieces, D's ``pulled`` where each came from and went."""
+    pieces = event.get("pieces")
+    if isinstance(pieces, int):
+        return f"{pieces} pieces"
+    if isinstance(pieces, list):
+        return "; ".join(f"prefill shard {src} -> decode shard {dst}: {nbytes} B" for src, dst, nbytes in pieces)
+    return None
+
+
 def _report(node, role, room_id, rows, divergence, replayed_state) -> RoomReport:
     events, time_in_state = [], {}
     final, reason, ended_by, entered_at = rows[0].src, None, None, rows[0].at
@@ -157,7 +168,7 @@ def _report(node, role, room_id, rows, divergence, replayed_state) -> RoomReport
         event = {"trigger": row.trigger, "src": row.src, "dst": row.dst, "at": row.at, "version": row.version}
         if "ignored" in row.payload:
             event["ignored"] = row.payload["ignored"]
-        detail = row.event.get("reason") or row.event.get("timer")
+        detail = row.event.get("reason") or row.event.get("timer") or _pieces(row.event)
         if detail is not None:
             event["detail"] = detail
         events.append(event)

@@ -67,10 +67,13 @@ def _decode_pulls(world: World) -> list[int]:
 
 
 class SimulationMachine(RuleBasedStateMachine):
-    @initialize(seed=st.integers(0, 2**16), background_faults=st.sampled_from([0.0, 0.0, 0.05, 0.2]))
-    def start(self, seed, background_faults):
+    # split: (prefill tp, decode tp); a handoff between different ones is a transfer of several pieces
+    @initialize(seed=st.integers(0, 2**16), background_faults=st.sampled_from([0.0, 0.0, 0.05, 0.2]),
+                split=st.sampled_from([(1, 1), (1, 1), (2, 1), (1, 2)]))
+    def start(self, seed, background_faults, split):
         self.dir = Path(tempfile.mkdtemp(prefix="fsm-pd-prop-"))
-        config = SimConfig(requests=0, seed=seed, fault_rate=background_faults, num_pages=64)
+        config = SimConfig(requests=0, seed=seed, fault_rate=background_faults, num_pages=64, prefill_tp=split[0],
+                           decode_tp=split[1])
         self.world = World(config, self.dir, durability="off")
         self.next_room = 1
         self.terminal_seen: dict[tuple[str, int], str] = {}

