@@ -99,14 +99,31 @@ def _read_stream(r: httpx.Response, kind: str, first_chunk) -> dict:
     return out
 
 
+class Progress:
+    """What a running load has done so far: which requests have had a streamed chunk, which have ended."""
+
+    def __init__(self) -> None:
+        self.chunks: set[int] = set()
+        self.ended: set[int] = set()
+
+    def mid_stream(self, streams: set[int]) -> set[int]:
+        return (self.chunks - self.ended) & streams
+
+
 def run_load(router: str, tokens: int, kinds=KINDS, during=None) -> list[dict]:
-    """CONCURRENCY requests at once; ``during(results_so_far_count)`` runs on this thread meanwhile."""
+    """CONCURRENCY requests at once; ``during(progress)`` runs on this thread meanwhile."""
+    progress = Progress()
+
+    def one(i: int) -> dict:
+        try:
+            return send(router, kinds[i % len(kinds)], i, tokens, lambda: progress.chunks.add(i))
+        finally:
+            progress.ended.add(i)
+
     with ThreadPoolExecutor(CONCURRENCY) as pool:
-        chunks = []
-        futures = [pool.submit(send, router, kinds[i % len(kinds)], i, tokens, lambda i=i: chunks.append(i))
-                   for i in range(CONCURRENCY)]
+        futures = [pool.submit(one, i) for i in range(CONCURRENCY)]
         if during is not None:
-            during(chunks)
+            during(progress)
         return [f.result() for f in futures]
 
 
@@ -132,15 +149,6 @@ def loads(urls: list[str]) -> dict[str, int]:
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return -1
     return {url: load(url) for url in urls}
-
-
-def busiest(urls: list[str], seen: dict | None = None) -> str:
-    """The node with the most requests now (a router may send all load to one node: the fault must hit some);
-    ``seen`` gets the loads."""
-    now = loads(urls)
-    if seen is not None:
-        seen.update(now)
-    return max(urls, key=now.get)
 
 
 def by_request(results: list[dict]) -> dict:
@@ -225,11 +233,7 @@ def phases(router: str, prefills: list[str], decodes: list[str], procs: dict, sh
     victims: dict[str, str] = {}
     at_kill: dict[str, dict] = {}
 
-    def kill_busiest(role: str, urls: list[str]) -> None:
-        victims[role] = busiest(urls, at_kill.setdefault(role, {}))
-        kill(procs[victims[role]])
-
-    def kill_prefill_holding_requests(chunks):
+    def kill_prefill_holding_requests(progress: Progress) -> None:
         # a prefill node that holds none would die unnoticed: the phase would prove nothing
         deadline = time.monotonic() + 60
         while max((seen := loads(prefills)).values()) <= 0:
@@ -241,18 +245,26 @@ def phases(router: str, prefills: list[str], decodes: list[str], procs: dict, sh
     found["prefill_kill"] = run_load(router, short, during=kill_prefill_holding_requests)
     streams = {i for i in range(CONCURRENCY) if KINDS[i % len(KINDS)].endswith("stream")}
 
-    def kill_decode_mid_stream(chunks):
+    def busiest_decode_mid_stream(progress: Progress, role: str) -> str:
+        """The decode node that holds the most requests once a quarter of the streams are mid-stream (tokens out, not
+        ended): a fault then breaks streams. Waiting for a share of all streams to have tokens let the first ones end
+        and left the rest in prefill, and a fast decode could then be faulted with no stream on it."""
         deadline = time.monotonic() + 60
-        # half the streams have tokens out (waiting for all of them let the first ones end before the kill)
-        while 2 * len(set(chunks) & streams) < len(streams) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        kill_busiest("decode", decodes)
+        while time.monotonic() < deadline:
+            if 4 * len(progress.mid_stream(streams)) >= len(streams):
+                seen = loads(decodes)
+                if max(seen.values()) > 0:
+                    at_kill[role] = seen
+                    return max(decodes, key=seen.get)
+            time.sleep(0.005)
+        raise AssertionError(f"no decode node held streams mid-way within 60 s ({len(progress.chunks)} had tokens)")
 
-    def stop_decode_mid_stream(chunks):
-        deadline = time.monotonic() + 60
-        while 2 * len(set(chunks) & streams) < len(streams) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        victims["decode_stopped"] = busiest(decodes, at_kill.setdefault("decode_stopped", {}))
+    def kill_decode_mid_stream(progress: Progress) -> None:
+        victims["decode"] = busiest_decode_mid_stream(progress, "decode")
+        kill(procs[victims["decode"]])
+
+    def stop_decode_mid_stream(progress: Progress) -> None:
+        victims["decode_stopped"] = busiest_decode_mid_stream(progress, "decode_stopped")
         os.kill(procs[victims["decode_stopped"]].pid, signal.SIGSTOP)  # a node this test started
 
     found["decode_stop"] = run_load(router, long, during=stop_decode_mid_stream)
