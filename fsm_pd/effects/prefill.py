@@ -130,9 +130,10 @@ class PrefillEffects:
         single = plan_between(self.layout, ctx["peer_layout"])
 
         def publish(owner: Any) -> None:
-            if self.staging.get(room_id, (None,))[0] != uuid:
-                return  # the room ended while this waited for the model thread
+            if self.staging.get(room_id, (None,))[0] != uuid or sent[0] < 0:
+                return  # the room ended while this waited for the model thread, or an earlier piece failed
             for piece in plan.pieces[sent[0]:ready]:
+                sent[0] = -1  # until it is published: a failed piece is never retried by a later chunk's job
                 self.faults.check("gather")
                 (staging,) = self.kv.gather(owner, list(piece.pages), single)
                 try:

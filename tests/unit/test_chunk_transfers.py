@@ -1,0 +1,130 @@
+"""A prefill node hands a chunked prompt over piece by piece while its later chunks compute (effects/chunked.py):
+the answer is the whole prefill's, the journal and replay show every chunk, and a piece that fails or an abort
+mid-way leaves nothing held on either node."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+from test_chunked_prefill import CHUNK
+from test_chunked_prefill import model as model  # noqa: F401 - the fixture: the tiny model with sharp attention
+from test_serving_colocated import PAGE_SIZE, PAGES, ids_of, request, run, until
+from test_serving_pd import pd_request, through_pd
+
+from fsm_pd.serving.collect import generate
+from fsm_pd.serving.colocated_engine import ColocatedEngine
+from fsm_pd.serving.decode_engine import DecodeEngine
+from fsm_pd.serving.prefill_engine import PrefillEngine
+from fsm_pd.store import read_journal, replay
+
+CHUNKS = 6  # chunks of the long prompt: pieces of CHUNK / PAGE_SIZE pages, each published once computed
+
+
+def long_prompt(tokenizer, n: int = CHUNKS * CHUNK - 5) -> list[int]:
+    ids = tokenizer.encode("every chunk of this prompt travels while the next one computes; " * 20)
+    assert len(ids) >= n
+    return ids[:n]
+
+
+def pd_pair(model, tmp_path, *, on_transfer_failure="fail"):
+    p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp_path / "p.db"),
+                      chunked_prefill_size=CHUNK, radix_cache=False)
+    d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", secret=p.secret,
+                     journal=str(tmp_path / "d.db"), on_transfer_failure=on_transfer_failure)
+    return p, d
+
+
+def nothing_held(*engines) -> bool:
+    def idle(e):
+        leaks = e.info()["leaks"]
+        return all(v == 0 for k, v in leaks.items() if k != "pages_free")  # pages_reserved among them
+    return until(lambda: all(idle(e) for e in engines))
+
+
+def events(path, trigger):
+    return [r for r in read_journal(path) if r.trigger == trigger]
+
+
+def test_chunk_by_chunk_handoff_answers_as_a_whole_prefill_and_replay_shows_the_chunks(model, tmp_path):
+    whole = ColocatedEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, chunked_prefill_size=512, radix_cache=False)
+    p, d = pd_pair(model, tmp_path)
+    try:
+        prompt = long_prompt(model.tokenizer)
+        want = ids_of(run(generate(whole, request("w", prompt, max_new_tokens=8, ignore_eos=True))))
+        got = ids_of(run(through_pd(p, d, pd_request(p, "g", prompt, max_new_tokens=8, ignore_eos=True))))
+        assert got == want
+        assert nothing_held(p, d), (p.info()["leaks"], d.info()["leaks"])
+    finally:
+        d.close()
+        p.close()
+        whole.close()
+    pages = -(-len(prompt) // PAGE_SIZE)
+    (ready,) = events(tmp_path / "p.db", "kv_ready")
+    assert ready.dst == "Transferring" and ready.event["piece_pages"] == CHUNK // PAGE_SIZE
+    assert ready.event["final_pages"] == CHUNK // PAGE_SIZE  # READY went out after the first chunk
+    chunks = events(tmp_path / "p.db", "kv_chunk")
+    assert len(chunks) == CHUNKS - 1 and all(r.src == r.dst == "Transferring" for r in chunks)
+    assert [r.event["final_pages"] for r in chunks] == [k * CHUNK // PAGE_SIZE for k in range(2, CHUNKS)] + [pages]
+    assert chunks[-1].event["last"] and chunks[-1].event["first_token"] == want[0]
+    (published,) = events(tmp_path / "p.db", "published")
+    assert published.event["chunks"] == CHUNKS
+    (pulled,) = events(tmp_path / "d.db", "pulled")
+    assert len(pulled.event["chunks"]) == CHUNKS and pulled.event["first_token"] == want[0]
+    details = [e.get("detail", "") for side in (tmp_path / "p.db", tmp_path / "d.db")
+               for report in replay(read_journal(side)).rooms for e in report.events]
+    assert sum("chunk" in text for text in details) == CHUNKS  # the first and every later chunk, on P
+    assert any(f"{CHUNKS} pieces (" in text for text in details)
+
+
+def test_a_short_prompt_and_a_logprobs_request_keep_the_whole_handoff(model, tmp_path):
+    p, d = pd_pair(model, tmp_path)
+    try:
+        short = long_prompt(model.tokenizer, CHUNK - 3)
+        run(through_pd(p, d, pd_request(p, "short", short, max_new_tokens=2)))
+        req = pd_request(p, "lp", long_prompt(model.tokenizer), max_new_tokens=2)
+        run(through_pd(p, d, dataclasses.replace(req, return_logprob=True)))
+        assert nothing_held(p, d)
+    finally:
+        d.close()
+        p.close()
+    assert not events(tmp_path / "p.db", "kv_chunk")
+    assert all("chunks" not in r.event for r in events(tmp_path / "p.db", "published"))
+
+
+@pytest.mark.parametrize("how", ["failed piece", "abort"])
+def test_a_handoff_ended_mid_way_frees_everything_on_both_nodes(model, tmp_path, how):
+    """The third piece fails to publish, or the client aborts while the third chunk waits to be published: both rooms
+    end Failed, and every page, staging entry and landed piece is let go on both nodes."""
+    p, d = pd_pair(model, tmp_path)
+    publish, seen = p.manager.effects.transfer.publish, []
+
+    def third_fails(uuid, staging, hold_s):
+        seen.append(uuid)
+        if len(seen) == 3:
+            if how == "abort":
+                p.abort("mid")
+            else:
+                raise RuntimeError("the third piece could not be published")
+        publish(uuid, staging, hold_s)
+
+    p.manager.effects.transfer.publish = third_fails
+    try:
+        prompt = long_prompt(model.tokenizer)
+
+        async def both():
+            req = pd_request(p, "mid", prompt, max_new_tokens=4, ignore_eos=True)
+            return await asyncio.gather(generate(p, req), generate(d, req), return_exceptions=True)
+
+        outcomes = run(both())
+        assert all(isinstance(o, Exception) for o in outcomes), outcomes
+        assert len(seen) == 3 if how == "failed piece" else len(seen) >= 3, seen  # a failed piece is never retried
+        assert nothing_held(p, d), (p.info()["leaks"], d.info()["leaks"])
+        assert not p.manager.effects.staging and not p.manager.effects.chunks_sent
+        assert not d.manager.effects.pending and not d.manager.effects.pulled
+    finally:
+        d.close()
+        p.close()
+    ends = [r for r in read_journal(tmp_path / "p.db") + read_journal(tmp_path / "d.db") if r.dst == "Failed" != r.src]
+    assert len(ends) == 2 and all(r.src == "Transferring" for r in ends)
