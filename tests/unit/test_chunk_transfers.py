@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 
 import pytest
 from test_chunked_prefill import CHUNK
@@ -48,9 +49,32 @@ def events(path, trigger):
     return [r for r in read_journal(path) if r.trigger == trigger]
 
 
+def publish_between_chunks(p) -> None:
+    """Make every chunk's publish job run before the next chunk computes, as on a model slower than the tiny one:
+    the step that reported a chunk waits until the node loop queued that chunk's job on the model thread (ahead of
+    the next step, which is queued when this one returns)."""
+    effects, queued = p.manager.effects, threading.Semaphore(0)
+    submit = effects.model.submit
+
+    def counted(job):
+        future = submit(job)
+        queued.release()
+        return future
+
+    effects.model = type("Counted", (), {"submit": staticmethod(counted)})()
+    def waiting(report):
+        def reported(*args, **kw):
+            report(*args, **kw)
+            assert queued.acquire(timeout=30), "the chunk's publish job was never queued"
+        return reported
+
+    p.manager.kv_first_chunk, p.manager.kv_chunk = waiting(p.manager.kv_first_chunk), waiting(p.manager.kv_chunk)
+
+
 def test_chunk_by_chunk_handoff_answers_as_a_whole_prefill_and_replay_shows_the_chunks(model, tmp_path):
     whole = ColocatedEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, chunked_prefill_size=512, radix_cache=False)
     p, d = pd_pair(model, tmp_path)
+    publish_between_chunks(p)
     try:
         prompt = long_prompt(model.tokenizer)
         want = ids_of(run(generate(whole, request("w", prompt, max_new_tokens=8, ignore_eos=True))))
@@ -70,6 +94,7 @@ def test_chunk_by_chunk_handoff_answers_as_a_whole_prefill_and_replay_shows_the_
     assert [r.event["final_pages"] for r in chunks] == [k * CHUNK // PAGE_SIZE for k in range(2, CHUNKS)] + [pages]
     assert chunks[-1].event["last"] and chunks[-1].event["first_token"] == want[0]
     (published,) = events(tmp_path / "p.db", "published")
+    assert published.seq < chunks[-1].seq  # READY went out while the prompt was still computing
     assert published.event["chunks"] == CHUNKS
     (pulled,) = events(tmp_path / "d.db", "pulled")
     assert len(pulled.event["chunks"]) == CHUNKS and pulled.event["first_token"] == want[0]
