@@ -84,6 +84,11 @@ def _unreachable(side: str, url: str, err: Exception) -> Response:
     return error_response(502, f"{side} worker {url} failed: {type(err).__name__}: {err}", code=f"{side}_unreachable")
 
 
+def _needs_prefill_body(path: str, body: dict) -> bool:
+    """The client's answer merges the prefill's prompt logprobs (``merge.prefill_input_logprobs``)."""
+    return path == "/generate" and bool(body.get("return_logprob"))
+
+
 def _message(response: Response) -> str:
     try:
         return json.loads(response.body)["error"]["message"]
@@ -163,7 +168,7 @@ class PDRouter:
         started = await self._until_started(path, body, headers, deadline, tries)
         if isinstance(started, Response):
             return started
-        merge = path == "/generate" and bool(body.get("return_logprob"))
+        merge = _needs_prefill_body(path, body)
         # (no prefill body: the decode recomputed and the prefill leg was not waited for; its prompt logprobs are lost)
         p_logprobs = prefill_input_logprobs(started.prefill.body) if merge and started.prefill.body else None
         d_resp = started.decode.response
@@ -259,12 +264,18 @@ class PDRouter:
                 await close()
 
         try:
-            failed = await both_answered(p_leg, d_leg, deadline, self.request_timeout_s, (prefill.lost, decode.lost))
+            failed = await both_answered(p_leg, d_leg, deadline, self.request_timeout_s, (prefill.lost, decode.lost),
+                                         prefill_body=_needs_prefill_body(path, body))
         except BaseException:
+            prefill.outstanding -= 1
             await close_both()
             raise
-        finally:
-            prefill.outstanding -= 1
+        if failed is None and not p_leg.task.done() and not d_leg.recomputed:
+            # the decode's stream started, so its KV arrived: the prefill's answer comes beside the relay, and the
+            # stream's end closes the prefill leg too (cancelled then if it never answered)
+            p_leg.task.add_done_callback(lambda _: self._prefill_answered(prefill, p_leg))
+            return Started(p_leg, d_leg, decode, close_both)
+        prefill.outstanding -= 1
         if failed is None:
             if p_leg.task.done():  # else the decode recomputed without it (router_legs.both_answered)
                 self.fleet.request_succeeded(prefill)
@@ -287,6 +298,22 @@ class PDRouter:
 
         failure.retire = retire
         return failure
+
+    def _prefill_answered(self, prefill: Worker, leg: Leg) -> None:
+        """A prefill answer that came after its decode's stream had started: the attempt has its KV either way, so
+        the answer only counts for the prefill worker's load and breaker."""
+        prefill.outstanding -= 1
+        if leg.task.cancelled():
+            return
+        if (err := leg.task.exception()) is not None and not isinstance(err, httpx.HTTPError):
+            log.error("the prefill call to %s raised: %r", prefill.url, err)
+            return
+        failed = leg.failure()
+        if failed is None:
+            self.fleet.request_succeeded(prefill)
+        elif leg.unreachable() or failed.status_code >= 500:
+            log.warning("prefill worker %s failed after its decode had the KV: %s", prefill.url, _message(failed))
+            self.fleet.request_failed(prefill, _message(failed))
 
     def _classify(self, leg: Leg | None, response: Response, prefill: Worker, decode: Worker,
                   p_leg: Leg) -> Failure:
