@@ -121,6 +121,7 @@ class PDRouter:
         auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.health = HealthChecker(self.fleet, health_interval_s, health_timeout_s, auth)
         self._health_task: asyncio.Task | None = None
+        self._finishing: set[asyncio.Task] = set()  # prefill answers awaited beside their decode's relay
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -271,10 +272,13 @@ class PDRouter:
             await close_both()
             raise
         if failed is None and not p_leg.task.done() and not d_leg.recomputed:
-            # the decode's stream started, so its KV arrived: the prefill's answer comes beside the relay, and the
-            # stream's end closes the prefill leg too (cancelled then if it never answered)
-            p_leg.task.add_done_callback(lambda _: self._prefill_answered(prefill, p_leg))
-            return Started(p_leg, d_leg, decode, close_both)
+            # the decode's stream started, so its KV arrived: the prefill's answer comes beside the relay. It is
+            # not cut short when the stream ends first (its room may still be finishing the handoff; a
+            # disconnect would abort it there), only at the request's deadline.
+            finishing = asyncio.ensure_future(self._prefill_answered(prefill, p_leg, deadline))
+            self._finishing.add(finishing)
+            finishing.add_done_callback(self._finishing.discard)
+            return Started(p_leg, d_leg, decode, close)
         prefill.outstanding -= 1
         if failed is None:
             if p_leg.task.done():  # else the decode recomputed without it (router_legs.both_answered)
@@ -299,10 +303,14 @@ class PDRouter:
         failure.retire = retire
         return failure
 
-    def _prefill_answered(self, prefill: Worker, leg: Leg) -> None:
-        """A prefill answer that came after its decode's stream had started: the attempt has its KV either way, so
+    async def _prefill_answered(self, prefill: Worker, leg: Leg, deadline: float) -> None:
+        """A prefill answer still to come after its decode's stream started: the attempt has its KV either way, so
         the answer only counts for the prefill worker's load and breaker."""
-        prefill.outstanding -= 1
+        try:
+            await asyncio.wait({leg.task}, timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
+        finally:
+            prefill.outstanding -= 1
+            await leg.close()  # cancels it if the deadline passed first
         if leg.task.cancelled():
             return
         if (err := leg.task.exception()) is not None and not isinstance(err, httpx.HTTPError):

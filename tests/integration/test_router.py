@@ -270,7 +270,7 @@ class HeldPrefill(StubEngine):
 
 def first_chunk_at(url: str, body: dict, prefill: HeldPrefill, release_after_s: float | None) -> tuple[float, str]:
     """When the client got its first streamed chunk, and the whole text; ``release_after_s``: free the prefill's
-    answer that long after the request went out (None: once the first chunk came)."""
+    answer that long after the request went out (None: once the whole stream came)."""
     if release_after_s is not None:
         threading.Timer(release_after_s, prefill.release.set).start()
     first, text = None, ""
@@ -279,8 +279,8 @@ def first_chunk_at(url: str, body: dict, prefill: HeldPrefill, release_after_s: 
         for line in r.iter_lines():
             if first is None and line.startswith("data: ") and line != "data: [DONE]":
                 first = time.monotonic()
-                prefill.release.set()
             text += line + "\n"
+    prefill.release.set()
     return first, text
 
 
@@ -292,11 +292,15 @@ def test_a_decode_stream_is_relayed_before_the_prefill_answers():
     with pd_cluster([prefill], [decode], retry=NO_RETRY) as (url, p_urls, _):
         body = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 3}}
         first, text = first_chunk_at(url, body, prefill, None)
-        assert prefill.released_at is not None and first < prefill.released_at, "the stream waited for the prefill"
+        assert until(lambda: prefill.released_at is not None)
+        assert first < prefill.released_at, "the stream waited for the prefill"
         assert "data: [DONE]" in text and '"error"' not in text
+        # the stream's end did not cut the prefill's call short (a disconnect would abort its room there)
         assert until(lambda: all(w["outstanding"] == 0 for w in httpx.get(url + "/server_info").json()["prefill"]))
+        assert prefill.aborted == []
 
         prefill.release.clear()
+        prefill.released_at = None
         first, text = first_chunk_at(url, {**body, "return_logprob": True}, prefill, 0.5)
         assert first > prefill.released_at, "the prompt logprobs of the prefill's answer were not waited for"
         assert "input_token_logprobs" in text
