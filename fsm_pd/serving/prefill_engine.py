@@ -184,6 +184,7 @@ class PrefillEngine(PDEngine):
                 self._chunk_done(seq)
                 continue
             self._chunking.remove(seq)
+            self._prefilled(seq)
             self._in_flight[seq.key] = first
             if seq.key in self._streaming:
                 self._streaming.discard(seq.key)
