@@ -14,6 +14,7 @@ from test_chunked_prefill import model as model  # noqa: F401 - the fixture: the
 from test_serving_colocated import PAGE_SIZE, PAGES, ids_of, request, run, until
 from test_serving_pd import pd_request, through_pd
 
+from fsm_pd.machines.states import KVPoll
 from fsm_pd.serving.collect import generate
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.decode_engine import DecodeEngine
@@ -63,9 +64,11 @@ def publish_between_chunks(p) -> None:
 
     effects.model = type("Counted", (), {"submit": staticmethod(counted)})()
     def waiting(report):
-        def reported(*args, **kw):
-            report(*args, **kw)
-            assert queued.acquire(timeout=30), "the chunk's publish job was never queued"
+        def reported(room, *args, **kw):
+            report(room, *args, **kw)
+            # a room that ended meanwhile ignores the chunk: no job comes
+            while not queued.acquire(timeout=0.01) and p.manager.poll(room) == KVPoll.Transferring:
+                pass
         return reported
 
     p.manager.kv_first_chunk, p.manager.kv_chunk = waiting(p.manager.kv_first_chunk), waiting(p.manager.kv_chunk)
@@ -125,6 +128,7 @@ def test_a_handoff_ended_mid_way_frees_everything_on_both_nodes(model, tmp_path,
     waits to be published: both rooms end Failed, and every page, staging entry and landed piece is let go on both
     nodes."""
     p, d = pd_pair(model, tmp_path)
+    publish_between_chunks(p)  # so that the third piece is published while the later chunks are still to compute
     publish, seen = p.manager.effects.transfer.publish, []
     pull, pulls = d.manager.effects.puller.pull, []
 
