@@ -4,7 +4,8 @@ Starts two PD pairs behind the built-in router on 127.0.0.1 (SmolLM2 unless --mo
 --chunk tokens: one hands each chunk's KV to the decode node while the next chunk computes (the default), the other
 (`--disable-chunk-transfers`) after the last chunk, in one piece. Sends the same prompts of about --chunks chunks to
 both, one request at a time, interleaved, and prints TTFT medians and their ratio (with / without: below 1 means the
-overlap helps). Both pairs share this machine's cores with each other and with the client; only one is busy at a time.
+overlap helps), and the median time from P's last chunk to D's scattered (the part the overlap can shorten). Both
+pairs share this machine's cores with each other and with the client; only one is busy at a time.
 
     python bench/chunk_transfers.py [--model smollm2|tiny|PATH] [--chunk 256] [--chunks 4] [--runs 9] [--json]
 """
@@ -23,6 +24,7 @@ import httpx
 from serving import Servers, one_request
 
 from fsm_pd.launch import free_port
+from fsm_pd.store import read_journal
 
 WORDS = ["prefill", "decode", "chunk", "transfer", "page", "layer", "token", "cache", "router", "journal", "room"]
 
@@ -57,6 +59,25 @@ def fit(url: str, chunk: int, chunks: int) -> int:
     return words
 
 
+def handoff_tails(journals: list[Path]) -> dict[str, float]:
+    """Median per pair of what follows the prompt's last chunk (same host, one clock): from P's last
+    ``kv_ready``/``kv_chunk`` of a room to D's ``scattered``."""
+    rows = [row for journal in journals for row in read_journal(journal)]
+    last_chunk, scattered, chunked = {}, {}, set()
+    for r in rows:
+        if r.role == "prefill" and r.trigger in ("kv_ready", "kv_chunk") and r.dst == "Transferring":
+            last_chunk[r.room] = max(last_chunk.get(r.room, 0.0), r.at)
+            if r.trigger == "kv_chunk":
+                chunked.add(r.room)
+        elif r.role == "decode" and r.trigger == "scattered":
+            scattered[r.room] = r.at
+    tails: dict[str, list[float]] = {"chunk transfers": [], "whole handoff": []}
+    for room, at in scattered.items():
+        if room in last_chunk:
+            tails["chunk transfers" if room in chunked else "whole handoff"].append(at - last_chunk[room])
+    return {name: statistics.median(values) for name, values in tails.items() if values}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="smollm2 (default), tiny, a .gguf file or an HF directory")
@@ -82,19 +103,23 @@ def main() -> int:
                     ttft[name].append(one_request(url, prompt_of(words, run + 1), args.max_new_tokens)["ttft"])
         finally:
             servers.stop()
+        tails = handoff_tails(sorted(Path(tmp).glob("*.db")))
     medians = {name: statistics.median(values) for name, values in ttft.items()}
     ratio = medians["chunk transfers"] / medians["whole handoff"]
     result = {"model": args.model, "chunk": args.chunk, "prompt_tokens": tokens, "runs": args.runs,
               "ttft_median_ms": {n: round(m * 1e3, 1) for n, m in medians.items()},
               "ttft_ms": {n: [round(v * 1e3, 1) for v in vs] for n, vs in ttft.items()},
-              "ratio_with_over_without": round(ratio, 3)}
+              "ratio_with_over_without": round(ratio, 3),
+              "after_last_chunk_median_ms": {n: round(t * 1e3, 1) for n, t in tails.items()}}
     if args.json:
         print(json.dumps(result))
         return 0
     print(f"{args.model}: prompt of {tokens} tokens in chunks of {args.chunk}, {args.runs} runs each, interleaved")
     for name, median in medians.items():
         spread = f"{min(ttft[name]) * 1e3:.1f}-{max(ttft[name]) * 1e3:.1f}"
-        print(f"  {name:16s} TTFT median {median * 1e3:8.1f} ms  (min-max {spread} ms)")
+        tail = f"{tails[name] * 1e3:.1f} ms" if name in tails else "?"
+        print(f"  {name:16s} TTFT median {median * 1e3:8.1f} ms  (min-max {spread} ms); after the last chunk, to D's "
+              f"scattered: {tail}")
     print(f"  ratio chunk transfers / whole handoff: {ratio:.3f}")
     return 0
 
