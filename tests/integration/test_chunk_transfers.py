@@ -36,7 +36,7 @@ def greedy(url: str, prompt: str) -> list[int]:
     return answer.json()["output_ids"]
 
 
-@pytest.mark.parametrize("backend", ["tcp", "zmq"])
+@pytest.mark.parametrize("backend", ["tcp", "zmq", "jax"])
 def test_chunked_prefill_node_answers_as_a_whole_prefill_and_replay_shows_each_chunk(cluster, backend):
     colocated = cluster.serve("colocated", "--chunked-prefill-size", "4096")
     boot = free_port()
