@@ -67,6 +67,8 @@ class PrefillEffects:
                 return
             if not room.ctx.get("last"):
                 return  # nothing to stream (one piece, or a resharded handoff): the last chunk hands over the whole
+        if room.room in self.staging:
+            return  # this room's handoff is under way: a stray kv_chunk on a room handed over whole starts no other
         uuid, pages, room_id = self.new_uuid(), pages_to_send(room.ctx), room.room
         hold_s = float(room.ctx["deadlines"]["pull_hold"])
         if not pages:  # the decode node's prefix cache holds the whole prompt: READY alone, nothing to pull

@@ -173,3 +173,28 @@ def test_a_handoff_ended_mid_way_frees_everything_on_both_nodes(model, tmp_path,
     if how == "failed pull":  # D failed the room for the piece at once, it did not wait for its deadline
         (mine,) = [r for r in ends if r.role == "decode"]
         assert mine.trigger == "error" and "chunk piece 2 (8 pages): the link went down" in mine.payload["reason"]
+
+
+
+def test_a_stray_chunk_event_on_a_room_handed_over_whole_starts_no_second_handoff(model, tmp_path):
+    """``kv_chunk`` is accepted in Transferring whatever started it; on a room whose prompt goes whole it must not
+    gather and publish the pages again (a second staging entry that nothing would ever release)."""
+    p, d = pd_pair(model, tmp_path)
+    effects, rooms = p.manager.effects, []
+    for name in ("publish", "publish_progressive"):  # the whole handoff's publish: a stray chunk event arrives now
+        def stray(*args, _publish=getattr(effects.transfer, name)):  # noqa: B008 - bound now, per name
+            (room,) = effects.staging
+            rooms.append(room)
+            p.manager.kv_chunk(room, final_pages=1)
+            return _publish(*args)
+        setattr(effects.transfer, name, stray)
+    try:
+        req = pd_request(p, "stray", long_prompt(model.tokenizer, CHUNK - 3), max_new_tokens=2)
+        run(through_pd(p, d, req))
+        assert nothing_held(p, d), (p.info()["leaks"], d.info()["leaks"])
+    finally:
+        d.close()
+        p.close()
+    (stray,) = events(tmp_path / "p.db", "kv_chunk")
+    assert rooms == [stray.room] and stray.src == stray.dst == "Transferring"
+    assert len(events(tmp_path / "p.db", "published")) == 1
