@@ -112,10 +112,12 @@ def take_prefill_batch(
         if not prefill_fits(len(planned) + len(batch) + 1, max(longest, computed), max_tokens):
             break
         need = pages_for(seq.prompt_len, page_size) - len(prefix.pages)
+        if cache is not None:  # before counting free pages: the prefix's own pages are not there to evict
+            cache.lock(prefix)
         if not admits(allocator, need, headroom):
+            if cache is not None:
+                cache.unlock(prefix)
             break
-        if cache is not None:
-            cache.lock(prefix)  # before the reservation: it must not evict the pages we are about to use
         try:
             new = allocator.reserve(seq.key, need)
         except ValueError:  # its key was freed already: the request ended while it waited
@@ -164,11 +166,13 @@ def admit_waiting(queue: deque, allocator: PageAllocator, page_size: int, *, hea
             continue
         prefix = cache.match(entry.request.input_ids) if cache is not None else NO_MATCH
         need = pages_for(entry.prompt_len, page_size) - len(prefix.pages)
+        if cache is not None:  # before counting free pages: the prefix's own pages are not there to evict
+            cache.lock(prefix)
         if not admits(allocator, need, headroom):
+            if cache is not None:
+                cache.unlock(prefix)
             break
         queue.popleft()
-        if cache is not None:
-            cache.lock(prefix)
         try:
             new = allocator.reserve(entry.key, need) if need else []
         except ValueError:  # freed already: the room failed while it waited

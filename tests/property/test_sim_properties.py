@@ -73,12 +73,11 @@ def _decode_pulls(world: World) -> list[int]:
 class SimulationMachine(RuleBasedStateMachine):
     # split: (prefill tp, decode tp); a handoff between different ones is a transfer of several pieces
     @initialize(seed=st.integers(0, 2**16), background_faults=st.sampled_from([0.0, 0.0, 0.05, 0.2]),
-                split=st.sampled_from([(1, 1), (1, 1), (2, 1), (1, 2)]))
-    def start(self, seed, background_faults, split):
+                split=st.sampled_from([(1, 1), (1, 1), (2, 1), (1, 2)]), prefill_pages=st.sampled_from([24, 64]))
+    def start(self, seed, background_faults, split, prefill_pages):
         self.dir = Path(tempfile.mkdtemp(prefix="fsm-pd-prop-"))
-        config = SimConfig(requests=0, seed=seed, fault_rate=background_faults, num_pages=64, prefill_pages=64,
-                           prefill_tp=split[0],
-                           decode_tp=split[1])
+        config = SimConfig(requests=0, seed=seed, fault_rate=background_faults, num_pages=64,
+                           prefill_pages=prefill_pages, prefill_tp=split[0], decode_tp=split[1])
         self.world = World(config, self.dir, durability="off")
         self.next_room = 1
         self.terminal_seen: dict[tuple[str, int], str] = {}
@@ -90,6 +89,15 @@ class SimulationMachine(RuleBasedStateMachine):
     def request(self, prompt_len):
         self.world.add_request(self.next_room, prompt_len, at=self.world.clock.now() + 0.001)
         self.next_room += 1
+
+    @rule(lengths=st.lists(st.integers(1, 300), min_size=2, max_size=6))
+    def burst(self, lengths):
+        """Requests at once (turns of conversations, a shared system prompt): the pools run short, the prefix
+        caches evict while live requests lock their prefixes."""
+        at = self.world.clock.now() + 0.001
+        for prompt_len in lengths:
+            self.world.add_request(self.next_room, prompt_len, at=at)
+            self.next_room += 1
 
     @precondition(lambda self: self.next_room > 1)
     @rule(prompt_len=st.integers(1, 300), data=st.data())
