@@ -286,7 +286,7 @@ SimulationMachine.TestCase.settings = settings(
     **_profile, deadline=None, print_blob=True, report_multiple_bugs=False,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
 )
-# A passing CI run takes about 70 s; a failing one also shrinks its example, which may take minutes: let it finish
+# A passing CI run takes about 45 s; a failing one also shrinks its example, which may take minutes: let it finish
 # rather than cut it off without the example. The long profile is not bounded at all.
 pytestmark = pytest.mark.timeout(900 if PROFILE == "ci" else 0)
 TestSimulation = SimulationMachine.TestCase
