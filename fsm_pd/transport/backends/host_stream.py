@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsm_pd.kernels.host_blocks import HostBlocks
-from fsm_pd.transport.backends.base import OnProgress, StagingProgress, TransferFailed
+from fsm_pd.transport.backends.base import OnProgress, PageSource, StagingProgress, TransferFailed
 from fsm_pd.transport.backends.spec import ArrayKey, array_key, array_keys, layout_digest, summarize
 
 
@@ -30,6 +30,7 @@ class HostEntry:
     _sources: tuple
     _host: list[memoryview | None] = field(default_factory=list)
     fill: StagingProgress | None = None  # progressive: only bytes [0, fill.final_bytes) of array 0 may be sent
+    pages: PageSource | None = None  # the one array is read from the pool's pages as it is sent (never host_bytes)
 
     @classmethod
     def of(cls, arrays: tuple[jax.Array, ...]) -> HostEntry:
@@ -47,6 +48,12 @@ class HostEntry:
         view = memoryview(host.reshape(-1).view(np.uint8))
         return cls([(tuple(host.shape), host.dtype)], [host.nbytes], layout_digest(keys), summarize(keys), (host,),
                    [view], progress)
+
+    @classmethod
+    def of_pages(cls, source: PageSource) -> HostEntry:
+        keys = [array_key(source.shape, source.dtype, None)]
+        return cls([(tuple(source.shape), source.dtype)], [source.nbytes], layout_digest(keys), summarize(keys),
+                   (source,), [None], pages=source)
 
     def describe(self) -> list[list]:
         """``[[shape, dtype name], ...]``: the header D checks against its spec."""

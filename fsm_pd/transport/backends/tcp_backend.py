@@ -28,6 +28,7 @@ from fsm_pd.transport.addresses import with_host
 from fsm_pd.transport.backends import tcp_wire as wire
 from fsm_pd.transport.backends.base import (
     OnProgress,
+    PageSource,
     StagingProgress,
     TransferFailed,
     TransferTimeout,
@@ -54,6 +55,7 @@ def parse_address(address: str) -> tuple[str, int]:
 class TcpTransferBackend(HoldingBackend):
     name = "tcp"
     progressive = True
+    sends_pages = True
 
     def __init__(
         self,
@@ -111,6 +113,11 @@ class TcpTransferBackend(HoldingBackend):
         progress = StagingProgress(host, self._wake)
         self._publish(uuid, HostEntry.filling(progress), progress.nbytes, hold_timeout_s)
         return progress
+
+    def publish_pages(self, uuid: int, source: PageSource, hold_timeout_s: float) -> None:
+        check_uuid(uuid)
+        self._require_server()
+        self._publish(uuid, HostEntry.of_pages(source), source.nbytes, hold_timeout_s)
 
     def _publish(self, uuid: int, entry: HostEntry, nbytes: int, hold_timeout_s: float) -> None:
         with self._changed:
