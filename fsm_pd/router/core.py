@@ -84,6 +84,11 @@ def _unreachable(side: str, url: str, err: Exception) -> Response:
     return error_response(502, f"{side} worker {url} failed: {type(err).__name__}: {err}", code=f"{side}_unreachable")
 
 
+def _needs_prefill_body(path: str, body: dict) -> bool:
+    """The client's answer merges the prefill's prompt logprobs (``merge.prefill_input_logprobs``)."""
+    return path == "/generate" and bool(body.get("return_logprob"))
+
+
 def _message(response: Response) -> str:
     try:
         return json.loads(response.body)["error"]["message"]
@@ -116,6 +121,7 @@ class PDRouter:
         auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.health = HealthChecker(self.fleet, health_interval_s, health_timeout_s, auth)
         self._health_task: asyncio.Task | None = None
+        self._finishing: set[asyncio.Task] = set()  # prefill answers awaited beside their decode's relay
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -163,7 +169,7 @@ class PDRouter:
         started = await self._until_started(path, body, headers, deadline, tries)
         if isinstance(started, Response):
             return started
-        merge = path == "/generate" and bool(body.get("return_logprob"))
+        merge = _needs_prefill_body(path, body)
         # (no prefill body: the decode recomputed and the prefill leg was not waited for; its prompt logprobs are lost)
         p_logprobs = prefill_input_logprobs(started.prefill.body) if merge and started.prefill.body else None
         d_resp = started.decode.response
@@ -259,12 +265,21 @@ class PDRouter:
                 await close()
 
         try:
-            failed = await both_answered(p_leg, d_leg, deadline, self.request_timeout_s, (prefill.lost, decode.lost))
+            failed = await both_answered(p_leg, d_leg, deadline, self.request_timeout_s, (prefill.lost, decode.lost),
+                                         prefill_body=_needs_prefill_body(path, body))
         except BaseException:
+            prefill.outstanding -= 1
             await close_both()
             raise
-        finally:
-            prefill.outstanding -= 1
+        if failed is None and not p_leg.task.done() and not d_leg.recomputed:
+            # the decode's stream started, so its KV arrived: the prefill's answer comes beside the relay. It is
+            # not cut short when the stream ends first (its room may still be finishing the handoff; a
+            # disconnect would abort it there), only at the request's deadline.
+            finishing = asyncio.ensure_future(self._prefill_answered(prefill, p_leg, deadline))
+            self._finishing.add(finishing)
+            finishing.add_done_callback(self._finishing.discard)
+            return Started(p_leg, d_leg, decode, close)
+        prefill.outstanding -= 1
         if failed is None:
             if p_leg.task.done():  # else the decode recomputed without it (router_legs.both_answered)
                 self.fleet.request_succeeded(prefill)
@@ -287,6 +302,26 @@ class PDRouter:
 
         failure.retire = retire
         return failure
+
+    async def _prefill_answered(self, prefill: Worker, leg: Leg, deadline: float) -> None:
+        """A prefill answer still to come after its decode's stream started: the attempt has its KV either way, so
+        the answer only counts for the prefill worker's load and breaker."""
+        try:
+            await asyncio.wait({leg.task}, timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
+        finally:
+            prefill.outstanding -= 1
+            await leg.close()  # cancels it if the deadline passed first
+        if leg.task.cancelled():
+            return
+        if (err := leg.task.exception()) is not None and not isinstance(err, httpx.HTTPError):
+            log.error("the prefill call to %s raised: %r", prefill.url, err)
+            return
+        failed = leg.failure()
+        if failed is None:
+            self.fleet.request_succeeded(prefill)
+        elif leg.unreachable() or failed.status_code >= 500:
+            log.warning("prefill worker %s failed after its decode had the KV: %s", prefill.url, _message(failed))
+            self.fleet.request_failed(prefill, _message(failed))
 
     def _classify(self, leg: Leg | None, response: Response, prefill: Worker, decode: Worker,
                   p_leg: Leg) -> Failure:

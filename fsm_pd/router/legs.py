@@ -109,23 +109,29 @@ def deadline_error(waiting_for: list[Leg], timeout_s: float) -> Response:
 
 
 async def both_answered(prefill: Leg, decode: Leg, deadline: float, timeout_s: float,
-                        lost: tuple[asyncio.Event, asyncio.Event] | None = None) -> tuple[Leg | None, Response] | None:
+                        lost: tuple[asyncio.Event, asyncio.Event] | None = None,
+                        *, prefill_body: bool = True) -> tuple[Leg | None, Response] | None:
     """Wait until the prefill's answer is complete and the decode's has started (or was read whole). Returns the
     failed leg (None: the deadline passed) and the client's error answer, else None. The first leg to fail decides:
     the caller closes both legs either way. ``lost``: the prefill's and the decode's worker's events, set when their
-    health checks eject them (a stopped node never answers: its leg fails then instead of at the deadline)."""
+    health checks eject them (a stopped node never answers: its leg fails then instead of at the deadline).
+
+    Without ``prefill_body`` (the client's answer needs nothing from it), a decode stream that started ends the wait:
+    a node's stream starts with its first token, which a decode node has only once the KV arrived (or it
+    recomputed the prompt), so the prefill's answer can no longer change this attempt. Waiting for it put the
+    prefill node's own end of the handoff (the decode's acknowledgement, its HTTP answer) into every TTFT."""
     pending = {prefill.task, decode.task}
     watchers = {asyncio.ensure_future(event.wait()): leg for event, leg in zip(lost or (), (prefill, decode),
                                                                                strict=False)}
     try:
-        return await _both_answered(prefill, decode, deadline, timeout_s, pending, watchers)
+        return await _both_answered(prefill, decode, deadline, timeout_s, pending, watchers, prefill_body)
     finally:
         for watcher in watchers:
             watcher.cancel()
 
 
 async def _both_answered(prefill: Leg, decode: Leg, deadline: float, timeout_s: float, pending: set,
-                         watchers: dict[asyncio.Future, Leg]) -> tuple[Leg | None, Response] | None:
+                         watchers: dict[asyncio.Future, Leg], prefill_body: bool) -> tuple[Leg | None, Response] | None:
     loop = asyncio.get_running_loop()
     while pending:
         done, _ = await asyncio.wait(pending | set(watchers), timeout=max(0.0, deadline - loop.time()),
@@ -148,6 +154,8 @@ async def _both_answered(prefill: Leg, decode: Leg, deadline: float, timeout_s: 
                 return leg, failed
         if prefill.task in pending and decode.task not in pending and decode.recomputed:
             log.info("decode worker %s recomputed the prompt: the prefill leg is not waited for", decode.worker_url)
+            return None
+        if prefill.task in pending and decode.task not in pending and not prefill_body and decode.streaming:
             return None
     return None
 

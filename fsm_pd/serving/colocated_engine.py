@@ -105,8 +105,10 @@ class ColocatedEngine(EngineCore):
             if isinstance(first, Exception):  # fail this request alone, keep serving the others
                 seq.stream.push(EngineError(f"prefill failed: {first}", 500))
                 self._release(seq)
-            elif seq.emit(first.token_id, first.logprob, first.input_logprobs, first.top_logprobs,
-                          first.input_top_logprobs):
+                continue
+            self._prefilled(seq)
+            if seq.emit(first.token_id, first.logprob, first.input_logprobs, first.top_logprobs,
+                        first.input_top_logprobs):
                 self._release(seq)
             else:
                 self.loop.add(seq)

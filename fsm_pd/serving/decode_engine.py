@@ -169,8 +169,8 @@ class DecodeEngine(PDEngine):
         seq.pages = ctx["pages"]
         seq.meta["queue_and_transfer_seconds"] = round(time.monotonic() - seq.started, 6)
         # SGLang's names: this room's phases, and queue_time from the transfer's end to joining the batch (now)
-        seq.meta.update(ctx["timing"], queue_time=round(max(0.0, time.time() - ctx["ended_at"]), 6),
-                        cached_tokens=ctx["cached_tokens"])
+        admission = max(0.0, time.time() - ctx["ended_at"])
+        seq.meta.update(ctx["timing"], queue_time=round(admission, 6), cached_tokens=ctx["cached_tokens"])
         if seq.cancelled:
             self._finish(seq)
             return
@@ -182,6 +182,8 @@ class DecodeEngine(PDEngine):
             seq.stream.push(EngineError(f"the prefill node's top logprobs are malformed: {err}", 502))
             self._finish(seq)
             return
+        self.phases.observe("admission", admission)
+        self.phases.observe("first_token", time.monotonic() - seq.started)
         if seq.emit(int(ctx["first_token"]), first_logprob, input_logprobs, top, input_top):
             self._finish(seq)
         else:

@@ -17,6 +17,7 @@ past the common checks), ``_on_cancel`` (what an abort tells others), ``_step``,
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from prometheus_client import CollectorRegistry
@@ -27,6 +28,7 @@ from fsm_pd.model.pages import PageAllocator
 from fsm_pd.model.prefix_cache import PrefixCache
 from fsm_pd.serving.cache_metrics import PrefillCollector
 from fsm_pd.serving.common import flush_when_idle, max_context_for, pool_tokens_for, refuse_if_unhealthy
+from fsm_pd.serving.request_phases import RequestPhases
 from fsm_pd.serving.request_table import ABORTED_STATUS, RequestTable
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.step_driver import StepDriver
@@ -56,6 +58,7 @@ class EngineCore:
         self.registry = CollectorRegistry()  # this engine's /metrics (create_app reads ``registries``)
         self.registries = [self.registry]
         self.registry.register(PrefillCollector(self.prefill_counters, {"role": self.role, "node": name}))
+        self.phases = RequestPhases(self.registry, self.role, name)
         self.arrivals: deque[Sequence] = deque()  # appended by submit (any thread), taken by _step (model thread)
         self._driver = StepDriver(self.model_thread, self._step, name=f"{name} scheduler")
         self.model_thread.on_death.append(self._cannot_serve)
@@ -141,11 +144,21 @@ class EngineCore:
         raise NotImplementedError
 
     def _prefilling(self, chunks) -> None:
-        """Count a prefill step's computed prompt tokens, and the cached ones of the prompts it starts."""
+        """Count a prefill step's computed prompt tokens, and the cached ones of the prompts it starts; time the
+        queue of the prompts it starts."""
+        now = time.monotonic()
         for chunk in chunks:
             self.prefill_tokens["prefill_computed_tokens"] += chunk.length
             if chunk.start == chunk.seq.prefix.tokens:
                 self.prefill_tokens["prefill_cached_tokens"] += chunk.start
+                chunk.seq.prefill_started = now
+                self.phases.observe("queue", now - chunk.seq.queued_at)
+
+    def _prefilled(self, seq: Sequence) -> None:
+        """A prompt's last chunk is done and its first token sampled."""
+        now = time.monotonic()
+        self.phases.observe("prefill", now - seq.prefill_started)
+        self.phases.observe("first_token", now - seq.started)
 
     def _arrived(self) -> list[Sequence]:
         """The requests submitted since the last step, in order, without the ones already cancelled (aborted, or

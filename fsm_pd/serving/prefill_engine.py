@@ -173,6 +173,7 @@ class PrefillEngine(PDEngine):
             if first is None:  # more chunks to come
                 continue
             self._chunking.remove(seq)
+            self._prefilled(seq)
             self._in_flight[seq.key] = first
             self.manager.kv_ready(
                 seq.key,

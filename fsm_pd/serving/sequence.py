@@ -36,6 +36,7 @@ class Sequence:
     # when it joined the queue its forward pass is taken from (SGLang's wait queue): at creation, or for a prefill
     # node once its room is bootstrapped; ``take_prefill_batch`` turns it into ``meta["queue_time"]``
     queued_at: float = field(default_factory=time.monotonic)
+    prefill_started: float = 0.0  # when its first chunk started (``EngineCore._prefilling``)
 
     @classmethod
     def start(

@@ -44,10 +44,12 @@ class OracleRoom:
 
 
 def _same_layout(ours: Any, theirs: Any) -> bool:
-    """Two KV layouts agree in everything but the number of pages of the pool."""
+    """Two KV layouts agree in everything but the number of pages of the pool and how a node splits it over its
+    devices (``tp``, ``shard_axis``: a handoff between different splits reshards, ``tensor-parallel.md``)."""
     if not isinstance(ours, dict) or not isinstance(theirs, dict):
         return False
-    return {k: v for k, v in ours.items() if k != "num_pages"} == {k: v for k, v in theirs.items() if k != "num_pages"}
+    local = ("num_pages", "tp", "shard_axis")
+    return {k: v for k, v in ours.items() if k not in local} == {k: v for k, v in theirs.items() if k not in local}
 
 
 # Every guard the tables name, as the tables' comments and docs/state-machines.md define it.

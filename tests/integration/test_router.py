@@ -6,6 +6,7 @@ import contextlib
 import json
 import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -251,3 +252,55 @@ def test_router_survives_concurrent_load(pair):
         t.join(30)
     assert results == [200] * 16
     assert {r.bootstrap.room for r in prefill.submitted} == {r.bootstrap.room for r in decode.submitted}
+
+
+class HeldPrefill(StubEngine):
+    """A prefill whose answer waits for ``release``: the decode's stream runs meanwhile (its node has the KV)."""
+
+    def __init__(self, **kw):
+        super().__init__(role="prefill", **kw)
+        self.release = threading.Event()
+        self.released_at: float | None = None
+
+    def _prefill(self, request, stream, stop):
+        self.release.wait(20)
+        self.released_at = time.monotonic()
+        super()._prefill(request, stream, stop)
+
+
+def first_chunk_at(url: str, body: dict, prefill: HeldPrefill, release_after_s: float | None) -> tuple[float, str]:
+    """When the client got its first streamed chunk, and the whole text; ``release_after_s``: free the prefill's
+    answer that long after the request went out (None: once the whole stream came)."""
+    if release_after_s is not None:
+        threading.Timer(release_after_s, prefill.release.set).start()
+    first, text = None, ""
+    with httpx.stream("POST", url + "/generate", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if first is None and line.startswith("data: ") and line != "data: [DONE]":
+                first = time.monotonic()
+            text += line + "\n"
+    prefill.release.set()
+    return first, text
+
+
+def test_a_decode_stream_is_relayed_before_the_prefill_answers():
+    """A decode node's stream starts with its first token, so it has the KV: the router relays it without waiting
+    for the prefill's answer, which only counts for the prefill's load and breaker once it comes. Only a
+    /generate with return_logprob (the prefill's prompt logprobs go into the answer) waits for it."""
+    prefill, decode = HeldPrefill(), StubEngine(role="decode")
+    with pd_cluster([prefill], [decode], retry=NO_RETRY) as (url, p_urls, _):
+        body = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 3}}
+        first, text = first_chunk_at(url, body, prefill, None)
+        assert until(lambda: prefill.released_at is not None)
+        assert first < prefill.released_at, "the stream waited for the prefill"
+        assert "data: [DONE]" in text and '"error"' not in text
+        # the stream's end did not cut the prefill's call short (a disconnect would abort its room there)
+        assert until(lambda: all(w["outstanding"] == 0 for w in httpx.get(url + "/server_info").json()["prefill"]))
+        assert prefill.aborted == []
+
+        prefill.release.clear()
+        prefill.released_at = None
+        first, text = first_chunk_at(url, {**body, "return_logprob": True}, prefill, 0.5)
+        assert first > prefill.released_at, "the prompt logprobs of the prefill's answer were not waited for"
+        assert "input_token_logprobs" in text

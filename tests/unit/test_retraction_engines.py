@@ -9,9 +9,11 @@ import re
 
 import pytest
 from prometheus_client import generate_latest
+from test_batch_isolation import gate
 from test_serving_colocated import PAGE_SIZE, PAGES, ids_of, request, run, until
 from test_serving_pd import assert_idle, pd_request, through_pd
 
+from fsm_pd.machines import KVPoll
 from fsm_pd.model.loader import load_model
 from fsm_pd.serving.collect import generate
 from fsm_pd.serving.colocated_engine import ColocatedEngine
@@ -188,21 +190,37 @@ def small_pd(model, tmp_path):
     p.close()
 
 
-def test_pd_under_pressure_completes_every_request_with_unpressured_output(small_pd, unpressured):
-    p, d = small_pd
+def test_pd_under_pressure_completes_every_request_with_unpressured_output(model, tmp_path, unpressured):
+    # a prefill pool for all 8 prompts, held until every room waits for input: one prefill batch hands all 8 to the
+    # decode node at once. (Prefilling 2 at a time, a slow prefill on a loaded machine let the decode node finish
+    # each pair before the next came, and no pressure built up.)
+    p = PrefillEngine(model, num_pages=17, page_size=PAGE_SIZE, backend="fake", journal=str(tmp_path / "p.db"))
+    d = DecodeEngine(model, num_pages=SMALL, page_size=PAGE_SIZE, backend="fake", secret=p.secret,
+                     journal=str(tmp_path / "d.db"))
 
     async def scenario():
         requests = [pd_request(p, f"pd{i}", pr, max_new_tokens=NEW_TOKENS, ignore_eos=True)
                     for i, pr in enumerate(PROMPTS)]
-        return await asyncio.gather(*(through_pd(p, d, r) for r in requests))
+        release = gate(p)
+        tasks = [asyncio.ensure_future(through_pd(p, d, r)) for r in requests]
+        ready = await asyncio.to_thread(until, lambda: all(
+            p.manager.poll(r.bootstrap.room) is KVPoll.WaitingForInput for r in requests), 60)
+        release.set()
+        assert ready
+        return await asyncio.gather(*tasks)
 
-    outs = run(scenario())
-    assert [ids_of(o) for o in outs] == unpressured
-    info = d.info()
-    assert info["preempted"] > 0 and info["resumed"] == info["preempted"] and info["retracted_waiting"] == 0
-    assert_idle(p, d)
-    metrics = generate_latest(d.registry).decode()
-    assert re.search(rf'fsm_pd_preemptions_total{{node="decode-0",role="decode"}} {info["preempted"]}\.0', metrics)
+    try:
+        outs = run(scenario())
+        assert [ids_of(o) for o in outs] == unpressured
+        info = d.info()
+        assert info["preempted"] > 0 and info["resumed"] == info["preempted"] and info["retracted_waiting"] == 0
+        assert_idle(p, d)
+        metrics = generate_latest(d.registry).decode()
+        assert re.search(rf'fsm_pd_preemptions_total{{node="decode-0",role="decode"}} {info["preempted"]}\.0',
+                         metrics)
+    finally:
+        d.close()
+        p.close()
 
 
 def test_decode_refuses_a_request_beyond_its_pool_with_400(small_pd):
