@@ -126,7 +126,7 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                                  "Failed in the journal) or fail (the request gets the transfer's error, 500) "
                                  "(default recompute)")
     if role in ("prefill", "colocated"):
-        from fsm_pd.serving.scheduling import CHUNKED_PREFILL_SIZE  # jax-free: the help stays quick
+        from fsm_pd.control.scheduling import CHUNKED_PREFILL_SIZE  # jax-free: the help stays quick
 
         parser.add_argument("--chunked-prefill-size", type=int, default=CHUNKED_PREFILL_SIZE, metavar="TOKENS",
                             help="padded prompt tokens one prefill step computes; a longer prompt prefills in "

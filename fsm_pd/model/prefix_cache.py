@@ -147,6 +147,10 @@ class PrefixCache:
     def held_pages(self) -> set[int]:
         return {n.page for n in self._nodes()}
 
+    def lock_counts(self) -> dict[int, int]:
+        """Page -> how many requests lock it, for every locked page the tree holds (the simulation's check)."""
+        return {n.page: n.locks for n in self._nodes() if n.locks}
+
     def _nodes(self):
         stack = list(self._root.children.values())
         while stack:

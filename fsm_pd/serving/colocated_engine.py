@@ -12,6 +12,7 @@ import itertools
 import logging
 from collections import deque
 
+from fsm_pd.control.scheduling import CHUNKED_PREFILL_SIZE, end_prefix, plan_chunks, take_prefill_batch
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.serving.common import check_request
 from fsm_pd.serving.decode_loop import DecodeLoop
@@ -19,7 +20,6 @@ from fsm_pd.serving.engine import EngineCore
 from fsm_pd.serving.forward import prefill_step
 from fsm_pd.serving.isolate import run_isolating
 from fsm_pd.serving.retraction import DecodeLoopCollector
-from fsm_pd.serving.scheduling import CHUNKED_PREFILL_SIZE, end_prefix, plan_chunks, take_prefill_batch
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.types import EngineError, GenerateRequest
 

@@ -9,8 +9,6 @@ from pathlib import Path
 from fsm_pd.control.manager import RoomInUse
 from fsm_pd.machines import KVPoll
 from fsm_pd.model.loader import LoadedModel
-from fsm_pd.model.pages import PageAllocator
-from fsm_pd.model.prefix_cache import PrefixCache
 from fsm_pd.serving import top_logprobs
 from fsm_pd.serving.types import EngineError, GenerateRequest
 from fsm_pd.store.journal import JournalError
@@ -78,18 +76,6 @@ def check_request(request: GenerateRequest, max_context: int, *, needs_bootstrap
 def pool_tokens_for(num_pages: int, page_size: int) -> int:
     """Tokens the whole KV pool holds (page 0 is padding)."""
     return (num_pages - 1) * page_size
-
-
-def flush_when_idle(allocator: PageAllocator, live: int, cache: PrefixCache | None = None) -> tuple[bool, str]:
-    """SGLang's ``/flush_cache`` on an engine with ``live`` requests; model thread only: empties the prefix cache
-    and puts the pool's free pages back in their starting order. Refused (False) while a request is live or a page
-    is held, as SGLang refuses while requests run or wait."""
-    if live or allocator.reserved_pages:
-        return False, (f"Cache not flushed: {live} requests are live and {allocator.reserved_pages} KV pages "
-                       f"reserved; flush when the node is idle.")
-    dropped = cache.clear() if cache is not None else 0
-    allocator.reset_order()
-    return True, f"Cache flushed: {dropped} cached KV pages dropped; the pool's free pages are back in starting order."
 
 
 def journal_path(journal: str | None, node_id: str) -> str:

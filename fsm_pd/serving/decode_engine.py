@@ -36,11 +36,11 @@ pre-allocation queue and the running batch. See ``docs/threads.md`` and ``pd_eng
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import Any
 
 from fsm_pd.control.admission import SchedulerAdmission
 from fsm_pd.control.phases import timing_meta
+from fsm_pd.control.prealloc import Preallocation
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.model.pages import pages_for
 from fsm_pd.serving.common import ENDED
@@ -49,7 +49,6 @@ from fsm_pd.serving.forward import input_logprobs_from_wire
 from fsm_pd.serving.pd_engine import PDEngine
 from fsm_pd.serving.recompute import ON_TRANSFER_FAILURE, RECOMPUTED_TRIGGERS, TransferRecompute
 from fsm_pd.serving.retraction import DecodeLoopCollector
-from fsm_pd.serving.scheduling import admit_waiting, end_prefix
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.top_logprobs import from_wire as top_logprobs_from_wire
 from fsm_pd.serving.types import EngineError
@@ -74,7 +73,9 @@ class DecodeEngine(PDEngine):
         self.headroom_pages = headroom_pages if headroom_pages is not None else max(1, (pages - 1) // 8)
         self.loop = DecodeLoop(self.model, self.model_thread, self.allocator, self.page_size, release=self._finish,
                                headroom_pages=self.headroom_pages, cache=self.cache)
-        self._awaiting_pages: deque[Sequence] = deque()
+        # the pre-allocation queue, the simulation's too: pages go to a room's transfer when they fit
+        self.prealloc = Preallocation(self.allocator, self.page_size, headroom=self.headroom_pages,
+                                      grant=self.manager.give_pages, cache=self.cache, kick=self._driver.kick)
         labels = {"role": "decode", "node": self.node_id}
         self.registry.register(DecodeLoopCollector(self.loop.counters, labels))
         self.recompute = TransferRecompute(self.model, self.model_thread, self.allocator, self.page_size,
@@ -93,7 +94,7 @@ class DecodeEngine(PDEngine):
                                   prompt_len=seq.prompt_len, rid=seq.rid, bootstrap_addr=seq.request.bootstrap.addr)
 
     def _role_info(self) -> dict:
-        waiting = len(self._awaiting_pages)
+        waiting = len(self.prealloc.waiting)
         return {"prealloc_queue": waiting, "transfer_queue": len(self.rooms) - waiting,
                 "requests_running": len(self.loop.running), "tokens_generated": self.loop.tokens_generated,
                 **self.loop.counters(), **self.recompute.counters()}
@@ -126,21 +127,16 @@ class DecodeEngine(PDEngine):
     # --- the model thread ---
     def _on_release(self, room: int) -> None:
         """The manager frees a room (it failed, or ``finish``): return its pages, admit whoever waits for them."""
-        self.allocator.free(room)
-        # Nothing reserves for this room after this: admission checks the room is alive on this same thread.
-        self.allocator.forget(room)
-        self._driver.kick()
+        self.prealloc.release(room)
 
     def _step(self) -> bool:
-        self._awaiting_pages.extend(self._take_arrivals())
+        self.prealloc.waiting.extend(self._take_arrivals())
         while self.room_events:
             self._on_room(*self.room_events.popleft())
         if not self.loop.resuming:  # retracted requests take the pages first, as for new ones
             self.recompute.prefill(self.max_running - len(self.loop.running), self.loop.add, self._finish)
-            in_transfer = len(self.rooms) - len(self._awaiting_pages)
-            admit_waiting(self._awaiting_pages, self.allocator, self.page_size, headroom=self.headroom_pages,
-                          room_for=self.max_running - len(self.loop.running) - in_transfer, gone=self._gone,
-                          grant=self.manager.give_pages, cache=self.cache)
+            in_transfer = len(self.rooms) - len(self.prealloc.waiting)
+            self.prealloc.admit(self.max_running - len(self.loop.running) - in_transfer, self._gone)
         # a recompute whose pages did not fit waits for a page free, which kicks us; with none held it fits now
         return self.loop.step() or (self.recompute.ready_to_run() and not self.loop.resuming)
 
@@ -157,7 +153,7 @@ class DecodeEngine(PDEngine):
         if state == "Failed":
             reason = detail["reason"] or "KV transfer failed"
             self.manager.clear(room)  # its pages: the machine's FreePages calls _on_release
-            end_prefix(self.cache, self.allocator, seq, keep=False, free=False)  # its cached prefix goes back
+            self.prealloc.failed(seq)  # its cached prefix goes back
             if not seq.cancelled and self.recompute.enabled and detail["recompute"]:
                 self.recompute.start(seq, room, reason)  # the request lives on under a key of its own
                 return
@@ -196,6 +192,6 @@ class DecodeEngine(PDEngine):
             self.recompute.release(seq)
             return
         # its prompt's pages (the transfer's and our cached prefix) join our cache; FreePages frees the rest
-        end_prefix(self.cache, self.allocator, seq, keep=True, free=False)
+        self.prealloc.finished(seq)
         self.manager.finish(seq.key)
         self.manager.clear(seq.key)

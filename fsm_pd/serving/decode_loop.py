@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from fsm_pd.control.scheduling import CHUNKED_PREFILL_SIZE, admits
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.model.model_thread import ModelThread
 from fsm_pd.model.pages import OutOfPages, PageAllocator, pages_for
@@ -27,7 +28,6 @@ from fsm_pd.model.sampling import sample
 from fsm_pd.serving.forward import fill_kv, top_ks
 from fsm_pd.serving.isolate import run_isolating
 from fsm_pd.serving.retraction import pick_retractions
-from fsm_pd.serving.scheduling import CHUNKED_PREFILL_SIZE, admits
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.top_logprobs import chosen_and_top
 from fsm_pd.serving.types import EngineError

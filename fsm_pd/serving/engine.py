@@ -22,12 +22,13 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry
 
+from fsm_pd.control.scheduling import flush_when_idle
 from fsm_pd.model.loader import LoadedModel, load_model
 from fsm_pd.model.model_thread import ModelThread
 from fsm_pd.model.pages import PageAllocator
 from fsm_pd.model.prefix_cache import PrefixCache
 from fsm_pd.serving.cache_metrics import PrefillCollector
-from fsm_pd.serving.common import flush_when_idle, max_context_for, pool_tokens_for, refuse_if_unhealthy
+from fsm_pd.serving.common import max_context_for, pool_tokens_for, refuse_if_unhealthy
 from fsm_pd.serving.request_phases import RequestPhases
 from fsm_pd.serving.request_table import ABORTED_STATUS, RequestTable
 from fsm_pd.serving.sequence import Sequence
@@ -108,7 +109,7 @@ class EngineCore:
         return {**self.prefill_tokens, **(self.cache.counters() if self.cache is not None else {})}
 
     def flush_cache(self) -> tuple[bool, str]:
-        """SGLang's ``/flush_cache`` (see ``common.flush_when_idle``); runs on the model thread."""
+        """SGLang's ``/flush_cache`` (see ``scheduling.flush_when_idle``); runs on the model thread."""
         return self.model_thread.call(
             lambda _owner: flush_when_idle(self.allocator, len(self.requests), self.cache), FLUSH_TIMEOUT_S)
 

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from fsm_pd.control.scheduling import Chunk, plan_chunks
 from fsm_pd.model.buckets import batch_bucket
 from fsm_pd.model.grammar import new_state
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.model.model_thread import ModelThread
 from fsm_pd.model.sampling import sample
-from fsm_pd.serving.scheduling import Chunk, plan_chunks
 from fsm_pd.serving.top_logprobs import TopRow, chosen_and_top, log_softmax_rows
 from fsm_pd.serving.types import GenerateRequest
 

@@ -28,13 +28,13 @@ from collections import deque
 
 from fsm_pd.bootstrap import BootstrapServer
 from fsm_pd.control.phases import timing_meta
+from fsm_pd.control.scheduling import CHUNKED_PREFILL_SIZE, Chunk, end_request, plan_chunks, take_prefill_batch
 from fsm_pd.effects.decode import RECOMPUTE_NOTE
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.serving.common import ENDED
 from fsm_pd.serving.forward import FirstToken, input_logprobs_to_wire, prefill_step
 from fsm_pd.serving.isolate import run_isolating
 from fsm_pd.serving.pd_engine import PDEngine
-from fsm_pd.serving.scheduling import CHUNKED_PREFILL_SIZE, Chunk, end_prefix, plan_chunks, take_prefill_batch
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.top_logprobs import to_wire as top_logprobs_to_wire
 from fsm_pd.serving.types import EngineError, TokenOutput
@@ -154,11 +154,7 @@ class PrefillEngine(PDEngine):
                 seq.stream.push(EngineError(reason or "KV transfer failed", 500))
         # a request still in the prefill queue is dropped there: its room is gone from the manager. Its prompt's pages
         # join the prefix cache once handed over; a failed transfer frees only the pages the request reserved.
-        if seq is not None:
-            end_prefix(self.cache, self.allocator, seq, keep=state == "Success")
-        else:
-            self.allocator.free(room)
-        self.allocator.forget(room)
+        end_request(self.cache, self.allocator, room, seq, keep=state == "Success")
         self.manager.clear(room)
 
     def _prefill(self, chunks: list[Chunk]) -> None:

@@ -2,7 +2,9 @@
 
 - ownership: every page reservation, staging buffer, transfer entry and pulled buffer is freed exactly once (the
   ledger records every attempt), and no write reaches a page after its ``FreePages``;
-- no leaks: once the world is quiet, nothing is held for a room that has ended;
+- no leaks: once the world is quiet, nothing is held for a room that has ended, and every page of either pool is
+  free, a room's or the prefix cache's, its cache locks those of the live requests (``page_accounting``); a page
+  a live request's cached prefix uses is never freed or handed to another room (``kv.RecordingAllocator``);
 - liveness: every room ends within the sum of its role's deadlines;
 - peers: no room stays bound to a dead peer process longer than the heartbeats take to notice;
 - the live state of every room equals the replay of its node's journal, and every journaled decision is the one
@@ -35,6 +37,14 @@ def leaks(world: World) -> list[str]:
             found.append(f"{h.kind} {h.key!r} of room {h.room} on {inst.name} still held, room {state} "
                          f"(held since t={h.since:.4f})")
     return found
+
+
+def page_accounting(world: World) -> list[str]:
+    """Both nodes' pools, once quiet: every page is free, a live room's, or the prefix cache's (never two of these,
+    never none), and each cached page is locked exactly as often as live requests use it (none when no request is
+    live). A page freed or handed on while a live request's prefix locks it is caught when it happens (``kv.py``)."""
+    return [problem for slot in (world.prefill, world.decode) if slot.alive
+            for problem in slot.instance.scheduler.allocator.accounting()]
 
 
 def overdue_rooms(world: World) -> list[str]:

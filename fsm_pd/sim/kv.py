@@ -56,20 +56,89 @@ class RecordingAllocator(PageAllocator):
         super().__init__(num_pages)
         self.ledger, self.instance = ledger, instance
         self.owner: dict[int, int] = {}  # page -> room holding it
+        # page -> rooms whose live request uses it from the prefix cache (recorded by the simulation, not the cache)
+        self.in_use: dict[int, list[int]] = {}
 
+    # --- what the simulation saw the requests take and let go ---
+    def use(self, pages: tuple[int, ...], room: int) -> None:
+        for page in pages:
+            self.in_use.setdefault(page, []).append(room)
+
+    def unuse(self, pages: tuple[int, ...]) -> None:
+        for page in pages:
+            users = self.in_use[page]
+            users.pop()
+            if not users:
+                del self.in_use[page]
+
+    # --- the allocator, recorded and checked ---
     def reserve(self, room: int, count: int) -> list[int]:
         pages = super().reserve(room, count)
         self.ledger.alloc("pages", (self.instance.name, room), self.instance, room)
-        self.owner.update(dict.fromkeys(pages, room))
+        self._handed(room, pages)
         return pages
+
+    def extend(self, room: int, count: int) -> list[int]:
+        pages = super().extend(room, count)
+        self._handed(room, pages)
+        return pages
+
+    def _handed(self, room: int, pages: list[int]) -> None:
+        """``pages`` go to ``room``: none may be another room's, on a live request's cached prefix, or cached."""
+        cached = self.reclaimer.held_pages() if self.reclaimer is not None else set()
+        for page in pages:
+            if self.owner.get(page) is not None:
+                self.ledger.violation(f"{self.instance.name}: page {page} handed to room {room}, but room "
+                                      f"{self.owner[page]} holds it")
+            if page in self.in_use:
+                self.ledger.violation(f"{self.instance.name}: page {page} handed to room {room} while the cached "
+                                      f"prefix of live room(s) {self.in_use[page]} uses it")
+            if page in cached:
+                self.ledger.violation(f"{self.instance.name}: page {page} handed to room {room} while the prefix "
+                                      "cache holds it")
+            self.owner[page] = room
+
+    def adopt(self, room: int, pages: list[int]) -> None:
+        super().adopt(room, pages)
+        for page in pages:
+            self.owner.pop(page, None)
+
+    def release(self, pages: list[int]) -> None:
+        for page in pages:
+            if page in self.in_use:
+                self.ledger.violation(f"{self.instance.name}: the prefix cache freed page {page}, which the cached "
+                                      f"prefix of live room(s) {self.in_use[page]} uses")
+        super().release(pages)
 
     def free(self, room: int) -> int:
         pages = self.pages_of(room)
         freed = super().free(room)
-        self.ledger.free("pages", (self.instance.name, room), by="admission.release")
+        self.ledger.free("pages", (self.instance.name, room), by="the room's free")
         for page in pages:
             self.owner.pop(page, None)
         return freed
+
+    def accounting(self) -> list[str]:
+        """Every page is exactly one of: free, a room's, the cache's; and the cache's lock counts are the live
+        requests' uses. Meaningful when no step or callback is under way."""
+        name, found = self.instance.name, []
+        free, owned = set(self._free), set(self.owner)
+        cache = self.reclaimer
+        cached = cache.held_pages() if cache is not None else set()
+        for what, a, b in (("free and a room's", free, owned), ("free and cached", free, cached),
+                           ("a room's and cached", owned, cached)):
+            if a & b:
+                found.append(f"{name}: pages {sorted(a & b)[:5]} are both {what}")
+        lost = set(range(1, self.num_pages)) - free - owned - cached
+        if lost:
+            found.append(f"{name}: pages {sorted(lost)[:5]} leaked: neither free, nor a room's, nor cached")
+        locks = cache.lock_counts() if cache is not None else {}
+        for page in sorted(set(locks) | set(self.in_use)):
+            users = self.in_use.get(page, [])
+            if locks.get(page, 0) != len(users):
+                found.append(f"{name}: cached page {page} is locked {locks.get(page, 0)} times, used by live "
+                             f"room(s) {users}")
+        return found
 
     def check_write(self, room: int, pages: list[int], what: str) -> None:
         """A write of ``room``'s KV reaches ``pages``: each must still be held by ``room``."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fsm_pd.control.admission import PoolAdmission
 from fsm_pd.control.core import NodeCore
 from fsm_pd.control.peers import PeerWatch
 from fsm_pd.effects import Node
@@ -22,12 +21,12 @@ from fsm_pd.effects.decode import DecodeEffects
 from fsm_pd.effects.faults import Faults
 from fsm_pd.effects.prefill import PrefillEffects
 from fsm_pd.machines import RECEIVER, SENDER, Room
-from fsm_pd.model.pages import PageAllocator
 from fsm_pd.sim.bootstrap import SimResolver
-from fsm_pd.sim.kv import RecordingAllocator, SimKV
+from fsm_pd.sim.kv import SimKV
 from fsm_pd.sim.model import SimModel
 from fsm_pd.sim.network import SimSideChannel
 from fsm_pd.sim.scheduler import OwnedTimers
+from fsm_pd.sim.schedulers import DecodeScheduler, PrefillScheduler
 from fsm_pd.sim.transfer import SimPuller, SimTransferServer
 from fsm_pd.transport.messages import new_instance_id
 
@@ -67,18 +66,18 @@ class Instance:
         self.progressive = w.rng.random() < w.config.progressive
         layers = w.decode_layout["num_layers"]
         if slot.role == "prefill":
-            self.pages = PageAllocator(w.config.prefill_pages)  # the prefill engine's pool
-            self.page_room: dict[int, int] = {}
+            self.scheduler: PrefillScheduler | DecodeScheduler = PrefillScheduler(w, self)  # the engine's pool
+            owner = self.scheduler.allocator.owner
             self.transfer = SimTransferServer(w.sched, w.ledger, self, slot.transfer_address)
             kv = SimKV(w.ledger, w.sched, self.model, self, w.page_bytes, layers, progressive=self.progressive,
-                       room_of_pages=lambda pages: self.page_room[pages[0]])
+                       room_of_pages=lambda pages: owner[pages[-1]])  # the last: never cached
             self.effects: PrefillEffects | DecodeEffects = PrefillEffects(
                 layout=w.prefill_layout, channel=self.channel, transfer=self.transfer, model=self.model, kv=kv,
                 faults=faults, new_uuid=lambda: w.rng.getrandbits(63) or 1)
             machine, deadlines, layout = SENDER, w.config.prefill_deadlines, w.prefill_layout
         else:
-            self.allocator = RecordingAllocator(w.config.num_pages, w.ledger, self)
-            self.admission = PoolAdmission(self.allocator)
+            self.scheduler = DecodeScheduler(w, self)
+            self.allocator, self.admission = self.scheduler.allocator, self.scheduler.admission
             self.resolver = SimResolver(w.sched, self, w.plan, w.bootstrap)
             puller = SimPuller(w.sched, w.ledger, self, w.plan, w.transfer_server, lambda: w.network.partitioned,
                                layers)

@@ -45,7 +45,8 @@ def summarize(world: World) -> dict:
         if d is not None and d.state == "Success":
             succeeded += 1
         else:
-            decode_failed[d.reason if d is not None else "never reached decode"] += 1
+            # a room without a reason was left unfinished by a process that died without a journal to recover from
+            decode_failed["never reached decode" if d is None else d.reason or f"lost in {d.state}"] += 1
         p = live.get((world.prefill_id, "prefill", room))
         if p is not None and p.state == "Failed":
             prefill_failed[p.reason] += 1

@@ -1,7 +1,8 @@
 """A deterministic simulation of one prefill node, one decode node and the bootstrap server in one process.
 
 Everything runs on one virtual clock and one seeded RNG. The nodes are the production code: ``NodeCore``, ``Node``,
-the effect handlers (``PrefillEffects``, ``DecodeEffects``), ``PoolAdmission`` over the real ``PageAllocator``, the
+the effect handlers (``PrefillEffects``, ``DecodeEffects``), the engines' admission and prefix caches
+(``schedulers.py``: ``take_prefill_batch``, ``Preallocation``, ``PrefixCache`` over the real ``PageAllocator``), the
 ``PrefillResolver``, the machines and the SQLite journals. Only the ports are simulated (``fsm_pd.sim.network``,
 ``transfer``, ``bootstrap``, ``model``, ``kv``): the network carries the real signed frames and can drop, duplicate,
 delay, reorder and partition them; either node can crash (also between journal commit and effects) and restart at the
@@ -20,7 +21,6 @@ from pathlib import Path
 
 from fsm_pd.control.core import RoomInUse
 from fsm_pd.effects import VirtualClock
-from fsm_pd.model.pages import OutOfPages
 from fsm_pd.sim.bootstrap import SimBootstrap
 from fsm_pd.sim.bounds import Stuck, settle_bound, still_going
 from fsm_pd.sim.faults import FaultPlan
@@ -29,6 +29,7 @@ from fsm_pd.sim.network import SimNetwork
 from fsm_pd.sim.nodes import Instance, NodeCrashed, SimNode
 from fsm_pd.sim.scheduler import Scheduler
 from fsm_pd.sim.transfer import SimTransferServer
+from fsm_pd.sim.workload import Conversations
 from fsm_pd.store import Journal
 
 LAYOUT = {"num_layers": 4, "page_size": 16, "kv_heads": 2, "head_dim": 64, "dtype": "float32", "shard_axis": None}
@@ -41,7 +42,8 @@ class SimConfig:
     seed: int = 0
     fault_rate: float = 0.0
     num_pages: int = 8192  # the decode pool
-    prefill_pages: int = 1 << 20  # the prefill engine's pool (not under test: large enough never to run out)
+    prefill_pages: int = 2048  # the prefill engine's pool: its prefix cache fills it, LRU eviction gives way
+    decode_radix_cache: float = 0.5  # the chance that the decode node runs its own prefix cache (per world)
     max_prompt: int = 2048
     mean_interarrival: float = 0.002
     prefill_deadlines: dict = field(default_factory=lambda: {"bootstrap": 5.0, "waiting": 5.0, "pull_hold": 5.0})
@@ -82,6 +84,8 @@ class World:
         self.page_bytes = (LAYOUT["num_layers"] * LAYOUT["page_size"] * 2 * LAYOUT["kv_heads"] * LAYOUT["head_dim"]
                            * BYTES_PER_VALUE)
         self.model_delay = config.model_delay
+        self.workload = Conversations(self.rng, LAYOUT["page_size"])
+        self.decode_radix_cache = self.rng.random() < config.decode_radix_cache
         self.journal_dir = Path(journal_dir) if journal_dir is not None else None
         if self.journal_dir is not None:
             self.journal_dir.mkdir(parents=True, exist_ok=True)
@@ -115,66 +119,56 @@ class World:
     def started(self, slot: SimNode, inst: Instance) -> None:
         """A new instance runs in ``slot``: hook it up the way its engine and the deployment would."""
         self.instances[inst.channel.instance_id] = inst
+        inst.node.observers.append(lambda room, decision, at: inst.scheduler.observed(room, decision))
         if slot.role == "prefill":
-            inst.node.observers.append(lambda room, decision, at: self._prefill_observed(inst, room, decision))
             self.bootstrap.register({"rank_ip": "10.0.0.1", "rank_port": 7000, "side_channel": slot.address,
                                      "transfer_addr": slot.transfer_address, "transfer_backend": "sim",
                                      "kv_layout": self.prefill_layout, "node_id": slot.node_id,
                                      "instance": inst.channel.instance_id})
-        else:
-            inst.node.observers.append(lambda room, decision, at: self._decode_observed(inst, room, decision))
-
-    def _prefill_observed(self, inst: Instance, room, decision) -> None:
-        if decision.dst != decision.src and room.terminal:  # the engine lets the request's pages go
-            for page in inst.pages.pages_of(room.room):
-                inst.page_room.pop(page, None)
-            inst.pages.free(room.room)
-
-    def _decode_observed(self, inst: Instance, room, decision) -> None:
-        if decision.dst == "Success" and decision.src != "Success":  # decoding runs, then its pages are freed
-            self.sched.later(self.config.decode_time, lambda: inst.effects.finish(inst.node, room.room), inst)
 
     # --- requests and clients ---
     def add_request(self, room: int, prompt_len: int, at: float) -> None:
         """The router sends the request to both nodes at once (each leg with its own small delay). A room already
         used is sent again as a client would (a retry, a collision): each node must refuse it."""
         self.requests.setdefault(room, prompt_len)
+        tokens = self.workload.prompt(prompt_len)  # shares prefixes with earlier prompts: the caches hit
         self.pending_arrivals += 2
         self.last_start = max(self.last_start, at + 0.02)  # the legs' jitter and a client's abort come within 20 ms
         now = self.clock.now()
-        self.sched.later(at - now + self.rng.random() * 0.001, lambda: self._arrive_prefill(room, prompt_len),
+        self.sched.later(at - now + self.rng.random() * 0.001, lambda: self._arrive_prefill(room, tokens),
                          work=False)
-        self.sched.later(at - now + self.rng.random() * 0.001, lambda: self._arrive_decode(room, prompt_len),
+        self.sched.later(at - now + self.rng.random() * 0.001, lambda: self._arrive_decode(room, tokens),
                          work=False)
         if self.plan.client_abort():
             side = self.rng.choice(("prefill", "decode"))
             self.sched.later(at - now + self.rng.random() * 0.02, lambda: self.abort(side, room, "client went away"),
                              work=False)
 
-    def _arrive_prefill(self, room: int, prompt_len: int) -> None:
+    def _arrive_prefill(self, room: int, tokens: tuple[int, ...]) -> None:
+        """The engine creates the room; its scheduler queues the prompt once PREPARE came (``schedulers.py``)."""
         self.pending_arrivals -= 1
         inst = self.prefill.instance
-        if not inst.alive or not self._accepted(self.prefill, room, lambda: inst.core.add_sender(
-                room, prompt_len=prompt_len)):
-            return  # connection refused, or the room was used: the decode leg finds out through its own deadlines
-        inst.created[room] = self.clock.now()
-        try:  # the prefill engine's scheduler reserves the prompt's pages once the request is in
-            pages = inst.pages.reserve(room, -(-prompt_len // LAYOUT["page_size"]))
-        except OutOfPages:
-            inst.core.abort(room, "out of pages")
-            return
-        inst.page_room.update(dict.fromkeys(pages, room))
-        prefill_s = 0.002 + prompt_len * 1e-5
-        first_token = self.rng.randrange(256)
-        self.sched.later(prefill_s, lambda: inst.core.kv_ready(room, pages=pages, first_token=first_token), inst)
+        if inst.alive and self._accepted(self.prefill, room, lambda: inst.core.add_sender(
+                room, prompt_len=len(tokens))):
+            inst.created[room] = self.clock.now()
+            inst.scheduler.arrived(room, tokens)
+        # else: connection refused, or the room was used: the decode leg finds out through its own deadlines
 
-    def _arrive_decode(self, room: int, prompt_len: int) -> None:
+    def _arrive_decode(self, room: int, tokens: tuple[int, ...]) -> None:
+        """The engine creates the room and queues the request for pages (``schedulers.py``)."""
         self.pending_arrivals -= 1
         inst = self.decode.instance
         if inst.alive and self._accepted(self.decode, room, lambda: inst.core.add_receiver(
-                room, page_count=-(-prompt_len // LAYOUT["page_size"]), prompt_len=prompt_len,
+                room, page_count=-(-len(tokens) // LAYOUT["page_size"]), prompt_len=len(tokens),
                 bootstrap_addr=self.bootstrap_addr)):
             inst.created[room] = self.clock.now()
+            inst.scheduler.arrived(room, tokens)
+
+    def flush_cache(self, role: str) -> None:
+        """SGLang's ``/flush_cache`` on ``role``'s node (refused while a request is live there)."""
+        slot = self.prefill if role == "prefill" else self.decode
+        if slot.alive:
+            slot.instance.scheduler.flush()
 
     def _accepted(self, slot: SimNode, room: int, create) -> bool:
         """Create the room as the node's engine does; False if the node refused it (``RoomInUse``). A node that

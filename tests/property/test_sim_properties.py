@@ -1,18 +1,21 @@
 """Property suite: hypothesis drives the simulation of the real handlers and checks the invariants after every step.
 
-The nodes are the production code (``NodeCore``, ``Node``, ``PrefillEffects``, ``DecodeEffects``, ``PoolAdmission``,
-``ThreadedResolver`` over ``PrefillResolver``, ``HoldTable``, ``LayerStream``, ``PeerWatch``, the journals); only the
-ports are simulated (``fsm_pd.sim``). Rules: requests, and requests under a room already used; message faults (drop,
-duplicate, delay, reorder) and partitions; failed pulls and bootstrap lookups; slow pulls and a pull that succeeds
-after its room ended; a client leaving at a chosen moment of its transfer (also half-way through a streamed scatter);
-a slow model thread; client aborts on either side; a crash of either node, now or between journal commit and
-effects, restarting later or at once (a peer instance replaced), or down long enough to be declared dead; time
-passing.
+The nodes are the production code (``NodeCore``, ``Node``, ``PrefillEffects``, ``DecodeEffects``, the engines'
+admission and prefix caches: ``take_prefill_batch``, ``Preallocation``, ``PrefixCache``; ``ThreadedResolver`` over
+``PrefillResolver``, ``HoldTable``, ``LayerStream``, ``PeerWatch``, the journals); only the ports are simulated
+(``fsm_pd.sim``). Rules: requests (prompts sharing prefixes), and requests under a room already used; message faults
+(drop, duplicate, delay, reorder) and partitions; failed pulls and bootstrap lookups; slow pulls and a pull that
+succeeds after its room ended; a client leaving at a chosen moment of its transfer (also half-way through a
+streamed scatter); a slow model thread; client aborts on either side; a crash of either node, now or between
+journal commit and effects, restarting later or at once (a peer instance replaced), or down long enough to be
+declared dead; a cache flush; time passing.
 
 After every step (``fsm_pd.sim.invariants``): every page reservation, staging buffer, transfer entry and pulled
 buffer is freed exactly once (every attempt is recorded); no write reaches a page after its ``FreePages``; nothing is
 held for an ended room once the world is quiet; every room ends within the sum of its deadlines; no room stays bound
-to a dead peer instance longer than the heartbeats take to notice (three intervals); the live rooms equal the replay
+to a dead peer instance longer than the heartbeats take to notice (three intervals); no page a live request's cached
+prefix uses is freed or handed on, and once quiet every page is free, a room's or cached, locked as often as live
+requests use it; the live rooms equal the replay
 of the journals, and every journaled decision is the one the literal tables give (``fsm_pd.sim.oracle``); no node
 accepts a room it has used, and a terminal room never changes.
 
@@ -49,6 +52,7 @@ from fsm_pd.sim.invariants import (
     not_succeeded,
     overdue_rooms,
     ownership_violations,
+    page_accounting,
     recovery_s,
     table_disagreements,
 )
@@ -69,11 +73,11 @@ def _decode_pulls(world: World) -> list[int]:
 class SimulationMachine(RuleBasedStateMachine):
     # split: (prefill tp, decode tp); a handoff between different ones is a transfer of several pieces
     @initialize(seed=st.integers(0, 2**16), background_faults=st.sampled_from([0.0, 0.0, 0.05, 0.2]),
-                split=st.sampled_from([(1, 1), (1, 1), (2, 1), (1, 2)]))
-    def start(self, seed, background_faults, split):
+                split=st.sampled_from([(1, 1), (1, 1), (2, 1), (1, 2)]), prefill_pages=st.sampled_from([24, 64]))
+    def start(self, seed, background_faults, split, prefill_pages):
         self.dir = Path(tempfile.mkdtemp(prefix="fsm-pd-prop-"))
-        config = SimConfig(requests=0, seed=seed, fault_rate=background_faults, num_pages=64, prefill_tp=split[0],
-                           decode_tp=split[1])
+        config = SimConfig(requests=0, seed=seed, fault_rate=background_faults, num_pages=64,
+                           prefill_pages=prefill_pages, prefill_tp=split[0], decode_tp=split[1])
         self.world = World(config, self.dir, durability="off")
         self.next_room = 1
         self.terminal_seen: dict[tuple[str, int], str] = {}
@@ -85,6 +89,15 @@ class SimulationMachine(RuleBasedStateMachine):
     def request(self, prompt_len):
         self.world.add_request(self.next_room, prompt_len, at=self.world.clock.now() + 0.001)
         self.next_room += 1
+
+    @rule(lengths=st.lists(st.integers(1, 300), min_size=2, max_size=6))
+    def burst(self, lengths):
+        """Requests at once (turns of conversations, a shared system prompt): the pools run short, the prefix
+        caches evict while live requests lock their prefixes."""
+        at = self.world.clock.now() + 0.001
+        for prompt_len in lengths:
+            self.world.add_request(self.next_room, prompt_len, at=at)
+            self.next_room += 1
 
     @precondition(lambda self: self.next_room > 1)
     @rule(prompt_len=st.integers(1, 300), data=st.data())
@@ -151,6 +164,10 @@ class SimulationMachine(RuleBasedStateMachine):
         if world.decode.alive and found is not None and not found.terminal:
             world.abort("decode", room, "client went away")
 
+    @rule(role=st.sampled_from(["prefill", "decode"]))
+    def flush_cache(self, role):
+        self.world.flush_cache(role)
+
     @rule(delay=st.sampled_from([0.0005, 0.01, 0.5, 4.0]))
     def slow_model_thread(self, delay):
         self.world.model_delay = delay
@@ -190,6 +207,7 @@ class SimulationMachine(RuleBasedStateMachine):
     def nothing_held_for_ended_rooms_once_quiet(self):
         if self.world.quiet():
             assert leaks(self.world) == []
+            assert page_accounting(self.world)[:3] == []
 
     @invariant()
     def every_room_ends_within_its_deadlines(self):
@@ -239,6 +257,7 @@ class SimulationMachine(RuleBasedStateMachine):
         assert unfinished == [], f"rooms left unfinished: {unfinished}"
         assert world.quiet()
         assert leaks(world) == []
+        assert page_accounting(world)[:3] == []
         self.ownership()
         self.every_room_ends_within_its_deadlines()
         self.live_state_is_the_replay_of_the_journals_and_the_tables_decision()
@@ -267,7 +286,7 @@ SimulationMachine.TestCase.settings = settings(
     **_profile, deadline=None, print_blob=True, report_multiple_bugs=False,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
 )
-# A passing CI run takes about 70 s; a failing one also shrinks its example, which may take minutes: let it finish
+# A passing CI run takes about 45 s; a failing one also shrinks its example, which may take minutes: let it finish
 # rather than cut it off without the example. The long profile is not bounded at all.
 pytestmark = pytest.mark.timeout(900 if PROFILE == "ci" else 0)
 TestSimulation = SimulationMachine.TestCase

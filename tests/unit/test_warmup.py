@@ -9,6 +9,7 @@ from collections import deque
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fsm_pd.control.scheduling import plan_chunks, take_prefill_batch
 from fsm_pd.model import buckets, compiles
 from fsm_pd.model.grammar import GrammarSpec
 from fsm_pd.model.loader import load_model
@@ -17,7 +18,6 @@ from fsm_pd.model.programs import prefill_shapes
 from fsm_pd.model.sampling import SamplingParams
 from fsm_pd.serving.collect import generate
 from fsm_pd.serving.colocated_engine import ColocatedEngine
-from fsm_pd.serving.scheduling import plan_chunks, take_prefill_batch
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.types import GenerateRequest, RequestStream
 from fsm_pd.serving.warmup import plan_for, warm_up

@@ -9,7 +9,10 @@ of the queue waits for pages rather than being overtaken by smaller prompts fore
 - ``plan_chunks``: what one prefill step computes of the admitted prompts, within the chunked-prefill budget (a long
   prompt prefills over several steps, SGLang's chunked prefill);
 - ``admit_waiting``: the decode node's pre-allocation, SGLang's: reserve a waiting room's pages and hand them to its
-  transfer (``KVManager.give_pages``) while running and transferring requests leave room.
+  transfer (``KVManager.give_pages``) while running and transferring requests leave room (``prealloc.py`` is the
+  decode node's queue around it);
+- ``end_prefix`` / ``end_request``: a request lets its pages go, its prompt's full pages joining the prefix cache;
+- ``flush_when_idle``: SGLang's ``/flush_cache``.
 
 Queue entries need only ``key``, ``prompt_len`` and ``pages`` (a serving ``Sequence``, or the simulation's request).
 """
@@ -109,10 +112,12 @@ def take_prefill_batch(
         if not prefill_fits(len(planned) + len(batch) + 1, max(longest, computed), max_tokens):
             break
         need = pages_for(seq.prompt_len, page_size) - len(prefix.pages)
+        if cache is not None:  # before counting free pages: the prefix's own pages are not there to evict
+            cache.lock(prefix)
         if not admits(allocator, need, headroom):
+            if cache is not None:
+                cache.unlock(prefix)
             break
-        if cache is not None:
-            cache.lock(prefix)  # before the reservation: it must not evict the pages we are about to use
         try:
             new = allocator.reserve(seq.key, need)
         except ValueError:  # its key was freed already: the request ended while it waited
@@ -161,11 +166,13 @@ def admit_waiting(queue: deque, allocator: PageAllocator, page_size: int, *, hea
             continue
         prefix = cache.match(entry.request.input_ids) if cache is not None else NO_MATCH
         need = pages_for(entry.prompt_len, page_size) - len(prefix.pages)
+        if cache is not None:  # before counting free pages: the prefix's own pages are not there to evict
+            cache.lock(prefix)
         if not admits(allocator, need, headroom):
+            if cache is not None:
+                cache.unlock(prefix)
             break
         queue.popleft()
-        if cache is not None:
-            cache.lock(prefix)
         try:
             new = allocator.reserve(entry.key, need) if need else []
         except ValueError:  # freed already: the room failed while it waited
@@ -178,3 +185,27 @@ def admit_waiting(queue: deque, allocator: PageAllocator, page_size: int, *, hea
         grant(entry.key, entry.pages, len(prefix.pages))
         granted += 1
     return granted
+
+
+def end_request(cache: PrefixCache | None, allocator: PageAllocator, room: int, seq: Sequence | None, *,
+                keep: bool) -> None:
+    """A prefill-side room ended: with its request, as ``end_prefix`` (``keep``: it was handed over, its prompt's
+    pages join the cache); without one, whatever the room holds is freed. Either way the allocator forgets the room:
+    nothing reserves for it after this, as admission drops requests whose room ended. Model thread."""
+    if seq is not None:
+        end_prefix(cache, allocator, seq, keep=keep)
+    else:
+        allocator.free(room)
+    allocator.forget(room)
+
+
+def flush_when_idle(allocator: PageAllocator, live: int, cache: PrefixCache | None = None) -> tuple[bool, str]:
+    """SGLang's ``/flush_cache`` on an engine with ``live`` requests; model thread only: empties the prefix cache
+    and puts the pool's free pages back in their starting order. Refused (False) while a request is live or a page
+    is held, as SGLang refuses while requests run or wait."""
+    if live or allocator.reserved_pages:
+        return False, (f"Cache not flushed: {live} requests are live and {allocator.reserved_pages} KV pages "
+                       f"reserved; flush when the node is idle.")
+    dropped = cache.clear() if cache is not None else 0
+    allocator.reset_order()
+    return True, f"Cache flushed: {dropped} cached KV pages dropped; the pool's free pages are back in starting order."
