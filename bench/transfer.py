@@ -8,18 +8,26 @@ processes hits all of them alike:
 
 * ``raw_tcp``      baseline (a): the same bytes over a plain TCP socket, ``sendall`` -> ``recv_into`` a warm buffer;
 * ``raw_jax``      baseline (b): ``await_pull`` / ``pull`` of the same arrays with jax.experimental.transfer;
+* ``raw+N copies``  the copy-bound ceilings: the raw socket transfer followed by N plain copies of all its bytes
+  (warm buffer to warm buffer), timed together. Each end-to-end path is also given as a ratio to the ceiling of the
+  copies it makes besides the socket's own (``x ceiling``, ``EXTRA_COPIES``);
 * ``<backend>``    the backend's ``pull`` of an already published entry, verified (ready, error-free, shapes);
 * ``<backend>+kernels``  end to end, one step after the other: ``gather_pages`` on P -> publish -> pull -> verify ->
   ``scatter_pages`` on D's model thread, timed on D from the request to the scattered pool being ready (includes the
   request's round trip to P);
-* ``<backend>+overlap``  end to end as the handlers do it with a progressive backend: P publishes first and gathers
-  layer by layer while the stream sends; D writes each group of layers as it lands (``StreamedScatter``).
+* ``<backend>+overlap``  end to end as the handlers do it with a progressive backend, P's pool owned by a model
+  thread: P sends straight from the pool's pages where the backend can (``tcp``: no gather at all) and else
+  publishes first and gathers layer by layer while the stream sends; D writes each group of layers as it lands
+  (``StreamedScatter``). ``<backend>+overlap/gather`` is the layer-by-layer gather on a backend that could send
+  from the pages, for comparison;
 * ``<backend>+reshard P>D``  end to end between different tensor-parallel sizes (``--reshard P:D``, default 2:1):
   P's pool split over P virtual devices, D's over D, as the handlers do it (``transport/reshard.py``): P gathers and
   cuts its staging into the plan's pieces and publishes each; D pulls the pieces side by side on worker threads,
   joins each decode shard's pieces and scatters. Compare it with ``<backend>+kernels`` (one device on both sides).
 
-GB/s are 1e9 bytes per second; every figure is also printed as a ratio to ``raw_tcp``. ``D cpu`` and ``P cpu`` are the
+GB/s are 1e9 bytes per second; every figure is also printed as a ratio to ``raw_tcp``. ``best ms`` is each path's
+fastest run, and the ceiling ratio is also given best to best: on a machine that other processes load, the least
+disturbed runs compare better than medians do. ``D cpu`` and ``P cpu`` are the
 mean CPU time per run of each process, all threads counted (including the small request and release messages): on a
 machine with few cores they say why a path is as fast as it is. The consumer (this process) spawns the producer as
 ``bench/transfer.py --serve`` and drives it with JSON lines on its stdin. Set ``FSM_PD_BENCH_HANG_DUMP=<seconds>`` to
@@ -38,6 +46,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 
 import numpy as np
 
@@ -122,8 +131,9 @@ def serve(args: argparse.Namespace) -> None:
     host_devices(args)
     import jax
 
-    from fsm_pd.control.overlap import publish_while_gathering
+    from fsm_pd.control.jax_kv import JaxKV
     from fsm_pd.kernels import gather_pages
+    from fsm_pd.model.model_thread import ModelThread
     from fsm_pd.transport.backends import create_backend, new_uuid
     from fsm_pd.transport.backends.jax_api import shared_server
 
@@ -132,6 +142,7 @@ def serve(args: argparse.Namespace) -> None:
     raw_server = shared_server(server_config(opts))  # the same server (and config) as the jax backend's
     arrays: dict[int, list] = {}
     pools: dict[int, tuple] = {}
+    models: dict[int, ModelThread] = {}  # P's pool per size, owned as in a prefill node once a handoff used it
     split_pools: dict[tuple[int, int], tuple] = {}
     tcp_payload = np.empty(0, np.uint8)
     listener = socket.create_server(("127.0.0.1", 0))
@@ -171,13 +182,19 @@ def serve(args: argparse.Namespace) -> None:
             uuid = new_uuid()
             backends[cmd["backend"]].publish(uuid, [staging], 60.0)  # publish waits for nothing: pull does
             send({"uuid": uuid})
-        elif op == "stream_publish":  # what the prefill handler does: publish first, then gather layer by layer
+        elif op == "stream_publish":  # what the prefill handler does on its model thread: JaxKV's overlapped path
             layout, pages = kv_layout(mib, args.layers)
             uuid = new_uuid()
-            publish_while_gathering(  # D pulls while we gather: each layer streams as soon as it is final
-                backends[cmd["backend"]], uuid, pools[mib], page_ids(layout, pages, seed=2).tolist(), layout, 60.0,
-                on_published=lambda rows, uuid=uuid: send({"uuid": uuid}),
-            )
+            if mib not in models:
+                models[mib] = ModelThread(pools[mib], name="bench-prefill-model")
+            owner = models[mib]
+            backend, ids = backends[cmd["backend"]], page_ids(layout, pages, seed=2).tolist()
+            if cmd.get("from_pages", True):
+                publish = JaxKV(layout, owner, progressive=True).publish_while_gathering
+            else:
+                publish = partial(gather_layers_and_publish, layout=layout)
+            owner.call(partial(publish, transfer=backend, uuid=uuid, pages=ids, hold_timeout_s=60.0,
+                               on_published=lambda rows, uuid=uuid: send({"uuid": uuid})))  # D pulls at once
         elif op == "reshard_publish":  # what the prefill handler does when D's split differs from ours
             from types import SimpleNamespace
 
@@ -205,6 +222,13 @@ def serve(args: argparse.Namespace) -> None:
             break
     for backend in backends.values():
         backend.close()
+
+
+def gather_layers_and_publish(owner, *, transfer, uuid, pages, hold_timeout_s, on_published, layout) -> None:
+    """JaxKV's overlapped publish for a backend that cannot send from the pages: gather layer by layer."""
+    from fsm_pd.control.overlap import publish_while_gathering
+
+    publish_while_gathering(transfer, uuid, owner.pool, pages, layout, hold_timeout_s, on_published)
 
 
 def send(obj: dict) -> None:
@@ -245,7 +269,9 @@ def bench_size(producer: Producer, args: argparse.Namespace, mib: int) -> dict:
     machine hits all paths alike; each path gets one untimed warm-up (compiles, connects) that also checks bytes."""
     producer.call(op="setup", mib=mib)
     expected = layer_arrays(mib, args.layers)
-    paths = {"raw_tcp": raw_tcp_path(producer, expected), "raw_jax": raw_jax_path(producer, args, mib, expected)}
+    raw = raw_tcp_path(producer, expected)
+    paths = {"raw_tcp": raw, "raw_jax": raw_jax_path(producer, args, mib, expected)}
+    paths.update({ceiling_name(n): lambda check, n=n: raw(check, copies=n) for n in CEILINGS})
     owned = []
     for name in args.backends.split(","):
         backend, models, backend_paths_ = backend_paths(producer, args, mib, name, expected)
@@ -281,23 +307,39 @@ def process_cpu_s(pid: int | None = None) -> float:
 
 
 def raw_tcp_path(producer: Producer, expected: list[np.ndarray]):
+    """``once(check, copies=0)``: the raw socket transfer, then ``copies`` plain copies of all its bytes from one
+    warm buffer into another (the copy-bound ceiling of a handoff that makes that many copies besides the
+    socket's own)."""
     nbytes = sum(a.nbytes for a in expected)
     tcp = socket.create_connection(("127.0.0.1", producer.hello["tcp_port"]))
     tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     buf = np.empty(nbytes, np.uint8)  # one warm buffer: the best case any backend could reach
+    copy = np.ones(nbytes, np.uint8)  # touched: warm as well
     view = memoryview(buf)
 
-    def once(check: bool) -> float:
+    def once(check: bool, copies: int = 0) -> float:
         start = time.perf_counter()
         tcp.sendall(nbytes.to_bytes(8, "little"))
         got = 0
         while got < nbytes:
             got += tcp.recv_into(view[got:])
+        for _ in range(copies):
+            np.copyto(copy, buf)
         elapsed = time.perf_counter() - start
         assert not check or buf.tobytes() == b"".join(a.tobytes() for a in expected), "raw tcp bytes differ"
         return elapsed
 
     return once
+
+
+# Copies of the whole payload that an end-to-end path makes besides the socket's own two (send, receive), so that it
+# is compared with the ceiling of as many copies: P's gather, D's scatter, and zmq's copy out of libzmq's buffers.
+EXTRA_COPIES = {"tcp+overlap": 1, "tcp+overlap/gather": 2, "tcp+kernels": 2, "zmq+overlap": 3, "zmq+kernels": 3}
+CEILINGS = (1, 2, 3)
+
+
+def ceiling_name(copies: int) -> str:
+    return f"raw+{copies} cop{'y' if copies == 1 else 'ies'}"
 
 
 def raw_jax_path(producer: Producer, args: argparse.Namespace, mib: int, expected: list[np.ndarray]):
@@ -357,9 +399,9 @@ def backend_paths(producer: Producer, args: argparse.Namespace, mib: int, name: 
         model.call(write)
         return finish(uuid, start, check, "kernels")
 
-    def overlapped(check: bool) -> float:
+    def overlapped(check: bool, from_pages: bool = True) -> float:
         start = time.perf_counter()
-        uuid = producer.call(op="stream_publish", backend=name, mib=mib)["uuid"]
+        uuid = producer.call(op="stream_publish", backend=name, mib=mib, from_pages=from_pages)["uuid"]
         stream = StreamedScatter(model, layout, dst_ids.tolist())
         backend.pull(address, uuid, staging_spec, 60.0, on_progress=stream.on_progress)
         stream.finish().result()
@@ -377,6 +419,8 @@ def backend_paths(producer: Producer, args: argparse.Namespace, mib: int, name: 
     paths = {name: transfer, f"{name}+kernels": sequential}
     if backend.progressive:
         paths[f"{name}+overlap"] = overlapped
+    if backend.sends_pages:  # the same overlap with P's layer-by-layer gather instead of sending from the pool
+        paths[f"{name}+overlap/gather"] = lambda check: overlapped(check, from_pages=False)
     owned = [model]
     for src_tp, dst_tp in reshard_pairs(args.reshard):
         path, parts = reshard_path(producer, backend, name, mib, args.layers, src_tp, dst_tp)
@@ -449,9 +493,17 @@ def main() -> None:
             for path, secs in result["times"].items():
                 median = statistics.median(secs)
                 cpu_d, cpu_p = (total / len(secs) for total in result["cpu"][path])
+                copies = EXTRA_COPIES.get(path)
+                ceiling = None if copies is None else statistics.median(result["times"][ceiling_name(copies)])
+                ceiling_best = None if copies is None else min(result["times"][ceiling_name(copies)])
                 rows[path] = {
                     "gbps": round(result["nbytes"] / median / 1e9, 3),
                     "ratio_to_raw_tcp": round(base / median, 3),
+                    "ratio_to_ceiling": None if ceiling is None else round(ceiling / median, 3),
+                    "ceiling": None if copies is None else ceiling_name(copies),
+                    # the least disturbed run of each, for a machine that others load: a second estimate
+                    "best_ms": round(min(secs) * 1e3, 2),
+                    "best_ratio_to_ceiling": None if ceiling is None else round(ceiling_best / min(secs), 3),
                     "median_ms": round(median * 1e3, 2),
                     "runs_ms": [round(s * 1e3, 2) for s in secs],
                     "cpu_ms_per_run": {"decode": round(cpu_d * 1e3, 1), "prefill": round(cpu_p * 1e3, 1)},
@@ -464,11 +516,14 @@ def main() -> None:
         return
     for entry in report["sizes"]:
         print(f"\n{entry['mib']} MiB in {args.layers} float32 arrays, median of {args.runs}")
-        print(f"  {'path':<20}{'GB/s':>8}{'x raw_tcp':>11}{'median ms':>11}{'D cpu ms':>10}{'P cpu ms':>10}")
+        print(f"  {'path':<20}{'GB/s':>8}{'x raw_tcp':>11}{'median ms':>11}{'best ms':>9}{'D cpu ms':>10}"
+              f"{'P cpu ms':>10}  x ceiling (median, best)")
         for path, row in entry["paths"].items():
             cpu = row["cpu_ms_per_run"]
+            ceiling = "" if row["ceiling"] is None else (
+                f"{row['ratio_to_ceiling']:>8.2f}, {row['best_ratio_to_ceiling']:.2f} ({row['ceiling']})")
             print(f"  {path:<20}{row['gbps']:>8.2f}{row['ratio_to_raw_tcp']:>11.2f}{row['median_ms']:>11.1f}"
-                  f"{cpu['decode']:>10.1f}{cpu['prefill']:>10.1f}")
+                  f"{row['best_ms']:>9.1f}{cpu['decode']:>10.1f}{cpu['prefill']:>10.1f}{ceiling}")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from fsm_pd.control.overlap import StreamedScatter, publish_while_gathering
 from fsm_pd.effects.chunked import TRAILER_WORDS, Trailer
 from fsm_pd.kernels import KVLayout, gather_pages, page_bucket, resolve_impl, scatter_pages
+from fsm_pd.kernels.page_source import PoolPages
 from fsm_pd.kernels.placement import pool_placement
 from fsm_pd.transport.reshard import Piece, ReshardPlan
 
@@ -51,6 +52,14 @@ class JaxKV:
 
     def publish_while_gathering(self, owner: Any, transfer: Any, uuid: int, pages: list[int], hold_timeout_s: float,
                                 on_published: Callable[[int], None]) -> None:
+        """Where the backend can send from the pool's pages and the owner lends them between jobs (a model
+        thread's ``lease``), nothing is gathered at all (``kernels/page_source.py``); else gather layer by layer
+        into a staging block that is streamed as it fills."""
+        if getattr(transfer, "sends_pages", False) and getattr(owner, "lease", None) is not None:
+            source = PoolPages(owner, pages, self.layout)
+            transfer.publish_pages(uuid, source, hold_timeout_s)
+            on_published(source.shape[1])
+            return
         publish_while_gathering(transfer, uuid, owner.pool, pages, self.layout, hold_timeout_s, on_published)
 
     def trailer(self, words: list[int]) -> jax.Array:

@@ -9,6 +9,9 @@ process is out of memory, a job raised something that is not an ``Exception`` (`
 or the pool's buffers were lost (a failed call that had donated them). Then the thread is *dead*: ``dead`` says why,
 every queued and later job fails at once with ``ModelThreadDead``, and the ``on_death`` callbacks run (the engine
 fails its requests, ``/health`` turns 503). A dead model thread is not restarted: its pool can no longer be trusted.
+
+One exception to "only this thread reads the pool": a transfer stream may read pages between jobs while it holds
+``lease`` (``pool_lease.py``), which every job waits for, so that no view of the pool is alive while a job donates it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
+
+from fsm_pd.model.pool_lease import PoolLease
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +43,7 @@ class ModelThread:
         self.name = name
         self.dead: str | None = None  # why the thread died; None while it serves
         self.on_death: list[Callable[[str], None]] = []  # called once, on the dying thread, with the reason
+        self.lease = PoolLease()  # readers of the pool between jobs (a send straight from the pool's pages)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders submit against death and close: no job is queued after the drain
         self._closed = False
@@ -89,7 +95,8 @@ class ModelThread:
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                result = job(self)
+                with self.lease.job():
+                    result = job(self)
             except BaseException as exc:  # noqa: BLE001 - the job's failure is its caller's, unless it is fatal
                 future.set_exception(exc)
                 if (reason := self._fatal(exc)) is not None:

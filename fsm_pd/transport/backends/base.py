@@ -11,6 +11,8 @@ keeps the same promises, because the state machines above it must turn every out
 Backends that stream host bytes (``progressive = True``) also let the two ends overlap their page copies with the
 wire: P may publish a host staging array *before* it is filled (``publish_progressive``) and report how much of it
 is final, and D may act on each array's final prefix while the rest is still arriving (``pull(on_progress=...)``).
+Those that can also send a staging array straight from the pool's pages, without gathering it (``sends_pages =
+True``: ``tcp``), take a ``PageSource`` (``publish_pages``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 if TYPE_CHECKING:  # annotations only: naming a backend must not import jax (the registry resolves lazily)
     import jax
@@ -125,6 +127,19 @@ class StagingProgress:
         self._on_advance()
 
 
+class PageSource(Protocol):
+    """A staging array that was never gathered: its bytes are read from the pool's pages while they are sent
+    (``fsm_pd.kernels.page_source.PoolPages``). One ``reader()`` per stream; a reader's ``send(sock, head, start,
+    stop, check)`` writes ``head`` and then staging bytes ``[start, stop)`` without blocking and returns how many
+    bytes went out, after ``check()`` (which raises once the hold has ended) passed where the pages cannot change."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    nbytes: int
+
+    def reader(self) -> Any: ...
+
+
 class TransferBackend(ABC):
     """One node's end of the data plane. P uses the publish side, D the pull side; one object may do both.
 
@@ -133,6 +148,7 @@ class TransferBackend(ABC):
 
     name: ClassVar[str] = "?"
     progressive: ClassVar[bool] = False  # implements publish_progressive and calls pull's on_progress
+    sends_pages: ClassVar[bool] = False  # implements publish_pages
 
     @property
     @abstractmethod
@@ -155,6 +171,14 @@ class TransferBackend(ABC):
         Only backends with ``progressive = True`` implement it.
         """
         raise NotImplementedError(f"the {self.name} backend publishes finished arrays only; use publish()")
+
+    def publish_pages(self, uuid: int, source: PageSource, hold_timeout_s: float) -> None:
+        """Publish a staging array that is read from the pool's pages while it is sent (no gather copy).
+
+        Like ``publish`` (hold, release, fail, uuid rules). The pages must stay the room's until the hold ends: the
+        caller ends the hold (``release``/``fail``) before it frees them. Only backends with ``sends_pages = True``.
+        """
+        raise NotImplementedError(f"the {self.name} backend sends gathered arrays only; use publish()")
 
     @abstractmethod
     def release(self, uuid: int) -> None:

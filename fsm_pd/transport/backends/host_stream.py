@@ -8,6 +8,7 @@ CPU, that aliases the host array instead of copying it).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import jax
@@ -15,7 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsm_pd.kernels.host_blocks import HostBlocks
-from fsm_pd.transport.backends.base import OnProgress, StagingProgress, TransferFailed
+from fsm_pd.transport.addresses import with_host
+from fsm_pd.transport.backends.base import OnProgress, PageSource, StagingProgress, TransferFailed
+from fsm_pd.transport.backends.holds import HoldingBackend
 from fsm_pd.transport.backends.spec import ArrayKey, array_key, array_keys, layout_digest, summarize
 
 
@@ -30,6 +33,7 @@ class HostEntry:
     _sources: tuple
     _host: list[memoryview | None] = field(default_factory=list)
     fill: StagingProgress | None = None  # progressive: only bytes [0, fill.final_bytes) of array 0 may be sent
+    pages: PageSource | None = None  # the one array is read from the pool's pages as it is sent (never host_bytes)
 
     @classmethod
     def of(cls, arrays: tuple[jax.Array, ...]) -> HostEntry:
@@ -47,6 +51,12 @@ class HostEntry:
         view = memoryview(host.reshape(-1).view(np.uint8))
         return cls([(tuple(host.shape), host.dtype)], [host.nbytes], layout_digest(keys), summarize(keys), (host,),
                    [view], progress)
+
+    @classmethod
+    def of_pages(cls, source: PageSource) -> HostEntry:
+        keys = [array_key(source.shape, source.dtype, None)]
+        return cls([(tuple(source.shape), source.dtype)], [source.nbytes], layout_digest(keys), summarize(keys),
+                   (source,), [None], pages=source)
 
     def describe(self) -> list[list]:
         """``[[shape, dtype name], ...]``: the header D checks against its spec."""
@@ -133,3 +143,28 @@ class Landing:
             return "no header"
         done = sum(len(f) for f in self.flat[: self.index]) + self.offset
         return f"{done} of {sum(len(f) for f in self.flat)} bytes"
+
+
+class HostStreamBackend(HoldingBackend):
+    """What the byte-stream backends (zmq, tcp) share around their own server: the warm receive blocks, the address
+    they advertise, and the closed flag their pulls check. ``_server`` has an ``address``; None on a pull-only node."""
+
+    _server: object | None
+
+    def _init_stream(self, advertise_host: str | None, recv_pool_bytes: int) -> None:
+        self._advertise_host = advertise_host
+        self._recv_pool = HostBlocks(recv_pool_bytes)
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    @property
+    def address(self) -> str:
+        server = self._require_server()
+        if self._advertise_host is None:
+            return server.address
+        return with_host(server.address, self._advertise_host)
+
+    def _require_server(self):
+        if self._server is None:
+            raise RuntimeError(f"this {self.name} backend was created with serve=False and publishes nothing")
+        return self._server

@@ -23,19 +23,18 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from fsm_pd.kernels.host_blocks import HostBlocks
-from fsm_pd.transport.addresses import with_host
 from fsm_pd.transport.backends import tcp_wire as wire
 from fsm_pd.transport.backends.base import (
     OnProgress,
+    PageSource,
     StagingProgress,
     TransferFailed,
     TransferTimeout,
     check_uuid,
     live_staging,
 )
-from fsm_pd.transport.backends.holds import Hold, HoldingBackend, HoldTable
-from fsm_pd.transport.backends.host_stream import HostEntry, Landing
+from fsm_pd.transport.backends.holds import Hold, HoldTable
+from fsm_pd.transport.backends.host_stream import HostEntry, HostStreamBackend, Landing
 from fsm_pd.transport.backends.spec import layout_digest, normalize_spec, spec_keys, summarize, verify_pulled
 from fsm_pd.transport.backends.tcp_server import TcpPullServer
 from fsm_pd.transport.backends.timers import scheduler
@@ -51,9 +50,10 @@ def parse_address(address: str) -> tuple[str, int]:
         raise TransferFailed(f"not a tcp backend address: {address!r}", "local") from None
 
 
-class TcpTransferBackend(HoldingBackend):
+class TcpTransferBackend(HostStreamBackend):
     name = "tcp"
     progressive = True
+    sends_pages = True
 
     def __init__(
         self,
@@ -71,10 +71,9 @@ class TcpTransferBackend(HoldingBackend):
         serves at once (a thread each; more are refused); ``recv_pool_bytes`` caps the warm receive blocks D keeps
         for reuse (``fsm_pd.kernels.host_blocks``); ``serve=False`` makes a pull-only node. ``address`` names
         ``advertise_host`` instead of the bound ``host`` when it is given."""
-        self._advertise_host = advertise_host
+        self._init_stream(advertise_host, recv_pool_bytes)
         self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s, clock=scheduler())
         self._changed = threading.Condition(self._holds.lock)  # publish, end and progress wake the stream threads
-        self._recv_pool = HostBlocks(recv_pool_bytes)
         self._server = (
             TcpPullServer(self._holds.lookup, self._changed, host=host, port=port, frame_bytes=frame_bytes,
                           max_streams=max_streams)
@@ -82,16 +81,6 @@ class TcpTransferBackend(HoldingBackend):
             else None
         )
         self._pulling: set[socket.socket] = set()
-        self._closed = False
-        self._close_lock = threading.Lock()
-
-    @property
-    def address(self) -> str:
-        if self._server is None:
-            raise RuntimeError("this tcp backend was created with serve=False and publishes nothing")
-        if self._advertise_host is None:
-            return self._server.address
-        return with_host(self._server.address, self._advertise_host)
 
     def parked_pulls(self) -> frozenset[int]:
         return frozenset() if self._server is None else self._server.parked()
@@ -112,6 +101,11 @@ class TcpTransferBackend(HoldingBackend):
         self._publish(uuid, HostEntry.filling(progress), progress.nbytes, hold_timeout_s)
         return progress
 
+    def publish_pages(self, uuid: int, source: PageSource, hold_timeout_s: float) -> None:
+        check_uuid(uuid)
+        self._require_server()
+        self._publish(uuid, HostEntry.of_pages(source), source.nbytes, hold_timeout_s)
+
     def _publish(self, uuid: int, entry: HostEntry, nbytes: int, hold_timeout_s: float) -> None:
         with self._changed:
             self._holds.publish(uuid, nbytes, hold_timeout_s, lambda _deadline: entry)
@@ -120,10 +114,6 @@ class TcpTransferBackend(HoldingBackend):
     def _wake(self) -> None:
         with self._changed:
             self._changed.notify_all()
-
-    def _require_server(self) -> None:
-        if self._server is None:
-            raise RuntimeError("this tcp backend was created with serve=False")
 
     def _retire(self, uuid: int, reason: str, hold: Hold | None) -> None:
         # Under the table lock, which the condition shares. Frames already being sent keep their views alive.

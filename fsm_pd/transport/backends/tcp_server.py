@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import select
 import socket
 import threading
 import time
@@ -173,6 +174,11 @@ class TcpPullServer:
         if entry is None:
             return
         head = wire.pack({"arrays": entry.describe()})
+        if entry.pages is not None:
+            self._send(conn, deadline, wire.frame_header(wire.HEAD, len(head)) + head)
+            self._stream_pages(conn, uuid, entry, deadline)
+            self._send(conn, deadline, wire.frame_header(wire.END, 0))
+            return
         pending = [wire.frame_header(wire.HEAD, len(head)), head]
 
         def flush() -> None:
@@ -197,6 +203,38 @@ class TcpPullServer:
                 sent = end
         pending.append(wire.frame_header(wire.END, 0))
         flush()
+
+    def _stream_pages(self, conn: socket.socket, uuid: int, entry: HostEntry, deadline: float) -> None:
+        """DATA frames read straight from the pool's pages (``kernels/page_source.py``). Every write is a
+        non-blocking ``sendmsg`` made while the model thread runs no job; waiting for room in the socket happens
+        outside that, so a slow puller never holds a step back. A hold that ends mid-frame gets the frame's rest as
+        zeros (its pages may be another request's by then), and then the FAIL."""
+        reader = entry.pages.reader()
+        check = lambda: self._check_live(uuid, entry)  # noqa: E731
+        conn.setblocking(True)  # MSG_DONTWAIT per write; a socket timeout would poll inside the lease
+        poller = select.poll()
+        poller.register(conn, select.POLLOUT)
+        total, pos = entry.sizes[0], 0
+        while pos < total:
+            end = min(total, pos + self._frame_bytes)
+            header, header_sent = wire.frame_header(wire.DATA, end - pos), 0
+            try:
+                while pos < end:
+                    sent = reader.send(conn, memoryview(header)[header_sent:], pos, end, check)
+                    took = min(sent, len(header) - header_sent)
+                    header_sent, pos = header_sent + took, pos + sent - took
+                    if pos < end:
+                        _wait_writable(poller, deadline)
+            except _Ended:
+                if header_sent:
+                    self._send(conn, deadline, header[header_sent:] + bytes(end - pos))
+                raise
+
+    def _check_live(self, uuid: int, entry: HostEntry) -> None:
+        with self._changed:
+            current, ended = self._lookup(uuid)
+            if current is not entry:
+                raise _Ended(f"transfer {uuid} {ended or 'ended'}")
 
     def _claim(self, uuid: int, digest: bytes, deadline: float) -> HostEntry | None:
         """Wait until ``uuid`` is published, then take its one delivery (None: not published by the deadline)."""
@@ -254,3 +292,8 @@ class TcpPullServer:
             conn.settimeout(1.0)
             wire.send_message(conn, wire.FAIL, {"reason": reason, "blame": blame, "published": published})
 
+
+def _wait_writable(poller: select.poll, deadline: float) -> None:
+    while not poller.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+        if time.monotonic() >= deadline:
+            raise TimeoutError("the puller stopped reading")

@@ -10,7 +10,6 @@ monitor so that a dead or vanished P fails the pull at once instead of at the de
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
 
@@ -19,8 +18,6 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from fsm_pd.kernels.host_blocks import HostBlocks
-from fsm_pd.transport.addresses import with_host
 from fsm_pd.transport.backends import zmq_wire as wire
 from fsm_pd.transport.backends.base import (
     OnProgress,
@@ -30,8 +27,8 @@ from fsm_pd.transport.backends.base import (
     check_uuid,
     live_staging,
 )
-from fsm_pd.transport.backends.holds import Hold, HoldingBackend, HoldTable
-from fsm_pd.transport.backends.host_stream import HostEntry, Landing
+from fsm_pd.transport.backends.holds import Hold, HoldTable
+from fsm_pd.transport.backends.host_stream import HostEntry, HostStreamBackend, Landing
 from fsm_pd.transport.backends.spec import layout_digest, normalize_spec, spec_keys, summarize, verify_pulled
 from fsm_pd.transport.backends.timers import scheduler
 from fsm_pd.transport.backends.zmq_server import ZmqPullServer
@@ -42,7 +39,7 @@ _PEER_GONE = {
 }
 
 
-class ZmqTransferBackend(HoldingBackend):
+class ZmqTransferBackend(HostStreamBackend):
     name = "zmq"
     progressive = True
 
@@ -61,24 +58,13 @@ class ZmqTransferBackend(HoldingBackend):
         """``window`` chunks of ``chunk_bytes`` may be in flight per pull; ``recv_pool_bytes`` caps the warm receive
         blocks D keeps for reuse (see ``fsm_pd.kernels.host_blocks``); ``serve=False`` makes a pull-only node.
         ``address`` names ``advertise_host`` instead of the bound ``host`` when it is given."""
-        self._advertise_host = advertise_host
+        self._init_stream(advertise_host, recv_pool_bytes)
         self._window = window
-        self._recv_pool = HostBlocks(recv_pool_bytes)
         self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s, clock=scheduler())
         self._server = (
             ZmqPullServer(self._holds.lookup, host=host, port=port, chunk_bytes=chunk_bytes) if serve else None
         )
         self._ctx = zmq.Context()
-        self._closed = False
-        self._close_lock = threading.Lock()
-
-    @property
-    def address(self) -> str:
-        if self._server is None:
-            raise RuntimeError("this zmq backend was created with serve=False and publishes nothing")
-        if self._advertise_host is None:
-            return self._server.address
-        return with_host(self._server.address, self._advertise_host)
 
     def parked_pulls(self) -> frozenset[int]:
         return frozenset() if self._server is None else self._server.parked
@@ -87,9 +73,7 @@ class ZmqTransferBackend(HoldingBackend):
 
     def publish(self, uuid: int, staging: Sequence[jax.Array], hold_timeout_s: float) -> None:
         check_uuid(uuid)
-        server = self._server
-        if server is None:
-            raise RuntimeError("this zmq backend was created with serve=False")
+        server = self._require_server()
         arrays = live_staging(staging)
         entry = HostEntry.of(arrays)
         self._holds.publish(uuid, sum(a.nbytes for a in arrays), hold_timeout_s, lambda _deadline: entry)
@@ -97,9 +81,7 @@ class ZmqTransferBackend(HoldingBackend):
 
     def publish_progressive(self, uuid: int, host: np.ndarray, hold_timeout_s: float) -> StagingProgress:
         check_uuid(uuid)
-        server = self._server
-        if server is None:
-            raise RuntimeError("this zmq backend was created with serve=False")
+        server = self._require_server()
         progress = StagingProgress(host, lambda: server.notify("filled", uuid))
         entry = HostEntry.filling(progress)
         self._holds.publish(uuid, progress.nbytes, hold_timeout_s, lambda _deadline: entry)

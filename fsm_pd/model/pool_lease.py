@@ -1,0 +1,91 @@
+"""``PoolLease``: other threads may read the KV pool's bytes between the model thread's jobs, never during one.
+
+Why: a prefill node sends a request's pages to the decode node straight from the pool, with no gather copy
+(``kernels/page_source.py``). A NumPy view of a pool layer is zero-copy on CPU, but a view alive while a job donates
+the pool makes the donation fail: XLA then copies the whole pool in that step, and the view reads the old buffer.
+So a reader holds the lease only while it reads (one non-blocking ``sendmsg`` of a few MiB) and drops every view
+before it lets go, and the model thread takes the lease for each job.
+
+Fairness, both ways, because either side may be busy for long:
+
+* a job waits for the readers in progress, and for every reader that was already waiting when the previous job
+  ended, so a stream on a busy node still gets one turn between two steps;
+* a reader that already had its turn since the last job waits while a job wants the pool, so a stream that could
+  keep the socket full never holds a step back for more than one read.
+
+``waited`` tells a reader that a job ran while it had work left: a stream then copies what it still has to send
+out of the pool in one go (``PoolPages.detach``) instead of crawling one turn per step.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class LeaseTurn:
+    """One reader's place in the lease: which gap between jobs it last read in, and whether it ever had to wait."""
+
+    __slots__ = ("gap", "waited")
+
+    def __init__(self) -> None:
+        self.gap = -1
+        self.waited = False
+
+
+class PoolLease:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0  # reading now
+        self._waiting: set[LeaseTurn] = set()  # readers waiting for a turn
+        self._job = False  # the model thread runs a job
+        self._job_waiting = False
+        self._gap = 0  # how many jobs have ended: the gap readers are in
+
+    def turn(self) -> LeaseTurn:
+        """A new reader's place (one per stream)."""
+        return LeaseTurn()
+
+    @contextmanager
+    def read(self, turn: LeaseTurn) -> Iterator[None]:
+        """Hold the pool still (no job runs) for the body. Keep it short, and drop every view before leaving."""
+        with self._cond:
+            self._waiting.add(turn)
+            try:
+                while self._job or (self._job_waiting and turn.gap == self._gap):
+                    turn.waited = True
+                    self._cond.wait()
+            finally:
+                self._waiting.discard(turn)
+            turn.gap = self._gap
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    def contended(self) -> bool:
+        """A job is waiting for the pool (a reader should end its turn)."""
+        return self._job_waiting
+
+    @contextmanager
+    def job(self) -> Iterator[None]:
+        """The model thread, around each job: waits for readers in progress and those owed a turn."""
+        with self._cond:
+            self._job_waiting = True
+            try:
+                while self._readers or any(turn.gap != self._gap for turn in self._waiting):
+                    self._cond.wait()
+            finally:
+                self._job_waiting = False
+            self._job = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._job = False
+                self._gap += 1
+                self._cond.notify_all()
