@@ -137,6 +137,9 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                                  "KV pages of finished prompts stay cached and a prompt that starts the same way "
                                  "computes only the rest, evicted least recently used first when pages run short)")
     if role == "prefill":
+        parser.add_argument("--disable-chunk-transfers", action="store_true",
+                            help="hand a prompt prefilled in chunks over after its last chunk, in one piece (by "
+                                 "default each chunk's KV travels to the decode node while the next one computes)")
         parser.add_argument("--bootstrap-port", type=int, default=8998,
                             help="serve the bootstrap server here and register with it (default 8998, SGLang's)")
         parser.add_argument("--bootstrap-token", default=os.environ.get("FSM_PD_BOOTSTRAP_TOKEN"),
@@ -259,7 +262,7 @@ def build_engine(args: argparse.Namespace, model):
 
         return PrefillEngine(model, bootstrap_port=args.bootstrap_port, bootstrap_token=args.bootstrap_token,
                              radix_cache=not args.disable_radix_cache, chunked_prefill_size=args.chunked_prefill_size,
-                             **common)
+                             chunk_transfers=not args.disable_chunk_transfers, **common)
     from fsm_pd.serving.decode_engine import DecodeEngine
 
     return DecodeEngine(model, on_transfer_failure=args.on_transfer_failure,

@@ -79,7 +79,8 @@ class NodeCore:
                 "peer_layout": msg.layout, "uuid": msg.uuid, "transfer_addr": msg.transfer_addr,
                 "backend": msg.backend, "page_count": msg.page_count, "first_token": msg.first_token,
                 "first_logprob": msg.first_logprob, "input_logprobs": msg.input_logprobs,
-                "top_logprobs": msg.top_logprobs, "peer_cached_tokens": msg.cached_tokens})
+                "top_logprobs": msg.top_logprobs, "peer_cached_tokens": msg.cached_tokens,
+                **({"chunks": msg.chunks, "chunk_pages": msg.chunk_pages} if msg.chunks else {})})
         elif isinstance(msg, Abort):
             self.submit(msg.room, "peer_abort", {"reason": msg.reason, "peer": msg.sender})
         else:
@@ -119,6 +120,21 @@ class NodeCore:
         if pages is not None:
             payload["pages"] = [int(p) for p in pages]
         self.submit(room, "kv_ready", payload)
+
+    def kv_first_chunk(self, room: int, pages: list[int], final_pages: int, piece_pages: int,
+                       cached_tokens: int = 0) -> None:
+        """The first chunk of a prompt prefilled in chunks: start the handoff now, in pieces of ``piece_pages``."""
+        self._require("prefill")
+        self.submit(room, "kv_ready", {"pages": [int(p) for p in pages], "cached_tokens": int(cached_tokens),
+                                       "final_pages": int(final_pages), "piece_pages": int(piece_pages)})
+
+    def kv_chunk(self, room: int, final_pages: int, first_token: int | None = None) -> None:
+        """A later chunk: the room's first ``final_pages`` pages hold final KV; with ``first_token``, the last."""
+        self._require("prefill")
+        payload: dict[str, Any] = {"final_pages": int(final_pages)}
+        if first_token is not None:
+            payload.update(first_token=int(first_token), last=True)
+        self.submit(room, "kv_chunk", payload)
 
     def add_receiver(self, room: int, page_count: int | None = None, prompt_len: int = 0, rid: str | None = None,
                      **where: Any) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from fsm_pd.control.overlap import StreamedScatter, publish_while_gathering
+from fsm_pd.effects.chunked import TRAILER_WORDS, Trailer
 from fsm_pd.kernels import KVLayout, gather_pages, page_bucket, resolve_impl, scatter_pages
 from fsm_pd.kernels.page_source import PoolPages
 from fsm_pd.kernels.placement import pool_placement
@@ -61,8 +62,17 @@ class JaxKV:
             return
         publish_while_gathering(transfer, uuid, owner.pool, pages, self.layout, hold_timeout_s, on_published)
 
+    def trailer(self, words: list[int]) -> jax.Array:
+        """A chunked handoff's trailer (``effects/chunked.py``): the first token, as ``int32[TRAILER_WORDS]``."""
+        return jnp.asarray(np.asarray(words, dtype=np.int32).reshape(TRAILER_WORDS))
+
     # --- decode ---
-    def pull_spec(self, page_count: int, piece: Piece | None = None) -> tuple[jax.ShapeDtypeStruct]:
+    def read_trailer(self, staging: jax.Array) -> list[int]:
+        return [int(word) for word in np.asarray(staging)]
+
+    def pull_spec(self, page_count: int, piece: Piece | Trailer | None = None) -> tuple[jax.ShapeDtypeStruct]:
+        if isinstance(piece, Trailer):
+            return (jax.ShapeDtypeStruct((TRAILER_WORDS,), jnp.int32),)
         shape = self.layout.staging_shape(page_bucket(page_count))
         if piece is None or (self.layout.tp == 1 and piece.count == self.layout.slots):  # the whole staging
             return (jax.ShapeDtypeStruct(shape, self.layout.dtype, sharding=self.sharding),)

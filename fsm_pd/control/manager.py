@@ -206,6 +206,17 @@ class KVManager:
         the prompt came from our prefix cache (journaled, and told to the decode node in READY)."""
         self.core.kv_ready(room, pages, first_token, first_logprob, input_logprobs, top_logprobs, cached_tokens)
 
+    def kv_first_chunk(self, room: int, pages: list[int], final_pages: int, piece_pages: int,
+                       cached_tokens: int = 0) -> None:
+        """The first of several prefill chunks of ``room`` ran: its first ``final_pages`` pages hold final KV. The
+        handoff starts now and moves the pages in pieces of ``piece_pages`` as they become final (``kv_chunk``);
+        the first token follows with the last chunk (``effects/chunked.py``)."""
+        self.core.kv_first_chunk(room, pages, final_pages, piece_pages, cached_tokens)
+
+    def kv_chunk(self, room: int, final_pages: int, first_token: int | None = None) -> None:
+        """A later prefill chunk of ``room`` ran; ``first_token`` (sampled after the last chunk) marks the last."""
+        self.core.kv_chunk(room, final_pages, first_token)
+
     # --- the decode side ---
     def add_receiver(self, room: int, page_count: int | None = None, prompt_len: int = 0, **where: Any) -> None:
         """A request with ``bootstrap_room`` arrived; ``where`` tells the resolver how to find the prefill node."""

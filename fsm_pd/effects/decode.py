@@ -22,6 +22,11 @@ slots a decode shard needs from a prefill shard, and the handler pulls every pie
 The room's pull is pending until every piece landed (``pulled`` then carries all of them, in plan order, to
 ``Scatter``, which assembles and writes them) or until the first piece fails: that error fails the room and names
 the piece and both shards; pieces that land later find no pending pull and are discarded at once.
+
+A chunked handoff (READY with ``chunks``: ``chunked.py``) is pulled piece after piece, each parked on the prefill node
+until its chunk is computed, then the trailer; ``pulled`` (with the first token from the trailer) reports once the
+trailer landed, and ``Scatter`` writes every piece into its pages. A failed piece fails the room as above, and the
+pieces already landed are discarded with it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from fsm_pd.effects import EffectError, EffectInterpreter
+from fsm_pd.effects.chunked import ChunkPiece, ChunkPlan, ChunkPulls, Trailer
 from fsm_pd.effects.faults import InjectedFault
 from fsm_pd.effects.outbox import Outbox
 from fsm_pd.machines.effects import FreePages, Pull, ReservePages, ResolveBootstrap, Scatter, Send
@@ -133,6 +139,9 @@ class DecodeEffects:
                 self.pulled[room_id] = None
             node.submit(room_id, "pulled", {"bytes": 0})
             return
+        if ctx.get("chunks"):
+            self._pull_chunks(node, room, pages)
+            return
         plan = plan_between(ctx["peer_layout"], self.layout)
         stream = self.kv.stream(pages) if plan.single else None
         with self._lock:
@@ -167,13 +176,7 @@ class DecodeEffects:
             if pulls is not None:  # pieces that landed before this one will never be scattered
                 for landed in pulls.landed.values():
                     self.kv.discard(landed)
-            which = "" if plan.single else f"{piece.describe()}: "
-            if isinstance(error, TransferTimeout):
-                node.submit(room_id, "error", {"blame": "timeout", "reason": f"pull timed out: {which}{error}"})
-            elif isinstance(error, TransferFailed):
-                node.submit(room_id, "error", {"blame": error.blame, "reason": f"pull failed: {which}{error.reason}"})
-            else:
-                node.submit(room_id, "error", {"blame": "local", "reason": f"pull failed: {which}{error}"})
+            self._report_pull_error(node, room_id, "" if plan.single else f"{piece.describe()}: ", error)
             return
         if pulls is None:  # FreePages already ran, or another piece failed: nobody will ever scatter this
             self.kv.discard(staging)
@@ -189,6 +192,80 @@ class DecodeEffects:
             payload["pieces"] = [[p.src, p.dst, int(a.nbytes)] for p, a in zip(pulls.plan.pieces, arrays, strict=True)]
         node.submit(room_id, "pulled", payload)
 
+    def _pull_chunks(self, node: Node, room: Room, pages: list[int]) -> None:
+        ctx, room_id = room.ctx, room.room
+        plan = ChunkPlan.of(pages, int(ctx["chunk_pages"]))
+        if len(plan.pieces) != int(ctx["chunks"]) or not plan_between(ctx["peer_layout"], self.layout).single:
+            raise EffectError(f"READY announces {ctx['chunks']} pieces of {ctx['chunk_pages']} pages; we wait for "
+                              f"{len(pages)} pages in {len(plan.pieces)}", blame="remote")
+        pulls = ChunkPulls(plan)
+        with self._lock:
+            self.pending[room_id] = pulls
+        self.faults.crash("before_pull")
+        where = (ctx["transfer_addr"], int(ctx["uuid"]), float(ctx["deadlines"]["transfer"]))
+        self._pull_piece(node, room_id, pulls, where, plan.pieces[0])
+
+    def _pull_piece(self, node: Node, room_id: int, pulls: ChunkPulls, where: tuple,
+                    piece: ChunkPiece | Trailer) -> None:
+        address, uuid, timeout_s = where
+        done = partial(self._chunk_pulled, node, room_id, pulls, where, piece)
+        try:
+            self.faults.check("pull")
+        except InjectedFault as exc:
+            done(None, exc)
+            return
+        trailer = isinstance(piece, Trailer)
+        self.puller.pull(address, piece_uuid(uuid, piece.index), 0 if trailer else len(piece.pages), timeout_s,
+                         done=done, delay_s=max(self.pull_delay_s, self.faults.pull_delay_s),
+                         piece=piece if trailer else None)
+
+    def _chunk_pulled(self, node: Node, room_id: int, pulls: ChunkPulls, where: tuple, piece: ChunkPiece | Trailer,
+                      staging: Any, error: BaseException | None) -> None:
+        """One piece of a chunked handoff landed (or failed), on whatever thread the pull port reports from."""
+        trailer = isinstance(piece, Trailer)
+        if error is None and trailer:
+            try:
+                pulls.first_token = int(self.kv.read_trailer(staging)[0])
+            except Exception as exc:  # noqa: BLE001 - a trailer we cannot read fails the pull, not the thread
+                error = exc
+            finally:
+                self.kv.discard(staging)
+        with self._lock:
+            live = self.pending.get(room_id) is pulls
+            if live and (error is not None or trailer):
+                del self.pending[room_id]
+                if error is None:
+                    self.pulled[room_id] = pulls.arrays()
+            elif live:
+                pulls.land(piece.index, staging)
+        if error is not None:
+            if live:
+                for landed in pulls.landed.values():
+                    self.kv.discard(landed)
+            self._report_pull_error(node, room_id, f"{piece.describe()}: ", error)
+            return
+        if not live:  # FreePages already ran: nobody will ever scatter this
+            if not trailer:
+                self.kv.discard(staging)
+            return
+        if not trailer:
+            plan = pulls.plan
+            after = plan.pieces[piece.index + 1] if piece.index + 1 < len(plan.pieces) else plan.trailer
+            self._pull_piece(node, room_id, pulls, where, after)
+            return
+        self.faults.crash("after_pull")
+        arrays = pulls.arrays()
+        node.submit(room_id, "pulled", {"bytes": sum(int(a.nbytes) for a in arrays),
+                                        "chunks": [int(a.nbytes) for a in arrays], "first_token": pulls.first_token})
+
+    def _report_pull_error(self, node: Node, room_id: int, which: str, error: BaseException) -> None:
+        if isinstance(error, TransferTimeout):
+            node.submit(room_id, "error", {"blame": "timeout", "reason": f"pull timed out: {which}{error}"})
+        elif isinstance(error, TransferFailed):
+            node.submit(room_id, "error", {"blame": error.blame, "reason": f"pull failed: {which}{error.reason}"})
+        else:
+            node.submit(room_id, "error", {"blame": "local", "reason": f"pull failed: {which}{error}"})
+
     def scatter(self, node: Node, room: Room, effect: Scatter) -> None:
         self.faults.crash("before_scatter")
         room_id, pages = room.room, pages_to_receive(room.ctx)
@@ -199,11 +276,16 @@ class DecodeEffects:
             return
         plan = plan_between(room.ctx["peer_layout"], self.layout)
         streamed = stream is not None and self.kv.complete_stream(stream, pieces[0])
+        chunks = ChunkPlan.of(pages, int(room.ctx["chunk_pages"])).pieces if room.ctx.get("chunks") else None
 
         def write(owner: Any) -> None:
             try:
                 self.faults.check("scatter")
-                self.kv.scatter(owner, pieces, pages, stream if streamed else None, plan)
+                if chunks is None:
+                    self.kv.scatter(owner, pieces, pages, stream if streamed else None, plan)
+                else:  # a chunked handoff: piece by piece
+                    for piece, staging in zip(chunks, pieces, strict=True):
+                        self.kv.scatter(owner, (staging,), list(piece.pages), None, plan)
             finally:
                 for piece in pieces:
                     self.kv.discard(piece)

@@ -113,6 +113,9 @@ class PrefillKV(Protocol):
     def discard(self, staging: Any) -> None:
         """A staging array that will never be published: let it go."""
 
+    def trailer(self, words: list[int]) -> Any:
+        """A chunked handoff's trailer holding ``words`` (``chunked.TRAILER_WORDS`` ints), ready to publish."""
+
 
 class DecodeKV(Protocol):
     """The decode node's pool operations."""
@@ -133,6 +136,9 @@ class DecodeKV(Protocol):
 
     def discard(self, staging: Any) -> None:
         """A pulled array that is done with or will never be scattered: let it go. Called once per pulled array."""
+
+    def read_trailer(self, staging: Any) -> list[int]:
+        """The words of a pulled trailer (``chunked.py``)."""
 
 
 class Admission(Protocol):

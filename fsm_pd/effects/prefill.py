@@ -8,6 +8,11 @@ When the decode node splits its pool over another number of devices (its layout 
 staging is cut into the pieces of the resharding plan (``transport/reshard.py``), and each piece is published under
 its own uuid (``piece_uuid``). The room is still one transfer: one ``published`` event, one READY, and its
 ``ReleaseStaging`` ends every piece's hold, released on success or failed with the room's reason.
+
+A prompt prefilled in chunks is handed over piece by piece while its later chunks compute (``chunked.py``): the
+first chunk's ``kv_ready`` publishes what is final and reports ``published`` (READY goes out), every ``kv_chunk``
+publishes the pieces that became final since, and the last one also the trailer with the first token. The pieces
+and the trailer share the room's uuid as a resharding plan's pieces do, so ``ReleaseStaging`` ends them the same way.
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from fsm_pd.effects import EffectError, EffectInterpreter
+from fsm_pd.effects.chunked import ChunkPlan, streams
 from fsm_pd.effects.outbox import Outbox
 from fsm_pd.machines.effects import GatherAndPublish, ReleaseStaging, Send
 from fsm_pd.transport.messages import Abort, Ready
@@ -41,6 +48,9 @@ class PrefillEffects:
         # room -> (uuid, pieces) of a staging buffer being gathered or published: its pieces are published under
         # piece_uuid(uuid, 0 .. pieces - 1)
         self.staging: dict[int, tuple[int, int]] = {}
+        # room -> [entries of its chunked handoff published so far]: the list is the loop thread's (created, dropped),
+        # the count in it the model thread's (the publish jobs, in order)
+        self.chunks_sent: dict[int, list[int]] = {}
         self.outbox = Outbox(channel, faults, peer="decode node", best_effort=frozenset({"ABORT"}),
                              crash_after={"READY": "after_ready"})
 
@@ -50,6 +60,15 @@ class PrefillEffects:
 
     def gather_and_publish(self, node: Node, room: Room, effect: GatherAndPublish) -> None:
         self.faults.crash("before_gather")
+        if room.ctx.get("piece_pages"):  # prefilled in chunks: this is one of its chunks
+            pages = pages_to_send(room.ctx)
+            if streams(room.ctx, pages, plan_between(self.layout, room.ctx["peer_layout"]).single):
+                self._publish_chunks(node, room, pages)
+                return
+            if not room.ctx.get("last"):
+                return  # nothing to stream (one piece, or a resharded handoff): the last chunk hands over the whole
+        if room.room in self.staging:
+            return  # this room's handoff is under way: a stray kv_chunk on a room handed over whole starts no other
         uuid, pages, room_id = self.new_uuid(), pages_to_send(room.ctx), room.room
         hold_s = float(room.ctx["deadlines"]["pull_hold"])
         if not pages:  # the decode node's prefix cache holds the whole prompt: READY alone, nothing to pull
@@ -93,15 +112,63 @@ class PrefillEffects:
 
         self.model.submit(gather).add_done_callback(failed)
 
-    def _published(self, node: Node, room_id: int, uuid: int, rows: int, pieces: int = 1) -> None:
+    def _publish_chunks(self, node: Node, room: Room, pages: list[int]) -> None:
+        """Publish the pieces of a chunked handoff that are final now (and the trailer after the last chunk); the
+        first call also announces the transfer (``published``: READY)."""
+        ctx, room_id = room.ctx, room.room
+        plan = ChunkPlan.of(pages, int(ctx["piece_pages"]), skipped=int(ctx.get("peer_cached_pages", 0)))
+        last, hold_s = bool(ctx.get("last")), float(ctx["deadlines"]["pull_hold"])
+        ready = len(plan.pieces) if last else plan.final(int(ctx.get("final_pages", 0)))
+        first_token = int(ctx.get("first_token", 0))
+        entry = self.staging.get(room_id)
+        announce = entry is None
+        if announce:
+            uuid = self.new_uuid()
+            self.staging[room_id] = (uuid, plan.entries)
+            self.chunks_sent[room_id] = [0]
+        else:
+            uuid = entry[0]
+        sent = self.chunks_sent[room_id]
+        single = plan_between(self.layout, ctx["peer_layout"])
+
+        def publish(owner: Any) -> None:
+            if self.staging.get(room_id, (None,))[0] != uuid or sent[0] < 0:
+                return  # the room ended while this waited for the model thread, or an earlier piece failed
+            for piece in plan.pieces[sent[0]:ready]:
+                sent[0] = -1  # until it is published: a failed piece is never retried by a later chunk's job
+                self.faults.check("gather")
+                (staging,) = self.kv.gather(owner, list(piece.pages), single)
+                try:
+                    self.faults.check("publish")
+                    self.transfer.publish(piece_uuid(uuid, piece.index), (staging,), hold_s)
+                except BaseException as exc:
+                    self.kv.discard(staging)
+                    raise EffectError(f"{piece.describe()}: {exc}") from exc
+                sent[0] = piece.index + 1
+            if last and sent[0] == len(plan.pieces):
+                self.faults.check("publish")
+                self.transfer.publish(piece_uuid(uuid, plan.trailer.index), (self.kv.trailer([first_token]),), hold_s)
+                sent[0] = plan.entries
+
+        if announce:
+            self._published(node, room_id, uuid, 0, chunks=len(plan.pieces), chunk_pages=int(ctx["piece_pages"]))
+        self.model.submit(publish).add_done_callback(partial(self._failed, node, room_id))
+
+    def _failed(self, node: Node, room_id: int, done: Future) -> None:
+        exc = done.exception()
+        if exc is not None:  # the room fails; its ReleaseStaging then fails every entry, published or not
+            node.submit(room_id, "error", {"blame": "local", "reason": f"gather/publish failed: {exc}"})
+
+    def _published(self, node: Node, room_id: int, uuid: int, rows: int, pieces: int = 1, **chunked: int) -> None:
         self.faults.crash("after_publish")
-        payload = {"uuid": uuid, "transfer_addr": self.transfer.address, "rows": int(rows)}
+        payload = {"uuid": uuid, "transfer_addr": self.transfer.address, "rows": int(rows), **chunked}
         if pieces > 1:  # journaled: how many pieces (uuids from piece_uuid(uuid, 0)) the decode node pulls
             payload["pieces"] = pieces
         node.submit(room_id, "published", payload)
 
     def release_staging(self, node: Node, room: Room, effect: ReleaseStaging) -> None:
         entry = self.staging.pop(room.room, None)
+        self.chunks_sent.pop(room.room, None)
         if entry is None:
             return
         uuid, pieces = entry
@@ -120,7 +187,8 @@ class PrefillEffects:
                                 transfer_addr=ctx["transfer_addr"], backend=self.transfer.name, layout=self.layout,
                                 page_count=len(pages_to_send(ctx)), first_token=ctx.get("first_token", 0),
                                 first_logprob=ctx.get("first_logprob"), input_logprobs=ctx.get("input_logprobs"),
-                                top_logprobs=ctx.get("top_logprobs"), cached_tokens=ctx.get("cached_tokens", 0))
+                                top_logprobs=ctx.get("top_logprobs"), cached_tokens=ctx.get("cached_tokens", 0),
+                                chunks=ctx.get("chunks", 0), chunk_pages=ctx.get("chunk_pages", 0))
         elif effect.kind == "ABORT":
             msg = channel.stamp(Abort, room=room.room, reason=room.reason or "aborted")
         else:

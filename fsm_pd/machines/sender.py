@@ -7,7 +7,9 @@ must happen before the KV can move: the decode node's PREPARE arrives (``metadat
 its KV layout), and our own prefill finishes (``kv_ready``). They race; whichever comes second starts the transfer:
 the sender gathers the request's pages into a staging buffer and publishes it (``GatherAndPublish``), and when that
 is done (``published``) sends READY. The decode node pulls, scatters and answers PULLED (``pull_done``), and only
-then is the staging buffer released.
+then is the staging buffer released. A prompt prefilled in chunks may send ``kv_ready`` after its first chunk and
+``kv_chunk`` after each later one: each publishes the pieces of the prompt that became final, the last one the first
+token too (``fsm_pd/effects/chunked.py``), so the chunks are data-plane progress within Transferring.
 
 Rules
 -----
@@ -54,6 +56,9 @@ SENDER_TRANSITIONS = [
      "effects": (CancelTimer("waiting"), ArmTimer("pull_hold"), GatherAndPublish())},
     # --- the transfer ---
     {"trigger": "published", "source": "Transferring", "dest": "Transferring", "effects": (Send("READY"),)},
+    # chunked prefill announced the transfer after its first chunk (kv_ready); each later chunk's KV is final here,
+    # and its pages go out while the next chunk computes (effects/chunked.py): data-plane progress, no new state
+    {"trigger": "kv_chunk", "source": "Transferring", "dest": "Transferring", "effects": (GatherAndPublish(),)},
     {"trigger": "pull_done", "source": "Transferring", "dest": "Success",
      "conditions": ["published_seen"], "effects": (CancelTimer("pull_hold"), ReleaseStaging())},
     # --- failures from Bootstrapping: the peer is not known yet ---

@@ -6,6 +6,10 @@ A request goes through three queues, as in SGLang's prefill node:
    reaches WaitingForInput), so prefill work is only spent on requests a decode node has pages for;
 2. prefill: on the model thread, in batches of prompts that fit the free pages; the first token is sampled with
    the request's seed at step 0 (``max_new_tokens`` is 1 here) and handed over with ``kv_ready``;
+   A prompt of several chunks starts its handoff after its first chunk (``kv_first_chunk``: READY goes out) and
+   reports every later one (``kv_chunk``), so each chunk's pages travel while the next one computes and only the
+   last piece and the first token are left after the last chunk (``effects/chunked.py``). A request that asked for
+   logprobs is handed over whole after its last chunk: READY carries them.
 3. in flight: the manager gathers and publishes the pages and waits for PULLED. The request is answered once its
    room reaches Success (one ``TokenOutput``, finish_reason length) or Failed (``EngineError(reason, 500)``); either
    way its pages are freed then, on the model thread, after the gather that read them. One exception: when the
@@ -48,16 +52,21 @@ class PrefillEngine(PDEngine):
 
     def __init__(self, model: LoadedModel | str = "tiny", *, bootstrap_port: int | None = 0,
                  bootstrap_url: str | None = None, bootstrap_token: str | None = None, max_prefill_batch: int = 8,
-                 chunked_prefill_size: int = CHUNKED_PREFILL_SIZE, radix_cache: bool = True, **node):
+                 chunked_prefill_size: int = CHUNKED_PREFILL_SIZE, radix_cache: bool = True,
+                 chunk_transfers: bool = True, **node):
         """``node``: the settings of every PD node (``PDEngine``: pool size, node id, journal, secret, backend,
         deadlines, host, advertise_host). ``bootstrap_port``: run a bootstrap server on it (0: any free port) and
         register with it; None and a ``bootstrap_url``: register with that server instead; None and no URL: do not
         register (tests that tell the decode side our side-channel address directly). ``radix_cache``: reuse cached
         prompt prefixes (``--disable-radix-cache`` turns it off); the decode node still gets every page.
-        ``chunked_prefill_size``: padded prompt tokens a prefill step computes; a longer prompt takes several."""
+        ``chunked_prefill_size``: padded prompt tokens a prefill step computes; a longer prompt takes several.
+        ``chunk_transfers``: hand such a prompt over chunk by chunk while the rest computes (False: after the last
+        chunk, in one piece; the comparison the TTFT bench makes)."""
         super().__init__(model, prefix_cache=radix_cache, **node)
         host = self.manager.host
         self.max_prefill_batch, self.chunked_prefill_size = max_prefill_batch, chunked_prefill_size
+        self.chunk_transfers = chunk_transfers
+        self._streaming: set[int] = set()  # rooms whose handoff started after their first chunk
         self._to_prefill: deque[Sequence] = deque()  # PREPARE arrived: waiting for pages and the model thread
         self._chunking: list[Sequence] = []  # pages reserved, prompt partly prefilled: the next chunks go first
         self._in_flight: dict[int, FirstToken] = {}  # room -> first token of a prefilled request being pulled
@@ -141,6 +150,7 @@ class PrefillEngine(PDEngine):
                 self._to_prefill.append(seq)
             return
         self.rooms.pop(room, None)
+        self._streaming.discard(room)
         first = self._in_flight.pop(room, None)
         if seq is not None:
             self.requests.pop(seq)
@@ -167,10 +177,15 @@ class PrefillEngine(PDEngine):
                 self.manager.fail(seq.key, f"prefill failed: {first}")
                 continue
             if first is None:  # more chunks to come
+                self._chunk_done(seq)
                 continue
             self._chunking.remove(seq)
             self._prefilled(seq)
             self._in_flight[seq.key] = first
+            if seq.key in self._streaming:
+                self._streaming.discard(seq.key)
+                self.manager.kv_chunk(seq.key, final_pages=len(seq.pages), first_token=first.token_id)
+                continue
             self.manager.kv_ready(
                 seq.key,
                 pages=seq.pages,
@@ -180,6 +195,19 @@ class PrefillEngine(PDEngine):
                 top_logprobs=top_logprobs_to_wire(first.top_logprobs, first.input_top_logprobs),
                 cached_tokens=seq.prefix.tokens,
             )
+
+    def _chunk_done(self, seq: Sequence) -> None:
+        """A chunk that is not the prompt's last ran: start or advance the room's chunk-by-chunk handoff."""
+        if not self.chunk_transfers or seq.request.return_logprob:
+            return
+        final_pages = seq.prefilled // self.page_size
+        if seq.key in self._streaming:
+            self.manager.kv_chunk(seq.key, final_pages=final_pages)
+            return
+        self._streaming.add(seq.key)
+        self.manager.kv_first_chunk(seq.key, pages=seq.pages, final_pages=final_pages,
+                                    piece_pages=max(1, self.chunked_prefill_size // self.page_size),
+                                    cached_tokens=seq.prefix.tokens)
 
     def _answer(self, seq: Sequence, first: FirstToken, extra_meta: dict | None = None) -> None:
         if seq.cancelled:

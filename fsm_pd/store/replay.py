@@ -161,6 +161,23 @@ def _pieces(event: dict) -> str | None:
     return None
 
 
+def _chunks(trigger: str, event: dict) -> str | None:
+    """A chunked handoff's progress (``fsm_pd/effects/chunked.py``): on P each computed chunk and what became final,
+    then how many pieces READY announced; on D what every piece brought."""
+    if trigger == "kv_ready" and event.get("piece_pages"):
+        return (f"first chunk: {event.get('final_pages', 0)} of {len(event.get('pages') or ())} pages final, "
+                f"sent in pieces of {event['piece_pages']}")
+    if trigger == "kv_chunk":
+        if event.get("last"):
+            return f"last chunk: all {event.get('final_pages', 0)} pages final, trailer with the first token"
+        return f"chunk: {event.get('final_pages', 0)} pages final"
+    if trigger == "published" and event.get("chunks"):
+        return f"{event['chunks']} pieces of {event.get('chunk_pages')} pages, then a trailer"
+    if trigger == "pulled" and isinstance(event.get("chunks"), list):
+        return f"{len(event['chunks'])} pieces ({', '.join(f'{n} B' for n in event['chunks'])}) and the trailer"
+    return None
+
+
 def _report(node, role, room_id, rows, divergence, replayed_state) -> RoomReport:
     events, time_in_state = [], {}
     final, reason, ended_by, entered_at = rows[0].src, None, None, rows[0].at
@@ -168,7 +185,8 @@ def _report(node, role, room_id, rows, divergence, replayed_state) -> RoomReport
         event = {"trigger": row.trigger, "src": row.src, "dst": row.dst, "at": row.at, "version": row.version}
         if "ignored" in row.payload:
             event["ignored"] = row.payload["ignored"]
-        detail = row.event.get("reason") or row.event.get("timer") or _pieces(row.event)
+        detail = (row.event.get("reason") or row.event.get("timer") or _pieces(row.event)
+                  or _chunks(row.trigger, row.event))
         if detail is not None:
             event["detail"] = detail
         events.append(event)

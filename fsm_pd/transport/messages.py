@@ -183,6 +183,10 @@ class Ready(_Message):
     top_logprobs: str | None = None
     # prompt tokens P took from its own prefix cache instead of computing them (the answer's cached_tokens)
     cached_tokens: int = 0
+    # A chunked handoff (effects/chunked.py): the pages come in ``chunks`` pieces of ``chunk_pages`` pages, then a
+    # trailer with the first token (``first_token`` above is then 0 and means nothing). 0: one whole staging array.
+    chunks: int = 0
+    chunk_pages: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

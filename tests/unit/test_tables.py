@@ -53,6 +53,7 @@ SENDER_EXPECTED = {
     ("Bootstrapping", "metadata_received"): "WaitingForInput",
     ("WaitingForInput", "kv_ready"): "Transferring",
     ("Transferring", "published"): "Transferring",
+    ("Transferring", "kv_chunk"): "Transferring",  # a later prefill chunk: more pieces of the prompt go out
     **{(s, t): "Failed" for s in ("Bootstrapping", "WaitingForInput", "Transferring")
        for t in ("abort", "peer_abort", "error")},
     # the decode node is known (bound) only once its PREPARE arrived

@@ -1,0 +1,200 @@
+"""A prefill node hands a chunked prompt over piece by piece while its later chunks compute (effects/chunked.py):
+the answer is the whole prefill's, the journal and replay show every chunk, and a piece that fails or an abort
+mid-way leaves nothing held on either node."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+
+import pytest
+from test_chunked_prefill import CHUNK
+from test_chunked_prefill import model as model  # noqa: F401 - the fixture: the tiny model with sharp attention
+from test_serving_colocated import PAGE_SIZE, PAGES, ids_of, request, run, until
+from test_serving_pd import pd_request, through_pd
+
+from fsm_pd.machines.states import KVPoll
+from fsm_pd.serving.collect import generate
+from fsm_pd.serving.colocated_engine import ColocatedEngine
+from fsm_pd.serving.decode_engine import DecodeEngine
+from fsm_pd.serving.prefill_engine import PrefillEngine
+from fsm_pd.store import read_journal, replay
+from fsm_pd.transport.backends.base import TransferFailed
+
+CHUNKS = 6  # chunks of the long prompt: pieces of CHUNK / PAGE_SIZE pages, each published once computed
+
+
+def long_prompt(tokenizer, n: int = CHUNKS * CHUNK - 5) -> list[int]:
+    ids = tokenizer.encode("every chunk of this prompt travels while the next one computes; " * 20)
+    assert len(ids) >= n
+    return ids[:n]
+
+
+def pd_pair(model, tmp_path, *, on_transfer_failure="fail"):
+    p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp_path / "p.db"),
+                      chunked_prefill_size=CHUNK, radix_cache=False)
+    d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", secret=p.secret,
+                     journal=str(tmp_path / "d.db"), on_transfer_failure=on_transfer_failure)
+    return p, d
+
+
+def nothing_held(*engines) -> bool:
+    def idle(e):
+        leaks = e.info()["leaks"]
+        return all(v == 0 for k, v in leaks.items() if k != "pages_free")  # pages_reserved among them
+    return until(lambda: all(idle(e) for e in engines))
+
+
+def events(path, trigger):
+    return [r for r in read_journal(path) if r.trigger == trigger]
+
+
+def publish_between_chunks(p) -> None:
+    """Make every chunk's publish job run before the next chunk computes, as on a model slower than the tiny one:
+    the step that reported a chunk waits until the node loop queued that chunk's job on the model thread (ahead of
+    the next step, which is queued when this one returns)."""
+    effects, queued = p.manager.effects, threading.Semaphore(0)
+    submit = effects.model.submit
+
+    def counted(job):
+        future = submit(job)
+        queued.release()
+        return future
+
+    effects.model = type("Counted", (), {"submit": staticmethod(counted)})()
+    def waiting(report):
+        def reported(room, *args, **kw):
+            report(room, *args, **kw)
+            # a room that ended meanwhile ignores the chunk: no job comes
+            while not queued.acquire(timeout=0.01) and p.manager.poll(room) == KVPoll.Transferring:
+                pass
+        return reported
+
+    p.manager.kv_first_chunk, p.manager.kv_chunk = waiting(p.manager.kv_first_chunk), waiting(p.manager.kv_chunk)
+
+
+def test_chunk_by_chunk_handoff_answers_as_a_whole_prefill_and_replay_shows_the_chunks(model, tmp_path):
+    whole = ColocatedEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, chunked_prefill_size=512, radix_cache=False)
+    p, d = pd_pair(model, tmp_path)
+    publish_between_chunks(p)
+    try:
+        prompt = long_prompt(model.tokenizer)
+        want = ids_of(run(generate(whole, request("w", prompt, max_new_tokens=8, ignore_eos=True))))
+        got = ids_of(run(through_pd(p, d, pd_request(p, "g", prompt, max_new_tokens=8, ignore_eos=True))))
+        assert got == want
+        assert nothing_held(p, d), (p.info()["leaks"], d.info()["leaks"])
+    finally:
+        d.close()
+        p.close()
+        whole.close()
+    pages = -(-len(prompt) // PAGE_SIZE)
+    (ready,) = events(tmp_path / "p.db", "kv_ready")
+    assert ready.dst == "Transferring" and ready.event["piece_pages"] == CHUNK // PAGE_SIZE
+    assert ready.event["final_pages"] == CHUNK // PAGE_SIZE  # READY went out after the first chunk
+    chunks = events(tmp_path / "p.db", "kv_chunk")
+    assert len(chunks) == CHUNKS - 1 and all(r.src == r.dst == "Transferring" for r in chunks)
+    assert [r.event["final_pages"] for r in chunks] == [k * CHUNK // PAGE_SIZE for k in range(2, CHUNKS)] + [pages]
+    assert chunks[-1].event["last"] and chunks[-1].event["first_token"] == want[0]
+    (published,) = events(tmp_path / "p.db", "published")
+    assert published.seq < chunks[-1].seq  # READY went out while the prompt was still computing
+    assert published.event["chunks"] == CHUNKS
+    (pulled,) = events(tmp_path / "d.db", "pulled")
+    assert len(pulled.event["chunks"]) == CHUNKS and pulled.event["first_token"] == want[0]
+    details = [e.get("detail", "") for side in (tmp_path / "p.db", tmp_path / "d.db")
+               for report in replay(read_journal(side)).rooms for e in report.events]
+    assert sum("chunk" in text for text in details) == CHUNKS  # the first and every later chunk, on P
+    assert any(f"{CHUNKS} pieces (" in text for text in details)
+
+
+def test_a_short_prompt_and_a_logprobs_request_keep_the_whole_handoff(model, tmp_path):
+    p, d = pd_pair(model, tmp_path)
+    try:
+        short = long_prompt(model.tokenizer, CHUNK - 3)
+        run(through_pd(p, d, pd_request(p, "short", short, max_new_tokens=2)))
+        req = pd_request(p, "lp", long_prompt(model.tokenizer), max_new_tokens=2)
+        run(through_pd(p, d, dataclasses.replace(req, return_logprob=True)))
+        assert nothing_held(p, d)
+    finally:
+        d.close()
+        p.close()
+    assert not events(tmp_path / "p.db", "kv_chunk")
+    assert all("chunks" not in r.event for r in events(tmp_path / "p.db", "published"))
+
+
+@pytest.mark.parametrize("how", ["failed piece", "failed pull", "abort"])
+def test_a_handoff_ended_mid_way_frees_everything_on_both_nodes(model, tmp_path, how):
+    """The third piece fails to publish on P, or its pull fails on D, or the client aborts while the third chunk
+    waits to be published: both rooms end Failed, and every page, staging entry and landed piece is let go on both
+    nodes."""
+    p, d = pd_pair(model, tmp_path)
+    publish_between_chunks(p)  # so that the third piece is published while the later chunks are still to compute
+    publish, seen = p.manager.effects.transfer.publish, []
+    pull, pulls = d.manager.effects.puller.pull, []
+
+    def third_fails(uuid, staging, hold_s):
+        seen.append(uuid)
+        if len(seen) == 3 and how == "abort":
+            p.abort("mid")
+        if len(seen) == 3 and how == "failed piece":
+            raise RuntimeError("the third piece could not be published")
+        publish(uuid, staging, hold_s)
+
+    def third_pull_fails(address, uuid, page_count, timeout_s, *, done, **kw):
+        pulls.append(uuid)
+        if len(pulls) == 3 and how == "failed pull":
+            done(None, TransferFailed("the link went down"))
+            return
+        pull(address, uuid, page_count, timeout_s, done=done, **kw)
+
+    p.manager.effects.transfer.publish = third_fails
+    d.manager.effects.puller.pull = third_pull_fails
+    try:
+        prompt = long_prompt(model.tokenizer)
+
+        async def both():
+            req = pd_request(p, "mid", prompt, max_new_tokens=4, ignore_eos=True)
+            return await asyncio.gather(generate(p, req), generate(d, req), return_exceptions=True)
+
+        outcomes = run(both())
+        assert all(isinstance(o, Exception) for o in outcomes), outcomes
+        if how == "failed piece":
+            assert len(seen) == 3, seen  # a failed piece is never retried by a later chunk
+        if how == "failed pull":
+            assert len(pulls) == 3, pulls  # and nothing is pulled after a failed piece
+        assert nothing_held(p, d), (p.info()["leaks"], d.info()["leaks"])
+        assert not p.manager.effects.staging and not p.manager.effects.chunks_sent
+        assert not d.manager.effects.pending and not d.manager.effects.pulled
+    finally:
+        d.close()
+        p.close()
+    ends = [r for r in read_journal(tmp_path / "p.db") + read_journal(tmp_path / "d.db") if r.dst == "Failed" != r.src]
+    assert len(ends) == 2 and all(r.src == "Transferring" for r in ends)
+    if how == "failed pull":  # D failed the room for the piece at once, it did not wait for its deadline
+        (mine,) = [r for r in ends if r.role == "decode"]
+        assert mine.trigger == "error" and "chunk piece 2 (8 pages): the link went down" in mine.payload["reason"]
+
+
+
+def test_a_stray_chunk_event_on_a_room_handed_over_whole_starts_no_second_handoff(model, tmp_path):
+    """``kv_chunk`` is accepted in Transferring whatever started it; on a room whose prompt goes whole it must not
+    gather and publish the pages again (a second staging entry that nothing would ever release)."""
+    p, d = pd_pair(model, tmp_path)
+    effects, rooms = p.manager.effects, []
+    for name in ("publish", "publish_progressive"):  # the whole handoff's publish: a stray chunk event arrives now
+        def stray(*args, _publish=getattr(effects.transfer, name)):  # noqa: B008 - bound now, per name
+            (room,) = effects.staging
+            rooms.append(room)
+            p.manager.kv_chunk(room, final_pages=1)
+            return _publish(*args)
+        setattr(effects.transfer, name, stray)
+    try:
+        req = pd_request(p, "stray", long_prompt(model.tokenizer, CHUNK - 3), max_new_tokens=2)
+        run(through_pd(p, d, req))
+        assert nothing_held(p, d), (p.info()["leaks"], d.info()["leaks"])
+    finally:
+        d.close()
+        p.close()
+    (stray,) = events(tmp_path / "p.db", "kv_chunk")
+    assert rooms == [stray.room] and stray.src == stray.dst == "Transferring"
+    assert len(events(tmp_path / "p.db", "published")) == 1
