@@ -78,7 +78,7 @@ def test_two_writers_one_database_replay_as_from_the_files(db, pg, tmp_path):
     exactly as the two SQLite journals they came from."""
     name, url = db
     sim = subprocess.run([sys.executable, "-m", "fsm_pd.cli", "simulate", "--requests", "12", "--seed", "3",
-                          "--fault-rate", "0.1", "--journal-dir", str(tmp_path)], capture_output=True, timeout=120)
+                          "--fault-rate", "0.3", "--journal-dir", str(tmp_path)], capture_output=True, timeout=120)
     assert sim.returncode == 0, sim.stderr
     files = [read_journal(tmp_path / f"{role}.db") for role in ("prefill", "decode")]
     writers = [Journal(url), Journal(url)]  # as two serve processes open it
