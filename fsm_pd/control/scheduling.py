@@ -27,7 +27,7 @@ from typing import Any
 
 from fsm_pd.model.buckets import MIN_TOKEN_BUCKET, prefill_fits, token_bucket
 from fsm_pd.model.pages import PageAllocator, pages_for
-from fsm_pd.model.prefix_cache import NO_MATCH, PrefixCache
+from fsm_pd.model.prefix_cache import NO_MATCH, Match, PrefixCache
 
 Sequence = Any  # anything with key, prompt_len, pages, meta and queued_at: typed loosely to stay jax-free
 # SGLang's --chunked-prefill-size: padded prompt tokens one prefill step computes, and the longest chunk of one
@@ -75,6 +75,19 @@ def plan_chunks(admitted: Iterable[Any], *, max_batch: int, budget: int, planned
     return chunks
 
 
+def locked_if_it_fits(cache: PrefixCache | None, allocator: PageAllocator, prefix: Match, need: int,
+                      headroom: int) -> bool:
+    """Lock a request's matched prefix, then see whether the ``need`` pages it lacks fit: locked first, because the
+    prefix's own unlocked pages count as evictable and are not there to evict for it. Unlocked again if not."""
+    if cache is not None:
+        cache.lock(prefix)
+    if admits(allocator, need, headroom):
+        return True
+    if cache is not None:
+        cache.unlock(prefix)
+    return False
+
+
 def take_prefill_batch(
     queue: deque[Sequence],
     allocator: PageAllocator,
@@ -112,11 +125,7 @@ def take_prefill_batch(
         if not prefill_fits(len(planned) + len(batch) + 1, max(longest, computed), max_tokens):
             break
         need = pages_for(seq.prompt_len, page_size) - len(prefix.pages)
-        if cache is not None:  # before counting free pages: the prefix's own pages are not there to evict
-            cache.lock(prefix)
-        if not admits(allocator, need, headroom):
-            if cache is not None:
-                cache.unlock(prefix)
+        if not locked_if_it_fits(cache, allocator, prefix, need, headroom):
             break
         try:
             new = allocator.reserve(seq.key, need)
@@ -166,11 +175,7 @@ def admit_waiting(queue: deque, allocator: PageAllocator, page_size: int, *, hea
             continue
         prefix = cache.match(entry.request.input_ids) if cache is not None else NO_MATCH
         need = pages_for(entry.prompt_len, page_size) - len(prefix.pages)
-        if cache is not None:  # before counting free pages: the prefix's own pages are not there to evict
-            cache.lock(prefix)
-        if not admits(allocator, need, headroom):
-            if cache is not None:
-                cache.unlock(prefix)
+        if not locked_if_it_fits(cache, allocator, prefix, need, headroom):
             break
         queue.popleft()
         try:
