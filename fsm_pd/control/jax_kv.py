@@ -64,7 +64,8 @@ class JaxKV:
 
     def trailer(self, words: list[int]) -> jax.Array:
         """A chunked handoff's trailer (``effects/chunked.py``): the first token, as ``int32[TRAILER_WORDS]``."""
-        return jnp.asarray(np.asarray(words, dtype=np.int32).reshape(TRAILER_WORDS))
+        # device_put, not jnp.asarray: that one runs a small program per shape, compiled while serving
+        return jax.device_put(np.asarray(words, dtype=np.int32).reshape(TRAILER_WORDS))
 
     # --- decode ---
     def read_trailer(self, staging: jax.Array) -> list[int]:

@@ -132,12 +132,18 @@ def _run_kernels(owner, layout, plan: WarmupPlan, bar: _Bar) -> None:
     usable = layout.num_pages - 1
     group = layer_group(layout)
     placement = pool_placement(owner.pool)  # a split pool's transfers land split like it (control/jax_kv.py)
+    device = next(iter(owner.pool[0].sharding.device_set))
     for rows in plan.scatter_buckets:
         bar.describe(f"scatter {rows} pages")
         pages = list(range(1, min(rows, usable) + 1))
         staging = np.zeros(layout.staging_shape(rows), layout.dtype)
-        owner.pool = scatter_pages(owner.pool, jnp.asarray(staging) if placement is None else
-                                   jax.device_put(staging, placement.staging_sharding), pages, layout=layout)
+        if placement is None:
+            # an array a transfer lands may be committed to the device or not (one more program each): both
+            for landed in (jnp.asarray(staging), jax.device_put(staging, device)):
+                owner.pool = scatter_pages(owner.pool, landed, pages, layout=layout)
+        else:
+            owner.pool = scatter_pages(owner.pool, jax.device_put(staging, placement.staging_sharding), pages,
+                                       layout=layout)
         if placement is None:  # layers are streamed into a pool on one device only
             owner.pool = scatter_layers(owner.pool, 0, jnp.asarray(staging[:group]), pages)
         bar.advance()
