@@ -198,14 +198,8 @@ class TransferBackend(ABC):
         return None
 
     @abstractmethod
-    def pull(
-        self,
-        address: str,
-        uuid: int,
-        spec: Sequence[jax.ShapeDtypeStruct],
-        timeout_s: float,
-        on_progress: OnProgress | None = None,
-    ) -> tuple[jax.Array, ...]:
+    def pull(self, address: str, uuid: int, spec: Sequence[jax.ShapeDtypeStruct], timeout_s: float,
+             on_progress: OnProgress | None = None) -> tuple[jax.Array, ...]:
         """Fetch the arrays P published under ``uuid``; verified against ``spec`` before returning.
 
         ``spec`` gives shape and dtype of every array and optionally the sharding to put it on (default: this

@@ -9,6 +9,8 @@ CPU, that aliases the host array instead of copying it).
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import jax
@@ -17,9 +19,18 @@ import numpy as np
 
 from fsm_pd.kernels.host_blocks import HostBlocks
 from fsm_pd.transport.addresses import with_host
-from fsm_pd.transport.backends.base import OnProgress, PageSource, StagingProgress, TransferFailed
-from fsm_pd.transport.backends.holds import HoldingBackend
-from fsm_pd.transport.backends.spec import ArrayKey, array_key, array_keys, layout_digest, summarize
+from fsm_pd.transport.backends.base import OnProgress, PageSource, StagingProgress, TransferFailed, check_uuid
+from fsm_pd.transport.backends.holds import HoldingBackend, HoldTable
+from fsm_pd.transport.backends.spec import (
+    ArrayKey,
+    array_key,
+    array_keys,
+    layout_digest,
+    normalize_spec,
+    spec_keys,
+    summarize,
+)
+from fsm_pd.transport.backends.timers import scheduler
 
 
 @dataclass(eq=False)
@@ -151,11 +162,36 @@ class HostStreamBackend(HoldingBackend):
 
     _server: object | None
 
-    def _init_stream(self, advertise_host: str | None, recv_pool_bytes: int) -> None:
+    def __init__(self, *, host: str = "127.0.0.1", advertise_host: str | None = None, port: int = 0,
+                 tombstone_ttl_s: float = 600.0, recv_pool_bytes: int = 1 << 30, serve: bool = True) -> None:
+        """``recv_pool_bytes`` caps the warm receive blocks D keeps for reuse (``fsm_pd.kernels.host_blocks``);
+        ``serve=False`` makes a pull-only node; ``address`` names ``advertise_host`` instead of the bound ``host``
+        when it is given."""
         self._advertise_host = advertise_host
         self._recv_pool = HostBlocks(recv_pool_bytes)
         self._closed = False
         self._close_lock = threading.Lock()
+        self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s, clock=scheduler())
+        self._changed = threading.Condition(self._holds.lock)  # publish, end and progress wake the senders
+        self._server = self._make_server(host, port) if serve else None
+
+    def _make_server(self, host: str, port: int) -> object:
+        """The backend's own pull server, bound to ``host:port`` (0: any free port)."""
+        raise NotImplementedError
+
+    def pull(self, address: str, uuid: int, spec: Sequence[jax.ShapeDtypeStruct], timeout_s: float,
+             on_progress: OnProgress | None = None) -> tuple[jax.Array, ...]:
+        deadline = time.monotonic() + timeout_s
+        check_uuid(uuid)
+        want = normalize_spec(spec)
+        if self._closed:
+            raise TransferFailed(f"this {self.name} backend is closed", "local")
+        return self._pull(address, uuid, want, spec_keys(want, count_shards=False), deadline, timeout_s, on_progress)
+
+    def _pull(self, address: str, uuid: int, want: list, want_keys: list[ArrayKey], deadline: float,
+              timeout_s: float, on_progress: OnProgress | None) -> tuple[jax.Array, ...]:
+        """``pull`` once the request is checked: ``want`` is the normalized spec, ``deadline`` monotonic."""
+        raise NotImplementedError
 
     @property
     def address(self) -> str:

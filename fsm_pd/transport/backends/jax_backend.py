@@ -169,14 +169,9 @@ class JaxTransferBackend(HoldingBackend):
 
     # ---- D side ----
 
-    def pull(
-        self,
-        address: str,
-        uuid: int,
-        spec: Sequence[jax.ShapeDtypeStruct],
-        timeout_s: float,
-        on_progress: OnProgress | None = None,  # never called: the library hands over whole arrays
-    ) -> tuple[jax.Array, ...]:
+    def pull(self, address: str, uuid: int, spec: Sequence[jax.ShapeDtypeStruct], timeout_s: float,
+             on_progress: OnProgress | None = None) -> tuple[jax.Array, ...]:
+        # on_progress is never called: the library hands over whole arrays
         deadline = time.monotonic() + timeout_s
         check_uuid(uuid)
         want = normalize_spec(spec)

@@ -16,9 +16,9 @@ from __future__ import annotations
 import contextlib
 import socket
 import struct
-import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -33,11 +33,10 @@ from fsm_pd.transport.backends.base import (
     check_uuid,
     live_staging,
 )
-from fsm_pd.transport.backends.holds import Hold, HoldTable
+from fsm_pd.transport.backends.holds import Hold
 from fsm_pd.transport.backends.host_stream import HostEntry, HostStreamBackend, Landing
-from fsm_pd.transport.backends.spec import layout_digest, normalize_spec, spec_keys, summarize, verify_pulled
+from fsm_pd.transport.backends.spec import layout_digest, summarize, verify_pulled
 from fsm_pd.transport.backends.tcp_server import TcpPullServer
-from fsm_pd.transport.backends.timers import scheduler
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -55,32 +54,17 @@ class TcpTransferBackend(HostStreamBackend):
     progressive = True
     sends_pages = True
 
-    def __init__(
-        self,
-        *,
-        host: str = "127.0.0.1",
-        advertise_host: str | None = None,
-        port: int = 0,
-        frame_bytes: int = 4 << 20,
-        max_streams: int = 256,
-        tombstone_ttl_s: float = 600.0,
-        recv_pool_bytes: int = 1 << 30,
-        serve: bool = True,
-    ) -> None:
+    def __init__(self, *, frame_bytes: int = 4 << 20, max_streams: int = 256, **options: Any) -> None:
         """``frame_bytes`` caps one data frame (P sends less when less is final); ``max_streams`` caps the pulls P
-        serves at once (a thread each; more are refused); ``recv_pool_bytes`` caps the warm receive blocks D keeps
-        for reuse (``fsm_pd.kernels.host_blocks``); ``serve=False`` makes a pull-only node. ``address`` names
-        ``advertise_host`` instead of the bound ``host`` when it is given."""
-        self._init_stream(advertise_host, recv_pool_bytes)
-        self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s, clock=scheduler())
-        self._changed = threading.Condition(self._holds.lock)  # publish, end and progress wake the stream threads
-        self._server = (
-            TcpPullServer(self._holds.lookup, self._changed, host=host, port=port, frame_bytes=frame_bytes,
-                          max_streams=max_streams)
-            if serve
-            else None
-        )
+        serves at once (a thread each; more are refused); ``options``: ``HostStreamBackend``'s (host,
+        advertise_host, port, tombstone_ttl_s, recv_pool_bytes, serve)."""
+        self._frame_bytes, self._max_streams = frame_bytes, max_streams
+        super().__init__(**options)
         self._pulling: set[socket.socket] = set()
+
+    def _make_server(self, host: str, port: int) -> TcpPullServer:
+        return TcpPullServer(self._holds.lookup, self._changed, host=host, port=port, frame_bytes=self._frame_bytes,
+                             max_streams=self._max_streams)
 
     def parked_pulls(self) -> frozenset[int]:
         return frozenset() if self._server is None else self._server.parked()
@@ -123,21 +107,9 @@ class TcpTransferBackend(HostStreamBackend):
 
     # ---- D side ----
 
-    def pull(
-        self,
-        address: str,
-        uuid: int,
-        spec: Sequence[jax.ShapeDtypeStruct],
-        timeout_s: float,
-        on_progress: OnProgress | None = None,
-    ) -> tuple[jax.Array, ...]:
-        deadline = time.monotonic() + timeout_s
-        check_uuid(uuid)
-        want = normalize_spec(spec)
-        want_keys = spec_keys(want, count_shards=False)
+    def _pull(self, address: str, uuid: int, want: list, want_keys: list, deadline: float, timeout_s: float,
+              on_progress: OnProgress | None) -> tuple[jax.Array, ...]:
         host, port = parse_address(address)
-        if self._closed:
-            raise TransferFailed("this tcp backend is closed", "local")
         try:
             sock = socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.001))
             sock.settimeout(None)  # blocking; every call is bounded by _arm instead

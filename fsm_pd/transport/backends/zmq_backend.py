@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -27,10 +28,9 @@ from fsm_pd.transport.backends.base import (
     check_uuid,
     live_staging,
 )
-from fsm_pd.transport.backends.holds import Hold, HoldTable
+from fsm_pd.transport.backends.holds import Hold
 from fsm_pd.transport.backends.host_stream import HostEntry, HostStreamBackend, Landing
-from fsm_pd.transport.backends.spec import layout_digest, normalize_spec, spec_keys, summarize, verify_pulled
-from fsm_pd.transport.backends.timers import scheduler
+from fsm_pd.transport.backends.spec import layout_digest, summarize, verify_pulled
 from fsm_pd.transport.backends.zmq_server import ZmqPullServer
 
 _PEER_GONE = {
@@ -43,28 +43,15 @@ class ZmqTransferBackend(HostStreamBackend):
     name = "zmq"
     progressive = True
 
-    def __init__(
-        self,
-        *,
-        host: str = "127.0.0.1",
-        advertise_host: str | None = None,
-        port: int = 0,
-        chunk_bytes: int = 512 << 10,
-        window: int = 8,
-        tombstone_ttl_s: float = 600.0,
-        recv_pool_bytes: int = 1 << 30,
-        serve: bool = True,
-    ) -> None:
-        """``window`` chunks of ``chunk_bytes`` may be in flight per pull; ``recv_pool_bytes`` caps the warm receive
-        blocks D keeps for reuse (see ``fsm_pd.kernels.host_blocks``); ``serve=False`` makes a pull-only node.
-        ``address`` names ``advertise_host`` instead of the bound ``host`` when it is given."""
-        self._init_stream(advertise_host, recv_pool_bytes)
-        self._window = window
-        self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s, clock=scheduler())
-        self._server = (
-            ZmqPullServer(self._holds.lookup, host=host, port=port, chunk_bytes=chunk_bytes) if serve else None
-        )
+    def __init__(self, *, chunk_bytes: int = 512 << 10, window: int = 8, **options: Any) -> None:
+        """``window`` chunks of ``chunk_bytes`` may be in flight per pull; ``options``: ``HostStreamBackend``'s
+        (host, advertise_host, port, tombstone_ttl_s, recv_pool_bytes, serve)."""
+        self._chunk_bytes, self._window = chunk_bytes, window
+        super().__init__(**options)
         self._ctx = zmq.Context()
+
+    def _make_server(self, host: str, port: int) -> ZmqPullServer:
+        return ZmqPullServer(self._holds.lookup, host=host, port=port, chunk_bytes=self._chunk_bytes)
 
     def parked_pulls(self) -> frozenset[int]:
         return frozenset() if self._server is None else self._server.parked
@@ -95,20 +82,8 @@ class ZmqTransferBackend(HostStreamBackend):
 
     # ---- D side ----
 
-    def pull(
-        self,
-        address: str,
-        uuid: int,
-        spec: Sequence[jax.ShapeDtypeStruct],
-        timeout_s: float,
-        on_progress: OnProgress | None = None,
-    ) -> tuple[jax.Array, ...]:
-        deadline = time.monotonic() + timeout_s
-        check_uuid(uuid)
-        want = normalize_spec(spec)
-        want_keys = spec_keys(want, count_shards=False)
-        if self._closed:
-            raise TransferFailed("this zmq backend is closed", "local")
+    def _pull(self, address: str, uuid: int, want: list, want_keys: list, deadline: float, timeout_s: float,
+              on_progress: OnProgress | None) -> tuple[jax.Array, ...]:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
