@@ -142,7 +142,8 @@ def test_a_hold_ended_mid_stream_fails_the_pull_and_sends_no_page_freed_after_it
         consumer.pull(producer.address, uuid, spec(pages), TIMEOUT_S, on_progress=on_progress)
     got = landed[0]
     sent = expected.reshape(-1).view(np.uint8)[: got.size]
-    assert got.size < expected.nbytes, "the whole staging arrived after the hold ended"
+    # (on an idle machine every frame may be on the wire before the hold ends: the pull still fails, and what landed
+    # is still the pages' old bytes; asserting that less than all of it landed made this test flaky)
     assert not np.any(got[: got.size // 4 * 4].view(np.float32) == 99.0), "a freed page's new contents were sent"
     assert np.all((got == sent) | (got == 0))
     assert producer.open_entries().count == 0
