@@ -100,9 +100,16 @@ def attainment(results: list[dict], slo: dict) -> float:
     return len(ok) / len(results)
 
 
+def missed(results: list[dict], slo: dict) -> dict:
+    """Which half of the SLO the requests missed: the share over the TTFT bound, and over the TPOT bound."""
+    return {"ttft_missed": sum(not r or r["ttft"] > slo["ttft"] for r in results) / len(results),
+            "tpot_missed": sum(not r or r["tpot"] > slo["tpot"] for r in results) / len(results)}
+
+
 def phases(results: list[dict]) -> dict:
     """Medians of the TTFT phases a PD answer's meta_info names (SGLang's names), and of the TTFT itself."""
-    out = {"ttft": statistics.median(r["ttft"] for r in results if r)}
+    out = {"ttft": statistics.median(r["ttft"] for r in results if r),
+           "tpot": statistics.median(r["tpot"] for r in results if r)}
     for name in ("queue_time", "bootstrap_duration", "waiting_duration", "transfer_duration"):
         values = [r["meta"][name] for r in results if r and name in r.get("meta", {})]
         if values:
@@ -176,15 +183,16 @@ def main(argv=None) -> int:
                         err.log(f"{name} {mode}: {rate}/s")
                         results = at_rate(url, load(name, rate), rate, random.Random(int(rate * 1000)))
                         share = attainment(results, slo)
-                        sweep.append({"rate": rate, "attainment": share, **phases(results)})
+                        sweep.append({"rate": rate, "attainment": share, **missed(results, slo), **phases(results)})
                         if share >= 0.9:
                             best, phase_at_best = rate, phases(results)
                         misses = misses + 1 if share < 0.5 else 0
                         if misses >= 2:
                             break
                     entry["modes"][mode] = {"sweep": sweep, "goodput": best, "phases_at_goodput": phase_at_best}
-                entry["pd_over_colocated"] = (entry["modes"]["pd"]["goodput"] /
-                                              max(entry["modes"]["colocated"]["goodput"], 1e-9))
+                colocated_goodput = entry["modes"]["colocated"]["goodput"]
+                entry["pd_over_colocated"] = (entry["modes"]["pd"]["goodput"] / colocated_goodput
+                                              if colocated_goodput else None)  # None: colocated met no rate
                 report["workloads"][name] = entry
             report["compiles_after_startup"] = {mode: sum(serving_compiles(u) for u in nodes)
                                                 for mode, (_, _, nodes) in modes.items()}
@@ -210,17 +218,21 @@ def print_report(report: dict) -> None:
         for mode in entry["modes"]:
             table.add_column(f"{mode} attained", justify="right")
             table.add_column(f"{mode} TTFT p50", justify="right")
+            table.add_column(f"{mode} TPOT p50 ms", justify="right")
+            table.add_column(f"{mode} missed TTFT/TPOT", justify="right")
         rates = sorted({s["rate"] for m in entry["modes"].values() for s in m["sweep"]})
         for rate in rates:
             row = [f"{rate:g}"]
             for m in entry["modes"].values():
                 found = next((s for s in m["sweep"] if s["rate"] == rate), None)
-                row += [f"{found['attainment']:.0%}", f"{found['ttft']:.2f}"] if found else ["-", "-"]
+                row += [f"{found['attainment']:.0%}", f"{found['ttft']:.2f}", f"{found['tpot'] * 1000:.0f}",
+                        f"{found['ttft_missed']:.0%}/{found['tpot_missed']:.0%}"] if found else ["-"] * 4
             table.add_row(*row)
         console.print(table)
         goodput = {mode: m["goodput"] for mode, m in entry["modes"].items()}
         console.print("goodput: " + ", ".join(f"{mode} {g:g}/s" for mode, g in goodput.items())
-                      + f"; PD / colocated = {entry['pd_over_colocated']:.2f}x")
+                      + ("; PD / colocated = " + (f"{entry['pd_over_colocated']:.2f}x" if entry["pd_over_colocated"]
+                                                    is not None else "n/a (colocated met the SLO at no rate)")))
         for mode, m in entry["modes"].items():
             if m["phases_at_goodput"]:
                 console.print(f"  {mode} at its goodput, medians: " + ", ".join(
