@@ -11,8 +11,12 @@ from fsm_pd.store import read_journal
 def world_with_a_slow_gather(tmp_path) -> World:
     """One request whose gather takes 30 s: D waits in WaitingForInput, P in Transferring, both bound to the other."""
     world = World(SimConfig(requests=0, seed=4, num_pages=64), tmp_path, durability="off")
-    world.model_delay = 30.0
     world.add_request(1, 40, at=0.001)
+    # slow only from the prefill on: admission runs model jobs too (the engines' own), and 30 s there would let the
+    # bootstrap deadline fail the room before either side is bound
+    assert world.run_until(lambda: world.prefill.live_rooms().get(1) is not None
+                           and world.prefill.live_rooms()[1].state == "WaitingForInput")
+    world.model_delay = 30.0
     assert world.run_until(lambda: world.prefill.instance.peers.bound() and world.decode.instance.peers.bound())
     return world
 
@@ -42,7 +46,7 @@ def test_a_dead_prefill_fails_the_decode_rooms_bound_to_it_within_three_heartbea
 def test_a_dead_decode_fails_the_prefill_rooms_bound_to_it_and_frees_their_staging(tmp_path):
     world = world_with_a_slow_gather(tmp_path)
     world.model_delay = 0.0005
-    world.run_until(lambda: world.ledger.holdings("staging"))  # the gather is done, the staging buffer published
+    assert world.run_until(lambda: world.ledger.holdings("staging"))  # the gather is done, the staging buffer published
     died = world.clock.now()
     world.crash("decode")
     world.run(until=died + 10)

