@@ -219,7 +219,7 @@ def _until_both_decodes_admitted(router: str, timeout_s: float = 60.0) -> None:
     raise AssertionError("the router did not take the stopped decode node back within 60 s of SIGCONT")
 
 
-def phases(router: str, prefills: list[str], decodes: list[str], procs: dict, short: int = 8, long: int = 48,
+def phases(router: str, prefills: list[str], decodes: list[str], procs: dict, short: int = 8, long: int = 160,
            warm_rounds: int = 0) -> dict:
     """Run every phase in order; each phase's results (lists of ``send`` answers) and the baselines. The first
     round compiles: ``warm_rounds`` more before the baseline give it undisturbed timings (the test needs only its
@@ -246,12 +246,13 @@ def phases(router: str, prefills: list[str], decodes: list[str], procs: dict, sh
     streams = {i for i in range(CONCURRENCY) if KINDS[i % len(KINDS)].endswith("stream")}
 
     def busiest_decode_mid_stream(progress: Progress, role: str) -> str:
-        """The decode node that holds the most requests once a quarter of the streams are mid-stream (tokens out, not
+        """The decode node that holds the most requests once an eighth of the streams are mid-stream (tokens out, not
         ended): a fault then breaks streams. Waiting for a share of all streams to have tokens let the first ones end
-        and left the rest in prefill, and a fast decode could then be faulted with no stream on it."""
+        and left the rest in prefill, and a fast decode could then be faulted with no stream on it; long answers
+        (``long`` tokens) keep several streams open at once even when the prefill node serializes their starts."""
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if 4 * len(progress.mid_stream(streams)) >= len(streams):
+            if 8 * len(progress.mid_stream(streams)) >= len(streams):
                 seen = loads(decodes)
                 if max(seen.values()) > 0:
                     at_kill[role] = seen
