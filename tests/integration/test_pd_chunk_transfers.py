@@ -9,9 +9,9 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
-from processes import PAGE_SIZE, Cluster, free_port
+from processes import PAGE_SIZE, free_port
+from test_pd_serving import cluster, greedy  # noqa: F401 (cluster is a fixture)
 
 from fsm_pd.store import read_journal, replay
 
@@ -22,22 +22,8 @@ PROMPTS = ["short prompt", "m" * (CHUNK + 7), "The chunks travel while the next 
 PIECES = [2, 5, 5]
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    c = Cluster(tmp_path)
-    yield c
-    c.stop()
-
-
-def greedy(url: str, prompt: str) -> list[int]:
-    body = {"text": prompt, "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}}
-    answer = httpx.post(url + "/generate", json=body, timeout=180)
-    assert answer.status_code == 200, answer.text
-    return answer.json()["output_ids"]
-
-
 @pytest.mark.parametrize("backend", ["tcp", "zmq", "jax"])
-def test_chunked_prefill_node_answers_as_a_whole_prefill_and_replay_shows_each_chunk(cluster, backend):
+def test_chunked_prefill_node_answers_as_a_whole_prefill_and_replay_shows_each_chunk(cluster, backend):  # noqa: F811 (the fixture)
     colocated = cluster.serve("colocated", "--chunked-prefill-size", "4096")
     boot = free_port()
     p = cluster.serve("prefill", "--bootstrap-port", str(boot), "--transfer-backend", backend,
