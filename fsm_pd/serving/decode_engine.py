@@ -131,8 +131,8 @@ class DecodeEngine(PDEngine):
 
     def _step(self) -> bool:
         self.prealloc.waiting.extend(self._take_arrivals())
-        while self.room_events:
-            self._on_room(*self.room_events.popleft())
+        for event in self._take_room_events():
+            self._on_room(*event)
         if not self.loop.resuming:  # retracted requests take the pages first, as for new ones
             self.recompute.prefill(self.max_running - len(self.loop.running), self.loop.add, self._finish)
             in_transfer = len(self.rooms) - len(self.prealloc.waiting)

@@ -71,14 +71,17 @@ class EngineCore:
         seq = Sequence.start(request, stream, key=self._key(request), pages=[], tokenizer=self.model.tokenizer,
                              eos_token_ids=self.model.eos_token_ids, max_context=self.max_context)
         self.requests.add(seq)
-        self.arrivals.append(seq)
+        seq.accepting = True
+        self.arrivals.append(seq)  # before _accept: its room's events must find it queued (``_arrived``)
         try:
             self._accept(seq)
         except BaseException:
             seq.cancelled = True  # the scheduler drops it from arrivals
             self.requests.pop(seq)
             raise
-        self._driver.kick()
+        finally:
+            seq.accepting = False
+            self._driver.kick()
 
     def abort(self, rid: str, reason: str | None = None, status: int = ABORTED_STATUS, *,
               room: int | None = None) -> bool:
@@ -163,10 +166,20 @@ class EngineCore:
 
     def _arrived(self) -> list[Sequence]:
         """The requests submitted since the last step, in order, without the ones already cancelled (aborted, or
-        their submit failed): model thread."""
+        their submit failed): model thread. It stops at one whose submit is still running (``accepting``): that
+        submit may yet fail (a room used before), and a request the scheduler holds has no way back out; the kick
+        that ends the submit queues the step that takes it."""
         taken = []
         while self.arrivals:
-            seq = self.arrivals.popleft()
+            seq = self.arrivals[0]
+            if seq.accepting and not seq.cancelled:
+                break
+            self.arrivals.popleft()
             if not seq.cancelled:
                 taken.append(seq)
         return taken
+
+    def _arriving(self, key: int) -> bool:
+        """Whether a request with this key is still among the arrivals (its submit is running): model thread."""
+        # list() copies the deque in one C call, which appends from other threads cannot interleave with
+        return any(seq.key == key and not seq.cancelled for seq in list(self.arrivals))

@@ -108,6 +108,17 @@ class PDEngine(EngineCore):
             self.rooms[seq.key] = seq
         return arrived
 
+    def _take_room_events(self) -> list[tuple[int, str, Any]]:
+        """The room events queued by the loop, oldest first. Those of a room whose request is still being submitted
+        (``_accept`` opened the room, and the loop can move it on before the request leaves ``arrivals``) stay
+        queued for the step after that submit, which finds the request in ``rooms``."""
+        events, later = [], []
+        while self.room_events:
+            event = self.room_events.popleft()
+            (later if event[0] not in self.rooms and self._arriving(event[0]) else events).append(event)
+        self.room_events.extendleft(reversed(later))
+        return events
+
     # --- what each role adds ---
     def _open_room(self, seq: Sequence) -> None:
         raise NotImplementedError

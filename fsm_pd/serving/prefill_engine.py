@@ -120,8 +120,8 @@ class PrefillEngine(PDEngine):
     # --- the model thread ---
     def _step(self) -> bool:
         self._take_arrivals()
-        while self.room_events:
-            self._on_room(*self.room_events.popleft())
+        for event in self._take_room_events():
+            self._on_room(*event)
         # a prompt whose room ended mid-prefill is dropped: _on_room freed its pages
         self._chunking = [s for s in self._chunking if not self._gone(s)]
         budget = self.chunked_prefill_size

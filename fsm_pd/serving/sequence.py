@@ -32,6 +32,9 @@ class Sequence:
     prompt_logprobs: list | None = None
     prompt_top_logprobs: list | None = None
     cancelled: bool = False  # set by abort() from any thread; the scheduler drops the sequence at its next step
+    # True while ``submit`` still opens it (its room, on a PD node): the scheduler takes it from the arrivals only
+    # once that is done, so a request whose room was refused never reaches the scheduler's queues
+    accepting: bool = False
     started: float = field(default_factory=time.monotonic)
     # when it joined the queue its forward pass is taken from (SGLang's wait queue): at creation, or for a prefill
     # node once its room is bootstrapped; ``take_prefill_batch`` turns it into ``meta["queue_time"]``
