@@ -154,13 +154,9 @@ def recover_seconds(path: Path, full_scan: bool) -> tuple[float, int]:
 
 def serve_to_health(journal: Path, workdir: Path) -> float:
     """Seconds from ``fsm-pd serve --role prefill --model tiny`` to /health 200 (the node is then stopped)."""
-    import socket
+    from fsm_pd.launch import free_port
 
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
+    ports = [free_port(), free_port()]
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "fsm_pd.cli", "serve", "--role", "prefill", "--model", "tiny",
                              "--port", str(ports[0]), "--bootstrap-port", str(ports[1]), "--journal", str(journal),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -36,10 +37,33 @@ WARMUP_QUESTION = "What is the capital of France?"
 WARMUP_TIMEOUT_S = 300.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_handed_out: set[int] = set()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now, for a server started next. It is drawn below the kernel's ephemeral range,
+    where no outgoing connection takes its local port (a port the kernel hands to ``bind(0)`` is one an outgoing
+    connection can take before our server binds it), and never one this process handed out before."""
+    low = _ephemeral_low()
+    for _ in range(1000):
+        port = random.randrange(max(1024, low // 2), low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port on {host} below {low}")
+
+
+def _ephemeral_low() -> int:
+    try:  # Linux; elsewhere the IANA range's start
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
 
 
 @dataclass

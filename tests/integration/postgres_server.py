@@ -20,6 +20,8 @@ import subprocess
 import tempfile
 import time
 
+from fsm_pd.launch import free_port
+
 PROGRAMS = ("initdb", "postgres")
 SUPERUSER = "fsm"
 
@@ -52,12 +54,6 @@ def _version(folder: str) -> int:
         return 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class PostgresServer:
     """One ``postgres`` process on 127.0.0.1:``port``; ``url(db)`` is a SQLAlchemy URL for database ``db``.
 
@@ -72,7 +68,7 @@ class PostgresServer:
         self.fsync = fsync
         self.dir = tempfile.mkdtemp(prefix="fsm-pd-pg-")
         self.data = os.path.join(self.dir, "data")
-        self.port = _free_port()
+        self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.log_path = os.path.join(self.dir, "postgres.log")
         self._user: dict = {}

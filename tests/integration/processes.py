@@ -7,22 +7,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 
+from fsm_pd.launch import free_port
 from fsm_pd.transport import generate_secret, secret_env
 
 PAGE_SIZE = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_health(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:

@@ -7,7 +7,6 @@ import dataclasses
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ from fsm_pd.bootstrap import (
     register_prefill_rank,
     resolve_prefill,
 )
+from fsm_pd.launch import free_port
 
 NOT_READY = "Prefill server not fully registered yet ({} workers registered)."
 RANK_0 = {"prefill_dp_rank": 0, "prefill_cp_rank": 0, "target_tp_rank": 0, "target_pp_rank": 0}
@@ -90,13 +90,6 @@ def make_server():
 def http():
     with httpx.Client(timeout=5.0) as client:
         yield client
-
-
-def free_port() -> int:
-    """A port nothing listens on right now (bound and released; the race is acceptable on loopback)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def route(http: httpx.Client, server: BootstrapServer, **params: Any) -> httpx.Response:

@@ -12,13 +12,8 @@ import time
 import httpx
 import psutil
 
+from fsm_pd.launch import free_port
 from fsm_pd.store import read_journal, replay
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def listening(port: int) -> bool:

@@ -8,22 +8,16 @@ met, and that pages and buffers are back at their baseline.
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
 from pd_harness import assert_replay_consistent, cluster, final, wait_for_state
 
+from fsm_pd.launch import free_port
 from fsm_pd.store import read_journal
 
 assert cluster  # a fixture, used by name
 SLACK = 1.5  # seconds of scheduling noise allowed past a deadline on this 2-core machine
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pair(

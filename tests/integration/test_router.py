@@ -14,6 +14,7 @@ from polling import until
 from stub_engine import DECODE_LOGPROB, PREFILL_LOGPROB, StubEngine
 
 from fsm_pd.api import AppServer, create_app
+from fsm_pd.launch import free_port
 from fsm_pd.router import build_arg_parser, create_router_app
 from fsm_pd.router.app import PrefillWorker, RetrySettings, parse_prefill_specs
 from fsm_pd.serving.types import EngineError
@@ -115,10 +116,7 @@ def test_prefill_4xx_is_passed_through():
 
 
 def test_unreachable_prefill_is_502_and_cancels_decode():
-    free = socket.socket()
-    free.bind(("127.0.0.1", 0))
-    dead_port = free.getsockname()[1]
-    free.close()
+    dead_port = free_port()
     decode = StubEngine(role="decode", hang=True)
     with AppServer(create_app(decode, decode.tokenizer)) as d:
         router = create_router_app([(f"http://127.0.0.1:{dead_port}", 9000)], [d.url], retry=NO_RETRY)

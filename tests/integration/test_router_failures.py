@@ -19,6 +19,7 @@ from stub_engine import StubEngine
 from test_router import NO_RETRY, pd_cluster, sse_data
 
 from fsm_pd.api import AppServer, create_app
+from fsm_pd.launch import free_port
 from fsm_pd.router import create_router_app
 from fsm_pd.serving.types import EngineError, TokenOutput
 
@@ -102,10 +103,7 @@ def test_failed_decode_cancels_the_waiting_prefill(stream):
 
 
 def test_unreachable_decode_is_502_and_cancels_the_prefill():
-    free = socket.socket()
-    free.bind(("127.0.0.1", 0))
-    dead = f"http://127.0.0.1:{free.getsockname()[1]}"
-    free.close()
+    dead = f"http://127.0.0.1:{free_port()}"
     prefill = StubEngine(role="prefill", hang=True)
     with contextlib.ExitStack() as stack:
         p = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=9000)))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,16 +20,12 @@ import pytest
 from real_parts import SGLANG_ROUTER
 from stub_engine import DECODE_LOGPROB, PREFILL_LOGPROB, stub_server
 
+from fsm_pd.launch import free_port
+
 pytestmark = SGLANG_ROUTER
 
 BOOTSTRAP_PORT = 8998  # only passed along by the router; nothing needs to listen on it for stub engines
 REQUEST_TIMEOUT_S = 5  # the router's total per-request timeout: how long it waits for a silent decode leg
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

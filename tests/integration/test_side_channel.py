@@ -7,7 +7,6 @@ import hashlib
 import hmac
 import os
 import select
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import pytest
 import zmq
 
 from fsm_pd.kernels.layout import KVLayout
+from fsm_pd.launch import free_port
 from fsm_pd.transport.messages import Abort, MessageType, Prepare, Pulled, Ready, encode_body
 from fsm_pd.transport.side_channel import (
     BadPeerAddress,
@@ -351,6 +351,4 @@ def _sign(signed_part: bytes) -> bytes:
 
 
 def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
