@@ -175,6 +175,8 @@ def test_a_prefill_restarted_at_a_new_address_is_used_before_its_death_is_declar
     p, d = pair(cluster, bootstrap_port=port, heartbeat={"interval_s": 0.5, "max_failures": 30})
     request(p, d, 1, [2, 3], kv_ready=False)
     wait_for_state(d, 1, "WaitingForInput")
+    # the prefill node has the decode node's PREPARE: else its send to the killed node fails the room as unreachable
+    wait_for_state(p, 1, "WaitingForInput")
     old_side_channel = p.info["side_channel"]
     p.kill()
     killed_at = time.time()
