@@ -170,9 +170,10 @@ def test_decode_abort_during_transfer_fails_the_prefill_request(pd, model):
         while d.manager.poll(room) != KVPoll.WaitingForInput:
             await asyncio.sleep(0.01)
         assert d.abort("da")
-        results = await asyncio.gather(prefill, decode, return_exceptions=True)
-        release.set()
-        return results
+        while p.manager.poll(room) != KVPoll.Failed:  # the ABORT reached P while its model thread was held
+            await asyncio.sleep(0.01)
+        release.set()  # P's scheduler now hears of the failed room and answers its request
+        return await asyncio.gather(prefill, decode, return_exceptions=True)
 
     try:
         on_p, on_d = run(scenario())
