@@ -163,11 +163,10 @@ def start_fleet(cluster: Cluster, router: str = "builtin") -> tuple[str, list[st
     # survivors take twice the load and compile new batch shapes, which 2 busy cores can take seconds to do
     cluster.env = {**cluster.env, **ENV, **{k: "15" for k in ENV if k.endswith("_TIMEOUT")},
                    "FSM_PD_MODEL": "tiny"}  # the suite sets it too; the bench runs without the suite
-    prefills, boots = [], []
-    for _ in range(2):
-        boots.append(free_port())
-        prefills.append(cluster.serve("prefill", "--bootstrap-port", str(boots[-1]), "--transfer-backend", "tcp"))
-    decodes = [cluster.serve("decode", "--transfer-backend", "tcp") for _ in range(2)]
+    boots = [free_port(), free_port()]
+    urls = cluster.serve_many(*[("prefill", "--bootstrap-port", str(b), "--transfer-backend", "tcp") for b in boots],
+                              ("decode", "--transfer-backend", "tcp"), ("decode", "--transfer-backend", "tcp"))
+    prefills, decodes = urls[:2], urls[2:]
     procs = dict(zip(prefills + decodes, cluster.procs, strict=True))
     port = free_port()
     if router == "builtin":

@@ -76,8 +76,7 @@ class Rig:
         self.envs = {"prefill": {**base, **(prefill_env or {})}, "decode": {**base, **(decode_env or {})}}
         self.boot = free_port()
         try:
-            self.p = self.node("prefill", "--bootstrap-port", str(self.boot))
-            self.d = self.node("decode")
+            self.p, self.d = self.nodes(("prefill", "--bootstrap-port", str(self.boot)), ("decode",))
             # one attempt per request: the fault tests count each fault's rooms and reasons on the nodes, which a
             # retry (another room, docs/fleet.md) would add to
             self.router = self.cluster.router(self.p.url, self.boot, self.d.url, "--retry-policy", "fail")
@@ -85,10 +84,11 @@ class Rig:
             self.cluster.stop()
             raise
 
-    def node(self, role: str, *extra: str) -> Node:
-        self.cluster.env = self.envs[role]
-        url = self.cluster.serve(role, *extra)
-        return Node(self, role, url, self.cluster.procs[-1])
+    def nodes(self, *nodes: tuple[str, ...]) -> list[Node]:
+        """Start the nodes (``(role, *flags)``) side by side, each with its role's environment."""
+        started = [self.cluster.launch_node(role, *extra, env=self.envs[role]) for role, *extra in nodes]
+        self.cluster.healthy(started)
+        return [Node(self, spec[0], url, proc) for spec, (url, proc) in zip(nodes, started, strict=True)]
 
     def warm_up(self, concurrency: int = 8) -> None:
         """Fault-free requests (the pause file exists) until a round all succeeds: the first ones compile the
@@ -191,7 +191,7 @@ class Node:
 
     def restart(self) -> None:
         """The same command line, ports and journal: the node recovers its rooms from the journal."""
-        self.rig.cluster.env = self.rig.envs[self.role]
-        self.rig.cluster.start(f"{self.role}-restarted-{len(self.rig.cluster.procs)}", list(self.proc.args), self.url)
+        self.rig.cluster.start(f"{self.role}-restarted-{len(self.rig.cluster.procs)}", list(self.proc.args), self.url,
+                               self.rig.envs[self.role])
         self.proc = self.rig.cluster.procs[-1]
         self.baseline = self.wait_idle() if self.baseline is None else self.baseline

@@ -71,12 +71,23 @@ class NodeProcess:
         if seed is not None:
             self.args += ["--seed", str(seed)]
         self.env = {**os.environ, **secret_env(secret), **(env or {})}
-        self.start()
+        self._spawn()
 
     def start(self):
-        self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=self.env)
-        self.info = self._read(120)
+        self._spawn()
         return self.info
+
+    def _spawn(self):
+        """Start the process and return: the nodes of a test start side by side, and ``info`` waits for this one."""
+        self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=self.env)
+        self._info = None
+
+    @property
+    def info(self) -> dict:
+        """What the node printed once ready (its addresses), read on first use."""
+        if self._info is None:
+            self._info = self._read(120)
+        return self._info
 
     def _read(self, timeout):
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
@@ -88,6 +99,7 @@ class NodeProcess:
         return json.loads(line)
 
     def __call__(self, op, timeout=60, **fields):
+        assert self.info  # its first line, before any answer
         self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
         self.proc.stdin.flush()
         out = self._read(timeout)

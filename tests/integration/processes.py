@@ -37,30 +37,51 @@ class Cluster:
         self.tmp, self.procs = tmp_path, []
         self.env = {**os.environ, **secret_env(generate_secret()), "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
 
-    def start(self, name: str, argv: list[str], url: str) -> str:
-        wait_health(url, self.launch(name, argv))
+    def start(self, name: str, argv: list[str], url: str, env: dict | None = None) -> str:
+        wait_health(url, self.launch(name, argv, env))
         return url
 
-    def launch(self, name: str, argv: list[str]) -> subprocess.Popen:
-        """Start ``argv`` without waiting for it (several processes start faster side by side)."""
+    def launch(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+        """Start ``argv`` without waiting for it (several processes start faster side by side); ``env`` defaults to
+        the cluster's."""
         log = open(self.tmp / f"{name}.log", "w")  # noqa: SIM115 - the child writes to it
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env or self.env,
+                                stdin=subprocess.DEVNULL)
         self.procs.append(proc)
         return proc
 
     def serve(self, role: str, *extra: str) -> str:
+        return self.serve_many((role, *extra))[0]
+
+    def serve_many(self, *nodes: tuple[str, ...], env: dict | None = None) -> list[str]:
+        """Start every node (``(role, *flags)``) at once and return their URLs, in order, once each answers
+        ``/health``: loading the model and compiling on both cores takes about half the time of one after the
+        other."""
+        return self.healthy([self.launch_node(role, *extra, env=env) for role, *extra in nodes])
+
+    def launch_node(self, role: str, *extra: str, env: dict | None = None) -> tuple[str, subprocess.Popen]:
+        """``fsm-pd serve --role role`` on a free port, with its own journal; (its URL, its process) at once."""
         port = free_port()
         argv = [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", role, "--port", str(port),
                 "--page-size", str(PAGE_SIZE), *extra]
         if role in ("prefill", "decode"):
             argv += ["--journal", str(self.tmp / f"{role}-{port}.db"), "--node-id", f"{role}-{port}"]
-        return self.start(f"{role}-{port}", argv, f"http://127.0.0.1:{port}")
+        return f"http://127.0.0.1:{port}", self.launch(f"{role}-{port}", argv, env)
 
-    def pd(self, backend: str) -> tuple[str, int, str]:
+    @staticmethod
+    def healthy(started: list[tuple[str, subprocess.Popen]]) -> list[str]:
+        """The URLs of ``launch_node``'s answers, once each of them answers ``/health``."""
+        for url, proc in started:
+            wait_health(url, proc)
+        return [url for url, _ in started]
+
+    def pd(self, backend: str, *others: tuple[str, ...]) -> tuple:
+        """A prefill node (and its bootstrap port) and a decode node, started with ``others`` (``(role, *flags)``)
+        side by side: ``(prefill URL, bootstrap port, decode URL, *others' URLs)``."""
         boot = free_port()
-        p = self.serve("prefill", "--bootstrap-port", str(boot), "--transfer-backend", backend)
-        d = self.serve("decode", "--transfer-backend", backend)
-        return p, boot, d
+        p, d, *rest = self.serve_many(("prefill", "--bootstrap-port", str(boot), "--transfer-backend", backend),
+                                      ("decode", "--transfer-backend", backend), *others)
+        return (p, boot, d, *rest)
 
     def router(self, p: str, boot: int, d: str, *extra: str) -> str:
         port = free_port()
@@ -83,8 +104,8 @@ class Cluster:
 def pd_beside_colocated(cluster: Cluster, backend: str = "zmq") -> dict[str, str]:
     """A PD pair behind the built-in router (and behind the real sglang-router when that package is installed), and a
     colocated node to compare with: ``{"colocated", "router", "decode", "sglang-router"?}`` -> base URL."""
-    p, boot, d = cluster.pd(backend)
-    found = {"colocated": cluster.serve("colocated"), "router": cluster.router(p, boot, d), "decode": d}
+    p, boot, d, colocated = cluster.pd(backend, ("colocated",))
+    found = {"colocated": colocated, "router": cluster.router(p, boot, d), "decode": d}
     try:
         import sglang_router  # noqa: F401
     except ImportError:

@@ -24,11 +24,11 @@ PIECES = [2, 5, 5]
 
 @pytest.mark.parametrize("backend", ["tcp", "zmq", "jax"])
 def test_chunked_prefill_node_answers_as_a_whole_prefill_and_replay_shows_each_chunk(cluster, backend):  # noqa: F811 (the fixture)
-    colocated = cluster.serve("colocated", "--chunked-prefill-size", "4096")
     boot = free_port()
-    p = cluster.serve("prefill", "--bootstrap-port", str(boot), "--transfer-backend", backend,
-                      "--chunked-prefill-size", str(CHUNK))
-    d = cluster.serve("decode", "--transfer-backend", backend)
+    colocated, p, d = cluster.serve_many(
+        ("colocated", "--chunked-prefill-size", "4096"),
+        ("prefill", "--bootstrap-port", str(boot), "--transfer-backend", backend, "--chunked-prefill-size", str(CHUNK)),
+        ("decode", "--transfer-backend", backend))
     router = cluster.router(p, boot, d)
     want = [greedy(colocated, prompt) for prompt in PROMPTS]
     with ThreadPoolExecutor(4) as pool:

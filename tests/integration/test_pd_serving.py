@@ -45,8 +45,8 @@ def all_greedy(url: str) -> list[list[int]]:
 
 @pytest.mark.parametrize("backend", ["zmq", "jax", "tcp"])
 def test_pd_answers_equal_colocated_answers(cluster, backend):
-    colocated = cluster.serve("colocated")
-    router = cluster.router(*cluster.pd(backend))
+    p, boot, d, colocated = cluster.pd(backend, ("colocated",))
+    router = cluster.router(p, boot, d)
     want = all_greedy(colocated)
     got = all_greedy(router)
     assert got == want
@@ -61,13 +61,12 @@ def test_pd_answers_equal_colocated_answers(cluster, backend):
 @SGLANG_ROUTER
 def test_real_sglang_router_and_openai_client(cluster):
     openai = pytest.importorskip("openai")
-    p, boot, d = cluster.pd("zmq")
+    p, boot, d, colocated = cluster.pd("zmq", ("colocated",))
     port = free_port()
     router = cluster.start("sglang-router", [
         sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", p, str(boot),
         "--decode", d, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
         "--prometheus-port", str(free_port()), "--policy", "random"], f"http://127.0.0.1:{port}")
-    colocated = cluster.serve("colocated")
     prompt = "The quick brown fox"
     assert greedy(router, prompt) == greedy(colocated, prompt)
 

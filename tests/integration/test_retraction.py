@@ -64,10 +64,11 @@ def engine_info(url: str) -> dict:
 
 def test_forty_streams_on_a_pool_for_twenty_all_complete_with_unpressured_output(cluster):
     boot = free_port()
-    p = cluster.serve("prefill", "--model", "tiny", "--bootstrap-port", str(boot), "--transfer-backend", "tcp")
-    d = cluster.serve("decode", "--model", "tiny", "--transfer-backend", "tcp", "--num-pages", str(DECODE_PAGES))
+    p, d, colocated = cluster.serve_many(
+        ("prefill", "--model", "tiny", "--bootstrap-port", str(boot), "--transfer-backend", "tcp"),
+        ("decode", "--model", "tiny", "--transfer-backend", "tcp", "--num-pages", str(DECODE_PAGES)),
+        ("colocated", "--model", "tiny", "--num-pages", str(2 * STREAMS * PAGES_PER_STREAM)))
     router = cluster.router(p, boot, d)
-    colocated = cluster.serve("colocated", "--model", "tiny", "--num-pages", str(2 * STREAMS * PAGES_PER_STREAM))
 
     # while the streams run, /flush_cache on the decode node is refused as SGLang refuses it
     flush_answers: list[int] = []

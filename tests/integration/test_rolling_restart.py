@@ -37,8 +37,9 @@ def test_rolling_restart_of_every_node_under_load(tmp_path):
     c = Cluster(tmp_path)
     try:
         boots = [free_port(), free_port()]
-        prefills = [c.serve("prefill", "--bootstrap-port", str(b), "--transfer-backend", "tcp") for b in boots]
-        decodes = [c.serve("decode", "--transfer-backend", "tcp") for _ in range(2)]
+        urls = c.serve_many(*[("prefill", "--bootstrap-port", str(b), "--transfer-backend", "tcp") for b in boots],
+                            ("decode", "--transfer-backend", "tcp"), ("decode", "--transfer-backend", "tcp"))
+        prefills, decodes = urls[:2], urls[2:]
         port = free_port()
         argv = [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", "router", "--port", str(port)]
         for url, boot in zip(prefills, boots, strict=True):

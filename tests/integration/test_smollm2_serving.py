@@ -50,10 +50,10 @@ def test_smollm2_pd_equals_colocated_through_both_routers(tmp_path):
     cluster = Cluster(tmp_path)
     try:
         boot = free_port()
-        prefill = cluster.serve("prefill", "--bootstrap-port", str(boot), "--transfer-backend", "tcp", *MODEL)
-        decode = cluster.serve("decode", "--transfer-backend", "tcp", "--disaggregation-decode-enable-radix-cache",
-                               *MODEL)
-        colocated = cluster.serve("colocated", "--disable-radix-cache", *MODEL)
+        prefill, decode, colocated = cluster.serve_many(
+            ("prefill", "--bootstrap-port", str(boot), "--transfer-backend", "tcp", *MODEL),
+            ("decode", "--transfer-backend", "tcp", "--disaggregation-decode-enable-radix-cache", *MODEL),
+            ("colocated", "--disable-radix-cache", *MODEL))
         router = cluster.router(prefill, boot, decode)
         port = free_port()
         sglang = cluster.start("sglang-router", [

@@ -29,8 +29,8 @@ GREEDY = {"temperature": 0, "max_new_tokens": 120}
 def urls(tmp_path_factory):
     cluster = Cluster(tmp_path_factory.mktemp("structured"))
     try:
-        p, boot, d = cluster.pd("zmq")
-        yield {"colocated": cluster.serve("colocated"), "router": cluster.router(p, boot, d)}
+        p, boot, d, colocated = cluster.pd("zmq", ("colocated",))
+        yield {"colocated": colocated, "router": cluster.router(p, boot, d)}
     finally:
         cluster.stop()
 

@@ -25,8 +25,8 @@ PICK = {"type": "function", "function": {"name": "pick", "description": "Pick a 
 def urls(tmp_path_factory):
     cluster = Cluster(tmp_path_factory.mktemp("tools-pd"))
     try:
-        p, boot, d = cluster.pd("zmq")
-        yield {"router": cluster.router(p, boot, d), "colocated": cluster.serve("colocated")}
+        p, boot, d, colocated = cluster.pd("zmq", ("colocated",))
+        yield {"router": cluster.router(p, boot, d), "colocated": colocated}
     finally:
         cluster.stop()
 

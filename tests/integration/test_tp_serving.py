@@ -51,8 +51,8 @@ def test_pd_between_tp_sizes_equals_colocated_through_both_routers(cluster):
     assert len({tuple(ids) for ids in want}) >= 6, "varied prompts must give varied answers, or equality proves little"
     for tp_p, tp_d in PAIRS:
         boot = free_port()
-        prefill = cluster.serve("prefill", "--bootstrap-port", str(boot), "--tp", str(tp_p))
-        decode = cluster.serve("decode", "--tp", str(tp_d))
+        prefill, decode = cluster.serve_many(("prefill", "--bootstrap-port", str(boot), "--tp", str(tp_p)),
+                                             ("decode", "--tp", str(tp_d)))
         assert httpx.get(prefill + "/server_info").json()["tp_size"] == tp_p
         assert httpx.get(decode + "/server_info").json()["tp_size"] == tp_d
         layout = httpx.get(f"http://127.0.0.1:{boot}/route", params={

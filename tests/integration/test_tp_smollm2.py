@@ -27,16 +27,16 @@ def test_smollm2_tp_3_and_2_answer_as_tp_1(tmp_path):
     pytest.importorskip("sglang_router")
     cluster = Cluster(tmp_path)
     try:
-        one = cluster.serve("colocated", *MODEL)
+        one, *splits = cluster.serve_many(*[("colocated", *MODEL, "--tp", str(tp)) for tp in (1, 3, 2)])
         want = [chat(one, q) for q in QUESTIONS]
         assert "Paris" in want[0][0] and len({text for text, _ in want}) == len(QUESTIONS)
-        for tp in (3, 2):
-            split = cluster.serve("colocated", *MODEL, "--tp", str(tp))
+        for tp, split in zip((3, 2), splits, strict=True):
             assert httpx.get(split + "/server_info").json()["tp_size"] == tp
             assert [chat(split, q) for q in QUESTIONS] == want, f"--tp {tp}"
         boot = free_port()
-        prefill = cluster.serve("prefill", *MODEL, "--tp", "3", "--bootstrap-port", str(boot))
-        decode = cluster.serve("decode", *MODEL, "--tp", "2")
-        assert [chat(sglang_router(cluster, prefill, boot, decode), q) for q in QUESTIONS] == want
+        prefill, decode = cluster.serve_many(("prefill", *MODEL, "--tp", "3", "--bootstrap-port", str(boot)),
+                                             ("decode", *MODEL, "--tp", "2"))
+        router = sglang_router(cluster, prefill, boot, decode)
+        assert [chat(router, q) for q in QUESTIONS] == want
     finally:
         cluster.stop()

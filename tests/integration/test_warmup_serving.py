@@ -29,8 +29,7 @@ def test_a_warmed_pd_pair_compiles_nothing_while_serving(tmp_path, tp):
     pool = ("--num-pages", "48", "--tp", str(tp))
     try:
         boot = free_port()
-        prefill = cluster.serve("prefill", "--bootstrap-port", str(boot), *pool)
-        decode = cluster.serve("decode", *pool)
+        prefill, decode = cluster.serve_many(("prefill", "--bootstrap-port", str(boot), *pool), ("decode", *pool))
         router = cluster.router(prefill, boot, decode)
         for url in (prefill, decode):
             assert compiles(url)["startup"] > 10 and compiles(url)["serving"] == 0
