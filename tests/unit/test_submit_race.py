@@ -10,6 +10,7 @@ the request's room):
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 from test_serving_colocated import run, until
@@ -54,10 +55,12 @@ def test_a_room_that_fails_before_its_request_is_taken_still_answers_it(pd, mode
     opening = d._open_room
 
     def open_then_fail_and_step(seq):
+        held = threading.Event()
+        d.model_thread.submit(lambda _owner: held.wait(30))  # no scheduler step runs until the room has failed
         opening(seq)
         d.manager.abort(seq.key, "failed before the scheduler took it")
-        until(lambda: d.manager.poll(seq.key) == "Failed")
-        until(lambda: bool(d.room_events), timeout=2)  # or a step the driver ran has taken it meanwhile
+        assert until(lambda: bool(d.room_events)), "the failed room's event never came"
+        held.set()
         step_now(d)  # sees the Failed room before its request leaves the arrivals
 
     d._open_room = open_then_fail_and_step
