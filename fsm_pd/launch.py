@@ -44,7 +44,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nothing listens on now, for a server started next. It is drawn below the kernel's ephemeral range,
     where no outgoing connection takes its local port (a port the kernel hands to ``bind(0)`` is one an outgoing
     connection can take before our server binds it), and never one this process handed out before."""
-    low = _ephemeral_low()
+    low = max(_ephemeral_low(), 2048)  # an ephemeral range that starts lower leaves no port outside it
     for _ in range(1000):
         port = random.randrange(max(1024, low // 2), low)
         if port in _handed_out:

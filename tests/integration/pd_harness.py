@@ -85,6 +85,9 @@ class NodeProcess:
     @property
     def info(self) -> dict:
         """What the node printed once ready (its addresses), read on first use."""
+        return self._ready()
+
+    def _ready(self) -> dict:
         if self._info is None:
             self._info = self._read(120)
         return self._info
@@ -99,7 +102,7 @@ class NodeProcess:
         return json.loads(line)
 
     def __call__(self, op, timeout=60, **fields):
-        assert self.info  # its first line, before any answer
+        self._ready()  # its ready line comes before any answer
         self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
         self.proc.stdin.flush()
         out = self._read(timeout)

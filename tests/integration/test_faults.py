@@ -123,7 +123,6 @@ def test_bootstrap_server_down(rig):
     r.warm_up()
     dead = free_port()  # nothing listens there: the bootstrap server is down
     port = free_port()
-    r.cluster.env = r.envs["decode"]
     bad = r.cluster.start(
         "router-dead-bootstrap",
         [
@@ -144,6 +143,7 @@ def test_bootstrap_server_down(rig):
             "fail",
         ],
         f"http://127.0.0.1:{port}",
+        r.envs["decode"],
     )
     outcome = generate(bad, "nobody to find")
     assert_clean(outcome)
