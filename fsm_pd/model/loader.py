@@ -164,8 +164,25 @@ def resolve_named_model(name: str) -> Path:
     return path
 
 
-def load_gguf(path: Path, *, dtype: str = "float32", progress: bool = False, name: str | None = None) -> LoadedModel:
-    """Read a GGUF file: metadata to config, tokenizer from its vocabulary, tensors dequantized into ``dtype``."""
+def load_gguf(path: Path, *, dtype: str = "float32", progress: bool = False, name: str | None = None,
+              cache: Path | None | bool = True) -> LoadedModel:
+    """Read a GGUF file: metadata to config, tokenizer from its vocabulary, tensors dequantized into ``dtype``.
+
+    ``cache``: where the converted model is kept (``converted.py``): True for ``converted.cache_root()``, a
+    directory, or None/False for none. A file converted before is read from there instead."""
+    from fsm_pd.model import converted
+
+    root = converted.cache_root() if cache is True else (cache or None)
+    entry = converted.entry_dir(Path(root), Path(path), dtype) if root else None
+    if entry is not None and (hit := converted.load(entry)) is not None:
+        return LoadedModel(name or str(path), *hit)
+    model = _convert_gguf(Path(path), dtype=dtype, progress=progress, name=name)
+    if entry is not None:
+        converted.save(entry, model.config, model.params, model.tokenizer)
+    return model
+
+
+def _convert_gguf(path: Path, *, dtype: str, progress: bool, name: str | None) -> LoadedModel:
     from fsm_pd.model.gguf_file import config_from_gguf, load_gguf_params, open_gguf
     from fsm_pd.model.gguf_tokenizer import tokenizer_from_gguf
 
