@@ -112,7 +112,7 @@ def scatter_pages(
     if chosen == "cpu":
         row_pages = np.zeros(rows, dtype=np.int32)
         row_pages[: ids.size] = ids
-        return cpu_copy.scatter_loop(pool, staging, row_pages, np.int32(ids.size))
+        return cpu_copy.scatter(pool, staging, row_pages, np.int32(ids.size))
     if chosen == "pallas":
         runs = page_runs(ids, rows)
         return pallas_copy.scatter_runs(pool, staging, runs, placement=placement, interpret=_platform(pool) != "tpu")

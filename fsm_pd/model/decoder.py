@@ -219,12 +219,15 @@ def prefill_batch(
     token_logprobs = token_top = None
     if return_logprobs:
         ks = [min(int(k), MAX_TOP_LOGPROBS, config.vocab_size) for k in (top_logprobs or [0] * len(prompts))]
+        # the executor's own program where it has one (compiled ahead), else the jitted function
+        logprobs = getattr(forward, "next_token_logprobs", None) or partial(next_token_logprobs, config=config)
         token_logprobs, token_top = _prompt_logprobs(config, params, hidden, prompts, ks,
-                                                     following or [None] * len(prompts))
+                                                     following or [None] * len(prompts), logprobs)
     return PrefillResult(logits if bucket_rows else logits[: len(prompts)], pool, token_logprobs, token_top)
 
 
-def _prompt_logprobs(config: ModelConfig, params: dict, hidden, prompts, ks: list[int], following: list):
+def _prompt_logprobs(config: ModelConfig, params: dict, hidden, prompts, ks: list[int], following: list,
+                     logprobs: Callable):
     """Each prompt's ``[None, logprob of token 1, ...]`` (and of its ``following`` token, if any), and its top-``k``
     rows where ``k`` > 0 (else None).
 
@@ -239,8 +242,7 @@ def _prompt_logprobs(config: ModelConfig, params: dict, hidden, prompts, ks: lis
     for at in range(0, len(rows), LOGPROB_ROWS):
         block = np.zeros((LOGPROB_ROWS, rows.shape[1]), np.float32)
         block[: len(rows[at: at + LOGPROB_ROWS])] = rows[at: at + LOGPROB_ROWS]
-        out = next_token_logprobs(params, block, buckets.pad_1d(next_ids[at: at + LOGPROB_ROWS], LOGPROB_ROWS),
-                                  config=config, top_k=top_k)
+        out = logprobs(params, block, buckets.pad_1d(next_ids[at: at + LOGPROB_ROWS], LOGPROB_ROWS), top_k=top_k)
         chosen.append(np.asarray(out[0]))
         if top_k:
             values.append(np.asarray(out[1]))

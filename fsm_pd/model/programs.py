@@ -4,21 +4,26 @@
 seconds, and late compiles grow the process (``docs/serving.md``). So a node compiles ahead, from the shapes its
 configuration can form (``prefill_shapes``, ``decode_shapes``), and calls the compiled executables directly.
 ``jax.stages.Compiled`` is not put back into ``jit``'s cache, which is why the model's wrappers take the
-executor (``ForwardPrograms``) rather than relying on ``forward_paged``'s own cache. A shape nobody compiled ahead is
-still served, compiled on the spot and counted (``compiles.py``): a bug in the shape lists, not a failure.
+executor (``ForwardPrograms``) rather than relying on ``forward_paged``'s own cache.
+
+A node is ready before every shape is compiled (``serving/warmup.py``): a call whose shape is not compiled yet runs on
+a compiled shape that *covers* it (``cover``): padded up to a larger one, or row by row on one of a single row. Rows
+are independent (each writes only its own pages; padding rows and padding tokens write the pad page), so the answer
+is the same, only dearer, until the background compile catches up. Only a call that nothing covers compiles on the
+spot, and is counted (``compiles.py``): a bug in the ready set, not a failure.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fsm_pd.model import buckets
 from fsm_pd.model.config import ModelConfig
-from fsm_pd.model.decoder import forward_paged, table_width
+from fsm_pd.model.decoder import LOGPROB_ROWS, forward_paged, next_token_logprobs, table_width
 from fsm_pd.model.tensor_parallel import TensorParallel, forward_sharded
 
 
@@ -89,6 +94,7 @@ class ForwardPrograms:
         self._pool = tuple(abstract(a) for a in pool)
         self.width = table_width(config, pool[0].shape[0], pool[0].shape[1])
         self._programs: dict[tuple[int, int], jax.stages.Compiled] = {}
+        self._logprobs: dict[int, jax.stages.Compiled] = {}  # by top_k
         self._lock = threading.Lock()
 
     @property
@@ -113,11 +119,63 @@ class ForwardPrograms:
         with self._lock:
             return self._programs.setdefault((batch, tokens), program)
 
-    def compile_all(self, shapes: Iterable[tuple[int, int]], on_compiled=lambda shape: None) -> None:
-        for shape in shapes:
-            self.compile(*shape)
-            on_compiled(shape)
+    def compile_logprobs(self, top_k: int) -> None:
+        """Compile ``decoder.next_token_logprobs`` for ``top_k`` ahead (prompt logprobs: one shape per ``top_k``)."""
+        if top_k in self._logprobs:
+            return
+        hidden = jax.ShapeDtypeStruct((LOGPROB_ROWS, self.config.hidden_size), jnp.float32)
+        program = next_token_logprobs.lower(self._params, hidden, jax.ShapeDtypeStruct((LOGPROB_ROWS,), jnp.int32),
+                                            config=self.config, top_k=top_k).compile()
+        with self._lock:
+            self._logprobs.setdefault(top_k, program)
+
+    def next_token_logprobs(self, params, hidden, next_ids, *, top_k: int):
+        """``decoder.next_token_logprobs`` on the program ``compile_logprobs`` made, or jitted where there is none."""
+        program = self._logprobs.get(top_k)
+        if program is None:
+            return next_token_logprobs(params, hidden, next_ids, config=self.config, top_k=top_k)
+        return program(params, hidden, next_ids)
+
+    def cover(self, batch: int, tokens: int) -> tuple[int, int] | None:
+        """The compiled shape that runs a ``[batch, tokens]`` call soonest, or None when none can: one that holds it
+        whole with the fewest padded tokens, else the one with the most rows (fewest calls) among those long enough."""
+        with self._lock:
+            long_enough = [shape for shape in self._programs if shape[1] >= tokens]
+        whole = [shape for shape in long_enough if shape[0] >= batch]
+        if whole:
+            return min(whole, key=lambda shape: (shape[0] * shape[1], shape[1]))
+        return max(long_enough, key=lambda shape: (shape[0], -shape[1]), default=None)
 
     def __call__(self, params, pool, tokens, starts, lengths, page_tables):
-        program = self._programs.get(tokens.shape) or self.compile(*tokens.shape)
-        return program(params, pool, tokens, starts, lengths, page_tables)
+        program = self._programs.get(tokens.shape)
+        if program is not None:
+            return program(params, pool, tokens, starts, lengths, page_tables)
+        shape = self.cover(*tokens.shape)
+        if shape is None:  # nothing prepared covers it: compile now (counted as a serving compile)
+            return self.compile(*tokens.shape)(params, pool, tokens, starts, lengths, page_tables)
+        return self._run_covered(shape, params, pool, np.asarray(tokens), np.asarray(starts), np.asarray(lengths),
+                                 np.asarray(page_tables))
+
+    def _run_covered(self, shape, params, pool, tokens, starts, lengths, page_tables):
+        """Run ``tokens: [B, S]`` on the compiled ``shape``: rows padded up (length 0: they write the pad page) and
+        split into calls of ``shape[0]`` rows; the results joined on the host, as if one call of ``[B, S]`` ran."""
+        rows, width = shape
+        program = self._programs[shape]
+        b, s = tokens.shape
+        logits, hidden = [], []
+        for at in range(0, b, rows):
+            n = min(rows, b - at)
+            part = [a[at:at + n] for a in (tokens, starts, lengths, page_tables)]
+            out_logits, pool, out_hidden = program(params, pool, _pad_rows(part[0], rows, width),
+                                                   *(_pad_rows(a, rows) for a in part[1:]))
+            logits.append(np.asarray(out_logits)[:n])
+            hidden.append(np.asarray(out_hidden)[:n, :s])
+        # placed as the program leaves its logits: the samplers are compiled for that placement
+        return jax.device_put(np.concatenate(logits), out_logits.sharding), pool, np.concatenate(hidden)
+
+
+def _pad_rows(a: np.ndarray, rows: int, cols: int | None = None) -> np.ndarray:
+    """``a`` with zero rows added up to ``rows`` (and zero columns up to ``cols``)."""
+    out = np.zeros((rows, *((cols,) if cols is not None else a.shape[1:])), a.dtype)
+    out[tuple(slice(0, n) for n in a.shape)] = a
+    return out

@@ -195,6 +195,24 @@ def penalty_inputs(params: Sequence[SamplingParams], histories: Sequence[Sequenc
     return counts, bias
 
 
+# Batch buckets whose sampling programs have run in this process (``mark_prepared``: a serving node's warm-up). A
+# batch of another bucket is padded up to the nearest larger one of them rather than compile while a request waits;
+# with none marked (no warm-up ran), every bucket is its own.
+_prepared: set[int] = set()
+
+
+def mark_prepared(bucket: int) -> None:
+    _prepared.add(bucket)
+
+
+def sampling_rows(n: int) -> int:
+    """The rows ``sample`` runs ``n`` requests on: their batch bucket, or the nearest larger prepared one."""
+    b = buckets.batch_bucket(n)
+    if not _prepared or b in _prepared:
+        return b
+    return min((p for p in _prepared if p > b), default=b)
+
+
 def sample(logits, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int],
            histories: Sequence[Sequence[int]] | None = None,
            grammars: Sequence[GrammarState | None] | None = None) -> np.ndarray:
@@ -203,16 +221,17 @@ def sample(logits, params: Sequence[SamplingParams], seeds: Sequence[int], steps
     ``seeds[b]`` is the request's resolved seed, ``steps[b]`` how many tokens it has generated before this one,
     ``histories[b]`` those tokens (needed only by rows with penalties; None: nothing generated yet),
     ``grammars[b]`` the row's grammar state, whose mask is applied last (None: no row has one). Rows are
-    padded to the batch bucket so the sampling program compiles once per bucket.
+    padded to the batch bucket so the sampling program compiles once per bucket (``sampling_rows``).
     """
     n = len(params)
     if len(seeds) != n or len(steps) != n or logits.shape[0] < n:
         raise ValueError(f"{n} sampling params for {len(seeds)} seeds, {len(steps)} steps, {logits.shape[0]} rows")
-    b = buckets.batch_bucket(n)
+    b = sampling_rows(n)
     vocab = logits.shape[-1]
-    logits = logits[:n] if logits.shape[0] != b else logits
-    if logits.shape[0] != b:
-        logits = jnp.pad(logits, ((0, b - n), (0, 0)))
+    if logits.shape[0] != b:  # on the host: a slice or pad on the device is a program per shape
+        rows = np.zeros((b, vocab), np.float32)
+        rows[:n] = np.asarray(logits)[:n]
+        logits = jax.device_put(rows, getattr(logits, "sharding", None))
     if any(p.adjusts_logits for p in params):
         counts, bias = penalty_inputs(params, histories if histories is not None else [()] * n, b, vocab)
         logits = adjust_logits(
