@@ -14,6 +14,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -86,9 +87,10 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                              "(default: $FSM_PD_COMPILE_CACHE, else ~/.cache/fsm-pd/jax; 'off' disables it)")
     parser.add_argument("--skip-server-warmup", action="store_true",
                         default=os.environ.get(SKIP_WARMUP_ENV) == "1",
-                        help="start serving without compiling first; each new shape then compiles when a request "
-                             "needs it, stalling that request and its batch (default: compile every shape this "
-                             f"node can form before /health answers; ${SKIP_WARMUP_ENV}=1 skips)")
+                        help="take requests without preparing any program first; each new shape then compiles when "
+                             "a request needs it, stalling that request and its batch (default: prepare the programs "
+                             "any request needs before /health answers 200, seconds with a warm compile cache, and "
+                             f"compile the rest in the background; ${SKIP_WARMUP_ENV}=1 skips)")
     add_read_timeout_flags(parser)
     parser.add_argument("--drain-timeout-secs", type=float, default=30.0, metavar="S",
                         help="on SIGTERM or POST /drain the node refuses new requests (503; /health answers 503 "
@@ -186,30 +188,36 @@ def serve_main(argv: Sequence[str]) -> int:
 
 
 def run_node(args: argparse.Namespace) -> int:
+    from fsm_pd.serving.startup import Startup
+
+    startup = Startup()  # timed from the process's start: the interpreter and the imports below count
     from fsm_pd import compile_cache
     from fsm_pd.api import create_app
     from fsm_pd.api.drain import serve_draining
     from fsm_pd.gc_policy import apply_serving_gc_policy
     from fsm_pd.model import compiles
     from fsm_pd.model.loader import load_model
-    from fsm_pd.serving.warmup import warm_up
     from fsm_pd.transport import SecretError
 
+    startup.record("imports", startup.since_start())
+    try:
+        node_secret(args)  # before the weights load: a node that cannot talk to its peers fails in a second
+    except SecretError as exc:
+        print(f"fsm-pd serve: {exc} (give every node of the deployment the same --side-channel-secret)",
+              file=sys.stderr)
+        return 2
     compile_cache.enable(args.compile_cache or compile_cache.default_dir())
     compiles.install()
     try:
-        model = load_model(args.model, dtype=args.dtype, progress=True, tp=args.tp)
+        with startup.phase("weights"):
+            model = load_model(args.model, dtype=args.dtype, progress=True, tp=args.tp)
     except (FileNotFoundError, ValueError) as exc:  # missing file or package, unsupported or corrupt checkpoint,
         print(f"fsm-pd serve: cannot load model {args.model!r}: {exc}", file=sys.stderr)  # too few devices for --tp
         return 2
     if model.tp is not None:
         logging.getLogger("fsm_pd.serve").info("tensor parallel: %s", model.tp.describe())
-    try:
+    with startup.phase("engine"):
         engine = build_engine(args, model)
-    except SecretError as exc:
-        print(f"fsm-pd serve: {exc} (give every node of the deployment the same --side-channel-secret)",
-              file=sys.stderr)
-        return 2
     if hasattr(engine, "manager"):  # finished rooms move to archives (--journal-keep, --journal-max-rows)
         from fsm_pd.store.retention import attach_from_args
 
@@ -219,13 +227,13 @@ def run_node(args: argparse.Namespace) -> int:
             engine.close()
             print(f"fsm-pd serve: {exc}", file=sys.stderr)
             return 2
-    if not args.skip_server_warmup:
-        warm_up(engine, progress=True)
-    compiles.serving()
     app = create_app(engine, model.tokenizer, api_key=args.api_key, model_name=args.served_model_name or args.model,
                      model_path=args.model, bootstrap_port=getattr(args, "bootstrap_port", None),
-                     drain_timeout_s=args.drain_timeout_secs)
+                     drain_timeout_s=args.drain_timeout_secs, startup=startup)
     apply_serving_gc_policy()
+    # HTTP answers from here on (probes see the progress); requests are taken once the programs are prepared
+    threading.Thread(target=prepare_programs, args=(engine, startup, args.skip_server_warmup), name="start-up",
+                     daemon=True).start()
     try:
         serve_draining(app, args.host, args.port, log_level=args.log_level,
                        read_timeouts=read_timeouts_from_args(args))
@@ -233,12 +241,50 @@ def run_node(args: argparse.Namespace) -> int:
         logging.getLogger("fsm_pd.serve").info("closing the engine and its journal")
         engine.close()
     logging.getLogger("fsm_pd.serve").info("stopped cleanly")
+    _exit(0)
+
+
+def prepare_programs(engine, startup, skip: bool) -> None:
+    """The start-up thread: prepare the programs any request needs (``warmup.warm_up``), mark the node ready, then
+    compile the rest in the background. A failure here leaves a node that can never serve: it exits 1."""
+    from fsm_pd.model import compiles
+    from fsm_pd.serving.warmup import compile_rest, warm_up
+
+    log = logging.getLogger("fsm_pd.serve")
+    try:
+        if not skip:
+            with startup.phase("programs"):
+                warm_up(engine, progress=True, startup=startup)
+        compiles.serving()
+        startup.mark_ready()
+        log.info("ready %.1f s after the process started (%s)", startup.ready_after,
+                 ", ".join(f"{name} {seconds:.1f} s" for name, seconds in startup.status()["phases"].items()))
+        if not skip:
+            compile_rest(engine)
+    except BaseException as exc:  # noqa: BLE001 - whatever it was, the node cannot serve: say so and exit
+        startup.mark_failed(f"{type(exc).__name__}: {exc}")
+        log.exception("start-up failed; exiting")
+        engine.close()
+        _exit(1)
+
+
+def _exit(status: int) -> None:
     # Everything that must be saved is: the journal is closed. A worker thread still blocked (a bootstrap lookup
     # retrying for 15 s) would hold the interpreter's exit, and a drain or a second SIGTERM must exit now.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
+
+
+def node_secret(args: argparse.Namespace) -> bytes | None:
+    """A prefill or decode node's side-channel secret (``--side-channel-secret``, else the environment's); raises
+    ``SecretError`` when there is none or it is malformed. None for a colocated node, which has no side channel."""
+    if args.role == "colocated":
+        return None
+    from fsm_pd.transport import parse_secret, secret_from_env
+
+    return parse_secret(args.side_channel_secret) if args.side_channel_secret else secret_from_env()
 
 
 def build_engine(args: argparse.Namespace, model):
@@ -248,9 +294,7 @@ def build_engine(args: argparse.Namespace, model):
 
         return ColocatedEngine(model, radix_cache=not args.disable_radix_cache,
                                chunked_prefill_size=args.chunked_prefill_size, **sizes)
-    from fsm_pd.transport import parse_secret, secret_from_env
-
-    secret = parse_secret(args.side_channel_secret) if args.side_channel_secret else secret_from_env()
+    secret = node_secret(args)
     journal = args.journal or str(Path("journals") / f"{args.node_id}.db")
     if "://" not in journal:
         Path(journal).parent.mkdir(parents=True, exist_ok=True)

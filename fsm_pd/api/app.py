@@ -17,6 +17,7 @@ from fsm_pd.api.openai_routes import openai_router
 from fsm_pd.api.sglang_routes import sglang_router
 from fsm_pd.api.tokenize_routes import tokenize_router
 from fsm_pd.bootstrap.body_limit import BodySizeLimit
+from fsm_pd.serving.startup import Startup, StartupCollector
 from fsm_pd.serving.types import Engine
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # a 128k-token prompt as JSON ids is ~1 MiB; leave ample room
@@ -26,7 +27,7 @@ def create_app(engine: Engine, tokenizer, *, api_key: str | None = None, model_n
                model_path: str | None = None, bootstrap_port: int | None = None,
                registries: Iterable[CollectorRegistry] | None = None, model_info: dict | None = None,
                health_timeout_s: float = 30.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> FastAPI:
+               drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S, startup: Startup | None = None) -> FastAPI:
     """The app serving ``engine``.
 
     * ``model_name``: the served model name (``/v1/models``, ``served_model_name``); defaults to
@@ -39,6 +40,8 @@ def create_app(engine: Engine, tokenizer, *, api_key: str | None = None, model_n
     * ``api_key``: require ``Authorization: Bearer <api_key>`` (except on /health* and /metrics).
     * ``drain_timeout_s``: how long a drain (SIGTERM under ``drain.serve_draining``, or ``POST /drain``) waits for
       open requests before it aborts them (``app.state.drain``; ``drain.py``).
+    * ``startup``: the node's start-up (``serving/startup.py``): until it is ready, ``/health`` answers 503 with its
+      progress and the generation routes refuse with 503 ``starting``; default: ready now.
     """
     name = model_name or engine.model_name
     ctx = ApiContext(engine=engine, tokenizer=tokenizer, model_name=name, model_path=model_path or name,
@@ -46,7 +49,8 @@ def create_app(engine: Engine, tokenizer, *, api_key: str | None = None, model_n
     if registries is None:
         registries = getattr(engine, "registries", None) or ()
     metrics = ApiMetrics(registries)
-    ctx.drain = Drain(engine, ctx.live, timeout_s=drain_timeout_s, registry=metrics.registry)
+    ctx.drain = Drain(engine, ctx.live, timeout_s=drain_timeout_s, registry=metrics.registry, startup=startup)
+    metrics.registry.register(StartupCollector(ctx.drain.startup))
 
     app = FastAPI(title=f"fsm-pd {engine.role} server", version="1",
                   description="SGLang-compatible (/generate) and OpenAI-compatible (/v1/*) serving of one engine.")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hmac
 import json
 
-OPEN_PATHS = ("/health", "/metrics")  # prefixes: /health_generate is open too, as in SGLang
+OPEN_PATHS = ("/health", "/metrics", "/livez", "/startupz")  # prefixes: /health_generate is open too, as in SGLang
 
 
 class ApiKeyMiddleware:

@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from fsm_pd.api.errors import error_body
 from fsm_pd.http_protocol import ReadTimeouts
 from fsm_pd.http_server import _uvicorn_config
+from fsm_pd.serving.startup import Startup
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0
 ABORT_GRACE_S = 5.0  # after the aborts, how long the aborted requests get to send their error before the stop
 PROGRESS_EVERY_S = 5.0
 DRAINING_STATUS = 503
+STARTING_STATUS = 503
 
 
 class Drain:
@@ -52,10 +54,12 @@ class Drain:
     (``ctx.live``)."""
 
     def __init__(self, engine: Any, live: dict, *, timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
-                 registry: CollectorRegistry | None = None):
+                 registry: CollectorRegistry | None = None, startup: Startup | None = None):
         if timeout_s < 0:
             raise ValueError(f"the drain timeout must not be negative, got {timeout_s}")
         self.engine, self.live, self.timeout_s = engine, live, timeout_s
+        # the node's start-up: the gate refuses requests until it is ready, as it does once the node drains
+        self.startup = startup if startup is not None else Startup(ready=True)
         self._cond = threading.Condition()
         self.in_flight = 0  # generation requests past the gate and not yet answered to the end
         self.trigger: str | None = None
@@ -107,6 +111,7 @@ class Drain:
         with self._cond:
             self.in_flight -= 1
             self._cond.notify_all()
+        self.startup.request_done()
 
     # --- the drain's thread ---
     def _wait_idle(self, until: float, what: str) -> int:
@@ -171,6 +176,19 @@ class Drain:
     def health_answer(self) -> JSONResponse:
         return JSONResponse(self.status(), status_code=DRAINING_STATUS)
 
+    def starting_answer(self) -> JSONResponse:
+        """``/health`` (and a refused request) while the node starts: 503 with how far it got."""
+        return JSONResponse(self.startup.status(), status_code=STARTING_STATUS, headers={"Retry-After": "1"})
+
+    def not_ready_refusal(self) -> JSONResponse:
+        status = self.startup.status()
+        progress = status.get("progress") or {}
+        where = f"; {progress['done']} of {progress['total']} programs ready" if progress else ""
+        return JSONResponse(error_body(STARTING_STATUS, f"this node is starting ({status.get('phase', 'starting')}"
+                                                        f"{where}) and takes no requests yet; send it to another "
+                                                        "node or retry", "starting"),
+                            status_code=STARTING_STATUS, headers={"Retry-After": "1"})
+
     def refusal(self) -> JSONResponse:
         return JSONResponse(error_body(DRAINING_STATUS, "this node is draining (shutting down) and takes no new "
                                                         "requests; send it to another node", "draining"),
@@ -190,7 +208,8 @@ class Drain:
 
 
 class DrainGate:
-    """Pure ASGI: counts the generation requests in and out, and refuses them with 503 once the node drains."""
+    """Pure ASGI: counts the generation requests in and out, and refuses them with 503 until the node is ready and
+    once it drains."""
 
     def __init__(self, app, drain: Drain):
         self.app, self.drain = app, drain
@@ -198,6 +217,9 @@ class DrainGate:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope.get("path") not in DRAINED_ROUTES:
             await self.app(scope, receive, send)
+            return
+        if not self.drain.startup.ready:
+            await self.drain.not_ready_refusal()(scope, receive, send)
             return
         if not self.drain.admit():
             await self.drain.refusal()(scope, receive, send)

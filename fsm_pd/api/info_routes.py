@@ -1,9 +1,14 @@
 """Health, info and metrics routes: what sglang-router probes when it registers a worker and while it routes.
 
-* ``GET /health``: 200 while the engine can serve; 503 ``{"status": "unhealthy", "reason": ...}`` once it cannot
-  (its node loop stopped, its model thread died: the engine's ``health()``; or a ``healthy`` flag). Without either,
-  a running server is healthy. sglang-router requires a 200 here before it routes to the worker. A draining node
-  answers 503 ``{"status": "draining", ...}`` (``drain.py``), here and on ``/health_generate``.
+* ``GET /health`` (readiness): 200 while the engine can serve; 503 ``{"status": "unhealthy", "reason": ...}`` once
+  it cannot (its node loop stopped, its model thread died: the engine's ``health()``; or a ``healthy`` flag). Without
+  either, a running server is healthy. sglang-router requires a 200 here before it routes to the worker, so a node
+  that is still starting answers 503 ``{"status": "starting", "phase": ..., "progress": ...}`` (``startup.py``),
+  and a draining node 503 ``{"status": "draining", ...}`` (``drain.py``), here and on ``/health_generate``.
+* ``GET /livez`` (liveness): 200 while the process serves HTTP and its engine threads are alive, starting and
+  draining included; 503 with the reason once the engine cannot serve again (a restart is the cure).
+* ``GET /startupz`` (start-up): 503 with the start-up's progress until the node was ready once, 200 from then on
+  (draining included): an orchestrator's startup probe, which holds the liveness probe back while the node starts.
 * ``GET /health_generate``: on a colocated node, a real 1-token greedy generation (SGLang's meaning). On a prefill or
   decode node a generation needs a partner node and a bootstrap room, and SGLang's trick (a fake bootstrap host that
   skips the transfer) has no counterpart in fsm-pd's engines; so there it checks that the engine answers ``info()``
@@ -60,20 +65,36 @@ async def _engine_info(ctx: ApiContext, timeout_s: float) -> dict:
 def info_router(ctx: ApiContext, metrics: ApiMetrics, *, health_timeout_s: float) -> APIRouter:
     router = APIRouter(tags=["info"])
 
-    @router.get("/health")
-    async def health() -> Response:
+    def not_serving() -> Response | None:
+        """The readiness answer of a node that takes no requests now, or None."""
+        if ctx.drain is not None and not ctx.drain.startup.ready:
+            return ctx.drain.starting_answer()
         if ctx.drain is not None and ctx.drain.draining:
             return ctx.drain.health_answer()
         if (reason := health_problem(ctx.engine)) is not None:
             return _unhealthy(reason)
-        return Response(status_code=200)
+        return None
+
+    @router.get("/health")
+    async def health() -> Response:
+        return not_serving() or Response(status_code=200)
+
+    @router.get("/livez")
+    async def livez() -> Response:
+        if (reason := health_problem(ctx.engine)) is not None:
+            return _unhealthy(reason)
+        return JSONResponse({"status": "alive"})
+
+    @router.get("/startupz")
+    async def startupz() -> Response:
+        if ctx.drain is not None and not ctx.drain.startup.ready:
+            return ctx.drain.starting_answer()
+        return JSONResponse({"status": "started"})
 
     @router.get("/health_generate")
     async def health_generate() -> Response:
-        if ctx.drain is not None and ctx.drain.draining:
-            return ctx.drain.health_answer()
-        if (reason := health_problem(ctx.engine)) is not None:
-            return _unhealthy(reason)
+        if (answer := not_serving()) is not None:
+            return answer
         try:
             if ctx.role == "colocated":
                 await asyncio.wait_for(_one_token(ctx), health_timeout_s)
@@ -106,6 +127,7 @@ def info_router(ctx: ApiContext, metrics: ApiMetrics, *, health_timeout_s: float
             "role": ctx.role,
             "version": _version(),
             "internal_states": [engine_info],
+            "startup": ctx.drain.startup.status() if ctx.drain is not None else None,
         }
 
     async def model_info() -> dict:

@@ -1,12 +1,18 @@
-"""Counts the XLA programs this process loads, before and after it started serving.
+"""Counts the XLA programs this process loads, and what each kind of program cost to trace, lower and compile.
 
 Every program a process loads (compiled, or read back from the persistent compile cache) costs seconds on a serving
-node and maps new code into it. A node compiles what its configuration can form before it serves (``warmup.py``);
-after that, the count must stay put. ``/metrics`` exports it as ``fsm_pd_compiles_total{phase=startup|serving}``,
-and the benches print it.
+node and maps new code into it. A node prepares the programs a request needs first before it reports ready, and the
+rest on a background thread while it serves (``serving/warmup.py``). So there are three phases:
 
-JAX times both kinds as one ``jax.monitoring`` duration event (the backend compile event wraps the persistent-cache
-lookup too). Its listeners are process-wide, so this module is too.
+- ``startup``: before the node is ready;
+- ``background``: compiled ahead by the background thread, while the node serves (no request waits on them);
+- ``serving``: compiled because a request needed it now. That request, and its batch, waited: it must stay 0.
+
+``/metrics`` exports ``fsm_pd_compiles_total{phase}``, and per kind of program (``preparing``) the seconds spent
+tracing, lowering and in the backend, with how many programs came from the compile cache.
+
+JAX reports these through ``jax.monitoring`` on the thread that compiles, which is how a kind and a phase set on
+that thread (``preparing``) reach the counts. Its listeners are process-wide, so this module is too.
 """
 
 from __future__ import annotations
@@ -14,18 +20,46 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily
 
 log = logging.getLogger(__name__)
 
-_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
+# jax._src.dispatch's event names
+_TRACE = "/jax/core/compile/jaxpr_trace_duration"
+_LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # wraps the persistent-cache lookup too
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+PHASES = ("startup", "background", "serving")
 
 _lock = threading.Lock()
-_counts = {"startup": 0, "serving": 0}
+_counts = dict.fromkeys(PHASES, 0)
 _phase = "startup"
 _installed = False
+_local = threading.local()  # .kind, .phase: set by ``preparing``; .hit: the program being compiled came from cache
 late: deque[str] = deque(maxlen=64)  # the names of the last programs compiled while serving
+
+
+@dataclass
+class KindCost:
+    """What the programs of one kind cost this process: counts and seconds."""
+
+    programs: int = 0
+    from_cache: int = 0
+    trace_s: float = 0.0
+    lower_s: float = 0.0
+    backend_s: float = 0.0  # XLA's compile, or the compile cache's load
+
+    @property
+    def seconds(self) -> float:
+        return self.trace_s + self.lower_s + self.backend_s
+
+
+_kinds: dict[str, KindCost] = {}
 
 
 def install() -> None:
@@ -37,22 +71,53 @@ def install() -> None:
         _installed = True
     import jax.monitoring
 
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, seconds, fun_name="?", **_: _count(fun_name, seconds) if event == _BACKEND_COMPILE else None)
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
+    jax.monitoring.register_event_listener(lambda event, **_: _on_event(event))
 
 
-def _count(name: str, seconds: float) -> None:
+def _on_event(event: str) -> None:
+    if event == _CACHE_HIT:
+        _local.hit = True
+
+
+def _on_duration(event: str, seconds: float, fun_name: str = "?", **_) -> None:
+    if event not in (_TRACE, _LOWER, _BACKEND_COMPILE):
+        return
+    kind = getattr(_local, "kind", None) or "other"
     with _lock:
-        _counts[_phase] += 1
-        serving = _phase == "serving"
-        if serving:
-            late.append(name)
-    if serving:  # a shape the warm-up missed (or warm-up was skipped): say which, it stalled a request
-        log.warning("compiled %s while serving (%.2f s)", name, seconds)
+        cost = _kinds.setdefault(kind, KindCost())
+        if event == _TRACE:
+            cost.trace_s += seconds
+            return
+        if event == _LOWER:
+            cost.lower_s += seconds
+            return
+        cost.backend_s += seconds
+        cost.programs += 1
+        cost.from_cache += bool(getattr(_local, "hit", False))
+        _local.hit = False
+        phase = getattr(_local, "phase", None) or _phase
+        _counts[phase] += 1
+        if phase == "serving":
+            late.append(fun_name)
+    if phase == "serving":  # a shape nobody prepared (or warm-up was skipped): say which, it stalled a request
+        log.warning("compiled %s while serving (%.2f s)", fun_name, seconds)
+
+
+@contextmanager
+def preparing(kind: str, *, background: bool = False) -> Iterator[None]:
+    """Attribute the programs this thread loads inside to ``kind``, and with ``background`` to the background phase
+    (the node serves meanwhile, and no request waits on them)."""
+    saved = getattr(_local, "kind", None), getattr(_local, "phase", None)
+    _local.kind, _local.phase = kind, ("background" if background else saved[1])
+    try:
+        yield
+    finally:
+        _local.kind, _local.phase = saved
 
 
 def serving() -> None:
-    """Start-up is over: programs loaded from now on count as ``serving``."""
+    """Start-up is over: programs loaded from now on count as ``serving`` (unless prepared in the background)."""
     global _phase
     with _lock:
         _phase = "serving"
@@ -63,13 +128,32 @@ def counts() -> dict[str, int]:
         return dict(_counts)
 
 
+def costs() -> dict[str, KindCost]:
+    """Per kind of program, what this process spent on it so far."""
+    with _lock:
+        return {kind: KindCost(**vars(cost)) for kind, cost in _kinds.items()}
+
+
 class CompileCollector:
-    """``fsm_pd_compiles_total{phase}`` for a Prometheus registry."""
+    """``fsm_pd_compiles_total{phase}`` and the per-kind costs, for a Prometheus registry."""
 
     def collect(self):
         family = CounterMetricFamily("fsm_pd_compiles", "XLA programs this process compiled or loaded from the "
-                                     "compile cache, before it served (startup) and while serving (serving)",
+                                     "compile cache: before it was ready (startup), ahead of need while it served "
+                                     "(background), and because a request needed one now (serving)",
                                      labels=["phase"])
         for phase, count in counts().items():
             family.add_metric([phase], count)
         yield family
+        seconds = CounterMetricFamily("fsm_pd_program_prepare_seconds", "Seconds this process spent preparing "
+                                      "programs, per kind and step (trace, lower, backend: XLA's compile or the "
+                                      "compile cache's load)", labels=["kind", "step"])
+        programs = CounterMetricFamily("fsm_pd_programs", "Programs this process prepared, per kind and source "
+                                       "(compiled, or loaded from the compile cache)", labels=["kind", "source"])
+        for kind, cost in costs().items():
+            for step in ("trace", "lower", "backend"):
+                seconds.add_metric([kind, step], getattr(cost, f"{step}_s"))
+            programs.add_metric([kind, "cache"], cost.from_cache)
+            programs.add_metric([kind, "compiled"], cost.programs - cost.from_cache)
+        yield seconds
+        yield programs

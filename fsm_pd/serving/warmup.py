@@ -1,24 +1,32 @@
-"""Server warm-up: before a node serves, compile every program its configuration can form.
+"""Server warm-up: a node is ready as soon as it can serve any request without a compile, and compiles the rest of
+what its configuration can form in the background.
 
 A program compiled while serving stalls the request that needed it (seconds on CPU for SmolLM2) and every request
-batched with it, and grows the process. So a node compiles, before it answers ``/health``:
+batched with it. Compiling everything first stalls the start instead (minutes for SmolLM2 on 2 cores). So a node
+prepares, before it answers ``/health``, its *ready set* (``WarmupPlan.ready_forward``):
 
-- its forward passes, ahead of time (``model.programs.ForwardPrograms``): prefill at every (batch, tokens) bucket
-  its scheduler can form (``prefill_shapes``: every prefill step, a prefill node's, a colocated node's and a decode
-  node's recomputes, stays within its chunked-prefill budget), and decode at every batch bucket up to
-  ``max_running``;
+- the forward passes that *cover* every other (``programs.ForwardPrograms.cover``): the longest single-row prefill
+  and the single-row decode step, so any batch runs, padded up or row by row, until its own shape is compiled;
 - the samplers and the prompt-logprob program, by running them once per batch bucket on zeros;
 - the page kernels a transfer runs (a decode node's scatters, whole and layer group by layer group; a prefill
   node's gathers where they are XLA programs), once per page bucket, into and out of free pages.
 
+Then a background thread (``compile_rest``) compiles every other forward shape the schedulers can form
+(``plan_for``: a prefill node's, a colocated node's and a decode node's recomputes, within their chunked-prefill
+budgets; decode at every batch bucket up to ``max_running``), cheapest first, at a lower CPU priority. Compiling is
+ahead-of-time: it touches no pool and runs nothing.
+
 Everything goes through JAX's persistent compile cache, so a restart loads instead of compiling (``docs/serving.md``
 has the start-up times, cold and warm). ``--skip-server-warmup`` (SGLang's flag) skips it; the programs then compile
-as requests need them. ``engine.compiles`` counts what is compiled after this, so a shape missing here shows up.
+as requests need them. ``compiles.py`` counts what is compiled, by phase: ``serving`` must stay 0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -26,12 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fsm_pd.kernels import bucket_sizes, gather_pages, resolve_impl, scatter_layers, scatter_pages
+from fsm_pd.control.overlap import layer_group
+from fsm_pd.kernels import bucket_sizes, cpu_copy, gather_pages, resolve_impl, scatter_layers, scatter_pages
 from fsm_pd.kernels.placement import pool_placement
 from fsm_pd.model import compiles, sampling
 from fsm_pd.model.decoder import LOGPROB_ROWS, MAX_TOP_LOGPROBS, next_token_logprobs
 from fsm_pd.model.pages import pages_for
 from fsm_pd.model.programs import decode_shapes, prefill_shapes
+from fsm_pd.serving.startup import Startup
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +56,35 @@ class WarmupPlan:
     gather_buckets: list[int] = field(default_factory=list)  # a prefill node's
 
     @property
+    def ready_forward(self) -> list[tuple[int, int]]:
+        """The forward shapes that cover every other one (``ForwardPrograms.cover``): the single-row decode step and
+        the longest single-row prefill. A prefill step of any batch runs row by row on the latter, a decode batch on
+        the former, until the background compile reaches their own shapes."""
+        decode = [shape for shape in self.forward if shape[1] == 1]
+        prefill = [shape for shape in self.forward if shape[1] > 1 and shape[0] == 1]
+        return sorted({*decode[:1], *([max(prefill)] if prefill else [])})
+
+    @property
+    def background_forward(self) -> list[tuple[int, int]]:
+        """The other forward shapes, cheapest first: the small batches and short prompts most requests form."""
+        ready = set(self.ready_forward)
+        return sorted((shape for shape in self.forward if shape not in ready), key=lambda s: (s[0] * s[1], s[1]))
+
+    @property
+    def ready_samples(self) -> list[int]:
+        """Sampler batch buckets prepared before ready: one row (most steps of a lightly loaded node) and the
+        largest, which every other pads up to (``sampling.sampling_rows``) until the background prepares it."""
+        return sorted({self.sample_batches[0], self.sample_batches[-1]})
+
+    @property
+    def background_samples(self) -> list[int]:
+        return [b for b in self.sample_batches if b not in self.ready_samples]
+
+    @property
     def steps(self) -> int:
-        return len(self.forward) + len(self.sample_batches) + 1 + len(self.scatter_buckets) + len(self.gather_buckets)
+        """Steps before the node is ready."""
+        return (len(self.ready_forward) + len(self.ready_samples) + 1 + len(self.scatter_buckets)
+                + len(self.gather_buckets))
 
 
 def plan_for(engine) -> WarmupPlan:
@@ -75,39 +112,98 @@ def _powers(limit: int) -> list[int]:
     return sorted({b for b, _ in decode_shapes(limit)})
 
 
-def warm_up(engine, *, progress: bool = True) -> dict:
-    """Compile ``plan_for(engine)``; returns what it did and how long it took. Call before serving."""
+def _kind(shape: tuple[int, int]) -> str:
+    return "decode" if shape[1] == 1 else "prefill"
+
+
+def warm_up(engine, *, progress: bool = True, startup: Startup | None = None) -> dict:
+    """Prepare the ready set of ``plan_for(engine)``; returns what it did and how long it took. Call before
+    serving, then ``compile_rest`` for the other forward shapes."""
     compiles.install()
     plan = plan_for(engine)
+    startup = startup or Startup()
+    startup.steps(plan.steps)
     started, before = time.monotonic(), compiles.counts()["startup"]
-    with _Bar(progress, plan.steps, f"compiling {engine.role} programs") as bar:
-        programs = engine.model.programs(engine.model_thread.pool)
-        for shape in plan.forward:
-            bar.describe(f"forward {shape[0]}x{shape[1]}")
-            programs.compile(*shape)
+    with _Bar(progress, plan.steps, f"preparing {engine.role} programs") as bar:
+        def step(name: str, run) -> None:
+            bar.describe(name)
+            startup.step(name)
+            began = time.monotonic()
+            run()
+            log.debug("warm-up: %s took %.2f s", name, time.monotonic() - began)
             bar.advance()
+            startup.step(name, done=True)
+
+        programs = engine.model.programs(engine.model_thread.pool)
+        for shape in plan.ready_forward:
+            with compiles.preparing(_kind(shape)):
+                step(f"forward {shape[0]}x{shape[1]}", lambda shape=shape: programs.compile(*shape))
         vocab = engine.model.config.vocab_size
         # jit's cache tells a committed array from a fresh one: sample logits placed as the forward pass leaves them
-        logits_sharding = programs.compile(*plan.forward[0]).output_shardings[0]
-        for batch in plan.sample_batches:
-            bar.describe(f"sampling {batch}")
-            _run_samplers(jax.device_put(np.zeros((batch, vocab), np.float32), logits_sharding))
-            bar.advance()
-        bar.describe("prompt logprobs")
-        _run_logprobs(engine.model)
-        bar.advance()
+        logits_sharding = programs.compile(*plan.ready_forward[0]).output_shardings[0]
+        with compiles.preparing("sampling"):
+            for batch in plan.ready_samples:
+                step(f"sampling {batch}", lambda batch=batch: _run_samplers(batch, vocab, logits_sharding))
+        with compiles.preparing("logprobs"):
+            step("prompt logprobs", lambda: _prepare_logprobs(engine.model, programs))
         if plan.scatter_buckets or plan.gather_buckets:
-            engine.model_thread.call(lambda owner: _run_kernels(owner, engine.layout, plan, bar))
+            engine.model_thread.call(lambda owner: _run_kernels(owner, engine.layout, plan, step))
     took = time.monotonic() - started
     report = {"seconds": round(took, 2), "programs": compiles.counts()["startup"] - before,
-              "forward_shapes": len(plan.forward)}
-    log.info("warm-up: %d programs compiled or loaded from the compile cache in %.1f s (%d forward shapes)",
-             report["programs"], took, report["forward_shapes"])
+              "forward_shapes": len(plan.ready_forward), "background_shapes": len(plan.background_forward)}
+    log.info("warm-up: ready after %d programs, compiled or loaded from the compile cache in %.1f s (%d forward "
+             "shapes; %d more compile in the background)", report["programs"], took, report["forward_shapes"],
+             report["background_shapes"])
     return report
 
 
-def _run_samplers(logits) -> None:
-    batch, vocab = logits.shape
+def compile_rest(engine, *, on_done=lambda report: None) -> threading.Thread:
+    """Start a thread that prepares what ``warm_up`` left out, at a lower CPU priority than serving (on Linux a
+    thread has its own nice value): the other sampler buckets, the whole-pool scatters (``cpu_copy.prepare_scatter``)
+    and the other forward shapes, cheapest first. No request waits on it: until a program is there, its work runs
+    on one that covers it. ``on_done`` gets ``{"programs", "seconds"}``."""
+    plan = plan_for(engine)
+    programs = engine.model.programs(engine.model_thread.pool)
+    vocab = engine.model.config.vocab_size
+    logits_sharding = programs.compile(*plan.ready_forward[0]).output_shardings[0]
+    # shapes only: the pool itself belongs to the model thread
+    pool = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in engine.model_thread.pool)
+    whole_scatters = plan.scatter_buckets if resolve_impl(engine.model_thread.pool) == "cpu" else []
+    group = layer_group(engine.layout)
+
+    def run() -> None:
+        started, count = time.monotonic(), 0
+        _lower_priority()
+        with compiles.preparing("sampling", background=True):
+            for batch in plan.background_samples:
+                _run_samplers(batch, vocab, logits_sharding)
+                count += 4
+        with compiles.preparing("kernels", background=True):
+            for rows in whole_scatters:
+                for layers in sorted({len(pool), group}):
+                    cpu_copy.prepare_scatter(pool, rows, layers)
+                    count += 1
+        for shape in plan.background_forward:
+            with compiles.preparing(_kind(shape), background=True):
+                programs.compile(*shape)
+                count += 1
+        report = {"programs": count, "seconds": round(time.monotonic() - started, 2)}
+        log.info("background compile: %d more programs in %.1f s; every program this node runs is compiled",
+                 report["programs"], report["seconds"])
+        on_done(report)
+
+    thread = threading.Thread(target=run, name="background-compile", daemon=True)
+    thread.start()
+    return thread
+
+
+def _lower_priority() -> None:
+    with contextlib.suppress(AttributeError, OSError):  # not Linux: the thread competes at the node's priority
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+
+
+def _run_samplers(batch: int, vocab: int, sharding) -> None:
+    logits = jax.device_put(np.zeros((batch, vocab), np.float32), sharding)
     zeros = np.zeros(batch, np.float32)
     sampling.greedy_tokens(logits).block_until_ready()
     sampling.sample_tokens(logits, zeros, zeros + 1, zeros.astype(np.int32), zeros, zeros.astype(np.uint32),
@@ -115,26 +211,30 @@ def _run_samplers(logits) -> None:
     sampling.adjust_logits(logits, np.zeros((batch, vocab), np.float32), zeros, zeros, zeros + 1,
                            np.zeros((batch, vocab), np.float32)).block_until_ready()
     sampling.mask_logits(logits, np.full((batch, (vocab + 31) // 32), -1, np.int32)).block_until_ready()
+    sampling.mark_prepared(batch)
 
 
-def _run_logprobs(model) -> None:
+def _prepare_logprobs(model, programs) -> None:
     rows = np.zeros((LOGPROB_ROWS, model.config.hidden_size), np.float32)
     ids = np.zeros(LOGPROB_ROWS, np.int32)
     for top_k in (0, min(MAX_TOP_LOGPROBS, model.config.vocab_size)):
-        next_token_logprobs(model.params, rows, ids, config=model.config, top_k=top_k)[0].block_until_ready()
+        if model.tp is None:  # ahead, without running it (top-k over the vocabulary costs a second on CPU)
+            programs.compile_logprobs(top_k)
+        else:
+            next_token_logprobs(model.params, rows, ids, config=model.config, top_k=top_k)[0].block_until_ready()
 
 
-def _run_kernels(owner, layout, plan: WarmupPlan, bar: _Bar) -> None:
+def _run_kernels(owner, layout, plan: WarmupPlan, step) -> None:
     """On the model thread of an idle node: copy zeros into, and out of, free pages at every page bucket (a page
     that is free holds nothing anyone reads, and the first request to take it overwrites what it reads)."""
-    from fsm_pd.control.overlap import layer_group
-
     usable = layout.num_pages - 1
     group = layer_group(layout)
     placement = pool_placement(owner.pool)  # a split pool's transfers land split like it (control/jax_kv.py)
     device = next(iter(owner.pool[0].sharding.device_set))
-    for rows in plan.scatter_buckets:
-        bar.describe(f"scatter {rows} pages")
+    def scatter(rows: int) -> None:
+        if resolve_impl(owner.pool) == "cpu":  # layer by layer: the whole-pool programs compile in the background
+            cpu_copy.prepare_scatter(owner.pool, rows, 1)
+            return
         pages = list(range(1, min(rows, usable) + 1))
         staging = np.zeros(layout.staging_shape(rows), layout.dtype)
         if placement is None:
@@ -146,12 +246,16 @@ def _run_kernels(owner, layout, plan: WarmupPlan, bar: _Bar) -> None:
                                        layout=layout)
         if placement is None:  # layers are streamed into a pool on one device only
             owner.pool = scatter_layers(owner.pool, 0, jnp.asarray(staging[:group]), pages)
-        bar.advance()
-    for rows in plan.gather_buckets:
-        bar.describe(f"gather {rows} pages")
+
+    def gather(rows: int) -> None:
         if resolve_impl(owner.pool) != "cpu":  # the CPU gather is NumPy's: nothing to compile
             gather_pages(owner.pool, list(range(1, min(rows, usable) + 1)), layout=layout).block_until_ready()
-        bar.advance()
+
+    with compiles.preparing("kernels"):  # on the model thread: the kind is set where the programs compile
+        for rows in plan.scatter_buckets:
+            step(f"scatter {rows} pages", lambda rows=rows: scatter(rows))
+        for rows in plan.gather_buckets:
+            step(f"gather {rows} pages", lambda rows=rows: gather(rows))
 
 
 class _Bar:

@@ -20,7 +20,7 @@ from fsm_pd.serving.collect import generate
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.types import GenerateRequest, RequestStream
-from fsm_pd.serving.warmup import plan_for, warm_up
+from fsm_pd.serving.warmup import compile_rest, plan_for, warm_up
 
 MAX_BATCH, MAX_TOKENS, PAGE_SIZE, PAGES = 8, 512, 16, 64
 
@@ -60,30 +60,57 @@ def test_prefill_steps_take_only_shapes_the_warmup_compiles(lengths):
     assert sorted(s.prompt_len for s in done) == sorted(lengths)
 
 
-def test_a_warmed_colocated_node_compiles_nothing_while_serving():
-    engine = ColocatedEngine("tiny", num_pages=PAGES, page_size=PAGE_SIZE, chunked_prefill_size=MAX_TOKENS)
+def _requests(greedy_only: bool = False) -> list[GenerateRequest]:
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
+    kinds = [  # every sampler path, penalties and a grammar, logprobs with and without alternatives
+        dict(temperature=0.0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, top_k=5, min_p=0.1),
+        dict(temperature=0.0, frequency_penalty=0.5, logit_bias=((65, 3.0),)),
+        dict(temperature=0.0, grammar=GrammarSpec("json_schema", schema)),
+    ]
+    lengths = [3, 17, 40, 90, 200, 600, 900]  # one prompt alone up to the context's bucket, and batches
+    return [GenerateRequest(f"r{i}", [(7 * i + j) % 250 + 1 for j in range(n)],
+                            SamplingParams(max_new_tokens=1 + i % 7, ignore_eos=True,
+                                           **(kinds[0] if greedy_only else kinds[i % 5])),
+                            seed=i, return_logprob=i % 3 == 0, top_logprobs_num=2 if i % 6 == 0 else 0)
+            for i, n in enumerate(lengths * 3)]
+
+
+def _serve(engine, requests, *, one_by_one: bool = False) -> list:
+    async def serve_all():
+        if one_by_one:
+            return [await generate(engine, r) for r in requests]
+        return await asyncio.gather(*(generate(engine, r) for r in requests))
+
+    outs = asyncio.run(asyncio.wait_for(serve_all(), 240))
+    assert all(out[-1].finish_reason is not None for out in outs)
+    return [[token.token_id for token in out] for out in outs]
+
+
+def test_a_node_ready_on_its_ready_set_serves_every_shape_without_compiling():
+    """Warm-up prepares only the ready set (the single-row decode and the longest single-row prefill, the samplers,
+    the logprob programs); every batch and prompt length the schedulers then form runs on them, padded up or row by
+    row, and compiles nothing. Once the background compile has run, every shape is there, and greedy answers are
+    the same on their own shapes. (Served one by one: a row's logits move in the last bits with the batch it runs
+    in, which flips the random tiny model's near-ties; a padded row computes exactly what it does on its own shape.)
+    """
+    pages = 80  # a pool size no other test uses: its programs (shared per process and pool shape) start empty
+    engine = ColocatedEngine("tiny", num_pages=pages, page_size=PAGE_SIZE, chunked_prefill_size=MAX_TOKENS)
     try:
+        plan = plan_for(engine)
         report = warm_up(engine, progress=False)
-        assert report["forward_shapes"] == len(plan_for(engine).forward)
-        before = compiles.counts()["serving"]
-        compiles.serving()
-        schema = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
-        kinds = [  # every sampler path, penalties and a grammar, logprobs with and without alternatives
-            dict(temperature=0.0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, top_k=5, min_p=0.1),
-            dict(temperature=0.0, frequency_penalty=0.5, logit_bias=((65, 3.0),)),
-            dict(temperature=0.0, grammar=GrammarSpec("json_schema", schema)),
-        ]
-        lengths = [3, 17, 40, 90, 200, 600, 900]  # one prompt alone up to the context's bucket, and batches
-        requests = [GenerateRequest(f"r{i}", [(7 * i + j) % 250 + 1 for j in range(n)],
-                                    SamplingParams(max_new_tokens=1 + i % 7, ignore_eos=True, **kinds[i % 5]),
-                                    seed=i, return_logprob=i % 3 == 0, top_logprobs_num=2 if i % 6 == 0 else 0)
-                    for i, n in enumerate(lengths * 3)]
+        programs = engine.model.programs(engine.model_thread.pool)
+        assert report["forward_shapes"] == len(plan.ready_forward) == 2
+        assert programs.shapes == set(plan.ready_forward) == {(1, 1), (1, MAX_TOKENS)}
+        before = sum(compiles.counts().values())
+        _serve(engine, _requests())
+        greedy = _serve(engine, _requests(greedy_only=True)[:7], one_by_one=True)
+        assert sum(compiles.counts().values()) == before, f"compiled while serving: {list(compiles.late)}"
 
-        async def serve_all():
-            return await asyncio.gather(*(generate(engine, r) for r in requests))
-
-        outs = asyncio.run(asyncio.wait_for(serve_all(), 240))
-        assert all(out[-1].finish_reason is not None for out in outs)
-        assert compiles.counts()["serving"] == before, f"compiled while serving: {list(compiles.late)}"
+        compile_rest(engine).join(timeout=240)
+        assert programs.shapes == set(plan.forward)
+        assert compiles.counts()["background"] >= len(plan.background_forward)
+        before = sum(compiles.counts().values())
+        assert _serve(engine, _requests(greedy_only=True)[:7], one_by_one=True) == greedy
+        assert sum(compiles.counts().values()) == before
     finally:
         engine.close()
