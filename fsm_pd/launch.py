@@ -103,20 +103,69 @@ def plan(prefill: int, decode: int, port: int, model: str, backend: str, journal
     return children
 
 
+def health(child: Child) -> tuple[bool, dict]:
+    """Whether ``child`` is ready (``/health`` 200), and what it says of its start-up while it is not; raises
+    when it exited."""
+    if child.proc.poll() is not None:
+        lines = child.log.read_text(errors="replace").strip().splitlines() if child.log.is_file() else []
+        last = f": {lines[-1]}" if lines else ""
+        raise RuntimeError(f"{child.name} exited with {child.proc.returncode}{last} (log: {child.log})")
+    try:
+        response = httpx.get(child.url + "/health", timeout=2.0)
+    except httpx.HTTPError:
+        return False, {"phase": "starting"}  # not listening yet: the interpreter and its imports
+    if response.status_code == 200:
+        return True, {}
+    try:
+        return False, response.json()
+    except ValueError:
+        return False, {}
+
+
 def wait_healthy(child: Child, deadline: float) -> None:
     while time.time() < deadline:
-        if child.proc.poll() is not None:
-            lines = child.log.read_text(errors="replace").strip().splitlines() if child.log.is_file() else []
-            last = f": {lines[-1]}" if lines else ""
-            raise RuntimeError(f"{child.name} exited with {child.proc.returncode}{last} (log: {child.log})")
-        try:
-            if httpx.get(child.url + "/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+        if health(child)[0]:
+            return
         time.sleep(0.25)
     raise RuntimeError(f"{child.name} did not answer {child.url}/health within {HEALTH_TIMEOUT_S:.0f} s; "
                        f"see {child.log}")
+
+
+def wait_ready(nodes: list[Child], deadline: float, console: Console) -> dict[str, dict]:
+    """Wait until every node is ready, showing each one's start-up in the terminal: its phase, then the programs
+    it prepares (done out of total, and the time left). Returns each node's start-up phases (``/server_info``)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("{task.fields[node]:<10} {task.description:<28}"), BarColumn(), MofNCompleteColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=False) as bars:
+        tasks = {c.name: bars.add_task("starting", node=c.name, total=None) for c in nodes}
+        waiting = list(nodes)
+        while waiting:
+            if time.time() > deadline:
+                raise RuntimeError(f"{', '.join(c.name for c in waiting)} not ready within {HEALTH_TIMEOUT_S:.0f} s"
+                                   f"; see {waiting[0].log}")
+            for child in list(waiting):
+                ready, status = health(child)
+                task = tasks[child.name]
+                if ready:
+                    done = bars.tasks[task].total or 1
+                    bars.update(task, description="ready", total=done, completed=done)
+                    waiting.remove(child)
+                elif progress := status.get("progress"):
+                    bars.update(task, description=progress.get("step", ""), total=progress["total"],
+                                completed=progress["done"])
+                else:
+                    bars.update(task, description=status.get("phase", "starting"))
+            time.sleep(0.25)
+    return {c.name: startup_phases(c) for c in nodes}
+
+
+def startup_phases(child: Child) -> dict:
+    try:
+        return (httpx.get(child.url + "/server_info", timeout=5.0).json().get("startup") or {}).get("phases", {})
+    except (httpx.HTTPError, ValueError):
+        return {}
 
 
 def stop(children: list[Child]) -> None:
@@ -180,14 +229,15 @@ def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, jo
 
     try:
         with console.status("starting the cluster") as status:
-            status.update(f"loading {model} on {', '.join(c.name for c in nodes)} and compiling every shape they "
-                          f"serve (minutes the first time, less once the compile cache holds them); logs in "
-                          f"{journal_dir}")
             for child in nodes:
                 start(child)
-            deadline = time.time() + HEALTH_TIMEOUT_S
-            for child in nodes:
-                wait_healthy(child, deadline)
+            status.stop()  # the nodes' progress bars take the terminal meanwhile
+            console.print(f"starting {', '.join(c.name for c in nodes)} ({model}; logs in {journal_dir})")
+            phases = wait_ready(nodes, time.time() + HEALTH_TIMEOUT_S, console)
+            for name, times in phases.items():
+                console.print(f"  {name} ready: " + ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds
+                                                             in times.items()), highlight=False)
+            status.start()
             status.update(f"starting the router ({router_child.url})")
             start(router_child)
             wait_healthy(router_child, time.time() + HEALTH_TIMEOUT_S)

@@ -1,0 +1,191 @@
+"""What a start costs: one node to its first answer, and ``fsm-pd launch`` to its first answer, cold and warm.
+
+On the model a user gets (SmolLM2 unless --model), with the defaults a user gets, each in a fresh process:
+
+1. ``fsm-pd serve --role R`` for each role in --roles (default colocated and decode): first with an empty compile
+   cache and an empty converted-model cache (cold), then again on what the first run left (warm). For each run: the
+   time from the process's start to ready (``/health`` 200) and to the end of its first answer, each start-up phase
+   (``fsm_pd_startup_seconds``: imports, weights, engine, programs), and per kind of program how many it prepared,
+   how many came from the compile cache, and the seconds spent tracing, lowering and in the backend
+   (``fsm_pd_program_prepare_seconds``, ``fsm_pd_programs``);
+2. ``fsm-pd launch`` (1 prefill, 1 decode, the router), cold then warm: the seconds from the command to the first
+   answer it prints, as a newcomer sees them.
+
+Every process gets its own caches under a temporary directory, so nothing this machine compiled before helps the
+cold runs. A node answers its first request here on the colocated role (a decode node needs a prefill node beside
+it for that: launch measures the pair). The serving compiles of each node (``fsm_pd_compiles_total{phase=
+"serving"}``) are printed too, and must be 0.
+
+    python bench/startup.py [--model smollm2] [--roles colocated,decode] [--no-launch] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from fsm_pd.launch import free_port
+from fsm_pd.transport import generate_secret, secret_env
+
+err = Console(stderr=True)
+QUESTION = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
+
+
+def metric_rows(text: str, name: str) -> list[tuple[dict, float]]:
+    rows = []
+    for line in text.splitlines():
+        match = re.match(rf"^{name}(?:\{{(.*)\}})? (\S+)$", line)
+        if match:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1) or ""))
+            rows.append((labels, float(match.group(2))))
+    return rows
+
+
+def run_node(role: str, model: str, caches: Path, tmp: Path) -> dict:
+    """Start one node, wait for ready, ask it one question (a colocated node), read its metrics, stop it."""
+    port = free_port()
+    argv = [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", role, "--model", model, "--port", str(port)]
+    if role in ("prefill", "decode"):
+        argv += ["--journal", str(tmp / f"{role}-{port}.db")]
+    if role == "prefill":
+        argv += ["--bootstrap-port", str(free_port())]
+    env = {**os.environ, **secret_env(generate_secret()), "FSM_PD_COMPILE_CACHE": str(caches / "jax"),
+           "FSM_PD_MODEL_CACHE": str(caches / "models")}
+    log = tmp / f"{role}-{port}.log"
+    url = f"http://127.0.0.1:{port}"
+    started = time.time()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
+    try:
+        ready = _wait_ready(url, proc, log)
+        result = {"ready_s": ready - started}
+        if role == "colocated":
+            response = httpx.post(url + "/generate", json=QUESTION, timeout=300)
+            response.raise_for_status()
+            result["first_answer_s"] = time.time() - started
+        text = httpx.get(url + "/metrics", timeout=10).text
+        result["phases"] = {labels["phase"]: value
+                            for labels, value in metric_rows(text, "fsm_pd_startup_seconds")}
+        kinds: dict[str, dict] = {}
+        for labels, value in metric_rows(text, "fsm_pd_program_prepare_seconds_total"):
+            kinds.setdefault(labels["kind"], {})[labels["step"]] = value
+        for labels, value in metric_rows(text, "fsm_pd_programs_total"):
+            kinds.setdefault(labels["kind"], {})[labels["source"]] = int(value)
+        result["kinds"] = kinds
+        result["compiles"] = {labels["phase"]: int(value)
+                              for labels, value in metric_rows(text, "fsm_pd_compiles_total")}
+        return result
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 900) -> float:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the node exited with {proc.returncode}; see {log}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return time.time()
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"not ready within {timeout} s; see {log}")
+
+
+def run_launch(model: str, caches: Path, tmp: Path) -> float:
+    """``fsm-pd launch`` until it prints its first answer; the seconds it reports from the command to it."""
+    env = {**os.environ, "FSM_PD_COMPILE_CACHE": str(caches / "jax"), "FSM_PD_MODEL_CACHE": str(caches / "models")}
+    argv = [sys.executable, "-m", "fsm_pd.cli", "launch", "--model", model, "--port", str(free_port()),
+            "--journal-dir", str(tmp / f"launch-{time.monotonic_ns()}")]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+                            stdin=subprocess.DEVNULL)
+    try:
+        for line in proc.stdout:
+            match = re.search(r"first answer ([0-9.]+) s after the command", line)
+            if match:
+                return float(match.group(1))
+        raise RuntimeError(f"fsm-pd launch exited with {proc.wait()} before its first answer")
+    finally:
+        proc.send_signal(2)  # SIGINT: launch stops the processes it started
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def node_table(results: dict) -> Table:
+    table = Table(title="one node, from its process's start (s)")
+    for column in ("role", "cache", "imports", "weights", "engine", "programs", "ready", "first answer",
+                   "serving compiles"):
+        table.add_column(column, justify="left" if column in ("role", "cache") else "right")
+    for (role, cache), r in results.items():
+        p = r["phases"]
+        table.add_row(role, cache, *(f"{p.get(k, 0):.1f}" for k in ("imports", "weights", "engine", "programs")),
+                      f"{r['ready_s']:.1f}", f"{r['first_answer_s']:.1f}" if "first_answer_s" in r else "-",
+                      str(r["compiles"].get("serving", 0)))
+    return table
+
+
+def kinds_table(results: dict) -> Table:
+    table = Table(title="programs prepared before ready, per kind (count, from cache; seconds)")
+    for column in ("role", "cache", "kind", "programs", "from cache", "trace", "lower", "backend"):
+        table.add_column(column, justify="left" if column in ("role", "cache", "kind") else "right")
+    for (role, cache), r in results.items():
+        for kind, k in sorted(r["kinds"].items()):
+            count = k.get("cache", 0) + k.get("compiled", 0)
+            table.add_row(role, cache, kind, str(count), str(k.get("cache", 0)),
+                          *(f"{k.get(step, 0):.2f}" for step in ("trace", "lower", "backend")))
+    return table
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--roles", default="colocated,decode", help="comma-separated node roles to start alone")
+    parser.add_argument("--no-launch", dest="launch", action="store_false", help="skip fsm-pd launch")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
+    args = parser.parse_args()
+    results: dict = {}
+    launches: dict = {}
+    with tempfile.TemporaryDirectory(prefix="fsm-pd-startup-") as tmp_name:
+        tmp = Path(tmp_name)
+        for role in args.roles.split(","):
+            caches = tmp / f"caches-{role}"
+            for cache in ("cold", "warm"):
+                err.print(f"{role}, {cache}")
+                results[(role, cache)] = run_node(role, args.model, caches, tmp)
+        if args.launch:
+            for cache in ("cold", "warm"):
+                err.print(f"fsm-pd launch, {cache}")
+                launches[cache] = run_launch(args.model, tmp / "caches-launch", tmp)
+    console = Console()
+    console.print(node_table(results))
+    console.print(kinds_table(results))
+    if launches:
+        console.print("fsm-pd launch, first answer after the command: "
+                      + ", ".join(f"{cache} {seconds:.1f} s" for cache, seconds in launches.items()))
+    if args.json:
+        print(json.dumps({"nodes": {f"{role}/{cache}": r for (role, cache), r in results.items()},
+                          "launch": launches}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
