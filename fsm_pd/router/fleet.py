@@ -5,8 +5,11 @@ the breaker, the picker and the retry budget are unit-tested with a fake one.
 * **Circuit breaker, per worker.** A worker is *ejected* (no new requests) after ``health_failures`` consecutive
   failed health checks, or ``request_failures`` consecutive failed requests (counted apart: a node that answers
   ``/health`` but fails every transfer is ejected too), and at once when its ``/health`` says
-  ``{"status": "draining"}``. Failed requests never eject the last admitted worker of a role (its health checks
-  can). It is *re-admitted* by the first successful health check once ``cooldown_s`` has passed since its ejection.
+  ``{"status": "draining"}`` or ``{"status": "starting"}``. Failed requests never eject the last admitted worker of a
+  role (its health checks can). It is *re-admitted* by the first successful health check once ``cooldown_s`` has
+  passed since its ejection; a node that said it was starting (a new process, not a flapping one) at once, and
+  while any worker is out the health checks come every second, so a restarted node takes requests as soon as it is
+  ready.
 * **Selection.** ``least_outstanding`` (default): the admitted worker with the fewest requests this router has in
   flight there, ties broken in turn so an idle fleet is used evenly; ``round_robin`` and ``random`` as before, over
   the admitted workers; ``cache_aware``: where the request's longest prefix went, unless the fleet is imbalanced
@@ -138,7 +141,8 @@ class Fleet:
         shapes), ejecting them too would turn a partial outage into a total one."""
         return any(w.admitted and w is not worker for w in self.workers[worker.role])
 
-    def health_checked(self, worker: Worker, ok: bool, detail: str = "", draining: bool = False) -> None:
+    def health_checked(self, worker: Worker, ok: bool, detail: str = "", draining: bool = False,
+                       starting: bool = False) -> None:
         now = self.clock()
         worker.last_health = "ok" if ok else detail or "failed"
         if ok:
@@ -152,6 +156,9 @@ class Fleet:
         worker.health_failures += 1
         if draining:
             self._eject(worker, f"draining: {detail}", kind="draining")
+        elif starting:
+            self._eject(worker, f"starting: {detail}", kind="starting")
+            worker.ejected_at = now - self.breaker.cooldown_s  # its first 200 re-admits it: no cool-down to sit out
         elif worker.health_failures >= self.breaker.health_failures:
             self._eject(worker, f"{worker.health_failures} health checks failed in a row, the last: {detail}",
                         kind="health_check")
@@ -210,6 +217,9 @@ class RetryBudget:
                 f"(max({self.ratio:g} x {len(self._requests)} requests, {self.min_per_s:g}/s))")
 
 
+OUT_CHECK_INTERVAL_S = 1.0  # how often an ejected worker is checked: a restarted node is taken back within a second
+
+
 @dataclass
 class HealthChecker:
     """GET ``/health`` on every worker every ``interval_s``; any answer but 200 within ``timeout_s`` is a failure."""
@@ -233,9 +243,10 @@ class HealthChecker:
         except (ValueError, AttributeError):
             status = None
         self.fleet.health_checked(worker, False, f"/health answered {resp.status_code}: {resp.text.strip()[:200]}",
-                                  draining=status == "draining")
+                                  draining=status == "draining", starting=status == "starting")
 
     async def run(self, client: httpx.AsyncClient) -> None:
         while True:
             await asyncio.gather(*(self.check(client, w) for w in self.fleet.all()))
-            await asyncio.sleep(self.interval_s)
+            out = any(not w.admitted for w in self.fleet.all())
+            await asyncio.sleep(min(self.interval_s, OUT_CHECK_INTERVAL_S) if out else self.interval_s)

@@ -96,6 +96,25 @@ def test_draining_ejects_at_once():
     assert events == [("ejected", "prefill", "draining")]
 
 
+def test_a_starting_node_is_ejected_at_once_and_readmitted_by_its_first_200():
+    """A restarted node answers 503 starting: it gets nothing until it is ready, and then no cool-down holds it back
+    (it is a new process, not a flapping one), even after connection failures ejected the old one."""
+    f, clock, events = fleet(health_failures=2, cooldown_s=10.0)
+    d0 = f.workers["decode"][0]
+    f.health_checked(d0, False, "ConnectError")
+    f.health_checked(d0, False, "ConnectError")  # the old process is gone: ejected
+    clock.now += 3
+    f.health_checked(d0, False, "/health answered 503", starting=True)
+    assert not d0.admitted and d0.reason.startswith("starting")
+    assert f.pick("decode") is f.workers["decode"][1]
+    clock.now += 1
+    f.health_checked(d0, True)
+    assert d0.admitted
+    f.health_checked(d0, False, "/health answered 503", starting=True)  # an admitted node restarted between checks
+    assert not d0.admitted
+    assert [e[2] for e in events] == ["health_check", "health_ok", "starting"]
+
+
 def test_failed_requests_never_eject_the_last_admitted_worker_but_health_checks_do():
     f, _, _ = fleet(request_failures=1, health_failures=1)
     p0, p1 = f.workers["prefill"]
