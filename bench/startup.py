@@ -77,12 +77,8 @@ def run_node(role: str, model: str, caches: Path, tmp: Path) -> dict:
         text = httpx.get(url + "/metrics", timeout=10).text
         result["phases"] = {labels["phase"]: value
                             for labels, value in metric_rows(text, "fsm_pd_startup_seconds")}
-        kinds: dict[str, dict] = {}
-        for labels, value in metric_rows(text, "fsm_pd_program_prepare_seconds_total"):
-            kinds.setdefault(labels["kind"], {})[labels["step"]] = value
-        for labels, value in metric_rows(text, "fsm_pd_programs_total"):
-            kinds.setdefault(labels["kind"], {})[labels["source"]] = int(value)
-        result["kinds"] = kinds
+        # per kind, as it stood at ready (the metrics go on counting the background compile)
+        result["kinds"] = httpx.get(url + "/server_info", timeout=10).json()["startup"]["programs_before_ready"]
         result["compiles"] = {labels["phase"]: int(value)
                               for labels, value in metric_rows(text, "fsm_pd_compiles_total")}
         return result
@@ -149,9 +145,8 @@ def kinds_table(results: dict) -> Table:
         table.add_column(column, justify="left" if column in ("role", "cache", "kind") else "right")
     for (role, cache), r in results.items():
         for kind, k in sorted(r["kinds"].items()):
-            count = k.get("cache", 0) + k.get("compiled", 0)
-            table.add_row(role, cache, kind, str(count), str(k.get("cache", 0)),
-                          *(f"{k.get(step, 0):.2f}" for step in ("trace", "lower", "backend")))
+            table.add_row(role, cache, kind, str(k["programs"]), str(k["from_cache"]),
+                          *(f"{k[f'{step}_s']:.2f}" for step in ("trace", "lower", "backend")))
     return table
 
 

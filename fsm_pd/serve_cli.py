@@ -232,8 +232,9 @@ def run_node(args: argparse.Namespace) -> int:
                      drain_timeout_s=args.drain_timeout_secs, startup=startup)
     apply_serving_gc_policy()
     # HTTP answers from here on (probes see the progress); requests are taken once the programs are prepared
-    threading.Thread(target=prepare_programs, args=(engine, startup, args.skip_server_warmup), name="start-up",
-                     daemon=True).start()
+    threading.Thread(target=prepare_programs, args=(engine, startup, args.skip_server_warmup,
+                                                    lambda: app.state.drain.in_flight > 0),
+                     name="start-up", daemon=True).start()
     try:
         serve_draining(app, args.host, args.port, log_level=args.log_level,
                        read_timeouts=read_timeouts_from_args(args))
@@ -244,7 +245,7 @@ def run_node(args: argparse.Namespace) -> int:
     _exit(0)
 
 
-def prepare_programs(engine, startup, skip: bool) -> None:
+def prepare_programs(engine, startup, skip: bool, busy) -> None:
     """The start-up thread: prepare the programs any request needs (``warmup.warm_up``), mark the node ready, then
     compile the rest in the background. A failure here leaves a node that can never serve: it exits 1."""
     from fsm_pd.model import compiles
@@ -256,11 +257,12 @@ def prepare_programs(engine, startup, skip: bool) -> None:
             with startup.phase("programs"):
                 warm_up(engine, progress=True, startup=startup)
         compiles.serving()
-        startup.mark_ready()
+        startup.mark_ready({kind: {**vars(cost), "seconds": round(cost.seconds, 3)}
+                            for kind, cost in compiles.costs().items()})
         log.info("ready %.1f s after the process started (%s)", startup.ready_after,
                  ", ".join(f"{name} {seconds:.1f} s" for name, seconds in startup.status()["phases"].items()))
         if not skip:
-            compile_rest(engine)
+            compile_rest(engine, busy=busy, on_done=startup.background_done)
     except BaseException as exc:  # noqa: BLE001 - whatever it was, the node cannot serve: say so and exit
         startup.mark_failed(f"{type(exc).__name__}: {exc}")
         log.exception("start-up failed; exiting")

@@ -27,7 +27,7 @@ from typing import Literal
 import jax
 import numpy as np
 
-from fsm_pd.kernels import cpu_copy, jnp_copy, pallas_copy
+from fsm_pd.kernels import cpu_copy, jnp_copy
 from fsm_pd.kernels.buckets import page_bucket
 from fsm_pd.kernels.layout import PAD_PAGE, KVLayout
 from fsm_pd.kernels.placement import pool_placement
@@ -82,6 +82,8 @@ def gather_pages(
         return cpu_copy.gather_host(pool, ids, rows)
     if chosen == "pallas":
         runs = page_runs(ids, rows)
+        from fsm_pd.kernels import pallas_copy  # imported here: Pallas costs a CPU node 0.3 s of start-up
+
         return pallas_copy.gather_runs(pool, runs, rows, placement=placement, interpret=_platform(pool) != "tpu")
     row_pages = np.full(rows, PAD_PAGE, dtype=np.int32)
     row_pages[: ids.size] = ids
@@ -115,6 +117,8 @@ def scatter_pages(
         return cpu_copy.scatter(pool, staging, row_pages, np.int32(ids.size))
     if chosen == "pallas":
         runs = page_runs(ids, rows)
+        from fsm_pd.kernels import pallas_copy
+
         return pallas_copy.scatter_runs(pool, staging, runs, placement=placement, interpret=_platform(pool) != "tpu")
     num_pages = pool[0].shape[0]
     # Padding rows get distinct out-of-range ids, which the scatter drops (see jnp_copy.scatter_rows).

@@ -57,6 +57,8 @@ class Startup:
         self.ready_event = threading.Event()
         self.ready_after: float | None = None
         self.first_request_after: float | None = None
+        self.programs: dict[str, dict] = {}  # per kind of program, what it cost before ready (``compiles.costs``)
+        self.background: dict | None = None  # once the background compile is done: its programs and seconds
         self.failed: str | None = None
         if ready:
             self.mark_ready()
@@ -96,15 +98,21 @@ class Startup:
     def ready(self) -> bool:
         return self.ready_event.is_set()
 
-    def mark_ready(self) -> None:
+    def mark_ready(self, programs: dict[str, dict] | None = None) -> None:
         with self._lock:
             if self.ready_after is None:
                 self.ready_after = self.since_start()
+                self.programs = programs or {}
         self.ready_event.set()
 
     def mark_failed(self, reason: str) -> None:
         with self._lock:
             self.failed = reason
+
+    def background_done(self, report: dict) -> None:
+        """The background compile finished: every program the node runs is compiled (``warmup.compile_rest``)."""
+        with self._lock:
+            self.background = report
 
     def request_done(self) -> None:
         """A request was answered; the first one after ready ends the ``first_request`` phase."""
@@ -130,6 +138,10 @@ class Startup:
                 out["ready_after_s"] = round(self.ready_after, 3)
             if self.first_request_after is not None:
                 out["first_request_after_s"] = round(self.first_request_after, 3)
+            if self.programs:
+                out["programs_before_ready"] = self.programs
+            if self.ready:
+                out["background_compile"] = self.background or "running"
             if self._steps_total and not self.ready:
                 out["progress"] = self._progress()
             return out

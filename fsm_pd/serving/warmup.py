@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import jax
@@ -157,11 +158,17 @@ def warm_up(engine, *, progress: bool = True, startup: Startup | None = None) ->
     return report
 
 
-def compile_rest(engine, *, on_done=lambda report: None) -> threading.Thread:
+IDLE_WAIT_S = 5.0  # the longest a background compile waits for the node to be idle before it starts anyway
+
+
+def compile_rest(engine, *, busy: Callable[[], bool] = lambda: False,
+                 on_done=lambda report: None) -> threading.Thread:
     """Start a thread that prepares what ``warm_up`` left out, at a lower CPU priority than serving (on Linux a
     thread has its own nice value): the other sampler buckets, the whole-pool scatters (``cpu_copy.prepare_scatter``)
     and the other forward shapes, cheapest first. No request waits on it: until a program is there, its work runs
-    on one that covers it. ``on_done`` gets ``{"programs", "seconds"}``."""
+    on one that covers it. Each program waits until ``busy()`` is False (at most ``IDLE_WAIT_S``): tracing holds the
+    interpreter's lock, which a nice value does not share out, so it goes where requests are not. ``on_done`` gets
+    ``{"programs", "seconds"}``."""
     plan = plan_for(engine)
     programs = engine.model.programs(engine.model_thread.pool)
     vocab = engine.model.config.vocab_size
@@ -171,19 +178,27 @@ def compile_rest(engine, *, on_done=lambda report: None) -> threading.Thread:
     whole_scatters = plan.scatter_buckets if resolve_impl(engine.model_thread.pool) == "cpu" else []
     group = layer_group(engine.layout)
 
+    def idle() -> None:
+        until = time.monotonic() + IDLE_WAIT_S
+        while busy() and time.monotonic() < until:
+            time.sleep(0.02)
+
     def run() -> None:
         started, count = time.monotonic(), 0
         _lower_priority()
         with compiles.preparing("sampling", background=True):
             for batch in plan.background_samples:
+                idle()
                 _run_samplers(batch, vocab, logits_sharding)
                 count += 4
         with compiles.preparing("kernels", background=True):
             for rows in whole_scatters:
                 for layers in sorted({len(pool), group}):
+                    idle()
                     cpu_copy.prepare_scatter(pool, rows, layers)
                     count += 1
         for shape in plan.background_forward:
+            idle()
             with compiles.preparing(_kind(shape), background=True):
                 programs.compile(*shape)
                 count += 1
