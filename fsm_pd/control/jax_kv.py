@@ -42,7 +42,7 @@ class JaxKV:
         if plan.single:
             return (staging,)
         parts = device_parts(staging)
-        cut = lambda p: parts[p.src][:, :, :, 2 * p.src_slot : 2 * (p.src_slot + p.count)]  # noqa: E731
+        cut = lambda p: _slots(parts[p.src], 2 * p.src_slot, 2 * (p.src_slot + p.count))  # noqa: E731
         pieces = tuple(parts[p.src] if plan.whole(p) else cut(p) for p in plan.pieces)
         jax.block_until_ready(pieces)
         return pieces
@@ -124,10 +124,9 @@ class JaxKV:
         shape = pieces[0].shape
         parts = []
         for dst, device in enumerate(devices):
-            joined = [landed[part.index] if isinstance(part, Piece)
-                      else jnp.zeros((*shape[:3], 2 * part.count, shape[4]), pieces[0].dtype, device=device)
+            joined = [landed[part.index] if isinstance(part, Piece) else (*shape[:3], 2 * part.count, shape[4])
                       for part in plan.into(dst)]
-            parts.append(joined[0] if len(joined) == 1 else jnp.concatenate(joined, axis=3))
+            parts.append(joined[0] if len(joined) == 1 else _join(joined, pieces[0].dtype, device))
         if len(devices) == 1:
             return parts[0]
         whole = (*shape[:3], 2 * self.layout.slots, shape[4])
@@ -139,6 +138,24 @@ class JaxKV:
 
     def discard(self, staging: Any) -> None:
         """Dropping our reference is enough: a pulled array may alias a warm host block that its backend reuses."""
+
+
+def _slots(part: jax.Array, start: int, stop: int) -> jax.Array:
+    """``part[:, :, :, start:stop]``, on the host for a CPU device: a slice on the device is a program per page
+    bucket and peer split, compiled while a request waits (the warm-up cannot know a peer's split)."""
+    if part.device.platform != "cpu":
+        return part[:, :, :, start:stop]
+    return jax.device_put(np.ascontiguousarray(np.asarray(part)[:, :, :, start:stop]), part.device)
+
+
+def _join(parts: list, dtype, device) -> jax.Array:
+    """The landed pieces and zero fills (shapes) of one decode shard, side by side on the slot axis: on the host
+    for a CPU device, for the same reason as ``_slots``."""
+    if device.platform != "cpu":
+        filled = [jnp.zeros(p, dtype, device=device) if isinstance(p, tuple) else p for p in parts]
+        return jnp.concatenate(filled, axis=3)
+    filled = [np.zeros(p, dtype) if isinstance(p, tuple) else np.asarray(p) for p in parts]
+    return jax.device_put(np.concatenate(filled, axis=3), device)
 
 
 def device_parts(staging: jax.Array) -> list[jax.Array]:
