@@ -158,20 +158,31 @@ class ForwardPrograms:
 
     def _run_covered(self, shape, params, pool, tokens, starts, lengths, page_tables):
         """Run ``tokens: [B, S]`` on the compiled ``shape``: rows padded up (length 0: they write the pad page) and
-        split into calls of ``shape[0]`` rows; the results joined on the host, as if one call of ``[B, S]`` ran."""
+        split into calls of ``shape[0]`` rows; the results joined on the host, as if one call of ``[B, S]`` ran.
+
+        A call of padding rows alone is not run: with nothing to attend to, its attention divides 0 by 0, and the
+        NaN it would store in the pad page poisons every later row that reads padding (0 x NaN is NaN)."""
         rows, width = shape
         program = self._programs[shape]
         b, s = tokens.shape
-        logits, hidden = [], []
+        logits, hidden, sharding = [], [], None
         for at in range(0, b, rows):
             n = min(rows, b - at)
+            if not lengths[at:at + n].any():
+                logits.append(None)
+                hidden.append(np.zeros((n, s, self.config.hidden_size), np.float32))
+                continue
             part = [a[at:at + n] for a in (tokens, starts, lengths, page_tables)]
             out_logits, pool, out_hidden = program(params, pool, _pad_rows(part[0], rows, width),
                                                    *(_pad_rows(a, rows) for a in part[1:]))
+            sharding = out_logits.sharding
             logits.append(np.asarray(out_logits)[:n])
             hidden.append(np.asarray(out_hidden)[:n, :s])
+        vocab = next(x for x in logits if x is not None).shape[-1]
+        joined = np.concatenate([x if x is not None else np.zeros((min(rows, b - i * rows), vocab), np.float32)
+                                 for i, x in enumerate(logits)])
         # placed as the program leaves its logits: the samplers are compiled for that placement
-        return jax.device_put(np.concatenate(logits), out_logits.sharding), pool, np.concatenate(hidden)
+        return jax.device_put(joined, sharding), pool, np.concatenate(hidden)
 
 
 def _pad_rows(a: np.ndarray, rows: int, cols: int | None = None) -> np.ndarray:
