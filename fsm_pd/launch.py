@@ -131,6 +131,19 @@ def wait_healthy(child: Child, deadline: float) -> None:
                        f"see {child.log}")
 
 
+def wait_admitted(router: Child, counts: dict[str, int], deadline: float) -> None:
+    """Wait until ``router`` answers ``/health`` and routes to every node (``admitted``, per role)."""
+    while time.time() < deadline:
+        if health(router)[0]:
+            try:
+                if httpx.get(router.url + "/health", timeout=2.0).json().get("admitted") == counts:
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+        time.sleep(0.1)
+    raise RuntimeError(f"the router did not take the nodes in within {HEALTH_TIMEOUT_S:.0f} s; see {router.log}")
+
+
 def wait_ready(nodes: list[Child], deadline: float, console: Console) -> dict[str, dict]:
     """Wait until every node is ready, showing each one's start-up in the terminal: its phase, then the programs
     it prepares (done out of total, and the time left). Returns each node's start-up phases (``/server_info``)."""
@@ -229,7 +242,7 @@ def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, jo
 
     try:
         with console.status("starting the cluster") as status:
-            for child in nodes:
+            for child in children:  # the router too: it sends nothing to a node until that node is ready
                 start(child)
             status.stop()  # the nodes' progress bars take the terminal meanwhile
             console.print(f"starting {', '.join(c.name for c in nodes)} ({model}; logs in {journal_dir})")
@@ -238,9 +251,8 @@ def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, jo
                 console.print(f"  {name} ready: " + ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds
                                                              in times.items()), highlight=False)
             status.start()
-            status.update(f"starting the router ({router_child.url})")
-            start(router_child)
-            wait_healthy(router_child, time.time() + HEALTH_TIMEOUT_S)
+            status.update(f"waiting for the router ({router_child.url}) to take the nodes in")
+            wait_admitted(router_child, {"prefill": prefill, "decode": decode}, time.time() + HEALTH_TIMEOUT_S)
             router = router_child.url
             if warmup:
                 status.update(f"asking {WARMUP_QUESTION!r} through the router")

@@ -159,6 +159,8 @@ def warm_up(engine, *, progress: bool = True, startup: Startup | None = None) ->
 
 
 IDLE_WAIT_S = 5.0  # the longest a background compile waits for the node to be idle before it starts anyway
+# before the first one: a node that just turned ready is about to get the requests that waited for it
+READY_GRACE_S = 1.0
 
 
 def compile_rest(engine, *, busy: Callable[[], bool] = lambda: False,
@@ -186,6 +188,7 @@ def compile_rest(engine, *, busy: Callable[[], bool] = lambda: False,
     def run() -> None:
         started, count = time.monotonic(), 0
         _lower_priority()
+        time.sleep(READY_GRACE_S)
         with compiles.preparing("sampling", background=True):
             for batch in plan.background_samples:
                 idle()

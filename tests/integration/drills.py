@@ -48,6 +48,7 @@ def kill_and_restart(rig: Rig, role: str, *, workers: int = WORKERS, load_timeou
         deadline = killed + 3 * DEADLINE_S + 30
         while load.running_since(killed) and time.monotonic() < deadline:
             time.sleep(0.1)
+        restarted = time.monotonic()
         node.restart()  # returns once its /health answers 200
         healthy = time.monotonic()
         recovery = _first_success_after(rig.router, healthy, 30)
@@ -62,6 +63,7 @@ def kill_and_restart(rig: Rig, role: str, *, workers: int = WORKERS, load_timeou
         "in_flight_results": _counts(hit),
         "in_flight_max_end_s": round(max((o.ended - killed for o in hit), default=0.0), 2),
         "restart_to_health_s": round(healthy - killed, 2),
+        "process_start_to_health_s": round(healthy - restarted, 2),
         "health_to_first_success_s": round(recovery, 2),
     }
     rig.p.wait_baseline()
