@@ -16,7 +16,7 @@ cold runs. A node answers its first request here on the colocated role (a decode
 it for that: launch measures the pair). The serving compiles of each node (``fsm_pd_compiles_total{phase=
 "serving"}``) are printed too, and must be 0.
 
-    python bench/startup.py [--model smollm2] [--roles colocated,decode] [--no-launch] [--json]
+    python bench/startup.py [--model smollm2] [--roles colocated,decode] [--no-launch] [--repeat N] [--json]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -126,6 +127,11 @@ def run_launch(model: str, caches: Path, tmp: Path) -> float:
             proc.kill()
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run whose time to ready is the median (its phases and kinds belong together)."""
+    return sorted(runs, key=lambda r: r["ready_s"])[len(runs) // 2]
+
+
 def node_table(results: dict) -> Table:
     table = Table(title="one node, from its process's start (s)")
     for column in ("role", "cache", "imports", "weights", "engine", "programs", "ready", "first answer",
@@ -155,27 +161,39 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--roles", default="colocated,decode", help="comma-separated node roles to start alone")
     parser.add_argument("--no-launch", dest="launch", action="store_false", help="skip fsm-pd launch")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs of each (role, cache) and of each launch; medians are printed (default 1)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
     args = parser.parse_args()
     results: dict = {}
     launches: dict = {}
+    launch_runs: dict = {}
     with tempfile.TemporaryDirectory(prefix="fsm-pd-startup-") as tmp_name:
         tmp = Path(tmp_name)
         for role in args.roles.split(","):
-            caches = tmp / f"caches-{role}"
-            for cache in ("cold", "warm"):
-                err.print(f"{role}, {cache}")
-                results[(role, cache)] = run_node(role, args.model, caches, tmp)
+            runs: dict[str, list] = {"cold": [], "warm": []}
+            for i in range(args.repeat):
+                caches = tmp / f"caches-{role}-{i}"  # a cold run starts from empty caches, its warm run from those
+                for cache in ("cold", "warm"):
+                    err.print(f"{role}, {cache}, run {i + 1} of {args.repeat}")
+                    runs[cache].append(run_node(role, args.model, caches, tmp))
+            for cache, found in runs.items():
+                results[(role, cache)] = median_run(found)
         if args.launch:
-            for cache in ("cold", "warm"):
-                err.print(f"fsm-pd launch, {cache}")
-                launches[cache] = run_launch(args.model, tmp / "caches-launch", tmp)
+            times: dict[str, list] = {"cold": [], "warm": []}
+            for i in range(args.repeat):
+                for cache in ("cold", "warm"):
+                    err.print(f"fsm-pd launch, {cache}, run {i + 1} of {args.repeat}")
+                    times[cache].append(run_launch(args.model, tmp / f"caches-launch-{i}", tmp))
+            launches = {cache: statistics.median(found) for cache, found in times.items()}
+            launch_runs = times
     console = Console()
     console.print(node_table(results))
     console.print(kinds_table(results))
     if launches:
-        console.print("fsm-pd launch, first answer after the command: "
-                      + ", ".join(f"{cache} {seconds:.1f} s" for cache, seconds in launches.items()))
+        console.print("fsm-pd launch, first answer after the command (median): "
+                      + ", ".join(f"{cache} {seconds:.1f} s" for cache, seconds in launches.items())
+                      + f"; each run: {json.dumps(launch_runs)}")
     if args.json:
         print(json.dumps({"nodes": {f"{role}/{cache}": r for (role, cache), r in results.items()},
                           "launch": launches}, indent=1))
