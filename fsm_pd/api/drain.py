@@ -73,6 +73,9 @@ class Drain:
         self._draining = Gauge("fsm_pd_draining", "1 while this node drains", registry=registry)
         self._aborted = Counter("fsm_pd_drain_aborted_requests", "Requests aborted when the drain bound passed",
                                 registry=registry)
+        self._refused_starting = Counter("fsm_pd_refused_while_starting", "Generation requests refused (503 "
+                                         "starting) because the node was not ready yet: 0 behind a router that "
+                                         "waits for /health", registry=registry)
 
     @property
     def draining(self) -> bool:
@@ -181,6 +184,7 @@ class Drain:
         return JSONResponse(self.startup.status(), status_code=STARTING_STATUS, headers={"Retry-After": "1"})
 
     def not_ready_refusal(self) -> JSONResponse:
+        self._refused_starting.inc()
         status = self.startup.status()
         progress = status.get("progress") or {}
         where = f"; {progress['done']} of {progress['total']} programs ready" if progress else ""

@@ -8,6 +8,7 @@ health checks, breakers, selection and budget.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -89,6 +90,13 @@ def _needs_prefill_body(path: str, body: dict) -> bool:
     return path == "/generate" and bool(body.get("return_logprob"))
 
 
+def _code(response: Response) -> str | None:
+    try:
+        return json.loads(response.body)["error"]["code"]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def _message(response: Response) -> str:
     try:
         return json.loads(response.body)["error"]["message"]
@@ -147,6 +155,9 @@ class PDRouter:
         """Run the request; a client that disconnects before the answer starts cancels its legs (and so does this
         handler being cancelled)."""
         self.ensure_health_checks()
+        if not self.health.checked.is_set():  # the router's first requests: no worker that is still starting
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.health.checked.wait(), self.health.timeout_s + 1)
         if body.get("rid") is None:  # one rid on every leg of every attempt (meta_info.id shows it)
             body = {**body, "rid": new_rid()}
         work = asyncio.ensure_future(self._serve(path, body, request))
@@ -339,7 +350,10 @@ class PDRouter:
         if status == 409:  # a room this node had before: a new room is the cure, the node is fine
             return Failure(response, True, None, f"{leg.side}_409", after)
         if status >= 500:
-            self.fleet.request_failed(worker, _message(response))
+            if _code(response) == "starting":  # a restarted node, not yet ready: out until its /health says 200
+                self.fleet.health_checked(worker, False, _message(response), starting=True)
+            else:
+                self.fleet.request_failed(worker, _message(response))
             return Failure(response, True, worker, f"{leg.side}_{status}", after)
         return Failure(response, False, None, f"{leg.side}_{status}")
 

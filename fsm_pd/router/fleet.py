@@ -6,8 +6,9 @@ the breaker, the picker and the retry budget are unit-tested with a fake one.
   failed health checks, or ``request_failures`` consecutive failed requests (counted apart: a node that answers
   ``/health`` but fails every transfer is ejected too), and at once when its ``/health`` says
   ``{"status": "draining"}`` or ``{"status": "starting"}``. Failed requests never eject the last admitted worker of a
-  role (its health checks can). It is *re-admitted* by the first successful health check once ``cooldown_s`` has
-  passed since its ejection; a node that said it was starting (a new process, not a flapping one) at once, and
+  role (its health checks can). A worker whose first check fails is out at once too. It is *re-admitted* by the first
+  successful health check once ``cooldown_s`` has passed since its ejection; a node that said it was starting, or
+  failed its first check (a new process, not a flapping one), at once; and
   while any worker is out the health checks come every second, so a restarted node takes requests as soon as it is
   ready.
 * **Selection.** ``least_outstanding`` (default): the admitted worker with the fewest requests this router has in
@@ -228,12 +229,16 @@ class HealthChecker:
     interval_s: float = 5.0
     timeout_s: float = 5.0
     headers: dict = field(default_factory=dict)
+    # set once every worker was checked: until then a worker is "unchecked", and may be a node still starting
+    checked: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     async def check(self, client: httpx.AsyncClient, worker: Worker) -> None:
+        first = worker.last_health == "unchecked"  # a worker that fails its first check is out at once, as starting
         try:
             resp = await client.get(worker.url + "/health", timeout=self.timeout_s, headers=self.headers)
         except httpx.HTTPError as err:
-            self.fleet.health_checked(worker, False, f"{type(err).__name__}: {err}"[:200] or type(err).__name__)
+            self.fleet.health_checked(worker, False, f"{type(err).__name__}: {err}"[:200] or type(err).__name__,
+                                      starting=first)
             return
         if resp.status_code == 200:
             self.fleet.health_checked(worker, True)
@@ -243,10 +248,11 @@ class HealthChecker:
         except (ValueError, AttributeError):
             status = None
         self.fleet.health_checked(worker, False, f"/health answered {resp.status_code}: {resp.text.strip()[:200]}",
-                                  draining=status == "draining", starting=status == "starting")
+                                  draining=status == "draining", starting=status == "starting" or first)
 
     async def run(self, client: httpx.AsyncClient) -> None:
         while True:
             await asyncio.gather(*(self.check(client, w) for w in self.fleet.all()))
+            self.checked.set()
             out = any(not w.admitted for w in self.fleet.all())
             await asyncio.sleep(min(self.interval_s, OUT_CHECK_INTERVAL_S) if out else self.interval_s)

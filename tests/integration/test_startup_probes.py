@@ -1,0 +1,112 @@
+"""A starting node on real processes: it answers its probes while it prepares its programs, takes no request until
+it is ready, and a router sends it nothing until then (at the start, and after a restart behind the router)."""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+
+import httpx
+from processes import Cluster, free_port
+
+BODY = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+
+
+def warm_up_env(cluster: Cluster, tmp_path) -> None:
+    # warm-up on, and an empty compile cache: the node compiles its ready set, which leaves a window to watch
+    cluster.env |= {"FSM_PD_SKIP_SERVER_WARMUP": "0", "FSM_PD_COMPILE_CACHE": str(tmp_path / "jax")}
+
+
+def metric(url: str, name: str) -> float:
+    found = re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(url + "/metrics", timeout=30).text, flags=re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_starting_node_answers_its_probes_and_refuses_requests_until_ready(tmp_path):
+    cluster = Cluster(tmp_path)
+    warm_up_env(cluster, tmp_path)
+    try:
+        url, proc = cluster.launch_node("colocated")
+        seen: list[tuple[int, int, int, int, dict]] = []  # (health, livez, startupz, generate, health body)
+        deadline = time.monotonic() + 240
+        with httpx.Client(timeout=30) as client:
+            while time.monotonic() < deadline:
+                assert proc.poll() is None, "the node exited while starting"
+                try:
+                    health = client.get(url + "/health")
+                except httpx.TransportError:
+                    time.sleep(0.02)
+                    continue
+                row = (health.status_code, client.get(url + "/livez").status_code,
+                       client.get(url + "/startupz").status_code,
+                       client.post(url + "/generate", json=BODY).status_code,
+                       health.json() if health.status_code == 503 else {})
+                seen.append(row)
+                if row[0] == 200 and row[3] == 200:
+                    break
+                time.sleep(0.02)
+        starting = [row for row in seen if row[0] == 503]
+        assert metric(url, "fsm_pd_refused_while_starting_total") == sum(row[3] == 503 for row in starting) > 0
+        assert starting, "never saw the node starting: it answered HTTP only once it was ready"
+        for _, livez, _, _, body in starting:  # (the probes after /health may already see it ready)
+            assert body["status"] == "starting" and livez == 200
+        assert any(row[:4] == (503, 200, 503, 503) for row in starting)
+        assert any("progress" in body and body["progress"]["total"] > 0 for *_, body in starting)
+        assert seen[-1][:4] == (200, 200, 200, 200)
+        info = httpx.get(url + "/server_info", timeout=30).json()["startup"]
+        assert {"imports", "weights", "engine", "programs"} <= set(info["phases"])
+        assert info["ready_after_s"] > info["phases"]["programs"]
+    finally:
+        cluster.stop()
+
+
+def test_the_router_sends_nothing_to_a_node_until_it_is_ready(tmp_path):
+    """The router starts beside two starting nodes, then a decode node restarts behind it under requests: no
+    generation request reaches a node that is not ready (each node counts what it refused with 503 starting)."""
+    cluster = Cluster(tmp_path)
+    warm_up_env(cluster, tmp_path)
+    boot = free_port()
+    try:
+        (p_url, _), (d_url, d_proc), (d2_url, _) = (
+            cluster.launch_node("prefill", "--bootstrap-port", str(boot)), cluster.launch_node("decode"),
+            cluster.launch_node("decode"))
+        port = free_port()
+        router = f"http://127.0.0.1:{port}"
+        cluster.launch("router", [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", "router", "--port",
+                                  str(port), "--prefill", p_url, str(boot), "--decode", d_url, "--decode", d2_url])
+        ok = refused = 0
+        deadline = time.monotonic() + 240
+        with httpx.Client(timeout=60) as client:
+            while time.monotonic() < deadline and ok < 5:
+                try:
+                    status = client.post(router + "/generate", json=BODY).status_code
+                except httpx.TransportError:
+                    time.sleep(0.05)
+                    continue
+                ok += status == 200
+                refused += status == 503
+                time.sleep(0.05)
+            assert ok == 5
+            # restart one decode node behind the router, with requests flowing
+            d_proc.kill()
+            d_proc.wait(timeout=30)
+            argv = list(d_proc.args)
+            restarted = cluster.launch("decode-restarted", argv)
+            statuses = []
+            while restarted.poll() is None and time.monotonic() < deadline:
+                statuses.append(client.post(router + "/generate", json=BODY).status_code)
+                try:
+                    if client.get(d_url + "/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+            for _ in range(10):  # and once it is ready, the router uses it again
+                statuses.append(client.post(router + "/generate", json=BODY).status_code)
+        assert statuses.count(200) >= len(statuses) - 2, statuses  # the kill itself may fail a request or two
+        for url in (p_url, d2_url, d_url):
+            assert metric(url, "fsm_pd_refused_while_starting_total") == 0, f"{url} got requests while starting"
+        assert metric(d_url, "fsm_pd_http_requests_total{route=\"/generate\",status=\"200\"}") > 0, \
+            "the restarted node was never used again"
+    finally:
+        cluster.stop()
