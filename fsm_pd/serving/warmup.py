@@ -7,13 +7,16 @@ prepares, before it answers ``/health``, its *ready set* (``WarmupPlan.ready_for
 
 - the forward passes that *cover* every other (``programs.ForwardPrograms.cover``): the longest single-row prefill
   and the single-row decode step, so any batch runs, padded up or row by row, until its own shape is compiled;
-- the samplers and the prompt-logprob program, by running them once per batch bucket on zeros;
-- the page kernels a transfer runs (a decode node's scatters, whole and layer group by layer group; a prefill
-  node's gathers where they are XLA programs), once per page bucket, into and out of free pages.
+- the samplers at one row and at the largest batch bucket (run once on zeros: a batch between pads up to the
+  largest, ``sampling.sampling_rows``), and the prompt-logprob programs (compiled ahead);
+- the page kernels a transfer runs: on a pool on one CPU device, a decode node's one-layer scatter of every page
+  bucket, compiled ahead (a whole-pool scatter runs layer by layer on it, ``cpu_copy.scatter``); elsewhere the
+  scatters and gathers of every page bucket, run into and out of free pages.
 
-Then a background thread (``compile_rest``) compiles every other forward shape the schedulers can form
-(``plan_for``: a prefill node's, a colocated node's and a decode node's recomputes, within their chunked-prefill
-budgets; decode at every batch bucket up to ``max_running``), cheapest first, at a lower CPU priority. Compiling is
+Then a background thread (``compile_rest``) prepares the rest: the other sampler buckets, the whole-pool scatters,
+and every other forward shape the schedulers can form (``plan_for``: a prefill node's, a colocated node's and a
+decode node's recomputes, within their chunked-prefill budgets; decode at every batch bucket up to
+``max_running``), cheapest first, at a lower CPU priority and where no request is in flight. Compiling is
 ahead-of-time: it touches no pool and runs nothing.
 
 Everything goes through JAX's persistent compile cache, so a restart loads instead of compiling (``docs/serving.md``
