@@ -96,6 +96,11 @@ class ForwardPrograms:
         self._programs: dict[tuple[int, int], jax.stages.Compiled] = {}
         self._logprobs: dict[int, jax.stages.Compiled] = {}  # by top_k
         self._lock = threading.Lock()
+        # Run a missing shape on one that covers it, rather than compile it now: only where something compiles the
+        # missing shapes meanwhile (a serving node's background compile, ``warmup.py``). Elsewhere (no warm-up) a new
+        # shape compiles once and is used from then on: covering it forever would cost a batch of 32 decode steps
+        # 32 calls each.
+        self.covers = False
 
     @property
     def shapes(self) -> set[tuple[int, int]]:
@@ -150,7 +155,7 @@ class ForwardPrograms:
         program = self._programs.get(tokens.shape)
         if program is not None:
             return program(params, pool, tokens, starts, lengths, page_tables)
-        shape = self.cover(*tokens.shape)
+        shape = self.cover(*tokens.shape) if self.covers else None
         if shape is None:  # nothing prepared covers it: compile now (counted as a serving compile)
             return self.compile(*tokens.shape)(params, pool, tokens, starts, lengths, page_tables)
         return self._run_covered(shape, params, pool, np.asarray(tokens), np.asarray(starts), np.asarray(lengths),

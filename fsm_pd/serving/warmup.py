@@ -139,6 +139,7 @@ def warm_up(engine, *, progress: bool = True, startup: Startup | None = None) ->
             startup.step(name, done=True)
 
         programs = engine.model.programs(engine.model_thread.pool)
+        programs.covers = True  # what the ready set lacks runs on what it has, until ``compile_rest`` compiles it
         for shape in plan.ready_forward:
             with compiles.preparing(_kind(shape)):
                 step(f"forward {shape[0]}x{shape[1]}", lambda shape=shape: programs.compile(*shape))

@@ -34,6 +34,7 @@ def greedy(model, compiled: list[tuple[int, int]], steps: int = 4) -> tuple[list
     the tokens, and how many programs were compiled on the way."""
     pool = model.make_pool(model.make_kv_layout(64, 16))
     programs = ForwardPrograms(model.config, model.params, pool)  # its own: not the process's shared one
+    programs.covers = True
     for shape in compiled:
         programs.compile(*shape)
     compiles.install()
@@ -58,6 +59,18 @@ def test_forward_passes_on_covering_shapes_compute_what_their_own_shapes_do(mode
         tokens, compiled = greedy(model, covering)
         assert compiled == 0, f"{covering}: compiled while serving"
         assert tokens == exact, f"{covering}: {tokens} != {exact}"
+
+
+def test_without_a_background_compile_a_missing_shape_compiles_once(model):
+    """A node without warm-up (nothing compiles the missing shapes meanwhile) compiles a new shape when it first
+    comes, and uses it from then on, rather than run every later batch of that size row by row."""
+    pool = model.make_pool(model.make_kv_layout(64, 16))
+    programs = ForwardPrograms(model.config, model.params, pool)
+    programs.compile(1, 1)
+    tables = np.zeros((4, programs.width), np.int32)
+    logits, pool, _ = programs(model.params, pool, np.ones((4, 1), np.int32), np.arange(4, dtype=np.int32),
+                               np.ones(4, np.int32), tables)
+    assert (4, 1) in programs.shapes
 
 
 def test_cover_prefers_one_call_with_the_fewest_padded_tokens(model):
