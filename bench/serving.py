@@ -38,6 +38,18 @@ from fsm_pd.store import read_journal
 from fsm_pd.transport import generate_secret, secret_env
 
 
+def wait_compiled(url: str, timeout: float = HEALTH_TIMEOUT_S) -> None:
+    """Wait until a ready node's background compile is done: the figures are of a node that serves at its steady
+    speed, whose every shape is compiled (``/server_info``: ``startup.background_compile``)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        startup = httpx.get(url + "/server_info", timeout=30).json().get("startup") or {}
+        if startup.get("background_compile", "running") != "running":
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"{url}: the background compile did not finish within {timeout:.0f} s")
+
+
 class Servers:
     """The `fsm-pd serve` processes this bench starts on 127.0.0.1, stopped by PID (launch's ``stop``) at the end."""
 
@@ -59,7 +71,9 @@ class Servers:
                 "--model", self.model, *extra]
         if role in ("prefill", "decode"):
             argv += ["--journal", str(self.tmp / f"{role}-{port}.db"), "--node-id", f"{role}-{port}"]
-        return self.start(f"{role}-{port}", argv, port)
+        url = self.start(f"{role}-{port}", argv, port)
+        wait_compiled(url)
+        return url
 
     def pd(self, backend: str) -> tuple[str, int, str]:
         boot = free_port()

@@ -261,7 +261,9 @@ def prepare_programs(engine, startup, skip: bool, busy) -> None:
                             for kind, cost in compiles.costs().items()})
         log.info("ready %.1f s after the process started (%s)", startup.ready_after,
                  ", ".join(f"{name} {seconds:.1f} s" for name, seconds in startup.status()["phases"].items()))
-        if not skip:
+        if skip:
+            startup.background_done({"skipped": True})
+        else:
             compile_rest(engine, busy=busy, on_done=startup.background_done)
     except BaseException as exc:  # noqa: BLE001 - whatever it was, the node cannot serve: say so and exit
         startup.mark_failed(f"{type(exc).__name__}: {exc}")
