@@ -126,7 +126,9 @@ class JaxKV:
         for dst, device in enumerate(devices):
             joined = [landed[part.index] if isinstance(part, Piece) else (*shape[:3], 2 * part.count, shape[4])
                       for part in plan.into(dst)]
-            parts.append(joined[0] if len(joined) == 1 else _join(joined, pieces[0].dtype, device))
+            # a shard of one landed piece takes it as it is; one of zero fills only (padding heads) is made here
+            alone = len(joined) == 1 and not isinstance(joined[0], tuple)
+            parts.append(joined[0] if alone else _join(joined, pieces[0].dtype, device))
         if len(devices) == 1:
             return parts[0]
         whole = (*shape[:3], 2 * self.layout.slots, shape[4])

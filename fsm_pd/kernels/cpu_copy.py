@@ -125,7 +125,10 @@ _compiled: dict[tuple, jax.stages.Compiled] = {}
 
 
 def _signature(pool: Pool, staging) -> tuple:
-    return len(pool), tuple(pool[0].shape), str(pool[0].dtype), tuple(staging.shape[1:]), str(staging.dtype)
+    # The sharding too: pools of one shape on other devices (a TP-2 and a TP-4 pool in one process) take other
+    # programs, and running one with another's arrays fails deep in XLA (std::bad_cast).
+    return (len(pool), tuple(pool[0].shape), str(pool[0].dtype), pool[0].sharding, tuple(staging.shape[1:]),
+            str(staging.dtype))
 
 
 def scatter(pool: Pool, staging: jax.Array, row_pages: np.ndarray, count: np.int32) -> Pool:
