@@ -132,11 +132,13 @@ def wait_healthy(child: Child, deadline: float) -> None:
 
 
 def wait_admitted(router: Child, counts: dict[str, int], deadline: float) -> None:
-    """Wait until ``router`` answers ``/health`` and routes to every node (``admitted``, per role)."""
+    """Wait until ``router`` answers ``/health`` and routes to every node (``admitted``, per role, after its first
+    round of health checks)."""
     while time.time() < deadline:
         if health(router)[0]:
             try:
-                if httpx.get(router.url + "/health", timeout=2.0).json().get("admitted") == counts:
+                said = httpx.get(router.url + "/health", timeout=2.0).json()
+                if said.get("checked") and said.get("admitted") == counts:
                     return
             except (httpx.HTTPError, ValueError):
                 pass

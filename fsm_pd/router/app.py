@@ -88,8 +88,9 @@ def create_router_app(prefill: Sequence[PrefillWorker | tuple[str, int | None] |
     async def health() -> dict:
         pd.ensure_health_checks()
         admitted = {role: sum(w.admitted for w in ws) for role, ws in pd.fleet.workers.items()}
+        # checked: every worker has had a health check; until then "admitted" counts workers nobody has seen yet
         return {"status": "ok", "prefill": len(pd.fleet.workers["prefill"]), "decode": len(pd.fleet.workers["decode"]),
-                "admitted": admitted}
+                "admitted": admitted, "checked": pd.health.checked.is_set()}
 
     @app.get("/health_generate")
     async def health_generate() -> Response:

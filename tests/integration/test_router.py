@@ -115,15 +115,38 @@ def test_prefill_4xx_is_passed_through():
         assert r.status_code == 400 and r.json()["error"]["message"] == "prompt refused by prefill"
 
 
-def test_unreachable_prefill_is_502_and_cancels_decode():
-    dead_port = free_port()
-    decode = StubEngine(role="decode", hang=True)
+def checked_by(router_url: str) -> None:
+    """Wait for the router's first round of health checks (requested through its /health)."""
+    assert until(lambda: httpx.get(router_url + "/health", timeout=5).json()["checked"])
+
+
+def test_a_prefill_gone_since_its_health_check_is_502_and_cancels_decode():
+    prefill, decode = StubEngine(role="prefill"), StubEngine(role="decode", hang=True)
     with AppServer(create_app(decode, decode.tokenizer)) as d:
-        router = create_router_app([(f"http://127.0.0.1:{dead_port}", 9000)], [d.url], retry=NO_RETRY)
+        p = AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=9000)).start()
+        router = create_router_app([(p.url, 9000)], [d.url], retry=NO_RETRY)
         with AppServer(router) as rs:
+            checked_by(rs.url)
+            p.stop()  # admitted by its check, gone before the next one
             r = httpx.post(rs.url + "/generate", json={"text": "a"}, timeout=10)
             assert r.status_code == 502 and "prefill worker" in r.json()["error"]["message"]
             assert until(lambda: len(decode.submitted) == len(decode.aborted))
+        decode.close()
+    prefill.close()
+
+
+def test_a_worker_that_never_answered_is_out_and_the_router_says_why():
+    """A router started before its nodes sends nothing to a node still starting (not yet listening): 503."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    decode = StubEngine(role="decode")
+    with AppServer(create_app(decode, decode.tokenizer)) as d:
+        with AppServer(create_router_app([(dead, 9000)], [d.url], retry=NO_RETRY)) as rs:
+            r = httpx.post(rs.url + "/generate", json={"text": "a"}, timeout=10)
+            assert r.status_code == 503, r.text
+            message = r.json()["error"]["message"]
+            assert "prefill" in message and dead in message and "starting" in message, message
+            assert decode.submitted == []
+            assert httpx.get(rs.url + "/health", timeout=5).json()["admitted"] == {"prefill": 0, "decode": 1}
         decode.close()
 
 

@@ -16,10 +16,9 @@ import httpx
 import pytest
 from polling import until as wait_until
 from stub_engine import StubEngine
-from test_router import NO_RETRY, pd_cluster, sse_data
+from test_router import NO_RETRY, checked_by, pd_cluster, sse_data
 
 from fsm_pd.api import AppServer, create_app
-from fsm_pd.launch import free_port
 from fsm_pd.router import create_router_app
 from fsm_pd.serving.types import EngineError, TokenOutput
 
@@ -35,10 +34,14 @@ class StallsAfterFirstToken(StubEngine):
         stream.push(EngineError(f"request {request.rid} aborted", 499))
 
 
+HEALTHY = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 16\r\n\r\n{"status": "ok"}'
+
+
 @contextlib.contextmanager
 def scripted_worker(reply: bytes, *, then_close: bool, hold_s: float = 10.0):
-    """A raw HTTP worker: answers every request with ``reply`` (headers and the start of a body) and then closes the
-    connection (``then_close``) or holds it open until the client goes away (or ``hold_s`` of silence)."""
+    """A raw HTTP worker, healthy by its ``/health`` (a 200), that answers every other request with ``reply`` (headers
+    and the start of a body) and then closes the connection (``then_close``) or holds it open until the client goes
+    away (or ``hold_s`` of silence)."""
     server = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()
 
@@ -59,6 +62,9 @@ def scripted_worker(reply: bytes, *, then_close: bool, hold_s: float = 10.0):
                                if line.lower().startswith(b"content-length:")), 0)
                 while len(body) < length:
                     body += conn.recv(65536)
+                if head.startswith(b"GET /health "):
+                    conn.sendall(HEALTHY)
+                    continue
                 conn.sendall(reply)
                 if not then_close:
                     with contextlib.suppress(OSError):
@@ -102,17 +108,21 @@ def test_failed_decode_cancels_the_waiting_prefill(stream):
         assert wait_until(lambda: prefill.aborted == [prefill.submitted[0].rid]), "prefill leg was not cancelled"
 
 
-def test_unreachable_decode_is_502_and_cancels_the_prefill():
-    dead = f"http://127.0.0.1:{free_port()}"
-    prefill = StubEngine(role="prefill", hang=True)
+def test_a_decode_gone_since_its_health_check_is_502_and_cancels_the_prefill():
+    prefill, decode = StubEngine(role="prefill", hang=True), StubEngine(role="decode")
     with contextlib.ExitStack() as stack:
         p = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=9000)))
+        d = AppServer(create_app(decode, decode.tokenizer)).start()
+        dead = d.url
         router = stack.enter_context(AppServer(create_router_app([(p.url, 9000)], [dead], retry=NO_RETRY)))
+        checked_by(router.url)
+        d.stop()  # admitted by its check, gone before the next one
         r = httpx.post(router.url + "/generate", json={"text": "a"}, timeout=CLIENT_TIMEOUT_S)
         assert r.status_code == 502 and r.json()["error"]["message"].startswith(f"decode worker {dead} failed")
         # the refusal can come before the prefill's request was even sent; whatever reached it was aborted
         assert wait_until(lambda: not prefill.live and len(prefill.aborted) == len(prefill.submitted))
     prefill.close()
+    decode.close()
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -39,7 +39,9 @@ from fsm_pd.transport import generate_secret, secret_env
 
 KEY = "sekrit-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-OPEN_PATHS = {"/health", "/health_generate", "/metrics"}
+# Written out here, not imported: a route opened by mistake must fail this test. The probes are open because a
+# kubelet probes without the key.
+OPEN_PATHS = {"/health", "/health_generate", "/metrics", "/livez", "/startupz"}
 PACKAGE = Path(fsm_pd.__file__).parent
 LAYOUT = {"num_layers": 2, "num_pages": 16, "page_size": 4, "kv_heads": 1, "head_dim": 8, "dtype": "float32"}
 
