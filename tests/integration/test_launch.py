@@ -21,25 +21,35 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def started(args: list[str]) -> tuple[subprocess.Popen, list[str], threading.Thread]:
+    """``fsm-pd launch ARGS``, the lines it prints and the thread that reads them, once it says it is serving."""
+    proc = subprocess.Popen([sys.executable, "-m", "fsm_pd.cli", "launch", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    deadline = time.time() + 300
+    while not any("fsm-pd is serving" in line for line in lines):
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise AssertionError("launch did not say it is serving:\n" + "".join(lines))
+        time.sleep(0.3)
+    return proc, lines, reader
+
+
 def test_launch_serves_through_the_router_and_stops_everything(tmp_path):
     port = free_port()
     journals = tmp_path / "cluster"
-    proc = subprocess.Popen([sys.executable, "-m", "fsm_pd.cli", "launch", "--port", str(port), "--journal-dir",
-                             str(journals)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, lines, reader = started(["--port", str(port), "--journal-dir", str(journals)])
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
         body = {"text": "Hello", "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
         answer = httpx.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=120).json()
         assert len(answer["output_ids"]) == 8 and answer["meta_info"]["finish_reason"]["type"] == "length"
     finally:
         proc.send_signal(signal.SIGTERM)  # the launcher we started stops the processes it started
-        out, _ = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
+        reader.join(10)
+    out = "".join(lines)
     assert proc.returncode == 0, out
     assert f"http://127.0.0.1:{port}" in out
     assert "What is the capital of France? -> " in out and "after the command" in out  # launch's warm-up request
@@ -51,18 +61,10 @@ def test_launch_serves_through_the_router_and_stops_everything(tmp_path):
 
 def test_launch_keeps_serving_while_a_node_of_each_role_is_alive(tmp_path):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "fsm_pd.cli", "launch", "--prefill", "2", "--decode", "1",
-                             "--model", "tiny", "--no-warmup", "--port", str(port), "--journal-dir",
-                             str(tmp_path / "cluster")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
+    proc, lines, reader = started(["--prefill", "2", "--decode", "1", "--model", "tiny", "--no-warmup", "--port", str(port),
+                           "--journal-dir", str(tmp_path / "cluster")])
     body = {"text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
     try:
-        deadline = time.time() + 300
-        while not any("fsm-pd is serving" in line for line in lines):
-            assert proc.poll() is None and time.time() < deadline, "".join(lines)
-            time.sleep(0.3)
         url = f"http://127.0.0.1:{port}"
         assert httpx.post(url + "/generate", json=body, timeout=120).status_code == 200
         # a node launch started (a child of the launcher this test started), found by its node id
