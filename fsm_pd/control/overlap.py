@@ -7,7 +7,7 @@ layers done" is "k x layer bytes final", which is all a byte stream needs to kno
 D side, ``StreamedScatter``: a ``LayerStream`` (``layer_stream.py``: which groups of layers to write when, and why
 that is safe) whose writes are ``scatter_layers`` jobs on the model thread. Groups, not single layers: every write
 job pays a dispatch and a loop over the pages, so writing one layer at a time costs more than writing all at once
-(``python bench/kernels.py``: 1.3-1.75x as long for 1-17 MB).
+(``python bench/page_copy.py``: 1.3-1.75x as long for 1-17 MB).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+# appended, not put first: a bench module must never shadow an installed package for the rest of the run (a
+# bench/kernels.py once hid the `kernels` package from transformers in every later test)
+sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))
 import smaps  # noqa: E402
 import soak  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Gather/scatter bandwidth of the page kernels against a NumPy fancy-index copy of the same bytes.
 
-    python bench/kernels.py [--json] [--pages 8,40,128] [--impl auto|jnp|pallas|cpu] [--repeats 20]
+    python bench/page_copy.py [--json] [--pages 8,40,128] [--impl auto|jnp|pallas|cpu] [--repeats 20]
 
 It also times the same scatter done one layer at a time (``scatter_layers``, as D writes layers while a transfer
 is still arriving) and prints its ratio to the all-layers scatter.
