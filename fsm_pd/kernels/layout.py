@@ -87,10 +87,6 @@ class KVLayout:
         """Shape of one layer's pool array: ``(num_pages, page_size, 2 * kv_heads, head_dim)``."""
         return (self.num_pages, *self.page_shape)
 
-    @property
-    def usable_pages(self) -> int:
-        return self.num_pages - 1
-
     def page_bytes(self) -> int:
         """Bytes of one page across all layers."""
         import numpy as np  # local: keeps this module importable by the sans-IO layers without numpy at import

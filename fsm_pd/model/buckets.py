@@ -1,16 +1,14 @@
 """Shape bucketing: the one place that decides which padded shapes the jitted model functions see.
 
-XLA compiles one program per input shape. Rounding every variable size (prompt length, batch, page-table width) up to
-a power of two bounds the number of programs a running server ever compiles to a few per dimension, at the price of
-at most 2x padding. Page counts follow the kernels' rule (``fsm_pd.kernels.buckets``) so that a page table and a
-staging array for the same request agree on width, and long contexts grow in steps rather than doublings.
+XLA compiles one program per input shape. Rounding the prompt length and the batch up to a power of two bounds the
+number of programs a running server ever compiles to a few per dimension, at the price of at most 2x padding. The
+page table does not vary: every forward pass gets the pool's fixed width (``decoder.table_width``). Staging arrays
+round their page counts by the kernels' own rule (``fsm_pd.kernels.buckets``).
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-from fsm_pd.kernels.buckets import page_bucket as _kernel_page_bucket
 
 MIN_TOKEN_BUCKET = 16  # below this, padding costs nothing worth another program
 MIN_BATCH_BUCKET = 1
@@ -38,11 +36,6 @@ def prefill_fits(batch: int, tokens: int, max_tokens: int) -> bool:
     (``programs.prefill_shapes``): the padded shape, not the real tokens, is what a program costs and what selects
     it."""
     return batch_bucket(batch) == 1 or batch_bucket(batch) * token_bucket(tokens) <= token_bucket(max_tokens)
-
-
-def page_bucket(n: int) -> int:
-    """Padded page-table width for sequences spanning at most ``n`` pages."""
-    return _kernel_page_bucket(max(1, n))
 
 
 def pad_1d(values, size: int, fill: int = 0, dtype=np.int32) -> np.ndarray:

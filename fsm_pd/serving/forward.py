@@ -1,5 +1,5 @@
 """The model calls a scheduler makes on the model thread: prefill a batch of prompts and sample each one's first
-token, and the logprobs of chosen tokens. Shared by the prefill and colocated engines, so both sample the first
+token (with its logprobs when the request asks). Shared by the prefill and colocated engines, so both sample the first
 token the same way (the request's seed, step 0) and a PD pair answers exactly like a colocated node.
 """
 
@@ -17,7 +17,7 @@ from fsm_pd.model.grammar import new_state
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.model.model_thread import ModelThread
 from fsm_pd.model.sampling import sample
-from fsm_pd.serving.top_logprobs import TopRow, chosen_and_top, log_softmax_rows
+from fsm_pd.serving.top_logprobs import TopRow, chosen_and_top
 from fsm_pd.serving.types import GenerateRequest
 
 
@@ -28,12 +28,6 @@ class FirstToken:
     input_logprobs: list[float | None] | None
     top_logprobs: TopRow | None = None  # the first output token's alternatives, when asked for
     input_top_logprobs: list[TopRow | None] | None = None  # the prompt's, None at its first position
-
-
-def chosen_logprobs(logits, tokens) -> np.ndarray:
-    """``log_softmax(logits)[b, tokens[b]]`` for each row; on the host, where it costs one pass over ``[B, V]``
-    and compiles nothing per batch size."""
-    return log_softmax_rows(logits)[np.arange(np.asarray(logits).shape[0]), np.asarray(tokens)]
 
 
 def top_ks(requests: Sequence[GenerateRequest]) -> list[int]:

@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from fsm_pd.transport.backends.base import TransferError, TransferFailed
 
@@ -37,10 +36,6 @@ def normalize_spec(spec: Sequence[object]) -> tuple[jax.ShapeDtypeStruct, ...]:
         sharding = getattr(leaf, "sharding", None) or default_sharding()
         out.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
     return tuple(out)
-
-
-def spec_nbytes(spec: Iterable[jax.ShapeDtypeStruct]) -> int:
-    return sum(int(np.prod(s.shape, dtype=np.int64)) * jnp.dtype(s.dtype).itemsize for s in spec)
 
 
 def array_key(shape: Sequence[int], dtype: object, sharding: jax.sharding.Sharding | None) -> ArrayKey:
