@@ -16,7 +16,7 @@ from fsm_pd.bootstrap.client import base_url
 from fsm_pd.control.resolver import PrefillResolver
 from fsm_pd.control.workers import ThreadedResolver
 from fsm_pd.sim.faults import FaultPlan
-from fsm_pd.sim.scheduler import Scheduler
+from fsm_pd.sim.timeline import Timeline
 
 LOOKUP_S = 0.001
 
@@ -43,7 +43,7 @@ class SimLookups:
     """The lookup worker pool (``Executor.submit``) on the virtual clock: a job runs ``LOOKUP_S`` after it was
     submitted, on the simulator's thread; the jobs of a process that died meanwhile never run."""
 
-    def __init__(self, sched: Scheduler, instance: Any):
+    def __init__(self, sched: Timeline, instance: Any):
         self.sched, self.instance = sched, instance
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -54,7 +54,7 @@ class SimResolver:
     """The decode instance's ``ResolverPort`` (``resolve``: the production ``ThreadedResolver``'s) and its
     ``PrefillResolver`` (``resolver``), whose lookups read the in-memory registry."""
 
-    def __init__(self, sched: Scheduler, instance: Any, plan: FaultPlan, bootstrap: SimBootstrap):
+    def __init__(self, sched: Timeline, instance: Any, plan: FaultPlan, bootstrap: SimBootstrap):
         self.plan, self.bootstrap = plan, bootstrap
         self.resolver = PrefillResolver(retries=0, lookup=self._lookup)
         self.port = ThreadedResolver(lambda: self.resolver, SimLookups(sched, instance))

@@ -23,7 +23,7 @@ from typing import Any
 from fsm_pd.control.layer_stream import LayerStream
 from fsm_pd.model.pages import PageAllocator
 from fsm_pd.sim.ledger import Ledger
-from fsm_pd.sim.scheduler import Scheduler
+from fsm_pd.sim.timeline import Timeline
 
 GATHER_BYTES_PER_S = 10e9  # a layer-by-layer gather into host memory (memcpy speed), on top of a model job's delay
 STREAM_GROUP = 2  # layers per streamed write job (the real group depends on page bytes; any divisor will do here)
@@ -168,7 +168,7 @@ class SimLayerStream(LayerStream):
 
 
 class SimKV:
-    def __init__(self, ledger: Ledger, sched: Scheduler, model: Any, instance: Any, page_bytes: int,
+    def __init__(self, ledger: Ledger, sched: Timeline, model: Any, instance: Any, page_bytes: int,
                  num_layers: int, *, progressive: bool, room_of_pages: Callable[[list[int]], int] | None = None,
                  allocator: RecordingAllocator | None = None):
         self.ledger, self.sched, self.model, self.instance = ledger, sched, model, instance

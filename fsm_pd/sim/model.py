@@ -10,11 +10,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from fsm_pd.sim.scheduler import Scheduler
+from fsm_pd.sim.timeline import Timeline
 
 
 class SimModel:
-    def __init__(self, sched: Scheduler, instance: Any, delay: Callable[[], float]):
+    def __init__(self, sched: Timeline, instance: Any, delay: Callable[[], float]):
         self.sched, self.instance, self.delay = sched, instance, delay
         self.pool = None
         self._queue: deque[tuple[Callable[[Any], Any], Future]] = deque()

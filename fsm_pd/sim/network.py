@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsm_pd.sim.faults import FaultPlan
-from fsm_pd.sim.scheduler import Scheduler
+from fsm_pd.sim.timeline import Timeline
 from fsm_pd.transport.errors import PeerUnreachable
 from fsm_pd.transport.messages import Heartbeat, MalformedMessage, Message
 from fsm_pd.transport.replay_guard import ReplayGuard
@@ -37,7 +37,7 @@ class _Endpoint:
 
 
 class SimNetwork:
-    def __init__(self, sched: Scheduler, rng: random.Random, plan: FaultPlan, secret: bytes, max_delay_s: float):
+    def __init__(self, sched: Timeline, rng: random.Random, plan: FaultPlan, secret: bytes, max_delay_s: float):
         self.sched, self.clock, self.rng, self.plan, self.secret = sched, sched.clock, rng, plan, secret
         self.max_delay_s = max_delay_s  # how late a "delayed" frame may arrive
         self.endpoints: dict[str, _Endpoint] = {}

@@ -25,8 +25,8 @@ from fsm_pd.sim.bootstrap import SimResolver
 from fsm_pd.sim.kv import SimKV
 from fsm_pd.sim.model import SimModel
 from fsm_pd.sim.network import SimSideChannel
-from fsm_pd.sim.scheduler import OwnedTimers
 from fsm_pd.sim.schedulers import DecodeScheduler, PrefillScheduler
+from fsm_pd.sim.timeline import OwnedTimers
 from fsm_pd.sim.transfer import SimPuller, SimTransferServer
 from fsm_pd.transport.messages import new_instance_id
 

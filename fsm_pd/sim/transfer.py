@@ -24,7 +24,7 @@ from typing import Any
 from fsm_pd.sim.faults import FaultPlan
 from fsm_pd.sim.kv import SimBuffer
 from fsm_pd.sim.ledger import Ledger
-from fsm_pd.sim.scheduler import OwnedDeadlines, OwnedTimers, Scheduler
+from fsm_pd.sim.timeline import OwnedDeadlines, OwnedTimers, Timeline
 from fsm_pd.transport.backends.base import StagingProgress, TransferFailed, TransferTimeout
 from fsm_pd.transport.backends.holds import Hold, HoldingBackend, HoldTable
 
@@ -40,7 +40,7 @@ class SimTransferServer(HoldingBackend):
     name = "sim"
     progressive = True
 
-    def __init__(self, sched: Scheduler, ledger: Ledger, instance: Any, address: str):
+    def __init__(self, sched: Timeline, ledger: Ledger, instance: Any, address: str):
         self.sched, self.ledger, self.instance, self._address = sched, ledger, instance, address
         self._holds = HoldTable(self._retire, clock=OwnedDeadlines(OwnedTimers(sched.clock, instance)))
         self._waiting: dict[int, list[Callable[[], None]]] = {}  # uuid -> pulls waiting for more final bytes
@@ -113,7 +113,7 @@ class _Pull:
 
 
 class SimPuller:
-    def __init__(self, sched: Scheduler, ledger: Ledger, instance: Any, plan: FaultPlan,
+    def __init__(self, sched: Timeline, ledger: Ledger, instance: Any, plan: FaultPlan,
                  servers: Callable[[str], SimTransferServer | None], partitioned: Callable[[], bool], layers: int):
         """``layers``: a staging buffer streams in this many equal parts (the layout's layers)."""
         self.sched, self.ledger, self.instance, self.plan = sched, ledger, instance, plan

@@ -27,7 +27,7 @@ from fsm_pd.sim.faults import FaultPlan
 from fsm_pd.sim.ledger import Ledger
 from fsm_pd.sim.network import SimNetwork
 from fsm_pd.sim.nodes import Instance, NodeCrashed, SimNode
-from fsm_pd.sim.scheduler import Scheduler
+from fsm_pd.sim.timeline import Timeline
 from fsm_pd.sim.transfer import SimTransferServer
 from fsm_pd.sim.workload import Conversations
 from fsm_pd.store import Journal
@@ -73,7 +73,7 @@ class World:
         self.config = config
         self.rng = random.Random(config.seed)
         self.clock = VirtualClock()
-        self.sched = Scheduler(self.clock)
+        self.sched = Timeline(self.clock)
         self.plan = FaultPlan(config.fault_rate, self.rng)
         self.ledger = Ledger(self.clock)
         max_delay = 2 * max(*config.decode_deadlines.values(), *config.prefill_deadlines.values())

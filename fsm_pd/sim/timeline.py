@@ -14,7 +14,7 @@ from typing import Any
 from fsm_pd.effects import VirtualClock
 
 
-class Scheduler:
+class Timeline:
     def __init__(self, clock: VirtualClock):
         self.clock = clock
         self.in_flight = 0
