@@ -22,10 +22,10 @@ from fsm_pd.effects.faults import Faults
 from fsm_pd.effects.prefill import PrefillEffects
 from fsm_pd.machines import RECEIVER, SENDER, Room
 from fsm_pd.sim.bootstrap import SimResolver
+from fsm_pd.sim.engine_schedulers import DecodeScheduler, PrefillScheduler
 from fsm_pd.sim.kv import SimKV
 from fsm_pd.sim.model import SimModel
 from fsm_pd.sim.network import SimSideChannel
-from fsm_pd.sim.schedulers import DecodeScheduler, PrefillScheduler
 from fsm_pd.sim.timeline import OwnedTimers
 from fsm_pd.sim.transfer import SimPuller, SimTransferServer
 from fsm_pd.transport.messages import new_instance_id

@@ -1,9 +1,9 @@
 """A deterministic simulation of one prefill node, one decode node and the bootstrap server in one process.
 
-Everything runs on one virtual clock and one seeded RNG. The nodes are the production code: ``NodeCore``, ``Node``,
-the effect handlers (``PrefillEffects``, ``DecodeEffects``), the engines' admission and prefix caches
-(``schedulers.py``: ``take_prefill_batch``, ``Preallocation``, ``PrefixCache`` over the real ``PageAllocator``), the
-``PrefillResolver``, the machines and the SQLite journals. Only the ports are simulated (``fsm_pd.sim.network``,
+Everything runs on one virtual clock and one seeded RNG. The nodes are the production code: ``NodeCore``, ``Node``, the
+effect handlers (``PrefillEffects``, ``DecodeEffects``), the engines' admission and prefix caches
+(``engine_schedulers.py``: ``take_prefill_batch``, ``Preallocation``, ``PrefixCache`` over the real ``PageAllocator``),
+the ``PrefillResolver``, the machines and the SQLite journals. Only the ports are simulated (``fsm_pd.sim.network``,
 ``transfer``, ``bootstrap``, ``model``, ``kv``): the network carries the real signed frames and can drop, duplicate,
 delay, reorder and partition them; either node can crash (also between journal commit and effects) and restart at the
 same addresses as a new instance, rebuilt from its journal. The same seed gives the same history, byte for byte.
@@ -145,7 +145,7 @@ class World:
                              work=False)
 
     def _arrive_prefill(self, room: int, tokens: tuple[int, ...]) -> None:
-        """The engine creates the room; its scheduler queues the prompt once PREPARE came (``schedulers.py``)."""
+        """The engine creates the room; its scheduler queues the prompt once PREPARE came (``engine_schedulers.py``)."""
         self.pending_arrivals -= 1
         inst = self.prefill.instance
         if inst.alive and self._accepted(self.prefill, room, lambda: inst.core.add_sender(
@@ -155,7 +155,7 @@ class World:
         # else: connection refused, or the room was used: the decode leg finds out through its own deadlines
 
     def _arrive_decode(self, room: int, tokens: tuple[int, ...]) -> None:
-        """The engine creates the room and queues the request for pages (``schedulers.py``)."""
+        """The engine creates the room and queues the request for pages (``engine_schedulers.py``)."""
         self.pending_arrivals -= 1
         inst = self.decode.instance
         if inst.alive and self._accepted(self.decode, room, lambda: inst.core.add_receiver(
