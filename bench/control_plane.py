@@ -39,7 +39,7 @@ from pathlib import Path
 from fsm_pd.effects import EffectInterpreter, Node, VirtualClock
 from fsm_pd.gc_policy import SERVING_THRESHOLDS
 from fsm_pd.machines import RECEIVER, SENDER
-from fsm_pd.machines.effects import (
+from fsm_pd.machines.effect_types import (
     FreePages,
     GatherAndPublish,
     Pull,

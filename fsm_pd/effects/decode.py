@@ -40,7 +40,7 @@ from fsm_pd.effects import EffectError, EffectInterpreter
 from fsm_pd.effects.chunked import ChunkPiece, ChunkPlan, ChunkPulls, Trailer
 from fsm_pd.effects.faults import InjectedFault
 from fsm_pd.effects.outbox import Outbox
-from fsm_pd.machines.effects import FreePages, Pull, ReservePages, ResolveBootstrap, Scatter, Send
+from fsm_pd.machines.effect_types import FreePages, Pull, ReservePages, ResolveBootstrap, Scatter, Send
 from fsm_pd.transport.backends.base import TransferFailed, TransferTimeout
 from fsm_pd.transport.messages import Abort, Prepare, Pulled
 from fsm_pd.transport.reshard import Piece, ReshardPlan, piece_uuid, plan_between

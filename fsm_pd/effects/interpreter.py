@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from fsm_pd.machines.effects import ArmTimer, CancelTimer, Effect
+from fsm_pd.machines.effect_types import ArmTimer, CancelTimer, Effect
 
 if TYPE_CHECKING:
     from fsm_pd.effects.node import Node

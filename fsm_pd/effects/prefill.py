@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from fsm_pd.effects import EffectError, EffectInterpreter
 from fsm_pd.effects.chunked import ChunkPlan, streams
 from fsm_pd.effects.outbox import Outbox
-from fsm_pd.machines.effects import GatherAndPublish, ReleaseStaging, Send
+from fsm_pd.machines.effect_types import GatherAndPublish, ReleaseStaging, Send
 from fsm_pd.transport.messages import Abort, Ready
 from fsm_pd.transport.reshard import piece_uuid, plan_between
 

@@ -4,7 +4,7 @@ Nothing under ``fsm_pd.machines`` imports zmq, jax, sqlalchemy, fastapi, time or
 that is what lets a journal be replayed through exactly the code that wrote it.
 """
 
-from fsm_pd.machines import effects
+from fsm_pd.machines import effect_types
 from fsm_pd.machines.machine import Decision, Room, TransferMachine, failure_reason
 from fsm_pd.machines.receiver import DEADLINES as RECEIVER_DEADLINES
 from fsm_pd.machines.receiver import RECEIVER_TRANSITIONS
@@ -31,6 +31,6 @@ __all__ = [
     "KVPoll",
     "Room",
     "TransferMachine",
-    "effects",
+    "effect_types",
     "failure_reason",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from fsm_pd.machines.effects import ArmTimer, CancelTimer, Effect
+from fsm_pd.machines.effect_types import ArmTimer, CancelTimer, Effect
 from fsm_pd.machines.guards import GUARDS
 from fsm_pd.machines.states import INITIAL, STATE_NAMES, TERMINAL
 

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 from transitions import Machine
 
-from fsm_pd.machines.effects import ArmTimer, CancelTimer, Effect, effects_json
+from fsm_pd.machines.effect_types import ArmTimer, CancelTimer, Effect, effects_json
 from fsm_pd.machines.graph import validate
 from fsm_pd.machines.guards import GUARDS
 from fsm_pd.machines.states import INITIAL, STATE_NAMES, TERMINAL

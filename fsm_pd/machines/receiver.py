@@ -22,7 +22,7 @@ Rules
 
 from __future__ import annotations
 
-from fsm_pd.machines.effects import (
+from fsm_pd.machines.effect_types import (
     ArmTimer,
     CancelTimer,
     FreePages,

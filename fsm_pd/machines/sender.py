@@ -29,7 +29,7 @@ derived from ``SENDER_TRANSITIONS``; ``fsm_pd.machines.graph`` checks it when th
 
 from __future__ import annotations
 
-from fsm_pd.machines.effects import ArmTimer, CancelTimer, GatherAndPublish, ReleaseStaging, Send
+from fsm_pd.machines.effect_types import ArmTimer, CancelTimer, GatherAndPublish, ReleaseStaging, Send
 
 ROLE = "prefill"
 

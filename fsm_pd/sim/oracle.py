@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fsm_pd.machines.effects import ArmTimer, CancelTimer
+from fsm_pd.machines.effect_types import ArmTimer, CancelTimer
 from fsm_pd.machines.receiver import RECEIVER_TRANSITIONS
 from fsm_pd.machines.sender import SENDER_TRANSITIONS
 

@@ -17,7 +17,7 @@ import time
 
 from fsm_pd.effects import EffectInterpreter, Node, VirtualClock
 from fsm_pd.machines import SENDER
-from fsm_pd.machines.effects import GatherAndPublish, ReleaseStaging, Send
+from fsm_pd.machines.effect_types import GatherAndPublish, ReleaseStaging, Send
 from fsm_pd.store import Journal
 
 NODE_ID = "prefill-0"

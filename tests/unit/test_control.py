@@ -197,7 +197,7 @@ def test_a_send_to_a_dead_peer_blocks_neither_the_loop_nor_other_peers():
     from fsm_pd.effects.faults import Faults
     from fsm_pd.effects.outbox import Outbox
     from fsm_pd.machines import SENDER
-    from fsm_pd.machines.effects import Send
+    from fsm_pd.machines.effect_types import Send
 
     channel = BlockingChannel()
     senders = PeerSenders(channel)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from fsm_pd.effects.decode import DecodeEffects
 from fsm_pd.effects.faults import Faults
-from fsm_pd.machines.effects import FreePages, Pull, Scatter
+from fsm_pd.machines.effect_types import FreePages, Pull, Scatter
 from fsm_pd.transport.backends.base import TransferFailed
 from fsm_pd.transport.reshard import piece_uuid, plan_between
 

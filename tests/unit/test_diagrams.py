@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fsm_pd.machines.diagram import DOC, committed, diagrams, mermaid
-from fsm_pd.machines.effects import ArmTimer
+from fsm_pd.machines.effect_types import ArmTimer
 
 
 def test_committed_diagrams_match_the_tables():

@@ -6,7 +6,14 @@ import sqlite3
 
 from fsm_pd.effects import EffectError, EffectInterpreter, Node, RecordingInterpreter, VirtualClock
 from fsm_pd.machines import RECEIVER, SENDER
-from fsm_pd.machines.effects import FreePages, GatherAndPublish, ReleaseStaging, ReservePages, ResolveBootstrap, Send
+from fsm_pd.machines.effect_types import (
+    FreePages,
+    GatherAndPublish,
+    ReleaseStaging,
+    ReservePages,
+    ResolveBootstrap,
+    Send,
+)
 from fsm_pd.store import Journal, read_journal, replay
 
 SENDER_DEADLINES = {"bootstrap": 5.0, "waiting": 5.0, "pull_hold": 5.0}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fsm_pd.machines import RECEIVER, SENDER, KVPoll, Room, TransferMachine
-from fsm_pd.machines.effects import ArmTimer, FreePages, GatherAndPublish, ReleaseStaging, Scatter, Send
+from fsm_pd.machines.effect_types import ArmTimer, FreePages, GatherAndPublish, ReleaseStaging, Scatter, Send
 from fsm_pd.machines.graph import TableError, validate
 from fsm_pd.machines.receiver import DEADLINES as RECEIVER_DEADLINES
 from fsm_pd.machines.receiver import RECEIVER_TRANSITIONS
