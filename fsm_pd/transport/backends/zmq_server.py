@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -61,7 +62,7 @@ class ZmqPullServer:
         os.set_blocking(self._wake_r, False)
         self._commands: queue.SimpleQueue[tuple[str, int, str]] = queue.SimpleQueue()
         self._streams: dict[bytes, _Stream] = {}
-        self._parked: dict[int, dict[bytes, tuple[dict, float]]] = {}
+        self._parked: dict[int, dict[bytes, tuple[wire.PullRequest, float]]] = {}
         self.parked: frozenset[int] = frozenset()  # _parked's uuids, for other threads: renewed after each round
         self._delivered: set[int] = set()
         self._stopping = False
@@ -151,17 +152,16 @@ class ZmqPullServer:
                     if stream is not None:
                         stream.credits += wire.unpack_u32(body)
                 elif kind == wire.PULL:
-                    request = wire.unpack(body)
-                    expires = time.monotonic() + float(request.get("timeout_s", 60.0))
-                    self._start(identity, request, expires)
-            except (ValueError, KeyError, TypeError) as exc:
+                    request = wire.PullRequest.parse(body)
+                    self._start(identity, request, time.monotonic() + request.timeout_s)
+            except (ValueError, TypeError, struct.error) as exc:  # msgpack's errors are ValueErrors
                 self._fail(identity, f"malformed request: {exc}", blame="local")
 
-    def _start(self, identity: bytes, request: dict, expires: float) -> None:
-        if request.get("v") != wire.PROTOCOL_VERSION:
-            self._fail(identity, f"protocol version {request.get('v')} != {wire.PROTOCOL_VERSION}", blame="local")
+    def _start(self, identity: bytes, request: wire.PullRequest, expires: float) -> None:
+        if request.v != wire.PROTOCOL_VERSION:
+            self._fail(identity, f"protocol version {request.v} != {wire.PROTOCOL_VERSION}", blame="local")
             return
-        uuid = int(request["uuid"])
+        uuid = request.uuid
         entry, ended = self._lookup(uuid)
         if ended is not None:
             self._fail(identity, f"transfer {uuid} {ended}")
@@ -169,13 +169,13 @@ class ZmqPullServer:
             self._parked.setdefault(uuid, {})[identity] = (request, expires)
         elif uuid in self._delivered:
             self._fail(identity, f"transfer {uuid} was already pulled and awaits release")
-        elif bytes(request["digest"]) != entry.digest:
+        elif request.digest != entry.digest:
             self._fail(identity, "spec mismatch", blame="local", published=entry.summary)
         else:
             header = {"arrays": entry.describe(), "chunk_bytes": self._chunk_bytes}
             plan = wire.chunk_plan(entry.sizes, self._chunk_bytes)
             if self._send(identity, [wire.HEAD, wire.pack(header)]):
-                self._streams[identity] = _Stream(uuid, entry, plan, max(1, int(request["window"])), expires)
+                self._streams[identity] = _Stream(uuid, entry, plan, request.window, expires)
 
     def _pump(self) -> None:
         """Send every chunk that credits allow and that is final (progressive entries fill while they stream)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import msgpack
 
@@ -38,6 +39,37 @@ def unpack(data: bytes) -> dict:
     if not isinstance(obj, dict):
         raise ValueError("message body is not a map")
     return obj
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    """A PULL's body, checked whole on arrival: a pull parked until its entry is published must not fail later, on
+    the server's thread, for a field it lacked from the start."""
+
+    v: object
+    uuid: int
+    digest: bytes
+    window: int
+    timeout_s: float
+
+    @classmethod
+    def parse(cls, body: bytes) -> PullRequest:
+        """Raises ``ValueError`` naming what is missing or wrong."""
+        fields = unpack(body)
+        try:
+            uuid, digest = fields["uuid"], fields["digest"]
+            window, timeout_s = fields["window"], fields.get("timeout_s", 60.0)
+        except KeyError as missing:
+            raise ValueError(f"PULL without {missing}") from None
+        if not isinstance(uuid, int) or isinstance(uuid, bool):
+            raise ValueError(f"PULL uuid is not an integer: {uuid!r}")
+        if not isinstance(digest, bytes):
+            raise ValueError("PULL digest is not bytes")
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ValueError(f"PULL window is not a positive integer: {window!r}")
+        if not isinstance(timeout_s, int | float) or not 0 < timeout_s < float("inf"):
+            raise ValueError(f"PULL timeout_s is not a positive number of seconds: {timeout_s!r}")
+        return cls(fields.get("v"), uuid, digest, window, float(timeout_s))
 
 
 def pack_u32(n: int) -> bytes:
