@@ -24,9 +24,17 @@ class LeavingClient:
         return {"type": "http.disconnect"}
 
 
+async def quiescent(keep: set[asyncio.Future]) -> None:
+    """Until no task but ``keep`` is left in the loop: then nothing the request started can still send a retry (a
+    retry is sent by a task: the request's own or one of its legs')."""
+    while others := asyncio.all_tasks() - keep:
+        await asyncio.wait(others)
+
+
 def test_a_client_leaving_during_the_wind_down_cancels_the_request_and_gets_no_retry():
     async def scenario() -> tuple[int, list[str]]:
         closing, release = asyncio.Event(), asyncio.Event()
+        ours = asyncio.all_tasks()  # this scenario and the task that runs it
         generate_calls: list[str] = []
 
         async def workers(request: httpx.Request) -> httpx.Response:
@@ -52,7 +60,9 @@ def test_a_client_leaving_during_the_wind_down_cancels_the_request_and_gets_no_r
         router._client = httpx.AsyncClient(transport=httpx.MockTransport(workers))
         try:
             response = await router.dispatch("/generate", {"text": "hi", "rid": "gone-1"}, LeavingClient(closing))
-            await asyncio.sleep(0.1)  # a retry, had one been started, would have reached p1 by now
+            # Only now may d0's call end: a router that ran on after the client left would retry once it has.
+            release.set()
+            await quiescent({*ours, router._health_task})  # every task of the request has ended: no retry is still to come
             return response.status_code, list(generate_calls)
         finally:
             release.set()
@@ -61,4 +71,4 @@ def test_a_client_leaving_during_the_wind_down_cancels_the_request_and_gets_no_r
 
     status, calls = asyncio.run(asyncio.wait_for(scenario(), 30))
     assert status == 499
-    assert sorted(calls) == ["d0", "p0"], calls  # the first attempt only: p1 never got the retry
+    assert sorted(calls) == ["d0", "p0"], calls  # the first attempt only: p1 never got the retry, not even later
