@@ -62,7 +62,7 @@ def test_a_client_leaving_during_the_wind_down_cancels_the_request_and_gets_no_r
             response = await router.dispatch("/generate", {"text": "hi", "rid": "gone-1"}, LeavingClient(closing))
             # Only now may d0's call end: a router that ran on after the client left would retry once it has.
             release.set()
-            await quiescent({*ours, router._health_task})  # every task of the request has ended: no retry is still to come
+            await quiescent({*ours, router._health_task})  # the request's tasks all ended: no retry can still come
             return response.status_code, list(generate_calls)
         finally:
             release.set()
