@@ -19,6 +19,7 @@ simulation runs it too.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -119,16 +120,17 @@ class PrefixCache:
 
     def reclaim(self, count: int) -> int:
         """Evict at least ``count`` pages if that many are unlocked: leaves first, least recently used first."""
-        leaves = [n for n in self._nodes() if not n.children and n.locks == 0]
+        # a heap, not a sort per pop: a big reclaim from a big tree stays O(n log n) on the model thread
+        leaves = [(n.used, n.page, n) for n in self._nodes() if not n.children and n.locks == 0]
+        heapq.heapify(leaves)
         freed: list[int] = []
         while leaves and len(freed) < count:
-            leaves.sort(key=lambda n: n.used, reverse=True)
-            node = leaves.pop()
+            _, _, node = heapq.heappop(leaves)
             del node.parent.children[node.key]
             freed.append(node.page)
             parent = node.parent
             if parent is not self._root and not parent.children and parent.locks == 0:
-                leaves.append(parent)
+                heapq.heappush(leaves, (parent.used, parent.page, parent))
         if freed:
             self.pages -= len(freed)
             self.evicted_pages += len(freed)
