@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from fsm_pd.model.buckets import MIN_TOKEN_BUCKET, prefill_fits, token_bucket
+from fsm_pd.model.input_buckets import MIN_TOKEN_BUCKET, prefill_fits, token_bucket
 from fsm_pd.model.pages import PageAllocator, pages_for
 from fsm_pd.model.prefix_cache import NO_MATCH, Match, PrefixCache
 
@@ -58,7 +58,7 @@ class Chunk:
 
 def plan_chunks(admitted: Iterable[Any], *, max_batch: int, budget: int, planned: Iterable[Chunk] = ()) -> list[Chunk]:
     """``planned`` and then the next chunk of each admitted prompt, in order, while the step stays within ``budget``
-    padded tokens (``buckets.prefill_fits``): the first prompt always gets a chunk, shrunk to a bucket that fits; a
+    padded tokens (``prefill_fits``): the first prompt always gets a chunk, shrunk to a bucket that fits; a
     later one only a chunk that fits beside those before it. Entries need ``prompt_len`` and ``prefilled``."""
     chunks = list(planned)
     longest = max((c.length for c in chunks), default=0)
@@ -101,7 +101,7 @@ def take_prefill_batch(
     planned: Iterable[Chunk] = (),
 ) -> list[Sequence]:
     """Pop up to ``max_batch`` prompts (their first chunks within ``max_tokens`` padded tokens in all:
-    ``buckets.prefill_fits``; always at least one) off the head of ``queue`` and reserve their pages. ``drop(seq)``
+    ``prefill_fits``; always at least one) off the head of ``queue`` and reserve their pages. ``drop(seq)``
     says a queued request is gone (aborted, its room failed): it is popped and skipped. Model thread only; other
     threads only append to ``queue``.
 

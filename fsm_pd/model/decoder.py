@@ -2,7 +2,7 @@
 
 The jitted core, ``forward_paged``, runs ``S`` new tokens for each of ``B`` sequences: prefill is ``S`` = the prompt
 bucket, decode is ``S = 1``. The host-side wrappers below pad the batch and the prompt length to a bucket
-(``buckets.py``) and every page table to the pool's fixed width (``table_width``), so the programs a node can ever
+(``input_buckets.py``) and every page table to the pool's fixed width (``table_width``), so the programs a node can ever
 run are one per (batch bucket, token bucket), and check page ids before anything is written. The pool argument is
 donated: after a call, only the returned pool is valid.
 """
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsm_pd.kernels.layout import PAD_PAGE
-from fsm_pd.model import buckets
+from fsm_pd.model import input_buckets
 from fsm_pd.model.attention import block_pages, paged_attention, reference_attention
 from fsm_pd.model.config import ModelConfig
 from fsm_pd.model.rope import apply_rope, inverse_frequencies
@@ -213,15 +213,15 @@ def prefill_batch(
             raise ValueError("cannot prefill an empty prompt")
         _check_pages(pages, start + len(prompt), page_size, num_pages)
     width = table_width(config, num_pages, page_size)
-    b = buckets.batch_bucket(len(prompts))
-    s = buckets.token_bucket(max(len(x) for x in prompts))
+    b = input_buckets.batch_bucket(len(prompts))
+    s = input_buckets.token_bucket(max(len(x) for x in prompts))
     logits, pool, hidden = (forward or partial(forward_paged, config=config))(
         params,
         pool,
-        buckets.pad_2d(prompts, b, s),
-        buckets.pad_1d(starts, b),
-        buckets.pad_1d([len(x) for x in prompts], b),
-        buckets.pad_2d([list(pages)[:width] for pages in page_ids], b, width, fill=PAD_PAGE),
+        input_buckets.pad_2d(prompts, b, s),
+        input_buckets.pad_1d(starts, b),
+        input_buckets.pad_1d([len(x) for x in prompts], b),
+        input_buckets.pad_2d([list(pages)[:width] for pages in page_ids], b, width, fill=PAD_PAGE),
     )
     token_logprobs = token_top = None
     if return_logprobs:
@@ -249,7 +249,7 @@ def _prompt_logprobs(config: ModelConfig, params: dict, hidden, prompts, ks: lis
     for at in range(0, len(rows), LOGPROB_ROWS):
         block = np.zeros((LOGPROB_ROWS, rows.shape[1]), np.float32)
         block[: len(rows[at: at + LOGPROB_ROWS])] = rows[at: at + LOGPROB_ROWS]
-        out = logprobs(params, block, buckets.pad_1d(next_ids[at: at + LOGPROB_ROWS], LOGPROB_ROWS), top_k=top_k)
+        out = logprobs(params, block, input_buckets.pad_1d(next_ids[at: at + LOGPROB_ROWS], LOGPROB_ROWS), top_k=top_k)
         chosen.append(np.asarray(out[0]))
         if top_k:
             values.append(np.asarray(out[1]))
@@ -313,14 +313,14 @@ def decode(config: ModelConfig, params: dict, pool: tuple, tokens, positions, pa
     page_size, num_pages = pool[0].shape[1], pool[0].shape[0]
     _check_decode_tables(tables, positions, page_size, num_pages)
     width = table_width(config, num_pages, page_size)
-    b = buckets.batch_bucket(n)
+    b = input_buckets.batch_bucket(n)
     logits, pool, _ = (forward or partial(forward_paged, config=config))(
         params,
         pool,
-        buckets.pad_1d(tokens, b)[:, None],
-        buckets.pad_1d(positions, b),
-        buckets.pad_1d(np.ones(n), b),
-        buckets.pad_2d(tables[:, :width], b, width, fill=PAD_PAGE),
+        input_buckets.pad_1d(tokens, b)[:, None],
+        input_buckets.pad_1d(positions, b),
+        input_buckets.pad_1d(np.ones(n), b),
+        input_buckets.pad_2d(tables[:, :width], b, width, fill=PAD_PAGE),
     )
     return (logits if bucket_rows else logits[:n]), pool
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fsm_pd.model import buckets
+from fsm_pd.model import input_buckets
 from fsm_pd.model.config import ModelConfig
 from fsm_pd.model.decoder import LOGPROB_ROWS, forward_paged, next_token_logprobs, table_width
 from fsm_pd.model.tensor_parallel import TensorParallel, forward_sharded
@@ -29,18 +29,18 @@ from fsm_pd.model.tensor_parallel import TensorParallel, forward_sharded
 
 def prefill_shapes(max_batch: int, max_tokens: int) -> list[tuple[int, int]]:
     """Every (batch bucket, token bucket) a prefill step can form: up to ``max_batch`` chunks whose padded size stays
-    within ``max_tokens`` (``buckets.prefill_fits``; a longer prompt is prefilled in chunks of at most that)."""
+    within ``max_tokens`` (``input_buckets.prefill_fits``; a longer prompt is prefilled in chunks of at most that)."""
     shapes = []
-    for batch in _powers_up_to(buckets.batch_bucket(max_batch)):
-        for tokens in _powers_up_to(buckets.token_bucket(max_tokens), start=buckets.MIN_TOKEN_BUCKET):
-            if buckets.prefill_fits(batch, tokens, max_tokens):
+    for batch in _powers_up_to(input_buckets.batch_bucket(max_batch)):
+        for tokens in _powers_up_to(input_buckets.token_bucket(max_tokens), start=input_buckets.MIN_TOKEN_BUCKET):
+            if input_buckets.prefill_fits(batch, tokens, max_tokens):
                 shapes.append((batch, tokens))
     return shapes
 
 
 def decode_shapes(max_running: int) -> list[tuple[int, int]]:
     """Every (batch bucket, 1) a decode step of up to ``max_running`` sequences can form."""
-    return [(batch, 1) for batch in _powers_up_to(buckets.batch_bucket(max_running))]
+    return [(batch, 1) for batch in _powers_up_to(input_buckets.batch_bucket(max_running))]
 
 
 def _powers_up_to(limit: int, start: int = 1) -> list[int]:

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fsm_pd.model import buckets
+from fsm_pd.model import input_buckets
 from fsm_pd.model.grammar import GrammarSpec, GrammarState, bitmask
 
 MAX_TOP_K = 2**30  # far above any vocabulary, far below int32: the sampler clips it to the vocabulary
@@ -207,7 +207,7 @@ def mark_prepared(bucket: int) -> None:
 
 def sampling_rows(n: int) -> int:
     """The rows ``sample`` runs ``n`` requests on: their batch bucket, or the nearest larger prepared one."""
-    b = buckets.batch_bucket(n)
+    b = input_buckets.batch_bucket(n)
     if not _prepared or b in _prepared:
         return b
     return min((p for p in _prepared if p > b), default=b)
@@ -236,9 +236,9 @@ def sample(logits, params: Sequence[SamplingParams], seeds: Sequence[int], steps
         counts, bias = penalty_inputs(params, histories if histories is not None else [()] * n, b, vocab)
         logits = adjust_logits(
             logits, counts,
-            buckets.pad_1d([p.frequency_penalty for p in params], b, dtype=np.float32),
-            buckets.pad_1d([p.presence_penalty for p in params], b, dtype=np.float32),
-            buckets.pad_1d([p.repetition_penalty for p in params], b, fill=1, dtype=np.float32),
+            input_buckets.pad_1d([p.frequency_penalty for p in params], b, dtype=np.float32),
+            input_buckets.pad_1d([p.presence_penalty for p in params], b, dtype=np.float32),
+            input_buckets.pad_1d([p.repetition_penalty for p in params], b, fill=1, dtype=np.float32),
             bias,
         )
     mask = bitmask(grammars, b, vocab) if grammars is not None else None
@@ -248,11 +248,11 @@ def sample(logits, params: Sequence[SamplingParams], seeds: Sequence[int], steps
         return np.asarray(greedy_tokens(logits))[:n]
     tokens = sample_tokens(
         logits,
-        buckets.pad_1d([p.temperature for p in params], b, dtype=np.float32),
-        buckets.pad_1d([p.top_p for p in params], b, fill=1, dtype=np.float32),
-        buckets.pad_1d([p.top_k if p.top_k < vocab else 0 for p in params], b, dtype=np.int32),  # >= V: keep all
-        buckets.pad_1d([p.min_p for p in params], b, dtype=np.float32),
-        buckets.pad_1d([s & 0xFFFFFFFF for s in seeds], b, dtype=np.uint32),
-        buckets.pad_1d(steps, b, dtype=np.int32),
+        input_buckets.pad_1d([p.temperature for p in params], b, dtype=np.float32),
+        input_buckets.pad_1d([p.top_p for p in params], b, fill=1, dtype=np.float32),
+        input_buckets.pad_1d([p.top_k if p.top_k < vocab else 0 for p in params], b, dtype=np.int32),  # >= V: keep all
+        input_buckets.pad_1d([p.min_p for p in params], b, dtype=np.float32),
+        input_buckets.pad_1d([s & 0xFFFFFFFF for s in seeds], b, dtype=np.uint32),
+        input_buckets.pad_1d(steps, b, dtype=np.int32),
     )
     return np.asarray(tokens)[:n]

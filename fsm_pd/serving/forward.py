@@ -12,8 +12,8 @@ import jax
 import numpy as np
 
 from fsm_pd.control.scheduling import Chunk, plan_chunks
-from fsm_pd.model.buckets import batch_bucket
 from fsm_pd.model.grammar import new_state
+from fsm_pd.model.input_buckets import batch_bucket
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.model.model_thread import ModelThread
 from fsm_pd.model.sampling import sample

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fsm_pd.control.scheduling import plan_chunks, take_prefill_batch
-from fsm_pd.model import buckets, compiles
+from fsm_pd.model import compiles, input_buckets
 from fsm_pd.model.grammar import GrammarSpec
 from fsm_pd.model.loader import load_model
 from fsm_pd.model.pages import PageAllocator
@@ -48,7 +48,7 @@ def test_prefill_steps_take_only_shapes_the_warmup_compiles(lengths):
         under_way += admitted
         chunks = plan_chunks(admitted, max_batch=MAX_BATCH, budget=MAX_TOKENS, planned=chunks)
         assert chunks
-        shape = (buckets.batch_bucket(len(chunks)), buckets.token_bucket(max(c.length for c in chunks)))
+        shape = (input_buckets.batch_bucket(len(chunks)), input_buckets.token_bucket(max(c.length for c in chunks)))
         assert shape in planned, f"chunks {[c.length for c in chunks]} form {shape}, which is not compiled"
         for chunk in chunks:
             assert chunk.start == chunk.seq.prefilled
