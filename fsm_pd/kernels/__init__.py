@@ -1,7 +1,7 @@
 """KV pool layout and the page kernels: gather pages to staging, scatter staging to pages, host staging slots.
 
-The names below load their module on first use (PEP 562): ``layout`` and ``buckets`` are plain Python, and the model's
-bucketing and the jax-free schedulers import them without loading jax with the kernels.
+The names below load their module on first use (PEP 562): ``layout`` and ``page_buckets`` are plain Python, and the
+jax-free resharding plan (``fsm_pd.transport.reshard``) imports the layout without loading jax with the kernels.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ _HOME = {
     "KVLayout": "layout",
     "PAD_PAGE": "layout",
     "PageRuns": "runs",
-    "bucket_sizes": "buckets",
+    "bucket_sizes": "page_buckets",
     "copy_to_host": "host_staging",
     "gather_pages": "page_copy",
     "gather_pages_into": "page_copy",
     "host_memory_kind": "host_staging",
-    "page_bucket": "buckets",
+    "page_bucket": "page_buckets",
     "page_runs": "runs",
     "resolve_impl": "page_copy",
     "scatter_layers": "page_copy",

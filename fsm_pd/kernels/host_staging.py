@@ -22,8 +22,8 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from fsm_pd.kernels.buckets import page_bucket
 from fsm_pd.kernels.layout import KVLayout
+from fsm_pd.kernels.page_buckets import page_bucket
 
 _HOST_KINDS = ("pinned_host", "unpinned_host")
 

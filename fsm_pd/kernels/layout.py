@@ -97,7 +97,7 @@ class KVLayout:
     def staging_shape(self, rows: int) -> tuple[int, int, int, int, int]:
         """Shape of a staging array of ``rows`` pages of every layer: ``(num_layers, rows, *page_shape)``.
 
-        ``rows`` is a bucket (``fsm_pd.kernels.buckets.page_bucket``), not the request's page count: both sides of a
+        ``rows`` is a bucket (``page_buckets.page_bucket``), not the request's page count: both sides of a
         transfer derive the same shape from the page count without sending it.
         """
         return (self.num_layers, rows, *self.page_shape)

@@ -28,8 +28,8 @@ import jax
 import numpy as np
 
 from fsm_pd.kernels import cpu_copy, jnp_copy
-from fsm_pd.kernels.buckets import page_bucket
 from fsm_pd.kernels.layout import PAD_PAGE, KVLayout
+from fsm_pd.kernels.page_buckets import page_bucket
 from fsm_pd.kernels.placement import pool_placement
 from fsm_pd.kernels.runs import page_runs
 from fsm_pd.kernels.validation import Pool, check_page_ids, check_pool, check_staging

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from fsm_pd.kernels.buckets import page_bucket
 from fsm_pd.kernels.layout import PAD_PAGE, KVLayout
+from fsm_pd.kernels.page_buckets import page_bucket
 
 MAX_IOV = 512  # views per sendmsg (Linux refuses more than IOV_MAX = 1024)
 

@@ -3,7 +3,7 @@
 XLA compiles one program per input shape. Rounding the prompt length and the batch up to a power of two bounds the
 number of programs a running server ever compiles to a few per dimension, at the price of at most 2x padding. The
 page table does not vary: every forward pass gets the pool's fixed width (``decoder.table_width``). Staging arrays
-round their page counts by the kernels' own rule (``fsm_pd.kernels.buckets``).
+round their page counts by the kernels' own rule (``fsm_pd.kernels.page_buckets``).
 """
 
 from __future__ import annotations

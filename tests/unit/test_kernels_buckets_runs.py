@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fsm_pd.kernels import bucket_sizes, page_bucket, page_runs
-from fsm_pd.kernels.buckets import POW2_LIMIT, STEP
+from fsm_pd.kernels.page_buckets import POW2_LIMIT, STEP
 
 
 def test_bucket_examples():
