@@ -18,6 +18,7 @@ flush, tokenize, load, metrics) ``router_routes.py``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -68,7 +69,12 @@ def create_router_app(prefill: Sequence[PrefillWorker | tuple[str, int | None] |
     pd = PDRouter(workers, decode, policy=policy, api_key=api_key, request_timeout_s=request_timeout_s, seed=seed,
                   retry=retry, breaker=breaker, health_interval_s=health_interval_s,
                   health_timeout_s=health_timeout_s, metrics=metrics, cache_aware=cache_aware)
-    app = FastAPI(title="fsm-pd router", version="1",
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        yield
+        await pd.aclose()
+
+    app = FastAPI(title="fsm-pd router", version="1", lifespan=lifespan,
                   description="A PD router: each request goes to one prefill and one decode worker at once.")
     app.state.router = pd
     app.state.metrics = metrics

@@ -137,8 +137,17 @@ class PDRouter:
             self._client = httpx.AsyncClient(timeout=self.timeout, limits=httpx.Limits(max_connections=None))
         return self._client
 
+    async def aclose(self) -> None:
+        """Stop what runs beside the requests: the health checks and the prefill answers still awaited, then close
+        the client (the router app's shutdown calls this)."""
+        tasks = [t for t in (self._health_task, *self._finishing) if t is not None and not t.done()]
+        await cancel_and_wait(*tasks, what="the router's background tasks")
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
     def ensure_health_checks(self) -> None:
-        """Start the health checks on the serving loop (the servers run without lifespan events), once; again if
+        """Start the health checks on the serving loop, once (the first request or ``/health`` calls this); again if
         they died."""
         if self._health_task is None or self._health_task.done():
             self._health_task = asyncio.ensure_future(self.health.run(self.client))

@@ -325,3 +325,15 @@ def test_a_decode_stream_is_relayed_before_the_prefill_answers():
         first, text = first_chunk_at(url, {**body, "return_logprob": True}, prefill, 0.5)
         assert first > prefill.released_at, "the prompt logprobs of the prefill's answer were not waited for"
         assert "input_token_logprobs" in text
+
+
+def test_a_stopped_router_stops_its_health_checks_and_closes_its_client():
+    prefill, decode = StubEngine(role="prefill"), StubEngine(role="decode")
+    with pd_cluster([prefill], [decode]) as (_, p_urls, d_urls):
+        app = create_router_app([(p_urls[0], 9000)], d_urls)
+        pd = app.state.router
+        with AppServer(app) as rs:
+            checked_by(rs.url)  # the health checks run, on the server's loop
+            task = pd._health_task
+            assert task is not None and not task.done() and pd._client is not None
+        assert task.cancelled() and pd._client is None
