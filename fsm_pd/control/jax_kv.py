@@ -39,7 +39,7 @@ class JaxKV:
     def gather(self, owner: Any, pages: list[int], plan: ReshardPlan) -> tuple[jax.Array, ...]:
         staging = gather_pages(owner.pool, pages, layout=self.layout)
         staging.block_until_ready()
-        if plan.single:
+        if plan.unsharded:
             return (staging,)
         parts = device_parts(staging)
         cut = lambda p: _slots(parts[p.src], 2 * p.src_slot, 2 * (p.src_slot + p.count))  # noqa: E731
@@ -112,7 +112,7 @@ class JaxKV:
         if stream is not None:
             stream.written(owner)
             return
-        staging = pieces[0] if plan.single else self.assemble(pieces, plan)
+        staging = pieces[0] if plan.unsharded else self.assemble(pieces, plan)
         owner.pool = scatter_pages(owner.pool, staging, pages, layout=self.layout)
         jax.block_until_ready(owner.pool)
 

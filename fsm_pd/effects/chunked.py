@@ -83,12 +83,12 @@ class ChunkPlan:
         return done
 
 
-def streams(ctx: dict, pages: list[int], single: bool) -> bool:
-    """Whether a room's handoff goes piece by piece: the prefill node announced it early (``piece_pages``), the
-    handoff needs no resharding (``single``), and there is more than one piece to move. Otherwise the last chunk's
-    ``kv_chunk`` runs the whole-prompt handoff."""
+def streams(ctx: dict, pages: list[int], unsharded: bool) -> bool:
+    """Whether a room's handoff goes piece by piece: the prefill node announced it early (``piece_pages``), neither
+    node splits its pool (``unsharded``: no tensor parallelism on either side), and there is more than one piece to
+    move. Otherwise the last chunk's ``kv_chunk`` runs the whole-prompt handoff."""
     piece_pages = int(ctx.get("piece_pages") or 0)
-    return piece_pages > 0 and single and len(pages) > piece_pages
+    return piece_pages > 0 and unsharded and len(pages) > piece_pages
 
 
 class ChunkPulls:

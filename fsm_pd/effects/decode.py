@@ -143,7 +143,7 @@ class DecodeEffects:
             self._pull_chunks(node, room, pages)
             return
         plan = plan_between(ctx["peer_layout"], self.layout)
-        stream = self.kv.stream(pages) if plan.single else None
+        stream = self.kv.stream(pages) if plan.unsharded else None
         with self._lock:
             self.pending[room_id] = RoomPulls(plan)
             if stream is not None:  # registered before the pull starts, so that FreePages can always cancel it
@@ -176,11 +176,11 @@ class DecodeEffects:
             if pulls is not None:  # pieces that landed before this one will never be scattered
                 for landed in pulls.landed.values():
                     self.kv.discard(landed)
-            self._report_pull_error(node, room_id, "" if plan.single else f"{piece.describe()}: ", error)
+            self._report_pull_error(node, room_id, "" if plan.unsharded else f"{piece.describe()}: ", error)
             return
         if pulls is None:  # FreePages already ran, or another piece failed: nobody will ever scatter this
             self.kv.discard(staging)
-            if plan.single:  # journaled as ignored, for replay to show the late pull (a piece's failure shows)
+            if plan.unsharded:  # journaled as ignored, for replay to show the late pull (a piece's failure shows)
                 node.submit(room_id, "pulled", {"bytes": int(staging.nbytes)})
             return
         if not complete:
@@ -188,14 +188,14 @@ class DecodeEffects:
         self.faults.crash("after_pull")
         arrays = pulls.arrays()
         payload: dict[str, Any] = {"bytes": sum(int(a.nbytes) for a in arrays)}
-        if not plan.single:  # per piece: from which prefill shard, into which decode shard, how many bytes
+        if not plan.unsharded:  # per piece: from which prefill shard, into which decode shard, how many bytes
             payload["pieces"] = [[p.src, p.dst, int(a.nbytes)] for p, a in zip(pulls.plan.pieces, arrays, strict=True)]
         node.submit(room_id, "pulled", payload)
 
     def _pull_chunks(self, node: Node, room: Room, pages: list[int]) -> None:
         ctx, room_id = room.ctx, room.room
         plan = ChunkPlan.of(pages, int(ctx["chunk_pages"]))
-        if len(plan.pieces) != int(ctx["chunks"]) or not plan_between(ctx["peer_layout"], self.layout).single:
+        if len(plan.pieces) != int(ctx["chunks"]) or not plan_between(ctx["peer_layout"], self.layout).unsharded:
             raise EffectError(f"READY announces {ctx['chunks']} pieces of {ctx['chunk_pages']} pages; we wait for "
                               f"{len(pages)} pages in {len(plan.pieces)}", blame="remote")
         pulls = ChunkPulls(plan)

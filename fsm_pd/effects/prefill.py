@@ -62,7 +62,7 @@ class PrefillEffects:
         self.faults.crash("before_gather")
         if room.ctx.get("piece_pages"):  # prefilled in chunks: this is one of its chunks
             pages = pages_to_send(room.ctx)
-            if streams(room.ctx, pages, plan_between(self.layout, room.ctx["peer_layout"]).single):
+            if streams(room.ctx, pages, plan_between(self.layout, room.ctx["peer_layout"]).unsharded):
                 self._publish_chunks(node, room, pages)
                 return
             if not room.ctx.get("last"):
@@ -81,7 +81,7 @@ class PrefillEffects:
             if self.staging.get(room_id, (None,))[0] != uuid:
                 return  # the room ended while this waited for the model thread
             self.faults.check("gather")
-            if plan.single and self.transfer.progressive and self.kv.gathers_progressively(owner):
+            if plan.unsharded and self.transfer.progressive and self.kv.gathers_progressively(owner):
                 self.faults.check("publish")
                 self.kv.publish_while_gathering(owner, self.transfer, uuid, pages, hold_s,
                                                 lambda rows: self._published(node, room_id, uuid, rows))
@@ -100,7 +100,7 @@ class PrefillEffects:
                 except BaseException as exc:
                     for unpublished in pieces[index:]:
                         self.kv.discard(unpublished)  # never published: nobody else will let them go
-                    if plan.single:
+                    if plan.unsharded:
                         raise
                     raise EffectError(f"{piece.describe()}: {exc}") from exc
             self._published(node, room_id, uuid, int(pieces[0].shape[1]), len(pieces))
@@ -129,7 +129,7 @@ class PrefillEffects:
         else:
             uuid = entry[0]
         sent = self.chunks_sent[room_id]
-        single = plan_between(self.layout, ctx["peer_layout"])
+        reshard = plan_between(self.layout, ctx["peer_layout"])
 
         def publish(owner: Any) -> None:
             if self.staging.get(room_id, (None,))[0] != uuid or sent[0] < 0:
@@ -137,7 +137,7 @@ class PrefillEffects:
             for piece in plan.pieces[sent[0]:ready]:
                 sent[0] = -1  # until it is published: a failed piece is never retried by a later chunk's job
                 self.faults.check("gather")
-                (staging,) = self.kv.gather(owner, list(piece.pages), single)
+                (staging,) = self.kv.gather(owner, list(piece.pages), reshard)
                 try:
                     self.faults.check("publish")
                     self.transfer.publish(piece_uuid(uuid, piece.index), (staging,), hold_s)

@@ -64,8 +64,8 @@ class ReshardPlan:
     fills: tuple[Fill, ...]
 
     @property
-    def single(self) -> bool:
-        """One device on both sides: the whole staging array is the one piece (the handoff without TP)."""
+    def unsharded(self) -> bool:
+        """One device on both sides (no tensor parallelism): the whole staging array is the one piece."""
         return self.src_tp == 1 and self.dst_tp == 1
 
     def whole(self, piece: Piece) -> bool:

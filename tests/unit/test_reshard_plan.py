@@ -94,7 +94,7 @@ def test_plans_for_the_usual_splits(kv_heads, src_tp, dst_tp, pieces, fills):
     plan = plan_reshard(kv_heads, src_tp, dst_tp)
     assert [(p.src, p.src_slot, p.dst, p.dst_slot, p.count) for p in plan.pieces] == pieces
     assert [(f.dst, f.dst_slot, f.count) for f in plan.fills] == fills
-    assert plan.single == (src_tp == dst_tp == 1)
+    assert plan.unsharded == (src_tp == dst_tp == 1)
 
 
 def test_plan_between_reads_layout_records_and_refuses_other_models():
