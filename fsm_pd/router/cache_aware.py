@@ -11,11 +11,12 @@ its token ids). For a request:
 3. else the worker with the smallest record (the most cache room to fill).
 
 The chosen worker's record then holds the key. A record keeps at most ``max_tree_chars`` characters; beyond that its
-least recently used leaves go, as a node's cache would evict them. The defaults are sglang-router's.
+least recently used leaves go, as a node's cache would evict them, down to ``EVICT_TO`` of the size. The defaults are sglang-router's.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import json
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CHUNK = 16  # characters per tree node: a prefix is matched to within this many
+EVICT_TO = 0.9  # a record over its size evicts down to this share of it
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +74,7 @@ class PrefixRecord:
     def __init__(self, max_chars: int):
         self._root, self.max_chars, self.chars = _Node(None), max_chars, 0
         self._clock = itertools.count(1)
+        self.evictions = 0  # rounds of eviction, each a walk of the whole tree
 
     def match(self, key: str) -> int:
         """How many leading characters of ``key`` this worker has seen (a multiple of ``CHUNK``)."""
@@ -94,24 +97,26 @@ class PrefixRecord:
             child.used = now
             node = child
         if self.chars > self.max_chars:
-            self._evict(self.chars - self.max_chars)
+            # down to a low-water mark, not just under the limit: a full record walks its tree once per
+            # ``1 - EVICT_TO`` of its size inserted, not on every request (this runs on the router's event loop)
+            self._evict(self.chars - int(self.max_chars * EVICT_TO))
 
     def _evict(self, chars: int) -> None:
-        leaves, stack = [], list(self._root.children.values())
+        self.evictions += 1
+        leaves, stack, order = [], list(self._root.children.values()), itertools.count()
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
             if not node.children:
-                leaves.append(node)
-        leaves.sort(key=lambda n: n.used, reverse=True)
+                leaves.append((node.used, next(order), node))
+        heapq.heapify(leaves)
         while leaves and chars > 0:
-            node = leaves.pop()
+            _, _, node = heapq.heappop(leaves)
             del node.parent.children[node.key]
             self.chars -= CHUNK
             chars -= CHUNK
             if node.parent is not self._root and not node.parent.children:
-                leaves.append(node.parent)
-                leaves.sort(key=lambda n: n.used, reverse=True)
+                heapq.heappush(leaves, (node.parent.used, next(order), node.parent))
 
 
 class CacheAwarePicker:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from fsm_pd.router.cache_aware import CHUNK, CacheAwarePicker, CacheAwareSettings, PrefixRecord, routing_key
+from fsm_pd.router.cache_aware import CHUNK, EVICT_TO, CacheAwarePicker, CacheAwareSettings, PrefixRecord, routing_key
 from fsm_pd.router.fleet import Fleet, Worker
 
 SYSTEM = "You are a helpful assistant who answers in one line. " * 3
@@ -58,6 +58,17 @@ def test_a_record_keeps_at_most_its_size_dropping_the_least_recently_used():
     record.insert(new)  # used again: the old one is the least recently used
     record.insert("m" * (2 * CHUNK))
     assert record.chars <= 8 * CHUNK and record.match(new) == 4 * CHUNK and record.match(old) < 4 * CHUNK
+
+
+def test_a_full_record_walks_its_tree_once_per_tenth_of_its_size_not_per_request():
+    """Eviction walks the whole tree on the router's event loop: it must not run on every request once full."""
+    size = 100
+    record = PrefixRecord(max_chars=size * CHUNK)
+    keys = [f"{i:0{CHUNK}d}" for i in range(1000)]  # 1,000 distinct one-chunk prefixes
+    for key in keys:
+        record.insert(key)
+    assert record.chars <= size * CHUNK and record.match(keys[-1]) == CHUNK and record.match(keys[0]) == 0
+    assert record.evictions <= (len(keys) - size) / (size * (1 - EVICT_TO)) + 1, record.evictions
 
 
 def test_routing_keys_come_from_text_chat_or_ids():
