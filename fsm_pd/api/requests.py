@@ -256,7 +256,7 @@ def budget(node: NodeIdentity, input_ids: list[int], before: list[int], max_new:
 
 def _build(node: NodeIdentity, plan: Plan, rid: str | None, make, resume: ResumeField | None = None) -> Plan:
     """Fill ``plan.requests``: ``make(input_ids, before)`` gives each prompt's base request (``before``: the tokens
-    a resumed stream generated already, ``api.resume``)."""
+    a resumed stream generated already, ``fsm_pd_resume``)."""
     rid = rid or new_rid()
     before: list[int] = []
     if resume is not None:

@@ -58,7 +58,8 @@ class SGLangSamplingParams(_Body):
 
 
 class ResumeField(_Body):
-    """Internal, sent by the fsm-pd router only: continue a stream whose decode node failed (``api/resume.py``)."""
+    """Internal, sent by the fsm-pd router only (``router/migrate.py``): continue a stream whose decode node failed
+    (read by ``requests.py``)."""
 
     output_ids: list[int] = Field(..., description="the tokens the stream generated before it broke off")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="the request's resolved seed on the failed node")

@@ -10,9 +10,9 @@ to fail (an error status, or unreachable) closes the other (which aborts the req
 failed worker's status and error (502 when it was unreachable); ``--request-timeout-secs`` bounds the whole request,
 streams included (504, or a final SSE error event). A worker failure before the answer starts (unreachable, a 5xx)
 is retried on another pair with a new bootstrap room and the same rid (``--max-retries``, a router-wide retry budget,
-``--retry-policy retry|fail``); a ``/generate`` stream whose decode breaks off migrates (``router_migrate.py``).
-A client that goes away cancels both legs. The legs themselves are ``router_legs.py``; the other routes (abort,
-flush, tokenize, load, metrics) ``router_routes.py``.
+``--retry-policy retry|fail``); a ``/generate`` stream whose decode breaks off migrates (``migrate.py``).
+A client that goes away cancels both legs. Attempts, retries and migration run in ``core.py``, the legs themselves in
+``legs.py``; the other routes (abort, flush, tokenize, load, metrics) are ``routes.py``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The built-in router's request path: an attempt (one prefill leg and one decode leg on a pair the fleet picked,
 with a new bootstrap room and the client's rid), retries of a failed attempt before the answer starts (on another
 pair, within the request's tries and the router's retry budget), and the migration of a stream whose decode broke
-off (``router_migrate.py``). ``router.py`` builds the app and reads the flags; ``fleet.py`` holds the
-health checks, breakers, selection and budget.
+off (``migrate.py``). ``app.py`` builds the app and reads the flags; ``fleet.py`` holds the health checks,
+breakers, selection and budget; ``legs.py`` the two legs of an attempt; ``merge.py`` what is added to and merged from
+the workers' bodies.
 """
 
 from __future__ import annotations
@@ -301,7 +302,7 @@ class PDRouter:
             return Started(p_leg, d_leg, decode, close)
         prefill.outstanding -= 1
         if failed is None:
-            if p_leg.task.done():  # else the decode recomputed without it (router_legs.both_answered)
+            if p_leg.task.done():  # else the decode recomputed without it (legs.both_answered)
                 self.fleet.request_succeeded(prefill)
             try:
                 await p_leg.close()
@@ -397,7 +398,7 @@ class PDRouter:
 
     async def _migrating(self, path: str, body: dict, headers: dict, deadline: float, tries: Tries,
                          started: Started) -> AsyncIterator[bytes]:
-        """Relay a stream; if its decode breaks off, continue it on another pair (``router_migrate``)."""
+        """Relay a stream; if its decode breaks off, continue it on another pair (``migrate.py``)."""
         progress = Progress()
         try:
             while True:

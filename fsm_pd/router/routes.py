@@ -9,7 +9,7 @@
   prefill worker (every worker serves the same model), as ``/model_info`` is.
 * ``GET /get_load``: each worker's own ``/get_load``, ``{"prefill": [{"url", "load"}], "decode": [...]}`` (``error``
   instead of ``load`` for a worker that did not answer).
-* ``GET /metrics``: the router's own Prometheus metrics (``router_metrics``).
+* ``GET /metrics``: the router's own Prometheus metrics (``metrics.py``).
 """
 
 from __future__ import annotations

@@ -50,9 +50,10 @@ class GenerateRequest:
     logprob_start_len: int = 0  # the API shows prompt logprobs from this position on (the engine computes all)
     text_in_logprobs: bool = False  # the API puts each logprob's token text in SGLang's third field
     bootstrap: Bootstrap | None = None  # required on prefill and decode nodes, absent on colocated ones
-    # A migrated stream (``api/resume.py``): the tokens it generated on a decode node that failed. They end
-    # ``input_ids`` (their KV is prefilled like the prompt's) and begin its output: stop strings, the grammar,
-    # penalties and the sampling step count them, and ``sampling.max_new_tokens`` is what is left after them.
+    # A migrated stream (``fsm_pd_resume``, read by ``api/requests.py``): the tokens it generated on a decode node
+    # that failed. They end ``input_ids`` (their KV is prefilled like the prompt's) and begin its output: stop
+    # strings, the grammar, penalties and the sampling step count them, and ``sampling.max_new_tokens`` is what is
+    # left after them.
     generated_before: list[int] = field(default_factory=list)
 
     @property

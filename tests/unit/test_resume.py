@@ -1,6 +1,6 @@
 """A migrated stream, node side: a node given ``fsm_pd_resume`` (the ids a broken stream carried) continues it so
 that what the client has plus what follows equals the undisturbed stream. The tiny model on a colocated engine
-behind the real app (127.0.0.1); the router's own bookkeeping (``router_migrate.Progress``) reads the chunks, and
+behind the real app (127.0.0.1); the router's own bookkeeping (``router.migrate.Progress``) reads the chunks, and
 the stream is cut after every chunk in turn.
 
 The tiny model's tokenizer is byte-level and its greedy bytes are mostly not UTF-8, which a stream holds back to the
