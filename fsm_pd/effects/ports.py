@@ -18,7 +18,10 @@ outcome to the node as an event (``node.submit``), which is thread-safe.
 | ``ResolverPort`` (decode) | ``ThreadedResolver``: ``PrefillResolver`` (HTTP) on workers | the same, lookup in memory |
 | ``ModelExecutor`` | ``ModelThread``: jobs in order on the thread owning the pool | ``fsm_pd.sim.model``: with delay |
 | ``PrefillKV`` / ``DecodeKV`` | ``JaxKV``: the page kernels | ``fsm_pd.sim.kv``: records every buffer and write |
-| ``Admission`` (decode) | ``PoolAdmission`` / ``SchedulerAdmission`` | ``PoolAdmission`` over a recording allocator |
+| ``Admission`` (decode) | ``SchedulerAdmission``: the decode engine's ``Preallocation`` | the same, pages recorded |
+
+(A ``KVManager`` given no admission, as in the transfer tests, makes its own ``PoolAdmission``: it allocates from
+the pool, first come first served.)
 """
 
 from __future__ import annotations
