@@ -19,7 +19,7 @@ heads) on 2 devices gets 4 slots: 2 per device, the last one padding, with 3 zer
 The shard's forward pass is ``decoder.forward_layers``, the one-device code, with the shard's ``ModelConfig`` (its
 head and MLP counts) and ``psum`` as its ``reduce``, under ``jax.shard_map``. The pool enters and leaves
 ``shard_map`` split the same way and is donated, so a step still writes it in place (``tests/unit/test_step_cost.py``
-holds that for a sharded pool too).
+holds that on one device, ``tests/unit/tp_mesh/tp_model_check.py`` for a pool split over 2).
 """
 
 from __future__ import annotations

@@ -13,11 +13,12 @@ prepares, before it answers ``/health``, its *ready set* (``WarmupPlan.ready_for
   bucket, compiled ahead (a whole-pool scatter runs layer by layer on it, ``cpu_copy.scatter``); elsewhere the
   scatters and gathers of every page bucket, run into and out of free pages.
 
-Then a background thread (``compile_rest``) prepares the rest: the other sampler buckets, the whole-pool scatters,
-and every other forward shape the schedulers can form (``plan_for``: a prefill node's, a colocated node's and a
-decode node's recomputes, within their chunked-prefill budgets; decode at every batch bucket up to
-``max_running``), cheapest first, at a lower CPU priority and where no request is in flight. Compiling is
-ahead-of-time: it touches no pool and runs nothing.
+Then a background thread (``compile_rest``) prepares the rest: the other sampler buckets (run once on zeros, as
+above), on a pool on one CPU device the whole-pool scatters, and every other forward shape the schedulers can form
+(``plan_for``: a prefill node's, a colocated node's and a decode node's recomputes, within their chunked-prefill
+budgets; decode at every batch bucket up to ``max_running``), cheapest first, at a lower CPU priority, each program
+once no request is in flight or ``IDLE_WAIT_S`` has passed. The scatters and forward passes compile ahead of time:
+they touch no pool and run nothing.
 
 Everything goes through JAX's persistent compile cache, so a restart loads instead of compiling (``docs/serving.md``
 has the start-up times, cold and warm). ``--skip-server-warmup`` (SGLang's flag) skips it; the programs then compile
