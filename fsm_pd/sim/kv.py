@@ -5,11 +5,16 @@ in the ledger (``staging`` on the prefill side; ``pulled`` ones are made by the 
 a page is checked against who holds the page: a write after ``FreePages`` (or into pages handed to someone else
 since) is a violation.
 
-An instance either copies layer by layer (``progressive``: a pool on one CPU device, beside the default ``tcp``
-backend) or whole buffers (a pool on an accelerator), a seeded choice per instance, so both branches of the
-production handlers run. Progressive, P publishes the staging buffer before gathering it and makes its layers final
-one at a time over virtual time (``publish_while_gathering``, the model thread busy meanwhile), and D writes each
-group of layers as it lands: a ``SimLayerStream``, the production ``LayerStream`` whose writes are ledger-checked.
+An instance either copies layer by layer (``progressive``: a pool on one CPU device beside a progressive backend)
+or whole buffers (a pool on an accelerator), a seeded choice per instance, so both branches of the production
+handlers run. Progressive, P publishes the staging buffer before gathering it and makes its layers final one at a
+time over virtual time (``publish_while_gathering``, the model thread busy meanwhile): what production does with the
+``zmq`` backend (``control/overlap.py``). With ``tcp`` production gathers nothing there: ``JaxKV`` sends P's pages
+straight from the pool (``kernels/page_source.py``); the handler makes the same call and gets the same
+``published``, but the pool lease and the in-place reads are not modelled here (``tests/unit/test_page_source.py``
+covers them). D writes each group of layers as it lands: a ``SimLayerStream``, the production ``LayerStream`` whose
+writes are ledger-checked. Rooms are never handed off chunk by chunk here (``kv_chunk``): the simulation prefills
+each prompt whole.
 
 ``RecordingAllocator`` is the real ``PageAllocator`` with every reservation and every free attempt written to the
 ledger, and a page -> room map for the write check.
