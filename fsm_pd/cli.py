@@ -18,13 +18,6 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
 def cmd_simulate(args: argparse.Namespace) -> int:
     from fsm_pd.sim import SimConfig, simulate
 
@@ -142,7 +135,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fsm_pd.serve_cli import add_model_flags
+    from fsm_pd.serve_cli import add_model_flags, positive_int
 
     parser = argparse.ArgumentParser(
         prog="fsm-pd",
@@ -156,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "journals, with a simulated network, data plane and virtual clock. The same seed gives the same "
                     "history. Prints a JSON summary; the journals go to DIR/prefill.db and DIR/decode.db.",
     )
-    sim.add_argument("--requests", type=_positive_int, default=100, help="number of requests (default 100)")
+    sim.add_argument("--requests", type=positive_int, default=100, help="number of requests (default 100)")
     sim.add_argument("--seed", type=int, default=0, help="RNG seed: the same seed gives the same history")
     sim.add_argument("--fault-rate", type=_fraction, default=0.0,
                      help="0..1: scales dropped/duplicated/delayed messages, failed pulls and bootstrap lookups, "
@@ -199,14 +192,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "process started here. A node that dies is reported and routed around while at least one prefill "
                     "and one decode node are alive. Logs and journals go to --journal-dir.",
     )
-    launch.add_argument("--prefill", type=_positive_int, default=1, help="prefill nodes (default 1)")
-    launch.add_argument("--decode", type=_positive_int, default=1, help="decode nodes (default 1)")
+    launch.add_argument("--prefill", type=positive_int, default=1, help="prefill nodes (default 1)")
+    launch.add_argument("--decode", type=positive_int, default=1, help="decode nodes (default 1)")
     launch.add_argument("--port", type=int, default=30000, help="the router's port (default 30000)")
     add_model_flags(launch)
     launch.add_argument("--transfer-backend", default="tcp", help="tcp | zmq | jax (default tcp)")
-    launch.add_argument("--prefill-tp", type=_positive_int, default=1, metavar="N",
+    launch.add_argument("--prefill-tp", type=positive_int, default=1, metavar="N",
                         help="each prefill node's --tp: its model split over N devices (default 1)")
-    launch.add_argument("--decode-tp", type=_positive_int, default=1, metavar="N",
+    launch.add_argument("--decode-tp", type=positive_int, default=1, metavar="N",
                         help="each decode node's --tp; may differ from --prefill-tp (default 1)")
     launch.add_argument("--journal-dir", default="pd-cluster", help="journals and logs (default ./pd-cluster)")
     launch.add_argument("--no-warmup", dest="warmup", action="store_false",
