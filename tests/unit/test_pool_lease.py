@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import threading
+import time
 
 from fsm_pd.model.model_thread import ModelThread
 from fsm_pd.model.pool_lease import PoolLease
 
 WAIT_S = 5.0
+
+
+def until(predicate, timeout_s: float = WAIT_S) -> bool:
+    """Poll ``predicate`` until it holds (True) or ``timeout_s`` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 def test_a_job_waits_for_the_reader_in_progress():
@@ -17,7 +28,8 @@ def test_a_job_waits_for_the_reader_in_progress():
         turn = model.lease.turn()
         with model.lease.read(turn):
             job = model.submit(lambda owner: events.append("job"))
-            assert not job.done() and not threading.Event().wait(0.05) and not job.done()
+            assert until(model.lease.contended), "the model thread never asked for the pool"
+            assert not job.done()  # it waits at the lease, as the reader has not let go
             events.append("reader done")
         job.result(WAIT_S)
         assert events == ["reader done", "job"]
@@ -45,8 +57,8 @@ def test_a_reader_waits_while_a_job_runs():
 
         reader = threading.Thread(target=read)
         reader.start()
-        reader.join(0.05)
-        assert reader.is_alive()
+        assert until(lambda: turn.waited), "the reader never waited for the pool"
+        assert order == []  # it waits, as the job runs on
         finish.set()
         reader.join(WAIT_S)
         assert order == ["job", "reader"] and turn.waited
@@ -69,7 +81,7 @@ def test_a_waiting_reader_gets_a_turn_between_back_to_back_jobs():
     with lease.job():
         thread = threading.Thread(target=reader)
         thread.start()
-        thread.join(0.05)  # waiting on the job
+        assert until(lambda: turn.waited), "the reader never waited on the job"
         jobs += 1
     for _ in range(20):  # the model thread keeps going at once: the reader must still come first
         with lease.job():
@@ -108,9 +120,9 @@ def test_a_reader_that_had_its_turn_waits_for_a_job_that_wants_the_pool():
         threading.Event().wait(0.001)
     threads.append(threading.Thread(target=first_again))
     threads[2].start()
-    threads[2].join(0.05)
-    assert threads[2].is_alive()  # first already read in this gap: the job goes before it
+    assert until(lambda: first.waited), "first never waited"  # it already read in this gap: the job goes first
+    assert order == []
     done_reading.set()
     for thread in threads:
         thread.join(WAIT_S)
-    assert order == ["job", "first again"] and first.waited
+    assert order == ["job", "first again"]
