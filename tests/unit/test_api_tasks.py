@@ -49,20 +49,21 @@ def test_expected_errors_are_not_logged(caplog):
 
 def test_a_caller_cancelled_while_it_waits_gets_its_cancelled_error_and_the_task_is_still_heard(caplog):
     async def scenario():
-        slow_to_end = asyncio.Event()
+        slow_to_end, cleaning_up = asyncio.Event(), asyncio.Event()
 
         async def stubborn():
             try:
                 await asyncio.Event().wait()
             except asyncio.CancelledError:
+                cleaning_up.set()
                 await slow_to_end.wait()  # a cleanup that takes a while once cancelled
                 raise RuntimeError("and then failed") from None
 
         task = asyncio.ensure_future(stubborn())
         await asyncio.sleep(0)
         caller = asyncio.ensure_future(cancel_and_wait(task, what="the stubborn task"))
-        await asyncio.sleep(0.01)
-        assert not caller.done()  # waiting for the stubborn task
+        await cleaning_up.wait()  # the caller cancelled the task, and it runs its cleanup: the caller waits for it
+        assert not caller.done()
         caller.cancel()
         with pytest.raises(asyncio.CancelledError):
             await caller
