@@ -84,7 +84,7 @@ class KVLayout:
 
     @property
     def layer_shape(self) -> tuple[int, int, int, int]:
-        """Shape of one layer's pool array: ``(num_pages, page_size, 2 * kv_heads, head_dim)``."""
+        """Shape of one layer's pool array: ``(num_pages, page_size, 2 * slots, head_dim)``."""
         return (self.num_pages, *self.page_shape)
 
     def page_bytes(self) -> int:
