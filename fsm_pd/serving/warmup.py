@@ -6,7 +6,8 @@ batched with it. Compiling everything first stalls the start instead (minutes fo
 prepares, before it answers ``/health``, its *ready set* (``WarmupPlan.ready_forward``):
 
 - the forward passes that *cover* every other (``programs.ForwardPrograms.cover``): the longest single-row prefill
-  and the single-row decode step, so any batch runs, padded up or row by row, until its own shape is compiled;
+  and the single-row decode step, so any batch runs, padded up or row by row, until its own shape is compiled; and
+  the single-row prefill of a short prompt, so a first chat turn is not padded to the longest;
 - the samplers at one row and at the largest batch bucket (run once on zeros: a batch between pads up to the
   largest, ``sampling.sampling_rows``), and the prompt-logprob programs (compiled ahead);
 - the page kernels a transfer runs: on a pool on one CPU device, a decode node's one-layer scatter of every page
@@ -51,6 +52,9 @@ from fsm_pd.serving.startup import Startup
 log = logging.getLogger(__name__)
 
 
+SHORT_PROMPT_TOKENS = 64  # a chat turn with its template: its single-row prefill is in the ready set
+
+
 @dataclass
 class WarmupPlan:
     """What one node compiles: forward shapes, sampler batch buckets, and page buckets of its transfer kernels."""
@@ -64,10 +68,15 @@ class WarmupPlan:
     def ready_forward(self) -> list[tuple[int, int]]:
         """The forward shapes that cover every other one (``ForwardPrograms.cover``): the single-row decode step and
         the longest single-row prefill. A prefill step of any batch runs row by row on the latter, a decode batch on
-        the former, until the background compile reaches their own shapes."""
+        the former, until the background compile reaches their own shapes. And the single-row prefill of a short
+        prompt (``SHORT_PROMPT_TOKENS``): a node's first requests are often one chat turn, which padded up to the
+        longest prefill would cost about eight times the compute (1.5 s more for SmolLM2's first answer on 2 cores)."""
         decode = [shape for shape in self.forward if shape[1] == 1]
-        prefill = [shape for shape in self.forward if shape[1] > 1 and shape[0] == 1]
-        return sorted({*decode[:1], *([max(prefill)] if prefill else [])})
+        prefill = sorted(shape for shape in self.forward if shape[1] > 1 and shape[0] == 1)
+        if not prefill:
+            return sorted(decode[:1])
+        short = next(shape for shape in prefill if shape[1] >= min(SHORT_PROMPT_TOKENS, prefill[-1][1]))
+        return sorted({*decode[:1], short, prefill[-1]})
 
     @property
     def background_forward(self) -> list[tuple[int, int]]:
