@@ -11,7 +11,8 @@ its token ids). For a request:
 3. else the worker with the smallest record (the most cache room to fill).
 
 The chosen worker's record then holds the key. A record keeps at most ``max_tree_chars`` characters; beyond that its
-least recently used leaves go, as a node's cache would evict them, down to ``EVICT_TO`` of the size. The defaults are sglang-router's.
+least recently used leaves go, as a node's cache would evict them, down to ``EVICT_TO`` of the size. The defaults
+are sglang-router's.
 """
 
 from __future__ import annotations

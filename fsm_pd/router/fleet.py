@@ -218,7 +218,7 @@ class RetryBudget:
                 f"(max({self.ratio:g} x {len(self._requests)} requests, {self.min_per_s:g}/s))")
 
 
-OUT_CHECK_INTERVAL_S = 0.5  # how often the workers are checked while one is out: a ready node is taken back within 0.5 s
+OUT_CHECK_INTERVAL_S = 0.5  # the check interval while a worker is out: a ready node is taken back within 0.5 s
 
 
 @dataclass

@@ -61,8 +61,8 @@ def test_launch_serves_through_the_router_and_stops_everything(tmp_path):
 
 def test_launch_keeps_serving_while_a_node_of_each_role_is_alive(tmp_path):
     port = free_port()
-    proc, lines, reader = started(["--prefill", "2", "--decode", "1", "--model", "tiny", "--no-warmup", "--port", str(port),
-                           "--journal-dir", str(tmp_path / "cluster")])
+    proc, lines, reader = started(["--prefill", "2", "--decode", "1", "--model", "tiny", "--no-warmup", "--port",
+                                   str(port), "--journal-dir", str(tmp_path / "cluster")])
     body = {"text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
     try:
         url = f"http://127.0.0.1:{port}"

@@ -3,6 +3,7 @@ it is ready, and a router sends it nothing until then (at the start, and after a
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 import time
@@ -112,11 +113,9 @@ def test_the_router_sends_nothing_to_a_node_until_it_is_ready(tmp_path, router_a
             statuses = []
             while restarted.poll() is None and time.monotonic() < deadline:
                 statuses.append(client.post(router + "/generate", json=BODY).status_code)
-                try:
+                with contextlib.suppress(httpx.TransportError):
                     if client.get(d_url + "/health").status_code == 200:
                         break
-                except httpx.TransportError:
-                    pass
             served = 'fsm_pd_http_requests_total{route="/generate",status="200"}'
             back = time.monotonic() + 30  # once it is ready, the router takes it back within its next checks
             while metric(d_url, served) == 0 and time.monotonic() < back:

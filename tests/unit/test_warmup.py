@@ -89,9 +89,10 @@ def _serve(engine, requests, *, one_by_one: bool = False) -> list:
 def test_a_node_ready_on_its_ready_set_serves_every_shape_without_compiling():
     """Warm-up prepares only the ready set (the single-row decode, the short and the longest single-row prefill,
     the samplers, the logprob programs); every batch and prompt length the schedulers then form runs on them, padded
-    up or row by row, and compiles nothing. Once the background compile has run, every shape is there, and greedy answers are
-    the same on their own shapes. (Served one by one: a row's logits move in the last bits with the batch it runs
-    in, which flips the random tiny model's near-ties; a padded row computes exactly what it does on its own shape.)
+    up or row by row, and compiles nothing. Once the background compile has run, every shape is there, and greedy
+    answers are the same on their own shapes. (Served one by one: a row's logits move in the last bits with the
+    batch it runs in, which flips the random tiny model's near-ties; a padded row computes exactly what it does on
+    its own shape.)
     """
     pages = 80  # a pool size no other test uses: its programs (shared per process and pool shape) start empty
     engine = ColocatedEngine("tiny", num_pages=pages, page_size=PAGE_SIZE, chunked_prefill_size=MAX_TOKENS)
