@@ -13,8 +13,9 @@ The README's install line may add a distribution with ``pip install --no-deps NA
 whose own dependencies fsm-pd does not use): that counts as declared for every tree.
 
 Import names are mapped to distributions with ``importlib.metadata.packages_distributions()``. A package that is not
-installed here (an optional benchmark baseline) cannot be mapped that way; it counts as declared when a declared
-distribution's name begins with its import name (``llama_cpp`` -> ``llama-cpp-python``).
+installed here (an optional benchmark baseline) cannot be mapped that way: its distribution is the one named in
+``NOT_INSTALLED_DISTRIBUTION`` (``llama_cpp`` -> ``llama-cpp-python``), else its import name, and that exact name must
+be declared. (A prefix match let ``import sglang`` pass because ``sglang-router`` is declared.)
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 TREES = {"fsm_pd": (), "tests": ("test", "reference"), "bench": ("bench", "llama-cpp")}
 STRING_IMPORTERS = {"import_module", "importorskip", "find_spec"}
+# The distribution of an import name that differs from it, for packages that may not be installed here (an installed
+# one is mapped by its own metadata).
+NOT_INSTALLED_DISTRIBUTION = {"llama_cpp": "llama-cpp-python"}
 
 
 def normalized(name: str) -> str:
@@ -87,6 +91,12 @@ def local_modules() -> set[str]:
     return names
 
 
+def is_declared(name: str, allowed: set[str], distributions: dict[str, set[str]]) -> bool:
+    """Whether the distribution that provides import ``name`` is one of ``allowed`` (normalized names)."""
+    providers = distributions.get(name) or {normalized(NOT_INSTALLED_DISTRIBUTION.get(name, name))}
+    return bool(providers & allowed)
+
+
 def undeclared(pyproject: dict) -> list[str]:
     """``path:line imports X`` for every import of an undeclared third-party package."""
     distributions = {name: {normalized(d) for d in dists} for name, dists in packages_distributions().items()}
@@ -98,8 +108,7 @@ def undeclared(pyproject: dict) -> list[str]:
                 if name in sys.stdlib_module_names or name in local:
                     continue
                 providers = distributions.get(name)
-                ok = (providers & allowed) if providers else any(d.startswith(normalized(name)) for d in allowed)
-                if not ok:
+                if not is_declared(name, allowed, distributions):
                     extra_names = " + ".join(("base", *extras))
                     problems.append(f"{path.relative_to(ROOT)}:{line} imports {name} "
                                     f"({', '.join(sorted(providers or ['not installed']))}), not declared in "
@@ -126,3 +135,14 @@ def test_a_dependency_removed_from_its_extra_is_reported():
     assert sorted(p.split(":")[0] for p in problems) == [
         "tests/integration/test_structured_output.py", "tests/unit/test_grammar.py"]
     assert all("imports jsonschema" in p for p in problems)
+
+
+def test_an_import_is_declared_only_by_its_own_distribution_not_one_its_name_begins():
+    allowed = {"sglang-router", "llama-cpp-python"}
+    nothing_installed: dict[str, set[str]] = {}
+    assert is_declared("sglang_router", allowed, nothing_installed)
+    assert is_declared("sglang_router", allowed, {"sglang_router": {"sglang-router"}})  # as installed here
+    assert not is_declared("sglang", allowed, nothing_installed)  # sglang-router is not sglang
+    assert not is_declared("sglang", allowed, {"sglang": {"sglang"}})
+    assert is_declared("llama_cpp", allowed, nothing_installed)  # the table's odd name
+    assert not is_declared("llama", allowed, nothing_installed)
