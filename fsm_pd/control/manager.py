@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from fsm_pd.control.admission import PoolAdmission, SchedulerAdmission
+from fsm_pd.control.admission import SchedulerAdmission
 from fsm_pd.control.config import heartbeat_settings, resolve_deadlines
 from fsm_pd.control.core import NodeCore, RoomInUse
 from fsm_pd.control.jax_kv import JaxKV
@@ -31,11 +31,11 @@ from fsm_pd.control.workers import ThreadedPuller, ThreadedResolver
 from fsm_pd.effects import Node, RealClock
 from fsm_pd.effects.decode import DecodeEffects
 from fsm_pd.effects.faults import FaultConfig, Faults
+from fsm_pd.effects.ports import Admission
 from fsm_pd.effects.prefill import PrefillEffects
 from fsm_pd.kernels import KVLayout
 from fsm_pd.machines import RECEIVER, SENDER, KVPoll
 from fsm_pd.model.model_thread import ModelThread
-from fsm_pd.model.pages import PageAllocator
 from fsm_pd.store import Journal, JournalError
 from fsm_pd.transport import SideChannel
 from fsm_pd.transport.addresses import advertised_host, with_port
@@ -52,7 +52,7 @@ class KVManager:
                  deadlines: Mapping[str, float] | None = None, pool: Any = None,
                  resolver: Callable[[Mapping[str, Any]], dict] | None = None, host: str = "127.0.0.1",
                  durability: str = "full", staging_sharding: Any = None, fault_pull_delay_s: float = 0.0,
-                 admission: PoolAdmission | SchedulerAdmission | None = None,
+                 admission: Admission | None = None,
                  heartbeat: Mapping[str, Any] | None = None, model: ModelThread | None = None,
                  advertise_host: str | None = None):
         """``host``: what the side channel and the transfer server bind; ``advertise_host``: the host peers are told
@@ -60,6 +60,9 @@ class KVManager:
         ``host`` needs an ``advertise_host`` (``WildcardAddress`` otherwise)."""
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+        if role == "decode" and admission is None:
+            raise ValueError("a decode KVManager needs an admission: SchedulerAdmission (its scheduler passes the "
+                             "pages, give_pages) or another Admission")
         self.role, self.node_id, self.layout = role, node_id, layout
         self.deadlines = resolve_deadlines(role, deadlines)
         self.host = host
@@ -94,7 +97,7 @@ class KVManager:
                 faults=faults, new_uuid=new_uuid)
             machine = SENDER
         else:
-            self.admission = admission if admission is not None else PoolAdmission(PageAllocator(layout.num_pages))
+            self.admission = admission
             self.effects = DecodeEffects(
                 layout=layout.to_dict(), channel=self.senders,
                 resolver=ThreadedResolver(lambda: self.resolver, self.lookups), admission=self.admission,
@@ -232,7 +235,7 @@ class KVManager:
         rest."""
         self.core._require("decode")
         if not isinstance(self.admission, SchedulerAdmission):
-            raise RuntimeError("pages are chosen by fsm-pd's own admission here; use SchedulerAdmission to pass them")
+            raise RuntimeError("pages are chosen by this node's own admission; use SchedulerAdmission to pass them")
         self.core.give_pages(room, pages, cached_pages)
 
     def finish(self, room: int) -> None:

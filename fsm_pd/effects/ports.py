@@ -20,8 +20,8 @@ outcome to the node as an event (``node.submit``), which is thread-safe.
 | ``PrefillKV`` / ``DecodeKV`` | ``JaxKV``: the page kernels | ``fsm_pd.sim.kv``: records every buffer and write |
 | ``Admission`` (decode) | ``SchedulerAdmission``: the decode engine's ``Preallocation`` | the same, pages recorded |
 
-(A ``KVManager`` given no admission, as in the transfer tests, makes its own ``PoolAdmission``: it allocates from
-the pool, first come first served.)
+(A decode ``KVManager`` needs one. The transfer tests, which have no scheduler, pass a first-come allocator of their
+own: ``tests/pool_admission.py``.)
 """
 
 from __future__ import annotations

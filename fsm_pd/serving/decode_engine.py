@@ -22,9 +22,9 @@ counted (``recomputes``, ``fsm_pd_transfer_recomputes_total``) and named in the 
 A recomputed request's pages are held under the key ``-(room + 1)``, never a room id, so the failed room's own
 ``FreePages`` cannot free them. See ``serving.md``.
 
-Why the engine owns the pages (``SchedulerAdmission``) rather than the manager's ``PoolAdmission``: a decoding
-sequence grows, one page every ``page_size`` tokens, and those pages must come from the same allocator as the
-prompt's, or admission cannot see what decoding will need; and the headroom rule is a scheduling decision.
+Why the engine owns the pages (``SchedulerAdmission``) rather than an admission of the manager's: a decoding sequence
+grows, one page every ``page_size`` tokens, and those pages must come from the same allocator as the prompt's, or
+admission cannot see what decoding will need; and the headroom rule is a scheduling decision.
 Freeing stays the machine's job on failure: every failed room's ``FreePages`` calls back ``_on_release``.
 
 Threads: the observer (the manager's loop thread, the owner of rooms) copies what the scheduler needs from a room

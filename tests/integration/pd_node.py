@@ -12,10 +12,14 @@ import hashlib
 import json
 import os
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the test doubles beside conftest.py
+from pool_admission import pool_admission
 
 from fsm_pd.bootstrap import BootstrapServer
 from fsm_pd.control import KVManager
@@ -70,6 +74,7 @@ def main() -> None:
         staging_sharding=staging_sharding,
         fault_pull_delay_s=args.pull_delay,
         heartbeat=json.loads(args.heartbeat),
+        admission=pool_admission(layout.num_pages) if args.role == "decode" else None,
     )
     bootstrap = None
     if args.bootstrap_port is not None:

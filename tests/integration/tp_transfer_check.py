@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
+from pool_admission import pool_admission
 
 from fsm_pd.control import KVManager
 from fsm_pd.kernels import KVLayout, gather_pages
@@ -84,7 +85,8 @@ class Cluster:
             name = f"{role}-{kv_heads}-{tp}"
             self.nodes[key] = KVManager(role=role, node_id=name, layout=lay, journal=str(self.tmp / f"{name}.db"),
                                         secret=self.secret, backend=self.backend, pool=place(content, lay),
-                                        deadlines={"transfer": 20} if role == "decode" else {"pull_hold": 20})
+                                        deadlines={"transfer": 20} if role == "decode" else {"pull_hold": 20},
+                                        admission=pool_admission(lay.num_pages) if role == "decode" else None)
         return self.nodes[key]
 
     def hand_over(self, kv_heads: int, tp_p: int, tp_d: int, *, before_pull=None) -> tuple[int, KVManager, KVManager]:

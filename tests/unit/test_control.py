@@ -11,6 +11,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pool_admission import pool_admission
 from prometheus_client import generate_latest
 
 from fsm_pd.control import KVManager, resolve_deadlines
@@ -40,7 +41,8 @@ def pair(tmp_path):
                       backend="fake", pool=pool(1), deadlines={k: v for k, v in deadlines.items()
                                                                if k in ("bootstrap", "waiting", "pull_hold")})
         d = KVManager(role="decode", node_id="d0", layout=LAYOUT, journal=str(tmp_path / "d.db"), secret=secret,
-                      backend="fake", pool=pool(0), admission=decode_admission,
+                      backend="fake", pool=pool(0),
+                      admission=decode_admission or pool_admission(LAYOUT.num_pages),
                       deadlines={k: v for k, v in deadlines.items() if k in ("bootstrap", "waiting", "transfer")})
         made.extend([p, d])
         return p, d
@@ -48,6 +50,13 @@ def pair(tmp_path):
     yield make
     for m in made:
         m.close()
+
+
+def test_a_decode_manager_without_an_admission_is_refused_before_it_opens_anything(tmp_path):
+    with pytest.raises(ValueError, match="needs an admission"):
+        KVManager(role="decode", node_id="d0", layout=LAYOUT, journal=str(tmp_path / "d.db"),
+                  secret=generate_secret(), backend="fake", pool=pool(0))
+    assert not (tmp_path / "d.db").exists()  # refused before its journal was created
 
 
 def test_sglang_facades_drive_a_chunked_transfer(pair, tmp_path):

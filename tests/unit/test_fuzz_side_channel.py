@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import zmq
+from pool_admission import pool_admission
 
 from fsm_pd.control import KVManager
 from fsm_pd.kernels import KVLayout
@@ -118,7 +119,7 @@ def pair(tmp_path):
     p = KVManager(role="prefill", node_id="p0", layout=LAYOUT, journal=str(tmp_path / "p.db"), secret=secret,
                   backend="fake", pool=pool(1))
     d = KVManager(role="decode", node_id="d0", layout=LAYOUT, journal=str(tmp_path / "d.db"), secret=secret,
-                  backend="fake", pool=pool(2))
+                  backend="fake", pool=pool(2), admission=pool_admission(LAYOUT.num_pages))
     yield p, d, secret
     p.close()
     d.close()

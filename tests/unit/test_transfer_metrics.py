@@ -11,6 +11,7 @@ import shlex
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pool_admission import pool_admission
 from prometheus_client.parser import text_string_to_metric_families
 
 from fsm_pd.control import KVManager
@@ -46,7 +47,8 @@ def pair(tmp_path):
         p = KVManager(role="prefill", node_id="p0", layout=LAYOUT, journal=str(tmp_path / "p.db"), secret=secret,
                       backend="fake", pool=pool, deadlines={"bootstrap": deadlines.get("bootstrap", 30.0)})
         d = KVManager(role="decode", node_id="d0", layout=LAYOUT, journal=str(tmp_path / "d.db"), secret=secret,
-                      backend="fake", pool=tuple(jnp.zeros_like(x) for x in pool))
+                      backend="fake", pool=tuple(jnp.zeros_like(x) for x in pool),
+                      admission=pool_admission(LAYOUT.num_pages))
         made.extend([p, d])
         return p, d
 
