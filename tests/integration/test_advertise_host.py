@@ -8,13 +8,13 @@ prefill and decode processes behind the built-in router and sglang-router, equal
 
 from __future__ import annotations
 
-import importlib.util
 import socket
 import sys
 import time
 
 import pytest
 from processes import PAGE_SIZE, Cluster, free_port, wait_health
+from real_parts import SGLANG_ROUTER
 from test_pd_serving import greedy
 from test_transfer_backends import Producer, assert_bytes_equal, make_arrays, specs
 
@@ -35,7 +35,9 @@ def _has_ipv6_loopback() -> bool:
         return False
 
 
-pytestmark = pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+# A real part (tests/real_parts.py): a skip for want of ::1 is counted, and fails CI unless allowed.
+pytestmark = pytest.mark.real_part("ipv6-loopback", missing=None if _has_ipv6_loopback() else
+                                   "this machine has no IPv6 loopback (::1)")
 
 
 @pytest.mark.parametrize("name", ["jax", "zmq", "tcp"])
@@ -78,6 +80,7 @@ def test_a_side_channel_bound_to_the_ipv6_wildcard_is_answered_at_its_advertised
         assert pongs and pongs[0].sender == "v4"
 
 
+@SGLANG_ROUTER  # behind both routers: without sglang-router the test skips, counted (it did run without it, quietly)
 def test_a_pd_pair_on_ipv6_loopback_answers_as_colocated_behind_both_routers(tmp_path):
     """``fsm-pd serve`` processes: the prefill binds ``::`` and advertises ``::1``, the decode binds ``::1``; the
     routers are given bracketed worker URLs."""
@@ -99,12 +102,11 @@ def test_a_pd_pair_on_ipv6_loopback_answers_as_colocated_behind_both_routers(tmp
         assert found["side_channel"].startswith("tcp://[::1]:") and found["transfer_addr"].startswith("tcp://[::1]:")
         workers = ["--prefill", base["prefill"], str(ports["bootstrap"]), "--decode", base["decode"]]
         routers = [cluster.start("router", [*serve[:4], "--role", "router", "--host", "::1", "--port",
-                                            str(ports["router"]), *workers], base["router"])]
-        if importlib.util.find_spec("sglang_router") is not None:  # it binds an IPv6 --host only in brackets
-            routers.append(cluster.start("sglang", [
-                sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", *workers, "--host",
-                "[::1]", "--port", str(ports["sglang"]), "--prometheus-host", "127.0.0.1", "--prometheus-port",
-                str(free_port()), "--policy", "random"], base["sglang"]))
+                                            str(ports["router"]), *workers], base["router"]),
+                   cluster.start("sglang", [  # sglang-router binds an IPv6 --host only in brackets
+                       sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", *workers,
+                       "--host", "[::1]", "--port", str(ports["sglang"]), "--prometheus-host", "127.0.0.1",
+                       "--prometheus-port", str(free_port()), "--policy", "random"], base["sglang"])]
         want = [greedy(base["colocated"], prompt) for prompt in PROMPTS]
         assert len(set(map(tuple, want))) == len(PROMPTS)
         for router in routers:

