@@ -51,7 +51,7 @@ class KVManager:
                  backend: str = "tcp", backend_options: Mapping[str, Any] | None = None,
                  deadlines: Mapping[str, float] | None = None, pool: Any = None,
                  resolver: Callable[[Mapping[str, Any]], dict] | None = None, host: str = "127.0.0.1",
-                 durability: str = "full", staging_sharding: Any = None, fault_pull_delay_s: float = 0.0,
+                 durability: str = "full", staging_sharding: Any = None,
                  admission: Admission | None = None,
                  heartbeat: Mapping[str, Any] | None = None, model: ModelThread | None = None,
                  advertise_host: str | None = None):
@@ -102,7 +102,7 @@ class KVManager:
                 layout=layout.to_dict(), channel=self.senders,
                 resolver=ThreadedResolver(lambda: self.resolver, self.lookups), admission=self.admission,
                 puller=ThreadedPuller(self.backend, kv.pull_spec, self.workers), model=self.model, kv=kv,
-                faults=faults, pull_delay_s=fault_pull_delay_s)
+                faults=faults)
             machine = RECEIVER
         self.node = Node(node_id, machine, self.journal, self.effects.interpreter(), self.clock, self.deadlines)
         self.core = NodeCore(self.node, layout.to_dict())

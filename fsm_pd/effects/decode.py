@@ -80,11 +80,10 @@ class DecodeEffects:
     abort_note: Callable[[Room], bool] | None = None
 
     def __init__(self, *, layout: dict, channel: SideChannelPort, resolver: ResolverPort, admission: Admission,
-                 puller: PullPort, model: ModelExecutor, kv: DecodeKV, faults: Faults, pull_delay_s: float = 0.0):
+                 puller: PullPort, model: ModelExecutor, kv: DecodeKV, faults: Faults):
         self.layout = dict(layout)
         self.channel, self.resolver, self.admission = channel, resolver, admission
         self.puller, self.model, self.kv, self.faults = puller, model, kv, faults
-        self.pull_delay_s = pull_delay_s  # fault injection: hold each pull back this long (tests, drills)
         self._lock = threading.Lock()  # orders a pull's result against FreePages (see the module docstring)
         self.pending: dict[int, RoomPulls] = {}  # rooms whose pull has not reported yet
         self.pulled: dict[int, tuple] = {}  # room -> its verified pieces, waiting for Scatter
@@ -159,7 +158,7 @@ class DecodeEffects:
             self.puller.pull(ctx["transfer_addr"], piece_uuid(int(ctx["uuid"]), piece.index), len(pages),
                              float(ctx["deadlines"]["transfer"]), done=done,
                              on_progress=None if stream is None else stream.on_progress,
-                             delay_s=max(self.pull_delay_s, self.faults.pull_delay_s), piece=piece)
+                             delay_s=self.faults.pull_delay_s, piece=piece)
 
     def _pulled(self, node: Node, room_id: int, plan: ReshardPlan, piece: Piece, staging: Any,
                 error: BaseException | None) -> None:
@@ -216,7 +215,7 @@ class DecodeEffects:
             return
         trailer = isinstance(piece, Trailer)
         self.puller.pull(address, piece_uuid(uuid, piece.index), 0 if trailer else len(piece.pages), timeout_s,
-                         done=done, delay_s=max(self.pull_delay_s, self.faults.pull_delay_s),
+                         done=done, delay_s=self.faults.pull_delay_s,
                          piece=piece if trailer else None)
 
     def _chunk_pulled(self, node: Node, room_id: int, pulls: ChunkPulls, where: tuple, piece: ChunkPiece | Trailer,

@@ -59,8 +59,6 @@ class NodeProcess:
             json.dumps(layout.to_dict()),
             "--deadlines",
             json.dumps(deadlines or {}),
-            "--pull-delay",
-            str(pull_delay),
             "--backend-options",
             json.dumps(backend_options or {}),
             "--heartbeat",
@@ -71,6 +69,8 @@ class NodeProcess:
         if seed is not None:
             self.args += ["--seed", str(seed)]
         self.env = {**os.environ, **secret_env(secret), **(env or {})}
+        if pull_delay:  # the node's fault injection holds each pull back this long
+            self.env["FSM_PD_FAULT_PULL_DELAY_S"] = str(pull_delay)
         self._spawn()
 
     def start(self):

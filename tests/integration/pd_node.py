@@ -50,7 +50,6 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--deadlines", default="{}")
     parser.add_argument("--backend-options", default="{}")
-    parser.add_argument("--pull-delay", type=float, default=0.0)
     parser.add_argument("--bootstrap-port", type=int, default=None, help="prefill: serve a bootstrap server here")
     parser.add_argument("--heartbeat", default="{}", help="heartbeat settings as JSON: interval_s, max_failures")
     args = parser.parse_args()
@@ -72,7 +71,6 @@ def main() -> None:
         deadlines=json.loads(args.deadlines),
         pool=make_pool(layout, args.seed, pool_sharding),
         staging_sharding=staging_sharding,
-        fault_pull_delay_s=args.pull_delay,
         heartbeat=json.loads(args.heartbeat),
         admission=pool_admission(layout.num_pages) if args.role == "decode" else None,
     )

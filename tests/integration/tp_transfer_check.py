@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from pool_admission import pool_admission
 
 from fsm_pd.control import KVManager
+from fsm_pd.effects.faults import FaultConfig, Faults
 from fsm_pd.kernels import KVLayout, gather_pages
 from fsm_pd.kernels.layout import PAD_HEAD
 from fsm_pd.store import read_journal, replay
@@ -175,7 +176,8 @@ def test_a_failed_piece_fails_the_room_and_names_its_shards(cluster):
     """P publishes its pieces; before D pulls, one piece's hold is failed (a shard lost): the room fails once, with a
     reason naming the piece and both shards, and no piece's hold or pulled buffer is left anywhere."""
     d = cluster.node("decode", 4, 2)
-    d.effects.pull_delay_s = 0.5  # READY arrives, then the pulls wait: time to lose a piece
+    no_faults = d.effects.faults
+    d.effects.faults = Faults(FaultConfig(pull_delay_s=0.5), role="decode")  # the pulls wait: time to lose a piece
 
     def lose_piece(room, p, d):
         deadline = time.monotonic() + 10
@@ -193,7 +195,7 @@ def test_a_failed_piece_fails_the_room_and_names_its_shards(cluster):
     assert p.wait(room, 30).name == "Failed"
     assert "piece 1 (prefill shard 0 -> decode shard 1)" in p.reason(room), p.reason(room)
     no_leaks(p, d)
-    d.effects.pull_delay_s = 0.0
+    d.effects.faults = no_faults
     room, p, d = cluster.hand_over(4, 1, 2)  # the same nodes serve the next room
     assert d.wait(room, 30).name == "Success", d.reason(room)
     settled(d, room)
