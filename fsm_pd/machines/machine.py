@@ -7,9 +7,9 @@ caller journals the decision and only then runs the effects.
 The decision is taken from the ``transitions.Machine`` itself: its per-event index of ``Transition`` objects (dest and
 ``Condition`` objects, in table order) is what ``fire`` walks. We skip the library's callback pipeline on purpose:
 callbacks are where I/O creeps in, a raise after the state change is not rolled back, and the library's ``trigger()``
-costs six to eight times ``fire`` (measured on the sender's rows, guarded and not). ``trigger_through_library`` runs the
-same room through the library's own ``trigger()`` and the unit tests assert that both agree on every state, trigger and
-guard outcome.
+costs six to eight times ``fire`` (measured on the sender's rows, guarded and not). ``tests/unit/test_tables.py`` runs
+the same room through the library's own ``trigger()`` (a model whose ``fsm_room`` is the room: what the guards read)
+and asserts that both agree on every state, trigger and guard outcome.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class _LibraryGuard:
         self.guard = guard
 
     def __call__(self, event_data) -> bool:
-        return self.guard(event_data.model.fsm_room, event_data.kwargs.get("payload", {}))
+        return self.guard(event_data.model.fsm_room, event_data.kwargs.get("payload", {}))  # a model holds its room
 
 
 def failure_reason(trigger: str, payload: Mapping) -> str:
@@ -153,24 +153,6 @@ class TransferMachine:
             reason = room.reason = row.reason or failure_reason(trigger, payload)
             room.armed.clear()
         return Decision(room.room, version, trigger, src, row.dest, row.effects, row.effects_json, reason=reason)
-
-    def trigger_through_library(self, room: Room, trigger: str, payload: Mapping | None = None) -> str:
-        """Run one event through ``transitions``' own ``trigger()`` (for equivalence tests); returns the new state.
-
-        Only the state moves here; the guards read ``room`` as ``fire`` would.
-        """
-        model = _LibraryModel(room)
-        self.library.add_model(model, initial=room.state)
-        try:
-            self.library.events[trigger].trigger(model, payload=payload or {}) if trigger in self.triggers else None
-            return model.state
-        finally:
-            self.library.remove_model(model)
-
-
-class _LibraryModel:
-    def __init__(self, room: Room):
-        self.fsm_room = room
 
 
 def _library_row(row: Mapping) -> dict:
