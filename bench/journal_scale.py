@@ -15,8 +15,8 @@ Measured (medians of ``--repeats``):
 - ``fsm-pd replay --failed`` as a command: wall time and peak RSS (targets < 20 s, < 300 MB);
 - ``fsm-pd replay --request RID`` in this process, for a retried request;
 - restart: ``Node.recover`` of the prefill node from the open-room snapshot (target < 2 s) against the full-read
-  recovery (``full_scan=True``) on the same file; then ``fsm-pd serve --role prefill --model tiny`` from start to
-  ``/health`` 200 on this journal against an empty one (``--skip-serve`` to leave it out);
+  recovery (``Node.restore`` of every row) on the same file; then ``fsm-pd serve --role prefill --model tiny`` from
+  start to ``/health`` 200 on this journal against an empty one (``--skip-serve`` to leave it out);
 - the control plane's journaled transitions per second against the raw SQLite insert ceiling (target >= 0.3x), by
   ``bench/control_plane.py``'s own ``measure``; baseline: the same writer with its ``rooms`` bookkeeping off.
 
@@ -146,7 +146,10 @@ def recover_seconds(path: Path, full_scan: bool) -> tuple[float, int]:
     node = Node("prefill-0", SENDER, Journal(path, durability="off"), RecordingInterpreter(), VirtualClock(),
                 DEADLINES)
     started = time.perf_counter()
-    ids = node.recover(full_scan=full_scan)
+    if full_scan:  # recovery as it was before the rooms table: every row of the journal
+        ids = node.restore(row for row in read_journal(node.journal.url) if row.node == node.node_id)
+    else:
+        ids = node.recover()
     elapsed = time.perf_counter() - started
     node.journal.engine.dispose()
     return elapsed, len(ids)

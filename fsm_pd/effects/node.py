@@ -11,12 +11,12 @@ import json
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from fsm_pd.machines import Decision, KVPoll, Room, TransferMachine
-from fsm_pd.store.journal import Journal
-from fsm_pd.store.reader import open_room_rows, read_journal
+from fsm_pd.store.journal import Journal, JournalRow
+from fsm_pd.store.reader import open_room_rows
 
 Observer = Callable[[Room, Decision, float], None]
 log = logging.getLogger(__name__)
@@ -120,22 +120,24 @@ class Node:
         self.rooms.pop(room, None)
         return True
 
-    def recover(self, reason: str = "node restarted", *, full_scan: bool = False) -> list[int]:
+    def recover(self, reason: str = "node restarted") -> list[int]:
         """Rebuild this node's unfinished rooms from its journal and fail them. Returns their ids.
 
-        The rebuilt rooms go through the same ``fire`` as live ones, so they resume at the journaled version. Only
-        the open rooms are read (the journal's ``rooms`` table lists them, kept in the same commits as the rows), so
-        a restart costs what is open, not the journal's history. ``full_scan`` reads every row instead, as recovery
-        did before that table: the oracle that tests and ``bench/journal_scale.py`` compare against.
+        Only the open rooms are read (the journal's ``rooms`` table lists them, kept in the same commits as the
+        rows), so a restart costs what is open, not the journal's history.
         """
         if self.journal is None:
             return []
         self.journal.flush()
-        if full_scan:
-            rows = [row for row in read_journal(self.journal.url) if row.node == self.node_id and row.role == self.role]
-        else:
-            with self.journal.engine.connect() as conn:
-                rows = open_room_rows(conn, self.node_id, self.role)
+        with self.journal.engine.connect() as conn:
+            rows = open_room_rows(conn, self.node_id, self.role)
+        return self.restore(rows, reason)
+
+    def restore(self, rows: Iterable[JournalRow], reason: str = "node restarted") -> list[int]:
+        """Rebuild rooms from this node's journal ``rows`` (in journal order) and fail the unfinished ones; returns
+        their ids. The rebuilt rooms go through the same ``fire`` as live ones, so they resume at the journaled
+        version. (Given every row of the journal, this is recovery as it was before the ``rooms`` table: the oracle
+        the recovery tests and ``bench/journal_scale.py`` compare ``recover`` against.)"""
         rooms: dict[int, Room] = {}
         for row in rows:
             room = rooms.setdefault(row.room, Room(row.room))

@@ -2,7 +2,7 @@
 
 Random histories (rooms of two nodes and both roles in one file, random events and batch boundaries) are written by
 the production node loop and journal; then a restarted node recovers once through the ``rooms`` table and once by
-reading the whole journal (``full_scan``, the way recovery worked before the table).
+reading the whole journal (``Node.restore`` of every row, the way recovery worked before the table).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from sqlalchemy import event
 
 from fsm_pd.effects import Node, RecordingInterpreter, VirtualClock
 from fsm_pd.machines import RECEIVER, SENDER
-from fsm_pd.store import Journal
+from fsm_pd.store import Journal, read_journal
 
 LAYOUT = {"num_layers": 1, "num_pages": 4, "page_size": 2, "kv_heads": 1, "head_dim": 4}
 DEADLINES = {"prefill": {"bootstrap": 5.0, "waiting": 5.0, "pull_hold": 5.0},
@@ -77,9 +77,14 @@ def write(path, history) -> None:
         node.journal.engine.dispose()  # the process dies here, open rooms and all
 
 
+def every_row(node) -> list:
+    """The node's rows of the whole journal: recovery as it was before the ``rooms`` table, the oracle."""
+    return [row for row in read_journal(node.journal.url) if row.node == node.node_id and row.role == node.role]
+
+
 def recovered(path, node_id: str, role: str, full_scan: bool):
     node = _node(path, node_id, role)
-    ids = node.recover(full_scan=full_scan)
+    ids = node.restore(every_row(node)) if full_scan else node.recover()
     rooms = {room_id: (r.state, r.version, r.seen, r.armed, r.ctx, r.reason) for room_id, r in node.rooms.items()}
     out = (ids, rooms, dict(node.states), list(node._inbox))  # Room compares by identity: compare its fields
     node.journal.engine.dispose()
