@@ -44,6 +44,9 @@ def base_url(url: str) -> str:
     return url if "://" in url else f"http://{url}"
 
 
+sleep = time.sleep  # the retries' one clock: a test replaces it and reads the waits instead of timing them
+
+
 def backoff_delay(attempt: int, base_s: float = 1.0, cap_s: float = 30.0) -> float:
     """Seconds to wait after failed try ``attempt`` (0-based): ``min(base * 2**attempt, cap) * U[0.75, 1)``.
     The jitter keeps the ranks of one server, which all start together, from retrying in step."""
@@ -80,7 +83,7 @@ def _with_retries(request: Callable[[], httpx.Response], *, tries: int, delay: C
         if attempt + 1 < tries:
             wait = delay(attempt)
             log.debug("%s: try %d/%d failed (%s); again in %.2fs", what, attempt + 1, tries, reason, wait)
-            time.sleep(wait)
+            sleep(wait)
     return None, reason
 
 
