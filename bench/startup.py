@@ -18,6 +18,7 @@ background compile still runs. The serving compiles of each node (``fsm_pd_compi
 read after all that) are printed too, and must be 0.
 
     python bench/startup.py [--model smollm2] [--roles colocated,decode] [--no-launch] [--repeat N] [--json]
+                            [--baseline REF]
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from fsm_pd.launch import free_port
 from fsm_pd.transport import generate_secret, secret_env
 
 err = Console(stderr=True)
+REPO = Path(__file__).resolve().parents[1]
 QUESTION = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
 
 
@@ -123,13 +125,17 @@ def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 90
     raise RuntimeError(f"not ready within {timeout} s; see {log}")
 
 
-def run_launch(model: str, caches: Path, tmp: Path) -> float:
-    """``fsm-pd launch`` until it prints its first answer; the seconds it reports from the command to it."""
+def run_launch(model: str, caches: Path, tmp: Path, code: Path | None = None) -> float:
+    """``fsm-pd launch`` until it prints its first answer; the seconds it reports from the command to it. ``code``:
+    a checkout whose fsm_pd runs instead of this one (the baseline)."""
     env = {**os.environ, "FSM_PD_COMPILE_CACHE": str(caches / "jax"), "FSM_PD_MODEL_CACHE": str(caches / "models")}
+    if code is not None:
+        env["PYTHONPATH"] = str(code)
     argv = [sys.executable, "-m", "fsm_pd.cli", "launch", "--model", model, "--port", str(free_port()),
             "--journal-dir", str(tmp / f"launch-{time.monotonic_ns()}")]
+    # cwd: python -m puts it first on sys.path, before PYTHONPATH: run from this checkout, it would shadow ``code``
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
-                            stdin=subprocess.DEVNULL)
+                            stdin=subprocess.DEVNULL, cwd=tmp)
     try:
         for line in proc.stdout:
             match = re.search(r"first answer ([0-9.]+) s after the command", line)
@@ -142,6 +148,21 @@ def run_launch(model: str, caches: Path, tmp: Path) -> float:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def baseline_launches(ref: str, model: str, repeat: int, tmp: Path) -> dict[str, list[float]]:
+    """``run_launch`` cold and warm, ``repeat`` times, on the code of git revision ``ref``."""
+    tree = tmp / "baseline"
+    subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(tree), ref], check=True, cwd=REPO)
+    try:
+        times: dict[str, list] = {"cold": [], "warm": []}
+        for i in range(repeat):
+            for cache in ("cold", "warm"):
+                err.print(f"fsm-pd launch at {ref}, {cache}, run {i + 1} of {repeat}")
+                times[cache].append(run_launch(model, tmp / f"caches-baseline-{i}", tmp, code=tree))
+        return times
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], check=False, cwd=REPO)
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -181,6 +202,9 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs of each (role, cache) and of each launch; medians are printed (default 1)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
+    parser.add_argument("--baseline", metavar="REF",
+                        help="also time fsm-pd launch, cold and warm, on git revision REF (a temporary worktree), "
+                             "e.g. 3d74fac, the code before start-up was worked on; ratios are printed")
     args = parser.parse_args()
     results: dict = {}
     launches: dict = {}
@@ -204,6 +228,9 @@ def main() -> int:
                     times[cache].append(run_launch(args.model, tmp / f"caches-launch-{i}", tmp))
             launches = {cache: statistics.median(found) for cache, found in times.items()}
             launch_runs = times
+        if args.baseline:
+            base_times = baseline_launches(args.baseline, args.model, args.repeat, tmp)
+            base = {cache: statistics.median(found) for cache, found in base_times.items()}
     console = Console()
     console.print(node_table(results))
     console.print(kinds_table(results))
@@ -211,6 +238,13 @@ def main() -> int:
         console.print("fsm-pd launch, first answer after the command (median): "
                       + ", ".join(f"{cache} {seconds:.1f} s" for cache, seconds in launches.items())
                       + f"; each run: {json.dumps(launch_runs)}")
+    if args.baseline:
+        console.print(f"fsm-pd launch at {args.baseline} (median): "
+                      + ", ".join(f"{cache} {seconds:.1f} s" for cache, seconds in base.items())
+                      + f"; each run: {json.dumps(base_times)}")
+        if launches:
+            console.print("this code against the baseline: "
+                          + ", ".join(f"{cache} {launches[cache] / base[cache]:.2f}x" for cache in base))
     if args.json:
         print(json.dumps({"nodes": {f"{role}/{cache}": r for (role, cache), r in results.items()},
                           "launch": launches}, indent=1))
