@@ -40,7 +40,7 @@ from fsm_pd.model.sampling import SamplingParams
 from fsm_pd.serving.collect import generate
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.types import GenerateRequest
-from fsm_pd.serving.warmup import warm_up
+from fsm_pd.serving.warmup import compile_rest, warm_up
 
 DEFAULT_PAGES, PAGE_SIZE = 512, 16  # fsm-pd serve's defaults
 err = Console(stderr=True)
@@ -75,6 +75,7 @@ def phases_at(model, batch: int, prompt: list[int], tokens: int) -> dict:
     engine = ColocatedEngine(model)
     try:
         warm_up(engine, progress=False)
+        compile_rest(engine).join()  # the steady state: every batch on its own program, not covered row by row
 
         async def run():
             requests = [GenerateRequest(f"b{i}", prompt, SamplingParams(temperature=0, max_new_tokens=tokens,
