@@ -202,7 +202,9 @@ def test_a_stream_its_draining_node_aborts_continues_elsewhere():
 
 def router_before_a_silent_decode(reply: bytes):
     """A router in front of a stub prefill, a decode that sends ``reply`` and then nothing while holding the
-    connection (a stopped node: its /health gets the same silence), and a good stub decode; 0.1 s health checks."""
+    connection (a stopped node: from then on its /health gets the same silence; it answered 200 before), and a good
+    stub decode; 0.1 s health checks. Returned once the router has taken all three in: a slow first check (0.3 s
+    timeout, a loaded machine) ejects a worker until its next 200."""
     prefill, decode = StubEngine(role="prefill"), StubEngine(role="decode")
     stack = contextlib.ExitStack()
     silent = stack.enter_context(scripted_worker(reply, then_close=False, hold_s=300))  # past the client's 60 s
@@ -212,6 +214,7 @@ def router_before_a_silent_decode(reply: bytes):
     router = stack.enter_context(AppServer(app))
     stack.callback(prefill.close)
     stack.callback(decode.close)
+    assert until(lambda: httpx.get(router.url + "/health", timeout=5).json()["admitted"] == {"prefill": 1, "decode": 2})
     return stack, router.url, decode
 
 
