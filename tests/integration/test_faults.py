@@ -240,7 +240,8 @@ def _known_reason(reason: str) -> bool:
     return "injected fault" in reason or reason.endswith("timeout") or reason.startswith("aborted by")
 
 
-@pytest.mark.parametrize("rate", [0.05, 0.12])
+# one rate: 5 % ran the same paths as 12 % and could pass with nothing injected (9 s of the suite's time)
+@pytest.mark.parametrize("rate", [0.12])
 def test_random_transfer_failures_under_64_concurrent_requests(rig, rate):
     per_stage = 1 - (1 - rate) ** 0.25  # four stages (gather, publish, pull, scatter): about `rate` per transfer
     p = {"FSM_PD_FAULT_GATHER": f"{per_stage:.5f}", "FSM_PD_FAULT_PUBLISH": f"{per_stage:.5f}"}

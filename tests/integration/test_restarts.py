@@ -1,13 +1,14 @@
 """Issue 11's "done means" on real processes: 32 concurrent mixed (streamed and whole, /generate and chat) requests
-through the built-in router while a node is SIGKILLed and restarted at the same address and ports, or SIGSTOPped for
-20 s; and bad input sent beside ordinary requests. The drills themselves are in ``drills.py``.
+through the built-in router while a node is SIGKILLed and restarted at the same address and ports, or SIGSTOPped past
+every deadline (12 s; the drill bench's 20 s proves nothing more and cost 16 s of the suite); and bad input sent beside
+ordinary requests. The drills themselves are in ``drills.py``.
 """
 
 from __future__ import annotations
 
 import pytest
 from drills import bad_input, kill_and_restart, stop_and_continue
-from fault_rig import REQUEST_BOUND_S
+from fault_rig import DEADLINE_S, REQUEST_BOUND_S
 
 # The acceptance drills of issue 11: about two minutes together on two idle cores.
 pytestmark = pytest.mark.timeout(600)
@@ -28,8 +29,8 @@ def test_a_node_killed_and_restarted_under_load(rig, role):
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_a_node_stopped_for_20s_under_load(rig, role):
-    stop_s = 20
+def test_a_node_stopped_past_every_deadline_under_load(rig, role):
+    stop_s = 3 * DEADLINE_S  # past every deadline a room can meet on either side (bench/fault_drill.py stops 20 s)
     figures = stop_and_continue(rig(), role, seconds=stop_s)
     print(figures)
     _no_hang(figures)
