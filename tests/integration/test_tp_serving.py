@@ -44,17 +44,31 @@ def sglang_router(cluster: Cluster, prefill: str, boot: int, decode: str) -> str
         "--prometheus-port", str(free_port()), "--policy", "random"], f"http://127.0.0.1:{port}")
 
 
+@pytest.fixture(scope="module")
+def tp_fleet(tmp_path_factory):
+    """One colocated server's answers, and a prefill and a decode node for each pair of sizes: started once, for
+    both routers' tests (eight TP processes start in about a minute on 2 cores)."""
+    c = Cluster(tmp_path_factory.mktemp("tp"))
+    try:
+        want = answers(c.serve("colocated"))
+        assert len({tuple(ids) for ids in want}) >= 6, "varied prompts must give varied answers, or equality is weak"
+        pairs = []
+        for tp_p, tp_d in PAIRS:
+            boot = free_port()
+            prefill, decode = c.serve_many(("prefill", "--bootstrap-port", str(boot), "--tp", str(tp_p)),
+                                           ("decode", "--tp", str(tp_d)))
+            pairs.append((tp_p, tp_d, prefill, boot, decode))
+        yield c, want, pairs
+    finally:
+        c.stop()
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("router", ["built-in", pytest.param("sglang-router", marks=SGLANG_ROUTER)])
-def test_pd_between_tp_sizes_equals_colocated_through_the_router(cluster, router):
+def test_pd_between_tp_sizes_equals_colocated_through_the_router(tp_fleet, router):
     """Through each router in its own test: the built-in router's never skips; sglang-router's is a real part."""
-    colocated = cluster.serve("colocated")
-    want = answers(colocated)
-    assert len({tuple(ids) for ids in want}) >= 6, "varied prompts must give varied answers, or equality proves little"
-    for tp_p, tp_d in PAIRS:
-        boot = free_port()
-        prefill, decode = cluster.serve_many(("prefill", "--bootstrap-port", str(boot), "--tp", str(tp_p)),
-                                             ("decode", "--tp", str(tp_d)))
+    cluster, want, pairs = tp_fleet
+    for tp_p, tp_d, prefill, boot, decode in pairs:
         assert httpx.get(prefill + "/server_info").json()["tp_size"] == tp_p
         assert httpx.get(decode + "/server_info").json()["tp_size"] == tp_d
         layout = httpx.get(f"http://127.0.0.1:{boot}/route", params={
@@ -69,7 +83,7 @@ def test_pd_between_tp_sizes_equals_colocated_through_the_router(cluster, router
         assert answers(url) == want, (tp_p, tp_d)
     journals = sorted(cluster.tmp.glob("*.db"))
     result = replay([row for j in journals for row in read_journal(j)])
-    assert result.consistent and len(result.rooms) >= 2 * len(PAIRS) * 12
+    assert result.consistent and len(result.rooms) >= 2 * len(PAIRS) * 12  # this router's rooms at least
     assert {r.final for r in result.rooms} == {"Success"}
 
 
