@@ -21,10 +21,10 @@ log = logging.getLogger(__name__)
 
 
 def _uvicorn_config(app, log_level: str, read_timeouts: ReadTimeouts | None = None, **overrides) -> uvicorn.Config:
-    # lifespan on: the router's shutdown stops its health checks and closes its client; timeout_keep_alive: routers
-    # keep pooled connections open.
+    # lifespan auto: the router's shutdown stops its health checks and closes its client (an app without lifespan
+    # support just runs); timeout_keep_alive: routers keep pooled connections open.
     timeouts = read_timeouts if read_timeouts is not None else ReadTimeouts.from_env()
-    options = {"access_log": False, "lifespan": "on", "timeout_keep_alive": 60, "http": timeouts.protocol(),
+    options = {"access_log": False, "lifespan": "auto", "timeout_keep_alive": 60, "http": timeouts.protocol(),
                **overrides}
     return uvicorn.Config(app, log_level=log_level, **options)
 

@@ -156,8 +156,8 @@ def warm_up(engine, *, progress: bool = True, startup: Startup | None = None) ->
             with compiles.preparing(_kind(shape)):
                 step(f"forward {shape[0]}x{shape[1]}", lambda: programs.compile(*shape))
 
-        # side by side: XLA's compile of one program leaves a core idle, and lets go of the interpreter's lock
-        # (SmolLM2's two short prefills: 1.65 s in two threads, 2.2 s one after the other, on 2 cores)
+        # side by side: XLA's compile of one program leaves a core idle, and lets go of the interpreter's lock (a cold
+        # SmolLM2 node's programs phase: 5.8 s one after the other, 5.2 s in two threads, on 2 cores)
         with ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="warm-up-compile") as pool:
             list(pool.map(compile_forward, plan.ready_forward))
         vocab = engine.model.config.vocab_size
