@@ -6,8 +6,7 @@ batched with it. Compiling everything first stalls the start instead (minutes fo
 prepares, before it answers ``/health``, its *ready set* (``WarmupPlan.ready_forward``):
 
 - the forward passes that *cover* every other (``programs.ForwardPrograms.cover``): the longest single-row prefill
-  and the single-row decode step, so any batch runs, padded up or row by row, until its own shape is compiled; and
-  the single-row prefill of a short prompt, so a first chat turn is not padded to the longest;
+  and the single-row decode step, so any batch runs, padded up or row by row, until its own shape is compiled;
 - the samplers at one row and at the largest batch bucket (run once on zeros: a batch between pads up to the
   largest, ``sampling.sampling_rows``), and the prompt-logprob programs (compiled ahead);
 - the page kernels a transfer runs: on a pool on one CPU device, a decode node's one-layer scatter of every page
@@ -53,7 +52,6 @@ from fsm_pd.serving.startup import Startup
 log = logging.getLogger(__name__)
 
 
-SHORT_PROMPT_TOKENS = 64  # a chat turn with its template: its single-row prefill is in the ready set
 COMPILE_THREADS = min(2, os.cpu_count() or 1)  # the ready set's forward passes compile this many at once
 
 
@@ -70,15 +68,12 @@ class WarmupPlan:
     def ready_forward(self) -> list[tuple[int, int]]:
         """The forward shapes that cover every other one (``ForwardPrograms.cover``): the single-row decode step and
         the longest single-row prefill. A prefill step of any batch runs row by row on the latter, a decode batch on
-        the former, until the background compile reaches their own shapes. And the single-row prefill of a short
-        prompt (``SHORT_PROMPT_TOKENS``): a node's first requests are often one chat turn, which padded up to the
-        longest prefill would cost about eight times the compute (1.5 s more for SmolLM2's first answer on 2 cores)."""
+        the former, until the background compile reaches their own shapes. (A short prompt's prefill as well was
+        tried and left: a warm colocated node's first answer came 0.2 s sooner, but launch's first answer 0.4 s
+        later warm and 2.2 s later cold, one more program to prepare on each node.)"""
         decode = [shape for shape in self.forward if shape[1] == 1]
-        prefill = sorted(shape for shape in self.forward if shape[1] > 1 and shape[0] == 1)
-        if not prefill:
-            return sorted(decode[:1])
-        short = next(shape for shape in prefill if shape[1] >= min(SHORT_PROMPT_TOKENS, prefill[-1][1]))
-        return sorted({*decode[:1], short, prefill[-1]})
+        prefill = [shape for shape in self.forward if shape[1] > 1 and shape[0] == 1]
+        return sorted({*decode[:1], *([max(prefill)] if prefill else [])})
 
     @property
     def background_forward(self) -> list[tuple[int, int]]:
@@ -157,7 +152,7 @@ def warm_up(engine, *, progress: bool = True, startup: Startup | None = None) ->
                 step(f"forward {shape[0]}x{shape[1]}", lambda: programs.compile(*shape))
 
         # side by side: XLA's compile of one program leaves a core idle, and lets go of the interpreter's lock (a cold
-        # SmolLM2 node's programs phase: 5.8 s one after the other, 5.2 s in two threads, on 2 cores)
+        # SmolLM2 node's programs phase, three forward passes: 5.8 s one after the other, 5.2 s in two threads)
         with ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="warm-up-compile") as pool:
             list(pool.map(compile_forward, plan.ready_forward))
         vocab = engine.model.config.vocab_size
