@@ -30,4 +30,6 @@ os.environ["FSM_PD_SKIP_SERVER_WARMUP"] = "1"
 def pytest_configure(config):
     config.addinivalue_line("markers", "real_part(name, missing=None): the test runs this real part (a PostgreSQL "
                                        "server, netns, ...); see tests/real_parts.py")
+    config.addinivalue_line("markers", "slow: a long run (about 10 s or more on 2 cores: the real model, restarts, "
+                                       "drills); `-m 'not slow'` leaves them out of a quick loop, CI runs them all")
     config.pluginmanager.register(RealParts(os.environ), "fsm-pd-real-parts")

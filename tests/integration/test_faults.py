@@ -159,6 +159,7 @@ def test_bootstrap_server_down(rig):
 # --- a lossy side channel ---
 
 
+@pytest.mark.slow
 def test_side_channel_drops_30_percent_of_messages(rig):
     drop = {"FSM_PD_FAULT_DROP_MESSAGE": "0.3", "FSM_PD_FAULT_SEED": "1"}
     r = rig(prefill_env=drop, decode_env=drop)

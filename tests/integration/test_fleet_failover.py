@@ -25,6 +25,7 @@ from failover import metric, phases, send, start_fleet, summary
 from processes import Cluster
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_requests_survive_a_killed_prefill_and_a_killed_decode(tmp_path):
     cluster = Cluster(tmp_path)

@@ -27,7 +27,7 @@ from real_parts import SMOLLM2  # noqa: E402
 from fsm_pd.model.loader import load_model, resolve_named_model  # noqa: E402
 from fsm_pd.model.tokenizer import render_chat  # noqa: E402
 
-pytestmark = SMOLLM2
+pytestmark = [SMOLLM2, pytest.mark.slow]
 
 ATOL = RTOL = 1e-4
 PAGE_SIZE = 16

@@ -28,6 +28,7 @@ def test_a_node_killed_and_restarted_under_load(rig, role):
     assert figures["health_to_first_success_s"] <= 5, figures  # the new instance is used at once
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_a_node_stopped_past_every_deadline_under_load(rig, role):
     stop_s = 3 * DEADLINE_S  # past every deadline a room can meet on either side (bench/fault_drill.py stops 20 s)

@@ -14,6 +14,7 @@ import sys
 import time
 
 import httpx
+import pytest
 from load_mix import LoadMix
 from processes import Cluster, free_port
 
@@ -33,6 +34,7 @@ def served(url: str) -> int:
     return int(total)
 
 
+@pytest.mark.slow
 def test_rolling_restart_of_every_node_under_load(tmp_path):
     c = Cluster(tmp_path)
     try:

@@ -16,7 +16,7 @@ import pytest
 from real_parts import SGLANG_ROUTER, SMOLLM2
 from test_pd_serving import Cluster, free_port
 
-pytestmark = [SMOLLM2, SGLANG_ROUTER]
+pytestmark = [SMOLLM2, SGLANG_ROUTER, pytest.mark.slow]
 
 MODEL = ("--model", "smollm2")
 QUESTIONS = ["What is the capital of France?", "What is 2+2?", "Name three colors.", "Say hello in French."]

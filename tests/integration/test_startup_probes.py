@@ -89,6 +89,7 @@ def sglang_router(p_url: str, boot: int, d_urls: list[str], port: int) -> list[s
             str(free_port())]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("router_argv", [builtin_router, pytest.param(sglang_router, marks=SGLANG_ROUTER)],
                          ids=["builtin", "sglang-router"])
 def test_the_router_sends_nothing_to_a_node_until_it_is_ready(tmp_path, router_argv):

@@ -15,7 +15,8 @@ from real_parts import SGLANG_ROUTER, SMOLLM2
 from test_smollm2_serving import QUESTIONS, chat
 from test_tp_serving import sglang_router
 
-pytestmark = [SMOLLM2, SGLANG_ROUTER]  # a skip for want of either is counted, and fails CI (tests/real_parts.py)
+# a skip for want of either part is counted, and fails CI (tests/real_parts.py)
+pytestmark = [SMOLLM2, SGLANG_ROUTER, pytest.mark.slow]
 
 MODEL = ("--model", "smollm2")
 

@@ -19,6 +19,7 @@ from fsm_pd.model.tiny import tiny_config
 CHECKS = Path(__file__).parent / "tp_mesh" / "tp_model_check.py"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_model_on_a_four_device_mesh():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}

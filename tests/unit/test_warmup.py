@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -86,6 +87,7 @@ def _serve(engine, requests, *, one_by_one: bool = False) -> list:
     return [[token.token_id for token in out] for out in outs]
 
 
+@pytest.mark.slow
 def test_a_node_ready_on_its_ready_set_serves_every_shape_without_compiling():
     """Warm-up prepares only the ready set (the single-row decode and the longest single-row prefill,
     the samplers, the logprob programs); every batch and prompt length the schedulers then form runs on them, padded
