@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 MAX_PREFILL_BATCH = 8  # the prefill engine's default
 MAX_RUNNING = 64  # the decode engine's default
+PREFILL_STEP_S, PREFILL_TOKEN_S = 0.0005, 1e-6  # a prefill chunk's time on the model thread: a step, per token
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +81,7 @@ class _Scheduler:
         self.allocator.use(seq.used, seq.key)
 
     def let_go(self, seq: SimRequest) -> None:
-        self.allocator.unuse(seq.used)
+        self.allocator.unuse(seq.used, seq.key)
         seq.used = ()
 
     def flush(self) -> None:
@@ -97,6 +98,7 @@ class PrefillScheduler(_Scheduler):
         super().__init__(world, inst, allocator, PrefixCache(allocator, world.decode_layout["page_size"]))
         self.requests: dict[int, SimRequest] = {}  # room -> its live request
         self.queue: deque[SimRequest] = deque()
+        self.streaming: set[int] = set()  # rooms handed off chunk by chunk (``kv_first_chunk`` sent)
 
     def arrived(self, room: int, tokens: tuple[int, ...]) -> None:
         self.requests[room] = SimRequest(room, len(tokens), Prompt(tokens))
@@ -111,6 +113,7 @@ class PrefillScheduler(_Scheduler):
             self.kick()
         elif room.terminal:
             seq = self.requests.pop(room.room, None)
+            self.streaming.discard(room.room)
             keep = decision.dst == "Success"
             self.inst.model.submit(lambda owner: self._ended(room.room, seq, keep))
 
@@ -125,17 +128,52 @@ class PrefillScheduler(_Scheduler):
                                       max_tokens=CHUNKED_PREFILL_SIZE, headroom=0, drop=self._gone, cache=self.cache)
         for seq in admitted:
             self.took(seq)
-            computed = seq.prompt_len - seq.prefix.tokens
-            first_token = self.world.rng.randrange(256)
-            self.world.sched.later(0.002 + computed * 1e-5, lambda seq=seq, first=first_token: self._prefilled(
-                seq, first), self.inst)
+            seq.prefilled = seq.prefix.tokens
+            self.inst.model.submit(lambda owner, seq=seq: self._compute(seq))
         if admitted and self.queue:
             self.kick()
 
-    def _prefilled(self, seq: SimRequest, first_token: int) -> None:
-        if self.requests.get(seq.key) is seq:  # a room that ended mid-prefill is dropped
-            self.inst.core.kv_ready(seq.key, pages=list(seq.pages), first_token=first_token,
+    def _compute(self, seq: SimRequest) -> None:
+        """Model thread: compute the prompt's next chunk (the whole rest, unless the world prefills in chunks of
+        ``chunk_tokens``). Its pages are being written until the chunk is done: the thread is busy meanwhile."""
+        if self._gone(seq):
+            return  # the room ended: nothing more is computed
+        chunk = self.world.chunk_tokens or seq.prompt_len
+        start, end = seq.prefilled, min(seq.prompt_len, seq.prefilled + chunk)
+        pages = seq.pages[start // self.page_size:-(-end // self.page_size)]
+        who = f"the prefill of room {seq.key}"
+        self.allocator.begin(pages, who)
+        seconds = PREFILL_STEP_S + (end - start) * PREFILL_TOKEN_S
+        self.inst.model.busy_for(seconds)
+        self.world.sched.later(seconds, lambda: self._computed(seq, pages, end, who), self.inst)
+
+    def _computed(self, seq: SimRequest, pages: list[int], end: int, who: str) -> None:
+        """A chunk ran (as the engine's ``_prefill``): its pages hold final KV. After a chunk that is not the last,
+        start or advance the room's chunk-by-chunk handoff (``kv_first_chunk``, ``kv_chunk``) and queue the next;
+        after the last, hand the prompt over (``kv_ready``, or the last ``kv_chunk`` with the first token)."""
+        self.allocator.end(pages, who)
+        self.allocator.wrote(seq.key, pages)
+        if self._gone(seq):
+            return  # a room that ended mid-prefill is dropped
+        seq.prefilled = end
+        core = self.inst.core
+        if end < seq.prompt_len:
+            final_pages = end // self.page_size
+            if seq.key in self.streaming:
+                core.kv_chunk(seq.key, final_pages=final_pages)
+            else:
+                self.streaming.add(seq.key)
+                core.kv_first_chunk(seq.key, pages=list(seq.pages), final_pages=final_pages,
+                                    piece_pages=max(1, self.world.chunk_tokens // self.page_size),
                                     cached_tokens=seq.prefix.tokens)
+            self.inst.model.submit(lambda owner: self._compute(seq))
+            return
+        first_token = self.world.rng.randrange(256)
+        if seq.key in self.streaming:
+            self.streaming.discard(seq.key)
+            core.kv_chunk(seq.key, final_pages=len(seq.pages), first_token=first_token)
+        else:
+            core.kv_ready(seq.key, pages=list(seq.pages), first_token=first_token, cached_tokens=seq.prefix.tokens)
 
     def _gone(self, seq: SimRequest) -> bool:
         return self.requests.get(seq.key) is not seq

@@ -22,6 +22,7 @@ ledger, and a page -> room map for the write check.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -41,12 +42,18 @@ class _Contiguous:
 class SimBuffer:
     """A staging or pulled array, as far as the handlers and ``StagingProgress`` can tell: rows, bytes, whose KV."""
 
-    __slots__ = ("key", "kind", "nbytes", "room", "rows")
+    __slots__ = ("content", "corrupt", "key", "kind", "nbytes", "room", "rows", "words")
     flags = _Contiguous()
 
-    def __init__(self, key: int, kind: str, room: int, rows: int, page_bytes: int):
+    def __init__(self, key: int, kind: str, room: int | None, rows: int, page_bytes: int, *,
+                 words: list[int] | None = None, corrupt: str | None = None):
         self.key, self.kind, self.room, self.rows = key, kind, room, rows
         self.nbytes = rows * page_bytes
+        self.words = words  # a chunked handoff's trailer: the first token
+        self.corrupt = corrupt  # why its bytes are not the room's KV (None: they are)
+        # what its bytes are, page by page: the room whose prefill computed each (``last_writer``), or a mark of
+        # what corrupted it; D's pages take these tags when it is written, and both checksums hash tags
+        self.content: tuple = ()
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -63,18 +70,69 @@ class RecordingAllocator(PageAllocator):
         self.owner: dict[int, int] = {}  # page -> room holding it
         # page -> rooms whose live request uses it from the prefix cache (recorded by the simulation, not the cache)
         self.in_use: dict[int, list[int]] = {}
+        # page -> who has not finished with it: its writer (a prefill chunk, a streamed scatter) and its readers (a
+        # send from the pool): none may be left when the page goes back to the free list
+        self.busy: dict[int, list[str]] = {}
+        self.final: set[int] = set()  # pages whose holder's KV is written (a prefill chunk done, a scatter landed)
+        self.last_writer: dict[int, int] = {}  # page -> the room whose KV it holds (who wrote it last)
 
     # --- what the simulation saw the requests take and let go ---
     def use(self, pages: tuple[int, ...], room: int) -> None:
         for page in pages:
             self.in_use.setdefault(page, []).append(room)
 
-    def unuse(self, pages: tuple[int, ...]) -> None:
+    def unuse(self, pages: tuple[int, ...], room: int) -> None:
         for page in pages:
             users = self.in_use[page]
-            users.pop()
+            users.remove(room)
             if not users:
                 del self.in_use[page]
+
+    # --- who is still writing or reading a page ---
+    def begin(self, pages: list[int] | tuple[int, ...], who: str) -> None:
+        for page in pages:
+            self.busy.setdefault(page, []).append(who)
+
+    def end(self, pages: list[int] | tuple[int, ...], who: str) -> None:
+        for page in pages:
+            users = self.busy.get(page)
+            if users is not None and who in users:
+                users.remove(who)
+                if not users:
+                    del self.busy[page]
+
+    def wrote(self, room: int, pages: list[int] | tuple[int, ...]) -> None:
+        """``room``'s KV is now final in ``pages``."""
+        for page in pages:
+            self.final.add(page)
+            self.last_writer[page] = room
+
+    def _returning(self, pages: list[int], how: str) -> None:
+        """``pages`` go back to the free list: their writer and every reader must have finished."""
+        for page in pages:
+            if self.busy.get(page):
+                self.ledger.violation(f"{self.instance.name}: page {page} went back to the free list ({how}) while "
+                                      f"{' and '.join(self.busy[page])} had not finished")
+            self.final.discard(page)
+
+    def check_read(self, room: int, pages: list[int] | tuple[int, ...], what: str) -> bool:
+        """A read of ``room``'s KV from ``pages`` (a gather, a send from the pool): each must still be ``room``'s
+        (or a cached prefix it uses) and hold final KV. False if the bytes read are not the room's."""
+        good = True
+        for page in pages:
+            holder = self.owner.get(page)
+            mine = holder == room or room in self.in_use.get(page, ())
+            if not mine:
+                whose = "nobody" if holder is None else f"room {holder}"
+                writer = self.last_writer.get(page)
+                self.ledger.violation(f"{self.instance.name}: {what} of room {room} read page {page}, held by {whose}"
+                                      f" and last written by room {writer}")
+                good = False
+            elif page not in self.final:
+                self.ledger.violation(f"{self.instance.name}: {what} of room {room} read page {page} before its KV "
+                                      f"was final (being written by {self.busy.get(page) or 'nobody yet'})")
+                good = False
+        return good
 
     # --- the allocator, recorded and checked ---
     def reserve(self, room: int, count: int) -> list[int]:
@@ -102,6 +160,7 @@ class RecordingAllocator(PageAllocator):
                 self.ledger.violation(f"{self.instance.name}: page {page} handed to room {room} while the prefix "
                                       "cache holds it")
             self.owner[page] = room
+            self.final.discard(page)
 
     def adopt(self, room: int, pages: list[int]) -> None:
         super().adopt(room, pages)
@@ -113,15 +172,26 @@ class RecordingAllocator(PageAllocator):
             if page in self.in_use:
                 self.ledger.violation(f"{self.instance.name}: the prefix cache freed page {page}, which the cached "
                                       f"prefix of live room(s) {self.in_use[page]} uses")
+        self._returning(pages, "the prefix cache evicting it")
         super().release(pages)
 
     def free(self, room: int) -> int:
         pages = self.pages_of(room)
+        self._returning(pages, f"room {room}'s free")
         freed = super().free(room)
         self.ledger.free("pages", (self.instance.name, room), by="the room's free")
         for page in pages:
             self.owner.pop(page, None)
         return freed
+
+    def give_back(self, room: int) -> int:
+        """A retracted sequence's pages go back; the room stays open (it reserves again when it resumes)."""
+        pages = self.pages_of(room)
+        self._returning(pages, f"room {room} retracted")
+        given = super().give_back(room)
+        for page in pages:
+            self.owner.pop(page, None)
+        return given
 
     def accounting(self) -> list[str]:
         """Every page is exactly one of: free, a room's, the cache's; and the cache's lock counts are the live
@@ -145,55 +215,160 @@ class RecordingAllocator(PageAllocator):
                              f"room(s) {users}")
         return found
 
-    def check_write(self, room: int, pages: list[int], what: str) -> None:
-        """A write of ``room``'s KV reaches ``pages``: each must still be held by ``room``."""
+    def check_write(self, room: int, pages: list[int], what: str, content: tuple = ()) -> None:
+        """A write of ``room``'s KV reaches ``pages``: each must still be held by ``room``. ``content``: the tags of
+        what is written (``SimBuffer.content``), which the pages hold from now on."""
         self.ledger.writes += 1
-        for page in pages:
+        for index, page in enumerate(pages):
             holder = self.owner.get(page)
             if holder != room:
                 whose = "nobody" if holder is None else f"room {holder}"
                 self.ledger.violation(f"{what} of room {room} reached page {page}, held by {whose} "
                                       "(after its FreePages)")
+            else:
+                self.final.add(page)
+                self.last_writer[page] = content[index] if index < len(content) else room
+
+
+class SimPoolPages:
+    """``kernels/page_source.PoolPages`` as far as the transfer sees it: the staging bytes of a room's ``pages``,
+    never gathered, read in place from the pool under the model thread's ``PoolLease`` (the production one:
+    ``SimModel.lease``) while a pull streams them. The pages are the room's reader's from ``publish_pages`` until
+    the hold ends (``hold`` / ``let_go``); every read is checked against who holds each page and who wrote it last,
+    so a page freed and reused while its send runs is seen, and what the pull takes away is marked corrupt."""
+
+    kind = "pool pages"
+    key = None
+    flags = _Contiguous()
+
+    def __init__(self, owner: Any, pages: list[int], room: int, allocator: RecordingAllocator, page_bytes: int,
+                 layers: int):
+        self.owner, self.pages, self.room, self.allocator = owner, list(pages), room, allocator
+        self.layers = layers
+        self.rows = len(pages)
+        self.nbytes = self.rows * page_bytes
+        self.corrupt: str | None = None
+        self.content = [allocator.last_writer.get(page) for page in self.pages]
+        self.who = f"the send from the pool of room {room}"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (1, self.rows)
+
+    def hold(self) -> None:
+        self.allocator.begin(self.pages, self.who)
+
+    def let_go(self) -> None:
+        self.allocator.end(self.pages, self.who)
+
+    def reader(self) -> Any:
+        return self.owner.lease.turn()
+
+    def read(self, turn: Any, start: int, stop: int) -> None:
+        """Send staging bytes ``[start, stop)`` (``[L, rows, page]``): under the lease, the pages of the rows they
+        come from must be the room's and hold its final KV."""
+        layer_bytes = self.nbytes // self.layers
+        row_bytes = max(1, layer_bytes // self.rows)
+        if (stop - 1) // layer_bytes > start // layer_bytes:
+            rows = range(self.rows)  # more than one layer: every row
+        else:
+            rows = range((start % layer_bytes) // row_bytes, ((stop - 1) % layer_bytes) // row_bytes + 1)
+        pages = [self.pages[row] for row in rows]
+        with self.owner.lease.read(turn):
+            if not self.allocator.check_read(self.room, pages, "a send from the pool") and self.corrupt is None:
+                self.corrupt = "a page was freed and reused while its send from the pool read it"
+            for row in rows:  # what goes out is what the page holds now
+                self.content[row] = self.allocator.last_writer.get(self.pages[row])
+
+    def __repr__(self) -> str:
+        return f"pool pages {self.pages[:4]}... of room {self.room}"
 
 
 class SimLayerStream(LayerStream):
-    """The production ``LayerStream``; a write is a ledger-checked page write of the room that pulls."""
+    """The production ``LayerStream``; a write is a ledger-checked page write of the room that pulls. Its pages are
+    busy (being written) from its start until it has written the last layer or is cancelled."""
 
     def __init__(self, model: Any, pages: list[int], room: int, allocator: RecordingAllocator, *, num_layers: int,
                  layer_bytes: int):
         super().__init__(model, pages, num_layers=num_layers, layer_bytes=layer_bytes, group=STREAM_GROUP)
         self.room, self.allocator = room, allocator
+        self.who = f"the streamed scatter of room {room}"
+        allocator.begin(pages, self.who)
 
-    def stage(self, host: Any, layer: int) -> int:
-        return layer
+    def written(self, owner: Any) -> None:
+        try:
+            super().written(owner)
+        finally:
+            self.allocator.end(self.pages, self.who)
 
-    def write(self, owner: Any, layer: int, staged: int) -> None:
+    def cancel(self) -> None:
+        super().cancel()
+        self.allocator.end(self.pages, self.who)
+
+    def stage(self, host: Any, layer: int) -> tuple:
+        return tuple(host.content)  # what the layers that landed hold
+
+    def write(self, owner: Any, layer: int, staged: tuple) -> None:
         layers = f"layers {layer}-{layer + self.group - 1}"
-        self.allocator.check_write(self.room, self.pages, f"a streamed write of {layers}")
+        self.allocator.check_write(self.room, self.pages, f"a streamed write of {layers}", staged)
 
 
 class SimKV:
     def __init__(self, ledger: Ledger, sched: Timeline, model: Any, instance: Any, page_bytes: int,
-                 num_layers: int, *, progressive: bool, room_of_pages: Callable[[list[int]], int] | None = None,
+                 num_layers: int, *, progressive: bool, sends_pages: bool = False,
+                 room_of_pages: Callable[[list[int]], int | None] | None = None,
                  allocator: RecordingAllocator | None = None):
+        """``sends_pages``: a progressive instance whose backend sends straight from the pool (``tcp``, the
+        default); else a progressive one gathers layer by layer into a published block (``zmq``)."""
         self.ledger, self.sched, self.model, self.instance = ledger, sched, model, instance
         self.page_bytes, self.num_layers, self.progressive = page_bytes, num_layers, progressive
+        self.sends_pages = sends_pages
         self.room_of_pages, self.allocator = room_of_pages, allocator
+        # rooms whose KV a seeded fault changed between P's checksum and D's (the wire, a page reused on P, a page of
+        # D's pool overwritten): D's checksum of them differs from P's, as the real bytes' would
+        self.corrupted: set[int] = set()
+
+    # --- the KV checksum: no bytes here, so a token per piece and layer from what both sides know of the room ---
+    def _checksum(self, tags: tuple, plan: Any) -> list[list[int]]:
+        return [[zlib.crc32(f"{tags}:{piece.index}:{layer}".encode()) for layer in range(self.num_layers)]
+                for piece in plan.pieces]
+
+    def sent_checksum(self, owner: Any, pages: list[int], plan: Any) -> list[list[int]]:
+        """Of what ``pages`` hold now (their tags): what D's pages must hold once written."""
+        return self._checksum(self.tags(pages), plan)
+
+    def received_checksum(self, owner: Any, pages: list[int], plan: Any) -> list[list[int]]:
+        room = self.allocator.owner.get(pages[0])  # the room holding them; None after its FreePages
+        values = self._checksum(self.tags(pages), plan)
+        if room in self.corrupted:
+            values[0][0] ^= 1
+        return values
 
     # --- prefill ---
     def gather(self, owner: Any, pages: list[int], plan: Any) -> tuple[SimBuffer, ...]:
-        """One staging buffer per piece of the plan (one without tensor parallelism), each its share of the bytes."""
+        """One staging buffer per piece of the plan (one without tensor parallelism), each its share of the bytes.
+        The gather reads ``pages``: each must be the room's, with its KV final (a chunk's piece only once its
+        chunk ran). A piece wholly of a cached prefix names no room: the transfer server finds it by uuid."""
         room = self.room_of_pages(pages)
+        corrupt = None
+        if room is not None and not self.allocator.check_read(room, pages, "a gather"):
+            corrupt = "the gather read pages that were not the room's final KV"
         slots = sum(piece.count for piece in plan.pieces)
         bufs = tuple(SimBuffer(self.ledger.new_id(), "staging", room, len(pages),
-                               self.page_bytes * piece.count // slots) for piece in plan.pieces)
+                               self.page_bytes * piece.count // slots, corrupt=corrupt) for piece in plan.pieces)
         for buf in bufs:
+            buf.content = self.tags(pages)
             self.ledger.alloc("staging", buf.key, self.instance, room)
         return bufs
+
+    def tags(self, pages: list[int]) -> tuple:
+        """What ``pages`` of this pool hold: the room whose KV each is (see ``SimBuffer.content``)."""
+        return tuple(self.allocator.last_writer.get(page) for page in pages)
 
     def _staging(self, pages: list[int]) -> SimBuffer:
         room = self.room_of_pages(pages)
         buf = SimBuffer(self.ledger.new_id(), "staging", room, len(pages), self.page_bytes)
+        buf.content = self.tags(pages)  # the layer-by-layer gather runs now, as far as what it reads goes
         self.ledger.alloc("staging", buf.key, self.instance, room)
         return buf
 
@@ -202,8 +377,18 @@ class SimKV:
 
     def publish_while_gathering(self, owner: Any, transfer: Any, uuid: int, pages: list[int], hold_timeout_s: float,
                                 on_published: Callable[[int], None]) -> None:
-        """As ``overlap.publish_while_gathering``: publish the (warm) staging block, READY may go, then the gather
-        makes one layer final after another, while the model thread does nothing else."""
+        """As ``JaxKV.publish_while_gathering``: where the backend sends from the pool's pages and the model thread
+        lends them (its ``lease``), nothing is gathered: the entry is the pages themselves (``SimPoolPages``), read
+        while the pull streams them. Else as ``overlap.publish_while_gathering``: publish the (warm) staging block,
+        READY may go, then the gather makes one layer final after another, while the model thread does nothing
+        else."""
+        if self.sends_pages and getattr(transfer, "sends_pages", False) and getattr(owner, "lease", None) is not None:
+            room = self.room_of_pages(pages)
+            self.allocator.check_read(room, pages, "publishing a send from the pool")
+            source = SimPoolPages(owner, pages, room, self.allocator, self.page_bytes, self.num_layers)
+            transfer.publish_pages(uuid, source, hold_timeout_s)
+            on_published(source.shape[1])
+            return
         block = self._staging(pages)
         try:
             progress = transfer.publish_progressive(uuid, block, hold_timeout_s)
@@ -219,10 +404,19 @@ class SimKV:
             self.sched.later((layer + 1) * layer_s, lambda final=final: progress.advance(final), self.instance)
         self.model.busy_for(self.num_layers * layer_s)
 
+    def trailer(self, words: list[int]) -> SimBuffer:
+        """A chunked handoff's trailer: its room is found by the transfer server from the uuid it is published as."""
+        buf = SimBuffer(self.ledger.new_id(), "staging", None, 1, 4 * len(words), words=list(words))
+        self.ledger.alloc("staging", buf.key, self.instance, None)
+        return buf
+
     def discard(self, staging: SimBuffer) -> None:
         self.ledger.free(staging.kind, staging.key, by="the handler discarding it")
 
     # --- decode ---
+    def read_trailer(self, staging: SimBuffer) -> list[int]:
+        return list(staging.words)
+
     def stream(self, pages: list[int]) -> SimLayerStream | None:
         if not self.progressive:
             return None
@@ -232,6 +426,7 @@ class SimKV:
 
     def complete_stream(self, stream: SimLayerStream, staging: SimBuffer) -> bool:
         if not stream.submitted:
+            self.allocator.end(stream.pages, stream.who)  # it will never write: the whole scatter does
             return False  # nothing landed early: one whole scatter is cheaper (as JaxKV)
         stream.on_progress(0, staging, staging.nbytes)
         return True
@@ -244,7 +439,8 @@ class SimKV:
         room = pieces[0].room
         if any(piece.room != room for piece in pieces):
             self.ledger.violation(f"one write mixes the pieces of rooms {sorted({p.room for p in pieces})}")
-        self.allocator.check_write(room, pages, "a write")
+        content = tuple(tag for piece in pieces[:1] for tag in piece.content)  # TP pieces carry the same pages
+        self.allocator.check_write(room, pages, "a write", content)
 
     def cancel(self, stream: SimLayerStream) -> None:
         stream.cancel()

@@ -1,7 +1,11 @@
 """The simulated model thread: jobs run one at a time, in submission order, each ``delay`` virtual seconds after
 the one before (a slow model thread is a larger delay). Futures complete on the simulator's thread, so their
 callbacks run at once, in order. A job that keeps the thread busy after it returned (a layer-by-layer gather whose
-layers become final over virtual time) says so with ``busy_for``."""
+layers become final over virtual time, a prefill chunk) says so with ``busy_for``.
+
+Every job runs under the production ``PoolLease`` (``lease.job()``), as the ``ModelThread``'s do, and a send from the
+pool reads under ``lease.read``: on one simulator thread neither ever waits, but the lease is the same object the
+real readers use, and a read inside a job would deadlock here as it would there."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from fsm_pd.model.pool_lease import PoolLease
 from fsm_pd.sim.timeline import Timeline
 
 
@@ -17,6 +22,7 @@ class SimModel:
     def __init__(self, sched: Timeline, instance: Any, delay: Callable[[], float]):
         self.sched, self.instance, self.delay = sched, instance, delay
         self.pool = None
+        self.lease = PoolLease()
         self._queue: deque[tuple[Callable[[Any], Any], Future]] = deque()
         self._running = False
         self._free_at = 0.0  # until when a job that returned still holds the thread
@@ -47,7 +53,8 @@ class SimModel:
     def _run_head(self) -> None:
         job, future = self._queue.popleft()
         try:
-            result = job(self)
+            with self.lease.job():
+                result = job(self)
         except Exception as exc:  # noqa: BLE001 - delivered through the future, as a thread pool does
             future.set_exception(exc)
         else:

@@ -64,13 +64,17 @@ class Instance:
         self.journal = w.open_journal(slot.role)
         # a pool on one CPU device copies layer by layer (overlapping the wire), one on an accelerator whole buffers
         self.progressive = w.rng.random() < w.config.progressive
+        # and, progressive, whether its backend sends P's pages straight from the pool (tcp, the default) or gathers
+        # them layer by layer into a published block (zmq)
+        self.sends_pages = self.progressive and w.rng.random() < w.config.sends_pages
         layers = w.decode_layout["num_layers"]
         if slot.role == "prefill":
             self.scheduler: PrefillScheduler | DecodeScheduler = PrefillScheduler(w, self)  # the engine's pool
             owner = self.scheduler.allocator.owner
             self.transfer = SimTransferServer(w.sched, w.ledger, self, slot.transfer_address)
             kv = SimKV(w.ledger, w.sched, self.model, self, w.page_bytes, layers, progressive=self.progressive,
-                       room_of_pages=lambda pages: owner[pages[-1]])  # the last: never cached
+                       sends_pages=self.sends_pages, allocator=self.scheduler.allocator,
+                       room_of_pages=lambda pages: next((owner[p] for p in reversed(pages) if p in owner), None))
             self.effects: PrefillEffects | DecodeEffects = PrefillEffects(
                 layout=w.prefill_layout, channel=self.channel, transfer=self.transfer, model=self.model, kv=kv,
                 faults=faults, new_uuid=lambda: w.rng.getrandbits(63) or 1)

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from fsm_pd.sim.faults import FaultPlan
-from fsm_pd.sim.kv import SimBuffer
+from fsm_pd.sim.kv import SimBuffer, SimPoolPages
 from fsm_pd.sim.ledger import Ledger
 from fsm_pd.sim.timeline import OwnedDeadlines, OwnedTimers, Timeline
 from fsm_pd.transport.backends.base import StagingProgress, TransferFailed, TransferTimeout
 from fsm_pd.transport.backends.holds import Hold, HoldingBackend, HoldTable
+from fsm_pd.transport.reshard import piece_uuid
 
 BYTES_PER_S = 2.5e9
 CONNECT_S = 0.0005
@@ -39,6 +40,7 @@ class SimTransferServer(HoldingBackend):
 
     name = "sim"
     progressive = True
+    sends_pages = True  # like tcp: an entry may be the pool's pages themselves (``publish_pages``)
 
     def __init__(self, sched: Timeline, ledger: Ledger, instance: Any, address: str):
         self.sched, self.ledger, self.instance, self._address = sched, ledger, instance, address
@@ -58,9 +60,27 @@ class SimTransferServer(HoldingBackend):
         self._publish(uuid, host, progress, hold_timeout_s)
         return progress
 
-    def _publish(self, uuid: int, buf: SimBuffer, progress: StagingProgress | None, hold_timeout_s: float) -> None:
+    def publish_pages(self, uuid: int, source: SimPoolPages, hold_timeout_s: float) -> None:
+        """As the tcp backend's: the entry is the pool's pages, read while they are sent; they are the send's (a
+        reader of each page) until the hold ends."""
+        self._publish(uuid, source, None, hold_timeout_s)
+        source.hold()
+
+    def _publish(self, uuid: int, buf: SimBuffer | SimPoolPages, progress: StagingProgress | None,
+                 hold_timeout_s: float) -> None:
+        if buf.room is None:  # a chunk's piece of cached pages only, or a trailer: its room is the uuid's
+            buf.room = self._room_of(uuid)
+            if buf.key is not None:
+                self.ledger.held[("staging", buf.key)].room = buf.room
         self._holds.publish(uuid, buf.nbytes, hold_timeout_s, lambda deadline: (buf, progress))
         self.ledger.alloc("entry", (self.instance.name, uuid), self.instance, buf.room)
+
+    def _room_of(self, uuid: int) -> int | None:
+        """The room whose handoff ``uuid`` is a piece of (the prefill handler's own record)."""
+        for room, (base, pieces) in self.instance.effects.staging.items():
+            if any(piece_uuid(base, index) == uuid for index in range(pieces)):
+                return room
+        return None
 
     def release(self, uuid: int) -> None:
         self.ledger.free("entry", (self.instance.name, uuid), by="release")
@@ -72,7 +92,11 @@ class SimTransferServer(HoldingBackend):
 
     def _retire(self, uuid: int, reason: str, hold: Hold | None) -> None:
         if hold is not None:  # the backend lets the staging buffer go with its entry
-            self.ledger.free("staging", hold.payload[0].key, by=f"the transfer entry ending ({reason})")
+            buf = hold.payload[0]
+            if isinstance(buf, SimPoolPages):
+                buf.let_go()  # the pages are no longer the send's: the room may free them
+            else:
+                self.ledger.free("staging", buf.key, by=f"the transfer entry ending ({reason})")
         self._wake(uuid)  # a pull waiting for bytes finds the tombstone
 
     def lookup(self, uuid: int) -> tuple[Any, str | None]:
@@ -106,8 +130,9 @@ class _Pull:
     deadline: float
     done: Callable[[Any, BaseException | None], None]
     on_progress: Callable[[int, Any, int], None] | None
-    entry: SimBuffer | None = None
+    entry: SimBuffer | SimPoolPages | None = None
     progress: StagingProgress | None = None
+    turn: Any = None  # a send from the pool: this stream's place in the pool's lease
     reset_at: int | None = None  # bytes after which a fault resets the connection
     received: int = 0
 
@@ -147,6 +172,8 @@ class SimPuller:
             self.sched.later(min(POLL_S, p.deadline - now), lambda: self._look(p), self.instance)
             return
         p.entry, p.progress = found
+        if isinstance(p.entry, SimPoolPages):
+            p.turn = p.entry.reader()
         reset_after = self.plan.pull_breaks_after(self.layers)
         if reset_after is not None:
             p.reset_at = reset_after * (p.entry.nbytes // self.layers)
@@ -177,6 +204,8 @@ class SimPuller:
             self.sched.later(p.deadline - now, lambda: p.done(None, TransferTimeout(f"transfer {p.uuid}: too slow")),
                              self.instance)
             return
+        if p.turn is not None:  # P sends this layer from its pool's pages, now
+            p.entry.read(p.turn, p.received, upto)
         self.sched.later(wire_s, lambda: self._arrived(p, upto), self.instance)
 
     def _arrived(self, p: _Pull, upto: int) -> None:
@@ -188,6 +217,8 @@ class SimPuller:
     def _landed(self, p: _Pull) -> None:
         """Every byte is here: the pulled array exists on this node from now on, whatever the room does."""
         entry = p.entry
-        pulled = SimBuffer(self.ledger.new_id(), "pulled", entry.room, entry.rows, entry.nbytes // max(1, entry.rows))
+        pulled = SimBuffer(self.ledger.new_id(), "pulled", entry.room, entry.rows, entry.nbytes // max(1, entry.rows),
+                           words=getattr(entry, "words", None), corrupt=entry.corrupt)
+        pulled.content = tuple(entry.content)
         self.ledger.alloc("pulled", pulled.key, self.instance, pulled.room)
         self.sched.later(REPORT_S + self.plan.pull_reports_late(), lambda: p.done(pulled, None), self.instance)

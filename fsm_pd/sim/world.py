@@ -54,6 +54,9 @@ class SimConfig:
     decode_time: float = 0.05
     model_delay: float = 0.0005  # per model-thread job
     progressive: float = 0.5  # the chance that a process instance copies KV layer by layer (a CPU pool, tcp)
+    chunked: float = 0.5  # the chance (per world) that P prefills in chunks and hands prompts off piece by piece
+    chunk_tokens: int = 64  # its chunk size then (``--chunked-prefill-size``): pieces of chunk_tokens / page_size pages
+    sends_pages: float = 0.7  # the chance that a progressive prefill instance sends from its pool (tcp, not zmq)
     # tensor-parallel sizes: a handoff between different ones moves one piece per run of KV slots (transport/reshard)
     prefill_tp: int = 1
     decode_tp: int = 1
@@ -86,6 +89,7 @@ class World:
         self.model_delay = config.model_delay
         self.workload = Conversations(self.rng, LAYOUT["page_size"])
         self.decode_radix_cache = self.rng.random() < config.decode_radix_cache
+        self.chunk_tokens = config.chunk_tokens if self.rng.random() < config.chunked else 0
         self.journal_dir = Path(journal_dir) if journal_dir is not None else None
         if self.journal_dir is not None:
             self.journal_dir.mkdir(parents=True, exist_ok=True)

@@ -116,7 +116,8 @@ def test_a_pull_that_lands_after_its_room_ended_is_discarded_exactly_once(tmp_pa
     byte but has not reported; FreePages runs first, then the pull reports success for a room that has ended."""
     from fsm_pd.sim.invariants import leaks, ownership_violations
 
-    world = World(SimConfig(requests=0, seed=1, num_pages=64), tmp_path, durability="off")
+    # handed over whole (a chunked handoff's late piece is discarded without an event: nothing to journal)
+    world = World(SimConfig(requests=0, seed=1, num_pages=64, chunked=0.0), tmp_path, durability="off")
     world.add_request(1, 100, at=0.001)
     effects = world.decode.instance.effects
     assert world.run_until(lambda: 1 in effects.pending and world.ledger.holdings("pulled"))
@@ -179,12 +180,12 @@ def test_a_reused_room_is_refused_by_both_nodes_live_ended_or_from_before_a_rest
 
 
 def test_progressive_instances_publish_before_gathering_and_write_layers_as_they_land(tmp_path):
-    """With ``progressive`` the handlers' overlapped branches run: P publishes (and READY goes out) before its layers
-    are final, D's streamed scatter writes each group of layers (two of four) as it lands, and its ``Scatter`` only
-    waits. Without it, one gather and one write."""
+    """With ``progressive`` (and zmq: no send from the pool) the handlers' overlapped branches run: P publishes
+    (and READY goes out) before its layers are final, D's streamed scatter writes each group of layers (two of four)
+    as it lands, and its ``Scatter`` only waits. Without it, one gather and one write."""
     for progressive, writes in ((1.0, 2), (0.0, 1)):
-        world = World(SimConfig(requests=0, seed=5, num_pages=64, progressive=progressive), tmp_path / str(writes),
-                      durability="off")
+        world = World(SimConfig(requests=0, seed=5, num_pages=64, progressive=progressive, sends_pages=0.0,
+                                chunked=0.0), tmp_path / str(writes), durability="off")
         kv, final_when_published = world.prefill.instance.effects.kv, []
         original = kv.publish_while_gathering
 
