@@ -129,8 +129,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     from fsm_pd.launch import launch
 
+    extra = ["--dtype", args.dtype, "--kv-checksum", args.kv_checksum]
     return launch(prefill=args.prefill, decode=args.decode, port=args.port, model=args.model,
-                  backend=args.transfer_backend, journal_dir=Path(args.journal_dir), extra=["--dtype", args.dtype],
+                  backend=args.transfer_backend, journal_dir=Path(args.journal_dir), extra=extra,
                   console=Console(), warmup=args.warmup, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
 
 
@@ -201,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="each prefill node's --tp: its model split over N devices (default 1)")
     launch.add_argument("--decode-tp", type=positive_int, default=1, metavar="N",
                         help="each decode node's --tp; may differ from --prefill-tp (default 1)")
+    launch.add_argument("--kv-checksum", choices=("on", "off"), default="on",
+                        help="each prefill and decode node's --kv-checksum: verify the KV of every handoff "
+                             "(default on)")
     launch.add_argument("--journal-dir", default="pd-cluster", help="journals and logs (default ./pd-cluster)")
     launch.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="skip the first chat request that launch sends through the router once every node is "

@@ -103,6 +103,12 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                             help="the address other machines reach this node at, put in everything it advertises "
                                  "(bootstrap registration, side-channel reply_to, transfer endpoint); --host is only "
                                  "what it binds (default: --host; required when --host is 0.0.0.0 or ::)")
+        parser.add_argument("--kv-checksum", choices=("on", "off"), default="on",
+                            help="verify the KV of every handoff: the prefill node computes a crc32c of each piece and "
+                                 "layer when the KV is final, the decode node checks it over its own pages before "
+                                 "the request decodes; a mismatch fails the transfer (reason 'kv checksum "
+                                 "mismatch', recomputed like any failed transfer) (default on; off on either side "
+                                 "skips it: docs/data-plane.md, The KV checksum)")
         parser.add_argument("--transfer-backend", default="tcp",
                             help="tcp | zmq | jax | a registered plugin (default tcp: the fastest between CPU hosts)")
         parser.add_argument("--journal", default=None,
@@ -304,7 +310,8 @@ def build_engine(args: argparse.Namespace, model):
         Path(journal).parent.mkdir(parents=True, exist_ok=True)
     deadlines = {t: getattr(args, t) for t in DEADLINE_FLAGS if getattr(args, t, None) is not None}
     common = dict(node_id=args.node_id, journal=journal, secret=secret, backend=args.transfer_backend,
-                  deadlines=deadlines, host=args.host, advertise_host=args.advertise_host, **sizes)
+                  deadlines=deadlines, host=args.host, advertise_host=args.advertise_host,
+                  kv_checksum=args.kv_checksum == "on", **sizes)
     if args.role == "prefill":
         from fsm_pd.serving.prefill_engine import PrefillEngine
 

@@ -80,7 +80,9 @@ class NodeCore:
                 "backend": msg.backend, "page_count": msg.page_count, "first_token": msg.first_token,
                 "first_logprob": msg.first_logprob, "input_logprobs": msg.input_logprobs,
                 "top_logprobs": msg.top_logprobs, "peer_cached_tokens": msg.cached_tokens,
-                **({"chunks": msg.chunks, "chunk_pages": msg.chunk_pages} if msg.chunks else {})})
+                **({"chunks": msg.chunks, "chunk_pages": msg.chunk_pages} if msg.chunks else {}),
+                **({"kv_checksum": msg.kv_checksum} if msg.kv_checksum is not None else {}),
+                **({"chunk_checksums": True} if msg.chunk_checksums else {})})
         elif isinstance(msg, Abort):
             self.submit(msg.room, "peer_abort", {"reason": msg.reason, "peer": msg.sender})
         else:

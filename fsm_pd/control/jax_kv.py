@@ -21,8 +21,9 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from fsm_pd.control.overlap import StreamedScatter, publish_while_gathering
-from fsm_pd.effects.chunked import TRAILER_WORDS, Trailer
+from fsm_pd.effects.chunked import Trailer
 from fsm_pd.kernels import KVLayout, gather_pages, page_bucket, resolve_impl, scatter_pages
+from fsm_pd.kernels.kv_checksum import pool_checksums
 from fsm_pd.kernels.page_source import PoolPages
 from fsm_pd.kernels.placement import pool_placement
 from fsm_pd.transport.reshard import Piece, ReshardPlan
@@ -63,17 +64,24 @@ class JaxKV:
         publish_while_gathering(transfer, uuid, owner.pool, pages, self.layout, hold_timeout_s, on_published)
 
     def trailer(self, words: list[int]) -> jax.Array:
-        """A chunked handoff's trailer (``effects/chunked.py``): the first token, as ``int32[TRAILER_WORDS]``."""
+        """A chunked handoff's trailer (``effects/chunked.py``): the first token (and the pieces' checksums), as
+        ``int32[len(words)]``."""
         # device_put, not jnp.asarray: that one runs a small program per shape, compiled while serving
-        return jax.device_put(np.asarray(words, dtype=np.int32).reshape(TRAILER_WORDS))
+        return jax.device_put(np.asarray(words, dtype=np.int32).reshape(-1))
+
+    def sent_checksum(self, owner: Any, pages: list[int], plan: ReshardPlan) -> list[list[int]] | None:
+        return pool_checksums(owner.pool, pages, [(p.src, p.src_slot, p.count) for p in plan.pieces])
 
     # --- decode ---
     def read_trailer(self, staging: jax.Array) -> list[int]:
         return [int(word) for word in np.asarray(staging)]
 
+    def received_checksum(self, owner: Any, pages: list[int], plan: ReshardPlan) -> list[list[int]] | None:
+        return pool_checksums(owner.pool, pages, [(p.dst, p.dst_slot, p.count) for p in plan.pieces])
+
     def pull_spec(self, page_count: int, piece: Piece | Trailer | None = None) -> tuple[jax.ShapeDtypeStruct]:
         if isinstance(piece, Trailer):
-            return (jax.ShapeDtypeStruct((TRAILER_WORDS,), jnp.int32),)
+            return (jax.ShapeDtypeStruct((piece.words,), jnp.int32),)
         shape = self.layout.staging_shape(page_bucket(page_count))
         if piece is None or (self.layout.tp == 1 and piece.count == self.layout.slots):  # the whole staging
             return (jax.ShapeDtypeStruct(shape, self.layout.dtype, sharding=self.sharding),)

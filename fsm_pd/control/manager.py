@@ -54,10 +54,11 @@ class KVManager:
                  durability: str = "full", staging_sharding: Any = None,
                  admission: Admission | None = None,
                  heartbeat: Mapping[str, Any] | None = None, model: ModelThread | None = None,
-                 advertise_host: str | None = None):
+                 advertise_host: str | None = None, kv_checksum: bool = True):
         """``host``: what the side channel and the transfer server bind; ``advertise_host``: the host peers are told
         (bootstrap registration, side-channel origin and reply_to, transfer address), by default ``host``. A wildcard
-        ``host`` needs an ``advertise_host`` (``WildcardAddress`` otherwise)."""
+        ``host`` needs an ``advertise_host`` (``WildcardAddress`` otherwise). ``kv_checksum``: compute (prefill) or
+        verify (decode) the KV checksum of every handoff (``effects/checksums.py``)."""
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
         if role == "decode" and admission is None:
@@ -94,7 +95,7 @@ class KVManager:
             self.admission = None
             self.effects: PrefillEffects | DecodeEffects = PrefillEffects(
                 layout=layout.to_dict(), channel=self.senders, transfer=self.backend, model=self.model, kv=kv,
-                faults=faults, new_uuid=new_uuid)
+                faults=faults, new_uuid=new_uuid, kv_checksum=kv_checksum)
             machine = SENDER
         else:
             self.admission = admission
@@ -102,7 +103,7 @@ class KVManager:
                 layout=layout.to_dict(), channel=self.senders,
                 resolver=ThreadedResolver(lambda: self.resolver, self.lookups), admission=self.admission,
                 puller=ThreadedPuller(self.backend, kv.pull_spec, self.workers), model=self.model, kv=kv,
-                faults=faults)
+                faults=faults, kv_checksum=kv_checksum)
             machine = RECEIVER
         self.node = Node(node_id, machine, self.journal, self.effects.interpreter(), self.clock, self.deadlines)
         self.core = NodeCore(self.node, layout.to_dict())

@@ -14,6 +14,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from fsm_pd.control.failure_log import log_failed_room
 from fsm_pd.control.phases import PHASE_NAMES, REASON_CLASSES, PhaseClock, reason_class
+from fsm_pd.effects.checksums import OUTCOMES as CHECKSUM_OUTCOMES
 from fsm_pd.machines.states import STATE_NAMES
 
 # seconds from the transfer's start to its end, on each side: P published -> PULLED, D READY -> scattered
@@ -57,6 +58,11 @@ class NodeMetrics:
                                        ["role", "node", "phase"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.ended = Counter("fsm_pd_transfers_ended", "Transfers that ended, by outcome and class of failure reason",
                              ["role", "node", "outcome", "reason"], registry=self.registry)
+        # the KV checksum of each handoff, as the decode node's scattered or failed rooms journaled it
+        self.checksums = Counter("fsm_pd_kv_checksums", "KV checksums of handoffs on this decode node, by outcome: "
+                                 "verified, mismatch (the room failed), missing (the prefill node sent none), "
+                                 "unchecked (a pool on an accelerator), off (--kv-checksum off)",
+                                 ["role", "node", "outcome"], registry=self.registry)
         self.phases = PhaseClock()
         self._node = node
         self._labels = labels
@@ -68,6 +74,8 @@ class NodeMetrics:
         self._failed = {name: self.ended.labels(role, node.node_id, "failed", name) for name in REASON_CLASSES}
         self._transfer_seconds = self.transfer_seconds.labels(role, node.node_id)
         self._transfer_bytes = self.transfer_bytes.labels(role, node.node_id)
+        self._checksum = ({outcome: self.checksums.labels(role, node.node_id, outcome)
+                           for outcome in (*CHECKSUM_OUTCOMES, "mismatch")} if role == "decode" else {})
         self._children: dict[tuple, object] = {}  # (metric, label values...) -> child, for the open label sets
         for state in STATE_NAMES:  # counted at scrape time from the journaled states, so cleared rooms drop out
             self.rooms.labels(state=state, **labels).set_function(
@@ -96,6 +104,8 @@ class NodeMetrics:
             self._started[room.room] = at
         if decision.trigger == "pulled":
             self._transfer_bytes.observe(float(room.ctx.get("bytes", 0)))
+        if decision.trigger == "scattered" and room.ctx.get("kv_checksum_check") in self._checksum:
+            self._checksum[room.ctx["kv_checksum_check"]].inc()
         if decision.dst in ("Success", "Failed") and decision.src != decision.dst:
             started = self._started.pop(room.room, None)
             if decision.dst == "Success":
@@ -108,6 +118,8 @@ class NodeMetrics:
                 self._child(self.failures, _reason_label(decision.reason)).inc()
                 cls = reason_class(decision.trigger, decision.reason)
                 self._failed[cls].inc()
+                if cls == "kv_checksum_mismatch" and self._checksum:
+                    self._checksum["mismatch"].inc()
                 log_failed_room(self._node, room, decision, cls)
 
 

@@ -28,6 +28,7 @@ REASON_CLASSES = (
     "layout_mismatch",  # the peer's KV layout was refused
     "bootstrap_error",  # the bootstrap server could not tell the decode node where the prefill node is
     "transfer_error",  # gather, publish, pull or scatter failed
+    "kv_checksum_mismatch",  # the KV in the decode node's pages is not what the prefill node sent (checksums.py)
     "side_channel_error",  # a control message could not be sent (peer unreachable)
     "node_restarted",  # this node restarted and failed the rooms its journal showed unfinished
     "error",  # any other effect failure (the prefill forward pass, admission)
@@ -37,6 +38,7 @@ _ERROR_CLASSES = (  # the detail of an ``error`` event, after its "<blame> error
     ("bootstrap lookup failed", "bootstrap_error"),
     ("pull failed", "transfer_error"),
     ("scatter failed", "transfer_error"),
+    ("kv checksum mismatch", "kv_checksum_mismatch"),
     ("gather/publish failed", "transfer_error"),
     ("side channel", "side_channel_error"),
     ("sending ", "side_channel_error"),

@@ -24,15 +24,16 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-# int32 words of the trailer: the first sampled token
+# int32 words of the trailer: the first sampled token (then, with the KV checksum, a flag and one per piece and layer)
 TRAILER_WORDS = 1
 
 
 @dataclass(frozen=True, slots=True)
 class Trailer:
-    """The trailer piece's place in a pull (``PullPort.pull(piece=...)``): its spec is ``int32[TRAILER_WORDS]``."""
+    """The trailer piece's place in a pull (``PullPort.pull(piece=...)``): its spec is ``int32[words]``."""
 
     index: int
+    words: int = TRAILER_WORDS
 
     def describe(self) -> str:
         return f"trailer (piece {self.index})"
@@ -53,18 +54,20 @@ class ChunkPlan:
 
     pieces: tuple[ChunkPiece, ...]
     skipped: int  # leading pages of the room the transfer does not move (the decode node's prefix cache holds them)
+    checksum_layers: int = 0  # the trailer carries a checksum per piece and layer (0: none)
 
     @classmethod
-    def of(cls, pages: list[int], piece_pages: int, skipped: int = 0) -> ChunkPlan:
+    def of(cls, pages: list[int], piece_pages: int, skipped: int = 0, checksum_layers: int = 0) -> ChunkPlan:
         if piece_pages < 1:
             raise ValueError(f"piece_pages must be at least 1, got {piece_pages}")
         count = math.ceil(len(pages) / piece_pages)
         return cls(tuple(ChunkPiece(i, tuple(pages[i * piece_pages:(i + 1) * piece_pages])) for i in range(count)),
-                   skipped)
+                   skipped, checksum_layers)
 
     @property
     def trailer(self) -> Trailer:
-        return Trailer(len(self.pieces))
+        checksums = 1 + len(self.pieces) * self.checksum_layers if self.checksum_layers else 0  # a flag, the values
+        return Trailer(len(self.pieces), TRAILER_WORDS + checksums)
 
     @property
     def entries(self) -> int:
@@ -98,6 +101,7 @@ class ChunkPulls:
         self.plan = plan
         self.landed: dict[int, Any] = {}  # piece index -> its verified array (the trailer is not kept)
         self.first_token: int | None = None
+        self.checksums: list[list[int]] | None = None  # from the trailer: one crc32c per piece and layer
 
     def land(self, index: int, staging: Any) -> None:
         self.landed[index] = staging

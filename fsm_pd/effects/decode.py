@@ -37,6 +37,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from fsm_pd.effects import EffectError, EffectInterpreter
+from fsm_pd.effects.checksums import MISSING, OFF, UNCHECKED, VERIFIED, ChecksumMismatch, mismatch, read_trailer
 from fsm_pd.effects.chunked import ChunkPiece, ChunkPlan, ChunkPulls, Trailer
 from fsm_pd.effects.faults import InjectedFault
 from fsm_pd.effects.outbox import Outbox
@@ -80,8 +81,11 @@ class DecodeEffects:
     abort_note: Callable[[Room], bool] | None = None
 
     def __init__(self, *, layout: dict, channel: SideChannelPort, resolver: ResolverPort, admission: Admission,
-                 puller: PullPort, model: ModelExecutor, kv: DecodeKV, faults: Faults):
+                 puller: PullPort, model: ModelExecutor, kv: DecodeKV, faults: Faults, kv_checksum: bool = True):
+        """``kv_checksum``: verify the KV checksum P sent against our pages before the request decodes
+        (``checksums.py``)."""
         self.layout = dict(layout)
+        self.kv_checksum = kv_checksum
         self.channel, self.resolver, self.admission = channel, resolver, admission
         self.puller, self.model, self.kv, self.faults = puller, model, kv, faults
         self._lock = threading.Lock()  # orders a pull's result against FreePages (see the module docstring)
@@ -157,7 +161,7 @@ class DecodeEffects:
             done = partial(self._pulled, node, room_id, plan, piece)
             self.puller.pull(ctx["transfer_addr"], piece_uuid(int(ctx["uuid"]), piece.index), len(pages),
                              float(ctx["deadlines"]["transfer"]), done=done,
-                             on_progress=None if stream is None else stream.on_progress,
+                             on_progress=self.faults.corrupting(None if stream is None else stream.on_progress),
                              delay_s=self.faults.pull_delay_s, piece=piece)
 
     def _pulled(self, node: Node, room_id: int, plan: ReshardPlan, piece: Piece, staging: Any,
@@ -193,7 +197,8 @@ class DecodeEffects:
 
     def _pull_chunks(self, node: Node, room: Room, pages: list[int]) -> None:
         ctx, room_id = room.ctx, room.room
-        plan = ChunkPlan.of(pages, int(ctx["chunk_pages"]))
+        layers = int(self.layout["num_layers"]) if ctx.get("chunk_checksums") else 0  # what the trailer holds
+        plan = ChunkPlan.of(pages, int(ctx["chunk_pages"]), checksum_layers=layers)
         if len(plan.pieces) != int(ctx["chunks"]) or not plan_between(ctx["peer_layout"], self.layout).unsharded:
             raise EffectError(f"READY announces {ctx['chunks']} pieces of {ctx['chunk_pages']} pages; we wait for "
                               f"{len(pages)} pages in {len(plan.pieces)}", blame="remote")
@@ -216,6 +221,7 @@ class DecodeEffects:
         trailer = isinstance(piece, Trailer)
         self.puller.pull(address, piece_uuid(uuid, piece.index), 0 if trailer else len(piece.pages), timeout_s,
                          done=done, delay_s=self.faults.pull_delay_s,
+                         on_progress=None if trailer else self.faults.corrupting(None),
                          piece=piece if trailer else None)
 
     def _chunk_pulled(self, node: Node, room_id: int, pulls: ChunkPulls, where: tuple, piece: ChunkPiece | Trailer,
@@ -224,7 +230,8 @@ class DecodeEffects:
         trailer = isinstance(piece, Trailer)
         if error is None and trailer:
             try:
-                pulls.first_token = int(self.kv.read_trailer(staging)[0])
+                pulls.first_token, pulls.checksums = read_trailer(self.kv.read_trailer(staging),
+                                                                  pulls.plan.checksum_layers)
             except Exception as exc:  # noqa: BLE001 - a trailer we cannot read fails the pull, not the thread
                 error = exc
             finally:
@@ -254,8 +261,11 @@ class DecodeEffects:
             return
         self.faults.crash("after_pull")
         arrays = pulls.arrays()
-        node.submit(room_id, "pulled", {"bytes": sum(int(a.nbytes) for a in arrays),
-                                        "chunks": [int(a.nbytes) for a in arrays], "first_token": pulls.first_token})
+        payload = {"bytes": sum(int(a.nbytes) for a in arrays), "chunks": [int(a.nbytes) for a in arrays],
+                   "first_token": pulls.first_token}
+        if pulls.checksums is not None:  # journaled, as READY's are for a whole handoff: Scatter compares them
+            payload["kv_checksum"] = pulls.checksums
+        node.submit(room_id, "pulled", payload)
 
     def _report_pull_error(self, node: Node, room_id: int, which: str, error: BaseException) -> None:
         if isinstance(error, TransferTimeout):
@@ -276,8 +286,12 @@ class DecodeEffects:
         plan = plan_between(room.ctx["peer_layout"], self.layout)
         streamed = stream is not None and self.kv.complete_stream(stream, pieces[0])
         chunks = ChunkPlan.of(pages, int(room.ctx["chunk_pages"])).pieces if room.ctx.get("chunks") else None
+        expected = room.ctx.get("kv_checksum") if self.kv_checksum else None
+        if self.kv_checksum and expected is None:
+            log.info("room %d: no KV checksum from the prefill node (its --kv-checksum is off, or its pool is not "
+                     "checksummed): the handoff is not verified", room_id)
 
-        def write(owner: Any) -> None:
+        def write(owner: Any) -> str:
             try:
                 self.faults.check("scatter")
                 if chunks is None:
@@ -288,16 +302,39 @@ class DecodeEffects:
             finally:
                 for piece in pieces:
                     self.kv.discard(piece)
+            return self._verify(owner, pages, plan, chunks, expected)
 
         def done(future) -> None:
             exc = future.exception()
             if exc is None:
                 self.faults.crash("after_scatter")
-                node.submit(room_id, "scattered", {})
+                node.submit(room_id, "scattered", {"kv_checksum_check": future.result()})
+            elif isinstance(exc, ChecksumMismatch):  # its own reason; the decode engine recomputes the request
+                node.submit(room_id, "error", {"blame": "remote", "reason": str(exc)})
             else:
                 node.submit(room_id, "error", {"blame": "local", "reason": f"scatter failed: {exc}"})
 
         self.model.submit(write).add_done_callback(done)
+
+    def _verify(self, owner: Any, pages: list[int], plan: ReshardPlan, chunks: tuple | None,
+                expected: list | None) -> str:
+        """Model thread, in the job of the handoff's last write, so after every write into ``pages``: compare their
+        checksum with P's; raises ``ChecksumMismatch``, else says what was checked (``checksums.OUTCOMES``)."""
+        if not self.kv_checksum:
+            return OFF
+        if expected is None:
+            return MISSING
+        if chunks is None:
+            got = self.kv.received_checksum(owner, pages, plan)
+        else:  # one checksum per chunk piece, over its pages
+            got = [self.kv.received_checksum(owner, list(piece.pages), plan) for piece in chunks]
+            got = None if any(part is None for part in got) else [part[0] for part in got]
+        if got is None:
+            return UNCHECKED
+        wrong = mismatch(expected, got, "piece" if chunks is None else "chunk piece")
+        if wrong is not None:
+            raise ChecksumMismatch(wrong)
+        return VERIFIED
 
     def free_pages(self, node: Node, room: Room, effect: FreePages) -> None:
         room_id = room.room

@@ -12,6 +12,8 @@ tells drills from real failures. Variables (probabilities are in [0, 1], per att
 | ``FSM_PD_FAULT_DELAY_MESSAGE_S`` and ``FSM_PD_FAULT_DELAY_MESSAGE_P`` (default 1) | send it that much later |
 | ``FSM_PD_FAULT_MESSAGES`` | which kinds the two above touch, e.g. ``READY,PULLED`` (default: all) |
 | ``FSM_PD_FAULT_PULL_DELAY_S`` | hold each pull back this long (a slow decode or link) |
+| ``FSM_PD_FAULT_CORRUPT_PULL`` | flip one byte of a pulled KV entry as it lands on the decode node (the wire corrupted
+  it; the KV checksum must catch it: ``effects/checksums.py``) |
 | ``FSM_PD_FAULT_CRASH_AT`` | ``os._exit`` the process the first time it reaches that point (``CRASH_POINTS``) |
 | ``FSM_PD_FAULT_SEED`` | seed of the dice, for repeatable drills |
 | ``FSM_PD_FAULT_PAUSE_FILE`` | nothing is injected while this file exists (warm up first; end a drill live) |
@@ -30,6 +32,9 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+from fsm_pd.effects.ports import OnProgress
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +54,7 @@ _KNOWN = {
     "DELAY_MESSAGE_P",
     "MESSAGES",
     "PULL_DELAY_S",
+    "CORRUPT_PULL",
     "CRASH_AT",
     "SEED",
     "PAUSE_FILE",
@@ -67,6 +73,7 @@ class FaultConfig:
     delay_message_p: float = 1.0
     messages: frozenset[str] = frozenset(MESSAGE_KINDS)
     pull_delay_s: float = 0.0
+    corrupt_pull: float = 0.0
     crash_at: str | None = None
     seed: int | None = None
     pause_file: str | None = None
@@ -104,6 +111,7 @@ class FaultConfig:
             delay_message_p=_probability(found, "DELAY_MESSAGE_P", 1.0),
             messages=kinds or frozenset(MESSAGE_KINDS),
             pull_delay_s=_seconds(found, "PULL_DELAY_S"),
+            corrupt_pull=_probability(found, "CORRUPT_PULL"),
             crash_at=crash,
             seed=seed,
             pause_file=found.get("PAUSE_FILE") or None,
@@ -111,7 +119,8 @@ class FaultConfig:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.stages or self.drop_message or self.delay_message_s or self.pull_delay_s or self.crash_at)
+        return bool(self.stages or self.drop_message or self.delay_message_s or self.pull_delay_s or self.crash_at
+                    or self.corrupt_pull)
 
     def describe(self) -> dict:
         """The active settings, for logs and ``info()``."""
@@ -124,6 +133,8 @@ class FaultConfig:
             out["messages"] = sorted(self.messages)
         if self.pull_delay_s:
             out["pull_delay_s"] = self.pull_delay_s
+        if self.corrupt_pull:
+            out["corrupt_pull"] = self.corrupt_pull
         if self.crash_at:
             out["crash_at"] = self.crash_at
         return out
@@ -216,6 +227,27 @@ class Faults:
     @property
     def pull_delay_s(self) -> float:
         return 0.0 if self.paused else self.config.pull_delay_s
+
+    def corrupting(self, on_progress: OnProgress | None) -> OnProgress | None:
+        """For one pulled KV entry: with probability ``FSM_PD_FAULT_CORRUPT_PULL``, a progress hook that flips one
+        byte of it as it lands (XOR 0xFF of the second-highest byte of its first element: a value off by a power of
+        two or more, on the first page's first layer), before ``on_progress`` (if any) sees it; else
+        ``on_progress`` itself."""
+        if not self._roll(self.config.corrupt_pull):
+            return on_progress
+        flipped = [False]
+
+        def report(index: int, host: Any, landed: int) -> None:
+            byte = host.dtype.itemsize - 2 if host.dtype.itemsize > 1 else 0
+            if not flipped[0] and landed > byte:
+                flipped[0] = True
+                host.reshape(-1).view("uint8")[byte] ^= 0xFF
+                self._count("corrupt_pull")
+                log.info("fault injection flipped byte %d of a pulled KV entry", byte)
+            if on_progress is not None:
+                on_progress(index, host, landed)
+
+        return report
 
     def crash(self, point: str) -> None:
         """Exit at once, without cleanup (like SIGKILL), if ``FSM_PD_FAULT_CRASH_AT`` names ``point``."""

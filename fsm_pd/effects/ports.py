@@ -117,7 +117,13 @@ class PrefillKV(Protocol):
         """A staging array that will never be published: let it go."""
 
     def trailer(self, words: list[int]) -> Any:
-        """A chunked handoff's trailer holding ``words`` (``chunked.TRAILER_WORDS`` ints), ready to publish."""
+        """A chunked handoff's trailer holding ``words`` (int32: the first token, then any checksums), ready to
+        publish."""
+
+    def sent_checksum(self, owner: Any, pages: list[int], plan: Any) -> list[list[int]] | None:
+        """Model thread, while ``pages`` hold the final KV a handoff sends: its checksum, one value per piece of
+        ``plan`` (P's source slots) and layer (``kernels/kv_checksum.py``); None where this pool is not checksummed
+        (on an accelerator)."""
 
 
 class DecodeKV(Protocol):
@@ -142,6 +148,10 @@ class DecodeKV(Protocol):
 
     def read_trailer(self, staging: Any) -> list[int]:
         """The words of a pulled trailer (``chunked.py``)."""
+
+    def received_checksum(self, owner: Any, pages: list[int], plan: Any) -> list[list[int]] | None:
+        """Model thread, after the handoff's writes into ``pages``: the checksum of what they hold now, in the order
+        ``PrefillKV.sent_checksum`` uses (``plan``'s destination slots); None where this pool is not checksummed."""
 
 
 class Admission(Protocol):

@@ -24,6 +24,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from fsm_pd.effects import EffectError, EffectInterpreter
+from fsm_pd.effects.checksums import trailer_words
 from fsm_pd.effects.chunked import ChunkPlan, streams
 from fsm_pd.effects.outbox import Outbox
 from fsm_pd.machines.effect_types import GatherAndPublish, ReleaseStaging, Send
@@ -41,8 +42,10 @@ log = logging.getLogger(__name__)
 
 class PrefillEffects:
     def __init__(self, *, layout: dict, channel: SideChannelPort, transfer: PublishPort, model: ModelExecutor,
-                 kv: PrefillKV, faults: Faults, new_uuid: Callable[[], int]):
+                 kv: PrefillKV, faults: Faults, new_uuid: Callable[[], int], kv_checksum: bool = True):
+        """``kv_checksum``: compute the KV checksum of every handoff and send it (``checksums.py``)."""
         self.layout = dict(layout)
+        self.kv_checksum = kv_checksum
         self.channel, self.transfer, self.model, self.kv = channel, transfer, model, kv
         self.faults, self.new_uuid = faults, new_uuid
         # room -> (uuid, pieces) of a staging buffer being gathered or published: its pieces are published under
@@ -51,6 +54,8 @@ class PrefillEffects:
         # room -> [entries of its chunked handoff published so far]: the list is the loop thread's (created, dropped),
         # the count in it the model thread's (the publish jobs, in order)
         self.chunks_sent: dict[int, list[int]] = {}
+        # room -> the checksum of each piece of its chunked handoff, filled by the publish jobs (model thread)
+        self.chunk_sums: dict[int, list] = {}
         self.outbox = Outbox(channel, faults, peer="decode node", best_effort=frozenset({"ABORT"}),
                              crash_after={"READY": "after_ready"})
 
@@ -81,10 +86,13 @@ class PrefillEffects:
             if self.staging.get(room_id, (None,))[0] != uuid:
                 return  # the room ended while this waited for the model thread
             self.faults.check("gather")
+            # the KV is final now and nothing has read it yet: what D must find in its pages, whatever the send
+            # reads later (a page freed and reused mid-send) or the wire does to it
+            sums = self.kv.sent_checksum(owner, pages, plan) if self.kv_checksum else None
             if plan.unsharded and self.transfer.progressive and self.kv.gathers_progressively(owner):
                 self.faults.check("publish")
                 self.kv.publish_while_gathering(owner, self.transfer, uuid, pages, hold_s,
-                                                lambda rows: self._published(node, room_id, uuid, rows))
+                                                lambda rows: self._published(node, room_id, uuid, rows, sums=sums))
                 self.faults.crash("after_gather")
                 return
             pieces = self.kv.gather(owner, pages, plan)
@@ -103,7 +111,7 @@ class PrefillEffects:
                     if plan.unsharded:
                         raise
                     raise EffectError(f"{piece.describe()}: {exc}") from exc
-            self._published(node, room_id, uuid, int(pieces[0].shape[1]), len(pieces))
+            self._published(node, room_id, uuid, int(pieces[0].shape[1]), len(pieces), sums=sums)
 
         def failed(done: Future) -> None:
             exc = done.exception()
@@ -116,7 +124,9 @@ class PrefillEffects:
         """Publish the pieces of a chunked handoff that are final now (and the trailer after the last chunk); the
         first call also announces the transfer (``published``: READY)."""
         ctx, room_id = room.ctx, room.room
-        plan = ChunkPlan.of(pages, int(ctx["piece_pages"]), skipped=int(ctx.get("peer_cached_pages", 0)))
+        layers = int(self.layout["num_layers"]) if self.kv_checksum else 0  # checksums in the trailer
+        plan = ChunkPlan.of(pages, int(ctx["piece_pages"]), skipped=int(ctx.get("peer_cached_pages", 0)),
+                            checksum_layers=layers)
         last, hold_s = bool(ctx.get("last")), float(ctx["deadlines"]["pull_hold"])
         ready = len(plan.pieces) if last else plan.final(int(ctx.get("final_pages", 0)))
         first_token = int(ctx.get("first_token", 0))
@@ -126,9 +136,10 @@ class PrefillEffects:
             uuid = self.new_uuid()
             self.staging[room_id] = (uuid, plan.entries)
             self.chunks_sent[room_id] = [0]
+            self.chunk_sums[room_id] = [None] * len(plan.pieces)
         else:
             uuid = entry[0]
-        sent = self.chunks_sent[room_id]
+        sent, sums = self.chunks_sent[room_id], self.chunk_sums[room_id]
         reshard = plan_between(self.layout, ctx["peer_layout"])
 
         def publish(owner: Any) -> None:
@@ -137,6 +148,8 @@ class PrefillEffects:
             for piece in plan.pieces[sent[0]:ready]:
                 sent[0] = -1  # until it is published: a failed piece is never retried by a later chunk's job
                 self.faults.check("gather")
+                if layers:  # this piece's pages hold final KV now
+                    sums[piece.index] = (self.kv.sent_checksum(owner, list(piece.pages), reshard) or [None])[0]
                 (staging,) = self.kv.gather(owner, list(piece.pages), reshard)
                 try:
                     self.faults.check("publish")
@@ -147,11 +160,13 @@ class PrefillEffects:
                 sent[0] = piece.index + 1
             if last and sent[0] == len(plan.pieces):
                 self.faults.check("publish")
-                self.transfer.publish(piece_uuid(uuid, plan.trailer.index), (self.kv.trailer([first_token]),), hold_s)
+                words = trailer_words(first_token, sums if layers else None, layers)
+                self.transfer.publish(piece_uuid(uuid, plan.trailer.index), (self.kv.trailer(words),), hold_s)
                 sent[0] = plan.entries
 
         if announce:
-            self._published(node, room_id, uuid, 0, chunks=len(plan.pieces), chunk_pages=int(ctx["piece_pages"]))
+            self._published(node, room_id, uuid, 0, chunks=len(plan.pieces), chunk_pages=int(ctx["piece_pages"]),
+                            chunk_checksums=int(bool(layers)))
         self.model.submit(publish).add_done_callback(partial(self._failed, node, room_id))
 
     def _failed(self, node: Node, room_id: int, done: Future) -> None:
@@ -159,9 +174,12 @@ class PrefillEffects:
         if exc is not None:  # the room fails; its ReleaseStaging then fails every entry, published or not
             node.submit(room_id, "error", {"blame": "local", "reason": f"gather/publish failed: {exc}"})
 
-    def _published(self, node: Node, room_id: int, uuid: int, rows: int, pieces: int = 1, **chunked: int) -> None:
+    def _published(self, node: Node, room_id: int, uuid: int, rows: int, pieces: int = 1,
+                   sums: list[list[int]] | None = None, **chunked: int) -> None:
         self.faults.crash("after_publish")
         payload = {"uuid": uuid, "transfer_addr": self.transfer.address, "rows": int(rows), **chunked}
+        if sums is not None:  # journaled: READY carries it (one crc32c per piece and layer)
+            payload["kv_checksum"] = sums
         if pieces > 1:  # journaled: how many pieces (uuids from piece_uuid(uuid, 0)) the decode node pulls
             payload["pieces"] = pieces
         node.submit(room_id, "published", payload)
@@ -169,6 +187,7 @@ class PrefillEffects:
     def release_staging(self, node: Node, room: Room, effect: ReleaseStaging) -> None:
         entry = self.staging.pop(room.room, None)
         self.chunks_sent.pop(room.room, None)
+        self.chunk_sums.pop(room.room, None)
         if entry is None:
             return
         uuid, pieces = entry
@@ -188,7 +207,8 @@ class PrefillEffects:
                                 page_count=len(pages_to_send(ctx)), first_token=ctx.get("first_token", 0),
                                 first_logprob=ctx.get("first_logprob"), input_logprobs=ctx.get("input_logprobs"),
                                 top_logprobs=ctx.get("top_logprobs"), cached_tokens=ctx.get("cached_tokens", 0),
-                                chunks=ctx.get("chunks", 0), chunk_pages=ctx.get("chunk_pages", 0))
+                                chunks=ctx.get("chunks", 0), chunk_pages=ctx.get("chunk_pages", 0),
+                                kv_checksum=ctx.get("kv_checksum"), chunk_checksums=bool(ctx.get("chunk_checksums")))
         elif effect.kind == "ABORT":
             msg = channel.stamp(Abort, room=room.room, reason=room.reason or "aborted")
         else:

@@ -35,6 +35,12 @@ from fsm_pd.machines.effect_types import (
 
 ROLE = "decode"
 
+# The detail of the ``error`` that fails a room whose KV, as written into our pages, does not match the checksum the
+# prefill node computed when it was final (``effects/checksums.py``): "remote error: kv checksum mismatch: piece 0
+# layer 5: ...". The wire, the prefill node's pages (freed and reused while they were sent) or our own pool changed
+# the bytes; the decode engine recomputes the request as for any failed transfer.
+KV_CHECKSUM_MISMATCH = "kv checksum mismatch"
+
 DEADLINES = {
     "Bootstrapping": "bootstrap",  # prefill node not found, or no pages for the prompt in time
     "WaitingForInput": "waiting",  # PREPARE sent, no READY (SGLang's waiting timeout)

@@ -100,6 +100,18 @@ def _check_layout(value: Any) -> dict:
     return dict(value)
 
 
+def _check_optional_checksums(value: Any) -> list[list[int]] | None:
+    """A KV checksum: one list per piece of uint32 values, one per layer (``kernels/kv_checksum.py``)."""
+    if value is None:
+        return None
+    if type(value) is not list or any(type(part) is not list for part in value):
+        raise MalformedMessage("expected a list of lists of uint32 or None")
+    for part in value:
+        if any(type(v) is not int or not 0 <= v < 1 << 32 for v in part):
+            raise MalformedMessage("checksum values must be uint32")
+    return [list(part) for part in value]
+
+
 def _check_bool(value: Any) -> bool:
     if type(value) is not bool:
         raise MalformedMessage(f"expected a bool, got {type(value).__name__}")
@@ -113,6 +125,7 @@ _CHECKS: Final[dict[str, Callable[[Any], Any]]] = {
     "float": _check_float,
     "float | None": _check_optional_float,
     "list[float] | None": _check_optional_float_list,
+    "list[list[int]] | None": _check_optional_checksums,
     "str | None": _check_optional_str,
     "dict": _check_layout,
 }
@@ -187,6 +200,11 @@ class Ready(_Message):
     # trailer with the first token (``first_token`` above is then 0 and means nothing). 0: one whole staging array.
     chunks: int = 0
     chunk_pages: int = 0
+    # The KV checksum (kernels/kv_checksum.py) P computed when the KV was final: one list per piece of the resharding
+    # plan, one crc32c per layer. None: P computed none (--kv-checksum off, or a pool on an accelerator). A chunked
+    # handoff's pieces are not final yet when READY goes: ``chunk_checksums`` then says that the trailer carries them.
+    kv_checksum: list[list[int]] | None = None
+    chunk_checksums: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

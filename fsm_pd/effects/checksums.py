@@ -1,0 +1,67 @@
+"""The handlers' side of the KV checksum: what P announces, what D compares, and the words of a mismatch.
+
+The values themselves come from the pool-operations ports (``PrefillKV.sent_checksum``,
+``DecodeKV.received_checksum``: crc32c of the pages in ``kernels/kv_checksum.py``, a token in the simulation), one
+per piece of the handoff and layer. P computes them on its model thread while the pages hold the final KV, before
+anything is sent; D computes its own over its pool after the handoff's last write into the pages, on its model
+thread in the same job, and compares here. No jax here, so the simulation runs this code.
+
+How they travel: a whole handoff's in READY (``kv_checksum``); a chunked handoff's pieces are not final when READY
+goes, so READY says ``chunk_checksums`` and the trailer carries them after the first token (``trailer_words``).
+
+Mixed settings: D with the check off ignores what P sent; P with it off sends none, and D with it on then lets the
+handoff through and records ``missing`` (a log line and a counter), never a failure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fsm_pd.machines.receiver import KV_CHECKSUM_MISMATCH
+
+# What D recorded about a room's checksum (the ``scattered`` event's ``kv_checksum_check``; counted in /metrics)
+VERIFIED = "verified"
+MISSING = "missing"  # the prefill node sent none (its --kv-checksum off, or its pool is not checksummed)
+UNCHECKED = "unchecked"  # this node's pool is not checksummed (on an accelerator)
+OFF = "off"  # this node's --kv-checksum off
+OUTCOMES = (VERIFIED, MISSING, UNCHECKED, OFF)
+
+
+class ChecksumMismatch(Exception):
+    """The KV in D's pages is not what P sent; the message is the failure's reason detail."""
+
+
+def mismatch(expected: Sequence[Sequence[int]], got: Sequence[Sequence[int]], name: str = "piece") -> str | None:
+    """Where two ``[piece][layer]`` checksums first differ, as a failure reason; None when they are equal."""
+    if len(expected) != len(got):
+        return f"{KV_CHECKSUM_MISMATCH}: {len(expected)} {name}s announced, {len(got)} received"
+    for index, (want, have) in enumerate(zip(expected, got, strict=True)):
+        if len(want) != len(have):
+            return f"{KV_CHECKSUM_MISMATCH}: {name} {index}: {len(want)} layers announced, {len(have)} received"
+        bad = [layer for layer, (a, b) in enumerate(zip(want, have, strict=True)) if int(a) != int(b)]
+        if bad:
+            layer = bad[0]
+            more = f" (and {len(bad) - 1} more layers)" if len(bad) > 1 else ""
+            return (f"{KV_CHECKSUM_MISMATCH}: {name} {index} layer {layer}: {int(have[layer]):#010x} in our pages, "
+                    f"{int(want[layer]):#010x} from the prefill node{more}")
+    return None
+
+
+def trailer_words(first_token: int, sums: Sequence[Sequence[int] | None] | None, layers: int) -> list[int]:
+    """A chunked handoff's trailer: the first token; with checksums announced (``sums`` not None: one entry per
+    piece), a flag (1: valid; 0: P's pool is not checksummed, the values are zeros) and every piece's ``layers``
+    values as int32 words (``ChunkPlan.trailer`` has the length)."""
+    if sums is None:
+        return [first_token]
+    if any(part is None for part in sums):
+        return [first_token, 0, *([0] * (len(sums) * layers))]
+    words = [int(v) - (1 << 32) if int(v) >= 1 << 31 else int(v) for part in sums for v in part]
+    return [first_token, 1, *words]
+
+
+def read_trailer(words: Sequence[int], layers: int) -> tuple[int, list[list[int]] | None]:
+    """The first token and the pieces' checksums (None if the trailer holds none) of ``trailer_words``' output."""
+    if len(words) < 2 or int(words[1]) != 1:
+        return int(words[0]), None
+    flat = [int(w) & 0xFFFFFFFF for w in words[2:]]
+    return int(words[0]), [flat[i : i + layers] for i in range(0, len(flat), layers)]
