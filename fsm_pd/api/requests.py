@@ -58,11 +58,21 @@ def check_model(node: NodeIdentity, model: str | None) -> None:
         raise ApiError(404, f"the model {model!r} does not exist; this server serves {served}", code="model_not_found")
 
 
-def resolve_bootstrap(node: NodeIdentity, host: str | None, port: int | None, room: int | None) -> Bootstrap | None:
+def resolve_bootstrap(node: NodeIdentity, host: str | None, port: int | None, room: int | None,
+                      route=None) -> Bootstrap | None:
     """SGLang's PD fields. A colocated node ignores them; a prefill/decode node needs host and room, and takes
-    its own bootstrap port when the router sent ``bootstrap_port: null`` (as SGLang's decode does)."""
+    its own bootstrap port when the router sent ``bootstrap_port: null`` (as SGLang's decode does). ``route`` (the
+    fsm-pd router's ``fsm_pd_route``) with path ``local``: a decode node prefills the request itself, and needs only
+    the room."""
     if node.role not in PD_ROLES:
         return None
+    if route is not None and route.path == "local":
+        if node.role != "decode":
+            raise ApiError(400, f"fsm_pd_route local: only a decode node prefills a request itself, this is a "
+                                f"{node.role} node")
+        if room is None:
+            raise ApiError(400, "fsm_pd_route local needs bootstrap_room (the attempt's identity on this node)")
+        return Bootstrap(host="", port=0, room=room, local=True)
     port = port if port is not None else node.bootstrap_port
     if host is None or room is None or port is None:
         missing = [n for n, v in (("bootstrap_host", host), ("bootstrap_port", port), ("bootstrap_room", room))
@@ -72,6 +82,12 @@ def resolve_bootstrap(node: NodeIdentity, host: str | None, port: int | None, ro
     if not host:
         raise ApiError(400, "bootstrap_host must be a non-empty host name")
     return Bootstrap(host=host, port=port, room=room)
+
+
+def route_of(body) -> dict | None:
+    """The router's ``fsm_pd_route`` as the engine keeps it (journaled on a decode node, echoed in ``meta_info``)."""
+    route = getattr(body, "fsm_pd_route", None)
+    return None if route is None else {"path": route.path, "reason": route.reason}
 
 
 def derive(value: int, k: int, bits: int = 63) -> int:
@@ -285,7 +301,8 @@ def from_generate(node: NodeIdentity, tokenizer, body: GenerateBody) -> Plan:
     prompts, batched = _prompts_of_generate(node, tokenizer, body)
     max_new = sp.max_new_tokens if sp.max_new_tokens is not None else GENERATE_DEFAULT_MAX_NEW_TOKENS
     seed = sp.seed if sp.seed is not None else sp.sampling_seed
-    bootstrap = resolve_bootstrap(node, body.bootstrap_host, body.bootstrap_port, body.bootstrap_room)
+    bootstrap = resolve_bootstrap(node, body.bootstrap_host, body.bootstrap_port, body.bootstrap_room,
+                                  body.fsm_pd_route)
     plan = Plan([], prompts, copies=sp.n or 1, keep=sp.n or 1, batched=batched, hide_output=max_new == 0,
                 stream=body.stream)
 
@@ -296,7 +313,7 @@ def from_generate(node: NodeIdentity, tokenizer, body: GenerateBody) -> Plan:
                                seed=choose_seed(seed, bootstrap, sampling), stream=body.stream,
                                return_logprob=body.return_logprob, bootstrap=bootstrap, top_logprobs_num=top_k,
                                logprob_start_len=max(start, 0), text_in_logprobs=bool(body.return_text_in_logprobs),
-                               generated_before=before)
+                               generated_before=before, route=route_of(body))
 
     return _build(node, plan, body.rid, make, body.fsm_pd_resume)
 
@@ -305,7 +322,8 @@ def _openai_plan(node: NodeIdentity, body, prompts: list[list[int]], max_tokens:
                  *, batched: bool = False, copies: int = 1, keep: int = 1, tools: ToolPlan | None = None,
                  grammar: GrammarSpec | None = None, top_k: int = 0) -> Plan:
     refuse_unsupported(body, "skip_special_tokens")
-    bootstrap = resolve_bootstrap(node, body.bootstrap_host, body.bootstrap_port, body.bootstrap_room)
+    bootstrap = resolve_bootstrap(node, body.bootstrap_host, body.bootstrap_port, body.bootstrap_room,
+                                  body.fsm_pd_route)
     plan = Plan([], prompts, copies=copies, keep=keep, batched=batched, hide_output=max_tokens == 0,
                 stream=body.stream, tools=tools)
 
@@ -321,7 +339,7 @@ def _openai_plan(node: NodeIdentity, body, prompts: list[list[int]], max_tokens:
         return GenerateRequest(rid="", input_ids=input_ids, sampling=sampling,
                                seed=choose_seed(body.seed, bootstrap, sampling), stream=body.stream,
                                return_logprob=return_logprob, bootstrap=bootstrap, top_logprobs_num=top_k,
-                               generated_before=before)
+                               generated_before=before, route=route_of(body))
 
     return _build(node, plan, body.rid, make, body.fsm_pd_resume)
 

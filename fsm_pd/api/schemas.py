@@ -65,6 +65,15 @@ class ResumeField(_Body):
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="the request's resolved seed on the failed node")
 
 
+class RouteField(_Body):
+    """Internal, sent by the fsm-pd router only (``router/policy.py``): the path it chose for this request and why.
+    ``local`` goes to a decode node alone, with ``bootstrap_room`` and no bootstrap host: that node prefills the
+    prompt itself. ``pd`` comes with the usual bootstrap fields; the decode node journals the reason."""
+
+    path: Literal["pd", "local"]
+    reason: str = Field("", max_length=500)
+
+
 class GenerateBody(_Body):
     """SGLang's ``/generate``: one prompt as ``text`` or ``input_ids``, or a batch as a list of either."""
 
@@ -79,6 +88,7 @@ class GenerateBody(_Body):
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     bootstrap_room: int | None = Field(None, ge=0, le=MAX_ROOM)
     fsm_pd_resume: ResumeField | None = None
+    fsm_pd_route: RouteField | None = None
     # not served (yet): a 400 names them unless neutral
     top_logprobs_num: int | None = None
     logprob_start_len: int | None = None
@@ -145,6 +155,7 @@ class _OpenAIBody(_Body):
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
     bootstrap_room: int | None = Field(None, ge=0, le=MAX_ROOM)
     fsm_pd_resume: ResumeField | None = None
+    fsm_pd_route: RouteField | None = None
 
 
 class CompletionBody(_OpenAIBody):

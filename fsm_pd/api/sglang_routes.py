@@ -35,6 +35,10 @@ def named(rid: str, room: int | None, live) -> list[tuple[str, int | None]]:
     return [(name, room if name == rid else derive(room, int(name[len(rid) + 1:]))) for name in names]
 
 
+def _local(request) -> bool:
+    return request.bootstrap is not None and request.bootstrap.local
+
+
 def sglang_router(ctx: ApiContext) -> APIRouter:
     router = APIRouter(tags=["sglang"], route_class=StrictJSONRoute)
 
@@ -47,7 +51,7 @@ def sglang_router(ctx: ApiContext) -> APIRouter:
         if not plan.single and plan.stream:  # each chunk names its answer by "index", prompt-major (as SGLang's)
             return await stream_plan(ctx, plan, request, lambda i, state, out: [state.sglang_response() | {"index": i}])
         if not plan.single:  # a batch or n > 1: a list of answers, prompt-major (as SGLang's)
-            prompt_logprobs = ctx.role != "decode"
+            prompt_logprobs = ctx.role != "decode" or _local(plan.requests[0])
             return await answer_plan(ctx, plan, request, lambda groups: [
                 state.sglang_response(prompt_logprobs) for group in groups for state in group])
         gen = plan.requests[0]
@@ -56,7 +60,8 @@ def sglang_router(ctx: ApiContext) -> APIRouter:
             # Both PD routers put the prefill's prompt logprobs in front of a whole decode answer's: a decode node
             # leaves its copy out. Streamed, sglang-router merges nothing (and the built-in router never prepends to
             # a list that covers the prompt), so the decode's copy is the one the client gets.
-            prompt_logprobs = ctx.role != "decode"
+            # (a request the decode node prefilled itself, fsm_pd_route local, has no prefill's copy to merge)
+            prompt_logprobs = ctx.role != "decode" or _local(gen)
             return await answer_whole(run, lambda state: state.sglang_response(prompt_logprobs))
 
         def chunk(state: RequestState, out: TokenOutput) -> list[dict]:

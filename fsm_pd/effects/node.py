@@ -14,13 +14,14 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from fsm_pd.machines import Decision, KVPoll, Room, TransferMachine
+from fsm_pd.machines import INITIAL, Decision, KVPoll, Room, TransferMachine
 from fsm_pd.store.journal import Journal, JournalRow
 from fsm_pd.store.reader import open_room_rows
 
 Observer = Callable[[Room, Decision, float], None]
 log = logging.getLogger(__name__)
 _CLEAR = object()  # an inbox entry that forgets a room instead of firing a trigger
+_RECORD = object()  # an inbox entry that journals a record row, outside the machine (``record``)
 
 
 class Node:
@@ -61,6 +62,15 @@ class Node:
         if not self.wakeup.is_set():
             self.wakeup.set()
 
+    def record(self, role: str, room: int, trigger: str, dst: str, event: dict, reason: str | None = None) -> None:
+        """Journal one row that no machine fires, in the next step's group commit: what a node did for a request
+        without a transfer (a decode node's own prefill, role ``local``: ``store/replay.py``). Version 0, from the
+        initial state to ``dst``. Thread-safe."""
+        payload = {"event": event, "effects": [], **({"reason": reason} if reason is not None else {})}
+        self._inbox.append((room, _RECORD, (role, trigger, dst, payload), self.clock.now()))
+        if not self.wakeup.is_set():
+            self.wakeup.set()
+
     def create(self, room: int, payload: dict | None = None) -> None:
         """Queue the creation of a room; the node's deadlines are recorded in the journaled event."""
         self.submit(room, "create", {"deadlines": self.deadlines, **(payload or {})})
@@ -77,6 +87,10 @@ class Node:
             if trigger is _CLEAR:  # later events for the room, in this step too, find no room and are dropped
                 if self._forget(room_id):
                     clears.append(room_id)
+                continue
+            if trigger is _RECORD:
+                r_role, r_trigger, r_dst, r_payload = payload
+                rows.append((node_id, r_role, room_id, 0, r_trigger, INITIAL, r_dst, _encode(r_payload), at))
                 continue
             room = rooms.get(room_id)
             if room is None:

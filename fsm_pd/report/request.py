@@ -26,6 +26,8 @@ def story(chain: Sequence[Attempt]) -> list[str]:
                     f"ended it on {first.ended_by}: {first.reason}")
         else:
             line = f"attempt {i} (room {a.room} on {a.where}) has not ended in these journals"
+        if a.route is not None:
+            line += f"; routed {a.route}"
         if i < len(chain):
             following = chain[i]
             gap = following.started_at - a.ended_at

@@ -35,23 +35,27 @@ pre-allocation queue and the running batch. See ``docs/threads.md`` and ``pd_eng
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 from fsm_pd.control.admission import SchedulerAdmission
 from fsm_pd.control.phases import timing_meta
 from fsm_pd.control.prealloc import Preallocation
+from fsm_pd.machines.deadlines import ended_by_deadline, explain_failure
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.model.pages import pages_for
 from fsm_pd.serving.common import ENDED
 from fsm_pd.serving.decode_loop import DecodeLoop
 from fsm_pd.serving.forward import input_logprobs_from_wire
 from fsm_pd.serving.pd_engine import PDEngine
-from fsm_pd.serving.recompute import ON_TRANSFER_FAILURE, RECOMPUTED_TRIGGERS, TransferRecompute
+from fsm_pd.serving.recompute import ON_TRANSFER_FAILURE, RECOMPUTED_TRIGGERS, TransferRecompute, recompute_key
 from fsm_pd.serving.retraction import DecodeLoopCollector
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.top_logprobs import from_wire as top_logprobs_from_wire
-from fsm_pd.serving.types import EngineError
+from fsm_pd.serving.types import EngineError, GenerateRequest
+
+LOCAL_ROLE = "local"  # the journal role of a request this node prefilled itself (``store/replay.py``)
 
 
 class DecodeEngine(PDEngine):
@@ -82,6 +86,9 @@ class DecodeEngine(PDEngine):
                                            enabled=on_transfer_failure == "recompute",
                                            headroom_pages=self.headroom_pages)
         self.registry.register(self.recompute.collector(labels))
+        self.recompute.on_local = self._journal_local
+        self._local_rooms: set[int] = set()  # live local requests' rooms: a second one with the same room is refused
+        self._local_lock = threading.Lock()
         # the ABORT of a room we will recompute says so, so the prefill node answers its leg instead of failing it
         self.manager.effects.abort_note = self._abort_note
         self._driver.start()
@@ -90,8 +97,47 @@ class DecodeEngine(PDEngine):
         return self.pool_tokens
 
     def _open_room(self, seq: Sequence) -> None:
+        route = {"route": seq.request.route["reason"]} if seq.request.route else {}
         self.manager.add_receiver(seq.key, page_count=pages_for(seq.prompt_len, self.page_size),
-                                  prompt_len=seq.prompt_len, rid=seq.rid, bootstrap_addr=seq.request.bootstrap.addr)
+                                  prompt_len=seq.prompt_len, rid=seq.rid, bootstrap_addr=seq.request.bootstrap.addr,
+                                  **route)
+
+    # --- a request the router sent here to prefill itself (``fsm_pd_route`` local: ``router/policy.py``) ---
+    def _key(self, request: GenerateRequest) -> int:
+        # no room with the KV manager: the recompute's key, negative, so no room's FreePages can touch its pages
+        room = request.bootstrap.room
+        return recompute_key(room) if request.bootstrap.local else room
+
+    def _accept(self, seq: Sequence) -> None:
+        if not seq.request.bootstrap.local:
+            super()._accept(seq)
+            return
+        room = seq.request.bootstrap.room
+        with self._local_lock:
+            if room in self._local_rooms or self.manager.journal.has_room(self.node_id, LOCAL_ROLE, room):
+                raise EngineError(f"request {seq.rid}: bootstrap_room {room} was already used for a local prefill "
+                                  f"on {self.node_id}; a room is used once", 409)
+            self._local_rooms.add(room)
+        seq.meta["pd_route"] = {"path": "local", "reason": (seq.request.route or {}).get("reason", ""),
+                                "prefill": None, "pages": 0, "bytes": 0}
+
+    def _on_cancel(self, seq: Sequence, reason: str) -> None:
+        if not seq.request.bootstrap.local:
+            super()._on_cancel(seq, reason)
+            return
+        # a local request has no room to abort: the scheduler drops it, unprefilled (not journaled), or finishes it
+        if "local_prefill_seconds" not in seq.meta["pd_route"]:
+            with self._local_lock:
+                self._local_rooms.discard(seq.request.bootstrap.room)
+
+    def _journal_local(self, seq: Sequence, failed: Exception | None) -> None:
+        """Model thread: one ``local`` row in the journal once the prefill ran, with the router's reason: what
+        ``replay --request`` shows for this attempt."""
+        event = {"rid": seq.rid, "route": (seq.request.route or {}).get("reason", ""), "prompt_len": seq.prompt_len,
+                 "seconds": seq.meta["pd_route"].get("local_prefill_seconds")}
+        self.manager.node.record(LOCAL_ROLE, seq.request.bootstrap.room, "local_prefill",
+                                 "Failed" if failed else "Success", event,
+                                 reason=f"local prefill failed: {failed}" if failed else None)
 
     def _role_info(self) -> dict:
         waiting = len(self.prealloc.waiting)
@@ -115,12 +161,15 @@ class DecodeEngine(PDEngine):
         if decision.dst == "Failed":
             # recomputed: a failure this node saw itself (its pull or scatter failed, a deadline passed) once it
             # held pages; a peer's abort or death means the prefill leg failed too, and the router moves on
-            return {"reason": room.reason, "recompute": decision.trigger in RECOMPUTED_TRIGGERS
+            # explained: a deadline that ended the room named with what it waited for (machines/deadlines.py)
+            explained = explain_failure("decode", room.reason, room.ctx.get("deadlines"))
+            return {"reason": room.reason, "explained": explained, "recompute": decision.trigger in RECOMPUTED_TRIGGERS
                     and bool(room.ctx.get("pages"))}
         ctx = room.ctx  # the room is the loop's: copy what the model thread will read
         return {"pages": list(ctx.get("pages") or ()), "first_token": ctx.get("first_token"),
                 "first_logprob": ctx.get("first_logprob"), "input_logprobs": ctx.get("input_logprobs"),
                 "top_logprobs": ctx.get("top_logprobs"), "ended_at": at,
+                "peer": ctx.get("peer"), "bytes": int(ctx.get("bytes") or 0), "sent_pages": ctx.get("page_count"),
                 "cached_tokens": int(ctx.get("peer_cached_tokens") or 0),
                 "timing": timing_meta(self.manager.metrics.phases.take(room.room))}
 
@@ -130,7 +179,12 @@ class DecodeEngine(PDEngine):
         self.prealloc.release(room)
 
     def _step(self) -> bool:
-        self.prealloc.waiting.extend(self._take_arrivals())
+        for seq in self._take_arrivals():
+            if seq.request.bootstrap.local:
+                self.rooms.pop(seq.key, None)  # no room: it waits with the recomputes, whose prefill it shares
+                self.recompute.start_local(seq)
+            else:
+                self.prealloc.waiting.append(seq)
         for event in self._take_room_events():
             self._on_room(*event)
         if not self.loop.resuming:  # retracted requests take the pages first, as for new ones
@@ -158,7 +212,7 @@ class DecodeEngine(PDEngine):
                 self.recompute.start(seq, room, reason)  # the request lives on under a key of its own
                 return
             if not seq.cancelled:
-                seq.stream.push(EngineError(reason, 500))
+                seq.stream.push(EngineError(detail["explained"] or reason, 504 if ended_by_deadline(reason) else 500))
             self.requests.pop(seq)
             return
         ctx = detail
@@ -167,6 +221,9 @@ class DecodeEngine(PDEngine):
         # SGLang's names: this room's phases, and queue_time from the transfer's end to joining the batch (now)
         admission = max(0.0, time.time() - ctx["ended_at"])
         seq.meta.update(ctx["timing"], queue_time=round(admission, 6), cached_tokens=ctx["cached_tokens"])
+        # the receipt: which prefill node, and what crossed (pages P sent, bytes this node pulled)
+        seq.meta["pd_route"] = {"path": "pd", "reason": (seq.request.route or {}).get("reason", ""),
+                                "prefill": ctx["peer"], "pages": int(ctx["sent_pages"] or 0), "bytes": ctx["bytes"]}
         if seq.cancelled:
             self._finish(seq)
             return
@@ -188,8 +245,11 @@ class DecodeEngine(PDEngine):
     def _finish(self, seq: Sequence) -> None:
         """A decoded (or cancelled) request is done: ``finish`` frees its pages after any queued write."""
         self.requests.pop(seq)
-        if self.recompute.owns(seq):  # its room was cleared when it failed; its pages are ours
+        if self.recompute.owns(seq):  # its room was cleared when it failed (or it never had one); its pages are ours
             self.recompute.release(seq)
+            if seq.request.bootstrap.local:
+                with self._local_lock:
+                    self._local_rooms.discard(seq.request.bootstrap.room)
             return
         # its prompt's pages (the transfer's and our cached prefix) join our cache; FreePages frees the rest
         self.prealloc.finished(seq)

@@ -61,10 +61,14 @@ class TransferRecompute:
         self.completed = 0  # of those, prefilled here (the request then decodes as any other)
         self.failed = 0  # the local prefill itself failed: the request got a 500
         self.recomputed_tokens = 0
+        # requests the router sent here to prefill (``start_local``): the same queue and prefill, no failed room
+        self.local = {"local_prefills": 0, "local_prefills_done": 0, "local_prefills_failed": 0,
+                      "local_prefill_tokens": 0}
+        self.on_local: Callable[[Sequence, Exception | None], None] | None = None  # the engine journals each
 
     def counters(self) -> dict:
         return {"recomputes": self.started, "recomputes_prefilled": self.completed,
-                "recomputes_failed": self.failed, "recompute_prompt_tokens": self.recomputed_tokens}
+                "recomputes_failed": self.failed, "recompute_prompt_tokens": self.recomputed_tokens, **self.local}
 
     def owns(self, seq: Sequence) -> bool:
         return seq.key < 0
@@ -79,6 +83,14 @@ class TransferRecompute:
         self.started += 1
         log.warning("room %d (request %s): the KV transfer failed (%s); recomputing its prompt of %d tokens on this "
                     "node (--on-transfer-failure recompute)", room, seq.rid, reason, seq.prompt_len)
+
+    def start_local(self, seq: Sequence) -> None:
+        """Take ``seq``, which the router sent here to prefill itself (``fsm_pd_route`` local; its key is already
+        ``recompute_key`` of its room, so ``owns`` it): it waits in the same queue as the recomputes."""
+        seq.pages = []
+        seq.meta["recompute_queued_at"] = time.monotonic()
+        self.waiting.append(seq)
+        self.local["local_prefills"] += 1
 
     def ready_to_run(self) -> bool:
         """Waiting work that fits as soon as a step runs (nothing holds pages, so the headroom is waived)."""
@@ -98,6 +110,9 @@ class TransferRecompute:
             self.model, self.model_thread, seqs, budget=self.max_tokens, max_batch=self.max_batch),
             "recompute prefill")
         for seq, first in zip(batch, firsts, strict=True):
+            if "kv_recompute" not in seq.meta:
+                self._local_prefilled(seq, first, add, finish)
+                continue
             info = seq.meta["kv_recompute"]
             info["seconds"] = round(time.monotonic() - seq.meta.pop("recompute_queued_at"), 6)
             if isinstance(first, Exception):
@@ -114,6 +129,24 @@ class TransferRecompute:
                 finish(seq)
             else:
                 add(seq)
+
+    def _local_prefilled(self, seq: Sequence, first, add, finish) -> None:
+        seconds = round(time.monotonic() - seq.meta.pop("recompute_queued_at"), 6)
+        seq.meta.setdefault("pd_route", {})["local_prefill_seconds"] = seconds
+        failed = first if isinstance(first, Exception) else None
+        if self.on_local is not None:
+            self.on_local(seq, failed)
+        if failed is not None:
+            self.local["local_prefills_failed"] += 1
+            seq.stream.push(EngineError(f"the local prefill of this request failed: {failed}", 500))
+            finish(seq)
+            return
+        self.local["local_prefills_done"] += 1
+        self.local["local_prefill_tokens"] += seq.prompt_len
+        if seq.emit(first.token_id, first.logprob, first.input_logprobs, first.top_logprobs, first.input_top_logprobs):
+            finish(seq)
+        else:
+            add(seq)
 
     def release(self, seq: Sequence) -> None:
         """A recomputed request ended: its pages go back (model thread)."""
@@ -143,6 +176,11 @@ class RecomputeCollector:
              "Recomputes whose own prefill failed (the request got a 500)"),
             ("fsm_pd_transfer_recompute_prompt_tokens", "recompute_prompt_tokens",
              "Prompt tokens prefilled on the decode node after failed transfers"),
+            ("fsm_pd_local_prefills", "local_prefills",
+             "Requests the router sent to this decode node to prefill itself (fsm_pd_route local)"),
+            ("fsm_pd_local_prefill_failures", "local_prefills_failed", "Local prefills that failed (a 500)"),
+            ("fsm_pd_local_prefill_prompt_tokens", "local_prefill_tokens",
+             "Prompt tokens this decode node prefilled for requests routed to it locally"),
         ):
             family = CounterMetricFamily(name, doc, labels=names)
             family.add_metric(label_values, float(values[key]))

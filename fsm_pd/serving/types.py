@@ -31,6 +31,9 @@ class Bootstrap:
     host: str
     port: int
     room: int
+    # the router chose the local path (``router/policy.py``): no prefill node; the decode node prefills the prompt
+    # itself. The room still names the attempt (its identity, its seed) on that node.
+    local: bool = False
 
     @property
     def addr(self) -> str:
@@ -55,6 +58,7 @@ class GenerateRequest:
     # strings, the grammar, penalties and the sampling step count them, and ``sampling.max_new_tokens`` is what is
     # left after them.
     generated_before: list[int] = field(default_factory=list)
+    route: dict | None = None  # the router's path and reason (``fsm_pd_route``), journaled by a decode node
 
     @property
     def identity(self) -> tuple[str, int | None]:

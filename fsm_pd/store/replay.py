@@ -119,7 +119,20 @@ def by_room(reports: Iterable[RoomReport]) -> Iterator[list[RoomReport]]:
         yield list(group)
 
 
+# Roles journaled as records, not fired through a machine: ``local``, a request a decode node prefilled itself (the
+# router's ``fsm_pd_route`` local; ``serving/decode_engine.py``), one row from the initial state to Success or
+# Failed with the router's reason. Replay checks that such a side is that one row.
+RECORD_ROLES = frozenset({"local"})
+
+
 def _replay_room(node: str, role: str, room_id: int, rows: list[JournalRow]) -> RoomReport:
+    if role in RECORD_ROLES:
+        first = rows[0]
+        divergence = None
+        if len(rows) != 1 or first.version != 0 or first.dst not in TERMINAL:
+            divergence = Divergence(node, role, room_id, rows[-1].version, rows[-1].trigger, "record",
+                                    "one row ending Success or Failed", f"{len(rows)} rows ending {rows[-1].dst}")
+        return _report(node, role, room_id, rows, divergence, rows[-1].dst)
     machine = MACHINES.get(role)
     room = Room(room_id)
     divergence = None
@@ -189,6 +202,8 @@ def _report(node, role, room_id, rows, divergence, replayed_state) -> RoomReport
                   or _chunks(row.trigger, row.event))
         if detail is not None:
             event["detail"] = detail
+        if route := row.event.get("route"):  # the router's reason (router/policy.py): a decode create, a local record
+            event["route"] = route
         events.append(event)
         if row.dst != row.src:
             time_in_state[row.src] = round(time_in_state.get(row.src, 0.0) + (row.at - entered_at), 6)

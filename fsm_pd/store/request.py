@@ -42,6 +42,17 @@ class Attempt:
         return min(failed, key=lambda s: s.ended_at) if failed else None
 
     @property
+    def route(self) -> str | None:
+        """The path the router chose for this attempt and why (``router/policy.py``), when it said: ``local`` (the
+        decode node prefilled it, a ``local`` record) or ``pd`` (a decode room's create event)."""
+        for side in self.sides:
+            for event in side.events:
+                if event.get("route"):
+                    path = "local" if side.role == "local" else "pd"
+                    return f"{path} ({event['route']})"
+        return None
+
+    @property
     def where(self) -> str:
         return ", ".join(f"{s.role} {s.node}" for s in self.sides)
 
