@@ -63,7 +63,7 @@ def _room_block(room: int, sides: list[RoomReport]) -> str:
         lanes.append(_lane(s, start, span))
         if s.reason:
             whys.append(f'<div class="why">{escape(s.role)} failed on <b>{escape(s.ended_by or "?")}</b>: '
-                        f"{escape(s.reason)}</div>")
+                        f"{escape(s.why)}</div>")
     return (f'<div class="room"><div class="head">room {room} &middot; {" &middot; ".join(head_bits)} '
             f"&middot; {span * 1000:.1f} ms</div>{''.join(lanes)}{''.join(whys)}</div>")
 

@@ -23,7 +23,7 @@ def story(chain: Sequence[Attempt]) -> list[str]:
         elif a.outcome == "Failed":
             first = a.failed_first
             line = (f"attempt {i} (room {a.room} on {a.where}) failed after {took}: {first.role} {first.node} "
-                    f"ended it on {first.ended_by}: {first.reason}")
+                    f"ended it on {first.ended_by}: {first.why}")
         else:
             line = f"attempt {i} (room {a.room} on {a.where}) has not ended in these journals"
         if a.route is not None:
@@ -48,7 +48,7 @@ def render_request(rid: str, chain: Sequence[Attempt], files: Sequence[str], con
     for i, a in enumerate(chain, 1):
         for s in a.sides:
             table.add_row(str(i), str(a.room), s.role, s.node, Text(s.final, style=FINAL_STYLE.get(s.final, "yellow")),
-                          s.ended_by or "-", s.reason or "-", spent(s), f"+{_seconds(s.started_at - start)}",
+                          s.ended_by or "-", s.why or "-", spent(s), f"+{_seconds(s.started_at - start)}",
                           _seconds(s.ended_at - s.started_at))
     console.print(table)
     print_timeline([s for a in chain for s in a.sides], console, title=f"request {rid}: every attempt in time order")

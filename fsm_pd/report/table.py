@@ -58,7 +58,7 @@ class TableWriter:
         for r in sides:
             line = LINE.format(room=r.room, side=r.role, final=r.final, ended=r.ended_by or "-", spent=spent(r),
                                total=_seconds(r.ended_at - r.started_at), pages=pages_moved(r),
-                               replay="ok" if r.consistent else "DIVERGED", reason=r.reason or "-")
+                               replay="ok" if r.consistent else "DIVERGED", reason=r.why or "-")
             if self.color:  # a terminal: the final state in colour, through rich (a human is reading, not a pipe)
                 self.console.print(Text(line, style=FINAL_STYLE.get(r.final, "yellow")), highlight=False,
                                    soft_wrap=True)

@@ -34,6 +34,7 @@ from fsm_pd.bootstrap import BootstrapServer
 from fsm_pd.control.phases import timing_meta
 from fsm_pd.control.scheduling import CHUNKED_PREFILL_SIZE, Chunk, end_request, plan_chunks, take_prefill_batch
 from fsm_pd.effects.decode import RECOMPUTE_NOTE
+from fsm_pd.machines.deadlines import ended_by_deadline, explain_failure
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.serving.common import ENDED
 from fsm_pd.serving.forward import FirstToken, input_logprobs_to_wire, prefill_step
@@ -115,7 +116,10 @@ class PrefillEngine(PDEngine):
     # --- the manager's loop thread ---
     def _detail(self, room, decision, at) -> tuple[str | None, dict]:
         timing = timing_meta(self.manager.metrics.phases.take(room.room)) if decision.dst == "Success" else {}
-        return (room.reason if decision.dst == "Failed" else None), timing
+        # a deadline that ended the room is named with what it waited for and who sets it (machines/deadlines.py)
+        failed = decision.dst == "Failed"
+        reason = explain_failure("prefill", room.reason, room.ctx.get("deadlines")) if failed else None
+        return reason, timing
 
     # --- the model thread ---
     def _step(self) -> bool:
@@ -161,7 +165,7 @@ class PrefillEngine(PDEngine):
                          seq.rid, reason)
                 self._answer(seq, first, {"kv_transfer_failed": reason})
             elif state == "Failed" and not seq.cancelled:
-                seq.stream.push(EngineError(reason or "KV transfer failed", 500))
+                seq.stream.push(EngineError(reason or "KV transfer failed", 504 if ended_by_deadline(reason) else 500))
         # a request still in the prefill queue is dropped there: its room is gone from the manager. Its prompt's pages
         # join the prefix cache once handed over; a failed transfer frees only the pages the request reserved.
         end_request(self.cache, self.allocator, room, seq, keep=state == "Success")

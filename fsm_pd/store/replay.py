@@ -19,6 +19,7 @@ from functools import lru_cache
 from itertools import groupby
 
 from fsm_pd.machines import MACHINES, TERMINAL, Room
+from fsm_pd.machines.deadlines import explain_timeout, state_deadline
 from fsm_pd.store.journal import JournalRow
 
 
@@ -54,6 +55,16 @@ class RoomReport:
     replayed_state: str | None = None
     # what the prefix caches did for the room's KV (``kv_pages``): pages of the prompt, pages moved, cache hits
     pages: dict | None = None
+    # the state deadline whose timer ended the room (``deadline_that_ended``): timer, state, waits_for, seconds, ...
+    deadline: dict | None = None
+
+    @property
+    def why(self) -> str | None:
+        """The failure reason, with the deadline that ended the room explained (what it waited for, its length and
+        the flag or variable that sets it)."""
+        if self.deadline is None:
+            return self.reason
+        return f"{self.reason}: {self.deadline['explained']}"
 
     @property
     def consistent(self) -> bool:
@@ -68,7 +79,7 @@ class RoomReport:
             "room": self.room, "role": self.role, "node": self.node, "final": self.final, "reason": self.reason,
             "ended_by": self.ended_by, "consistent": self.consistent, "started_at": self.started_at,
             "ended_at": self.ended_at, "time_in_state": self.time_in_state, "events": self.events,
-            "pages": self.pages,
+            "pages": self.pages, "deadline": self.deadline,
         }
         if self.divergence is not None:
             out["divergence"] = asdict(self.divergence)
@@ -214,7 +225,24 @@ def _report(node, role, room_id, rows, divergence, replayed_state) -> RoomReport
     if final not in TERMINAL:
         time_in_state[final] = round(time_in_state.get(final, 0.0) + (rows[-1].at - entered_at), 6)
     return RoomReport(room_id, role, node, final, reason, ended_by, rows[0].at, rows[-1].at, time_in_state, events,
-                      divergence, replayed_state, kv_pages(role, rows))
+                      divergence, replayed_state, kv_pages(role, rows), deadline_that_ended(role, rows))
+
+
+def deadline_that_ended(role: str, rows) -> dict | None:
+    """When a state's timer ended the room: which timer, the state it bounded, what the room waited for there, the
+    length the room was created with (its ``create`` event's ``deadlines``) and the flag and variable that set it."""
+    last = next((row for row in reversed(rows) if row.dst != row.src), None)
+    if last is None or last.trigger != "timeout" or last.dst != "Failed":
+        return None
+    timer = last.event.get("timer")
+    known = state_deadline(role, timer) if isinstance(timer, str) else None
+    if known is None:
+        return None
+    created = next((row.event for row in rows if row.trigger == "create"), {})
+    seconds = (created.get("deadlines") or {}).get(timer)
+    seconds = float(seconds) if isinstance(seconds, int | float) else None
+    return {"timer": timer, "state": last.src, "waits_for": known.waits_for, "seconds": seconds, "flag": known.flag,
+            "env": known.env, "explained": explain_timeout(role, timer, seconds)}
 
 
 def kv_pages(role: str, rows) -> dict | None:
