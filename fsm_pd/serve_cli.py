@@ -97,6 +97,17 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                              "draining), waits up to S seconds for the open ones, aborts what is left, deregisters "
                              "from the bootstrap server and exits 0; a second SIGTERM or SIGINT exits at once "
                              "(default 30)")
+    waits = parser.add_argument_group("how long a request waits for this node's engine (docs/operations.md, Waits)")
+    waits.add_argument("--first-token-timeout-secs", type=float, default=900.0, metavar="S",
+                       help="a request whose engine has produced nothing S seconds after it arrived ends with a 504 "
+                            "naming this deadline, and is aborted (a prefill node's only output, a decode node's "
+                            "first token: both come once the KV handoff ended, which the room's own deadlines bound "
+                            "sooner; a colocated node's first token after its queue and prefill) (default 900)")
+    waits.add_argument("--token-idle-timeout-secs", type=float, default=240.0, metavar="S",
+                       help="a request that got no next token for S seconds ends (an error event on a stream whose "
+                            "200 went out, a 504 otherwise) and is aborted: a deadline between tokens, never over the "
+                            "whole answer; a request retracted under KV pressure waits to resume within it (default "
+                            "240)")
     if role in ("prefill", "decode"):
         parser.add_argument("--node-id", default=f"{role}-0", help="this node's id in journals and messages")
         parser.add_argument("--advertise-host", default=None, metavar="ADDR",
@@ -206,6 +217,13 @@ def run_node(args: argparse.Namespace) -> int:
     from fsm_pd.transport import SecretError
 
     startup.record("imports", startup.since_start())
+    from fsm_pd.api.runner import WaitDeadlines
+
+    try:
+        wait = WaitDeadlines(args.first_token_timeout_secs, args.token_idle_timeout_secs)
+    except ValueError as exc:
+        print(f"fsm-pd serve: {exc}", file=sys.stderr)
+        return 2
     try:
         node_secret(args)  # before the weights load: a node that cannot talk to its peers fails in a second
     except SecretError as exc:
@@ -235,7 +253,7 @@ def run_node(args: argparse.Namespace) -> int:
             return 2
     app = create_app(engine, model.tokenizer, api_key=args.api_key, model_name=args.served_model_name or args.model,
                      model_path=args.model, bootstrap_port=getattr(args, "bootstrap_port", None),
-                     drain_timeout_s=args.drain_timeout_secs, startup=startup)
+                     drain_timeout_s=args.drain_timeout_secs, startup=startup, wait=wait)
     apply_serving_gc_policy()
     # HTTP answers from here on (probes see the progress); requests are taken once the programs are prepared
     threading.Thread(target=prepare_programs, args=(engine, startup, args.skip_server_warmup,

@@ -14,6 +14,7 @@ from fsm_pd.api.errors import install_error_handlers
 from fsm_pd.api.info_routes import info_router
 from fsm_pd.api.metrics import ApiMetrics, MetricsMiddleware
 from fsm_pd.api.openai_routes import openai_router
+from fsm_pd.api.runner import WaitDeadlines
 from fsm_pd.api.sglang_routes import sglang_router
 from fsm_pd.api.tokenize_routes import tokenize_router
 from fsm_pd.bootstrap.body_limit import BodySizeLimit
@@ -27,7 +28,8 @@ def create_app(engine: Engine, tokenizer, *, api_key: str | None = None, model_n
                model_path: str | None = None, bootstrap_port: int | None = None,
                registries: Iterable[CollectorRegistry] | None = None, model_info: dict | None = None,
                health_timeout_s: float = 30.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S, startup: Startup | None = None) -> FastAPI:
+               drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S, startup: Startup | None = None,
+               wait: WaitDeadlines | None = None) -> FastAPI:
     """The app serving ``engine``.
 
     * ``model_name``: the served model name (``/v1/models``, ``served_model_name``); defaults to
@@ -42,6 +44,7 @@ def create_app(engine: Engine, tokenizer, *, api_key: str | None = None, model_n
       open requests before it aborts them (``app.state.drain``; ``drain.py``).
     * ``startup``: the node's start-up (``serving/startup.py``): until it is ready, ``/health`` answers 503 with its
       progress and the generation routes refuse with 503 ``starting``; default: ready now.
+    * ``wait``: how long a request waits for the engine's first token and for each next one (``runner.py``).
     """
     name = model_name or engine.model_name
     ctx = ApiContext(engine=engine, tokenizer=tokenizer, model_name=name, model_path=model_path or name,
@@ -49,6 +52,9 @@ def create_app(engine: Engine, tokenizer, *, api_key: str | None = None, model_n
     if registries is None:
         registries = getattr(engine, "registries", None) or ()
     metrics = ApiMetrics(registries)
+    wait = wait or WaitDeadlines()
+    ctx.wait = WaitDeadlines(wait.first_output_s, wait.idle_s,
+                             expired=lambda name: metrics.deadline_expiries.labels(name).inc())
     ctx.drain = Drain(engine, ctx.live, timeout_s=drain_timeout_s, registry=metrics.registry, startup=startup)
     metrics.registry.register(StartupCollector(ctx.drain.startup))
 

@@ -22,6 +22,7 @@ class ApiContext:
     # (rid, room) -> RequestRun of the requests this server is running (``GenerateRequest.identity``)
     live: dict = field(default_factory=dict)
     drain: Any = None  # the server's Drain (drain.py), once create_app made it
+    wait: Any = None  # how long a handler waits for the engine (runner.WaitDeadlines); None: the defaults
 
     @property
     def role(self) -> str:

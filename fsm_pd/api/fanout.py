@@ -28,7 +28,8 @@ async def run_plan(ctx: ApiContext, plan: Plan, request: Request) -> list[Reques
     runs: list[RequestRun] = []
     try:
         for gen in plan.requests:  # the internal runs watch no disconnect: one watch below covers them all
-            runs.append(RequestRun(ctx.engine, gen, ctx.tokenizer, None, ctx.live, hide_output=plan.hide_output))
+            runs.append(RequestRun(ctx.engine, gen, ctx.tokenizer, None, ctx.live, hide_output=plan.hide_output,
+                                   wait=ctx.wait))
         # return_exceptions: every run's ending is retrieved here, none is left to be logged as never retrieved
         work = asyncio.ensure_future(asyncio.gather(*(run.run_to_end() for run in runs), return_exceptions=True))
         gone = asyncio.ensure_future(wait_disconnect(request))
@@ -76,7 +77,7 @@ async def stream_plan(ctx: ApiContext, plan: Plan, request: Request, on_output: 
     request's index (prompt-major) to name it in each chunk. As a single stream, the headers wait for the first
     output, of every request here, so a failure before any token is a real HTTP status; a failure after is one
     error event. The client going away, or one request failing, aborts them all."""
-    runs = [RequestRun(ctx.engine, gen, ctx.tokenizer, None, ctx.live, hide_output=plan.hide_output)
+    runs = [RequestRun(ctx.engine, gen, ctx.tokenizer, None, ctx.live, hide_output=plan.hide_output, wait=ctx.wait)
             for gen in plan.requests]
     gone = asyncio.ensure_future(wait_disconnect(request))
     firsts = asyncio.ensure_future(asyncio.gather(*(run.next_output() for run in runs), return_exceptions=True))

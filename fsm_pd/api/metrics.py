@@ -61,6 +61,13 @@ class ApiMetrics:
         self.seconds = Histogram("fsm_pd_http_request_seconds", "Time to the response's headers, by route",
                                  ["route"], registry=self.registry,
                                  buckets=(0.005, 0.02, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+        # a request handler's wait on its engine that passed its deadline (api/runner.py): first_token, token_idle;
+        # a room's state deadlines are counted as fsm_pd_failures{reason="<timer> timeout"}
+        self.deadline_expiries = Counter("fsm_pd_request_deadline_expiries", "Requests ended because the engine "
+                                         "sent no output within a deadline, by deadline (first_token, token_idle)",
+                                         ["deadline"], registry=self.registry)
+        for name in ("first_token", "token_idle"):  # at 0 from the first scrape, so rates work before the first
+            self.deadline_expiries.labels(name)
 
     def render(self) -> tuple[bytes, str]:
         return b"".join(generate_latest(r) for r in [*self.others, self.registry]), CONTENT_TYPE_LATEST

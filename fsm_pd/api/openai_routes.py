@@ -138,7 +138,8 @@ def openai_router(ctx: ApiContext) -> APIRouter:
                 return await stream_plan(ctx, plan, request, chunk, tail)
             return await answer_plan(ctx, plan, request, answer)
         gen = plan.requests[0]
-        run = RequestRun(ctx.engine, gen, ctx.tokenizer, request, ctx.live, hide_output=plan.hide_output)
+        run = RequestRun(ctx.engine, gen, ctx.tokenizer, request, ctx.live, hide_output=plan.hide_output,
+                         wait=ctx.wait)
         if not gen.stream:
             return await answer_whole(run, lambda state: answer([[state]]))
         return await answer_stream(run, lambda state, out: chunk(0, state, out), lambda state: tail([state]))
@@ -172,7 +173,7 @@ def openai_router(ctx: ApiContext) -> APIRouter:
             return await answer_plan(ctx, plan, request, chat_answer)
         gen = plan.requests[0]
         if not gen.stream:
-            run = RequestRun(ctx.engine, gen, ctx.tokenizer, request, ctx.live)
+            run = RequestRun(ctx.engine, gen, ctx.tokenizer, request, ctx.live, wait=ctx.wait)
             return await answer_whole(run, lambda state: chat_answer([[state]]))
 
         streamers = {i: ToolStreamer(plan.tools) for i in range(len(plan.requests))} if plan.tools is not None else {}
@@ -208,7 +209,7 @@ def openai_router(ctx: ApiContext) -> APIRouter:
         tail = usage_tail(body, "chatcmpl", "chat.completion.chunk")
         if not plan.single:
             return await stream_plan(ctx, plan, request, chunk, tail, head)
-        run = RequestRun(ctx.engine, gen, ctx.tokenizer, request, ctx.live)
+        run = RequestRun(ctx.engine, gen, ctx.tokenizer, request, ctx.live, wait=ctx.wait)
         if plan.resumed:  # a migrated stream: its client has the head, and the text its parser has seen is re-fed
             head = []
             if 0 in streamers:

@@ -2,13 +2,20 @@
 
 A client that disconnects must free what its request holds (KV pages, a decode slot, a bootstrap room), so every
 wait on the engine is raced against the ASGI ``http.disconnect`` message. A request that finished is never aborted.
+
+Every wait on the engine is bounded too (``WaitDeadlines``): the first output within ``first_output_s`` of the
+submit, each later one within ``idle_s`` of the wait's start (a deadline between tokens, not over the whole answer,
+so a long generation is never cut). When one passes the request is aborted in the engine and ends with
+``DeadlinePassed`` (504), whose message names the node, what it waited for and the flag that sets it: a streamed
+answer whose 200 went out ends with that error event instead of going silent (SGLang #32267).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from fastapi import Request
 
@@ -21,6 +28,33 @@ log = logging.getLogger(__name__)
 
 class ClientDisconnected(Exception):
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class WaitDeadlines:
+    """How long a request handler waits for its engine. The first output of a PD request comes once its room
+    reached Success, which the room's own state deadlines bound (bootstrap + waiting + transfer: 660 s by default), so
+    ``first_output_s`` is longer: those name the cause first. ``expired(name)`` counts an expiry (``/metrics``)."""
+
+    first_output_s: float = 900.0  # --first-token-timeout-secs
+    idle_s: float = 240.0  # --token-idle-timeout-secs
+    expired: Callable[[str], None] | None = None
+
+    def __post_init__(self):
+        if not (self.first_output_s > 0 and self.idle_s > 0):
+            raise ValueError(f"the first-token and token-idle deadlines must be positive, got {self.first_output_s} "
+                             f"and {self.idle_s}")
+
+
+FIRST_TOKEN, TOKEN_IDLE = "first_token", "token_idle"  # the deadlines' names (metric labels)
+
+
+class DeadlinePassed(EngineError):
+    """A wait on the engine passed its deadline (504); ``deadline`` is its name."""
+
+    def __init__(self, message: str, deadline: str):
+        super().__init__(message, 504)
+        self.deadline = deadline
 
 
 def _abandon(task: asyncio.Future) -> None:
@@ -42,8 +76,11 @@ class RequestRun:
     """One submitted request: its outputs, accumulated into ``state``; ``close()`` aborts it unless it finished."""
 
     def __init__(self, engine: Engine, request: GenerateRequest, tokenizer, http_request: Request | None,
-                 live: dict[str, RequestRun] | None = None, *, hide_output: bool = False):
+                 live: dict[str, RequestRun] | None = None, *, hide_output: bool = False,
+                 wait: WaitDeadlines | None = None):
         self.engine = engine
+        self._wait = wait or WaitDeadlines()
+        self._first_by = asyncio.get_running_loop().time() + self._wait.first_output_s
         self._live = live if live is not None else {}
         self.state = RequestState(request, tokenizer, hide_output=hide_output)
         self._http = http_request
@@ -52,6 +89,7 @@ class RequestRun:
         self._disconnect: asyncio.Task | None = None
         self._closed = False
         self._ended_by_engine = False
+        self._outputs_seen = 0  # outputs read: the first is waited for up to first_output_s, each later one idle_s
         engine.submit(request, self._stream)  # an EngineError here is the engine refusing the request outright
         self._live[request.identity] = self
 
@@ -72,6 +110,8 @@ class RequestRun:
         """The next output (added to ``state``), None after the last. Raises EngineError, or ClientDisconnected."""
         try:
             return await self._next_output()
+        except DeadlinePassed:
+            raise  # the engine still runs the request: close() aborts it
         except EngineError:
             # The engine ended the request and forgot it: on a colocated node an abort by its rid from now on could
             # only hit a later request with the same rid (on a PD node the abort names the room as well).
@@ -81,26 +121,49 @@ class RequestRun:
     async def _next_output(self) -> TokenOutput | None:
         if self.state.finished:
             return None
-        if self._http is None:  # an internal request (a health probe): nobody to go away
-            return self._add(await anext(self._outputs, None))
-        if self._disconnect is None:
-            self._disconnect = asyncio.ensure_future(wait_disconnect(self._http))
+        waits = set()
+        if self._http is not None:  # else an internal request (a health probe): nobody to go away
+            if self._disconnect is None:
+                self._disconnect = asyncio.ensure_future(wait_disconnect(self._http))
+            waits.add(self._disconnect)
+        first = self._outputs_seen == 0
+        limit = self._first_by - asyncio.get_running_loop().time() if first else self._wait.idle_s
         pending = asyncio.ensure_future(anext(self._outputs))
         try:
-            done, _ = await asyncio.wait({pending, self._disconnect}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({pending, *waits}, timeout=max(0.0, limit),
+                                         return_when=asyncio.FIRST_COMPLETED)
         except BaseException:  # cancelled (a stream whose client left): the read must not outlive us unheard
             _abandon(pending)
             raise
         if pending not in done:
-            # a read that ended meanwhile (the last output, or the request's error) is moot: the client is gone
+            # a read that ended meanwhile (the last output, or the request's error) is moot: the client is gone, or
+            # the deadline passed first
             await cancel_and_wait(pending, what=f"the read of request {self.rid}",
                                   expected=(StopAsyncIteration, EngineError))
-            raise ClientDisconnected(self.rid)
+            if done:
+                raise ClientDisconnected(self.rid)
+            raise self._deadline_passed(first)
+        self._outputs_seen += 1
         try:
             out = pending.result()
         except StopAsyncIteration:
             out = None
         return self._add(out)
+
+    def _deadline_passed(self, first: bool) -> DeadlinePassed:
+        name = FIRST_TOKEN if first else TOKEN_IDLE
+        if self._wait.expired is not None:
+            self._wait.expired(name)
+        node_id = getattr(self.engine, "node_id", None)
+        who = f"{self.engine.role} node {node_id}" if node_id else f"{self.engine.role} engine"
+        if first:
+            message = (f"request {self.rid}: the {who} produced no first token within {self._wait.first_output_s:g} s "
+                       "(first-token deadline, --first-token-timeout-secs)")
+        else:
+            message = (f"request {self.rid}: the {who} produced no token for {self._wait.idle_s:g} s after its "
+                       f"output {self._outputs_seen} (token idle deadline, --token-idle-timeout-secs)")
+        log.warning("%s; the request is aborted", message)
+        return DeadlinePassed(message, name)
 
     def _add(self, out: TokenOutput | None) -> TokenOutput:
         if out is None:

@@ -55,7 +55,8 @@ def sglang_router(ctx: ApiContext) -> APIRouter:
             return await answer_plan(ctx, plan, request, lambda groups: [
                 state.sglang_response(prompt_logprobs) for group in groups for state in group])
         gen = plan.requests[0]
-        run = RequestRun(ctx.engine, gen, ctx.tokenizer, request, ctx.live, hide_output=plan.hide_output)
+        run = RequestRun(ctx.engine, gen, ctx.tokenizer, request, ctx.live, hide_output=plan.hide_output,
+                         wait=ctx.wait)
         if not gen.stream:
             # Both PD routers put the prefill's prompt logprobs in front of a whole decode answer's: a decode node
             # leaves its copy out. Streamed, sglang-router merges nothing (and the built-in router never prepends to
