@@ -44,7 +44,9 @@ from fsm_pd.router.core import (
     RetrySettings,
 )
 from fsm_pd.router.fleet import POLICIES, BreakerSettings
+from fsm_pd.router.legs import DEFAULT_DEADLINES, RouterDeadlines
 from fsm_pd.router.metrics import RouterMetrics, RouterMetricsMiddleware
+from fsm_pd.router.policy import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, MODES, PolicySettings
 from fsm_pd.router.routes import install_router_routes
 
 log = logging.getLogger(__name__)
@@ -57,18 +59,22 @@ def create_router_app(prefill: Sequence[PrefillWorker | tuple[str, int | None] |
                       request_timeout_s: float = 1800.0, seed: int | None = None,
                       max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, retry: RetrySettings = DEFAULT_RETRY,
                       breaker: BreakerSettings = DEFAULT_BREAKER, health_interval_s: float = 5.0,
-                      health_timeout_s: float = 5.0, cache_aware: CacheAwareSettings | None = None) -> FastAPI:
+                      health_timeout_s: float = 5.0, cache_aware: CacheAwareSettings | None = None,
+                      deadlines: RouterDeadlines = DEFAULT_DEADLINES,
+                      pd_policy: PolicySettings | None = None) -> FastAPI:
     """The router's app. ``prefill``: workers as ``PrefillWorker``, ``(url, bootstrap_port or None)`` or a bare
     URL; ``decode``: URLs. ``api_key``: required from clients and sent to the workers (as sglang-router does).
     ``max_body_bytes``: larger request bodies get 413 before they are read whole (the same default as a worker's).
     ``retry``, ``breaker``, ``health_*``: see ``fleet.py`` and ``docs/fleet.md``; ``cache_aware``: the knobs of
-    ``policy="cache_aware"`` (``cache_aware.py``)."""
+    ``policy="cache_aware"`` (``cache_aware.py``); ``deadlines``: each leg's and a stream's idle deadline
+    (``legs.RouterDeadlines``); ``pd_policy``: which requests go through a prefill node (``policy.py``)."""
     workers = [w if isinstance(w, PrefillWorker) else PrefillWorker(w, None) if isinstance(w, str)
                else PrefillWorker(w[0], w[1]) for w in prefill]
     metrics = RouterMetrics()
     pd = PDRouter(workers, decode, policy=policy, api_key=api_key, request_timeout_s=request_timeout_s, seed=seed,
                   retry=retry, breaker=breaker, health_interval_s=health_interval_s,
-                  health_timeout_s=health_timeout_s, metrics=metrics, cache_aware=cache_aware)
+                  health_timeout_s=health_timeout_s, metrics=metrics, cache_aware=cache_aware, deadlines=deadlines,
+                  pd_policy=pd_policy)
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
         yield
@@ -191,8 +197,35 @@ def build_arg_parser() -> argparse.ArgumentParser:
     fleet.add_argument("--retry-budget-window-secs", type=float, default=10.0, help="the budget's window (default 10)")
     parser.add_argument("--api-key", default=os.environ.get("FSM_PD_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $FSM_PD_API_KEY, else none)")
-    parser.add_argument("--request-timeout-secs", type=float, default=1800.0)
+    waits = parser.add_argument_group("deadlines: each ends the request with an error naming it (504 before the "
+                                      "answer started, a final SSE error event after; docs/operations.md, Waits)")
+    waits.add_argument("--request-timeout-secs", type=float, default=1800.0,
+                       help="the whole request, its retries and a stream's last chunk included (default 1800)")
+    waits.add_argument("--prefill-timeout-secs", type=float, default=DEFAULT_DEADLINES.prefill_s,
+                       help="the prefill leg's whole answer: its queue, prefill and its end of the KV handoff; a leg "
+                            "past it is retried on another pair like a failed one (default "
+                            f"{DEFAULT_DEADLINES.prefill_s:g})")
+    waits.add_argument("--decode-timeout-secs", type=float, default=None,
+                       help="the decode leg until its answer starts: a stream's first token, or the whole answer "
+                            "when not streamed (default: the request's deadline, so a long whole answer is not cut)")
+    waits.add_argument("--stream-idle-timeout-secs", type=float, default=DEFAULT_DEADLINES.stream_idle_s,
+                       help="a started stream that brings no chunk for this long ends with an error event naming "
+                            "the decode worker (a /generate stream migrates to another decode instead); a deadline "
+                            "between tokens, not over the answer, longer than a node's own "
+                            f"--token-idle-timeout-secs (default {DEFAULT_DEADLINES.stream_idle_s:g})")
     parser.add_argument("--pd-disaggregation", action="store_true", help="accepted for sglang-router parity")
+    selective = parser.add_argument_group("selective disaggregation (fsm_pd/router/policy.py, docs/serving.md)")
+    selective.add_argument("--pd-policy", choices=MODES, default="always",
+                           help="which requests go through a prefill node: always (default): every request (classic "
+                                "PD, sglang-router's); auto: short prompts, and moderate ones while the prefill side "
+                                "is the busier, go to the decode node alone, which prefills them itself; never: none "
+                                "(the decode nodes serve colocated)")
+    selective.add_argument("--local-prefill-max-tokens", type=int, default=DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
+                           help="with auto: prompts of at most this many tokens (counted from input_ids, estimated from"
+                                f" text) are prefilled on the decode node (default {DEFAULT_LOCAL_PREFILL_MAX_TOKENS}, "
+                                "from the crossover measured so far: docs/crossover.md)")
+    selective.add_argument("--prefill-idle-window", type=int, default=50,
+                           help="fsm_pd_router_prefill_idle_alarm looks at this many of the last requests (default 50)")
     parser.add_argument("--log-level", default="info")
     add_read_timeout_flags(parser)
     return parser
@@ -202,12 +235,16 @@ def router_app_from_args(args: argparse.Namespace) -> FastAPI:
     retry = RetrySettings(args.retry_policy, args.max_retries, args.retry_budget_ratio, args.retry_budget_min_per_sec,
                           args.retry_budget_window_secs)
     breaker = BreakerSettings(args.health_failure_threshold, args.cb_failure_threshold, args.cb_timeout_duration_secs)
+    deadlines = RouterDeadlines(args.prefill_timeout_secs, args.decode_timeout_secs, args.stream_idle_timeout_secs)
     return create_router_app(parse_prefill_specs(args.prefill), args.decode, policy=args.policy,
                              api_key=args.api_key, request_timeout_s=args.request_timeout_secs, retry=retry,
                              breaker=breaker, health_interval_s=args.health_check_interval_secs,
                              health_timeout_s=args.health_check_timeout_secs,
                              cache_aware=CacheAwareSettings(args.cache_threshold, args.balance_abs_threshold,
-                                                            args.balance_rel_threshold, args.max_tree_size))
+                                                            args.balance_rel_threshold, args.max_tree_size),
+                             deadlines=deadlines,
+                             pd_policy=PolicySettings(args.pd_policy, args.local_prefill_max_tokens,
+                                                      args.prefill_idle_window))
 
 
 def router_main(argv: Sequence[str] | None = None) -> None:

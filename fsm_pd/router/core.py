@@ -27,10 +27,22 @@ from fsm_pd.api.streaming import PROGRESS_HEADER
 from fsm_pd.api.tasks import cancel_and_wait
 from fsm_pd.router.cache_aware import CacheAwareSettings, routing_key
 from fsm_pd.router.fleet import BreakerSettings, Fleet, HealthChecker, RetryBudget, Worker
-from fsm_pd.router.legs import DONE, Leg, WorkerLost, both_answered, relay, until
+from fsm_pd.router.legs import (
+    DEFAULT_DEADLINES,
+    DONE,
+    Leg,
+    RouterDeadlines,
+    StreamIdle,
+    WorkerLost,
+    both_answered,
+    idle_message,
+    relay,
+    until,
+)
 from fsm_pd.router.merge import merge_json, merge_sse, new_room, prefill_input_logprobs, with_bootstrap
 from fsm_pd.router.metrics import RouterMetrics
 from fsm_pd.router.migrate import Progress, can_migrate, node_failure
+from fsm_pd.router.policy import PolicySettings, PrefillIdleWatch, Route, RouteInput, decide, prompt_tokens
 from fsm_pd.router.routes import RunningRequests
 
 log = logging.getLogger(__name__)
@@ -76,7 +88,7 @@ class Failure:
 class Started:
     """An attempt whose decode answered: its leg, and ``close`` to call once its answer is relayed."""
 
-    prefill: Leg
+    prefill: Leg | None  # None: the decode node prefilled the request itself (the policy's local path)
     decode: Leg
     worker: Worker
     close: Callable[[], Awaitable[None]]
@@ -110,7 +122,8 @@ class PDRouter:
                  api_key: str | None = None, request_timeout_s: float = 1800.0, seed: int | None = None,
                  retry: RetrySettings = DEFAULT_RETRY, breaker: BreakerSettings = DEFAULT_BREAKER,
                  health_interval_s: float = 5.0, health_timeout_s: float = 5.0, metrics: RouterMetrics | None = None,
-                 cache_aware: CacheAwareSettings | None = None):
+                 cache_aware: CacheAwareSettings | None = None, deadlines: RouterDeadlines = DEFAULT_DEADLINES,
+                 pd_policy: PolicySettings | None = None):
         if retry.policy not in RETRY_POLICIES:
             raise ValueError(f"retry policy must be one of {RETRY_POLICIES}, got {retry.policy!r}")
         if retry.max_retries < 0 or health_interval_s <= 0 or health_timeout_s <= 0:
@@ -120,10 +133,13 @@ class PDRouter:
                            [Worker("decode", u.rstrip("/")) for u in decode], policy=policy, breaker=breaker,
                            rng=random.Random(seed), observer=self.metrics.fleet_event, cache_aware=cache_aware)
         self.metrics.watch(self.fleet)
+        self.pd_policy = pd_policy or PolicySettings()  # which requests go through a prefill node (policy.py)
+        self.idle_watch = self.metrics.idle_watch = PrefillIdleWatch(self.pd_policy)
         self.retry = retry
         self.budget = RetryBudget(retry.budget_ratio, retry.budget_min_per_s, retry.budget_window_s)
         self.api_key = api_key
         self.request_timeout_s = request_timeout_s  # one deadline for the whole request, streams included
+        self.deadlines = deadlines  # each leg's, and a stream's between chunks (legs.RouterDeadlines)
         self.timeout = httpx.Timeout(request_timeout_s, connect=10.0)
         self._client: httpx.AsyncClient | None = None
         self.running = RunningRequests()  # which workers hold each rid, for /abort_request
@@ -192,7 +208,8 @@ class PDRouter:
             return started
         merge = _needs_prefill_body(path, body)
         # (no prefill body: the decode recomputed and the prefill leg was not waited for; its prompt logprobs are lost)
-        p_logprobs = prefill_input_logprobs(started.prefill.body) if merge and started.prefill.body else None
+        p_logprobs = (prefill_input_logprobs(started.prefill.body)
+                      if merge and started.prefill is not None and started.prefill.body else None)
         d_resp = started.decode.response
         media_type = d_resp.headers.get("content-type", "application/json")
         if started.decode.body is not None:
@@ -204,7 +221,8 @@ class PDRouter:
         else:
             source = merge_sse(until(d_resp.aiter_lines(), deadline), p_logprobs) if merge else d_resp.aiter_raw()
             stream = self._closing(relay(source, d_resp, started.worker.url, deadline, self.request_timeout_s,
-                                         started.worker.lost), started)
+                                         started.worker.lost, self.deadlines.stream_idle_s,
+                                         self.metrics.deadline_expired), started)
         return StreamingResponse(stream, status_code=d_resp.status_code, media_type=media_type)
 
     async def _closing(self, stream: AsyncIterator[bytes], started: Started) -> AsyncIterator[bytes]:
@@ -221,14 +239,22 @@ class PDRouter:
         key = routing_key(body)
         prefill, decode = self.fleet.pick("prefill", key=key), self.fleet.pick("decode", key=key)
         while True:
-            if prefill is None or decode is None:
-                role = "prefill" if prefill is None else "decode"
+            route = self._route(body, prefill, decode)
+            if decode is None or (prefill is None and route.path == "pd"):
+                role = "prefill" if decode is not None else "decode"
                 self.metrics.gave_up.labels(f"no_{role}").inc()
                 last = f"; the last attempt: {tries.last}" if tries.last else ""
                 return error_response(503, f"no healthy {role} worker ({self.fleet.unavailable(role)}){last}",
                                       code=f"no_healthy_{role}")
-            outcome = await self._attempt(path, body, prefill, decode, headers, deadline)
+            entry = self.idle_watch.entry(prompt_tokens(body)[0])
+            self.metrics.routed.labels(route.path).inc()
+            if route.path == "local":
+                outcome = await self._attempt_local(path, body, decode, headers, deadline, route)
+            else:
+                outcome = await self._attempt(path, body, prefill, decode, headers, deadline, route,
+                                              served=lambda e=entry: self.idle_watch.served(e))
             if isinstance(outcome, Started):
+                self.idle_watch.started(entry)
                 return outcome
             refused = self._may_retry(outcome, tries)
             if refused is not None:
@@ -259,16 +285,68 @@ class PDRouter:
         log.info("%s (attempt %d): %s", kind, tries.used + 1, tries.last)
         return None
 
+    def _route(self, body: dict, prefill: Worker | None, decode: Worker | None) -> Route:
+        """This attempt's path (``policy.py``), from the prompt's length and the chosen workers' queues."""
+        tokens, exact = prompt_tokens(body)
+        return decide(self.pd_policy, RouteInput(
+            tokens, exact, prefill_outstanding=prefill.outstanding if prefill is not None else 0,
+            decode_outstanding=decode.outstanding if decode is not None else 0, prefill_available=prefill is not None))
+
+    async def _attempt_local(self, path: str, body: dict, decode: Worker, headers: dict, deadline: float,
+                             route: Route) -> Started | Failure:
+        """One leg: the decode node prefills the prompt itself (``fsm_pd_route`` local, a room and no bootstrap
+        host: only this router sends it, so an SGLang decode worker never gets one)."""
+        rid, room = body["rid"], new_room()  # the room: the attempt's identity (and seed) on the decode node
+        release = self.running.add(rid, (decode.url, decode.url)) if isinstance(rid, str) else lambda: None
+        sent = {k: v for k, v in body.items() if k not in ("bootstrap_host", "bootstrap_port")}
+        sent.update(bootstrap_room=room, fsm_pd_route=route.wire())
+        decode.outstanding += 1
+        leg = Leg("decode", decode.url, self.client, decode.url + path, sent, headers, whole=False)
+        closed = False
+
+        async def close() -> None:
+            nonlocal closed
+            if not closed:
+                closed = True
+                decode.outstanding -= 1
+                release()
+                await leg.close()
+
+        try:
+            failed = await _answered(leg, deadline, self.request_timeout_s, decode.lost)
+        except BaseException:
+            await close()
+            raise
+        if failed is None:
+            if leg.body is not None:
+                self.fleet.request_succeeded(decode)
+            return Started(None, leg, decode, close)
+        failure = self._classify(failed[0], failed[1], decode, decode, None)
+
+        async def retire(reused: set[str]) -> None:
+            try:
+                await self._wind_down(rid, room, (leg,) if decode.url in reused else ())
+            finally:
+                await close()
+
+        failure.retire = retire
+        return failure
+
     async def _attempt(self, path: str, body: dict, prefill: Worker, decode: Worker, headers: dict,
-                       deadline: float) -> Started | Failure:
+                       deadline: float, route: Route | None = None,
+                       served: Callable[[], None] = lambda: None) -> Started | Failure:
         rid, room = body["rid"], new_room()  # the attempt's identity on both nodes: the client's rid, a new room
         pair = (prefill.url, decode.url)
         release = self.running.add(rid, pair) if isinstance(rid, str) else lambda: None
         sent = with_bootstrap(body, prefill.url, prefill.bootstrap_port, room)
+        if route is not None:  # the decode node journals why this request went through a prefill node
+            sent["fsm_pd_route"] = route.wire()
         prefill.outstanding += 1
         decode.outstanding += 1
-        p_leg = Leg("prefill", prefill.url, self.client, prefill.url + path, sent, headers, whole=True)
-        d_leg = Leg("decode", decode.url, self.client, decode.url + path, sent, headers, whole=False)
+        p_leg = Leg("prefill", prefill.url, self.client, prefill.url + path, sent, headers, whole=True,
+                    timeout_s=self.deadlines.prefill_s)
+        d_leg = Leg("decode", decode.url, self.client, decode.url + path, sent, headers, whole=False,
+                    timeout_s=self.deadlines.decode_s)
         closed = False
 
         async def close() -> None:
@@ -287,7 +365,7 @@ class PDRouter:
 
         try:
             failed = await both_answered(p_leg, d_leg, deadline, self.request_timeout_s, (prefill.lost, decode.lost),
-                                         prefill_body=_needs_prefill_body(path, body))
+                                         prefill_body=_needs_prefill_body(path, body), stream=bool(body.get("stream")))
         except BaseException:
             prefill.outstanding -= 1
             await close_both()
@@ -296,7 +374,7 @@ class PDRouter:
             # the decode's stream started, so its KV arrived: the prefill's answer comes beside the relay. It is
             # not cut short when the stream ends first (its room may still be finishing the handoff; a
             # disconnect would abort it there), only at the request's deadline.
-            finishing = asyncio.ensure_future(self._prefill_answered(prefill, p_leg, deadline))
+            finishing = asyncio.ensure_future(self._prefill_answered(prefill, p_leg, deadline, served))
             self._finishing.add(finishing)
             finishing.add_done_callback(self._finishing.discard)
             return Started(p_leg, d_leg, decode, close)
@@ -304,6 +382,7 @@ class PDRouter:
         if failed is None:
             if p_leg.task.done():  # else the decode recomputed without it (legs.both_answered)
                 self.fleet.request_succeeded(prefill)
+                served()
             try:
                 await p_leg.close()
             except BaseException:  # cancelled while the prefill's call ended: nobody will close the decode leg
@@ -324,14 +403,22 @@ class PDRouter:
         failure.retire = retire
         return failure
 
-    async def _prefill_answered(self, prefill: Worker, leg: Leg, deadline: float) -> None:
+    async def _prefill_answered(self, prefill: Worker, leg: Leg, deadline: float,
+                                served: Callable[[], None] = lambda: None) -> None:
         """A prefill answer still to come after its decode's stream started: the attempt has its KV either way, so
         the answer only counts for the prefill worker's load and breaker."""
+        due = min(deadline, leg.deadline)
         try:
-            await asyncio.wait({leg.task}, timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
+            await asyncio.wait({leg.task}, timeout=max(0.0, due - asyncio.get_running_loop().time()))
         finally:
             prefill.outstanding -= 1
+            passed = not leg.task.done()
             await leg.close()  # cancels it if the deadline passed first
+        if passed:
+            which = "request" if due >= deadline else "prefill_leg"
+            self.metrics.deadline_expired(which)
+            log.warning("the prefill worker %s did not answer within the %s deadline after its decode had the KV",
+                        prefill.url, which)
         if leg.task.cancelled():
             return
         if (err := leg.task.exception()) is not None and not isinstance(err, httpx.HTTPError):
@@ -340,18 +427,25 @@ class PDRouter:
         failed = leg.failure()
         if failed is None:
             self.fleet.request_succeeded(prefill)
+            served()
         elif leg.unreachable() or failed.status_code >= 500:
             log.warning("prefill worker %s failed after its decode had the KV: %s", prefill.url, _message(failed))
             self.fleet.request_failed(prefill, _message(failed))
 
     def _classify(self, leg: Leg | None, response: Response, prefill: Worker, decode: Worker,
-                  p_leg: Leg) -> Failure:
+                  p_leg: Leg | None) -> Failure:
         if leg is None:  # the request's own deadline: nothing left to retry with
+            self.metrics.deadline_expired("request")
             return Failure(response, False, None, "request_timeout")
         worker = prefill if leg.side == "prefill" else decode
-        after = leg.side == "decode" and p_leg.task.done() and not p_leg.task.cancelled() and p_leg.failure() is None
+        after = (leg.side == "decode" and p_leg is not None and p_leg.task.done() and not p_leg.task.cancelled()
+                 and p_leg.failure() is None)
         if leg.lost:  # ejected by its health checks already
             return Failure(response, True, worker, f"{leg.side}_lost", after)
+        if leg.timed_out:  # its own deadline: the worker holds the request and says nothing; another pair may not
+            self.metrics.deadline_expired(f"{leg.side}_leg")
+            self.fleet.request_failed(worker, _message(response))
+            return Failure(response, True, worker, f"{leg.side}_timeout", after)
         if leg.unreachable():
             reason = f"{leg.side}_unreachable"
             self.fleet.request_failed(worker, _message(response))
@@ -404,7 +498,8 @@ class PDRouter:
             while True:
                 worker, response = started.worker, started.decode.response
                 try:
-                    async for line in until(response.aiter_lines(), deadline, worker.lost):
+                    async for line in until(response.aiter_lines(), deadline, worker.lost,
+                                            self.deadlines.stream_idle_s):
                         if line.strip() == "data: [DONE]":
                             self.fleet.request_succeeded(worker)
                             yield DONE
@@ -415,9 +510,13 @@ class PDRouter:
                         yield (progress.relay(line) + "\n").encode()
                     else:
                         problem = f"decode worker {worker.url} ended its stream without [DONE]"
+                except StreamIdle as idle:  # a decode that went silent: the stream moves on, as from a broken one
+                    self.metrics.deadline_expired("stream_idle")
+                    problem = idle_message(worker.url, idle.idle_s)
                 except TimeoutError:
+                    self.metrics.deadline_expired("request")
                     yield _error_event(504, f"the stream did not finish within the request deadline of "
-                                            f"{self.request_timeout_s:g} s")
+                                            f"{self.request_timeout_s:g} s (--request-timeout-secs)")
                     return
                 except httpx.HTTPError as err:
                     problem = f"decode worker {worker.url} broke off its stream: {type(err).__name__}: {err}"
@@ -474,6 +573,27 @@ class PDRouter:
         healthy = all(isinstance(r, int) and r < 300 for r in results)
         return JSONResponse({"healthy": healthy, "workers": dict(zip(urls, results, strict=True))},
                             status_code=200 if healthy else 503)
+
+
+async def _answered(leg: Leg, deadline: float, timeout_s: float,
+                    lost: asyncio.Event) -> tuple[Leg | None, Response] | None:
+    """A lone decode leg's ``both_answered``: None once its answer started (or was read whole), else the failed leg
+    (None: the request's deadline passed) and the client's error answer."""
+    watcher = asyncio.ensure_future(lost.wait())
+    try:
+        done, _ = await asyncio.wait({leg.task, watcher}, return_when=asyncio.FIRST_COMPLETED,
+                                     timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
+    finally:
+        watcher.cancel()
+    if not done:
+        return None, error_response(504, f"no answer from the decode worker {leg.worker_url} within the request "
+                                         f"deadline of {timeout_s:g} s", code="request_timeout")
+    if leg.task not in done:
+        leg.lost = True
+        return leg, error_response(502, f"decode worker {leg.worker_url} failed its health checks before it answered "
+                                        "(dead, stopped or hung)", code="decode_lost")
+    failed = leg.failure()
+    return None if failed is None else (leg, failed)
 
 
 @dataclass

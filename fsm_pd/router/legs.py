@@ -3,7 +3,10 @@
 * Both legs start at once. Whichever fails first (an error status, or a worker that cannot be reached) closes the
   other: a closed connection is a client disconnect to that worker, which aborts the request there and ends its
   bootstrap room, so the partner is never left waiting for a peer that is gone.
-* One deadline covers the whole request: both legs' answers and every chunk of a relayed stream.
+* Every wait has a deadline that names itself when it passes (``RouterDeadlines``): the request's own (its whole
+  answer, streams included), each leg's (the prefill's whole answer; the decode's until its stream's first token, or
+  its whole answer when not streamed) and, once a stream started, one between its chunks (a decode node that answered
+  200 and then went silent: SGLang #32267, where such streams waited for a 300 s default).
 * Every failure reaches the client with a reason. Before the answer has started: an error status with a JSON body
   (the worker's own ``{"error": ...}`` body when it sent one, else one naming the worker and what it said). Once a
   stream has started: a final SSE ``data: {"error": ...}`` event and ``data: [DONE]``, never silence.
@@ -14,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import httpx
@@ -28,6 +32,33 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
+# the router's deadlines by name: the label of fsm_pd_router_deadline_expiries, and the flag that sets each
+DEADLINE_FLAGS = {"request": "--request-timeout-secs", "prefill_leg": "--prefill-timeout-secs",
+                  "decode_leg": "--decode-timeout-secs", "stream_idle": "--stream-idle-timeout-secs"}
+
+
+@dataclass(frozen=True, slots=True)
+class RouterDeadlines:
+    """Each leg's deadline and a stream's idle deadline (the request's own is ``--request-timeout-secs``).
+
+    ``prefill_s``: the prefill's whole answer (its queue, prefill and its end of the KV handoff, which the node's own
+    state deadlines bound within 660 s by default). ``decode_s``: the decode's answer until it starts: a stream's
+    first token, or the whole answer when not streamed; None is the request's deadline, so a long whole answer is not
+    cut. ``stream_idle_s``: between two chunks of a started stream; a deadline between tokens, not over the answer,
+    longer than a decode node's own (``--token-idle-timeout-secs``, 240 s), which names its cause first."""
+
+    prefill_s: float = 1200.0
+    decode_s: float | None = None
+    stream_idle_s: float = 300.0
+
+    def __post_init__(self):
+        for name, value in (("prefill", self.prefill_s), ("decode", self.decode_s),
+                            ("stream-idle", self.stream_idle_s)):
+            if value is not None and not value > 0:
+                raise ValueError(f"--{name}-timeout-secs must be positive, got {value}")
+
+
+DEFAULT_DEADLINES = RouterDeadlines()
 
 
 class Leg:
@@ -35,9 +66,13 @@ class Leg:
     open for relaying. ``close()`` cancels the call or closes its response (the worker sees a disconnect)."""
 
     def __init__(self, side: str, worker_url: str, client: httpx.AsyncClient, url: str, body: dict, headers: dict,
-                 *, whole: bool):
+                 *, whole: bool, timeout_s: float | None = None):
         self.side, self.worker_url = side, worker_url
         self.lost = False  # its worker's health checks ejected it before it answered (``both_answered``)
+        self.timed_out = False  # its own deadline passed before it answered (``both_answered``)
+        self.timeout_s = timeout_s  # None: only the request's deadline bounds it
+        now = asyncio.get_running_loop().time()
+        self.deadline = now + timeout_s if timeout_s is not None else float("inf")
         self.response: httpx.Response | None = None
         self.body: bytes | None = None
         request = client.build_request("POST", url, json=body, headers=headers)
@@ -104,15 +139,23 @@ def upstream_error(side: str, worker_url: str, response: httpx.Response, body: b
 
 def deadline_error(waiting_for: list[Leg], timeout_s: float) -> Response:
     who = " and ".join(f"the {leg.side} worker {leg.worker_url}" for leg in waiting_for)
-    return error_response(504, f"no answer from {who} within the request deadline of {timeout_s:g} s",
-                          code="request_timeout")
+    return error_response(504, f"no answer from {who} within the request deadline of {timeout_s:g} s "
+                               f"({DEADLINE_FLAGS['request']})", code="request_timeout")
+
+
+def leg_deadline_error(leg: Leg, stream: bool) -> Response:
+    what = "sent no first token" if leg.side == "decode" and stream else "did not answer"
+    return error_response(504, f"the {leg.side} worker {leg.worker_url} {what} within {leg.timeout_s:g} s (the "
+                               f"{leg.side} leg's deadline, {DEADLINE_FLAGS[leg.side + '_leg']})",
+                          code=f"{leg.side}_timeout")
 
 
 async def both_answered(prefill: Leg, decode: Leg, deadline: float, timeout_s: float,
                         lost: tuple[asyncio.Event, asyncio.Event] | None = None,
-                        *, prefill_body: bool = True) -> tuple[Leg | None, Response] | None:
+                        *, prefill_body: bool = True, stream: bool = False) -> tuple[Leg | None, Response] | None:
     """Wait until the prefill's answer is complete and the decode's has started (or was read whole). Returns the
-    failed leg (None: the deadline passed) and the client's error answer, else None. The first leg to fail decides:
+    failed leg (None: the request's deadline passed; a leg whose own deadline passed has ``timed_out``) and the
+    client's error answer, else None. The first leg to fail decides:
     the caller closes both legs either way. ``lost``: the prefill's and the decode's worker's events, set when their
     health checks eject them (a stopped node never answers: its leg fails then instead of at the deadline).
 
@@ -124,20 +167,28 @@ async def both_answered(prefill: Leg, decode: Leg, deadline: float, timeout_s: f
     watchers = {asyncio.ensure_future(event.wait()): leg for event, leg in zip(lost or (), (prefill, decode),
                                                                                strict=False)}
     try:
-        return await _both_answered(prefill, decode, deadline, timeout_s, pending, watchers, prefill_body)
+        return await _both_answered(prefill, decode, deadline, timeout_s, pending, watchers, prefill_body, stream)
     finally:
         for watcher in watchers:
             watcher.cancel()
 
 
 async def _both_answered(prefill: Leg, decode: Leg, deadline: float, timeout_s: float, pending: set,
-                         watchers: dict[asyncio.Future, Leg], prefill_body: bool) -> tuple[Leg | None, Response] | None:
+                         watchers: dict[asyncio.Future, Leg], prefill_body: bool,
+                         stream: bool) -> tuple[Leg | None, Response] | None:
     loop = asyncio.get_running_loop()
     while pending:
-        done, _ = await asyncio.wait(pending | set(watchers), timeout=max(0.0, deadline - loop.time()),
+        waiting = [leg for leg in (prefill, decode) if leg.task in pending]
+        first_due = min([deadline] + [leg.deadline for leg in waiting])
+        done, _ = await asyncio.wait(pending | set(watchers), timeout=max(0.0, first_due - loop.time()),
                                      return_when=asyncio.FIRST_COMPLETED)
         if not done:
-            return None, deadline_error([leg for leg in (prefill, decode) if leg.task in pending], timeout_s)
+            if first_due >= deadline:  # the request's own deadline: it ends here, whichever leg is slow
+                return None, deadline_error(waiting, timeout_s)
+            leg = next(leg for leg in waiting if leg.deadline <= first_due)  # the prefill first: it is the cause
+            leg.timed_out = True
+            log.warning("the %s leg on %s passed its deadline of %g s", leg.side, leg.worker_url, leg.timeout_s)
+            return leg, leg_deadline_error(leg, stream)
         pending -= done
         for watcher in done & set(watchers):
             leg = watchers[watcher]
@@ -164,9 +215,24 @@ class WorkerLost(Exception):
     """The worker's health checks ejected it (dead, stopped, hung) while its stream was being read."""
 
 
-async def until(items: AsyncIterator[T], deadline: float, lost: asyncio.Event | None = None) -> AsyncIterator[T]:
-    """``items``, raising TimeoutError when the next one has not come by ``deadline`` (the event loop's clock), and
-    WorkerLost once ``lost`` is set (a stopped node keeps its connections open: only its health checks tell)."""
+class StreamIdle(TimeoutError):
+    """A stream's next item did not come within its idle deadline (the request's own deadline had not passed)."""
+
+    def __init__(self, idle_s: float):
+        super().__init__(f"nothing for {idle_s:g} s")
+        self.idle_s = idle_s
+
+
+def idle_message(worker_url: str, idle_s: float) -> str:
+    return (f"decode worker {worker_url} sent no token for {idle_s:g} s (stream idle deadline, "
+            f"{DEADLINE_FLAGS['stream_idle']})")
+
+
+async def until(items: AsyncIterator[T], deadline: float, lost: asyncio.Event | None = None,
+                idle_s: float | None = None) -> AsyncIterator[T]:
+    """``items``, raising TimeoutError when the next one has not come by ``deadline`` (the event loop's clock),
+    StreamIdle when it has not come ``idle_s`` after it was asked for (sooner than the deadline), and WorkerLost once
+    ``lost`` is set (a stopped node keeps its connections open: only its health checks tell)."""
     iterator = aiter(items)
     waiting: asyncio.Timeout | None = None
     fired = False
@@ -179,18 +245,22 @@ async def until(items: AsyncIterator[T], deadline: float, lost: asyncio.Event | 
             waiting.reschedule(asyncio.get_running_loop().time())
 
     watcher = asyncio.ensure_future(watch()) if lost is not None else None
+    loop = asyncio.get_running_loop()
     try:
         while True:
             if fired:
                 raise WorkerLost
+            due = deadline if idle_s is None else min(deadline, loop.time() + idle_s)
             try:
-                async with asyncio.timeout_at(deadline) as waiting:  # not around the yield: the consumer's time
+                async with asyncio.timeout_at(due) as waiting:  # not around the yield: the consumer's time
                     item = await anext(iterator)
             except StopAsyncIteration:
                 return
             except TimeoutError:
                 if fired:
                     raise WorkerLost from None
+                if due < deadline:
+                    raise StreamIdle(idle_s) from None
                 raise
             finally:
                 waiting = None
@@ -201,18 +271,26 @@ async def until(items: AsyncIterator[T], deadline: float, lost: asyncio.Event | 
 
 
 async def relay(source: AsyncIterator[bytes], response: httpx.Response, worker_url: str, deadline: float,
-                timeout_s: float, lost: asyncio.Event | None = None) -> AsyncIterator[bytes]:
-    """Pass an event stream through; if it breaks, stalls past the deadline, its worker is ejected as unhealthy
-    (``lost``) or it ends without ``[DONE]``, finish it with an error event and ``[DONE]`` so the client always
-    learns how its request ended."""
+                timeout_s: float, lost: asyncio.Event | None = None, idle_s: float | None = None,
+                expired: Callable[[str], None] | None = None) -> AsyncIterator[bytes]:
+    """Pass an event stream through; if it breaks, stalls past the deadline or ``idle_s`` between chunks, its worker
+    is ejected as unhealthy (``lost``) or it ends without ``[DONE]``, finish it with an error event and ``[DONE]``
+    so the client always learns how its request ended. ``expired(name)`` counts a deadline that ended it."""
     tail = b""
     try:
         try:
-            async for chunk in until(source, deadline, lost):
+            async for chunk in until(source, deadline, lost, idle_s):
                 tail = (tail + chunk)[-32:]
                 yield chunk
+        except StreamIdle as idle:
+            problem = 504, idle_message(worker_url, idle.idle_s)
+            if expired is not None:
+                expired("stream_idle")
         except TimeoutError:
-            problem = 504, f"the stream did not finish within the request deadline of {timeout_s:g} s"
+            problem = 504, (f"the stream did not finish within the request deadline of {timeout_s:g} s "
+                            f"({DEADLINE_FLAGS['request']})")
+            if expired is not None:
+                expired("request")
         except WorkerLost:
             problem = 502, f"decode worker {worker_url} failed its health checks mid-stream (dead, stopped or hung)"
         except httpx.HTTPError as err:

@@ -71,7 +71,24 @@ class RouterMetrics:
                               ["role"], registry=self.registry)
         self.outstanding = Gauge("fsm_pd_router_worker_outstanding", "Requests in flight from this router, by worker",
                                  ["role", "url"], registry=self.registry)
+        # a wait that passed its deadline (legs.RouterDeadlines): request, prefill_leg, decode_leg, stream_idle
+        self.deadline_expiries = Counter("fsm_pd_router_deadline_expiries", "Waits on a worker that passed their "
+                                         "deadline, by deadline (request, prefill_leg, decode_leg, stream_idle)",
+                                         ["deadline"], registry=self.registry)
+        for name in ("request", "prefill_leg", "decode_leg", "stream_idle"):  # at 0 from the first scrape
+            self.deadline_expiries.labels(name)
+        # selective disaggregation (router/policy.py): the path of each attempt, and the idle-prefill alarm
+        self.routed = Counter("fsm_pd_router_routed", "Attempts by path: pd (through a prefill node) or local (the "
+                              "decode node prefilled the prompt itself)", ["path"], registry=self.registry)
+        self.prefill_idle_alarm = Gauge("fsm_pd_router_prefill_idle_alarm", "1 when no prefill node completed any "
+                                        "of the last requests answered although the policy is always or some of "
+                                        "them had long prompts (router/policy.py, PrefillIdleWatch)",
+                                        registry=self.registry)
+        self.idle_watch = None  # the router's PrefillIdleWatch, read at every scrape
         self._fleet = None
+
+    def deadline_expired(self, name: str) -> None:
+        self.deadline_expiries.labels(name).inc()
 
     def fleet_event(self, event: str, role: str, reason: str) -> None:
         if event == "ejected":
@@ -84,6 +101,8 @@ class RouterMetrics:
         self._fleet = fleet
 
     def render(self) -> tuple[bytes, str]:
+        if self.idle_watch is not None:
+            self.prefill_idle_alarm.set(1 if self.idle_watch.alarm else 0)
         if self._fleet is not None:
             for role, workers in self._fleet.workers.items():
                 self.admitted.labels(role).set(sum(w.admitted for w in workers))
