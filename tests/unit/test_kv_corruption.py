@@ -1,0 +1,170 @@
+"""The KV checksum catches corrupted KV, and no corrupted token is served (issue 32).
+
+A prefill and a decode engine in one process over the real ``tcp`` data plane (P sends straight from its pool under
+the lease), three ways the KV can go wrong between P's prefill and D's first decode step:
+
+* (a) a byte flipped on the wire: ``FSM_PD_FAULT_CORRUPT_PULL``'s hook (``Faults.corrupting``) on D;
+* (b) a page of D's pool overwritten after the handoff wrote it, before the request decodes;
+* (c) a page of P's pool reused (another request's KV written into it) while its send from the pool is under way.
+
+With the check on (both sides) the room fails with ``kv checksum mismatch``, D recomputes the prompt, and the tokens
+served are the undisturbed run's. With it off on D (P still sends its checksum, which D then ignores) the same
+corruption goes through unnoticed: the request is served from KV that is not what P computed. The test sees that with
+its own look at both pools (``Look``), independent of the handlers' decision.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from test_serving_colocated import PAGE_SIZE, PAGES, ids_of, run
+from test_serving_pd import assert_idle, pd_request
+from test_transfer_recompute import both, final_rows
+
+from fsm_pd.effects.faults import FaultConfig, Faults
+from fsm_pd.model.loader import load_model
+from fsm_pd.serving.decode_engine import DecodeEngine
+from fsm_pd.serving.prefill_engine import PrefillEngine
+from fsm_pd.transport.reshard import plan_between
+
+PROMPTS = [[(5 * i + j) % 200 + 1 for j in range(n)] for i, n in enumerate((9, 21, 30))]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny")
+
+
+class Look:
+    """A pool-operations port with the test's eyes on it: what P's pages held when the KV was final (``clean``),
+    what D's pages hold after the handoff's writes (``landed``), and the corruption of case (b) or (c)."""
+
+    def __init__(self, kv, layout: dict):
+        self.kv, self.plan = kv, plan_between(layout, layout)
+        self.clean: list = []
+        self.landed: list = []
+        self.overwrite = False  # overwrite the room's first page after the real operation, in the same job
+
+    def __getattr__(self, name):
+        return getattr(self.kv, name)
+
+    def publish_while_gathering(self, owner, transfer, uuid, pages, hold_timeout_s, on_published):
+        assert transfer.sends_pages and owner.lease is not None  # the send from the pool, not a gather
+        self.clean.append(self.kv.sent_checksum(owner, pages, self.plan))
+        self.kv.publish_while_gathering(owner, transfer, uuid, pages, hold_timeout_s, on_published)
+        if self.overwrite:  # the send is published and its stream not yet read: another request's KV lands here
+            overwrite(owner, pages[0])
+
+    def scatter(self, owner, pieces, pages, stream, plan):
+        self.kv.scatter(owner, pieces, pages, stream, plan)
+        if self.overwrite:  # after the handoff wrote it, before the request decodes
+            overwrite(owner, pages[0])
+        self.landed.append(self.kv.received_checksum(owner, pages, plan))
+
+
+def overwrite(owner, page: int) -> None:
+    """Write other KV into ``page`` of every layer of ``owner.pool`` (on the model thread: we are in its job)."""
+    layers = []
+    for layer in owner.pool:
+        host = np.array(layer)
+        host[page] = np.random.default_rng(page).standard_normal(host[page].shape).astype(host.dtype) * 4
+        layers.append(jax.device_put(host, layer.sharding))
+    owner.pool = type(owner.pool)(layers)
+
+
+@pytest.fixture(scope="module", params=["on", "off"])
+def pair(request, model, tmp_path_factory):
+    """P with the checksum on; D with it ``on`` or ``off``; tcp between them; both pools watched."""
+    tmp = tmp_path_factory.mktemp(f"corrupt-{request.param}")
+    # no prefix cache on P: a page overwritten in case (c) must not be served again from the cache
+    p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="tcp", journal=str(tmp / "p.db"),
+                      radix_cache=False)
+    d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="tcp", secret=p.secret,
+                     journal=str(tmp / "d.db"), kv_checksum=request.param == "on")
+    p.manager.effects.kv = Look(p.manager.effects.kv, p.manager.effects.layout)
+    d.manager.effects.kv = Look(d.manager.effects.kv, d.manager.effects.layout)
+    yield request.param, p, d
+    d.close()
+    p.close()
+
+
+def serve(p, d, tag: str) -> tuple[list, list]:
+    """Each prompt through the pair, one at a time; the decode node's answers and the requests."""
+    requests = [pd_request(p, f"{tag}-{i}", x, max_new_tokens=10) for i, x in enumerate(PROMPTS)]
+    answers = []
+    for req in requests:
+        prefill_out, decode_out = run(both(p, d, req))
+        assert not isinstance(decode_out, BaseException), decode_out
+        answers.append(decode_out)
+    return answers, requests
+
+
+def checked(p, d, tag: str) -> tuple[list, list]:
+    """The undisturbed greedy tokens (their handoffs verified, on D's side too), then the watch lists cleared."""
+    p_look, d_look = p.manager.effects.kv, d.manager.effects.kv
+    p_look.clean.clear()
+    d_look.landed.clear()
+    answers, _ = serve(p, d, tag)
+    assert p_look.clean == d_look.landed  # nothing disturbed: D's pages hold what P computed
+    p_look.clean.clear()
+    d_look.landed.clear()
+    return [ids_of(a) for a in answers], [a[-1].meta.get("kv_recompute") for a in answers]
+
+
+def assert_outcome(setting, p, d, want, answers, requests):
+    p_look, d_look = p.manager.effects.kv, d.manager.effects.kv
+    assert len(p_look.clean) == len(d_look.landed) == len(PROMPTS)
+    # what D's pages held after the handoff is not what P computed: the corruption reached D's pool
+    assert all(clean != landed for clean, landed in zip(p_look.clean, d_look.landed, strict=True))
+    rooms = {r.bootstrap.room for r in requests}
+    last = final_rows(d.manager.journal.url, rooms)
+    recomputes = [a[-1].meta.get("kv_recompute") for a in answers]
+    if setting == "on":  # caught: the room failed with its own reason, D recomputed, the tokens are the clean ones
+        assert [ids_of(a) for a in answers] == want
+        assert all(r is not None and "kv checksum mismatch: piece 0 layer" in r["reason"] for r in recomputes)
+        assert {row.dst for row in last.values()} == {"Failed"}
+        assert all(row.event["reason"].startswith("kv checksum mismatch") for row in last.values())
+        mismatches = d.manager.metrics.registry.get_sample_value("fsm_pd_kv_checksums_total",
+            {"role": "decode", "node": "decode-0", "outcome": "mismatch"})
+        assert mismatches >= len(PROMPTS)
+    else:  # unnoticed: every room succeeded and nothing was recomputed, from KV that is not P's
+        assert recomputes == [None] * len(PROMPTS)
+        assert {row.dst for row in last.values()} == {"Success"}
+    assert_idle(p, d)
+
+
+def test_a_byte_flipped_on_the_wire(pair):
+    setting, p, d = pair
+    want, recomputed = checked(p, d, "wire-clean")
+    assert recomputed == [None] * len(PROMPTS)
+    d.manager.effects.faults = Faults(FaultConfig(corrupt_pull=1.0), role="decode")
+    try:
+        answers, requests = serve(p, d, "wire")
+    finally:
+        injected = d.manager.effects.faults.counters().get("corrupt_pull", 0)
+        d.manager.effects.faults = Faults(role="decode")
+    assert injected >= len(PROMPTS)
+    assert_outcome(setting, p, d, want, answers, requests)
+
+
+def test_a_page_of_the_decode_pool_overwritten_before_decoding(pair):
+    setting, p, d = pair
+    want, _ = checked(p, d, "d-pool-clean")
+    d.manager.effects.kv.overwrite = True
+    try:
+        answers, requests = serve(p, d, "d-pool")
+    finally:
+        d.manager.effects.kv.overwrite = False
+    assert_outcome(setting, p, d, want, answers, requests)
+
+
+def test_a_prefill_page_reused_while_its_send_from_the_pool_runs(pair):
+    setting, p, d = pair
+    want, _ = checked(p, d, "p-pool-clean")
+    p.manager.effects.kv.overwrite = True
+    try:
+        answers, requests = serve(p, d, "p-pool")
+    finally:
+        p.manager.effects.kv.overwrite = False
+    assert_outcome(setting, p, d, want, answers, requests)
