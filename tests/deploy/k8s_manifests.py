@@ -172,7 +172,10 @@ def parse(words: list[str], env: Mapping[str, str]) -> CommandLine:
 def parsed(workload: dict) -> CommandLine:
     ctr = container(workload)
     env = environment(ctr, placeholder)
-    return parse(argv(ctr, env), env)
+    words = argv(ctr, env)
+    # a reference to a variable that is not defined (or defined after the one that uses it) stays as it is written
+    assert not [w for w in words if "$(" in w], f"{ctr['name']}: unexpanded references in {words}"
+    return parse(words, env)
 
 
 def container_port(ctr: dict, port) -> int:
