@@ -6,6 +6,7 @@ outlasts the drain, and the router names every pod of each role (``k8s_manifests
 
 from __future__ import annotations
 
+import re
 import tomllib
 from urllib.parse import urlsplit
 
@@ -303,3 +304,16 @@ def test_image_is_the_projects_version(rendered):
     for workload in workloads(rendered).values():
         image = container(workload)["image"]
         assert image.startswith("fsm-pd:" + version), image
+
+
+def test_the_docs_create_every_secret_key_the_pods_read():
+    """docs/deploy.md's `kubectl create secret generic NAME --from-literal=KEY=...` commands make what the manifests'
+    secretKeyRefs name (the optional ones included)."""
+    lines = (REPO / "docs" / "deploy.md").read_text().replace("\\\n", " ").splitlines()  # continuations joined
+    created = {(command.group(1), key) for line in lines
+               if (command := re.search(r"kubectl create secret generic (\S+)", line))
+               for key in re.findall(r"--from-literal=([\w.-]+)=", line)}
+    read = {(ref["name"], ref["key"]) for kustomization in RENDERED
+            for workload in workloads(render(kustomization)).values()
+            for entry in container(workload).get("env", []) if (ref := entry.get("valueFrom", {}).get("secretKeyRef"))}
+    assert read and read == created
