@@ -32,7 +32,8 @@ def settle_bound(world: World) -> float:
     rooms = world.pending_arrivals + sum(not r.terminal for s in slots for r in s.instance.node.rooms.values())
     backlog = sum(max(0.0, m.due_at - now) for m in models)
     backlog += (sum(m.queued() for m in models) + 4 * rooms) * world.model_delay
-    after_rooms = world.network.max_delay_s + world.plan.slow_pulls_s + 2.0 + c.decode_time + backlog
+    stalled = max(0.0, *(s.instance.frozen_until - now for s in slots))  # a stalled node's clocks wait
+    after_rooms = stalled + world.network.max_delay_s + world.plan.slow_pulls_s + 2.0 + c.decode_time + backlog
     return max(0.0, world.last_start - now) + room_s + after_rooms + 1.0
 
 

@@ -21,6 +21,7 @@ class FaultPlan:
     forced_messages: deque = field(default_factory=deque)  # fates for the next messages, in order
     fail_next_pull: int = 0
     fail_next_resolve: int = 0
+    corrupt_next_pull: int = 0
     slow_pulls_s: float = 0.0  # extra time between a pull taking the bytes and reporting them (late completions)
 
     def __post_init__(self):
@@ -59,6 +60,13 @@ class FaultPlan:
         """Extra seconds before a pull that has its bytes reports them."""
         return self.slow_pulls_s + (self.rng.random() * 2.0 if self._draw(0.1) else 0.0)
 
+    def pull_corrupts(self) -> bool:
+        """Whether a pull's bytes are changed on the way (a flipped bit the transport did not catch)."""
+        if self.corrupt_next_pull:
+            self.corrupt_next_pull -= 1
+            return True
+        return self._draw(0.1)
+
     def resolve_fails(self) -> bool:
         if self.fail_next_resolve:
             self.fail_next_resolve -= 1
@@ -70,6 +78,11 @@ class FaultPlan:
 
     def prefill_crash(self) -> bool:
         return self._draw(2.0)
+
+    def stall(self) -> float:
+        """0, or how long a node is stopped (SIGSTOP) once during the run: under a heartbeat interval, or long
+        enough that its peer declares it dead."""
+        return self.rng.choice((0.5, 4.0)) if self._draw(1.0) else 0.0
 
     def decode_crash(self) -> bool:
         return self._draw(0.5)

@@ -171,3 +171,32 @@ def not_succeeded(world: World, rooms: list[int]) -> list[str]:
         if set(sides.values()) != {"Success"}:
             found.append(f"room {room}: prefill {sides['prefill']}, decode {sides['decode']}")
     return found
+
+
+def state_slack_s(world: World) -> float:
+    """How far past its state's deadline a room may still be in that state: the longest stall (SIGSTOP) injected,
+    since a stopped process's timers fire only when it resumes, plus 1 ms for the float sums. Nothing else delays
+    a timeout: the simulator steps every node at the instant a timer fires."""
+    return world.longest_stall + 0.001
+
+
+def overdue_states(world: World) -> list[str]:
+    """Rooms that have been in one non-terminal state longer than that state's deadline (the timer the machine
+    arms on entering it: ``DEADLINES`` of its role, its length from the room's recorded deadlines) plus the
+    slack. Checked at every instant the world settles (``World.probes``), on both sides, for every state."""
+    now, slack, found = world.clock.now(), state_slack_s(world), []
+    for slot in (world.prefill, world.decode):
+        if not slot.alive:
+            continue
+        inst = slot.instance
+        timers = inst.node.machine.deadlines
+        for room in inst.node.rooms.values():
+            if room.terminal:
+                continue
+            timer = timers[room.state]
+            limit = float(room.ctx.get("deadlines", inst.node.deadlines)[timer])
+            since = world.entered.get((inst.name, room.room), inst.created.get(room.room))
+            if since is not None and now - since > limit + slack:
+                found.append(f"{slot.role} room {room.room} has been {room.state} for {now - since:.3f} s (since "
+                             f"t={since:.3f}); its {timer} deadline is {limit:g} s, the slack {slack:g} s")
+    return found

@@ -439,7 +439,9 @@ class SimKV:
         room = pieces[0].room
         if any(piece.room != room for piece in pieces):
             self.ledger.violation(f"one write mixes the pieces of rooms {sorted({p.room for p in pieces})}")
-        content = tuple(tag for piece in pieces[:1] for tag in piece.content)  # TP pieces carry the same pages
+        # the pieces of a resharded handoff carry parts of the same pages: a page is what all of them say it is
+        content = tuple(tags[0] if len(set(tags)) == 1 else f"corrupted ({tags})"
+                        for tags in zip(*(piece.content for piece in pieces), strict=True))
         self.allocator.check_write(room, pages, "a write", content)
 
     def cancel(self, stream: SimLayerStream) -> None:

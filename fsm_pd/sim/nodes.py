@@ -55,11 +55,15 @@ class Instance:
     def __init__(self, world: World, slot: SimNode, generation: int):
         self.alive = True
         self.died_at: float | None = None
+        # stalled (SIGSTOP: every thread stopped, the process still there) until then: nothing it owns runs, no
+        # frame reaches it, no ping is answered, its loop does not step; it all resumes then
+        self.frozen_until = float("-inf")
         self.name = f"{slot.node_id}#{generation}"
         self.created: dict[int, float] = {}  # room -> when this instance created (or recovered) it
         w = self.world = world
         self.model = SimModel(w.sched, self, lambda: w.model_delay)
-        self.channel = SimSideChannel(w.network, self, slot.node_id, slot.address, new_instance_id(w.rng))
+        self.channel = SimSideChannel(w.network, self, slot.node_id, slot.address, new_instance_id(w.rng),
+                                      healthy=self.answers_pings)
         faults = Faults(role=slot.role)  # FSM_PD_FAULT_* drive real processes; the simulation has its FaultPlan
         self.journal = w.open_journal(slot.role)
         # a pool on one CPU device copies layer by layer (overlapping the wire), one on an accelerator whole buffers
@@ -85,6 +89,7 @@ class Instance:
             self.resolver = SimResolver(w.sched, self, w.plan, w.bootstrap)
             puller = SimPuller(w.sched, w.ledger, self, w.plan, w.transfer_server, lambda: w.network.partitioned,
                                layers)
+            puller.record = w.record
             self.effects = DecodeEffects(
                 layout=w.decode_layout, channel=self.channel, resolver=self.resolver, admission=self.admission,
                 puller=puller, model=self.model,
@@ -106,6 +111,14 @@ class Instance:
 
     def idle(self) -> bool:
         return self.model.queued() == 0
+
+    def frozen(self) -> bool:
+        return self.alive and self.frozen_until > self.world.clock.now()
+
+    def answers_pings(self) -> bool:
+        """The side channel's ``healthy`` hook (``SideChannel(healthy=...)``): a process answers pings only while
+        it runs (a real one whose node loop or model thread died stops answering too; the simulation's never do)."""
+        return self.alive and not self.frozen()
 
 
 class SimNode:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 from collections import Counter
 
-from fsm_pd.sim.invariants import overdue_rooms, ownership_violations
+from fsm_pd.sim.invariants import overdue_rooms, overdue_states, ownership_violations
+from fsm_pd.sim.outcomes import corruption_served, outcome_disagreements
 from fsm_pd.sim.world import SimConfig, World
 
 
 def schedule_requests(world: World) -> None:
-    """Poisson arrivals with prompt lengths from 1 token to many pages; a crash of either node if the plan wants one."""
+    """Poisson arrivals with prompt lengths from 1 token to many pages; a crash of either node, and a stall of one,
+    if the plan wants them."""
     config, at = world.config, 0.0
     for room in range(1, config.requests + 1):
         at += world.rng.expovariate(1.0 / config.mean_interarrival)
@@ -22,14 +24,22 @@ def schedule_requests(world: World) -> None:
         crash_at = world.rng.random() * at
         world.clock.call_at(crash_at, lambda: world.crash("decode", restart_after=world.config.restart_after,
                                                           after_commit=True))
+    stall_s = world.plan.stall()
+    if stall_s:
+        role, stall_at = world.rng.choice(("prefill", "decode")), world.rng.random() * at
+        world.clock.call_at(stall_at, lambda: world.stall(role, stall_s))
 
 
 def simulate(config: SimConfig, journal_dir: str | os.PathLike | None = None, durability: str = "normal") -> dict:
     world = World(config, journal_dir, durability)
+    overdue: list[str] = []
+    world.probes.append(lambda: overdue.extend(overdue_states(world)[:1]))  # at every instant the world settles
     try:
         schedule_requests(world)
         world.run()
-        return summarize(world)
+        summary = summarize(world)
+        summary["leaks"]["violations"] += overdue[:5]
+        return summary
     finally:
         world.close()
 
@@ -62,13 +72,15 @@ def summarize(world: World) -> dict:
         "prefill_crashes": world.crashes,
         "decode_crashes": world.decode.crashes,
         "messages": dict(sorted(world.network.counts.items())),
+        "faults": dict(sorted(Counter(f.kind for f in world.fault_log).items())),
         "unfinished_rooms": len(unfinished),
         "leaks": {
             "staging_buffers_held": len(world.ledger.holdings("staging")),
             "pages_reserved": len(world.ledger.holdings("pages")),
             "transfer_entries_open": len(world.ledger.holdings("entry")),
             "pulled_buffers_held": len(world.ledger.holdings("pulled")),
-            "violations": ownership_violations(world) + overdue_rooms(world),
+            "violations": ownership_violations(world) + overdue_rooms(world) + outcome_disagreements(world)
+            + corruption_served(world),
         },
         "virtual_seconds": round(world.clock.now(), 6),
     }

@@ -2,12 +2,15 @@
 
 Everything the simulated ports do later (a message arriving, a pull finishing, a model job running) is a callback
 here. A callback owned by an instance that has crashed meanwhile never runs: the process that would have run it is
-gone. ``in_flight`` counts callbacks that are still work (not deadlines or heartbeats): when it is zero and no node
-has queued events, the world is quiet and nothing held can still be let go by work under way.
+gone. One owned by an instance that is stalled (``frozen_until``: SIGSTOP, every thread stopped) runs when it
+resumes, as a stopped process's timers and threads carry on where they were. ``in_flight`` counts callbacks
+that are still work (not deadlines or heartbeats): when it is zero and no node has queued events, the world is
+quiet and nothing held can still be let go by work under way.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +28,9 @@ class Timeline:
             self.in_flight += 1
 
         def fire() -> None:
+            if owner is not None and owner.alive and owner.frozen_until > self.clock.now():
+                self.clock.call_at(owner.frozen_until, fire)  # still work, and still to run
+                return
             if work:
                 self.in_flight -= 1
             if owner is None or owner.alive:
@@ -39,26 +45,40 @@ class OwnedTimers:
 
     def __init__(self, clock: VirtualClock, owner: Any):
         self.clock, self.owner = clock, owner
+        self._handles: dict[int, int] = {}  # our handle -> the clock's (a stalled owner's timer is moved on)
+        self._ids = itertools.count(1)
 
     def now(self) -> float:
         return self.clock.now()
 
     def call_at(self, when: float, callback: Callable[[], None]) -> int:
-        owner = self.owner
-        return self.clock.call_at(when, lambda: callback() if owner.alive else None)
+        owner, ident, clock = self.owner, next(self._ids), self.clock
+
+        def run() -> None:
+            if owner.alive and owner.frozen_until > clock.now():  # stalled: it fires when the process resumes
+                self._handles[ident] = clock.call_at(owner.frozen_until, run)
+                return
+            self._handles.pop(ident, None)
+            if owner.alive:
+                callback()
+
+        self._handles[ident] = clock.call_at(when, run)
+        return ident
 
     def cancel(self, handle: int) -> None:
-        self.clock.cancel(handle)
+        found = self._handles.pop(handle, None)
+        if found is not None:
+            self.clock.cancel(found)
 
 
 class _Timer:
-    __slots__ = ("clock", "handle")
+    __slots__ = ("handle", "timers")
 
-    def __init__(self, clock: VirtualClock, handle: int):
-        self.clock, self.handle = clock, handle
+    def __init__(self, timers: OwnedTimers, handle: int):
+        self.timers, self.handle = timers, handle
 
     def cancel(self) -> None:
-        self.clock.cancel(self.handle)
+        self.timers.cancel(self.handle)
 
 
 class OwnedDeadlines:
@@ -72,4 +92,4 @@ class OwnedDeadlines:
         return self.timers.now()
 
     def call_at(self, when: float, fn: Callable[[], None]) -> _Timer:
-        return _Timer(self.timers.clock, self.timers.call_at(when, fn))
+        return _Timer(self.timers, self.timers.call_at(when, fn))

@@ -123,6 +123,14 @@ class SimTransferServer(HoldingBackend):
         self._holds.close()
 
 
+class _Wire:
+    """The bytes of a pull as they landed, for ``on_progress``: what the entry held when each layer was sent."""
+
+    def __init__(self, entry: Any):
+        self.room, self.nbytes, self.rows = entry.room, entry.nbytes, entry.rows
+        self.content: list = list(entry.content)
+
+
 @dataclass(eq=False)
 class _Pull:
     address: str
@@ -133,6 +141,8 @@ class _Pull:
     entry: SimBuffer | SimPoolPages | None = None
     progress: StagingProgress | None = None
     turn: Any = None  # a send from the pool: this stream's place in the pool's lease
+    wire: Any = None  # what has landed so far (``_Wire``): the entry's content as it was sent, perhaps corrupted
+    corrupt: bool = False  # a fault changes the bytes of this pull
     reset_at: int | None = None  # bytes after which a fault resets the connection
     received: int = 0
 
@@ -143,6 +153,7 @@ class SimPuller:
         """``layers``: a staging buffer streams in this many equal parts (the layout's layers)."""
         self.sched, self.ledger, self.instance, self.plan = sched, ledger, instance, plan
         self.servers, self.partitioned, self.layers = servers, partitioned, layers
+        self.record: Callable[[str, int, str], None] | None = None  # World.record
 
     def pull(self, address: str, uuid: int, page_count: int, timeout_s: float, *, done: Callable,
              on_progress: Any = None, delay_s: float = 0.0, piece: Any = None) -> None:
@@ -155,10 +166,25 @@ class SimPuller:
             return None
         return server
 
+    def _stalled(self, p: _Pull, again: Callable[[_Pull], None]) -> bool:
+        """P's process is stalled (SIGSTOP): its socket accepts, nothing answers; try again when it resumes, or
+        time out at the pull's deadline, as a blocked socket read does."""
+        server = self.servers(p.address)
+        if server is None or not server.instance.frozen():
+            return False
+        now = self.sched.clock.now()
+        if now >= p.deadline:
+            p.done(None, TransferTimeout(f"transfer {p.uuid}: {p.address} did not answer in time"))
+        else:
+            self.sched.later(min(server.instance.frozen_until, p.deadline) - now, lambda: again(p), self.instance)
+        return True
+
     def _look(self, p: _Pull) -> None:
         now = self.sched.clock.now()
         if now >= p.deadline:
             p.done(None, TransferTimeout(f"transfer {p.uuid} not pulled from {p.address} in time"))
+            return
+        if self._stalled(p, self._look):
             return
         server = self._server(p)
         if server is None:
@@ -174,6 +200,8 @@ class SimPuller:
         p.entry, p.progress = found
         if isinstance(p.entry, SimPoolPages):
             p.turn = p.entry.reader()
+        p.wire = _Wire(p.entry)
+        p.corrupt = bool(p.entry.content) and self.plan.pull_corrupts()
         reset_after = self.plan.pull_breaks_after(self.layers)
         if reset_after is not None:
             p.reset_at = reset_after * (p.entry.nbytes // self.layers)
@@ -181,6 +209,8 @@ class SimPuller:
 
     def _stream(self, p: _Pull) -> None:
         """Send the next layer that is final, or wait until P makes one final."""
+        if self._stalled(p, self._stream):
+            return
         now, total = self.sched.clock.now(), p.entry.nbytes
         server = self._server(p)
         found, ended = (None, "the server went away") if server is None else server.lookup(p.uuid)
@@ -210,8 +240,11 @@ class SimPuller:
 
     def _arrived(self, p: _Pull, upto: int) -> None:
         p.received = upto
+        p.wire.content = list(p.entry.content)
+        if p.corrupt:  # a page's bytes changed on the way; the tags say so, and D's checksum will hash them
+            p.wire.content[0] = f"corrupted ({p.entry.content[0]})"
         if p.on_progress is not None:
-            p.on_progress(0, p.entry, upto)
+            p.on_progress(0, p.wire, upto)
         self._stream(p)
 
     def _landed(self, p: _Pull) -> None:
@@ -219,6 +252,8 @@ class SimPuller:
         entry = p.entry
         pulled = SimBuffer(self.ledger.new_id(), "pulled", entry.room, entry.rows, entry.nbytes // max(1, entry.rows),
                            words=getattr(entry, "words", None), corrupt=entry.corrupt)
-        pulled.content = tuple(entry.content)
+        pulled.content = tuple(p.wire.content)
+        if p.corrupt and self.record is not None:
+            self.record("corrupt", entry.room, f"a byte of transfer {p.uuid} flipped on the wire")
         self.ledger.alloc("pulled", pulled.key, self.instance, pulled.room)
         self.sched.later(REPORT_S + self.plan.pull_reports_late(), lambda: p.done(pulled, None), self.instance)

@@ -37,6 +37,17 @@ BYTES_PER_VALUE = 4
 
 
 @dataclass(frozen=True, slots=True)
+class Fault:
+    """One injected fault: when, what (``message drop``, ``crash``, ``stall``, ``client abort``, ...), the room it hit
+    (None: the whole node or the network) and where."""
+
+    at: float
+    kind: str
+    room: int | None
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
 class SimConfig:
     requests: int = 100
     seed: int = 0
@@ -81,6 +92,10 @@ class World:
         self.ledger = Ledger(self.clock)
         max_delay = 2 * max(*config.decode_deadlines.values(), *config.prefill_deadlines.values())
         self.network = SimNetwork(self.sched, self.rng, self.plan, self.rng.randbytes(32), max_delay)
+        self.network.record = self.record
+        self.fault_log: list[Fault] = []  # every fault injected, for the oracles that a fault must explain
+        self.longest_stall = 0.0
+        self.entered: dict[tuple[str, int], float] = {}  # (instance, room) -> when the room entered its state
         self.bootstrap = SimBootstrap(self.bootstrap_addr)
         self.decode_layout = {**LAYOUT, "num_pages": config.num_pages, **_split(config.decode_tp)}
         self.prefill_layout = {**LAYOUT, "num_pages": config.prefill_pages, **_split(config.prefill_tp)}
@@ -110,6 +125,26 @@ class World:
         self.prefill.start()
         self.decode.start()
 
+    # --- faults, recorded ---
+    def record(self, kind: str, room: int | None, detail: str) -> None:
+        self.fault_log.append(Fault(self.clock.now(), kind, room, detail))
+
+    def faults_of(self, room: int | None = None, kind: str = "") -> list[Fault]:
+        """The recorded faults of ``kind`` (a prefix) that hit ``room`` or everything (room None)."""
+        return [f for f in self.fault_log if f.kind.startswith(kind) and (f.room is None or f.room == room)]
+
+    def stall(self, role: str, seconds: float) -> None:
+        """SIGSTOP ``role``'s process for ``seconds``: it stays there (its sockets accept) but nothing in it runs;
+        frames and pulls wait, its timers fire late, it answers no ping; then it carries on where it was."""
+        slot = self.prefill if role == "prefill" else self.decode
+        if not slot.alive or seconds <= 0:
+            return
+        inst = slot.instance
+        inst.frozen_until = max(inst.frozen_until, self.clock.now() + seconds)
+        self.longest_stall = max(self.longest_stall, seconds)
+        self.record("stall", None, f"{inst.name} stopped for {seconds:g} s")
+        self.sched.later(seconds, lambda: None, work=False)  # the world settles (and steps it) when it resumes
+
     # --- wiring ---
     def open_journal(self, role: str) -> Journal | None:
         if self.journal_dir is None:
@@ -124,11 +159,16 @@ class World:
         """A new instance runs in ``slot``: hook it up the way its engine and the deployment would."""
         self.instances[inst.channel.instance_id] = inst
         inst.node.observers.append(lambda room, decision, at: inst.scheduler.observed(room, decision))
+        inst.node.observers.append(lambda room, decision, at: self._entered(inst, room, decision))
         if slot.role == "prefill":
             self.bootstrap.register({"rank_ip": "10.0.0.1", "rank_port": 7000, "side_channel": slot.address,
                                      "transfer_addr": slot.transfer_address, "transfer_backend": "sim",
                                      "kv_layout": self.prefill_layout, "node_id": slot.node_id,
                                      "instance": inst.channel.instance_id})
+
+    def _entered(self, inst: Instance, room: object, decision: object) -> None:
+        if decision.dst != decision.src or decision.trigger == "create":
+            self.entered[(inst.name, room.room)] = self.clock.now()
 
     # --- requests and clients ---
     def add_request(self, room: int, prompt_len: int, at: float) -> None:
@@ -150,8 +190,12 @@ class World:
 
     def _arrive_prefill(self, room: int, tokens: tuple[int, ...]) -> None:
         """The engine creates the room; its scheduler queues the prompt once PREPARE came (``engine_schedulers.py``)."""
-        self.pending_arrivals -= 1
         inst = self.prefill.instance
+        if inst.frozen():  # its HTTP server is stopped too: the request waits in the socket
+            self.sched.later(inst.frozen_until - self.clock.now(), lambda: self._arrive_prefill(room, tokens),
+                             work=False)
+            return
+        self.pending_arrivals -= 1
         if inst.alive and self._accepted(self.prefill, room, lambda: inst.core.add_sender(
                 room, prompt_len=len(tokens))):
             inst.created[room] = self.clock.now()
@@ -160,8 +204,12 @@ class World:
 
     def _arrive_decode(self, room: int, tokens: tuple[int, ...]) -> None:
         """The engine creates the room and queues the request for pages (``engine_schedulers.py``)."""
-        self.pending_arrivals -= 1
         inst = self.decode.instance
+        if inst.frozen():
+            self.sched.later(inst.frozen_until - self.clock.now(), lambda: self._arrive_decode(room, tokens),
+                             work=False)
+            return
+        self.pending_arrivals -= 1
         if inst.alive and self._accepted(self.decode, room, lambda: inst.core.add_receiver(
                 room, page_count=-(-len(tokens) // LAYOUT["page_size"]), prompt_len=len(tokens),
                 bootstrap_addr=self.bootstrap_addr)):
@@ -190,6 +238,7 @@ class World:
     def abort(self, side: str, room: int, reason: str) -> None:
         inst = (self.prefill if side == "prefill" else self.decode).instance
         if inst.alive and room in inst.created:
+            self.record("client abort", room, f"on the {side} node")
             inst.core.abort(room, reason)
 
     # --- crashes ---
@@ -203,6 +252,7 @@ class World:
             slot.instance.interpreter.armed = True
             slot.restart_after = restart_after
             return
+        self.record("crash", None, f"{slot.instance.name} killed")
         slot.crash()
         self._schedule_restart(slot, restart_after)
 
@@ -214,12 +264,14 @@ class World:
         disarmed, and every node that is down started again now (a restart still scheduled then finds it up)."""
         plan = self.plan
         plan.rate, plan.slow_pulls_s, plan.fail_next_pull, plan.fail_next_resolve = 0.0, 0.0, 0, 0
+        plan.corrupt_next_pull = 0
         plan.forced_messages.clear()
         self.model_delay = self.config.model_delay
         self.network.partitioned_until = float("-inf")
         for slot in (self.prefill, self.decode):
             if slot.alive:
                 slot.instance.interpreter.armed = False
+                slot.instance.frozen_until = min(slot.instance.frozen_until, self.clock.now())  # SIGCONT
             else:
                 slot.start()
 
@@ -241,11 +293,12 @@ class World:
     def step_nodes(self) -> int:
         done = 0
         for slot in (self.decode, self.prefill):
-            if not slot.alive:
+            if not slot.alive or slot.instance.frozen():
                 continue
             try:
                 done += slot.instance.node.step()
-            except NodeCrashed:
+            except NodeCrashed as exc:
+                self.record("crash", None, str(exc))
                 slot.crash()
                 self._schedule_restart(slot, slot.restart_after)
                 done += 1

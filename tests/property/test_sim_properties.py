@@ -43,6 +43,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from fsm_pd.machines.states import STATE_NAMES, TERMINAL
 from fsm_pd.sim import SimConfig, World
 from fsm_pd.sim.faults import MESSAGE_FATES
+from fsm_pd.sim.outcomes import corruption_served, outcome_disagreements
 from fsm_pd.sim.invariants import (
     bound_to_dead_peers,
     handoff_bound_s,
@@ -51,6 +52,7 @@ from fsm_pd.sim.invariants import (
     leaks,
     not_succeeded,
     overdue_rooms,
+    overdue_states,
     ownership_violations,
     page_accounting,
     recovery_s,
@@ -83,6 +85,7 @@ class SimulationMachine(RuleBasedStateMachine):
         self.terminal_seen: dict[tuple[str, int], str] = {}
         self.instant_violations: list[str] = []
         self.world.probes.append(lambda: self.instant_violations.extend(bound_to_dead_peers(self.world)))
+        self.world.probes.append(lambda: self.instant_violations.extend(overdue_states(self.world)))
 
     # --- requests and clients ---
     @rule(prompt_len=st.integers(1, 300))
@@ -125,6 +128,11 @@ class SimulationMachine(RuleBasedStateMachine):
     @rule()
     def fail_next_pull(self):
         self.world.plan.fail_next_pull += 1
+
+    @rule()
+    def corrupt_next_pull(self):
+        """A bit of the next pull's KV flips on the way: D's checksum must catch it before decode."""
+        self.world.plan.corrupt_next_pull += 1
 
     @rule()
     def fail_next_bootstrap_lookup(self):
@@ -188,6 +196,12 @@ class SimulationMachine(RuleBasedStateMachine):
         self.world.crash(role, restart_after=seconds)
         self.world.run(until=self.world.clock.now() + seconds)
 
+    @rule(role=st.sampled_from(["prefill", "decode"]), seconds=st.sampled_from([0.5, 4.0]))
+    def stall(self, role, seconds):
+        """The process is stopped (SIGSTOP) for a while, then carries on: short enough that no heartbeat is
+        missed twice, or long enough that its peer declares it dead meanwhile (the pings go unanswered)."""
+        self.world.stall(role, seconds)
+
     @rule(role=st.sampled_from(["prefill", "decode"]))
     def replace_instance(self, role):
         """The process dies and a new instance comes up at once at the same address, before any heartbeat."""
@@ -214,8 +228,16 @@ class SimulationMachine(RuleBasedStateMachine):
         assert overdue_rooms(self.world) == []
 
     @invariant()
-    def no_room_outlives_its_peer_by_more_than_the_heartbeats(self):
-        assert self.instant_violations[:3] == []  # checked at every instant the world settled, not only now
+    def no_room_outlives_its_peer_nor_its_state_deadline(self):
+        """Checked at every instant the world settled, not only now: no room stays bound to a dead peer longer
+        than the heartbeats take to notice, and none stays in any state longer than that state's deadline plus
+        the slack (``invariants.state_slack_s``)."""
+        assert self.instant_violations[:3] == []
+
+    @invariant()
+    def both_sides_agree_and_no_corrupted_handoff_is_decoded(self):
+        assert outcome_disagreements(self.world)[:3] == []
+        assert corruption_served(self.world)[:3] == []
 
     @invariant()
     def live_state_is_the_replay_of_the_journals_and_the_tables_decision(self):
@@ -260,6 +282,9 @@ class SimulationMachine(RuleBasedStateMachine):
         assert page_accounting(world)[:3] == []
         self.ownership()
         self.every_room_ends_within_its_deadlines()
+        self.no_room_outlives_its_peer_nor_its_state_deadline()
+        self.both_sides_agree_and_no_corrupted_handoff_is_decoded()
+        assert corruption_served(world, journal_rows(world))[:3] == []  # and replay names the checksum
         self.live_state_is_the_replay_of_the_journals_and_the_tables_decision()
         self.states_are_table_states_and_terminals_stick()
 
