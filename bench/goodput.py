@@ -17,6 +17,13 @@ rate, goodput per mode and the PD / colocated ratio, and each mode's TTFT phases
 prefill on the prefill node, the KV transfer, the decode node's queue).
 
     python bench/goodput.py [--model smollm2] [--requests 24] [--json]
+
+``--sweep`` measures the crossover instead (``crossover.py``): goodput over a grid of prompt lengths (--prompts,
+default 64,256,1024,2048) and output lengths (--outputs, default 16,128) for colocated, PD with every request through
+the prefill node (``--pd-policy always``) and PD with the selective policy (``--pd-policy auto``), each rate sweep
+--repeat times, and writes the table and plot into --docs-dir (docs/crossover.md, docs/crossover.png):
+
+    python bench/goodput.py --sweep [--requests 24] [--repeat 2] [--docs-dir docs]
 """
 
 from __future__ import annotations
@@ -117,8 +124,9 @@ def phases(results: list[dict]) -> dict:
     return out
 
 
-def start_mode(cluster: Servers, mode: str) -> tuple[str, list[str]]:
-    """The mode's server(s), pinned; returns (URL to send to, the nodes' URLs)."""
+def start_mode(cluster: Servers, mode: str, policies: tuple[str, ...] = ()) -> tuple[str, list[str]]:
+    """The mode's server(s), pinned; returns (URL to send to, the nodes' URLs). ``policies``: for PD, one more router
+    per ``--pd-policy`` named, in front of the same nodes (``cluster.routers``: policy -> URL)."""
     if mode == "colocated":
         port = free_port()
         url = cluster.start("colocated", ["taskset", "-c", "0,1", sys.executable, "-m", "fsm_pd.cli", "serve",
@@ -131,6 +139,13 @@ def start_mode(cluster: Servers, mode: str) -> tuple[str, list[str]]:
                                         "--bootstrap-port", str(boot), "--journal", str(tmp / "prefill.db")], p_port)
     decode = cluster.start("decode", ["taskset", "-c", "1", *node, "--role", "decode", "--port", str(d_port),
                                       "--journal", str(tmp / "decode.db")], d_port)
+    cluster.routers = {}
+    for policy in policies:
+        port = free_port()
+        cluster.routers[policy] = cluster.start(f"router-{policy}", [
+            sys.executable, "-m", "fsm_pd.cli", "serve", "--role", "router", "--port", str(port), "--prefill",
+            prefill, str(boot), "--decode", decode, "--pd-policy", policy, "--local-prefill-max-tokens",
+            str(cluster.local_prefill_max_tokens)], port)
     return cluster.router(prefill, boot, decode), [prefill, decode]
 
 
@@ -148,7 +163,18 @@ def main(argv=None) -> int:
     parser.add_argument("--tpot-scale", type=float, default=3.0)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--json", action="store_true")
+    sweep = parser.add_argument_group("--sweep: the crossover grid (crossover.py)")
+    sweep.add_argument("--sweep", action="store_true", help="measure the grid instead of the three mixes")
+    sweep.add_argument("--prompts", default="64,256,1024,2048", help="prompt lengths in tokens")
+    sweep.add_argument("--outputs", default="16,128", help="new tokens per request")
+    sweep.add_argument("--repeat", type=int, default=2, help="rate sweeps per cell and mode (default 2)")
+    sweep.add_argument("--local-prefill-max-tokens", type=int, default=256,
+                       help="the auto router's threshold (default 256, the router's)")
+    sweep.add_argument("--docs-dir", default=str(Path(__file__).resolve().parent.parent / "docs"),
+                       help="where crossover.md (its table block) and crossover.png go (default docs/)")
     args = parser.parse_args(argv)
+    if args.sweep:
+        return main_sweep(args)
     rates = [float(r) for r in args.rates.split(",")]
     names = [w for w in args.workloads.split(",") if w]
     vocab = load_model(args.model).config.vocab_size
@@ -204,6 +230,44 @@ def main(argv=None) -> int:
         print(json.dumps(report, indent=1))
     else:
         print_report(report)
+    return 0
+
+
+def main_sweep(args) -> int:
+    import crossover
+
+    vocab = load_model(args.model).config.vocab_size
+    report = {"model": args.model, "settings": vars(args), "load_average_before": os.getloadavg()[0]}
+    with tempfile.TemporaryDirectory() as tmp:
+        clusters = []
+        try:
+            urls = {}
+            for mode in ("colocated", "pd"):
+                cluster = Servers(Path(tmp) / mode, args.model)
+                cluster.local_prefill_max_tokens = args.local_prefill_max_tokens
+                (Path(tmp) / mode).mkdir()
+                clusters.append(cluster)
+                err.log(f"starting {mode} (each node warms up first)")
+                url, nodes = start_mode(cluster, mode, ("always", "auto") if mode == "pd" else ())
+                if mode == "pd":
+                    urls["pd"], urls["pd-policy"] = cluster.routers["always"], cluster.routers["auto"]
+                else:
+                    urls[mode] = url
+            cells = crossover.run_grid(args, urls, vocab, sys.modules[__name__], err.log)
+        finally:
+            for cluster in clusters:
+                cluster.stop()
+    report["load_average_after"] = os.getloadavg()[0]
+    report["cells"] = cells
+    settings = {"model": args.model, "requests": args.requests, "rates": args.rates, "repeat": args.repeat,
+                "ttft_scale": args.ttft_scale, "tpot_scale": args.tpot_scale}
+    page, png = crossover.write_docs(cells, settings, Path(args.docs_dir))
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        Console(width=150).print(crossover.table(cells, settings))
+    err.log(f"wrote {page} and {png}; 1-min load average {report['load_average_before']:.1f} before, "
+            f"{report['load_average_after']:.1f} after")
     return 0
 
 
