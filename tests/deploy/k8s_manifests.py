@@ -39,6 +39,7 @@ def render(kustomization: str) -> tuple[dict, ...]:
     out = subprocess.run([installed_program("kubectl"), "kustomize", str(KUSTOMIZE_ROOT / kustomization)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"kubectl kustomize {kustomization} failed:\n{out.stderr}"
+    assert not out.stderr.strip(), f"kubectl kustomize {kustomization} warns:\n{out.stderr}"  # deprecated fields
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
         f.write(out.stdout)
         f.flush()
