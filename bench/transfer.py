@@ -20,6 +20,10 @@ processes hits all of them alike:
   publishes first and gathers layer by layer while the stream sends; D writes each group of layers as it lands
   (``StreamedScatter``). ``<backend>+overlap/gather`` is the layer-by-layer gather on a backend that could send
   from the pages, for comparison;
+* ``<backend>+overlap+crc``  the same with the KV checksum on, as the handlers do it (``kernels/kv_checksum.py``): P
+  computes the crc32c of every page and layer on its model thread before it publishes, D computes its own over its
+  pages after the last write and compares. Its cost is printed as the ratio to ``<backend>+overlap`` (``checksum
+  cost``), medians and best runs of the same interleaved runs;
 * ``<backend>+reshard P>D``  end to end between different tensor-parallel sizes (``--reshard P:D``, default 2:1):
   P's pool split over P virtual devices, D's over D, as the handlers do it (``transport/reshard.py``): P gathers and
   cuts its staging into the plan's pieces and publishes each; D pulls the pieces side by side on worker threads,
@@ -136,6 +140,7 @@ def serve(args: argparse.Namespace) -> None:
     from fsm_pd.model.model_thread import ModelThread
     from fsm_pd.transport.backends import create_backend, new_uuid
     from fsm_pd.transport.backends.jax_api import shared_server
+    from fsm_pd.transport.reshard import plan_between
 
     opts = json.loads(args.backend_opts)
     backends = {name: create_backend(name, **opts.get(name, {})) for name in args.backends.split(",")}
@@ -189,12 +194,23 @@ def serve(args: argparse.Namespace) -> None:
                 models[mib] = ModelThread(pools[mib], name="bench-prefill-model")
             owner = models[mib]
             backend, ids = backends[cmd["backend"]], page_ids(layout, pages, seed=2).tolist()
+            kv = JaxKV(layout, owner, progressive=True)
             if cmd.get("from_pages", True):
-                publish = JaxKV(layout, owner, progressive=True).publish_while_gathering
+                publish = kv.publish_while_gathering
             else:
                 publish = partial(gather_layers_and_publish, layout=layout)
-            owner.call(partial(publish, transfer=backend, uuid=uuid, pages=ids, hold_timeout_s=60.0,
-                               on_published=lambda rows, uuid=uuid: send({"uuid": uuid})))  # D pulls at once
+
+            checksum = bool(cmd.get("checksum"))
+
+            def job(owner, publish=publish, uuid=uuid, ids=ids, kv=kv, layout=layout, backend=backend,
+                    checksum=checksum) -> None:
+                # the handler's order: the checksum while the KV is final, then the publish (READY goes at once)
+                plan = plan_between(layout.to_dict(), layout.to_dict())
+                sums = kv.sent_checksum(owner, ids, plan) if checksum else None
+                publish(owner, transfer=backend, uuid=uuid, pages=ids, hold_timeout_s=60.0,
+                        on_published=lambda rows: send({"uuid": uuid, "sums": sums}))  # D pulls at once
+
+            owner.call(job)
         elif op == "reshard_publish":  # what the prefill handler does when D's split differs from ours
             from types import SimpleNamespace
 
@@ -366,10 +382,12 @@ def backend_paths(producer: Producer, args: argparse.Namespace, mib: int, name: 
     """The transfer-only path and the end-to-end paths of one backend (``+overlap`` only where it is progressive)."""
     import jax
 
+    from fsm_pd.control.jax_kv import JaxKV
     from fsm_pd.control.overlap import StreamedScatter
     from fsm_pd.kernels import page_bucket, scatter_pages
     from fsm_pd.model.model_thread import ModelThread
     from fsm_pd.transport.backends import create_backend
+    from fsm_pd.transport.reshard import plan_between
 
     backend = create_backend(name, **json.loads(args.backend_opts).get(name, {}))
     address = producer.hello["addresses"][name]
@@ -378,6 +396,7 @@ def backend_paths(producer: Producer, args: argparse.Namespace, mib: int, name: 
     staging_spec = [jax.ShapeDtypeStruct(layout.staging_shape(page_bucket(pages)), np.float32)]
     dst_ids = page_ids(layout, pages, seed=3)
     model = ModelThread(make_pool(layout, seed=4), name="bench-model")  # D's pool, owned as in a decode node
+    kv = JaxKV(layout, model, progressive=True)
 
     def transfer(check: bool) -> float:
         uuid = producer.call(op="publish", backend=name, mib=mib)["uuid"]
@@ -399,12 +418,23 @@ def backend_paths(producer: Producer, args: argparse.Namespace, mib: int, name: 
         model.call(write)
         return finish(uuid, start, check, "kernels")
 
-    def overlapped(check: bool, from_pages: bool = True) -> float:
+    def overlapped(check: bool, from_pages: bool = True, checksum: bool = False) -> float:
         start = time.perf_counter()
-        uuid = producer.call(op="stream_publish", backend=name, mib=mib, from_pages=from_pages)["uuid"]
-        stream = StreamedScatter(model, layout, dst_ids.tolist())
+        answer = producer.call(op="stream_publish", backend=name, mib=mib, from_pages=from_pages, checksum=checksum)
+        uuid = answer["uuid"]
+        stream = StreamedScatter(model, layout, dst_ids.tolist(), checksum=checksum)
         backend.pull(address, uuid, staging_spec, 60.0, on_progress=stream.on_progress)
-        stream.finish().result()
+        if not checksum:
+            stream.finish().result()
+        else:  # as DecodeEffects.scatter: after the last write, in one job, D's checksum of its pages, compared
+            plan = plan_between(layout.to_dict(), layout.to_dict())
+
+            def written_and_verified(owner: ModelThread) -> list:
+                stream.written(owner)
+                return stream.checksums(owner) or kv.received_checksum(owner, dst_ids.tolist(), plan)
+
+            got = model.call(written_and_verified)
+            assert got == answer["sums"], f"{name}+overlap+crc: checksum mismatch"
         return finish(uuid, start, check, "overlap")
 
     def finish(uuid: int, start: float, check: bool, path: str) -> float:
@@ -419,6 +449,7 @@ def backend_paths(producer: Producer, args: argparse.Namespace, mib: int, name: 
     paths = {name: transfer, f"{name}+kernels": sequential}
     if backend.progressive:
         paths[f"{name}+overlap"] = overlapped
+        paths[f"{name}+overlap+crc"] = lambda check: overlapped(check, checksum=True)
     if backend.sends_pages:  # the same overlap with P's layer-by-layer gather instead of sending from the pool
         paths[f"{name}+overlap/gather"] = lambda check: overlapped(check, from_pages=False)
     owned = [model]
@@ -508,7 +539,11 @@ def main() -> None:
                     "runs_ms": [round(s * 1e3, 2) for s in secs],
                     "cpu_ms_per_run": {"decode": round(cpu_d * 1e3, 1), "prefill": round(cpu_p * 1e3, 1)},
                 }
-            report["sizes"].append({"mib": mib, "paths": rows})
+            # what the KV checksum costs: each +crc path against the same path without it, from the same runs
+            cost = {path: {"median": round(row["median_ms"] / rows[path.removesuffix("+crc")]["median_ms"], 3),
+                           "best": round(row["best_ms"] / rows[path.removesuffix("+crc")]["best_ms"], 3)}
+                    for path, row in rows.items() if path.endswith("+crc")}
+            report["sizes"].append({"mib": mib, "paths": rows, "checksum_cost": cost})
     finally:
         producer.close()
     if args.json:
@@ -516,14 +551,17 @@ def main() -> None:
         return
     for entry in report["sizes"]:
         print(f"\n{entry['mib']} MiB in {args.layers} float32 arrays, median of {args.runs}")
-        print(f"  {'path':<20}{'GB/s':>8}{'x raw_tcp':>11}{'median ms':>11}{'best ms':>9}{'D cpu ms':>10}"
+        print(f"  {'path':<22}{'GB/s':>8}{'x raw_tcp':>11}{'median ms':>11}{'best ms':>9}{'D cpu ms':>10}"
               f"{'P cpu ms':>10}  x ceiling (median, best)")
         for path, row in entry["paths"].items():
             cpu = row["cpu_ms_per_run"]
             ceiling = "" if row["ceiling"] is None else (
                 f"{row['ratio_to_ceiling']:>8.2f}, {row['best_ratio_to_ceiling']:.2f} ({row['ceiling']})")
-            print(f"  {path:<20}{row['gbps']:>8.2f}{row['ratio_to_raw_tcp']:>11.2f}{row['median_ms']:>11.1f}"
+            print(f"  {path:<22}{row['gbps']:>8.2f}{row['ratio_to_raw_tcp']:>11.2f}{row['median_ms']:>11.1f}"
                   f"{row['best_ms']:>9.1f}{cpu['decode']:>10.1f}{cpu['prefill']:>10.1f}{ceiling}")
+        for path, cost in entry["checksum_cost"].items():
+            print(f"  checksum cost, {path} / {path.removesuffix('+crc')}: {cost['median']:.3f} (medians), "
+                  f"{cost['best']:.3f} (best runs)")
 
 
 if __name__ == "__main__":

@@ -30,10 +30,12 @@ from fsm_pd.transport.reshard import Piece, ReshardPlan
 
 
 class JaxKV:
-    def __init__(self, layout: KVLayout, model: Any, *, progressive: bool, sharding: Any = None):
-        """``progressive``: the transfer backend streams host bytes, so copies may overlap the wire."""
+    def __init__(self, layout: KVLayout, model: Any, *, progressive: bool, sharding: Any = None,
+                 checksum: bool = False):
+        """``progressive``: the transfer backend streams host bytes, so copies may overlap the wire. ``checksum``:
+        a decode node verifies the KV checksum, so a streamed write takes it as each group lands."""
         self.layout, self.model, self.sharding = layout, model, sharding
-        self.progressive = progressive
+        self.progressive, self.checksum = progressive, checksum
         self._stream_layers: bool | None = None  # decided at the first pull: a prefill node never asks
 
     # --- prefill ---
@@ -107,7 +109,7 @@ class JaxKV:
     def stream(self, pages: list[int]) -> StreamedScatter | None:
         if not self.stream_layers:
             return None
-        return StreamedScatter(self.model, self.layout, list(pages), self.sharding)
+        return StreamedScatter(self.model, self.layout, list(pages), self.sharding, checksum=self.checksum)
 
     def complete_stream(self, stream: StreamedScatter, staging: jax.Array) -> bool:
         if not stream.submitted:

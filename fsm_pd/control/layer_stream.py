@@ -54,6 +54,11 @@ class LayerStream:
     def wait(self, owner: Any) -> None:
         """Model thread, after the last write job: until the pool holds every write."""
 
+    def checksums(self, owner: Any) -> list[list[int]] | None:
+        """Model thread, in the job right after the last write: the pages' KV checksum taken as each group was
+        written, if nothing else can have written them since; None: compute it from the pages now."""
+        return None
+
     # --- the stream ---
     @property
     def complete(self) -> bool:

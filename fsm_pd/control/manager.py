@@ -89,7 +89,8 @@ class KVManager:
         self.lookups = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"lookup[{node_id}]")
         self.journal = Journal(journal, durability=durability)
         self.clock = RealClock()
-        kv = JaxKV(layout, self.model, progressive=self.backend.progressive, sharding=staging_sharding)
+        kv = JaxKV(layout, self.model, progressive=self.backend.progressive, sharding=staging_sharding,
+                   checksum=kv_checksum)
         faults = Faults(FaultConfig.from_env(), role=role)  # off unless FSM_PD_FAULT_* are set
         if role == "prefill":
             self.admission = None

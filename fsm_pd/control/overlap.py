@@ -21,6 +21,7 @@ import numpy as np
 
 from fsm_pd.control.layer_stream import LayerStream
 from fsm_pd.kernels import KVLayout, gather_pages_into, page_bucket, scatter_layers, staging_block
+from fsm_pd.kernels.kv_checksum import pool_checksums
 from fsm_pd.model.model_thread import ModelThread
 from fsm_pd.transport.backends import TransferBackend
 
@@ -55,12 +56,17 @@ class StreamedScatter(LayerStream):
     """Scatter one pulled staging array ``[L, page_bucket(len(pages)), ...]`` into ``pages``, a group at a time."""
 
     def __init__(self, model: ModelThread, layout: KVLayout, pages: list[int], sharding: Any = None,
-                 group: int | None = None) -> None:
+                 group: int | None = None, checksum: bool = False) -> None:
+        """``checksum``: take the KV checksum of each group's pages right after writing it (``checksums``)."""
         row_shape = layout.staging_shape(page_bucket(len(pages)))[1:]
         layer_bytes = math.prod(row_shape) * np.dtype(layout.dtype).itemsize
         super().__init__(model, pages, num_layers=layout.num_layers, layer_bytes=layer_bytes,
                          group=group or layer_group(layout))
         self.sharding = sharding
+        self.checksum, self.parts = checksum, [(0, 0, layout.slots)]
+        self.sums: list[int | None] = [None] * layout.num_layers  # per layer, as written
+        self.last_job = -1  # the lease's jobs_ended in our last write job
+        self.alone = True  # no other job ran between two of our writes
 
     def stage(self, host: np.ndarray, layer: int) -> jax.Array:
         # Zero-copy on CPU: a 64-byte-aligned slice is aliased, not copied, and it is final from now on.
@@ -68,6 +74,26 @@ class StreamedScatter(LayerStream):
 
     def write(self, owner: ModelThread, layer: int, staged: jax.Array) -> None:
         owner.pool = scatter_layers(owner.pool, layer, staged, self.pages)
+        if self.checksum:  # while later layers are still on the wire: the pages of these layers as now written
+            (sums,) = pool_checksums(owner.pool[layer : layer + self.group], self.pages, self.parts) or ([None],)
+            self.sums[layer : layer + self.group] = sums if len(sums) == self.group else [None] * self.group
+            self._job(owner)
+
+    def _job(self, owner: ModelThread) -> bool:
+        """Note this job; whether it came right after our previous one (no other job, so no other write, between)."""
+        ended = owner.lease.jobs_ended
+        self.alone = self.alone and (self.last_job < 0 or ended == self.last_job + 1)
+        self.last_job = ended
+        return self.alone
+
+    def checksums(self, owner: ModelThread) -> list[list[int]] | None:
+        """The sums taken as each group was written, valid only if every layer has one and no other job ran on the
+        model thread since the first write (the model thread is the pool's only writer): else None, and the caller
+        reads the pages again. On a node whose model thread interleaves other work (decode steps) that is the
+        common case, and the check costs one more pass over the pages."""
+        if not self.checksum or any(value is None for value in self.sums) or not self._job(owner):
+            return None
+        return [list(self.sums)]
 
     def wait(self, owner: ModelThread) -> None:
         jax.block_until_ready(owner.pool)

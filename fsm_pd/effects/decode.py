@@ -302,7 +302,7 @@ class DecodeEffects:
             finally:
                 for piece in pieces:
                     self.kv.discard(piece)
-            return self._verify(owner, pages, plan, chunks, expected)
+            return self._verify(owner, pages, plan, chunks, expected, stream if streamed else None)
 
         def done(future) -> None:
             exc = future.exception()
@@ -317,15 +317,16 @@ class DecodeEffects:
         self.model.submit(write).add_done_callback(done)
 
     def _verify(self, owner: Any, pages: list[int], plan: ReshardPlan, chunks: tuple | None,
-                expected: list | None) -> str:
+                expected: list | None, stream: Any = None) -> str:
         """Model thread, in the job of the handoff's last write, so after every write into ``pages``: compare their
         checksum with P's; raises ``ChecksumMismatch``, else says what was checked (``checksums.OUTCOMES``)."""
         if not self.kv_checksum:
             return OFF
         if expected is None:
             return MISSING
-        if chunks is None:
-            got = self.kv.received_checksum(owner, pages, plan)
+        if chunks is None:  # a streamed write may have taken it as it wrote (overlapped with the wire)
+            got = None if stream is None else stream.checksums(owner)
+            got = got if got is not None else self.kv.received_checksum(owner, pages, plan)
         else:  # one checksum per chunk piece, over its pages
             got = [self.kv.received_checksum(owner, list(piece.pages), plan) for piece in chunks]
             got = None if any(part is None for part in got) else [part[0] for part in got]

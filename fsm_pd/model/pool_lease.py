@@ -67,6 +67,12 @@ class PoolLease:
                 self._readers -= 1
                 self._cond.notify_all()
 
+    @property
+    def jobs_ended(self) -> int:
+        """How many jobs have ended: a reader of the pool that sees it move by one between two of its own jobs knows
+        that no other job ran in between (the KV checksum of a streamed write relies on it: ``control/overlap.py``)."""
+        return self._gap
+
     def contended(self) -> bool:
         """A job is waiting for the pool (a reader should end its turn)."""
         return self._job_waiting

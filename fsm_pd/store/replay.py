@@ -20,6 +20,7 @@ from itertools import groupby
 
 from fsm_pd.machines import MACHINES, TERMINAL, Room
 from fsm_pd.machines.deadlines import explain_timeout, state_deadline
+from fsm_pd.machines.receiver import KV_CHECKSUM_MISMATCH
 from fsm_pd.store.journal import JournalRow
 
 
@@ -62,9 +63,11 @@ class RoomReport:
     def why(self) -> str | None:
         """The failure reason, with the deadline that ended the room explained (what it waited for, its length and
         the flag or variable that sets it)."""
-        if self.deadline is None:
-            return self.reason
-        return f"{self.reason}: {self.deadline['explained']}"
+        if self.deadline is not None:
+            return f"{self.reason}: {self.deadline['explained']}"
+        if self.reason and KV_CHECKSUM_MISMATCH in self.reason:
+            return f"{self.reason}: {CHECKSUM_EXPLAINED}"
+        return self.reason
 
     @property
     def consistent(self) -> bool:
@@ -202,6 +205,31 @@ def _chunks(trigger: str, event: dict) -> str | None:
     return None
 
 
+# What a failed KV checksum means (``fsm_pd/effects/checksums.py``), for ``why``.
+CHECKSUM_EXPLAINED = (
+    "the KV in the decode node's pages after the handoff is not what the prefill node computed when it was final "
+    "(crc32c per piece and layer): corrupted on the wire, read from a prefill page that was reused while it was "
+    "sent, or overwritten in the decode node's pool before its first decode step; no token was decoded from it, "
+    "and the decode node recomputed the prompt (--on-transfer-failure recompute) or failed the request (fail)")
+CHECKSUM_OUTCOMES = {
+    "verified": "kv checksum verified",
+    "missing": "kv checksum not verified: none from the prefill node (its --kv-checksum off, or its pool is not "
+               "checksummed)",
+    "unchecked": "kv checksum not verified: this node's pool is not checksummed (on an accelerator)",
+    "off": "kv checksum not verified: --kv-checksum off",
+}
+
+
+def _checksum(trigger: str, event: dict) -> str | None:
+    """The KV checksum of a handoff: what P announced (``published``), and what D found (``scattered``)."""
+    sums = event.get("kv_checksum")
+    if trigger in ("published", "pulled") and isinstance(sums, list) and sums:
+        return f"kv checksum: crc32c of {len(sums)} piece(s) x {len(sums[0])} layers"
+    if trigger == "scattered":
+        return CHECKSUM_OUTCOMES.get(event.get("kv_checksum_check"))
+    return None
+
+
 def _report(node, role, room_id, rows, divergence, replayed_state) -> RoomReport:
     events, time_in_state = [], {}
     final, reason, ended_by, entered_at = rows[0].src, None, None, rows[0].at
@@ -210,7 +238,7 @@ def _report(node, role, room_id, rows, divergence, replayed_state) -> RoomReport
         if "ignored" in row.payload:
             event["ignored"] = row.payload["ignored"]
         detail = (row.event.get("reason") or row.event.get("timer") or _pieces(row.event)
-                  or _chunks(row.trigger, row.event))
+                  or _chunks(row.trigger, row.event) or _checksum(row.trigger, row.event))
         if detail is not None:
             event["detail"] = detail
         if route := row.event.get("route"):  # the router's reason (router/policy.py): a decode create, a local record

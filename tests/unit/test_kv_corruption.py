@@ -4,7 +4,8 @@ A prefill and a decode engine in one process over the real ``tcp`` data plane (P
 the lease), three ways the KV can go wrong between P's prefill and D's first decode step:
 
 * (a) a byte flipped on the wire: ``FSM_PD_FAULT_CORRUPT_PULL``'s hook (``Faults.corrupting``) on D;
-* (b) a page of D's pool overwritten after the handoff wrote it, before the request decodes;
+* (b) a page of D's pool overwritten after the handoff wrote it, before the request decodes (by another job on D's
+  model thread, queued behind the writes of a streamed handoff: D then cannot use the checksum it took as it wrote);
 * (c) a page of P's pool reused (another request's KV written into it) while its send from the pool is under way.
 
 With the check on (both sides) the room fails with ``kv checksum mismatch``, D recomputes the prompt, and the tokens
@@ -26,6 +27,8 @@ from fsm_pd.effects.faults import FaultConfig, Faults
 from fsm_pd.model.loader import load_model
 from fsm_pd.serving.decode_engine import DecodeEngine
 from fsm_pd.serving.prefill_engine import PrefillEngine
+from fsm_pd.store import read_journal
+from fsm_pd.store.replay import CHECKSUM_EXPLAINED, replay
 from fsm_pd.transport.reshard import plan_between
 
 PROMPTS = [[(5 * i + j) % 200 + 1 for j in range(n)] for i, n in enumerate((9, 21, 30))]
@@ -40,8 +43,8 @@ class Look:
     """A pool-operations port with the test's eyes on it: what P's pages held when the KV was final (``clean``),
     what D's pages hold after the handoff's writes (``landed``), and the corruption of case (b) or (c)."""
 
-    def __init__(self, kv, layout: dict):
-        self.kv, self.plan = kv, plan_between(layout, layout)
+    def __init__(self, kv, layout: dict, model):
+        self.kv, self.plan, self.model = kv, plan_between(layout, layout), model
         self.clean: list = []
         self.landed: list = []
         self.overwrite = False  # overwrite the room's first page after the real operation, in the same job
@@ -56,9 +59,15 @@ class Look:
         if self.overwrite:  # the send is published and its stream not yet read: another request's KV lands here
             overwrite(owner, pages[0])
 
+    def complete_stream(self, stream, staging):
+        streamed = self.kv.complete_stream(stream, staging)
+        if streamed and self.overwrite:  # another job, after the streamed writes and before the request decodes
+            self.model.submit(lambda owner, pages=stream.pages: overwrite(owner, pages[0]))
+        return streamed
+
     def scatter(self, owner, pieces, pages, stream, plan):
         self.kv.scatter(owner, pieces, pages, stream, plan)
-        if self.overwrite:  # after the handoff wrote it, before the request decodes
+        if self.overwrite and stream is None:  # written whole, in this job: overwritten after it, before decoding
             overwrite(owner, pages[0])
         self.landed.append(self.kv.received_checksum(owner, pages, plan))
 
@@ -82,8 +91,8 @@ def pair(request, model, tmp_path_factory):
                       radix_cache=False)
     d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="tcp", secret=p.secret,
                      journal=str(tmp / "d.db"), kv_checksum=request.param == "on")
-    p.manager.effects.kv = Look(p.manager.effects.kv, p.manager.effects.layout)
-    d.manager.effects.kv = Look(d.manager.effects.kv, d.manager.effects.layout)
+    p.manager.effects.kv = Look(p.manager.effects.kv, p.manager.effects.layout, p.manager.model)
+    d.manager.effects.kv = Look(d.manager.effects.kv, d.manager.effects.layout, d.manager.model)
     yield request.param, p, d
     d.close()
     p.close()
@@ -128,6 +137,9 @@ def assert_outcome(setting, p, d, want, answers, requests):
         mismatches = d.manager.metrics.registry.get_sample_value("fsm_pd_kv_checksums_total",
             {"role": "decode", "node": "decode-0", "outcome": "mismatch"})
         assert mismatches >= len(PROMPTS)
+        for journal in (d.manager.journal.url, p.manager.journal.url):  # replay names and explains it on both sides
+            reports = [r for r in replay(read_journal(journal)).rooms if r.room in rooms]
+            assert len(reports) == len(PROMPTS) and all(CHECKSUM_EXPLAINED in r.why for r in reports)
     else:  # unnoticed: every room succeeded and nothing was recomputed, from KV that is not P's
         assert recomputes == [None] * len(PROMPTS)
         assert {row.dst for row in last.values()} == {"Success"}

@@ -1,0 +1,131 @@
+"""The KV checksum's values (``kernels/kv_checksum.py``): the same bytes give the same value whatever the pool's
+split, in the order P and D share; a changed byte changes exactly its piece and layer; a streamed write's sums are
+used only while nothing else ran on the model thread (``control/overlap.py``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import crc32c
+import jax
+import numpy as np
+import pytest
+
+from fsm_pd.control.overlap import StreamedScatter
+from fsm_pd.effects.checksums import mismatch, read_trailer, trailer_words
+from fsm_pd.kernels import KVLayout, page_bucket
+from fsm_pd.kernels.kv_checksum import pool_checksums
+from fsm_pd.model.model_thread import ModelThread
+
+
+def layout(tp: int = 1, heads: int = 4) -> KVLayout:
+    return KVLayout(num_layers=4, num_pages=12, page_size=4, kv_heads=heads, head_dim=8,
+                    shard_axis="tp" if tp > 1 else None, tp=tp)
+
+
+def pool_of(lay: KVLayout, seed: int = 0) -> tuple:
+    rng = np.random.default_rng(seed)
+    return tuple(jax.device_put(rng.standard_normal(lay.layer_shape, dtype=np.float32)) for _ in range(lay.num_layers))
+
+
+def test_whole_pages_are_the_crc32c_of_their_bytes_in_transfer_order():
+    lay = layout()
+    pool, pages = pool_of(lay), [7, 2, 3, 9]  # a run (2, 3) and single pages, out of order
+    want = [crc32c.crc32c(b"".join(np.asarray(layer)[p].tobytes() for p in pages)) for layer in pool]
+    assert pool_checksums(pool, pages, [(0, 0, lay.slots)]) == [want]
+
+
+def test_a_run_of_slots_is_each_pages_slice_row_major():
+    lay = layout()
+    pool, pages = pool_of(lay), [5, 1]
+    part = (0, 1, 2)  # slots 1 and 2: rows 2..5 of axis 2
+    want = [crc32c.crc32c(b"".join(np.ascontiguousarray(np.asarray(layer)[p, :, 2:6]).tobytes() for p in pages))
+            for layer in pool]
+    assert pool_checksums(pool, pages, [part]) == [want]
+
+
+def test_a_changed_byte_names_its_piece_and_layer():
+    lay = layout()
+    pool, pages = pool_of(lay), [3, 4, 8]
+    parts = [(0, 0, 2), (0, 2, 2)]
+    before = pool_checksums(pool, pages, parts)
+    host = np.array(pool[2])
+    host.reshape(-1).view(np.uint8)[host[0].nbytes * 8 + 2 * 8 * 4 * 3 + 1] ^= 0x10  # page 8, a slot-3 row (piece 1)
+    after = pool_checksums((*pool[:2], jax.device_put(host), *pool[3:]), pages, parts)
+    assert after[0] == before[0] and after[1][2] != before[1][2] and after[1][:2] == before[1][:2]
+    assert mismatch(before, after).startswith("kv checksum mismatch: piece 1 layer 2: ")
+    assert mismatch(before, before) is None
+
+
+def test_trailer_words_round_trip_as_int32():
+    sums = [[0, 1, 0xFFFFFFFF], [0x80000000, 5, 6]]
+    words = trailer_words(17, sums, 3)
+    assert all(-(1 << 31) <= w < 1 << 31 for w in words)
+    assert read_trailer(np.asarray(words, dtype=np.int32).tolist(), 3) == (17, sums)
+    assert read_trailer(trailer_words(17, [None, None], 3), 3) == (17, None)  # P's pool not checksummed
+    assert read_trailer(trailer_words(17, None, 3), 3) == (17, None)
+
+
+@pytest.fixture
+def model():
+    owner = ModelThread(pool_of(layout(), seed=1), name="test-checksum-model")
+    yield owner
+    owner.close()
+
+
+def streamed(model, pages, staging, foreign=False):
+    lay = layout()
+    stream = StreamedScatter(model, lay, pages, group=2, checksum=True)
+    host = np.asarray(staging)
+    stream.on_progress(0, host, host.nbytes // 2)  # the first group lands
+    if foreign:  # another job between our writes: it could have written our pages
+        model.submit(lambda owner: None)
+    stream.on_progress(0, host, host.nbytes)
+
+    def final(owner):
+        stream.written(owner)
+        return stream.checksums(owner), pool_checksums(owner.pool, pages, [(0, 0, lay.slots)])
+
+    return model.call(final)
+
+
+def test_a_streamed_write_checksums_each_group_as_it_writes_it(model):
+    lay, pages = layout(), [4, 6, 1]
+    staging = np.random.default_rng(3).standard_normal(lay.staging_shape(page_bucket(len(pages))), dtype=np.float32)
+    taken, read_now = streamed(model, pages, staging)
+    assert taken == read_now  # the sums taken while writing are the pages' sums
+    taken, read_now = streamed(model, pages, staging, foreign=True)
+    assert taken is None  # another job ran: the caller must read the pages again
+
+
+TP_CHECK = """
+import numpy as np, jax
+from test_kv_checksum import layout, pool_of
+from fsm_pd.kernels.kv_checksum import pool_checksums
+from fsm_pd.transport.reshard import plan_reshard
+from jax.sharding import Mesh, NamedSharding
+assert len(jax.devices()) == 2
+one, two = layout(1), layout(2)
+pool = pool_of(one)  # the same logical KV on P (split over 2 devices) and on D (one device)
+mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+split = tuple(jax.device_put(layer, NamedSharding(mesh, two.pool_spec())) for layer in pool)
+plan = plan_reshard(4, 2, 1)
+pages = [3, 9, 4]
+sent = pool_checksums(split, pages, [(p.src, p.src_slot, p.count) for p in plan.pieces])
+got = pool_checksums(pool, pages, [(p.dst, p.dst_slot, p.count) for p in plan.pieces])
+assert len(sent) == len(plan.pieces) == 2 and sent == got, (sent, got)
+back = pool_checksums(split, pages, [(p.dst, p.dst_slot, p.count) for p in plan_reshard(4, 1, 2).pieces])
+assert back == pool_checksums(pool, pages, [(p.src, p.src_slot, p.count) for p in plan_reshard(4, 1, 2).pieces])
+print("tp ok")
+"""
+
+
+def test_split_pools_agree_piece_by_piece_across_a_reshard():
+    """P split over 2 devices, D over 1 (and back): each piece's values are the same on both sides."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.path.dirname(__file__) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    result = subprocess.run([sys.executable, "-c", TP_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "tp ok" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+
