@@ -163,6 +163,10 @@ def test_rendered_1p1d_commands_serve_a_request_through_the_router(tmp_path):
         assert answer.status_code == 200, answer.text
         choice = answer.json()["choices"][0]
         assert choice["message"]["content"] and answer.json()["usage"]["completion_tokens"] >= 1
+        # the KV went across (a failed handoff would still answer: the decode node recomputes the prompt itself),
+        # so the advertised addresses, the bootstrap port and the shared secret all worked
+        for role, (pod, _) in nodes.items():
+            assert transfers(pods.url(role, pod)) == {"success": 1.0}, role
         # the journals went to the volume's local stand-in, one per node, named by the pod (--node-id $(POD_NAME))
         for role, (pod, _) in nodes.items():
             assert (tmp_path / pod / "data" / "journal" / f"{pod}.db").is_file(), role
@@ -176,6 +180,18 @@ def test_rendered_1p1d_commands_serve_a_request_through_the_router(tmp_path):
             assert time.monotonic() - started < grace
     finally:
         cluster.stop()
+
+
+def transfers(node: str) -> dict[str, float]:
+    """The node's ended KV transfers by outcome, from its /metrics (fsm_pd_transfers_ended_total)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    ended: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(node + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == "fsm_pd_transfers_ended_total" and sample.value:
+                ended[sample.labels["outcome"]] = ended.get(sample.labels["outcome"], 0.0) + sample.value
+    return ended
 
 
 def wait_admitted(router: str, proc, timeout: float = 60) -> None:

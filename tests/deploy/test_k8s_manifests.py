@@ -78,8 +78,9 @@ def test_every_command_line_parses_with_fsm_pds_own_parsers(rendered):
         line = parsed(workload)  # raises with argparse's message on an unknown flag or a bad value
         assert line.role == role
     prefill, decode = parsed(roles["prefill"]).args, parsed(roles["decode"]).args
-    # the handshake compares the KV layouts: the model, its dtype and the page size must agree (TP may differ)
-    for field in ("model", "dtype", "page_size"):
+    # the handshake compares the KV layouts: the model, its dtype and the page size must agree (TP may differ); the
+    # decode node pulls with its own transfer backend, which must be the prefill's
+    for field in ("model", "dtype", "page_size", "transfer_backend"):
         assert getattr(prefill, field) == getattr(decode, field), field
 
 
@@ -94,6 +95,10 @@ def test_nodes_advertise_their_pod_ip_and_keep_a_stable_identity(rendered):
         # the side-channel secret comes from a Secret, never from the manifests
         assert "--side-channel-secret" not in ctr["command"] + ctr.get("args", [])
         assert env["FSM_PD_SIDE_CHANNEL_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "fsm-pd-secrets"
+    # every node of the fleet signs its side channel with the same secret
+    refs = {role: {e["name"]: e for e in container(workloads(rendered)[role])["env"]}["FSM_PD_SIDE_CHANNEL_SECRET"]
+            for role in WORKER_ROLES}
+    assert refs["prefill"] == refs["decode"]
     # the prefill's bootstrap server listens beyond loopback: its writes need the token, from the Secret too
     assert parsed(workloads(rendered)["prefill"]).args.bootstrap_token
 
