@@ -41,6 +41,7 @@ class NodeProcess:
         name=None,
         bootstrap_port=None,
         heartbeat=None,
+        kv_checksum=True,
     ):
         self.role, self.name = role, name or f"{role}-0"
         self.journal = tmp / f"{self.name}.db"
@@ -68,6 +69,8 @@ class NodeProcess:
             self.args += ["--bootstrap-port", str(bootstrap_port)]
         if seed is not None:
             self.args += ["--seed", str(seed)]
+        if not kv_checksum:
+            self.args += ["--kv-checksum", "off"]
         self.env = {**os.environ, **secret_env(secret), **(env or {})}
         if pull_delay:  # the node's fault injection holds each pull back this long
             self.env["FSM_PD_FAULT_PULL_DELAY_S"] = str(pull_delay)

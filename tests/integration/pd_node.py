@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--backend-options", default="{}")
     parser.add_argument("--bootstrap-port", type=int, default=None, help="prefill: serve a bootstrap server here")
     parser.add_argument("--heartbeat", default="{}", help="heartbeat settings as JSON: interval_s, max_failures")
+    parser.add_argument("--kv-checksum", choices=("on", "off"), default="on")
     args = parser.parse_args()
 
     layout = KVLayout.from_dict(json.loads(args.layout))
@@ -73,6 +74,7 @@ def main() -> None:
         staging_sharding=staging_sharding,
         heartbeat=json.loads(args.heartbeat),
         admission=pool_admission(layout.num_pages) if args.role == "decode" else None,
+        kv_checksum=args.kv_checksum == "on",
     )
     bootstrap = None
     if args.bootstrap_port is not None:
