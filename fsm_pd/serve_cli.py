@@ -40,6 +40,16 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="weights, activations and KV pool (default float32; bfloat16 halves memory)")
 DEADLINE_FLAGS = {"bootstrap": "FSM_PD_BOOTSTRAP_TIMEOUT", "waiting": "FSM_PD_WAITING_TIMEOUT",
                   "pull_hold": "FSM_PD_PULL_HOLD_TIMEOUT", "transfer": "FSM_PD_TRANSFER_TIMEOUT"}
+# what a room waits for under each deadline, per role, for --help (fsm_pd/machines/deadlines.py says it for errors
+# and replay; tests/unit/test_deadline_explain.py holds the two together)
+ROOM_WAITS = {
+    ("prefill", "bootstrap"): "in Bootstrapping for the decode node's PREPARE",
+    ("prefill", "waiting"): "in WaitingForInput for its own prefill of the prompt",
+    ("prefill", "pull_hold"): "in Transferring for the decode node to pull the published KV",
+    ("decode", "bootstrap"): "in Bootstrapping for the prefill node's address and pages for the prompt",
+    ("decode", "waiting"): "in WaitingForInput for the prefill node's READY",
+    ("decode", "transfer"): "in Transferring for the KV to be pulled, checked and scattered",
+}
 
 
 def positive_int(text: str) -> int:
@@ -129,11 +139,16 @@ def node_parser(role: str) -> argparse.ArgumentParser:
         add_retention_flags(parser)  # --journal-keep, --journal-max-rows, --journal-archive-dir
         parser.add_argument("--side-channel-secret", default=None,
                             help="hex shared secret of the side channel (default: $FSM_PD_SIDE_CHANNEL_SECRET)")
+        from fsm_pd.control.config import DEFAULTS as ROOM_DEFAULTS  # jax-free
+
         for timer, env in DEADLINE_FLAGS.items():
             if (timer == "pull_hold" and role == "decode") or (timer == "transfer" and role == "prefill"):
                 continue
             parser.add_argument(f"--{timer.replace('_', '-')}-timeout", type=float, default=None, dest=timer,
-                                help=f"seconds (default: ${env}, else the built-in default; docs/control-plane.md)")
+                                metavar="S",
+                                help=f"seconds a room may wait {ROOM_WAITS[role, timer]}; then it fails and its "
+                                     f"request ends with an error naming this deadline (default: ${env}, else "
+                                     f"{ROOM_DEFAULTS[role][timer]:g}; docs/operations.md, Waits)")
     if role == "decode":
         parser.add_argument("--disaggregation-decode-enable-radix-cache", action="store_true",
                             help="keep finished prompts' KV pages here too (SGLang's flag): a request whose prompt "

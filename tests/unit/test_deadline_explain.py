@@ -15,7 +15,7 @@ from fsm_pd.control.config import DEFAULTS, ENV
 from fsm_pd.machines import MACHINES
 from fsm_pd.machines.deadlines import STATE_DEADLINES, ended_by_deadline, explain_failure
 from fsm_pd.router.legs import StreamIdle, until
-from fsm_pd.serve_cli import node_parser
+from fsm_pd.serve_cli import ROOM_WAITS, node_parser
 from fsm_pd.store import write_rows
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
@@ -29,6 +29,7 @@ def test_every_state_deadline_of_the_tables_is_explained_with_its_env_and_flag()
     for (role, timer), deadline in STATE_DEADLINES.items():
         assert timer in DEFAULTS[role] and deadline.env == ENV[timer]
         assert deadline.flag in node_parser(role).format_help(), (role, deadline.flag)
+        assert ROOM_WAITS[role, timer].startswith(f"in {deadline.state} for ")
 
 
 def test_a_timeout_reason_is_explained_with_its_length_and_a_peers_without():
