@@ -174,6 +174,10 @@ def node_parser(role: str) -> argparse.ArgumentParser:
         parser.add_argument("--disable-chunk-transfers", action="store_true",
                             help="hand a prompt prefilled in chunks over after its last chunk, in one piece (by "
                                  "default each chunk's KV travels to the decode node while the next one computes)")
+        parser.add_argument("--serve-local", action="store_true",
+                            help="serve both roles: also prefill and decode the requests the fsm-pd router sends "
+                                 "here whole (its --pd-policy auto, for prompts not worth disaggregating, when this "
+                                 "node's queue is the shorter; docs/serving.md, No idle core)")
         parser.add_argument("--bootstrap-port", type=int, default=8998,
                             help="serve the bootstrap server here and register with it (default 8998, SGLang's)")
         parser.add_argument("--bootstrap-token", default=os.environ.get("FSM_PD_BOOTSTRAP_TOKEN"),
@@ -350,7 +354,8 @@ def build_engine(args: argparse.Namespace, model):
 
         return PrefillEngine(model, bootstrap_port=args.bootstrap_port, bootstrap_token=args.bootstrap_token,
                              radix_cache=not args.disable_radix_cache, chunked_prefill_size=args.chunked_prefill_size,
-                             chunk_transfers=not args.disable_chunk_transfers, **common)
+                             chunk_transfers=not args.disable_chunk_transfers, serve_local=args.serve_local,
+                             **common)
     from fsm_pd.serving.decode_engine import DecodeEngine
 
     return DecodeEngine(model, on_transfer_failure=args.on_transfer_failure,

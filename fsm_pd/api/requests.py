@@ -62,14 +62,12 @@ def resolve_bootstrap(node: NodeIdentity, host: str | None, port: int | None, ro
                       route=None) -> Bootstrap | None:
     """SGLang's PD fields. A colocated node ignores them; a prefill/decode node needs host and room, and takes
     its own bootstrap port when the router sent ``bootstrap_port: null`` (as SGLang's decode does). ``route`` (the
-    fsm-pd router's ``fsm_pd_route``) with path ``local``: a decode node prefills the request itself, and needs only
-    the room."""
+    fsm-pd router's ``fsm_pd_route``) with path ``local``: the node serves the request whole (``local_path.py``) and
+    needs only the room."""
     if node.role not in PD_ROLES:
         return None
+    # a local request: a decode node serves it, a prefill node with --serve-local too (its engine refuses it else)
     if route is not None and route.path == "local":
-        if node.role != "decode":
-            raise ApiError(400, f"fsm_pd_route local: only a decode node prefills a request itself, this is a "
-                                f"{node.role} node")
         if room is None:
             raise ApiError(400, "fsm_pd_route local needs bootstrap_room (the attempt's identity on this node)")
         return Bootstrap(host="", port=0, room=room, local=True)

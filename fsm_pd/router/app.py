@@ -224,6 +224,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                            help="with auto: prompts of at most this many tokens (counted from input_ids, estimated from"
                                 f" text) are prefilled on the decode node (default {DEFAULT_LOCAL_PREFILL_MAX_TOKENS}, "
                                 "from the crossover measured so far: docs/crossover.md)")
+    selective.add_argument("--prefill-serves-local", action="store_true",
+                           help="with auto: the prefill workers run --serve-local (they serve both roles), so a "
+                                "short prompt goes to the prefill worker instead of the decode worker when it has "
+                                "fewer requests in flight from this router")
     selective.add_argument("--prefill-idle-window", type=int, default=50,
                            help="fsm_pd_router_prefill_idle_alarm looks at this many of the last requests (default 50)")
     parser.add_argument("--log-level", default="info")
@@ -244,7 +248,7 @@ def router_app_from_args(args: argparse.Namespace) -> FastAPI:
                                                             args.balance_rel_threshold, args.max_tree_size),
                              deadlines=deadlines,
                              pd_policy=PolicySettings(args.pd_policy, args.local_prefill_max_tokens,
-                                                      args.prefill_idle_window))
+                                                      args.prefill_idle_window, args.prefill_serves_local))
 
 
 def router_main(argv: Sequence[str] | None = None) -> None:

@@ -249,7 +249,11 @@ class PDRouter:
             entry = self.idle_watch.entry(prompt_tokens(body)[0])
             self.metrics.routed.labels(route.path).inc()
             if route.path == "local":
-                outcome = await self._attempt_local(path, body, decode, headers, deadline, route)
+                on_prefill = route.where == "prefill"  # a prefill node that serves both roles takes it whole
+                outcome = await self._attempt_local(path, body, prefill if on_prefill else decode, headers, deadline,
+                                                    route)
+                if on_prefill:
+                    self.idle_watch.served(entry)
             else:
                 outcome = await self._attempt(path, body, prefill, decode, headers, deadline, route,
                                               served=lambda e=entry: self.idle_watch.served(e))
@@ -294,14 +298,15 @@ class PDRouter:
 
     async def _attempt_local(self, path: str, body: dict, decode: Worker, headers: dict, deadline: float,
                              route: Route) -> Started | Failure:
-        """One leg: the decode node prefills the prompt itself (``fsm_pd_route`` local, a room and no bootstrap
-        host: only this router sends it, so an SGLang decode worker never gets one)."""
-        rid, room = body["rid"], new_room()  # the room: the attempt's identity (and seed) on the decode node
+        """One leg: the node (a decode node, or a prefill node that serves both roles) prefills the prompt itself
+        and decodes it (``fsm_pd_route`` local, a room and no bootstrap host: only this router sends it, so an
+        SGLang worker never gets one)."""
+        rid, room = body["rid"], new_room()  # the room: the attempt's identity (and seed) on the node
         release = self.running.add(rid, (decode.url, decode.url)) if isinstance(rid, str) else lambda: None
         sent = {k: v for k, v in body.items() if k not in ("bootstrap_host", "bootstrap_port")}
         sent.update(bootstrap_room=room, fsm_pd_route=route.wire())
         decode.outstanding += 1
-        leg = Leg("decode", decode.url, self.client, decode.url + path, sent, headers, whole=False)
+        leg = Leg(decode.role, decode.url, self.client, decode.url + path, sent, headers, whole=False)
         closed = False
 
         async def close() -> None:
@@ -586,12 +591,12 @@ async def _answered(leg: Leg, deadline: float, timeout_s: float,
     finally:
         watcher.cancel()
     if not done:
-        return None, error_response(504, f"no answer from the decode worker {leg.worker_url} within the request "
+        return None, error_response(504, f"no answer from the {leg.side} worker {leg.worker_url} within the request "
                                          f"deadline of {timeout_s:g} s", code="request_timeout")
     if leg.task not in done:
         leg.lost = True
-        return leg, error_response(502, f"decode worker {leg.worker_url} failed its health checks before it answered "
-                                        "(dead, stopped or hung)", code="decode_lost")
+        return leg, error_response(502, f"{leg.side} worker {leg.worker_url} failed its health checks before it "
+                                        "answered (dead, stopped or hung)", code=f"{leg.side}_lost")
     failed = leg.failure()
     return None if failed is None else (leg, failed)
 

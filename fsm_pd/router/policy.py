@@ -18,6 +18,11 @@ The rule of ``--pd-policy auto``:
    more than a short prefill costs D's streams;
 4. otherwise ``pd``.
 
+A local request goes to the decode node, or, when the prefill workers serve both roles (``--serve-local`` on them,
+``--prefill-serves-local`` on the router) and the chosen prefill worker has fewer requests in flight than the
+chosen decode worker, to that prefill node, which then prefills and decodes it itself (rule 2's requests; rule 3's
+go to the decode node, since the prefill side is the busier there).
+
 What it leaves out, and why: the cached prefix. A local prefill on the decode node computes the whole prompt (it does
 not reuse that node's radix cache, ``--disaggregation-decode-enable-radix-cache``, yet), so a prefix the router
 believes a decode node holds would make the estimate wrong, not better. A prefix cached on the prefill node makes PD
@@ -54,6 +59,7 @@ class PolicySettings:
     mode: str = "always"
     local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS
     idle_window: int = 50  # requests the idle-prefill alarm looks back over (``PrefillIdleWatch``)
+    prefill_serves_local: bool = False  # the prefill workers run --serve-local: a local request may go there
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -79,6 +85,7 @@ class RouteInput:
 class Route:
     path: str  # "pd" or "local"
     reason: str
+    where: str = "decode"  # which worker serves a local request: "decode", or "prefill" (``prefill_serves_local``)
 
     def wire(self) -> dict:
         """The ``fsm_pd_route`` field the decode node gets (journaled there, echoed in ``meta_info.pd_route``)."""
@@ -96,11 +103,20 @@ def decide(settings: PolicySettings, seen: RouteInput) -> Route:
     what = f"{tokens} prompt tokens" if seen.exact else f"~{tokens} prompt tokens (estimated from characters)"
     limit = settings.local_prefill_max_tokens
     if tokens <= limit:
-        return Route("local", f"{what} <= {limit}")
+        return _local_on(settings, seen, f"{what} <= {limit}")
     if tokens <= BUSY_FACTOR * limit and seen.prefill_outstanding > seen.decode_outstanding:
         return Route("local", f"{what} <= {BUSY_FACTOR}x{limit} and prefill busier "
                               f"({seen.prefill_outstanding} in flight against decode's {seen.decode_outstanding})")
     return Route("pd", f"{what} > {limit}")
+
+
+def _local_on(settings: PolicySettings, seen: RouteInput, reason: str) -> Route:
+    """A node that serves both roles (``--serve-local`` on the prefill workers): the local request goes to whichever
+    of the two chosen workers has fewer of this router's requests in flight, so an idle prefill core takes work."""
+    if settings.prefill_serves_local and seen.prefill_outstanding < seen.decode_outstanding:
+        return Route("local", f"{reason}; on the prefill node ({seen.prefill_outstanding} in flight against "
+                              f"decode's {seen.decode_outstanding})", where="prefill")
+    return Route("local", reason)
 
 
 def prompt_tokens(body: Any) -> tuple[int, bool]:

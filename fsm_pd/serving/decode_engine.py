@@ -35,7 +35,6 @@ pre-allocation queue and the running batch. See ``docs/threads.md`` and ``pd_eng
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -48,17 +47,16 @@ from fsm_pd.model.pages import pages_for
 from fsm_pd.serving.common import ENDED
 from fsm_pd.serving.decode_loop import DecodeLoop
 from fsm_pd.serving.forward import input_logprobs_from_wire
+from fsm_pd.serving.local_path import LocalPath
 from fsm_pd.serving.pd_engine import PDEngine
-from fsm_pd.serving.recompute import ON_TRANSFER_FAILURE, RECOMPUTED_TRIGGERS, TransferRecompute, recompute_key
+from fsm_pd.serving.recompute import ON_TRANSFER_FAILURE, RECOMPUTED_TRIGGERS, TransferRecompute
 from fsm_pd.serving.retraction import DecodeLoopCollector
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.top_logprobs import from_wire as top_logprobs_from_wire
-from fsm_pd.serving.types import EngineError, GenerateRequest
-
-LOCAL_ROLE = "local"  # the journal role of a request this node prefilled itself (``store/replay.py``)
+from fsm_pd.serving.types import EngineError
 
 
-class DecodeEngine(PDEngine):
+class DecodeEngine(LocalPath, PDEngine):
     role = "decode"
 
     def __init__(self, model: LoadedModel | str = "tiny", *, max_running: int = 64, headroom_pages: int | None = None,
@@ -86,9 +84,7 @@ class DecodeEngine(PDEngine):
                                            enabled=on_transfer_failure == "recompute",
                                            headroom_pages=self.headroom_pages)
         self.registry.register(self.recompute.collector(labels))
-        self.recompute.on_local = self._journal_local
-        self._local_rooms: set[int] = set()  # live local requests' rooms: a second one with the same room is refused
-        self._local_lock = threading.Lock()
+        self._init_local()  # requests the router sends here whole (fsm_pd_route local: local_path.py)
         # the ABORT of a room we will recompute says so, so the prefill node answers its leg instead of failing it
         self.manager.effects.abort_note = self._abort_note
         self._driver.start()
@@ -101,43 +97,6 @@ class DecodeEngine(PDEngine):
         self.manager.add_receiver(seq.key, page_count=pages_for(seq.prompt_len, self.page_size),
                                   prompt_len=seq.prompt_len, rid=seq.rid, bootstrap_addr=seq.request.bootstrap.addr,
                                   **route)
-
-    # --- a request the router sent here to prefill itself (``fsm_pd_route`` local: ``router/policy.py``) ---
-    def _key(self, request: GenerateRequest) -> int:
-        # no room with the KV manager: the recompute's key, negative, so no room's FreePages can touch its pages
-        room = request.bootstrap.room
-        return recompute_key(room) if request.bootstrap.local else room
-
-    def _accept(self, seq: Sequence) -> None:
-        if not seq.request.bootstrap.local:
-            super()._accept(seq)
-            return
-        room = seq.request.bootstrap.room
-        with self._local_lock:
-            if room in self._local_rooms or self.manager.journal.has_room(self.node_id, LOCAL_ROLE, room):
-                raise EngineError(f"request {seq.rid}: bootstrap_room {room} was already used for a local prefill "
-                                  f"on {self.node_id}; a room is used once", 409)
-            self._local_rooms.add(room)
-        seq.meta["pd_route"] = {"path": "local", "reason": (seq.request.route or {}).get("reason", ""),
-                                "prefill": None, "pages": 0, "bytes": 0}
-
-    def _on_cancel(self, seq: Sequence, reason: str) -> None:
-        if not seq.request.bootstrap.local:
-            super()._on_cancel(seq, reason)
-            return
-        # a local request has no room to abort: the scheduler drops it, unprefilled (not journaled), or finishes it
-        if "local_prefill_seconds" not in seq.meta["pd_route"]:
-            with self._local_lock:
-                self._local_rooms.discard(seq.request.bootstrap.room)
-
-    def _journal_local(self, seq: Sequence, failed: Exception | None) -> None:
-        """Model thread: one ``local`` row in the journal once the prefill ran, with the router's reason: what
-        ``replay --request`` shows for this attempt."""
-        event = {"rid": seq.rid, "route": (seq.request.route or {}).get("reason", ""), "prompt_len": seq.prompt_len,
-                 "seconds": seq.meta["pd_route"].get("local_prefill_seconds")}
-        self.manager.node.record(LOCAL_ROLE, seq.request.bootstrap.room, "local_prefill",
-                                 "Failed" if failed else "Success", event,
-                                 reason=f"local prefill failed: {failed}" if failed else None)
 
     def _role_info(self) -> dict:
         waiting = len(self.prealloc.waiting)
@@ -179,12 +138,7 @@ class DecodeEngine(PDEngine):
         self.prealloc.release(room)
 
     def _step(self) -> bool:
-        for seq in self._take_arrivals():
-            if seq.request.bootstrap.local:
-                self.rooms.pop(seq.key, None)  # no room: it waits with the recomputes, whose prefill it shares
-                self.recompute.start_local(seq)
-            else:
-                self.prealloc.waiting.append(seq)
+        self.prealloc.waiting.extend(self._take_local(self._take_arrivals()))
         for event in self._take_room_events():
             self._on_room(*event)
         if not self.loop.resuming:  # retracted requests take the pages first, as for new ones
@@ -246,10 +200,7 @@ class DecodeEngine(PDEngine):
         """A decoded (or cancelled) request is done: ``finish`` frees its pages after any queued write."""
         self.requests.pop(seq)
         if self.recompute.owns(seq):  # its room was cleared when it failed (or it never had one); its pages are ours
-            self.recompute.release(seq)
-            if seq.request.bootstrap.local:
-                with self._local_lock:
-                    self._local_rooms.discard(seq.request.bootstrap.room)
+            self._local_ended(seq)
             return
         # its prompt's pages (the transfer's and our cached prefix) join our cache; FreePages frees the rest
         self.prealloc.finished(seq)

@@ -22,6 +22,11 @@ Room transitions reach the scheduler through a manager observer (the manager's l
 them (with the failure reason, read there) and kicks the model thread: every scheduling decision is taken on the
 model thread, which reads rooms only through ``manager.poll`` (the published states) and changes them only through
 the manager's calls (``kv_ready``, ``fail``, ``abort``, ``clear``); see ``docs/threads.md``.
+
+With ``serve_local`` (``--serve-local``) the node serves both roles: a request the router sends here whole
+(``fsm_pd_route`` local) is prefilled and decoded here, with no room and no transfer, as a decode node serves one
+(``local_path.py``); it has a decode loop for them. Why a node serves both roles rather than switching roles:
+``docs/serving.md``, "No idle core".
 """
 
 from __future__ import annotations
@@ -37,9 +42,13 @@ from fsm_pd.effects.decode import RECOMPUTE_NOTE
 from fsm_pd.machines.deadlines import ended_by_deadline, explain_failure
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.serving.common import ENDED
+from fsm_pd.serving.decode_loop import DecodeLoop
 from fsm_pd.serving.forward import FirstToken, input_logprobs_to_wire, prefill_step
 from fsm_pd.serving.isolate import run_isolating
+from fsm_pd.serving.local_path import LocalPath
 from fsm_pd.serving.pd_engine import PDEngine
+from fsm_pd.serving.recompute import TransferRecompute
+from fsm_pd.serving.retraction import DecodeLoopCollector
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.top_logprobs import to_wire as top_logprobs_to_wire
 from fsm_pd.serving.types import EngineError, TokenOutput
@@ -47,14 +56,14 @@ from fsm_pd.serving.types import EngineError, TokenOutput
 log = logging.getLogger(__name__)
 
 
-class PrefillEngine(PDEngine):
+class PrefillEngine(LocalPath, PDEngine):
     role = "prefill"
     watched = ("WaitingForInput", "Success", "Failed")
 
     def __init__(self, model: LoadedModel | str = "tiny", *, bootstrap_port: int | None = 0,
                  bootstrap_url: str | None = None, bootstrap_token: str | None = None, max_prefill_batch: int = 8,
                  chunked_prefill_size: int = CHUNKED_PREFILL_SIZE, radix_cache: bool = True,
-                 chunk_transfers: bool = True, **node):
+                 chunk_transfers: bool = True, serve_local: bool = False, max_running: int = 64, **node):
         """``node``: the settings of every PD node (``PDEngine``: pool size, node id, journal, secret, backend,
         deadlines, host, advertise_host). ``bootstrap_port``: run a bootstrap server on it (0: any free port) and
         register with it; None and a ``bootstrap_url``: register with that server instead; None and no URL: do not
@@ -62,8 +71,22 @@ class PrefillEngine(PDEngine):
         prompt prefixes (``--disable-radix-cache`` turns it off); the decode node still gets every page.
         ``chunked_prefill_size``: padded prompt tokens a prefill step computes; a longer prompt takes several.
         ``chunk_transfers``: hand such a prompt over chunk by chunk while the rest computes (False: after the last
-        chunk, in one piece; the comparison the TTFT bench makes)."""
+        chunk, in one piece; the comparison the TTFT bench makes). ``serve_local``: also serve requests the router
+        sends here whole, up to ``max_running`` of them decoding at once (``local_path.py``)."""
         super().__init__(model, prefix_cache=radix_cache, **node)
+        self.serves_local = serve_local
+        if serve_local:
+            # a decode node's headroom rule: the streams here grow a page every page_size tokens
+            headroom = max(1, (self.layout.num_pages - 1) // 8)
+            self.max_running = max_running
+            self.loop = DecodeLoop(self.model, self.model_thread, self.allocator, self.page_size,
+                                   release=self._finish_local, headroom_pages=headroom, cache=self.cache)
+            self.recompute = TransferRecompute(self.model, self.model_thread, self.allocator, self.page_size,
+                                               enabled=False, headroom_pages=headroom)
+            self._init_local()
+            labels = {"role": "prefill", "node": self.node_id}
+            self.registry.register(DecodeLoopCollector(self.loop.counters, labels))
+            self.registry.register(self.recompute.collector(labels))
         host = self.manager.host
         self.max_prefill_batch, self.chunked_prefill_size = max_prefill_batch, chunked_prefill_size
         self.chunk_transfers = chunk_transfers
@@ -102,8 +125,10 @@ class PrefillEngine(PDEngine):
 
     def _role_info(self) -> dict:
         in_flight, waiting, chunking = len(self._in_flight), len(self._to_prefill), len(self._chunking)
+        local = {"requests_running": len(self.loop.running), "local_waiting": len(self.recompute.waiting),
+                 **self.recompute.local} if self.serves_local else {}
         return {"bootstrap_queue": len(self.rooms) - waiting - chunking - in_flight, "prefill_queue": waiting,
-                "prefilling": chunking, "in_flight": in_flight, "bootstrap_url": self.bootstrap_url}
+                "prefilling": chunking, "in_flight": in_flight, "bootstrap_url": self.bootstrap_url, **local}
 
     def _role_leaks(self, counters: dict) -> dict:
         return {"staging_buffers_held": counters["staging_buffers_held"]}
@@ -123,7 +148,9 @@ class PrefillEngine(PDEngine):
 
     # --- the model thread ---
     def _step(self) -> bool:
-        self._take_arrivals()
+        arrived = self._take_arrivals()
+        if self.serves_local:
+            self._take_local(arrived)
         for event in self._take_room_events():
             self._on_room(*event)
         # a prompt whose room ended mid-prefill is dropped: _on_room freed its pages
@@ -138,7 +165,17 @@ class PrefillEngine(PDEngine):
         if chunks:
             self._prefill(chunks)
         # more prompts may fit now; if none fit, a room ending frees pages and kicks us again
-        return bool(self._chunking) or (bool(chunks) and bool(self._to_prefill))
+        busy = bool(self._chunking) or (bool(chunks) and bool(self._to_prefill))
+        if self.serves_local:  # the requests served whole here: their prefill, then one decode step for all
+            if not self.loop.resuming:
+                self.recompute.prefill(self.max_running - len(self.loop.running), self.loop.add, self._finish_local)
+            busy = self.loop.step() or busy or (self.recompute.ready_to_run() and not self.loop.resuming)
+        return busy
+
+    def _finish_local(self, seq: Sequence) -> None:
+        """A request served whole here ended (or was cancelled): its pages go back."""
+        self.requests.pop(seq)
+        self._local_ended(seq)
 
     def _gone(self, seq: Sequence) -> bool:
         """A queued request that ended meanwhile (aborted, or its room failed: ``_on_room`` answers it)."""

@@ -177,10 +177,10 @@ class RecomputeCollector:
             ("fsm_pd_transfer_recompute_prompt_tokens", "recompute_prompt_tokens",
              "Prompt tokens prefilled on the decode node after failed transfers"),
             ("fsm_pd_local_prefills", "local_prefills",
-             "Requests the router sent to this decode node to prefill itself (fsm_pd_route local)"),
+             "Requests the router sent to this node whole, to prefill and decode itself (fsm_pd_route local)"),
             ("fsm_pd_local_prefill_failures", "local_prefills_failed", "Local prefills that failed (a 500)"),
             ("fsm_pd_local_prefill_prompt_tokens", "local_prefill_tokens",
-             "Prompt tokens this decode node prefilled for requests routed to it locally"),
+             "Prompt tokens this node prefilled for requests routed to it whole"),
         ):
             family = CounterMetricFamily(name, doc, labels=names)
             family.add_metric(label_values, float(values[key]))

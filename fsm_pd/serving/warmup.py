@@ -102,20 +102,22 @@ def plan_for(engine) -> WarmupPlan:
     """The plan of a prefill, decode or colocated engine, from the limits its schedulers batch by."""
     max_prompt = engine.max_context - 1
     prompt_buckets = bucket_sizes(pages_for(max_prompt, engine.page_size))
-    if engine.role == "prefill":
+    if engine.role == "prefill" and not getattr(engine, "serves_local", False):
         return WarmupPlan(prefill_shapes(engine.max_prefill_batch, engine.chunked_prefill_size),
                           _powers(engine.max_prefill_batch), gather_buckets=prompt_buckets)
     # prefills here: a colocated node's prompts, and both nodes' recomputes (retracted requests, failed transfers)
     limits = [(engine.loop.max_recompute_batch, engine.loop.max_recompute_tokens)]
-    if engine.role == "colocated":
+    if engine.role in ("colocated", "prefill"):  # a prefill node that serves requests whole (--serve-local) too
         limits.append((engine.max_prefill_batch, engine.chunked_prefill_size))
-    else:
+    if engine.role != "colocated":
         limits.append((engine.recompute.max_batch, engine.recompute.max_tokens))
     forward = {shape for batch, tokens in limits for shape in prefill_shapes(batch, tokens)}
     forward |= set(decode_shapes(engine.max_running))
     plan = WarmupPlan(sorted(forward), _powers(max(engine.max_running, *(batch for batch, _ in limits))))
     if engine.role == "decode":
         plan.scatter_buckets = prompt_buckets
+    if engine.role == "prefill":
+        plan.gather_buckets = prompt_buckets
     return plan
 
 

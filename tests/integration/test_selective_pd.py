@@ -7,13 +7,19 @@ fires for a "PD" fleet whose prefill node served nothing and not for the policy'
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
+import threading
 
 import httpx
 import pytest
+from polling import until
 from processes import Cluster, post_ok
+
+from fsm_pd.launch import free_port
 
 THRESHOLD = 32  # --local-prefill-max-tokens: SHORT goes local, LONG through the prefill node
 
@@ -42,10 +48,10 @@ def generate(url: str, ids: list[int], rid: str) -> dict:
 
 
 def metric(url: str, name: str) -> float:
+    """The value of the sample named exactly ``name`` (labels included, in the exporter's order), else 0."""
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            if line.split(" ")[0] == name or name.endswith("}"):
-                return float(line.rsplit(" ", 1)[1])
+        if line.rsplit(" ", 1)[0] == name:
+            return float(line.rsplit(" ", 1)[1])
     return 0.0
 
 
@@ -101,3 +107,55 @@ def test_the_idle_prefill_alarm_fires_when_long_prompts_never_reach_prefill(flee
     for i in range(2):
         generate(routers["auto"], SHORT, f"auto-short-{i}")
     assert metric(routers["auto"], "fsm_pd_router_prefill_idle_alarm") == 0
+
+
+def test_a_prefill_node_without_serve_local_refuses_a_local_request(fleet):
+    cluster, _ = fleet
+    prefill = next(u for u in cluster_urls(cluster) if "prefill" in u[0])[1]
+    r = httpx.post(prefill + "/generate", json={"input_ids": SHORT, "bootstrap_room": 5,
+                                               "fsm_pd_route": {"path": "local", "reason": "test"}}, timeout=30)
+    assert r.status_code == 400 and "--serve-local" in r.text
+
+
+def cluster_urls(cluster: Cluster) -> list[tuple[str, str]]:
+    """(log name, URL) of the nodes a ``Cluster`` started, from their command lines."""
+    found = []
+    for proc in cluster.procs:
+        argv = proc.args
+        if "--role" in argv and argv[argv.index("--role") + 1] in ("prefill", "decode"):
+            found.append((argv[argv.index("--role") + 1], f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"))
+    return found
+
+
+def test_a_prefill_node_that_serves_both_roles_takes_short_prompts_when_decode_is_busier(tmp_path):
+    """No idle core: with --serve-local on P and --prefill-serves-local on the router, a short prompt goes to P
+    whole when D has more requests in flight; greedy tokens are D's. D is held busy by stopping its process
+    (SIGSTOP) while one request waits on it, so the router's in-flight counts are known."""
+    cluster = Cluster(tmp_path)
+    try:
+        boot = free_port()
+        p, d = cluster.serve_many(("prefill", "--bootstrap-port", str(boot), "--serve-local"), ("decode",))
+        decode_proc = cluster.procs[1]
+        router = cluster.router(p, boot, d, "--pd-policy", "auto", "--local-prefill-max-tokens", str(THRESHOLD),
+                                "--prefill-serves-local")
+        generate(router, LONG, "warm")  # the router's health checks have seen both nodes up (through P and D)
+        answers = {}
+        os.kill(decode_proc.pid, signal.SIGSTOP)
+        try:
+            waiting = threading.Thread(target=lambda: answers.update(first=generate(router, SHORT, "on-decode")))
+            waiting.start()  # both idle: the tie goes to the decode node, which is stopped
+            assert until(lambda: httpx.get(router + "/server_info", timeout=10).json()["decode"][0]["outstanding"]
+                         == 1, timeout_s=30), "the first request never reached the stopped decode node"
+            whole = generate(router, SHORT, "on-prefill")
+        finally:
+            os.kill(decode_proc.pid, signal.SIGCONT)
+        waiting.join(60)
+        receipt = whole["meta_info"]["pd_route"]
+        assert receipt["path"] == "local" and receipt["node"].startswith("prefill-"), receipt
+        assert "on the prefill node (0 in flight against decode's 1)" in receipt["reason"]
+        assert answers["first"]["meta_info"]["pd_route"]["node"].startswith("decode-")
+        assert whole["output_ids"] == answers["first"]["output_ids"]  # greedy: the same tokens on either node
+        assert "on the prefill node" in replay_story(cluster, "on-prefill")
+        assert metric(p, 'fsm_pd_local_prefills_total{node="' + receipt["node"] + '",role="prefill"}') == 1
+    finally:
+        cluster.stop()
