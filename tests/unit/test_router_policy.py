@@ -2,6 +2,8 @@
 a fleet whose prefill nodes idle."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fsm_pd.router.policy import (
     CHARS_PER_TOKEN,
@@ -97,3 +99,48 @@ def test_a_prefill_that_completes_after_its_stream_started_still_counts():
     assert watch.alarm
     watch.served(entries[1])  # _prefill_answered: the answer came beside the relay
     assert not watch.alarm
+
+
+def test_a_prefill_node_that_serves_both_roles_takes_short_prompts_when_its_queue_is_shorter():
+    both = PolicySettings("auto", 256, prefill_serves_local=True)
+    there = decide(both, RouteInput(48, exact=True, prefill_outstanding=0, decode_outstanding=2))
+    assert (there.path, there.where) == ("local", "prefill")
+    assert there.reason == "48 prompt tokens <= 256; on the prefill node (0 in flight against decode's 2)"
+    assert decide(both, RouteInput(48, exact=True, prefill_outstanding=1, decode_outstanding=1)).where == "decode"
+    assert decide(AUTO, RouteInput(48, exact=True, prefill_outstanding=0, decode_outstanding=2)).where == "decode"
+    # rule 3 (the prefill side is the busier) never sends to the prefill node
+    busy = decide(both, RouteInput(400, exact=True, prefill_outstanding=3, decode_outstanding=1))
+    assert (busy.path, busy.where) == ("local", "decode")
+
+
+queues = st.integers(0, 20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 5000), st.integers(0, 5000), queues, queues, st.booleans(), st.booleans(),
+       st.sampled_from(["auto", "always", "never"]), st.integers(0, 2048))
+def test_the_policy_is_monotone_in_prompt_length_and_its_modes_hold(a, b, p, d, exact, both, mode, limit):
+    settings_ = PolicySettings(mode, limit, prefill_serves_local=both)
+    short, long = sorted((a, b))
+    at_short, at_long = (decide(settings_, RouteInput(n, exact, p, d)) for n in (short, long))
+    if at_long.path == "local":  # what is cheap enough to prefill locally stays so when shorter
+        assert at_short.path == "local"
+    if mode == "always":
+        assert at_short.path == at_long.path == "pd"
+    if mode == "never":
+        assert at_short.path == at_long.path == "local"
+    for route in (at_short, at_long):
+        assert route.reason and route.path in ("pd", "local")
+        assert route.where == "decode" or (route.path == "local" and both and p < d)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 256), st.booleans()), min_size=1, max_size=80), st.integers(1, 20))
+def test_short_prompts_sent_local_never_raise_the_alarm(requests, window):
+    watch = PrefillIdleWatch(PolicySettings("auto", 256, idle_window=window))
+    for tokens, served in requests:
+        entry = watch.entry(tokens)
+        if served:
+            watch.served(entry)
+        watch.started(entry)
+        assert not watch.alarm
