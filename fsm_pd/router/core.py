@@ -36,6 +36,7 @@ from fsm_pd.router.legs import (
     WorkerLost,
     both_answered,
     idle_message,
+    leg_deadline_error,
     relay,
     until,
 )
@@ -306,7 +307,8 @@ class PDRouter:
         sent = {k: v for k, v in body.items() if k not in ("bootstrap_host", "bootstrap_port")}
         sent.update(bootstrap_room=room, fsm_pd_route=route.wire())
         decode.outstanding += 1
-        leg = Leg(decode.role, decode.url, self.client, decode.url + path, sent, headers, whole=False)
+        leg = Leg(decode.role, decode.url, self.client, decode.url + path, sent, headers, whole=False,
+                  timeout_s=self.deadlines.decode_s, deadline_name="decode_leg")
         closed = False
 
         async def close() -> None:
@@ -318,7 +320,7 @@ class PDRouter:
                 await leg.close()
 
         try:
-            failed = await _answered(leg, deadline, self.request_timeout_s, decode.lost)
+            failed = await _answered(leg, deadline, self.request_timeout_s, decode.lost, bool(body.get("stream")))
         except BaseException:
             await close()
             raise
@@ -448,7 +450,7 @@ class PDRouter:
         if leg.lost:  # ejected by its health checks already
             return Failure(response, True, worker, f"{leg.side}_lost", after)
         if leg.timed_out:  # its own deadline: the worker holds the request and says nothing; another pair may not
-            self.metrics.deadline_expired(f"{leg.side}_leg")
+            self.metrics.deadline_expired(leg.deadline_name)
             self.fleet.request_failed(worker, _message(response))
             return Failure(response, True, worker, f"{leg.side}_timeout", after)
         if leg.unreachable():
@@ -580,19 +582,24 @@ class PDRouter:
                             status_code=200 if healthy else 503)
 
 
-async def _answered(leg: Leg, deadline: float, timeout_s: float,
-                    lost: asyncio.Event) -> tuple[Leg | None, Response] | None:
+async def _answered(leg: Leg, deadline: float, timeout_s: float, lost: asyncio.Event,
+                    stream: bool = False) -> tuple[Leg | None, Response] | None:
     """A lone decode leg's ``both_answered``: None once its answer started (or was read whole), else the failed leg
-    (None: the request's deadline passed) and the client's error answer."""
+    (None: the request's deadline passed; ``timed_out``: the leg's own) and the client's error answer."""
     watcher = asyncio.ensure_future(lost.wait())
+    due = min(deadline, leg.deadline)
     try:
         done, _ = await asyncio.wait({leg.task, watcher}, return_when=asyncio.FIRST_COMPLETED,
-                                     timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
+                                     timeout=max(0.0, due - asyncio.get_running_loop().time()))
     finally:
         watcher.cancel()
+    if not done and due < deadline:
+        leg.timed_out = True
+        return leg, leg_deadline_error(leg, stream)
     if not done:
         return None, error_response(504, f"no answer from the {leg.side} worker {leg.worker_url} within the request "
-                                         f"deadline of {timeout_s:g} s", code="request_timeout")
+                                         f"deadline of {timeout_s:g} s (--request-timeout-secs)",
+                                    code="request_timeout")
     if leg.task not in done:
         leg.lost = True
         return leg, error_response(502, f"{leg.side} worker {leg.worker_url} failed its health checks before it "

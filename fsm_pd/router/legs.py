@@ -66,8 +66,11 @@ class Leg:
     open for relaying. ``close()`` cancels the call or closes its response (the worker sees a disconnect)."""
 
     def __init__(self, side: str, worker_url: str, client: httpx.AsyncClient, url: str, body: dict, headers: dict,
-                 *, whole: bool, timeout_s: float | None = None):
+                 *, whole: bool, timeout_s: float | None = None, deadline_name: str | None = None):
         self.side, self.worker_url = side, worker_url
+        # which of the router's deadlines ``timeout_s`` is (``DEADLINE_FLAGS``): the side's leg, unless the leg
+        # stands for another (a lone leg to a node that prefills and decodes the request is a decode leg)
+        self.deadline_name = deadline_name or f"{side}_leg"
         self.lost = False  # its worker's health checks ejected it before it answered (``both_answered``)
         self.timed_out = False  # its own deadline passed before it answered (``both_answered``)
         self.timeout_s = timeout_s  # None: only the request's deadline bounds it
@@ -144,10 +147,10 @@ def deadline_error(waiting_for: list[Leg], timeout_s: float) -> Response:
 
 
 def leg_deadline_error(leg: Leg, stream: bool) -> Response:
-    what = "sent no first token" if leg.side == "decode" and stream else "did not answer"
+    what = "sent no first token" if leg.deadline_name == "decode_leg" and stream else "did not answer"
+    name = leg.deadline_name.replace("_", " ")
     return error_response(504, f"the {leg.side} worker {leg.worker_url} {what} within {leg.timeout_s:g} s (the "
-                               f"{leg.side} leg's deadline, {DEADLINE_FLAGS[leg.side + '_leg']})",
-                          code=f"{leg.side}_timeout")
+                               f"{name}'s deadline, {DEADLINE_FLAGS[leg.deadline_name]})", code=f"{leg.side}_timeout")
 
 
 async def both_answered(prefill: Leg, decode: Leg, deadline: float, timeout_s: float,

@@ -32,6 +32,7 @@ from fsm_pd.api import AppServer, create_app
 from fsm_pd.api.runner import WaitDeadlines
 from fsm_pd.router import create_router_app
 from fsm_pd.router.legs import RouterDeadlines
+from fsm_pd.router.policy import PolicySettings
 
 CLIENT_TIMEOUT_S = 60.0  # beyond every short deadline here; the defaults they stand for are minutes
 SLACK_S = 5.0  # a deadline's end, its error and the client's read, on a loaded 2-core machine
@@ -43,6 +44,7 @@ class SilentWorker:
 
     url: str = ""
     requests: list[bytes] = field(default_factory=list)  # the request lines of the stalled requests
+    requests_bodies: list[bytes] = field(default_factory=list)  # and their bodies
     hung_up: threading.Event = field(default_factory=threading.Event)  # the router closed a stalled connection
 
 
@@ -66,7 +68,7 @@ def silent_worker(reply: bytes):
                        if line.lower().startswith(b"content-length:")), 0)
         while len(rest) < length:
             rest += conn.recv(65536)
-        return head, rest[length:]
+        return head + b"\r\n\r\n" + rest[:length], rest[length:]
 
     def serve(conn: socket.socket) -> None:
         with conn, contextlib.suppress(OSError):
@@ -77,6 +79,7 @@ def silent_worker(reply: bytes):
                     conn.sendall(HEALTHY)
                     continue
                 worker.requests.append(head.split(b"\r\n", 1)[0])
+                worker.requests_bodies.append(head.partition(b"\r\n\r\n")[2])
                 conn.sendall(reply)
                 while conn.recv(65536):
                     pass
@@ -185,6 +188,24 @@ def test_a_whole_answer_whose_decode_leg_never_finishes_ends_at_the_decode_legs_
         assert 1.0 <= took < 1.0 + SLACK_S, took
         assert decode.hung_up.wait(10)
         assert expiries(url) == {"request": 0, "prefill_leg": 0, "decode_leg": 1, "stream_idle": 0}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_lone_leg_to_a_node_that_prefills_itself_ends_at_the_decode_legs_deadline(stream):
+    with contextlib.ExitStack() as stack:
+        decode = stack.enter_context(silent_worker(b""))
+        p_url = stack.enter_context(served(StubEngine(role="prefill")))
+        url = stack.enter_context(router_over(p_url, [decode.url], retry=NO_RETRY, pd_policy=PolicySettings("never"),
+                                              deadlines=RouterDeadlines(decode_s=1.0)))
+        r = httpx.post(url + "/generate", json={"text": "a", "stream": stream}, timeout=CLIENT_TIMEOUT_S)
+        assert r.status_code == 504, r.text
+        assert b'"fsm_pd_route"' in decode.requests_bodies[0]  # the lone (local) leg, not a PD attempt
+        what = "sent no first token" if stream else "did not answer"
+        assert r.json()["error"]["message"] == (f"the decode worker {decode.url} {what} within 1 s (the decode leg's "
+                                                "deadline, --decode-timeout-secs)")
+        assert decode.hung_up.wait(10)
+        assert expiries(url)["decode_leg"] == 1
 
 
 @pytest.mark.timeout(60)
