@@ -1,14 +1,16 @@
 """Where does PD pay? ``bench/goodput.py --sweep``: goodput over a grid of prompt and output lengths, for colocated,
 classic PD (``--pd-policy always``) and PD with the selective policy (``--pd-policy auto``), on equal pinned cores.
 
-Setup (``goodput.start_mode``): the colocated node on cores 0 and 1; for PD the prefill node on core 0, the decode
-node on core 1, and two routers in front of the same two nodes, one per policy (so both PD modes meet the same
-nodes, compiled programs and caches). Each cell of the grid (a prompt length, an output length) is its own
-workload: --requests requests of about that many prompt tokens (+-10%) and exactly that many new tokens, greedy, EOS
-ignored, Poisson arrivals. Its SLO comes from isolated runs on the colocated node (medians of five, times
---ttft-scale and --tpot-scale, as goodput.py does for its mixes); goodput is the highest swept rate at which 90% of
-requests attain it. ``--repeat N`` runs every rate sweep N times with fresh prompts (the prefix cache must not
-serve a repeat) and reports each goodput, so a reader sees whether --requests was enough for a stable figure.
+Setup (``goodput.start_mode``): the colocated node on cores 0 and 1; for PD the prefill node on core 0 (with
+``--serve-local``: it serves both roles), the decode node on core 1, and two routers in front of the same two nodes,
+one per policy (so both PD modes meet the same nodes, compiled programs and caches; the ``always`` router never
+sends a request whole, the ``auto`` one runs with ``--prefill-serves-local``). Each cell of the grid (a prompt
+length, an output length) is its own workload: --requests requests of about that many prompt tokens (+-10%) and
+exactly that many new tokens, greedy, EOS ignored, Poisson arrivals. Its SLO comes from isolated runs on the
+colocated node (medians of five, times --ttft-scale and --tpot-scale, as goodput.py does for its mixes); goodput is
+the highest swept rate at which 90% of requests attain it. ``--repeat N`` runs every rate sweep N times with fresh
+prompts (the prefix cache must not serve a repeat) and reports each goodput (and their lower median, a swept rate),
+so a reader sees whether --requests was enough for a stable figure.
 
 It writes ``crossover.png`` (goodput against prompt length, one panel per output length, one line per mode) and the
 table between the markers of ``crossover.md`` in --docs-dir (docs/ by default; a fresh file when there is none).
@@ -42,9 +44,8 @@ def sweep_rates(url: str, load, rates: list[float], slo: dict, g) -> tuple[float
     for rate in rates:
         results = g.at_rate(url, load(rate), rate, random.Random(int(rate * 1000)))
         share = g.attainment(results, slo)
-        local = sum(1 for r in results if r and (r["meta"].get("pd_route") or {}).get("path") == "local")
-        sweep.append({"rate": rate, "attainment": share, "local_share": local / len(results), **g.missed(results, slo),
-                      **g.phases(results)})
+        sweep.append({"rate": rate, "attainment": share, "local_share": g.local_share(results),
+                      **g.missed(results, slo), **g.phases(results)})
         if share >= 0.9:
             best = rate
         misses = misses + 1 if share < 0.5 else 0
@@ -80,7 +81,7 @@ def run_grid(args, urls: dict[str, str], vocab: int, g, log) -> list[dict]:
                     goodput, sweep = sweep_rates(urls[mode], load, rates, slo, g)
                     runs.append({"goodput": goodput, "sweep": sweep})
                 goodputs = [r["goodput"] for r in runs]
-                cell["modes"][mode] = {"goodputs": goodputs, "goodput": statistics.median(goodputs),
+                cell["modes"][mode] = {"goodputs": goodputs, "goodput": statistics.median_low(goodputs),
                                        "stable": len(set(goodputs)) == 1, "runs": runs}
             cells.append(cell)
     return cells

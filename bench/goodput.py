@@ -3,7 +3,10 @@
 Both run the model a user gets (SmolLM2 unless --model) with default flags, behind the built-in router for PD:
 
 - PD: the prefill node pinned to core 0 and the decode node to core 1 (``taskset``), the router on both;
-- colocated: one node pinned to cores 0 and 1 together.
+- colocated: one node pinned to cores 0 and 1 together;
+- PD with the policy (``pd-policy``; leave it out with --no-policy): the same pinned nodes behind a second router,
+  ``--pd-policy auto --prefill-serves-local``, the prefill node started with ``--serve-local`` (it serves both roles:
+  ``docs/serving.md``, "Selective disaggregation"). The classic router never sends it a request whole.
 
 Workloads (one run does all three): ``prefill-heavy`` (prompts of about --long-prompt tokens, --short-output new
 tokens), ``decode-heavy`` (prompts of about --short-prompt, --long-output new), ``mixed`` (30% long prompts, the rest
@@ -113,6 +116,11 @@ def missed(results: list[dict], slo: dict) -> dict:
             "tpot_missed": sum(not r or r["tpot"] > slo["tpot"] for r in results) / len(results)}
 
 
+def local_share(results: list[dict]) -> float:
+    """The share of requests a node served whole (``meta_info.pd_route.path == "local"``: the policy at work)."""
+    return sum(1 for r in results if r and (r["meta"].get("pd_route") or {}).get("path") == "local") / len(results)
+
+
 def phases(results: list[dict]) -> dict:
     """Medians of the TTFT phases a PD answer's meta_info names (SGLang's names), and of the TTFT itself."""
     out = {"ttft": statistics.median(r["ttft"] for r in results if r),
@@ -135,8 +143,12 @@ def start_mode(cluster: Servers, mode: str, policies: tuple[str, ...] = ()) -> t
     boot, p_port, d_port = free_port(), free_port(), free_port()
     tmp = cluster.tmp
     node = [sys.executable, "-m", "fsm_pd.cli", "serve", "--model", cluster.model]
+    # --serve-local: the prefill node serves both roles, for the auto router only (the always router sends every
+    # request through it as a prefill; docs/serving.md, "No idle core")
+    both = ["--serve-local"] if "auto" in policies else []
     prefill = cluster.start("prefill", ["taskset", "-c", "0", *node, "--role", "prefill", "--port", str(p_port),
-                                        "--bootstrap-port", str(boot), "--journal", str(tmp / "prefill.db")], p_port)
+                                        "--bootstrap-port", str(boot), "--journal", str(tmp / "prefill.db"), *both],
+                            p_port)
     decode = cluster.start("decode", ["taskset", "-c", "1", *node, "--role", "decode", "--port", str(d_port),
                                       "--journal", str(tmp / "decode.db")], d_port)
     cluster.routers = {}
@@ -145,7 +157,7 @@ def start_mode(cluster: Servers, mode: str, policies: tuple[str, ...] = ()) -> t
         cluster.routers[policy] = cluster.start(f"router-{policy}", [
             sys.executable, "-m", "fsm_pd.cli", "serve", "--role", "router", "--port", str(port), "--prefill",
             prefill, str(boot), "--decode", decode, "--pd-policy", policy, "--local-prefill-max-tokens",
-            str(cluster.local_prefill_max_tokens)], port)
+            str(cluster.local_prefill_max_tokens), *(["--prefill-serves-local"] if policy == "auto" else [])], port)
     return cluster.router(prefill, boot, decode), [prefill, decode]
 
 
@@ -163,13 +175,16 @@ def main(argv=None) -> int:
     parser.add_argument("--tpot-scale", type=float, default=3.0)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--no-policy", action="store_true",
+                        help="leave out the third mode, PD with the selective policy (--pd-policy auto, the prefill "
+                             "node serving both roles): colocated and classic PD only, as before")
     sweep = parser.add_argument_group("--sweep: the crossover grid (crossover.py)")
     sweep.add_argument("--sweep", action="store_true", help="measure the grid instead of the three mixes")
     sweep.add_argument("--prompts", default="64,256,1024,2048", help="prompt lengths in tokens")
     sweep.add_argument("--outputs", default="16,128", help="new tokens per request")
     sweep.add_argument("--repeat", type=int, default=2, help="rate sweeps per cell and mode (default 2)")
     sweep.add_argument("--local-prefill-max-tokens", type=int, default=256,
-                       help="the auto router's threshold (default 256, the router's)")
+                       help="the auto router's threshold, for the mixes too (default 256, the router's)")
     sweep.add_argument("--docs-dir", default=str(Path(__file__).resolve().parent.parent / "docs"),
                        help="where crossover.md (its table block) and crossover.png go (default docs/)")
     args = parser.parse_args(argv)
@@ -189,10 +204,14 @@ def main(argv=None) -> int:
         modes = {}
         for mode in ("colocated", "pd"):
             cluster = Servers(Path(tmp) / mode, args.model)
+            cluster.local_prefill_max_tokens = args.local_prefill_max_tokens
             (Path(tmp) / mode).mkdir()
             err.log(f"starting {mode} (each node warms up first)")
-            url, nodes = start_mode(cluster, mode)
+            policies = ("auto",) if mode == "pd" and not args.no_policy else ()
+            url, nodes = start_mode(cluster, mode, policies)
             modes[mode] = (cluster, url, nodes)
+            if policies:  # the same pinned nodes behind a second router: PD with the policy
+                modes["pd-policy"] = (cluster, cluster.routers["auto"], nodes)
         try:
             for name in names:
                 colocated_url = modes["colocated"][1]
@@ -209,7 +228,8 @@ def main(argv=None) -> int:
                         err.log(f"{name} {mode}: {rate}/s")
                         results = at_rate(url, load(name, rate), rate, random.Random(int(rate * 1000)))
                         share = attainment(results, slo)
-                        sweep.append({"rate": rate, "attainment": share, **missed(results, slo), **phases(results)})
+                        sweep.append({"rate": rate, "attainment": share, "local_share": local_share(results),
+                                      **missed(results, slo), **phases(results)})
                         if share >= 0.9:
                             best, phase_at_best = rate, phases(results)
                         misses = misses + 1 if share < 0.5 else 0
@@ -219,11 +239,14 @@ def main(argv=None) -> int:
                 colocated_goodput = entry["modes"]["colocated"]["goodput"]
                 entry["pd_over_colocated"] = (entry["modes"]["pd"]["goodput"] / colocated_goodput
                                               if colocated_goodput else None)  # None: colocated met no rate
+                if "pd-policy" in entry["modes"]:
+                    entry["policy_over_colocated"] = (entry["modes"]["pd-policy"]["goodput"] / colocated_goodput
+                                                      if colocated_goodput else None)
                 report["workloads"][name] = entry
             report["compiles_after_startup"] = {mode: sum(serving_compiles(u) for u in nodes)
                                                 for mode, (_, _, nodes) in modes.items()}
         finally:
-            for cluster, _, _ in modes.values():
+            for cluster in {id(c): c for c, _, _ in modes.values()}.values():  # pd-policy shares pd's
                 cluster.stop()
     report["load_average_after"] = os.getloadavg()[0]
     if args.json:
@@ -296,8 +319,13 @@ def print_report(report: dict) -> None:
         goodput = {mode: m["goodput"] for mode, m in entry["modes"].items()}
         console.print("goodput: " + ", ".join(f"{mode} {g:g}/s" for mode, g in goodput.items())
                       + ("; PD / colocated = " + (f"{entry['pd_over_colocated']:.2f}x" if entry["pd_over_colocated"]
-                                                    is not None else "n/a (colocated met the SLO at no rate)")))
+                                                    is not None else "n/a (colocated met the SLO at no rate)"))
+                      + (f"; PD with the policy / colocated = {entry['policy_over_colocated']:.2f}x"
+                         if entry.get("policy_over_colocated") is not None else ""))
         for mode, m in entry["modes"].items():
+            if mode == "pd-policy":
+                console.print("  pd-policy: share served whole (local) at each rate: " + ", ".join(
+                    f"{s['rate']:g}/s {s['local_share']:.0%}" for s in m["sweep"]))
             if m["phases_at_goodput"]:
                 console.print(f"  {mode} at its goodput, medians: " + ", ".join(
                     f"{k} {v * 1000:.0f} ms" for k, v in m["phases_at_goodput"].items()))
