@@ -21,9 +21,10 @@ processes hits all of them alike:
   (``StreamedScatter``). ``<backend>+overlap/gather`` is the layer-by-layer gather on a backend that could send
   from the pages, for comparison;
 * ``<backend>+overlap+crc``  the same with the KV checksum on, as the handlers do it (``kernels/kv_checksum.py``): P
-  computes the crc32c of every page and layer on its model thread before it publishes, D computes its own over its
-  pages after the last write and compares. Its cost is printed as the ratio to ``<backend>+overlap`` (``checksum
-  cost``), medians and best runs of the same interleaved runs;
+  publishes, then computes the crc32c of every page and layer on a helper thread under a lease turn while the data
+  streams, and publishes it as a second entry; D pulls that entry beside the data, takes its own checksum of each
+  group of layers right after writing it, and compares after the last write. Its cost is printed as the ratio to
+  ``<backend>+overlap`` (``checksum cost``), medians and best runs of the same interleaved runs;
 * ``<backend>+reshard P>D``  end to end between different tensor-parallel sizes (``--reshard P:D``, default 2:1):
   P's pool split over P virtual devices, D's over D, as the handlers do it (``transport/reshard.py``): P gathers and
   cuts its staging into the plan's pieces and publishes each; D pulls the pieces side by side on worker threads,
@@ -136,11 +137,12 @@ def serve(args: argparse.Namespace) -> None:
     import jax
 
     from fsm_pd.control.jax_kv import JaxKV
+    from fsm_pd.effects.checksums import trailer_words
     from fsm_pd.kernels import gather_pages
     from fsm_pd.model.model_thread import ModelThread
     from fsm_pd.transport.backends import create_backend, new_uuid
     from fsm_pd.transport.backends.jax_api import shared_server
-    from fsm_pd.transport.reshard import plan_between
+    from fsm_pd.transport.reshard import piece_uuid, plan_between
 
     opts = json.loads(args.backend_opts)
     backends = {name: create_backend(name, **opts.get(name, {})) for name in args.backends.split(",")}
@@ -204,11 +206,16 @@ def serve(args: argparse.Namespace) -> None:
 
             def job(owner, publish=publish, uuid=uuid, ids=ids, kv=kv, layout=layout, backend=backend,
                     checksum=checksum) -> None:
-                # the handler's order: the checksum while the KV is final, then the publish (READY goes at once)
-                plan = plan_between(layout.to_dict(), layout.to_dict())
-                sums = kv.sent_checksum(owner, ids, plan) if checksum else None
+                # the handler's order: publish (READY goes at once), then the checksum of the pages as this job
+                # leaves them, on a helper thread while the data streams, published as the entry after the data
                 publish(owner, transfer=backend, uuid=uuid, pages=ids, hold_timeout_s=60.0,
-                        on_published=lambda rows: send({"uuid": uuid, "sums": sums}))  # D pulls at once
+                        on_published=lambda rows: send({"uuid": uuid}))  # D pulls at once
+                if checksum:
+                    def done(sums, uuid=uuid, backend=backend, kv=kv, layers=layout.num_layers) -> None:
+                        words = trailer_words(0, [sums[0]], layers)
+                        backend.publish(piece_uuid(uuid, 1), (kv.trailer(words),), 60.0)
+
+                    kv.checksum_later(owner, ids, plan_between(layout.to_dict(), layout.to_dict()), done)
 
             owner.call(job)
         elif op == "reshard_publish":  # what the prefill handler does when D's split differs from ours
@@ -380,14 +387,19 @@ def raw_jax_path(producer: Producer, args: argparse.Namespace, mib: int, expecte
 
 def backend_paths(producer: Producer, args: argparse.Namespace, mib: int, name: str, expected: list[np.ndarray]):
     """The transfer-only path and the end-to-end paths of one backend (``+overlap`` only where it is progressive)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
     import jax
 
     from fsm_pd.control.jax_kv import JaxKV
     from fsm_pd.control.overlap import StreamedScatter
+    from fsm_pd.effects.checksums import read_trailer
+    from fsm_pd.effects.chunked import TRAILER_WORDS, Trailer
     from fsm_pd.kernels import page_bucket, scatter_pages
     from fsm_pd.model.model_thread import ModelThread
     from fsm_pd.transport.backends import create_backend
-    from fsm_pd.transport.reshard import plan_between
+    from fsm_pd.transport.reshard import piece_uuid, plan_between
 
     backend = create_backend(name, **json.loads(args.backend_opts).get(name, {}))
     address = producer.hello["addresses"][name]
@@ -397,6 +409,8 @@ def backend_paths(producer: Producer, args: argparse.Namespace, mib: int, name: 
     dst_ids = page_ids(layout, pages, seed=3)
     model = ModelThread(make_pool(layout, seed=4), name="bench-model")  # D's pool, owned as in a decode node
     kv = JaxKV(layout, model, progressive=True)
+    pulls = ThreadPoolExecutor(1, thread_name_prefix="bench-entry-pull")  # a decode node's second pull worker
+    sums_entry = Trailer(1, TRAILER_WORDS + 1 + layout.num_layers)
 
     def transfer(check: bool) -> float:
         uuid = producer.call(op="publish", backend=name, mib=mib)["uuid"]
@@ -423,23 +437,26 @@ def backend_paths(producer: Producer, args: argparse.Namespace, mib: int, name: 
         answer = producer.call(op="stream_publish", backend=name, mib=mib, from_pages=from_pages, checksum=checksum)
         uuid = answer["uuid"]
         stream = StreamedScatter(model, layout, dst_ids.tolist(), checksum=checksum)
+        if checksum:  # as DecodeEffects.pull: the checksum entry, pulled beside the data (it waits on P)
+            entry = pulls.submit(backend.pull, address, piece_uuid(uuid, 1), kv.pull_spec(0, sums_entry), 60.0)
         backend.pull(address, uuid, staging_spec, 60.0, on_progress=stream.on_progress)
         if not checksum:
             stream.finish().result()
-        else:  # as DecodeEffects.scatter: after the last write, in one job, D's checksum of its pages, compared
-            plan = plan_between(layout.to_dict(), layout.to_dict())
+            return finish(uuid, start, check, "overlap")
+        plan = plan_between(layout.to_dict(), layout.to_dict())
 
-            def written_and_verified(owner: ModelThread) -> list:
-                stream.written(owner)
-                return stream.checksums(owner) or kv.received_checksum(owner, dst_ids.tolist(), plan)
+        def written_and_verified(owner: ModelThread) -> list:  # as DecodeEffects.scatter: one job after the writes
+            stream.written(owner)
+            return stream.checksums(owner) or kv.received_checksum(owner, dst_ids.tolist(), plan)
 
-            got = model.call(written_and_verified)
-            assert got == answer["sums"], f"{name}+overlap+crc: checksum mismatch"
-        return finish(uuid, start, check, "overlap")
+        got = model.call(written_and_verified)
+        _, sums = read_trailer(kv.read_trailer(entry.result()[0]), layout.num_layers)
+        assert got == sums, f"{name}+overlap+crc: checksum mismatch"
+        return finish(uuid, start, check, "overlap", pieces=2)
 
-    def finish(uuid: int, start: float, check: bool, path: str) -> float:
+    def finish(uuid: int, start: float, check: bool, path: str, pieces: int = 1) -> float:
         elapsed = time.perf_counter() - start
-        producer.call(op="release", backend=name, uuid=uuid)
+        producer.call(op="release", backend=name, uuid=uuid, pieces=pieces)
         if check:  # D's pages now hold what P's pool (rebuilt here from its seed) has in the gathered pages
             src_pool, src_ids = make_pool(layout, seed=1), page_ids(layout, pages, seed=2)
             for src, dst in zip(src_pool, model.pool, strict=True):
@@ -452,7 +469,7 @@ def backend_paths(producer: Producer, args: argparse.Namespace, mib: int, name: 
         paths[f"{name}+overlap+crc"] = lambda check: overlapped(check, checksum=True)
     if backend.sends_pages:  # the same overlap with P's layer-by-layer gather instead of sending from the pool
         paths[f"{name}+overlap/gather"] = lambda check: overlapped(check, from_pages=False)
-    owned = [model]
+    owned = [model, SimpleNamespace(close=pulls.shutdown)]
     for src_tp, dst_tp in reshard_pairs(args.reshard):
         path, parts = reshard_path(producer, backend, name, mib, args.layers, src_tp, dst_tp)
         paths[f"{name}+reshard {src_tp}>{dst_tp}"] = path

@@ -82,7 +82,8 @@ class NodeCore:
                 "top_logprobs": msg.top_logprobs, "peer_cached_tokens": msg.cached_tokens,
                 **({"chunks": msg.chunks, "chunk_pages": msg.chunk_pages} if msg.chunks else {}),
                 **({"kv_checksum": msg.kv_checksum} if msg.kv_checksum is not None else {}),
-                **({"chunk_checksums": True} if msg.chunk_checksums else {})})
+                **({"chunk_checksums": True} if msg.chunk_checksums else {}),
+                **({"checksum_entry": True} if msg.checksum_entry else {})})
         elif isinstance(msg, Abort):
             self.submit(msg.room, "peer_abort", {"reason": msg.reason, "peer": msg.sender})
         else:

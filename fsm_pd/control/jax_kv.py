@@ -12,7 +12,9 @@ with the usual scatter. Nothing moves between D's devices, and nothing is copied
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -27,6 +29,8 @@ from fsm_pd.kernels.kv_checksum import pool_checksums
 from fsm_pd.kernels.page_source import PoolPages
 from fsm_pd.kernels.placement import pool_placement
 from fsm_pd.transport.reshard import Piece, ReshardPlan
+
+log = logging.getLogger(__name__)
 
 
 class JaxKV:
@@ -73,6 +77,30 @@ class JaxKV:
 
     def sent_checksum(self, owner: Any, pages: list[int], plan: ReshardPlan) -> list[list[int]] | None:
         return pool_checksums(owner.pool, pages, [(p.src, p.src_slot, p.count) for p in plan.pieces])
+
+    def checksum_later(self, owner: Any, pages: list[int], plan: ReshardPlan,
+                       done: Callable[[list[list[int]] | None], None]) -> None:
+        """In the job that published ``pages``: their checksum as this job leaves them, read on a helper thread
+        under a lease turn reserved now (the next job waits for it, so nothing can change the pages first), while
+        the send streams them; ``done(sums)`` from that thread."""
+        lease = getattr(owner, "lease", None)
+        if lease is None:
+            done(self.sent_checksum(owner, pages, plan))
+            return
+        turn = lease.reserve()
+
+        def work() -> None:
+            sums = None
+            try:
+                with lease.read(turn):
+                    sums = self.sent_checksum(owner, pages, plan)
+            except Exception:  # noqa: BLE001 - the decode node then finds no checksum, and says so
+                log.exception("the KV checksum of pages %s failed", pages[:8])
+            finally:
+                lease.forgo(turn)  # if read never took it
+            done(sums)
+
+        _checksum_worker().submit(work)
 
     # --- decode ---
     def read_trailer(self, staging: jax.Array) -> list[int]:
@@ -150,6 +178,17 @@ class JaxKV:
 
     def discard(self, staging: Any) -> None:
         """Dropping our reference is enough: a pulled array may alias a warm host block that its backend reuses."""
+
+
+_WORKER: ThreadPoolExecutor | None = None
+
+
+def _checksum_worker() -> ThreadPoolExecutor:
+    """One thread per process for the prefill side's checksums: in order, each under its own lease turn."""
+    global _WORKER
+    if _WORKER is None:
+        _WORKER = ThreadPoolExecutor(1, thread_name_prefix="kv-checksum")
+    return _WORKER
 
 
 def _slots(part: jax.Array, start: int, stop: int) -> jax.Array:

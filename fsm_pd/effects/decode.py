@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsm_pd.effects import EffectError, EffectInterpreter
 from fsm_pd.effects.checksums import MISSING, OFF, UNCHECKED, VERIFIED, ChecksumMismatch, mismatch, read_trailer
-from fsm_pd.effects.chunked import ChunkPiece, ChunkPlan, ChunkPulls, Trailer
+from fsm_pd.effects.chunked import TRAILER_WORDS, ChunkPiece, ChunkPlan, ChunkPulls, Trailer
 from fsm_pd.effects.faults import InjectedFault
 from fsm_pd.effects.outbox import Outbox
 from fsm_pd.machines.effect_types import FreePages, Pull, ReservePages, ResolveBootstrap, Scatter, Send
@@ -62,15 +62,26 @@ RECOMPUTE_NOTE = " [the decode node recomputes this request]"
 
 
 class RoomPulls:
-    """The pulls of one room, one per piece of its plan; complete when every piece has landed."""
+    """The pulls of one room, one per piece of its plan (and its checksum entry, if P sends one); complete when
+    every piece has landed."""
 
-    def __init__(self, plan: ReshardPlan):
+    def __init__(self, plan: ReshardPlan, checksum_entry: bool = False):
         self.plan = plan
         self.landed: dict[int, Any] = {}  # piece index -> its verified array
+        self.waits_for_sums = checksum_entry
+        self.sums: list[list[int]] | None = None  # from the checksum entry
 
     def land(self, piece: Piece, staging: Any) -> bool:
         self.landed[piece.index] = staging
-        return len(self.landed) == len(self.plan.pieces)
+        return self.complete
+
+    def land_sums(self, sums: list[list[int]] | None) -> bool:
+        self.sums, self.waits_for_sums = sums, False
+        return self.complete
+
+    @property
+    def complete(self) -> bool:
+        return len(self.landed) == len(self.plan.pieces) and not self.waits_for_sums
 
     def arrays(self) -> tuple:
         return tuple(self.landed[piece.index] for piece in self.plan.pieces)
@@ -147,8 +158,9 @@ class DecodeEffects:
             return
         plan = plan_between(ctx["peer_layout"], self.layout)
         stream = self.kv.stream(pages) if plan.unsharded else None
+        entry = bool(ctx.get("checksum_entry")) and plan.unsharded
         with self._lock:
-            self.pending[room_id] = RoomPulls(plan)
+            self.pending[room_id] = RoomPulls(plan, entry)
             if stream is not None:  # registered before the pull starts, so that FreePages can always cancel it
                 self.streams[room_id] = stream
         self.faults.crash("before_pull")
@@ -163,6 +175,41 @@ class DecodeEffects:
                              float(ctx["deadlines"]["transfer"]), done=done,
                              on_progress=self.faults.corrupting(None if stream is None else stream.on_progress),
                              delay_s=self.faults.pull_delay_s, piece=piece)
+        if entry:  # the checksum, published once P has computed it (meanwhile the pull waits on P, like a chunk's)
+            layers = int(self.layout["num_layers"])
+            trailer = Trailer(len(plan.pieces), TRAILER_WORDS + 1 + layers)
+            self.puller.pull(ctx["transfer_addr"], piece_uuid(int(ctx["uuid"]), trailer.index), 0,
+                             float(ctx["deadlines"]["transfer"]), done=partial(self._sums_pulled, node, room_id, plan),
+                             piece=trailer)
+
+    def _sums_pulled(self, node: Node, room_id: int, plan: ReshardPlan, staging: Any,
+                     error: BaseException | None) -> None:
+        """The checksum entry of a whole handoff landed (or failed), on whatever thread the pull port reports from."""
+        sums = None
+        if error is None:
+            try:
+                _, sums = read_trailer(self.kv.read_trailer(staging), int(self.layout["num_layers"]))
+            except Exception as exc:  # noqa: BLE001 - an entry we cannot read fails the pull, not the thread
+                error = exc
+            finally:
+                self.kv.discard(staging)
+        with self._lock:
+            pulls = self.pending.get(room_id)
+            if pulls is None:
+                return  # FreePages already ran, or a piece failed: that is the room's story
+            if error is not None:
+                del self.pending[room_id]
+            elif pulls.land_sums(sums):
+                del self.pending[room_id]
+                self.pulled[room_id] = pulls.arrays()
+            else:
+                return
+        if error is not None:
+            for landed in pulls.landed.values():
+                self.kv.discard(landed)
+            self._report_pull_error(node, room_id, "checksum entry: ", error)
+            return
+        self._complete(node, room_id, pulls)
 
     def _pulled(self, node: Node, room_id: int, plan: ReshardPlan, piece: Piece, staging: Any,
                 error: BaseException | None) -> None:
@@ -186,13 +233,18 @@ class DecodeEffects:
             if plan.unsharded:  # journaled as ignored, for replay to show the late pull (a piece's failure shows)
                 node.submit(room_id, "pulled", {"bytes": int(staging.nbytes)})
             return
-        if not complete:
-            return
+        if complete:
+            self._complete(node, room_id, pulls)
+
+    def _complete(self, node: Node, room_id: int, pulls: RoomPulls) -> None:
+        """Every piece (and the checksum entry) of a room's pull landed: ``pulled``."""
         self.faults.crash("after_pull")
         arrays = pulls.arrays()
         payload: dict[str, Any] = {"bytes": sum(int(a.nbytes) for a in arrays)}
-        if not plan.unsharded:  # per piece: from which prefill shard, into which decode shard, how many bytes
+        if not pulls.plan.unsharded:  # per piece: from which prefill shard, into which decode shard, how many bytes
             payload["pieces"] = [[p.src, p.dst, int(a.nbytes)] for p, a in zip(pulls.plan.pieces, arrays, strict=True)]
+        if pulls.sums is not None:  # journaled, as READY's would be: Scatter compares them
+            payload["kv_checksum"] = pulls.sums
         node.submit(room_id, "pulled", payload)
 
     def _pull_chunks(self, node: Node, room: Room, pages: list[int]) -> None:

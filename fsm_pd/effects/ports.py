@@ -107,6 +107,12 @@ class PrefillKV(Protocol):
         piece, the whole staging, without tensor parallelism): arrays with ``.shape[1]`` rows and ``.nbytes``, in plan
         order, ready on return."""
 
+    def checksum_later(self, owner: Any, pages: list[int], plan: Any,
+                       done: Callable[[list[list[int]] | None], None]) -> None:
+        """Model thread, in the job that published ``pages``: ``sent_checksum`` of them as this job leaves them,
+        computed while the send reads them (on another thread, nothing writing them meanwhile); ``done(sums)`` from
+        whichever thread computed it."""
+
     def gathers_progressively(self, owner: Any) -> bool:
         """Whether ``publish_while_gathering`` can be used on this pool (a progressive backend is also needed)."""
 

@@ -80,19 +80,27 @@ class PrefillEffects:
             self._published(node, room_id, 0, 0)
             return
         plan = plan_between(self.layout, room.ctx["peer_layout"])
-        self.staging[room_id] = (uuid, len(plan.pieces))
+        # one piece on a progressive backend: the checksum follows the data as one more entry, so that it can be
+        # computed while the data streams (checksum_later) instead of before READY
+        entry = self.kv_checksum and plan.unsharded and self.transfer.progressive
+        self.staging[room_id] = (uuid, len(plan.pieces) + int(entry))
+        announce = {"checksum_entry": 1} if entry else {}
 
         def gather(owner: Any) -> None:
             if self.staging.get(room_id, (None,))[0] != uuid:
                 return  # the room ended while this waited for the model thread
             self.faults.check("gather")
+            progressive = plan.unsharded and self.transfer.progressive and self.kv.gathers_progressively(owner)
             # the KV is final now and nothing has read it yet: what D must find in its pages, whatever the send
-            # reads later (a page freed and reused mid-send) or the wire does to it
-            sums = self.kv.sent_checksum(owner, pages, plan) if self.kv_checksum else None
-            if plan.unsharded and self.transfer.progressive and self.kv.gathers_progressively(owner):
+            # reads later (a page freed and reused mid-send) or the wire does to it. Computed here, or (sending as
+            # it gathers) by checksum_later under a lease turn this job reserves: either way before any other job
+            sums = self.kv.sent_checksum(owner, pages, plan) if self.kv_checksum and not progressive else None
+            if progressive:
                 self.faults.check("publish")
                 self.kv.publish_while_gathering(owner, self.transfer, uuid, pages, hold_s,
-                                                lambda rows: self._published(node, room_id, uuid, rows, sums=sums))
+                                                lambda rows: self._published(node, room_id, uuid, rows, **announce))
+                if entry:
+                    self.kv.checksum_later(owner, pages, plan, partial(self._publish_sums, node, room_id, uuid, hold_s))
                 self.faults.crash("after_gather")
                 return
             pieces = self.kv.gather(owner, pages, plan)
@@ -111,7 +119,10 @@ class PrefillEffects:
                     if plan.unsharded:
                         raise
                     raise EffectError(f"{piece.describe()}: {exc}") from exc
-            self._published(node, room_id, uuid, int(pieces[0].shape[1]), len(pieces), sums=sums)
+            if entry:
+                self._publish_sums(node, room_id, uuid, hold_s, sums)
+            self._published(node, room_id, uuid, int(pieces[0].shape[1]), len(pieces), sums=None if entry else sums,
+                            **announce)
 
         def failed(done: Future) -> None:
             exc = done.exception()
@@ -119,6 +130,19 @@ class PrefillEffects:
                 node.submit(room_id, "error", {"blame": "local", "reason": f"gather/publish failed: {exc}"})
 
         self.model.submit(gather).add_done_callback(failed)
+
+    def _publish_sums(self, node: Node, room_id: int, uuid: int, hold_s: float, sums: list | None) -> None:
+        """A whole handoff's checksum as the entry after its one piece (``piece_uuid(uuid, 1)``), in a trailer's
+        words; from the model thread or checksum_later's thread."""
+        if self.staging.get(room_id, (None,))[0] != uuid:
+            return  # the room ended: ReleaseStaging failed this entry too
+        layers = int(self.layout["num_layers"])
+        words = trailer_words(0, [None if sums is None else sums[0]], layers)
+        try:
+            self.transfer.publish(piece_uuid(uuid, 1), (self.kv.trailer(words),), hold_s)
+        except Exception as exc:  # noqa: BLE001 - the room fails rather than leave the pull of this entry waiting
+            if self.staging.get(room_id, (None,))[0] == uuid:
+                node.submit(room_id, "error", {"blame": "local", "reason": f"gather/publish failed: checksum: {exc}"})
 
     def _publish_chunks(self, node: Node, room: Room, pages: list[int]) -> None:
         """Publish the pieces of a chunked handoff that are final now (and the trailer after the last chunk); the
@@ -208,7 +232,8 @@ class PrefillEffects:
                                 first_logprob=ctx.get("first_logprob"), input_logprobs=ctx.get("input_logprobs"),
                                 top_logprobs=ctx.get("top_logprobs"), cached_tokens=ctx.get("cached_tokens", 0),
                                 chunks=ctx.get("chunks", 0), chunk_pages=ctx.get("chunk_pages", 0),
-                                kv_checksum=ctx.get("kv_checksum"), chunk_checksums=bool(ctx.get("chunk_checksums")))
+                                kv_checksum=ctx.get("kv_checksum"), chunk_checksums=bool(ctx.get("chunk_checksums")),
+                                checksum_entry=bool(ctx.get("checksum_entry")))
         elif effect.kind == "ABORT":
             msg = channel.stamp(Abort, room=room.room, reason=room.reason or "aborted")
         else:

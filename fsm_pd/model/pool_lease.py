@@ -47,6 +47,20 @@ class PoolLease:
         """A new reader's place (one per stream)."""
         return LeaseTurn()
 
+    def reserve(self) -> LeaseTurn:
+        """From the model thread, inside a job: a reader's turn that the next job waits for, until that reader has
+        had it (``read``) or gave it up (``forgo``). So a reader started now sees the pool as this job leaves it."""
+        turn = LeaseTurn()
+        with self._cond:
+            self._waiting.add(turn)
+        return turn
+
+    def forgo(self, turn: LeaseTurn) -> None:
+        """A reserved turn that will never read."""
+        with self._cond:
+            self._waiting.discard(turn)
+            self._cond.notify_all()
+
     @contextmanager
     def read(self, turn: LeaseTurn) -> Iterator[None]:
         """Hold the pool still (no job runs) for the body. Keep it short, and drop every view before leaving."""

@@ -337,6 +337,11 @@ class SimKV:
         """Of what ``pages`` hold now (their tags): what D's pages must hold once written."""
         return self._checksum(self.tags(pages), plan)
 
+    def checksum_later(self, owner: Any, pages: list[int], plan: Any, done: Callable[[list[list[int]]], None]) -> None:
+        """As ``JaxKV.checksum_later``: the pages as the publishing job leaves them (read before any other job could
+        change them), reported at once here."""
+        done(self.sent_checksum(owner, pages, plan))
+
     def received_checksum(self, owner: Any, pages: list[int], plan: Any) -> list[list[int]]:
         room = self.allocator.owner.get(pages[0])  # the room holding them; None after its FreePages
         values = self._checksum(self.tags(pages), plan)

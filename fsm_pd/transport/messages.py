@@ -205,6 +205,9 @@ class Ready(_Message):
     # handoff's pieces are not final yet when READY goes: ``chunk_checksums`` then says that the trailer carries them.
     kv_checksum: list[list[int]] | None = None
     chunk_checksums: bool = False
+    # A whole handoff sent while it is checksummed (a progressive backend, one piece): the checksum follows the data
+    # as one more entry of the transfer (``piece_uuid(uuid, 1)``, a trailer's words), instead of ``kv_checksum``.
+    checksum_entry: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

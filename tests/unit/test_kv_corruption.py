@@ -6,7 +6,8 @@ the lease), three ways the KV can go wrong between P's prefill and D's first dec
 * (a) a byte flipped on the wire: ``FSM_PD_FAULT_CORRUPT_PULL``'s hook (``Faults.corrupting``) on D;
 * (b) a page of D's pool overwritten after the handoff wrote it, before the request decodes (by another job on D's
   model thread, queued behind the writes of a streamed handoff: D then cannot use the checksum it took as it wrote);
-* (c) a page of P's pool reused (another request's KV written into it) while its send from the pool is under way.
+* (c) a page of P's pool reused (another request's KV written into it by the next job on P's model thread) while its
+  send from the pool is under way.
 
 With the check on (both sides) the room fails with ``kv checksum mismatch``, D recomputes the prompt, and the tokens
 served are the undisturbed run's. With it off on D (P still sends its checksum, which D then ignores) the same
@@ -56,8 +57,8 @@ class Look:
         assert transfer.sends_pages and owner.lease is not None  # the send from the pool, not a gather
         self.clean.append(self.kv.sent_checksum(owner, pages, self.plan))
         self.kv.publish_while_gathering(owner, transfer, uuid, pages, hold_timeout_s, on_published)
-        if self.overwrite:  # the send is published and its stream not yet read: another request's KV lands here
-            overwrite(owner, pages[0])
+        if self.overwrite:  # the next job (a prefill reusing the page) writes another request's KV into it
+            self.model.submit(lambda owner: overwrite(owner, pages[0]))
 
     def complete_stream(self, stream, staging):
         streamed = self.kv.complete_stream(stream, staging)
@@ -175,8 +176,11 @@ def test_a_prefill_page_reused_while_its_send_from_the_pool_runs(pair):
     setting, p, d = pair
     want, _ = checked(p, d, "p-pool-clean")
     p.manager.effects.kv.overwrite = True
+    # D pulls 0.3 s after READY: the page is reused before the stream reads it (else a small KV could leave first)
+    d.manager.effects.faults = Faults(FaultConfig(pull_delay_s=0.3), role="decode")
     try:
         answers, requests = serve(p, d, "p-pool")
     finally:
         p.manager.effects.kv.overwrite = False
+        d.manager.effects.faults = Faults(role="decode")
     assert_outcome(setting, p, d, want, answers, requests)
