@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
 import crc32c
 import jax
@@ -129,3 +130,28 @@ def test_split_pools_agree_piece_by_piece_across_a_reshard():
     result = subprocess.run([sys.executable, "-c", TP_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "tp ok" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
 
+
+
+def test_checksum_later_sees_the_pages_as_the_publishing_job_left_them(model):
+    """P's checksum of a handoff sent from the pool is read on a helper thread after the publishing job, while the
+    data streams: the lease turn that job reserves keeps the next job (a page reused) waiting until it has read."""
+    from concurrent.futures import Future
+
+    from fsm_pd.control.jax_kv import JaxKV, _checksum_worker
+    from fsm_pd.transport.reshard import plan_between
+
+    lay, pages = layout(), [2, 5]
+    kv, plan, got = JaxKV(lay, model, progressive=True), plan_between(lay.to_dict(), lay.to_dict()), Future()
+    _checksum_worker().submit(threading.Event().wait, 0.3)  # the helper is busy: the next job comes first in line
+
+    def publish_job(owner):
+        kv.checksum_later(owner, pages, plan, got.set_result)
+        return kv.sent_checksum(owner, pages, plan)
+
+    def reuse(owner):  # the next job writes another request's KV into the page
+        owner.pool = (jax.device_put(np.zeros(lay.layer_shape, np.float32)), *owner.pool[1:])
+
+    want = model.submit(publish_job)
+    model.submit(reuse)
+    assert got.result(10) == want.result(10)
+    assert model.call(lambda owner: kv.sent_checksum(owner, pages, plan)) != want.result()  # the reuse did land
