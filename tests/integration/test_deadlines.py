@@ -268,51 +268,74 @@ def test_a_node_request_whose_engine_never_starts_is_a_504_naming_the_first_toke
 
 # --- a room's own deadline, on real nodes ---
 
-WAITING_S = 3.0
+DEADLINE_S = 3.0
+
+
+@dataclass(frozen=True)
+class Stall:
+    """A fault that keeps the decode node's room from Success, and the deadline that must end it."""
+
+    timer: str
+    state: str
+    waits_for: str
+    prefill_faults: dict
+    decode_faults: dict
+
+
+STALLS = {
+    # the prefill node's READY never arrives: the room waits in WaitingForInput
+    "waiting": Stall("waiting", "WaitingForInput", "the prefill node's READY (its prefill done and the KV published)",
+                     {"FSM_PD_FAULT_DROP_MESSAGE": "1", "FSM_PD_FAULT_MESSAGES": "READY"}, {}),
+    # the pull is held back past the deadline: the room waits in Transferring
+    "transfer": Stall("transfer", "Transferring", "the KV to be pulled, checked and scattered", {},
+                      {"FSM_PD_FAULT_PULL_DELAY_S": str(DEADLINE_S + 5)}),
+}
 
 
 @pytest.mark.timeout(300)
-def test_a_room_whose_ready_never_comes_fails_naming_the_waiting_deadline_and_replay_names_it(tmp_path):
-    """The prefill node's READY is dropped (fault injection), so the decode node's room waits in WaitingForInput
-    until its waiting deadline; without recompute the request fails, and the client's error and replay both name
-    that deadline, what it waited for, its length and the flag that sets it."""
+@pytest.mark.parametrize("stall", sorted(STALLS))
+def test_a_room_that_never_reaches_success_fails_naming_its_deadline_and_replay_names_it(stall, tmp_path):
+    """Fault injection keeps the decode node's room from Success until its deadline (3 s by the flag); without
+    recompute the request fails, and the client's error and replay both name that deadline, what the room waited for
+    in which state, its length and the flag and variable that set it."""
+    stall = STALLS[stall]
+    flag = f"--{stall.timer}-timeout"
+    env_var = f"FSM_PD_{stall.timer.upper()}_TIMEOUT"
     cluster = Cluster(tmp_path)
     try:
         pause = tmp_path / "faults-paused"
         pause.touch()  # the warm-up request runs fault-free
-        faults = {"FSM_PD_FAULT_DROP_MESSAGE": "1", "FSM_PD_FAULT_MESSAGES": "READY",
-                  "FSM_PD_FAULT_PAUSE_FILE": str(pause)}
+        paused = {**cluster.env, "FSM_PD_FAULT_PAUSE_FILE": str(pause)}
         boot = str(free_port())
         (p, _), (d, _) = started = [
-            cluster.launch_node("prefill", "--bootstrap-port", boot, env={**cluster.env, **faults}),
-            cluster.launch_node("decode", "--waiting-timeout", str(WAITING_S), "--on-transfer-failure", "fail")]
+            cluster.launch_node("prefill", "--bootstrap-port", boot, env={**paused, **stall.prefill_faults}),
+            cluster.launch_node("decode", flag, str(DEADLINE_S), "--on-transfer-failure", "fail",
+                                env={**paused, **stall.decode_faults})]
         cluster.healthy(started)
         router = cluster.router(p, int(boot), d, "--retry-policy", "fail")
         body = {"text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
         assert httpx.post(router + "/generate", json=body, timeout=120).status_code == 200  # compiled and warm
         pause.unlink()
         began = time.monotonic()
-        r = httpx.post(router + "/generate", json={**body, "rid": "ready-lost"}, timeout=CLIENT_TIMEOUT_S)
+        r = httpx.post(router + "/generate", json={**body, "rid": "stalled"}, timeout=CLIENT_TIMEOUT_S)
         took = time.monotonic() - began
         assert r.status_code in (500, 504), r.text
         message = r.json()["error"]["message"]
         # the decode's own failure (504, with the length), or the prefill's, aborted by it (500): whichever leg's
-        # answer reached the router first; both name the decode's waiting deadline and what it waited for
-        assert ("the decode node waited" in message and "in WaitingForInput for the prefill node's READY" in message
-                and "its waiting deadline (--waiting-timeout / $FSM_PD_WAITING_TIMEOUT)" in message), message
-        assert WAITING_S <= took < WAITING_S + SLACK_S + 5, took
+        # answer reached the router first; both name the decode's deadline and what the room waited for
+        assert ("the decode node waited" in message and f"in {stall.state} for {stall.waits_for}" in message
+                and f"its {stall.timer} deadline ({flag} / ${env_var})" in message), message
+        assert DEADLINE_S <= took < DEADLINE_S + SLACK_S + 5, took
         journals = [str(next(tmp_path.glob(f"{role}-*.db"))) for role in ("prefill", "decode")]
-        out = subprocess.run([sys.executable, "-m", "fsm_pd.cli", "replay", *journals, "--request", "ready-lost",
+        out = subprocess.run([sys.executable, "-m", "fsm_pd.cli", "replay", *journals, "--request", "stalled",
                               "--format", "json"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         sides = [s for a in json.loads(out.stdout)["attempts"] for s in a["sides"]]
         assert [s["deadline"] for s in sides if s["role"] == "decode"] == [{
-            "timer": "waiting", "state": "WaitingForInput", "seconds": WAITING_S, "flag": "--waiting-timeout",
-            "env": "FSM_PD_WAITING_TIMEOUT",
-            "waits_for": "the prefill node's READY (its prefill done and the KV published)",
-            "explained": f"the decode node waited {WAITING_S:g} s in WaitingForInput for the prefill node's READY (its "
-                         "prefill done and the KV published): its waiting deadline (--waiting-timeout / "
-                         "$FSM_PD_WAITING_TIMEOUT)"}]
+            "timer": stall.timer, "state": stall.state, "seconds": DEADLINE_S, "flag": flag, "env": env_var,
+            "waits_for": stall.waits_for,
+            "explained": f"the decode node waited {DEADLINE_S:g} s in {stall.state} for {stall.waits_for}: its "
+                         f"{stall.timer} deadline ({flag} / ${env_var})"}]
     finally:
         cluster.stop()
 
