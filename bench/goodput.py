@@ -8,9 +8,12 @@ Both run the model a user gets (SmolLM2 unless --model) with default flags, behi
   ``--pd-policy auto --prefill-serves-local``, the prefill node started with ``--serve-local`` (it serves both roles:
   ``docs/serving.md``, "Selective disaggregation"). The classic router never sends it a request whole.
 
-Workloads (one run does all three): ``prefill-heavy`` (prompts of about --long-prompt tokens, --short-output new
+Workloads (one run does all four): ``prefill-heavy`` (prompts of about --long-prompt tokens, --short-output new
 tokens), ``decode-heavy`` (prompts of about --short-prompt, --long-output new), ``mixed`` (30% long prompts, the rest
-short; --mixed-output new). Greedy, EOS ignored, streamed ``/generate`` requests with Poisson arrivals.
+short; --mixed-output new), ``shift`` (the mix changes halfway: prefill-heavy requests, then decode-heavy ones; each
+half is held to its own kind's SLO, and each mode prints where its requests went over time: through P and D, whole
+on the decode node, whole on the prefill node). Greedy, EOS ignored, streamed ``/generate`` requests with Poisson
+arrivals.
 
 The SLO comes from isolated latencies: one request at a time on the colocated node, medians; a request attains the
 SLO when its TTFT <= --ttft-scale x the isolated TTFT and its time per output token (after the first) <=
@@ -53,7 +56,7 @@ from fsm_pd.launch import free_port
 from fsm_pd.model.loader import load_model
 
 err = Console(stderr=True)
-WORKLOADS = ("prefill-heavy", "decode-heavy", "mixed")
+WORKLOADS = ("prefill-heavy", "decode-heavy", "mixed", "shift")
 DEFAULT_RATES = "0.05,0.1,0.2,0.3,0.5,0.75,1,1.5,2,3,4"
 
 
@@ -68,6 +71,10 @@ def workload(name: str, args, rng: random.Random, vocab: int) -> list[tuple[list
         return [(prompt(args.long_prompt), args.short_output) for _ in range(args.requests)]
     if name == "decode-heavy":
         return [(prompt(args.short_prompt), args.long_output) for _ in range(args.requests)]
+    if name == "shift":  # the mix changes halfway: prefill-heavy, then decode-heavy
+        half = args.requests // 2
+        return ([(prompt(args.long_prompt), args.short_output) for _ in range(half)]
+                + [(prompt(args.short_prompt), args.long_output) for _ in range(args.requests - half)])
     return [(prompt(args.long_prompt if rng.random() < 0.3 else args.short_prompt), args.mixed_output)
             for _ in range(args.requests)]
 
@@ -84,7 +91,7 @@ def stream(url: str, ids: list[int], new_tokens: int) -> dict:
                 meta = json.loads(line[5:]).get("meta_info", meta)
     ttft = arrivals[0] - started
     tpot = (arrivals[-1] - arrivals[0]) / max(1, len(arrivals) - 1)
-    return {"ttft": ttft, "tpot": tpot, "meta": meta}
+    return {"ttft": ttft, "tpot": tpot, "meta": meta, "start": started}
 
 
 def at_rate(url: str, requests: list[tuple[list[int], int]], rate: float, rng: random.Random) -> list[dict]:
@@ -105,15 +112,46 @@ def at_rate(url: str, requests: list[tuple[list[int], int]], rate: float, rng: r
     return results
 
 
-def attainment(results: list[dict], slo: dict) -> float:
-    ok = [r for r in results if r and r["ttft"] <= slo["ttft"] and r["tpot"] <= slo["tpot"]]
+def _slos(slo: dict | list[dict], n: int) -> list[dict]:
+    """One SLO per request: the workload's, or each request's own (``shift``: each half its kind's)."""
+    return slo if isinstance(slo, list) else [slo] * n
+
+
+def attainment(results: list[dict], slo: dict | list[dict]) -> float:
+    ok = [r for r, s in zip(results, _slos(slo, len(results)), strict=True)
+          if r and r["ttft"] <= s["ttft"] and r["tpot"] <= s["tpot"]]
     return len(ok) / len(results)
 
 
-def missed(results: list[dict], slo: dict) -> dict:
+def missed(results: list[dict], slo: dict | list[dict]) -> dict:
     """Which half of the SLO the requests missed: the share over the TTFT bound, and over the TPOT bound."""
-    return {"ttft_missed": sum(not r or r["ttft"] > slo["ttft"] for r in results) / len(results),
-            "tpot_missed": sum(not r or r["tpot"] > slo["tpot"] for r in results) / len(results)}
+    pairs = list(zip(results, _slos(slo, len(results)), strict=True))
+    return {"ttft_missed": sum(not r or r["ttft"] > s["ttft"] for r, s in pairs) / len(results),
+            "tpot_missed": sum(not r or r["tpot"] > s["tpot"] for r, s in pairs) / len(results)}
+
+
+def where_served(result: dict) -> str:
+    route = (result.get("meta") or {}).get("pd_route") or {}
+    if not route:
+        return "colocated"
+    if route.get("path") == "pd":
+        return "P+D"
+    return "whole on P" if str(route.get("node", "")).startswith("prefill") else "whole on D"
+
+
+def capacity_over_time(results: list[dict], bins: int = 6) -> list[dict]:
+    """Where the requests went, by arrival time in ``bins`` equal slices of the run: through P and D (``P+D``),
+    whole on the decode node, whole on the prefill node (the policy's local path), or colocated."""
+    done = [r for r in results if r]
+    if not done:
+        return []
+    t0 = min(r["start"] for r in done)
+    span = max(r["start"] for r in done) - t0 or 1.0
+    out = [{"from_s": round(i * span / bins, 1), "counts": {}} for i in range(bins)]
+    for r in done:
+        slot = out[min(bins - 1, int((r["start"] - t0) / span * bins))]["counts"]
+        slot[where_served(r)] = slot.get(where_served(r), 0) + 1
+    return out
 
 
 def local_share(results: list[dict]) -> float:
@@ -215,13 +253,14 @@ def main(argv=None) -> int:
         try:
             for name in names:
                 colocated_url = modes["colocated"][1]
-                iso = [stream(colocated_url, ids, n) for ids, n in load(name, None)[:5]]
-                slo = {"ttft": args.ttft_scale * statistics.median(r["ttft"] for r in iso),
-                       "tpot": args.tpot_scale * statistics.median(r["tpot"] for r in iso)}
+                slo, per_request = isolated_slo(colocated_url, name, load, args)
                 entry = {"slo": slo, "isolated": {"ttft": slo["ttft"] / args.ttft_scale,
                                                   "tpot": slo["tpot"] / args.tpot_scale}, "modes": {}}
+                if per_request is not None:  # shift: each half against its own kind's isolated run
+                    entry["slo_by_half"] = per_request[0], per_request[-1]
+                    slo = per_request
                 for mode, (_, url, _) in modes.items():
-                    sweep, best, phase_at_best, misses = [], 0.0, None, 0
+                    sweep, best, phase_at_best, misses, served = [], 0.0, None, 0, None
                     for ids, n in load(name, "warm")[:2]:  # not measured: whatever a mode's first requests pay
                         stream(url, ids, n)
                     for rate in rates:
@@ -230,12 +269,15 @@ def main(argv=None) -> int:
                         share = attainment(results, slo)
                         sweep.append({"rate": rate, "attainment": share, "local_share": local_share(results),
                                       **missed(results, slo), **phases(results)})
+                        if share >= 0.9 or served is None:
+                            served = {"rate": rate, "bins": capacity_over_time(results)}
                         if share >= 0.9:
                             best, phase_at_best = rate, phases(results)
                         misses = misses + 1 if share < 0.5 else 0
                         if misses >= 2:
                             break
-                    entry["modes"][mode] = {"sweep": sweep, "goodput": best, "phases_at_goodput": phase_at_best}
+                    entry["modes"][mode] = {"sweep": sweep, "goodput": best, "phases_at_goodput": phase_at_best,
+                                            "capacity_over_time": served}
                 colocated_goodput = entry["modes"]["colocated"]["goodput"]
                 entry["pd_over_colocated"] = (entry["modes"]["pd"]["goodput"] / colocated_goodput
                                               if colocated_goodput else None)  # None: colocated met no rate
@@ -254,6 +296,22 @@ def main(argv=None) -> int:
     else:
         print_report(report)
     return 0
+
+
+def isolated_slo(url: str, name: str, load, args) -> tuple[dict, list[dict] | None]:
+    """The SLO from isolated runs on the colocated node (medians of five, times the scales). ``shift``: one SLO per
+    half (five of each kind), and the list of every request's; the workload's is the first half's."""
+    def measured(requests) -> dict:
+        iso = [stream(url, ids, n) for ids, n in requests]
+        return {"ttft": args.ttft_scale * statistics.median(r["ttft"] for r in iso),
+                "tpot": args.tpot_scale * statistics.median(r["tpot"] for r in iso)}
+
+    requests = load(name, None)
+    if name != "shift":
+        return measured(requests[:5]), None
+    half = args.requests // 2
+    first, second = measured(requests[:min(5, half)]), measured(requests[half:half + 5])
+    return first, [first] * half + [second] * (args.requests - half)
 
 
 def main_sweep(args) -> int:
@@ -323,6 +381,11 @@ def print_report(report: dict) -> None:
                       + (f"; PD with the policy / colocated = {entry['policy_over_colocated']:.2f}x"
                          if entry.get("policy_over_colocated") is not None else ""))
         for mode, m in entry["modes"].items():
+            if m.get("capacity_over_time") and m["capacity_over_time"]["bins"]:
+                served = m["capacity_over_time"]
+                console.print(f"  {mode} at {served['rate']:g}/s, where requests went by arrival time: " + "; ".join(
+                    f"+{b['from_s']:g} s: " + ", ".join(f"{k} {v}" for k, v in sorted(b["counts"].items()))
+                    for b in served["bins"] if b["counts"]))
             if mode == "pd-policy":
                 console.print("  pd-policy: share served whole (local) at each rate: " + ", ".join(
                     f"{s['rate']:g}/s {s['local_share']:.0%}" for s in m["sweep"]))
