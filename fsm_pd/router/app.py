@@ -8,9 +8,11 @@ requests by default), add ``bootstrap_host`` / ``bootstrap_port`` /
 the decode's response once the prefill's is complete (as sglang-router does). Neither leg is left waiting: the first
 to fail (an error status, or unreachable) closes the other (which aborts the request there) and the client gets the
 failed worker's status and error (502 when it was unreachable); ``--request-timeout-secs`` bounds the whole request,
-streams included (504, or a final SSE error event). A worker failure before the answer starts (unreachable, a 5xx)
-is retried on another pair with a new bootstrap room and the same rid (``--max-retries``, a router-wide retry budget,
-``--retry-policy retry|fail``); a ``/generate`` stream whose decode breaks off migrates (``migrate.py``).
+streams included (504, or a final SSE error event), and within it each leg and a started stream's silence have
+deadlines of their own that name themselves when they pass (``legs.RouterDeadlines``; docs/operations.md, Waits).
+A worker failure before the answer starts (unreachable, a 5xx, silent past its leg's deadline) is retried on another
+pair with a new bootstrap room and the same rid (``--max-retries``, a router-wide retry budget, ``--retry-policy
+retry|fail``); a ``/generate`` stream whose decode breaks off or goes silent migrates (``migrate.py``).
 A client that goes away cancels both legs. Attempts, retries and migration run in ``core.py``, the legs themselves in
 ``legs.py``; the other routes (abort, flush, tokenize, load, metrics) are ``routes.py``.
 """
