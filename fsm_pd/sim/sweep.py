@@ -45,7 +45,7 @@ def check_seed(config: SimConfig, journal_dir: Path) -> tuple[list[str], Counter
         try:
             world.run()
         except Stuck as exc:
-            return [f"stuck: {exc}"], Counter()
+            return [*instant[:2], f"stuck: {exc}"], Counter()
         rows = journal_rows(world)
         found = (ownership_violations(world) + instant[:3] + overdue_rooms(world) + leaks(world)
                  + page_accounting(world) + outcome_disagreements(world) + corruption_served(world, rows)
