@@ -44,8 +44,9 @@ class LocalPath:
         if not self.serves_local:
             raise EngineError(f"request {request.rid}: this {self.role} node does not serve requests whole "
                               "(fsm_pd_route local); start it with --serve-local", 400)
-        # it decodes here: prompt plus max_new_tokens must fit this node's pool, as on a decode node
-        check_request(request, self.max_context, needs_bootstrap=True, pool_tokens=self.pool_tokens)
+        # it decodes here: prompt plus max_new_tokens must fit this node's pool, as on a decode node; nothing crosses
+        # to a peer, so a handoff's limits (the READY frame's top logprobs) do not apply
+        check_request(request, self.max_context, needs_bootstrap=False, pool_tokens=self.pool_tokens)
 
     def _key(self, request: GenerateRequest) -> int:
         # no room with the KV manager: the recompute's key, negative, so no room's FreePages can touch its pages
