@@ -248,3 +248,72 @@ def test_prefix_caches_hit_evict_and_hand_over_only_the_pages_decode_lacks(tmp_p
     assert any(cached) and not all(cached)
     prepares = [r for r in read_journal(tmp_path / "prefill.db") if r.trigger == "metadata_received"]
     assert any(r.payload["event"].get("peer_cached_pages") for r in prepares)
+
+
+def _one_request(config: SimConfig, tmp_path, prompt_len: int = 100) -> World:
+    world = World(config, tmp_path, durability="off")
+    world.add_request(1, prompt_len, at=0.001)
+    return world
+
+
+def test_p_sends_from_its_pool_under_the_lease_and_a_page_freed_mid_send_is_caught(tmp_path):
+    """tcp's path: P publishes the room's pages themselves (``publish_pages``), the pull reads them layer by layer
+    under the model thread's lease, and the pages stay the send's until the hold ends. Ending the hold after the
+    pages were freed (the release dropped: the hold lingers until it expires) is caught when the pages go back."""
+    config = SimConfig(requests=0, seed=1, num_pages=64, progressive=1.0, sends_pages=1.0, chunked=0.0)
+    world = _one_request(config, tmp_path / "ok")
+    sent = []
+    server = world.prefill.instance.transfer
+    publish_pages = server.publish_pages
+    server.publish_pages = lambda uuid, source, hold_s: (sent.append(source), publish_pages(uuid, source, hold_s))
+    world.run()
+    world.close()
+    assert [type(s).__name__ for s in sent] == ["SimPoolPages"] and sent[0].corrupt is None
+    assert world.decode.instance.node.rooms[1].state == "Success" == world.prefill.instance.node.rooms[1].state
+    assert world.ledger.violations == [] and world.prefill.instance.scheduler.allocator.busy == {}
+
+    broken = _one_request(config, tmp_path / "broken")
+    broken.prefill.instance.transfer.release = lambda uuid: None  # the hold outlives the room's pages
+    broken.run()
+    broken.close()
+    assert any("went back to the free list (room 1's free) while the send from the pool of room 1 had not finished"
+               in v for v in broken.ledger.violations), broken.ledger.violations[:3]
+
+
+def test_a_long_prompt_is_handed_off_chunk_by_chunk_through_the_production_handlers(tmp_path):
+    """A prefill in chunks of 64 tokens: READY after the first chunk, each later chunk's pieces published once their
+    pages are final, the trailer with the first token last; D pulls piece after piece and scatters each."""
+    world = _one_request(SimConfig(requests=0, seed=2, num_pages=64, chunked=1.0), tmp_path, prompt_len=300)
+    world.run()
+    world.close()
+    p, d = world.prefill.instance.node.rooms[1], world.decode.instance.node.rooms[1]
+    assert (p.state, d.state) == ("Success", "Success")
+    assert p.ctx["piece_pages"] == 4 and len(d.ctx["chunks"]) == 5  # 19 pages in pieces of 4, each pulled
+    rows = [r.trigger for r in read_journal(tmp_path / "prefill.db") if r.room == 1]
+    assert rows.count("kv_chunk") == 4  # chunks 2..5 (the first is kv_ready)
+    assert world.ledger.violations == []
+
+
+def test_a_stalled_node_answers_no_ping_and_its_peer_fails_the_rooms_bound_to_it(tmp_path):
+    """SIGSTOP: the prefill process is stopped for 4 s while a room is bound to it. Its pings go unanswered, so the
+    decode node declares it dead after two missed heartbeats and fails the room; when it resumes, its own room ends
+    too, within its state's deadline plus the stall, and the outcomes agree (the stall explains them)."""
+    from fsm_pd.sim.invariants import leaks, overdue_states
+    from fsm_pd.sim.outcomes import outcome_disagreements
+
+    world = _one_request(SimConfig(requests=0, seed=3, num_pages=64, chunked=0.0), tmp_path, prompt_len=40)
+    decode = world.decode.instance
+    late: list[str] = []
+    world.probes.append(lambda: late.extend(overdue_states(world)))
+    assert world.run_until(lambda: 1 in decode.node.rooms and decode.node.rooms[1].state == "WaitingForInput")
+    stopped_at = world.clock.now()
+    world.stall("prefill", 4.0)
+    world.run()
+    world.close()
+    room = decode.node.rooms[1]
+    assert room.state == "Failed" and "missed 2 heartbeats" in room.reason, room.reason
+    (failed_at,) = [r.at for r in read_journal(tmp_path / "decode.db") if r.room == 1 and r.dst == "Failed" != r.src]
+    bound = (world.config.heartbeat_max_failures + 1) * world.config.heartbeat_interval
+    assert failed_at - stopped_at <= bound + 0.01
+    assert world.prefill.instance.node.rooms[1].terminal
+    assert late == [] and leaks(world) == [] and outcome_disagreements(world) == []
