@@ -15,6 +15,7 @@ call ``_take_local`` on the arrivals of each step and ``_local_ended`` when a lo
 from __future__ import annotations
 
 import threading
+from collections import deque
 
 from fsm_pd.serving.common import check_request
 from fsm_pd.serving.recompute import recompute_key
@@ -34,6 +35,9 @@ class LocalPath:
     def _init_local(self) -> None:
         self.recompute.on_local = self._journal_local
         self._local_rooms: set[int] = set()  # live local requests' rooms: a second one with the same room is refused
+        # ended ones whose journal row may still wait in the node loop's inbox (not yet where has_room looks), oldest
+        # first: rows are journaled in order, so those the journal has are pruned from the left
+        self._local_recorded: deque[int] = deque()
         self._local_lock = threading.Lock()
 
     # --- any thread ---
@@ -59,7 +63,11 @@ class LocalPath:
             return
         room = seq.request.bootstrap.room
         with self._local_lock:
-            if room in self._local_rooms or self.manager.journal.has_room(self.node_id, LOCAL_ROLE, room):
+            journal = self.manager.journal
+            while self._local_recorded and journal.has_room(self.node_id, LOCAL_ROLE, self._local_recorded[0]):
+                self._local_recorded.popleft()
+            if room in self._local_rooms or room in self._local_recorded or journal.has_room(self.node_id,
+                                                                                              LOCAL_ROLE, room):
                 raise EngineError(f"request {seq.rid}: bootstrap_room {room} was already used for a local prefill "
                                   f"on {self.node_id}; a room is used once", 409)
             self._local_rooms.add(room)
@@ -91,11 +99,15 @@ class LocalPath:
         """A request this node prefilled itself ended: its pages go back."""
         self.recompute.release(seq)
         if is_local(seq.request):
-            self._forget_local(seq)
+            self._forget_local(seq, recorded="local_prefill_seconds" in seq.meta["pd_route"])
 
-    def _forget_local(self, seq: Sequence) -> None:
+    def _forget_local(self, seq: Sequence, recorded: bool = False) -> None:
+        """``recorded``: its journal row was queued; until the journal has it, its room is refused from here."""
+        room = seq.request.bootstrap.room
         with self._local_lock:
-            self._local_rooms.discard(seq.request.bootstrap.room)
+            self._local_rooms.discard(room)
+            if recorded:
+                self._local_recorded.append(room)
 
     def _journal_local(self, seq: Sequence, failed: Exception | None) -> None:
         """One ``local`` row in the journal once the prefill ran, with the router's reason: what ``replay
