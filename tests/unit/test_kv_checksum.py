@@ -155,3 +155,19 @@ def test_checksum_later_sees_the_pages_as_the_publishing_job_left_them(model):
     model.submit(reuse)
     assert got.result(10) == want.result(10)
     assert model.call(lambda owner: kv.sent_checksum(owner, pages, plan)) != want.result()  # the reuse did land
+
+
+def test_corrupt_pull_flips_one_byte_of_an_entry_once():
+    from fsm_pd.effects.faults import FaultConfig, Faults
+
+    config = FaultConfig.from_env({"FSM_PD_FAULT_CORRUPT_PULL": "1"})
+    assert config.corrupt_pull == 1.0 and config.enabled and config.describe() == {"corrupt_pull": 1.0}
+    with pytest.raises(ValueError, match="CORRUPT_PULL"):
+        FaultConfig.from_env({"FSM_PD_FAULT_CORRUPT_PULL": "2"})
+    seen = []
+    hook = Faults(config, role="decode").corrupting(lambda index, host, n: seen.append(n))
+    host = np.zeros(8, np.float32)
+    hook(0, host, 4)
+    hook(0, host, 32)
+    assert seen == [4, 32] and np.count_nonzero(host.view(np.uint8)) == 1 and host[0] != 0 and not host[1:].any()
+    assert Faults(FaultConfig(), role="decode").corrupting(None) is None  # off: the pull's own hook, untouched
