@@ -159,3 +159,16 @@ def test_a_prefill_node_that_serves_both_roles_takes_short_prompts_when_decode_i
         assert metric(p, 'fsm_pd_local_prefills_total{node="' + receipt["node"] + '",role="prefill"}') == 1
     finally:
         cluster.stop()
+
+
+def test_prompt_logprobs_come_from_the_node_that_prefilled(fleet):
+    """PD: the router merges the prefill node's prompt logprobs; local: the decode node gives its own."""
+    _, routers = fleet
+    answers = {mode: post_ok(routers[mode], "/generate", {
+        "input_ids": SHORT, "return_logprob": True, "rid": f"logprobs-{mode}",
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0}}) for mode in ("always", "never")}
+    pd, local = (answers[m]["meta_info"]["input_token_logprobs"] for m in ("always", "never"))
+    assert len(pd) == len(local) == len(SHORT)
+    assert [t for _, t, _ in pd] == [t for _, t, _ in local] == SHORT
+    assert local[0][0] is None and pd[0][0] is None
+    assert all(abs(a[0] - b[0]) < 1e-3 for a, b in zip(pd[1:], local[1:], strict=True))
