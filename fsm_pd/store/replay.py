@@ -243,6 +243,7 @@ def _report(node, role, room_id, rows, divergence, replayed_state) -> RoomReport
             event["detail"] = detail
         if route := row.event.get("route"):  # the router's reason (router/policy.py): a decode create, a local record
             event["route"] = route
+            event.setdefault("detail", f"routed: {route}")
         events.append(event)
         if row.dst != row.src:
             time_in_state[row.src] = round(time_in_state.get(row.src, 0.0) + (row.at - entered_at), 6)
