@@ -22,6 +22,9 @@ counted (``recomputes``, ``fsm_pd_transfer_recomputes_total``) and named in the 
 A recomputed request's pages are held under the key ``-(room + 1)``, never a room id, so the failed room's own
 ``FreePages`` cannot free them. See ``serving.md``.
 
+A request the router sends here whole (``fsm_pd_route`` local: its policy found the prompt not worth a prefill node)
+has no room: it joins the recompute's queue and prefill, then the decode loop (``local_path.py``).
+
 Why the engine owns the pages (``SchedulerAdmission``) rather than an admission of the manager's: a decoding sequence
 grows, one page every ``page_size`` tokens, and those pages must come from the same allocator as the prompt's, or
 admission cannot see what decoding will need; and the headroom rule is a scheduling decision.

@@ -19,6 +19,9 @@ the request, a counter (``recomputes``; ``fsm_pd_transfer_recomputes_total``) an
 ``meta_info.kv_recompute`` (``{"room", "reason", "seconds"}``). The failed room's ``FreePages`` returns the pages
 it held under the room id; the recompute reserves pages of its own under the key ``-(room + 1)`` (rooms are never
 negative), so that free cannot touch them. Model thread only, except ``counters``.
+
+The same queue and prefill serve the requests a router sends a node whole (``start_local``, ``local_path.py``):
+they never had a room, and are counted apart (``local_prefills``).
 """
 
 from __future__ import annotations
