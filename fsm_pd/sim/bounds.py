@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from fsm_pd.sim.decode_loop import STEP_S
+
 if TYPE_CHECKING:
     from fsm_pd.sim.world import World
 
@@ -33,7 +35,10 @@ def settle_bound(world: World) -> float:
     backlog = sum(max(0.0, m.due_at - now) for m in models)
     backlog += (sum(m.queued() for m in models) + 4 * rooms) * world.model_delay
     stalled = max(0.0, *(s.instance.frozen_until - now for s in slots))  # a stalled node's clocks wait
-    after_rooms = stalled + world.network.max_delay_s + world.plan.slow_pulls_s + 2.0 + c.decode_time + backlog
+    # the decode loop: every request there and every room still open decodes in turn at worst (retractions)
+    decoding = world.decode.instance.scheduler.live() if world.decode.alive else 0
+    decode_s = (decoding + rooms + 1) * c.decode_tokens * STEP_S * 2
+    after_rooms = stalled + world.network.max_delay_s + world.plan.slow_pulls_s + 2.0 + decode_s + backlog
     return max(0.0, world.last_start - now) + room_s + after_rooms + 1.0
 
 

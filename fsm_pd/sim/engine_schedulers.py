@@ -9,8 +9,9 @@ the room ends, ``end_request`` lets them go: handed over (Success), the prompt's
 ``DecodeScheduler`` is the decode engine's: the production ``Preallocation`` (``admit_waiting``, the headroom rule,
 ``max_running``) grants pages through ``NodeCore.give_pages`` with ``cached_pages`` when the node runs its own
 cache (``SimConfig.decode_radix_cache``, drawn per world), and ``SchedulerAdmission`` lets the machine's
-``FreePages`` give them back. A request that reached Success decodes for ``decode_time``, then finishes as the
-engine's does.
+``FreePages`` give them back. A request that reached Success decodes up to ``decode_tokens`` tokens in the decode
+loop (``decode_loop.py``: growth, retraction under pressure, resume with recompute), then finishes as the engine's
+does.
 
 Both record what each live request uses of its cache (``RecordingAllocator.use``): the invariants compare that
 with the cache's own lock counts, and check that no such page is ever freed or handed to another request.
@@ -26,6 +27,7 @@ from fsm_pd.control.admission import SchedulerAdmission
 from fsm_pd.control.prealloc import Preallocation
 from fsm_pd.control.scheduling import CHUNKED_PREFILL_SIZE, end_request, flush_when_idle, take_prefill_batch
 from fsm_pd.model.prefix_cache import NO_MATCH, Match, PrefixCache
+from fsm_pd.sim.decode_loop import SimDecodeLoop
 from fsm_pd.sim.kv import RecordingAllocator
 
 if TYPE_CHECKING:
@@ -193,7 +195,7 @@ class DecodeScheduler(_Scheduler):
                                       cache=cache, kick=self.kick)
         self.admission = SchedulerAdmission(on_release=self.prealloc.release)
         self.rooms: dict[int, SimRequest] = {}  # waiting for pages or transferring
-        self.decoding = 0
+        self.loop = SimDecodeLoop(self)  # requests whose handoff succeeded: decoding, retracted, recomputing
 
     def arrived(self, room: int, tokens: tuple[int, ...]) -> None:
         seq = self.rooms[room] = SimRequest(room, len(tokens), Prompt(tokens))
@@ -201,8 +203,10 @@ class DecodeScheduler(_Scheduler):
         self.kick()
 
     def step(self) -> None:
+        if self.loop.resuming:
+            return  # retracted requests go first (``DecodeLoop.resuming``): the loop kicks again once they are back
         in_transfer = len(self.rooms) - len(self.prealloc.waiting)
-        self.prealloc.admit(MAX_RUNNING - self.decoding - in_transfer, self._gone)
+        self.prealloc.admit(MAX_RUNNING - len(self.loop) - in_transfer, self._gone)
 
     def _grant(self, room: int, pages: list[int], cached_pages: int) -> None:
         self.took(self.rooms[room])
@@ -221,20 +225,19 @@ class DecodeScheduler(_Scheduler):
         if decision.dst == "Failed":  # its own pages are its FreePages'; its cached prefix goes back here
             self.inst.model.submit(lambda owner: self._failed(seq))
             return
-        self.decoding += 1
-        self.world.sched.later(self.world.config.decode_time, lambda: self.inst.model.submit(
-            lambda owner: self._finish(seq)), self.inst)
+        tokens = self.world.rng.randint(1, self.world.config.decode_tokens)
+        self.inst.model.submit(lambda owner: self.loop.add(seq, tokens))
 
     def _failed(self, seq: SimRequest) -> None:
         self.prealloc.failed(seq)
         self.let_go(seq)
 
-    def _finish(self, seq: SimRequest) -> None:
-        self.decoding -= 1
+    def finish(self, seq: SimRequest) -> None:
+        """The loop finished the request (model thread): its prompt pages join the cache, the rest are freed."""
         self.prealloc.finished(seq)
         self.let_go(seq)
         self.inst.effects.finish(self.inst.node, seq.key)  # FreePages' release, on the model thread
         self.kick()
 
     def live(self) -> int:
-        return len(self.rooms) + self.decoding
+        return len(self.rooms) + len(self.loop)

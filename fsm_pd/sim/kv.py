@@ -215,16 +215,21 @@ class RecordingAllocator(PageAllocator):
                              f"room(s) {users}")
         return found
 
-    def check_write(self, room: int, pages: list[int], what: str, content: tuple = ()) -> None:
+    def check_write(self, room: int, pages: list[int], what: str, content: tuple = (), transfer: bool = True,
+                    writer: str | None = None) -> None:
         """A write of ``room``'s KV reaches ``pages``: each must still be held by ``room``. ``content``: the tags of
-        what is written (``SimBuffer.content``), which the pages hold from now on."""
-        self.ledger.writes += 1
+        what is written (``SimBuffer.content``), which the pages hold from now on. No other writer or reader may be
+        on a page (``writer``: the caller's own ``begin``)."""
+        self.ledger.writes += transfer  # counts the writes of handoffs (a decode step's are not)
         for index, page in enumerate(pages):
             holder = self.owner.get(page)
             if holder != room:
                 whose = "nobody" if holder is None else f"room {holder}"
                 self.ledger.violation(f"{what} of room {room} reached page {page}, held by {whose} "
                                       "(after its FreePages)")
+            elif [who for who in self.busy.get(page, ()) if who != writer]:
+                self.ledger.violation(f"{self.instance.name}: {what} of room {room} wrote page {page} while "
+                                      f"{' and '.join(w for w in self.busy[page] if w != writer)} had not finished")
             else:
                 self.final.add(page)
                 self.last_writer[page] = content[index] if index < len(content) else room
@@ -310,7 +315,7 @@ class SimLayerStream(LayerStream):
 
     def write(self, owner: Any, layer: int, staged: tuple) -> None:
         layers = f"layers {layer}-{layer + self.group - 1}"
-        self.allocator.check_write(self.room, self.pages, f"a streamed write of {layers}", staged)
+        self.allocator.check_write(self.room, self.pages, f"a streamed write of {layers}", staged, writer=self.who)
 
 
 class SimKV:

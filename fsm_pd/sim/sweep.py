@@ -51,6 +51,9 @@ def check_seed(config: SimConfig, journal_dir: Path) -> tuple[list[str], Counter
                  + page_accounting(world) + outcome_disagreements(world) + corruption_served(world, rows)
                  + journal_disagreements(world, rows) + table_disagreements(world, rows))
         seen: Counter = Counter(f"fault {f.kind}" for f in world.fault_log)
+        for slot in (world.decode,):
+            if slot.alive:
+                seen.update({f"decode loop {k}": v for k, v in slot.instance.scheduler.loop.counters().items()})
         for (_node, role, _room), room in world.live_rooms().items():
             seen[f"{role} {room.state}"] += 1
             if room.reason and "checksum" in room.reason and role == "decode":

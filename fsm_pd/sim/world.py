@@ -62,7 +62,7 @@ class SimConfig:
     heartbeat_interval: float = 1.0
     heartbeat_max_failures: int = 2
     restart_after: float = 3.0
-    decode_time: float = 0.05
+    decode_tokens: int = 64  # a request that succeeded decodes 1 to this many tokens (a page every page_size)
     model_delay: float = 0.0005  # per model-thread job
     progressive: float = 0.5  # the chance that a process instance copies KV layer by layer (a CPU pool, tcp)
     chunked: float = 0.5  # the chance (per world) that P prefills in chunks and hands prompts off piece by piece

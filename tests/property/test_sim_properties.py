@@ -78,7 +78,7 @@ class SimulationMachine(RuleBasedStateMachine):
                 split=st.sampled_from([(1, 1), (1, 1), (2, 1), (1, 2)]), prefill_pages=st.sampled_from([24, 64]))
     def start(self, seed, background_faults, split, prefill_pages):
         self.dir = Path(tempfile.mkdtemp(prefix="fsm-pd-prop-"))
-        config = SimConfig(requests=0, seed=seed, fault_rate=background_faults, num_pages=64,
+        config = SimConfig(requests=0, seed=seed, fault_rate=background_faults, num_pages=64, decode_tokens=256,
                            prefill_pages=prefill_pages, prefill_tp=split[0], decode_tp=split[1])
         self.world = World(config, self.dir, durability="off")
         self.next_room = 1

@@ -317,3 +317,20 @@ def test_a_stalled_node_answers_no_ping_and_its_peer_fails_the_rooms_bound_to_it
     assert failed_at - stopped_at <= bound + 0.01
     assert world.prefill.instance.node.rooms[1].terminal
     assert late == [] and leaks(world) == [] and outcome_disagreements(world) == []
+
+
+def test_the_decode_loop_retracts_the_newest_under_pressure_and_resumes_it(tmp_path):
+    """Four requests of 150 tokens on a 64-page decode pool, each decoding up to 400 tokens: the pool cannot grow
+    them all, so the production ``pick_retractions`` picks the newest, its pages go back (``give_back``), and it
+    resumes once they fit (its KV recomputed: those pages are being written until then). Every request finishes,
+    every page comes back, and no page went back while a writer or reader was on it."""
+    world = World(SimConfig(requests=0, seed=0, num_pages=64, decode_tokens=400, chunked=0.0, decode_radix_cache=0.0),
+                  tmp_path, durability="off")
+    for room in range(1, 5):
+        world.add_request(room, 150, at=0.001)
+    world.run()
+    world.close()
+    decode = world.decode.instance
+    assert decode.scheduler.loop.counters() == {"preempted": 2, "resumed": 2}
+    assert {r.state for r in decode.node.rooms.values()} == {"Success"} and decode.scheduler.live() == 0
+    assert world.ledger.violations == [] and page_accounting(world) == []
