@@ -5,7 +5,11 @@
 - no leaks: once the world is quiet, nothing is held for a room that has ended, and every page of either pool is
   free, a room's or the prefix cache's, its cache locks those of the live requests (``page_accounting``); a page
   a live request's cached prefix uses is never freed or handed to another room (``kv.RecordingAllocator``);
-- liveness: every room ends within the sum of its role's deadlines;
+- page lifetimes: a page goes back to the free list only after its writer and every reader have finished, and reads
+  and writes reach only the room's pages (``kv.RecordingAllocator``, at every event);
+- liveness: every room ends within the sum of its role's deadlines, and stays in no state longer than that state's
+  deadline plus the slack (``overdue_states``, at every settle point);
+- both sides of a room agree, and no corrupted handoff is decoded (``fsm_pd.sim.outcomes``);
 - peers: no room stays bound to a dead peer process longer than the heartbeats take to notice;
 - the live state of every room equals the replay of its node's journal, and every journaled decision is the one
   the literal tables give (``fsm_pd.sim.oracle``: read directly, not through ``fire``);

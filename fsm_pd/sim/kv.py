@@ -7,17 +7,20 @@ since) is a violation.
 
 An instance either copies layer by layer (``progressive``: a pool on one CPU device beside a progressive backend)
 or whole buffers (a pool on an accelerator), a seeded choice per instance, so both branches of the production
-handlers run. Progressive, P publishes the staging buffer before gathering it and makes its layers final one at a
-time over virtual time (``publish_while_gathering``, the model thread busy meanwhile): what production does with the
-``zmq`` backend (``control/overlap.py``). With ``tcp`` production gathers nothing there: ``JaxKV`` sends P's pages
-straight from the pool (``kernels/page_source.py``); the handler makes the same call and gets the same
-``published``, but the pool lease and the in-place reads are not modelled here (``tests/unit/test_page_source.py``
-covers them). D writes each group of layers as it lands: a ``SimLayerStream``, the production ``LayerStream`` whose
-writes are ledger-checked. Rooms are never handed off chunk by chunk here (``kv_chunk``): the simulation prefills
-each prompt whole.
+handlers run. Progressive, P either sends the room's pages straight from the pool (``sends_pages``: ``tcp``, the
+default; ``SimPoolPages``, read layer by layer under the model thread's ``PoolLease`` while the pull streams them, as
+``kernels/page_source.py`` does) or publishes a staging block before gathering it and makes its layers final one at
+a time (``zmq``: ``control/overlap.py``). D writes each group of layers as it lands: a ``SimLayerStream``, the
+production ``LayerStream`` whose writes are ledger-checked. A prompt prefilled in chunks is handed off piece by piece
+by the production handlers; its pieces are gathered here once their pages are final.
+
+Pages carry content tags (``RecordingAllocator.last_writer``: the room whose prefill computed each): a gather or a
+send copies them, a pull carries them (a corrupting fault changes one), a write into D's pages stores them, and both
+KV checksums hash them, so D's check fails exactly when its pages do not hold what P's did.
 
 ``RecordingAllocator`` is the real ``PageAllocator`` with every reservation and every free attempt written to the
-ledger, and a page -> room map for the write check.
+ledger, a page -> room map for the read and write checks, and each page's unfinished writer and readers: a page may
+go back to the free list only once they have all finished.
 """
 
 from __future__ import annotations

@@ -74,11 +74,20 @@ def seed_range(text: str) -> range:
     return range(lo, hi + 1)
 
 
+DEFAULTS = SimConfig()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fsm_pd.sim", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=seed_range, default=range(1, 21), help="N or N-M (default 1-20)")
     parser.add_argument("--fault-rate", type=float, default=0.2, help="0..1 (default 0.2)")
     parser.add_argument("--requests", type=int, default=100, help="requests per seed (default 100)")
+    parser.add_argument("--decode-pages", type=int, default=DEFAULTS.num_pages,
+                        help=f"the decode pool (default {DEFAULTS.num_pages}); a small one makes the decode loop "
+                             "retract (e.g. 256 with --max-prompt 512 --decode-tokens 256)")
+    parser.add_argument("--max-prompt", type=int, default=DEFAULTS.max_prompt, help="longest prompt, tokens")
+    parser.add_argument("--decode-tokens", type=int, default=DEFAULTS.decode_tokens,
+                        help="a request decodes 1 to this many tokens")
     args = parser.parse_args(argv)
     if not 0.0 <= args.fault_rate <= 1.0:
         parser.error(f"--fault-rate must be between 0 and 1, got {args.fault_rate}")
@@ -87,8 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for seed in args.seeds:
             journal_dir = work / str(seed)
-            found, seen = check_seed(SimConfig(requests=args.requests, seed=seed, fault_rate=args.fault_rate),
-                                     journal_dir)
+            config = SimConfig(requests=args.requests, seed=seed, fault_rate=args.fault_rate,
+                               num_pages=args.decode_pages, max_prompt=args.max_prompt,
+                               decode_tokens=args.decode_tokens)
+            found, seen = check_seed(config, journal_dir)
             shutil.rmtree(journal_dir, ignore_errors=True)
             total.update(seen)
             if found:

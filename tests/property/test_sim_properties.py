@@ -8,15 +8,19 @@ admission and prefix caches: ``take_prefill_batch``, ``Preallocation``, ``Prefix
 succeeds after its room ended; a client leaving at a chosen moment of its transfer (also half-way through a
 streamed scatter); a slow model thread; client aborts on either side; a crash of either node, now or between
 journal commit and effects, restarting later or at once (a peer instance replaced), or down long enough to be
-declared dead; a cache flush; time passing.
+declared dead; a stall (SIGSTOP) of either node; a pull whose bytes are corrupted; a cache flush; time passing. Each
+world also draws whether P sends from its pool, prefills in chunks (handed off chunk by chunk), and its 64-page decode
+pool makes the decode loop retract.
 
 After every step (``fsm_pd.sim.invariants``): every page reservation, staging buffer, transfer entry and pulled
 buffer is freed exactly once (every attempt is recorded); no write reaches a page after its ``FreePages``; nothing is
 held for an ended room once the world is quiet; every room ends within the sum of its deadlines; no room stays bound
 to a dead peer instance longer than the heartbeats take to notice (three intervals); no page a live request's cached
 prefix uses is freed or handed on, and once quiet every page is free, a room's or cached, locked as often as live
-requests use it; the live rooms equal the replay
-of the journals, and every journaled decision is the one the literal tables give (``fsm_pd.sim.oracle``); no node
+requests use it; no page goes back to the free list before its writer and readers finished (a send from the pool,
+a chunk's gather, a streamed scatter, a recompute); no room stays in a state past its deadline plus the slack; P's
+and D's outcomes agree or a recorded fault explains them; no corrupted handoff is decoded; the live rooms equal the
+replay of the journals, and every journaled decision is the one the literal tables give (``fsm_pd.sim.oracle``); no node
 accepts a room it has used, and a terminal room never changes.
 
 At teardown, the liveness phase: the faults end, every node is up (``World.heal``), time runs until everything has
@@ -43,7 +47,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from fsm_pd.machines.states import STATE_NAMES, TERMINAL
 from fsm_pd.sim import SimConfig, World
 from fsm_pd.sim.faults import MESSAGE_FATES
-from fsm_pd.sim.outcomes import corruption_served, outcome_disagreements
 from fsm_pd.sim.invariants import (
     bound_to_dead_peers,
     handoff_bound_s,
@@ -58,6 +61,7 @@ from fsm_pd.sim.invariants import (
     recovery_s,
     table_disagreements,
 )
+from fsm_pd.sim.outcomes import corruption_served, outcome_disagreements
 
 PROFILES = {
     "ci": {"max_examples": 100, "stateful_step_count": 40, "derandomize": True},
