@@ -100,7 +100,7 @@ def corruption_served(world: World, rows: list | None = None) -> list[str]:
             found.append(f"room {room_id}: its pulled KV was corrupted, and the decode side reached Success "
                          "(a corrupted prompt would have been decoded)")
             continue
-        if "checksum" not in (d.reason or "") or rows is None:
+        if "checksum mismatch" not in (d.reason or "") or rows is None:
             continue  # it failed for another reason before its check (a timeout, an abort): nothing was decoded
         if reports is None:
             reports = {(r.role, r.room): r for r in replay(rows).rooms}

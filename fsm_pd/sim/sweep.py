@@ -56,7 +56,7 @@ def check_seed(config: SimConfig, journal_dir: Path) -> tuple[list[str], Counter
                 seen.update({f"decode loop {k}": v for k, v in slot.instance.scheduler.loop.counters().items()})
         for (_node, role, _room), room in world.live_rooms().items():
             seen[f"{role} {room.state}"] += 1
-            if room.reason and "checksum" in room.reason and role == "decode":
+            if room.reason and "checksum mismatch" in room.reason and role == "decode":
                 seen["decode failed on the checksum"] += 1
         return found, seen
     finally:
