@@ -2,6 +2,12 @@
 test sets its own with ``@pytest.mark.timeout(S)``). Tests of real parts (PostgreSQL, netns, ...) say so with
 ``@pytest.mark.real_part``, and a skip of one is counted and, where CI requires them, fails the run
 (``real_parts.py``).
+
+The README's test command runs the suite on two pytest-xdist workers (``-n 2``; ``--dist loadgroup`` is in
+pyproject.toml's addopts, and without ``-n`` everything runs in this one process, as when running one test). Each
+worker takes whole test modules (``pytest_collection_modifyitems`` below puts every test in its module's xdist group),
+so a module-scoped fixture (a cluster of nodes, a compiled model) is built once, and a module's tests run in their
+order, as they do serially. A test with its own ``@pytest.mark.xdist_group(name)`` keeps that group instead.
 """
 
 from __future__ import annotations
@@ -9,6 +15,8 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+
+import pytest
 
 # Helpers every test tree shares (the model-free stub engine, the in-process "fake" transfer backend) live beside this
 # file, outside the package.
@@ -32,4 +40,15 @@ def pytest_configure(config):
                                        "server, netns, ...); see tests/real_parts.py")
     config.addinivalue_line("markers", "slow: a long run (about 10 s or more on 2 cores: the real model, restarts, "
                                        "drills); `-m 'not slow'` leaves them out of a quick loop, CI runs them all")
+    config.addinivalue_line("markers", "xdist_group(name): pytest-xdist runs the tests of one group on one worker, "
+                                       "one after the other (also registered here for runs with -p no:xdist)")
     config.pluginmanager.register(RealParts(os.environ), "fsm-pd-real-parts")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the tests' ids
+def pytest_collection_modifyitems(config, items):
+    if not hasattr(config, "workerinput"):  # not an xdist worker: nothing is distributed, the groups would not matter
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))

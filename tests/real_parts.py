@@ -15,6 +15,11 @@ while its PostgreSQL tests quietly did not run. Without it (a developer's machin
 
 Which part a skip counts against: the parts whose ``missing`` said so when the marker skipped the test; when the test
 skipped itself, the parts that leave the check to it (no ``missing``), or all its parts if none does.
+
+Under pytest-xdist (``-n 2``) the tests run in worker processes and the session that prints the summary and decides
+the exit status sees only their reports, not the tests: so where a test runs, its report carries what it counts for
+(``("real_part", {"part", "outcome", "reason"})`` in ``report.user_properties``, which xdist sends back), and the
+counting reads the reports (``pytest_runtest_logreport``), the same with or without workers.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import pytest
 REQUIRE_ENV = "FSM_PD_REQUIRE_REAL_PARTS"
 ALLOW_ENV = "FSM_PD_ALLOW_MISSING"
 MARKER = "real_part"
+USER_PROPERTY = "real_part"  # the key of what a report counts for, in its user_properties
 _MISSING = pytest.StashKey[list]()
 
 
@@ -72,6 +78,8 @@ class RealParts:
     def __init__(self, environ: Mapping[str, str]):
         self.required = environ.get(REQUIRE_ENV) == "1"
         self.allowed = {name.strip() for name in environ.get(ALLOW_ENV, "").split(",") if name.strip()}
+        # an xdist worker only runs tests and tags their reports; its controller counts, reports and fails the session
+        self.on_worker = "PYTEST_XDIST_WORKER" in environ
         self.ran: dict[str, int] = defaultdict(int)
         self.skipped: dict[str, list[str]] = defaultdict(list)  # part -> the reasons its tests gave
 
@@ -93,6 +101,7 @@ class RealParts:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
+        """Where the test runs (this process, or an xdist worker): say in its report which parts it ran or skipped."""
         report = yield
         marks = self.marks(item)
         if not marks:
@@ -101,12 +110,25 @@ class RealParts:
             names = item.stash.get(_MISSING, None) or [m.args[0] for m in marks if "missing" not in m.kwargs] \
                 or [m.args[0] for m in marks]
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-            for name in names:
-                self.skipped[name].append(reason)
+            counted = [{"part": name, "outcome": "skipped", "reason": reason} for name in names]
         elif report.when == "call" or (report.when == "setup" and report.failed):  # a fixture that failed ran it
-            for m in marks:
-                self.ran[m.args[0]] += 1
+            counted = [{"part": m.args[0], "outcome": "ran", "reason": ""} for m in marks]
+        else:
+            return report
+        report.user_properties.extend((USER_PROPERTY, entry) for entry in counted)
         return report
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """Where the session is summed up (this process, or xdist's controller): count what the report says."""
+        if self.on_worker:
+            return
+        for key, entry in report.user_properties:
+            if key != USER_PROPERTY:
+                continue
+            if entry["outcome"] == "ran":
+                self.ran[entry["part"]] += 1
+            else:
+                self.skipped[entry["part"]].append(entry["reason"])
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if self.forbidden() and session.exitstatus == pytest.ExitCode.OK:

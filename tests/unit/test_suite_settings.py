@@ -46,16 +46,18 @@ def test_without_parts():
 '''
 
 
-def run_suite(tmp_path: Path, tests: str, **env: str) -> tuple[int, str]:
+def run_suite(tmp_path: Path, tests: str, *args: str, **env: str) -> tuple[int, str]:
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     (tmp_path / "tests").mkdir(exist_ok=True)
     for helper in ("conftest.py", "real_parts.py"):
         shutil.copy(ROOT / "tests" / helper, tmp_path / "tests" / helper)
     (tmp_path / "tests" / "test_throwaway.py").write_text(tests)
-    # only the plugin under test: the others this environment installs (schemathesis, hypothesis) load slowly
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("FSM_PD_REQUIRE", "FSM_PD_ALLOW"))}
+    # only the plugins under test (pyproject's addopts name xdist's --dist): the others this environment installs
+    # (schemathesis, hypothesis) load slowly
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("FSM_PD_REQUIRE", "FSM_PD_ALLOW", "PYTEST_"))}
     environ |= {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", **env}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "pytest_timeout", "-p", "no:cacheprovider"],
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "pytest_timeout", "-p", "xdist.plugin",
+                           "-p", "no:cacheprovider", *args],
                           cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=120)
     return done.returncode, done.stdout + done.stderr
 
@@ -87,3 +89,56 @@ def test_where_real_parts_are_required_a_skip_fails_the_session_unless_allowed(t
     status, out = run_suite(tmp_path, REAL_PARTS, FSM_PD_REQUIRE_REAL_PARTS="1", FSM_PD_ALLOW_MISSING="gone, netlike")
     assert status == 0, out
     assert "real parts: gone skipped 1 (allowed), here ran 1, netlike skipped 1 (allowed)\n" in out
+
+
+def test_on_xdist_workers_real_parts_are_counted_and_a_skip_still_fails_the_session(tmp_path):
+    """With -n 2 (the README's command) the tests run on workers and the session that counts sees only their
+    reports: the counts and the failure must be the same as in one process."""
+    status, out = run_suite(tmp_path, REAL_PARTS, "-n", "2")
+    assert status == 0, out
+    assert "1 passed, 3 skipped" in out and "bringing up nodes" in out  # xdist started its workers
+    assert "real parts: gone skipped 1, here ran 1, netlike skipped 1\n" in out
+
+    status, out = run_suite(tmp_path, REAL_PARTS, "-n", "2", FSM_PD_REQUIRE_REAL_PARTS="1")
+    assert status == 1, out
+    assert "real parts: gone skipped 1, here ran 1, netlike skipped 1\n" in out
+    assert "real part gone skipped but FSM_PD_REQUIRE_REAL_PARTS=1 and FSM_PD_ALLOW_MISSING does not name it" in out
+    assert "real part netlike skipped but" in out and "cannot build namespaces here" in out
+
+    status, out = run_suite(tmp_path, REAL_PARTS, "-n", "2", FSM_PD_REQUIRE_REAL_PARTS="1",
+                            FSM_PD_ALLOW_MISSING="gone, netlike")
+    assert status == 0, out
+    assert "real parts: gone skipped 1 (allowed), here ran 1, netlike skipped 1 (allowed)\n" in out
+
+
+def test_on_xdist_workers_each_module_runs_on_one_worker(tmp_path):
+    """tests/conftest.py groups every test by its module, so under -n 2 a module-scoped fixture is built once and a
+    module's tests run on one worker (xdist's plain load scheduling would split them)."""
+    record = tmp_path / "record.txt"
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_second.py").write_text(MODULE_FIXTURE)
+    status, out = run_suite(tmp_path, MODULE_FIXTURE, "-n", "2", RECORD=str(record))
+    assert status == 0 and "16 passed" in out, out
+    lines = [line.split() for line in record.read_text().splitlines()]
+    builds = [(module, worker) for what, module, worker in lines if what == "built"]
+    assert sorted(module for module, _ in builds) == ["test_second", "test_throwaway"], lines
+    for module, worker in builds:
+        assert {w for what, m, w in lines if what == "ran" and m == module} == {worker}, lines
+
+
+MODULE_FIXTURE = '''
+import os
+import pytest
+
+def record(what, module):
+    with open(os.environ["RECORD"], "a") as f:
+        f.write(f"{what} {module} {os.environ['PYTEST_XDIST_WORKER']}\\n")
+
+@pytest.fixture(scope="module")
+def built_once(request):
+    record("built", request.module.__name__)
+
+@pytest.mark.parametrize("n", range(8))
+def test_uses_the_module_fixture(built_once, request, n):
+    record("ran", request.module.__name__)
+'''
