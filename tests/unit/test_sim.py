@@ -7,6 +7,8 @@ import sqlite3
 import subprocess
 import sys
 
+import pytest
+
 from fsm_pd.report import to_json
 from fsm_pd.sim import SimConfig, World, simulate
 from fsm_pd.sim.invariants import page_accounting
@@ -343,3 +345,40 @@ def test_a_seed_range_holds_every_invariant_at_fault_rate_0_2(capsys):
 
     assert main(["--seeds", "1-5", "--fault-rate", "0.2"]) == 0, capsys.readouterr().out
     assert "5 of 5 seeds held every invariant" in capsys.readouterr().out
+
+
+DEADLINE_SCENARIOS = {
+    # (role, state): what keeps the room there until its deadline
+    ("decode", "Bootstrapping"): {"num_pages": 8},  # the prompt never fits the pool: no pages, no PREPARE
+    ("prefill", "Bootstrapping"): {"num_pages": 8},
+    ("decode", "WaitingForInput"): {"prefill_model_delay": 6.0},  # P's model thread too slow to prefill
+    ("prefill", "WaitingForInput"): {"prefill_model_delay": 6.0, "decode": {"waiting": 10.0}},
+    ("decode", "Transferring"): {"slow_pulls_s": 7.0, "prefill": {"pull_hold": 10.0}},  # the pull reports too late
+    ("prefill", "Transferring"): {"slow_pulls_s": 7.0, "decode": {"transfer": 10.0}},  # no PULLED in time
+}
+
+
+@pytest.mark.parametrize(("role", "state"), sorted(DEADLINE_SCENARIOS))
+def test_every_state_ends_at_its_deadline_within_the_slack(tmp_path, role, state):
+    """Each non-terminal state of each role, held until its deadline: the room ends there by that state's timeout,
+    and the per-state check (``overdue_states``, at every settle point) never saw it overstay (a timer that is not
+    armed fails it: docs/simulation.md)."""
+    from fsm_pd.sim.invariants import overdue_states
+
+    setup = DEADLINE_SCENARIOS[(role, state)]
+    base = SimConfig()
+    config = SimConfig(requests=0, seed=4, num_pages=setup.get("num_pages", 64), chunked=0.0,
+                       prefill_deadlines={**base.prefill_deadlines, **setup.get("prefill", {})},
+                       decode_deadlines={**base.decode_deadlines, **setup.get("decode", {})})
+    world = World(config, tmp_path, durability="off")
+    if "prefill_model_delay" in setup:
+        world.prefill.instance.model.delay = lambda: setup["prefill_model_delay"]
+    world.plan.slow_pulls_s = setup.get("slow_pulls_s", 0.0)
+    late: list[str] = []
+    world.probes.append(lambda: late.extend(overdue_states(world)))
+    world.add_request(1, 200, at=0.001)
+    world.run(until=20.0)  # past every deadline of either side
+    world.close()
+    assert late[:1] == []
+    rows = read_journal(tmp_path / f"{role}.db")
+    assert [(r.src, r.trigger) for r in rows if r.dst == "Failed" != r.src] == [(state, "timeout")]
