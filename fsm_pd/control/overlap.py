@@ -74,10 +74,11 @@ class StreamedScatter(LayerStream):
 
     def write(self, owner: ModelThread, layer: int, staged: jax.Array) -> None:
         owner.pool = scatter_layers(owner.pool, layer, staged, self.pages)
-        if self.checksum:  # while later layers are still on the wire: the pages of these layers as now written
+        # while later layers are still on the wire: the pages of these layers as now written; once another job has
+        # run between our writes these sums cannot be used (checksums), so they are no longer taken
+        if self.checksum and self._job(owner):
             (sums,) = pool_checksums(owner.pool[layer : layer + self.group], self.pages, self.parts) or ([None],)
             self.sums[layer : layer + self.group] = sums if len(sums) == self.group else [None] * self.group
-            self._job(owner)
 
     def _job(self, owner: ModelThread) -> bool:
         """Note this job; whether it came right after our previous one (no other job, so no other write, between)."""
