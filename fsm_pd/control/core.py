@@ -71,7 +71,8 @@ class NodeCore:
             self.submit(msg.room, "metadata_received", {
                 "peer": msg.sender, "reply_to": msg.reply_to, "peer_layout": msg.layout,
                 "peer_page_count": msg.page_count, "peer_cached_pages": msg.cached_pages,
-                "transfer_id": msg.transfer_id, "peer_instance": msg.instance})
+                "transfer_id": msg.transfer_id, "peer_instance": msg.instance,
+                **({} if msg.kv_checksum else {"peer_kv_checksum": False})})
         elif isinstance(msg, Pulled) and self.role == "prefill":
             self.submit(msg.room, "pull_done", {"peer": msg.sender})
         elif isinstance(msg, Ready) and self.role == "decode":

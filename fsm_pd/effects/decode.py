@@ -130,7 +130,8 @@ class DecodeEffects:
         if effect.kind == "PREPARE":
             msg = channel.stamp(Prepare, room=room.room, transfer_id=room.room, reply_to=channel.address,
                                 layout=self.layout, page_count=len(ctx["pages"]),
-                                prompt_len=int(ctx.get("prompt_len", 0)), cached_pages=int(ctx.get("cached_pages", 0)))
+                                prompt_len=int(ctx.get("prompt_len", 0)), cached_pages=int(ctx.get("cached_pages", 0)),
+                                kv_checksum=self.kv_checksum)
         elif effect.kind == "PULLED":
             msg = channel.stamp(Pulled, room=room.room, transfer_id=room.room)
         elif effect.kind == "ABORT":

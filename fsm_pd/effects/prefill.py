@@ -82,7 +82,8 @@ class PrefillEffects:
         plan = plan_between(self.layout, room.ctx["peer_layout"])
         # one piece on a progressive backend: the checksum follows the data as one more entry, so that it can be
         # computed while the data streams (checksum_later) instead of before READY
-        entry = self.kv_checksum and plan.unsharded and self.transfer.progressive
+        check = self.checks(room.ctx)
+        entry = check and plan.unsharded and self.transfer.progressive
         self.staging[room_id] = (uuid, len(plan.pieces) + int(entry))
         announce = {"checksum_entry": 1} if entry else {}
 
@@ -94,7 +95,7 @@ class PrefillEffects:
             # the KV is final now and nothing has read it yet: what D must find in its pages, whatever the send
             # reads later (a page freed and reused mid-send) or the wire does to it. Computed here, or (sending as
             # it gathers) by checksum_later under a lease turn this job reserves: either way before any other job
-            sums = self.kv.sent_checksum(owner, pages, plan) if self.kv_checksum and not progressive else None
+            sums = self.kv.sent_checksum(owner, pages, plan) if check and not progressive else None
             if progressive:
                 self.faults.check("publish")
                 self.kv.publish_while_gathering(owner, self.transfer, uuid, pages, hold_s,
@@ -131,6 +132,10 @@ class PrefillEffects:
 
         self.model.submit(gather).add_done_callback(failed)
 
+    def checks(self, ctx: dict) -> bool:
+        """Whether this room's KV is checksummed: our --kv-checksum, and the decode node's (PREPARE says it)."""
+        return self.kv_checksum and ctx.get("peer_kv_checksum", True)
+
     def _publish_sums(self, node: Node, room_id: int, uuid: int, hold_s: float, sums: list | None) -> None:
         """A whole handoff's checksum as the entry after its one piece (``piece_uuid(uuid, 1)``), in a trailer's
         words; from the model thread or checksum_later's thread."""
@@ -148,7 +153,7 @@ class PrefillEffects:
         """Publish the pieces of a chunked handoff that are final now (and the trailer after the last chunk); the
         first call also announces the transfer (``published``: READY)."""
         ctx, room_id = room.ctx, room.room
-        layers = int(self.layout["num_layers"]) if self.kv_checksum else 0  # checksums in the trailer
+        layers = int(self.layout["num_layers"]) if self.checks(ctx) else 0  # checksums in the trailer
         plan = ChunkPlan.of(pages, int(ctx["piece_pages"]), skipped=int(ctx.get("peer_cached_pages", 0)),
                             checksum_layers=layers)
         last, hold_s = bool(ctx.get("last")), float(ctx["deadlines"]["pull_hold"])

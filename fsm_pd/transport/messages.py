@@ -175,6 +175,8 @@ class Prepare(_Message):
     prompt_len: int
     # D's own prefix cache already holds the first ``cached_pages`` of the prompt's pages: send the rest
     cached_pages: int = 0
+    # D verifies the KV checksum (its --kv-checksum): when False, P computes none
+    kv_checksum: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -37,6 +37,9 @@ def test_a_byte_flipped_on_the_wire(cluster, check):
         assert d("digest", room=1)["digest"] != p("digest", room=1, pages=PAGES)["digest"]  # went through
     p.stop(), d.stop()
     result = assert_replay_consistent(p.journal, d.journal)
+    published = next(r for r in read_journal(p.journal) if r.room == 1 and r.trigger == "published").event
+    # P sums only for a decode node that checks (PREPARE says so); over tcp the values follow the data as an entry
+    assert published.get("checksum_entry") == (1 if check == "on" else None) and "kv_checksum" not in published
     if check == "on":
         assert all(CHECKSUM_EXPLAINED in r.why for r in result.rooms if r.room == 1)
 

@@ -10,7 +10,7 @@ the lease), three ways the KV can go wrong between P's prefill and D's first dec
   send from the pool is under way.
 
 With the check on (both sides) the room fails with ``kv checksum mismatch``, D recomputes the prompt, and the tokens
-served are the undisturbed run's. With it off on D (P still sends its checksum, which D then ignores) the same
+served are the undisturbed run's. With it off on D (its PREPARE says so, and P then sums nothing) the same
 corruption goes through unnoticed: the request is served from KV that is not what P computed. The test sees that with
 its own look at both pools (``Look``), independent of the handlers' decision.
 """
