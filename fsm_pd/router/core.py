@@ -1,9 +1,9 @@
-"""The built-in router's request path: an attempt (one prefill leg and one decode leg on a pair the fleet picked,
-with a new bootstrap room and the client's rid), retries of a failed attempt before the answer starts (on another
-pair, within the request's tries and the router's retry budget), and the migration of a stream whose decode broke
-off (``migrate.py``). ``app.py`` builds the app and reads the flags; ``fleet.py`` holds the health checks,
-breakers, selection and budget; ``legs.py`` the two legs of an attempt; ``merge.py`` what is added to and merged from
-the workers' bodies.
+"""The built-in router's request path: attempts until one starts its answer (each on a pair the fleet picked, or
+on one node when the policy sends the request local: ``attempts.py``), retries of a failed attempt before the answer
+starts (on another pair, within the request's tries and the router's retry budget), and the migration of a stream
+whose decode broke off (``migrate.py``). ``app.py`` builds the app and reads the flags; ``fleet.py`` holds the health
+checks, breakers, selection and budget; ``policy.py`` which path a request takes; ``legs.py`` the legs of an
+attempt; ``merge.py`` what is added to and merged from the workers' bodies.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import contextlib
 import json
 import logging
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -25,22 +25,20 @@ from fsm_pd.api.requests import new_rid
 from fsm_pd.api.runner import wait_disconnect
 from fsm_pd.api.streaming import PROGRESS_HEADER
 from fsm_pd.api.tasks import cancel_and_wait
+from fsm_pd.router.attempts import Attempts, Failure, Started, error_message, needs_prefill_body
 from fsm_pd.router.cache_aware import CacheAwareSettings, routing_key
 from fsm_pd.router.fleet import BreakerSettings, Fleet, HealthChecker, RetryBudget, Worker
 from fsm_pd.router.legs import (
     DEFAULT_DEADLINES,
     DONE,
-    Leg,
     RouterDeadlines,
     StreamIdle,
     WorkerLost,
-    both_answered,
     idle_message,
-    leg_deadline_error,
     relay,
     until,
 )
-from fsm_pd.router.merge import merge_json, merge_sse, new_room, prefill_input_logprobs, with_bootstrap
+from fsm_pd.router.merge import merge_json, merge_sse, prefill_input_logprobs
 from fsm_pd.router.metrics import RouterMetrics
 from fsm_pd.router.migrate import Progress, can_migrate, node_failure
 from fsm_pd.router.policy import PolicySettings, PrefillIdleWatch, Route, RouteInput, decide, prompt_tokens
@@ -50,7 +48,6 @@ log = logging.getLogger(__name__)
 
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 PROBE_TIMEOUT_S = 45.0  # health and info probes; longer than a worker's own /health_generate limit (30 s)
-ABORT_TIMEOUT_S = 2.0  # a retry first aborts the failed attempt's open legs on the workers it reuses
 RETRY_POLICIES = ("retry", "fail")
 
 
@@ -72,50 +69,8 @@ class RetrySettings:
 DEFAULT_RETRY, DEFAULT_BREAKER = RetrySettings(), BreakerSettings()
 
 
-@dataclass
-class Failure:
-    """An attempt that ended before its answer reached the client."""
-
-    response: Response  # what the client gets if this is the end
-    retryable: bool
-    worker: Worker | None  # the worker to blame (its breaker counts it), if any
-    reason: str  # a metric label: "{side}_unreachable", "{side}_{status}", "request_timeout"
-    decode_after_prefill: bool = False  # the prefill had finished: re-running it is a migration
-    # closes the attempt's legs; those still open on the workers the next attempt uses are aborted there first
-    retire: Callable[[set[str]], Awaitable[None]] | None = None
-
-
-@dataclass
-class Started:
-    """An attempt whose decode answered: its leg, and ``close`` to call once its answer is relayed."""
-
-    prefill: Leg | None  # None: the decode node prefilled the request itself (the policy's local path)
-    decode: Leg
-    worker: Worker
-    close: Callable[[], Awaitable[None]]
-
-
 def _unreachable(side: str, url: str, err: Exception) -> Response:
     return error_response(502, f"{side} worker {url} failed: {type(err).__name__}: {err}", code=f"{side}_unreachable")
-
-
-def _needs_prefill_body(path: str, body: dict) -> bool:
-    """The client's answer merges the prefill's prompt logprobs (``merge.prefill_input_logprobs``)."""
-    return path == "/generate" and bool(body.get("return_logprob"))
-
-
-def _code(response: Response) -> str | None:
-    try:
-        return json.loads(response.body)["error"]["code"]
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return None
-
-
-def _message(response: Response) -> str:
-    try:
-        return json.loads(response.body)["error"]["message"]
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return f"status {response.status_code}"
 
 
 class PDRouter:
@@ -147,7 +102,8 @@ class PDRouter:
         auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.health = HealthChecker(self.fleet, health_interval_s, health_timeout_s, auth)
         self._health_task: asyncio.Task | None = None
-        self._finishing: set[asyncio.Task] = set()  # prefill answers awaited beside their decode's relay
+        self.attempts = Attempts(lambda: self.client, self.fleet, self.metrics, self.running, deadlines, api_key,
+                                 request_timeout_s)
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -158,7 +114,7 @@ class PDRouter:
     async def aclose(self) -> None:
         """Stop what runs beside the requests: the health checks and the prefill answers still awaited, then close
         the client (the router app's shutdown calls this)."""
-        tasks = [t for t in (self._health_task, *self._finishing) if t is not None and not t.done()]
+        tasks = [t for t in (self._health_task, *self.attempts.finishing) if t is not None and not t.done()]
         await cancel_and_wait(*tasks, what="the router's background tasks")
         if self._client is not None:
             await self._client.aclose()
@@ -207,7 +163,7 @@ class PDRouter:
         started = await self._until_started(path, body, headers, deadline, tries)
         if isinstance(started, Response):
             return started
-        merge = _needs_prefill_body(path, body)
+        merge = needs_prefill_body(path, body)
         # (no prefill body: the decode recomputed and the prefill leg was not waited for; its prompt logprobs are lost)
         p_logprobs = (prefill_input_logprobs(started.prefill.body)
                       if merge and started.prefill is not None and started.prefill.body else None)
@@ -251,12 +207,12 @@ class PDRouter:
             self.metrics.routed.labels(route.path).inc()
             if route.path == "local":
                 on_prefill = route.where == "prefill"  # a prefill node that serves both roles takes it whole
-                outcome = await self._attempt_local(path, body, prefill if on_prefill else decode, headers, deadline,
+                outcome = await self.attempts.local(path, body, prefill if on_prefill else decode, headers, deadline,
                                                     route)
                 if on_prefill:
                     self.idle_watch.served(entry)
             else:
-                outcome = await self._attempt(path, body, prefill, decode, headers, deadline, route,
+                outcome = await self.attempts.pd(path, body, prefill, decode, headers, deadline, route,
                                               served=lambda e=entry: self.idle_watch.served(e))
             if isinstance(outcome, Started):
                 self.idle_watch.started(entry)
@@ -271,7 +227,7 @@ class PDRouter:
 
     def _may_retry(self, failure: Failure, tries: Tries, migration: bool = False) -> Response | None:
         """None when ``failure`` is to be tried again (counted); else the client's answer."""
-        tries.last = _message(failure.response)
+        tries.last = error_message(failure.response)
         tries.first = tries.first or tries.last
         if not failure.retryable or self.retry.policy == "fail":
             return failure.response
@@ -296,206 +252,6 @@ class PDRouter:
         return decide(self.pd_policy, RouteInput(
             tokens, exact, prefill_outstanding=prefill.outstanding if prefill is not None else 0,
             decode_outstanding=decode.outstanding if decode is not None else 0, prefill_available=prefill is not None))
-
-    async def _attempt_local(self, path: str, body: dict, decode: Worker, headers: dict, deadline: float,
-                             route: Route) -> Started | Failure:
-        """One leg: the node (a decode node, or a prefill node that serves both roles) prefills the prompt itself
-        and decodes it (``fsm_pd_route`` local, a room and no bootstrap host: only this router sends it, so an
-        SGLang worker never gets one)."""
-        rid, room = body["rid"], new_room()  # the room: the attempt's identity (and seed) on the node
-        release = self.running.add(rid, (decode.url, decode.url)) if isinstance(rid, str) else lambda: None
-        sent = {k: v for k, v in body.items() if k not in ("bootstrap_host", "bootstrap_port")}
-        sent.update(bootstrap_room=room, fsm_pd_route=route.wire())
-        decode.outstanding += 1
-        leg = Leg(decode.role, decode.url, self.client, decode.url + path, sent, headers, whole=False,
-                  timeout_s=self.deadlines.decode_s, deadline_name="decode_leg")
-        closed = False
-
-        async def close() -> None:
-            nonlocal closed
-            if not closed:
-                closed = True
-                decode.outstanding -= 1
-                release()
-                await leg.close()
-
-        try:
-            failed = await _answered(leg, deadline, self.request_timeout_s, decode.lost, bool(body.get("stream")))
-        except BaseException:
-            await close()
-            raise
-        if failed is None:
-            if leg.body is not None:
-                self.fleet.request_succeeded(decode)
-            return Started(None, leg, decode, close)
-        failure = self._classify(failed[0], failed[1], decode, decode, None)
-
-        async def retire(reused: set[str]) -> None:
-            try:
-                await self._wind_down(rid, room, (leg,) if decode.url in reused else ())
-            finally:
-                await close()
-
-        failure.retire = retire
-        return failure
-
-    async def _attempt(self, path: str, body: dict, prefill: Worker, decode: Worker, headers: dict,
-                       deadline: float, route: Route | None = None,
-                       served: Callable[[], None] = lambda: None) -> Started | Failure:
-        rid, room = body["rid"], new_room()  # the attempt's identity on both nodes: the client's rid, a new room
-        pair = (prefill.url, decode.url)
-        release = self.running.add(rid, pair) if isinstance(rid, str) else lambda: None
-        sent = with_bootstrap(body, prefill.url, prefill.bootstrap_port, room)
-        if route is not None:  # the decode node journals why this request went through a prefill node
-            sent["fsm_pd_route"] = route.wire()
-        prefill.outstanding += 1
-        decode.outstanding += 1
-        p_leg = Leg("prefill", prefill.url, self.client, prefill.url + path, sent, headers, whole=True,
-                    timeout_s=self.deadlines.prefill_s)
-        d_leg = Leg("decode", decode.url, self.client, decode.url + path, sent, headers, whole=False,
-                    timeout_s=self.deadlines.decode_s)
-        closed = False
-
-        async def close() -> None:
-            nonlocal closed
-            if not closed:
-                closed = True
-                decode.outstanding -= 1
-                release()
-                await d_leg.close()
-
-        async def close_both() -> None:
-            try:
-                await p_leg.close()
-            finally:  # also when the caller is cancelled while the first one closes
-                await close()
-
-        try:
-            failed = await both_answered(p_leg, d_leg, deadline, self.request_timeout_s, (prefill.lost, decode.lost),
-                                         prefill_body=_needs_prefill_body(path, body), stream=bool(body.get("stream")))
-        except BaseException:
-            prefill.outstanding -= 1
-            await close_both()
-            raise
-        if failed is None and not p_leg.task.done() and not d_leg.recomputed:
-            # the decode's stream started, so its KV arrived: the prefill's answer comes beside the relay. It is
-            # not cut short when the stream ends first (its room may still be finishing the handoff; a
-            # disconnect would abort it there), only at the request's deadline.
-            finishing = asyncio.ensure_future(self._prefill_answered(prefill, p_leg, deadline, served))
-            self._finishing.add(finishing)
-            finishing.add_done_callback(self._finishing.discard)
-            return Started(p_leg, d_leg, decode, close)
-        prefill.outstanding -= 1
-        if failed is None:
-            if p_leg.task.done():  # else the decode recomputed without it (legs.both_answered)
-                self.fleet.request_succeeded(prefill)
-                served()
-            try:
-                await p_leg.close()
-            except BaseException:  # cancelled while the prefill's call ended: nobody will close the decode leg
-                await close()
-                raise
-            if d_leg.body is not None:
-                self.fleet.request_succeeded(decode)
-            return Started(p_leg, d_leg, decode, close)
-        leg, response = failed
-        failure = self._classify(leg, response, prefill, decode, p_leg)
-
-        async def retire(reused: set[str]) -> None:
-            try:
-                await self._wind_down(rid, room, tuple(leg for leg in (p_leg, d_leg) if leg.worker_url in reused))
-            finally:
-                await close_both()
-
-        failure.retire = retire
-        return failure
-
-    async def _prefill_answered(self, prefill: Worker, leg: Leg, deadline: float,
-                                served: Callable[[], None] = lambda: None) -> None:
-        """A prefill answer still to come after its decode's stream started: the attempt has its KV either way, so
-        the answer only counts for the prefill worker's load and breaker."""
-        due = min(deadline, leg.deadline)
-        try:
-            await asyncio.wait({leg.task}, timeout=max(0.0, due - asyncio.get_running_loop().time()))
-        finally:
-            prefill.outstanding -= 1
-            passed = not leg.task.done()
-            await leg.close()  # cancels it if the deadline passed first
-        if passed:
-            which = "request" if due >= deadline else "prefill_leg"
-            self.metrics.deadline_expired(which)
-            log.warning("the prefill worker %s did not answer within the %s deadline after its decode had the KV",
-                        prefill.url, which)
-        if leg.task.cancelled():
-            return
-        if (err := leg.task.exception()) is not None and not isinstance(err, httpx.HTTPError):
-            log.error("the prefill call to %s raised: %r", prefill.url, err)
-            return
-        failed = leg.failure()
-        if failed is None:
-            self.fleet.request_succeeded(prefill)
-            served()
-        elif leg.unreachable() or failed.status_code >= 500:
-            log.warning("prefill worker %s failed after its decode had the KV: %s", prefill.url, _message(failed))
-            self.fleet.request_failed(prefill, _message(failed))
-
-    def _classify(self, leg: Leg | None, response: Response, prefill: Worker, decode: Worker,
-                  p_leg: Leg | None) -> Failure:
-        if leg is None:  # the request's own deadline: nothing left to retry with
-            self.metrics.deadline_expired("request")
-            return Failure(response, False, None, "request_timeout")
-        worker = prefill if leg.side == "prefill" else decode
-        after = (leg.side == "decode" and p_leg is not None and p_leg.task.done() and not p_leg.task.cancelled()
-                 and p_leg.failure() is None)
-        if leg.lost:  # ejected by its health checks already
-            return Failure(response, True, worker, f"{leg.side}_lost", after)
-        if leg.timed_out:  # its own deadline: the worker holds the request and says nothing; another pair may not
-            self.metrics.deadline_expired(leg.deadline_name)
-            self.fleet.request_failed(worker, _message(response))
-            return Failure(response, True, worker, f"{leg.side}_timeout", after)
-        if leg.unreachable():
-            reason = f"{leg.side}_unreachable"
-            self.fleet.request_failed(worker, _message(response))
-            return Failure(response, True, worker, reason, after)
-        status = response.status_code
-        if status == 409:  # a room this node had before: a new room is the cure, the node is fine
-            return Failure(response, True, None, f"{leg.side}_409", after)
-        if status >= 500:
-            if _code(response) == "starting":  # a restarted node, not yet ready: out until its /health says 200
-                self.fleet.health_checked(worker, False, _message(response), starting=True)
-            else:
-                self.fleet.request_failed(worker, _message(response))
-            return Failure(response, True, worker, f"{leg.side}_{status}", after)
-        return Failure(response, False, None, f"{leg.side}_{status}")
-
-    async def _wind_down(self, rid, room: int, legs: tuple[Leg, ...]) -> None:
-        """Before a retry on a worker the failed attempt used: abort that attempt there, by its rid and room, where
-        its leg is still open. The abort can only reach this attempt (the retry has the same rid and a new room), so
-        nothing it or the leg's closing does later can touch the retry. It frees the attempt at once, and it also
-        holds when it reaches the worker before the attempt's own request does (its partner failed at once: a
-        draining prefill's 503): the worker remembers the room and refuses that request when it comes."""
-        open_legs = [leg for leg in legs if not (leg.task.done() and (leg.task.cancelled() or leg.task.exception()
-                                                                     or leg.body is not None))]
-        if not open_legs or not isinstance(rid, str):
-            return
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
-
-        async def abort(leg: Leg) -> None:
-            try:
-                async with asyncio.timeout(ABORT_TIMEOUT_S):
-                    resp = await self.client.post(leg.worker_url + "/abort_request", json={"rid": rid, "room": room},
-                                                  headers=headers)
-            except (httpx.HTTPError, TimeoutError) as err:
-                problem = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
-            else:
-                if resp.status_code == 200:
-                    return
-                problem = f"it answered {resp.status_code}: {resp.text.strip()[:200]}"
-            # the leg is closed all the same: the worker then sees a disconnect and aborts the attempt itself
-            log.warning("could not abort request %s (room %d) on the %s worker %s before its retry: %s", rid, room,
-                        leg.side, leg.worker_url, problem)
-
-        await asyncio.gather(*(abort(leg) for leg in open_legs))
 
     async def _migrating(self, path: str, body: dict, headers: dict, deadline: float, tries: Tries,
                          started: Started) -> AsyncIterator[bytes]:
@@ -538,12 +294,12 @@ class PDRouter:
                                   "decode_stream_broken")
                 refused = self._may_retry(failure, tries, migration=True)
                 if refused is not None:
-                    log.warning("stream of %s not migrated: %s", body.get("rid"), _message(refused))
-                    yield _error_event(refused.status_code, _message(refused))
+                    log.warning("stream of %s not migrated: %s", body.get("rid"), error_message(refused))
+                    yield _error_event(refused.status_code, error_message(refused))
                     return
                 again = await self._until_started(path, progress.continued(body), headers, deadline, tries)
                 if isinstance(again, Response):
-                    yield _error_event(again.status_code, _message(again))
+                    yield _error_event(again.status_code, error_message(again))
                     return
                 started = again
                 if started.decode.body is not None:  # answered whole (an error the node sent as JSON)
@@ -580,32 +336,6 @@ class PDRouter:
         healthy = all(isinstance(r, int) and r < 300 for r in results)
         return JSONResponse({"healthy": healthy, "workers": dict(zip(urls, results, strict=True))},
                             status_code=200 if healthy else 503)
-
-
-async def _answered(leg: Leg, deadline: float, timeout_s: float, lost: asyncio.Event,
-                    stream: bool = False) -> tuple[Leg | None, Response] | None:
-    """A lone decode leg's ``both_answered``: None once its answer started (or was read whole), else the failed leg
-    (None: the request's deadline passed; ``timed_out``: the leg's own) and the client's error answer."""
-    watcher = asyncio.ensure_future(lost.wait())
-    due = min(deadline, leg.deadline)
-    try:
-        done, _ = await asyncio.wait({leg.task, watcher}, return_when=asyncio.FIRST_COMPLETED,
-                                     timeout=max(0.0, due - asyncio.get_running_loop().time()))
-    finally:
-        watcher.cancel()
-    if not done and due < deadline:
-        leg.timed_out = True
-        return leg, leg_deadline_error(leg, stream)
-    if not done:
-        return None, error_response(504, f"no answer from the {leg.side} worker {leg.worker_url} within the request "
-                                         f"deadline of {timeout_s:g} s (--request-timeout-secs)",
-                                    code="request_timeout")
-    if leg.task not in done:
-        leg.lost = True
-        return leg, error_response(502, f"{leg.side} worker {leg.worker_url} failed its health checks before it "
-                                        "answered (dead, stopped or hung)", code=f"{leg.side}_lost")
-    failed = leg.failure()
-    return None if failed is None else (leg, failed)
 
 
 @dataclass

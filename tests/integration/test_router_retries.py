@@ -305,7 +305,7 @@ def test_the_abort_of_a_failed_attempt_that_comes_first_refuses_its_late_leg_and
 
 @pytest.mark.parametrize("abort_status", [500, 404])
 def test_a_failed_wind_down_abort_is_logged_and_the_retry_still_runs(caplog, abort_status):
-    caplog.set_level(logging.WARNING, logger="fsm_pd.router.core")
+    caplog.set_level(logging.WARNING, logger="fsm_pd.router.attempts")
     decode = StubEngine(role="decode")
     stack, url, good = draining_then_late_decode(decode, abort_status=abort_status)
     with stack:
@@ -314,7 +314,7 @@ def test_a_failed_wind_down_abort_is_logged_and_the_retry_still_runs(caplog, abo
         assert r.status_code == 200 and r.json()["text"] == " he", r.text
         # the late leg, not aborted, was closed: its node aborts it when it notices, and the retry is not touched
         assert until(lambda: decode.live == [])
-    warnings = [rec.getMessage() for rec in caplog.records if rec.name == "fsm_pd.router.core"]
+    warnings = [rec.getMessage() for rec in caplog.records if rec.name == "fsm_pd.router.attempts"]
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith("could not abort request client-2 (room ") and \
         "on the decode worker http://127.0.0.1:" in warnings[0] and f"it answered {abort_status}" in warnings[0]
