@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from fsm_pd.control.overlap import StreamedScatter, publish_while_gathering
 from fsm_pd.effects.chunked import Trailer
 from fsm_pd.kernels import KVLayout, gather_pages, page_bucket, resolve_impl, scatter_pages
-from fsm_pd.kernels.kv_checksum import pool_checksums
+from fsm_pd.kernels.kv_checksum import SendSums, layer_shards, pool_checksums
 from fsm_pd.kernels.page_source import PoolPages
 from fsm_pd.kernels.placement import pool_placement
 from fsm_pd.transport.reshard import Piece, ReshardPlan
@@ -40,6 +40,7 @@ class JaxKV:
         a decode node verifies the KV checksum, so a streamed write takes it as each group lands."""
         self.layout, self.model, self.sharding = layout, model, sharding
         self.progressive, self.checksum = progressive, checksum
+        self._sending: tuple[list[int], PoolPages] | None = None  # the pages this job publishes from the pool
         self._stream_layers: bool | None = None  # decided at the first pull: a prefill node never asks
 
     # --- prefill ---
@@ -64,6 +65,7 @@ class JaxKV:
         into a staging block that is streamed as it fills."""
         if getattr(transfer, "sends_pages", False) and getattr(owner, "lease", None) is not None:
             source = PoolPages(owner, pages, self.layout)
+            self._sending = (pages, source)  # for checksum_later, in this job: the send takes the sums
             transfer.publish_pages(uuid, source, hold_timeout_s)
             on_published(source.shape[1])
             return
@@ -80,12 +82,23 @@ class JaxKV:
 
     def checksum_later(self, owner: Any, pages: list[int], plan: ReshardPlan,
                        done: Callable[[list[list[int]] | None], None]) -> None:
-        """In the job that published ``pages``: their checksum as this job leaves them, read on a helper thread
-        under a lease turn reserved now (the next job waits for it, so nothing can change the pages first), while
-        the send streams them; ``done(sums)`` from that thread."""
+        """In the job that published ``pages``: their checksum as this job leaves them, taken while the send streams
+        them, before any other job can change them. Sent straight from the pool (one piece of all slots): by the
+        send itself as it reads the pages, and by the next job's start for what it has not reached
+        (``kv_checksum.SendSums``); else on a helper thread under a lease turn reserved now (the next job waits for
+        it). ``done(sums)`` from the send's thread, the model thread or the helper."""
         lease = getattr(owner, "lease", None)
         if lease is None:
             done(self.sent_checksum(owner, pages, plan))
+            return
+        sending, self._sending = self._sending, None
+        piece = plan.pieces[0]
+        if (sending is not None and sending[0] is pages and len(plan.pieces) == 1 and piece.src_slot == 0
+                and piece.count == self.layout.slots and len(layer_shards(owner.pool[0]) or ()) == 1):
+            # sent from the pool: summed from the bytes as the send reads them, the rest by the next job's start
+            source = sending[1]
+            source.sums = SendSums(source, len(pages), done)
+            lease.before_next_job(source.sums.finish)
             return
         turn = lease.reserve()
 

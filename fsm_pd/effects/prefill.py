@@ -138,7 +138,7 @@ class PrefillEffects:
 
     def _publish_sums(self, node: Node, room_id: int, uuid: int, hold_s: float, sums: list | None) -> None:
         """A whole handoff's checksum as the entry after its one piece (``piece_uuid(uuid, 1)``), in a trailer's
-        words; from the model thread or checksum_later's thread."""
+        words; from the model thread or a thread of checksum_later's (the send's, or its helper)."""
         if self.staging.get(room_id, (None,))[0] != uuid:
             return  # the room ended: ReleaseStaging failed this entry too
         layers = int(self.layout["num_layers"])

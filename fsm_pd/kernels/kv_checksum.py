@@ -20,13 +20,18 @@ XLA copy the pool): they are taken and dropped inside ``pool_checksums``, also w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import crc32c
 import numpy as np
 
 ALGORITHM = "crc32c"
+
+log = logging.getLogger(__name__)
 
 # (shard, first slot within the shard, slot count): the slots one piece of a handoff moves
 Part = tuple[int, int, int]
@@ -74,3 +79,73 @@ def _part_crc(shard: Any, pages: Sequence[int], part: Part) -> int:
         return value
     finally:
         del host
+
+
+class SendSums:
+    """The checksum of a whole handoff sent straight from the pool (``page_source.PoolPages``), taken by the send
+    itself instead of in a pass of its own: each send sums its bytes (at most ``SUM_AHEAD_BYTES``) right before
+    ``sendmsg``, so the kernel's copy into the socket finds them in cache, and the pool is read about once, not twice.
+
+    The values are the same as ``pool_checksums``' for one part of all slots: layer by layer, each layer's rows are
+    the pages in transfer order, and the padding rows after them are left out.
+
+    Why it is the pool as the publishing job left it, and so still catches a page reused while the send runs: bytes
+    are summed only while no job has run since the publishing job (``took`` is called in the send's lease turn). At
+    the start of the next job (``PoolLease.before_next_job``), before that job can write a page, ``finish`` sums
+    what the send has not reached yet straight from the pool, a cold pass over the rest only. From
+    then on the send may read bytes that a job changed, and D's sum of what it received differs from ours."""
+
+    def __init__(self, source: Any, pages: int, done: Any) -> None:
+        self.source, self.done = source, done
+        self.layers = source.shape[0]
+        self.layer_bytes, self.data_bytes = source.layer_bytes, pages * source.page_bytes
+        self.end = (self.layers - 1) * self.layer_bytes + self.data_bytes  # the last byte summed, exclusive
+        self.values = [0] * self.layers
+        self.summed = 0  # staging offset: every byte before it is in ``values``
+        self.finished = False
+        self._lock = threading.Lock()
+
+    def took(self, start: int, stop: int) -> Callable[[], None] | None:
+        """The send is about to read staging bytes ``[start, stop)`` in its lease turn (no job has run since we
+        were made, or ``finish`` would have closed us): sum what is new. Returns the delivery to make once the turn
+        is over, when this completed the sums."""
+        with self._lock:
+            if self.finished or start > self.summed or stop <= self.summed:
+                return None  # summed already, or a gap (a second stream of the same entry): finish covers it
+            self._sum(self.summed, min(stop, self.end))
+            return self._finish_locked() if self.summed >= self.end else None
+
+    def finish(self) -> None:
+        """Sum the rest from the pool and deliver; under the lease (the start of the next job), at most once."""
+        with self._lock:
+            if self.finished:
+                return
+            try:
+                self._sum(self.summed, self.end)
+                deliver = self._finish_locked()
+            except Exception:  # noqa: BLE001 - the decode node then finds no checksum, and says so
+                log.exception("the KV checksum of a handoff sent from the pool failed")
+                self.finished = True
+                deliver = partial(self.done, None)
+        deliver()
+
+    def _finish_locked(self) -> Callable[[], None]:
+        self.finished = True
+        return partial(self.done, [list(self.values)])
+
+    def _sum(self, start: int, stop: int) -> None:
+        pos = start
+        while pos < stop:
+            layer, offset = divmod(pos, self.layer_bytes)
+            if offset >= self.data_bytes:  # padding rows: not summed
+                pos = (layer + 1) * self.layer_bytes
+                continue
+            upto = min(stop, layer * self.layer_bytes + self.data_bytes)
+            views = self.source.views(pos, upto, limit=1 << 30)
+            try:
+                for view in views:
+                    self.values[layer] = crc32c.crc32c(view, self.values[layer])
+            finally:
+                views.clear()  # no view of the pool outlives the lease
+            pos = upto
+        self.summed = max(self.summed, stop)

@@ -30,6 +30,8 @@ from fsm_pd.kernels.layout import PAD_PAGE, KVLayout
 from fsm_pd.kernels.page_buckets import page_bucket
 
 MAX_IOV = 512  # views per sendmsg (Linux refuses more than IOV_MAX = 1024)
+# With the KV checksum open, a send takes at most this much, summed just before it (a core's L2 on the dev VM is 2 MiB)
+SUM_AHEAD_BYTES = 1 << 20
 
 
 class PoolPages:
@@ -53,6 +55,7 @@ class PoolPages:
             else:
                 self._runs.append((row, page, 1))
         self._run_rows = [run[0] for run in self._runs]
+        self.sums: Any = None  # a kv_checksum.SendSums fed by the send, set in the publishing job (checksum_later)
 
     def reader(self) -> PageReader:
         """One stream's reader of these bytes."""
@@ -97,23 +100,36 @@ class PageReader:
         """Send ``head`` then staging bytes ``[start, stop)``, as much as the socket takes now; bytes sent (0 when
         it is full). ``check`` raises if the stream must not send any more (the hold ended)."""
         if self.detached is None:
-            with self.source.lease.read(self.turn):
-                check()
-                if not (self.started and self.turn.waited):
-                    self.started, self.turn.waited = True, False
-                    views = self.source.views(start, stop)
-                    try:
-                        return _send(sock, [head, *views])
-                    finally:
-                        views.clear()  # no view of the pool outlives the lease
-                self._detach(start)
+            deliver = None
+            try:
+                with self.source.lease.read(self.turn):
+                    check()
+                    if not (self.started and self.turn.waited):
+                        self.started, self.turn.waited = True, False
+                        sums = self.source.sums
+                        if sums is not None and not sums.finished:
+                            # the checksum is open: sum these bytes first, a cache's worth at a time, so that they
+                            # are still in cache when the kernel copies them into the socket
+                            stop = min(stop, start + SUM_AHEAD_BYTES)
+                            deliver = sums.took(start, stop)
+                        views = self.source.views(start, stop)
+                        try:
+                            return _send(sock, [head, *views])
+                        finally:
+                            views.clear()  # no view of the pool outlives the lease
+                    deliver = self._detach(start)
+            finally:
+                if deliver is not None:
+                    deliver()  # the checksum is complete: published outside the lease
         else:
             check()
         begin = start - self.detached_at
         return _send(sock, [head, memoryview(self.detached)[begin : begin + stop - start]])
 
-    def _detach(self, start: int) -> None:
-        """Under the lease: copy staging bytes ``[start, end)`` out of the pool, into a warm host block."""
+    def _detach(self, start: int) -> Callable[[], None] | None:
+        """Under the lease: copy staging bytes ``[start, end)`` out of the pool, into a warm host block (and sum
+        them, if the checksum is still open: it is not, a job ran since the publish, but a copy costs nothing to
+        offer). Returns the checksum's delivery if that completed it."""
         from fsm_pd.kernels.cpu_copy import warm_blocks  # jax: only a node that sends pages gets here
 
         block = warm_blocks.block(self.source.nbytes - start)
@@ -126,6 +142,7 @@ class PageReader:
         finally:
             views.clear()
         self.detached, self.detached_at = block, start
+        return None if self.source.sums is None else self.source.sums.took(start, self.source.nbytes)
 
 
 def _send(sock: socket.socket, buffers: list[memoryview]) -> int:

@@ -20,7 +20,7 @@ out of the pool in one go (``PoolPages.detach``) instead of crawling one turn pe
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 
@@ -42,6 +42,7 @@ class PoolLease:
         self._job = False  # the model thread runs a job
         self._job_waiting = False
         self._gap = 0  # how many jobs have ended: the gap readers are in
+        self._before_job: list[Callable[[], None]] = []  # to run at the start of the next job (before_next_job)
 
     def turn(self) -> LeaseTurn:
         """A new reader's place (one per stream)."""
@@ -87,6 +88,12 @@ class PoolLease:
         that no other job ran in between (the KV checksum of a streamed write relies on it: ``control/overlap.py``)."""
         return self._gap
 
+    def before_next_job(self, work: Callable[[], None]) -> None:
+        """Run ``work`` at the start of the next job, once its readers are done and before the job's body: the last
+        moment at which the pool is still as the jobs so far left it. ``work`` swallows its own errors."""
+        with self._cond:
+            self._before_job.append(work)
+
     def contended(self) -> bool:
         """A job is waiting for the pool (a reader should end its turn)."""
         return self._job_waiting
@@ -102,7 +109,10 @@ class PoolLease:
             finally:
                 self._job_waiting = False
             self._job = True
+            before, self._before_job = self._before_job, []
         try:
+            for work in before:
+                work()
             yield
         finally:
             with self._cond:

@@ -347,7 +347,7 @@ class SimKV:
 
     def checksum_later(self, owner: Any, pages: list[int], plan: Any, done: Callable[[list[list[int]]], None]) -> None:
         """As ``JaxKV.checksum_later``: the pages as the publishing job leaves them (read before any other job could
-        change them), reported at once here."""
+        change them: the real one sums as the send reads and finishes at the next job's start), reported at once."""
         done(self.sent_checksum(owner, pages, plan))
 
     def received_checksum(self, owner: Any, pages: list[int], plan: Any) -> list[list[int]]:

@@ -17,7 +17,8 @@ import pytest
 from fsm_pd.control.overlap import StreamedScatter
 from fsm_pd.effects.checksums import mismatch, read_trailer, trailer_words
 from fsm_pd.kernels import KVLayout, page_bucket
-from fsm_pd.kernels.kv_checksum import pool_checksums
+from fsm_pd.kernels.kv_checksum import SendSums, pool_checksums
+from fsm_pd.kernels.page_source import PoolPages
 from fsm_pd.model.model_thread import ModelThread
 
 
@@ -99,6 +100,43 @@ def test_a_streamed_write_checksums_each_group_as_it_writes_it(model):
     assert taken == read_now  # the sums taken while writing are the pages' sums
     taken, read_now = streamed(model, pages, staging, foreign=True)
     assert taken is None  # another job ran: the caller must read the pages again
+
+
+def test_a_send_from_the_pool_sums_what_it_sends_and_the_next_job_the_rest_before_it_writes(model):
+    """``SendSums``: the values of ``pool_checksums`` (padding rows left out), whatever slices the send takes; the
+    next job's start sums what the send had not reached, before the job changes a page (a page reused mid-send)."""
+    lay, pages = layout(), [4, 6, 1]  # 3 pages in a bucket of 4 rows: one padding row per layer
+    source = PoolPages(model, pages, lay)
+    got: list = []
+
+    def publish(owner):  # as checksum_later: in the publishing job, the rest summed at the next job's start
+        source.sums = SendSums(source, len(pages), got.append)
+        owner.lease.before_next_job(source.sums.finish)
+        return pool_checksums(owner.pool, pages, [(0, 0, lay.slots)])
+
+    def reuse(owner):  # the next job writes another request's KV into the room's first page
+        owner.pool = tuple(layer.at[pages[0]].set(7.0) for layer in owner.pool)
+
+    want = model.call(publish)
+    pos = 0
+    with model.lease.read(model.lease.turn()):  # the send's turns, uneven slices across layers and padding rows
+        for step in (100, source.layer_bytes, 3 * source.page_bytes + 5):
+            deliver = source.sums.took(pos, pos + step)
+            assert deliver is None and not got
+            pos += step
+    model.call(reuse)
+    assert got == [want]  # summed before the reuse: D, which receives the reused page, finds a mismatch
+    assert model.call(lambda owner: pool_checksums(owner.pool, pages, [(0, 0, lay.slots)])) != want
+
+    source = PoolPages(model, pages, lay)  # a send that reaches the end delivers without waiting for a job
+    want = model.call(publish)
+    with model.lease.read(model.lease.turn()):
+        deliver = source.sums.took(0, source.nbytes)
+    assert deliver is not None and len(got) == 1
+    deliver()
+    assert got[1] == want
+    model.call(lambda owner: None)  # its finish at the next job does nothing more
+    assert len(got) == 2
 
 
 TP_CHECK = """
