@@ -55,8 +55,8 @@ class LayerStream:
         """Model thread, after the last write job: until the pool holds every write."""
 
     def checksums(self, owner: Any) -> list[list[int]] | None:
-        """Model thread, in the job right after the last write: the pages' KV checksum taken as each group was
-        written, if nothing else can have written them since; None: compute it from the pages now."""
+        """Model thread, in the job right after the last write: the pages' KV checksum taken from the bytes as they
+        landed, if nothing else can have written the pages since; None: compute it from the pages now."""
         return None
 
     # --- the stream ---

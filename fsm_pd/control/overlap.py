@@ -5,9 +5,10 @@ advancing the entry after each layer. A layer of the stacked staging array is on
 layers done" is "k x layer bytes final", which is all a byte stream needs to know.
 
 D side, ``StreamedScatter``: a ``LayerStream`` (``layer_stream.py``: which groups of layers to write when, and why
-that is safe) whose writes are ``scatter_layers`` jobs on the model thread. Groups, not single layers: every write
-job pays a dispatch and a loop over the pages, so writing one layer at a time costs more than writing all at once
-(``python bench/page_copy.py``: 1.3-1.75x as long for 1-17 MB).
+that is safe) whose writes are ``scatter_layers`` jobs on the model thread. With the KV checksum on, it sums the
+bytes as they land, on the pulling thread while they are in cache (``on_progress``), instead of reading the written
+pages again. Groups, not single layers: every write job pays a dispatch and a loop over the pages, so writing one
+layer at a time costs more than writing all at once (``python bench/page_copy.py``: 1.3-1.75x as long for 1-17 MB).
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import crc32c
 import jax
 import numpy as np
 
 from fsm_pd.control.layer_stream import LayerStream
 from fsm_pd.kernels import KVLayout, gather_pages_into, page_bucket, scatter_layers, staging_block
-from fsm_pd.kernels.kv_checksum import pool_checksums
 from fsm_pd.model.model_thread import ModelThread
 from fsm_pd.transport.backends import TransferBackend
 
@@ -63,8 +64,10 @@ class StreamedScatter(LayerStream):
         super().__init__(model, pages, num_layers=layout.num_layers, layer_bytes=layer_bytes,
                          group=group or layer_group(layout))
         self.sharding = sharding
-        self.checksum, self.parts = checksum, [(0, 0, layout.slots)]
-        self.sums: list[int | None] = [None] * layout.num_layers  # per layer, as written
+        self.checksum = checksum
+        self.data_bytes = len(pages) * math.prod(layout.page_shape) * np.dtype(layout.dtype).itemsize
+        self.sums = [0] * layout.num_layers  # per layer, of the bytes landed so far (padding rows left out)
+        self.summed = 0  # staging offset: every landed byte before it is in ``sums``
         self.last_job = -1  # the lease's jobs_ended in our last write job
         self.alone = True  # no other job ran between two of our writes
 
@@ -72,13 +75,27 @@ class StreamedScatter(LayerStream):
         # Zero-copy on CPU: a 64-byte-aligned slice is aliased, not copied, and it is final from now on.
         return jax.device_put(host[layer : layer + self.group], self.sharding)
 
+    def on_progress(self, index: int, host: np.ndarray, final_bytes: int) -> None:
+        # the pulling thread, right after a frame landed in ``host``: sum it while it is in cache (the values
+        # ``pool_checksums`` gives for pages holding these bytes), then hand its layers on
+        if self.checksum and index == 0 and final_bytes > self.summed:
+            flat = host.reshape(-1).view(np.uint8)
+            pos = self.summed
+            while pos < final_bytes:
+                layer, offset = divmod(pos, self.layer_bytes)
+                upto = min(final_bytes, layer * self.layer_bytes + self.data_bytes)
+                if offset < self.data_bytes:
+                    self.sums[layer] = crc32c.crc32c(flat[pos:upto], self.sums[layer])
+                    pos = upto
+                else:  # padding rows: not summed
+                    pos = (layer + 1) * self.layer_bytes
+            self.summed = final_bytes
+        super().on_progress(index, host, final_bytes)
+
     def write(self, owner: ModelThread, layer: int, staged: jax.Array) -> None:
         owner.pool = scatter_layers(owner.pool, layer, staged, self.pages)
-        # while later layers are still on the wire: the pages of these layers as now written; once another job has
-        # run between our writes these sums cannot be used (checksums), so they are no longer taken
-        if self.checksum and self._job(owner):
-            (sums,) = pool_checksums(owner.pool[layer : layer + self.group], self.pages, self.parts) or ([None],)
-            self.sums[layer : layer + self.group] = sums if len(sums) == self.group else [None] * self.group
+        if self.checksum:
+            self._job(owner)
 
     def _job(self, owner: ModelThread) -> bool:
         """Note this job; whether it came right after our previous one (no other job, so no other write, between)."""
@@ -88,11 +105,12 @@ class StreamedScatter(LayerStream):
         return self.alone
 
     def checksums(self, owner: ModelThread) -> list[list[int]] | None:
-        """The sums taken as each group was written, valid only if every layer has one and no other job ran on the
-        model thread since the first write (the model thread is the pool's only writer): else None, and the caller
-        reads the pages again. On a node whose model thread interleaves other work (decode steps) that is the
-        common case, and the check costs one more pass over the pages."""
-        if not self.checksum or any(value is None for value in self.sums) or not self._job(owner):
+        """The sums of the bytes as they landed, which the pages hold if every byte landed and no other job ran on
+        the model thread since our first write (the model thread is the pool's only writer, and each of our jobs
+        wrote its layers from exactly those bytes): else None, and the caller reads the pages again. On a node whose
+        model thread interleaves other work (decode steps) that is the common case, and the check then costs one
+        more pass over the pages."""
+        if not self.checksum or self.summed < self.num_layers * self.layer_bytes or not self._job(owner):
             return None
         return [list(self.sums)]
 
