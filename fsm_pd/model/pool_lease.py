@@ -19,9 +19,12 @@ out of the pool in one go (``PoolPages.detach``) instead of crawling one turn pe
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+log = logging.getLogger(__name__)
 
 
 class LeaseTurn:
@@ -90,7 +93,8 @@ class PoolLease:
 
     def before_next_job(self, work: Callable[[], None]) -> None:
         """Run ``work`` at the start of the next job, once its readers are done and before the job's body: the last
-        moment at which the pool is still as the jobs so far left it. ``work`` swallows its own errors."""
+        moment at which the pool is still as the jobs so far left it (the KV checksum of a send from the pool
+        finishes there: ``kv_checksum.SendSums``). An error of ``work`` is logged, not the job's."""
         with self._cond:
             self._before_job.append(work)
 
@@ -112,7 +116,10 @@ class PoolLease:
             before, self._before_job = self._before_job, []
         try:
             for work in before:
-                work()
+                try:
+                    work()
+                except Exception:  # noqa: BLE001 - the job it precedes is not the one that failed
+                    log.exception("work before a job failed")
             yield
         finally:
             with self._cond:
