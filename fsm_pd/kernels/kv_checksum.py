@@ -83,8 +83,9 @@ def _part_crc(shard: Any, pages: Sequence[int], part: Part) -> int:
 
 class SendSums:
     """The checksum of a whole handoff sent straight from the pool (``page_source.PoolPages``), taken by the send
-    itself instead of in a pass of its own: each send sums its bytes (at most ``SUM_AHEAD_BYTES``) right before
-    ``sendmsg``, so the kernel's copy into the socket finds them in cache, and the pool is read about once, not twice.
+    itself instead of in a pass of its own: each write of the send sums its bytes (a frame at most, 4 MiB by
+    default) right before ``sendmsg``, so the kernel's copy into the socket finds them in cache, and no separate pass
+    over the pool is made.
 
     The values are the same as ``pool_checksums``' for one part of all slots: layer by layer, each layer's rows are
     the pages in transfer order, and the padding rows after them are left out.

@@ -30,8 +30,6 @@ from fsm_pd.kernels.layout import PAD_PAGE, KVLayout
 from fsm_pd.kernels.page_buckets import page_bucket
 
 MAX_IOV = 512  # views per sendmsg (Linux refuses more than IOV_MAX = 1024)
-# With the KV checksum open, a send takes at most this much, summed just before it (a core's L2 on the dev VM is 2 MiB)
-SUM_AHEAD_BYTES = 1 << 20
 
 
 class PoolPages:
@@ -108,9 +106,8 @@ class PageReader:
                         self.started, self.turn.waited = True, False
                         sums = self.source.sums
                         if sums is not None and not sums.finished:
-                            # the checksum is open: sum these bytes first, a cache's worth at a time, so that they
-                            # are still in cache when the kernel copies them into the socket
-                            stop = min(stop, start + SUM_AHEAD_BYTES)
+                            # the checksum is open: sum the bytes of this write first (a frame at most), so that the
+                            # kernel's copy into the socket finds them in cache
                             deliver = sums.took(start, stop)
                         views = self.source.views(start, stop)
                         try:
