@@ -7,7 +7,8 @@ The README's test command runs the suite on two pytest-xdist workers (``-n 2``; 
 pyproject.toml's addopts, and without ``-n`` everything runs in this one process, as when running one test). Each
 worker takes whole test modules (``pytest_collection_modifyitems`` below puts every test in its module's xdist group),
 so a module-scoped fixture (a cluster of nodes, a compiled model) is built once, and a module's tests run in their
-order, as they do serially. A test with its own ``@pytest.mark.xdist_group(name)`` keeps that group instead.
+order, as they do serially. A test with its own ``@pytest.mark.xdist_group(name)`` keeps that group instead. The
+groups that hold a ``slow`` test go first, so the run does not end on one long test while the other worker idles.
 """
 
 from __future__ import annotations
@@ -45,10 +46,26 @@ def pytest_configure(config):
     config.pluginmanager.register(RealParts(os.environ), "fsm-pd-real-parts")
 
 
+def _group(item: pytest.Item) -> str:
+    """The test's xdist group: the one it names, else its module."""
+    mark = item.get_closest_marker("xdist_group")
+    if mark is None:
+        return item.nodeid.split("::")[0]
+    return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the tests' ids
 def pytest_collection_modifyitems(config, items):
     if not hasattr(config, "workerinput"):  # not an xdist worker: nothing is distributed, the groups would not matter
         return
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+            item.add_marker(pytest.mark.xdist_group(_group(item)))
+    # xdist hands groups to idle workers in this order (--no-loadscope-reorder in addopts): the groups with a slow
+    # test first, bigger ones before smaller, so that no long test starts last while the other worker has nothing left
+    groups: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        groups.setdefault(_group(item), []).append(item)
+    slow = {name for name, members in groups.items() if any(i.get_closest_marker("slow") for i in members)}
+    order = sorted(groups, key=lambda name: (name not in slow, -len(groups[name]) if name in slow else 0))
+    items[:] = [item for name in order for item in groups[name]]

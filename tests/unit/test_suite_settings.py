@@ -142,3 +142,35 @@ def built_once(request):
 def test_uses_the_module_fixture(built_once, request, n):
     record("ran", request.module.__name__)
 '''
+
+
+def test_on_xdist_workers_the_modules_with_a_slow_test_go_first(tmp_path):
+    """tests/conftest.py hands out the modules with a ``slow`` test first (xdist's own order, biggest module first or
+    as collected, would start this one last), so the run does not end on a long test while the other worker idles."""
+    record = tmp_path / "record.txt"
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_b.py").write_text(MODULE_FIXTURE)
+    (tmp_path / "tests" / "test_z.py").write_text(SLOW_MODULE)
+    status, out = run_suite(tmp_path, MODULE_FIXTURE, "-n", "2", RECORD=str(record))
+    assert status == 0 and "18 passed" in out, out
+    lines = [line.split() for line in record.read_text().splitlines() if line.startswith("ran")]
+    (worker,) = {w for _, module, w in lines if module == "test_z"}
+    first = next(module for _, module, w in lines if w == worker)
+    assert first == "test_z", lines
+
+
+SLOW_MODULE = '''
+import os
+import pytest
+
+def record(what, module):
+    with open(os.environ["RECORD"], "a") as f:
+        f.write(f"{what} {module} {os.environ['PYTEST_XDIST_WORKER']}\\n")
+
+@pytest.mark.slow
+def test_long(request):
+    record("ran", request.module.__name__)
+
+def test_short(request):
+    record("ran", request.module.__name__)
+'''
