@@ -77,8 +77,10 @@ def test_two_writers_one_database_replay_as_from_the_files(db, pg, tmp_path):
     """The rows of a simulated fleet (real machines, faults) written by two writers into one database replay
     exactly as the two SQLite journals they came from."""
     name, url = db
+    # seed 3 at fault rate 0.2 fails some rooms and not others (at 0.3, since the simulation injects corrupted KV
+    # and stalls, it failed all 24): the replay below must compare both kinds
     sim = subprocess.run([sys.executable, "-m", "fsm_pd.cli", "simulate", "--requests", "12", "--seed", "3",
-                          "--fault-rate", "0.3", "--journal-dir", str(tmp_path)], capture_output=True, timeout=120)
+                          "--fault-rate", "0.2", "--journal-dir", str(tmp_path)], capture_output=True, timeout=120)
     assert sim.returncode == 0, sim.stderr
     files = [read_journal(tmp_path / f"{role}.db") for role in ("prefill", "decode")]
     writers = [Journal(url), Journal(url)]  # as two serve processes open it
