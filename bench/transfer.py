@@ -21,10 +21,11 @@ processes hits all of them alike:
   (``StreamedScatter``). ``<backend>+overlap/gather`` is the layer-by-layer gather on a backend that could send
   from the pages, for comparison;
 * ``<backend>+overlap+crc``  the same with the KV checksum on, as the handlers do it (``kernels/kv_checksum.py``): P
-  publishes, then computes the crc32c of every page and layer on a helper thread under a lease turn while the data
-  streams, and publishes it as a second entry; D pulls that entry beside the data, takes its own checksum of each
-  group of layers right after writing it, and compares after the last write. Its cost is printed as the ratio to
-  ``<backend>+overlap`` (``checksum cost``), medians and best runs of the same interleaved runs;
+  publishes; sending from the pool, each write of the send sums its bytes just before ``sendmsg`` (``SendSums``;
+  else a helper thread sums the pages under a lease turn), and the values go out as a second entry once the send
+  has summed everything; D pulls that entry beside the data, sums each piece of the data as it lands, and compares
+  after the last write. Its cost is printed as the ratio to ``<backend>+overlap`` (``checksum cost``), medians and
+  best runs of the same interleaved runs;
 * ``<backend>+reshard P>D``  end to end between different tensor-parallel sizes (``--reshard P:D``, default 2:1):
   P's pool split over P virtual devices, D's over D, as the handlers do it (``transport/reshard.py``): P gathers and
   cuts its staging into the plan's pieces and publishes each; D pulls the pieces side by side on worker threads,
