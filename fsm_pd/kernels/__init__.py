@@ -6,7 +6,7 @@ jax-free resharding plan (``fsm_pd.transport.reshard``) imports the layout witho
 
 from __future__ import annotations
 
-import importlib
+from fsm_pd.lazy import lazy_exports
 
 _HOME = {
     "HostPoolExhausted": "host_staging",
@@ -29,12 +29,4 @@ _HOME = {
     "staging_block": "page_copy",
 }
 
-__all__ = sorted(_HOME)
-
-
-def __getattr__(name: str):
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
-    globals()[name] = value
-    return value
+__all__, __getattr__ = lazy_exports(__name__, _HOME)

@@ -7,7 +7,7 @@ simulation import those alone.
 
 from __future__ import annotations
 
-import importlib
+from fsm_pd.lazy import lazy_exports
 
 _HOME = {
     "Abort": "messages",
@@ -47,12 +47,4 @@ _HOME = {
     "secret_from_env": "signing",
 }
 
-__all__ = sorted(_HOME)
-
-
-def __getattr__(name: str):
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
-    globals()[name] = value
-    return value
+__all__, __getattr__ = lazy_exports(__name__, _HOME)
