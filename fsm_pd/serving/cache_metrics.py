@@ -8,21 +8,15 @@ cache: ``fsm_pd_prefix_cache_pages`` (held, and locked by running requests) and
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from fsm_pd.serving.scraped import ScrapedCounters
 
 
-class PrefillCollector:
-    def __init__(self, counters: Callable[[], dict], labels: dict[str, str]):
-        self._counters, self._labels = counters, dict(labels)
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        values = self._counters()
-        names, label_values = list(self._labels), list(self._labels.values())
+class PrefillCollector(ScrapedCounters):
+    def families(self, values: dict, names: list[str], label_values: list[str]) -> Iterator[Metric]:
         tokens = CounterMetricFamily("fsm_pd_prefill_tokens", "Prompt tokens prefilled (computed) and taken from "
                                      "the prefix cache (cached)", labels=[*names, "kind"])
         tokens.add_metric([*label_values, "computed"], values["prefill_computed_tokens"])

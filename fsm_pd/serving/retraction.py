@@ -16,10 +16,12 @@ in the order cannot be retracted forever by later arrivals.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TypeVar
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from fsm_pd.serving.scraped import ScrapedCounters
 
 Item = TypeVar("Item")
 
@@ -40,19 +42,11 @@ def pick_retractions(demands: Sequence[tuple[Item, int, int]], free_pages: int) 
     return victims
 
 
-class DecodeLoopCollector:
+class DecodeLoopCollector(ScrapedCounters):
     """``/metrics``: the decode loop's retractions and resumptions, and its steps' time per phase, read at scrape
     time."""
 
-    def __init__(self, counters: Callable[[], dict], labels: dict[str, str]):
-        self._counters, self._labels = counters, dict(labels)
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        values = self._counters()
-        names, label_values = list(self._labels), list(self._labels.values())
+    def families(self, values: dict, names: list[str], label_values: list[str]) -> Iterator[Metric]:
         for name, key, doc in (
             ("fsm_pd_preemptions", "preempted", "Running requests retracted (pages given back) under KV pressure"),
             ("fsm_pd_resumptions", "resumed", "Retracted requests resumed (KV recomputed from prompt and output)"),
