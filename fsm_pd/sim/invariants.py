@@ -68,9 +68,11 @@ def overdue_rooms(world: World) -> list[str]:
 
 def bound_to_dead_peers(world: World) -> list[str]:
     """Rooms still bound (``PeerWatch``) to a peer instance that died more than ``max_failures + 1`` heartbeat
-    intervals ago (or was bound that long ago, if it was bound to an instance already dead)."""
+    intervals ago, counted from the latest of its death, the room's binding and the last frame of it that arrived
+    (a frame the network delayed past its sender's death still counts as heard), plus the longest stall: a node
+    stopped (SIGSTOP) meanwhile runs its heartbeat timers only when it resumes, as ``state_slack_s`` says."""
     config, now, found = world.config, world.clock.now(), []
-    grace = (config.heartbeat_max_failures + 1) * config.heartbeat_interval + 0.01  # + the pong's latency
+    grace = (config.heartbeat_max_failures + 1) * config.heartbeat_interval + 0.01 + world.longest_stall
     for slot in (world.prefill, world.decode):
         if not slot.alive:
             continue
@@ -78,7 +80,7 @@ def bound_to_dead_peers(world: World) -> list[str]:
             peer = world.instances.get(instance)
             if peer is None or peer.died_at is None:
                 continue
-            if now - max(peer.died_at, since) > grace:
+            if now - max(peer.died_at, since, world.network.last_heard.get(instance, since)) > grace:
                 found.append(f"{slot.role} room {room} is still bound to {peer.name} at {addr}, dead since "
                              f"t={peer.died_at:.3f} (bound at t={since:.3f}, now t={now:.3f})")
     return found

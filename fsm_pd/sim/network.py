@@ -48,6 +48,9 @@ class SimNetwork:
         self.partitioned_until = float("-inf")
         self.counts: Counter[str] = Counter()
         self.record: Callable[[str, int, str], None] | None = None  # World.record: (kind, room, detail)
+        # when a frame of each sender instance last reached a live process: a frame the network delayed can arrive
+        # after its sender died, and a peer's monitor counts it as a sign of life (invariants.bound_to_dead_peers)
+        self.last_heard: dict[str, float] = {}
 
     def bind(self, address: str, instance: Any, deliver: Callable[[Any], None]) -> None:
         """``instance`` listens at ``address`` from now on (a restart rebinds the same address)."""
@@ -122,6 +125,7 @@ class SimNetwork:
             self.counts[reason] += 1
             return
         self.counts["delivered"] += 1
+        self.last_heard[msg.instance] = self.clock.now()
         target.deliver(msg)
 
 
