@@ -77,40 +77,65 @@ def _logits(config: ModelConfig, params: dict, h):
 
 @partial(jax.jit, static_argnames=("config",), donate_argnames=("pool",))
 def forward_paged(params, pool, tokens, starts, lengths, page_tables, *, config: ModelConfig):
-    """Run ``tokens: [B, S]`` at positions ``starts[:, None] + [0, S)`` through the decoder.
+    """Run ``tokens: [B, S]`` at positions ``starts[:, None] + [0, S)`` through the decoder, as one program.
 
     Only the first ``lengths[b]`` tokens of row ``b`` are real; the rest write to the pad page. ``page_tables: [B, W]``
     lists each row's pages in position order, padded to the node's table width (``table_width``). Returns the logits
     of each row's last real token ``[B, V]``, the updated pool, and the final hidden state of every position
     ``[B, S, D]`` (prompt logprobs are computed from it apart, so asking for them compiles no other forward pass).
+
+    A serving node runs the same computation in pieces instead (``programs.ForwardPrograms``): ``embed_tokens``,
+    then ``forward_group`` over a few layers at a time, then ``final_logits``; this whole-model program is for
+    callers that compile nothing ahead (and is what the pieces are checked against).
     """
-    return forward_layers(params, pool, tokens, starts, lengths, page_tables, config=config)
+    x = embed_tokens(params["embed"], tokens)
+    x, pool = forward_group(params["layers"], pool, x, starts, lengths, page_tables, config=config)
+    logits, h = final_logits(top_params(params), x, lengths, config=config)
+    return logits, pool, h
 
 
-def forward_layers(params, pool, tokens, starts, lengths, page_tables, *, config: ModelConfig,
-                   reduce: Callable = lambda partial_sum: partial_sum, real_kv=None):
-    """``forward_paged``'s body, for one device or for one shard of a tensor-parallel model (``reduce``: see
-    ``_decoder_layer``; ``config`` is then the shard's, with its share of the heads and of the MLP).
+def top_params(params: dict) -> dict:
+    """The parameters outside the layers (embeddings, final norm, LM head): what ``final_logits`` reads."""
+    return {name: value for name, value in params.items() if name != "layers"}
 
-    ``real_kv: [KVH]`` bool, under tensor parallelism with padding heads: False marks a padding slot, whose K and V
-    are stored as exact zeros (its weights are zero, but RoPE can turn a zero into -0.0, and a handoff between other
-    splits fills padding slots with +0.0: the pool's bytes would differ for no reason)."""
-    TRACE_COUNTS["forward_paged"] += 1
-    b, s = tokens.shape
+
+def embed_tokens(embed, tokens):
+    """``tokens: [B, S]`` -> ``[B, S, D]``."""
+    return embed[tokens]
+
+
+def final_logits(top: dict, x, lengths, *, config: ModelConfig):
+    """From the last layer's output ``x: [B, S, D]``: the logits of each row's last real token ``[B, V]``, and the
+    final hidden state of every position ``[B, S, D]``."""
+    h = rms_norm(x, top["final_norm"], config.rms_norm_eps)
+    last = h[jnp.arange(x.shape[0]), jnp.maximum(lengths - 1, 0)]  # [B, D]
+    return _logits(config, top, last), h
+
+
+def forward_group(layers: Sequence[dict], pools: tuple, x, starts, lengths, page_tables, *, config: ModelConfig,
+                  reduce: Callable = lambda partial_sum: partial_sum, real_kv=None):
+    """Run ``x: [B, S, D]`` through ``layers`` (consecutive layers of the model, any number of them), each writing
+    its new tokens' K/V into its pool in ``pools`` and attending over them; returns ``x`` after the last and the
+    updated pools. Arguments as ``forward_paged``'s.
+
+    One device, or one shard of a tensor-parallel model (``reduce``: see ``_decoder_layer``; ``config`` is then the
+    shard's, with its share of the heads and of the MLP). ``real_kv: [KVH]`` bool, under tensor parallelism with
+    padding heads: False marks a padding slot, whose K and V are stored as exact zeros (its weights are zero, but
+    RoPE can turn a zero into -0.0, and a handoff between other splits fills padding slots with +0.0: the pool's
+    bytes would differ for no reason)."""
+    TRACE_COUNTS["forward_group"] += 1
+    s = x.shape[1]
     positions = starts[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]  # [B, S]
     inv_freq = jnp.asarray(inverse_frequencies(config))
-    x = params["embed"][tokens]  # [B, S, D]
     # Every layer has the same shapes, so one traced and lowered layer serves them all: the program calls it once
     # per layer, and XLA inlines the calls (the same program as writing the layers out, in place as before). Tracing
     # and lowering 30 copies of a layer was 1.2 s of every SmolLM2 program, on every start, cache or not.
     layer_step = jax.jit(partial(_paged_layer, config=config, reduce=reduce))
-    new_pool = []
-    for layer, layer_pool in zip(params["layers"], pool, strict=True):
+    new_pools = []
+    for layer, layer_pool in zip(layers, pools, strict=True):
         x, layer_pool = layer_step(layer, layer_pool, x, positions, inv_freq, page_tables, starts, lengths, real_kv)
-        new_pool.append(layer_pool)
-    h = rms_norm(x, params["final_norm"], config.rms_norm_eps)
-    last = h[jnp.arange(b), jnp.maximum(lengths - 1, 0)]  # [B, D]
-    return _logits(config, params, last), tuple(new_pool), h
+        new_pools.append(layer_pool)
+    return x, tuple(new_pools)
 
 
 def _paged_layer(layer, layer_pool, x, positions, inv_freq, page_tables, starts, lengths, real_kv, *,

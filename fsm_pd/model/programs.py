@@ -6,6 +6,14 @@ configuration can form (``prefill_shapes``, ``decode_shapes``), and calls the co
 ``jax.stages.Compiled`` is not put back into ``jit``'s cache, which is why the model's wrappers take the
 executor (``ForwardPrograms``) rather than relying on ``forward_paged``'s own cache.
 
+A forward shape is not one program but a few, called in turn (``LayeredForward``): the embedding, one program per
+group of ``LAYERS_PER_PROGRAM`` or so layers (every group of a size shares it, with each group's weights and pool
+layers as arguments), and the head. XLA inlines whatever one program holds, so a whole-model program costs to compile
+what its layers cost (SmolLM2, 30 layers: 1.3 to 1.8 s a shape on this project's 2-core machine); a group of 6 costs
+0.6 s, the embedding and the head 0.05 s each, whatever the model's depth. A step then makes ``2 + layers / 6``
+calls instead of one; at about 10 us a call that is lost in a 29 ms step (measured in ``docs/serving.md``, and a
+group of one layer, 30 calls, was 25% slower: one program per layer is too fine).
+
 A node is ready before every shape is compiled (``serving/warmup.py``): a call whose shape is not compiled yet runs on
 a compiled shape that *covers* it (``cover``): padded up to a larger one, or row by row on one of a single row. Rows
 are independent (each writes only its own pages; padding rows and padding tokens write the pad page), so the answer
@@ -15,7 +23,9 @@ spot, and is counted (``compiles.py``): a bug in the ready set, not a failure.
 
 from __future__ import annotations
 
+import os
 import threading
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +33,24 @@ import numpy as np
 
 from fsm_pd.model import input_buckets
 from fsm_pd.model.config import ModelConfig
-from fsm_pd.model.decoder import LOGPROB_ROWS, forward_paged, next_token_logprobs, table_width
-from fsm_pd.model.tensor_parallel import TensorParallel, forward_sharded
+from fsm_pd.model.decoder import (
+    LOGPROB_ROWS,
+    embed_tokens,
+    final_logits,
+    forward_group,
+    next_token_logprobs,
+    table_width,
+    top_params,
+)
+from fsm_pd.model.tensor_parallel import TensorParallel, group_sharded
+
+# Layers per program, roughly (``layer_groups``). Fewer calls matter more where a call costs more than on CPU: an
+# accelerator node may want the whole model in one program (a large value).
+LAYERS_PER_PROGRAM = int(os.environ.get("FSM_PD_LAYERS_PER_PROGRAM", "6"))
+
+_embed = jax.jit(embed_tokens)
+_group = jax.jit(forward_group, static_argnames=("config",), donate_argnames=("pools",))
+_head = jax.jit(final_logits, static_argnames=("config",))
 
 
 def prefill_shapes(max_batch: int, max_tokens: int) -> list[tuple[int, int]]:
@@ -41,6 +67,25 @@ def prefill_shapes(max_batch: int, max_tokens: int) -> list[tuple[int, int]]:
 def decode_shapes(max_running: int) -> list[tuple[int, int]]:
     """Every (batch bucket, 1) a decode step of up to ``max_running`` sequences can form."""
     return [(batch, 1) for batch in _powers_up_to(input_buckets.batch_bucket(max_running))]
+
+
+def layer_groups(num_layers: int, target: int = LAYERS_PER_PROGRAM) -> list[tuple[int, int]]:
+    """``(first layer, count)`` of each group a forward pass runs as one program call, in order.
+
+    Groups of one size where the depth allows it (a divisor of ``num_layers`` near ``target``: SmolLM2's 30 layers
+    are 5 groups of 6), so one program serves every group; otherwise near-equal groups, of two sizes at most."""
+    target = max(1, target)
+    sizes = [d for d in range(max(1, target // 2), 2 * target + 1) if num_layers % d == 0]
+    if sizes:
+        size = min(sizes, key=lambda d: (abs(d - target), -d))
+        return [(first, size) for first in range(0, num_layers, size)]
+    count = -(-num_layers // target)
+    base, extra = divmod(num_layers, count)
+    groups, first = [], 0
+    for size in [base] * (count - extra) + [base + 1] * extra:
+        groups.append((first, size))
+        first += size
+    return groups
 
 
 def _powers_up_to(limit: int, start: int = 1) -> list[int]:
@@ -80,8 +125,9 @@ def programs_for(config: ModelConfig, params: dict, pool: tuple, tp: TensorParal
 
 
 class ForwardPrograms:
-    """``forward_paged`` compiled for one model and one pool (its shape, dtype and placement), by input shape; with
-    ``tp``, its tensor-parallel form (``tensor_parallel.forward_sharded``) over ``tp``'s mesh.
+    """``forward_paged`` compiled for one model and one pool (its shape, dtype and placement), by input shape, as
+    ``LayeredForward`` programs; with ``tp``, the groups' tensor-parallel form (``tensor_parallel.group_sharded``)
+    over ``tp``'s mesh.
 
     Called like ``forward_paged`` without ``config``. Thread-safe: a node compiles ahead on its start-up thread, and
     a late compile, should one happen, runs on the model thread.
@@ -93,7 +139,10 @@ class ForwardPrograms:
         self._params = jax.tree.map(abstract, params)  # shapes only: no model's weights are kept alive here
         self._pool = tuple(abstract(a) for a in pool)
         self.width = table_width(config, pool[0].shape[0], pool[0].shape[1])
-        self._programs: dict[tuple[int, int], jax.stages.Compiled] = {}
+        self.groups = layer_groups(config.num_layers)
+        # where the host's token arrays go: the pool's device, or every device of the mesh
+        self._inputs = pool[0].sharding if tp is None else tp.replicated
+        self._programs: dict[tuple[int, int], LayeredForward] = {}
         self._logprobs: dict[int, jax.stages.Compiled] = {}  # by top_k
         self._lock = threading.Lock()
         # Run a missing shape on one that covers it, rather than compile it now: only where something compiles the
@@ -106,21 +155,29 @@ class ForwardPrograms:
     def shapes(self) -> set[tuple[int, int]]:
         return set(self._programs)
 
-    def compile(self, batch: int, tokens: int) -> jax.stages.Compiled:
-        """The executable for ``[batch, tokens]`` inputs, compiled now if it was not yet."""
+    def compile(self, batch: int, tokens: int) -> LayeredForward:
+        """The programs for ``[batch, tokens]`` inputs, compiled now if they were not yet."""
         with self._lock:
             program = self._programs.get((batch, tokens))
         if program is not None:
             return program
-        if self.tp is None:
-            ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-            forward, static = forward_paged, {"config": self.config}
-        else:  # the host's token arrays go to every device of the mesh
-            ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.tp.replicated)
-            forward, static = forward_sharded, {"tp": self.tp}
-        program = forward.lower(
-            self._params, self._pool, ints(batch, tokens), ints(batch), ints(batch), ints(batch, self.width), **static
-        ).compile()
+        ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._inputs)
+        hidden = jax.ShapeDtypeStruct((batch, tokens, self.config.hidden_size), self._params["embed"].dtype,
+                                      sharding=self._inputs)
+        rows = (ints(batch), ints(batch), ints(batch, self.width))  # starts, lengths, page tables
+        by_size = {}
+        for first, count in self.groups:
+            if count not in by_size:
+                layers, pools = self._params["layers"][first:first + count], self._pool[first:first + count]
+                lowered = (_group.lower(layers, pools, hidden, *rows, config=self.config) if self.tp is None
+                           else group_sharded.lower(layers, pools, hidden, *rows, tp=self.tp))
+                by_size[count] = lowered.compile()
+        program = LayeredForward(
+            embed=_embed.lower(self._params["embed"], ints(batch, tokens)).compile(),
+            groups=tuple((first, count, by_size[count]) for first, count in self.groups),
+            head=_head.lower(top_params(self._params), hidden, ints(batch), config=self.config).compile(),
+            inputs=self._inputs,
+        )
         with self._lock:
             return self._programs.setdefault((batch, tokens), program)
 
@@ -188,6 +245,46 @@ class ForwardPrograms:
                                  for i, x in enumerate(logits)])
         # placed as the program leaves its logits: the samplers are compiled for that placement
         return jax.device_put(joined, sharding), pool, np.concatenate(hidden)
+
+
+@dataclass(frozen=True)
+class LayeredForward:
+    """One forward shape's programs, called like ``decoder.forward_paged`` without ``config``: the embedding, each
+    group of layers in turn (``groups``: first layer, how many, program), the head."""
+
+    embed: jax.stages.Compiled
+    groups: tuple[tuple[int, int, jax.stages.Compiled], ...]
+    head: jax.stages.Compiled
+    inputs: jax.sharding.Sharding  # where the token arrays go
+
+    def __call__(self, params, pool, tokens, starts, lengths, page_tables):
+        tokens, starts, lengths, page_tables = jax.device_put((tokens, starts, lengths, page_tables), self.inputs)
+        x, layers, pool = self.embed(params["embed"], tokens), params["layers"], list(pool)
+        for first, count, group in self.groups:
+            end = first + count
+            x, pool[first:end] = group(layers[first:end], tuple(pool[first:end]), x, starts, lengths, page_tables)
+        logits, hidden = self.head(top_params(params), x, lengths)
+        return logits, tuple(pool), hidden
+
+    @property
+    def logits_sharding(self) -> jax.sharding.Sharding:
+        """Where a call leaves its logits (the samplers are compiled for that placement)."""
+        return self.head.output_shardings[0]
+
+    def memory_analysis(self) -> MemoryUse:
+        """What one call needs beside its arguments: the most scratch memory of any of its programs, and the pool
+        bytes written in place (aliased from argument to result) over all its group calls."""
+        programs = [self.embed, self.head, *(group for *_, group in self.groups)]
+        return MemoryUse(
+            temp_size_in_bytes=max(p.memory_analysis().temp_size_in_bytes for p in programs),
+            alias_size_in_bytes=sum(group.memory_analysis().alias_size_in_bytes for *_, group in self.groups),
+        )
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    temp_size_in_bytes: int
+    alias_size_in_bytes: int
 
 
 def _pad_rows(a: np.ndarray, rows: int, cols: int | None = None) -> np.ndarray:

@@ -16,7 +16,7 @@ times (padded with zero query heads to a multiple of r). A padding head has zero
 its scores are 0 and its rows of the output projection are zero: it adds exactly 0. SmolLM2 (9 query heads, 3 KV
 heads) on 2 devices gets 4 slots: 2 per device, the last one padding, with 3 zero query heads.
 
-The shard's forward pass is ``decoder.forward_layers``, the one-device code, with the shard's ``ModelConfig`` (its
+The shard's forward pass is ``decoder.forward_group``, the one-device code, with the shard's ``ModelConfig`` (its
 head and MLP counts) and ``psum`` as its ``reduce``, under ``jax.shard_map``. The pool enters and leaves
 ``shard_map`` split the same way and is donated, so a step still writes it in place (``tests/unit/test_step_cost.py``
 holds that on one device, ``tests/unit/tp_mesh/tp_model_check.py`` for a pool split over 2).
@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fsm_pd.kernels.layout import PAD_HEAD, kv_slot_heads
 from fsm_pd.model.config import ModelConfig
-from fsm_pd.model.decoder import forward_layers
+from fsm_pd.model.decoder import forward_group
 
 TP_AXIS = "tp"
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -182,21 +182,20 @@ def shard_params(plan: TensorParallel, params: dict) -> dict:
     return out
 
 
-def param_specs(params: dict) -> dict:
-    """``shard_map``'s in_specs for a parameter tree placed by ``shard_params``."""
-    specs = {name: PartitionSpec() for name in params if name != "layers"}
-    specs["layers"] = [{name: _SPLIT.get(name, PartitionSpec()) for name in layer} for layer in params["layers"]]
-    return specs
+def layer_specs(layers) -> list[dict]:
+    """``shard_map``'s in_specs for layers placed by ``shard_params``."""
+    return [{name: _SPLIT.get(name, PartitionSpec()) for name in layer} for layer in layers]
 
 
 POOL_SPEC = PartitionSpec(None, None, TP_AXIS)  # KVLayout.pool_spec() with shard_axis = TP_AXIS
 
 
-@partial(jax.jit, static_argnames=("tp",), donate_argnames=("pool",))
-def forward_sharded(params, pool, tokens, starts, lengths, page_tables, *, tp: TensorParallel):
-    """``decoder.forward_paged`` over ``tp``'s mesh: same arguments and results (logits and hidden states
-    replicated, the pool split on its KV-head axis), ``params`` from ``shard_params``."""
-    pools = tuple(POOL_SPEC for _ in pool)
+@partial(jax.jit, static_argnames=("tp",), donate_argnames=("pools",))
+def group_sharded(layers, pools, x, starts, lengths, page_tables, *, tp: TensorParallel):
+    """``decoder.forward_group`` over ``tp``'s mesh: same arguments and results (``x`` replicated, the pools split on
+    their KV-head axis), ``layers`` from ``shard_params``. The embedding and the head need no ``shard_map``: their
+    parameters are replicated, so they run as they are on every device (``programs.ForwardPrograms``)."""
+    specs = tuple(POOL_SPEC for _ in pools)
     reduce = partial(jax.lax.psum, axis_name=TP_AXIS)
 
     def body(*args):
@@ -204,10 +203,10 @@ def forward_sharded(params, pool, tokens, starts, lengths, page_tables, *, tp: T
         if PAD_HEAD in tp.slot_heads:  # this device's row of the padding table
             table = np.array(tp.slot_heads).reshape(tp.size, -1) != PAD_HEAD
             real = jnp.asarray(table)[jax.lax.axis_index(TP_AXIS)]
-        return forward_layers(*args, config=tp.shard_config, reduce=reduce, real_kv=real)
+        return forward_group(*args, config=tp.shard_config, reduce=reduce, real_kv=real)
 
     # check_vma=False: attention's online-softmax loop starts from constants (the same on every device) and carries
     # per-device values; the varying-axes check would reject that carry although every output spec is honest.
-    sharded = jax.shard_map(body, mesh=tp.mesh, in_specs=(param_specs(params), pools, *[PartitionSpec()] * 4),
-                            out_specs=(PartitionSpec(), pools, PartitionSpec()), check_vma=False)
-    return sharded(params, pool, tokens, starts, lengths, page_tables)
+    sharded = jax.shard_map(body, mesh=tp.mesh, in_specs=(layer_specs(layers), specs, *[PartitionSpec()] * 4),
+                            out_specs=(PartitionSpec(), specs), check_vma=False)
+    return sharded(layers, pools, x, starts, lengths, page_tables)

@@ -159,7 +159,7 @@ def warm_up(engine, *, progress: bool = True, startup: Startup | None = None) ->
             list(pool.map(compile_forward, plan.ready_forward))
         vocab = engine.model.config.vocab_size
         # jit's cache tells a committed array from a fresh one: sample logits placed as the forward pass leaves them
-        logits_sharding = programs.compile(*plan.ready_forward[0]).output_shardings[0]
+        logits_sharding = programs.compile(*plan.ready_forward[0]).logits_sharding
         with compiles.preparing("sampling"):
             for batch in plan.ready_samples:
                 step(f"sampling {batch}", lambda batch=batch: _run_samplers(batch, vocab, logits_sharding))
@@ -192,7 +192,7 @@ def compile_rest(engine, *, busy: Callable[[], bool] = lambda: False,
     plan = plan_for(engine)
     programs = engine.model.programs(engine.model_thread.pool)
     vocab = engine.model.config.vocab_size
-    logits_sharding = programs.compile(*plan.ready_forward[0]).output_shardings[0]
+    logits_sharding = programs.compile(*plan.ready_forward[0]).logits_sharding
     # shapes only: the pool itself belongs to the model thread
     pool = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in engine.model_thread.pool)
     whole_scatters = plan.scatter_buckets if resolve_impl(engine.model_thread.pool) == "cpu" else []

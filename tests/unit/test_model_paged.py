@@ -122,10 +122,10 @@ def test_prompts_in_one_bucket_share_one_compiled_program(tiny):
     pool = fresh_pool(tiny, num_pages=40)
     # 9, 13 and 14 tokens: all in the 16-token bucket, and 3 or 4 pages of 4 -> the 4-page bucket.
     pool = tiny.prefill(pool, PROMPT[:9], [1, 2, 3]).pool
-    before = decoder.TRACE_COUNTS["forward_paged"]
+    before = decoder.TRACE_COUNTS["forward_group"]
     pool = tiny.prefill(pool, PROMPT[:13], [4, 5, 6, 7]).pool
     pool = tiny.prefill(pool, PROMPT[:14], [8, 9, 10, 11]).pool
-    assert decoder.TRACE_COUNTS["forward_paged"] == before
+    assert decoder.TRACE_COUNTS["forward_group"] == before
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ and a real call must consume the pool it was given without JAX's "donated buffer
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax.numpy as jnp
@@ -16,14 +17,20 @@ import numpy as np
 import pytest
 
 from fsm_pd.model import decoder
+from fsm_pd.model.params import random_params
+from fsm_pd.model.programs import ForwardPrograms
 from fsm_pd.model.tiny import tiny_model_parts
 
 PAGE_SIZE = 16
 
 
-@pytest.fixture(scope="module")
-def tiny():
+@pytest.fixture(scope="module", params=[2, 13], ids=["2-layers", "13-layers"])
+def tiny(request):
+    """The tiny model (one group of layers), and one as deep as 3 groups of two sizes (``programs.layer_groups``)."""
     config, params, _ = tiny_model_parts()
+    if request.param != config.num_layers:
+        config = dataclasses.replace(config, num_layers=request.param)
+        params = random_params(config, seed=1, std=0.1)
     return config, params
 
 
@@ -33,13 +40,9 @@ def pool_of(config, num_pages):
 
 
 def compiled_step(config, params, num_pages, batch, tokens):
+    """The programs a serving node runs for this shape (``ForwardPrograms``), over a pool of ``num_pages``."""
     pool = pool_of(config, num_pages)
-    width = decoder.table_width(config, num_pages, PAGE_SIZE)
-    zeros = jnp.zeros((batch,), jnp.int32)
-    return pool, decoder.forward_paged.lower(
-        params, pool, jnp.zeros((batch, tokens), jnp.int32), zeros, zeros + 1, jnp.zeros((batch, width), jnp.int32),
-        config=config,
-    ).compile()
+    return pool, ForwardPrograms(config, params, pool).compile(batch, tokens)
 
 
 @pytest.mark.parametrize("batch, tokens", [(1, 1), (8, 1), (2, 64)], ids=["decode-1", "decode-8", "prefill-2x64"])
@@ -60,11 +63,12 @@ def test_a_step_consumes_its_pool_in_place(tiny):
     config, params = tiny
     pool = pool_of(config, 512)
     pages = [[1, 2, 3, 4]]
+    programs = ForwardPrograms(config, params, pool)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "Some donated buffers were not usable" would be raised here
-        result = decoder.prefill(config, params, pool, list(range(1, 40)), pages[0])
+        result = decoder.prefill(config, params, pool, list(range(1, 40)), pages[0], forward=programs)
         assert all(layer.is_deleted() for layer in pool)
         before = result.pool
-        logits, after = decoder.decode(config, params, before, [5], [39], pages)
+        logits, after = decoder.decode(config, params, before, [5], [39], pages, forward=programs)
     assert all(layer.is_deleted() for layer in before)
     assert np.isfinite(np.asarray(logits)).all() and after[0].shape == pool[0].shape

@@ -34,11 +34,13 @@ def four_devices():
         pytest.fail(f"needs XLA_FLAGS=--xla_force_host_platform_device_count=4, found {jax.device_count()} devices")
 
 
-def random_llama(heads: int, kv_heads: int, head_dim: int = 8, *, qk_norm: bool = False, bias: bool = False):
+def random_llama(heads: int, kv_heads: int, head_dim: int = 8, *, qk_norm: bool = False, bias: bool = False,
+                 layers: int = 2):
     """A random Llama of the tiny model's size with other head counts (weights as big as tiny's, so greedy picks
     are far from ties)."""
     config = dataclasses.replace(tiny_config(), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                                 qk_norm=qk_norm, attention_bias=bias, family="qwen3" if qk_norm else "llama")
+                                 qk_norm=qk_norm, attention_bias=bias, family="qwen3" if qk_norm else "llama",
+                                 num_layers=layers)
     return LoadedModel(f"llama-{heads}-{kv_heads}", config, random_params(config, seed=3, std=0.1),
                        ByteTokenizer(vocab_size=272))
 
@@ -63,6 +65,8 @@ CASES = {
     "tiny 4/2": (lambda: LoadedModel("tiny", *tiny_model_parts()), (2, 4)),
     "smollm2-shaped 9/3": (lambda: random_llama(9, 3), (2, 3, 4)),
     "qwen3-style 6/2, qk-norm and bias": (lambda: random_llama(6, 2, qk_norm=True, bias=True), (4,)),
+    # 13 layers: the forward pass runs as groups of 4, 4 and 5 layers (programs.layer_groups), each split
+    "smollm2-shaped 9/3, 13 layers": (lambda: random_llama(9, 3, layers=13), (2,)),
 }
 
 
