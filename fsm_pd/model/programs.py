@@ -69,7 +69,7 @@ def decode_shapes(max_running: int) -> list[tuple[int, int]]:
     return [(batch, 1) for batch in _powers_up_to(input_buckets.batch_bucket(max_running))]
 
 
-def layer_groups(num_layers: int, target: int = LAYERS_PER_PROGRAM) -> list[tuple[int, int]]:
+def layer_groups(num_layers: int, target: int) -> list[tuple[int, int]]:
     """``(first layer, count)`` of each group a forward pass runs as one program call, in order.
 
     Groups of one size where the depth allows it (a divisor of ``num_layers`` near ``target``: SmolLM2's 30 layers
@@ -133,13 +133,14 @@ class ForwardPrograms:
     a late compile, should one happen, runs on the model thread.
     """
 
-    def __init__(self, config: ModelConfig, params: dict, pool: tuple, tp: TensorParallel | None = None):
+    def __init__(self, config: ModelConfig, params: dict, pool: tuple, tp: TensorParallel | None = None, *,
+                 layers_per_program: int = LAYERS_PER_PROGRAM):
         self.config, self.tp = config, tp
         abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
         self._params = jax.tree.map(abstract, params)  # shapes only: no model's weights are kept alive here
         self._pool = tuple(abstract(a) for a in pool)
         self.width = table_width(config, pool[0].shape[0], pool[0].shape[1])
-        self.groups = layer_groups(config.num_layers)
+        self.groups = layer_groups(config.num_layers, layers_per_program)
         # where the host's token arrays go: the pool's device, or every device of the mesh
         self._inputs = pool[0].sharding if tp is None else tp.replicated
         self._programs: dict[tuple[int, int], LayeredForward] = {}

@@ -26,7 +26,7 @@ PROMPT = [(7 * i + 3) % 250 for i in range(37)]
     (13, [4, 4, 5]), (26, [5, 5, 5, 5, 6]),  # no divisor near 6: near-equal groups of two sizes
 ])
 def test_groups_cover_every_layer_once_in_order(layers, expected):
-    groups = layer_groups(layers)
+    groups = layer_groups(layers, 6)
     assert [count for _, count in groups] == expected
     assert [first for first, _ in groups] == list(np.cumsum([0, *expected[:-1]]))
 
@@ -67,7 +67,7 @@ def run(config, params, forward, steps=4):
 
 def test_the_groups_compute_what_the_whole_model_program_does(deep):
     config, params = deep
-    programs = ForwardPrograms(config, params, pool_of(config))
+    programs = ForwardPrograms(config, params, pool_of(config), layers_per_program=6)
     assert [count for _, count in programs.groups] == [4, 4, 5]
     whole_logits, whole_pool = run(config, params, forward=None)
     grouped_logits, grouped_pool = run(config, params, forward=programs)

@@ -1,0 +1,100 @@
+"""What the size of a forward pass's programs costs: compile, load from the compile cache, and step time.
+
+A serving node runs a forward shape as programs of about ``LAYERS_PER_PROGRAM`` layers each, in turn
+(``model/programs.py``). This compares, in one run, groups of 1, 3, 6 (the default), 10 layers and the whole model
+in one program, on the model a user gets (SmolLM2 unless --model), the default pool (512 pages of 16 tokens), at
+the shapes a node prepares first: a single-row decode step, a decode step of 8 rows, and a 512-token prefill.
+
+For each: the seconds to compile the shape's programs with an empty compile cache, to load them again from the
+cache (what a warm restart pays), and the median time of a call; ratios against the whole-model program.
+
+    python bench/layer_groups.py [--model smollm2] [--sizes 1,3,6,10,0] [--steps 15] [--json]
+
+(``0`` in --sizes is the whole model in one program.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import jax
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from fsm_pd import compile_cache
+from fsm_pd.model.loader import load_model
+from fsm_pd.model.programs import ForwardPrograms
+
+SHAPES = [(1, 1), (8, 1), (1, 512)]
+PAGES, PAGE_SIZE = 512, 16
+
+
+def time_calls(programs: ForwardPrograms, model, shape, steps: int) -> float:
+    batch, tokens = shape
+    pool = model.make_pool(model.make_kv_layout(PAGES, PAGE_SIZE))
+    context = 40  # positions already cached: a short chat's
+    tables = np.zeros((batch, programs.width), np.int32)
+    tables[:, : context // PAGE_SIZE + 2] = np.arange(1, context // PAGE_SIZE + 3)
+    starts = np.full(batch, context if tokens == 1 else 0, np.int32)
+    args = (np.ones((batch, tokens), np.int32), starts, np.full(batch, tokens, np.int32), tables)
+    program = programs.compile(batch, tokens)
+    times = []
+    for _ in range(steps if tokens == 1 else max(3, steps // 5)):
+        started = time.perf_counter()
+        logits, pool, _ = program(model.params, pool, *args)
+        logits.block_until_ready()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:]) * 1000
+
+
+def measure(model, size: int, steps: int) -> dict:
+    per_program = size or model.config.num_layers
+    row = {"layers_per_program": per_program}
+    pool = model.make_pool(model.make_kv_layout(PAGES, PAGE_SIZE))
+    for phase in ("compile", "load"):
+        jax.clear_caches()  # in-memory caches; the persistent one under cache_dir stays
+        programs = ForwardPrograms(model.config, model.params, pool, layers_per_program=per_program)
+        started = time.perf_counter()
+        for shape in SHAPES:
+            programs.compile(*shape)
+        row[f"{phase}_s"] = time.perf_counter() - started
+    row["calls"] = len(programs.groups) + 2
+    for shape in SHAPES:
+        row[f"{shape[0]}x{shape[1]}_ms"] = time_calls(programs, model, shape, steps)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--sizes", default="1,3,6,10,0", help="layers per program to compare; 0: the whole model")
+    parser.add_argument("--steps", type=int, default=15, help="calls timed per decode shape (prefill: a fifth)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    model = load_model(args.model)
+    # One cache for the run (JAX sets its cache up once a process): each size's group programs are new to it; the
+    # embedding and head programs, the same for every size, load from it after the first size.
+    with tempfile.TemporaryDirectory(prefix="fsm-pd-groups-") as cache_dir:
+        compile_cache.enable(cache_dir)
+        rows = [measure(model, int(size), args.steps) for size in args.sizes.split(",")]
+    whole = next((r for r in rows if r["layers_per_program"] == model.config.num_layers), rows[-1])
+    shapes = ", ".join(f"{b}x{t}" for b, t in SHAPES)
+    table = Table(title=f"{args.model}, {model.config.num_layers} layers: shapes {shapes}")
+    for column in ("layers a program", "calls a step", "compile s", "load s", *(f"{b}x{t} ms" for b, t in SHAPES)):
+        table.add_column(column, justify="right")
+    ratio = lambda row, key: f"{row[key]:.2f} ({row[key] / whole[key]:.2f}x)"
+    for row in rows:
+        table.add_row(str(row["layers_per_program"]), str(row["calls"]), ratio(row, "compile_s"), ratio(row, "load_s"),
+                      *(ratio(row, f"{b}x{t}_ms") for b, t in SHAPES))
+    Console().print(table)
+    if args.json:
+        print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
