@@ -530,6 +530,10 @@ def main() -> None:
     if args.serve:
         serve(args)
         return
+    page_mib = args.layers * PAGE_SIZE * 2 * KV_HEADS * HEAD_DIM * 4 / (1 << 20)  # one page of every layer
+    if any(int(s) < page_mib for s in args.sizes.split(",")):
+        parser.error(f"--sizes: each size must be at least {page_mib:g} MiB, one page of each of the {args.layers} "
+                     f"layers (--layers)")
     host_devices(args)
 
     producer = Producer(args)
