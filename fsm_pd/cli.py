@@ -129,10 +129,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     from fsm_pd.launch import launch
 
-    extra = ["--dtype", args.dtype, "--kv-checksum", args.kv_checksum]
+    extra = ["--dtype", args.dtype, "--kv-checksum", args.kv_checksum, *args.node_arg]
     return launch(prefill=args.prefill, decode=args.decode, port=args.port, model=args.model,
                   backend=args.transfer_backend, journal_dir=Path(args.journal_dir), extra=extra,
-                  console=Console(), warmup=args.warmup, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
+                  console=Console(), warmup=args.warmup, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
+                  router_extra=args.router_arg)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -205,6 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--kv-checksum", choices=("on", "off"), default="on",
                         help="each prefill and decode node's --kv-checksum: verify the KV of every handoff "
                              "(default on)")
+    launch.add_argument("--node-arg", action="append", default=[], metavar="ARG",
+                        help="pass ARG to every prefill and decode node's `fsm-pd serve` (repeatable; a flag with "
+                             "a value as one word: --node-arg=--token-idle-timeout-secs=60). Checked before "
+                             "anything starts")
+    launch.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                        help="pass ARG to the router's `fsm-pd serve --role router` (repeatable, as --node-arg: "
+                             "--router-arg=--pd-policy=auto)")
     launch.add_argument("--journal-dir", default="pd-cluster", help="journals and logs (default ./pd-cluster)")
     launch.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="skip the first chat request that launch sends through the router once every node is "

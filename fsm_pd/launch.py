@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,9 +77,10 @@ class Child:
 
 
 def plan(prefill: int, decode: int, port: int, model: str, backend: str, journal_dir: Path,
-         extra: list[str], prefill_tp: int = 1, decode_tp: int = 1) -> list[Child]:
+         extra: list[str], prefill_tp: int = 1, decode_tp: int = 1, router_extra: Sequence[str] = ()) -> list[Child]:
     """The processes to start: prefill nodes, decode nodes, then the router that fronts them. ``prefill_tp`` and
-    ``decode_tp``: each node's ``--tp`` (they may differ: the handoff reshards the KV)."""
+    ``decode_tp``: each node's ``--tp`` (they may differ: the handoff reshards the KV). ``extra`` goes to every
+    prefill and decode node's command line, ``router_extra`` to the router's."""
     serve = [sys.executable, "-m", "fsm_pd.cli", "serve"]
     common = ["--host", "127.0.0.1", "--model", model, "--transfer-backend", backend, *extra]
     children, router_args = [], []
@@ -99,8 +101,28 @@ def plan(prefill: int, decode: int, port: int, model: str, backend: str, journal
                               f"http://127.0.0.1:{http}", journal_dir / f"decode-{i}.log"))
         router_args += ["--decode", f"http://127.0.0.1:{http}"]
     children.append(Child("router", [*serve, "--role", "router", "--host", "127.0.0.1", "--port", str(port),
-                                     *router_args], f"http://127.0.0.1:{port}", journal_dir / "router.log"))
+                                     *router_args, *router_extra], f"http://127.0.0.1:{port}",
+                          journal_dir / "router.log"))
     return children
+
+
+def check_commands(children: Sequence[Child]) -> str | None:
+    """Parse each child's command line as its ``fsm-pd serve`` would; the first error, or None. So that a flag
+    passed through (``--node-arg``, ``--router-arg``) that a node would refuse stops launch before anything starts."""
+    import contextlib
+    import io
+
+    from fsm_pd.serve_cli import role_parser
+
+    for child in children:
+        parser, argv = role_parser(child.argv[child.argv.index("serve") + 1:])
+        stderr = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(stderr):
+                parser.parse_args(argv)
+        except SystemExit:
+            return f"{child.name}: " + stderr.getvalue().strip().splitlines()[-1]
+    return None
 
 
 def health(child: Child) -> tuple[bool, dict]:
@@ -227,11 +249,16 @@ def warm_up(router: str, model: str) -> str:
 
 
 def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, journal_dir: Path,
-           extra: list[str], console: Console, warmup: bool = True, prefill_tp: int = 1, decode_tp: int = 1) -> int:
+           extra: list[str], console: Console, warmup: bool = True, prefill_tp: int = 1, decode_tp: int = 1,
+           router_extra: Sequence[str] = ()) -> int:
     started = time.time()
+    children = plan(prefill, decode, port, model, backend, journal_dir, extra, prefill_tp, decode_tp, router_extra)
+    error = check_commands(children)
+    if error is not None:
+        console.print(f"fsm-pd launch: {error}", highlight=False)
+        return 2
     journal_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **secret_env(generate_secret())}
-    children = plan(prefill, decode, port, model, backend, journal_dir, extra, prefill_tp, decode_tp)
     nodes, router_child = children[:-1], children[-1]
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -186,6 +186,17 @@ def node_parser(role: str) -> argparse.ArgumentParser:
     return parser
 
 
+def role_parser(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, list[str]]:
+    """The parser ``serve_main`` parses ``argv`` (with ``--role``, not bootstrap) with, and the words it gives it:
+    the node's for prefill, decode and colocated, the router's (``--role router`` taken out) for the router."""
+    role = argv[list(argv).index("--role") + 1]
+    if role == "router":
+        from fsm_pd.router.app import build_arg_parser
+
+        return build_arg_parser(), [a for a in argv if a not in ("--role", "router")]
+    return node_parser(role), list(argv)
+
+
 def serve_main(argv: Sequence[str]) -> int:
     role_only = argparse.ArgumentParser(add_help=False)
     role_only.add_argument("--role", choices=ROLES)
@@ -206,7 +217,7 @@ def serve_main(argv: Sequence[str]) -> int:
     if known.role == "router":
         from fsm_pd.router.app import router_main
 
-        router_main([a for a in argv if a not in ("--role", "router")])
+        router_main(role_parser(argv)[1])
         return 0
     parser = node_parser(known.role)
     args = parser.parse_args(argv)

@@ -134,8 +134,7 @@ def parse(words: list[str], env: Mapping[str, str]) -> CommandLine:
     node's for prefill and decode, the router's (``--role router`` taken out, as serve_main does) for the router,
     built with the container's environment alone (the flags' defaults read it: FSM_PD_API_KEY, ...). An unknown flag
     or a bad value fails with argparse's own message."""
-    from fsm_pd.router.app import build_arg_parser
-    from fsm_pd.serve_cli import node_parser
+    from fsm_pd.serve_cli import role_parser
 
     assert words[:2] == ["fsm-pd", "serve"], f"not an fsm-pd serve command: {words}"
     rest = words[2:]
@@ -143,10 +142,8 @@ def parse(words: list[str], env: Mapping[str, str]) -> CommandLine:
     err = io.StringIO()
     try:
         with mock.patch.dict(os.environ, env, clear=True), contextlib.redirect_stderr(err):
-            if role == "router":
-                return CommandLine(role, build_arg_parser().parse_args([a for a in rest if a not in ("--role",
-                                                                                                     "router")]))
-            return CommandLine(role, node_parser(role).parse_args(rest))
+            parser, words = role_parser(rest)
+            return CommandLine(role, parser.parse_args(words))
     except SystemExit:
         raise AssertionError(f"fsm-pd serve --role {role} refuses {' '.join(rest)}:\n{err.getvalue()}") from None
 
