@@ -15,7 +15,7 @@ from fsm_pd.serving.collect import generate
 from fsm_pd.serving.decode_engine import DecodeEngine
 from fsm_pd.serving.prefill_engine import PrefillEngine
 from fsm_pd.serving.types import Bootstrap, EngineError
-from fsm_pd.serving.warmup import plan_for
+from fsm_pd.serving.warmup import SHORT_PROMPT_TOKENS, plan_for
 from fsm_pd.store import read_journal
 
 
@@ -37,6 +37,10 @@ def test_the_ready_sets_cover_a_local_prefill_and_its_decode():
             longest = max(tokens for rows, tokens in plans[name].forward if rows == 1 and tokens > 1)
             assert (1, longest) in ready and longest >= engines[name].recompute.max_tokens
         assert plans["both"].gather_buckets == plans["prefill"].gather_buckets  # still a prefill node's transfers
+        # a node that prefills requests has a short prompt's prefill ready too; a decode node (recomputes) does not
+        for name in ("prefill", "both"):
+            assert (1, SHORT_PROMPT_TOKENS) in plans[name].ready_forward
+        assert (1, SHORT_PROMPT_TOKENS) not in plans["decode"].ready_forward
     finally:
         for engine in engines.values():
             engine.close()

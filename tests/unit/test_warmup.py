@@ -21,7 +21,7 @@ from fsm_pd.serving.collect import generate
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.types import GenerateRequest, RequestStream
-from fsm_pd.serving.warmup import compile_rest, plan_for, warm_up
+from fsm_pd.serving.warmup import SHORT_PROMPT_TOKENS, compile_rest, plan_for, warm_up
 
 MAX_BATCH, MAX_TOKENS, PAGE_SIZE, PAGES = 8, 512, 16, 64
 
@@ -89,7 +89,7 @@ def _serve(engine, requests, *, one_by_one: bool = False) -> list:
 
 @pytest.mark.slow
 def test_a_node_ready_on_its_ready_set_serves_every_shape_without_compiling():
-    """Warm-up prepares only the ready set (the single-row decode and the longest single-row prefill,
+    """Warm-up prepares only the ready set (the single-row decode, the longest and a short single-row prefill,
     the samplers, the logprob programs); every batch and prompt length the schedulers then form runs on them, padded
     up or row by row, and compiles nothing. Once the background compile has run, every shape is there, and greedy
     answers are the same on their own shapes. (Served one by one: a row's logits move in the last bits with the
@@ -102,8 +102,9 @@ def test_a_node_ready_on_its_ready_set_serves_every_shape_without_compiling():
         plan = plan_for(engine)
         report = warm_up(engine, progress=False)
         programs = engine.model.programs(engine.model_thread.pool)
-        assert report["forward_shapes"] == len(plan.ready_forward) == 2
-        assert programs.shapes == set(plan.ready_forward) == {(1, 1), (1, MAX_TOKENS)}
+        # the single-row decode, the longest single-row prefill, and a short prompt's (a colocated node prefills)
+        assert report["forward_shapes"] == len(plan.ready_forward) == 3
+        assert programs.shapes == set(plan.ready_forward) == {(1, 1), (1, SHORT_PROMPT_TOKENS), (1, MAX_TOKENS)}
         before = sum(compiles.counts().values())
         _serve(engine, _requests())
         greedy = _serve(engine, _requests(greedy_only=True)[:7], one_by_one=True)
