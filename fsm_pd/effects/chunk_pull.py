@@ -15,24 +15,16 @@ from fsm_pd.effects import EffectError
 from fsm_pd.effects.checksums import read_trailer
 from fsm_pd.effects.chunked import ChunkPiece, ChunkPlan, Trailer
 from fsm_pd.effects.faults import InjectedFault
-from fsm_pd.effects.pulls import PullBook, Pulls, report_pull_error
+from fsm_pd.effects.pulls import DecodePart, Pulls, report_pull_error
 from fsm_pd.transport.reshard import piece_uuid, plan_between
 
 if TYPE_CHECKING:
     from fsm_pd.effects import Node
-    from fsm_pd.effects.faults import Faults
-    from fsm_pd.effects.ports import DecodeKV, PullPort
     from fsm_pd.machines import Room
 
 
-class ChunkPull:
+class ChunkPull(DecodePart):
     """``DecodeEffects``'s pull of a chunked handoff (a mixin: the handler holds the ports and the book)."""
-
-    layout: dict
-    puller: PullPort
-    kv: DecodeKV
-    faults: Faults
-    book: PullBook
 
     def _pull_chunks(self, node: Node, room: Room, pages: list[int]) -> None:
         ctx, room_id = room.ctx, room.room

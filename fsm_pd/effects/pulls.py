@@ -20,6 +20,8 @@ from fsm_pd.transport.backends.base import TransferFailed, TransferTimeout
 
 if TYPE_CHECKING:
     from fsm_pd.effects import Node
+    from fsm_pd.effects.faults import Faults
+    from fsm_pd.effects.ports import DecodeKV, ModelExecutor, PullPort
 
 
 class Pulls:
@@ -103,6 +105,19 @@ class PullBook:
             pulls = self.pending.pop(room_id, None)
             arrays = self.pulled.pop(room_id, None) or (() if pulls is None else tuple(pulls.landed.values()))
             return arrays, self.streams.pop(room_id, None)
+
+
+class DecodePart:
+    """What the parts of ``DecodeEffects`` (``room_pull.py``, ``chunk_pull.py``, ``scatter.py``) share: the
+    handler's ports and settings and its pull book, set by ``DecodeEffects.__init__``."""
+
+    layout: dict
+    kv_checksum: bool
+    puller: PullPort
+    model: ModelExecutor
+    kv: DecodeKV
+    faults: Faults
+    book: PullBook
 
 
 def report_pull_error(node: Node, room_id: int, which: str, error: BaseException) -> None:

@@ -25,24 +25,16 @@ from typing import TYPE_CHECKING, Any
 from fsm_pd.effects.checksums import read_trailer
 from fsm_pd.effects.chunked import TRAILER_WORDS, Trailer
 from fsm_pd.effects.faults import InjectedFault
-from fsm_pd.effects.pulls import PullBook, Pulls, report_pull_error
+from fsm_pd.effects.pulls import DecodePart, Pulls, report_pull_error
 from fsm_pd.transport.reshard import Piece, ReshardPlan, piece_uuid, plan_between
 
 if TYPE_CHECKING:
     from fsm_pd.effects import Node
-    from fsm_pd.effects.faults import Faults
-    from fsm_pd.effects.ports import DecodeKV, PullPort
     from fsm_pd.machines import Room
 
 
-class RoomPull:
+class RoomPull(DecodePart):
     """``DecodeEffects``'s pull of a whole handoff (a mixin: the handler holds the ports and the book)."""
-
-    layout: dict
-    puller: PullPort
-    kv: DecodeKV
-    faults: Faults
-    book: PullBook
 
     def _pull_room(self, node: Node, room: Room, pages: list[int]) -> None:
         ctx, room_id = room.ctx, room.room

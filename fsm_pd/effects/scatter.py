@@ -14,28 +14,19 @@ from typing import TYPE_CHECKING, Any
 
 from fsm_pd.effects.checksums import MISSING, OFF, UNCHECKED, VERIFIED, ChecksumMismatch, mismatch
 from fsm_pd.effects.chunked import ChunkPlan
-from fsm_pd.effects.pulls import PullBook, pages_to_receive
+from fsm_pd.effects.pulls import DecodePart, pages_to_receive
 from fsm_pd.transport.reshard import ReshardPlan, plan_between
 
 if TYPE_CHECKING:
     from fsm_pd.effects import Node
-    from fsm_pd.effects.faults import Faults
-    from fsm_pd.effects.ports import DecodeKV, ModelExecutor
     from fsm_pd.machines import Room
     from fsm_pd.machines.effect_types import Scatter
 
 log = logging.getLogger(__name__)
 
 
-class ScatterAndVerify:
+class ScatterAndVerify(DecodePart):
     """``DecodeEffects``'s ``Scatter`` (a mixin: the handler holds the ports and the book)."""
-
-    layout: dict
-    kv_checksum: bool
-    model: ModelExecutor
-    kv: DecodeKV
-    faults: Faults
-    book: PullBook
 
     def scatter(self, node: Node, room: Room, effect: Scatter) -> None:
         self.faults.crash("before_scatter")
