@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from fsm_pd.control.scheduling import admits
-from fsm_pd.model.pages import OutOfPages, pages_for
-from fsm_pd.model.prefix_cache import NO_MATCH
+from fsm_pd.kvpool.pages import OutOfPages, pages_for
+from fsm_pd.kvpool.prefix_cache import NO_MATCH
 from fsm_pd.serving.retraction import pick_retractions
 
 if TYPE_CHECKING:

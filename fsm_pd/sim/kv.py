@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fsm_pd.control.layer_stream import LayerStream
-from fsm_pd.model.pages import PageAllocator
+from fsm_pd.kvpool.pages import PageAllocator
 from fsm_pd.sim.ledger import Ledger
 from fsm_pd.sim.timeline import Timeline
 
