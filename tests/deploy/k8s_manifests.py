@@ -135,7 +135,7 @@ def parse(words: list[str], env: Mapping[str, str]) -> CommandLine:
     built with the container's environment alone (the flags' defaults read it: FSM_PD_API_KEY, ...). An unknown flag
     or a bad value fails with argparse's own message."""
     from fsm_pd.router.app import build_arg_parser
-    from fsm_pd.serve_cli import node_parser
+    from fsm_pd.serve_flags import node_parser
 
     assert words[:2] == ["fsm-pd", "serve"], f"not an fsm-pd serve command: {words}"
     rest = words[2:]
