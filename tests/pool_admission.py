@@ -9,7 +9,7 @@ import threading
 from collections import deque
 from typing import TYPE_CHECKING
 
-from fsm_pd.model.pages import OutOfPages, PageAllocator
+from fsm_pd.kvpool.pages import OutOfPages, PageAllocator
 
 if TYPE_CHECKING:
     from fsm_pd.effects import Node

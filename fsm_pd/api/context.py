@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsm_pd.api.requests import NodeIdentity
+from fsm_pd.api.request_checks import NodeIdentity
 from fsm_pd.serving.types import Engine
 
 

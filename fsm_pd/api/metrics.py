@@ -73,27 +73,47 @@ class ApiMetrics:
         return b"".join(generate_latest(r) for r in [*self.others, self.registry]), CONTENT_TYPE_LATEST
 
 
-class MetricsMiddleware:
-    """Pure ASGI (not BaseHTTPMiddleware, which would hide the client's disconnect from the handlers).
+class WatchedMiddleware:
+    """Pure ASGI (not BaseHTTPMiddleware, which would hide the client's disconnect from the handlers): every HTTP
+    request runs under a ``ResponseWatch``; ``began`` before the app sees it, ``ended`` once it ended, however."""
 
-    A request is counted under the status it answered, except that one whose client disconnected before the
-    response ended (a stream cut short: its 200 was already sent) is counted as 499."""
-
-    def __init__(self, app, metrics: ApiMetrics):
+    def __init__(self, app, metrics):
         self.app = app
         self.metrics = metrics
+
+    def label(self, path: str) -> str:
+        raise NotImplementedError
+
+    def began(self, route: str) -> None:
+        pass
+
+    def ended(self, route: str, started: float, watch: ResponseWatch) -> None:
+        raise NotImplementedError
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        route = scope.get("path", "")
-        route = route if route in COUNTED_ROUTES else "other"
+        route = self.label(scope.get("path", ""))
         started = time.monotonic()
         watch = ResponseWatch(receive, send)
+        self.began(route)
         try:
             await self.app(scope, watch.receive, watch.send)
         finally:
-            if watch.headers_at is not None:
-                self.metrics.seconds.labels(route).observe(watch.headers_at - started)
-            self.metrics.requests.labels(route, str(watch.counted_code)).inc()
+            self.ended(route, started, watch)
+
+
+class MetricsMiddleware(WatchedMiddleware):
+    """A request is counted under the status it answered, except that one whose client disconnected before the
+    response ended (a stream cut short: its 200 was already sent) is counted as 499."""
+
+    metrics: ApiMetrics
+
+    def label(self, path: str) -> str:
+        return path if path in COUNTED_ROUTES else "other"
+
+    def ended(self, route: str, started: float, watch: ResponseWatch) -> None:
+        if watch.headers_at is not None:
+            self.metrics.seconds.labels(route).observe(watch.headers_at - started)
+        self.metrics.requests.labels(route, str(watch.counted_code)).inc()

@@ -18,7 +18,8 @@ from fsm_pd.api.context import ApiContext
 from fsm_pd.api.errors import ERROR_RESPONSES, ApiError
 from fsm_pd.api.fanout import answer_plan, stream_plan
 from fsm_pd.api.outputs import RequestState, openai_finish_reason
-from fsm_pd.api.requests import check_model, from_chat, from_completion
+from fsm_pd.api.request_checks import check_model
+from fsm_pd.api.requests import from_chat, from_completion
 from fsm_pd.api.runner import RequestRun
 from fsm_pd.api.schemas import ChatCompletionBody, CompletionBody
 from fsm_pd.api.streaming import answer_stream, answer_whole

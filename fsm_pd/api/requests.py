@@ -1,5 +1,5 @@
-"""Request bodies to ``Plan``s of ``GenerateRequest``s: tokenising, sampling parameters, PD bootstrap fields, and
-every check that turns a bad request into a 400/404 before the engine sees it.
+"""Request bodies to ``Plan``s of ``GenerateRequest``s: tokenising, PD bootstrap fields, and fan-out; the checks
+against the node are ``request_checks.py``'s, the sampling parameters ``sampling_params.py``'s.
 
 Fan-out: a batch of prompts and ``n`` (or ``best_of``) completions per prompt become one engine request each, at this
 layer. Request ``k`` (prompt ``k // copies``, copy ``k % copies``) gets the rid ``{rid}-{k}``, the bootstrap room
@@ -18,6 +18,8 @@ from dataclasses import dataclass, replace
 
 from fsm_pd.api.chat_template import render_messages
 from fsm_pd.api.errors import ApiError
+from fsm_pd.api.request_checks import NodeIdentity, check_lengths, check_model, check_token_ids
+from fsm_pd.api.sampling_params import make_sampling, refuse_unsupported, top_logprobs_num
 from fsm_pd.api.schemas import (
     MAX_BATCH,
     ChatCompletionBody,
@@ -27,8 +29,7 @@ from fsm_pd.api.schemas import (
     SGLangSamplingParams,
 )
 from fsm_pd.api.tools import ToolPlan, forced_grammar, plan_tools, tool_dicts
-from fsm_pd.model.decoder import MAX_TOP_LOGPROBS
-from fsm_pd.model.grammar import GrammarSpec, grammar_of
+from fsm_pd.model.grammar import GrammarSpec
 from fsm_pd.model.sampling import SamplingParams
 from fsm_pd.serving.types import Bootstrap, GenerateRequest
 
@@ -37,25 +38,8 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and SGLang's) default for /v1/co
 PD_ROLES = ("prefill", "decode")
 
 
-@dataclass(frozen=True, slots=True)
-class NodeIdentity:
-    """What a request is checked against: the engine's role and context, the names it answers to."""
-
-    role: str
-    max_context: int
-    model_names: frozenset[str]
-    bootstrap_port: int | None  # this node's bootstrap port: the default for a request with bootstrap_port null
-    vocab_size: int | None = None  # the model's vocabulary (token ids the model embeds), not the tokenizer's size
-
-
 def new_rid() -> str:
     return uuid.uuid4().hex
-
-
-def check_model(node: NodeIdentity, model: str | None) -> None:
-    if model is not None and model not in node.model_names:
-        served = ", ".join(sorted(node.model_names))
-        raise ApiError(404, f"the model {model!r} does not exist; this server serves {served}", code="model_not_found")
 
 
 def resolve_bootstrap(node: NodeIdentity, host: str | None, port: int | None, room: int | None,
@@ -105,103 +89,6 @@ def choose_seed(seed: int | None, bootstrap: Bootstrap | None, params: SamplingP
     if bootstrap is not None:
         return bootstrap.room & 0x7FFFFFFF
     return params.resolved_seed()
-
-
-NEUTRAL = {  # fields fsm-pd does not serve (yet), with the values that mean "not used"
-    "structural_tag": (None,),
-    "min_new_tokens": (None, 0), "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
-    "lora_path": (None,), "image_data": (None,), "return_hidden_states": (None, False),
-    "custom_logit_processor": (None,), "tools": (None, []),
-    "tool_choice": (None, "none"), "parallel_tool_calls": (None, True), "suffix": (None, ""),
-}
-WHY = {
-    "structural_tag": "structural tags are not served yet (json_schema, regex, ebnf and response_format are)",
-    "tools": "tools are served in chat completions only", "tool_choice": "tools are served in chat completions only",
-    "parallel_tool_calls": "tools are served in chat completions only",
-}
-
-
-def refuse_unsupported(body, *names: str) -> None:
-    """A 400 naming the first field of ``names`` that holds anything but its neutral value."""
-    for name in names:
-        value = getattr(body, name)
-        if value not in NEUTRAL[name]:
-            why = WHY.get(name, "fsm-pd does not serve it")
-            raise ApiError(400, f"{name}={value!r} is not supported: {why}")
-
-
-def logit_bias_items(bias: dict[str, float] | None, node: NodeIdentity) -> tuple[tuple[int, float], ...]:
-    items = []
-    for key, value in (bias or {}).items():
-        try:
-            tid = int(key)
-        except ValueError:
-            raise ApiError(400, f"logit_bias keys are token ids, got {key!r}") from None
-        items.append((tid, float(value)))
-    check_token_ids(node, [t for t, _ in items], "logit_bias")
-    return tuple(items)
-
-
-def top_logprobs_num(value: int | None, name: str) -> int:
-    """How many alternatives per position: 0 to ``MAX_TOP_LOGPROBS`` (20, as SGLang and OpenAI)."""
-    k = int(value or 0)
-    if not 0 <= k <= MAX_TOP_LOGPROBS:
-        raise ApiError(400, f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {k}")
-    return k
-
-
-def make_sampling(node: NodeIdentity, src, *, max_new_tokens, seed, repetition_penalty=None) -> SamplingParams:
-    """SamplingParams from a body (``src``: SGLang's sampling_params or an OpenAI body: the same names)."""
-    stop = src.stop
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    check_token_ids(node, list(src.stop_token_ids or ()), "stop_token_ids")
-    try:
-        return SamplingParams(
-            temperature=1.0 if src.temperature is None else float(src.temperature),
-            top_p=1.0 if src.top_p is None else float(src.top_p),
-            top_k=0 if src.top_k is None or src.top_k < 0 else int(src.top_k),  # SGLang's -1 means "all", as 0 does
-            min_p=float(src.min_p or 0.0),
-            max_new_tokens=max(1, max_new_tokens),  # 0: one token is generated and not shown
-            stop=stops,
-            stop_token_ids=tuple(src.stop_token_ids or ()),
-            ignore_eos=bool(src.ignore_eos) or max_new_tokens == 0,
-            seed=seed,
-            frequency_penalty=float(src.frequency_penalty or 0.0),
-            presence_penalty=float(src.presence_penalty or 0.0),
-            repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
-            logit_bias=logit_bias_items(src.logit_bias, node),
-            no_stop_trim=bool(src.no_stop_trim),
-            grammar=grammar_of(src),  # json_schema, regex, ebnf, or OpenAI's response_format
-        )
-    except ValueError as err:
-        raise ApiError(400, str(err)) from err
-
-
-def check_lengths(node: NodeIdentity, input_ids: list[int], max_new_tokens: int | None) -> int:
-    """Checks the prompt and the token budget against the context; returns max_new_tokens (filled in when None)."""
-    if not input_ids:
-        raise ApiError(400, "the prompt is empty")
-    if len(input_ids) >= node.max_context:
-        raise ApiError(400, f"the prompt has {len(input_ids)} tokens; this model's context is {node.max_context} "
-                            f"tokens (prompt and output together)")
-    room = node.max_context - len(input_ids)
-    if max_new_tokens is None:
-        return room
-    if max_new_tokens < 0:
-        raise ApiError(400, f"max tokens must be at least 0, got {max_new_tokens}")
-    if max_new_tokens > room:
-        raise ApiError(400, f"{len(input_ids)} prompt tokens + {max_new_tokens} new tokens exceed this model's "
-                            f"context of {node.max_context} tokens")
-    return max_new_tokens
-
-
-def check_token_ids(node: NodeIdentity, ids: list[int], what: str) -> None:
-    """Ids must be ones the model can embed: its own output (the model's vocabulary can be larger than the
-    tokenizer's, e.g. padded to a multiple of 64) is a valid prompt."""
-    vocab = node.vocab_size
-    bad = [i for i in ids if i < 0 or (vocab is not None and i >= vocab)]
-    if bad:
-        raise ApiError(400, f"{what} holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
 
 
 @dataclass(slots=True)

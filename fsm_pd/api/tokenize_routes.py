@@ -18,7 +18,7 @@ from fastapi import APIRouter
 
 from fsm_pd.api.context import ApiContext
 from fsm_pd.api.errors import ERROR_RESPONSES, ApiError
-from fsm_pd.api.requests import check_model, check_token_ids
+from fsm_pd.api.request_checks import check_model, check_token_ids
 from fsm_pd.api.schemas import DetokenizeBody, TokenizeBody
 from fsm_pd.api.strict_json import StrictJSONRoute
 

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 from fsm_pd.control.scheduling import admit_waiting, end_prefix
-from fsm_pd.model.pages import PageAllocator
-from fsm_pd.model.prefix_cache import PrefixCache
+from fsm_pd.kvpool.pages import PageAllocator
+from fsm_pd.kvpool.prefix_cache import PrefixCache
 
 
 class Preallocation:

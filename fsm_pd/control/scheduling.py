@@ -25,9 +25,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from fsm_pd.kvpool.pages import PageAllocator, pages_for
+from fsm_pd.kvpool.prefix_cache import NO_MATCH, Match, PrefixCache
 from fsm_pd.model.input_buckets import MIN_TOKEN_BUCKET, prefill_fits, token_bucket
-from fsm_pd.model.pages import PageAllocator, pages_for
-from fsm_pd.model.prefix_cache import NO_MATCH, Match, PrefixCache
 
 Sequence = Any  # anything with key, prompt_len, pages, meta and queued_at: typed loosely to stay jax-free
 # SGLang's --chunked-prefill-size: padded prompt tokens one prefill step computes, and the longest chunk of one

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 # int32 words of the trailer: the first sampled token (then, with the KV checksum, a flag and one per piece and layer)
 TRAILER_WORDS = 1
@@ -93,18 +92,3 @@ def streams(ctx: dict, pages: list[int], unsharded: bool) -> bool:
     piece_pages = int(ctx.get("piece_pages") or 0)
     return piece_pages > 0 and unsharded and len(pages) > piece_pages
 
-
-class ChunkPulls:
-    """A decode node's pulls of one chunked room: pieces in order, then the trailer; ``landed`` as ``RoomPulls``'s."""
-
-    def __init__(self, plan: ChunkPlan):
-        self.plan = plan
-        self.landed: dict[int, Any] = {}  # piece index -> its verified array (the trailer is not kept)
-        self.first_token: int | None = None
-        self.checksums: list[list[int]] | None = None  # from the trailer: one crc32c per piece and layer
-
-    def land(self, index: int, staging: Any) -> None:
-        self.landed[index] = staging
-
-    def arrays(self) -> tuple:
-        return tuple(self.landed[piece.index] for piece in self.plan.pieces)

@@ -11,7 +11,7 @@ every queued and later job fails at once with ``ModelThreadDead``, and the ``on_
 fails its requests, ``/health`` turns 503). A dead model thread is not restarted: its pool can no longer be trusted.
 
 One exception to "only this thread reads the pool": a transfer stream may read pages between jobs while it holds
-``lease`` (``pool_lease.py``), which every job waits for, so that no view of the pool is alive while a job donates it.
+``lease`` (``kvpool/lease.py``), which every job waits for, so that no view of the pool is alive while a job donates it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from fsm_pd.model.pool_lease import PoolLease
+from fsm_pd.kvpool.lease import PoolLease
 
 log = logging.getLogger(__name__)
 

@@ -71,6 +71,22 @@ def error_message(response: Response) -> str:
         return f"status {response.status_code}"
 
 
+def closer(decode: Worker, release: Callable[[], None], leg: Leg) -> Callable[[], Awaitable[None]]:
+    """An attempt's ``close``: once its decode leg is done with, let go of the decode node's slot and the running
+    entry, and close the leg; later calls do nothing."""
+    closed = False
+
+    async def close() -> None:
+        nonlocal closed
+        if not closed:
+            closed = True
+            decode.outstanding -= 1
+            release()
+            await leg.close()
+
+    return close
+
+
 class Attempts:
     """Runs one attempt at a time for the router; ``finishing`` holds the prefill answers still awaited beside their
     decode's relay (the router's ``aclose`` cancels them)."""
@@ -98,16 +114,7 @@ class Attempts:
         decode.outstanding += 1
         leg = Leg(decode.role, decode.url, self.client, decode.url + path, sent, headers, whole=False,
                   timeout_s=self.deadlines.decode_s, deadline_name="decode_leg")
-        closed = False
-
-        async def close() -> None:
-            nonlocal closed
-            if not closed:
-                closed = True
-                decode.outstanding -= 1
-                release()
-                await leg.close()
-
+        close = closer(decode, release, leg)
         try:
             failed = await _answered(leg, deadline, self.request_timeout_s, decode.lost, bool(body.get("stream")))
         except BaseException:
@@ -143,15 +150,7 @@ class Attempts:
                     timeout_s=self.deadlines.prefill_s)
         d_leg = Leg("decode", decode.url, self.client, decode.url + path, sent, headers, whole=False,
                     timeout_s=self.deadlines.decode_s)
-        closed = False
-
-        async def close() -> None:
-            nonlocal closed
-            if not closed:
-                closed = True
-                decode.outstanding -= 1
-                release()
-                await d_leg.close()
+        close = closer(decode, release, d_leg)
 
         async def close_both() -> None:
             try:

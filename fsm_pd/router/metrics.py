@@ -13,7 +13,7 @@ import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from fsm_pd.api.metrics import CLIENT_CLOSED, ResponseWatch
+from fsm_pd.api.metrics import CLIENT_CLOSED, ResponseWatch, WatchedMiddleware
 
 ROUTER_ROUTES = frozenset({
     "/generate", "/v1/completions", "/v1/chat/completions", "/v1/models", "/abort_request", "/flush_cache",
@@ -111,27 +111,21 @@ class RouterMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-class RouterMetricsMiddleware:
-    """Pure ASGI, outermost: every request is counted, those the API key or the body limit refused included."""
+class RouterMetricsMiddleware(WatchedMiddleware):
+    """Outermost: every request is counted, those the API key or the body limit refused included."""
 
-    def __init__(self, app, metrics: RouterMetrics):
-        self.app = app
-        self.metrics = metrics
+    metrics: RouterMetrics
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        route = route_label(scope.get("path", ""))
-        started = time.monotonic()
-        watch = ResponseWatch(receive, send)
+    def label(self, path: str) -> str:
+        return route_label(path)
+
+    def began(self, route: str) -> None:
         self.metrics.in_flight.labels(route).inc()
-        try:
-            await self.app(scope, watch.receive, watch.send)
-        finally:
-            self.metrics.in_flight.labels(route).dec()
-            code = watch.counted_code
-            self.metrics.requests.labels(route, str(code)).inc()
-            self.metrics.seconds.labels(route).observe(time.monotonic() - started)
-            if (kind := error_kind(code)) is not None:
-                self.metrics.errors.labels(route, kind).inc()
+
+    def ended(self, route: str, started: float, watch: ResponseWatch) -> None:
+        self.metrics.in_flight.labels(route).dec()
+        code = watch.counted_code
+        self.metrics.requests.labels(route, str(code)).inc()
+        self.metrics.seconds.labels(route).observe(time.monotonic() - started)
+        if (kind := error_kind(code)) is not None:
+            self.metrics.errors.labels(route, kind).inc()

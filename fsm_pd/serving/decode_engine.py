@@ -44,9 +44,9 @@ from typing import Any
 from fsm_pd.control.admission import SchedulerAdmission
 from fsm_pd.control.phases import timing_meta
 from fsm_pd.control.prealloc import Preallocation
+from fsm_pd.kvpool.pages import pages_for
 from fsm_pd.machines.deadlines import ended_by_deadline, explain_failure
 from fsm_pd.model.loader import LoadedModel
-from fsm_pd.model.pages import pages_for
 from fsm_pd.serving.common import ENDED
 from fsm_pd.serving.decode_loop import DecodeLoop
 from fsm_pd.serving.forward import input_logprobs_from_wire

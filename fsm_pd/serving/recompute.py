@@ -34,9 +34,9 @@ from collections.abc import Callable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from fsm_pd.control.scheduling import CHUNKED_PREFILL_SIZE, take_prefill_batch
+from fsm_pd.kvpool.pages import PageAllocator
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.model.model_thread import ModelThread
-from fsm_pd.model.pages import PageAllocator
 from fsm_pd.serving.forward import prefill_and_sample
 from fsm_pd.serving.isolate import run_isolating
 from fsm_pd.serving.sequence import Sequence

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from fsm_pd.model.prefix_cache import NO_MATCH, Match
+from fsm_pd.kvpool.prefix_cache import NO_MATCH, Match
 from fsm_pd.model.stopping import FinishReason, StopChecker
 from fsm_pd.model.tokenizer import Tokenizer
 from fsm_pd.serving.types import GenerateRequest, RequestStream, TokenOutput

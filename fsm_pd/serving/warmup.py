@@ -44,9 +44,9 @@ from fsm_pd.control.overlap import layer_group
 from fsm_pd.kernels import bucket_sizes, cpu_copy, gather_pages, resolve_impl, scatter_layers, scatter_pages
 from fsm_pd.kernels.layer_groups import group_sizes
 from fsm_pd.kernels.placement import pool_placement
+from fsm_pd.kvpool.pages import pages_for
 from fsm_pd.model import compiles, input_buckets, sampling
 from fsm_pd.model.decoder import LOGPROB_ROWS, MAX_TOP_LOGPROBS, next_token_logprobs
-from fsm_pd.model.pages import pages_for
 from fsm_pd.model.programs import decode_shapes, prefill_shapes
 from fsm_pd.serving.startup import Startup
 

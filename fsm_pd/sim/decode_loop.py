@@ -3,8 +3,9 @@ when the pool cannot grow them all the newest are retracted (pages given back) a
 
 What runs is production code where it can be without jax: the retraction policy ``serving.retraction.
 pick_retractions`` (which requests give their pages back), the real ``PageAllocator``'s ``extend`` and
-``give_back`` (recorded: ``kv.RecordingAllocator``), ``scheduling.admits`` (a resume waits for its pages with
-headroom to spare), ``PrefixCache.unlock`` of a retracted request's cached prefix and ``Preallocation.finished``.
+``give_back`` (recorded: ``allocator.RecordingAllocator``), ``scheduling.admits`` (a resume waits for its pages
+with headroom to spare), ``PrefixCache.unlock`` of a retracted request's cached prefix and
+``Preallocation.finished``.
 ``serving/decode_loop.py`` itself imports jax (the forward pass, sampling), so the step around these calls is
 mirrored here from ``DecodeLoop.step`` (``_resume`` then ``_with_pages``, ``_retract``), not imported: a change to
 that loop's order is not seen by the simulation.
@@ -19,8 +20,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from fsm_pd.control.scheduling import admits
-from fsm_pd.model.pages import OutOfPages, pages_for
-from fsm_pd.model.prefix_cache import NO_MATCH
+from fsm_pd.kvpool.pages import OutOfPages, pages_for
+from fsm_pd.kvpool.prefix_cache import NO_MATCH
 from fsm_pd.serving.retraction import pick_retractions
 
 if TYPE_CHECKING:

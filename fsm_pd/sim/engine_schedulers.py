@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 from fsm_pd.control.admission import SchedulerAdmission
 from fsm_pd.control.prealloc import Preallocation
 from fsm_pd.control.scheduling import CHUNKED_PREFILL_SIZE, end_request, flush_when_idle, take_prefill_batch
-from fsm_pd.model.prefix_cache import NO_MATCH, Match, PrefixCache
+from fsm_pd.kvpool.prefix_cache import NO_MATCH, Match, PrefixCache
+from fsm_pd.sim.allocator import RecordingAllocator
 from fsm_pd.sim.decode_loop import SimDecodeLoop
-from fsm_pd.sim.kv import RecordingAllocator
 
 if TYPE_CHECKING:
     from fsm_pd.sim.world import World

@@ -4,9 +4,10 @@
   ledger records every attempt), and no write reaches a page after its ``FreePages``;
 - no leaks: once the world is quiet, nothing is held for a room that has ended, and every page of either pool is
   free, a room's or the prefix cache's, its cache locks those of the live requests (``page_accounting``); a page
-  a live request's cached prefix uses is never freed or handed to another room (``kv.RecordingAllocator``);
+  a live request's cached prefix uses is never freed or handed to another room
+  (``allocator.RecordingAllocator``);
 - page lifetimes: a page goes back to the free list only after its writer and every reader have finished, and reads
-  and writes reach only the room's pages (``kv.RecordingAllocator``, at every event);
+  and writes reach only the room's pages (``allocator.RecordingAllocator``, at every event);
 - liveness: every room ends within the sum of its role's deadlines, and stays in no state longer than that state's
   deadline plus the slack (``overdue_states``, at every settle point);
 - both sides of a room agree, and no corrupted handoff is decoded (``fsm_pd.sim.outcomes``);

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from fsm_pd.model.pool_lease import PoolLease
+from fsm_pd.kvpool.lease import PoolLease
 from fsm_pd.sim.timeline import Timeline
 
 

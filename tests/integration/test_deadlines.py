@@ -12,20 +12,19 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import socket
 import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 import pytest
 from polling import until as wait_until
 from processes import Cluster
+from raw_worker import raw_worker
 from stub_engine import StubEngine
 from test_router import NO_RETRY, sse_data
-from test_router_failures import FIRST_EVENT, HEALTHY, SSE_HEAD, StallsAfterFirstToken, chunk, error_event
+from test_router_failures import FIRST_EVENT, SSE_HEAD, StallsAfterFirstToken, chunk, error_event
 from test_router_retries import sse_event
 
 from fsm_pd.api import AppServer, create_app
@@ -36,73 +35,6 @@ from fsm_pd.router.policy import PolicySettings
 
 CLIENT_TIMEOUT_S = 60.0  # beyond every short deadline here; the defaults they stand for are minutes
 SLACK_S = 5.0  # a deadline's end, its error and the client's read, on a loaded 2-core machine
-
-
-@dataclass
-class SilentWorker:
-    """What a worker that answers ``/health`` but stalls a request looks like from the router (fields for tests)."""
-
-    url: str = ""
-    requests: list[bytes] = field(default_factory=list)  # the request lines of the stalled requests
-    requests_bodies: list[bytes] = field(default_factory=list)  # and their bodies
-    hung_up: threading.Event = field(default_factory=threading.Event)  # the router closed a stalled connection
-
-
-@contextlib.contextmanager
-def silent_worker(reply: bytes):
-    """A raw HTTP worker: each connection on its own thread, so ``/health`` keeps answering 200 (it is healthy by every
-    check) while a request is held. Every other request gets ``reply`` (nothing, or a stream's head and first event)
-    and then silence, until the router hangs up."""
-    server = socket.create_server(("127.0.0.1", 0))
-    worker = SilentWorker(f"http://127.0.0.1:{server.getsockname()[1]}")
-    stop = threading.Event()
-
-    def read_request(conn: socket.socket, data: bytes) -> tuple[bytes, bytes] | None:
-        while b"\r\n\r\n" not in data:
-            more = conn.recv(65536)
-            if not more:
-                return None
-            data += more
-        head, _, rest = data.partition(b"\r\n\r\n")
-        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                       if line.lower().startswith(b"content-length:")), 0)
-        while len(rest) < length:
-            rest += conn.recv(65536)
-        return head + b"\r\n\r\n" + rest[:length], rest[length:]
-
-    def serve(conn: socket.socket) -> None:
-        with conn, contextlib.suppress(OSError):
-            left = b""
-            while (request := read_request(conn, left)) is not None:
-                head, left = request
-                if head.startswith(b"GET /health "):
-                    conn.sendall(HEALTHY)
-                    continue
-                worker.requests.append(head.split(b"\r\n", 1)[0])
-                worker.requests_bodies.append(head.partition(b"\r\n\r\n")[2])
-                conn.sendall(reply)
-                while conn.recv(65536):
-                    pass
-                worker.hung_up.set()
-                return
-
-    def accept() -> None:
-        server.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                conn, _ = server.accept()
-            except TimeoutError:
-                continue
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    try:
-        yield worker
-    finally:
-        stop.set()
-        thread.join(5)
-        server.close()
 
 
 def expiries(url: str, metric: str = "fsm_pd_router_deadline_expiries_total") -> dict[str, float]:
@@ -131,7 +63,7 @@ def served(engine: StubEngine, **app_kw):
 @pytest.mark.timeout(60)
 def test_a_stream_whose_decode_goes_silent_after_its_200_ends_at_the_idle_deadline():
     with contextlib.ExitStack() as stack:
-        decode = stack.enter_context(silent_worker(SSE_HEAD + chunk(FIRST_EVENT)))
+        decode = stack.enter_context(raw_worker(SSE_HEAD + chunk(FIRST_EVENT)))
         p_url = stack.enter_context(served(StubEngine(role="prefill")))
         url = stack.enter_context(router_over(p_url, [decode.url], retry=NO_RETRY,
                                               deadlines=RouterDeadlines(stream_idle_s=1.0)))
@@ -154,7 +86,7 @@ def test_a_generate_stream_whose_decode_goes_silent_moves_to_another_decode():
     head = SSE_HEAD + sse_event(event, [32, 104])
     good = StubEngine(role="decode")
     with contextlib.ExitStack() as stack:
-        silent = stack.enter_context(silent_worker(head))
+        silent = stack.enter_context(raw_worker(head))
         p_url = stack.enter_context(served(StubEngine(role="prefill")))
         d_url = stack.enter_context(served(good))
         url = stack.enter_context(router_over(p_url, [silent.url, d_url],
@@ -173,7 +105,7 @@ def test_a_generate_stream_whose_decode_goes_silent_moves_to_another_decode():
 def test_a_whole_answer_whose_decode_leg_never_finishes_ends_at_the_decode_legs_deadline():
     prefill = StubEngine(role="prefill")
     with contextlib.ExitStack() as stack:
-        decode = stack.enter_context(silent_worker(b""))
+        decode = stack.enter_context(raw_worker(b""))
         p_url = stack.enter_context(served(prefill))
         url = stack.enter_context(router_over(p_url, [decode.url], retry=NO_RETRY,
                                               deadlines=RouterDeadlines(decode_s=1.0)))
@@ -194,7 +126,7 @@ def test_a_whole_answer_whose_decode_leg_never_finishes_ends_at_the_decode_legs_
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_lone_leg_to_a_node_that_prefills_itself_ends_at_the_decode_legs_deadline(stream):
     with contextlib.ExitStack() as stack:
-        decode = stack.enter_context(silent_worker(b""))
+        decode = stack.enter_context(raw_worker(b""))
         p_url = stack.enter_context(served(StubEngine(role="prefill")))
         url = stack.enter_context(router_over(p_url, [decode.url], retry=NO_RETRY, pd_policy=PolicySettings("never"),
                                               deadlines=RouterDeadlines(decode_s=1.0)))
@@ -213,7 +145,7 @@ def test_a_lone_leg_to_a_node_that_prefills_itself_ends_at_the_decode_legs_deadl
 def test_a_prefill_leg_that_never_answers_ends_at_its_deadline_and_closes_the_decode_leg(stream):
     decode = StubEngine(role="decode", hang=True)  # waits for KV that will never come
     with contextlib.ExitStack() as stack:
-        prefill = stack.enter_context(silent_worker(b""))
+        prefill = stack.enter_context(raw_worker(b""))
         d_url = stack.enter_context(served(decode))
         url = stack.enter_context(router_over(prefill.url, [d_url], retry=NO_RETRY,
                                               deadlines=RouterDeadlines(prefill_s=1.0)))

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
-import threading
 
 import httpx
 import pytest
 from polling import until as wait_until
+from raw_worker import raw_worker
 from stub_engine import StubEngine
 from test_router import NO_RETRY, checked_by, pd_cluster, sse_data
 
@@ -32,56 +31,6 @@ class StallsAfterFirstToken(StubEngine):
         stream.push(TokenOutput(token_id=ord("a"), meta={"prompt_tokens": len(request.input_ids)}))
         stop.wait()
         stream.push(EngineError(f"request {request.rid} aborted", 499))
-
-
-# "connection: close", as the worker then closes it: without it the router's client may keep the connection and send
-# the next request down it as the close arrives (a 502 under load, seen once in a full run with two workers)
-HEALTHY = (b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 16\r\nconnection: close\r\n\r\n'
-           b'{"status": "ok"}')
-
-
-@contextlib.contextmanager
-def scripted_worker(reply: bytes, *, then_close: bool, hold_s: float = 10.0):
-    """A raw HTTP worker, healthy by its ``/health`` (a 200), that answers every other request with ``reply`` (headers
-    and the start of a body) and then closes the connection (``then_close``) or holds it open until the client goes
-    away (or ``hold_s`` of silence)."""
-    server = socket.create_server(("127.0.0.1", 0))
-    stop = threading.Event()
-
-    def serve():
-        server.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                conn, _ = server.accept()
-            except TimeoutError:
-                continue
-            with conn:
-                conn.settimeout(hold_s)
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    data += conn.recv(65536)
-                head, _, body = data.partition(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
-                while len(body) < length:
-                    body += conn.recv(65536)
-                if head.startswith(b"GET /health "):
-                    conn.sendall(HEALTHY)
-                    continue
-                conn.sendall(reply)
-                if not then_close:
-                    with contextlib.suppress(OSError):
-                        while conn.recv(65536):
-                            pass
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.getsockname()[1]}"
-    finally:
-        stop.set()
-        thread.join(5)
-        server.close()
 
 
 def chunk(data: bytes) -> bytes:
@@ -165,7 +114,7 @@ def test_a_stream_that_breaks_off_ends_with_an_error_event(then):
     reply = SSE_HEAD + chunk(FIRST_EVENT) + tail
     prefill = StubEngine(role="prefill")
     with contextlib.ExitStack() as stack:
-        d_url = stack.enter_context(scripted_worker(reply, then_close=True))
+        d_url = stack.enter_context(raw_worker(reply, then_close=True)).url
         p = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=9000)))
         router = stack.enter_context(AppServer(create_router_app([(p.url, 9000)], [d_url], retry=NO_RETRY)))
         r = httpx.post(router.url + "/generate", json={"text": "a", "stream": True}, timeout=CLIENT_TIMEOUT_S)
@@ -180,7 +129,7 @@ def test_a_worker_error_without_a_json_body_is_wrapped_with_its_name():
     reply = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\ncontent-length: 8\r\n\r\noverload"
     prefill = StubEngine(role="prefill", hang=True)
     with contextlib.ExitStack() as stack:
-        d_url = stack.enter_context(scripted_worker(reply, then_close=True))
+        d_url = stack.enter_context(raw_worker(reply, then_close=True)).url
         p = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=9000)))
         router = stack.enter_context(AppServer(create_router_app([(p.url, 9000)], [d_url], retry=NO_RETRY)))
         r = httpx.post(router.url + "/generate", json={"text": "a"}, timeout=CLIENT_TIMEOUT_S)

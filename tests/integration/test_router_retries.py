@@ -15,9 +15,10 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from polling import until
+from raw_worker import raw_worker
 from stub_engine import StubEngine
 from test_router import pd_cluster, sse_data
-from test_router_failures import SSE_HEAD, chunk, scripted_worker
+from test_router_failures import SSE_HEAD, chunk
 
 from fsm_pd.api import AppServer, create_app
 from fsm_pd.router import create_router_app
@@ -97,7 +98,7 @@ def migrated(reply: bytes, path: str, body: dict) -> tuple[httpx.Response, StubE
     (the client's answer, the stub decode that took the stream over, the router's migration counter)."""
     prefill, decode = StubEngine(role="prefill"), StubEngine(role="decode")
     with contextlib.ExitStack() as stack:
-        dying = stack.enter_context(scripted_worker(reply, then_close=True))
+        dying = stack.enter_context(raw_worker(reply, then_close=True)).url
         p = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=9000)))
         d = stack.enter_context(AppServer(create_app(decode, decode.tokenizer)))
         router = stack.enter_context(AppServer(create_router_app([(p.url, 9000)], [dying, d.url])))
@@ -207,7 +208,7 @@ def router_before_a_silent_decode(reply: bytes):
     timeout, a loaded machine) ejects a worker until its next 200."""
     prefill, decode = StubEngine(role="prefill"), StubEngine(role="decode")
     stack = contextlib.ExitStack()
-    silent = stack.enter_context(scripted_worker(reply, then_close=False, hold_s=300))  # past the client's 60 s
+    silent = stack.enter_context(raw_worker(reply, hold_s=300, stopped_when_held=True)).url  # past the client's 60 s
     p = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=9000)))
     d = stack.enter_context(AppServer(create_app(decode, decode.tokenizer)))
     app = create_router_app([(p.url, 9000)], [silent, d.url], health_interval_s=0.1, health_timeout_s=0.3)

@@ -11,8 +11,8 @@ from collections import deque
 from types import SimpleNamespace
 
 from fsm_pd.control.scheduling import admit_waiting, take_prefill_batch
-from fsm_pd.model.pages import PageAllocator
-from fsm_pd.model.prefix_cache import NO_MATCH, PrefixCache
+from fsm_pd.kvpool.pages import PageAllocator
+from fsm_pd.kvpool.prefix_cache import NO_MATCH, PrefixCache
 
 PAGE = 4
 

@@ -7,7 +7,8 @@ import pytest
 from stub_engine import stub_tokenizer
 
 from fsm_pd.api import schemas
-from fsm_pd.api.requests import NodeIdentity, from_chat, from_completion, from_generate
+from fsm_pd.api.request_checks import NodeIdentity
+from fsm_pd.api.requests import from_chat, from_completion, from_generate
 
 NODE = NodeIdentity(role="colocated", max_context=512, model_names=frozenset({"m"}), bootstrap_port=None,
                     vocab_size=272)

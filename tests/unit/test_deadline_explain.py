@@ -15,7 +15,7 @@ from fsm_pd.control.config import DEFAULTS, ENV
 from fsm_pd.machines import MACHINES
 from fsm_pd.machines.deadlines import STATE_DEADLINES, ended_by_deadline, explain_failure
 from fsm_pd.router.legs import StreamIdle, until
-from fsm_pd.serve_cli import ROOM_WAITS, node_parser
+from fsm_pd.serve_flags import ROOM_WAITS, node_parser
 from fsm_pd.store import write_rows
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"

@@ -1,4 +1,5 @@
-"""The decode handler's pulls of a resharded room (``effects/decode.py``), piece by piece, over stub ports.
+"""The decode handler's pulls of a resharded room (``effects/room_pull.py``, ``pulls.py``), piece by piece, over
+stub ports.
 
 A room between different tensor-parallel sizes is one transfer of several pieces. Whatever order the pieces land or
 fail in, and wherever the room's ``FreePages`` falls among them: every landed array is let go exactly once, the

@@ -106,6 +106,7 @@ def test_the_table_names_every_package_and_top_level_module():
     assert not missing, f"add these to the table in docs/architecture.md: {sorted(missing)}"
     assert RULES["machines"] == (set(), RULES["machines"][1]) and {"jax", "time"} <= RULES["machines"][1]
     assert "jax" in RULES["sim"][1]
+    assert RULES["kvpool"] == (set(), RULES["kvpool"][1]) and "jax" in RULES["kvpool"][1]  # bookkeeping, no model
 
 
 @pytest.mark.parametrize("package", sorted(RULES))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsm_pd.model.pages import OutOfPages, PageAllocator, pages_for
+from fsm_pd.kvpool.pages import OutOfPages, PageAllocator, pages_for
 
 
 def test_reserve_extend_free():

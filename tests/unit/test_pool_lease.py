@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+from fsm_pd.kvpool.lease import PoolLease
 from fsm_pd.model.model_thread import ModelThread
-from fsm_pd.model.pool_lease import PoolLease
 
 WAIT_S = 5.0
 

@@ -13,8 +13,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from fsm_pd.model.pages import OutOfPages, PageAllocator, pages_for
-from fsm_pd.model.prefix_cache import PrefixCache
+from fsm_pd.kvpool.pages import OutOfPages, PageAllocator, pages_for
+from fsm_pd.kvpool.prefix_cache import PrefixCache
 
 PAGE, POOL = 4, 16
 # prompts share prefixes: a few "system prompts", then a random tail

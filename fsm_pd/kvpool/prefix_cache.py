@@ -24,7 +24,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from fsm_pd.model.pages import PageAllocator
+from fsm_pd.kvpool.pages import PageAllocator
 
 
 @dataclass(eq=False, slots=True)
