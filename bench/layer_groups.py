@@ -1,17 +1,14 @@
 """What the size of a forward pass's programs costs: compile, load from the compile cache, and step time.
 
 A serving node runs a forward shape as programs of about ``LAYERS_PER_PROGRAM`` layers each, in turn
-(``model/programs.py``). This compares, in one run, groups of 1, 6 (the default) layers and the whole model
+(``model/programs.py``). This compares, in one run, groups of 1, 3, 6 (the default), 10 layers and the whole model
 in one program, on the model a user gets (SmolLM2 unless --model), the default pool (512 pages of 16 tokens), at
 the shapes a node prepares first: a single-row decode step, a decode step of 8 rows, and a 512-token prefill.
 
 For each: the seconds to compile the shape's programs with an empty compile cache, to load them again from the
 cache (what a warm restart pays), and the median time of a call; ratios against the whole-model program.
 
-The same for the CPU scatter a decode node writes a handoff with (``kernels/cpu_copy.py``), at 64 and 256 pages
-(one program per page bucket): compile, and the median time of a scatter of the whole pool's layers.
-
-    python bench/layer_groups.py [--model smollm2] [--sizes 1,6,0] [--steps 15] [--json]
+    python bench/layer_groups.py [--model smollm2] [--sizes 1,3,6,10,0] [--steps 15] [--json]
 
 (``0`` in --sizes is the whole model in one program.)
 """
@@ -30,7 +27,6 @@ from rich.console import Console
 from rich.table import Table
 
 from fsm_pd import compile_cache
-from fsm_pd.kernels.layer_groups import layer_groups
 from fsm_pd.model.loader import load_model
 from fsm_pd.model.programs import ForwardPrograms
 
@@ -56,32 +52,6 @@ def time_calls(programs: ForwardPrograms, model, shape, steps: int) -> float:
     return statistics.median(times[1:]) * 1000
 
 
-def scatter_row(model, size: int, steps: int) -> dict:
-    """Compile and time ``cpu_copy.scatter`` of 64 and 256 pages at ``size`` layers a program."""
-    from fsm_pd.kernels import cpu_copy
-
-    per_program = size or model.config.num_layers
-    layout = model.make_kv_layout(PAGES, PAGE_SIZE)
-    pool = model.make_pool(layout)
-    row = {"layers_per_program": per_program, "compile_s": 0.0}
-    for pages in (64, 256):
-        started = time.perf_counter()
-        for count in sorted({c for _, c in layer_groups(layout.num_layers, per_program)}):
-            cpu_copy.prepare_scatter(pool, pages, count)
-        row["compile_s"] += time.perf_counter() - started
-        staging = jax.device_put(np.random.default_rng(0).random(layout.staging_shape(pages), np.float32),
-                                 pool[0].sharding)
-        ids = np.arange(1, pages + 1, dtype=np.int32)
-        times = []
-        for _ in range(steps):
-            started = time.perf_counter()
-            pool = cpu_copy.scatter(pool, staging, ids, np.int32(pages), layers_per_program=per_program)
-            jax.block_until_ready(pool)
-            times.append(time.perf_counter() - started)
-        row[f"{pages}_ms"] = statistics.median(times[1:]) * 1000
-    return row
-
-
 def measure(model, size: int, steps: int) -> dict:
     per_program = size or model.config.num_layers
     row = {"layers_per_program": per_program}
@@ -102,7 +72,7 @@ def measure(model, size: int, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--sizes", default="1,6,0", help="layers per program to compare; 0: the whole model")
+    parser.add_argument("--sizes", default="1,3,6,10,0", help="layers per program to compare; 0: the whole model")
     parser.add_argument("--steps", type=int, default=15, help="calls timed per decode shape (prefill: a fifth)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -112,7 +82,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fsm-pd-groups-") as cache_dir:
         compile_cache.enable(cache_dir)
         rows = [measure(model, int(size), args.steps) for size in args.sizes.split(",")]
-        scatters = [scatter_row(model, int(size), args.steps) for size in args.sizes.split(",")]
     whole = next((r for r in rows if r["layers_per_program"] == model.config.num_layers), rows[-1])
     shapes = ", ".join(f"{b}x{t}" for b, t in SHAPES)
     table = Table(title=f"{args.model}, {model.config.num_layers} layers: shapes {shapes}")
@@ -123,15 +92,8 @@ def main() -> None:
         table.add_row(str(row["layers_per_program"]), str(row["calls"]), ratio(row, "compile_s"), ratio(row, "load_s"),
                       *(ratio(row, f"{b}x{t}_ms") for b, t in SHAPES))
     Console().print(table)
-    whole = next((r for r in scatters if r["layers_per_program"] == model.config.num_layers), scatters[-1])
-    table = Table(title="the CPU scatter of a handoff, all layers (compile: both buckets)")
-    for column in ("layers a program", "compile s", "64 pages ms", "256 pages ms"):
-        table.add_column(column, justify="right")
-    for row in scatters:
-        table.add_row(str(row["layers_per_program"]), *(ratio(row, key) for key in ("compile_s", "64_ms", "256_ms")))
-    Console().print(table)
     if args.json:
-        print(json.dumps({"forward": rows, "scatter": scatters}))
+        print(json.dumps(rows))
 
 
 if __name__ == "__main__":

@@ -19,13 +19,12 @@ handful of block copies per layer:
   loop runs to the real page count, a runtime scalar: padding rows are never written and a new length within a
   bucket compiles nothing.
 
-A scatter over all of a pool's layers in one program compiles a program per page bucket whose cost grows with the
-layers (SmolLM2's 30: about 2 s each, 16 buckets). So ``scatter`` runs a pool a group of layers a call
-(``layer_groups``: SmolLM2's 30 layers are 5 calls of one 6-layer program, 0.6 s to compile), once
-``prepare_scatter`` compiled the groups' programs (a serving node's background compile). Until then it runs layer
-by layer on the one-layer program of that bucket (0.15 s to compile; warm-up prepares those). All three write the
-same bytes; layer by layer took 1.6x as long as the whole pool in one program for 64 and 256 pages of SmolLM2 (9.4
-against 5.6 ms, 37 against 23 ms), about as long for 8 (``bench/page_copy.py`` times the group calls).
+A scatter over all of a pool's layers compiles a program per page bucket whose cost grows with the layers (SmolLM2's
+30: 1.7 s each, 16 buckets). A node must not wait for them before it serves, so ``scatter`` runs a bucket in one of
+two ways: the whole-pool program once ``prepare_scatter`` compiled it (a serving node's background compile), else
+layer by layer on the one-layer program of that bucket (0.15 s to compile; warm-up prepares those). Both write the
+same bytes; layer by layer took 1.6x as long for 64 and 256 pages of SmolLM2 (9.4 against
+5.6 ms, 37 against 23 ms), about as long for 8.
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ import numpy as np
 from jax import lax
 
 from fsm_pd.kernels.host_blocks import HostBlocks
-from fsm_pd.kernels.layer_groups import LAYERS_PER_PROGRAM, layer_groups
 from fsm_pd.kernels.layout import PAD_PAGE
 from fsm_pd.kernels.runs import page_runs
 from fsm_pd.kernels.validation import Pool
@@ -121,8 +119,8 @@ def gather_into(pool: Pool, ids: np.ndarray, out: np.ndarray, on_layer: Callable
         on_layer(index)
 
 
-# Scatter programs compiled ahead (``prepare_scatter``), by ``_signature``: those of the layer groups, and the
-# one-layer ones a scatter runs layer by layer on until its groups' are there.
+# Scatter programs compiled ahead (``prepare_scatter``), by ``_signature``: whole-pool ones, and the one-layer ones
+# a whole-pool scatter may run layer by layer until its own is there.
 _compiled: dict[tuple, jax.stages.Compiled] = {}
 
 
@@ -133,30 +131,19 @@ def _signature(pool: Pool, staging) -> tuple:
             str(staging.dtype))
 
 
-def scatter(pool: Pool, staging: jax.Array, row_pages: np.ndarray, count: np.int32, *,
-            layers_per_program: int = LAYERS_PER_PROGRAM) -> Pool:
-    """``scatter_loop`` on the donated ``pool``, a group of layers a call (``layer_groups``) where ``prepare_scatter``
-    compiled the groups' programs, else layer by layer where the one-layer program is compiled, else on the groups'
-    programs compiled now (a node with no warm-up)."""
-    groups = layer_groups(len(pool), layers_per_program)
-    programs = {size: _compiled.get(_signature(pool[:size], staging)) for _, size in groups}
-    if None in programs.values():
-        one_layer = _compiled.get(_signature(pool[:1], staging))
-        if one_layer is not None:
-            groups, programs = [(layer, 1) for layer in range(len(pool))], {1: one_layer}
-        else:
-            for size in programs:
-                prepare_scatter(pool, staging.shape[1], size)
-            programs = {size: _compiled[_signature(pool[:size], staging)] for size in programs}
-    if len(groups) == 1:
-        return programs[len(pool)](tuple(pool), staging, row_pages, count)
-    # each group's staging is a zero-copy view: a run of layers of ``staging`` is one aligned, contiguous block
-    host, out = np.asarray(staging), []
-    for first, size in groups:
-        end = first + size
-        out.extend(programs[size](tuple(pool[first:end]), jax.device_put(host[first:end], pool[0].sharding),
-                                  row_pages, count))
-    return tuple(out)
+def scatter(pool: Pool, staging: jax.Array, row_pages: np.ndarray, count: np.int32) -> Pool:
+    """``scatter_loop`` on the donated ``pool``: in one program where ``prepare_scatter`` compiled it, else layer by
+    layer where the one-layer program is compiled, else in one program compiled now (a node with no warm-up)."""
+    program = _compiled.get(_signature(pool, staging))
+    if program is not None:
+        return program(tuple(pool), staging, row_pages, count)
+    one_layer = _compiled.get(_signature(pool[:1], staging)) if len(pool) > 1 else None
+    if one_layer is None:
+        return scatter_loop(tuple(pool), staging, row_pages, count)
+    # each layer's staging is a zero-copy view: a layer of ``staging`` is one aligned, contiguous block
+    host = np.asarray(staging)
+    return tuple(one_layer((layer,), jax.device_put(host[i : i + 1], layer.sharding), row_pages, count)[0]
+                 for i, layer in enumerate(pool))
 
 
 def prepare_scatter(pool: Pool, rows: int, layers: int) -> None:

@@ -23,6 +23,7 @@ spot, and is counted (``compiles.py``): a bug in the ready set, not a failure.
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 
@@ -30,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fsm_pd.kernels.layer_groups import LAYERS_PER_PROGRAM, layer_groups
 from fsm_pd.model import input_buckets
 from fsm_pd.model.config import ModelConfig
 from fsm_pd.model.decoder import (
@@ -43,6 +43,10 @@ from fsm_pd.model.decoder import (
     top_params,
 )
 from fsm_pd.model.tensor_parallel import TensorParallel, group_sharded
+
+# Layers per program, roughly (``layer_groups``). Fewer calls matter more where a call costs more than on CPU: an
+# accelerator node may want the whole model in one program (a large value).
+LAYERS_PER_PROGRAM = int(os.environ.get("FSM_PD_LAYERS_PER_PROGRAM", "6"))
 
 _embed = jax.jit(embed_tokens)
 _group = jax.jit(forward_group, static_argnames=("config",), donate_argnames=("pools",))
@@ -63,6 +67,25 @@ def prefill_shapes(max_batch: int, max_tokens: int) -> list[tuple[int, int]]:
 def decode_shapes(max_running: int) -> list[tuple[int, int]]:
     """Every (batch bucket, 1) a decode step of up to ``max_running`` sequences can form."""
     return [(batch, 1) for batch in _powers_up_to(input_buckets.batch_bucket(max_running))]
+
+
+def layer_groups(num_layers: int, target: int) -> list[tuple[int, int]]:
+    """``(first layer, count)`` of each group a forward pass runs as one program call, in order.
+
+    Groups of one size where the depth allows it (a divisor of ``num_layers`` near ``target``: SmolLM2's 30 layers
+    are 5 groups of 6), so one program serves every group; otherwise near-equal groups, of two sizes at most."""
+    target = max(1, target)
+    sizes = [d for d in range(max(1, target // 2), 2 * target + 1) if num_layers % d == 0]
+    if sizes:
+        size = min(sizes, key=lambda d: (abs(d - target), -d))
+        return [(first, size) for first in range(0, num_layers, size)]
+    count = -(-num_layers // target)
+    base, extra = divmod(num_layers, count)
+    groups, first = [], 0
+    for size in [base] * (count - extra) + [base + 1] * extra:
+        groups.append((first, size))
+        first += size
+    return groups
 
 
 def _powers_up_to(limit: int, start: int = 1) -> list[int]:

@@ -10,15 +10,15 @@ prepares, before it answers ``/health``, its *ready set* (``WarmupPlan.ready_for
 - the samplers at one row and at the largest batch bucket (run once on zeros: a batch between pads up to the
   largest, ``sampling.sampling_rows``), and the prompt-logprob programs (compiled ahead);
 - the page kernels a transfer runs: on a pool on one CPU device, a decode node's one-layer scatter of every page
-  bucket, compiled ahead (a scatter runs layer by layer on it, ``cpu_copy.scatter``); elsewhere the
+  bucket, compiled ahead (a whole-pool scatter runs layer by layer on it, ``cpu_copy.scatter``); elsewhere the
   scatters and gathers of every page bucket, run into and out of free pages.
 
 Then a background thread (``compile_rest``) prepares the rest: the other sampler buckets (run once on zeros, as
-above), on a pool on one CPU device the scatters of a group of layers (``kernels/layer_groups.py``), and every
-other forward shape the schedulers can form (``plan_for``: a prefill node's, a colocated node's and a decode node's
-recomputes, within their chunked-prefill budgets; decode at every batch bucket up to ``max_running``), cheapest
-first, at a lower CPU priority, each program once no request is in flight or ``IDLE_WAIT_S`` has passed. The
-scatters and forward passes compile ahead of time: they touch no pool and run nothing.
+above), on a pool on one CPU device the whole-pool scatters, and every other forward shape the schedulers can form
+(``plan_for``: a prefill node's, a colocated node's and a decode node's recomputes, within their chunked-prefill
+budgets; decode at every batch bucket up to ``max_running``), cheapest first, at a lower CPU priority, each program
+once no request is in flight or ``IDLE_WAIT_S`` has passed. The scatters and forward passes compile ahead of time:
+they touch no pool and run nothing.
 
 Everything goes through JAX's persistent compile cache, so a restart loads instead of compiling (``docs/serving.md``
 has the start-up times, cold and warm). ``--skip-server-warmup`` (SGLang's flag) skips it; the programs then compile
@@ -42,7 +42,6 @@ import numpy as np
 
 from fsm_pd.control.overlap import layer_group
 from fsm_pd.kernels import bucket_sizes, cpu_copy, gather_pages, resolve_impl, scatter_layers, scatter_pages
-from fsm_pd.kernels.layer_groups import group_sizes
 from fsm_pd.kernels.placement import pool_placement
 from fsm_pd.kvpool.pages import pages_for
 from fsm_pd.model import compiles, input_buckets, sampling
@@ -190,7 +189,7 @@ READY_GRACE_S = 1.0
 def compile_rest(engine, *, busy: Callable[[], bool] = lambda: False,
                  on_done=lambda report: None) -> threading.Thread:
     """Start a thread that prepares what ``warm_up`` left out, at a lower CPU priority than serving (on Linux a
-    thread has its own nice value): the other sampler buckets, the group scatters (``cpu_copy.prepare_scatter``)
+    thread has its own nice value): the other sampler buckets, the whole-pool scatters (``cpu_copy.prepare_scatter``)
     and the other forward shapes, cheapest first. No request waits on it: until a program is there, its work runs
     on one that covers it. Each program waits until ``busy()`` is False (at most ``IDLE_WAIT_S``): tracing holds the
     interpreter's lock, which a nice value does not share out, so it goes where requests are not. ``on_done`` gets
@@ -201,7 +200,7 @@ def compile_rest(engine, *, busy: Callable[[], bool] = lambda: False,
     logits_sharding = programs.compile(*plan.ready_forward[0]).logits_sharding
     # shapes only: the pool itself belongs to the model thread
     pool = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in engine.model_thread.pool)
-    group_scatters = plan.scatter_buckets if resolve_impl(engine.model_thread.pool) == "cpu" else []
+    whole_scatters = plan.scatter_buckets if resolve_impl(engine.model_thread.pool) == "cpu" else []
     group = layer_group(engine.layout)
 
     def idle() -> None:
@@ -219,8 +218,8 @@ def compile_rest(engine, *, busy: Callable[[], bool] = lambda: False,
                 _run_samplers(batch, vocab, logits_sharding)
                 count += 4
         with compiles.preparing("kernels", background=True):
-            for rows in group_scatters:
-                for layers in sorted({*group_sizes(len(pool)), *group_sizes(group)}):
+            for rows in whole_scatters:
+                for layers in sorted({len(pool), group}):
                     idle()
                     cpu_copy.prepare_scatter(pool, rows, layers)
                     count += 1
@@ -274,7 +273,7 @@ def _run_kernels(owner, layout, plan: WarmupPlan, step) -> None:
     placement = pool_placement(owner.pool)  # a split pool's transfers land split like it (control/jax_kv.py)
     device = next(iter(owner.pool[0].sharding.device_set))
     def scatter(rows: int) -> None:
-        if resolve_impl(owner.pool) == "cpu":  # layer by layer: the group programs compile in the background
+        if resolve_impl(owner.pool) == "cpu":  # layer by layer: the whole-pool programs compile in the background
             cpu_copy.prepare_scatter(owner.pool, rows, 1)
             return
         pages = list(range(1, min(rows, usable) + 1))

@@ -3,7 +3,7 @@ what the missing program would have, and compile nothing.
 
 - a forward pass on a compiled shape that covers it: padded up, or row by row;
 - a sampler batch padded up to a prepared bucket;
-- a CPU scatter layer by layer on its one-layer program, until its groups of layers have theirs.
+- a CPU scatter layer by layer on its one-layer program.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from fsm_pd.kernels import cpu_copy
-from fsm_pd.kernels.layer_groups import group_sizes
 from fsm_pd.kernels.layout import KVLayout
 from fsm_pd.model import compiles, decoder, sampling
 from fsm_pd.model.loader import load_model
@@ -98,12 +97,10 @@ def test_a_sampler_batch_pads_up_to_a_prepared_bucket(monkeypatch):
     assert list(sampling.sample(logits, params, [1, 2, 3], [0, 0, 0])) == list(own)
 
 
-def test_a_scatter_runs_layer_by_layer_until_its_group_programs_are_compiled():
-    """13 layers: a scatter is 3 calls, on the programs of 4 and 5 layers (``layer_groups``), once they are there."""
-    layers = 13
-    layout = KVLayout(num_layers=layers, num_pages=64, page_size=16, kv_heads=2, head_dim=8)
+def test_a_scatter_runs_layer_by_layer_until_its_whole_program_is_compiled():
+    layout = KVLayout(num_layers=4, num_pages=64, page_size=16, kv_heads=2, head_dim=8)
     device = jax.devices()[0]
-    fresh = lambda: tuple(jax.device_put(jnp.zeros(layout.layer_shape, jnp.float32), device) for _ in range(layers))
+    fresh = lambda: tuple(jax.device_put(jnp.zeros(layout.layer_shape, jnp.float32), device) for _ in range(4))
     staging = np.random.default_rng(1).random(layout.staging_shape(8), dtype=np.float32)
     rows = np.zeros(8, np.int32)
     rows[:5] = [3, 9, 4, 10, 11]
@@ -112,10 +109,8 @@ def test_a_scatter_runs_layer_by_layer_until_its_group_programs_are_compiled():
     cpu_copy.prepare_scatter(fresh(), 8, 1)
     before = sum(compiles.counts().values())
     layerwise = cpu_copy.scatter(fresh(), jnp.asarray(staging), rows, np.int32(5))
-    assert group_sizes(layers) == [4, 5]
-    for size in group_sizes(layers):
-        cpu_copy.prepare_scatter(fresh(), 8, size)
-    grouped = cpu_copy.scatter(fresh(), jax.device_put(staging, device), rows, np.int32(5))  # committed or not: one
-    assert sum(compiles.counts().values()) == before + 2, "only prepare_scatter's two group programs compiled"
-    for got in (layerwise, grouped):
+    cpu_copy.prepare_scatter(fresh(), 8, 4)
+    whole = cpu_copy.scatter(fresh(), jax.device_put(staging, device), rows, np.int32(5))  # committed or not: one
+    assert sum(compiles.counts().values()) == before + 1, "only prepare_scatter's whole program compiled"
+    for got in (layerwise, whole):
         assert all(np.array_equal(np.asarray(a), b) for a, b in zip(got, expected, strict=True))

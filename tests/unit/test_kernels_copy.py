@@ -148,8 +148,8 @@ def compiled(impl: str) -> tuple[int, int]:
     """(gather, scatter) compilations so far of the jitted function behind ``impl``."""
     if impl == "jnp":
         return jnp_copy.gather_rows._cache_size(), jnp_copy.scatter_rows._cache_size()
-    if impl == "cpu":  # the gather is NumPy block copies: nothing to compile; scatters compile ahead, or in jit
-        return 0, cpu_copy.scatter_loop._cache_size() + len(cpu_copy._compiled)
+    if impl == "cpu":  # the gather is NumPy block copies: nothing to compile
+        return 0, cpu_copy.scatter_loop._cache_size()
     return pallas_copy._gather_jit._cache_size(), pallas_copy._scatter_jit._cache_size()
 
 

@@ -10,10 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fsm_pd.kernels.layer_groups import layer_groups
 from fsm_pd.model import decoder
 from fsm_pd.model.params import random_params
-from fsm_pd.model.programs import ForwardPrograms
+from fsm_pd.model.programs import ForwardPrograms, layer_groups
 from fsm_pd.model.tiny import tiny_config
 
 PAGE_SIZE = 16
