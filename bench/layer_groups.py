@@ -6,9 +6,10 @@ in one program, on the model a user gets (SmolLM2 unless --model), the default p
 the shapes a node prepares first: a single-row decode step, a decode step of 8 rows, and a 512-token prefill.
 
 For each: the seconds to compile the shape's programs with an empty compile cache, to load them again from the
-cache (what a warm restart pays), and the median time of a call; ratios against the whole-model program.
+cache (what a warm restart pays), and the median time of a call (the sizes take turns, round after round);
+ratios against the whole-model program.
 
-    python bench/layer_groups.py [--model smollm2] [--sizes 1,3,6,10,0] [--steps 15] [--json]
+    python bench/layer_groups.py [--model smollm2] [--sizes 1,3,6,10,0] [--steps 8] [--rounds 5] [--json]
 
 (``0`` in --sizes is the whole model in one program.)
 """
@@ -34,25 +35,17 @@ SHAPES = [(1, 1), (8, 1), (1, 512)]
 PAGES, PAGE_SIZE = 512, 16
 
 
-def time_calls(programs: ForwardPrograms, model, shape, steps: int) -> float:
+def call_args(programs: ForwardPrograms, shape) -> tuple:
     batch, tokens = shape
-    pool = model.make_pool(model.make_kv_layout(PAGES, PAGE_SIZE))
     context = 40  # positions already cached: a short chat's
     tables = np.zeros((batch, programs.width), np.int32)
     tables[:, : context // PAGE_SIZE + 2] = np.arange(1, context // PAGE_SIZE + 3)
     starts = np.full(batch, context if tokens == 1 else 0, np.int32)
-    args = (np.ones((batch, tokens), np.int32), starts, np.full(batch, tokens, np.int32), tables)
-    program = programs.compile(batch, tokens)
-    times = []
-    for _ in range(steps if tokens == 1 else max(3, steps // 5)):
-        started = time.perf_counter()
-        logits, pool, _ = program(model.params, pool, *args)
-        logits.block_until_ready()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[1:]) * 1000
+    return np.ones((batch, tokens), np.int32), starts, np.full(batch, tokens, np.int32), tables
 
 
-def measure(model, size: int, steps: int) -> dict:
+def prepare(model, size: int) -> tuple[dict, ForwardPrograms]:
+    """Compile the shapes at ``size`` layers a program (0: the whole model), then load them again from the cache."""
     per_program = size or model.config.num_layers
     row = {"layers_per_program": per_program}
     pool = model.make_pool(model.make_kv_layout(PAGES, PAGE_SIZE))
@@ -64,16 +57,37 @@ def measure(model, size: int, steps: int) -> dict:
             programs.compile(*shape)
         row[f"{phase}_s"] = time.perf_counter() - started
     row["calls"] = len(programs.groups) + 2
-    for shape in SHAPES:
-        row[f"{shape[0]}x{shape[1]}_ms"] = time_calls(programs, model, shape, steps)
-    return row
+    return row, programs
+
+
+def time_steps(model, prepared: list[tuple[dict, ForwardPrograms]], steps: int, rounds: int) -> None:
+    """Median call time per size and shape, the sizes taking turns in ``rounds`` rounds (this machine's load
+    drifts: a size timed in one block would carry the load of its minute), into each row."""
+    pool = model.make_pool(model.make_kv_layout(PAGES, PAGE_SIZE))
+    times: dict = {}
+    for _ in range(rounds):
+        for row, programs in prepared:
+            for shape in SHAPES:
+                program, args = programs.compile(*shape), call_args(programs, shape)
+                logits, pool, _ = program(model.params, pool, *args)  # once untimed: caches warm for this size
+                logits.block_until_ready()
+                for _ in range(steps if shape[1] == 1 else max(2, steps // 5)):
+                    started = time.perf_counter()
+                    logits, pool, _ = program(model.params, pool, *args)
+                    logits.block_until_ready()
+                    times.setdefault((row["layers_per_program"], shape), []).append(time.perf_counter() - started)
+    for row, _ in prepared:
+        for shape in SHAPES:
+            row[f"{shape[0]}x{shape[1]}_ms"] = statistics.median(times[(row["layers_per_program"], shape)]) * 1000
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--sizes", default="1,3,6,10,0", help="layers per program to compare; 0: the whole model")
-    parser.add_argument("--steps", type=int, default=15, help="calls timed per decode shape (prefill: a fifth)")
+    parser.add_argument("--steps", type=int, default=8, help="calls timed per decode shape and round (prefill: a "
+                        "fifth, at least 2)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds in which the sizes take turns (default 5)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     model = load_model(args.model)
@@ -81,7 +95,9 @@ def main() -> None:
     # embedding and head programs, the same for every size, load from it after the first size.
     with tempfile.TemporaryDirectory(prefix="fsm-pd-groups-") as cache_dir:
         compile_cache.enable(cache_dir)
-        rows = [measure(model, int(size), args.steps) for size in args.sizes.split(",")]
+        prepared = [prepare(model, int(size)) for size in args.sizes.split(",")]
+    time_steps(model, prepared, args.steps, args.rounds)
+    rows = [row for row, _ in prepared]
     whole = next((r for r in rows if r["layers_per_program"] == model.config.num_layers), rows[-1])
     shapes = ", ".join(f"{b}x{t}" for b, t in SHAPES)
     table = Table(title=f"{args.model}, {model.config.num_layers} layers: shapes {shapes}")
