@@ -166,6 +166,16 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                             help="padded prompt tokens one prefill step computes; a longer prompt prefills in "
                                  "chunks over several steps, and a colocated node decodes its running streams between "
                                  f"them (SGLang's flag; default {CHUNKED_PREFILL_SIZE})")
+        if role == "colocated":
+            from fsm_pd.control.step_budget import DEFAULT_CHUNK_STEPS  # jax-free too
+
+            parser.add_argument("--prefill-chunk-steps", type=float, default=DEFAULT_CHUNK_STEPS, metavar="STEPS",
+                                help="while streams are decoding, cut each prefill step to what costs at most this "
+                                     "many of their decode steps (both timed as the node serves): a joining prompt "
+                                     "then delays every running stream's next token by about 1 + STEPS decode "
+                                     "steps per chunk, not by its whole prefill, and its own first token comes a "
+                                     "little later; 0 bounds prefill steps by --chunked-prefill-size alone "
+                                     f"(docs/serving.md, Chunked prefill; default {DEFAULT_CHUNK_STEPS:g})")
         parser.add_argument("--disable-radix-cache", action="store_true",
                             help="compute every prompt whole: keep no prefix cache (SGLang's flag; by default the "
                                  "KV pages of finished prompts stay cached and a prompt that starts the same way "
@@ -340,7 +350,8 @@ def build_engine(args: argparse.Namespace, model):
         from fsm_pd.serving.colocated_engine import ColocatedEngine
 
         return ColocatedEngine(model, radix_cache=not args.disable_radix_cache,
-                               chunked_prefill_size=args.chunked_prefill_size, **sizes)
+                               chunked_prefill_size=args.chunked_prefill_size,
+                               prefill_chunk_steps=args.prefill_chunk_steps, **sizes)
     secret = node_secret(args)
     journal = args.journal or str(Path("journals") / f"{args.node_id}.db")
     if "://" not in journal:

@@ -1,0 +1,170 @@
+"""The time bound on a prefill step while streams decode (``control/step_budget.py``): the rule on its own, then
+through the colocated engine's scheduler, with its clock and its model executor as ports (scripted costs: nothing
+here is timed)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from test_serving_colocated import PAGE_SIZE, PAGES, request, run
+
+from fsm_pd.control.step_budget import WINDOW, StepBudget
+from fsm_pd.model.input_buckets import batch_bucket, token_bucket
+from fsm_pd.model.loader import load_model
+from fsm_pd.model.programs import prefill_shapes
+from fsm_pd.serving.colocated_engine import ColocatedEngine
+from fsm_pd.serving.forward import prefill_step
+from fsm_pd.serving.types import RequestStream
+
+# SmolLM2 on 2 CPU cores, seconds per prefill step by padded tokens (bench/step_phases.py, quiet machine)
+SMOLLM2 = {16: 0.064, 32: 0.086, 64: 0.105, 128: 0.173, 256: 0.395, 512: 0.802}
+
+
+def learnt(costs: dict[int, float], decode: float, budget: int = 512, **kwargs) -> StepBudget:
+    steps = StepBudget(budget, **kwargs)
+    for tokens, seconds in costs.items():
+        steps.observe_prefill(tokens, seconds)
+    steps.observe_decode(decode)
+    return steps
+
+
+def test_nothing_decoding_or_the_bound_off_leaves_the_token_budget():
+    steps = learnt(SMOLLM2, 0.030)
+    assert steps.tokens(decoding=False) == 512
+    assert learnt(SMOLLM2, 0.030, chunk_steps=0).tokens(decoding=True) == 512
+
+
+def test_a_step_beside_decoding_streams_costs_at_most_chunk_steps_decode_steps():
+    # one stream (30 ms a step): 4 steps are 120 ms, a 64-token chunk (105 ms) fits and a 128-token one does not;
+    # eight streams (72 ms): 288 ms, 128 fits (173) and 256 (395) does not
+    assert learnt(SMOLLM2, 0.030).tokens(decoding=True) == 64
+    assert learnt(SMOLLM2, 0.072).tokens(decoding=True) == 128
+    assert learnt(SMOLLM2, 0.072, chunk_steps=8).tokens(decoding=True) == 256
+    assert learnt(SMOLLM2, 0.5).tokens(decoding=True) == 512  # a slow decode step: the token budget bounds it
+
+
+def test_no_cut_below_the_floor_where_halving_a_chunk_saves_little():
+    # 1 decode step of 30 ms allows 30 ms, less than any chunk; but 16 -> 32 -> 64 tokens cost only 1.34x and
+    # 1.22x more each: below 64 a step is bound by reading the weights, and a smaller chunk would only add steps
+    steps = learnt(SMOLLM2, 0.030, chunk_steps=1)
+    assert steps.floor() == 64
+    assert steps.tokens(decoding=True) == 64
+
+
+def test_before_it_has_costs_it_allows_the_smallest_chunk():
+    assert StepBudget(512).tokens(decoding=True) == 16
+    assert learnt({}, 0.030).tokens(decoding=True) == 16
+    assert StepBudget(8).tokens(decoding=True) == 8  # never above the token budget
+
+
+def test_unseen_sizes_between_seen_ones_are_interpolated_and_the_next_one_up_is_tried_once():
+    steps = learnt({64: 0.105, 512: 0.802}, 0.030)
+    assert steps.expected(128) == pytest.approx(0.105 + (0.802 - 0.105) * 64 / 448)
+    assert steps.expected(32) == pytest.approx(0.105 / 2)  # below every size seen: in proportion
+    assert steps.tokens(decoding=True) == 64  # 128 expected at 192 ms
+    # only a 16-token step seen: each next size up is tried once while the largest seen fits (120 ms), then the
+    # costs the full table gives settle it
+    steps = learnt({16: 0.064}, 0.030)
+    sizes = []
+    for _ in range(6):
+        sizes.append(steps.tokens(decoding=True))
+        steps.observe_prefill(sizes[-1], SMOLLM2[sizes[-1]])
+    assert sizes == [32, 64, 128, 64, 64, 64]
+
+
+def test_one_slow_step_does_not_shrink_the_chunks_but_a_lasting_load_does():
+    steps = learnt(SMOLLM2, 0.030)
+    steps.observe_prefill(64, 1.0)  # another process took the cores for one step
+    assert steps.tokens(decoding=True) == 64
+    for _ in range(WINDOW):
+        steps.observe_prefill(64, 1.0)
+    assert steps.tokens(decoding=True) == 32  # 64 costs 1 s now: 32 (86 ms) is what fits
+
+
+def test_every_budget_forms_only_shapes_the_warm_up_compiles():
+    compiled = set(prefill_shapes(8, 512))
+    for decode in (0.001, 0.01, 0.03, 0.05, 0.1, 0.3, 1.0):
+        for chunk_steps in (0.5, 1, 4, 16):
+            budget = learnt(SMOLLM2, decode, chunk_steps=chunk_steps).tokens(decoding=True)
+            assert budget == token_bucket(budget) and 16 <= budget <= 512
+            # every batch of chunks plan_chunks can form within it: batch bucket x token bucket within the budget
+            assert all((b, t) in compiled for b, t in compiled if b * t <= budget)
+            assert (1, budget) in compiled
+
+
+class ScriptedClock:
+    """Each read moves time on by ``tick`` (so a decode step measures ``tick``); the executor adds its cost."""
+
+    def __init__(self, tick: float):
+        self.now, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny")
+
+
+def scene(model, chunk_steps: float) -> tuple[list[tuple[int, bool, int]], int]:
+    """A stream decodes; a 250-token prompt joins it. Returns each prefill step's (padded tokens, whether a stream
+    was decoding, the stream's tokens so far) and the stream's token count, under scripted costs: a decode step
+    30 ms, a prefill step 30 ms + 1 ms a padded token (16: 46 ms, 32: 62, 64: 94, 128: 158)."""
+    clock = ScriptedClock(0.030)
+    engine = ColocatedEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, chunked_prefill_size=128, radix_cache=False,
+                             prefill_chunk_steps=chunk_steps, clock=clock)
+    steps = []
+
+    def executor(model_, owner, chunks):
+        padded = batch_bucket(len(chunks)) * token_bucket(max(c.length for c in chunks))
+        running = [s for s in engine.loop.running if s.rid == "running"]
+        steps.append((padded, bool(engine.loop.running), running[0].generated if running else 0))
+        clock.now += padded / 1000
+        return prefill_step(model_, owner, chunks)
+
+    engine.prefill_executor = executor
+
+    async def go():
+        stream = RequestStream("running")
+        engine.submit(request("running", list(range(10, 20)), max_new_tokens=40, ignore_eos=True), stream)
+        count = 0
+        async for _ in stream:
+            count += 1
+            if count == 1:  # decoding now: the long prompt joins
+                joined = asyncio.ensure_future(collect(engine, request("long", [7] * 250, max_new_tokens=1)))
+        await joined
+        return count
+
+    try:
+        return steps, run(go())
+    finally:
+        engine.close()
+
+
+async def collect(engine, req):
+    stream = RequestStream(req.rid)
+    engine.submit(req, stream)
+    return [out async for out in stream]
+
+
+def test_the_colocated_scheduler_cuts_chunks_beside_a_decoding_stream_and_decodes_between_them(model):
+    steps, tokens = scene(model, chunk_steps=4)
+    assert tokens == 40
+    assert steps[0] == (16, False, 0)  # the stream's own prompt: nothing decoding, the token budget
+    joined = steps[1:]
+    # 4 decode steps allow 120 ms: above the sizes seen, each next size is tried once while the largest seen fits
+    # (16: 46 ms, 32: 62, 64: 94, then 128: 158 does not fit); 250 = 32 + 64 + 128 + 26
+    assert [padded for padded, _, _ in joined] == [32, 64, 128, 32]
+    assert all(decoding for _, decoding, _ in joined)
+    # the running stream got a token between every two chunks
+    seen = [generated for _, _, generated in joined]
+    assert seen == sorted(set(seen)), seen
+
+
+def test_with_the_bound_off_the_prompt_takes_token_budget_chunks(model):
+    steps, tokens = scene(model, chunk_steps=0)
+    assert tokens == 40
+    assert [padded for padded, _, _ in steps[1:]] == [128, 128]  # 250 = 128 + 122: the stream waits 158 ms twice
