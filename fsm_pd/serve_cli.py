@@ -159,6 +159,17 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                                  "the prompt here and decode on; the client gets its answer, and the room still ends "
                                  "Failed in the journal) or fail (the request gets the transfer's error, 500) "
                                  "(default recompute)")
+    if role in ("colocated", "decode"):
+        from fsm_pd.control.step_budget import DEFAULT_CHUNK_STEPS  # jax-free: the help stays quick
+
+        parser.add_argument("--prefill-chunk-steps", type=float, default=DEFAULT_CHUNK_STEPS, metavar="STEPS",
+                            help="while streams are decoding, cut each prefill step (a colocated node's prompts; a "
+                                 "decode node's recomputes and requests sent whole) to what costs at most this many "
+                                 "of their decode steps, both timed as the node serves: a joining prompt then "
+                                 "delays every running stream's next token by about 1 + STEPS decode steps per "
+                                 "chunk, not by its whole prefill, and its own first token comes a little later; 0 "
+                                 "bounds prefill steps by their token budget alone (docs/serving.md, Chunked "
+                                 f"prefill; default {DEFAULT_CHUNK_STEPS:g})")
     if role in ("prefill", "colocated"):
         from fsm_pd.control.scheduling import CHUNKED_PREFILL_SIZE  # jax-free: the help stays quick
 
@@ -166,16 +177,6 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                             help="padded prompt tokens one prefill step computes; a longer prompt prefills in "
                                  "chunks over several steps, and a colocated node decodes its running streams between "
                                  f"them (SGLang's flag; default {CHUNKED_PREFILL_SIZE})")
-        if role == "colocated":
-            from fsm_pd.control.step_budget import DEFAULT_CHUNK_STEPS  # jax-free too
-
-            parser.add_argument("--prefill-chunk-steps", type=float, default=DEFAULT_CHUNK_STEPS, metavar="STEPS",
-                                help="while streams are decoding, cut each prefill step to what costs at most this "
-                                     "many of their decode steps (both timed as the node serves): a joining prompt "
-                                     "then delays every running stream's next token by about 1 + STEPS decode "
-                                     "steps per chunk, not by its whole prefill, and its own first token comes a "
-                                     "little later; 0 bounds prefill steps by --chunked-prefill-size alone "
-                                     f"(docs/serving.md, Chunked prefill; default {DEFAULT_CHUNK_STEPS:g})")
         parser.add_argument("--disable-radix-cache", action="store_true",
                             help="compute every prompt whole: keep no prefix cache (SGLang's flag; by default the "
                                  "KV pages of finished prompts stay cached and a prompt that starts the same way "
@@ -370,7 +371,8 @@ def build_engine(args: argparse.Namespace, model):
     from fsm_pd.serving.decode_engine import DecodeEngine
 
     return DecodeEngine(model, on_transfer_failure=args.on_transfer_failure,
-                        radix_cache=args.disaggregation_decode_enable_radix_cache, **common)
+                        radix_cache=args.disaggregation_decode_enable_radix_cache,
+                        prefill_chunk_steps=args.prefill_chunk_steps, **common)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ here is timed)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from test_serving_colocated import PAGE_SIZE, PAGES, request, run
@@ -14,8 +15,9 @@ from fsm_pd.model.input_buckets import batch_bucket, token_bucket
 from fsm_pd.model.loader import load_model
 from fsm_pd.model.programs import prefill_shapes
 from fsm_pd.serving.colocated_engine import ColocatedEngine
+from fsm_pd.serving.decode_engine import DecodeEngine
 from fsm_pd.serving.forward import prefill_step
-from fsm_pd.serving.types import RequestStream
+from fsm_pd.serving.types import Bootstrap, RequestStream
 
 # SmolLM2 on 2 CPU cores, seconds per prefill step by padded tokens (bench/step_phases.py, quiet machine)
 SMOLLM2 = {16: 0.064, 32: 0.086, 64: 0.105, 128: 0.173, 256: 0.395, 512: 0.802}
@@ -168,3 +170,47 @@ def test_with_the_bound_off_the_prompt_takes_token_budget_chunks(model):
     steps, tokens = scene(model, chunk_steps=0)
     assert tokens == 40
     assert [padded for padded, _, _ in steps[1:]] == [128, 128]  # 250 = 128 + 122: the stream waits 158 ms twice
+
+
+def test_a_decode_node_prefills_a_request_sent_whole_in_cut_chunks_between_its_decode_steps(model, tmp_path):
+    """The local path (and a failed transfer's recompute) used to prefill a prompt whole inside one step: every stream
+    decoding on the node waited for all of it. Now its chunks interleave with the decode steps, cut by the node's
+    step budget: a stream sent whole decodes while a 250-token prompt sent whole joins it."""
+    clock = ScriptedClock(0.030)
+    engine = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp_path / "d.db"),
+                          clock=clock)
+    engine.recompute.max_tokens = engine.budget.token_budget = 128  # the scene's token budget, as above
+    steps = []
+
+    def executor(model_, owner, chunks):
+        padded = batch_bucket(len(chunks)) * token_bucket(max(c.length for c in chunks))
+        running = [s for s in engine.loop.running if s.rid == "running"]
+        steps.append((padded, bool(engine.loop.running), running[0].generated if running else 0))
+        clock.now += padded / 1000
+        return prefill_step(model_, owner, chunks)
+
+    engine.recompute.prefill_executor = executor
+
+    def sent_whole(rid, ids, room, **sampling):
+        return dataclasses.replace(request(rid, ids, **sampling), route={"path": "local", "reason": "test"},
+                                   bootstrap=Bootstrap("", 0, room, local=True))
+
+    async def go():
+        stream = RequestStream("running")
+        engine.submit(sent_whole("running", list(range(10, 20)), 1, max_new_tokens=40, ignore_eos=True), stream)
+        count = 0
+        async for _ in stream:
+            count += 1
+            if count == 1:
+                joined = asyncio.ensure_future(collect(engine, sent_whole("long", [7] * 250, 2, max_new_tokens=1)))
+        await joined
+        return count
+
+    try:
+        assert run(go()) == 40
+    finally:
+        engine.close()
+    assert steps[0] == (16, False, 0)
+    assert [padded for padded, _, _ in steps[1:]] == [32, 64, 128, 32]  # as on a colocated node
+    seen = [generated for _, _, generated in steps[1:]]
+    assert seen == sorted(set(seen)), seen  # a decode step between every two chunks
