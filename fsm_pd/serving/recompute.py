@@ -2,7 +2,7 @@
 
 The decode node has the weights, so when a transfer fails on it after it reserved the request's pages (a pull or
 scatter that failed, a waiting or transfer deadline that passed), ``--on-transfer-failure recompute`` prefills the
-prompt on this node, samples the first token exactly as the prefill node does (``forward.prefill_and_sample``: the
+prompt on this node, samples the first token exactly as the prefill node does (``forward.prefill_step``: the
 request's seed, step 0) and hands the request to the decode loop. Sampling depends on the seed and the step only,
 so the client gets the tokens an undisturbed run gives (greedy: identical). ``fail`` keeps the old behaviour: the
 request ends with the transfer's error. A room failed by its peer (an ABORT: the prefill request was aborted or
