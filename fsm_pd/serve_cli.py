@@ -159,12 +159,14 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                                  "the prompt here and decode on; the client gets its answer, and the room still ends "
                                  "Failed in the journal) or fail (the request gets the transfer's error, 500) "
                                  "(default recompute)")
-    if role in ("colocated", "decode"):
+    if role in ("colocated", "decode", "prefill"):
         from fsm_pd.control.step_budget import DEFAULT_CHUNK_STEPS  # jax-free: the help stays quick
 
         parser.add_argument("--prefill-chunk-steps", type=float, default=DEFAULT_CHUNK_STEPS, metavar="STEPS",
                             help="while streams are decoding, cut each prefill step (a colocated node's prompts; a "
-                                 "decode node's recomputes and requests sent whole) to what costs at most this many "
+                                 "decode node's recomputes and requests sent whole; a prefill node's prompts while "
+                                 "the requests it serves whole with --serve-local decode) to what costs at most this "
+                                 "many "
                                  "of their decode steps, both timed as the node serves: a joining prompt then "
                                  "delays every running stream's next token by about 1 + STEPS decode steps per "
                                  "chunk, not by its whole prefill, and its own first token comes a little later; 0 "
@@ -367,7 +369,7 @@ def build_engine(args: argparse.Namespace, model):
         return PrefillEngine(model, bootstrap_port=args.bootstrap_port, bootstrap_token=args.bootstrap_token,
                              radix_cache=not args.disable_radix_cache, chunked_prefill_size=args.chunked_prefill_size,
                              chunk_transfers=not args.disable_chunk_transfers, serve_local=args.serve_local,
-                             **common)
+                             prefill_chunk_steps=args.prefill_chunk_steps, **common)
     from fsm_pd.serving.decode_engine import DecodeEngine
 
     return DecodeEngine(model, on_transfer_failure=args.on_transfer_failure,

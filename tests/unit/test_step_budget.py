@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 from test_serving_colocated import PAGE_SIZE, PAGES, request, run
+from test_serving_pd import pd_request, through_pd
 
 from fsm_pd.control.step_budget import WINDOW, StepBudget
 from fsm_pd.model.input_buckets import batch_bucket, token_bucket
@@ -17,6 +18,7 @@ from fsm_pd.model.programs import prefill_shapes
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.decode_engine import DecodeEngine
 from fsm_pd.serving.forward import prefill_step
+from fsm_pd.serving.prefill_engine import PrefillEngine
 from fsm_pd.serving.types import Bootstrap, RequestStream
 
 # SmolLM2 on 2 CPU cores, seconds per prefill step by padded tokens (bench/step_phases.py, quiet machine)
@@ -214,3 +216,61 @@ def test_a_decode_node_prefills_a_request_sent_whole_in_cut_chunks_between_its_d
     assert [padded for padded, _, _ in steps[1:]] == [32, 64, 128, 32]  # as on a colocated node
     seen = [generated for _, _, generated in steps[1:]]
     assert seen == sorted(set(seen)), seen  # a decode step between every two chunks
+
+
+def test_a_prefill_node_serving_requests_whole_cuts_its_pd_chunks_while_they_decode(model, tmp_path):
+    """A node that serves both roles (--serve-local): a stream sent whole decodes on it while a PD prompt of 250
+    tokens prefills there too. The PD prompt's chunks are cut as a colocated node's are; without local streams a
+    prefill node keeps its token budget (the bound is off)."""
+    clock = ScriptedClock(0.030)
+    p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp_path / "p.db"),
+                      chunked_prefill_size=128, serve_local=True, clock=clock)
+    d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", secret=p.secret,
+                     journal=str(tmp_path / "d.db"))
+    p.recompute.max_tokens = 128
+    steps = []
+
+    def executor(model_, owner, chunks):
+        padded = batch_bucket(len(chunks)) * token_bucket(max(c.length for c in chunks))
+        running = [s for s in p.loop.running if s.rid == "running"]
+        steps.append((padded, bool(p.loop.running), running[0].generated if running else 0))
+        clock.now += padded / 1000
+        return prefill_step(model_, owner, chunks)
+
+    p.prefill_executor = p.recompute.prefill_executor = executor
+    # the PD prompt reaches the prefill queue only after the handshake with the decode node: until its first chunk
+    # ran, the stream's decode steps are held (no token, the scheduler goes on), so that it is still decoding then
+    decode_step = p.loop.step
+    p.loop.step = lambda: decode_step() if len(steps) > 1 else True
+
+    async def go():
+        stream = RequestStream("running")
+        whole = dataclasses.replace(request("running", list(range(10, 20)), max_new_tokens=40, ignore_eos=True),
+                                    route={"path": "local", "reason": "test"},
+                                    bootstrap=Bootstrap("", 0, 7, local=True))
+        p.submit(whole, stream)
+        count = 0
+        async for _ in stream:
+            count += 1
+            if count == 1:
+                joined = asyncio.ensure_future(through_pd(p, d, pd_request(p, "pd", [7] * 250, max_new_tokens=2)))
+        await joined
+        return count
+
+    try:
+        assert run(go()) == 40
+    finally:
+        d.close()
+        p.close()
+    assert steps[0] == (16, False, 0)
+    assert [padded for padded, _, _ in steps[1:]] == [32, 64, 128, 32]
+    seen = [generated for _, _, generated in steps[1:]]
+    assert seen == sorted(set(seen)), seen
+
+
+def test_a_prefill_node_that_serves_no_request_whole_keeps_its_token_budget(model):
+    p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, bootstrap_port=None, chunked_prefill_size=128)
+    try:
+        assert not p.budget.enabled and p.budget.tokens(decoding=True) == 128
+    finally:
+        p.close()
