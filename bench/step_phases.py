@@ -172,8 +172,9 @@ def inside_decode(model, pool, context: int, batches, repeat: int) -> dict:
 def serving_step(model, batches, tokens: int) -> dict:
     """A colocated engine (defaults, warmed up) decoding ``batch`` greedy streams at once: ms per decode step in the
     decode loop's phases (forward = the program and the wait for it; sample; emit = stop checks, detokenizing,
-    streaming), the rest of the loop's step (page tables, page growth, checks), and the time from one step's end to
-    the next one's start (the step driver's requeue on the model thread, the scheduler's own prefill check)."""
+    streaming), the step's wall time (what is left of it past the phases is the page tables, page growth and
+    checks), and the time from one step's end to the next one's start (the step driver's requeue on the model
+    thread, the scheduler's own prefill check)."""
     import asyncio
 
     from fsm_pd.serving.collect import generate
@@ -209,8 +210,7 @@ def serving_step(model, batches, tokens: int) -> dict:
             phases = {k: (v - before[0][k]) * 1000 / count for k, v in engine.loop.phase_seconds.items()}
             wall = sum(b - a for a, b, _ in marks) * 1000 / count
             between = statistics.median([c - b for (_, b, _), (c, _, _) in zip(marks, marks[1:], strict=False)])
-            rows[batch] = {**phases, "rest of the loop's step": wall - sum(phases.values()),
-                           "between two steps (median)": between * 1000, "step wall (mean)": wall}
+            rows[batch] = {**phases, "between two steps (median)": between * 1000, "step wall (mean)": wall}
     finally:
         engine.close()
     return rows

@@ -67,14 +67,22 @@ def test_unseen_sizes_between_seen_ones_are_interpolated_and_the_next_one_up_is_
     assert steps.expected(128) == pytest.approx(0.105 + (0.802 - 0.105) * 64 / 448)
     assert steps.expected(32) == pytest.approx(0.105 / 2)  # below every size seen: in proportion
     assert steps.tokens(decoding=True) == 64  # 128 expected at 192 ms
-    # only a 16-token step seen: each next size up is tried once while the largest seen fits (120 ms), then the
-    # costs the full table gives settle it
+    # only a 16-token step seen: the next size up is tried while twice the largest seen's cost is within 1.5 times
+    # the bound (180 ms): 32 (2 x 64 ms), 64 (2 x 86), not 128 (2 x 105); 64 then fits (105 <= 120)
     steps = learnt({16: 0.064}, 0.030)
     sizes = []
-    for _ in range(6):
+    for _ in range(4):
         sizes.append(steps.tokens(decoding=True))
         steps.observe_prefill(sizes[-1], SMOLLM2[sizes[-1]])
-    assert sizes == [32, 64, 128, 64, 64, 64]
+    assert sizes == [32, 64, 64, 64]
+    # eight streams (288 ms, 432 with the slack): 128 is tried (2 x 105 = 210), then 256 (2 x 173 = 346), which at
+    # 395 ms does not fit: the next steps go back to 128
+    steps = learnt({64: 0.105}, 0.072)
+    sizes = []
+    for _ in range(4):
+        sizes.append(steps.tokens(decoding=True))
+        steps.observe_prefill(sizes[-1], SMOLLM2[sizes[-1]])
+    assert sizes == [128, 256, 128, 128]
 
 
 def test_one_slow_step_does_not_shrink_the_chunks_but_a_lasting_load_does():
@@ -159,9 +167,9 @@ def test_the_colocated_scheduler_cuts_chunks_beside_a_decoding_stream_and_decode
     assert tokens == 40
     assert steps[0] == (16, False, 0)  # the stream's own prompt: nothing decoding, the token budget
     joined = steps[1:]
-    # 4 decode steps allow 120 ms: above the sizes seen, each next size is tried once while the largest seen fits
-    # (16: 46 ms, 32: 62, 64: 94, then 128: 158 does not fit); 250 = 32 + 64 + 128 + 26
-    assert [padded for padded, _, _ in joined] == [32, 64, 128, 32]
+    # 4 decode steps allow 120 ms: above the sizes seen, the next size is tried while twice the largest seen's cost
+    # is within 180 ms (16: 46 ms, 32: 62, then 64: 94 fits and 128 is not tried); 250 = 32 + 3 x 64 + 26
+    assert [padded for padded, _, _ in joined] == [32, 64, 64, 64, 32]
     assert all(decoding for _, decoding, _ in joined)
     # the running stream got a token between every two chunks
     seen = [generated for _, _, generated in joined]
@@ -213,7 +221,7 @@ def test_a_decode_node_prefills_a_request_sent_whole_in_cut_chunks_between_its_d
     finally:
         engine.close()
     assert steps[0] == (16, False, 0)
-    assert [padded for padded, _, _ in steps[1:]] == [32, 64, 128, 32]  # as on a colocated node
+    assert [padded for padded, _, _ in steps[1:]] == [32, 64, 64, 64, 32]  # as on a colocated node
     seen = [generated for _, _, generated in steps[1:]]
     assert seen == sorted(set(seen)), seen  # a decode step between every two chunks
 
@@ -263,7 +271,7 @@ def test_a_prefill_node_serving_requests_whole_cuts_its_pd_chunks_while_they_dec
         d.close()
         p.close()
     assert steps[0] == (16, False, 0)
-    assert [padded for padded, _, _ in steps[1:]] == [32, 64, 128, 32]
+    assert [padded for padded, _, _ in steps[1:]] == [32, 64, 64, 64, 32]
     seen = [generated for _, _, generated in steps[1:]]
     assert seen == sorted(set(seen)), seen
 
