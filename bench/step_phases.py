@@ -11,7 +11,9 @@ One run, on the model a user gets (SmolLM2 unless --model, float32, the default 
    with norms and RoPE, no attention), the paged attention of 30 layers, the LM head, greedy sampling; and the host
    work around the program: the ``decode`` wrapper's checks and padding, and the call of a compiled program (what a
    forward split into several programs pays per program);
-4. a colocated engine (the defaults) decoding 1, 2, 4, 8 streams: the decode loop's phases per step (forward,
+4. the first call of a compiled program (a 32-token prefill, decode at batch 2 and 4) against its next calls: a node
+   compiles its programs ahead but runs each first on a request;
+5. a colocated engine (the defaults) decoding 1, 2, 4, 8 streams: the decode loop's phases per step (forward,
    sample, emit: stop checks, detokenizing, streaming), the rest of its step, and the time between two steps.
 
 Medians of --repeat runs; ratios are within this run. The machine is shared: read the load average it prints.
@@ -73,6 +75,31 @@ def weight_bytes(model) -> tuple[int, int]:
     layers = sum(x.nbytes for x in jax.tree.leaves(model.params["layers"]))
     head = model.params["embed"].nbytes if model.config.tie_word_embeddings else model.params["lm_head"].nbytes
     return layers + head, head
+
+
+def first_runs(model, pool, shapes, repeat: int) -> tuple[dict, tuple]:
+    """The first call of a compiled program against its next ones: a node compiles (or loads) its programs ahead
+    and runs them first on a request. Each shape is compiled first, then called; nothing else in this process ran
+    it before (run this before anything else)."""
+    programs = model.programs(pool)
+    out = {}
+    for batch, tokens in shapes:
+        programs.compile(batch, tokens)
+        times = []
+        for _ in range(1 + repeat):
+            started = time.perf_counter()
+            if tokens == 1:
+                tables = [list(range(1 + 8 * r, 9 + 8 * r)) for r in range(batch)]
+                logits, pool = model.decode(pool, [5] * batch, [40] * batch, tables, bucket_rows=True)
+            else:
+                result = model.prefill_batch(pool, [[7] * tokens] * batch,
+                                             [list(range(1 + 8 * r, 9 + 8 * r)) for r in range(batch)],
+                                             bucket_rows=True)
+                logits, pool = result.logits, result.pool
+            logits.block_until_ready()
+            times.append((time.perf_counter() - started) * 1000)
+        out[f"{'decode' if tokens == 1 else 'prefill'} {batch}x{tokens}"] = (times[0], statistics.median(times[1:]))
+    return out, pool
 
 
 def forward_costs(model, pool, context: int, batches, prompt_lengths, repeat: int) -> tuple[dict, dict, tuple]:
@@ -247,6 +274,8 @@ def main(argv=None) -> int:
     load = os.getloadavg()[0]
     model = load_model(args.model)
     pool = model.make_pool(model.make_kv_layout(PAGES, PAGE_SIZE))
+    err.log("first runs")
+    firsts, pool = first_runs(model, pool, [(1, 32), (2, 1), (4, 1)], max(3, args.repeat // 3))
     err.log("roofline")
     roof = roofline(args.repeat)
     nbytes, head_bytes = weight_bytes(model)
@@ -257,7 +286,8 @@ def main(argv=None) -> int:
     memory_ms = nbytes / roof["read_GBps"] / 1e6
     flops_ms = lambda tokens: 2 * params_count * tokens / roof["matmul_GFLOPs"] / 1e6
     report = {"model": args.model, "weight_MB": nbytes / 1e6, "head_MB": head_bytes / 1e6, **roof,
-              "decode_ms": decode_ms, "prefill_ms": prefill_ms, "inside_decode_ms": inside, "serving_ms": serving,
+              "first_run_ms": firsts, "decode_ms": decode_ms, "prefill_ms": prefill_ms, "inside_decode_ms": inside,
+              "serving_ms": serving,
               "load_average": [load, os.getloadavg()[0]]}
     if args.json:
         print(json.dumps(report, indent=1))
@@ -266,6 +296,8 @@ def main(argv=None) -> int:
     console.print(f"roofline: read {roof['read_GBps']:.1f} GB/s, matmul {roof['matmul_GFLOPs']:.0f} GFLOP/s; "
                   f"a step reads {nbytes / 1e6:.0f} MB of weights ({head_bytes / 1e6:.0f} MB of it the LM head): "
                   f"{memory_ms:.1f} ms at the read bandwidth")
+    for what, (first, then) in firsts.items():
+        console.print(f"first run of a compiled program, {what}: {first:.0f} ms, then {then:.0f} ms")
     table = Table(title="the compiled forward pass alone, against its roofline")
     for column in ("step", "ms", "vs batch 1 / per token", "bytes bound ms", "FLOPs bound ms", "ms / max(bound)"):
         table.add_column(column, justify="right")

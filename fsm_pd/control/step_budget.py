@@ -25,7 +25,9 @@ Rules it keeps:
   the prompt's steps.
 - A cost is the least of the last ``WINDOW`` times a size took: other processes on the machine only ever add to a
   step, and one slow step must not shrink every later chunk. A decode step's cost is taken the same way, so both
-  follow the machine's load within a few steps.
+  follow the machine's load within a few steps. A prefill size's first step is not counted at all: the first run
+  of a compiled program pays a one-time set-up (~150 ms here), and a size known only by it looked twice as dear
+  as it is (on a fresh node, a 480-token prompt beside one stream went in 16-token chunks, 30 of them).
 - Until a decode step has been seen, or a prefill cost at all, it cannot know: it allows the smallest chunk, which
   teaches it a first cost at little harm to the streams. (On a colocated node the first prompt prefills with
   nothing decoding, at the token budget, so it has a cost by the time a second prompt joins.)
@@ -66,7 +68,8 @@ class StepBudget:
         self.token_budget = token_budget
         self.chunk_steps = chunk_steps
         self._prefill: dict[int, deque[float]] = {}  # padded tokens of a step -> its last WINDOW durations
-        self._decode: deque[float] = deque(maxlen=WINDOW)
+        self._decode: deque[float] = deque(maxlen=WINDOW)  # a first run is outweighed by the window's least
+        self._first_runs: set[int] = set()  # prefill sizes run once: their next run is their first cost
         self.cut_steps = 0  # prefill steps run on a budget the time bound cut (the scheduler counts them)
 
     @property
@@ -74,7 +77,13 @@ class StepBudget:
         return self.chunk_steps > 0
 
     def observe_prefill(self, padded_tokens: int, seconds: float) -> None:
-        """A prefill step of ``padded_tokens`` (batch bucket x token bucket) took ``seconds``."""
+        """A prefill step of ``padded_tokens`` (batch bucket x token bucket) took ``seconds``. A size's first step
+        is not counted: XLA's CPU runtime sets a compiled program up on its first run (SmolLM2 here: 250 ms for a
+        32-token prefill that then takes 89, 179 ms for a batch-2 decode step that then takes 42), so that time
+        says nothing about the next step of that size."""
+        if padded_tokens not in self._first_runs:
+            self._first_runs.add(padded_tokens)
+            return
         self._prefill.setdefault(padded_tokens, deque(maxlen=WINDOW)).append(seconds)
 
     def observe_decode(self, seconds: float) -> None:
