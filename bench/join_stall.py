@@ -9,14 +9,17 @@ defaults a user gets, and prints the median and the longest gap between two toke
 1. one stream (48-token prompt, 64 new tokens);
 2. two streams, the second joining 0.3 s after the first;
 3. four streams, joining 0.3 s apart;
-4. one stream, and a 480-token prompt (16 new) arriving 0.5 s in: the gaps are the first stream's.
+4. one stream, and a 480-token prompt (16 new) arriving 0.5 s in: the gaps are the first stream's; the table also
+   gives the long prompt's own time to first token, which the bound lengthens.
 
 Settings: ``--prefill-chunk-steps 0`` (the old rule: a prefill step takes up to the chunked-prefill budget whatever is
 running) and the default (``control/step_budget.py``: while streams decode, a prefill step is cut to what fits in
 that many ms). A token's time is when the engine pushed it (the model thread), so HTTP is not in the figures. Each
-engine warms up and compiles every shape first, and the bench checks that nothing compiled while serving.
+engine warms up and compiles every shape first, and the bench checks that nothing compiled while serving; one
+unmeasured round of every case runs first on each engine (a compiled program's first run costs ~150 ms more, once:
+``bench/step_phases.py``), and the settings take turns going first.
 
-    python bench/join_stall.py [--model smollm2] [--settings 0,default] [--repeat 2] [--trace]
+    python bench/join_stall.py [--model smollm2] [--settings 0,default] [--repeat 3] [--trace]
 """
 
 from __future__ import annotations
@@ -63,21 +66,26 @@ class TimedStream(RequestStream):
         super().push(item)
 
 
-async def run_case(engine, plan, rng: random.Random, tag: str) -> list[list[float]]:
-    async def one(i: int, delay: float, prompt: int, new: int) -> list[float]:
+async def run_case(engine, plan, rng: random.Random, tag: str) -> tuple[list[list[float]], list[float]]:
+    """The gaps of each counted stream, and the time to first token of each one not counted (the long prompt)."""
+    async def one(i: int, delay: float, prompt: int, new: int) -> tuple[float, list[float]]:
         await asyncio.sleep(delay)
         ids = [rng.randrange(100, 40000) for _ in range(prompt)]  # fresh: the prefix cache must not serve it
         request = GenerateRequest(f"{tag}-{i}", ids, SamplingParams(temperature=0, max_new_tokens=new,
                                                                     ignore_eos=True), seed=i)
         stream = TimedStream(request.rid)
+        submitted = time.perf_counter()
         engine.submit(request, stream)
         async for _ in stream:
             pass
-        return stream.times
+        return submitted, stream.times
 
-    times = await asyncio.gather(*(one(i, d, p, n) for i, (d, p, n, _) in enumerate(plan)))
-    return [[(b - a) * 1000 for a, b in zip(t, t[1:], strict=False)]
-            for t, (*_, counted) in zip(times, plan, strict=True) if counted]
+    runs = await asyncio.gather(*(one(i, d, p, n) for i, (d, p, n, _) in enumerate(plan)))
+    gaps = [[(b - a) * 1000 for a, b in zip(t, t[1:], strict=False)]
+            for (_, t), (*_, counted) in zip(runs, plan, strict=True) if counted]
+    firsts = [(t[0] - submitted) * 1000 for (submitted, t), (*_, counted) in zip(runs, plan, strict=True)
+              if not counted]
+    return gaps, firsts
 
 
 def trace_steps(engine) -> list:
@@ -115,18 +123,29 @@ def measure(model, settings: list[str], repeat: int, seed: int, trace: bool) -> 
         before = compiles.counts()["serving"]
         steps = {s: trace_steps(e) for s, e in engines.items()} if trace else {}
         rng = random.Random(seed)
+        # a compiled program's first run costs ~150 ms more (step_phases.py), and the programs are shared by the
+        # engines of one process: one unmeasured round of every case on every engine pays those first
+        for setting, engine in engines.items():
+            for name, plan in CASES.items():
+                err.log(f"{setting}: {name}, unmeasured first round")
+                asyncio.run(run_case(engine, plan, rng, f"{setting}-{name}-first"))
         gaps = {s: {name: [] for name in CASES} for s in settings}
+        ttfts = {s: {name: [] for name in CASES} for s in settings}
         for name, plan in CASES.items():
             for r in range(repeat):
-                for setting, engine in engines.items():
+                order = list(engines.items())
+                for setting, engine in order[r % 2:] + order[:r % 2]:  # each setting goes first in turn
                     err.log(f"{setting}: {name}, run {r + 1}")
-                    for stream_gaps in asyncio.run(run_case(engine, plan, rng, f"{setting}-{name}-{r}")):
+                    case_gaps, firsts = asyncio.run(run_case(engine, plan, rng, f"{setting}-{name}-{r}"))
+                    for stream_gaps in case_gaps:
                         gaps[setting][name] += stream_gaps
+                    ttfts[setting][name] += firsts
                     if setting in steps:
                         long = [(round(t * 1000), w, b) for _, t, w, b in steps[setting] if t > 0.08]
                         err.log(f"steps over 80 ms: {long}")
                         steps[setting].clear()
-        out = {s: {name: {"median_ms": statistics.median(g), "longest_ms": max(g), "gaps": len(g)}
+        out = {s: {name: {"median_ms": statistics.median(g), "longest_ms": max(g), "gaps": len(g),
+                          "joining_first_token_ms": statistics.median(ttfts[s][name]) if ttfts[s][name] else None}
                    for name, g in gaps[s].items()} for s in settings}
         for setting, engine in engines.items():
             out[setting]["bound"] = engine.budget.describe()
@@ -142,7 +161,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--settings", default="0,default",
                         help="--prefill-chunk-steps values to compare; 0: the old token-only rule (default 0,default)")
-    parser.add_argument("--repeat", type=int, default=2, help="runs of each case per setting (default 2)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each case per setting (default 3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace", action="store_true", help="log every step over 80 ms (stderr)")
     parser.add_argument("--json", action="store_true")
@@ -166,6 +185,10 @@ def main(argv=None) -> int:
         table.add_column(f"{label}: median / longest", justify="right")
     for name in CASES:
         table.add_row(name, *(f"{r[name]['median_ms']:.1f} / {r[name]['longest_ms']:.0f}" for r in results.values()))
+    for name in CASES:
+        if next(iter(results.values()))[name]["joining_first_token_ms"] is not None:
+            table.add_row(f"({name}: its first token, median ms)",
+                          *(f"{r[name]['joining_first_token_ms']:.0f}" for r in results.values()))
     Console(width=160).print(table)
     Console().print(f"programs compiled while serving: {compiled}")
     for setting, r in results.items():
