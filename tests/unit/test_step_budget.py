@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 
 import pytest
 from test_serving_colocated import PAGE_SIZE, PAGES, request, run
 from test_serving_pd import pd_request, through_pd
 
+from fsm_pd.control.scheduling import plan_chunks
 from fsm_pd.control.step_budget import WINDOW, StepBudget
 from fsm_pd.model.input_buckets import batch_bucket, token_bucket
 from fsm_pd.model.loader import load_model
@@ -106,15 +108,29 @@ def test_one_slow_step_does_not_shrink_the_chunks_but_a_lasting_load_does():
     assert steps.tokens(decoding=True) == 32  # 64 costs 1 s now: 32 (86 ms) is what fits
 
 
+@dataclasses.dataclass
+class Prompt:
+    prompt_len: int
+    prefilled: int = 0
+
+
 def test_every_budget_forms_only_shapes_the_warm_up_compiles():
-    compiled = set(prefill_shapes(8, 512))
+    compiled = set(prefill_shapes(8, 512))  # what a colocated node's warm-up compiles for the defaults
+    rng = random.Random(0)
+    budgets = set()
     for decode in (0.001, 0.01, 0.03, 0.05, 0.1, 0.3, 1.0):
         for chunk_steps in (0.5, 1, 4, 16):
-            budget = learnt(SMOLLM2, decode, chunk_steps=chunk_steps).tokens(decoding=True)
-            assert budget == token_bucket(budget) and 16 <= budget <= 512
-            # every batch of chunks plan_chunks can form within it: batch bucket x token bucket within the budget
-            assert all((b, t) in compiled for b, t in compiled if b * t <= budget)
-            assert (1, budget) in compiled
+            budgets.add(learnt(SMOLLM2, decode, chunk_steps=chunk_steps).tokens(decoding=True))
+    assert budgets == {64, 128, 256, 512}
+    for budget in budgets:
+        assert budget == token_bucket(budget)
+        for _ in range(200):  # the steps plan_chunks forms within it, from prompts under way of every length
+            prompts = [Prompt(rng.randint(1, 900), 0) for _ in range(rng.randint(1, 10))]
+            for p in prompts:
+                p.prefilled = rng.randint(0, p.prompt_len - 1)
+            chunks = plan_chunks(prompts, max_batch=8, budget=budget)
+            shape = (batch_bucket(len(chunks)), token_bucket(max(c.length for c in chunks)))
+            assert shape in compiled and shape[0] * shape[1] <= max(budget, shape[1]), (budget, shape)
 
 
 JOINED = [16, 32, 32, 64, 64, 64]  # the 250-token prompt's chunk steps beside a decoding stream (see below)
