@@ -185,7 +185,8 @@ def build_engine(args: argparse.Namespace, model):
         from fsm_pd.serving.colocated_engine import ColocatedEngine
 
         return ColocatedEngine(model, radix_cache=not args.disable_radix_cache,
-                               chunked_prefill_size=args.chunked_prefill_size, **sizes)
+                               chunked_prefill_size=args.chunked_prefill_size,
+                               prefill_chunk_steps=args.prefill_chunk_steps, **sizes)
     secret = node_secret(args)
     journal = args.journal or str(Path("journals") / f"{args.node_id}.db")
     if "://" not in journal:
@@ -200,11 +201,12 @@ def build_engine(args: argparse.Namespace, model):
         return PrefillEngine(model, bootstrap_port=args.bootstrap_port, bootstrap_token=args.bootstrap_token,
                              radix_cache=not args.disable_radix_cache, chunked_prefill_size=args.chunked_prefill_size,
                              chunk_transfers=not args.disable_chunk_transfers, serve_local=args.serve_local,
-                             **common)
+                             prefill_chunk_steps=args.prefill_chunk_steps, **common)
     from fsm_pd.serving.decode_engine import DecodeEngine
 
     return DecodeEngine(model, on_transfer_failure=args.on_transfer_failure,
-                        radix_cache=args.disaggregation_decode_enable_radix_cache, **common)
+                        radix_cache=args.disaggregation_decode_enable_radix_cache,
+                        prefill_chunk_steps=args.prefill_chunk_steps, **common)
 
 
 if __name__ == "__main__":

@@ -147,6 +147,18 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                                  "the prompt here and decode on; the client gets its answer, and the room still ends "
                                  "Failed in the journal) or fail (the request gets the transfer's error, 500) "
                                  "(default recompute)")
+    if role in ("colocated", "decode", "prefill"):
+        from fsm_pd.control.step_budget import DEFAULT_CHUNK_STEPS  # jax-free: the help stays quick
+
+        parser.add_argument("--prefill-chunk-steps", type=float, default=DEFAULT_CHUNK_STEPS, metavar="STEPS",
+                            help="while streams are decoding, cut each prefill step (a colocated node's prompts; a "
+                                 "decode node's recomputes and requests sent whole; a prefill node's prompts while "
+                                 "the requests it serves whole with --serve-local decode) to what costs at most this "
+                                 "many of their decode steps, both timed as the node serves: a joining prompt then "
+                                 "delays every running stream's next token by about 1 + STEPS decode steps per "
+                                 "chunk, not by its whole prefill, and its own first token comes a little later; 0 "
+                                 "bounds prefill steps by their token budget alone (docs/serving.md, Chunked "
+                                 f"prefill; default {DEFAULT_CHUNK_STEPS:g})")
     if role in ("prefill", "colocated"):
         from fsm_pd.control.scheduling import CHUNKED_PREFILL_SIZE  # jax-free: the help stays quick
 

@@ -4,15 +4,27 @@ One scheduler step on the model thread: drop aborted prompts, prefill a batch of
 and headroom), stream their first tokens, then one decode step for every running sequence. Under KV pressure the
 decode loop retracts the newest running requests and resumes them later (``retraction.py``); no new prompt is
 prefilled while one waits to resume.
+
+A prefill step's size: at most ``chunked_prefill_size`` padded tokens, and while streams are decoding at most what
+costs ``prefill_chunk_steps`` of their decode steps (``control/step_budget.py``, learnt from the steps this node
+times on its ``clock``), so a joining prompt delays the running streams by a few decode steps per chunk rather than
+by its whole prefill.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import time
 from collections import deque
+from collections.abc import Callable
+
+import jax
 
 from fsm_pd.control.scheduling import CHUNKED_PREFILL_SIZE, end_prefix, plan_chunks, take_prefill_batch
+from fsm_pd.control.step_budget import DEFAULT_CHUNK_STEPS, StepBudget
+from fsm_pd.model.input_buckets import batch_bucket, token_bucket
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.serving.common import check_request
 from fsm_pd.serving.decode_loop import DecodeLoop
@@ -40,13 +52,20 @@ class ColocatedEngine(EngineCore):
         chunked_prefill_size: int = CHUNKED_PREFILL_SIZE,
         headroom_pages: int | None = None,
         radix_cache: bool = True,
+        prefill_chunk_steps: float = DEFAULT_CHUNK_STEPS,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         """``radix_cache``: reuse cached prompt prefixes (``--disable-radix-cache`` turns it off).
         ``chunked_prefill_size``: padded prompt tokens a step prefills before its decode step; a longer prompt takes
-        several steps, so the running streams keep getting tokens (SGLang's chunked prefill)."""
+        several steps, so the running streams keep getting tokens (SGLang's chunked prefill).
+        ``prefill_chunk_steps``: while streams decode, a prefill step costs at most this many of their decode steps
+        (``step_budget.py``; 0: ``chunked_prefill_size`` alone bounds it). ``clock`` times the steps for it."""
         super().__init__(model, num_pages=num_pages, page_size=page_size, name="colocated", prefix_cache=radix_cache)
         self.max_running, self.max_prefill_batch = max_running, max_prefill_batch
         self.chunked_prefill_size = chunked_prefill_size
+        self.budget = StepBudget(chunked_prefill_size, prefill_chunk_steps)
+        self._clock = clock
+        self.prefill_executor = prefill_step  # the model executor port: runs one step's chunks (forward.py)
         # enough free pages for every running sequence to cross into one more page
         self.headroom_pages = headroom_pages if headroom_pages is not None else max(1, (num_pages - 1) // 8)
         self.loop = DecodeLoop(self.model, self.model_thread, self.allocator, page_size, release=self._release,
@@ -68,13 +87,17 @@ class ColocatedEngine(EngineCore):
         return {**super().info(), "requests_waiting": len(self._waiting) + len(self.arrivals),
                 "requests_prefilling": len(self._chunking),
                 "requests_running": len(self.loop.running), "tokens_generated": self.loop.tokens_generated,
-                **self.loop.counters()}
+                "prefill_steps_cut": self.budget.cut_steps, **self.loop.counters()}
 
     # --- the model thread ---
     def _step(self) -> bool:
         self._waiting.extend(self._arrived())
         self._prefill()
+        decoding = bool(self.loop.running)
+        started = self._clock()
         running = self.loop.step()
+        if decoding:
+            self.budget.observe_decode(self._clock() - started)
         return (running or bool(self._chunking)
                 or bool(self._waiting) and self.allocator.reserved_pages == 0 and not self.loop.resuming)
 
@@ -83,7 +106,7 @@ class ColocatedEngine(EngineCore):
         for seq in [s for s in self._chunking if s.cancelled]:
             self._chunking.remove(seq)
             self._release(seq)
-        budget = self.chunked_prefill_size
+        budget = self.budget.tokens(decoding=bool(self.loop.running))
         chunks = plan_chunks(self._chunking, max_batch=self.max_prefill_batch, budget=budget)
         room_for = self.max_running - len(self.loop.running) - len(self._chunking)
         if room_for > 0 and self._waiting and not self.loop.resuming:
@@ -95,8 +118,18 @@ class ColocatedEngine(EngineCore):
             chunks = plan_chunks(admitted, max_batch=self.max_prefill_batch, budget=budget, planned=chunks)
         if not chunks:
             return
+        if budget < self.chunked_prefill_size:
+            self.budget.cut_steps += 1
         self._prefilling(chunks)
-        firsts = run_isolating(chunks, lambda part: prefill_step(self.model, self.model_thread, part), "prefill")
+        started = self._clock()
+        firsts = run_isolating(chunks, lambda part: self.prefill_executor(self.model, self.model_thread, part),
+                               "prefill")
+        # a step whose chunks all leave more to come samples nothing, so nothing waited for its forward pass: wait
+        # here, or its cost would be measured as the next decode step's
+        with contextlib.suppress(RuntimeError):  # a pool a failed step left deleted: the next step reports it
+            jax.block_until_ready(self.model_thread.pool)
+        self.budget.observe_prefill(batch_bucket(len(chunks)) * token_bucket(max(c.length for c in chunks)),
+                                    self._clock() - started)
         for chunk, first in zip(chunks, firsts, strict=True):
             seq = chunk.seq
             if first is None:  # more chunks to come

@@ -39,11 +39,14 @@ pre-allocation queue and the running batch. See ``docs/threads.md`` and ``pd_eng
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fsm_pd.control.admission import SchedulerAdmission
 from fsm_pd.control.phases import timing_meta
 from fsm_pd.control.prealloc import Preallocation
+from fsm_pd.control.scheduling import CHUNKED_PREFILL_SIZE
+from fsm_pd.control.step_budget import DEFAULT_CHUNK_STEPS, StepBudget
 from fsm_pd.kvpool.pages import pages_for
 from fsm_pd.machines.deadlines import ended_by_deadline, explain_failure
 from fsm_pd.model.loader import LoadedModel
@@ -64,11 +67,14 @@ class DecodeEngine(LocalPath, PDEngine):
 
     def __init__(self, model: LoadedModel | str = "tiny", *, max_running: int = 64, headroom_pages: int | None = None,
                  heartbeat: dict | None = None, on_transfer_failure: str = "recompute", radix_cache: bool = False,
+                 prefill_chunk_steps: float = DEFAULT_CHUNK_STEPS, clock: Callable[[], float] = time.perf_counter,
                  **node):
         """``node``: the settings of every PD node (``PDEngine``: pool size, node id, journal, secret, backend,
         deadlines, host, advertise_host); ``heartbeat`` overrides the peer watch's timings. ``radix_cache`` (SGLang's
         ``--disaggregation-decode-enable-radix-cache``): keep finished prompts' pages here too, and have the prefill
-        node send only the pages of a prompt this node does not already hold."""
+        node send only the pages of a prompt this node does not already hold. ``prefill_chunk_steps``: while streams
+        decode, a prefill here (recompute, local path) costs at most this many decode steps a chunk (0: 512 padded
+        tokens a chunk; ``control/step_budget.py``); ``clock`` times the steps for it."""
         if on_transfer_failure not in ON_TRANSFER_FAILURE:
             raise ValueError(f"on_transfer_failure must be one of {ON_TRANSFER_FAILURE}, got {on_transfer_failure!r}")
         super().__init__(model, admission=SchedulerAdmission(on_release=self._on_release), heartbeat=heartbeat,
@@ -83,9 +89,12 @@ class DecodeEngine(LocalPath, PDEngine):
                                       grant=self.manager.give_pages, cache=self.cache, kick=self._driver.kick)
         labels = {"role": "decode", "node": self.node_id}
         self.registry.register(DecodeLoopCollector(self.loop.counters, labels))
+        # a prompt prefilled here (a recompute, a request sent whole) delays the running streams a chunk at a time
+        self.budget = StepBudget(CHUNKED_PREFILL_SIZE, prefill_chunk_steps)
+        self._clock = clock
         self.recompute = TransferRecompute(self.model, self.model_thread, self.allocator, self.page_size,
                                            enabled=on_transfer_failure == "recompute",
-                                           headroom_pages=self.headroom_pages)
+                                           headroom_pages=self.headroom_pages, budget=self.budget, clock=clock)
         self.registry.register(self.recompute.collector(labels))
         self._init_local()  # requests the router sends here whole (fsm_pd_route local: local_path.py)
         # the ABORT of a room we will recompute says so, so the prefill node answers its leg instead of failing it
@@ -110,7 +119,7 @@ class DecodeEngine(LocalPath, PDEngine):
     def _role_leaks(self, counters: dict) -> dict:
         return {"pulled_awaiting_scatter": counters["pulled_awaiting_scatter"],
                 "requests_running": len(self.loop.running), "requests_retracted": len(self.loop.retracted),
-                "recomputes_waiting": len(self.recompute.waiting)}
+                "recomputes_waiting": len(self.recompute.waiting) + len(self.recompute.chunking)}
 
     # --- the manager's loop thread ---
     def _abort_note(self, room) -> bool:
@@ -145,11 +154,16 @@ class DecodeEngine(LocalPath, PDEngine):
         for event in self._take_room_events():
             self._on_room(*event)
         if not self.loop.resuming:  # retracted requests take the pages first, as for new ones
-            self.recompute.prefill(self.max_running - len(self.loop.running), self.loop.add, self._finish)
-            in_transfer = len(self.rooms) - len(self.prealloc.waiting)
+            self.recompute.prefill(self.max_running - len(self.loop.running), self.loop.add, self._finish,
+                                   decoding=bool(self.loop.running))
+            in_transfer = len(self.rooms) - len(self.prealloc.waiting) + len(self.recompute.chunking)
             self.prealloc.admit(self.max_running - len(self.loop.running) - in_transfer, self._gone)
+        decoding, started = bool(self.loop.running), self._clock()
+        running = self.loop.step()
+        if decoding:
+            self.budget.observe_decode(self._clock() - started)
         # a recompute whose pages did not fit waits for a page free, which kicks us; with none held it fits now
-        return self.loop.step() or (self.recompute.ready_to_run() and not self.loop.resuming)
+        return running or (self.recompute.ready_to_run() and not self.loop.resuming)
 
     def _gone(self, seq: Sequence) -> bool:
         """A request waiting for pages that ended meanwhile (``_on_room`` answers it)."""

@@ -90,20 +90,6 @@ def _rows(logits, rows: list[int]):
     return jax.device_put(picked, logits.sharding)
 
 
-def prefill_and_sample(model: LoadedModel, owner: ModelThread, seqs: Sequence, *, budget: int,
-                       max_batch: int) -> list[FirstToken]:
-    """Prefill ``seqs`` (admitted: pages reserved, ``prefilled`` set) to their ends now, a budget-sized chunk step
-    after another, and sample each one's first token: for the recomputes, which do not interleave with decoding."""
-    firsts: dict[int, FirstToken] = {}
-    while len(firsts) < len(seqs):
-        pending = [s for s in seqs if id(s) not in firsts]
-        chunks = plan_chunks(pending, max_batch=max_batch, budget=budget)
-        for chunk, first in zip(chunks, prefill_step(model, owner, chunks), strict=True):
-            if first is not None:
-                firsts[id(chunk.seq)] = first
-    return [firsts[id(s)] for s in seqs]
-
-
 @dataclass(slots=True)
 class _Fill:
     tokens: list[int]

@@ -4,9 +4,10 @@ with ``--serve-local`` does too (a node that serves both roles: ``docs/serving.m
 
 The request takes the path a failed transfer's recompute takes on a decode node (``recompute.py``): its pages under
 the key ``-(room + 1)`` (never a room's, so no room's ``FreePages`` can touch them), the recompute's queue and
-prefill (``forward.prefill_and_sample``: the request's seed, step 0, so its tokens are the ones a PD run gives),
-then the node's decode loop. Once its prefill ran the node journals one row for it, role ``local`` (``Node.record``,
-replayed as a record by ``store/replay.py``), with the router's reason; ``meta_info.pd_route`` is its receipt.
+prefill (``forward.prefill_step``, chunk by chunk between decode steps: the request's seed, step 0, so its tokens
+are the ones a PD run gives), then the node's decode loop. Once its prefill ran the node journals one row for it,
+role ``local`` (``Node.record``, replayed as a record by ``store/replay.py``), with the router's reason;
+``meta_info.pd_route`` is its receipt.
 
 A mixin for ``PDEngine`` subclasses that own ``self.recompute`` (a ``TransferRecompute``) and a decode loop, and
 call ``_take_local`` on the arrivals of each step and ``_local_ended`` when a local request ends.

@@ -31,15 +31,21 @@ With ``serve_local`` (``--serve-local``) the node serves both roles: a request t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
+
+import jax
 
 from fsm_pd.bootstrap import BootstrapServer
 from fsm_pd.control.phases import timing_meta
 from fsm_pd.control.scheduling import CHUNKED_PREFILL_SIZE, Chunk, end_request, plan_chunks, take_prefill_batch
+from fsm_pd.control.step_budget import DEFAULT_CHUNK_STEPS, StepBudget
 from fsm_pd.effects.decode import RECOMPUTE_NOTE
 from fsm_pd.machines.deadlines import ended_by_deadline, explain_failure
+from fsm_pd.model.input_buckets import batch_bucket, token_bucket
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.serving.common import ENDED
 from fsm_pd.serving.decode_loop import DecodeLoop
@@ -63,7 +69,9 @@ class PrefillEngine(LocalPath, PDEngine):
     def __init__(self, model: LoadedModel | str = "tiny", *, bootstrap_port: int | None = 0,
                  bootstrap_url: str | None = None, bootstrap_token: str | None = None, max_prefill_batch: int = 8,
                  chunked_prefill_size: int = CHUNKED_PREFILL_SIZE, radix_cache: bool = True,
-                 chunk_transfers: bool = True, serve_local: bool = False, max_running: int = 64, **node):
+                 chunk_transfers: bool = True, serve_local: bool = False, max_running: int = 64,
+                 prefill_chunk_steps: float = DEFAULT_CHUNK_STEPS, clock: Callable[[], float] = time.perf_counter,
+                 **node):
         """``node``: the settings of every PD node (``PDEngine``: pool size, node id, journal, secret, backend,
         deadlines, host, advertise_host). ``bootstrap_port``: run a bootstrap server on it (0: any free port) and
         register with it; None and a ``bootstrap_url``: register with that server instead; None and no URL: do not
@@ -72,9 +80,15 @@ class PrefillEngine(LocalPath, PDEngine):
         ``chunked_prefill_size``: padded prompt tokens a prefill step computes; a longer prompt takes several.
         ``chunk_transfers``: hand such a prompt over chunk by chunk while the rest computes (False: after the last
         chunk, in one piece; the comparison the TTFT bench makes). ``serve_local``: also serve requests the router
-        sends here whole, up to ``max_running`` of them decoding at once (``local_path.py``)."""
+        sends here whole, up to ``max_running`` of them decoding at once (``local_path.py``); while they decode,
+        every prefill step here (theirs and the PD prompts') costs at most ``prefill_chunk_steps`` of their decode
+        steps (``control/step_budget.py``; 0: ``chunked_prefill_size`` alone), timed on ``clock``."""
         super().__init__(model, prefix_cache=radix_cache, **node)
         self.serves_local = serve_local
+        # bounds a step in time only while streams decode here, which only a node serving local requests has
+        self.budget = StepBudget(chunked_prefill_size, prefill_chunk_steps if serve_local else 0)
+        self._clock = clock
+        self.prefill_executor = prefill_step  # the model executor port: runs one step's chunks (forward.py)
         if serve_local:
             # a decode node's headroom rule: the streams here grow a page every page_size tokens
             headroom = max(1, (self.layout.num_pages - 1) // 8)
@@ -82,7 +96,7 @@ class PrefillEngine(LocalPath, PDEngine):
             self.loop = DecodeLoop(self.model, self.model_thread, self.allocator, self.page_size,
                                    release=self._finish_local, headroom_pages=headroom, cache=self.cache)
             self.recompute = TransferRecompute(self.model, self.model_thread, self.allocator, self.page_size,
-                                               enabled=False, headroom_pages=headroom)
+                                               enabled=False, headroom_pages=headroom, budget=self.budget, clock=clock)
             self._init_local()
             labels = {"role": "prefill", "node": self.node_id}
             self.registry.register(DecodeLoopCollector(self.loop.counters, labels))
@@ -155,7 +169,8 @@ class PrefillEngine(LocalPath, PDEngine):
             self._on_room(*event)
         # a prompt whose room ended mid-prefill is dropped: _on_room freed its pages
         self._chunking = [s for s in self._chunking if not self._gone(s)]
-        budget = self.chunked_prefill_size
+        decoding = self.serves_local and bool(self.loop.running)
+        budget = self.budget.tokens(decoding)
         chunks = plan_chunks(self._chunking, max_batch=self.max_prefill_batch, budget=budget)
         admitted = take_prefill_batch(self._to_prefill, self.allocator, self.page_size,
                                       max_batch=self.max_prefill_batch - len(chunks), max_tokens=budget, headroom=0,
@@ -163,13 +178,26 @@ class PrefillEngine(LocalPath, PDEngine):
         self._chunking += admitted
         chunks = plan_chunks(admitted, max_batch=self.max_prefill_batch, budget=budget, planned=chunks)
         if chunks:
+            if budget < self.chunked_prefill_size:
+                self.budget.cut_steps += 1
+            started = self._clock()
             self._prefill(chunks)
+            if self.budget.enabled:  # a step of chunks that all go on samples nothing: wait for its pass here
+                with contextlib.suppress(RuntimeError):  # a pool a failed step left deleted: the next step says so
+                    jax.block_until_ready(self.model_thread.pool)
+                self.budget.observe_prefill(batch_bucket(len(chunks)) * token_bucket(max(c.length for c in chunks)),
+                                            self._clock() - started)
         # more prompts may fit now; if none fit, a room ending frees pages and kicks us again
         busy = bool(self._chunking) or (bool(chunks) and bool(self._to_prefill))
         if self.serves_local:  # the requests served whole here: their prefill, then one decode step for all
             if not self.loop.resuming:
-                self.recompute.prefill(self.max_running - len(self.loop.running), self.loop.add, self._finish_local)
-            busy = self.loop.step() or busy or (self.recompute.ready_to_run() and not self.loop.resuming)
+                self.recompute.prefill(self.max_running - len(self.loop.running), self.loop.add, self._finish_local,
+                                       decoding=bool(self.loop.running))
+            decoding, started = bool(self.loop.running), self._clock()
+            running = self.loop.step()
+            if decoding:
+                self.budget.observe_decode(self._clock() - started)
+            busy = running or busy or (self.recompute.ready_to_run() and not self.loop.resuming)
         return busy
 
     def _finish_local(self, seq: Sequence) -> None:
@@ -210,7 +238,8 @@ class PrefillEngine(LocalPath, PDEngine):
 
     def _prefill(self, chunks: list[Chunk]) -> None:
         self._prefilling(chunks)
-        firsts = run_isolating(chunks, lambda part: prefill_step(self.model, self.model_thread, part), "prefill")
+        firsts = run_isolating(chunks, lambda part: self.prefill_executor(self.model, self.model_thread, part),
+                               "prefill")
         for chunk, first in zip(chunks, firsts, strict=True):
             seq = chunk.seq
             if isinstance(first, Exception):  # fail its room (which frees its pages), keep serving the others

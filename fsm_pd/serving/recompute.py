@@ -2,7 +2,7 @@
 
 The decode node has the weights, so when a transfer fails on it after it reserved the request's pages (a pull or
 scatter that failed, a waiting or transfer deadline that passed), ``--on-transfer-failure recompute`` prefills the
-prompt on this node, samples the first token exactly as the prefill node does (``forward.prefill_and_sample``: the
+prompt on this node, samples the first token exactly as the prefill node does (``forward.prefill_step``: the
 request's seed, step 0) and hands the request to the decode loop. Sampling depends on the seed and the step only,
 so the client gets the tokens an undisturbed run gives (greedy: identical). ``fail`` keeps the old behaviour: the
 request ends with the transfer's error. A room failed by its peer (an ABORT: the prefill request was aborted or
@@ -12,7 +12,10 @@ router answers it with that failure, or retries it elsewhere, and closes this le
 Why recompute is the default: by the time a transfer fails the client has waited for a prefill already, and failing
 costs a retry elsewhere (a new handshake, a new prefill, a new queue) where recomputing costs one prefill on a node
 that is known to be up and holds the request. What it costs: the prefill runs between decode steps, so the other
-requests on this node pause for it, as for a retraction's recompute.
+requests on this node pause for it. It runs in chunks, one chunk step before each decode step, as a colocated node's
+prompts do: at most ``max_tokens`` padded tokens a step, and while streams decode at most what the node's
+``StepBudget`` allows (``control/step_budget.py``: a few decode steps' time), so a prompt prefilled here delays the
+running streams by a chunk at a time, not by its whole prefill.
 
 The room itself still ends Failed, with its reason, in the journal; the recompute is a log line naming the room and
 the request, a counter (``recomputes``; ``fsm_pd_transfer_recomputes_total``) and the answer's
@@ -26,18 +29,22 @@ they never had a room, and are counted apart (``local_prefills``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
 
+import jax
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from fsm_pd.control.scheduling import CHUNKED_PREFILL_SIZE, take_prefill_batch
+from fsm_pd.control.scheduling import CHUNKED_PREFILL_SIZE, plan_chunks, take_prefill_batch
+from fsm_pd.control.step_budget import StepBudget
 from fsm_pd.kvpool.pages import PageAllocator
+from fsm_pd.model.input_buckets import batch_bucket, token_bucket
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.model.model_thread import ModelThread
-from fsm_pd.serving.forward import prefill_and_sample
+from fsm_pd.serving.forward import prefill_step
 from fsm_pd.serving.isolate import run_isolating
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.types import EngineError
@@ -55,11 +62,17 @@ def recompute_key(room: int) -> int:
 
 class TransferRecompute:
     def __init__(self, model: LoadedModel, model_thread: ModelThread, allocator: PageAllocator, page_size: int, *,
-                 enabled: bool, headroom_pages: int, max_batch: int = 8, max_tokens: int = CHUNKED_PREFILL_SIZE):
+                 enabled: bool, headroom_pages: int, max_batch: int = 8, max_tokens: int = CHUNKED_PREFILL_SIZE,
+                 budget: StepBudget | None = None, clock: Callable[[], float] = time.perf_counter):
+        """``budget``: the node's step budget (its engine times the decode steps); None bounds a chunk step by
+        ``max_tokens`` alone. ``clock`` times the chunk steps for it."""
         self.model, self.model_thread, self.allocator, self.page_size = model, model_thread, allocator, page_size
         self.enabled, self.headroom_pages = enabled, headroom_pages
         self.max_batch, self.max_tokens = max_batch, max_tokens
+        self.budget, self._clock = budget, clock
+        self.prefill_executor = prefill_step  # the model executor port: runs one step's chunks (forward.py)
         self.waiting: deque[Sequence] = deque()
+        self.chunking: list[Sequence] = []  # pages reserved, prompt partly prefilled: the next chunks go first
         self.started = 0  # transfers failed and taken over here
         self.completed = 0  # of those, prefilled here (the request then decodes as any other)
         self.failed = 0  # the local prefill itself failed: the request got a 500
@@ -96,23 +109,45 @@ class TransferRecompute:
         self.local["local_prefills"] += 1
 
     def ready_to_run(self) -> bool:
-        """Waiting work that fits as soon as a step runs (nothing holds pages, so the headroom is waived)."""
-        return bool(self.waiting) and self.allocator.reserved_pages == 0
+        """A prompt part-prefilled, or waiting work that fits as soon as a step runs (nothing holds pages, so the
+        headroom is waived)."""
+        return bool(self.chunking) or bool(self.waiting) and self.allocator.reserved_pages == 0
 
-    def prefill(self, room_for: int, add: Callable[[Sequence], None], finish: Callable[[Sequence], None]) -> None:
-        """Prefill the waiting requests whose pages fit (``room_for`` running slots left), emit their first tokens
-        and hand them to ``add`` (the decode loop), or to ``finish`` when that token was their last."""
-        if not self.waiting or room_for <= 0:
+    def prefill(self, room_for: int, add: Callable[[Sequence], None], finish: Callable[[Sequence], None], *,
+                decoding: bool = False) -> None:
+        """One chunk step: the next chunks of the prompts under way, then the waiting requests whose pages fit
+        (``room_for`` running slots left, those under way included). A prompt whose last chunk ran emits its first
+        token and goes to ``add`` (the decode loop), or to ``finish`` when that token was its last (or it was
+        cancelled meanwhile). ``decoding``: streams are decoding on this node, and the step budget may cut the
+        step."""
+        for seq in [s for s in self.chunking if s.cancelled]:
+            self.chunking.remove(seq)
+            finish(seq)
+        budget = self.budget.tokens(decoding) if self.budget is not None else self.max_tokens
+        chunks = plan_chunks(self.chunking, max_batch=self.max_batch, budget=budget)
+        room_for -= len(self.chunking)
+        if self.waiting and room_for > 0:
+            admitted = take_prefill_batch(self.waiting, self.allocator, self.page_size,
+                                          max_batch=min(room_for, self.max_batch - len(chunks)), max_tokens=budget,
+                                          headroom=self.headroom_pages, drop=lambda s: s.cancelled, planned=chunks)
+            self.chunking += admitted
+            chunks = plan_chunks(admitted, max_batch=self.max_batch, budget=budget, planned=chunks)
+        if not chunks:
             return
-        batch = take_prefill_batch(self.waiting, self.allocator, self.page_size,
-                                   max_batch=min(room_for, self.max_batch), max_tokens=self.max_tokens,
-                                   headroom=self.headroom_pages, drop=lambda s: s.cancelled)
-        if not batch:
-            return
-        firsts = run_isolating(batch, lambda seqs: prefill_and_sample(
-            self.model, self.model_thread, seqs, budget=self.max_tokens, max_batch=self.max_batch),
-            "recompute prefill")
-        for seq, first in zip(batch, firsts, strict=True):
+        if self.budget is not None and budget < self.max_tokens:
+            self.budget.cut_steps += 1
+        started = self._clock()
+        firsts = run_isolating(chunks, lambda part: self.prefill_executor(self.model, self.model_thread, part),
+                               "recompute prefill")
+        if self.budget is not None:  # a step of chunks that all go on samples nothing: wait for its pass here
+            with contextlib.suppress(RuntimeError):  # a pool a failed step left deleted: the next step reports it
+                jax.block_until_ready(self.model_thread.pool)
+            self.budget.observe_prefill(batch_bucket(len(chunks)) * token_bucket(max(c.length for c in chunks)),
+                                        self._clock() - started)
+        done = [(c.seq, first) for c, first in zip(chunks, firsts, strict=True) if first is not None]
+        for seq, _ in done:
+            self.chunking.remove(seq)
+        for seq, first in done:
             if "kv_recompute" not in seq.meta:
                 self._local_prefilled(seq, first, add, finish)
                 continue
