@@ -13,7 +13,7 @@ defaults a user gets, and prints the median and the longest gap between two toke
    gives the long prompt's own time to first token, which the bound lengthens.
 
 Settings: ``--prefill-chunk-steps 0`` (the old rule: a prefill step takes up to the chunked-prefill budget whatever is
-running) and the default (``control/step_budget.py``: while streams decode, a prefill step is cut to what fits in
+running) and the default (``scheduling/step_budget.py``: while streams decode, a prefill step is cut to what fits in
 that many ms). A token's time is when the engine pushed it (the model thread), so HTTP is not in the figures. Each
 engine warms up and compiles every shape first, and the bench checks that nothing compiled while serving; one
 unmeasured round of every case runs first on each engine (a compiled program's first run costs ~150 ms more, once:

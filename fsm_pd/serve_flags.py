@@ -148,7 +148,7 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                                  "Failed in the journal) or fail (the request gets the transfer's error, 500) "
                                  "(default recompute)")
     if role in ("colocated", "decode", "prefill"):
-        from fsm_pd.control.step_budget import DEFAULT_CHUNK_STEPS  # jax-free: the help stays quick
+        from fsm_pd.scheduling.step_budget import DEFAULT_CHUNK_STEPS  # jax-free: the help stays quick
 
         parser.add_argument("--prefill-chunk-steps", type=float, default=DEFAULT_CHUNK_STEPS, metavar="STEPS",
                             help="while streams are decoding, cut each prefill step (a colocated node's prompts; a "
@@ -160,7 +160,7 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                                  "bounds prefill steps by their token budget alone (docs/serving.md, Chunked "
                                  f"prefill; default {DEFAULT_CHUNK_STEPS:g})")
     if role in ("prefill", "colocated"):
-        from fsm_pd.control.scheduling import CHUNKED_PREFILL_SIZE  # jax-free: the help stays quick
+        from fsm_pd.scheduling.page_admission import CHUNKED_PREFILL_SIZE  # jax-free: the help stays quick
 
         parser.add_argument("--chunked-prefill-size", type=int, default=CHUNKED_PREFILL_SIZE, metavar="TOKENS",
                             help="padded prompt tokens one prefill step computes; a longer prompt prefills in "

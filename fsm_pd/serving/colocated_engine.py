@@ -6,7 +6,7 @@ decode loop retracts the newest running requests and resumes them later (``retra
 prefilled while one waits to resume.
 
 A prefill step's size: at most ``chunked_prefill_size`` padded tokens, and while streams are decoding at most what
-costs ``prefill_chunk_steps`` of their decode steps (``control/step_budget.py``, learnt from the steps this node
+costs ``prefill_chunk_steps`` of their decode steps (``scheduling/step_budget.py``, learnt from the steps this node
 times on its ``clock``), so a joining prompt delays the running streams by a few decode steps per chunk rather than
 by its whole prefill.
 """
@@ -22,10 +22,10 @@ from collections.abc import Callable
 
 import jax
 
-from fsm_pd.control.scheduling import CHUNKED_PREFILL_SIZE, end_prefix, plan_chunks, take_prefill_batch
-from fsm_pd.control.step_budget import DEFAULT_CHUNK_STEPS, StepBudget
 from fsm_pd.model.input_buckets import batch_bucket, token_bucket
 from fsm_pd.model.loader import LoadedModel
+from fsm_pd.scheduling.page_admission import CHUNKED_PREFILL_SIZE, end_prefix, plan_chunks, take_prefill_batch
+from fsm_pd.scheduling.step_budget import DEFAULT_CHUNK_STEPS, StepBudget
 from fsm_pd.serving.common import check_request
 from fsm_pd.serving.decode_loop import DecodeLoop
 from fsm_pd.serving.engine import EngineCore

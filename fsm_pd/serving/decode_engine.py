@@ -44,12 +44,12 @@ from typing import Any
 
 from fsm_pd.control.admission import SchedulerAdmission
 from fsm_pd.control.phases import timing_meta
-from fsm_pd.control.prealloc import Preallocation
-from fsm_pd.control.scheduling import CHUNKED_PREFILL_SIZE
-from fsm_pd.control.step_budget import DEFAULT_CHUNK_STEPS, StepBudget
 from fsm_pd.kvpool.pages import pages_for
 from fsm_pd.machines.deadlines import ended_by_deadline, explain_failure
 from fsm_pd.model.loader import LoadedModel
+from fsm_pd.scheduling.page_admission import CHUNKED_PREFILL_SIZE
+from fsm_pd.scheduling.prealloc import Preallocation
+from fsm_pd.scheduling.step_budget import DEFAULT_CHUNK_STEPS, StepBudget
 from fsm_pd.serving.common import ENDED
 from fsm_pd.serving.decode_loop import DecodeLoop
 from fsm_pd.serving.forward import input_logprobs_from_wire
@@ -74,7 +74,7 @@ class DecodeEngine(LocalPath, PDEngine):
         ``--disaggregation-decode-enable-radix-cache``): keep finished prompts' pages here too, and have the prefill
         node send only the pages of a prompt this node does not already hold. ``prefill_chunk_steps``: while streams
         decode, a prefill here (recompute, local path) costs at most this many decode steps a chunk (0: 512 padded
-        tokens a chunk; ``control/step_budget.py``); ``clock`` times the steps for it."""
+        tokens a chunk; ``scheduling/step_budget.py``); ``clock`` times the steps for it."""
         if on_transfer_failure not in ON_TRANSFER_FAILURE:
             raise ValueError(f"on_transfer_failure must be one of {ON_TRANSFER_FAILURE}, got {on_transfer_failure!r}")
         super().__init__(model, admission=SchedulerAdmission(on_release=self._on_release), heartbeat=heartbeat,

@@ -19,12 +19,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from fsm_pd.control.scheduling import CHUNKED_PREFILL_SIZE, admits
 from fsm_pd.kvpool.pages import OutOfPages, PageAllocator, pages_for
 from fsm_pd.kvpool.prefix_cache import NO_MATCH, PrefixCache
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.model.model_thread import ModelThread
 from fsm_pd.model.sampling import sample
+from fsm_pd.scheduling.page_admission import CHUNKED_PREFILL_SIZE, admits
 from fsm_pd.serving.forward import fill_kv, top_ks
 from fsm_pd.serving.isolate import run_isolating
 from fsm_pd.serving.retraction import pick_retractions

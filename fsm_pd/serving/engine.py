@@ -22,11 +22,11 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry
 
-from fsm_pd.control.scheduling import flush_when_idle
 from fsm_pd.kvpool.pages import PageAllocator
 from fsm_pd.kvpool.prefix_cache import PrefixCache
 from fsm_pd.model.loader import LoadedModel, load_model
 from fsm_pd.model.model_thread import ModelThread
+from fsm_pd.scheduling.page_admission import flush_when_idle
 from fsm_pd.serving.cache_metrics import PrefillCollector
 from fsm_pd.serving.common import max_context_for, pool_tokens_for, refuse_if_unhealthy
 from fsm_pd.serving.request_phases import RequestPhases

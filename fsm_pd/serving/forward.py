@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from fsm_pd.control.scheduling import Chunk, plan_chunks
 from fsm_pd.model.grammar import new_state
 from fsm_pd.model.input_buckets import batch_bucket
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.model.model_thread import ModelThread
 from fsm_pd.model.sampling import sample
+from fsm_pd.scheduling.page_admission import Chunk, plan_chunks
 from fsm_pd.serving.top_logprobs import TopRow, chosen_and_top
 from fsm_pd.serving.types import GenerateRequest
 
@@ -36,7 +36,7 @@ def top_ks(requests: Sequence[GenerateRequest]) -> list[int]:
 
 
 def prefill_step(model: LoadedModel, owner: ModelThread, chunks: Sequence[Chunk]) -> list[FirstToken | None]:
-    """Prefill one step's ``chunks`` (``scheduling.plan_chunks``) in one batch; model thread only (it replaces the
+    """Prefill one step's ``chunks`` (``page_admission.plan_chunks``) in one batch; model thread only (it replaces the
     pool). Each sequence's ``prefilled`` advances; a chunk that ends its prompt gets the prompt's first output token
     (sampled with the request's seed, at the step after the tokens it generated before), the others None. A
     request's prompt logprobs gather on its sequence chunk by chunk (each chunk also scores the next chunk's first

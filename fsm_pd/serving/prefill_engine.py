@@ -41,12 +41,12 @@ import jax
 
 from fsm_pd.bootstrap import BootstrapServer
 from fsm_pd.control.phases import timing_meta
-from fsm_pd.control.scheduling import CHUNKED_PREFILL_SIZE, Chunk, end_request, plan_chunks, take_prefill_batch
-from fsm_pd.control.step_budget import DEFAULT_CHUNK_STEPS, StepBudget
 from fsm_pd.effects.decode import RECOMPUTE_NOTE
 from fsm_pd.machines.deadlines import ended_by_deadline, explain_failure
 from fsm_pd.model.input_buckets import batch_bucket, token_bucket
 from fsm_pd.model.loader import LoadedModel
+from fsm_pd.scheduling.page_admission import CHUNKED_PREFILL_SIZE, Chunk, end_request, plan_chunks, take_prefill_batch
+from fsm_pd.scheduling.step_budget import DEFAULT_CHUNK_STEPS, StepBudget
 from fsm_pd.serving.common import ENDED
 from fsm_pd.serving.decode_loop import DecodeLoop
 from fsm_pd.serving.forward import FirstToken, input_logprobs_to_wire, prefill_step
@@ -82,7 +82,7 @@ class PrefillEngine(LocalPath, PDEngine):
         chunk, in one piece; the comparison the TTFT bench makes). ``serve_local``: also serve requests the router
         sends here whole, up to ``max_running`` of them decoding at once (``local_path.py``); while they decode,
         every prefill step here (theirs and the PD prompts') costs at most ``prefill_chunk_steps`` of their decode
-        steps (``control/step_budget.py``; 0: ``chunked_prefill_size`` alone), timed on ``clock``."""
+        steps (``scheduling/step_budget.py``; 0: ``chunked_prefill_size`` alone), timed on ``clock``."""
         super().__init__(model, prefix_cache=radix_cache, **node)
         self.serves_local = serve_local
         # bounds a step in time only while streams decode here, which only a node serving local requests has

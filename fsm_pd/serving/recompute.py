@@ -14,7 +14,7 @@ costs a retry elsewhere (a new handshake, a new prefill, a new queue) where reco
 that is known to be up and holds the request. What it costs: the prefill runs between decode steps, so the other
 requests on this node pause for it. It runs in chunks, one chunk step before each decode step, as a colocated node's
 prompts do: at most ``max_tokens`` padded tokens a step, and while streams decode at most what the node's
-``StepBudget`` allows (``control/step_budget.py``: a few decode steps' time), so a prompt prefilled here delays the
+``StepBudget`` allows (``scheduling/step_budget.py``: a few decode steps' time), so a prompt prefilled here delays the
 running streams by a chunk at a time, not by its whole prefill.
 
 The room itself still ends Failed, with its reason, in the journal; the recompute is a log line naming the room and
@@ -38,12 +38,12 @@ from collections.abc import Callable
 import jax
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from fsm_pd.control.scheduling import CHUNKED_PREFILL_SIZE, plan_chunks, take_prefill_batch
-from fsm_pd.control.step_budget import StepBudget
 from fsm_pd.kvpool.pages import PageAllocator
 from fsm_pd.model.input_buckets import batch_bucket, token_bucket
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.model.model_thread import ModelThread
+from fsm_pd.scheduling.page_admission import CHUNKED_PREFILL_SIZE, plan_chunks, take_prefill_batch
+from fsm_pd.scheduling.step_budget import StepBudget
 from fsm_pd.serving.forward import prefill_step
 from fsm_pd.serving.isolate import run_isolating
 from fsm_pd.serving.sequence import Sequence

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fsm_pd.control.scheduling import admits
 from fsm_pd.kvpool.pages import OutOfPages, pages_for
 from fsm_pd.kvpool.prefix_cache import NO_MATCH
+from fsm_pd.scheduling.page_admission import admits
 from fsm_pd.serving.retraction import pick_retractions
 
 if TYPE_CHECKING:

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fsm_pd.control.admission import SchedulerAdmission
-from fsm_pd.control.prealloc import Preallocation
-from fsm_pd.control.scheduling import CHUNKED_PREFILL_SIZE, end_request, flush_when_idle, take_prefill_batch
 from fsm_pd.kvpool.prefix_cache import NO_MATCH, Match, PrefixCache
+from fsm_pd.scheduling.page_admission import CHUNKED_PREFILL_SIZE, end_request, flush_when_idle, take_prefill_batch
+from fsm_pd.scheduling.prealloc import Preallocation
 from fsm_pd.sim.allocator import RecordingAllocator
 from fsm_pd.sim.decode_loop import SimDecodeLoop
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections import deque
 from types import SimpleNamespace
 
-from fsm_pd.control.scheduling import admit_waiting, take_prefill_batch
 from fsm_pd.kvpool.pages import PageAllocator
 from fsm_pd.kvpool.prefix_cache import NO_MATCH, PrefixCache
+from fsm_pd.scheduling.page_admission import admit_waiting, take_prefill_batch
 
 PAGE = 4
 

@@ -1,4 +1,4 @@
-"""The time bound on a prefill step while streams decode (``control/step_budget.py``): the rule on its own, then
+"""The time bound on a prefill step while streams decode (``scheduling/step_budget.py``): the rule on its own, then
 through the colocated engine's scheduler, with its clock and its model executor as ports (scripted costs: nothing
 here is timed)."""
 
@@ -12,11 +12,11 @@ import pytest
 from test_serving_colocated import PAGE_SIZE, PAGES, request, run
 from test_serving_pd import pd_request, through_pd
 
-from fsm_pd.control.scheduling import plan_chunks
-from fsm_pd.control.step_budget import WINDOW, StepBudget
 from fsm_pd.model.input_buckets import batch_bucket, token_bucket
 from fsm_pd.model.loader import load_model
 from fsm_pd.model.programs import prefill_shapes
+from fsm_pd.scheduling.page_admission import plan_chunks
+from fsm_pd.scheduling.step_budget import WINDOW, StepBudget
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.decode_engine import DecodeEngine
 from fsm_pd.serving.forward import prefill_step

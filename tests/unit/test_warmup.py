@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fsm_pd.control.scheduling import plan_chunks, take_prefill_batch
 from fsm_pd.kvpool.pages import PageAllocator
 from fsm_pd.model import compiles, input_buckets
 from fsm_pd.model.grammar import GrammarSpec
 from fsm_pd.model.loader import load_model
 from fsm_pd.model.programs import prefill_shapes
 from fsm_pd.model.sampling import SamplingParams
+from fsm_pd.scheduling.page_admission import plan_chunks, take_prefill_batch
 from fsm_pd.serving.collect import generate
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.sequence import Sequence

@@ -16,9 +16,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from fsm_pd.control.scheduling import admit_waiting, end_prefix
 from fsm_pd.kvpool.pages import PageAllocator
 from fsm_pd.kvpool.prefix_cache import PrefixCache
+from fsm_pd.scheduling.page_admission import admit_waiting, end_prefix
 
 
 class Preallocation:
