@@ -58,9 +58,10 @@ class RoomPull(DecodePart):
         if entry:  # the checksum, published once P has computed it (meanwhile the pull waits on P, like a chunk's)
             layers = int(self.layout["num_layers"])
             trailer = Trailer(len(plan.pieces), TRAILER_WORDS + 1 + layers)
+            # held back like every pull (a slow link delays the entry too, as it does a chunked handoff's trailer)
             self.puller.pull(ctx["transfer_addr"], piece_uuid(int(ctx["uuid"]), trailer.index), 0,
                              float(ctx["deadlines"]["transfer"]), done=partial(self._sums_pulled, node, room_id, pulls),
-                             piece=trailer)
+                             delay_s=self.faults.pull_delay_s, piece=trailer)
 
     def _sums_pulled(self, node: Node, room_id: int, pulls: Pulls, staging: Any, error: BaseException | None) -> None:
         """The checksum entry of a whole handoff landed (or failed), on whatever thread the pull port reports from."""
