@@ -150,10 +150,13 @@ def test_bootstrap_server_down(rig):
     assert not outcome.ok
     r.check_recovered()
     failures = r.failures()
-    # both rooms wait out the same bootstrap deadline; when the decode's ends first, the router closes the prefill leg
-    assert failures["prefill"] in (["bootstrap timeout"], ["aborted by the client"])
-    assert len(failures["decode"]) == 1
-    assert any(w in failures["decode"][0] for w in ("bootstrap timeout", "bootstrap lookup failed"))
+    # Both rooms wait out the same bootstrap deadline. The side whose wait ends first fails on it, and the router then
+    # closes the other leg (aborted by the client), whichever side that is (on a loaded machine, either).
+    assert len(failures["prefill"]) == 1 and len(failures["decode"]) == 1, failures
+    waited = {side: any(w in reasons[0] for w in ("bootstrap timeout", "bootstrap lookup failed"))
+              for side, reasons in failures.items()}
+    assert any(waited.values()), f"no side ended on its bootstrap wait: {failures}"
+    assert all(waited[side] or failures[side] == ["aborted by the client"] for side in waited), failures
 
 
 # --- a lossy side channel ---
