@@ -152,6 +152,20 @@ def model():
     return load_model("tiny")
 
 
+def recording_executor(loop, clock, steps: list):
+    """The production prefill step, recording each step's (padded tokens, whether a stream was decoding, the stream
+    ``running``'s tokens so far) into ``steps`` and advancing the scripted clock 1 ms a padded token."""
+
+    def executor(model_, owner, chunks):
+        padded = batch_bucket(len(chunks)) * token_bucket(max(c.length for c in chunks))
+        running = [s for s in loop.running if s.rid == "running"]
+        steps.append((padded, bool(loop.running), running[0].generated if running else 0))
+        clock.now += padded / 1000
+        return prefill_step(model_, owner, chunks)
+
+    return executor
+
+
 def scene(model, chunk_steps: float) -> tuple[list[tuple[int, bool, int]], int]:
     """A stream decodes; a 250-token prompt joins it. Returns each prefill step's (padded tokens, whether a stream
     was decoding, the stream's tokens so far) and the stream's token count, under scripted costs: a decode step
@@ -161,12 +175,7 @@ def scene(model, chunk_steps: float) -> tuple[list[tuple[int, bool, int]], int]:
                              prefill_chunk_steps=chunk_steps, clock=clock)
     steps = []
 
-    def executor(model_, owner, chunks):
-        padded = batch_bucket(len(chunks)) * token_bucket(max(c.length for c in chunks))
-        running = [s for s in engine.loop.running if s.rid == "running"]
-        steps.append((padded, bool(engine.loop.running), running[0].generated if running else 0))
-        clock.now += padded / 1000
-        return prefill_step(model_, owner, chunks)
+    executor = recording_executor(engine.loop, clock, steps)
 
     engine.prefill_executor = executor
 
@@ -225,12 +234,7 @@ def test_a_decode_node_prefills_a_request_sent_whole_in_cut_chunks_between_its_d
     engine.recompute.max_tokens = engine.budget.token_budget = 128  # the scene's token budget, as above
     steps = []
 
-    def executor(model_, owner, chunks):
-        padded = batch_bucket(len(chunks)) * token_bucket(max(c.length for c in chunks))
-        running = [s for s in engine.loop.running if s.rid == "running"]
-        steps.append((padded, bool(engine.loop.running), running[0].generated if running else 0))
-        clock.now += padded / 1000
-        return prefill_step(model_, owner, chunks)
+    executor = recording_executor(engine.loop, clock, steps)
 
     engine.recompute.prefill_executor = executor
 
@@ -271,12 +275,7 @@ def test_a_prefill_node_serving_requests_whole_cuts_its_pd_chunks_while_they_dec
     p.recompute.max_tokens = 128
     steps = []
 
-    def executor(model_, owner, chunks):
-        padded = batch_bucket(len(chunks)) * token_bucket(max(c.length for c in chunks))
-        running = [s for s in p.loop.running if s.rid == "running"]
-        steps.append((padded, bool(p.loop.running), running[0].generated if running else 0))
-        clock.now += padded / 1000
-        return prefill_step(model_, owner, chunks)
+    executor = recording_executor(p.loop, clock, steps)
 
     p.prefill_executor = p.recompute.prefill_executor = executor
     # the PD prompt reaches the prefill queue only after the handshake with the decode node: until its first chunk
