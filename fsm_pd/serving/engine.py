@@ -112,7 +112,7 @@ class EngineCore:
         return {**self.prefill_tokens, **(self.cache.counters() if self.cache is not None else {})}
 
     def flush_cache(self) -> tuple[bool, str]:
-        """SGLang's ``/flush_cache`` (see ``scheduling.flush_when_idle``); runs on the model thread."""
+        """SGLang's ``/flush_cache`` (see ``page_admission.flush_when_idle``); runs on the model thread."""
         return self.model_thread.call(
             lambda _owner: flush_when_idle(self.allocator, len(self.requests), self.cache), FLUSH_TIMEOUT_S)
 

@@ -3,7 +3,7 @@ when the pool cannot grow them all the newest are retracted (pages given back) a
 
 What runs is production code where it can be without jax: the retraction policy ``serving.retraction.
 pick_retractions`` (which requests give their pages back), the real ``PageAllocator``'s ``extend`` and
-``give_back`` (recorded: ``allocator.RecordingAllocator``), ``scheduling.admits`` (a resume waits for its pages
+``give_back`` (recorded: ``allocator.RecordingAllocator``), ``page_admission.admits`` (a resume waits for its pages
 with headroom to spare), ``PrefixCache.unlock`` of a retracted request's cached prefix and
 ``Preallocation.finished``.
 ``serving/decode_loop.py`` itself imports jax (the forward pass, sampling), so the step around these calls is
