@@ -190,80 +190,107 @@ def failing(fates: tuple[tuple, ...], failures: tuple[str, ...]) -> int:
     return sum(fate[0] in failures for fate in fates)
 
 
+def up(fleet: FleetPlan, role: str) -> bool:
+    return any(h not in fleet.unhealthy for h in (fleet.prefill if role == "prefill" else fleet.decode))
+
+
 def check(fleet: FleetPlan, reqs: list[Req], ended: dict[str, Ended], workers: Workers, router: PDRouter) -> None:
-    policy, limit = fleet.policy, fleet.policy.local_prefill_max_tokens
-    prefill_up = any(h not in fleet.unhealthy for h in fleet.prefill)
-    decode_up = any(h not in fleet.unhealthy for h in fleet.decode)
-    calls = workers.calls
     for req in reqs:
-        rid, end = req.rid, ended[req.rid]
-        mine = [c for c in calls if c.rid == rid]
-        served = sorted((c for c in mine if c.side == "serve"), key=lambda c: c.entered)
-        expected = rollout(list(req.prompt), req.n)
+        mine = [c for c in workers.calls if c.rid == req.rid]
+        answer = check_ended_once(req, ended[req.rid], mine)
+        if check_served_if_it_could_be(fleet, req, ended[req.rid], answer, mine):
+            check_no_duplicate(fleet, req, mine)
+            check_receipt(req, answer, mine)
+    check_paths(fleet, workers.calls)
+    check_counts(router, workers.calls)
 
-        # 1. it ended exactly once, within its deadline: one answer, or one error, and then [DONE]
-        assert end.seconds <= REQUEST_TIMEOUT_S + 1, f"{rid} took {end.seconds:.2f} s"
-        if end.events is not None:
-            assert end.events and end.events[-1] == "[DONE]", f"{rid}: the stream did not end with [DONE]: {end.events}"
-            assert end.events.count("[DONE]") == 1, f"{rid}: [DONE] twice: {end.events}"
-            assert len(end.errors) <= 1 and (not end.errors or end.events[-2] is end.errors[0]), \
-                f"{rid}: an error event that is not the stream's last: {end.events}"
-            # 2. no token lost or repeated: every chunk extends the one before, with the model's tokens
-            sent: list[int] = []
-            for chunk in end.chunks:
-                ids = chunk["output_ids"]
-                assert PROGRESS_FIELD not in chunk, f"{rid}: the client got the router's progress field: {chunk}"
-                assert len(ids) == len(sent) + 1 and ids[:len(sent)] == sent, \
-                    f"{rid}: the stream went from {sent} to {ids} (attempts: {describe(mine)})"
-                assert ids == expected[:len(ids)], f"{rid}: tokens {ids}, the model's {expected}"
-                sent = ids
-        elif end.status != 200:
-            assert "error" in end.body, f"{rid}: an error status without an error body: {end.body}"
-        answer = end.answer
-        if answer is not None:
-            assert answer["output_ids"] == expected, f"{rid}: answered {answer['output_ids']}, the model's {expected}"
 
-        # who may not be served, and who must be
-        if not decode_up or (policy.mode == "always" and not prefill_up):
-            role = "decode" if not decode_up else "prefill"
-            assert end.status == 503 and end.body["error"]["code"] == f"no_healthy_{role}", (rid, end)
-            assert not mine, f"{rid}: calls to a fleet without a healthy {role} worker: {describe(mine)}"
-            continue
-        if all(f[0] in BENIGN + ("slow",) for f in req.serve + req.prefill):
-            assert answer is not None, f"{rid}: nothing failed, yet it ended {end} (attempts: {describe(mine)})"
-            assert len(served) == 1, f"{rid}: nothing failed, yet attempts {describe(mine)}"
-        elif (fleet.retry.policy == "retry" and not any(f[0] == "abort" and f[2] == 504 for f in req.serve)
-              and failing(req.serve, SERVE_FAILURES) + failing(req.prefill, PREFILL_FAILURES)
-              <= fleet.retry.max_retries):
-            assert answer is not None, \
-                f"{rid}: its failures were fewer than its retries, yet it ended {end} (attempts: {describe(mine)})"
+def check_ended_once(req: Req, end: Ended, mine: list[Call]) -> dict | None:
+    """1 and 2: one answer, or one error (a stream's last event before its one [DONE]), within the deadline; a
+    stream's chunks each add the model's next token to the one before. Returns the complete answer, if any."""
+    rid, expected = req.rid, rollout(list(req.prompt), req.n)
+    assert end.seconds <= REQUEST_TIMEOUT_S + 1, f"{rid} took {end.seconds:.2f} s"
+    if end.events is not None:
+        assert end.events and end.events[-1] == "[DONE]", f"{rid}: the stream did not end with [DONE]: {end.events}"
+        assert end.events.count("[DONE]") == 1, f"{rid}: [DONE] twice: {end.events}"
+        assert len(end.errors) <= 1 and (not end.errors or end.events[-2] is end.errors[0]), \
+            f"{rid}: an error event that is not the stream's last: {end.events}"
+        sent: list[int] = []
+        for chunk in end.chunks:
+            ids = chunk["output_ids"]
+            assert PROGRESS_FIELD not in chunk, f"{rid}: the client got the router's progress field: {chunk}"
+            assert len(ids) == len(sent) + 1 and ids[:len(sent)] == sent, \
+                f"{rid}: the stream went from {sent} to {ids} (attempts: {describe(mine)})"
+            assert ids == expected[:len(ids)], f"{rid}: tokens {ids}, the model's {expected}"
+            sent = ids
+    elif end.status != 200:
+        assert "error" in end.body, f"{rid}: an error status without an error body: {end.body}"
+    if (answer := end.answer) is not None:
+        assert answer["output_ids"] == expected, f"{rid}: answered {answer['output_ids']}, the model's {expected}"
+    return answer
 
-        # no duplicate: one serve call at a time, never more attempts than the retries allow
-        attempts = {(c.room, c.path) for c in mine}
-        assert len(attempts) <= 1 + fleet.retry.max_retries, f"{rid}: attempts {describe(mine)}"
-        for before, after in zip(served, served[1:], strict=False):
-            assert before.left is not None and before.left <= after.entered, \
-                f"{rid}: two serve calls at once: {describe([before, after])}"
-        for c in mine:
-            assert c.left is not None, f"{rid}: a call still open after the request ended: {describe([c])}"
-            if c.before:  # a migration continues from the client's tokens, with the stream's seed
-                first = next(s for s in served if s.sent and s.entered < c.entered)
-                assert c.resume_seed == first.seed, f"{rid}: resumed with seed {c.resume_seed}, not {first.seed}"
 
-        # 3. the receipt names the attempt that answered, the last one
-        if answer is not None:
-            finished = [c for c in served if c.finished]
-            assert finished and finished[-1] is served[-1], f"{rid}: attempts after its answer: {describe(mine)}"
-            answering, receipt = served[-1], answer["meta_info"]["pd_route"]
-            assert receipt["path"] == answering.path, f"{rid}: receipt {receipt}, answered by {describe([answering])}"
-            if answering.path == "local":
-                assert receipt["node"] == answering.host and answering.prefill is None, (receipt, answering)
-            else:
-                assert receipt["prefill"] == answering.prefill, (receipt, answering)
-                assert [c.host for c in mine if c.side == "prefill" and c.room == answering.room] == \
-                    [answering.prefill], f"{rid}: its decode's room had no prefill leg: {describe(mine)}"
+def check_served_if_it_could_be(fleet: FleetPlan, req: Req, end: Ended, answer: dict | None,
+                                mine: list[Call]) -> bool:
+    """A request is refused only when no worker can serve its path, and answered when nothing it met failed, or
+    when its failures were all retryable and no more than its retries. False: it was refused (no calls to check)."""
+    rid = req.rid
+    if not up(fleet, "decode") or (fleet.policy.mode == "always" and not up(fleet, "prefill")):
+        role = "decode" if not up(fleet, "decode") else "prefill"
+        assert end.status == 503 and end.body["error"]["code"] == f"no_healthy_{role}", (rid, end)
+        assert not mine, f"{rid}: calls to a fleet without a healthy {role} worker: {describe(mine)}"
+        return False
+    served = [c for c in mine if c.side == "serve"]
+    if all(f[0] in BENIGN + ("slow",) for f in req.serve + req.prefill):
+        assert answer is not None, f"{rid}: nothing failed, yet it ended {end} (attempts: {describe(mine)})"
+        assert len(served) == 1, f"{rid}: nothing failed, yet attempts {describe(mine)}"
+    elif (fleet.retry.policy == "retry" and not any(f[0] == "abort" and f[2] == 504 for f in req.serve)
+          and failing(req.serve, SERVE_FAILURES) + failing(req.prefill, PREFILL_FAILURES) <= fleet.retry.max_retries):
+        assert answer is not None, \
+            f"{rid}: its failures were fewer than its retries, yet it ended {end} (attempts: {describe(mine)})"
+    return True
 
-    # 5. every attempt took the policy's path
+
+def check_no_duplicate(fleet: FleetPlan, req: Req, mine: list[Call]) -> None:
+    """One serve call of a request at a time, each closed by the end; no more attempts than its retries allow (one
+    under ``--retry-policy fail``); a migration continues with the stream's seed."""
+    rid, served = req.rid, [c for c in mine if c.side == "serve"]
+    attempts = {c.room for c in mine}
+    allowed = 1 + fleet.retry.max_retries if fleet.retry.policy == "retry" else 1
+    assert len(attempts) <= allowed, f"{rid}: {len(attempts)} attempts, allowed {allowed}: {describe(mine)}"
+    for before, after in zip(served, served[1:], strict=False):
+        assert before.left is not None and before.left <= after.entered, \
+            f"{rid}: two serve calls at once: {describe([before, after])}"
+    for c in mine:
+        assert c.left is not None, f"{rid}: a call still open after the request ended: {describe([c])}"
+        assert c.host not in fleet.unhealthy, f"{rid}: sent to {c.host}, down from the start: {describe([c])}"
+        if c.before:
+            first = next(s for s in served if s.sent and s.entered < c.entered)
+            assert c.resume_seed == first.seed, f"{rid}: resumed with seed {c.resume_seed}, not {first.seed}"
+
+
+def check_receipt(req: Req, answer: dict | None, mine: list[Call]) -> None:
+    """3. An answer's receipt names the attempt that answered, the request's last: the node that served it whole,
+    or the decode leg whose room had a prefill leg on the prefill node it names."""
+    if answer is None:
+        return
+    rid, served = req.rid, [c for c in mine if c.side == "serve"]
+    finished = [c for c in served if c.finished]
+    assert finished and finished[-1] is served[-1], f"{rid}: attempts after its answer: {describe(mine)}"
+    answering, receipt = served[-1], answer["meta_info"]["pd_route"]
+    assert receipt["path"] == answering.path, f"{rid}: receipt {receipt}, answered by {describe([answering])}"
+    if answering.path == "local":
+        assert receipt["node"] == answering.host and answering.prefill is None, (receipt, answering)
+    else:
+        assert receipt["prefill"] == answering.prefill, (receipt, answering)
+        assert [c.host for c in mine if c.side == "prefill" and c.room == answering.room] == \
+            [answering.prefill], f"{rid}: its decode's room had no prefill leg: {describe(mine)}"
+
+
+def check_paths(fleet: FleetPlan, calls: list[Call]) -> None:
+    """5. Every attempt took the policy's path (``policy.decide``) for what the router could see: the prompt's
+    length, which roles had a healthy worker, and (the reason says) the in-flight counts."""
+    policy, limit = fleet.policy, fleet.policy.local_prefill_max_tokens
     for c in calls:
         tokens = len(c.prompt)
         where = f"{c.rid} ({tokens} prompt tokens, limit {limit}) went {c.path} on {c.host}: {c.reason!r}"
@@ -275,7 +302,7 @@ def check(fleet: FleetPlan, reqs: list[Req], ended: dict[str, Ended], workers: W
             assert c.path == "pd" and c.reason == "policy always", where
         elif policy.mode == "never":
             assert c.path == "local" and c.host in fleet.decode and c.reason == "policy never", where
-        elif not prefill_up:
+        elif not up(fleet, "prefill"):
             assert c.path == "local" and c.host in fleet.decode and c.reason == "no healthy prefill worker", where
         elif tokens <= limit:
             assert c.path == "local", where
@@ -287,7 +314,11 @@ def check(fleet: FleetPlan, reqs: list[Req], ended: dict[str, Ended], workers: W
         else:
             assert c.path == "pd", where
 
-    # 4. nothing left counted in flight, and one routed count per attempt, by path
+
+def check_counts(router: PDRouter, calls: list[Call]) -> None:
+    """4. Once every request ended, no worker has any of them counted in flight (the policy decides from these
+    counts), none is registered as running, and ``routed`` counted each attempt once, by its path; a PD attempt is
+    one prefill leg and one decode leg in one room."""
     for worker in router.fleet.all():
         assert worker.outstanding == 0, f"{worker.role} worker {worker.url} has {worker.outstanding} in flight " \
                                         f"after every request ended (calls: {describe(calls)})"
