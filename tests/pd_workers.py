@@ -59,6 +59,12 @@ def rollout(prompt: list[int], n: int) -> list[int]:
     return out
 
 
+def prompt_logprobs(prompt: list[int]) -> list[list]:
+    """``meta_info.input_token_logprobs`` of a prompt, as SGLang gives them: ``[logprob, id, text]``, none for the
+    first token."""
+    return [[None if i == 0 else -((tid % 7) + 1) / 10, tid, None] for i, tid in enumerate(prompt)]
+
+
 def text_of(ids: list[int]) -> str:
     return "".join(f"<{i}>" for i in ids)
 
@@ -86,6 +92,8 @@ class Call:
     before: list[int]  # fsm_pd_resume's ids
     resume_seed: int | None
     progress: bool  # the router asked for fsm_pd_progress
+    logprob: bool  # return_logprob
+    stream: bool
     fate: tuple
     entered: float
     left: float | None = None  # the call ended: answered whole, failed, or its stream closed
@@ -136,7 +144,8 @@ class Workers:
         call = Call(host, body["rid"], body["bootstrap_room"], side, "local" if local else "pd",
                     route.get("reason", ""), body.get("bootstrap_host"), list(body["input_ids"]),
                     list(resume.get("output_ids") or ()), resume.get("seed"),
-                    request.headers.get(PROGRESS_HEADER) == "1", self._fate(body["rid"], side),
+                    request.headers.get(PROGRESS_HEADER) == "1", bool(body.get("return_logprob")),
+                    bool(body.get("stream")), self._fate(body["rid"], side),
                     asyncio.get_running_loop().time())
         self.calls.append(call)
         try:
@@ -174,6 +183,8 @@ class Workers:
             return httpx.Response(500, json=_error(500, "the prefill failed after its transfer"))
         answer = {"text": "", "output_ids": [], "meta_info": {"id": call.rid, "finish_reason": {"type": "length",
                                                                                                 "length": 0}}}
+        if call.logprob:
+            answer["meta_info"].update(input_token_logprobs=prompt_logprobs(call.prompt), output_token_logprobs=[])
         if body.get("stream"):
             return httpx.Response(200, content=_sse(answer) + b"data: [DONE]\n\n",
                                   headers={"content-type": "text/event-stream"})
@@ -220,9 +231,16 @@ class Workers:
                    if call.path == "local" else
                    {"path": "pd", "reason": call.reason, "prefill": call.prefill, "pages": 1, "bytes": 4096})
         done = len(ids) >= n
-        return {"text": text_of(ids), "output_ids": ids, "meta_info": {
-            "id": call.rid, "finish_reason": {"type": "length", "length": n} if done else None,
-            "prompt_tokens": len(call.prompt), "completion_tokens": len(ids), "cached_tokens": 0, "pd_route": receipt}}
+        meta = {"id": call.rid, "finish_reason": {"type": "length", "length": n} if done else None,
+                "prompt_tokens": len(call.prompt), "completion_tokens": len(ids), "cached_tokens": 0,
+                "pd_route": receipt}
+        if call.logprob:
+            # a decode node's whole answer leaves the prompt's out (the router puts the prefill's in front); its
+            # stream and a node that prefilled the prompt itself give them
+            whole_pd = call.path == "pd" and not call.stream
+            meta.update(input_token_logprobs=[] if whole_pd else prompt_logprobs(call.prompt),
+                        output_token_logprobs=[[-0.25, t, None] for t in ids])
+        return {"text": text_of(ids), "output_ids": ids, "meta_info": meta}
 
     async def _events(self, call: Call, n: int, k: int, kind: str):
         try:

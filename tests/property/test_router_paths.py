@@ -25,7 +25,7 @@ import pytest
 from fastapi.responses import StreamingResponse
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
-from pd_workers import BENIGN, PREFILL_FAILURES, SERVE_FAILURES, Call, Workers, rollout
+from pd_workers import BENIGN, PREFILL_FAILURES, SERVE_FAILURES, Call, Workers, prompt_logprobs, rollout
 
 from fsm_pd.api.streaming import PROGRESS_FIELD
 from fsm_pd.router.core import PDRouter, PrefillWorker, RetrySettings
@@ -59,6 +59,7 @@ class Req:
     prompt: tuple[int, ...]
     n: int  # max_new_tokens
     stream: bool
+    logprob: bool  # return_logprob: the prefill's prompt logprobs merged; a stream that does not migrate
     serve: tuple[tuple, ...]  # the fates of its serve calls, in order
     prefill: tuple[tuple, ...]  # ... and of its prefill calls
 
@@ -94,7 +95,8 @@ def batches(draw, limit: int) -> list[Req]:
         length = draw(st.one_of(st.sampled_from([1, limit, limit + 1, BUSY_FACTOR * limit,
                                                  BUSY_FACTOR * limit + 1]), st.integers(1, 3 * limit)))
         reqs.append(Req(f"r{j}", tuple(range(100 * j + 1, 100 * j + 1 + length)), draw(st.integers(1, 6)),
-                        draw(st.booleans()), tuple(draw(st.lists(serve_fates, max_size=3))),
+                        draw(st.booleans()), draw(st.sampled_from([False, False, False, True])),
+                        tuple(draw(st.lists(serve_fates, max_size=3))),
                         tuple(draw(st.lists(prefill_fates, max_size=2)))))
     return reqs
 
@@ -148,7 +150,7 @@ class StayingClient:
 async def ask(router: PDRouter, req: Req) -> Ended:
     loop = asyncio.get_running_loop()
     began = loop.time()
-    body = {"rid": req.rid, "input_ids": list(req.prompt), "stream": req.stream,
+    body = {"rid": req.rid, "input_ids": list(req.prompt), "stream": req.stream, "return_logprob": req.logprob,
             "sampling_params": {"max_new_tokens": req.n, "temperature": 0}}
     response = await router.dispatch("/generate", body, StayingClient())
     if not isinstance(response, StreamingResponse):
@@ -190,6 +192,11 @@ def failing(fates: tuple[tuple, ...], failures: tuple[str, ...]) -> int:
     return sum(fate[0] in failures for fate in fates)
 
 
+def mid_stream(fate: tuple) -> bool:
+    """A failure after the first token: a stream that does not migrate (logprobs) ends there."""
+    return fate[0] in ("break", "eof", "abort", "silent") and fate[1] > 0
+
+
 def up(fleet: FleetPlan, role: str) -> bool:
     return any(h not in fleet.unhealthy for h in (fleet.prefill if role == "prefill" else fleet.decode))
 
@@ -227,6 +234,9 @@ def check_ended_once(req: Req, end: Ended, mine: list[Call]) -> dict | None:
         assert "error" in end.body, f"{rid}: an error status without an error body: {end.body}"
     if (answer := end.answer) is not None:
         assert answer["output_ids"] == expected, f"{rid}: answered {answer['output_ids']}, the model's {expected}"
+        if req.logprob:  # the prompt's logprobs once, from whichever node prefilled it
+            assert answer["meta_info"]["input_token_logprobs"] == prompt_logprobs(list(req.prompt)), \
+                f"{rid}: prompt logprobs {answer['meta_info']['input_token_logprobs']} (attempts: {describe(mine)})"
     return answer
 
 
@@ -245,6 +255,7 @@ def check_served_if_it_could_be(fleet: FleetPlan, req: Req, end: Ended, answer: 
         assert answer is not None, f"{rid}: nothing failed, yet it ended {end} (attempts: {describe(mine)})"
         assert len(served) == 1, f"{rid}: nothing failed, yet attempts {describe(mine)}"
     elif (fleet.retry.policy == "retry" and not any(f[0] == "abort" and f[2] == 504 for f in req.serve)
+          and not (req.stream and req.logprob and any(mid_stream(f) for f in req.serve))
           and failing(req.serve, SERVE_FAILURES) + failing(req.prefill, PREFILL_FAILURES) <= fleet.retry.max_retries):
         assert answer is not None, \
             f"{rid}: its failures were fewer than its retries, yet it ended {end} (attempts: {describe(mine)})"
@@ -352,7 +363,8 @@ def test_every_request_ends_once_with_its_tokens_whatever_path_it_took_and_whate
     check(fleet, reqs, ended, workers, router)
     for req in reqs:  # what the examples covered (pytest --hypothesis-show-statistics)
         mine = [c for c in workers.calls if c.rid == req.rid]
-        event(f"{'streamed' if req.stream else 'whole'} {'answered' if ended[req.rid].answer else 'failed'}")
+        event(f"{'streamed' if req.stream else 'whole'}{' with logprobs' if req.logprob else ''} "
+              f"{'answered' if ended[req.rid].answer else 'failed'}")
         event(f"attempts {len({c.room for c in mine})}")
         for c in mine:
             event(f"{c.side} {c.path} on {c.host[0]}: {c.fate[0]}{' (resumed)' if c.before else ''}")
@@ -368,7 +380,7 @@ def test_a_whole_answer_the_decode_node_sent_is_not_discarded_for_its_prefill_s_
     and is not run again, even when the prefill node's own HTTP answer fails or never comes after the transfer: the
     client's answer needs nothing from it (no ``return_logprob``), as for a stream (``_prefill_answered``)."""
     fleet = FleetPlan(("p0",), ("d0",), frozenset(), PolicySettings("always"), RetrySettings("retry", 1))
-    reqs = [Req("r0", (1, 2, 3), 3, False, (), ((prefill_fate,),))]
+    reqs = [Req("r0", (1, 2, 3), 3, False, False, (), ((prefill_fate,),))]
     ended, workers, _ = asyncio.run(asyncio.wait_for(run(fleet, reqs), SCENARIO_LIMIT_S))
     decode = [c for c in workers.calls if c.side == "serve"]
     assert decode[0].finished  # the decode node sent its whole answer
