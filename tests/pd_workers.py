@@ -34,6 +34,8 @@ from fsm_pd.api.streaming import PROGRESS_FIELD, PROGRESS_HEADER
 #   ("eof", k)             the stream ends without [DONE] after k tokens
 #   ("abort", k, status)   the engine fails the request after k tokens: an error event (a drain past its bound: 503)
 #   ("silent", k)          goes silent after k tokens (before its first one when k is 0) until the router hangs up
+#   ("stop", k)            the node stops after k tokens (SIGSTOP, a hung host): from then on it answers nothing,
+#                          its health checks time out, and every call it has or gets hangs
 # A prefill leg:
 #   ("ok",)                sends the KV, answers a moment later (the decode node has acknowledged it by then)
 #   ("slow", ms)           sends the KV ms later, and answers at once
@@ -41,8 +43,9 @@ from fsm_pd.api.streaming import PROGRESS_FIELD, PROGRESS_HEADER
 #   ("hang",)              never sends the KV nor answers
 #   ("kv_then_hang",)      sends the KV, never answers
 #   ("kv_then_error",)     sends the KV, then answers 500 (a moment later, as "ok" answers)
-SERVE_FAILURES = ("refuse", "unreachable", "break", "eof", "abort", "silent")
-PREFILL_FAILURES = ("refuse", "unreachable", "hang", "kv_then_hang", "kv_then_error")
+#   ("stop",)              the node stops before it sends the KV
+SERVE_FAILURES = ("refuse", "unreachable", "break", "eof", "abort", "silent", "stop")
+PREFILL_FAILURES = ("refuse", "unreachable", "hang", "kv_then_hang", "kv_then_error", "stop")
 BENIGN = ("ok",)
 
 
@@ -109,12 +112,15 @@ class Call:
 @dataclass
 class Workers:
     """The handler. ``serve_script[rid]`` and ``prefill_script[rid]``: the fates of that request's serve and prefill
-    calls, in order (``ok`` past the end). ``unhealthy``: hosts that fail every health check (a node not up)."""
+    calls, in order (``ok`` past the end). ``unhealthy``: hosts that fail every health check (a node not up).
+    ``health_timeout_s``: how long a stopped node's health check takes to time out."""
 
     serve_script: dict[str, list[tuple]]
     prefill_script: dict[str, list[tuple]]
     unhealthy: frozenset[str] = frozenset()
+    health_timeout_s: float = 0.02
     calls: list[Call] = field(default_factory=list)
+    stopped: dict[str, float] = field(default_factory=dict)  # host -> when it stopped
     aborts: list[tuple[str, str, int]] = field(default_factory=list)  # (host, rid, room)
     _taken: Counter = field(default_factory=Counter)
     _kv: defaultdict = field(default_factory=lambda: defaultdict(asyncio.Event))
@@ -130,8 +136,12 @@ class Workers:
         if path == "/health":
             if host in self.unhealthy:
                 raise httpx.ConnectError("connection refused (not up)", request=request)
+            if host in self.stopped:  # the client's timeout (a mock transport has none)
+                await asyncio.sleep(self.health_timeout_s)
+                raise httpx.ReadTimeout("timed out", request=request)
             return httpx.Response(200, json={"status": "ok"})
         if path == "/abort_request":
+            await self._alive(host)
             body = json.loads(request.content)
             self.aborts.append((host, body["rid"], body["room"]))
             return httpx.Response(200, json={"aborted": []})
@@ -145,10 +155,11 @@ class Workers:
                     route.get("reason", ""), body.get("bootstrap_host"), list(body["input_ids"]),
                     list(resume.get("output_ids") or ()), resume.get("seed"),
                     request.headers.get(PROGRESS_HEADER) == "1", bool(body.get("return_logprob")),
-                    bool(body.get("stream")), self._fate(body["rid"], side),
+                    bool(body.get("stream")), ("unread",) if host in self.stopped else self._fate(body["rid"], side),
                     asyncio.get_running_loop().time())
         self.calls.append(call)
         try:
+            await self._alive(host)  # a stopped node never reads the request (its kernel accepted the connection)
             if side == "prefill":
                 response = await self._prefill(request, call, body)
             else:
@@ -160,6 +171,14 @@ class Workers:
             self._leave(call)
         return response
 
+    async def _alive(self, host: str) -> None:
+        """Returns only while ``host`` runs: a stopped node never answers."""
+        if host in self.stopped:
+            await asyncio.Event().wait()
+
+    def _stop(self, host: str) -> None:
+        self.stopped.setdefault(host, asyncio.get_running_loop().time())
+
     def _leave(self, call: Call) -> None:
         if call.left is None:
             call.left = asyncio.get_running_loop().time()
@@ -170,13 +189,17 @@ class Workers:
             raise httpx.ConnectError("connection refused", request=request)
         if kind == "refuse":
             return httpx.Response(503, json=_error(503, "draining: not taking new requests"))
+        if kind == "stop":
+            self._stop(call.host)
         if kind == "hang":
             await asyncio.Event().wait()
         if kind == "slow":  # a queue before the prefill: its answer then follows the transfer at once
             await asyncio.sleep(call.fate[1] / 1000)
+        await self._alive(call.host)
         self._kv[call.room].set()  # the KV went to the decode node of this room
         if kind in ("ok", "kv_then_error"):  # the node answers once the decode node acknowledged the transfer
             await asyncio.sleep(0.001)
+        await self._alive(call.host)
         if kind == "kv_then_hang":
             await asyncio.Event().wait()
         if kind == "kv_then_error":
@@ -203,10 +226,14 @@ class Workers:
             await self._kv[call.room].wait()  # a decode node's first token comes after the KV
         if kind == "slow":
             await asyncio.sleep(call.fate[1] / 1000)
+        await self._alive(call.host)
         k = call.fate[1] if kind in SERVE_FAILURES[2:] else n  # the tokens it sends
         if kind == "abort":
             k = min(k, n - len(call.before) - 1)  # an engine error comes before the finish
         if k == 0 or not body.get("stream"):
+            if kind == "stop":
+                self._stop(call.host)
+                await self._alive(call.host)
             if kind == "silent":
                 await asyncio.Event().wait()
             if kind == "abort":  # before the first token: the engine's error is the answer's status
@@ -248,11 +275,15 @@ class Workers:
             for i in range(1, left + 1):
                 if i > k:
                     break
+                await self._alive(call.host)
                 chunk = self._chunk(call, n, i)
                 if call.progress:
                     chunk[PROGRESS_FIELD] = {"ids": chunk["output_ids"][-1:], "seed": call.seed}
                 call.sent, call.finished = i, i == left
                 yield _sse(chunk)
+            if kind == "stop":
+                self._stop(call.host)
+            await self._alive(call.host)
             if kind == "silent":
                 await asyncio.Event().wait()
             if kind == "break":

@@ -29,10 +29,11 @@ from pd_workers import BENIGN, PREFILL_FAILURES, SERVE_FAILURES, Call, Workers, 
 
 from fsm_pd.api.streaming import PROGRESS_FIELD
 from fsm_pd.router.core import PDRouter, PrefillWorker, RetrySettings
+from fsm_pd.router.fleet import BreakerSettings
 from fsm_pd.router.legs import RouterDeadlines
 from fsm_pd.router.policy import BUSY_FACTOR, PolicySettings
 
-PROFILES = {"ci": {"max_examples": 120, "derandomize": True}, "long": {"max_examples": 1000, "derandomize": False}}
+PROFILES = {"ci": {"max_examples": 100, "derandomize": True}, "long": {"max_examples": 1000, "derandomize": False}}
 PROFILE = os.environ.get("FSM_PD_PROPERTY_PROFILE", "ci")
 _profile = dict(PROFILES[PROFILE])
 if os.environ.get("FSM_PD_PROPERTY_EXAMPLES"):
@@ -42,6 +43,10 @@ if os.environ.get("FSM_PD_PROPERTY_EXAMPLES"):
 DEADLINES = RouterDeadlines(prefill_s=0.25, decode_s=0.25, stream_idle_s=0.1)
 REQUEST_TIMEOUT_S = 5.0
 SCENARIO_LIMIT_S = 30.0  # a scenario still running then has a request that hangs
+# Health checks often enough that a stopped node is ejected (and its streams end as lost) before the stream idle
+# deadline: one failed check ejects (the default is 3), a check times out after HEALTH_TIMEOUT_S.
+HEALTH_INTERVAL_S = HEALTH_TIMEOUT_S = 0.02
+BREAKER = BreakerSettings(health_failures=1)
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,10 @@ serve_fates = st.one_of(
 prefill_fates = st.one_of(
     st.just(("ok",)), st.tuples(st.just("slow"), st.integers(1, 4)),
     st.sampled_from([("refuse",), ("unreachable",), ("hang",), ("kv_then_hang",), ("kv_then_error",)]))
+# a node that stops takes every request it has or gets with it: drawn in some scenarios only, whose other requests
+# then need not succeed
+serve_fates_or_stop = st.one_of(serve_fates, st.tuples(st.just("stop"), st.integers(0, 4)))
+prefill_fates_or_stop = st.one_of(prefill_fates, st.just(("stop",)))
 
 
 @st.composite
@@ -90,14 +99,15 @@ def fleets(draw) -> FleetPlan:
 
 @st.composite
 def batches(draw, limit: int) -> list[Req]:
+    stops = draw(st.booleans())
+    serve, prefill = (serve_fates_or_stop, prefill_fates_or_stop) if stops else (serve_fates, prefill_fates)
     reqs = []
     for j in range(draw(st.integers(1, 5))):
         length = draw(st.one_of(st.sampled_from([1, limit, limit + 1, BUSY_FACTOR * limit,
                                                  BUSY_FACTOR * limit + 1]), st.integers(1, 3 * limit)))
         reqs.append(Req(f"r{j}", tuple(range(100 * j + 1, 100 * j + 1 + length)), draw(st.integers(1, 6)),
                         draw(st.booleans()), draw(st.sampled_from([False, False, False, True])),
-                        tuple(draw(st.lists(serve_fates, max_size=3))),
-                        tuple(draw(st.lists(prefill_fates, max_size=2)))))
+                        tuple(draw(st.lists(serve, max_size=3))), tuple(draw(st.lists(prefill, max_size=2)))))
     return reqs
 
 
@@ -173,9 +183,11 @@ async def quiescent(keep: set[asyncio.Future]) -> None:
 
 
 async def run(fleet: FleetPlan, reqs: list[Req]) -> tuple[dict[str, Ended], Workers, PDRouter]:
-    workers = Workers({r.rid: list(r.serve) for r in reqs}, {r.rid: list(r.prefill) for r in reqs}, fleet.unhealthy)
+    workers = Workers({r.rid: list(r.serve) for r in reqs}, {r.rid: list(r.prefill) for r in reqs}, fleet.unhealthy,
+                      HEALTH_TIMEOUT_S)
     router = PDRouter([PrefillWorker(f"http://{h}", 8998) for h in fleet.prefill],
-                      [f"http://{h}" for h in fleet.decode], health_interval_s=60, request_timeout_s=REQUEST_TIMEOUT_S,
+                      [f"http://{h}" for h in fleet.decode], health_interval_s=HEALTH_INTERVAL_S,
+                      health_timeout_s=HEALTH_TIMEOUT_S, breaker=BREAKER, request_timeout_s=REQUEST_TIMEOUT_S,
                       retry=fleet.retry, deadlines=DEADLINES, pd_policy=fleet.policy)
     router._client = httpx.AsyncClient(transport=httpx.MockTransport(workers))
     ours = asyncio.all_tasks()
@@ -202,13 +214,15 @@ def up(fleet: FleetPlan, role: str) -> bool:
 
 
 def check(fleet: FleetPlan, reqs: list[Req], ended: dict[str, Ended], workers: Workers, router: PDRouter) -> None:
+    # a node that stops fails every request it has or gets: then no request's own script says whether it succeeds
+    nodes_stop = any(f[0] == "stop" for r in reqs for f in r.serve + r.prefill)
     for req in reqs:
         mine = [c for c in workers.calls if c.rid == req.rid]
         answer = check_ended_once(req, ended[req.rid], mine)
-        if check_served_if_it_could_be(fleet, req, ended[req.rid], answer, mine):
+        if check_served_if_it_could_be(fleet, req, ended[req.rid], answer, mine, not nodes_stop):
             check_no_duplicate(fleet, req, mine)
             check_receipt(req, answer, mine)
-    check_paths(fleet, workers.calls)
+    check_paths(fleet, workers)
     check_counts(router, workers.calls)
 
 
@@ -222,6 +236,8 @@ def check_ended_once(req: Req, end: Ended, mine: list[Call]) -> dict | None:
         assert end.events.count("[DONE]") == 1, f"{rid}: [DONE] twice: {end.events}"
         assert len(end.errors) <= 1 and (not end.errors or end.events[-2] is end.errors[0]), \
             f"{rid}: an error event that is not the stream's last: {end.events}"
+        assert end.errors or end.answer is not None, f"{rid}: a stream that ended unfinished without an error: " \
+                                                     f"{end.events} (attempts: {describe(mine)})"
         sent: list[int] = []
         for chunk in end.chunks:
             ids = chunk["output_ids"]
@@ -240,10 +256,11 @@ def check_ended_once(req: Req, end: Ended, mine: list[Call]) -> dict | None:
     return answer
 
 
-def check_served_if_it_could_be(fleet: FleetPlan, req: Req, end: Ended, answer: dict | None,
-                                mine: list[Call]) -> bool:
-    """A request is refused only when no worker can serve its path, and answered when nothing it met failed, or
-    when its failures were all retryable and no more than its retries. False: it was refused (no calls to check)."""
+def check_served_if_it_could_be(fleet: FleetPlan, req: Req, end: Ended, answer: dict | None, mine: list[Call],
+                                live: bool) -> bool:
+    """A request is refused when no worker can serve its path, and (``live``: no node stops) answered when nothing
+    it met failed, or when its failures were all retryable and no more than its retries. False: it was refused (no
+    calls to check)."""
     rid = req.rid
     if not up(fleet, "decode") or (fleet.policy.mode == "always" and not up(fleet, "prefill")):
         role = "decode" if not up(fleet, "decode") else "prefill"
@@ -251,6 +268,8 @@ def check_served_if_it_could_be(fleet: FleetPlan, req: Req, end: Ended, answer: 
         assert not mine, f"{rid}: calls to a fleet without a healthy {role} worker: {describe(mine)}"
         return False
     served = [c for c in mine if c.side == "serve"]
+    if not live:
+        return True
     if all(f[0] in BENIGN + ("slow",) for f in req.serve + req.prefill):
         assert answer is not None, f"{rid}: nothing failed, yet it ended {end} (attempts: {describe(mine)})"
         assert len(served) == 1, f"{rid}: nothing failed, yet attempts {describe(mine)}"
@@ -298,11 +317,11 @@ def check_receipt(req: Req, answer: dict | None, mine: list[Call]) -> None:
             [answering.prefill], f"{rid}: its decode's room had no prefill leg: {describe(mine)}"
 
 
-def check_paths(fleet: FleetPlan, calls: list[Call]) -> None:
+def check_paths(fleet: FleetPlan, workers: Workers) -> None:
     """5. Every attempt took the policy's path (``policy.decide``) for what the router could see: the prompt's
     length, which roles had a healthy worker, and (the reason says) the in-flight counts."""
     policy, limit = fleet.policy, fleet.policy.local_prefill_max_tokens
-    for c in calls:
+    for c in workers.calls:
         tokens = len(c.prompt)
         where = f"{c.rid} ({tokens} prompt tokens, limit {limit}) went {c.path} on {c.host}: {c.reason!r}"
         if c.side == "prefill":
@@ -313,8 +332,11 @@ def check_paths(fleet: FleetPlan, calls: list[Call]) -> None:
             assert c.path == "pd" and c.reason == "policy always", where
         elif policy.mode == "never":
             assert c.path == "local" and c.host in fleet.decode and c.reason == "policy never", where
-        elif not up(fleet, "prefill"):
-            assert c.path == "local" and c.host in fleet.decode and c.reason == "no healthy prefill worker", where
+        elif not up(fleet, "prefill") or c.reason == "no healthy prefill worker":
+            # every prefill node down from the start, or stopped before (its health checks then ejected it)
+            gone = all(h in fleet.unhealthy or workers.stopped.get(h, c.entered) < c.entered for h in fleet.prefill)
+            assert gone and c.path == "local" and c.host in fleet.decode, where
+            assert c.reason == "no healthy prefill worker", where
         elif tokens <= limit:
             assert c.path == "local", where
             # on the prefill node only when it serves both roles, and the router says why
@@ -361,6 +383,7 @@ def test_every_request_ends_once_with_its_tokens_whatever_path_it_took_and_whate
     except TimeoutError:
         pytest.fail(f"a request hung: no end within {SCENARIO_LIMIT_S} s")
     check(fleet, reqs, ended, workers, router)
+    event(f"scenario: {fleet.policy.mode}, {'a node stops' if workers.stopped else 'no node stops'}")
     for req in reqs:  # what the examples covered (pytest --hypothesis-show-statistics)
         mine = [c for c in workers.calls if c.rid == req.rid]
         event(f"{'streamed' if req.stream else 'whole'}{' with logprobs' if req.logprob else ''} "
