@@ -410,3 +410,18 @@ def test_a_whole_answer_the_decode_node_sent_is_not_discarded_for_its_prefill_s_
     assert ended["r0"].answer is not None, f"the client got {ended['r0']}"
     assert len(decode) == 1, f"the decode node served it {len(decode)} times: {describe(workers.calls)}"
     assert ended["r0"].seconds < DEADLINES.prefill_s, f"the answer waited {ended['r0'].seconds:.2f} s for the prefill"
+
+
+@pytest.mark.xfail(strict=True, reason="legs.relay (a stream that does not migrate) ends every stream without [DONE] "
+                                       "with an error event, even after the finish went out; the migrating relay "
+                                       "(core._migrating, Progress.finished) sends only the [DONE]")
+@pytest.mark.parametrize("retry_policy, logprob", [("fail", False), ("retry", True)], ids=["retry_fail", "logprobs"])
+def test_a_stream_whose_finish_went_out_does_not_end_in_an_error(retry_policy, logprob):
+    """A stream whose node sent the last token and its finish reason, then closed without ``[DONE]``, gave the client
+    its whole answer: it ends with ``[DONE]``, as a migrating stream does, not with an error after the answer."""
+    fleet = FleetPlan(("p0",), ("d0",), frozenset(), PolicySettings("never"), RetrySettings(retry_policy, 1))
+    reqs = [Req("r0", (1, 2), 2, True, logprob, (("eof", 2),), ())]
+    ended, _, _ = asyncio.run(asyncio.wait_for(run(fleet, reqs), SCENARIO_LIMIT_S))
+    end = ended["r0"]
+    assert end.chunks[-1]["meta_info"]["finish_reason"]  # the whole answer went out
+    assert not end.errors, f"an error after the whole answer: {end.errors}"
