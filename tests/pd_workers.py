@@ -46,7 +46,8 @@ from fsm_pd.api.streaming import PROGRESS_FIELD, PROGRESS_HEADER
 #   ("stop",)              the node stops before it sends the KV
 SERVE_FAILURES = ("refuse", "unreachable", "break", "eof", "abort", "silent", "stop")
 PREFILL_FAILURES = ("refuse", "unreachable", "hang", "kv_then_hang", "kv_then_error", "stop")
-BENIGN = ("ok",)
+BENIGN = ("ok", "slow")
+AFTER_K_TOKENS = ("break", "eof", "abort", "silent", "stop")  # the fates that say how many tokens go out first
 
 
 def next_token(prompt: list[int], before: list[int]) -> int:
@@ -129,7 +130,7 @@ class Workers:
         script = (self.serve_script if side == "serve" else self.prefill_script).get(rid, [])
         k = self._taken[rid, side]
         self._taken[rid, side] += 1
-        return script[k] if k < len(script) else BENIGN
+        return script[k] if k < len(script) else ("ok",)
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         host, path = request.url.host, request.url.path
@@ -227,7 +228,7 @@ class Workers:
         if kind == "slow":
             await asyncio.sleep(call.fate[1] / 1000)
         await self._alive(call.host)
-        k = call.fate[1] if kind in SERVE_FAILURES[2:] else n  # the tokens it sends
+        k = call.fate[1] if kind in AFTER_K_TOKENS else n  # the tokens it sends
         if kind == "abort":
             k = min(k, n - len(call.before) - 1)  # an engine error comes before the finish
         if k == 0 or not body.get("stream"):

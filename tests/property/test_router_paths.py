@@ -25,7 +25,16 @@ import pytest
 from fastapi.responses import StreamingResponse
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
-from pd_workers import BENIGN, PREFILL_FAILURES, SERVE_FAILURES, Call, Workers, prompt_logprobs, rollout
+from pd_workers import (
+    AFTER_K_TOKENS,
+    BENIGN,
+    PREFILL_FAILURES,
+    SERVE_FAILURES,
+    Call,
+    Workers,
+    prompt_logprobs,
+    rollout,
+)
 
 from fsm_pd.api.streaming import PROGRESS_FIELD
 from fsm_pd.router.core import PDRouter, PrefillWorker, RetrySettings
@@ -206,7 +215,7 @@ def failing(fates: tuple[tuple, ...], failures: tuple[str, ...]) -> int:
 
 def mid_stream(fate: tuple) -> bool:
     """A failure after the first token: a stream that does not migrate (logprobs) ends there."""
-    return fate[0] in ("break", "eof", "abort", "silent") and fate[1] > 0
+    return fate[0] in AFTER_K_TOKENS and fate[1] > 0
 
 
 def up(fleet: FleetPlan, role: str) -> bool:
@@ -270,7 +279,7 @@ def check_served_if_it_could_be(fleet: FleetPlan, req: Req, end: Ended, answer: 
     served = [c for c in mine if c.side == "serve"]
     if not live:
         return True
-    if all(f[0] in BENIGN + ("slow",) for f in req.serve + req.prefill):
+    if all(f[0] in BENIGN for f in req.serve + req.prefill):
         assert answer is not None, f"{rid}: nothing failed, yet it ended {end} (attempts: {describe(mine)})"
         assert len(served) == 1, f"{rid}: nothing failed, yet attempts {describe(mine)}"
     elif (fleet.retry.policy == "retry" and not any(f[0] == "abort" and f[2] == 504 for f in req.serve)
