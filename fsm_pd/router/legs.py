@@ -27,6 +27,7 @@ from fastapi.responses import Response
 from fsm_pd.api.errors import error_body, error_response
 from fsm_pd.api.streaming import RECOMPUTED_HEADER
 from fsm_pd.api.tasks import cancel_and_wait
+from fsm_pd.router.migrate import FinishWatch
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +210,11 @@ async def _both_answered(prefill: Leg, decode: Leg, deadline: float, timeout_s: 
         if prefill.task in pending and decode.task not in pending and decode.recomputed:
             log.info("decode worker %s recomputed the prompt: the prefill leg is not waited for", decode.worker_url)
             return None
-        if prefill.task in pending and decode.task not in pending and not prefill_body and decode.streaming:
+        # the decode's answer started (a stream) or is whole: a prefill that fails or hangs after the KV went over
+        # must not take it away (the client would get an error, or wait out --prefill-timeout-secs, for an answer
+        # the router holds)
+        if (prefill.task in pending and decode.task not in pending and not prefill_body
+                and (decode.streaming or decode.body is not None)):
             return None
     return None
 
@@ -279,11 +284,12 @@ async def relay(source: AsyncIterator[bytes], response: httpx.Response, worker_u
     """Pass an event stream through; if it breaks, stalls past the deadline or ``idle_s`` between chunks, its worker
     is ejected as unhealthy (``lost``) or it ends without ``[DONE]``, finish it with an error event and ``[DONE]``
     so the client always learns how its request ended. ``expired(name)`` counts a deadline that ended it."""
-    tail = b""
+    tail, finish = b"", FinishWatch()
     try:
         try:
             async for chunk in until(source, deadline, lost, idle_s):
                 tail = (tail + chunk)[-32:]
+                finish.feed(chunk)
                 yield chunk
         except StreamIdle as idle:
             problem = 504, idle_message(worker_url, idle.idle_s)
@@ -302,6 +308,10 @@ async def relay(source: AsyncIterator[bytes], response: httpx.Response, worker_u
             if tail.rstrip().endswith(b"data: [DONE]"):
                 return
             problem = 502, f"decode worker {worker_url} ended its stream without [DONE]"
+        if finish.finished:  # the last token and its finish reason went out: only [DONE] is missing
+            log.info("stream from %s ended after its finish: %s", worker_url, problem[1])
+            yield DONE
+            return
         log.warning("stream from %s ended early: %s", worker_url, problem[1])
         yield b"data: " + json.dumps(error_body(*problem), separators=(",", ":")).encode() + b"\n\n"
         yield DONE

@@ -72,7 +72,7 @@ class Progress:
             return line
         if not isinstance(chunk, dict) or "error" in chunk:
             return line
-        self.finished = self.finished or _finishes(chunk)
+        self.finished = self.finished or finishes(chunk)
         progress = chunk.pop(PROGRESS_FIELD, None)
         if not isinstance(progress, dict):
             return line
@@ -99,7 +99,31 @@ def node_failure(line: str) -> str | None:
     return str(error.get("message")) if isinstance(code, int) and code in RESUMABLE_CODES else None
 
 
-def _finishes(chunk: dict) -> bool:
+class FinishWatch:
+    """Whether a relayed byte stream's finish went out: its last complete ``data:`` event carried a finish reason.
+    A stream relayed as it came (not migrating) that then breaks off or ends without ``[DONE]`` is complete for
+    the client all the same, and gets ``[DONE]`` rather than an error after its answer."""
+
+    def __init__(self) -> None:
+        self._buffer, self._last = b"", b""
+
+    def feed(self, chunk: bytes) -> None:
+        *events, self._buffer = (self._buffer + chunk).split(b"\n\n")
+        for event in events:
+            event = event.strip()
+            if event.startswith(b"data:") and event[5:].strip() != b"[DONE]":
+                self._last = event
+
+    @property
+    def finished(self) -> bool:
+        try:
+            chunk = json.loads(self._last[5:])
+        except ValueError:
+            return False
+        return isinstance(chunk, dict) and "error" not in chunk and finishes(chunk)
+
+
+def finishes(chunk: dict) -> bool:
     meta = chunk.get("meta_info")
     if isinstance(meta, dict) and meta.get("finish_reason"):
         return True

@@ -10,7 +10,9 @@ record every call). Hypothesis draws the fleet (1-2 prefill and 1-2 decode worke
 the policy (``auto`` with or without ``--prefill-serves-local``, ``always``, ``never``), the retry policy, and a batch
 of concurrent ``/generate`` requests, streamed or not, some with prompt logprobs, with prompts around the threshold
 and the fates of their calls (``pd_workers``: refused, unreachable, broken off, silent, an engine error, slow, a node
-that stops). Two strict xfails at the end are defects these properties found, kept as examples until they are fixed.
+that stops). The two tests at the end are defects these properties found, fixed since: a whole decode answer
+discarded for its prefill's late failure (``legs._both_answered``), and an error event after a stream's finish
+(``legs.relay``).
 
 ``FSM_PD_PROPERTY_PROFILE=long`` runs 1000 random examples; ``FSM_PD_PROPERTY_EXAMPLES`` sets the count.
 """
@@ -405,9 +407,6 @@ def test_every_request_ends_once_with_its_tokens_whatever_path_it_took_and_whate
 
 
 
-@pytest.mark.xfail(strict=True, reason="legs.both_answered waits for the prefill's answer after a whole decode answer "
-                                       "(it stops waiting for a started stream only): a prefill that fails or hangs "
-                                       "after its transfer fails the attempt, and the complete answer is discarded")
 @pytest.mark.parametrize("prefill_fate", ["kv_then_error", "kv_then_hang"])
 def test_a_whole_answer_the_decode_node_sent_is_not_discarded_for_its_prefill_s_late_failure(prefill_fate):
     """A non-streamed PD request whose decode node answered it whole (so the KV had arrived) ends with that answer,
@@ -423,9 +422,6 @@ def test_a_whole_answer_the_decode_node_sent_is_not_discarded_for_its_prefill_s_
     assert ended["r0"].seconds < DEADLINES.prefill_s, f"the answer waited {ended['r0'].seconds:.2f} s for the prefill"
 
 
-@pytest.mark.xfail(strict=True, reason="legs.relay (a stream that does not migrate) ends every stream without [DONE] "
-                                       "with an error event, even after the finish went out; the migrating relay "
-                                       "(core._migrating, Progress.finished) sends only the [DONE]")
 @pytest.mark.parametrize("retry_policy, logprob", [("fail", False), ("retry", True)], ids=["retry_fail", "logprobs"])
 def test_a_stream_whose_finish_went_out_does_not_end_in_an_error(retry_policy, logprob):
     """A stream whose node sent the last token and its finish reason, then closed without ``[DONE]``, gave the client
