@@ -8,7 +8,8 @@ sends a request whole, the ``auto`` one runs with ``--prefill-serves-local``). E
 length, an output length) is its own workload: --requests requests of about that many prompt tokens (+-10%) and
 exactly that many new tokens, greedy, EOS ignored, Poisson arrivals. Its SLO comes from isolated runs on the
 colocated node (medians of five, times --ttft-scale and --tpot-scale, as goodput.py does for its mixes); goodput is
-the highest swept rate at which 90% of requests attain it. ``--repeat N`` runs every rate sweep N times with fresh
+the highest rate of the grid at which 90% of requests attain it, found by a walk over the grid
+(``goodput.find_goodput``). ``--repeat N`` runs every rate sweep N times with fresh
 prompts (the prefix cache must not serve a repeat) and reports each goodput (and their lower median, a swept rate),
 so a reader sees whether --requests was enough for a stable figure.
 
@@ -24,6 +25,7 @@ from pathlib import Path
 
 BEGIN, END = "<!-- crossover-table:begin -->", "<!-- crossover-table:end -->"
 MODES = ("colocated", "pd", "pd-policy")
+START_BELOW = 0.6  # a search starts at this share of the goodput it expects (run_grid)
 LABELS = {"colocated": "colocated (cores 0+1)", "pd": "PD, every request (always)",
           "pd-policy": "PD with the policy (auto)"}
 
@@ -38,24 +40,9 @@ def cell_requests(prompt: int, output: int, count: int, seed: str, vocab: int) -
     return out
 
 
-def sweep_rates(url: str, load, rates: list[float], slo: dict, g) -> tuple[float, list[dict]]:
-    """The goodput.py rate sweep for one mode: upwards until two rates in a row attain under half."""
-    best, sweep, misses = 0.0, [], 0
-    for rate in rates:
-        results = g.at_rate(url, load(rate), rate, random.Random(int(rate * 1000)))
-        share = g.attainment(results, slo)
-        sweep.append({"rate": rate, "attainment": share, "local_share": g.local_share(results),
-                      **g.missed(results, slo), **g.phases(results)})
-        if share >= 0.9:
-            best = rate
-        misses = misses + 1 if share < 0.5 else 0
-        if misses >= 2:
-            break
-    return best, sweep
-
-
-def run_grid(args, urls: dict[str, str], vocab: int, g, log) -> list[dict]:
-    """Every cell: its SLO, and per mode the goodput of each repeat and the rate sweeps behind them."""
+def run_grid(args, urls: dict[str, str], vocab: int, g, log, on_cell=None) -> list[dict]:
+    """Every cell: its SLO, and per mode the goodput of each repeat and the rate sweeps behind them. ``on_cell(cells)``
+    after each cell (the docs are rewritten as the grid goes: a sweep stopped halfway keeps what it measured)."""
     prompts = [int(p) for p in args.prompts.split(",")]
     outputs = [int(o) for o in args.outputs.split(",")]
     rates = [float(r) for r in args.rates.split(",")]
@@ -67,23 +54,35 @@ def run_grid(args, urls: dict[str, str], vocab: int, g, log) -> list[dict]:
             slo = {"ttft": args.ttft_scale * statistics.median(r["ttft"] for r in iso),
                    "tpot": args.tpot_scale * statistics.median(r["tpot"] for r in iso)}
             cell = {"prompt": prompt, "output": output, "slo": slo, "modes": {}}
+            # where each search starts (find_goodput): below the likely goodput, since a walk up is cheap (higher
+            # rates, shorter runs) and one down is not: colocated at START_BELOW x its goodput in the cell before (the
+            # same output, a shorter prompt), the PD modes at START_BELOW x colocated's in this cell; a repeat at its
+            # mode's previous goodput
+            start = (START_BELOW * cells[-1]["modes"]["colocated"]["goodput"]
+                     if cells and cells[-1]["output"] == output else None)
             for mode in MODES:
                 for ids, n in cell_requests(prompt, output, 2, f"{prompt} {output} {mode} warm", vocab):
                     g.stream(urls[mode], ids, n)  # not measured: whatever a mode's first requests pay
                 runs = []
-                for repeat in range(args.repeat):
-                    log(f"prompt {prompt}, output {output}, {mode}, repeat {repeat + 1}/{args.repeat}")
+                repeats = args.repeat if not args.repeat_prompts or prompt in args.repeat_prompts else 1
+                for repeat in range(repeats):
+                    log(f"prompt {prompt}, output {output}, {mode}, repeat {repeat + 1}/{repeats}")
 
                     def load(rate: float, prompt=prompt, output=output, repeat=repeat) -> list[tuple[list[int], int]]:
                         return cell_requests(prompt, output, args.requests, f"{prompt} {output} {rate} {repeat}",
                                              vocab)
 
-                    goodput, sweep = sweep_rates(urls[mode], load, rates, slo, g)
+                    goodput, sweep, _ = g.find_goodput(urls[mode], load, rates, slo,
+                                                       (runs and runs[-1]["goodput"]) or start or None)
                     runs.append({"goodput": goodput, "sweep": sweep})
                 goodputs = [r["goodput"] for r in runs]
                 cell["modes"][mode] = {"goodputs": goodputs, "goodput": statistics.median_low(goodputs),
                                        "stable": len(set(goodputs)) == 1, "runs": runs}
+                if mode == "colocated":
+                    start = START_BELOW * cell["modes"][mode]["goodput"] or start
             cells.append(cell)
+            if on_cell is not None:
+                on_cell(cells)
     return cells
 
 
@@ -93,8 +92,9 @@ def _ratio(a: float, b: float) -> str:
 
 def table(cells: list[dict], settings: dict) -> str:
     """The markdown table: goodput per mode (each repeat's when they differ), the ratios, the policy's local share."""
+    only = f" (prompts of {settings['repeat_prompts']} only; one elsewhere)" if settings.get("repeat_prompts") else ""
     lines = [f"Model {settings['model']}, {settings['requests']} requests per rate, rates "
-             f"{settings['rates']} /s, {settings['repeat']} repeat(s) per sweep, SLO TTFT <= "
+             f"{settings['rates']} /s, {settings['repeat']} search(es) per cell and mode{only}, SLO TTFT <= "
              f"{settings['ttft_scale']:g}x and TPOT <= {settings['tpot_scale']:g}x the isolated medians.", "",
              "| prompt tokens | new tokens | colocated | PD (always) | PD (policy) | PD / colocated | "
              "policy / colocated | policy: local share at its goodput | repeats agree |",
@@ -111,7 +111,8 @@ def table(cells: list[dict], settings: dict) -> str:
         policy = m["pd-policy"]
         at = [s for run in policy["runs"] for s in run["sweep"] if s["rate"] == policy["goodput"]]
         local = f"{statistics.median(s['local_share'] for s in at):.0%}" if at else "-"
-        agree = "yes" if all(found["stable"] for found in m.values()) else "no"
+        agree = ("- (one run)" if all(len(found["goodputs"]) == 1 for found in m.values())
+                 else "yes" if all(found["stable"] for found in m.values()) else "no")
         lines.append(f"| {cell['prompt']} | {cell['output']} | {shown('colocated')} | {shown('pd')} | "
                      f"{shown('pd-policy')} | {_ratio(m['pd']['goodput'], m['colocated']['goodput'])} | "
                      f"{_ratio(policy['goodput'], m['colocated']['goodput'])} | {local} | {agree} |")

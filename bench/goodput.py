@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -57,7 +58,7 @@ from fsm_pd.model.loader import load_model
 
 err = Console(stderr=True)
 WORKLOADS = ("prefill-heavy", "decode-heavy", "mixed", "shift")
-DEFAULT_RATES = "0.05,0.1,0.2,0.3,0.5,0.75,1,1.5,2,3,4"
+DEFAULT_RATES = "0.1,0.15,0.2,0.25,0.3,0.4,0.5,0.6,0.75,0.9,1,1.25,1.5,2,2.5,3,4"  # ~1.25x apart
 
 
 def workload(name: str, args, rng: random.Random, vocab: int) -> list[tuple[list[int], int]]:
@@ -110,6 +111,55 @@ def at_rate(url: str, requests: list[tuple[list[int], int]], rate: float, rng: r
     for thread in threads:
         thread.join(1800)
     return results
+
+
+def find_goodput(url: str, load, rates: list[float], slo: dict | list[dict], start: float | None = None
+                 ) -> tuple[float, list[dict], list[dict] | None]:
+    """Goodput by a walk over the rate grid: the highest rate at which >= 90% of requests attain the SLO.
+
+    It starts at ``start`` (the grid rate nearest it: a previous repeat's goodput, colocated's for the PD modes, the
+    middle of the grid when None), walks up a rate at a time while rates attain, or halves its way down to the
+    highest that does. Attainment falls as the rate grows (queues only lengthen), so that is the rate an upward sweep
+    from the bottom finds, in 2 to 4 runs instead of one per rate below it: a run of N requests at r/s lasts N/r
+    seconds, so the low rates an upward sweep starts with cost the most. Goodput 0 means below the grid's lowest
+    rate. Returns (goodput, the runs by rate, the results at the goodput or, when no rate attains, at the lowest rate
+    run)."""
+    at = min(range(len(rates)), key=lambda i: abs(rates[i] - start)) if start else len(rates) // 2
+    runs: dict[int, tuple[dict, list[dict]]] = {}
+
+    def attains(i: int) -> bool:
+        results = at_rate(url, load(rates[i]), rates[i], random.Random(int(rates[i] * 1000)))
+        share = attainment(results, slo)
+        runs[i] = ({"rate": rates[i], "attainment": share, "local_share": local_share(results),
+                    **missed(results, slo), **phases(results)}, results)
+        err.log(f"  {rates[i]:g}/s: {share:.0%} attained (missed TTFT {runs[i][0]['ttft_missed']:.0%}, TPOT "
+                f"{runs[i][0]['tpot_missed']:.0%}; medians TTFT {runs[i][0]['ttft']:.2f} s, TPOT "
+                f"{runs[i][0]['tpot'] * 1000:.0f} ms)")
+        return share >= 0.9
+
+    if attains(at):  # up a rate at a time: the higher the rate, the shorter its run
+        best = at
+        while best + 1 < len(rates) and attains(best + 1):
+            best += 1
+    elif runs[at][0]["attainment"] < 0.5 and not one_at_a_time_attains(url, load(rates[0]), slo):
+        best = -1  # no rate attains what one request at a time does not: the long runs at low rates are spared
+    else:  # down by halves: the lower the rate, the longer its run
+        best, failed = -1, at
+        while failed - best > 1:
+            middle = (best + failed) // 2
+            best, failed = (middle, failed) if attains(middle) else (best, middle)
+    shown = runs[best][1] if best >= 0 else runs[min(runs)][1]
+    return (rates[best] if best >= 0 else 0.0), [runs[i][0] for i in sorted(runs)], shown
+
+
+def one_at_a_time_attains(url: str, requests: list[tuple[list[int], int]], slo: dict | list[dict],
+                          count: int = 8) -> bool:
+    """Whether ``count`` of the requests, sent one after another (the limit of a rate near 0), attain the SLO at 90%.
+    A run at 0.05/s of 24 requests lasts 8 minutes; this lasts ``count`` requests' latency."""
+    results = [stream(url, ids, n) for ids, n in requests[:count]]
+    share = attainment(results, _slos(slo, len(requests))[:count])
+    err.log(f"  one at a time: {share:.0%} attained")
+    return share >= 0.9
 
 
 def _slos(slo: dict | list[dict], n: int) -> list[dict]:
@@ -212,6 +262,9 @@ def main(argv=None) -> int:
     parser.add_argument("--ttft-scale", type=float, default=5.0)
     parser.add_argument("--tpot-scale", type=float, default=3.0)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--start-rate", type=float, default=None,
+                        help="the rate each search starts at (default: the middle of --rates for colocated, and "
+                             "colocated's goodput for the PD modes; find_goodput)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--no-policy", action="store_true",
                         help="leave out the third mode, PD with the selective policy (--pd-policy auto, the prefill "
@@ -221,11 +274,16 @@ def main(argv=None) -> int:
     sweep.add_argument("--prompts", default="64,256,1024,2048", help="prompt lengths in tokens")
     sweep.add_argument("--outputs", default="16,128", help="new tokens per request")
     sweep.add_argument("--repeat", type=int, default=2, help="rate sweeps per cell and mode (default 2)")
+    sweep.add_argument("--repeat-prompts", type=lambda v: sorted({int(p) for p in v.split(",") if p}), default=[],
+                       help="repeat only the cells of these prompt lengths (default: every cell): the long prompts' "
+                            "runs are the long ones")
     sweep.add_argument("--local-prefill-max-tokens", type=int, default=256,
                        help="the auto router's threshold, for the mixes too (default 256, the router's)")
+    sweep.add_argument("--cells-json", default=None, help="also write every cell's runs to this JSON file")
     sweep.add_argument("--docs-dir", default=str(Path(__file__).resolve().parent.parent / "docs"),
                        help="where crossover.md (its table block) and crossover.png go (default docs/)")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still stops the nodes (``finally``)
     if args.sweep:
         return main_sweep(args)
     rates = [float(r) for r in args.rates.split(",")]
@@ -259,25 +317,17 @@ def main(argv=None) -> int:
                 if per_request is not None:  # shift: each half against its own kind's isolated run
                     entry["slo_by_half"] = per_request[0], per_request[-1]
                     slo = per_request
+                start = args.start_rate
                 for mode, (_, url, _) in modes.items():
-                    sweep, best, phase_at_best, misses, served = [], 0.0, None, 0, None
                     for ids, n in load(name, "warm")[:2]:  # not measured: whatever a mode's first requests pay
                         stream(url, ids, n)
-                    for rate in rates:
-                        err.log(f"{name} {mode}: {rate}/s")
-                        results = at_rate(url, load(name, rate), rate, random.Random(int(rate * 1000)))
-                        share = attainment(results, slo)
-                        sweep.append({"rate": rate, "attainment": share, "local_share": local_share(results),
-                                      **missed(results, slo), **phases(results)})
-                        if share >= 0.9 or served is None:
-                            served = {"rate": rate, "bins": capacity_over_time(results)}
-                        if share >= 0.9:
-                            best, phase_at_best = rate, phases(results)
-                        misses = misses + 1 if share < 0.5 else 0
-                        if misses >= 2:
-                            break
-                    entry["modes"][mode] = {"sweep": sweep, "goodput": best, "phases_at_goodput": phase_at_best,
-                                            "capacity_over_time": served}
+                    err.log(f"{name} {mode}")
+                    best, sweep, results = find_goodput(url, lambda rate, name=name: load(name, rate), rates, slo,
+                                                        start)
+                    start = start or best or None  # the PD modes start where colocated ended
+                    entry["modes"][mode] = {
+                        "sweep": sweep, "goodput": best, "phases_at_goodput": phases(results) if best else None,
+                        "capacity_over_time": {"rate": best or sweep[0]["rate"], "bins": capacity_over_time(results)}}
                 colocated_goodput = entry["modes"]["colocated"]["goodput"]
                 entry["pd_over_colocated"] = (entry["modes"]["pd"]["goodput"] / colocated_goodput
                                               if colocated_goodput else None)  # None: colocated met no rate
@@ -319,6 +369,9 @@ def main_sweep(args) -> int:
 
     vocab = load_model(args.model).config.vocab_size
     report = {"model": args.model, "settings": vars(args), "load_average_before": os.getloadavg()[0]}
+    settings = {"model": args.model, "requests": args.requests, "rates": args.rates, "repeat": args.repeat,
+                "repeat_prompts": ",".join(map(str, args.repeat_prompts)),
+                "ttft_scale": args.ttft_scale, "tpot_scale": args.tpot_scale}
     with tempfile.TemporaryDirectory() as tmp:
         clusters = []
         try:
@@ -334,14 +387,13 @@ def main_sweep(args) -> int:
                     urls["pd"], urls["pd-policy"] = cluster.routers["always"], cluster.routers["auto"]
                 else:
                     urls[mode] = url
-            cells = crossover.run_grid(args, urls, vocab, sys.modules[__name__], err.log)
+            cells = crossover.run_grid(args, urls, vocab, sys.modules[__name__], err.log,
+                                       on_cell=lambda done: written(done, settings, args))
         finally:
             for cluster in clusters:
                 cluster.stop()
     report["load_average_after"] = os.getloadavg()[0]
     report["cells"] = cells
-    settings = {"model": args.model, "requests": args.requests, "rates": args.rates, "repeat": args.repeat,
-                "ttft_scale": args.ttft_scale, "tpot_scale": args.tpot_scale}
     page, png = crossover.write_docs(cells, settings, Path(args.docs_dir))
     if args.json:
         print(json.dumps(report, indent=1))
@@ -350,6 +402,15 @@ def main_sweep(args) -> int:
     err.log(f"wrote {page} and {png}; 1-min load average {report['load_average_before']:.1f} before, "
             f"{report['load_average_after']:.1f} after")
     return 0
+
+
+def written(cells: list[dict], settings: dict, args) -> None:
+    """The docs, and every run behind them (--cells-json), as the grid stands after a cell."""
+    import crossover
+
+    crossover.write_docs(cells, settings, Path(args.docs_dir))
+    if args.cells_json:
+        Path(args.cells_json).write_text(json.dumps({"settings": settings, "cells": cells}, indent=1))
 
 
 def print_report(report: dict) -> None:
