@@ -112,6 +112,7 @@ class Attempts:
         sent = {k: v for k, v in body.items() if k not in ("bootstrap_host", "bootstrap_port")}
         sent.update(bootstrap_room=room, fsm_pd_route=route.wire())
         decode.outstanding += 1
+        decode.prefilling += 1
         leg = Leg(decode.role, decode.url, self.client, decode.url + path, sent, headers, whole=False,
                   timeout_s=self.deadlines.decode_s, deadline_name="decode_leg")
         close = closer(decode, release, leg)
@@ -120,6 +121,8 @@ class Attempts:
         except BaseException:
             await close()
             raise
+        finally:  # its first token came, or it failed
+            decode.prefilling -= 1
         if failed is None:
             if leg.body is not None:
                 self.fleet.request_succeeded(decode)
@@ -145,6 +148,7 @@ class Attempts:
         if route is not None:  # the decode node journals why this request went through a prefill node
             sent["fsm_pd_route"] = route.wire()
         prefill.outstanding += 1
+        prefill.prefilling += 1
         decode.outstanding += 1
         p_leg = Leg("prefill", prefill.url, self.client, prefill.url + path, sent, headers, whole=True,
                     timeout_s=self.deadlines.prefill_s)
@@ -165,6 +169,8 @@ class Attempts:
             prefill.outstanding -= 1
             await close_both()
             raise
+        finally:  # the decode's first token came (the prompt is prefilled), or the attempt failed
+            prefill.prefilling -= 1
         if failed is None and not p_leg.task.done() and not d_leg.recomputed:
             # the decode's stream started, so its KV arrived: the prefill's answer comes beside the relay. It is
             # not cut short when the stream ends first (its room may still be finishing the handoff; a

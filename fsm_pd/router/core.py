@@ -251,7 +251,9 @@ class PDRouter:
         tokens, exact = prompt_tokens(body)
         return decide(self.pd_policy, RouteInput(
             tokens, exact, prefill_outstanding=prefill.outstanding if prefill is not None else 0,
-            decode_outstanding=decode.outstanding if decode is not None else 0, prefill_available=prefill is not None))
+            decode_outstanding=decode.outstanding if decode is not None else 0, prefill_available=prefill is not None,
+            prefill_prefilling=prefill.prefilling if prefill is not None else 0,
+            decode_prefilling=decode.prefilling if decode is not None else 0))
 
     async def _migrating(self, path: str, body: dict, headers: dict, deadline: float, tries: Tries,
                          started: Started) -> AsyncIterator[bytes]:

@@ -57,6 +57,9 @@ class Worker:
     url: str  # no trailing slash
     bootstrap_port: int | None = None  # prefill only; None: the decode's own default (SGLang's "null")
     outstanding: int = 0  # requests this router has in flight there
+    # of those, the attempts whose prompt this worker prefills and whose first token has not come yet (a whole
+    # answer: until it is read): a prefill worker's PD prefills, and any worker's local requests (policy rule 3)
+    prefilling: int = 0
     admitted: bool = True
     ejected_at: float = 0.0
     reason: str = ""  # why it was last ejected (or last failed), for error messages and /server_info
@@ -69,6 +72,7 @@ class Worker:
 
     def describe(self) -> dict:
         return {"url": self.url, "admitted": self.admitted, "outstanding": self.outstanding,
+                "prefilling": self.prefilling,
                 "health": self.last_health, **({"reason": self.reason} if self.reason else {}),
                 **({"bootstrap_port": self.bootstrap_port} if self.role == "prefill" else {})}
 

@@ -13,9 +13,12 @@ The rule of ``--pd-policy auto``:
 
 1. no healthy prefill worker: ``local`` (the decode node can serve alone; ``always`` answers 503 instead);
 2. the prompt is at most ``--local-prefill-max-tokens`` (default 256, between the two measured mixes): ``local``;
-3. it is at most twice that and the prefill side is busier than the decode side (more requests in flight from this
-   router at the chosen prefill worker than at the chosen decode worker): ``local``; a queue at P costs the request
-   more than a short prefill costs D's streams;
+3. it is at most twice that and the prefill side is busier than the decode side (the chosen prefill worker has more
+   of this router's prompts to prefill, those without a first token yet, than the chosen decode worker has local
+   ones): ``local``; a queue at P costs the request more than a short prefill costs D's streams. Prompts, not
+   requests in flight: every PD request stays in flight at its decode worker until its stream ends, so D's count of
+   requests is never below P's, and a rule on those counts (this one, until the stop-38 sweep showed it never
+   fired) leaves D's core idle while prompts queue at P;
 4. otherwise ``pd``.
 
 A local request goes to the decode node, or, when the prefill workers serve both roles (``--serve-local`` on them,
@@ -79,6 +82,8 @@ class RouteInput:
     prefill_outstanding: int = 0  # this router's requests in flight at the chosen prefill worker
     decode_outstanding: int = 0  # ... and at the chosen decode worker
     prefill_available: bool = True  # a healthy prefill worker was found
+    prefill_prefilling: int = 0  # of those at the prefill worker, the prompts it is prefilling (no first token yet)
+    decode_prefilling: int = 0  # ... and at the decode worker (its local requests before their first token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,9 +109,9 @@ def decide(settings: PolicySettings, seen: RouteInput) -> Route:
     limit = settings.local_prefill_max_tokens
     if tokens <= limit:
         return _local_on(settings, seen, f"{what} <= {limit}")
-    if tokens <= BUSY_FACTOR * limit and seen.prefill_outstanding > seen.decode_outstanding:
-        return Route("local", f"{what} <= {BUSY_FACTOR}x{limit} and prefill busier "
-                              f"({seen.prefill_outstanding} in flight against decode's {seen.decode_outstanding})")
+    if tokens <= BUSY_FACTOR * limit and seen.prefill_prefilling > seen.decode_prefilling:
+        return Route("local", f"{what} <= {BUSY_FACTOR}x{limit} and prefill busier ({seen.prefill_prefilling} "
+                              f"prompts prefilling against decode's {seen.decode_prefilling})")
     return Route("pd", f"{what} > {limit}")
 
 

@@ -362,12 +362,14 @@ def check_paths(fleet: FleetPlan, workers: Workers) -> None:
 
 
 def check_counts(router: PDRouter, calls: list[Call]) -> None:
-    """4. Once every request ended, no worker has any of them counted in flight (the policy decides from these
-    counts), none is registered as running, and ``routed`` counted each attempt once, by its path; a PD attempt is
-    one prefill leg and one decode leg in one room."""
+    """4. Once every request ended, no worker has any of them counted in flight or prefilling (the policy decides
+    from these counts), none is registered as running, and ``routed`` counted each attempt once, by its path; a PD
+    attempt is one prefill leg and one decode leg in one room."""
     for worker in router.fleet.all():
         assert worker.outstanding == 0, f"{worker.role} worker {worker.url} has {worker.outstanding} in flight " \
                                         f"after every request ended (calls: {describe(calls)})"
+        assert worker.prefilling == 0, f"{worker.role} worker {worker.url} has {worker.prefilling} prompts " \
+                                       f"prefilling after every request ended (calls: {describe(calls)})"
     assert len(router.running) == 0, "requests still registered as running after every request ended"
     for path in ("pd", "local"):
         rooms = {(c.rid, c.room) for c in calls if c.path == path}

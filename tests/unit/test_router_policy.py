@@ -31,12 +31,16 @@ def test_short_prompts_go_local_long_ones_through_prefill():
 
 
 def test_a_busier_prefill_side_takes_moderate_prompts_local():
-    calm = decide(AUTO, RouteInput(400, exact=True, prefill_outstanding=1, decode_outstanding=1))
-    busy = decide(AUTO, RouteInput(400, exact=True, prefill_outstanding=3, decode_outstanding=1))
+    calm = decide(AUTO, RouteInput(400, exact=True, prefill_prefilling=1, decode_prefilling=1))
+    busy = decide(AUTO, RouteInput(400, exact=True, prefill_prefilling=3, decode_prefilling=1))
     assert calm.path == "pd"
-    assert busy.path == "local" and "prefill busier (3 in flight against decode's 1)" in busy.reason
+    assert busy.path == "local" and "prefill busier (3 prompts prefilling against decode's 1)" in busy.reason
     # beyond twice the threshold a queue at P does not matter: the prompt is too long for D
-    assert decide(AUTO, RouteInput(513, exact=True, prefill_outstanding=9, decode_outstanding=0)).path == "pd"
+    assert decide(AUTO, RouteInput(513, exact=True, prefill_prefilling=9, decode_prefilling=0)).path == "pd"
+    # the streams D decodes are not prompts waiting: every PD request is in flight at D until its stream ends, so a
+    # rule on requests in flight would never find P the busier (the rule before stop 38 never fired)
+    streams = RouteInput(400, exact=True, prefill_outstanding=1, decode_outstanding=5, prefill_prefilling=1)
+    assert decide(AUTO, streams).path == "local"
 
 
 def test_modes_and_a_fleet_without_prefill():
@@ -109,7 +113,7 @@ def test_a_prefill_node_that_serves_both_roles_takes_short_prompts_when_its_queu
     assert decide(both, RouteInput(48, exact=True, prefill_outstanding=1, decode_outstanding=1)).where == "decode"
     assert decide(AUTO, RouteInput(48, exact=True, prefill_outstanding=0, decode_outstanding=2)).where == "decode"
     # rule 3 (the prefill side is the busier) never sends to the prefill node
-    busy = decide(both, RouteInput(400, exact=True, prefill_outstanding=3, decode_outstanding=1))
+    busy = decide(both, RouteInput(400, exact=True, prefill_outstanding=3, decode_outstanding=1, prefill_prefilling=3))
     assert (busy.path, busy.where) == ("local", "decode")
 
 
