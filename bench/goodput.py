@@ -4,7 +4,7 @@ Both run the model a user gets (SmolLM2 unless --model) with default flags, behi
 
 - PD: the prefill node pinned to core 0 and the decode node to core 1 (``taskset``), the router on both;
 - colocated: one node pinned to cores 0 and 1 together;
-- PD with the policy (``pd-policy``; leave it out with --no-policy): the same pinned nodes behind a second router,
+- PD with the policy (``pd-policy``; --modes picks the setups): the same pinned nodes behind a second router,
   ``--pd-policy auto --prefill-serves-local``, the prefill node started with ``--serve-local`` (it serves both roles:
   ``docs/serving.md``, "Selective disaggregation"). The classic router never sends it a request whole.
 
@@ -58,6 +58,7 @@ from fsm_pd.model.loader import load_model
 
 err = Console(stderr=True)
 WORKLOADS = ("prefill-heavy", "decode-heavy", "mixed", "shift")
+MODES = ("colocated", "pd", "pd-policy")
 DEFAULT_RATES = "0.1,0.15,0.2,0.25,0.3,0.4,0.5,0.6,0.75,0.9,1,1.25,1.5,2,2.5,3,4"  # ~1.25x apart
 
 
@@ -266,9 +267,10 @@ def main(argv=None) -> int:
                         help="the rate each search starts at (default: the middle of --rates for colocated, and "
                              "colocated's goodput for the PD modes; find_goodput)")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--no-policy", action="store_true",
-                        help="leave out the third mode, PD with the selective policy (--pd-policy auto, the prefill "
-                             "node serving both roles): colocated and classic PD only, as before")
+    parser.add_argument("--modes", type=lambda v: [m for m in v.split(",") if m], default=list(MODES),
+                        help="which setups to measure (default all: colocated, pd, pd-policy; PD with the selective "
+                             "policy is --pd-policy auto with the prefill node serving both roles). The colocated node "
+                             "always starts: the SLO comes from its isolated runs")
     sweep = parser.add_argument_group("--sweep: the crossover grid (crossover.py)")
     sweep.add_argument("--sweep", action="store_true", help="measure the grid instead of the three mixes")
     sweep.add_argument("--prompts", default="64,256,1024,2048", help="prompt lengths in tokens")
@@ -303,7 +305,9 @@ def main(argv=None) -> int:
             cluster.local_prefill_max_tokens = args.local_prefill_max_tokens
             (Path(tmp) / mode).mkdir()
             err.log(f"starting {mode} (each node warms up first)")
-            policies = ("auto",) if mode == "pd" and not args.no_policy else ()
+            if mode == "pd" and not {"pd", "pd-policy"} & set(args.modes):
+                continue
+            policies = ("auto",) if mode == "pd" and "pd-policy" in args.modes else ()
             url, nodes = start_mode(cluster, mode, policies)
             modes[mode] = (cluster, url, nodes)
             if policies:  # the same pinned nodes behind a second router: PD with the policy
@@ -319,6 +323,8 @@ def main(argv=None) -> int:
                     slo = per_request
                 start = args.start_rate
                 for mode, (_, url, _) in modes.items():
+                    if mode not in args.modes:
+                        continue
                     for ids, n in load(name, "warm")[:2]:  # not measured: whatever a mode's first requests pay
                         stream(url, ids, n)
                     err.log(f"{name} {mode}")
@@ -328,12 +334,11 @@ def main(argv=None) -> int:
                     entry["modes"][mode] = {
                         "sweep": sweep, "goodput": best, "phases_at_goodput": phases(results) if best else None,
                         "capacity_over_time": {"rate": best or sweep[0]["rate"], "bins": capacity_over_time(results)}}
-                colocated_goodput = entry["modes"]["colocated"]["goodput"]
-                entry["pd_over_colocated"] = (entry["modes"]["pd"]["goodput"] / colocated_goodput
-                                              if colocated_goodput else None)  # None: colocated met no rate
-                if "pd-policy" in entry["modes"]:
-                    entry["policy_over_colocated"] = (entry["modes"]["pd-policy"]["goodput"] / colocated_goodput
-                                                      if colocated_goodput else None)
+                colocated_goodput = entry["modes"].get("colocated", {}).get("goodput")
+                for mode, key in (("pd", "pd_over_colocated"), ("pd-policy", "policy_over_colocated")):
+                    if mode in entry["modes"]:  # None: colocated met no rate, or was not measured (--modes)
+                        entry[key] = (entry["modes"][mode]["goodput"] / colocated_goodput if colocated_goodput
+                                      else None)
                 report["workloads"][name] = entry
             report["compiles_after_startup"] = {mode: sum(serving_compiles(u) for u in nodes)
                                                 for mode, (_, _, nodes) in modes.items()}
@@ -436,9 +441,10 @@ def print_report(report: dict) -> None:
             table.add_row(*row)
         console.print(table)
         goodput = {mode: m["goodput"] for mode, m in entry["modes"].items()}
+        unmet = "n/a (colocated met the SLO at no rate)" if "colocated" in goodput else "n/a (colocated not measured)"
         console.print("goodput: " + ", ".join(f"{mode} {g:g}/s" for mode, g in goodput.items())
-                      + ("; PD / colocated = " + (f"{entry['pd_over_colocated']:.2f}x" if entry["pd_over_colocated"]
-                                                    is not None else "n/a (colocated met the SLO at no rate)"))
+                      + ("; PD / colocated = " + (f"{entry['pd_over_colocated']:.2f}x" if entry.get("pd_over_colocated")
+                                                    is not None else unmet))
                       + (f"; PD with the policy / colocated = {entry['policy_over_colocated']:.2f}x"
                          if entry.get("policy_over_colocated") is not None else ""))
         for mode, m in entry["modes"].items():
