@@ -184,12 +184,19 @@ class Workers:
         if call.left is None:
             call.left = asyncio.get_running_loop().time()
 
-    async def _prefill(self, request: httpx.Request, call: Call, body: dict) -> httpx.Response:
-        kind = call.fate[0]
+    @staticmethod
+    def _turned_away(request: httpx.Request, kind: str) -> httpx.Response | None:
+        """The fates that never reach the engine: a node that is not there, and one that is draining."""
         if kind == "unreachable":
             raise httpx.ConnectError("connection refused", request=request)
         if kind == "refuse":
             return httpx.Response(503, json=_error(503, "draining: not taking new requests"))
+        return None
+
+    async def _prefill(self, request: httpx.Request, call: Call, body: dict) -> httpx.Response:
+        kind = call.fate[0]
+        if (away := self._turned_away(request, kind)) is not None:
+            return away
         if kind == "stop":
             self._stop(call.host)
         if kind == "hang":
@@ -216,10 +223,8 @@ class Workers:
 
     async def _serve(self, request: httpx.Request, call: Call, body: dict) -> httpx.Response:
         kind = call.fate[0]
-        if kind == "unreachable":
-            raise httpx.ConnectError("connection refused", request=request)
-        if kind == "refuse":
-            return httpx.Response(503, json=_error(503, "draining: not taking new requests"))
+        if (away := self._turned_away(request, kind)) is not None:
+            return away
         n = body["sampling_params"]["max_new_tokens"]
         if len(call.before) >= n:
             return httpx.Response(400, json=_error(400, "fsm_pd_resume: nothing is left to generate"))
