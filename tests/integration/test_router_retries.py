@@ -35,6 +35,13 @@ def counter(url: str, name: str) -> dict[str, float]:
     return found
 
 
+def kv_waiting_decode() -> StubEngine:
+    """A decode node as a real one behaves beside a prefill that fails: its first token, let alone a whole answer,
+    comes only once the KV did, so after the prefill's failure (a stub decode answers at once; a whole answer that
+    came first would be the client's, ``legs._both_answered``)."""
+    return StubEngine(role="decode", token_delay_s=0.05)
+
+
 def test_a_failed_prefill_is_retried_on_the_other_with_a_new_room_and_the_same_rid():
     broken, good = StubEngine(role="prefill", fail_after=0), StubEngine(role="prefill")
     decode = StubEngine(role="decode", token_delay_s=0.01)
@@ -53,7 +60,7 @@ def test_a_failed_prefill_is_retried_on_the_other_with_a_new_room_and_the_same_r
 
 def test_retry_policy_fail_gives_the_first_failure():
     broken, good = StubEngine(role="prefill", fail_after=0), StubEngine(role="prefill")
-    with pd_cluster([broken, good], [StubEngine(role="decode")], ports=[9001, 9002],
+    with pd_cluster([broken, good], [kv_waiting_decode()], ports=[9001, 9002],
                     retry=RetrySettings(policy="fail")) as (url, _, _):
         r = httpx.post(url + "/generate", json={"text": "hi"}, timeout=20)
         assert r.status_code == 500 and r.json()["error"]["message"] == "stub prefill: injected KV transfer failure"
@@ -62,7 +69,7 @@ def test_retry_policy_fail_gives_the_first_failure():
 
 def test_retries_are_bounded_per_request_then_503_with_the_reason():
     prefills = [StubEngine(role="prefill", fail_after=0) for _ in range(2)]
-    with pd_cluster(prefills, [StubEngine(role="decode")], ports=[9001, 9002],
+    with pd_cluster(prefills, [kv_waiting_decode()], ports=[9001, 9002],
                     retry=RetrySettings(max_retries=2)) as (url, _, _):
         r = httpx.post(url + "/generate", json={"text": "hi"}, timeout=20)
         assert r.status_code == 503
@@ -76,7 +83,7 @@ def test_retries_are_bounded_per_request_then_503_with_the_reason():
 def test_the_retry_budget_bounds_retries_across_requests():
     prefills = [StubEngine(role="prefill", fail_after=0) for _ in range(2)]
     budget = RetrySettings(max_retries=5, budget_ratio=0.0, budget_min_per_s=0.1, budget_window_s=10.0)  # 1 retry
-    with pd_cluster(prefills, [StubEngine(role="decode")], ports=[9001, 9002], retry=budget) as (url, _, _):
+    with pd_cluster(prefills, [kv_waiting_decode()], ports=[9001, 9002], retry=budget) as (url, _, _):
         first = httpx.post(url + "/generate", json={"text": "hi"}, timeout=20)
         second = httpx.post(url + "/generate", json={"text": "hi"}, timeout=20)
         assert first.json()["error"]["code"] == second.json()["error"]["code"] == "retry_budget_exhausted"
