@@ -69,8 +69,8 @@ def run_grid(args, urls: dict[str, str], vocab: int, g, log, on_cell=None) -> li
                     log(f"prompt {prompt}, output {output}, {mode}, repeat {repeat + 1}/{repeats}")
 
                     def load(rate: float, prompt=prompt, output=output, repeat=repeat) -> list[tuple[list[int], int]]:
-                        return cell_requests(prompt, output, args.requests, f"{prompt} {output} {rate} {repeat}",
-                                             vocab)
+                        return cell_requests(prompt, output, g.requests_at(rate, args),
+                                             f"{prompt} {output} {rate} {repeat}", vocab)
 
                     goodput, sweep, _ = g.find_goodput(urls[mode], load, rates, slo,
                                                        (runs and runs[-1]["goodput"]) or start or None)
@@ -93,7 +93,9 @@ def _ratio(a: float, b: float) -> str:
 def table(cells: list[dict], settings: dict) -> str:
     """The markdown table: goodput per mode (each repeat's when they differ), the ratios, the policy's local share."""
     only = f" (prompts of {settings['repeat_prompts']} only; one elsewhere)" if settings.get("repeat_prompts") else ""
-    lines = [f"Model {settings['model']}, {settings['requests']} requests per rate, rates "
+    more = (f" (more where their arrivals would span under {settings['min_seconds']:g} s)"
+            if settings.get("min_seconds") else "")
+    lines = [f"Model {settings['model']}, {settings['requests']} requests per rate{more}, rates "
              f"{settings['rates']} /s, {settings['repeat']} search(es) per cell and mode{only}, SLO TTFT <= "
              f"{settings['ttft_scale']:g}x and TPOT <= {settings['tpot_scale']:g}x the isolated medians.", "",
              "| prompt tokens | new tokens | colocated | PD (always) | PD (policy) | PD / colocated | "

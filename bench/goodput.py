@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import signal
@@ -62,23 +63,33 @@ MODES = ("colocated", "pd", "pd-policy")
 DEFAULT_RATES = "0.1,0.15,0.2,0.25,0.3,0.4,0.5,0.6,0.75,0.9,1,1.25,1.5,2,2.5,3,4"  # ~1.25x apart
 
 
-def workload(name: str, args, rng: random.Random, vocab: int) -> list[tuple[list[int], int]]:
-    """(prompt token ids, new tokens) of --requests requests; ids drawn from the model's vocabulary, past its first
-    tenth (special and byte tokens)."""
+def workload(name: str, args, rng: random.Random, vocab: int, count: int | None = None
+             ) -> list[tuple[list[int], int]]:
+    """(prompt token ids, new tokens) of ``count`` requests (default --requests); ids drawn from the model's
+    vocabulary, past its first tenth (special and byte tokens)."""
+    count = count or args.requests
+
     def prompt(n: int) -> list[int]:
         n = max(4, int(rng.gauss(n, n / 10)))
         return [rng.randrange(vocab // 10, vocab) for _ in range(n)]
 
     if name == "prefill-heavy":
-        return [(prompt(args.long_prompt), args.short_output) for _ in range(args.requests)]
+        return [(prompt(args.long_prompt), args.short_output) for _ in range(count)]
     if name == "decode-heavy":
-        return [(prompt(args.short_prompt), args.long_output) for _ in range(args.requests)]
+        return [(prompt(args.short_prompt), args.long_output) for _ in range(count)]
     if name == "shift":  # the mix changes halfway: prefill-heavy, then decode-heavy
-        half = args.requests // 2
+        half = count // 2
         return ([(prompt(args.long_prompt), args.short_output) for _ in range(half)]
-                + [(prompt(args.short_prompt), args.long_output) for _ in range(args.requests - half)])
+                + [(prompt(args.short_prompt), args.long_output) for _ in range(count - half)])
     return [(prompt(args.long_prompt if rng.random() < 0.3 else args.short_prompt), args.mixed_output)
-            for _ in range(args.requests)]
+            for _ in range(count)]
+
+
+def requests_at(rate: float | str | None, args) -> int:
+    """Requests in a run at ``rate``: --requests, or more where their arrivals would span under --min-seconds. A run
+    whose arrivals end before the first answers do never reaches the steady load the rate stands for (12 requests
+    of 128 tokens at 1.5/s arrive in 8 s, about one answer's length)."""
+    return max(args.requests, math.ceil(rate * args.min_seconds)) if isinstance(rate, float) else args.requests
 
 
 def stream(url: str, ids: list[int], new_tokens: int) -> dict:
@@ -114,7 +125,7 @@ def at_rate(url: str, requests: list[tuple[list[int], int]], rate: float, rng: r
     return results
 
 
-def find_goodput(url: str, load, rates: list[float], slo: dict | list[dict], start: float | None = None
+def find_goodput(url: str, load, rates: list[float], slo: dict | tuple[dict, dict], start: float | None = None
                  ) -> tuple[float, list[dict], list[dict] | None]:
     """Goodput by a walk over the rate grid: the highest rate at which >= 90% of requests attain the SLO.
 
@@ -153,7 +164,7 @@ def find_goodput(url: str, load, rates: list[float], slo: dict | list[dict], sta
     return (rates[best] if best >= 0 else 0.0), [runs[i][0] for i in sorted(runs)], shown
 
 
-def one_at_a_time_attains(url: str, requests: list[tuple[list[int], int]], slo: dict | list[dict],
+def one_at_a_time_attains(url: str, requests: list[tuple[list[int], int]], slo: dict | tuple[dict, dict],
                           count: int = 8) -> bool:
     """Whether ``count`` of the requests, sent one after another (the limit of a rate near 0), attain the SLO at 90%.
     A run at 0.05/s of 24 requests lasts 8 minutes; this lasts ``count`` requests' latency."""
@@ -163,18 +174,23 @@ def one_at_a_time_attains(url: str, requests: list[tuple[list[int], int]], slo: 
     return share >= 0.9
 
 
-def _slos(slo: dict | list[dict], n: int) -> list[dict]:
-    """One SLO per request: the workload's, or each request's own (``shift``: each half its kind's)."""
-    return slo if isinstance(slo, list) else [slo] * n
+def _slos(slo: dict | tuple[dict, dict] | list[dict], n: int) -> list[dict]:
+    """One SLO per request: the workload's, or (``shift``, a pair) each half its kind's; a list is one already."""
+    if isinstance(slo, list):
+        return slo
+    if isinstance(slo, dict):
+        return [slo] * n
+    first, second = slo
+    return [first] * (n // 2) + [second] * (n - n // 2)
 
 
-def attainment(results: list[dict], slo: dict | list[dict]) -> float:
+def attainment(results: list[dict], slo: dict | tuple[dict, dict] | list[dict]) -> float:
     ok = [r for r, s in zip(results, _slos(slo, len(results)), strict=True)
           if r and r["ttft"] <= s["ttft"] and r["tpot"] <= s["tpot"]]
     return len(ok) / len(results)
 
 
-def missed(results: list[dict], slo: dict | list[dict]) -> dict:
+def missed(results: list[dict], slo: dict | tuple[dict, dict]) -> dict:
     """Which half of the SLO the requests missed: the share over the TTFT bound, and over the TPOT bound."""
     pairs = list(zip(results, _slos(slo, len(results)), strict=True))
     return {"ttft_missed": sum(not r or r["ttft"] > s["ttft"] for r, s in pairs) / len(results),
@@ -253,7 +269,15 @@ def start_mode(cluster: Servers, mode: str, policies: tuple[str, ...] = ()) -> t
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--requests", type=int, default=24, help="requests per rate (default 24)")
+    parser.add_argument("--requests", type=int, default=24,
+                        help="requests per rate, at least (default 24; see --min-seconds)")
+    parser.add_argument("--min-seconds", type=float, default=40.0,
+                        help="more requests at high rates, so that a run's arrivals span at least this long and the "
+                             "load reaches its steady state (default 40: 60 requests at 1.5/s)")
+    parser.add_argument("--slo-from", type=Path, default=None, metavar="REPORT.json",
+                        help="hold each workload to the SLO an earlier run derived (its --json report, or "
+                             "bench/slo/*.json) instead of deriving it again: goodputs of two runs compare only "
+                             "under one SLO")
     parser.add_argument("--rates", default=DEFAULT_RATES, help=f"requests/s to sweep (default {DEFAULT_RATES})")
     parser.add_argument("--long-prompt", type=int, default=480)
     parser.add_argument("--short-prompt", type=int, default=48)
@@ -294,7 +318,7 @@ def main(argv=None) -> int:
     # New prompts for every (workload, rate) and for the isolated runs: the prefix cache (on by default) would
     # otherwise serve a prompt seen at an earlier rate from its pages. Both modes get the same prompts at a rate.
     def load(name: str, rate: float | None) -> list[tuple[list[int], int]]:
-        return workload(name, args, random.Random(f"{name} {rate}"), vocab)
+        return workload(name, args, random.Random(f"{name} {rate}"), vocab, requests_at(rate, args))
 
     report = {"model": args.model, "settings": vars(args), "load_average_before": os.getloadavg()[0],
               "workloads": {}}
@@ -315,12 +339,14 @@ def main(argv=None) -> int:
         try:
             for name in names:
                 colocated_url = modes["colocated"][1]
-                slo, per_request = isolated_slo(colocated_url, name, load, args)
-                entry = {"slo": slo, "isolated": {"ttft": slo["ttft"] / args.ttft_scale,
-                                                  "tpot": slo["tpot"] / args.tpot_scale}, "modes": {}}
-                if per_request is not None:  # shift: each half against its own kind's isolated run
-                    entry["slo_by_half"] = per_request[0], per_request[-1]
-                    slo = per_request
+                slo = given_slo(args.slo_from, name) if args.slo_from else isolated_slo(colocated_url, name, load,
+                                                                                        args)
+                first = slo if isinstance(slo, dict) else slo[0]
+                entry = {"slo": first, "slo_from": str(args.slo_from) if args.slo_from else "isolated runs",
+                         "isolated": {"ttft": first["ttft"] / args.ttft_scale,
+                                      "tpot": first["tpot"] / args.tpot_scale}, "modes": {}}
+                if not isinstance(slo, dict):  # shift: each half against its own kind's isolated run
+                    entry["slo_by_half"] = slo
                 start = args.start_rate
                 for mode, (_, url, _) in modes.items():
                     if mode not in args.modes:
@@ -353,9 +379,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def isolated_slo(url: str, name: str, load, args) -> tuple[dict, list[dict] | None]:
+def isolated_slo(url: str, name: str, load, args) -> dict | tuple[dict, dict]:
     """The SLO from isolated runs on the colocated node (medians of five, times the scales). ``shift``: one SLO per
-    half (five of each kind), and the list of every request's; the workload's is the first half's."""
+    half (five of each kind)."""
     def measured(requests) -> dict:
         iso = [stream(url, ids, n) for ids, n in requests]
         return {"ttft": args.ttft_scale * statistics.median(r["ttft"] for r in iso),
@@ -363,10 +389,17 @@ def isolated_slo(url: str, name: str, load, args) -> tuple[dict, list[dict] | No
 
     requests = load(name, None)
     if name != "shift":
-        return measured(requests[:5]), None
-    half = args.requests // 2
-    first, second = measured(requests[:min(5, half)]), measured(requests[half:half + 5])
-    return first, [first] * half + [second] * (args.requests - half)
+        return measured(requests[:5])
+    half = len(requests) // 2
+    return measured(requests[:min(5, half)]), measured(requests[half:half + 5])
+
+
+def given_slo(path: Path, name: str) -> dict | tuple[dict, dict]:
+    """The SLO an earlier run derived for ``name`` (``--slo-from``)."""
+    entry = json.loads(path.read_text())["workloads"].get(name)
+    if entry is None:
+        raise SystemExit(f"--slo-from {path}: no SLO for the {name} workload in it")
+    return tuple(entry["slo_by_half"]) if "slo_by_half" in entry else entry["slo"]
 
 
 def main_sweep(args) -> int:
@@ -374,7 +407,8 @@ def main_sweep(args) -> int:
 
     vocab = load_model(args.model).config.vocab_size
     report = {"model": args.model, "settings": vars(args), "load_average_before": os.getloadavg()[0]}
-    settings = {"model": args.model, "requests": args.requests, "rates": args.rates, "repeat": args.repeat,
+    settings = {"model": args.model, "requests": args.requests, "min_seconds": args.min_seconds,
+                "rates": args.rates, "repeat": args.repeat,
                 "repeat_prompts": ",".join(map(str, args.repeat_prompts)),
                 "ttft_scale": args.ttft_scale, "tpot_scale": args.tpot_scale}
     with tempfile.TemporaryDirectory() as tmp:
@@ -423,8 +457,8 @@ def print_report(report: dict) -> None:
     for name, entry in report["workloads"].items():
         slo = entry["slo"]
         table = Table(title=f"{report['model']} {name}: SLO TTFT <= {slo['ttft']:.2f} s, TPOT <= "
-                            f"{slo['tpot'] * 1000:.0f} ms (isolated: {entry['isolated']['ttft']:.2f} s, "
-                            f"{entry['isolated']['tpot'] * 1000:.0f} ms)")
+                            f"{slo['tpot'] * 1000:.0f} ms (from {entry['slo_from']}: isolated "
+                            f"{entry['isolated']['ttft']:.2f} s, {entry['isolated']['tpot'] * 1000:.0f} ms)")
         table.add_column("rate /s", justify="right")
         for mode in entry["modes"]:
             table.add_column(f"{mode} attained", justify="right")
