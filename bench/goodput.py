@@ -373,7 +373,7 @@ def main(argv=None) -> int:
                 cluster.stop()
     report["load_average_after"] = os.getloadavg()[0]
     if args.json:
-        print(json.dumps(report, indent=1))
+        print(json.dumps(report, indent=1, default=str))
     else:
         print_report(report)
     return 0
@@ -435,7 +435,7 @@ def main_sweep(args) -> int:
     report["cells"] = cells
     page, png = crossover.write_docs(cells, settings, Path(args.docs_dir))
     if args.json:
-        print(json.dumps(report, indent=1))
+        print(json.dumps(report, indent=1, default=str))
     else:
         Console(width=150).print(crossover.table(cells, settings))
     err.log(f"wrote {page} and {png}; 1-min load average {report['load_average_before']:.1f} before, "
