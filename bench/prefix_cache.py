@@ -72,7 +72,7 @@ def start(cluster: Servers, variant: str, tmp: Path) -> tuple[str, list[str], li
     port = free_port()
     router = cluster.start(f"router-{variant}", [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", "router",
                                                   "--port", str(port), *router_args, "--decode", d_url,
-                                                  "--policy", policy], port)
+                                                  "--policy", policy, "--pd-policy", "always"], port)
     return router, p_urls, [d_url]
 
 

@@ -81,9 +81,12 @@ class Servers:
         return prefill, boot, self.serve("decode", "--transfer-backend", backend)
 
     def router(self, prefill: str, boot: int, decode: str) -> str:
+        """Classic PD (``--pd-policy always``): the benches that start it measure the handoff, which the default
+        policy would skip for their short prompts."""
         port = free_port()
         return self.start("router", [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", "router", "--port",
-                                     str(port), "--prefill", prefill, str(boot), "--decode", decode], port)
+                                     str(port), "--prefill", prefill, str(boot), "--decode", decode,
+                                     "--pd-policy", "always"], port)
 
     def stop(self) -> None:
         stop(self.children)

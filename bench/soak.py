@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         journal_dir = Path(args.journal_dir or tmp)
         journal_dir.mkdir(parents=True, exist_ok=True)
         children = plan(args.prefill, args.decode, free_port(), args.model, args.transfer_backend, journal_dir,
-                        ["--log-level", "warning"])
+                        ["--log-level", "warning"], router_extra=["--pd-policy=always"])  # its short prompts cross
         env = {**os.environ, **secret_env(generate_secret())}
         try:
             for child in children:

@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "anything starts")
     launch.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                         help="pass ARG to the router's `fsm-pd serve --role router` (repeatable, as --node-arg: "
-                             "--router-arg=--pd-policy=auto)")
+                             "--router-arg=--pd-policy=always)")
     launch.add_argument("--journal-dir", default="pd-cluster", help="journals and logs (default ./pd-cluster)")
     launch.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="skip the first chat request that launch sends through the router once every node is "

@@ -217,11 +217,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
                             f"--token-idle-timeout-secs (default {DEFAULT_DEADLINES.stream_idle_s:g})")
     parser.add_argument("--pd-disaggregation", action="store_true", help="accepted for sglang-router parity")
     selective = parser.add_argument_group("selective disaggregation (fsm_pd/router/policy.py, docs/serving.md)")
-    selective.add_argument("--pd-policy", choices=MODES, default="always",
-                           help="which requests go through a prefill node: always (default): every request (classic "
-                                "PD, sglang-router's); auto: short prompts, and moderate ones while the prefill side "
-                                "is the busier, go to the decode node alone, which prefills them itself; never: none "
-                                "(the decode nodes serve colocated)")
+    selective.add_argument("--pd-policy", choices=MODES, default="auto",
+                           help="which requests go through a prefill node: auto (default): prompts over "
+                                "--local-prefill-max-tokens, and those up to twice that while the prefill side has "
+                                "more prompts waiting; the rest go to the decode node alone, which prefills them "
+                                "itself (docs/crossover.md: where PD pays); always: every request (classic PD, "
+                                "sglang-router's); never: none (the decode nodes serve colocated)")
     selective.add_argument("--local-prefill-max-tokens", type=int, default=DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
                            help="with auto: prompts of at most this many tokens (counted from input_ids, estimated from"
                                 f" text) are prefilled on the decode node (default {DEFAULT_LOCAL_PREFILL_MAX_TOKENS}, "

@@ -33,11 +33,12 @@ cheaper there, but cannot turn a short prompt's decision (local is already the c
 prompt goes through P anyway. When the local prefill reuses the decode node's cache, its uncached remainder becomes
 the length compared here.
 
-``always`` is classic PD (every request through a prefill node, as sglang-router does), and the default for now: every
-existing deployment, test and drill of this router assumes it, and ``auto`` becomes the default once the crossover
-sweep has confirmed its threshold on the target hardware. ``never`` prefills every request on the decode node (a
-decode fleet that serves colocated). The threshold is provisional: the crossover
-sweep (``bench/goodput.py --sweep``, ``docs/crossover.md``) re-derives it on the hardware at hand.
+``auto`` is the default: in every mix and grid cell measured (``docs/crossover.md``) its goodput was at least classic
+PD's, and on short prompts with long answers, where classic PD loses to colocated by up to 3x, it wins most of that
+back. ``always`` is classic PD (every request through a prefill node, as sglang-router does:
+``CLASSIC_PD``), for a fleet whose decode nodes must not prefill or to measure the handoff itself. ``never``
+prefills every request on the decode node (a decode fleet that serves colocated). The threshold comes from the
+crossover measured on 2 CPU cores; ``bench/goodput.py --sweep`` re-derives it on the hardware at hand.
 
 The router sees a prompt as text or token ids. Ids are counted exactly; text is estimated at ``CHARS_PER_TOKEN``
 characters a token (SmolLM2's tokenizer gives 3.1 on this repository's README, 3.8 on its Python; the estimate only
@@ -59,7 +60,7 @@ BUSY_FACTOR = 2  # rule 3: up to this many times the threshold when the prefill 
 
 @dataclass(frozen=True, slots=True)
 class PolicySettings:
-    mode: str = "always"
+    mode: str = "auto"
     local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS
     idle_window: int = 50  # requests the idle-prefill alarm looks back over (``PrefillIdleWatch``)
     prefill_serves_local: bool = False  # the prefill workers run --serve-local: a local request may go there
@@ -71,6 +72,9 @@ class PolicySettings:
             raise ValueError(f"--local-prefill-max-tokens must not be negative, got {self.local_prefill_max_tokens}")
         if self.idle_window < 1:
             raise ValueError(f"--prefill-idle-window must be at least 1, got {self.idle_window}")
+
+
+CLASSIC_PD = PolicySettings("always")
 
 
 @dataclass(frozen=True, slots=True)

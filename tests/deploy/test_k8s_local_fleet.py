@@ -155,7 +155,10 @@ def test_rendered_1p1d_commands_serve_a_request_through_the_router(tmp_path):
         wait_admitted(router, router_proc)
 
         key = pods.secrets[("fsm-pd-secrets", "api-key")]
-        body = {"messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 8, "temperature": 0}
+        # over the router's --local-prefill-max-tokens (256; ~3.5 characters a token): a prompt its default policy
+        # hands over, where a short one would be served whole on the decode node
+        question = "Name a colour of the sea. " * 40
+        body = {"messages": [{"role": "user", "content": question}], "max_tokens": 8, "temperature": 0}
         refused = httpx.post(router + "/v1/chat/completions", json=body, timeout=30)
         assert refused.status_code == 401, refused.text  # the Secret's api-key reached the router
         answer = httpx.post(router + "/v1/chat/completions", json=body, timeout=120,

@@ -171,7 +171,7 @@ def start_fleet(cluster: Cluster, router: str = "builtin") -> tuple[str, list[st
     port = free_port()
     if router == "builtin":
         argv = [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", "router", "--port", str(port),
-                "--health-check-interval-secs", "0.5", "--health-check-timeout-secs", "2"]
+                "--health-check-interval-secs", "0.5", "--health-check-timeout-secs", "2", "--pd-policy", "always"]
     else:  # sglang-router 0.3.2 with its defaults for retries and breakers, health checks as often as ours
         argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
                 "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),

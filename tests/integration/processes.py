@@ -86,7 +86,8 @@ class Cluster:
     def router(self, p: str, boot: int, d: str, *extra: str) -> str:
         port = free_port()
         return self.start("router", [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", "router", "--port",
-                                     str(port), "--prefill", p, str(boot), "--decode", d, *extra],
+                                     str(port), "--prefill", p, str(boot), "--decode", d, "--pd-policy", "always",
+                                     *extra],  # classic PD unless ``extra`` says otherwise (the last flag wins)
                           f"http://127.0.0.1:{port}")
 
     def stop(self):

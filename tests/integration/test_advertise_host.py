@@ -102,7 +102,7 @@ def test_a_pd_pair_on_ipv6_loopback_answers_as_colocated_behind_both_routers(tmp
         assert found["side_channel"].startswith("tcp://[::1]:") and found["transfer_addr"].startswith("tcp://[::1]:")
         workers = ["--prefill", base["prefill"], str(ports["bootstrap"]), "--decode", base["decode"]]
         routers = [cluster.start("router", [*serve[:4], "--role", "router", "--host", "::1", "--port",
-                                            str(ports["router"]), *workers], base["router"]),
+                                            str(ports["router"]), *workers, "--pd-policy", "always"], base["router"]),
                    cluster.start("sglang", [  # sglang-router binds an IPv6 --host only in brackets
                        sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", *workers,
                        "--host", "[::1]", "--port", str(ports["sglang"]), "--prometheus-host", "127.0.0.1",

@@ -31,7 +31,7 @@ from fsm_pd.api import AppServer, create_app
 from fsm_pd.api.runner import WaitDeadlines
 from fsm_pd.router import create_router_app
 from fsm_pd.router.legs import RouterDeadlines
-from fsm_pd.router.policy import PolicySettings
+from fsm_pd.router.policy import CLASSIC_PD, PolicySettings
 
 CLIENT_TIMEOUT_S = 60.0  # beyond every short deadline here; the defaults they stand for are minutes
 SLACK_S = 5.0  # a deadline's end, its error and the client's read, on a loaded 2-core machine
@@ -44,7 +44,8 @@ def expiries(url: str, metric: str = "fsm_pd_router_deadline_expiries_total") ->
 
 @contextlib.contextmanager
 def router_over(prefill_url: str, decode_urls: list[str], **router_kw):
-    with AppServer(create_router_app([(prefill_url, 9000)], decode_urls, **router_kw)) as router:
+    with AppServer(create_router_app([(prefill_url, 9000)], decode_urls,
+                                            **{"pd_policy": CLASSIC_PD, **router_kw})) as router:
         yield router.url
 
 

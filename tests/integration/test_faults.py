@@ -139,6 +139,8 @@ def test_bootstrap_server_down(rig):
             str(dead),
             "--decode",
             r.d.url,
+            "--pd-policy",  # classic PD: every request crosses, as the faults below need
+            "always",
             "--retry-policy",  # one attempt: the rooms counted below are its
             "fail",
         ],
@@ -368,6 +370,8 @@ def test_prefill_and_decode_in_two_network_namespaces(namespaces, tmp_path):
             str(boot),
             "--decode",
             d_url,
+            "--pd-policy",  # classic PD: every request crosses, as the faults below need
+            "always",
         ]
         in_d = ["ip", "netns", "exec", NETNS[1]]
         probe = [

@@ -18,6 +18,7 @@ from stub_engine import StubEngine
 
 from fsm_pd.api import AppServer, create_app
 from fsm_pd.router import create_router_app
+from fsm_pd.router.policy import CLASSIC_PD
 
 schemathesis = pytest.importorskip("schemathesis")  # a test dependency: pip install schemathesis
 GenerationMode = schemathesis.GenerationMode
@@ -75,7 +76,7 @@ router_prefill, router_decode = StubEngine(role="prefill"), StubEngine(role="dec
 def _router_app():
     p = _workers.enter_context(AppServer(create_app(router_prefill, router_prefill.tokenizer, bootstrap_port=1)))
     d = _workers.enter_context(AppServer(create_app(router_decode, router_decode.tokenizer)))
-    return create_router_app([(p.url, 1)], [d.url], request_timeout_s=30)
+    return create_router_app([(p.url, 1)], [d.url], request_timeout_s=30, pd_policy=CLASSIC_PD)
 
 
 router = schemathesis.pytest.from_fixture("router_schema")

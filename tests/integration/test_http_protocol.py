@@ -23,6 +23,7 @@ from fsm_pd.api import create_app
 from fsm_pd.http_protocol import ReadTimeouts
 from fsm_pd.http_server import AppServer
 from fsm_pd.router import create_router_app
+from fsm_pd.router.policy import CLASSIC_PD
 
 LIMIT_S = 1.0  # the server's deadlines; every wait below is bounded by GIVE_UP_S, far above them
 GIVE_UP_S = 60.0
@@ -175,7 +176,7 @@ def test_router_streams_cut_by_clients_end_quietly_and_cancel_the_decode(caplog,
     with contextlib.ExitStack() as stack:
         p_url = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=8998))).url
         d_url = stack.enter_context(AppServer(create_app(decode, decode.tokenizer, bootstrap_port=8998))).url
-        router = stack.enter_context(AppServer(create_router_app([(p_url, 8998)], [d_url])))
+        router = stack.enter_context(AppServer(create_router_app([(p_url, 8998)], [d_url], pd_policy=CLASSIC_PD)))
         _drop_streams(router.port, 32, reset=reset)
         deadline = time.monotonic() + GIVE_UP_S
         while decode.live and time.monotonic() < deadline:  # every decode leg ends (cancelled, or ran out)

@@ -41,10 +41,16 @@ def test_launch_serves_through_the_router_and_stops_everything(tmp_path):
     port = free_port()
     journals = tmp_path / "cluster"
     proc, lines, reader = started(["--port", str(port), "--journal-dir", str(journals)])
+    sampling = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    # the router's default policy (auto): a short prompt is served whole on the decode node, one over 256 tokens
+    # goes through the prefill node
+    short, long = {"text": "Hello"}, {"input_ids": [20 + i % 230 for i in range(300)]}
     try:
-        body = {"text": "Hello", "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
-        answer = httpx.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=120).json()
-        assert len(answer["output_ids"]) == 8 and answer["meta_info"]["finish_reason"]["type"] == "length"
+        for prompt, path in ((short, "local"), (long, "pd")):
+            answer = httpx.post(f"http://127.0.0.1:{port}/generate", json={**prompt, "sampling_params": sampling},
+                                timeout=120).json()
+            assert len(answer["output_ids"]) == 8 and answer["meta_info"]["finish_reason"]["type"] == "length"
+            assert answer["meta_info"]["pd_route"]["path"] == path, answer["meta_info"]
     finally:
         proc.send_signal(signal.SIGTERM)  # the launcher we started stops the processes it started
         proc.wait(timeout=60)
@@ -53,16 +59,19 @@ def test_launch_serves_through_the_router_and_stops_everything(tmp_path):
     assert proc.returncode == 0, out
     assert f"http://127.0.0.1:{port}" in out
     assert "What is the capital of France? -> " in out and "after the command" in out  # launch's warm-up request
+    assert "only where that pays" in out  # launch says what the default policy does
     assert not listening(port)
     result = replay(read_journal(journals / "prefill-0.db") + read_journal(journals / "decode-0.db"))
-    # two rooms (prefill and decode side) for the warm-up, two for the request above
-    assert result.consistent and {r.final for r in result.rooms} == {"Success"} and len(result.rooms) == 4
+    # the warm-up question and "Hello", each a record of the decode node's own; the long prompt's two sides
+    assert result.consistent and {r.final for r in result.rooms} == {"Success"}
+    assert sorted(r.role for r in result.rooms) == ["decode", "local", "local", "prefill"]
 
 
 def test_launch_keeps_serving_while_a_node_of_each_role_is_alive(tmp_path):
     port = free_port()
     proc, lines, reader = started(["--prefill", "2", "--decode", "1", "--model", "tiny", "--no-warmup", "--port",
-                                   str(port), "--journal-dir", str(tmp_path / "cluster")])
+                                   str(port), "--journal-dir", str(tmp_path / "cluster"),
+                                   "--router-arg=--pd-policy=always"])  # every request through a prefill node
     body = {"text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
     try:
         url = f"http://127.0.0.1:{port}"

@@ -69,7 +69,8 @@ def fleet(tmp_path_factory):
         workers = [a for p in PREFILL for a in ("--prefill", url(addrs[p]), str(BOOTSTRAP_PORT))]
         workers += [a for d in DECODE for a in ("--decode", url(addrs[d]))]
         procs["router"] = fabric.run("router", [*serve[:4], "--role", "router", "--host", "0.0.0.0", "--port",
-                                                str(PORT), *workers, "--policy", "round_robin"],
+                                                str(PORT), *workers, "--policy", "round_robin",
+                                                "--pd-policy", "always"],
                                      log=tmp / "router.log", env=env)
         with contextlib.suppress(ImportError):
             import sglang_router  # noqa: F401

@@ -43,7 +43,8 @@ def test_rolling_restart_of_every_node_under_load(tmp_path):
                             ("decode", "--transfer-backend", "tcp"), ("decode", "--transfer-backend", "tcp"))
         prefills, decodes = urls[:2], urls[2:]
         port = free_port()
-        argv = [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", "router", "--port", str(port)]
+        argv = [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", "router", "--port", str(port),
+                "--pd-policy", "always"]
         for url, boot in zip(prefills, boots, strict=True):
             argv += ["--prefill", url, str(boot)]
         for url in decodes:

@@ -17,6 +17,7 @@ from fsm_pd.api import AppServer, create_app
 from fsm_pd.launch import free_port
 from fsm_pd.router import build_arg_parser, create_router_app
 from fsm_pd.router.app import PrefillWorker, RetrySettings, parse_prefill_specs
+from fsm_pd.router.policy import CLASSIC_PD
 from fsm_pd.serving.types import EngineError
 
 NO_RETRY = RetrySettings(policy="fail")  # the tests of how one failed attempt reaches the client
@@ -46,7 +47,8 @@ def pd_cluster(prefills: list[StubEngine], decodes: list[StubEngine], *, ports=N
                   for e, port in zip(prefills, ports, strict=True)]
         d_urls = [stack.enter_context(AppServer(create_app(e, e.tokenizer, bootstrap_port=8998))).url
                   for e in decodes]
-        router = create_router_app(list(zip(p_urls, ports, strict=True)), d_urls, **router_kw)
+        router = create_router_app(list(zip(p_urls, ports, strict=True)), d_urls,
+                                   **{"pd_policy": CLASSIC_PD, **router_kw})
         url = stack.enter_context(AppServer(router)).url
         yield url, p_urls, d_urls
         for engine in prefills + decodes:
@@ -90,7 +92,7 @@ def test_null_bootstrap_port_lets_decode_use_its_default():
     with contextlib.ExitStack() as stack:
         p = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=8998)))
         d = stack.enter_context(AppServer(create_app(decode, decode.tokenizer, bootstrap_port=8998)))
-        router = stack.enter_context(AppServer(create_router_app([p.url], [d.url])))
+        router = stack.enter_context(AppServer(create_router_app([p.url], [d.url], pd_policy=CLASSIC_PD)))
         assert httpx.post(router.url + "/generate", json={"text": "a"}, timeout=10).status_code == 200
         assert prefill.submitted[0].bootstrap.port == decode.submitted[0].bootstrap.port == 8998
 
@@ -124,7 +126,7 @@ def test_a_prefill_gone_since_its_health_check_is_502_and_cancels_decode():
     prefill, decode = StubEngine(role="prefill"), StubEngine(role="decode", hang=True)
     with AppServer(create_app(decode, decode.tokenizer)) as d:
         p = AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=9000)).start()
-        router = create_router_app([(p.url, 9000)], [d.url], retry=NO_RETRY)
+        router = create_router_app([(p.url, 9000)], [d.url], retry=NO_RETRY, pd_policy=CLASSIC_PD)
         with AppServer(router) as rs:
             checked_by(rs.url)
             p.stop()  # admitted by its check, gone before the next one
@@ -140,7 +142,7 @@ def test_a_worker_that_never_answered_is_out_and_the_router_says_why():
     dead = f"http://127.0.0.1:{free_port()}"
     decode = StubEngine(role="decode")
     with AppServer(create_app(decode, decode.tokenizer)) as d:
-        with AppServer(create_router_app([(dead, 9000)], [d.url], retry=NO_RETRY)) as rs:
+        with AppServer(create_router_app([(dead, 9000)], [d.url], retry=NO_RETRY, pd_policy=CLASSIC_PD)) as rs:
             r = httpx.post(rs.url + "/generate", json={"text": "a"}, timeout=10)
             assert r.status_code == 503, r.text
             message = r.json()["error"]["message"]
@@ -231,7 +233,7 @@ def test_router_api_key_is_required_and_forwarded():
     with contextlib.ExitStack() as stack:
         p = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, api_key="k", bootstrap_port=1)))
         d = stack.enter_context(AppServer(create_app(decode, decode.tokenizer, api_key="k")))
-        rs = stack.enter_context(AppServer(create_router_app([(p.url, 1)], [d.url], api_key="k")))
+        rs = stack.enter_context(AppServer(create_router_app([(p.url, 1)], [d.url], api_key="k", pd_policy=CLASSIC_PD)))
         assert httpx.post(rs.url + "/generate", json={"text": "a"}, timeout=10).status_code == 401
         ok = httpx.post(rs.url + "/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 1}},
                         headers={"Authorization": "Bearer k"}, timeout=10)
@@ -330,7 +332,7 @@ def test_a_decode_stream_is_relayed_before_the_prefill_answers():
 def test_a_stopped_router_stops_its_health_checks_and_closes_its_client():
     prefill, decode = StubEngine(role="prefill"), StubEngine(role="decode")
     with pd_cluster([prefill], [decode]) as (_, p_urls, d_urls):
-        app = create_router_app([(p_urls[0], 9000)], d_urls)
+        app = create_router_app([(p_urls[0], 9000)], d_urls, pd_policy=CLASSIC_PD)
         pd = app.state.router
         with AppServer(app) as rs:
             checked_by(rs.url)  # the health checks run, on the server's loop

@@ -19,6 +19,7 @@ from test_router import NO_RETRY, checked_by, pd_cluster, sse_data
 
 from fsm_pd.api import AppServer, create_app
 from fsm_pd.router import create_router_app
+from fsm_pd.router.policy import CLASSIC_PD
 from fsm_pd.serving.types import EngineError, TokenOutput
 
 CLIENT_TIMEOUT_S = 60.0  # far beyond every deadline the router is given here: a hang shows as a client timeout
@@ -66,7 +67,8 @@ def test_a_decode_gone_since_its_health_check_is_502_and_cancels_the_prefill():
         p = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=9000)))
         d = AppServer(create_app(decode, decode.tokenizer)).start()
         dead = d.url
-        router = stack.enter_context(AppServer(create_router_app([(p.url, 9000)], [dead], retry=NO_RETRY)))
+        router = stack.enter_context(AppServer(create_router_app([(p.url, 9000)], [dead], retry=NO_RETRY,
+                                                                 pd_policy=CLASSIC_PD)))
         checked_by(router.url)
         d.stop()  # admitted by its check, gone before the next one
         r = httpx.post(router.url + "/generate", json={"text": "a"}, timeout=CLIENT_TIMEOUT_S)
@@ -116,7 +118,8 @@ def test_a_stream_that_breaks_off_ends_with_an_error_event(then):
     with contextlib.ExitStack() as stack:
         d_url = stack.enter_context(raw_worker(reply, then_close=True)).url
         p = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=9000)))
-        router = stack.enter_context(AppServer(create_router_app([(p.url, 9000)], [d_url], retry=NO_RETRY)))
+        router = stack.enter_context(AppServer(create_router_app([(p.url, 9000)], [d_url], retry=NO_RETRY,
+                                                                 pd_policy=CLASSIC_PD)))
         r = httpx.post(router.url + "/generate", json={"text": "a", "stream": True}, timeout=CLIENT_TIMEOUT_S)
     prefill.close()
     assert r.status_code == 200 and json.loads(sse_data(r.text)[0])["text"] == "a"
@@ -131,7 +134,8 @@ def test_a_worker_error_without_a_json_body_is_wrapped_with_its_name():
     with contextlib.ExitStack() as stack:
         d_url = stack.enter_context(raw_worker(reply, then_close=True)).url
         p = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=9000)))
-        router = stack.enter_context(AppServer(create_router_app([(p.url, 9000)], [d_url], retry=NO_RETRY)))
+        router = stack.enter_context(AppServer(create_router_app([(p.url, 9000)], [d_url], retry=NO_RETRY,
+                                                                 pd_policy=CLASSIC_PD)))
         r = httpx.post(router.url + "/generate", json={"text": "a"}, timeout=CLIENT_TIMEOUT_S)
         assert wait_until(lambda: not prefill.live and len(prefill.aborted) == len(prefill.submitted))
     prefill.close()

@@ -23,6 +23,7 @@ from test_router_failures import SSE_HEAD, chunk
 from fsm_pd.api import AppServer, create_app
 from fsm_pd.router import create_router_app
 from fsm_pd.router.app import RetrySettings
+from fsm_pd.router.policy import CLASSIC_PD
 from fsm_pd.serving.types import EngineError
 
 
@@ -108,7 +109,8 @@ def migrated(reply: bytes, path: str, body: dict) -> tuple[httpx.Response, StubE
         dying = stack.enter_context(raw_worker(reply, then_close=True)).url
         p = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=9000)))
         d = stack.enter_context(AppServer(create_app(decode, decode.tokenizer)))
-        router = stack.enter_context(AppServer(create_router_app([(p.url, 9000)], [dying, d.url])))
+        router = stack.enter_context(AppServer(create_router_app([(p.url, 9000)], [dying, d.url],
+                                                                 pd_policy=CLASSIC_PD)))
         r = httpx.post(router.url + path, json=body, timeout=20)
         migrations = counter(router.url, "fsm_pd_router_migrations_total")
     prefill.close()
@@ -177,7 +179,7 @@ def test_a_worker_whose_health_says_draining_gets_no_new_requests():
         p = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=9000)))
         drained = stack.enter_context(AppServer(draining_node()))
         d_good = stack.enter_context(AppServer(create_app(good, good.tokenizer)))
-        app = create_router_app([(p.url, 9000)], [drained.url, d_good.url], health_interval_s=0.1)
+        app = create_router_app([(p.url, 9000)], [drained.url, d_good.url], health_interval_s=0.1, pd_policy=CLASSIC_PD)
         router = stack.enter_context(AppServer(app))
         httpx.get(router.url + "/health", timeout=5)  # the first call starts the health checks
         assert until(lambda: httpx.get(router.url + "/health", timeout=5).json()["admitted"]["decode"] == 1)
@@ -218,7 +220,8 @@ def router_before_a_silent_decode(reply: bytes):
     silent = stack.enter_context(raw_worker(reply, hold_s=300, stopped_when_held=True)).url  # past the client's 60 s
     p = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=9000)))
     d = stack.enter_context(AppServer(create_app(decode, decode.tokenizer)))
-    app = create_router_app([(p.url, 9000)], [silent, d.url], health_interval_s=0.1, health_timeout_s=0.3)
+    app = create_router_app([(p.url, 9000)], [silent, d.url], health_interval_s=0.1, health_timeout_s=0.3,
+                            pd_policy=CLASSIC_PD)
     router = stack.enter_context(AppServer(app))
     stack.callback(prefill.close)
     stack.callback(decode.close)
@@ -287,7 +290,8 @@ def draining_then_late_decode(decode: StubEngine, *, abort_status: int | None = 
               for e, port in ((draining, 9001), (good, 9002))]
     d_app = LateFirstGenerate(create_app(decode, decode.tokenizer, bootstrap_port=8998), 0.5, abort_status)
     d_url = stack.enter_context(AppServer(d_app)).url
-    router = stack.enter_context(AppServer(create_router_app([(p_urls[0], 9001), (p_urls[1], 9002)], [d_url])))
+    router = stack.enter_context(AppServer(create_router_app([(p_urls[0], 9001), (p_urls[1], 9002)], [d_url],
+                                                             pd_policy=CLASSIC_PD)))
     stack.callback(lambda: [e.close() for e in (draining, good, decode)])
     return stack, router.url, good
 

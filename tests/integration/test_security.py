@@ -35,6 +35,7 @@ import fsm_pd
 from fsm_pd.api import AppServer, create_app
 from fsm_pd.control.resolver import register_prefill
 from fsm_pd.router import create_router_app
+from fsm_pd.router.policy import CLASSIC_PD
 from fsm_pd.transport import generate_secret, secret_env
 
 KEY = "sekrit-key"
@@ -139,7 +140,7 @@ def test_api_key_guards_every_route_of_the_router():
     with contextlib.ExitStack() as stack:
         p = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, api_key=KEY, bootstrap_port=1)))
         d = stack.enter_context(AppServer(create_app(decode, decode.tokenizer, api_key=KEY)))
-        app = create_router_app([(p.url, 1)], [d.url], api_key=KEY)
+        app = create_router_app([(p.url, 1)], [d.url], api_key=KEY, pd_policy=CLASSIC_PD)
         _, client = stack.enter_context(served(app))
         assert_key_guards_every_route(app, client)
         with client.stream("POST", "/v1/completions", json={**BODIES["/v1/completions"], "stream": True}) as r:
@@ -261,7 +262,7 @@ def test_oversized_bodies_are_413_on_the_router():
     with contextlib.ExitStack() as stack:
         p = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=1)))
         d = stack.enter_context(AppServer(create_app(decode, decode.tokenizer)))
-        url, client = stack.enter_context(served(create_router_app([(p.url, 1)], [d.url])))
+        url, client = stack.enter_context(served(create_router_app([(p.url, 1)], [d.url], pd_policy=CLASSIC_PD)))
         for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
             assert_oversized_refused(url, path, DEFAULT_MAX_BODY_BYTES)
         assert prefill.submitted == [] and decode.submitted == []

@@ -75,7 +75,7 @@ def status_of(client: httpx.Client, router: str) -> int | str:
 
 def builtin_router(p_url: str, boot: int, d_urls: list[str], port: int) -> list[str]:
     return [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", "router", "--port", str(port), "--prefill", p_url,
-            str(boot), *(arg for url in d_urls for arg in ("--decode", url))]
+            str(boot), *(arg for url in d_urls for arg in ("--decode", url)), "--pd-policy", "always"]
 
 
 def sglang_router(p_url: str, boot: int, d_urls: list[str], port: int) -> list[str]:

@@ -13,6 +13,7 @@ from stub_engine import StubEngine, stub_server
 from fsm_pd.api import AppServer, create_app
 from fsm_pd.api.strict_json import lone_surrogate_at, strict_loads
 from fsm_pd.router import create_router_app
+from fsm_pd.router.policy import CLASSIC_PD
 
 PD = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 8998}
 
@@ -146,7 +147,7 @@ def router_over_stubs():
     with contextlib.ExitStack() as stack:
         p_url = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=8998))).url
         d_url = stack.enter_context(AppServer(create_app(decode, decode.tokenizer, bootstrap_port=8998))).url
-        url = stack.enter_context(AppServer(create_router_app([(p_url, 8998)], [d_url]))).url
+        url = stack.enter_context(AppServer(create_router_app([(p_url, 8998)], [d_url], pd_policy=CLASSIC_PD))).url
         client = stack.enter_context(httpx.Client(base_url=url, timeout=10))
         yield client, prefill, decode
         prefill.close()

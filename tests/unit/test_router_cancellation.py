@@ -9,6 +9,7 @@ import asyncio
 import httpx
 
 from fsm_pd.router.core import PDRouter, PrefillWorker
+from fsm_pd.router.policy import CLASSIC_PD
 
 
 class LeavingClient:
@@ -56,7 +57,7 @@ def test_a_client_leaving_during_the_wind_down_cancels_the_request_and_gets_no_r
             return httpx.Response(200, json={"text": "x", "output_ids": [1], "meta_info": {}})
 
         router = PDRouter([PrefillWorker("http://p0", 8998), PrefillWorker("http://p1", 8998)], ["http://d0"],
-                          policy="round_robin", health_interval_s=60)
+                          policy="round_robin", health_interval_s=60, pd_policy=CLASSIC_PD)
         router._client = httpx.AsyncClient(transport=httpx.MockTransport(workers))
         try:
             response = await router.dispatch("/generate", {"text": "hi", "rid": "gone-1"}, LeavingClient(closing))

@@ -5,8 +5,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fsm_pd.router.app import build_arg_parser
 from fsm_pd.router.policy import (
     CHARS_PER_TOKEN,
+    CLASSIC_PD,
     PolicySettings,
     PrefillIdleWatch,
     RouteInput,
@@ -17,8 +19,11 @@ from fsm_pd.router.policy import (
 AUTO = PolicySettings("auto", 256)
 
 
-def test_the_default_is_classic_pd():
-    assert decide(PolicySettings(), RouteInput(4, exact=True)).path == "pd"
+def test_the_default_is_the_selective_policy_and_classic_pd_is_one_flag_away():
+    assert decide(PolicySettings(), RouteInput(4, exact=True)).path == "local"
+    assert decide(PolicySettings(), RouteInput(257, exact=True)).path == "pd"
+    assert decide(CLASSIC_PD, RouteInput(4, exact=True)).path == "pd"
+    assert build_arg_parser().parse_args(["--prefill", "http://p:1", "--decode", "http://d:2"]).pd_policy == "auto"
 
 
 def test_short_prompts_go_local_long_ones_through_prefill():
