@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 
 COMPILE_THREADS = min(2, os.cpu_count() or 1)  # the ready set's forward passes compile this many at once
-SHORT_PROMPT_TOKENS = 64  # a first chat turn's prompt: its prefill is in the ready set of a node that prefills
+SHORT_PROMPT_TOKENS = 64  # a first chat turn's prompt: its prefill is in every node's ready set
 
 
 @dataclass
@@ -72,7 +72,8 @@ class WarmupPlan:
         the longest single-row prefill. A prefill step of any batch runs row by row on the latter, a decode batch on
         the former, until the background compile reaches their own shapes. On a node that prefills requests, the
         single-row prefill of a short prompt (``SHORT_PROMPT_TOKENS``) as well: a chat turn's prompt, padded to
-        the longest, would cost 0.8 s (SmolLM2, 512 tokens) instead of 0.1 s."""
+        the longest, would cost 0.8 s (SmolLM2, 512 tokens) instead of 0.1 s. Every node prefills short prompts: a
+        decode node those the router serves whole on it (``--pd-policy auto``, the default)."""
         decode = [shape for shape in self.forward if shape[1] == 1]
         prefill = [shape for shape in self.forward if shape[1] > 1 and shape[0] == 1]
         short = [shape for shape in prefill if shape[1] == input_buckets.token_bucket(self.short_prompt)]
@@ -117,8 +118,9 @@ def plan_for(engine) -> WarmupPlan:
         limits.append((engine.recompute.max_batch, engine.recompute.max_tokens))
     forward = {shape for batch, tokens in limits for shape in prefill_shapes(batch, tokens)}
     forward |= set(decode_shapes(engine.max_running))
+    # a decode node too: the router's default policy (auto) has it prefill short prompts itself
     plan = WarmupPlan(sorted(forward), _powers(max(engine.max_running, *(batch for batch, _ in limits))),
-                      short_prompt=SHORT_PROMPT_TOKENS if engine.role in ("colocated", "prefill") else 0)
+                      short_prompt=SHORT_PROMPT_TOKENS)
     if engine.role == "decode":
         plan.scatter_buckets = prompt_buckets
     if engine.role == "prefill":
