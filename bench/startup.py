@@ -211,7 +211,7 @@ def main() -> int:
     launch_runs: dict = {}
     with tempfile.TemporaryDirectory(prefix="fsm-pd-startup-") as tmp_name:
         tmp = Path(tmp_name)
-        for role in args.roles.split(","):
+        for role in [r for r in args.roles.split(",") if r]:  # --roles '': launch only
             runs: dict[str, list] = {"cold": [], "warm": []}
             for i in range(args.repeat):
                 caches = tmp / f"caches-{role}-{i}"  # a cold run starts from empty caches, its warm run from those
@@ -232,8 +232,9 @@ def main() -> int:
             base_times = baseline_launches(args.baseline, args.model, args.repeat, tmp)
             base = {cache: statistics.median(found) for cache, found in base_times.items()}
     console = Console()
-    console.print(node_table(results))
-    console.print(kinds_table(results))
+    if results:
+        console.print(node_table(results))
+        console.print(kinds_table(results))
     if launches:
         console.print("fsm-pd launch, first answer after the command (median): "
                       + ", ".join(f"{cache} {seconds:.1f} s" for cache, seconds in launches.items())
