@@ -200,8 +200,10 @@ class PDRouter:
             if decode is None or (prefill is None and route.path == "pd"):
                 role = "prefill" if decode is not None else "decode"
                 self.metrics.gave_up.labels(f"no_{role}").inc()
+                # what cut the request first (a drain's abort), when a retry was then refused otherwise
+                first = f"; the first attempt: {tries.first}" if tries.first and tries.first != tries.last else ""
                 last = f"; the last attempt: {tries.last}" if tries.last else ""
-                return error_response(503, f"no healthy {role} worker ({self.fleet.unavailable(role)}){last}",
+                return error_response(503, f"no healthy {role} worker ({self.fleet.unavailable(role)}){first}{last}",
                                       code=f"no_healthy_{role}")
             entry = self.idle_watch.entry(prompt_tokens(body)[0])
             self.metrics.routed.labels(route.path).inc()
