@@ -17,8 +17,10 @@ arrivals.
 
 The SLO comes from isolated latencies: one request at a time on the colocated node, medians; a request attains the
 SLO when its TTFT <= --ttft-scale x the isolated TTFT and its time per output token (after the first) <=
---tpot-scale x the isolated one. For each workload and mode the request rate is swept upwards (--rates) until
-attainment falls below half; goodput is the highest rate with >= 90% attainment. The table prints attainment per
+--tpot-scale x the isolated one. ``--slo-from`` holds a run to the SLO an earlier one derived instead
+(``bench/slo/smollm2-2core.json``), so that two runs' goodputs compare. Goodput is the highest rate of --rates with
+>= 90% attainment, found by a walk over them (``find_goodput``); a run at a rate sends --requests requests, more
+where they would arrive in under --min-seconds. The table prints attainment per
 rate, goodput per mode and the PD / colocated ratio, and each mode's TTFT phases at the goodput rate (queueing and
 prefill on the prefill node, the KV transfer, the decode node's queue).
 
