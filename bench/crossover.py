@@ -9,7 +9,7 @@ length, an output length) is its own workload: --requests requests of about that
 exactly that many new tokens, greedy, EOS ignored, Poisson arrivals. Its SLO comes from isolated runs on the
 colocated node (medians of five, times --ttft-scale and --tpot-scale, as goodput.py does for its mixes); goodput is
 the highest rate of the grid at which 90% of requests attain it, found by a walk over the grid
-(``goodput.find_goodput``). ``--repeat N`` runs every rate sweep N times with fresh
+(``goodput_search.find_goodput``). ``--repeat N`` runs every rate sweep N times with fresh
 prompts (the prefix cache must not serve a repeat) and reports each goodput (and their lower median, a swept rate),
 so a reader sees whether --requests was enough for a stable figure.
 
@@ -22,6 +22,8 @@ from __future__ import annotations
 import random
 import statistics
 from pathlib import Path
+
+import goodput_search as g  # beside this script (goodput.py puts bench/ on the path)
 
 BEGIN, END = "<!-- crossover-table:begin -->", "<!-- crossover-table:end -->"
 MODES = ("colocated", "pd", "pd-policy")
@@ -40,7 +42,7 @@ def cell_requests(prompt: int, output: int, count: int, seed: str, vocab: int) -
     return out
 
 
-def run_grid(args, urls: dict[str, str], vocab: int, g, log, on_cell=None) -> list[dict]:
+def run_grid(args, urls: dict[str, str], vocab: int, log, on_cell=None) -> list[dict]:
     """Every cell: its SLO, and per mode the goodput of each repeat and the rate sweeps behind them. ``on_cell(cells)``
     after each cell (the docs are rewritten as the grid goes: a sweep stopped halfway keeps what it measured)."""
     prompts = [int(p) for p in args.prompts.split(",")]
