@@ -434,3 +434,18 @@ def test_a_stream_whose_finish_went_out_does_not_end_in_an_error(retry_policy, l
     end = ended["r0"]
     assert end.chunks[-1]["meta_info"]["finish_reason"]  # the whole answer went out
     assert not end.errors, f"an error after the whole answer: {end.errors}"
+
+
+
+def test_a_request_that_runs_out_of_workers_names_its_first_failure_too():
+    """A stream its one decode node cut (a drain past its bound), whose migration then found no healthy decode worker
+    (the node stopped and was ejected), ends with an error naming both failures: the last alone hides what cut the
+    stream (test_drain.py saw the drain's abort replaced by the refusal of the migration)."""
+    fleet = FleetPlan(("p0",), ("d0",), frozenset(), PolicySettings("always"), RetrySettings("retry", 2))
+    reqs = [Req("r0", (1, 2), 4, True, False, (("abort", 1, 503), ("stop", 0)), ())]
+    ended, workers, _ = asyncio.run(asyncio.wait_for(run(fleet, reqs), SCENARIO_LIMIT_S))
+    (error,) = ended["r0"].errors
+    message = error["error"]["message"]
+    assert message.startswith("no healthy decode worker"), message
+    assert "the first attempt: decode worker http://d0 failed the stream: the request was aborted" in message, message
+    assert "the last attempt: decode worker http://d0 failed its health checks" in message, message
