@@ -94,8 +94,11 @@ def test_prefill_killed_during_the_pull(cluster, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_killed_before_pulling_frees_the_prefill_hold(cluster, backend):
-    p = cluster("prefill", backend, deadlines={"pull_hold": 2})
-    d = cluster("decode", backend, pull_delay=30)
+    # heartbeats 15 s from declaring the killed node dead: the hold's 2 s deadline is what frees it (with the default
+    # 2 beats 1 s apart the two raced, and a heartbeat failure named the room's end)
+    slow_heartbeat = {"interval_s": 0.5, "max_failures": 30}
+    p = cluster("prefill", backend, deadlines={"pull_hold": 2}, heartbeat=slow_heartbeat)
+    d = cluster("decode", backend, pull_delay=30, heartbeat=slow_heartbeat)
     transfer(p, d, 1, [4, 5])
     wait_for_state(d, 1, "Transferring")
     d.kill()
