@@ -13,11 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from greedy_ties import split_at_a_tie, tiny_prompt_ids
 from test_pd_serving import PAGE_SIZE, Cluster, free_port
 
 STREAMS, NEW_TOKENS = 40, 256
-PROMPTS = [f"stream {i}: the quick brown fox" for i in range(STREAMS)]  # 27 or 28 bytes: 2 pages of 16
-PAGES_PER_STREAM = -(-(28 + NEW_TOKENS) // PAGE_SIZE)  # 18
+PROMPTS = [f"stream {i}: the quick brown fox" for i in range(STREAMS)]  # 29 or 30 bytes: 2 pages of 16
+PAGES_PER_STREAM = -(-(30 + NEW_TOKENS) // PAGE_SIZE)  # 18
 DECODE_PAGES = 20 * PAGES_PER_STREAM + 1  # room for about 20 whole streams (page 0 is padding)
 OPENAI_EVERY = 4  # every 4th stream is an OpenAI completions stream (they failed with "out of pages" before)
 
@@ -58,6 +59,21 @@ def all_streams(url: str) -> list[tuple[list[str], dict]]:
         return list(pool.map(lambda i: stream(url, i), range(STREAMS)))
 
 
+def different_outputs(pressured, unpressured) -> list[tuple[int, str]]:
+    """The streams whose pressured output is not the unpressured one, with why. Token ids may split at a tie of the
+    tiny model (``greedy_ties``: stream 20's first token is one); texts, which lost their ids, must be equal."""
+    found = []
+    for i, ((_, got), (_, want)) in enumerate(zip(pressured, unpressured)):
+        if got["finish"] != want["finish"]:
+            found.append((i, f"finish {got['finish']} != {want['finish']}"))
+        elif "ids" in got:
+            if (why := split_at_a_tie(tiny_prompt_ids(PROMPTS[i]), got["ids"] or [], want["ids"] or [])) is not None:
+                found.append((i, why))
+        elif got["text"] != want["text"]:
+            found.append((i, "texts differ"))
+    return found
+
+
 def engine_info(url: str) -> dict:
     return httpx.get(url + "/server_info", timeout=30).json()["internal_states"][0]
 
@@ -92,7 +108,7 @@ def test_forty_streams_on_a_pool_for_twenty_all_complete_with_unpressured_output
     errors = [(i, e) for i, (events, _) in enumerate(pressured) for e in events if '"error"' in e]
     assert not errors, errors[:3]
     assert all(events[-1] == "[DONE]" for events, _ in pressured)
-    assert [got for _, got in pressured] == [got for _, got in unpressured]
+    assert different_outputs(pressured, unpressured) == []
     assert all(len(got.get("ids", [0] * NEW_TOKENS)) == NEW_TOKENS for _, got in pressured)
 
     info = engine_info(d)
