@@ -119,17 +119,24 @@ def test_steps_during_a_send_donate_the_pool_in_place_and_the_bytes_still_arrive
     assert in_place == [True] * 8
 
 
-def test_a_hold_ended_mid_stream_fails_the_pull_and_sends_no_page_freed_after_it(model, pair):
+# 512 pages of 64 KiB (16 KiB a layer): 32 MiB, far more than loopback's socket buffers hold (4 MiB to send, a few to
+# receive) when D first reports progress, at 1 MiB landed. With the 4 MiB of LAYOUT a loaded machine could get the
+# whole stream and its END into the buffers before D's callback ended the hold, and the pull rightly succeeded.
+BIG = KVLayout(num_layers=4, num_pages=600, page_size=16, kv_heads=2, head_dim=64)
+BIG_PAGES = list(range(80, 592))
+
+
+def test_a_hold_ended_mid_stream_fails_the_pull_and_sends_no_page_freed_after_it(pair):
     """P fails the hold while D is mid-stream, then "frees" the pages: a job overwrites them. D's pull fails with
     P's reason, and every byte it had landed is the pages' old contents or the zeros that close a frame."""
     producer, consumer = pair
-    pages = list(range(1, 65))
-    uuid, expected = publish(model, producer, pages)
+    model = ModelThread(make_pool(BIG), name="test-prefill-model")
+    uuid, expected = publish(model, producer, BIG_PAGES, BIG)
     landed: list[np.ndarray] = []
     freed = threading.Event()
 
     def free_pages(owner) -> None:
-        owner.pool = tuple(layer.at[np.array(pages)].set(99.0) for layer in owner.pool)
+        owner.pool = tuple(layer.at[np.array(BIG_PAGES)].set(99.0) for layer in owner.pool)
 
     def on_progress(index: int, host: np.ndarray, final_bytes: int) -> None:
         if not freed.is_set():
@@ -138,16 +145,17 @@ def test_a_hold_ended_mid_stream_fails_the_pull_and_sends_no_page_freed_after_it
             model.call(free_pages)
         landed[:] = [host.reshape(-1).view(np.uint8)[:final_bytes].copy()]  # bytes: a write may end mid-float
 
-    with pytest.raises(TransferFailed, match="room aborted"):
-        consumer.pull(producer.address, uuid, spec(pages), TIMEOUT_S, on_progress=on_progress)
-    got = landed[0]
-    sent = expected.reshape(-1).view(np.uint8)[: got.size]
-    # (on an idle machine every frame may be on the wire before the hold ends: the pull still fails, and what landed
-    # is still the pages' old bytes; asserting that less than all of it landed made this test flaky)
-    assert not np.any(got[: got.size // 4 * 4].view(np.float32) == 99.0), "a freed page's new contents were sent"
-    assert np.all((got == sent) | (got == 0))
-    assert producer.open_entries().count == 0
-    assert model.call(step)
+    try:
+        with pytest.raises(TransferFailed, match="room aborted"):
+            consumer.pull(producer.address, uuid, spec(BIG_PAGES, BIG), TIMEOUT_S, on_progress=on_progress)
+        got = landed[0]
+        sent = expected.reshape(-1).view(np.uint8)[: got.size]
+        assert not np.any(got[: got.size // 4 * 4].view(np.float32) == 99.0), "a freed page's new contents were sent"
+        assert np.all((got == sent) | (got == 0))
+        assert producer.open_entries().count == 0
+        assert model.call(step)
+    finally:
+        model.close()
 
 
 def test_a_puller_dying_mid_stream_leaves_no_view_of_the_pool(model):
