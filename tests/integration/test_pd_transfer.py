@@ -22,6 +22,11 @@ from fsm_pd.transport.signing import seal
 
 assert cluster  # a fixture, used by name
 
+# Heartbeats 15 s from declaring a killed peer dead, for the kill tests below that check another path (a pull's error,
+# a deadline): with the default 2 beats 1 s apart the heartbeat raced those paths and, on a loaded CI run, named
+# the room's end ("peer failed: ... missed 2 heartbeats").
+SLOW_HEARTBEAT = {"interval_s": 0.5, "max_failures": 30}
+
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_byte_exact_handoff_up_to_64_mib(cluster, backend):
@@ -57,7 +62,7 @@ def test_sharded_pools_on_a_two_device_mesh(cluster, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_killed_before_the_pull(cluster, backend):
     p = cluster("prefill", backend, deadlines={"pull_hold": 5})
-    d = cluster("decode", backend, deadlines={"transfer": 3}, pull_delay=1.0)
+    d = cluster("decode", backend, deadlines={"transfer": 3}, pull_delay=1.0, heartbeat=SLOW_HEARTBEAT)
     transfer(p, d, 1, [1, 2, 3])
     wait_for_state(d, 1, "Transferring")  # READY arrived; the pull starts in 1 s
     p.kill()
@@ -79,7 +84,7 @@ def test_prefill_killed_before_the_pull(cluster, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_killed_during_the_pull(cluster, backend):
     p = cluster("prefill", backend, LARGE, deadlines={"pull_hold": 30})
-    d = cluster("decode", backend, LARGE, deadlines={"transfer": 4})
+    d = cluster("decode", backend, LARGE, deadlines={"transfer": 4}, heartbeat=SLOW_HEARTBEAT)
     transfer(p, d, 1, list(range(1, 513)))  # 64 MiB
     wait_for_state(d, 1, "Transferring")
     p.proc.send_signal(signal.SIGSTOP)  # freeze the producer with the pull under way, then kill it
@@ -94,11 +99,8 @@ def test_prefill_killed_during_the_pull(cluster, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_killed_before_pulling_frees_the_prefill_hold(cluster, backend):
-    # heartbeats 15 s from declaring the killed node dead: the hold's 2 s deadline is what frees it (with the default
-    # 2 beats 1 s apart the two raced, and a heartbeat failure named the room's end)
-    slow_heartbeat = {"interval_s": 0.5, "max_failures": 30}
-    p = cluster("prefill", backend, deadlines={"pull_hold": 2}, heartbeat=slow_heartbeat)
-    d = cluster("decode", backend, pull_delay=30, heartbeat=slow_heartbeat)
+    p = cluster("prefill", backend, deadlines={"pull_hold": 2}, heartbeat=SLOW_HEARTBEAT)
+    d = cluster("decode", backend, pull_delay=30, heartbeat=SLOW_HEARTBEAT)
     transfer(p, d, 1, [4, 5])
     wait_for_state(d, 1, "Transferring")
     d.kill()
