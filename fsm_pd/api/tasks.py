@@ -22,6 +22,12 @@ async def cancel_and_wait(*tasks: asyncio.Future, what: str, expected: tuple[typ
     already, and how each ends is logged when it does."""
     for task in tasks:
         task.cancel()
+    await wait_ended(*tasks, what=what, expected=expected)
+
+
+async def wait_ended(*tasks: asyncio.Future, what: str, expected: tuple[type[BaseException], ...] = ()) -> None:
+    """``cancel_and_wait`` for tasks ended some other way (an anyio cancel scope of their own): wait until each has
+    ended and hear how, as it does."""
     try:
         if tasks:
             await asyncio.wait(tasks)  # raises nothing of the tasks', only the caller's own cancellation

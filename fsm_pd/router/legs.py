@@ -21,12 +21,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+import anyio
 import httpx
 from fastapi.responses import Response
 
 from fsm_pd.api.errors import error_body, error_response
 from fsm_pd.api.streaming import RECOMPUTED_HEADER
-from fsm_pd.api.tasks import cancel_and_wait
+from fsm_pd.api.tasks import wait_ended
 from fsm_pd.router.migrate import FinishWatch
 
 log = logging.getLogger(__name__)
@@ -80,12 +81,19 @@ class Leg:
         self.response: httpx.Response | None = None
         self.body: bytes | None = None
         request = client.build_request("POST", url, json=body, headers=headers)
+        # close() cancels the call through this scope, not with Task.cancel(): httpx runs on anyio, whose shielded
+        # clean-up cannot hold off a native asyncio cancellation, and one that reached httpcore's close of the
+        # connection left the socket open (the worker saw no disconnect and kept the request until it shut down)
+        self._scope = anyio.CancelScope()
         self.task = asyncio.ensure_future(self._run(client, request, whole))
 
     async def _run(self, client: httpx.AsyncClient, request: httpx.Request, whole: bool) -> None:
-        self.response = response = await client.send(request, stream=True)
-        if whole or response.status_code >= 400 or not self.streaming:
-            self.body = await response.aread()
+        with self._scope:
+            self.response = response = await client.send(request, stream=True)
+            if whole or response.status_code >= 400 or not self.streaming:
+                self.body = await response.aread()
+        if self._scope.cancelled_caught:
+            raise asyncio.CancelledError  # the call was closed: the task ends cancelled, as the callers expect
 
     @property
     def recomputed(self) -> bool:
@@ -120,8 +128,8 @@ class Leg:
         cancelled call closes its own connection)."""
         if not self.task.done():
             # an HTTP error is the leg failing as it was closed: nobody asked about it; anything else is logged
-            await cancel_and_wait(self.task, what=f"the {self.side} call to {self.worker_url}",
-                                  expected=(httpx.HTTPError,))
+            self._scope.cancel()
+            await wait_ended(self.task, what=f"the {self.side} call to {self.worker_url}", expected=(httpx.HTTPError,))
         elif not self.task.cancelled():
             self.task.exception()  # retrieved: a failed leg that nobody asked about is not an error to log
         if self.response is not None:
