@@ -64,16 +64,16 @@ class WarmupPlan:
     sample_batches: list[int]
     scatter_buckets: list[int] = field(default_factory=list)  # a decode node's
     gather_buckets: list[int] = field(default_factory=list)  # a prefill node's
-    short_prompt: int = 0  # a node that prefills requests: the single-row prefill of this many tokens too
+    short_prompt: int = 0  # the single-row prefill of this many tokens too (0: none)
 
     @property
     def ready_forward(self) -> list[tuple[int, int]]:
         """The forward shapes that cover every other one (``ForwardPrograms.cover``): the single-row decode step and
         the longest single-row prefill. A prefill step of any batch runs row by row on the latter, a decode batch on
-        the former, until the background compile reaches their own shapes. On a node that prefills requests, the
-        single-row prefill of a short prompt (``SHORT_PROMPT_TOKENS``) as well: a chat turn's prompt, padded to
-        the longest, would cost 0.8 s (SmolLM2, 512 tokens) instead of 0.1 s. Every node prefills short prompts: a
-        decode node those the router serves whole on it (``--pd-policy auto``, the default)."""
+        the former, until the background compile reaches their own shapes. And the single-row prefill of a short prompt
+        (``SHORT_PROMPT_TOKENS``): every node prefills those, a decode node the ones the router serves whole on it
+        (``--pd-policy auto``, the default); a chat turn's prompt padded to the longest would cost 0.8 s (SmolLM2,
+        512 tokens) instead of 0.1 s."""
         decode = [shape for shape in self.forward if shape[1] == 1]
         prefill = [shape for shape in self.forward if shape[1] > 1 and shape[0] == 1]
         short = [shape for shape in prefill if shape[1] == input_buckets.token_bucket(self.short_prompt)]
@@ -118,7 +118,6 @@ def plan_for(engine) -> WarmupPlan:
         limits.append((engine.recompute.max_batch, engine.recompute.max_tokens))
     forward = {shape for batch, tokens in limits for shape in prefill_shapes(batch, tokens)}
     forward |= set(decode_shapes(engine.max_running))
-    # a decode node too: the router's default policy (auto) has it prefill short prompts itself
     plan = WarmupPlan(sorted(forward), _powers(max(engine.max_running, *(batch for batch, _ in limits))),
                       short_prompt=SHORT_PROMPT_TOKENS)
     if engine.role == "decode":
