@@ -43,7 +43,7 @@ def tie_gap(prompt: list[int], before: list[int], a: int, b: int) -> float:
 def split_at_a_tie(prompt: list[int], a: list[int], b: list[int]) -> str | None:
     """None when ``a`` and ``b`` are the same greedy output, or split where their two tokens tie within ``TIE`` (what
     follows a tie is not compared: each run went on from its own token); else what is wrong, in words."""
-    split = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    split = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
     if split is None:
         return None if len(a) == len(b) else f"lengths differ: {len(a)} and {len(b)}"
     gap = tie_gap(prompt, a[:split], a[split], b[split])

@@ -63,7 +63,7 @@ def different_outputs(pressured, unpressured) -> list[tuple[int, str]]:
     """The streams whose pressured output is not the unpressured one, with why. Token ids may split at a tie of the
     tiny model (``greedy_ties``: stream 20's first token is one); texts, which lost their ids, must be equal."""
     found = []
-    for i, ((_, got), (_, want)) in enumerate(zip(pressured, unpressured)):
+    for i, ((_, got), (_, want)) in enumerate(zip(pressured, unpressured, strict=True)):
         if got["finish"] != want["finish"]:
             found.append((i, f"finish {got['finish']} != {want['finish']}"))
         elif "ids" in got:

@@ -94,7 +94,7 @@ def test_the_request_deadline_ends_silent_legs_with_504(stream):
         message = r.json()["error"]["message"]
         assert p_urls[0] in message and d_urls[0] in message and "deadline of 2 s" in message
         assert wait_until(lambda: prefill.aborted and decode.aborted), (
-            prefill.aborted, decode.aborted, [r.rid for r in prefill.submitted], [r.rid for r in decode.submitted])
+            prefill.aborted, decode.aborted, [q.rid for q in prefill.submitted], [q.rid for q in decode.submitted])
 
 
 def test_a_stream_that_stalls_past_the_deadline_ends_with_an_error_event():

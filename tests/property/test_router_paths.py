@@ -436,7 +436,6 @@ def test_a_stream_whose_finish_went_out_does_not_end_in_an_error(retry_policy, l
     assert not end.errors, f"an error after the whole answer: {end.errors}"
 
 
-
 def test_a_request_that_runs_out_of_workers_names_its_first_failure_too():
     """A stream its one decode node cut (a drain past its bound), whose migration then found no healthy decode worker
     (the node stopped and was ejected), ends with an error naming both failures: the last alone hides what cut the
