@@ -50,7 +50,7 @@ class JaxKV:
         if plan.unsharded:
             return (staging,)
         parts = device_parts(staging)
-        cut = lambda p: _slots(parts[p.src], 2 * p.src_slot, 2 * (p.src_slot + p.count))  # noqa: E731
+        cut = lambda p: _slots(parts[p.src], self.layout.slot_lanes(p.src_slot, p.count))  # noqa: E731
         pieces = tuple(parts[p.src] if plan.whole(p) else cut(p) for p in plan.pieces)
         jax.block_until_ready(pieces)
         return pieces
@@ -78,7 +78,8 @@ class JaxKV:
         return jax.device_put(np.asarray(words, dtype=np.int32).reshape(-1))
 
     def sent_checksum(self, owner: Any, pages: list[int], plan: ReshardPlan) -> list[list[int]] | None:
-        return pool_checksums(owner.pool, pages, [(p.src, p.src_slot, p.count) for p in plan.pieces])
+        return pool_checksums(owner.pool, pages, [(p.src, p.src_slot, p.count) for p in plan.pieces],
+                              self.layout.head_dim)
 
     def checksum_later(self, owner: Any, pages: list[int], plan: ReshardPlan,
                        done: Callable[[list[list[int]] | None], None]) -> None:
@@ -120,7 +121,8 @@ class JaxKV:
         return [int(word) for word in np.asarray(staging)]
 
     def received_checksum(self, owner: Any, pages: list[int], plan: ReshardPlan) -> list[list[int]] | None:
-        return pool_checksums(owner.pool, pages, [(p.dst, p.dst_slot, p.count) for p in plan.pieces])
+        return pool_checksums(owner.pool, pages, [(p.dst, p.dst_slot, p.count) for p in plan.pieces],
+                              self.layout.head_dim)
 
     def pull_spec(self, page_count: int, piece: Piece | Trailer | None = None) -> tuple[jax.ShapeDtypeStruct]:
         if isinstance(piece, Trailer):
@@ -128,7 +130,7 @@ class JaxKV:
         shape = self.layout.staging_shape(page_bucket(page_count))
         if piece is None or (self.layout.tp == 1 and piece.count == self.layout.slots):  # the whole staging
             return (jax.ShapeDtypeStruct(shape, self.layout.dtype, sharding=self.sharding),)
-        shape = (*shape[:3], 2 * piece.count, shape[4])  # lands on the device of its decode shard
+        shape = (*shape[:3], 2 * piece.count * self.layout.head_dim)  # lands on the device of its decode shard
         device = SingleDeviceSharding(self._devices()[piece.dst])
         return (jax.ShapeDtypeStruct(shape, self.layout.dtype, sharding=device),)
 
@@ -175,14 +177,15 @@ class JaxKV:
         shape = pieces[0].shape
         parts = []
         for dst, device in enumerate(devices):
-            joined = [landed[part.index] if isinstance(part, Piece) else (*shape[:3], 2 * part.count, shape[4])
+            joined = [landed[part.index] if isinstance(part, Piece)
+                      else (*shape[:3], 2 * part.count * self.layout.head_dim)
                       for part in plan.into(dst)]
             # a shard of one landed piece takes it as it is; one of zero fills only (padding heads) is made here
             alone = len(joined) == 1 and not isinstance(joined[0], tuple)
             parts.append(joined[0] if alone else _join(joined, pieces[0].dtype, device))
         if len(devices) == 1:
             return parts[0]
-        whole = (*shape[:3], 2 * self.layout.slots, shape[4])
+        whole = (*shape[:3], 2 * self.layout.slots * self.layout.head_dim)
         sharding = pool_placement(self.model.pool).staging_sharding  # as the warm-up placed it: no new compile
         return jax.make_array_from_single_device_arrays(whole, sharding, parts)
 
@@ -204,12 +207,12 @@ def _checksum_worker() -> ThreadPoolExecutor:
     return _WORKER
 
 
-def _slots(part: jax.Array, start: int, stop: int) -> jax.Array:
-    """``part[:, :, :, start:stop]``, on the host for a CPU device: a slice on the device is a program per page
-    bucket and peer split, compiled while a request waits (the warm-up cannot know a peer's split)."""
+def _slots(part: jax.Array, lanes: slice) -> jax.Array:
+    """``part[..., lanes]``, on the host for a CPU device: a slice on the device is a program per page bucket and
+    peer split, compiled while a request waits (the warm-up cannot know a peer's split)."""
     if part.device.platform != "cpu":
-        return part[:, :, :, start:stop]
-    return jax.device_put(np.ascontiguousarray(np.asarray(part)[:, :, :, start:stop]), part.device)
+        return part[..., lanes]
+    return jax.device_put(np.ascontiguousarray(np.asarray(part)[..., lanes]), part.device)
 
 
 def _join(parts: list, dtype, device) -> jax.Array:

@@ -170,7 +170,7 @@ def scatter_loop(pool: Pool, staging: jax.Array, row_pages: jax.Array, count: ja
         page = row_pages[r]
         return tuple(
             lax.dynamic_update_slice(
-                layer, lax.dynamic_slice(staging, (i, r, 0, 0, 0), (1, 1, *page_shape))[0], (page, 0, 0, 0)
+                layer, lax.dynamic_slice(staging, (i, r, 0, 0), (1, 1, *page_shape))[0], (page, 0, 0)
             )
             for i, layer in enumerate(layers)
         )

@@ -43,7 +43,7 @@ def host_memory_kind(devices: list[jax.Device]) -> str:
 
 @dataclass(eq=False)
 class HostSlot:
-    """One preallocated host buffer, ``[num_layers, rows, page_size, 2*kv_heads, head_dim]``.
+    """One preallocated host buffer, ``[num_layers, rows, page_size, 2*kv_heads*head_dim]``.
 
     ``buffer`` is replaced by every copy (the old array is donated); ``staged_rows`` is the row count of the staging
     array last copied in. Rows past it hold older data.
@@ -132,7 +132,7 @@ def _row_writer(sharding: jax.sharding.Sharding):
     """A jitted ``buffer[:, :rows] = staging`` that donates ``buffer`` and keeps it in ``sharding`` (and its memory)."""
 
     def write(buffer: jax.Array, staging: jax.Array) -> jax.Array:
-        # buffer: [L, slot_rows, ps, 2H, D] in host memory; staging: [L, rows <= slot_rows, ps, 2H, D] on device.
+        # buffer: [L, slot_rows, ps, 2HD] in host memory; staging: [L, rows <= slot_rows, ps, 2HD] on device.
         # The operands of one update must share a memory space and sharding, so move staging to the buffer's first;
         # XLA then writes the rows straight into the donated host buffer.
         staging = jax.device_put(staging, sharding)
@@ -142,7 +142,7 @@ def _row_writer(sharding: jax.sharding.Sharding):
 
 
 def copy_to_host(staging: jax.Array, slot: HostSlot) -> HostSlot:
-    """Copy ``staging`` ``[L, rows, page_size, 2H, D]`` into rows ``[0, rows)`` of the acquired ``slot``'s buffer.
+    """Copy ``staging`` ``[L, rows, page_size, 2HD]`` into rows ``[0, rows)`` of the acquired ``slot``'s buffer.
 
     Compiles once per staging bucket. Raises ``ValueError`` if the slot is not held or the staging does not fit.
     """
@@ -150,7 +150,7 @@ def copy_to_host(staging: jax.Array, slot: HostSlot) -> HostSlot:
     with pool._changed:
         pool._check_held(slot)
     shape, slot_shape = tuple(staging.shape), tuple(slot.buffer.shape)
-    if len(shape) != 5 or shape[0] != slot_shape[0] or shape[2:] != slot_shape[2:] or shape[1] > slot_shape[1]:
+    if len(shape) != 4 or shape[0] != slot_shape[0] or shape[2:] != slot_shape[2:] or shape[1] > slot_shape[1]:
         raise ValueError(f"staging shape {list(shape)} does not fit a host slot of shape {list(slot_shape)}")
     if np.dtype(staging.dtype) != np.dtype(pool.layout.dtype):
         raise ValueError(f"staging dtype {staging.dtype} does not match the host pool dtype {pool.layout.dtype}")

@@ -20,8 +20,8 @@ from fsm_pd.kernels.validation import Pool
 def gather_rows(pool: Pool, row_pages: jax.Array, out_sharding: NamedSharding | None = None) -> jax.Array:
     """Stack page ``row_pages[r]`` of every layer into staging row ``r``.
 
-    pool: L x [num_pages, page_size, 2H, D]; row_pages: int32[rows], padding rows point at page 0.
-    Returns [L, rows, page_size, 2H, D].
+    pool: L x [num_pages, page_size, 2HD]; row_pages: int32[rows], padding rows point at page 0.
+    Returns [L, rows, page_size, 2HD].
     """
     staging = jnp.stack([layer.at[row_pages].get(mode="promise_in_bounds") for layer in pool])
     if out_sharding is not None:
@@ -47,7 +47,7 @@ def _place(x: jax.Array, sharding: NamedSharding) -> jax.Array:
 def scatter_rows(pool: Pool, staging: jax.Array, row_pages: jax.Array) -> Pool:
     """Write staging row ``r`` of every layer into page ``row_pages[r]``; the pool is donated and updated in place.
 
-    pool: L x [num_pages, page_size, 2H, D]; staging: [L, rows, page_size, 2H, D]; row_pages: int32[rows].
+    pool: L x [num_pages, page_size, 2HD]; staging: [L, rows, page_size, 2HD]; row_pages: int32[rows].
     Padding rows carry distinct ids >= num_pages, which ``mode="drop"`` discards: they never touch the pool, not
     even page 0, and since every id is distinct ``unique_indices`` is a true promise (XLA may then write in parallel).
     """

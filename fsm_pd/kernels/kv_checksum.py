@@ -7,7 +7,7 @@ overwritten after it was written) shows as a mismatch (``docs/data-plane.md``, "
 * a *part* is the run of KV slots one piece of the resharding plan moves: ``(shard, first_slot, count)`` of the
   pool's device shards (P reads its source slots, D its destination slots; one part, all slots of the one device,
   without tensor parallelism);
-* per part and layer, the crc32c of every page in transfer order, each page's bytes ``[page_size, 2 * count,
+* per part and layer, the crc32c of every page in transfer order, each page's bytes ``[page_size, 2 * count *
   head_dim]`` row-major: the bytes that piece's rows of the staging array hold, padding rows left out.
 
 On a CPU device a layer's NumPy view is zero-copy, so the crc reads the pool in place at about the speed of a copy
@@ -29,6 +29,8 @@ from typing import Any
 import crc32c
 import numpy as np
 
+from fsm_pd.kernels.layout import slot_lanes
+
 ALGORITHM = "crc32c"
 
 log = logging.getLogger(__name__)
@@ -47,7 +49,8 @@ def layer_shards(layer: Any) -> list[Any] | None:
     return [shard.data for shard in shards]
 
 
-def pool_checksums(pool: Sequence[Any], pages: Sequence[int], parts: Sequence[Part]) -> list[list[int]] | None:
+def pool_checksums(pool: Sequence[Any], pages: Sequence[int], parts: Sequence[Part],
+                   head_dim: int) -> list[list[int]] | None:
     """``[part][layer]`` crc32c of ``pages`` of ``pool`` (one array per layer), or None where the pool is not on
     CPU devices. Run it on the thread that owns the pool (a model-thread job)."""
     out: list[list[int]] = [[] for _ in parts]
@@ -56,17 +59,18 @@ def pool_checksums(pool: Sequence[Any], pages: Sequence[int], parts: Sequence[Pa
         if shards is None:
             return None
         for index, part in enumerate(parts):
-            out[index].append(_part_crc(shards[part[0]], pages, part))
+            out[index].append(_part_crc(shards[part[0]], pages, part, head_dim))
         del shards
     return out
 
 
-def _part_crc(shard: Any, pages: Sequence[int], part: Part) -> int:
+def _part_crc(shard: Any, pages: Sequence[int], part: Part, head_dim: int) -> int:
     host = np.asarray(shard)  # zero-copy on CPU; waits for the pending writes
     try:
         _, first, count = part
+        lanes = slot_lanes(head_dim, first, count)
         value = 0
-        if 2 * count == host.shape[2]:  # whole pages: one call per run of consecutive pages
+        if lanes.stop - lanes.start == host.shape[2]:  # whole pages: one call per run of consecutive pages
             flat = host.reshape(host.shape[0], -1).view(np.uint8)
             start = 0
             for i in range(1, len(pages) + 1):
@@ -75,7 +79,7 @@ def _part_crc(shard: Any, pages: Sequence[int], part: Part) -> int:
                     start = i
             return value
         for page in pages:  # a run of slots: each page's slice made contiguous (small: one page)
-            value = crc32c.crc32c(np.ascontiguousarray(host[page, :, 2 * first : 2 * (first + count)]), value)
+            value = crc32c.crc32c(np.ascontiguousarray(host[page, :, lanes]), value)
         return value
     finally:
         del host

@@ -1,18 +1,22 @@
 """The KV pool layout: one declaration shared by the model, the kernels and the transfer handshake.
 
-A pool is a tuple of per-layer arrays, each ``[num_pages, page_size, 2 * kv_heads, head_dim]``, with K and V of one
-head interleaved on axis 2 (``[K0, V0, K1, V1, ...]``). That is SGLang-JAX's fused MHA layout with ``packing = 1``:
-the packing axis only exists to fill TPU sublanes with sub-32-bit dtypes, and without it the same bytes are a plain
-4-D array that the attention code and the kernels can index directly. Page 0 is reserved as the padding page: bucketed
+A pool is a tuple of per-layer arrays, each ``[num_pages, page_size, 2 * kv_heads * head_dim]``: one row per token,
+holding K and V of each head side by side (``[K0, V0, K1, V1, ...]``, ``head_dim`` values each). Those are the bytes
+of SGLang-JAX's fused MHA layout ``[pages, page_size, 2 * kv_heads, head_dim]`` (``packing = 1``), with the last two
+axes as one. Why one axis: a TPU lays the last two axes of an array out in tiles of (8 or 16) x 128, so SmolLM2's
+``(6, 64)`` per token would be padded to a whole tile, several times its bytes, in HBM and in every copy, while
+pages of rows of ``6 * 64 = 384`` values fill their tiles exactly (``docs/tpu.md`` has the measured footprints).
+The per-head view is a reshape wherever it is needed (``kv_view``). Page 0 is reserved as the padding page: bucketed
 kernels point unused slots at it, so it must never hold a request's KV.
 
 The layout travels in PREPARE and READY and is compared before any pull, because the transfer library checks only
 byte sizes (see ``docs/data-plane.md``).
 
 Under tensor parallelism (``tp`` > 1) the pool is split on axis 2 over ``tp`` devices, one block of *KV slots* per
-device. ``kv_slot_heads`` says which of the model's KV heads each slot holds: every head once when ``tp`` divides
-``kv_heads``, each head copied ``tp / kv_heads`` times when ``kv_heads`` divides ``tp`` (SGLang replicates them the
-same way), and zero-filled padding heads added first when neither divides (SmolLM2's 3 KV heads on 2 devices).
+device (a slot is one head's K and V: ``2 * head_dim`` values of a row, ``slot_lanes``). ``kv_slot_heads`` says
+which of the model's KV heads each slot holds: every head once when ``tp`` divides ``kv_heads``, each head copied
+``tp / kv_heads`` times when ``kv_heads`` divides ``tp`` (SGLang replicates them the same way), and zero-filled
+padding heads added first when neither divides (SmolLM2's 3 KV heads on 2 devices).
 """
 
 from __future__ import annotations
@@ -21,6 +25,16 @@ from dataclasses import asdict, dataclass
 
 PAD_PAGE = 0
 PAD_HEAD = -1  # in ``kv_slot_heads``: a padding slot, all zeros, that no query reads
+
+
+def slot_lanes(head_dim: int, first: int, count: int) -> slice:
+    """Where KV slots ``first .. first + count`` sit on the last axis of a pool row (each slot: K then V)."""
+    return slice(2 * head_dim * first, 2 * head_dim * (first + count))
+
+
+def kv_view(rows, head_dim: int):
+    """``rows: [..., 2 * slots * head_dim]`` viewed per slot: ``[..., slots, 2, head_dim]`` (K at 0, V at 1)."""
+    return rows.reshape(*rows.shape[:-1], rows.shape[-1] // (2 * head_dim), 2, head_dim)
 
 
 def kv_slot_heads(kv_heads: int, tp: int) -> tuple[int, ...]:
@@ -78,14 +92,18 @@ class KVLayout:
         return len(self.slot_heads)
 
     @property
-    def page_shape(self) -> tuple[int, int, int]:
-        """Shape of one page in one layer: ``(page_size, 2 * slots, head_dim)``."""
-        return (self.page_size, 2 * self.slots, self.head_dim)
+    def page_shape(self) -> tuple[int, int]:
+        """Shape of one page in one layer: ``(page_size, 2 * slots * head_dim)``."""
+        return (self.page_size, 2 * self.slots * self.head_dim)
 
     @property
-    def layer_shape(self) -> tuple[int, int, int, int]:
-        """Shape of one layer's pool array: ``(num_pages, page_size, 2 * slots, head_dim)``."""
+    def layer_shape(self) -> tuple[int, int, int]:
+        """Shape of one layer's pool array: ``(num_pages, page_size, 2 * slots * head_dim)``."""
         return (self.num_pages, *self.page_shape)
+
+    def slot_lanes(self, first: int, count: int) -> slice:
+        """Where KV slots ``first .. first + count`` sit on a row's last axis."""
+        return slot_lanes(self.head_dim, first, count)
 
     def page_bytes(self) -> int:
         """Bytes of one page across all layers."""
@@ -94,7 +112,7 @@ class KVLayout:
         size = self.page_size * 2 * self.slots * self.head_dim * np.dtype(self.dtype).itemsize
         return size * self.num_layers
 
-    def staging_shape(self, rows: int) -> tuple[int, int, int, int, int]:
+    def staging_shape(self, rows: int) -> tuple[int, int, int, int]:
         """Shape of a staging array of ``rows`` pages of every layer: ``(num_layers, rows, *page_shape)``.
 
         ``rows`` is a bucket (``page_buckets.page_bucket``), not the request's page count: both sides of a

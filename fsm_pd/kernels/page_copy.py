@@ -6,7 +6,7 @@ any backend), ``"pallas"`` (DMA kernels, TPU; interpret mode elsewhere) and ``"c
 speed for a pool on one CPU device, see ``cpu_copy``). ``"auto"`` picks Pallas on TPU and ``"cpu"`` for an unsharded
 CPU pool.
 
-Staging is ONE stacked array ``[num_layers, rows, page_size, 2*kv_heads, head_dim]`` rather than a tuple of per-layer
+Staging is ONE stacked array ``[num_layers, rows, page_size, 2*kv_heads*head_dim]`` rather than a tuple of per-layer
 arrays: a transfer then registers, pulls, checks and host-copies a single buffer whose shape both sides derive from
 the page count (``KVLayout.staging_shape(page_bucket(n))``), and the ZMQ fallback sends it as one contiguous payload.
 ``rows = page_bucket(len(page_ids))``; rows ``>= len(page_ids)`` are padding (copies of page 0 from ``"jnp"`` and
@@ -68,7 +68,7 @@ def gather_pages(
 ) -> jax.Array:
     """Copy pages ``page_ids`` of every layer, in that order, into a new staging array.
 
-    pool: L x [num_pages, page_size, 2H, D]. Returns [L, page_bucket(n), page_size, 2H, D], placed like the pool
+    pool: L x [num_pages, page_size, 2HD]. Returns [L, page_bucket(n), page_size, 2HD], placed like the pool
     (sharded on axis 3 where the pool is sharded on axis 2). The pool is only read. Raises ``ValueError`` for page
     ids that are not distinct ints in ``[1, num_pages)``. With ``"cpu"`` (the default on CPU) the copy is done
     before this returns, reading the pool directly: call it only on the thread that owns the pool.
@@ -101,7 +101,7 @@ def scatter_pages(
 ) -> Pool:
     """Write staging row ``i`` of every layer into page ``page_ids[i]``; rows past ``len(page_ids)`` are ignored.
 
-    staging: [L, rows >= n, page_size, 2H, D]. The pool is DONATED: its arrays are invalid afterwards, use the
+    staging: [L, rows >= n, page_size, 2HD]. The pool is DONATED: its arrays are invalid afterwards, use the
     returned tuple (same shapes and sharding). Validation happens before donation, so a rejected call leaves the pool
     intact. A staging array with a bucketed row count compiles once per bucket.
     """
@@ -142,7 +142,7 @@ def gather_pages_into(
 ) -> None:
     """``gather_pages`` into the host array ``out``, one layer at a time, calling ``on_layer(i)`` as soon as
     ``out[i]`` is final (layers complete in order). Pools on one CPU device only (``impl="cpu"``); call it on the
-    thread that owns the pool. ``out`` must be ``[L, page_bucket(n), page_size, 2H, D]`` of the pool's dtype."""
+    thread that owns the pool. ``out`` must be ``[L, page_bucket(n), page_size, 2HD]`` of the pool's dtype."""
     pool = check_pool(pool, layout)
     ids = check_page_ids(page_ids, pool[0].shape[0])
     if resolve_impl(pool) != "cpu":
@@ -159,7 +159,7 @@ def gather_pages_into(
 def scatter_layers(
     pool: Sequence[jax.Array], start: int, staged: jax.Array, page_ids: PageIds, *, impl: Impl = "auto"
 ) -> Pool:
-    """``scatter_pages`` for layers ``start .. start + g`` alone: ``staged`` is ``[g, rows >= n, page_size, 2H, D]``.
+    """``scatter_pages`` for layers ``start .. start + g`` alone: ``staged`` is ``[g, rows >= n, page_size, 2HD]``.
 
     Only those layers of the pool are donated; the others are returned as they were. One compile per (g, bucket).
     """

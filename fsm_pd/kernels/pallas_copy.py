@@ -143,7 +143,7 @@ def _scatter_jit(pool, staging, scalars, *, placement, interpret):
 
 
 def gather_runs(pool: Pool, runs: PageRuns, rows: int, *, placement: Placement | None, interpret: bool) -> jax.Array:
-    """Copy the runs' pages of every layer into a new ``[L, rows, page_size, 2H, D]`` staging array.
+    """Copy the runs' pages of every layer into a new ``[L, rows, page_size, 2HD]`` staging array.
 
     Rows past the last run are not written: their contents are unspecified.
     """

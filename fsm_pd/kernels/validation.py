@@ -26,19 +26,19 @@ def _show(ids: np.ndarray) -> str:
 
 
 def check_pool(pool: Sequence[jax.Array], layout: KVLayout | None = None) -> Pool:
-    """The pool as a tuple, after checking every layer is ``[num_pages, page_size, 2*kv_heads, head_dim]`` alike."""
+    """The pool as a tuple, after checking every layer is ``[num_pages, page_size, 2*kv_heads*head_dim]`` alike."""
     pool = tuple(pool)
     if not pool:
         raise ValueError("the KV pool has no layers")
     first = pool[0]
     for index, layer in enumerate(pool):
-        if not hasattr(layer, "shape") or len(layer.shape) != 4:
-            raise ValueError(f"pool layer {index} must be a 4-D array [pages, page_size, 2*kv_heads, head_dim]")
+        if not hasattr(layer, "shape") or len(layer.shape) != 3:
+            raise ValueError(f"pool layer {index} must be a 3-D array [pages, page_size, 2*kv_heads*head_dim]")
         if layer.shape != first.shape or layer.dtype != first.dtype:
             got, want = f"{layer.dtype}{list(layer.shape)}", f"{first.dtype}{list(first.shape)}"
             raise ValueError(f"pool layer {index} is {got} but layer 0 is {want}")
     if first.shape[2] % 2:
-        raise ValueError(f"pool axis 2 interleaves K and V, so it must be even, got {first.shape[2]}")
+        raise ValueError(f"pool axis 2 holds K and V of each head, so it must be even, got {first.shape[2]}")
     if first.shape[0] < 2:
         raise ValueError("the pool needs at least 2 pages: page 0 is the reserved padding page")
     if layout is not None:
@@ -74,10 +74,10 @@ def check_page_ids(page_ids: Sequence[int] | np.ndarray | jax.Array, num_pages: 
 
 
 def check_staging(staging: jax.Array, pool: Pool, num_pages: int) -> None:
-    """Check ``staging`` is ``[num_layers, rows >= num_pages, page_size, 2*kv_heads, head_dim]`` of the pool's dtype."""
+    """Check ``staging`` is ``[num_layers, rows >= num_pages, page_size, 2*kv_heads*head_dim]`` of the pool's dtype."""
     shape = tuple(getattr(staging, "shape", ()))
     page_shape = tuple(pool[0].shape[1:])
-    if len(shape) != 5 or shape[0] != len(pool) or shape[2:] != page_shape:
+    if len(shape) != 4 or shape[0] != len(pool) or shape[2:] != page_shape:
         raise ValueError(
             f"staging shape {list(shape)} does not match the pool: expected [{len(pool)}, rows, "
             f"{', '.join(map(str, page_shape))}]"

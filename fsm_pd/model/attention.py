@@ -19,10 +19,17 @@ Two properties follow, and both are why it is built this way:
 
 from __future__ import annotations
 
+import os
+from typing import Literal
+
 import jax
 import jax.numpy as jnp
 
+from fsm_pd.kernels import kv_write
 from fsm_pd.kernels.layout import PAD_PAGE
+from fsm_pd.model import decode_attention
+
+ATTENTION_ENV = "FSM_PD_ATTENTION"
 
 # Finite, so a row with every key masked (a padding row) softmaxes to uniform weights instead of NaN.
 MASK_VALUE = -1e30
@@ -49,11 +56,15 @@ def slot_indices(page_tables, starts, lengths, seq_len: int, page_size: int):
     return pages, offsets
 
 
-def write_kv(layer_pool, k, v, pages, offsets):
-    """Scatter ``k, v: [B, S, kv_heads, head_dim]`` into ``layer_pool: [N, page_size, 2*kv_heads, head_dim]``."""
+def kv_rows(k, v, dtype):
+    """``k, v: [B, S, kv_heads, head_dim]`` as pool rows ``[B, S, 2 * kv_heads * head_dim]``: ``[K0, V0, K1, ...]``."""
     b, s, kv_heads, head_dim = k.shape
-    interleaved = jnp.stack([k, v], axis=3).reshape(b, s, 2 * kv_heads, head_dim)  # [K0, V0, K1, V1, ...]
-    return layer_pool.at[pages, offsets].set(interleaved.astype(layer_pool.dtype))
+    return jnp.stack([k, v], axis=3).reshape(b, s, 2 * kv_heads * head_dim).astype(dtype)
+
+
+def write_kv(layer_pool, k, v, pages, offsets):
+    """Scatter ``k, v: [B, S, kv_heads, head_dim]`` into ``layer_pool: [N, page_size, 2*kv_heads*head_dim]``."""
+    return layer_pool.at[pages, offsets].set(kv_rows(k, v, layer_pool.dtype))
 
 
 def attend_pages(q, layer_pool, page_tables, q_positions, kv_lengths):
@@ -63,8 +74,8 @@ def attend_pages(q, layer_pool, page_tables, q_positions, kv_lengths):
     ``page_tables: [B, W]``. Returns ``[B, S, H, D]``.
     """
     b, s, heads, dim = q.shape
-    _, page_size, two_kv, _ = layer_pool.shape
-    kv_heads = two_kv // 2
+    _, page_size, lanes = layer_pool.shape
+    kv_heads = lanes // (2 * dim)
     per_block = min(block_pages(page_size), page_tables.shape[1])
     if page_tables.shape[1] % per_block:  # whole blocks only (static: a table narrower than its node's never is)
         page_tables = jnp.pad(page_tables, ((0, 0), (0, per_block - page_tables.shape[1] % per_block)))
@@ -95,15 +106,41 @@ def attend_pages(q, layer_pool, page_tables, q_positions, kv_lengths):
     return out.transpose(0, 3, 1, 2, 4).reshape(b, s, heads, dim).astype(q.dtype)
 
 
-def paged_attention(q, k, v, layer_pool, page_tables, starts, lengths):
+Kernels = Literal["jnp", "tpu", "interpret"]
+
+
+def kernels_for(pool, head_dim: int) -> Kernels:
+    """Which attention code a pool gets: the TPU kernels (``kernels.kv_write``, ``decode_attention``) for a pool on
+    TPU devices, else jnp. ``FSM_PD_ATTENTION`` overrides it (``interpret``: the TPU kernels in Pallas's interpret
+    mode, on any device: slow, for tests)."""
+    forced = os.environ.get(ATTENTION_ENV)
+    if forced:
+        if forced not in ("jnp", "tpu", "interpret"):
+            raise ValueError(f"{ATTENTION_ENV}={forced!r}: use jnp, tpu or interpret")
+        return forced
+    platform = next(iter(pool[0].sharding.device_set)).platform
+    return "tpu" if platform == "tpu" and decode_attention.supported(head_dim) else "jnp"
+
+
+def paged_attention(q, k, v, layer_pool, page_tables, starts, lengths, *, kernels: Kernels = "jnp"):
     """Store the new tokens' K/V in the pool, then attend over each sequence's whole cached context.
 
     ``q: [B, S, H, D]``, ``k, v: [B, S, KVH, D]`` for the tokens at positions ``starts + [0, S)``. Returns the
-    attention output ``[B, S, H, D]`` and the updated layer pool.
+    attention output ``[B, S, H, D]`` and the updated layer pool. ``kernels`` (``kernels_for``): on a TPU the write
+    goes by whole pages (XLA's scatter there passes over the whole pool) and decode attends with a Pallas kernel;
+    prefill attends with the jnp loop below either way.
     """
     _, seq_len = q.shape[:2]
-    pages, offsets = slot_indices(page_tables, starts, lengths, seq_len, layer_pool.shape[1])
-    layer_pool = write_kv(layer_pool, k, v, pages, offsets)
+    if kernels == "jnp":
+        pages, offsets = slot_indices(page_tables, starts, lengths, seq_len, layer_pool.shape[1])
+        layer_pool = write_kv(layer_pool, k, v, pages, offsets)
+    else:
+        interpret = kernels == "interpret"
+        layer_pool = kv_write.write_rows(layer_pool, kv_rows(k, v, layer_pool.dtype), page_tables, starts, lengths,
+                                         interpret=interpret)
+        if seq_len == 1:
+            out = decode_attention.decode_attention(q, layer_pool, page_tables, starts + lengths, interpret=interpret)
+            return out, layer_pool
     q_positions = starts[:, None] + jnp.arange(seq_len, dtype=jnp.int32)[None, :]
     return attend_pages(q, layer_pool, page_tables, q_positions, starts + lengths), layer_pool
 

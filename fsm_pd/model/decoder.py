@@ -20,7 +20,7 @@ import numpy as np
 
 from fsm_pd.kernels.layout import PAD_PAGE
 from fsm_pd.model import input_buckets
-from fsm_pd.model.attention import block_pages, paged_attention, reference_attention
+from fsm_pd.model.attention import Kernels, block_pages, paged_attention, reference_attention
 from fsm_pd.model.config import ModelConfig
 from fsm_pd.model.rope import apply_rope, inverse_frequencies
 
@@ -75,8 +75,8 @@ def _logits(config: ModelConfig, params: dict, h):
     return (h @ head).astype(jnp.float32)
 
 
-@partial(jax.jit, static_argnames=("config",), donate_argnames=("pool",))
-def forward_paged(params, pool, tokens, starts, lengths, page_tables, *, config: ModelConfig):
+@partial(jax.jit, static_argnames=("config", "kernels"), donate_argnames=("pool",))
+def forward_paged(params, pool, tokens, starts, lengths, page_tables, *, config: ModelConfig, kernels: Kernels = "jnp"):
     """Run ``tokens: [B, S]`` at positions ``starts[:, None] + [0, S)`` through the decoder, as one program.
 
     Only the first ``lengths[b]`` tokens of row ``b`` are real; the rest write to the pad page. ``page_tables: [B, W]``
@@ -89,7 +89,7 @@ def forward_paged(params, pool, tokens, starts, lengths, page_tables, *, config:
     callers that compile nothing ahead (and is what the pieces are checked against).
     """
     x = embed_tokens(params["embed"], tokens)
-    x, pool = forward_group(params["layers"], pool, x, starts, lengths, page_tables, config=config)
+    x, pool = forward_group(params["layers"], pool, x, starts, lengths, page_tables, config=config, kernels=kernels)
     logits, h = final_logits(top_params(params), x, lengths, config=config)
     return logits, pool, h
 
@@ -113,7 +113,7 @@ def final_logits(top: dict, x, lengths, *, config: ModelConfig):
 
 
 def forward_group(layers: Sequence[dict], pools: tuple, x, starts, lengths, page_tables, *, config: ModelConfig,
-                  reduce: Callable = lambda partial_sum: partial_sum, real_kv=None):
+                  reduce: Callable = lambda partial_sum: partial_sum, real_kv=None, kernels: Kernels = "jnp"):
     """Run ``x: [B, S, D]`` through ``layers`` (consecutive layers of the model, any number of them), each writing
     its new tokens' K/V into its pool in ``pools`` and attending over them; returns ``x`` after the last and the
     updated pools. Arguments as ``forward_paged``'s.
@@ -122,7 +122,7 @@ def forward_group(layers: Sequence[dict], pools: tuple, x, starts, lengths, page
     shard's, with its share of the heads and of the MLP). ``real_kv: [KVH]`` bool, under tensor parallelism with
     padding heads: False marks a padding slot, whose K and V are stored as exact zeros (its weights are zero, but
     RoPE can turn a zero into -0.0, and a handoff between other splits fills padding slots with +0.0: the pool's
-    bytes would differ for no reason)."""
+    bytes would differ for no reason). ``kernels``: which attention code (``attention.kernels_for``)."""
     TRACE_COUNTS["forward_group"] += 1
     s = x.shape[1]
     positions = starts[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]  # [B, S]
@@ -130,7 +130,7 @@ def forward_group(layers: Sequence[dict], pools: tuple, x, starts, lengths, page
     # Every layer has the same shapes, so one traced and lowered layer serves them all: the program calls it once
     # per layer, and XLA inlines the calls (the same program as writing the layers out, in place as before). Tracing
     # and lowering 30 copies of a layer was 1.2 s of every SmolLM2 program, on every start, cache or not.
-    layer_step = jax.jit(partial(_paged_layer, config=config, reduce=reduce))
+    layer_step = jax.jit(partial(_paged_layer, config=config, reduce=reduce, kernels=kernels))
     new_pools = []
     for layer, layer_pool in zip(layers, pools, strict=True):
         x, layer_pool = layer_step(layer, layer_pool, x, positions, inv_freq, page_tables, starts, lengths, real_kv)
@@ -139,8 +139,9 @@ def forward_group(layers: Sequence[dict], pools: tuple, x, starts, lengths, page
 
 
 def _paged_layer(layer, layer_pool, x, positions, inv_freq, page_tables, starts, lengths, real_kv, *,
-                 config: ModelConfig, reduce: Callable):
-    attend = partial(paged_attention, layer_pool=layer_pool, page_tables=page_tables, starts=starts, lengths=lengths)
+                 config: ModelConfig, reduce: Callable, kernels: Kernels):
+    attend = partial(paged_attention, layer_pool=layer_pool, page_tables=page_tables, starts=starts, lengths=lengths,
+                     kernels=kernels)
     if real_kv is not None:
         attend = partial(_zero_padding_kv, attend, real_kv[:, None])
     return _decoder_layer(config, layer, x, positions, inv_freq, attend, reduce)

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsm_pd.model import input_buckets
+from fsm_pd.model.attention import kernels_for
 from fsm_pd.model.config import ModelConfig
 from fsm_pd.model.decoder import (
     LOGPROB_ROWS,
@@ -49,7 +50,7 @@ from fsm_pd.model.tensor_parallel import TensorParallel, group_sharded
 LAYERS_PER_PROGRAM = int(os.environ.get("FSM_PD_LAYERS_PER_PROGRAM", "6"))
 
 _embed = jax.jit(embed_tokens)
-_group = jax.jit(forward_group, static_argnames=("config",), donate_argnames=("pools",))
+_group = jax.jit(forward_group, static_argnames=("config", "kernels"), donate_argnames=("pools",))
 _head = jax.jit(final_logits, static_argnames=("config",))
 
 
@@ -116,7 +117,7 @@ def programs_for(config: ModelConfig, params: dict, pool: tuple, tp: TensorParal
     (as ``jit``'s own cache is): the executables take the weights as arguments, so one compile serves every copy."""
     signature = lambda arrays: tuple((a.shape, str(a.dtype), placement_key(a.sharding))
                                      for a in jax.tree.leaves(arrays))
-    key = (config, signature(pool), signature(params), tp)
+    key = (config, signature(pool), signature(params), tp, kernels_for(pool, config.head_dim))
     with _SHARED_LOCK:
         programs = _SHARED.get(key)
         if programs is None:
@@ -140,6 +141,7 @@ class ForwardPrograms:
         self._params = jax.tree.map(abstract, params)  # shapes only: no model's weights are kept alive here
         self._pool = tuple(abstract(a) for a in pool)
         self.width = table_width(config, pool[0].shape[0], pool[0].shape[1])
+        self.kernels = kernels_for(pool, config.head_dim) if tp is None else "jnp"
         self.groups = layer_groups(config.num_layers, layers_per_program)
         # where the host's token arrays go: the pool's device, or every device of the mesh
         self._inputs = pool[0].sharding if tp is None else tp.replicated
@@ -170,7 +172,8 @@ class ForwardPrograms:
         for first, count in self.groups:
             if count not in by_size:
                 layers, pools = self._params["layers"][first:first + count], self._pool[first:first + count]
-                lowered = (_group.lower(layers, pools, hidden, *rows, config=self.config) if self.tp is None
+                lowered = (_group.lower(layers, pools, hidden, *rows, config=self.config, kernels=self.kernels)
+                           if self.tp is None
                            else group_sharded.lower(layers, pools, hidden, *rows, tp=self.tp))
                 by_size[count] = lowered.compile()
         program = LayeredForward(

@@ -47,18 +47,18 @@ def layout(kv_heads: int, tp: int) -> KVLayout:
 
 
 def model_heads(kv_heads: int) -> list[np.ndarray]:
-    """The KV every prefill pool holds, per layer ``[pages, page_size, 2 * kv_heads, head_dim]``."""
+    """The KV every prefill pool holds, per layer ``[pages, page_size, 2 * kv_heads * head_dim]``."""
     rng = np.random.default_rng(kv_heads)
-    shape = (24, 4, 2 * kv_heads, 8)
+    shape = (24, 4, 2 * kv_heads * 8)
     return [rng.standard_normal(shape, dtype=np.float32) for _ in range(2)]
 
 
 def laid_out(heads: np.ndarray, lay: KVLayout) -> np.ndarray:
-    """Model heads ``[..., 2 * kv_heads, D]`` as ``lay``'s slots ``[..., 2 * slots, D]`` (padding slots zero)."""
-    out = np.zeros((*heads.shape[:-2], 2 * lay.slots, heads.shape[-1]), heads.dtype)
+    """Model heads ``[..., 2 * kv_heads * D]`` as ``lay``'s slots ``[..., 2 * slots * D]`` (padding slots zero)."""
+    out = np.zeros((*heads.shape[:-1], 2 * lay.slots * lay.head_dim), heads.dtype)
     for slot, head in enumerate(lay.slot_heads):
         if head != PAD_HEAD:
-            out[..., 2 * slot : 2 * slot + 2, :] = heads[..., 2 * head : 2 * head + 2, :]
+            out[..., lay.slot_lanes(slot, 1)] = heads[..., lay.slot_lanes(head, 1)]
     return out
 
 

@@ -28,7 +28,7 @@ from fsm_pd.kernels import (
 )
 
 IMPLS = ["jnp", "pallas", "cpu"]
-PAGE_SHAPE = (2, 4, 8)  # page_size, 2*kv_heads, head_dim: tiny, the kernels never look inside a page
+PAGE_SHAPE = (2, 32)  # page_size, 2*kv_heads*head_dim: tiny, the kernels never look inside a page
 
 jit_settings = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -43,7 +43,7 @@ def numbered_pool(num_layers: int, num_pages: int, offset: float = 0.0) -> list[
 
 
 def reference_gather(pool: list[np.ndarray], ids: list[int]) -> np.ndarray:
-    return np.stack([layer[ids] for layer in pool])  # [L, n, page_size, 2H, D]
+    return np.stack([layer[ids] for layer in pool])  # [L, n, page_size, 2HD]
 
 
 def reference_scatter(pool: list[np.ndarray], staging: np.ndarray, ids: list[int]) -> list[np.ndarray]:

@@ -13,7 +13,7 @@ NUM_PAGES = 8
 
 
 def make_pool(num_layers: int = 2, dtype=jnp.float32) -> tuple:
-    return tuple(jnp.full((NUM_PAGES, 2, 4, 8), layer, dtype) for layer in range(num_layers))
+    return tuple(jnp.full((NUM_PAGES, 2, 32), layer, dtype) for layer in range(num_layers))
 
 
 @pytest.mark.parametrize(
@@ -35,7 +35,7 @@ def test_bad_page_ids_are_rejected_by_gather_and_scatter(ids, message, impl):
     pool = make_pool()
     with pytest.raises(ValueError, match=message):
         gather_pages(pool, ids, impl=impl)
-    staging = jnp.zeros((2, 8, 2, 4, 8), jnp.float32)
+    staging = jnp.zeros((2, 8, 2, 32), jnp.float32)
     with pytest.raises(ValueError, match=message):
         scatter_pages(pool, staging, ids, impl=impl)
     assert not any(layer.is_deleted() for layer in pool), "a rejected scatter must not consume the pool"
@@ -54,11 +54,11 @@ def test_accepts_numpy_and_jax_id_arrays():
 @pytest.mark.parametrize(
     ("staging", "message"),
     [
-        (jnp.zeros((2, 2, 2, 4, 8)), "staging holds 2 pages but 3 page ids were given"),
-        (jnp.zeros((1, 4, 2, 4, 8)), r"staging shape \[1, 4, 2, 4, 8\] does not match the pool: expected \[2, rows"),
-        (jnp.zeros((2, 4, 2, 2, 8)), "does not match the pool"),
-        (jnp.zeros((4, 2, 4, 8)), "does not match the pool"),
-        (jnp.zeros((2, 4, 2, 4, 8), jnp.bfloat16), "staging dtype bfloat16 does not match the pool dtype float32"),
+        (jnp.zeros((2, 2, 2, 32)), "staging holds 2 pages but 3 page ids were given"),
+        (jnp.zeros((1, 4, 2, 32)), r"staging shape \[1, 4, 2, 32\] does not match the pool: expected \[2, rows"),
+        (jnp.zeros((2, 4, 2, 16)), "does not match the pool"),
+        (jnp.zeros((4, 2, 32)), "does not match the pool"),
+        (jnp.zeros((2, 4, 2, 32), jnp.bfloat16), "staging dtype bfloat16 does not match the pool dtype float32"),
     ],
 )
 @pytest.mark.parametrize("impl", ["jnp", "pallas"])
@@ -76,7 +76,7 @@ def test_pools_must_be_uniform_and_match_their_layout():
     with pytest.raises(ValueError, match="no layers"):
         gather_pages((), [1])
     with pytest.raises(ValueError, match="must be even"):
-        gather_pages((jnp.zeros((4, 2, 3, 8)),), [1])
+        gather_pages((jnp.zeros((4, 2, 3)),), [1])
     layout = KVLayout(num_layers=2, num_pages=NUM_PAGES, page_size=2, kv_heads=2, head_dim=16)
     with pytest.raises(ValueError, match="does not match its layout"):
         gather_pages(pool, [1], layout=layout)

@@ -36,26 +36,26 @@ def test_whole_pages_are_the_crc32c_of_their_bytes_in_transfer_order():
     lay = layout()
     pool, pages = pool_of(lay), [7, 2, 3, 9]  # a run (2, 3) and single pages, out of order
     want = [crc32c.crc32c(b"".join(np.asarray(layer)[p].tobytes() for p in pages)) for layer in pool]
-    assert pool_checksums(pool, pages, [(0, 0, lay.slots)]) == [want]
+    assert pool_checksums(pool, pages, [(0, 0, lay.slots)], lay.head_dim) == [want]
 
 
 def test_a_run_of_slots_is_each_pages_slice_row_major():
     lay = layout()
     pool, pages = pool_of(lay), [5, 1]
-    part = (0, 1, 2)  # slots 1 and 2: rows 2..5 of axis 2
-    want = [crc32c.crc32c(b"".join(np.ascontiguousarray(np.asarray(layer)[p, :, 2:6]).tobytes() for p in pages))
+    part = (0, 1, 2)  # slots 1 and 2: lanes 16..48 of axis 2 (each slot is K and V, 8 values each)
+    want = [crc32c.crc32c(b"".join(np.ascontiguousarray(np.asarray(layer)[p, :, 16:48]).tobytes() for p in pages))
             for layer in pool]
-    assert pool_checksums(pool, pages, [part]) == [want]
+    assert pool_checksums(pool, pages, [part], lay.head_dim) == [want]
 
 
 def test_a_changed_byte_names_its_piece_and_layer():
     lay = layout()
     pool, pages = pool_of(lay), [3, 4, 8]
     parts = [(0, 0, 2), (0, 2, 2)]
-    before = pool_checksums(pool, pages, parts)
+    before = pool_checksums(pool, pages, parts, lay.head_dim)
     host = np.array(pool[2])
     host.reshape(-1).view(np.uint8)[host[0].nbytes * 8 + 2 * 8 * 4 * 3 + 1] ^= 0x10  # page 8, a slot-3 row (piece 1)
-    after = pool_checksums((*pool[:2], jax.device_put(host), *pool[3:]), pages, parts)
+    after = pool_checksums((*pool[:2], jax.device_put(host), *pool[3:]), pages, parts, lay.head_dim)
     assert after[0] == before[0] and after[1][2] != before[1][2] and after[1][:2] == before[1][:2]
     assert mismatch(before, after).startswith("kv checksum mismatch: piece 1 layer 2: ")
     assert mismatch(before, before) is None
@@ -88,7 +88,7 @@ def streamed(model, pages, staging, foreign=False):
 
     def final(owner):
         stream.written(owner)
-        return stream.checksums(owner), pool_checksums(owner.pool, pages, [(0, 0, lay.slots)])
+        return stream.checksums(owner), pool_checksums(owner.pool, pages, [(0, 0, lay.slots)], lay.head_dim)
 
     return model.call(final)
 
@@ -112,7 +112,7 @@ def test_a_send_from_the_pool_sums_what_it_sends_and_the_next_job_the_rest_befor
     def publish(owner):  # as checksum_later: in the publishing job, the rest summed at the next job's start
         source.sums = SendSums(source, len(pages), got.append)
         owner.lease.before_next_job(source.sums.finish)
-        return pool_checksums(owner.pool, pages, [(0, 0, lay.slots)])
+        return pool_checksums(owner.pool, pages, [(0, 0, lay.slots)], lay.head_dim)
 
     def reuse(owner):  # the next job writes another request's KV into the room's first page
         owner.pool = tuple(layer.at[pages[0]].set(7.0) for layer in owner.pool)
@@ -126,7 +126,7 @@ def test_a_send_from_the_pool_sums_what_it_sends_and_the_next_job_the_rest_befor
             pos += step
     model.call(reuse)
     assert got == [want]  # summed before the reuse: D, which receives the reused page, finds a mismatch
-    assert model.call(lambda owner: pool_checksums(owner.pool, pages, [(0, 0, lay.slots)])) != want
+    assert model.call(lambda owner: pool_checksums(owner.pool, pages, [(0, 0, lay.slots)], lay.head_dim)) != want
 
     source = PoolPages(model, pages, lay)  # a send that reaches the end delivers without waiting for a job
     want = model.call(publish)
@@ -152,11 +152,11 @@ mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
 split = tuple(jax.device_put(layer, NamedSharding(mesh, two.pool_spec())) for layer in pool)
 plan = plan_reshard(4, 2, 1)
 pages = [3, 9, 4]
-sent = pool_checksums(split, pages, [(p.src, p.src_slot, p.count) for p in plan.pieces])
-got = pool_checksums(pool, pages, [(p.dst, p.dst_slot, p.count) for p in plan.pieces])
+sent = pool_checksums(split, pages, [(p.src, p.src_slot, p.count) for p in plan.pieces], 8)
+got = pool_checksums(pool, pages, [(p.dst, p.dst_slot, p.count) for p in plan.pieces], 8)
 assert len(sent) == len(plan.pieces) == 2 and sent == got, (sent, got)
-back = pool_checksums(split, pages, [(p.dst, p.dst_slot, p.count) for p in plan_reshard(4, 1, 2).pieces])
-assert back == pool_checksums(pool, pages, [(p.src, p.src_slot, p.count) for p in plan_reshard(4, 1, 2).pieces])
+back = pool_checksums(split, pages, [(p.dst, p.dst_slot, p.count) for p in plan_reshard(4, 1, 2).pieces], 8)
+assert back == pool_checksums(pool, pages, [(p.src, p.src_slot, p.count) for p in plan_reshard(4, 1, 2).pieces], 8)
 print("tp ok")
 """
 

@@ -48,7 +48,7 @@ def deep():
 
 
 def pool_of(config, num_pages=32):
-    shape = (num_pages, PAGE_SIZE, 2 * config.num_kv_heads, config.head_dim)
+    shape = (num_pages, PAGE_SIZE, 2 * config.num_kv_heads * config.head_dim)
     return tuple(jnp.zeros(shape, jnp.float32) for _ in range(config.num_layers))
 
 

@@ -45,7 +45,7 @@ def test_kv_layout_and_pool_follow_the_config(tiny):
     layout = tiny.make_kv_layout(num_pages=10, page_size=8)
     assert (layout.num_layers, layout.kv_heads, layout.head_dim) == (2, 2, 16)
     pool = tiny.make_pool(layout)
-    assert len(pool) == 2 and pool[0].shape == (10, 8, 4, 16)
+    assert len(pool) == 2 and pool[0].shape == (10, 8, 64)
     wrong = KVLayout(num_layers=3, num_pages=10, page_size=8, kv_heads=2, head_dim=16)
     with pytest.raises(ValueError, match="does not fit"):
         tiny.make_pool(wrong)

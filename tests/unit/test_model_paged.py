@@ -38,7 +38,7 @@ def test_paged_attention_matches_contiguous_reference_on_scattered_pages():
     rng = np.random.default_rng(1)
     seq, heads, kv_heads, dim, page_size = 11, 4, 2, 8, 4
     q, k, v = (rng.normal(size=(seq, h, dim)).astype(np.float32) for h in (heads, kv_heads, kv_heads))
-    pool = jnp.zeros((9, page_size, 2 * kv_heads, dim), jnp.float32)
+    pool = jnp.zeros((9, page_size, 2 * kv_heads * dim), jnp.float32)
     table = jnp.asarray([[6, 2, 8]], jnp.int32)  # out of order on purpose
     out, pool = paged_attention(
         jnp.asarray(q)[None], jnp.asarray(k)[None], jnp.asarray(v)[None], pool, table,
@@ -47,8 +47,9 @@ def test_paged_attention_matches_contiguous_reference_on_scattered_pages():
     expected = reference_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
     np.testing.assert_allclose(np.asarray(out[0]), np.asarray(expected), atol=1e-5)
     # K/V of position 5 sit in the table's second page, offset 1, K then V of each head.
-    np.testing.assert_array_equal(np.asarray(pool[2, 1, 0::2]), k[5])
-    np.testing.assert_array_equal(np.asarray(pool[2, 1, 1::2]), v[5])
+    row = np.asarray(pool[2, 1]).reshape(kv_heads, 2, dim)
+    np.testing.assert_array_equal(row[:, 0], k[5])
+    np.testing.assert_array_equal(row[:, 1], v[5])
 
 
 def test_prefill_logits_and_logprobs_match_reference(tiny):
@@ -161,7 +162,7 @@ def test_qwen_variants_paged_match_reference(family):
         for layer in params["layers"]:
             layer["q_norm"] = layer["q_norm"] * jnp.linspace(0.5, 1.5, config.head_dim)
             layer["k_norm"] = layer["k_norm"] * jnp.linspace(1.5, 0.5, config.head_dim)
-    pool = tuple(jnp.zeros((8, 4, 2 * config.num_kv_heads, config.head_dim)) for _ in range(config.num_layers))
+    pool = tuple(jnp.zeros((8, 4, 2 * config.num_kv_heads * config.head_dim)) for _ in range(config.num_layers))
     result = decoder.prefill(config, params, pool, PROMPT[:10], [4, 2, 6])
     ref = decoder.forward_reference(params, jnp.asarray(PROMPT[:10]), config=config)
     np.testing.assert_allclose(np.asarray(result.logits), np.asarray(ref[-1]), atol=ATOL)

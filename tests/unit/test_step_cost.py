@@ -35,7 +35,7 @@ def tiny(request):
 
 
 def pool_of(config, num_pages):
-    shape = (num_pages, PAGE_SIZE, 2 * config.num_kv_heads, config.head_dim)
+    shape = (num_pages, PAGE_SIZE, 2 * config.num_kv_heads * config.head_dim)
     return tuple(jnp.zeros(shape, jnp.float32) for _ in range(config.num_layers))
 
 

@@ -53,7 +53,7 @@ def test_query_heads_follow_their_kv_slot(heads, kv_heads, tp, expected):
 
 def test_a_layout_with_tp_counts_its_slots():
     layout = KVLayout(num_layers=2, num_pages=4, page_size=8, kv_heads=3, head_dim=16, shard_axis="tp", tp=2)
-    assert layout.slot_heads == (0, 1, 2, PAD_HEAD) and layout.page_shape == (8, 8, 16)
+    assert layout.slot_heads == (0, 1, 2, PAD_HEAD) and layout.page_shape == (8, 128)
     assert KVLayout.from_dict({k: v for k, v in layout.to_dict().items() if k != "tp"}).tp == 1  # older peers
     assert layout.transfer_key() == KVLayout(num_layers=2, num_pages=9, page_size=8, kv_heads=3,
                                              head_dim=16).transfer_key()

@@ -19,7 +19,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from fsm_pd.kernels import HostStagingPool, KVLayout, copy_to_host, gather_pages, page_bucket, scatter_pages
 
 LAYOUT = KVLayout(num_layers=2, num_pages=9, page_size=2, kv_heads=2, head_dim=8, shard_axis="tp")
-STAGING_SPEC = PartitionSpec(None, None, None, "tp", None)
+STAGING_SPEC = PartitionSpec(None, None, None, "tp")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -81,18 +81,18 @@ def test_each_device_copies_only_its_own_heads(impl):
     mesh = make_mesh(AxisType.Explicit)
     src = numbered_layers()
     staging = gather_pages(sharded(src, mesh), [4, 2], impl=impl)
-    heads_per_device = 2 * LAYOUT.kv_heads // 2
+    slots_per_device = LAYOUT.kv_heads // 2
     for shard in staging.addressable_shards:
         device_index = mesh.devices.tolist().index(shard.device)
-        heads = slice(device_index * heads_per_device, (device_index + 1) * heads_per_device)
-        assert shard.data.shape == (LAYOUT.num_layers, 2, LAYOUT.page_size, heads_per_device, LAYOUT.head_dim)
-        np.testing.assert_array_equal(np.asarray(shard.data)[0], src[0][[4, 2]][:, :, heads])
+        lanes = LAYOUT.slot_lanes(device_index * slots_per_device, slots_per_device)
+        assert shard.data.shape == (LAYOUT.num_layers, 2, LAYOUT.page_size, lanes.stop - lanes.start)
+        np.testing.assert_array_equal(np.asarray(shard.data)[0], src[0][[4, 2]][:, :, lanes])
 
 
 def test_pools_sharded_on_another_axis_are_rejected():
     mesh = make_mesh(AxisType.Explicit)
     pool = tuple(
-        jax.device_put(layer, NamedSharding(mesh, PartitionSpec(None, "tp", None, None))) for layer in numbered_layers()
+        jax.device_put(layer, NamedSharding(mesh, PartitionSpec(None, "tp", None))) for layer in numbered_layers()
     )
     with pytest.raises(ValueError, match=r"only the KV-head axis \(2\) of a pool may be sharded"):
         gather_pages(pool, [1, 2])

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fsm_pd.kernels.layout import PAD_HEAD
+from fsm_pd.kernels.layout import PAD_HEAD, kv_view
 from fsm_pd.model.loader import LoadedModel, with_tensor_parallel
 from fsm_pd.model.params import random_params
 from fsm_pd.model.tiny import tiny_config, tiny_model_parts
@@ -82,13 +82,14 @@ def test_greedy_tokens_equal_one_device(name):
         np.testing.assert_allclose(np.stack(logits), np.stack(want_logits), atol=1e-4, rtol=1e-4)
         # every KV slot holds its model head's K and V (summation order aside); padding slots exact +0.0 bytes
         for layer, (mine, theirs) in enumerate(zip(pool, want_pool, strict=True)):
-            mine, theirs = np.asarray(mine), np.asarray(theirs)
+            mine, theirs = kv_view(np.asarray(mine), model.config.head_dim), kv_view(np.asarray(theirs),
+                                                                                      model.config.head_dim)
             for slot, head in enumerate(split.tp.slot_heads):
-                held = mine[:, :, 2 * slot : 2 * slot + 2]
+                held = mine[:, :, slot]
                 if head == PAD_HEAD:
                     assert not held.view(np.uint32).any(), f"layer {layer} padding slot {slot} is not +0.0"
                 else:
-                    np.testing.assert_allclose(held, theirs[:, :, 2 * head : 2 * head + 2], atol=1e-5)
+                    np.testing.assert_allclose(held, theirs[:, :, head], atol=1e-5)
 
 
 def test_the_split_is_as_designed():

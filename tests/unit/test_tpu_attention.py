@@ -1,0 +1,132 @@
+"""The TPU kernels (``kernels.kv_write``, ``model.decode_attention``) against the jnp path, through the whole model.
+
+On a TPU they run natively; elsewhere in Pallas's TPU interpret mode, which simulates HBM, VMEM and the DMAs on the
+CPU, so a wrong page, a missed wait or a stale buffer shows here too. Each case runs the same calls through
+``decoder.forward_paged`` twice, once per kernel set, and compares the logits and the pools: prefill, a second chunk
+of a prompt (start > 0, its first page partly written), a prefix hit (new rows after pages another request wrote),
+decode steps of a batch with a padding row, for head_dim 64 (a head's K and V share a 128-lane group) and 128.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fsm_pd.kernels.kv_write import pages_spanned, touched_pages
+from fsm_pd.model import decoder
+from fsm_pd.model.decode_attention import default_pages_per_block
+from fsm_pd.model.params import random_params
+from fsm_pd.model.tiny import tiny_config
+
+ON_TPU = jax.default_backend() == "tpu"
+KERNELS = "tpu" if ON_TPU else "interpret"
+PAGE_SIZE = 16
+
+SHAPES = {  # head_dim: (heads, kv_heads)
+    64: (9, 3),  # SmolLM2's grouping
+    128: (4, 2),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES), ids=lambda d: f"head_dim-{d}")
+def model(request):
+    heads, kv_heads = SHAPES[request.param]
+    config = dataclasses.replace(tiny_config(), num_heads=heads, num_kv_heads=kv_heads, head_dim=request.param,
+                                 hidden_size=128, num_layers=2)
+    return config, random_params(config, seed=5, std=0.1)
+
+
+def fresh_pool(config, num_pages=24):
+    device = jax.devices()[0]
+    shape = (num_pages, PAGE_SIZE, 2 * config.num_kv_heads * config.head_dim)
+    return tuple(jax.device_put(jnp.zeros(shape, jnp.float32), device) for _ in range(config.num_layers))
+
+
+def run_both(config, params, calls):
+    """Run ``calls`` (``(tokens, starts, lengths, tables)`` each, host arrays) through both kernel sets from empty
+    pools; returns each set's logits per call and final pool."""
+    out = {}
+    for kernels in ("jnp", KERNELS):
+        pool, logits = fresh_pool(config), []
+        forward = partial(decoder.forward_paged, config=config, kernels=kernels)
+        for tokens, starts, lengths, tables in calls:
+            step_logits, pool, _ = forward(params, pool, *(jnp.asarray(a, jnp.int32) for a in
+                                                           (tokens, starts, lengths, tables)))
+            logits.append(np.asarray(step_logits))
+        out[kernels] = logits, [np.asarray(layer) for layer in pool]
+    return out
+
+
+def assert_same(out, rows_per_call):
+    (want_logits, want_pool), (got_logits, got_pool) = out["jnp"], out[KERNELS]
+    for call, (want, got) in enumerate(zip(want_logits, got_logits, strict=True)):
+        real = rows_per_call[call]
+        np.testing.assert_allclose(got[real], want[real], atol=2e-4, rtol=2e-4, err_msg=f"call {call}")
+    for layer, (want, got) in enumerate(zip(want_pool, got_pool, strict=True)):
+        # page 0 is the pad page: the jnp path stores padding tokens there, the TPU write never touches it
+        np.testing.assert_allclose(got[1:], want[1:], atol=1e-5, err_msg=f"layer {layer}")
+        assert not got[0].any(), "the TPU write touched the pad page"
+
+
+def table(*pages, width=8):
+    return list(pages) + [0] * (width - len(pages))
+
+
+def test_prefill_chunks_prefix_hits_and_decode_match_jnp(model):
+    config, params = model
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(1, 250, size=40).tolist()
+    a_pages, b_pages = [7, 3, 12], [7, 3, 19, 5]  # b shares a's first two pages: a prefix hit of 32 tokens
+    calls = [
+        # a's first chunk (24 tokens: page 7 whole, page 3 half) and b's would-be rows padded out
+        ([prompt[:24], [0] * 24], [0, 0], [24, 0], [table(*a_pages), table()]),
+        # a's second chunk starts mid-page 3 and ends in page 12
+        ([prompt[24:40] + [0] * 8], [24], [16], [table(*a_pages)]),
+        # b: after the prefix hit (32 tokens in pages 7, 3), 20 new tokens into pages 19 and 5
+        ([rng.integers(1, 250, size=20).tolist() + [0] * 12], [32], [20], [table(*b_pages)]),
+    ]
+    decode_rows = [[int(rng.integers(1, 250))] for _ in range(2)]
+    for step in range(3):  # a at 40.., b at 52..; a padding row rides along
+        calls.append((decode_rows + [[0]], [40 + step, 52 + step, 0], [1, 1, 0],
+                      [table(*a_pages), table(*b_pages), table()]))
+    assert_same(run_both(config, params, calls), [[0], [0], [0]] + [[0, 1]] * 3)
+
+
+def test_decode_crosses_blocks_and_rows_of_any_length(model):
+    """Contexts shorter than, equal to and longer than a kernel block, in one batch: each row's first block is
+    fetched while the previous row computes, so a wrong buffer or page shows as a wrong row."""
+    config, params = model
+    per_block = default_pages_per_block(PAGE_SIZE, 2 * config.num_kv_heads * config.head_dim, 4)
+    lengths = [1, PAGE_SIZE * per_block, PAGE_SIZE * per_block + 3, 5]
+    pages_needed = [-(-(n + 1) // PAGE_SIZE) for n in lengths]
+    width = -(-max(pages_needed) // 4) * 4
+    ids, tables = iter(range(1, 200)), []
+    for n in pages_needed:
+        tables.append([next(ids) for _ in range(n)] + [0] * (width - n))
+    num_pages = max(max(t) for t in tables) + 1
+    rng = np.random.default_rng(1)
+    calls = [([rng.integers(1, 250, size=max(lengths)).tolist()] * len(lengths), [0] * len(lengths), lengths,
+              tables)]
+    calls.append(([[5]] * len(lengths), lengths, [1] * len(lengths), tables))
+    out = {}
+    for kernels in ("jnp", KERNELS):
+        pool = fresh_pool(config, num_pages)
+        forward = partial(decoder.forward_paged, config=config, kernels=kernels)
+        logits = []
+        for tokens, starts, lens, tabs in calls:
+            step, pool, _ = forward(params, pool, *(jnp.asarray(a, jnp.int32) for a in (tokens, starts, lens, tabs)))
+            logits.append(np.asarray(step))
+        out[kernels] = logits
+    np.testing.assert_allclose(out[KERNELS][1], out["jnp"][1], atol=2e-4, rtol=2e-4)
+
+
+def test_the_write_touches_only_the_pages_its_tokens_land_in():
+    tables = jnp.asarray([[4, 9, 2, 0], [6, 0, 0, 0]], jnp.int32)
+    pages = touched_pages(tables, jnp.asarray([14, 3], jnp.int32), jnp.asarray([5, 0], jnp.int32), 5, 8)
+    assert pages_spanned(5, 8) == 2
+    assert np.asarray(pages).tolist() == [[9, 2], [0, 0]]  # positions 14..18: pages 1 and 2; row 1 writes nothing
