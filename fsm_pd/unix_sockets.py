@@ -23,8 +23,8 @@ import socket
 import stat
 
 __all__ = ["SUN_PATH_MAX", "UNIX_BACKENDS", "Listener", "TcpRefused", "UnixPathError", "check_path",
-           "check_unix_backend", "clear_stale", "ipc_address", "ipc_file", "is_unix", "node_socket", "node_socket_paths", "prepare_zmq_bind",
-           "remove_socket", "require_tcp", "unix_address", "unix_path"]
+           "check_unix_backend", "clear_stale", "ipc_address", "ipc_file", "is_unix", "node_socket",
+           "node_socket_paths", "prepare_zmq_bind", "remove_socket", "require_tcp", "unix_address", "unix_path"]
 
 PREFIX = "unix:"
 UNIX_BACKENDS = ("tcp", "zmq")  # the transfer backends that can serve over a unix socket
