@@ -99,6 +99,9 @@ def test_chats_through_the_router_socket_long_ones_through_prefill(cluster):
             answer = client.post("/v1/chat/completions", json=body)
             assert answer.status_code == 200, answer.text
             assert answer.json()["usage"]["completion_tokens"] >= 1
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(sockets / "decode-0.sock"))) as decode:
+        metrics = decode.get("http://localhost/metrics").text  # a node's metrics, on its own socket
+        assert "fsm_pd_kv_pages_free" in metrics, metrics[:500]
 
 
 def test_no_process_of_the_cluster_holds_a_tcp_socket(cluster):

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -114,6 +115,29 @@ def test_a_host_that_refuses_tcp_gets_a_python_error_before_zmq_binds(monkeypatc
         require_tcp("127.0.0.1", "the test")
     with pytest.raises(TcpRefused, match="the side channel of p"):
         SideChannel(node_id="p", secret=generate_secret(), on_message=print, bind="tcp://127.0.0.1:0")
+
+
+def test_the_side_channel_on_a_unix_socket(short_dir):
+    secret, heard = generate_secret(), []
+    a_path, b_path = short_dir / "a.side.sock", short_dir / "b.side.sock"
+    with socket.socket(socket.AF_UNIX) as crashed:
+        crashed.bind(str(a_path))  # a stale file where a starts
+    a = SideChannel(node_id="a", secret=secret, on_message=print, bind=f"ipc://{a_path}")
+    b = SideChannel(node_id="b", secret=secret, on_message=print, bind=f"ipc://{b_path}")
+    try:
+        assert a.address == f"ipc://{a_path}"
+        with pytest.raises(OSError, match="already listens"):  # libzmq would have taken a's path over
+            SideChannel(node_id="c", secret=secret, on_message=print, bind=f"ipc://{a_path}")
+        a.add_observer(heard.append)
+        a.ping(b.address)
+        deadline = time.monotonic() + 10
+        while not heard and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [(m.sender, m.pong, m.origin) for m in heard] == [("b", True, b.address)]
+    finally:
+        a.close()
+        b.close()
+    assert not a_path.exists() and not b_path.exists()
 
 
 def test_only_the_byte_stream_backends_run_over_unix_sockets():
