@@ -71,10 +71,10 @@ def node_parser(role: str) -> argparse.ArgumentParser:
     parser.add_argument("--uds", default=None, metavar="PATH",
                         help="serve over unix sockets instead of TCP: the HTTP API on PATH (clients: curl "
                              "--unix-socket PATH http://localhost/...; routers: unix:PATH), and a prefill or decode "
-                             "node's side channel, transfer server and bootstrap server on sockets beside it "
-                             "(PATH.side.sock, PATH.kv.sock, PATH.bootstrap.sock, PATH's .sock dropped first); the "
-                             "node opens no TCP socket, and --host, --port, --bootstrap-port do not apply "
-                             "(docs/operations.md, Serving over unix sockets)")
+                             "node's side channel, transfer server and bootstrap server on sockets beside it (for "
+                             "/run/p.sock: /run/p.side.sock, /run/p.kv.sock, /run/p.bootstrap.sock); the node opens "
+                             "no TCP socket, and --host, --port, --bootstrap-port do not apply (docs/operations.md, "
+                             "Serving over unix sockets)")
     add_model_flags(parser)
     parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     parser.add_argument("--num-pages", type=int, default=512, help="KV pool pages, page 0 included (default 512)")
@@ -189,7 +189,8 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                             help="serve the bootstrap server here and register with it (default 8998, SGLang's)")
         parser.add_argument("--bootstrap-uds", default=None, metavar="PATH",
                             help="with --uds: the bootstrap server's unix socket, which routers name as this node's "
-                                 "bootstrap (--prefill unix:HTTP unix:PATH) (default: --uds's PATH.bootstrap.sock)")
+                                 "bootstrap (--prefill unix:HTTP unix:PATH) (default: beside --uds, "
+                                 "/run/p.bootstrap.sock for /run/p.sock)")
         parser.add_argument("--bootstrap-token", default=os.environ.get("FSM_PD_BOOTSTRAP_TOKEN"),
                             help="bearer token the bootstrap server's writes require (default: "
                                  "$FSM_PD_BOOTSTRAP_TOKEN, else none; set one when binding beyond 127.0.0.1)")
