@@ -119,8 +119,9 @@ def plan(prefill: int, decode: int, port: int, model: str, backend: str, journal
             boot = str(free_port())
             node.argv += ["--bootstrap-port", boot]
         else:  # the default beside its --uds, named so the router's flags read plainly
-            boot = unix_address(node_socket(unix_path(node.url), "bootstrap"))
-            node.argv += ["--bootstrap-uds", unix_path(boot)]
+            boot_path = node_socket(unix_path(node.url), "bootstrap")
+            node.argv += ["--bootstrap-uds", boot_path]
+            boot = unix_address(boot_path)
         children.append(node)
         router_args += ["--prefill", node.url, boot]
     for i in range(decode):
