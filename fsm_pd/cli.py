@@ -133,7 +133,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return launch(prefill=args.prefill, decode=args.decode, port=args.port, model=args.model,
                   backend=args.transfer_backend, journal_dir=Path(args.journal_dir), extra=extra,
                   console=Console(), warmup=args.warmup, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
-                  router_extra=args.router_arg)
+                  router_extra=args.router_arg, uds=Path(args.uds) if args.uds else None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -197,6 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--prefill", type=positive_int, default=1, help="prefill nodes (default 1)")
     launch.add_argument("--decode", type=positive_int, default=1, help="decode nodes (default 1)")
     launch.add_argument("--port", type=int, default=30000, help="the router's port (default 30000)")
+    launch.add_argument("--uds", default=None, metavar="DIR",
+                        help="serve over unix sockets instead of TCP: every process listens on sockets in DIR and "
+                             "opens no TCP socket; the router's API is DIR/router.sock (curl --unix-socket "
+                             "DIR/router.sock http://localhost/v1/chat/completions ...; docs/operations.md, Serving "
+                             "over unix sockets). Only the tcp and zmq transfer backends run over unix sockets")
     add_model_flags(launch)
     launch.add_argument("--transfer-backend", default="tcp", help="tcp | zmq | jax (default tcp)")
     launch.add_argument("--prefill-tp", type=positive_int, default=1, metavar="N",

@@ -1,5 +1,7 @@
 """Serving an ASGI app with uvicorn: in the foreground (``serve``, for the CLI) or on a background thread
-(``AppServer``: the bootstrap server inside a prefill node, tests). 127.0.0.1 unless told otherwise.
+(``AppServer``: the bootstrap server inside a prefill node, tests). 127.0.0.1 unless told otherwise; on a unix socket
+instead of a port when given ``uds`` (``unix_sockets.Listener``: a stale socket file is replaced, a live one refused,
+and the file is removed when the server stops).
 
 Every server bounds how long a client may take to send a request's headers and body (``ReadTimeouts``; flags, else
 ``$FSM_PD_HEADER_TIMEOUT_S`` / ``$FSM_PD_BODY_TIMEOUT_S``, else 10 s and 30 s), so slow clients cannot hold
@@ -16,6 +18,7 @@ import time
 import uvicorn
 
 from fsm_pd.http_protocol import ReadTimeouts
+from fsm_pd.unix_sockets import Listener, unix_address
 
 log = logging.getLogger(__name__)
 
@@ -30,21 +33,35 @@ def _uvicorn_config(app, log_level: str, read_timeouts: ReadTimeouts | None = No
 
 
 def serve(app, host: str = "127.0.0.1", port: int = 30000, *, log_level: str = "info",
-          read_timeouts: ReadTimeouts | None = None) -> None:
-    """Serve ``app`` until SIGINT/SIGTERM. ``read_timeouts``: default ``ReadTimeouts.from_env()``."""
-    config = _uvicorn_config(app, log_level, read_timeouts)
-    config.host, config.port = host, port
-    uvicorn.Server(config).run()
+          read_timeouts: ReadTimeouts | None = None, uds: str | None = None) -> None:
+    """Serve ``app`` until SIGINT/SIGTERM, on ``host:port`` or the unix socket ``uds``. ``read_timeouts``: default
+    ``ReadTimeouts.from_env()``."""
+    run(uvicorn.Server(_uvicorn_config(app, log_level, read_timeouts)), host, port, uds)
+
+
+def run(server: uvicorn.Server, host: str, port: int, uds: str | None = None) -> None:
+    """Run ``server`` in the foreground on ``host:port``, or on the unix socket ``uds`` (bound here, removed when
+    the server stops)."""
+    if uds is None:
+        server.config.host, server.config.port = host, port
+        server.run()
+        return
+    with Listener(uds, what="the HTTP server") as listener:
+        log.info("serving HTTP on unix socket %s", listener.path)
+        server.run(sockets=[listener.socket])
 
 
 class AppServer:
-    """``app`` served on a daemon thread. Port 0 picks a free port; ``url`` says which."""
+    """``app`` served on a daemon thread. Port 0 picks a free port; ``url`` says which. With ``uds``, on that unix
+    socket instead (``url`` is ``unix:PATH``)."""
 
     name = "server"
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning",
-                 read_timeouts: ReadTimeouts | None = None, **uvicorn_options):
+                 read_timeouts: ReadTimeouts | None = None, uds: str | None = None, **uvicorn_options):
         self.app, self.host, self._requested_port, self.log_level = app, host, port, log_level
+        self.uds = uds
+        self._listener: Listener | None = None
         self.read_timeouts = read_timeouts
         self._uvicorn_options = uvicorn_options
         self._port: int | None = None
@@ -54,37 +71,45 @@ class AppServer:
 
     @property
     def port(self) -> int:
-        """The bound port; it stays readable after ``stop()`` (a test may restart a server on it)."""
+        """The bound port (0 on a unix socket); it stays readable after ``stop()`` (a test may restart a server on
+        it)."""
         if self._port is None:
             raise RuntimeError(f"the {self.name} is not started")
         return self._port
 
     @property
     def url(self) -> str:
+        if self.uds is not None:
+            return unix_address(self.uds)
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
     def start(self, timeout_s: float = 10.0) -> AppServer:
         if self._thread is not None:
             raise RuntimeError(f"the {self.name} is already started")
-        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((self.host, self._requested_port))
-        except OSError:
-            sock.close()
-            raise
-        self._socket, self._port = sock, sock.getsockname()[1]
+        if self.uds is not None:
+            self._listener = Listener(self.uds, what=f"the {self.name}")
+            sock, self._port = self._listener.socket, 0
+        else:
+            sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((self.host, self._requested_port))
+            except OSError:
+                sock.close()
+                raise
+            self._port = sock.getsockname()[1]
+        self._socket = sock
         self._server = uvicorn.Server(_uvicorn_config(self.app, self.log_level, self.read_timeouts,
                                                       **self._uvicorn_options))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
-                                        name=f"{self.name}:{self._port}", daemon=True)
+                                        name=f"{self.name}:{self.uds or self._port}", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"the {self.name} on {self.host} did not start within {timeout_s}s")
+                raise RuntimeError(f"the {self.name} on {self.uds or self.host} did not start within {timeout_s}s")
             time.sleep(0.01)
         return self
 
@@ -96,9 +121,11 @@ class AppServer:
             if self._thread.is_alive() and self._server is not None:
                 self._server.force_exit = True  # open streams or keep-alive connections held the graceful exit up
                 self._thread.join(timeout_s)
-        if self._socket is not None:
+        if self._listener is not None:
+            self._listener.close()  # the socket, and its file
+        elif self._socket is not None:
             self._socket.close()
-        self._server = self._thread = self._socket = None
+        self._server = self._thread = self._socket = self._listener = None
 
     def __enter__(self) -> AppServer:
         return self.start()

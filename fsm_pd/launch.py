@@ -1,19 +1,20 @@
 """``fsm-pd launch``: a whole local PD cluster with one command.
 
 Starts N prefill nodes (each with its bootstrap server) and M decode nodes at once (they load the model side by side),
-then the built-in router, every one a ``fsm-pd serve`` child process on 127.0.0.1 sharing a freshly generated
-side-channel secret, and waits until each answers ``/health`` (each node compiles every shape it can serve first:
-about two minutes for SmolLM2 on 2 CPU cores the first time, well under one once the compile cache holds them).
-Then it sends one chat request through the router, prints its answer and the time from the command to that
-answer, prints the router's URL, and serves until Ctrl-C or SIGTERM. Then it stops exactly the processes
-it started (SIGTERM, then SIGKILL after a grace period). A node that dies on its own is reported and the cluster keeps
-serving (the router's health checks and retries route around it: ``docs/fleet.md``) while at least one prefill and one
-decode node are alive; when a role has none left, or the router dies, the whole cluster is stopped and the exit
-status says so.
+then the built-in router, every one a ``fsm-pd serve`` child process on 127.0.0.1 (or, with ``uds``, on unix sockets
+in one directory and no TCP at all) sharing a freshly generated side-channel secret, and waits until each answers
+``/health`` (each node compiles every shape it can serve first: about two minutes for SmolLM2 on 2 CPU cores the first
+time, well under one once the compile cache holds them). Then it sends one chat request through the router, prints its
+answer and the time from the command to that answer, prints the router's URL, and serves until Ctrl-C or SIGTERM. Then
+it stops exactly the processes it started (SIGTERM, then SIGKILL after a grace period). A node that dies on its own is
+reported and the cluster keeps serving (the router's health checks and retries route around it: ``docs/fleet.md``)
+while at least one prefill and one decode node are alive; when a role has none left, or the router dies, the whole
+cluster is stopped and the exit status says so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -30,7 +31,20 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 
+from fsm_pd import unix_http
 from fsm_pd.transport import generate_secret, secret_env
+from fsm_pd.unix_http import http_url
+from fsm_pd.unix_sockets import (
+    UnixPathError,
+    check_path,
+    check_unix_backend,
+    clear_stale,
+    is_unix,
+    node_socket,
+    node_socket_paths,
+    unix_address,
+    unix_path,
+)
 
 HEALTH_TIMEOUT_S = 600.0  # a node answers /health once it compiled every shape it serves (a first start: minutes)
 STOP_GRACE_S = 10.0
@@ -71,45 +85,71 @@ def _ephemeral_low() -> int:
 class Child:
     name: str
     argv: list[str]
-    url: str
+    url: str  # http://127.0.0.1:PORT, or unix:PATH
     log: Path
     proc: subprocess.Popen | None = field(default=None, repr=False)
+    sockets: dict[str, str] = field(default_factory=dict)  # with --uds: every unix socket it listens on
 
 
 def plan(prefill: int, decode: int, port: int, model: str, backend: str, journal_dir: Path,
-         extra: list[str], prefill_tp: int = 1, decode_tp: int = 1, router_extra: Sequence[str] = ()) -> list[Child]:
+         extra: list[str], prefill_tp: int = 1, decode_tp: int = 1, router_extra: Sequence[str] = (),
+         uds: Path | None = None) -> list[Child]:
     """The processes to start: prefill nodes, decode nodes, then the router that fronts them. ``prefill_tp`` and
     ``decode_tp``: each node's ``--tp`` (they may differ: the handoff reshards the KV). ``extra`` goes to every
-    prefill and decode node's command line, ``router_extra`` to the router's."""
+    prefill and decode node's command line, ``router_extra`` to the router's. ``uds``: every process listens on unix
+    sockets in that directory instead of TCP ports (``NAME.sock`` and the node's sockets beside it; the router on
+    ``uds/router.sock``)."""
     serve = [sys.executable, "-m", "fsm_pd.cli", "serve"]
     common = ["--host", "127.0.0.1", "--model", model, "--transfer-backend", backend, *extra]
     children, router_args = [], []
+
+    def child(name: str, role: str, argv: list[str], port: int) -> Child:
+        log = journal_dir / f"{name}.log"
+        if uds is None:
+            return Child(name, [*argv, "--port", str(port)], f"http://127.0.0.1:{port}", log)
+        path = str((uds / f"{name}.sock").absolute())
+        return Child(name, [*argv, "--uds", path], unix_address(path), log, sockets=node_socket_paths(role, path))
+
     for i in range(prefill):
-        http, boot = free_port(), free_port()
-        children.append(Child(f"prefill-{i}", [*serve, "--role", "prefill", "--port", str(http),
-                                               "--bootstrap-port", str(boot), "--node-id", f"prefill-{i}",
-                                               "--journal", str(journal_dir / f"prefill-{i}.db"),
-                                               "--tp", str(prefill_tp), *common],
-                              f"http://127.0.0.1:{http}", journal_dir / f"prefill-{i}.log"))
-        router_args += ["--prefill", f"http://127.0.0.1:{http}", str(boot)]
+        name = f"prefill-{i}"
+        node = child(name, "prefill", [*serve, "--role", "prefill", "--node-id", name, "--journal",
+                                       str(journal_dir / f"{name}.db"), "--tp", str(prefill_tp), *common],
+                     0 if uds is not None else free_port())
+        if uds is None:
+            boot = str(free_port())
+            node.argv += ["--bootstrap-port", boot]
+        else:  # the default beside its --uds, named so the router's flags read plainly
+            boot_path = node_socket(unix_path(node.url), "bootstrap")
+            node.argv += ["--bootstrap-uds", boot_path]
+            boot = unix_address(boot_path)
+        children.append(node)
+        router_args += ["--prefill", node.url, boot]
     for i in range(decode):
-        http = free_port()
-        children.append(Child(f"decode-{i}", [*serve, "--role", "decode", "--port", str(http),
-                                              "--node-id", f"decode-{i}",
-                                              "--journal", str(journal_dir / f"decode-{i}.db"),
-                                              "--tp", str(decode_tp), *common],
-                              f"http://127.0.0.1:{http}", journal_dir / f"decode-{i}.log"))
-        router_args += ["--decode", f"http://127.0.0.1:{http}"]
-    children.append(Child("router", [*serve, "--role", "router", "--host", "127.0.0.1", "--port", str(port),
-                                     *router_args, *router_extra], f"http://127.0.0.1:{port}",
-                          journal_dir / "router.log"))
+        name = f"decode-{i}"
+        node = child(name, "decode", [*serve, "--role", "decode", "--node-id", name, "--journal",
+                                      str(journal_dir / f"{name}.db"), "--tp", str(decode_tp), *common],
+                     0 if uds is not None else free_port())
+        children.append(node)
+        router_args += ["--decode", node.url]
+    children.append(child("router", "router", [*serve, "--role", "router", "--host", "127.0.0.1", *router_args,
+                                               *router_extra], port))
     return children
+
+
+def check_sockets(children: Sequence[Child]) -> str | None:
+    """The first unix socket path of ``children`` that Linux cannot bind (over 107 bytes), or None."""
+    for child in children:
+        for what, path in child.sockets.items():
+            try:
+                check_path(path, f"{child.name}: {what}")
+            except UnixPathError as exc:
+                return str(exc)
+    return None
 
 
 def check_commands(children: Sequence[Child]) -> str | None:
     """Parse each child's command line as its ``fsm-pd serve`` would; the first error, or None. So that a flag
     passed through (``--node-arg``, ``--router-arg``) that a node would refuse stops launch before anything starts."""
-    import contextlib
     import io
 
     from fsm_pd.serve_flags import role_parser
@@ -125,6 +165,11 @@ def check_commands(children: Sequence[Child]) -> str | None:
     return None
 
 
+def get(url: str, timeout: float) -> httpx.Response:
+    """``GET url`` (``http://`` or ``unix:PATH/...``)."""
+    return unix_http.request("GET", http_url(url), timeout=timeout)
+
+
 def health(child: Child) -> tuple[bool, dict]:
     """Whether ``child`` is ready (``/health`` 200), and what it says of its start-up while it is not; raises
     when it exited."""
@@ -133,7 +178,7 @@ def health(child: Child) -> tuple[bool, dict]:
         last = f": {lines[-1]}" if lines else ""
         raise RuntimeError(f"{child.name} exited with {child.proc.returncode}{last} (log: {child.log})")
     try:
-        response = httpx.get(child.url + "/health", timeout=2.0)
+        response = get(child.url + "/health", timeout=2.0)
     except httpx.HTTPError:
         return False, {"phase": "starting"}  # not listening yet: the interpreter and its imports
     if response.status_code == 200:
@@ -159,7 +204,7 @@ def wait_admitted(router: Child, counts: dict[str, int], deadline: float) -> Non
     while time.time() < deadline:
         if health(router)[0]:
             try:
-                said = httpx.get(router.url + "/health", timeout=2.0).json()
+                said = get(router.url + "/health", timeout=2.0).json()
                 if said.get("checked") and said.get("admitted") == counts:
                     return
             except (httpx.HTTPError, ValueError):
@@ -200,7 +245,7 @@ def wait_ready(nodes: list[Child], deadline: float, console: Console) -> dict[st
 
 def startup_phases(child: Child) -> dict:
     try:
-        return (httpx.get(child.url + "/server_info", timeout=5.0).json().get("startup") or {}).get("phases", {})
+        return (get(child.url + "/server_info", timeout=5.0).json().get("startup") or {}).get("phases", {})
     except (httpx.HTTPError, ValueError):
         return {}
 
@@ -242,23 +287,47 @@ def warm_up(router: str, model: str) -> str:
     first request."""
     body = {"model": model, "messages": [{"role": "user", "content": WARMUP_QUESTION}], "max_tokens": 32,
             "temperature": 0}
-    response = httpx.post(router + "/v1/chat/completions", json=body, timeout=WARMUP_TIMEOUT_S)
+    response = unix_http.request("POST", http_url(router + "/v1/chat/completions"), json=body,
+                                 timeout=WARMUP_TIMEOUT_S)
     if response.status_code != 200:
         raise RuntimeError(f"the warm-up request failed with {response.status_code}: {response.text[:300]}")
     return response.json()["choices"][0]["message"]["content"]
 
 
+def how_to_reach(router: str, model: str) -> list[str]:
+    """The commands ``launch`` prints: a chat with curl, and with the openai package."""
+    chat = {"messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 32, "temperature": 0}
+    ask = (f".chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'What is 2+2?'}}], "
+           "temperature=0).choices[0].message.content")
+    if is_unix(router):
+        path = unix_path(router)
+        return [f"  curl --unix-socket {path} http://localhost/v1/chat/completions -H 'Content-Type: "
+                f"application/json' -d '{json.dumps(chat)}'",
+                f"  python -c \"import httpx, openai; print(openai.OpenAI(base_url='http://localhost/v1', api_key='-', "
+                f"http_client=httpx.Client(transport=httpx.HTTPTransport(uds='{path}'))){ask})\""]
+    return [f"  curl {router}/v1/chat/completions -H 'Content-Type: application/json' -d '{json.dumps(chat)}'",
+            f"  python -c \"import openai; print(openai.OpenAI(base_url='{router}/v1', api_key='-'){ask})\""]
+
+
 def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, journal_dir: Path,
            extra: list[str], console: Console, warmup: bool = True, prefill_tp: int = 1, decode_tp: int = 1,
-           router_extra: Sequence[str] = ()) -> int:
+           router_extra: Sequence[str] = (), uds: Path | None = None) -> int:
     started = time.time()
-    children = plan(prefill, decode, port, model, backend, journal_dir, extra, prefill_tp, decode_tp, router_extra)
+    children = plan(prefill, decode, port, model, backend, journal_dir, extra, prefill_tp, decode_tp, router_extra,
+                    uds)
     # the router's parser comes with the router's imports (0.9 s): checked only when it is given flags to check
-    error = check_commands(children if router_extra else children[:-1])
+    error = check_sockets(children) or check_commands(children if router_extra else children[:-1])
+    if error is None and uds is not None:
+        try:
+            check_unix_backend(backend)
+        except ValueError as exc:
+            error = str(exc)
     if error is not None:
-        console.print(f"fsm-pd launch: {error}", highlight=False)
+        console.print(f"fsm-pd launch: {error}", highlight=False, soft_wrap=True)
         return 2
     journal_dir.mkdir(parents=True, exist_ok=True)
+    if uds is not None:
+        uds.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **secret_env(generate_secret())}
     nodes, router_child = children[:-1], children[-1]
     stopping = threading.Event()
@@ -296,12 +365,8 @@ def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, jo
                           "through prefill and decode, a short one is served whole on a decode node (--pd-policy "
                           "auto; each answer's meta_info.pd_route says which, and why; docs/crossover.md)",
                           soft_wrap=True, highlight=False)
-        chat = {"messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 32, "temperature": 0}
-        console.print(f"  curl {router}/v1/chat/completions -H 'Content-Type: application/json' "
-                      f"-d '{json.dumps(chat)}'", soft_wrap=True)
-        console.print(f"  python -c \"import openai; print(openai.OpenAI(base_url='{router}/v1', api_key='-')"
-                      f".chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': "
-                      f"'What is 2+2?'}}], temperature=0).choices[0].message.content)\"", soft_wrap=True)
+        for line in how_to_reach(router, model):
+            console.print(line, soft_wrap=True, highlight=False, markup=False)
         console.print("  Ctrl-C stops every process started here.")
         reported: set[str] = set()
         while not stopping.wait(0.5):
@@ -321,3 +386,7 @@ def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, jo
         return 1
     finally:
         stop(children)
+        for child in children:  # what a process killed before it could clean up left behind
+            for path in child.sockets.values():
+                with contextlib.suppress(OSError):
+                    clear_stale(path)

@@ -55,7 +55,10 @@ def serve_main(argv: Sequence[str]) -> int:
         return 0
     parser = node_parser(known.role)
     args = parser.parse_args(argv)
-    if known.role in ("prefill", "decode"):
+    if (refused := check_unix_sockets(args)) is not None:  # before the model loads: one line, exit 2
+        print(f"fsm-pd serve: {refused}", file=sys.stderr)
+        return 2
+    if known.role in ("prefill", "decode") and args.uds is None:
         from fsm_pd.transport.addresses import WildcardAddress, advertised_host
 
         try:
@@ -66,6 +69,23 @@ def serve_main(argv: Sequence[str]) -> int:
     if args.tp > 1:
         ask_for_host_devices(args.tp)
     return run_node(args)
+
+
+def check_unix_sockets(args: argparse.Namespace) -> str | None:
+    """Why a node started with ``--uds`` cannot listen where it would (a path past Linux's limit, a transfer backend
+    that needs TCP), or None."""
+    if args.uds is None:
+        return None
+    from fsm_pd.unix_sockets import UnixPathError, check_path, check_unix_backend, node_socket_paths
+
+    try:
+        for what, path in node_socket_paths(args.role, args.uds, getattr(args, "bootstrap_uds", None)).items():
+            check_path(path, what)
+        if args.role in ("prefill", "decode"):
+            check_unix_backend(args.transfer_backend)
+    except (UnixPathError, ValueError) as exc:
+        return str(exc)
+    return None
 
 
 def run_node(args: argparse.Namespace) -> int:
@@ -104,8 +124,14 @@ def run_node(args: argparse.Namespace) -> int:
         return 2
     if model.tp is not None:
         logging.getLogger("fsm_pd.serve").info("tensor parallel: %s", model.tp.describe())
-    with startup.phase("engine"):
-        engine = build_engine(args, model)
+    from fsm_pd.unix_sockets import TcpRefused
+
+    try:
+        with startup.phase("engine"):
+            engine = build_engine(args, model)
+    except TcpRefused as exc:  # a host that allows no TCP: say so, where libzmq would have aborted the process
+        print(f"fsm-pd serve: {exc}", file=sys.stderr)
+        return 2
     if hasattr(engine, "manager"):  # finished rooms move to archives (--journal-keep, --journal-max-rows)
         from fsm_pd.store.retention import attach_from_args
 
@@ -116,7 +142,8 @@ def run_node(args: argparse.Namespace) -> int:
             print(f"fsm-pd serve: {exc}", file=sys.stderr)
             return 2
     app = create_app(engine, model.tokenizer, api_key=args.api_key, model_name=args.served_model_name or args.model,
-                     model_path=args.model, bootstrap_port=getattr(args, "bootstrap_port", None),
+                     model_path=args.model,
+                     bootstrap_port=None if args.uds else getattr(args, "bootstrap_port", None),
                      drain_timeout_s=args.drain_timeout_secs, startup=startup, wait=wait)
     apply_serving_gc_policy()
     # HTTP answers from here on (probes see the progress); requests are taken once the programs are prepared
@@ -125,7 +152,7 @@ def run_node(args: argparse.Namespace) -> int:
                      name="start-up", daemon=True).start()
     try:
         serve_draining(app, args.host, args.port, log_level=args.log_level,
-                       read_timeouts=read_timeouts_from_args(args))
+                       read_timeouts=read_timeouts_from_args(args), uds=args.uds)
     finally:
         logging.getLogger("fsm_pd.serve").info("closing the engine and its journal")
         engine.close()
@@ -194,11 +221,14 @@ def build_engine(args: argparse.Namespace, model):
     deadlines = {t: getattr(args, t) for t in DEADLINE_FLAGS if getattr(args, t, None) is not None}
     common = dict(node_id=args.node_id, journal=journal, secret=secret, backend=args.transfer_backend,
                   deadlines=deadlines, host=args.host, advertise_host=args.advertise_host,
-                  kv_checksum=args.kv_checksum == "on", **sizes)
+                  kv_checksum=args.kv_checksum == "on", uds=args.uds, **sizes)
     if args.role == "prefill":
         from fsm_pd.serving.prefill_engine import PrefillEngine
+        from fsm_pd.unix_sockets import node_socket
 
+        bootstrap_uds = (args.bootstrap_uds or node_socket(args.uds, "bootstrap")) if args.uds else None
         return PrefillEngine(model, bootstrap_port=args.bootstrap_port, bootstrap_token=args.bootstrap_token,
+                             bootstrap_uds=bootstrap_uds,
                              radix_cache=not args.disable_radix_cache, chunked_prefill_size=args.chunked_prefill_size,
                              chunk_transfers=not args.disable_chunk_transfers, serve_local=args.serve_local,
                              prefill_chunk_steps=args.prefill_chunk_steps, **common)

@@ -68,6 +68,13 @@ def node_parser(role: str) -> argparse.ArgumentParser:
     parser.add_argument("--role", choices=ROLES, required=True)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=30000, help="HTTP port (default 30000)")
+    parser.add_argument("--uds", default=None, metavar="PATH",
+                        help="serve over unix sockets instead of TCP: the HTTP API on PATH (clients: curl "
+                             "--unix-socket PATH http://localhost/...; routers: unix:PATH), and a prefill or decode "
+                             "node's side channel, transfer server and bootstrap server on sockets beside it (for "
+                             "/run/p.sock: /run/p.side.sock, /run/p.kv.sock, /run/p.bootstrap.sock); the node opens "
+                             "no TCP socket, and --host, --port, --bootstrap-port do not apply (docs/operations.md, "
+                             "Serving over unix sockets)")
     add_model_flags(parser)
     parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     parser.add_argument("--num-pages", type=int, default=512, help="KV pool pages, page 0 included (default 512)")
@@ -180,6 +187,10 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                                  "node's queue is the shorter; docs/serving.md, No idle core)")
         parser.add_argument("--bootstrap-port", type=int, default=8998,
                             help="serve the bootstrap server here and register with it (default 8998, SGLang's)")
+        parser.add_argument("--bootstrap-uds", default=None, metavar="PATH",
+                            help="with --uds: the bootstrap server's unix socket, which routers name as this node's "
+                                 "bootstrap (--prefill unix:HTTP unix:PATH) (default: beside --uds, "
+                                 "/run/p.bootstrap.sock for /run/p.sock)")
         parser.add_argument("--bootstrap-token", default=os.environ.get("FSM_PD_BOOTSTRAP_TOKEN"),
                             help="bearer token the bootstrap server's writes require (default: "
                                  "$FSM_PD_BOOTSTRAP_TOKEN, else none; set one when binding beyond 127.0.0.1)")

@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from fsm_pd.api.errors import error_body
 from fsm_pd.http_protocol import ReadTimeouts
-from fsm_pd.http_server import _uvicorn_config
+from fsm_pd.http_server import _uvicorn_config, run
 from fsm_pd.serving.startup import Startup
 
 log = logging.getLogger(__name__)
@@ -260,9 +260,8 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve_draining(app, host: str, port: int, *, log_level: str = "info",
-                   read_timeouts: ReadTimeouts | None = None) -> None:
-    """Serve a node's ``app`` (``create_app``: it holds its ``Drain`` as ``app.state.drain``) until it has drained
-    (SIGTERM, ``POST /drain``) or is stopped (SIGINT)."""
+                   read_timeouts: ReadTimeouts | None = None, uds: str | None = None) -> None:
+    """Serve a node's ``app`` (``create_app``: it holds its ``Drain`` as ``app.state.drain``) on ``host:port`` or
+    the unix socket ``uds`` until it has drained (SIGTERM, ``POST /drain``) or is stopped (SIGINT)."""
     config = _uvicorn_config(app, log_level, read_timeouts, timeout_graceful_shutdown=ABORT_GRACE_S)
-    config.host, config.port = host, port
-    DrainingServer(config, app.state.drain).run()
+    run(DrainingServer(config, app.state.drain), host, port, uds)

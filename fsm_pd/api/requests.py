@@ -32,6 +32,7 @@ from fsm_pd.api.tools import ToolPlan, forced_grammar, plan_tools, tool_dicts
 from fsm_pd.model.grammar import GrammarSpec
 from fsm_pd.model.sampling import SamplingParams
 from fsm_pd.serving.types import Bootstrap, GenerateRequest
+from fsm_pd.unix_sockets import is_unix
 
 GENERATE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and SGLang's) default for /v1/completions
@@ -47,7 +48,7 @@ def resolve_bootstrap(node: NodeIdentity, host: str | None, port: int | None, ro
     """SGLang's PD fields. A colocated node ignores them; a prefill/decode node needs host and room, and takes
     its own bootstrap port when the router sent ``bootstrap_port: null`` (as SGLang's decode does). ``route`` (the
     fsm-pd router's ``fsm_pd_route``) with path ``local``: the node serves the request whole (``local_path.py``) and
-    needs only the room."""
+    needs only the room. A ``unix:PATH`` host names a bootstrap server on a unix socket, which needs no port."""
     if node.role not in PD_ROLES:
         return None
     # a local request: a decode node serves it, a prefill node with --serve-local too (its engine refuses it else)
@@ -55,7 +56,7 @@ def resolve_bootstrap(node: NodeIdentity, host: str | None, port: int | None, ro
         if room is None:
             raise ApiError(400, "fsm_pd_route local needs bootstrap_room (the attempt's identity on this node)")
         return Bootstrap(host="", port=0, room=room, local=True)
-    port = port if port is not None else node.bootstrap_port
+    port = port if port is not None else 0 if is_unix(host) else node.bootstrap_port
     if host is None or room is None or port is None:
         missing = [n for n, v in (("bootstrap_host", host), ("bootstrap_port", port), ("bootstrap_room", room))
                    if v is None]

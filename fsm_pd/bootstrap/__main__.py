@@ -1,8 +1,8 @@
 """``python -m fsm_pd.bootstrap``: run a standalone bootstrap server until SIGINT or SIGTERM.
 
-The first line on stdout is the server's URL (``http://127.0.0.1:PORT``), so a launcher that passed ``--port 0`` can
-read where it landed; logs go to stderr. ``add_arguments`` and ``serve`` are what ``fsm-pd serve --role bootstrap``
-reuses.
+The first line on stdout is the server's URL (``http://127.0.0.1:PORT``, or ``unix:PATH`` with ``--uds``), so a
+launcher that passed ``--port 0`` can read where it landed; logs go to stderr. ``add_arguments`` and ``serve`` are
+what ``fsm-pd serve --role bootstrap`` reuses.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import threading
 from collections.abc import Sequence
 
 from fsm_pd.bootstrap.server import DEFAULT_MAX_BODY_BYTES, BootstrapServer
+from fsm_pd.unix_sockets import UnixPathError, check_path
 
 TOKEN_ENV = "FSM_PD_BOOTSTRAP_TOKEN"
 DESCRIPTION = """\
@@ -48,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8998,
                         help="port to listen on; 0 picks a free one (default: 8998, SGLang's bootstrap port)")
+    parser.add_argument("--uds", default=None, metavar="PATH",
+                        help="listen on this unix socket instead of --host/--port, and open no TCP socket; prefill "
+                             "and decode nodes then name it unix:PATH (docs/operations.md, Serving over unix sockets)")
     parser.add_argument("--token", default=None,
                         help=f"shared token the writes must carry as a bearer token (default: ${TOKEN_ENV}, "
                              "else no token)")
@@ -67,15 +71,22 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
-    if token is None and not _is_loopback(args.host):
+    if args.uds is not None:
+        try:
+            check_path(args.uds, "--uds")
+        except UnixPathError as exc:
+            print(f"fsm-pd bootstrap: {exc}", file=sys.stderr)
+            return 2
+    elif token is None and not _is_loopback(args.host):
         logging.getLogger(__name__).warning(
             "listening on %s without a token: anyone who reaches it can register prefill ranks", args.host)
     server = BootstrapServer(args.host, args.port, expected_ranks=args.expected_ranks, token=token,
-                             entry_ttl_s=args.entry_ttl_s, max_body_bytes=args.max_body_bytes)
+                             entry_ttl_s=args.entry_ttl_s, max_body_bytes=args.max_body_bytes, uds=args.uds)
     try:
         server.start()
     except (OSError, RuntimeError) as exc:
-        print(f"fsm-pd bootstrap: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        where = args.uds or f"{args.host}:{args.port}"
+        print(f"fsm-pd bootstrap: cannot listen on {where}: {exc}", file=sys.stderr)
         return 1
     print(server.url, flush=True)
     stop = threading.Event()

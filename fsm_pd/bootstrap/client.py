@@ -11,7 +11,8 @@ Retry policy, after SGLang's (``docs/bootstrap.md``):
   answer or a 5xx every ``interval`` seconds, ``retries`` times after the first try (SGLang's decode: 15 tries 1 s
   apart); a 404 (no such rank) or another 4xx is final. Either way the failure is a ``LookupError`` with the reason.
 
-URLs may be ``http://host:port`` or SGLang's bare ``host:port``. All calls are synchronous (httpx).
+URLs may be ``http://host:port``, SGLang's bare ``host:port``, or ``unix:PATH`` for a server on a unix socket
+(``fsm_pd.unix_http``). All calls are synchronous (httpx).
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import httpx
+
+from fsm_pd import unix_http
+from fsm_pd.unix_http import http_url
+from fsm_pd.unix_sockets import is_unix
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +45,11 @@ class BootstrapError(RuntimeError):
 
 
 def base_url(url: str) -> str:
+    """The server's base URL as this module's clients take it: ``unix:PATH`` as ``unix_http.http_url`` writes it,
+    ``host:port`` with ``http://``."""
     url = url.strip().rstrip("/")
+    if is_unix(url):
+        return http_url(url)
     return url if "://" in url else f"http://{url}"
 
 
@@ -96,7 +105,7 @@ def register_prefill_rank(url: str, info: Mapping[str, Any], token: str | None =
         raise ValueError(f"attempts must be at least 1, got {attempts}")
     target = base_url(url) + "/route"
     what = f"registering prefill rank {info.get('rank_ip')}:{info.get('rank_port')} at {target}"
-    with httpx.Client(timeout=timeout_s) as client:
+    with unix_http.client(timeout=timeout_s) as client:
         response, reason = _with_retries(lambda: client.put(target, json=dict(info), headers=_auth(token)),
                                          tries=attempts, delay=lambda k: backoff_delay(k, backoff_base_s,
                                                                                        backoff_cap_s), what=what)
@@ -115,7 +124,7 @@ def deregister_prefill_rank(url: str, info: Mapping[str, Any], token: str | None
     instance holds it now (both logged); ``BootstrapError`` when the server refused it or could not be reached."""
     target = base_url(url) + "/deregister"
     try:
-        response = httpx.post(target, json=dict(info), headers=_auth(token), timeout=timeout_s)
+        response = unix_http.request("POST", target, json=dict(info), headers=_auth(token), timeout=timeout_s)
     except httpx.HTTPError as exc:
         raise BootstrapError(f"deregistering at {target}: {type(exc).__name__}: {exc}") from exc
     if response.status_code == 200:
@@ -131,7 +140,7 @@ def _lookup(url: str, params: dict[str, int], *, what: str, retries: int, interv
     if retries < 0:
         raise ValueError(f"retries must not be negative, got {retries}")
     target = base_url(url) + "/route"
-    with httpx.Client(timeout=timeout_s) as client:
+    with unix_http.client(timeout=timeout_s) as client:
         response, reason = _with_retries(lambda: client.get(target, params=params), tries=retries + 1,
                                          delay=lambda k: interval, what=what)
     if response is None:
@@ -173,8 +182,8 @@ def register_dp_rank(url: str, room: int, dp_rank: int, token: str | None = None
     """Tell decode which prefill DP rank took ``room`` (one try, as SGLang's sender does)."""
     target = base_url(url) + "/register_dp_rank"
     try:
-        response = httpx.post(target, json={"bootstrap_room": room, "dp_rank": dp_rank}, headers=_auth(token),
-                              timeout=timeout_s)
+        response = unix_http.request("POST", target, json={"bootstrap_room": room, "dp_rank": dp_rank},
+                                     headers=_auth(token), timeout=timeout_s)
     except httpx.HTTPError as exc:
         raise BootstrapError(f"registering room {room} at {target}: {type(exc).__name__}: {exc}") from exc
     if response.status_code != 200:
@@ -186,7 +195,7 @@ def query_dp_ranks(url: str, rooms: Iterable[int], *, timeout_s: float = REQUEST
     """``{room: dp_rank}`` for the rooms the server knows (unknown or expired rooms are absent)."""
     target = base_url(url) + "/query_dp_ranks"
     try:
-        response = httpx.post(target, json={"bootstrap_rooms": list(rooms)}, timeout=timeout_s)
+        response = unix_http.request("POST", target, json={"bootstrap_rooms": list(rooms)}, timeout=timeout_s)
     except httpx.HTTPError as exc:
         raise LookupError(f"querying dp ranks at {target}: {type(exc).__name__}: {exc}") from exc
     if response.status_code != 200:
@@ -217,5 +226,5 @@ def _probe_client() -> httpx.Client:
     global _probes
     with _probes_lock:
         if _probes is None:
-            _probes = httpx.Client(timeout=HEALTH_TIMEOUT_S)
+            _probes = unix_http.client(timeout=HEALTH_TIMEOUT_S)
         return _probes

@@ -151,7 +151,8 @@ async def _json_body(request: Request) -> Any:
 
 
 class BootstrapServer(AppServer):
-    """Serves ``create_bootstrap_app`` on ``host:port`` from a daemon thread; ``port=0`` picks a free port.
+    """Serves ``create_bootstrap_app`` on ``host:port`` from a daemon thread; ``port=0`` picks a free port. With
+    ``uds``, on that unix socket instead (``url`` is then ``unix:PATH``).
 
     The socket is bound in ``start()``, before the thread starts, so ``.port`` is known (and a busy port fails
     there, not in the thread)."""
@@ -160,11 +161,12 @@ class BootstrapServer(AppServer):
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, expected_ranks: int | None = None,
                  token: str | None = None, entry_ttl_s: float = 120.0,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, registry: PrefillRegistry | None = None):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, registry: PrefillRegistry | None = None,
+                 uds: str | None = None):
         app = create_bootstrap_app(expected_ranks=expected_ranks, token=token, entry_ttl_s=entry_ttl_s,
                                    max_body_bytes=max_body_bytes, registry=registry)
         # keep-alive 30 s and a concurrency cap: decode nodes poll /health; SGLang logs these at debug only too
-        super().__init__(app, host, port, timeout_keep_alive=30, limit_concurrency=1024)
+        super().__init__(app, host, port, uds=uds, timeout_keep_alive=30, limit_concurrency=1024)
         self.registry: PrefillRegistry = app.state.registry
 
     def start(self, timeout_s: float = 10.0) -> BootstrapServer:

@@ -155,8 +155,10 @@ class RankRegistration:
                 raise BadRequest(f"{size} must be in [1, {MAX_PARALLEL_SIZE}], got {ints[size]}")
             if not 0 <= ints[rank] < ints[size]:
                 raise BadRequest(f"{rank} must be in [0, {size}={ints[size]}), got {ints[rank]}")
-        if not 1 <= ints["rank_port"] <= 65535:
-            raise BadRequest(f"rank_port must be a TCP port (1..65535), got {ints['rank_port']}")
+        on_unix = isinstance(data["rank_ip"], str) and data["rank_ip"].startswith("unix:")
+        if not (1 <= ints["rank_port"] <= 65535 or (on_unix and ints["rank_port"] == 0)):
+            raise BadRequest(f"rank_port must be a TCP port (1..65535), or 0 with a unix:PATH rank_ip, got "
+                             f"{ints['rank_port']}")
         if ints["page_size"] < 1:
             raise BadRequest(f"page_size must be at least 1, got {ints['page_size']}")
         http_port = data.get("prefill_http_port")

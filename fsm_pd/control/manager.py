@@ -40,6 +40,7 @@ from fsm_pd.store import Journal, JournalError
 from fsm_pd.transport import SideChannel
 from fsm_pd.transport.addresses import advertised_host, with_port
 from fsm_pd.transport.backends import create_backend, new_uuid
+from fsm_pd.unix_sockets import check_unix_backend, ipc_address, node_socket
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +55,14 @@ class KVManager:
                  durability: str = "full", staging_sharding: Any = None,
                  admission: Admission | None = None,
                  heartbeat: Mapping[str, Any] | None = None, model: ModelThread | None = None,
-                 advertise_host: str | None = None, kv_checksum: bool = True):
+                 advertise_host: str | None = None, kv_checksum: bool = True, uds: str | None = None):
         """``host``: what the side channel and the transfer server bind; ``advertise_host``: the host peers are told
         (bootstrap registration, side-channel origin and reply_to, transfer address), by default ``host``. A wildcard
         ``host`` needs an ``advertise_host`` (``WildcardAddress`` otherwise). ``kv_checksum``: compute (prefill) or
-        verify (decode) the KV checksum of every handoff (``effects/checksums.py``)."""
+        verify (decode) the KV checksum of every handoff (``effects/checksums.py``). ``uds``: the node's HTTP unix
+        socket (``--uds``); its side channel and transfer server then listen on unix sockets beside it
+        (``PATH.side.sock``, ``PATH.kv.sock``: ``unix_sockets.node_socket``) instead of ``host``, and it opens no TCP
+        socket."""
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
         if role == "decode" and admission is None:
@@ -67,22 +71,27 @@ class KVManager:
         self.role, self.node_id, self.layout = role, node_id, layout
         self.deadlines = resolve_deadlines(role, deadlines)
         self.host = host
-        self.advertise_host = advertised_host(host, advertise_host)
+        # a node on unix sockets advertises paths, never a host (prefill_registration names its side channel's)
+        self.advertise_host = advertised_host(host, advertise_host) if uds is None else None
         self.resolver = resolver if resolver is not None else PrefillResolver()
         self.staging_sharding = staging_sharding
         # the model thread owns the pool; a serving engine passes its own so that forward passes, gathers and
         # scatters share one queue
         self._owns_model = model is None
         self.model = model if model is not None else ModelThread(pool, name=f"model[{node_id}]")
+        self.uds = uds
         options = dict(backend_options or {})
-        if backend in ("jax", "zmq", "tcp"):
+        if uds is not None:
+            check_unix_backend(backend)
+            options.setdefault("uds", node_socket(uds, "kv"))
+        elif backend in ("jax", "zmq", "tcp"):
             options.setdefault("host", host)
             options.setdefault("advertise_host", self.advertise_host)
         self.backend = create_backend(backend, **options)
+        bind = ipc_address(node_socket(uds, "side")) if uds is not None else f"tcp://{with_port(host, 0)}"
         # pings are answered only while this node can serve: peers then fail their rooms bound to us
-        self.side_channel = SideChannel(node_id=node_id, secret=secret, on_message=self._on_message,
-                                        bind=f"tcp://{with_port(host, 0)}", advertise_host=self.advertise_host,
-                                        healthy=self._answers_pings)
+        self.side_channel = SideChannel(node_id=node_id, secret=secret, on_message=self._on_message, bind=bind,
+                                        advertise_host=self.advertise_host, healthy=self._answers_pings)
         self.senders = PeerSenders(self.side_channel, name=f"send[{node_id}]")
         self.workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"work[{node_id}]")
         # lookups on their own threads: a bootstrap server that is down holds them for its retries, never a pull

@@ -33,6 +33,7 @@ from typing import Any
 
 from fsm_pd.bootstrap import RankRegistration, deregister_prefill_rank, register_prefill_rank, resolve_prefill
 from fsm_pd.bootstrap.client import base_url
+from fsm_pd.unix_sockets import unix_address
 
 # done(result, error), as ``fsm_pd.effects.ports.ResultDone``
 Done = Callable[[Any, "BaseException | None"], None]
@@ -175,8 +176,13 @@ def prefill_registration(*, host: str, side_channel: str, transfer_addr: str, ba
                          node_id: str, http_port: int | None = None, instance: str | None = None,
                          tp_rank: int = 0) -> RankRegistration:
     """This prefill node's registration of TP rank ``tp_rank`` of ``layout["tp"]``: what it registers, and what it
-    deregisters with. One process drives every rank (SPMD), so all its ranks name the same addresses."""
-    port = int(side_channel.rsplit(":", 1)[1])
+    deregisters with. One process drives every rank (SPMD), so all its ranks name the same addresses. A node on unix
+    sockets registers ``rank_ip`` ``unix:PATH`` of its side channel and ``rank_port`` 0: no SGLang decode could reach
+    it, and fsm-pd's reads ``side_channel``."""
+    if side_channel.startswith("ipc://"):
+        host, port = unix_address(side_channel[len("ipc://"):]), 0
+    else:
+        port = int(side_channel.rsplit(":", 1)[1])
     return RankRegistration(rank_ip=host, rank_port=port, page_size=layout["page_size"],
                             kv_cache_dtype=layout["dtype"], attn_tp_size=int(layout.get("tp", 1)), attn_tp_rank=tp_rank,
                             prefill_http_port=http_port, side_channel=side_channel, transfer_addr=transfer_addr,

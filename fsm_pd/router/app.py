@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,6 +51,7 @@ from fsm_pd.router.legs import DEFAULT_DEADLINES, RouterDeadlines
 from fsm_pd.router.metrics import RouterMetrics, RouterMetricsMiddleware
 from fsm_pd.router.policy import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, MODES, PolicySettings
 from fsm_pd.router.routes import install_router_routes
+from fsm_pd.unix_sockets import UnixPathError, check_path, is_unix
 
 log = logging.getLogger(__name__)
 
@@ -137,13 +139,16 @@ def create_router_app(prefill: Sequence[PrefillWorker | tuple[str, int | None] |
 
 
 def parse_prefill_specs(specs: Sequence[Sequence[str]]) -> list[PrefillWorker]:
-    """``--prefill URL [BOOTSTRAP_PORT|none]`` values, as sglang-router reads them."""
+    """``--prefill URL [BOOTSTRAP_PORT|none]`` values, as sglang-router reads them; ``BOOTSTRAP`` may also be
+    ``unix:PATH``, a bootstrap server on a unix socket."""
     workers = []
     for spec in specs:
         if not 1 <= len(spec) <= 2:
             raise ValueError(f"--prefill takes URL [BOOTSTRAP_PORT], got {' '.join(spec)}")
-        port = None
-        if len(spec) == 2 and spec[1].lower() != "none":
+        port: int | str | None = None
+        if len(spec) == 2 and is_unix(spec[1]):
+            port = spec[1]
+        elif len(spec) == 2 and spec[1].lower() != "none":
             try:
                 port = int(spec[1])
             except ValueError:
@@ -155,10 +160,16 @@ def parse_prefill_specs(specs: Sequence[Sequence[str]]) -> list[PrefillWorker]:
 def build_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsm-pd router", description=__doc__.split("\n\n")[0])
     parser.add_argument("--prefill", nargs="+", action="append", required=True, metavar="URL [BOOTSTRAP_PORT]",
-                        help="a prefill worker and its bootstrap port ('none' or omitted: decode's default)")
-    parser.add_argument("--decode", action="append", required=True, metavar="URL", help="a decode worker")
+                        help="a prefill worker and its bootstrap port ('none' or omitted: decode's default); a worker "
+                             "on a unix socket is unix:PATH, and its bootstrap server unix:PATH too (--prefill "
+                             "unix:/run/p.sock unix:/run/p.bootstrap.sock)")
+    parser.add_argument("--decode", action="append", required=True, metavar="URL",
+                        help="a decode worker (http://HOST:PORT, or unix:PATH)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--uds", default=None, metavar="PATH",
+                        help="serve the router's HTTP API on this unix socket instead of --host/--port (curl "
+                             "--unix-socket PATH http://localhost/...; docs/operations.md, Serving over unix sockets)")
     parser.add_argument("--policy", choices=POLICIES, default="least_outstanding",
                         help="how a worker of each role is chosen among the healthy ones (default: least_outstanding, "
                              "the fewest requests in flight from this router, ties in turn; cache_aware: where the "
@@ -259,10 +270,17 @@ def router_main(argv: Sequence[str] | None = None) -> None:
 
     parser = build_arg_parser()
     args = parser.parse_args(argv)
+    if args.uds is not None:
+        try:
+            check_path(args.uds, "--uds")
+        except UnixPathError as err:  # one line, as every role says it
+            print(f"fsm-pd router: {err}", file=sys.stderr)
+            sys.exit(2)
     try:
         app = router_app_from_args(args)
     except ValueError as err:
         parser.error(str(err))
     logging.basicConfig(level=args.log_level.upper())
-    serve(app, args.host, args.port, log_level=args.log_level, read_timeouts=read_timeouts_from_args(args))
+    serve(app, args.host, args.port, log_level=args.log_level, read_timeouts=read_timeouts_from_args(args),
+          uds=args.uds)
 

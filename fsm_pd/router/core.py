@@ -38,11 +38,12 @@ from fsm_pd.router.legs import (
     relay,
     until,
 )
-from fsm_pd.router.merge import merge_json, merge_sse, prefill_input_logprobs
+from fsm_pd.router.merge import check_bootstrap, merge_json, merge_sse, prefill_input_logprobs
 from fsm_pd.router.metrics import RouterMetrics
 from fsm_pd.router.migrate import Progress, can_migrate, node_failure
 from fsm_pd.router.policy import PolicySettings, PrefillIdleWatch, Route, RouteInput, decide, prompt_tokens
 from fsm_pd.router.routes import RunningRequests
+from fsm_pd.unix_http import async_client, http_url
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ RETRY_POLICIES = ("retry", "fail")
 @dataclass(frozen=True, slots=True)
 class PrefillWorker:
     url: str
-    bootstrap_port: int | None  # None: decode uses its own default (SGLang's "null")
+    bootstrap_port: int | str | None  # None: decode uses its own default (SGLang's "null"); "unix:PATH": a socket
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +85,12 @@ class PDRouter:
             raise ValueError(f"retry policy must be one of {RETRY_POLICIES}, got {retry.policy!r}")
         if retry.max_retries < 0 or health_interval_s <= 0 or health_timeout_s <= 0:
             raise ValueError("--max-retries must not be negative, health-check interval and timeout positive")
+        for w in prefill:
+            check_bootstrap(w.url, w.bootstrap_port)
         self.metrics = metrics or RouterMetrics()
-        self.fleet = Fleet([Worker("prefill", w.url.rstrip("/"), w.bootstrap_port) for w in prefill],
-                           [Worker("decode", u.rstrip("/")) for u in decode], policy=policy, breaker=breaker,
+        # a worker on a unix socket (unix:PATH) is reached at http+unix://localhost/PATH (unix_http.http_url)
+        self.fleet = Fleet([Worker("prefill", http_url(w.url).rstrip("/"), w.bootstrap_port) for w in prefill],
+                           [Worker("decode", http_url(u).rstrip("/")) for u in decode], policy=policy, breaker=breaker,
                            rng=random.Random(seed), observer=self.metrics.fleet_event, cache_aware=cache_aware)
         self.metrics.watch(self.fleet)
         self.pd_policy = pd_policy or PolicySettings()  # which requests go through a prefill node (policy.py)
@@ -108,7 +112,7 @@ class PDRouter:
     @property
     def client(self) -> httpx.AsyncClient:
         if self._client is None:  # made on first use, on the serving loop
-            self._client = httpx.AsyncClient(timeout=self.timeout, limits=httpx.Limits(max_connections=None))
+            self._client = async_client(timeout=self.timeout, limits=httpx.Limits(max_connections=None))
         return self._client
 
     async def aclose(self) -> None:

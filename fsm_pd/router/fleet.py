@@ -55,7 +55,8 @@ class Worker:
 
     role: str  # "prefill" or "decode"
     url: str  # no trailing slash
-    bootstrap_port: int | None = None  # prefill only; None: the decode's own default (SGLang's "null")
+    bootstrap_port: int | str | None = None  # prefill only; None: the decode's own default (SGLang's "null");
+    # "unix:PATH": a bootstrap server on a unix socket (merge.with_bootstrap)
     outstanding: int = 0  # requests this router has in flight there
     # of those, the attempts whose prompt this worker prefills and whose first token has not come yet (a whole
     # answer: until it is read): a prefill worker's PD prefills, and any worker's local requests (policy rule 3)

@@ -13,6 +13,8 @@ import secrets
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
+from fsm_pd.unix_sockets import is_unix
+
 ROOM_BITS = 63  # SGLang's rooms are random non-negative int64s
 
 
@@ -26,9 +28,21 @@ def bootstrap_host(url: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def with_bootstrap(body: dict, prefill_url: str, bootstrap_port: int | None, room: int) -> dict:
-    """A copy of ``body`` with the PD fields; a client's own ``bootstrap_*`` fields are overwritten."""
-    return {**body, "bootstrap_host": bootstrap_host(prefill_url), "bootstrap_port": bootstrap_port,
+def check_bootstrap(prefill_url: str, bootstrap: int | str | None) -> None:
+    """``ValueError`` for a prefill worker whose bootstrap server the PD fields cannot name: one on a unix socket
+    must be given as ``unix:PATH`` (its URL's host says nothing of it)."""
+    if is_unix(prefill_url) and not is_unix(bootstrap):
+        raise ValueError(f"--prefill {prefill_url}: a prefill worker on a unix socket needs its bootstrap server's "
+                         f"socket too (--prefill {prefill_url} unix:BOOTSTRAP_SOCKET), not {bootstrap!r}")
+
+
+def with_bootstrap(body: dict, prefill_url: str, bootstrap: int | str | None, room: int) -> dict:
+    """A copy of ``body`` with the PD fields; a client's own ``bootstrap_*`` fields are overwritten. ``bootstrap``:
+    the prefill's bootstrap port (None: the decode's own default), or ``unix:PATH`` for a bootstrap server on a unix
+    socket, sent as ``bootstrap_host`` with ``bootstrap_port`` null (docs/operations.md, Serving over unix sockets)."""
+    if is_unix(bootstrap):
+        return {**body, "bootstrap_host": bootstrap, "bootstrap_port": None, "bootstrap_room": room}
+    return {**body, "bootstrap_host": bootstrap_host(prefill_url), "bootstrap_port": bootstrap,
             "bootstrap_room": room}
 
 

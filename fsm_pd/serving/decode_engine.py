@@ -59,7 +59,8 @@ from fsm_pd.serving.recompute import ON_TRANSFER_FAILURE, RECOMPUTED_TRIGGERS, T
 from fsm_pd.serving.retraction import DecodeLoopCollector
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.top_logprobs import from_wire as top_logprobs_from_wire
-from fsm_pd.serving.types import EngineError
+from fsm_pd.serving.types import EngineError, GenerateRequest
+from fsm_pd.unix_sockets import is_unix
 
 
 class DecodeEngine(LocalPath, PDEngine):
@@ -103,6 +104,16 @@ class DecodeEngine(LocalPath, PDEngine):
 
     def _pool_tokens_checked(self) -> int:
         return self.pool_tokens
+
+    def _check(self, request: GenerateRequest) -> None:
+        super()._check(request)
+        boot = request.bootstrap
+        if self.manager.uds is not None and boot is not None and not boot.local and not is_unix(boot.host):
+            raise EngineError(
+                f"request {request.rid}: this node serves over unix sockets only (--uds) and opens no TCP socket, but "
+                f"bootstrap_host {boot.host!r} names a bootstrap server over TCP; a PD router must name it unix:PATH "
+                "(fsm-pd's router: --prefill unix:HTTP_SOCKET unix:BOOTSTRAP_SOCKET; sglang-router cannot name unix "
+                "sockets)", 400)
 
     def _open_room(self, seq: Sequence) -> None:
         route = {"route": seq.request.route["reason"]} if seq.request.route else {}

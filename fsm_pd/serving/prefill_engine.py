@@ -67,22 +67,24 @@ class PrefillEngine(LocalPath, PDEngine):
     watched = ("WaitingForInput", "Success", "Failed")
 
     def __init__(self, model: LoadedModel | str = "tiny", *, bootstrap_port: int | None = 0,
-                 bootstrap_url: str | None = None, bootstrap_token: str | None = None, max_prefill_batch: int = 8,
+                 bootstrap_url: str | None = None, bootstrap_token: str | None = None,
+                 bootstrap_uds: str | None = None, max_prefill_batch: int = 8,
                  chunked_prefill_size: int = CHUNKED_PREFILL_SIZE, radix_cache: bool = True,
                  chunk_transfers: bool = True, serve_local: bool = False, max_running: int = 64,
                  prefill_chunk_steps: float = DEFAULT_CHUNK_STEPS, clock: Callable[[], float] = time.perf_counter,
                  **node):
         """``node``: the settings of every PD node (``PDEngine``: pool size, node id, journal, secret, backend,
         deadlines, host, advertise_host). ``bootstrap_port``: run a bootstrap server on it (0: any free port) and
-        register with it; None and a ``bootstrap_url``: register with that server instead; None and no URL: do not
-        register (tests that tell the decode side our side-channel address directly). ``radix_cache``: reuse cached
-        prompt prefixes (``--disable-radix-cache`` turns it off); the decode node still gets every page.
-        ``chunked_prefill_size``: padded prompt tokens a prefill step computes; a longer prompt takes several.
-        ``chunk_transfers``: hand such a prompt over chunk by chunk while the rest computes (False: after the last
-        chunk, in one piece; the comparison the TTFT bench makes). ``serve_local``: also serve requests the router
-        sends here whole, up to ``max_running`` of them decoding at once (``local_path.py``); while they decode,
-        every prefill step here (theirs and the PD prompts') costs at most ``prefill_chunk_steps`` of their decode
-        steps (``scheduling/step_budget.py``; 0: ``chunked_prefill_size`` alone), timed on ``clock``."""
+        register with it (on the unix socket ``bootstrap_uds`` instead, when given); None and a ``bootstrap_url``:
+        register with that server instead; None and no URL: do not register (tests that tell the decode side our
+        side-channel address directly). ``radix_cache``: reuse cached prompt prefixes (``--disable-radix-cache`` turns
+        it off); the decode node still gets every page. ``chunked_prefill_size``: padded prompt tokens a prefill step
+        computes; a longer prompt takes several. ``chunk_transfers``: hand such a prompt over chunk by chunk while the
+        rest computes (False: after the last chunk, in one piece; the comparison the TTFT bench makes). ``serve_local``:
+        also serve requests the router sends here whole, up to ``max_running`` of them decoding at once
+        (``local_path.py``); while they decode, every prefill step here (theirs and the PD prompts') costs at most
+        ``prefill_chunk_steps`` of their decode steps (``scheduling/step_budget.py``; 0: ``chunked_prefill_size``
+        alone), timed on ``clock``."""
         super().__init__(model, prefix_cache=radix_cache, **node)
         self.serves_local = serve_local
         # bounds a step in time only while streams decode here, which only a node serving local requests has
@@ -110,7 +112,8 @@ class PrefillEngine(LocalPath, PDEngine):
         self._in_flight: dict[int, FirstToken] = {}  # room -> first token of a prefilled request being pulled
         self.bootstrap_server = None
         if bootstrap_port is not None:
-            self.bootstrap_server = BootstrapServer(host, bootstrap_port, token=bootstrap_token).start()
+            self.bootstrap_server = BootstrapServer(host, bootstrap_port, token=bootstrap_token,
+                                                    uds=bootstrap_uds).start()
             bootstrap_url = self.bootstrap_server.url
         self.bootstrap_url = bootstrap_url
         self._bootstrap_token = bootstrap_token
@@ -129,9 +132,12 @@ class PrefillEngine(LocalPath, PDEngine):
 
     @property
     def bootstrap_host_port(self) -> tuple[str, int] | None:
-        """Where requests for this node should point (``Bootstrap.host``, ``Bootstrap.port``)."""
+        """Where requests for this node should point (``Bootstrap.host``, ``Bootstrap.port``): on a unix socket,
+        ``("unix:PATH", 0)``."""
         if self.bootstrap_server is None:
             return None
+        if self.bootstrap_server.uds is not None:
+            return self.bootstrap_server.url, 0
         return self.manager.advertise_host, self.bootstrap_server.port
 
     def _open_room(self, seq: Sequence) -> None:

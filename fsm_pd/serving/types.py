@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from fsm_pd.model.sampling import SamplingParams
 from fsm_pd.transport.addresses import with_port
+from fsm_pd.unix_sockets import is_unix
 
 
 class EngineError(Exception):
@@ -37,8 +38,9 @@ class Bootstrap:
 
     @property
     def addr(self) -> str:
-        """``host:port``, an IPv6 host in brackets (whether the router sent them or not)."""
-        return with_port(self.host, self.port)
+        """``host:port``, an IPv6 host in brackets (whether the router sent them or not); a ``unix:PATH`` host as it
+        is (a bootstrap server on a unix socket has no port)."""
+        return self.host if is_unix(self.host) else with_port(self.host, self.port)
 
 
 @dataclass(slots=True)

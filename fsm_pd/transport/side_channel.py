@@ -1,14 +1,16 @@
 """One process's side channel: a bound PULL socket read by a background thread, and cached PUSH sockets to peers.
 
-Theory of operation. Every node binds one PULL socket (on 127.0.0.1 and a random port unless told otherwise) and
-advertises its address (``SideChannel.address``: the bound endpoint, with ``advertise_host`` in place of its host when
-the node binds a wildcard or an address its peers cannot reach). Every message it stamps carries that address as
-``origin``, its node id as ``sender`` and its process's ``instance``, so a receiver knows who spoke, where to answer
-and whether the peer at that address is still the process it was talking to; nobody needs a fixed port. Sending
+Theory of operation. Every node binds one PULL socket (on 127.0.0.1 and a random port unless told otherwise, or on a
+unix socket, ``ipc://PATH``, whose file it removes when it closes) and advertises its address (``SideChannel.address``:
+the bound endpoint, with ``advertise_host`` in place of its host when the node binds a wildcard or an address its peers
+cannot reach). Before binding ``tcp://`` it checks with a plain socket that the host allows TCP at all: where it does
+not, libzmq would abort the process, and a ``TcpRefused`` error says so instead. Every message it stamps carries that
+address as ``origin``, its node id as ``sender`` and its process's ``instance``, so a receiver knows who spoke, where to
+answer and whether the peer at that address is still the process it was talking to; nobody needs a fixed port. Sending
 connects a PUSH socket to the peer's address once and caches it. A listener thread drains the PULL socket, runs each
-frame through ``open_frame`` (size, version, MAC, body) and the ``ReplayGuard`` (freshness, nonce, duplicate), and
-hands what survives to the observers and then to ``on_message``. Everything else is counted per reason (``dropped``)
-and logged at most once per ``log_interval_s`` per reason.
+frame through ``open_frame`` (size, version, MAC, body) and the ``ReplayGuard`` (freshness, nonce, duplicate), and hands
+what survives to the observers and then to ``on_message``. Everything else is counted per reason (``dropped``) and
+logged at most once per ``log_interval_s`` per reason.
 
 Heartbeats belong to the channel. A HEARTBEAT ping is answered with a pong to its ``origin`` (while ``healthy()``
 says so) and ``ping(addr)`` sends one; both go out without blocking (``try_send``, then the ``Courier`` thread).
@@ -66,6 +68,7 @@ from fsm_pd.transport.signing import (
     open_frame,
     seal,
 )
+from fsm_pd.unix_sockets import ipc_file, prepare_zmq_bind, remove_socket
 
 __all__ = ["DROP_REASONS", "BadPeerAddress", "ChannelClosed", "MessageTooLarge", "PeerUnreachable", "SideChannel",
            "SideChannelError"]
@@ -121,6 +124,7 @@ class SideChannel:
         self._delivered = 0
         self._handler_errors = 0
 
+        prepare_zmq_bind(bind, f"the side channel of {node_id}")  # a Python error where libzmq would abort
         self._ctx = zmq.Context()
         self._peers = PeerSockets(self._ctx, owner=node_id, send_timeout_ms=max(1, round(send_timeout_s * 1000)),
                                   linger_ms=max(0, round(linger_s * 1000)))
@@ -137,6 +141,7 @@ class SideChannel:
             # zmq spells "any free port" as "*"; accept the more familiar ":0" too.
             self._inbox.bind(bind[:-2] + ":*" if bind.endswith(":0") else bind)
             endpoint = self._inbox.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._ipc_file = ipc_file(endpoint)  # removed on close: libzmq leaves it behind
         except zmq.ZMQError:
             self._inbox.close()
             self._ctx.term()
@@ -319,6 +324,8 @@ class SideChannel:
         self._peers.close_all()  # with each socket's LINGER: in-flight frames get linger_s to leave
         if not in_listener:
             self._ctx.term()
+        if self._ipc_file is not None:
+            remove_socket(*self._ipc_file)
 
     def __enter__(self) -> SideChannel:
         return self

@@ -68,14 +68,22 @@ def test_launch_serves_through_the_router_and_stops_everything(tmp_path):
 
 
 def test_launch_keeps_serving_while_a_node_of_each_role_is_alive(tmp_path):
-    port = free_port()
-    proc, lines, reader = started(["--prefill", "2", "--decode", "1", "--model", "tiny", "--no-warmup", "--port",
-                                   str(port), "--journal-dir", str(tmp_path / "cluster"),
+    """Over unix sockets (``--uds``; test_launch_serves_through_the_router_and_stops_everything runs TCP): the killed
+    node's sockets stay behind until launch, stopping, finds nobody listening on them."""
+    sockets = tmp_path / "s"
+    proc, lines, reader = started(["--prefill", "2", "--decode", "1", "--model", "tiny", "--no-warmup", "--uds",
+                                   str(sockets), "--journal-dir", str(tmp_path / "cluster"),
                                    "--router-arg=--pd-policy=always"])  # every request through a prefill node
     body = {"text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    router = httpx.Client(transport=httpx.HTTPTransport(uds=str(sockets / "router.sock")), timeout=120)
     try:
-        url = f"http://127.0.0.1:{port}"
-        assert httpx.post(url + "/generate", json=body, timeout=120).status_code == 200
+        url = "http://localhost"
+        assert router.post(url + "/generate", json=body).status_code == 200
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(sockets / "decode-0.sock"))) as decode:
+            # a node on unix sockets opens no TCP socket: a bootstrap server named over TCP is refused, and why
+            over_tcp = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 5}
+            refused = decode.post(url + "/generate", json=over_tcp, timeout=30)
+            assert refused.status_code == 400 and "sglang-router cannot name unix sockets" in refused.text
         # a node launch started (a child of the launcher this test started), found by its node id
         (victim,) = [c for c in psutil.Process(proc.pid).children() if "prefill-1" in c.cmdline()]
         victim.kill()
@@ -84,10 +92,13 @@ def test_launch_keeps_serving_while_a_node_of_each_role_is_alive(tmp_path):
             assert proc.poll() is None and time.time() < deadline, "".join(lines)
             time.sleep(0.2)
         assert any("prefill-1 exited with -9" in line for line in lines)
+        assert (sockets / "prefill-1.sock").is_socket()  # killed: left behind
         for _ in range(3):  # whichever prefill the router picks, the answer comes
-            assert httpx.post(url + "/generate", json=body, timeout=120).status_code == 200
+            assert router.post(url + "/generate", json=body).status_code == 200
     finally:
+        router.close()
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
         reader.join(10)
     assert proc.returncode == 0, "".join(lines)
+    assert list(sockets.iterdir()) == []

@@ -1,4 +1,5 @@
-"""The transfer-backend contract, exercised between two real processes on 127.0.0.1 (``jax``, ``zmq`` and ``tcp``).
+"""The transfer-backend contract, exercised between two real processes on 127.0.0.1 (``jax``, ``zmq`` and ``tcp``),
+and on unix sockets (``tcp-uds``, ``zmq-ipc``: the byte-stream backends as a node started with ``--uds`` runs them).
 
 This process is D (the consumer); P is ``transfer_producer.py`` in a subprocess driven over stdin/stdout. The
 ``fake`` backend runs the same contract in process. Deadline tests measure how long a failing pull took and assert
@@ -42,6 +43,7 @@ make_arrays = transfer_producer.make_arrays
 # test here (a busy machine runs late; these tests are about which ending a pull gets, not how fast).
 HANG_S = 15.0
 NETWORK_BACKENDS = ["jax", "zmq", "tcp"]
+OVER_UNIX = {"tcp-uds": "tcp", "zmq-ipc": "zmq"}  # these backends with ``uds``: their server on a unix socket
 
 
 class Producer:
@@ -158,12 +160,21 @@ def timed_failure(fn, *args) -> tuple[TransferError, float]:
     return info.value, time.monotonic() - start
 
 
-@pytest.fixture(scope="module", params=[*NETWORK_BACKENDS, "fake"])
-def pair(request) -> tuple[Producer | InProcessProducer, TransferBackend]:
+def start_producer(name: str, tmp: Path) -> Producer:
+    """P for ``name``: a network backend, or one of ``OVER_UNIX`` on a socket in ``tmp``."""
+    if name in OVER_UNIX:
+        producer = Producer(OVER_UNIX[name], uds=str(tmp / f"{name}.sock"))
+        assert producer.address.startswith(("unix:", "ipc://")) and str(tmp) in producer.address
+        return producer
+    return Producer(name)
+
+
+@pytest.fixture(scope="module", params=[*NETWORK_BACKENDS, "fake", "tcp-uds"])
+def pair(request, tmp_path_factory) -> tuple[Producer | InProcessProducer, TransferBackend]:
     """A long-lived producer and this process's consumer backend, for tests that leave both healthy."""
     name = request.param
-    producer = InProcessProducer() if name == "fake" else Producer(name)
-    consumer = producer.backend if name == "fake" else create_backend(name)
+    producer = InProcessProducer() if name == "fake" else start_producer(name, tmp_path_factory.mktemp("uds"))
+    consumer = producer.backend if name == "fake" else create_backend(OVER_UNIX.get(name, name))
     yield producer, consumer
     producer.close()
     if name != "fake":
@@ -186,6 +197,11 @@ def test_small_mixed_arrays_arrive_byte_exact(pair):
     got = consumer.pull(producer.address, uuid, specs(shapes, dtypes), 20)
     assert_bytes_equal(got, make_arrays(1, shapes, dtypes))
     producer.call(op="release", uuid=uuid)
+
+
+@pytest.mark.parametrize("pair", ["zmq-ipc"], indirect=True)  # the rest of the contract is zmq's over TCP
+def test_zmq_over_a_unix_socket_arrives_byte_exact(pair):
+    test_small_mixed_arrays_arrive_byte_exact(pair)
 
 
 @pytest.mark.parametrize("sizes_kib", [[4], [1, 33, 517], [1500, 1, 2049]])
@@ -322,12 +338,12 @@ def test_unpulled_hold_expires_frees_memory_and_fails_late_pulls(pair):
 # ---------------------------------------------------------------- a dead producer never hangs the consumer
 
 
-@pytest.mark.parametrize("backend", NETWORK_BACKENDS)
-def test_producer_killed_before_pull(backend):
-    producer = Producer(backend)
+@pytest.mark.parametrize("backend", [*NETWORK_BACKENDS, "tcp-uds"])
+def test_producer_killed_before_pull(backend, tmp_path):
+    producer = start_producer(backend, tmp_path)
     uuid = producer.publish(11, [[1024]], ["float32"])
     producer.kill()
-    with create_backend(backend) as consumer:
+    with create_backend(OVER_UNIX.get(backend, backend)) as consumer:
         err, elapsed = timed_failure(consumer.pull, producer.address, uuid, specs([[1024]], ["float32"]), 3)
     assert isinstance(err, TransferTimeout | TransferFailed), err
     assert elapsed <= 3 + HANG_S
@@ -388,6 +404,30 @@ def test_producer_killed_mid_transfer(backend):
         assert isinstance(err, TransferTimeout | TransferFailed), err
         # A killed peer closes its sockets: both backends notice that before the pull's deadline.
         assert time.monotonic() - begin < timeout_s, err
+
+
+def test_a_unix_socket_is_removed_on_close_and_a_killed_producers_replaced(tmp_path):
+    """A producer that closes removes its socket file; one that was killed leaves it, refuses pulls at once (nobody
+    listens), and does not stop the next producer from taking the path."""
+    path = tmp_path / "p.kv.sock"
+    closing = Producer("tcp", uds=str(path))
+    assert path.is_socket()
+    closing.close()
+    assert not path.exists()
+    killed = Producer("tcp", uds=str(path))
+    uuid = killed.publish(13, [[256]], ["float32"])
+    killed.kill()
+    assert path.is_socket()  # left behind
+    with create_backend("tcp") as consumer:
+        err, elapsed = timed_failure(consumer.pull, killed.address, uuid, specs([[256]], ["float32"]), 10)
+        assert isinstance(err, TransferFailed) and "cannot connect" in str(err) and elapsed < 5, err
+        successor = Producer("tcp", uds=str(path))
+        try:
+            uuid = successor.publish(14, [[256]], ["float32"])
+            got = consumer.pull(successor.address, uuid, specs([[256]], ["float32"]), 20)
+            assert_bytes_equal(got, make_arrays(14, [[256]], ["float32"]))
+        finally:
+            successor.close()
 
 
 @pytest.mark.parametrize("backend", NETWORK_BACKENDS)

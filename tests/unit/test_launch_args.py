@@ -39,3 +39,26 @@ def test_launch_exits_2_with_the_error_and_starts_nothing(tmp_path):
     assert result.returncode == 2, result.stdout + result.stderr
     assert "prefill-0" in result.stdout and "invalid float value: 'soon'" in result.stdout
     assert not journals.exists()  # nothing started: no journal directory, no logs
+
+
+def test_launch_uds_names_a_socket_path_too_long_before_anything_starts(tmp_path):
+    journals, sockets = tmp_path / "cluster", tmp_path / ("d" * 90)
+    result = subprocess.run([sys.executable, "-m", "fsm_pd.cli", "launch", "--journal-dir", str(journals),
+                             "--uds", str(sockets)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    said = result.stdout.strip()
+    assert "\n" not in said and said.startswith("fsm-pd launch: prefill-0: --uds: ") and "sun_path" in said
+    assert not journals.exists() and not sockets.exists()
+
+
+def test_launch_uds_puts_every_socket_under_the_directory_and_names_them_to_the_router():
+    procs = plan(1, 1, 30000, "tiny", "tcp", Path("/tmp/unused"), [], uds=Path("/run/fsm"))
+    prefill, decode, router = procs
+    assert router.url == "unix:/run/fsm/router.sock" and "--port" not in router.argv
+    assert prefill.argv[prefill.argv.index("--bootstrap-uds") + 1] == "/run/fsm/prefill-0.bootstrap.sock"
+    at = router.argv.index("--prefill")
+    assert router.argv[at:at + 3] == ["--prefill", "unix:/run/fsm/prefill-0.sock",
+                                      "unix:/run/fsm/prefill-0.bootstrap.sock"]
+    assert router.argv[router.argv.index("--decode") + 1] == decode.url == "unix:/run/fsm/decode-0.sock"
+    assert all(path.startswith("/run/fsm/") for child in procs for path in child.sockets.values())
+    assert check_commands(procs) is None

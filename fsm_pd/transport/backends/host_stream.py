@@ -163,20 +163,21 @@ class HostStreamBackend(HoldingBackend):
     _server: object | None
 
     def __init__(self, *, host: str = "127.0.0.1", advertise_host: str | None = None, port: int = 0,
-                 tombstone_ttl_s: float = 600.0, recv_pool_bytes: int = 1 << 30, serve: bool = True) -> None:
+                 uds: str | None = None, tombstone_ttl_s: float = 600.0, recv_pool_bytes: int = 1 << 30,
+                 serve: bool = True) -> None:
         """``recv_pool_bytes`` caps the warm receive blocks D keeps for reuse (``fsm_pd.kernels.host_blocks``);
         ``serve=False`` makes a pull-only node; ``address`` names ``advertise_host`` instead of the bound ``host``
-        when it is given."""
+        when it is given. ``uds``: serve on that unix socket path instead of ``host:port``."""
         self._advertise_host = advertise_host
         self._recv_pool = HostBlocks(recv_pool_bytes)
         self._closed = False
         self._close_lock = threading.Lock()
         self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s, clock=scheduler())
         self._changed = threading.Condition(self._holds.lock)  # publish, end and progress wake the senders
-        self._server = self._make_server(host, port) if serve else None
+        self._server = self._make_server(host, port, uds) if serve else None
 
-    def _make_server(self, host: str, port: int) -> object:
-        """The backend's own pull server, bound to ``host:port`` (0: any free port)."""
+    def _make_server(self, host: str, port: int, uds: str | None) -> object:
+        """The backend's own pull server, bound to ``host:port`` (0: any free port), or to the unix socket ``uds``."""
         raise NotImplementedError
 
     def pull(self, address: str, uuid: int, spec: Sequence[jax.ShapeDtypeStruct], timeout_s: float,
@@ -196,7 +197,7 @@ class HostStreamBackend(HoldingBackend):
     @property
     def address(self) -> str:
         server = self._require_server()
-        if self._advertise_host is None:
+        if self._advertise_host is None or not server.address.startswith("tcp://"):  # a unix socket has no host
             return server.address
         return with_host(server.address, self._advertise_host)
 

@@ -1,4 +1,5 @@
-"""The ``tcp`` backend: staging bytes over one plain TCP connection per pull, received straight into place.
+"""The ``tcp`` backend: staging bytes over one plain TCP connection per pull, received straight into place. With
+``uds`` the same stream runs over a unix socket instead (address ``unix:PATH``), for hosts that allow no TCP.
 
 Same contract and the same P-side entries (``host_stream``) as the ``zmq`` backend, with a thinner wire: TCP's flow
 control replaces credits, and D ``recv_into``s every data frame directly into its aligned host array, the one copy
@@ -37,16 +38,36 @@ from fsm_pd.transport.backends.holds import Hold
 from fsm_pd.transport.backends.host_stream import HostEntry, HostStreamBackend, Landing
 from fsm_pd.transport.backends.spec import layout_digest, summarize, verify_pulled
 from fsm_pd.transport.backends.tcp_server import TcpPullServer
+from fsm_pd.unix_sockets import is_unix, unix_path
 
 
-def parse_address(address: str) -> tuple[str, int]:
+def parse_address(address: str) -> tuple[int, str | tuple[str, int]]:
+    """``(socket family, address to connect to)`` of ``tcp://HOST:PORT`` or ``unix:PATH``."""
+    if is_unix(address):
+        return socket.AF_UNIX, unix_path(address)
     if not isinstance(address, str) or not address.startswith("tcp://"):
         raise TransferFailed(f"not a tcp backend address: {address!r}", "local")
     host, _, port = address[len("tcp://") :].rpartition(":")
     try:
-        return host.strip("[]"), int(port)
+        return (socket.AF_INET6 if ":" in host else socket.AF_INET), (host.strip("[]"), int(port))
     except ValueError:
         raise TransferFailed(f"not a tcp backend address: {address!r}", "local") from None
+
+
+def connect(address: str, timeout_s: float) -> socket.socket:
+    """A blocking connection to P's pull server at ``address`` (``tcp://`` or ``unix:``), connected within
+    ``timeout_s``."""
+    family, where = parse_address(address)
+    if family != socket.AF_UNIX:
+        return socket.create_connection(where, timeout=timeout_s)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout_s)
+        sock.connect(where)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 # A pull that reports progress (a streamed write, which sums each landed piece for the KV checksum) lands a large
@@ -66,9 +87,9 @@ class TcpTransferBackend(HostStreamBackend):
         super().__init__(**options)
         self._pulling: set[socket.socket] = set()
 
-    def _make_server(self, host: str, port: int) -> TcpPullServer:
-        return TcpPullServer(self._holds.lookup, self._changed, host=host, port=port, frame_bytes=self._frame_bytes,
-                             max_streams=self._max_streams)
+    def _make_server(self, host: str, port: int, uds: str | None) -> TcpPullServer:
+        return TcpPullServer(self._holds.lookup, self._changed, host=host, port=port, uds=uds,
+                             frame_bytes=self._frame_bytes, max_streams=self._max_streams)
 
     def parked_pulls(self) -> frozenset[int]:
         return frozenset() if self._server is None else self._server.parked()
@@ -113,19 +134,19 @@ class TcpTransferBackend(HostStreamBackend):
 
     def _pull(self, address: str, uuid: int, want: list, want_keys: list, deadline: float, timeout_s: float,
               on_progress: OnProgress | None) -> tuple[jax.Array, ...]:
-        host, port = parse_address(address)
         try:
-            sock = socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.001))
+            sock = connect(address, max(deadline - time.monotonic(), 0.001))
             sock.settimeout(None)  # blocking; every call is bounded by _arm instead
         except TimeoutError as exc:
             raise TransferTimeout(f"transfer {uuid}: connecting to {address} timed out") from exc
-        except OSError as exc:  # refused: nobody listens there (P died or never started)
+        except OSError as exc:  # refused, or no socket file: nobody listens there (P died or never started)
             raise TransferFailed(f"cannot connect to producer {address} for transfer {uuid}: {exc}") from exc
         landing = Landing(self._recv_pool, uuid, want, want_keys, on_progress)
         with sock:
             self._track(sock, True)
             try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if sock.family != socket.AF_UNIX:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 request = {"v": wire.PROTOCOL_VERSION, "uuid": uuid, "digest": layout_digest(want_keys),
                            "timeout_s": timeout_s}
                 arrays = _receive(sock, request, landing, deadline)

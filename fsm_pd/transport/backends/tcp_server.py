@@ -1,4 +1,5 @@
-"""P side of the tcp backend: accept pull connections and stream each one from its own thread.
+"""P side of the tcp backend: accept pull connections and stream each one from its own thread. The connections are
+TCP, or unix stream sockets when the server listens on one (``uds``): the stream is the same.
 
 A stream thread never holds the table lock while it sends. It waits (on the backend's condition, which shares the
 hold table's lock) for the entry to be published or for more of a progressive entry to become final, then sends
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from fsm_pd.transport.addresses import bare_host, is_ipv6, with_port
 from fsm_pd.transport.backends import tcp_wire as wire
 from fsm_pd.transport.backends.host_stream import HostEntry
+from fsm_pd.unix_sockets import Listener
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +50,15 @@ class TcpPullServer:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
+        uds: str | None = None,
         frame_bytes: int = 4 << 20,
         max_streams: int = 256,
     ) -> None:
         """``lookup(uuid)`` (called under ``changed``'s lock) returns ``(entry, None)`` for a live hold,
         ``(None, reason)`` for an ended one, else ``(None, None)``; ``changed`` is notified on every publish, end
         and progress. At most ``max_streams`` connections are served at once (a thread each); more are refused
-        with a FAIL, so a flood of connections costs no more than that many threads."""
+        with a FAIL, so a flood of connections costs no more than that many threads. ``uds``: listen on that unix
+        socket instead of ``host:port`` (the address is then ``unix:PATH``; the file goes when the server stops)."""
         self._lookup, self._changed, self._frame_bytes = lookup, changed, frame_bytes
         self._max_streams = max_streams
         self._slots = threading.BoundedSemaphore(max_streams)
@@ -67,10 +71,15 @@ class TcpPullServer:
         self._idle = 0
         self._delivered: set[int] = set()  # pulled once, awaiting release; guarded by ``changed``
         self._parked: Counter[int] = Counter()  # streams waiting for their uuid's publish; guarded by ``changed``
-        family = socket.AF_INET6 if is_ipv6(host) else socket.AF_INET
-        self._listener = socket.create_server((bare_host(host), port), family=family)
-        bound_host, bound_port = self._listener.getsockname()[:2]
-        self.address = f"tcp://{with_port(bound_host, bound_port)}"  # IPv6 in brackets
+        self._unix: Listener | None = None
+        if uds is not None:
+            self._unix = Listener(uds, what="the tcp transfer backend")
+            self._listener, self.address = self._unix.socket, self._unix.address
+        else:
+            family = socket.AF_INET6 if is_ipv6(host) else socket.AF_INET
+            self._listener = socket.create_server((bare_host(host), port), family=family)
+            bound_host, bound_port = self._listener.getsockname()[:2]
+            self.address = f"tcp://{with_port(bound_host, bound_port)}"  # IPv6 in brackets
         self._stopping = False
         self._thread = threading.Thread(target=self._accept, name=f"fsm-pd-tcp-server {self.address}", daemon=True)
         self._thread.start()
@@ -89,7 +98,10 @@ class TcpPullServer:
         self._stopping = True
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
-        self._listener.close()
+        if self._unix is not None:
+            self._unix.close()  # the socket and its file
+        else:
+            self._listener.close()
         self._thread.join(timeout=5)
         with self._changed:
             self._changed.notify_all()  # parked streams see _stopping; streams of ended holds send their FAIL
@@ -141,7 +153,8 @@ class TcpPullServer:
 
     def _serve_one(self, conn: socket.socket) -> None:
         with conn:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if conn.family != socket.AF_UNIX:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(REQUEST_TIMEOUT_S)
             try:
                 request = wire.read_request(conn)

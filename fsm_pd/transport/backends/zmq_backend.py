@@ -50,8 +50,8 @@ class ZmqTransferBackend(HostStreamBackend):
         super().__init__(**options)
         self._ctx = zmq.Context()
 
-    def _make_server(self, host: str, port: int) -> ZmqPullServer:
-        return ZmqPullServer(self._holds.lookup, host=host, port=port, chunk_bytes=self._chunk_bytes)
+    def _make_server(self, host: str, port: int, uds: str | None) -> ZmqPullServer:
+        return ZmqPullServer(self._holds.lookup, host=host, port=port, uds=uds, chunk_bytes=self._chunk_bytes)
 
     def parked_pulls(self) -> frozenset[int]:
         return frozenset() if self._server is None else self._server.parked

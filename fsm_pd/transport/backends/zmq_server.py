@@ -22,6 +22,7 @@ import zmq
 from fsm_pd.transport.addresses import is_ipv6, with_port
 from fsm_pd.transport.backends import zmq_wire as wire
 from fsm_pd.transport.backends.host_stream import HostEntry
+from fsm_pd.unix_sockets import ipc_address, ipc_file, prepare_zmq_bind, remove_socket
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +44,11 @@ class ZmqPullServer:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
+        uds: str | None = None,
         chunk_bytes: int = 512 << 10,
     ) -> None:
         """``lookup(uuid)`` returns ``(entry, None)`` for a live hold, ``(None, reason)`` for an ended one, else
-        ``(None, None)``."""
+        ``(None, None)``. ``uds``: bind that unix socket (``ipc://PATH``) instead of ``host:port``."""
         self._lookup = lookup
         self._chunk_bytes = chunk_bytes
         self._ctx = zmq.Context()
@@ -56,8 +58,11 @@ class ZmqPullServer:
         self._sock.setsockopt(zmq.SNDHWM, 0)  # credits bound what is queued, not the high-water mark
         if is_ipv6(host):  # only then: with it, an IPv4 bind would report its endpoint as [::ffff:a.b.c.d]
             self._sock.setsockopt(zmq.IPV6, 1)
-        self._sock.bind(f"tcp://{with_port(host, port)}")
+        endpoint = ipc_address(uds) if uds is not None else f"tcp://{with_port(host, port)}"
+        prepare_zmq_bind(endpoint, "the zmq transfer backend")  # a Python error where libzmq would abort
+        self._sock.bind(endpoint)
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._ipc_file = ipc_file(self.address)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._commands: queue.SimpleQueue[tuple[str, int, str]] = queue.SimpleQueue()
@@ -108,6 +113,8 @@ class ZmqPullServer:
         finally:
             self._sock.close(linger=0)
             self._ctx.term()
+            if self._ipc_file is not None:
+                remove_socket(*self._ipc_file)  # libzmq leaves the file behind
 
     def _poll_timeout_ms(self) -> int:
         # Only deadlines need the timeout; all real work is driven by socket or wake-up events.
