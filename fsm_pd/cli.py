@@ -133,11 +133,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return launch(prefill=args.prefill, decode=args.decode, port=args.port, model=args.model,
                   backend=args.transfer_backend, journal_dir=Path(args.journal_dir), extra=extra,
                   console=Console(), warmup=args.warmup, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
-                  router_extra=args.router_arg)
+                  router_extra=args.router_arg, prefill_extra=args.prefill_arg, decode_extra=args.decode_arg)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fsm_pd.serve_flags import add_model_flags, positive_int
+    from fsm_pd.serve_flags import add_model_flags, one_line_errors, port, positive_int
 
     parser = argparse.ArgumentParser(
         prog="fsm-pd",
@@ -187,16 +187,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run one node of a PD deployment; `fsm-pd serve --role ROLE --help` lists that role's flags.",
     )
 
-    launch = sub.add_parser(
+    launch = one_line_errors(sub.add_parser(
         "launch", help="start a local PD cluster (prefill, decode, router) and serve until Ctrl-C",
         description="Start N prefill nodes (each with its bootstrap server), M decode nodes and the built-in router "
                     "on 127.0.0.1, print the router's URL, and serve until Ctrl-C or SIGTERM; then stop every "
                     "process started here. A node that dies is reported and routed around while at least one prefill "
                     "and one decode node are alive. Logs and journals go to --journal-dir.",
-    )
+    ), "fsm-pd launch")
     launch.add_argument("--prefill", type=positive_int, default=1, help="prefill nodes (default 1)")
     launch.add_argument("--decode", type=positive_int, default=1, help="decode nodes (default 1)")
-    launch.add_argument("--port", type=int, default=30000, help="the router's port (default 30000)")
+    launch.add_argument("--port", type=port, default=30000,
+                        help="the router's port, checked free before anything starts (default 30000)")
     add_model_flags(launch)
     launch.add_argument("--transfer-backend", default="tcp", help="tcp | zmq | jax (default tcp)")
     launch.add_argument("--prefill-tp", type=positive_int, default=1, metavar="N",
@@ -208,8 +209,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default on)")
     launch.add_argument("--node-arg", action="append", default=[], metavar="ARG",
                         help="pass ARG to every prefill and decode node's `fsm-pd serve` (repeatable; a flag with "
-                             "a value as one word: --node-arg=--token-idle-timeout-secs=60). Checked before "
+                             "a value as one word: --node-arg=--token-idle-timeout-secs=60; a flag only one role "
+                             "takes goes with --prefill-arg or --decode-arg). Every command line is checked before "
                              "anything starts")
+    launch.add_argument("--prefill-arg", action="append", default=[], metavar="ARG",
+                        help="pass ARG to every prefill node alone (repeatable, as --node-arg: a flag only that role "
+                             "takes, --prefill-arg=--disable-chunk-transfers)")
+    launch.add_argument("--decode-arg", action="append", default=[], metavar="ARG",
+                        help="pass ARG to every decode node alone (repeatable, as --node-arg: "
+                             "--decode-arg=--on-transfer-failure=fail)")
     launch.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                         help="pass ARG to the router's `fsm-pd serve --role router` (repeatable, as --node-arg: "
                              "--router-arg=--pd-policy=always)")

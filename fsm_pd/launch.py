@@ -2,8 +2,11 @@
 
 Starts N prefill nodes (each with its bootstrap server) and M decode nodes at once (they load the model side by side),
 then the built-in router, every one a ``fsm-pd serve`` child process on 127.0.0.1 sharing a freshly generated
-side-channel secret, and waits until each answers ``/health`` (each node compiles every shape it can serve first:
-about two minutes for SmolLM2 on 2 CPU cores the first time, well under one once the compile cache holds them).
+side-channel secret, and waits until each answers ``/health`` (each node first prepares the programs that cover every
+request and compiles the rest in the background: from the command to the first answer, about 14 s for SmolLM2 on 2
+CPU cores the first time and 5 s once the caches hold the programs and the converted model; README). Every command
+line, the router's port and the journal directory are checked first: a bad one ends launch with one line, status 2,
+before anything starts.
 Then it sends one chat request through the router, prints its answer and the time from the command to that
 answer, prints the router's URL, and serves until Ctrl-C or SIGTERM. Then it stops exactly the processes
 it started (SIGTERM, then SIGKILL after a grace period). A node that dies on its own is reported and the cluster keeps
@@ -32,7 +35,7 @@ from rich.console import Console
 
 from fsm_pd.transport import generate_secret, secret_env
 
-HEALTH_TIMEOUT_S = 600.0  # a node answers /health once it compiled every shape it serves (a first start: minutes)
+HEALTH_TIMEOUT_S = 600.0  # a node answers /health once its ready set is prepared (seconds; this bounds a slow host)
 STOP_GRACE_S = 10.0
 WARMUP_QUESTION = "What is the capital of France?"
 WARMUP_TIMEOUT_S = 300.0
@@ -77,10 +80,12 @@ class Child:
 
 
 def plan(prefill: int, decode: int, port: int, model: str, backend: str, journal_dir: Path,
-         extra: list[str], prefill_tp: int = 1, decode_tp: int = 1, router_extra: Sequence[str] = ()) -> list[Child]:
+         extra: list[str], prefill_tp: int = 1, decode_tp: int = 1, router_extra: Sequence[str] = (),
+         prefill_extra: Sequence[str] = (), decode_extra: Sequence[str] = ()) -> list[Child]:
     """The processes to start: prefill nodes, decode nodes, then the router that fronts them. ``prefill_tp`` and
     ``decode_tp``: each node's ``--tp`` (they may differ: the handoff reshards the KV). ``extra`` goes to every
-    prefill and decode node's command line, ``router_extra`` to the router's."""
+    prefill and decode node's command line, ``prefill_extra`` and ``decode_extra`` to one role's nodes alone (a flag
+    only that role takes), ``router_extra`` to the router's."""
     serve = [sys.executable, "-m", "fsm_pd.cli", "serve"]
     common = ["--host", "127.0.0.1", "--model", model, "--transfer-backend", backend, *extra]
     children, router_args = [], []
@@ -89,7 +94,7 @@ def plan(prefill: int, decode: int, port: int, model: str, backend: str, journal
         children.append(Child(f"prefill-{i}", [*serve, "--role", "prefill", "--port", str(http),
                                                "--bootstrap-port", str(boot), "--node-id", f"prefill-{i}",
                                                "--journal", str(journal_dir / f"prefill-{i}.db"),
-                                               "--tp", str(prefill_tp), *common],
+                                               "--tp", str(prefill_tp), *common, *prefill_extra],
                               f"http://127.0.0.1:{http}", journal_dir / f"prefill-{i}.log"))
         router_args += ["--prefill", f"http://127.0.0.1:{http}", str(boot)]
     for i in range(decode):
@@ -97,7 +102,7 @@ def plan(prefill: int, decode: int, port: int, model: str, backend: str, journal
         children.append(Child(f"decode-{i}", [*serve, "--role", "decode", "--port", str(http),
                                               "--node-id", f"decode-{i}",
                                               "--journal", str(journal_dir / f"decode-{i}.db"),
-                                              "--tp", str(decode_tp), *common],
+                                              "--tp", str(decode_tp), *common, *decode_extra],
                               f"http://127.0.0.1:{http}", journal_dir / f"decode-{i}.log"))
         router_args += ["--decode", f"http://127.0.0.1:{http}"]
     children.append(Child("router", [*serve, "--role", "router", "--host", "127.0.0.1", "--port", str(port),
@@ -107,11 +112,14 @@ def plan(prefill: int, decode: int, port: int, model: str, backend: str, journal
 
 
 def check_commands(children: Sequence[Child]) -> str | None:
-    """Parse each child's command line as its ``fsm-pd serve`` would; the first error, or None. So that a flag
-    passed through (``--node-arg``, ``--router-arg``) that a node would refuse stops launch before anything starts."""
+    """Parse and check each child's command line as its ``fsm-pd serve`` would (``serve_checks``, but for the
+    side-channel secret, which launch makes); the first error, or None. So that a flag passed through
+    (``--node-arg``, ``--prefill-arg``, ``--decode-arg``, ``--router-arg``) that a node would refuse stops launch
+    before anything starts."""
     import contextlib
     import io
 
+    from fsm_pd.serve_checks import listener_problem, node_problem
     from fsm_pd.serve_flags import role_parser
 
     for child in children:
@@ -119,19 +127,37 @@ def check_commands(children: Sequence[Child]) -> str | None:
         stderr = io.StringIO()
         try:
             with contextlib.redirect_stderr(stderr):
-                parser.parse_args(argv)
+                args = parser.parse_args(argv)
         except SystemExit:
             return f"{child.name}: " + stderr.getvalue().strip().splitlines()[-1]
+        problem = listener_problem(args) if child.name == "router" else node_problem(args, secret=False)
+        if problem is not None:
+            return f"{child.name}: fsm-pd serve: error: {problem}"
     return None
+
+
+def launch_problem(port: int, journal_dir: Path) -> str | None:
+    """What launch's own flags stop at before anything starts: the router's port taken, a journal directory that
+    cannot be written."""
+    from fsm_pd.serve_checks import port_problem, writable_problem
+
+    return port_problem("--port", "127.0.0.1", port) or writable_problem("--journal-dir", journal_dir, directory=True)
+
+
+def exit_cause(log: Path) -> str | None:
+    """The line of a child's log that says why it exited: the last that names an error (a server's shutdown lines
+    come after it), else the last line."""
+    lines = log.read_text(errors="replace").strip().splitlines() if log.is_file() else []
+    return next((line for line in reversed(lines) if "error" in line.lower()), lines[-1] if lines else None)
 
 
 def health(child: Child) -> tuple[bool, dict]:
     """Whether ``child`` is ready (``/health`` 200), and what it says of its start-up while it is not; raises
     when it exited."""
     if child.proc.poll() is not None:
-        lines = child.log.read_text(errors="replace").strip().splitlines() if child.log.is_file() else []
-        last = f": {lines[-1]}" if lines else ""
-        raise RuntimeError(f"{child.name} exited with {child.proc.returncode}{last} (log: {child.log})")
+        cause = exit_cause(child.log)
+        raise RuntimeError(f"{child.name} exited with {child.proc.returncode}{f': {cause}' if cause else ''} "
+                           f"(log: {child.log})")
     try:
         response = httpx.get(child.url + "/health", timeout=2.0)
     except httpx.HTTPError:
@@ -250,13 +276,15 @@ def warm_up(router: str, model: str) -> str:
 
 def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, journal_dir: Path,
            extra: list[str], console: Console, warmup: bool = True, prefill_tp: int = 1, decode_tp: int = 1,
-           router_extra: Sequence[str] = ()) -> int:
+           router_extra: Sequence[str] = (), prefill_extra: Sequence[str] = (),
+           decode_extra: Sequence[str] = ()) -> int:
     started = time.time()
-    children = plan(prefill, decode, port, model, backend, journal_dir, extra, prefill_tp, decode_tp, router_extra)
+    children = plan(prefill, decode, port, model, backend, journal_dir, extra, prefill_tp, decode_tp, router_extra,
+                    prefill_extra, decode_extra)
     # the router's parser comes with the router's imports (0.9 s): checked only when it is given flags to check
-    error = check_commands(children if router_extra else children[:-1])
+    error = launch_problem(port, journal_dir) or check_commands(children if router_extra else children[:-1])
     if error is not None:
-        console.print(f"fsm-pd launch: {error}", highlight=False)
+        print(f"fsm-pd launch: error: {error}", file=sys.stderr)  # one line, whatever the terminal's width
         return 2
     journal_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **secret_env(generate_secret())}
