@@ -96,10 +96,14 @@ def _replay_request(args: argparse.Namespace, readers, files: list[str], out) ->
     from fsm_pd.report import render_request, request_json
     from fsm_pd.store.reader import merged_sides
     from fsm_pd.store.replay import replay_sides
-    from fsm_pd.store.request import attempts
+    from fsm_pd.store.request import attempts, journal_rids
 
-    sides = merged_sides([iter(r.request_sides(args.request)) for r in readers])
-    chain = attempts(replay_sides(sides))
+    for rid in journal_rids(args.request):  # the rid, or the id of an OpenAI answer (chatcmpl-RID)
+        chain = attempts(replay_sides(merged_sides([iter(r.request_sides(rid)) for r in readers])))
+        if chain:
+            if rid != args.request:
+                print(f"fsm-pd replay: request {args.request} is journaled as rid {rid}", file=sys.stderr)
+            break
     if not chain:
         old = [r.name for r in readers if r.version == "1"]
         hint = f" ({', '.join(old)} predate request ids: schema version 1)" if old else ""
@@ -174,9 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "--journal-keep) are read too, and every file read is listed on standard error")
     which = rep.add_mutually_exclusive_group()
     which.add_argument("--room", type=int, help="only this room (shows both sides on one timeline)")
-    which.add_argument("--request", metavar="RID",
-                       help="every attempt of this request id (each a room, on any node: retries, migrations) on "
-                            "one timeline: where each ran, state by state, why it failed, what came next")
+    which.add_argument("--request", metavar="ID",
+                       help="every attempt of this request (each a room, on any node: retries, migrations) on one "
+                            "timeline: where each ran, state by state, why it failed, what came next. ID: the id "
+                            "the client saw, an OpenAI answer's (chatcmpl-..., cmpl-...), a /generate answer's "
+                            "meta_info.id or an error's error.rid")
     rep.add_argument("--failed", action="store_true", help="only rooms where a side failed (or that diverge)")
     rep.add_argument("--format", choices=("table", "json", "html"), default="table", help="output format")
     rep.add_argument("--out", help="write to this file instead of standard output")

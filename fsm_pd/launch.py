@@ -322,7 +322,8 @@ def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, jo
         if not any(arg.startswith("--pd-policy") for arg in router_extra):
             console.print("  the router hands a prompt to a prefill node only where that pays: a long one goes "
                           "through prefill and decode, a short one is served whole on a decode node (--pd-policy "
-                          "auto; each answer's meta_info.pd_route says which, and why; docs/crossover.md)",
+                          "auto; each answer's X-FSM-PD-Route and X-FSM-PD-Route-Reason headers say which, and why, "
+                          "and a /generate answer's meta_info.pd_route too; docs/crossover.md)",
                           soft_wrap=True, highlight=False)
         chat = {"messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 32, "temperature": 0}
         console.print(f"  curl {router}/v1/chat/completions -H 'Content-Type: application/json' "

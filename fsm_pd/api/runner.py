@@ -90,6 +90,8 @@ class RequestRun:
         self._closed = False
         self._ended_by_engine = False
         self._outputs_seen = 0  # outputs read: the first is waited for up to first_output_s, each later one idle_s
+        if (scope_state := getattr(http_request, "state", None)) is not None:
+            scope_state.rid = request.rid  # an error answer names the request (error.rid: api/errors.py)
         engine.submit(request, self._stream)  # an EngineError here is the engine refusing the request outright
         self._live[request.identity] = self
 

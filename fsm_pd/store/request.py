@@ -4,6 +4,10 @@ A router that retries or migrates a request opens a new bootstrap room per attem
 as ``rid`` each time; each node journals it in the room's first row (and in its ``rooms`` row, the index
 ``replay --request`` reads). An attempt is one room: its prefill side and its decode side, from whichever journals
 hold them.
+
+The id a client sees is the rid itself on ``/generate`` (``meta_info.id``) and in an error's body (``error.rid``),
+and the rid behind a prefix on the OpenAI APIs (``chatcmpl-RID``, ``cmpl-RID``): ``journal_rids`` gives the rids
+any of them may be journaled under.
 """
 
 from __future__ import annotations
@@ -12,6 +16,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from fsm_pd.store.replay import RoomReport, by_room
+
+# What the OpenAI APIs put before the rid in their answers' ``id`` (``fsm_pd/api/openai_routes.py``)
+OPENAI_ID_PREFIXES = ("chatcmpl-", "cmpl-")
+
+
+def journal_rids(client_id: str) -> list[str]:
+    """The rids the id a client saw may be journaled under, the likeliest first: the id itself (a client's own rid
+    may well start like an OpenAI id), then the id without the prefix an OpenAI answer put before the rid."""
+    found = [client_id]
+    for prefix in OPENAI_ID_PREFIXES:
+        if client_id.startswith(prefix) and len(client_id) > len(prefix):
+            found.append(client_id[len(prefix):])
+    return found
 
 
 @dataclass(slots=True)
