@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from fsm_pd.store.causes import explain_retries
 from fsm_pd.store.replay import RoomReport, by_room
 
 # What the OpenAI APIs put before the rid in their answers' ``id`` (``fsm_pd/api/openai_routes.py``)
@@ -46,17 +47,21 @@ class Attempt:
 
     @property
     def outcome(self) -> str:
-        """Success when every side succeeded, Failed when one failed, open while a side has not ended."""
+        """Success when every side succeeded, Failed when one failed or died, open while a side has not ended."""
         finals = {s.final for s in self.sides}
-        if "Failed" in finals:
+        if "Failed" in finals or any(s.alive_until is not None for s in self.sides):
             return "Failed"
         return "Success" if finals == {"Success"} else "open"
 
     @property
     def failed_first(self) -> RoomReport | None:
-        """The side that failed first: the one whose failure the other side's was a consequence of, if any."""
-        failed = [s for s in self.sides if s.failed]
-        return min(failed, key=lambda s: s.ended_at) if failed else None
+        """The side that failed first: the one whose failure the other side's was a consequence of, if any. A side
+        whose node died failed when it was last alive (``alive_until``), whenever its restart said so; a side the
+        router closed because of the other (``consequence``) comes after it."""
+        failed = [s for s in self.sides if s.failed or s.alive_until is not None]
+        if not failed:
+            return None
+        return min(failed, key=lambda s: (s.consequence, s.alive_until if s.alive_until is not None else s.ended_at))
 
     @property
     def route(self) -> str | None:
@@ -75,6 +80,8 @@ class Attempt:
 
 
 def attempts(reports: Iterable[RoomReport]) -> list[Attempt]:
-    """Group room-ordered reports into attempts, in the order they began."""
-    found = [Attempt(sides[0].room, sides) for sides in by_room(reports)]
-    return sorted(found, key=lambda a: (a.started_at, a.room))
+    """Group room-ordered reports into attempts, in the order they began; a side the router closed to retry the
+    request says so (``causes.explain_retries``)."""
+    found = sorted((Attempt(sides[0].room, sides) for sides in by_room(reports)), key=lambda a: (a.started_at, a.room))
+    explain_retries(found)
+    return found
