@@ -172,7 +172,8 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                                  "what it binds (default: --host; required when --host is 0.0.0.0 or ::)")
         parser.add_argument("--kv-checksum", choices=("on", "off"), default="on",
                             help="verify the KV of every handoff: the prefill node computes a crc32c of each piece and "
-                                 "layer when the KV is final, the decode node checks it over its own pages before "
+                                 "layer when the KV is final, the decode node sums the bytes as they land in its "
+                                 "pages (read again from the pages if another job ran in between) and compares before "
                                  "the request decodes; a mismatch fails the transfer (reason 'kv checksum "
                                  "mismatch', recomputed like any failed transfer) (default on; off on either side "
                                  "skips it: docs/data-plane.md, The KV checksum)")
