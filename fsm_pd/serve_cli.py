@@ -81,9 +81,21 @@ def serve_main(argv: Sequence[str]) -> int:
     if problem := node_problem(args):
         return _refuse(problem)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level != "debug":
+        quiet_absent_backends()
     if args.tp > 1:
         ask_for_host_devices(args.tp)
     return run_node(args)
+
+
+def quiet_absent_backends() -> None:
+    """Drop jax's INFO line about each accelerator backend it cannot start ("Unable to initialize backend 'tpu':
+    ... libtpu.so ...", on every start of a CPU host): an absent accelerator is not news. A backend that fails for
+    another reason still warns, and ``--log-level debug`` shows the lines."""
+    def keep(record: logging.LogRecord) -> bool:
+        return not (record.levelno <= logging.INFO and record.getMessage().startswith("Unable to initialize backend"))
+
+    logging.getLogger("jax._src.xla_bridge").addFilter(keep)
 
 
 def _refuse(problem: str) -> int:

@@ -7,6 +7,7 @@ loading a model (or its imports) would end in an ImportError's traceback instead
 
 from __future__ import annotations
 
+import logging
 import socket
 import subprocess
 import sys
@@ -99,3 +100,20 @@ def test_the_role_is_found_in_either_spelling():
     parser, words = role_parser(["--role=router", "--prefill", "http://p", "--decode", "http://d"])
     assert words == ["--prefill", "http://p", "--decode", "http://d"]
     assert parser.parse_args(words).decode == ["http://d"]
+
+
+def test_a_cpu_host_is_not_told_at_every_start_that_it_has_no_tpu(caplog):
+    from fsm_pd.serve_cli import quiet_absent_backends
+
+    log = logging.getLogger("jax._src.xla_bridge")
+    quiet_absent_backends()
+    try:
+        with caplog.at_level(logging.INFO):
+            log.info("Unable to initialize backend 'tpu': INTERNAL: Failed to open libtpu.so: libtpu.so: cannot open "
+                     "shared object file: No such file or directory")
+            log.warning("Unable to initialize backend 'tpu': it is there and broken")
+            log.info("another line")
+        assert [r.getMessage()[:40] for r in caplog.records] == ["Unable to initialize backend 'tpu': it i",
+                                                                 "another line"]
+    finally:
+        log.filters.clear()
