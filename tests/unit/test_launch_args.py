@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fsm_pd.launch import check_commands, plan
+from fsm_pd.launch import check_commands, exit_cause, plan
 
 
 def children(extra=(), router_extra=(), prefill_extra=(), decode_extra=()):
@@ -54,3 +54,16 @@ def test_launch_exits_2_with_the_error_and_starts_nothing(tmp_path):
     assert result.stderr == ("fsm-pd launch: error: prefill-0: fsm-pd serve: error: argument "
                              "--token-idle-timeout-secs: must be a number of seconds, got 'soon'\n")
     assert not journals.exists()  # nothing started: no journal directory, no logs
+
+
+def test_a_child_s_exit_is_reported_by_its_error_line_not_its_last(tmp_path):
+    log = tmp_path / "router.log"
+    log.write_text("INFO:     Started server process [7]\nINFO:     Waiting for application startup.\n"
+                   "ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 30000): address "
+                   "already in use\nINFO:     Waiting for application shutdown.\n"
+                   "INFO:     Application shutdown complete.\n")
+    assert exit_cause(log) == ("ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 30000): "
+                               "address already in use")
+    log.write_text("fsm-pd serve: model loaded\nKilled\n")
+    assert exit_cause(log) == "Killed"  # no error line: the last one
+    assert exit_cause(tmp_path / "none.log") is None
