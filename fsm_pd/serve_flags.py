@@ -112,10 +112,10 @@ def one_line_errors(parser: argparse.ArgumentParser, prog: str = "fsm-pd serve")
     return parser
 
 
-# Each role's default HTTP port differs, so that a prefill node, a decode node and the router started by hand on one
-# machine do not collide (docs/operations.md, "One machine, by hand"); the router and a colocated node take SGLang's
+# A prefill and a decode node default to HTTP ports of their own, so that they and the router started by hand on one
+# machine do not collide (docs/operations.md, "One machine, by hand"); a colocated node, as the router, takes SGLang's
 # 30000, where clients look.
-DEFAULT_PORTS = {"prefill": 30001, "decode": 30002, "colocated": 30000, "router": 30000}
+DEFAULT_PORTS = {"prefill": 30001, "decode": 30002}
 
 
 def node_parser(role: str) -> argparse.ArgumentParser:
