@@ -40,7 +40,7 @@ class NullInterpreter:
 def lifecycle(room: int, fail: bool) -> list[tuple[str, dict]]:
     events = [("metadata_received", {"peer": "d0", "peer_layout": LAYOUT}), ("kv_ready", {"pages": [1]})]
     if fail:
-        return [*events, ("abort", {"reason": "aborted by the client"})]
+        return [*events, ("abort", {"reason": "aborted: its HTTP request was closed before it finished"})]
     return [*events, ("published", {}), ("pull_done", {"peer": "d0"})]
 
 

@@ -96,10 +96,14 @@ def _replay_request(args: argparse.Namespace, readers, files: list[str], out) ->
     from fsm_pd.report import render_request, request_json
     from fsm_pd.store.reader import merged_sides
     from fsm_pd.store.replay import replay_sides
-    from fsm_pd.store.request import attempts
+    from fsm_pd.store.request import attempts, journal_rids
 
-    sides = merged_sides([iter(r.request_sides(args.request)) for r in readers])
-    chain = attempts(replay_sides(sides))
+    for rid in journal_rids(args.request):  # the rid, or the id of an OpenAI answer (chatcmpl-RID)
+        chain = attempts(replay_sides(merged_sides([iter(r.request_sides(rid)) for r in readers])))
+        if chain:
+            if rid != args.request:
+                print(f"fsm-pd replay: request {args.request} is journaled as rid {rid}", file=sys.stderr)
+            break
     if not chain:
         old = [r.name for r in readers if r.version == "1"]
         hint = f" ({', '.join(old)} predate request ids: schema version 1)" if old else ""
@@ -133,11 +137,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return launch(prefill=args.prefill, decode=args.decode, port=args.port, model=args.model,
                   backend=args.transfer_backend, journal_dir=Path(args.journal_dir), extra=extra,
                   console=Console(), warmup=args.warmup, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
-                  router_extra=args.router_arg, uds=Path(args.uds) if args.uds else None)
+                  router_extra=args.router_arg, uds=Path(args.uds) if args.uds else None,
+                  prefill_extra=args.prefill_arg, decode_extra=args.decode_arg)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fsm_pd.serve_flags import add_model_flags, positive_int
+    from fsm_pd.serve_flags import add_model_flags, one_line_errors, port, positive_int
 
     parser = argparse.ArgumentParser(
         prog="fsm-pd",
@@ -174,9 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "--journal-keep) are read too, and every file read is listed on standard error")
     which = rep.add_mutually_exclusive_group()
     which.add_argument("--room", type=int, help="only this room (shows both sides on one timeline)")
-    which.add_argument("--request", metavar="RID",
-                       help="every attempt of this request id (each a room, on any node: retries, migrations) on "
-                            "one timeline: where each ran, state by state, why it failed, what came next")
+    which.add_argument("--request", metavar="ID",
+                       help="every attempt of this request (each a room, on any node: retries, migrations) on one "
+                            "timeline: where each ran, state by state, why it failed, what came next. ID: the id "
+                            "the client saw, an OpenAI answer's (chatcmpl-..., cmpl-...), a /generate answer's "
+                            "meta_info.id or an error's error.rid")
     rep.add_argument("--failed", action="store_true", help="only rooms where a side failed (or that diverge)")
     rep.add_argument("--format", choices=("table", "json", "html"), default="table", help="output format")
     rep.add_argument("--out", help="write to this file instead of standard output")
@@ -187,16 +194,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run one node of a PD deployment; `fsm-pd serve --role ROLE --help` lists that role's flags.",
     )
 
-    launch = sub.add_parser(
+    launch = one_line_errors(sub.add_parser(
         "launch", help="start a local PD cluster (prefill, decode, router) and serve until Ctrl-C",
         description="Start N prefill nodes (each with its bootstrap server), M decode nodes and the built-in router "
                     "on 127.0.0.1, print the router's URL, and serve until Ctrl-C or SIGTERM; then stop every "
                     "process started here. A node that dies is reported and routed around while at least one prefill "
                     "and one decode node are alive. Logs and journals go to --journal-dir.",
-    )
+    ), "fsm-pd launch")
     launch.add_argument("--prefill", type=positive_int, default=1, help="prefill nodes (default 1)")
     launch.add_argument("--decode", type=positive_int, default=1, help="decode nodes (default 1)")
-    launch.add_argument("--port", type=int, default=30000, help="the router's port (default 30000)")
+    launch.add_argument("--port", type=port, default=30000,
+                        help="the router's port, checked free before anything starts (default 30000)")
     launch.add_argument("--uds", default=None, metavar="DIR",
                         help="serve over unix sockets instead of TCP: every process listens on sockets in DIR and "
                              "opens no TCP socket; the router's API is DIR/router.sock (curl --unix-socket "
@@ -213,8 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default on)")
     launch.add_argument("--node-arg", action="append", default=[], metavar="ARG",
                         help="pass ARG to every prefill and decode node's `fsm-pd serve` (repeatable; a flag with "
-                             "a value as one word: --node-arg=--token-idle-timeout-secs=60). Checked before "
+                             "a value as one word: --node-arg=--token-idle-timeout-secs=60; a flag only one role "
+                             "takes goes with --prefill-arg or --decode-arg). Every command line is checked before "
                              "anything starts")
+    launch.add_argument("--prefill-arg", action="append", default=[], metavar="ARG",
+                        help="pass ARG to every prefill node alone (repeatable, as --node-arg: a flag only that role "
+                             "takes, --prefill-arg=--disable-chunk-transfers)")
+    launch.add_argument("--decode-arg", action="append", default=[], metavar="ARG",
+                        help="pass ARG to every decode node alone (repeatable, as --node-arg: "
+                             "--decode-arg=--on-transfer-failure=fail)")
     launch.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                         help="pass ARG to the router's `fsm-pd serve --role router` (repeatable, as --node-arg: "
                              "--router-arg=--pd-policy=always)")

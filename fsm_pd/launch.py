@@ -3,13 +3,16 @@
 Starts N prefill nodes (each with its bootstrap server) and M decode nodes at once (they load the model side by side),
 then the built-in router, every one a ``fsm-pd serve`` child process on 127.0.0.1 (or, with ``uds``, on unix sockets
 in one directory and no TCP at all) sharing a freshly generated side-channel secret, and waits until each answers
-``/health`` (each node compiles every shape it can serve first: about two minutes for SmolLM2 on 2 CPU cores the first
-time, well under one once the compile cache holds them). Then it sends one chat request through the router, prints its
-answer and the time from the command to that answer, prints the router's URL, and serves until Ctrl-C or SIGTERM. Then
-it stops exactly the processes it started (SIGTERM, then SIGKILL after a grace period). A node that dies on its own is
-reported and the cluster keeps serving (the router's health checks and retries route around it: ``docs/fleet.md``)
-while at least one prefill and one decode node are alive; when a role has none left, or the router dies, the whole
-cluster is stopped and the exit status says so.
+``/health`` (each node first prepares the programs that cover every request and compiles the rest in the
+background: from the command to the first answer, about 14 s for SmolLM2 on 2 CPU cores the first time and 5 s once
+the caches hold the programs and the converted model; README). Every command line, the router's port and the journal
+directory are checked first: a bad one ends launch with one line, status 2, before anything starts.
+Then it sends one chat request through the router, prints its answer and the time from the command to that
+answer, prints the router's URL, and serves until Ctrl-C or SIGTERM. Then it stops exactly the processes
+it started (SIGTERM, then SIGKILL after a grace period). A node that dies on its own is reported and the cluster keeps
+serving (the router's health checks and retries route around it: ``docs/fleet.md``) while at least one prefill and one
+decode node are alive; when a role has none left, or the router dies, the whole cluster is stopped and the exit
+status says so.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from fsm_pd.unix_sockets import (
     unix_path,
 )
 
-HEALTH_TIMEOUT_S = 600.0  # a node answers /health once it compiled every shape it serves (a first start: minutes)
+HEALTH_TIMEOUT_S = 600.0  # a node answers /health once its ready set is prepared (seconds; this bounds a slow host)
 STOP_GRACE_S = 10.0
 WARMUP_QUESTION = "What is the capital of France?"
 WARMUP_TIMEOUT_S = 300.0
@@ -93,11 +96,12 @@ class Child:
 
 def plan(prefill: int, decode: int, port: int, model: str, backend: str, journal_dir: Path,
          extra: list[str], prefill_tp: int = 1, decode_tp: int = 1, router_extra: Sequence[str] = (),
-         uds: Path | None = None) -> list[Child]:
+         uds: Path | None = None, prefill_extra: Sequence[str] = (), decode_extra: Sequence[str] = ()) -> list[Child]:
     """The processes to start: prefill nodes, decode nodes, then the router that fronts them. ``prefill_tp`` and
     ``decode_tp``: each node's ``--tp`` (they may differ: the handoff reshards the KV). ``extra`` goes to every
-    prefill and decode node's command line, ``router_extra`` to the router's. ``uds``: every process listens on unix
-    sockets in that directory instead of TCP ports (``NAME.sock`` and the node's sockets beside it; the router on
+    prefill and decode node's command line, ``prefill_extra`` and ``decode_extra`` to one role's nodes alone (a flag
+    only that role takes), ``router_extra`` to the router's. ``uds``: every process listens on unix sockets in that
+    directory instead of TCP ports (``NAME.sock`` and the node's sockets beside it; the router on
     ``uds/router.sock``)."""
     serve = [sys.executable, "-m", "fsm_pd.cli", "serve"]
     common = ["--host", "127.0.0.1", "--model", model, "--transfer-backend", backend, *extra]
@@ -113,7 +117,8 @@ def plan(prefill: int, decode: int, port: int, model: str, backend: str, journal
     for i in range(prefill):
         name = f"prefill-{i}"
         node = child(name, "prefill", [*serve, "--role", "prefill", "--node-id", name, "--journal",
-                                       str(journal_dir / f"{name}.db"), "--tp", str(prefill_tp), *common],
+                                       str(journal_dir / f"{name}.db"), "--tp", str(prefill_tp), *common,
+                                       *prefill_extra],
                      0 if uds is not None else free_port())
         if uds is None:
             boot = str(free_port())
@@ -127,7 +132,8 @@ def plan(prefill: int, decode: int, port: int, model: str, backend: str, journal
     for i in range(decode):
         name = f"decode-{i}"
         node = child(name, "decode", [*serve, "--role", "decode", "--node-id", name, "--journal",
-                                      str(journal_dir / f"{name}.db"), "--tp", str(decode_tp), *common],
+                                      str(journal_dir / f"{name}.db"), "--tp", str(decode_tp), *common,
+                                      *decode_extra],
                      0 if uds is not None else free_port())
         children.append(node)
         router_args += ["--decode", node.url]
@@ -148,10 +154,14 @@ def check_sockets(children: Sequence[Child]) -> str | None:
 
 
 def check_commands(children: Sequence[Child]) -> str | None:
-    """Parse each child's command line as its ``fsm-pd serve`` would; the first error, or None. So that a flag
-    passed through (``--node-arg``, ``--router-arg``) that a node would refuse stops launch before anything starts."""
+    """Parse and check each child's command line as its ``fsm-pd serve`` would (``serve_checks``, but for the
+    side-channel secret, which launch makes); the first error, or None. So that a flag passed through
+    (``--node-arg``, ``--prefill-arg``, ``--decode-arg``, ``--router-arg``) that a node would refuse stops launch
+    before anything starts."""
+    import contextlib
     import io
 
+    from fsm_pd.serve_checks import listener_problem, node_problem
     from fsm_pd.serve_flags import role_parser
 
     for child in children:
@@ -159,9 +169,12 @@ def check_commands(children: Sequence[Child]) -> str | None:
         stderr = io.StringIO()
         try:
             with contextlib.redirect_stderr(stderr):
-                parser.parse_args(argv)
+                args = parser.parse_args(argv)
         except SystemExit:
             return f"{child.name}: " + stderr.getvalue().strip().splitlines()[-1]
+        problem = listener_problem(args) if child.name == "router" else node_problem(args, secret=False)
+        if problem is not None:
+            return f"{child.name}: fsm-pd serve: error: {problem}"
     return None
 
 
@@ -170,13 +183,29 @@ def get(url: str, timeout: float) -> httpx.Response:
     return unix_http.request("GET", http_url(url), timeout=timeout)
 
 
+def launch_problem(port: int, journal_dir: Path, uds: Path | None) -> str | None:
+    """What launch's own flags stop at before anything starts: the router's port taken (unless it listens on a
+    unix socket), a journal directory that cannot be written."""
+    from fsm_pd.serve_checks import port_problem, writable_problem
+
+    return ((port_problem("--port", "127.0.0.1", port) if uds is None else None)
+            or writable_problem("--journal-dir", journal_dir, directory=True))
+
+
+def exit_cause(log: Path) -> str | None:
+    """The line of a child's log that says why it exited: the last that names an error (a server's shutdown lines
+    come after it), else the last line."""
+    lines = log.read_text(errors="replace").strip().splitlines() if log.is_file() else []
+    return next((line for line in reversed(lines) if "error" in line.lower()), lines[-1] if lines else None)
+
+
 def health(child: Child) -> tuple[bool, dict]:
     """Whether ``child`` is ready (``/health`` 200), and what it says of its start-up while it is not; raises
     when it exited."""
     if child.proc.poll() is not None:
-        lines = child.log.read_text(errors="replace").strip().splitlines() if child.log.is_file() else []
-        last = f": {lines[-1]}" if lines else ""
-        raise RuntimeError(f"{child.name} exited with {child.proc.returncode}{last} (log: {child.log})")
+        cause = exit_cause(child.log)
+        raise RuntimeError(f"{child.name} exited with {child.proc.returncode}{f': {cause}' if cause else ''} "
+                           f"(log: {child.log})")
     try:
         response = get(child.url + "/health", timeout=2.0)
     except httpx.HTTPError:
@@ -311,19 +340,21 @@ def how_to_reach(router: str, model: str) -> list[str]:
 
 def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, journal_dir: Path,
            extra: list[str], console: Console, warmup: bool = True, prefill_tp: int = 1, decode_tp: int = 1,
-           router_extra: Sequence[str] = (), uds: Path | None = None) -> int:
+           router_extra: Sequence[str] = (), uds: Path | None = None, prefill_extra: Sequence[str] = (),
+           decode_extra: Sequence[str] = ()) -> int:
     started = time.time()
     children = plan(prefill, decode, port, model, backend, journal_dir, extra, prefill_tp, decode_tp, router_extra,
-                    uds)
+                    uds, prefill_extra, decode_extra)
     # the router's parser comes with the router's imports (0.9 s): checked only when it is given flags to check
-    error = check_sockets(children) or check_commands(children if router_extra else children[:-1])
+    error = (launch_problem(port, journal_dir, uds) or check_sockets(children)
+             or check_commands(children if router_extra else children[:-1]))
     if error is None and uds is not None:
         try:
             check_unix_backend(backend)
         except ValueError as exc:
             error = str(exc)
     if error is not None:
-        console.print(f"fsm-pd launch: {error}", highlight=False, soft_wrap=True)
+        print(f"fsm-pd launch: error: {error}", file=sys.stderr)  # one line, whatever the terminal's width
         return 2
     journal_dir.mkdir(parents=True, exist_ok=True)
     if uds is not None:
@@ -363,7 +394,8 @@ def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, jo
         if not any(arg.startswith("--pd-policy") for arg in router_extra):
             console.print("  the router hands a prompt to a prefill node only where that pays: a long one goes "
                           "through prefill and decode, a short one is served whole on a decode node (--pd-policy "
-                          "auto; each answer's meta_info.pd_route says which, and why; docs/crossover.md)",
+                          "auto; each answer's X-FSM-PD-Route and X-FSM-PD-Route-Reason headers say which, and why, "
+                          "and a /generate answer's meta_info.pd_route too; docs/crossover.md)",
                           soft_wrap=True, highlight=False)
         for line in how_to_reach(router, model):
             console.print(line, soft_wrap=True, highlight=False, markup=False)

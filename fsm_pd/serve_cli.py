@@ -13,7 +13,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fsm_pd.http_protocol import read_timeouts_from_args
-from fsm_pd.serve_flags import DEADLINE_FLAGS, ROLES, SERVE_HELP, node_parser, role_parser
+from fsm_pd.serve_checks import listener_problem, node_problem
+from fsm_pd.serve_flags import (
+    DEADLINE_FLAGS,
+    ROLES,
+    SERVE_HELP,
+    node_parser,
+    one_line_errors,
+    role_parser,
+    split_role,
+)
 
 
 def ask_for_host_devices(tp: int, environ=os.environ) -> None:
@@ -32,40 +41,50 @@ def ask_for_host_devices(tp: int, environ=os.environ) -> None:
 
 
 def serve_main(argv: Sequence[str]) -> int:
-    role_only = argparse.ArgumentParser(add_help=False)
-    role_only.add_argument("--role", choices=ROLES)
-    known, _ = role_only.parse_known_args(argv)
-    if known.role is None:
+    """Parse and check the command line of ``--role``'s process, all before anything heavy is imported: a refused
+    value, a port already taken or a path that cannot be written ends it in a second with one line and status 2
+    (``serve_flags``, ``serve_checks``); then run it."""
+    role, _ = split_role(argv)
+    if role is None:
         help_parser = argparse.ArgumentParser(prog="fsm-pd serve", description=SERVE_HELP,
                                               formatter_class=argparse.RawDescriptionHelpFormatter)
         help_parser.add_argument("--role", choices=ROLES, required=True, help="which node to run")
-        help_parser.parse_args(argv)  # prints help for -h, or the missing --role error
+        one_line_errors(help_parser).parse_args(argv)  # prints help for -h, or the missing --role error
         return 2
-    if known.role == "bootstrap":
+    if role not in ROLES:
+        return _refuse(f"argument --role: invalid choice: {role!r} (choose from {', '.join(ROLES)})")
+    if role == "bootstrap":
         from fsm_pd.bootstrap.__main__ import add_arguments, serve
 
-        parser = argparse.ArgumentParser(prog="fsm-pd serve --role bootstrap")
+        parser = one_line_errors(argparse.ArgumentParser(prog="fsm-pd serve"))
         parser.add_argument("--role", choices=ROLES, required=True)
         add_arguments(parser)
-        return serve(parser.parse_args(argv))
-    if known.role == "router":
+        args = parser.parse_args(argv)
+        return _refuse(problem) if (problem := listener_problem(args)) else serve(args)
+    if role == "router":
         from fsm_pd.router.app import router_main
 
-        router_main(role_parser(argv)[1])
+        parser, words = role_parser(argv)
+        if problem := listener_problem(parser.parse_args(words)):
+            return _refuse(problem)
+        router_main(words, parser)
         return 0
-    parser = node_parser(known.role)
+    parser = node_parser(role)
     args = parser.parse_args(argv)
     if (refused := check_unix_sockets(args)) is not None:  # before the model loads: one line, exit 2
-        print(f"fsm-pd serve: {refused}", file=sys.stderr)
-        return 2
-    if known.role in ("prefill", "decode") and args.uds is None:
+        return _refuse(refused)
+    if role in ("prefill", "decode") and args.uds is None:
         from fsm_pd.transport.addresses import WildcardAddress, advertised_host
 
         try:
             advertised_host(args.host, args.advertise_host)
         except WildcardAddress as exc:
-            parser.error(str(exc))  # before the model loads: exit 2 with the usage line
+            parser.error(str(exc))  # before the model loads: exit 2 with the one line
+    if problem := node_problem(args):
+        return _refuse(problem)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level != "debug":
+        quiet_absent_backends()
     if args.tp > 1:
         ask_for_host_devices(args.tp)
     return run_node(args)
@@ -88,6 +107,21 @@ def check_unix_sockets(args: argparse.Namespace) -> str | None:
     return None
 
 
+def quiet_absent_backends() -> None:
+    """Drop jax's INFO line about each accelerator backend it cannot start ("Unable to initialize backend 'tpu':
+    ... libtpu.so ...", on every start of a CPU host): an absent accelerator is not news. A backend that fails for
+    another reason still warns, and ``--log-level debug`` shows the lines."""
+    def keep(record: logging.LogRecord) -> bool:
+        return not (record.levelno <= logging.INFO and record.getMessage().startswith("Unable to initialize backend"))
+
+    logging.getLogger("jax._src.xla_bridge").addFilter(keep)
+
+
+def _refuse(problem: str) -> int:
+    print(f"fsm-pd serve: error: {problem}", file=sys.stderr)
+    return 2
+
+
 def run_node(args: argparse.Namespace) -> int:
     from fsm_pd.serving.startup import Startup
 
@@ -98,22 +132,11 @@ def run_node(args: argparse.Namespace) -> int:
     from fsm_pd.gc_policy import apply_serving_gc_policy
     from fsm_pd.model import compiles
     from fsm_pd.model.loader import load_model
-    from fsm_pd.transport import SecretError
 
     startup.record("imports", startup.since_start())
     from fsm_pd.api.runner import WaitDeadlines
 
-    try:
-        wait = WaitDeadlines(args.first_token_timeout_secs, args.token_idle_timeout_secs)
-    except ValueError as exc:
-        print(f"fsm-pd serve: {exc}", file=sys.stderr)
-        return 2
-    try:
-        node_secret(args)  # before the weights load: a node that cannot talk to its peers fails in a second
-    except SecretError as exc:
-        print(f"fsm-pd serve: {exc} (give every node of the deployment the same --side-channel-secret)",
-              file=sys.stderr)
-        return 2
+    wait = WaitDeadlines(args.first_token_timeout_secs, args.token_idle_timeout_secs)  # positive: serve_flags
     compile_cache.enable(args.compile_cache or compile_cache.default_dir())
     compiles.install()
     try:

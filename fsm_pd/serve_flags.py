@@ -1,13 +1,18 @@
 """``fsm-pd serve``'s flags: a prefill, decode or colocated node's (``node_parser``, one parser per role), the model
 flags ``launch`` shares, and the rooms' deadline flags with what a room waits for under each. Jax-free, and the
 packages a role's help needs are imported only when its parser is built, so ``--help`` stays quick.
+
+Every value is checked as it is parsed (``port``, ``at_least``, ``seconds``), and a refused one ends the command with
+one line, ``fsm-pd serve: error: ...``, status 2 (``one_line_errors``), before anything loads; what parsing cannot
+see (a port already taken, a path that cannot be written) ``serve_checks.py`` finds next, still before the model.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from fsm_pd.http_protocol import add_read_timeout_flags
 
@@ -55,19 +60,71 @@ ROOM_WAITS = {
 }
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``low``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer of at least {low}"
+    return parse
+
+
+positive_int = at_least(1)
+
+
+def port(text: str) -> int:
+    """An argparse type: a TCP port, 0 to 65535 (0: any free one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 0 to 65535, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 0 to 65535, got {value}")
     return value
 
 
+def seconds(*, zero: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number of seconds, above 0 (or at least 0 with ``zero``)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"must be {'at least 0' if zero else 'above 0'} seconds, got {text}")
+        return value
+
+    parse.__name__ = "seconds"
+    return parse
+
+
+def one_line_errors(parser: argparse.ArgumentParser, prog: str = "fsm-pd serve") -> argparse.ArgumentParser:
+    """``parser`` with argparse's errors as one line, ``PROG: error: MESSAGE``, exit status 2, without the usage
+    (a node's takes thirty lines, and the line that matters would scroll away)."""
+    parser.prog = prog
+    parser.error = lambda message: parser.exit(2, f"{prog}: error: {message}\n")  # type: ignore[method-assign]
+    return parser
+
+
+# A prefill and a decode node default to HTTP ports of their own, so that they and the router started by hand on one
+# machine do not collide (docs/operations.md, "One machine, by hand"); a colocated node, as the router, takes SGLang's
+# 30000, where clients look.
+DEFAULT_PORTS = {"prefill": 30001, "decode": 30002}
+
+
 def node_parser(role: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fsm-pd serve", description=SERVE_HELP,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = one_line_errors(argparse.ArgumentParser(prog="fsm-pd serve", description=SERVE_HELP,
+                                                     formatter_class=argparse.RawDescriptionHelpFormatter))
     parser.add_argument("--role", choices=ROLES, required=True)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=30000, help="HTTP port (default 30000)")
+    parser.add_argument("--port", type=port, default=DEFAULT_PORTS.get(role, 30000),
+                        help=f"HTTP port (default {DEFAULT_PORTS.get(role, 30000)})")
     parser.add_argument("--uds", default=None, metavar="PATH",
                         help="serve over unix sockets instead of TCP: the HTTP API on PATH (clients: curl "
                              "--unix-socket PATH http://localhost/...; routers: unix:PATH), and a prefill or decode "
@@ -77,8 +134,9 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                              "Serving over unix sockets)")
     add_model_flags(parser)
     parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    parser.add_argument("--num-pages", type=int, default=512, help="KV pool pages, page 0 included (default 512)")
-    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    parser.add_argument("--num-pages", type=at_least(2), default=512,
+                        help="KV pool pages, page 0 (the padding page) included: at least 2 (default 512)")
+    parser.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page (default 16)")
     parser.add_argument("--tp", "--tp-size", "--tensor-parallel-size", type=positive_int, default=1, dest="tp",
                         metavar="N",
                         help="run the model SPMD over N devices (tensor parallelism: heads, MLP and KV pool split; "
@@ -97,18 +155,18 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                              "any request needs before /health answers 200, seconds with a warm compile cache, and "
                              f"compile the rest in the background; ${SKIP_WARMUP_ENV}=1 skips)")
     add_read_timeout_flags(parser)
-    parser.add_argument("--drain-timeout-secs", type=float, default=30.0, metavar="S",
+    parser.add_argument("--drain-timeout-secs", type=seconds(zero=True), default=30.0, metavar="S",
                         help="on SIGTERM or POST /drain the node refuses new requests (503; /health answers 503 "
                              "draining), waits up to S seconds for the open ones, aborts what is left, deregisters "
                              "from the bootstrap server and exits 0; a second SIGTERM or SIGINT exits at once "
                              "(default 30)")
     waits = parser.add_argument_group("how long a request waits for this node's engine (docs/operations.md, Waits)")
-    waits.add_argument("--first-token-timeout-secs", type=float, default=900.0, metavar="S",
+    waits.add_argument("--first-token-timeout-secs", type=seconds(), default=900.0, metavar="S",
                        help="a request whose engine has produced nothing S seconds after it arrived ends with a 504 "
                             "naming this deadline, and is aborted (a prefill node's only output, a decode node's "
                             "first token: both come once the KV handoff ended, which the room's own deadlines bound "
                             "sooner; a colocated node's first token after its queue and prefill) (default 900)")
-    waits.add_argument("--token-idle-timeout-secs", type=float, default=240.0, metavar="S",
+    waits.add_argument("--token-idle-timeout-secs", type=seconds(), default=240.0, metavar="S",
                        help="a request that got no next token for S seconds ends (an error event on a stream whose "
                             "200 went out, a 504 otherwise) and is aborted: a deadline between tokens, never over the "
                             "whole answer; a request retracted under KV pressure waits to resume within it (default "
@@ -121,7 +179,8 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                                  "what it binds (default: --host; required when --host is 0.0.0.0 or ::)")
         parser.add_argument("--kv-checksum", choices=("on", "off"), default="on",
                             help="verify the KV of every handoff: the prefill node computes a crc32c of each piece and "
-                                 "layer when the KV is final, the decode node checks it over its own pages before "
+                                 "layer when the KV is final, the decode node sums the bytes as they land in its "
+                                 "pages (read again from the pages if another job ran in between) and compares before "
                                  "the request decodes; a mismatch fails the transfer (reason 'kv checksum "
                                  "mismatch', recomputed like any failed transfer) (default on; off on either side "
                                  "skips it: docs/data-plane.md, The KV checksum)")
@@ -139,7 +198,7 @@ def node_parser(role: str) -> argparse.ArgumentParser:
         for timer, env in DEADLINE_FLAGS.items():
             if (timer == "pull_hold" and role == "decode") or (timer == "transfer" and role == "prefill"):
                 continue
-            parser.add_argument(f"--{timer.replace('_', '-')}-timeout", type=float, default=None, dest=timer,
+            parser.add_argument(f"--{timer.replace('_', '-')}-timeout", type=seconds(), default=None, dest=timer,
                                 metavar="S",
                                 help=f"seconds a room may wait {ROOM_WAITS[role, timer]}; then it fails and its "
                                      f"request ends with an error naming this deadline (default: ${env}, else "
@@ -157,7 +216,7 @@ def node_parser(role: str) -> argparse.ArgumentParser:
     if role in ("colocated", "decode", "prefill"):
         from fsm_pd.scheduling.step_budget import DEFAULT_CHUNK_STEPS  # jax-free: the help stays quick
 
-        parser.add_argument("--prefill-chunk-steps", type=float, default=DEFAULT_CHUNK_STEPS, metavar="STEPS",
+        parser.add_argument("--prefill-chunk-steps", type=steps, default=DEFAULT_CHUNK_STEPS, metavar="STEPS",
                             help="while streams are decoding, cut each prefill step (a colocated node's prompts; a "
                                  "decode node's recomputes and requests sent whole; a prefill node's prompts while "
                                  "the requests it serves whole with --serve-local decode) to what costs at most this "
@@ -169,7 +228,8 @@ def node_parser(role: str) -> argparse.ArgumentParser:
     if role in ("prefill", "colocated"):
         from fsm_pd.scheduling.page_admission import CHUNKED_PREFILL_SIZE  # jax-free: the help stays quick
 
-        parser.add_argument("--chunked-prefill-size", type=int, default=CHUNKED_PREFILL_SIZE, metavar="TOKENS",
+        parser.add_argument("--chunked-prefill-size", type=positive_int, default=CHUNKED_PREFILL_SIZE,
+                            metavar="TOKENS",
                             help="padded prompt tokens one prefill step computes; a longer prompt prefills in "
                                  "chunks over several steps, and a colocated node decodes its running streams between "
                                  f"them (SGLang's flag; default {CHUNKED_PREFILL_SIZE})")
@@ -185,7 +245,7 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                             help="serve both roles: also prefill and decode the requests the fsm-pd router sends "
                                  "here whole (its --pd-policy auto, for prompts not worth disaggregating, when this "
                                  "node's queue is the shorter; docs/serving.md, No idle core)")
-        parser.add_argument("--bootstrap-port", type=int, default=8998,
+        parser.add_argument("--bootstrap-port", type=port, default=8998,
                             help="serve the bootstrap server here and register with it (default 8998, SGLang's)")
         parser.add_argument("--bootstrap-uds", default=None, metavar="PATH",
                             help="with --uds: the bootstrap server's unix socket, which routers name as this node's "
@@ -197,12 +257,42 @@ def node_parser(role: str) -> argparse.ArgumentParser:
     return parser
 
 
+def steps(text: str) -> float:
+    """--prefill-chunk-steps: a finite number, at least 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
+    return value
+
+
+def split_role(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """The ``--role`` of a serve command line (``--role R`` or ``--role=R``, the last one given; None when absent),
+    and its other words."""
+    role, rest, words = None, [], list(argv)
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word == "--role" and i + 1 < len(words):
+            role, i = words[i + 1], i + 2
+            continue
+        if word.startswith("--role="):
+            role = word.split("=", 1)[1]
+        else:
+            rest.append(word)
+        i += 1
+    return role, rest
+
+
 def role_parser(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, list[str]]:
     """The parser ``serve_main`` parses ``argv`` (with ``--role``, not bootstrap) with, and the words it gives it:
-    the node's for prefill, decode and colocated, the router's (``--role router`` taken out) for the router."""
-    role = argv[list(argv).index("--role") + 1]
+    the node's for prefill, decode and colocated, the router's (``--role router`` taken out) for the router. Both
+    end a refused value with one line (``one_line_errors``)."""
+    role, rest = split_role(argv)
     if role == "router":
         from fsm_pd.router.app import build_arg_parser
 
-        return build_arg_parser(), [a for a in argv if a not in ("--role", "router")]
+        return one_line_errors(build_arg_parser()), rest
     return node_parser(role), list(argv)

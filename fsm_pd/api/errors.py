@@ -6,12 +6,13 @@ The body is OpenAI's error shape, ``{"error": {"message", "type", "code"}}``; SG
 
 from __future__ import annotations
 
+import json
 import logging
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fsm_pd.serving.types import EngineError
@@ -38,17 +39,34 @@ class ApiError(Exception):
         self.code = code
 
 
-def error_body(status: int, message: str, code: str | None = None) -> dict:
+def error_body(status: int, message: str, code: str | None = None, rid: str | None = None) -> dict:
+    """``rid``: the failed request's id, ``error.rid`` (what ``fsm-pd replay --request`` takes), when known."""
     try:
         phrase = HTTPStatus(status).phrase.replace(" ", "")
         kind = phrase if phrase.endswith("Error") else phrase + "Error"
     except ValueError:
         kind = "Error"
-    return {"error": {"message": message, "type": kind, "code": code or status}}
+    error = {"message": message, "type": kind, "code": code or status}
+    return {"error": error | {"rid": rid}} if rid is not None else {"error": error}
 
 
-def error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, code), status_code=status)
+def error_response(status: int, message: str, code: str | None = None, rid: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code, rid), status_code=status)
+
+
+def with_rid(response: Response, rid: object) -> Response:
+    """``response`` with ``rid`` in its error body (``error.rid``) when it is an error answer in JSON that does not
+    name its request yet (the router's own, and a worker's it passes on); any other answer as it is."""
+    if response.status_code < 400 or not isinstance(rid, str) or isinstance(response, StreamingResponse):
+        return response
+    try:
+        body = json.loads(response.body)
+    except (ValueError, TypeError, AttributeError):
+        return response
+    if not isinstance(body, dict) or not isinstance(body.get("error"), dict) or "rid" in body["error"]:
+        return response
+    body["error"]["rid"] = rid
+    return JSONResponse(body, status_code=response.status_code)
 
 
 def validation_message(exc: RequestValidationError) -> str:
@@ -76,7 +94,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineError)
     async def engine_error(request: Request, exc: EngineError) -> JSONResponse:
-        return error_response(exc.status, str(exc))
+        # the rid of the request that failed, when the route ran one (api/runner.py sets it)
+        return error_response(exc.status, str(exc), rid=getattr(request.state, "rid", None))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:

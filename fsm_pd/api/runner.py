@@ -22,6 +22,7 @@ from fastapi import Request
 from fsm_pd.api.outputs import RequestState
 from fsm_pd.api.tasks import cancel_and_wait
 from fsm_pd.serving.types import Engine, EngineError, GenerateRequest, RequestStream, TokenOutput
+from fsm_pd.store.causes import REQUEST_CLOSED
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,9 @@ class RequestRun:
         self._closed = False
         self._ended_by_engine = False
         self._outputs_seen = 0  # outputs read: the first is waited for up to first_output_s, each later one idle_s
+        self._abort_reason: str | None = None  # why close() aborts it, if not because its HTTP request closed
+        if (scope_state := getattr(http_request, "state", None)) is not None:
+            scope_state.rid = request.rid  # an error answer names the request (error.rid: api/errors.py)
         engine.submit(request, self._stream)  # an EngineError here is the engine refusing the request outright
         self._live[request.identity] = self
 
@@ -163,6 +167,7 @@ class RequestRun:
             message = (f"request {self.rid}: the {who} produced no token for {self._wait.idle_s:g} s after its "
                        f"output {self._outputs_seen} (token idle deadline, --token-idle-timeout-secs)")
         log.warning("%s; the request is aborted", message)
+        self._abort_reason = f"aborted: {message}"  # what close() journals, not a closed request
         return DeadlinePassed(message, name)
 
     def _add(self, out: TokenOutput | None) -> TokenOutput:
@@ -192,7 +197,7 @@ class RequestRun:
         if not self.state.finished and not self._ended_by_engine:
             rid, room = self.identity
             try:  # by identity: on a PD node a retry of this request (the same rid, a new room) is not touched
-                aborted = self.engine.abort(rid, room=room)
+                aborted = self.engine.abort(rid, room=room, reason=self._abort_reason or REQUEST_CLOSED)
                 log.info("request %s aborted before it finished (engine knew it: %s)", rid, aborted)
             except Exception:  # an abort must not turn a disconnect into a server error
                 log.exception("engine.abort(%s) failed", rid)

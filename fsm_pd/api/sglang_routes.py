@@ -16,6 +16,7 @@ from fsm_pd.api.schemas import AbortBody, GenerateBody
 from fsm_pd.api.streaming import answer_stream, answer_whole
 from fsm_pd.api.strict_json import StrictJSONRoute
 from fsm_pd.serving.types import TokenOutput
+from fsm_pd.store.causes import ABORT_BY_NAME, RETRY_ABORT
 
 
 def fanned_out(rid: str, live) -> list[str]:
@@ -76,13 +77,15 @@ def sglang_router(ctx: ApiContext) -> APIRouter:
         router sends) only the attempt in that room, which if it has not arrived yet is refused when it does. Or every
         request this server is running with ``abort_all``. Always 200, as SGLang answers; ``aborted`` lists the ids
         the engine knew and stopped."""
+        room = body.room if ctx.role in PD_ROLES else None  # a colocated node ignores PD fields
         if body.abort_all:
             targets = list(ctx.live)
         elif body.rid:
-            room = body.room if ctx.role in PD_ROLES else None  # a colocated node ignores PD fields
             targets = named(body.rid, room, list(ctx.live))
         else:
             targets = []
-        return {"aborted": [rid for rid, room in targets if ctx.engine.abort(rid, room=room)]}
+        # journaled: a room named is the built-in router's wind-down of an attempt it retries (router/attempts.py)
+        reason = RETRY_ABORT if room is not None and not body.abort_all else ABORT_BY_NAME
+        return {"aborted": [rid for rid, room in targets if ctx.engine.abort(rid, room=room, reason=reason)]}
 
     return router

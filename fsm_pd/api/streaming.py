@@ -36,8 +36,20 @@ PROGRESS_HEADER = "X-FSM-PD-Progress"
 PROGRESS_FIELD = "fsm_pd_progress"
 
 
+# On every answer of a request the node served as one of PD's two paths (``meta_info.pd_route``, which only
+# ``/generate`` answers carry): ``pd`` (its KV came from a prefill node) or ``local`` (prefilled here), and the router's
+# reason; the built-in router passes them on (``ROUTE_HEADERS``), so an OpenAI client reads them too.
+ROUTE_HEADER, ROUTE_REASON_HEADER = "X-FSM-PD-Route", "X-FSM-PD-Route-Reason"
+ROUTE_HEADERS = (ROUTE_HEADER, ROUTE_REASON_HEADER)
+
+
 def answer_headers(state: RequestState) -> dict:
-    return {RECOMPUTED_HEADER: "1"} if state.meta.get("kv_recompute") else {}
+    headers = {RECOMPUTED_HEADER: "1"} if state.meta.get("kv_recompute") else {}
+    if route := state.meta.get("pd_route"):
+        headers[ROUTE_HEADER] = str(route.get("path", ""))
+        if reason := route.get("reason"):  # a header value is latin-1 on the wire; the router's reasons are ASCII
+            headers[ROUTE_REASON_HEADER] = str(reason).encode("ascii", "replace").decode()
+    return headers
 
 ChunkRenderer = Callable[[RequestState, TokenOutput], list[dict]]
 TailRenderer = Callable[[RequestState], list[dict]]

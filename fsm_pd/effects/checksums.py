@@ -2,9 +2,11 @@
 
 The values themselves come from the pool-operations ports (``PrefillKV.sent_checksum``,
 ``DecodeKV.received_checksum``: crc32c of the pages in ``kernels/kv_checksum.py``, a token in the simulation), one
-per piece of the handoff and layer. P computes them on its model thread while the pages hold the final KV, before
-anything is sent; D computes its own over its pool after the handoff's last write into the pages, on its model
-thread in the same job, and compares here. No jax here, so the simulation runs this code.
+per piece of the handoff and layer. P computes them over the KV as its publishing job left it final (summed by the
+send itself on the default path); D's are the sums of the bytes as they land in its pages (a streamed write sums
+each piece while it is in cache), taken in the job of the handoff's last write if no other job ran on the model
+thread since the first write, else read again from its pages there; it compares them here, before the request's
+first decode step (``docs/data-plane.md``, "The KV checksum"). No jax here, so the simulation runs this code.
 
 How they travel: a whole handoff's in READY (``kv_checksum``); a chunked handoff's pieces are not final when READY
 goes, so READY says ``chunk_checksums`` and the trailer carries them after the first token (``trailer_words``).

@@ -11,8 +11,9 @@ group of ``LAYERS_PER_PROGRAM`` or so layers (every group of a size shares it, w
 layers as arguments), and the head. XLA inlines whatever one program holds, so a whole-model program costs to compile
 what its layers cost (SmolLM2, 30 layers: 1.3 to 1.8 s a shape on this project's 2-core machine); a group of 6 costs
 0.6 s, the embedding and the head 0.05 s each, whatever the model's depth. A step then makes ``2 + layers / 6``
-calls instead of one; at about 10 us a call that is lost in a 29 ms step (measured in ``docs/serving.md``, and a
-group of one layer, 30 calls, was 25% slower: one program per layer is too fine).
+calls instead of one; at about 10 us a call that is lost in a 29 ms step (measured in ``docs/serving.md``, "Start-up":
+a group of one layer, 30 calls, made the single-row decode step 19% dearer than the whole model in one program, the
+default 3% dearer: one program per layer is too fine).
 
 A node is ready before every shape is compiled (``serving/warmup.py``): a call whose shape is not compiled yet runs on
 a compiled shape that *covers* it (``cover``): padded up to a larger one, or row by row on one of a single row. Rows

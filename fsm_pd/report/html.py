@@ -64,6 +64,8 @@ def _room_block(room: int, sides: list[RoomReport]) -> str:
         if s.reason:
             whys.append(f'<div class="why">{escape(s.role)} failed on <b>{escape(s.ended_by or "?")}</b>: '
                         f"{escape(s.why)}</div>")
+        elif s.cause:  # a side whose journal stops: its node died
+            whys.append(f'<div class="why">{escape(s.role)}: {escape(s.cause)}</div>')
     return (f'<div class="room"><div class="head">room {room} &middot; {" &middot; ".join(head_bits)} '
             f"&middot; {span * 1000:.1f} ms</div>{''.join(lanes)}{''.join(whys)}</div>")
 

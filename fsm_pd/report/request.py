@@ -22,8 +22,9 @@ def story(chain: Sequence[Attempt]) -> list[str]:
             line = f"attempt {i} (room {a.room} on {a.where}) succeeded after {took}"
         elif a.outcome == "Failed":
             first = a.failed_first
-            line = (f"attempt {i} (room {a.room} on {a.where}) failed after {took}: {first.role} {first.node} "
-                    f"ended it on {first.ended_by}: {first.why}")
+            how = "died" if first.alive_until is not None else f"ended it on {first.ended_by}"
+            line = (f"attempt {i} (room {a.room} on {a.where}) failed after {took}: {first.role} {first.node} {how}: "
+                    f"{first.why}")
         else:
             line = f"attempt {i} (room {a.room} on {a.where}) has not ended in these journals"
         if a.route is not None:

@@ -10,9 +10,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from fsm_pd.store.causes import NODE_DOWN, PEER_DOWN, PREFILL_COMPUTE
 from fsm_pd.store.replay import ReplayResult, RoomReport, Summary
 
-STATE_ABBREV = {"Bootstrapping": "boot", "WaitingForInput": "wait", "Transferring": "xfer"}
+STATE_ABBREV = {"Bootstrapping": "boot", "WaitingForInput": "wait", "Transferring": "xfer",
+                PREFILL_COMPUTE: "P-compute", NODE_DOWN: "down", PEER_DOWN: "peer-down"}
 FINAL_STYLE = {"Success": "green", "Failed": "bold red"}
 # One plain line per side, in columns of fixed width (the reason last, unbounded): rooms stream in and are printed
 # as they come, and a rich Table costs ~7 ms a room to lay out, a minute for a million-row journal's failures.
@@ -35,7 +37,10 @@ def _seconds(value: float) -> str:
 
 
 def spent(report: RoomReport) -> str:
-    return "  ".join(f"{STATE_ABBREV.get(s, s)} {_seconds(t)}" for s, t in report.time_in_state.items())
+    """Time in each state, with a chunked prompt's compute, a dead node's and a dead peer's time apart
+    (``RoomReport.phases``, ``store/causes.py``): ``xfer`` is then the handoff's own time."""
+    times = report.phases if report.phases is not None else report.time_in_state
+    return "  ".join(f"{STATE_ABBREV.get(s, s)} {_seconds(t)}" for s, t in times.items())
 
 
 class TableWriter:

@@ -265,10 +265,12 @@ def router_app_from_args(args: argparse.Namespace) -> FastAPI:
                                                       args.prefill_idle_window, args.prefill_serves_local))
 
 
-def router_main(argv: Sequence[str] | None = None) -> None:
+def router_main(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> None:
+    """Run the router; ``parser``: the one to parse ``argv`` with (``fsm-pd serve`` gives its own, whose errors are
+    one line), default ``build_arg_parser()``."""
     from fsm_pd.api.server import serve
 
-    parser = build_arg_parser()
+    parser = parser or build_arg_parser()
     args = parser.parse_args(argv)
     if args.uds is not None:
         try:

@@ -20,10 +20,10 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from fsm_pd.api.errors import error_body, error_response
+from fsm_pd.api.errors import error_body, error_response, with_rid
 from fsm_pd.api.requests import new_rid
 from fsm_pd.api.runner import wait_disconnect
-from fsm_pd.api.streaming import PROGRESS_HEADER
+from fsm_pd.api.streaming import PROGRESS_HEADER, ROUTE_HEADERS
 from fsm_pd.api.tasks import cancel_and_wait
 from fsm_pd.router.attempts import Attempts, Failure, Started, error_message, needs_prefill_body
 from fsm_pd.router.cache_aware import CacheAwareSettings, routing_key
@@ -151,7 +151,8 @@ class PDRouter:
         gone = asyncio.ensure_future(wait_disconnect(request))
         try:
             done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-            return work.result() if work in done else Response(status_code=499)
+            # a failed request's error names it (error.rid), for fsm-pd replay --request
+            return with_rid(work.result(), body["rid"]) if work in done else Response(status_code=499)
         finally:
             await cancel_and_wait(*(task for task in (work, gone) if not task.done()),
                                   what=f"a task of request {body['rid']} on {path}")
@@ -173,10 +174,12 @@ class PDRouter:
                       if merge and started.prefill is not None and started.prefill.body else None)
         d_resp = started.decode.response
         media_type = d_resp.headers.get("content-type", "application/json")
+        # the path the answer took (pd or local) and why, on every API: the node's answer says it (api/streaming.py)
+        route = {name: d_resp.headers[name] for name in ROUTE_HEADERS if name in d_resp.headers}
         if started.decode.body is not None:
             await started.close()
             return Response(merge_json(started.decode.body, p_logprobs), status_code=d_resp.status_code,
-                            media_type=media_type)
+                            media_type=media_type, headers=route)
         if migrating:
             stream = self._migrating(path, body, headers, deadline, tries, started)
         else:
@@ -184,7 +187,7 @@ class PDRouter:
             stream = self._closing(relay(source, d_resp, started.worker.url, deadline, self.request_timeout_s,
                                          started.worker.lost, self.deadlines.stream_idle_s,
                                          self.metrics.deadline_expired), started)
-        return StreamingResponse(stream, status_code=d_resp.status_code, media_type=media_type)
+        return StreamingResponse(stream, status_code=d_resp.status_code, media_type=media_type, headers=route)
 
     async def _closing(self, stream: AsyncIterator[bytes], started: Started) -> AsyncIterator[bytes]:
         try:

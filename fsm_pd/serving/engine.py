@@ -91,7 +91,7 @@ class EngineCore:
         passes its own."""
         seqs = self.requests.cancel(rid, room, reason or "aborted", status)
         for seq in seqs:
-            self._on_cancel(seq, reason or "aborted by the client")
+            self._on_cancel(seq, reason or "aborted")
         if seqs:
             self._driver.kick()
         return bool(seqs)

@@ -21,6 +21,7 @@ from itertools import groupby
 from fsm_pd.machines import MACHINES, TERMINAL, Room
 from fsm_pd.machines.deadlines import explain_timeout, state_deadline
 from fsm_pd.machines.receiver import KV_CHECKSUM_MISMATCH
+from fsm_pd.store.causes import explain_room
 from fsm_pd.store.journal import JournalRow
 
 
@@ -58,16 +59,26 @@ class RoomReport:
     pages: dict | None = None
     # the state deadline whose timer ended the room (``deadline_that_ended``): timer, state, waits_for, seconds, ...
     deadline: dict | None = None
+    # what the room's other side (and the request's later attempts) tell of this side (``causes.py``): when its node
+    # was last alive if it died, why it ended where its own journal cannot say, whether that end was a consequence
+    # of the other side's, and its time with a prefill's compute and a dead node's silence taken out of its states
+    alive_until: float | None = None
+    cause: str | None = None
+    consequence: bool = False
+    phases: dict[str, float] | None = None
 
     @property
     def why(self) -> str | None:
         """The failure reason, with the deadline that ended the room explained (what it waited for, its length and
-        the flag or variable that sets it)."""
+        the flag or variable that sets it), and what the other side tells of it."""
+        why = self.reason
         if self.deadline is not None:
-            return f"{self.reason}: {self.deadline['explained']}"
-        if self.reason and KV_CHECKSUM_MISMATCH in self.reason:
-            return f"{self.reason}: {CHECKSUM_EXPLAINED}"
-        return self.reason
+            why = f"{self.reason}: {self.deadline['explained']}"
+        elif self.reason and KV_CHECKSUM_MISMATCH in self.reason:
+            why = f"{self.reason}: {CHECKSUM_EXPLAINED}"
+        if self.cause is not None:
+            return f"{why} ({self.cause})" if why else self.cause
+        return why
 
     @property
     def consistent(self) -> bool:
@@ -82,7 +93,8 @@ class RoomReport:
             "room": self.room, "role": self.role, "node": self.node, "final": self.final, "reason": self.reason,
             "ended_by": self.ended_by, "consistent": self.consistent, "started_at": self.started_at,
             "ended_at": self.ended_at, "time_in_state": self.time_in_state, "events": self.events,
-            "pages": self.pages, "deadline": self.deadline,
+            "pages": self.pages, "deadline": self.deadline, "alive_until": self.alive_until, "cause": self.cause,
+            "phases": self.phases,
         }
         if self.divergence is not None:
             out["divergence"] = asdict(self.divergence)
@@ -117,6 +129,8 @@ def replay(rows: Iterable[JournalRow]) -> ReplayResult:
     for (node, role, room_id), room_rows in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
         room_rows.sort(key=lambda r: (r.version, r.seq))
         result.rooms.append(_replay_room(node, role, room_id, room_rows))
+    for _ in by_room(result.rooms):  # each room's sides explained by one another
+        pass
     return result
 
 
@@ -128,9 +142,10 @@ def replay_sides(sides: Iterable[list[JournalRow]]) -> Iterator[RoomReport]:
 
 
 def by_room(reports: Iterable[RoomReport]) -> Iterator[list[RoomReport]]:
-    """Group a room-ordered report stream into rooms: every side of one room together."""
+    """Group a room-ordered report stream into rooms: every side of one room together, each explained by the other
+    (``causes.explain_room``)."""
     for _, group in groupby(reports, key=lambda r: r.room):
-        yield list(group)
+        yield explain_room(list(group))
 
 
 # Roles journaled as records, not fired through a machine: ``local``, a request a decode node prefilled itself (the
@@ -241,6 +256,10 @@ def _report(node, role, room_id, rows, divergence, replayed_state) -> RoomReport
                   or _chunks(row.trigger, row.event) or _checksum(row.trigger, row.event))
         if detail is not None:
             event["detail"] = detail
+        if row.trigger == "kv_ready" and row.event.get("piece_pages"):  # a chunked prompt's handoff began (causes.py)
+            event["chunked"] = True
+        elif row.trigger == "kv_chunk" and row.event.get("last"):  # ... and its last chunk was computed
+            event["last_chunk"] = True
         if route := row.event.get("route"):  # the router's reason (router/policy.py): a decode create, a local record
             event["route"] = route
             event.setdefault("detail", f"routed: {route}")

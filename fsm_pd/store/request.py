@@ -4,6 +4,10 @@ A router that retries or migrates a request opens a new bootstrap room per attem
 as ``rid`` each time; each node journals it in the room's first row (and in its ``rooms`` row, the index
 ``replay --request`` reads). An attempt is one room: its prefill side and its decode side, from whichever journals
 hold them.
+
+The id a client sees is the rid itself on ``/generate`` (``meta_info.id``) and in an error's body (``error.rid``),
+and the rid behind a prefix on the OpenAI APIs (``chatcmpl-RID``, ``cmpl-RID``): ``journal_rids`` gives the rids
+any of them may be journaled under.
 """
 
 from __future__ import annotations
@@ -11,7 +15,21 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from fsm_pd.store.causes import explain_retries
 from fsm_pd.store.replay import RoomReport, by_room
+
+# What the OpenAI APIs put before the rid in their answers' ``id`` (``fsm_pd/api/openai_routes.py``)
+OPENAI_ID_PREFIXES = ("chatcmpl-", "cmpl-")
+
+
+def journal_rids(client_id: str) -> list[str]:
+    """The rids the id a client saw may be journaled under, the likeliest first: the id itself (a client's own rid
+    may well start like an OpenAI id), then the id without the prefix an OpenAI answer put before the rid."""
+    found = [client_id]
+    for prefix in OPENAI_ID_PREFIXES:
+        if client_id.startswith(prefix) and len(client_id) > len(prefix):
+            found.append(client_id[len(prefix):])
+    return found
 
 
 @dataclass(slots=True)
@@ -29,17 +47,21 @@ class Attempt:
 
     @property
     def outcome(self) -> str:
-        """Success when every side succeeded, Failed when one failed, open while a side has not ended."""
+        """Success when every side succeeded, Failed when one failed or died, open while a side has not ended."""
         finals = {s.final for s in self.sides}
-        if "Failed" in finals:
+        if "Failed" in finals or any(s.alive_until is not None for s in self.sides):
             return "Failed"
         return "Success" if finals == {"Success"} else "open"
 
     @property
     def failed_first(self) -> RoomReport | None:
-        """The side that failed first: the one whose failure the other side's was a consequence of, if any."""
-        failed = [s for s in self.sides if s.failed]
-        return min(failed, key=lambda s: s.ended_at) if failed else None
+        """The side that failed first: the one whose failure the other side's was a consequence of, if any. A side
+        whose node died failed when it was last alive (``alive_until``), whenever its restart said so; a side the
+        router closed because of the other (``consequence``) comes after it."""
+        failed = [s for s in self.sides if s.failed or s.alive_until is not None]
+        if not failed:
+            return None
+        return min(failed, key=lambda s: (s.consequence, s.alive_until if s.alive_until is not None else s.ended_at))
 
     @property
     def route(self) -> str | None:
@@ -58,6 +80,8 @@ class Attempt:
 
 
 def attempts(reports: Iterable[RoomReport]) -> list[Attempt]:
-    """Group room-ordered reports into attempts, in the order they began."""
-    found = [Attempt(sides[0].room, sides) for sides in by_room(reports)]
-    return sorted(found, key=lambda a: (a.started_at, a.room))
+    """Group room-ordered reports into attempts, in the order they began; a side the router closed to retry the
+    request says so (``causes.explain_retries``)."""
+    found = sorted((Attempt(sides[0].room, sides) for sides in by_room(reports)), key=lambda a: (a.started_at, a.room))
+    explain_retries(found)
+    return found

@@ -61,20 +61,22 @@ def generate_secret() -> bytes:
     return secrets.token_bytes(32)
 
 
+# how to make a secret, for every message that asks for one
+MAKE_SECRET = "make one with `python -c 'import secrets; print(secrets.token_hex(32))'`"
+
+
 def parse_secret(text: str) -> bytes:
     """Parse a secret written as hex (the env var and the CLI flag); raise ``SecretError`` if it is unusable."""
     try:
         secret = bytes.fromhex(text.strip())
     except ValueError:
-        raise SecretError(
-            "the side-channel secret must be hex (e.g. from `python -c 'import secrets; print(secrets.token_hex(32))'`)"
-        ) from None
+        raise SecretError(f"the side-channel secret must be hex; {MAKE_SECRET}") from None
     return check_secret(secret)
 
 
 def check_secret(secret: bytes) -> bytes:
     if not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES:
-        raise SecretError(f"the side-channel secret must be at least {MIN_SECRET_BYTES} bytes")
+        raise SecretError(f"the side-channel secret must be at least {MIN_SECRET_BYTES} bytes; {MAKE_SECRET}")
     return secret
 
 
@@ -85,7 +87,8 @@ def secret_from_env(environ: Mapping[str, str] | None = None) -> bytes:
     if not text:
         raise SecretError(
             f"{SECRET_ENV} is not set: every node of a cluster needs the same side-channel secret "
-            f"(hex, at least {MIN_SECRET_BYTES} bytes); pass --side-channel-secret or set the variable"
+            f"(hex, at least {MIN_SECRET_BYTES} bytes), from --side-channel-secret or the variable; {MAKE_SECRET} "
+            f"and give it to every node"
         )
     return parse_secret(text)
 

@@ -26,9 +26,10 @@ from fault_rig import DEADLINE_S, ENV, PROMPTS, assert_clean, generate, info
 from processes import PAGE_SIZE, Cluster, free_port
 
 from fsm_pd.effects.decode import RECOMPUTE_NOTE
+from fsm_pd.store.causes import REQUEST_CLOSED
 
 # how a decode room ends when its prefill node dies: the router cancels the decode leg, the pull fails, the heartbeat
-DECODE_LOST_PREFILL = ("aborted by the client", "pull failed", "pull timed out", "transfer timeout",
+DECODE_LOST_PREFILL = (REQUEST_CLOSED, "pull failed", "pull timed out", "transfer timeout",
                        "missed 2 heartbeats")
 
 
@@ -111,7 +112,7 @@ def test_decode_sigkilled_while_pulling(rig):
     r.check_recovered()
     failures = r.failures()
     # the router closes the prefill leg as soon as the decode leg breaks; pull_hold ends the room if that is slower
-    assert failures["prefill"] in (["aborted by the client"], ["pull_hold timeout"])
+    assert failures["prefill"] in ([REQUEST_CLOSED], ["pull_hold timeout"])
     assert failures["decode"] == ["local error: node restarted"]
 
 
@@ -153,12 +154,13 @@ def test_bootstrap_server_down(rig):
     r.check_recovered()
     failures = r.failures()
     # Both rooms wait out the same bootstrap deadline. The side whose wait ends first fails on it, and the router then
-    # closes the other leg (aborted by the client), whichever side that is (on a loaded machine, either).
+    # closes the other leg (its HTTP request closed: REQUEST_CLOSED), whichever side that is (on a loaded machine,
+    # either).
     assert len(failures["prefill"]) == 1 and len(failures["decode"]) == 1, failures
     waited = {side: any(w in reasons[0] for w in ("bootstrap timeout", "bootstrap lookup failed"))
               for side, reasons in failures.items()}
     assert any(waited.values()), f"no side ended on its bootstrap wait: {failures}"
-    assert all(waited[side] or failures[side] == ["aborted by the client"] for side in waited), failures
+    assert all(waited[side] or failures[side] == [REQUEST_CLOSED] for side in waited), failures
 
 
 # --- a lossy side channel ---
@@ -182,7 +184,7 @@ def test_side_channel_drops_30_percent_of_messages(rig):
     assert sum(not o.ok for o in outcomes) > 0 and reasons
     assert reasons <= {
         "bootstrap timeout",
-        "aborted by the client",  # the router cancels the decode leg once the prefill leg failed
+        REQUEST_CLOSED,  # the router cancels the decode leg once the prefill leg failed
         "waiting timeout",
         "pull_hold timeout",
         "transfer timeout",
@@ -243,7 +245,8 @@ def test_client_aborts_mid_stream(rig):
 
 
 def _known_reason(reason: str) -> bool:
-    return "injected fault" in reason or reason.endswith("timeout") or reason.startswith("aborted by")
+    return ("injected fault" in reason or reason.endswith("timeout") or reason.startswith("aborted by")
+            or reason == REQUEST_CLOSED)
 
 
 # one rate: 5 % ran the same paths as 12 % and could pass with nothing injected (9 s of the suite's time)

@@ -13,6 +13,7 @@ import contextlib
 import os
 
 import pytest
+import schemathesis  # the test extra's, as hypothesis: missing, this module fails to collect rather than skip unseen
 from hypothesis import HealthCheck, settings
 from stub_engine import StubEngine
 
@@ -20,7 +21,6 @@ from fsm_pd.api import AppServer, create_app
 from fsm_pd.router import create_router_app
 from fsm_pd.router.policy import CLASSIC_PD
 
-schemathesis = pytest.importorskip("schemathesis")  # a test dependency: pip install schemathesis
 GenerationMode = schemathesis.GenerationMode
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -9,25 +9,18 @@ whole units. Greedy chat answers must be the same tokens.
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
+from real_parts import REFERENCE, REFERENCE_MISSING, SMOLLM2
 
-torch = pytest.importorskip("torch", reason="the reference check needs torch (pip install -e '.[reference]')")
-transformers = pytest.importorskip(
-    "transformers", reason="the reference check needs transformers (pip install -e '.[reference]')"
-)
-if importlib.util.find_spec("accelerate") is None:
-    pytest.skip("transformers loads GGUF files only with accelerate (pip install -e '.[reference]')",
-                allow_module_level=True)
+from fsm_pd.model.loader import load_model, resolve_named_model
+from fsm_pd.model.tokenizer import render_chat
 
-from real_parts import SMOLLM2  # noqa: E402
+if REFERENCE_MISSING is None:  # else the mark skips every test here, and the session counts them
+    import torch
+    import transformers
 
-from fsm_pd.model.loader import load_model, resolve_named_model  # noqa: E402
-from fsm_pd.model.tokenizer import render_chat  # noqa: E402
-
-pytestmark = [SMOLLM2, pytest.mark.slow]
+pytestmark = [SMOLLM2, REFERENCE, pytest.mark.slow]
 
 ATOL = RTOL = 1e-4
 PAGE_SIZE = 16

@@ -117,6 +117,25 @@ def test_a_prefill_node_without_serve_local_refuses_a_local_request(fleet):
     assert r.status_code == 400 and "--serve-local" in r.text
 
 
+def test_an_openai_client_reads_the_route_and_replays_the_id_it_saw(fleet):
+    """OpenAI answers have no ``meta_info``: the route is in headers, and the id they carry (``cmpl-RID``,
+    ``chatcmpl-RID``) is what ``replay --request`` takes."""
+    cluster, routers = fleet
+    whole = httpx.post(routers["auto"] + "/v1/completions", json={"prompt": LONG, "max_tokens": 4, "temperature": 0},
+                       timeout=120)
+    assert whole.status_code == 200, whole.text
+    assert whole.headers["x-fsm-pd-route"] == "pd"
+    assert whole.headers["x-fsm-pd-route-reason"] == f"{len(LONG)} prompt tokens > {THRESHOLD}"
+    assert whole.json()["id"].startswith("cmpl-")
+    assert f"routed pd ({len(LONG)} prompt tokens > {THRESHOLD})" in replay_story(cluster, whole.json()["id"])
+    chat = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", routers["auto"] + "/v1/chat/completions", json=chat, timeout=120) as streamed:
+        assert streamed.status_code == 200 and streamed.headers["x-fsm-pd-route"] == "local"
+        first = json.loads(next(line for line in streamed.iter_lines() if line.startswith("data: "))[6:])
+    assert first["id"].startswith("chatcmpl-")
+    assert "routed local (" in replay_story(cluster, first["id"])
+
+
 def cluster_urls(cluster: Cluster) -> list[tuple[str, str]]:
     """(log name, URL) of the nodes a ``Cluster`` started, from their command lines."""
     found = []

@@ -1,5 +1,6 @@
-"""Real processes with their default warm-up: a PD pair compiles every program it serves before ``/health`` answers,
-so requests of every kind through the router compile nothing on either node (``fsm_pd_compiles_total``)."""
+"""Real processes with their default warm-up: a PD pair prepares the programs that cover every request before
+``/health`` answers (and compiles the rest in the background), so requests of every kind through the router compile
+nothing on either node (``fsm_pd_compiles_total``), even while the background compile still runs."""
 
 from __future__ import annotations
 

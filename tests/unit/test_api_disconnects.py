@@ -11,6 +11,8 @@ import httpx
 import pytest
 from stub_engine import stub_server
 
+from fsm_pd.store.causes import REQUEST_CLOSED
+
 GIVE_UP_S = 30.0
 
 
@@ -42,6 +44,7 @@ def test_a_stream_cut_by_its_client_is_aborted_counted_499_and_quiet(caplog, pat
                     if i == 3:
                         break  # and the connection closes with the client
         assert until(lambda: len(engine.aborted) == 5 and engine.live == [])
+        assert engine.abort_reasons == [REQUEST_CLOSED] * 5  # not "by the client": a router's close looks the same
         assert until(lambda: counted(client, "499", path) == 5)
         assert counted(client, "200", path) == 0
         whole = client.post(path, json={**body, "stream": False, "max_tokens": 2,

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter
 from stub_engine import StubEngine, stub_server
 
 from fsm_pd.api import AppServer, create_app
+from fsm_pd.store.causes import ABORT_BY_NAME, RETRY_ABORT
 
 
 def test_health_is_200_and_503_when_the_engine_says_unhealthy():
@@ -161,6 +162,8 @@ def test_abort_request_with_a_room_stops_that_attempt_only_and_without_one_every
         assert httpx.post(url + "/abort_request", json={"rid": "twice"}).json() == {"aborted": ["twice"]}
         retry.join(10)
         assert retry_result["r"].status_code == 499 and engine.live == []
+        # journaled as what each is: the router's wind-down of an attempt it retries, a client's own abort by name
+        assert engine.abort_reasons == [RETRY_ABORT, ABORT_BY_NAME]
 
 
 def test_an_abort_with_a_room_before_its_request_refuses_it_with_every_copy():

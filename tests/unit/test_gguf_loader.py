@@ -7,15 +7,14 @@ byte-level BPE vocabulary. Loading it must give back exactly the parameters it w
 
 from __future__ import annotations
 
+import gguf  # a dependency of fsm-pd (its GGUF reader)
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf")
-
-from fsm_pd.model.config import ModelConfig, UnsupportedModelError  # noqa: E402
-from fsm_pd.model.gguf_file import GGUFError, unpermute_rotary  # noqa: E402
-from fsm_pd.model.loader import load_model  # noqa: E402
-from fsm_pd.model.params import random_params  # noqa: E402
+from fsm_pd.model.config import ModelConfig, UnsupportedModelError
+from fsm_pd.model.gguf_file import GGUFError, unpermute_rotary
+from fsm_pd.model.loader import load_model
+from fsm_pd.model.params import random_params
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["h e", "l l", "he ll", "Ġ w"]

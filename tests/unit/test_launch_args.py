@@ -1,5 +1,5 @@
-"""``fsm-pd launch --node-arg/--router-arg``: flags passed through to the processes launch starts, checked by each
-process's own parser before anything starts."""
+"""``fsm-pd launch --node-arg/--prefill-arg/--decode-arg/--router-arg``: flags passed through to the processes launch
+starts, checked by each process's own parser and checks before anything starts."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fsm_pd.launch import check_commands, plan
+from fsm_pd.launch import check_commands, exit_cause, plan
 
 
-def children(extra=(), router_extra=()):
+def children(extra=(), router_extra=(), prefill_extra=(), decode_extra=()):
     return plan(1, 2, 30000, "tiny", "tcp", Path("/tmp/unused"), ["--kv-checksum", "on", *extra],
-                router_extra=list(router_extra))
+                router_extra=list(router_extra), prefill_extra=prefill_extra, decode_extra=decode_extra)
 
 
 def test_passed_flags_reach_every_node_and_the_router_alone():
@@ -24,9 +24,23 @@ def test_passed_flags_reach_every_node_and_the_router_alone():
     assert check_commands(procs) is None
 
 
+def test_a_flag_of_one_role_goes_to_that_role_alone():
+    procs = children(prefill_extra=["--disable-chunk-transfers"], decode_extra=["--on-transfer-failure=fail"])
+    by_name = {c.name: c.argv for c in procs}
+    prefill = by_name["prefill-0"]
+    assert "--disable-chunk-transfers" in prefill and "--on-transfer-failure=fail" not in prefill
+    for decode in ("decode-0", "decode-1"):
+        assert "--on-transfer-failure=fail" in by_name[decode] and "--disable-chunk-transfers" not in by_name[decode]
+    assert check_commands(procs) is None
+    # the same flag sent to every node is refused by the role that does not take it
+    refused = check_commands(children(["--disable-chunk-transfers"]))
+    assert refused == "decode-0: fsm-pd serve: error: unrecognized arguments: --disable-chunk-transfers"
+
+
 def test_a_flag_a_node_or_the_router_refuses_is_named_before_anything_starts():
     error = check_commands(children(["--token-idle-timeout-secs=soon"]))
-    assert error.startswith("prefill-0: ") and "--token-idle-timeout-secs: invalid float value: 'soon'" in error
+    assert error == ("prefill-0: fsm-pd serve: error: argument --token-idle-timeout-secs: must be a number of "
+                     "seconds, got 'soon'")
     error = check_commands(children(router_extra=["--pd-policy=sometimes"]))
     assert error.startswith("router: ") and "invalid choice: 'sometimes'" in error
     assert "unrecognized arguments: --no-such-flag" in check_commands(children(["--no-such-flag"]))
@@ -37,7 +51,8 @@ def test_launch_exits_2_with_the_error_and_starts_nothing(tmp_path):
     result = subprocess.run([sys.executable, "-m", "fsm_pd.cli", "launch", "--journal-dir", str(journals),
                              "--node-arg=--token-idle-timeout-secs=soon"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "prefill-0" in result.stdout and "invalid float value: 'soon'" in result.stdout
+    assert result.stderr == ("fsm-pd launch: error: prefill-0: fsm-pd serve: error: argument "
+                             "--token-idle-timeout-secs: must be a number of seconds, got 'soon'\n")
     assert not journals.exists()  # nothing started: no journal directory, no logs
 
 
@@ -46,8 +61,8 @@ def test_launch_uds_names_a_socket_path_too_long_before_anything_starts(tmp_path
     result = subprocess.run([sys.executable, "-m", "fsm_pd.cli", "launch", "--journal-dir", str(journals),
                              "--uds", str(sockets)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
-    said = result.stdout.strip()
-    assert "\n" not in said and said.startswith("fsm-pd launch: prefill-0: --uds: ") and "sun_path" in said
+    said = result.stderr.strip()
+    assert "\n" not in said and said.startswith("fsm-pd launch: error: prefill-0: --uds: ") and "sun_path" in said
     assert not journals.exists() and not sockets.exists()
 
 
@@ -62,3 +77,16 @@ def test_launch_uds_puts_every_socket_under_the_directory_and_names_them_to_the_
     assert router.argv[router.argv.index("--decode") + 1] == decode.url == "unix:/run/fsm/decode-0.sock"
     assert all(path.startswith("/run/fsm/") for child in procs for path in child.sockets.values())
     assert check_commands(procs) is None
+
+
+def test_a_child_s_exit_is_reported_by_its_error_line_not_its_last(tmp_path):
+    log = tmp_path / "router.log"
+    log.write_text("INFO:     Started server process [7]\nINFO:     Waiting for application startup.\n"
+                   "ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 30000): address "
+                   "already in use\nINFO:     Waiting for application shutdown.\n"
+                   "INFO:     Application shutdown complete.\n")
+    assert exit_cause(log) == ("ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 30000): "
+                               "address already in use")
+    log.write_text("fsm-pd serve: model loaded\nKilled\n")
+    assert exit_cause(log) == "Killed"  # no error line: the last one
+    assert exit_cause(tmp_path / "none.log") is None
