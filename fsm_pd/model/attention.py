@@ -20,6 +20,7 @@ Two properties follow, and both are why it is built this way:
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Literal
 
 import jax
@@ -34,6 +35,7 @@ ATTENTION_ENV = "FSM_PD_ATTENTION"
 # Finite, so a row with every key masked (a padding row) softmaxes to uniform weights instead of NaN.
 MASK_VALUE = -1e30
 BLOCK_TOKENS = 64  # positions per attention block (whole pages): 64 and 128 beat 32 and 256 on CPU (model.md)
+TPU_BLOCK_TOKENS = 512  # on a TPU: few loop steps; each block's products are large enough for its matrix units
 
 
 def block_pages(page_size: int) -> int:
@@ -67,27 +69,33 @@ def write_kv(layer_pool, k, v, pages, offsets):
     return layer_pool.at[pages, offsets].set(kv_rows(k, v, layer_pool.dtype))
 
 
-def attend_pages(q, layer_pool, page_tables, q_positions, kv_lengths):
+def attend_pages(q, layer_pool, page_tables, q_positions, kv_lengths, *, block_tokens: int = BLOCK_TOKENS,
+                 operands=jnp.float32):
     """Causal GQA of ``q: [B, S, H, D]`` over the pool's pages, where table slot ``t`` holds position ``t``.
 
     ``q_positions: [B, S]`` are the queries' positions, ``kv_lengths: [B]`` how many positions hold real KV.
-    ``page_tables: [B, W]``. Returns ``[B, S, H, D]``.
+    ``page_tables: [B, W]``. Returns ``[B, S, H, D]``. ``operands``: the dtype the products take (their sums are
+    float32 either way); a TPU multiplies bfloat16 several times faster than float32, whose products there are
+    asked for at full precision.
     """
     b, s, heads, dim = q.shape
     _, page_size, lanes = layer_pool.shape
     kv_heads = lanes // (2 * dim)
-    per_block = min(block_pages(page_size), page_tables.shape[1])
+    operands = jnp.dtype(operands)
+    precision = jax.lax.Precision.HIGHEST if operands == jnp.float32 else None
+    product = partial(jnp.einsum, precision=precision, preferred_element_type=jnp.float32)
+    per_block = min(max(1, block_tokens // page_size), page_tables.shape[1])
     if page_tables.shape[1] % per_block:  # whole blocks only (static: a table narrower than its node's never is)
         page_tables = jnp.pad(page_tables, ((0, 0), (0, per_block - page_tables.shape[1] % per_block)))
     tokens = per_block * page_size
-    grouped = (q.reshape(b, s, kv_heads, heads // kv_heads, dim) * (dim**-0.5)).astype(jnp.float32)
+    grouped = (q.reshape(b, s, kv_heads, heads // kv_heads, dim).astype(jnp.float32) * (dim**-0.5)).astype(operands)
     blocks = (jnp.max(kv_lengths) + tokens - 1) // tokens
 
     def block(i, carry):
         running_max, total, acc = carry
         table = jax.lax.dynamic_slice_in_dim(page_tables, i * per_block, per_block, axis=1)  # [B, per_block]
-        kv = layer_pool[table].reshape(b, tokens, kv_heads, 2, dim).astype(jnp.float32)
-        scores = jnp.einsum("bskgd,btkd->bkgst", grouped, kv[:, :, :, 0])
+        kv = layer_pool[table].reshape(b, tokens, kv_heads, 2, dim).astype(operands)
+        scores = product("bskgd,btkd->bkgst", grouped, kv[:, :, :, 0])
         t = i * tokens + jnp.arange(tokens, dtype=jnp.int32)
         visible = (t[None, None, :] <= q_positions[:, :, None]) & (t[None, None, :] < kv_lengths[:, None, None])
         scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
@@ -95,7 +103,7 @@ def attend_pages(q, layer_pool, page_tables, q_positions, kv_lengths):
         weights = jnp.exp(scores - new_max[..., None])
         scale = jnp.exp(running_max - new_max)
         total = total * scale + weights.sum(axis=-1)
-        acc = acc * scale[..., None] + jnp.einsum("bkgst,btkd->bkgsd", weights, kv[:, :, :, 1])
+        acc = acc * scale[..., None] + product("bkgst,btkd->bkgsd", weights.astype(operands), kv[:, :, :, 1])
         return new_max, total, acc
 
     shape = (b, kv_heads, heads // kv_heads, s)
@@ -142,7 +150,10 @@ def paged_attention(q, k, v, layer_pool, page_tables, starts, lengths, *, kernel
             out = decode_attention.decode_attention(q, layer_pool, page_tables, starts + lengths, interpret=interpret)
             return out, layer_pool
     q_positions = starts[:, None] + jnp.arange(seq_len, dtype=jnp.int32)[None, :]
-    return attend_pages(q, layer_pool, page_tables, q_positions, starts + lengths), layer_pool
+    if kernels == "jnp":
+        return attend_pages(q, layer_pool, page_tables, q_positions, starts + lengths), layer_pool
+    return attend_pages(q, layer_pool, page_tables, q_positions, starts + lengths, block_tokens=TPU_BLOCK_TOKENS,
+                        operands=layer_pool.dtype), layer_pool
 
 
 def reference_attention(q, k, v):

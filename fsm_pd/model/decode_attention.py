@@ -4,7 +4,8 @@ The pool's rows are ``[K0, V0, K1, V1, ...]``, ``head_dim`` values each (``kerne
 grid step per sequence, copies that sequence's pages into VMEM a block of ``pages_per_block`` pages at a time (two
 buffers: the next block, or the next sequence's first, is on its way while one is computed), and keeps
 flash-attention's running max, sum and weighted values per KV head. Only pages below the sequence's length are
-read, so the cost follows the batch's context, never the pool or the table width.
+read, so the cost follows the batch's context, never the pool or the table width. A block whose pages are one run
+of the pool (a prompt's pages mostly are: the allocator hands them out in order) is one DMA instead of one a page.
 
 Where a head's K and V sit in the row:
 - ``head_dim`` a multiple of 128: K and V are lane-aligned slices of the block, used as they are;
@@ -48,27 +49,45 @@ def _kernel(kv_lens, tables, block_base, q_ref, pool_ref, o_ref, buf, sems, m_re
     width = tables.shape[1]
     kv_heads = q_ref.shape[1]
     tokens = pages_per_block * page_size
+    # a float32 pool keeps float32 products (a TPU's default multiplies in one bfloat16 pass)
+    precision = jax.lax.Precision.HIGHEST if buf.dtype == jnp.float32 else None
 
-    def page_copies(r, block, slot):
-        copies = []
-        for j in range(pages_per_block):
-            column = block * pages_per_block + j
-            page = tables[r, jnp.minimum(column, width - 1)]
-            copies.append((column * page_size < kv_lens[r],
-                           pltpu.make_async_copy(pool_ref.at[page], buf.at[slot, j], sems.at[slot])))
-        return copies
+    def block_copies(r, block, slot):
+        """The block's copies: ``(whole, one copy of all its pages)`` where its pages are one run of the pool (as a
+        prompt's pages mostly are: one DMA), and ``[(valid, copy of one page)]`` for the page-by-page way."""
+        first = block * pages_per_block
+        column = lambda j: jnp.minimum(first + j, width - 1)  # noqa: E731
+        start_page = tables[r, column(0)]
+        whole = (first + pages_per_block) * page_size <= kv_lens[r] + page_size - 1  # every page of it in use
+        for j in range(1, pages_per_block):
+            whole = whole & (tables[r, column(j)] == start_page + j)
+        run = pltpu.make_async_copy(pool_ref.at[pl.ds(start_page, pages_per_block)], buf.at[slot], sems.at[slot])
+        pages = [((first + j) * page_size < kv_lens[r],
+                  pltpu.make_async_copy(pool_ref.at[tables[r, column(j)]], buf.at[slot, j], sems.at[slot]))
+                 for j in range(pages_per_block)]
+        return whole, run, pages
 
     def start(r, block, slot):
-        for valid, copy in page_copies(r, block, slot):
-            pl.when(valid)(copy.start)
+        whole, run, pages = block_copies(r, block, slot)
+        pl.when(whole)(run.start)
+
+        @pl.when(jnp.logical_not(whole))
+        def _by_page():
+            for valid, copy in pages:
+                pl.when(valid)(copy.start)
 
     def wait(r, block, slot):
-        for j, (valid, copy) in enumerate(page_copies(r, block, slot)):
-            pl.when(valid)(copy.wait)
+        whole, run, pages = block_copies(r, block, slot)
+        pl.when(whole)(run.wait)
 
-            @pl.when(jnp.logical_not(valid))
-            def _zero(j=j):
-                buf[slot, j] = jnp.zeros((page_size, lanes), buf.dtype)
+        @pl.when(jnp.logical_not(whole))
+        def _by_page():
+            for j, (valid, copy) in enumerate(pages):
+                pl.when(valid)(copy.wait)
+
+                @pl.when(jnp.logical_not(valid))
+                def _zero(j=j):
+                    buf[slot, j] = jnp.zeros((page_size, lanes), buf.dtype)
 
     count = num_blocks_of(row)
     base = block_base[row]
@@ -106,7 +125,8 @@ def _kernel(kv_lens, tables, block_base, q_ref, pool_ref, o_ref, buf, sems, m_re
                 k = block[:, 2 * head_dim * h: 2 * head_dim * h + head_dim]
                 v = block[:, 2 * head_dim * h + head_dim: 2 * head_dim * (h + 1)]
             q = q_ref[0, h]  # [G, width of k]
-            scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                         preferred_element_type=jnp.float32)
             scores = jnp.where(visible, scores, MASK_VALUE)
             m_prev = m_ref[h][:, :1]
             m_new = jnp.maximum(m_prev, scores.max(axis=1, keepdims=True))
@@ -115,7 +135,8 @@ def _kernel(kv_lens, tables, block_base, q_ref, pool_ref, o_ref, buf, sems, m_re
             l_ref[h] = jnp.broadcast_to(scale * l_ref[h][:, :1] + weights.sum(axis=1, keepdims=True), l_ref.shape[1:])
             m_ref[h] = jnp.broadcast_to(m_new, m_ref.shape[1:])
             acc_ref[h] = scale * acc_ref[h] + jax.lax.dot_general(
-                weights.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+                weights.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                preferred_element_type=jnp.float32)
         return carry
 
     jax.lax.fori_loop(0, count, block_step, 0)

