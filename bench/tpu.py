@@ -10,8 +10,9 @@ node compiles, each call waited for):
 - the decode step at batch 1, 8, 32 and 64, every row at --context tokens, on the default pool (--pages) and on
   one --pool-factor times larger (the step must not grow with the pool);
 - prefill of 512 and 2,048 tokens (one row);
-- gather and scatter of 256 pages of every layer, device to host and back of that staging array, and a plain copy
-  of one contiguous 256 MiB array each way for comparison.
+- gather and scatter of 256 pages of every layer, device to host (also into the device's pinned host memory, where
+  it has some) and back of that staging array, and a plain copy of one contiguous 256 MiB array each way for
+  comparison.
 
 Rooflines: a decode step reads the weights and the KV in use once (bytes / HBM bandwidth); prefill is its matrix
 work at peak FLOP/s; a copy moves its bytes read plus written at HBM bandwidth. On a TPU v5e: 819 GB/s, 197 TFLOP/s
@@ -131,6 +132,24 @@ def prefill_figures(model: LoadedModel, lengths, flops: float, params: int):
     return out
 
 
+def host_copies(array, device, repeat: int = 4) -> tuple[float, float, float | None]:
+    """Seconds to copy ``array`` to the host (a fresh device copy each time: a jax array keeps its host copy once
+    made), back to the device, and to the device's pinned host memory (None where it has none)."""
+    fresh = [jax.block_until_ready(array + 0) for _ in range(repeat)]
+    down = []
+    for copy in fresh:
+        start = time.perf_counter()
+        np.asarray(copy)
+        down.append(time.perf_counter() - start)
+    host = np.asarray(fresh[0])
+    up = timed(lambda: jax.device_put(host, device), repeat)
+    pinned = None
+    if "pinned_host" in [m.kind for m in device.addressable_memories()]:
+        target = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+        pinned = timed(lambda: jax.device_put(array, target), repeat)
+    return statistics.median(down), up, pinned
+
+
 def copy_figures(model: LoadedModel, pages: int, bandwidth: float, device):
     pool = model.make_pool(model.make_kv_layout(pages + 2, PAGE_SIZE))
     ids = list(range(1, pages + 1))
@@ -144,23 +163,21 @@ def copy_figures(model: LoadedModel, pages: int, bandwidth: float, device):
 
     scatter_s = timed(scatter, 10)
     moved = 2 * staging.nbytes  # read + written
-    to_host = timed(lambda: np.asarray(staging), 5)
-    host = np.asarray(staging)
-    to_device = timed(lambda: jax.device_put(host, device), 5)
+    down, up, pinned = host_copies(staging, device)
     plain = jax.device_put(jnp.ones((64, 1 << 20), jnp.float32), device)  # 256 MiB, contiguous
-    plain_host = np.asarray(plain)
-    plain_d2h = timed(lambda: np.asarray(plain), 3)
-    plain_h2d = timed(lambda: jax.device_put(plain_host, device), 3)
-    gbs = lambda nbytes, s: round(nbytes / s / 1e9, 2)  # noqa: E731
+    plain_down, plain_up, plain_pinned = host_copies(plain, device, repeat=3)
+    rate = lambda nbytes, s: round(nbytes / s / 1e9, 2) if s else None  # noqa: E731
+    share = lambda s, plain_s: round(plain_s / plain.nbytes * staging.nbytes / s, 3) if s and plain_s else None  # noqa: E731
     return {"impl": resolve_impl(state["pool"]), "pages": pages, "MiB": round(staging.nbytes / 2**20, 1),
-            "gather": {"GBps": gbs(moved, gather), "share": round(moved / gather / bandwidth, 3)},
-            "scatter": {"GBps": gbs(moved, scatter_s), "share": round(moved / scatter_s / bandwidth, 3)},
-            "device_to_host": {"GBps": gbs(staging.nbytes, to_host),
-                               "of_plain_copy": round(plain_d2h / plain.nbytes * staging.nbytes / to_host, 3)},
-            "host_to_device": {"GBps": gbs(staging.nbytes, to_device),
-                               "of_plain_copy": round(plain_h2d / plain.nbytes * staging.nbytes / to_device, 3)},
-            "plain_256MiB": {"device_to_host_GBps": gbs(plain.nbytes, plain_d2h),
-                             "host_to_device_GBps": gbs(plain.nbytes, plain_h2d)}}
+            "gather": {"GBps": rate(moved, gather), "share": round(moved / gather / bandwidth, 3)},
+            "scatter": {"GBps": rate(moved, scatter_s), "share": round(moved / scatter_s / bandwidth, 3)},
+            "device_to_host": {"GBps": rate(staging.nbytes, down), "of_plain_copy": share(down, plain_down)},
+            "host_to_device": {"GBps": rate(staging.nbytes, up), "of_plain_copy": share(up, plain_up)},
+            "device_to_pinned_host": {"GBps": rate(staging.nbytes, pinned), "of_plain_copy": share(pinned,
+                                                                                                    plain_pinned)},
+            "plain_256MiB": {"device_to_host_GBps": rate(plain.nbytes, plain_down),
+                             "host_to_device_GBps": rate(plain.nbytes, plain_up),
+                             "device_to_pinned_host_GBps": rate(plain.nbytes, plain_pinned)}}
 
 
 def main(argv=None) -> int:
@@ -200,11 +217,11 @@ def main(argv=None) -> int:
             except Exception as exc:  # noqa: BLE001 - one failed figure must not lose the others
                 figures[f"decode_pool_{pages}"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
             print(name, pages, json.dumps(figures[f"decode_pool_{pages}"]), flush=True)
-        for section, run in (("prefill", lambda: prefill_figures(model, [int(n) for n in args.prefill.split(",")],
-                                                                   flops, params)),
-                             ("copies", lambda: copy_figures(model, args.copy_pages, bandwidth, device))):
+        lengths = [int(n) for n in args.prefill.split(",")]
+        for section, run, run_args in (("prefill", prefill_figures, (model, lengths, flops, params)),
+                                       ("copies", copy_figures, (model, args.copy_pages, bandwidth, device))):
             try:
-                figures[section] = run()
+                figures[section] = run(*run_args)
             except Exception as exc:  # noqa: BLE001
                 figures[section] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
             print(name, section, json.dumps(figures[section]), flush=True)
@@ -236,8 +253,8 @@ def markdown(report: dict) -> str:
             if what in copies:
                 lines.append(f"| {name} | {what} {copies['pages']} pages ({copies['impl']}) | "
                              f"{copies[what]['GBps']} GB/s | {report['hbm_GBps']} GB/s | {copies[what]['share']:.0%} |")
-        for what in ("device_to_host", "host_to_device"):
-            if what in copies:
+        for what in ("device_to_host", "host_to_device", "device_to_pinned_host"):
+            if copies.get(what, {}).get("GBps"):
                 lines.append(f"| {name} | {what.replace('_', ' ')}, {copies['MiB']} MiB | {copies[what]['GBps']} "
                              f"GB/s | plain 256 MiB copy | {copies[what]['of_plain_copy']:.0%} |")
     return "\n".join(lines) + "\n"

@@ -132,8 +132,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from fsm_pd.launch import launch
+    from fsm_pd.serve_flags import resolve_dtype
 
-    extra = ["--dtype", args.dtype, "--kv-checksum", args.kv_checksum, *args.node_arg]
+    # one dtype for every node, resolved here: nodes on a chip and on CPU cores must agree on the pool's
+    extra = ["--dtype", resolve_dtype(args.dtype), "--kv-checksum", args.kv_checksum, *args.node_arg]
     return launch(prefill=args.prefill, decode=args.decode, port=args.port, model=args.model,
                   backend=args.transfer_backend, journal_dir=Path(args.journal_dir), extra=extra,
                   console=Console(), warmup=args.warmup, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,

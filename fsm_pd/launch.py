@@ -35,6 +35,7 @@ import httpx
 from rich.console import Console
 
 from fsm_pd import unix_http
+from fsm_pd.serve_flags import accelerator_host
 from fsm_pd.transport import generate_secret, secret_env
 from fsm_pd.unix_http import http_url
 from fsm_pd.unix_sockets import (
@@ -181,6 +182,13 @@ def check_commands(children: Sequence[Child]) -> str | None:
 def get(url: str, timeout: float) -> httpx.Response:
     """``GET url`` (``http://`` or ``unix:PATH/...``)."""
     return unix_http.request("GET", http_url(url), timeout=timeout)
+
+
+def chip_holder(children: Sequence[Child]) -> Child:
+    """The one process that gets the accelerator on a host where one process at a time can hold it (a TPU's): the
+    first decode node, which serves every short prompt whole and every stream's tokens; the others run on the host's
+    CPU cores (``JAX_PLATFORMS=cpu``)."""
+    return next(child for child in children if child.name.startswith("decode-"))
 
 
 def launch_problem(port: int, journal_dir: Path, uds: Path | None) -> str | None:
@@ -365,9 +373,12 @@ def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, jo
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
 
+    chip = chip_holder(children) if accelerator_host() else None
+
     def start(child: Child) -> None:
         log = open(child.log, "w")  # noqa: SIM115 - the child keeps writing to it
-        child.proc = subprocess.Popen(child.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+        own = env if chip is None or child is chip else {**env, "JAX_PLATFORMS": "cpu"}
+        child.proc = subprocess.Popen(child.argv, stdout=log, stderr=subprocess.STDOUT, env=own,
                                       stdin=subprocess.DEVNULL)
 
     try:

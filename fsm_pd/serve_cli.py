@@ -20,6 +20,7 @@ from fsm_pd.serve_flags import (
     SERVE_HELP,
     node_parser,
     one_line_errors,
+    resolve_dtype,
     role_parser,
     split_role,
 )
@@ -141,7 +142,10 @@ def run_node(args: argparse.Namespace) -> int:
     compiles.install()
     try:
         with startup.phase("weights"):
-            model = load_model(args.model, dtype=args.dtype, progress=True, tp=args.tp)
+            import jax
+
+            dtype = resolve_dtype(args.dtype, jax.default_backend())
+            model = load_model(args.model, dtype=dtype, progress=True, tp=args.tp)
     except (FileNotFoundError, ValueError) as exc:  # missing file or package, unsupported or corrupt checkpoint,
         print(f"fsm-pd serve: cannot load model {args.model!r}: {exc}", file=sys.stderr)  # too few devices for --tp
         return 2

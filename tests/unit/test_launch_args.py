@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fsm_pd.launch import check_commands, exit_cause, plan
+from fsm_pd.launch import check_commands, chip_holder, exit_cause, plan
+from fsm_pd.serve_flags import resolve_dtype
 
 
 def children(extra=(), router_extra=(), prefill_extra=(), decode_extra=()):
@@ -90,3 +91,10 @@ def test_a_child_s_exit_is_reported_by_its_error_line_not_its_last(tmp_path):
     log.write_text("fsm-pd serve: model loaded\nKilled\n")
     assert exit_cause(log) == "Killed"  # no error line: the last one
     assert exit_cause(tmp_path / "none.log") is None
+
+
+def test_on_an_accelerator_host_the_first_decode_node_holds_the_chip_and_every_node_gets_one_dtype():
+    procs = plan(2, 2, 30000, "tiny", "tcp", Path("/tmp/unused"), [])
+    assert chip_holder(procs).name == "decode-0"
+    assert resolve_dtype("auto", "tpu") == "bfloat16" and resolve_dtype("auto", "cpu") == "float32"
+    assert resolve_dtype("float32", "tpu") == "float32"  # asked for: kept
