@@ -88,7 +88,22 @@ def serve_main(argv: Sequence[str]) -> int:
         quiet_absent_backends()
     if args.tp > 1:
         ask_for_host_devices(args.tp)
+    open_devices_meanwhile()
     return run_node(args)
+
+
+def open_devices_meanwhile() -> None:
+    """Start jax's backend on a thread of its own while the server's modules import: opening a TPU takes a process 6
+    to 15 s, which would otherwise come after the imports (the first use of the model's weights waits for it)."""
+    def open_devices() -> None:
+        try:
+            import jax
+
+            jax.devices()
+        except Exception:  # noqa: BLE001 - the main thread's own first use reports it
+            pass
+
+    threading.Thread(target=open_devices, name="open-devices", daemon=True).start()
 
 
 def check_unix_sockets(args: argparse.Namespace) -> str | None:

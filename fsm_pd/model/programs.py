@@ -46,9 +46,9 @@ from fsm_pd.model.decoder import (
 )
 from fsm_pd.model.tensor_parallel import TensorParallel, group_sharded
 
-# Layers per program, roughly (``layer_groups``). Fewer calls matter more where a call costs more than on CPU: an
-# accelerator node may want the whole model in one program (a large value).
-LAYERS_PER_PROGRAM = int(os.environ.get("FSM_PD_LAYERS_PER_PROGRAM", "6"))
+# Layers per program, roughly (``layer_groups``); 0: 6 on a CPU, the whole model on a TPU, where a call costs about
+# 0.1 ms of host time (SmolLM2 at batch 1 on a v5e: 2.7 ms a step in 6-layer groups, 1.7 ms in one; docs/tpu.md).
+LAYERS_PER_PROGRAM = int(os.environ.get("FSM_PD_LAYERS_PER_PROGRAM", "0"))
 
 _embed = jax.jit(embed_tokens)
 _group = jax.jit(forward_group, static_argnames=("config", "kernels"), donate_argnames=("pools",))
@@ -136,13 +136,15 @@ class ForwardPrograms:
     """
 
     def __init__(self, config: ModelConfig, params: dict, pool: tuple, tp: TensorParallel | None = None, *,
-                 layers_per_program: int = LAYERS_PER_PROGRAM):
+                 layers_per_program: int | None = None):
         self.config, self.tp = config, tp
         abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
         self._params = jax.tree.map(abstract, params)  # shapes only: no model's weights are kept alive here
         self._pool = tuple(abstract(a) for a in pool)
         self.width = table_width(config, pool[0].shape[0], pool[0].shape[1])
         self.kernels = kernels_for(pool, config.head_dim) if tp is None else "jnp"
+        if layers_per_program is None:
+            layers_per_program = LAYERS_PER_PROGRAM or (config.num_layers if self.kernels == "tpu" else 6)
         self.groups = layer_groups(config.num_layers, layers_per_program)
         # where the host's token arrays go: the pool's device, or every device of the mesh
         self._inputs = pool[0].sharding if tp is None else tp.replicated

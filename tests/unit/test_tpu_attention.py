@@ -26,6 +26,10 @@ from fsm_pd.model.tiny import tiny_config
 ON_TPU = jax.default_backend() == "tpu"
 KERNELS = "tpu" if ON_TPU else "interpret"
 PAGE_SIZE = 16
+# On the CPU both paths are float32 to the last bits but for summation order. On a TPU the two differ by how the
+# chip multiplies float32 outside the attention (one bfloat16 pass by default, in both runs alike) and inside it
+# (the Pallas kernel and XLA's einsum); a wrong page, row or block still moves a logit by far more than this.
+TOLERANCE = 3e-2 if ON_TPU else 2e-4
 
 SHAPES = {  # head_dim: (heads, kv_heads)
     64: (9, 3),  # SmolLM2's grouping
@@ -66,10 +70,10 @@ def assert_same(out, rows_per_call):
     (want_logits, want_pool), (got_logits, got_pool) = out["jnp"], out[KERNELS]
     for call, (want, got) in enumerate(zip(want_logits, got_logits, strict=True)):
         real = rows_per_call[call]
-        np.testing.assert_allclose(got[real], want[real], atol=2e-4, rtol=2e-4, err_msg=f"call {call}")
+        np.testing.assert_allclose(got[real], want[real], atol=TOLERANCE, rtol=TOLERANCE, err_msg=f"call {call}")
     for layer, (want, got) in enumerate(zip(want_pool, got_pool, strict=True)):
         # page 0 is the pad page: the jnp path stores padding tokens there, the TPU write never touches it
-        np.testing.assert_allclose(got[1:], want[1:], atol=1e-5, err_msg=f"layer {layer}")
+        np.testing.assert_allclose(got[1:], want[1:], atol=TOLERANCE / 20, err_msg=f"layer {layer}")
         assert not got[0].any(), "the TPU write touched the pad page"
 
 
@@ -122,7 +126,7 @@ def test_decode_crosses_blocks_and_rows_of_any_length(model):
             step, pool, _ = forward(params, pool, *(jnp.asarray(a, jnp.int32) for a in (tokens, starts, lens, tabs)))
             logits.append(np.asarray(step))
         out[kernels] = logits
-    np.testing.assert_allclose(out[KERNELS][1], out["jnp"][1], atol=2e-4, rtol=2e-4)
+    np.testing.assert_allclose(out[KERNELS][1], out["jnp"][1], atol=TOLERANCE, rtol=TOLERANCE)
 
 
 def test_the_write_touches_only_the_pages_its_tokens_land_in():
