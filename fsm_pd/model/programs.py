@@ -50,7 +50,14 @@ from fsm_pd.model.tensor_parallel import TensorParallel, group_sharded
 # 0.1 ms of host time (SmolLM2 at batch 1 on a v5e: 2.7 ms a step in 6-layer groups, 1.7 ms in one; docs/tpu.md).
 LAYERS_PER_PROGRAM = int(os.environ.get("FSM_PD_LAYERS_PER_PROGRAM", "0"))
 
-_embed = jax.jit(embed_tokens)
+def embed_step(embed, packed, *, tokens: int):
+    """A step's inputs, sent as one array ``packed: [B, tokens + 2 + W]`` (tokens, starts, lengths, page tables: on
+    a TPU host each transfer costs about 0.1 ms), unpacked on the device, and the tokens' embeddings."""
+    return (embed_tokens(embed, packed[:, :tokens]), packed[:, tokens], packed[:, tokens + 1],
+            packed[:, tokens + 2:])
+
+
+_embed = jax.jit(embed_step, static_argnames=("tokens",))
 _group = jax.jit(forward_group, static_argnames=("config", "kernels"), donate_argnames=("pools",))
 _head = jax.jit(final_logits, static_argnames=("config",))
 
@@ -180,7 +187,7 @@ class ForwardPrograms:
                            else group_sharded.lower(layers, pools, hidden, *rows, tp=self.tp))
                 by_size[count] = lowered.compile()
         program = LayeredForward(
-            embed=_embed.lower(self._params["embed"], ints(batch, tokens)).compile(),
+            embed=_embed.lower(self._params["embed"], ints(batch, tokens + 2 + self.width), tokens=tokens).compile(),
             groups=tuple((first, count, by_size[count]) for first, count in self.groups),
             head=_head.lower(top_params(self._params), hidden, ints(batch), config=self.config).compile(),
             inputs=self._inputs,
@@ -265,8 +272,11 @@ class LayeredForward:
     inputs: jax.sharding.Sharding  # where the token arrays go
 
     def __call__(self, params, pool, tokens, starts, lengths, page_tables):
-        tokens, starts, lengths, page_tables = jax.device_put((tokens, starts, lengths, page_tables), self.inputs)
-        x, layers, pool = self.embed(params["embed"], tokens), params["layers"], list(pool)
+        ints = lambda a: np.asarray(a, np.int32)  # noqa: E731
+        tokens = ints(tokens)
+        packed = np.concatenate([tokens, ints(starts)[:, None], ints(lengths)[:, None], ints(page_tables)], axis=1)
+        x, starts, lengths, page_tables = self.embed(params["embed"], jax.device_put(packed, self.inputs))
+        layers, pool = params["layers"], list(pool)
         for first, count, group in self.groups:
             end = first + count
             x, pool[first:end] = group(layers[first:end], tuple(pool[first:end]), x, starts, lengths, page_tables)
