@@ -57,7 +57,16 @@ def embed_step(embed, packed, *, tokens: int):
             packed[:, tokens + 2:])
 
 
+def whole_step(params, pool, packed, *, config: ModelConfig, kernels: str, tokens: int):
+    """``forward_paged`` on a step's packed inputs (``embed_step``): the whole model as one program."""
+    x, starts, lengths, page_tables = embed_step(params["embed"], packed, tokens=tokens)
+    x, pool = forward_group(params["layers"], pool, x, starts, lengths, page_tables, config=config, kernels=kernels)
+    logits, hidden = final_logits(top_params(params), x, lengths, config=config)
+    return logits, pool, hidden
+
+
 _embed = jax.jit(embed_step, static_argnames=("tokens",))
+_whole = jax.jit(whole_step, static_argnames=("config", "kernels", "tokens"), donate_argnames=("pool",))
 _group = jax.jit(forward_group, static_argnames=("config", "kernels"), donate_argnames=("pools",))
 _head = jax.jit(final_logits, static_argnames=("config",))
 
@@ -178,6 +187,12 @@ class ForwardPrograms:
         hidden = jax.ShapeDtypeStruct((batch, tokens, self.config.hidden_size), self._params["embed"].dtype,
                                       sharding=self._inputs)
         rows = (ints(batch), ints(batch), ints(batch, self.width))  # starts, lengths, page tables
+        packed = ints(batch, tokens + 2 + self.width)
+        if len(self.groups) == 1 and self.tp is None:
+            whole = _whole.lower(self._params, self._pool, packed, config=self.config, kernels=self.kernels,
+                                 tokens=tokens).compile()
+            with self._lock:
+                return self._programs.setdefault((batch, tokens), OneProgram(whole, self._inputs))
         by_size = {}
         for first, count in self.groups:
             if count not in by_size:
@@ -187,7 +202,7 @@ class ForwardPrograms:
                            else group_sharded.lower(layers, pools, hidden, *rows, tp=self.tp))
                 by_size[count] = lowered.compile()
         program = LayeredForward(
-            embed=_embed.lower(self._params["embed"], ints(batch, tokens + 2 + self.width), tokens=tokens).compile(),
+            embed=_embed.lower(self._params["embed"], packed, tokens=tokens).compile(),
             groups=tuple((first, count, by_size[count]) for first, count in self.groups),
             head=_head.lower(top_params(self._params), hidden, ints(batch), config=self.config).compile(),
             inputs=self._inputs,
@@ -272,9 +287,7 @@ class LayeredForward:
     inputs: jax.sharding.Sharding  # where the token arrays go
 
     def __call__(self, params, pool, tokens, starts, lengths, page_tables):
-        ints = lambda a: np.asarray(a, np.int32)  # noqa: E731
-        tokens = ints(tokens)
-        packed = np.concatenate([tokens, ints(starts)[:, None], ints(lengths)[:, None], ints(page_tables)], axis=1)
+        packed = pack_step(tokens, starts, lengths, page_tables)
         x, starts, lengths, page_tables = self.embed(params["embed"], jax.device_put(packed, self.inputs))
         layers, pool = params["layers"], list(pool)
         for first, count, group in self.groups:
@@ -296,6 +309,34 @@ class LayeredForward:
             temp_size_in_bytes=max(p.memory_analysis().temp_size_in_bytes for p in programs),
             alias_size_in_bytes=sum(group.memory_analysis().alias_size_in_bytes for *_, group in self.groups),
         )
+
+
+@dataclass(frozen=True)
+class OneProgram:
+    """A forward shape as one program (``whole_step``): where the model is one group of layers (on a TPU), the
+    embedding and the head go in with it, one call a step instead of three. Called like ``LayeredForward``."""
+
+    program: jax.stages.Compiled
+    inputs: jax.sharding.Sharding
+
+    def __call__(self, params, pool, tokens, starts, lengths, page_tables):
+        packed = jax.device_put(pack_step(tokens, starts, lengths, page_tables), self.inputs)
+        logits, pool, hidden = self.program(params, tuple(pool), packed)
+        return logits, tuple(pool), hidden
+
+    @property
+    def logits_sharding(self) -> jax.sharding.Sharding:
+        return self.program.output_shardings[0]
+
+    def memory_analysis(self) -> MemoryUse:
+        analysis = self.program.memory_analysis()
+        return MemoryUse(analysis.temp_size_in_bytes, analysis.alias_size_in_bytes)
+
+
+def pack_step(tokens, starts, lengths, page_tables) -> np.ndarray:
+    """A step's host inputs as one int32 array ``[B, S + 2 + W]`` (``embed_step`` unpacks it on the device)."""
+    ints = lambda a: np.asarray(a, np.int32)  # noqa: E731
+    return np.concatenate([ints(tokens), ints(starts)[:, None], ints(lengths)[:, None], ints(page_tables)], axis=1)
 
 
 @dataclass(frozen=True)

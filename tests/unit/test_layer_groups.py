@@ -65,10 +65,12 @@ def run(config, params, forward, steps=4):
     return logits, [np.asarray(layer) for layer in pool]
 
 
-def test_the_groups_compute_what_the_whole_model_program_does(deep):
+@pytest.mark.parametrize("layers_per_program", [6, 13], ids=["three-groups", "one-program"])
+def test_the_groups_compute_what_the_whole_model_program_does(deep, layers_per_program):
+    """Three group programs, or (as on a TPU) one program with the embedding and the head inside."""
     config, params = deep
-    programs = ForwardPrograms(config, params, pool_of(config), layers_per_program=6)
-    assert [count for _, count in programs.groups] == [4, 4, 5]
+    programs = ForwardPrograms(config, params, pool_of(config), layers_per_program=layers_per_program)
+    assert [count for _, count in programs.groups] == ([4, 4, 5] if layers_per_program == 6 else [13])
     whole_logits, whole_pool = run(config, params, forward=None)
     grouped_logits, grouped_pool = run(config, params, forward=programs)
     assert {(1, 1), (1, 64)} <= programs.shapes

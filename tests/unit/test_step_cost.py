@@ -52,8 +52,10 @@ def test_compiled_step_holds_nothing_the_size_of_the_pool(tiny, batch, tokens):
     big_pool, big = compiled_step(config, params, 4096, batch, tokens)
     small_temp, big_temp = small.memory_analysis().temp_size_in_bytes, big.memory_analysis().temp_size_in_bytes
     layer = big_pool[0].nbytes
-    # 64x the pages: the step's scratch memory must not follow (a copied layer alone would add 16 MiB here).
-    assert big_temp == small_temp, f"temporaries grew with the pool: {small_temp} -> {big_temp} bytes"
+    # 64x the pages: the step's scratch memory must not follow (a copied layer alone would add 16 MiB here). Only the
+    # page table may move it by a few KB: it travels packed with the step's inputs and is unpacked in the program,
+    # and its width follows the pool up to the model's longest context.
+    assert abs(big_temp - small_temp) < layer // 100, f"temporaries grew with the pool: {small_temp} -> {big_temp} B"
     assert big_temp < layer // 8
     # donation took: every layer of the pool is the output's buffer, not a copy of it
     assert big.memory_analysis().alias_size_in_bytes == sum(a.nbytes for a in big_pool)
