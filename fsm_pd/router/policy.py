@@ -173,7 +173,9 @@ class PrefillIdleWatch:
 
     def __init__(self, settings: PolicySettings, window: int | None = None):
         self.settings, self.window = settings, window or settings.idle_window
-        self._entries: deque[list[bool]] = deque(maxlen=window)  # [long prompt, prefill completed]
+        # bounded by the window actually used (the router passes none: the settings' idle_window); the scan at every
+        # /metrics scrape reads at most that many
+        self._entries: deque[list[bool]] = deque(maxlen=self.window)  # [long prompt, prefill completed]
 
     def entry(self, prompt_tokens: int) -> list[bool]:
         """A new attempt's entry: ``served`` marks it once its prefill node completed it; ``started`` counts it."""

@@ -153,3 +153,22 @@ def test_short_prompts_sent_local_never_raise_the_alarm(requests, window):
             watch.served(entry)
         watch.started(entry)
         assert not watch.alarm
+
+
+def test_the_alarm_of_the_router_as_built_fires_after_a_served_request_and_its_history_stays_bounded():
+    """The router's own watch, as ``router_app_from_args`` builds it: after requests a prefill node served, a window
+    of long prompts it did not serve raises the alarm (an unbounded history kept the served one forever), and
+    100,000 requests leave the history at its window."""
+    from fsm_pd.router.app import router_app_from_args
+
+    args = build_arg_parser().parse_args(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+                                          "--prefill-idle-window", "20"])
+    app = router_app_from_args(args)
+    watch, metrics = app.state.router.idle_watch, app.state.metrics
+    _fill(watch, 100_000, 480, served=True)
+    assert len(watch._entries) == 20
+    assert b"fsm_pd_router_prefill_idle_alarm 0.0" in metrics.render()[0]
+    _fill(watch, 19, 480, served=False)
+    assert not watch.alarm  # one served request is still in the window
+    _fill(watch, 1, 480, served=False)
+    assert b"fsm_pd_router_prefill_idle_alarm 1.0" in metrics.render()[0]
