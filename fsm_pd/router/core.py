@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 PROBE_TIMEOUT_S = 45.0  # health and info probes; longer than a worker's own /health_generate limit (30 s)
 RETRY_POLICIES = ("retry", "fail")
+DEFAULT_STARTUP_WAIT_S = 60.0  # a request that finds every worker of a role starting waits this long for one
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,11 +80,14 @@ class PDRouter:
                  retry: RetrySettings = DEFAULT_RETRY, breaker: BreakerSettings = DEFAULT_BREAKER,
                  health_interval_s: float = 5.0, health_timeout_s: float = 5.0, metrics: RouterMetrics | None = None,
                  cache_aware: CacheAwareSettings | None = None, deadlines: RouterDeadlines = DEFAULT_DEADLINES,
-                 pd_policy: PolicySettings | None = None):
+                 pd_policy: PolicySettings | None = None, startup_wait_s: float = DEFAULT_STARTUP_WAIT_S):
         if retry.policy not in RETRY_POLICIES:
             raise ValueError(f"retry policy must be one of {RETRY_POLICIES}, got {retry.policy!r}")
         if retry.max_retries < 0 or health_interval_s <= 0 or health_timeout_s <= 0:
             raise ValueError("--max-retries must not be negative, health-check interval and timeout positive")
+        if startup_wait_s < 0:
+            raise ValueError(f"--worker-startup-wait-secs must not be negative, got {startup_wait_s}")
+        self.startup_wait_s = startup_wait_s  # how long a request waits for a worker that is still starting
         self.metrics = metrics or RouterMetrics()
         self.fleet = Fleet([Worker("prefill", w.url.rstrip("/"), w.bootstrap_port) for w in prefill],
                            [Worker("decode", u.rstrip("/")) for u in decode], policy=policy, breaker=breaker,
@@ -126,6 +130,27 @@ class PDRouter:
         if self._health_task is None or self._health_task.done():
             self._health_task = asyncio.ensure_future(self.health.run(self.client))
 
+    async def first_checks(self) -> None:
+        """Start the health checks, and wait (within a check's timeout) for their first round: until then no worker
+        is known to be ready, and one may still be starting."""
+        self.ensure_health_checks()
+        if not self.health.checked.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.health.checked.wait(), self.health.timeout_s + 1)
+
+    def readiness(self) -> tuple[bool, dict]:
+        """Whether a request can be served now: a decode worker whose health check passed, and a prefill worker too
+        when the policy sends every request through one (``always``); with ``auto`` a decode worker serves alone.
+        The body says what is missing, per worker."""
+        needed = ("prefill", "decode") if self.pd_policy.mode == "always" else ("decode",)
+        missing = [role for role in needed if not self.fleet.ready(role)]
+        body = {"status": "ready" if not missing else "not ready", "checked": self.health.checked.is_set(),
+                **({"waiting_for": [f"a ready {role} worker ({self.fleet.unavailable(role)})" for role in missing]}
+                   if missing else {}),
+                "ready": {role: sum(w.admitted and w.last_health == "ok" for w in ws)
+                          for role, ws in self.fleet.workers.items()}}
+        return not missing, body
+
     def _headers(self, request: Request) -> dict:
         headers = {}
         if self.api_key:
@@ -137,10 +162,7 @@ class PDRouter:
     async def dispatch(self, path: str, body: dict, request: Request) -> Response:
         """Run the request; a client that disconnects before the answer starts cancels its legs (and so does this
         handler being cancelled)."""
-        self.ensure_health_checks()
-        if not self.health.checked.is_set():  # the router's first requests: no worker that is still starting
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.health.checked.wait(), self.health.timeout_s + 1)
+        await self.first_checks()
         if body.get("rid") is None:  # one rid on every leg of every attempt (meta_info.id shows it)
             body = {**body, "rid": new_rid()}
         work = asyncio.ensure_future(self._serve(path, body, request))
@@ -195,10 +217,16 @@ class PDRouter:
         budget. Every attempt is a new bootstrap room with the client's rid."""
         key = routing_key(body)
         prefill, decode = self.fleet.pick("prefill", key=key), self.fleet.pick("decode", key=key)
+        loop = asyncio.get_running_loop()
+        wait_until = min(deadline, loop.time() + self.startup_wait_s)  # for a worker that is still starting
         while True:
             route = self._route(body, prefill, decode)
             if decode is None or (prefill is None and route.path == "pd"):
                 role = "prefill" if decode is not None else "decode"
+                if self.fleet.starting(role) and (left := wait_until - loop.time()) > 0:
+                    await self.fleet.admission(left)  # a node starting with the router: its first 200 is near
+                    prefill, decode = self.fleet.pick("prefill", key=key), self.fleet.pick("decode", key=key)
+                    continue
                 self.metrics.gave_up.labels(f"no_{role}").inc()
                 # what cut the request first (a drain's abort), when a retry was then refused otherwise
                 first = f"; the first attempt: {tries.first}" if tries.first and tries.first != tries.last else ""
@@ -313,13 +341,20 @@ class PDRouter:
         finally:
             await started.close()
 
-    async def get_first_prefill(self, path: str) -> Response:
-        url = self.fleet.first("prefill").url + path
+    async def model_get(self, path: str) -> Response:
+        """A model's description (``/v1/models``, ``/model_info``), from the first admitted worker, once the router
+        is ready: a client that waits for ``/v1/models`` must not take a 200 from a fleet that cannot serve yet."""
+        await self.first_checks()
+        ready, body = self.readiness()
+        if not ready:
+            return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+        worker = self.fleet.first()
+        url = worker.url + path
         try:
             resp = await self.client.get(url, headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key
                                          else None, timeout=PROBE_TIMEOUT_S)
         except httpx.HTTPError as err:
-            return _unreachable("prefill", url, err)
+            return _unreachable(worker.role, url, err)
         return Response(resp.content, status_code=resp.status_code,
                         media_type=resp.headers.get("content-type", "application/json"))
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import random
 import time
@@ -66,6 +67,7 @@ class Worker:
     health_failures: int = 0
     request_failures: int = 0
     last_health: str = "unchecked"
+    starting: bool = False  # out because it is starting (its /health said so, or it never answered yet)
     # set when its health checks eject it (not a drain: a draining node finishes its streams): the streams it is
     # sending end, or move on, at once instead of waiting out the deadline on a stopped node's open connection
     lost: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
@@ -99,6 +101,7 @@ class Fleet:
         # per role: with decode-side prefix caches, the decode choice follows prefixes too (the same settings)
         self._by_prefix = {role: CacheAwarePicker(cache_aware) for role in ("prefill", "decode")}
         self._observer = observer or (lambda *_: None)
+        self._admitted = asyncio.Event()  # set (and replaced) at every re-admission: ``admission`` waits on it
 
     # selection
 
@@ -121,9 +124,25 @@ class Fleet:
         self._turn[role] = (everyone.index(chosen) + 1) % len(everyone)
         return chosen
 
-    def first(self, role: str) -> Worker:
-        """The first admitted worker of ``role`` (the first one if none is): for requests any worker can answer."""
-        return next((w for w in self.workers[role] if w.admitted), self.workers[role][0])
+    def ready(self, role: str) -> bool:
+        """A worker of ``role`` is admitted and its last health check passed (not merely unchecked)."""
+        return any(w.admitted and w.last_health == "ok" for w in self.workers[role])
+
+    def starting(self, role: str) -> bool:
+        """Some worker of ``role`` is out only because it has not finished starting: one may be admitted soon."""
+        return any(w.starting and not w.admitted for w in self.workers[role])
+
+    async def admission(self, timeout_s: float) -> None:
+        """Wait until a worker is re-admitted, or ``timeout_s`` passed."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._admitted.wait(), timeout_s)
+
+    def first(self) -> Worker:
+        """For requests any worker can answer (every one serves the same model): the first admitted prefill worker,
+        else the first admitted decode worker (a fleet whose prefill side is down still answers), else the first
+        prefill worker."""
+        return next((w for role in ("prefill", "decode") for w in self.workers[role] if w.admitted),
+                    self.workers["prefill"][0])
 
     def unavailable(self, role: str) -> str:
         """Why no worker of ``role`` can be picked: each one and its reason."""
@@ -153,10 +172,12 @@ class Fleet:
         if ok:
             worker.health_failures = 0
             if not worker.admitted and now - worker.ejected_at >= self.breaker.cooldown_s:
-                worker.admitted, worker.request_failures, worker.reason = True, 0, ""
+                worker.admitted, worker.request_failures, worker.reason, worker.starting = True, 0, "", False
                 worker.lost = asyncio.Event()
                 log.info("%s worker %s re-admitted", worker.role, worker.url)
                 self._observer("readmitted", worker.role, "health_ok")
+                self._admitted.set()
+                self._admitted = asyncio.Event()
             return
         worker.health_failures += 1
         if draining:
@@ -164,6 +185,7 @@ class Fleet:
         elif starting:
             self._eject(worker, f"starting: {detail}", kind="starting")
             worker.ejected_at = now - self.breaker.cooldown_s  # its first 200 re-admits it: no cool-down to sit out
+            worker.starting = True
         elif worker.health_failures >= self.breaker.health_failures:
             self._eject(worker, f"{worker.health_failures} health checks failed in a row, the last: {detail}",
                         kind="health_check")
