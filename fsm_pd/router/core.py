@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 PROBE_TIMEOUT_S = 45.0  # health and info probes; longer than a worker's own /health_generate limit (30 s)
 RETRY_POLICIES = ("retry", "fail")
+RETRY_BACKOFF_S, RETRY_BACKOFF_MAX_S = 0.05, 1.0  # before the n-th retry: 50 ms x 2^(n-1), at most 1 s
 DEFAULT_STARTUP_WAIT_S = 60.0  # a request that finds every worker of a role starting waits this long for one
 
 
@@ -251,9 +252,13 @@ class PDRouter:
             if refused is not None:
                 await outcome.retire(set())
                 return refused
+            if outcome.suspect is not None:  # its process may be gone: a refused check takes it out before the pick
+                self.health.check_soon(self.client, outcome.suspect)
+            # its legs on any worker the next attempt may use (every admitted one) are aborted there first
+            await outcome.retire({w.url for w in self.fleet.all() if w.admitted})
+            await self._backoff(tries, deadline)
             avoid = [outcome.worker] if outcome.worker is not None else []
             prefill, decode = self.fleet.pick("prefill", avoid, key), self.fleet.pick("decode", avoid, key)
-            await outcome.retire({w.url for w in (prefill, decode) if w is not None})
 
     def _may_retry(self, failure: Failure, tries: Tries, migration: bool = False) -> Response | None:
         """None when ``failure`` is to be tried again (counted); else the client's answer."""
@@ -261,20 +266,29 @@ class PDRouter:
         tries.first = tries.first or tries.last
         if not failure.retryable or self.retry.policy == "fail":
             return failure.response
-        if tries.left <= 0:
+        if tries.left <= 0 and not failure.refused:
             self.metrics.gave_up.labels("retries_exhausted").inc()
             first = f"; the first: {tries.first}" if tries.first != tries.last else ""
-            return error_response(503, f"gave up after {tries.used + 1} attempts{first}; the last: {tries.last}",
+            return error_response(503, f"gave up after {tries.used + tries.free + 1} attempts{first}; the last: "
+                                       f"{tries.last}",
                                   code="retries_exhausted")
         if not self.budget.try_retry():
             self.metrics.gave_up.labels("retry_budget").inc()
             return error_response(503, f"not retried: the router's retry budget is spent ({self.budget.describe()});"
                                        f" the failure: {tries.last}", code="retry_budget_exhausted")
-        tries.used += 1
+        if failure.refused:  # it ran nowhere and its worker is out: a try of its own would let a dead fleet
+            tries.free += 1  # use up the request's tries on workers nobody listens at (3 attempts in 30 ms)
+        else:
+            tries.used += 1
         kind = "migration" if migration or failure.decode_after_prefill else "retry"
         (self.metrics.migrations if kind == "migration" else self.metrics.retries).labels(failure.reason).inc()
-        log.info("%s (attempt %d): %s", kind, tries.used + 1, tries.last)
+        log.info("%s (attempt %d): %s", kind, tries.used + tries.free + 1, tries.last)
         return None
+
+    async def _backoff(self, tries: Tries, deadline: float) -> None:
+        """Wait before the next attempt (``retry_backoff``), never past the request's deadline."""
+        delay = retry_backoff(tries.used + tries.free)
+        await asyncio.sleep(max(0.0, min(delay, deadline - asyncio.get_running_loop().time())))
 
     def _route(self, body: dict, prefill: Worker | None, decode: Worker | None) -> Route:
         """This attempt's path (``policy.py``), from the prompt's length and the chosen workers' queues."""
@@ -377,12 +391,20 @@ class PDRouter:
                             status_code=200 if healthy else 503)
 
 
+def retry_backoff(retry: int) -> float:
+    """Seconds to wait before a request's ``retry``-th retry, longer after each (sglang-router's schedule: 50 ms,
+    doubling): a worker that just failed gets a moment for its health check to tell whether it is gone, and a
+    failing fleet is not hammered (a dead prefill was tried 3 times within 30 ms)."""
+    return min(RETRY_BACKOFF_S * 2 ** (retry - 1), RETRY_BACKOFF_MAX_S) if retry > 0 else 0.0
+
+
 @dataclass
 class Tries:
     """One request's retries and migrations, together."""
 
     max_retries: int
     used: int = 0
+    free: int = 0  # retries after a refused connection: they use no try (each took a worker out)
     first: str = ""  # what went wrong first (a drain that aborted the stream), when later attempts fail otherwise
     last: str = ""
 
