@@ -39,3 +39,14 @@ def test_launch_exits_2_with_the_error_and_starts_nothing(tmp_path):
     assert result.returncode == 2, result.stdout + result.stderr
     assert "prefill-0" in result.stdout and "invalid float value: 'soon'" in result.stdout
     assert not journals.exists()  # nothing started: no journal directory, no logs
+
+
+def test_the_cluster_needs_a_prefill_node_only_when_the_router_sends_every_request_through_one():
+    """Under ``auto`` (the default) and ``never`` a decode node prefills prompts itself, so launch keeps serving
+    when its last prefill node dies (it stopped the cluster, and the request in flight with it)."""
+    from fsm_pd.launch import needed_roles
+
+    assert needed_roles([]) == needed_roles(["--pd-policy", "auto"]) == needed_roles(["--pd-policy=never"]) == \
+        ("decode",)
+    assert needed_roles(["--pd-policy", "always"]) == needed_roles(["--max-retries", "1", "--pd-policy=always"]) == \
+        ("prefill", "decode")
