@@ -220,10 +220,16 @@ class PDRouter:
         prefill, decode = self.fleet.pick("prefill", key=key), self.fleet.pick("decode", key=key)
         loop = asyncio.get_running_loop()
         wait_until = min(deadline, loop.time() + self.startup_wait_s)  # for a worker that is still starting
+        rechecked: set[str] = set()
         while True:
             route = self._route(body, prefill, decode)
             if decode is None or (prefill is None and route.path == "pd"):
                 role = "prefill" if decode is not None else "decode"
+                if role not in rechecked:
+                    rechecked.add(role)
+                    if await self._recheck_refused(role):
+                        prefill, decode = self.fleet.pick("prefill", key=key), self.fleet.pick("decode", key=key)
+                        continue
                 if self.fleet.starting(role) and (left := wait_until - loop.time()) > 0:
                     await self.fleet.admission(left)  # a node starting with the router: its first 200 is near
                     prefill, decode = self.fleet.pick("prefill", key=key), self.fleet.pick("decode", key=key)
@@ -259,6 +265,14 @@ class PDRouter:
             await self._backoff(tries, deadline)
             avoid = [outcome.worker] if outcome.worker is not None else []
             prefill, decode = self.fleet.pick("prefill", avoid, key), self.fleet.pick("decode", avoid, key)
+
+    async def _recheck_refused(self, role: str) -> bool:
+        """Every worker of ``role`` is out: those out for a refused connection are checked now (a refused one again
+        answers in a millisecond), so a node restarted at the same address serves this request at its first 200,
+        not at the next round of checks. True if one came back."""
+        refused = [w for w in self.fleet.workers[role] if not w.admitted and w.reason.startswith("refused")]
+        await asyncio.gather(*(self.health.check(self.client, w) for w in refused))
+        return any(w.admitted for w in refused)
 
     def _may_retry(self, failure: Failure, tries: Tries, migration: bool = False) -> Response | None:
         """None when ``failure`` is to be tried again (counted); else the client's answer."""

@@ -390,3 +390,26 @@ def test_when_the_decode_fails_too_after_its_prefill_died_the_failure_is_the_pre
         r = httpx.post(router.url + "/generate", json=LONG, timeout=20)
         assert r.status_code == 502 and r.json()["error"]["code"] == "prefill_unreachable", r.text
     decode.close()
+
+
+def test_a_prefill_restarted_at_its_address_serves_the_next_request_without_waiting_for_a_check_round(monkeypatch):
+    """Its refused connection took it out; when no other prefill is left, a request checks the refused one again
+    before its 503, so a node restarted at the same address (a supervisor's restart) serves it at once."""
+    monkeypatch.setattr("fsm_pd.router.fleet.OUT_CHECK_INTERVAL_S", 60.0)  # no round of checks takes it back
+    prefill, decode = StubEngine(role="prefill"), StubEngine(role="decode")
+    with contextlib.ExitStack() as stack:
+        d = stack.enter_context(AppServer(create_app(decode, decode.tokenizer)))
+        p = AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=9000)).start()
+        app = create_router_app([(p.url, 9000)], [d.url], pd_policy=CLASSIC_PD, health_interval_s=60.0)
+        router = stack.enter_context(AppServer(app))
+        assert until(lambda: httpx.get(router.url + "/readiness", timeout=5).status_code == 200)
+        p.stop()
+        gone = httpx.post(router.url + "/generate", json={"text": "a"}, timeout=20)
+        assert gone.status_code == 503 and gone.json()["error"]["code"] == "no_healthy_prefill", gone.text
+        back = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=9000),
+                                             port=p.port))
+        r = httpx.post(router.url + "/generate", json={"text": "a"}, timeout=20)
+        assert r.status_code == 200, r.text
+        assert back.url == p.url
+    prefill.close()
+    decode.close()
