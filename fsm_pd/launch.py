@@ -10,9 +10,10 @@ directory are checked first: a bad one ends launch with one line, status 2, befo
 Then it sends one chat request through the router, prints its answer and the time from the command to that
 answer, prints the router's URL, and serves until Ctrl-C or SIGTERM. Then it stops exactly the processes
 it started (SIGTERM, then SIGKILL after a grace period). A node that dies on its own is reported and the cluster keeps
-serving (the router's health checks and retries route around it: ``docs/fleet.md``) while at least one prefill and one
-decode node are alive; when a role has none left, or the router dies, the whole cluster is stopped and the exit
-status says so.
+serving (the router's health checks and retries route around it: ``docs/fleet.md``) while at least one decode node is
+alive, and one prefill node too under the router's ``--pd-policy always`` (under ``auto``, the default, a decode node
+prefills every prompt itself once no prefill node is left); when a role it needs has none left, or the router dies,
+the whole cluster is stopped and the exit status says so.
 """
 
 from __future__ import annotations
@@ -301,7 +302,17 @@ def stop(children: list[Child]) -> None:
             child.proc.wait()
 
 
-def survivors(nodes: list[Child], reported: set[str], console: Console) -> dict[str, int]:
+def needed_roles(router_extra: Sequence[str]) -> tuple[str, ...]:
+    """The roles the router cannot serve without: decode, and prefill too when it sends every request through one
+    (``--pd-policy always``); under ``auto`` and ``never`` a decode node prefills prompts itself."""
+    args = list(router_extra)
+    policy = next((a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
+                   for i, a in enumerate(args) if a.split("=", 1)[0] == "--pd-policy"), "auto")
+    return ("prefill", "decode") if policy == "always" else ("decode",)
+
+
+def survivors(nodes: list[Child], reported: set[str], console: Console,
+              needed: Sequence[str] = ("prefill", "decode")) -> dict[str, int]:
     """Nodes alive per role; says once about each node that exited (the router's health checks stop sending
     there, and its requests in flight are retried on the others)."""
     left, newly = {"prefill": 0, "decode": 0}, False
@@ -314,7 +325,7 @@ def survivors(nodes: list[Child], reported: set[str], console: Console) -> dict[
             newly = True
             console.print(f"[bold yellow]{child.name} exited with {child.proc.returncode} (see {child.log}); the "
                           f"router routes around it[/]")
-    if newly and all(left.values()):
+    if newly and all(left[role] for role in needed):
         console.print(f"still serving, on {left['prefill']} prefill and {left['decode']} decode node(s)")
     return left
 
@@ -412,14 +423,15 @@ def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, jo
             console.print(line, soft_wrap=True, highlight=False, markup=False)
         console.print("  Ctrl-C stops every process started here.")
         reported: set[str] = set()
+        needed = needed_roles(router_extra)
         while not stopping.wait(0.5):
             if router_child.proc.poll() is not None:
                 console.print(f"[bold red]the router exited with {router_child.proc.returncode}; stopping the "
                               f"cluster (see {router_child.log})[/]")
                 return 1
-            left = survivors(nodes, reported, console)
-            if not all(left.values()):
-                role = next(r for r, n in left.items() if not n)
+            left = survivors(nodes, reported, console, needed)
+            if not all(left[role] for role in needed):
+                role = next(r for r in needed if not left[r])
                 console.print(f"[bold red]no {role} node is left; stopping the cluster[/]")
                 return 1
         console.print("stopping")

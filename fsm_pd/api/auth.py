@@ -6,7 +6,8 @@ from __future__ import annotations
 import hmac
 import json
 
-OPEN_PATHS = ("/health", "/metrics", "/livez", "/startupz")  # prefixes: /health_generate is open too, as in SGLang
+# prefixes: /health_generate is open too, as in SGLang; /readiness and /liveness are the router's probes
+OPEN_PATHS = ("/health", "/metrics", "/livez", "/startupz", "/readiness", "/liveness")
 
 
 class ApiKeyMiddleware:

@@ -77,6 +77,8 @@ class ChunkPull(DecodePart):
                 self.kv.discard(staging)
             return
         if not complete:  # pieces land in order: the trailer completes the pull
+            # progress: the room's transfer deadline starts again (the prefill node computes the next chunks)
+            node.submit(room_id, "piece_pulled", {"piece": piece.index})
             after = plan.pieces[piece.index + 1] if piece.index + 1 < len(plan.pieces) else plan.trailer
             self._pull_piece(node, room_id, pulls, where, after)
             return

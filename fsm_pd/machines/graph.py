@@ -2,7 +2,7 @@
 
 A table that passes cannot leave a room stuck: one initial state, no exits from terminal states, every state
 reachable, every non-terminal state can reach Failed, and every non-terminal state is guarded by its own deadline
-timer, armed on entry and cancelled on every exit.
+timer, armed on entry and cancelled on every exit (a self-loop may restart it: cancel and arm it in one row).
 """
 
 from __future__ import annotations
@@ -71,8 +71,9 @@ def _deadline_problems(where, src, dst, effects, deadlines, trigger):
     cancelled = {e.timer for e in effects if isinstance(e, CancelTimer)}
     if trigger == "create":
         expected_arm, expected_cancel = {deadlines.get(src)}, set()
-    elif src == dst:
-        expected_arm, expected_cancel = set(), set()
+    elif src == dst:  # a self-loop leaves the state's timer alone, or restarts it (progress: cancel, arm again)
+        restart = {deadlines.get(src)}
+        expected_arm, expected_cancel = (restart, restart) if armed or cancelled else (set(), set())
     else:
         expected_arm = set() if dst in TERMINAL else {deadlines.get(dst)}
         expected_cancel = {deadlines.get(src)}

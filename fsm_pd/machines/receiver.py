@@ -12,6 +12,7 @@ reserved pages on the model thread (``Scatter`` → ``scattered``), and PULLED t
 Rules
 -----
 - Every non-terminal state has exactly one deadline timer (``DEADLINES``), armed on entry and cancelled on exit.
+  A self-loop that is progress (``piece_pulled``: a piece of a chunked handoff landed) restarts it.
 - ``abort``, ``peer_abort``, ``peer_failed`` (the prefill node's heartbeat stopped), ``timeout`` and ``error``
   lead to Failed from every non-terminal state, and every one of those exits frees the reserved pages; success
   keeps them (the request decodes from them).
@@ -65,6 +66,10 @@ RECEIVER_TRANSITIONS = [
      "effects": (CancelTimer("waiting"), Send("ABORT"), FreePages())},
     {"trigger": "kv_published", "source": "WaitingForInput", "dest": "Transferring",
      "effects": (CancelTimer("waiting"), ArmTimer("transfer"), Pull())},
+    # a chunked handoff's piece landed (effects/chunk_pull.py) while the prefill node still computes later ones:
+    # progress restarts the transfer deadline, which bounds the wait since the last piece, not the whole prompt
+    {"trigger": "piece_pulled", "source": "Transferring", "dest": "Transferring",
+     "unless": ["pulled_seen"], "effects": (CancelTimer("transfer"), ArmTimer("transfer"))},
     {"trigger": "pulled", "source": "Transferring", "dest": "Transferring",
      "unless": ["pulled_seen"], "effects": (Scatter(),)},
     {"trigger": "scattered", "source": "Transferring", "dest": "Success",

@@ -14,7 +14,8 @@ token too (``fsm_pd/effects/chunked.py``), so the chunks are data-plane progress
 Rules
 -----
 - Every non-terminal state has exactly one deadline timer (``DEADLINES``), armed on entry and cancelled on exit;
-  ``timeout`` is accepted only while that timer is armed. So every room ends, whatever the peer does.
+  ``timeout`` is accepted only while that timer is armed. So every room ends, whatever the peer does. A self-loop
+  that is progress (``kv_chunk``) restarts it: cancels and arms it again.
 - ``abort`` (local), ``peer_abort`` (ABORT from the decode node), ``timeout`` and ``error`` lead to Failed from
   every non-terminal state. We tell the peer (ABORT) whenever we know it and it did not tell us first.
 - ``peer_failed`` (the decode node we know died or was replaced: ``fsm_pd.control.peers``) leads to Failed from the
@@ -57,8 +58,11 @@ SENDER_TRANSITIONS = [
     # --- the transfer ---
     {"trigger": "published", "source": "Transferring", "dest": "Transferring", "effects": (Send("READY"),)},
     # chunked prefill announced the transfer after its first chunk (kv_ready); each later chunk's KV is final here,
-    # and its pages go out while the next chunk computes (effects/chunked.py): data-plane progress, no new state
-    {"trigger": "kv_chunk", "source": "Transferring", "dest": "Transferring", "effects": (GatherAndPublish(),)},
+    # and its pages go out while the next chunk computes (effects/chunked.py): data-plane progress, no new state.
+    # Progress restarts the pull_hold deadline: it bounds the wait since the last chunk, not the whole prompt's
+    # compute (a 7,400-token prompt failed at exactly 60 s while its later chunks were still computing)
+    {"trigger": "kv_chunk", "source": "Transferring", "dest": "Transferring",
+     "effects": (CancelTimer("pull_hold"), ArmTimer("pull_hold"), GatherAndPublish())},
     {"trigger": "pull_done", "source": "Transferring", "dest": "Success",
      "conditions": ["published_seen"], "effects": (CancelTimer("pull_hold"), ReleaseStaging())},
     # --- failures from Bootstrapping: the peer is not known yet ---

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fastapi import Body, FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from fsm_pd.api.app import DEFAULT_MAX_BODY_BYTES
 from fsm_pd.api.auth import ApiKeyMiddleware
@@ -40,6 +40,7 @@ from fsm_pd.router.cache_aware import CacheAwareSettings
 from fsm_pd.router.core import (
     DEFAULT_BREAKER,
     DEFAULT_RETRY,
+    DEFAULT_STARTUP_WAIT_S,
     GENERATION_PATHS,
     RETRY_POLICIES,
     PDRouter,
@@ -65,20 +66,22 @@ def create_router_app(prefill: Sequence[PrefillWorker | tuple[str, int | None] |
                       breaker: BreakerSettings = DEFAULT_BREAKER, health_interval_s: float = 5.0,
                       health_timeout_s: float = 5.0, cache_aware: CacheAwareSettings | None = None,
                       deadlines: RouterDeadlines = DEFAULT_DEADLINES,
-                      pd_policy: PolicySettings | None = None) -> FastAPI:
+                      pd_policy: PolicySettings | None = None,
+                      startup_wait_s: float = DEFAULT_STARTUP_WAIT_S) -> FastAPI:
     """The router's app. ``prefill``: workers as ``PrefillWorker``, ``(url, bootstrap_port or None)`` or a bare
     URL; ``decode``: URLs. ``api_key``: required from clients and sent to the workers (as sglang-router does).
     ``max_body_bytes``: larger request bodies get 413 before they are read whole (the same default as a worker's).
     ``retry``, ``breaker``, ``health_*``: see ``fleet.py`` and ``docs/fleet.md``; ``cache_aware``: the knobs of
     ``policy="cache_aware"`` (``cache_aware.py``); ``deadlines``: each leg's and a stream's idle deadline
-    (``legs.RouterDeadlines``); ``pd_policy``: which requests go through a prefill node (``policy.py``)."""
+    (``legs.RouterDeadlines``); ``pd_policy``: which requests go through a prefill node (``policy.py``);
+    ``startup_wait_s``: how long a request waits for a worker that is still starting."""
     workers = [w if isinstance(w, PrefillWorker) else PrefillWorker(w, None) if isinstance(w, str)
                else PrefillWorker(w[0], w[1]) for w in prefill]
     metrics = RouterMetrics()
     pd = PDRouter(workers, decode, policy=policy, api_key=api_key, request_timeout_s=request_timeout_s, seed=seed,
                   retry=retry, breaker=breaker, health_interval_s=health_interval_s,
                   health_timeout_s=health_timeout_s, metrics=metrics, cache_aware=cache_aware, deadlines=deadlines,
-                  pd_policy=pd_policy)
+                  pd_policy=pd_policy, startup_wait_s=startup_wait_s)
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
         yield
@@ -108,6 +111,19 @@ def create_router_app(prefill: Sequence[PrefillWorker | tuple[str, int | None] |
         return {"status": "ok", "prefill": len(pd.fleet.workers["prefill"]), "decode": len(pd.fleet.workers["decode"]),
                 "admitted": admitted, "checked": pd.health.checked.is_set()}
 
+    @app.get("/liveness")
+    async def liveness() -> dict:
+        """200 while the router's process serves HTTP (sgl-model-gateway's route): a restart is no cure for workers
+        that are not ready."""
+        return {"status": "alive"}
+
+    @app.get("/readiness")
+    async def readiness() -> Response:
+        """200 once a request can be served (``PDRouter.readiness``), else 503 naming what it waits for."""
+        await pd.first_checks()
+        ready, body = pd.readiness()
+        return JSONResponse(body, status_code=200 if ready else 503, headers=None if ready else {"Retry-After": "1"})
+
     @app.get("/health_generate")
     async def health_generate() -> Response:
         return await pd.health_generate()
@@ -115,7 +131,7 @@ def create_router_app(prefill: Sequence[PrefillWorker | tuple[str, int | None] |
     for path in ("/v1/models", "/model_info", "/get_model_info"):
         def proxied(path: str = path):
             async def get() -> Response:
-                return await pd.get_first_prefill("/model_info" if path.endswith("model_info") else path)
+                return await pd.model_get("/model_info" if path.endswith("model_info") else path)
             get.__name__ = "proxy_" + path.strip("/").replace("/", "_")
             return get
         app.add_api_route(path, proxied(), methods=["GET"])
@@ -198,6 +214,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                        help="consecutive failed requests that eject a worker (default 3)")
     fleet.add_argument("--cb-timeout-duration-secs", type=float, default=10.0,
                        help="an ejected worker is re-admitted by the first good health check after this (default 10)")
+    fleet.add_argument("--worker-startup-wait-secs", type=float, default=DEFAULT_STARTUP_WAIT_S,
+                       help="a request that finds every worker it needs still starting (a router started with its "
+                            "nodes) waits this long for one to be ready before its 503 (default "
+                            f"{DEFAULT_STARTUP_WAIT_S:g}); /readiness is 503 until then")
     fleet.add_argument("--retry-policy", choices=RETRY_POLICIES, default="retry",
                        help="retry: a failure before the answer starts is tried on another pair with a new room, a "
                             "broken /generate stream migrates; fail: the client gets the failure (default retry)")
@@ -262,7 +282,8 @@ def router_app_from_args(args: argparse.Namespace) -> FastAPI:
                                                             args.balance_rel_threshold, args.max_tree_size),
                              deadlines=deadlines,
                              pd_policy=PolicySettings(args.pd_policy, args.local_prefill_max_tokens,
-                                                      args.prefill_idle_window, args.prefill_serves_local))
+                                                      args.prefill_idle_window, args.prefill_serves_local),
+                             startup_wait_s=args.worker_startup_wait_secs)
 
 
 def router_main(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> None:

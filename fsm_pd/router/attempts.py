@@ -38,6 +38,8 @@ class Failure:
     worker: Worker | None  # the worker to blame (its breaker counts it), if any
     reason: str  # a metric label: "{side}_unreachable", "{side}_{status}", "request_timeout"
     decode_after_prefill: bool = False  # the prefill had finished: re-running it is a migration
+    refused: bool = False  # nothing listened at the worker: the request ran nowhere, and the worker is out
+    suspect: Worker | None = None  # a worker whose connection broke off: check its health before the next attempt
     # closes the attempt's legs; those still open on the workers the next attempt uses are aborted there first
     retire: Callable[[set[str]], Awaitable[None]] | None = None
 
@@ -171,7 +173,7 @@ class Attempts:
             raise
         finally:  # the decode's first token came (the prompt is prefilled), or the attempt failed
             prefill.prefilling -= 1
-        if failed is None and not p_leg.task.done() and not d_leg.recomputed:
+        if failed is None and not p_leg.task.done() and not d_leg.recomputed and not p_leg.lost:
             # the decode's stream started, so its KV arrived: the prefill's answer comes beside the relay. It is
             # not cut short when the stream ends first (its room may still be finishing the handoff; a
             # disconnect would abort it there), only at the request's deadline.
@@ -181,9 +183,12 @@ class Attempts:
             return Started(p_leg, d_leg, decode, close)
         prefill.outstanding -= 1
         if failed is None:
-            if p_leg.task.done():  # else the decode recomputed without it (legs.both_answered)
+            # else the decode recomputed without it, or its node died and the decode answered alone
+            if p_leg.task.done() and not p_leg.task.cancelled() and p_leg.failure() is None:
                 self.fleet.request_succeeded(prefill)
                 served()
+            elif p_leg.task.done() and p_leg.unreachable():
+                self.fleet.request_failed(prefill, error_message(p_leg.failure()))
             try:
                 await p_leg.close()
             except BaseException:  # cancelled while the prefill's call ended: nobody will close the decode leg
@@ -247,10 +252,13 @@ class Attempts:
             self.metrics.deadline_expired(leg.deadline_name)
             self.fleet.request_failed(worker, error_message(response))
             return Failure(response, True, worker, f"{leg.side}_timeout", after)
+        if leg.refused():  # the process is gone: out at once, so the retry goes elsewhere
+            self.fleet.refused(worker, error_message(response))
+            return Failure(response, True, worker, f"{leg.side}_refused", after, refused=True)
         if leg.unreachable():
-            reason = f"{leg.side}_unreachable"
             self.fleet.request_failed(worker, error_message(response))
-            return Failure(response, True, worker, reason, after)
+            return Failure(response, True, worker, f"{leg.side}_unreachable", after,
+                           suspect=worker if leg.broke_off() else None)
         status = response.status_code
         if status == 409:  # a room this node had before: a new room is the cure, the node is fine
             return Failure(response, True, None, f"{leg.side}_409", after)

@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 PROBE_TIMEOUT_S = 45.0  # health and info probes; longer than a worker's own /health_generate limit (30 s)
 RETRY_POLICIES = ("retry", "fail")
+RETRY_BACKOFF_S, RETRY_BACKOFF_MAX_S = 0.05, 1.0  # before the n-th retry: 50 ms x 2^(n-1), at most 1 s
+DEFAULT_STARTUP_WAIT_S = 60.0  # a request that finds every worker of a role starting waits this long for one
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,13 +82,16 @@ class PDRouter:
                  retry: RetrySettings = DEFAULT_RETRY, breaker: BreakerSettings = DEFAULT_BREAKER,
                  health_interval_s: float = 5.0, health_timeout_s: float = 5.0, metrics: RouterMetrics | None = None,
                  cache_aware: CacheAwareSettings | None = None, deadlines: RouterDeadlines = DEFAULT_DEADLINES,
-                 pd_policy: PolicySettings | None = None):
+                 pd_policy: PolicySettings | None = None, startup_wait_s: float = DEFAULT_STARTUP_WAIT_S):
         if retry.policy not in RETRY_POLICIES:
             raise ValueError(f"retry policy must be one of {RETRY_POLICIES}, got {retry.policy!r}")
         if retry.max_retries < 0 or health_interval_s <= 0 or health_timeout_s <= 0:
             raise ValueError("--max-retries must not be negative, health-check interval and timeout positive")
         for w in prefill:
             check_bootstrap(w.url, w.bootstrap_port)
+        if startup_wait_s < 0:
+            raise ValueError(f"--worker-startup-wait-secs must not be negative, got {startup_wait_s}")
+        self.startup_wait_s = startup_wait_s  # how long a request waits for a worker that is still starting
         self.metrics = metrics or RouterMetrics()
         # a worker on a unix socket (unix:PATH) is reached at http+unix://localhost/PATH (unix_http.http_url)
         self.fleet = Fleet([Worker("prefill", http_url(w.url).rstrip("/"), w.bootstrap_port) for w in prefill],
@@ -130,6 +135,27 @@ class PDRouter:
         if self._health_task is None or self._health_task.done():
             self._health_task = asyncio.ensure_future(self.health.run(self.client))
 
+    async def first_checks(self) -> None:
+        """Start the health checks, and wait (within a check's timeout) for their first round: until then no worker
+        is known to be ready, and one may still be starting."""
+        self.ensure_health_checks()
+        if not self.health.checked.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.health.checked.wait(), self.health.timeout_s + 1)
+
+    def readiness(self) -> tuple[bool, dict]:
+        """Whether a request can be served now: a decode worker whose health check passed, and a prefill worker too
+        when the policy sends every request through one (``always``); with ``auto`` a decode worker serves alone.
+        The body says what is missing, per worker."""
+        needed = ("prefill", "decode") if self.pd_policy.mode == "always" else ("decode",)
+        missing = [role for role in needed if not self.fleet.ready(role)]
+        body = {"status": "ready" if not missing else "not ready", "checked": self.health.checked.is_set(),
+                **({"waiting_for": [f"a ready {role} worker ({self.fleet.unavailable(role)})" for role in missing]}
+                   if missing else {}),
+                "ready": {role: sum(w.admitted and w.last_health == "ok" for w in ws)
+                          for role, ws in self.fleet.workers.items()}}
+        return not missing, body
+
     def _headers(self, request: Request) -> dict:
         headers = {}
         if self.api_key:
@@ -141,10 +167,7 @@ class PDRouter:
     async def dispatch(self, path: str, body: dict, request: Request) -> Response:
         """Run the request; a client that disconnects before the answer starts cancels its legs (and so does this
         handler being cancelled)."""
-        self.ensure_health_checks()
-        if not self.health.checked.is_set():  # the router's first requests: no worker that is still starting
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.health.checked.wait(), self.health.timeout_s + 1)
+        await self.first_checks()
         if body.get("rid") is None:  # one rid on every leg of every attempt (meta_info.id shows it)
             body = {**body, "rid": new_rid()}
         work = asyncio.ensure_future(self._serve(path, body, request))
@@ -202,10 +225,22 @@ class PDRouter:
         budget. Every attempt is a new bootstrap room with the client's rid."""
         key = routing_key(body)
         prefill, decode = self.fleet.pick("prefill", key=key), self.fleet.pick("decode", key=key)
+        loop = asyncio.get_running_loop()
+        wait_until = min(deadline, loop.time() + self.startup_wait_s)  # for a worker that is still starting
+        rechecked: set[str] = set()
         while True:
             route = self._route(body, prefill, decode)
             if decode is None or (prefill is None and route.path == "pd"):
                 role = "prefill" if decode is not None else "decode"
+                if role not in rechecked:
+                    rechecked.add(role)
+                    if await self._recheck_refused(role):
+                        prefill, decode = self.fleet.pick("prefill", key=key), self.fleet.pick("decode", key=key)
+                        continue
+                if self.fleet.starting(role) and (left := wait_until - loop.time()) > 0:
+                    await self.fleet.admission(left)  # a node starting with the router: its first 200 is near
+                    prefill, decode = self.fleet.pick("prefill", key=key), self.fleet.pick("decode", key=key)
+                    continue
                 self.metrics.gave_up.labels(f"no_{role}").inc()
                 # what cut the request first (a drain's abort), when a retry was then refused otherwise
                 first = f"; the first attempt: {tries.first}" if tries.first and tries.first != tries.last else ""
@@ -230,9 +265,21 @@ class PDRouter:
             if refused is not None:
                 await outcome.retire(set())
                 return refused
+            if outcome.suspect is not None:  # its process may be gone: a refused check takes it out before the pick
+                self.health.check_soon(self.client, outcome.suspect)
+            # its legs on any worker the next attempt may use (every admitted one) are aborted there first
+            await outcome.retire({w.url for w in self.fleet.all() if w.admitted})
+            await self._backoff(tries, deadline)
             avoid = [outcome.worker] if outcome.worker is not None else []
             prefill, decode = self.fleet.pick("prefill", avoid, key), self.fleet.pick("decode", avoid, key)
-            await outcome.retire({w.url for w in (prefill, decode) if w is not None})
+
+    async def _recheck_refused(self, role: str) -> bool:
+        """Every worker of ``role`` is out: those out for a refused connection are checked now (a refused one again
+        answers in a millisecond), so a node restarted at the same address serves this request at its first 200,
+        not at the next round of checks. True if one came back."""
+        refused = [w for w in self.fleet.workers[role] if not w.admitted and w.reason.startswith("refused")]
+        await asyncio.gather(*(self.health.check(self.client, w) for w in refused))
+        return any(w.admitted for w in refused)
 
     def _may_retry(self, failure: Failure, tries: Tries, migration: bool = False) -> Response | None:
         """None when ``failure`` is to be tried again (counted); else the client's answer."""
@@ -240,20 +287,29 @@ class PDRouter:
         tries.first = tries.first or tries.last
         if not failure.retryable or self.retry.policy == "fail":
             return failure.response
-        if tries.left <= 0:
+        if tries.left <= 0 and not failure.refused:
             self.metrics.gave_up.labels("retries_exhausted").inc()
             first = f"; the first: {tries.first}" if tries.first != tries.last else ""
-            return error_response(503, f"gave up after {tries.used + 1} attempts{first}; the last: {tries.last}",
+            return error_response(503, f"gave up after {tries.used + tries.free + 1} attempts{first}; the last: "
+                                       f"{tries.last}",
                                   code="retries_exhausted")
         if not self.budget.try_retry():
             self.metrics.gave_up.labels("retry_budget").inc()
             return error_response(503, f"not retried: the router's retry budget is spent ({self.budget.describe()});"
                                        f" the failure: {tries.last}", code="retry_budget_exhausted")
-        tries.used += 1
+        if failure.refused:  # it ran nowhere and its worker is out: a try of its own would let a dead fleet
+            tries.free += 1  # use up the request's tries on workers nobody listens at (3 attempts in 30 ms)
+        else:
+            tries.used += 1
         kind = "migration" if migration or failure.decode_after_prefill else "retry"
         (self.metrics.migrations if kind == "migration" else self.metrics.retries).labels(failure.reason).inc()
-        log.info("%s (attempt %d): %s", kind, tries.used + 1, tries.last)
+        log.info("%s (attempt %d): %s", kind, tries.used + tries.free + 1, tries.last)
         return None
+
+    async def _backoff(self, tries: Tries, deadline: float) -> None:
+        """Wait before the next attempt (``retry_backoff``), never past the request's deadline."""
+        delay = retry_backoff(tries.used + tries.free)
+        await asyncio.sleep(max(0.0, min(delay, deadline - asyncio.get_running_loop().time())))
 
     def _route(self, body: dict, prefill: Worker | None, decode: Worker | None) -> Route:
         """This attempt's path (``policy.py``), from the prompt's length and the chosen workers' queues."""
@@ -320,13 +376,20 @@ class PDRouter:
         finally:
             await started.close()
 
-    async def get_first_prefill(self, path: str) -> Response:
-        url = self.fleet.first("prefill").url + path
+    async def model_get(self, path: str) -> Response:
+        """A model's description (``/v1/models``, ``/model_info``), from the first admitted worker, once the router
+        is ready: a client that waits for ``/v1/models`` must not take a 200 from a fleet that cannot serve yet."""
+        await self.first_checks()
+        ready, body = self.readiness()
+        if not ready:
+            return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+        worker = self.fleet.first()
+        url = worker.url + path
         try:
             resp = await self.client.get(url, headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key
                                          else None, timeout=PROBE_TIMEOUT_S)
         except httpx.HTTPError as err:
-            return _unreachable("prefill", url, err)
+            return _unreachable(worker.role, url, err)
         return Response(resp.content, status_code=resp.status_code,
                         media_type=resp.headers.get("content-type", "application/json"))
 
@@ -349,12 +412,20 @@ class PDRouter:
                             status_code=200 if healthy else 503)
 
 
+def retry_backoff(retry: int) -> float:
+    """Seconds to wait before a request's ``retry``-th retry, longer after each (sglang-router's schedule: 50 ms,
+    doubling): a worker that just failed gets a moment for its health check to tell whether it is gone, and a
+    failing fleet is not hammered (a dead prefill was tried 3 times within 30 ms)."""
+    return min(RETRY_BACKOFF_S * 2 ** (retry - 1), RETRY_BACKOFF_MAX_S) if retry > 0 else 0.0
+
+
 @dataclass
 class Tries:
     """One request's retries and migrations, together."""
 
     max_retries: int
     used: int = 0
+    free: int = 0  # retries after a refused connection: they use no try (each took a worker out)
     first: str = ""  # what went wrong first (a drain that aborted the stream), when later attempts fail otherwise
     last: str = ""
 

@@ -5,12 +5,13 @@ the breaker, the picker and the retry budget are unit-tested with a fake one.
 * **Circuit breaker, per worker.** A worker is *ejected* (no new requests) after ``health_failures`` consecutive
   failed health checks, or ``request_failures`` consecutive failed requests (counted apart: a node that answers
   ``/health`` but fails every transfer is ejected too), and at once when its ``/health`` says
-  ``{"status": "draining"}`` or ``{"status": "starting"}``. Failed requests never eject the last admitted worker of a
-  role (its health checks can). A worker whose first check fails is out at once too. It is *re-admitted* by the first
-  successful health check once ``cooldown_s`` has passed since its ejection; a node that said it was starting, or
-  failed its first check (a new process, not a flapping one), at once; and
-  while any worker is out the health checks come every 0.5 s, so a restarted node takes requests as soon as it is
-  ready.
+  ``{"status": "draining"}`` or ``{"status": "starting"}``, or when a request or a health check finds nothing
+  listening at its address (a refused connection: the process is gone). Other failed requests never eject the last
+  admitted worker of a role (its health checks can). A worker whose first check fails is out at once too. It is
+  *re-admitted* by the first successful health check once ``cooldown_s`` has passed since its ejection; a node
+  that said it was starting, refused a connection, or failed its first check (a new process, not a flapping one),
+  at once; and while any worker is out the health checks come every 0.5 s, so a restarted node takes requests as
+  soon as it is ready.
 * **Selection.** ``least_outstanding`` (default): the admitted worker with the fewest requests this router has in
   flight there, ties broken in turn so an idle fleet is used evenly; ``round_robin`` and ``random`` as before, over
   the admitted workers; ``cache_aware``: where the request's longest prefix went, unless the fleet is imbalanced
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import random
 import time
@@ -67,6 +69,7 @@ class Worker:
     health_failures: int = 0
     request_failures: int = 0
     last_health: str = "unchecked"
+    starting: bool = False  # out because it is starting (its /health said so, or it never answered yet)
     # set when its health checks eject it (not a drain: a draining node finishes its streams): the streams it is
     # sending end, or move on, at once instead of waiting out the deadline on a stopped node's open connection
     lost: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
@@ -100,6 +103,7 @@ class Fleet:
         # per role: with decode-side prefix caches, the decode choice follows prefixes too (the same settings)
         self._by_prefix = {role: CacheAwarePicker(cache_aware) for role in ("prefill", "decode")}
         self._observer = observer or (lambda *_: None)
+        self._admitted = asyncio.Event()  # set (and replaced) at every re-admission: ``admission`` waits on it
 
     # selection
 
@@ -122,9 +126,25 @@ class Fleet:
         self._turn[role] = (everyone.index(chosen) + 1) % len(everyone)
         return chosen
 
-    def first(self, role: str) -> Worker:
-        """The first admitted worker of ``role`` (the first one if none is): for requests any worker can answer."""
-        return next((w for w in self.workers[role] if w.admitted), self.workers[role][0])
+    def ready(self, role: str) -> bool:
+        """A worker of ``role`` is admitted and its last health check passed (not merely unchecked)."""
+        return any(w.admitted and w.last_health == "ok" for w in self.workers[role])
+
+    def starting(self, role: str) -> bool:
+        """Some worker of ``role`` is out only because it has not finished starting: one may be admitted soon."""
+        return any(w.starting and not w.admitted for w in self.workers[role])
+
+    async def admission(self, timeout_s: float) -> None:
+        """Wait until a worker is re-admitted, or ``timeout_s`` passed."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._admitted.wait(), timeout_s)
+
+    def first(self) -> Worker:
+        """For requests any worker can answer (every one serves the same model): the first admitted prefill worker,
+        else the first admitted decode worker (a fleet whose prefill side is down still answers), else the first
+        prefill worker."""
+        return next((w for role in ("prefill", "decode") for w in self.workers[role] if w.admitted),
+                    self.workers["prefill"][0])
 
     def unavailable(self, role: str) -> str:
         """Why no worker of ``role`` can be picked: each one and its reason."""
@@ -147,17 +167,26 @@ class Fleet:
         shapes), ejecting them too would turn a partial outage into a total one."""
         return any(w.admitted and w is not worker for w in self.workers[worker.role])
 
+    def refused(self, worker: Worker, reason: str) -> None:
+        """Nothing listens at the worker's address (its process is gone): out at once, the last of its role too (no
+        request can reach it), and back at its first 200 with no cool-down (that is a new process)."""
+        worker.request_failures += 1
+        self._eject(worker, f"refused: {reason}", kind="refused")
+        worker.ejected_at = self.clock() - self.breaker.cooldown_s
+
     def health_checked(self, worker: Worker, ok: bool, detail: str = "", draining: bool = False,
-                       starting: bool = False) -> None:
+                       starting: bool = False, refused: bool = False) -> None:
         now = self.clock()
         worker.last_health = "ok" if ok else detail or "failed"
         if ok:
             worker.health_failures = 0
             if not worker.admitted and now - worker.ejected_at >= self.breaker.cooldown_s:
-                worker.admitted, worker.request_failures, worker.reason = True, 0, ""
+                worker.admitted, worker.request_failures, worker.reason, worker.starting = True, 0, "", False
                 worker.lost = asyncio.Event()
                 log.info("%s worker %s re-admitted", worker.role, worker.url)
                 self._observer("readmitted", worker.role, "health_ok")
+                self._admitted.set()
+                self._admitted = asyncio.Event()
             return
         worker.health_failures += 1
         if draining:
@@ -165,6 +194,10 @@ class Fleet:
         elif starting:
             self._eject(worker, f"starting: {detail}", kind="starting")
             worker.ejected_at = now - self.breaker.cooldown_s  # its first 200 re-admits it: no cool-down to sit out
+            worker.starting = True
+        elif refused:  # its process is gone (a health check gets no connection): no threshold to wait out
+            self._eject(worker, f"refused: {detail}", kind="refused")
+            worker.ejected_at = now - self.breaker.cooldown_s
         elif worker.health_failures >= self.breaker.health_failures:
             self._eject(worker, f"{worker.health_failures} health checks failed in a row, the last: {detail}",
                         kind="health_check")
@@ -236,6 +269,7 @@ class HealthChecker:
     headers: dict = field(default_factory=dict)
     # set once every worker was checked: until then a worker is "unchecked", and may be a node still starting
     checked: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    _soon: set = field(default_factory=set, repr=False)  # checks of single workers under way (``check_soon``)
 
     async def check(self, client: httpx.AsyncClient, worker: Worker) -> None:
         first = worker.last_health == "unchecked"  # a worker that fails its first check is out at once, as starting
@@ -243,7 +277,7 @@ class HealthChecker:
             resp = await client.get(worker.url + "/health", timeout=self.timeout_s, headers=self.headers)
         except httpx.HTTPError as err:
             self.fleet.health_checked(worker, False, f"{type(err).__name__}: {err}"[:200] or type(err).__name__,
-                                      starting=first)
+                                      starting=first, refused=isinstance(err, httpx.ConnectError))
             return
         if resp.status_code == 200:
             self.fleet.health_checked(worker, True)
@@ -254,6 +288,13 @@ class HealthChecker:
             status = None
         self.fleet.health_checked(worker, False, f"/health answered {resp.status_code}: {resp.text.strip()[:200]}",
                                   draining=status == "draining", starting=status == "starting" or first)
+
+    def check_soon(self, client: httpx.AsyncClient, worker: Worker) -> None:
+        """Check ``worker`` now, beside the rounds: a request's connection to it broke off, and if its process is
+        gone the next attempt must not be sent there (a refused check takes it out at once)."""
+        task = asyncio.ensure_future(self.check(client, worker))
+        self._soon.add(task)
+        task.add_done_callback(self._soon.discard)
 
     async def run(self, client: httpx.AsyncClient) -> None:
         while True:

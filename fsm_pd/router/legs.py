@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
+BROKEN_OFF = (httpx.ReadError, httpx.RemoteProtocolError)  # a connection that broke after the request went out
 # the router's deadlines by name: the label of fsm_pd_router_deadline_expiries, and the flag that sets each
 DEADLINE_FLAGS = {"request": "--request-timeout-secs", "prefill_leg": "--prefill-timeout-secs",
                   "decode_leg": "--decode-timeout-secs", "stream_idle": "--stream-idle-timeout-secs"}
@@ -122,6 +123,15 @@ class Leg:
         """Once the call is done: it failed without an HTTP answer (refused, reset, broken off)."""
         return not self.task.cancelled() and isinstance(self.task.exception(), httpx.HTTPError)
 
+    def refused(self) -> bool:
+        """Once the call is done: nothing listened at the worker's address (the request never reached it)."""
+        return not self.task.cancelled() and isinstance(self.task.exception(), httpx.ConnectError)
+
+    def broke_off(self) -> bool:
+        """Once the call is done: the worker had the request and the connection broke before its answer (the
+        process died: reset, or closed without a response)."""
+        return not self.task.cancelled() and isinstance(self.task.exception(), BROKEN_OFF)
+
     async def close(self) -> None:
         """Cancel the call, or close its response. The call is cancelled before anything is awaited: a caller
         cancelled while this waits for the call to end gets its CancelledError, and leaves nothing running (a
@@ -174,7 +184,13 @@ async def both_answered(prefill: Leg, decode: Leg, deadline: float, timeout_s: f
     Without ``prefill_body`` (the client's answer needs nothing from it), a decode stream that started ends the wait:
     a node's stream starts with its first token, which a decode node has only once the KV arrived (or it
     recomputed the prompt), so the prefill's answer can no longer change this attempt. Waiting for it put the
-    prefill node's own end of the handoff (the decode's acknowledgement, its HTTP answer) into every TTFT."""
+    prefill node's own end of the handoff (the decode's acknowledgement, its HTTP answer) into every TTFT.
+
+    A prefill node that dies (its connection breaks off, or its health checks eject it) while the decode leg is open
+    does not end the attempt: the decode node holds the request and either recomputes the prompt itself (its answer
+    starts; ``--on-transfer-failure recompute``) or fails its room on the dead peer within its heartbeat bound (2 to 3
+    s) and answers 5xx, and only then is the attempt the prefill's failure. Ending it at once closed the decode leg,
+    which cancelled a recompute under way, and the retry computed the prompt again."""
     pending = {prefill.task, decode.task}
     watchers = {asyncio.ensure_future(event.wait()): leg for event, leg in zip(lost or (), (prefill, decode),
                                                                                strict=False)}
@@ -189,6 +205,7 @@ async def _both_answered(prefill: Leg, decode: Leg, deadline: float, timeout_s: 
                          watchers: dict[asyncio.Future, Leg], prefill_body: bool,
                          stream: bool) -> tuple[Leg | None, Response] | None:
     loop = asyncio.get_running_loop()
+    dead: Response | None = None  # the failure of a prefill that died while the decode may recompute without it
     while pending:
         waiting = [leg for leg in (prefill, decode) if leg.task in pending]
         first_due = min([deadline] + [leg.deadline for leg in waiting])
@@ -204,17 +221,24 @@ async def _both_answered(prefill: Leg, decode: Leg, deadline: float, timeout_s: 
         pending -= done
         for watcher in done & set(watchers):
             leg = watchers[watcher]
+            del watchers[watcher]
             if leg.task in pending:  # still waiting for its answer
                 leg.lost = True
-                return leg, error_response(502, f"{leg.side} worker {leg.worker_url} failed its health checks "
-                                                "before it answered (dead, stopped or hung)", code=f"{leg.side}_lost")
-            del watchers[watcher]
+                failed = error_response(502, f"{leg.side} worker {leg.worker_url} failed its health checks before "
+                                             "it answered (dead, stopped or hung)", code=f"{leg.side}_lost")
+                if leg is not prefill or decode.task not in pending:
+                    return leg, failed
+                pending.discard(prefill.task)  # the call stays open until the caller closes the attempt
+                dead = _decode_decides(prefill, decode, failed)
         # the prefill's failure wins a tie: it is the cause when both fail at once (the decode then lost its KV)
         for leg in (prefill, decode):
             if leg.task in done and (failed := leg.failure()) is not None:
+                if leg is prefill and prefill.broke_off() and decode.task in pending:
+                    dead = _decode_decides(prefill, decode, failed)
+                    continue
                 log.info("%s worker %s failed (%d); the other leg is cancelled", leg.side, leg.worker_url,
                          failed.status_code)
-                return leg, failed
+                return (prefill, dead) if dead is not None else (leg, failed)
         if prefill.task in pending and decode.task not in pending and decode.recomputed:
             log.info("decode worker %s recomputed the prompt: the prefill leg is not waited for", decode.worker_url)
             return None
@@ -225,6 +249,13 @@ async def _both_answered(prefill: Leg, decode: Leg, deadline: float, timeout_s: 
                 and (decode.streaming or decode.body is not None)):
             return None
     return None
+
+
+def _decode_decides(prefill: Leg, decode: Leg, failed: Response) -> Response:
+    log.warning("prefill worker %s died before it answered (%s); waiting for the decode worker %s, which recomputes "
+                "the prompt itself or fails its room on the dead peer", prefill.worker_url,
+                json.loads(failed.body)["error"]["message"] if failed.body else failed.status_code, decode.worker_url)
+    return failed
 
 
 class WorkerLost(Exception):

@@ -6,7 +6,7 @@
 * ``GET|POST /flush_cache``: forwarded to every worker; 200 when all flushed, else the first failure's status (400:
   a worker is busy, 502: unreachable), with each worker's answer under ``workers``.
 * ``POST /tokenize``, ``/detokenize`` (and ``/v1/...``), ``GET /v1/models/{id}``: answered by the first admitted
-  prefill worker (every worker serves the same model), as ``/model_info`` is.
+  prefill worker, else decode worker (every worker serves the same model), as ``/model_info`` is.
 * ``GET /get_load``: each worker's own ``/get_load``, ``{"prefill": [{"url", "load"}], "decode": [...]}`` (``error``
   instead of ``load`` for a worker that did not answer).
 * ``GET /metrics``: the router's own Prometheus metrics (``metrics.py``).
@@ -91,10 +91,11 @@ def install_router_routes(app: FastAPI, pd, metrics: RouterMetrics) -> None:
             return f"{type(err).__name__}: {err}"
 
     async def first_prefill(method: str, path: str, raw: bytes | None = None) -> Response:
-        url = pd.fleet.first("prefill").url
-        answer = await call(method, url + path, raw=raw)
+        worker = pd.fleet.first()
+        answer = await call(method, worker.url + path, raw=raw)
         if isinstance(answer, str):
-            return error_response(502, f"prefill worker {url} failed: {answer}", code="prefill_unreachable")
+            return error_response(502, f"{worker.role} worker {worker.url} failed: {answer}",
+                                  code=f"{worker.role}_unreachable")
         return _passthrough(answer)
 
     async def abort_request(body: AbortBody) -> dict:

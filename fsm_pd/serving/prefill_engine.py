@@ -231,10 +231,13 @@ class PrefillEngine(LocalPath, PDEngine):
             self.requests.pop(seq)
             if state == "Success" and first is not None:
                 self._answer(seq, first, timing)
-            elif state == "Failed" and first is not None and reason is not None and RECOMPUTE_NOTE in reason:
+            elif state == "Failed" and reason is not None and RECOMPUTE_NOTE in reason:
                 log.info("room %d (request %s): the transfer failed and the decode node recomputes it: %s", room,
                          seq.rid, reason)
-                self._answer(seq, first, {"kv_transfer_failed": reason})
+                if first is not None:
+                    self._answer(seq, first, {"kv_transfer_failed": reason})
+                else:  # mid-way through a chunked prompt: no first token, and none is computed (D computes it)
+                    self._answer_without_token(seq, reason)
             elif state == "Failed" and not seq.cancelled:
                 seq.stream.push(EngineError(reason or "KV transfer failed", 504 if ended_by_deadline(reason) else 500))
         # a request still in the prefill queue is dropped there: its room is gone from the manager. Its prompt's pages
@@ -284,6 +287,18 @@ class PrefillEngine(LocalPath, PDEngine):
         self.manager.kv_first_chunk(seq.key, pages=seq.pages, final_pages=final_pages,
                                     piece_pages=max(1, self.chunked_prefill_size // self.page_size),
                                     cached_tokens=seq.prefix.tokens)
+
+    def _answer_without_token(self, seq: Sequence, reason: str) -> None:
+        """This leg's answer when the decode node took the request over before this node had its first token (a
+        chunked prompt's handoff failed mid-way): a router uses the decode's answer, so this one only has to say
+        that the leg is done, with a 200 that the routers wait for (sglang-router answers only when both legs
+        succeeded). Its one output id is a placeholder, the prompt's last token; the answer says why."""
+        if seq.cancelled:
+            return
+        seq.stream.push(TokenOutput(
+            seq.request.input_ids[-1], finish_reason={"type": "abort", "message": "the decode node recomputes this "
+                                                                                  "request"},
+            text="", meta={**seq.meta, "completion_tokens": 0, "kv_transfer_failed": reason}))
 
     def _answer(self, seq: Sequence, first: FirstToken, extra_meta: dict | None = None) -> None:
         if seq.cancelled:

@@ -8,8 +8,9 @@
   (``allocator.RecordingAllocator``);
 - page lifetimes: a page goes back to the free list only after its writer and every reader have finished, and reads
   and writes reach only the room's pages (``allocator.RecordingAllocator``, at every event);
-- liveness: every room ends within the sum of its role's deadlines, and stays in no state longer than that state's
-  deadline plus the slack (``overdue_states``, at every settle point);
+- liveness: every room ends within the sum of its role's deadlines (pushed out by as much as progress restarted
+  them: a chunked handoff's chunks), and stays in no state longer than that state's deadline since it was last
+  armed, plus the slack (``overdue_states``, at every settle point);
 - both sides of a room agree, and no corrupted handoff is decoded (``fsm_pd.sim.outcomes``);
 - peers: no room stays bound to a dead peer process longer than the heartbeats take to notice;
 - the live state of every room equals the replay of its node's journal, and every journaled decision is the one
@@ -61,6 +62,8 @@ def overdue_rooms(world: World) -> list[str]:
         budget = sum(inst.node.deadlines.values())
         for room in inst.node.rooms.values():
             created = inst.created.get(room.room)
+            if created is not None:  # a deadline restarted by progress (a chunk) pushes the room's bound out
+                created += world.extended.get((inst.name, room.room), 0.0)
             if not room.terminal and created is not None and now - created > budget + 1e-9:
                 found.append(f"{slot.role} room {room.room} is still {room.state} {now - created:.3f} s after it "
                              f"was created; its deadlines add up to {budget} s")
@@ -189,8 +192,9 @@ def state_slack_s(world: World) -> float:
 
 def overdue_states(world: World) -> list[str]:
     """Rooms that have been in one non-terminal state longer than that state's deadline (the timer the machine
-    arms on entering it: ``DEADLINES`` of its role, its length from the room's recorded deadlines) plus the
-    slack. Checked at every instant the world settles (``World.probes``), on both sides, for every state."""
+    arms on entering it, or restarts on progress: ``DEADLINES`` of its role, its length from the room's recorded
+    deadlines) plus the slack. Checked at every instant the world settles (``World.probes``), on both sides, for
+    every state."""
     now, slack, found = world.clock.now(), state_slack_s(world), []
     for slot in (world.prefill, world.decode):
         if not slot.alive:

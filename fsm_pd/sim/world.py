@@ -21,6 +21,7 @@ from pathlib import Path
 
 from fsm_pd.control.core import RoomInUse
 from fsm_pd.effects import VirtualClock
+from fsm_pd.machines.effect_types import ArmTimer
 from fsm_pd.sim.bootstrap import SimBootstrap
 from fsm_pd.sim.bounds import Stuck, settle_bound, still_going
 from fsm_pd.sim.faults import FaultPlan
@@ -95,7 +96,9 @@ class World:
         self.network.record = self.record
         self.fault_log: list[Fault] = []  # every fault injected, for the oracles that a fault must explain
         self.longest_stall = 0.0
-        self.entered: dict[tuple[str, int], float] = {}  # (instance, room) -> when the room entered its state
+        self.entered: dict[tuple[str, int], float] = {}  # (instance, room) -> when its state's deadline was armed
+        # (instance, room) -> how far progress pushed its deadlines out (a chunked handoff restarts its state's)
+        self.extended: dict[tuple[str, int], float] = {}
         self.bootstrap = SimBootstrap(self.bootstrap_addr)
         self.decode_layout = {**LAYOUT, "num_pages": config.num_pages, **_split(config.decode_tp)}
         self.prefill_layout = {**LAYOUT, "num_pages": config.prefill_pages, **_split(config.prefill_tp)}
@@ -167,8 +170,12 @@ class World:
                                      "instance": inst.channel.instance_id})
 
     def _entered(self, inst: Instance, room: object, decision: object) -> None:
+        key, now = (inst.name, room.room), self.clock.now()
         if decision.dst != decision.src or decision.trigger == "create":
-            self.entered[(inst.name, room.room)] = self.clock.now()
+            self.entered[key] = now
+        elif decision.ignored is None and any(isinstance(e, ArmTimer) for e in decision.effects):
+            self.extended[key] = self.extended.get(key, 0.0) + now - self.entered.get(key, now)  # restarted
+            self.entered[key] = now
 
     # --- requests and clients ---
     def add_request(self, room: int, prompt_len: int, at: float) -> None:

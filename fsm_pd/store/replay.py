@@ -213,6 +213,8 @@ def _chunks(trigger: str, event: dict) -> str | None:
         if event.get("last"):
             return f"last chunk: all {event.get('final_pages', 0)} pages final, trailer with the first token"
         return f"chunk: {event.get('final_pages', 0)} pages final"
+    if trigger == "piece_pulled":
+        return f"piece {event.get('piece')} landed: the transfer deadline starts again"
     if trigger == "published" and event.get("chunks"):
         return f"{event['chunks']} pieces of {event.get('chunk_pages')} pages, then a trailer"
     if trigger == "pulled" and isinstance(event.get("chunks"), list):

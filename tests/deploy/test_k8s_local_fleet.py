@@ -155,8 +155,8 @@ def test_rendered_1p1d_commands_serve_a_request_through_the_router(tmp_path):
         wait_admitted(router, router_proc)
 
         key = pods.secrets[("fsm-pd-secrets", "api-key")]
-        # over the router's --local-prefill-max-tokens (256; ~3.5 characters a token): a prompt its default policy
-        # hands over, where a short one would be served whole on the decode node
+        # over the router's --local-prefill-max-tokens (256; the router estimates 304 tokens): a prompt its default
+        # policy hands over, where a short one would be served whole on the decode node
         question = "Name a colour of the sea. " * 40
         body = {"messages": [{"role": "user", "content": question}], "max_tokens": 8, "temperature": 0}
         refused = httpx.post(router + "/v1/chat/completions", json=body, timeout=30)

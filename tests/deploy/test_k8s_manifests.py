@@ -193,8 +193,10 @@ def test_route_matching_tells_a_route_from_none():
 def test_probes_point_at_the_apps_real_routes(rendered):
     """Startup waits for /startupz (ready once), readiness follows /health (starting, draining, unhealthy: 503),
     liveness /livez (503 only once the engine cannot serve again): operations.md, "Start-up, readiness and probes".
-    Each path must be a GET route of the app the container serves."""
+    The router's readiness is /readiness (503 until a worker it needs is ready), its liveness /liveness. Each path
+    must be a GET route of the app the container serves."""
     meaning = {"startupProbe": "/startupz", "readinessProbe": "/health", "livenessProbe": "/livez"}
+    router_meaning = {"readinessProbe": "/readiness", "livenessProbe": "/liveness"}
     for role, workload in workloads(rendered).items():
         ctr = container(workload)
         app = router_app() if role == "router" else worker_app(role)
@@ -204,8 +206,7 @@ def test_probes_point_at_the_apps_real_routes(rendered):
                 continue
             path = ctr[probe]["httpGet"]["path"]
             assert answers_get(app, path), f"{role}'s {probe} GETs {path}, not a route of its app"
-            if role != "router":
-                assert path == meaning[probe], f"{role}'s {probe} is {path}"
+            assert path == (router_meaning if role == "router" else meaning)[probe], f"{role}'s {probe} is {path}"
 
 
 def test_termination_outlasts_the_drain(rendered):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import socket
@@ -138,11 +139,13 @@ def test_a_prefill_gone_since_its_health_check_is_502_and_cancels_decode():
 
 
 def test_a_worker_that_never_answered_is_out_and_the_router_says_why():
-    """A router started before its nodes sends nothing to a node still starting (not yet listening): 503."""
+    """A router started before its nodes sends nothing to a node still starting (not yet listening): a request waits
+    for it within --worker-startup-wait-secs, then gets a 503 that says why."""
     dead = f"http://127.0.0.1:{free_port()}"
     decode = StubEngine(role="decode")
     with AppServer(create_app(decode, decode.tokenizer)) as d:
-        with AppServer(create_router_app([(dead, 9000)], [d.url], retry=NO_RETRY, pd_policy=CLASSIC_PD)) as rs:
+        with AppServer(create_router_app([(dead, 9000)], [d.url], retry=NO_RETRY, pd_policy=CLASSIC_PD,
+                                         startup_wait_s=0.3)) as rs:
             r = httpx.post(rs.url + "/generate", json={"text": "a"}, timeout=10)
             assert r.status_code == 503, r.text
             message = r.json()["error"]["message"]
@@ -150,6 +153,38 @@ def test_a_worker_that_never_answered_is_out_and_the_router_says_why():
             assert decode.submitted == []
             assert httpx.get(rs.url + "/health", timeout=5).json()["admitted"] == {"prefill": 0, "decode": 1}
         decode.close()
+
+
+def in_flight(router_url: str, route: str) -> float:
+    for line in httpx.get(router_url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(f'fsm_pd_router_requests_in_flight{{route="{route}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_router_started_before_its_decode_is_not_ready_and_holds_a_request_until_it_is():
+    """Readiness (sgl-model-gateway's /readiness; /v1/models too, which clients wait for) is 503 while no decode
+    node is up, /liveness 200; a chat that comes meanwhile waits for the decode's first 200 and is answered (it got
+    a 503 "no healthy decode worker (... starting ...)" at once)."""
+    port = free_port()
+    prefill, decode = StubEngine(role="prefill"), StubEngine(role="decode")
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    with AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=9000)) as p:
+        router = create_router_app([(p.url, 9000)], [f"http://127.0.0.1:{port}"], pd_policy=CLASSIC_PD)
+        with AppServer(router) as rs, concurrent.futures.ThreadPoolExecutor(1) as pool:
+            assert httpx.get(rs.url + "/liveness", timeout=5).status_code == 200
+            ready = httpx.get(rs.url + "/readiness", timeout=10)
+            assert ready.status_code == 503 and ready.json()["ready"] == {"prefill": 1, "decode": 0}, ready.text
+            assert "a ready decode worker" in ready.json()["waiting_for"][0] and "starting" in ready.text
+            assert httpx.get(rs.url + "/v1/models", timeout=10).status_code == 503
+            answer = pool.submit(httpx.post, rs.url + "/v1/chat/completions", json=chat, timeout=30)
+            assert until(lambda: in_flight(rs.url, "/v1/chat/completions") == 1)  # the router holds it
+            with AppServer(create_app(decode, decode.tokenizer), port=port):
+                assert answer.result().status_code == 200, answer.result().text
+                assert httpx.get(rs.url + "/readiness", timeout=5).status_code == 200
+                assert httpx.get(rs.url + "/v1/models", timeout=5).json()["data"][0]["id"] == "stub-model"
+    prefill.close()
+    decode.close()
 
 
 def test_decode_error_status_is_passed_through():

@@ -330,3 +330,86 @@ def test_a_failed_wind_down_abort_is_logged_and_the_retry_still_runs(caplog, abo
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith("could not abort request client-2 (room ") and \
         "on the decode worker http://127.0.0.1:" in warnings[0] and f"it answered {abort_status}" in warnings[0]
+
+
+LONG = {"input_ids": [20 + i % 200 for i in range(300)], "sampling_params": {"max_new_tokens": 2}}  # > 256: PD
+
+
+def test_a_killed_prefill_is_out_at_its_first_refused_connection_and_the_request_is_served_without_it():
+    """The only prefill node dies: the request's first attempt finds its address refused, the router takes it out at
+    once (it kept trying it: 3 attempts in 30 ms, then a 503 "gave up after 3 attempts", and every long prompt after
+    got one until the health checks ejected it) and the retry goes to the decode node's own prefill (``auto``).
+    A refused attempt uses none of the request's tries: it ran nowhere and took a worker out."""
+    prefill, decode = StubEngine(role="prefill"), StubEngine(role="decode")
+    with contextlib.ExitStack() as stack:
+        d = stack.enter_context(AppServer(create_app(decode, decode.tokenizer)))
+        p = AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=9000)).start()
+        app = create_router_app([(p.url, 9000)], [d.url], retry=RetrySettings(max_retries=0))
+        router = stack.enter_context(AppServer(app))
+        assert until(lambda: httpx.get(router.url + "/readiness", timeout=5).json()["ready"]["prefill"] == 1)
+        p.stop()  # killed: nothing listens at its address any more
+        for rid in ("first", "second"):
+            r = httpx.post(router.url + "/generate", json={**LONG, "rid": rid}, timeout=20)
+            assert r.status_code == 200, r.text
+            assert decode.submitted[-1].rid == rid and decode.submitted[-1].route["path"] == "local"
+        info = httpx.get(router.url + "/server_info", timeout=5).json()["prefill"][0]
+        assert not info["admitted"] and info["reason"].startswith("refused"), info
+        assert counter(router.url, "fsm_pd_router_retries_total") == {'{reason="prefill_refused"}': 1.0}
+        assert counter(router.url, "fsm_pd_router_worker_ejections_total") == \
+            {'{reason="refused",role="prefill"}': 1.0}
+    prefill.close()
+    decode.close()
+
+
+def test_a_prefill_that_dies_mid_request_leaves_the_request_to_its_decode_which_recomputes_it():
+    """The prefill node's connection breaks off before its answer (the process died): the decode node holds the
+    request and recomputes the prompt itself, so the router waits for its answer instead of closing its leg (which
+    cancelled the recompute) and computing the prompt again elsewhere. One attempt, the decode's answer."""
+    decode = StubEngine(role="decode", token_delay_s=0.2)  # its first token comes after the prefill broke off
+    with contextlib.ExitStack() as stack:
+        dying = stack.enter_context(raw_worker(b"", then_close=True))
+        d = stack.enter_context(AppServer(create_app(decode, decode.tokenizer)))
+        app = create_router_app([(dying.url, 9000)], [d.url], retry=RetrySettings(policy="fail"),
+                                pd_policy=CLASSIC_PD)
+        router = stack.enter_context(AppServer(app))
+        r = httpx.post(router.url + "/generate", json={**LONG, "rid": "once"}, timeout=20)
+        assert r.status_code == 200, r.text
+        assert len(dying.requests) == 1 and [q.rid for q in decode.submitted] == ["once"]
+        assert decode.aborted == []
+    decode.close()
+
+
+def test_when_the_decode_fails_too_after_its_prefill_died_the_failure_is_the_prefills():
+    decode = StubEngine(role="decode", token_delay_s=0.2, fail_after=0)  # its room failed on the dead peer
+    with contextlib.ExitStack() as stack:
+        dying = stack.enter_context(raw_worker(b"", then_close=True))
+        d = stack.enter_context(AppServer(create_app(decode, decode.tokenizer)))
+        app = create_router_app([(dying.url, 9000)], [d.url], retry=RetrySettings(policy="fail"),
+                                pd_policy=CLASSIC_PD)
+        router = stack.enter_context(AppServer(app))
+        r = httpx.post(router.url + "/generate", json=LONG, timeout=20)
+        assert r.status_code == 502 and r.json()["error"]["code"] == "prefill_unreachable", r.text
+    decode.close()
+
+
+def test_a_prefill_restarted_at_its_address_serves_the_next_request_without_waiting_for_a_check_round(monkeypatch):
+    """Its refused connection took it out; when no other prefill is left, a request checks the refused one again
+    before its 503, so a node restarted at the same address (a supervisor's restart) serves it at once."""
+    monkeypatch.setattr("fsm_pd.router.fleet.OUT_CHECK_INTERVAL_S", 60.0)  # no round of checks takes it back
+    prefill, decode = StubEngine(role="prefill"), StubEngine(role="decode")
+    with contextlib.ExitStack() as stack:
+        d = stack.enter_context(AppServer(create_app(decode, decode.tokenizer)))
+        p = AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=9000)).start()
+        app = create_router_app([(p.url, 9000)], [d.url], pd_policy=CLASSIC_PD, health_interval_s=60.0)
+        router = stack.enter_context(AppServer(app))
+        assert until(lambda: httpx.get(router.url + "/readiness", timeout=5).status_code == 200)
+        p.stop()
+        gone = httpx.post(router.url + "/generate", json={"text": "a"}, timeout=20)
+        assert gone.status_code == 503 and gone.json()["error"]["code"] == "no_healthy_prefill", gone.text
+        back = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=9000),
+                                             port=p.port))
+        r = httpx.post(router.url + "/generate", json={"text": "a"}, timeout=20)
+        assert r.status_code == 200, r.text
+        assert back.url == p.url
+    prefill.close()
+    decode.close()

@@ -42,7 +42,7 @@ KEY = "sekrit-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # Written out here, not imported: a route opened by mistake must fail this test. The probes are open because a
 # kubelet probes without the key.
-OPEN_PATHS = {"/health", "/health_generate", "/metrics", "/livez", "/startupz"}
+OPEN_PATHS = {"/health", "/health_generate", "/metrics", "/livez", "/startupz", "/readiness", "/liveness"}
 PACKAGE = Path(fsm_pd.__file__).parent
 LAYOUT = {"num_layers": 2, "num_pages": 16, "page_size": 4, "kv_heads": 1, "head_dim": 8, "dtype": "float32"}
 

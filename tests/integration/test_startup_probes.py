@@ -79,14 +79,24 @@ def builtin_router(p_url: str, boot: int, d_urls: list[str], port: int) -> list[
 
 
 def sglang_router(p_url: str, boot: int, d_urls: list[str], port: int) -> list[str]:
-    """The real sglang-router, with the health-check settings ``docs/operations.md`` gives for restarts: a check
-    every second, one failure takes a worker out (the killed node's refused connection, before its successor listens)
-    and one 200 takes it back (its successor is ready)."""
+    """The real sglang-router, with the settings ``docs/operations.md`` gives for restarts: a check every second,
+    one failure takes a worker out (the killed node's refused connection, before its successor listens) and one 200
+    takes it back (its successor is ready), a check's timeout of 30 s and no circuit breaker.
+
+    With one failure enough, a check must not fail a live node. A full run once saw 1 answer of 10: fast failures (a
+    request sent to the killed node hangs the client's 15 s, since sglang-router then waits for the prefill leg, so
+    only a couple fit in the restart), and the only fast failure sglang-router gives here is its own 503 when it has
+    no worker to pick: a live node taken out by one check that passed its 5 s default timeout while both cores were
+    busy (the restarted node compiling, the suite's other worker), or its circuit breaker, which counts a decode's
+    failures against the prefill paired with it too (docs/fleet.md) and so can shut the lone prefill for 60 s. A
+    longer check timeout keeps live nodes in (a killed node's refused connection fails at once whatever it is), and
+    without the breaker the health checks decide alone.
+    """
     return [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
             "--port", str(port), "--prefill", p_url, str(boot), *(arg for url in d_urls for arg in ("--decode", url)),
             "--policy", "round_robin", "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
-            "--health-success-threshold", "1", "--prometheus-host", "127.0.0.1", "--prometheus-port",
-            str(free_port())]
+            "--health-success-threshold", "1", "--health-check-timeout-secs", "30", "--disable-circuit-breaker",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
 
 
 @pytest.mark.slow

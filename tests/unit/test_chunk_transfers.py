@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 
 import pytest
 from test_chunked_prefill import CHUNK
@@ -120,6 +121,83 @@ def test_a_short_prompt_and_a_logprobs_request_keep_the_whole_handoff(model, tmp
         p.close()
     assert not events(tmp_path / "p.db", "kv_chunk")
     assert all("chunks" not in r.event for r in events(tmp_path / "p.db", "published"))
+
+
+def test_a_prompt_whose_chunks_outlast_the_handoff_deadlines_is_handed_over_once(model, tmp_path):
+    """Every chunk comes well within P's pull_hold and D's transfer deadline, the whole prompt well past them: each
+    chunk restarts P's (``kv_chunk``) and each piece that lands restarts D's (``piece_pulled``), so the handoff
+    follows progress and the prompt is computed once, on P. Counted from the first chunk, a 7,400-token chat failed
+    its handoff at exactly 60 s while P still computed it, and was computed again by D and by a retry."""
+    p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp_path / "p.db"),
+                      chunked_prefill_size=CHUNK, radix_cache=False, deadlines={"pull_hold": 0.8})
+    d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", secret=p.secret,
+                     journal=str(tmp_path / "d.db"), on_transfer_failure="recompute", deadlines={"transfer": 0.8})
+    report = p.manager.kv_chunk
+
+    def slow_chunk(*args, **kw):  # the model thread: a chunk of a long prompt on a slow model
+        time.sleep(0.3)
+        report(*args, **kw)
+
+    p.manager.kv_chunk = slow_chunk
+    try:
+        started = time.monotonic()
+        got = ids_of(run(through_pd(p, d, pd_request(p, "slow", long_prompt(model.tokenizer), max_new_tokens=4,
+                                                     ignore_eos=True))))
+        assert len(got) == 4 and time.monotonic() - started > 1.2  # 5 later chunks, 0.3 s each: past both deadlines
+        assert d.info()["recomputes"] == 0  # the decode node did not compute it again
+        assert nothing_held(p, d), (p.info()["leaks"], d.info()["leaks"])
+    finally:
+        d.close()
+        p.close()
+    assert {r.dst for r in read_journal(tmp_path / "p.db") + read_journal(tmp_path / "d.db")} >= {"Success"}
+    assert not [r for r in read_journal(tmp_path / "p.db") + read_journal(tmp_path / "d.db") if r.dst == "Failed"]
+    assert len(events(tmp_path / "d.db", "piece_pulled")) == CHUNKS  # every piece restarted D's deadline
+
+
+@pytest.mark.parametrize("first", ["decode", "prefill"])
+def test_a_chunked_handoff_that_fails_mid_way_is_computed_again_in_one_place_only(model, tmp_path, first):
+    """One chunk stalls past a deadline mid-way. D's transfer deadline first: D recomputes the prompt, and P answers
+    its leg (200, ``kv_transfer_failed``) as it does for a whole handoff, where it failed it (having no first token
+    yet), so a router computed the prompt a second time. P's pull_hold first: both rooms fail and D does not
+    recompute (the pull of the entry P failed came before P's ABORT and D recomputed it, while a router retried
+    P's failure), so only a router's retry computes it again."""
+    whole = ColocatedEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, chunked_prefill_size=512, radix_cache=False)
+    p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp_path / "p.db"),
+                      chunked_prefill_size=CHUNK, radix_cache=False,
+                      deadlines={"pull_hold": 0.5 if first == "prefill" else 5.0})
+    d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", secret=p.secret,
+                     journal=str(tmp_path / "d.db"), on_transfer_failure="recompute",
+                     deadlines={"transfer": 0.5 if first == "decode" else 5.0})
+    report, reported = p.manager.kv_chunk, []
+
+    def stalling(*args, **kw):  # the model thread: the third chunk stalls
+        reported.append(args)
+        if len(reported) == 2:
+            time.sleep(1.2)
+        report(*args, **kw)
+
+    p.manager.kv_chunk = stalling
+    try:
+        prompt = long_prompt(model.tokenizer)
+        want = ids_of(run(generate(whole, request("w", prompt, max_new_tokens=4, ignore_eos=True))))
+
+        async def both():
+            req = pd_request(p, "stall", prompt, max_new_tokens=4, ignore_eos=True)
+            return await asyncio.gather(generate(p, req), generate(d, req), return_exceptions=True)
+
+        on_p, on_d = run(both())
+        if first == "decode":
+            assert not isinstance(on_p, Exception), on_p
+            assert "transfer timeout" in on_p[-1].meta["kv_transfer_failed"]
+            assert ids_of(on_d) == want and d.info()["recomputes"] == 1
+        else:
+            assert isinstance(on_p, Exception) and "pull_hold timeout" in str(on_p), on_p
+            assert isinstance(on_d, Exception) and d.info()["recomputes"] == 0, on_d
+        assert nothing_held(p, d), (p.info()["leaks"], d.info()["leaks"])
+    finally:
+        d.close()
+        p.close()
+        whole.close()
 
 
 @pytest.mark.parametrize("how", ["failed piece", "failed pull", "abort"])

@@ -160,3 +160,27 @@ def test_retry_budget_window_slides():
     assert budget.try_retry() and budget.try_retry() and not budget.try_retry()
     clock.now += 10.5
     assert budget.try_retry()
+
+
+def test_a_refused_connection_takes_even_the_last_worker_out_at_once_and_its_first_200_takes_it_back():
+    """Nothing listens at the address: no request can reach it, so neither the thresholds nor the last-of-its-role
+    rule hold it in (it got every long prompt, each answered 503, until three health checks failed), and the node
+    that comes back there is a new process: no cool-down."""
+    f, clock, events = fleet(n_prefill=1, health_failures=3, request_failures=3, cooldown_s=10.0)
+    (p0,) = f.workers["prefill"]
+    f.refused(p0, "ConnectError: All connection attempts failed")
+    assert not p0.admitted and p0.reason.startswith("refused") and f.pick("prefill") is None
+    clock.now += 1
+    f.health_checked(p0, True)
+    assert p0.admitted
+    f.health_checked(p0, False, "ConnectError", refused=True)  # a health check finds it gone
+    assert not p0.admitted
+    assert not p0.lost.is_set()  # its connections broke with it: no stream waits on a stopped node
+    assert [e[2] for e in events] == ["refused", "health_ok", "refused"]
+
+
+def test_retries_back_off_doubling_up_to_a_bound():
+    from fsm_pd.router.core import RETRY_BACKOFF_MAX_S, retry_backoff
+
+    assert [retry_backoff(n) for n in range(4)] == [0.0, 0.05, 0.1, 0.2]
+    assert retry_backoff(30) == RETRY_BACKOFF_MAX_S == 1.0

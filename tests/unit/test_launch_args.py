@@ -98,3 +98,14 @@ def test_on_an_accelerator_host_the_first_decode_node_holds_the_chip_and_every_n
     assert chip_holder(procs).name == "decode-0"
     assert resolve_dtype("auto", "tpu") == "bfloat16" and resolve_dtype("auto", "cpu") == "float32"
     assert resolve_dtype("float32", "tpu") == "float32"  # asked for: kept
+
+
+def test_the_cluster_needs_a_prefill_node_only_when_the_router_sends_every_request_through_one():
+    """Under ``auto`` (the default) and ``never`` a decode node prefills prompts itself, so launch keeps serving
+    when its last prefill node dies (it stopped the cluster, and the request in flight with it)."""
+    from fsm_pd.launch import needed_roles
+
+    assert needed_roles([]) == needed_roles(["--pd-policy", "auto"]) == needed_roles(["--pd-policy=never"]) == \
+        ("decode",)
+    assert needed_roles(["--pd-policy", "always"]) == needed_roles(["--max-retries", "1", "--pd-policy=always"]) == \
+        ("prefill", "decode")

