@@ -21,6 +21,7 @@ from pathlib import Path
 
 from fsm_pd.control.core import RoomInUse
 from fsm_pd.effects import VirtualClock
+from fsm_pd.sim.armed import ArmedDeadlines
 from fsm_pd.sim.bootstrap import SimBootstrap
 from fsm_pd.sim.bounds import Stuck, settle_bound, still_going
 from fsm_pd.sim.faults import FaultPlan
@@ -95,7 +96,7 @@ class World:
         self.network.record = self.record
         self.fault_log: list[Fault] = []  # every fault injected, for the oracles that a fault must explain
         self.longest_stall = 0.0
-        self.entered: dict[tuple[str, int], float] = {}  # (instance, room) -> when the room entered its state
+        self.armed = ArmedDeadlines()  # the deadline each live room runs under (``invariants.overdue_states``)
         self.bootstrap = SimBootstrap(self.bootstrap_addr)
         self.decode_layout = {**LAYOUT, "num_pages": config.num_pages, **_split(config.decode_tp)}
         self.prefill_layout = {**LAYOUT, "num_pages": config.prefill_pages, **_split(config.prefill_tp)}
@@ -159,16 +160,13 @@ class World:
         """A new instance runs in ``slot``: hook it up the way its engine and the deployment would."""
         self.instances[inst.channel.instance_id] = inst
         inst.node.observers.append(lambda room, decision, at: inst.scheduler.observed(room, decision))
-        inst.node.observers.append(lambda room, decision, at: self._entered(inst, room, decision))
+        inst.node.observers.append(lambda room, decision, at: self.armed.observe(
+            inst.name, room, decision, self.clock.now(), inst.node))
         if slot.role == "prefill":
             self.bootstrap.register({"rank_ip": "10.0.0.1", "rank_port": 7000, "side_channel": slot.address,
                                      "transfer_addr": slot.transfer_address, "transfer_backend": "sim",
                                      "kv_layout": self.prefill_layout, "node_id": slot.node_id,
                                      "instance": inst.channel.instance_id})
-
-    def _entered(self, inst: Instance, room: object, decision: object) -> None:
-        if decision.dst != decision.src or decision.trigger == "create":
-            self.entered[(inst.name, room.room)] = self.clock.now()
 
     # --- requests and clients ---
     def add_request(self, room: int, prompt_len: int, at: float) -> None:
