@@ -58,8 +58,13 @@ class SimConfig:
     decode_radix_cache: float = 0.5  # the chance that the decode node runs its own prefix cache (per world)
     max_prompt: int = 2048
     mean_interarrival: float = 0.002
-    prefill_deadlines: dict = field(default_factory=lambda: {"bootstrap": 5.0, "waiting": 5.0, "pull_hold": 5.0})
-    decode_deadlines: dict = field(default_factory=lambda: {"bootstrap": 5.0, "waiting": 5.0, "transfer": 5.0})
+    # The decode node's wait for free pages (admission) is long enough for the queue a burst builds, and the prefill
+    # node's bootstrap deadline, which waits for the PREPARE that comes after that queue, longer still (the decode
+    # node names a wait too long and tells the prefill node). The other deadlines are short, so faults end soon.
+    prefill_deadlines: dict = field(default_factory=lambda: {"bootstrap": 30.0, "waiting": 5.0, "pull_hold": 5.0})
+    decode_deadlines: dict = field(default_factory=lambda: {"bootstrap": 5.0, "admission": 20.0, "waiting": 5.0,
+                                                            "transfer": 5.0})
+    max_delay_s: float = 10.0  # how late the network may deliver a delayed frame (twice the short deadlines)
     heartbeat_interval: float = 1.0
     heartbeat_max_failures: int = 2
     restart_after: float = 3.0
@@ -91,8 +96,7 @@ class World:
         self.sched = Timeline(self.clock)
         self.plan = FaultPlan(config.fault_rate, self.rng)
         self.ledger = Ledger(self.clock)
-        max_delay = 2 * max(*config.decode_deadlines.values(), *config.prefill_deadlines.values())
-        self.network = SimNetwork(self.sched, self.rng, self.plan, self.rng.randbytes(32), max_delay)
+        self.network = SimNetwork(self.sched, self.rng, self.plan, self.rng.randbytes(32), config.max_delay_s)
         self.network.record = self.record
         self.fault_log: list[Fault] = []  # every fault injected, for the oracles that a fault must explain
         self.longest_stall = 0.0
