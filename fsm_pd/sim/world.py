@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -177,7 +178,9 @@ class World:
         """The router sends the request to both nodes at once (each leg with its own small delay). A room already
         used is sent again as a client would (a retry, a collision): each node must refuse it."""
         self.requests.setdefault(room, prompt_len)
-        tokens = self.workload.prompt(prompt_len)  # shares prefixes with earlier prompts: the caches hit
+        # shares prefixes with earlier prompts (the caches hit); kept as 2-byte tokens until it arrives, since every
+        # arrival of a run is scheduled at its start
+        tokens = array("H", self.workload.prompt(prompt_len))
         self.pending_arrivals += 2
         self.last_start = max(self.last_start, at + 0.02)  # the legs' jitter and a client's abort come within 20 ms
         now = self.clock.now()
@@ -190,7 +193,7 @@ class World:
             self.sched.later(at - now + self.rng.random() * 0.02, lambda: self.abort(side, room, "client went away"),
                              work=False)
 
-    def _arrive_prefill(self, room: int, tokens: tuple[int, ...]) -> None:
+    def _arrive_prefill(self, room: int, tokens: array) -> None:
         """The engine creates the room; its scheduler queues the prompt once PREPARE came (``engine_schedulers.py``)."""
         inst = self.prefill.instance
         if inst.frozen():  # its HTTP server is stopped too: the request waits in the socket
@@ -204,7 +207,7 @@ class World:
             inst.scheduler.arrived(room, tokens)
         # else: connection refused, or the room was used: the decode leg finds out through its own deadlines
 
-    def _arrive_decode(self, room: int, tokens: tuple[int, ...]) -> None:
+    def _arrive_decode(self, room: int, tokens: array) -> None:
         """The engine creates the room and queues the request for pages (``engine_schedulers.py``)."""
         inst = self.decode.instance
         if inst.frozen():
@@ -227,7 +230,7 @@ class World:
     def _accepted(self, slot: SimNode, room: int, create) -> bool:
         """Create the room as the node's engine does; False if the node refused it (``RoomInUse``). A node that
         takes a room it has used before (live, ended, or journaled by an earlier process) is a violation."""
-        used = room in slot.live_rooms()
+        used = slot.knows(room)
         try:
             create()
         except RoomInUse:

@@ -387,3 +387,14 @@ def test_every_state_ends_at_its_deadline_within_the_slack(tmp_path, monkeypatch
     rows = read_journal(tmp_path / f"{role}.db")
     assert [(r.src, r.trigger, r.event.get("timer")) for r in rows if r.dst == "Failed" != r.src] == [
         (state, "timeout", timer)]
+
+
+def test_prompt_tokens_are_the_draws_randrange_gives():
+    """``Conversations`` draws tokens without ``randrange``'s calls; the same draws, so every seed's history."""
+    import random
+
+    from fsm_pd.sim.workload import VOCAB, Conversations
+
+    fast, slow = Conversations(random.Random(5), 16), Conversations(random.Random(5), 16)
+    assert fast._fresh(5000) == tuple(slow.rng.randrange(VOCAB) for _ in range(5000))
+    assert fast.rng.random() == slow.rng.random()
