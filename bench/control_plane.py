@@ -57,7 +57,7 @@ from fsm_pd.store.schema import metadata
 LAYOUT = {"num_layers": 4, "num_pages": 1 << 20, "page_size": 16, "kv_heads": 2, "head_dim": 64,
           "dtype": "float32", "shard_axis": None}
 DEADLINES_P = {"bootstrap": 300.0, "waiting": 300.0, "pull_hold": 300.0}
-DEADLINES_D = {"bootstrap": 300.0, "waiting": 300.0, "transfer": 300.0}
+DEADLINES_D = {"bootstrap": 300.0, "admission": 300.0, "waiting": 300.0, "transfer": 300.0}
 TO_PREFILL = {"PREPARE": "metadata_received", "PULLED": "pull_done", "ABORT": "peer_abort"}
 TO_DECODE = {"READY": "kv_published", "ABORT": "peer_abort"}
 

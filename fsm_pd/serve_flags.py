@@ -64,18 +64,13 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="auto",
                         help="weights, activations and KV pool: auto (the default) is bfloat16 on an accelerator and "
                              "float32 on a CPU; bfloat16 halves memory (prefill and decode nodes must agree)")
-DEADLINE_FLAGS = {"bootstrap": "FSM_PD_BOOTSTRAP_TIMEOUT", "waiting": "FSM_PD_WAITING_TIMEOUT",
-                  "pull_hold": "FSM_PD_PULL_HOLD_TIMEOUT", "transfer": "FSM_PD_TRANSFER_TIMEOUT"}
-# what a room waits for under each deadline, per role, for --help (fsm_pd/machines/deadlines.py says it for errors
-# and replay; tests/unit/test_deadline_explain.py holds the two together)
-ROOM_WAITS = {
-    ("prefill", "bootstrap"): "in Bootstrapping for the decode node's PREPARE",
-    ("prefill", "waiting"): "in WaitingForInput for its own prefill of the prompt",
-    ("prefill", "pull_hold"): "in Transferring for the decode node to pull the published KV",
-    ("decode", "bootstrap"): "in Bootstrapping for the prefill node's address and pages for the prompt",
-    ("decode", "waiting"): "in WaitingForInput for the prefill node's READY",
-    ("decode", "transfer"): "in Transferring for the KV to be pulled, checked and scattered",
-}
+
+
+# the rooms' deadline flags and their variables (fsm_pd/control/config.py: which role has which, their defaults, and
+# what a room waits for under each, in the machines' words)
+DEADLINE_FLAGS = {"bootstrap": "FSM_PD_BOOTSTRAP_TIMEOUT", "admission": "FSM_PD_ADMISSION_TIMEOUT",
+                  "waiting": "FSM_PD_WAITING_TIMEOUT", "pull_hold": "FSM_PD_PULL_HOLD_TIMEOUT",
+                  "transfer": "FSM_PD_TRANSFER_TIMEOUT"}
 
 
 def at_least(low: int) -> Callable[[str], int]:
@@ -212,14 +207,16 @@ def node_parser(role: str) -> argparse.ArgumentParser:
         parser.add_argument("--side-channel-secret", default=None,
                             help="hex shared secret of the side channel (default: $FSM_PD_SIDE_CHANNEL_SECRET)")
         from fsm_pd.control.config import DEFAULTS as ROOM_DEFAULTS  # jax-free
+        from fsm_pd.control.config import STATE_DEADLINES  # what a room waits for under each: the machines' words
 
         for timer, env in DEADLINE_FLAGS.items():
-            if (timer == "pull_hold" and role == "decode") or (timer == "transfer" and role == "prefill"):
+            if timer not in ROOM_DEFAULTS[role]:
                 continue
+            waits = STATE_DEADLINES[role, timer]
             parser.add_argument(f"--{timer.replace('_', '-')}-timeout", type=seconds(), default=None, dest=timer,
                                 metavar="S",
-                                help=f"seconds a room may wait {ROOM_WAITS[role, timer]}; then it fails and its "
-                                     f"request ends with an error naming this deadline (default: ${env}, else "
+                                help=f"seconds a room may wait in {waits.state} for {waits.waits_for}; then it fails "
+                                     f"and its request ends with an error naming this deadline (default: ${env}, else "
                                      f"{ROOM_DEFAULTS[role][timer]:g}; docs/operations.md, Waits)")
     if role == "decode":
         parser.add_argument("--disaggregation-decode-enable-radix-cache", action="store_true",

@@ -1,10 +1,12 @@
 """Health, info and metrics routes: what sglang-router probes when it registers a worker and while it routes.
 
-* ``GET /health`` (readiness): 200 while the engine can serve; 503 ``{"status": "unhealthy", "reason": ...}`` once
-  it cannot (its node loop stopped, its model thread died: the engine's ``health()``; or a ``healthy`` flag). Without
-  either, a running server is healthy. sglang-router requires a 200 here before it routes to the worker, so a node
-  that is still starting answers 503 ``{"status": "starting", "phase": ..., "progress": ...}`` (``startup.py``),
-  and a draining node 503 ``{"status": "draining", ...}`` (``drain.py``), here and on ``/health_generate``.
+* ``GET /health`` (readiness): 200 while the engine can serve (a decode node's with ``{"status": "ok",
+  "prealloc_queue": N, "prealloc_oldest_wait_s": S}``: its requests waiting for free KV pages); 503
+  ``{"status": "unhealthy", "reason": ...}`` once it cannot (its node loop stopped, its model thread died: the
+  engine's ``health()``; or a ``healthy`` flag). Without either, a running server is healthy. sglang-router requires
+  a 200 here before it routes to the worker, so a node that is still starting answers 503 ``{"status": "starting",
+  "phase": ..., "progress": ...}`` (``startup.py``), and a draining node 503 ``{"status": "draining", ...}``
+  (``drain.py``), here and on ``/health_generate``.
 * ``GET /livez`` (liveness): 200 while the process serves HTTP and its engine threads are alive, starting and
   draining included; 503 with the reason once the engine cannot serve again (a restart is the cure).
 * ``GET /startupz`` (start-up): 503 with the start-up's progress until the node was ready once, 200 from then on
@@ -53,6 +55,13 @@ def health_problem(engine) -> str | None:
         return f"the health check failed: {type(err).__name__}: {err}"
 
 
+def _healthy(engine) -> Response:
+    """200: empty, or ``{"status": "ok", ...}`` with what the engine tells of its queues (``health_fields()``: a
+    decode node's pre-allocation queue, the requests waiting for free KV pages)."""
+    fields = getattr(engine, "health_fields", None)
+    return JSONResponse({"status": "ok", **fields()}) if callable(fields) else Response(status_code=200)
+
+
 def _unhealthy(reason: str) -> JSONResponse:
     return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
 
@@ -77,7 +86,7 @@ def info_router(ctx: ApiContext, metrics: ApiMetrics, *, health_timeout_s: float
 
     @router.get("/health")
     async def health() -> Response:
-        return not_serving() or Response(status_code=200)
+        return not_serving() or _healthy(ctx.engine)
 
     @router.get("/livez")
     async def livez() -> Response:

@@ -34,8 +34,10 @@ class ClientDisconnected(Exception):
 @dataclass(frozen=True, slots=True)
 class WaitDeadlines:
     """How long a request handler waits for its engine. The first output of a PD request comes once its room
-    reached Success, which the room's own state deadlines bound (bootstrap + waiting + transfer: 660 s by default), so
-    ``first_output_s`` is longer: those name the cause first. ``expired(name)`` counts an expiry (``/metrics``)."""
+    reached Success, which the room's own state deadlines bound (by default 660 s on a prefill node; on a decode node
+    its address lookup, then free pages, READY and the transfer: 300 + 240 + 300 + 60 s, the lookup taking
+    milliseconds in practice), so ``first_output_s`` is not shorter: those name the cause first. ``expired(name)``
+    counts an expiry (``/metrics``)."""
 
     first_output_s: float = 900.0  # --first-token-timeout-secs
     idle_s: float = 240.0  # --token-idle-timeout-secs

@@ -1,8 +1,15 @@
-"""Deadlines: defaults, and the ``FSM_PD_*`` environment variables that override them.
+"""Deadlines: defaults, and the ``FSM_PD_*`` environment variables that override them; what a room waits for under
+each (``STATE_DEADLINES``, the machines' words, for the flags' help).
 
 The bootstrap and waiting defaults are SGLang's (``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` and
 ``..._WAITING_TIMEOUT``, 300 s). SGLang has no pull-hold or transfer deadline; ours default to 60 s: long enough for
 a multi-GB pull on a slow link, short enough that an abandoned staging buffer does not pin memory for minutes.
+
+SGLang's decode node bounds its pre-allocation queue (the wait for free KV pages) by nothing but the request; ours
+has a deadline of its own there (``admission``, armed once the prefill node's address is known), 240 s: it ends
+before the prefill node's bootstrap deadline (300 s), which waits for the PREPARE that comes after that queue, so
+the decode node, which knows why, names the wait and tells the prefill node; and the room's deadlines in a row (the
+lookup's bootstrap, admission, waiting, transfer) stay within the request's own, its first-token deadline (900 s).
 """
 
 from __future__ import annotations
@@ -10,13 +17,16 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from fsm_pd.machines.deadlines import STATE_DEADLINES  # noqa: F401 - what each waits for, for the flags' help
+
 DEFAULTS = {
     "prefill": {"bootstrap": 300.0, "waiting": 300.0, "pull_hold": 60.0},
-    "decode": {"bootstrap": 300.0, "waiting": 300.0, "transfer": 60.0},
+    "decode": {"bootstrap": 300.0, "admission": 240.0, "waiting": 300.0, "transfer": 60.0},
 }
 
 ENV = {
     "bootstrap": "FSM_PD_BOOTSTRAP_TIMEOUT",
+    "admission": "FSM_PD_ADMISSION_TIMEOUT",
     "waiting": "FSM_PD_WAITING_TIMEOUT",
     "pull_hold": "FSM_PD_PULL_HOLD_TIMEOUT",
     "transfer": "FSM_PD_TRANSFER_TIMEOUT",

@@ -27,7 +27,7 @@ _RECORD = object()  # an inbox entry that journals a record row, outside the mac
 class Node:
     def __init__(self, node_id: str, machine: TransferMachine, journal: Journal | None, interpreter: Any,
                  clock: Any, deadlines: Mapping[str, float]):
-        missing = set(machine.deadlines.values()) - set(deadlines)
+        missing = set(machine.timer_states) - set(deadlines)
         if missing:
             raise ValueError(f"{machine.role} deadlines missing for timers {sorted(missing)}")
         self.node_id = node_id

@@ -1,9 +1,10 @@
 """What each state's deadline waits for, in words, and where an operator sets it: the explanation a client's error
-and ``fsm-pd replay`` give when a room's timer ended it.
+and ``fsm-pd replay`` give when a room's timer ended it, and the help of ``fsm-pd serve``'s deadline flags (through
+``fsm_pd.control.config``: this is the one place these words live).
 
-The timers themselves are the tables' (``DEADLINES`` in ``sender.py`` and ``receiver.py``); their lengths are
-recorded in each room's ``create`` event (``deadlines``), so a journal explains itself without the node's flags.
-The environment variables are ``fsm_pd.control.config.ENV``'s and the flags ``fsm-pd serve``'s
+The timers themselves are the tables' (``DEADLINES`` and ``HANDOVERS`` in ``sender.py`` and ``receiver.py``); their
+lengths are recorded in each room's ``create`` event (``deadlines``), so a journal explains itself without the node's
+flags. The environment variables are ``fsm_pd.control.config.ENV``'s and the flags ``fsm-pd serve``'s
 (``tests/unit/test_deadline_explain.py`` holds the three together).
 """
 
@@ -30,12 +31,16 @@ class StateDeadline:
 
 
 STATE_DEADLINES = {(d.role, d.timer): d for d in (
-    StateDeadline("prefill", "bootstrap", "Bootstrapping", "the decode node's PREPARE (where to send the KV)"),
+    StateDeadline("prefill", "bootstrap", "Bootstrapping",
+                  "the decode node's PREPARE (where to send the KV; it comes once the decode node has found this node "
+                  "and has pages for the prompt)"),
     StateDeadline("prefill", "waiting", "WaitingForInput", "its own prefill of the prompt to finish"),
     StateDeadline("prefill", "pull_hold", "Transferring",
                   "the decode node to pull the published KV and say PULLED"),
-    StateDeadline("decode", "bootstrap", "Bootstrapping",
-                  "the prefill node's address from its bootstrap server and pages for the prompt"),
+    StateDeadline("decode", "bootstrap", "Bootstrapping", "the prefill node's address from its bootstrap server"),
+    StateDeadline("decode", "admission", "Bootstrapping",
+                  "free KV pages for the prompt (its place in the pre-allocation queue, the prefill node's address "
+                  "known)"),
     StateDeadline("decode", "waiting", "WaitingForInput",
                   "the prefill node's READY (its prefill done and the KV published)"),
     StateDeadline("decode", "transfer", "Transferring", "the KV to be pulled, checked and scattered"),

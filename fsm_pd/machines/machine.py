@@ -99,11 +99,18 @@ def failure_reason(trigger: str, payload: Mapping) -> str:
 class TransferMachine:
     """The machine of one role (prefill sender or decode receiver), shared by all of that role's rooms."""
 
-    def __init__(self, role: str, table: Sequence[Mapping], deadlines: Mapping[str, str]):
-        validate(table, deadlines)
+    def __init__(self, role: str, table: Sequence[Mapping], deadlines: Mapping[str, str],
+                 handovers: Mapping[str, tuple[str, str]] | None = None):
+        """``deadlines``: state -> the timer armed on entering it; ``handovers``: state -> (trigger, the timer that
+        trigger's self-loop arms as it cancels the first): see ``graph.py``."""
+        validate(table, deadlines, handovers)
         self.role = role
         self.table = table
         self.deadlines = dict(deadlines)
+        self.handovers = dict(handovers or {})
+        # timer -> the state it guards: every deadline a room of this role may have armed
+        self.timer_states = {**{t: s for s, t in self.deadlines.items()},
+                             **{t: s for s, (_, t) in self.handovers.items()}}
         self.triggers = tuple(dict.fromkeys(row["trigger"] for row in table))
         self.library = Machine(
             model=None,

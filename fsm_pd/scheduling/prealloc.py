@@ -7,7 +7,12 @@ machine decides when the pages go back: its ``FreePages``, through ``SchedulerAd
 ``failed`` and ``finished`` settle only the prefix cache: a failed room's cached prefix is unlocked, a finished
 one's prompt pages join the cache first (what ``FreePages`` frees after is the rest).
 
-Model thread only (the engine's, or the simulation's), like the allocator's reservations. No jax here.
+Model thread only (the engine's, or the simulation's), like the allocator's reservations; ``queue`` reads what
+waits from any thread. No jax here.
+
+How long a request may wait here is its room's ``admission`` deadline (``fsm_pd/machines/receiver.py``), armed once
+the prefill node's address is known: a request queued behind memory pressure is not failed as if its prefill node
+could not be found, and one that waited too long says it waited for free KV pages.
 """
 
 from __future__ import annotations
@@ -33,6 +38,16 @@ class Preallocation:
         """Grant pages to up to ``room_for`` waiting requests, head first; ``gone(entry)``: its room ended."""
         return admit_waiting(self.waiting, self.allocator, self.page_size, headroom=self.headroom, room_for=room_for,
                              gone=gone, grant=self.grant, cache=self.cache)
+
+    def queue(self, now: float) -> dict:
+        """What waits for pages, for ``/health`` and ``/metrics``: how many requests and how long the oldest has
+        waited (``now`` minus its ``queued_at``). Any thread: a deque's length and head are read atomically; a request
+        that ended while queued counts until the queue reaches it."""
+        try:
+            head = self.waiting[0]
+        except IndexError:
+            return {"prealloc_queue": 0, "prealloc_oldest_wait_s": 0.0}
+        return {"prealloc_queue": len(self.waiting), "prealloc_oldest_wait_s": round(max(0.0, now - head.queued_at), 3)}
 
     def release(self, room: int) -> None:
         """The room's machine frees its pages (it failed, or its request finished): ``SchedulerAdmission``'s

@@ -4,7 +4,9 @@ A request goes through:
 
 1. pre-allocation: ``add_receiver`` at once (the manager resolves the prefill node through its bootstrap server
    meanwhile); the request waits in FIFO order until its prompt's pages fit with ``headroom_pages`` to spare, then
-   the scheduler reserves them and hands them over with ``give_pages`` (SGLang's ``send_metadata``);
+   the scheduler reserves them and hands them over with ``give_pages`` (SGLang's ``send_metadata``). Once the
+   prefill node's address is known the room waits under its ``admission`` deadline, not its bootstrap deadline; the
+   queue shows in ``/health`` (``health_fields``) and ``/metrics`` (``PreallocCollector``);
 2. transfer: PREPARE, READY, pull and scatter are the manager's; Success or Failed reaches the scheduler through a
    manager observer;
 3. decoding: on Success the request joins the running batch with READY's first token (streamed at once) and the
@@ -39,8 +41,10 @@ pre-allocation queue and the running batch. See ``docs/threads.md`` and ``pd_eng
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from fsm_pd.control.admission import SchedulerAdmission
 from fsm_pd.control.phases import timing_meta
@@ -57,10 +61,26 @@ from fsm_pd.serving.local_path import LocalPath
 from fsm_pd.serving.pd_engine import PDEngine
 from fsm_pd.serving.recompute import ON_TRANSFER_FAILURE, RECOMPUTED_TRIGGERS, TransferRecompute
 from fsm_pd.serving.retraction import DecodeLoopCollector
+from fsm_pd.serving.scraped import ScrapedCounters
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.top_logprobs import from_wire as top_logprobs_from_wire
 from fsm_pd.serving.types import EngineError, GenerateRequest
 from fsm_pd.unix_sockets import is_unix
+
+
+class PreallocCollector(ScrapedCounters):
+    """``/metrics``: the pre-allocation queue, read at scrape time (``Preallocation.queue``)."""
+
+    def families(self, values: dict, names: list[str], label_values: list[str]) -> Iterator[Metric]:
+        for name, key, doc in (
+            ("fsm_pd_prealloc_queue", "prealloc_queue", "Requests waiting for free KV pages for their prompt (the "
+             "pre-allocation queue; each bounded by its room's admission deadline)"),
+            ("fsm_pd_prealloc_oldest_wait_seconds", "prealloc_oldest_wait_s", "How long the oldest request in the "
+             "pre-allocation queue has waited"),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=names)
+            gauge.add_metric(label_values, float(values[key]))
+            yield gauge
 
 
 class DecodeEngine(LocalPath, PDEngine):
@@ -90,6 +110,7 @@ class DecodeEngine(LocalPath, PDEngine):
                                       grant=self.manager.give_pages, cache=self.cache, kick=self._driver.kick)
         labels = {"role": "decode", "node": self.node_id}
         self.registry.register(DecodeLoopCollector(self.loop.counters, labels))
+        self.registry.register(PreallocCollector(lambda: self.prealloc.queue(time.monotonic()), labels))
         # a prompt prefilled here (a recompute, a request sent whole) delays the running streams a chunk at a time
         self.budget = StepBudget(CHUNKED_PREFILL_SIZE, prefill_chunk_steps)
         self._clock = clock
@@ -121,9 +142,14 @@ class DecodeEngine(LocalPath, PDEngine):
                                   prompt_len=seq.prompt_len, rid=seq.rid, bootstrap_addr=seq.request.bootstrap.addr,
                                   **route)
 
+    def health_fields(self) -> dict:
+        """``/health``'s body while this node serves: its pre-allocation queue (requests waiting for free KV pages,
+        and how long the oldest has waited)."""
+        return self.prealloc.queue(time.monotonic())
+
     def _role_info(self) -> dict:
-        waiting = len(self.prealloc.waiting)
-        return {"prealloc_queue": waiting, "transfer_queue": len(self.rooms) - waiting,
+        queue = self.prealloc.queue(time.monotonic())
+        return {**queue, "transfer_queue": len(self.rooms) - queue["prealloc_queue"],
                 "requests_running": len(self.loop.running), "tokens_generated": self.loop.tokens_generated,
                 **self.loop.counters(), **self.recompute.counters()}
 

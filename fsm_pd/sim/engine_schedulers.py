@@ -20,6 +20,7 @@ with the cache's own lock counts, and check that no such page is ever freed or h
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +41,7 @@ PREFILL_STEP_S, PREFILL_TOKEN_S = 0.0005, 1e-6  # a prefill chunk's time on the 
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    input_ids: tuple[int, ...]
+    input_ids: Sequence[int]  # 2-byte tokens (``array('H')``): a run keeps every pending prompt
     return_logprob: bool = False
 
 
@@ -102,7 +103,7 @@ class PrefillScheduler(_Scheduler):
         self.queue: deque[SimRequest] = deque()
         self.streaming: set[int] = set()  # rooms handed off chunk by chunk (``kv_first_chunk`` sent)
 
-    def arrived(self, room: int, tokens: tuple[int, ...]) -> None:
+    def arrived(self, room: int, tokens: Sequence[int]) -> None:
         self.requests[room] = SimRequest(room, len(tokens), Prompt(tokens))
 
     def observed(self, room: Any, decision: Any) -> None:
@@ -197,7 +198,7 @@ class DecodeScheduler(_Scheduler):
         self.rooms: dict[int, SimRequest] = {}  # waiting for pages or transferring
         self.loop = SimDecodeLoop(self)  # requests whose handoff succeeded: decoding, retracted, recomputing
 
-    def arrived(self, room: int, tokens: tuple[int, ...]) -> None:
+    def arrived(self, room: int, tokens: Sequence[int]) -> None:
         seq = self.rooms[room] = SimRequest(room, len(tokens), Prompt(tokens))
         self.prealloc.waiting.append(seq)
         self.kick()

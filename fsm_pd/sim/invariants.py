@@ -191,23 +191,17 @@ def state_slack_s(world: World) -> float:
 
 
 def overdue_states(world: World) -> list[str]:
-    """Rooms that have been in one non-terminal state longer than that state's deadline (the timer the machine
-    arms on entering it, or restarts on progress: ``DEADLINES`` of its role, its length from the room's recorded
-    deadlines) plus the slack. Checked at every instant the world settles (``World.probes``), on both sides, for
-    every state."""
-    now, slack, found = world.clock.now(), state_slack_s(world), []
-    for slot in (world.prefill, world.decode):
-        if not slot.alive:
-            continue
-        inst = slot.instance
-        timers = inst.node.machine.deadlines
-        for room in inst.node.rooms.values():
-            if room.terminal:
-                continue
-            timer = timers[room.state]
-            limit = float(room.ctx.get("deadlines", inst.node.deadlines)[timer])
-            since = world.entered.get((inst.name, room.room), inst.created.get(room.room))
-            if since is not None and now - since > limit + slack:
-                found.append(f"{slot.role} room {room.room} has been {room.state} for {now - since:.3f} s (since "
-                             f"t={since:.3f}); its {timer} deadline is {limit:g} s, the slack {slack:g} s")
+    """Rooms that have run under one deadline (the timer the machine arms on entering a state, or hands over to
+    within it: ``DEADLINES`` and ``HANDOVERS`` of its role, its length from the room's recorded deadlines) longer
+    than that deadline plus the slack. Checked at every instant the world settles (``World.probes``), on both sides,
+    for every state; only the rooms whose deadline has passed are looked at (``armed.ArmedDeadlines``)."""
+    now, slack = world.clock.now(), state_slack_s(world)
+    alive = {slot.instance.name: slot for slot in (world.prefill, world.decode) if slot.alive}
+    found = []
+    for (instance, room_id), timer, since, limit in world.armed.overdue(now, slack, alive):
+        slot = alive[instance]
+        room = slot.instance.node.rooms.get(room_id)
+        state = room.state if room is not None else "gone"
+        found.append(f"{slot.role} room {room_id} has been {state} under its {timer} deadline for {now - since:.3f} "
+                     f"s (since t={since:.3f}); the deadline is {limit:g} s, the slack {slack:g} s")
     return found

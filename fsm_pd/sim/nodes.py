@@ -165,6 +165,10 @@ class SimNode:
         if inst.journal is not None:
             inst.journal.engine.dispose()  # the dead process's handle; every step was committed before it died
 
+    def knows(self, room: int) -> bool:
+        """Whether a process of this slot has had ``room``: ``room in live_rooms()`` without building it."""
+        return room in self.earlier or (self.instance is not None and room in self.instance.node.rooms)
+
     def live_rooms(self) -> dict[int, Room]:
         """Every room this slot knows, as its processes left them: what replaying its journal must give."""
         current = self.instance.node.rooms if self.instance is not None else {}

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import os
 import random
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsm_pd.control.core import RoomInUse
 from fsm_pd.effects import VirtualClock
 from fsm_pd.machines.effect_types import ArmTimer
+from fsm_pd.sim.armed import ArmedDeadlines
 from fsm_pd.sim.bootstrap import SimBootstrap
 from fsm_pd.sim.bounds import Stuck, settle_bound, still_going
 from fsm_pd.sim.faults import FaultPlan
@@ -58,8 +60,13 @@ class SimConfig:
     decode_radix_cache: float = 0.5  # the chance that the decode node runs its own prefix cache (per world)
     max_prompt: int = 2048
     mean_interarrival: float = 0.002
-    prefill_deadlines: dict = field(default_factory=lambda: {"bootstrap": 5.0, "waiting": 5.0, "pull_hold": 5.0})
-    decode_deadlines: dict = field(default_factory=lambda: {"bootstrap": 5.0, "waiting": 5.0, "transfer": 5.0})
+    # The decode node's wait for free pages (admission) is long enough for the queue a burst builds, and the prefill
+    # node's bootstrap deadline, which waits for the PREPARE that comes after that queue, longer still (the decode
+    # node names a wait too long and tells the prefill node). The other deadlines are short, so faults end soon.
+    prefill_deadlines: dict = field(default_factory=lambda: {"bootstrap": 30.0, "waiting": 5.0, "pull_hold": 5.0})
+    decode_deadlines: dict = field(default_factory=lambda: {"bootstrap": 5.0, "admission": 20.0, "waiting": 5.0,
+                                                            "transfer": 5.0})
+    max_delay_s: float = 10.0  # how late the network may deliver a delayed frame (twice the short deadlines)
     heartbeat_interval: float = 1.0
     heartbeat_max_failures: int = 2
     restart_after: float = 3.0
@@ -91,14 +98,14 @@ class World:
         self.sched = Timeline(self.clock)
         self.plan = FaultPlan(config.fault_rate, self.rng)
         self.ledger = Ledger(self.clock)
-        max_delay = 2 * max(*config.decode_deadlines.values(), *config.prefill_deadlines.values())
-        self.network = SimNetwork(self.sched, self.rng, self.plan, self.rng.randbytes(32), max_delay)
+        self.network = SimNetwork(self.sched, self.rng, self.plan, self.rng.randbytes(32), config.max_delay_s)
         self.network.record = self.record
         self.fault_log: list[Fault] = []  # every fault injected, for the oracles that a fault must explain
         self.longest_stall = 0.0
         self.entered: dict[tuple[str, int], float] = {}  # (instance, room) -> when its state's deadline was armed
         # (instance, room) -> how far progress pushed its deadlines out (a chunked handoff restarts its state's)
         self.extended: dict[tuple[str, int], float] = {}
+        self.armed = ArmedDeadlines()  # the deadline each live room runs under (``invariants.overdue_states``)
         self.bootstrap = SimBootstrap(self.bootstrap_addr)
         self.decode_layout = {**LAYOUT, "num_pages": config.num_pages, **_split(config.decode_tp)}
         self.prefill_layout = {**LAYOUT, "num_pages": config.prefill_pages, **_split(config.prefill_tp)}
@@ -163,6 +170,8 @@ class World:
         self.instances[inst.channel.instance_id] = inst
         inst.node.observers.append(lambda room, decision, at: inst.scheduler.observed(room, decision))
         inst.node.observers.append(lambda room, decision, at: self._entered(inst, room, decision))
+        inst.node.observers.append(lambda room, decision, at: self.armed.observe(
+            inst.name, room, decision, self.clock.now(), inst.node))
         if slot.role == "prefill":
             self.bootstrap.register({"rank_ip": "10.0.0.1", "rank_port": 7000, "side_channel": slot.address,
                                      "transfer_addr": slot.transfer_address, "transfer_backend": "sim",
@@ -170,19 +179,22 @@ class World:
                                      "instance": inst.channel.instance_id})
 
     def _entered(self, inst: Instance, room: object, decision: object) -> None:
+        """How far progress pushed a room's deadlines out (a chunked handoff restarts its state's): the room's
+        whole-life bound (``invariants.overdue_rooms``) moves by as much."""
         key, now = (inst.name, room.room), self.clock.now()
         if decision.dst != decision.src or decision.trigger == "create":
             self.entered[key] = now
         elif decision.ignored is None and any(isinstance(e, ArmTimer) for e in decision.effects):
             self.extended[key] = self.extended.get(key, 0.0) + now - self.entered.get(key, now)  # restarted
             self.entered[key] = now
-
     # --- requests and clients ---
     def add_request(self, room: int, prompt_len: int, at: float) -> None:
         """The router sends the request to both nodes at once (each leg with its own small delay). A room already
         used is sent again as a client would (a retry, a collision): each node must refuse it."""
         self.requests.setdefault(room, prompt_len)
-        tokens = self.workload.prompt(prompt_len)  # shares prefixes with earlier prompts: the caches hit
+        # shares prefixes with earlier prompts (the caches hit); kept as 2-byte tokens until it arrives, since every
+        # arrival of a run is scheduled at its start
+        tokens = array("H", self.workload.prompt(prompt_len))
         self.pending_arrivals += 2
         self.last_start = max(self.last_start, at + 0.02)  # the legs' jitter and a client's abort come within 20 ms
         now = self.clock.now()
@@ -195,7 +207,7 @@ class World:
             self.sched.later(at - now + self.rng.random() * 0.02, lambda: self.abort(side, room, "client went away"),
                              work=False)
 
-    def _arrive_prefill(self, room: int, tokens: tuple[int, ...]) -> None:
+    def _arrive_prefill(self, room: int, tokens: array) -> None:
         """The engine creates the room; its scheduler queues the prompt once PREPARE came (``engine_schedulers.py``)."""
         inst = self.prefill.instance
         if inst.frozen():  # its HTTP server is stopped too: the request waits in the socket
@@ -209,7 +221,7 @@ class World:
             inst.scheduler.arrived(room, tokens)
         # else: connection refused, or the room was used: the decode leg finds out through its own deadlines
 
-    def _arrive_decode(self, room: int, tokens: tuple[int, ...]) -> None:
+    def _arrive_decode(self, room: int, tokens: array) -> None:
         """The engine creates the room and queues the request for pages (``engine_schedulers.py``)."""
         inst = self.decode.instance
         if inst.frozen():
@@ -232,7 +244,7 @@ class World:
     def _accepted(self, slot: SimNode, room: int, create) -> bool:
         """Create the room as the node's engine does; False if the node refused it (``RoomInUse``). A node that
         takes a room it has used before (live, ended, or journaled by an earlier process) is a violation."""
-        used = room in slot.live_rooms()
+        used = slot.knows(room)
         try:
             create()
         except RoomInUse:

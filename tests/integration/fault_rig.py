@@ -21,6 +21,7 @@ from processes import PAGE_SIZE, Cluster, free_port
 DEADLINE_S = 4.0  # every deadline of both nodes
 ENV = {
     "FSM_PD_BOOTSTRAP_TIMEOUT": str(DEADLINE_S),
+    "FSM_PD_ADMISSION_TIMEOUT": str(DEADLINE_S),  # the decode node's wait for pages (none here: its pool is large)
     "FSM_PD_WAITING_TIMEOUT": str(DEADLINE_S),
     "FSM_PD_PULL_HOLD_TIMEOUT": str(DEADLINE_S),
     "FSM_PD_TRANSFER_TIMEOUT": str(DEADLINE_S),

@@ -15,7 +15,7 @@ from fsm_pd.control.config import DEFAULTS, ENV
 from fsm_pd.machines import MACHINES
 from fsm_pd.machines.deadlines import STATE_DEADLINES, ended_by_deadline, explain_failure
 from fsm_pd.router.legs import StreamIdle, until
-from fsm_pd.serve_flags import ROOM_WAITS, node_parser
+from fsm_pd.serve_flags import node_parser
 from fsm_pd.store import write_rows
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
@@ -24,12 +24,15 @@ COLUMNS = ("node", "role", "room", "version", "trigger", "src", "dst", "payload"
 
 def test_every_state_deadline_of_the_tables_is_explained_with_its_env_and_flag():
     from_tables = {(role, timer): state for role, machine in MACHINES.items()
-                   for state, timer in machine.deadlines.items()}
+                   for timer, state in machine.timer_states.items()}  # entered, and handed over to (admission)
     assert {key: d.state for key, d in STATE_DEADLINES.items()} == from_tables
+    for role, machine in MACHINES.items():
+        assert set(DEFAULTS[role]) == set(machine.timer_states), role
     for (role, timer), deadline in STATE_DEADLINES.items():
-        assert timer in DEFAULTS[role] and deadline.env == ENV[timer]
-        assert deadline.flag in node_parser(role).format_help(), (role, deadline.flag)
-        assert ROOM_WAITS[role, timer].startswith(f"in {deadline.state} for ")
+        assert deadline.env == ENV[timer]
+        help_text = " ".join(node_parser(role).format_help().split())  # the words, however argparse wraps them
+        assert f"{deadline.flag} S seconds a room may wait in {deadline.state} for {deadline.waits_for};" in help_text
+        assert f"(default: ${deadline.env}, else {DEFAULTS[role][timer]:g};" in help_text
 
 
 def test_a_timeout_reason_is_explained_with_its_length_and_a_peers_without():
@@ -97,3 +100,27 @@ def test_a_stream_wait_tells_its_idle_deadline_from_the_requests():
     assert got == [b"first"] and isinstance(err, StreamIdle) and err.idle_s == 0.05
     got, err = asyncio.run(scenario(idle_s=30.0, request_in_s=0.05))  # the request's deadline comes first
     assert got == [b"first"] and not isinstance(err, StreamIdle)
+
+
+def test_a_room_that_waits_too_long_for_pages_is_explained_as_such_on_both_sides(tmp_path, capsys):
+    """The simulation's production decode node with a pool the prompt never fits: its room, the prefill node's
+    address known, waits in the pre-allocation queue until its admission deadline (not its bootstrap deadline),
+    tells the prefill node, and replay explains both sides by that wait."""
+    from fsm_pd.sim import SimConfig, World
+
+    world = World(SimConfig(requests=0, seed=4, num_pages=8, chunked=0.0), tmp_path, durability="off")
+    world.add_request(1, 200, at=0.001)  # 13 pages: more than the whole pool
+    world.run()
+    world.close()
+    assert main(["replay", str(tmp_path / "prefill.db"), str(tmp_path / "decode.db"), "--format", "json"]) == EXIT_OK
+    sides = {r["role"]: r for r in json.loads(capsys.readouterr().out)["rooms"]}
+    assert sides["decode"]["reason"] == "admission timeout"
+    assert sides["decode"]["deadline"]["explained"] == (
+        "the decode node waited 20 s in Bootstrapping for free KV pages for the prompt (its place in the "
+        "pre-allocation queue, the prefill node's address known): its admission deadline (--admission-timeout / "
+        "$FSM_PD_ADMISSION_TIMEOUT)")
+    assert sides["prefill"]["reason"] == "aborted by peer: admission timeout"  # told at once, not at its own deadline
+    assert explain_failure("prefill", sides["prefill"]["reason"], {}).endswith(
+        "the decode node waited in Bootstrapping for free KV pages for the prompt (its place in the pre-allocation "
+        "queue, the prefill node's address known): its admission deadline (--admission-timeout / "
+        "$FSM_PD_ADMISSION_TIMEOUT)")

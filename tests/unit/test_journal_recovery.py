@@ -19,7 +19,7 @@ from fsm_pd.store import Journal, read_journal
 
 LAYOUT = {"num_layers": 1, "num_pages": 4, "page_size": 2, "kv_heads": 1, "head_dim": 4}
 DEADLINES = {"prefill": {"bootstrap": 5.0, "waiting": 5.0, "pull_hold": 5.0},
-             "decode": {"bootstrap": 5.0, "waiting": 5.0, "transfer": 5.0}}
+             "decode": {"bootstrap": 5.0, "admission": 5.0, "waiting": 5.0, "transfer": 5.0}}
 MACHINES = {"prefill": SENDER, "decode": RECEIVER}
 # payloads that let the happy path move (a matching layout, pages, a peer) and failures that end a room
 PAYLOADS = {

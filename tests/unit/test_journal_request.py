@@ -14,7 +14,7 @@ from fsm_pd.store import Journal
 
 LAYOUT = {"num_layers": 1, "num_pages": 4, "page_size": 2, "kv_heads": 1, "head_dim": 4}
 DEADLINES = {"prefill": {"bootstrap": 5.0, "waiting": 5.0, "pull_hold": 5.0},
-             "decode": {"bootstrap": 5.0, "waiting": 5.0, "transfer": 5.0}}
+             "decode": {"bootstrap": 5.0, "admission": 5.0, "waiting": 5.0, "transfer": 5.0}}
 
 PREFILL_OK = [("metadata_received", {"peer_layout": LAYOUT, "peer": "d"}), ("kv_ready", {}),
               ("published", {"uuid": 1}), ("pull_done", {"peer": "d"})]

@@ -19,7 +19,8 @@ def journals(tmp_path, rooms: int = 60) -> list[str]:
     """A prefill and a decode journal over the same rooms, every third one failed on both sides."""
     paths = []
     for node_id, machine, deadlines in (("p0", SENDER, {"bootstrap": 5.0, "waiting": 5.0, "pull_hold": 5.0}),
-                                        ("d0", RECEIVER, {"bootstrap": 5.0, "waiting": 5.0, "transfer": 5.0})):
+                                        ("d0", RECEIVER, {"bootstrap": 5.0, "admission": 5.0, "waiting": 5.0,
+                                                          "transfer": 5.0})):
         path = tmp_path / f"{node_id}.db"
         node = Node(node_id, machine, Journal(path), RecordingInterpreter(), VirtualClock(), deadlines)
         for room in range(rooms):

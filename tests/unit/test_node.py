@@ -17,7 +17,7 @@ from fsm_pd.machines.effect_types import (
 from fsm_pd.store import Journal, read_journal, replay
 
 SENDER_DEADLINES = {"bootstrap": 5.0, "waiting": 5.0, "pull_hold": 5.0}
-RECEIVER_DEADLINES = {"bootstrap": 5.0, "waiting": 5.0, "transfer": 5.0}
+RECEIVER_DEADLINES = {"bootstrap": 5.0, "admission": 5.0, "waiting": 5.0, "transfer": 5.0}
 LAYOUT = {"num_layers": 1, "num_pages": 4, "page_size": 2, "kv_heads": 1, "head_dim": 4}
 
 

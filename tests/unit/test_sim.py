@@ -348,24 +348,28 @@ def test_a_seed_range_holds_every_invariant_at_fault_rate_0_2(capsys):
 
 
 DEADLINE_SCENARIOS = {
-    # (role, state): what keeps the room there until its deadline
-    ("decode", "Bootstrapping"): {"num_pages": 8},  # the prompt never fits the pool: no pages, no PREPARE
-    ("prefill", "Bootstrapping"): {"num_pages": 8},
-    ("decode", "WaitingForInput"): {"prefill_model_delay": 6.0},  # P's model thread too slow to prefill
-    ("prefill", "WaitingForInput"): {"prefill_model_delay": 6.0, "decode": {"waiting": 10.0}},
-    ("decode", "Transferring"): {"slow_pulls_s": 7.0, "prefill": {"pull_hold": 10.0}},  # the pull reports too late
-    ("prefill", "Transferring"): {"slow_pulls_s": 7.0, "decode": {"transfer": 10.0}},  # no PULLED in time
+    # (role, state, timer): what keeps the room there until that deadline
+    ("decode", "Bootstrapping", "bootstrap"): {"lookup_s": 60.0},  # the bootstrap server never answers
+    ("decode", "Bootstrapping", "admission"): {"num_pages": 8},  # the prompt never fits the pool: no pages, no PREPARE
+    ("prefill", "Bootstrapping", "bootstrap"): {"lookup_s": 60.0},  # the decode node never finds it: no PREPARE
+    ("decode", "WaitingForInput", "waiting"): {"prefill_model_delay": 6.0},  # P's model thread too slow to prefill
+    ("prefill", "WaitingForInput", "waiting"): {"prefill_model_delay": 6.0, "decode": {"waiting": 10.0}},
+    ("decode", "Transferring", "transfer"): {"slow_pulls_s": 7.0, "prefill": {"pull_hold": 10.0}},  # reports late
+    ("prefill", "Transferring", "pull_hold"): {"slow_pulls_s": 7.0, "decode": {"transfer": 10.0}},  # no PULLED
 }
 
 
-@pytest.mark.parametrize(("role", "state"), sorted(DEADLINE_SCENARIOS))
-def test_every_state_ends_at_its_deadline_within_the_slack(tmp_path, role, state):
-    """Each non-terminal state of each role, held until its deadline: the room ends there by that state's timeout,
-    and the per-state check (``overdue_states``, at every settle point) never saw it overstay (a timer that is not
-    armed fails it: docs/simulation.md)."""
+@pytest.mark.parametrize(("role", "state", "timer"), sorted(DEADLINE_SCENARIOS))
+def test_every_state_ends_at_its_deadline_within_the_slack(tmp_path, monkeypatch, role, state, timer):
+    """Each deadline of each role, held until it passes: the room ends in its state by that timer's timeout (the
+    decode node's Bootstrapping has two, one after the other: the address, then free pages), and the per-state
+    check (``overdue_states``, at every settle point) never saw it overstay (a timer that is not armed fails it:
+    docs/simulation.md)."""
+    from fsm_pd.sim import bootstrap
     from fsm_pd.sim.invariants import overdue_states
 
-    setup = DEADLINE_SCENARIOS[(role, state)]
+    setup = DEADLINE_SCENARIOS[(role, state, timer)]
+    monkeypatch.setattr(bootstrap, "LOOKUP_S", setup.get("lookup_s", bootstrap.LOOKUP_S))
     base = SimConfig()
     config = SimConfig(requests=0, seed=4, num_pages=setup.get("num_pages", 64), chunked=0.0,
                        prefill_deadlines={**base.prefill_deadlines, **setup.get("prefill", {})},
@@ -377,8 +381,20 @@ def test_every_state_ends_at_its_deadline_within_the_slack(tmp_path, role, state
     late: list[str] = []
     world.probes.append(lambda: late.extend(overdue_states(world)))
     world.add_request(1, 200, at=0.001)
-    world.run(until=20.0)  # past every deadline of either side
+    world.run(until=40.0)  # past every deadline of either side
     world.close()
     assert late[:1] == []
     rows = read_journal(tmp_path / f"{role}.db")
-    assert [(r.src, r.trigger) for r in rows if r.dst == "Failed" != r.src] == [(state, "timeout")]
+    assert [(r.src, r.trigger, r.event.get("timer")) for r in rows if r.dst == "Failed" != r.src] == [
+        (state, "timeout", timer)]
+
+
+def test_prompt_tokens_are_the_draws_randrange_gives():
+    """``Conversations`` draws tokens without ``randrange``'s calls; the same draws, so every seed's history."""
+    import random
+
+    from fsm_pd.sim.workload import VOCAB, Conversations
+
+    fast, slow = Conversations(random.Random(5), 16), Conversations(random.Random(5), 16)
+    assert fast._fresh(5000) == tuple(slow.rng.randrange(VOCAB) for _ in range(5000))
+    assert fast.rng.random() == slow.rng.random()

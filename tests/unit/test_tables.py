@@ -9,9 +9,18 @@ from pathlib import Path
 import pytest
 
 from fsm_pd.machines import RECEIVER, SENDER, KVPoll, Room, TransferMachine
-from fsm_pd.machines.effect_types import ArmTimer, FreePages, GatherAndPublish, ReleaseStaging, Scatter, Send
+from fsm_pd.machines.effect_types import (
+    ArmTimer,
+    CancelTimer,
+    FreePages,
+    GatherAndPublish,
+    ReleaseStaging,
+    Scatter,
+    Send,
+)
 from fsm_pd.machines.graph import TableError, validate
 from fsm_pd.machines.receiver import DEADLINES as RECEIVER_DEADLINES
+from fsm_pd.machines.receiver import HANDOVERS as RECEIVER_HANDOVERS
 from fsm_pd.machines.receiver import RECEIVER_TRANSITIONS
 from fsm_pd.machines.sender import DEADLINES as SENDER_DEADLINES
 from fsm_pd.machines.sender import SENDER_TRANSITIONS
@@ -185,7 +194,7 @@ def test_fire_agrees_with_the_transitions_library(machine):
     fact_sets = ([{}, {"kv_ready": {}}] if machine is SENDER
                  else [{}, {"bootstrap_resolved": {}}, {"pages_reserved": {}}])
     payloads = [{}, {"peer_layout": LAYOUT}, {"peer_layout": OTHER}, {"timer": "bootstrap"}, {"timer": "waiting"},
-                {"timer": "transfer"}, {"timer": "pull_hold"}]
+                {"timer": "transfer"}, {"timer": "pull_hold"}, {"timer": "admission"}]
     checked = 0
     for state in STATE_NAMES:
         for facts in fact_sets if state == "Bootstrapping" else [{}]:
@@ -221,10 +230,63 @@ def test_graph_check_rejects_broken_tables():
         with pytest.raises(TableError):
             validate(table, SENDER_DEADLINES)
             pytest.fail(f"accepted a table with: {name}")
-    validate(list(RECEIVER_TRANSITIONS), RECEIVER_DEADLINES)
+    validate(list(RECEIVER_TRANSITIONS), RECEIVER_DEADLINES, RECEIVER_HANDOVERS)
     with pytest.raises(TableError, match="cannot reach Failed|no timeout exit"):
         validate([r for r in RECEIVER_TRANSITIONS if not (r["source"] == "Transferring" and r["dest"] == "Failed")],
-                 RECEIVER_DEADLINES)
+                 RECEIVER_DEADLINES, RECEIVER_HANDOVERS)
+
+
+def test_graph_check_holds_a_handed_over_deadline_to_the_same_rules():
+    """Bootstrapping hands ``bootstrap`` over to ``admission`` once the address is known: without the hand-over
+    declared, with an exit that cancels the other timer, a row that does not say which one runs, or no timeout
+    under admission, the table is refused."""
+    good = list(RECEIVER_TRANSITIONS)
+    resolved_abort = next(i for i, r in enumerate(good) if r["trigger"] == "abort" and r["source"] == "Bootstrapping"
+                          and r.get("conditions") == ["bootstrap_resolved_seen"])
+    broken = {
+        "not declared": (good, {}),
+        "an exit cancels the timer that is not armed": (
+            [{**r, "effects": (CancelTimer("bootstrap"), *r["effects"][1:])} if i == resolved_abort else r
+             for i, r in enumerate(good)], RECEIVER_HANDOVERS),
+        "a row that does not say": (
+            [{k: v for k, v in r.items() if k != "conditions"} if i == resolved_abort else r
+             for i, r in enumerate(good)], RECEIVER_HANDOVERS),
+        "no timeout under admission": (
+            [r for r in good if not (r["trigger"] == "timeout" and r["source"] == "Bootstrapping"
+                                     and "bootstrap_resolved_seen" in r.get("conditions", ()))], RECEIVER_HANDOVERS),
+        "a hand-over that re-arms on a repeat": (
+            [{k: v for k, v in r.items() if k != "unless"} if r["trigger"] == "bootstrap_resolved"
+             and r["dest"] == "Bootstrapping" else r for r in good], RECEIVER_HANDOVERS),
+    }
+    for name, (table, handovers) in broken.items():
+        with pytest.raises(TableError):
+            validate(table, RECEIVER_DEADLINES, handovers)
+            pytest.fail(f"accepted a table with: {name}")
+
+
+@pytest.mark.parametrize("machine", [SENDER, RECEIVER], ids=["sender", "receiver"])
+def test_every_reachable_room_has_exactly_one_deadline_armed_until_it_ends(machine):
+    """Every sequence of up to five events (each trigger, with payloads that pass and fail each guard) from create:
+    a room that has not ended has exactly one timer armed, one of its state's (entered or handed over to), and an
+    ended one none. What the graph check proves of the rows, checked on the rooms they make."""
+    payloads = [{}, {"peer_layout": LAYOUT}, {"peer_layout": OTHER},
+                *({"timer": t} for t in sorted({*machine.timer_states, "none"}))]
+    events = [(t, p) for t in machine.triggers if t != "create" for p in payloads]
+    frontier, checked = [room_in(machine, "Bootstrapping")], 0
+    for _ in range(5):
+        following = {}
+        for room in frontier:
+            for trigger, payload in events:
+                nxt = Room(room.room, room.state, room.version, set(room.seen), set(room.armed), dict(room.ctx))
+                machine.fire(nxt, trigger, payload)
+                checked += 1
+                if nxt.terminal:
+                    assert nxt.armed == set(), (trigger, nxt)
+                    continue
+                assert len(nxt.armed) == 1 and machine.timer_states[next(iter(nxt.armed))] == nxt.state, nxt
+                following[(nxt.state, frozenset(nxt.seen), frozenset(nxt.armed))] = nxt
+        frontier = list(following.values())
+    assert checked > 1000
 
 
 FORBIDDEN = {"zmq", "jax", "sqlalchemy", "fastapi", "time", "random", "socket", "threading", "asyncio", "uuid"}
