@@ -58,6 +58,12 @@ class JaxKV:
     def gathers_progressively(self, owner: Any) -> bool:
         return resolve_impl(owner.pool) == "cpu"
 
+    @property
+    def summed(self) -> bool:
+        """A pool on CPU devices (``pool_checksums`` reads it in place; on an accelerator it returns None)."""
+        pool = self.model.pool
+        return pool is not None and layer_shards(pool[0]) is not None
+
     def publish_while_gathering(self, owner: Any, transfer: Any, uuid: int, pages: list[int], hold_timeout_s: float,
                                 on_published: Callable[[int], None]) -> None:
         """Where the backend can send from the pool's pages and the owner lends them between jobs (a model

@@ -116,6 +116,11 @@ class PrefillKV(Protocol):
     def gathers_progressively(self, owner: Any) -> bool:
         """Whether ``publish_while_gathering`` can be used on this pool (a progressive backend is also needed)."""
 
+    @property
+    def summed(self) -> bool:
+        """Whether this pool's KV can be checksummed here (``sent_checksum`` gives values, not None): where it
+        cannot, a handoff announces and publishes no checksum at all."""
+
     def publish_while_gathering(self, owner: Any, transfer: PublishPort, uuid: int, pages: list[int],
                                 hold_timeout_s: float, on_published: Callable[[int], None]) -> None: ...
 

@@ -133,8 +133,9 @@ class PrefillEffects:
         self.model.submit(gather).add_done_callback(failed)
 
     def checks(self, ctx: dict) -> bool:
-        """Whether this room's KV is checksummed: our --kv-checksum, and the decode node's (PREPARE says it)."""
-        return self.kv_checksum and ctx.get("peer_kv_checksum", True)
+        """Whether this room's KV is checksummed: our --kv-checksum, the decode node's (PREPARE says it), and a
+        pool we can sum (not on an accelerator: then nothing is announced or published, and D counts it missing)."""
+        return self.kv_checksum and ctx.get("peer_kv_checksum", True) and self.kv.summed
 
     def _publish_sums(self, node: Node, room_id: int, uuid: int, hold_s: float, sums: list | None) -> None:
         """A whole handoff's checksum as the entry after its one piece (``piece_uuid(uuid, 1)``), in a trailer's

@@ -214,6 +214,8 @@ class SimKV:
     def gathers_progressively(self, owner: Any) -> bool:
         return self.progressive
 
+    summed = True  # the simulated pool's tokens are always summed
+
     def publish_while_gathering(self, owner: Any, transfer: Any, uuid: int, pages: list[int], hold_timeout_s: float,
                                 on_published: Callable[[int], None]) -> None:
         """As ``JaxKV.publish_while_gathering``: where the backend sends from the pool's pages and the model thread

@@ -184,3 +184,34 @@ def test_a_prefill_page_reused_while_its_send_from_the_pool_runs(pair):
         p.manager.effects.kv.overwrite = False
         d.manager.effects.faults = Faults(role="decode")
     assert_outcome(setting, p, d, want, answers, requests)
+
+
+class Unsummed(Look):
+    """P's pool as on an accelerator: its KV cannot be summed on the host (``sent_checksum`` gives None)."""
+
+    summed = False
+
+    def sent_checksum(self, owner, pages, plan):
+        return None
+
+
+def test_a_pool_that_cannot_be_summed_announces_and_publishes_no_checksum(pair):
+    """Nothing summed, nothing sent: READY names no checksum and no entry follows the KV, and D counts the handoff
+    ``missing`` (it sent an empty checksum entry, pulled by D, on every handoff from an accelerator pool)."""
+    setting, p, d = pair
+    if setting == "off":
+        return  # D's outcome is "off" whatever P sends; the "on" pair shows what D sees
+    look = p.manager.effects.kv
+    p.manager.effects.kv = Unsummed(look.kv, p.manager.effects.layout, p.manager.model)
+    count = lambda outcome: d.manager.metrics.registry.get_sample_value(  # noqa: E731
+        "fsm_pd_kv_checksums_total", {"role": "decode", "node": "decode-0", "outcome": outcome}) or 0
+    missing = count("missing")
+    try:
+        answers, requests = serve(p, d, "unsummed")
+    finally:
+        p.manager.effects.kv = look
+    assert all(a[-1].meta.get("kv_recompute") is None for a in answers)
+    assert count("missing") == missing + len(PROMPTS)
+    rooms = {r.bootstrap.room for r in requests}
+    events = [row.event for row in read_journal(d.manager.journal.url) if row.room in rooms]
+    assert not [e for e in events if "checksum_entry" in e or e.get("kv_checksum")]
