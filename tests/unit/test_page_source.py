@@ -171,8 +171,9 @@ def test_a_puller_dying_mid_stream_leaves_no_view_of_the_pool(model):
             create_backend("tcp", serve=False) as consumer:
         pages = list(range(1, 65))
         uuid, _ = publish(model, producer, pages)
-        host, port = parse_address(producer.address)
-        with socket.create_connection((host, port)) as sock:
+        family, address = parse_address(producer.address)
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.connect(address)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
             keys = [array_key(s.shape, s.dtype, None) for s in spec(pages)]
             wire.send_request(sock, {"v": wire.PROTOCOL_VERSION, "uuid": uuid, "digest": layout_digest(keys),
