@@ -61,6 +61,7 @@ def to_device(pool: list[np.ndarray]) -> tuple[jax.Array, ...]:
 
 @pytest.fixture(autouse=True)
 def _cpu_impl_on_the_cpu(request):
+    """A test run with impl="cpu" gets the CPU as jax's default device (``cpu_default``); the others keep theirs."""
     callspec = getattr(request.node, "callspec", None)
     if callspec is not None and callspec.params.get("impl") == "cpu":
         request.getfixturevalue("cpu_default")
