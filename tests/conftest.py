@@ -9,6 +9,10 @@ worker takes whole test modules (``pytest_collection_modifyitems`` below puts ev
 so a module-scoped fixture (a cluster of nodes, a compiled model) is built once, and a module's tests run in their
 order, as they do serially. A test with its own ``@pytest.mark.xdist_group(name)`` keeps that group instead. The
 groups that hold a ``slow`` test go first, so the run does not end on one long test while the other worker idles.
+
+On a TPU host (``tests/on_tpu.sh``: one process, no ``-n``) this process takes the chip before any test runs and
+its children run jax on the CPU; the fixtures ``cpu_default`` and ``full_precision`` are for tests of what only a
+CPU does and for tests that compare float32 results (``on_chip.py``). On a CPU machine they change nothing.
 """
 
 from __future__ import annotations
@@ -23,11 +27,16 @@ import pytest
 # file, outside the package.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from real_parts import RealParts  # noqa: E402 - after the path above
+import on_chip  # noqa: E402 - after the path above
+from node_sockets import allow_the_fake_backend  # noqa: E402
+from real_parts import RealParts  # noqa: E402
 
 from fsm_pd.transport.backends import register_backend  # noqa: E402
 
+_CHIP = pytest.StashKey[str | None]()  # where this process runs jax, on a host with a TPU runtime
+
 register_backend("fake", "fake_backend:FakeTransferBackend", replace=True)
+allow_the_fake_backend()  # where this host has no TCP, engines on unix sockets use it too (node_sockets.py)
 
 # Every node a test starts (fsm-pd serve / launch without --model) serves the built-in tiny model, not SmolLM2.
 os.environ["FSM_PD_MODEL"] = "tiny"
@@ -44,6 +53,30 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "xdist_group(name): pytest-xdist runs the tests of one group on one worker, "
                                        "one after the other (also registered here for runs with -p no:xdist)")
     config.pluginmanager.register(RealParts(os.environ), "fsm-pd-real-parts")
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):  # where tests run
+        config.stash[_CHIP] = on_chip.take_the_chip()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    where = config.stash.get(_CHIP, None)
+    if where:
+        terminalreporter.write_line(where)
+
+
+@pytest.fixture
+def cpu_default():
+    """The CPU is jax's default device for this test: a test of what only a CPU does (``on_chip.py``)."""
+    with on_chip.cpu_default():
+        yield
+
+
+@pytest.fixture(scope="module")
+def full_precision():
+    """float32 products at full precision for this module's tests and the programs its fixtures compile: for a module
+    that compares float32 results with a reference or across paths (``on_chip.py``). Use it as ``pytestmark =
+    pytest.mark.usefixtures("full_precision")``, which puts it before the module's own fixtures."""
+    with on_chip.full_precision():
+        yield
 
 
 def _group(item: pytest.Item) -> str:

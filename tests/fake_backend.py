@@ -46,7 +46,9 @@ class FakeTransferBackend(HoldingBackend):
     name = "fake"
     progressive = True
 
-    def __init__(self, *, tombstone_ttl_s: float = 600.0) -> None:
+    def __init__(self, *, tombstone_ttl_s: float = 600.0, uds: str | None = None) -> None:
+        """``uds``: the socket a node on unix sockets names for its transfer server; this backend has none (its
+        peers find it in this process's table), so it is not used."""
         self._address = f"fake://{os.getpid()}/{next(_ids)}"
         self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s, clock=scheduler())
         self._changed = threading.Condition(self._holds.lock)  # pullers wait here for publish/end/close

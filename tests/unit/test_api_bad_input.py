@@ -8,6 +8,7 @@ import contextlib
 
 import httpx
 import pytest
+from real_parts import TCP
 from stub_engine import StubEngine, stub_server
 
 from fsm_pd.api import AppServer, create_app
@@ -36,6 +37,7 @@ def node():
     (-1, "greater than or equal to 0"),
 ])
 @pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/v1/chat/completions"])
+@TCP
 def test_out_of_range_room_is_400_before_the_engine(node, path, room, fragment):
     client, engine = node
     body = {"text": "a", "prompt": "a", "messages": [{"role": "user", "content": "a"}], "max_tokens": 1,
@@ -69,6 +71,7 @@ def test_out_of_range_room_is_400_before_the_engine(node, path, room, fragment):
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"max_new_tokens": 10**30}, "exceed"),
 ])
+@TCP
 def test_out_of_range_sampling_is_400_before_the_engine(node, params, fragment):
     client, engine = node
     r = client.post("/generate", json={"text": "a", **PD, "bootstrap_room": 1, "sampling_params": params})
@@ -83,6 +86,7 @@ def test_out_of_range_sampling_is_400_before_the_engine(node, params, fragment):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "min_p": 1.3}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "stop": ["s"] * 100}),
 ])
+@TCP
 def test_openai_out_of_range_sampling_is_400(node, path, extra):
     client, engine = node
     r = client.post(path, json={**PD, "bootstrap_room": 1, **extra})
@@ -117,6 +121,7 @@ def _bodies() -> list[tuple[str, str, str]]:
 
 
 @pytest.mark.parametrize("path, body, fragment", _bodies())
+@TCP
 def test_nan_infinity_and_lone_surrogates_are_400_on_every_node_route(node, path, body, fragment):
     client, engine = node
     r = raw_post(client, path, body.encode("utf-8", "surrogatepass"))
@@ -125,6 +130,7 @@ def test_nan_infinity_and_lone_surrogates_are_400_on_every_node_route(node, path
     assert engine.submitted == []
 
 
+@TCP
 def test_surrogate_pairs_and_plain_unicode_are_served(node):
     client, engine = node
     r = raw_post(client, "/generate", SGLANG % ('"smile \\ud83d\\ude00 caf\\u00e9 ✓"', '"max_new_tokens": 1'))
@@ -154,6 +160,7 @@ def router_over_stubs():
         decode.close()
 
 
+@TCP
 def test_router_refuses_nan_infinity_and_lone_surrogates_and_keeps_routing():
     with router_over_stubs() as (client, prefill, decode):
         for path, body, fragment in _bodies():

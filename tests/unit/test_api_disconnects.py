@@ -9,9 +9,12 @@ import time
 
 import httpx
 import pytest
+from real_parts import TCP
 from stub_engine import stub_server
 
 from fsm_pd.store.causes import REQUEST_CLOSED
+
+pytestmark = TCP  # every test here serves or connects on 127.0.0.1 (tests/real_parts.py)
 
 GIVE_UP_S = 30.0
 

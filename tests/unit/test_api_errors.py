@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+from real_parts import TCP
 from stub_engine import stub_server
 
 from fsm_pd.serving.types import EngineError
@@ -29,6 +30,7 @@ def wait_until(predicate, timeout_s: float = 5.0) -> bool:
     (b"", {"content-type": "application/json"}, "JSON body is required"),
     (b'{"text": "a"}', {}, "JSON object"),
 ])
+@TCP
 def test_malformed_bodies_are_400_with_a_message(path, content, headers, fragment):
     with stub_server() as (url, engine):
         r = httpx.post(url + path, content=content, headers=headers)
@@ -36,6 +38,7 @@ def test_malformed_bodies_are_400_with_a_message(path, content, headers, fragmen
         assert fragment in r.json()["error"]["message"]
 
 
+@TCP
 def test_unknown_route_and_wrong_method_are_4xx_json():
     with stub_server() as (url, _):
         assert httpx.get(url + "/nope").status_code == 404
@@ -43,6 +46,7 @@ def test_unknown_route_and_wrong_method_are_4xx_json():
         assert r.status_code == 405 and "error" in r.json()
 
 
+@TCP
 def test_engine_refusal_at_submit_keeps_its_status():
     with stub_server(submit_error=EngineError("no pages for this one", 503)) as (url, _):
         r = httpx.post(url + "/generate", json={"text": "a"})
@@ -50,12 +54,14 @@ def test_engine_refusal_at_submit_keeps_its_status():
 
 
 @pytest.mark.parametrize("stream", [False, True])
+@TCP
 def test_engine_failure_before_the_first_token_is_an_http_error(stream):
     with stub_server(fail_after=0) as (url, _):
         r = httpx.post(url + "/generate", json={"text": "a", "stream": stream})
         assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"]
 
 
+@TCP
 def test_engine_failure_mid_stream_is_an_error_event_then_done():
     with stub_server(fail_after=2) as (url, _):
         r = httpx.post(url + "/generate", json={"text": "a", "stream": True})
@@ -98,6 +104,7 @@ def counted(url: str, status: str, route: str = "/generate") -> float:
     ("/v1/chat/completions", {"model": "stub-model", "messages": [{"role": "user", "content": "a"}],
                               "max_tokens": 400, "stream": True}),
 ])
+@TCP
 def test_client_disconnect_aborts_the_request(path, body):
     with stub_server(token_delay_s=0.05) as (url, engine):
         sock = _raw_post(url, path, body)
@@ -110,6 +117,7 @@ def test_client_disconnect_aborts_the_request(path, body):
         assert engine.live == []
 
 
+@TCP
 def test_client_disconnect_while_the_engine_is_silent_aborts():
     with stub_server(hang=True) as (url, engine):
         sock = _raw_post(url, "/generate", {"text": "a", "stream": True})
@@ -118,6 +126,7 @@ def test_client_disconnect_while_the_engine_is_silent_aborts():
         assert wait_until(lambda: engine.aborted == [engine.submitted[0].rid])
 
 
+@TCP
 def test_finished_requests_are_not_aborted():
     with stub_server() as (url, engine):
         for stream in (False, True):
@@ -127,6 +136,7 @@ def test_finished_requests_are_not_aborted():
         assert engine.aborted == []
 
 
+@TCP
 def test_api_key_guards_everything_but_health_and_metrics():
     with stub_server(api_key="sekrit") as (url, _):
         assert httpx.post(url + "/generate", json={"text": "a"}).status_code == 401
@@ -142,6 +152,7 @@ def test_api_key_guards_everything_but_health_and_metrics():
             assert httpx.get(url + open_path, timeout=10).status_code == 200
 
 
+@TCP
 def test_openapi_schema_describes_the_bodies():
     with stub_server() as (url, _):
         schema = httpx.get(url + "/openapi.json").json()

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from real_parts import TCP
 from stub_engine import StubEngine
 
 from fsm_pd.api import AppServer, create_app
@@ -40,6 +41,7 @@ def padded_vocab():
 
 
 @pytest.mark.parametrize("path, field", [("/generate", "input_ids"), ("/v1/completions", "prompt")])
+@TCP
 def test_token_ids_are_checked_against_the_models_vocabulary(padded_vocab, path, field):
     client, engine = padded_vocab
     body = {"max_tokens": 1, "sampling_params": {"max_new_tokens": 1}}
@@ -50,12 +52,14 @@ def test_token_ids_are_checked_against_the_models_vocabulary(padded_vocab, path,
     assert bad.status_code == 400 and field in bad.json()["error"]["message"] and "512" in bad.text
 
 
+@TCP
 def test_model_info_names_the_checkpoints_architecture(padded_vocab):
     client, _ = padded_vocab
     info = client.get("/get_model_info").json()
     assert info["model_type"] == "qwen2" and info["architectures"] == ["Qwen2ForCausalLM"]
 
 
+@TCP
 def test_decode_node_leaves_prompt_logprobs_to_the_prefills_copy():
     # Both PD routers put the prefill's input_token_logprobs in front of the decode's: the decode sends none.
     engine = StubEngine(role="decode")
@@ -72,6 +76,7 @@ def pd_decode():
         yield client, engine
 
 
+@TCP
 def test_n_fans_out_with_derived_rooms_seeds_and_rids(pd_decode):
     client, engine = pd_decode
     body = {"text": "hi", "rid": "r", "sampling_params": {"n": 3, "max_new_tokens": 2, "seed": 5}, **PD}
@@ -88,6 +93,7 @@ def test_n_fans_out_with_derived_rooms_seeds_and_rids(pd_decode):
         sorted((r.bootstrap.room, r.seed) for r in reqs)
 
 
+@TCP
 def test_a_batch_of_prompts_is_answered_in_order():
     engine = StubEngine()
     with served(engine) as client:
@@ -100,6 +106,7 @@ def test_a_batch_of_prompts_is_answered_in_order():
                                    "prompt_tokens_details": {"cached_tokens": 0}}
 
 
+@TCP
 def test_max_new_tokens_zero_returns_the_prompt_only():
     engine = StubEngine()
     with served(engine) as client:
@@ -110,6 +117,7 @@ def test_max_new_tokens_zero_returns_the_prompt_only():
     assert engine.submitted[0].sampling.max_new_tokens == 1  # the engine makes one token, which nobody sees
 
 
+@TCP
 def test_echo_with_logprobs_and_max_tokens_zero_is_lm_evals_loglikelihood(pd_decode):
     client, _ = pd_decode
     body = {"prompt": "hey", "echo": True, "logprobs": 0, "max_tokens": 0, **PD}
@@ -120,6 +128,7 @@ def test_echo_with_logprobs_and_max_tokens_zero_is_lm_evals_loglikelihood(pd_dec
     assert choice["logprobs"]["text_offset"] == [0, 1, 2]
 
 
+@TCP
 def test_best_of_keeps_the_n_most_likely(monkeypatch):
     engine = StubEngine()
     with served(engine) as client:
@@ -128,6 +137,7 @@ def test_best_of_keeps_the_n_most_likely(monkeypatch):
     assert len(answer["choices"]) == 1 and answer["choices"][0]["logprobs"] is None
 
 
+@TCP
 def test_no_stop_trim_keeps_the_stop_string():
     engine = StubEngine()
     with served(engine) as client:
@@ -158,6 +168,7 @@ def _sse(text: str) -> list[dict]:
     return [json.loads(line) for line in lines[:-1]]
 
 
+@TCP
 def test_a_streamed_batch_interleaves_answers_named_by_index():
     # Streamed, each answer's chunks carry its index (prompt-major); read per index, each equals its whole answer.
     engine = StubEngine()
@@ -191,6 +202,7 @@ def test_a_streamed_batch_interleaves_answers_named_by_index():
         assert sorted(finished) == [0, 1, 2]
 
 
+@TCP
 def test_a_streamed_batch_fails_with_a_status_before_its_first_token_and_with_an_event_after():
     engine = StubEngine(fail_after=0)
     body = {"text": ["a", "b"], "stream": True, "sampling_params": {"max_new_tokens": 3}}
@@ -203,6 +215,7 @@ def test_a_streamed_batch_fails_with_a_status_before_its_first_token_and_with_an
         assert all("output_ids" in c for c in chunks[:-1])
 
 
+@TCP
 def test_a_client_leaving_a_streamed_batch_aborts_every_copy():
     engine = StubEngine(token_delay_s=0.05)
     body = {"text": "a", "stream": True, "sampling_params": {"n": 3, "max_new_tokens": 200}}

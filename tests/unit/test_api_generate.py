@@ -6,7 +6,10 @@ import json
 
 import httpx
 import pytest
+from real_parts import TCP
 from stub_engine import DECODE_LOGPROB, PREFILL_LOGPROB, stub_server
+
+pytestmark = TCP  # every test here serves or connects on 127.0.0.1 (tests/real_parts.py)
 
 
 def sse_events(text: str) -> list:

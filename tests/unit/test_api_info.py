@@ -8,10 +8,13 @@ import time
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter
+from real_parts import TCP
 from stub_engine import StubEngine, stub_server
 
 from fsm_pd.api import AppServer, create_app
 from fsm_pd.store.causes import ABORT_BY_NAME, RETRY_ABORT
+
+pytestmark = TCP  # every test here serves or connects on 127.0.0.1 (tests/real_parts.py)
 
 
 def test_health_is_200_and_503_when_the_engine_says_unhealthy():

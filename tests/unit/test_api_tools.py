@@ -8,6 +8,7 @@ import json
 
 import httpx
 import pytest
+from real_parts import TCP
 from stub_engine import stub_server
 
 from fsm_pd.api.chat_template import render_messages
@@ -149,6 +150,7 @@ def chat(url: str, **extra) -> httpx.Response:
     return httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
 
 
+@TCP
 def test_chat_answers_tool_calls(caller):
     choice = chat(caller).json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
@@ -160,6 +162,7 @@ def test_chat_answers_tool_calls(caller):
     assert "tool_calls" not in plain["message"]
 
 
+@TCP
 def test_streamed_chat_sends_a_tool_calls_delta(caller):
     with httpx.stream("POST", caller + "/v1/chat/completions", timeout=30, json={
             "messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER], "stream": True}) as r:

@@ -7,6 +7,7 @@ import textwrap
 
 import pytest
 from fake_backend import FakeTransferBackend
+from real_parts import TCP
 
 from fsm_pd.transport.backends import (
     ENTRY_POINT_GROUP,
@@ -63,6 +64,7 @@ def test_duplicate_registration_needs_replace():
         unregister_backend("test-dup")
 
 
+@TCP
 def test_shadowing_a_builtin_and_unregistering_restores_it():
     from fsm_pd.transport.backends.tcp_backend import TcpTransferBackend
 

@@ -13,6 +13,7 @@ import logging
 import threading
 
 import pytest
+from node_sockets import node_sockets
 from test_serving_colocated import PAGE_SIZE, PAGES, ids_of, request, run, until
 
 from fsm_pd.machines import KVPoll
@@ -22,6 +23,10 @@ from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.decode_engine import DecodeEngine
 from fsm_pd.serving.prefill_engine import PrefillEngine
 from fsm_pd.serving.types import Bootstrap, EngineError, RequestStream
+
+# two computations of the model compared (logits, greedy tokens): float32 products at full precision on a TPU
+# too (tests/on_chip.py)
+pytestmark = pytest.mark.usefixtures("full_precision")
 
 BAD_TOKEN = 2**40  # does not fit the int32 token array of a batched prefill
 
@@ -116,9 +121,9 @@ def test_decode_step_with_a_bad_request(model, caplog):
 def test_prefill_node_batch_with_a_bad_request(model, tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="fsm_pd.serving.isolate")
     p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp_path / "p.db"),
-                      max_prefill_batch=8)
+                      max_prefill_batch=8, **node_sockets(tmp_path, "p", bootstrap=True))
     d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", secret=p.secret,
-                     journal=str(tmp_path / "d.db"))
+                     journal=str(tmp_path / "d.db"), **node_sockets(tmp_path, "d"))
     host, port = p.bootstrap_host_port
     rooms = iter(range(100, 1000))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from real_parts import TCP
 
 from fsm_pd.bootstrap import (
     BootstrapError,
@@ -35,6 +36,7 @@ def test_only_the_registered_instance_removes_its_rank():
     assert registry.lookup(0, 0, 0, 0)["instance"] == "c" * 16
 
 
+@TCP
 def test_deregister_over_http_with_the_token():
     with BootstrapServer(port=0, token="t0ken") as server:
         register_prefill_rank(server.url, rank("a" * 16).to_json(), token="t0ken")
@@ -53,6 +55,7 @@ def test_deregister_over_http_with_the_token():
         assert bad.status_code == 400
 
 
+@TCP
 def test_deregister_from_a_server_that_is_gone_raises():
     server = BootstrapServer(port=0).start()
     url = server.url

@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from node_sockets import node_sockets
 from test_chunked_prefill import CHUNK
 from test_chunked_prefill import model as model  # noqa: F401 - the fixture: the tiny model with sharp attention
 from test_serving_colocated import PAGE_SIZE, PAGES, ids_of, request, run, until
@@ -23,6 +24,10 @@ from fsm_pd.serving.prefill_engine import PrefillEngine
 from fsm_pd.store import read_journal, replay
 from fsm_pd.transport.backends.base import TransferFailed
 
+# two computations of the model compared (logits, greedy tokens): float32 products at full precision on a TPU
+# too (tests/on_chip.py)
+pytestmark = pytest.mark.usefixtures("full_precision")
+
 CHUNKS = 6  # chunks of the long prompt: pieces of CHUNK / PAGE_SIZE pages, each published once computed
 
 
@@ -34,9 +39,10 @@ def long_prompt(tokenizer, n: int = CHUNKS * CHUNK - 5) -> list[int]:
 
 def pd_pair(model, tmp_path, *, on_transfer_failure="fail"):
     p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp_path / "p.db"),
-                      chunked_prefill_size=CHUNK, radix_cache=False)
+                      chunked_prefill_size=CHUNK, radix_cache=False, **node_sockets(tmp_path, "p", bootstrap=True))
     d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", secret=p.secret,
-                     journal=str(tmp_path / "d.db"), on_transfer_failure=on_transfer_failure)
+                     journal=str(tmp_path / "d.db"), on_transfer_failure=on_transfer_failure,
+                     **node_sockets(tmp_path, "d"))
     return p, d
 
 

@@ -9,6 +9,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from node_sockets import node_sockets
 from test_serving_colocated import PAGE_SIZE, PAGES, ids_of, request, run, until
 from test_serving_pd import pd_request, through_pd
 
@@ -19,6 +20,10 @@ from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.decode_engine import DecodeEngine
 from fsm_pd.serving.prefill_engine import PrefillEngine
 from fsm_pd.serving.types import RequestStream
+
+# two computations of the model compared (logits, greedy tokens): float32 products at full precision on a TPU
+# too (tests/on_chip.py)
+pytestmark = pytest.mark.usefixtures("full_precision")
 
 CHUNK = 32  # tokens a step prefills: the prompts below take 2 to 8 steps
 
@@ -61,9 +66,9 @@ def test_colocated_chunks_answer_as_a_whole_prefill_with_the_same_prompt_logprob
 def test_pd_prefill_node_chunks_answer_as_colocated(model, tmp_path):
     colocated = ColocatedEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, radix_cache=False)
     p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp_path / "p.db"),
-                      chunked_prefill_size=CHUNK)
+                      chunked_prefill_size=CHUNK, **node_sockets(tmp_path, "p", bootstrap=True))
     d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", secret=p.secret,
-                     journal=str(tmp_path / "d.db"))
+                     journal=str(tmp_path / "d.db"), **node_sockets(tmp_path, "d"))
     try:
         for i, x in enumerate(prompts(model.tokenizer)):
             want = ids_of(run(generate(colocated, request(f"w{i}", x, max_new_tokens=6, ignore_eos=True))))

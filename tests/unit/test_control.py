@@ -1,7 +1,7 @@
 """The control plane in one process: facades, aborts in both directions, early messages, heartbeat, metrics.
 
-Two KVManagers talk over the real side channel on 127.0.0.1 and the in-process ``fake`` data plane; the journals
-are real SQLite files.
+Two KVManagers talk over the real side channel on 127.0.0.1 (unix sockets on a host without TCP:
+``node_sockets.py``) and the in-process ``fake`` data plane; the journals are real SQLite files.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from node_sockets import node_sockets
 from pool_admission import pool_admission
 from prometheus_client import generate_latest
 
@@ -39,11 +40,13 @@ def pair(tmp_path):
         secret = generate_secret()
         p = KVManager(role="prefill", node_id="p0", layout=LAYOUT, journal=str(tmp_path / "p.db"), secret=secret,
                       backend="fake", pool=pool(1), deadlines={k: v for k, v in deadlines.items()
-                                                               if k in ("bootstrap", "waiting", "pull_hold")})
+                                                               if k in ("bootstrap", "waiting", "pull_hold")},
+                      **node_sockets(tmp_path, "p"))
         d = KVManager(role="decode", node_id="d0", layout=LAYOUT, journal=str(tmp_path / "d.db"), secret=secret,
                       backend="fake", pool=pool(0),
                       admission=decode_admission or pool_admission(LAYOUT.num_pages),
-                      deadlines={k: v for k, v in deadlines.items() if k in ("bootstrap", "waiting", "transfer")})
+                      deadlines={k: v for k, v in deadlines.items() if k in ("bootstrap", "waiting", "transfer")},
+                      **node_sockets(tmp_path, "d"))
         made.extend([p, d])
         return p, d
 

@@ -20,6 +20,10 @@ from fsm_pd.model.loader import load_model
 from fsm_pd.model.programs import ForwardPrograms
 from fsm_pd.model.sampling import SamplingParams
 
+# two computations of the model compared (logits, greedy tokens): float32 products at full precision on a TPU
+# too (tests/on_chip.py)
+pytestmark = pytest.mark.usefixtures("full_precision")
+
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]  # 3 rows: a batch bucket of 4, one padding
 PAGES = [[1, 2], [3, 4], [5, 6]]
 
@@ -97,9 +101,10 @@ def test_a_sampler_batch_pads_up_to_a_prepared_bucket(monkeypatch):
     assert list(sampling.sample(logits, params, [1, 2, 3], [0, 0, 0])) == list(own)
 
 
+@pytest.mark.usefixtures("cpu_default")  # the CPU's own scatter: on a TPU host too, on the CPU
 def test_a_scatter_runs_layer_by_layer_until_its_whole_program_is_compiled():
     layout = KVLayout(num_layers=4, num_pages=64, page_size=16, kv_heads=2, head_dim=8)
-    device = jax.devices()[0]
+    device = jax.devices("cpu")[0]
     fresh = lambda: tuple(jax.device_put(jnp.zeros(layout.layer_shape, jnp.float32), device) for _ in range(4))
     staging = np.random.default_rng(1).random(layout.staging_shape(8), dtype=np.float32)
     rows = np.zeros(8, np.int32)

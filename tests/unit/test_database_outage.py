@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 
 import pytest
+from node_sockets import node_sockets
 from test_serving_colocated import PAGE_SIZE, PAGES, request
 
 from fsm_pd.model.loader import load_model
@@ -21,7 +22,7 @@ GONE = "journal postgresql://fsm:***@db:5432/journal read failed: connection ref
 @pytest.fixture
 def prefill(tmp_path):
     engine = PrefillEngine(load_model("tiny"), num_pages=PAGES, page_size=PAGE_SIZE, backend="fake",
-                           journal=str(tmp_path / "p.db"))
+                           journal=str(tmp_path / "p.db"), **node_sockets(tmp_path, "p", bootstrap=True))
     yield engine
     engine.close()
 

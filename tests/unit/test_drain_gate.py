@@ -10,9 +10,12 @@ import threading
 import time
 
 import httpx
+from real_parts import TCP
 from stub_engine import StubEngine
 
 from fsm_pd.api import AppServer, create_app
+
+pytestmark = TCP  # every test here serves or connects on 127.0.0.1 (tests/real_parts.py)
 
 BODY = {"text": "hi", "sampling_params": {"max_new_tokens": 8}}
 

@@ -1,7 +1,7 @@
 """SGLang's timing fields in the engines' outputs (``meta_info`` on /generate): the prefill and decode engines give
 each room's phases exactly as their journals time them, and ``queue_time``; a colocated engine gives ``queue_time``.
-A prefill and a decode engine in one process (real side channel and bootstrap server on 127.0.0.1, ``fake`` data
-plane, real SQLite journals)."""
+A prefill and a decode engine in one process (real side channel and bootstrap server on 127.0.0.1, or unix sockets
+on a host without TCP: ``node_sockets.py``; ``fake`` data plane, real SQLite journals)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 
 import pytest
+from node_sockets import node_sockets
 from test_serving_colocated import PAGE_SIZE, PAGES, request, run
 from test_transfer_metrics import phase_seconds_from_journal
 
@@ -28,9 +29,10 @@ def model():
 
 
 def test_pd_outputs_carry_each_sides_journaled_phases_and_queue_time(model, tmp_path):
-    p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp_path / "p.db"))
+    p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp_path / "p.db"),
+                      **node_sockets(tmp_path, "p", bootstrap=True))
     d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", secret=p.secret,
-                     journal=str(tmp_path / "d.db"))
+                     journal=str(tmp_path / "d.db"), **node_sockets(tmp_path, "d"))
     try:
         host, port = p.bootstrap_host_port
         req = dataclasses.replace(request("t1", model.tokenizer.encode("time me"), max_new_tokens=3),

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import socket
 
+from real_parts import TCP
+
 from fsm_pd import launch
+
+pytestmark = TCP  # a free port is one a TCP socket can bind on 127.0.0.1 (tests/real_parts.py)
 
 
 def test_ports_are_below_the_ephemeral_range_and_never_handed_out_twice():

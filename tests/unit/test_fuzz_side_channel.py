@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import zmq
+from node_sockets import node_sockets
 from pool_admission import pool_admission
 
 from fsm_pd.control import KVManager
@@ -117,9 +118,10 @@ def garbage(rng: random.Random, stamp, secret: bytes) -> list[bytes | list[bytes
 def pair(tmp_path):
     secret = generate_secret()
     p = KVManager(role="prefill", node_id="p0", layout=LAYOUT, journal=str(tmp_path / "p.db"), secret=secret,
-                  backend="fake", pool=pool(1))
+                  backend="fake", pool=pool(1), **node_sockets(tmp_path, "p"))
     d = KVManager(role="decode", node_id="d0", layout=LAYOUT, journal=str(tmp_path / "d.db"), secret=secret,
-                  backend="fake", pool=pool(2), admission=pool_admission(LAYOUT.num_pages))
+                  backend="fake", pool=pool(2), admission=pool_admission(LAYOUT.num_pages),
+                  **node_sockets(tmp_path, "d"))
     yield p, d, secret
     p.close()
     d.close()

@@ -2,7 +2,9 @@
 
 "pallas" runs here in Pallas's TPU interpret mode (HBM, DMAs and DMA semaphores simulated on the CPU, with DMAs
 executed only when waited on), so a kernel that forgets a wait or mixes up offsets fails these tests. "cpu" is the
-block-copy path that "auto" picks for a pool on one CPU device (recycled host blocks, a donated update loop).
+block-copy path that "auto" picks for a pool on one CPU device (recycled host blocks, a donated update loop): its
+tests run with the CPU as jax's default device (``cpu_default``), so that on a TPU host too their pools are on the
+CPU, while "jnp" and "pallas" run on the chip there.
 """
 
 from __future__ import annotations
@@ -55,6 +57,14 @@ def reference_scatter(pool: list[np.ndarray], staging: np.ndarray, ids: list[int
 
 def to_device(pool: list[np.ndarray]) -> tuple[jax.Array, ...]:
     return tuple(jnp.asarray(layer) for layer in pool)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_impl_on_the_cpu(request):
+    """A test run with impl="cpu" gets the CPU as jax's default device (``cpu_default``); the others keep theirs."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("impl") == "cpu":
+        request.getfixturevalue("cpu_default")
 
 
 @st.composite
@@ -169,9 +179,10 @@ def test_new_lengths_within_a_bucket_do_not_recompile(impl):
     assert tuple(a - b for a, b in zip(compiled(impl), before, strict=True)) == (2 * gathers, 2)
 
 
+@pytest.mark.usefixtures("cpu_default")
 def test_auto_is_cpu_for_a_single_device_cpu_pool_and_unknown_names_are_rejected():
     pool = to_device(numbered_pool(1, 3))
-    assert jax.default_backend() == "cpu"
+    assert pool[0].devices() == {jax.devices("cpu")[0]}
     assert resolve_impl(pool, "auto") == "cpu"
     assert resolve_impl(pool, "jnp") == "jnp"
     assert resolve_impl(pool, "pallas") == "pallas"
@@ -179,6 +190,7 @@ def test_auto_is_cpu_for_a_single_device_cpu_pool_and_unknown_names_are_rejected
         resolve_impl(pool, "triton")
 
 
+@pytest.mark.usefixtures("cpu_default")
 def test_cpu_gather_pads_with_page_0_and_returns_an_aliased_aligned_array():
     pool = numbered_pool(2, 9)
     staging = gather_pages(to_device(pool), [3, 4, 5, 7, 1], impl="cpu")  # runs [3..5], [7], [1]; 8 rows
@@ -189,6 +201,7 @@ def test_cpu_gather_pads_with_page_0_and_returns_an_aliased_aligned_array():
     assert staging.unsafe_buffer_pointer() % host_blocks.ALIGNMENT == 0
 
 
+@pytest.mark.usefixtures("cpu_default")
 def test_cpu_gather_recycles_blocks_only_once_nothing_refers_to_them():
     """A live staging array (or a NumPy view of one, as a transfer backend keeps while sending) is never written by
     a later gather; once dropped, its warm block is reused."""
@@ -211,6 +224,7 @@ def test_cpu_gather_recycles_blocks_only_once_nothing_refers_to_them():
     np.testing.assert_array_equal(np.asarray(third)[:, :32], reference_gather(numbered_pool(2, 40), list(range(5, 37))))
 
 
+@pytest.mark.usefixtures("cpu_default")
 def test_cpu_scatter_loop_stops_at_the_page_count():
     """The loop bound is the real page count, so rows past it (however many the bucket has) are never read."""
     pool = numbered_pool(1, 6)
@@ -224,6 +238,7 @@ def test_cpu_scatter_loop_stops_at_the_page_count():
     np.testing.assert_array_equal(np.asarray(updated[0]), expected)
 
 
+@pytest.mark.usefixtures("cpu_default")
 @jit_settings
 @given(case=pages_case())
 def test_gather_pages_into_fills_layers_in_order_and_matches_the_reference(case):
@@ -244,6 +259,7 @@ def test_gather_pages_into_fills_layers_in_order_and_matches_the_reference(case)
     np.testing.assert_array_equal(out[:, len(ids) :], np.broadcast_to(np.stack(pool)[:, :1], out[:, len(ids) :].shape))
 
 
+@pytest.mark.usefixtures("cpu_default")
 def test_gather_pages_into_rejects_a_wrong_buffer_before_writing():
     pool = to_device(numbered_pool(2, 9))
     with pytest.raises(ValueError, match="expected float32"):

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import SingleDeviceSharding
 
 from fsm_pd.kernels import HostPoolExhausted, HostStagingPool, KVLayout, copy_to_host, host_memory_kind
 from fsm_pd.kernels.host_staging import _row_writer
@@ -140,8 +141,9 @@ def test_misuse_of_slots_is_rejected():
         HostStagingPool(LAYOUT, num_slots=0, max_pages=1)
 
 
+@pytest.mark.usefixtures("cpu_default")  # the in-place write is the CPU backend's (unverified on a TPU's host memory)
 def test_copy_to_host_writes_rows_in_place_and_keeps_the_rest():
-    pool = HostStagingPool(LAYOUT, num_slots=1, max_pages=8)
+    pool = HostStagingPool(LAYOUT, num_slots=1, max_pages=8, sharding=SingleDeviceSharding(jax.devices("cpu")[0]))
     with pool.slot(timeout=0) as slot:
         copy_to_host(staging(8, value=100.0), slot)
         first, address = slot.buffer, slot.buffer.unsafe_buffer_pointer()

@@ -21,6 +21,10 @@ from fsm_pd.kernels.kv_checksum import SendSums, pool_checksums
 from fsm_pd.kernels.page_source import PoolPages
 from fsm_pd.model.model_thread import ModelThread
 
+# what only a CPU does (checksums read from host memory, zero-copy views of the pool): the CPU is jax's default
+# device here, on a TPU host too (tests/on_chip.py)
+pytestmark = pytest.mark.usefixtures("cpu_default")
+
 
 def layout(tp: int = 1, heads: int = 4) -> KVLayout:
     return KVLayout(num_layers=4, num_pages=12, page_size=4, kv_heads=heads, head_dim=8,

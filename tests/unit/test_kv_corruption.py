@@ -20,6 +20,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from node_sockets import node_sockets
+from on_chip import engines_on_cpu
 from test_serving_colocated import PAGE_SIZE, PAGES, ids_of, run
 from test_serving_pd import assert_idle, pd_request
 from test_transfer_recompute import both, final_rows
@@ -31,6 +33,9 @@ from fsm_pd.serving.prefill_engine import PrefillEngine
 from fsm_pd.store import read_journal
 from fsm_pd.store.replay import CHECKSUM_EXPLAINED, replay
 from fsm_pd.transport.reshard import plan_between
+
+# A node sums its KV (kernels/kv_checksum.py) only where its pool is on the CPU: on a TPU host these tests skip.
+pytestmark = engines_on_cpu("the KV checksum is taken")
 
 PROMPTS = [[(5 * i + j) % 200 + 1 for j in range(n)] for i, n in enumerate((9, 21, 30))]
 
@@ -89,9 +94,9 @@ def pair(request, model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"corrupt-{request.param}")
     # no prefix cache on P: a page overwritten in case (c) must not be served again from the cache
     p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="tcp", journal=str(tmp / "p.db"),
-                      radix_cache=False)
+                      radix_cache=False, **node_sockets(tmp, "p", bootstrap=True))
     d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="tcp", secret=p.secret,
-                     journal=str(tmp / "d.db"), kv_checksum=request.param == "on")
+                     journal=str(tmp / "d.db"), kv_checksum=request.param == "on", **node_sockets(tmp, "d"))
     p.manager.effects.kv = Look(p.manager.effects.kv, p.manager.effects.layout, p.manager.model)
     d.manager.effects.kv = Look(d.manager.effects.kv, d.manager.effects.layout, d.manager.model)
     yield request.param, p, d

@@ -4,6 +4,8 @@ room naming the chunk piece, and D's recompute serves the undisturbed greedy tok
 
 from __future__ import annotations
 
+from node_sockets import node_sockets
+from on_chip import engines_on_cpu
 from test_chunk_transfers import long_prompt
 from test_chunked_prefill import CHUNK
 from test_chunked_prefill import model as model  # noqa: F401 - the fixture: the tiny model with sharp attention
@@ -16,12 +18,15 @@ from fsm_pd.serving.decode_engine import DecodeEngine
 from fsm_pd.serving.prefill_engine import PrefillEngine
 from fsm_pd.store import read_journal
 
+# A node sums its KV (kernels/kv_checksum.py) only where its pool is on the CPU: on a TPU host these tests skip.
+pytestmark = engines_on_cpu("the KV checksum is taken")
+
 
 def test_a_byte_flipped_in_a_chunk_piece_is_caught(model, tmp_path):  # noqa: F811 - the fixture
     p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="tcp", journal=str(tmp_path / "p.db"),
-                      chunked_prefill_size=CHUNK, radix_cache=False)
+                      chunked_prefill_size=CHUNK, radix_cache=False, **node_sockets(tmp_path, "p", bootstrap=True))
     d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="tcp", secret=p.secret,
-                     journal=str(tmp_path / "d.db"))
+                     journal=str(tmp_path / "d.db"), **node_sockets(tmp_path, "d"))
     try:
         prompt = long_prompt(model.tokenizer)
         clean_req = pd_request(p, "chunked-clean", prompt, max_new_tokens=6)

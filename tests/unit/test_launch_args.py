@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from real_parts import TCP
+
 from fsm_pd.launch import check_commands, chip_holder, exit_cause, plan
 from fsm_pd.serve_flags import resolve_dtype
 
@@ -16,6 +18,7 @@ def children(extra=(), router_extra=(), prefill_extra=(), decode_extra=()):
                 router_extra=list(router_extra), prefill_extra=prefill_extra, decode_extra=decode_extra)
 
 
+@TCP  # the nodes' checks find their ports free on 127.0.0.1
 def test_passed_flags_reach_every_node_and_the_router_alone():
     procs = children(["--token-idle-timeout-secs=60"], ["--pd-policy=auto"])
     nodes, router = procs[:-1], procs[-1]
@@ -25,6 +28,7 @@ def test_passed_flags_reach_every_node_and_the_router_alone():
     assert check_commands(procs) is None
 
 
+@TCP  # the nodes' checks find their ports free on 127.0.0.1
 def test_a_flag_of_one_role_goes_to_that_role_alone():
     procs = children(prefill_extra=["--disable-chunk-transfers"], decode_extra=["--on-transfer-failure=fail"])
     by_name = {c.name: c.argv for c in procs}
@@ -38,6 +42,7 @@ def test_a_flag_of_one_role_goes_to_that_role_alone():
     assert refused == "decode-0: fsm-pd serve: error: unrecognized arguments: --disable-chunk-transfers"
 
 
+@TCP  # the nodes' checks find their ports free on 127.0.0.1
 def test_a_flag_a_node_or_the_router_refuses_is_named_before_anything_starts():
     error = check_commands(children(["--token-idle-timeout-secs=soon"]))
     assert error == ("prefill-0: fsm-pd serve: error: argument --token-idle-timeout-secs: must be a number of "
@@ -47,6 +52,7 @@ def test_a_flag_a_node_or_the_router_refuses_is_named_before_anything_starts():
     assert "unrecognized arguments: --no-such-flag" in check_commands(children(["--no-such-flag"]))
 
 
+@TCP  # the nodes' checks find their ports free on 127.0.0.1
 def test_launch_exits_2_with_the_error_and_starts_nothing(tmp_path):
     journals = tmp_path / "cluster"
     result = subprocess.run([sys.executable, "-m", "fsm_pd.cli", "launch", "--journal-dir", str(journals),

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 
 import pytest
+from node_sockets import node_sockets
 from test_serving_colocated import PAGE_SIZE, PAGES, ids_of, request, run
 from test_serving_pd import assert_idle, pd_request, through_pd
 
@@ -18,15 +19,21 @@ from fsm_pd.serving.types import Bootstrap, EngineError
 from fsm_pd.serving.warmup import SHORT_PROMPT_TOKENS, plan_for
 from fsm_pd.store import read_journal
 
+# two computations of the model compared (logits, greedy tokens): float32 products at full precision on a TPU
+# too (tests/on_chip.py)
+pytestmark = pytest.mark.usefixtures("full_precision")
+
 
 def _decode_shapes(shapes) -> set:
     return {shape for shape in shapes if shape[1] == 1}
 
 
-def test_the_ready_sets_cover_a_local_prefill_and_its_decode():
-    engines = {"prefill": PrefillEngine("tiny", num_pages=64, bootstrap_port=None),
-               "both": PrefillEngine("tiny", num_pages=64, bootstrap_port=None, serve_local=True),
-               "decode": DecodeEngine("tiny", num_pages=64)}
+def test_the_ready_sets_cover_a_local_prefill_and_its_decode(tmp_path):
+    engines = {"prefill": PrefillEngine("tiny", num_pages=64, bootstrap_port=None,
+                                        **node_sockets(tmp_path, "p", bootstrap=True)),
+               "both": PrefillEngine("tiny", num_pages=64, bootstrap_port=None, serve_local=True,
+                                     **node_sockets(tmp_path, "b", bootstrap=True)),
+               "decode": DecodeEngine("tiny", num_pages=64, **node_sockets(tmp_path, "d"))}
     try:
         plans = {name: plan_for(engine) for name, engine in engines.items()}
         assert not _decode_shapes(plans["prefill"].forward)  # a prefill node that does not decode compiles no step
@@ -57,9 +64,9 @@ def nodes(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("local_path")
     model = load_model("tiny")
     p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp / "p.db"),
-                      serve_local=True)
+                      serve_local=True, **node_sockets(tmp, "p", bootstrap=True))
     d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", secret=p.secret,
-                     journal=str(tmp / "d.db"))
+                     journal=str(tmp / "d.db"), **node_sockets(tmp, "d"))
     yield p, d, tmp
     d.close()
     p.close()

@@ -15,6 +15,10 @@ from fsm_pd.model.loader import load_model
 from fsm_pd.model.params import random_params
 from fsm_pd.model.tiny import tiny_config
 
+# two computations of the model compared (logits, greedy tokens): float32 products at full precision on a TPU
+# too (tests/on_chip.py)
+pytestmark = pytest.mark.usefixtures("full_precision")
+
 ATOL = 2e-5  # float32 on CPU, same weights: only summation order differs between the two paths
 
 

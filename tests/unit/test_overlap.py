@@ -13,6 +13,10 @@ from fsm_pd.control.overlap import StreamedScatter, layer_group
 from fsm_pd.kernels import KVLayout, page_bucket
 from fsm_pd.model.model_thread import ModelThread
 
+# StreamedScatter writes a CPU pool (a TPU node scatters whole): the CPU is jax's default device here, on a TPU
+# host too (tests/on_chip.py)
+pytestmark = pytest.mark.usefixtures("cpu_default")
+
 LAYOUT = KVLayout(num_layers=4, num_pages=12, page_size=2, kv_heads=2, head_dim=8)
 PAGES = [9, 3, 4]
 

@@ -13,6 +13,7 @@ from functools import partial
 import jax
 import numpy as np
 import pytest
+from real_parts import TCP
 
 from fsm_pd.kernels import KVLayout, gather_pages, page_bucket
 from fsm_pd.kernels.page_source import PoolPages
@@ -21,6 +22,10 @@ from fsm_pd.transport.backends import TransferFailed, create_backend, new_uuid
 from fsm_pd.transport.backends import tcp_wire as wire
 from fsm_pd.transport.backends.spec import array_key, layout_digest
 from fsm_pd.transport.backends.tcp_backend import parse_address
+
+# a send from the pool reads zero-copy views of a CPU pool: the CPU is jax's default device here, on a TPU host
+# too (tests/on_chip.py); and the tcp backend listens on 127.0.0.1
+pytestmark = [pytest.mark.usefixtures("cpu_default"), TCP]
 
 LAYOUT = KVLayout(num_layers=4, num_pages=80, page_size=16, kv_heads=2, head_dim=64)  # 16 KiB pages
 STEP_PAGE = LAYOUT.num_pages - 1  # the page the test's "steps" write: never one that is sent
@@ -166,8 +171,9 @@ def test_a_puller_dying_mid_stream_leaves_no_view_of_the_pool(model):
             create_backend("tcp", serve=False) as consumer:
         pages = list(range(1, 65))
         uuid, _ = publish(model, producer, pages)
-        host, port = parse_address(producer.address)
-        with socket.create_connection((host, port)) as sock:
+        family, address = parse_address(producer.address)
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.connect(address)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
             keys = [array_key(s.shape, s.dtype, None) for s in spec(pages)]
             wire.send_request(sock, {"v": wire.PROTOCOL_VERSION, "uuid": uuid, "digest": layout_digest(keys),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from node_sockets import node_sockets
 from test_serving_colocated import PAGE_SIZE, PAGES, ids_of, request, run, until
 from test_serving_pd import pd_request, through_pd
 
@@ -17,6 +18,10 @@ from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.decode_engine import DecodeEngine
 from fsm_pd.serving.prefill_engine import PrefillEngine
 from fsm_pd.store import read_journal, replay
+
+# two computations of the model compared (logits, greedy tokens): float32 products at full precision on a TPU
+# too (tests/on_chip.py)
+pytestmark = pytest.mark.usefixtures("full_precision")
 
 TURNS = 4
 
@@ -81,9 +86,10 @@ def test_colocated_conversations_answer_the_same_and_later_turns_compute_less(mo
 def test_pd_conversations_answer_like_colocated_with_the_cache_on_the_prefill_node(model, tmp_path):
     chats = conversations(model.tokenizer, 2)
     colocated = ColocatedEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, radix_cache=False)
-    p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp_path / "p.db"))
+    p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp_path / "p.db"),
+                      **node_sockets(tmp_path, "p", bootstrap=True))
     d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", secret=p.secret,
-                     journal=str(tmp_path / "d.db"))
+                     journal=str(tmp_path / "d.db"), **node_sockets(tmp_path, "d"))
     try:
         for c, (system, users) in enumerate(chats):
             want, _ = play(lambda x, c=c: run(generate(colocated, request(f"w{c}-{len(x)}", x, max_new_tokens=6,
@@ -128,9 +134,10 @@ def test_a_decode_cache_has_the_prefill_send_only_what_it_lacks(model, tmp_path)
     holds whole (a page multiple) moves no page at all; the answers are colocated's."""
     chats = conversations(model.tokenizer, 1)
     colocated = ColocatedEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, radix_cache=False)
-    p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp_path / "p.db"))
+    p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp_path / "p.db"),
+                      **node_sockets(tmp_path, "p", bootstrap=True))
     d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", secret=p.secret,
-                     journal=str(tmp_path / "d.db"), radix_cache=True)
+                     journal=str(tmp_path / "d.db"), radix_cache=True, **node_sockets(tmp_path, "d"))
     sent = []
     d.manager.node.observers.append(lambda room, decision, at: sent.append(room.ctx["page_count"])
                                     if decision.trigger == "kv_published" else None)

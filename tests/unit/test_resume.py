@@ -1,7 +1,7 @@
 """A migrated stream, node side: a node given ``fsm_pd_resume`` (the ids a broken stream carried) continues it so
 that what the client has plus what follows equals the undisturbed stream. The tiny model on a colocated engine
-behind the real app (127.0.0.1); the router's own bookkeeping (``router.migrate.Progress``) reads the chunks, and
-the stream is cut after every chunk in turn.
+behind the real app (127.0.0.1, or a unix socket on a host without TCP); the router's own bookkeeping
+(``router.migrate.Progress``) reads the chunks, and the stream is cut after every chunk in turn.
 
 The tiny model's tokenizer is byte-level and its greedy bytes are mostly not UTF-8, which a stream holds back to the
 end; a logit bias keeps it to lowercase letters and spaces, so every token is a chunk. The stop-string case puts a
@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
+from node_sockets import node_sockets
 
+from fsm_pd import unix_http
 from fsm_pd.api import AppServer, create_app
 from fsm_pd.api.streaming import PROGRESS_HEADER
 from fsm_pd.model.loader import load_model
 from fsm_pd.router.migrate import Progress
 from fsm_pd.serving.colocated_engine import ColocatedEngine
+
+# two computations of the model compared (logits, greedy tokens): float32 products at full precision on a TPU
+# too (tests/on_chip.py)
+pytestmark = pytest.mark.usefixtures("full_precision")
 
 TOKENS = 12
 LETTERS = {str(i): 40.0 for i in [32, *range(97, 123)]}  # token id = byte: " ", "a".."z"
@@ -26,17 +31,19 @@ VARIED = {"logit_bias": LETTERS, "frequency_penalty": 2.0}  # greedy, but a lett
 
 
 @pytest.fixture(scope="module")
-def url():
+def url(tmp_path_factory):
+    """The node's base URL: on 127.0.0.1, or on a unix socket where this host has no TCP (``node_sockets``)."""
     model = load_model("tiny")
     engine = ColocatedEngine(model, num_pages=96, page_size=4)
-    with AppServer(create_app(engine, model.tokenizer)) as server:
-        yield server.url
+    sockets = node_sockets(tmp_path_factory.mktemp("node"), "node")
+    with AppServer(create_app(engine, model.tokenizer), **sockets) as server:
+        yield unix_http.http_url(server.url)
     engine.close()
 
 
 def chunks(url: str, path: str, body: dict) -> list[str]:
     """The SSE data lines of one stream, as a migrating router receives them (progress asked for)."""
-    with httpx.Client(timeout=60) as client, client.stream("POST", url + path, json=body,
+    with unix_http.client(timeout=60) as client, client.stream("POST", url + path, json=body,
                                                            headers={PROGRESS_HEADER: "1"}) as r:
         assert r.status_code == 200, r.read()
         return [line for line in r.iter_lines() if line.startswith("data:")]
@@ -121,9 +128,10 @@ def test_a_stop_string_across_the_cut_still_stops(url):
 
 def test_a_resume_with_nothing_left_or_for_several_choices_is_a_400(url):
     path, body = CASES["completions"]
-    r = httpx.post(url + path, json={**body, "max_tokens": 2, "fsm_pd_resume": {"output_ids": [65, 66]}}, timeout=30)
+    r = unix_http.request("POST", url + path, json={**body, "max_tokens": 2, "fsm_pd_resume": {"output_ids": [65, 66]}},
+                          timeout=30)
     assert r.status_code == 400 and "nothing is left" in r.json()["error"]["message"]
-    r = httpx.post(url + path, json={**body, "n": 2, "fsm_pd_resume": {"output_ids": [65]}}, timeout=30)
+    r = unix_http.request("POST", url + path, json={**body, "n": 2, "fsm_pd_resume": {"output_ids": [65]}}, timeout=30)
     assert r.status_code == 400 and "n = 1" in r.json()["error"]["message"]
-    r = httpx.post(url + path, json={**body, "fsm_pd_resume": {"output_ids": [-1]}}, timeout=30)
+    r = unix_http.request("POST", url + path, json={**body, "fsm_pd_resume": {"output_ids": [-1]}}, timeout=30)
     assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]

@@ -8,6 +8,7 @@ import asyncio
 import re
 
 import pytest
+from node_sockets import node_sockets
 from prometheus_client import generate_latest
 from test_batch_isolation import gate
 from test_serving_colocated import PAGE_SIZE, PAGES, ids_of, request, run, until
@@ -21,6 +22,10 @@ from fsm_pd.serving.decode_engine import DecodeEngine
 from fsm_pd.serving.prefill_engine import PrefillEngine
 from fsm_pd.serving.retraction import pick_retractions
 from fsm_pd.serving.types import EngineError, RequestStream
+
+# two computations of the model compared (logits, greedy tokens): float32 products at full precision on a TPU
+# too (tests/on_chip.py)
+pytestmark = pytest.mark.usefixtures("full_precision")
 
 NEW_TOKENS = 40
 PROMPTS = [[(7 * i + j) % 200 + 1 for j in range(5 + i % 4)] for i in range(8)]  # 5 to 8 tokens: 2 pages each
@@ -182,9 +187,10 @@ def test_flush_cache_is_refused_while_a_request_is_live_and_done_when_idle(model
 @pytest.fixture
 def small_pd(model, tmp_path):
     """A prefill pool for 2 prompts at a time and a decode pool for about 3 growing sequences."""
-    p = PrefillEngine(model, num_pages=5, page_size=PAGE_SIZE, backend="fake", journal=str(tmp_path / "p.db"))
+    p = PrefillEngine(model, num_pages=5, page_size=PAGE_SIZE, backend="fake", journal=str(tmp_path / "p.db"),
+                      **node_sockets(tmp_path, "p", bootstrap=True))
     d = DecodeEngine(model, num_pages=SMALL, page_size=PAGE_SIZE, backend="fake", secret=p.secret,
-                     journal=str(tmp_path / "d.db"))
+                     journal=str(tmp_path / "d.db"), **node_sockets(tmp_path, "d"))
     yield p, d
     d.close()
     p.close()
@@ -194,9 +200,10 @@ def test_pd_under_pressure_completes_every_request_with_unpressured_output(model
     # a prefill pool for all 8 prompts, held until every room waits for input: one prefill batch hands all 8 to the
     # decode node at once. (Prefilling 2 at a time, a slow prefill on a loaded machine let the decode node finish
     # each pair before the next came, and no pressure built up.)
-    p = PrefillEngine(model, num_pages=17, page_size=PAGE_SIZE, backend="fake", journal=str(tmp_path / "p.db"))
+    p = PrefillEngine(model, num_pages=17, page_size=PAGE_SIZE, backend="fake", journal=str(tmp_path / "p.db"),
+                      **node_sockets(tmp_path, "p", bootstrap=True))
     d = DecodeEngine(model, num_pages=SMALL, page_size=PAGE_SIZE, backend="fake", secret=p.secret,
-                     journal=str(tmp_path / "d.db"))
+                     journal=str(tmp_path / "d.db"), **node_sockets(tmp_path, "d"))
 
     async def scenario():
         requests = [pd_request(p, f"pd{i}", pr, max_new_tokens=NEW_TOKENS, ignore_eos=True)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from real_parts import TCP
 
 from fsm_pd.serve_flags import role_parser, split_role
 
@@ -50,26 +51,29 @@ def assert_refused(result: subprocess.CompletedProcess, prog: str, *said: str) -
     (["--role", "colocated", "--num-pages", "0"], "argument --num-pages: must be at least 2, got 0"),
     (["--role", "colocated", "--page-size", "0"], "argument --page-size: must be at least 1, got 0"),
     (["--role", "decode", "--token-idle-timeout-secs", "nan"], "must be above 0 seconds, got nan"),
-    (["--role", "decode", "--journal", "/dev/null/x.db", *SECRET], "--journal /dev/null/x.db: /dev/null is not a "
-                                                                    "directory"),
-    (["--role", "prefill"], "FSM_PD_SIDE_CHANNEL_SECRET is not set"),
+    pytest.param(["--role", "decode", "--journal", "/dev/null/x.db", *SECRET], "--journal /dev/null/x.db: /dev/null "
+                 "is not a directory", marks=TCP),  # checked after the ports: 127.0.0.1 must take them
+    pytest.param(["--role", "prefill"], "FSM_PD_SIDE_CHANNEL_SECRET is not set", marks=TCP),
 ], ids=["negative port", "port above 65535", "no pages", "page size 0", "nan seconds", "journal", "no secret"])
 def test_a_refused_value_ends_serve_in_one_line_before_jax_is_imported(args, said, monkeypatch):
     monkeypatch.delenv("FSM_PD_SIDE_CHANNEL_SECRET", raising=False)
     assert_refused(run(["serve", *args]), "fsm-pd serve", said)
 
 
+@TCP
 def test_the_missing_secret_says_how_to_make_one(monkeypatch):
     monkeypatch.delenv("FSM_PD_SIDE_CHANNEL_SECRET", raising=False)
     assert_refused(run(["serve", "--role", "decode"]), "fsm-pd serve", "secrets.token_hex(32)")
 
 
 @pytest.mark.parametrize("role, flag", [("decode", "--port"), ("prefill", "--bootstrap-port")])
+@TCP
 def test_a_port_already_taken_ends_serve_before_jax_is_imported(taken, role, flag):
     assert_refused(run(["serve", "--role", role, flag, str(taken), *SECRET]), "fsm-pd serve",
                    f"{flag} {taken}: cannot listen on 127.0.0.1:{taken}: another process listens there")
 
 
+@TCP
 def test_the_router_role_given_as_one_word_and_its_taken_port(taken):
     # the router imports the API (and jax with it) to build its parser; it loads no model
     result = run(["serve", "--role=router", "--port", str(taken), "--prefill", "http://127.0.0.1:1",
@@ -79,13 +83,15 @@ def test_the_router_role_given_as_one_word_and_its_taken_port(taken):
 
 @pytest.mark.parametrize("args, said", [
     (["--port", "-1"], "argument --port: must be a TCP port, 0 to 65535, got -1"),
-    (["--decode-arg=--num-pages=0"], "decode-0: fsm-pd serve: error: argument --num-pages: must be at least 2"),
+    pytest.param(["--decode-arg=--num-pages=0"], "decode-0: fsm-pd serve: error: argument --num-pages: must be at "
+                 "least 2", marks=TCP),
 ], ids=["negative port", "a node's flag"])
 def test_a_refused_value_ends_launch_in_one_line_before_anything_starts(args, said, tmp_path):
     assert_refused(run(["launch", "--journal-dir", str(tmp_path / "cluster"), *args]), "fsm-pd launch", said)
     assert not (tmp_path / "cluster").exists()
 
 
+@TCP
 def test_launch_on_a_taken_port_starts_nothing(taken, tmp_path):
     result = run(["launch", "--port", str(taken), "--journal-dir", str(tmp_path / "cluster")])
     assert_refused(result, "fsm-pd launch", f"--port {taken}: cannot listen on 127.0.0.1:{taken}: another process "

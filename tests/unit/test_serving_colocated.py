@@ -19,6 +19,10 @@ from fsm_pd.serving.collect import generate
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.types import EngineError, GenerateRequest, RequestStream
 
+# two computations of the model compared (logits, greedy tokens): float32 products at full precision on a TPU
+# too (tests/on_chip.py)
+pytestmark = pytest.mark.usefixtures("full_precision")
+
 PAGES, PAGE_SIZE = 96, 4  # the same pool shape in every serving test, so jitted programs are reused
 
 

@@ -1,5 +1,6 @@
-"""A prefill engine and a decode engine in one process (real side channel and bootstrap server on 127.0.0.1, the
-in-process ``fake`` data plane): token-for-token the colocated engine's output, aborts on either side, 400s."""
+"""A prefill engine and a decode engine in one process (real side channel and bootstrap server on 127.0.0.1, or unix
+sockets on a host without TCP: ``node_sockets.py``; the in-process ``fake`` data plane): token-for-token the colocated
+engine's output, aborts on either side, 400s."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 import threading
 
 import pytest
+from node_sockets import node_sockets
 from test_serving_colocated import PAGE_SIZE, PAGES, ids_of, request, run, until
 
 from fsm_pd.machines import KVPoll
@@ -18,6 +20,10 @@ from fsm_pd.serving.decode_engine import DecodeEngine
 from fsm_pd.serving.prefill_engine import PrefillEngine
 from fsm_pd.serving.types import Bootstrap, EngineError, RequestStream
 
+# two computations of the model compared (logits, greedy tokens): float32 products at full precision on a TPU
+# too (tests/on_chip.py)
+pytestmark = pytest.mark.usefixtures("full_precision")
+
 
 @pytest.fixture(scope="module")
 def model():
@@ -27,10 +33,10 @@ def model():
 @pytest.fixture(scope="module")
 def pd(model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pd")
-    p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp / "p.db"))
-    d = DecodeEngine(
-        model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", secret=p.secret, journal=str(tmp / "d.db")
-    )
+    p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp / "p.db"),
+                      **node_sockets(tmp, "p", bootstrap=True))
+    d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", secret=p.secret,
+                     journal=str(tmp / "d.db"), **node_sockets(tmp, "d"))
     yield p, d
     d.close()
     p.close()

@@ -9,6 +9,7 @@ import dataclasses
 import random
 
 import pytest
+from node_sockets import node_sockets
 from test_serving_colocated import PAGE_SIZE, PAGES, request, run
 from test_serving_pd import pd_request, through_pd
 
@@ -230,7 +231,7 @@ def test_a_decode_node_prefills_a_request_sent_whole_in_cut_chunks_between_its_d
     step budget: a stream sent whole decodes while a 250-token prompt sent whole joins it."""
     clock = ScriptedClock(0.030)
     engine = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp_path / "d.db"),
-                          clock=clock)
+                          clock=clock, **node_sockets(tmp_path, "d"))
     engine.recompute.max_tokens = engine.budget.token_budget = 128  # the scene's token budget, as above
     steps = []
 
@@ -269,9 +270,10 @@ def test_a_prefill_node_serving_requests_whole_cuts_its_pd_chunks_while_they_dec
     prefill node keeps its token budget (the bound is off)."""
     clock = ScriptedClock(0.030)
     p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp_path / "p.db"),
-                      chunked_prefill_size=128, serve_local=True, clock=clock)
+                      chunked_prefill_size=128, serve_local=True, clock=clock,
+                      **node_sockets(tmp_path, "p", bootstrap=True))
     d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", secret=p.secret,
-                     journal=str(tmp_path / "d.db"))
+                     journal=str(tmp_path / "d.db"), **node_sockets(tmp_path, "d"))
     p.recompute.max_tokens = 128
     steps = []
 
@@ -308,8 +310,9 @@ def test_a_prefill_node_serving_requests_whole_cuts_its_pd_chunks_while_they_dec
     assert seen == sorted(set(seen)), seen
 
 
-def test_a_prefill_node_that_serves_no_request_whole_keeps_its_token_budget(model):
-    p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, bootstrap_port=None, chunked_prefill_size=128)
+def test_a_prefill_node_that_serves_no_request_whole_keeps_its_token_budget(model, tmp_path):
+    p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, bootstrap_port=None, chunked_prefill_size=128,
+                      **node_sockets(tmp_path, "p", bootstrap=True))
     try:
         assert not p.budget.enabled and p.budget.tokens(decoding=True) == 128
     finally:

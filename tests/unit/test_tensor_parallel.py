@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from real_parts import TCP
 
 from fsm_pd.kernels.layout import PAD_HEAD, KVLayout, kv_slot_heads
 from fsm_pd.model.tensor_parallel import query_slot_heads
@@ -61,6 +62,7 @@ def test_a_layout_with_tp_counts_its_slots():
         KVLayout(num_layers=2, num_pages=4, page_size=8, kv_heads=3, head_dim=16, tp=2)
 
 
+@TCP
 def test_a_tp_prefill_node_registers_one_entry_per_rank():
     """SGLang's prefill ranks each PUT /route with their attn_tp_rank; the server answers the -1 layout query only once
     every rank of attn_tp_size registered, which SGLang's decode relies on. A drain takes every rank out."""
@@ -93,6 +95,7 @@ def test_serve_asks_jax_for_enough_host_devices():
     assert empty == {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
 
 
+@TCP
 def test_launch_passes_each_role_its_tp(tmp_path):
     from fsm_pd.launch import plan
 

@@ -20,6 +20,10 @@ from fsm_pd.serving.collect import generate
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.types import EngineError, RequestStream
 
+# two computations of the model compared (logits, greedy tokens): float32 products at full precision on a TPU
+# too (tests/on_chip.py)
+pytestmark = pytest.mark.usefixtures("full_precision")
+
 ATOL = 2e-5  # float32 on CPU, same weights: only summation order differs from the reference
 
 

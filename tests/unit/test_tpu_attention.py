@@ -23,6 +23,10 @@ from fsm_pd.model.decode_attention import default_pages_per_block
 from fsm_pd.model.params import random_params
 from fsm_pd.model.tiny import tiny_config
 
+# two computations of the model compared (logits, greedy tokens): float32 products at full precision on a TPU
+# too (tests/on_chip.py)
+pytestmark = pytest.mark.usefixtures("full_precision")
+
 ON_TPU = jax.default_backend() == "tpu"
 KERNELS = "tpu" if ON_TPU else "interpret"
 PAGE_SIZE = 16

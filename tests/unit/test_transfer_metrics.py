@@ -1,6 +1,6 @@
 """Transfer phase histograms, outcome counters by reason class, and the failed-room log line, on two real
-KVManagers in one process (real side channel on 127.0.0.1, ``fake`` data plane, real SQLite journals), and the
-reason classes of every failure the simulation produces."""
+KVManagers in one process (real side channel on 127.0.0.1 or, without TCP, unix sockets; ``fake`` data plane, real
+SQLite journals), and the reason classes of every failure the simulation produces."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import shlex
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from node_sockets import node_sockets
 from pool_admission import pool_admission
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -45,10 +46,11 @@ def pair(tmp_path):
         secret = generate_secret()
         pool = tuple(jnp.asarray(np.ones(LAYOUT.layer_shape, np.float32)) for _ in range(LAYOUT.num_layers))
         p = KVManager(role="prefill", node_id="p0", layout=LAYOUT, journal=str(tmp_path / "p.db"), secret=secret,
-                      backend="fake", pool=pool, deadlines={"bootstrap": deadlines.get("bootstrap", 30.0)})
+                      backend="fake", pool=pool, deadlines={"bootstrap": deadlines.get("bootstrap", 30.0)},
+                      **node_sockets(tmp_path, "p"))
         d = KVManager(role="decode", node_id="d0", layout=LAYOUT, journal=str(tmp_path / "d.db"), secret=secret,
                       backend="fake", pool=tuple(jnp.zeros_like(x) for x in pool),
-                      admission=pool_admission(LAYOUT.num_pages))
+                      admission=pool_admission(LAYOUT.num_pages), **node_sockets(tmp_path, "d"))
         made.extend([p, d])
         return p, d
 

@@ -1,7 +1,7 @@
 """``--on-transfer-failure``: a decode node whose KV transfer fails after it reserved the pages prefills the prompt
 itself and decodes on (``recompute``), or fails the request (``fail``). A prefill and a decode engine in one process
-(real side channel and bootstrap server on 127.0.0.1, the ``fake`` data plane); the failure is a fault injected into
-the decode node's pull or scatter."""
+(real side channel and bootstrap server on 127.0.0.1, or unix sockets on a host without TCP: ``node_sockets.py``; the
+``fake`` data plane); the failure is a fault injected into the decode node's pull or scatter."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import asyncio
 import time
 
 import pytest
+from node_sockets import node_sockets
 from test_serving_colocated import PAGE_SIZE, PAGES, ids_of, run
 from test_serving_pd import assert_idle, pd_request
 
@@ -20,6 +21,10 @@ from fsm_pd.serving.prefill_engine import PrefillEngine
 from fsm_pd.serving.types import EngineError
 from fsm_pd.store import read_journal
 
+# two computations of the model compared (logits, greedy tokens): float32 products at full precision on a TPU
+# too (tests/on_chip.py)
+pytestmark = pytest.mark.usefixtures("full_precision")
+
 PROMPTS = [[(7 * i + j) % 200 + 1 for j in range(n)] for i, n in enumerate((3, 9, 17, 30))]
 
 
@@ -29,9 +34,10 @@ def model():
 
 
 def make_pair(model, tmp, policy):
-    p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp / "p.db"))
+    p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp / "p.db"),
+                      **node_sockets(tmp, "p", bootstrap=True))
     d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", secret=p.secret,
-                     journal=str(tmp / "d.db"), on_transfer_failure=policy)
+                     journal=str(tmp / "d.db"), on_transfer_failure=policy, **node_sockets(tmp, "d"))
     return p, d
 
 

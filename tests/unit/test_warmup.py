@@ -23,6 +23,10 @@ from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.types import GenerateRequest, RequestStream
 from fsm_pd.serving.warmup import SHORT_PROMPT_TOKENS, compile_rest, plan_for, warm_up
 
+# two computations of the model compared (logits, greedy tokens): float32 products at full precision on a TPU
+# too (tests/on_chip.py)
+pytestmark = pytest.mark.usefixtures("full_precision")
+
 MAX_BATCH, MAX_TOKENS, PAGE_SIZE, PAGES = 8, 512, 16, 64
 
 

@@ -9,6 +9,7 @@ import contextlib
 import jax.numpy as jnp
 import pytest
 import zmq
+from node_sockets import node_sockets
 
 from fsm_pd.transport.backends import zmq_wire as wire
 from fsm_pd.transport.backends.host_stream import HostEntry
@@ -19,9 +20,9 @@ REPLY_TIMEOUT_MS = 10_000  # a hang, not a slow answer: every reply here is imme
 
 
 @pytest.fixture
-def server():
+def server(tmp_path):
     published: dict[int, HostEntry] = {}
-    srv = ZmqPullServer(lambda uuid: (published.get(uuid), None))
+    srv = ZmqPullServer(lambda uuid: (published.get(uuid), None), **node_sockets(tmp_path, "pull"))
     try:
         yield srv, published
     finally:
