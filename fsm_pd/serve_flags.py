@@ -34,12 +34,13 @@ SKIP_WARMUP_ENV = "FSM_PD_SKIP_SERVER_WARMUP"  # the default of --skip-server-wa
 DTYPES = ("auto", "float32", "bfloat16")
 
 
-def accelerator_host() -> bool:
-    """Whether this host has a TPU runtime (libtpu) installed, judged without starting jax: starting it would take
-    the chip, which one process at a time may hold."""
-    import importlib.util
+def accelerator_host(environ=os.environ) -> bool:
+    """Whether this host has a TPU, judged without starting jax (starting it takes the chip, which one process at a
+    time may hold): a Cloud TPU VM names its accelerator in ``TPU_ACCELERATOR_TYPE`` (the v5e host here does), and
+    v4 and v5p hosts expose ``/dev/accel*``."""
+    import glob
 
-    return importlib.util.find_spec("libtpu") is not None
+    return bool(environ.get("TPU_ACCELERATOR_TYPE")) or bool(glob.glob("/dev/accel*"))
 
 
 def resolve_dtype(dtype: str, platform: str | None = None) -> str:

@@ -16,7 +16,8 @@ def test_quick_run_reports_each_figure_against_its_roofline(tmp_path):
     out, table = tmp_path / "tpu.json", tmp_path / "tpu.md"
     assert tpu.main(["--quick", "--json", str(out), "--markdown", str(table)]) == 0
     report = json.loads(out.read_text())
-    assert report["device"].startswith("cpu") and report["peaks"] == "measured here"
+    # a CPU's peaks are measured here; a known accelerator's come from its datasheet
+    assert report["peaks"] == ("measured here" if report["device"].startswith("cpu") else "datasheet")
     assert report["hbm_GBps"] > 0 and report["peak_TFLOPs"] > 0
     figures = report["models"]["smollm2-135m"]
     pools = [key for key in figures if key.startswith("decode_pool_")]

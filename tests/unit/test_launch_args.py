@@ -10,7 +10,7 @@ from pathlib import Path
 from real_parts import TCP
 
 from fsm_pd.launch import check_commands, chip_holder, exit_cause, plan
-from fsm_pd.serve_flags import resolve_dtype
+from fsm_pd.serve_flags import accelerator_host, resolve_dtype
 
 
 def children(extra=(), router_extra=(), prefill_extra=(), decode_extra=()):
@@ -100,10 +100,12 @@ def test_a_child_s_exit_is_reported_by_its_error_line_not_its_last(tmp_path):
 
 
 def test_on_an_accelerator_host_the_first_decode_node_holds_the_chip_and_every_node_gets_one_dtype():
-    procs = plan(2, 2, 30000, "tiny", "tcp", Path("/tmp/unused"), [])
+    procs = plan(2, 2, 30000, "tiny", "tcp", Path("/tmp/unused"), [], uds=Path("/run/fsm"))  # no port: no TCP
     assert chip_holder(procs).name == "decode-0"
     assert resolve_dtype("auto", "tpu") == "bfloat16" and resolve_dtype("auto", "cpu") == "float32"
     assert resolve_dtype("float32", "tpu") == "float32"  # asked for: kept
+    assert accelerator_host({"TPU_ACCELERATOR_TYPE": "v5litepod-4"})  # as the v5e host says it
+    assert accelerator_host({}) == any(Path("/dev").glob("accel*"))
 
 
 def test_the_cluster_needs_a_prefill_node_only_when_the_router_sends_every_request_through_one():

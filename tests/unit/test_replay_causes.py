@@ -18,7 +18,7 @@ from fsm_pd.store.causes import PEER_DOWN, PREFILL_COMPUTE, REQUEST_CLOSED, RETR
 
 LAYOUT = {"num_layers": 1, "num_pages": 8, "page_size": 2, "kv_heads": 1, "head_dim": 4}
 DEADLINES = {"prefill": {"bootstrap": 5.0, "waiting": 5.0, "pull_hold": 5.0},
-             "decode": {"bootstrap": 5.0, "waiting": 5.0, "transfer": 5.0}}
+             "decode": {"bootstrap": 5.0, "admission": 5.0, "waiting": 5.0, "transfer": 5.0}}
 HEARTBEATS = "prefill node at 127.0.0.1:1 missed 2 heartbeats 0.5 s apart: it died, hangs or is cut off"
 
 
