@@ -118,16 +118,23 @@ Kernels = Literal["jnp", "tpu", "interpret"]
 
 
 def kernels_for(pool, head_dim: int) -> Kernels:
-    """Which attention code a pool gets: the TPU kernels (``kernels.kv_write``, ``decode_attention``) for a pool on
-    TPU devices, else jnp. ``FSM_PD_ATTENTION`` overrides it (``interpret``: the TPU kernels in Pallas's interpret
-    mode, on any device: slow, for tests)."""
+    """Which attention code a pool gets: jnp, unless ``FSM_PD_ATTENTION`` asks for the TPU kernels
+    (``kernels.kv_write``, ``decode_attention``): ``tpu`` on a pool on TPU devices, ``interpret`` (Pallas's
+    interpret mode, any device: slow, for tests).
+
+    The TPU kernels are opt-in: on the CPU they equal the jnp path through the whole model (interpret mode,
+    ``tests/unit/test_tpu_attention.py``), but the one SmolLM2 chat served with them on a TPU v5e answered noise,
+    and no chip time was left to find out why (``docs/tpu.md``)."""
     forced = os.environ.get(ATTENTION_ENV)
-    if forced:
-        if forced not in ("jnp", "tpu", "interpret"):
-            raise ValueError(f"{ATTENTION_ENV}={forced!r}: use jnp, tpu or interpret")
-        return forced
-    platform = next(iter(pool[0].sharding.device_set)).platform
-    return "tpu" if platform == "tpu" and decode_attention.supported(head_dim) else "jnp"
+    if not forced:
+        return "jnp"
+    if forced not in ("jnp", "tpu", "interpret"):
+        raise ValueError(f"{ATTENTION_ENV}={forced!r}: use jnp, tpu or interpret")
+    if forced == "tpu":
+        platform = next(iter(pool[0].sharding.device_set)).platform
+        if platform != "tpu" or not decode_attention.supported(head_dim):
+            return "jnp"
+    return forced
 
 
 def paged_attention(q, k, v, layer_pool, page_tables, starts, lengths, *, kernels: Kernels = "jnp"):

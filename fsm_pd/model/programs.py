@@ -46,9 +46,10 @@ from fsm_pd.model.decoder import (
 )
 from fsm_pd.model.tensor_parallel import TensorParallel, group_sharded
 
-# Layers per program, roughly (``layer_groups``); 0: 6 on a CPU, the whole model on a TPU, where a call costs about
-# 0.1 ms of host time (SmolLM2 at batch 1 on a v5e: 2.7 ms a step in 6-layer groups, 1.7 ms in one; docs/tpu.md).
-LAYERS_PER_PROGRAM = int(os.environ.get("FSM_PD_LAYERS_PER_PROGRAM", "0"))
+# Layers per program, roughly (``layer_groups``). At least the model's depth makes the whole forward pass one
+# program, the embedding and the head inside (``OneProgram``): on a TPU v5e that took SmolLM2's step at batch 1 from
+# 2.7 ms to 1.7 ms through the node's call, but its programs then cost a cold start 54 s to compile (docs/tpu.md).
+LAYERS_PER_PROGRAM = int(os.environ.get("FSM_PD_LAYERS_PER_PROGRAM", "6"))
 
 def embed_step(embed, packed, *, tokens: int):
     """A step's inputs, sent as one array ``packed: [B, tokens + 2 + W]`` (tokens, starts, lengths, page tables: on
@@ -160,7 +161,7 @@ class ForwardPrograms:
         self.width = table_width(config, pool[0].shape[0], pool[0].shape[1])
         self.kernels = kernels_for(pool, config.head_dim) if tp is None else "jnp"
         if layers_per_program is None:
-            layers_per_program = LAYERS_PER_PROGRAM or (config.num_layers if self.kernels == "tpu" else 6)
+            layers_per_program = LAYERS_PER_PROGRAM
         self.groups = layer_groups(config.num_layers, layers_per_program)
         # where the host's token arrays go: the pool's device, or every device of the mesh
         self._inputs = pool[0].sharding if tp is None else tp.replicated
