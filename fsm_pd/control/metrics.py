@@ -27,7 +27,6 @@ LEAK_GAUGES = {
     "pages_reserved": ("fsm_pd_kv_pages_reserved", "KV pages reserved by requests and transfers"),
     "staging_buffers_held": ("fsm_pd_staging_buffers_held", "Gathered KV staging buffers held (prefill)"),
     "pulled_awaiting_scatter": ("fsm_pd_pulled_awaiting_scatter", "Pulled KV buffers not yet scattered (decode)"),
-    "host_pool_slots_in_use": ("fsm_pd_host_pool_slots_in_use", "Host staging pool slots in use"),
     "open_transfer_entries": ("fsm_pd_open_transfer_entries", "Transfer-backend entries still pinning memory"),
     "rooms_open": ("fsm_pd_rooms_open", "Rooms not yet Success or Failed"),
     "requests_live": ("fsm_pd_requests_live", "Requests the engine is serving"),

@@ -1,4 +1,4 @@
-"""KV pool layout and the page kernels: gather pages to staging, scatter staging to pages, host staging slots.
+"""KV pool layout and the page kernels: gather pages to staging, scatter staging to pages, writes of new KV.
 
 The names below load their module on first use (PEP 562): ``layout`` and ``page_buckets`` are plain Python, and the
 jax-free resharding plan (``fsm_pd.transport.reshard``) imports the layout without loading jax with the kernels.
@@ -9,18 +9,13 @@ from __future__ import annotations
 from fsm_pd.lazy import lazy_exports
 
 _HOME = {
-    "HostPoolExhausted": "host_staging",
-    "HostSlot": "host_staging",
-    "HostStagingPool": "host_staging",
     "Impl": "page_copy",
     "KVLayout": "layout",
     "PAD_PAGE": "layout",
     "PageRuns": "runs",
     "bucket_sizes": "page_buckets",
-    "copy_to_host": "host_staging",
     "gather_pages": "page_copy",
     "gather_pages_into": "page_copy",
-    "host_memory_kind": "host_staging",
     "page_bucket": "page_buckets",
     "page_runs": "runs",
     "resolve_impl": "page_copy",

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from fsm_pd.kernels import HostStagingPool, KVLayout, copy_to_host, gather_pages, page_bucket, scatter_pages
+from fsm_pd.kernels import KVLayout, gather_pages, page_bucket, scatter_pages
 
 LAYOUT = KVLayout(num_layers=2, num_pages=9, page_size=2, kv_heads=2, head_dim=8, shard_axis="tp")
 STAGING_SPEC = PartitionSpec(None, None, None, "tp")
@@ -96,15 +96,3 @@ def test_pools_sharded_on_another_axis_are_rejected():
     )
     with pytest.raises(ValueError, match=r"only the KV-head axis \(2\) of a pool may be sharded"):
         gather_pages(pool, [1, 2])
-
-
-def test_host_staging_slots_keep_the_staging_sharding():
-    mesh = make_mesh(AxisType.Explicit)
-    host_pool = HostStagingPool(LAYOUT, num_slots=2, max_pages=4, sharding=NamedSharding(mesh, LAYOUT.staging_spec()))
-    assert host_pool.memory_kind == "pinned_host"
-    src = numbered_layers()
-    staging = gather_pages(sharded(src, mesh), [3, 1, 2])
-    with host_pool.slot(timeout=0) as slot:
-        copy_to_host(staging, slot)
-        assert_placed(slot.buffer, mesh, STAGING_SPEC, memory_kind="pinned_host")
-        np.testing.assert_array_equal(np.asarray(slot.buffer)[:, :3], np.stack([s[[3, 1, 2]] for s in src]))
