@@ -115,8 +115,8 @@ def test_tcp_refuses_pulls_beyond_its_stream_limit_at_once():
     """Each served pull is a thread on P, so their number is capped; one over the cap fails at once, and the slot
     comes back when a stream ends."""
     with create_backend("tcp", max_streams=1) as producer, create_backend("tcp", serve=False) as consumer:
-        host, port = parse_address(producer.address)
-        idle = socket.create_connection((host, port))  # takes the one stream, waiting for its request
+        _, address = parse_address(producer.address)
+        idle = socket.create_connection(address)  # takes the one stream, waiting for its request
         err, took = timed_failure(consumer.pull, producer.address, 12345, specs([[8]], ["float32"]), TIMEOUT_S)
         assert isinstance(err, TransferFailed) and "busy" in err.reason and took < 2.0
         idle.close()
@@ -139,8 +139,8 @@ def test_tcp_refuses_a_pull_with_a_nonsense_timeout(timeout_s):
     from fsm_pd.transport.backends import tcp_wire as wire
 
     with create_backend("tcp") as producer:
-        host, port = parse_address(producer.address)
-        with socket.create_connection((host, port), timeout=5) as raw:
+        _, address = parse_address(producer.address)
+        with socket.create_connection(address, timeout=5) as raw:
             wire.send_request(raw, {"v": wire.PROTOCOL_VERSION, "uuid": 1, "digest": b"x" * 16, "timeout_s": timeout_s})
             kind, length = wire.unpack_frame_header(wire.recv_exact(raw, wire.FRAME_HEADER_BYTES))
             body = wire.unpack(wire.recv_exact(raw, length))
