@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
-from fsm_pd.transport.backends.base import PRODUCER_FAILED, TransferFailed, TransferTimeout
+from fsm_pd.transport.backends.base import TransferFailed, TransferTimeout
 
 if TYPE_CHECKING:
     from fsm_pd.effects import Node
@@ -122,12 +122,10 @@ class DecodePart:
 
 def report_pull_error(node: Node, room_id: int, which: str, error: BaseException) -> None:
     """The room's ``error`` event for a failed pull; ``which`` names the entry (empty for a single-piece pull). An
-    entry the prefill node failed (its room ended: its own deadline or error) is its ABORT by another path, and is
-    the room's ``peer_abort``: whichever came first decided before whether this node recomputed the prompt, while
-    the prefill node answered its leg with the failure and a router computed the prompt again elsewhere."""
-    if isinstance(error, TransferFailed) and PRODUCER_FAILED in error.reason:
-        node.submit(room_id, "peer_abort", {"reason": f"pull failed: {which}{error.reason}"})
-    elif isinstance(error, TransferTimeout):
+    entry the prefill node failed says so in its reason (``PRODUCER_FAILED``): the decode node does not recompute
+    such a prompt (``decode_engine``), since the prefill node answered its leg with the failure and a router computes
+    it again elsewhere; it still tells the prefill node (ABORT), whose room may live on (a shard's entry lost)."""
+    if isinstance(error, TransferTimeout):
         node.submit(room_id, "error", {"blame": "timeout", "reason": f"pull timed out: {which}{error}"})
     elif isinstance(error, TransferFailed):
         node.submit(room_id, "error", {"blame": error.blame, "reason": f"pull failed: {which}{error.reason}"})

@@ -65,6 +65,7 @@ from fsm_pd.serving.scraped import ScrapedCounters
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.top_logprobs import from_wire as top_logprobs_from_wire
 from fsm_pd.serving.types import EngineError, GenerateRequest
+from fsm_pd.transport.backends.base import PRODUCER_FAILED
 from fsm_pd.unix_sockets import is_unix
 
 
@@ -171,8 +172,9 @@ class DecodeEngine(LocalPath, PDEngine):
             # held pages; a peer's abort or death means the prefill leg failed too, and the router moves on
             # explained: a deadline that ended the room named with what it waited for (machines/deadlines.py)
             explained = explain_failure("decode", room.reason, room.ctx.get("deadlines"))
-            return {"reason": room.reason, "explained": explained, "recompute": decision.trigger in RECOMPUTED_TRIGGERS
-                    and bool(room.ctx.get("pages"))}
+            # an entry the prefill node failed: its leg failed too, and a router computes the prompt elsewhere
+            own = decision.trigger in RECOMPUTED_TRIGGERS and PRODUCER_FAILED not in (room.reason or "")
+            return {"reason": room.reason, "explained": explained, "recompute": own and bool(room.ctx.get("pages"))}
         ctx = room.ctx  # the room is the loop's: copy what the model thread will read
         return {"pages": list(ctx.get("pages") or ()), "first_token": ctx.get("first_token"),
                 "first_logprob": ctx.get("first_logprob"), "input_logprobs": ctx.get("input_logprobs"),

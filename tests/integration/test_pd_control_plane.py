@@ -96,8 +96,8 @@ def test_transfer_deadline_on_decode(cluster):
     assert d("wait", room=1, timeout=10) == {"state": "Failed", "reason": "transfer timeout"}
     assert elapsed_in(d.journal, 1, "Transferring") <= 1.0 + SLACK
     assert p("wait", room=1, timeout=10) == {"state": "Failed", "reason": "aborted by peer: transfer timeout"}
-    # the delayed pull reports to a finished room: its result (the entry was failed meanwhile, so the prefill
-    # node's abort by another path: effects/pulls.report_pull_error) is journaled as ignored, and nothing is scattered
+    # the delayed pull reports to a finished room: its result (the entry was failed meanwhile, so an error) is
+    # journaled as ignored, and nothing is scattered
     late = late_results(d.journal, 1)
     assert late and all((r.src, r.payload.get("ignored")) == ("Failed", "room is already Failed") for r in late), late
     assert "scattered" not in {r.trigger for r in read_journal(d.journal) if r.room == 1}
@@ -106,12 +106,11 @@ def test_transfer_deadline_on_decode(cluster):
 
 
 def late_results(journal, room, timeout=30.0):
-    """The rows of a pull's result (``pulled``, ``error``, or ``peer_abort`` for an entry the prefill node failed)
-    journaled after the room had failed, once one exists."""
+    """The rows of a pull's result (``pulled`` or ``error``) journaled after the room had failed, once one exists."""
     deadline = time.time() + timeout
     while True:
-        rows = [r for r in read_journal(journal) if r.room == room and r.src == "Failed" and (
-            r.trigger in ("pulled", "error") or (r.trigger == "peer_abort" and "pull failed" in str(r.payload)))]
+        rows = [r for r in read_journal(journal) if r.room == room and r.src == "Failed"
+                and r.trigger in ("pulled", "error")]
         if rows or time.time() > deadline:
             return rows
         time.sleep(0.1)
