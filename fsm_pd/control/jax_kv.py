@@ -41,7 +41,7 @@ class JaxKV:
         self.layout, self.model, self.sharding = layout, model, sharding
         self.progressive, self.checksum = progressive, checksum
         self._sending: tuple[list[int], PoolPages] | None = None  # the pages this job publishes from the pool
-        self._stream_layers: bool | None = None  # decided at the first pull: a prefill node never asks
+        self._pool_sharding: Any = None  # the pool's sharding, once the pool exists (see pool_sharding)
 
     # --- prefill ---
     def gather(self, owner: Any, pages: list[int], plan: ReshardPlan) -> tuple[jax.Array, ...]:
@@ -59,10 +59,21 @@ class JaxKV:
         return resolve_impl(owner.pool) == "cpu"
 
     @property
+    def pool_sharding(self) -> Any:
+        """The pool's sharding (every program that rewrites the pool keeps it), or None before there is a pool: what
+        the node loop and the pull workers may learn of the pool (``summed``, ``stream_layers``, ``_devices``). Read
+        from ``sharding`` and kept, never from the arrays' ``devices()`` or data: those raise once a forward pass
+        donated them, and ``owner.pool`` names the donated arrays until the pass returns. A chunked handoff's
+        ``GatherAndPublish`` that asked on the loop meanwhile failed its room with "Array has been deleted"."""
+        if self._pool_sharding is None and (pool := self.model.pool) is not None:
+            self._pool_sharding = pool[0].sharding
+        return self._pool_sharding
+
+    @property
     def summed(self) -> bool:
         """A pool on CPU devices (``pool_checksums`` reads it in place; on an accelerator it returns None)."""
-        pool = self.model.pool
-        return pool is not None and layer_shards(pool[0]) is not None
+        sharding = self.pool_sharding
+        return sharding is not None and all(device.platform == "cpu" for device in sharding.device_set)
 
     def publish_while_gathering(self, owner: Any, transfer: Any, uuid: int, pages: list[int], hold_timeout_s: float,
                                 on_published: Callable[[int], None]) -> None:
@@ -142,18 +153,18 @@ class JaxKV:
 
     def _devices(self) -> list:
         """The pool's devices, in shard order."""
-        sharding = self.model.pool[0].sharding
+        sharding = self.pool_sharding
         if isinstance(sharding, NamedSharding):
             return list(sharding.mesh.devices.flat)
         return [next(iter(sharding.device_set))]
 
     @property
     def stream_layers(self) -> bool:
-        """D writes layers as they land only on a pool on one CPU device (see overlap.py)."""
-        if self._stream_layers is None:
-            pool = self.model.pool
-            self._stream_layers = self.progressive and pool is not None and resolve_impl(pool) == "cpu"
-        return self._stream_layers
+        """D writes layers as they land only on a pool on one CPU device, where the page kernels are the CPU's
+        (``resolve_impl``; see overlap.py)."""
+        sharding = self.pool_sharding
+        return (self.progressive and isinstance(sharding, SingleDeviceSharding)
+                and next(iter(sharding.device_set)).platform == "cpu")
 
     def stream(self, pages: list[int]) -> StreamedScatter | None:
         if not self.stream_layers:

@@ -43,7 +43,9 @@ _LANES = 128
 
 
 def _platform(pool: Pool) -> str:
-    return next(iter(pool[0].devices())).platform
+    # from the placement, which a donated array keeps (``devices()`` raises on it): ``resolve_impl`` is asked off the
+    # model thread too (``warmup.compile_rest``), where ``owner.pool`` may name the arrays a forward pass donated
+    return next(iter(pool[0].sharding.device_set)).platform
 
 
 def resolve_impl(pool: Sequence[jax.Array], impl: Impl = "auto") -> Literal["jnp", "pallas", "cpu"]:

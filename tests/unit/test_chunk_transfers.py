@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import threading
 import time
 
@@ -162,11 +163,12 @@ def test_a_prompt_whose_chunks_outlast_the_handoff_deadlines_is_handed_over_once
 
 @pytest.mark.parametrize("first", ["decode", "prefill"])
 def test_a_chunked_handoff_that_fails_mid_way_is_computed_again_in_one_place_only(model, tmp_path, first):
-    """One chunk stalls past a deadline mid-way. D's transfer deadline first: D recomputes the prompt, and P answers
-    its leg (200, ``kv_transfer_failed``) as it does for a whole handoff, where it failed it (having no first token
-    yet), so a router computed the prompt a second time. P's pull_hold first: both rooms fail and D does not
-    recompute (the pull of the entry P failed came before P's ABORT and D recomputed it, while a router retried
-    P's failure), so only a router's retry computes it again."""
+    """One chunk stalls past a deadline mid-way. D's transfer deadline first (the room's or the stalled piece's
+    pull's, both of that length): D recomputes the prompt, and P answers its leg (200, ``kv_transfer_failed``) as it
+    does for a whole handoff, where it failed it (having no first token yet), so a router computed the prompt a
+    second time. P's pull_hold first: both rooms fail and D does not recompute (the pull of the entry P failed came
+    before P's ABORT and D recomputed it, while a router retried P's failure), so only a router's retry computes it
+    again."""
     whole = ColocatedEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, chunked_prefill_size=512, radix_cache=False)
     p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp_path / "p.db"),
                       chunked_prefill_size=CHUNK, radix_cache=False,
@@ -194,7 +196,12 @@ def test_a_chunked_handoff_that_fails_mid_way_is_computed_again_in_one_place_onl
         on_p, on_d = run(both())
         if first == "decode":
             assert not isinstance(on_p, Exception), on_p
-            assert "transfer timeout" in on_p[-1].meta["kv_transfer_failed"]
+            # D's transfer deadline, on either of its two clocks: the room's, restarted when the loop takes the
+            # last piece's piece_pulled, or the stalled piece's pull, started on a worker as that piece landed. Which
+            # runs out first depends on how far the loop lags: on a loaded machine, now and then the pull's
+            why = on_p[-1].meta["kv_transfer_failed"]
+            assert re.match(r"aborted by peer: (transfer timeout|timeout error: pull timed out: chunk piece \d )",
+                            why), why
             assert ids_of(on_d) == want and d.info()["recomputes"] == 1
         else:
             assert isinstance(on_p, Exception) and "pull_hold timeout" in str(on_p), on_p
