@@ -30,7 +30,9 @@ from fsm_pd.model.params import check_params
 log = logging.getLogger(__name__)
 
 ENV = "FSM_PD_MODEL_CACHE"
-FORMAT = 1  # bump when what a GGUF load builds changes: entries of another format are never read
+# bump when what a GGUF load builds changes: entries of another format are never read. 2: entries of format 1 written
+# on a TPU host hold some matrices in the device's column-major order (see ``host_tensor``), so none is trusted
+FORMAT = 2
 _PARAMS, _META, _TOKENIZER = "params.safetensors", "meta.json", "tokenizer.json"
 
 
@@ -80,13 +82,20 @@ def load(entry: Path):
     return config, params, tokenizer
 
 
+def host_tensor(value) -> np.ndarray:
+    """``value`` as a row-major float32 host array. A TPU hands some arrays to NumPy in the device's own order (a
+    ``[49152, 576]`` embedding came back column-major on a v5e), and safetensors writes an array's memory as it lies,
+    whatever its strides: that entry read back transposed garbage, and every warm start on the chip answered noise."""
+    return np.ascontiguousarray(np.asarray(value, np.float32))
+
+
 def save(entry: Path, config: ModelConfig, params: dict, tokenizer) -> None:
     """Write an entry (best effort: a full disk or a read-only home only costs the next start the conversion)."""
     from safetensors.numpy import save_file
 
-    tensors = {name: np.asarray(value, np.float32) for name, value in params.items() if name != "layers"}
+    tensors = {name: host_tensor(value) for name, value in params.items() if name != "layers"}
     for i, layer in enumerate(params["layers"]):
-        tensors.update({f"layers.{i}.{name}": np.asarray(value, np.float32) for name, value in layer.items()})
+        tensors.update({f"layers.{i}.{name}": host_tensor(value) for name, value in layer.items()})
     meta = {"format": FORMAT, "dtype": config.dtype, "config": config.to_hf(),
             "eos_token_ids": list(tokenizer.eos_token_ids), "chat_template": tokenizer.chat_template}
     staging = None
