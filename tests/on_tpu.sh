@@ -14,8 +14,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
+# pyproject's addopts name pytest-xdist's --dist options, which pytest refuses where xdist is not installed (a TPU
+# host's own Python may lack it): keep the rest of them then.
+extra=()
+python3 -c "import xdist" 2>/dev/null || extra=(-o "addopts=-ra --strict-markers")
+
 SECONDS=0
-python3 -m pytest -q -p no:cacheprovider "$@" tests/unit tests/property
+python3 -m pytest -q -p no:cacheprovider "${extra[@]}" "$@" tests/unit tests/property
 status=$?
 echo "tests/on_tpu.sh: tests/unit and tests/property took ${SECONDS} s; pytest exit status ${status}"
 exit "$status"
