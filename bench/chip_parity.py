@@ -1,0 +1,197 @@
+"""Does the accelerator compute what the CPU computes? Greedy answers of random-weight models, device against CPU.
+
+    python bench/chip_parity.py [--json out.json] [--prompts 16] [--steps 16] [--modes jnp,tpu]
+
+A CPU reference (a child process with ``JAX_PLATFORMS=cpu``, float32, each prompt prefilled whole and decoded alone)
+gives, per prompt of 8 to 900 tokens, its greedy tokens and every step's logits. This process then runs the same
+weights on its default device in --dtype (bfloat16 on an accelerator), as a node does: each longer prompt prefilled
+in two chunks (the second starting at a page boundary: the path of a cached prefix or a chunked prefill), then all
+rows decoded together as one ragged batch, fed the reference's tokens (teacher forcing, so each step sees the same
+context on both sides). Per attention mode (``FSM_PD_ATTENTION``: jnp, tpu) and step it reports:
+
+- ``agree``: the device's argmax is the reference's;
+- ``near_tie``: it is not, but the reference's logits of the two tokens lie within bf16 rounding of the larger
+  logit (``TIE_ULPS`` units of 2^-8 of its magnitude): either answer is right at this precision;
+- ``differ``: a real disagreement;
+- ``rel_err``: max |device - reference| over the vocabulary, over the reference's logit standard deviation
+  (median and max over steps). bf16 arithmetic gives about 1e-2; a broken kernel gives about 1.
+
+Models: SmolLM2-135M's shape (head_dim 64) and a Qwen3-1.7B-shaped one (head_dim 128) cut to --layers-1p7b layers,
+so that the CPU reference stays quick; the kernels are per layer, so depth adds nothing to what is checked.
+``--quick``: the tiny model, 3 prompts (CI runs it with ``FSM_PD_ATTENTION=interpret`` to keep this script working).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+PAGE_SIZE = 16
+TIE_ULPS = 4
+
+
+def shapes(layers_1p7b: int) -> dict:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tpu import SHAPES  # the bench of the chip's shapes: one definition
+
+    return {"smollm2-135m": SHAPES["smollm2-135m"],
+            "qwen3-1.7b-shape": {**SHAPES["qwen3-1.7b-shape"], "num_layers": layers_1p7b}}
+
+
+def make_model(name: str, shape: dict | None, dtype: str):
+    from fsm_pd.model.config import ModelConfig
+    from fsm_pd.model.loader import LoadedModel, load_model
+    from fsm_pd.model.params import random_params
+    from fsm_pd.model.tokenizer import ByteTokenizer
+
+    if shape is None:
+        return load_model("tiny", dtype=dtype)
+    config = ModelConfig(dtype=dtype, eos_token_ids=(0,), rope_theta=10000.0, **{"family": "llama", **shape})
+    return LoadedModel(name, config, random_params(config, seed=0, std=0.02), ByteTokenizer(vocab_size=272))
+
+
+def prompts_for(vocab: int, count: int, longest: int) -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    lengths = np.linspace(8, longest, count).astype(int)
+    return [rng.integers(1, min(vocab, 30000), size=int(n)).tolist() for n in lengths]
+
+
+def reference(model, prompts, steps: int) -> tuple[list, list]:
+    """Greedy tokens and logits of each prompt alone: whole prefill, then batch-1 decode steps."""
+    pages_per = -(-(max(map(len, prompts)) + steps) // PAGE_SIZE)
+    tokens_out, logits_out = [], []
+    for prompt in prompts:
+        pool = model.make_pool(model.make_kv_layout(pages_per + 1, PAGE_SIZE))
+        table = np.arange(1, pages_per + 1, dtype=np.int32)
+        result = model.prefill(pool, prompt, table[: -(-len(prompt) // PAGE_SIZE)].tolist())
+        pool, rows = result.pool, [np.asarray(result.logits, np.float32)]
+        tokens = [int(rows[0].argmax())]
+        for step in range(steps - 1):
+            logits, pool = model.decode(pool, np.array([tokens[-1]], np.int32),
+                                        np.array([len(prompt) + step], np.int32), table[None, :])
+            rows.append(np.asarray(logits, np.float32)[0])
+            tokens.append(int(rows[-1].argmax()))
+        tokens_out.append(tokens)
+        logits_out.append(np.stack(rows))
+    return tokens_out, logits_out
+
+
+def on_device(model, prompts, ref_tokens: list, steps: int) -> list:
+    """Each step's logits on this process's default device, fed the reference's tokens: chunked prefill, then all
+    rows decoded as one batch."""
+    pages_per = -(-(max(map(len, prompts)) + steps) // PAGE_SIZE)
+    pool = model.make_pool(model.make_kv_layout(1 + pages_per * len(prompts), PAGE_SIZE))
+    tables = 1 + np.arange(pages_per * len(prompts), dtype=np.int32).reshape(len(prompts), pages_per)
+    rows = [[] for _ in prompts]
+    for i, prompt in enumerate(prompts):
+        split = (len(prompt) // 2) // PAGE_SIZE * PAGE_SIZE
+        if split:
+            pool = model.prefill(pool, prompt[:split], tables[i, : split // PAGE_SIZE].tolist()).pool
+        used = tables[i, : -(-len(prompt) // PAGE_SIZE)].tolist()
+        result = model.prefill(pool, prompt[split:], used, start_pos=split)
+        pool = result.pool
+        rows[i].append(np.asarray(result.logits, np.float32))
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    for step in range(steps - 1):
+        tokens = np.array([t[step] for t in ref_tokens], np.int32)
+        logits, pool = model.decode(pool, tokens, lengths + step, tables)
+        logits = np.asarray(logits, np.float32)
+        for i in range(len(prompts)):
+            rows[i].append(logits[i])
+    return [np.stack(r) for r in rows]
+
+
+def compare(ref_logits: list, dev_logits: list) -> dict:
+    agree = near = differ = 0
+    errors, first_differ = [], []
+    for prompt, (ref, dev) in enumerate(zip(ref_logits, dev_logits, strict=True)):
+        for step, (r, d) in enumerate(zip(ref, dev, strict=True)):
+            errors.append(float(np.abs(r - d).max() / max(float(r.std()), 1e-9)))
+            want, got = int(r.argmax()), int(d.argmax())
+            if want == got:
+                agree += 1
+            elif r[want] - r[got] <= TIE_ULPS * 2.0**-8 * abs(float(r[want])):
+                near += 1
+            else:
+                differ += 1
+                first_differ.append({"prompt": prompt, "step": step, "gap": round(float(r[want] - r[got]), 4)})
+    return {"steps": agree + near + differ, "agree": agree, "near_tie": near, "differ": differ,
+            "rel_err_median": round(statistics.median(errors), 4), "rel_err_max": round(max(errors), 4),
+            "first_differences": first_differ[:5]}
+
+
+def run_reference(args, path: Path) -> None:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("FSM_PD_ATTENTION", None)
+    command = [sys.executable, __file__, "--reference-out", str(path), "--prompts", str(args.prompts),
+               "--steps", str(args.steps), "--longest", str(args.longest), "--layers-1p7b", str(args.layers_1p7b),
+               "--models", args.models] + (["--quick"] if args.quick else [])
+    subprocess.run(command, env=env, check=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="smollm2-135m,qwen3-1.7b-shape")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--longest", type=int, default=900, help="the longest prompt, tokens (default 900)")
+    parser.add_argument("--steps", type=int, default=16, help="greedy tokens per prompt (default 16)")
+    parser.add_argument("--layers-1p7b", type=int, default=4)
+    parser.add_argument("--modes", default="jnp,tpu", help="FSM_PD_ATTENTION values to run on the device")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on an accelerator, float32 on a CPU")
+    parser.add_argument("--quick", action="store_true", help="the tiny model, 3 short prompts (CI)")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--reference-out", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.models, args.prompts, args.longest, args.steps = "tiny", 3, 40, 3
+    models = {"tiny": None} if args.quick else {n: shapes(args.layers_1p7b)[n] for n in args.models.split(",")}
+    if args.reference_out:  # the child: the CPU reference, float32
+        out = {}
+        for name, shape in models.items():
+            model = make_model(name, shape, "float32")
+            prompts = prompts_for(model.config.vocab_size, args.prompts, args.longest)
+            tokens, logits = reference(model, prompts, args.steps)
+            out[f"{name}/tokens"] = np.array(tokens, np.int32)
+            for i, row in enumerate(logits):
+                out[f"{name}/logits/{i}"] = row
+        np.savez(args.reference_out, **out)
+        return 0
+
+    import jax
+
+    device = jax.devices()[0]
+    dtype = args.dtype or ("float32" if device.platform == "cpu" else "bfloat16")
+    report = {"device": f"{device.platform}: {device.device_kind}", "dtype": dtype, "models": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "reference.npz"
+        run_reference(args, path)
+        ref = np.load(path)
+        for name, shape in models.items():
+            tokens = ref[f"{name}/tokens"].tolist()
+            ref_logits = [ref[f"{name}/logits/{i}"] for i in range(len(tokens))]
+            report["models"][name] = {}
+            for mode in args.modes.split(","):
+                os.environ["FSM_PD_ATTENTION"] = mode
+                model = make_model(name, shape, dtype)  # new programs: the mode is read when they are made
+                prompts = prompts_for(model.config.vocab_size, args.prompts, args.longest)
+                try:
+                    figures = compare(ref_logits, on_device(model, prompts, tokens, args.steps))
+                except Exception as exc:  # noqa: BLE001 - one failed mode must not lose the others
+                    figures = {"error": f"{type(exc).__name__}: {exc}"[:800]}
+                report["models"][name][mode] = figures
+                print(name, mode, json.dumps(figures), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
