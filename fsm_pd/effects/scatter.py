@@ -12,7 +12,16 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from fsm_pd.effects.checksums import MISSING, OFF, UNCHECKED, VERIFIED, ChecksumMismatch, mismatch
+from fsm_pd.effects.checksums import (
+    DEFAULT_ALGORITHM,
+    MISSING,
+    OFF,
+    OTHER_ALGORITHM,
+    UNCHECKED,
+    VERIFIED,
+    ChecksumMismatch,
+    mismatch,
+)
 from fsm_pd.effects.chunked import ChunkPlan
 from fsm_pd.effects.pulls import DecodePart, pages_to_receive
 from fsm_pd.transport.reshard import ReshardPlan, plan_between
@@ -42,6 +51,11 @@ class ScatterAndVerify(DecodePart):
         if self.kv_checksum and expected is None:
             log.info("room %d: no KV checksum from the prefill node (its --kv-checksum is off, or its pool is not "
                      "checksummed): the handoff is not verified", room_id)
+        theirs, ours = room.ctx.get("kv_checksum_algorithm", DEFAULT_ALGORITHM), self.kv.checksum_algorithm
+        if expected is not None and theirs != ours:
+            log.warning("room %d: the prefill node's KV checksum is %s, ours %s: the handoff is not verified",
+                        room_id, theirs, ours)
+            expected = OTHER_ALGORITHM
 
         def write(owner: Any) -> str:
             try:
@@ -76,6 +90,8 @@ class ScatterAndVerify(DecodePart):
             return OFF
         if expected is None:
             return MISSING
+        if expected == OTHER_ALGORITHM:  # values we cannot compare with ours: neither verified nor a mismatch
+            return OTHER_ALGORITHM
         if chunks is None:  # a streamed write may have taken it as it wrote (overlapped with the wire)
             got = None if stream is None else stream.checksums(owner)
             got = got if got is not None else self.kv.received_checksum(owner, pages, plan)
