@@ -246,3 +246,30 @@ def test_a_pool_that_cannot_be_summed_announces_and_publishes_no_checksum(pair):
     rooms = {r.bootstrap.room for r in requests}
     events = [row.event for row in read_journal(d.manager.journal.url) if row.room in rooms]
     assert not [e for e in events if "checksum_entry" in e or e.get("kv_checksum")]
+
+
+def test_values_of_another_algorithm_are_not_compared(pair):
+    """P checksums with the other algorithm (a CPU prefill node beside an accelerator decode node): READY names it,
+    and D neither verifies nor fails the handoff: ``other_algorithm``, logged and counted, the request served from
+    the KV it pulled."""
+    setting, p, d = pair
+    if setting == "off":
+        return  # D's outcome is "off" whatever P sends
+    jax_kv = p.manager.effects.kv.kv
+    ours = jax_kv.checksum_algorithm
+    count = lambda outcome: d.manager.metrics.registry.get_sample_value(  # noqa: E731
+        "fsm_pd_kv_checksums_total", {"role": "decode", "node": "decode-0", "outcome": outcome}) or 0
+    before = {outcome: count(outcome) for outcome in ("other_algorithm", "verified", "mismatch")}
+    other = "crc32c" if ours == DEVICE_HASH else DEVICE_HASH
+    jax_kv._algorithm = other
+    try:
+        answers, requests = serve(p, d, "other-algorithm")
+    finally:
+        jax_kv._algorithm = ours
+    assert all(a[-1].meta.get("kv_recompute") is None for a in answers)
+    assert count("other_algorithm") == before["other_algorithm"] + len(PROMPTS)
+    assert (count("verified"), count("mismatch")) == (before["verified"], before["mismatch"])
+    rooms = {r.bootstrap.room for r in requests}
+    rows = [row for row in read_journal(d.manager.journal.url) if row.room in rooms]
+    assert {row.event["kv_checksum_algorithm"] for row in rows if row.trigger == "kv_published"} == {other}
+    assert {row.event["kv_checksum_check"] for row in rows if row.trigger == "scattered"} == {"other_algorithm"}
