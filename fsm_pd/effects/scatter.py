@@ -52,10 +52,10 @@ class ScatterAndVerify(DecodePart):
             log.info("room %d: no KV checksum from the prefill node (its --kv-checksum is off, or its pool is not "
                      "checksummed): the handoff is not verified", room_id)
         theirs, ours = room.ctx.get("kv_checksum_algorithm", DEFAULT_ALGORITHM), self.kv.checksum_algorithm
-        if expected is not None and theirs != ours:
+        foreign = expected is not None and theirs != ours  # values we cannot compare: neither a pass nor a mismatch
+        if foreign:
             log.warning("room %d: the prefill node's KV checksum is %s, ours %s: the handoff is not verified",
                         room_id, theirs, ours)
-            expected = OTHER_ALGORITHM
 
         def write(owner: Any) -> str:
             try:
@@ -68,6 +68,8 @@ class ScatterAndVerify(DecodePart):
             finally:
                 for piece in pieces:
                     self.kv.discard(piece)
+            if foreign:
+                return OTHER_ALGORITHM
             return self._verify(owner, pages, plan, chunks, expected, stream if streamed else None)
 
         def done(future) -> None:
@@ -90,8 +92,6 @@ class ScatterAndVerify(DecodePart):
             return OFF
         if expected is None:
             return MISSING
-        if expected == OTHER_ALGORITHM:  # values we cannot compare with ours: neither verified nor a mismatch
-            return OTHER_ALGORITHM
         if chunks is None:  # a streamed write may have taken it as it wrote (overlapped with the wire)
             got = None if stream is None else stream.checksums(owner)
             got = got if got is not None else self.kv.received_checksum(owner, pages, plan)
