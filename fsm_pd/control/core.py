@@ -84,7 +84,9 @@ class NodeCore:
                 **({"chunks": msg.chunks, "chunk_pages": msg.chunk_pages} if msg.chunks else {}),
                 **({"kv_checksum": msg.kv_checksum} if msg.kv_checksum is not None else {}),
                 **({"chunk_checksums": True} if msg.chunk_checksums else {}),
-                **({"checksum_entry": True} if msg.checksum_entry else {})})
+                **({"checksum_entry": True} if msg.checksum_entry else {}),
+                **({"kv_checksum_algorithm": msg.kv_checksum_algorithm}
+                   if msg.kv_checksum is not None or msg.chunk_checksums or msg.checksum_entry else {})})
         elif isinstance(msg, Abort):
             self.submit(msg.room, "peer_abort", {"reason": msg.reason, "peer": msg.sender})
         else:

@@ -13,6 +13,7 @@ with the usual scatter. Nothing moves between D's devices, and nothing is copied
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -25,7 +26,14 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from fsm_pd.control.overlap import StreamedScatter, publish_while_gathering
 from fsm_pd.effects.chunked import Trailer
 from fsm_pd.kernels import KVLayout, gather_pages, page_bucket, resolve_impl, scatter_pages
-from fsm_pd.kernels.kv_checksum import SendSums, layer_shards, pool_checksums
+from fsm_pd.kernels.kv_checksum import (
+    ALGORITHM_ENV,
+    CRC32C,
+    SendSums,
+    algorithm_for,
+    layer_shards,
+    pool_checksums,
+)
 from fsm_pd.kernels.page_source import PoolPages
 from fsm_pd.kernels.placement import pool_placement
 from fsm_pd.transport.reshard import Piece, ReshardPlan
@@ -42,6 +50,10 @@ class JaxKV:
         self.progressive, self.checksum = progressive, checksum
         self._sending: tuple[list[int], PoolPages] | None = None  # the pages this job publishes from the pool
         self._pool_sharding: Any = None  # the pool's sharding, once the pool exists (see pool_sharding)
+        self._algorithm: str | None = None  # checksum_algorithm, once the pool exists
+        # what the node was started with (read now, as the fault knobs are; a bad name fails the start)
+        self._asked = {ALGORITHM_ENV: os.environ.get(ALGORITHM_ENV, "")}
+        algorithm_for(True, self._asked)
 
     # --- prefill ---
     def gather(self, owner: Any, pages: list[int], plan: ReshardPlan) -> tuple[jax.Array, ...]:
@@ -71,9 +83,17 @@ class JaxKV:
 
     @property
     def summed(self) -> bool:
-        """A pool on CPU devices (``pool_checksums`` reads it in place; on an accelerator it returns None)."""
-        sharding = self.pool_sharding
-        return sharding is not None and all(device.platform == "cpu" for device in sharding.device_set)
+        """Any pool: crc32c reads one on CPU devices in place, the device hash runs where the pool is."""
+        return self.checksum_algorithm is not None
+
+    @property
+    def checksum_algorithm(self) -> str | None:
+        """The KV checksum this pool's values are (``kv_checksum.algorithm_for``; None before there is a pool): what
+        P announces in READY, and what D compares P's values with only if they are of the same."""
+        if self._algorithm is None and (sharding := self.pool_sharding) is not None:
+            self._algorithm = algorithm_for(all(device.platform == "cpu" for device in sharding.device_set),
+                                            self._asked)
+        return self._algorithm
 
     def publish_while_gathering(self, owner: Any, transfer: Any, uuid: int, pages: list[int], hold_timeout_s: float,
                                 on_published: Callable[[int], None]) -> None:
@@ -96,7 +116,7 @@ class JaxKV:
 
     def sent_checksum(self, owner: Any, pages: list[int], plan: ReshardPlan) -> list[list[int]] | None:
         return pool_checksums(owner.pool, pages, [(p.src, p.src_slot, p.count) for p in plan.pieces],
-                              self.layout.head_dim)
+                              self.layout.head_dim, self.checksum_algorithm)
 
     def checksum_later(self, owner: Any, pages: list[int], plan: ReshardPlan,
                        done: Callable[[list[list[int]] | None], None]) -> None:
@@ -106,10 +126,10 @@ class JaxKV:
         (``kv_checksum.SendSums``); else on a helper thread under a lease turn reserved now (the next job waits for
         it). ``done(sums)`` from the send's thread, the model thread or the helper."""
         lease = getattr(owner, "lease", None)
-        if lease is None:
+        sending, self._sending = self._sending, None
+        if lease is None or self.checksum_algorithm != CRC32C:  # the device hash: one pass at HBM speed, here
             done(self.sent_checksum(owner, pages, plan))
             return
-        sending, self._sending = self._sending, None
         piece = plan.pieces[0]
         if (sending is not None and sending[0] is pages and len(plan.pieces) == 1 and piece.src_slot == 0
                 and piece.count == self.layout.slots and len(layer_shards(owner.pool[0]) or ()) == 1):
@@ -139,7 +159,14 @@ class JaxKV:
 
     def received_checksum(self, owner: Any, pages: list[int], plan: ReshardPlan) -> list[list[int]] | None:
         return pool_checksums(owner.pool, pages, [(p.dst, p.dst_slot, p.count) for p in plan.pieces],
-                              self.layout.head_dim)
+                              self.layout.head_dim, self.checksum_algorithm)
+
+    def corrupt(self, staging: jax.Array) -> jax.Array:
+        """``FSM_PD_FAULT_CORRUPT_PULL`` on a pulled array: a copy with one byte flipped, made where the array is
+        (no host bytes: any backend); the pulled array is let go."""
+        flipped = _flip_first_element(staging)
+        self.discard(staging)
+        return flipped
 
     def pull_spec(self, page_count: int, piece: Piece | Trailer | None = None) -> tuple[jax.ShapeDtypeStruct]:
         if isinstance(piece, Trailer):
@@ -169,7 +196,9 @@ class JaxKV:
     def stream(self, pages: list[int]) -> StreamedScatter | None:
         if not self.stream_layers:
             return None
-        return StreamedScatter(self.model, self.layout, list(pages), self.sharding, checksum=self.checksum)
+        # it sums crc32c as the bytes land; the device hash is taken from the pages in the final job
+        return StreamedScatter(self.model, self.layout, list(pages), self.sharding,
+                               checksum=self.checksum and self.checksum_algorithm == CRC32C)
 
     def complete_stream(self, stream: StreamedScatter, staging: jax.Array) -> bool:
         if not stream.submitted:
@@ -240,6 +269,18 @@ def _join(parts: list, dtype, device) -> jax.Array:
         return jnp.concatenate(filled, axis=3)
     filled = [np.zeros(p, dtype) if isinstance(p, tuple) else np.asarray(p) for p in parts]
     return jax.device_put(np.concatenate(filled, axis=3), device)
+
+
+@jax.jit
+def _flip_first_element(array: jax.Array) -> jax.Array:
+    """The second-highest byte of the first element XOR 0xFF (the only byte of a 1-byte type): as the host hook of
+    ``Faults.Corruption`` flips it, a value off by a power of two or more."""
+    width = array.dtype.itemsize * 8
+    bits = jax.lax.bitcast_convert_type(array, jnp.dtype(f"uint{width}"))
+    first = (0,) * array.ndim
+    mask = 0xFF << (width - 16) if width > 8 else 0xFF
+    bits = bits.at[first].set(bits[first] ^ jnp.asarray(mask, bits.dtype))
+    return jax.lax.bitcast_convert_type(bits, array.dtype)
 
 
 def device_parts(staging: jax.Array) -> list[jax.Array]:

@@ -12,7 +12,10 @@ How they travel: a whole handoff's in READY (``kv_checksum``); a chunked handoff
 goes, so READY says ``chunk_checksums`` and the trailer carries them after the first token (``trailer_words``).
 
 Mixed settings: D with the check off ignores what P sent; P with it off sends none, and D with it on then lets the
-handoff through and records ``missing`` (a log line and a counter), never a failure.
+handoff through and records ``missing`` (a log line and a counter), never a failure. The values name their algorithm
+(READY's ``kv_checksum_algorithm``: crc32c for a pool on CPU devices, the device hash ``kvmix32`` on an accelerator);
+D compares them only with values of the same algorithm, and records ``other_algorithm`` (a log line and a counter,
+never a failure) when P's are of another (a CPU prefill node beside an accelerator decode node).
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ from fsm_pd.machines.receiver import KV_CHECKSUM_MISMATCH
 # What D recorded about a room's checksum (the ``scattered`` event's ``kv_checksum_check``; counted in /metrics)
 VERIFIED = "verified"
 MISSING = "missing"  # the prefill node sent none (its --kv-checksum off, or its pool is not checksummed)
-UNCHECKED = "unchecked"  # this node's pool is not checksummed (on an accelerator)
+OTHER_ALGORITHM = "other_algorithm"  # the prefill node's values are of another algorithm than ours
+UNCHECKED = "unchecked"  # our port gave no values (no real pool does now: kept for the metric and old journals)
 OFF = "off"  # this node's --kv-checksum off
-OUTCOMES = (VERIFIED, MISSING, UNCHECKED, OFF)
+OUTCOMES = (VERIFIED, MISSING, OTHER_ALGORITHM, UNCHECKED, OFF)
+# what READY's ``kv_checksum_algorithm`` means when a prefill node does not name one (before it was named)
+DEFAULT_ALGORITHM = "crc32c"
 
 
 class ChecksumMismatch(Exception):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from fsm_pd.effects import EffectError
 from fsm_pd.effects.checksums import read_trailer
 from fsm_pd.effects.chunked import ChunkPiece, ChunkPlan, Trailer
-from fsm_pd.effects.faults import InjectedFault
+from fsm_pd.effects.faults import Corruption, InjectedFault
 from fsm_pd.effects.pulls import DecodePart, Pulls, report_pull_error
 from fsm_pd.transport.reshard import piece_uuid, plan_between
 
@@ -41,22 +41,23 @@ class ChunkPull(DecodePart):
 
     def _pull_piece(self, node: Node, room_id: int, pulls: Pulls, where: tuple, piece: ChunkPiece | Trailer) -> None:
         address, uuid, timeout_s = where
-        done = partial(self._chunk_pulled, node, room_id, pulls, where, piece)
+        trailer = isinstance(piece, Trailer)
+        corruption = None if trailer else self.faults.corrupting()
+        done = partial(self._chunk_pulled, node, room_id, pulls, where, piece, corruption)
         try:
             self.faults.check("pull")
         except InjectedFault as exc:
             done(None, exc)
             return
-        trailer = isinstance(piece, Trailer)
         self.puller.pull(address, piece_uuid(uuid, piece.index), 0 if trailer else len(piece.pages), timeout_s,
-                         done=done, delay_s=self.faults.pull_delay_s,
-                         on_progress=None if trailer else self.faults.corrupting(None),
-                         piece=piece if trailer else None)
+                         done=done, delay_s=self.faults.pull_delay_s, piece=piece if trailer else None)
 
     def _chunk_pulled(self, node: Node, room_id: int, pulls: Pulls, where: tuple, piece: ChunkPiece | Trailer,
-                      staging: Any, error: BaseException | None) -> None:
+                      corruption: Corruption | None, staging: Any, error: BaseException | None) -> None:
         """One piece of a chunked handoff landed (or failed), on whatever thread the pull port reports from."""
         trailer = isinstance(piece, Trailer)
+        if error is None and corruption is not None:
+            staging = corruption.landed(staging, self.kv.corrupt)
         plan: ChunkPlan = pulls.plan
         value = staging
         if error is None and trailer:  # the trailer is read here (first token, checksums), its array let go at once

@@ -12,8 +12,8 @@ tells drills from real failures. Variables (probabilities are in [0, 1], per att
 | ``FSM_PD_FAULT_DELAY_MESSAGE_S`` and ``FSM_PD_FAULT_DELAY_MESSAGE_P`` (default 1) | send it that much later |
 | ``FSM_PD_FAULT_MESSAGES`` | which kinds the two above touch, e.g. ``READY,PULLED`` (default: all) |
 | ``FSM_PD_FAULT_PULL_DELAY_S`` | hold each pull back this long (a slow decode or link) |
-| ``FSM_PD_FAULT_CORRUPT_PULL`` | flip one byte of a pulled KV entry as it lands on the decode node (the wire corrupted
-  it; the KV checksum must catch it: ``effects/checksums.py``) |
+| ``FSM_PD_FAULT_CORRUPT_PULL`` | flip one byte of a pulled KV entry on the decode node, before it is written into
+  its pages (the wire corrupted it; the KV checksum must catch it: ``effects/checksums.py``); any backend |
 | ``FSM_PD_FAULT_CRASH_AT`` | ``os._exit`` the process the first time it reaches that point (``CRASH_POINTS``) |
 | ``FSM_PD_FAULT_SEED`` | seed of the dice, for repeatable drills |
 | ``FSM_PD_FAULT_PAUSE_FILE`` | nothing is injected while this file exists (warm up first; end a drill live) |
@@ -228,26 +228,9 @@ class Faults:
     def pull_delay_s(self) -> float:
         return 0.0 if self.paused else self.config.pull_delay_s
 
-    def corrupting(self, on_progress: OnProgress | None) -> OnProgress | None:
-        """For one pulled KV entry: with probability ``FSM_PD_FAULT_CORRUPT_PULL``, a progress hook that flips one
-        byte of it as it lands (XOR 0xFF of the second-highest byte of its first element: a value off by a power of
-        two or more, on the first page's first layer), before ``on_progress`` (if any) sees it; else
-        ``on_progress`` itself."""
-        if not self._roll(self.config.corrupt_pull):
-            return on_progress
-        flipped = [False]
-
-        def report(index: int, host: Any, landed: int) -> None:
-            byte = host.dtype.itemsize - 2 if host.dtype.itemsize > 1 else 0
-            if not flipped[0] and landed > byte:
-                flipped[0] = True
-                host.reshape(-1).view("uint8")[byte] ^= 0xFF
-                self._count("corrupt_pull")
-                log.info("fault injection flipped byte %d of a pulled KV entry", byte)
-            if on_progress is not None:
-                on_progress(index, host, landed)
-
-        return report
+    def corrupting(self) -> Corruption | None:
+        """For one pulled KV entry: with probability ``FSM_PD_FAULT_CORRUPT_PULL``, its ``Corruption``."""
+        return Corruption(self) if self._roll(self.config.corrupt_pull) else None
 
     def crash(self, point: str) -> None:
         """Exit at once, without cleanup (like SIGKILL), if ``FSM_PD_FAULT_CRASH_AT`` names ``point``."""
@@ -264,3 +247,44 @@ class Faults:
     def counters(self) -> dict:
         with self._lock:
             return dict(self.injected)
+
+
+class Corruption:
+    """One pulled KV entry that ``FSM_PD_FAULT_CORRUPT_PULL`` corrupts: one byte flipped (XOR 0xFF of the
+    second-highest byte of its first element: a value off by a power of two or more, on the first page's first
+    layer), once, before anything is written into the decode node's pages from it.
+
+    Where: in the entry's arrays as the pull hands them over (``landed``, through the pool port's ``corrupt``: on
+    the array's device, so on every backend), or, where a streamed write consumes the bytes as they land (a
+    progressive backend into a pool on the CPU), in those bytes before the stream sees them (``hook``): the layers a
+    stream writes during the pull would otherwise come from bytes the flip never reached."""
+
+    def __init__(self, faults: Faults) -> None:
+        self.faults = faults
+        self.flipped = False
+
+    def hook(self, on_progress: OnProgress) -> OnProgress:
+        """The stream's progress hook, the byte flipped in the landed host bytes first."""
+
+        def report(index: int, host: Any, landed: int) -> None:
+            byte = host.dtype.itemsize - 2 if host.dtype.itemsize > 1 else 0
+            if not self.flipped and landed > byte:
+                self.flipped = True
+                host.reshape(-1).view("uint8")[byte] ^= 0xFF
+                self._done(f"byte {byte} as it landed")
+            on_progress(index, host, landed)
+
+        return report
+
+    def landed(self, staging: Any, corrupt: Callable[[Any], Any]) -> Any:
+        """The pulled array to write: ``corrupt(staging)`` (the pool port's), unless the hook flipped it already."""
+        if self.flipped:
+            return staging
+        self.flipped = True
+        staging = corrupt(staging)
+        self._done("the first element's byte in the pulled array")
+        return staging
+
+    def _done(self, what: str) -> None:
+        self.faults._count("corrupt_pull")
+        log.info("fault injection flipped %s of a pulled KV entry", what)

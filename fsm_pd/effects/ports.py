@@ -121,6 +121,10 @@ class PrefillKV(Protocol):
         """Whether this pool's KV can be checksummed here (``sent_checksum`` gives values, not None): where it
         cannot, a handoff announces and publishes no checksum at all."""
 
+    @property
+    def checksum_algorithm(self) -> str | None:
+        """The name of the function ``sent_checksum`` computes (READY announces it with the values)."""
+
     def publish_while_gathering(self, owner: Any, transfer: PublishPort, uuid: int, pages: list[int],
                                 hold_timeout_s: float, on_published: Callable[[int], None]) -> None: ...
 
@@ -163,6 +167,14 @@ class DecodeKV(Protocol):
     def received_checksum(self, owner: Any, pages: list[int], plan: Any) -> list[list[int]] | None:
         """Model thread, after the handoff's writes into ``pages``: the checksum of what they hold now, in the order
         ``PrefillKV.sent_checksum`` uses (``plan``'s destination slots); None where this pool is not checksummed."""
+
+    @property
+    def checksum_algorithm(self) -> str | None:
+        """The name of the function ``received_checksum`` computes: P's values are compared only if they name it."""
+
+    def corrupt(self, staging: Any) -> Any:
+        """``FSM_PD_FAULT_CORRUPT_PULL``: a pulled array with one byte flipped, wherever it lives (the given one is
+        let go)."""
 
 
 class Admission(Protocol):

@@ -24,7 +24,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from fsm_pd.effects import EffectError, EffectInterpreter
-from fsm_pd.effects.checksums import trailer_words
+from fsm_pd.effects.checksums import DEFAULT_ALGORITHM, trailer_words
 from fsm_pd.effects.chunked import ChunkPlan, streams
 from fsm_pd.effects.outbox import Outbox
 from fsm_pd.machines.effect_types import GatherAndPublish, ReleaseStaging, Send
@@ -208,6 +208,8 @@ class PrefillEffects:
                    sums: list[list[int]] | None = None, **chunked: int) -> None:
         self.faults.crash("after_publish")
         payload = {"uuid": uuid, "transfer_addr": self.transfer.address, "rows": int(rows), **chunked}
+        if sums is not None or chunked.get("checksum_entry") or chunked.get("chunk_checksums"):
+            payload["kv_checksum_algorithm"] = self.kv.checksum_algorithm  # journaled: READY names it
         if sums is not None:  # journaled: READY carries it (one crc32c per piece and layer)
             payload["kv_checksum"] = sums
         if pieces > 1:  # journaled: how many pieces (uuids from piece_uuid(uuid, 0)) the decode node pulls
@@ -239,7 +241,8 @@ class PrefillEffects:
                                 top_logprobs=ctx.get("top_logprobs"), cached_tokens=ctx.get("cached_tokens", 0),
                                 chunks=ctx.get("chunks", 0), chunk_pages=ctx.get("chunk_pages", 0),
                                 kv_checksum=ctx.get("kv_checksum"), chunk_checksums=bool(ctx.get("chunk_checksums")),
-                                checksum_entry=bool(ctx.get("checksum_entry")))
+                                checksum_entry=bool(ctx.get("checksum_entry")),
+                                kv_checksum_algorithm=ctx.get("kv_checksum_algorithm", DEFAULT_ALGORITHM))
         elif effect.kind == "ABORT":
             msg = channel.stamp(Abort, room=room.room, reason=room.reason or "aborted")
         else:

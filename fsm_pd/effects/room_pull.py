@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsm_pd.effects.checksums import read_trailer
 from fsm_pd.effects.chunked import TRAILER_WORDS, Trailer
-from fsm_pd.effects.faults import InjectedFault
+from fsm_pd.effects.faults import Corruption, InjectedFault
 from fsm_pd.effects.pulls import DecodePart, Pulls, report_pull_error
 from fsm_pd.transport.reshard import Piece, ReshardPlan, piece_uuid, plan_between
 
@@ -50,10 +50,13 @@ class RoomPull(DecodePart):
             except InjectedFault as exc:
                 self._piece_pulled(node, room_id, pulls, piece, None, exc)
                 return
-            done = partial(self._piece_pulled, node, room_id, pulls, piece)
+            corruption = self.faults.corrupting()
+            done = partial(self._piece_pulled, node, room_id, pulls, piece, corruption)
+            on_progress = None if stream is None else stream.on_progress
+            if corruption is not None and on_progress is not None:  # the stream writes as the bytes land
+                on_progress = corruption.hook(on_progress)
             self.puller.pull(ctx["transfer_addr"], piece_uuid(int(ctx["uuid"]), piece.index), len(pages),
-                             float(ctx["deadlines"]["transfer"]), done=done,
-                             on_progress=self.faults.corrupting(None if stream is None else stream.on_progress),
+                             float(ctx["deadlines"]["transfer"]), done=done, on_progress=on_progress,
                              delay_s=self.faults.pull_delay_s, piece=piece)
         if entry:  # the checksum, published once P has computed it (meanwhile the pull waits on P, like a chunk's)
             layers = int(self.layout["num_layers"])
@@ -83,10 +86,12 @@ class RoomPull(DecodePart):
         elif self.book.land(room_id, pulls, len(pulls.plan.pieces), sums):
             self._room_pulled(node, room_id, pulls)
 
-    def _piece_pulled(self, node: Node, room_id: int, pulls: Pulls, piece: Piece, staging: Any,
-                      error: BaseException | None) -> None:
+    def _piece_pulled(self, node: Node, room_id: int, pulls: Pulls, piece: Piece, corruption: Corruption | None,
+                      staging: Any, error: BaseException | None) -> None:
         """One piece's result, on whatever thread the pull port reports from."""
         plan: ReshardPlan = pulls.plan
+        if error is None and corruption is not None:
+            staging = corruption.landed(staging, self.kv.corrupt)
         if error is not None:  # the first piece to fail fails the room's pull
             for array in self.book.fail(room_id, pulls) or ():  # pieces that landed before it will never be scattered
                 self.kv.discard(array)

@@ -12,7 +12,16 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from fsm_pd.effects.checksums import MISSING, OFF, UNCHECKED, VERIFIED, ChecksumMismatch, mismatch
+from fsm_pd.effects.checksums import (
+    DEFAULT_ALGORITHM,
+    MISSING,
+    OFF,
+    OTHER_ALGORITHM,
+    UNCHECKED,
+    VERIFIED,
+    ChecksumMismatch,
+    mismatch,
+)
 from fsm_pd.effects.chunked import ChunkPlan
 from fsm_pd.effects.pulls import DecodePart, pages_to_receive
 from fsm_pd.transport.reshard import ReshardPlan, plan_between
@@ -42,6 +51,11 @@ class ScatterAndVerify(DecodePart):
         if self.kv_checksum and expected is None:
             log.info("room %d: no KV checksum from the prefill node (its --kv-checksum is off, or its pool is not "
                      "checksummed): the handoff is not verified", room_id)
+        theirs, ours = room.ctx.get("kv_checksum_algorithm", DEFAULT_ALGORITHM), self.kv.checksum_algorithm
+        foreign = expected is not None and theirs != ours  # values we cannot compare: neither a pass nor a mismatch
+        if foreign:
+            log.warning("room %d: the prefill node's KV checksum is %s, ours %s: the handoff is not verified",
+                        room_id, theirs, ours)
 
         def write(owner: Any) -> str:
             try:
@@ -54,6 +68,8 @@ class ScatterAndVerify(DecodePart):
             finally:
                 for piece in pieces:
                     self.kv.discard(piece)
+            if foreign:
+                return OTHER_ALGORITHM
             return self._verify(owner, pages, plan, chunks, expected, stream if streamed else None)
 
         def done(future) -> None:

@@ -12,7 +12,8 @@ overwritten after it was written) shows as a mismatch (``docs/data-plane.md``, "
 
 On a CPU device a layer's NumPy view is zero-copy, so the crc reads the pool in place at about the speed of a copy
 (crc32c uses the CPU's crc32 instruction: 25 GB/s on the dev VM). On an accelerator that would be a device-to-host
-copy of every page, so ``pool_checksums`` returns None there and the handoff goes unchecked (counted on D).
+copy of every page, so there the value is another function of the same bytes, computed on the device
+(``kv_hash.py``, ``kvmix32``); ``algorithm_for`` says which a pool uses, and the name travels with the values.
 
 Views of the pool must not outlive the caller's model-thread job (a view alive across the next step's donation makes
 XLA copy the pool): they are taken and dropped inside ``pool_checksums``, also when it raises.
@@ -21,6 +22,7 @@ XLA copy the pool): they are taken and dropped inside ``pool_checksums``, also w
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -29,14 +31,27 @@ from typing import Any
 import crc32c
 import numpy as np
 
+from fsm_pd.kernels import kv_hash
 from fsm_pd.kernels.layout import slot_lanes
 
-ALGORITHM = "crc32c"
+CRC32C = "crc32c"
+ALGORITHMS = (CRC32C, kv_hash.ALGORITHM)
+# a pool on CPU devices: which of the two to use (default crc32c); the tests set it to cover the device hash here
+ALGORITHM_ENV = "FSM_PD_KV_CHECKSUM_ALGORITHM"
 
 log = logging.getLogger(__name__)
 
 # (shard, first slot within the shard, slot count): the slots one piece of a handoff moves
 Part = tuple[int, int, int]
+
+
+def algorithm_for(on_cpu: bool, environ: Any = os.environ) -> str:
+    """The checksum a pool uses: crc32c on the host for a pool on CPU devices (unless ``ALGORITHM_ENV`` names the
+    device hash), the device hash (``kv_hash``) on an accelerator, whatever the variable says."""
+    name = environ.get(ALGORITHM_ENV, "").strip() or CRC32C
+    if name not in ALGORITHMS:
+        raise ValueError(f"{ALGORITHM_ENV}={name!r}: known algorithms are {', '.join(ALGORITHMS)}")
+    return name if on_cpu else kv_hash.ALGORITHM
 
 
 def layer_shards(layer: Any) -> list[Any] | None:
@@ -50,9 +65,13 @@ def layer_shards(layer: Any) -> list[Any] | None:
 
 
 def pool_checksums(pool: Sequence[Any], pages: Sequence[int], parts: Sequence[Part],
-                   head_dim: int) -> list[list[int]] | None:
-    """``[part][layer]`` crc32c of ``pages`` of ``pool`` (one array per layer), or None where the pool is not on
-    CPU devices. Run it on the thread that owns the pool (a model-thread job)."""
+                   head_dim: int, algorithm: str = CRC32C) -> list[list[int]] | None:
+    """``[part][layer]`` checksum of ``pages`` of ``pool`` (one array per layer): crc32c (None where the pool is not
+    on CPU devices) or the device hash. Run it on the thread that owns the pool (a model-thread job)."""
+    if algorithm == kv_hash.ALGORITHM:
+        return kv_hash.device_checksums(pool, pages, parts, head_dim)
+    if algorithm != CRC32C:
+        raise ValueError(f"unknown KV checksum algorithm {algorithm!r}")
     out: list[list[int]] = [[] for _ in parts]
     for layer in pool:
         shards = layer_shards(layer)

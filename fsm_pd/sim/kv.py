@@ -215,6 +215,7 @@ class SimKV:
         return self.progressive
 
     summed = True  # the simulated pool's tokens are always summed
+    checksum_algorithm = "sim"  # both sides' tokens: READY names it as it names a real one
 
     def publish_while_gathering(self, owner: Any, transfer: Any, uuid: int, pages: list[int], hold_timeout_s: float,
                                 on_published: Callable[[int], None]) -> None:
@@ -255,6 +256,12 @@ class SimKV:
         self.ledger.free(staging.kind, staging.key, by="the handler discarding it")
 
     # --- decode ---
+    def corrupt(self, staging: SimBuffer) -> SimBuffer:
+        """As ``JaxKV.corrupt`` (only ``FSM_PD_FAULT_CORRUPT_PULL`` calls it; the simulation's faults are its
+        ``FaultPlan``'s): the first page's tag changed."""
+        staging.content = (f"corrupted ({staging.content[0]})", *staging.content[1:])
+        return staging
+
     def read_trailer(self, staging: SimBuffer) -> list[int]:
         return list(staging.words)
 

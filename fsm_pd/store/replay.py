@@ -225,14 +225,17 @@ def _chunks(trigger: str, event: dict) -> str | None:
 # What a failed KV checksum means (``fsm_pd/effects/checksums.py``), for ``why``.
 CHECKSUM_EXPLAINED = (
     "the KV in the decode node's pages after the handoff is not what the prefill node computed when it was final "
-    "(crc32c per piece and layer): corrupted on the wire, read from a prefill page that was reused while it was "
-    "sent, or overwritten in the decode node's pool before its first decode step; no token was decoded from it, "
-    "and the decode node recomputed the prompt (--on-transfer-failure recompute) or failed the request (fail)")
+    "(crc32c, or kvmix32 on an accelerator, per piece and layer): corrupted on the wire, read from a prefill page "
+    "that was reused while it was sent, or overwritten in the decode node's pool before its first decode step; no "
+    "token was decoded from it, and the decode node recomputed the prompt (--on-transfer-failure recompute) or failed "
+    "the request (fail)")
 CHECKSUM_OUTCOMES = {
     "verified": "kv checksum verified",
     "missing": "kv checksum not verified: none from the prefill node (its --kv-checksum off, or its pool is not "
                "checksummed)",
-    "unchecked": "kv checksum not verified: this node's pool is not checksummed (on an accelerator)",
+    "other_algorithm": "kv checksum not verified: the prefill node's values are of another algorithm than this "
+                       "node's (crc32c on a CPU pool, kvmix32 on an accelerator)",
+    "unchecked": "kv checksum not verified: this node's pool is not checksummed",
     "off": "kv checksum not verified: --kv-checksum off",
 }
 
@@ -241,7 +244,8 @@ def _checksum(trigger: str, event: dict) -> str | None:
     """The KV checksum of a handoff: what P announced (``published``), and what D found (``scattered``)."""
     sums = event.get("kv_checksum")
     if trigger in ("published", "pulled") and isinstance(sums, list) and sums:
-        return f"kv checksum: crc32c of {len(sums)} piece(s) x {len(sums[0])} layers"
+        algorithm = event.get("kv_checksum_algorithm", "crc32c")
+        return f"kv checksum: {algorithm} of {len(sums)} piece(s) x {len(sums[0])} layers"
     if trigger == "scattered":
         return CHECKSUM_OUTCOMES.get(event.get("kv_checksum_check"))
     return None

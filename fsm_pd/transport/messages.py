@@ -210,6 +210,9 @@ class Ready(_Message):
     # A whole handoff sent while it is checksummed (a progressive backend, one piece): the checksum follows the data
     # as one more entry of the transfer (``piece_uuid(uuid, 1)``, a trailer's words), instead of ``kv_checksum``.
     checksum_entry: bool = False
+    # What the values (wherever they travel) are: "crc32c" (a pool on CPU devices) or "kvmix32" (the device hash,
+    # kernels/kv_hash.py). D compares them only with its own values of the same algorithm.
+    kv_checksum_algorithm: str = "crc32c"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -12,6 +12,8 @@ import pd_harness
 import pytest
 from pd_harness import LARGE, assert_replay_consistent, final, transfer
 
+from fsm_pd.kernels.kv_checksum import ALGORITHM_ENV
+from fsm_pd.kernels.kv_hash import ALGORITHM as DEVICE_HASH
 from fsm_pd.store import read_journal
 from fsm_pd.store.replay import CHECKSUM_EXPLAINED
 
@@ -20,10 +22,13 @@ CORRUPT = {"FSM_PD_FAULT_CORRUPT_PULL": "1"}
 PAGES = list(range(40, 104))  # 64 pages of 128 KiB over all layers: 8 MiB, several frames
 
 
-@pytest.mark.parametrize("check", ["on", "off"])
+@pytest.mark.parametrize("check", ["on", "off", f"on-{DEVICE_HASH}"])
 def test_a_byte_flipped_on_the_wire(cluster, check):
-    p = cluster("prefill", "tcp", LARGE)
-    d = cluster("decode", "tcp", LARGE, env=CORRUPT, kv_checksum=check == "on")
+    """``on-kvmix32``: both nodes checksum with the device hash (an accelerator pool's), computed on the CPU here."""
+    check, _, algorithm = check.partition("-")
+    env = {ALGORITHM_ENV: algorithm} if algorithm else {}
+    p = cluster("prefill", "tcp", LARGE, env=env)
+    d = cluster("decode", "tcp", LARGE, env={**CORRUPT, **env}, kv_checksum=check == "on")
     transfer(p, d, 1, PAGES)
     outcome = d("wait", room=1, timeout=60)
     assert p("wait", room=1, timeout=60)["state"] == outcome["state"]
@@ -40,6 +45,7 @@ def test_a_byte_flipped_on_the_wire(cluster, check):
     published = next(r for r in read_journal(p.journal) if r.room == 1 and r.trigger == "published").event
     # P sums only for a decode node that checks (PREPARE says so); over tcp the values follow the data as an entry
     assert published.get("checksum_entry") == (1 if check == "on" else None) and "kv_checksum" not in published
+    assert published.get("kv_checksum_algorithm") == ((algorithm or "crc32c") if check == "on" else None)
     if check == "on":
         assert all(CHECKSUM_EXPLAINED in r.why for r in result.rooms if r.room == 1)
 

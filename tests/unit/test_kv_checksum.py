@@ -11,6 +11,7 @@ import threading
 
 import crc32c
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -154,19 +155,21 @@ one, two = layout(1), layout(2)
 pool = pool_of(one)  # the same logical KV on P (split over 2 devices) and on D (one device)
 mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
 split = tuple(jax.device_put(layer, NamedSharding(mesh, two.pool_spec())) for layer in pool)
-plan = plan_reshard(4, 2, 1)
-pages = [3, 9, 4]
-sent = pool_checksums(split, pages, [(p.src, p.src_slot, p.count) for p in plan.pieces], 8)
-got = pool_checksums(pool, pages, [(p.dst, p.dst_slot, p.count) for p in plan.pieces], 8)
-assert len(sent) == len(plan.pieces) == 2 and sent == got, (sent, got)
-back = pool_checksums(split, pages, [(p.dst, p.dst_slot, p.count) for p in plan_reshard(4, 1, 2).pieces], 8)
-assert back == pool_checksums(pool, pages, [(p.src, p.src_slot, p.count) for p in plan_reshard(4, 1, 2).pieces], 8)
+plan, pages, parts = plan_reshard(4, 2, 1), [3, 9, 4], lambda plan, side: [side(p) for p in plan.pieces]
+src, dst = (lambda p: (p.src, p.src_slot, p.count)), (lambda p: (p.dst, p.dst_slot, p.count))
+for algorithm in ("crc32c", "kvmix32"):  # the host's crc and the device hash (kernels/kv_hash.py)
+    sent = pool_checksums(split, pages, parts(plan, src), 8, algorithm)
+    got = pool_checksums(pool, pages, parts(plan, dst), 8, algorithm)
+    assert len(sent) == len(plan.pieces) == 2 and sent == got, (algorithm, sent, got)
+    back = pool_checksums(split, pages, parts(plan_reshard(4, 1, 2), dst), 8, algorithm)
+    assert back == pool_checksums(pool, pages, parts(plan_reshard(4, 1, 2), src), 8, algorithm), algorithm
 print("tp ok")
 """
 
 
 def test_split_pools_agree_piece_by_piece_across_a_reshard():
-    """P split over 2 devices, D over 1 (and back): each piece's values are the same on both sides."""
+    """P split over 2 devices, D over 1 (and back): each piece's values are the same on both sides, crc32c and the
+    device hash alike."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.path.dirname(__file__) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     result = subprocess.run([sys.executable, "-c", TP_CHECK], env=env, capture_output=True, text=True, timeout=300)
@@ -206,10 +209,25 @@ def test_corrupt_pull_flips_one_byte_of_an_entry_once():
     assert config.corrupt_pull == 1.0 and config.enabled and config.describe() == {"corrupt_pull": 1.0}
     with pytest.raises(ValueError, match="CORRUPT_PULL"):
         FaultConfig.from_env({"FSM_PD_FAULT_CORRUPT_PULL": "2"})
+    faults = Faults(config, role="decode")
+    # a stream writes the bytes as they land: flipped there, once, before the stream sees them
     seen = []
-    hook = Faults(config, role="decode").corrupting(lambda index, host, n: seen.append(n))
+    corruption = faults.corrupting()
+    hook = corruption.hook(lambda index, host, n: seen.append(n))
     host = np.zeros(8, np.float32)
     hook(0, host, 4)
     hook(0, host, 32)
     assert seen == [4, 32] and np.count_nonzero(host.view(np.uint8)) == 1 and host[0] != 0 and not host[1:].any()
-    assert Faults(FaultConfig(), role="decode").corrupting(None) is None  # off: the pull's own hook, untouched
+    assert corruption.landed(host, pytest.fail) is host  # flipped as it landed: not again
+    # no stream (any backend): the pulled array flipped where it lives, the same byte as the hook's
+    from fsm_pd.control.jax_kv import JaxKV
+
+    kv = JaxKV(layout(), None, progressive=False)
+    for dtype, byte in ((np.float32, 2), (jnp.bfloat16, 0)):
+        pulled = jax.device_put(np.zeros((2, 3, 4, 8), dtype))
+        landed = np.asarray(faults.corrupting().landed(pulled, kv.corrupt))
+        flat = landed.reshape(-1).view(np.uint8)
+        assert landed.shape == pulled.shape and landed.dtype == pulled.dtype
+        assert np.flatnonzero(flat).tolist() == [byte] and flat[byte] == 0xFF
+    assert faults.counters()["corrupt_pull"] == 3
+    assert Faults(FaultConfig(), role="decode").corrupting() is None  # off: no corruption

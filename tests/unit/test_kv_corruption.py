@@ -17,6 +17,9 @@ its own look at both pools (``Look``), independent of the handlers' decision.
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import jax
 import numpy as np
 import pytest
@@ -27,6 +30,8 @@ from test_serving_pd import assert_idle, pd_request
 from test_transfer_recompute import both, final_rows
 
 from fsm_pd.effects.faults import FaultConfig, Faults
+from fsm_pd.kernels.kv_checksum import ALGORITHM_ENV
+from fsm_pd.kernels.kv_hash import ALGORITHM as DEVICE_HASH
 from fsm_pd.model.loader import load_model
 from fsm_pd.serving.decode_engine import DecodeEngine
 from fsm_pd.serving.prefill_engine import PrefillEngine
@@ -54,6 +59,10 @@ class Look:
         self.clean: list = []
         self.landed: list = []
         self.overwrite = False  # overwrite the room's first page after the real operation, in the same job
+        self.streams = True  # False: D writes each handoff whole after its pull, never as it lands
+
+    def stream(self, pages):
+        return self.kv.stream(pages) if self.streams else None
 
     def __getattr__(self, name):
         return getattr(self.kv, name)
@@ -88,18 +97,24 @@ def overwrite(owner, page: int) -> None:
     owner.pool = type(owner.pool)(layers)
 
 
-@pytest.fixture(scope="module", params=["on", "off"])
+@pytest.fixture(scope="module", params=["on", "off", f"on-{DEVICE_HASH}"])
 def pair(request, model, tmp_path_factory):
-    """P with the checksum on; D with it ``on`` or ``off``; tcp between them; both pools watched."""
+    """P with the checksum on; D with it ``on`` or ``off``; tcp between them; both pools watched. ``on-kvmix32``:
+    both nodes checksum with the device hash (``kernels/kv_hash.py``, what a pool on an accelerator uses) instead of
+    crc32c, here on the CPU."""
+    setting, _, algorithm = request.param.partition("-")
     tmp = tmp_path_factory.mktemp(f"corrupt-{request.param}")
-    # no prefix cache on P: a page overwritten in case (c) must not be served again from the cache
-    p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="tcp", journal=str(tmp / "p.db"),
-                      radix_cache=False, **node_sockets(tmp, "p", bootstrap=True))
-    d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="tcp", secret=p.secret,
-                     journal=str(tmp / "d.db"), kv_checksum=request.param == "on", **node_sockets(tmp, "d"))
+    with mock.patch.dict(os.environ, {ALGORITHM_ENV: algorithm}):  # read as each node starts
+        # no prefix cache on P: a page overwritten in case (c) must not be served again from the cache
+        p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="tcp", journal=str(tmp / "p.db"),
+                          radix_cache=False, **node_sockets(tmp, "p", bootstrap=True))
+        d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="tcp", secret=p.secret,
+                         journal=str(tmp / "d.db"), kv_checksum=setting == "on", **node_sockets(tmp, "d"))
+    for node in (p, d):
+        assert node.manager.effects.kv.checksum_algorithm == (algorithm or "crc32c")
     p.manager.effects.kv = Look(p.manager.effects.kv, p.manager.effects.layout, p.manager.model)
     d.manager.effects.kv = Look(d.manager.effects.kv, d.manager.effects.layout, d.manager.model)
-    yield request.param, p, d
+    yield setting, p, d
     d.close()
     p.close()
 
@@ -152,13 +167,24 @@ def assert_outcome(setting, p, d, want, answers, requests):
     assert_idle(p, d)
 
 
-def test_a_byte_flipped_on_the_wire(pair):
+@pytest.fixture(params=["streamed", "whole"])
+def written(request, pair):
+    """How D writes the pulled KV: ``streamed`` as it lands (the fault flips a byte in the landed host bytes, before
+    the stream writes them), or ``whole`` after the pull (the fault flips it in the pulled array, on its device: how
+    it acts on every backend, ``Faults.Corruption``)."""
+    d = pair[2]
+    d.manager.effects.kv.streams = request.param == "streamed"
+    yield request.param
+    d.manager.effects.kv.streams = True
+
+
+def test_a_byte_flipped_on_the_wire(pair, written):
     setting, p, d = pair
-    want, recomputed = checked(p, d, "wire-clean")
+    want, recomputed = checked(p, d, f"wire-clean-{written}")
     assert recomputed == [None] * len(PROMPTS)
     d.manager.effects.faults = Faults(FaultConfig(corrupt_pull=1.0), role="decode")
     try:
-        answers, requests = serve(p, d, "wire")
+        answers, requests = serve(p, d, f"wire-{written}")
     finally:
         injected = d.manager.effects.faults.counters().get("corrupt_pull", 0)
         d.manager.effects.faults = Faults(role="decode")
@@ -220,3 +246,30 @@ def test_a_pool_that_cannot_be_summed_announces_and_publishes_no_checksum(pair):
     rooms = {r.bootstrap.room for r in requests}
     events = [row.event for row in read_journal(d.manager.journal.url) if row.room in rooms]
     assert not [e for e in events if "checksum_entry" in e or e.get("kv_checksum")]
+
+
+def test_values_of_another_algorithm_are_not_compared(pair):
+    """P checksums with the other algorithm (a CPU prefill node beside an accelerator decode node): READY names it,
+    and D neither verifies nor fails the handoff: ``other_algorithm``, logged and counted, the request served from
+    the KV it pulled."""
+    setting, p, d = pair
+    if setting == "off":
+        return  # D's outcome is "off" whatever P sends
+    jax_kv = p.manager.effects.kv.kv
+    ours = jax_kv.checksum_algorithm
+    count = lambda outcome: d.manager.metrics.registry.get_sample_value(  # noqa: E731
+        "fsm_pd_kv_checksums_total", {"role": "decode", "node": "decode-0", "outcome": outcome}) or 0
+    before = {outcome: count(outcome) for outcome in ("other_algorithm", "verified", "mismatch")}
+    other = "crc32c" if ours == DEVICE_HASH else DEVICE_HASH
+    jax_kv._algorithm = other
+    try:
+        answers, requests = serve(p, d, "other-algorithm")
+    finally:
+        jax_kv._algorithm = ours
+    assert all(a[-1].meta.get("kv_recompute") is None for a in answers)
+    assert count("other_algorithm") == before["other_algorithm"] + len(PROMPTS)
+    assert (count("verified"), count("mismatch")) == (before["verified"], before["mismatch"])
+    rooms = {r.bootstrap.room for r in requests}
+    rows = [row for row in read_journal(d.manager.journal.url) if row.room in rooms]
+    assert {row.event["kv_checksum_algorithm"] for row in rows if row.trigger == "kv_published"} == {other}
+    assert {row.event["kv_checksum_check"] for row in rows if row.trigger == "scattered"} == {"other_algorithm"}

@@ -4,6 +4,10 @@ room naming the chunk piece, and D's recompute serves the undisturbed greedy tok
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
+import pytest
 from node_sockets import node_sockets
 from on_chip import engines_on_cpu
 from test_chunk_transfers import long_prompt
@@ -14,6 +18,8 @@ from test_serving_pd import assert_idle, pd_request
 from test_transfer_recompute import both
 
 from fsm_pd.effects.faults import FaultConfig, Faults
+from fsm_pd.kernels.kv_checksum import ALGORITHM_ENV
+from fsm_pd.kernels.kv_hash import ALGORITHM as DEVICE_HASH
 from fsm_pd.serving.decode_engine import DecodeEngine
 from fsm_pd.serving.prefill_engine import PrefillEngine
 from fsm_pd.store import read_journal
@@ -22,11 +28,15 @@ from fsm_pd.store import read_journal
 pytestmark = engines_on_cpu("the KV checksum is taken")
 
 
-def test_a_byte_flipped_in_a_chunk_piece_is_caught(model, tmp_path):  # noqa: F811 - the fixture
-    p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="tcp", journal=str(tmp_path / "p.db"),
-                      chunked_prefill_size=CHUNK, radix_cache=False, **node_sockets(tmp_path, "p", bootstrap=True))
-    d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="tcp", secret=p.secret,
-                     journal=str(tmp_path / "d.db"), **node_sockets(tmp_path, "d"))
+@pytest.mark.parametrize("algorithm", ["crc32c", DEVICE_HASH])
+def test_a_byte_flipped_in_a_chunk_piece_is_caught(model, tmp_path, algorithm):  # noqa: F811 - the fixture
+    """With crc32c (a CPU pool's) and with the device hash (an accelerator pool's, computed here on the CPU)."""
+    with mock.patch.dict(os.environ, {ALGORITHM_ENV: algorithm}):  # read as each node starts
+        p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="tcp", journal=str(tmp_path / "p.db"),
+                          chunked_prefill_size=CHUNK, radix_cache=False,
+                          **node_sockets(tmp_path, "p", bootstrap=True))
+        d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="tcp", secret=p.secret,
+                         journal=str(tmp_path / "d.db"), **node_sockets(tmp_path, "d"))
     try:
         prompt = long_prompt(model.tokenizer)
         clean_req = pd_request(p, "chunked-clean", prompt, max_new_tokens=6)
@@ -46,3 +56,4 @@ def test_a_byte_flipped_in_a_chunk_piece_is_caught(model, tmp_path):  # noqa: F8
     pulled = rows[(clean_req.bootstrap.room, "pulled")].event
     assert len(pulled["chunks"]) > 1 and len(pulled["kv_checksum"]) == len(pulled["chunks"])  # one per piece
     assert rows[(clean_req.bootstrap.room, "scattered")].event["kv_checksum_check"] == "verified"
+    assert rows[(clean_req.bootstrap.room, "kv_published")].event["kv_checksum_algorithm"] == algorithm
