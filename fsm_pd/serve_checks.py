@@ -78,6 +78,9 @@ def _node_problems(args: argparse.Namespace, secret: bool):
         yield writable_problem("--compile-cache", args.compile_cache, directory=True)
     if args.role == "colocated":
         return
+    if args.role in ("prefill", "decode") and args.transfer_backend == "device":
+        yield ("--transfer-backend device: it hands KV between the two engines of one process; a prefill or decode "
+               "node of its own needs tcp, zmq or jax (or run both engines in one process: --role pd)")
     if secret:
         yield _secret_problem(args)
     if args.journal is None:
