@@ -307,11 +307,16 @@ def add_deadline_flags(parser: argparse.ArgumentParser, sides: Sequence[str]) ->
                                  f"naming this deadline (default: ${env}, else {defaults}; docs/operations.md, Waits)")
 
 
+# the router's --pd-policy modes and --local-prefill-max-tokens default (router/policy.py: MODES,
+# DEFAULT_LOCAL_PREFILL_MAX_TOKENS), written here because importing the router package imports its app, too heavy
+# for a command line that must fail in a second (tests/unit/test_serve_flag_checks.py holds them equal)
+PD_POLICIES = ("auto", "always", "never")
+DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 256
+
+
 def add_pd_flags(parser: argparse.ArgumentParser) -> None:
     """``--role pd``'s own: how the device's memory is split between the two engines' KV pools, and the router's
     policy."""
-    from fsm_pd.router.policy import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, MODES  # jax-free
-
     pools = parser.add_argument_group(
         "the two KV pools (both engines share the devices and the weights, loaded once)",
         "Each engine has its own KV pool. On an accelerator, by default the pools take KV_SHARE of the device memory "
@@ -330,7 +335,7 @@ def add_pd_flags(parser: argparse.ArgumentParser) -> None:
                             "pools take together, the rest kept for activations and programs: above 0, below 1 "
                             "(default 0.8)")
     router = parser.add_argument_group("the built-in router in front of the two engines (fsm-pd serve --role router)")
-    router.add_argument("--pd-policy", choices=MODES, default="auto",
+    router.add_argument("--pd-policy", choices=PD_POLICIES, default="auto",
                         help="which requests go through the prefill engine: auto (default): prompts over "
                              "--local-prefill-max-tokens, the rest are prefilled by the decode engine itself; always: "
                              "every request (each handoff a device transfer); never: none")

@@ -29,7 +29,7 @@ import threading
 from pathlib import Path
 
 from fsm_pd.serve_flags import DEADLINE_FLAGS, resolve_dtype
-from fsm_pd.unix_sockets import UnixPathError, check_path, node_socket, unix_address
+from fsm_pd.unix_sockets import UnixPathError, check_path, unix_address
 
 log = logging.getLogger("fsm_pd.serve")
 
@@ -242,7 +242,7 @@ def prepare_both(starts: dict, skip: bool) -> None:
             else:
                 compile_rest(engine, on_done=startup.background_done)
     except BaseException as exc:  # noqa: BLE001 - whatever it was, the process cannot serve: say so and exit
-        for engine, startup in starts.items():
+        for startup in starts.values():
             startup.mark_failed(f"{type(exc).__name__}: {exc}")
         log.exception("start-up failed; exiting")
         for engine in starts:

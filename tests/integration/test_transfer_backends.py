@@ -175,10 +175,8 @@ def pair(request, tmp_path_factory) -> tuple[Producer | InProcessProducer, Trans
     """A long-lived producer and this process's consumer backend, for tests that leave both healthy. The ``device``
     consumer is a backend of its own, as a decode engine's is beside its prefill engine's."""
     name = request.param
-    if name in IN_PROCESS:
-        producer = InProcessProducer(name)
-    else:
-        producer = start_producer(name, tmp_path_factory.mktemp("uds"))
+    in_process = name in IN_PROCESS
+    producer = InProcessProducer(name) if in_process else start_producer(name, tmp_path_factory.mktemp("uds"))
     consumer = producer.backend if name == "fake" else create_backend(OVER_UNIX.get(name, name))
     yield producer, consumer
     producer.close()

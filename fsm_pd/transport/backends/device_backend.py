@@ -34,7 +34,14 @@ from fsm_pd.transport.backends.base import (
     live_staging,
 )
 from fsm_pd.transport.backends.holds import Hold, HoldingBackend, HoldTable
-from fsm_pd.transport.backends.spec import array_keys, layout_digest, normalize_spec, spec_keys, summarize, verify_pulled
+from fsm_pd.transport.backends.spec import (
+    array_keys,
+    layout_digest,
+    normalize_spec,
+    spec_keys,
+    summarize,
+    verify_pulled,
+)
 from fsm_pd.transport.backends.timers import scheduler
 
 SCHEME = "device://"
