@@ -74,6 +74,20 @@ def samples(text: str, family: str) -> dict[tuple, float]:
     return found
 
 
+def settled(client, url: str, timeout_s: float = 10) -> str:
+    """The process's /metrics once neither engine holds a transfer entry: each was released when its room ended (a
+    hold that lingers would be a leak, ended only by its expiry a minute later)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = client.get(url + "/metrics").text
+        held = samples(text, "fsm_pd_open_transfer_entries")
+        assert len(held) == 2, held
+        if not any(held.values()) or time.monotonic() > deadline:
+            assert not any(held.values()), f"transfer entries still held: {held}"
+            return text
+        time.sleep(0.1)
+
+
 def stop(proc: subprocess.Popen) -> int:
     if proc.poll() is None:
         proc.terminate()
@@ -97,7 +111,7 @@ def test_pd_in_one_process_answers_as_colocated_with_device_transfers(tmp_path):
             with ThreadPoolExecutor(4) as pool:
                 want = list(pool.map(lambda ids: greedy(client, colocated_url, ids)[0], asked))
                 got = list(pool.map(lambda ids: greedy(client, pd_url, ids), asked))
-            metrics = client.get(pd_url + "/metrics").text
+            metrics = settled(client, pd_url)
     finally:
         assert stop(pd) == 0, (tmp_path / "pd.log").read_text()[-3000:]
         stop(colocated)
