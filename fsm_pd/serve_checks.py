@@ -78,12 +78,36 @@ def _node_problems(args: argparse.Namespace, secret: bool):
         yield writable_problem("--compile-cache", args.compile_cache, directory=True)
     if args.role == "colocated":
         return
+    if args.role == "pd":
+        yield from _pd_problems(args)
+        return
+    if args.role in ("prefill", "decode") and args.transfer_backend == "device":
+        yield ("--transfer-backend device: it hands KV between the two engines of one process; a prefill or decode "
+               "node of its own needs tcp, zmq or jax (or run both engines in one process: --role pd)")
     if secret:
         yield _secret_problem(args)
     if args.journal is None:
         yield writable_problem("--journal (default)", Path("journals") / f"{args.node_id}.db")
     elif "://" not in args.journal:
         yield writable_problem("--journal", args.journal)
+    if args.journal_max_rows < 0:
+        yield f"--journal-max-rows {args.journal_max_rows}: must be at least 0 (0: no cap)"
+    if args.journal_archive_dir:
+        yield writable_problem("--journal-archive-dir", args.journal_archive_dir, directory=True)
+
+
+def _pd_problems(args: argparse.Namespace):
+    """``--role pd``: its engines' links run over unix sockets (so a backend must run on one), one split of the
+    devices for both, and the journals' directory."""
+    from fsm_pd.unix_sockets import check_unix_backend
+
+    try:
+        check_unix_backend(args.transfer_backend)
+    except ValueError as exc:
+        yield f"--transfer-backend {args.transfer_backend}: {exc}"
+    if args.tp > 1:
+        yield f"--tp {args.tp}: --role pd runs both engines on one device for now (--tp 1)"
+    yield writable_problem("--journal-dir", args.journal_dir, directory=True)
     if args.journal_max_rows < 0:
         yield f"--journal-max-rows {args.journal_max_rows}: must be at least 0 (0: no cap)"
     if args.journal_archive_dir:

@@ -89,6 +89,10 @@ def serve_main(argv: Sequence[str]) -> int:
     if args.tp > 1:
         ask_for_host_devices(args.tp)
     open_devices_meanwhile()
+    if role == "pd":
+        from fsm_pd.serve_pd import run_pd
+
+        return run_pd(args)
     return run_node(args)
 
 

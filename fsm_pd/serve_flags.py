@@ -26,9 +26,12 @@ SERVE_HELP = """\
 - ``colocated``: prefill and decode in one process, no transfer (the baseline PD is measured against).
 - ``router``: the built-in PD router, with sglang-router's flags (``--prefill URL [BOOTSTRAP_PORT]``, ``--decode URL``).
 - ``bootstrap``: a standalone bootstrap server.
+- ``pd``: a prefill engine, a decode engine and the router in one process, for a host where one process at a time
+  may hold the accelerator (a TPU VM): both engines on the same devices, the KV handed over on the device
+  (``--transfer-backend device``), the router's API on ``--port`` or ``--uds`` (``serve_pd.py``, docs/tpu.md).
 """
 
-ROLES = ("prefill", "decode", "colocated", "router", "bootstrap")
+ROLES = ("prefill", "decode", "colocated", "router", "bootstrap", "pd")
 MODEL_ENV = "FSM_PD_MODEL"  # the default --model of serve and launch (the test suite sets it to "tiny")
 SKIP_WARMUP_ENV = "FSM_PD_SKIP_SERVER_WARMUP"  # the default of --skip-server-warmup
 DTYPES = ("auto", "float32", "bfloat16")
@@ -132,6 +135,16 @@ def one_line_errors(parser: argparse.ArgumentParser, prog: str = "fsm-pd serve")
 DEFAULT_PORTS = {"prefill": 30001, "decode": 30002}
 
 
+UDS_HELP = ("serve over unix sockets instead of TCP: the HTTP API on PATH (clients: curl --unix-socket PATH "
+            "http://localhost/...; routers: unix:PATH), and a prefill or decode node's side channel, transfer server "
+            "and bootstrap server on sockets beside it (for /run/p.sock: /run/p.side.sock, /run/p.kv.sock, "
+            "/run/p.bootstrap.sock); the node opens no TCP socket, and --host, --port, --bootstrap-port do not apply "
+            "(docs/operations.md, Serving over unix sockets)")
+PD_UDS_HELP = ("serve the router's HTTP API on this unix socket instead of --host/--port (clients: curl --unix-socket "
+               "PATH http://localhost/...); the links between the router and the two engines always run over unix "
+               "sockets in a private directory of the process, so it opens no TCP socket at all")
+
+
 def node_parser(role: str) -> argparse.ArgumentParser:
     parser = one_line_errors(argparse.ArgumentParser(prog="fsm-pd serve", description=SERVE_HELP,
                                                      formatter_class=argparse.RawDescriptionHelpFormatter))
@@ -139,17 +152,14 @@ def node_parser(role: str) -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=port, default=DEFAULT_PORTS.get(role, 30000),
                         help=f"HTTP port (default {DEFAULT_PORTS.get(role, 30000)})")
-    parser.add_argument("--uds", default=None, metavar="PATH",
-                        help="serve over unix sockets instead of TCP: the HTTP API on PATH (clients: curl "
-                             "--unix-socket PATH http://localhost/...; routers: unix:PATH), and a prefill or decode "
-                             "node's side channel, transfer server and bootstrap server on sockets beside it (for "
-                             "/run/p.sock: /run/p.side.sock, /run/p.kv.sock, /run/p.bootstrap.sock); the node opens "
-                             "no TCP socket, and --host, --port, --bootstrap-port do not apply (docs/operations.md, "
-                             "Serving over unix sockets)")
+    parser.add_argument("--uds", default=None, metavar="PATH", help=PD_UDS_HELP if role == "pd" else UDS_HELP)
     add_model_flags(parser)
     parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    parser.add_argument("--num-pages", type=at_least(2), default=512,
-                        help="KV pool pages, page 0 (the padding page) included: at least 2 (default 512)")
+    if role == "pd":
+        add_pd_flags(parser)
+    else:
+        parser.add_argument("--num-pages", type=at_least(2), default=512,
+                            help="KV pool pages, page 0 (the padding page) included: at least 2 (default 512)")
     parser.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page (default 16)")
     parser.add_argument("--tp", "--tp-size", "--tensor-parallel-size", type=positive_int, default=1, dest="tp",
                         metavar="N",
@@ -185,12 +195,14 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                             "200 went out, a 504 otherwise) and is aborted: a deadline between tokens, never over the "
                             "whole answer; a request retracted under KV pressure waits to resume within it (default "
                             "240)")
+    sides = ("prefill", "decode") if role == "pd" else (role,)  # the engines this process runs
     if role in ("prefill", "decode"):
         parser.add_argument("--node-id", default=f"{role}-0", help="this node's id in journals and messages")
         parser.add_argument("--advertise-host", default=None, metavar="ADDR",
                             help="the address other machines reach this node at, put in everything it advertises "
                                  "(bootstrap registration, side-channel reply_to, transfer endpoint); --host is only "
                                  "what it binds (default: --host; required when --host is 0.0.0.0 or ::)")
+    if role in ("prefill", "decode", "pd"):
         parser.add_argument("--kv-checksum", choices=("on", "off"), default="on",
                             help="verify the KV of every handoff: the prefill node computes a crc32c of each piece and "
                                  "layer when the KV is final, the decode node sums the bytes as they land in its "
@@ -198,28 +210,30 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                                  "the request decodes; a mismatch fails the transfer (reason 'kv checksum "
                                  "mismatch', recomputed like any failed transfer) (default on; off on either side "
                                  "skips it: docs/data-plane.md, The KV checksum)")
-        parser.add_argument("--transfer-backend", default="tcp",
-                            help="tcp | zmq | jax | a registered plugin (default tcp: the fastest between CPU hosts)")
-        parser.add_argument("--journal", default=None,
-                            help="journal: a SQLite file or SQLAlchemy URL (default: ./journals/NODE_ID.db)")
+    if role in ("prefill", "decode", "pd"):
+        if role == "pd":
+            parser.add_argument("--transfer-backend", default="device",
+                                help="how the decode engine takes the prefill engine's KV: device (the default: the "
+                                     "arrays themselves, on the device, no copy to the host) | tcp | zmq (over a unix "
+                                     "socket in the process's private directory, as between two processes)")
+            parser.add_argument("--journal-dir", default="journals", metavar="DIR",
+                                help="the engines' journals, one per side as two nodes keep them: DIR/prefill-0.db "
+                                     "and DIR/decode-0.db (fsm-pd replay DIR/prefill-0.db DIR/decode-0.db) "
+                                     "(default ./journals)")
+        else:
+            parser.add_argument("--transfer-backend", default="tcp",
+                                help="tcp | zmq | jax | a registered plugin (default tcp: the fastest between CPU "
+                                     "hosts; device only between the engines of --role pd)")
+            parser.add_argument("--journal", default=None,
+                                help="journal: a SQLite file or SQLAlchemy URL (default: ./journals/NODE_ID.db)")
         from fsm_pd.store.retention import add_retention_flags
 
         add_retention_flags(parser)  # --journal-keep, --journal-max-rows, --journal-archive-dir
-        parser.add_argument("--side-channel-secret", default=None,
-                            help="hex shared secret of the side channel (default: $FSM_PD_SIDE_CHANNEL_SECRET)")
-        from fsm_pd.control.config import DEFAULTS as ROOM_DEFAULTS  # jax-free
-        from fsm_pd.control.config import STATE_DEADLINES  # what a room waits for under each: the machines' words
-
-        for timer, env in DEADLINE_FLAGS.items():
-            if timer not in ROOM_DEFAULTS[role]:
-                continue
-            waits = STATE_DEADLINES[role, timer]
-            parser.add_argument(f"--{timer.replace('_', '-')}-timeout", type=seconds(), default=None, dest=timer,
-                                metavar="S",
-                                help=f"seconds a room may wait in {waits.state} for {waits.waits_for}; then it fails "
-                                     f"and its request ends with an error naming this deadline (default: ${env}, else "
-                                     f"{ROOM_DEFAULTS[role][timer]:g}; docs/operations.md, Waits)")
-    if role == "decode":
+        if role != "pd":  # the engines of one process share a secret drawn at start
+            parser.add_argument("--side-channel-secret", default=None,
+                                help="hex shared secret of the side channel (default: $FSM_PD_SIDE_CHANNEL_SECRET)")
+        add_deadline_flags(parser, sides)
+    if role in ("decode", "pd"):
         parser.add_argument("--disaggregation-decode-enable-radix-cache", action="store_true",
                             help="keep finished prompts' KV pages here too (SGLang's flag): a request whose prompt "
                                  "starts with pages this node holds has the prefill node send only the rest, none "
@@ -229,7 +243,7 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                                  "the prompt here and decode on; the client gets its answer, and the room still ends "
                                  "Failed in the journal) or fail (the request gets the transfer's error, 500) "
                                  "(default recompute)")
-    if role in ("colocated", "decode", "prefill"):
+    if role in ("colocated", "decode", "prefill", "pd"):
         from fsm_pd.scheduling.step_budget import DEFAULT_CHUNK_STEPS  # jax-free: the help stays quick
 
         parser.add_argument("--prefill-chunk-steps", type=steps, default=DEFAULT_CHUNK_STEPS, metavar="STEPS",
@@ -241,7 +255,7 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                                  "chunk, not by its whole prefill, and its own first token comes a little later; 0 "
                                  "bounds prefill steps by their token budget alone (docs/serving.md, Chunked "
                                  f"prefill; default {DEFAULT_CHUNK_STEPS:g})")
-    if role in ("prefill", "colocated"):
+    if role in ("prefill", "colocated", "pd"):
         from fsm_pd.scheduling.page_admission import CHUNKED_PREFILL_SIZE  # jax-free: the help stays quick
 
         parser.add_argument("--chunked-prefill-size", type=positive_int, default=CHUNKED_PREFILL_SIZE,
@@ -253,10 +267,11 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                             help="compute every prompt whole: keep no prefix cache (SGLang's flag; by default the "
                                  "KV pages of finished prompts stay cached and a prompt that starts the same way "
                                  "computes only the rest, evicted least recently used first when pages run short)")
-    if role == "prefill":
+    if role in ("prefill", "pd"):
         parser.add_argument("--disable-chunk-transfers", action="store_true",
                             help="hand a prompt prefilled in chunks over after its last chunk, in one piece (by "
                                  "default each chunk's KV travels to the decode node while the next one computes)")
+    if role == "prefill":
         parser.add_argument("--serve-local", action="store_true",
                             help="serve both roles: also prefill and decode the requests the fsm-pd router sends "
                                  "here whole (its --pd-policy auto, for prompts not worth disaggregating, when this "
@@ -271,6 +286,73 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                             help="bearer token the bootstrap server's writes require (default: "
                                  "$FSM_PD_BOOTSTRAP_TOKEN, else none; set one when binding beyond 127.0.0.1)")
     return parser
+
+
+def add_deadline_flags(parser: argparse.ArgumentParser, sides: Sequence[str]) -> None:
+    """The rooms' deadline flags of the engines ``sides`` (a flag both sides have applies to both)."""
+    from fsm_pd.control.config import DEFAULTS as ROOM_DEFAULTS  # jax-free
+    from fsm_pd.control.config import STATE_DEADLINES  # what a room waits for under each: the machines' words
+
+    for timer, env in DEADLINE_FLAGS.items():
+        having = [side for side in sides if timer in ROOM_DEFAULTS[side]]
+        if not having:
+            continue
+        waits = " and ".join(f"{'the ' + side + ' side ' if len(sides) > 1 else ''}in "
+                             f"{STATE_DEADLINES[side, timer].state} for {STATE_DEADLINES[side, timer].waits_for}"
+                             for side in having)
+        defaults = "/".join(f"{ROOM_DEFAULTS[side][timer]:g}" for side in having)
+        parser.add_argument(f"--{timer.replace('_', '-')}-timeout", type=seconds(), default=None, dest=timer,
+                            metavar="S",
+                            help=f"seconds a room may wait {waits}; then it fails and its request ends with an error "
+                                 f"naming this deadline (default: ${env}, else {defaults}; docs/operations.md, Waits)")
+
+
+# the router's --pd-policy modes and --local-prefill-max-tokens default (router/policy.py: MODES,
+# DEFAULT_LOCAL_PREFILL_MAX_TOKENS), written here because importing the router package imports its app, too heavy
+# for a command line that must fail in a second (tests/unit/test_serve_flag_checks.py holds them equal)
+PD_POLICIES = ("auto", "always", "never")
+DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 256
+
+
+def add_pd_flags(parser: argparse.ArgumentParser) -> None:
+    """``--role pd``'s own: how the device's memory is split between the two engines' KV pools, and the router's
+    policy."""
+    pools = parser.add_argument_group(
+        "the two KV pools (both engines share the devices and the weights, loaded once)",
+        "Each engine has its own KV pool. On an accelerator, by default the pools take KV_SHARE of the device memory "
+        "left free once the weights are loaded, split by --prefill-pool-share; on a CPU each has 512 pages (the "
+        "nodes' --num-pages default). --prefill-pages / --decode-pages set a pool's size outright.")
+    pools.add_argument("--prefill-pages", type=at_least(2), default=None, metavar="N",
+                       help="the prefill engine's pool in pages, the padding page included (it holds a prompt's KV "
+                            "only until the decode engine has taken it)")
+    pools.add_argument("--decode-pages", type=at_least(2), default=None, metavar="N",
+                       help="the decode engine's pool in pages (it holds every running request's whole context)")
+    pools.add_argument("--prefill-pool-share", type=share, default=0.25, metavar="F",
+                       help="on an accelerator, the prefill pool's share of the memory both pools take, the rest the "
+                            "decode pool's: above 0, below 1 (default 0.25)")
+    pools.add_argument("--kv-memory-fraction", type=share, default=0.8, metavar="KV_SHARE",
+                       help="on an accelerator, the share of the device memory left after the weights that the two "
+                            "pools take together, the rest kept for activations and programs: above 0, below 1 "
+                            "(default 0.8)")
+    router = parser.add_argument_group("the built-in router in front of the two engines (fsm-pd serve --role router)")
+    router.add_argument("--pd-policy", choices=PD_POLICIES, default="auto",
+                        help="which requests go through the prefill engine: auto (default): prompts over "
+                             "--local-prefill-max-tokens, the rest are prefilled by the decode engine itself; always: "
+                             "every request (each handoff a device transfer); never: none")
+    router.add_argument("--local-prefill-max-tokens", type=at_least(0), default=DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
+                        help="with auto: prompts of at most this many tokens are prefilled on the decode engine "
+                             f"(default {DEFAULT_LOCAL_PREFILL_MAX_TOKENS})")
+
+
+def share(text: str) -> float:
+    """A fraction strictly between 0 and 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number between 0 and 1, got {text!r}") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be above 0 and below 1, got {text}")
+    return value
 
 
 def steps(text: str) -> float:

@@ -28,6 +28,7 @@ __all__ = ["SUN_PATH_MAX", "UNIX_BACKENDS", "Listener", "TcpRefused", "UnixPathE
 
 PREFIX = "unix:"
 UNIX_BACKENDS = ("tcp", "zmq")  # the transfer backends that can serve over a unix socket
+SOCKETLESS_BACKENDS = ("device",)  # the in-process one opens no socket at all (fsm-pd serve --role pd)
 SUN_PATH_MAX = 107  # bytes of a path in sockaddr_un.sun_path (108) less its terminating NUL
 
 
@@ -77,7 +78,7 @@ def check_unix_backend(name: str) -> None:
     if name == "jax":
         raise ValueError("the jax transfer backend (jax.experimental.transfer) connects over IPv4 or IPv6 only and "
                          "cannot run over unix sockets (--uds); use --transfer-backend tcp (or zmq)")
-    if name not in UNIX_BACKENDS:
+    if name not in UNIX_BACKENDS and name not in SOCKETLESS_BACKENDS:
         raise ValueError(f"the transfer backend {name!r} cannot run over unix sockets (--uds); use "
                          f"--transfer-backend {' or '.join(UNIX_BACKENDS)}")
 

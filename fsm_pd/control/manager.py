@@ -118,6 +118,7 @@ class KVManager:
         self.node = Node(node_id, machine, self.journal, self.effects.interpreter(), self.clock, self.deadlines)
         self.core = NodeCore(self.node, layout.to_dict())
         self.metrics = NodeMetrics(self.node)
+        self.metrics.backend.labels(role, node_id, self.backend.name).set(1)
         self._ended = threading.Condition()
         self.node.observers.append(self._observe)
         self._stop = threading.Event()

@@ -62,6 +62,8 @@ class NodeMetrics:
                                  "verified, mismatch (the room failed), missing (the prefill node sent none), "
                                  "unchecked (a pool on an accelerator), off (--kv-checksum off)",
                                  ["role", "node", "outcome"], registry=self.registry)
+        self.backend = Gauge("fsm_pd_transfer_backend", "1 for the transfer backend this node moves KV with",
+                             ["role", "node", "backend"], registry=self.registry)
         self.phases = PhaseClock()
         self._node = node
         self._labels = labels

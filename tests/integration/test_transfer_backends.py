@@ -99,10 +99,10 @@ class Producer:
 
 
 class InProcessProducer:
-    """The same driver surface over a ``fake`` backend living in this process."""
+    """The same driver surface over a backend living in this process (``fake``, ``device``)."""
 
-    def __init__(self) -> None:
-        self.backend = create_backend("fake")
+    def __init__(self, backend: str = "fake") -> None:
+        self.backend = create_backend(backend)
         self.address = self.backend.address
 
     def publish(self, seed: int, shapes: list, dtypes: list, hold_s: float = 30.0, uuid: int | None = None) -> int:
@@ -128,7 +128,8 @@ class InProcessProducer:
 # The backends whose producer says which pulls wait on it (``parked_pulls``). The jax backend's library parks pulls
 # where nobody can see them: a test there could only give the pull a margin, and would pass with a pull that came
 # late (a late pull meets the fail or the dead producer at once), so the tests of a pull already waiting leave it out.
-SHOWS_PARKED = ["zmq", "tcp", "fake"]
+SHOWS_PARKED = ["zmq", "tcp", "fake", "device"]
+IN_PROCESS = ("fake", "device")  # their producer lives in this process
 # The backends that report a pull's progress, so that a test knows bytes are flowing (jax hands over whole arrays).
 PROGRESSIVE = ["zmq", "tcp"]
 
@@ -169,11 +170,13 @@ def start_producer(name: str, tmp: Path) -> Producer:
     return Producer(name)
 
 
-@pytest.fixture(scope="module", params=[*NETWORK_BACKENDS, "fake", "tcp-uds"])
+@pytest.fixture(scope="module", params=[*NETWORK_BACKENDS, "fake", "device", "tcp-uds"])
 def pair(request, tmp_path_factory) -> tuple[Producer | InProcessProducer, TransferBackend]:
-    """A long-lived producer and this process's consumer backend, for tests that leave both healthy."""
+    """A long-lived producer and this process's consumer backend, for tests that leave both healthy. The ``device``
+    consumer is a backend of its own, as a decode engine's is beside its prefill engine's."""
     name = request.param
-    producer = InProcessProducer() if name == "fake" else start_producer(name, tmp_path_factory.mktemp("uds"))
+    in_process = name in IN_PROCESS
+    producer = InProcessProducer(name) if in_process else start_producer(name, tmp_path_factory.mktemp("uds"))
     consumer = producer.backend if name == "fake" else create_backend(OVER_UNIX.get(name, name))
     yield producer, consumer
     producer.close()
@@ -404,6 +407,56 @@ def test_producer_killed_mid_transfer(backend):
         assert isinstance(err, TransferTimeout | TransferFailed), err
         # A killed peer closes its sockets: both backends notice that before the pull's deadline.
         assert time.monotonic() - begin < timeout_s, err
+
+
+def test_device_pull_hands_over_the_published_arrays_without_a_copy():
+    """Two engines of one process on one device: D gets P's very buffers (no host staging, no copy); the hold then
+    ends on release, and D's arrays outlive it."""
+    shapes, dtypes = [[64, 8], [3]], ["float32", "int32"]
+    with create_backend("device") as p, create_backend("device") as d:
+        staging = [jax.device_put(a) for a in make_arrays(11, shapes, dtypes)]
+        uuid = new_uuid()
+        p.publish(uuid, staging, 30)
+        got = d.pull(p.address, uuid, specs(shapes, dtypes), 10)
+        assert [g.unsafe_buffer_pointer() for g in got] == [a.unsafe_buffer_pointer() for a in staging]
+        p.release(uuid)
+        del staging
+        assert p.open_entries().count == 0 and d.pulls == 1
+        assert_bytes_equal(got, make_arrays(11, shapes, dtypes))
+
+
+def test_device_pull_of_a_node_that_is_gone_fails_fast():
+    """A closed producer (its engine stopped), or an address no engine of this process publishes at, is a refused
+    connection: the pull fails at once, blaming the peer, and a pull parked on the producer wakes when it closes."""
+    with create_backend("device") as d:
+        p = create_backend("device")
+        address, uuid = p.address, new_uuid()
+        result: queue.Queue = queue.Queue()
+
+        def pull() -> None:
+            try:
+                d.pull(address, uuid, specs([[4]], ["float32"]), 10)
+                result.put(None)
+            except TransferError as exc:
+                result.put(exc)
+
+        threading.Thread(target=pull, daemon=True).start()
+        wait_parked(_Parked(p), uuid)
+        p.close()
+        err = result.get(timeout=5)
+        assert isinstance(err, TransferFailed) and err.blame == "remote" and "closed" in err.reason, err
+        err, elapsed = timed_failure(d.pull, address, new_uuid(), specs([[4]], ["float32"]), 10)
+        assert isinstance(err, TransferFailed) and "no device transfer node" in err.reason and elapsed < 1, err
+        err, _ = timed_failure(d.pull, "device://0/1", new_uuid(), specs([[4]], ["float32"]), 10)
+        assert "another process" in err.reason, err
+
+
+class _Parked:
+    def __init__(self, backend: TransferBackend) -> None:
+        self.backend = backend
+
+    def parked(self) -> set[int]:
+        return set(self.backend.parked_pulls())
 
 
 def test_a_unix_socket_is_removed_on_close_and_a_killed_producers_replaced(tmp_path):

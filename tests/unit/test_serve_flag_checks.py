@@ -54,7 +54,14 @@ def assert_refused(result: subprocess.CompletedProcess, prog: str, *said: str) -
     pytest.param(["--role", "decode", "--journal", "/dev/null/x.db", *SECRET], "--journal /dev/null/x.db: /dev/null "
                  "is not a directory", marks=TCP),  # checked after the ports: 127.0.0.1 must take them
     pytest.param(["--role", "prefill"], "FSM_PD_SIDE_CHANNEL_SECRET is not set", marks=TCP),
-], ids=["negative port", "port above 65535", "no pages", "page size 0", "nan seconds", "journal", "no secret"])
+    (["--role", "pd", "--uds", "/tmp/x.sock", "--prefill-pool-share", "1.5"],
+     "argument --prefill-pool-share: must be above 0 and below 1, got 1.5"),
+    (["--role", "pd", "--uds", "/tmp/x.sock", "--transfer-backend", "jax"], "--transfer-backend jax: the jax"),
+    (["--role", "pd", "--uds", "/tmp/x.sock", "--tp", "2"], "--tp 2: --role pd runs both engines on one device"),
+    pytest.param(["--role", "decode", "--transfer-backend", "device", *SECRET], "--transfer-backend device: it hands "
+                 "KV between the two engines of one process", marks=TCP),
+], ids=["negative port", "port above 65535", "no pages", "page size 0", "nan seconds", "journal", "no secret",
+        "pd pool share", "pd jax backend", "pd tp", "device backend alone"])
 def test_a_refused_value_ends_serve_in_one_line_before_jax_is_imported(args, said, monkeypatch):
     monkeypatch.delenv("FSM_PD_SIDE_CHANNEL_SECRET", raising=False)
     assert_refused(run(["serve", *args]), "fsm-pd serve", said)
@@ -97,6 +104,14 @@ def test_launch_on_a_taken_port_starts_nothing(taken, tmp_path):
     assert_refused(result, "fsm-pd launch", f"--port {taken}: cannot listen on 127.0.0.1:{taken}: another process "
                                             "listens there (address already in use)")
     assert not (tmp_path / "cluster").exists()
+
+
+def test_role_pd_offers_the_routers_policies_and_default():
+    from fsm_pd import serve_flags
+    from fsm_pd.router import policy
+
+    assert serve_flags.PD_POLICIES == policy.MODES
+    assert serve_flags.DEFAULT_LOCAL_PREFILL_MAX_TOKENS == policy.DEFAULT_LOCAL_PREFILL_MAX_TOKENS
 
 
 def test_the_role_is_found_in_either_spelling():

@@ -26,6 +26,7 @@ _BUILTINS: dict[str, str] = {
     "jax": "fsm_pd.transport.backends.jax_backend:JaxTransferBackend",
     "zmq": "fsm_pd.transport.backends.zmq_backend:ZmqTransferBackend",
     "tcp": "fsm_pd.transport.backends.tcp_backend:TcpTransferBackend",
+    "device": "fsm_pd.transport.backends.device_backend:DeviceTransferBackend",  # engines of one process
 }
 
 _lock = threading.Lock()

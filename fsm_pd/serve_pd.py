@@ -1,0 +1,250 @@
+"""``fsm-pd serve --role pd``: a prefill engine, a decode engine and the built-in router in one process.
+
+A TPU VM lets one process at a time hold the chip, so PD there cannot be two processes. This runs the same parts a
+PD cluster runs, unchanged, in one process: ``PrefillEngine`` (with its bootstrap server) and ``DecodeEngine``, each
+with its own KV pool, model thread, KV manager, state machines and journal (``DIR/prefill-0.db``, ``DIR/decode-0.db``,
+read by ``fsm-pd replay`` as two nodes' journals), and the router in front with its ``--pd-policy``. The router's
+HTTP API is the process's public one (``--port`` or ``--uds``).
+
+The links between the parts are the ones between processes, over unix sockets in a private directory made at start
+and removed at exit: the router reaches the engines' HTTP APIs and the bootstrap server there, and the engines' side
+channels and (for ``tcp``/``zmq``) transfer servers listen there. So the process opens no TCP socket unless its own
+API is on ``--port``. The KV itself moves through the ``device`` backend by default: the decode engine takes the
+prefill engine's staging arrays where they are, on the device (``transport/backends/device_backend.py``).
+
+The weights are loaded once: both engines take the same ``LoadedModel`` (its parameters are read-only; only pools
+are donated, and each engine has its own). The memory for the two pools: ``pool_pages``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from fsm_pd.serve_flags import DEADLINE_FLAGS, resolve_dtype
+from fsm_pd.unix_sockets import UnixPathError, check_path, unix_address
+
+log = logging.getLogger("fsm_pd.serve")
+
+CPU_POOL_PAGES = 512  # each engine's pool on a CPU: the nodes' --num-pages default
+NODE_IDS = {"prefill": "prefill-0", "decode": "decode-0"}
+
+
+def pool_pages(args: argparse.Namespace, model) -> tuple[int, int, str]:
+    """(prefill pages, decode pages, how they were chosen). A size given by its flag wins; else, on a CPU, the nodes'
+    default each; on an accelerator, ``--kv-memory-fraction`` of the device memory left free after the weights,
+    split by ``--prefill-pool-share``."""
+    import jax
+
+    prefill, decode = args.prefill_pages, args.decode_pages
+    if prefill is not None and decode is not None:
+        return prefill, decode, "--prefill-pages and --decode-pages"
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if not stats or "bytes_limit" not in stats:
+        return prefill or CPU_POOL_PAGES, decode or CPU_POOL_PAGES, f"{device.platform}: the nodes' default size"
+    page_bytes = model.make_kv_layout(2, args.page_size).page_bytes()
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    budget = int(free * args.kv_memory_fraction) // page_bytes
+    if prefill is None and decode is None:
+        prefill = max(2, int(budget * args.prefill_pool_share))
+        decode = max(2, budget - prefill)
+    elif prefill is None:
+        prefill = max(2, budget - decode)
+    else:
+        decode = max(2, budget - prefill)
+    how = (f"{device.platform}: {args.kv_memory_fraction:g} of {free / 2**30:.2f} GiB free after the weights, "
+           f"{args.prefill_pool_share:g} of it to prefill ({page_bytes} bytes a page)")
+    return prefill, decode, how
+
+
+def private_dir() -> str:
+    """A directory only this process uses for its sockets; under $TMPDIR, or /tmp where that path is too long for a
+    socket's name."""
+    for parent in (None, "/tmp"):
+        path = tempfile.mkdtemp(prefix="fsm-pd-", dir=parent)
+        try:
+            check_path(os.path.join(path, "prefill.bootstrap.sock"), "the private sockets")
+            return path
+        except UnixPathError:
+            os.rmdir(path)
+    raise UnixPathError("no directory short enough for the engines' unix sockets (set TMPDIR to a short path)")
+
+
+def build_engines(args: argparse.Namespace, model, links: str, pages: tuple[int, int]):
+    """The two engines, on unix sockets in ``links``, journaling into ``--journal-dir``; they share a secret."""
+    from fsm_pd.control.config import DEFAULTS as ROOM_DEFAULTS
+    from fsm_pd.serving.decode_engine import DecodeEngine
+    from fsm_pd.serving.prefill_engine import PrefillEngine
+    from fsm_pd.transport import generate_secret
+
+    secret = generate_secret()
+    Path(args.journal_dir).mkdir(parents=True, exist_ok=True)
+
+    def node(role: str, num_pages: int) -> dict:
+        deadlines = {t: getattr(args, t) for t in DEADLINE_FLAGS
+                     if getattr(args, t, None) is not None and t in ROOM_DEFAULTS[role]}
+        return dict(node_id=NODE_IDS[role], journal=str(Path(args.journal_dir) / f"{NODE_IDS[role]}.db"),
+                    secret=secret, backend=args.transfer_backend, deadlines=deadlines,
+                    kv_checksum=args.kv_checksum == "on", uds=os.path.join(links, f"{role}.sock"),
+                    num_pages=num_pages, page_size=args.page_size, prefill_chunk_steps=args.prefill_chunk_steps)
+
+    prefill = PrefillEngine(model, bootstrap_port=0, bootstrap_uds=os.path.join(links, "prefill.bootstrap.sock"),
+                            bootstrap_token=None, radix_cache=not args.disable_radix_cache,
+                            chunked_prefill_size=args.chunked_prefill_size,
+                            chunk_transfers=not args.disable_chunk_transfers, **node("prefill", pages[0]))
+    try:
+        decode = DecodeEngine(model, on_transfer_failure=args.on_transfer_failure,
+                              radix_cache=args.disaggregation_decode_enable_radix_cache, **node("decode", pages[1]))
+    except BaseException:
+        prefill.close()
+        raise
+    return prefill, decode
+
+
+def run_pd(args: argparse.Namespace) -> int:
+    from fsm_pd.serving.startup import Startup
+
+    startup = Startup()  # the prefill engine's, timed from the process's start; the decode engine's shares it
+    from fsm_pd import compile_cache
+    from fsm_pd.api import create_app
+    from fsm_pd.api.runner import WaitDeadlines
+    from fsm_pd.gc_policy import apply_serving_gc_policy
+    from fsm_pd.http_protocol import read_timeouts_from_args
+    from fsm_pd.http_server import AppServer, _uvicorn_config, run
+    from fsm_pd.model import compiles
+    from fsm_pd.model.loader import load_model
+    from fsm_pd.router.app import create_router_app
+    from fsm_pd.router.core import PrefillWorker
+    from fsm_pd.router.policy import PolicySettings
+    from fsm_pd.store.retention import attach_from_args
+
+    startup.record("imports", startup.since_start())
+    wait = WaitDeadlines(args.first_token_timeout_secs, args.token_idle_timeout_secs)
+    compile_cache.enable(args.compile_cache or compile_cache.default_dir())
+    compiles.install()
+    try:
+        with startup.phase("weights"):
+            import jax
+
+            model = load_model(args.model, dtype=resolve_dtype(args.dtype, jax.default_backend()), progress=True)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"fsm-pd serve: cannot load model {args.model!r}: {exc}", file=sys.stderr)
+        return 2
+    prefill_pages, decode_pages, how = pool_pages(args, model)
+    log.info("KV pools: prefill %d pages, decode %d pages (%s)", prefill_pages, decode_pages, how)
+    links = private_dir()
+    servers: list[AppServer] = []
+    engines = ()
+    try:
+        with startup.phase("engine"):
+            engines = build_engines(args, model, links, (prefill_pages, decode_pages))
+        for engine in engines:
+            attach_from_args(engine.manager.journal, args)
+        decode_startup = Startup(startup.started_at)
+        starts = dict(zip(engines, (startup, decode_startup), strict=True))
+        for engine, its_startup in starts.items():
+            app = create_app(engine, model.tokenizer, api_key=args.api_key,
+                             model_name=args.served_model_name or args.model, model_path=args.model,
+                             drain_timeout_s=args.drain_timeout_secs, startup=its_startup, wait=wait)
+            servers.append(AppServer(app, uds=engine.manager.uds, log_level="warning",
+                                     read_timeouts=read_timeouts_from_args(args)).start())
+        prefill, decode = engines
+        bootstrap = unix_address(os.path.join(links, "prefill.bootstrap.sock"))
+        router = create_router_app(
+            [PrefillWorker(servers[0].url, bootstrap)], [servers[1].url], api_key=args.api_key,
+            pd_policy=PolicySettings(args.pd_policy, args.local_prefill_max_tokens),
+            health_interval_s=1.0)
+        router.state.metrics.registry.register(EngineFamilies([r for engine in engines for r in engine.registries]))
+        apply_serving_gc_policy()
+        threading.Thread(target=prepare_both, args=(starts, args.skip_server_warmup), name="start-up",
+                         daemon=True).start()
+        log.info("serving prefill and decode in one process (%s transfers; links in %s; journals in %s)",
+                 args.transfer_backend, links, args.journal_dir)
+        run(_stop_on_signal()(_uvicorn_config(router, args.log_level, read_timeouts_from_args(args))), args.host,
+            args.port, args.uds)
+    finally:
+        log.info("closing the engines and their journals")
+        for server in reversed(servers):
+            with contextlib.suppress(Exception):
+                server.stop()
+        for engine in engines:
+            engine.close()
+        shutil.rmtree(links, ignore_errors=True)
+    log.info("stopped cleanly")
+    from fsm_pd.serve_cli import _exit
+
+    _exit(0)
+    return 0
+
+
+def _stop_on_signal():
+    import uvicorn
+
+    class StopOnSignal(uvicorn.Server):
+        """uvicorn that stops on SIGTERM or SIGINT without raising the signal again once stopped (uvicorn's own
+        does, which would end the process before the engines' journals are closed); a second one exits at once."""
+
+        def handle_exit(self, sig: int, frame) -> None:
+            if self.should_exit:
+                self.force_exit = True
+            self.should_exit = True
+
+    return StopOnSignal
+
+
+class EngineFamilies:
+    """Both engines' metrics on the router's ``/metrics``: a family both have (``fsm_pd_rooms``, with their ``role``
+    and ``node`` labels) is one family there, as the text format requires."""
+
+    def __init__(self, registries: list) -> None:
+        self.registries = registries
+
+    def collect(self):
+        from prometheus_client.metrics_core import Metric
+
+        merged: dict[str, Metric] = {}
+        for registry in self.registries:
+            for family in registry.collect():
+                into = merged.get(family.name)
+                if into is None:
+                    into = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                into.samples.extend(family.samples)
+        yield from merged.values()
+
+
+def prepare_both(starts: dict, skip: bool) -> None:
+    """Prepare both engines' ready sets, one after the other (they share the cores and the compile cache), mark both
+    ready, then compile the rest of each in the background. A failure leaves a process that cannot serve: exit 1."""
+    from fsm_pd.model import compiles
+    from fsm_pd.serve_cli import _exit
+    from fsm_pd.serving.warmup import compile_rest, warm_up
+
+    try:
+        if not skip:
+            for engine, startup in starts.items():
+                with startup.phase("programs"):
+                    warm_up(engine, progress=True, startup=startup)
+        compiles.serving()
+        for startup in starts.values():
+            startup.mark_ready()
+        log.info("ready %.1f s after the process started", next(iter(starts.values())).ready_after)
+        for engine, startup in starts.items():
+            if skip:
+                startup.background_done({"skipped": True})
+            else:
+                compile_rest(engine, on_done=startup.background_done)
+    except BaseException as exc:  # noqa: BLE001 - whatever it was, the process cannot serve: say so and exit
+        for startup in starts.values():
+            startup.mark_failed(f"{type(exc).__name__}: {exc}")
+        log.exception("start-up failed; exiting")
+        for engine in starts:
+            engine.close()
+        _exit(1)

@@ -1,0 +1,135 @@
+"""``fsm-pd serve --role pd``: a prefill engine, a decode engine and the router in one real process, on unix sockets
+only (as on a TPU host, where one process holds the chip and no TCP socket opens), the KV handed over by the
+``device`` backend. Its greedy answers must equal a colocated node's for the same prompts, every handoff must be a
+room that ended Success on both sides of its journals and replays consistently, and its ``/metrics`` must count one
+``device`` transfer, checksum verified, per request.
+
+The issue asks for 32 requests of 8 to 900 tokens; the suite sends ``FSM_PD_ONE_PROCESS_REQUESTS`` of them (default
+8, to stay within the suite's time), and the same test runs 32 by hand with that variable set.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from fsm_pd import unix_http
+from fsm_pd.store import read_journal, replay
+from fsm_pd.unix_sockets import unix_address
+
+REQUESTS = int(os.environ.get("FSM_PD_ONE_PROCESS_REQUESTS", "8"))
+VOCAB = 272  # the tiny model's
+NEW_TOKENS = 6
+
+
+def prompts(n: int) -> list[list[int]]:
+    """``n`` prompts of 8 to 900 tokens, both ends included, varied so that their answers differ."""
+    rng = random.Random(43)
+    lengths = [8, 900, *(rng.randint(9, 899) for _ in range(max(0, n - 2)))][:n]
+    return [[rng.randrange(3, VOCAB) for _ in range(length)] for length in lengths]
+
+
+def start(tmp: Path, name: str, *argv: str) -> tuple[str, subprocess.Popen]:
+    sock = tmp / f"{name}.sock"
+    env = {**os.environ, "FSM_PD_MODEL": "tiny"}
+    log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 - the child writes to it
+    proc = subprocess.Popen([sys.executable, "-m", "fsm_pd.cli", "serve", *argv, "--uds", str(sock)],
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=tmp)
+    return unix_http.http_url(unix_address(str(sock))), proc
+
+
+def wait_healthy(client, url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"{url} exited with {proc.returncode}: {log.read_text()[-3000:]}"
+        try:
+            if client.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except Exception:  # noqa: BLE001 - not listening yet
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not healthy within {timeout_s}s")
+
+
+def greedy(client, url: str, ids: list[int]) -> tuple[list[int], str]:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}}
+    answer = client.post(url + "/generate", json=body, timeout=180)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["output_ids"], answer.headers.get("x-fsm-pd-route", "")
+
+
+def samples(text: str, family: str) -> dict[tuple, float]:
+    found = {}
+    for metric in text_string_to_metric_families(text):
+        for sample in metric.samples:
+            if sample.name == family:
+                found[tuple(sorted(sample.labels.items()))] = sample.value
+    return found
+
+
+def settled(client, url: str, timeout_s: float = 10) -> str:
+    """The process's /metrics once neither engine holds a transfer entry: each was released when its room ended (a
+    hold that lingers would be a leak, ended only by its expiry a minute later)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = client.get(url + "/metrics").text
+        held = samples(text, "fsm_pd_open_transfer_entries")
+        assert len(held) == 2, held
+        if not any(held.values()) or time.monotonic() > deadline:
+            assert not any(held.values()), f"transfer entries still held: {held}"
+            return text
+        time.sleep(0.1)
+
+
+def stop(proc: subprocess.Popen) -> int:
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        return proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def test_pd_in_one_process_answers_as_colocated_with_device_transfers(tmp_path):
+    journals = tmp_path / "journals"
+    pd_url, pd = start(tmp_path, "pd", "--role", "pd", "--pd-policy", "always", "--journal-dir", str(journals),
+                       "--prefill-pages", "300", "--decode-pages", "400")
+    colocated_url, colocated = start(tmp_path, "colocated", "--role", "colocated")
+    asked = prompts(REQUESTS)
+    try:
+        with unix_http.client(timeout=180) as client:
+            wait_healthy(client, pd_url, pd, tmp_path / "pd.log")
+            wait_healthy(client, colocated_url, colocated, tmp_path / "colocated.log")
+            with ThreadPoolExecutor(4) as pool:
+                want = list(pool.map(lambda ids: greedy(client, colocated_url, ids)[0], asked))
+                got = list(pool.map(lambda ids: greedy(client, pd_url, ids), asked))
+            metrics = settled(client, pd_url)
+    finally:
+        assert stop(pd) == 0, (tmp_path / "pd.log").read_text()[-3000:]
+        stop(colocated)
+
+    assert [route for _, route in got] == ["pd"] * REQUESTS, "--pd-policy always sends every request through prefill"
+    assert [ids for ids, _ in got] == want
+    assert len({tuple(ids) for ids in want}) >= min(REQUESTS, 4), "varied prompts, varied answers"
+
+    rows = [row for side in ("prefill-0", "decode-0") for row in read_journal(journals / f"{side}.db")]
+    result = replay(rows)
+    assert result.consistent, [d.describe() for d in result.divergences]
+    assert len(result.rooms) == 2 * REQUESTS and {r.final for r in result.rooms} == {"Success"}
+
+    backend = samples(metrics, "fsm_pd_transfer_backend")
+    assert backend == {(("backend", "device"), ("node", side), ("role", side.split("-")[0])): 1.0
+                       for side in ("prefill-0", "decode-0")}
+    ended = samples(metrics, "fsm_pd_transfers_ended_total")
+    assert ended[(("node", "decode-0"), ("outcome", "success"), ("reason", "none"), ("role", "decode"))] == REQUESTS
+    assert sum(v for k, v in ended.items() if ("outcome", "failed") in k) == 0
+    checksums = samples(metrics, "fsm_pd_kv_checksums_total")
+    assert checksums[(("node", "decode-0"), ("outcome", "verified"), ("role", "decode"))] == REQUESTS
