@@ -62,6 +62,11 @@ def timed(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
+def ms(seconds: float) -> float:
+    """Milliseconds to 4 significant digits: the tiny model's roofline on a chip is well under a microsecond."""
+    return float(f"{1e3 * seconds:.4g}")
+
+
 def machine_peaks(device) -> tuple[float, float, str]:
     """(bytes/s, FLOP/s, where they come from) of ``device``: the datasheet for a known TPU, else measured here."""
     if device.device_kind in PEAKS:
@@ -107,8 +112,8 @@ def decode_figures(model: LoadedModel, pages: int, batches, context: int, bandwi
         seconds = timed(step, 20)
         pool = state["pool"]
         roof = (weight_bytes + batch * (context + 1) * kv_token) / bandwidth
-        out[batch] = {"step_ms": round(1e3 * seconds, 3), "roofline_ms": round(1e3 * roof, 3),
-                      "share": round(roof / seconds, 3), "tokens_per_s": round(batch / seconds, 1)}
+        out[batch] = {"step_ms": ms(seconds), "roofline_ms": ms(roof),
+                      "share": float(f"{roof / seconds:.3g}"), "tokens_per_s": round(batch / seconds, 1)}
     return out
 
 
@@ -127,8 +132,9 @@ def prefill_figures(model: LoadedModel, lengths, flops: float, params: int):
 
         seconds = timed(run, 5)
         roof = 2 * params * length / flops
-        out[length] = {"ms": round(1e3 * seconds, 3), "roofline_ms": round(1e3 * roof, 3),
-                       "share": round(roof / seconds, 3), "tflops": round(2 * params * length / seconds / 1e12, 1)}
+        out[length] = {"ms": ms(seconds), "roofline_ms": ms(roof),
+                       "share": float(f"{roof / seconds:.3g}"),
+                       "tflops": round(2 * params * length / seconds / 1e12, 1)}
     return out
 
 

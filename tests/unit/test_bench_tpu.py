@@ -32,3 +32,20 @@ def test_quick_run_reports_each_figure_against_its_roofline(tmp_path):
     assert copies["gather"]["GBps"] > 0 and copies["scatter"]["GBps"] > 0
     text = table.read_text()
     assert f"{figures[pools[0]]['1']['step_ms']} ms" in text and "gather" in text
+
+
+def test_parity_quick_run_finds_the_chunked_batched_path_equal_to_the_whole_prompt_reference(tmp_path):
+    """bench/chip_parity.py on this machine (--quick, jnp): a child process computes the float32 reference; this one
+    prefills in two chunks and decodes the prompts as one ragged batch. On a CPU in float32 they must agree at every
+    step, else the chunked or batched path changed the math."""
+    import chip_parity
+
+    out = tmp_path / "parity.json"
+    assert chip_parity.main(["--quick", "--modes", "jnp", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    figures = report["models"]["tiny"]["jnp"]
+    if report["device"].startswith("cpu"):
+        assert figures["steps"] == figures["agree"] > 0, figures
+        assert figures["rel_err_max"] < 1e-3
+    else:  # bf16 on an accelerator against the float32 reference: only near-ties may differ
+        assert figures["differ"] == 0, figures
