@@ -74,6 +74,14 @@ class Look:
         if self.overwrite:  # the next job (a prefill reusing the page) writes another request's KV into it
             self.model.submit(lambda owner: overwrite(owner, pages[0]))
 
+    def gather(self, owner, pages, plan):
+        """A backend that does not send from the pool (``device``) copies the room's pages out in this job."""
+        staging = self.kv.gather(owner, pages, plan)
+        self.clean.append(self.kv.sent_checksum(owner, pages, self.plan))
+        if self.overwrite:  # the next job reuses the page: after the copy, so it cannot reach D
+            self.model.submit(lambda owner: overwrite(owner, pages[0]))
+        return staging
+
     def complete_stream(self, stream, staging):
         streamed = self.kv.complete_stream(stream, staging)
         if streamed and self.overwrite:  # another job, after the streamed writes and before the request decodes
@@ -97,18 +105,21 @@ def overwrite(owner, page: int) -> None:
     owner.pool = type(owner.pool)(layers)
 
 
-@pytest.fixture(scope="module", params=["on", "off", f"on-{DEVICE_HASH}"])
+@pytest.fixture(scope="module", params=["on", "off", f"on-{DEVICE_HASH}", f"on-{DEVICE_HASH}@device"])
 def pair(request, model, tmp_path_factory):
     """P with the checksum on; D with it ``on`` or ``off``; tcp between them; both pools watched. ``on-kvmix32``:
     both nodes checksum with the device hash (``kernels/kv_hash.py``, what a pool on an accelerator uses) instead of
-    crc32c, here on the CPU."""
-    setting, _, algorithm = request.param.partition("-")
-    tmp = tmp_path_factory.mktemp(f"corrupt-{request.param}")
+    crc32c, here on the CPU. ``@device``: the ``device`` backend instead of tcp (two engines of one process, what
+    ``--role pd`` runs on a TPU host)."""
+    param, _, backend = request.param.partition("@")
+    setting, _, algorithm = param.partition("-")
+    tmp = tmp_path_factory.mktemp(f"corrupt-{param}-{backend or 'tcp'}")
+    backend = backend or "tcp"
     with mock.patch.dict(os.environ, {ALGORITHM_ENV: algorithm}):  # read as each node starts
         # no prefix cache on P: a page overwritten in case (c) must not be served again from the cache
-        p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="tcp", journal=str(tmp / "p.db"),
+        p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend=backend, journal=str(tmp / "p.db"),
                           radix_cache=False, **node_sockets(tmp, "p", bootstrap=True))
-        d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="tcp", secret=p.secret,
+        d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend=backend, secret=p.secret,
                          journal=str(tmp / "d.db"), kv_checksum=setting == "on", **node_sockets(tmp, "d"))
     for node in (p, d):
         assert node.manager.effects.kv.checksum_algorithm == (algorithm or "crc32c")
@@ -214,6 +225,13 @@ def test_a_prefill_page_reused_while_its_send_from_the_pool_runs(pair):
     finally:
         p.manager.effects.kv.overwrite = False
         d.manager.effects.faults = Faults(role="decode")
+    if not p.manager.effects.transfer.sends_pages:
+        # the device backend copies the room's pages out in P's publishing job: a reuse after it cannot reach D
+        assert [ids_of(a) for a in answers] == want
+        assert [a[-1].meta.get("kv_recompute") for a in answers] == [None] * len(PROMPTS)
+        assert p.manager.effects.kv.clean == d.manager.effects.kv.landed
+        assert_idle(p, d)
+        return
     assert_outcome(setting, p, d, want, answers, requests)
 
 
