@@ -48,7 +48,7 @@ class RoomPull(DecodePart):
             try:
                 self.faults.check("pull")
             except InjectedFault as exc:
-                self._piece_pulled(node, room_id, pulls, piece, None, exc)
+                self._piece_pulled(node, room_id, pulls, piece, None, None, exc)
                 return
             corruption = self.faults.corrupting()
             done = partial(self._piece_pulled, node, room_id, pulls, piece, corruption)
