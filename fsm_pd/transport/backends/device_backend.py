@@ -50,14 +50,21 @@ _nodes_lock = threading.Lock()
 _ids = itertools.count(1)
 
 
+def node_at(address: str) -> DeviceTransferBackend | None:
+    """The live backend of this process at ``address``, if any."""
+    with _nodes_lock:
+        return _nodes.get(address)
+
+
 class DeviceTransferBackend(HoldingBackend):
     name = "device"
+    scheme = SCHEME  # a subclass with its own (the tests' ``fake``) shares the process's table
 
     def __init__(self, *, tombstone_ttl_s: float = 600.0, uds: str | None = None, host: str | None = None,
                  advertise_host: str | None = None) -> None:
         """``uds``, ``host``, ``advertise_host``: what a node passes every backend for its transfer server; this one
         has none (its peer finds it in this process's table), so they are not used."""
-        self._address = f"{SCHEME}{os.getpid()}/{next(_ids)}"
+        self._address = f"{self.scheme}{os.getpid()}/{next(_ids)}"
         self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s, clock=scheduler())
         self._changed = threading.Condition(self._holds.lock)  # pullers wait here for publish, end, close
         self._delivered: set[int] = set()
@@ -123,8 +130,7 @@ class DeviceTransferBackend(HoldingBackend):
         deadline = time.monotonic() + timeout_s
         check_uuid(uuid)
         want = normalize_spec(spec)
-        with _nodes_lock:
-            node = _nodes.get(address)
+        node = node_at(address)
         if node is None:  # like a refused connection: no engine of this process publishes there
             where = "" if address.startswith(f"{SCHEME}{os.getpid()}/") else " (another process: the device backend " \
                 "hands KV only between engines of one process, fsm-pd serve --role pd)"
