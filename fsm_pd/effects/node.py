@@ -77,7 +77,10 @@ class Node:
 
     def step(self) -> int:
         """Decide, journal and execute everything queued so far; returns how many events were processed."""
-        self.wakeup.clear()
+        if self.wakeup.is_set():  # cleared before the inbox is read: a submit after this wakes the next step
+            self.wakeup.clear()
+        if not self._inbox:  # most steps of an idle node (the simulation steps both nodes at every settle)
+            return 0
         batch: list[tuple[Room, Decision, float]] = []
         rows: list[tuple] = []
         rooms, inbox, node_id, role, fire = self.rooms, self._inbox, self.node_id, self.role, self.machine.fire

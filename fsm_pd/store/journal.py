@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 
 from fsm_pd.machines import TERMINAL
 from fsm_pd.store.database import (  # noqa: F401 - DURABILITY is re-exported
@@ -131,6 +131,13 @@ class Journal:
             transitions.c.node == bindparam("node"), transitions.c.role == bindparam("role"),
             transitions.c.room == bindparam("room")).compile(dialect=self.engine.dialect))
         self._pending: list[tuple] = []
+        # A flush writes through a driver connection of the engine's pool: through SQLAlchemy's connection and
+        # transaction wrappers it cost about 0.2 ms of Python besides the database's work, a fifth of a simulated
+        # request (``bench/sim_scale.py``) and time on a node's loop between steps. A SQLite file's connection is
+        # kept from flush to flush; a server's is checked out each time, so that the pool's pre-ping replaces one
+        # that died with a restarted server.
+        self._writer = None
+        self._keep_writer = self._explicit_begin = dialect.name == "sqlite"  # its driver's transactions are off
         self.rows_written = 0
         self.commits = 0
 
@@ -176,18 +183,30 @@ class Journal:
         if not rows:
             return 0
         opened, closed = _room_changes(rows)
+        dbapi = self.engine.dialect.dbapi
         try:
-            with self.engine.begin() as conn:
-                # The compiled Core statement through the driver's executemany: the same INSERT SQLAlchemy would
-                # emit, without building a dict per row on the hot path.
-                conn.exec_driver_sql(self._insert, rows)
+            if self._writer is None:
+                self._writer = self.engine.raw_connection()  # the engine's connect events (pragmas) still run
+            cursor = self._writer.cursor()
+            try:
+                if self._explicit_begin:
+                    cursor.execute("BEGIN")
+                # the compiled Core statements, through the driver's executemany: no dict built per row
+                cursor.executemany(self._insert, rows)
                 if opened:
-                    conn.exec_driver_sql(self._open_room, opened)
+                    cursor.executemany(self._open_room, opened)
                 if closed:
-                    conn.exec_driver_sql(self._close_room, closed)
-        except IntegrityError as exc:
-            raise VersionConflict(f"a (node, role, room, version) was journaled twice: {exc.orig}") from exc
-        except SQLAlchemyError as exc:
+                    cursor.executemany(self._close_room, closed)
+                self._writer.commit()
+            finally:
+                cursor.close()
+            if not self._keep_writer:
+                self._writer, writer = None, self._writer
+                writer.close()  # back to the pool
+        except (dbapi.Error, SQLAlchemyError) as exc:
+            self._drop_writer()
+            if isinstance(exc, dbapi.IntegrityError):
+                raise VersionConflict(f"a (node, role, room, version) was journaled twice: {exc}") from exc
             raise JournalError(f"journal {self.name} write failed: {getattr(exc, 'orig', None) or exc}") from exc
         self.rows_written += len(rows)
         self.commits += 1
@@ -195,6 +214,18 @@ class Journal:
         if self.retention is not None:
             self.retention.after_flush(self)
         return len(rows)
+
+    def _drop_writer(self) -> None:
+        """After a failed flush: roll back, and leave the connection (it may be broken) for the next flush to
+        replace."""
+        writer, self._writer = self._writer, None
+        if writer is None:
+            return
+        try:
+            writer.rollback()
+            writer.close()
+        except Exception:  # noqa: BLE001 - a broken connection: the pool discards it
+            writer.invalidate()
 
     def keep_alive(self, idle_s: float = 2.0) -> None:
         """Ping a database server that has not answered for ``idle_s`` (a SQLite file is never pinged): an idle
@@ -209,8 +240,13 @@ class Journal:
         self._last_ok = time.monotonic()
 
     def close(self) -> None:
-        self.flush()
-        self.engine.dispose()
+        try:
+            self.flush()
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+            self.engine.dispose()
 
 
 def _room_changes(rows: list[tuple]) -> tuple[list[tuple], list[tuple]]:
