@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -55,7 +55,8 @@ class KVManager:
                  durability: str = "full", staging_sharding: Any = None,
                  admission: Admission | None = None,
                  heartbeat: Mapping[str, Any] | None = None, model: ModelThread | None = None,
-                 advertise_host: str | None = None, kv_checksum: bool = True, uds: str | None = None):
+                 advertise_host: str | None = None, kv_checksum: bool = True, uds: str | None = None,
+                 observers: Sequence[Callable] = ()):
         """``host``: what the side channel and the transfer server bind; ``advertise_host``: the host peers are told
         (bootstrap registration, side-channel origin and reply_to, transfer address), by default ``host``. A wildcard
         ``host`` needs an ``advertise_host`` (``WildcardAddress`` otherwise). ``kv_checksum``: compute (prefill) or
@@ -121,6 +122,9 @@ class KVManager:
         self.metrics.backend.labels(role, node_id, self.backend.name).set(1)
         self._ended = threading.Condition()
         self.node.observers.append(self._observe)
+        # before recovery and the loop's start: the rooms a restart fails are decided on the loop's first step, and
+        # an observer added after that (an engine's, when the constructor returned) never heard they ended
+        self.node.observers.extend(observers)
         self._stop = threading.Event()
         self.dead: str | None = None  # why the loop stopped on its own (None while it runs, or closed on purpose)
         self._thread = threading.Thread(target=self._loop, name=f"fsm-loop[{node_id}]", daemon=True)

@@ -50,9 +50,9 @@ class PDEngine(EngineCore):
         self.manager = KVManager(role=self.role, node_id=node_id, layout=self.layout,
                                  journal=journal_path(journal, node_id), secret=self.secret, backend=backend,
                                  backend_options=backend_options, deadlines=deadlines, host=host,
-                                 advertise_host=advertise_host, model=self.model_thread, **manager_options)
+                                 advertise_host=advertise_host, model=self.model_thread,
+                                 observers=[self._observe], **manager_options)
         self.registries.append(self.manager.metrics.registry)
-        self.manager.node.observers.append(self._observe)
         self.manager.metrics.watch_leaks(self.leak_counters)
         self.manager.on_stopped.append(self._cannot_serve)
 
