@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fsm_pd.http_protocol import read_timeouts_from_args
+from fsm_pd.process_exit import exit_now
 from fsm_pd.serve_checks import listener_problem, node_problem
 from fsm_pd.serve_flags import (
     DEADLINE_FLAGS,
@@ -203,7 +204,7 @@ def run_node(args: argparse.Namespace) -> int:
         logging.getLogger("fsm_pd.serve").info("closing the engine and its journal")
         engine.close()
     logging.getLogger("fsm_pd.serve").info("stopped cleanly")
-    _exit(0)
+    exit_now(0)
 
 
 def prepare_programs(engine, startup, skip: bool, busy) -> None:
@@ -230,16 +231,7 @@ def prepare_programs(engine, startup, skip: bool, busy) -> None:
         startup.mark_failed(f"{type(exc).__name__}: {exc}")
         log.exception("start-up failed; exiting")
         engine.close()
-        _exit(1)
-
-
-def _exit(status: int) -> None:
-    # Everything that must be saved is: the journal is closed. A worker thread still blocked (a bootstrap lookup
-    # retrying for 15 s) would hold the interpreter's exit, and a drain or a second SIGTERM must exit now.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+        exit_now(1)
 
 
 def node_secret(args: argparse.Namespace) -> bytes | None:

@@ -28,6 +28,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from fsm_pd.process_exit import exit_now
 from fsm_pd.serve_flags import DEADLINE_FLAGS, resolve_dtype
 from fsm_pd.unix_sockets import UnixPathError, check_path, unix_address
 
@@ -179,9 +180,7 @@ def run_pd(args: argparse.Namespace) -> int:
             engine.close()
         shutil.rmtree(links, ignore_errors=True)
     log.info("stopped cleanly")
-    from fsm_pd.serve_cli import _exit
-
-    _exit(0)
+    exit_now(0)
     return 0
 
 
@@ -224,7 +223,6 @@ def prepare_both(starts: dict, skip: bool) -> None:
     """Prepare both engines' ready sets, one after the other (they share the cores and the compile cache), mark both
     ready, then compile the rest of each in the background. A failure leaves a process that cannot serve: exit 1."""
     from fsm_pd.model import compiles
-    from fsm_pd.serve_cli import _exit
     from fsm_pd.serving.warmup import compile_rest, warm_up
 
     try:
@@ -247,4 +245,4 @@ def prepare_both(starts: dict, skip: bool) -> None:
         log.exception("start-up failed; exiting")
         for engine in starts:
             engine.close()
-        _exit(1)
+        exit_now(1)

@@ -52,6 +52,8 @@ class Stubs:
         return future
 
     # kv
+    checksum_algorithm = "crc32c"
+
     def stream(self, pages):
         return None
 
