@@ -69,7 +69,10 @@ def test_prefill_sigkilled_during_the_transfer(rig):
     r.p.kill()
     outcome = pending.result()
     assert_clean(outcome)
-    assert not outcome.ok
+    # One router attempt (the rig's --retry-policy): the router fails the request when it sees the prefill leg break
+    # first; when the decode node's pull fails first, it recomputes the prompt itself and answers (issue 44: the
+    # request costs nothing but time), which one full run saw.
+    assert not outcome.ok or outcome.body["meta_info"].get("kv_recompute"), outcome
     r.d.wait_baseline()
     r.p.restart()
     r.check_recovered()
