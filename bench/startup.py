@@ -18,7 +18,9 @@ background compile still runs. The serving compiles of each node (``fsm_pd_compi
 read after all that) are printed too, and must be 0.
 
     python bench/startup.py [--model smollm2] [--roles colocated,decode] [--no-launch] [--repeat N] [--json]
-                            [--baseline REF]
+                            [--baseline REF] [--uds]
+
+``--uds``: every node and launch serve over unix sockets (``--uds``), as on a TPU host, which allows no TCP socket.
 """
 
 from __future__ import annotations
@@ -57,38 +59,48 @@ def metric_rows(text: str, name: str) -> list[tuple[dict, float]]:
     return rows
 
 
-def run_node(role: str, model: str, caches: Path, tmp: Path) -> dict:
+def client_for(where: int | str) -> httpx.Client:
+    """A client of a node on 127.0.0.1:``where`` (a port), or on the unix socket ``where`` (a path)."""
+    if isinstance(where, int):
+        return httpx.Client(base_url=f"http://127.0.0.1:{where}")
+    return httpx.Client(base_url="http://localhost", transport=httpx.HTTPTransport(uds=where))
+
+
+def run_node(role: str, model: str, caches: Path, tmp: Path, uds: bool = False) -> dict:
     """Start one node, wait for ready, ask it one question (a colocated node), read its metrics, stop it."""
-    port = free_port()
-    argv = [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", role, "--model", model, "--port", str(port)]
+    port = free_port() if not uds else time.monotonic_ns() % 10**9  # a name for its files; no port then
+    where = str(tmp / f"{role}-{port}.sock") if uds else port
+    argv = [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", role, "--model", model,
+            *(["--uds", where] if uds else ["--port", str(port)])]
     if role in ("prefill", "decode"):
         argv += ["--journal", str(tmp / f"{role}-{port}.db")]
-    if role == "prefill":
+    if role == "prefill" and not uds:  # on unix sockets its bootstrap server listens beside --uds
         argv += ["--bootstrap-port", str(free_port())]
     env = {**os.environ, **secret_env(generate_secret()), "FSM_PD_COMPILE_CACHE": str(caches / "jax"),
            "FSM_PD_MODEL_CACHE": str(caches / "models")}
     log = tmp / f"{role}-{port}.log"
-    url = f"http://127.0.0.1:{port}"
+    client = client_for(where)
     started = time.time()
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
     try:
-        ready = _wait_ready(url, proc, log)
+        ready = _wait_ready(client, proc, log)
         result = {"ready_s": ready - started}
         if role == "colocated":
-            response = httpx.post(url + "/generate", json=QUESTION, timeout=300)
+            response = client.post("/generate", json=QUESTION, timeout=300)
             response.raise_for_status()
             result["first_answer_s"] = time.time() - started
-            result["burst_s"] = burst(url)
-        text = httpx.get(url + "/metrics", timeout=10).text
+            result["burst_s"] = burst(client)
+        text = client.get("/metrics", timeout=10).text
         result["phases"] = {labels["phase"]: value
                             for labels, value in metric_rows(text, "fsm_pd_startup_seconds")}
         # per kind, as it stood at ready (the metrics go on counting the background compile)
-        result["kinds"] = httpx.get(url + "/server_info", timeout=10).json()["startup"]["programs_before_ready"]
+        result["kinds"] = client.get("/server_info", timeout=10).json()["startup"]["programs_before_ready"]
         result["compiles"] = {labels["phase"]: int(value)
                               for labels, value in metric_rows(text, "fsm_pd_compiles_total")}
         return result
     finally:
+        client.close()
         proc.terminate()
         try:
             proc.wait(timeout=30)
@@ -97,27 +109,27 @@ def run_node(role: str, model: str, caches: Path, tmp: Path) -> dict:
             proc.wait()
 
 
-def burst(url: str, requests: int = 16, at_once: int = 8) -> float:
+def burst(client: httpx.Client, requests: int = 16, at_once: int = 8) -> float:
     """Right after the first answer (the background compile still running): ``requests`` prompts of 8 to 900 tokens,
     ``at_once`` at a time; the seconds they took. The node's serving compiles, read after, must still be 0."""
     lengths = [8 + (892 * i) // (requests - 1) for i in range(requests)]
-    bodies = [{"input_ids": [(7 * i + j) % 5000 + 10 for j in range(n)],
+    bodies = [{"input_ids": [(7 * i + j) % 250 + 10 for j in range(n)],  # within the tiny model's vocabulary too
                "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
               for i, n in enumerate(lengths)]
     started = time.time()
     with ThreadPoolExecutor(at_once) as pool:
-        for response in pool.map(lambda body: httpx.post(url + "/generate", json=body, timeout=600), bodies):
+        for response in pool.map(lambda body: client.post("/generate", json=body, timeout=600), bodies):
             response.raise_for_status()
     return time.time() - started
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 900) -> float:
+def _wait_ready(client: httpx.Client, proc: subprocess.Popen, log: Path, timeout: float = 900) -> float:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the node exited with {proc.returncode}; see {log}")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if client.get("/health", timeout=2).status_code == 200:
                 return time.time()
         except httpx.HTTPError:
             pass
@@ -125,14 +137,15 @@ def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 90
     raise RuntimeError(f"not ready within {timeout} s; see {log}")
 
 
-def run_launch(model: str, caches: Path, tmp: Path, code: Path | None = None) -> float:
+def run_launch(model: str, caches: Path, tmp: Path, code: Path | None = None, uds: bool = False) -> float:
     """``fsm-pd launch`` until it prints its first answer; the seconds it reports from the command to it. ``code``:
     a checkout whose fsm_pd runs instead of this one (the baseline)."""
     env = {**os.environ, "FSM_PD_COMPILE_CACHE": str(caches / "jax"), "FSM_PD_MODEL_CACHE": str(caches / "models")}
     if code is not None:
         env["PYTHONPATH"] = str(code)
-    argv = [sys.executable, "-m", "fsm_pd.cli", "launch", "--model", model, "--port", str(free_port()),
-            "--journal-dir", str(tmp / f"launch-{time.monotonic_ns()}")]
+    run = tmp / f"launch-{time.monotonic_ns()}"
+    argv = [sys.executable, "-m", "fsm_pd.cli", "launch", "--model", model,
+            *(["--uds", str(run / "s")] if uds else ["--port", str(free_port())]), "--journal-dir", str(run)]
     # cwd: python -m puts it first on sys.path, before PYTHONPATH: run from this checkout, it would shadow ``code``
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
                             stdin=subprocess.DEVNULL, cwd=tmp)
@@ -202,6 +215,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs of each (role, cache) and of each launch; medians are printed (default 1)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
+    parser.add_argument("--uds", action="store_true", help="serve over unix sockets (a TPU host allows no TCP)")
     parser.add_argument("--baseline", metavar="REF",
                         help="also time fsm-pd launch, cold and warm, on git revision REF (a temporary worktree), "
                              "e.g. 3d74fac, the code before start-up was worked on; ratios are printed")
@@ -217,7 +231,7 @@ def main() -> int:
                 caches = tmp / f"caches-{role}-{i}"  # a cold run starts from empty caches, its warm run from those
                 for cache in ("cold", "warm"):
                     err.print(f"{role}, {cache}, run {i + 1} of {args.repeat}")
-                    runs[cache].append(run_node(role, args.model, caches, tmp))
+                    runs[cache].append(run_node(role, args.model, caches, tmp, uds=args.uds))
             for cache, found in runs.items():
                 results[(role, cache)] = median_run(found)
         if args.launch:
@@ -225,7 +239,7 @@ def main() -> int:
             for i in range(args.repeat):
                 for cache in ("cold", "warm"):
                     err.print(f"fsm-pd launch, {cache}, run {i + 1} of {args.repeat}")
-                    times[cache].append(run_launch(args.model, tmp / f"caches-launch-{i}", tmp))
+                    times[cache].append(run_launch(args.model, tmp / f"caches-launch-{i}", tmp, uds=args.uds))
             launches = {cache: statistics.median(found) for cache, found in times.items()}
             launch_runs = times
         if args.baseline:
