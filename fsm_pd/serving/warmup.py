@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsm_pd.control.overlap import layer_group
-from fsm_pd.kernels import bucket_sizes, cpu_copy, gather_pages, resolve_impl, scatter_layers, scatter_pages
+from fsm_pd.kernels import bucket_sizes, cpu_copy, gather_pages, kv_hash, resolve_impl, scatter_layers, scatter_pages
 from fsm_pd.kernels.placement import pool_placement
 from fsm_pd.kvpool.pages import pages_for
 from fsm_pd.model import compiles, input_buckets, sampling
@@ -64,6 +64,7 @@ class WarmupPlan:
     sample_batches: list[int]
     scatter_buckets: list[int] = field(default_factory=list)  # a decode node's
     gather_buckets: list[int] = field(default_factory=list)  # a prefill node's
+    hash_buckets: list[int] = field(default_factory=list)  # a node whose KV checksum is the device hash
     short_prompt: int = 0  # the single-row prefill of this many tokens too (0: none)
 
     @property
@@ -99,17 +100,19 @@ class WarmupPlan:
     def steps(self) -> int:
         """Steps before the node is ready."""
         return (len(self.ready_forward) + len(self.ready_samples) + 1 + len(self.scatter_buckets)
-                + len(self.gather_buckets))
+                + len(self.gather_buckets) + len(self.hash_buckets))
 
 
 def plan_for(engine) -> WarmupPlan:
     """The plan of a prefill, decode or colocated engine, from the limits its schedulers batch by."""
     max_prompt = engine.max_context - 1
     prompt_buckets = bucket_sizes(pages_for(max_prompt, engine.page_size))
+    # both sides of a handoff hash the room's pages (kernels/kv_hash.py) where the pool is on an accelerator
+    hash_buckets = prompt_buckets if _hashes_on_device(engine) else []
     if engine.role == "prefill" and not getattr(engine, "serves_local", False):
         return WarmupPlan(prefill_shapes(engine.max_prefill_batch, engine.chunked_prefill_size),
                           _powers(engine.max_prefill_batch), gather_buckets=prompt_buckets,
-                          short_prompt=SHORT_PROMPT_TOKENS)
+                          hash_buckets=hash_buckets, short_prompt=SHORT_PROMPT_TOKENS)
     # prefills here: a colocated node's prompts, and both nodes' recomputes (retracted requests, failed transfers)
     limits = [(engine.loop.max_recompute_batch, engine.loop.max_recompute_tokens)]
     if engine.role in ("colocated", "prefill"):  # a prefill node that serves requests whole (--serve-local) too
@@ -119,12 +122,19 @@ def plan_for(engine) -> WarmupPlan:
     forward = {shape for batch, tokens in limits for shape in prefill_shapes(batch, tokens)}
     forward |= set(decode_shapes(engine.max_running))
     plan = WarmupPlan(sorted(forward), _powers(max(engine.max_running, *(batch for batch, _ in limits))),
-                      short_prompt=SHORT_PROMPT_TOKENS)
+                      hash_buckets=hash_buckets, short_prompt=SHORT_PROMPT_TOKENS)
     if engine.role == "decode":
         plan.scatter_buckets = prompt_buckets
     if engine.role == "prefill":
         plan.gather_buckets = prompt_buckets
     return plan
+
+
+def _hashes_on_device(engine) -> bool:
+    """Whether this PD node checksums its handoffs with the device hash (its pool on an accelerator, or
+    ``FSM_PD_KV_CHECKSUM_ALGORITHM``): a program per page bucket, which must not compile on a request's path."""
+    effects = getattr(getattr(engine, "manager", None), "effects", None)
+    return bool(effects is not None and effects.kv_checksum and effects.kv.checksum_algorithm == kv_hash.ALGORITHM)
 
 
 def _powers(limit: int) -> list[int]:
@@ -171,7 +181,7 @@ def warm_up(engine, *, progress: bool = True, startup: Startup | None = None) ->
                 step(f"sampling {batch}", lambda batch=batch: _run_samplers(batch, vocab, logits_sharding))
         with compiles.preparing("logprobs"):
             step("prompt logprobs", lambda: _prepare_logprobs(engine.model, programs))
-        if plan.scatter_buckets or plan.gather_buckets:
+        if plan.scatter_buckets or plan.gather_buckets or plan.hash_buckets:
             engine.model_thread.call(lambda owner: _run_kernels(owner, engine.layout, plan, step))
     took = time.monotonic() - started
     report = {"seconds": round(took, 2), "programs": compiles.counts()["startup"] - before,
@@ -293,11 +303,18 @@ def _run_kernels(owner, layout, plan: WarmupPlan, step) -> None:
         if resolve_impl(owner.pool) != "cpu":  # the CPU gather is NumPy's: nothing to compile
             gather_pages(owner.pool, list(range(1, min(rows, usable) + 1)), layout=layout).block_until_ready()
 
+    def hash_pages(rows: int) -> None:  # the parts of a handoff between pools split alike: each shard's slots whole
+        per_shard = layout.slots // layout.tp
+        kv_hash.device_checksums(owner.pool, list(range(1, min(rows, usable) + 1)),
+                                 [(shard, 0, per_shard) for shard in range(layout.tp)], layout.head_dim)
+
     with compiles.preparing("kernels"):  # on the model thread: the kind is set where the programs compile
         for rows in plan.scatter_buckets:
             step(f"scatter {rows} pages", lambda rows=rows: scatter(rows))
         for rows in plan.gather_buckets:
             step(f"gather {rows} pages", lambda rows=rows: gather(rows))
+        for rows in plan.hash_buckets:
+            step(f"hash {rows} pages", lambda rows=rows: hash_pages(rows))
 
 
 class _Bar:

@@ -10,6 +10,9 @@ import httpx
 import pytest
 from processes import Cluster, free_port
 
+from fsm_pd.kernels.kv_checksum import ALGORITHM_ENV
+from fsm_pd.kernels.kv_hash import ALGORITHM as DEVICE_HASH
+
 WARMUP = {"FSM_PD_SKIP_SERVER_WARMUP": "0"}
 
 
@@ -19,14 +22,16 @@ def compiles(url: str) -> dict[str, float]:
             re.findall(r'^fsm_pd_compiles_total\{phase="(\w+)"\} (\S+)$', text, flags=re.MULTILINE)}
 
 
-@pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 1), (2, 2), (1, 2)])
-def test_a_warmed_pd_pair_compiles_nothing_while_serving(tmp_path, prefill_tp, decode_tp):
+@pytest.mark.parametrize("prefill_tp, decode_tp, checksum", [(1, 1, "crc32c"), (2, 2, DEVICE_HASH), (1, 2, "crc32c")])
+def test_a_warmed_pd_pair_compiles_nothing_while_serving(tmp_path, prefill_tp, decode_tp, checksum):
     """With ``tp`` 2 the pools are split over 2 devices: the sharded forward passes and page kernels are warmed the
     same way. A handoff between different sizes cuts P's staging into pieces and joins them on D: on CPU devices on
     the host, so that no request waits for a program the warm-up could not know it needed (docs/tensor-parallel.md).
-    The requests come right after ready, while the background compile still runs: they use what covers them."""
+    The requests come right after ready, while the background compile still runs: they use what covers them. The
+    2-2 pair checksums its handoffs with the device hash, as pools on an accelerator do: a program per page bucket,
+    warmed too."""
     cluster = Cluster(tmp_path)
-    cluster.env |= WARMUP
+    cluster.env |= WARMUP | {ALGORITHM_ENV: checksum}
     # a small pool keeps the context's buckets (and so the warm-up) short; the rule is the same at any size
     pool = ("--num-pages", "48")
     try:
