@@ -362,18 +362,23 @@ def test_a_killed_prefill_is_out_at_its_first_refused_connection_and_the_request
     decode.close()
 
 
+def router_after_a_dying_prefill(stack: contextlib.ExitStack, decode: StubEngine):
+    """A prefill worker whose connection breaks off before its answer (a process that died), ``decode`` behind a
+    router of one attempt: (the dying worker, the router's URL)."""
+    dying = stack.enter_context(raw_worker(b"", then_close=True))
+    d = stack.enter_context(AppServer(create_app(decode, decode.tokenizer)))
+    app = create_router_app([(dying.url, 9000)], [d.url], retry=RetrySettings(policy="fail"), pd_policy=CLASSIC_PD)
+    return dying, stack.enter_context(AppServer(app)).url
+
+
 def test_a_prefill_that_dies_mid_request_leaves_the_request_to_its_decode_which_recomputes_it():
     """The prefill node's connection breaks off before its answer (the process died): the decode node holds the
     request and recomputes the prompt itself, so the router waits for its answer instead of closing its leg (which
     cancelled the recompute) and computing the prompt again elsewhere. One attempt, the decode's answer."""
     decode = StubEngine(role="decode", token_delay_s=0.2)  # its first token comes after the prefill broke off
     with contextlib.ExitStack() as stack:
-        dying = stack.enter_context(raw_worker(b"", then_close=True))
-        d = stack.enter_context(AppServer(create_app(decode, decode.tokenizer)))
-        app = create_router_app([(dying.url, 9000)], [d.url], retry=RetrySettings(policy="fail"),
-                                pd_policy=CLASSIC_PD)
-        router = stack.enter_context(AppServer(app))
-        r = httpx.post(router.url + "/generate", json={**LONG, "rid": "once"}, timeout=20)
+        dying, router = router_after_a_dying_prefill(stack, decode)
+        r = httpx.post(router + "/generate", json={**LONG, "rid": "once"}, timeout=20)
         assert r.status_code == 200, r.text
         assert len(dying.requests) == 1 and [q.rid for q in decode.submitted] == ["once"]
         assert decode.aborted == []
@@ -383,12 +388,8 @@ def test_a_prefill_that_dies_mid_request_leaves_the_request_to_its_decode_which_
 def test_when_the_decode_fails_too_after_its_prefill_died_the_failure_is_the_prefills():
     decode = StubEngine(role="decode", token_delay_s=0.2, fail_after=0)  # its room failed on the dead peer
     with contextlib.ExitStack() as stack:
-        dying = stack.enter_context(raw_worker(b"", then_close=True))
-        d = stack.enter_context(AppServer(create_app(decode, decode.tokenizer)))
-        app = create_router_app([(dying.url, 9000)], [d.url], retry=RetrySettings(policy="fail"),
-                                pd_policy=CLASSIC_PD)
-        router = stack.enter_context(AppServer(app))
-        r = httpx.post(router.url + "/generate", json=LONG, timeout=20)
+        _, router = router_after_a_dying_prefill(stack, decode)
+        r = httpx.post(router + "/generate", json=LONG, timeout=20)
         assert r.status_code == 502 and r.json()["error"]["code"] == "prefill_unreachable", r.text
     decode.close()
 
