@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 from serving import Servers, one_request
 
-from fsm_pd.launch import free_port
+from fsm_pd.cli.launch import free_port
 from fsm_pd.store import read_journal
 
 WORDS = ["prefill", "decode", "chunk", "transfer", "page", "layer", "token", "cache", "router", "journal", "room"]

@@ -6,7 +6,7 @@ loop and two durable SQLite journals (``--durability``, default ``full``: fsync 
 rooms move together, so each node step decides and commits a whole batch.
 
 Repeats alternate between CPython's default GC thresholds and the serving policy that ``fsm-pd serve`` applies
-(``fsm_pd.gc_policy``: freeze start-up objects, young collections 50x rarer); both are reported.
+(``fsm_pd.runtime.gc_policy``: freeze start-up objects, young collections 50x rarer); both are reported.
 
 The baseline, measured in the same run: the same rows inserted into an empty SQLite file with the stdlib driver,
 ``executemany`` in batches of the same size, same WAL and synchronous setting. That is the ceiling for "write these
@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 
 from fsm_pd.effects import EffectInterpreter, Node, VirtualClock
-from fsm_pd.gc_policy import SERVING_THRESHOLDS
 from fsm_pd.kvpool.pages import PageAllocator
 from fsm_pd.machines import RECEIVER, SENDER
 from fsm_pd.machines.effect_types import (
@@ -50,6 +49,7 @@ from fsm_pd.machines.effect_types import (
     Scatter,
     Send,
 )
+from fsm_pd.runtime.gc_policy import SERVING_THRESHOLDS
 from fsm_pd.store import Journal, read_journal
 from fsm_pd.store.database import DURABILITY, PG_SYNCHRONOUS_COMMIT, journal_url
 from fsm_pd.store.schema import metadata

@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from goodput_search import capacity_over_time, find_goodput, phases, requests_at, stream  # noqa: E402
 from serving import Servers, serving_compiles  # noqa: E402 - beside this script
 
-from fsm_pd.launch import free_port
+from fsm_pd.cli.launch import free_port
 from fsm_pd.model.loader import load_model
 
 err = Console(stderr=True)

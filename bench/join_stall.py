@@ -36,10 +36,10 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from fsm_pd import compile_cache
 from fsm_pd.model import compiles
 from fsm_pd.model.loader import load_model
 from fsm_pd.model.sampling import SamplingParams
+from fsm_pd.runtime import compile_cache
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.types import GenerateRequest, RequestStream
 from fsm_pd.serving.warmup import compile_rest, warm_up

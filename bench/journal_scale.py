@@ -41,7 +41,7 @@ from collections import defaultdict
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
-from fsm_pd.cli import main as fsm_pd
+from fsm_pd.cli.main import main as fsm_pd
 from fsm_pd.effects import Node, RecordingInterpreter, VirtualClock
 from fsm_pd.machines import SENDER, TERMINAL
 from fsm_pd.sim import SimConfig, simulate
@@ -157,7 +157,7 @@ def recover_seconds(path: Path, full_scan: bool) -> tuple[float, int]:
 
 def serve_to_health(journal: Path, workdir: Path) -> float:
     """Seconds from ``fsm-pd serve --role prefill --model tiny`` to /health 200 (the node is then stopped)."""
-    from fsm_pd.launch import free_port
+    from fsm_pd.cli.launch import free_port
 
     ports = [free_port(), free_port()]
     started = time.perf_counter()
@@ -193,7 +193,7 @@ def write_rate(repeats: int) -> dict:
     import control_plane  # bench/control_plane.py: its lifecycles and raw-insert baseline, not a copy of them
 
     import fsm_pd.store.journal as journal_module
-    from fsm_pd.gc_policy import SERVING_THRESHOLDS
+    from fsm_pd.runtime.gc_policy import SERVING_THRESHOLDS
 
     args = argparse.Namespace(rooms=20000, in_flight=1000, durability="full")
     keeps_rooms = journal_module._room_changes

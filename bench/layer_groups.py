@@ -27,9 +27,9 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from fsm_pd import compile_cache
 from fsm_pd.model.loader import load_model
 from fsm_pd.model.programs import ForwardPrograms
+from fsm_pd.runtime import compile_cache
 
 SHAPES = [(1, 1), (8, 1), (1, 512)]
 PAGES, PAGE_SIZE = 512, 16

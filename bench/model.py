@@ -37,7 +37,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-from fsm_pd.serve_cli import ask_for_host_devices  # jax-free
+from fsm_pd.cli.serve import ask_for_host_devices  # jax-free
 
 
 def _tp_sizes(argv: list[str]) -> list[int]:

@@ -40,7 +40,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving import Servers, pct, serving_compiles  # noqa: E402 - beside this script
 
-from fsm_pd.launch import free_port
+from fsm_pd.cli.launch import free_port
 from fsm_pd.model.loader import load_model
 from fsm_pd.store import read_journal
 

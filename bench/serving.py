@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from fsm_pd.launch import HEALTH_TIMEOUT_S, Child, free_port, stop, wait_healthy
+from fsm_pd.cli.launch import HEALTH_TIMEOUT_S, Child, free_port, stop, wait_healthy
 from fsm_pd.store import read_journal
 from fsm_pd.transport import generate_secret, secret_env
 

@@ -40,7 +40,7 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from fsm_pd.launch import HEALTH_TIMEOUT_S, free_port, plan, stop, wait_healthy
+from fsm_pd.cli.launch import HEALTH_TIMEOUT_S, free_port, plan, stop, wait_healthy
 from fsm_pd.transport import generate_secret, secret_env
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -41,7 +41,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from fsm_pd.launch import free_port
+from fsm_pd.cli.launch import free_port
 from fsm_pd.transport import generate_secret, secret_env
 
 err = Console(stderr=True)

@@ -37,12 +37,12 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from fsm_pd import compile_cache
 from fsm_pd.model import decoder
 from fsm_pd.model.attention import paged_attention
 from fsm_pd.model.loader import load_model
 from fsm_pd.model.rope import inverse_frequencies
 from fsm_pd.model.sampling import SamplingParams, sample
+from fsm_pd.runtime import compile_cache
 
 PAGES, PAGE_SIZE = 512, 16
 err = Console(stderr=True)

@@ -34,9 +34,9 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving import Servers, serving_compiles  # noqa: E402 - beside this script
 
-from fsm_pd import compile_cache
 from fsm_pd.model.loader import load_model
 from fsm_pd.model.sampling import SamplingParams
+from fsm_pd.runtime import compile_cache
 from fsm_pd.serving.collect import generate
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.types import GenerateRequest

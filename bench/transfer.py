@@ -101,7 +101,7 @@ def host_devices(args: argparse.Namespace) -> None:
     """Virtual CPU devices for the largest split, asked for before this process imports jax."""
     sizes = [n for pair in reshard_pairs(args.reshard) for n in pair]
     if sizes and max(sizes) > 1:
-        from fsm_pd.serve_cli import ask_for_host_devices
+        from fsm_pd.cli.serve import ask_for_host_devices
 
         ask_for_host_devices(max(sizes))
 

@@ -5,7 +5,7 @@ server), as a node does. On a host that allows no TCP socket at all (a TPU host:
 ``real_parts.TCP_MISSING``) the tests' engines listen on unix sockets in the test's directory instead, as a node
 started with ``--uds`` does, so that the tests of in-process PD still run there, on the chip. The handlers, the
 side channel's messages and the data plane are the same; only the sockets' family differs. The same goes for an
-HTTP server a test starts in process (``AppServer``), which a client of ``fsm_pd.unix_http`` reaches either way.
+HTTP server a test starts in process (``AppServer``), which a client of ``fsm_pd.net.unix_http`` reaches either way.
 Where TCP works (CI), nothing changes: ``node_sockets`` adds no argument.
 
 A node on unix sockets takes only a transfer backend that can listen on one (``unix_sockets.check_unix_backend``).
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from real_parts import TCP_MISSING
 
-from fsm_pd import unix_sockets
+from fsm_pd.net import unix_sockets
 
 
 def node_sockets(directory: str | Path, name: str, *, bootstrap: bool = False) -> dict[str, str]:

@@ -35,8 +35,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from fsm_pd.api.errors import error_body
-from fsm_pd.http_protocol import ReadTimeouts
-from fsm_pd.http_server import _uvicorn_config, run
+from fsm_pd.net.http_protocol import ReadTimeouts
+from fsm_pd.net.http_server import _uvicorn_config, run
 from fsm_pd.serving.startup import Startup
 
 log = logging.getLogger(__name__)

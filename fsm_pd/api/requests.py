@@ -31,8 +31,8 @@ from fsm_pd.api.schemas import (
 from fsm_pd.api.tools import ToolPlan, forced_grammar, plan_tools, tool_dicts
 from fsm_pd.model.grammar import GrammarSpec
 from fsm_pd.model.sampling import SamplingParams
+from fsm_pd.net.unix_sockets import is_unix
 from fsm_pd.serving.types import Bootstrap, GenerateRequest
-from fsm_pd.unix_sockets import is_unix
 
 GENERATE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and SGLang's) default for /v1/completions

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Sequence
 
 from fsm_pd.bootstrap.server import DEFAULT_MAX_BODY_BYTES, BootstrapServer
-from fsm_pd.unix_sockets import UnixPathError, check_path
+from fsm_pd.net.unix_sockets import UnixPathError, check_path
 
 TOKEN_ENV = "FSM_PD_BOOTSTRAP_TOKEN"
 DESCRIPTION = """\

@@ -12,7 +12,7 @@ Retry policy, after SGLang's (``docs/bootstrap.md``):
   apart); a 404 (no such rank) or another 4xx is final. Either way the failure is a ``LookupError`` with the reason.
 
 URLs may be ``http://host:port``, SGLang's bare ``host:port``, or ``unix:PATH`` for a server on a unix socket
-(``fsm_pd.unix_http``). All calls are synchronous (httpx).
+(``fsm_pd.net.unix_http``). All calls are synchronous (httpx).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Any
 
 import httpx
 
-from fsm_pd import unix_http
-from fsm_pd.unix_http import http_url
-from fsm_pd.unix_sockets import is_unix
+from fsm_pd.net import unix_http
+from fsm_pd.net.unix_http import http_url
+from fsm_pd.net.unix_sockets import is_unix
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from fsm_pd.bootstrap.wire import (
     parse_dp_rank_registration,
     parse_route_query,
 )
-from fsm_pd.http_server import AppServer
+from fsm_pd.net.http_server import AppServer
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ The names below are imported on first use, so that the jax-free modules of this 
 the node core, the admission) can be imported without jax: the simulation runs them.
 """
 
-from fsm_pd.lazy import lazy_exports
+from fsm_pd.runtime.lazy import lazy_exports
 
 _HOME = {
     "KVManager": "manager",

@@ -36,11 +36,11 @@ from fsm_pd.effects.prefill import PrefillEffects
 from fsm_pd.kernels import KVLayout
 from fsm_pd.machines import RECEIVER, SENDER, KVPoll
 from fsm_pd.model.model_thread import ModelThread
+from fsm_pd.net.unix_sockets import check_unix_backend, ipc_address, node_socket
 from fsm_pd.store import Journal, JournalError
 from fsm_pd.transport import SideChannel
 from fsm_pd.transport.addresses import advertised_host, with_port
 from fsm_pd.transport.backends import create_backend, new_uuid
-from fsm_pd.unix_sockets import check_unix_backend, ipc_address, node_socket
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from fsm_pd.bootstrap import RankRegistration, deregister_prefill_rank, register_prefill_rank, resolve_prefill
 from fsm_pd.bootstrap.client import base_url
-from fsm_pd.unix_sockets import unix_address
+from fsm_pd.net.unix_sockets import unix_address
 
 # done(result, error), as ``fsm_pd.effects.ports.ResultDone``
 Done = Callable[[Any, "BaseException | None"], None]

@@ -6,7 +6,7 @@ jax-free resharding plan (``fsm_pd.transport.reshard``) imports the layout witho
 
 from __future__ import annotations
 
-from fsm_pd.lazy import lazy_exports
+from fsm_pd.runtime.lazy import lazy_exports
 
 _HOME = {
     "Impl": "page_copy",

@@ -35,7 +35,8 @@ from fsm_pd.api.auth import ApiKeyMiddleware
 from fsm_pd.api.errors import ERROR_RESPONSES, install_error_handlers
 from fsm_pd.api.strict_json import StrictJSONRoute
 from fsm_pd.bootstrap.body_limit import BodySizeLimit
-from fsm_pd.http_protocol import add_read_timeout_flags, read_timeouts_from_args
+from fsm_pd.net.http_protocol import add_read_timeout_flags, read_timeouts_from_args
+from fsm_pd.net.unix_sockets import UnixPathError, check_path, is_unix
 from fsm_pd.router.cache_aware import CacheAwareSettings
 from fsm_pd.router.core import (
     DEFAULT_BREAKER,
@@ -52,7 +53,6 @@ from fsm_pd.router.legs import DEFAULT_DEADLINES, RouterDeadlines
 from fsm_pd.router.metrics import RouterMetrics, RouterMetricsMiddleware
 from fsm_pd.router.policy import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, MODES, PolicySettings
 from fsm_pd.router.routes import install_router_routes
-from fsm_pd.unix_sockets import UnixPathError, check_path, is_unix
 
 log = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ from fsm_pd.api.requests import new_rid
 from fsm_pd.api.runner import wait_disconnect
 from fsm_pd.api.streaming import PROGRESS_HEADER, ROUTE_HEADERS
 from fsm_pd.api.tasks import cancel_and_wait
+from fsm_pd.net.unix_http import async_client, http_url
 from fsm_pd.router.attempts import Attempts, Failure, Started, error_message, needs_prefill_body
 from fsm_pd.router.cache_aware import CacheAwareSettings, routing_key
 from fsm_pd.router.fleet import BreakerSettings, Fleet, HealthChecker, RetryBudget, Worker
@@ -43,7 +44,6 @@ from fsm_pd.router.metrics import RouterMetrics
 from fsm_pd.router.migrate import Progress, can_migrate, node_failure
 from fsm_pd.router.policy import PolicySettings, PrefillIdleWatch, Route, RouteInput, decide, prompt_tokens
 from fsm_pd.router.routes import RunningRequests
-from fsm_pd.unix_http import async_client, http_url
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import secrets
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
-from fsm_pd.unix_sockets import is_unix
+from fsm_pd.net.unix_sockets import is_unix
 
 ROOM_BITS = 63  # SGLang's rooms are random non-negative int64s
 

@@ -51,6 +51,7 @@ from fsm_pd.control.phases import timing_meta
 from fsm_pd.kvpool.pages import pages_for
 from fsm_pd.machines.deadlines import ended_by_deadline, explain_failure
 from fsm_pd.model.loader import LoadedModel
+from fsm_pd.net.unix_sockets import is_unix
 from fsm_pd.scheduling.page_admission import CHUNKED_PREFILL_SIZE
 from fsm_pd.scheduling.prealloc import Preallocation
 from fsm_pd.scheduling.step_budget import DEFAULT_CHUNK_STEPS, StepBudget
@@ -66,7 +67,6 @@ from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.top_logprobs import from_wire as top_logprobs_from_wire
 from fsm_pd.serving.types import EngineError, GenerateRequest
 from fsm_pd.transport.backends.base import PRODUCER_FAILED
-from fsm_pd.unix_sockets import is_unix
 
 
 class PreallocCollector(ScrapedCounters):

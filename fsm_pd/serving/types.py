@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fsm_pd.model.sampling import SamplingParams
+from fsm_pd.net.unix_sockets import is_unix
 from fsm_pd.transport.addresses import with_port
-from fsm_pd.unix_sockets import is_unix
 
 
 class EngineError(Exception):

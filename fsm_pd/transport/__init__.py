@@ -7,7 +7,7 @@ simulation import those alone.
 
 from __future__ import annotations
 
-from fsm_pd.lazy import lazy_exports
+from fsm_pd.runtime.lazy import lazy_exports
 
 _HOME = {
     "Abort": "messages",

@@ -42,6 +42,7 @@ from typing import Any
 
 import zmq
 
+from fsm_pd.net.unix_sockets import ipc_file, prepare_zmq_bind, remove_socket
 from fsm_pd.transport.addresses import with_host
 from fsm_pd.transport.courier import Courier
 from fsm_pd.transport.messages import Heartbeat, MalformedMessage, Message, new_instance_id, new_nonce
@@ -68,7 +69,6 @@ from fsm_pd.transport.signing import (
     open_frame,
     seal,
 )
-from fsm_pd.unix_sockets import ipc_file, prepare_zmq_bind, remove_socket
 
 __all__ = ["DROP_REASONS", "BadPeerAddress", "ChannelClosed", "MessageTooLarge", "PeerUnreachable", "SideChannel",
            "SideChannelError"]

@@ -130,11 +130,11 @@ class CommandLine:
 
 
 def parse(words: list[str], env: Mapping[str, str]) -> CommandLine:
-    """``fsm-pd serve --role ROLE ...`` parsed by the parser ``serve_main`` hands it to (fsm_pd/serve_cli.py): the
+    """``fsm-pd serve --role ROLE ...`` parsed by the parser ``serve_main`` hands it to (fsm_pd/cli/serve.py): the
     node's for prefill and decode, the router's (``--role router`` taken out, as serve_main does) for the router,
     built with the container's environment alone (the flags' defaults read it: FSM_PD_API_KEY, ...). An unknown flag
     or a bad value fails with argparse's own message."""
-    from fsm_pd.serve_flags import role_parser
+    from fsm_pd.cli.flags import role_parser
 
     assert words[:2] == ["fsm-pd", "serve"], f"not an fsm-pd serve command: {words}"
     rest = words[2:]

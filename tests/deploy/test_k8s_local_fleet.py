@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))  # 
 
 from processes import Cluster, wait_health  # noqa: E402
 
-from fsm_pd.launch import free_port  # noqa: E402
+from fsm_pd.cli.launch import free_port  # noqa: E402
 from fsm_pd.transport import generate_secret  # noqa: E402
 
 pytestmark = [KUBECTL, KUBERNETES_VALIDATE, pytest.mark.timeout(240)]

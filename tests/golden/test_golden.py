@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fsm_pd.cli import EXIT_DIVERGED, EXIT_OK, main
+from fsm_pd.cli.main import EXIT_DIVERGED, EXIT_OK, main
 from fsm_pd.store import write_rows
 
 HERE = Path(__file__).resolve().parent

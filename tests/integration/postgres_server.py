@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 import time
 
-from fsm_pd.launch import free_port
+from fsm_pd.cli.launch import free_port
 
 PROGRAMS = ("initdb", "postgres")
 SUPERUSER = "fsm"

@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from fsm_pd.launch import free_port
+from fsm_pd.cli.launch import free_port
 from fsm_pd.transport import generate_secret, secret_env
 
 PAGE_SIZE = 16

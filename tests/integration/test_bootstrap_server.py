@@ -29,7 +29,7 @@ from fsm_pd.bootstrap import (
     resolve_prefill,
 )
 from fsm_pd.bootstrap import client as bootstrap_client
-from fsm_pd.launch import free_port
+from fsm_pd.cli.launch import free_port
 
 NOT_READY = "Prefill server not fully registered yet ({} workers registered)."
 RANK_0 = {"prefill_dp_rank": 0, "prefill_cp_rank": 0, "target_tp_rank": 0, "target_pp_rank": 0}

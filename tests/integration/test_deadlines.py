@@ -274,6 +274,6 @@ def test_a_room_that_never_reaches_success_fails_naming_its_deadline_and_replay_
 
 
 def free_port() -> int:
-    from fsm_pd.launch import free_port as port
+    from fsm_pd.cli.launch import free_port as port
 
     return port()

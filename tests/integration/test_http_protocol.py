@@ -20,8 +20,8 @@ import pytest
 from stub_engine import StubEngine
 
 from fsm_pd.api import create_app
-from fsm_pd.http_protocol import ReadTimeouts
-from fsm_pd.http_server import AppServer
+from fsm_pd.net.http_protocol import ReadTimeouts
+from fsm_pd.net.http_server import AppServer
 from fsm_pd.router import create_router_app
 from fsm_pd.router.policy import CLASSIC_PD
 

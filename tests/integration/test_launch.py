@@ -12,7 +12,7 @@ import time
 import httpx
 import psutil
 
-from fsm_pd.launch import free_port
+from fsm_pd.cli.launch import free_port
 from fsm_pd.store import read_journal, replay
 
 

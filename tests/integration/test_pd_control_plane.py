@@ -13,7 +13,7 @@ import time
 import pytest
 from pd_harness import assert_replay_consistent, cluster, final, wait_for_state
 
-from fsm_pd.launch import free_port
+from fsm_pd.cli.launch import free_port
 from fsm_pd.store import read_journal
 
 assert cluster  # a fixture, used by name

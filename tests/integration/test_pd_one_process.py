@@ -20,9 +20,9 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from fsm_pd import unix_http
+from fsm_pd.net import unix_http
+from fsm_pd.net.unix_sockets import unix_address
 from fsm_pd.store import read_journal, replay
-from fsm_pd.unix_sockets import unix_address
 
 REQUESTS = int(os.environ.get("FSM_PD_ONE_PROCESS_REQUESTS", "8"))
 VOCAB = 272  # the tiny model's

@@ -15,7 +15,7 @@ from polling import until
 from stub_engine import DECODE_LOGPROB, PREFILL_LOGPROB, StubEngine
 
 from fsm_pd.api import AppServer, create_app
-from fsm_pd.launch import free_port
+from fsm_pd.cli.launch import free_port
 from fsm_pd.router import build_arg_parser, create_router_app
 from fsm_pd.router.app import PrefillWorker, RetrySettings, parse_prefill_specs
 from fsm_pd.router.policy import CLASSIC_PD

@@ -19,7 +19,7 @@ import pytest
 from polling import until
 from processes import Cluster, post_ok
 
-from fsm_pd.launch import free_port
+from fsm_pd.cli.launch import free_port
 
 THRESHOLD = 32  # --local-prefill-max-tokens: SHORT goes local, LONG through the prefill node
 

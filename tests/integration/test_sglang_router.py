@@ -20,7 +20,7 @@ import pytest
 from real_parts import SGLANG_ROUTER
 from stub_engine import DECODE_LOGPROB, PREFILL_LOGPROB, stub_server
 
-from fsm_pd.launch import free_port
+from fsm_pd.cli.launch import free_port
 
 pytestmark = SGLANG_ROUTER
 

@@ -16,8 +16,8 @@ import msgpack
 import pytest
 import zmq
 
+from fsm_pd.cli.launch import free_port
 from fsm_pd.kernels.layout import KVLayout
-from fsm_pd.launch import free_port
 from fsm_pd.transport.messages import Abort, MessageType, Prepare, Pulled, Ready, encode_body
 from fsm_pd.transport.side_channel import (
     BadPeerAddress,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsm_pd.serve_cli import serve_main
+from fsm_pd.cli.serve import serve_main
 from fsm_pd.serving.types import Bootstrap
 from fsm_pd.transport.addresses import (
     WildcardAddress,

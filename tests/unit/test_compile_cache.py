@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from fsm_pd import compile_cache
+from fsm_pd.runtime import compile_cache
 
 
 def test_the_directory_comes_from_the_environment_then_xdg_then_home(tmp_path):
@@ -18,7 +18,7 @@ def test_the_directory_comes_from_the_environment_then_xdg_then_home(tmp_path):
 def test_a_second_process_finds_the_programs_the_first_compiled(tmp_path):
     script = (
         "import jax, jax.numpy as jnp, sys\n"
-        "from fsm_pd import compile_cache\n"
+        "from fsm_pd.runtime import compile_cache\n"
         "compile_cache.enable(sys.argv[1])\n"
         "print(float(jax.jit(lambda x: (x * 3).sum())(jnp.arange(7.0))))\n"
     )

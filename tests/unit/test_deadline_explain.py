@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from fsm_pd.cli import EXIT_OK, main
+from fsm_pd.cli.flags import node_parser
+from fsm_pd.cli.main import EXIT_OK, main
 from fsm_pd.control.config import DEFAULTS, ENV
 from fsm_pd.machines import MACHINES
 from fsm_pd.machines.deadlines import STATE_DEADLINES, ended_by_deadline, explain_failure
 from fsm_pd.router.legs import StreamIdle, until
-from fsm_pd.serve_flags import node_parser
 from fsm_pd.store import write_rows
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"

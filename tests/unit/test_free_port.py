@@ -6,7 +6,7 @@ import socket
 
 from real_parts import TCP
 
-from fsm_pd import launch
+from fsm_pd.cli import launch
 
 pytestmark = TCP  # a free port is one a TCP socket can bind on 127.0.0.1 (tests/real_parts.py)
 

@@ -6,7 +6,7 @@ import gc
 import threading
 import weakref
 
-from fsm_pd.gc_policy import start_full_collections
+from fsm_pd.runtime.gc_policy import start_full_collections
 
 
 class _Cyclic:

@@ -8,7 +8,7 @@ import sqlite3
 
 from sqlalchemy import event
 
-from fsm_pd.cli import EXIT_OK, main
+from fsm_pd.cli.main import EXIT_OK, main
 from fsm_pd.effects import Node, RecordingInterpreter, VirtualClock
 from fsm_pd.machines import SENDER
 from fsm_pd.store import Journal, JournalReader

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sqlite3
 
-from fsm_pd.cli import EXIT_OK, EXIT_UNREADABLE, main
+from fsm_pd.cli.main import EXIT_OK, EXIT_UNREADABLE, main
 from fsm_pd.control.core import NodeCore
 from fsm_pd.effects import Node, RecordingInterpreter, VirtualClock
 from fsm_pd.machines import RECEIVER, SENDER

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from fsm_pd.cli import EXIT_OK, main
+from fsm_pd.cli.main import EXIT_OK, main
 from fsm_pd.effects import Node, RecordingInterpreter, VirtualClock
 from fsm_pd.machines import RECEIVER, SENDER
 from fsm_pd.report import table

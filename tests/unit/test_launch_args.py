@@ -9,8 +9,8 @@ from pathlib import Path
 
 from real_parts import TCP
 
-from fsm_pd.launch import check_commands, chip_holder, exit_cause, plan
-from fsm_pd.serve_flags import accelerator_host, resolve_dtype
+from fsm_pd.cli.flags import accelerator_host, resolve_dtype
+from fsm_pd.cli.launch import check_commands, chip_holder, exit_cause, plan
 
 
 def children(extra=(), router_extra=(), prefill_extra=(), decode_extra=()):
@@ -111,7 +111,7 @@ def test_on_an_accelerator_host_the_first_decode_node_holds_the_chip_and_every_n
 def test_the_cluster_needs_a_prefill_node_only_when_the_router_sends_every_request_through_one():
     """Under ``auto`` (the default) and ``never`` a decode node prefills prompts itself, so launch keeps serving
     when its last prefill node dies (it stopped the cluster, and the request in flight with it)."""
-    from fsm_pd.launch import needed_roles
+    from fsm_pd.cli.launch import needed_roles
 
     assert needed_roles([]) == needed_roles(["--pd-policy", "auto"]) == needed_roles(["--pd-policy=never"]) == \
         ("decode",)

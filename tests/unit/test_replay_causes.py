@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from fsm_pd.cli import EXIT_OK, main
+from fsm_pd.cli.main import EXIT_OK, main
 from fsm_pd.control.core import NodeCore
 from fsm_pd.effects import Node, RecordingInterpreter, VirtualClock
 from fsm_pd.machines import RECEIVER, SENDER

@@ -14,10 +14,10 @@ import json
 import pytest
 from node_sockets import node_sockets
 
-from fsm_pd import unix_http
 from fsm_pd.api import AppServer, create_app
 from fsm_pd.api.streaming import PROGRESS_HEADER
 from fsm_pd.model.loader import load_model
+from fsm_pd.net import unix_http
 from fsm_pd.router.migrate import Progress
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 

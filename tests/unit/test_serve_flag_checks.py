@@ -15,10 +15,10 @@ import sys
 import pytest
 from real_parts import TCP
 
-from fsm_pd.serve_flags import role_parser, split_role
+from fsm_pd.cli.flags import role_parser, split_role
 
 # the command, with every later ``import jax`` failing
-NO_JAX = "import sys; sys.modules['jax'] = None; from fsm_pd.cli import main; sys.exit(main(sys.argv[1:]))"
+NO_JAX = "import sys; sys.modules['jax'] = None; from fsm_pd.cli.main import main; sys.exit(main(sys.argv[1:]))"
 SECRET = ["--side-channel-secret", "ab" * 32]
 
 
@@ -107,7 +107,7 @@ def test_launch_on_a_taken_port_starts_nothing(taken, tmp_path):
 
 
 def test_role_pd_offers_the_routers_policies_and_default():
-    from fsm_pd import serve_flags
+    from fsm_pd.cli import flags as serve_flags
     from fsm_pd.router import policy
 
     assert serve_flags.PD_POLICIES == policy.MODES
@@ -124,7 +124,7 @@ def test_the_role_is_found_in_either_spelling():
 
 
 def test_a_cpu_host_is_not_told_at_every_start_that_it_has_no_tpu(caplog):
-    from fsm_pd.serve_cli import quiet_absent_backends
+    from fsm_pd.cli.serve import quiet_absent_backends
 
     log = logging.getLogger("jax._src.xla_bridge")
     quiet_absent_backends()

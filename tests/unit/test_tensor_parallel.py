@@ -83,7 +83,7 @@ def test_a_tp_prefill_node_registers_one_entry_per_rank():
 
 
 def test_serve_asks_jax_for_enough_host_devices():
-    from fsm_pd.serve_cli import ask_for_host_devices
+    from fsm_pd.cli.serve import ask_for_host_devices
 
     env = {"XLA_FLAGS": "--xla_cpu_foo=1 --xla_force_host_platform_device_count=2"}
     ask_for_host_devices(4, env)
@@ -97,7 +97,7 @@ def test_serve_asks_jax_for_enough_host_devices():
 
 @TCP
 def test_launch_passes_each_role_its_tp(tmp_path):
-    from fsm_pd.launch import plan
+    from fsm_pd.cli.launch import plan
 
     children = plan(1, 1, 30000, "tiny", "tcp", tmp_path, [], prefill_tp=2, decode_tp=4)
     tp = {child.name: child.argv[child.argv.index("--tp") + 1] for child in children if "--tp" in child.argv}

@@ -1,6 +1,6 @@
-"""Unix sockets beside TCP (``fsm_pd.unix_sockets``, ``fsm_pd.unix_http``): ``unix:PATH`` addresses and what each
-part makes of them, the 107-byte path limit (checked, one line, before anything loads), listening with a stale file
-replaced and a live one refused, and the TCP probe that turns libzmq's abort into a Python error."""
+"""Unix sockets beside TCP (``fsm_pd.net.unix_sockets``, ``fsm_pd.net.unix_http``): ``unix:PATH`` addresses and
+what each part makes of them, the 107-byte path limit (checked, one line, before anything loads), listening with a
+stale file replaced and a live one refused, and the TCP probe that turns libzmq's abort into a Python error."""
 
 from __future__ import annotations
 
@@ -18,12 +18,8 @@ from fsm_pd.api.request_checks import NodeIdentity
 from fsm_pd.api.requests import resolve_bootstrap
 from fsm_pd.bootstrap.wire import BadRequest, RankRegistration
 from fsm_pd.control.resolver import prefill_registration
-from fsm_pd.router.app import PrefillWorker, parse_prefill_specs
-from fsm_pd.router.merge import check_bootstrap, with_bootstrap
-from fsm_pd.serving.types import Bootstrap
-from fsm_pd.transport import SideChannel, generate_secret
-from fsm_pd.unix_http import http_url, split_socket
-from fsm_pd.unix_sockets import (
+from fsm_pd.net.unix_http import http_url, split_socket
+from fsm_pd.net.unix_sockets import (
     SUN_PATH_MAX,
     Listener,
     TcpRefused,
@@ -35,6 +31,10 @@ from fsm_pd.unix_sockets import (
     require_tcp,
     unix_path,
 )
+from fsm_pd.router.app import PrefillWorker, parse_prefill_specs
+from fsm_pd.router.merge import check_bootstrap, with_bootstrap
+from fsm_pd.serving.types import Bootstrap
+from fsm_pd.transport import SideChannel, generate_secret
 
 
 @pytest.fixture
@@ -110,7 +110,7 @@ def test_a_host_that_refuses_tcp_gets_a_python_error_before_zmq_binds(monkeypatc
     def refused(*args, **kwargs):
         raise PermissionError(errno.EPERM, "Operation not permitted")
 
-    monkeypatch.setattr("fsm_pd.unix_sockets.socket.socket", refused)
+    monkeypatch.setattr("fsm_pd.net.unix_sockets.socket.socket", refused)
     with pytest.raises(TcpRefused, match=r"--uds PATH"):
         require_tcp("127.0.0.1", "the test")
     with pytest.raises(TcpRefused, match="the side channel of p"):

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from fsm_pd.net.unix_sockets import is_unix, unix_path
 from fsm_pd.transport.backends import tcp_wire as wire
 from fsm_pd.transport.backends.base import (
     OnProgress,
@@ -38,7 +39,6 @@ from fsm_pd.transport.backends.holds import Hold
 from fsm_pd.transport.backends.host_stream import HostEntry, HostStreamBackend, Landing
 from fsm_pd.transport.backends.spec import layout_digest, summarize, verify_pulled
 from fsm_pd.transport.backends.tcp_server import TcpPullServer
-from fsm_pd.unix_sockets import is_unix, unix_path
 
 
 def parse_address(address: str) -> tuple[int, str | tuple[str, int]]:

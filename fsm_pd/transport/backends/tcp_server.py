@@ -19,10 +19,10 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+from fsm_pd.net.unix_sockets import Listener
 from fsm_pd.transport.addresses import bare_host, is_ipv6, with_port
 from fsm_pd.transport.backends import tcp_wire as wire
 from fsm_pd.transport.backends.host_stream import HostEntry
-from fsm_pd.unix_sockets import Listener
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import zmq
 
+from fsm_pd.net.unix_sockets import ipc_address, ipc_file, prepare_zmq_bind, remove_socket
 from fsm_pd.transport.addresses import is_ipv6, with_port
 from fsm_pd.transport.backends import zmq_wire as wire
 from fsm_pd.transport.backends.host_stream import HostEntry
-from fsm_pd.unix_sockets import ipc_address, ipc_file, prepare_zmq_bind, remove_socket
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 
-from fsm_pd.http_protocol import add_read_timeout_flags
+from fsm_pd.net.http_protocol import add_read_timeout_flags
 
 # the description of ``fsm-pd serve --help`` and of every role's parser
 SERVE_HELP = """\

@@ -17,8 +17,8 @@ import time
 
 import uvicorn
 
-from fsm_pd.http_protocol import ReadTimeouts
-from fsm_pd.unix_sockets import Listener, unix_address
+from fsm_pd.net.http_protocol import ReadTimeouts
+from fsm_pd.net.unix_sockets import Listener, unix_address
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from fsm_pd.http_protocol import read_timeouts_from_args
-from fsm_pd.process_exit import exit_now
-from fsm_pd.serve_checks import listener_problem, node_problem
-from fsm_pd.serve_flags import (
+from fsm_pd.cli.checks import listener_problem, node_problem
+from fsm_pd.cli.flags import (
     DEADLINE_FLAGS,
     ROLES,
     SERVE_HELP,
@@ -25,6 +23,8 @@ from fsm_pd.serve_flags import (
     role_parser,
     split_role,
 )
+from fsm_pd.net.http_protocol import read_timeouts_from_args
+from fsm_pd.runtime.process_exit import exit_now
 
 
 def ask_for_host_devices(tp: int, environ=os.environ) -> None:
@@ -91,7 +91,7 @@ def serve_main(argv: Sequence[str]) -> int:
         ask_for_host_devices(args.tp)
     open_devices_meanwhile()
     if role == "pd":
-        from fsm_pd.serve_pd import run_pd
+        from fsm_pd.cli.serve_pd import run_pd
 
         return run_pd(args)
     return run_node(args)
@@ -116,7 +116,7 @@ def check_unix_sockets(args: argparse.Namespace) -> str | None:
     that needs TCP), or None."""
     if args.uds is None:
         return None
-    from fsm_pd.unix_sockets import UnixPathError, check_path, check_unix_backend, node_socket_paths
+    from fsm_pd.net.unix_sockets import UnixPathError, check_path, check_unix_backend, node_socket_paths
 
     try:
         for what, path in node_socket_paths(args.role, args.uds, getattr(args, "bootstrap_uds", None)).items():
@@ -147,12 +147,12 @@ def run_node(args: argparse.Namespace) -> int:
     from fsm_pd.serving.startup import Startup
 
     startup = Startup()  # timed from the process's start: the interpreter and the imports below count
-    from fsm_pd import compile_cache
     from fsm_pd.api import create_app
     from fsm_pd.api.drain import serve_draining
-    from fsm_pd.gc_policy import apply_serving_gc_policy
     from fsm_pd.model import compiles
     from fsm_pd.model.loader import load_model
+    from fsm_pd.runtime import compile_cache
+    from fsm_pd.runtime.gc_policy import apply_serving_gc_policy
 
     startup.record("imports", startup.since_start())
     from fsm_pd.api.runner import WaitDeadlines
@@ -171,7 +171,7 @@ def run_node(args: argparse.Namespace) -> int:
         return 2
     if model.tp is not None:
         logging.getLogger("fsm_pd.serve").info("tensor parallel: %s", model.tp.describe())
-    from fsm_pd.unix_sockets import TcpRefused
+    from fsm_pd.net.unix_sockets import TcpRefused
 
     try:
         with startup.phase("engine"):
@@ -261,8 +261,8 @@ def build_engine(args: argparse.Namespace, model):
                   deadlines=deadlines, host=args.host, advertise_host=args.advertise_host,
                   kv_checksum=args.kv_checksum == "on", uds=args.uds, **sizes)
     if args.role == "prefill":
+        from fsm_pd.net.unix_sockets import node_socket
         from fsm_pd.serving.prefill_engine import PrefillEngine
-        from fsm_pd.unix_sockets import node_socket
 
         bootstrap_uds = (args.bootstrap_uds or node_socket(args.uds, "bootstrap")) if args.uds else None
         return PrefillEngine(model, bootstrap_port=args.bootstrap_port, bootstrap_token=args.bootstrap_token,

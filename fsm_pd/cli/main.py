@@ -131,8 +131,8 @@ def _replay_request(args: argparse.Namespace, readers, files: list[str], out) ->
 def cmd_launch(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from fsm_pd.launch import launch
-    from fsm_pd.serve_flags import resolve_dtype
+    from fsm_pd.cli.flags import resolve_dtype
+    from fsm_pd.cli.launch import launch
 
     # one dtype for every node, resolved here: nodes on a chip and on CPU cores must agree on the pool's
     extra = ["--dtype", resolve_dtype(args.dtype), "--kv-checksum", args.kv_checksum, *args.node_arg]
@@ -144,7 +144,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fsm_pd.serve_flags import add_model_flags, one_line_errors, port, positive_int
+    from fsm_pd.cli.flags import add_model_flags, one_line_errors, port, positive_int
 
     parser = argparse.ArgumentParser(
         prog="fsm-pd",
@@ -246,8 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["serve"]:  # each role has its own flags: serve_cli parses them (argparse cannot nest that)
-        from fsm_pd.serve_cli import serve_main
+    if argv[:1] == ["serve"]:  # each role has its own flags: cli.serve parses them (argparse cannot nest that)
+        from fsm_pd.cli.serve import serve_main
 
         return serve_main(argv[1:])
     args = build_parser().parse_args(argv)

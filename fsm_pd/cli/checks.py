@@ -16,7 +16,7 @@ import socket
 from collections.abc import Iterable
 from pathlib import Path
 
-from fsm_pd.http_protocol import read_timeouts_from_args
+from fsm_pd.net.http_protocol import read_timeouts_from_args
 
 
 def port_problem(flag: str, host: str, port: int) -> str | None:
@@ -99,7 +99,7 @@ def _node_problems(args: argparse.Namespace, secret: bool):
 def _pd_problems(args: argparse.Namespace):
     """``--role pd``: its engines' links run over unix sockets (so a backend must run on one), one split of the
     devices for both, and the journals' directory."""
-    from fsm_pd.unix_sockets import check_unix_backend
+    from fsm_pd.net.unix_sockets import check_unix_backend
 
     try:
         check_unix_backend(args.transfer_backend)

@@ -18,7 +18,7 @@ from urllib.parse import quote
 
 import httpx
 
-from fsm_pd.unix_sockets import is_unix, unix_path
+from fsm_pd.net.unix_sockets import is_unix, unix_path
 
 __all__ = ["SCHEME", "AsyncUnixTransport", "UnixTransport", "async_client", "client", "http_url", "split_socket"]
 

@@ -35,11 +35,10 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 
-from fsm_pd import unix_http
-from fsm_pd.serve_flags import accelerator_host
-from fsm_pd.transport import generate_secret, secret_env
-from fsm_pd.unix_http import http_url
-from fsm_pd.unix_sockets import (
+from fsm_pd.cli.flags import accelerator_host
+from fsm_pd.net import unix_http
+from fsm_pd.net.unix_http import http_url
+from fsm_pd.net.unix_sockets import (
     UnixPathError,
     check_path,
     check_unix_backend,
@@ -50,6 +49,7 @@ from fsm_pd.unix_sockets import (
     unix_address,
     unix_path,
 )
+from fsm_pd.transport import generate_secret, secret_env
 
 HEALTH_TIMEOUT_S = 600.0  # a node answers /health once its ready set is prepared (seconds; this bounds a slow host)
 STOP_GRACE_S = 10.0
@@ -163,8 +163,8 @@ def check_commands(children: Sequence[Child]) -> str | None:
     import contextlib
     import io
 
-    from fsm_pd.serve_checks import listener_problem, node_problem
-    from fsm_pd.serve_flags import role_parser
+    from fsm_pd.cli.checks import listener_problem, node_problem
+    from fsm_pd.cli.flags import role_parser
 
     for child in children:
         parser, argv = role_parser(child.argv[child.argv.index("serve") + 1:])
@@ -195,7 +195,7 @@ def chip_holder(children: Sequence[Child]) -> Child:
 def launch_problem(port: int, journal_dir: Path, uds: Path | None) -> str | None:
     """What launch's own flags stop at before anything starts: the router's port taken (unless it listens on a
     unix socket), a journal directory that cannot be written."""
-    from fsm_pd.serve_checks import port_problem, writable_problem
+    from fsm_pd.cli.checks import port_problem, writable_problem
 
     return ((port_problem("--port", "127.0.0.1", port) if uds is None else None)
             or writable_problem("--journal-dir", journal_dir, directory=True))

@@ -28,9 +28,9 @@ import tempfile
 import threading
 from pathlib import Path
 
-from fsm_pd.process_exit import exit_now
-from fsm_pd.serve_flags import DEADLINE_FLAGS, resolve_dtype
-from fsm_pd.unix_sockets import UnixPathError, check_path, unix_address
+from fsm_pd.cli.flags import DEADLINE_FLAGS, resolve_dtype
+from fsm_pd.net.unix_sockets import UnixPathError, check_path, unix_address
+from fsm_pd.runtime.process_exit import exit_now
 
 log = logging.getLogger("fsm_pd.serve")
 
@@ -114,17 +114,17 @@ def run_pd(args: argparse.Namespace) -> int:
     from fsm_pd.serving.startup import Startup
 
     startup = Startup()  # the prefill engine's, timed from the process's start; the decode engine's shares it
-    from fsm_pd import compile_cache
     from fsm_pd.api import create_app
     from fsm_pd.api.runner import WaitDeadlines
-    from fsm_pd.gc_policy import apply_serving_gc_policy
-    from fsm_pd.http_protocol import read_timeouts_from_args
-    from fsm_pd.http_server import AppServer, _uvicorn_config, run
     from fsm_pd.model import compiles
     from fsm_pd.model.loader import load_model
+    from fsm_pd.net.http_protocol import read_timeouts_from_args
+    from fsm_pd.net.http_server import AppServer, _uvicorn_config, run
     from fsm_pd.router.app import create_router_app
     from fsm_pd.router.core import PrefillWorker
     from fsm_pd.router.policy import PolicySettings
+    from fsm_pd.runtime import compile_cache
+    from fsm_pd.runtime.gc_policy import apply_serving_gc_policy
     from fsm_pd.store.retention import attach_from_args
 
     startup.record("imports", startup.since_start())
