@@ -81,9 +81,10 @@ def _node_problems(args: argparse.Namespace, secret: bool):
     if args.role == "pd":
         yield from _pd_problems(args)
         return
-    if args.role in ("prefill", "decode") and args.transfer_backend == "device":
-        yield ("--transfer-backend device: it hands KV between the two engines of one process; a prefill or decode "
-               "node of its own needs tcp, zmq or jax (or run both engines in one process: --role pd)")
+    if args.role in ("prefill", "decode") and args.transfer_backend in ("pool", "device"):
+        yield (f"--transfer-backend {args.transfer_backend}: it hands KV between the two engines of one process; "
+               "a prefill or decode node of its own needs tcp, zmq or jax (or run both engines in one process: "
+               "--role pd)")
     if secret:
         yield _secret_problem(args)
     if args.journal is None:

@@ -27,8 +27,9 @@ SERVE_HELP = """\
 - ``router``: the built-in PD router, with sglang-router's flags (``--prefill URL [BOOTSTRAP_PORT]``, ``--decode URL``).
 - ``bootstrap``: a standalone bootstrap server.
 - ``pd``: a prefill engine, a decode engine and the router in one process, for a host where one process at a time
-  may hold the accelerator (a TPU VM): both engines on the same devices, the KV handed over on the device
-  (``--transfer-backend device``), the router's API on ``--port`` or ``--uds`` (``serve_pd.py``, docs/tpu.md).
+  may hold the accelerator (a TPU VM): both engines on the same devices, one KV pool and one step loop, a handoff
+  moving page ownership (``--transfer-backend pool``), the router's API on ``--port`` or ``--uds`` (``serve_pd.py``,
+  docs/tpu.md).
 """
 
 ROLES = ("prefill", "decode", "colocated", "router", "bootstrap", "pd")
@@ -212,10 +213,12 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                                  "skips it: docs/data-plane.md, The KV checksum)")
     if role in ("prefill", "decode", "pd"):
         if role == "pd":
-            parser.add_argument("--transfer-backend", default="device",
-                                help="how the decode engine takes the prefill engine's KV: device (the default: the "
-                                     "arrays themselves, on the device, no copy to the host) | tcp | zmq (over a unix "
-                                     "socket in the process's private directory, as between two processes)")
+            parser.add_argument("--transfer-backend", default="pool",
+                                help="how the decode engine takes the prefill engine's KV: pool (the default: both "
+                                     "engines share one KV pool, one model thread and one step loop, and a handoff "
+                                     "moves the pages' ownership, no byte) | device (a pool each; the staging arrays "
+                                     "themselves, on the device, no copy to the host) | tcp | zmq (a pool each; over a "
+                                     "unix socket in the process's private directory, as between two processes)")
             parser.add_argument("--journal-dir", default="journals", metavar="DIR",
                                 help="the engines' journals, one per side as two nodes keep them: DIR/prefill-0.db "
                                      "and DIR/decode-0.db (fsm-pd replay DIR/prefill-0.db DIR/decode-0.db) "

@@ -80,14 +80,21 @@ def private_dir() -> str:
 
 
 def build_engines(args: argparse.Namespace, model, links: str, pages: tuple[int, int]):
-    """The two engines, on unix sockets in ``links``, journaling into ``--journal-dir``; they share a secret."""
+    """The two engines, on unix sockets in ``links``, journaling into ``--journal-dir``; they share a secret. With
+    the ``pool`` backend they share one pool of ``sum(pages)`` pages and one step loop too (``SharedPool``)."""
     from fsm_pd.control.config import DEFAULTS as ROOM_DEFAULTS
     from fsm_pd.serving.decode_engine import DecodeEngine
     from fsm_pd.serving.prefill_engine import PrefillEngine
+    from fsm_pd.serving.shared_pool import SharedPool
     from fsm_pd.transport import generate_secret
 
     secret = generate_secret()
     Path(args.journal_dir).mkdir(parents=True, exist_ok=True)
+    shared = None
+    if args.transfer_backend == "pool":
+        shared = SharedPool(model, num_pages=sum(pages), page_size=args.page_size,
+                            chunked_prefill_size=args.chunked_prefill_size,
+                            prefill_chunk_steps=args.prefill_chunk_steps)
 
     def node(role: str, num_pages: int) -> dict:
         deadlines = {t: getattr(args, t) for t in DEADLINE_FLAGS
@@ -95,7 +102,8 @@ def build_engines(args: argparse.Namespace, model, links: str, pages: tuple[int,
         return dict(node_id=NODE_IDS[role], journal=str(Path(args.journal_dir) / f"{NODE_IDS[role]}.db"),
                     secret=secret, backend=args.transfer_backend, deadlines=deadlines,
                     kv_checksum=args.kv_checksum == "on", uds=os.path.join(links, f"{role}.sock"),
-                    num_pages=num_pages, page_size=args.page_size, prefill_chunk_steps=args.prefill_chunk_steps)
+                    num_pages=num_pages, page_size=args.page_size, prefill_chunk_steps=args.prefill_chunk_steps,
+                    shared=shared)
 
     prefill = PrefillEngine(model, bootstrap_port=0, bootstrap_uds=os.path.join(links, "prefill.bootstrap.sock"),
                             bootstrap_token=None, radix_cache=not args.disable_radix_cache,

@@ -25,6 +25,7 @@ from fsm_pd.control.core import NodeCore, RoomInUse
 from fsm_pd.control.jax_kv import JaxKV
 from fsm_pd.control.metrics import NodeMetrics
 from fsm_pd.control.peers import PeerWatch, manager_forget
+from fsm_pd.control.pool_kv import SharedPoolKV
 from fsm_pd.control.resolver import PrefillResolver, deregister_prefill, register_prefill
 from fsm_pd.control.sending import PeerSenders
 from fsm_pd.control.workers import ThreadedPuller, ThreadedResolver
@@ -56,14 +57,15 @@ class KVManager:
                  admission: Admission | None = None,
                  heartbeat: Mapping[str, Any] | None = None, model: ModelThread | None = None,
                  advertise_host: str | None = None, kv_checksum: bool = True, uds: str | None = None,
-                 observers: Sequence[Callable] = ()):
+                 observers: Sequence[Callable] = (), shared_pool: Any = None):
         """``host``: what the side channel and the transfer server bind; ``advertise_host``: the host peers are told
         (bootstrap registration, side-channel origin and reply_to, transfer address), by default ``host``. A wildcard
         ``host`` needs an ``advertise_host`` (``WildcardAddress`` otherwise). ``kv_checksum``: compute (prefill) or
         verify (decode) the KV checksum of every handoff (``effects/checksums.py``). ``uds``: the node's HTTP unix
         socket (``--uds``); its side channel and transfer server then listen on unix sockets beside it
         (``PATH.side.sock``, ``PATH.kv.sock``: ``unix_sockets.node_socket``) instead of ``host``, and it opens no TCP
-        socket."""
+        socket. ``shared_pool``: the ``PageAllocator`` of a pool this node shares with its peer in one process
+        (backend ``pool``): handoffs then move page ownership, no bytes (``control/pool_kv.py``)."""
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
         if role == "decode" and admission is None:
@@ -99,8 +101,14 @@ class KVManager:
         self.lookups = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"lookup[{node_id}]")
         self.journal = Journal(journal, durability=durability)
         self.clock = RealClock()
-        kv = JaxKV(layout, self.model, progressive=self.backend.progressive, sharding=staging_sharding,
-                   checksum=kv_checksum)
+        if (shared_pool is None) != (backend != "pool"):
+            raise ValueError("the pool backend and shared_pool go together: one pool shared by both engines")
+        if shared_pool is not None:
+            kv_checksum = False  # no byte moves: ownership, not a checksum, guards the handoff (pool_kv.py)
+            kv = SharedPoolKV(layout, self.model, allocator=shared_pool, sharding=staging_sharding)
+        else:
+            kv = JaxKV(layout, self.model, progressive=self.backend.progressive, sharding=staging_sharding,
+                       checksum=kv_checksum)
         faults = Faults(FaultConfig.from_env(), role=role)  # off unless FSM_PD_FAULT_* are set
         if role == "prefill":
             self.admission = None

@@ -62,6 +62,9 @@ class NodeMetrics:
                                  "verified, mismatch (the room failed), missing (the prefill node sent none), "
                                  "unchecked (a pool on an accelerator), off (--kv-checksum off)",
                                  ["role", "node", "outcome"], registry=self.registry)
+        self.adopted = Counter("fsm_pd_pages_adopted", "KV pages a decode engine adopted from the prefill engine's "
+                               "rooms in a pool both share (--role pd, backend pool): handed over, no byte copied",
+                               ["role", "node"], registry=self.registry)
         self.backend = Gauge("fsm_pd_transfer_backend", "1 for the transfer backend this node moves KV with",
                              ["role", "node", "backend"], registry=self.registry)
         self.phases = PhaseClock()
@@ -75,6 +78,7 @@ class NodeMetrics:
         self._failed = {name: self.ended.labels(role, node.node_id, "failed", name) for name in REASON_CLASSES}
         self._transfer_seconds = self.transfer_seconds.labels(role, node.node_id)
         self._transfer_bytes = self.transfer_bytes.labels(role, node.node_id)
+        self._adopted = self.adopted.labels(role, node.node_id)
         self._checksum = ({outcome: self.checksums.labels(role, node.node_id, outcome)
                            for outcome in (*CHECKSUM_OUTCOMES, "mismatch")} if role == "decode" else {})
         self._children: dict[tuple, object] = {}  # (metric, label values...) -> child, for the open label sets
@@ -107,6 +111,8 @@ class NodeMetrics:
             self._transfer_bytes.observe(float(room.ctx.get("bytes", 0)))
         if decision.trigger == "scattered" and room.ctx.get("kv_checksum_check") in self._checksum:
             self._checksum[room.ctx["kv_checksum_check"]].inc()
+        if decision.trigger == "scattered" and room.ctx.get("adopted_pages"):
+            self._adopted.inc(int(room.ctx["adopted_pages"]))
         if decision.dst in ("Success", "Failed") and decision.src != decision.dst:
             started = self._started.pop(room.room, None)
             if decision.dst == "Success":

@@ -151,9 +151,10 @@ class DecodeKV(Protocol):
         """Loop thread, before the final write is queued: hand the stream whatever the pull left; True if the stream
         writes the pages (the final job then only waits for it)."""
 
-    def scatter(self, owner: Any, pieces: tuple, pages: list[int], stream: Any | None, plan: Any) -> None:
+    def scatter(self, owner: Any, pieces: tuple, pages: list[int], stream: Any | None, plan: Any) -> list[int] | None:
         """Model thread: write the verified ``pieces`` of ``plan`` into ``pages`` (or wait for ``stream`` to have
-        written them)."""
+        written them). A pool shared with the prefill side writes nothing: it adopts the sender's pages in place of
+        ``pages`` and returns them (``control/pool_kv.py``); every other port returns None."""
 
     def cancel(self, stream: Any) -> None:
         """Model thread, before the pages are freed: the stream's writes still queued become no-ops."""

@@ -57,11 +57,12 @@ class ScatterAndVerify(DecodePart):
             log.warning("room %d: the prefill node's KV checksum is %s, ours %s: the handoff is not verified",
                         room_id, theirs, ours)
 
-        def write(owner: Any) -> str:
+        def write(owner: Any) -> tuple[str, list[int] | None]:
+            adopted = None  # a shared pool's handoff: the pages adopted instead of written (control/pool_kv.py)
             try:
                 self.faults.check("scatter")
                 if chunks is None:
-                    self.kv.scatter(owner, pieces, pages, stream if streamed else None, plan)
+                    adopted = self.kv.scatter(owner, pieces, pages, stream if streamed else None, plan)
                 else:  # a chunked handoff: piece by piece
                     for piece, staging in zip(chunks, pieces, strict=True):
                         self.kv.scatter(owner, (staging,), list(piece.pages), None, plan)
@@ -69,14 +70,19 @@ class ScatterAndVerify(DecodePart):
                 for piece in pieces:
                     self.kv.discard(piece)
             if foreign:
-                return OTHER_ALGORITHM
-            return self._verify(owner, pages, plan, chunks, expected, stream if streamed else None)
+                return OTHER_ALGORITHM, adopted
+            return self._verify(owner, pages, plan, chunks, expected, stream if streamed else None), adopted
 
         def done(future) -> None:
             exc = future.exception()
             if exc is None:
                 self.faults.crash("after_scatter")
-                node.submit(room_id, "scattered", {"kv_checksum_check": future.result()})
+                check, adopted = future.result()
+                payload: dict[str, Any] = {"kv_checksum_check": check}
+                if adopted is not None:  # journaled: the room's pages are now these, and no byte was written
+                    kept = list(room.ctx["pages"])[:len(room.ctx["pages"]) - len(pages)]  # our cached prefix
+                    payload.update(pages=kept + adopted, adopted_pages=len(adopted), bytes=0)
+                node.submit(room_id, "scattered", payload)
             elif isinstance(exc, ChecksumMismatch):  # its own reason; the decode engine recomputes the request
                 node.submit(room_id, "error", {"blame": "remote", "reason": str(exc)})
             else:

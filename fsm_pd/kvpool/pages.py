@@ -181,3 +181,104 @@ class PageAllocator:
         """Drop the memory that ``room`` was freed (once its id can no longer come back)."""
         with self._lock:
             self._closed.pop(room, None)
+
+    def hand_over(self, pages: list[int], replacing: list[int]) -> tuple[object, object]:
+        """Move ``pages`` from the one holder that has them all to the one that holds ``replacing``, whose pages
+        ``replacing`` go back to the free list: ownership changes hands and no byte moves (``--role pd`` on one pool,
+        ``docs/tpu.md``). All or nothing, under the lock, so a page is never owned twice nor freed while it moves:
+        where the sender's room already freed ``pages`` (its deadline or an abort ran first) or the receiver's no
+        longer holds ``replacing``, it raises ``PageOwnershipError`` and changes nothing. Returns (from, to)."""
+        with self._lock:
+            src, dst = self._holder_of(pages, "handed over"), self._holder_of(replacing, "replaced")
+            if src == dst:
+                raise PageOwnershipError(f"room {src!r} cannot hand pages over to itself")
+            moving, going = set(pages), set(replacing)
+            rest = [p for p in self._held[src] if p not in moving]
+            if rest:
+                self._held[src] = rest
+            else:
+                del self._held[src]
+            kept = [p for p in self._held[dst] if p not in going]
+            self._held[dst] = kept + list(pages)
+            self._free.extend(replacing)
+            return src, dst
+
+    def _holder_of(self, pages: list[int], what: str) -> object:
+        """The one room that holds every page of ``pages`` (under the lock)."""
+        wanted = set(pages)
+        if not wanted or len(wanted) != len(pages):
+            raise PageOwnershipError(f"pages to be {what} must be distinct and at least one: {pages[:8]}")
+        for room, held in self._held.items():
+            if wanted <= set(held):
+                return room
+        raise PageOwnershipError(f"no room holds all of the pages to be {what} ({sorted(wanted)[:8]}...): freed "
+                                 "or reused meanwhile")
+
+    def view(self, tag: str) -> AllocatorView:
+        """This allocator under room keys of one role's own (``(tag, room)``): two engines that share one pool (a
+        prefill and a decode engine of ``--role pd``) both key their pages by room id, and must not collide."""
+        return AllocatorView(self, tag)
+
+
+class PageOwnershipError(ValueError):
+    """A handoff found the pages it was to move not where it expected them."""
+
+
+class AllocatorView:
+    """One role's keys on a shared ``PageAllocator``: the same pages, free list and counts, its rooms apart."""
+
+    def __init__(self, allocator: PageAllocator, tag: str) -> None:
+        self.shared, self.tag = allocator, tag
+
+    def _key(self, room):
+        return (self.tag, room)
+
+    num_pages = property(lambda self: self.shared.num_pages)
+    free_pages = property(lambda self: self.shared.free_pages)
+    reserved_pages = property(lambda self: self.shared.reserved_pages)
+    cached_pages = property(lambda self: self.shared.cached_pages)
+    reservations = property(lambda self: self.shared.reservations)
+    frees = property(lambda self: self.shared.frees)
+
+    @property
+    def reclaimer(self) -> Reclaimer | None:
+        return self.shared.reclaimer
+
+    @reclaimer.setter
+    def reclaimer(self, value: Reclaimer | None) -> None:
+        if self.shared.reclaimer is not None and value is not None and self.shared.reclaimer is not value:
+            raise ValueError("a shared pool takes one prefix cache, and it has one")
+        self.shared.reclaimer = value
+
+    def holders(self) -> dict:
+        return {key[1]: n for key, n in self.shared.holders().items() if isinstance(key, tuple) and key[0] == self.tag}
+
+    def reserve(self, room, count: int) -> list[int]:
+        return self.shared.reserve(self._key(room), count)
+
+    def extend(self, room, count: int) -> list[int]:
+        return self.shared.extend(self._key(room), count)
+
+    def adopt(self, room, pages: list[int]) -> None:
+        self.shared.adopt(self._key(room), pages)
+
+    def release(self, pages: list[int]) -> None:
+        self.shared.release(pages)
+
+    def pages_of(self, room) -> list[int]:
+        return self.shared.pages_of(self._key(room))
+
+    def free(self, room) -> int:
+        return self.shared.free(self._key(room))
+
+    def give_back(self, room) -> int:
+        return self.shared.give_back(self._key(room))
+
+    def reset_order(self) -> bool:
+        return self.shared.reset_order()
+
+    def forget(self, room) -> None:
+        self.shared.forget(self._key(room))
+
+    def hand_over(self, pages: list[int], replacing: list[int]) -> tuple[object, object]:
+        return self.shared.hand_over(pages, replacing)

@@ -28,7 +28,7 @@ __all__ = ["SUN_PATH_MAX", "UNIX_BACKENDS", "Listener", "TcpRefused", "UnixPathE
 
 PREFIX = "unix:"
 UNIX_BACKENDS = ("tcp", "zmq")  # the transfer backends that can serve over a unix socket
-SOCKETLESS_BACKENDS = ("device",)  # the in-process one opens no socket at all (fsm-pd serve --role pd)
+SOCKETLESS_BACKENDS = ("pool", "device")  # the in-process ones open no socket at all (fsm-pd serve --role pd)
 SUN_PATH_MAX = 107  # bytes of a path in sockaddr_un.sun_path (108) less its terminating NUL
 
 

@@ -112,8 +112,12 @@ class DecodeEngine(LocalPath, PDEngine):
         labels = {"role": "decode", "node": self.node_id}
         self.registry.register(DecodeLoopCollector(self.loop.counters, labels))
         self.registry.register(PreallocCollector(lambda: self.prealloc.queue(time.monotonic()), labels))
-        # a prompt prefilled here (a recompute, a request sent whole) delays the running streams a chunk at a time
-        self.budget = StepBudget(CHUNKED_PREFILL_SIZE, prefill_chunk_steps)
+        # a prompt prefilled here (a recompute, a request sent whole) delays the running streams a chunk at a time;
+        # in a shared pool the budget is the prefill engine's too, and it reads from us whether streams run
+        shared = node.get("shared")
+        self.budget = shared.budget if shared is not None else StepBudget(CHUNKED_PREFILL_SIZE, prefill_chunk_steps)
+        if shared is not None:
+            shared.decoding = lambda: bool(self.loop.running)
         self._clock = clock
         self.recompute = TransferRecompute(self.model, self.model_thread, self.allocator, self.page_size,
                                            enabled=on_transfer_failure == "recompute",

@@ -22,7 +22,7 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry
 
-from fsm_pd.kvpool.pages import PageAllocator
+from fsm_pd.kvpool.pages import AllocatorView, PageAllocator
 from fsm_pd.kvpool.prefix_cache import PrefixCache
 from fsm_pd.model.loader import LoadedModel, load_model
 from fsm_pd.model.model_thread import ModelThread
@@ -32,6 +32,7 @@ from fsm_pd.serving.common import max_context_for, pool_tokens_for, refuse_if_un
 from fsm_pd.serving.request_phases import RequestPhases
 from fsm_pd.serving.request_table import ABORTED_STATUS, RequestTable
 from fsm_pd.serving.sequence import Sequence
+from fsm_pd.serving.shared_pool import SharedPool
 from fsm_pd.serving.step_driver import StepDriver
 from fsm_pd.serving.types import EngineError, GenerateRequest, RequestStream
 
@@ -42,17 +43,25 @@ class EngineCore:
     role = "?"
 
     def __init__(self, model: LoadedModel | str, *, num_pages: int, page_size: int, name: str,
-                 prefix_cache: bool = False):
+                 prefix_cache: bool = False, shared: SharedPool | None = None):
         """``prefix_cache``: keep finished prompts' pages in a ``PrefixCache`` and reuse their longest cached prefix
-        (SGLang's radix cache)."""
+        (SGLang's radix cache). ``shared``: the pool, model thread, allocator and step loop this engine shares with
+        the other role's (``shared_pool.py``); its own ``num_pages`` and ``page_size`` are then the shared pool's."""
         self.model = load_model(model) if isinstance(model, str) else model
         self.model_name = self.model.name
+        self.shared = shared
+        if shared is not None:
+            num_pages, page_size = shared.num_pages, shared.page_size
         self.page_size = page_size
-        self.layout = self.model.make_kv_layout(num_pages, page_size)
         self.max_context = max_context_for(self.model, num_pages, page_size)
         self.pool_tokens = pool_tokens_for(num_pages, page_size)
-        self.model_thread = ModelThread(self.model.make_pool(self.layout), name=f"model[{name}]")
-        self.allocator = PageAllocator(num_pages)
+        if shared is None:
+            self.layout = self.model.make_kv_layout(num_pages, page_size)
+            self.model_thread = ModelThread(self.model.make_pool(self.layout), name=f"model[{name}]")
+            self.allocator: PageAllocator | AllocatorView = PageAllocator(num_pages)
+        else:
+            self.layout, self.model_thread = shared.layout, shared.model_thread
+            self.allocator = shared.allocator.view(self.role)
         self.cache = PrefixCache(self.allocator, page_size) if prefix_cache else None
         self.prefill_tokens = {"prefill_computed_tokens": 0, "prefill_cached_tokens": 0}  # the model thread's
         self.requests = RequestTable()
@@ -61,7 +70,8 @@ class EngineCore:
         self.registry.register(PrefillCollector(self.prefill_counters, {"role": self.role, "node": name}))
         self.phases = RequestPhases(self.registry, self.role, name)
         self.arrivals: deque[Sequence] = deque()  # appended by submit (any thread), taken by _step (model thread)
-        self._driver = StepDriver(self.model_thread, self._step, name=f"{name} scheduler")
+        self._driver = (StepDriver(self.model_thread, self._step, name=f"{name} scheduler") if shared is None
+                        else shared.member(self.role, self._step))
         self.model_thread.on_death.append(self._cannot_serve)
 
     # --- any thread ---
@@ -119,7 +129,8 @@ class EngineCore:
     def close(self) -> None:
         self._driver.close()
         self._close_parts()
-        self.model_thread.close()
+        if self.shared is None or self.shared.close_member():  # a shared model thread stops with its last engine
+            self.model_thread.close()
 
     def _cannot_serve(self, reason: str) -> None:
         """The model thread (or the manager's loop) is gone: nothing in flight can finish, so every request ends."""

@@ -22,6 +22,7 @@ from fsm_pd.model.loader import LoadedModel
 from fsm_pd.serving.common import check_request, journal_path, room_error_status
 from fsm_pd.serving.engine import EngineCore
 from fsm_pd.serving.sequence import Sequence
+from fsm_pd.serving.shared_pool import SharedPool
 from fsm_pd.serving.types import EngineError, GenerateRequest
 from fsm_pd.store import JournalError
 from fsm_pd.transport import generate_secret
@@ -36,13 +37,18 @@ class PDEngine(EngineCore):
                  node_id: str | None = None, journal: str | None = None, secret: bytes | None = None,
                  backend: str = "tcp", backend_options: dict | None = None, deadlines: dict | None = None,
                  host: str = "127.0.0.1", advertise_host: str | None = None, prefix_cache: bool = False,
-                 **manager_options: Any):
+                 shared: SharedPool | None = None, **manager_options: Any):
         """The node settings both roles take. ``node_id`` defaults to ``<role>-0``; ``journal=None`` puts the journal
         in a fresh temporary directory; ``secret=None`` draws a new side-channel secret (a decode node must get its
         prefill node's). ``host`` is bound; ``advertise_host`` (default ``host``, required when ``host`` is a
-        wildcard) is what peers are told. ``manager_options`` go to ``KVManager`` (admission, heartbeat)."""
+        wildcard) is what peers are told. ``manager_options`` go to ``KVManager`` (admission, heartbeat). ``shared``:
+        the pool and step loop this engine shares with its peer in one process (``shared_pool.py``); its handoffs then
+        go through the ``pool`` backend, which moves page ownership."""
         node_id = node_id or f"{self.role}-0"
-        super().__init__(model, num_pages=num_pages, page_size=page_size, name=node_id, prefix_cache=prefix_cache)
+        super().__init__(model, num_pages=num_pages, page_size=page_size, name=node_id, prefix_cache=prefix_cache,
+                         shared=shared)
+        if shared is not None:
+            backend, manager_options["shared_pool"] = "pool", shared.allocator
         self.node_id = node_id
         self.secret = secret if secret is not None else generate_secret()
         self.rooms: dict[int, Sequence] = {}  # room -> its live request: the model thread's

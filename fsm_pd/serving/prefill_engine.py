@@ -85,10 +85,15 @@ class PrefillEngine(LocalPath, PDEngine):
         (``local_path.py``); while they decode, every prefill step here (theirs and the PD prompts') costs at most
         ``prefill_chunk_steps`` of their decode steps (``scheduling/step_budget.py``; 0: ``chunked_prefill_size``
         alone), timed on ``clock``."""
+        shared = node.get("shared")
+        if shared is not None:  # one pool with the decode engine: nothing to cache or stream (shared_pool.py)
+            radix_cache = chunk_transfers = False
         super().__init__(model, prefix_cache=radix_cache, **node)
         self.serves_local = serve_local
-        # bounds a step in time only while streams decode here, which only a node serving local requests has
-        self.budget = StepBudget(chunked_prefill_size, prefill_chunk_steps if serve_local else 0)
+        # bounds a step in time only while streams decode beside it: the local ones a node serving them has, or
+        # the decode engine's that shares this pool and step loop (and then this budget too)
+        self.budget = (shared.budget if shared is not None
+                       else StepBudget(chunked_prefill_size, prefill_chunk_steps if serve_local else 0))
         self._clock = clock
         self.prefill_executor = prefill_step  # the model executor port: runs one step's chunks (forward.py)
         if serve_local:
@@ -175,7 +180,8 @@ class PrefillEngine(LocalPath, PDEngine):
             self._on_room(*event)
         # a prompt whose room ended mid-prefill is dropped: _on_room freed its pages
         self._chunking = [s for s in self._chunking if not self._gone(s)]
-        decoding = self.serves_local and bool(self.loop.running)
+        decoding = (self.serves_local and bool(self.loop.running)) or (self.shared is not None and
+                                                                       self.shared.decoding())
         budget = self.budget.tokens(decoding)
         chunks = plan_chunks(self._chunking, max_batch=self.max_prefill_batch, budget=budget)
         admitted = take_prefill_batch(self._to_prefill, self.allocator, self.page_size,

@@ -1,8 +1,10 @@
 """``fsm-pd serve --role pd``: a prefill engine, a decode engine and the router in one real process, on unix sockets
-only (as on a TPU host, where one process holds the chip and no TCP socket opens), the KV handed over by the
-``device`` backend. Its greedy answers must equal a colocated node's for the same prompts, every handoff must be a
-room that ended Success on both sides of its journals and replays consistently, and its ``/metrics`` must count one
-``device`` transfer, checksum verified, per request.
+only (as on a TPU host, where one process holds the chip and no TCP socket opens). By default (backend ``pool``) the
+two engines share one KV pool and a handoff moves page ownership: ``/metrics`` counts each transfer with 0 bytes and
+the prompt's pages adopted. With ``--transfer-backend device`` each engine has its own pool and the KV is handed over
+as arrays on the device: ``/metrics`` counts one transfer of the KV's bytes, checksum verified, per request. Either
+way the greedy answers must equal a colocated node's for the same prompts, and every handoff must be a room that
+ended Success on both sides of its journals and replays consistently.
 
 The issue asks for 32 requests of 8 to 900 tokens; the suite sends ``FSM_PD_ONE_PROCESS_REQUESTS`` of them (default
 8, to stay within the suite's time), and the same test runs 32 by hand with that variable set.
@@ -18,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fsm_pd.net import unix_http
@@ -27,6 +30,8 @@ from fsm_pd.store import read_journal, replay
 REQUESTS = int(os.environ.get("FSM_PD_ONE_PROCESS_REQUESTS", "8"))
 VOCAB = 272  # the tiny model's
 NEW_TOKENS = 6
+PAGE_SIZE = 16  # the nodes' default
+PAGE_BYTES_AT_LEAST = PAGE_SIZE * 2 * 2  # a page of K and V, at least one layer, one head of one element, float16
 
 
 def prompts(n: int) -> list[list[int]]:
@@ -98,10 +103,11 @@ def stop(proc: subprocess.Popen) -> int:
         return proc.wait()
 
 
-def test_pd_in_one_process_answers_as_colocated_with_device_transfers(tmp_path):
+@pytest.mark.parametrize("backend", ["pool", "device"])
+def test_pd_in_one_process_answers_as_colocated(tmp_path, backend):
     journals = tmp_path / "journals"
     pd_url, pd = start(tmp_path, "pd", "--role", "pd", "--pd-policy", "always", "--journal-dir", str(journals),
-                       "--prefill-pages", "300", "--decode-pages", "400")
+                       "--prefill-pages", "300", "--decode-pages", "400", "--transfer-backend", backend)
     colocated_url, colocated = start(tmp_path, "colocated", "--role", "colocated")
     asked = prompts(REQUESTS)
     try:
@@ -125,11 +131,21 @@ def test_pd_in_one_process_answers_as_colocated_with_device_transfers(tmp_path):
     assert result.consistent, [d.describe() for d in result.divergences]
     assert len(result.rooms) == 2 * REQUESTS and {r.final for r in result.rooms} == {"Success"}
 
-    backend = samples(metrics, "fsm_pd_transfer_backend")
-    assert backend == {(("backend", "device"), ("node", side), ("role", side.split("-")[0])): 1.0
-                       for side in ("prefill-0", "decode-0")}
+    used = samples(metrics, "fsm_pd_transfer_backend")
+    assert used == {(("backend", backend), ("node", side), ("role", side.split("-")[0])): 1.0
+                    for side in ("prefill-0", "decode-0")}
     ended = samples(metrics, "fsm_pd_transfers_ended_total")
+    decode = (("node", "decode-0"), ("role", "decode"))
     assert ended[(("node", "decode-0"), ("outcome", "success"), ("reason", "none"), ("role", "decode"))] == REQUESTS
     assert sum(v for k, v in ended.items() if ("outcome", "failed") in k) == 0
+    moved = samples(metrics, "fsm_pd_transfer_bytes_sum")[decode]
+    adopted = samples(metrics, "fsm_pd_pages_adopted_total")[decode]
+    prompt_pages = sum(-(-len(ids) // PAGE_SIZE) for ids in asked)
+    assert samples(metrics, "fsm_pd_transfer_bytes_count")[decode] == REQUESTS
     checksums = samples(metrics, "fsm_pd_kv_checksums_total")
-    assert checksums[(("node", "decode-0"), ("outcome", "verified"), ("role", "decode"))] == REQUESTS
+    if backend == "pool":  # ownership moved: every prompt page adopted, not a byte copied, nothing to checksum
+        assert (moved, adopted) == (0, prompt_pages)
+        assert checksums[(("node", "decode-0"), ("outcome", "off"), ("role", "decode"))] == REQUESTS
+    else:  # the KV's bytes, in staging arrays of whole page buckets
+        assert adopted == 0 and moved >= prompt_pages * PAGE_BYTES_AT_LEAST
+        assert checksums[(("node", "decode-0"), ("outcome", "verified"), ("role", "decode"))] == REQUESTS

@@ -27,6 +27,7 @@ _BUILTINS: dict[str, str] = {
     "zmq": "fsm_pd.transport.backends.zmq_backend:ZmqTransferBackend",
     "tcp": "fsm_pd.transport.backends.tcp_backend:TcpTransferBackend",
     "device": "fsm_pd.transport.backends.device_backend:DeviceTransferBackend",  # engines of one process
+    "pool": "fsm_pd.transport.backends.pool_backend:PoolHandoffBackend",  # engines of one process, one pool
 }
 
 _lock = threading.Lock()

@@ -1,0 +1,97 @@
+"""``SharedPool``: one engine core under both roles of ``--role pd`` on one set of devices.
+
+One KV pool and one model thread, one page allocator (each engine keys its rooms apart: ``PageAllocator.view``), one
+step budget and one step loop. Each step of that loop runs the decode engine's step first (its running batch, its
+admissions) and then the prefill engine's, whose chunk the shared ``StepBudget`` sizes by what a decode step costs
+while streams decode: a prefill burst delays a stream's next token by at most about ``chunk_steps`` decode steps,
+as on a colocated node. A handoff between the two moves page ownership (backend ``pool``, ``control/pool_kv.py``).
+
+Why one loop rather than two engines with their own threads: on one TensorCore the two halves never run at once, so
+splitting them adds no compute; two model threads only contend for the chip and the interpreter lock, and neither
+could bound the other's steps (issue 48: 0.24-0.35x a colocated node's throughput on a TPU v5e).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from fsm_pd.kvpool.pages import PageAllocator
+from fsm_pd.model.model_thread import ModelThread
+from fsm_pd.scheduling.step_budget import StepBudget
+from fsm_pd.serving.step_driver import StepDriver
+
+log = logging.getLogger(__name__)
+
+ORDER = ("decode", "prefill")  # decode rows first in every step
+
+
+class SharedPool:
+    def __init__(self, model: Any, *, num_pages: int, page_size: int, chunked_prefill_size: int,
+                 prefill_chunk_steps: float, name: str = "pd") -> None:
+        self.num_pages, self.page_size = num_pages, page_size
+        self.layout = model.make_kv_layout(num_pages, page_size)
+        self.model_thread = ModelThread(model.make_pool(self.layout), name=f"model[{name}]")
+        self.allocator = PageAllocator(num_pages)
+        self.budget = StepBudget(chunked_prefill_size, prefill_chunk_steps)
+        self.decoding: Callable[[], bool] = lambda: False  # the decode engine says whether streams run
+        self._members: dict[str, Member] = {}
+        self._driver = StepDriver(self.model_thread, self._step, name=f"{name} scheduler")
+
+    def member(self, role: str, step: Callable[[], bool]) -> Member:
+        """The step driver an engine of ``role`` uses: its kicks reach the one loop, which runs its ``step``."""
+        if role not in ORDER or role in self._members:
+            raise ValueError(f"a shared pool takes one engine of each role {ORDER}, not another {role!r}")
+        member = self._members[role] = Member(self, step)
+        return member
+
+    def kick(self) -> None:
+        self._driver.kick()
+
+    def close_member(self) -> bool:
+        """True once every member has closed: then the model thread may stop."""
+        if all(m.closed for m in self._members.values()):
+            self._driver.close()
+            return True
+        return False
+
+    @property
+    def steps(self) -> int:
+        return self._driver.steps
+
+    def _step(self) -> bool:
+        more = False
+        for role in ORDER:
+            member = self._members.get(role)
+            if member is None or not member.started or member.closed:
+                continue
+            try:
+                more = member.step() or more
+            except Exception:  # one engine's failed step must not starve the other of its steps
+                log.exception("the %s engine's step failed", role)
+        return more
+
+
+class Member:
+    """What ``StepDriver`` is to an engine of its own, for an engine of a ``SharedPool``."""
+
+    def __init__(self, pool: SharedPool, step: Callable[[], bool]) -> None:
+        self._pool, self.step = pool, step
+        self.started = self.closed = False
+
+    def start(self) -> None:
+        """The engine is whole: its steps may run (the loop starts with the first member)."""
+        self.started = True
+        self._pool._driver.start()
+        self._pool.kick()
+
+    def kick(self) -> None:
+        self._pool.kick()
+
+    def close(self) -> None:
+        self.closed = True
+
+    @property
+    def steps(self) -> int:
+        return self._pool.steps
