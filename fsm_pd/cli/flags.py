@@ -229,6 +229,15 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                                      "hosts; device only between the engines of --role pd)")
             parser.add_argument("--journal", default=None,
                                 help="journal: a SQLite file or SQLAlchemy URL (default: ./journals/NODE_ID.db)")
+        durable = "normal" if role == "pd" else "full"
+        parser.add_argument("--journal-durability", choices=("full", "normal"), default=durable,
+                            help="when a committed transition is safe (a SQLite journal; docs/journal-and-replay.md, "
+                                 "Durability): full fsyncs every commit (one per loop step, grouped), so it survives "
+                                 "a power loss or an OS crash; normal leaves the WAL to the OS, so it survives the "
+                                 "process's own crash (SIGKILL included) but a power loss may lose the last commits "
+                                 f"(default {durable}"
+                                 + ("; both engines of --role pd live and die with one process" if role == "pd" else "")
+                                 + ")")
         from fsm_pd.store.retention import add_retention_flags
 
         add_retention_flags(parser)  # --journal-keep, --journal-max-rows, --journal-archive-dir
@@ -317,14 +326,18 @@ PD_POLICIES = ("auto", "always", "never")
 DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 256
 
 
+DEFAULT_PD_STARTUP_WAIT_S = 300.0  # a cold start on a TPU v5e took 73-102 s to ready (docs/tpu.md)
+
+
 def add_pd_flags(parser: argparse.ArgumentParser) -> None:
     """``--role pd``'s own: how the device's memory is split between the two engines' KV pools, and the router's
     policy."""
     pools = parser.add_argument_group(
-        "the two KV pools (both engines share the devices and the weights, loaded once)",
-        "Each engine has its own KV pool. On an accelerator, by default the pools take KV_SHARE of the device memory "
-        "left free once the weights are loaded, split by --prefill-pool-share; on a CPU each has 512 pages (the "
-        "nodes' --num-pages default). --prefill-pages / --decode-pages set a pool's size outright.")
+        "the KV pools (both engines share the devices and the weights, loaded once)",
+        "With --transfer-backend pool (the default) both engines share one pool of the two sizes added up; with "
+        "another backend each has its own. On an accelerator, by default they take KV_SHARE of the device memory "
+        "left free once the weights are loaded, split by --prefill-pool-share; on a CPU each share is 512 pages (the "
+        "nodes' --num-pages default). --prefill-pages / --decode-pages set a share outright.")
     pools.add_argument("--prefill-pages", type=at_least(2), default=None, metavar="N",
                        help="the prefill engine's pool in pages, the padding page included (it holds a prompt's KV "
                             "only until the decode engine has taken it)")
@@ -337,11 +350,15 @@ def add_pd_flags(parser: argparse.ArgumentParser) -> None:
                        help="on an accelerator, the share of the device memory left after the weights that the two "
                             "pools take together, the rest kept for activations and programs: above 0, below 1 "
                             "(default 0.8)")
+    parser.add_argument("--startup-wait-secs", type=seconds(), default=DEFAULT_PD_STARTUP_WAIT_S, metavar="S",
+                        help="a request that arrives while the process starts (both engines compile) waits this long "
+                             "for it to be ready, then is served; past it, 503 starting (default "
+                             f"{DEFAULT_PD_STARTUP_WAIT_S:g}; /health is 503 starting until ready)")
     router = parser.add_argument_group("the built-in router in front of the two engines (fsm-pd serve --role router)")
     router.add_argument("--pd-policy", choices=PD_POLICIES, default="auto",
                         help="which requests go through the prefill engine: auto (default): prompts over "
                              "--local-prefill-max-tokens, the rest are prefilled by the decode engine itself; always: "
-                             "every request (each handoff a device transfer); never: none")
+                             "every request (each a handoff); never: none")
     router.add_argument("--local-prefill-max-tokens", type=at_least(0), default=DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
                         help="with auto: prompts of at most this many tokens are prefilled on the decode engine "
                              f"(default {DEFAULT_LOCAL_PREFILL_MAX_TOKENS})")

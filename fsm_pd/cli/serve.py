@@ -259,7 +259,7 @@ def build_engine(args: argparse.Namespace, model):
     deadlines = {t: getattr(args, t) for t in DEADLINE_FLAGS if getattr(args, t, None) is not None}
     common = dict(node_id=args.node_id, journal=journal, secret=secret, backend=args.transfer_backend,
                   deadlines=deadlines, host=args.host, advertise_host=args.advertise_host,
-                  kv_checksum=args.kv_checksum == "on", uds=args.uds, **sizes)
+                  kv_checksum=args.kv_checksum == "on", uds=args.uds, durability=args.journal_durability, **sizes)
     if args.role == "prefill":
         from fsm_pd.net.unix_sockets import node_socket
         from fsm_pd.serving.prefill_engine import PrefillEngine

@@ -35,6 +35,8 @@ from fsm_pd.runtime.process_exit import exit_now
 log = logging.getLogger("fsm_pd.serve")
 
 CPU_POOL_PAGES = 512  # each engine's pool on a CPU: the nodes' --num-pages default
+OWN_HEALTH_TIMEOUT_S = 30.0  # the router's health checks of this process's engines: a busy model thread is no fault
+NEVER = 1 << 30  # failures it takes to eject an engine of this process: never (there is no other to send to)
 NODE_IDS = {"prefill": "prefill-0", "decode": "decode-0"}
 
 
@@ -103,7 +105,7 @@ def build_engines(args: argparse.Namespace, model, links: str, pages: tuple[int,
                     secret=secret, backend=args.transfer_backend, deadlines=deadlines,
                     kv_checksum=args.kv_checksum == "on", uds=os.path.join(links, f"{role}.sock"),
                     num_pages=num_pages, page_size=args.page_size, prefill_chunk_steps=args.prefill_chunk_steps,
-                    shared=shared)
+                    shared=shared, contained_crash=True, durability=args.journal_durability)
 
     prefill = PrefillEngine(model, bootstrap_port=0, bootstrap_uds=os.path.join(links, "prefill.bootstrap.sock"),
                             bootstrap_token=None, radix_cache=not args.disable_radix_cache,
@@ -123,13 +125,16 @@ def run_pd(args: argparse.Namespace) -> int:
 
     startup = Startup()  # the prefill engine's, timed from the process's start; the decode engine's shares it
     from fsm_pd.api import create_app
+    from fsm_pd.api.drain import ABORT_GRACE_S, DrainingServer
     from fsm_pd.api.runner import WaitDeadlines
+    from fsm_pd.cli.pd_front import PDFront
     from fsm_pd.model import compiles
     from fsm_pd.model.loader import load_model
     from fsm_pd.net.http_protocol import read_timeouts_from_args
     from fsm_pd.net.http_server import AppServer, _uvicorn_config, run
     from fsm_pd.router.app import create_router_app
     from fsm_pd.router.core import PrefillWorker
+    from fsm_pd.router.fleet import BreakerSettings
     from fsm_pd.router.policy import PolicySettings
     from fsm_pd.runtime import compile_cache
     from fsm_pd.runtime.gc_policy import apply_serving_gc_policy
@@ -167,18 +172,25 @@ def run_pd(args: argparse.Namespace) -> int:
                                      read_timeouts=read_timeouts_from_args(args)).start())
         prefill, decode = engines
         bootstrap = unix_address(os.path.join(links, "prefill.bootstrap.sock"))
+        # its engines are this process's own: no slow health check ejects one (a dead one makes /health 503, and
+        # the front refuses requests), and a request reaches the router only once both are ready
         router = create_router_app(
             [PrefillWorker(servers[0].url, bootstrap)], [servers[1].url], api_key=args.api_key,
             pd_policy=PolicySettings(args.pd_policy, args.local_prefill_max_tokens),
-            health_interval_s=1.0)
+            health_interval_s=1.0, health_timeout_s=OWN_HEALTH_TIMEOUT_S,
+            breaker=BreakerSettings(health_failures=NEVER, request_failures=NEVER),
+            startup_wait_s=args.startup_wait_secs)
         router.state.metrics.registry.register(EngineFamilies([r for engine in engines for r in engine.registries]))
+        front = PDFront(router, engines, list(starts.values()), drain_timeout_s=args.drain_timeout_secs,
+                        startup_wait_s=args.startup_wait_secs, registry=router.state.metrics.registry)
         apply_serving_gc_policy()
         threading.Thread(target=prepare_both, args=(starts, args.skip_server_warmup), name="start-up",
                          daemon=True).start()
         log.info("serving prefill and decode in one process (%s transfers; links in %s; journals in %s)",
                  args.transfer_backend, links, args.journal_dir)
-        run(_stop_on_signal()(_uvicorn_config(router, args.log_level, read_timeouts_from_args(args))), args.host,
-            args.port, args.uds)
+        config = _uvicorn_config(front, args.log_level, read_timeouts_from_args(args),
+                                 timeout_graceful_shutdown=ABORT_GRACE_S)
+        run(DrainingServer(config, front.drain), args.host, args.port, args.uds)
     finally:
         log.info("closing the engines and their journals")
         for server in reversed(servers):
@@ -190,21 +202,6 @@ def run_pd(args: argparse.Namespace) -> int:
     log.info("stopped cleanly")
     exit_now(0)
     return 0
-
-
-def _stop_on_signal():
-    import uvicorn
-
-    class StopOnSignal(uvicorn.Server):
-        """uvicorn that stops on SIGTERM or SIGINT without raising the signal again once stopped (uvicorn's own
-        does, which would end the process before the engines' journals are closed); a second one exits at once."""
-
-        def handle_exit(self, sig: int, frame) -> None:
-            if self.should_exit:
-                self.force_exit = True
-            self.should_exit = True
-
-    return StopOnSignal
 
 
 class EngineFamilies:

@@ -45,7 +45,11 @@ from fsm_pd.transport.backends import create_backend, new_uuid
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KVManager", "RoomInUse"]
+__all__ = ["KVManager", "RoleCrashed", "RoomInUse"]
+
+
+class RoleCrashed(Exception):
+    """A contained crash (``KVManager(contained_crash=True)``): the handler that reached the crash point stops."""
 
 
 class KVManager:
@@ -57,7 +61,7 @@ class KVManager:
                  admission: Admission | None = None,
                  heartbeat: Mapping[str, Any] | None = None, model: ModelThread | None = None,
                  advertise_host: str | None = None, kv_checksum: bool = True, uds: str | None = None,
-                 observers: Sequence[Callable] = (), shared_pool: Any = None):
+                 observers: Sequence[Callable] = (), shared_pool: Any = None, contained_crash: bool = False):
         """``host``: what the side channel and the transfer server bind; ``advertise_host``: the host peers are told
         (bootstrap registration, side-channel origin and reply_to, transfer address), by default ``host``. A wildcard
         ``host`` needs an ``advertise_host`` (``WildcardAddress`` otherwise). ``kv_checksum``: compute (prefill) or
@@ -65,7 +69,9 @@ class KVManager:
         socket (``--uds``); its side channel and transfer server then listen on unix sockets beside it
         (``PATH.side.sock``, ``PATH.kv.sock``: ``unix_sockets.node_socket``) instead of ``host``, and it opens no TCP
         socket. ``shared_pool``: the ``PageAllocator`` of a pool this node shares with its peer in one process
-        (backend ``pool``): handoffs then move page ownership, no bytes (``control/pool_kv.py``)."""
+        (backend ``pool``): handoffs then move page ownership, no bytes (``control/pool_kv.py``). ``contained_crash``:
+        a fault knob's crash (``FSM_PD_FAULT_CRASH_AT``) stops this node's loop instead of exiting the process, for
+        a process that runs both roles (``--role pd``): the role dies, the process says so."""
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
         if role == "decode" and admission is None:
@@ -109,7 +115,8 @@ class KVManager:
         else:
             kv = JaxKV(layout, self.model, progressive=self.backend.progressive, sharding=staging_sharding,
                        checksum=kv_checksum)
-        faults = Faults(FaultConfig.from_env(), role=role)  # off unless FSM_PD_FAULT_* are set
+        # off unless FSM_PD_FAULT_* are set
+        faults = Faults(FaultConfig.from_env(), role=role, **({"exit": self._crash} if contained_crash else {}))
         if role == "prefill":
             self.admission = None
             self.effects: PrefillEffects | DecodeEffects = PrefillEffects(
@@ -173,6 +180,11 @@ class KVManager:
                 callback(reason)
             except Exception:  # one listener's failure must not keep the others from hearing
                 log.exception("an on_stopped callback of %s failed", self.node_id)
+
+    def _crash(self, code: int) -> None:
+        """A fault knob's crash of this role alone: its loop stops, and the handler that crashed goes no further."""
+        self._stopped(f"the {self.role} role crashed (fault injection, exit status {code})")
+        raise RoleCrashed(self.dead)
 
     def health(self) -> str | None:
         """Why this node cannot serve (None while it can): its loop stopped, or its model thread died."""
