@@ -194,7 +194,7 @@ def run_node(args: argparse.Namespace) -> int:
                      drain_timeout_s=args.drain_timeout_secs, startup=startup, wait=wait)
     apply_serving_gc_policy()
     # HTTP answers from here on (probes see the progress); requests are taken once the programs are prepared
-    threading.Thread(target=prepare_programs, args=(engine, startup, args.skip_server_warmup,
+    threading.Thread(target=prepare_programs, args=({engine: startup}, args.skip_server_warmup,
                                                     lambda: app.state.drain.in_flight > 0),
                      name="start-up", daemon=True).start()
     try:
@@ -207,30 +207,38 @@ def run_node(args: argparse.Namespace) -> int:
     exit_now(0)
 
 
-def prepare_programs(engine, startup, skip: bool, busy) -> None:
-    """The start-up thread: prepare the programs any request needs (``warmup.warm_up``), mark the node ready, then
-    compile the rest in the background. A failure here leaves a node that can never serve: it exits 1."""
+def prepare_programs(starts: dict, skip: bool, busy) -> None:
+    """The start-up thread of a node (``starts``: {engine: its ``Startup``}) or of ``--role pd`` (both engines, which
+    share one pool and so one set of programs: the second warm-up finds the first's): prepare the programs any
+    request needs (``warmup.warm_up``), mark every engine ready at once, then compile the rest in the background
+    while no request is in flight (``busy``). A failure here leaves a process that can never serve: it exits 1."""
     from fsm_pd.model import compiles
     from fsm_pd.serving.warmup import compile_rest, warm_up
 
     log = logging.getLogger("fsm_pd.serve")
+    first = next(iter(starts.values()))
     try:
         if not skip:
-            with startup.phase("programs"):
-                warm_up(engine, progress=True, startup=startup)
+            for engine, startup in starts.items():
+                with startup.phase("programs"):
+                    warm_up(engine, progress=True, startup=startup)
         compiles.serving()
-        startup.mark_ready({kind: {**vars(cost), "seconds": round(cost.seconds, 3)}
-                            for kind, cost in compiles.costs().items()})
-        log.info("ready %.1f s after the process started (%s)", startup.ready_after,
-                 ", ".join(f"{name} {seconds:.1f} s" for name, seconds in startup.status()["phases"].items()))
-        if skip:
-            startup.background_done({"skipped": True})
-        else:
-            compile_rest(engine, busy=busy, on_done=startup.background_done)
-    except BaseException as exc:  # noqa: BLE001 - whatever it was, the node cannot serve: say so and exit
-        startup.mark_failed(f"{type(exc).__name__}: {exc}")
+        costs = {kind: {**vars(cost), "seconds": round(cost.seconds, 3)} for kind, cost in compiles.costs().items()}
+        for startup in starts.values():
+            startup.mark_ready(costs)
+        log.info("ready %.1f s after the process started (%s)", first.ready_after,
+                 ", ".join(f"{name} {seconds:.1f} s" for name, seconds in first.status()["phases"].items()))
+        for engine, startup in starts.items():
+            if skip:
+                startup.background_done({"skipped": True})
+            else:
+                compile_rest(engine, busy=busy, on_done=startup.background_done)
+    except BaseException as exc:  # noqa: BLE001 - whatever it was, the process cannot serve: say so and exit
+        for startup in starts.values():
+            startup.mark_failed(f"{type(exc).__name__}: {exc}")
         log.exception("start-up failed; exiting")
-        engine.close()
+        for engine in starts:
+            engine.close()
         exit_now(1)
 
 

@@ -128,6 +128,7 @@ def run_pd(args: argparse.Namespace) -> int:
     from fsm_pd.api.drain import ABORT_GRACE_S, DrainingServer
     from fsm_pd.api.runner import WaitDeadlines
     from fsm_pd.cli.pd_front import PDFront
+    from fsm_pd.cli.serve import prepare_programs
     from fsm_pd.model import compiles
     from fsm_pd.model.loader import load_model
     from fsm_pd.net.http_protocol import read_timeouts_from_args
@@ -163,6 +164,8 @@ def run_pd(args: argparse.Namespace) -> int:
         for engine in engines:
             attach_from_args(engine.manager.journal, args)
         decode_startup = Startup(startup.started_at)
+        for name, seconds in startup.status()["phases"].items():  # the process's imports, weights and engines
+            decode_startup.record(name, seconds)
         starts = dict(zip(engines, (startup, decode_startup), strict=True))
         for engine, its_startup in starts.items():
             app = create_app(engine, model.tokenizer, api_key=args.api_key,
@@ -184,8 +187,9 @@ def run_pd(args: argparse.Namespace) -> int:
         front = PDFront(router, engines, list(starts.values()), drain_timeout_s=args.drain_timeout_secs,
                         startup_wait_s=args.startup_wait_secs, registry=router.state.metrics.registry)
         apply_serving_gc_policy()
-        threading.Thread(target=prepare_both, args=(starts, args.skip_server_warmup), name="start-up",
-                         daemon=True).start()
+        threading.Thread(target=prepare_programs, args=(starts, args.skip_server_warmup,
+                                                        lambda: front.drain.in_flight > 0),
+                         name="start-up", daemon=True).start()
         log.info("serving prefill and decode in one process (%s transfers; links in %s; journals in %s)",
                  args.transfer_backend, links, args.journal_dir)
         config = _uvicorn_config(front, args.log_level, read_timeouts_from_args(args),
@@ -222,32 +226,3 @@ class EngineFamilies:
                     into = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
                 into.samples.extend(family.samples)
         yield from merged.values()
-
-
-def prepare_both(starts: dict, skip: bool) -> None:
-    """Prepare both engines' ready sets, one after the other (they share the cores and the compile cache), mark both
-    ready, then compile the rest of each in the background. A failure leaves a process that cannot serve: exit 1."""
-    from fsm_pd.model import compiles
-    from fsm_pd.serving.warmup import compile_rest, warm_up
-
-    try:
-        if not skip:
-            for engine, startup in starts.items():
-                with startup.phase("programs"):
-                    warm_up(engine, progress=True, startup=startup)
-        compiles.serving()
-        for startup in starts.values():
-            startup.mark_ready()
-        log.info("ready %.1f s after the process started", next(iter(starts.values())).ready_after)
-        for engine, startup in starts.items():
-            if skip:
-                startup.background_done({"skipped": True})
-            else:
-                compile_rest(engine, on_done=startup.background_done)
-    except BaseException as exc:  # noqa: BLE001 - whatever it was, the process cannot serve: say so and exit
-        for startup in starts.values():
-            startup.mark_failed(f"{type(exc).__name__}: {exc}")
-        log.exception("start-up failed; exiting")
-        for engine in starts:
-            engine.close()
-        exit_now(1)

@@ -111,7 +111,8 @@ def plan_for(engine) -> WarmupPlan:
     hash_buckets = prompt_buckets if _hashes_on_device(engine) else []
     if engine.role == "prefill" and not getattr(engine, "serves_local", False):
         return WarmupPlan(prefill_shapes(engine.max_prefill_batch, engine.chunked_prefill_size),
-                          _powers(engine.max_prefill_batch), gather_buckets=prompt_buckets,
+                          _powers(engine.max_prefill_batch),
+                          gather_buckets=prompt_buckets if _copies_pages(engine) else [],
                           hash_buckets=hash_buckets, short_prompt=SHORT_PROMPT_TOKENS)
     # prefills here: a colocated node's prompts, and both nodes' recomputes (retracted requests, failed transfers)
     limits = [(engine.loop.max_recompute_batch, engine.loop.max_recompute_tokens)]
@@ -123,11 +124,17 @@ def plan_for(engine) -> WarmupPlan:
     forward |= set(decode_shapes(engine.max_running))
     plan = WarmupPlan(sorted(forward), _powers(max(engine.max_running, *(batch for batch, _ in limits))),
                       hash_buckets=hash_buckets, short_prompt=SHORT_PROMPT_TOKENS)
-    if engine.role == "decode":
+    if _copies_pages(engine) and engine.role == "decode":
         plan.scatter_buckets = prompt_buckets
-    if engine.role == "prefill":
+    if _copies_pages(engine) and engine.role == "prefill":
         plan.gather_buckets = prompt_buckets
     return plan
+
+
+def _copies_pages(engine) -> bool:
+    """Whether this PD node's handoffs copy pages (every backend but ``pool``, which hands ownership over)."""
+    manager = getattr(engine, "manager", None)
+    return manager is None or manager.backend.name != "pool"
 
 
 def _hashes_on_device(engine) -> bool:
