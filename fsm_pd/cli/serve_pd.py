@@ -105,7 +105,7 @@ def build_engines(args: argparse.Namespace, model, links: str, pages: tuple[int,
                     secret=secret, backend=args.transfer_backend, deadlines=deadlines,
                     kv_checksum=args.kv_checksum == "on", uds=os.path.join(links, f"{role}.sock"),
                     num_pages=num_pages, page_size=args.page_size, prefill_chunk_steps=args.prefill_chunk_steps,
-                    shared=shared, contained_crash=True, durability=args.journal_durability)
+                    shared=shared, contained_crash=True, in_process=True, durability=args.journal_durability)
 
     prefill = PrefillEngine(model, bootstrap_port=0, bootstrap_uds=os.path.join(links, "prefill.bootstrap.sock"),
                             bootstrap_token=None, radix_cache=not args.disable_radix_cache,

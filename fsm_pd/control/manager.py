@@ -27,7 +27,7 @@ from fsm_pd.control.metrics import NodeMetrics
 from fsm_pd.control.peers import PeerWatch, manager_forget
 from fsm_pd.control.pool_kv import SharedPoolKV
 from fsm_pd.control.resolver import PrefillResolver, deregister_prefill, register_prefill
-from fsm_pd.control.sending import PeerSenders
+from fsm_pd.control.sending import InProcessSenders, PeerSenders
 from fsm_pd.control.workers import ThreadedPuller, ThreadedResolver
 from fsm_pd.effects import Node, RealClock
 from fsm_pd.effects.decode import DecodeEffects
@@ -61,7 +61,8 @@ class KVManager:
                  admission: Admission | None = None,
                  heartbeat: Mapping[str, Any] | None = None, model: ModelThread | None = None,
                  advertise_host: str | None = None, kv_checksum: bool = True, uds: str | None = None,
-                 observers: Sequence[Callable] = (), shared_pool: Any = None, contained_crash: bool = False):
+                 observers: Sequence[Callable] = (), shared_pool: Any = None, contained_crash: bool = False,
+                 in_process: bool = False):
         """``host``: what the side channel and the transfer server bind; ``advertise_host``: the host peers are told
         (bootstrap registration, side-channel origin and reply_to, transfer address), by default ``host``. A wildcard
         ``host`` needs an ``advertise_host`` (``WildcardAddress`` otherwise). ``kv_checksum``: compute (prefill) or
@@ -71,7 +72,8 @@ class KVManager:
         socket. ``shared_pool``: the ``PageAllocator`` of a pool this node shares with its peer in one process
         (backend ``pool``): handoffs then move page ownership, no bytes (``control/pool_kv.py``). ``contained_crash``:
         a fault knob's crash (``FSM_PD_FAULT_CRASH_AT``) stops this node's loop instead of exiting the process, for
-        a process that runs both roles (``--role pd``): the role dies, the process says so."""
+        a process that runs both roles (``--role pd``): the role dies, the process says so. ``in_process``: side-
+        channel messages to a peer of this process that says so too go to it directly (``InProcessSenders``)."""
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
         if role == "decode" and admission is None:
@@ -101,7 +103,9 @@ class KVManager:
         # pings are answered only while this node can serve: peers then fail their rooms bound to us
         self.side_channel = SideChannel(node_id=node_id, secret=secret, on_message=self._on_message, bind=bind,
                                         advertise_host=self.advertise_host, healthy=self._answers_pings)
-        self.senders = PeerSenders(self.side_channel, name=f"send[{node_id}]")
+        # an engine beside its peer in one process (--role pd) hands its messages over directly
+        senders = InProcessSenders if in_process else PeerSenders
+        self.senders = senders(self.side_channel, name=f"send[{node_id}]")
         self.workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"work[{node_id}]")
         # lookups on their own threads: a bootstrap server that is down holds them for its retries, never a pull
         self.lookups = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"lookup[{node_id}]")

@@ -108,3 +108,41 @@ def _report(done: Callable[[BaseException | None], None], error: BaseException |
         done(error)
     except Exception:  # a bug in a callback must not kill the peer's sender thread
         log.exception("side-channel send callback failed")
+
+
+_local: dict[str, Any] = {}  # side channels of this process that take messages directly, by address
+_local_lock = threading.Lock()
+
+
+class InProcessSenders(PeerSenders):
+    """``PeerSenders`` for an engine whose peer lives in the same process (``--role pd``): a message to a side
+    channel registered here is handed to it directly (``SideChannel.deliver``: its replay guard, observers and
+    handler) on the posting thread, in order per peer, with no socket, MAC or sender thread; a message to any other
+    address goes out as ``PeerSenders`` sends it. Both engines still journal every message they act on, so replay
+    sees the same handoff."""
+
+    def __init__(self, channel: Any, **options: Any) -> None:
+        super().__init__(channel, **options)
+        self._order: dict[str, threading.Lock] = {}
+        with _local_lock:
+            _local[channel.address] = channel
+
+    def post(self, addr: str, msg: Any, done: SendDone) -> None:
+        with _local_lock:
+            peer = _local.get(addr)
+            order = self._order.setdefault(addr, threading.Lock()) if peer is not None else None
+        if peer is None or order is None:
+            super().post(addr, msg, done)
+            return
+        with order:
+            try:
+                peer.deliver(msg)
+            except Exception as exc:  # noqa: BLE001 - reported to the handler, as a failed send is
+                _report(done, exc)
+                return
+        _report(done, None)
+
+    def close(self) -> None:
+        with _local_lock:
+            _local.pop(self.channel.address, None)
+        super().close()

@@ -242,6 +242,13 @@ class SideChannel:
         except MalformedMessage as exc:
             self._drop("malformed", str(exc))
             return
+        self.deliver(msg, now)
+
+    def deliver(self, msg: Message, now: float | None = None) -> None:
+        """Take ``msg`` as if its frame had arrived and opened: the replay guard, the observers, ``on_message``. The
+        listener calls it for every frame; an engine of the same process calls it directly (``InProcessSenders``:
+        no socket, no MAC, no thread hop)."""
+        now = self._clock() if now is None else now
         reason = self._guard.check(msg, now)
         if reason is not None:
             self._drop(reason, f"{msg.TYPE.name} room={msg.room} from {msg.sender!r:.64} sent_at={msg.sent_at:.3f}")
