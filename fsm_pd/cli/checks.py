@@ -100,12 +100,23 @@ def _node_problems(args: argparse.Namespace, secret: bool):
 def _pd_problems(args: argparse.Namespace):
     """``--role pd``: its engines' links run over unix sockets (so a backend must run on one), one split of the
     devices for both, and the journals' directory."""
+    from fsm_pd.cli.flags import pd_backend
     from fsm_pd.net.unix_sockets import check_unix_backend
 
+    split = args.prefill_devices is not None or args.decode_devices is not None
+    if split and (args.prefill_devices is None or args.decode_devices is None):
+        yield "--prefill-devices and --decode-devices go together: each role's devices, or neither"
+    elif split and (args.prefill_devices, args.decode_devices) != (1, 1):
+        yield (f"--prefill-devices {args.prefill_devices} --decode-devices {args.decode_devices}: one device a role "
+               "for now (a role over several devices needs tensor parallelism, not yet on --role pd)")
+    if split and args.transfer_backend == "pool":
+        yield ("--transfer-backend pool: the engines share one pool only on one set of devices; with "
+               "--prefill-devices and --decode-devices each has its own (the default there is device)")
+    backend = pd_backend(args)
     try:
-        check_unix_backend(args.transfer_backend)
+        check_unix_backend(backend)
     except ValueError as exc:
-        yield f"--transfer-backend {args.transfer_backend}: {exc}"
+        yield f"--transfer-backend {backend}: {exc}"
     if args.tp > 1:
         yield f"--tp {args.tp}: --role pd runs both engines on one device for now (--tp 1)"
     yield writable_problem("--journal-dir", args.journal_dir, directory=True)

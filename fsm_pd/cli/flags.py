@@ -213,12 +213,14 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                                  "skips it: docs/data-plane.md, The KV checksum)")
     if role in ("prefill", "decode", "pd"):
         if role == "pd":
-            parser.add_argument("--transfer-backend", default="pool",
-                                help="how the decode engine takes the prefill engine's KV: pool (the default: both "
-                                     "engines share one KV pool, one model thread and one step loop, and a handoff "
-                                     "moves the pages' ownership, no byte) | device (a pool each; the staging arrays "
-                                     "themselves, on the device, no copy to the host) | tcp | zmq (a pool each; over a "
-                                     "unix socket in the process's private directory, as between two processes)")
+            parser.add_argument("--transfer-backend", default=None,
+                                help="how the decode engine takes the prefill engine's KV: pool (the default on one "
+                                     "set of devices: both engines share one KV pool, one model thread and one step "
+                                     "loop, and a handoff moves the pages' ownership, no byte) | device (the default "
+                                     "with --prefill-devices and --decode-devices; a pool each: the staging arrays "
+                                     "themselves, on the device, copied device to device where the roles' devices "
+                                     "differ, never through the host) | tcp | zmq (a pool each; over a unix socket in "
+                                     "the process's private directory, as between two processes)")
             parser.add_argument("--journal-dir", default="journals", metavar="DIR",
                                 help="the engines' journals, one per side as two nodes keep them: DIR/prefill-0.db "
                                      "and DIR/decode-0.db (fsm-pd replay DIR/prefill-0.db DIR/decode-0.db) "
@@ -326,6 +328,14 @@ PD_POLICIES = ("auto", "always", "never")
 DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 256
 
 
+def pd_backend(args: argparse.Namespace) -> str:
+    """``--role pd``'s transfer backend: the one asked for, else ``pool`` (one pool on one set of devices) or, with
+    the roles on devices of their own, ``device``."""
+    if args.transfer_backend is not None:
+        return args.transfer_backend
+    return "device" if args.prefill_devices is not None or args.decode_devices is not None else "pool"
+
+
 DEFAULT_PD_STARTUP_WAIT_S = 300.0  # a cold start on a TPU v5e took 73-102 s to ready (docs/tpu.md)
 
 
@@ -350,6 +360,16 @@ def add_pd_flags(parser: argparse.ArgumentParser) -> None:
                        help="on an accelerator, the share of the device memory left after the weights that the two "
                             "pools take together, the rest kept for activations and programs: above 0, below 1 "
                             "(default 0.8)")
+    split = parser.add_argument_group(
+        "P and D on devices of their own (tpu-inference's one-host layout: a chip for prefill, a chip for decode)",
+        "Without these both engines run on the first device (one pool: --transfer-backend pool). With them, the "
+        "prefill engine takes the first N devices and the decode engine the next M, each with its own copy of the "
+        "weights and its own pool, and a handoff copies the request's pages device to device (--transfer-backend "
+        "device). One device a role for now.")
+    split.add_argument("--prefill-devices", type=at_least(1), default=None, metavar="N",
+                       help="devices of the prefill engine (with --decode-devices)")
+    split.add_argument("--decode-devices", type=at_least(1), default=None, metavar="M",
+                       help="devices of the decode engine (with --prefill-devices)")
     parser.add_argument("--startup-wait-secs", type=seconds(), default=DEFAULT_PD_STARTUP_WAIT_S, metavar="S",
                         help="a request that arrives while the process starts (both engines compile) waits this long "
                              "for it to be ready, then is served; past it, 503 starting (default "

@@ -28,7 +28,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from fsm_pd.cli.flags import DEADLINE_FLAGS, resolve_dtype
+from fsm_pd.cli.flags import DEADLINE_FLAGS, pd_backend, resolve_dtype
 from fsm_pd.net.unix_sockets import UnixPathError, check_path, unix_address
 from fsm_pd.runtime.process_exit import exit_now
 
@@ -40,21 +40,41 @@ NEVER = 1 << 30  # failures it takes to eject an engine of this process: never (
 NODE_IDS = {"prefill": "prefill-0", "decode": "decode-0"}
 
 
-def pool_pages(args: argparse.Namespace, model) -> tuple[int, int, str]:
+def role_models(args: argparse.Namespace, model) -> dict:
+    """{role: the model it runs}: the one loaded, on the first device; or, with ``--prefill-devices`` and
+    ``--decode-devices``, a copy on each role's own device (``LoadedModel.on_device``)."""
+    if args.prefill_devices is None:
+        return {"prefill": model, "decode": model}
+    import jax
+
+    devices = jax.devices()
+    wanted = args.prefill_devices + args.decode_devices
+    if len(devices) < wanted:
+        raise ValueError(f"--prefill-devices {args.prefill_devices} --decode-devices {args.decode_devices} needs "
+                         f"{wanted} devices; this host has {len(devices)} ({devices[0].platform})")
+    return {"prefill": model.on_device(devices[0]), "decode": model.on_device(devices[args.prefill_devices])}
+
+
+def pool_pages(args: argparse.Namespace, models: dict) -> tuple[int, int, str]:
     """(prefill pages, decode pages, how they were chosen). A size given by its flag wins; else, on a CPU, the nodes'
-    default each; on an accelerator, ``--kv-memory-fraction`` of the device memory left free after the weights,
-    split by ``--prefill-pool-share``."""
+    default each; on an accelerator, ``--kv-memory-fraction`` of the device memory left free after the weights:
+    split by ``--prefill-pool-share`` where both roles share a device, each role's own device's where they do not."""
     import jax
 
     prefill, decode = args.prefill_pages, args.decode_pages
     if prefill is not None and decode is not None:
         return prefill, decode, "--prefill-pages and --decode-pages"
-    device = jax.local_devices()[0]
+    device = models["prefill"].device or jax.local_devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if not stats or "bytes_limit" not in stats:
         return prefill or CPU_POOL_PAGES, decode or CPU_POOL_PAGES, f"{device.platform}: the nodes' default size"
-    page_bytes = model.make_kv_layout(2, args.page_size).page_bytes()
-    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    page_bytes = models["prefill"].make_kv_layout(2, args.page_size).page_bytes()
+    if models["decode"].device not in (None, device):  # each role's pool on its own device: all of its free memory
+        budgets = [int(_free_bytes(models[role].device) * args.kv_memory_fraction) // page_bytes
+                   for role in ("prefill", "decode")]
+        return (prefill or max(2, budgets[0]), decode or max(2, budgets[1]),
+                f"{device.platform}: {args.kv_memory_fraction:g} of each role's device's free memory")
+    free = _free_bytes(device)
     budget = int(free * args.kv_memory_fraction) // page_bytes
     if prefill is None and decode is None:
         prefill = max(2, int(budget * args.prefill_pool_share))
@@ -66,6 +86,11 @@ def pool_pages(args: argparse.Namespace, model) -> tuple[int, int, str]:
     how = (f"{device.platform}: {args.kv_memory_fraction:g} of {free / 2**30:.2f} GiB free after the weights, "
            f"{args.prefill_pool_share:g} of it to prefill ({page_bytes} bytes a page)")
     return prefill, decode, how
+
+
+def _free_bytes(device) -> int:
+    stats = device.memory_stats()
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
 
 
 def private_dir() -> str:
@@ -81,7 +106,7 @@ def private_dir() -> str:
     raise UnixPathError("no directory short enough for the engines' unix sockets (set TMPDIR to a short path)")
 
 
-def build_engines(args: argparse.Namespace, model, links: str, pages: tuple[int, int]):
+def build_engines(args: argparse.Namespace, models: dict, links: str, pages: tuple[int, int]):
     """The two engines, on unix sockets in ``links``, journaling into ``--journal-dir``; they share a secret. With
     the ``pool`` backend they share one pool of ``sum(pages)`` pages and one step loop too (``SharedPool``)."""
     from fsm_pd.control.config import DEFAULTS as ROOM_DEFAULTS
@@ -92,9 +117,10 @@ def build_engines(args: argparse.Namespace, model, links: str, pages: tuple[int,
 
     secret = generate_secret()
     Path(args.journal_dir).mkdir(parents=True, exist_ok=True)
+    backend = pd_backend(args)
     shared = None
-    if args.transfer_backend == "pool":
-        shared = SharedPool(model, num_pages=sum(pages), page_size=args.page_size,
+    if backend == "pool":
+        shared = SharedPool(models["prefill"], num_pages=sum(pages), page_size=args.page_size,
                             chunked_prefill_size=args.chunked_prefill_size,
                             prefill_chunk_steps=args.prefill_chunk_steps)
 
@@ -102,17 +128,17 @@ def build_engines(args: argparse.Namespace, model, links: str, pages: tuple[int,
         deadlines = {t: getattr(args, t) for t in DEADLINE_FLAGS
                      if getattr(args, t, None) is not None and t in ROOM_DEFAULTS[role]}
         return dict(node_id=NODE_IDS[role], journal=str(Path(args.journal_dir) / f"{NODE_IDS[role]}.db"),
-                    secret=secret, backend=args.transfer_backend, deadlines=deadlines,
+                    secret=secret, backend=backend, deadlines=deadlines,
                     kv_checksum=args.kv_checksum == "on", uds=os.path.join(links, f"{role}.sock"),
                     num_pages=num_pages, page_size=args.page_size, prefill_chunk_steps=args.prefill_chunk_steps,
                     shared=shared, contained_crash=True, in_process=True, durability=args.journal_durability)
 
-    prefill = PrefillEngine(model, bootstrap_port=0, bootstrap_uds=os.path.join(links, "prefill.bootstrap.sock"),
-                            bootstrap_token=None, radix_cache=not args.disable_radix_cache,
-                            chunked_prefill_size=args.chunked_prefill_size,
+    prefill = PrefillEngine(models["prefill"], bootstrap_port=0,
+                            bootstrap_uds=os.path.join(links, "prefill.bootstrap.sock"), bootstrap_token=None,
+                            radix_cache=not args.disable_radix_cache, chunked_prefill_size=args.chunked_prefill_size,
                             chunk_transfers=not args.disable_chunk_transfers, **node("prefill", pages[0]))
     try:
-        decode = DecodeEngine(model, on_transfer_failure=args.on_transfer_failure,
+        decode = DecodeEngine(models["decode"], on_transfer_failure=args.on_transfer_failure,
                               radix_cache=args.disaggregation_decode_enable_radix_cache, **node("decode", pages[1]))
     except BaseException:
         prefill.close()
@@ -153,14 +179,21 @@ def run_pd(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"fsm-pd serve: cannot load model {args.model!r}: {exc}", file=sys.stderr)
         return 2
-    prefill_pages, decode_pages, how = pool_pages(args, model)
-    log.info("KV pools: prefill %d pages, decode %d pages (%s)", prefill_pages, decode_pages, how)
+    try:
+        models = role_models(args, model)
+    except ValueError as exc:
+        print(f"fsm-pd serve: {exc}", file=sys.stderr)
+        return 2
+    prefill_pages, decode_pages, how = pool_pages(args, models)
+    where = {role: str(m.device) if m.device is not None else "the first device" for role, m in models.items()}
+    log.info("KV pools: prefill %d pages on %s, decode %d pages on %s (%s)", prefill_pages, where["prefill"],
+             decode_pages, where["decode"], how)
     links = private_dir()
     servers: list[AppServer] = []
     engines = ()
     try:
         with startup.phase("engine"):
-            engines = build_engines(args, model, links, (prefill_pages, decode_pages))
+            engines = build_engines(args, models, links, (prefill_pages, decode_pages))
         for engine in engines:
             attach_from_args(engine.manager.journal, args)
         decode_startup = Startup(startup.started_at)
@@ -191,7 +224,7 @@ def run_pd(args: argparse.Namespace) -> int:
                                                         lambda: front.drain.in_flight > 0),
                          name="start-up", daemon=True).start()
         log.info("serving prefill and decode in one process (%s transfers; links in %s; journals in %s)",
-                 args.transfer_backend, links, args.journal_dir)
+                 pd_backend(args), links, args.journal_dir)
         config = _uvicorn_config(front, args.log_level, read_timeouts_from_args(args),
                                  timeout_graceful_shutdown=ABORT_GRACE_S)
         run(DrainingServer(config, front.drain), args.host, args.port, args.uds)

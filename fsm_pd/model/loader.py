@@ -44,6 +44,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     tp: TensorParallel | None = None  # how the model is split over devices; None on one device
     _programs: dict = field(default_factory=dict, repr=False)  # pool signature -> ForwardPrograms
+    device: jax.Device | None = None  # where it and its pools live, when not JAX's first device (``on_device``)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -74,11 +75,19 @@ class LoadedModel:
         # Placed explicitly (committed): a forward pass returns the pool committed, and jit keys its programs on that,
         # so a pool that started uncommitted would compile every page kernel twice (once at warm-up, once serving).
         if self.tp is None:
-            placement = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            placement = jax.sharding.SingleDeviceSharding(self.device or jax.devices()[0])
         else:
             placement = NamedSharding(self.tp.mesh, layout.pool_spec())
         zeros = jax.jit(lambda: jnp.zeros(layout.layer_shape, dtype=layout.dtype), out_shardings=placement)
         return tuple(zeros() for _ in range(layout.num_layers))
+
+    def on_device(self, device: jax.Device) -> LoadedModel:
+        """This model with its weights copied to ``device`` (its pools made there too): a role of ``--role pd`` on
+        a device of its own. The weights stay shared where ``device`` is where they are already."""
+        if self.tp is not None:
+            raise ValueError("a model split over devices (tensor parallelism) cannot be moved to one device")
+        params = jax.device_put(self.params, device)
+        return LoadedModel(self.name, self.config, params, self.tokenizer, None, device=device)
 
     def programs(self, pool) -> ForwardPrograms:
         """The forward passes compiled for pools shaped and placed like ``pool`` (made on first use)."""

@@ -38,9 +38,12 @@ class ModelThreadDead(RuntimeError):
 class ModelThread:
     """Owns ``pool`` (a tuple of per-layer arrays); ``submit(job)`` runs ``job(self)`` on the model thread."""
 
-    def __init__(self, pool: Any = None, name: str = "model"):
+    def __init__(self, pool: Any = None, name: str = "model", device: Any = None):
+        """``device``: where the jobs' new arrays go by default (``jax.default_device``), for a model and pool
+        placed on a device of their own (``--role pd --prefill-devices 1 --decode-devices 1``); None: JAX's."""
         self.pool = pool
         self.name = name
+        self.device = device
         self.dead: str | None = None  # why the thread died; None while it serves
         self.on_death: list[Callable[[str], None]] = []  # called once, on the dying thread, with the reason
         self.lease = PoolLease()  # readers of the pool between jobs (a send straight from the pool's pages)
@@ -83,6 +86,15 @@ class ModelThread:
 
     # --- the model thread ---
     def _run(self) -> None:
+        if self.device is None:
+            self._serve()
+            return
+        import jax  # only a placed model thread needs it: this module stays jax-free for the simulation
+
+        with jax.default_device(self.device):  # thread-local: this thread's uncommitted arrays land there
+            self._serve()
+
+    def _serve(self) -> None:
         while True:
             item = self._jobs.get()
             if item is _STOP:

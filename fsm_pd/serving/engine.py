@@ -57,7 +57,8 @@ class EngineCore:
         self.pool_tokens = pool_tokens_for(num_pages, page_size)
         if shared is None:
             self.layout = self.model.make_kv_layout(num_pages, page_size)
-            self.model_thread = ModelThread(self.model.make_pool(self.layout), name=f"model[{name}]")
+            self.model_thread = ModelThread(self.model.make_pool(self.layout), name=f"model[{name}]",
+                                            device=self.model.device)
             self.allocator: PageAllocator | AllocatorView = PageAllocator(num_pages)
         else:
             self.layout, self.model_thread = shared.layout, shared.model_thread

@@ -49,6 +49,10 @@ class PDEngine(EngineCore):
                          shared=shared)
         if shared is not None:
             backend, manager_options["shared_pool"] = "pool", shared.allocator
+        if self.model.device is not None:  # a role on a device of its own: what it pulls lands there
+            from jax.sharding import SingleDeviceSharding
+
+            manager_options.setdefault("staging_sharding", SingleDeviceSharding(self.model.device))
         self.node_id = node_id
         self.secret = secret if secret is not None else generate_secret()
         self.rooms: dict[int, Sequence] = {}  # room -> its live request: the model thread's

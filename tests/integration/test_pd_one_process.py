@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fsm_pd.kernels import page_bucket
+from fsm_pd.model.loader import load_model
 from fsm_pd.net import unix_http
 from fsm_pd.net.unix_sockets import unix_address
 from fsm_pd.store import read_journal, replay
@@ -31,7 +33,6 @@ REQUESTS = int(os.environ.get("FSM_PD_ONE_PROCESS_REQUESTS", "8"))
 VOCAB = 272  # the tiny model's
 NEW_TOKENS = 6
 PAGE_SIZE = 16  # the nodes' default
-PAGE_BYTES_AT_LEAST = PAGE_SIZE * 2 * 2  # a page of K and V, at least one layer, one head of one element, float16
 
 
 def prompts(n: int) -> list[list[int]]:
@@ -41,9 +42,9 @@ def prompts(n: int) -> list[list[int]]:
     return [[rng.randrange(3, VOCAB) for _ in range(length)] for length in lengths]
 
 
-def start(tmp: Path, name: str, *argv: str) -> tuple[str, subprocess.Popen]:
+def start(tmp: Path, name: str, *argv: str, env: dict | None = None) -> tuple[str, subprocess.Popen]:
     sock = tmp / f"{name}.sock"
-    env = {**os.environ, "FSM_PD_MODEL": "tiny"}
+    env = {**os.environ, "FSM_PD_MODEL": "tiny", **(env or {})}
     log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 - the child writes to it
     proc = subprocess.Popen([sys.executable, "-m", "fsm_pd.cli", "serve", *argv, "--uds", str(sock)],
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=tmp)
@@ -103,11 +104,18 @@ def stop(proc: subprocess.Popen) -> int:
         return proc.wait()
 
 
-@pytest.mark.parametrize("backend", ["pool", "device"])
-def test_pd_in_one_process_answers_as_colocated(tmp_path, backend):
+# (backend, its flags, the process's environment): one pool; a pool each on one device; a device each
+SETUPS = {"pool": ("pool", [], {}), "device": ("device", ["--transfer-backend", "device"], {}),
+          "two-devices": ("device", ["--prefill-devices", "1", "--decode-devices", "1"],
+                          {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})}
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_pd_in_one_process_answers_as_colocated(tmp_path, setup):
+    backend, flags, env = SETUPS[setup]
     journals = tmp_path / "journals"
     pd_url, pd = start(tmp_path, "pd", "--role", "pd", "--pd-policy", "always", "--journal-dir", str(journals),
-                       "--prefill-pages", "300", "--decode-pages", "400", "--transfer-backend", backend)
+                       "--prefill-pages", "300", "--decode-pages", "400", *flags, env=env)
     colocated_url, colocated = start(tmp_path, "colocated", "--role", "colocated")
     asked = prompts(REQUESTS)
     try:
@@ -146,6 +154,11 @@ def test_pd_in_one_process_answers_as_colocated(tmp_path, backend):
     if backend == "pool":  # ownership moved: every prompt page adopted, not a byte copied, nothing to checksum
         assert (moved, adopted) == (0, prompt_pages)
         assert checksums[(("node", "decode-0"), ("outcome", "off"), ("role", "decode"))] == REQUESTS
-    else:  # the KV's bytes, in staging arrays of whole page buckets
-        assert adopted == 0 and moved >= prompt_pages * PAGE_BYTES_AT_LEAST
+    else:  # the KV's bytes: every prompt page's, in staging arrays of at most whole page buckets
+        page_bytes = load_model("tiny").make_kv_layout(2, PAGE_SIZE).page_bytes()
+        bucketed = sum(page_bucket(-(-len(ids) // PAGE_SIZE)) for ids in asked) * page_bytes
+        assert adopted == 0 and prompt_pages * page_bytes <= moved <= bucketed, (moved, prompt_pages, page_bytes)
         assert checksums[(("node", "decode-0"), ("outcome", "verified"), ("role", "decode"))] == REQUESTS
+    if setup == "two-devices":  # each role's pool on its own device
+        assert "prefill 300 pages on cpu:0, decode 400 pages on cpu:1" in (tmp_path / "pd.log").read_text()
+
