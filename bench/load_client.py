@@ -1,11 +1,14 @@
 """The load bench's client (``load.py``): streamed chats over a unix socket or TCP, ``streams`` at a time, each timed
 from the client's side.
 
-Per request: TTFT is the time from sending it to the first chunk that carries output (text, or the finish); TPOT is
-the time from that chunk to the last one, over the tokens after the first (``usage.completion_tokens`` - 1). The
-token counts are the server's own (``stream_options.include_usage``), and the route is the ``x-fsm-pd-route`` header
-(``pd`` or ``local``: where ``--role pd``'s router sent it). A request is answered (``ok``) when it got 200, no
-error event, a finish and its usage.
+Per request: TTFT is the time from sending it to its first chunk; TPOT is the time from that chunk to the one with
+the finish, over the tokens after the first (``usage.completion_tokens`` - 1). The first chunk is the head (the
+assistant's role, no text), which fsm-pd sends only once the first token exists (``api/streaming.py``), so it times
+the first token even where text is held back: a stream sends no text while it ends in a byte cut mid-character,
+which the tiny model's random bytes often do for dozens of tokens (SmolLM2's tokens are whole characters nearly
+always). The token counts are the server's own (``stream_options.include_usage``), and the route is the
+``x-fsm-pd-route`` header (``pd`` or ``local``: where ``--role pd``'s router sent it). A request is answered (``ok``)
+when it got 200, no error event, a finish and its usage.
 """
 
 from __future__ import annotations
@@ -41,19 +44,17 @@ async def stream_chat(http: httpx.AsyncClient, url: str, kind: str, body: dict) 
                 record["error"] = (await response.aread()).decode(errors="replace")[:300]
                 return record
             async for line in response.aiter_lines():
+                now = time.perf_counter()
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 event = json.loads(line[6:])
                 if "error" in event:
                     record["error"] = json.dumps(event["error"])[:300]
                     continue
-                now = time.perf_counter()
                 for choice in event.get("choices") or ():
-                    if (choice.get("delta") or {}).get("content") or choice.get("finish_reason"):
-                        first = first if first is not None else now
-                        last = now
+                    first = first if first is not None else now
                     if choice.get("finish_reason"):
-                        record["finish_reason"] = choice["finish_reason"]
+                        record["finish_reason"], last = choice["finish_reason"], now
                 usage = event.get("usage") or usage
     except httpx.HTTPError as err:
         record["error"] = f"{type(err).__name__}: {err}"[:300]
@@ -63,7 +64,7 @@ async def stream_chat(http: httpx.AsyncClient, url: str, kind: str, body: dict) 
     if usage:
         record["prompt_tokens"] = usage.get("prompt_tokens", 0)
         record["completion_tokens"] = usage.get("completion_tokens", 0)
-    if first is not None:
+    if first is not None and last is not None:
         record["ttft_s"] = first - sent
         tokens = record["completion_tokens"]
         record["tpot_s"] = (last - first) / (tokens - 1) if tokens > 1 else 0.0

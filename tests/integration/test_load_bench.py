@@ -59,6 +59,9 @@ def test_quick_run_answers_every_request_with_its_tokens_and_ratios(tmp_path):
             assert figures["output_tokens"] == NEW_TOKENS[mix] * REQUESTS
             assert figures["output_tok_s"] == pytest.approx(figures["output_tokens"] / figures["seconds"])
             assert figures["req_s"] == pytest.approx(REQUESTS / figures["seconds"])
+            for r in records:  # the first token, then one gap per later token, within the request's own time
+                assert r["ttft_s"] > 0 and r["tpot_s"] > 0, (name, mix, r)
+                assert r["ttft_s"] + r["tpot_s"] * (r["completion_tokens"] - 1) <= r["e2e_s"] + 1e-6, (name, mix, r)
             assert 0 < figures["ttft_p50_s"] <= figures["ttft_p90_s"] < figures["seconds"]
             assert 0 < figures["tpot_p50_s"] <= figures["tpot_p90_s"]
             met = sum(r["ttft_s"] <= report["slo"][mix][r["kind"]]["ttft_s"]
