@@ -217,6 +217,10 @@ def ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.1f}"
 
 
+def seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def times(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
@@ -249,7 +253,7 @@ def markdown(report: dict) -> str:
         for s in result.get("mixes", {}).values():
             for route, n in s["routes"].items():
                 routes[route] = routes.get(route, 0) + n
-        lines.append(f"| {name} | {result.get('health_s', 0):.1f} | {result.get('first_answer_s', 0):.1f} | "
+        lines.append(f"| {name} | {seconds(result.get('health_s'))} | {seconds(result.get('first_answer_s'))} | "
                      f"{len(result.get('refused_first_chats', []))} | "
                      f"{', '.join(f'{k} {v}' for k, v in sorted(routes.items()))} | "
                      f"{during(result, 'serving')}, {during(result, 'background')} | {result.get('exit_code')} |")
@@ -298,10 +302,10 @@ def main(argv=None) -> int:
             except Exception as error:  # noqa: BLE001 - the next target still runs; the report says what failed
                 state["problems"].append(f"{name}: {type(error).__name__}: {error}")
             finally:
-                clock = time.monotonic()
+                clock, running = time.monotonic(), t.proc is not None and t.proc.poll() is None
                 result["exit_code"] = load_targets.stop(t)
                 result["stop_s"] = time.monotonic() - clock
-            if result["exit_code"] not in (0, None):
+            if running and result["exit_code"] != 0:  # a node drains and exits 0 on SIGTERM
                 state["problems"].append(f"{name} exited with {result['exit_code']} on SIGTERM:\n{t.log_tail()}")
             if interrupted:
                 break
