@@ -30,17 +30,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 from rich.console import Console
-
-from fsm_pd.net import unix_http
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import load_client  # noqa: E402 - beside this script
@@ -138,43 +134,12 @@ def check(records: list[dict], mix_name: str, plan: PromptPlan, where: str) -> l
     return problems
 
 
-def _compiles_on(http, url: str) -> dict | None:
-    text = http.get(url + "/metrics").text
-    if "fsm_pd_compiles_total" not in text:
-        return None
-    found: dict[str, float] = {}
-    for match in re.finditer(r'^fsm_pd_compiles_total\{[^}]*phase="(\w+)"[^}]*\} (\S+)$', text, re.M):
-        found[match.group(1)] = found.get(match.group(1), 0) + float(match.group(2))
-    return found
-
-
-def compiles(url: str) -> dict:
-    """``fsm_pd_compiles_total`` by phase (startup, background, serving), per engine: the node's own, or, where the
-    process is ``--role pd`` and its /metrics are the router's, each engine's behind it (``/server_info``)."""
-    try:
-        with unix_http.client(timeout=10) as http:
-            own = _compiles_on(http, url)
-            if own is not None:
-                return {"node": own}
-            info = http.get(url + "/server_info").json()
-            return {role: _compiles_on(http, worker["url"]) or {}
-                    for role in ("prefill", "decode") for worker in info.get(role) or ()}
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
-        return {}
-
-
-def compiled_since(before: dict, after: dict) -> dict:
-    """Programs compiled between two ``compiles`` readings, per engine and phase (0s left out)."""
-    grown = {engine: {phase: n - before.get(engine, {}).get(phase, 0) for phase, n in phases.items()}
-             for engine, phases in after.items()}
-    return {engine: {phase: n for phase, n in phases.items() if n} for engine, phases in grown.items()}
-
-
-def run_target(t: load_targets.Target, args, state: dict) -> dict:
-    """Start, time to ready, warm, (isolated latencies, once), the mixes; the target's figures. ``state`` carries
-    the prompt plan and the SLO from the first target that made them."""
+def run_target(t: load_targets.Target, args, state: dict, result: dict) -> None:
+    """Start, time to ready, warm, (isolated latencies, once), the mixes: the target's figures go into ``result`` as
+    they come (a failure halfway keeps what came before). ``state`` carries the prompt plan and the SLO from the
+    first target that made them, and the problems found."""
     load_targets.start(t)
-    result: dict = {"argv": t.argv[1:], "pid": t.proc.pid}
+    result |= {"argv": t.argv[1:], "pid": t.proc.pid}
     err.print(f"{t.name}: started, pid {t.proc.pid}")
     result["health_s"] = load_targets.wait_health(t, args.ready_timeout)
     first = request_body(chat(PHASE_TAGS["probe"] + 9, 8, 9), 4, stream=False)
@@ -200,17 +165,16 @@ def run_target(t: load_targets.Target, args, state: dict) -> dict:
             slo[mix] = isolated_slo(records, args.ttft_scale, args.tpot_scale)
         state["slo"], state["slo_from"] = slo, t.name
         result["isolated_s"] = time.monotonic() - clock
-    before = compiles(t.url)
+    before = load_targets.compiles(t.url)
     result["mixes"] = {}
     for mix in args.mixes:
-        records, seconds = load_client.closed_loop(t.url, requests_for("load", mix, args.requests, plan),
-                                                   args.streams, args.request_timeout)
+        records, took = load_client.closed_loop(t.url, requests_for("load", mix, args.requests, plan),
+                                                args.streams, args.request_timeout)
         state["problems"] += check(records, mix, plan, t.name)
-        result["mixes"][mix] = summary(records, seconds, state["slo"][mix]) | {"records": records}
+        result["mixes"][mix] = summary(records, took, state["slo"][mix]) | {"records": records}
         err.print(f"{t.name} {mix}: {result['mixes'][mix]['output_tok_s']:.0f} output tok/s")
-    after = compiles(t.url)
-    result["compiles"], result["compiled_during_load"] = after, compiled_since(before, after)
-    return result
+    after = load_targets.compiles(t.url)
+    result["compiles"], result["compiled_during_load"] = after, load_targets.compiled_since(before, after)
 
 
 def ms(seconds: float | None) -> str:
@@ -296,7 +260,7 @@ def main(argv=None) -> int:
             t = load_targets.target(name, args.model, run_dir.resolve(), args.tcp, tuple(args.node_arg))
             result = report["targets"][name] = {}
             try:
-                result |= run_target(t, args, state)
+                run_target(t, args, state, result)
             except KeyboardInterrupt:
                 interrupted = True
             except Exception as error:  # noqa: BLE001 - the next target still runs; the report says what failed

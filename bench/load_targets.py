@@ -5,11 +5,13 @@ decode engine and router in one process, with ``--pd-policy POLICY``). It serves
 directory (``--uds``), or on a free TCP port of 127.0.0.1. Its time to ready is read twice from the process's start:
 when ``/health`` first answers 200, and when the first chat, sent right after, is answered (a chat refused in
 between is recorded with its status and retried). The process is stopped by its PID: SIGTERM, a wait for it to
-drain and exit, then SIGKILL.
+drain and exit, then SIGKILL. ``compiles`` reads how many programs it compiled, per engine and phase, so that the
+bench can tell which it compiled under load.
 """
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -121,3 +123,35 @@ def stop(t: Target, grace_s: float = STOP_GRACE_S) -> int | None:
         except subprocess.TimeoutExpired:
             proc.kill()
     return proc.wait()
+
+
+def _compiles_on(http, url: str) -> dict | None:
+    text = http.get(url + "/metrics").text
+    if "fsm_pd_compiles_total" not in text:
+        return None
+    found: dict[str, float] = {}
+    for match in re.finditer(r'^fsm_pd_compiles_total\{[^}]*phase="(\w+)"[^}]*\} (\S+)$', text, re.M):
+        found[match.group(1)] = found.get(match.group(1), 0) + float(match.group(2))
+    return found
+
+
+def compiles(url: str) -> dict:
+    """``fsm_pd_compiles_total`` by phase (startup, background, serving), per engine: the node's own, or, where the
+    process is ``--role pd`` and its /metrics are the router's, each engine's behind it (``/server_info``)."""
+    try:
+        with unix_http.client(timeout=10) as http:
+            own = _compiles_on(http, url)
+            if own is not None:
+                return {"node": own}
+            info = http.get(url + "/server_info").json()
+            return {role: _compiles_on(http, worker["url"]) or {}
+                    for role in ("prefill", "decode") for worker in info.get(role) or ()}
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def compiled_since(before: dict, after: dict) -> dict:
+    """Programs compiled between two ``compiles`` readings, per engine and phase (0s left out)."""
+    grown = {engine: {phase: n - before.get(engine, {}).get(phase, 0) for phase, n in phases.items()}
+             for engine, phases in after.items()}
+    return {engine: {phase: n for phase, n in phases.items() if n} for engine, phases in grown.items()}
