@@ -1,0 +1,157 @@
+"""The servers the load bench measures (``load.py``), started one at a time: one process may hold the chip.
+
+A target is one ``fsm-pd serve`` process: ``colocated`` (one node) or ``pd-POLICY`` (``--role pd``: prefill engine,
+decode engine and router in one process, with ``--pd-policy POLICY``). It serves on a unix socket under the run's
+directory (``--uds``), or on a free TCP port of 127.0.0.1. Its time to ready is read twice from the process's start:
+when ``/health`` first answers 200, and when the first chat, sent right after, is answered (a chat refused in
+between is recorded with its status and retried). The process is stopped by its PID: SIGTERM, a wait for it to
+drain and exit, then SIGKILL. ``compiles`` reads how many programs it compiled, per engine and phase, so that the
+bench can tell which it compiled under load.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from fsm_pd.cli.launch import free_port
+from fsm_pd.net import unix_http
+from fsm_pd.net.unix_sockets import unix_address
+
+TARGETS = {"colocated": ["--role", "colocated"],
+           "pd-auto": ["--role", "pd", "--pd-policy", "auto"],
+           "pd-always": ["--role", "pd", "--pd-policy", "always"],
+           "pd-never": ["--role", "pd", "--pd-policy", "never"]}
+STOP_GRACE_S = 60  # a node drains for at most --drain-timeout-secs (default 30) after SIGTERM, then exits
+
+
+@dataclass
+class Target:
+    name: str
+    argv: list[str]
+    url: str  # the base URL the client takes: http://127.0.0.1:PORT or unix_http's form of unix:PATH
+    log: Path
+    proc: subprocess.Popen | None = None
+    started: float = 0.0  # time.monotonic() just before the process was started
+    refused_first_chats: list = field(default_factory=list)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def target(name: str, model: str, run_dir: Path, tcp: bool = False, node_args: tuple[str, ...] = ()) -> Target:
+    """``name`` (a key of ``TARGETS``) as a command, not yet started."""
+    argv = [sys.executable, "-m", "fsm_pd.cli", "serve", *TARGETS[name], "--model", model]
+    if tcp:
+        port = free_port()
+        argv += ["--host", "127.0.0.1", "--port", str(port)]
+        url = f"http://127.0.0.1:{port}"
+    else:
+        sock = run_dir / f"{name}.sock"
+        argv += ["--uds", str(sock)]
+        url = unix_http.http_url(unix_address(str(sock)))
+    if name.startswith("pd-"):
+        argv += ["--journal-dir", str(run_dir / f"{name}-journals")]
+    return Target(name, [*argv, *node_args], url, run_dir / f"{name}.log")
+
+
+def start(t: Target) -> None:
+    # a session of its own: a Ctrl-C at the terminal reaches the bench alone, which then stops the node gracefully
+    with open(t.log, "w") as out:
+        t.started = time.monotonic()
+        t.proc = subprocess.Popen(t.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  cwd=t.log.parent, start_new_session=True)
+
+
+def wait_health(t: Target, timeout_s: float) -> float:
+    """Seconds from the start to the first ``/health`` 200."""
+    deadline = time.monotonic() + timeout_s
+    with unix_http.client(timeout=2) as http:
+        while time.monotonic() < deadline:
+            if t.proc.poll() is not None:
+                raise RuntimeError(f"{t.name} exited with {t.proc.returncode} before it was healthy:\n{t.log_tail()}")
+            try:
+                if http.get(t.url + "/health").status_code == 200:
+                    return time.monotonic() - t.started
+            except httpx.HTTPError:
+                pass  # not listening yet
+            time.sleep(0.05)
+    raise TimeoutError(f"{t.name}: /health not 200 within {timeout_s:.0f} s:\n{t.log_tail()}")
+
+
+def wait_first_answer(t: Target, body: dict, timeout_s: float) -> float:
+    """Seconds from the start to the first answered chat (``body``, not streamed), sent as soon as ``/health`` said
+    200; each refusal on the way is kept in ``t.refused_first_chats`` (seconds since start, status, reason)."""
+    deadline = time.monotonic() + timeout_s
+    with unix_http.client(timeout=httpx.Timeout(timeout_s, connect=10)) as http:
+        while time.monotonic() < deadline:
+            if t.proc.poll() is not None:
+                raise RuntimeError(f"{t.name} exited with {t.proc.returncode}:\n{t.log_tail()}")
+            try:
+                response = http.post(t.url + "/v1/chat/completions", json=body)
+                if response.status_code == 200:
+                    return time.monotonic() - t.started
+                failure = (response.status_code, response.text[:300])
+            except httpx.HTTPError as err:
+                failure = (0, f"{type(err).__name__}: {err}"[:300])
+            t.refused_first_chats.append({"at_s": round(time.monotonic() - t.started, 3), "status": failure[0],
+                                          "reason": failure[1]})
+            time.sleep(0.5)
+    raise TimeoutError(f"{t.name}: no chat answered within {timeout_s:.0f} s:\n{t.log_tail()}")
+
+
+def stop(t: Target, grace_s: float = STOP_GRACE_S) -> int | None:
+    """Stop the process this bench started, by its PID: SIGTERM, up to ``grace_s`` to exit, then SIGKILL. Its exit
+    status (0 for a clean drain), or None when it was never started."""
+    proc = t.proc
+    if proc is None:
+        return None
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
+
+
+def _compiles_on(http, url: str) -> dict | None:
+    text = http.get(url + "/metrics").text
+    if "fsm_pd_compiles_total" not in text:
+        return None
+    found: dict[str, float] = {}
+    for match in re.finditer(r'^fsm_pd_compiles_total\{[^}]*phase="(\w+)"[^}]*\} (\S+)$', text, re.M):
+        found[match.group(1)] = found.get(match.group(1), 0) + float(match.group(2))
+    return found
+
+
+def compiles(url: str) -> dict:
+    """``fsm_pd_compiles_total`` by phase (startup, background, serving), per engine: the node's own, or, where the
+    process is ``--role pd`` and its /metrics are the router's, each engine's behind it (``/server_info``)."""
+    try:
+        with unix_http.client(timeout=10) as http:
+            own = _compiles_on(http, url)
+            if own is not None:
+                return {"node": own}
+            info = http.get(url + "/server_info").json()
+            return {role: _compiles_on(http, worker["url"]) or {}
+                    for role in ("prefill", "decode") for worker in info.get(role) or ()}
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def compiled_since(before: dict, after: dict) -> dict:
+    """Programs compiled between two ``compiles`` readings, per engine and phase (0s left out)."""
+    grown = {engine: {phase: n - before.get(engine, {}).get(phase, 0) for phase, n in phases.items()}
+             for engine, phases in after.items()}
+    return {engine: {phase: n for phase, n in phases.items() if n} for engine, phases in grown.items()}

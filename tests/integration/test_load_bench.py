@@ -1,0 +1,110 @@
+"""bench/load.py keeps working: ``--quick`` on the tiny model against a colocated node and ``--role pd --pd-policy
+always``, over unix sockets, as on a TPU host. Every request is answered with exactly the tokens it asked for, the
+figures in the JSON are the ones its records give, each pd figure has its ratio to colocated's, and the bench leaves
+none of the processes it started behind, also when it is stopped halfway."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "load.py"
+REQUESTS = 6
+NEW_TOKENS = {"prefill-heavy": 16, "decode-heavy": 128, "mixed": 48}  # the issue's mixes
+LONG_TOKENS = 900
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_quick_run_answers_every_request_with_its_tokens_and_ratios(tmp_path):
+    out = tmp_path / "load.json"
+    run = subprocess.run([sys.executable, str(BENCH), "--quick", "--targets", "colocated,pd-always", "--requests",
+                          str(REQUESTS), "--streams", "4", "--isolated", "1", "--uds-dir", str(tmp_path / "run"),
+                          "--json", str(out)], capture_output=True, text=True, timeout=220, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["problems"] == []
+    assert list(report["targets"]) == ["colocated", "pd-always"]
+    short = report["prompt_plan"]["tokens"]["short"]
+    assert 30 <= short <= 40, short  # the tiny model's chat template alone is 35 tokens: no digits then
+    for name, result in report["targets"].items():
+        assert result["exit_code"] == 0 and not alive(result["pid"]), name
+        assert 0 < result["health_s"] <= result["first_answer_s"], name
+        for mix, figures in result["mixes"].items():
+            records = figures["records"]
+            assert len(records) == figures["requests"] == figures["answered"] == REQUESTS, (name, mix)
+            assert all(r["ok"] for r in records), (name, mix)
+            assert [r["completion_tokens"] for r in records] == [NEW_TOKENS[mix]] * REQUESTS, (name, mix)
+            kinds = ["long"] * REQUESTS if mix == "prefill-heavy" else (
+                ["short"] * REQUESTS if mix == "decode-heavy" else ["long", "short", "short"] * (REQUESTS // 3))
+            assert [r["kind"] for r in records] == kinds, (name, mix)
+            want = [LONG_TOKENS if kind == "long" else short for kind in kinds]
+            assert [r["prompt_tokens"] for r in records] == want, (name, mix)
+            assert figures["output_tokens"] == NEW_TOKENS[mix] * REQUESTS
+            assert figures["output_tok_s"] == pytest.approx(figures["output_tokens"] / figures["seconds"])
+            assert figures["req_s"] == pytest.approx(REQUESTS / figures["seconds"])
+            for r in records:  # the first token, then one gap per later token, within the request's own time
+                assert r["ttft_s"] > 0 and r["tpot_s"] > 0, (name, mix, r)
+                assert r["ttft_s"] + r["tpot_s"] * (r["completion_tokens"] - 1) <= r["e2e_s"] + 1e-6, (name, mix, r)
+            assert 0 < figures["ttft_p50_s"] <= figures["ttft_p90_s"] < figures["seconds"]
+            assert 0 < figures["tpot_p50_s"] <= figures["tpot_p90_s"]
+            met = sum(r["ttft_s"] <= report["slo"][mix][r["kind"]]["ttft_s"]
+                      and r["tpot_s"] <= report["slo"][mix][r["kind"]]["tpot_s"] for r in records)
+            assert figures["slo_met"] == met and figures["goodput_req_s"] == pytest.approx(met / figures["seconds"])
+            # --pd-policy always: every request through the prefill engine; the colocated node has no router
+            assert figures["routes"] == ({"pd": REQUESTS} if name == "pd-always" else {"-": REQUESTS}), (name, mix)
+    base = report["targets"]["colocated"]["mixes"]
+    for mix, ratios in report["ratios"]["pd-always"].items():
+        pd = report["targets"]["pd-always"]["mixes"][mix]
+        assert ratios["output_tok_s"] > 0
+        assert ratios["output_tok_s"] == pytest.approx(pd["output_tok_s"] / base[mix]["output_tok_s"])
+        assert ratios["tpot_p90"] > 0 and ratios["ttft_p90"] > 0
+        if base[mix]["goodput_req_s"]:
+            assert ratios["goodput"] == pytest.approx(pd["goodput_req_s"] / base[mix]["goodput_req_s"])
+    assert sorted(report["ratios"]["pd-always"]) == sorted(NEW_TOKENS)
+    table = run.stdout
+    for mix in NEW_TOKENS:
+        tok_s = f"| pd-always | {mix} | {report['targets']['pd-always']['mixes'][mix]['output_tok_s']:.0f} |"
+        assert tok_s in table and f"{report['ratios']['pd-always'][mix]['output_tok_s']:.2f}x" in table
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_stopped_halfway_it_stops_the_node_it_started(tmp_path):
+    """SIGTERM to the bench while its first node serves: the bench stops that node (by its PID) and exits 130."""
+    bench = subprocess.Popen([sys.executable, str(BENCH), "--quick", "--targets", "colocated", "--requests", "400",
+                              "--uds-dir", str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, cwd=tmp_path)
+    try:
+        pid = None
+        for line in bench.stderr:  # "colocated: started, pid N", then its first answer
+            found = re.search(r"started, pid (\d+)", line)
+            pid = int(found.group(1)) if found else pid
+            if "first answer" in line:
+                break
+        assert pid is not None and alive(pid)
+        time.sleep(1)  # into the warm-up's requests
+        bench.send_signal(signal.SIGTERM)
+        bench.communicate(timeout=90)
+        assert bench.returncode == 130
+        assert not alive(pid)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
