@@ -200,8 +200,9 @@ def run_pd(args: argparse.Namespace) -> int:
         for name, seconds in startup.status()["phases"].items():  # the process's imports, weights and engines
             decode_startup.record(name, seconds)
         starts = dict(zip(engines, (startup, decode_startup), strict=True))
+        local_apps = {}
         for engine, its_startup in starts.items():
-            app = create_app(engine, model.tokenizer, api_key=args.api_key,
+            app = local_apps[engine.manager.uds] = create_app(engine, model.tokenizer, api_key=args.api_key,
                              model_name=args.served_model_name or args.model, model_path=args.model,
                              drain_timeout_s=args.drain_timeout_secs, startup=its_startup, wait=wait)
             servers.append(AppServer(app, uds=engine.manager.uds, log_level="warning",
@@ -215,7 +216,7 @@ def run_pd(args: argparse.Namespace) -> int:
             pd_policy=PolicySettings(args.pd_policy, args.local_prefill_max_tokens),
             health_interval_s=1.0, health_timeout_s=OWN_HEALTH_TIMEOUT_S,
             breaker=BreakerSettings(health_failures=NEVER, request_failures=NEVER),
-            startup_wait_s=args.startup_wait_secs)
+            startup_wait_s=args.startup_wait_secs, local_apps=local_apps)
         router.state.metrics.registry.register(EngineFamilies([r for engine in engines for r in engine.registries]))
         front = PDFront(router, engines, list(starts.values()), drain_timeout_s=args.drain_timeout_secs,
                         startup_wait_s=args.startup_wait_secs, registry=router.state.metrics.registry)

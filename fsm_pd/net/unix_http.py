@@ -18,6 +18,7 @@ from urllib.parse import quote
 
 import httpx
 
+from fsm_pd.net.asgi_transport import InProcessASGITransport
 from fsm_pd.net.unix_sockets import is_unix, unix_path
 
 __all__ = ["SCHEME", "AsyncUnixTransport", "UnixTransport", "async_client", "client", "http_url", "split_socket"]
@@ -90,10 +91,13 @@ class UnixTransport(httpx.BaseTransport):
 
 
 class AsyncUnixTransport(httpx.AsyncBaseTransport):
-    """``UnixTransport`` for an ``AsyncClient``."""
+    """``UnixTransport`` for an ``AsyncClient``. ``local_apps``: {socket path: the ASGI app of this process that
+    serves it}: requests to those sockets call the app directly (``asgi_transport.py``), not through the socket."""
 
-    def __init__(self, **options: Any):
-        self._sockets = _Sockets(lambda path: httpx.AsyncHTTPTransport(uds=path, **options))
+    def __init__(self, local_apps: dict[str, Any] | None = None, **options: Any):
+        apps = dict(local_apps or {})
+        self._sockets = _Sockets(lambda path: InProcessASGITransport(apps[path]) if path in apps
+                                 else httpx.AsyncHTTPTransport(uds=path, **options))
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         transport, forwarded = self._sockets.route(request)
@@ -113,9 +117,11 @@ def client(**options: Any) -> httpx.Client:
     return httpx.Client(mounts={f"{SCHEME}://": UnixTransport(**_transport_options(options))}, **options)
 
 
-def async_client(**options: Any) -> httpx.AsyncClient:
-    """``httpx.AsyncClient(**options)`` that also reaches ``http_url``'s unix socket URLs."""
-    return httpx.AsyncClient(mounts={f"{SCHEME}://": AsyncUnixTransport(**_transport_options(options))}, **options)
+def async_client(local_apps: dict[str, Any] | None = None, **options: Any) -> httpx.AsyncClient:
+    """``httpx.AsyncClient(**options)`` that also reaches ``http_url``'s unix socket URLs (those of ``local_apps``
+    by calling their app in this process: ``AsyncUnixTransport``)."""
+    transport = AsyncUnixTransport(local_apps, **_transport_options(options))
+    return httpx.AsyncClient(mounts={f"{SCHEME}://": transport}, **options)
 
 
 def request(method: str, url: str, **options: Any) -> httpx.Response:

@@ -67,21 +67,23 @@ def create_router_app(prefill: Sequence[PrefillWorker | tuple[str, int | None] |
                       health_timeout_s: float = 5.0, cache_aware: CacheAwareSettings | None = None,
                       deadlines: RouterDeadlines = DEFAULT_DEADLINES,
                       pd_policy: PolicySettings | None = None,
-                      startup_wait_s: float = DEFAULT_STARTUP_WAIT_S) -> FastAPI:
+                      startup_wait_s: float = DEFAULT_STARTUP_WAIT_S,
+                      local_apps: dict[str, Any] | None = None) -> FastAPI:
     """The router's app. ``prefill``: workers as ``PrefillWorker``, ``(url, bootstrap_port or None)`` or a bare
     URL; ``decode``: URLs. ``api_key``: required from clients and sent to the workers (as sglang-router does).
     ``max_body_bytes``: larger request bodies get 413 before they are read whole (the same default as a worker's).
     ``retry``, ``breaker``, ``health_*``: see ``fleet.py`` and ``docs/fleet.md``; ``cache_aware``: the knobs of
     ``policy="cache_aware"`` (``cache_aware.py``); ``deadlines``: each leg's and a stream's idle deadline
     (``legs.RouterDeadlines``); ``pd_policy``: which requests go through a prefill node (``policy.py``);
-    ``startup_wait_s``: how long a request waits for a worker that is still starting."""
+    ``startup_wait_s``: how long a request waits for a worker that is still starting. ``local_apps``: {unix socket
+    path: the app of a worker in this process (``--role pd``)}, called directly instead of through its socket."""
     workers = [w if isinstance(w, PrefillWorker) else PrefillWorker(w, None) if isinstance(w, str)
                else PrefillWorker(w[0], w[1]) for w in prefill]
     metrics = RouterMetrics()
     pd = PDRouter(workers, decode, policy=policy, api_key=api_key, request_timeout_s=request_timeout_s, seed=seed,
                   retry=retry, breaker=breaker, health_interval_s=health_interval_s,
                   health_timeout_s=health_timeout_s, metrics=metrics, cache_aware=cache_aware, deadlines=deadlines,
-                  pd_policy=pd_policy, startup_wait_s=startup_wait_s)
+                  pd_policy=pd_policy, startup_wait_s=startup_wait_s, local_apps=local_apps)
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
         yield

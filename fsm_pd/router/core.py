@@ -15,6 +15,7 @@ import logging
 import random
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from fastapi import Request
@@ -82,7 +83,8 @@ class PDRouter:
                  retry: RetrySettings = DEFAULT_RETRY, breaker: BreakerSettings = DEFAULT_BREAKER,
                  health_interval_s: float = 5.0, health_timeout_s: float = 5.0, metrics: RouterMetrics | None = None,
                  cache_aware: CacheAwareSettings | None = None, deadlines: RouterDeadlines = DEFAULT_DEADLINES,
-                 pd_policy: PolicySettings | None = None, startup_wait_s: float = DEFAULT_STARTUP_WAIT_S):
+                 pd_policy: PolicySettings | None = None, startup_wait_s: float = DEFAULT_STARTUP_WAIT_S,
+                 local_apps: dict[str, Any] | None = None):
         if retry.policy not in RETRY_POLICIES:
             raise ValueError(f"retry policy must be one of {RETRY_POLICIES}, got {retry.policy!r}")
         if retry.max_retries < 0 or health_interval_s <= 0 or health_timeout_s <= 0:
@@ -107,6 +109,7 @@ class PDRouter:
         self.deadlines = deadlines  # each leg's, and a stream's between chunks (legs.RouterDeadlines)
         self.timeout = httpx.Timeout(request_timeout_s, connect=10.0)
         self._client: httpx.AsyncClient | None = None
+        self.local_apps = local_apps  # {unix socket path: its worker's app in this process}: called directly
         self.running = RunningRequests()  # which workers hold each rid, for /abort_request
         auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.health = HealthChecker(self.fleet, health_interval_s, health_timeout_s, auth)
@@ -117,7 +120,8 @@ class PDRouter:
     @property
     def client(self) -> httpx.AsyncClient:
         if self._client is None:  # made on first use, on the serving loop
-            self._client = async_client(timeout=self.timeout, limits=httpx.Limits(max_connections=None))
+            self._client = async_client(self.local_apps, timeout=self.timeout,
+                                        limits=httpx.Limits(max_connections=None))
         return self._client
 
     async def aclose(self) -> None:
