@@ -182,14 +182,24 @@ class PageAllocator:
         with self._lock:
             self._closed.pop(room, None)
 
-    def hand_over(self, pages: list[int], replacing: list[int]) -> tuple[object, object]:
-        """Move ``pages`` from the one holder that has them all to the one that holds ``replacing``, whose pages
-        ``replacing`` go back to the free list: ownership changes hands and no byte moves (``--role pd`` on one pool,
-        ``docs/tpu.md``). All or nothing, under the lock, so a page is never owned twice nor freed while it moves:
-        where the sender's room already freed ``pages`` (its deadline or an abort ran first) or the receiver's no
-        longer holds ``replacing``, it raises ``PageOwnershipError`` and changes nothing. Returns (from, to)."""
+    def holder(self, pages: list[int]) -> object:
+        """The room that holds every page of ``pages`` now; ``PageOwnershipError`` if none does."""
+        with self._lock:
+            return self._holder_of(pages, "handed over")
+
+    def hand_over(self, pages: list[int], replacing: list[int], source: object = None) -> tuple[object, object]:
+        """Move ``pages`` from the room that holds them all (``source``, the room that published them, when given)
+        to the one that holds ``replacing``, whose pages ``replacing`` go back to the free list: ownership changes
+        hands and no byte moves (``--role pd`` on one pool, ``docs/tpu.md``). All or nothing, under the lock, so a
+        page is never owned twice nor freed while it moves: where the sender's room already freed ``pages`` (its
+        deadline or an abort ran first), another room holds them since (reused mid-handoff: a freed room never
+        reserves again, so its key names that one reservation), or the receiver's no longer holds ``replacing``, it
+        raises ``PageOwnershipError`` and changes nothing. Returns (from, to)."""
         with self._lock:
             src, dst = self._holder_of(pages, "handed over"), self._holder_of(replacing, "replaced")
+            if source is not None and src != source:
+                raise PageOwnershipError(f"pages {sorted(pages)[:8]} were published by room {source!r} but room "
+                                         f"{src!r} holds them now: freed and reused mid-handoff")
             if src == dst:
                 raise PageOwnershipError(f"room {src!r} cannot hand pages over to itself")
             moving, going = set(pages), set(replacing)
@@ -280,5 +290,8 @@ class AllocatorView:
     def forget(self, room) -> None:
         self.shared.forget(self._key(room))
 
-    def hand_over(self, pages: list[int], replacing: list[int]) -> tuple[object, object]:
-        return self.shared.hand_over(pages, replacing)
+    def holder(self, pages: list[int]) -> object:
+        return self.shared.holder(pages)
+
+    def hand_over(self, pages: list[int], replacing: list[int], source: object = None) -> tuple[object, object]:
+        return self.shared.hand_over(pages, replacing, source)
