@@ -46,9 +46,13 @@ from jax.experimental.pallas import tpu as pltpu
 MASK_VALUE = -1e30
 _LANES = 128
 BUFFERS = 3  # blocks in VMEM: one computed while the next two are on their way
-BLOCK_BYTES = 2 << 20  # KV bytes a block fetches at most (a v5e has 128 MiB VMEM; 3 blocks sit well inside 16 MiB)
+# Measured on a v5e (bench/decode_attention.py, docs/tpu.md): the kernel's time per chunk is mostly latency (a chain
+# of dependent products and reductions), so few large chunks beat many small ones even where half of the last is
+# past the context: at batch 64, SmolLM2's shape took 7.4 / 6.6 / 5.0 / 4.3 ms at 128 / 256 / 512 / 1,024 positions
+# a chunk; blocks of 4 MiB beat 1 MiB by 5 to 10%.
+BLOCK_BYTES = 4 << 20  # KV bytes a block fetches at most (3 blocks in VMEM, of a v5e's 128 MiB)
 MAX_PAGES_PER_BLOCK = 64
-CHUNK_TOKENS = 512  # positions computed at a time: a block's chunks past the row's context are skipped
+CHUNK_TOKENS = 1024  # positions computed at a time: a block's chunks past the row's context are skipped
 _VMEM_LIMIT = 96 * 1024 * 1024  # of a v5e's 128 MiB: the buffers plus the batch's queries and outputs
 
 
@@ -92,7 +96,7 @@ def _kernel(kv_lens, writes, tables, work_rows, work_blocks, num_blocks, total, 
         contiguous = jnp.bool_(True)
         for j in range(1, pages_per_block):
             contiguous = contiguous & ((j >= used) | (tables[r, column(j)] == start_page + j))
-        runs, size = [], pages_per_block
+        runs, size = [], 1 << (pages_per_block.bit_length() - 1)
         while size:  # the run's length in binary: a piece of each set bit's size, after the larger ones
             offset = used // (2 * size) * (2 * size)
             runs.append((used & size, pltpu.make_async_copy(
@@ -207,7 +211,8 @@ def _work(kv_lens, tokens: int, slots: int):
     blocks = (kv_lens + tokens - 1) // tokens
     ends = jnp.cumsum(blocks)
     item = jnp.arange(slots, dtype=jnp.int32)
-    rows = jnp.minimum(jnp.searchsorted(ends, item, side="right"), b - 1).astype(jnp.int32)
+    # compare_all: one fused comparison; the default (a loop of log2(B) steps) costs a TPU microseconds a step
+    rows = jnp.minimum(jnp.searchsorted(ends, item, side="right", method="compare_all"), b - 1).astype(jnp.int32)
     firsts = (item - (ends - blocks)[rows]).astype(jnp.int32)
     return rows, firsts, blocks.astype(jnp.int32), ends[-1:].astype(jnp.int32)
 
