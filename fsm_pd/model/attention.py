@@ -119,16 +119,17 @@ Kernels = Literal["jnp", "tpu", "interpret"]
 
 def kernels_for(pool, head_dim: int) -> Kernels:
     """Which attention code a pool gets: the TPU kernels (``tpu``: ``decode_attention``, ``kernels.kv_write``) on a
-    pool on TPU devices whose ``head_dim`` they take, else jnp. ``FSM_PD_ATTENTION`` overrides it: ``jnp`` (on a
-    TPU too), ``tpu`` (jnp where the kernels cannot run), ``interpret`` (the TPU kernels in Pallas's interpret mode,
-    any device: slow, for tests). On a CPU nothing changes unless it is set."""
+    pool on TPU devices whose ``head_dim`` they take (64 or a multiple of 128), else jnp. ``FSM_PD_ATTENTION``
+    overrides it: ``jnp`` (on a TPU too), ``tpu`` (jnp where the kernels cannot run), ``interpret`` (the TPU kernels
+    in Pallas's interpret mode, any device: slow, for tests). On a CPU nothing changes unless it is set."""
     forced = os.environ.get(ATTENTION_ENV)
     if forced not in (None, "", "jnp", "tpu", "interpret"):
         raise ValueError(f"{ATTENTION_ENV}={forced!r}: use jnp, tpu or interpret")
-    if forced in ("jnp", "interpret"):
+    if forced == "jnp" or not decode_attention.supported(head_dim):
+        return "jnp"
+    if forced == "interpret":
         return forced
-    platform = next(iter(pool[0].sharding.device_set)).platform
-    return "tpu" if platform == "tpu" and decode_attention.supported(head_dim) else "jnp"
+    return "tpu" if next(iter(pool[0].sharding.device_set)).platform == "tpu" else "jnp"
 
 
 def paged_attention(q, k, v, layer_pool, page_tables, starts, lengths, *, kernels: Kernels = "jnp"):
