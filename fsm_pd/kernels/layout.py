@@ -27,8 +27,8 @@ PAD_PAGE = 0
 PAD_HEAD = -1  # in ``kv_slot_heads``: a padding slot, all zeros, that no query reads
 
 # Tokens per page a pool gets unless told otherwise (``--page-size``), by the platform of its devices. On a TPU v5e
-# the decode kernel (``model/decode_attention.py``) measured best at 64 over 16 and 128 (``docs/tpu.md``, "Page
-# size"): larger pages mean fewer DMAs, but round each sequence up further. The CPU keeps 16 (``docs/model.md``).
+# the decode kernel (``model/decode_attention.py``) was never the slowest at 64, of 16, 64 and 128 (``docs/tpu.md``,
+# "Page size"): larger pages mean fewer DMAs, but round each sequence up further. The CPU keeps 16 (``model.md``).
 # A prefill and a decode node must agree on it: the handoff refuses a peer whose page size differs.
 PAGE_SIZES = {"tpu": 64}
 DEFAULT_PAGE_SIZE = 16
