@@ -49,7 +49,7 @@ BUFFERS = 3  # blocks in VMEM: one computed while the next two are on their way
 # Measured on a v5e (bench/decode_attention.py, docs/tpu.md): the kernel's time per chunk is mostly latency (a chain
 # of dependent products and reductions), so few large chunks beat many small ones even where half of the last is
 # past the context: at batch 64, SmolLM2's shape took 7.4 / 6.6 / 5.0 / 4.3 ms at 128 / 256 / 512 / 1,024 positions
-# a chunk; blocks of 4 MiB beat 1 MiB by 5 to 10%.
+# a chunk; blocks of 4 MiB beat 1 MiB by 3 to 7% (the 1.7B shape).
 BLOCK_BYTES = 4 << 20  # KV bytes a block fetches at most (3 blocks in VMEM, of a v5e's 128 MiB)
 MAX_PAGES_PER_BLOCK = 64
 CHUNK_TOKENS = 1024  # positions computed at a time: a block's chunks past the row's context are skipped
