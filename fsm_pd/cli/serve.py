@@ -20,6 +20,7 @@ from fsm_pd.cli.flags import (
     node_parser,
     one_line_errors,
     resolve_dtype,
+    resolve_page_size,
     role_parser,
     split_role,
 )
@@ -165,6 +166,7 @@ def run_node(args: argparse.Namespace) -> int:
             import jax
 
             dtype = resolve_dtype(args.dtype, jax.default_backend())
+            args.page_size = resolve_page_size(args.page_size, jax.default_backend())
             model = load_model(args.model, dtype=dtype, progress=True, tp=args.tp)
     except (FileNotFoundError, ValueError) as exc:  # missing file or package, unsupported or corrupt checkpoint,
         print(f"fsm-pd serve: cannot load model {args.model!r}: {exc}", file=sys.stderr)  # too few devices for --tp

@@ -28,7 +28,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from fsm_pd.cli.flags import DEADLINE_FLAGS, pd_backend, resolve_dtype
+from fsm_pd.cli.flags import DEADLINE_FLAGS, pd_backend, resolve_dtype, resolve_page_size
 from fsm_pd.net.unix_sockets import UnixPathError, check_path, unix_address
 from fsm_pd.runtime.process_exit import exit_now
 
@@ -176,6 +176,7 @@ def run_pd(args: argparse.Namespace) -> int:
             import jax
 
             model = load_model(args.model, dtype=resolve_dtype(args.dtype, jax.default_backend()), progress=True)
+            args.page_size = resolve_page_size(args.page_size, jax.default_backend())
     except (FileNotFoundError, ValueError) as exc:
         print(f"fsm-pd serve: cannot load model {args.model!r}: {exc}", file=sys.stderr)
         return 2

@@ -12,6 +12,8 @@ import logging
 import shlex
 from urllib.parse import unquote
 
+from fsm_pd.machines.guards import layout_differences
+
 log = logging.getLogger("fsm_pd.failed_room")
 
 SQLITE_PREFIX = "sqlite:///"
@@ -32,7 +34,7 @@ def failed_room_record(node, room, decision, reason_class: str) -> dict:
     replay = None
     if journal is not None:
         replay = f"fsm-pd replay --room {room.room} {shlex.quote(journal)}"
-    return {
+    record = {
         "event": "failed_room",
         "room": room.room,
         "rid": room.ctx.get("rid"),
@@ -44,6 +46,10 @@ def failed_room_record(node, room, decision, reason_class: str) -> dict:
         "reason": decision.reason,
         "replay": replay,
     }
+    ours, theirs = room.ctx.get("layout"), room.ctx.get("peer_layout")
+    if reason_class == "layout_mismatch" and isinstance(ours, dict) and isinstance(theirs, dict):
+        record["layout_differs"] = layout_differences(ours, theirs)  # what to fix: "page_size", say
+    return record
 
 
 def log_failed_room(node, room, decision, reason_class: str) -> None:

@@ -52,8 +52,14 @@ def layout_matches(room: Any, payload: dict) -> bool:
     ours, theirs = room.ctx.get("layout"), payload.get("peer_layout")
     if not isinstance(ours, dict) or not isinstance(theirs, dict):
         return False
-    return ({k: v for k, v in ours.items() if k not in _NODE_LOCAL}
-            == {k: v for k, v in theirs.items() if k not in _NODE_LOCAL})
+    return not layout_differences(ours, theirs)
+
+
+def layout_differences(ours: dict, theirs: dict) -> dict:
+    """``{field: {"ours": ..., "peer": ...}}`` for every shared layout field the two disagree on (a page size of 16
+    against 64, say: the CPU's default against a TPU's); empty when ``layout_matches`` would hold."""
+    fields = sorted((set(ours) | set(theirs)) - set(_NODE_LOCAL))
+    return {k: {"ours": ours.get(k), "peer": theirs.get(k)} for k in fields if ours.get(k) != theirs.get(k)}
 
 
 GUARDS = {

@@ -118,44 +118,41 @@ Kernels = Literal["jnp", "tpu", "interpret"]
 
 
 def kernels_for(pool, head_dim: int) -> Kernels:
-    """Which attention code a pool gets: jnp, unless ``FSM_PD_ATTENTION`` asks for the TPU kernels
-    (``kernels.kv_write``, ``decode_attention``): ``tpu`` on a pool on TPU devices, ``interpret`` (Pallas's
-    interpret mode, any device: slow, for tests).
-
-    The TPU kernels are opt-in: on the CPU they equal the jnp path through the whole model (interpret mode,
-    ``tests/unit/test_tpu_attention.py``), but the one SmolLM2 chat served with them on a TPU v5e answered noise,
-    and no chip time was left to find out why (``docs/tpu.md``)."""
+    """Which attention code a pool gets: jnp, unless ``FSM_PD_ATTENTION`` asks for ``tpu`` (the TPU kernels:
+    ``decode_attention``, ``kernels.kv_write``, on a pool on TPU devices whose ``head_dim`` they take, 64 or a
+    multiple of 128; jnp elsewhere) or ``interpret`` (the TPU kernels in Pallas's interpret mode, any device: slow,
+    for tests). The TPU kernels are not yet the chip's default: decode attention alone ran 2.7 to 4.5 times faster
+    than jnp there at batch 64 (``docs/tpu.md``), but no whole model has yet decoded through them on the chip, and
+    ``bench/chip_parity.py`` must show their answers first (its fused KV write was never read back there)."""
     forced = os.environ.get(ATTENTION_ENV)
-    if not forced:
-        return "jnp"
-    if forced not in ("jnp", "tpu", "interpret"):
+    if forced not in (None, "", "jnp", "tpu", "interpret"):
         raise ValueError(f"{ATTENTION_ENV}={forced!r}: use jnp, tpu or interpret")
-    if forced == "tpu":
-        platform = next(iter(pool[0].sharding.device_set)).platform
-        if platform != "tpu" or not decode_attention.supported(head_dim):
-            return "jnp"
-    return forced
+    if forced in (None, "", "jnp") or not decode_attention.supported(head_dim):
+        return "jnp"
+    if forced == "interpret":
+        return forced
+    return "tpu" if next(iter(pool[0].sharding.device_set)).platform == "tpu" else "jnp"
 
 
 def paged_attention(q, k, v, layer_pool, page_tables, starts, lengths, *, kernels: Kernels = "jnp"):
     """Store the new tokens' K/V in the pool, then attend over each sequence's whole cached context.
 
     ``q: [B, S, H, D]``, ``k, v: [B, S, KVH, D]`` for the tokens at positions ``starts + [0, S)``. Returns the
-    attention output ``[B, S, H, D]`` and the updated layer pool. ``kernels`` (``kernels_for``): on a TPU the write
-    goes by whole pages (XLA's scatter there passes over the whole pool) and decode attends with a Pallas kernel;
-    prefill attends with the jnp loop below either way.
+    attention output ``[B, S, H, D]`` and the updated layer pool. ``kernels`` (``kernels_for``): on a TPU, decode
+    (``S`` = 1) is one Pallas kernel that writes the new K/V and attends (``decode_attention``); prefill writes by
+    whole pages (``kernels.kv_write``: XLA's scatter there passes over the whole pool) and attends with the jnp loop
+    below in the pool's dtype.
     """
     _, seq_len = q.shape[:2]
+    interpret = kernels == "interpret"
+    if kernels != "jnp" and seq_len == 1:
+        return decode_attention.decode_step(q, k, v, layer_pool, page_tables, starts, lengths, interpret=interpret)
     if kernels == "jnp":
         pages, offsets = slot_indices(page_tables, starts, lengths, seq_len, layer_pool.shape[1])
         layer_pool = write_kv(layer_pool, k, v, pages, offsets)
     else:
-        interpret = kernels == "interpret"
         layer_pool = kv_write.write_rows(layer_pool, kv_rows(k, v, layer_pool.dtype), page_tables, starts, lengths,
                                          interpret=interpret)
-        if seq_len == 1:
-            out = decode_attention.decode_attention(q, layer_pool, page_tables, starts + lengths, interpret=interpret)
-            return out, layer_pool
     q_positions = starts[:, None] + jnp.arange(seq_len, dtype=jnp.int32)[None, :]
     if kernels == "jnp":
         return attend_pages(q, layer_pool, page_tables, q_positions, starts + lengths), layer_pool

@@ -1,23 +1,37 @@
-"""Decode attention on a TPU: one query token per sequence, over only the pages its context fills (Pallas).
+"""Decode on a TPU: a ragged paged attention (one Pallas kernel per layer) that also stores the step's new K/V.
 
-The pool's rows are ``[K0, V0, K1, V1, ...]``, ``head_dim`` values each (``kernels.layout``). The kernel walks
-the batch's work as one list: every sequence's blocks of ``pages_per_block`` pages, sequence after sequence. It
-copies each block into VMEM ``BUFFERS - 1`` items ahead of the one it computes, across sequences too (a DMA's
-latency is microseconds: measured on the chip, a kernel that waited for each sequence's first block lost about
-3 us a sequence), and keeps flash-attention's running max, sum and weighted values per KV head. Only pages below
-the sequence's length are read, so the cost follows the batch's context, never the pool or the table width. A block
-whose pages are one run of the pool (a prompt's pages mostly are: the allocator hands them out in order) is one DMA
-instead of one a page.
+One query token per sequence, sequences of any context length in one batch, their pages anywhere in the pool. The
+pool's rows are ``[K0, V0, K1, V1, ...]``, ``head_dim`` values each (``kernels.layout``): a layer is
+``[pages, page_size, 2 * kv_heads * head_dim]``, tokens on the sublanes and heads on the lanes.
 
-Where a head's K and V sit in the row:
-- ``head_dim`` a multiple of 128: K and V are lane-aligned slices of the block, used as they are;
-- ``head_dim`` 64 (SmolLM2): a head's K and V together fill one 128-lane group. The query is widened to 128 lanes
-  with zeros where V sits, so ``q . group`` is ``q . K``; the weighted sum of the groups holds the weighted V in its
-  upper 64 lanes, and only those are kept. Every slice stays lane-aligned, at twice the (idle) matrix-unit work.
-Other head dims use the jnp path (``attention.attend_pages``); ``supported`` says which.
+Why not JAX's ``ragged_paged_attention`` (``jax.experimental.pallas.ops.tpu``): it takes the pool as
+``[pages, page_size, 2 * kv_heads, head_dim]``, heads on the sublanes. The bytes are ours, but on a TPU the last two
+axes are tiled, so viewing our pool that way is a relayout, a copy of the whole layer on every call; and it takes
+no ``2 * kv_heads`` that is not a multiple of the sublane packing (SmolLM2's 6 in bfloat16), nor writes the KV.
 
-Masked positions of a block (past the context, or pages not copied because the context ends before them) are
-zeroed in VMEM before use, so a stale or uninitialised buffer can never turn into NaN through ``0 * x``.
+How it works:
+
+- **The work is one list** of (row, block) items, every row's blocks of ``pages_per_block`` pages in turn, so a block
+  is fetched ``BUFFERS - 1`` items ahead of the one computed, across rows too (a DMA's latency is microseconds). Only
+  pages below a row's length are fetched: the cost follows the batch's context, never the pool or the table width.
+  A block whose pages are one run of the pool is fetched in a few DMAs (its length in powers of two), others a DMA
+  a page.
+- **Every query head of a row is one matrix row** (``rows``: ``heads`` padded to the sublane tile). Per KV head the
+  queries are zero outside that head's rows, so ``sum_h q_h . K_h`` puts each row's own head's scores in one
+  ``[rows, tokens]`` block: the softmax runs once for all heads on full vector registers (a head of SmolLM2 has 3
+  queries, of the 1.7B shape 2: per head, most of each register would be padding).
+- **Where a head's K and V sit**: ``head_dim`` a multiple of 128, K and V are lane-aligned slices of the row; at
+  ``head_dim`` 64 (SmolLM2) a head's K and V together fill one 128-lane group (the pool's K||V layout): the query is
+  widened to 128 lanes with zeros where V sits, so ``q . group`` is ``q . K``, and the weighted sum of the groups
+  holds the weighted V in its upper 64 lanes. Every slice stays lane-aligned.
+- **Only blocks that hold context are computed**: a block is computed ``chunk_pages`` at a time, as many chunks as the
+  row's context fills.
+- **The new K/V is written here** (no separate write per layer): the row's last page is in VMEM anyway; the new row is
+  merged into it there (so the token attends to itself), and its 16-row (8 in float32) tile is copied back to the
+  pool, which the call aliases in place. A row's last page is its own (prefix pages are shared only when full).
+
+The VMEM buffers are zeroed once per call, so a position past a row's context reads a finite value (its weight is 0,
+and ``0 * x`` is NaN only for an infinite or NaN ``x``).
 """
 
 from __future__ import annotations
@@ -31,78 +45,110 @@ from jax.experimental.pallas import tpu as pltpu
 
 MASK_VALUE = -1e30
 _LANES = 128
-_VMEM_LIMIT = 64 * 1024 * 1024  # of a TPU v5e's 128 MiB: the buffers, and the batch's queries and outputs
+BUFFERS = 3  # blocks in VMEM: one computed while the next two are on their way
+# Measured on a v5e (bench/decode_attention.py, docs/tpu.md): the kernel's time per chunk is mostly latency (a chain
+# of dependent products and reductions), so few large chunks beat many small ones even where half of the last is
+# past the context: at batch 64, SmolLM2's shape took 7.4 / 6.6 / 5.0 / 4.3 ms at 128 / 256 / 512 / 1,024 positions
+# a chunk; blocks of 4 MiB beat 1 MiB by 3 to 7% (the 1.7B shape).
+BLOCK_BYTES = 4 << 20  # KV bytes a block fetches at most (3 blocks in VMEM, of a v5e's 128 MiB)
+MAX_PAGES_PER_BLOCK = 64
+CHUNK_TOKENS = 1024  # positions computed at a time: a block's chunks past the row's context are skipped
+_VMEM_LIMIT = 96 * 1024 * 1024  # of a v5e's 128 MiB: the buffers plus the batch's queries and outputs
 
 
 def supported(head_dim: int) -> bool:
     return head_dim % _LANES == 0 or 2 * head_dim == _LANES
 
 
-def default_pages_per_block(page_size: int, lanes: int, itemsize: int) -> int:
-    """About 1 MiB of KV per block (64 pages at most): measured on a TPU v5e, blocks of 64 pages ran 1.2 to 2.7 times
-    faster than blocks of 4 to 16 (docs/tpu.md); larger ones no longer fit the buffers in VMEM."""
-    pages = max(1, min(64, (1 << 20) // (page_size * lanes * itemsize)))
+def default_pages_per_block(page_size: int, lanes: int, itemsize: int, block_bytes: int = BLOCK_BYTES) -> int:
+    """Pages a block fetches: ``block_bytes`` of KV at most, a power of two, 1 to ``MAX_PAGES_PER_BLOCK``."""
+    pages = max(1, min(MAX_PAGES_PER_BLOCK, block_bytes // (page_size * lanes * itemsize)))
     return 1 << (pages.bit_length() - 1)
 
 
-BUFFERS = 3  # blocks in VMEM: one computed while the next two are on their way (a DMA's latency is microseconds)
+def _sublanes(dtype) -> int:
+    """Rows of one (sublane) tile: 8 for 32-bit values, 16 for bfloat16."""
+    return 8 * (4 // jnp.dtype(dtype).itemsize)
 
 
-def _kernel(kv_lens, tables, work_rows, work_blocks, num_blocks, total, q_ref, pool_ref, o_ref, buf, sems, m_ref,
-            l_ref, acc_ref, *, pages_per_block: int, head_dim: int, pair: bool):
-    page_size, lanes = pool_ref.shape[1], pool_ref.shape[2]
+def _kernel(kv_lens, writes, tables, work_rows, work_blocks, num_blocks, total,  # scalar prefetch (SMEM)
+            q_ref, new_ref, pool_in, o_ref, pool_out,  # inputs, outputs
+            buf, sems, write_sem, m_ref, l_ref, acc_ref,  # scratch
+            *, pages_per_block: int, chunk_pages: int, head_dim: int, pair: bool, group: int):
+    _, page_size, lanes = pool_in.shape
     width = tables.shape[1]
     kv_heads = q_ref.shape[1]
-    tokens = pages_per_block * page_size
+    rows, q_lanes = q_ref.shape[2], q_ref.shape[3]
+    chunk = chunk_pages * page_size
+    tile = _sublanes(buf.dtype)
     # a float32 pool keeps float32 products (a TPU's default multiplies in one bfloat16 pass)
     precision = jax.lax.Precision.HIGHEST if buf.dtype == jnp.float32 else None
+    dot = partial(jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
 
-    def block_copies(g, slot):
-        """Work item ``g``'s copies: ``(whole, one copy of all its pages)`` where its pages are one run of the pool
-        (as a prompt's pages mostly are: one DMA), and ``[(valid, copy of one page)]`` for the page-by-page way."""
+    def copies(g, slot):
+        """Item ``g``'s DMAs: ``(contiguous, [(size, run copy)], [(valid, page copy)])``. Where the block's pages in
+        use are one run of the pool (a prompt's pages mostly are: the allocator hands them out in order), the run
+        goes in one DMA per set bit of its length; otherwise a DMA a page."""
         r, first = work_rows[g], work_blocks[g] * pages_per_block
+        used = jnp.minimum(pages_per_block, (kv_lens[r] + page_size - 1) // page_size - first)
         column = lambda j: jnp.minimum(first + j, width - 1)  # noqa: E731
         start_page = tables[r, column(0)]
-        whole = (first + pages_per_block) * page_size <= kv_lens[r] + page_size - 1  # every page of it in use
+        contiguous = jnp.bool_(True)
         for j in range(1, pages_per_block):
-            whole = whole & (tables[r, column(j)] == start_page + j)
-        run = pltpu.make_async_copy(pool_ref.at[pl.ds(start_page, pages_per_block)], buf.at[slot], sems.at[slot])
-        pages = [((first + j) * page_size < kv_lens[r],
-                  pltpu.make_async_copy(pool_ref.at[tables[r, column(j)]], buf.at[slot, j], sems.at[slot]))
+            contiguous = contiguous & ((j >= used) | (tables[r, column(j)] == start_page + j))
+        runs, size = [], 1 << (pages_per_block.bit_length() - 1)
+        while size:  # the run's length in binary: a piece of each set bit's size, after the larger ones
+            offset = used // (2 * size) * (2 * size)
+            runs.append((used & size, pltpu.make_async_copy(
+                pool_in.at[pl.ds(start_page + offset, size)], buf.at[slot, pl.ds(offset, size)], sems.at[slot])))
+            size //= 2
+        pages = [(j < used, pltpu.make_async_copy(pool_in.at[tables[r, column(j)]], buf.at[slot, j], sems.at[slot]))
                  for j in range(pages_per_block)]
-        return whole, run, pages
+        return contiguous, runs, pages
 
-    def start(g):
-        whole, run, pages = block_copies(g, g % BUFFERS)
-        pl.when(whole)(run.start)
+    def each(g, slot, action):
+        contiguous, runs, pages = copies(g, slot)
 
-        @pl.when(jnp.logical_not(whole))
-        def _by_page():
+        @pl.when(contiguous)
+        def _runs():
+            for bit, copy in runs:
+                pl.when(bit != 0)(lambda copy=copy: action(copy))
+
+        @pl.when(jnp.logical_not(contiguous))
+        def _pages():
             for valid, copy in pages:
-                pl.when(valid)(copy.start)
+                pl.when(valid)(lambda copy=copy: action(copy))
 
-    def wait(g):
-        slot = g % BUFFERS
-        whole, run, pages = block_copies(g, slot)
-        pl.when(whole)(run.wait)
-
-        @pl.when(jnp.logical_not(whole))
-        def _by_page():
-            for j, (valid, copy) in enumerate(pages):
-                pl.when(valid)(copy.wait)
-
-                @pl.when(jnp.logical_not(valid))
-                def _zero(j=j):
-                    buf[slot, j] = jnp.zeros((page_size, lanes), buf.dtype)
+    start = lambda g: each(g, g % BUFFERS, lambda copy: copy.start())  # noqa: E731
+    wait = lambda g: each(g, g % BUFFERS, lambda copy: copy.wait())  # noqa: E731
 
     count = total[0]
+    buf[...] = jnp.zeros(buf.shape, buf.dtype)  # see the module's last paragraph
     o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)  # rows with no context (padding) stay zero
     for ahead in range(BUFFERS - 1):
         pl.when(ahead < count)(lambda ahead=ahead: start(ahead))
+    row_ids = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    head_rows = [(row_ids >= h * group) & (row_ids < (h + 1) * group) for h in range(kv_heads)]
+
+    def write_back(row, block, slot):
+        """Merge ``row``'s new K/V into its last page (in VMEM) and copy that page's tile of rows to the pool."""
+        position = kv_lens[row] - 1
+        column = position // page_size
+        j = column - block * pages_per_block
+        base = pl.multiple_of((position % page_size) // tile * tile, tile)
+        old = buf[slot, j, pl.ds(base, tile), :].astype(jnp.float32)
+        at = jax.lax.broadcasted_iota(jnp.int32, (tile, lanes), 0) == position % page_size - base
+        new = jnp.broadcast_to(new_ref[row].astype(jnp.float32), (tile, lanes))
+        buf[slot, j, pl.ds(base, tile), :] = jnp.where(at, new, old).astype(buf.dtype)
+        copy = pltpu.make_async_copy(buf.at[slot, j, pl.ds(base, tile)],
+                                     pool_out.at[tables[row, column], pl.ds(base, tile)], write_sem)
+        copy.start()
 
     def step(g, carry):
         pl.when(g + BUFFERS - 1 < count)(lambda: start(g + BUFFERS - 1))  # into the slot g - 1 has finished with
         row, block = work_rows[g], work_blocks[g]
+        slot = g % BUFFERS
+        last = block == num_blocks[row] - 1
 
         @pl.when(block == 0)
         def _new_row():
@@ -111,89 +157,131 @@ def _kernel(kv_lens, tables, work_rows, work_blocks, num_blocks, total, q_ref, p
             acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
         wait(g)
-        kv = buf[g % BUFFERS].reshape(tokens, lanes)
-        position = block * tokens + jax.lax.broadcasted_iota(jnp.int32, (1, tokens), 1)
-        visible = position < kv_lens[row]
-        for h in range(kv_heads):
-            if pair:
-                k = v = kv[:, 2 * head_dim * h: 2 * head_dim * (h + 1)]
-            else:
-                k = kv[:, 2 * head_dim * h: 2 * head_dim * h + head_dim]
-                v = kv[:, 2 * head_dim * h + head_dim: 2 * head_dim * (h + 1)]
-            q = q_ref[row, h]  # [G, width of k]
-            scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                                         preferred_element_type=jnp.float32)
+        writing = last & (writes[row] != 0)
+        pl.when(writing)(lambda: write_back(row, block, slot))
+        block_start = block * pages_per_block * page_size
+        chunks = (jnp.minimum(kv_lens[row] - block_start, pages_per_block * page_size) + chunk - 1) // chunk
+
+        def compute(c, carry):
+            first_page = pl.multiple_of(c * chunk_pages, chunk_pages)
+            position = block_start + c * chunk + jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
+            visible = position < kv_lens[row]
+            scores = None
+            for h in range(kv_heads):
+                lane = 2 * head_dim * h
+                k = buf[slot, pl.ds(first_page, chunk_pages), :, pl.ds(lane, q_lanes)].reshape(chunk, q_lanes)
+                part = dot(q_ref[row, h], k, (((1,), (1,)), ((), ())))  # [rows, chunk]
+                scores = part if scores is None else scores + part
             scores = jnp.where(visible, scores, MASK_VALUE)
-            m_prev = m_ref[h][:, :1]
+            m_prev = m_ref[...][:, :1]
             m_new = jnp.maximum(m_prev, scores.max(axis=1, keepdims=True))
             weights = jnp.exp(scores - m_new)
             scale = jnp.exp(m_prev - m_new)
-            l_ref[h] = jnp.broadcast_to(scale * l_ref[h][:, :1] + weights.sum(axis=1, keepdims=True), l_ref.shape[1:])
-            m_ref[h] = jnp.broadcast_to(m_new, m_ref.shape[1:])
-            acc_ref[h] = scale * acc_ref[h] + jax.lax.dot_general(
-                weights.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
-                preferred_element_type=jnp.float32)
+            l_ref[...] = jnp.broadcast_to(scale * l_ref[...][:, :1] + weights.sum(axis=1, keepdims=True), l_ref.shape)
+            m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
+            weights = weights.astype(buf.dtype)
+            values = None
+            for h in range(kv_heads):
+                lane = 2 * head_dim * h + (0 if pair else head_dim)
+                v = buf[slot, pl.ds(first_page, chunk_pages), :, pl.ds(lane, q_lanes)].reshape(chunk, q_lanes)
+                part = jnp.where(head_rows[h], dot(weights, v, (((1,), (0,)), ((), ()))), 0.0)  # [rows, q_lanes]
+                values = part if values is None else values + part
+            acc_ref[...] = scale * acc_ref[...] + values
+            return carry
 
-        @pl.when(block == num_blocks[row] - 1)
+        jax.lax.fori_loop(0, chunks, compute, 0)
+
+        @pl.when(last)
         def _row_done():
-            o_ref[row] = acc_ref[...] / l_ref[...][:, :, :1]
+            o_ref[row] = acc_ref[...] / l_ref[...][:, :1]
+
+        @pl.when(writing)
+        def _written():  # before the slot is fetched into again (the next step starts that)
+            pltpu.make_async_copy(buf.at[slot, 0, pl.ds(0, tile)], pool_out.at[0, pl.ds(0, tile)], write_sem).wait()
 
         return carry
 
     jax.lax.fori_loop(0, count, step, 0)
 
 
-def _sublanes(dtype) -> int:
-    return 8 * (4 // jnp.dtype(dtype).itemsize)
+def _work(kv_lens, tokens: int, slots: int):
+    """The (row, block) items of the batch in order: each row's ``ceil(kv_len / tokens)`` blocks, row after row;
+    ``slots`` bounds their count statically. Returns ``(rows, blocks, blocks_per_row, count[1])``."""
+    b = kv_lens.shape[0]
+    blocks = (kv_lens + tokens - 1) // tokens
+    ends = jnp.cumsum(blocks)
+    item = jnp.arange(slots, dtype=jnp.int32)
+    # compare_all: one fused comparison; the default (a loop of log2(B) steps) costs a TPU microseconds a step
+    rows = jnp.minimum(jnp.searchsorted(ends, item, side="right", method="compare_all"), b - 1).astype(jnp.int32)
+    firsts = (item - (ends - blocks)[rows]).astype(jnp.int32)
+    return rows, firsts, blocks.astype(jnp.int32), ends[-1:].astype(jnp.int32)
 
 
-@partial(jax.jit, static_argnames=("pages_per_block", "interpret"))
-def decode_attention(q, layer_pool, page_tables, kv_lens, *, pages_per_block: int | None = None,
-                     interpret: bool = False):
-    """Attention of ``q: [B, 1, H, D]`` (each row's token at position ``kv_lens[b] - 1``, its own K/V already in the
-    pool) over ``layer_pool: [N, page_size, 2 * KVH * D]`` through ``page_tables: [B, W]``; returns ``[B, 1, H, D]``.
-    Rows with ``kv_lens`` 0 (padding) return zeros."""
+def query_rows(q, kv_heads: int, q_lanes: int, dtype):
+    """``q: [B, 1, H, D]`` as the kernel's ``[B, KVH, rows, q_lanes]``: for KV head ``h``, the rows of its query heads
+    (``h * G`` to ``(h + 1) * G - 1``) hold their queries in lanes ``[0, D)``, scaled by ``D**-0.5``; all else 0."""
+    b, _, heads, dim = q.shape
+    group = heads // kv_heads
+    rows = -(-heads // _sublanes(dtype)) * _sublanes(dtype)
+    scaled = (q[:, 0].astype(jnp.float32) * dim**-0.5).astype(dtype)  # [B, H, D]
+    padded = jnp.pad(scaled, ((0, 0), (0, rows - heads), (0, q_lanes - dim)))  # [B, rows, q_lanes]
+    owner = jnp.arange(rows) // group  # the KV head of each row; padding rows' is kv_heads or more
+    mine = owner[None, :] == jnp.arange(kv_heads)[:, None]  # [KVH, rows]
+    return jnp.where(mine[None, :, :, None], padded[:, None], jnp.zeros((), dtype))
+
+
+@partial(jax.jit, static_argnames=("pages_per_block", "chunk_tokens", "interpret"), donate_argnames=("layer_pool",))
+def decode_step(q, k, v, layer_pool, page_tables, starts, lengths, *, pages_per_block: int | None = None,
+                chunk_tokens: int = CHUNK_TOKENS, interpret: bool = False):
+    """Store the new token's K/V (``k, v: [B, 1, KVH, D]``, at position ``starts[b]`` where ``lengths[b]`` is 1) in
+    ``layer_pool: [N, page_size, 2 * KVH * D]`` through ``page_tables: [B, W]``, and attend ``q: [B, 1, H, D]`` over
+    each row's positions ``[0, starts + lengths)``. Returns ``([B, 1, H, D], the pool written in place)``. Rows with
+    no context (padding: ``starts + lengths`` 0) return zeros and write nothing."""
     b, _, heads, dim = q.shape
     _, page_size, lanes = layer_pool.shape
     kv_heads = lanes // (2 * dim)
-    group = heads // kv_heads
     if not supported(dim):
-        raise ValueError(f"decode_attention takes head_dim 64 or a multiple of 128, got {dim}")
+        raise ValueError(f"decode_step takes head_dim 64 or a multiple of 128, got {dim}")
+    if page_size % _sublanes(layer_pool.dtype):
+        raise ValueError(f"decode_step takes pages of whole {_sublanes(layer_pool.dtype)}-row tiles, "
+                         f"got {page_size} rows of {layer_pool.dtype}")
     pair = dim % _LANES != 0
-    per_block = pages_per_block or default_pages_per_block(page_size, lanes, layer_pool.dtype.itemsize)
-    padded_group = -(-group // _sublanes(layer_pool.dtype)) * _sublanes(layer_pool.dtype)
-    grouped = (q[:, 0].reshape(b, kv_heads, group, dim).astype(jnp.float32) * dim**-0.5).astype(layer_pool.dtype)
-    width = 2 * dim if pair else dim
-    grouped = jnp.pad(grouped, ((0, 0), (0, 0), (0, padded_group - group), (0, width - dim)))
-    tokens = per_block * page_size
-    # the work, flattened: every (row, block) in order, so a block's pages are fetched while earlier ones compute,
-    # across rows too
-    blocks = (kv_lens + tokens - 1) // tokens
-    ends = jnp.cumsum(blocks)
-    slots = b * -(-page_tables.shape[1] // per_block)  # static bound on the work items
-    item = jnp.arange(slots, dtype=jnp.int32)
-    rows = jnp.minimum(jnp.searchsorted(ends, item, side="right"), b - 1).astype(jnp.int32)
-    firsts = (item - (ends - blocks)[rows]).astype(jnp.int32)
-    whole = pl.BlockSpec((b, kv_heads, padded_group, width), lambda *_: (0, 0, 0, 0))
-    out = pl.pallas_call(
-        partial(_kernel, pages_per_block=per_block, head_dim=dim, pair=pair),
-        out_shape=jax.ShapeDtypeStruct((b, kv_heads, padded_group, width), jnp.float32),
+    q_lanes = 2 * dim if pair else dim
+    width = page_tables.shape[1]
+    per_block = min(width, pages_per_block or default_pages_per_block(page_size, lanes, layer_pool.dtype.itemsize))
+    chunk_pages = max(1, min(per_block, chunk_tokens // page_size))
+    while per_block % chunk_pages:
+        chunk_pages -= 1
+    kv_lens = (starts + lengths).astype(jnp.int32)
+    writes = (lengths > 0).astype(jnp.int32)
+    rows, firsts, blocks, count = _work(kv_lens, per_block * page_size, b * -(-width // per_block))
+    queries = query_rows(q, kv_heads, q_lanes, layer_pool.dtype)  # [B, KVH, R, q_lanes]
+    r = queries.shape[2]
+    new_rows = jnp.stack([k[:, 0], v[:, 0]], axis=2).reshape(b, 1, lanes).astype(layer_pool.dtype)
+    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
+    anywhere = pl.BlockSpec(memory_space=pl.ANY)
+    out, layer_pool = pl.pallas_call(
+        partial(_kernel, pages_per_block=per_block, chunk_pages=chunk_pages, head_dim=dim, pair=pair,
+                group=heads // kv_heads),
+        out_shape=(jax.ShapeDtypeStruct((b, r, q_lanes), jnp.float32),
+                   jax.ShapeDtypeStruct(layer_pool.shape, layer_pool.dtype)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=6,
+            num_scalar_prefetch=7,
             grid=(1,),
-            in_specs=[whole, pl.BlockSpec(memory_space=pl.ANY)],
-            out_specs=whole,
+            in_specs=[whole(queries.shape), whole(new_rows.shape), anywhere],
+            out_specs=[whole((b, r, q_lanes)), anywhere],
             scratch_shapes=[
                 pltpu.VMEM((BUFFERS, per_block, page_size, lanes), layer_pool.dtype),
                 pltpu.SemaphoreType.DMA((BUFFERS,)),
-                pltpu.VMEM((kv_heads, padded_group, _LANES), jnp.float32),
-                pltpu.VMEM((kv_heads, padded_group, _LANES), jnp.float32),
-                pltpu.VMEM((kv_heads, padded_group, width), jnp.float32),
+                pltpu.SemaphoreType.DMA(()),
+                pltpu.VMEM((r, _LANES), jnp.float32),
+                pltpu.VMEM((r, _LANES), jnp.float32),
+                pltpu.VMEM((r, q_lanes), jnp.float32),
             ],
         ),
+        input_output_aliases={9: 1},  # the pool: after the 7 scalar operands, the queries and the new rows
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=_VMEM_LIMIT),
         interpret=pltpu.InterpretParams() if interpret else False,
-    )(kv_lens.astype(jnp.int32), page_tables.astype(jnp.int32), rows, firsts, blocks.astype(jnp.int32),
-      ends[-1:].astype(jnp.int32), grouped, layer_pool)
-    values = out[:, :, :group, width - dim:]  # [B, KVH, G, D]: V's lanes
-    return values.reshape(b, 1, heads, dim).astype(q.dtype)
+    )(kv_lens, writes, page_tables.astype(jnp.int32), rows, firsts, blocks, count, queries, new_rows, layer_pool)
+    values = out[:, :heads, q_lanes - dim:]  # [B, H, D]: V's lanes
+    return values.reshape(b, 1, heads, dim).astype(q.dtype), layer_pool

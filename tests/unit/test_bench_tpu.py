@@ -20,18 +20,26 @@ def test_quick_run_reports_each_figure_against_its_roofline(tmp_path):
     assert report["peaks"] == ("measured here" if report["device"].startswith("cpu") else "datasheet")
     assert report["hbm_GBps"] > 0 and report["peak_TFLOPs"] > 0
     figures = report["models"]["smollm2-135m"]
-    pools = [key for key in figures if key.startswith("decode_pool_")]
-    assert len(pools) == 2, pools  # the default pool and the larger one
-    for key in pools:
-        for batch, step in figures[key].items():
-            assert step["step_ms"] > 0 and step["roofline_ms"] > 0, (key, batch, step)
-            assert abs(step["share"] - step["roofline_ms"] / step["step_ms"]) < 0.01
-    prefill = next(iter(figures["prefill"].values()))
-    assert prefill["ms"] > 0 and prefill["share"] > 0
+    decode = figures["decode"]
+    page = report["default_page_size"]
+    pools = sorted({key.split("/")[2] for key in decode if key.split("/")[1] == f"page{page}"})
+    assert len(pools) == 2, decode.keys()  # the default pool and the larger one, at the default page size
+    for mode in ("jnp", "tpu"):  # each attention, measured in the same run
+        for pool in pools:
+            for batch, step in decode[f"{mode}/page{page}/{pool}"].items():
+                assert step["step_ms"] > 0 and step["roofline_ms"] > 0, (mode, pool, batch, step)
+                assert abs(step["share"] - step["roofline_ms"] / step["step_ms"]) < 0.01
+                if mode != "jnp":  # against the jnp step of the same pool
+                    jnp_ms = decode[f"jnp/page{page}/{pool}"][batch]["step_ms"]
+                    assert abs(step["vs_jnp"] - jnp_ms / step["step_ms"]) < 0.01 + 0.01 * step["vs_jnp"]
+    for mode in ("jnp", "tpu"):
+        prefill = next(iter(figures[f"prefill/{mode}"].values()))
+        assert prefill["ms"] > 0 and prefill["share"] > 0
     copies = figures["copies"]
     assert copies["gather"]["GBps"] > 0 and copies["scatter"]["GBps"] > 0
     text = table.read_text()
-    assert f"{figures[pools[0]]['1']['step_ms']} ms" in text and "gather" in text
+    first = decode[f"jnp/page{page}/{pools[0]}"]["1"]["step_ms"]
+    assert f"{first} (" in text and "gather" in text
 
 
 def test_parity_quick_run_finds_the_chunked_batched_path_equal_to_the_whole_prompt_reference(tmp_path):

@@ -9,8 +9,9 @@ from pathlib import Path
 
 from real_parts import TCP
 
-from fsm_pd.cli.flags import accelerator_host, resolve_dtype
+from fsm_pd.cli.flags import accelerator_host, resolve_dtype, resolve_page_size
 from fsm_pd.cli.launch import check_commands, chip_holder, exit_cause, plan
+from fsm_pd.kernels.layout import PAGE_SIZES
 
 
 def children(extra=(), router_extra=(), prefill_extra=(), decode_extra=()):
@@ -104,6 +105,9 @@ def test_on_an_accelerator_host_the_first_decode_node_holds_the_chip_and_every_n
     assert chip_holder(procs).name == "decode-0"
     assert resolve_dtype("auto", "tpu") == "bfloat16" and resolve_dtype("auto", "cpu") == "float32"
     assert resolve_dtype("float32", "tpu") == "float32"  # asked for: kept
+    # and one page size (kernels.layout.PAGE_SIZES): the platform's default, unless --page-size says
+    assert resolve_page_size(None, "tpu") == PAGE_SIZES.get("tpu", 16) and resolve_page_size(None, "cpu") == 16
+    assert resolve_page_size(32, "tpu") == 32
     assert accelerator_host({"TPU_ACCELERATOR_TYPE": "v5litepod-4"})  # as the v5e host says it
     assert accelerator_host({}) == any(Path("/dev").glob("accel*"))
 

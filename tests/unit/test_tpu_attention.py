@@ -1,4 +1,5 @@
 """The TPU kernels (``kernels.kv_write``, ``model.decode_attention``) against the jnp path, through the whole model.
+(``test_decode_attention.py`` holds the decode kernel alone to the jnp path on ragged batches, block by block.)
 
 On a TPU they run natively; elsewhere in Pallas's TPU interpret mode, which simulates HBM, VMEM and the DMAs on the
 CPU, so a wrong page, a missed wait or a stale buffer shows here too. Each case runs the same calls through
@@ -19,7 +20,6 @@ import pytest
 
 from fsm_pd.kernels.kv_write import pages_spanned, touched_pages
 from fsm_pd.model import decoder
-from fsm_pd.model.decode_attention import default_pages_per_block
 from fsm_pd.model.params import random_params
 from fsm_pd.model.tiny import tiny_config
 
@@ -103,34 +103,6 @@ def test_prefill_chunks_prefix_hits_and_decode_match_jnp(model):
         calls.append((decode_rows + [[0]], [40 + step, 52 + step, 0], [1, 1, 0],
                       [table(*a_pages), table(*b_pages), table()]))
     assert_same(run_both(config, params, calls), [[0], [0], [0]] + [[0, 1]] * 3)
-
-
-def test_decode_crosses_blocks_and_rows_of_any_length(model):
-    """Contexts shorter than, equal to and longer than a kernel block, in one batch: each row's first block is
-    fetched while the previous row computes, so a wrong buffer or page shows as a wrong row."""
-    config, params = model
-    per_block = default_pages_per_block(PAGE_SIZE, 2 * config.num_kv_heads * config.head_dim, 4)
-    lengths = [1, PAGE_SIZE * per_block, PAGE_SIZE * per_block + 3, 5]
-    pages_needed = [-(-(n + 1) // PAGE_SIZE) for n in lengths]
-    width = -(-max(pages_needed) // 4) * 4
-    ids, tables = iter(range(1, 200)), []
-    for n in pages_needed:
-        tables.append([next(ids) for _ in range(n)] + [0] * (width - n))
-    num_pages = max(max(t) for t in tables) + 1
-    rng = np.random.default_rng(1)
-    calls = [([rng.integers(1, 250, size=max(lengths)).tolist()] * len(lengths), [0] * len(lengths), lengths,
-              tables)]
-    calls.append(([[5]] * len(lengths), lengths, [1] * len(lengths), tables))
-    out = {}
-    for kernels in ("jnp", KERNELS):
-        pool = fresh_pool(config, num_pages)
-        forward = partial(decoder.forward_paged, config=config, kernels=kernels)
-        logits = []
-        for tokens, starts, lens, tabs in calls:
-            step, pool, _ = forward(params, pool, *(jnp.asarray(a, jnp.int32) for a in (tokens, starts, lens, tabs)))
-            logits.append(np.asarray(step))
-        out[kernels] = logits
-    np.testing.assert_allclose(out[KERNELS][1], out["jnp"][1], atol=TOLERANCE, rtol=TOLERANCE)
 
 
 def test_the_write_touches_only_the_pages_its_tokens_land_in():

@@ -4,6 +4,7 @@ SQLite journals), and the reason classes of every failure the simulation produce
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shlex
@@ -42,15 +43,16 @@ def samples(manager: KVManager) -> dict[tuple, float]:
 def pair(tmp_path):
     made = []
 
-    def make(**deadlines):
+    def make(decode_layout=LAYOUT, **deadlines):
         secret = generate_secret()
         pool = tuple(jnp.asarray(np.ones(LAYOUT.layer_shape, np.float32)) for _ in range(LAYOUT.num_layers))
         p = KVManager(role="prefill", node_id="p0", layout=LAYOUT, journal=str(tmp_path / "p.db"), secret=secret,
                       backend="fake", pool=pool, deadlines={"bootstrap": deadlines.get("bootstrap", 30.0)},
                       **node_sockets(tmp_path, "p"))
-        d = KVManager(role="decode", node_id="d0", layout=LAYOUT, journal=str(tmp_path / "d.db"), secret=secret,
-                      backend="fake", pool=tuple(jnp.zeros_like(x) for x in pool),
-                      admission=pool_admission(LAYOUT.num_pages), **node_sockets(tmp_path, "d"))
+        d = KVManager(role="decode", node_id="d0", layout=decode_layout, journal=str(tmp_path / "d.db"),
+                      secret=secret, backend="fake",
+                      pool=tuple(jnp.zeros(decode_layout.layer_shape, jnp.float32) for _ in pool),
+                      admission=pool_admission(decode_layout.num_pages), **node_sockets(tmp_path, "d"))
         made.extend([p, d])
         return p, d
 
@@ -105,6 +107,24 @@ def test_a_failed_room_is_counted_by_class_and_logged_with_its_replay_command(pa
     assert record["role"] == "prefill" and record["reason"] == "bootstrap timeout"
     assert record["reason_class"] == "timeout" and record["state"] == "Bootstrapping"
     assert shlex.split(record["replay"]) == ["fsm-pd", "replay", "--room", "7", str(tmp_path / "p.db")]
+
+
+def test_a_pair_whose_page_sizes_differ_is_refused_and_the_log_says_the_page_size(pair, caplog):
+    """A prefill node with the CPU's page size and a decode node with a TPU's (``kernels.layout.PAGE_SIZES``): the
+    first PREPARE fails the room on both sides before a byte moves, and the prefill node's failed-room line names
+    the field to fix."""
+    p, d = pair(decode_layout=dataclasses.replace(LAYOUT, page_size=2 * LAYOUT.page_size))
+    caplog.set_level(logging.WARNING, logger="fsm_pd.failed_room")
+    d.add_receiver(1, page_count=1, prefill_addr=p.side_channel.address)
+    p.add_sender(1, [1])
+    p.kv_ready(1)
+    assert p.wait(1, 10) == KVPoll.Failed and d.wait(1, 10) == KVPoll.Failed
+    records = [json.loads(r.getMessage()) for r in caplog.records if r.name == "fsm_pd.failed_room"]
+    prefill = next(r for r in records if r["node"] == "p0")
+    assert prefill["reason"] == "layout mismatch" and prefill["reason_class"] == "layout_mismatch"
+    assert prefill["layout_differs"] == {"page_size": {"ours": LAYOUT.page_size, "peer": 2 * LAYOUT.page_size}}
+    decode = next(r for r in records if r["node"] == "d0")
+    assert decode["reason"] == "aborted by peer: layout mismatch"
 
 
 def test_every_failure_the_simulation_produces_has_a_specific_class(tmp_path):

@@ -1,0 +1,116 @@
+"""The TPU decode kernel (``model.decode_attention.decode_step``) against the jnp path (``attention.paged_attention``
+with ``kernels="jnp"``: XLA's scatter of the new K/V, then ``attend_pages``), one layer, on ragged batches.
+
+On a TPU the kernel runs natively; elsewhere in Pallas's TPU interpret mode, which simulates VMEM and the DMAs, so a
+wrong page, a missed wait or a stale buffer shows here too. One batch holds every case the kernel tells apart: a row
+whose only position is its new token, rows spanning several blocks (small blocks here, so a few pages make many) and
+several chunks, a block whose pages are one run of the pool (fetched in power-of-two pieces) and rows whose pages lie
+scattered (a DMA a page), a new token that opens a page, one in the second tile of its page, and a padding row (no
+context: zeros, nothing written). The pool must come out as the jnp path leaves it, but for page 0 (the reserved pad
+page, which the jnp path writes padding into and the kernel must never touch).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fsm_pd.model import attention, decode_attention
+
+ON_TPU = jax.default_backend() == "tpu"
+INTERPRET = not ON_TPU
+SHAPES = {  # head_dim: (heads, kv_heads): SmolLM2's grouping (K||V share a 128-lane group), and the 1.7B shape's
+    64: (9, 3),
+    128: (4, 2),
+}
+PAGE_SIZE = 16
+PAGES_PER_BLOCK = 2  # 32 positions a block: a row of 100 positions is 4 blocks
+CHUNK_TOKENS = 16  # one page a chunk: a block is 2 chunks
+
+
+def ragged_batch(rng, page_size: int, num_pages: int, width: int):
+    """``(starts, lengths, tables)`` of the batch described above; pages drawn without repeats from ``1..``."""
+    starts = [0, 100, 47, 0, 64, 49]  # the new token's position (= context before it)
+    lengths = [1, 1, 1, 0, 1, 1]  # row 3 is padding
+    need = [-(-(start + length) // page_size) for start, length in zip(starts, lengths, strict=True)]
+    run = list(range(num_pages - need[1], num_pages))  # row 1: one run of the pool, as the allocator mostly gives
+    free = list(rng.permutation(np.arange(1, num_pages - need[1])))  # the others: scattered
+    tables = np.zeros((len(starts), width), np.int32)
+    for row, pages in enumerate(need):
+        if row == 1:
+            tables[row, :pages] = run
+        else:
+            tables[row, :pages], free = free[:pages], free[pages:]
+    return np.asarray(starts, np.int32), np.asarray(lengths, np.int32), tables
+
+
+def run_both(head_dim: int, dtype, page_size: int = PAGE_SIZE, seed: int = 0):
+    heads, kv_heads = SHAPES[head_dim]
+    rng = np.random.default_rng(seed)
+    num_pages, width = 64, 8
+    starts, lengths, tables = ragged_batch(rng, page_size, num_pages, width)
+    lanes = 2 * kv_heads * head_dim
+    pool = jnp.asarray(rng.normal(size=(num_pages, page_size, lanes)), dtype)
+    b = len(starts)
+    q, k, v = (jnp.asarray(rng.normal(size=(b, 1, n, head_dim)), dtype) for n in (heads, kv_heads, kv_heads))
+    args = (jnp.asarray(tables), jnp.asarray(starts), jnp.asarray(lengths))
+    before = np.asarray(pool, np.float32)
+    want, want_pool = attention.paged_attention(q, k, v, pool.copy(), *args, kernels="jnp")
+    got, got_pool = decode_attention.decode_step(q, k, v, pool.copy(), *args,
+                                                 pages_per_block=PAGES_PER_BLOCK, chunk_tokens=CHUNK_TOKENS,
+                                                 interpret=INTERPRET)
+    real = lengths > 0
+    return (np.asarray(got, np.float32)[real], np.asarray(want, np.float32)[real], np.asarray(got_pool, np.float32),
+            np.asarray(want_pool, np.float32), before, np.asarray(got, np.float32)[~real])
+
+
+@pytest.mark.parametrize("head_dim", sorted(SHAPES), ids=lambda d: f"head_dim-{d}")
+def test_decode_step_equals_the_jnp_path_on_a_ragged_batch(head_dim):
+    got, want, got_pool, want_pool, before, padding = run_both(head_dim, jnp.float32)
+    tolerance = 2e-2 if ON_TPU else 1e-5  # the chip multiplies float32 in bfloat16 passes unless told otherwise
+    np.testing.assert_allclose(got, want, atol=tolerance, rtol=tolerance)
+    np.testing.assert_array_equal(got_pool[1:], want_pool[1:])  # the new rows, where the jnp path put them
+    np.testing.assert_array_equal(got_pool[0], before[0])  # the pad page untouched
+    assert not padding.any()  # a row with no context: zeros
+
+
+def test_decode_step_in_bfloat16_writes_the_second_tile_of_a_page():
+    """bfloat16 packs 16 rows a tile: with 32-token pages, a token at offset 17 lands in a page's second tile."""
+    got, want, got_pool, want_pool, before, _ = run_both(64, jnp.bfloat16, page_size=32, seed=1)
+    np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)  # bf16 products in the kernel, float32 in jnp
+    np.testing.assert_array_equal(got_pool[1:], want_pool[1:])
+    np.testing.assert_array_equal(got_pool[0], before[0])
+
+
+def test_blocks_follow_the_bytes_and_stay_powers_of_two():
+    assert decode_attention.default_pages_per_block(16, 384, 2) == 64  # SmolLM2's 12 KiB pages: capped at 64
+    assert decode_attention.default_pages_per_block(16, 4096, 2) == 32  # 128 KiB pages: 4 MiB
+    assert decode_attention.default_pages_per_block(128, 4096, 2) == 4
+    assert decode_attention.default_pages_per_block(128, 384, 2, block_bytes=1 << 20) == 8  # 10.7 -> 8
+
+
+def pool_on(platform: str):
+    """A stand-in for a pool's first layer, as ``kernels_for`` reads it: only where its devices are."""
+    return [SimpleNamespace(sharding=SimpleNamespace(device_set=[SimpleNamespace(platform=platform)]))]
+
+
+def test_the_tpu_kernels_run_where_the_environment_asks_and_they_can(monkeypatch):
+    monkeypatch.delenv(attention.ATTENTION_ENV, raising=False)
+    # not the chip's default until chip_parity has checked them there (kernels_for)
+    assert attention.kernels_for(pool_on("tpu"), 64) == attention.kernels_for(pool_on("cpu"), 64) == "jnp"
+    monkeypatch.setenv(attention.ATTENTION_ENV, "jnp")
+    assert attention.kernels_for(pool_on("tpu"), 64) == "jnp"
+    monkeypatch.setenv(attention.ATTENTION_ENV, "tpu")
+    assert attention.kernels_for(pool_on("tpu"), 64) == attention.kernels_for(pool_on("tpu"), 128) == "tpu"
+    assert attention.kernels_for(pool_on("tpu"), 96) == "jnp"  # a head_dim the kernel does not take
+    assert attention.kernels_for(pool_on("cpu"), 64) == "jnp"  # asked for, but no chip: jnp
+    monkeypatch.setenv(attention.ATTENTION_ENV, "interpret")
+    assert attention.kernels_for(pool_on("cpu"), 64) == "interpret"
+    assert attention.kernels_for(pool_on("cpu"), 16) == "jnp"  # the tiny model: the kernels cannot
+    monkeypatch.setenv(attention.ATTENTION_ENV, "pallas")
+    with pytest.raises(ValueError, match="FSM_PD_ATTENTION"):
+        attention.kernels_for(pool_on("tpu"), 64)
