@@ -182,14 +182,25 @@ class PageAllocator:
         with self._lock:
             self._closed.pop(room, None)
 
-    def hand_over(self, pages: list[int], replacing: list[int]) -> tuple[object, object]:
-        """Move ``pages`` from the one holder that has them all to the one that holds ``replacing``, whose pages
-        ``replacing`` go back to the free list: ownership changes hands and no byte moves (``--role pd`` on one pool,
-        ``docs/tpu.md``). All or nothing, under the lock, so a page is never owned twice nor freed while it moves:
-        where the sender's room already freed ``pages`` (its deadline or an abort ran first) or the receiver's no
-        longer holds ``replacing``, it raises ``PageOwnershipError`` and changes nothing. Returns (from, to)."""
+    def holder(self, pages: list[int]) -> object:
+        """The room that holds every page of ``pages`` now (``PageOwnershipError`` if none does): what a handoff
+        names as its sender when it names the pages (``hand_over``)."""
+        with self._lock:
+            return self._holder_of(pages, "handed over")
+
+    def hand_over(self, pages: list[int], replacing: list[int], *, sender: object) -> tuple[object, object]:
+        """Move ``pages`` from ``sender`` (the room that held them when the handoff named them: ``holder``) to the
+        one that holds ``replacing``, whose pages ``replacing`` go back to the free list: ownership changes hands and
+        no byte moves (``--role pd`` on one pool, ``docs/tpu.md``). All or nothing, under the lock, so a page is never
+        owned twice nor freed while it moves: where ``sender`` no longer holds every page of ``pages`` (its deadline
+        or an abort ran first and freed them; another room may hold them by now, with its own KV) or the receiver's
+        room no longer holds ``replacing``, it raises ``PageOwnershipError`` and changes nothing. Returns (from, to).
+        """
         with self._lock:
             src, dst = self._holder_of(pages, "handed over"), self._holder_of(replacing, "replaced")
+            if src != sender:  # the sender's room freed them, and they were reserved again: not its KV any more
+                raise PageOwnershipError(f"the pages room {sender!r} handed over ({sorted(pages)[:8]}...) are room "
+                                         f"{src!r}'s now: freed and reused meanwhile")
             if src == dst:
                 raise PageOwnershipError(f"room {src!r} cannot hand pages over to itself")
             moving, going = set(pages), set(replacing)
@@ -280,5 +291,8 @@ class AllocatorView:
     def forget(self, room) -> None:
         self.shared.forget(self._key(room))
 
-    def hand_over(self, pages: list[int], replacing: list[int]) -> tuple[object, object]:
-        return self.shared.hand_over(pages, replacing)
+    def holder(self, pages: list[int]) -> object:
+        return self.shared.holder(pages)
+
+    def hand_over(self, pages: list[int], replacing: list[int], *, sender: object) -> tuple[object, object]:
+        return self.shared.hand_over(pages, replacing, sender=sender)

@@ -173,12 +173,12 @@ class RecordingAllocator(PageAllocator):
             self.owner.pop(page, None)
         return given
 
-    def hand_over(self, pages: list[int], replacing: list[int]) -> tuple[object, object]:
+    def hand_over(self, pages: list[int], replacing: list[int], *, sender: object) -> tuple[object, object]:
         """The real hand-over (a shared pool's handoff: ``SimPoolKV.scatter``), then checked: the pages came from the
         prefill room of the receiving room's id, which had written its KV into each and is on none of them still; they
         are the receiver's alone now, and what it gave back is free. A refused hand-over (``PageOwnershipError``)
         changed nothing, and is the handlers' to report."""
-        src, dst = super().hand_over(pages, replacing)
+        src, dst = super().hand_over(pages, replacing, sender=sender)
         room = room_id(dst)
         if src != ("prefill", room):
             self.ledger.violation(f"{self.name}: decode room {room} adopted pages {pages[:4]} from {src}, not from "

@@ -79,14 +79,14 @@ class RecordingView(AllocatorView):
 
 class SimHandoff:
     """``PageHandoff`` as the handlers see it (``pool_backend.py`` loads jax): the pages of one handoff, in order, in
-    the pool both engines hold; no byte in it. A ledger entry like a staging or pulled buffer, so that each is let go
-    exactly once."""
+    the pool both engines hold, and the room that held them when P named them (``sender``); no byte in it. A ledger
+    entry like a staging or pulled buffer, so that each is let go exactly once."""
 
-    __slots__ = ("key", "kind", "pages", "room")
+    __slots__ = ("key", "kind", "pages", "room", "sender")
     nbytes = 0  # what crosses: nothing
 
-    def __init__(self, key: int, kind: str, room: int | None, pages: tuple[int, ...]):
-        self.key, self.kind, self.room, self.pages = key, kind, room, tuple(pages)
+    def __init__(self, key: int, kind: str, room: int | None, pages: tuple[int, ...], sender: object):
+        self.key, self.kind, self.room, self.pages, self.sender = key, kind, room, tuple(pages), sender
 
     @property
     def rows(self) -> int:
@@ -117,12 +117,13 @@ class SimPoolKV:
 
     # --- prefill ---
     def gather(self, owner: Any, pages: list[int], plan: Any) -> tuple[SimHandoff]:
-        """The pages, read as far as a gather reads: each must be the room's, its KV final."""
-        holder = self.allocator.owner.get(pages[-1])
-        room = holder[1] if isinstance(holder, tuple) and holder[0] == "prefill" else None
+        """The pages and their holder (the allocator's own ``holder``, as ``SharedPoolKV.gather`` names it), read as
+        far as a gather reads: each must be the room's, its KV final."""
+        sender = self.allocator.holder(pages)
+        room = sender[1] if isinstance(sender, tuple) and sender[0] == "prefill" else None
         if room is not None:
-            self.allocator.check_read(holder, pages, "a gather")
-        handoff = SimHandoff(self.ledger.new_id(), "staging", room, tuple(pages))
+            self.allocator.check_read(sender, pages, "a gather")
+        handoff = SimHandoff(self.ledger.new_id(), "staging", room, tuple(pages), sender)
         self.ledger.alloc("staging", handoff.key, self.instance, room)
         return (handoff,)
 
@@ -142,7 +143,7 @@ class SimPoolKV:
         (handoff,) = pieces
         if len(handoff.pages) != len(pages):
             raise ValueError(f"the prefill side hands over {len(handoff.pages)} pages for {len(pages)} reserved")
-        self.allocator.hand_over(list(handoff.pages), list(pages))
+        self.allocator.hand_over(list(handoff.pages), list(pages), sender=handoff.sender)
         return list(handoff.pages)
 
     def corrupt(self, staging: SimHandoff) -> SimHandoff:

@@ -276,7 +276,7 @@ class SimPuller:
             pages = entry.corrupted()
             if self.record is not None:
                 self.record("corrupt", entry.room, f"transfer {p.uuid} delivered a page list naming page 0")
-        handed = SimHandoff(self.ledger.new_id(), "pulled", entry.room, pages)
+        handed = SimHandoff(self.ledger.new_id(), "pulled", entry.room, pages, entry.sender)
         self.ledger.alloc("pulled", handed.key, self.instance, handed.room)
         self.sched.later(REPORT_S + self.plan.pull_reports_late(), lambda: p.done(handed, None), self.instance)
 

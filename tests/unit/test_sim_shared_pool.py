@@ -60,6 +60,27 @@ def test_pages_the_prefill_room_freed_mid_handoff_are_refused(tmp_path, told):
     assert world.ledger.violations == [] and page_accounting(world) == [] and leaks(world) == []
 
 
+def test_pages_freed_mid_handoff_and_reserved_again_by_another_room_are_not_adopted(tmp_path):
+    """The bug this mode found: room 1's prefill room ends once D has its page list (the ABORT lost, D's report of
+    the pull late), its pages go back, and room 3's prefill reserves them all and computes its KV there. The
+    hand-over took the pages from whichever room held them all, so decode room 1 reached Success over room 3's KV
+    (``decode room 1 adopted pages [15, 16, 17, 18] from ('prefill', 3), not from prefill room 1``); now the
+    handoff names its sender, which no longer holds them, and decode room 1 fails."""
+    world = shared_world(tmp_path, num_pages=14, prefill_pages=8)  # 21 usable pages: room 3 waits for room 1's
+    world.plan.slow_pulls_s = 0.05
+    for room_id, prompt_len in ((1, 100), (2, 130), (3, 100)):
+        world.add_request(room_id, prompt_len, at=0.001)
+    assert world.run_until(landed(world, 1))
+    world.plan.forced_messages.append("drop")
+    world.abort("prefill", 1, "client went away")
+    world.run()
+    world.close()
+    assert room(world, "prefill", 3).state == "Success" == room(world, "decode", 3).state
+    d = room(world, "decode", 1)
+    assert d.state == "Failed" and "are room ('prefill', 3)'s now: freed and reused meanwhile" in d.reason, d.reason
+    assert world.ledger.violations == [] and page_accounting(world) == [] and leaks(world) == []
+
+
 def test_a_crash_of_either_role_is_one_of_the_process_and_it_restarts_whole(tmp_path):
     world = shared_world(tmp_path)
     world.add_request(1, 100, at=0.001)
