@@ -197,10 +197,12 @@ class PageAllocator:
         room no longer holds ``replacing``, it raises ``PageOwnershipError`` and changes nothing. Returns (from, to).
         """
         with self._lock:
-            src, dst = self._holder_of(pages, "handed over"), self._holder_of(replacing, "replaced")
-            if src != sender:  # the sender's room freed them, and they were reserved again: not its KV any more
+            wanted = set(pages)
+            if not (wanted and len(wanted) == len(pages) and wanted <= set(self._held.get(sender, ()))):
+                now = self._holder_of(pages, "handed over")  # raises if nobody holds them (freed meanwhile)
                 raise PageOwnershipError(f"the pages room {sender!r} handed over ({sorted(pages)[:8]}...) are room "
-                                         f"{src!r}'s now: freed and reused meanwhile")
+                                         f"{now!r}'s now: freed and reused meanwhile")
+            src, dst = sender, self._holder_of(replacing, "replaced")
             if src == dst:
                 raise PageOwnershipError(f"room {src!r} cannot hand pages over to itself")
             moving, going = set(pages), set(replacing)
