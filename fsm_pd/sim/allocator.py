@@ -175,9 +175,9 @@ class RecordingAllocator(PageAllocator):
 
     def hand_over(self, pages: list[int], replacing: list[int], *, sender: object) -> tuple[object, object]:
         """The real hand-over (a shared pool's handoff: ``SimPoolKV.scatter``), then checked: the pages came from the
-        prefill room of the receiving room's id, which had written its KV into each and is on none of them still; they
-        are the receiver's alone now, and what it gave back is free. A refused hand-over (``PageOwnershipError``)
-        changed nothing, and is the handlers' to report."""
+        prefill room of the receiving room's id, each holds that room's final KV and has no writer or reader left on
+        it; they are the receiver's alone now, and what it gave back is free. A refused hand-over
+        (``PageOwnershipError``) changed nothing, and is the handlers' to report."""
         src, dst = super().hand_over(pages, replacing, sender=sender)
         room = room_id(dst)
         if src != ("prefill", room):
@@ -200,8 +200,8 @@ class RecordingAllocator(PageAllocator):
             self.owner.pop(page, None)
         holders = [holder for holder, held in self._held.items() if holder != dst and set(held) & set(pages)]
         if holders or not set(pages) <= set(self._held.get(dst, ())):
-            self.ledger.violation(f"{self.name}: after the hand-over to {dst}, pages {pages[:4]} are held by "
-                                  f"{holders or 'someone else'} too")
+            self.ledger.violation(f"{self.name}: after the hand-over, pages {pages[:4]} are not {dst}'s alone (also "
+                                  f"held by: {holders})")
         free = set(self._free)
         if not set(replacing) <= free or set(pages) & free:
             self.ledger.violation(f"{self.name}: after the hand-over to {dst}, its replaced pages "

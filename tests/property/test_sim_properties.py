@@ -10,7 +10,8 @@ streamed scatter); a slow model thread; client aborts on either side; a crash of
 journal commit and effects, restarting later or at once (a peer instance replaced), or down long enough to be
 declared dead; a stall (SIGSTOP) of either node; a pull whose bytes are corrupted; a cache flush; time passing. Each
 world also draws whether P sends from its pool, prefills in chunks (handed off chunk by chunk), and its 64-page decode
-pool makes the decode loop retract.
+pool makes the decode loop retract. ``TestSharedPool`` runs the same rules with both roles one process over one pool,
+whose handoffs move page ownership (``--role pd``: ``SharedPoolMachine``).
 
 After every step (``fsm_pd.sim.invariants``): every page reservation, staging buffer, transfer entry and pulled
 buffer is freed exactly once (every attempt is recorded); no write reaches a page after its ``FreePages``; nothing is

@@ -97,6 +97,20 @@ def test_a_crash_of_either_role_is_one_of_the_process_and_it_restarts_whole(tmp_
     assert world.ledger.violations == [] and page_accounting(world) == [] and leaks(world) == []
 
 
+def test_the_decode_loop_retracts_and_resumes_requests_whose_pages_it_adopted(tmp_path):
+    """Four prompts of 150 tokens decoding up to 400 tokens in a 63-page pool: the newest gives its adopted pages
+    back (``give_back``) and resumes later over new ones; every page comes back."""
+    world = shared_world(tmp_path, num_pages=40, seed=0, decode_tokens=400)
+    for room_id in range(1, 5):
+        world.add_request(room_id, 150, at=0.001)
+    world.run()
+    world.close()
+    decode = world.decode.instance
+    assert decode.scheduler.loop.counters() == {"preempted": 1, "resumed": 1}
+    assert {r.state for r in decode.node.rooms.values()} == {"Success"}
+    assert world.ledger.violations == [] and page_accounting(world) == [] and leaks(world) == []
+
+
 def test_the_checks_catch_a_hand_over_that_drops_the_release_of_the_replaced_pages(tmp_path, monkeypatch):
     """The receiver's reserved pages must go back to the free list with the hand-over: without that they leak."""
     real = PageAllocator.hand_over
