@@ -25,7 +25,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for name in ("prefill.db", "decode.db"):
         for suffix in ("", "-wal", "-shm"):
             (journal_dir / (name + suffix)).unlink(missing_ok=True)  # a rerun starts a fresh history
-    config = SimConfig(requests=args.requests, seed=args.seed, fault_rate=args.fault_rate)
+    config = SimConfig(requests=args.requests, seed=args.seed, fault_rate=args.fault_rate,
+                       shared_pool=1.0 if args.shared_pool else 0.0)
     summary = simulate(config, journal_dir, durability=args.durability)
     summary["journals"] = [str(journal_dir / "prefill.db"), str(journal_dir / "decode.db")]
     print(json.dumps(summary, indent=1))
@@ -165,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--fault-rate", type=_fraction, default=0.0,
                      help="0..1: scales dropped/duplicated/delayed messages, failed pulls and bootstrap lookups, "
                           "client aborts and a prefill crash (default 0: everything succeeds)")
+    sim.add_argument("--shared-pool", action="store_true",
+                     help="run both roles as --role pd does on one set of devices: one process, one KV pool, and "
+                          "handoffs that move page ownership (docs/simulation.md)")
     sim.add_argument("--journal-dir", default="sim", help="where to write prefill.db and decode.db (default ./sim)")
     sim.add_argument("--durability", choices=("full", "normal", "off"), default="normal",
                      help="journal fsync policy (default normal)")

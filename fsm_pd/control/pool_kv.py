@@ -4,13 +4,14 @@ A handoff there moves page ownership, not bytes. P's "gather" names the pages it
 ``pool`` backend hands that list to D's pull; D's "scatter" makes D's room their owner in one step under the
 allocator's lock (``PageAllocator.hand_over``), and the pages D had reserved for the prompt go back to the free list.
 
-What guards a page reused mid-handoff, where a checksum has nothing to check: ownership. P's gather records which
-room holds the pages (its allocator key: a freed room never reserves again, so the key names that one reservation).
-Between P's publish and D's adoption the pages stay that room's; they leave it only by the hand-over, which first
-checks that this very room still holds every one of them (and D's room every page it gives back). If P's room ended
-meanwhile (a deadline, an abort), its ``FreePages`` returned the pages, and another room may hold them again: the
-hand-over refuses either way, so D's room fails and D recomputes the request; a page is never owned by two rooms,
-and none is freed while it moves. Both sides' jobs run on the one model thread, in order.
+What guards a page reused mid-handoff, where a checksum has nothing to check: ownership. P's gather names the room
+that holds the pages (``PageAllocator.holder``: its key in the allocator, which no later room takes) as the handoff's
+``sender``. Between P's publish and D's adoption the pages stay that room's; they leave it only by the hand-over, which
+first checks that the sender still holds every one of them (and D's room every page it gives back). If P's room ended
+meanwhile (a deadline, an abort) its ``FreePages`` returned the pages, and the hand-over fails, even where another
+room has reserved them since and holds them all (with its own KV); D's room fails and D recomputes the request. A
+page is never owned by two rooms, and none is freed while it moves. Both sides' jobs run on the one model thread, in
+order.
 """
 
 from __future__ import annotations
@@ -30,8 +31,7 @@ class SharedPoolKV(JaxKV):
 
     # --- prefill ---
     def gather(self, owner: Any, pages: list[int], plan: ReshardPlan) -> tuple[PageHandoff, ...]:
-        """Model thread: the pages, and which room holds them now (the one whose KV they are)."""
-        return (PageHandoff(tuple(pages), source=self.allocator.holder(pages)),)
+        return (PageHandoff(tuple(pages), sender=self.allocator.holder(pages)),)
 
     def gathers_progressively(self, owner: Any) -> bool:
         return False
@@ -46,10 +46,10 @@ class SharedPoolKV(JaxKV):
         (handoff,) = pieces
         if len(handoff.pages) != len(pages):
             raise ValueError(f"the prefill side hands over {len(handoff.pages)} pages for {len(pages)} reserved")
-        self.allocator.hand_over(list(handoff.pages), list(pages), handoff.source)
+        self.allocator.hand_over(list(handoff.pages), list(pages), sender=handoff.sender)
         return list(handoff.pages)
 
     def corrupt(self, staging: PageHandoff) -> PageHandoff:
         """``FSM_PD_FAULT_CORRUPT_PULL``: a list whose first page is the reserved page 0, which no room holds, so
         the hand-over refuses it as a page reused mid-handoff would be."""
-        return PageHandoff((0, *staging.pages[1:]), staging.source)
+        return PageHandoff((0, *staging.pages[1:]), sender=staging.sender)

@@ -183,23 +183,26 @@ class PageAllocator:
             self._closed.pop(room, None)
 
     def holder(self, pages: list[int]) -> object:
-        """The room that holds every page of ``pages`` now; ``PageOwnershipError`` if none does."""
+        """The room that holds every page of ``pages`` now (``PageOwnershipError`` if none does): what a handoff
+        names as its sender when it names the pages (``hand_over``)."""
         with self._lock:
             return self._holder_of(pages, "handed over")
 
-    def hand_over(self, pages: list[int], replacing: list[int], source: object = None) -> tuple[object, object]:
-        """Move ``pages`` from the room that holds them all (``source``, the room that published them, when given)
-        to the one that holds ``replacing``, whose pages ``replacing`` go back to the free list: ownership changes
-        hands and no byte moves (``--role pd`` on one pool, ``docs/tpu.md``). All or nothing, under the lock, so a
-        page is never owned twice nor freed while it moves: where the sender's room already freed ``pages`` (its
-        deadline or an abort ran first), another room holds them since (reused mid-handoff: a freed room never
-        reserves again, so its key names that one reservation), or the receiver's no longer holds ``replacing``, it
-        raises ``PageOwnershipError`` and changes nothing. Returns (from, to)."""
+    def hand_over(self, pages: list[int], replacing: list[int], *, sender: object) -> tuple[object, object]:
+        """Move ``pages`` from ``sender`` (the room that held them when the handoff named them: ``holder``) to the
+        one that holds ``replacing``, whose pages ``replacing`` go back to the free list: ownership changes hands and
+        no byte moves (``--role pd`` on one pool, ``docs/tpu.md``). All or nothing, under the lock, so a page is never
+        owned twice nor freed while it moves: where ``sender`` no longer holds every page of ``pages`` (its deadline
+        or an abort ran first and freed them; another room may hold them by now, with its own KV) or the receiver's
+        room no longer holds ``replacing``, it raises ``PageOwnershipError`` and changes nothing. Returns (from, to).
+        """
         with self._lock:
-            src, dst = self._holder_of(pages, "handed over"), self._holder_of(replacing, "replaced")
-            if source is not None and src != source:
-                raise PageOwnershipError(f"pages {sorted(pages)[:8]} were published by room {source!r} but room "
-                                         f"{src!r} holds them now: freed and reused mid-handoff")
+            wanted = set(pages)
+            if not (wanted and len(wanted) == len(pages) and wanted <= set(self._held.get(sender, ()))):
+                now = self._holder_of(pages, "handed over")  # raises if nobody holds them (freed meanwhile)
+                raise PageOwnershipError(f"the pages room {sender!r} handed over ({sorted(pages)[:8]}...) are room "
+                                         f"{now!r}'s now: freed and reused meanwhile")
+            src, dst = sender, self._holder_of(replacing, "replaced")
             if src == dst:
                 raise PageOwnershipError(f"room {src!r} cannot hand pages over to itself")
             moving, going = set(pages), set(replacing)
@@ -293,5 +296,5 @@ class AllocatorView:
     def holder(self, pages: list[int]) -> object:
         return self.shared.holder(pages)
 
-    def hand_over(self, pages: list[int], replacing: list[int], source: object = None) -> tuple[object, object]:
-        return self.shared.hand_over(pages, replacing, source)
+    def hand_over(self, pages: list[int], replacing: list[int], *, sender: object) -> tuple[object, object]:
+        return self.shared.hand_over(pages, replacing, sender=sender)

@@ -34,7 +34,7 @@ def settle_bound(world: World) -> float:
     rooms = world.pending_arrivals + sum(not r.terminal for s in slots for r in s.instance.node.rooms.values())
     backlog = sum(max(0.0, m.due_at - now) for m in models)
     backlog += (sum(m.queued() for m in models) + 4 * rooms) * world.model_delay
-    stalled = max(0.0, *(s.instance.frozen_until - now for s in slots))  # a stalled node's clocks wait
+    stalled = max([0.0, *(s.instance.frozen_until - now for s in slots)])  # a stalled node's clocks wait (none up: 0)
     # the decode loop: every request there and every room still open decodes in turn at worst (retractions)
     decoding = world.decode.instance.scheduler.live() if world.decode.alive else 0
     decode_s = (decoding + rooms + 1) * c.decode_tokens * STEP_S * 2

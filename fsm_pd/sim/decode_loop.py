@@ -49,8 +49,9 @@ class SimDecodeLoop:
         """Retracted requests wait for pages: the engine admits nothing new until they are back."""
         return bool(self.retracted)
 
-    def add(self, seq: SimRequest, tokens: int) -> None:
-        """A request whose handoff succeeded decodes ``tokens`` tokens (model thread)."""
+    def add(self, seq: SimRequest, tokens: int, pages: list[int]) -> None:
+        """A request whose handoff succeeded decodes ``tokens`` tokens from its room's ``pages`` (model thread)."""
+        seq.pages = pages
         seq.meta.update(order=self.arrivals, generated=0, target=tokens)
         self.arrivals += 1
         self.running.append(seq)

@@ -13,6 +13,11 @@ cache (``SimConfig.decode_radix_cache``, drawn per world), and ``SchedulerAdmiss
 loop (``decode_loop.py``: growth, retraction under pressure, resume with recompute), then finishes as the engine's
 does.
 
+In a shared pool (``shared_pool.py``) both use the production ``AllocatorView`` of the one pool, as the engines of
+``--role pd`` do: the prefill engine then keeps no cache and hands a prompt off whole after its last chunk (the
+prefill engine's ``shared`` turns both off), and the decode engine decodes from the pages its room adopted (the
+room's ``pages`` after ``scattered``, as ``DecodeEngine._on_room`` takes them).
+
 Both record what each live request uses of its cache (``RecordingAllocator.use``): the invariants compare that
 with the cache's own lock counts, and check that no such page is ever freed or handed to another request.
 """
@@ -97,8 +102,13 @@ class _Scheduler:
 
 class PrefillScheduler(_Scheduler):
     def __init__(self, world: World, inst: Any):
-        allocator = RecordingAllocator(world.config.prefill_pages, world.ledger, inst)
-        super().__init__(world, inst, allocator, PrefixCache(allocator, world.decode_layout["page_size"]))
+        page_size = world.decode_layout["page_size"]
+        if inst.process is not None:  # one pool with the decode engine: no cache, no chunk-by-chunk handoff
+            super().__init__(world, inst, inst.process.view("prefill", inst), None)
+        else:
+            allocator = RecordingAllocator(world.config.prefill_pages, world.ledger, inst)
+            super().__init__(world, inst, allocator, PrefixCache(allocator, page_size))
+        self.streams_chunks = inst.process is None
         self.requests: dict[int, SimRequest] = {}  # room -> its live request
         self.queue: deque[SimRequest] = deque()
         self.streaming: set[int] = set()  # rooms handed off chunk by chunk (``kv_first_chunk`` sent)
@@ -162,9 +172,9 @@ class PrefillScheduler(_Scheduler):
         core = self.inst.core
         if end < seq.prompt_len:
             final_pages = end // self.page_size
-            if seq.key in self.streaming:
+            if self.streams_chunks and seq.key in self.streaming:  # (a shared pool hands off whole, at the end)
                 core.kv_chunk(seq.key, final_pages=final_pages)
-            else:
+            elif self.streams_chunks:
                 self.streaming.add(seq.key)
                 core.kv_first_chunk(seq.key, pages=list(seq.pages), final_pages=final_pages,
                                     piece_pages=max(1, self.world.chunk_tokens // self.page_size),
@@ -187,8 +197,9 @@ class PrefillScheduler(_Scheduler):
 
 class DecodeScheduler(_Scheduler):
     def __init__(self, world: World, inst: Any):
-        pages = world.config.num_pages
-        allocator = RecordingAllocator(pages, world.ledger, inst)
+        pages = world.config.num_pages if inst.process is None else world.shared_pages
+        allocator = (RecordingAllocator(pages, world.ledger, inst) if inst.process is None
+                     else inst.process.view("decode", inst))
         page_size = world.decode_layout["page_size"]
         cache = PrefixCache(allocator, page_size) if world.decode_radix_cache else None
         super().__init__(world, inst, allocator, cache)
@@ -227,7 +238,8 @@ class DecodeScheduler(_Scheduler):
             self.inst.model.submit(lambda owner: self._failed(seq))
             return
         tokens = self.world.rng.randint(1, self.world.config.decode_tokens)
-        self.inst.model.submit(lambda owner: self.loop.add(seq, tokens))
+        pages = list(room.ctx["pages"])  # as the engine takes them: in a shared pool, the pages its room adopted
+        self.inst.model.submit(lambda owner: self.loop.add(seq, tokens, pages))
 
     def _failed(self, seq: SimRequest) -> None:
         self.prealloc.failed(seq)

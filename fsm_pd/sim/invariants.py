@@ -48,9 +48,14 @@ def leaks(world: World) -> list[str]:
 def page_accounting(world: World) -> list[str]:
     """Both nodes' pools, once quiet: every page is free, a live room's, or the prefix cache's (never two of these,
     never none), and each cached page is locked exactly as often as live requests use it (none when no request is
-    live). A page freed or handed on while a live request's prefix locks it is caught when it happens (``kv.py``)."""
-    return [problem for slot in (world.prefill, world.decode) if slot.alive
-            for problem in slot.instance.scheduler.allocator.accounting()]
+    live). A page freed or handed on while a live request's prefix locks it is caught when it happens (``kv.py``).
+    A pool both roles share (``shared_pool.py``) is checked once, across both roles' rooms."""
+    pools = {}
+    for slot in (world.prefill, world.decode):
+        if slot.alive:
+            allocator = slot.instance.scheduler.allocator
+            pools.setdefault(id(getattr(allocator, "shared", allocator)), allocator)
+    return [problem for allocator in pools.values() for problem in allocator.accounting()]
 
 
 def overdue_rooms(world: World) -> list[str]:

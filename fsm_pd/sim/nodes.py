@@ -26,6 +26,7 @@ from fsm_pd.sim.engine_schedulers import DecodeScheduler, PrefillScheduler
 from fsm_pd.sim.kv import SimKV
 from fsm_pd.sim.model import SimModel
 from fsm_pd.sim.network import SimSideChannel
+from fsm_pd.sim.shared_pool import SimPoolKV
 from fsm_pd.sim.timeline import OwnedTimers
 from fsm_pd.sim.transfer import SimPuller, SimTransferServer
 from fsm_pd.transport.messages import new_instance_id
@@ -61,7 +62,9 @@ class Instance:
         self.name = f"{slot.node_id}#{generation}"
         self.created: dict[int, float] = {}  # room -> when this instance created (or recovered) it
         w = self.world = world
-        self.model = SimModel(w.sched, self, lambda: w.model_delay)
+        # a shared pool (--role pd): one process with the other role's instance, one model thread and allocator
+        self.process = w.shared_process(slot, self)
+        self.model = self.process.model if self.process is not None else SimModel(w.sched, self, lambda: w.model_delay)
         self.channel = SimSideChannel(w.network, self, slot.node_id, slot.address, new_instance_id(w.rng),
                                       healthy=self.answers_pings)
         faults = Faults(role=slot.role)  # FSM_PD_FAULT_* drive real processes; the simulation has its FaultPlan
@@ -72,30 +75,35 @@ class Instance:
         # them layer by layer into a published block (zmq)
         self.sends_pages = self.progressive and w.rng.random() < w.config.sends_pages
         layers = w.decode_layout["num_layers"]
+        shared = self.process is not None
         if slot.role == "prefill":
             self.scheduler: PrefillScheduler | DecodeScheduler = PrefillScheduler(w, self)  # the engine's pool
-            owner = self.scheduler.allocator.owner
-            self.transfer = SimTransferServer(w.sched, w.ledger, self, slot.transfer_address)
-            kv = SimKV(w.ledger, w.sched, self.model, self, w.page_bytes, layers, progressive=self.progressive,
-                       sends_pages=self.sends_pages, allocator=self.scheduler.allocator,
-                       room_of_pages=lambda pages: next((owner[p] for p in reversed(pages) if p in owner), None))
+            self.transfer = SimTransferServer(w.sched, w.ledger, self, slot.transfer_address, pool=shared)
+            if shared:  # no byte moves, so no checksum (KVManager turns it off with a shared pool)
+                kv = SimPoolKV(w.ledger, self, self.process.allocator)
+            else:
+                owner = self.scheduler.allocator.owner
+                kv = SimKV(w.ledger, w.sched, self.model, self, w.page_bytes, layers, progressive=self.progressive,
+                           sends_pages=self.sends_pages, allocator=self.scheduler.allocator,
+                           room_of_pages=lambda pages: next((owner[p] for p in reversed(pages) if p in owner), None))
             self.effects: PrefillEffects | DecodeEffects = PrefillEffects(
                 layout=w.prefill_layout, channel=self.channel, transfer=self.transfer, model=self.model, kv=kv,
-                faults=faults, new_uuid=lambda: w.rng.getrandbits(63) or 1)
+                faults=faults, new_uuid=lambda: w.rng.getrandbits(63) or 1, kv_checksum=not shared)
             machine, deadlines, layout = SENDER, w.config.prefill_deadlines, w.prefill_layout
         else:
             self.scheduler = DecodeScheduler(w, self)
             self.allocator, self.admission = self.scheduler.allocator, self.scheduler.admission
             self.resolver = SimResolver(w.sched, self, w.plan, w.bootstrap)
-            puller = SimPuller(w.sched, w.ledger, self, w.plan, w.transfer_server, lambda: w.network.partitioned,
-                               layers)
+            # the pool backend's pulls stay in the process: no partition cuts them
+            partitioned = (lambda: False) if shared else (lambda: w.network.partitioned)
+            puller = SimPuller(w.sched, w.ledger, self, w.plan, w.transfer_server, partitioned, layers)
             puller.record = w.record
+            kv = (SimPoolKV(w.ledger, self, self.process.allocator) if shared else
+                  SimKV(w.ledger, w.sched, self.model, self, w.page_bytes, layers, progressive=self.progressive,
+                        allocator=self.allocator))
             self.effects = DecodeEffects(
                 layout=w.decode_layout, channel=self.channel, resolver=self.resolver, admission=self.admission,
-                puller=puller, model=self.model,
-                kv=SimKV(w.ledger, w.sched, self.model, self, w.page_bytes, layers, progressive=self.progressive,
-                         allocator=self.allocator),
-                faults=faults)
+                puller=puller, model=self.model, kv=kv, faults=faults, kv_checksum=not shared)
             machine, deadlines, layout = RECEIVER, w.config.decode_deadlines, w.decode_layout
         self.interpreter = CrashableInterpreter(self.effects.interpreter())
         self.node = Node(slot.node_id, machine, self.journal, self.interpreter, w.clock, deadlines)

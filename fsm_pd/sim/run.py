@@ -83,4 +83,5 @@ def summarize(world: World) -> dict:
             + corruption_served(world),
         },
         "virtual_seconds": round(world.clock.now(), 6),
+        "shared_pool": world.shared_pool,
     }

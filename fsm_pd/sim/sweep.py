@@ -54,10 +54,15 @@ def check_seed(config: SimConfig, journal_dir: Path) -> tuple[list[str], Counter
         for slot in (world.decode,):
             if slot.alive:
                 seen.update({f"decode loop {k}": v for k, v in slot.instance.scheduler.loop.counters().items()})
+        seen["shared-pool worlds"] += world.shared_pool
         for (_node, role, _room), room in world.live_rooms().items():
             seen[f"{role} {room.state}"] += 1
             if room.reason and "checksum mismatch" in room.reason and role == "decode":
                 seen["decode failed on the checksum"] += 1
+            if role == "decode" and room.state == "Success" and room.ctx.get("adopted_pages"):
+                seen["decode adopted the pages"] += 1
+            if role == "decode" and room.reason and "freed or reused meanwhile" in room.reason:
+                seen["decode's hand-over refused"] += 1
         return found, seen
     finally:
         world.close()
@@ -88,9 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prompt", type=int, default=DEFAULTS.max_prompt, help="longest prompt, tokens")
     parser.add_argument("--decode-tokens", type=int, default=DEFAULTS.decode_tokens,
                         help="a request decodes 1 to this many tokens")
+    parser.add_argument("--shared-pool", type=float, nargs="?", const=1.0, default=0.0, metavar="CHANCE",
+                        help="the chance (alone: 1) that a seed runs both roles as --role pd on one set of devices: "
+                             "one process, one pool of both pools' pages, handoffs that move page ownership")
     args = parser.parse_args(argv)
     if not 0.0 <= args.fault_rate <= 1.0:
         parser.error(f"--fault-rate must be between 0 and 1, got {args.fault_rate}")
+    if not 0.0 <= args.shared_pool <= 1.0:
+        parser.error(f"--shared-pool must be between 0 and 1, got {args.shared_pool}")
     started, failed, total = time.monotonic(), 0, Counter()
     work = Path(tempfile.mkdtemp(prefix="fsm-pd-sweep-"))
     try:
@@ -98,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             journal_dir = work / str(seed)
             config = SimConfig(requests=args.requests, seed=seed, fault_rate=args.fault_rate,
                                num_pages=args.decode_pages, max_prompt=args.max_prompt,
-                               decode_tokens=args.decode_tokens)
+                               decode_tokens=args.decode_tokens, shared_pool=args.shared_pool)
             found, seen = check_seed(config, journal_dir)
             shutil.rmtree(journal_dir, ignore_errors=True)
             total.update(seen)

@@ -13,6 +13,11 @@ lands after its wire time, and ``on_progress`` hears of it, as the tcp backend r
 connection before the first layer or after a few (a streamed scatter then has written some of them); a server that
 dies, ends the entry or is cut off fails the pull at the next layer. Once every byte is in, the pull reports after
 a local delay; that delay is where a pull can finish successfully after its room ended.
+
+In a shared pool (``shared_pool.py``) the server is the ``pool`` backend's: an entry is a page list
+(``SimHandoff``), not bytes; a pull waits for it as any does, is not cut by a partition (both engines are one
+process), takes it once (a second pull of the uuid fails, as ``PoolHandoffBackend``'s does) and reports it after the
+local delay; a fault fails it, or names page 0 in the list it delivers (``SharedPoolKV.corrupt``'s fault).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 from fsm_pd.sim.faults import FaultPlan
 from fsm_pd.sim.kv import SimBuffer, SimPoolPages
 from fsm_pd.sim.ledger import Ledger
+from fsm_pd.sim.shared_pool import SimHandoff
 from fsm_pd.sim.timeline import OwnedDeadlines, OwnedTimers, Timeline
 from fsm_pd.transport.backends.base import StagingProgress, TransferFailed, TransferTimeout
 from fsm_pd.transport.backends.holds import Hold, HoldingBackend, HoldTable
@@ -42,10 +48,14 @@ class SimTransferServer(HoldingBackend):
     progressive = True
     sends_pages = True  # like tcp: an entry may be the pool's pages themselves (``publish_pages``)
 
-    def __init__(self, sched: Timeline, ledger: Ledger, instance: Any, address: str):
+    def __init__(self, sched: Timeline, ledger: Ledger, instance: Any, address: str, *, pool: bool = False):
+        """``pool``: the ``pool`` backend of two engines sharing one pool (entries are page lists)."""
         self.sched, self.ledger, self.instance, self._address = sched, ledger, instance, address
         self._holds = HoldTable(self._retire, clock=OwnedDeadlines(OwnedTimers(sched.clock, instance)))
         self._waiting: dict[int, list[Callable[[], None]]] = {}  # uuid -> pulls waiting for more final bytes
+        self.delivered: set[int] = set()  # the pool backend's: uuids pulled once (and awaiting release)
+        if pool:
+            self.name, self.progressive, self.sends_pages = "pool", False, False
 
     @property
     def address(self) -> str:
@@ -91,6 +101,7 @@ class SimTransferServer(HoldingBackend):
         super().fail(uuid, reason)
 
     def _retire(self, uuid: int, reason: str, hold: Hold | None) -> None:
+        self.delivered.discard(uuid)  # a later pull finds the tombstone
         if hold is not None:  # the backend lets the staging buffer go with its entry
             buf = hold.payload[0]
             if isinstance(buf, SimPoolPages):
@@ -198,6 +209,9 @@ class SimPuller:
             self.sched.later(min(POLL_S, p.deadline - now), lambda: self._look(p), self.instance)
             return
         p.entry, p.progress = found
+        if isinstance(p.entry, SimHandoff):
+            self._take_pages(p, server)
+            return
         if isinstance(p.entry, SimPoolPages):
             p.turn = p.entry.reader()
         p.wire = _Wire(p.entry)
@@ -246,6 +260,25 @@ class SimPuller:
         if p.on_progress is not None:
             p.on_progress(0, p.wire, upto)
         self._stream(p)
+
+    def _take_pages(self, p: _Pull, server: SimTransferServer) -> None:
+        """The pool backend's pull: the page list is delivered once; no byte moves."""
+        if p.uuid in server.delivered:
+            p.done(None, TransferFailed(f"transfer {p.uuid} was already pulled and awaits release"))
+            return
+        if self.plan.pull_fails():
+            p.done(None, TransferFailed("the pull failed"))
+            return
+        server.delivered.add(p.uuid)
+        entry = p.entry
+        pages = entry.pages
+        if self.plan.pull_corrupts():
+            pages = entry.corrupted()
+            if self.record is not None:
+                self.record("corrupt", entry.room, f"transfer {p.uuid} delivered a page list naming page 0")
+        handed = SimHandoff(self.ledger.new_id(), "pulled", entry.room, pages, entry.sender)
+        self.ledger.alloc("pulled", handed.key, self.instance, handed.room)
+        self.sched.later(REPORT_S + self.plan.pull_reports_late(), lambda: p.done(handed, None), self.instance)
 
     def _landed(self, p: _Pull) -> None:
         """Every byte is here: the pulled array exists on this node from now on, whatever the room does."""

@@ -8,6 +8,10 @@ the ``PrefillResolver``, the machines and the SQLite journals. Only the ports ar
 delay, reorder and partition them; either node can crash (also between journal commit and effects) and restart at the
 same addresses as a new instance, rebuilt from its journal. The same seed gives the same history, byte for byte.
 
+With ``SimConfig.shared_pool`` a world may run both roles as ``--role pd`` does on one set of devices: one process
+with one pool, allocator and model thread, whose handoffs move page ownership (``shared_pool.py``). A crash or a
+stall of either role is then one of the process: of both.
+
 ``run()`` is bounded in virtual time (``bounds.py``): a world that has not gone idle by then holds a room that
 never ends, or work that never stops, and ``Stuck`` says which, instead of heartbeats ticking for ever.
 """
@@ -30,6 +34,7 @@ from fsm_pd.sim.faults import FaultPlan
 from fsm_pd.sim.ledger import Ledger
 from fsm_pd.sim.network import SimNetwork
 from fsm_pd.sim.nodes import Instance, NodeCrashed, SimNode
+from fsm_pd.sim.shared_pool import SharedProcess
 from fsm_pd.sim.timeline import Timeline
 from fsm_pd.sim.transfer import SimTransferServer
 from fsm_pd.sim.workload import Conversations
@@ -79,6 +84,13 @@ class SimConfig:
     # tensor-parallel sizes: a handoff between different ones moves one piece per run of KV slots (transport/reshard)
     prefill_tp: int = 1
     decode_tp: int = 1
+    # the chance (per world) that both roles are one process sharing one pool of num_pages + prefill_pages pages,
+    # as ``--role pd`` (backend ``pool``): a handoff moves page ownership (``shared_pool.py``); 0 draws nothing
+    shared_pool: float = 0.0
+
+    def __post_init__(self):
+        if self.shared_pool > 0 and (self.prefill_tp, self.decode_tp) != (1, 1):
+            raise ValueError("a shared pool is one pool on one set of devices: no tensor-parallel split")
 
 
 def _split(tp: int) -> dict:
@@ -115,6 +127,10 @@ class World:
         self.workload = Conversations(self.rng, LAYOUT["page_size"])
         self.decode_radix_cache = self.rng.random() < config.decode_radix_cache
         self.chunk_tokens = config.chunk_tokens if self.rng.random() < config.chunked else 0
+        self.shared_pool = config.shared_pool > 0 and self.rng.random() < config.shared_pool  # no draw at 0
+        self.shared_pages = config.num_pages + config.prefill_pages  # the one pool of --role pd: both together
+        if self.shared_pool:
+            self.decode_layout = self.prefill_layout = {**LAYOUT, "num_pages": self.shared_pages}
         self.journal_dir = Path(journal_dir) if journal_dir is not None else None
         if self.journal_dir is not None:
             self.journal_dir.mkdir(parents=True, exist_ok=True)
@@ -149,10 +165,11 @@ class World:
         slot = self.prefill if role == "prefill" else self.decode
         if not slot.alive or seconds <= 0:
             return
-        inst = slot.instance
-        inst.frozen_until = max(inst.frozen_until, self.clock.now() + seconds)
+        for stopped in self.process_of(slot):
+            inst = stopped.instance
+            inst.frozen_until = max(inst.frozen_until, self.clock.now() + seconds)
+            self.record("stall", None, f"{inst.name} stopped for {seconds:g} s")
         self.longest_stall = max(self.longest_stall, seconds)
-        self.record("stall", None, f"{inst.name} stopped for {seconds:g} s")
         self.sched.later(seconds, lambda: None, work=False)  # the world settles (and steps it) when it resumes
 
     # --- wiring ---
@@ -271,9 +288,22 @@ class World:
             slot.instance.interpreter.armed = True
             slot.restart_after = restart_after
             return
-        self.record("crash", None, f"{slot.instance.name} killed")
-        slot.crash()
-        self._schedule_restart(slot, restart_after)
+        for dying in self.process_of(slot):
+            self.record("crash", None, f"{dying.instance.name} killed")
+            dying.crash()
+            self._schedule_restart(dying, restart_after)
+
+    def process_of(self, slot: SimNode) -> list[SimNode]:
+        """The slots whose instances are one process with ``slot``'s: both in a shared pool, else ``slot`` alone."""
+        return [s for s in (self.prefill, self.decode) if s.alive] if self.shared_pool else [slot]
+
+    def shared_process(self, slot: SimNode, inst: Instance) -> SharedProcess | None:
+        """The shared pool a new instance ``inst`` in ``slot`` joins: the running instance's of the other role, or
+        a new one (a process that starts, or starts again after it died whole). None without a shared pool."""
+        if not self.shared_pool:
+            return None
+        other = self.decode if slot is self.prefill else self.prefill
+        return other.instance.process if other.alive else SharedProcess(self, inst)
 
     def crash_prefill(self) -> None:
         self.crash("prefill", restart_after=self.config.restart_after)
@@ -318,8 +348,11 @@ class World:
                 done += slot.instance.node.step()
             except NodeCrashed as exc:
                 self.record("crash", None, str(exc))
-                slot.crash()
-                self._schedule_restart(slot, slot.restart_after)
+                for dying in self.process_of(slot):
+                    if dying is not slot:
+                        self.record("crash", None, f"{dying.instance.name} killed with its process")
+                    dying.crash()
+                    self._schedule_restart(dying, slot.restart_after)
                 done += 1
         return done
 

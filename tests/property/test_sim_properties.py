@@ -10,7 +10,8 @@ streamed scatter); a slow model thread; client aborts on either side; a crash of
 journal commit and effects, restarting later or at once (a peer instance replaced), or down long enough to be
 declared dead; a stall (SIGSTOP) of either node; a pull whose bytes are corrupted; a cache flush; time passing. Each
 world also draws whether P sends from its pool, prefills in chunks (handed off chunk by chunk), and its 64-page decode
-pool makes the decode loop retract.
+pool makes the decode loop retract. ``TestSharedPool`` runs the same rules with both roles one process over one pool,
+whose handoffs move page ownership (``--role pd``: ``SharedPoolMachine``).
 
 After every step (``fsm_pd.sim.invariants``): every page reservation, staging buffer, transfer entry and pulled
 buffer is freed exactly once (every attempt is recorded); no write reaches a page after its ``FreePages``; nothing is
@@ -81,9 +82,11 @@ class SimulationMachine(RuleBasedStateMachine):
     @initialize(seed=st.integers(0, 2**16), background_faults=st.sampled_from([0.0, 0.0, 0.05, 0.2]),
                 split=st.sampled_from([(1, 1), (1, 1), (2, 1), (1, 2)]), prefill_pages=st.sampled_from([24, 64]))
     def start(self, seed, background_faults, split, prefill_pages):
+        self.begin(SimConfig(requests=0, seed=seed, fault_rate=background_faults, num_pages=64, decode_tokens=256,
+                             prefill_pages=prefill_pages, prefill_tp=split[0], decode_tp=split[1]))
+
+    def begin(self, config: SimConfig) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="fsm-pd-prop-"))
-        config = SimConfig(requests=0, seed=seed, fault_rate=background_faults, num_pages=64, decode_tokens=256,
-                           prefill_pages=prefill_pages, prefill_tp=split[0], decode_tp=split[1])
         self.world = World(config, self.dir, durability="off")
         self.next_room = 1
         self.terminal_seen: dict[tuple[str, int], str] = {}
@@ -307,6 +310,48 @@ class SimulationMachine(RuleBasedStateMachine):
         assert not_succeeded(world, rooms) == [], f"t={world.clock.now():.3f}, the requests were sent at t={at:.3f}"
 
 
+class SharedPoolMachine(SimulationMachine):
+    """``--role pd`` on one set of devices: both roles one process over one pool (64 pages and the prefill
+    engine's 24 or 64), whose handoffs move page ownership through the production handlers and the allocator's
+    ``hand_over`` (``fsm_pd/sim/shared_pool.py``). Every rule above runs (a crash or a stall is one of both roles),
+    and one more: the prefill room ends while the decode side holds its page list. The allocator checks every
+    hand-over as it happens (the pages come from the prefill room of the same id, hold its final KV, are the
+    receiver's alone; what the receiver gave back is free), every free (a room frees only its own pages), and,
+    once quiet, that every page is free, one room's or cached, by the real allocator's record and the simulation's.
+    """
+
+    @initialize(seed=st.integers(0, 2**16), background_faults=st.sampled_from([0.0, 0.05, 0.2]),
+                prefill_pages=st.sampled_from([24, 64]))
+    def start(self, seed, background_faults, prefill_pages):
+        self.begin(SimConfig(requests=0, seed=seed, fault_rate=background_faults, num_pages=64, decode_tokens=256,
+                             prefill_pages=prefill_pages, shared_pool=1.0))
+
+    @rule(prompt_len=st.integers(1, 300), moment=st.sampled_from(["landed", "scattering"]), told=st.booleans(),
+          others=st.lists(st.integers(1, 300), max_size=4))
+    def prefill_leaves_during_the_handoff(self, prompt_len, moment, told, others):
+        """A request runs until D has its page list but has not reported it (``landed``), or has reported it and
+        its hand-over waits on the model thread (``scattering``); then the prefill room ends (its client leaves)
+        and frees its pages, and ``others`` arrive to take them. Unless ``told``, the ABORT is lost and D goes on:
+        its hand-over must refuse pages freed, and perhaps reserved again, meanwhile."""
+        world, room = self.world, self.next_room
+        self.request(prompt_len)
+
+        def reached() -> bool:
+            decode = world.decode.instance
+            found = decode.node.rooms.get(room)
+            if not world.decode.alive or (found is not None and found.terminal):
+                return True  # it will never get there
+            if moment == "scattering":
+                return found is not None and "pulled" in found.seen
+            return room in decode.effects.pending and any(h.room == room for h in world.ledger.holdings("pulled"))
+
+        world.run_until(reached)
+        if not told:
+            world.plan.forced_messages.append("drop")
+        world.abort("prefill", room, "client went away")
+        self.burst(others)
+
+
 PROFILE = os.environ.get("FSM_PD_PROPERTY_PROFILE", "ci")
 _profile = dict(PROFILES[PROFILE])
 if os.environ.get("FSM_PD_PROPERTY_EXAMPLES"):
@@ -319,3 +364,8 @@ SimulationMachine.TestCase.settings = settings(
 # rather than cut it off without the example. The long profile is not bounded at all.
 pytestmark = pytest.mark.timeout(900 if PROFILE == "ci" else 0)
 TestSimulation = SimulationMachine.TestCase
+# a tenth of the examples or more (the mode adds one rule and one path to the others): about 10 s of the CI run
+SharedPoolMachine.TestCase.settings = settings(
+    SimulationMachine.TestCase.settings,
+    max_examples=max(10, _profile["max_examples"] // 4))
+TestSharedPool = SharedPoolMachine.TestCase

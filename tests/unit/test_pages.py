@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsm_pd.kvpool.pages import OutOfPages, PageAllocator, pages_for
+from fsm_pd.kvpool.pages import OutOfPages, PageAllocator, PageOwnershipError, pages_for
 
 
 def test_reserve_extend_free():
@@ -46,3 +46,32 @@ def test_the_memory_of_freed_rooms_is_bounded():
         with pytest.raises(ValueError, match="already freed"):
             pages.reserve(room, 1)
     assert pages.reserve(1, 1)  # long gone from memory: refusing reuse is the journal's job
+
+
+def test_a_hand_over_moves_the_senders_pages_and_frees_what_the_receiver_held():
+    pool = PageAllocator(16)
+    prefill, decode = pool.view("prefill"), pool.view("decode")
+    sent, reserved = prefill.reserve(1, 3), decode.reserve(1, 3)
+    sender = pool.holder(sent)
+    assert sender == ("prefill", 1)
+    assert pool.hand_over(sent, reserved, sender=sender) == (("prefill", 1), ("decode", 1))
+    assert decode.pages_of(1) == sent and prefill.pages_of(1) == [] and pool.free_pages == 15 - 3
+    assert prefill.free(1) == 0  # nothing of its own left to free: the pages are the decode room's now
+
+
+def test_a_hand_over_refuses_pages_its_sender_freed_even_once_another_room_holds_them_all():
+    """The sender's room ended mid-handoff (its pages freed), and another room reserved them all since, with its own
+    KV in them: the hand-over must refuse them (before, it took them from whichever room held them all)."""
+    pool = PageAllocator(16)
+    prefill, decode = pool.view("prefill"), pool.view("decode")
+    sent, reserved = prefill.reserve(1, 3), decode.reserve(1, 3)
+    sender = pool.holder(sent)
+    prefill.free(1)
+    other = prefill.reserve(2, 12)  # every free page: those room 1 freed among them
+    assert set(sent) <= set(other)
+    with pytest.raises(PageOwnershipError, match=r"are room \('prefill', 2\)'s now: freed and reused meanwhile"):
+        pool.hand_over(sent, reserved, sender=sender)
+    assert prefill.pages_of(2) == other and decode.pages_of(1) == reserved  # nothing changed
+    prefill.free(2)
+    with pytest.raises(PageOwnershipError, match="no room holds all of the pages"):
+        pool.hand_over(sent, reserved, sender=sender)

@@ -40,7 +40,7 @@ def test_a_hand_over_moves_ownership_and_frees_what_it_replaces():
     prefill, decode = shared.view("prefill"), shared.view("decode")
     sent, reserved = prefill.reserve(3, 4), decode.reserve(3, 4)
     free_before = shared.free_pages
-    assert shared.hand_over(sent, reserved) == (("prefill", 3), ("decode", 3))
+    assert shared.hand_over(sent, reserved, sender=shared.holder(sent)) == (("prefill", 3), ("decode", 3))
     assert decode.pages_of(3) == sent and prefill.pages_of(3) == []
     assert shared.free_pages == free_before + 4  # D's own reservation went back
     assert prefill.free(3) == 0  # the sender's room holds nothing more: its end frees nothing of D's
@@ -55,10 +55,10 @@ def test_a_hand_over_of_pages_the_sender_freed_is_refused_and_changes_nothing():
     source = shared.holder(sent)
     prefill.free(3)  # the sender's room failed first
     with pytest.raises(PageOwnershipError, match="freed or reused"):
-        shared.hand_over(sent, reserved, source)
+        shared.hand_over(sent, reserved, sender=source)
     assert decode.pages_of(3) == reserved
     with pytest.raises(PageOwnershipError):
-        shared.hand_over(reserved, [0])  # nobody holds page 0
+        shared.hand_over(reserved, [0], sender=shared.holder(reserved))  # nobody holds page 0
     accounted(shared)
 
 
@@ -70,8 +70,8 @@ def test_a_hand_over_of_pages_another_room_reserved_again_is_refused():
     prefill.free(3)
     again = prefill.reserve(4, 2)  # another prompt's room holds the very pages now, with its own KV in them
     assert sorted(again) == sorted(sent)
-    with pytest.raises(PageOwnershipError, match="reused mid-handoff"):
-        shared.hand_over(sent, reserved, source)
+    with pytest.raises(PageOwnershipError, match="reused meanwhile"):
+        shared.hand_over(sent, reserved, sender=source)
     assert prefill.pages_of(4) == again and decode.pages_of(3) == reserved
     accounted(shared)
 
@@ -112,7 +112,7 @@ class SharedPool(RuleBasedStateMachine):
         pages, source = published
         before = self.shared.holders()
         try:
-            moved_from, _ = self.shared.hand_over(pages, reserved[:len(pages)], source)
+            moved_from, _ = self.shared.hand_over(pages, reserved[:len(pages)], sender=source)
         except PageOwnershipError:
             assert self.shared.holders() == before  # nothing moved
             return

@@ -19,13 +19,13 @@ from fsm_pd.transport.backends.device_backend import DeviceTransferBackend, node
 
 @dataclass(frozen=True)
 class PageHandoff:
-    """The pages of one handoff, in order, in a pool both engines hold, and the allocator key of the room that held
-    them when they were published (``source``: the adoption refuses them from any other). ``nbytes`` is what
-    crossed: nothing."""
+    """The pages of one handoff, in order, in a pool both engines hold, and ``sender``: the room (its allocator key)
+    that held them when P named them, which must still hold them when D adopts them (``PageAllocator.hand_over``).
+    ``nbytes`` is what crossed: nothing."""
 
     pages: tuple[int, ...]
-    source: object = None
     nbytes: int = 0
+    sender: object = None
 
     @property
     def shape(self) -> tuple[int, int]:  # (pieces, pages): what a publish reports as its rows
