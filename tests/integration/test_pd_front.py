@@ -18,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from fsm_pd.net import unix_http
 from fsm_pd.net.unix_sockets import unix_address
 
@@ -59,6 +61,7 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
         return proc.wait()
 
 
+@pytest.mark.slow
 def test_a_chat_sent_at_the_first_accept_is_answered_and_sigterm_drains(tmp_path):
     # the warm-up on (the suite skips it) and no compile cache: the engines compile every program before they are
     # ready, so the first accept comes well before that
@@ -108,6 +111,7 @@ def test_a_chat_sent_at_the_first_accept_is_answered_and_sigterm_drains(tmp_path
     assert "drain" in log.read_text()
 
 
+@pytest.mark.slow
 def test_a_crashed_role_turns_health_and_livez_503_within_5s(tmp_path):
     url, sock, proc = start(tmp_path, "--pd-policy", "always", env={"FSM_PD_FAULT_CRASH_AT": "before_scatter"})
     try:

@@ -110,6 +110,7 @@ SETUPS = {"pool": ("pool", [], {}), "device": ("device", ["--transfer-backend", 
                           {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setup", list(SETUPS))
 def test_pd_in_one_process_answers_as_colocated(tmp_path, setup):
     backend, flags, env = SETUPS[setup]
