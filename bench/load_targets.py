@@ -136,16 +136,17 @@ def _compiles_on(http, url: str) -> dict | None:
 
 
 def compiles(url: str) -> dict:
-    """``fsm_pd_compiles_total`` by phase (startup, background, serving), per engine: the node's own, or, where the
-    process is ``--role pd`` and its /metrics are the router's, each engine's behind it (``/server_info``)."""
+    """``fsm_pd_compiles_total`` by phase (startup, background, serving): the node's own, or, where the process is
+    ``--role pd`` and its /metrics are the router's, the process's as an engine behind it shows it
+    (``/server_info``): the counter counts the process's programs, so both engines show the same one."""
     try:
         with unix_http.client(timeout=10) as http:
             own = _compiles_on(http, url)
             if own is not None:
                 return {"node": own}
             info = http.get(url + "/server_info").json()
-            return {role: _compiles_on(http, worker["url"]) or {}
-                    for role in ("prefill", "decode") for worker in info.get(role) or ()}
+            workers = [worker["url"] for role in ("prefill", "decode") for worker in info.get(role) or ()]
+            return {"process": _compiles_on(http, workers[0]) or {}} if workers else {}
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return {}
 
