@@ -230,11 +230,20 @@ def prepare_programs(starts: dict, skip: bool, busy) -> None:
             startup.mark_ready(costs)
         log.info("ready %.1f s after the process started (%s)", first.ready_after,
                  ", ".join(f"{name} {seconds:.1f} s" for name, seconds in first.status()["phases"].items()))
-        for engine, startup in starts.items():
-            if skip:
+        if skip:
+            for startup in starts.values():
                 startup.background_done({"skipped": True})
-            else:
-                compile_rest(engine, busy=busy, on_done=startup.background_done)
+        else:  # one engine's rest after the other's: two compiling threads would only contend with the requests
+            pending = list(starts.items())
+
+            def next_rest(report: dict | None = None, done=None) -> None:
+                if done is not None:
+                    done.background_done(report)
+                if pending:
+                    engine, startup = pending.pop(0)
+                    compile_rest(engine, busy=busy, on_done=lambda r, s=startup: next_rest(r, s))
+
+            next_rest()
     except BaseException as exc:  # noqa: BLE001 - whatever it was, the process cannot serve: say so and exit
         for startup in starts.values():
             startup.mark_failed(f"{type(exc).__name__}: {exc}")
