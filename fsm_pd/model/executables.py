@@ -92,6 +92,7 @@ def save(name: str, programs: dict[str, jax.stages.Compiled]) -> None:
         entry = {role: jax_serialize(program) for role, program in programs.items()}
         with tempfile.NamedTemporaryFile(dir=_directory, prefix=f".{name}.", delete=False) as file:
             pickle.dump(entry, file, protocol=pickle.HIGHEST_PROTOCOL)
+        os.chmod(file.name, 0o644)  # as the compile cache's own files: other nodes sharing the directory read them
         os.replace(file.name, _directory / name)  # whole or not at all, for a reader in another process
     except Exception as exc:  # noqa: BLE001 - some programs cannot be serialized (closed-over constants, ...)
         log.debug("executable store: %s not kept: %s: %s", name, type(exc).__name__, exc)
