@@ -10,9 +10,12 @@ so a module-scoped fixture (a cluster of nodes, a compiled model) is built once,
 order, as they do serially. A test with its own ``@pytest.mark.xdist_group(name)`` keeps that group instead. The
 groups that hold a ``slow`` test go first, so the run does not end on one long test while the other worker idles.
 
-On a TPU host (``tests/on_tpu.sh``: one process, no ``-n``) this process takes the chip before any test runs and
-its children run jax on the CPU; the fixtures ``cpu_default`` and ``full_precision`` are for tests of what only a
-CPU does and for tests that compare float32 results (``on_chip.py``). On a CPU machine they change nothing.
+On a TPU host (``tests/on_tpu.sh``) the tests marked ``chip`` (device programs: kernels, model steps, handoffs on
+the device) run in one process, which takes the chip before any test runs and whose children run jax on the CPU;
+the others run at the same time on pytest-xdist workers with ``JAX_PLATFORMS=cpu``. The fixtures ``cpu_default`` and
+``full_precision`` are for tests of what only a CPU does and for tests that compare float32 results
+(``on_chip.py``). On a CPU machine they change nothing. ``FSM_PD_SUITE_LOG`` names a file that records the run as it
+goes (``suite_log.py``), ``FSM_PD_SUITE_COMPILE_CACHE`` a persistent compile cache for the run.
 """
 
 from __future__ import annotations
@@ -28,12 +31,17 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import on_chip  # noqa: E402 - after the path above
+import suite_log  # noqa: E402
 from node_sockets import allow_the_fake_backend  # noqa: E402
 from real_parts import RealParts  # noqa: E402
 
+from fsm_pd.runtime import compile_cache  # noqa: E402
 from fsm_pd.transport.backends import register_backend  # noqa: E402
 
 _CHIP = pytest.StashKey[str | None]()  # where this process runs jax, on a host with a TPU runtime
+# JAX's persistent compile cache for the run, where set (tests/on_tpu.sh): a program compiled once, by the chip's
+# process, a CPU worker or a node a test started, is read back by the others instead of compiled again
+SUITE_COMPILE_CACHE = "FSM_PD_SUITE_COMPILE_CACHE"
 
 register_backend("fake", "fake_backend:FakeTransferBackend", replace=True)
 allow_the_fake_backend()  # where this host has no TCP, engines on unix sockets use it too (node_sockets.py)
@@ -52,7 +60,17 @@ def pytest_configure(config):
                                        "drills); `-m 'not slow'` leaves them out of a quick loop, CI runs them all")
     config.addinivalue_line("markers", "xdist_group(name): pytest-xdist runs the tests of one group on one worker, "
                                        "one after the other (also registered here for runs with -p no:xdist)")
+    config.addinivalue_line("markers", "chip: the test runs device programs (kernels, model steps, on-device "
+                                       "handoffs): on a TPU host it runs in the one process that holds the chip, the "
+                                       "rest on CPU workers at the same time (tests/on_tpu.sh)")
     config.pluginmanager.register(RealParts(os.environ), "fsm-pd-real-parts")
+    log = os.environ.get(suite_log.ENV)
+    if log and not hasattr(config, "workerinput"):  # under xdist the controller writes it, from the workers' reports
+        config.pluginmanager.register(suite_log.SuiteLog(log, Path(log).stem), "fsm-pd-suite-log")
+    cache = os.environ.get(SUITE_COMPILE_CACHE)
+    if cache:  # this process's programs, and those of the nodes tests start (FSM_PD_COMPILE_CACHE), share one cache
+        compile_cache.enable(cache)
+        os.environ[compile_cache.ENV] = cache
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):  # where tests run
         config.stash[_CHIP] = on_chip.take_the_chip()
 

@@ -159,7 +159,11 @@ def run_node(args: argparse.Namespace) -> int:
     from fsm_pd.api.runner import WaitDeadlines
 
     wait = WaitDeadlines(args.first_token_timeout_secs, args.token_idle_timeout_secs)  # positive: serve_flags
-    compile_cache.enable(args.compile_cache or compile_cache.default_dir())
+    cache = compile_cache.enable(args.compile_cache or compile_cache.default_dir())
+    if cache:  # a warm start loads its forward programs whole, beside the compile cache (model/executables.py)
+        from fsm_pd.model import executables
+
+        executables.enable(Path(cache) / "executables")
     compiles.install()
     try:
         with startup.phase("weights"):

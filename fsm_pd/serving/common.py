@@ -6,7 +6,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from fsm_pd.control.manager import RoomInUse
+from fsm_pd.control.core import RoomInUse
 from fsm_pd.machines import KVPoll
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.serving import top_logprobs

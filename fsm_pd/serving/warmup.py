@@ -52,7 +52,12 @@ from fsm_pd.serving.startup import Startup
 log = logging.getLogger(__name__)
 
 
-COMPILE_THREADS = min(2, os.cpu_count() or 1)  # the ready set's forward passes compile this many at once
+COMPILE_THREADS = min(4, os.cpu_count() or 1)  # the ready set's forward passes compile this many at once
+# The ready set's other programs (samplers, prompt logprobs, page kernels) are prepared beside the forward passes
+# only where cores are left over for them: on 2 cores the forward passes' compiles take both, and tracing beside them
+# only contends for the interpreter's lock (bench/startup.py, tiny model, 2 cores: warm 9.3 s one after the other,
+# 11.2 s beside)
+BESIDE = (os.cpu_count() or 1) > COMPILE_THREADS
 SHORT_PROMPT_TOKENS = 64  # a first chat turn's prompt: its prefill is in every node's ready set
 
 
@@ -176,20 +181,36 @@ def warm_up(engine, *, progress: bool = True, startup: Startup | None = None) ->
             with compiles.preparing(_kind(shape)):
                 step(f"forward {shape[0]}x{shape[1]}", lambda: programs.compile(*shape))
 
-        # side by side: XLA's compile of one program leaves a core idle, and lets go of the interpreter's lock (a cold
-        # SmolLM2 node's programs phase, three forward passes: 5.8 s one after the other, 5.2 s in two threads)
-        with ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="warm-up-compile") as pool:
-            list(pool.map(compile_forward, plan.ready_forward))
-        vocab = engine.model.config.vocab_size
-        # jit's cache tells a committed array from a fresh one: sample logits placed as the forward pass leaves them
-        logits_sharding = programs.compile(*plan.ready_forward[0]).logits_sharding
-        with compiles.preparing("sampling"):
-            for batch in plan.ready_samples:
-                step(f"sampling {batch}", lambda batch=batch: _run_samplers(batch, vocab, logits_sharding))
-        with compiles.preparing("logprobs"):
-            step("prompt logprobs", lambda: _prepare_logprobs(engine.model, programs))
-        if plan.scatter_buckets or plan.gather_buckets or plan.hash_buckets:
-            engine.model_thread.call(lambda owner: _run_kernels(owner, engine.layout, plan, step))
+        def logprobs() -> None:
+            with compiles.preparing("logprobs"):
+                step("prompt logprobs", lambda: _prepare_logprobs(engine.model, programs))
+
+        def kernels() -> None:
+            if plan.scatter_buckets or plan.gather_buckets or plan.hash_buckets:
+                engine.model_thread.call(lambda owner: _run_kernels(owner, engine.layout, plan, step))
+
+        # Side by side: XLA's compile of one program leaves cores idle and lets go of the interpreter's lock (a cold
+        # SmolLM2 node's programs phase, three forward passes: 5.8 s one after the other, 5.2 s in two threads). The
+        # forward passes compile COMPILE_THREADS at a time; beside them the prompt-logprob programs, the page kernels
+        # (on the model thread) and, once the first forward pass says where logits lie, the samplers.
+        with ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="warm-up-compile") as forward, \
+                ThreadPoolExecutor(2, thread_name_prefix="warm-up-beside") as beside:
+            compiled = [forward.submit(compile_forward, shape) for shape in plan.ready_forward]
+            others = [beside.submit(logprobs), beside.submit(kernels)] if BESIDE else []
+            for future in compiled[:1] if BESIDE else compiled:  # on few cores the samplers wait for all, as before
+                future.result()
+            vocab = engine.model.config.vocab_size
+            # jit's cache tells a committed array from a fresh one: sample logits placed as the forward pass leaves
+            # them
+            logits_sharding = programs.compile(*plan.ready_forward[0]).logits_sharding
+            with compiles.preparing("sampling"):
+                for batch in plan.ready_samples:
+                    step(f"sampling {batch}", lambda batch=batch: _run_samplers(batch, vocab, logits_sharding))
+            for future in compiled + others:
+                future.result()  # a failure of any is the start-up's
+        if not BESIDE:
+            logprobs()
+            kernels()
     took = time.monotonic() - started
     report = {"seconds": round(took, 2), "programs": compiles.counts()["startup"] - before,
               "forward_shapes": len(plan.ready_forward), "background_shapes": len(plan.background_forward)}

@@ -20,6 +20,9 @@ from fsm_pd.serving.collect import generate
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.types import GenerateRequest
 
+# device programs: on a TPU host they run in the process that holds the chip (tests/on_tpu.sh)
+pytestmark = pytest.mark.chip
+
 PAGES, PAGE_SIZE = 96, 4  # the serving tests' pool shape: their programs are reused
 
 

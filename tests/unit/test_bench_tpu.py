@@ -7,9 +7,14 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 # appended, not put first: a bench module must never shadow an installed package for the rest of the run
 sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))
 import tpu  # noqa: E402
+
+# device programs: on a TPU host they run in the process that holds the chip (tests/on_tpu.sh)
+pytestmark = pytest.mark.chip
 
 
 def test_quick_run_reports_each_figure_against_its_roofline(tmp_path):

@@ -27,7 +27,7 @@ from fsm_pd.transport.backends.base import TransferFailed
 
 # two computations of the model compared (logits, greedy tokens): float32 products at full precision on a TPU
 # too (tests/on_chip.py)
-pytestmark = pytest.mark.usefixtures("full_precision")
+pytestmark = [pytest.mark.chip, pytest.mark.usefixtures("full_precision")]  # chip: tests/on_tpu.sh
 
 CHUNKS = 6  # chunks of the long prompt: pieces of CHUNK / PAGE_SIZE pages, each published once computed
 
@@ -45,6 +45,21 @@ def pd_pair(model, tmp_path, *, on_transfer_failure="fail"):
                      journal=str(tmp_path / "d.db"), on_transfer_failure=on_transfer_failure,
                      **node_sockets(tmp_path, "d"))
     return p, d
+
+
+@pytest.fixture(scope="module")
+def warmed(model, tmp_path_factory):
+    """One whole chunked handoff first, on engines like the tests' (the same pool, chunk and prompt), so that the
+    programs a handoff runs (each chunk's prefill, the gathers, the scatters, the KV checksum of each piece bucket,
+    the decode step) are compiled before a test whose deadlines are under a second counts: on a chip each compiles
+    for seconds on the first handoff. Warmed, not scaled: the deadlines stay what the tests say."""
+    p, d = pd_pair(model, tmp_path_factory.mktemp("warm"))
+    try:
+        run(through_pd(p, d, pd_request(p, "warm", long_prompt(model.tokenizer), max_new_tokens=4, ignore_eos=True)))
+        assert nothing_held(p, d)
+    finally:
+        d.close()
+        p.close()
 
 
 def nothing_held(*engines) -> bool:
@@ -130,15 +145,17 @@ def test_a_short_prompt_and_a_logprobs_request_keep_the_whole_handoff(model, tmp
     assert all("chunks" not in r.event for r in events(tmp_path / "p.db", "published"))
 
 
-def test_a_prompt_whose_chunks_outlast_the_handoff_deadlines_is_handed_over_once(model, tmp_path):
+def test_a_prompt_whose_chunks_outlast_the_handoff_deadlines_is_handed_over_once(model, warmed, tmp_path):
     """Every chunk comes well within P's pull_hold and D's transfer deadline, the whole prompt well past them: each
     chunk restarts P's (``kv_chunk``) and each piece that lands restarts D's (``piece_pulled``), so the handoff
     follows progress and the prompt is computed once, on P. Counted from the first chunk, a 7,400-token chat failed
     its handoff at exactly 60 s while P still computed it, and was computed again by D and by a retry."""
     p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp_path / "p.db"),
-                      chunked_prefill_size=CHUNK, radix_cache=False, deadlines={"pull_hold": 0.8})
+                      chunked_prefill_size=CHUNK, radix_cache=False, deadlines={"pull_hold": 0.8},
+                      **node_sockets(tmp_path, "p", bootstrap=True))
     d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", secret=p.secret,
-                     journal=str(tmp_path / "d.db"), on_transfer_failure="recompute", deadlines={"transfer": 0.8})
+                     journal=str(tmp_path / "d.db"), on_transfer_failure="recompute", deadlines={"transfer": 0.8},
+                     **node_sockets(tmp_path, "d"))
     report = p.manager.kv_chunk
 
     def slow_chunk(*args, **kw):  # the model thread: a chunk of a long prompt on a slow model
@@ -162,7 +179,7 @@ def test_a_prompt_whose_chunks_outlast_the_handoff_deadlines_is_handed_over_once
 
 
 @pytest.mark.parametrize("first", ["decode", "prefill"])
-def test_a_chunked_handoff_that_fails_mid_way_is_computed_again_in_one_place_only(model, tmp_path, first):
+def test_a_chunked_handoff_that_fails_mid_way_is_computed_again_in_one_place_only(model, warmed, tmp_path, first):
     """One chunk stalls past a deadline mid-way. D's transfer deadline first (the room's or the stalled piece's
     pull's, both of that length): D recomputes the prompt, and P answers its leg (200, ``kv_transfer_failed``) as it
     does for a whole handoff, where it failed it (having no first token yet), so a router computed the prompt a
@@ -172,10 +189,11 @@ def test_a_chunked_handoff_that_fails_mid_way_is_computed_again_in_one_place_onl
     whole = ColocatedEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, chunked_prefill_size=512, radix_cache=False)
     p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp_path / "p.db"),
                       chunked_prefill_size=CHUNK, radix_cache=False,
-                      deadlines={"pull_hold": 0.5 if first == "prefill" else 5.0})
+                      deadlines={"pull_hold": 0.5 if first == "prefill" else 5.0},
+                      **node_sockets(tmp_path, "p", bootstrap=True))
     d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", secret=p.secret,
                      journal=str(tmp_path / "d.db"), on_transfer_failure="recompute",
-                     deadlines={"transfer": 0.5 if first == "decode" else 5.0})
+                     deadlines={"transfer": 0.5 if first == "decode" else 5.0}, **node_sockets(tmp_path, "d"))
     report, reported = p.manager.kv_chunk, []
 
     def stalling(*args, **kw):  # the model thread: the third chunk stalls

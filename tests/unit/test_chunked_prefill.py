@@ -23,7 +23,7 @@ from fsm_pd.serving.types import RequestStream
 
 # two computations of the model compared (logits, greedy tokens): float32 products at full precision on a TPU
 # too (tests/on_chip.py)
-pytestmark = pytest.mark.usefixtures("full_precision")
+pytestmark = [pytest.mark.chip, pytest.mark.usefixtures("full_precision")]  # chip: tests/on_tpu.sh
 
 CHUNK = 32  # tokens a step prefills: the prompts below take 2 to 8 steps
 

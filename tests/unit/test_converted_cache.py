@@ -6,12 +6,16 @@ transposed values and every warm start on the chip answered noise. Here a column
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from fsm_pd.model import converted
 from fsm_pd.model.params import random_params
 from fsm_pd.model.tiny import tiny_model_parts
 from fsm_pd.model.tokenizer import HFTokenizer
+
+# device programs: on a TPU host they run in the process that holds the chip (tests/on_tpu.sh)
+pytestmark = pytest.mark.chip
 
 
 def word_tokenizer() -> HFTokenizer:

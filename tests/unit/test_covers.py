@@ -22,7 +22,7 @@ from fsm_pd.model.sampling import SamplingParams
 
 # two computations of the model compared (logits, greedy tokens): float32 products at full precision on a TPU
 # too (tests/on_chip.py)
-pytestmark = pytest.mark.usefixtures("full_precision")
+pytestmark = [pytest.mark.chip, pytest.mark.usefixtures("full_precision")]  # chip: tests/on_tpu.sh
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]  # 3 rows: a batch bucket of 4, one padding
 PAGES = [[1, 2], [3, 4], [5, 6]]

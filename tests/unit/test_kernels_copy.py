@@ -29,6 +29,9 @@ from fsm_pd.kernels import (
     scatter_pages,
 )
 
+# device programs: on a TPU host they run in the process that holds the chip (tests/on_tpu.sh)
+pytestmark = pytest.mark.chip
+
 IMPLS = ["jnp", "pallas", "cpu"]
 PAGE_SHAPE = (2, 32)  # page_size, 2*kv_heads*head_dim: tiny, the kernels never look inside a page
 

@@ -9,6 +9,9 @@ import pytest
 from fsm_pd.kernels import KVLayout, gather_pages, scatter_pages
 from fsm_pd.kernels.validation import check_page_ids
 
+# device programs: on a TPU host they run in the process that holds the chip (tests/on_tpu.sh)
+pytestmark = pytest.mark.chip
+
 NUM_PAGES = 8
 
 

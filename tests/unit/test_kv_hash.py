@@ -17,6 +17,9 @@ from fsm_pd.kernels import KVLayout
 from fsm_pd.kernels.kv_checksum import algorithm_for, pool_checksums
 from fsm_pd.kernels.kv_hash import ALGORITHM, _hash, device_checksums
 
+# device programs: on a TPU host they run in the process that holds the chip (tests/on_tpu.sh)
+pytestmark = pytest.mark.chip
+
 LAYOUT = KVLayout(num_layers=3, num_pages=16, page_size=4, kv_heads=2, head_dim=8, dtype="bfloat16")
 WHOLE = [(0, 0, LAYOUT.slots)]
 

@@ -17,7 +17,7 @@ from fsm_pd.model.tiny import tiny_config
 
 # two computations of the model compared (logits, greedy tokens): float32 products at full precision on a TPU
 # too (tests/on_chip.py)
-pytestmark = pytest.mark.usefixtures("full_precision")
+pytestmark = [pytest.mark.chip, pytest.mark.usefixtures("full_precision")]  # chip: tests/on_tpu.sh
 
 PAGE_SIZE = 16
 PROMPT = [(7 * i + 3) % 250 for i in range(37)]

@@ -10,6 +10,9 @@ from fsm_pd.model.sampling import SamplingParams, sample
 from fsm_pd.model.stopping import FinishReason, StopChecker
 from fsm_pd.model.tokenizer import ByteTokenizer
 
+# device programs: on a TPU host they run in the process that holds the chip (tests/on_tpu.sh)
+pytestmark = pytest.mark.chip
+
 VOCAB = 40
 
 

@@ -11,6 +11,9 @@ import pytest
 
 from fsm_pd.model.sampling import MAX_SEED, MAX_STOP_STRINGS, MAX_TOP_K, SamplingParams, sample
 
+# device programs: on a TPU host they run in the process that holds the chip (tests/on_tpu.sh)
+pytestmark = pytest.mark.chip
+
 
 @pytest.mark.parametrize("fields", [
     {"temperature": math.nan}, {"temperature": math.inf}, {"temperature": -0.1},

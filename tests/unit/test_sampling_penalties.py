@@ -7,6 +7,9 @@ import pytest
 
 from fsm_pd.model.sampling import SamplingParams, adjust_logits, penalty_inputs, sample
 
+# device programs: on a TPU host they run in the process that holds the chip (tests/on_tpu.sh)
+pytestmark = pytest.mark.chip
+
 V = 64
 
 

@@ -21,7 +21,7 @@ from fsm_pd.serving.types import EngineError, GenerateRequest, RequestStream
 
 # two computations of the model compared (logits, greedy tokens): float32 products at full precision on a TPU
 # too (tests/on_chip.py)
-pytestmark = pytest.mark.usefixtures("full_precision")
+pytestmark = [pytest.mark.chip, pytest.mark.usefixtures("full_precision")]  # chip: tests/on_tpu.sh
 
 PAGES, PAGE_SIZE = 96, 4  # the same pool shape in every serving test, so jitted programs are reused
 

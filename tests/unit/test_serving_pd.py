@@ -22,7 +22,7 @@ from fsm_pd.serving.types import Bootstrap, EngineError, RequestStream
 
 # two computations of the model compared (logits, greedy tokens): float32 products at full precision on a TPU
 # too (tests/on_chip.py)
-pytestmark = pytest.mark.usefixtures("full_precision")
+pytestmark = [pytest.mark.chip, pytest.mark.usefixtures("full_precision")]  # chip: tests/on_tpu.sh
 
 
 @pytest.fixture(scope="module")

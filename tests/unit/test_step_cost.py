@@ -21,6 +21,9 @@ from fsm_pd.model.params import random_params
 from fsm_pd.model.programs import ForwardPrograms
 from fsm_pd.model.tiny import tiny_model_parts
 
+# device programs: on a TPU host they run in the process that holds the chip (tests/on_tpu.sh)
+pytestmark = pytest.mark.chip
+
 PAGE_SIZE = 16
 
 

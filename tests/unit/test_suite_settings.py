@@ -49,7 +49,7 @@ def test_without_parts():
 def run_suite(tmp_path: Path, tests: str, *args: str, **env: str) -> tuple[int, str]:
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     (tmp_path / "tests").mkdir(exist_ok=True)
-    for helper in ("conftest.py", "real_parts.py", "on_chip.py", "node_sockets.py"):
+    for helper in ("conftest.py", "real_parts.py", "on_chip.py", "node_sockets.py", "suite_log.py"):
         shutil.copy(ROOT / "tests" / helper, tmp_path / "tests" / helper)
     (tmp_path / "tests" / "test_throwaway.py").write_text(tests)
     # only the plugins under test (pyproject's addopts name xdist's --dist): the others this environment installs

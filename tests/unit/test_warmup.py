@@ -25,7 +25,7 @@ from fsm_pd.serving.warmup import SHORT_PROMPT_TOKENS, compile_rest, plan_for, w
 
 # two computations of the model compared (logits, greedy tokens): float32 products at full precision on a TPU
 # too (tests/on_chip.py)
-pytestmark = pytest.mark.usefixtures("full_precision")
+pytestmark = [pytest.mark.chip, pytest.mark.usefixtures("full_precision")]  # chip: tests/on_tpu.sh
 
 MAX_BATCH, MAX_TOKENS, PAGE_SIZE, PAGES = 8, 512, 16, 64
 
