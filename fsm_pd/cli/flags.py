@@ -241,8 +241,8 @@ def node_parser(role: str) -> argparse.ArgumentParser:
         parser.add_argument("--on-transfer-failure", choices=("recompute", "fail"), default="recompute",
                             help="when a KV transfer fails after this node reserved the pages: recompute (prefill "
                                  "the prompt here and decode on; the client gets its answer, and the room still ends "
-                                 "Failed in the journal) or fail (the request gets the transfer's error, 500) "
-                                 "(default recompute)")
+                                 "Failed in the journal) or fail (the request gets the transfer's error: 500, or 502 "
+                                 "when the prefill node failed it) (default recompute)")
     if role in ("colocated", "decode", "prefill", "pd"):
         from fsm_pd.scheduling.step_budget import DEFAULT_CHUNK_STEPS  # jax-free: the help stays quick
 
