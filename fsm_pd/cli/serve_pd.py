@@ -29,8 +29,8 @@ import threading
 from pathlib import Path
 
 from fsm_pd.cli.flags import DEADLINE_FLAGS, resolve_dtype
-from fsm_pd.net.unix_sockets import UnixPathError, check_path, unix_address
-from fsm_pd.runtime.process_exit import exit_now
+from fsm_pd.net.unix_sockets import UnixPathError, check_path, remove_listener_files, unix_address
+from fsm_pd.runtime.process_exit import exit_now, on_exit
 
 log = logging.getLogger("fsm_pd.serve")
 
@@ -142,6 +142,8 @@ def run_pd(args: argparse.Namespace) -> int:
     prefill_pages, decode_pages, how = pool_pages(args, model)
     log.info("KV pools: prefill %d pages, decode %d pages (%s)", prefill_pages, decode_pages, how)
     links = private_dir()
+    on_exit(lambda: shutil.rmtree(links, ignore_errors=True))  # a failed start-up ends the process at once
+    on_exit(remove_listener_files)  # --uds's socket file too
     servers: list[AppServer] = []
     engines = ()
     try:
