@@ -173,11 +173,15 @@ def load_gguf(path: Path, *, dtype: str = "float32", progress: bool = False, nam
     from fsm_pd.model import converted
 
     root = converted.cache_root() if cache is True else (cache or None)
-    entry = converted.entry_dir(Path(root), Path(path), dtype) if root else None
-    if entry is not None and (hit := converted.load(entry)) is not None:
+    if not root:
+        return _convert_gguf(Path(path), dtype=dtype, progress=progress, name=name)
+    entry = converted.entry_dir(Path(root), Path(path), dtype)
+    if (hit := converted.load(entry)) is not None:
         return LoadedModel(name or str(path), *hit)
-    model = _convert_gguf(Path(path), dtype=dtype, progress=progress, name=name)
-    if entry is not None:
+    with converted.converting(entry):  # another process converting it now: wait, then read what it saved
+        if (hit := converted.load(entry)) is not None:
+            return LoadedModel(name or str(path), *hit)
+        model = _convert_gguf(Path(path), dtype=dtype, progress=progress, name=name)
         converted.save(entry, model.config, model.params, model.tokenizer)
     return model
 
