@@ -70,7 +70,17 @@ def node_problem(args: argparse.Namespace, *, secret: bool = True) -> str | None
     return first(_node_problems(args, secret))
 
 
+def model_problem(spec: str) -> str | None:
+    """Why ``--model spec`` names nothing this host can load (a named model's package missing, no such file), or
+    None; its contents are read only when it loads."""
+    from fsm_pd.model.specs import model_problem as why  # jax-free
+
+    problem = why(spec)
+    return None if problem is None else f"--model {spec}: {problem}"
+
+
 def _node_problems(args: argparse.Namespace, secret: bool):
+    yield model_problem(args.model)
     if getattr(args, "uds", None) is None:  # on unix sockets it binds no port (a host may refuse TCP altogether)
         yield from _port_problems(args)
     yield _read_timeouts_problem(args)
@@ -103,8 +113,10 @@ def _pd_problems(args: argparse.Namespace):
 
     try:
         check_unix_backend(args.transfer_backend)
-    except ValueError as exc:
-        yield f"--transfer-backend {args.transfer_backend}: {exc}"
+    except ValueError:
+        name = args.transfer_backend
+        yield (f"--transfer-backend {name}: the {name} transfer backend cannot run over the unix sockets that link "
+               "--role pd's two engines; use device (the default), tcp or zmq")
     if args.tp > 1:
         yield f"--tp {args.tp}: --role pd runs both engines on one device for now (--tp 1)"
     yield writable_problem("--journal-dir", args.journal_dir, directory=True)

@@ -121,6 +121,17 @@ def seconds(*, zero: bool = False) -> Callable[[str], float]:
     return parse
 
 
+def transfer_backend(text: str) -> str:
+    """An argparse type: the name of a transfer backend, built in or a plugin's (``fsm_pd.transfer_backends``): an
+    unknown one ends the command here, before any backend, model or node is started."""
+    from fsm_pd.transport.backends.registry import backend_names  # jax-free: naming backends imports none of them
+
+    known = backend_names()
+    if text not in known:
+        raise argparse.ArgumentTypeError(f"unknown transfer backend {text!r} (known: {', '.join(known)})")
+    return text
+
+
 def one_line_errors(parser: argparse.ArgumentParser, prog: str = "fsm-pd serve") -> argparse.ArgumentParser:
     """``parser`` with argparse's errors as one line, ``PROG: error: MESSAGE``, exit status 2, without the usage
     (a node's takes thirty lines, and the line that matters would scroll away)."""
@@ -212,7 +223,7 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                                  "skips it: docs/data-plane.md, The KV checksum)")
     if role in ("prefill", "decode", "pd"):
         if role == "pd":
-            parser.add_argument("--transfer-backend", default="device",
+            parser.add_argument("--transfer-backend", type=transfer_backend, default="device",
                                 help="how the decode engine takes the prefill engine's KV: device (the default: the "
                                      "arrays themselves, on the device, no copy to the host) | tcp | zmq (over a unix "
                                      "socket in the process's private directory, as between two processes)")
@@ -221,7 +232,7 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                                      "and DIR/decode-0.db (fsm-pd replay DIR/prefill-0.db DIR/decode-0.db) "
                                      "(default ./journals)")
         else:
-            parser.add_argument("--transfer-backend", default="tcp",
+            parser.add_argument("--transfer-backend", type=transfer_backend, default="tcp",
                                 help="tcp | zmq | jax | a registered plugin (default tcp: the fastest between CPU "
                                      "hosts; device only between the engines of --role pd)")
             parser.add_argument("--journal", default=None,

