@@ -14,6 +14,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 
+from fsm_pd.net.body_limit import byte_count
 from fsm_pd.net.http_protocol import add_read_timeout_flags
 
 # the description of ``fsm-pd serve --help`` and of every role's parser
@@ -190,6 +191,10 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                              "any request needs before /health answers 200, seconds with a warm compile cache, and "
                              f"compile the rest in the background; ${SKIP_WARMUP_ENV}=1 skips)")
     add_read_timeout_flags(parser)
+    parser.add_argument("--max-request-bytes", type=byte_count, default=None, metavar="N",
+                        help="a request body over N bytes is answered 413 at once, before it is read or parsed "
+                             "(default: from the model's context, 1 MiB plus 64 bytes a token: 1.5 MiB for SmolLM2; "
+                             "raise it for big batches; a router in front takes its workers' limit)")
     parser.add_argument("--drain-timeout-secs", type=seconds(zero=True), default=30.0, metavar="S",
                         help="on SIGTERM or POST /drain the node refuses new requests (503; /health answers 503 "
                              "draining), waits up to S seconds for the open ones, aborts what is left, deregisters "

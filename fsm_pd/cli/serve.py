@@ -191,7 +191,8 @@ def run_node(args: argparse.Namespace) -> int:
     app = create_app(engine, model.tokenizer, api_key=args.api_key, model_name=args.served_model_name or args.model,
                      model_path=args.model,
                      bootstrap_port=None if args.uds else getattr(args, "bootstrap_port", None),
-                     drain_timeout_s=args.drain_timeout_secs, startup=startup, wait=wait)
+                     drain_timeout_s=args.drain_timeout_secs, startup=startup, wait=wait,
+                     max_body_bytes=args.max_request_bytes)
     apply_serving_gc_policy()
     from fsm_pd.net.unix_sockets import remove_listener_files
 

@@ -156,7 +156,8 @@ def run_pd(args: argparse.Namespace) -> int:
         for engine, its_startup in starts.items():
             app = create_app(engine, model.tokenizer, api_key=args.api_key,
                              model_name=args.served_model_name or args.model, model_path=args.model,
-                             drain_timeout_s=args.drain_timeout_secs, startup=its_startup, wait=wait)
+                             drain_timeout_s=args.drain_timeout_secs, startup=its_startup, wait=wait,
+                             max_body_bytes=args.max_request_bytes)
             servers.append(AppServer(app, uds=engine.manager.uds, log_level="warning",
                                      read_timeouts=read_timeouts_from_args(args)).start())
         prefill, decode = engines
@@ -164,7 +165,7 @@ def run_pd(args: argparse.Namespace) -> int:
         router = create_router_app(
             [PrefillWorker(servers[0].url, bootstrap)], [servers[1].url], api_key=args.api_key,
             pd_policy=PolicySettings(args.pd_policy, args.local_prefill_max_tokens),
-            health_interval_s=1.0)
+            health_interval_s=1.0, max_body_bytes=args.max_request_bytes)  # None: the engines' limit (their /health)
         router.state.metrics.registry.register(EngineFamilies([r for engine in engines for r in engine.registries]))
         apply_serving_gc_policy()
         threading.Thread(target=prepare_both, args=(starts, args.skip_server_warmup), name="start-up",
