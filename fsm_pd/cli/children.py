@@ -172,7 +172,7 @@ def startup_phases(child: Child) -> dict:
         return {}
 
 
-class Stop(Exception):  # noqa: N818 - not an error: the request to stop
+class Stop(BaseException):  # noqa: N818 - not an error: the request to stop (as KeyboardInterrupt, no handler swallows it)
     """A signal asked launch to stop the cluster (raised in the main thread, wherever it waits)."""
 
 

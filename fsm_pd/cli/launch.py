@@ -156,7 +156,7 @@ def chip_holder(children: Sequence[Child]) -> Child:
     return next(child for child in children if child.name.startswith("decode-"))
 
 
-def launch_problem(port: int, journal_dir: Path, uds: Path | None, model: str = "tiny") -> str | None:
+def launch_problem(port: int, journal_dir: Path, uds: Path | None, model: str) -> str | None:
     """What launch's own flags stop at before anything starts: a model that is not there, the router's port taken
     (unless it listens on a unix socket), a journal directory that cannot be written."""
     from fsm_pd.cli.checks import model_problem, port_problem, writable_problem
