@@ -100,10 +100,24 @@ def _node_problems(args: argparse.Namespace, secret: bool):
         yield writable_problem("--journal (default)", Path("journals") / f"{args.node_id}.db")
     elif "://" not in args.journal:
         yield writable_problem("--journal", args.journal)
+    else:
+        yield journal_url_problem(args.journal)
     if args.journal_max_rows < 0:
         yield f"--journal-max-rows {args.journal_max_rows}: must be at least 0 (0: no cap)"
     if args.journal_archive_dir:
         yield writable_problem("--journal-archive-dir", args.journal_archive_dir, directory=True)
+
+
+def journal_url_problem(url: str) -> str | None:
+    """Why ``--journal URL`` names no database a journal can use (not a URL, no such dialect, its driver not
+    installed), or None: the engine the node would make, made and dropped; it connects to nothing."""
+    from fsm_pd.store.database import DatabaseUrlError, create_journal_engine, journal_url
+
+    try:
+        create_journal_engine(journal_url(url), "normal").dispose()
+    except DatabaseUrlError as exc:
+        return f"--journal: {exc}"
+    return None
 
 
 def _pd_problems(args: argparse.Namespace):

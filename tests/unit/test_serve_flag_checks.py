@@ -67,11 +67,13 @@ def assert_refused(result: subprocess.CompletedProcess, prog: str, *said: str) -
     (["--role", "pd", "--transfer-backend", "jax"], "--transfer-backend jax: the jax transfer backend cannot run over "
      "the unix sockets that link --role pd's two engines"),
     (["--role", "colocated", "--model", "/nowhere/m.gguf"], "--model /nowhere/m.gguf: no such file or directory"),
+    (["--role", "decode", "--uds", "/tmp/x.sock", "--journal", "foo://bar", *SECRET], "--journal: cannot use "
+     "foo://bar as a journal: Can't load plugin: sqlalchemy.dialects:foo"),
     (["--role", "decode", "--uds", "/tmp/x.sock", "--model", "/tmp", *SECRET], "--model /tmp: /tmp/config.json not "
      "found: not an HF checkpoint directory"),
 ], ids=["negative port", "port above 65535", "no pages", "page size 0", "nan seconds", "journal", "no secret",
         "pd pool share", "pd jax backend", "pd tp", "device backend alone", "unknown backend", "unknown backend uds",
-        "pd unknown backend", "pd jax without uds", "missing model file", "not a checkpoint"])
+        "pd unknown backend", "pd jax without uds", "missing model file", "journal url", "not a checkpoint"])
 def test_a_refused_value_ends_serve_in_one_line_before_jax_is_imported(args, said, monkeypatch):
     monkeypatch.delenv("FSM_PD_SIDE_CHANNEL_SECRET", raising=False)
     assert_refused(run(["serve", *args]), "fsm-pd serve", said)
