@@ -17,17 +17,15 @@ from fsm_pd.api.openai_routes import openai_router
 from fsm_pd.api.runner import WaitDeadlines
 from fsm_pd.api.sglang_routes import sglang_router
 from fsm_pd.api.tokenize_routes import tokenize_router
-from fsm_pd.bootstrap.body_limit import BodySizeLimit
+from fsm_pd.net.body_limit import BodySizeLimit, request_bytes_for
 from fsm_pd.serving.startup import Startup, StartupCollector
 from fsm_pd.serving.types import Engine
-
-DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # a 128k-token prompt as JSON ids is ~1 MiB; leave ample room
 
 
 def create_app(engine: Engine, tokenizer, *, api_key: str | None = None, model_name: str | None = None,
                model_path: str | None = None, bootstrap_port: int | None = None,
                registries: Iterable[CollectorRegistry] | None = None, model_info: dict | None = None,
-               health_timeout_s: float = 30.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               health_timeout_s: float = 30.0, max_body_bytes: int | None = None,
                drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S, startup: Startup | None = None,
                wait: WaitDeadlines | None = None) -> FastAPI:
     """The app serving ``engine``.
@@ -45,10 +43,14 @@ def create_app(engine: Engine, tokenizer, *, api_key: str | None = None, model_n
     * ``startup``: the node's start-up (``serving/startup.py``): until it is ready, ``/health`` answers 503 with its
       progress and the generation routes refuse with 503 ``starting``; default: ready now.
     * ``wait``: how long a request waits for the engine's first token and for each next one (``runner.py``).
+    * ``max_body_bytes``: larger request bodies get 413 before they are read (``net/body_limit.py``); default: from
+      the engine's context (``request_bytes_for``). ``/health`` says it, for a router in front.
     """
     name = model_name or engine.model_name
+    getattr(tokenizer, "max_token_bytes", None)  # worked out once now (a pass over the vocabulary), not on a request
     ctx = ApiContext(engine=engine, tokenizer=tokenizer, model_name=name, model_path=model_path or name,
-                     bootstrap_port=bootstrap_port, model_info_extra=dict(model_info or {}))
+                     bootstrap_port=bootstrap_port, model_info_extra=dict(model_info or {}),
+                     max_request_bytes=max_body_bytes or request_bytes_for(engine.max_context))
     if registries is None:
         registries = getattr(engine, "registries", None) or ()
     metrics = ApiMetrics(registries)
@@ -72,7 +74,7 @@ def create_app(engine: Engine, tokenizer, *, api_key: str | None = None, model_n
     # Added last runs first: the key is checked before the body is read, and metrics see every answer (a drain's
     # 503s too).
     app.add_middleware(DrainGate, drain=ctx.drain)
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=ctx.max_request_bytes)
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(MetricsMiddleware, metrics=metrics)

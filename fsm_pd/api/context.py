@@ -23,6 +23,7 @@ class ApiContext:
     live: dict = field(default_factory=dict)
     drain: Any = None  # the server's Drain (drain.py), once create_app made it
     wait: Any = None  # how long a handler waits for the engine (runner.WaitDeadlines); None: the defaults
+    max_request_bytes: int | None = None  # the body limit (create_app), reported on /health for a router
 
     @property
     def role(self) -> str:
@@ -32,7 +33,8 @@ class ApiContext:
     def node(self) -> NodeIdentity:
         return NodeIdentity(role=self.engine.role, max_context=int(self.engine.max_context),
                             model_names=frozenset({self.model_name, self.model_path}),
-                            bootstrap_port=self.bootstrap_port, vocab_size=self.vocab_size)
+                            bootstrap_port=self.bootstrap_port, vocab_size=self.vocab_size,
+                            max_token_bytes=getattr(self.tokenizer, "max_token_bytes", None))
 
     @property
     def model_config(self):

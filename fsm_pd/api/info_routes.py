@@ -1,7 +1,8 @@
 """Health, info and metrics routes: what sglang-router probes when it registers a worker and while it routes.
 
-* ``GET /health`` (readiness): 200 while the engine can serve (a decode node's with ``{"status": "ok",
-  "prealloc_queue": N, "prealloc_oldest_wait_s": S}``: its requests waiting for free KV pages); 503
+* ``GET /health`` (readiness): 200 while the engine can serve, ``{"status": "ok", "max_request_bytes": N}`` (its
+  body limit, which the built-in router adopts) and on a decode node ``"prealloc_queue": N,
+  "prealloc_oldest_wait_s": S`` (its requests waiting for free KV pages); 503
   ``{"status": "unhealthy", "reason": ...}`` once it cannot (its node loop stopped, its model thread died: the
   engine's ``health()``; or a ``healthy`` flag). Without either, a running server is healthy. sglang-router requires
   a 200 here before it routes to the worker, so a node that is still starting answers 503 ``{"status": "starting",
@@ -55,11 +56,13 @@ def health_problem(engine) -> str | None:
         return f"the health check failed: {type(err).__name__}: {err}"
 
 
-def _healthy(engine) -> Response:
-    """200: empty, or ``{"status": "ok", ...}`` with what the engine tells of its queues (``health_fields()``: a
-    decode node's pre-allocation queue, the requests waiting for free KV pages)."""
-    fields = getattr(engine, "health_fields", None)
-    return JSONResponse({"status": "ok", **fields()}) if callable(fields) else Response(status_code=200)
+def _healthy(ctx: ApiContext) -> Response:
+    """200 ``{"status": "ok", "max_request_bytes": N, ...}``: the node's body limit (a router in front refuses what
+    its workers would), and what the engine tells of its queues (``health_fields()``: a decode node's
+    pre-allocation queue, the requests waiting for free KV pages)."""
+    fields = getattr(ctx.engine, "health_fields", None)
+    return JSONResponse({"status": "ok", "max_request_bytes": ctx.max_request_bytes,
+                         **(fields() if callable(fields) else {})})
 
 
 def _unhealthy(reason: str) -> JSONResponse:
@@ -86,7 +89,7 @@ def info_router(ctx: ApiContext, metrics: ApiMetrics, *, health_timeout_s: float
 
     @router.get("/health")
     async def health() -> Response:
-        return not_serving() or _healthy(ctx.engine)
+        return not_serving() or _healthy(ctx)
 
     @router.get("/livez")
     async def livez() -> Response:

@@ -19,7 +19,7 @@ from fsm_pd.api.errors import ERROR_RESPONSES, ApiError
 from fsm_pd.api.fanout import answer_plan, stream_plan
 from fsm_pd.api.outputs import RequestState, openai_finish_reason
 from fsm_pd.api.request_checks import check_model
-from fsm_pd.api.requests import from_chat, from_completion
+from fsm_pd.api.requests import build_plan, from_chat, from_completion
 from fsm_pd.api.runner import RequestRun
 from fsm_pd.api.schemas import ChatCompletionBody, CompletionBody
 from fsm_pd.api.streaming import answer_stream, answer_whole
@@ -100,7 +100,7 @@ def openai_router(ctx: ApiContext) -> APIRouter:
 
     @router.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: CompletionBody, request: Request) -> Response:
-        plan = from_completion(ctx.node, ctx.tokenizer, body)
+        plan = await build_plan(from_completion, ctx.node, ctx.tokenizer, body)
         echo = bool(body.echo)
         if echo and plan.stream:
             raise ApiError(400, "echo=true is served on whole answers only (stream=false)")
@@ -147,7 +147,7 @@ def openai_router(ctx: ApiContext) -> APIRouter:
 
     @router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionBody, request: Request) -> Response:
-        plan = from_chat(ctx.node, ctx.tokenizer, body)
+        plan = await build_plan(from_chat, ctx.node, ctx.tokenizer, body)
 
         def message(state: RequestState) -> tuple[dict, str | None]:
             text, reason = state.text(), openai_finish_reason(state.finish_reason)

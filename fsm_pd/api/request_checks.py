@@ -19,6 +19,7 @@ class NodeIdentity:
     model_names: frozenset[str]
     bootstrap_port: int | None  # this node's bootstrap port: the default for a request with bootstrap_port null
     vocab_size: int | None = None  # the model's vocabulary (token ids the model embeds), not the tokenizer's size
+    max_token_bytes: int | None = None  # the most bytes of text one token stands for (None: unknown)
 
 
 def check_model(node: NodeIdentity, model: str | None) -> None:
@@ -43,6 +44,19 @@ def check_lengths(node: NodeIdentity, input_ids: list[int], max_new_tokens: int 
         raise ApiError(400, f"{len(input_ids)} prompt tokens + {max_new_tokens} new tokens exceed this model's "
                             f"context of {node.max_context} tokens")
     return max_new_tokens
+
+
+def check_text_length(node: NodeIdentity, text: str) -> None:
+    """Refuse, before it is tokenized, a text that no tokenization fits in the context: each token stands for at
+    most ``max_token_bytes`` of its bytes. (What passes is tokenized and counted exactly, ``check_lengths``.)"""
+    if node.max_token_bytes is None or 4 * len(text) < node.max_context * node.max_token_bytes:
+        return  # it fits whatever its characters (at most 4 bytes each)
+    size = len(text.encode("utf-8", "surrogatepass"))
+    fewest = -(-size // node.max_token_bytes)
+    if fewest >= node.max_context:
+        raise ApiError(400, f"the prompt's text is {size} bytes, at least {fewest} tokens (a token of this model "
+                            f"stands for at most {node.max_token_bytes} bytes); this model's context is "
+                            f"{node.max_context} tokens (prompt and output together)")
 
 
 def check_token_ids(node: NodeIdentity, ids: list[int], what: str) -> None:

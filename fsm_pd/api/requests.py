@@ -1,5 +1,6 @@
 """Request bodies to ``Plan``s of ``GenerateRequest``s: tokenising, PD bootstrap fields, and fan-out; the checks
-against the node are ``request_checks.py``'s, the sampling parameters ``sampling_params.py``'s.
+against the node are ``request_checks.py``'s, the sampling parameters ``sampling_params.py``'s. The routes build a
+plan on a worker thread (``build_plan``): a long prompt's tokenizing never holds the event loop.
 
 Fan-out: a batch of prompts and ``n`` (or ``best_of``) completions per prompt become one engine request each, at this
 layer. Request ``k`` (prompt ``k // copies``, copy ``k % copies``) gets the rid ``{rid}-{k}``, the bootstrap room
@@ -16,9 +17,17 @@ import hashlib
 import uuid
 from dataclasses import dataclass, replace
 
+from starlette.concurrency import run_in_threadpool
+
 from fsm_pd.api.chat_template import render_messages
 from fsm_pd.api.errors import ApiError
-from fsm_pd.api.request_checks import NodeIdentity, check_lengths, check_model, check_token_ids
+from fsm_pd.api.request_checks import (
+    NodeIdentity,
+    check_lengths,
+    check_model,
+    check_text_length,
+    check_token_ids,
+)
 from fsm_pd.api.sampling_params import make_sampling, refuse_unsupported, top_logprobs_num
 from fsm_pd.api.schemas import (
     MAX_BATCH,
@@ -65,6 +74,13 @@ def resolve_bootstrap(node: NodeIdentity, host: str | None, port: int | None, ro
     if not host:
         raise ApiError(400, "bootstrap_host must be a non-empty host name")
     return Bootstrap(host=host, port=port, room=room)
+
+
+async def build_plan(make_plan, node: NodeIdentity, tokenizer, body) -> Plan:
+    """``make_plan(node, tokenizer, body)`` (``from_generate``, ``from_completion``, ``from_chat``) on a worker
+    thread: rendering and tokenizing a prompt of up to the body limit takes time the event loop's other requests
+    (streams, health checks) must not wait for."""
+    return await run_in_threadpool(make_plan, node, tokenizer, body)
 
 
 def route_of(body) -> dict | None:
@@ -137,10 +153,16 @@ def _prompts_of_generate(node: NodeIdentity, tokenizer, body: GenerateBody) -> t
             check_token_ids(node, p, "input_ids")
     else:
         batched = isinstance(body.text, list)
-        prompts = [tokenizer.encode(t) for t in (body.text if batched else [body.text])]
+        prompts = [encode(node, tokenizer, t) for t in (body.text if batched else [body.text])]
     if batched and not 1 <= len(prompts) <= MAX_BATCH:
         raise ApiError(400, f"a batch holds 1 to {MAX_BATCH} prompts, got {len(prompts)}")
     return prompts, batched
+
+
+def encode(node: NodeIdentity, tokenizer, text: str, **options) -> list[int]:
+    """A text prompt's ids; one too long for the context whatever its tokens is refused before it is tokenized."""
+    check_text_length(node, text)
+    return tokenizer.encode(text, **options)
 
 
 def budget(node: NodeIdentity, input_ids: list[int], before: list[int], max_new: int | None) -> tuple[list[int], int]:
@@ -240,7 +262,7 @@ def from_completion(node: NodeIdentity, tokenizer, body: CompletionBody) -> Plan
         raise ApiError(400, f"a batch holds 1 to {MAX_BATCH} prompts, got {len(items)}")
     prompts = []
     for item in items:
-        ids = tokenizer.encode(item) if isinstance(item, str) else list(item)
+        ids = encode(node, tokenizer, item) if isinstance(item, str) else list(item)
         if not isinstance(item, str):
             check_token_ids(node, ids, "prompt")
         prompts.append(ids)
@@ -267,7 +289,7 @@ def from_chat(node: NodeIdentity, tokenizer, body: ChatCompletionBody) -> Plan:
     tools = plan_tools(body, template)  # None: tool_choice none, or no tools
     prompt, add_special = render_messages(template, body.messages, body.chat_template_kwargs,
                                           tool_dicts(body.tools) if tools else None)
-    input_ids = tokenizer.encode(prompt, add_special_tokens=add_special)
+    input_ids = encode(node, tokenizer, prompt, add_special_tokens=add_special)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens == 0:
         raise ApiError(400, "max_tokens=0 is not served in chat (nothing would be returned)")

@@ -10,7 +10,7 @@ from fsm_pd.api.context import ApiContext
 from fsm_pd.api.errors import ERROR_RESPONSES
 from fsm_pd.api.fanout import answer_plan, stream_plan
 from fsm_pd.api.outputs import RequestState
-from fsm_pd.api.requests import PD_ROLES, derive, from_generate
+from fsm_pd.api.requests import PD_ROLES, build_plan, derive, from_generate
 from fsm_pd.api.runner import RequestRun
 from fsm_pd.api.schemas import AbortBody, GenerateBody
 from fsm_pd.api.streaming import answer_stream, answer_whole
@@ -48,7 +48,7 @@ def sglang_router(ctx: ApiContext) -> APIRouter:
         """SGLang's /generate: ``{"text", "output_ids", "meta_info"}``; streamed, every chunk carries the whole
         text and ids so far (SGLang's default). A batch (``text``/``input_ids`` as a list) or ``n > 1``: a list of
         such answers, prompt-major."""
-        plan = from_generate(ctx.node, ctx.tokenizer, body)
+        plan = await build_plan(from_generate, ctx.node, ctx.tokenizer, body)
         if not plan.single and plan.stream:  # each chunk names its answer by "index", prompt-major (as SGLang's)
             return await stream_plan(ctx, plan, request, lambda i, state, out: [state.sglang_response() | {"index": i}])
         if not plan.single:  # a batch or n > 1: a list of answers, prompt-major (as SGLang's)

@@ -33,7 +33,7 @@ def current_load(ctx: ApiContext) -> list[dict]:
 def tokenize_router(ctx: ApiContext) -> APIRouter:
     router = APIRouter(tags=["tokenizer"], route_class=StrictJSONRoute)
 
-    async def tokenize(body: TokenizeBody) -> dict:
+    def tokenize(body: TokenizeBody) -> dict:  # sync: FastAPI runs it on a worker thread (a long text takes time)
         check_model(ctx.node, body.model)
         add = True if body.add_special_tokens is None else body.add_special_tokens
         if isinstance(body.prompt, str):

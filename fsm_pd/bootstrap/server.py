@@ -28,7 +28,6 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from fsm_pd.bootstrap.body_limit import BodySizeLimit
 from fsm_pd.bootstrap.registry import PrefillRegistry, RegistrationConflict
 from fsm_pd.bootstrap.wire import (
     BadRequest,
@@ -37,6 +36,7 @@ from fsm_pd.bootstrap.wire import (
     parse_dp_rank_registration,
     parse_route_query,
 )
+from fsm_pd.net.body_limit import BodySizeLimit
 from fsm_pd.net.http_server import AppServer
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def create_bootstrap_app(*, expected_ranks: int | None = None, token: str | None
     registry = registry or PrefillRegistry(expected_ranks=expected_ranks, entry_ttl_s=entry_ttl_s)
     app = FastAPI(title="fsm-pd bootstrap", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.registry = registry
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, flag="--max-body-bytes")
     expected_auth = None if token is None else f"Bearer {token}".encode()
 
     def refused(request: Request) -> Response | None:

@@ -70,7 +70,17 @@ def node_problem(args: argparse.Namespace, *, secret: bool = True) -> str | None
     return first(_node_problems(args, secret))
 
 
+def model_problem(spec: str) -> str | None:
+    """Why ``--model spec`` names nothing this host can load (a named model's package missing, no such file), or
+    None; its contents are read only when it loads."""
+    from fsm_pd.model.specs import model_problem as why  # jax-free
+
+    problem = why(spec)
+    return None if problem is None else f"--model {spec}: {problem}"
+
+
 def _node_problems(args: argparse.Namespace, secret: bool):
+    yield model_problem(args.model)
     if getattr(args, "uds", None) is None:  # on unix sockets it binds no port (a host may refuse TCP altogether)
         yield from _port_problems(args)
     yield _read_timeouts_problem(args)
@@ -91,10 +101,24 @@ def _node_problems(args: argparse.Namespace, secret: bool):
         yield writable_problem("--journal (default)", Path("journals") / f"{args.node_id}.db")
     elif "://" not in args.journal:
         yield writable_problem("--journal", args.journal)
+    else:
+        yield journal_url_problem(args.journal)
     if args.journal_max_rows < 0:
         yield f"--journal-max-rows {args.journal_max_rows}: must be at least 0 (0: no cap)"
     if args.journal_archive_dir:
         yield writable_problem("--journal-archive-dir", args.journal_archive_dir, directory=True)
+
+
+def journal_url_problem(url: str) -> str | None:
+    """Why ``--journal URL`` names no database a journal can use (not a URL, no such dialect, its driver not
+    installed), or None: the engine the node would make, made and dropped; it connects to nothing."""
+    from fsm_pd.store.database import DatabaseUrlError, create_journal_engine, journal_url
+
+    try:
+        create_journal_engine(journal_url(url), "normal").dispose()
+    except DatabaseUrlError as exc:
+        return f"--journal: {exc}"
+    return None
 
 
 def _pd_problems(args: argparse.Namespace):
@@ -115,8 +139,9 @@ def _pd_problems(args: argparse.Namespace):
     backend = pd_backend(args)
     try:
         check_unix_backend(backend)
-    except ValueError as exc:
-        yield f"--transfer-backend {backend}: {exc}"
+    except ValueError:
+        yield (f"--transfer-backend {backend}: the {backend} transfer backend cannot run over the unix sockets that "
+               "link --role pd's two engines; use pool (the default), device, tcp or zmq")
     if args.tp > 1:
         yield f"--tp {args.tp}: --role pd runs both engines on one device for now (--tp 1)"
     yield writable_problem("--journal-dir", args.journal_dir, directory=True)

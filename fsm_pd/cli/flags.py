@@ -14,6 +14,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 
+from fsm_pd.net.body_limit import byte_count
 from fsm_pd.net.http_protocol import add_read_timeout_flags
 
 # the description of ``fsm-pd serve --help`` and of every role's parser
@@ -132,6 +133,17 @@ def seconds(*, zero: bool = False) -> Callable[[str], float]:
     return parse
 
 
+def transfer_backend(text: str) -> str:
+    """An argparse type: the name of a transfer backend, built in or a plugin's (``fsm_pd.transfer_backends``): an
+    unknown one ends the command here, before any backend, model or node is started."""
+    from fsm_pd.transport.backends.registry import backend_names  # jax-free: naming backends imports none of them
+
+    known = backend_names()
+    if text not in known:
+        raise argparse.ArgumentTypeError(f"unknown transfer backend {text!r} (known: {', '.join(known)})")
+    return text
+
+
 def one_line_errors(parser: argparse.ArgumentParser, prog: str = "fsm-pd serve") -> argparse.ArgumentParser:
     """``parser`` with argparse's errors as one line, ``PROG: error: MESSAGE``, exit status 2, without the usage
     (a node's takes thirty lines, and the line that matters would scroll away)."""
@@ -192,6 +204,10 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                              "any request needs before /health answers 200, seconds with a warm compile cache, and "
                              f"compile the rest in the background; ${SKIP_WARMUP_ENV}=1 skips)")
     add_read_timeout_flags(parser)
+    parser.add_argument("--max-request-bytes", type=byte_count, default=None, metavar="N",
+                        help="a request body over N bytes is answered 413 at once, before it is read or parsed "
+                             "(default: from the model's context, 1 MiB plus 64 bytes a token: 1.5 MiB for SmolLM2; "
+                             "raise it for big batches; a router in front takes its workers' limit)")
     parser.add_argument("--drain-timeout-secs", type=seconds(zero=True), default=30.0, metavar="S",
                         help="on SIGTERM or POST /drain the node refuses new requests (503; /health answers 503 "
                              "draining), waits up to S seconds for the open ones, aborts what is left, deregisters "
@@ -225,7 +241,7 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                                  "skips it: docs/data-plane.md, The KV checksum)")
     if role in ("prefill", "decode", "pd"):
         if role == "pd":
-            parser.add_argument("--transfer-backend", default=None,
+            parser.add_argument("--transfer-backend", type=transfer_backend, default=None,
                                 help="how the decode engine takes the prefill engine's KV: pool (the default on one "
                                      "set of devices: both engines share one KV pool, one model thread and one step "
                                      "loop, and a handoff moves the pages' ownership, no byte) | device (the default "
@@ -238,7 +254,7 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                                      "and DIR/decode-0.db (fsm-pd replay DIR/prefill-0.db DIR/decode-0.db) "
                                      "(default ./journals)")
         else:
-            parser.add_argument("--transfer-backend", default="tcp",
+            parser.add_argument("--transfer-backend", type=transfer_backend, default="tcp",
                                 help="tcp | zmq | jax | a registered plugin (default tcp: the fastest between CPU "
                                      "hosts; device only between the engines of --role pd)")
             parser.add_argument("--journal", default=None,
@@ -267,8 +283,8 @@ def node_parser(role: str) -> argparse.ArgumentParser:
         parser.add_argument("--on-transfer-failure", choices=("recompute", "fail"), default="recompute",
                             help="when a KV transfer fails after this node reserved the pages: recompute (prefill "
                                  "the prompt here and decode on; the client gets its answer, and the room still ends "
-                                 "Failed in the journal) or fail (the request gets the transfer's error, 500) "
-                                 "(default recompute)")
+                                 "Failed in the journal) or fail (the request gets the transfer's error: 500, or 502 "
+                                 "when the prefill node failed it) (default recompute)")
     if role in ("colocated", "decode", "prefill", "pd"):
         from fsm_pd.scheduling.step_budget import DEFAULT_CHUNK_STEPS  # jax-free: the help stays quick
 

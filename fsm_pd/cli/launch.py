@@ -9,7 +9,8 @@ the caches hold the programs and the converted model; README). Every command lin
 directory are checked first: a bad one ends launch with one line, status 2, before anything starts.
 Then it sends one chat request through the router, prints its answer and the time from the command to that
 answer, prints the router's URL, and serves until Ctrl-C or SIGTERM. Then it stops exactly the processes
-it started (SIGTERM, then SIGKILL after a grace period). A node that dies on its own is reported and the cluster keeps
+it started, each with one SIGTERM, so that each node drains: they run in process groups of their own, out of reach
+of the terminal's Ctrl-C (``children.py``). A node that dies on its own is reported and the cluster keeps
 serving (the router's health checks and retries route around it: ``docs/fleet.md``) while at least one decode node is
 alive, and one prefill node too under the router's ``--pd-policy always`` (under ``auto``, the default, a decode node
 prefills every prompt itself once no prefill node is left); when a role it needs has none left, or the router dies,
@@ -21,20 +22,29 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
-import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 from rich.console import Console
 
+# the processes: started, watched, stopped (``free_port``, ``Child``, ``stop``, ``wait_healthy`` and ``exit_cause``
+# are also used from here by the tests and benches)
+from fsm_pd.cli.children import (  # noqa: F401
+    HEALTH_TIMEOUT_S,
+    Child,
+    Stop,
+    StopSignals,
+    exit_cause,
+    free_port,
+    start,
+    stop,
+    wait_admitted,
+    wait_healthy,
+    wait_ready,
+)
 from fsm_pd.cli.flags import accelerator_host
 from fsm_pd.net import unix_http
 from fsm_pd.net.unix_http import http_url
@@ -51,49 +61,8 @@ from fsm_pd.net.unix_sockets import (
 )
 from fsm_pd.transport import generate_secret, secret_env
 
-HEALTH_TIMEOUT_S = 600.0  # a node answers /health once its ready set is prepared (seconds; this bounds a slow host)
-STOP_GRACE_S = 10.0
 WARMUP_QUESTION = "What is the capital of France?"
 WARMUP_TIMEOUT_S = 300.0
-
-
-_handed_out: set[int] = set()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on now, for a server started next. It is drawn below the kernel's ephemeral range,
-    where no outgoing connection takes its local port (a port the kernel hands to ``bind(0)`` is one an outgoing
-    connection can take before our server binds it), and never one this process handed out before."""
-    low = max(_ephemeral_low(), 2048)  # an ephemeral range that starts lower leaves no port outside it
-    for _ in range(1000):
-        port = random.randrange(max(1024, low // 2), low)
-        if port in _handed_out:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    raise RuntimeError(f"no free port on {host} below {low}")
-
-
-def _ephemeral_low() -> int:
-    try:  # Linux; elsewhere the IANA range's start
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 49152
-
-
-@dataclass
-class Child:
-    name: str
-    argv: list[str]
-    url: str  # http://127.0.0.1:PORT, or unix:PATH
-    log: Path
-    proc: subprocess.Popen | None = field(default=None, repr=False)
-    sockets: dict[str, str] = field(default_factory=dict)  # with --uds: every unix socket it listens on
 
 
 def plan(prefill: int, decode: int, port: int, model: str, backend: str, journal_dir: Path,
@@ -180,11 +149,6 @@ def check_commands(children: Sequence[Child]) -> str | None:
     return None
 
 
-def get(url: str, timeout: float) -> httpx.Response:
-    """``GET url`` (``http://`` or ``unix:PATH/...``)."""
-    return unix_http.request("GET", http_url(url), timeout=timeout)
-
-
 def chip_holder(children: Sequence[Child]) -> Child:
     """The one process that gets the accelerator on a host where one process at a time can hold it (a TPU's): the
     first decode node, which serves every short prompt whole and every stream's tokens; the others run on the host's
@@ -192,114 +156,13 @@ def chip_holder(children: Sequence[Child]) -> Child:
     return next(child for child in children if child.name.startswith("decode-"))
 
 
-def launch_problem(port: int, journal_dir: Path, uds: Path | None) -> str | None:
-    """What launch's own flags stop at before anything starts: the router's port taken (unless it listens on a
-    unix socket), a journal directory that cannot be written."""
-    from fsm_pd.cli.checks import port_problem, writable_problem
+def launch_problem(port: int, journal_dir: Path, uds: Path | None, model: str) -> str | None:
+    """What launch's own flags stop at before anything starts: a model that is not there, the router's port taken
+    (unless it listens on a unix socket), a journal directory that cannot be written."""
+    from fsm_pd.cli.checks import model_problem, port_problem, writable_problem
 
-    return ((port_problem("--port", "127.0.0.1", port) if uds is None else None)
+    return (model_problem(model) or (port_problem("--port", "127.0.0.1", port) if uds is None else None)
             or writable_problem("--journal-dir", journal_dir, directory=True))
-
-
-def exit_cause(log: Path) -> str | None:
-    """The line of a child's log that says why it exited: the last that names an error (a server's shutdown lines
-    come after it), else the last line."""
-    lines = log.read_text(errors="replace").strip().splitlines() if log.is_file() else []
-    return next((line for line in reversed(lines) if "error" in line.lower()), lines[-1] if lines else None)
-
-
-def health(child: Child) -> tuple[bool, dict]:
-    """Whether ``child`` is ready (``/health`` 200), and what it says of its start-up while it is not; raises
-    when it exited."""
-    if child.proc.poll() is not None:
-        cause = exit_cause(child.log)
-        raise RuntimeError(f"{child.name} exited with {child.proc.returncode}{f': {cause}' if cause else ''} "
-                           f"(log: {child.log})")
-    try:
-        response = get(child.url + "/health", timeout=2.0)
-    except httpx.HTTPError:
-        return False, {"phase": "starting"}  # not listening yet: the interpreter and its imports
-    if response.status_code == 200:
-        return True, {}
-    try:
-        return False, response.json()
-    except ValueError:
-        return False, {}
-
-
-def wait_healthy(child: Child, deadline: float) -> None:
-    while time.time() < deadline:
-        if health(child)[0]:
-            return
-        time.sleep(0.25)
-    raise RuntimeError(f"{child.name} did not answer {child.url}/health within {HEALTH_TIMEOUT_S:.0f} s; "
-                       f"see {child.log}")
-
-
-def wait_admitted(router: Child, counts: dict[str, int], deadline: float) -> None:
-    """Wait until ``router`` answers ``/health`` and routes to every node (``admitted``, per role, after its first
-    round of health checks)."""
-    while time.time() < deadline:
-        if health(router)[0]:
-            try:
-                said = get(router.url + "/health", timeout=2.0).json()
-                if said.get("checked") and said.get("admitted") == counts:
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
-        time.sleep(0.1)
-    raise RuntimeError(f"the router did not take the nodes in within {HEALTH_TIMEOUT_S:.0f} s; see {router.log}")
-
-
-def wait_ready(nodes: list[Child], deadline: float, console: Console) -> dict[str, dict]:
-    """Wait until every node is ready, showing each one's start-up in the terminal: its phase, then the programs
-    it prepares (done out of total, and the time left). Returns each node's start-up phases (``/server_info``)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    columns = (TextColumn("{task.fields[node]:<10} {task.description:<28}"), BarColumn(), MofNCompleteColumn(),
-               TimeRemainingColumn())
-    with Progress(*columns, console=console, transient=False) as bars:
-        tasks = {c.name: bars.add_task("starting", node=c.name, total=None) for c in nodes}
-        waiting = list(nodes)
-        while waiting:
-            if time.time() > deadline:
-                raise RuntimeError(f"{', '.join(c.name for c in waiting)} not ready within {HEALTH_TIMEOUT_S:.0f} s"
-                                   f"; see {waiting[0].log}")
-            for child in list(waiting):
-                ready, status = health(child)
-                task = tasks[child.name]
-                if ready:
-                    done = bars.tasks[task].total or 1
-                    bars.update(task, description="ready", total=done, completed=done)
-                    waiting.remove(child)
-                elif progress := status.get("progress"):
-                    bars.update(task, description=progress.get("step", ""), total=progress["total"],
-                                completed=progress["done"])
-                else:
-                    bars.update(task, description=status.get("phase", "starting"))
-            time.sleep(0.25)
-    return {c.name: startup_phases(c) for c in nodes}
-
-
-def startup_phases(child: Child) -> dict:
-    try:
-        return (get(child.url + "/server_info", timeout=5.0).json().get("startup") or {}).get("phases", {})
-    except (httpx.HTTPError, ValueError):
-        return {}
-
-
-def stop(children: list[Child]) -> None:
-    """SIGTERM every process we started, in reverse order, then SIGKILL whatever outlives the grace period."""
-    running = [c for c in reversed(children) if c.proc is not None and c.proc.poll() is None]
-    for child in running:
-        child.proc.send_signal(signal.SIGTERM)
-    deadline = time.time() + STOP_GRACE_S
-    for child in running:
-        try:
-            child.proc.wait(timeout=max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            child.proc.kill()
-            child.proc.wait()
 
 
 def needed_roles(router_extra: Sequence[str]) -> tuple[str, ...]:
@@ -365,7 +228,7 @@ def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, jo
     children = plan(prefill, decode, port, model, backend, journal_dir, extra, prefill_tp, decode_tp, router_extra,
                     uds, prefill_extra, decode_extra)
     # the router's parser comes with the router's imports (0.9 s): checked only when it is given flags to check
-    error = (launch_problem(port, journal_dir, uds) or check_sockets(children)
+    error = (launch_problem(port, journal_dir, uds, model) or check_sockets(children)
              or check_commands(children if router_extra else children[:-1]))
     if error is None and uds is not None:
         try:
@@ -380,22 +243,14 @@ def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, jo
         uds.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **secret_env(generate_secret())}
     nodes, router_child = children[:-1], children[-1]
-    stopping = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stopping.set())
-
+    signals = StopSignals()  # Ctrl-C, SIGTERM, SIGHUP: the first stops the cluster (each node drains), the next hurry
+    signals.install()
     chip = chip_holder(children) if accelerator_host() else None
-
-    def start(child: Child) -> None:
-        log = open(child.log, "w")  # noqa: SIM115 - the child keeps writing to it
-        own = env if chip is None or child is chip else {**env, "JAX_PLATFORMS": "cpu"}
-        child.proc = subprocess.Popen(child.argv, stdout=log, stderr=subprocess.STDOUT, env=own,
-                                      stdin=subprocess.DEVNULL)
-
     try:
         with console.status("starting the cluster") as status:
-            for child in children:  # the router too: it sends nothing to a node until that node is ready
-                start(child)
+            with signals.held():  # no child is left started but not known
+                for child in children:  # the router too: it sends nothing to a node until that node is ready
+                    start(child, env if chip is None or child is chip else {**env, "JAX_PLATFORMS": "cpu"})
             status.stop()  # the nodes' progress bars take the terminal meanwhile
             console.print(f"starting {', '.join(c.name for c in nodes)} ({model}; logs in {journal_dir})")
             phases = wait_ready(nodes, time.time() + HEALTH_TIMEOUT_S, console)
@@ -421,10 +276,12 @@ def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, jo
                           soft_wrap=True, highlight=False)
         for line in how_to_reach(router, model):
             console.print(line, soft_wrap=True, highlight=False, markup=False)
-        console.print("  Ctrl-C stops every process started here.")
+        console.print("  Ctrl-C stops every process started here: each node finishes its open requests first "
+                      "(its --drain-timeout-secs); a second Ctrl-C stops them at once.")
         reported: set[str] = set()
         needed = needed_roles(router_extra)
-        while not stopping.wait(0.5):
+        while True:
+            time.sleep(0.5)
             if router_child.proc.poll() is not None:
                 console.print(f"[bold red]the router exited with {router_child.proc.returncode}; stopping the "
                               f"cluster (see {router_child.log})[/]")
@@ -434,13 +291,15 @@ def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, jo
                 role = next(r for r in needed if not left[r])
                 console.print(f"[bold red]no {role} node is left; stopping the cluster[/]")
                 return 1
-        console.print("stopping")
+    except Stop:
+        console.print("stopping: each node finishes its open requests, then exits (Ctrl-C again: at once)")
         return 0
     except (RuntimeError, httpx.HTTPError) as exc:
         console.print(f"[bold red]fsm-pd launch: {exc}[/]")
         return 1
     finally:
-        stop(children)
+        signals.stopping()  # a signal from here on only hurries the stop
+        stop(children, signals.hurry)
         for child in children:  # what a process killed before it could clean up left behind
             for path in child.sockets.values():
                 with contextlib.suppress(OSError):

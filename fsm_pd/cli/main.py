@@ -139,15 +139,17 @@ def cmd_launch(args: argparse.Namespace) -> int:
     # pool's (a --node-arg --page-size after it wins)
     extra = ["--dtype", resolve_dtype(args.dtype), "--page-size", str(resolve_page_size(None)),
              "--kv-checksum", args.kv_checksum, *args.node_arg]
+    limit = ["--max-request-bytes", str(args.max_request_bytes)] if args.max_request_bytes else []
     return launch(prefill=args.prefill, decode=args.decode, port=args.port, model=args.model,
-                  backend=args.transfer_backend, journal_dir=Path(args.journal_dir), extra=extra,
+                  backend=args.transfer_backend, journal_dir=Path(args.journal_dir), extra=[*extra, *limit],
                   console=Console(), warmup=args.warmup, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
-                  router_extra=args.router_arg, uds=Path(args.uds) if args.uds else None,
+                  router_extra=[*limit, *args.router_arg], uds=Path(args.uds) if args.uds else None,
                   prefill_extra=args.prefill_arg, decode_extra=args.decode_arg)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fsm_pd.cli.flags import add_model_flags, one_line_errors, port, positive_int
+    from fsm_pd.cli.flags import add_model_flags, one_line_errors, port, positive_int, transfer_backend
+    from fsm_pd.net.body_limit import byte_count
 
     parser = argparse.ArgumentParser(
         prog="fsm-pd",
@@ -219,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "DIR/router.sock http://localhost/v1/chat/completions ...; docs/operations.md, Serving "
                              "over unix sockets). Only the tcp and zmq transfer backends run over unix sockets")
     add_model_flags(launch)
-    launch.add_argument("--transfer-backend", default="tcp", help="tcp | zmq | jax (default tcp)")
+    launch.add_argument("--transfer-backend", type=transfer_backend, default="tcp",
+                        help="tcp | zmq | jax | a registered plugin (default tcp)")
     launch.add_argument("--prefill-tp", type=positive_int, default=1, metavar="N",
                         help="each prefill node's --tp: its model split over N devices (default 1)")
     launch.add_argument("--decode-tp", type=positive_int, default=1, metavar="N",
@@ -241,6 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                         help="pass ARG to the router's `fsm-pd serve --role router` (repeatable, as --node-arg: "
                              "--router-arg=--pd-policy=always)")
+    launch.add_argument("--max-request-bytes", type=byte_count, default=None, metavar="N",
+                        help="a request body over N bytes is answered 413 at once, by the router and every node "
+                             "(default: each node's from its model's context, 1 MiB plus 64 bytes a token, and the "
+                             "router takes the smallest of its nodes')")
     launch.add_argument("--journal-dir", default="pd-cluster", help="journals and logs (default ./pd-cluster)")
     launch.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="skip the first chat request that launch sends through the router once every node is "

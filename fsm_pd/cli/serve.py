@@ -25,7 +25,7 @@ from fsm_pd.cli.flags import (
     split_role,
 )
 from fsm_pd.net.http_protocol import read_timeouts_from_args
-from fsm_pd.runtime.process_exit import exit_now
+from fsm_pd.runtime.process_exit import exit_now, on_exit
 
 
 def ask_for_host_devices(tp: int, environ=os.environ) -> None:
@@ -197,8 +197,12 @@ def run_node(args: argparse.Namespace) -> int:
     app = create_app(engine, model.tokenizer, api_key=args.api_key, model_name=args.served_model_name or args.model,
                      model_path=args.model,
                      bootstrap_port=None if args.uds else getattr(args, "bootstrap_port", None),
-                     drain_timeout_s=args.drain_timeout_secs, startup=startup, wait=wait)
+                     drain_timeout_s=args.drain_timeout_secs, startup=startup, wait=wait,
+                     max_body_bytes=args.max_request_bytes)
     apply_serving_gc_policy()
+    from fsm_pd.net.unix_sockets import remove_listener_files
+
+    on_exit(remove_listener_files)  # a failed start-up ends the process at once: --uds's socket file goes too
     # HTTP answers from here on (probes see the progress); requests are taken once the programs are prepared
     threading.Thread(target=prepare_programs, args=({engine: startup}, args.skip_server_warmup,
                                                     lambda: app.state.drain.in_flight > 0),

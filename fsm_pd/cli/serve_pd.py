@@ -29,8 +29,8 @@ import threading
 from pathlib import Path
 
 from fsm_pd.cli.flags import DEADLINE_FLAGS, pd_backend, resolve_dtype, resolve_page_size
-from fsm_pd.net.unix_sockets import UnixPathError, check_path, unix_address
-from fsm_pd.runtime.process_exit import exit_now
+from fsm_pd.net.unix_sockets import UnixPathError, check_path, remove_listener_files, unix_address
+from fsm_pd.runtime.process_exit import exit_now, on_exit
 
 log = logging.getLogger("fsm_pd.serve")
 
@@ -190,6 +190,8 @@ def run_pd(args: argparse.Namespace) -> int:
     log.info("KV pools: prefill %d pages on %s, decode %d pages on %s (%s)", prefill_pages, where["prefill"],
              decode_pages, where["decode"], how)
     links = private_dir()
+    on_exit(lambda: shutil.rmtree(links, ignore_errors=True))  # a failed start-up ends the process at once
+    on_exit(remove_listener_files)  # --uds's socket file too
     servers: list[AppServer] = []
     engines = ()
     try:
@@ -205,7 +207,8 @@ def run_pd(args: argparse.Namespace) -> int:
         for engine, its_startup in starts.items():
             app = local_apps[engine.manager.uds] = create_app(engine, model.tokenizer, api_key=args.api_key,
                              model_name=args.served_model_name or args.model, model_path=args.model,
-                             drain_timeout_s=args.drain_timeout_secs, startup=its_startup, wait=wait)
+                             drain_timeout_s=args.drain_timeout_secs, startup=its_startup, wait=wait,
+                             max_body_bytes=args.max_request_bytes)
             servers.append(AppServer(app, uds=engine.manager.uds, log_level="warning",
                                      read_timeouts=read_timeouts_from_args(args)).start())
         prefill, decode = engines
@@ -217,7 +220,8 @@ def run_pd(args: argparse.Namespace) -> int:
             pd_policy=PolicySettings(args.pd_policy, args.local_prefill_max_tokens),
             health_interval_s=1.0, health_timeout_s=OWN_HEALTH_TIMEOUT_S,
             breaker=BreakerSettings(health_failures=NEVER, request_failures=NEVER),
-            startup_wait_s=args.startup_wait_secs, local_apps=local_apps)
+            startup_wait_s=args.startup_wait_secs, local_apps=local_apps,
+            max_body_bytes=args.max_request_bytes)  # None: the engines' limit (their /health)
         router.state.metrics.registry.register(EngineFamilies([r for engine in engines for r in engine.registries]))
         front = PDFront(router, engines, list(starts.values()), drain_timeout_s=args.drain_timeout_secs,
                         startup_wait_s=args.startup_wait_secs, registry=router.state.metrics.registry)

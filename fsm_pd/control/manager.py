@@ -39,6 +39,7 @@ from fsm_pd.machines import RECEIVER, SENDER, KVPoll
 from fsm_pd.model.model_thread import ModelThread
 from fsm_pd.net.unix_sockets import check_unix_backend, ipc_address, node_socket
 from fsm_pd.store import Journal, JournalError
+from fsm_pd.store.journal import JournalClosed
 from fsm_pd.transport import SideChannel
 from fsm_pd.transport.addresses import advertised_host, with_port
 from fsm_pd.transport.backends import create_backend, new_uuid
@@ -164,6 +165,8 @@ class KVManager:
             try:
                 self.node.step()
                 self.journal.keep_alive()  # a database server that went away fails the node even when idle
+            except JournalClosed:  # closed by close() under a loop that outlived its join: nothing more is journaled
+                return
             except Exception as exc:  # a journal that cannot be written stops the node: unjournaled acts break replay
                 log.exception("node %s stopped: the journal could not be written", self.node_id)
                 self._stopped(f"the node loop stopped: the journal could not be written: {type(exc).__name__}: {exc}")

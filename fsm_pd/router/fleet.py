@@ -73,6 +73,7 @@ class Worker:
     # set when its health checks eject it (not a drain: a draining node finishes its streams): the streams it is
     # sending end, or move on, at once instead of waiting out the deadline on a stopped node's open connection
     lost: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    max_request_bytes: int | None = None  # its body limit, as its /health said (None: not said)
 
     def describe(self) -> dict:
         return {"url": self.url, "admitted": self.admitted, "outstanding": self.outstanding,
@@ -133,6 +134,12 @@ class Fleet:
     def starting(self, role: str) -> bool:
         """Some worker of ``role`` is out only because it has not finished starting: one may be admitted soon."""
         return any(w.starting and not w.admitted for w in self.workers[role])
+
+    def request_limit(self) -> int | None:
+        """The smallest body limit a worker reported (a body over it could be routed where it is refused), or None
+        while none has."""
+        said = [w.max_request_bytes for w in self.all() if w.max_request_bytes]
+        return min(said) if said else None
 
     async def admission(self, timeout_s: float) -> None:
         """Wait until a worker is re-admitted, or ``timeout_s`` passed."""
@@ -280,6 +287,7 @@ class HealthChecker:
                                       starting=first, refused=isinstance(err, httpx.ConnectError))
             return
         if resp.status_code == 200:
+            worker.max_request_bytes = _said_limit(resp) or worker.max_request_bytes
             self.fleet.health_checked(worker, True)
             return
         try:
@@ -302,3 +310,14 @@ class HealthChecker:
             self.checked.set()
             out = any(not w.admitted for w in self.fleet.all())
             await asyncio.sleep(min(self.interval_s, OUT_CHECK_INTERVAL_S) if out else self.interval_s)
+
+
+def _said_limit(resp: httpx.Response) -> int | None:
+    """The body limit a node's ``/health`` reports (``max_request_bytes``); None from a worker that says none (an
+    SGLang node answers an empty 200)."""
+    try:
+        value = resp.json().get("max_request_bytes")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+

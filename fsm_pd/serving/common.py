@@ -8,6 +8,7 @@ from pathlib import Path
 
 from fsm_pd.control.core import RoomInUse
 from fsm_pd.machines import KVPoll
+from fsm_pd.machines.deadlines import ended_by_deadline
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.serving import top_logprobs
 from fsm_pd.serving.types import EngineError, GenerateRequest
@@ -17,6 +18,18 @@ from fsm_pd.store.schema import MAX_ROOM
 ENDED = (KVPoll.Success, KVPoll.Failed)  # a room in either state changes no more
 UNAVAILABLE_STATUS = 503  # the node cannot serve at all (its loop stopped, its model thread died)
 ROOM_IN_USE_STATUS = 409  # a conflict with this node's state (the room's earlier request), not a malformed request
+PEER_FAILED_STATUS = 502  # the peer node failed the transfer: this node is fine, the one it depended on was not
+# the machines' failure reasons (``failure_reason``) that blame the peer: it died, restarted or went silent (its
+# heartbeats), it aborted the room, or it reported an error of its own
+PEER_REASONS = ("peer failed", "aborted by peer", "remote error")
+
+
+def transfer_failure_status(reason: str | None) -> int:
+    """The HTTP status of a request whose room failed: 504 when one of this node's deadlines ended it, 502 when the
+    peer did (``PEER_REASONS``), 500 for a failure here. The answer's message carries the reason either way."""
+    if ended_by_deadline(reason):
+        return 504
+    return PEER_FAILED_STATUS if reason is not None and reason.startswith(PEER_REASONS) else 500
 
 
 def room_error_status(exc: Exception) -> int:

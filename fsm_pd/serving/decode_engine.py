@@ -18,8 +18,9 @@ A request goes through:
 When the transfer fails on this node after it reserved the request's pages (a pull or scatter that failed, a
 deadline that passed), ``on_transfer_failure`` decides: ``recompute`` (the default) prefills the prompt here, as the
 colocated engine does, samples the first token with the request's seed at step 0 and decodes on, so the client gets
-the answer an undisturbed run gives (greedy: identical); ``fail`` ends the request with the transfer's error (500).
-The room still ends Failed in the journal with its reason; the recompute is logged with the room and request id,
+the answer an undisturbed run gives (greedy: identical); ``fail`` ends the request with the transfer's error (500,
+502 when the prefill node failed it: ``common.transfer_failure_status``). The room still ends Failed in the journal
+with its reason; the recompute is logged with the room and request id,
 counted (``recomputes``, ``fsm_pd_transfer_recomputes_total``) and named in the answer's ``meta_info.kv_recompute``.
 A recomputed request's pages are held under the key ``-(room + 1)``, never a room id, so the failed room's own
 ``FreePages`` cannot free them. See ``serving.md``.
@@ -49,13 +50,13 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from fsm_pd.control.admission import SchedulerAdmission
 from fsm_pd.control.phases import timing_meta
 from fsm_pd.kvpool.pages import pages_for
-from fsm_pd.machines.deadlines import ended_by_deadline, explain_failure
+from fsm_pd.machines.deadlines import explain_failure
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.net.unix_sockets import is_unix
 from fsm_pd.scheduling.page_admission import CHUNKED_PREFILL_SIZE
 from fsm_pd.scheduling.prealloc import Preallocation
 from fsm_pd.scheduling.step_budget import DEFAULT_CHUNK_STEPS, StepBudget
-from fsm_pd.serving.common import ENDED
+from fsm_pd.serving.common import ENDED, transfer_failure_status
 from fsm_pd.serving.decode_loop import DecodeLoop
 from fsm_pd.serving.forward import input_logprobs_from_wire
 from fsm_pd.serving.local_path import LocalPath
@@ -226,7 +227,7 @@ class DecodeEngine(LocalPath, PDEngine):
                 self.recompute.start(seq, room, reason)  # the request lives on under a key of its own
                 return
             if not seq.cancelled:
-                seq.stream.push(EngineError(detail["explained"] or reason, 504 if ended_by_deadline(reason) else 500))
+                seq.stream.push(EngineError(detail["explained"] or reason, transfer_failure_status(reason)))
             self.requests.pop(seq)
             return
         ctx = detail

@@ -42,12 +42,12 @@ import jax
 from fsm_pd.bootstrap import BootstrapServer
 from fsm_pd.control.phases import timing_meta
 from fsm_pd.effects.decode import RECOMPUTE_NOTE
-from fsm_pd.machines.deadlines import ended_by_deadline, explain_failure
+from fsm_pd.machines.deadlines import explain_failure
 from fsm_pd.model.input_buckets import batch_bucket, token_bucket
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.scheduling.page_admission import CHUNKED_PREFILL_SIZE, Chunk, end_request, plan_chunks, take_prefill_batch
 from fsm_pd.scheduling.step_budget import DEFAULT_CHUNK_STEPS, StepBudget
-from fsm_pd.serving.common import ENDED
+from fsm_pd.serving.common import ENDED, transfer_failure_status
 from fsm_pd.serving.decode_loop import DecodeLoop
 from fsm_pd.serving.forward import FirstToken, input_logprobs_to_wire, prefill_step
 from fsm_pd.serving.isolate import run_isolating
@@ -245,7 +245,7 @@ class PrefillEngine(LocalPath, PDEngine):
                 else:  # mid-way through a chunked prompt: no first token, and none is computed (D computes it)
                     self._answer_without_token(seq, reason)
             elif state == "Failed" and not seq.cancelled:
-                seq.stream.push(EngineError(reason or "KV transfer failed", 504 if ended_by_deadline(reason) else 500))
+                seq.stream.push(EngineError(reason or "KV transfer failed", transfer_failure_status(reason)))
         # a request still in the prefill queue is dropped there: its room is gone from the manager. Its prompt's pages
         # join the prefix cache once handed over; a failed transfer frees only the pages the request reserved.
         end_request(self.cache, self.allocator, room, seq, keep=state == "Success")

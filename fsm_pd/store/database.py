@@ -71,7 +71,10 @@ def create_journal_engine(url: str, durability: str) -> Engine:
         parsed = make_url(url)
     except ArgumentError as exc:
         raise DatabaseUrlError(f"not a journal path or database URL: {shown(url)!r} ({exc})") from exc
-    backend, driver = parsed.get_backend_name(), parsed.get_driver_name()
+    try:
+        backend, driver = parsed.get_backend_name(), parsed.get_driver_name()  # the driver's name loads the dialect
+    except ArgumentError as exc:  # NoSuchModuleError: no such dialect
+        raise DatabaseUrlError(f"cannot use {shown(url)} as a journal: {exc}") from exc
     options: dict = {}
     if backend == "postgresql":
         # the journal's statements are compiled once and run through the driver with row tuples: positional style

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
@@ -36,10 +37,10 @@ from fsm_pd.store.database import (  # noqa: F401 - DURABILITY is re-exported
 )
 from fsm_pd.store.schema import (
     COLUMNS,
-    ROOM_ORDER_INDEX_DDL,
     SCHEMA_VERSION,
     journal_meta,
     metadata,
+    migrate_from_1,
     rooms,
     transitions,
 )
@@ -57,6 +58,10 @@ class SchemaVersionError(JournalError):
 
 class VersionConflict(JournalError):
     """Two writers journaled the same (node, role, room, version): the room's history would fork."""
+
+
+class JournalClosed(JournalError):
+    """A flush after ``close``: the rows are not journaled, so their effects must not run."""
 
 
 class JournalRow(NamedTuple):
@@ -107,7 +112,7 @@ class Journal:
                 if found is None:
                     conn.execute(insert(journal_meta).values(key="schema_version", value=str(SCHEMA_VERSION)))
                 elif found == "1":
-                    _migrate_from_1(conn, target)
+                    migrate_from_1(conn, target)
                     found = str(SCHEMA_VERSION)
         except SQLAlchemyError as exc:
             raise JournalError(f"cannot open journal {self.name}: {getattr(exc, 'orig', None) or exc}") from exc
@@ -138,6 +143,11 @@ class Journal:
         # that died with a restarted server.
         self._writer = None
         self._keep_writer = self._explicit_begin = dialect.name == "sqlite"  # its driver's transactions are off
+        # One flush at a time on the writer connection: a node's loop flushes, and ``close`` flushes from another
+        # thread, which may come while the loop is still inside a flush (``KVManager.close`` gives up joining the
+        # loop after 5 s); a DB-API connection must not run two transactions at once.
+        self._write_lock = threading.RLock()
+        self._closed = False
         self.rows_written = 0
         self.commits = 0
 
@@ -178,7 +188,14 @@ class Journal:
         return len(self._pending)
 
     def flush(self) -> int:
-        """Commit every buffered row in one transaction; returns how many. Nothing is kept on failure."""
+        """Commit every buffered row in one transaction; returns how many. Nothing is kept on failure. Thread-safe:
+        a flush waits for one running on another thread; after ``close`` it raises ``JournalClosed``."""
+        with self._write_lock:
+            if self._closed:
+                raise JournalClosed(f"journal {self.name} is closed")
+            return self._flush()
+
+    def _flush(self) -> int:
         rows, self._pending = self._pending, []
         if not rows:
             return 0
@@ -240,13 +257,18 @@ class Journal:
         self._last_ok = time.monotonic()
 
     def close(self) -> None:
-        try:
-            self.flush()
-        finally:
-            if self._writer is not None:
-                self._writer.close()
-                self._writer = None
-            self.engine.dispose()
+        """Flush what is buffered and close; waits for a flush running on another thread. Idempotent."""
+        with self._write_lock:
+            if self._closed:
+                return
+            try:
+                self._flush()
+            finally:
+                self._closed = True
+                if self._writer is not None:
+                    self._writer.close()
+                    self._writer = None
+                self.engine.dispose()
 
 
 def _room_changes(rows: list[tuple]) -> tuple[list[tuple], list[tuple]]:
@@ -265,26 +287,6 @@ def _room_changes(rows: list[tuple]) -> tuple[list[tuple], list[tuple]]:
         if dst in TERMINAL and src not in TERMINAL:
             closed.append((dst, at, room, role, node))
     return opened, closed
-
-
-def _migrate_from_1(conn, target) -> None:
-    """Version 1 to 2, in the opening transaction: the room-ordered index and the ``rooms`` table, built once."""
-    log.warning("journal %s has schema version 1: building its room index and rooms table (once)", target)
-    conn.exec_driver_sql(ROOM_ORDER_INDEX_DDL)
-    t = transitions.c
-    firsts = conn.execute(select(t.room, t.role, t.node, t.at).where(t.version == 0))
-    opened = [{"room": r.room, "role": r.role, "node": r.node, "rid": None, "opened_at": r.at} for r in firsts]
-    if opened:
-        conn.execute(insert(rooms), opened)
-    ends = conn.execute(select(t.room, t.role, t.node, t.dst, t.at)
-                        .where(t.dst.in_(sorted(TERMINAL)), t.src.not_in(sorted(TERMINAL))))
-    params = [{"k_room": r.room, "k_role": r.role, "k_node": r.node, "final": r.dst, "closed_at": r.at}
-              for r in ends]
-    if params:
-        conn.execute(update(rooms).where(rooms.c.room == bindparam("k_room"), rooms.c.role == bindparam("k_role"),
-                                         rooms.c.node == bindparam("k_node"))
-                     .values(final=bindparam("final"), closed_at=bindparam("closed_at")), params)
-    conn.execute(update(journal_meta).where(journal_meta.c.key == "schema_version").values(value=str(SCHEMA_VERSION)))
 
 
 def write_rows(target: str | os.PathLike, rows: Iterable[Sequence], *, durability: str = "full") -> None:

@@ -12,6 +12,8 @@ Version 2 (this one) adds, over version 1:
 
 from __future__ import annotations
 
+import logging
+
 from sqlalchemy import (
     REAL,
     BigInteger,
@@ -25,7 +27,15 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    bindparam,
+    insert,
+    select,
+    update,
 )
+
+from fsm_pd.machines import TERMINAL
+
+log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 2
 
@@ -86,3 +96,23 @@ journal_meta = Table(
 )
 
 COLUMNS = ("node", "role", "room", "version", "trigger", "src", "dst", "payload", "at")
+
+
+def migrate_from_1(conn, target) -> None:
+    """Version 1 to 2, in the opening transaction: the room-ordered index and the ``rooms`` table, built once."""
+    log.warning("journal %s has schema version 1: building its room index and rooms table (once)", target)
+    conn.exec_driver_sql(ROOM_ORDER_INDEX_DDL)
+    t = transitions.c
+    firsts = conn.execute(select(t.room, t.role, t.node, t.at).where(t.version == 0))
+    opened = [{"room": r.room, "role": r.role, "node": r.node, "rid": None, "opened_at": r.at} for r in firsts]
+    if opened:
+        conn.execute(insert(rooms), opened)
+    ends = conn.execute(select(t.room, t.role, t.node, t.dst, t.at)
+                        .where(t.dst.in_(sorted(TERMINAL)), t.src.not_in(sorted(TERMINAL))))
+    params = [{"k_room": r.room, "k_role": r.role, "k_node": r.node, "final": r.dst, "closed_at": r.at}
+              for r in ends]
+    if params:
+        conn.execute(update(rooms).where(rooms.c.room == bindparam("k_room"), rooms.c.role == bindparam("k_role"),
+                                         rooms.c.node == bindparam("k_node"))
+                     .values(final=bindparam("final"), closed_at=bindparam("closed_at")), params)
+    conn.execute(update(journal_meta).where(journal_meta.c.key == "schema_version").values(value=str(SCHEMA_VERSION)))

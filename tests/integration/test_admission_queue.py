@@ -52,8 +52,9 @@ def test_a_burst_of_four_pools_is_answered_whole_with_the_queue_in_health_and_me
         env={**cluster.env, "FSM_PD_FAULT_PULL_DELAY_S": str(PULL_DELAY_S)})
     router = cluster.router(p, boot, d, "--retry-policy", "fail")  # a failed room is the client's error, not a retry
     assert generate(router, 99).status_code == 200  # warm: the prefill node's address is known, programs loaded
-    assert httpx.get(d + "/health", timeout=10).json() == {"status": "ok", "prealloc_queue": 0,
-                                                           "prealloc_oldest_wait_s": 0.0}
+    said = httpx.get(d + "/health", timeout=10).json()
+    assert said == {"status": "ok", "prealloc_queue": 0, "prealloc_oldest_wait_s": 0.0,
+                    "max_request_bytes": said["max_request_bytes"]}
 
     seen: list[dict] = []
     done = threading.Event()

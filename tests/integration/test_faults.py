@@ -267,7 +267,8 @@ def test_random_transfer_failures_under_64_concurrent_requests(rig, rate):
         assert_clean(outcome)
     errors = [o for o in outcomes if not o.ok]
     # on 2 cores, 64 requests also meet the 4 s deadlines now and then: those fail cleanly, with their own reason
-    assert all(o.status == 500 and _known_reason(o.body["error"]["message"]) for o in errors), errors
+    # 500: the failure was the answering node's own; 502: its peer's (aborted by it, or an error it reported)
+    assert all(o.status in (500, 502) and _known_reason(o.body["error"]["message"]) for o in errors), errors
     r.check_recovered()
     failed = r.failures()
     reasons = failed["prefill"] + failed["decode"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import socket
 import subprocess
@@ -21,10 +23,10 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def started(args: list[str]) -> tuple[subprocess.Popen, list[str], threading.Thread]:
+def started(args: list[str], **popen) -> tuple[subprocess.Popen, list[str], threading.Thread]:
     """``fsm-pd launch ARGS``, the lines it prints and the thread that reads them, once it says it is serving."""
     proc = subprocess.Popen([sys.executable, "-m", "fsm_pd.cli", "launch", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, **popen)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
@@ -102,3 +104,38 @@ def test_launch_keeps_serving_while_a_node_of_each_role_is_alive(tmp_path):
         reader.join(10)
     assert proc.returncode == 0, "".join(lines)
     assert list(sockets.iterdir()) == []
+
+
+def test_one_ctrl_c_drains_every_node_and_a_running_stream_ends_whole(tmp_path):
+    """A terminal's Ctrl-C is SIGINT to its whole foreground process group: launch runs here as a terminal's job (a
+    session of its own), and the test signals the group as the terminal would. Each node must hear exactly one
+    SIGTERM (launch's), and drain: the stream already running ends with all its tokens."""
+    port, journals = free_port(), tmp_path / "cluster"
+    proc, lines, reader = started(["--model", "tiny", "--no-warmup", "--port", str(port), "--journal-dir",
+                                   str(journals)], start_new_session=True)
+    body = {"text": "Hello", "stream": True, "sampling_params": {"max_new_tokens": 300, "temperature": 0,
+                                                                 "ignore_eos": True}}
+    chunks = []
+    try:
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/generate", json=body, timeout=120) as answer:
+            assert answer.status_code == 200
+            for line in answer.iter_lines():
+                if line.startswith("data:") and line != "data: [DONE]":
+                    chunks.append(json.loads(line.removeprefix("data:")))
+                    if len(chunks) == 2:
+                        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C, mid-stream
+    finally:
+        if proc.poll() is None:
+            proc.wait(timeout=120)
+        reader.join(10)
+    out = "".join(lines)
+    assert proc.returncode == 0, out
+    assert "stopping: each node finishes its open requests" in out
+    last = chunks[-1]
+    assert len(last.get("output_ids", ())) == 300 and last["meta_info"]["finish_reason"]["type"] == "length", last
+    for name in ("prefill-0", "decode-0"):
+        log = (journals / f"{name}.log").read_text()
+        assert "SIGTERM: draining this node" in log and "stopped cleanly" in log, log[-2000:]
+        assert "again: exiting at once" not in log, log[-2000:]
+    assert not listening(port)
+

@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from polling import until
 from processes import free_port, wait_health
 from stub_engine import StubEngine, stub_server
 
@@ -246,25 +247,29 @@ def test_oversized_bodies_are_413_on_the_engine_api():
 
 
 def test_the_default_body_limit_holds_with_an_api_key_too():
-    from fsm_pd.api.app import DEFAULT_MAX_BODY_BYTES
+    from fsm_pd.net.body_limit import request_bytes_for
 
     with stub_server(api_key=KEY) as (url, engine):
-        assert_oversized_refused(url, "/v1/chat/completions", DEFAULT_MAX_BODY_BYTES, AUTH)
+        # the default follows the engine's context, and /health says it, for a router in front
+        limit = request_bytes_for(engine.max_context)
+        assert httpx.get(url + "/health", timeout=10).json()["max_request_bytes"] == limit
+        assert_oversized_refused(url, "/v1/chat/completions", limit, AUTH)
         # without the key the answer is 401 before a byte of the body is read
         assert httpx.post(url + "/generate", content=b"x" * 1024, timeout=10).status_code == 401
         assert engine.submitted == []
 
 
 def test_oversized_bodies_are_413_on_the_router():
-    from fsm_pd.api.app import DEFAULT_MAX_BODY_BYTES
-
     prefill, decode = StubEngine(role="prefill"), StubEngine(role="decode")
     with contextlib.ExitStack() as stack:
-        p = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=1)))
-        d = stack.enter_context(AppServer(create_app(decode, decode.tokenizer)))
+        p = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=1,
+                                                     max_body_bytes=6000)))
+        d = stack.enter_context(AppServer(create_app(decode, decode.tokenizer, max_body_bytes=5000)))
         url, client = stack.enter_context(served(create_router_app([(p.url, 1)], [d.url], pd_policy=CLASSIC_PD)))
+        # the router refuses what one of its workers would: the smallest limit their /health reports
+        assert until(lambda: client.get("/server_info").json()["max_request_bytes"] == 5000)
         for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
-            assert_oversized_refused(url, path, DEFAULT_MAX_BODY_BYTES)
+            assert_oversized_refused(url, path, 5000)
         assert prefill.submitted == [] and decode.submitted == []
         assert client.post("/generate", json=BODIES["/generate"]).status_code == 200
         stack.callback(prefill.close)

@@ -4,9 +4,14 @@ A TPU hands some arrays to NumPy column-major; safetensors writes memory as it l
 transposed values and every warm start on the chip answered noise. Here a column-major array stands for the chip's.
 """
 
+import subprocess
+import sys
+import time
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_gguf_loader import gguf_tensors, small_config, write_gguf
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from fsm_pd.model import converted
@@ -52,3 +57,55 @@ def test_an_entry_of_another_format_is_not_read(tmp_path, monkeypatch):
     params = {k: v for k, v in random_params(config, seed=1).items()}
     converted.save(old, config, params, word_tokenizer())
     assert converted.load(old) is not None and jnp.asarray(converted.load(old)[1]["embed"]).dtype == jnp.bfloat16
+
+
+# A process that converts one GGUF file into the cache dir ``root``, counting each conversion in ``count``: it waits
+# for ``go`` (so two start converting together) and holds each conversion 0.5 s (the real one takes ~29 s).
+RACER = """
+import sys, time
+from pathlib import Path
+from fsm_pd.model import loader
+
+gguf, root, count, ready, go = map(Path, sys.argv[1:6])
+convert = loader._convert_gguf
+
+
+def counted(*args, **kwargs):
+    with count.open("a") as f:
+        f.write("converted\\n")
+    time.sleep(0.5)
+    return convert(*args, **kwargs)
+
+
+loader._convert_gguf = counted
+ready.touch()
+while not go.exists():
+    time.sleep(0.001)
+model = loader.load_gguf(gguf, cache=root)
+print("embed", float(abs(model.params["embed"]).sum()))
+"""
+
+
+def test_two_processes_starting_together_convert_once_and_both_load_it(tmp_path):
+    config = small_config()
+    gguf = write_gguf(tmp_path / "m.gguf", config, gguf_tensors(config, random_params(config, seed=5)))
+    root, count, go = tmp_path / "cache", tmp_path / "count", tmp_path / "go"
+    racers = [subprocess.Popen([sys.executable, "-c", RACER, str(gguf), str(root), str(count),
+                                str(tmp_path / f"ready-{i}"), str(go)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        while not all((tmp_path / f"ready-{i}").exists() for i in range(2)):
+            assert all(r.poll() is None for r in racers), [r.communicate() for r in racers]
+            time.sleep(0.01)
+        go.touch()
+        outputs = [r.communicate(timeout=120) for r in racers]
+    finally:
+        for racer in racers:
+            racer.kill()
+    for racer, (_, err) in zip(racers, outputs, strict=True):
+        assert racer.returncode == 0, err
+        assert "could not save" not in err and "WARNING" not in err, err
+    assert count.read_text().splitlines() == ["converted"]  # one process converted; the other waited and read it
+    assert outputs[0][0] == outputs[1][0] and outputs[0][0].startswith("embed")
+    assert [p.name for p in root.iterdir() if not p.name.endswith(".lock")] == [converted.entry_dir(
+        root, gguf, "float32").name]

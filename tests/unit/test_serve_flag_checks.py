@@ -20,6 +20,7 @@ from fsm_pd.cli.flags import role_parser, split_role
 # the command, with every later ``import jax`` failing
 NO_JAX = "import sys; sys.modules['jax'] = None; from fsm_pd.cli.main import main; sys.exit(main(sys.argv[1:]))"
 SECRET = ["--side-channel-secret", "ab" * 32]
+UNKNOWN_BACKEND = "argument --transfer-backend: unknown transfer backend 'rdma' (known: device, jax, tcp, zmq)"
 
 
 def run(args: list[str], *, jax: bool = False) -> subprocess.CompletedProcess:
@@ -60,8 +61,19 @@ def assert_refused(result: subprocess.CompletedProcess, prog: str, *said: str) -
     (["--role", "pd", "--uds", "/tmp/x.sock", "--tp", "2"], "--tp 2: --role pd runs both engines on one device"),
     pytest.param(["--role", "decode", "--transfer-backend", "device", *SECRET], "--transfer-backend device: it hands "
                  "KV between the two engines of one process", marks=TCP),
+    (["--role", "prefill", "--transfer-backend", "rdma", *SECRET], UNKNOWN_BACKEND),
+    (["--role", "decode", "--uds", "/tmp/x.sock", "--transfer-backend", "rdma", *SECRET], UNKNOWN_BACKEND),
+    (["--role", "pd", "--transfer-backend", "rdma"], UNKNOWN_BACKEND),  # not blamed on unix sockets
+    (["--role", "pd", "--transfer-backend", "jax"], "--transfer-backend jax: the jax transfer backend cannot run over "
+     "the unix sockets that link --role pd's two engines"),
+    (["--role", "colocated", "--model", "/nowhere/m.gguf"], "--model /nowhere/m.gguf: no such file or directory"),
+    (["--role", "decode", "--uds", "/tmp/x.sock", "--journal", "foo://bar", *SECRET], "--journal: cannot use "
+     "foo://bar as a journal: Can't load plugin: sqlalchemy.dialects:foo"),
+    (["--role", "decode", "--uds", "/tmp/x.sock", "--model", "/tmp", *SECRET], "--model /tmp: /tmp/config.json not "
+     "found: not an HF checkpoint directory"),
 ], ids=["negative port", "port above 65535", "no pages", "page size 0", "nan seconds", "journal", "no secret",
-        "pd pool share", "pd jax backend", "pd tp", "device backend alone"])
+        "pd pool share", "pd jax backend", "pd tp", "device backend alone", "unknown backend", "unknown backend uds",
+        "pd unknown backend", "pd jax without uds", "missing model file", "journal url", "not a checkpoint"])
 def test_a_refused_value_ends_serve_in_one_line_before_jax_is_imported(args, said, monkeypatch):
     monkeypatch.delenv("FSM_PD_SIDE_CHANNEL_SECRET", raising=False)
     assert_refused(run(["serve", *args]), "fsm-pd serve", said)
@@ -90,9 +102,11 @@ def test_the_router_role_given_as_one_word_and_its_taken_port(taken):
 
 @pytest.mark.parametrize("args, said", [
     (["--port", "-1"], "argument --port: must be a TCP port, 0 to 65535, got -1"),
+    (["--transfer-backend", "rdma"], UNKNOWN_BACKEND),
+    (["--model", "/nowhere/m.gguf"], "--model /nowhere/m.gguf: no such file or directory"),
     pytest.param(["--decode-arg=--num-pages=0"], "decode-0: fsm-pd serve: error: argument --num-pages: must be at "
                  "least 2", marks=TCP),
-], ids=["negative port", "a node's flag"])
+], ids=["negative port", "unknown backend", "missing model", "a node's flag"])
 def test_a_refused_value_ends_launch_in_one_line_before_anything_starts(args, said, tmp_path):
     assert_refused(run(["launch", "--journal-dir", str(tmp_path / "cluster"), *args]), "fsm-pd launch", said)
     assert not (tmp_path / "cluster").exists()

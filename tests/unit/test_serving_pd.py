@@ -160,7 +160,7 @@ def test_prefill_abort_surfaces_as_engine_error_on_decode(pd, model):
     finally:
         release.set()
     assert isinstance(on_p, EngineError) and on_p.status == 499
-    assert isinstance(on_d, EngineError) and on_d.status == 500 and "aborted by peer" in str(on_d)
+    assert isinstance(on_d, EngineError) and on_d.status == 502 and "aborted by peer" in str(on_d)
     assert_idle(p, d)
 
 
@@ -186,7 +186,7 @@ def test_decode_abort_during_transfer_fails_the_prefill_request(pd, model):
     finally:
         release.set()
     assert isinstance(on_d, EngineError) and on_d.status == 499
-    assert isinstance(on_p, EngineError) and on_p.status == 500 and "aborted by peer" in str(on_p)
+    assert isinstance(on_p, EngineError) and on_p.status == 502 and "aborted by peer" in str(on_p)
     assert_idle(p, d)
 
 

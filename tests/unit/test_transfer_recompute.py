@@ -11,9 +11,10 @@ import time
 import pytest
 from node_sockets import node_sockets
 from test_serving_colocated import PAGE_SIZE, PAGES, ids_of, run
-from test_serving_pd import assert_idle, pd_request
+from test_serving_pd import assert_idle, hold_model_thread, pd_request
 
 from fsm_pd.effects.faults import FaultConfig, Faults
+from fsm_pd.machines import KVPoll
 from fsm_pd.model.loader import load_model
 from fsm_pd.serving.collect import generate
 from fsm_pd.serving.decode_engine import DecodeEngine
@@ -118,6 +119,36 @@ def test_fail_policy_fails_the_request(model, tmp_path):
         assert d.info()["recomputes"] == 0
         assert_idle(p, d)
     finally:
+        d.close()
+        p.close()
+
+
+def test_a_room_its_prefill_node_failed_answers_502_with_the_reason(model, tmp_path):
+    """The peer's failure is not this node's: 502 (the router retries it like any 5xx), and the message says why."""
+    p, d = make_pair(model, tmp_path, "fail")
+    req = pd_request(p, "peer-dies", PROMPTS[1], max_new_tokens=4)
+    room = req.bootstrap.room
+    release = hold_model_thread(p)  # P cannot prefill: D's room waits in WaitingForInput for its READY
+    died = "prefill node at p missed 2 heartbeats 1 s apart: it died, hangs or cannot be reached"
+
+    async def scenario():
+        prefill = asyncio.ensure_future(generate(p, req))
+        decode = asyncio.ensure_future(generate(d, req))
+        while d.manager.poll(room) != KVPoll.WaitingForInput:
+            await asyncio.sleep(0.01)
+        d.manager.node.submit(room, "peer_failed", {"reason": died})  # what D's PeerWatch submits
+        on_d = await asyncio.gather(decode, return_exceptions=True)
+        p.abort("peer-dies")
+        release.set()
+        return on_d[0], (await asyncio.gather(prefill, return_exceptions=True))[0]
+
+    try:
+        on_d, _ = run(scenario())
+        assert isinstance(on_d, EngineError) and on_d.status == 502, on_d
+        assert f"peer failed: {died}" in str(on_d)
+        assert_idle(p, d)
+    finally:
+        release.set()
         d.close()
         p.close()
 
