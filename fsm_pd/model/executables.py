@@ -11,9 +11,10 @@ versions and the settings that change programs (matmul precision, x64), the devi
 and a digest of the source of the packages the programs come from (``fsm_pd/model``, ``fsm_pd/kernels``): a changed
 line of either is another key. An entry that cannot be read is logged, removed and compiled anew.
 
-On only where a node turns it on (``enable``: ``fsm-pd serve``, inside the compile cache's directory, and never while
-that cache is off), for programs on one device (a tensor-parallel node's programs span a mesh: compiled as before).
-Loaded programs are counted as programs from the cache (``compiles.loaded``).
+On only where a node turns it on (``enable``: ``fsm-pd serve`` with ``FSM_PD_EXECUTABLE_STORE=on``, inside the compile
+cache's directory, and never while that cache is off; off by default, since a CPU executable loaded here once failed
+its first call with "Function iota_add_fusion not found"), for programs on one device (a tensor-parallel node's
+programs span a mesh: compiled as before). Loaded programs are counted as programs from the cache (``compiles.loaded``).
 """
 
 from __future__ import annotations

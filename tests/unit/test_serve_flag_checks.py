@@ -20,7 +20,7 @@ from fsm_pd.cli.flags import role_parser, split_role
 # the command, with every later ``import jax`` failing
 NO_JAX = "import sys; sys.modules['jax'] = None; from fsm_pd.cli.main import main; sys.exit(main(sys.argv[1:]))"
 SECRET = ["--side-channel-secret", "ab" * 32]
-UNKNOWN_BACKEND = "argument --transfer-backend: unknown transfer backend 'rdma' (known: device, jax, tcp, zmq)"
+UNKNOWN_BACKEND = "argument --transfer-backend: unknown transfer backend 'rdma' (known: device, jax, pool, tcp, zmq)"
 
 
 def run(args: list[str], *, jax: bool = False) -> subprocess.CompletedProcess:
