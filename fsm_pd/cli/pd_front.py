@@ -23,9 +23,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from fsm_pd.api.drain import Drain
+from fsm_pd.api.drain import DRAINED_ROUTES, Drain, DrainGate
 from fsm_pd.api.errors import error_body
-from fsm_pd.router.core import GENERATION_PATHS
 from fsm_pd.serving.startup import Startup
 
 WAIT_POLL_S = 0.05
@@ -60,6 +59,7 @@ class PDFront:
         both = BothEngines(self.engines)
         # the drain's "startup" is the prefill engine's: both are marked ready together (serve_pd.prepare_both)
         self.drain = Drain(both, both, timeout_s=drain_timeout_s, registry=registry, startup=self.startups[0])
+        self.gate = DrainGate(app, self.drain)
 
     # --- what the process is ---
     @property
@@ -93,16 +93,7 @@ class PDFront:
         if answer is not None:
             await answer(scope, receive, send)
             return
-        if scope["path"] not in GENERATION_PATHS:
-            await self.app(scope, receive, send)
-            return
-        if not self.drain.admit():
-            await self.drain.refusal()(scope, receive, send)
-            return
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.drain.done()
+        await self.gate(scope, receive, send)  # a node's: counts requests in and out, refuses them while draining
 
     async def _answer(self, path: str, method: str) -> Any:
         """This gate's own answer to a request, or None to let the router answer it."""
@@ -120,7 +111,7 @@ class PDFront:
             if not self.ready:
                 return self.starting()
             return self.drain.health_answer() if self.drain.draining else None
-        if path in GENERATION_PATHS:
+        if path in DRAINED_ROUTES:
             if not await self._wait_ready():
                 return self._not_ready()
             if (reason := self.dead()) is not None:
