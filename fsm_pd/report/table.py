@@ -40,7 +40,7 @@ def spent(report: RoomReport) -> str:
     """Time in each state, with a chunked prompt's compute, a dead node's and a dead peer's time apart
     (``RoomReport.phases``, ``store/causes.py``): ``xfer`` is then the handoff's own time."""
     times = report.phases if report.phases is not None else report.time_in_state
-    return "  ".join(f"{STATE_ABBREV.get(s, s)} {_seconds(t)}" for s, t in times.items())
+    return "  ".join(f"{STATE_ABBREV.get(s, s)} {_seconds(t)}" for s, t in times.items()) or "-"  # a record: none
 
 
 class TableWriter:

@@ -23,6 +23,7 @@ from fsm_pd.machines.deadlines import explain_timeout, state_deadline
 from fsm_pd.machines.receiver import KV_CHECKSUM_MISMATCH
 from fsm_pd.store.causes import explain_room
 from fsm_pd.store.journal import JournalRow
+from fsm_pd.store.roles import PEER_ROLE, RECOMPUTE_ROLE, RECORD_ROLES
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,12 +149,6 @@ def by_room(reports: Iterable[RoomReport]) -> Iterator[list[RoomReport]]:
         yield explain_room(list(group))
 
 
-# Roles journaled as records, not fired through a machine: ``local``, a request a decode node prefilled itself (the
-# router's ``fsm_pd_route`` local; ``serving/decode_engine.py``), one row from the initial state to Success or
-# Failed with the router's reason. Replay checks that such a side is that one row.
-RECORD_ROLES = frozenset({"local"})
-
-
 def _replay_room(node: str, role: str, room_id: int, rows: list[JournalRow]) -> RoomReport:
     if role in RECORD_ROLES:
         first = rows[0]
@@ -222,6 +217,18 @@ def _chunks(trigger: str, event: dict) -> str | None:
     return None
 
 
+def _record(role: str, row) -> str | None:
+    """What a recompute's or a peer's record says (``RECORD_ROLES``)."""
+    event = row.event
+    if role == RECOMPUTE_ROLE:
+        took = f" in {event['seconds']:.3f} s" if isinstance(event.get("seconds"), int | float) else ""
+        done = f"prompt of {event.get('prompt_len', '?')} tokens queued and prefilled on this node{took}"
+        return done if row.dst == "Success" else f"{row.payload.get('reason')} ({done})"
+    if role == PEER_ROLE:
+        return f"after this room ended: {row.payload.get('reason')}"
+    return None
+
+
 # What a failed KV checksum means (``fsm_pd/effects/checksums.py``), for ``why``.
 CHECKSUM_EXPLAINED = (
     "the KV in the decode node's pages after the handoff is not what the prefill node computed when it was final "
@@ -258,7 +265,7 @@ def _report(node, role, room_id, rows, divergence, replayed_state) -> RoomReport
         event = {"trigger": row.trigger, "src": row.src, "dst": row.dst, "at": row.at, "version": row.version}
         if "ignored" in row.payload:
             event["ignored"] = row.payload["ignored"]
-        detail = (row.event.get("reason") or row.event.get("timer") or _pieces(row.event)
+        detail = (_record(role, row) or row.event.get("reason") or row.event.get("timer") or _pieces(row.event)
                   or _chunks(row.trigger, row.event) or _checksum(row.trigger, row.event))
         if detail is not None:
             event["detail"] = detail
@@ -278,6 +285,8 @@ def _report(node, role, room_id, rows, divergence, replayed_state) -> RoomReport
         final = row.dst
     if final not in TERMINAL:
         time_in_state[final] = round(time_in_state.get(final, 0.0) + (rows[-1].at - entered_at), 6)
+    if role in RECORD_ROLES:  # one row: no time in any state
+        time_in_state = {}
     return RoomReport(room_id, role, node, final, reason, ended_by, rows[0].at, rows[-1].at, time_in_state, events,
                       divergence, replayed_state, kv_pages(role, rows), deadline_that_ended(role, rows))
 
