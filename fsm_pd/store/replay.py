@@ -199,15 +199,22 @@ def _pieces(event: dict) -> str | None:
 
 
 def _chunks(trigger: str, event: dict) -> str | None:
-    """A chunked handoff's progress (``fsm_pd/effects/chunked.py``): on P each computed chunk and what became final,
-    then how many pieces READY announced; on D what every piece brought."""
+    """A chunked handoff's progress (``fsm_pd/effects/chunked.py``): on P each chunk and the pages it makes final,
+    then how many pieces READY announced; on D what every piece brought.
+
+    A chunk other than the last is journaled when the model thread has queued it on the device, not when the device
+    has computed it (nothing waits for it: the device runs ahead of the host), so its pages become final later, and
+    a piece of them goes out once they are; a long prompt's chunks can all be queued within a fraction of a second
+    of its prefill. The last chunk samples the first token, which waits for every chunk before it: its row is when
+    the whole prompt was computed."""
     if trigger == "kv_ready" and event.get("piece_pages"):
-        return (f"first chunk: {event.get('final_pages', 0)} of {len(event.get('pages') or ())} pages final, "
+        return (f"first chunk queued on the device: {event.get('final_pages', 0)} of "
+                f"{len(event.get('pages') or ())} pages final once it has run, "
                 f"sent in pieces of {event['piece_pages']}")
     if trigger == "kv_chunk":
         if event.get("last"):
-            return f"last chunk: all {event.get('final_pages', 0)} pages final, trailer with the first token"
-        return f"chunk: {event.get('final_pages', 0)} pages final"
+            return f"last chunk computed: all {event.get('final_pages', 0)} pages final, trailer with the first token"
+        return f"chunk queued on the device: {event.get('final_pages', 0)} pages final once it has run"
     if trigger == "piece_pulled":
         return f"piece {event.get('piece')} landed: the transfer deadline starts again"
     if trigger == "published" and event.get("chunks"):
