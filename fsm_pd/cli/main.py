@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 EXIT_OK, EXIT_UNREADABLE, EXIT_DIVERGED = 0, 2, 3
+EXIT_PIPE_CLOSED = 141  # what a shell reports for a process SIGPIPE ended: the reader went away (replay ... | head)
 
 
 def _fraction(text: str) -> float:
@@ -251,7 +253,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:
+        # whoever read our output stopped (| head): end quietly, as a command SIGPIPE ends, without a traceback;
+        # standard output goes to /dev/null so that the interpreter's own flush at exit does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE_CLOSED
 
 
 if __name__ == "__main__":

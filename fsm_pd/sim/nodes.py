@@ -87,6 +87,7 @@ class Instance:
             self.scheduler = DecodeScheduler(w, self)
             self.allocator, self.admission = self.scheduler.allocator, self.scheduler.admission
             self.resolver = SimResolver(w.sched, self, w.plan, w.bootstrap)
+            self.resolver.record = w.record
             puller = SimPuller(w.sched, w.ledger, self, w.plan, w.transfer_server, lambda: w.network.partitioned,
                                layers)
             puller.record = w.record
