@@ -94,6 +94,10 @@ def test_a_child_s_exit_is_reported_by_its_error_line_not_its_last(tmp_path):
                    "INFO:     Application shutdown complete.\n")
     assert exit_cause(log) == ("ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 30000): "
                                "address already in use")
+    log.write_text("2026-01-01 10:00:00,001 INFO uvicorn: Started server process [7]\n"  # as log_to_stderr writes
+                   "2026-01-01 10:00:00,002 ERROR uvicorn: [Errno 98] error while attempting to bind\n"
+                   "2026-01-01 10:00:00,003 INFO uvicorn: Application shutdown complete.\n")
+    assert exit_cause(log) == "2026-01-01 10:00:00,002 ERROR uvicorn: [Errno 98] error while attempting to bind"
     log.write_text("fsm-pd serve: model loaded\nKilled\n")
     assert exit_cause(log) == "Killed"  # no error line: the last one
     assert exit_cause(tmp_path / "none.log") is None
