@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 EXIT_OK, EXIT_UNREADABLE, EXIT_DIVERGED = 0, 2, 3
+PD_POLICIES = ("auto", "always", "never")  # the router's --pd-policy (router/policy.py MODES, which loads fastapi)
 EXIT_PIPE_CLOSED = 141  # what a shell reports for a process SIGPIPE ended: the reader went away (replay ... | head)
 
 
@@ -141,8 +142,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return launch(prefill=args.prefill, decode=args.decode, port=args.port, model=args.model,
                   backend=args.transfer_backend, journal_dir=Path(args.journal_dir), extra=extra,
                   console=Console(), warmup=args.warmup, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
-                  router_extra=args.router_arg, uds=Path(args.uds) if args.uds else None,
+                  router_extra=router_extra(args), uds=Path(args.uds) if args.uds else None,
                   prefill_extra=args.prefill_arg, decode_extra=args.decode_arg)
+
+
+def router_extra(args: argparse.Namespace) -> list[str]:
+    """The router's own flags of a launch: ``--pd-policy`` (launch's own flag, for the router), then every
+    ``--router-arg`` (which wins over it, being later)."""
+    policy = [f"--pd-policy={args.pd_policy}"] if args.pd_policy is not None else []
+    return [*policy, *args.router_arg]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,9 +242,14 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--decode-arg", action="append", default=[], metavar="ARG",
                         help="pass ARG to every decode node alone (repeatable, as --node-arg: "
                              "--decode-arg=--on-transfer-failure=fail)")
+    launch.add_argument("--pd-policy", choices=PD_POLICIES, default=None,
+                        help="which requests the router sends through a prefill node (the router's --pd-policy): "
+                             "auto, the default, only prompts long enough that a handoff pays (a short one is served "
+                             "whole on a decode node); always: every request, classic PD; never: none "
+                             "(docs/crossover.md)")
     launch.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                         help="pass ARG to the router's `fsm-pd serve --role router` (repeatable, as --node-arg: "
-                             "--router-arg=--pd-policy=always)")
+                             "--router-arg=--policy=cache_aware)")
     launch.add_argument("--journal-dir", default="pd-cluster", help="journals and logs (default ./pd-cluster)")
     launch.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="skip the first chat request that launch sends through the router once every node is "
