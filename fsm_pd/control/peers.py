@@ -144,7 +144,13 @@ class PeerWatch:
                     del self._by_addr[addr]
                 if bound is not None and failed_at is not None:
                     recent = self._recent.setdefault(addr, deque(maxlen=RECENT))
+                    while recent and recent[0].at < failed_at - self._declaring_s():  # too old to matter now
+                        recent.popleft()
                     recent.append(_Ended(room_id, bound.instance, bound.rid, failed_at))
+
+    def _declaring_s(self) -> float:
+        """The longest a peer's death takes to declare after its last message: ``max_failures + 1`` intervals."""
+        return self.monitor.interval_s * (self.monitor.max_failures + 1)
 
     def _lately_failed(self, addr: str, which: Callable[[_Bound], bool]) -> list[_Ended]:
         """Under the lock: the rooms bound to ``addr`` (those ``which`` picks) that failed on their own within the
@@ -152,7 +158,7 @@ class PeerWatch:
         recent = self._recent.pop(addr, None)
         if not recent:
             return []
-        since = self.node.clock.now() - self.monitor.interval_s * (self.monitor.max_failures + 1)
+        since = self.node.clock.now() - self._declaring_s()
         return [e for e in recent if e.at >= since and which(_Bound(e.instance, e.at))]
 
     # -- the monitor's callbacks -------------------------------------------------------------------------------------
