@@ -4,8 +4,9 @@ httpx takes one unix socket per transport (``HTTPTransport(uds=PATH)``) and read
 ``unix:PATH`` base URL is written ``http+unix://localhost/PATH`` here (``http_url``), to which paths are appended as
 to any base URL (``.../prefill-0.sock/generate``). The transport mounted for that scheme (``client``,
 ``async_client``) finds the socket along the URL's path, the first component that is a socket file (a socket is never
-a directory, so there is one; looked for on the disk once per socket, then known by its path), and sends the rest (``/generate?...``) as an ``http://localhost`` request through that
-socket's own transport. A path with no socket along it is a ``ConnectError``, as a port nobody listens on is.
+a directory, so there is one; looked for on the disk once per socket, then known by its path), and sends the rest
+(``/generate?...``) as an ``http://localhost`` request through that socket's own transport. A path with no socket
+along it is a ``ConnectError``, as a port nobody listens on is.
 """
 
 from __future__ import annotations
