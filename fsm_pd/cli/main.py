@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 EXIT_OK, EXIT_UNREADABLE, EXIT_DIVERGED = 0, 2, 3
+PD_POLICIES = ("auto", "always", "never")  # the router's --pd-policy (router/policy.py MODES, which loads fastapi)
+EXIT_PIPE_CLOSED = 141  # what a shell reports for a process SIGPIPE ended: the reader went away (replay ... | head)
 
 
 def _fraction(text: str) -> float:
@@ -143,8 +146,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return launch(prefill=args.prefill, decode=args.decode, port=args.port, model=args.model,
                   backend=args.transfer_backend, journal_dir=Path(args.journal_dir), extra=[*extra, *limit],
                   console=Console(), warmup=args.warmup, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
-                  router_extra=[*limit, *args.router_arg], uds=Path(args.uds) if args.uds else None,
+                  router_extra=[*limit, *router_extra(args)], uds=Path(args.uds) if args.uds else None,
                   prefill_extra=args.prefill_arg, decode_extra=args.decode_arg)
+
+
+def router_extra(args: argparse.Namespace) -> list[str]:
+    """The router's own flags of a launch: ``--pd-policy`` (launch's own flag, for the router), then every
+    ``--router-arg`` (which wins over it, being later)."""
+    policy = [f"--pd-policy={args.pd_policy}"] if args.pd_policy is not None else []
+    return [*policy, *args.router_arg]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -241,9 +251,14 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--decode-arg", action="append", default=[], metavar="ARG",
                         help="pass ARG to every decode node alone (repeatable, as --node-arg: "
                              "--decode-arg=--on-transfer-failure=fail)")
+    launch.add_argument("--pd-policy", choices=PD_POLICIES, default=None,
+                        help="which requests the router sends through a prefill node (the router's --pd-policy): "
+                             "auto, the default, only prompts long enough that a handoff pays (a short one is served "
+                             "whole on a decode node); always: every request, classic PD; never: none "
+                             "(docs/crossover.md)")
     launch.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                         help="pass ARG to the router's `fsm-pd serve --role router` (repeatable, as --node-arg: "
-                             "--router-arg=--pd-policy=always)")
+                             "--router-arg=--policy=cache_aware)")
     launch.add_argument("--max-request-bytes", type=byte_count, default=None, metavar="N",
                         help="a request body over N bytes is answered 413 at once, by the router and every node "
                              "(default: each node's from its model's context, 1 MiB plus 64 bytes a token, and the "
@@ -264,7 +279,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:
+        # whoever read our output stopped (| head): end quietly, as a command SIGPIPE ends, without a traceback;
+        # standard output goes to /dev/null so that the interpreter's own flush at exit does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE_CLOSED
 
 
 if __name__ == "__main__":

@@ -89,7 +89,9 @@ def serve_main(argv: Sequence[str]) -> int:
             parser.error(str(exc))  # before the model loads: exit 2 with the one line
     if problem := node_problem(args):
         return _refuse(problem)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from fsm_pd.net.http_server import log_to_stderr
+
+    log_to_stderr(args.log_level)
     if args.log_level != "debug":
         quiet_absent_backends()
     if args.tp > 1:

@@ -16,6 +16,13 @@ the node registered one, ``prefill_instance``); a prefill room binds to its deco
   named an older one (a lookup that raced a restart): its messages reach the process there now, the one its request
   reached too.
 
+- **Found dead after the room ended.** A room that failed on its own shortly before its peer was found dead (a pull
+  that broke off when the prefill process was killed: the room fails at once, the heartbeats take two intervals more)
+  is no longer bound, so nothing fails; the node journals a ``peer`` record for it instead (``store/roles.py``), so
+  that replay can tell the other side's journal stops because its process died. Rooms that failed within
+  ``max_failures + 1`` intervals before the death was declared are remembered for that (at most ``RECENT`` per
+  address).
+
 Each time, ``forget(addr, instance, transfer_addrs)`` drops what this process cached about the gone peer (the
 resolver's lookup, the side-channel socket, the transfer connections its rooms used), so the next request finds the
 new process instead of the dead one: the lesson of SGLang issues 16903 and 34289, where the decode node had to be
@@ -30,11 +37,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fsm_pd.control.peer_monitor import PeerMonitor, PingPort, TimerPort
+from fsm_pd.store.roles import PEER_ROLE
 
 if TYPE_CHECKING:
     from fsm_pd.effects import Node
@@ -48,6 +57,7 @@ BINDING = {"decode": ("bootstrap_resolved", "prefill_addr", "prefill_instance"),
 PEER_NAME = {"decode": "prefill node", "prefill": "decode node"}
 
 Forget = Callable[[str, "str | None", "set[str]"], None]
+RECENT = 1024  # rooms that failed on their own, remembered per peer address until its death could be declared
 
 
 @dataclass
@@ -55,6 +65,15 @@ class _Bound:
     instance: str | None  # None while nothing is known of the process at the address
     since: float  # when the room was bound (the node's clock)
     transfer_addr: str | None = None  # decode: where its pull goes, once READY named it
+    rid: str | None = None  # the request's id, for the ``peer`` record of a room that ends first
+
+
+@dataclass(frozen=True)
+class _Ended:
+    room: int
+    instance: str | None
+    rid: str | None
+    at: float  # when the room failed (the node's clock)
 
 
 class PeerWatch:
@@ -71,6 +90,7 @@ class PeerWatch:
         self._lock = threading.Lock()
         self._by_addr: dict[str, dict[int, _Bound]] = {}
         self._addr_of: dict[int, str] = {}
+        self._recent: dict[str, deque[_Ended]] = {}  # addr -> rooms bound there that failed on their own lately
         node.observers.append(self.observe)
 
     def start(self) -> PeerWatch:
@@ -87,21 +107,22 @@ class PeerWatch:
             return
         if room.terminal:
             if decision.src != decision.dst:
-                self._unbind(room.room)
+                self._unbind(room.room, at if decision.dst == "Failed" and decision.trigger != "peer_failed" else None)
             return
         ctx = room.ctx
         if decision.trigger == self.trigger and self.addr_key in ctx:
-            self._bind(room.room, ctx[self.addr_key], ctx.get(self.instance_key))
+            self._bind(room.room, ctx[self.addr_key], ctx.get(self.instance_key), ctx.get("rid"))
         elif decision.trigger == "kv_published" and "transfer_addr" in ctx:
             with self._lock:
                 bound = self._by_addr.get(self._addr_of.get(room.room, ""), {}).get(room.room)
                 if bound is not None:
                     bound.transfer_addr = ctx["transfer_addr"]
 
-    def _bind(self, room_id: int, addr: str, expected: str | None) -> None:
+    def _bind(self, room_id: int, addr: str, expected: str | None, rid: str | None = None) -> None:
         # bound before watching: a death declared in between then fails this room too instead of missing it
         with self._lock:
-            self._by_addr.setdefault(addr, {})[room_id] = _Bound(expected, self.node.clock.now())
+            self._by_addr.setdefault(addr, {})[room_id] = _Bound(expected, self.node.clock.now(),
+                                                                 rid=None if rid is None else str(rid))
             self._addr_of[room_id] = addr
         known = self.monitor.watch(addr, expected)
         if known is not None and known != expected:
@@ -112,14 +133,33 @@ class PeerWatch:
                 if bound is not None:
                     bound.instance = known
 
-    def _unbind(self, room_id: int) -> None:
+    def _unbind(self, room_id: int, failed_at: float | None = None) -> None:
+        """``failed_at``: the room failed on its own then; it is remembered in case its peer is found dead next."""
         with self._lock:
             addr = self._addr_of.pop(room_id, None)
             rooms = self._by_addr.get(addr)
             if rooms is not None:
-                rooms.pop(room_id, None)
+                bound = rooms.pop(room_id, None)
                 if not rooms:
                     del self._by_addr[addr]
+                if bound is not None and failed_at is not None:
+                    recent = self._recent.setdefault(addr, deque(maxlen=RECENT))
+                    while recent and recent[0].at < failed_at - self._declaring_s():  # too old to matter now
+                        recent.popleft()
+                    recent.append(_Ended(room_id, bound.instance, bound.rid, failed_at))
+
+    def _declaring_s(self) -> float:
+        """The longest a peer's death takes to declare after its last message: ``max_failures + 1`` intervals."""
+        return self.monitor.interval_s * (self.monitor.max_failures + 1)
+
+    def _lately_failed(self, addr: str, which: Callable[[_Bound], bool]) -> list[_Ended]:
+        """Under the lock: the rooms bound to ``addr`` (those ``which`` picks) that failed on their own within the
+        time it takes to declare a peer dead; taken, so each is recorded once."""
+        recent = self._recent.pop(addr, None)
+        if not recent:
+            return []
+        since = self.node.clock.now() - self._declaring_s()
+        return [e for e in recent if e.at >= since and which(_Bound(e.instance, e.at))]
 
     # -- the monitor's callbacks -------------------------------------------------------------------------------------
 
@@ -150,10 +190,15 @@ class PeerWatch:
                 del self._addr_of[room_id]
             if not rooms:
                 self._by_addr.pop(addr, None)
+            ended = self._lately_failed(addr, which)
         if gone:
             log.warning("%s: failing %d room(s): %s", self.node.node_id, len(gone), reason)
         for room_id in sorted(gone):
             self.node.submit(room_id, "peer_failed", {"reason": reason})
+        for e in ended:  # failed already (their pull broke off, say): replay reads why the other side went silent
+            self.node.record(PEER_ROLE, e.room, "peer_failed", "Failed",
+                             {"rid": e.rid, "peer": self.peer_name, "addr": addr, "room_failed_at": e.at},
+                             reason=f"peer failed: {reason}")
         if self.forget is not None:
             try:
                 self.forget(addr, instance, {b.transfer_addr for b in gone.values() if b.transfer_addr})

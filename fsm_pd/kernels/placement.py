@@ -1,8 +1,10 @@
 """Where a pool lives: the mesh and partition specs the kernels must keep.
 
-The kernels copy whole pages, so the page and token axes (0 and 1) must be whole on every device; only the KV-head
-axis (2) may be split (``KVLayout.shard_axis``). A staging array is then split the same way on its axis 3, and every
-device copies its own head slice of each page without talking to the others.
+A pool layer is ``[pages, page_size, lanes]`` (``KVLayout.layer_shape``: each KV head's K and V side by side on the
+last axis). The kernels copy whole pages, so the page and token axes (0 and 1) must be whole on every device; only
+the KV-head axis (2, the lanes) may be split (``KVLayout.shard_axis``). A staging array, ``[layers, rows, page_size,
+lanes]``, is then split the same way on its axis 3, and every device copies its own head slice of each page without
+talking to the others.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ def pool_placement(pool: Sequence[jax.Array]) -> Placement | None:
         return None
     if not isinstance(sharding, NamedSharding):
         raise ValueError(f"a sharded pool needs a NamedSharding, got {sharding}")
-    spec = tuple(sharding.spec) + (None,) * (4 - len(sharding.spec))
-    if spec[0] is not None or spec[1] is not None or spec[3] is not None:
+    spec = tuple(sharding.spec)  # a layer has 3 axes; a spec may leave trailing ones out
+    if any(axis is not None for i, axis in enumerate(spec) if i != 2):
         raise ValueError(f"only the KV-head axis (2) of a pool may be sharded, got {sharding.spec}")
-    # written as compiled programs return them (no trailing None): one sharding object, one compiled kernel
-    return Placement(sharding.mesh, PartitionSpec(*spec[:3]), PartitionSpec(None, *spec[:3]))
+    heads = spec[2] if len(spec) > 2 else None
+    # written as compiled programs return them (KVLayout.pool_spec): one sharding object, one compiled kernel
+    return Placement(sharding.mesh, PartitionSpec(None, None, heads), PartitionSpec(None, None, None, heads))

@@ -6,6 +6,10 @@ and the file is removed when the server stops).
 Every server bounds how long a client may take to send a request's headers and body (``ReadTimeouts``; flags, else
 ``$FSM_PD_HEADER_TIMEOUT_S`` / ``$FSM_PD_BODY_TIMEOUT_S``, else 10 s and 30 s), so slow clients cannot hold
 connections open.
+
+A serving process logs one way (``log_to_stderr``): every line with its time, so that a router's events line up
+with the nodes' journals, and uvicorn's lines through the same handler (no server here gives it a logging config of
+its own); httpx's line per request it sends (a router's health checks: most of its log) only at ``debug``.
 """
 
 from __future__ import annotations
@@ -21,14 +25,33 @@ from fsm_pd.net.http_protocol import ReadTimeouts
 from fsm_pd.net.unix_sockets import Listener, unix_address
 
 log = logging.getLogger(__name__)
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+CHATTY = ("httpx", "httpcore")  # a line per request a client sends, health checks included
+
+
+def log_to_stderr(level: str) -> None:
+    """How a serving process logs (see the module's doc): at ``level`` (``info``, ``debug``, ...)."""
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+    if level.lower() != "debug":
+        for name in CHATTY:
+            logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("uvicorn.error").addFilter(_as_uvicorn)
+
+
+def _as_uvicorn(record: logging.LogRecord) -> bool:
+    """uvicorn writes its every line, ``Started server process`` too, to a logger named ``uvicorn.error``: name
+    it ``uvicorn``, so that only an error reads as one (``launch`` looks for the line that says why a child exited)."""
+    record.name = "uvicorn"
+    return True
 
 
 def _uvicorn_config(app, log_level: str, read_timeouts: ReadTimeouts | None = None, **overrides) -> uvicorn.Config:
     # lifespan auto: the router's shutdown stops its health checks and closes its client (an app without lifespan
-    # support just runs); timeout_keep_alive: routers keep pooled connections open.
+    # support just runs); timeout_keep_alive: routers keep pooled connections open; log_config None: uvicorn's lines
+    # go through the process's own handler (log_to_stderr), with their time, instead of a format of uvicorn's.
     timeouts = read_timeouts if read_timeouts is not None else ReadTimeouts.from_env()
     options = {"access_log": False, "lifespan": "auto", "timeout_keep_alive": 60, "http": timeouts.protocol(),
-               **overrides}
+               "log_config": None, **overrides}
     return uvicorn.Config(app, log_level=log_level, **options)
 
 

@@ -4,8 +4,9 @@ httpx takes one unix socket per transport (``HTTPTransport(uds=PATH)``) and read
 ``unix:PATH`` base URL is written ``http+unix://localhost/PATH`` here (``http_url``), to which paths are appended as
 to any base URL (``.../prefill-0.sock/generate``). The transport mounted for that scheme (``client``,
 ``async_client``) finds the socket along the URL's path, the first component that is a socket file (a socket is never
-a directory, so there is one), and sends the rest (``/generate?...``) as an ``http://localhost`` request through that
-socket's own transport. A path with no socket along it is a ``ConnectError``, as a port nobody listens on is.
+a directory, so there is one; looked for on the disk once per socket, then known by its path), and sends the rest
+(``/generate?...``) as an ``http://localhost`` request through that socket's own transport. A path with no socket
+along it is a ``ConnectError``, as a port nobody listens on is.
 """
 
 from __future__ import annotations
@@ -48,15 +49,29 @@ def split_socket(path: str) -> tuple[str, str]:
 
 
 class _Sockets:
-    """A transport per socket, made on first use; what both transports below share."""
+    """A transport per socket, made on first use; what both transports below share. A request to a socket reached
+    before finds it among them, by its path alone: ``split_socket`` stats the path's components, a system call each,
+    and an async client routes on the event loop, where a router sends every request and health check."""
 
     def __init__(self, make):
         self._make, self._lock = make, threading.Lock()
         self.by_path: dict[str, Any] = {}
 
+    def _known(self, url_path: str) -> tuple[str, str] | None:
+        """Under the lock: ``(socket, rest)`` when ``url_path`` runs through a socket reached before. (One that
+        has gone since fails as it would have: its transport cannot connect, a ``ConnectError``.)"""
+        for path in self.by_path:
+            if url_path == path:
+                return path, "/"
+            if url_path.startswith(path) and url_path[len(path)] == "/":
+                return path, url_path[len(path):]
+        return None
+
     def route(self, request: httpx.Request) -> tuple[Any, httpx.Request]:
+        with self._lock:
+            known = self._known(request.url.path)
         try:
-            path, rest = split_socket(request.url.path)
+            path, rest = known or split_socket(request.url.path)
         except FileNotFoundError as exc:
             raise httpx.ConnectError(str(exc), request=request) from None
         with self._lock:

@@ -20,13 +20,16 @@ def story(chain: Sequence[Attempt]) -> list[str]:
         took = _seconds(a.ended_at - a.started_at)
         if a.outcome == "Success":
             line = f"attempt {i} (room {a.room} on {a.where}) succeeded after {took}"
-        elif a.outcome == "Failed":
+        elif a.outcome in ("Failed", "Recomputed") and a.failed_first is not None:
             first = a.failed_first
             how = "died" if first.alive_until is not None else f"ended it on {first.ended_by}"
-            line = (f"attempt {i} (room {a.room} on {a.where}) failed after {took}: {first.role} {first.node} {how}: "
+            failed = "failed its transfer" if a.outcome == "Recomputed" else "failed"
+            line = (f"attempt {i} (room {a.room} on {a.where}) {failed} after {took}: {first.role} {first.node} {how}: "
                     f"{first.why}")
         else:
             line = f"attempt {i} (room {a.room} on {a.where}) has not ended in these journals"
+        if a.recompute is not None:
+            line += f"; {_recomputed(a)}"
         if a.route is not None:
             line += f"; routed {a.route}"
         if i < len(chain):
@@ -38,6 +41,14 @@ def story(chain: Sequence[Attempt]) -> list[str]:
             line += "; no later attempt in these journals"
         lines.append(line)
     return lines
+
+
+def _recomputed(a: Attempt) -> str:
+    """What the decode node's recompute of a failed transfer did for the request (``store/roles.py``)."""
+    r = a.recompute
+    if r.final != "Success":
+        return f"the recompute on decode {r.node} failed too: {r.reason}"
+    return f"answered by decode {r.node} after recompute ({r.events[0].get('detail')})"
 
 
 def render_request(rid: str, chain: Sequence[Attempt], files: Sequence[str], console: Console) -> None:
@@ -63,6 +74,9 @@ def request_json(rid: str, chain: Sequence[Attempt], files: Sequence[str]) -> st
          "failed_first": None if a.failed_first is None else {
              "role": a.failed_first.role, "node": a.failed_first.node, "reason": a.failed_first.reason,
              "ended_by": a.failed_first.ended_by},
+         "recompute": None if a.recompute is None else {
+             "node": a.recompute.node, "final": a.recompute.final, "reason": a.recompute.reason,
+             "at": a.recompute.ended_at},
          "next_room": chain[i].room if i < len(chain) else None,
          "sides": [s.to_dict() for s in a.sides]}
         for i, a in enumerate(chain, 1)]}

@@ -21,6 +21,11 @@ FINAL_STYLE = {"Success": "green", "Failed": "bold red"}
 LINE = "{room:>20}  {side:<8} {final:<8} {ended:<11} {spent:<36} {total:>8}  {pages:<16} {replay:<8} {reason}"
 
 
+PAGES_LEGEND = ("pages moved: sent/prompt pages (prefill: pages it sent of the prompt's; decode: pages it received "
+                "of those it reserved); cN: prompt tokens the prefill node's prefix cache held; hN: leading pages the "
+                "decode node's prefix cache held, which were not sent")
+
+
 def pages_moved(report: RoomReport) -> str:
     """``moved/prompt pages`` and the caches' part: ``c`` tokens a prefill took from its cache, ``h`` leading pages
     the decode node held."""
@@ -40,7 +45,7 @@ def spent(report: RoomReport) -> str:
     """Time in each state, with a chunked prompt's compute, a dead node's and a dead peer's time apart
     (``RoomReport.phases``, ``store/causes.py``): ``xfer`` is then the handoff's own time."""
     times = report.phases if report.phases is not None else report.time_in_state
-    return "  ".join(f"{STATE_ABBREV.get(s, s)} {_seconds(t)}" for s, t in times.items())
+    return "  ".join(f"{STATE_ABBREV.get(s, s)} {_seconds(t)}" for s, t in times.items()) or "-"  # a record: none
 
 
 class TableWriter:
@@ -75,6 +80,8 @@ class TableWriter:
     def close(self, summary: Summary) -> None:
         if self.shown == 1 and self.last is not None:
             print_timeline(self.last, self.console)
+        if self.shown:
+            self.console.print(PAGES_LEGEND, highlight=False, soft_wrap=True)
         for d in summary.divergences:
             self.console.print(Text(f"divergence: {d.describe()}", style="bold red"))
         verdict = "every room replays consistently" if summary.consistent else f"{len(summary.divergences)} diverged"

@@ -300,6 +300,7 @@ def router_main(argv: Sequence[str] | None = None, parser: argparse.ArgumentPars
     """Run the router; ``parser``: the one to parse ``argv`` with (``fsm-pd serve`` gives its own, whose errors are
     one line), default ``build_arg_parser()``."""
     from fsm_pd.api.server import serve
+    from fsm_pd.net.http_server import log_to_stderr
 
     parser = parser or build_arg_parser()
     args = parser.parse_args(argv)
@@ -313,7 +314,7 @@ def router_main(argv: Sequence[str] | None = None, parser: argparse.ArgumentPars
         app = router_app_from_args(args)
     except ValueError as err:
         parser.error(str(err))
-    logging.basicConfig(level=args.log_level.upper())
+    log_to_stderr(args.log_level)  # with the time on every line, and no line per health check
     serve(app, args.host, args.port, log_level=args.log_level, read_timeouts=read_timeouts_from_args(args),
           uds=args.uds)
 

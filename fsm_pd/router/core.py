@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fsm_pd.api.errors import error_body, error_response, with_rid
 from fsm_pd.api.requests import new_rid
 from fsm_pd.api.runner import wait_disconnect
-from fsm_pd.api.streaming import PROGRESS_HEADER, ROUTE_HEADERS
+from fsm_pd.api.streaming import PROGRESS_HEADER, RECOMPUTED_HEADER, ROUTE_HEADERS
 from fsm_pd.api.tasks import cancel_and_wait
 from fsm_pd.net.unix_http import async_client, http_url
 from fsm_pd.router.attempts import Attempts, Failure, Started, error_message, needs_prefill_body
@@ -201,8 +201,9 @@ class PDRouter:
                       if merge and started.prefill is not None and started.prefill.body else None)
         d_resp = started.decode.response
         media_type = d_resp.headers.get("content-type", "application/json")
-        # the path the answer took (pd or local) and why, on every API: the node's answer says it (api/streaming.py)
-        route = {name: d_resp.headers[name] for name in ROUTE_HEADERS if name in d_resp.headers}
+        # the path the answer took (pd or local) and why, on every API, and whether the decode node recomputed the
+        # prompt after a failed transfer: the node's answer says it (api/streaming.py)
+        route = {name: d_resp.headers[name] for name in (*ROUTE_HEADERS, RECOMPUTED_HEADER) if name in d_resp.headers}
         if started.decode.body is not None:
             await started.close()
             return Response(merge_json(started.decode.body, p_logprobs), status_code=d_resp.status_code,

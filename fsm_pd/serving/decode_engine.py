@@ -20,7 +20,8 @@ deadline that passed), ``on_transfer_failure`` decides: ``recompute`` (the defau
 colocated engine does, samples the first token with the request's seed at step 0 and decodes on, so the client gets
 the answer an undisturbed run gives (greedy: identical); ``fail`` ends the request with the transfer's error (500,
 502 when the prefill node failed it: ``common.transfer_failure_status``). The room still ends Failed in the journal
-with its reason; the recompute is logged with the room and request id,
+with its reason; the recompute is journaled beside it (a ``recompute`` row, ``recompute.py``), logged with the room
+and request id,
 counted (``recomputes``, ``fsm_pd_transfer_recomputes_total``) and named in the answer's ``meta_info.kv_recompute``.
 A recomputed request's pages are held under the key ``-(room + 1)``, never a room id, so the failed room's own
 ``FreePages`` cannot free them. See ``serving.md``.
@@ -124,6 +125,7 @@ class DecodeEngine(LocalPath, PDEngine):
                                            enabled=on_transfer_failure == "recompute",
                                            headroom_pages=self.headroom_pages, budget=self.budget, clock=clock)
         self.registry.register(self.recompute.collector(labels))
+        self.recompute.record = self.manager.node.record  # each recompute journaled (replay --request shows it)
         self._init_local()  # requests the router sends here whole (fsm_pd_route local: local_path.py)
         # the ABORT of a room we will recompute says so, so the prefill node answers its leg instead of failing it
         self.manager.effects.abort_note = self._abort_note

@@ -22,8 +22,7 @@ from fsm_pd.serving.common import check_request
 from fsm_pd.serving.recompute import recompute_key
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.types import EngineError, GenerateRequest
-
-LOCAL_ROLE = "local"  # the journal role of a request a node prefilled itself (``store/replay.py``)
+from fsm_pd.store.roles import LOCAL_ROLE  # the journal role of a request a node prefilled itself (a record)
 
 
 def is_local(request: GenerateRequest) -> bool:

@@ -17,9 +17,13 @@ prompts do: at most ``max_tokens`` padded tokens a step, and while streams decod
 ``StepBudget`` allows (``scheduling/step_budget.py``: a few decode steps' time), so a prompt prefilled here delays the
 running streams by a chunk at a time, not by its whole prefill.
 
-The room itself still ends Failed, with its reason, in the journal; the recompute is a log line naming the room and
-the request, a counter (``recomputes``; ``fsm_pd_transfer_recomputes_total``) and the answer's
-``meta_info.kv_recompute`` (``{"room", "reason", "seconds"}``). The failed room's ``FreePages`` returns the pages
+The room itself still ends Failed, with its reason, in the journal. Once the recompute's prefill ran, the node
+journals one more row for the room, role ``recompute`` (``Node.record``, replayed as a record by
+``store/replay.py``): Success, or Failed with the prefill's error, and the request id, so ``fsm-pd replay --request``
+shows that the request was answered after all. It is also a log line naming the room and the request, a counter
+(``recomputes``; ``fsm_pd_transfer_recomputes_total``), the answer's ``meta_info.kv_recompute`` (``{"room",
+"reason", "seconds"}``) and its route receipt (``meta_info.pd_route``, path ``pd``: the headers every answer
+carries, ``api/streaming.py``). The failed room's ``FreePages`` returns the pages
 it held under the room id; the recompute reserves pages of its own under the key ``-(room + 1)`` (rooms are never
 negative), so that free cannot touch them. Model thread only, except ``counters``.
 
@@ -48,11 +52,15 @@ from fsm_pd.serving.forward import prefill_step
 from fsm_pd.serving.isolate import run_isolating
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.types import EngineError
+from fsm_pd.store.roles import RECOMPUTE_ROLE  # the journal role of a recompute's row (a record)
 
 log = logging.getLogger(__name__)
 
 ON_TRANSFER_FAILURE = ("recompute", "fail")
 RECOMPUTED_TRIGGERS = frozenset({"error", "timeout"})  # the decode room's own failures (not abort, peer_*)
+
+# ``Node.record``: (role, room, trigger, dst, event, reason)
+Record = Callable[[str, int, str, str, dict, "str | None"], None]
 
 
 def recompute_key(room: int) -> int:
@@ -81,6 +89,7 @@ class TransferRecompute:
         self.local = {"local_prefills": 0, "local_prefills_done": 0, "local_prefills_failed": 0,
                       "local_prefill_tokens": 0}
         self.on_local: Callable[[Sequence, Exception | None], None] | None = None  # the engine journals each
+        self.record: Record | None = None  # the decode node's ``Node.record``: each recompute journaled as one row
 
     def counters(self) -> dict:
         return {"recomputes": self.started, "recomputes_prefilled": self.completed,
@@ -94,6 +103,10 @@ class TransferRecompute:
         seq.key = recompute_key(room)
         seq.pages = []
         seq.meta["kv_recompute"] = {"room": room, "reason": reason}
+        # the route receipt a successful handoff would have written (decode_engine): the router sent it through a
+        # prefill node, and nothing of that node's KV was used
+        seq.meta["pd_route"] = {"path": "pd", "reason": (seq.request.route or {}).get("reason", ""),
+                                "prefill": None, "pages": 0, "bytes": 0}
         seq.meta["recompute_queued_at"] = time.monotonic()
         self.waiting.append(seq)
         self.started += 1
@@ -153,6 +166,7 @@ class TransferRecompute:
                 continue
             info = seq.meta["kv_recompute"]
             info["seconds"] = round(time.monotonic() - seq.meta.pop("recompute_queued_at"), 6)
+            self._journal(seq, info, first if isinstance(first, Exception) else None)
             if isinstance(first, Exception):
                 self.failed += 1
                 seq.stream.push(EngineError(f"the KV transfer failed ({info['reason']}) and recomputing the "
@@ -167,6 +181,16 @@ class TransferRecompute:
                 finish(seq)
             else:
                 add(seq)
+
+    def _journal(self, seq: Sequence, info: dict, failed: Exception | None) -> None:
+        """One ``recompute`` row for the failed room once its prompt was prefilled here (or that failed): what
+        ``replay --request`` shows as the request's end."""
+        if self.record is None:
+            return
+        event = {"rid": seq.rid, "transfer_failed": info["reason"], "prompt_len": seq.prompt_len,
+                 "seconds": info["seconds"]}
+        self.record(RECOMPUTE_ROLE, info["room"], "recompute", "Failed" if failed else "Success", event,
+                    f"recompute failed: {failed}" if failed else None)
 
     def _local_prefilled(self, seq: Sequence, first, add, finish) -> None:
         seconds = round(time.monotonic() - seq.meta.pop("recompute_queued_at"), 6)

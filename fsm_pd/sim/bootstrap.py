@@ -56,6 +56,7 @@ class SimResolver:
 
     def __init__(self, sched: Timeline, instance: Any, plan: FaultPlan, bootstrap: SimBootstrap):
         self.plan, self.bootstrap = plan, bootstrap
+        self.record: Callable[..., None] | None = None  # World.record
         self.resolver = PrefillResolver(retries=0, lookup=self._lookup)
         self.port = ThreadedResolver(lambda: self.resolver, SimLookups(sched, instance))
         self.resolve = self.port.resolve
@@ -63,6 +64,8 @@ class SimResolver:
     def _lookup(self, url: str, **kw: Any) -> dict:
         """One HTTP lookup, as the bootstrap server would answer it (or fail to, when the plan says so)."""
         if self.plan.resolve_fails():
+            if self.record is not None:  # every room waiting for this lookup fails on it
+                self.record("lookup failure", None, f"the lookup of {url} failed")
             raise LookupError("the bootstrap server did not answer")
         return self.bootstrap.lookup(url, **kw)
 

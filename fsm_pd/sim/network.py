@@ -59,7 +59,7 @@ class SimNetwork:
     def partition(self, seconds: float) -> None:
         self.partitioned_until = max(self.partitioned_until, self.clock.now() + seconds)
         if self.record is not None:
-            self.record("partition", None, f"the network cut for {seconds:g} s")
+            self.record("partition", None, f"the network cut for {seconds:g} s", seconds)
 
     @property
     def partitioned(self) -> bool:

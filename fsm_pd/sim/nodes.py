@@ -96,6 +96,7 @@ class Instance:
             self.resolver = SimResolver(w.sched, self, w.plan, w.bootstrap)
             # the pool backend's pulls stay in the process: no partition cuts them
             partitioned = (lambda: False) if shared else (lambda: w.network.partitioned)
+            self.resolver.record = w.record
             puller = SimPuller(w.sched, w.ledger, self, w.plan, w.transfer_server, partitioned, layers)
             puller.record = w.record
             kv = (SimPoolKV(w.ledger, self, self.process.allocator) if shared else

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 
+from fsm_pd.sim.attribution import WITHOUT_FAULT, failed_by_fault, grouped
 from fsm_pd.sim.invariants import overdue_rooms, overdue_states, ownership_violations
 from fsm_pd.sim.outcomes import corruption_served, outcome_disagreements
 from fsm_pd.sim.world import SimConfig, World
@@ -45,9 +46,11 @@ def simulate(config: SimConfig, journal_dir: str | os.PathLike | None = None, du
 
 
 def summarize(world: World) -> dict:
-    """What the client saw (the decode side's outcome), what the prefill side saw, and what leaked."""
+    """What the client saw (the decode side's outcome), what the prefill side saw, and what leaked; the failures'
+    reasons grouped with their numbers taken out, and the injected fault behind each failed request
+    (``attribution.py``)."""
     decode_failed, prefill_failed = Counter(), Counter()
-    succeeded = 0
+    succeeded, failed = 0, []
     live = world.live_rooms()
     decode = world.decode.live_rooms()
     for room in world.requests:
@@ -57,6 +60,7 @@ def summarize(world: World) -> dict:
         else:
             # a room without a reason was left unfinished by a process that died without a journal to recover from
             decode_failed["never reached decode" if d is None else d.reason or f"lost in {d.state}"] += 1
+            failed.append(room)
         p = live.get((world.prefill_id, "prefill", room))
         if p is not None and p.state == "Failed":
             prefill_failed[p.reason] += 1
@@ -67,8 +71,10 @@ def summarize(world: World) -> dict:
         "fault_rate": world.config.fault_rate,
         "succeeded": succeeded,
         "failed": len(world.requests) - succeeded,
-        "failed_by_reason": dict(sorted(decode_failed.items())),
-        "prefill_failed_by_reason": dict(sorted(prefill_failed.items())),
+        "failed_by_reason": grouped(decode_failed),
+        "failed_by_fault": (by_fault := failed_by_fault(world, failed)),
+        "failed_without_fault": by_fault[WITHOUT_FAULT],
+        "prefill_failed_by_reason": grouped(prefill_failed),
         "prefill_crashes": world.crashes,
         "decode_crashes": world.decode.crashes,
         "messages": dict(sorted(world.network.counts.items())),

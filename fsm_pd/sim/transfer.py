@@ -232,6 +232,8 @@ class SimPuller:
             p.done(None, TransferFailed(f"transfer {p.uuid} broke off after {p.received} of {total} bytes: {ended}"))
             return
         if p.reset_at is not None and p.received >= p.reset_at:
+            if self.record is not None:
+                self.record("pull reset", p.entry.room, f"transfer {p.uuid} reset after {p.received} bytes")
             p.done(None, TransferFailed("connection reset during the pull"))
             return
         if p.received >= total:
@@ -289,4 +291,7 @@ class SimPuller:
         if p.corrupt and self.record is not None:
             self.record("corrupt", entry.room, f"a byte of transfer {p.uuid} flipped on the wire")
         self.ledger.alloc("pulled", pulled.key, self.instance, pulled.room)
-        self.sched.later(REPORT_S + self.plan.pull_reports_late(), lambda: p.done(pulled, None), self.instance)
+        late = self.plan.pull_reports_late()
+        if late and self.record is not None:
+            self.record("late pull report", entry.room, f"transfer {p.uuid} reported {late:.3f} s late")
+        self.sched.later(REPORT_S + late, lambda: p.done(pulled, None), self.instance)

@@ -53,6 +53,7 @@ class Fault:
     kind: str
     room: int | None
     detail: str
+    lasts: float = 0.0  # a node-wide fault: how long it held (a stall's or partition's length, a crash's downtime)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +138,8 @@ class World:
         self.durability = durability
         self.journal_tails: dict[str, object] = {}  # the invariants' incremental readers (closed with the world)
         self.requests: dict[int, int] = {}  # room -> prompt length (of its first request)
+        self.arrives_at: dict[int, float] = {}  # room -> when its (first) request reaches the nodes
+        self.ended_at: dict[tuple[str, int], float] = {}  # (role, room) -> when its side last ended (``attribution``)
         self.refused: list[tuple[str, int]] = []  # (role, room): a request its node refused (the room was used)
         self.reuse_accepted: list[str] = []  # a node took a room it had used before: it must refuse it
         self.pending_arrivals = 0
@@ -152,8 +155,8 @@ class World:
         self.decode.start()
 
     # --- faults, recorded ---
-    def record(self, kind: str, room: int | None, detail: str) -> None:
-        self.fault_log.append(Fault(self.clock.now(), kind, room, detail))
+    def record(self, kind: str, room: int | None, detail: str, lasts: float = 0.0) -> None:
+        self.fault_log.append(Fault(self.clock.now(), kind, room, detail, lasts))
 
     def faults_of(self, room: int | None = None, kind: str = "") -> list[Fault]:
         """The recorded faults of ``kind`` (a prefix) that hit ``room`` or everything (room None)."""
@@ -168,7 +171,7 @@ class World:
         for stopped in self.process_of(slot):
             inst = stopped.instance
             inst.frozen_until = max(inst.frozen_until, self.clock.now() + seconds)
-            self.record("stall", None, f"{inst.name} stopped for {seconds:g} s")
+            self.record("stall", None, f"{inst.name} stopped for {seconds:g} s", seconds)
         self.longest_stall = max(self.longest_stall, seconds)
         self.sched.later(seconds, lambda: None, work=False)  # the world settles (and steps it) when it resumes
 
@@ -187,6 +190,7 @@ class World:
         self.instances[inst.channel.instance_id] = inst
         inst.node.observers.append(lambda room, decision, at: inst.scheduler.observed(room, decision))
         inst.node.observers.append(lambda room, decision, at: self._entered(inst, room, decision))
+        inst.node.observers.append(lambda room, decision, at: self._ended(slot.role, room, decision))
         inst.node.observers.append(lambda room, decision, at: self.armed.observe(
             inst.name, room, decision, self.clock.now(), inst.node))
         if slot.role == "prefill":
@@ -204,11 +208,17 @@ class World:
         elif decision.ignored is None and any(isinstance(e, ArmTimer) for e in decision.effects):
             self.extended[key] = self.extended.get(key, 0.0) + now - self.entered.get(key, now)  # restarted
             self.entered[key] = now
+
+    def _ended(self, role: str, room: object, decision: object) -> None:
+        if decision.dst != decision.src and room.terminal:
+            self.ended_at[(role, room.room)] = self.clock.now()
+
     # --- requests and clients ---
     def add_request(self, room: int, prompt_len: int, at: float) -> None:
         """The router sends the request to both nodes at once (each leg with its own small delay). A room already
         used is sent again as a client would (a retry, a collision): each node must refuse it."""
         self.requests.setdefault(room, prompt_len)
+        self.arrives_at.setdefault(room, at)
         # shares prefixes with earlier prompts (the caches hit); kept as 2-byte tokens until it arrives, since every
         # arrival of a run is scheduled at its start
         tokens = array("H", self.workload.prompt(prompt_len))
@@ -289,7 +299,7 @@ class World:
             slot.restart_after = restart_after
             return
         for dying in self.process_of(slot):
-            self.record("crash", None, f"{dying.instance.name} killed")
+            self.record("crash", None, f"{dying.instance.name} killed", restart_after or 0.0)
             dying.crash()
             self._schedule_restart(dying, restart_after)
 
@@ -347,10 +357,10 @@ class World:
             try:
                 done += slot.instance.node.step()
             except NodeCrashed as exc:
-                self.record("crash", None, str(exc))
+                self.record("crash", None, str(exc), slot.restart_after or 0.0)
                 for dying in self.process_of(slot):
                     if dying is not slot:
-                        self.record("crash", None, f"{dying.instance.name} killed with its process")
+                        self.record("crash", None, f"{dying.instance.name} killed with its process", slot.restart_after or 0.0)
                     dying.crash()
                     self._schedule_restart(dying, slot.restart_after)
                 done += 1

@@ -5,7 +5,9 @@ A node journals what it saw. What it cannot see:
 
 - **That it died.** Its journal just stops; a restart fails what it finds open with ``node restarted``, later. The
   side then ends where its last event was journaled alive (``alive_until``): the restart's row if it restarted, its
-  last row if it never did and the other side's heartbeats found it dead (``peer_failed``).
+  last row if it never did and the other side's heartbeats found it dead, either while its room was open
+  (``peer_failed``) or after the room had ended there on its own (a pull that broke off when the process died: the
+  other node's ``peer`` record, ``store/roles.py``).
 - **Who closed its request.** An HTTP request that closes before its answer aborts the room (``REQUEST_CLOSED``;
   nodes before it wrote ``aborted by the client``): the client's doing, or a router's. When the other side of the
   room had already failed or died, the router closed it: a router ends an attempt's other leg when one fails. When
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+from fsm_pd.store.roles import PEER_ROLE
 
 if TYPE_CHECKING:
     from fsm_pd.store.replay import RoomReport
@@ -45,10 +49,10 @@ def explain_room(sides: list[RoomReport]) -> list[RoomReport]:
     """Set ``alive_until``, ``cause`` and ``phases`` on the sides of one room (a prefill and a decode side, or one
     of them); returns ``sides``."""
     for side in sides:
-        side.alive_until = _died(side, _peer(side, sides))
+        side.alive_until = _died(side, _peer(side, sides), sides)
     for side in sides:
         peer = _peer(side, sides)
-        side.cause, side.consequence = _cause(side, peer)
+        side.cause, side.consequence = _cause(side, peer, sides)
         side.phases = _phases(side, peer)
     return sides
 
@@ -69,11 +73,20 @@ def _peer(side: RoomReport, sides: list[RoomReport]) -> RoomReport | None:
     return next((s for s in sides if s is not side and {s.role, side.role} == {"prefill", "decode"}), None)
 
 
-def _died(side: RoomReport, peer: RoomReport | None) -> float | None:
+def _found_dead(peer: RoomReport | None, sides: list[RoomReport]) -> RoomReport | None:
+    """The record the other side's node wrote when, after the room had ended there, it found this side's process
+    dead or replaced (``PEER_ROLE``)."""
+    if peer is None:
+        return None
+    return next((s for s in sides if s.role == PEER_ROLE and s.node == peer.node), None)
+
+
+def _died(side: RoomReport, peer: RoomReport | None, sides: list[RoomReport]) -> float | None:
     events = side.events
     if side.ended_by == "error" and side.reason and side.reason.endswith(RESTARTED) and len(events) > 1:
         return events[-2]["at"]
-    if side.final not in ("Success", "Failed") and peer is not None and peer.ended_by == "peer_failed":
+    if side.final not in ("Success", "Failed") and peer is not None and (
+            peer.ended_by == "peer_failed" or _found_dead(peer, sides) is not None):
         return events[-1]["at"]
     return None
 
@@ -93,13 +106,17 @@ def _last_alive(side: RoomReport) -> str:
     return f"after its {last['trigger']}, {_since(side, side.alive_until)}"
 
 
-def _cause(side: RoomReport, peer: RoomReport | None) -> tuple[str | None, bool]:
+def _cause(side: RoomReport, peer: RoomReport | None, sides: list[RoomReport]) -> tuple[str | None, bool]:
     """What the other side says of this side's end, and whether that end was a consequence of the other side's."""
     if side.alive_until is not None:
         died = f"its node died: its journal stops {_last_alive(side)}"
         if side.final == "Failed":
             return f"{died}, and the node failed the room when it restarted", False
-        return f"{died}; the {peer.role} node found it dead ({peer.reason})", False
+        if peer.ended_by == "peer_failed":
+            return f"{died}; the {peer.role} node found it dead ({peer.reason})", False
+        found = _found_dead(peer, sides)
+        return (f"{died}; the {peer.role} node found it dead {_seconds(found.started_at - peer.ended_at)} after its "
+                f"side had ended ({found.reason})"), False
     if side.reason == RETRY_ABORT:
         return None, True  # the reason says it
     if side.ended_by != "abort" or not _closed(side) or peer is None:

@@ -23,6 +23,7 @@ from fsm_pd.machines.deadlines import explain_timeout, state_deadline
 from fsm_pd.machines.receiver import KV_CHECKSUM_MISMATCH
 from fsm_pd.store.causes import explain_room
 from fsm_pd.store.journal import JournalRow
+from fsm_pd.store.roles import PEER_ROLE, RECOMPUTE_ROLE, RECORD_ROLES
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,12 +149,6 @@ def by_room(reports: Iterable[RoomReport]) -> Iterator[list[RoomReport]]:
         yield explain_room(list(group))
 
 
-# Roles journaled as records, not fired through a machine: ``local``, a request a decode node prefilled itself (the
-# router's ``fsm_pd_route`` local; ``serving/decode_engine.py``), one row from the initial state to Success or
-# Failed with the router's reason. Replay checks that such a side is that one row.
-RECORD_ROLES = frozenset({"local"})
-
-
 def _replay_room(node: str, role: str, room_id: int, rows: list[JournalRow]) -> RoomReport:
     if role in RECORD_ROLES:
         first = rows[0]
@@ -204,21 +199,40 @@ def _pieces(event: dict) -> str | None:
 
 
 def _chunks(trigger: str, event: dict) -> str | None:
-    """A chunked handoff's progress (``fsm_pd/effects/chunked.py``): on P each computed chunk and what became final,
-    then how many pieces READY announced; on D what every piece brought."""
+    """A chunked handoff's progress (``fsm_pd/effects/chunked.py``): on P each chunk and the pages it makes final,
+    then how many pieces READY announced; on D what every piece brought.
+
+    A chunk other than the last is journaled when the model thread has queued it on the device, not when the device
+    has computed it (nothing waits for it: the device runs ahead of the host), so its pages become final later, and
+    a piece of them goes out once they are; a long prompt's chunks can all be queued within a fraction of a second
+    of its prefill. The last chunk samples the first token, which waits for every chunk before it: its row is when
+    the whole prompt was computed."""
     if trigger == "kv_ready" and event.get("piece_pages"):
-        return (f"first chunk: {event.get('final_pages', 0)} of {len(event.get('pages') or ())} pages final, "
+        return (f"first chunk queued on the device: {event.get('final_pages', 0)} of "
+                f"{len(event.get('pages') or ())} pages final once it has run, "
                 f"sent in pieces of {event['piece_pages']}")
     if trigger == "kv_chunk":
         if event.get("last"):
-            return f"last chunk: all {event.get('final_pages', 0)} pages final, trailer with the first token"
-        return f"chunk: {event.get('final_pages', 0)} pages final"
+            return f"last chunk computed: all {event.get('final_pages', 0)} pages final, trailer with the first token"
+        return f"chunk queued on the device: {event.get('final_pages', 0)} pages final once it has run"
     if trigger == "piece_pulled":
         return f"piece {event.get('piece')} landed: the transfer deadline starts again"
     if trigger == "published" and event.get("chunks"):
         return f"{event['chunks']} pieces of {event.get('chunk_pages')} pages, then a trailer"
     if trigger == "pulled" and isinstance(event.get("chunks"), list):
         return f"{len(event['chunks'])} pieces ({', '.join(f'{n} B' for n in event['chunks'])}) and the trailer"
+    return None
+
+
+def _record(role: str, row) -> str | None:
+    """What a recompute's or a peer's record says (``RECORD_ROLES``)."""
+    event = row.event
+    if role == RECOMPUTE_ROLE:
+        took = f" in {event['seconds']:.3f} s" if isinstance(event.get("seconds"), int | float) else ""
+        done = f"prompt of {event.get('prompt_len', '?')} tokens queued and prefilled on this node{took}"
+        return done if row.dst == "Success" else f"{row.payload.get('reason')} ({done})"
+    if role == PEER_ROLE:
+        return f"after this room ended: {row.payload.get('reason')}"
     return None
 
 
@@ -258,7 +272,7 @@ def _report(node, role, room_id, rows, divergence, replayed_state) -> RoomReport
         event = {"trigger": row.trigger, "src": row.src, "dst": row.dst, "at": row.at, "version": row.version}
         if "ignored" in row.payload:
             event["ignored"] = row.payload["ignored"]
-        detail = (row.event.get("reason") or row.event.get("timer") or _pieces(row.event)
+        detail = (_record(role, row) or row.event.get("reason") or row.event.get("timer") or _pieces(row.event)
                   or _chunks(row.trigger, row.event) or _checksum(row.trigger, row.event))
         if detail is not None:
             event["detail"] = detail
@@ -278,6 +292,8 @@ def _report(node, role, room_id, rows, divergence, replayed_state) -> RoomReport
         final = row.dst
     if final not in TERMINAL:
         time_in_state[final] = round(time_in_state.get(final, 0.0) + (rows[-1].at - entered_at), 6)
+    if role in RECORD_ROLES:  # one row: no time in any state
+        time_in_state = {}
     return RoomReport(room_id, role, node, final, reason, ended_by, rows[0].at, rows[-1].at, time_in_state, events,
                       divergence, replayed_state, kv_pages(role, rows), deadline_that_ended(role, rows))
 

@@ -144,9 +144,12 @@ class Rig:
         return doc["rooms"]
 
     def failures(self) -> dict[str, list[str]]:
-        """role -> reasons of its failed rooms; every Failed room has one."""
+        """role -> reasons of its failed rooms; every Failed room has one. (A node's records beside its rooms, a
+        peer found dead after a room ended say, are not rooms: ``store/roles.py``.)"""
         found: dict[str, list[str]] = {"prefill": [], "decode": []}
         for room in self.replay():
+            if room["role"] not in found:
+                continue
             if room["final"] == "Failed" and (room["role"], room["room"]) not in self.warm_failures:
                 assert room["reason"], room
                 found[room["role"]].append(room["reason"])

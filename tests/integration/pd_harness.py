@@ -149,7 +149,7 @@ def transfer(p, d, room, pages):
 
 def final(journal: Path, room: int) -> tuple[str, str | None, float, float]:
     """(final state, reason, first at, last state change at) of a room in a journal."""
-    rows = [r for r in read_journal(journal) if r.room == room]
+    rows = [r for r in read_journal(journal) if r.room == room and r.role in ("prefill", "decode")]  # not records
     changes = [r for r in rows if r.src != r.dst]
     last = changes[-1] if changes else rows[-1]
     return last.dst, last.payload.get("reason"), rows[0].at, last.at

@@ -48,5 +48,5 @@ def test_chunked_prefill_node_answers_as_a_whole_prefill_and_replay_shows_each_c
     assert sorted(len(r.event["chunks"]) for r in pulled) == PIECES
     text = subprocess.run([sys.executable, "-m", "fsm_pd.cli", "replay", "--format", "json", *map(str, journals)],
                           capture_output=True, text=True, timeout=120, check=True).stdout
-    assert text.count("last chunk: all") == 3 and text.count("first chunk:") == 3, text
+    assert text.count("last chunk computed: all") == 3 and text.count("first chunk queued on the device:") == 3, text
     assert text.count("2 pieces (") == 1 and text.count("5 pieces (") == 2, text

@@ -1,10 +1,14 @@
-"""HoldTable: what a released entry leaves behind is bounded; a failed one is remembered for the puller."""
+"""HoldTable: what a released entry leaves behind is bounded; a failed one is remembered for the puller. PullWaits:
+pulls parked until their entry is published, and one delivery per entry (the device and tcp backends share it)."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
-from fsm_pd.transport.backends.holds import HoldTable
+from fsm_pd.transport.backends.holds import HoldTable, PullWaits
 
 
 def table(**kw) -> HoldTable:
@@ -81,3 +85,45 @@ def test_expiry_and_tombstone_ttl_follow_the_tables_clock():
     holds.end(7, "failed by producer: y")
     assert holds.tombstone(5) is None and holds.tombstone(6) == "failed by producer: x"
     holds.close()
+
+
+def test_a_pull_parks_until_its_entry_is_published_then_takes_its_one_delivery():
+    changed = threading.Condition()
+    waits, box = PullWaits(changed), {}
+
+    def pull() -> None:
+        with changed:
+            box["got"] = waits.wait(7, time.monotonic() + 30, lambda: box.get("entry"))
+
+    puller = threading.Thread(target=pull)
+    puller.start()
+    deadline = time.monotonic() + 10
+    while waits.parked() != {7}:  # what a backend's parked_pulls says
+        assert time.monotonic() < deadline, "the pull never parked"
+        time.sleep(0.005)
+    with changed:
+        box["entry"] = "kv"
+        changed.notify_all()  # a publish
+    puller.join(10)
+    assert box["got"] == "kv" and waits.parked() == frozenset()
+    with changed:
+        assert not waits.delivered(7)
+        waits.deliver(7)
+        assert waits.delivered(7)  # a second pull of it fails
+        waits.ended(7)
+        assert not waits.delivered(7)  # its hold ended: a new publish is a new delivery
+
+
+def test_a_pull_gives_up_at_its_deadline_or_a_stop_and_an_ended_entry_raises_and_leaves_nothing_parked():
+    changed = threading.Condition()
+    waits = PullWaits(changed)
+    with changed:
+        assert waits.wait(1, time.monotonic() + 0.05, lambda: None) is None
+        assert waits.wait(2, time.monotonic() + 30, lambda: None, lambda: True) is None
+
+        def ended():
+            raise LookupError("transfer 3 failed")
+
+        with pytest.raises(LookupError):
+            waits.wait(3, time.monotonic() + 30, ended)
+    assert waits.parked() == frozenset()

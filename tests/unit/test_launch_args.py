@@ -95,6 +95,10 @@ def test_a_child_s_exit_is_reported_by_its_error_line_not_its_last(tmp_path):
                    "INFO:     Application shutdown complete.\n")
     assert exit_cause(log) == ("ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 30000): "
                                "address already in use")
+    log.write_text("2026-01-01 10:00:00,001 INFO uvicorn: Started server process [7]\n"  # as log_to_stderr writes
+                   "2026-01-01 10:00:00,002 ERROR uvicorn: [Errno 98] error while attempting to bind\n"
+                   "2026-01-01 10:00:00,003 INFO uvicorn: Application shutdown complete.\n")
+    assert exit_cause(log) == "2026-01-01 10:00:00,002 ERROR uvicorn: [Errno 98] error while attempting to bind"
     log.write_text("fsm-pd serve: model loaded\nKilled\n")
     assert exit_cause(log) == "Killed"  # no error line: the last one
     assert exit_cause(tmp_path / "none.log") is None
@@ -121,3 +125,23 @@ def test_the_cluster_needs_a_prefill_node_only_when_the_router_sends_every_reque
         ("decode",)
     assert needed_roles(["--pd-policy", "always"]) == needed_roles(["--max-retries", "1", "--pd-policy=always"]) == \
         ("prefill", "decode")
+
+
+def test_launch_takes_the_router_s_pd_policy_itself():
+    """``fsm-pd launch --pd-policy always`` failed with no hint that the flag is the router's (issue 51): launch takes
+    it and hands it to the router, and a --router-arg given too comes after it, so it wins."""
+    from fsm_pd.cli.launch import needed_roles
+    from fsm_pd.cli.main import PD_POLICIES, build_parser, router_extra
+    from fsm_pd.router.policy import MODES
+
+    assert PD_POLICIES == MODES
+    args = build_parser().parse_args(["launch", "--pd-policy", "always"])
+    assert router_extra(args) == ["--pd-policy=always"]
+    assert needed_roles(router_extra(args)) == ("prefill", "decode")  # launch waits for a prefill node then
+    procs = children(router_extra=router_extra(args))
+    router = next(c for c in procs if c.name == "router")
+    assert "--pd-policy=always" in router.argv
+    assert all("--pd-policy=always" not in c.argv for c in procs if c is not router)
+    args = build_parser().parse_args(["launch", "--pd-policy", "never", "--router-arg=--pd-policy=always"])
+    assert router_extra(args) == ["--pd-policy=never", "--pd-policy=always"]
+    assert router_extra(build_parser().parse_args(["launch"])) == []

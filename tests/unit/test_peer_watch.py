@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fsm_pd.sim import SimConfig, World
 from fsm_pd.sim.invariants import leaks, ownership_violations
-from fsm_pd.store import read_journal
+from fsm_pd.store import read_journal, replay
 
 
 def world_with_a_slow_gather(tmp_path) -> World:
@@ -181,4 +181,38 @@ def test_a_cached_lookup_of_a_node_nobody_watches_is_asked_afresh(tmp_path):
     world.run()
     assert decode.instance.node.rooms[2].state == "Success" == world.prefill.instance.node.rooms[2].state
     assert world.bootstrap.lookups == 2
+    world.close()
+
+
+def test_a_room_that_failed_before_its_dead_peer_was_found_gets_a_peer_record_and_replay_says_the_peer_died(
+        tmp_path):
+    """The prefill process is killed while the decode node pulls: the pull breaks off at once and the decode room
+    fails on its own, so no room is bound when the heartbeats find the prefill dead. The decode node journals a
+    ``peer`` record for that room (``store/roles.py``), and replay reads the prefill side, left in Transferring, as
+    a node that died, not a side with no reason."""
+    world = world_with_a_slow_gather(tmp_path)
+    world.model_delay = 0.0005
+    assert world.run_until(lambda: world.decode.live_rooms()[1].state == "Transferring")
+    died = world.clock.now()
+    world.crash("prefill")  # and it stays dead
+    world.add_request(2, 40, at=died + 5)  # an idle world stops: a request still to come keeps the heartbeats going
+    world.run(until=died + 10)
+    (failed,) = [r for r in read_journal(world.journal_dir / "decode.db")
+                 if r.room == 1 and r.role == "decode" and r.dst == "Failed"]
+    reason, failed_at = failed.payload["reason"], failed.at
+    assert "pull failed" in reason and failed_at - died < 1.0, "the pull broke off before any heartbeat was missed"
+    rows = [r for r in read_journal(world.journal_dir / "decode.db") if r.room == 1 and r.role == "peer"]
+    assert [(r.trigger, r.dst, r.payload["reason"]) for r in rows] == [
+        ("peer_failed", "Failed", f"peer failed: prefill node at {world.prefill_addr} missed 2 heartbeats 1 s apart: "
+                                  "it died, hangs or is cut off")]
+    assert failed_at < rows[0].at <= died + 3.01
+    found = {r.role: r for r in replay([*read_journal(world.journal_dir / "prefill.db"),
+                                        *read_journal(world.journal_dir / "decode.db")]).rooms if r.room == 1}
+    prefill = found["prefill"]
+    assert prefill.final == "Transferring" and prefill.reason is None and prefill.consistent
+    assert prefill.alive_until is not None
+    assert prefill.why.startswith("its node died: its journal stops after its ")
+    assert "the decode node found it dead " in prefill.why and "after its side had ended (peer failed: prefill node" \
+        in prefill.why, prefill.why
+    assert found["peer"].consistent and found["decode"].consistent
     world.close()

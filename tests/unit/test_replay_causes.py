@@ -114,6 +114,20 @@ def test_the_chunked_handoff_s_transfer_is_only_what_follows_the_last_chunk(tmp_
     assert found["prefill"].phases == pytest.approx({"Bootstrapping": 0.02, "WaitingForInput": 0.03, "compute": 1.2,
                                                      "Transferring": 0.06})
     assert found["decode"].cause is None and found["prefill"].cause is None
+    # a chunk before the last is journaled as the model thread queued it on the device, not as computed (issue 51:
+    # a timeline read "pages final" for 128 pages 0.22 s into a 101 s prefill); the last one samples, so it was
+    details = {e["trigger"]: e["detail"] for e in found["prefill"].events if e["trigger"] in ("kv_ready", "kv_chunk")}
+    assert details == {"kv_ready": "first chunk queued on the device: 2 of 4 pages final once it has run, sent in "
+                                   "pieces of 2",
+                       "kv_chunk": "last chunk computed: all 4 pages final, trailer with the first token"}
+
+
+def test_a_chunk_before_the_last_is_not_read_as_computed(tmp_path):
+    nodes = Nodes(tmp_path)
+    chunked_start(nodes, 24)
+    nodes.at(0.06, "prefill-0", 24, "kv_chunk", {"final_pages": 3})
+    (chunk,) = [e for e in sides(nodes.journals(), 24)["prefill"].events if e["trigger"] == "kv_chunk"]
+    assert chunk["detail"] == "chunk queued on the device: 3 pages final once it has run"
 
 
 def test_a_room_whole_in_one_piece_has_its_states_alone(tmp_path):

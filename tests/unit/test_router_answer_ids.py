@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from fsm_pd.api.errors import error_body, with_rid
-from fsm_pd.api.streaming import ROUTE_HEADER, ROUTE_REASON_HEADER
+from fsm_pd.api.streaming import RECOMPUTED_HEADER, ROUTE_HEADER, ROUTE_REASON_HEADER
 from fsm_pd.router.core import PDRouter, PrefillWorker
 from fsm_pd.router.policy import CLASSIC_PD
 
@@ -29,11 +29,12 @@ class StayingClient:
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 ROUTE = {ROUTE_HEADER: "pd", ROUTE_REASON_HEADER: "policy always"}
+RECOMPUTED = {**ROUTE, RECOMPUTED_HEADER: "1"}  # a decode node that prefilled the prompt after a failed transfer
 
 
-def ask(path: str, body: dict, decode: str, stream: bool = False):
+def ask(path: str, body: dict, decode: str, stream: bool = False, headers: dict = ROUTE):
     """One request through a router over one prefill and one decode worker; ``decode``: what the decode leg does:
-    ``ok`` (answers with the route headers a node sends) or ``fail`` (500)."""
+    ``ok`` (answers with ``headers``, by default the route headers a node sends) or ``fail`` (500)."""
     async def scenario():
         async def workers(request: httpx.Request) -> httpx.Response:
             if request.url.path == "/health":
@@ -45,9 +46,9 @@ def ask(path: str, body: dict, decode: str, stream: bool = False):
             if decode == "fail":
                 return httpx.Response(500, json=error_body(500, "the engine failed"))
             if stream:
-                return httpx.Response(200, headers={"content-type": "text/event-stream", **ROUTE},
+                return httpx.Response(200, headers={"content-type": "text/event-stream", **headers},
                                       content=b'data: {"id": "chatcmpl-x"}\n\ndata: [DONE]\n\n')
-            return httpx.Response(200, headers=ROUTE, json={"id": "chatcmpl-x", "choices": []})
+            return httpx.Response(200, headers=headers, json={"id": "chatcmpl-x", "choices": []})
 
         router = PDRouter([PrefillWorker("http://p0", 8998)], ["http://d0"], health_interval_s=60,
                           pd_policy=CLASSIC_PD)
@@ -68,6 +69,13 @@ def test_an_openai_answer_carries_the_route_the_decode_node_served_it_by(stream)
     response, _ = ask("/v1/chat/completions", CHAT, "ok", stream)
     assert response.status_code == 200
     assert response.headers[ROUTE_HEADER] == "pd" and response.headers[ROUTE_REASON_HEADER] == "policy always"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_recomputed_answer_says_so_through_the_router(stream):
+    response, _ = ask("/v1/chat/completions", CHAT, "ok", stream, headers=RECOMPUTED)
+    assert response.status_code == 200
+    assert {name: response.headers.get(name) for name in RECOMPUTED} == RECOMPUTED
 
 
 def test_a_failed_request_s_error_names_its_rid():

@@ -13,6 +13,7 @@ from node_sockets import node_sockets
 from test_serving_colocated import PAGE_SIZE, PAGES, ids_of, run
 from test_serving_pd import assert_idle, hold_model_thread, pd_request
 
+from fsm_pd.cli.main import EXIT_OK, main
 from fsm_pd.effects.faults import FaultConfig, Faults
 from fsm_pd.machines import KVPoll
 from fsm_pd.model.loader import load_model
@@ -67,13 +68,24 @@ async def concurrently(p, d, requests):
 def final_rows(journal_path, rooms):
     last = {}
     for row in read_journal(journal_path):
-        if row.room in rooms:
+        if row.room in rooms and row.role in ("prefill", "decode"):  # the rooms' own rows, not the recompute's
             last[row.room] = row
     return last
 
 
+def journaled_recomputes(journal, rooms, timeout_s: float = 10.0) -> list:
+    """The ``recompute`` rows of ``rooms`` once there is one for each (the node loop commits them a step after the
+    recompute's prefill ran)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows = [r for r in read_journal(journal) if r.role == "recompute" and r.room in rooms]
+        if len(rows) >= len(rooms) or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("stage", ["pull", "scatter"])
-def test_recompute_gives_the_undisturbed_greedy_output(pair, stage):
+def test_recompute_gives_the_undisturbed_greedy_output(pair, stage, capsys):
     p, d = pair
     fail_stage(d, None)
     want = [ids_of(run(both(p, d, pd_request(p, f"ok-{stage}-{i}", x, max_new_tokens=12)))[1])
@@ -93,6 +105,9 @@ def test_recompute_gives_the_undisturbed_greedy_output(pair, stage):
         recompute = decode_out[-1].meta["kv_recompute"]
         assert f"injected fault: {stage} failed" in recompute["reason"]
         assert 0 < recompute["seconds"] <= took  # how long the recompute took: within the requests' own time
+        # its route receipt, which the X-FSM-PD-Route headers of every answer come from (api/streaming.py)
+        assert decode_out[-1].meta["pd_route"] == {"path": "pd", "reason": "", "prefill": None, "pages": 0,
+                                                   "bytes": 0}
         # the prefill leg is answered too (a router would otherwise drop the decode's answer for its error)
         assert not isinstance(prefill_out, BaseException), prefill_out
         assert "the decode node recomputes" in prefill_out[0].meta["kv_transfer_failed"]
@@ -106,6 +121,14 @@ def test_recompute_gives_the_undisturbed_greedy_output(pair, stage):
     metrics = d.registry.get_sample_value("fsm_pd_transfer_recomputes_total",
                                                           {"role": "decode", "node": "decode-0"})
     assert metrics == d.info()["recomputes"]
+    # each recompute is journaled beside its failed room, and replay tells the request's real end (issue 51)
+    records = journaled_recomputes(d.manager.journal.url, rooms)
+    assert sorted(r.room for r in records) == sorted(rooms) and {r.dst for r in records} == {"Success"}
+    assert {r.event["rid"] for r in records} == {r.rid for r in requests}
+    capsys.readouterr()
+    assert main(["replay", d.manager.journal.url, p.manager.journal.url, "--request", requests[0].rid]) == EXIT_OK
+    story = capsys.readouterr().out.replace("\n", " ")
+    assert "failed its transfer after" in story and "answered by decode decode-0 after recompute" in story, story
 
 
 def test_fail_policy_fails_the_request(model, tmp_path):

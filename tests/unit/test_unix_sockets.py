@@ -13,11 +13,13 @@ import time
 
 import httpx
 import pytest
+from fastapi import FastAPI
 
 from fsm_pd.api.request_checks import NodeIdentity
 from fsm_pd.api.requests import resolve_bootstrap
 from fsm_pd.bootstrap.wire import BadRequest, RankRegistration
 from fsm_pd.control.resolver import prefill_registration
+from fsm_pd.net.http_server import AppServer
 from fsm_pd.net.unix_http import http_url, split_socket
 from fsm_pd.net.unix_sockets import (
     SUN_PATH_MAX,
@@ -159,6 +161,30 @@ def test_http_urls_find_their_socket_along_the_path(short_dir):
         assert httpx.URL(http_url(f"unix:{path}") + "/health").path == path + "/health"
     with pytest.raises(FileNotFoundError, match="no unix socket along"):
         split_socket(path + "/health")
+
+
+def test_a_client_finds_a_socket_it_reached_before_without_a_system_call(short_dir, monkeypatch):
+    """``split_socket`` stats every component of a request's path; a router's async client routes on the event
+    loop, every request and health check. Once a socket was reached, its requests go to it without (issue 51)."""
+    from fsm_pd.net import unix_http
+
+    path = str(short_dir / "w.sock")
+    stats = []  # the URL paths whose components were stat'ed to find their socket
+    monkeypatch.setattr(unix_http, "split_socket", lambda p: stats.append(p) or split_socket(p))
+    app = FastAPI()
+    app.get("/health")(lambda: {"ok": True})
+    app.get("/v1/models")(lambda: {"data": []})
+    with AppServer(app, uds=path), unix_http.client(timeout=10) as client:
+        base = http_url(f"unix:{path}")
+        assert client.get(base + "/health").json() == {"ok": True}
+        assert stats == [path + "/health"]  # the first request found the socket along its path
+        stats.clear()
+        for _ in range(3):
+            assert client.get(base + "/health").status_code == 200
+        assert client.get(base + "/v1/models").json() == {"data": []}
+        assert stats == []
+    with unix_http.client(timeout=10) as client, pytest.raises(httpx.ConnectError):
+        client.get(http_url(f"unix:{path}") + "/health")  # the server is gone: its file too
 
 
 def test_the_router_names_a_unix_bootstrap_server_in_bootstrap_host():

@@ -21,7 +21,6 @@ import itertools
 import os
 import threading
 import time
-from collections import Counter
 from collections.abc import Sequence
 
 import jax
@@ -33,7 +32,7 @@ from fsm_pd.transport.backends.base import (
     check_uuid,
     live_staging,
 )
-from fsm_pd.transport.backends.holds import Hold, HoldingBackend, HoldTable
+from fsm_pd.transport.backends.holds import Hold, HoldingBackend, HoldTable, PullWaits
 from fsm_pd.transport.backends.spec import (
     array_keys,
     layout_digest,
@@ -67,8 +66,7 @@ class DeviceTransferBackend(HoldingBackend):
         self._address = f"{self.scheme}{os.getpid()}/{next(_ids)}"
         self._holds = HoldTable(self._retire, tombstone_ttl_s=tombstone_ttl_s, clock=scheduler())
         self._changed = threading.Condition(self._holds.lock)  # pullers wait here for publish, end, close
-        self._delivered: set[int] = set()
-        self._parked: Counter[int] = Counter()  # uuids pullers wait for, not published yet; under _changed
+        self._pulls = PullWaits(self._changed)  # parked pulls, and entries delivered once
         self._closed = False
         self.pulls = 0  # entries delivered by this node's pulls (the decode side's count)
         with _nodes_lock:
@@ -87,42 +85,31 @@ class DeviceTransferBackend(HoldingBackend):
             self._changed.notify_all()
 
     def _retire(self, uuid: int, reason: str, hold: Hold | None) -> None:
-        self._delivered.discard(uuid)
+        self._pulls.ended(uuid)
         self._changed.notify_all()  # under the table lock, which the condition shares
 
     def _take(self, uuid: int, deadline: float) -> tuple[jax.Array, ...]:
         """Wait until ``uuid`` is published (or ended) and claim its single delivery."""
         with self._changed:
-            parked = False
-            try:
-                while True:
-                    if self._closed:
-                        raise TransferFailed(f"producer {self._address} closed during the pull")
-                    reason = self._holds.tombstone(uuid)
-                    if reason is not None:
-                        raise TransferFailed(f"transfer {uuid}: {reason}")
-                    hold = self._holds.get(uuid)
-                    if hold is not None:
-                        if uuid in self._delivered:
-                            raise TransferFailed(f"transfer {uuid} was already pulled and awaits release")
-                        self._delivered.add(uuid)
-                        return hold.payload
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise TransferTimeout(f"transfer {uuid} not published on {self._address} in time")
-                    if not parked:
-                        self._parked[uuid] += 1
-                        parked = True
-                    self._changed.wait(remaining)
-            finally:
-                if parked:
-                    self._parked[uuid] -= 1
-                    if not self._parked[uuid]:
-                        del self._parked[uuid]
+            hold = self._pulls.wait(uuid, deadline, lambda: self._published(uuid))
+            if hold is None:
+                raise TransferTimeout(f"transfer {uuid} not published on {self._address} in time")
+            if self._pulls.delivered(uuid):
+                raise TransferFailed(f"transfer {uuid} was already pulled and awaits release")
+            self._pulls.deliver(uuid)
+            return hold.payload
+
+    def _published(self, uuid: int) -> Hold | None:
+        """Under ``_changed``: ``uuid``'s hold once published; raises once it ended or the producer closed."""
+        if self._closed:
+            raise TransferFailed(f"producer {self._address} closed during the pull")
+        reason = self._holds.tombstone(uuid)
+        if reason is not None:
+            raise TransferFailed(f"transfer {uuid}: {reason}")
+        return self._holds.get(uuid)
 
     def parked_pulls(self) -> frozenset[int]:
-        with self._changed:
-            return frozenset(self._parked)
+        return self._pulls.parked()
 
     # ---- D side ----
     def pull(self, address: str, uuid: int, spec: Sequence[jax.ShapeDtypeStruct], timeout_s: float,

@@ -14,18 +14,25 @@ TTL (issue 11's soak). A uuid is drawn at random from 2**63, so forgetting it ri
 Time comes from a ``HoldClock`` (``now`` and ``call_at``): the real backends pass the process's deadline scheduler
 (``timers.scheduler()``, monotonic time on its own thread), the simulation its virtual clock, so the hold expiries
 and tombstone TTLs it runs are this code's.
+
+``PullWaits`` is the other half, what a producer that serves pulls on threads of its own (the ``device`` and ``tcp``
+backends) keeps beside its table: the pulls parked until their uuid is published, and the one delivery each entry
+allows until its hold ends.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from fsm_pd.transport.backends.base import PRODUCER_FAILED, OpenEntries, TransferBackend, check_uuid
 from fsm_pd.transport.backends.timers import scheduler
+
+T = TypeVar("T")
 
 
 class Cancellable(Protocol):
@@ -172,3 +179,59 @@ class HoldingBackend(TransferBackend):
 
     def open_entries(self) -> OpenEntries:
         return self._holds.open_entries()
+
+
+class PullWaits:
+    """Pulls waiting on a producer's entries, and the entries already delivered: every method but ``parked`` runs
+    under ``changed``'s lock (the ``HoldTable``'s), whose ``notify_all`` on each publish, end and close wakes the
+    waiters.
+
+    - A pull whose uuid is not published yet *parks* (``wait``) until it is, it ends, or the pull's deadline passes;
+      ``parked`` says which uuids have a pull parked (``TransferBackend.parked_pulls``: what the tests wait for
+      before they publish).
+    - An entry is delivered once (``deliver``): a second pull of it fails until its hold ends (``ended``), when a
+      new publish of that uuid could be delivered again.
+    """
+
+    def __init__(self, changed: threading.Condition) -> None:
+        self._changed = changed
+        self._parked: Counter[int] = Counter()
+        self._delivered: set[int] = set()
+
+    def wait(self, uuid: int, deadline: float, published: Callable[[], T | None],
+             stopped: Callable[[], bool] = lambda: False) -> T | None:
+        """``published()`` once it gives the entry (it raises for one that ended), parked until then; None once
+        ``deadline`` (``time.monotonic``) has passed or ``stopped()``."""
+        parked = False
+        try:
+            while True:
+                found = published()
+                if found is not None:
+                    return found
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or stopped():
+                    return None
+                if not parked:
+                    self._parked[uuid] += 1
+                    parked = True
+                self._changed.wait(remaining)
+        finally:
+            if parked:
+                self._parked[uuid] -= 1
+                if not self._parked[uuid]:
+                    del self._parked[uuid]
+
+    def delivered(self, uuid: int) -> bool:
+        """Whether ``uuid`` was delivered and its hold has not ended since."""
+        return uuid in self._delivered
+
+    def deliver(self, uuid: int) -> None:
+        self._delivered.add(uuid)
+
+    def ended(self, uuid: int) -> None:
+        """``uuid``'s hold ended: a new publish of it would be a new delivery."""
+        self._delivered.discard(uuid)
+
+    def parked(self) -> frozenset[int]:
+        with self._changed:
+            return frozenset(self._parked)

@@ -16,12 +16,12 @@ import select
 import socket
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 
 from fsm_pd.net.unix_sockets import Listener
 from fsm_pd.transport.addresses import bare_host, is_ipv6, with_port
 from fsm_pd.transport.backends import tcp_wire as wire
+from fsm_pd.transport.backends.holds import PullWaits
 from fsm_pd.transport.backends.host_stream import HostEntry
 
 log = logging.getLogger(__name__)
@@ -69,8 +69,7 @@ class TcpPullServer:
         self._workers_lock = threading.Lock()
         self._workers = 0
         self._idle = 0
-        self._delivered: set[int] = set()  # pulled once, awaiting release; guarded by ``changed``
-        self._parked: Counter[int] = Counter()  # streams waiting for their uuid's publish; guarded by ``changed``
+        self._pulls = PullWaits(changed)  # streams parked until their uuid's publish, entries delivered once
         self._unix: Listener | None = None
         if uds is not None:
             self._unix = Listener(uds, what="the tcp transfer backend")
@@ -85,12 +84,11 @@ class TcpPullServer:
         self._thread.start()
 
     def parked(self) -> frozenset[int]:
-        with self._changed:
-            return frozenset(self._parked)
+        return self._pulls.parked()
 
     def ended(self, uuid: int) -> None:
         """Called under ``changed``'s lock when a hold ends: a new publish would be a new delivery."""
-        self._delivered.discard(uuid)
+        self._pulls.ended(uuid)
 
     def stop(self) -> None:
         if self._stopping:
@@ -252,32 +250,22 @@ class TcpPullServer:
     def _claim(self, uuid: int, digest: bytes, deadline: float) -> HostEntry | None:
         """Wait until ``uuid`` is published, then take its one delivery (None: not published by the deadline)."""
         with self._changed:
-            parked = False
-            try:
-                while True:
-                    entry, ended = self._lookup(uuid)
-                    if ended is not None:
-                        raise _Ended(f"transfer {uuid} {ended}")
-                    if entry is not None:
-                        break
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0 or self._stopping:
-                        return None  # nobody published it in time; the puller times out on its own
-                    if not parked:
-                        self._parked[uuid] += 1
-                        parked = True
-                    self._changed.wait(remaining)
-            finally:
-                if parked:
-                    self._parked[uuid] -= 1
-                    if not self._parked[uuid]:
-                        del self._parked[uuid]
-            if uuid in self._delivered:
+            entry = self._pulls.wait(uuid, deadline, lambda: self._published(uuid), lambda: self._stopping)
+            if entry is None:
+                return None  # nobody published it in time; the puller times out on its own
+            if self._pulls.delivered(uuid):
                 raise _Ended(f"transfer {uuid} was already pulled and awaits release")
             if digest != entry.digest:
                 raise _Mismatch(entry.summary)
-            self._delivered.add(uuid)
+            self._pulls.deliver(uuid)
             return entry
+
+    def _published(self, uuid: int) -> HostEntry | None:
+        """Under ``changed``: ``uuid``'s entry once published; raises ``_Ended`` once it ended."""
+        entry, ended = self._lookup(uuid)
+        if ended is not None:
+            raise _Ended(f"transfer {uuid} {ended}")
+        return entry
 
     def _wait_final(self, uuid: int, entry: HostEntry, index: int, sent: int, deadline: float) -> int:
         """Bytes of array ``index`` that may be sent, once more than ``sent`` are final; raises if the hold ends."""

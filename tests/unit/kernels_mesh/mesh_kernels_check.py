@@ -96,3 +96,15 @@ def test_pools_sharded_on_another_axis_are_rejected():
     )
     with pytest.raises(ValueError, match=r"only the KV-head axis \(2\) of a pool may be sharded"):
         gather_pages(pool, [1, 2])
+
+
+def test_a_split_pool_s_placement_is_the_layout_s_own_specs():
+    """A pool layer has 3 axes: its placement takes the spec as the layout writes it, no axis added (issue 51), and
+    a pool that is only replicated over the mesh splits nothing."""
+    from fsm_pd.kernels.placement import pool_placement
+
+    mesh = make_mesh(AxisType.Explicit)
+    placement = pool_placement(sharded(numbered_layers(), mesh))
+    assert placement.pool_spec == LAYOUT.pool_spec() and placement.staging_spec == LAYOUT.staging_spec() == STAGING_SPEC
+    replicated = tuple(jax.device_put(layer, NamedSharding(mesh, PartitionSpec())) for layer in numbered_layers())
+    assert pool_placement(replicated).pool_spec == PartitionSpec(None, None, None)
