@@ -95,7 +95,8 @@ def build_engines(args: argparse.Namespace, model, links: str, pages: tuple[int,
         return dict(node_id=NODE_IDS[role], journal=str(Path(args.journal_dir) / f"{NODE_IDS[role]}.db"),
                     secret=secret, backend=args.transfer_backend, deadlines=deadlines,
                     kv_checksum=args.kv_checksum == "on", uds=os.path.join(links, f"{role}.sock"),
-                    num_pages=num_pages, page_size=args.page_size, prefill_chunk_steps=args.prefill_chunk_steps)
+                    num_pages=num_pages, page_size=args.page_size, prefill_chunk_steps=args.prefill_chunk_steps,
+                    decode_steps_per_dispatch=args.decode_steps_per_dispatch)
 
     prefill = PrefillEngine(model, bootstrap_port=0, bootstrap_uds=os.path.join(links, "prefill.bootstrap.sock"),
                             bootstrap_token=None, radix_cache=not args.disable_radix_cache,
