@@ -9,6 +9,10 @@ node compiles, each call waited for):
 
 - the decode step at batch 1, 8, 32 and 64, every row at --context tokens, on the default pool (--pages) and on
   one --pool-factor times larger (the step must not grow with the pool);
+- the time a token at batch 1 and 64 (--step-batches) with several decode steps a dispatch (``model/multi_step.py``,
+  K = --steps-per-dispatch) against a step at a time as the decode loop takes it on the host (``decode`` and a
+  greedy ``sample``: logits and tokens each way, the tokens read back to feed the next step), and against the
+  multi-step program at K = 1; each dispatch waited for and its tokens read, as the node does;
 - prefill of 512 and 2,048 tokens (one row);
 - gather and scatter of 256 pages of every layer, device to host (also into the device's pinned host memory, where
   it has some) and back of that staging array, and a plain copy of one contiguous 256 MiB array each way for
@@ -36,8 +40,11 @@ import numpy as np
 
 from fsm_pd.kernels import gather_pages, resolve_impl, scatter_pages
 from fsm_pd.model.config import ModelConfig
+from fsm_pd.model.input_buckets import batch_bucket
 from fsm_pd.model.loader import LoadedModel, load_model
+from fsm_pd.model.multi_step import StepRow, pack
 from fsm_pd.model.params import count_params, random_params
+from fsm_pd.model.sampling import SamplingParams, sample
 from fsm_pd.model.tokenizer import ByteTokenizer
 
 PEAKS = {"TPU v5 lite": (819e9, 197e12), "TPU v5e": (819e9, 197e12)}  # HBM B/s, bf16 FLOP/s
@@ -115,6 +122,39 @@ def decode_figures(model: LoadedModel, pages: int, batches, context: int, bandwi
         out[batch] = {"step_ms": ms(seconds), "roofline_ms": ms(roof),
                       "share": float(f"{roof / seconds:.3g}"), "tokens_per_s": round(batch / seconds, 1)}
     return out
+
+
+def steps_figures(model: LoadedModel, batches, context: int, steps: int) -> dict:
+    """Milliseconds a token at each batch: a step at a time through the host (``decode`` + ``sample``, greedy), the
+    multi-step program at K = 1, and at K = ``steps``; every row at ``context`` tokens (each dispatch rewrites the
+    same positions, so the context stays put)."""
+    return {batch: steps_at(model, batch, context, steps) for batch in batches}
+
+
+def steps_at(model: LoadedModel, batch: int, context: int, steps: int) -> dict:
+    per_row = -(-(context + steps + 1) // PAGE_SIZE)
+    state = {"pool": model.make_pool(model.make_kv_layout(2 + batch * per_row, PAGE_SIZE))}
+    tables = 1 + np.arange(batch * per_row, dtype=np.int32).reshape(batch, per_row)
+    tokens, positions = np.ones(batch, np.int32), np.full(batch, context, np.int32)
+    greedy = [SamplingParams(temperature=0.0)] * batch
+
+    def host_step():
+        logits, state["pool"] = model.decode(state["pool"], tokens, positions, tables, bucket_rows=True)
+        return sample(logits, greedy, [0] * batch, [0] * batch)  # a host array: the step's tokens read back
+
+    figures = {"host_step_ms": ms(timed(host_step, 20))}
+    loops = model.programs(state["pool"]).steps
+    for k in sorted({1, steps}):
+        rows = [StepRow(1, context, k, tables[r].tolist()) for r in range(batch)]
+        packed = pack(rows, batch_bucket(batch), loops.width_for(per_row), k, model.config.vocab_size)
+
+        def dispatch(packed=packed, k=k):
+            out_tokens, state["pool"] = loops.run(model.params, state["pool"], packed, k)
+            return np.asarray(out_tokens)
+
+        figures[f"k{k}_ms_per_token"] = ms(timed(dispatch, max(5, 40 // k)) / k)
+    figures["speedup_vs_host_step"] = round(figures["host_step_ms"] / figures[f"k{steps}_ms_per_token"], 2)
+    return figures
 
 
 def prefill_figures(model: LoadedModel, lengths, flops: float, params: int):
@@ -199,6 +239,9 @@ def main(argv=None) -> int:
     parser.add_argument("--pool-factor", type=int, default=4, help="the larger pool, times --pages (default 4)")
     parser.add_argument("--context", type=int, default=512, help="tokens per row in decode (default 512)")
     parser.add_argument("--batches", default="1,8,32,64")
+    parser.add_argument("--step-batches", default="1,64", help="batches of the steps-a-dispatch figures (1,64)")
+    parser.add_argument("--steps-per-dispatch", type=int, default=8, help="K of those figures (default 8)")
+    parser.add_argument("--sections", default="decode,steps,prefill,copies", help="which figures (default: all)")
     parser.add_argument("--prefill", default="512,2048", help="prefill lengths (default 512,2048)")
     parser.add_argument("--copy-pages", type=int, default=256)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on an accelerator, float32 on a CPU")
@@ -218,13 +261,15 @@ def main(argv=None) -> int:
     if args.quick:
         args.models, args.pages, args.context, args.batches, args.prefill, args.copy_pages = \
             "smollm2-135m", 40, 24, "1,4", "32", 8
+        args.step_batches, args.steps_per_dispatch = "1,4", 4
     batches = [int(b) for b in args.batches.split(",")]
+    sections = set(args.sections.split(","))
     for name in args.models.split(","):
         model, weights = make_model(name, dtype, args.quick, args.smollm2)
         params = count_params(model.params)
         figures = {"weights": weights, "params": params}
         report["models"][name] = figures
-        for pages in (args.pages, args.pages * args.pool_factor):
+        for pages in (args.pages, args.pages * args.pool_factor) if "decode" in sections else ():
             try:
                 figures[f"decode_pool_{pages}"] = decode_figures(model, pages, batches, args.context, bandwidth,
                                                                  params * jnp.dtype(dtype).itemsize)
@@ -232,8 +277,13 @@ def main(argv=None) -> int:
                 figures[f"decode_pool_{pages}"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
             print(name, pages, json.dumps(figures[f"decode_pool_{pages}"]), flush=True)
         lengths = [int(n) for n in args.prefill.split(",")]
-        for section, run, run_args in (("prefill", prefill_figures, (model, lengths, flops, params)),
-                                       ("copies", copy_figures, (model, args.copy_pages, bandwidth, device))):
+        step_batches = [int(b) for b in args.step_batches.split(",")]
+        for section, run, run_args in (
+                ("steps", steps_figures, (model, step_batches, args.context, args.steps_per_dispatch)),
+                ("prefill", prefill_figures, (model, lengths, flops, params)),
+                ("copies", copy_figures, (model, args.copy_pages, bandwidth, device))):
+            if section not in sections:
+                continue
             try:
                 figures[section] = run(*run_args)
             except Exception as exc:  # noqa: BLE001
@@ -258,6 +308,12 @@ def markdown(report: dict) -> str:
                     if "step_ms" in f:
                         lines.append(f"| {name} | decode, batch {batch}, pool {key[12:]} pages | {f['step_ms']} ms "
                                      f"| {f['roofline_ms']} ms | {f['share']:.0%} |")
+        for batch, f in figures.get("steps", {}).items():
+            if isinstance(f, dict) and "host_step_ms" in f:
+                k = max(int(key[1:].split("_")[0]) for key in f if key.startswith("k"))
+                lines.append(f"| {name} | a token at batch {batch}: {k} steps a dispatch / 1 on the device / a step "
+                             f"at a time on the host | {f[f'k{k}_ms_per_token']} / {f['k1_ms_per_token']} / "
+                             f"{f['host_step_ms']} ms | | {f['speedup_vs_host_step']}x |")
         for length, f in figures.get("prefill", {}).items():
             if isinstance(f, dict) and "ms" in f:
                 lines.append(f"| {name} | prefill {length} tokens | {f['ms']} ms ({f['tflops']} TFLOP/s) "

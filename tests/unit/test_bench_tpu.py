@@ -28,10 +28,12 @@ def test_quick_run_reports_each_figure_against_its_roofline(tmp_path):
             assert abs(step["share"] - step["roofline_ms"] / step["step_ms"]) < 0.01
     prefill = next(iter(figures["prefill"].values()))
     assert prefill["ms"] > 0 and prefill["share"] > 0
+    for batch, step in figures["steps"].items():  # several decode steps a dispatch against one at a time
+        assert step["host_step_ms"] > 0 and step["k1_ms_per_token"] > 0 and step["k4_ms_per_token"] > 0, (batch, step)
     copies = figures["copies"]
     assert copies["gather"]["GBps"] > 0 and copies["scatter"]["GBps"] > 0
     text = table.read_text()
-    assert f"{figures[pools[0]]['1']['step_ms']} ms" in text and "gather" in text
+    assert f"{figures[pools[0]]['1']['step_ms']} ms" in text and "gather" in text and "steps a dispatch" in text
 
 
 def test_parity_quick_run_finds_the_chunked_batched_path_equal_to_the_whole_prompt_reference(tmp_path):
@@ -44,8 +46,11 @@ def test_parity_quick_run_finds_the_chunked_batched_path_equal_to_the_whole_prom
     assert chip_parity.main(["--quick", "--modes", "jnp", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     figures = report["models"]["tiny"]["jnp"]
+    steps = report["models"]["tiny"]["jnp/multi-step"]  # sampled on the device, several steps a dispatch
     if report["device"].startswith("cpu"):
         assert figures["steps"] == figures["agree"] > 0, figures
         assert figures["rel_err_max"] < 1e-3
+        assert steps["tokens"] == steps["agree"] > 0, steps
     else:  # bf16 on an accelerator against the float32 reference: only near-ties may differ
         assert figures["differ"] == 0, figures
+        assert steps["differ"] == 0, steps
