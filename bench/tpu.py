@@ -113,7 +113,7 @@ def decode_figures(model: LoadedModel, pages: int, batches, context: int, bandwi
         state = {"pool": pool}
 
         def step(state=state, tables=tables, tokens=tokens, positions=positions):
-            logits, state["pool"] = model.decode(state["pool"], tokens, positions, tables)
+            logits, state["pool"] = model.decode(state["pool"], tokens, positions, tables, bucket_rows=True)
             return logits
 
         seconds = timed(step, 20)
