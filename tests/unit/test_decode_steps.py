@@ -1,7 +1,7 @@
 """Several decode steps a dispatch in the serving engines (``DecodeLoop`` with ``steps_per_dispatch`` 8, the tiny
 model): the same answers as a step at a time, rows that end mid-dispatch stop on the device, every token streamed in
-order, requests that need the host decode a step at a time, and a request that arrives while streams run is not held
-behind long dispatches."""
+order, requests that need the host decode a step at a time, a request that arrives while streams run is not held
+behind long dispatches, and a PD decode node answers as a colocated one."""
 
 from __future__ import annotations
 
@@ -10,11 +10,15 @@ import contextlib
 import time
 
 import pytest
+from node_sockets import node_sockets
+from test_serving_pd import assert_idle, pd_request, through_pd
 
 from fsm_pd.model.loader import load_model
 from fsm_pd.model.sampling import SamplingParams
 from fsm_pd.serving.collect import generate
 from fsm_pd.serving.colocated_engine import ColocatedEngine
+from fsm_pd.serving.decode_engine import DecodeEngine
+from fsm_pd.serving.prefill_engine import PrefillEngine
 from fsm_pd.serving.types import GenerateRequest, RequestStream
 
 # the same greedy answers from two computations of the model: float32 products at full precision on a TPU too
@@ -198,3 +202,30 @@ def test_a_request_that_arrives_mid_run_is_not_held_behind_long_dispatches(model
     after = [steps for at, steps in dispatches if at > first]
     assert K in before and K in after  # the stream ran K steps a dispatch when nothing waited
     assert len(meanwhile) >= 3 and set(meanwhile) == {1}, meanwhile  # one step between the prompt's chunks
+
+
+def test_a_decode_node_dispatching_several_steps_answers_as_a_colocated_one(engines, model, tmp_path):
+    """PD: the decode node runs K steps a dispatch from READY's first token on; its answers are a colocated node's
+    a step at a time, and both nodes end idle."""
+    one, _ = engines
+    p = PrefillEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", journal=str(tmp_path / "p.db"),
+                      **node_sockets(tmp_path, "p", bootstrap=True))
+    d = DecodeEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, backend="fake", secret=p.secret,
+                     journal=str(tmp_path / "d.db"), decode_steps_per_dispatch=K, **node_sockets(tmp_path, "d"))
+    prompts = [[(3 * i + j) % 200 + 20 for j in range(1 + 9 * i)] for i in range(5)]
+    try:
+        want = [ids for ids, _, _ in answers(one, [request(f"c{i}", x, max_new_tokens=11 + i, ignore_eos=True)
+                                                   for i, x in enumerate(prompts)])]
+
+        async def all_through_pd():
+            return await asyncio.gather(*(through_pd(p, d, pd_request(p, f"r{i}", x, max_new_tokens=11 + i,
+                                                                       ignore_eos=True))
+                                          for i, x in enumerate(prompts)))
+
+        got = [[o.token_id for o in outs] for outs in run(all_through_pd())]
+        assert got == want
+        assert d.loop.counters()["decode_dispatches"] > 0
+        assert_idle(p, d)
+    finally:
+        d.close()
+        p.close()
