@@ -6,12 +6,16 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
+import jax
 import numpy as np
 import pytest
 
-from fsm_pd.model.loader import load_model
+from fsm_pd.model.loader import LoadedModel, load_model
 from fsm_pd.model.multi_step import StepRow, pack, table_widths
+from fsm_pd.model.params import random_params
 from fsm_pd.model.sampling import SamplingParams, sample
+from fsm_pd.model.tiny import tiny_config
+from fsm_pd.model.tokenizer import ByteTokenizer
 
 # two computations of the model compared (greedy tokens, sampled tokens): float32 products at full precision on a
 # TPU too (tests/on_chip.py)
@@ -159,3 +163,33 @@ def test_page_tables_are_as_wide_as_the_batch_needs():
     assert table_widths(16, 4) == [16]
     with pytest.raises(ValueError, match="does not fit"):
         pack([StepRow(1, 0, 1, list(range(1, 18)))], 1, 16, 1, 272)
+
+
+@pytest.mark.parametrize("head_dim, heads, kv_heads", [(64, 9, 3), (128, 4, 2)], ids=["head_dim-64", "head_dim-128"])
+def test_the_tpu_kernels_run_inside_the_loop(monkeypatch, head_dim, heads, kv_heads):
+    """``FSM_PD_ATTENTION``'s kernels (the KV write by pages, the Pallas decode attention; interpret mode off a TPU)
+    inside the loop give the jnp path's tokens: a ragged batch of two rows and a padding row, eight steps."""
+    config = dataclasses.replace(tiny_config(), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                                 hidden_size=128, num_layers=1)
+    params = random_params(config, seed=5, std=0.1)
+    prompts, tables = [[7, 8, 9, 10, 11], list(range(20, 41))], [[3, 4], [5, 6, 7]]
+    out = {}
+    for kernels in ("jnp", "tpu" if jax.default_backend() == "tpu" else "interpret"):
+        monkeypatch.setenv("FSM_PD_ATTENTION", kernels)
+        model = LoadedModel(f"kernels-{kernels}", config, params, ByteTokenizer(vocab_size=config.vocab_size))
+        pool = model.make_pool(model.make_kv_layout(16, 16))
+        assert model.programs(pool).kernels == kernels
+        firsts = []
+        for prompt, table in zip(prompts, tables, strict=True):
+            result = model.prefill(pool, prompt, table)
+            pool, firsts = result.pool, [*firsts, int(np.argmax(np.asarray(result.logits)))]
+        rows = [StepRow(first, len(prompt), STEPS, table)
+                for first, prompt, table in zip(firsts, prompts, tables, strict=True)]
+        loops = model.programs(pool).steps
+        tokens, pool = loops.run(model.params, pool, pack(rows, 4, loops.width_for(3), STEPS, config.vocab_size),
+                                 STEPS)
+        # the jnp write stores the padding rows' tokens in the pad page; the kernels' write never touches it
+        out[kernels] = np.asarray(tokens).tolist(), bool(np.asarray(pool[0])[0].any())
+    (jnp_tokens, jnp_pad), (kernel_tokens, kernel_pad) = out.values()
+    assert kernel_tokens == jnp_tokens and all(t >= 0 for t in jnp_tokens[0] + jnp_tokens[1])
+    assert jnp_pad and not kernel_pad  # each loop ran its own write
