@@ -1,6 +1,7 @@
 """Does the accelerator compute what the CPU computes? Greedy answers of random-weight models, device against CPU.
 
     python bench/chip_parity.py [--json out.json] [--prompts 16] [--steps 16] [--modes jnp,tpu] [--page-sizes 16,64]
+                                [--steps-per-dispatch 8]
 
 A CPU reference (a child process with ``JAX_PLATFORMS=cpu``, float32, each prompt prefilled whole and decoded alone)
 gives, per prompt of 8 to 900 tokens, its greedy tokens and every step's logits. This process then runs the same
@@ -16,6 +17,13 @@ context on both sides), in pages of the device's default size (``--page-sizes``:
 - ``differ``: a real disagreement;
 - ``rel_err``: max |device - reference| over the vocabulary, over the reference's logit standard deviation
   (median and max over steps). bf16 arithmetic gives about 1e-2; a broken kernel gives about 1.
+
+The multi-step path (``model/multi_step.py``, the decode loop's K steps a dispatch) runs too, per mode: the same
+prompts prefilled the same way, the reference's first token fed, then every later token sampled greedily on the
+device, --steps-per-dispatch steps a dispatch, all rows in each. It cannot be teacher-forced (the device feeds itself),
+so each prompt is compared token by token up to its first split: ``agree`` counts the tokens equal to the
+reference's, a split is a ``near_tie`` or a real ``differ`` by the same rule as above (the reference's logits at that
+step), and the tokens after a split are ``unchecked`` (each side went on from its own token).
 
 Models: SmolLM2-135M's shape (head_dim 64) and a Qwen3-1.7B-shaped one (head_dim 128) cut to --layers-1p7b layers,
 so that the CPU reference stays quick; the kernels are per layer, so depth adds nothing to what is checked.
@@ -110,6 +118,56 @@ def on_device(model, prompts, ref_tokens: list, steps: int, page_size: int) -> l
     return [np.stack(r) for r in rows]
 
 
+def multi_step(model, prompts, ref_tokens: list, steps: int, per_dispatch: int) -> list[list[int]]:
+    """Each prompt's greedy tokens from the multi-step program on this device: prefilled as ``on_device`` does, the
+    reference's first token fed, then the rest sampled on the device, ``per_dispatch`` steps a dispatch, every row
+    of the ragged batch in each dispatch."""
+    from fsm_pd.model.input_buckets import batch_bucket
+    from fsm_pd.model.multi_step import StepRow, pack
+
+    pages_per = -(-(max(map(len, prompts)) + steps) // PAGE_SIZE)
+    pool = model.make_pool(model.make_kv_layout(1 + pages_per * len(prompts), PAGE_SIZE))
+    tables = 1 + np.arange(pages_per * len(prompts), dtype=np.int32).reshape(len(prompts), pages_per)
+    for i, prompt in enumerate(prompts):
+        split = (len(prompt) // 2) // PAGE_SIZE * PAGE_SIZE
+        if split:
+            pool = model.prefill(pool, prompt[:split], tables[i, : split // PAGE_SIZE].tolist()).pool
+        pool = model.prefill(pool, prompt[split:], tables[i, : -(-len(prompt) // PAGE_SIZE)].tolist(),
+                             start_pos=split).pool
+    outs = [[tokens[0]] for tokens in ref_tokens]
+    loops = model.programs(pool).steps
+    while any(len(out) < steps for out in outs):
+        rows = [StepRow(out[-1], len(prompt) + len(out) - 1, steps - len(out), tables[i].tolist())
+                for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True))]
+        packed = pack(rows, batch_bucket(len(rows)), loops.width_for(pages_per), per_dispatch, model.config.vocab_size)
+        tokens, pool = loops.run(model.params, pool, packed, per_dispatch)
+        for out, row in zip(outs, np.asarray(tokens), strict=False):
+            out.extend(int(t) for t in row if t >= 0)
+    return outs
+
+
+def compare_tokens(ref_tokens: list, ref_logits: list, dev_tokens: list) -> dict:
+    """Token by token up to each prompt's first split, classified by the reference's logits there."""
+    agree = near = differ = unchecked = 0
+    first_differ = []
+    for prompt, (want, got, logits) in enumerate(zip(ref_tokens, dev_tokens, ref_logits, strict=True)):
+        for step in range(1, len(want)):
+            if got[step] == want[step]:
+                agree += 1
+                continue
+            r = logits[step]
+            if r[want[step]] - r[got[step]] <= TIE_ULPS * 2.0**-8 * abs(float(r[want[step]])):
+                near += 1
+            else:
+                differ += 1
+                first_differ.append({"prompt": prompt, "step": step,
+                                     "gap": round(float(r[want[step]] - r[got[step]]), 4)})
+            unchecked += len(want) - step - 1
+            break
+    return {"tokens": agree + near + differ + unchecked, "agree": agree, "near_tie": near, "differ": differ,
+            "unchecked": unchecked, "first_differences": first_differ[:5]}
+
+
 def compare(ref_logits: list, dev_logits: list) -> dict:
     agree = near = differ = 0
     errors, first_differ = [], []
@@ -145,6 +203,7 @@ def main(argv=None) -> int:
     parser.add_argument("--longest", type=int, default=900, help="the longest prompt, tokens (default 900)")
     parser.add_argument("--steps", type=int, default=16, help="greedy tokens per prompt (default 16)")
     parser.add_argument("--layers-1p7b", type=int, default=4)
+    parser.add_argument("--steps-per-dispatch", type=int, default=8, help="K of the multi-step path (default 8)")
     parser.add_argument("--modes", default="jnp,tpu", help="FSM_PD_ATTENTION values to run on the device")
     parser.add_argument("--page-sizes", default=None,
                         help="pages on the device, comma-separated (default: the device's default page size)")
@@ -196,6 +255,14 @@ def main(argv=None) -> int:
                     label = mode if len(page_sizes) == 1 else f"{mode}/page{page_size}"
                     report["models"][name][label] = figures
                     print(name, label, f"page {page_size}", json.dumps(figures), flush=True)
+                key = f"{mode}/multi-step"  # at the multi-step path's own page size (PAGE_SIZE)
+                try:
+                    figures = compare_tokens(tokens, ref_logits, multi_step(model, prompts, tokens, args.steps,
+                                                                            args.steps_per_dispatch))
+                except Exception as exc:  # noqa: BLE001
+                    figures = {"error": f"{type(exc).__name__}: {exc}"[:800]}
+                report["models"][name][key] = figures
+                print(name, key, json.dumps(figures), flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0

@@ -14,6 +14,9 @@ call waited for):
   same page size. At the platform's default page size also on a pool --pool-factor times larger (the step must not
   grow with the pool);
 - prefill of 512 and 2,048 tokens (one row), per attention, at the default page size;
+- the time a token at batch 1 and 64 (--step-batches) with several decode steps a dispatch (``model/multi_step.py``,
+  K = --steps-per-dispatch) against a step at a time as the decode loop takes it on the host (``decode`` and a
+  greedy ``sample``, the tokens read back to feed the next step), and against the multi-step program at K = 1;
 - gather and scatter of 256 pages of every layer, device to host (also into the device's pinned host memory, where
   it has some) and back of that staging array, and a plain copy of one contiguous 256 MiB array each way for
   comparison.
@@ -44,8 +47,11 @@ from fsm_pd.kernels import gather_pages, resolve_impl, scatter_pages
 from fsm_pd.kernels.layout import default_page_size
 from fsm_pd.model.attention import ATTENTION_ENV
 from fsm_pd.model.config import ModelConfig
+from fsm_pd.model.input_buckets import batch_bucket
 from fsm_pd.model.loader import LoadedModel, load_model
+from fsm_pd.model.multi_step import StepRow, pack
 from fsm_pd.model.params import count_params, random_params
+from fsm_pd.model.sampling import SamplingParams, sample
 from fsm_pd.model.tokenizer import ByteTokenizer
 
 PEAKS = {"TPU v5 lite": (819e9, 197e12), "TPU v5e": (819e9, 197e12)}  # HBM B/s, bf16 FLOP/s
@@ -160,6 +166,39 @@ def decode_sweep(model: LoadedModel, args, bandwidth: float, weight_bytes: int, 
     return out
 
 
+def steps_figures(model: LoadedModel, batches, context: int, steps: int) -> dict:
+    """Milliseconds a token at each batch: a step at a time through the host (``decode`` + ``sample``, greedy), the
+    multi-step program at K = 1, and at K = ``steps``; every row at ``context`` tokens (each dispatch rewrites the
+    same positions, so the context stays put)."""
+    return {batch: steps_at(model, batch, context, steps) for batch in batches}
+
+
+def steps_at(model: LoadedModel, batch: int, context: int, steps: int) -> dict:
+    per_row = -(-(context + steps + 1) // PAGE_SIZE)
+    state = {"pool": model.make_pool(model.make_kv_layout(2 + batch * per_row, PAGE_SIZE))}
+    tables = 1 + np.arange(batch * per_row, dtype=np.int32).reshape(batch, per_row)
+    tokens, positions = np.ones(batch, np.int32), np.full(batch, context, np.int32)
+    greedy = [SamplingParams(temperature=0.0)] * batch
+
+    def host_step():
+        logits, state["pool"] = model.decode(state["pool"], tokens, positions, tables, bucket_rows=True)
+        return sample(logits, greedy, [0] * batch, [0] * batch)  # a host array: the step's tokens read back
+
+    figures = {"host_step_ms": ms(timed(host_step, 20))}
+    loops = model.programs(state["pool"]).steps
+    for k in sorted({1, steps}):
+        rows = [StepRow(1, context, k, tables[r].tolist()) for r in range(batch)]
+        packed = pack(rows, batch_bucket(batch), loops.width_for(per_row), k, model.config.vocab_size)
+
+        def dispatch(packed=packed, k=k):
+            out_tokens, state["pool"] = loops.run(model.params, state["pool"], packed, k)
+            return np.asarray(out_tokens)
+
+        figures[f"k{k}_ms_per_token"] = ms(timed(dispatch, max(5, 40 // k)) / k)
+    figures["speedup_vs_host_step"] = round(figures["host_step_ms"] / figures[f"k{steps}_ms_per_token"], 2)
+    return figures
+
+
 def prefill_figures(model: LoadedModel, lengths, flops: float, params: int, page_size: int):
     out = {}
     for length in lengths:
@@ -246,6 +285,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--attention", default="jnp,tpu", help="FSM_PD_ATTENTION values (default jnp,tpu)")
     parser.add_argument("--page-sizes", default="16,64,128", help="tokens per page (default 16,64,128)")
+    parser.add_argument("--step-batches", default="1,64", help="batches of the steps-a-dispatch figures (1,64)")
+    parser.add_argument("--steps-per-dispatch", type=int, default=8, help="K of those figures (default 8)")
     parser.add_argument("--prefill", default="512,2048", help="prefill lengths (default 512,2048)")
     parser.add_argument("--copy-pages", type=int, default=256)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on an accelerator, float32 on a CPU")
@@ -284,6 +325,9 @@ def main(argv=None) -> int:
                          (with_attention(model, mode), lengths, flops, params, prefill_page))
                         for mode in args.attention]
             sections.append(("copies", copy_figures, (model, args.copy_pages, bandwidth, device, prefill_page)))
+            steps_k = 4 if args.quick else args.steps_per_dispatch
+            step_batches = [int(b) for b in ("1,4" if args.quick else args.step_batches).split(",")]
+            sections.append(("steps", steps_figures, (model, step_batches, args.context, steps_k)))
             for section, run, run_args in sections:
                 try:
                     figures[section] = run(*run_args)
@@ -328,6 +372,12 @@ def markdown(report: dict) -> str:
                     if isinstance(f, dict) and "ms" in f:
                         lines.append(f"| {name} | prefill {length} tokens, {key[8:]} | {f['ms']} ms ({f['tflops']} "
                                      f"TFLOP/s) | {f['roofline_ms']} ms | {f['share']:.0%} |")
+        for batch, f in figures.get("steps", {}).items():
+            if isinstance(f, dict) and "host_step_ms" in f:
+                k = max(int(key[1:].split("_")[0]) for key in f if key.startswith("k"))
+                lines.append(f"| {name} | a token at batch {batch}: {k} steps a dispatch / 1 on the device / a step "
+                             f"at a time on the host | {f[f'k{k}_ms_per_token']} / {f['k1_ms_per_token']} / "
+                             f"{f['host_step_ms']} ms | | {f['speedup_vs_host_step']}x |")
         copies = figures.get("copies", {})
         for what in ("gather", "scatter"):
             if what in copies:

@@ -297,6 +297,13 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                                  "chunk, not by its whole prefill, and its own first token comes a little later; 0 "
                                  "bounds prefill steps by their token budget alone (docs/serving.md, Chunked "
                                  f"prefill; default {DEFAULT_CHUNK_STEPS:g})")
+        parser.add_argument("--decode-steps-per-dispatch", type=positive_int, default=None, metavar="K",
+                            help="decode steps one dispatch to the device may run, sampling and stop tokens checked "
+                                 "on the device (docs/serving.md, Several decode steps a dispatch): one step a "
+                                 "dispatch while a request waits for its first token, and for batches with logprobs, "
+                                 "a grammar or penalties (a prefill node: the requests it serves whole); default "
+                                 "$FSM_PD_DECODE_STEPS_PER_DISPATCH, else 1: 8 is the candidate on an accelerator, not yet run on "
+                                 "a chip)")
     if role in ("prefill", "colocated", "pd"):
         from fsm_pd.scheduling.page_admission import CHUNKED_PREFILL_SIZE  # jax-free: the help stays quick
 

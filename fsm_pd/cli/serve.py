@@ -284,7 +284,8 @@ def build_engine(args: argparse.Namespace, model):
 
         return ColocatedEngine(model, radix_cache=not args.disable_radix_cache,
                                chunked_prefill_size=args.chunked_prefill_size,
-                               prefill_chunk_steps=args.prefill_chunk_steps, **sizes)
+                               prefill_chunk_steps=args.prefill_chunk_steps,
+                               decode_steps_per_dispatch=args.decode_steps_per_dispatch, **sizes)
     secret = node_secret(args)
     journal = args.journal or str(Path("journals") / f"{args.node_id}.db")
     if "://" not in journal:
@@ -292,7 +293,8 @@ def build_engine(args: argparse.Namespace, model):
     deadlines = {t: getattr(args, t) for t in DEADLINE_FLAGS if getattr(args, t, None) is not None}
     common = dict(node_id=args.node_id, journal=journal, secret=secret, backend=args.transfer_backend,
                   deadlines=deadlines, host=args.host, advertise_host=args.advertise_host,
-                  kv_checksum=args.kv_checksum == "on", uds=args.uds, durability=args.journal_durability, **sizes)
+                  kv_checksum=args.kv_checksum == "on", uds=args.uds, durability=args.journal_durability,
+                  decode_steps_per_dispatch=args.decode_steps_per_dispatch, **sizes)
     if args.role == "prefill":
         from fsm_pd.net.unix_sockets import node_socket
         from fsm_pd.serving.prefill_engine import PrefillEngine

@@ -131,7 +131,8 @@ def build_engines(args: argparse.Namespace, models: dict, links: str, pages: tup
                     secret=secret, backend=backend, deadlines=deadlines,
                     kv_checksum=args.kv_checksum == "on", uds=os.path.join(links, f"{role}.sock"),
                     num_pages=num_pages, page_size=args.page_size, prefill_chunk_steps=args.prefill_chunk_steps,
-                    shared=shared, contained_crash=True, in_process=True, durability=args.journal_durability)
+                    shared=shared, contained_crash=True, in_process=True, durability=args.journal_durability,
+                    decode_steps_per_dispatch=args.decode_steps_per_dispatch)
 
     prefill = PrefillEngine(models["prefill"], bootstrap_port=0,
                             bootstrap_uds=os.path.join(links, "prefill.bootstrap.sock"), bootstrap_token=None,

@@ -44,6 +44,7 @@ from fsm_pd.model.decoder import (
     table_width,
     top_params,
 )
+from fsm_pd.model.multi_step import StepPrograms
 from fsm_pd.model.tensor_parallel import TensorParallel, group_sharded
 
 # Layers per program, roughly (``layer_groups``). At least the model's depth makes the whole forward pass one
@@ -167,6 +168,9 @@ class ForwardPrograms:
         self._inputs = pool[0].sharding if tp is None else tp.replicated
         self._programs: dict[tuple[int, int], LayeredForward] = {}
         self._logprobs: dict[int, jax.stages.Compiled] = {}  # by top_k
+        # several decode steps a dispatch (``multi_step.py``), on one device: a split model decodes a step at a time
+        self.steps = (StepPrograms(config, self._params, self._pool, self.width, self.kernels, self._inputs)
+                      if tp is None else None)
         self._lock = threading.Lock()
         # Run a missing shape on one that covers it, rather than compile it now: only where something compiles the
         # missing shapes meanwhile (a serving node's background compile, ``warmup.py``). Elsewhere (no warm-up) a new

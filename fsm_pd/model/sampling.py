@@ -6,7 +6,7 @@ positive logit (multiplies a negative one), the frequency penalty subtracts ``co
 penalty subtracts ``penalty`` once, then ``logit_bias`` is added. A row with a grammar (structured output,
 ``grammar.py``) then loses every token its grammar does not allow. Then temperature, top-k, top-p and min-p.
 
-Nothing sorts the vocabulary (``_sample_row`` says how top-k and top-p stay cheap). Randomness is a function of
+Nothing sorts the vocabulary (``sample_row`` says how top-k and top-p stay cheap). Randomness is a function of
 ``(seed, step)`` only: row ``b`` draws with ``fold_in(PRNGKey(seed_b), step_b)``, where
 ``step_b`` counts the tokens that request has generated. So a request's output does not depend on which other
 requests share its batch, on the batch bucket, or on which node (prefill or decode) samples a given step.
@@ -109,10 +109,10 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-CANDIDATES = 256  # top-k and top-p choose among this many most likely tokens (see _sample_row)
+CANDIDATES = 256  # top-k and top-p choose among this many most likely tokens (see sample_row)
 
 
-def _sample_row(logits, temperature, top_p, top_k, min_p, seed, step):
+def sample_row(logits, temperature, top_p, top_k, min_p, seed, step):
     """One row's token: greedy, from the whole distribution, or from the top-k / top-p candidates.
 
     No row sorts the vocabulary: on CPU that sort cost 12 ms a row at SmolLM2's 49k tokens, more than a model step.
@@ -150,7 +150,7 @@ def _sample_row(logits, temperature, top_p, top_k, min_p, seed, step):
 def sample_tokens(logits, temperature, top_p, top_k, min_p, seeds, steps):
     """Next token per row: ``logits: [B, V]``; the rest ``[B]`` (float, float, int, float, uint32, int).
     Returns ``[B]``."""
-    return jax.vmap(_sample_row)(logits.astype(jnp.float32), temperature, top_p, top_k, min_p, seeds, steps)
+    return jax.vmap(sample_row)(logits.astype(jnp.float32), temperature, top_p, top_k, min_p, seeds, steps)
 
 
 @jax.jit

@@ -48,6 +48,11 @@ class StopChecker:
         return self.finish_reason is not None
 
     @property
+    def stop_ids(self) -> frozenset[int]:
+        """The tokens that end the request: EOS (unless ``ignore_eos``) and its ``stop_token_ids``."""
+        return frozenset(self._stop_ids)
+
+    @property
     def text(self) -> str:
         """The generated text so far, without special tokens and cut before a matched stop string."""
         if isinstance(self.matched_stop, str):

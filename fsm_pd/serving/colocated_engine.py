@@ -28,6 +28,7 @@ from fsm_pd.scheduling.page_admission import CHUNKED_PREFILL_SIZE, end_prefix, p
 from fsm_pd.scheduling.step_budget import DEFAULT_CHUNK_STEPS, StepBudget
 from fsm_pd.serving.common import check_request
 from fsm_pd.serving.decode_loop import DecodeLoop
+from fsm_pd.serving.device_steps import steps_per_dispatch
 from fsm_pd.serving.engine import EngineCore
 from fsm_pd.serving.forward import prefill_step
 from fsm_pd.serving.isolate import run_isolating
@@ -54,12 +55,15 @@ class ColocatedEngine(EngineCore):
         radix_cache: bool = True,
         prefill_chunk_steps: float = DEFAULT_CHUNK_STEPS,
         clock: Callable[[], float] = time.perf_counter,
+        decode_steps_per_dispatch: int | None = None,
     ):
         """``radix_cache``: reuse cached prompt prefixes (``--disable-radix-cache`` turns it off).
         ``chunked_prefill_size``: padded prompt tokens a step prefills before its decode step; a longer prompt takes
         several steps, so the running streams keep getting tokens (SGLang's chunked prefill).
         ``prefill_chunk_steps``: while streams decode, a prefill step costs at most this many of their decode steps
-        (``step_budget.py``; 0: ``chunked_prefill_size`` alone bounds it). ``clock`` times the steps for it."""
+        (``step_budget.py``; 0: ``chunked_prefill_size`` alone bounds it). ``clock`` times the steps for it.
+        ``decode_steps_per_dispatch``: decode steps one dispatch may run (``DecodeLoop``; None: by the device,
+        ``device_steps.steps_per_dispatch``)."""
         super().__init__(model, num_pages=num_pages, page_size=page_size, name="colocated", prefix_cache=radix_cache)
         self.max_running, self.max_prefill_batch = max_running, max_prefill_batch
         self.chunked_prefill_size = chunked_prefill_size
@@ -70,7 +74,9 @@ class ColocatedEngine(EngineCore):
         self.headroom_pages = headroom_pages if headroom_pages is not None else max(1, (num_pages - 1) // 8)
         self.loop = DecodeLoop(self.model, self.model_thread, self.allocator, page_size, release=self._release,
                                headroom_pages=self.headroom_pages, max_recompute_batch=max_prefill_batch,
-                               max_recompute_tokens=chunked_prefill_size, cache=self.cache)
+                               max_recompute_tokens=chunked_prefill_size, cache=self.cache,
+                               steps_per_dispatch=steps_per_dispatch(decode_steps_per_dispatch, self.model_thread.pool),
+                               first_token_waiting=self._first_token_waiting)
         self._waiting: deque[Sequence] = deque()  # the model thread's: arrivals waiting for their prefill
         self._chunking: list[Sequence] = []  # pages reserved, prompt partly prefilled: the next chunks go first
         self._keys = itertools.count(1)
@@ -96,10 +102,15 @@ class ColocatedEngine(EngineCore):
         decoding = bool(self.loop.running)
         started = self._clock()
         running = self.loop.step()
-        if decoding:
-            self.budget.observe_decode(self._clock() - started)
+        if decoding and (cost := self.loop.step_cost(self._clock() - started)) is not None:
+            self.budget.observe_decode(cost)
         return (running or bool(self._chunking)
                 or bool(self._waiting) and self.allocator.reserved_pages == 0 and not self.loop.resuming)
+
+    def _first_token_waiting(self) -> bool:
+        """A prompt under way, or one that arrived and has room to start: it would wait for a long decode dispatch."""
+        room = len(self.loop.running) + len(self._chunking) < self.max_running
+        return bool(self._chunking) or (room and (bool(self._waiting) or bool(self.arrivals)))
 
     def _prefill(self) -> None:
         """One chunked-prefill step: the next chunks of prompts under way, then new prompts that fit beside them."""

@@ -59,6 +59,7 @@ from fsm_pd.scheduling.prealloc import Preallocation
 from fsm_pd.scheduling.step_budget import DEFAULT_CHUNK_STEPS, StepBudget
 from fsm_pd.serving.common import ENDED, transfer_failure_status
 from fsm_pd.serving.decode_loop import DecodeLoop
+from fsm_pd.serving.device_steps import steps_per_dispatch
 from fsm_pd.serving.forward import input_logprobs_from_wire
 from fsm_pd.serving.local_path import LocalPath
 from fsm_pd.serving.pd_engine import PDEngine
@@ -92,13 +93,14 @@ class DecodeEngine(LocalPath, PDEngine):
     def __init__(self, model: LoadedModel | str = "tiny", *, max_running: int = 64, headroom_pages: int | None = None,
                  heartbeat: dict | None = None, on_transfer_failure: str = "recompute", radix_cache: bool = False,
                  prefill_chunk_steps: float = DEFAULT_CHUNK_STEPS, clock: Callable[[], float] = time.perf_counter,
-                 **node):
+                 decode_steps_per_dispatch: int | None = None, **node):
         """``node``: the settings of every PD node (``PDEngine``: pool size, node id, journal, secret, backend,
         deadlines, host, advertise_host); ``heartbeat`` overrides the peer watch's timings. ``radix_cache`` (SGLang's
         ``--disaggregation-decode-enable-radix-cache``): keep finished prompts' pages here too, and have the prefill
         node send only the pages of a prompt this node does not already hold. ``prefill_chunk_steps``: while streams
         decode, a prefill here (recompute, local path) costs at most this many decode steps a chunk (0: 512 padded
-        tokens a chunk; ``scheduling/step_budget.py``); ``clock`` times the steps for it."""
+        tokens a chunk; ``scheduling/step_budget.py``); ``clock`` times the steps for it.
+        ``decode_steps_per_dispatch``: decode steps one dispatch may run (``DecodeLoop``; None: by the device)."""
         if on_transfer_failure not in ON_TRANSFER_FAILURE:
             raise ValueError(f"on_transfer_failure must be one of {ON_TRANSFER_FAILURE}, got {on_transfer_failure!r}")
         super().__init__(model, admission=SchedulerAdmission(on_release=self._on_release), heartbeat=heartbeat,
@@ -107,7 +109,9 @@ class DecodeEngine(LocalPath, PDEngine):
         pages = self.layout.num_pages
         self.headroom_pages = headroom_pages if headroom_pages is not None else max(1, (pages - 1) // 8)
         self.loop = DecodeLoop(self.model, self.model_thread, self.allocator, self.page_size, release=self._finish,
-                               headroom_pages=self.headroom_pages, cache=self.cache)
+                               headroom_pages=self.headroom_pages, cache=self.cache,
+                               steps_per_dispatch=steps_per_dispatch(decode_steps_per_dispatch, self.model_thread.pool),
+                               first_token_waiting=self._first_token_waiting)
         # the pre-allocation queue, the simulation's too: pages go to a room's transfer when they fit
         self.prealloc = Preallocation(self.allocator, self.page_size, headroom=self.headroom_pages,
                                       grant=self.manager.give_pages, cache=self.cache, kick=self._driver.kick)
@@ -206,10 +210,18 @@ class DecodeEngine(LocalPath, PDEngine):
             self.prealloc.admit(self.max_running - len(self.loop.running) - in_transfer, self._gone)
         decoding, started = bool(self.loop.running), self._clock()
         running = self.loop.step()
-        if decoding:
-            self.budget.observe_decode(self._clock() - started)
+        if decoding and (cost := self.loop.step_cost(self._clock() - started)) is not None:
+            self.budget.observe_decode(cost)
         # a recompute whose pages did not fit waits for a page free, which kicks us; with none held it fits now
         return running or (self.recompute.ready_to_run() and not self.loop.resuming)
+
+    def _first_token_waiting(self) -> bool:
+        """A transfer under way (its scatter would wait for a long decode dispatch), a recompute or a request sent
+        whole under way, or one that waits and has room to start."""
+        in_transfer = len(self.rooms) - len(self.prealloc.waiting)
+        room = len(self.loop.running) + in_transfer < self.max_running
+        return (in_transfer > 0 or bool(self.recompute.chunking) or bool(self.arrivals)
+                or room and (bool(self.prealloc.waiting) or bool(self.recompute.waiting)))
 
     def _gone(self, seq: Sequence) -> bool:
         """A request waiting for pages that ended meanwhile (``_on_room`` answers it)."""

@@ -49,6 +49,7 @@ from fsm_pd.scheduling.page_admission import CHUNKED_PREFILL_SIZE, Chunk, end_re
 from fsm_pd.scheduling.step_budget import DEFAULT_CHUNK_STEPS, StepBudget
 from fsm_pd.serving.common import ENDED, transfer_failure_status
 from fsm_pd.serving.decode_loop import DecodeLoop
+from fsm_pd.serving.device_steps import steps_per_dispatch
 from fsm_pd.serving.forward import FirstToken, input_logprobs_to_wire, prefill_step
 from fsm_pd.serving.isolate import run_isolating
 from fsm_pd.serving.local_path import LocalPath
@@ -72,7 +73,7 @@ class PrefillEngine(LocalPath, PDEngine):
                  chunked_prefill_size: int = CHUNKED_PREFILL_SIZE, radix_cache: bool = True,
                  chunk_transfers: bool = True, serve_local: bool = False, max_running: int = 64,
                  prefill_chunk_steps: float = DEFAULT_CHUNK_STEPS, clock: Callable[[], float] = time.perf_counter,
-                 **node):
+                 decode_steps_per_dispatch: int | None = None, **node):
         """``node``: the settings of every PD node (``PDEngine``: pool size, node id, journal, secret, backend,
         deadlines, host, advertise_host). ``bootstrap_port``: run a bootstrap server on it (0: any free port) and
         register with it (on the unix socket ``bootstrap_uds`` instead, when given); None and a ``bootstrap_url``:
@@ -84,7 +85,8 @@ class PrefillEngine(LocalPath, PDEngine):
         also serve requests the router sends here whole, up to ``max_running`` of them decoding at once
         (``local_path.py``); while they decode, every prefill step here (theirs and the PD prompts') costs at most
         ``prefill_chunk_steps`` of their decode steps (``scheduling/step_budget.py``; 0: ``chunked_prefill_size``
-        alone), timed on ``clock``."""
+        alone), timed on ``clock``. ``decode_steps_per_dispatch``: decode steps one dispatch of those requests may
+        run (``DecodeLoop``; None: by the device)."""
         shared = node.get("shared")
         if shared is not None:  # one pool with the decode engine: nothing to cache or stream (shared_pool.py)
             radix_cache = chunk_transfers = False
@@ -101,7 +103,10 @@ class PrefillEngine(LocalPath, PDEngine):
             headroom = max(1, (self.layout.num_pages - 1) // 8)
             self.max_running = max_running
             self.loop = DecodeLoop(self.model, self.model_thread, self.allocator, self.page_size,
-                                   release=self._finish_local, headroom_pages=headroom, cache=self.cache)
+                                   release=self._finish_local, headroom_pages=headroom, cache=self.cache,
+                                   steps_per_dispatch=steps_per_dispatch(decode_steps_per_dispatch,
+                                                                         self.model_thread.pool),
+                                   first_token_waiting=self._first_token_waiting)
             self.recompute = TransferRecompute(self.model, self.model_thread, self.allocator, self.page_size,
                                                enabled=False, headroom_pages=headroom, budget=self.budget, clock=clock)
             self._init_local()
@@ -207,10 +212,16 @@ class PrefillEngine(LocalPath, PDEngine):
                                        decoding=bool(self.loop.running))
             decoding, started = bool(self.loop.running), self._clock()
             running = self.loop.step()
-            if decoding:
-                self.budget.observe_decode(self._clock() - started)
+            if decoding and (cost := self.loop.step_cost(self._clock() - started)) is not None:
+                self.budget.observe_decode(cost)
             busy = running or busy or (self.recompute.ready_to_run() and not self.loop.resuming)
         return busy
+
+    def _first_token_waiting(self) -> bool:
+        """Prompts to prefill here (PD rooms', or requests served whole): they would wait for a long decode
+        dispatch."""
+        return (bool(self.arrivals) or bool(self._to_prefill) or bool(self._chunking) or bool(self.recompute.waiting)
+                or bool(self.recompute.chunking))
 
     def _finish_local(self, seq: Sequence) -> None:
         """A request served whole here ended (or was cancelled): its pages go back."""

@@ -62,8 +62,13 @@ class DecodeLoopCollector(ScrapedCounters):
         steps = CounterMetricFamily("fsm_pd_decode_steps", "Batched decode steps run", labels=names)
         steps.add_metric(label_values, float(values["decode_steps"]))
         yield steps
+        dispatches = CounterMetricFamily("fsm_pd_decode_dispatches", "Dispatches of decode steps sampled on the "
+                                         "device (several steps each: --decode-steps-per-dispatch)", labels=names)
+        dispatches.add_metric(label_values, float(values["decode_dispatches"]))
+        yield dispatches
         phases = CounterMetricFamily("fsm_pd_decode_phase_seconds", "Time in decode steps by phase: forward (the "
-                                     "model), sample, logprobs, emit (stop checks, detokenizing, streaming)",
+                                     "model; with several steps a dispatch, starting it and waiting for its tokens), "
+                                     "sample, logprobs, emit (stop checks, detokenizing, streaming)",
                                      labels=[*names, "phase"])
         for phase, seconds in values["decode_phase_seconds"].items():
             phases.add_metric([*label_values, phase], seconds)

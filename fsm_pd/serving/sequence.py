@@ -107,6 +107,20 @@ class Sequence:
         input_top_logprobs: list | None = None,
     ) -> bool:
         """Record one generated token and stream it; returns True if it was the last one."""
+        out, done = self.record(token_id, logprob, input_token_logprobs, top_logprobs, input_top_logprobs)
+        self.push(out)
+        return done
+
+    def record(
+        self,
+        token_id: int,
+        logprob: float | None = None,
+        input_token_logprobs: list[float | None] | None = None,
+        top_logprobs: list | None = None,
+        input_top_logprobs: list | None = None,
+    ) -> tuple[TokenOutput, bool]:
+        """Record one generated token: its output (streamed later with ``push``, in order) and whether it was the
+        last one."""
         self.checker.append(token_id)
         done = self.finished
         out = TokenOutput(
@@ -126,10 +140,12 @@ class Sequence:
                 "completion_tokens": self.step,
                 "e2e_seconds": round(time.monotonic() - self.started, 6),
             }
+        return out, done
+
+    def push(self, out: TokenOutput) -> None:
+        """Stream an output ``record`` made (not once the request is cancelled: nobody reads it)."""
         if not self.cancelled:
             self.stream.push(out)
-        return done
-
 
 def finish_reason(checker: StopChecker) -> dict:
     """SGLang's finish_reason shape; a sequence that filled the context without a stop is a ``length`` finish."""

@@ -14,7 +14,9 @@ prepares, before it answers ``/health``, its *ready set* (``WarmupPlan.ready_for
   scatters and gathers of every page bucket, run into and out of free pages.
 
 Then a background thread (``compile_rest``) prepares the rest: the other sampler buckets (run once on zeros, as
-above), on a pool on one CPU device the whole-pool scatters, and every other forward shape the schedulers can form
+above), on a pool on one CPU device the whole-pool scatters, the programs of several decode steps a dispatch
+(``model/multi_step.py``, where the node runs more than one: every batch bucket at every page-table width; until
+one is there its batch decodes a step at a time), and every other forward shape the schedulers can form
 (``plan_for``: a prefill node's, a colocated node's and a decode node's recomputes, within their chunked-prefill
 budgets; decode at every batch bucket up to ``max_running``), cheapest first, at a lower CPU priority, each program
 once no request is in flight or ``IDLE_WAIT_S`` has passed. The scatters and forward passes compile ahead of time:
@@ -71,6 +73,9 @@ class WarmupPlan:
     gather_buckets: list[int] = field(default_factory=list)  # a prefill node's
     hash_buckets: list[int] = field(default_factory=list)  # a node whose KV checksum is the device hash
     short_prompt: int = 0  # the single-row prefill of this many tokens too (0: none)
+    # several decode steps a dispatch: (batch bucket, page-table width) of each program, and the steps it holds
+    step_loops: list[tuple[int, int]] = field(default_factory=list)
+    steps_per_dispatch: int = 1
 
     @property
     def ready_forward(self) -> list[tuple[int, int]]:
@@ -129,6 +134,10 @@ def plan_for(engine) -> WarmupPlan:
     forward |= set(decode_shapes(engine.max_running))
     plan = WarmupPlan(sorted(forward), _powers(max(engine.max_running, *(batch for batch, _ in limits))),
                       hash_buckets=hash_buckets, short_prompt=SHORT_PROMPT_TOKENS)
+    loops = engine.model.programs(engine.model_thread.pool).steps
+    if engine.loop.steps_per_dispatch > 1 and loops is not None:
+        plan.steps_per_dispatch = engine.loop.steps_per_dispatch
+        plan.step_loops = [(batch, width) for batch in _powers(engine.max_running) for width in loops.widths]
     if _copies_pages(engine) and engine.role == "decode":
         plan.scatter_buckets = prompt_buckets
     if _copies_pages(engine) and engine.role == "prefill":
@@ -256,6 +265,11 @@ def compile_rest(engine, *, busy: Callable[[], bool] = lambda: False,
                 idle()
                 _run_samplers(batch, vocab, logits_sharding)
                 count += 4
+        with compiles.preparing("decode", background=True):
+            for batch, width in plan.step_loops:
+                idle()
+                programs.steps.compile(batch, width, plan.steps_per_dispatch)
+                count += 1
         with compiles.preparing("kernels", background=True):
             for rows in whole_scatters:
                 for layers in sorted({len(pool), group}):

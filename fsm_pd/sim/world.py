@@ -360,7 +360,8 @@ class World:
                 self.record("crash", None, str(exc), slot.restart_after or 0.0)
                 for dying in self.process_of(slot):
                     if dying is not slot:
-                        self.record("crash", None, f"{dying.instance.name} killed with its process", slot.restart_after or 0.0)
+                        self.record("crash", None, f"{dying.instance.name} killed with its process",
+                                    slot.restart_after or 0.0)
                     dying.crash()
                     self._schedule_restart(dying, slot.restart_after)
                 done += 1

@@ -42,6 +42,10 @@ def test_quick_run_reports_each_figure_against_its_roofline(tmp_path):
         assert prefill["ms"] > 0 and prefill["share"] > 0
     copies = figures["copies"]
     assert copies["gather"]["GBps"] > 0 and copies["scatter"]["GBps"] > 0
+    for batch, step in figures["steps"].items():  # several decode steps a dispatch against one at a time
+        assert step["host_step_ms"] > 0 and step["k1_ms_per_token"] > 0 and step["k4_ms_per_token"] > 0, (batch, step)
+        assert abs(step["speedup_vs_host_step"] - step["host_step_ms"] / step["k4_ms_per_token"]) < 0.01 + 0.01 * \
+            step["speedup_vs_host_step"]
     text = table.read_text()
     first = decode[f"jnp/page{page}/{pools[0]}"]["1"]["step_ms"]
     assert f"{first} (" in text and "gather" in text

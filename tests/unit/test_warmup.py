@@ -122,3 +122,32 @@ def test_a_node_ready_on_its_ready_set_serves_every_shape_without_compiling():
         assert sum(compiles.counts().values()) == before
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+def test_several_steps_a_dispatch_compile_in_the_background_and_serve_without_compiling():
+    """A node that runs several decode steps a dispatch: ready on its ready set, it decodes a step at a time
+    (covered, compiling nothing) until the background has compiled a multi-step program for every batch bucket and
+    page-table width; then its batches run several steps a dispatch, compile nothing, and answer the same."""
+    # few shapes of each kind (two batch buckets, three table widths, short prompts): the background compiles them all
+    engine = ColocatedEngine("tiny", num_pages=20, page_size=PAGE_SIZE, max_running=2, max_prefill_batch=2,
+                             chunked_prefill_size=64, decode_steps_per_dispatch=4)
+    requests = [GenerateRequest(f"s{i}", [(5 * i + j) % 250 + 1 for j in range(3 + 15 * i)],
+                                SamplingParams(temperature=0.0, max_new_tokens=9, ignore_eos=True), seed=i)
+                for i in range(4)]
+    try:
+        plan = plan_for(engine)
+        loops = engine.model.programs(engine.model_thread.pool).steps
+        assert loops.widths == [4, 16, 20]  # 19 usable pages of 16 tokens, in whole blocks of 4 pages
+        assert plan.steps_per_dispatch == 4 and plan.step_loops == [(b, w) for b in (1, 2) for w in loops.widths]
+        warm_up(engine, progress=False)
+        before = sum(compiles.counts().values())
+        stepwise = _serve(engine, requests)
+        assert engine.loop.dispatches == 0 and sum(compiles.counts().values()) == before
+        compile_rest(engine).join(timeout=240)
+        assert loops.shapes == {(b, w, 4) for b, w in plan.step_loops}
+        before = sum(compiles.counts().values())
+        assert _serve(engine, requests) == stepwise
+        assert engine.loop.dispatches > 0 and sum(compiles.counts().values()) == before
+    finally:
+        engine.close()
