@@ -27,10 +27,6 @@ from fsm_pd.cli.flags import (
 from fsm_pd.net.http_protocol import read_timeouts_from_args
 from fsm_pd.runtime.process_exit import exit_now, on_exit
 
-# "on": keep and load serialized forward programs (model/executables.py); off by default: on the CPU a loaded one
-# failed its first call ("Function iota_add_fusion not found"), and it has not run on a chip
-EXECUTABLE_STORE_ENV = "FSM_PD_EXECUTABLE_STORE"
-
 
 def ask_for_host_devices(tp: int, environ=os.environ) -> None:
     """Make jax's CPU platform offer at least ``tp`` devices: ``--xla_force_host_platform_device_count`` in
@@ -165,11 +161,7 @@ def run_node(args: argparse.Namespace) -> int:
     from fsm_pd.api.runner import WaitDeadlines
 
     wait = WaitDeadlines(args.first_token_timeout_secs, args.token_idle_timeout_secs)  # positive: serve_flags
-    cache = compile_cache.enable(args.compile_cache or compile_cache.default_dir())
-    if cache and os.environ.get(EXECUTABLE_STORE_ENV) == "on":  # opt-in: model/executables.py says why
-        from fsm_pd.model import executables
-
-        executables.enable(Path(cache) / "executables")
+    compile_cache.enable(args.compile_cache or compile_cache.default_dir())
     compiles.install()
     try:
         with startup.phase("weights"):

@@ -104,18 +104,6 @@ def _on_duration(event: str, seconds: float, fun_name: str = "?", **_) -> None:
         log.warning("compiled %s while serving (%.2f s)", fun_name, seconds)
 
 
-def loaded(programs: int, seconds: float) -> None:
-    """``programs`` loaded whole from the executable store (``executables.py``) in ``seconds``: counted, on this
-    thread's kind and phase, as programs from the cache (no event of jax's says so: nothing was traced or compiled)."""
-    kind = getattr(_local, "kind", None) or "other"
-    with _lock:
-        cost = _kinds.setdefault(kind, KindCost())
-        cost.backend_s += seconds
-        cost.programs += programs
-        cost.from_cache += programs
-        _counts[getattr(_local, "phase", None) or _phase] += programs
-
-
 @contextmanager
 def preparing(kind: str, *, background: bool = False) -> Iterator[None]:
     """Attribute the programs this thread loads inside to ``kind``, and with ``background`` to the background phase

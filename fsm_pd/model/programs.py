@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fsm_pd.model import executables, input_buckets
+from fsm_pd.model import input_buckets
 from fsm_pd.model.attention import kernels_for
 from fsm_pd.model.config import ModelConfig
 from fsm_pd.model.decoder import (
@@ -188,10 +188,6 @@ class ForwardPrograms:
             program = self._programs.get((batch, tokens))
         if program is not None:
             return program
-        stored = self._stored(batch, tokens)
-        if stored is not None:
-            with self._lock:
-                return self._programs.setdefault((batch, tokens), stored)
         ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._inputs)
         hidden = jax.ShapeDtypeStruct((batch, tokens, self.config.hidden_size), self._params["embed"].dtype,
                                       sharding=self._inputs)
@@ -200,7 +196,6 @@ class ForwardPrograms:
         if len(self.groups) == 1 and self.tp is None:
             whole = _whole.lower(self._params, self._pool, packed, config=self.config, kernels=self.kernels,
                                  tokens=tokens).compile()
-            self._keep(batch, tokens, {"whole": whole})
             with self._lock:
                 return self._programs.setdefault((batch, tokens), OneProgram(whole, self._inputs))
         by_size = {}
@@ -217,40 +212,8 @@ class ForwardPrograms:
             head=_head.lower(top_params(self._params), hidden, ints(batch), config=self.config).compile(),
             inputs=self._inputs,
         )
-        self._keep(batch, tokens, {"embed": program.embed, "head": program.head,
-                                   **{f"group {count}": group for count, group in by_size.items()}})
         with self._lock:
             return self._programs.setdefault((batch, tokens), program)
-
-    def _store_entry(self, batch: int, tokens: int) -> tuple[str, object] | None:
-        """The executable store's name for this shape's programs, and the device they run on; None where the store
-        is off or the programs span several devices."""
-        devices = self._pool[0].sharding.device_set
-        if not executables.enabled() or self.tp is not None or len(devices) != 1:
-            return None
-        signature = lambda tree: (repr(jax.tree.structure(tree)),
-                                  tuple((a.shape, str(a.dtype), repr(placement_key(a.sharding)))
-                                        for a in jax.tree.leaves(tree)))
-        (device,) = devices
-        name = executables.key(device, "forward", repr(self.config), signature(self._params), signature(self._pool),
-                               self.kernels, tuple(self.groups), batch, tokens)
-        return name, device
-
-    def _stored(self, batch: int, tokens: int) -> LayeredForward | OneProgram | None:
-        """This shape's programs from the executable store, as a warm start finds them; None: compile them."""
-        entry = self._store_entry(batch, tokens)
-        stored = executables.load(*entry) if entry is not None else None
-        if stored is None:
-            return None
-        if "whole" in stored:
-            return OneProgram(stored["whole"], self._inputs)
-        return LayeredForward(embed=stored["embed"], head=stored["head"], inputs=self._inputs,
-                              groups=tuple((first, count, stored[f"group {count}"]) for first, count in self.groups))
-
-    def _keep(self, batch: int, tokens: int, programs: dict) -> None:
-        entry = self._store_entry(batch, tokens)
-        if entry is not None:
-            executables.save(entry[0], programs)
 
     def compile_logprobs(self, top_k: int) -> None:
         """Compile ``decoder.next_token_logprobs`` for ``top_k`` ahead (prompt logprobs: one shape per ``top_k``)."""

@@ -256,10 +256,10 @@ class SideChannel:
         with self._counter_lock:
             self._delivered += 1
         is_heartbeat = isinstance(msg, Heartbeat)
+        for observer in self._observers:  # before a ping's pong: whoever hears the pong knows the ping was seen
+            self._call(observer, msg)
         if is_heartbeat and not msg.pong and (self._healthy is None or self._healthy()):
             self._answer(msg)
-        for observer in self._observers:
-            self._call(observer, msg)
         if not is_heartbeat:
             self._call(self._on_message, msg)
 
