@@ -64,8 +64,11 @@ def pytest_configure(config):
                                        "handoffs): on a TPU host it runs in the one process that holds the chip, the "
                                        "rest on CPU workers at the same time (tests/on_tpu.sh)")
     config.pluginmanager.register(RealParts(os.environ), "fsm-pd-real-parts")
-    log = os.environ.get(suite_log.ENV)
-    if log and not hasattr(config, "workerinput"):  # under xdist the controller writes it, from the workers' reports
+    # The record is this run's alone: taken out of the environment, so that a pytest a test starts (the suite's own
+    # tests run throwaway suites) does not write its tests into it. Under xdist the controller writes it, from the
+    # workers' reports, and the workers it starts next never see it.
+    log = os.environ.pop(suite_log.ENV, None)
+    if log and not hasattr(config, "workerinput"):
         config.pluginmanager.register(suite_log.SuiteLog(log, Path(log).stem), "fsm-pd-suite-log")
     cache = os.environ.get(SUITE_COMPILE_CACHE)
     if cache:  # this process's programs, and those of the nodes tests start (FSM_PD_COMPILE_CACHE), share one cache

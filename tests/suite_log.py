@@ -2,8 +2,9 @@
 end even when the run was cut short (its time limit, a hang, the host's own limit), because nothing is kept in
 memory until pytest's own summary.
 
-The plugin (``SuiteLog``, registered by tests/conftest.py where ``FSM_PD_SUITE_LOG`` names a file) appends one JSON
-line per event and flushes it at once:
+The plugin (``SuiteLog``, registered by tests/conftest.py where ``FSM_PD_SUITE_LOG`` names a file, which it then takes
+out of the environment: a pytest that a test starts writes nothing there) appends one JSON line per event and flushes
+it at once:
 
 - ``{"event": "session", "name": ..., "t": ...}`` when the session starts;
 - ``{"event": "start", "nodeid": ..., "t": ...}`` when a test starts (with xdist, when a worker says so);

@@ -61,10 +61,13 @@ def throwaway(tmp_path: Path, tests: dict[str, str]) -> Path:
 
 
 def environ(**extra: str) -> dict[str, str]:
-    # only the plugins under test: the others this environment installs (schemathesis, hypothesis) load slowly
+    # only the plugins under test: the others this environment installs (schemathesis, hypothesis) load slowly. The
+    # PYTHONPATH this run has stays behind the project's: a TPU host's Python may find pytest-xdist and pytest-timeout
+    # only there (PYTHONPATH=/tmp/site)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("FSM_PD_REQUIRE", "FSM_PD_ALLOW", "FSM_PD_SUITE", "PYTEST_"))}
-    return env | {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONPATH": str(ROOT), **extra}
+    path = os.pathsep.join([str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+    return env | {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONPATH": path, **extra}
 
 
 PLUGINS = ["-p", "pytest_timeout", "-p", "xdist.plugin"]
@@ -89,6 +92,35 @@ def test_each_outcome_is_recorded_as_pytest_counts_it_in_one_process_and_on_work
         assert not report["running"] and not report["cut_short"]
 
 
+NESTED = '''
+import subprocess
+import sys
+
+def test_starts_a_pytest_of_its_own():
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "pytest_timeout",
+                           "-p", "xdist.plugin", "tests/property/test_inner.py"], capture_output=True, text=True,
+                          timeout=120)
+    assert "1 passed" in done.stdout, done.stdout + done.stderr
+'''
+
+
+def test_a_pytest_a_test_starts_writes_nothing_into_the_run_s_record(tmp_path):
+    """The suite's own tests run throwaway suites: their tests are not the run's (they once showed up as its
+    failures), in one process or on workers."""
+    root = throwaway(tmp_path, {"test_nested.py": NESTED})
+    (root / "tests" / "property" / "test_inner.py").write_text("def test_inner():\n    pass\n")
+    for name, spread in (("serial", []), ("workers", ["-n", "2"])):
+        log = tmp_path / f"{name}.jsonl"
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *PLUGINS, *spread,
+                               "tests/unit"], cwd=root, env=environ(FSM_PD_SUITE_LOG=str(log)), capture_output=True,
+                              text=True, timeout=120)
+        assert "1 passed" in done.stdout, done.stdout + done.stderr
+        events = [json.loads(line) for line in log.read_text().splitlines()]
+        assert [e.get("nodeid") for e in events if e["event"] == "result"] == [
+            "tests/unit/test_nested.py::test_starts_a_pytest_of_its_own"], (name, events)
+        assert [e["event"] for e in events if e["event"] in ("session", "finish")] == ["session", "finish"], name
+
+
 def test_a_run_cut_mid_test_names_the_test_it_was_running(tmp_path):
     """A killed process writes nothing more: what its record holds so far is the summary."""
     root = throwaway(tmp_path, {"test_hang.py": "import time\n\ndef test_quick():\n    pass\n\n"
@@ -96,10 +128,11 @@ def test_a_run_cut_mid_test_names_the_test_it_was_running(tmp_path):
     log = tmp_path / "chip.jsonl"
     run = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *PLUGINS, "tests/unit"],
                            cwd=root, env=environ(FSM_PD_SUITE_LOG=str(log)), stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
+                           stderr=subprocess.DEVNULL)  # its output is not read: it would fill the pipe
     try:
         deadline = time.monotonic() + 60
         while "test_hangs" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+            assert run.poll() is None, f"the run ended with {run.returncode} before test_hangs started"
             time.sleep(0.1)
     finally:
         run.kill()  # SIGKILL: no session end, no pytest summary
