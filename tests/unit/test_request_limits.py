@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import threading
 
-import httpx
 import pytest
+from node_sockets import node_sockets
 from stub_engine import StubEngine
 from test_gguf_loader import gguf_tensors, small_config, vocabulary, write_gguf
 
@@ -16,6 +16,7 @@ from fsm_pd.api import AppServer, create_app
 from fsm_pd.model import tokenizer as tokenizers
 from fsm_pd.model.loader import load_model
 from fsm_pd.model.params import random_params
+from fsm_pd.net import unix_http
 from fsm_pd.net.body_limit import request_bytes_for
 
 
@@ -34,15 +35,20 @@ class Watched:
 
 
 @pytest.fixture
-def served():
+def served(tmp_path):
+    """The stub's app on 127.0.0.1, or on a unix socket where this host has no TCP (``node_sockets``)."""
     engine = StubEngine()
     tokenizer = Watched(engine.tokenizer)
-    server = AppServer(create_app(engine, tokenizer)).start()
+    server = AppServer(create_app(engine, tokenizer), **node_sockets(tmp_path, "api")).start()
     try:
         yield server, engine, tokenizer
     finally:
         server.stop()
         engine.close()
+
+
+def post(server, path: str, body: dict):
+    return unix_http.request("POST", unix_http.http_url(server.url) + path, json=body, timeout=30)
 
 
 def loop_thread(server) -> str:
@@ -57,7 +63,7 @@ def loop_thread(server) -> str:
 ])
 def test_a_prompt_is_tokenized_off_the_event_loop(served, path, body):
     server, _, tokenizer = served
-    answer = httpx.post(server.url + path, json=body, timeout=30)
+    answer = post(server, path, body)
     assert answer.status_code == 200, answer.text
     assert tokenizer.threads and loop_thread(server) not in tokenizer.threads, (loop_thread(server), tokenizer.threads)
 
@@ -70,7 +76,7 @@ def test_a_prompt_is_tokenized_off_the_event_loop(served, path, body):
 def test_a_text_no_tokenization_fits_is_refused_before_it_is_tokenized(served, path, field):
     server, engine, tokenizer = served
     most = engine.max_context * tokenizer.max_token_bytes  # what the longest tokens could pack into the context
-    answer = httpx.post(server.url + path, json=field("é" * (most // 2 + 1)), timeout=30)  # 2 bytes a character
+    answer = post(server, path, field("é" * (most // 2 + 1)))  # 2 bytes a character
     assert answer.status_code == 400, answer.text
     message = answer.json()["error"]["message"]
     # (a chat's text is its rendered template, a little longer than the message)
@@ -78,7 +84,7 @@ def test_a_text_no_tokenization_fits_is_refused_before_it_is_tokenized(served, p
         and f"context is {engine.max_context} tokens" in message, message
     assert tokenizer.threads == []  # refused before any tokenizing
     assert engine.submitted == []
-    shorter = httpx.post(server.url + path, json=field("x" * engine.max_context), timeout=30)  # counted, then refused
+    shorter = post(server, path, field("x" * engine.max_context))  # counted, then refused
     assert shorter.status_code == 400 and "tokens" in shorter.text and tokenizer.threads, shorter.text
     assert request_bytes_for(engine.max_context) > most  # the body limit lets such a text through to this check
 
