@@ -225,11 +225,16 @@ def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, jo
            router_extra: Sequence[str] = (), uds: Path | None = None, prefill_extra: Sequence[str] = (),
            decode_extra: Sequence[str] = ()) -> int:
     started = time.time()
+    # launch's own flags first: planning picks the nodes' free TCP ports (unless --uds), which a host without TCP
+    # refuses, and a missing model must not be blamed on that
+    error = launch_problem(port, journal_dir, uds, model)
+    if error is not None:
+        print(f"fsm-pd launch: error: {error}", file=sys.stderr)  # one line, whatever the terminal's width
+        return 2
     children = plan(prefill, decode, port, model, backend, journal_dir, extra, prefill_tp, decode_tp, router_extra,
                     uds, prefill_extra, decode_extra)
     # the router's parser comes with the router's imports (0.9 s): checked only when it is given flags to check
-    error = (launch_problem(port, journal_dir, uds, model) or check_sockets(children)
-             or check_commands(children if router_extra else children[:-1]))
+    error = check_sockets(children) or check_commands(children if router_extra else children[:-1])
     if error is None and uds is not None:
         try:
             check_unix_backend(backend)

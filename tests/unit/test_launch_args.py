@@ -138,7 +138,9 @@ def test_launch_takes_the_router_s_pd_policy_itself():
     args = build_parser().parse_args(["launch", "--pd-policy", "always"])
     assert router_extra(args) == ["--pd-policy=always"]
     assert needed_roles(router_extra(args)) == ("prefill", "decode")  # launch waits for a prefill node then
-    procs = children(router_extra=router_extra(args))
+    # on unix sockets: no TCP port is picked, so this runs on a host without TCP too
+    procs = plan(1, 2, 30000, "tiny", "tcp", Path("/tmp/unused"), [], router_extra=router_extra(args),
+                 uds=Path("/run/fsm"))
     router = next(c for c in procs if c.name == "router")
     assert "--pd-policy=always" in router.argv
     assert all("--pd-policy=always" not in c.argv for c in procs if c is not router)

@@ -64,8 +64,8 @@ def assert_refused(result: subprocess.CompletedProcess, prog: str, *said: str) -
     (["--role", "prefill", "--transfer-backend", "rdma", *SECRET], UNKNOWN_BACKEND),
     (["--role", "decode", "--uds", "/tmp/x.sock", "--transfer-backend", "rdma", *SECRET], UNKNOWN_BACKEND),
     (["--role", "pd", "--transfer-backend", "rdma"], UNKNOWN_BACKEND),  # not blamed on unix sockets
-    (["--role", "pd", "--transfer-backend", "jax"], "--transfer-backend jax: the jax transfer backend cannot run over "
-     "the unix sockets that link --role pd's two engines"),
+    pytest.param(["--role", "pd", "--transfer-backend", "jax"], "--transfer-backend jax: the jax transfer backend "
+                 "cannot run over the unix sockets that link --role pd's two engines", marks=TCP),  # after the ports
     (["--role", "colocated", "--model", "/nowhere/m.gguf"], "--model /nowhere/m.gguf: no such file or directory"),
     (["--role", "decode", "--uds", "/tmp/x.sock", "--journal", "foo://bar", *SECRET], "--journal: cannot use "
      "foo://bar as a journal: Can't load plugin: sqlalchemy.dialects:foo"),
