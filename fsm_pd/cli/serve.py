@@ -65,6 +65,8 @@ def serve_main(argv: Sequence[str]) -> int:
         args = parser.parse_args(argv)
         return _refuse(problem) if (problem := listener_problem(args)) else serve(args)
     if role == "router":
+        if (refused := router_socket_problem(argv)) is not None:  # before the router's modules, which import jax
+            return _refuse(refused)
         from fsm_pd.router.app import router_main
 
         parser, words = role_parser(argv)
@@ -127,6 +129,24 @@ def check_unix_sockets(args: argparse.Namespace) -> str | None:
         if args.role in ("prefill", "decode"):
             check_unix_backend(args.transfer_backend)
     except (UnixPathError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
+def router_socket_problem(argv: Sequence[str]) -> str | None:
+    """Why the router's ``--uds`` path cannot be bound (past Linux's limit), read from its words alone: the router's
+    own parser comes with its modules, which import jax, and on a TPU host importing jax prints a warning, so a
+    refusal checked there is no longer one line."""
+    words = argparse.ArgumentParser(add_help=False)
+    words.add_argument("--uds", default=None)
+    uds = words.parse_known_args(list(argv))[0].uds
+    if uds is None:
+        return None
+    from fsm_pd.net.unix_sockets import UnixPathError, check_path
+
+    try:
+        check_path(uds, "--uds")
+    except UnixPathError as exc:
         return str(exc)
     return None
 

@@ -218,7 +218,9 @@ def test_a_prefill_on_unix_sockets_registers_its_side_channel_path_and_port_0():
 @pytest.mark.parametrize("role", ["decode", "router", "bootstrap"])
 def test_serve_refuses_a_path_too_long_in_one_line_before_loading_anything(short_dir, role):
     long = str(short_dir / ("x" * 120)) + ".sock"
-    argv = [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", role, "--uds", long]
+    # jax may not be imported before the refusal: on a TPU host importing it prints a warning (a second line)
+    no_jax = "import sys; sys.modules['jax'] = None; from fsm_pd.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    argv = [sys.executable, "-c", no_jax, "serve", "--role", role, "--uds", long]
     if role == "router":
         argv += ["--prefill", "unix:/s/p.sock", "unix:/s/b.sock", "--decode", "unix:/s/d.sock"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
