@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from fsm_pd.kernels.layout import KVLayout
 from fsm_pd.model import decoder
 from fsm_pd.model.config import ModelConfig
-from fsm_pd.model.programs import ForwardPrograms, placement_key, programs_for
+from fsm_pd.model.programs import ForwardPrograms, compile_settings, placement_key, programs_for
 from fsm_pd.model.specs import NAMED_MODELS, TINY_SPEC, resolve_named_model
 from fsm_pd.model.tensor_parallel import TP_AXIS, TensorParallel, plan_split, shard_params
 from fsm_pd.model.tokenizer import Tokenizer, load_hf_tokenizer
@@ -37,7 +37,7 @@ class LoadedModel:
     params: dict  # with ``tp``, rearranged and placed on its mesh (``tensor_parallel.shard_params``)
     tokenizer: Tokenizer
     tp: TensorParallel | None = None  # how the model is split over devices; None on one device
-    _programs: dict = field(default_factory=dict, repr=False)  # pool signature -> ForwardPrograms
+    _programs: dict = field(default_factory=dict, repr=False)  # pool signature, settings -> ForwardPrograms
     device: jax.Device | None = None  # where it and its pools live, when not JAX's first device (``on_device``)
 
     @property
@@ -86,7 +86,7 @@ class LoadedModel:
     def programs(self, pool) -> ForwardPrograms:
         """The forward passes compiled for pools shaped and placed like ``pool`` (made on first use)."""
         first = pool[0]
-        key = (first.shape, str(first.dtype), placement_key(first.sharding))
+        key = (first.shape, str(first.dtype), placement_key(first.sharding), compile_settings())
         programs = self._programs.get(key)
         if programs is None:
             programs = self._programs.setdefault(key, programs_for(self.config, self.params, pool, self.tp))

@@ -131,12 +131,20 @@ _SHARED: dict = {}
 _SHARED_LOCK = threading.Lock()
 
 
+def compile_settings() -> tuple:
+    """What jax's global settings put into a program beside its arguments, as ``jit``'s cache keys it: the default
+    matmul precision (on a TPU, float32 products in one bfloat16 pass, or at full precision). A serving node never
+    changes it; the suite does, per test module (``tests/on_chip.py``), and a program compiled under one setting must
+    not be handed out under another."""
+    return (str(jax.config.jax_default_matmul_precision),)
+
+
 def programs_for(config: ModelConfig, params: dict, pool: tuple, tp: TensorParallel | None = None) -> ForwardPrograms:
     """The ``ForwardPrograms`` of this model shape over pools like ``pool``, shared by every caller in the process
     (as ``jit``'s own cache is): the executables take the weights as arguments, so one compile serves every copy."""
     signature = lambda arrays: tuple((a.shape, str(a.dtype), placement_key(a.sharding))
                                      for a in jax.tree.leaves(arrays))
-    key = (config, signature(pool), signature(params), tp, kernels_for(pool, config.head_dim))
+    key = (config, signature(pool), signature(params), tp, kernels_for(pool, config.head_dim), compile_settings())
     with _SHARED_LOCK:
         programs = _SHARED.get(key)
         if programs is None:

@@ -104,3 +104,19 @@ def test_off_the_cpu_a_setting_holds_in_every_thread_and_is_given_back(monkeypat
         assert seen == [value] and getattr(jax.config, name) == value
         raise KeyError
     assert getattr(jax.config, name) == before
+
+
+def test_a_module_at_full_precision_gets_programs_of_its_own(monkeypatch):
+    """The serving programs are shared per process and pool shape (``programs.programs_for``): a module that asks
+    for full precision must not run the ones an earlier module compiled for one bfloat16 pass (on the chip, PD and
+    colocated answers then differed by more than any tie: test_serving_pd at concurrency 8)."""
+    from fsm_pd.model.loader import load_model
+
+    monkeypatch.setattr(on_chip, "_on_cpu", lambda: False)
+    model = load_model("tiny")
+    pool = model.make_pool(model.make_kv_layout(13, 4))  # a pool no other test makes: nothing compiled is touched
+    default = model.programs(pool)
+    with on_chip.full_precision():
+        full = model.programs(pool)
+        assert full is model.programs(pool) and full is load_model("tiny").programs(pool)  # shared as before
+    assert full is not default and model.programs(pool) is default
