@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,6 +26,11 @@ from fsm_pd.serving.types import EngineError, RequestStream
 pytestmark = [pytest.mark.chip, pytest.mark.usefixtures("full_precision")]  # chip: tests/on_tpu.sh
 
 ATOL = 2e-5  # float32 on CPU, same weights: only summation order differs from the reference
+# A log-softmax computed on the chip (the prefill's rows for prompt positions): a TPU's float32 exp and log are
+# approximations, which put a whole row's normalizer off by ~1.7e-5 of it (+-6e-5 at -3.8 on the v5e, the same for
+# every token of the row), while the gaps between the row's values stay within ATOL as on a CPU. The row's level is
+# held to this, its shape to ATOL; on a CPU both to ATOL.
+DEVICE_LEVEL = ATOL if jax.default_backend() == "cpu" else 3e-4
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +53,18 @@ def reference_log_softmax(model, ids) -> np.ndarray:
     return logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
 
 
-def assert_top_matches(row, ref_row: np.ndarray, k: int) -> None:
+def assert_top_matches(row, ref_row: np.ndarray, k: int, level: float = ATOL) -> None:
     """``row`` holds the k best tokens of ``ref_row``, best first: its values are the reference's k largest, and
-    each id has its value in the reference (near-ties may swap ids, never values)."""
+    each id has its value in the reference (near-ties may swap ids, never values). The values' distances from the
+    best are held to ``ATOL``, the best itself to ``level`` (``DEVICE_LEVEL`` where the chip computed the row)."""
     assert len(row) == k
-    values = [lp for lp, _ in row]
+    values = np.array([lp for lp, _ in row])
     ids = [tid for _, tid in row]
-    assert values == sorted(values, reverse=True) and len(set(ids)) == k
-    np.testing.assert_allclose(values, np.sort(ref_row)[::-1][:k], atol=ATOL)
-    np.testing.assert_allclose(values, ref_row[ids], atol=ATOL)
+    assert list(values) == sorted(values, reverse=True) and len(set(ids)) == k
+    best = np.sort(ref_row)[::-1][:k]
+    np.testing.assert_allclose(values[0], best[0], atol=level)
+    np.testing.assert_allclose(values - values[0], best - best[0], atol=ATOL)
+    np.testing.assert_allclose(values - values[0], ref_row[ids] - best[0], atol=ATOL)
 
 
 def test_prefill_top_logprobs_match_the_reference(model):
@@ -70,7 +79,7 @@ def test_prefill_top_logprobs_match_the_reference(model):
         ref = reference_log_softmax(model, prompt)
         assert rows[0] is None and len(rows) == len(prompt)
         for pos in range(1, len(prompt)):
-            assert_top_matches(rows[pos], ref[pos - 1], k)
+            assert_top_matches(rows[pos], ref[pos - 1], k, DEVICE_LEVEL)
             # the chosen token's logprob and the alternatives come from one log-softmax: equal when it is the best
             if rows[pos][0][1] == prompt[pos]:
                 assert chosen[pos] == rows[pos][0][0]
@@ -115,7 +124,7 @@ def test_colocated_output_top_logprobs_match_the_reference(engine, model):
     rows = outs[0].input_top_logprobs
     assert rows[0] is None and len(rows) == len(prompt)
     for pos in range(1, len(prompt)):
-        assert_top_matches(rows[pos], ref[pos - 1], 4)
+        assert_top_matches(rows[pos], ref[pos - 1], 4, DEVICE_LEVEL)
     assert all(o.input_top_logprobs is None for o in outs[1:])
     plain = run(generate(engine, dataclasses.replace(req, rid="t0", top_logprobs_num=0)))
     assert all(o.top_logprobs is None for o in plain) and plain[0].input_top_logprobs is None
