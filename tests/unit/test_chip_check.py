@@ -70,6 +70,12 @@ def test_the_plan_names_scripts_that_exist_and_flags_they_take(tmp_path):
     plan = chip_check.parts(tmp_path, chip_check.LIMITS)
     assert [p.name for p in plan] == ["suite", "parity", "tpu", "load"]
     assert sum(chip_check.LIMITS.values()) <= 540  # inside 9 minutes
+    load = plan[3].argv
+    targets = load[load.index("--targets") + 1].split(",")  # the load bench compares a colocated node with a pd one
+    assert targets[0] == "colocated" and len(targets) == 2 and targets[1].startswith("pd-"), targets
+    import load_targets
+
+    assert set(targets) <= set(load_targets.TARGETS)
     suite = plan[0]
     assert suite.needs.exists() and int(suite.env["FSM_PD_SUITE_LIMIT"]) < suite.limit_s
     for part in plan[1:]:
