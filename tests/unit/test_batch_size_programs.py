@@ -20,8 +20,10 @@ from fsm_pd.serving.collect import generate
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.types import GenerateRequest
 
-# device programs: on a TPU host they run in the process that holds the chip (tests/on_tpu.sh)
-pytestmark = pytest.mark.chip
+# device programs: on a TPU host they run in the process that holds the chip (tests/on_tpu.sh); at full precision
+# there, as the serving tests that share this pool shape are: the programs compiled here are theirs too (programs are
+# shared per pool shape and precision)
+pytestmark = [pytest.mark.chip, pytest.mark.usefixtures("full_precision")]
 
 PAGES, PAGE_SIZE = 96, 4  # the serving tests' pool shape: their programs are reused
 

@@ -18,8 +18,11 @@ pytestmark = pytest.mark.chip
 
 
 def test_quick_run_reports_each_figure_against_its_roofline(tmp_path):
+    """At one batch of 4 (--quick's figures at batch 1 too are bench/chip_check.py's: each batch is another compile of
+    every program here, half of this test's time on the chip)."""
     out, table = tmp_path / "tpu.json", tmp_path / "tpu.md"
-    assert tpu.main(["--quick", "--json", str(out), "--markdown", str(table)]) == 0
+    assert tpu.main(["--quick", "--batches", "4", "--step-batches", "4", "--json", str(out), "--markdown",
+                     str(table)]) == 0
     report = json.loads(out.read_text())
     # a CPU's peaks are measured here; a known accelerator's come from its datasheet
     assert report["peaks"] == ("measured here" if report["device"].startswith("cpu") else "datasheet")
@@ -31,6 +34,7 @@ def test_quick_run_reports_each_figure_against_its_roofline(tmp_path):
     assert len(pools) == 2, decode.keys()  # the default pool and the larger one, at the default page size
     for mode in ("jnp", "tpu"):  # each attention, measured in the same run
         for pool in pools:
+            assert list(decode[f"{mode}/page{page}/{pool}"]) == ["4"]  # the batch asked for, though --quick
             for batch, step in decode[f"{mode}/page{page}/{pool}"].items():
                 assert step["step_ms"] > 0 and step["roofline_ms"] > 0, (mode, pool, batch, step)
                 assert abs(step["share"] - step["roofline_ms"] / step["step_ms"]) < 0.01
@@ -42,12 +46,13 @@ def test_quick_run_reports_each_figure_against_its_roofline(tmp_path):
         assert prefill["ms"] > 0 and prefill["share"] > 0
     copies = figures["copies"]
     assert copies["gather"]["GBps"] > 0 and copies["scatter"]["GBps"] > 0
+    assert list(figures["steps"]) == ["4"]
     for batch, step in figures["steps"].items():  # several decode steps a dispatch against one at a time
         assert step["host_step_ms"] > 0 and step["k1_ms_per_token"] > 0 and step["k4_ms_per_token"] > 0, (batch, step)
         assert abs(step["speedup_vs_host_step"] - step["host_step_ms"] / step["k4_ms_per_token"]) < 0.01 + 0.01 * \
             step["speedup_vs_host_step"]
     text = table.read_text()
-    first = decode[f"jnp/page{page}/{pools[0]}"]["1"]["step_ms"]
+    first = decode[f"jnp/page{page}/{pools[0]}"]["4"]["step_ms"]
     assert f"{first} (" in text and "gather" in text
 
 
