@@ -101,14 +101,20 @@ def test_a_node_ready_on_its_ready_set_serves_every_shape_without_compiling():
     its own shape.)
     """
     pages = 80  # a pool size no other test uses: its programs (shared per process and pool shape) start empty
-    engine = ColocatedEngine("tiny", num_pages=pages, page_size=PAGE_SIZE, chunked_prefill_size=MAX_TOKENS)
+    # Batches of up to 2 prompts and 4 streams, chunks of 128 tokens: 10 forward shapes and 3 sampler buckets to
+    # prepare (the defaults, 8 and 64 and 512, make 25 and 7: 50 compiles, the chip half's longest test), and still
+    # every kind of cover: prompts padded to a longer one, a batch row by row, a decode batch on the single row.
+    chunk = 128
+    engine = ColocatedEngine("tiny", num_pages=pages, page_size=PAGE_SIZE, chunked_prefill_size=chunk, max_running=4,
+                             max_prefill_batch=2)
     try:
         plan = plan_for(engine)
+        assert len(plan.forward) == 10 and plan.sample_batches == [1, 2, 4]
         report = warm_up(engine, progress=False)
         programs = engine.model.programs(engine.model_thread.pool)
         # the single-row decode, the longest single-row prefill, and a short prompt's (a colocated node prefills)
         assert report["forward_shapes"] == len(plan.ready_forward) == 3
-        assert programs.shapes == set(plan.ready_forward) == {(1, 1), (1, SHORT_PROMPT_TOKENS), (1, MAX_TOKENS)}
+        assert programs.shapes == set(plan.ready_forward) == {(1, 1), (1, SHORT_PROMPT_TOKENS), (1, chunk)}
         before = sum(compiles.counts().values())
         _serve(engine, _requests())
         greedy = _serve(engine, _requests(greedy_only=True)[:7], one_by_one=True)
