@@ -19,7 +19,9 @@
 # - Such a host may allow no TCP socket, not even on loopback. The in-process PD engines then serve over unix sockets
 #   (tests/node_sockets.py); the tests that need TCP skip with their reason, counted as the real part tcp-loopback
 #   ("real parts: tcp-loopback ran N, skipped M" in each run's log; tests/real_parts.py).
-# - FSM_PD_SUITE_PATHS: what both runs collect (default "tests/unit tests/property").
+# - FSM_PD_SUITE_PATHS: what both runs look in (default "tests/unit tests/property"). The chip's run collects only the
+#   files that name the `chip` mark (grep): importing the whole suite cost it about 20 s, with the CPU workers importing
+#   it too.
 # - Exit status 0 only when every test passed or skipped and both runs finished (a run that collected nothing, under
 #   -k, is fine where the other ran tests).
 set -uo pipefail
@@ -29,6 +31,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 limit="${FSM_PD_SUITE_LIMIT:-330}"
 workers="${FSM_PD_SUITE_WORKERS:-8}"
 read -ra paths <<<"${FSM_PD_SUITE_PATHS:-tests/unit tests/property}"
+mapfile -t chip_files < <(grep -rl --include='test_*.py' 'mark\.chip' "${paths[@]}" 2>/dev/null | sort)
+(( ${#chip_files[@]} )) || chip_files=("${paths[@]}")  # none: the run collects what the CPU's does, and selects none
 out="${FSM_PD_SUITE_OUT:-$(mktemp -d /tmp/fsm-pd-suite.XXXXXX)}"
 mkdir -p "$out"
 rm -f "$out"/chip.jsonl "$out"/cpu.jsonl
@@ -45,7 +49,7 @@ fi
 
 SECONDS=0
 FSM_PD_SUITE_LOG="$out/chip.jsonl" timeout -s INT -k 20 "$limit" \
-    python3 -m pytest "${common[@]}" "$@" -m chip "${paths[@]}" >"$out/chip.log" 2>&1 &
+    python3 -m pytest "${common[@]}" "$@" -m chip "${chip_files[@]}" >"$out/chip.log" 2>&1 &
 chip=$!
 JAX_PLATFORMS=cpu FSM_PD_SUITE_LOG="$out/cpu.jsonl" timeout -s INT -k 20 "$limit" \
     python3 -m pytest "${common[@]}" "${spread[@]}" "$@" -m "not chip" "${paths[@]}" >"$out/cpu.log" 2>&1 &

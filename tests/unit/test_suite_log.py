@@ -165,8 +165,20 @@ def test_chip_side_hangs():
 '''
 
 
+# A module without chip tests: the chip's run does not even import it (it collects only the files that name the
+# mark), so this one fails to import there and nowhere else.
+CPU_ONLY = '''
+import os
+
+assert os.environ.get("JAX_PLATFORMS") == "cpu", "imported by the chip's run"
+
+def test_in_a_file_without_chip_tests():
+    pass
+'''
+
+
 def on_tpu(tmp_path: Path, *, limit: int, stop=None) -> tuple[int, str]:
-    root = throwaway(tmp_path, {"test_split.py": ON_TPU})
+    root = throwaway(tmp_path, {"test_split.py": ON_TPU, "test_cpu_only.py": CPU_ONLY})
     out = tmp_path / "out"
     env = environ(FSM_PD_SUITE_LIMIT=str(limit), FSM_PD_SUITE_WORKERS="2", FSM_PD_SUITE_OUT=str(out),
                   FSM_PD_SUITE_COMPILE_CACHE=str(tmp_path / "jax"))
@@ -183,12 +195,12 @@ def on_tpu(tmp_path: Path, *, limit: int, stop=None) -> tuple[int, str]:
 def test_on_tpu_sh_runs_both_halves_at_once_and_ends_with_its_summary_at_its_limit(tmp_path):
     status, text = on_tpu(tmp_path, limit=25)
     assert status == 1, text
-    assert "suite: 4 tests: 2 passed, 1 failed, 1 interrupted" in text, text
+    assert "suite: 5 tests: 3 passed, 1 failed, 1 interrupted" in text, text
     assert "FAILED [cpu] tests/unit/test_split.py::test_cpu_side_fails - AssertionError: a CPU test failed" in text
     assert "INTERRUPTED [chip] tests/unit/test_split.py::test_chip_side_hangs - the run was stopped" in text
     hung = json.loads((tmp_path / "out" / "summary.json").read_text())["slowest"][0]
     assert hung["nodeid"].endswith("::test_chip_side_hangs") and hung["seconds"] > 5  # the time it hung, counted
-    assert "slowest 4:" in text
+    assert "slowest 5:" in text
     assert text.rstrip().endswith("pytest exit status chip 124, cpu 1")  # 124: `timeout` cut it at the limit
 
 
