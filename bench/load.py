@@ -221,7 +221,26 @@ def markdown(report: dict) -> str:
                      f"{len(result.get('refused_first_chats', []))} | "
                      f"{', '.join(f'{k} {v}' for k, v in sorted(routes.items()))} | "
                      f"{during(result, 'serving')}, {during(result, 'background')} | {result.get('exit_code')} |")
+    lines += handoff_lines(report)
     return "\n".join(lines)
+
+
+def handoff_lines(report: dict) -> list[str]:
+    """The pd targets' handoffs, from replay of their journals: the prefill side's xfer is the whole handoff."""
+    rows = [(name, r["handoffs"]) for name, r in report["targets"].items() if r.get("handoffs")]
+    if not rows:
+        return []
+    lines = ["", "| target | rooms (Success both sides) | replay | P xfer p50 / p90 / max (ms) "
+             "| D xfer p50 / p90 / max (ms) |", "| --- | ---: | --- | ---: | ---: |"]
+    for name, h in rows:
+        if "error" in h:
+            lines.append(f"| {name} | - | {h['error']} | - | - |")
+            continue
+        sides = [" / ".join(f"{h[k][q]:.2f}" for q in ("p50", "p90", "max")) if k in h else "-"
+                 for k in ("prefill_xfer_ms", "decode_xfer_ms")]
+        lines.append(f"| {name} | {h['rooms']} ({h['success']}) | {'ok' if h['consistent'] else 'DIVERGED'} | "
+                     f"{sides[0]} | {sides[1]} |")
+    return lines
 
 
 def during(result: dict, phase: str) -> str:
@@ -269,6 +288,8 @@ def main(argv=None) -> int:
                 clock, running = time.monotonic(), t.proc is not None and t.proc.poll() is None
                 result["exit_code"] = load_targets.stop(t)
                 result["stop_s"] = time.monotonic() - clock
+                if name.startswith("pd-"):
+                    result["handoffs"] = load_targets.handoffs(load_targets.journals(run_dir.resolve(), name))
             if running and result["exit_code"] != 0:  # a node drains and exits 0 on SIGTERM
                 state["problems"].append(f"{name} exited with {result['exit_code']} on SIGTERM:\n{t.log_tail()}")
             if interrupted:

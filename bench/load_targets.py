@@ -11,8 +11,10 @@ bench can tell which it compiled under load.
 
 from __future__ import annotations
 
+import json
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -61,8 +63,38 @@ def target(name: str, model: str, run_dir: Path, tcp: bool = False, node_args: t
         argv += ["--uds", str(sock)]
         url = unix_http.http_url(unix_address(str(sock)))
     if name.startswith("pd-"):
-        argv += ["--journal-dir", str(run_dir / f"{name}-journals")]
+        argv += ["--journal-dir", str(journals(run_dir, name))]
     return Target(name, [*argv, *node_args], url, run_dir / f"{name}.log")
+
+
+def journals(run_dir: Path, name: str) -> Path:
+    return run_dir / f"{name}-journals"
+
+
+def handoffs(journal_dir: Path) -> dict | None:
+    """What ``fsm-pd replay`` tells of a pd target's handoffs, read from its journals once it stopped: rooms, how
+    many ended Success on both sides, and the time each side spent in Transferring (``xfer`` in replay's table),
+    milliseconds at p50, p90 and max. The prefill side's is the whole handoff: from its KV ready to D's PULLED."""
+    files = sorted(str(f) for f in journal_dir.glob("*.db"))
+    if not files:
+        return None
+    out = subprocess.run([sys.executable, "-m", "fsm_pd.cli", "replay", *files, "--format", "json"],
+                         capture_output=True, text=True, timeout=300)
+    if out.returncode not in (0, 3):
+        return {"error": out.stderr.strip()[-300:]}
+    rooms: dict[int, dict[str, dict]] = {}
+    for side in json.loads(out.stdout)["rooms"]:
+        rooms.setdefault(side["room"], {})[side["role"]] = side
+    report: dict = {"rooms": len(rooms), "consistent": out.returncode == 0,
+                    "success": sum(all(s["final"] == "Success" for s in r.values()) and len(r) == 2
+                                   for r in rooms.values())}
+    for role in ("prefill", "decode"):
+        xfer = sorted(1000 * r[role]["time_in_state"]["Transferring"] for r in rooms.values()
+                      if role in r and "Transferring" in r[role]["time_in_state"])
+        if xfer:
+            report[f"{role}_xfer_ms"] = {"p50": statistics.median(xfer), "p90": xfer[int(0.9 * (len(xfer) - 1))],
+                                         "max": xfer[-1], "n": len(xfer)}
+    return report
 
 
 def start(t: Target) -> None:

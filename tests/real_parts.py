@@ -25,6 +25,7 @@ counting reads the reports (``pytest_runtest_logreport``), the same with or with
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import socket
 import sys
@@ -98,6 +99,24 @@ def tcp_missing() -> str | None:
 # is missing (``TCP_MISSING``), and needs no mark.
 TCP_MISSING = tcp_missing()
 TCP = pytest.mark.real_part("tcp-loopback", missing=TCP_MISSING)
+
+
+# libtpu, the TPU compiler, in a folder of its own (never the venv: there jax would try to open a TPU at every start):
+# bench/tpu_compile.py compiles the serving programs for a TPU v5e with it on a machine without one. Named by
+# FSM_PD_TPU_AOT_SITE only, not found by import: on a TPU host the chip belongs to the chip tests (tests/on_tpu.sh).
+TPU_AOT_SITE_ENV = "FSM_PD_TPU_AOT_SITE"
+
+
+def libtpu_missing() -> str | None:
+    """Why bench/tpu_compile.py cannot run here (None: it can)."""
+    site = os.environ.get(TPU_AOT_SITE_ENV)
+    if site and (Path(site) / "libtpu" / "libtpu.so").is_file():
+        return None
+    return (f"libtpu is not in ${TPU_AOT_SITE_ENV} ({site or 'unset'}): pip install --target DIR 'libtpu==0.0.42.*' "
+            f"and set {TPU_AOT_SITE_ENV}=DIR")
+
+
+LIBTPU = pytest.mark.real_part("libtpu", missing=libtpu_missing())
 
 
 class RealParts:

@@ -68,14 +68,15 @@ def pool_pages(args: argparse.Namespace, models: dict) -> tuple[int, int, str]:
     stats = device.memory_stats() if device.platform != "cpu" else None
     if not stats or "bytes_limit" not in stats:
         return prefill or CPU_POOL_PAGES, decode or CPU_POOL_PAGES, f"{device.platform}: the nodes' default size"
-    page_bytes = models["prefill"].make_kv_layout(2, args.page_size).page_bytes()
+    # as the device stores a page: narrow rows padded to whole lanes (the tiny model's twice its values' bytes)
+    page_bytes = models["prefill"].page_bytes_on_device(args.page_size)
     if models["decode"].device not in (None, device):  # each role's pool on its own device: all of its free memory
-        budgets = [int(_free_bytes(models[role].device) * args.kv_memory_fraction) // page_bytes
+        budgets = [pool_budget(_free_bytes(models[role].device), page_bytes, args.kv_memory_fraction)
                    for role in ("prefill", "decode")]
         return (prefill or max(2, budgets[0]), decode or max(2, budgets[1]),
                 f"{device.platform}: {args.kv_memory_fraction:g} of each role's device's free memory")
     free = _free_bytes(device)
-    budget = int(free * args.kv_memory_fraction) // page_bytes
+    budget = pool_budget(free, page_bytes, args.kv_memory_fraction)
     if prefill is None and decode is None:
         prefill = max(2, int(budget * args.prefill_pool_share))
         decode = max(2, budget - prefill)
@@ -86,6 +87,13 @@ def pool_pages(args: argparse.Namespace, models: dict) -> tuple[int, int, str]:
     how = (f"{device.platform}: {args.kv_memory_fraction:g} of {free / 2**30:.2f} GiB free after the weights, "
            f"{args.prefill_pool_share:g} of it to prefill ({page_bytes} bytes a page)")
     return prefill, decode, how
+
+
+def pool_budget(free_bytes: int, page_bytes: int, fraction: float) -> int:
+    """Pages the pools of a device with ``free_bytes`` free may take together (``--kv-memory-fraction``), at
+    ``page_bytes`` a page as the device stores it (``LoadedModel.page_bytes_on_device``); ``bench/tpu_compile.py
+    --pd`` compiles the programs of a pool this size for a v5e."""
+    return int(free_bytes * fraction) // page_bytes
 
 
 def _free_bytes(device) -> int:

@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 
 class JaxKV:
+    on_model_thread = True  # every job copies KV in the pool (effects/ports.py, run_kv_job)
+
     def __init__(self, layout: KVLayout, model: Any, *, progressive: bool, sharding: Any = None,
                  checksum: bool = False):
         """``progressive``: the transfer backend streams host bytes, so copies may overlap the wire. ``checksum``:

@@ -28,7 +28,7 @@ from fsm_pd.control.peers import PeerWatch, manager_forget
 from fsm_pd.control.pool_kv import SharedPoolKV
 from fsm_pd.control.resolver import PrefillResolver, deregister_prefill, register_prefill
 from fsm_pd.control.sending import InProcessSenders, PeerSenders
-from fsm_pd.control.workers import ThreadedPuller, ThreadedResolver
+from fsm_pd.control.workers import LocalPuller, ThreadedPuller, ThreadedResolver
 from fsm_pd.effects import Node, RealClock
 from fsm_pd.effects.decode import DecodeEffects
 from fsm_pd.effects.faults import FaultConfig, Faults
@@ -130,10 +130,11 @@ class KVManager:
             machine = SENDER
         else:
             self.admission = admission
+            puller = LocalPuller if shared_pool is not None else ThreadedPuller
             self.effects = DecodeEffects(
                 layout=layout.to_dict(), channel=self.senders,
                 resolver=ThreadedResolver(lambda: self.resolver, self.lookups), admission=self.admission,
-                puller=ThreadedPuller(self.backend, kv.pull_spec, self.workers), model=self.model, kv=kv,
+                puller=puller(self.backend, kv.pull_spec, self.workers), model=self.model, kv=kv,
                 faults=faults, kv_checksum=kv_checksum)
             machine = RECEIVER
         self.node = Node(node_id, machine, self.journal, self.effects.interpreter(), self.clock, self.deadlines)

@@ -10,8 +10,12 @@ that holds the pages (``PageAllocator.holder``: its key in the allocator, which 
 first checks that the sender still holds every one of them (and D's room every page it gives back). If P's room ended
 meanwhile (a deadline, an abort) its ``FreePages`` returned the pages, and the hand-over fails, even where another
 room has reserved them since and holds them all (with its own KV); D's room fails and D recomputes the request. A
-page is never owned by two rooms, and none is freed while it moves. Both sides' jobs run on the one model thread, in
-order.
+page is never owned by two rooms, and none is freed while it moves.
+
+Neither job waits for the model thread (``on_model_thread``, ``effects/ports.run_kv_job``): both run on their engine's
+loop thread the moment the machine asks, since neither touches the pool's arrays. That is safe for the device too:
+P's room reaches ``kv_ready`` only after the model thread dispatched its last prefill program, and D's first decode
+step that reads the pages is dispatched by the same thread after the hand-over, so the chip sees them in order.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ from fsm_pd.transport.reshard import ReshardPlan
 
 
 class SharedPoolKV(JaxKV):
+    # a handoff's gather names pages and its scatter moves their ownership under the allocator's lock: neither
+    # touches the pool's arrays, so neither waits behind a model step (effects/ports.py, run_kv_job)
+    on_model_thread = False
+
     def __init__(self, layout, model, *, allocator: Any, **options: Any) -> None:
         """``allocator``: the ``PageAllocator`` both engines' views share (``PageAllocator.view``)."""
         super().__init__(layout, model, progressive=False, **options)

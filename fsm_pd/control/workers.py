@@ -52,6 +52,20 @@ class ThreadedPuller:
         self.workers.submit(_call, done, work)
 
 
+class LocalPuller(ThreadedPuller):
+    """A ``pool`` backend's pulls (two engines of one process): one whose entry is already settled, published or
+    ended, cannot block, so it is taken at once on the caller's thread; any other still waits on a worker."""
+
+    def pull(self, address: str, uuid: int, page_count: int, timeout_s: float, *, done: ResultDone,
+             on_progress: OnProgress | None = None, delay_s: float = 0.0, piece: Any = None) -> None:
+        if delay_s or not self.backend.settled(address, uuid):
+            super().pull(address, uuid, page_count, timeout_s, done=done, on_progress=on_progress, piece=piece,
+                         delay_s=delay_s)
+            return
+        spec = self.spec_for(page_count, piece)
+        _call(done, lambda: self.backend.pull(address, uuid, spec, timeout_s, on_progress=on_progress)[0])
+
+
 class ThreadedResolver:
     """The real ``ResolverPort``: a ``PrefillResolver``'s ``resolve`` with its lookups made on ``workers``. A room is
     answered at once from the cache, joins the lookup of its rank under way, or leads one; only that one lookup per

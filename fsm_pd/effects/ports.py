@@ -99,8 +99,25 @@ class ModelExecutor(Protocol):
     def submit(self, job: Callable[[Any], T]) -> Future[T]: ...
 
 
+def run_kv_job(model: ModelExecutor, kv: PrefillKV | DecodeKV, job: Callable[[Any], T]) -> Future[T]:
+    """A handoff's gather or scatter: on the model thread, in order with every other job on the pool, where it copies
+    KV. A shared pool's handoff copies none (``kv.on_model_thread`` False: it moves page ownership under the
+    allocator's own lock, ``control/pool_kv.py``), so it runs now, on the caller's thread, rather than wait behind a
+    model step for nothing; its outcome still comes back through the returned future."""
+    if kv.on_model_thread:
+        return model.submit(job)
+    done: Future[T] = Future()
+    try:
+        done.set_result(job(model))
+    except Exception as exc:  # noqa: BLE001 - reported through the future, as the model thread reports a job's
+        done.set_exception(exc)
+    return done
+
+
 class PrefillKV(Protocol):
     """The prefill node's pool operations; ``owner`` is the model executor's owner object, passed to every job."""
+
+    on_model_thread: bool  # False: a handoff's jobs touch no device array, and run where they are asked (run_kv_job)
 
     def gather(self, owner: Any, pages: list[int], plan: Any) -> tuple:
         """Copy ``pages`` of every layer into staging, cut into the pieces of ``plan`` (``reshard.ReshardPlan``; one
@@ -143,6 +160,8 @@ class PrefillKV(Protocol):
 
 class DecodeKV(Protocol):
     """The decode node's pool operations."""
+
+    on_model_thread: bool  # as PrefillKV's
 
     def stream(self, pages: list[int]) -> Any | None:
         """A streamed scatter of a pull into ``pages`` (layers written as they land), or None to scatter at the end."""

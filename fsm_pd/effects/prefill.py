@@ -27,6 +27,7 @@ from fsm_pd.effects import EffectError, EffectInterpreter
 from fsm_pd.effects.checksums import DEFAULT_ALGORITHM, trailer_words
 from fsm_pd.effects.chunked import ChunkPlan, streams
 from fsm_pd.effects.outbox import Outbox
+from fsm_pd.effects.ports import run_kv_job
 from fsm_pd.machines.effect_types import GatherAndPublish, ReleaseStaging, Send
 from fsm_pd.transport.messages import Abort, Ready
 from fsm_pd.transport.reshard import piece_uuid, plan_between
@@ -130,7 +131,7 @@ class PrefillEffects:
             if exc is not None:  # the room fails; its ReleaseStaging then fails the entry if it was published
                 node.submit(room_id, "error", {"blame": "local", "reason": f"gather/publish failed: {exc}"})
 
-        self.model.submit(gather).add_done_callback(failed)
+        run_kv_job(self.model, self.kv, gather).add_done_callback(failed)
 
     def checks(self, ctx: dict) -> bool:
         """Whether this room's KV is checksummed: our --kv-checksum, the decode node's (PREPARE says it), and a

@@ -23,6 +23,7 @@ from fsm_pd.effects.checksums import (
     mismatch,
 )
 from fsm_pd.effects.chunked import ChunkPlan
+from fsm_pd.effects.ports import run_kv_job
 from fsm_pd.effects.pulls import DecodePart, pages_to_receive
 from fsm_pd.transport.reshard import ReshardPlan, plan_between
 
@@ -88,7 +89,7 @@ class ScatterAndVerify(DecodePart):
             else:
                 node.submit(room_id, "error", {"blame": "local", "reason": f"scatter failed: {exc}"})
 
-        self.model.submit(write).add_done_callback(done)
+        run_kv_job(self.model, self.kv, write).add_done_callback(done)
 
     def _verify(self, owner: Any, pages: list[int], plan: ReshardPlan, chunks: tuple | None,
                 expected: list | None, stream: Any = None) -> str:

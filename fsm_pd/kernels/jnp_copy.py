@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 
+from fsm_pd.kernels.pool_format import PoolJit
 from fsm_pd.kernels.validation import Pool
 
 
@@ -43,7 +44,8 @@ def _place(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, sharding)
 
 
-@partial(jax.jit, donate_argnums=0)
+# the pool's results row-major, as it comes in (``pool_format.py``)
+@partial(PoolJit, pool="pool", results=lambda pool: pool, donate_argnums=0)
 def scatter_rows(pool: Pool, staging: jax.Array, row_pages: jax.Array) -> Pool:
     """Write staging row ``r`` of every layer into page ``row_pages[r]``; the pool is donated and updated in place.
 

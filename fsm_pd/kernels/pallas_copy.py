@@ -25,6 +25,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec
 
 from fsm_pd.kernels.placement import Placement
+from fsm_pd.kernels.pool_format import PoolJit
 from fsm_pd.kernels.runs import PageRuns
 from fsm_pd.kernels.validation import Pool
 
@@ -139,7 +140,8 @@ def _gather_jit(pool, scalars, *, rows, placement, interpret):
     return sharded(*scalars, *pool)
 
 
-@partial(jax.jit, static_argnames=("placement", "interpret"), donate_argnums=0)
+# the pool's results row-major, as it comes in (``pool_format.py``)
+@partial(PoolJit, pool="pool", results=lambda pool: pool, static_argnames=("placement", "interpret"), donate_argnums=0)
 def _scatter_jit(pool, staging, scalars, *, placement, interpret):
     scalars = _unpacked(scalars)
     call = partial(_scatter_call, interpret=interpret)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsm_pd.kernels.layout import PAD_PAGE
+from fsm_pd.kernels.pool_format import PoolJit
 from fsm_pd.model import input_buckets
 from fsm_pd.model.attention import Kernels, block_pages, paged_attention, reference_attention
 from fsm_pd.model.config import ModelConfig
@@ -75,7 +76,9 @@ def _logits(config: ModelConfig, params: dict, h):
     return (h @ head).astype(jnp.float32)
 
 
-@partial(jax.jit, static_argnames=("config", "kernels"), donate_argnames=("pool",))
+# the pool's results row-major, as it comes in (``kernels/pool_format.py``)
+@partial(PoolJit, pool="pool", results=lambda pool: (None, pool, None), static_argnames=("config", "kernels"),
+         donate_argnames=("pool",))
 def forward_paged(params, pool, tokens, starts, lengths, page_tables, *, config: ModelConfig, kernels: Kernels = "jnp"):
     """Run ``tokens: [B, S]`` at positions ``starts[:, None] + [0, S)`` through the decoder, as one program.
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from fsm_pd.kernels import pool_format
 from fsm_pd.kernels.layout import KVLayout
 from fsm_pd.model import decoder
 from fsm_pd.model.config import ModelConfig
@@ -72,8 +72,15 @@ class LoadedModel:
             placement = jax.sharding.SingleDeviceSharding(self.device or jax.devices()[0])
         else:
             placement = NamedSharding(self.tp.mesh, layout.pool_spec())
-        zeros = jax.jit(lambda: jnp.zeros(layout.layer_shape, dtype=layout.dtype), out_shardings=placement)
-        return tuple(zeros() for _ in range(layout.num_layers))
+        # row-major, as every program that returns a pool leaves it (kernels/pool_format.py)
+        return pool_format.zeros(layout.layer_shape, layout.dtype, placement, layout.num_layers)
+
+    def page_bytes_on_device(self, page_size: int) -> int:
+        """Bytes one page of this model's pool takes in its device's memory, every layer, row-major with the
+        padding of narrow rows (``pool_format.page_bytes``); ``KVLayout.page_bytes`` counts the values alone."""
+        layout = self.make_kv_layout(2, page_size)
+        device = jax.sharding.SingleDeviceSharding(self.device or jax.devices()[0])
+        return layout.num_layers * pool_format.page_bytes(layout.page_shape, layout.dtype, device)
 
     def on_device(self, device: jax.Device) -> LoadedModel:
         """This model with its weights copied to ``device`` (its pools made there too): a role of ``--role pd`` on

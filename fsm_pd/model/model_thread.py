@@ -110,8 +110,12 @@ class ModelThread:
                 with self.lease.job():
                     result = job(self)
             except BaseException as exc:  # noqa: BLE001 - the job's failure is its caller's, unless it is fatal
-                future.set_exception(exc)
+                # dead before the caller hears of the failure: a caller that then asks health() must see why
                 if (reason := self._fatal(exc)) is not None:
+                    with self._lock:
+                        self.dead = reason
+                future.set_exception(exc)
+                if reason is not None:
                     self._die(reason)
                     return
             else:
@@ -126,7 +130,7 @@ class ModelThread:
 
     def _die(self, reason: str) -> None:
         with self._lock:
-            self.dead = reason
+            self.dead = self.dead or reason
         log.critical("%s died: %s", self.name, reason)
         self._drain(ModelThreadDead(f"{self.name} is dead: {reason}"))
         for callback in list(self.on_death):

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fsm_pd.kernels.pool_format import PoolJit
 from fsm_pd.model.attention import block_pages
 from fsm_pd.model.config import ModelConfig
 from fsm_pd.model.decoder import embed_tokens, final_logits, forward_group, top_params
@@ -128,7 +129,9 @@ def decode_steps(params, pool, packed, *, config: ModelConfig, kernels: str, max
     return out, pool
 
 
-_decode_steps = jax.jit(decode_steps, static_argnames=("config", "kernels", "max_steps"), donate_argnames=("pool",))
+# the pool's results row-major, as it comes in (``kernels/pool_format.py``)
+_decode_steps = PoolJit(decode_steps, pool="pool", results=lambda pool: (None, pool),
+                        static_argnames=("config", "kernels", "max_steps"), donate_argnames=("pool",))
 
 
 def table_widths(full: int, page_size: int) -> list[int]:

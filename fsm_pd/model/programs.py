@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fsm_pd.kernels.pool_format import PoolJit, abstract_pool
 from fsm_pd.model import input_buckets
 from fsm_pd.model.attention import kernels_for
 from fsm_pd.model.config import ModelConfig
@@ -68,8 +69,11 @@ def whole_step(params, pool, packed, *, config: ModelConfig, kernels: str, token
 
 
 _embed = jax.jit(embed_step, static_argnames=("tokens",))
-_whole = jax.jit(whole_step, static_argnames=("config", "kernels", "tokens"), donate_argnames=("pool",))
-_group = jax.jit(forward_group, static_argnames=("config", "kernels"), donate_argnames=("pools",))
+# the pool's results row-major, as it comes in (``kernels/pool_format.py``): else XLA copies it both ways
+_whole = PoolJit(whole_step, pool="pool", results=lambda pool: (None, pool, None),
+                 static_argnames=("config", "kernels", "tokens"), donate_argnames=("pool",))
+_group = PoolJit(forward_group, pool="pools", results=lambda pools: (None, pools),
+                 static_argnames=("config", "kernels"), donate_argnames=("pools",))
 _head = jax.jit(final_logits, static_argnames=("config",))
 
 
@@ -166,7 +170,7 @@ class ForwardPrograms:
         self.config, self.tp = config, tp
         abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
         self._params = jax.tree.map(abstract, params)  # shapes only: no model's weights are kept alive here
-        self._pool = tuple(abstract(a) for a in pool)
+        self._pool = abstract_pool(pool)  # row-major, as every pool is made and every program returns it
         self.width = table_width(config, pool[0].shape[0], pool[0].shape[1])
         self.kernels = kernels_for(pool, config.head_dim) if tp is None else "jnp"
         if layers_per_program is None:

@@ -35,6 +35,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fsm_pd.kernels.layout import PAD_HEAD, kv_slot_heads
+from fsm_pd.kernels.pool_format import PoolJit
 from fsm_pd.model.config import ModelConfig
 from fsm_pd.model.decoder import forward_group
 
@@ -190,7 +191,9 @@ def layer_specs(layers) -> list[dict]:
 POOL_SPEC = PartitionSpec(None, None, TP_AXIS)  # KVLayout.pool_spec() with shard_axis = TP_AXIS
 
 
-@partial(jax.jit, static_argnames=("tp",), donate_argnames=("pools",))
+# the pools' results row-major, as they come in: a shard's rows may be narrower than 128 lanes (kernels/pool_format.py)
+@partial(PoolJit, pool="pools", results=lambda pools: (None, pools), static_argnames=("tp",),
+         donate_argnames=("pools",))
 def group_sharded(layers, pools, x, starts, lengths, page_tables, *, tp: TensorParallel):
     """``decoder.forward_group`` over ``tp``'s mesh: same arguments and results (``x`` replicated, the pools split on
     their KV-head axis), ``layers`` from ``shard_params``. The embedding and the head need no ``shard_map``: their

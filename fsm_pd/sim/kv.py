@@ -148,6 +148,8 @@ class SimLayerStream(LayerStream):
 
 
 class SimKV:
+    on_model_thread = True  # every job copies KV in the pool (effects/ports.py, run_kv_job)
+
     def __init__(self, ledger: Ledger, sched: Timeline, model: Any, instance: Any, page_bytes: int,
                  num_layers: int, *, progressive: bool, sends_pages: bool = False,
                  room_of_pages: Callable[[list[int]], int | None] | None = None,

@@ -111,6 +111,7 @@ class SimPoolKV:
 
     summed = False
     checksum_algorithm = None
+    on_model_thread = False  # as SharedPoolKV: its handoff jobs run where they are asked
 
     def __init__(self, ledger: Ledger, instance: Any, allocator: RecordingAllocator):
         self.ledger, self.instance, self.allocator = ledger, instance, allocator

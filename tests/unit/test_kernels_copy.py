@@ -59,7 +59,11 @@ def reference_scatter(pool: list[np.ndarray], staging: np.ndarray, ids: list[int
 
 
 def to_device(pool: list[np.ndarray]) -> tuple[jax.Array, ...]:
-    return tuple(jnp.asarray(layer) for layer in pool)
+    """Committed to the first device, as a node's pool is (``LoadedModel.make_pool``) and as a scatter returns one
+    (``kernels/pool_format.py`` pins its results' layout, which takes a placement): else the first scatter would
+    hand the next call a committed pool, one more program."""
+    device = jax.devices()[0]
+    return tuple(jax.device_put(jnp.asarray(layer), device) for layer in pool)  # a buffer of its own: donatable
 
 
 @pytest.fixture(autouse=True)

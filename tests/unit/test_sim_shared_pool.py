@@ -45,9 +45,11 @@ def test_the_decode_room_adopts_the_prefill_rooms_pages_and_nothing_is_copied(tm
 
 @pytest.mark.parametrize("told", [True, False])
 def test_pages_the_prefill_room_freed_mid_handoff_are_refused(tmp_path, told):
-    """P's room ends (its client leaves) once D has the page list: P frees the pages. Told by the ABORT, D fails;
+    """P's room ends (its client leaves) once D has the page list, and before D's report of the pull is read (late
+    here: the hand-over itself runs the moment it is, on D's loop): P frees the pages. Told by the ABORT, D fails;
     with the ABORT lost, D's hand-over finds the pages no longer P's and refuses them, changing nothing."""
     world = shared_world(tmp_path)
+    world.plan.slow_pulls_s = 0.05
     world.add_request(1, 100, at=0.001)
     assert world.run_until(landed(world, 1))
     if not told:
@@ -106,7 +108,8 @@ def test_the_decode_loop_retracts_and_resumes_requests_whose_pages_it_adopted(tm
     world.run()
     world.close()
     decode = world.decode.instance
-    assert decode.scheduler.loop.counters() == {"preempted": 1, "resumed": 1}
+    counts = decode.scheduler.loop.counters()  # how many depends on when each handoff lands: at least one
+    assert counts["preempted"] >= 1 and counts["resumed"] == counts["preempted"], counts
     assert {r.state for r in decode.node.rooms.values()} == {"Success"}
     assert world.ledger.violations == [] and page_accounting(world) == [] and leaks(world) == []
 

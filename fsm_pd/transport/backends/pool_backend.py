@@ -44,6 +44,17 @@ class PoolHandoffBackend(DeviceTransferBackend):
             self._holds.publish(uuid, 0, hold_timeout_s, lambda _deadline: handoffs)
             self._changed.notify_all()
 
+    def settled(self, address: str, uuid: int) -> bool:
+        """Whether a pull of ``uuid`` from ``address`` would return (or fail) at once: published, ended, or no node."""
+        node = node_at(address)
+        if not isinstance(node, PoolHandoffBackend):
+            return True
+        with node._changed:
+            try:
+                return node._published(uuid) is not None
+            except TransferFailed:
+                return True
+
     def pull(self, address: str, uuid: int, spec, timeout_s: float,
              on_progress: OnProgress | None = None) -> tuple[PageHandoff, ...]:
         deadline = time.monotonic() + timeout_s
