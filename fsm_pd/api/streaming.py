@@ -72,7 +72,9 @@ async def answer_whole(run: RequestRun, render: Callable[[RequestState], dict]) 
 async def answer_stream(run: RequestRun, on_output: ChunkRenderer, on_end: TailRenderer | None = None,
                         head: list[dict] | None = None) -> Response:
     """SSE: ``head`` chunks, then ``on_output`` chunks for each output, ``on_end`` chunks, and ``[DONE]``.
-    An engine error after the headers went out is one ``data: {"error": ...}`` event (SGLang's way), then [DONE]."""
+    An engine error after the headers went out is one ``data: {"error": ...}`` event (SGLang's way), then [DONE].
+    The events of the outputs that are here together (a dispatch's tokens) go out in one write: one event each,
+    one pass through the ASGI send path and one socket write for them all."""
     reported = len(run.state.output_ids)  # a resumed stream's earlier tokens are the router's already
     try:
         first = await run.next_output()
@@ -92,13 +94,17 @@ async def answer_stream(run: RequestRun, on_output: ChunkRenderer, on_end: TailR
                 yield sse(chunk)
             out = first
             while out is not None:
-                chunks = on_output(run.state, out)
-                if progress and chunks:
-                    ids = run.state.output_ids
-                    chunks[-1][PROGRESS_FIELD] = {"ids": ids[reported:], "seed": run.state.request.seed}
-                    reported = len(ids)
-                for chunk in chunks:
-                    yield sse(chunk)
+                events = []
+                while out is not None:  # every output here already, in one write
+                    chunks = on_output(run.state, out)
+                    if progress and chunks:
+                        ids = run.state.output_ids
+                        chunks[-1][PROGRESS_FIELD] = {"ids": ids[reported:], "seed": run.state.request.seed}
+                        reported = len(ids)
+                    events += [sse(chunk) for chunk in chunks]
+                    out = run.next_ready()
+                if events:
+                    yield b"".join(events)
                 out = await run.next_output()
             for chunk in on_end(run.state) if on_end else ():
                 yield sse(chunk)
