@@ -24,32 +24,33 @@ from collections.abc import Callable, Hashable
 FALLBACK, LOOP = 0, 1  # priorities: what a step at a time runs on, then the several-steps programs
 
 _lock = threading.Lock()
-_queues: tuple[OrderedDict, OrderedDict] = (OrderedDict(), OrderedDict())  # by priority: key -> (kind, compile)
+_queues: tuple[OrderedDict, OrderedDict] = (OrderedDict(), OrderedDict())  # by priority: key -> (kind, what, compile)
 _noted: set = set()  # the keys queued or being compiled (and those that failed to: not tried again)
 _wanted = threading.Event()  # set while a queue holds something
 
 
-def want(key: Hashable, kind: str, compile_it: Callable[[], object], priority: int = FALLBACK) -> None:
+def want(key: Hashable, kind: str, what: str, compile_it: Callable[[], object], priority: int = FALLBACK) -> None:
     """Note that a request ran without the program ``key`` names; ``compile_it()`` prepares it (``kind``: the
-    compile counters' kind). Cheap when noted before: it runs on every covered call, on the model thread."""
+    compile counters' kind; ``what``: its name in the log). Cheap when noted before: it runs on every covered call,
+    on the model thread."""
     if key in _noted:  # a set lookup is atomic under the interpreter's lock: the lock only for a first note
         return
     with _lock:
         if key in _noted:
             return
         _noted.add(key)
-        _queues[priority][key] = (kind, compile_it)
+        _queues[priority][key] = (kind, what, compile_it)
         _wanted.set()
 
 
-def take() -> tuple[Hashable, str, Callable[[], object]] | None:
+def take() -> tuple[Hashable, str, str, Callable[[], object]] | None:
     """The first program wanted, of the first priority that has one, or None. It leaves the queue; wants of it are
     not noted again until ``done``."""
     with _lock:
         for queue in _queues:
             if queue:
-                key, (kind, compile_it) = queue.popitem(last=False)
-                return key, kind, compile_it
+                key, (kind, what, compile_it) = queue.popitem(last=False)
+                return key, kind, what, compile_it
         _wanted.clear()
         return None
 

@@ -184,6 +184,7 @@ class StepPrograms:
             return batch, wider[0]
         if not compile_missing:  # the background compiles it next, after what a step at a time runs on
             compile_demand.want((self, batch, width, max_steps), "decode",
+                                f"{max_steps} steps, {batch} rows, {width} pages wide",
                                 lambda: self.compile(batch, width, max_steps), compile_demand.LOOP)
             return None
         self.compile(batch, width, max_steps)

@@ -251,7 +251,8 @@ class ForwardPrograms:
         if shape is None:  # nothing prepared covers it: compile now (counted as a serving compile)
             return self.compile(*tokens.shape)(params, pool, tokens, starts, lengths, page_tables)
         batch, length = tokens.shape
-        compile_demand.want((self, batch, length), "decode" if length == 1 else "prefill",
+        kind = "decode" if length == 1 else "prefill"
+        compile_demand.want((self, batch, length), kind, f"{kind} {batch}x{length}",
                             lambda: self.compile(batch, length))
         return self._run_covered(shape, params, pool, np.asarray(tokens), np.asarray(starts), np.asarray(lengths),
                                  np.asarray(page_tables))

@@ -248,7 +248,7 @@ def sample(logits, params: Sequence[SamplingParams], seeds: Sequence[int], steps
     vocab = logits.shape[-1]
     if b != (own := input_buckets.batch_bucket(n)):  # padded up: the background prepares the bucket next
         sharding = getattr(logits, "sharding", None)
-        compile_demand.want(("sampling", own, vocab, sharding), "sampling",
+        compile_demand.want(("sampling", own, vocab, sharding), "sampling", f"sampling {own} rows",
                             lambda: prepare(own, vocab, sharding))
     if logits.shape[0] != b:  # on the host: a slice or pad on the device is a program per shape
         rows = np.zeros((b, vocab), np.float32)

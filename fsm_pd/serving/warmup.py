@@ -281,17 +281,17 @@ def compile_rest(engine, *, busy: Callable[[], bool] = lambda: False, on_done=la
         def serve_demand() -> None:
             nonlocal count, demanded
             while not stop.is_set() and (wanted := compile_demand.take()) is not None:
-                key, kind, compile_it = wanted
+                key, kind, what, compile_it = wanted
                 began = time.monotonic()
                 try:
                     with compiles.preparing(kind, background=True):
                         compile_it()
                 except Exception:  # noqa: BLE001 - the cover goes on serving it (not tried again); the plan goes on
-                    log.exception("background compile: a %s program requests needed failed to compile", kind)
+                    log.exception("background compile: %s, which requests ran without, failed to compile", what)
                     continue
                 compile_demand.done(key)
                 count, demanded = count + (4 if kind == "sampling" else 1), demanded + 1
-                log.info("background compile: a %s program requests ran without, first (%.1f s)", kind,
+                log.info("background compile: %s first, which requests ran without (%.1f s)", what,
                          time.monotonic() - began)
 
         _lower_priority()

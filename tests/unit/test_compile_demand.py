@@ -27,17 +27,17 @@ pytestmark = [pytest.mark.chip, pytest.mark.usefixtures("full_precision")]
 
 
 def test_what_a_step_at_a_time_runs_on_comes_before_the_several_steps_programs():
-    compile_demand.want(("test", "loop"), "decode", lambda: None, compile_demand.LOOP)
-    compile_demand.want(("test", "forward"), "decode", lambda: None)
-    compile_demand.want(("test", "forward"), "decode", lambda: None)  # noted once
+    compile_demand.want(("test", "loop"), "decode", "loop", lambda: None, compile_demand.LOOP)
+    compile_demand.want(("test", "forward"), "decode", "forward", lambda: None)
+    compile_demand.want(("test", "forward"), "decode", "forward", lambda: None)  # noted once
     taken = []
     while (item := compile_demand.take()) is not None:
         taken.append(item[0])
     assert [key for key in taken if key[0] == "test"] == [("test", "forward"), ("test", "loop")]
-    compile_demand.want(("test", "loop"), "decode", lambda: None, compile_demand.LOOP)  # taken, not done yet
+    compile_demand.want(("test", "loop"), "decode", "loop", lambda: None, compile_demand.LOOP)  # taken, not done yet
     assert compile_demand.take() is None
     compile_demand.done(("test", "loop"))
-    compile_demand.want(("test", "loop"), "decode", lambda: None, compile_demand.LOOP)
+    compile_demand.want(("test", "loop"), "decode", "loop", lambda: None, compile_demand.LOOP)
     assert compile_demand.take()[0] == ("test", "loop")
 
 
