@@ -50,6 +50,7 @@ from fsm_pd.kvpool.pages import pages_for
 from fsm_pd.model import compile_demand, compiles, input_buckets, sampling
 from fsm_pd.model.decoder import LOGPROB_ROWS, MAX_TOP_LOGPROBS, next_token_logprobs
 from fsm_pd.model.programs import decode_shapes, prefill_shapes
+from fsm_pd.runtime.switch_interval import brief_turns
 from fsm_pd.serving.startup import Startup
 
 log = logging.getLogger(__name__)
@@ -243,8 +244,10 @@ def compile_rest(engine, *, busy: Callable[[], bool] = lambda: False, on_done=la
     on one that covers it. Each program of the plan waits until ``busy()`` is False (at most ``IDLE_WAIT_S``):
     tracing holds the interpreter's lock, which a nice value does not share out, so it goes where requests are not.
     What requests ran without meanwhile (``compile_demand.py``) goes first and waits for nothing: its batches pay
-    for the cover at every step. ``on_done`` gets ``{"programs", "seconds", "demanded"}``. ``stop``, once set, ends
-    the thread before its next program (without ``on_done``)."""
+    for the cover at every step. While it compiles, the interpreter's lock changes hands every 0.5 ms instead of 5,
+    so the model thread gets it back soon after each device wait (``runtime/switch_interval.py``). ``on_done`` gets
+    ``{"programs", "seconds", "demanded"}``. ``stop``, once set, ends the thread before its next program (without
+    ``on_done``)."""
     stop = stop or threading.Event()
     plan = plan_for(engine)
     programs = engine.model.programs(engine.model_thread.pool)
@@ -284,7 +287,7 @@ def compile_rest(engine, *, busy: Callable[[], bool] = lambda: False, on_done=la
                 key, kind, what, compile_it = wanted
                 began = time.monotonic()
                 try:
-                    with compiles.preparing(kind, background=True):
+                    with compiles.preparing(kind, background=True), brief_turns():
                         compile_it()
                 except Exception:  # noqa: BLE001 - the cover goes on serving it (not tried again); the plan goes on
                     log.exception("background compile: %s, which requests ran without, failed to compile", what)
@@ -303,7 +306,7 @@ def compile_rest(engine, *, busy: Callable[[], bool] = lambda: False, on_done=la
             if stop.is_set():
                 return
             if not there():
-                with compiles.preparing(kind, background=True):
+                with compiles.preparing(kind, background=True), brief_turns():
                     make()
                 count += made
         serve_demand()

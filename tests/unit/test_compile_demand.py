@@ -9,6 +9,7 @@ came, and every step of the 16-row batch ran row by row on the single-row progra
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 
@@ -16,6 +17,7 @@ import pytest
 
 from fsm_pd.model import compile_demand, compiles, sampling
 from fsm_pd.model.sampling import SamplingParams
+from fsm_pd.runtime import switch_interval
 from fsm_pd.serving import warmup
 from fsm_pd.serving.collect import generate
 from fsm_pd.serving.colocated_engine import ColocatedEngine
@@ -69,14 +71,15 @@ def test_a_busy_node_compiles_first_what_its_batches_ran_without(monkeypatch):
     """A node that is never idle (its plan's programs each wait ``IDLE_WAIT_S``, here longer than the test): a batch
     of 4 decodes covered (row by row on the single-row program), its sampler padded up to the largest bucket, its
     several-steps program missing; the background compiles them at once, the batch's own decode step before its
-    several-steps program, and nothing of its plan meanwhile. Then the batch runs several steps a dispatch."""
+    several-steps program, and nothing of its plan meanwhile, in brief turns of the interpreter's lock. Then the
+    batch runs several steps a dispatch."""
     monkeypatch.setattr(warmup, "IDLE_WAIT_S", 600.0)
     monkeypatch.setattr(warmup, "READY_GRACE_S", 0.0)
     monkeypatch.setattr(sampling, "_prepared", set())  # the process's other tests prepared sampler buckets too
     # a pool size no other test uses: its programs (shared per process and pool shape) start empty
     engine = ColocatedEngine("tiny", num_pages=92, page_size=16, max_running=8, max_prefill_batch=8,
                              chunked_prefill_size=64, decode_steps_per_dispatch=4)
-    stop, compiled = threading.Event(), []
+    stop, compiled, turns = threading.Event(), [], []
     try:
         warm_up(engine, progress=False)
         programs = engine.model.programs(engine.model_thread.pool)
@@ -88,8 +91,9 @@ def test_a_busy_node_compiles_first_what_its_batches_ran_without(monkeypatch):
         for name, target in (("forward", programs), ("loop", loops)):  # records the order they compile in
             original = target.compile
             monkeypatch.setattr(target, "compile", lambda *shape, _o=original, _n=name: (
-                compiled.append((_n, shape)), _o(*shape))[1])
+                compiled.append((_n, shape)), turns.append(((_n, shape), sys.getswitchinterval())), _o(*shape))[2])
         compiles.install()
+        default_turn = sys.getswitchinterval()
         thread = compile_rest(engine, busy=lambda: True, stop=stop)
         serving_before = compiles.counts()["serving"]
         _serve(engine, _requests(4))
@@ -99,6 +103,9 @@ def test_a_busy_node_compiles_first_what_its_batches_ran_without(monkeypatch):
         assert (4, 1) in programs.shapes and sampling.is_prepared(4)
         order = [entry for entry in compiled if entry in (("forward", (4, 1)), ("loop", loop_shape))]
         assert order == [("forward", (4, 1)), ("loop", loop_shape)], compiled
+        # compiled with the interpreter's lock changing hands in brief turns, and the usual turns back after
+        assert {turn for entry, turn in turns if entry in order} == {switch_interval.BRIEF_TURN_S}, turns
+        assert sys.getswitchinterval() == default_turn
         # the plan's first programs (the sampler of 2 rows, the single-row several-steps programs) wait for idle
         assert not sampling.is_prepared(2) and not any(shape[0] == 1 for shape in loops.shapes), compiled
         assert thread.is_alive()
@@ -108,3 +115,23 @@ def test_a_busy_node_compiles_first_what_its_batches_ran_without(monkeypatch):
     finally:
         stop.set()
         engine.close()
+
+
+def test_brief_turns_nest_and_give_the_interval_back():
+    default = sys.getswitchinterval()
+    entered, leave = threading.Event(), threading.Event()
+
+    def beside():
+        with switch_interval.brief_turns():
+            entered.set()
+            leave.wait(10)
+
+    other = threading.Thread(target=beside)
+    with switch_interval.brief_turns():
+        assert sys.getswitchinterval() == switch_interval.BRIEF_TURN_S
+        other.start()
+        entered.wait(10)
+    assert sys.getswitchinterval() == switch_interval.BRIEF_TURN_S  # the other thread is still inside
+    leave.set()
+    other.join()
+    assert sys.getswitchinterval() == default
