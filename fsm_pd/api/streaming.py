@@ -55,8 +55,16 @@ ChunkRenderer = Callable[[RequestState, TokenOutput], list[dict]]
 TailRenderer = Callable[[RequestState], list[dict]]
 
 
+# Characters JSON leaves as they are but line readers split at: httpx's ``aiter_lines`` (the load bench's client and
+# the built-in router's migrating and merging relays) splits like ``str.splitlines``, at U+0085, U+2028 and U+2029
+# too, which cut an event's JSON in two (the tiny model's random bytes make them). Inside a JSON string, their
+# escapes mean the same.
+_LINE_BREAKS = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
+    return b"data: " + text.encode() + b"\n\n"
 
 
 async def answer_whole(run: RequestRun, render: Callable[[RequestState], dict]) -> Response:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
+
 from fsm_pd.api.runner import RequestRun
-from fsm_pd.api.streaming import answer_stream
+from fsm_pd.api.streaming import DONE, answer_stream, sse
 from fsm_pd.model.sampling import SamplingParams
 from fsm_pd.model.tokenizer import ByteTokenizer
 from fsm_pd.serving.types import EngineError, GenerateRequest, RequestStream, TokenOutput
@@ -68,3 +70,13 @@ def test_an_error_after_a_burst_comes_after_its_tokens():
     parts = _body(BurstEngine([TokenOutput(10), TokenOutput(11), TokenOutput(12)], EngineError("it broke", 500)))
     assert [_ids(part) for part in parts] == [[10, 11, 12], ["error"], []]
     assert b"it broke" in parts[1]
+
+
+def test_an_event_stays_one_line_whatever_characters_its_text_holds():
+    """U+0085, U+2028 and U+2029 are no line breaks to SSE, but httpx's line reader (the load bench's client, the
+    built-in router's relays) splits at them: an event's JSON must not hold them raw. It held the tiny model's
+    random bytes decoded, and the load bench's client failed on "Unterminated string"."""
+    payload = {"choices": [{"delta": {"content": "a\u0085b\u2028c\u2029d\x0be\x1cf é 東"}}]}
+    lines = list(httpx.Response(200, content=sse(payload) + DONE).iter_lines())
+    assert [line for line in lines if line] == [lines[0], "data: [DONE]"]
+    assert json.loads(lines[0][len("data: "):]) == payload
