@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from fsm_pd.model.detokenize import IncrementalText
 from fsm_pd.serving.types import GenerateRequest, TokenOutput
 
 
@@ -41,6 +42,8 @@ class RequestState:
     sent_text: str = ""  # what the client was shown of the text (incremental streaming)
     logprobs_sent: int = 0  # how many output tokens' logprobs the client was sent (incremental streaming)
     hide_output: bool = False  # max tokens 0: the engine's one token is not the client's
+    # the text decoded a few tokens at a time: every streamed token asks for it (``detokenize.py``)
+    detokenizer: IncrementalText | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         before = self.request.generated_before
@@ -100,7 +103,9 @@ class RequestState:
         """The whole text so far; once finished, the engine's own (stop strings cut) when it gave one."""
         if self.finished and self.final_text is not None:
             return self.final_text
-        return self.tokenizer.decode(self._text_ids())
+        if self.detokenizer is None:
+            self.detokenizer = IncrementalText(self.tokenizer)
+        return self.detokenizer.text(self._text_ids())
 
     def certain_text(self) -> str:
         """The text that cannot change any more: all of it once finished, else without the held-back tail."""

@@ -93,6 +93,7 @@ class RequestRun:
         self._closed = False
         self._ended_by_engine = False
         self._outputs_seen = 0  # outputs read: the first is waited for up to first_output_s, each later one idle_s
+        self._failed: Exception | None = None  # what ended the request, met by ``next_ready``: the next wait raises it
         self._abort_reason: str | None = None  # why close() aborts it, if not because its HTTP request closed
         if (scope_state := getattr(http_request, "state", None)) is not None:
             scope_state.rid = request.rid  # an error answer names the request (error.rid: api/errors.py)
@@ -124,9 +125,30 @@ class RequestRun:
             self._ended_by_engine = True
             raise
 
+    def next_ready(self) -> TokenOutput | None:
+        """The next output if it is here already (added to ``state``), else None: nothing waits, so a stream writes
+        every output that is here in one go (a dispatch of several steps brings a request several tokens at once).
+        None too once the request finished, failed (``next_output`` raises why) or its client went away."""
+        if self.state.finished or self._failed is not None or (self._disconnect is not None
+                                                               and self._disconnect.done()):
+            return None
+        try:
+            out = self._stream.take_ready()
+        except Exception as exc:  # noqa: BLE001 - the engine's end of the request: the next wait raises it
+            self._failed = exc
+            return None
+        if out is None:
+            return None
+        self._outputs_seen += 1
+        return self._add(out)
+
     async def _next_output(self) -> TokenOutput | None:
         if self.state.finished:
             return None
+        if (out := self.next_ready()) is not None:  # here already: no task, no wait, no timer
+            return out
+        if self._failed is not None:
+            raise self._failed
         waits = set()
         if self._http is not None:  # else an internal request (a health probe): nobody to go away
             if self._disconnect is None:

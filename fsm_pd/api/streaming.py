@@ -55,8 +55,16 @@ ChunkRenderer = Callable[[RequestState, TokenOutput], list[dict]]
 TailRenderer = Callable[[RequestState], list[dict]]
 
 
+# Characters JSON leaves as they are but line readers split at: httpx's ``aiter_lines`` (the load bench's client and
+# the built-in router's migrating and merging relays) splits like ``str.splitlines``, at U+0085, U+2028 and U+2029
+# too, which cut an event's JSON in two (the tiny model's random bytes make them). Inside a JSON string, their
+# escapes mean the same.
+_LINE_BREAKS = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
+    return b"data: " + text.encode() + b"\n\n"
 
 
 async def answer_whole(run: RequestRun, render: Callable[[RequestState], dict]) -> Response:
@@ -72,7 +80,9 @@ async def answer_whole(run: RequestRun, render: Callable[[RequestState], dict]) 
 async def answer_stream(run: RequestRun, on_output: ChunkRenderer, on_end: TailRenderer | None = None,
                         head: list[dict] | None = None) -> Response:
     """SSE: ``head`` chunks, then ``on_output`` chunks for each output, ``on_end`` chunks, and ``[DONE]``.
-    An engine error after the headers went out is one ``data: {"error": ...}`` event (SGLang's way), then [DONE]."""
+    An engine error after the headers went out is one ``data: {"error": ...}`` event (SGLang's way), then [DONE].
+    The events of the outputs that are here together (a dispatch's tokens) go out in one write: one event each,
+    one pass through the ASGI send path and one socket write for them all."""
     reported = len(run.state.output_ids)  # a resumed stream's earlier tokens are the router's already
     try:
         first = await run.next_output()
@@ -92,13 +102,17 @@ async def answer_stream(run: RequestRun, on_output: ChunkRenderer, on_end: TailR
                 yield sse(chunk)
             out = first
             while out is not None:
-                chunks = on_output(run.state, out)
-                if progress and chunks:
-                    ids = run.state.output_ids
-                    chunks[-1][PROGRESS_FIELD] = {"ids": ids[reported:], "seed": run.state.request.seed}
-                    reported = len(ids)
-                for chunk in chunks:
-                    yield sse(chunk)
+                events = []
+                while out is not None:  # every output here already, in one write
+                    chunks = on_output(run.state, out)
+                    if progress and chunks:
+                        ids = run.state.output_ids
+                        chunks[-1][PROGRESS_FIELD] = {"ids": ids[reported:], "seed": run.state.request.seed}
+                        reported = len(ids)
+                    events += [sse(chunk) for chunk in chunks]
+                    out = run.next_ready()
+                if events:
+                    yield b"".join(events)
                 out = await run.next_output()
             for chunk in on_end(run.state) if on_end else ():
                 yield sse(chunk)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsm_pd.kernels.pool_format import PoolJit
+from fsm_pd.model import compile_demand
 from fsm_pd.model.attention import block_pages
 from fsm_pd.model.config import ModelConfig
 from fsm_pd.model.decoder import embed_tokens, final_logits, forward_group, top_params
@@ -178,12 +179,16 @@ class StepPrograms:
     def find(self, batch: int, width: int, max_steps: int, *, compile_missing: bool) -> tuple[int, int] | None:
         """The (batch, width) to run a dispatch of ``batch`` rows and ``width`` columns on: its own, else the
         narrowest compiled one of that batch that is wider; None when none is and ``compile_missing`` is False (the
-        caller decodes a step at a time meanwhile, on programs that cover any shape)."""
+        caller decodes a step at a time meanwhile, on programs that cover any shape, and the background compile takes
+        this shape before its plan: ``compile_demand.py``)."""
         with self._lock:
             wider = sorted(w for b, w, k in self._programs if b == batch and k == max_steps and w >= width)
         if wider:
             return batch, wider[0]
-        if not compile_missing:
+        if not compile_missing:  # the background compiles it next, after what a step at a time runs on
+            compile_demand.want((self, batch, width, max_steps), "decode",
+                                f"{max_steps} steps, {batch} rows, {width} pages wide",
+                                lambda: self.compile(batch, width, max_steps), compile_demand.LOOP)
             return None
         self.compile(batch, width, max_steps)
         return batch, width

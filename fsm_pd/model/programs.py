@@ -18,7 +18,8 @@ default 3% dearer: one program per layer is too fine).
 A node is ready before every shape is compiled (``serving/warmup.py``): a call whose shape is not compiled yet runs on
 a compiled shape that *covers* it (``cover``): padded up to a larger one, or row by row on one of a single row. Rows
 are independent (each writes only its own pages; padding rows and padding tokens write the pad page), so the answer
-is the same, only dearer, until the background compile catches up. Only a call that nothing covers compiles on the
+is the same, only dearer, until the background compile catches up; the covered shape is noted for it to compile
+next (``compile_demand.py``). Only a call that nothing covers compiles on the
 spot, and is counted (``compiles.py``): a bug in the ready set, not a failure.
 """
 
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsm_pd.kernels.pool_format import PoolJit, abstract_pool
-from fsm_pd.model import input_buckets
+from fsm_pd.model import compile_demand, input_buckets
 from fsm_pd.model.attention import kernels_for
 from fsm_pd.model.config import ModelConfig
 from fsm_pd.model.decoder import (
@@ -261,6 +262,10 @@ class ForwardPrograms:
         shape = self.cover(*tokens.shape) if self.covers else None
         if shape is None:  # nothing prepared covers it: compile now (counted as a serving compile)
             return self.compile(*tokens.shape)(params, pool, tokens, starts, lengths, page_tables)
+        batch, length = tokens.shape
+        kind = "decode" if length == 1 else "prefill"
+        compile_demand.want((self, batch, length), kind, f"{kind} {batch}x{length}",
+                            lambda: self.compile(batch, length))
         return self._run_covered(shape, params, pool, np.asarray(tokens), np.asarray(starts), np.asarray(lengths),
                                  np.asarray(page_tables))
 

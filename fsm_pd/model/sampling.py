@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fsm_pd.model import input_buckets
+from fsm_pd.model import compile_demand, input_buckets
 from fsm_pd.model.grammar import GrammarSpec, GrammarState, bitmask
 
 MAX_TOP_K = 2**30  # far above any vocabulary, far below int32: the sampler clips it to the vocabulary
@@ -205,6 +205,24 @@ def mark_prepared(bucket: int) -> None:
     _prepared.add(bucket)
 
 
+def is_prepared(bucket: int) -> bool:
+    return bucket in _prepared
+
+
+def prepare(batch: int, vocab: int, sharding) -> None:
+    """Run every sampling program once at ``batch`` rows on zeros placed by ``sharding`` (where the forward pass
+    leaves its logits: jit's cache tells a committed array from a fresh one), then mark the bucket prepared."""
+    logits = jax.device_put(np.zeros((batch, vocab), np.float32), sharding)
+    zeros = np.zeros(batch, np.float32)
+    greedy_tokens(logits).block_until_ready()
+    sample_tokens(logits, zeros, zeros + 1, zeros.astype(np.int32), zeros, zeros.astype(np.uint32),
+                  zeros.astype(np.int32)).block_until_ready()
+    adjust_logits(logits, np.zeros((batch, vocab), np.float32), zeros, zeros, zeros + 1,
+                  np.zeros((batch, vocab), np.float32)).block_until_ready()
+    mask_logits(logits, np.full((batch, (vocab + 31) // 32), -1, np.int32)).block_until_ready()
+    mark_prepared(batch)
+
+
 def sampling_rows(n: int) -> int:
     """The rows ``sample`` runs ``n`` requests on: their batch bucket, or the nearest larger prepared one."""
     b = input_buckets.batch_bucket(n)
@@ -228,6 +246,10 @@ def sample(logits, params: Sequence[SamplingParams], seeds: Sequence[int], steps
         raise ValueError(f"{n} sampling params for {len(seeds)} seeds, {len(steps)} steps, {logits.shape[0]} rows")
     b = sampling_rows(n)
     vocab = logits.shape[-1]
+    if b != (own := input_buckets.batch_bucket(n)):  # padded up: the background prepares the bucket next
+        sharding = getattr(logits, "sharding", None)
+        compile_demand.want(("sampling", own, vocab, sharding), "sampling", f"sampling {own} rows",
+                            lambda: prepare(own, vocab, sharding))
     if logits.shape[0] != b:  # on the host: a slice or pad on the device is a program per shape
         rows = np.zeros((b, vocab), np.float32)
         rows[:n] = np.asarray(logits)[:n]

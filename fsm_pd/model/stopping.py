@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from enum import StrEnum
 
+from fsm_pd.model.detokenize import IncrementalText
 from fsm_pd.model.grammar import new_state
 from fsm_pd.model.sampling import SamplingParams
 from fsm_pd.model.tokenizer import Tokenizer
@@ -35,6 +36,7 @@ class StopChecker:
         # text before this index has been searched for stop strings already (the old node searched ``before``'s)
         self._searched = len(tokenizer.decode(self.before)) if self.before and params.stop else 0
         self._text = ""
+        self._detokenizer = IncrementalText(tokenizer)
         self.output_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
         self.matched_stop: int | str | None = None
@@ -57,7 +59,7 @@ class StopChecker:
         """The generated text so far, without special tokens and cut before a matched stop string."""
         if isinstance(self.matched_stop, str):
             return self._text
-        return self._tokenizer.decode(self.history)
+        return self._detokenizer.text(self.history)
 
     @property
     def history(self) -> list[int]:
@@ -82,9 +84,8 @@ class StopChecker:
         return self.finished
 
     def _find_stop_string(self) -> bool:
-        # Decoding everything each step is O(n) per token; fine for the lengths a stop string is used with, and it
-        # sidesteps multi-byte characters split across tokens.
-        text = self._tokenizer.decode(self.history)
+        # the text a few tokens at a time (``detokenize.py``): this runs on the model thread, at every token
+        text = self._detokenizer.text(self.history)
         start = max(0, self._searched - self._longest_stop + 1)
         hits = [(i, s) for s in self._params.stop if (i := text.find(s, start)) >= 0]
         self._searched = len(text)

@@ -229,9 +229,16 @@ class DecodeLoop:
         return outputs
 
     def _push(self, outputs: list[tuple[Sequence, TokenOutput]]) -> None:
+        """Stream a dispatch's outputs: each request's tokens in one push (they come in order, a request's
+        together), so the event loop wakes once a request, not once a token."""
         started = time.perf_counter()
-        for seq, out in outputs:
-            seq.push(out)
+        at = 0
+        while at < len(outputs):
+            seq, end = outputs[at][0], at + 1
+            while end < len(outputs) and outputs[end][0] is seq:
+                end += 1
+            seq.push_many([out for _, out in outputs[at:end]])
+            at = end
         if outputs:
             self.phase_seconds["emit"] += time.perf_counter() - started
 

@@ -147,6 +147,11 @@ class Sequence:
         if not self.cancelled:
             self.stream.push(out)
 
+    def push_many(self, outs: list[TokenOutput]) -> None:
+        """Stream several outputs ``record`` made, in order, with one wake-up of the reader."""
+        if not self.cancelled:
+            self.stream.push_many(outs)
+
 def finish_reason(checker: StopChecker) -> dict:
     """SGLang's finish_reason shape; a sequence that filled the context without a stop is a ``length`` finish."""
     if checker.finish_reason is FinishReason.STOP:

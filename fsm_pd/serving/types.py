@@ -96,8 +96,34 @@ class RequestStream:
 
     def push(self, item: TokenOutput | BaseException) -> None:
         """Thread-safe: an output, or the exception that ends the request (an ``EngineError``)."""
+        self._call(self._queue.put_nowait, item)
+
+    def push_many(self, items: list[TokenOutput]) -> None:
+        """Thread-safe: several outputs in order (a dispatch's tokens of one request), with one wake-up of the
+        reader's loop instead of one each."""
+        if len(items) == 1:
+            self.push(items[0])
+        elif items:
+            self._call(self._put_all, items)
+
+    def take_ready(self) -> TokenOutput | None:
+        """The reader's loop only: the next output if it is here already, else None (nothing to wait for); raises
+        the exception that ends the request. Not while an ``async for`` over this stream waits for one."""
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            item = self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def _put_all(self, items: list[TokenOutput]) -> None:
+        for item in items:
+            self._queue.put_nowait(item)
+
+    def _call(self, callback, item) -> None:
+        try:
+            self._loop.call_soon_threadsafe(callback, item)
         except RuntimeError:  # the reader's loop is closed (its server stopped): nobody is left to tell
             if not self._loop.is_closed():
                 raise

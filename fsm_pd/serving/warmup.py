@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -46,9 +47,10 @@ from fsm_pd.control.overlap import layer_group
 from fsm_pd.kernels import bucket_sizes, cpu_copy, gather_pages, kv_hash, resolve_impl, scatter_layers, scatter_pages
 from fsm_pd.kernels.placement import pool_placement
 from fsm_pd.kvpool.pages import pages_for
-from fsm_pd.model import compiles, input_buckets, sampling
+from fsm_pd.model import compile_demand, compiles, input_buckets, sampling
 from fsm_pd.model.decoder import LOGPROB_ROWS, MAX_TOP_LOGPROBS, next_token_logprobs
 from fsm_pd.model.programs import decode_shapes, prefill_shapes
+from fsm_pd.runtime.switch_interval import brief_turns
 from fsm_pd.serving.startup import Startup
 
 log = logging.getLogger(__name__)
@@ -214,7 +216,7 @@ def warm_up(engine, *, progress: bool = True, startup: Startup | None = None) ->
             logits_sharding = programs.compile(*plan.ready_forward[0]).logits_sharding
             with compiles.preparing("sampling"):
                 for batch in plan.ready_samples:
-                    step(f"sampling {batch}", lambda batch=batch: _run_samplers(batch, vocab, logits_sharding))
+                    step(f"sampling {batch}", lambda batch=batch: sampling.prepare(batch, vocab, logits_sharding))
             for future in compiled + others:
                 future.result()  # a failure of any is the start-up's
         if not BESIDE:
@@ -234,14 +236,19 @@ IDLE_WAIT_S = 5.0  # the longest a background compile waits for the node to be i
 READY_GRACE_S = 1.0
 
 
-def compile_rest(engine, *, busy: Callable[[], bool] = lambda: False,
-                 on_done=lambda report: None) -> threading.Thread:
+def compile_rest(engine, *, busy: Callable[[], bool] = lambda: False, on_done=lambda report: None,
+                 stop: threading.Event | None = None) -> threading.Thread:
     """Start a thread that prepares what ``warm_up`` left out, at a lower CPU priority than serving (on Linux a
     thread has its own nice value): the other sampler buckets, the whole-pool scatters (``cpu_copy.prepare_scatter``)
     and the other forward shapes, cheapest first. No request waits on it: until a program is there, its work runs
-    on one that covers it. Each program waits until ``busy()`` is False (at most ``IDLE_WAIT_S``): tracing holds the
-    interpreter's lock, which a nice value does not share out, so it goes where requests are not. ``on_done`` gets
-    ``{"programs", "seconds"}``."""
+    on one that covers it. Each program of the plan waits until ``busy()`` is False (at most ``IDLE_WAIT_S``):
+    tracing holds the interpreter's lock, which a nice value does not share out, so it goes where requests are not.
+    What requests ran without meanwhile (``compile_demand.py``) goes first and waits for nothing: its batches pay
+    for the cover at every step. While it compiles, the interpreter's lock changes hands every 0.5 ms instead of 5,
+    so the model thread gets it back soon after each device wait (``runtime/switch_interval.py``). ``on_done`` gets
+    ``{"programs", "seconds", "demanded"}``. ``stop``, once set, ends the thread before its next program (without
+    ``on_done``)."""
+    stop = stop or threading.Event()
     plan = plan_for(engine)
     programs = engine.model.programs(engine.model_thread.pool)
     vocab = engine.model.config.vocab_size
@@ -250,40 +257,62 @@ def compile_rest(engine, *, busy: Callable[[], bool] = lambda: False,
     pool = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in engine.model_thread.pool)
     whole_scatters = plan.scatter_buckets if resolve_impl(engine.model_thread.pool) == "cpu" else []
     group = layer_group(engine.layout)
+    # (kind, programs it makes, whether it is there already, how to make it), in the plan's order
+    jobs = [("sampling", 4, partial(sampling.is_prepared, batch), partial(sampling.prepare, batch, vocab,
+                                                                           logits_sharding))
+            for batch in plan.background_samples]
+    jobs += [("decode", 1, partial(_has, programs.steps, (batch, width, plan.steps_per_dispatch)),
+              partial(programs.steps.compile, batch, width, plan.steps_per_dispatch))
+             for batch, width in plan.step_loops]
+    jobs += [("kernels", 1, lambda: False, partial(cpu_copy.prepare_scatter, pool, rows, layers))
+             for rows in whole_scatters for layers in sorted({len(pool), group})]
+    jobs += [(_kind(shape), 1, partial(_has, programs, shape), partial(programs.compile, *shape))
+             for shape in plan.background_forward]
 
-    def idle() -> None:
+    def idle() -> bool:
+        """Wait until the node is idle, at most ``IDLE_WAIT_S``: True; False at once when a request lacks a
+        program."""
         until = time.monotonic() + IDLE_WAIT_S
-        while busy() and time.monotonic() < until:
-            time.sleep(0.02)
+        while busy() and time.monotonic() < until and not stop.is_set():
+            if compile_demand.wait(0.02):
+                return False
+        return True
 
     def run() -> None:
-        started, count = time.monotonic(), 0
+        started, count, demanded = time.monotonic(), 0, 0
+
+        def serve_demand() -> None:
+            nonlocal count, demanded
+            while not stop.is_set() and (wanted := compile_demand.take()) is not None:
+                key, kind, what, compile_it = wanted
+                began = time.monotonic()
+                try:
+                    with compiles.preparing(kind, background=True), brief_turns():
+                        compile_it()
+                except Exception:  # noqa: BLE001 - the cover goes on serving it (not tried again); the plan goes on
+                    log.exception("background compile: %s, which requests ran without, failed to compile", what)
+                    continue
+                compile_demand.done(key)
+                count, demanded = count + (4 if kind == "sampling" else 1), demanded + 1
+                log.info("background compile: %s first, which requests ran without (%.1f s)", what,
+                         time.monotonic() - began)
+
         _lower_priority()
-        time.sleep(READY_GRACE_S)
-        with compiles.preparing("sampling", background=True):
-            for batch in plan.background_samples:
-                idle()
-                _run_samplers(batch, vocab, logits_sharding)
-                count += 4
-        with compiles.preparing("decode", background=True):
-            for batch, width in plan.step_loops:
-                idle()
-                programs.steps.compile(batch, width, plan.steps_per_dispatch)
-                count += 1
-        with compiles.preparing("kernels", background=True):
-            for rows in whole_scatters:
-                for layers in sorted({len(pool), group}):
-                    idle()
-                    cpu_copy.prepare_scatter(pool, rows, layers)
-                    count += 1
-        for shape in plan.background_forward:
-            idle()
-            with compiles.preparing(_kind(shape), background=True):
-                programs.compile(*shape)
-                count += 1
-        report = {"programs": count, "seconds": round(time.monotonic() - started, 2)}
-        log.info("background compile: %d more programs in %.1f s; every program this node runs is compiled",
-                 report["programs"], report["seconds"])
+        compile_demand.wait(READY_GRACE_S)
+        for kind, made, there, make in jobs:
+            serve_demand()
+            while not stop.is_set() and not there() and not idle():
+                serve_demand()  # a request lacked a program: that first, then wait for idle again
+            if stop.is_set():
+                return
+            if not there():
+                with compiles.preparing(kind, background=True), brief_turns():
+                    make()
+                count += made
+        serve_demand()
+        report = {"programs": count, "seconds": round(time.monotonic() - started, 2), "demanded": demanded}
+        log.info("background compile: %d more programs in %.1f s (%d that requests ran without first); every "
+                 "program this node runs is compiled", report["programs"], report["seconds"], demanded)
         on_done(report)
 
     thread = threading.Thread(target=run, name="background-compile", daemon=True)
@@ -291,21 +320,13 @@ def compile_rest(engine, *, busy: Callable[[], bool] = lambda: False,
     return thread
 
 
+def _has(programs, shape) -> bool:
+    return shape in programs.shapes
+
+
 def _lower_priority() -> None:
     with contextlib.suppress(AttributeError, OSError):  # not Linux: the thread competes at the node's priority
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-
-
-def _run_samplers(batch: int, vocab: int, sharding) -> None:
-    logits = jax.device_put(np.zeros((batch, vocab), np.float32), sharding)
-    zeros = np.zeros(batch, np.float32)
-    sampling.greedy_tokens(logits).block_until_ready()
-    sampling.sample_tokens(logits, zeros, zeros + 1, zeros.astype(np.int32), zeros, zeros.astype(np.uint32),
-                           zeros.astype(np.int32)).block_until_ready()
-    sampling.adjust_logits(logits, np.zeros((batch, vocab), np.float32), zeros, zeros, zeros + 1,
-                           np.zeros((batch, vocab), np.float32)).block_until_ready()
-    sampling.mask_logits(logits, np.full((batch, (vocab + 31) // 32), -1, np.int32)).block_until_ready()
-    sampling.mark_prepared(batch)
 
 
 def _prepare_logprobs(model, programs) -> None:

@@ -146,6 +146,38 @@ def test_every_token_streams_in_order(engines):
     assert [o.finish_reason for o in outs[:-1]] == [None] * 19 and outs[-1].finish_reason == {"type": "length"}
 
 
+class CountingLoop:
+    """The reader's event loop, counting the wake-ups the model thread's pushes cost it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.wakeups = loop, 0
+
+    def call_soon_threadsafe(self, *args):
+        self.wakeups += 1
+        return self.loop.call_soon_threadsafe(*args)
+
+    def is_closed(self) -> bool:
+        return self.loop.is_closed()
+
+
+def test_a_dispatchs_tokens_of_a_request_wake_its_reader_once(engines):
+    """The tokens a dispatch brings a request are pushed together: one wake-up of the event loop for them (then
+    one write, ``test_stream_bursts.py``), not one a token."""
+    _, several = engines
+
+    async def streamed() -> tuple[list, int]:
+        loop = CountingLoop(asyncio.get_running_loop())
+        stream = RequestStream("b", loop)
+        several.submit(request("b", [9, 30, 32], max_new_tokens=20, ignore_eos=True), stream)
+        return [out async for out in stream], loop.wakeups
+
+    before = several.loop.counters()["decode_dispatches"]
+    outs, wakeups = run(streamed())
+    dispatches = several.loop.counters()["decode_dispatches"] - before
+    assert len(outs) == 20 and dispatches < 19
+    assert wakeups == 1 + dispatches  # the prefill's first token, then one a dispatch
+
+
 def test_a_request_with_logprobs_decodes_a_step_at_a_time_beside_the_others(engines):
     one, several = engines
     made = [request("lp", [9, 30, 31], max_new_tokens=10, ignore_eos=True, seed=1),
