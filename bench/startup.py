@@ -2,23 +2,24 @@
 
 On the model a user gets (SmolLM2 unless --model), with the defaults a user gets, each in a fresh process:
 
-1. ``fsm-pd serve --role R`` for each role in --roles (default colocated and decode): first with an empty compile
-   cache and an empty converted-model cache (cold), then again on what the first run left (warm). For each run: the
-   time from the process's start to ready (``/health`` 200) and to the end of its first answer, each start-up phase
-   (``fsm_pd_startup_seconds``: imports, weights, engine, programs), and per kind of program how many it prepared,
-   how many came from the compile cache, and the seconds spent tracing, lowering and in the backend
-   (``fsm_pd_program_prepare_seconds``, ``fsm_pd_programs``);
+1. ``fsm-pd serve --role R`` for each role in --roles (default colocated and decode; ``pd`` is the one-process
+   PD node): first with an empty compile cache and an empty converted-model cache (cold), then again on what the
+   first run left (warm). For each run: the time from the process's start to ready (``/health`` 200) and to the end
+   of its first answer, each start-up phase (``fsm_pd_startup_seconds``: imports, device, model, weights, engine,
+   programs; the device and the weights on threads of their own, beside the others), and per kind of program how
+   many it prepared, how many came from the compile cache, and the seconds spent tracing, lowering and in the
+   backend (``fsm_pd_program_prepare_seconds``, ``fsm_pd_programs``);
 2. ``fsm-pd launch`` (1 prefill, 1 decode, the router), cold then warm: the seconds from the command to the first
    answer it prints, as a newcomer sees them.
 
 Every process gets its own caches under a temporary directory, so nothing this machine compiled before helps the
-cold runs. A node answers its first request here on the colocated role (a decode node needs a prefill node beside
-it for that: launch measures the pair), then a burst of 16 mixed prompts (8 to 900 tokens, 8 at a time) while its
-background compile still runs. The serving compiles of each node (``fsm_pd_compiles_total{phase="serving"}``,
-read after all that) are printed too, and must be 0.
+cold runs. A node answers its first request here on the colocated and pd roles (a decode node needs a prefill node
+beside it for that: launch measures the pair), then (unless --no-burst) a burst of 16 mixed prompts (8 to 900
+tokens, 8 at a time) while its background compile still runs. The serving compiles of each node
+(``fsm_pd_compiles_total{phase="serving"}``, read after all that) are printed too, and must be 0.
 
-    python bench/startup.py [--model smollm2] [--roles colocated,decode] [--no-launch] [--repeat N] [--json]
-                            [--baseline REF] [--uds]
+    python bench/startup.py [--model smollm2] [--roles colocated,decode,pd] [--no-launch] [--no-burst] [--repeat N]
+                            [--json] [--baseline REF] [--uds]
 
 ``--uds``: every node and launch serve over unix sockets (``--uds``), as on a TPU host, which allows no TCP socket.
 """
@@ -66,14 +67,19 @@ def client_for(where: int | str) -> httpx.Client:
     return httpx.Client(base_url="http://localhost", transport=httpx.HTTPTransport(uds=where))
 
 
-def run_node(role: str, model: str, caches: Path, tmp: Path, uds: bool = False) -> dict:
-    """Start one node, wait for ready, ask it one question (a colocated node), read its metrics, stop it."""
+ANSWERS = ("colocated", "pd")  # the roles that answer a request alone
+
+
+def run_node(role: str, model: str, caches: Path, tmp: Path, uds: bool = False, with_burst: bool = True) -> dict:
+    """Start one node, wait for ready, ask it one question (a colocated or pd node), read its metrics, stop it."""
     port = free_port() if not uds else time.monotonic_ns() % 10**9  # a name for its files; no port then
     where = str(tmp / f"{role}-{port}.sock") if uds else port
     argv = [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", role, "--model", model,
             *(["--uds", where] if uds else ["--port", str(port)])]
     if role in ("prefill", "decode"):
         argv += ["--journal", str(tmp / f"{role}-{port}.db")]
+    if role == "pd":
+        argv += ["--journal-dir", str(tmp / f"{role}-{port}")]
     if role == "prefill" and not uds:  # on unix sockets its bootstrap server listens beside --uds
         argv += ["--bootstrap-port", str(free_port())]
     env = {**os.environ, **secret_env(generate_secret()), "FSM_PD_COMPILE_CACHE": str(caches / "jax"),
@@ -86,16 +92,18 @@ def run_node(role: str, model: str, caches: Path, tmp: Path, uds: bool = False) 
     try:
         ready = _wait_ready(client, proc, log)
         result = {"ready_s": ready - started}
-        if role == "colocated":
+        if role in ANSWERS:
             response = client.post("/generate", json=QUESTION, timeout=300)
             response.raise_for_status()
             result["first_answer_s"] = time.time() - started
-            result["burst_s"] = burst(client)
+            if with_burst:
+                result["burst_s"] = burst(client)
         text = client.get("/metrics", timeout=10).text
         result["phases"] = {labels["phase"]: value
                             for labels, value in metric_rows(text, "fsm_pd_startup_seconds")}
         # per kind, as it stood at ready (the metrics go on counting the background compile)
-        result["kinds"] = client.get("/server_info", timeout=10).json()["startup"]["programs_before_ready"]
+        result["kinds"] = (client.get("/server_info", timeout=10).json().get("startup") or {}).get(
+            "programs_before_ready", {})
         result["compiles"] = {labels["phase"]: int(value)
                               for labels, value in metric_rows(text, "fsm_pd_compiles_total")}
         return result
@@ -183,14 +191,17 @@ def median_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda r: r["ready_s"])[len(runs) // 2]
 
 
+# the start-up phases, in order; device and weights run on threads of their own, beside the others
+PHASES = ("imports", "device", "model", "weights", "engine", "programs")
+
+
 def node_table(results: dict) -> Table:
     table = Table(title="one node, from its process's start (s)")
-    for column in ("role", "cache", "imports", "weights", "engine", "programs", "ready", "first answer",
-                   "burst", "serving compiles"):
+    for column in ("role", "cache", *PHASES, "ready", "first answer", "burst", "serving compiles"):
         table.add_column(column, justify="left" if column in ("role", "cache") else "right")
     for (role, cache), r in results.items():
         p = r["phases"]
-        table.add_row(role, cache, *(f"{p.get(k, 0):.1f}" for k in ("imports", "weights", "engine", "programs")),
+        table.add_row(role, cache, *(f"{p[k]:.1f}" if k in p else "-" for k in PHASES),
                       f"{r['ready_s']:.1f}", f"{r['first_answer_s']:.1f}" if "first_answer_s" in r else "-",
                       f"{r['burst_s']:.1f}" if "burst_s" in r else "-", str(r["compiles"].get("serving", 0)))
     return table
@@ -212,6 +223,8 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--roles", default="colocated,decode", help="comma-separated node roles to start alone")
     parser.add_argument("--no-launch", dest="launch", action="store_false", help="skip fsm-pd launch")
+    parser.add_argument("--no-burst", dest="burst", action="store_false",
+                        help="no burst of prompts after a node's first answer")
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs of each (role, cache) and of each launch; medians are printed (default 1)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
@@ -221,6 +234,7 @@ def main() -> int:
                              "e.g. 3d74fac, the code before start-up was worked on; ratios are printed")
     args = parser.parse_args()
     results: dict = {}
+    every: dict = {}  # (role, cache): (ready, first answer) of each run
     launches: dict = {}
     launch_runs: dict = {}
     with tempfile.TemporaryDirectory(prefix="fsm-pd-startup-") as tmp_name:
@@ -231,9 +245,10 @@ def main() -> int:
                 caches = tmp / f"caches-{role}-{i}"  # a cold run starts from empty caches, its warm run from those
                 for cache in ("cold", "warm"):
                     err.print(f"{role}, {cache}, run {i + 1} of {args.repeat}")
-                    runs[cache].append(run_node(role, args.model, caches, tmp, uds=args.uds))
+                    runs[cache].append(run_node(role, args.model, caches, tmp, uds=args.uds, with_burst=args.burst))
             for cache, found in runs.items():
                 results[(role, cache)] = median_run(found)
+                every[(role, cache)] = [(round(r["ready_s"], 1), round(r.get("first_answer_s", 0), 1)) for r in found]
         if args.launch:
             times: dict[str, list] = {"cold": [], "warm": []}
             for i in range(args.repeat):
@@ -245,10 +260,12 @@ def main() -> int:
         if args.baseline:
             base_times = baseline_launches(args.baseline, args.model, args.repeat, tmp)
             base = {cache: statistics.median(found) for cache, found in base_times.items()}
-    console = Console()
+    console = Console(width=200)  # the tables whole, also into a file
     if results:
         console.print(node_table(results))
         console.print(kinds_table(results))
+        console.print("each run, (ready, first answer) s: "
+                      + "; ".join(f"{role} {cache} {runs}" for (role, cache), runs in every.items()))
     if launches:
         console.print("fsm-pd launch, first answer after the command (median): "
                       + ", ".join(f"{cache} {seconds:.1f} s" for cache, seconds in launches.items())

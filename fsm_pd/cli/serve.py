@@ -1,5 +1,11 @@
 """``fsm-pd serve --role ROLE``: run one node. Its role's flags (``serve_flags.py``) parsed, it loads the model,
 builds the engine, prepares its programs on a start-up thread and serves HTTP until it is drained.
+
+What a start waits on goes side by side (docs/operations.md, "Start-up"): jax opens the devices on a thread of its
+own from the first second (``DeviceOpening``), the model is read on another (``model/meanwhile.py``: the config and
+tokenizer first, the weights after, put on the device once it is open), while the main thread imports the server;
+the engine is built and its programs prepared from the weights' shapes; the node waits for the weights only before
+it says it is ready.
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,6 +24,7 @@ from fsm_pd.cli.flags import (
     DEADLINE_FLAGS,
     ROLES,
     SERVE_HELP,
+    expected_platform,
     node_parser,
     one_line_errors,
     resolve_dtype,
@@ -92,26 +100,96 @@ def serve_main(argv: Sequence[str]) -> int:
         quiet_absent_backends()
     if args.tp > 1:
         ask_for_host_devices(args.tp)
-    open_devices_meanwhile()
+    opening = DeviceOpening()
+    reading = read_model_meanwhile(args)
     if role == "pd":
         from fsm_pd.cli.serve_pd import run_pd
 
-        return run_pd(args)
-    return run_node(args)
+        return run_pd(args, opening, reading)
+    return run_node(args, opening, reading)
 
 
-def open_devices_meanwhile() -> None:
-    """Start jax's backend on a thread of its own while the server's modules import: opening a TPU takes a process 6
-    to 15 s, which would otherwise come after the imports (the first use of the model's weights waits for it)."""
-    def open_devices() -> None:
+class DeviceOpening:
+    """jax's backend started on a thread of its own while the server's modules import and the model is read:
+    opening a TPU takes a process 6 to 15 s, which would otherwise come after the imports. ``wait`` returns the
+    seconds it took (importing jax included)."""
+
+    def __init__(self) -> None:
+        self.seconds: float | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._open, name="open-devices", daemon=True).start()
+
+    def _open(self) -> None:
+        began = time.monotonic()
         try:
             import jax
 
             jax.devices()
         except Exception:  # noqa: BLE001 - the main thread's own first use reports it
             pass
+        finally:
+            self.seconds = time.monotonic() - began
+            self._done.set()
 
-    threading.Thread(target=open_devices, name="open-devices", daemon=True).start()
+    def wait(self, timeout: float | None = None) -> float | None:
+        self._done.wait(timeout)
+        return self.seconds
+
+
+def read_model_meanwhile(args: argparse.Namespace):
+    """Turn the compile cache on (before anything compiles), then start reading the model on a thread of its own
+    (``model/meanwhile.ModelMeanwhile``), in the dtype of the platform jax is expected to start on; None where the
+    model loads whole on the main thread later (the tiny model, an HF directory, ``--tp``)."""
+    from fsm_pd.model import meanwhile
+    from fsm_pd.runtime import compile_cache
+
+    compile_cache.enable(args.compile_cache or compile_cache.default_dir())
+    try:
+        if not meanwhile.applies(args.model, args.tp):
+            return None
+    except FileNotFoundError:  # the main thread's load says so, in its one line
+        return None
+    return meanwhile.ModelMeanwhile(args.model, resolve_dtype(args.dtype, expected_platform()), progress=True)
+
+
+def start_model(args: argparse.Namespace, startup, opening: DeviceOpening, reading):
+    """The node's model once jax has opened its devices: ``reading``'s (its weights still loading) where it read in
+    the dtype this platform serves in, else loaded whole here. Sets ``args.page_size`` for the platform and records
+    the ``device`` and ``model`` phases (``weights`` too, for a model loaded whole). Raises what loading raised."""
+    import jax
+
+    from fsm_pd.model.loader import load_model
+
+    platform = jax.default_backend()  # waits for the devices
+    startup.record("device", opening.wait() or 0.0)
+    args.page_size = resolve_page_size(args.page_size, platform)
+    dtype = resolve_dtype(args.dtype, platform)
+    if reading is not None:
+        model = reading.model()
+        startup.record("model", reading.seconds.get("model", 0.0))
+        if reading.dtype == dtype:
+            return model
+        logging.getLogger("fsm_pd.serve").warning(
+            "the model was read in %s, but jax started on %s, which serves in %s: loading it again",
+            reading.dtype, platform, dtype)
+        reading.join()
+    with startup.phase("weights"):
+        return load_model(args.model, dtype=dtype, progress=True, tp=args.tp)
+
+
+def weights_in(model, startups, reading) -> None:
+    """Wait for the weights of ``model``, where ``reading`` handed it out (``meanwhile.py``), and record the
+    ``weights`` phase; weights that cannot be read end the process in one line, status 2, as they would have before
+    it served. A model loaded whole has nothing to wait for (its phase is recorded)."""
+    if reading is None or reading.handed is not model:
+        return
+    try:
+        model.wait_for_weights()
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"fsm-pd serve: cannot load model {reading.spec!r}: {exc}", file=sys.stderr)
+        exit_now(2)
+    for startup in startups:
+        startup.record("weights", reading.seconds.get("weights", 0.0))
 
 
 def check_unix_sockets(args: argparse.Namespace) -> str | None:
@@ -146,30 +224,22 @@ def _refuse(problem: str) -> int:
     return 2
 
 
-def run_node(args: argparse.Namespace) -> int:
+def run_node(args: argparse.Namespace, opening: DeviceOpening, reading) -> int:
     from fsm_pd.serving.startup import Startup
 
     startup = Startup()  # timed from the process's start: the interpreter and the imports below count
     from fsm_pd.api import create_app
     from fsm_pd.api.drain import serve_draining
     from fsm_pd.model import compiles
-    from fsm_pd.model.loader import load_model
-    from fsm_pd.runtime import compile_cache
     from fsm_pd.runtime.gc_policy import apply_serving_gc_policy
 
     startup.record("imports", startup.since_start())
     from fsm_pd.api.runner import WaitDeadlines
 
     wait = WaitDeadlines(args.first_token_timeout_secs, args.token_idle_timeout_secs)  # positive: serve_flags
-    compile_cache.enable(args.compile_cache or compile_cache.default_dir())
     compiles.install()
     try:
-        with startup.phase("weights"):
-            import jax
-
-            dtype = resolve_dtype(args.dtype, jax.default_backend())
-            args.page_size = resolve_page_size(args.page_size, jax.default_backend())
-            model = load_model(args.model, dtype=dtype, progress=True, tp=args.tp)
+        model = start_model(args, startup, opening, reading)
     except (FileNotFoundError, ValueError) as exc:  # missing file or package, unsupported or corrupt checkpoint,
         print(f"fsm-pd serve: cannot load model {args.model!r}: {exc}", file=sys.stderr)  # too few devices for --tp
         return 2
@@ -203,7 +273,8 @@ def run_node(args: argparse.Namespace) -> int:
     on_exit(remove_listener_files)  # a failed start-up ends the process at once: --uds's socket file goes too
     # HTTP answers from here on (probes see the progress); requests are taken once the programs are prepared
     threading.Thread(target=prepare_programs, args=({engine: startup}, args.skip_server_warmup,
-                                                    lambda: app.state.drain.in_flight > 0),
+                                                    lambda: app.state.drain.in_flight > 0,
+                                                    lambda: weights_in(model, [startup], reading)),
                      name="start-up", daemon=True).start()
     try:
         serve_draining(app, args.host, args.port, log_level=args.log_level,
@@ -215,11 +286,12 @@ def run_node(args: argparse.Namespace) -> int:
     exit_now(0)
 
 
-def prepare_programs(starts: dict, skip: bool, busy) -> None:
+def prepare_programs(starts: dict, skip: bool, busy, weights=lambda: None) -> None:
     """The start-up thread of a node (``starts``: {engine: its ``Startup``}) or of ``--role pd`` (both engines, which
     share one pool and so one set of programs: the second warm-up finds the first's): prepare the programs any
-    request needs (``warmup.warm_up``), mark every engine ready at once, then compile the rest in the background
-    while no request is in flight (``busy``). A failure here leaves a process that can never serve: it exits 1."""
+    request needs (``warmup.warm_up``), wait for the weights (``weights()``: they load meanwhile), mark every engine
+    ready at once, then compile the rest in the background while no request is in flight (``busy``). A failure here
+    leaves a process that can never serve: it exits 1."""
     from fsm_pd.model import compiles
     from fsm_pd.serving.warmup import compile_rest, warm_up
 
@@ -230,12 +302,16 @@ def prepare_programs(starts: dict, skip: bool, busy) -> None:
             for engine, startup in starts.items():
                 with startup.phase("programs"):
                     warm_up(engine, progress=True, startup=startup)
+        weights()
         compiles.serving()
         costs = {kind: {**vars(cost), "seconds": round(cost.seconds, 3)} for kind, cost in compiles.costs().items()}
         for startup in starts.values():
             startup.mark_ready(costs)
-        log.info("ready %.1f s after the process started (%s)", first.ready_after,
-                 ", ".join(f"{name} {seconds:.1f} s" for name, seconds in first.status()["phases"].items()))
+        phases = first.status()["phases"]
+        log.info("ready %.1f s after the process started (%s%s)", first.ready_after,
+                 ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()),
+                 "; the device and the weights on threads of their own, beside the others" if "model" in phases
+                 else "; the device on a thread of its own, beside the imports")
         if skip:
             for startup in starts.values():
                 startup.background_done({"skipped": True})
