@@ -1,11 +1,9 @@
 """``fsm-pd serve --role ROLE``: run one node. Its role's flags (``serve_flags.py``) parsed, it loads the model,
 builds the engine, prepares its programs on a start-up thread and serves HTTP until it is drained.
 
-What a start waits on goes side by side (docs/operations.md, "Start-up"): jax opens the devices on a thread of its
-own from the first second (``DeviceOpening``), the model is read on another (``model/meanwhile.py``: the config and
-tokenizer first, the weights after, put on the device once it is open), while the main thread imports the server;
-the engine is built and its programs prepared from the weights' shapes; the node waits for the weights only before
-it says it is ready.
+What a start waits on goes side by side (``side_by_side.py``): the devices open and the model is read on threads of
+their own while the main thread imports the server and builds the engine, and the programs are prepared from the
+weights' shapes; the node waits for the weights only before it says it is ready.
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ import logging
 import os
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,11 +21,8 @@ from fsm_pd.cli.flags import (
     DEADLINE_FLAGS,
     ROLES,
     SERVE_HELP,
-    expected_platform,
     node_parser,
     one_line_errors,
-    resolve_dtype,
-    resolve_page_size,
     role_parser,
     split_role,
 )
@@ -100,6 +94,8 @@ def serve_main(argv: Sequence[str]) -> int:
         quiet_absent_backends()
     if args.tp > 1:
         ask_for_host_devices(args.tp)
+    from fsm_pd.cli.side_by_side import DeviceOpening, read_model_meanwhile
+
     opening = DeviceOpening()
     reading = read_model_meanwhile(args)
     if role == "pd":
@@ -107,89 +103,6 @@ def serve_main(argv: Sequence[str]) -> int:
 
         return run_pd(args, opening, reading)
     return run_node(args, opening, reading)
-
-
-class DeviceOpening:
-    """jax's backend started on a thread of its own while the server's modules import and the model is read:
-    opening a TPU takes a process 6 to 15 s, which would otherwise come after the imports. ``wait`` returns the
-    seconds it took (importing jax included)."""
-
-    def __init__(self) -> None:
-        self.seconds: float | None = None
-        self._done = threading.Event()
-        threading.Thread(target=self._open, name="open-devices", daemon=True).start()
-
-    def _open(self) -> None:
-        began = time.monotonic()
-        try:
-            import jax
-
-            jax.devices()
-        except Exception:  # noqa: BLE001 - the main thread's own first use reports it
-            pass
-        finally:
-            self.seconds = time.monotonic() - began
-            self._done.set()
-
-    def wait(self, timeout: float | None = None) -> float | None:
-        self._done.wait(timeout)
-        return self.seconds
-
-
-def read_model_meanwhile(args: argparse.Namespace):
-    """Turn the compile cache on (before anything compiles), then start reading the model on a thread of its own
-    (``model/meanwhile.ModelMeanwhile``), in the dtype of the platform jax is expected to start on; None where the
-    model loads whole on the main thread later (the tiny model, an HF directory, ``--tp``)."""
-    from fsm_pd.model import meanwhile
-    from fsm_pd.runtime import compile_cache
-
-    compile_cache.enable(args.compile_cache or compile_cache.default_dir())
-    try:
-        if not meanwhile.applies(args.model, args.tp):
-            return None
-    except FileNotFoundError:  # the main thread's load says so, in its one line
-        return None
-    return meanwhile.ModelMeanwhile(args.model, resolve_dtype(args.dtype, expected_platform()), progress=True)
-
-
-def start_model(args: argparse.Namespace, startup, opening: DeviceOpening, reading):
-    """The node's model once jax has opened its devices: ``reading``'s (its weights still loading) where it read in
-    the dtype this platform serves in, else loaded whole here. Sets ``args.page_size`` for the platform and records
-    the ``device`` and ``model`` phases (``weights`` too, for a model loaded whole). Raises what loading raised."""
-    import jax
-
-    from fsm_pd.model.loader import load_model
-
-    platform = jax.default_backend()  # waits for the devices
-    startup.record("device", opening.wait() or 0.0)
-    args.page_size = resolve_page_size(args.page_size, platform)
-    dtype = resolve_dtype(args.dtype, platform)
-    if reading is not None:
-        model = reading.model()
-        startup.record("model", reading.seconds.get("model", 0.0))
-        if reading.dtype == dtype:
-            return model
-        logging.getLogger("fsm_pd.serve").warning(
-            "the model was read in %s, but jax started on %s, which serves in %s: loading it again",
-            reading.dtype, platform, dtype)
-        reading.join()
-    with startup.phase("weights"):
-        return load_model(args.model, dtype=dtype, progress=True, tp=args.tp)
-
-
-def weights_in(model, startups, reading) -> None:
-    """Wait for the weights of ``model``, where ``reading`` handed it out (``meanwhile.py``), and record the
-    ``weights`` phase; weights that cannot be read end the process in one line, status 2, as they would have before
-    it served. A model loaded whole has nothing to wait for (its phase is recorded)."""
-    if reading is None or reading.handed is not model:
-        return
-    try:
-        model.wait_for_weights()
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"fsm-pd serve: cannot load model {reading.spec!r}: {exc}", file=sys.stderr)
-        exit_now(2)
-    for startup in startups:
-        startup.record("weights", reading.seconds.get("weights", 0.0))
 
 
 def check_unix_sockets(args: argparse.Namespace) -> str | None:
@@ -224,12 +137,14 @@ def _refuse(problem: str) -> int:
     return 2
 
 
-def run_node(args: argparse.Namespace, opening: DeviceOpening, reading) -> int:
+def run_node(args: argparse.Namespace, opening, reading) -> int:
+    """``opening``, ``reading``: the devices opening and the model being read (``side_by_side.py``)."""
     from fsm_pd.serving.startup import Startup
 
     startup = Startup()  # timed from the process's start: the interpreter and the imports below count
     from fsm_pd.api import create_app
     from fsm_pd.api.drain import serve_draining
+    from fsm_pd.cli.side_by_side import start_model, weights_in
     from fsm_pd.model import compiles
     from fsm_pd.runtime.gc_policy import apply_serving_gc_policy
 

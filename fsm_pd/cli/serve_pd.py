@@ -152,7 +152,7 @@ def build_engines(args: argparse.Namespace, models: dict, links: str, pages: tup
 
 
 def run_pd(args: argparse.Namespace, opening, reading) -> int:
-    """``opening``, ``reading``: the devices opening and the model being read, started by ``serve.serve_main``."""
+    """``opening``, ``reading``: the devices opening and the model being read (``side_by_side.py``)."""
     from fsm_pd.serving.startup import Startup
 
     startup = Startup()  # the prefill engine's, timed from the process's start; the decode engine's shares it
@@ -160,7 +160,8 @@ def run_pd(args: argparse.Namespace, opening, reading) -> int:
     from fsm_pd.api.drain import ABORT_GRACE_S, DrainingServer
     from fsm_pd.api.runner import WaitDeadlines
     from fsm_pd.cli.pd_front import PDFront
-    from fsm_pd.cli.serve import prepare_programs, start_model, weights_in
+    from fsm_pd.cli.serve import prepare_programs
+    from fsm_pd.cli.side_by_side import start_model, weights_in
     from fsm_pd.model import compiles
     from fsm_pd.model.compiles import CompileCollector
     from fsm_pd.net.http_protocol import read_timeouts_from_args
