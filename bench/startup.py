@@ -22,9 +22,9 @@ tokens, 8 at a time) while its background compile still runs. The serving compil
                             [--json] [--baseline REF] [--uds]
 
 ``--uds``: every node and launch serve over unix sockets (``--uds``), as on a TPU host, which allows no TCP socket.
-``--baseline REF``: every run is made on the code of git revision REF too, right after this code's (on a shared,
-loaded machine both see about the same load), and the medians' ratios are printed. ``--repeat N``: N runs of each
-(role, cache) and launch; the tables show the median run.
+``--baseline REF``: every run is made on the code of git revision REF (or of a checkout in the directory REF) too,
+right after this code's (on a shared, loaded machine both see about the same load), and the medians' ratios are
+printed. ``--repeat N``: N runs of each (role, cache) and launch; the tables show the median run.
 """
 
 from __future__ import annotations
@@ -177,7 +177,10 @@ def run_launch(model: str, caches: Path, tmp: Path, code: Path | None = None, ud
 
 
 def checkout(ref: str, tmp: Path) -> Path:
-    """The files of git revision ``ref``, unpacked under ``tmp`` (``git archive``: the repository is left as it is)."""
+    """The files of git revision ``ref``, unpacked under ``tmp`` (``git archive``: the repository is left as it is);
+    ``ref`` itself where it is a directory (a checkout made before)."""
+    if Path(ref).is_dir():
+        return Path(ref).resolve()
     tree = tmp / "baseline"
     tree.mkdir()
     archive = subprocess.run(["git", "archive", ref], check=True, cwd=REPO, capture_output=True).stdout
@@ -229,9 +232,9 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
     parser.add_argument("--uds", action="store_true", help="serve over unix sockets (a TPU host allows no TCP)")
     parser.add_argument("--baseline", metavar="REF",
-                        help="also time every node and fsm-pd launch, cold and warm, on git revision REF (a "
-                             "temporary worktree), each run beside this code's (so both see the same load); ratios "
-                             "of the medians are printed")
+                        help="also time every node and fsm-pd launch, cold and warm, on git revision REF (or a "
+                             "directory holding another checkout), each run beside this code's (so both see the "
+                             "same load); ratios of the medians are printed")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="fsm-pd-startup-") as tmp_name:
         tmp = Path(tmp_name)
