@@ -61,7 +61,9 @@ def read_model_meanwhile(args: argparse.Namespace):
             return None
     except FileNotFoundError:  # the main thread's load says so, in its one line
         return None
-    return meanwhile.ModelMeanwhile(args.model, resolve_dtype(args.dtype, expected_platform()), progress=True)
+    # no progress bar: the warm-up's runs beside it, and two bars at once garble a terminal (the log says when a
+    # GGUF file is converted, and /startupz shows the phase)
+    return meanwhile.ModelMeanwhile(args.model, resolve_dtype(args.dtype, expected_platform()))
 
 
 def start_model(args: argparse.Namespace, startup, opening: DeviceOpening, reading):

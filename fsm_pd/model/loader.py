@@ -7,6 +7,7 @@ A spec is ``"tiny"`` (built in), a named model (``NAMED_MODELS``: a GGUF file sh
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from fsm_pd.model.tokenizer import Tokenizer, load_hf_tokenizer
 from fsm_pd.model.weights import load_params
 
 DEFAULT_SPEC = "smollm2"
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -192,6 +194,7 @@ def load_gguf(path: Path, *, dtype: str = "float32", progress: bool = False, nam
     with converted.converting(entry):  # another process converting it now: wait, then read what it saved
         if (hit := _read_entry(entry, told)) is not None:
             return LoadedModel(name or str(path), *hit)
+        log.info("converting %s to %s once (later starts read the converted copy)", path, dtype)
         model = _convert_gguf(Path(path), dtype=dtype, progress=progress, name=name, on_parts=told)
         converted.save(entry, model.config, model.params, model.tokenizer)
     return model
