@@ -2,25 +2,29 @@
 
 On the model a user gets (SmolLM2 unless --model), with the defaults a user gets, each in a fresh process:
 
-1. ``fsm-pd serve --role R`` for each role in --roles (default colocated and decode): first with an empty compile
-   cache and an empty converted-model cache (cold), then again on what the first run left (warm). For each run: the
-   time from the process's start to ready (``/health`` 200) and to the end of its first answer, each start-up phase
-   (``fsm_pd_startup_seconds``: imports, weights, engine, programs), and per kind of program how many it prepared,
-   how many came from the compile cache, and the seconds spent tracing, lowering and in the backend
-   (``fsm_pd_program_prepare_seconds``, ``fsm_pd_programs``);
+1. ``fsm-pd serve --role R`` for each role in --roles (default colocated and decode; ``pd`` is the one-process
+   PD node): first with an empty compile cache and an empty converted-model cache (cold), then again on what the
+   first run left (warm). For each run: the time from the process's start to ready (``/health`` 200) and to the end
+   of its first answer, each start-up phase (``fsm_pd_startup_seconds``: imports, device, model, weights, engine,
+   programs; the device and the weights on threads of their own, beside the others), and per kind of program how
+   many it prepared, how many came from the compile cache, and the seconds spent tracing, lowering and in the
+   backend (``fsm_pd_program_prepare_seconds``, ``fsm_pd_programs``);
 2. ``fsm-pd launch`` (1 prefill, 1 decode, the router), cold then warm: the seconds from the command to the first
    answer it prints, as a newcomer sees them.
 
 Every process gets its own caches under a temporary directory, so nothing this machine compiled before helps the
-cold runs. A node answers its first request here on the colocated role (a decode node needs a prefill node beside
-it for that: launch measures the pair), then a burst of 16 mixed prompts (8 to 900 tokens, 8 at a time) while its
-background compile still runs. The serving compiles of each node (``fsm_pd_compiles_total{phase="serving"}``,
-read after all that) are printed too, and must be 0.
+cold runs. A node answers its first request here on the colocated and pd roles (a decode node needs a prefill node
+beside it for that: launch measures the pair), then (unless --no-burst) a burst of 16 mixed prompts (8 to 900
+tokens, 8 at a time) while its background compile still runs. The serving compiles of each node
+(``fsm_pd_compiles_total{phase="serving"}``, read after all that) are printed too, and must be 0.
 
-    python bench/startup.py [--model smollm2] [--roles colocated,decode] [--no-launch] [--repeat N] [--json]
-                            [--baseline REF] [--uds]
+    python bench/startup.py [--model smollm2] [--roles colocated,decode,pd] [--no-launch] [--no-burst] [--repeat N]
+                            [--json] [--baseline REF] [--uds]
 
 ``--uds``: every node and launch serve over unix sockets (``--uds``), as on a TPU host, which allows no TCP socket.
+``--baseline REF``: every run is made on the code of git revision REF (or of a checkout in the directory REF) too,
+right after this code's (on a shared, loaded machine both see about the same load), and the medians' ratios are
+printed. ``--repeat N``: N runs of each (role, cache) and launch; the tables show the median run.
 """
 
 from __future__ import annotations
@@ -66,36 +70,45 @@ def client_for(where: int | str) -> httpx.Client:
     return httpx.Client(base_url="http://localhost", transport=httpx.HTTPTransport(uds=where))
 
 
-def run_node(role: str, model: str, caches: Path, tmp: Path, uds: bool = False) -> dict:
-    """Start one node, wait for ready, ask it one question (a colocated node), read its metrics, stop it."""
+ANSWERS = ("colocated", "pd")  # the roles that answer a request alone
+
+
+def run_node(role: str, model: str, caches: Path, tmp: Path, uds: bool = False, with_burst: bool = True,
+             code: Path = REPO) -> dict:
+    """Start one node of the checkout ``code``, wait for ready, ask it one question (a colocated or pd node), read its
+    metrics, stop it."""
     port = free_port() if not uds else time.monotonic_ns() % 10**9  # a name for its files; no port then
     where = str(tmp / f"{role}-{port}.sock") if uds else port
     argv = [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", role, "--model", model,
             *(["--uds", where] if uds else ["--port", str(port)])]
     if role in ("prefill", "decode"):
         argv += ["--journal", str(tmp / f"{role}-{port}.db")]
+    if role == "pd":
+        argv += ["--journal-dir", str(tmp / f"{role}-{port}")]
     if role == "prefill" and not uds:  # on unix sockets its bootstrap server listens beside --uds
         argv += ["--bootstrap-port", str(free_port())]
     env = {**os.environ, **secret_env(generate_secret()), "FSM_PD_COMPILE_CACHE": str(caches / "jax"),
-           "FSM_PD_MODEL_CACHE": str(caches / "models")}
+           "FSM_PD_MODEL_CACHE": str(caches / "models"), "PYTHONPATH": str(code)}
     log = tmp / f"{role}-{port}.log"
     client = client_for(where)
     started = time.time()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
+    with open(log, "w") as out:  # cwd: python -m puts it first on sys.path, before PYTHONPATH
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL, cwd=tmp)
     try:
         ready = _wait_ready(client, proc, log)
         result = {"ready_s": ready - started}
-        if role == "colocated":
+        if role in ANSWERS:
             response = client.post("/generate", json=QUESTION, timeout=300)
             response.raise_for_status()
             result["first_answer_s"] = time.time() - started
-            result["burst_s"] = burst(client)
+            if with_burst:
+                result["burst_s"] = burst(client)
         text = client.get("/metrics", timeout=10).text
         result["phases"] = {labels["phase"]: value
                             for labels, value in metric_rows(text, "fsm_pd_startup_seconds")}
         # per kind, as it stood at ready (the metrics go on counting the background compile)
-        result["kinds"] = client.get("/server_info", timeout=10).json()["startup"]["programs_before_ready"]
+        result["kinds"] = (client.get("/server_info", timeout=10).json().get("startup") or {}).get(
+            "programs_before_ready", {})
         result["compiles"] = {labels["phase"]: int(value)
                               for labels, value in metric_rows(text, "fsm_pd_compiles_total")}
         return result
@@ -163,19 +176,16 @@ def run_launch(model: str, caches: Path, tmp: Path, code: Path | None = None, ud
             proc.kill()
 
 
-def baseline_launches(ref: str, model: str, repeat: int, tmp: Path) -> dict[str, list[float]]:
-    """``run_launch`` cold and warm, ``repeat`` times, on the code of git revision ``ref``."""
+def checkout(ref: str, tmp: Path) -> Path:
+    """The files of git revision ``ref``, unpacked under ``tmp`` (``git archive``: the repository is left as it is);
+    ``ref`` itself where it is a directory (a checkout made before)."""
+    if Path(ref).is_dir():
+        return Path(ref).resolve()
     tree = tmp / "baseline"
-    subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(tree), ref], check=True, cwd=REPO)
-    try:
-        times: dict[str, list] = {"cold": [], "warm": []}
-        for i in range(repeat):
-            for cache in ("cold", "warm"):
-                err.print(f"fsm-pd launch at {ref}, {cache}, run {i + 1} of {repeat}")
-                times[cache].append(run_launch(model, tmp / f"caches-baseline-{i}", tmp, code=tree))
-        return times
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], check=False, cwd=REPO)
+    tree.mkdir()
+    archive = subprocess.run(["git", "archive", ref], check=True, cwd=REPO, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -183,14 +193,17 @@ def median_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda r: r["ready_s"])[len(runs) // 2]
 
 
+# the start-up phases, in order; device and weights run on threads of their own, beside the others
+PHASES = ("imports", "device", "model", "weights", "engine", "programs")
+
+
 def node_table(results: dict) -> Table:
-    table = Table(title="one node, from its process's start (s)")
-    for column in ("role", "cache", "imports", "weights", "engine", "programs", "ready", "first answer",
-                   "burst", "serving compiles"):
-        table.add_column(column, justify="left" if column in ("role", "cache") else "right")
-    for (role, cache), r in results.items():
+    table = Table(title="one node, from its process's start (s; median run)")
+    for column in ("code", "role", "cache", *PHASES, "ready", "first answer", "burst", "serving compiles"):
+        table.add_column(column, justify="left" if column in ("code", "role", "cache") else "right")
+    for (code, role, cache), r in results.items():
         p = r["phases"]
-        table.add_row(role, cache, *(f"{p.get(k, 0):.1f}" for k in ("imports", "weights", "engine", "programs")),
+        table.add_row(code, role, cache, *(f"{p[k]:.1f}" if k in p else "-" for k in PHASES),
                       f"{r['ready_s']:.1f}", f"{r['first_answer_s']:.1f}" if "first_answer_s" in r else "-",
                       f"{r['burst_s']:.1f}" if "burst_s" in r else "-", str(r["compiles"].get("serving", 0)))
     return table
@@ -198,11 +211,11 @@ def node_table(results: dict) -> Table:
 
 def kinds_table(results: dict) -> Table:
     table = Table(title="programs prepared before ready, per kind (count, from cache; seconds)")
-    for column in ("role", "cache", "kind", "programs", "from cache", "trace", "lower", "backend"):
-        table.add_column(column, justify="left" if column in ("role", "cache", "kind") else "right")
-    for (role, cache), r in results.items():
+    for column in ("code", "role", "cache", "kind", "programs", "from cache", "trace", "lower", "backend"):
+        table.add_column(column, justify="left" if column in ("code", "role", "cache", "kind") else "right")
+    for (code, role, cache), r in results.items():
         for kind, k in sorted(r["kinds"].items()):
-            table.add_row(role, cache, kind, str(k["programs"]), str(k["from_cache"]),
+            table.add_row(code, role, cache, kind, str(k["programs"]), str(k["from_cache"]),
                           *(f"{k[f'{step}_s']:.2f}" for step in ("trace", "lower", "backend")))
     return table
 
@@ -212,58 +225,67 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--roles", default="colocated,decode", help="comma-separated node roles to start alone")
     parser.add_argument("--no-launch", dest="launch", action="store_false", help="skip fsm-pd launch")
+    parser.add_argument("--no-burst", dest="burst", action="store_false",
+                        help="no burst of prompts after a node's first answer")
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs of each (role, cache) and of each launch; medians are printed (default 1)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
     parser.add_argument("--uds", action="store_true", help="serve over unix sockets (a TPU host allows no TCP)")
     parser.add_argument("--baseline", metavar="REF",
-                        help="also time fsm-pd launch, cold and warm, on git revision REF (a temporary worktree), "
-                             "e.g. 3d74fac, the code before start-up was worked on; ratios are printed")
+                        help="also time every node and fsm-pd launch, cold and warm, on git revision REF (or a "
+                             "directory holding another checkout), each run beside this code's (so both see the "
+                             "same load); ratios of the medians are printed")
     args = parser.parse_args()
-    results: dict = {}
-    launches: dict = {}
-    launch_runs: dict = {}
     with tempfile.TemporaryDirectory(prefix="fsm-pd-startup-") as tmp_name:
         tmp = Path(tmp_name)
-        for role in [r for r in args.roles.split(",") if r]:  # --roles '': launch only
-            runs: dict[str, list] = {"cold": [], "warm": []}
-            for i in range(args.repeat):
-                caches = tmp / f"caches-{role}-{i}"  # a cold run starts from empty caches, its warm run from those
-                for cache in ("cold", "warm"):
-                    err.print(f"{role}, {cache}, run {i + 1} of {args.repeat}")
-                    runs[cache].append(run_node(role, args.model, caches, tmp, uds=args.uds))
-            for cache, found in runs.items():
-                results[(role, cache)] = median_run(found)
-        if args.launch:
-            times: dict[str, list] = {"cold": [], "warm": []}
-            for i in range(args.repeat):
-                for cache in ("cold", "warm"):
-                    err.print(f"fsm-pd launch, {cache}, run {i + 1} of {args.repeat}")
-                    times[cache].append(run_launch(args.model, tmp / f"caches-launch-{i}", tmp, uds=args.uds))
-            launches = {cache: statistics.median(found) for cache, found in times.items()}
-            launch_runs = times
-        if args.baseline:
-            base_times = baseline_launches(args.baseline, args.model, args.repeat, tmp)
-            base = {cache: statistics.median(found) for cache, found in base_times.items()}
-    console = Console()
-    if results:
-        console.print(node_table(results))
-        console.print(kinds_table(results))
-    if launches:
-        console.print("fsm-pd launch, first answer after the command (median): "
-                      + ", ".join(f"{cache} {seconds:.1f} s" for cache, seconds in launches.items())
-                      + f"; each run: {json.dumps(launch_runs)}")
-    if args.baseline:
-        console.print(f"fsm-pd launch at {args.baseline} (median): "
-                      + ", ".join(f"{cache} {seconds:.1f} s" for cache, seconds in base.items())
-                      + f"; each run: {json.dumps(base_times)}")
-        if launches:
-            console.print("this code against the baseline: "
-                          + ", ".join(f"{cache} {launches[cache] / base[cache]:.2f}x" for cache in base))
-    if args.json:
-        print(json.dumps({"nodes": {f"{role}/{cache}": r for (role, cache), r in results.items()},
-                          "launch": launches}, indent=1))
+        codes = {"this": REPO, **({args.baseline: checkout(args.baseline, tmp)} if args.baseline else {})}
+        runs: dict = {}  # (code, role, cache): each run's figures
+        for i in range(args.repeat):
+            for role in [r for r in args.roles.split(",") if r]:  # --roles '': launch only
+                for k, (name, code) in enumerate(codes.items()):
+                    caches = tmp / f"caches-{role}-{i}-{k}"  # a cold run's empty caches, then its warm run's
+                    for cache in ("cold", "warm"):
+                        err.print(f"{role} ({name}), {cache}, run {i + 1} of {args.repeat}")
+                        runs.setdefault((name, role, cache), []).append(
+                            run_node(role, args.model, caches, tmp, uds=args.uds, with_burst=args.burst, code=code))
+            if args.launch:
+                for k, (name, code) in enumerate(codes.items()):
+                    caches = tmp / f"caches-launch-{i}-{k}"
+                    for cache in ("cold", "warm"):
+                        err.print(f"fsm-pd launch ({name}), {cache}, run {i + 1} of {args.repeat}")
+                        runs.setdefault((name, "launch", cache), []).append(
+                            {"ready_s": run_launch(args.model, caches, tmp, code=code, uds=args.uds)})
+    report(runs, args)
     return 0
+
+
+def report(runs: dict, args: argparse.Namespace) -> None:
+    console = Console(width=200)  # the tables whole, also into a file
+    nodes = {key: median_run(found) for key, found in runs.items() if key[1] != "launch"}
+    if nodes:
+        console.print(node_table(nodes))
+        console.print(kinds_table(nodes))
+        console.print("each run, (ready, first answer) s: " + "; ".join(
+            f"{code} {role} {cache} {[(round(r['ready_s'], 1), round(r.get('first_answer_s', 0), 1)) for r in found]}"
+            for (code, role, cache), found in runs.items() if role != "launch"))
+    launches = {(code, cache): [r["ready_s"] for r in found] for (code, role, cache), found in runs.items()
+                if role == "launch"}
+    for (code, cache), found in launches.items():
+        console.print(f"fsm-pd launch ({code}), {cache}: first answer {statistics.median(found):.1f} s after the "
+                      f"command (median; each run: {found})")
+    if args.baseline:
+        ratios = []
+        for (code, role, cache), found in runs.items():
+            if code == "this" and (args.baseline, role, cache) in runs:
+                this = statistics.median(r["ready_s"] for r in found)
+                base = statistics.median(r["ready_s"] for r in runs[(args.baseline, role, cache)])
+                what = "first answer" if role == "launch" else "ready"
+                ratios.append(f"{role} {cache} {what} {this:.1f} s against {base:.1f} s: {this / base:.2f}x")
+        console.print(f"this code against {args.baseline} (medians): " + "; ".join(ratios))
+    if args.json:
+        print(json.dumps({"nodes": {"/".join(key): r for key, r in nodes.items()},
+                          "launch": {f"{code}/{cache}": found for (code, cache), found in launches.items()}},
+                         indent=1))
 
 
 if __name__ == "__main__":

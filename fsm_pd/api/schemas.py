@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from fsm_pd.model.sampling import MAX_SEED, MAX_TOP_K
-from fsm_pd.store.schema import MAX_ROOM
+from fsm_pd.store.limits import MAX_ROOM
 
 StopField = str | list[str] | None
 MAX_N = 16  # completions per prompt (n, best_of): each is a request of its own in the engine

@@ -48,6 +48,16 @@ def accelerator_host(environ=os.environ) -> bool:
     return bool(environ.get("TPU_ACCELERATOR_TYPE")) or bool(glob.glob("/dev/accel*"))
 
 
+def expected_platform(environ=os.environ) -> str:
+    """The platform jax will start on, judged without starting it: the first one ``JAX_PLATFORMS`` names, else
+    "tpu" on a TPU host (``accelerator_host``), else "cpu". A node reads its model in this platform's dtype while jax
+    starts, and checks the guess once it has (``serve.start_model``)."""
+    named = [name.strip() for name in environ.get("JAX_PLATFORMS", "").split(",") if name.strip()]
+    if named:
+        return named[0]
+    return "tpu" if accelerator_host(environ) else "cpu"
+
+
 def resolve_dtype(dtype: str, platform: str | None = None) -> str:
     """``auto``: bfloat16 on an accelerator (``platform``: the model's devices, e.g. "tpu"; None: this host), float32
     on a CPU, where it measured faster (docs/model.md)."""

@@ -1,5 +1,9 @@
 """``fsm-pd serve --role ROLE``: run one node. Its role's flags (``serve_flags.py``) parsed, it loads the model,
 builds the engine, prepares its programs on a start-up thread and serves HTTP until it is drained.
+
+What a start waits on goes side by side (``side_by_side.py``): the devices open and the model is read on threads of
+their own while the main thread imports the server and builds the engine, and the programs are prepared from the
+weights' shapes; the node waits for the weights only before it says it is ready.
 """
 
 from __future__ import annotations
@@ -19,8 +23,6 @@ from fsm_pd.cli.flags import (
     SERVE_HELP,
     node_parser,
     one_line_errors,
-    resolve_dtype,
-    resolve_page_size,
     role_parser,
     split_role,
 )
@@ -94,26 +96,15 @@ def serve_main(argv: Sequence[str]) -> int:
         quiet_absent_backends()
     if args.tp > 1:
         ask_for_host_devices(args.tp)
-    open_devices_meanwhile()
+    from fsm_pd.cli.side_by_side import DeviceOpening, read_model_meanwhile
+
+    opening = DeviceOpening()
+    reading = read_model_meanwhile(args)
     if role == "pd":
         from fsm_pd.cli.serve_pd import run_pd
 
-        return run_pd(args)
-    return run_node(args)
-
-
-def open_devices_meanwhile() -> None:
-    """Start jax's backend on a thread of its own while the server's modules import: opening a TPU takes a process 6
-    to 15 s, which would otherwise come after the imports (the first use of the model's weights waits for it)."""
-    def open_devices() -> None:
-        try:
-            import jax
-
-            jax.devices()
-        except Exception:  # noqa: BLE001 - the main thread's own first use reports it
-            pass
-
-    threading.Thread(target=open_devices, name="open-devices", daemon=True).start()
+        return run_pd(args, opening, reading)
+    return run_node(args, opening, reading)
 
 
 def check_unix_sockets(args: argparse.Namespace) -> str | None:
@@ -166,30 +157,24 @@ def _refuse(problem: str) -> int:
     return 2
 
 
-def run_node(args: argparse.Namespace) -> int:
+def run_node(args: argparse.Namespace, opening, reading) -> int:
+    """``opening``, ``reading``: the devices opening and the model being read (``side_by_side.py``)."""
     from fsm_pd.serving.startup import Startup
 
     startup = Startup()  # timed from the process's start: the interpreter and the imports below count
     from fsm_pd.api import create_app
     from fsm_pd.api.drain import serve_draining
+    from fsm_pd.cli.side_by_side import start_model, weights_in
     from fsm_pd.model import compiles
-    from fsm_pd.model.loader import load_model
-    from fsm_pd.runtime import compile_cache
     from fsm_pd.runtime.gc_policy import apply_serving_gc_policy
 
     startup.record("imports", startup.since_start())
     from fsm_pd.api.runner import WaitDeadlines
 
     wait = WaitDeadlines(args.first_token_timeout_secs, args.token_idle_timeout_secs)  # positive: serve_flags
-    compile_cache.enable(args.compile_cache or compile_cache.default_dir())
     compiles.install()
     try:
-        with startup.phase("weights"):
-            import jax
-
-            dtype = resolve_dtype(args.dtype, jax.default_backend())
-            args.page_size = resolve_page_size(args.page_size, jax.default_backend())
-            model = load_model(args.model, dtype=dtype, progress=True, tp=args.tp)
+        model = start_model(args, startup, opening, reading)
     except (FileNotFoundError, ValueError) as exc:  # missing file or package, unsupported or corrupt checkpoint,
         print(f"fsm-pd serve: cannot load model {args.model!r}: {exc}", file=sys.stderr)  # too few devices for --tp
         return 2
@@ -223,7 +208,8 @@ def run_node(args: argparse.Namespace) -> int:
     on_exit(remove_listener_files)  # a failed start-up ends the process at once: --uds's socket file goes too
     # HTTP answers from here on (probes see the progress); requests are taken once the programs are prepared
     threading.Thread(target=prepare_programs, args=({engine: startup}, args.skip_server_warmup,
-                                                    lambda: app.state.drain.in_flight > 0),
+                                                    lambda: app.state.drain.in_flight > 0,
+                                                    lambda: weights_in(model, [startup], reading)),
                      name="start-up", daemon=True).start()
     try:
         serve_draining(app, args.host, args.port, log_level=args.log_level,
@@ -235,11 +221,12 @@ def run_node(args: argparse.Namespace) -> int:
     exit_now(0)
 
 
-def prepare_programs(starts: dict, skip: bool, busy) -> None:
+def prepare_programs(starts: dict, skip: bool, busy, weights=lambda: None) -> None:
     """The start-up thread of a node (``starts``: {engine: its ``Startup``}) or of ``--role pd`` (both engines, which
     share one pool and so one set of programs: the second warm-up finds the first's): prepare the programs any
-    request needs (``warmup.warm_up``), mark every engine ready at once, then compile the rest in the background
-    while no request is in flight (``busy``). A failure here leaves a process that can never serve: it exits 1."""
+    request needs (``warmup.warm_up``), wait for the weights (``weights()``: they load meanwhile), mark every engine
+    ready at once, then compile the rest in the background while no request is in flight (``busy``). A failure here
+    leaves a process that can never serve: it exits 1."""
     from fsm_pd.model import compiles
     from fsm_pd.serving.warmup import compile_rest, warm_up
 
@@ -250,12 +237,16 @@ def prepare_programs(starts: dict, skip: bool, busy) -> None:
             for engine, startup in starts.items():
                 with startup.phase("programs"):
                     warm_up(engine, progress=True, startup=startup)
+        weights()
         compiles.serving()
         costs = {kind: {**vars(cost), "seconds": round(cost.seconds, 3)} for kind, cost in compiles.costs().items()}
         for startup in starts.values():
             startup.mark_ready(costs)
-        log.info("ready %.1f s after the process started (%s)", first.ready_after,
-                 ", ".join(f"{name} {seconds:.1f} s" for name, seconds in first.status()["phases"].items()))
+        phases = first.status()["phases"]
+        log.info("ready %.1f s after the process started (%s%s)", first.ready_after,
+                 ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()),
+                 "; the device and the weights on threads of their own, beside the others" if "model" in phases
+                 else "; the device on a thread of its own, beside the imports")
         if skip:
             for startup in starts.values():
                 startup.background_done({"skipped": True})

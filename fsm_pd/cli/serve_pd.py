@@ -13,7 +13,9 @@ API is on ``--port``. The KV itself moves through the ``device`` backend by defa
 prefill engine's staging arrays where they are, on the device (``transport/backends/device_backend.py``).
 
 The weights are loaded once: both engines take the same ``LoadedModel`` (its parameters are read-only; only pools
-are donated, and each engine has its own). The memory for the two pools: ``pool_pages``.
+are donated, and each engine has its own). They load on a thread of their own while the engines are built and their
+programs prepared, as on a node (``serve.py``), except where the pools are sized from the device memory the weights
+leave (``pool_pages``), or copied to each role's device: there the weights come first.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from fsm_pd.cli.flags import DEADLINE_FLAGS, pd_backend, resolve_dtype, resolve_page_size
+from fsm_pd.cli.flags import DEADLINE_FLAGS, pd_backend
 from fsm_pd.net.unix_sockets import UnixPathError, check_path, remove_listener_files, unix_address
 from fsm_pd.runtime.process_exit import exit_now, on_exit
 
@@ -68,6 +70,8 @@ def pool_pages(args: argparse.Namespace, models: dict) -> tuple[int, int, str]:
     stats = device.memory_stats() if device.platform != "cpu" else None
     if not stats or "bytes_limit" not in stats:
         return prefill or CPU_POOL_PAGES, decode or CPU_POOL_PAGES, f"{device.platform}: the nodes' default size"
+    for model in models.values():  # the pools take what the weights leave: measured once they are there
+        model.wait_for_weights()
     # as the device stores a page: narrow rows padded to whole lanes (the tiny model's twice its values' bytes)
     page_bytes = models["prefill"].page_bytes_on_device(args.page_size)
     if models["decode"].device not in (None, device):  # each role's pool on its own device: all of its free memory
@@ -155,7 +159,8 @@ def build_engines(args: argparse.Namespace, models: dict, links: str, pages: tup
     return prefill, decode
 
 
-def run_pd(args: argparse.Namespace) -> int:
+def run_pd(args: argparse.Namespace, opening, reading) -> int:
+    """``opening``, ``reading``: the devices opening and the model being read (``side_by_side.py``)."""
     from fsm_pd.serving.startup import Startup
 
     startup = Startup()  # the prefill engine's, timed from the process's start; the decode engine's shares it
@@ -164,28 +169,24 @@ def run_pd(args: argparse.Namespace) -> int:
     from fsm_pd.api.runner import WaitDeadlines
     from fsm_pd.cli.pd_front import PDFront
     from fsm_pd.cli.serve import prepare_programs
+    from fsm_pd.cli.side_by_side import start_model, weights_in
     from fsm_pd.model import compiles
-    from fsm_pd.model.loader import load_model
+    from fsm_pd.model.compiles import CompileCollector
     from fsm_pd.net.http_protocol import read_timeouts_from_args
     from fsm_pd.net.http_server import AppServer, _uvicorn_config, run
     from fsm_pd.router.app import create_router_app
     from fsm_pd.router.core import PrefillWorker
     from fsm_pd.router.fleet import BreakerSettings
     from fsm_pd.router.policy import PolicySettings
-    from fsm_pd.runtime import compile_cache
     from fsm_pd.runtime.gc_policy import apply_serving_gc_policy
+    from fsm_pd.serving.startup import StartupCollector
     from fsm_pd.store.retention import attach_from_args
 
     startup.record("imports", startup.since_start())
     wait = WaitDeadlines(args.first_token_timeout_secs, args.token_idle_timeout_secs)
-    compile_cache.enable(args.compile_cache or compile_cache.default_dir())
     compiles.install()
     try:
-        with startup.phase("weights"):
-            import jax
-
-            model = load_model(args.model, dtype=resolve_dtype(args.dtype, jax.default_backend()), progress=True)
-            args.page_size = resolve_page_size(args.page_size, jax.default_backend())
+        model = start_model(args, startup, opening, reading)
     except (FileNotFoundError, ValueError) as exc:
         print(f"fsm-pd serve: cannot load model {args.model!r}: {exc}", file=sys.stderr)
         return 2
@@ -194,7 +195,11 @@ def run_pd(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"fsm-pd serve: {exc}", file=sys.stderr)
         return 2
-    prefill_pages, decode_pages, how = pool_pages(args, models)
+    try:
+        prefill_pages, decode_pages, how = pool_pages(args, models)
+    except (FileNotFoundError, ValueError) as exc:  # the weights it waited for could not be read
+        print(f"fsm-pd serve: cannot load model {args.model!r}: {exc}", file=sys.stderr)
+        return 2
     where = {role: str(m.device) if m.device is not None else "the first device" for role, m in models.items()}
     log.info("KV pools: prefill %d pages on %s, decode %d pages on %s (%s)", prefill_pages, where["prefill"],
              decode_pages, where["decode"], how)
@@ -230,13 +235,19 @@ def run_pd(args: argparse.Namespace) -> int:
             health_interval_s=1.0, health_timeout_s=OWN_HEALTH_TIMEOUT_S,
             breaker=BreakerSettings(health_failures=NEVER, request_failures=NEVER),
             startup_wait_s=args.startup_wait_secs, local_apps=local_apps,
-            max_body_bytes=args.max_request_bytes)  # None: the engines' limit (their /health)
-        router.state.metrics.registry.register(EngineFamilies([r for engine in engines for r in engine.registries]))
+            max_body_bytes=args.max_request_bytes,  # None: the engines' limit (their /health)
+            server_info_extra=lambda: {"startup": startup.status(), "engines_startup": {
+                engine.role: its_startup.status() for engine, its_startup in starts.items()}})
+        registry = router.state.metrics.registry
+        registry.register(EngineFamilies([r for engine in engines for r in engine.registries]))
+        registry.register(StartupCollector(startup))  # the process's start-up, as a node's /metrics has it
+        registry.register(CompileCollector())
         front = PDFront(router, engines, list(starts.values()), drain_timeout_s=args.drain_timeout_secs,
                         startup_wait_s=args.startup_wait_secs, registry=router.state.metrics.registry)
         apply_serving_gc_policy()
         threading.Thread(target=prepare_programs, args=(starts, args.skip_server_warmup,
-                                                        lambda: front.drain.in_flight > 0),
+                                                        lambda: front.drain.in_flight > 0,
+                                                        lambda: weights_in(model, list(starts.values()), reading)),
                          name="start-up", daemon=True).start()
         log.info("serving prefill and decode in one process (%s transfers; links in %s; journals in %s)",
                  pd_backend(args), links, args.journal_dir)

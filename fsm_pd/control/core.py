@@ -18,7 +18,7 @@ from typing import Any
 
 from fsm_pd.effects import Node
 from fsm_pd.machines import KVPoll
-from fsm_pd.store.schema import MAX_ROOM
+from fsm_pd.store.limits import MAX_ROOM
 from fsm_pd.transport.messages import Abort, Prepare, Pulled, Ready
 
 log = logging.getLogger(__name__)

@@ -26,9 +26,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from fsm_pd.kernels import kv_write
 from fsm_pd.kernels.layout import PAD_PAGE
-from fsm_pd.model import decode_attention
 
 ATTENTION_ENV = "FSM_PD_ATTENTION"
 
@@ -127,7 +125,11 @@ def kernels_for(pool, head_dim: int) -> Kernels:
     forced = os.environ.get(ATTENTION_ENV)
     if forced not in (None, "", "jnp", "tpu", "interpret"):
         raise ValueError(f"{ATTENTION_ENV}={forced!r}: use jnp, tpu or interpret")
-    if forced in (None, "", "jnp") or not decode_attention.supported(head_dim):
+    if forced in (None, "", "jnp"):
+        return "jnp"
+    from fsm_pd.model import decode_attention  # Pallas: 0.3 s of a start that never uses it (imported here only)
+
+    if not decode_attention.supported(head_dim):
         return "jnp"
     if forced == "interpret":
         return forced
@@ -145,6 +147,9 @@ def paged_attention(q, k, v, layer_pool, page_tables, starts, lengths, *, kernel
     """
     _, seq_len = q.shape[:2]
     interpret = kernels == "interpret"
+    if kernels != "jnp":  # the TPU kernels: Pallas, imported only where they run
+        from fsm_pd.kernels import kv_write
+        from fsm_pd.model import decode_attention
     if kernels != "jnp" and seq_len == 1:
         return decode_attention.decode_step(q, k, v, layer_pool, page_tables, starts, lengths, interpret=interpret)
     if kernels == "jnp":

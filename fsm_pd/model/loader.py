@@ -7,7 +7,9 @@ A spec is ``"tiny"`` (built in), a named model (``NAMED_MODELS``: a GGUF file sh
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from fsm_pd.model.tokenizer import Tokenizer, load_hf_tokenizer
 from fsm_pd.model.weights import load_params
 
 DEFAULT_SPEC = "smollm2"
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -34,11 +37,21 @@ class LoadedModel:
 
     name: str
     config: ModelConfig
-    params: dict  # with ``tp``, rearranged and placed on its mesh (``tensor_parallel.shard_params``)
+    # with ``tp``, rearranged and placed on its mesh (``tensor_parallel.shard_params``); while ``pending``, their
+    # shapes only (``params.abstract_params``): enough to build an engine and compile its programs
+    params: dict
     tokenizer: Tokenizer
     tp: TensorParallel | None = None  # how the model is split over devices; None on one device
     _programs: dict = field(default_factory=dict, repr=False)  # pool signature, settings -> ForwardPrograms
     device: jax.Device | None = None  # where it and its pools live, when not JAX's first device (``on_device``)
+    pending: Future | None = field(default=None, repr=False)  # the weights, still loading (``meanwhile.py``)
+
+    def wait_for_weights(self, timeout: float | None = None) -> None:
+        """Put the weights in place once the thread that loads them is done (``meanwhile.py``); raises what it
+        raised. A model loaded whole has nothing to wait for. Call it before anything runs the model."""
+        if self.pending is not None:
+            self.params = self.pending.result(timeout)
+            self.pending = None
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -87,6 +100,7 @@ class LoadedModel:
         a device of its own. The weights stay shared where ``device`` is where they are already."""
         if self.tp is not None:
             raise ValueError("a model split over devices (tensor parallelism) cannot be moved to one device")
+        self.wait_for_weights()
         params = jax.device_put(self.params, device)
         return LoadedModel(self.name, self.config, params, self.tokenizer, None, device=device)
 
@@ -134,17 +148,26 @@ def with_tensor_parallel(model: LoadedModel, tp: int) -> LoadedModel:
     return LoadedModel(model.name, model.config, shard_params(plan, model.params), model.tokenizer, plan)
 
 
+def gguf_source(spec: str) -> tuple[Path, str | None] | None:
+    """``(file, name)`` of a spec that names a GGUF file (a named model, by its name; a path, with no name), else
+    None. Raises ``FileNotFoundError`` for a named model whose package is missing."""
+    if spec == TINY_SPEC:
+        return None
+    if spec in NAMED_MODELS:
+        return resolve_named_model(spec), spec
+    path = Path(spec).expanduser()
+    return (path, None) if path.suffix == ".gguf" or path.is_file() else None
+
+
 def _load(spec: str, *, dtype: str, progress: bool) -> LoadedModel:
     if spec == TINY_SPEC:
         from fsm_pd.model.tiny import tiny_model_parts
 
         config, params, tokenizer = tiny_model_parts(dtype)
         return LoadedModel(TINY_SPEC, config, params, tokenizer)
-    if spec in NAMED_MODELS:
-        return load_gguf(resolve_named_model(spec), dtype=dtype, progress=progress, name=spec)
+    if (gguf := gguf_source(spec)) is not None:
+        return load_gguf(gguf[0], dtype=dtype, progress=progress, name=gguf[1])
     path = Path(spec).expanduser()
-    if path.suffix == ".gguf" or path.is_file():
-        return load_gguf(path, dtype=dtype, progress=progress)
     if not path.is_dir():
         raise FileNotFoundError(f"model {spec!r} is neither {TINY_SPEC!r} nor an existing directory (nor a named "
                                 f"model: {', '.join(NAMED_MODELS)}; nor a .gguf file)")
@@ -158,34 +181,55 @@ def _load(spec: str, *, dtype: str, progress: bool) -> LoadedModel:
 
 
 def load_gguf(path: Path, *, dtype: str = "float32", progress: bool = False, name: str | None = None,
-              cache: Path | None | bool = True) -> LoadedModel:
+              cache: Path | None | bool = True,
+              on_parts: Callable[[ModelConfig, Tokenizer], None] | None = None) -> LoadedModel:
     """Read a GGUF file: metadata to config, tokenizer from its vocabulary, tensors dequantized into ``dtype``.
 
     ``cache``: where the converted model is kept (``converted.py``): True for ``converted.cache_root()``, a
-    directory, or None/False for none. A file converted before is read from there instead."""
+    directory, or None/False for none. A file converted before is read from there instead. ``on_parts(config,
+    tokenizer)`` is called as soon as they are read, before the tensors (``meanwhile.py``); again, with the same
+    config, where a converted entry's tensors turn out unreadable and the file is converted anew."""
     from fsm_pd.model import converted
 
+    told = on_parts or (lambda config, tokenizer: None)
     root = converted.cache_root() if cache is True else (cache or None)
     if not root:
-        return _convert_gguf(Path(path), dtype=dtype, progress=progress, name=name)
+        return _convert_gguf(Path(path), dtype=dtype, progress=progress, name=name, on_parts=told)
     entry = converted.entry_dir(Path(root), Path(path), dtype)
-    if (hit := converted.load(entry)) is not None:
+    if (hit := _read_entry(entry, told)) is not None:
         return LoadedModel(name or str(path), *hit)
     with converted.converting(entry):  # another process converting it now: wait, then read what it saved
-        if (hit := converted.load(entry)) is not None:
+        if (hit := _read_entry(entry, told)) is not None:
             return LoadedModel(name or str(path), *hit)
-        model = _convert_gguf(Path(path), dtype=dtype, progress=progress, name=name)
+        log.info("converting %s to %s once (later starts read the converted copy)", path, dtype)
+        model = _convert_gguf(Path(path), dtype=dtype, progress=progress, name=name, on_parts=told)
         converted.save(entry, model.config, model.params, model.tokenizer)
     return model
 
 
-def _convert_gguf(path: Path, *, dtype: str, progress: bool, name: str | None) -> LoadedModel:
+def _read_entry(entry: Path, told: Callable[[ModelConfig, Tokenizer], None]):
+    """``(config, params, tokenizer)`` from a converted entry, the parameters put on the device as they were
+    stored (no conversion), or None."""
+    from fsm_pd.model import converted
+
+    if (meta := converted.load_meta(entry)) is None:
+        return None
+    config, tokenizer = meta
+    told(config, tokenizer)
+    if (host := converted.load_host_params(entry, config)) is None:
+        return None
+    return config, jax.device_put(host), tokenizer
+
+
+def _convert_gguf(path: Path, *, dtype: str, progress: bool, name: str | None,
+                  on_parts: Callable[[ModelConfig, Tokenizer], None]) -> LoadedModel:
     from fsm_pd.model.gguf_file import config_from_gguf, load_gguf_params, open_gguf
     from fsm_pd.model.gguf_tokenizer import tokenizer_from_gguf
 
     reader = open_gguf(path)
     config = config_from_gguf(reader, dtype=dtype, path=str(path))
     tokenizer = tokenizer_from_gguf(reader, path=str(path))
+    on_parts(config, tokenizer)
     if not progress:
         params = load_gguf_params(reader, config, path=str(path))
         return LoadedModel(name or str(path), config, params, tokenizer)

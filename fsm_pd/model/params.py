@@ -53,6 +53,17 @@ def top_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def abstract_params(config: ModelConfig, sharding=None) -> dict:
+    """The parameter tree's shapes and dtype, as ``jax.ShapeDtypeStruct`` placed by ``sharding``: what a program
+    is compiled from while the weights themselves still load."""
+    def leaf(shape: tuple[int, ...]) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(config.dtype), sharding=sharding)
+
+    return {**{name: leaf(shape) for name, shape in top_shapes(config).items()},
+            "layers": [{name: leaf(shape) for name, shape in layer_shapes(config).items()}
+                       for _ in range(config.num_layers)]}
+
+
 def check_params(config: ModelConfig, params: dict) -> None:
     """Raise ``ValueError`` naming the first parameter whose presence or shape disagrees with ``config``."""
     for name, shape in top_shapes(config).items():

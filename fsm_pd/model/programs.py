@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -195,38 +196,60 @@ class ForwardPrograms:
     def shapes(self) -> set[tuple[int, int]]:
         return set(self._programs)
 
-    def compile(self, batch: int, tokens: int) -> LayeredForward:
-        """The programs for ``[batch, tokens]`` inputs, compiled now if they were not yet."""
+    def compile(self, batch: int, tokens: int, *, run: Callable[[dict], dict] | None = None) -> LayeredForward:
+        """The programs for ``[batch, tokens]`` inputs, compiled now if they were not yet, from shapes alone.
+        ``run({name: thunk}) -> {name: result}`` compiles the shape's programs (each group size, the head, the
+        embedding): one after the other by default; a node's warm-up runs them side by side on its threads."""
         with self._lock:
             program = self._programs.get((batch, tokens))
         if program is not None:
             return program
+        run = run or (lambda thunks: {name: thunk() for name, thunk in thunks.items()})
         ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._inputs)
         hidden = jax.ShapeDtypeStruct((batch, tokens, self.config.hidden_size), self._params["embed"].dtype,
                                       sharding=self._inputs)
         rows = (ints(batch), ints(batch), ints(batch, self.width))  # starts, lengths, page tables
         packed = ints(batch, tokens + 2 + self.width)
         if len(self.groups) == 1 and self.tp is None:
-            whole = _whole.lower(self._params, self._pool, packed, config=self.config, kernels=self.kernels,
-                                 tokens=tokens).compile()
+            whole = run({"whole": lambda: _whole.lower(self._params, self._pool, packed, config=self.config,
+                                                       kernels=self.kernels, tokens=tokens).compile()})["whole"]
             with self._lock:
                 return self._programs.setdefault((batch, tokens), OneProgram(whole, self._inputs))
-        by_size = {}
-        for first, count in self.groups:
-            if count not in by_size:
-                layers, pools = self._params["layers"][first:first + count], self._pool[first:first + count]
-                lowered = (_group.lower(layers, pools, hidden, *rows, config=self.config, kernels=self.kernels)
-                           if self.tp is None
-                           else group_sharded.lower(layers, pools, hidden, *rows, tp=self.tp))
-                by_size[count] = lowered.compile()
+
+        def group(first: int, count: int) -> jax.stages.Compiled:
+            layers, pools = self._params["layers"][first:first + count], self._pool[first:first + count]
+            lowered = (_group.lower(layers, pools, hidden, *rows, config=self.config, kernels=self.kernels)
+                       if self.tp is None
+                       else group_sharded.lower(layers, pools, hidden, *rows, tp=self.tp))
+            return lowered.compile()
+
+        sizes = {count: first for first, count in reversed(self.groups)}  # each size once, at its first group
+        compiled = run({  # the groups first: they take the longest
+            **{("group", count): (lambda first=first, count=count: group(first, count))
+               for count, first in sizes.items()},
+            "head": lambda: _head.lower(top_params(self._params), hidden, ints(batch), config=self.config).compile(),
+            "embed": lambda: _embed.lower(self._params["embed"], packed, tokens=tokens).compile(),
+        })
         program = LayeredForward(
-            embed=_embed.lower(self._params["embed"], packed, tokens=tokens).compile(),
-            groups=tuple((first, count, by_size[count]) for first, count in self.groups),
-            head=_head.lower(top_params(self._params), hidden, ints(batch), config=self.config).compile(),
+            embed=compiled["embed"],
+            groups=tuple((first, count, compiled[("group", count)]) for first, count in self.groups),
+            head=compiled["head"],
             inputs=self._inputs,
         )
         with self._lock:
             return self._programs.setdefault((batch, tokens), program)
+
+    def logits_sharding(self) -> jax.sharding.Sharding:
+        """Where a forward pass leaves its logits, which the samplers are compiled for: known from the head at one
+        row, compiled now (a shape's own compile then finds it in jit's cache), or from the single-row decode
+        program where the model is one program."""
+        if len(self.groups) == 1 and self.tp is None:
+            return self.compile(1, 1).logits_sharding
+        hidden = jax.ShapeDtypeStruct((1, 1, self.config.hidden_size), self._params["embed"].dtype,
+                                      sharding=self._inputs)
+        lengths = jax.ShapeDtypeStruct((1,), jnp.int32, sharding=self._inputs)
+        return _head.lower(top_params(self._params), hidden, lengths, config=self.config).compile() \
+            .output_shardings[0]
 
     def compile_logprobs(self, top_k: int) -> None:
         """Compile ``decoder.next_token_logprobs`` for ``top_k`` ahead (prompt logprobs: one shape per ``top_k``)."""

@@ -24,7 +24,7 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import Body, FastAPI, Request
@@ -67,7 +67,8 @@ def create_router_app(prefill: Sequence[PrefillWorker | tuple[str, int | None] |
                       deadlines: RouterDeadlines = DEFAULT_DEADLINES,
                       pd_policy: PolicySettings | None = None,
                       startup_wait_s: float = DEFAULT_STARTUP_WAIT_S,
-                      local_apps: dict[str, Any] | None = None) -> FastAPI:
+                      local_apps: dict[str, Any] | None = None,
+                      server_info_extra: Callable[[], dict] | None = None) -> FastAPI:
     """The router's app. ``prefill``: workers as ``PrefillWorker``, ``(url, bootstrap_port or None)`` or a bare
     URL; ``decode``: URLs. ``api_key``: required from clients and sent to the workers (as sglang-router does).
     ``max_body_bytes``: larger request bodies get 413 before they are read; default: the smallest limit its
@@ -76,7 +77,8 @@ def create_router_app(prefill: Sequence[PrefillWorker | tuple[str, int | None] |
     ``policy="cache_aware"`` (``cache_aware.py``); ``deadlines``: each leg's and a stream's idle deadline
     (``legs.RouterDeadlines``); ``pd_policy``: which requests go through a prefill node (``policy.py``);
     ``startup_wait_s``: how long a request waits for a worker that is still starting. ``local_apps``: {unix socket
-    path: the app of a worker in this process (``--role pd``)}, called directly instead of through its socket."""
+    path: the app of a worker in this process (``--role pd``)}, called directly instead of through its socket.
+    ``server_info_extra()``: more fields for ``/server_info`` (``--role pd``: the process's start-up)."""
     workers = [w if isinstance(w, PrefillWorker) else PrefillWorker(w, None) if isinstance(w, str)
                else PrefillWorker(w[0], w[1]) for w in prefill]
     metrics = RouterMetrics()
@@ -148,7 +150,7 @@ def create_router_app(prefill: Sequence[PrefillWorker | tuple[str, int | None] |
                 "prefill": [w.describe() for w in pd.fleet.workers["prefill"]],
                 "decode": [w.describe() for w in pd.fleet.workers["decode"]],
                 "requests_running": len(pd.running),  # rids the router is answering (and could abort) now
-                "max_request_bytes": body_limit()}
+                "max_request_bytes": body_limit(), **(server_info_extra() if server_info_extra else {})}
 
     for path in ("/server_info", "/get_server_info"):
         app.add_api_route(path, server_info, methods=["GET"])

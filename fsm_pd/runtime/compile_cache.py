@@ -29,9 +29,18 @@ def default_dir(environ: os._Environ | dict = os.environ) -> str:
     return str(Path(base) / "fsm-pd" / "jax")
 
 
+# Every program is written, however quick to compile and however small: a warm start must load every program of its
+# ready set, not compile the quick ones again. JAX's minimum entry size of 0 means "let the cache pick one" (at its
+# first use it takes ``default_min_cache_entry_size()``, which a build for another file system may raise); -1 means
+# no minimum, and no override.
+MIN_COMPILE_TIME_S = 0.0
+MIN_ENTRY_SIZE_BYTES = -1
+
+
 def enable(directory: str | None) -> str | None:
-    """Point JAX at ``directory`` (created if missing) and cache every program, however quick to compile.
-    ``None`` or ``off`` leaves the cache off. Returns the directory in use."""
+    """Point JAX at ``directory`` (created if missing) and cache every program, however quick to compile and
+    however small. ``None`` or ``off`` leaves the cache off. Returns the directory in use. Call it before anything
+    compiles (the weights' thread included): a program compiled before is not written."""
     if not directory or directory == "off":
         return None
     import jax
@@ -42,6 +51,6 @@ def enable(directory: str | None) -> str | None:
         log.warning("compile cache disabled: cannot create %s: %s", directory, exc)
         return None
     jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_TIME_S)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", MIN_ENTRY_SIZE_BYTES)
     return directory

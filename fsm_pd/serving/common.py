@@ -6,14 +6,12 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from fsm_pd.control.core import RoomInUse
 from fsm_pd.machines import KVPoll
 from fsm_pd.machines.deadlines import ended_by_deadline
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.serving import top_logprobs
 from fsm_pd.serving.types import EngineError, GenerateRequest
-from fsm_pd.store.journal import JournalError
-from fsm_pd.store.schema import MAX_ROOM
+from fsm_pd.store.limits import MAX_ROOM
 
 ENDED = (KVPoll.Success, KVPoll.Failed)  # a room in either state changes no more
 UNAVAILABLE_STATUS = 503  # the node cannot serve at all (its loop stopped, its model thread died)
@@ -35,6 +33,10 @@ def transfer_failure_status(reason: str | None) -> int:
 def room_error_status(exc: Exception) -> int:
     """The HTTP status for the manager refusing a room: 409 for a reused room, 503 when its journal cannot be
     read (the node stops), 400 for anything else."""
+    # a PD node's question, whose journal is loaded: a colocated node's start does without SQLAlchemy (0.3 s)
+    from fsm_pd.control.core import RoomInUse
+    from fsm_pd.store.journal import JournalError
+
     if isinstance(exc, JournalError):
         return UNAVAILABLE_STATUS
     return ROOM_IN_USE_STATUS if isinstance(exc, RoomInUse) else 400

@@ -7,20 +7,21 @@ prepares, before it answers ``/health``, its *ready set* (``WarmupPlan.ready_for
 
 - the forward passes that *cover* every other (``programs.ForwardPrograms.cover``): the longest single-row prefill
   and the single-row decode step, so any batch runs, padded up or row by row, until its own shape is compiled;
-- the samplers at one row and at the largest batch bucket (run once on zeros: a batch between pads up to the
-  largest, ``sampling.sampling_rows``), and the prompt-logprob programs (compiled ahead);
+- the samplers at one row and at the largest batch bucket (a batch between pads up to the largest,
+  ``sampling.sampling_rows``), and the prompt-logprob programs;
 - the page kernels a transfer runs: on a pool on one CPU device, a decode node's one-layer scatter of every page
   bucket, compiled ahead (a whole-pool scatter runs layer by layer on it, ``cpu_copy.scatter``); elsewhere the
   scatters and gathers of every page bucket, run into and out of free pages.
 
-Then a background thread (``compile_rest``) prepares the rest: the other sampler buckets (run once on zeros, as
-above), on a pool on one CPU device the whole-pool scatters, the programs of several decode steps a dispatch
-(``model/multi_step.py``, where the node runs more than one: every batch bucket at every page-table width; until
-one is there its batch decodes a step at a time), and every other forward shape the schedulers can form
-(``plan_for``: a prefill node's, a colocated node's and a decode node's recomputes, within their chunked-prefill
-budgets; decode at every batch bucket up to ``max_running``), cheapest first, at a lower CPU priority, each program
-once no request is in flight or ``IDLE_WAIT_S`` has passed. The scatters and forward passes compile ahead of time:
-they touch no pool and run nothing.
+All of these but the page kernels are compiled ahead from shapes alone, side by side on ``COMPILE_THREADS`` threads,
+while the weights still load (``warm_up``). Then a background thread (``compile_rest``) prepares the rest: the other
+sampler buckets (run once on zeros), on a pool on one CPU device the whole-pool scatters, the programs of several
+decode steps a dispatch (``model/multi_step.py``, where the node runs more than one: every batch bucket at every
+page-table width; until one is there its batch decodes a step at a time), and every other forward shape the
+schedulers can form (``plan_for``: a prefill node's, a colocated node's and a decode node's recomputes, within their
+chunked-prefill budgets; decode at every batch bucket up to ``max_running``), cheapest first, at a lower CPU
+priority, each program once no request is in flight or ``IDLE_WAIT_S`` has passed. The scatters and forward passes
+compile ahead of time: they touch no pool and run nothing.
 
 Everything goes through JAX's persistent compile cache, so a restart loads instead of compiling (``docs/serving.md``
 has the start-up times, cold and warm). ``--skip-server-warmup`` (SGLang's flag) skips it; the programs then compile
@@ -56,12 +57,11 @@ from fsm_pd.serving.startup import Startup
 log = logging.getLogger(__name__)
 
 
-COMPILE_THREADS = min(4, os.cpu_count() or 1)  # the ready set's forward passes compile this many at once
-# The ready set's other programs (samplers, prompt logprobs, page kernels) are prepared beside the forward passes
-# only where cores are left over for them: on 2 cores the forward passes' compiles take both, and tracing beside them
-# only contends for the interpreter's lock (bench/startup.py, tiny model, 2 cores: warm 9.3 s one after the other,
-# 11.2 s beside)
-BESIDE = (os.cpu_count() or 1) > COMPILE_THREADS
+# The ready set's programs compile this many at once. XLA's compile lets go of the interpreter's lock, so on a host of
+# many cores (a TPU host has 13) they compile side by side; tracing and lowering hold the lock, one at a time. On 2
+# cores, 2 (more threads only contend for the lock).
+COMPILE_THREADS = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                               else os.cpu_count() or 1))
 SHORT_PROMPT_TOKENS = 64  # a first chat turn's prompt: its prefill is in every node's ready set
 
 
@@ -170,7 +170,13 @@ def _kind(shape: tuple[int, int]) -> str:
 
 def warm_up(engine, *, progress: bool = True, startup: Startup | None = None) -> dict:
     """Prepare the ready set of ``plan_for(engine)``; returns what it did and how long it took. Call before
-    serving, then ``compile_rest`` for the other forward shapes."""
+    serving, then ``compile_rest`` for the other forward shapes.
+
+    Every program of the ready set is lowered and compiled ahead from shapes alone (``jax.ShapeDtypeStruct``: no
+    weight is read, so this runs while they load, ``model/meanwhile.py``), side by side on ``COMPILE_THREADS``
+    threads: each forward shape's programs (its group of layers, head and embedding), the samplers at each ready
+    batch bucket, the prompt-logprob programs; the page kernels run on the model thread meanwhile. XLA's compile
+    lets go of the interpreter's lock, so the threads compile at once; from the compile cache they load at once."""
     compiles.install()
     plan = plan_for(engine)
     startup = startup or Startup()
@@ -188,47 +194,53 @@ def warm_up(engine, *, progress: bool = True, startup: Startup | None = None) ->
 
         programs = engine.model.programs(engine.model_thread.pool)
         programs.covers = True  # what the ready set lacks runs on what it has, until ``compile_rest`` compiles it
-        def compile_forward(shape: tuple[int, int]) -> None:
-            with compiles.preparing(_kind(shape)):
-                step(f"forward {shape[0]}x{shape[1]}", lambda: programs.compile(*shape))
+        vocab = engine.model.config.vocab_size
+        with ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="warm-up-compile") as workers, \
+                ThreadPoolExecutor(len(plan.ready_forward) + 3, thread_name_prefix="warm-up") as waiting:
+            def side_by_side(kind: str):
+                """Compile ``{name: thunk}`` on the workers, each thunk's programs counted as ``kind``."""
+                def run(thunks: dict) -> dict:
+                    futures = {name: workers.submit(_as_kind(kind, thunk)) for name, thunk in thunks.items()}
+                    return {name: future.result() for name, future in futures.items()}
+                return run
 
-        def logprobs() -> None:
-            with compiles.preparing("logprobs"):
-                step("prompt logprobs", lambda: _prepare_logprobs(engine.model, programs))
+            def forward(shape: tuple[int, int]) -> None:
+                step(f"forward {shape[0]}x{shape[1]}", lambda: programs.compile(*shape, run=side_by_side(_kind(shape))))
 
-        def kernels() -> None:
-            if plan.scatter_buckets or plan.gather_buckets or plan.hash_buckets:
-                engine.model_thread.call(lambda owner: _run_kernels(owner, engine.layout, plan, step))
-
-        # Side by side: XLA's compile of one program leaves cores idle and lets go of the interpreter's lock (a cold
-        # SmolLM2 node's programs phase, three forward passes: 5.8 s one after the other, 5.2 s in two threads). The
-        # forward passes compile COMPILE_THREADS at a time; beside them the prompt-logprob programs, the page kernels
-        # (on the model thread) and, once the first forward pass says where logits lie, the samplers.
-        with ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="warm-up-compile") as forward, \
-                ThreadPoolExecutor(2, thread_name_prefix="warm-up-beside") as beside:
-            compiled = [forward.submit(compile_forward, shape) for shape in plan.ready_forward]
-            others = [beside.submit(logprobs), beside.submit(kernels)] if BESIDE else []
-            for future in compiled[:1] if BESIDE else compiled:  # on few cores the samplers wait for all, as before
-                future.result()
-            vocab = engine.model.config.vocab_size
-            # jit's cache tells a committed array from a fresh one: sample logits placed as the forward pass leaves
-            # them
-            logits_sharding = programs.compile(*plan.ready_forward[0]).logits_sharding
-            with compiles.preparing("sampling"):
+            def samplers() -> None:  # compiled for where the forward passes leave their logits
+                sharding = side_by_side("decode")({"at": programs.logits_sharding})["at"]  # the head at one row
                 for batch in plan.ready_samples:
-                    step(f"sampling {batch}", lambda batch=batch: sampling.prepare(batch, vocab, logits_sharding))
-            for future in compiled + others:
+                    step(f"sampling {batch}",
+                         lambda batch=batch: side_by_side("sampling")(_sampler_thunks(batch, vocab, sharding)))
+                    sampling.mark_prepared(batch)
+
+            def logprobs() -> None:
+                step("prompt logprobs", lambda: side_by_side("logprobs")(_logprob_thunks(engine.model, programs)))
+
+            def kernels() -> None:
+                if plan.scatter_buckets or plan.gather_buckets or plan.hash_buckets:
+                    engine.model_thread.call(lambda owner: _run_kernels(owner, engine.layout, plan, step))
+
+            # the longest prefill first: its programs take the longest to compile
+            tasks = [*(lambda shape=shape: forward(shape) for shape in sorted(plan.ready_forward, reverse=True)),
+                     samplers, logprobs, kernels]
+            for future in [waiting.submit(task) for task in tasks]:
                 future.result()  # a failure of any is the start-up's
-        if not BESIDE:
-            logprobs()
-            kernels()
     took = time.monotonic() - started
     report = {"seconds": round(took, 2), "programs": compiles.counts()["startup"] - before,
               "forward_shapes": len(plan.ready_forward), "background_shapes": len(plan.background_forward)}
-    log.info("warm-up: ready after %d programs, compiled or loaded from the compile cache in %.1f s (%d forward "
-             "shapes; %d more compile in the background)", report["programs"], took, report["forward_shapes"],
-             report["background_shapes"])
+    log.info("warm-up: ready after %d programs, compiled or loaded from the compile cache in %.1f s on %d threads "
+             "(%d forward shapes; %d more compile in the background)", report["programs"], took, COMPILE_THREADS,
+             report["forward_shapes"], report["background_shapes"])
     return report
+
+
+def _as_kind(kind: str, thunk):
+    """``thunk`` with the programs it loads counted as ``kind`` (``compiles.preparing`` is per thread)."""
+    def run():
+        with compiles.preparing(kind):
+            return thunk()
+    return run
 
 
 IDLE_WAIT_S = 5.0  # the longest a background compile waits for the node to be idle before it starts anyway
@@ -329,14 +341,40 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
-def _prepare_logprobs(model, programs) -> None:
+def _sampler_thunks(batch: int, vocab: int, sharding) -> dict:
+    """The four sampling programs at ``batch`` rows, each lowered and compiled ahead from shapes: the logits placed
+    where the forward passes leave them, the other inputs host arrays, as ``sampling.sample`` passes them. A program
+    compiled so is in jit's own cache too: the first call of that shape compiles nothing."""
+    def spec(shape, dtype, placed=None):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=placed)
+
+    logits = spec((batch, vocab), jnp.float32, sharding)
+    rows = lambda dtype: spec((batch,), dtype)  # noqa: E731
+    table = spec((batch, vocab), jnp.float32)
+    return {
+        "greedy": lambda: sampling.greedy_tokens.lower(logits).compile(),
+        "sample": lambda: sampling.sample_tokens.lower(
+            logits, rows(jnp.float32), rows(jnp.float32), rows(jnp.int32), rows(jnp.float32), rows(jnp.uint32),
+            rows(jnp.int32)).compile(),
+        "adjust": lambda: sampling.adjust_logits.lower(
+            logits, table, rows(jnp.float32), rows(jnp.float32), rows(jnp.float32), table).compile(),
+        "mask": lambda: sampling.mask_logits.lower(logits, spec((batch, (vocab + 31) // 32), jnp.int32)).compile(),
+    }
+
+
+def _logprob_thunks(model, programs) -> dict:
+    """The prompt-logprob programs (one per ``top_k``): compiled ahead from shapes; on a split model, run once on
+    zeros (its weights are in: a split model loads whole)."""
     rows = np.zeros((LOGPROB_ROWS, model.config.hidden_size), np.float32)
     ids = np.zeros(LOGPROB_ROWS, np.int32)
-    for top_k in (0, min(MAX_TOP_LOGPROBS, model.config.vocab_size)):
+
+    def prepare(top_k: int):
         if model.tp is None:  # ahead, without running it (top-k over the vocabulary costs a second on CPU)
-            programs.compile_logprobs(top_k)
-        else:
-            next_token_logprobs(model.params, rows, ids, config=model.config, top_k=top_k)[0].block_until_ready()
+            return programs.compile_logprobs(top_k)
+        return next_token_logprobs(model.params, rows, ids, config=model.config, top_k=top_k)[0].block_until_ready()
+
+    top_ks = (0, min(MAX_TOP_LOGPROBS, model.config.vocab_size))
+    return {top_k: (lambda top_k=top_k: prepare(top_k)) for top_k in top_ks}
 
 
 def _run_kernels(owner, layout, plan: WarmupPlan, step) -> None:

@@ -1,27 +1,48 @@
-"""The journal (SQLite by default, any SQLAlchemy URL), its reader, and replay."""
+"""The journal (SQLite by default, any SQLAlchemy URL), its reader, and replay.
 
-from fsm_pd.store.journal import (
-    Journal,
-    JournalError,
-    JournalRow,
-    SchemaVersionError,
-    VersionConflict,
-    write_rows,
-)
-from fsm_pd.store.reader import JournalReader, read_journal
-from fsm_pd.store.replay import Divergence, ReplayResult, RoomReport, replay
+The names below load their modules on first use (PEP 562): SQLAlchemy costs a node's start 0.3 s, and a colocated
+node, which keeps no journal, needs only the room-id limit (``store.limits``) from here.
+"""
 
-__all__ = [
-    "Divergence",
-    "Journal",
-    "JournalError",
-    "JournalReader",
-    "JournalRow",
-    "ReplayResult",
-    "RoomReport",
-    "SchemaVersionError",
-    "VersionConflict",
-    "read_journal",
-    "replay",
-    "write_rows",
-]
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
+_HOME = {
+    "Divergence": "replay",
+    "Journal": "journal",
+    "JournalError": "journal",
+    "JournalReader": "reader",
+    "JournalRow": "journal",
+    "ReplayResult": "replay",
+    "RoomReport": "replay",
+    "SchemaVersionError": "journal",
+    "VersionConflict": "journal",
+    "read_journal": "reader",
+    "replay": "replay",
+    "write_rows": "journal",
+}
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    globals()[name] = value  # the next lookup finds it without this hook
+    return value
+
+
+class _Store(types.ModuleType):
+    """This package, whose ``replay`` is replay's function, as when every name was imported up front: once loaded,
+    the module ``store.replay`` would otherwise take the package's attribute of its name (Python binds it there)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _HOME and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Store

@@ -34,14 +34,12 @@ from sqlalchemy import (
 )
 
 from fsm_pd.machines import TERMINAL
+from fsm_pd.store.limits import MAX_ROOM  # noqa: F401 - its home was here
 
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 2
 
-# The largest bootstrap room a journal can hold: SQLite's INTEGER is signed 64-bit. SGLang's router draws rooms below
-# 2**63 too, so every room a real router sends fits; anything larger is refused before a room is created.
-MAX_ROOM = 2**63 - 1
 
 metadata = MetaData()
 

@@ -109,3 +109,24 @@ def test_two_processes_starting_together_convert_once_and_both_load_it(tmp_path)
     assert outputs[0][0] == outputs[1][0] and outputs[0][0].startswith("embed")
     assert [p.name for p in root.iterdir() if not p.name.endswith(".lock")] == [converted.entry_dir(
         root, gguf, "float32").name]
+
+
+def test_an_entry_holds_the_weights_in_the_serving_dtype_and_reads_them_back_unconverted(tmp_path):
+    """A bfloat16 model's entry holds bfloat16 bits (stored as uint16, which safetensors' NumPy side can name), read
+    back as bfloat16 host arrays bit for bit: a load converts nothing, and needs no device."""
+    from safetensors import safe_open
+
+    config, _, _ = tiny_model_parts("bfloat16")
+    params = random_params(config, seed=2)
+    entry = tmp_path / "entry"
+    converted.save(entry, config, params, word_tokenizer())
+    with safe_open(str(entry / "params.safetensors"), framework="np") as tensors:
+        assert {str(tensors.get_tensor(name).dtype) for name in tensors.keys()} == {"uint16"}  # noqa: SIM118
+    meta = converted.load_meta(entry)
+    assert meta is not None and meta[0] == config
+    host = converted.load_host_params(entry, config)
+    assert host is not None and isinstance(host["embed"], np.ndarray) and str(host["embed"].dtype) == "bfloat16"
+    assert np.array_equal(host["embed"].view(np.uint16), np.asarray(params["embed"]).view(np.uint16))
+    for layer, layer2 in zip(params["layers"], host["layers"], strict=True):
+        for name, value in layer.items():
+            assert np.array_equal(layer2[name].view(np.uint16), np.asarray(value).view(np.uint16)), name

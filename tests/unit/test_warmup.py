@@ -4,11 +4,15 @@ it serves, whatever mix of requests comes."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections import deque
 
+import jax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax._src import monitoring
 
 from fsm_pd.kvpool.pages import PageAllocator
 from fsm_pd.model import compiles, input_buckets
@@ -17,6 +21,7 @@ from fsm_pd.model.loader import load_model
 from fsm_pd.model.programs import prefill_shapes
 from fsm_pd.model.sampling import SamplingParams
 from fsm_pd.scheduling.page_admission import plan_chunks, take_prefill_batch
+from fsm_pd.serving import warmup
 from fsm_pd.serving.collect import generate
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.sequence import Sequence
@@ -89,6 +94,31 @@ def _serve(engine, requests, *, one_by_one: bool = False) -> list:
     outs = asyncio.run(asyncio.wait_for(serve_all(), 240))
     assert all(out[-1].finish_reason is not None for out in outs)
     return [[token.token_id for token in out] for out in outs]
+
+
+def test_the_ready_set_compiles_side_by_side_on_the_warm_up_threads(monkeypatch):
+    """Every program of the ready set is compiled ahead on the warm-up's threads, and as many at once as there are
+    threads: XLA's compile lets go of the interpreter's lock (a cold SmolLM2 node's programs took 27 s one after
+    the other on the chip)."""
+    monkeypatch.setattr(warmup, "COMPILE_THREADS", 2)
+    spans: list[tuple[float, float, str]] = []
+
+    def on_duration(event: str, seconds: float, **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            now = time.monotonic()
+            spans.append((now - seconds, now, threading.current_thread().name))
+
+    engine = ColocatedEngine("tiny", num_pages=43, page_size=PAGE_SIZE, chunked_prefill_size=MAX_TOKENS)
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    try:
+        report = warm_up(engine, progress=False)
+    finally:
+        monitoring.unregister_event_duration_listener(on_duration)
+        engine.close()
+    assert report["programs"] == len(spans) >= 10
+    assert {name.rsplit("_", 1)[0] for *_, name in spans} == {"warm-up-compile"}, spans
+    assert any(a[0] < b[1] and b[0] < a[1] for i, a in enumerate(spans) for b in spans[i + 1:]), \
+        "no two programs compiled at once"
 
 
 @pytest.mark.slow

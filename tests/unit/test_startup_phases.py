@@ -1,0 +1,85 @@
+"""A node started from a GGUF file, as a process on a unix socket, cold then warm on the same caches: it names each
+start-up phase (the device and the weights on threads of their own), answers its first request once ready, and on
+the warm start loads every program of its ready set from the compile cache. The same for ``--role pd``, whose
+``/server_info`` and ``/metrics`` carry the process's start-up as a node's do (``bench/startup.py --roles pd``)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from test_gguf_loader import gguf_tensors, small_config, write_gguf
+
+from fsm_pd.model.params import random_params
+
+PHASES = {"imports", "device", "model", "weights", "engine", "programs"}
+
+
+def _client(sock) -> httpx.Client:
+    return httpx.Client(base_url="http://localhost", transport=httpx.HTTPTransport(uds=str(sock)), timeout=60)
+
+
+def _start(role: str, gguf, tmp_path, env: dict, name: str) -> dict:
+    """Start the node, wait for ready, ask it one question, read what it says of its start; stop it."""
+    sock = tmp_path / f"{name}.sock"
+    argv = [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", role, "--model", str(gguf), "--uds", str(sock),
+            "--num-pages" if role != "pd" else "--prefill-pages", "64"]
+    if role == "pd":
+        argv += ["--decode-pages", "64", "--journal-dir", str(tmp_path / f"{name}-journals")]
+    log = tmp_path / f"{name}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
+                                stdin=subprocess.DEVNULL)
+    try:
+        with _client(sock) as client:
+            deadline = time.monotonic() + 240
+            while True:
+                assert proc.poll() is None, log.read_text()[-3000:]
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
+                try:
+                    if client.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.05)
+            answer = client.post("/generate", json={"input_ids": [5, 6, 7, 8],
+                                                    "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+            assert answer.status_code == 200, answer.text
+            return {"answer": answer.json(), "startup": client.get("/server_info").json()["startup"],
+                    "metrics": client.get("/metrics").text, "log": log.read_text()}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("role", ["colocated", "pd"])
+def test_a_node_names_its_phases_answers_once_ready_and_loads_every_program_from_the_cache_when_warm(tmp_path, role):
+    config = small_config()
+    gguf = write_gguf(tmp_path / "m.gguf", config, gguf_tensors(config, random_params(config, seed=7, std=0.5)))
+    env = {**os.environ, "FSM_PD_COMPILE_CACHE": str(tmp_path / "jax"), "FSM_PD_MODEL_CACHE": str(tmp_path / "models"),
+           "FSM_PD_SKIP_SERVER_WARMUP": "0"}
+    cold = _start(role, gguf, tmp_path, env, "cold")
+    warm = _start(role, gguf, tmp_path, env, "warm")
+    for run in (cold, warm):
+        startup = run["startup"]
+        assert startup["status"] == "ready" and set(startup["phases"]) >= PHASES, startup
+        assert 'fsm_pd_startup_seconds{phase="weights"}' in run["metrics"]
+        said = re.search(r"ready [0-9.]+ s after the process started \(([^;)]*)", run["log"])
+        assert said and {part.rsplit(" ", 2)[0] for part in said.group(1).split(", ")} >= PHASES, run["log"]
+    assert warm["answer"]["text"] == cold["answer"]["text"]
+    kinds = warm["startup"]["programs_before_ready"]
+    assert kinds and sum(k["programs"] for k in kinds.values()) >= 10, kinds
+    compiled = {kind: k["programs"] - k["from_cache"] for kind, k in kinds.items()}
+    assert not any(compiled.values()), f"compiled on a warm start instead of loading from the cache: {compiled}"
+    assert not any(k["from_cache"] for k in cold["startup"]["programs_before_ready"].values())
