@@ -38,8 +38,10 @@ def _tpu_runtime_installed() -> bool:
 def take_the_chip() -> str | None:
     """Where jax can have a TPU, start its backends now, before any test starts a child, and if this process got
     the chip, send the children to the CPU. Says where the tests' jax runs, for the run's last lines; None (and jax
-    is not even imported) where no TPU runtime is installed."""
-    if not _tpu_runtime_installed():
+    is not even imported) where no TPU runtime is installed, or where ``FSM_PD_SUITE_NO_CHIP`` is set (a run that a
+    test of ``tests/on_tpu.sh`` starts, while the outer run's chip half holds the chip, which no second process can
+    open)."""
+    if os.environ.get("FSM_PD_SUITE_NO_CHIP") or not _tpu_runtime_installed():
         return None
     import jax
 

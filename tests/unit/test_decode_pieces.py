@@ -51,8 +51,9 @@ class Stubs:
             future.set_exception(exc)
         return future
 
-    # kv
+    # kv: a pool whose scatters copy KV, so they go through the model executor
     checksum_algorithm = "crc32c"
+    on_model_thread = True
 
     def stream(self, pages):
         return None

@@ -62,7 +62,7 @@ def to_device(pool: list[np.ndarray]) -> tuple[jax.Array, ...]:
     """Committed to the first device, as a node's pool is (``LoadedModel.make_pool``) and as a scatter returns one
     (``kernels/pool_format.py`` pins its results' layout, which takes a placement): else the first scatter would
     hand the next call a committed pool, one more program."""
-    device = jax.devices()[0]
+    device = next(iter(jnp.zeros(()).devices()))  # jax's default device now: the CPU under cpu_default
     return tuple(jax.device_put(jnp.asarray(layer), device) for layer in pool)  # a buffer of its own: donatable
 
 

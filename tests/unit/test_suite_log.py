@@ -181,8 +181,8 @@ def on_tpu(tmp_path: Path, *, limit: int, stop=None) -> tuple[int, str]:
     root = throwaway(tmp_path, {"test_split.py": ON_TPU, "test_cpu_only.py": CPU_ONLY})
     out = tmp_path / "out"
     env = environ(FSM_PD_SUITE_LIMIT=str(limit), FSM_PD_SUITE_WORKERS="2", FSM_PD_SUITE_OUT=str(out),
-                  FSM_PD_SUITE_COMPILE_CACHE=str(tmp_path / "jax"))
-    env.pop("JAX_PLATFORMS", None)
+                  FSM_PD_SUITE_COMPILE_CACHE=str(tmp_path / "jax"), FSM_PD_SUITE_NO_CHIP="1")
+    env.pop("JAX_PLATFORMS", None)  # the chip half as on_tpu.sh starts it; the chip itself stays the outer run's
     run = subprocess.Popen(["bash", "tests/on_tpu.sh", *PLUGINS], cwd=root, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     if stop is not None:

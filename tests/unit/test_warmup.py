@@ -110,9 +110,13 @@ def test_the_ready_set_compiles_side_by_side_on_the_warm_up_threads(monkeypatch)
 
     engine = ColocatedEngine("tiny", num_pages=43, page_size=PAGE_SIZE, chunked_prefill_size=MAX_TOKENS)
     jax.monitoring.register_event_duration_secs_listener(on_duration)
+    # every program compiled here, none read back from a persistent cache (the chip's run has one: tests/on_tpu.sh)
+    cached = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
     try:
         report = warm_up(engine, progress=False)
     finally:
+        jax.config.update("jax_enable_compilation_cache", cached)
         monitoring.unregister_event_duration_listener(on_duration)
         engine.close()
     assert report["programs"] == len(spans) >= 10
