@@ -14,8 +14,8 @@ prefill engine's staging arrays where they are, on the device (``transport/backe
 
 The weights are loaded once: both engines take the same ``LoadedModel`` (its parameters are read-only; only pools
 are donated, and each engine has its own). They load on a thread of their own while the engines are built and their
-programs prepared, as on a node (``serve.py``), except where the pools are sized from the device memory the weights
-leave (``pool_pages``), or copied to each role's device: there the weights come first.
+programs prepared, as on a node (``serve.py``); the pools are sized from the memory the weights will leave
+(``pool_pages``). Where each role has a device of its own, the weights come first (they are copied to each).
 """
 
 from __future__ import annotations
@@ -57,10 +57,12 @@ def role_models(args: argparse.Namespace, model) -> dict:
     return {"prefill": model.on_device(devices[0]), "decode": model.on_device(devices[args.prefill_devices])}
 
 
-def pool_pages(args: argparse.Namespace, models: dict) -> tuple[int, int, str]:
+def pool_pages(args: argparse.Namespace, models: dict, reading=None) -> tuple[int, int, str]:
     """(prefill pages, decode pages, how they were chosen). A size given by its flag wins; else, on a CPU, the nodes'
     default each; on an accelerator, ``--kv-memory-fraction`` of the device memory left free after the weights:
-    split by ``--prefill-pool-share`` where both roles share a device, each role's own device's where they do not."""
+    split by ``--prefill-pool-share`` where both roles share a device, each role's own device's where they do not.
+    ``reading``: the model's read (``meanwhile.py``), whose weights may still be on their way: the memory they will
+    leave is known without waiting for them (``ModelMeanwhile.free_bytes``)."""
     import jax
 
     prefill, decode = args.prefill_pages, args.decode_pages
@@ -70,8 +72,6 @@ def pool_pages(args: argparse.Namespace, models: dict) -> tuple[int, int, str]:
     stats = device.memory_stats() if device.platform != "cpu" else None
     if not stats or "bytes_limit" not in stats:
         return prefill or CPU_POOL_PAGES, decode or CPU_POOL_PAGES, f"{device.platform}: the nodes' default size"
-    for model in models.values():  # the pools take what the weights leave: measured once they are there
-        model.wait_for_weights()
     # as the device stores a page: narrow rows padded to whole lanes (the tiny model's twice its values' bytes)
     page_bytes = models["prefill"].page_bytes_on_device(args.page_size)
     if models["decode"].device not in (None, device):  # each role's pool on its own device: all of its free memory
@@ -79,7 +79,8 @@ def pool_pages(args: argparse.Namespace, models: dict) -> tuple[int, int, str]:
                    for role in ("prefill", "decode")]
         return (prefill or max(2, budgets[0]), decode or max(2, budgets[1]),
                 f"{device.platform}: {args.kv_memory_fraction:g} of each role's device's free memory")
-    free = _free_bytes(device)
+    free = (reading.free_bytes(device) if reading is not None and reading.handed is models["prefill"]
+            else _free_bytes(device))
     budget = pool_budget(free, page_bytes, args.kv_memory_fraction)
     if prefill is None and decode is None:
         prefill = max(2, int(budget * args.prefill_pool_share))
@@ -195,11 +196,7 @@ def run_pd(args: argparse.Namespace, opening, reading) -> int:
     except ValueError as exc:
         print(f"fsm-pd serve: {exc}", file=sys.stderr)
         return 2
-    try:
-        prefill_pages, decode_pages, how = pool_pages(args, models)
-    except (FileNotFoundError, ValueError) as exc:  # the weights it waited for could not be read
-        print(f"fsm-pd serve: cannot load model {args.model!r}: {exc}", file=sys.stderr)
-        return 2
+    prefill_pages, decode_pages, how = pool_pages(args, models, reading)
     where = {role: str(m.device) if m.device is not None else "the first device" for role, m in models.items()}
     log.info("KV pools: prefill %d pages on %s, decode %d pages on %s (%s)", prefill_pages, where["prefill"],
              decode_pages, where["decode"], how)

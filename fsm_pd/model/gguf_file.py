@@ -168,7 +168,7 @@ def dequantize(tensor) -> np.ndarray:
 
 def load_gguf_params(reader, config: ModelConfig, *, path: str = "",
                      on_tensor: Callable[[str], None] | None = None) -> dict:
-    """Dequantize the tensors ``config`` needs into the parameter tree, cast to ``config.dtype``.
+    """Dequantize the tensors ``config`` needs into the parameter tree of host arrays, cast to ``config.dtype``.
 
     ``on_tensor(name)`` is called after each GGUF tensor (for a progress bar).
     """
@@ -197,7 +197,7 @@ def load_gguf_params(reader, config: ModelConfig, *, path: str = "",
         node = params
         for key in tree_path[:-1]:
             node = node[key]
-        node[tree_path[-1]] = jnp.asarray(host, dtype=config.dtype)
+        node[tree_path[-1]] = host.astype(jnp.dtype(config.dtype), copy=False)  # on the host: the caller places it
     try:
         check_params(config, params)
     except ValueError as err:

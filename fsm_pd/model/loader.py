@@ -182,34 +182,37 @@ def _load(spec: str, *, dtype: str, progress: bool) -> LoadedModel:
 
 def load_gguf(path: Path, *, dtype: str = "float32", progress: bool = False, name: str | None = None,
               cache: Path | None | bool = True,
-              on_parts: Callable[[ModelConfig, Tokenizer], None] | None = None) -> LoadedModel:
+              on_parts: Callable[[ModelConfig, Tokenizer], None] | None = None,
+              place: Callable[[dict], dict] = jax.device_put) -> LoadedModel:
     """Read a GGUF file: metadata to config, tokenizer from its vocabulary, tensors dequantized into ``dtype``.
 
     ``cache``: where the converted model is kept (``converted.py``): True for ``converted.cache_root()``, a
     directory, or None/False for none. A file converted before is read from there instead. ``on_parts(config,
     tokenizer)`` is called as soon as they are read, before the tensors (``meanwhile.py``); again, with the same
-    config, where a converted entry's tensors turn out unreadable and the file is converted anew."""
+    config, where a converted entry's tensors turn out unreadable and the file is converted anew. ``place(host
+    tree)`` puts the weights, read into host arrays, on the device (one ``device_put``)."""
     from fsm_pd.model import converted
 
     told = on_parts or (lambda config, tokenizer: None)
     root = converted.cache_root() if cache is True else (cache or None)
     if not root:
-        return _convert_gguf(Path(path), dtype=dtype, progress=progress, name=name, on_parts=told)
-    entry = converted.entry_dir(Path(root), Path(path), dtype)
-    if (hit := _read_entry(entry, told)) is not None:
-        return LoadedModel(name or str(path), *hit)
-    with converted.converting(entry):  # another process converting it now: wait, then read what it saved
-        if (hit := _read_entry(entry, told)) is not None:
-            return LoadedModel(name or str(path), *hit)
-        log.info("converting %s to %s once (later starts read the converted copy)", path, dtype)
         model = _convert_gguf(Path(path), dtype=dtype, progress=progress, name=name, on_parts=told)
-        converted.save(entry, model.config, model.params, model.tokenizer)
+    else:
+        entry = converted.entry_dir(Path(root), Path(path), dtype)
+        model = _read_entry(entry, told, name or str(path))
+        if model is None:
+            with converted.converting(entry):  # another process converting it now: wait, then read what it saved
+                model = _read_entry(entry, told, name or str(path))
+                if model is None:
+                    log.info("converting %s to %s once (later starts read the converted copy)", path, dtype)
+                    model = _convert_gguf(Path(path), dtype=dtype, progress=progress, name=name, on_parts=told)
+                    converted.save(entry, model.config, model.params, model.tokenizer)
+    model.params = place(model.params)
     return model
 
 
-def _read_entry(entry: Path, told: Callable[[ModelConfig, Tokenizer], None]):
-    """``(config, params, tokenizer)`` from a converted entry, the parameters put on the device as they were
-    stored (no conversion), or None."""
+def _read_entry(entry: Path, told: Callable[[ModelConfig, Tokenizer], None], name: str) -> LoadedModel | None:
+    """The model of a converted entry, its parameters host arrays as they were stored (no conversion), or None."""
     from fsm_pd.model import converted
 
     if (meta := converted.load_meta(entry)) is None:
@@ -218,11 +221,12 @@ def _read_entry(entry: Path, told: Callable[[ModelConfig, Tokenizer], None]):
     told(config, tokenizer)
     if (host := converted.load_host_params(entry, config)) is None:
         return None
-    return config, jax.device_put(host), tokenizer
+    return LoadedModel(name, config, host, tokenizer)
 
 
 def _convert_gguf(path: Path, *, dtype: str, progress: bool, name: str | None,
                   on_parts: Callable[[ModelConfig, Tokenizer], None]) -> LoadedModel:
+    """The model of a GGUF file, its parameters host arrays."""
     from fsm_pd.model.gguf_file import config_from_gguf, load_gguf_params, open_gguf
     from fsm_pd.model.gguf_tokenizer import tokenizer_from_gguf
 

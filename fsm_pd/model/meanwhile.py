@@ -42,6 +42,8 @@ class ModelMeanwhile:
         self.spec, self.dtype, self.progress = spec, dtype, progress
         self.seconds: dict[str, float] = {}
         self.handed = None  # the model ``model()`` handed out
+        self._placing = threading.Lock()  # held while the weights go onto the device (``free_bytes``)
+        self._placed = False
         self._parts: Future = Future()  # (name, config, tokenizer)
         self._weights: Future = Future()  # the parameter tree, on the device
         self._started = time.monotonic()
@@ -63,6 +65,18 @@ class ModelMeanwhile:
         self.handed = LoadedModel(name, config, abstract_params(config, placed), tokenizer, pending=self._weights)
         return self.handed
 
+    def free_bytes(self, device) -> int:
+        """The memory ``device`` has free once the weights are on it, whether or not they are yet (``--role pd``
+        sizes its pools from it without waiting for them): exact, as the weights' transfer holds the lock read
+        under here, so they are either all there or none."""
+        from fsm_pd.model.params import abstract_params, count_params
+
+        name, config, tokenizer = self._parts.result()
+        with self._placing:
+            stats = device.memory_stats()
+            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            return free if self._placed else free - count_params(abstract_params(config)) * _itemsize(config.dtype)
+
     def join(self, timeout: float | None = None) -> None:
         """Wait for the thread to end, whatever it read (a model read in a dtype nobody wants after all)."""
         self._thread.join(timeout)
@@ -83,11 +97,22 @@ class ModelMeanwhile:
                 elif self._parts.result()[1] != config:  # told again: an unreadable entry, converted anew
                     raise ValueError(f"the converted model of {self.spec} holds another config than the file")
 
-            model = load_gguf(path, dtype=self.dtype, progress=self.progress, name=name, on_parts=told)
-            jax.block_until_ready(model.params)  # on the device (the transfer is asynchronous)
+            def place(host: dict) -> dict:
+                with self._placing:
+                    params = jax.block_until_ready(jax.device_put(host))  # one transfer, waited for
+                    self._placed = True
+                return params
+
+            model = load_gguf(path, dtype=self.dtype, progress=self.progress, name=name, on_parts=told, place=place)
             self.seconds["weights"] = time.monotonic() - self._started
             self._weights.set_result(model.params)
         except BaseException as exc:  # noqa: BLE001 - the node's threads hear it through the futures
             for future in (self._parts, self._weights):
                 if not future.done():
                     future.set_exception(exc)
+
+
+def _itemsize(dtype: str) -> int:
+    import jax.numpy as jnp
+
+    return jnp.dtype(dtype).itemsize
