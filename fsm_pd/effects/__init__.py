@@ -6,7 +6,7 @@ start), which a colocated node, importing only the checksum outcomes' names from
 
 from __future__ import annotations
 
-import importlib
+from fsm_pd.runtime.lazy import lazy_exports
 
 _HOME = {
     "EffectError": "interpreter",
@@ -16,12 +16,4 @@ _HOME = {
     "RecordingInterpreter": "interpreter",
     "VirtualClock": "clock",
 }
-__all__ = sorted(_HOME)
-
-
-def __getattr__(name: str):
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
-    globals()[name] = value  # the next lookup finds it without this hook
-    return value
+__all__, __getattr__ = lazy_exports(__name__, _HOME)

@@ -6,9 +6,10 @@ node, which keeps no journal, needs only the room-id limit (``store.limits``) fr
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
+
+from fsm_pd.runtime.lazy import lazy_exports
 
 _HOME = {
     "Divergence": "replay",
@@ -24,15 +25,7 @@ _HOME = {
     "replay": "replay",
     "write_rows": "journal",
 }
-__all__ = sorted(_HOME)
-
-
-def __getattr__(name: str):
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
-    globals()[name] = value  # the next lookup finds it without this hook
-    return value
+__all__, __getattr__ = lazy_exports(__name__, _HOME)
 
 
 class _Store(types.ModuleType):
