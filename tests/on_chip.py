@@ -24,7 +24,7 @@ import os
 from collections.abc import Iterator
 
 
-def _tpu_runtime_installed() -> bool:
+def tpu_runtime_installed() -> bool:
     """Whether jax can have a TPU here: its TPU runtime (the libtpu wheel, or a library named by TPU_LIBRARY_PATH)."""
     if "TPU_LIBRARY_PATH" in os.environ:
         return True
@@ -39,7 +39,7 @@ def take_the_chip() -> str | None:
     """Where jax can have a TPU, start its backends now, before any test starts a child, and if this process got
     the chip, send the children to the CPU. Says where the tests' jax runs, for the run's last lines; None (and jax
     is not even imported) where no TPU runtime is installed."""
-    if not _tpu_runtime_installed():
+    if not tpu_runtime_installed():
         return None
     import jax
 
