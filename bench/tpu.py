@@ -19,7 +19,7 @@ call waited for):
   greedy ``sample``, the tokens read back to feed the next step), and against the multi-step program at K = 1;
 - gather and scatter of 256 pages of every layer, device to host (also into the device's pinned host memory, where
   it has some) and back of that staging array, and a plain copy of one contiguous 256 MiB array each way for
-  comparison.
+  comparison (16 MiB with ``--quick``).
 
 Rooflines: a decode step reads the weights and the KV in use once (bytes / HBM bandwidth); prefill is its matrix
 work at peak FLOP/s; a copy moves its bytes read plus written at HBM bandwidth. On a TPU v5e: 819 GB/s, 197 TFLOP/s
@@ -81,15 +81,16 @@ def ms(seconds: float) -> float:
     return float(f"{1e3 * seconds:.4g}")
 
 
-def machine_peaks(device) -> tuple[float, float, str]:
-    """(bytes/s, FLOP/s, where they come from) of ``device``: the datasheet for a known TPU, else measured here."""
+def machine_peaks(device, mib: int = 256, side: int = 2048) -> tuple[float, float, str]:
+    """(bytes/s, FLOP/s, where they come from) of ``device``: the datasheet for a known TPU, else measured here, on
+    a copy of ``mib`` MiB and a ``side`` x ``side`` matmul."""
     if device.device_kind in PEAKS:
         return (*PEAKS[device.device_kind], "datasheet")
-    big = jax.device_put(jnp.ones((64, 1 << 20), jnp.float32), device)  # 256 MiB
+    big = jax.device_put(jnp.ones((mib // 4, 1 << 20), jnp.float32), device)
     copy = jax.jit(lambda a: a + 1)
     bandwidth = 2 * big.nbytes / timed(lambda: copy(big), 5)
-    a = jax.device_put(jnp.ones((2048, 2048), jnp.float32), device)
-    flops = 2 * 2048**3 / timed(lambda: jax.jit(jnp.matmul)(a, a), 5)
+    a = jax.device_put(jnp.ones((side, side), jnp.float32), device)
+    flops = 2 * side**3 / timed(lambda: jax.jit(jnp.matmul)(a, a), 5)
     return bandwidth, flops, "measured here"
 
 
@@ -244,7 +245,7 @@ def host_copies(array, device, repeat: int = 4) -> tuple[float, float, float | N
     return statistics.median(down), up, pinned
 
 
-def copy_figures(model: LoadedModel, pages: int, bandwidth: float, device, page_size: int):
+def copy_figures(model: LoadedModel, pages: int, bandwidth: float, device, page_size: int, plain_mib: int = 256):
     pool = model.make_pool(model.make_kv_layout(pages + 2, page_size))
     ids = list(range(1, pages + 1))
     staging = gather_pages(pool, ids)
@@ -258,7 +259,7 @@ def copy_figures(model: LoadedModel, pages: int, bandwidth: float, device, page_
     scatter_s = timed(scatter, 10)
     moved = 2 * staging.nbytes  # read + written
     down, up, pinned = host_copies(staging, device)
-    plain = jax.device_put(jnp.ones((64, 1 << 20), jnp.float32), device)  # 256 MiB, contiguous
+    plain = jax.device_put(jnp.ones((plain_mib // 4, 1 << 20), jnp.float32), device)  # contiguous
     plain_down, plain_up, plain_pinned = host_copies(plain, device, repeat=3)
     rate = lambda nbytes, s: round(nbytes / s / 1e9, 2) if s else None  # noqa: E731
     share = lambda s, plain_s: round(plain_s / plain.nbytes * staging.nbytes / s, 3) if s and plain_s else None  # noqa: E731
@@ -270,7 +271,7 @@ def copy_figures(model: LoadedModel, pages: int, bandwidth: float, device, page_
             "host_to_device": {"GBps": rate(staging.nbytes, up), "of_plain_copy": share(up, plain_up)},
             "device_to_pinned_host": {"GBps": rate(staging.nbytes, pinned), "of_plain_copy": share(pinned,
                                                                                                     plain_pinned)},
-            "plain_256MiB": {"device_to_host_GBps": rate(plain.nbytes, plain_down),
+            f"plain_{plain_mib}MiB": {"device_to_host_GBps": rate(plain.nbytes, plain_down),
                              "host_to_device_GBps": rate(plain.nbytes, plain_up),
                              "device_to_pinned_host_GBps": rate(plain.nbytes, plain_pinned)}}
 
@@ -300,7 +301,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     device = jax.devices()[0]
     dtype = args.dtype or ("float32" if device.platform == "cpu" else "bfloat16")
-    bandwidth, flops, source = machine_peaks(device)
+    # --quick (CI, a CPU): the peaks and the plain copy on smaller arrays, for time
+    plain_mib = 16 if args.quick else 256
+    bandwidth, flops, source = machine_peaks(device, plain_mib, 1024 if args.quick else 2048)
     default = default_page_size(device.platform)
     report = {"device": f"{device.platform}: {device.device_kind}", "jax": jax.__version__, "dtype": dtype,
               "hbm_GBps": round(bandwidth / 1e9, 1), "peak_TFLOPs": float(f"{flops / 1e12:.3g}"), "peaks": source,
@@ -326,7 +329,8 @@ def main(argv=None) -> int:
             sections = [(f"prefill/{mode}", prefill_figures,
                          (with_attention(model, mode), lengths, flops, params, prefill_page))
                         for mode in args.attention]
-            sections.append(("copies", copy_figures, (model, args.copy_pages, bandwidth, device, prefill_page)))
+            sections.append(("copies", copy_figures, (model, args.copy_pages, bandwidth, device, prefill_page,
+                                                      plain_mib)))
             steps_k = 4 if args.quick else args.steps_per_dispatch
             sections.append(("steps", steps_figures, (model, step_batches, args.context, steps_k)))
             for section, run, run_args in sections:
@@ -345,6 +349,11 @@ def main(argv=None) -> int:
     if args.markdown:
         args.markdown.write_text(markdown(report))
     return 0
+
+
+def plain_of(copies: dict) -> str:
+    """The plain copy's size, from its key (``plain_256MiB``)."""
+    return next((key[6:-3] + " MiB" for key in copies if key.startswith("plain_")), "plain")
 
 
 def markdown(report: dict) -> str:
@@ -388,7 +397,7 @@ def markdown(report: dict) -> str:
         for what in ("device_to_host", "host_to_device", "device_to_pinned_host"):
             if copies.get(what, {}).get("GBps"):
                 lines.append(f"| {name} | {what.replace('_', ' ')}, {copies['MiB']} MiB | {copies[what]['GBps']} "
-                             f"GB/s | plain 256 MiB copy | {copies[what]['of_plain_copy']:.0%} |")
+                             f"GB/s | plain {plain_of(copies)} copy | {copies[what]['of_plain_copy']:.0%} |")
         lines.append("")
     return "\n".join(lines) + "\n"
 

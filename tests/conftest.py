@@ -15,7 +15,8 @@ the device) run in one process, which takes the chip before any test runs and wh
 the others run at the same time on pytest-xdist workers with ``JAX_PLATFORMS=cpu``. The fixtures ``cpu_default`` and
 ``full_precision`` are for tests of what only a CPU does and for tests that compare float32 results
 (``on_chip.py``). On a CPU machine they change nothing. ``FSM_PD_SUITE_LOG`` names a file that records the run as it
-goes (``suite_log.py``), ``FSM_PD_SUITE_COMPILE_CACHE`` a persistent compile cache for the run.
+goes (``suite_log.py``), ``FSM_PD_SUITE_COMPILE_CACHE`` a persistent compile cache for the run. On a CPU, XLA
+compiles with its cheapest settings, in this process and the processes tests start (``xla_flags.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import on_chip  # noqa: E402 - after the path above
 import suite_log  # noqa: E402
+import xla_flags  # noqa: E402
 from node_sockets import allow_the_fake_backend  # noqa: E402
 from real_parts import RealParts  # noqa: E402
 
@@ -45,6 +47,10 @@ SUITE_COMPILE_CACHE = "FSM_PD_SUITE_COMPILE_CACHE"
 
 register_backend("fake", "fake_backend:FakeTransferBackend", replace=True)
 allow_the_fake_backend()  # where this host has no TCP, engines on unix sockets use it too (node_sockets.py)
+
+# XLA's CPU compiler at its cheapest, here and in every process a test starts (xla_flags.py): most of the suite's time
+# is XLA compiling the tiny model's programs
+xla_flags.use_fast_compile(chip_possible=on_chip.tpu_runtime_installed())
 
 # Every node a test starts (fsm-pd serve / launch without --model) serves the built-in tiny model, not SmolLM2.
 os.environ["FSM_PD_MODEL"] = "tiny"

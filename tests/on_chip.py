@@ -24,7 +24,7 @@ import os
 from collections.abc import Iterator
 
 
-def _tpu_runtime_installed() -> bool:
+def tpu_runtime_installed() -> bool:
     """Whether jax can have a TPU here: its TPU runtime (the libtpu wheel, or a library named by TPU_LIBRARY_PATH)."""
     if "TPU_LIBRARY_PATH" in os.environ:
         return True
@@ -41,7 +41,7 @@ def take_the_chip() -> str | None:
     is not even imported) where no TPU runtime is installed, or where ``FSM_PD_SUITE_NO_CHIP`` is set (a run that a
     test of ``tests/on_tpu.sh`` starts, while the outer run's chip half holds the chip, which no second process can
     open)."""
-    if os.environ.get("FSM_PD_SUITE_NO_CHIP") or not _tpu_runtime_installed():
+    if os.environ.get("FSM_PD_SUITE_NO_CHIP") or not tpu_runtime_installed():
         return None
     import jax
 

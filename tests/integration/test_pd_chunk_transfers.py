@@ -10,7 +10,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from processes import PAGE_SIZE, free_port
+from processes import PAGE_SIZE, Cluster, free_port
 from test_pd_serving import cluster, greedy  # noqa: F401 (cluster is a fixture)
 
 from fsm_pd.store import read_journal, replay
@@ -22,15 +22,26 @@ PROMPTS = ["short prompt", "m" * (CHUNK + 7), "The chunks travel while the next 
 PIECES = [2, 5, 5]
 
 
+@pytest.fixture(scope="module")
+def whole_prefill(tmp_path_factory) -> list[list[int]]:
+    """The greedy answers of a colocated node that prefills each prompt whole: what every backend's chunked PD must
+    give (one node for the module: they depend on no backend)."""
+    c = Cluster(tmp_path_factory.mktemp("whole_prefill"))
+    try:
+        colocated = c.serve("colocated", "--chunked-prefill-size", "4096")
+        yield [greedy(colocated, prompt) for prompt in PROMPTS]
+    finally:
+        c.stop()
+
+
 @pytest.mark.parametrize("backend", ["tcp", "zmq", "jax"])
-def test_chunked_prefill_node_answers_as_a_whole_prefill_and_replay_shows_each_chunk(cluster, backend):  # noqa: F811 (the fixture)
+def test_chunked_prefill_node_answers_as_a_whole_prefill_and_replay_shows_each_chunk(cluster, whole_prefill, backend):  # noqa: F811 (the fixture)
     boot = free_port()
-    colocated, p, d = cluster.serve_many(
-        ("colocated", "--chunked-prefill-size", "4096"),
+    p, d = cluster.serve_many(
         ("prefill", "--bootstrap-port", str(boot), "--transfer-backend", backend, "--chunked-prefill-size", str(CHUNK)),
         ("decode", "--transfer-backend", backend))
     router = cluster.router(p, boot, d)
-    want = [greedy(colocated, prompt) for prompt in PROMPTS]
+    want = whole_prefill
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda prompt: greedy(router, prompt), PROMPTS))
     assert got == want

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from xla_flags import with_host_devices
 
 from fsm_pd.kernels import page_bucket
 from fsm_pd.model.loader import load_model
@@ -107,7 +108,7 @@ def stop(proc: subprocess.Popen) -> int:
 # (backend, its flags, the process's environment): one pool; a pool each on one device; a device each
 SETUPS = {"pool": ("pool", [], {}), "device": ("device", ["--transfer-backend", "device"], {}),
           "two-devices": ("device", ["--prefill-devices", "1", "--decode-devices", "1"],
-                          {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})}
+                          {"XLA_FLAGS": with_host_devices(2)})}
 
 
 @pytest.mark.slow

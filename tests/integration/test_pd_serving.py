@@ -31,6 +31,18 @@ def cluster(tmp_path):
     c.stop()
 
 
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory):
+    """The module's one colocated node, what every PD setup is compared with: its URL and its greedy answers to
+    ``PROMPTS``, asked once (they depend on no transfer backend)."""
+    c = Cluster(tmp_path_factory.mktemp("colocated"))
+    try:
+        url = c.serve("colocated")
+        yield url, all_greedy(url)
+    finally:
+        c.stop()
+
+
 def greedy(url: str, prompt: str) -> list[int]:
     body = {"text": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
     answer = httpx.post(url + "/generate", json=body, timeout=180)
@@ -44,10 +56,10 @@ def all_greedy(url: str) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("backend", ["zmq", "jax", "tcp"])
-def test_pd_answers_equal_colocated_answers(cluster, backend):
-    p, boot, d, colocated = cluster.pd(backend, ("colocated",))
+def test_pd_answers_equal_colocated_answers(cluster, colocated, backend):
+    p, boot, d = cluster.pd(backend)
     router = cluster.router(p, boot, d)
-    want = all_greedy(colocated)
+    _, want = colocated
     got = all_greedy(router)
     assert got == want
     assert all(len(ids) == 12 for ids in got)
@@ -59,9 +71,10 @@ def test_pd_answers_equal_colocated_answers(cluster, backend):
 
 
 @SGLANG_ROUTER
-def test_real_sglang_router_and_openai_client(cluster):
+def test_real_sglang_router_and_openai_client(cluster, colocated):
     openai = pytest.importorskip("openai")
-    p, boot, d, colocated = cluster.pd("zmq", ("colocated",))
+    colocated, _ = colocated
+    p, boot, d = cluster.pd("zmq")
     port = free_port()
     router = cluster.start("sglang-router", [
         sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", p, str(boot),

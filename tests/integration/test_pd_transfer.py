@@ -14,6 +14,7 @@ import pytest
 import zmq
 from pd_harness import BACKENDS, LARGE, assert_replay_consistent, cluster, final, transfer, wait_for_state
 from polling import until
+from xla_flags import with_host_devices
 
 from fsm_pd.kernels import KVLayout
 from fsm_pd.store import read_journal
@@ -49,7 +50,7 @@ def test_byte_exact_handoff_up_to_64_mib(cluster, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sharded_pools_on_a_two_device_mesh(cluster, backend):
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {"XLA_FLAGS": with_host_devices(2)}
     layout = KVLayout(num_layers=2, num_pages=32, page_size=4, kv_heads=4, head_dim=8, shard_axis="kv")
     p = cluster("prefill", backend, layout, env=env)
     d = cluster("decode", backend, layout, env=env)

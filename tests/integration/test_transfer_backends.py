@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from xla_flags import with_host_devices
 
 from fsm_pd.transport.backends import (
     TransferBackend,
@@ -534,7 +535,7 @@ def test_jax_backend_keeps_the_contract_on_older_jaxlib_feature_sets(missing):
 def test_sharded_staging(backend):
     """4-way split staging arrives with its sharding; a replicated spec is re-placed (zmq and tcp, which move whole
     arrays) or refused as a layout mismatch before any garbage is returned (jax, which moves per-shard buffers)."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": with_host_devices(4)}
     run = subprocess.run(
         [sys.executable, str(HERE / "transfer_sharded_check.py"), backend],
         env=env,

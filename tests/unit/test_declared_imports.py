@@ -21,6 +21,7 @@ be declared. (A prefix match let ``import sglang`` pass because ``sglang-router`
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import sys
 import tomllib
@@ -66,6 +67,7 @@ def installed_by_readme() -> set[str]:
     return {normalized(name) for name in re.findall(r"pip install --no-deps ([A-Za-z0-9._-]+)==", block)}
 
 
+@functools.cache  # the tests below read the same files: parsed once
 def imported(path: Path) -> list[tuple[int, str]]:
     """(line, top-level name) of every absolute import in ``path``, string imports included."""
     found = []
@@ -97,9 +99,15 @@ def is_declared(name: str, allowed: set[str], distributions: dict[str, set[str]]
     return bool(providers & allowed)
 
 
+@functools.cache
+def installed_distributions() -> dict[str, set[str]]:
+    """Import name -> the normalized names of the installed distributions that provide it."""
+    return {name: {normalized(d) for d in dists} for name, dists in packages_distributions().items()}
+
+
 def undeclared(pyproject: dict) -> list[str]:
     """``path:line imports X`` for every import of an undeclared third-party package."""
-    distributions = {name: {normalized(d) for d in dists} for name, dists in packages_distributions().items()}
+    distributions = installed_distributions()
     local, problems = local_modules(), []
     for tree, extras in TREES.items():
         allowed = declared(pyproject, extras) | installed_by_readme()

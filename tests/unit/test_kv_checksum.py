@@ -170,7 +170,9 @@ print("tp ok")
 def test_split_pools_agree_piece_by_piece_across_a_reshard():
     """P split over 2 devices, D over 1 (and back): each piece's values are the same on both sides, crc32c and the
     device hash alike."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+    from xla_flags import with_host_devices  # here: the child imports this module, without the tests' own path
+
+    env = {**os.environ, "XLA_FLAGS": with_host_devices(2), "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.path.dirname(__file__) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     result = subprocess.run([sys.executable, "-c", TP_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "tp ok" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]

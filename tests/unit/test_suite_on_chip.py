@@ -57,12 +57,12 @@ def environ(monkeypatch):
 
 
 def on_device(monkeypatch, platform: str, kind: str) -> None:
-    monkeypatch.setattr(on_chip, "_tpu_runtime_installed", lambda: True)
+    monkeypatch.setattr(on_chip, "tpu_runtime_installed", lambda: True)
     monkeypatch.setattr(jax, "devices", lambda *backend: [SimpleNamespace(platform=platform, device_kind=kind)])
 
 
 def test_without_a_tpu_runtime_jax_is_left_alone(monkeypatch, environ):
-    monkeypatch.setattr(on_chip, "_tpu_runtime_installed", lambda: False)
+    monkeypatch.setattr(on_chip, "tpu_runtime_installed", lambda: False)
     assert on_chip.take_the_chip() is None
     assert "JAX_PLATFORMS" not in environ
 

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from xla_flags import FAST_COMPILE
+
 ROOT = Path(__file__).resolve().parents[2]
 
 TIMEOUTS = '''
@@ -46,10 +48,20 @@ def test_without_parts():
 '''
 
 
+XLA = '''
+import os, subprocess, sys
+
+def test_reads_its_flags_and_a_childs():
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.environ['XLA_FLAGS'])"], capture_output=True,
+                           text=True, check=True).stdout.strip()
+    print(f"here [{os.environ['XLA_FLAGS']}] child [{child}]")
+'''
+
+
 def run_suite(tmp_path: Path, tests: str, *args: str, **env: str) -> tuple[int, str]:
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     (tmp_path / "tests").mkdir(exist_ok=True)
-    for helper in ("conftest.py", "real_parts.py", "on_chip.py", "node_sockets.py", "suite_log.py"):
+    for helper in ("conftest.py", "real_parts.py", "on_chip.py", "node_sockets.py", "suite_log.py", "xla_flags.py"):
         shutil.copy(ROOT / "tests" / helper, tmp_path / "tests" / helper)
     (tmp_path / "tests" / "test_throwaway.py").write_text(tests)
     # only the plugins under test (pyproject's addopts name xdist's --dist): the others this environment installs
@@ -66,6 +78,16 @@ def test_a_test_past_its_timeout_fails_and_the_run_goes_on(tmp_path):
     _, out = run_suite(tmp_path, TIMEOUTS)
     assert "Timeout" in out and "FAILED tests/test_throwaway.py::test_hangs" in out
     assert "1 failed, 1 passed" in out
+
+
+def test_on_a_cpu_xla_compiles_cheaply_here_and_in_the_processes_tests_start(tmp_path):
+    """tests/conftest.py adds xla_flags.FAST_COMPILE to the flags the run was given, for its own process and the ones
+    its tests start; FSM_PD_SUITE_XLA_DEFAULTS=1 leaves them as given."""
+    given = "--xla_force_host_platform_device_count=3"
+    _, out = run_suite(tmp_path, XLA, "-s", XLA_FLAGS=given, JAX_PLATFORMS="cpu")
+    assert f"here [{given} {FAST_COMPILE}] child [{given} {FAST_COMPILE}]" in out, out
+    _, out = run_suite(tmp_path, XLA, "-s", XLA_FLAGS=given, JAX_PLATFORMS="cpu", FSM_PD_SUITE_XLA_DEFAULTS="1")
+    assert f"here [{given}] child [{given}]" in out, out
 
 
 def test_real_part_skips_are_reported_and_fail_nothing_by_default(tmp_path):
