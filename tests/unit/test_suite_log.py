@@ -61,10 +61,12 @@ def throwaway(tmp_path: Path, tests: dict[str, str]) -> Path:
 
 
 def environ(**extra: str) -> dict[str, str]:
-    # only the plugins under test: the others this environment installs (schemathesis, hypothesis) load slowly
+    # only the plugins under test: the others this environment installs (schemathesis, hypothesis) load slowly; and
+    # XLA's flags as given: these suites run no jax, which the suite's own flags would start (tests/xla_flags.py)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("FSM_PD_REQUIRE", "FSM_PD_ALLOW", "FSM_PD_SUITE", "PYTEST_"))}
-    return env | {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONPATH": str(ROOT), **extra}
+    return env | {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONPATH": str(ROOT), "FSM_PD_SUITE_XLA_DEFAULTS": "1",
+                  **extra}
 
 
 PLUGINS = ["-p", "pytest_timeout", "-p", "xdist.plugin"]
