@@ -93,7 +93,8 @@ def test_on_a_cpu_tests_compile_at_o0_and_the_processes_they_start_at_o1(tmp_pat
     tests start inherit the flags the run was given and CHEAP_COMPILE (-O1); on xdist workers too. With a shared
     compile cache, CHEAP_COMPILE everywhere; FSM_PD_SUITE_XLA_DEFAULTS=1 leaves the flags as given (XLA's -O3)."""
     given = "--xla_force_host_platform_device_count=3"
-    env = {"XLA_FLAGS": given, "JAX_PLATFORMS": "cpu", "FSM_PD_SUITE_XLA_DEFAULTS": "0"}
+    env = {"XLA_FLAGS": given, "JAX_PLATFORMS": "cpu", "FSM_PD_SUITE_XLA_DEFAULTS": "0",
+           "FSM_PD_SUITE_COMPILE_CACHE": ""}  # none, unless a case says (tests/on_tpu.sh sets one for its runs)
 
     def levels(*args: str, **more: str) -> str:
         status, out = run_suite(tmp_path, XLA, *args, **{**env, **more})
