@@ -16,7 +16,8 @@ the others run at the same time on pytest-xdist workers with ``JAX_PLATFORMS=cpu
 ``full_precision`` are for tests of what only a CPU does and for tests that compare float32 results
 (``on_chip.py``). On a CPU machine they change nothing. ``FSM_PD_SUITE_LOG`` names a file that records the run as it
 goes (``suite_log.py``), ``FSM_PD_SUITE_COMPILE_CACHE`` a persistent compile cache for the run. On a CPU, XLA
-compiles with its cheapest settings, in this process and the processes tests start (``xla_flags.py``).
+compiles with its cheapest settings in the processes that run tests, and with cheaper ones that cost nothing at run time
+in the processes tests start (``xla_flags.py``).
 """
 
 from __future__ import annotations
@@ -48,10 +49,6 @@ SUITE_COMPILE_CACHE = "FSM_PD_SUITE_COMPILE_CACHE"
 register_backend("fake", "fake_backend:FakeTransferBackend", replace=True)
 allow_the_fake_backend()  # where this host has no TCP, engines on unix sockets use it too (node_sockets.py)
 
-# XLA's CPU compiler at its cheapest, here and in every process a test starts (xla_flags.py): most of the suite's time
-# is XLA compiling the tiny model's programs
-xla_flags.use_fast_compile(chip_possible=on_chip.tpu_runtime_installed())
-
 # Every node a test starts (fsm-pd serve / launch without --model) serves the built-in tiny model, not SmolLM2.
 os.environ["FSM_PD_MODEL"] = "tiny"
 # ... and starts serving without its warm-up (seconds per node start; a test sends a few shapes). The warm-up's own
@@ -77,10 +74,15 @@ def pytest_configure(config):
     if log and not hasattr(config, "workerinput"):
         config.pluginmanager.register(suite_log.SuiteLog(log, Path(log).stem), "fsm-pd-suite-log")
     cache = os.environ.get(SUITE_COMPILE_CACHE)
+    runs_tests = hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)
+    # XLA's cheapest compiles for this process if it runs tests, cheaper ones for the processes they start
+    # (xla_flags.py): most of the suite's time is XLA compiling the tiny model's programs
+    xla_flags.use_fast_compile(chip_possible=on_chip.tpu_runtime_installed(), runs_tests=runs_tests,
+                               shared_cache=bool(cache))
     if cache:  # this process's programs, and those of the nodes tests start (FSM_PD_COMPILE_CACHE), share one cache
         compile_cache.enable(cache)
         os.environ[compile_cache.ENV] = cache
-    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):  # where tests run
+    if runs_tests:
         config.stash[_CHIP] = on_chip.take_the_chip()
 
 

@@ -63,11 +63,12 @@ def throwaway(tmp_path: Path, tests: dict[str, str]) -> Path:
 def environ(**extra: str) -> dict[str, str]:
     # only the plugins under test: the others this environment installs (schemathesis, hypothesis) load slowly. The
     # PYTHONPATH this run has stays behind the project's: a TPU host's Python may find pytest-xdist and pytest-timeout
-    # only there (PYTHONPATH=/tmp/site)
+    # only there (PYTHONPATH=/tmp/site). XLA's flags as given: these suites run no jax, which the suite's own flags
+    # would start (tests/xla_flags.py)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("FSM_PD_REQUIRE", "FSM_PD_ALLOW", "FSM_PD_SUITE", "PYTEST_"))}
     path = os.pathsep.join([str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
-    return env | {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONPATH": path, **extra}
+    return env | {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONPATH": path, "FSM_PD_SUITE_XLA_DEFAULTS": "1", **extra}
 
 
 PLUGINS = ["-p", "pytest_timeout", "-p", "xdist.plugin"]

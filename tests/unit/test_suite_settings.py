@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from xla_flags import FAST_COMPILE
+from xla_flags import CHEAP_COMPILE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,10 +51,17 @@ def test_without_parts():
 XLA = '''
 import os, subprocess, sys
 
-def test_reads_its_flags_and_a_childs():
-    child = subprocess.run([sys.executable, "-c", "import os; print(os.environ['XLA_FLAGS'])"], capture_output=True,
-                           text=True, check=True).stdout.strip()
-    print(f"here [{os.environ['XLA_FLAGS']}] child [{child}]")
+# the optimization level XLA parsed from XLA_FLAGS for this process (jax's own binding: XLA reads the flags once)
+LEVEL = ("from jax._src.lib import _jax; "
+         "print(_jax.CompileOptions().executable_build_options.debug_options.xla_backend_optimization_level)")
+
+def test_reads_its_level_and_a_childs():
+    from jax._src.lib import _jax
+
+    level = _jax.CompileOptions().executable_build_options.debug_options.xla_backend_optimization_level
+    child = subprocess.run([sys.executable, "-c", LEVEL], capture_output=True, text=True, check=True).stdout.strip()
+    with open("levels.txt", "w") as out:  # in the run's directory: a worker's prints do not reach its output
+        out.write(f"here [{level}] child [{child}] flags [{os.environ['XLA_FLAGS']}]")
 '''
 
 
@@ -67,7 +74,8 @@ def run_suite(tmp_path: Path, tests: str, *args: str, **env: str) -> tuple[int, 
     # only the plugins under test (pyproject's addopts name xdist's --dist): the others this environment installs
     # (schemathesis, hypothesis) load slowly
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("FSM_PD_REQUIRE", "FSM_PD_ALLOW", "PYTEST_"))}
-    environ |= {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", **env}
+    # and XLA's flags as given: these suites run no jax, unless a test asks (the suite's flags start jax at once)
+    environ |= {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "FSM_PD_SUITE_XLA_DEFAULTS": "1", **env}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "pytest_timeout", "-p", "xdist.plugin",
                            "-p", "no:cacheprovider", *args],
                           cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=120)
@@ -80,14 +88,24 @@ def test_a_test_past_its_timeout_fails_and_the_run_goes_on(tmp_path):
     assert "1 failed, 1 passed" in out
 
 
-def test_on_a_cpu_xla_compiles_cheaply_here_and_in_the_processes_tests_start(tmp_path):
-    """tests/conftest.py adds xla_flags.FAST_COMPILE to the flags the run was given, for its own process and the ones
-    its tests start; FSM_PD_SUITE_XLA_DEFAULTS=1 leaves them as given."""
+def test_on_a_cpu_tests_compile_at_o0_and_the_processes_they_start_at_o1(tmp_path):
+    """tests/conftest.py: the process that runs tests compiles with xla_flags.FAST_COMPILE (-O0), the processes its
+    tests start inherit the flags the run was given and CHEAP_COMPILE (-O1); on xdist workers too. With a shared
+    compile cache, CHEAP_COMPILE everywhere; FSM_PD_SUITE_XLA_DEFAULTS=1 leaves the flags as given (XLA's -O3)."""
     given = "--xla_force_host_platform_device_count=3"
-    _, out = run_suite(tmp_path, XLA, "-s", XLA_FLAGS=given, JAX_PLATFORMS="cpu")
-    assert f"here [{given} {FAST_COMPILE}] child [{given} {FAST_COMPILE}]" in out, out
-    _, out = run_suite(tmp_path, XLA, "-s", XLA_FLAGS=given, JAX_PLATFORMS="cpu", FSM_PD_SUITE_XLA_DEFAULTS="1")
-    assert f"here [{given}] child [{given}]" in out, out
+    env = {"XLA_FLAGS": given, "JAX_PLATFORMS": "cpu", "FSM_PD_SUITE_XLA_DEFAULTS": "0",
+           "FSM_PD_SUITE_COMPILE_CACHE": ""}  # none, unless a case says (tests/on_tpu.sh sets one for its runs)
+
+    def levels(*args: str, **more: str) -> str:
+        status, out = run_suite(tmp_path, XLA, *args, **{**env, **more})
+        assert status == 0, out
+        return (tmp_path / "levels.txt").read_text()
+
+    children = f"flags [{given} {CHEAP_COMPILE}]"
+    assert levels() == f"here [0] child [1] {children}"
+    assert levels("-n", "1") == f"here [0] child [1] {children}"
+    assert levels(FSM_PD_SUITE_COMPILE_CACHE=str(tmp_path / "jax")) == f"here [1] child [1] {children}"
+    assert levels(FSM_PD_SUITE_XLA_DEFAULTS="1") == f"here [3] child [3] flags [{given}]"
 
 
 def test_real_part_skips_are_reported_and_fail_nothing_by_default(tmp_path):
