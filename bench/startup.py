@@ -70,6 +70,11 @@ def client_for(where: int | str) -> httpx.Client:
     return httpx.Client(base_url="http://localhost", transport=httpx.HTTPTransport(uds=where))
 
 
+def python_path(code: Path) -> str:
+    """The checkout ``code`` first; what PYTHONPATH had stays behind it (a TPU host's wheels: PYTHONPATH=/tmp/site)."""
+    return os.pathsep.join([str(code), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+
+
 ANSWERS = ("colocated", "pd")  # the roles that answer a request alone
 
 
@@ -88,7 +93,8 @@ def run_node(role: str, model: str, caches: Path, tmp: Path, uds: bool = False, 
     if role == "prefill" and not uds:  # on unix sockets its bootstrap server listens beside --uds
         argv += ["--bootstrap-port", str(free_port())]
     env = {**os.environ, **secret_env(generate_secret()), "FSM_PD_COMPILE_CACHE": str(caches / "jax"),
-           "FSM_PD_MODEL_CACHE": str(caches / "models"), "PYTHONPATH": str(code)}
+           "FSM_PD_MODEL_CACHE": str(caches / "models"),
+           "PYTHONPATH": python_path(code)}
     log = tmp / f"{role}-{port}.log"
     client = client_for(where)
     started = time.time()
@@ -155,7 +161,7 @@ def run_launch(model: str, caches: Path, tmp: Path, code: Path | None = None, ud
     a checkout whose fsm_pd runs instead of this one (the baseline)."""
     env = {**os.environ, "FSM_PD_COMPILE_CACHE": str(caches / "jax"), "FSM_PD_MODEL_CACHE": str(caches / "models")}
     if code is not None:
-        env["PYTHONPATH"] = str(code)
+        env["PYTHONPATH"] = python_path(code)
     run = tmp / f"launch-{time.monotonic_ns()}"
     argv = [sys.executable, "-m", "fsm_pd.cli", "launch", "--model", model,
             *(["--uds", str(run / "s")] if uds else ["--port", str(free_port())]), "--journal-dir", str(run)]
