@@ -119,7 +119,9 @@ def test_the_ready_set_compiles_side_by_side_on_the_warm_up_threads(monkeypatch)
         jax.config.update("jax_enable_compilation_cache", cached)
         monitoring.unregister_event_duration_listener(on_duration)
         engine.close()
-    assert report["programs"] == len(spans) >= 10
+    # at least the pool's programs: the samplers, which no pool shape changes, may already sit in this process's
+    # memory from an earlier test (the chip half runs in one process: 5 compiled there, 10 or more on a fresh worker)
+    assert report["programs"] == len(spans) >= 4
     assert {name.rsplit("_", 1)[0] for *_, name in spans} == {"warm-up-compile"}, spans
     assert any(a[0] < b[1] and b[0] < a[1] for i, a in enumerate(spans) for b in spans[i + 1:]), \
         "no two programs compiled at once"
