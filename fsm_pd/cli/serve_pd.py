@@ -121,8 +121,10 @@ def private_dir() -> str:
 
 def build_engines(args: argparse.Namespace, models: dict, links: str, pages: tuple[int, int]):
     """The two engines, on unix sockets in ``links``, journaling into ``--journal-dir``; they share a secret. With
-    the ``pool`` backend they share one pool of ``sum(pages)`` pages and one step loop too (``SharedPool``)."""
+    the ``pool`` backend they share one pool of ``sum(pages)`` pages and one step loop too (``SharedPool``). Their
+    nodes share one loop thread (``NodeLoop``): a handoff's messages are decided where they land, with no hop."""
     from fsm_pd.control.config import DEFAULTS as ROOM_DEFAULTS
+    from fsm_pd.control.node_loop import NodeLoop
     from fsm_pd.serving.decode_engine import DecodeEngine
     from fsm_pd.serving.prefill_engine import PrefillEngine
     from fsm_pd.serving.shared_pool import SharedPool
@@ -131,6 +133,7 @@ def build_engines(args: argparse.Namespace, models: dict, links: str, pages: tup
     secret = generate_secret()
     Path(args.journal_dir).mkdir(parents=True, exist_ok=True)
     backend = pd_backend(args)
+    loop = NodeLoop("pd")
     shared = None
     if backend == "pool":
         shared = SharedPool(models["prefill"], num_pages=sum(pages), page_size=args.page_size,
@@ -144,7 +147,8 @@ def build_engines(args: argparse.Namespace, models: dict, links: str, pages: tup
                     secret=secret, backend=backend, deadlines=deadlines,
                     kv_checksum=args.kv_checksum == "on", uds=os.path.join(links, f"{role}.sock"),
                     num_pages=num_pages, page_size=args.page_size, prefill_chunk_steps=args.prefill_chunk_steps,
-                    shared=shared, contained_crash=True, in_process=True, durability=args.journal_durability,
+                    shared=shared, loop=loop, contained_crash=True, in_process=True,
+                    durability=args.journal_durability,
                     decode_steps_per_dispatch=args.decode_steps_per_dispatch)
 
     prefill = PrefillEngine(models["prefill"], bootstrap_port=0,

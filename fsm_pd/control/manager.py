@@ -24,6 +24,7 @@ from fsm_pd.control.config import heartbeat_settings, resolve_deadlines
 from fsm_pd.control.core import NodeCore, RoomInUse
 from fsm_pd.control.jax_kv import JaxKV
 from fsm_pd.control.metrics import NodeMetrics
+from fsm_pd.control.node_loop import NodeLoop
 from fsm_pd.control.peers import PeerWatch, manager_forget
 from fsm_pd.control.pool_kv import SharedPoolKV
 from fsm_pd.control.resolver import PrefillResolver, deregister_prefill, register_prefill
@@ -63,7 +64,7 @@ class KVManager:
                  heartbeat: Mapping[str, Any] | None = None, model: ModelThread | None = None,
                  advertise_host: str | None = None, kv_checksum: bool = True, uds: str | None = None,
                  observers: Sequence[Callable] = (), shared_pool: Any = None, contained_crash: bool = False,
-                 in_process: bool = False):
+                 in_process: bool = False, loop: NodeLoop | None = None):
         """``host``: what the side channel and the transfer server bind; ``advertise_host``: the host peers are told
         (bootstrap registration, side-channel origin and reply_to, transfer address), by default ``host``. A wildcard
         ``host`` needs an ``advertise_host`` (``WildcardAddress`` otherwise). ``kv_checksum``: compute (prefill) or
@@ -74,7 +75,8 @@ class KVManager:
         (backend ``pool``): handoffs then move page ownership, no bytes (``control/pool_kv.py``). ``contained_crash``:
         a fault knob's crash (``FSM_PD_FAULT_CRASH_AT``) stops this node's loop instead of exiting the process, for
         a process that runs both roles (``--role pd``): the role dies, the process says so. ``in_process``: side-
-        channel messages to a peer of this process that says so too go to it directly (``InProcessSenders``)."""
+        channel messages to a peer of this process that says so too go to it directly (``InProcessSenders``). ``loop``:
+        the thread that steps this node, shared with its peer in one process (``node_loop.py``); by default its own."""
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
         if role == "decode" and admission is None:
@@ -137,7 +139,9 @@ class KVManager:
                 puller=puller(self.backend, kv.pull_spec, self.workers), model=self.model, kv=kv,
                 faults=faults, kv_checksum=kv_checksum)
             machine = RECEIVER
-        self.node = Node(node_id, machine, self.journal, self.effects.interpreter(), self.clock, self.deadlines)
+        self._loop = loop if loop is not None else NodeLoop(node_id)
+        self.node = Node(node_id, machine, self.journal, self.effects.interpreter(), self.clock, self.deadlines,
+                         wakeup=self._loop.wakeup)
         self.core = NodeCore(self.node, layout.to_dict())
         self.metrics = NodeMetrics(self.node)
         self.metrics.backend.labels(role, node_id, self.backend.name).set(1)
@@ -148,7 +152,6 @@ class KVManager:
         self.node.observers.extend(observers)
         self._stop = threading.Event()
         self.dead: str | None = None  # why the loop stopped on its own (None while it runs, or closed on purpose)
-        self._thread = threading.Thread(target=self._loop, name=f"fsm-loop[{node_id}]", daemon=True)
         # heartbeats of the peers our rooms are bound to; their death or restart fails those rooms at once
         self.peers = PeerWatch(self.node, self.side_channel, self.clock,
                                **{**heartbeat_settings(), **(heartbeat or {})},
@@ -157,21 +160,26 @@ class KVManager:
             self.resolver.watch_with(self.peers)
         self.recovered = self.core.recover()
         self.on_stopped: list[Callable[[str], None]] = []  # told once, on the loop thread, when it stops on its own
-        self._thread.start()
+        self._loop.join(self)
 
-    # --- the loop ---
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.node.wakeup.wait(0.05)
-            try:
-                self.node.step()
-                self.journal.keep_alive()  # a database server that went away fails the node even when idle
-            except JournalClosed:  # closed by close() under a loop that outlived its join: nothing more is journaled
-                return
-            except Exception as exc:  # a journal that cannot be written stops the node: unjournaled acts break replay
-                log.exception("node %s stopped: the journal could not be written", self.node_id)
-                self._stopped(f"the node loop stopped: the journal could not be written: {type(exc).__name__}: {exc}")
-                return
+    # --- the loop (NodeLoop's members) ---
+    def active(self) -> bool:
+        return not self._stop.is_set()
+
+    def step_once(self) -> None:
+        self._guarded(self.node.step)
+
+    def keep_alive(self) -> None:
+        self._guarded(self.journal.keep_alive)  # a database server that went away fails the node even when idle
+
+    def _guarded(self, work: Callable[[], Any]) -> None:
+        try:
+            work()
+        except JournalClosed:  # closed by close() under a loop that outlived its leave: nothing more is journaled
+            self._stop.set()
+        except Exception as exc:  # a journal that cannot be written stops the node: unjournaled acts break replay
+            log.exception("node %s stopped: the journal could not be written", self.node_id)
+            self._stopped(f"the node loop stopped: the journal could not be written: {type(exc).__name__}: {exc}")
 
     def _journal_lost(self, exc: JournalError) -> None:
         """The journal could not say whether a room was used (its database is gone): like a journal that cannot
@@ -196,13 +204,12 @@ class KVManager:
 
     def health(self) -> str | None:
         """Why this node cannot serve (None while it can): its loop stopped, or its model thread died."""
-        started = self._thread.ident is not None
-        if self.dead is None and not self._stop.is_set() and started and not self._thread.is_alive():
+        if self.dead is None and not self._stop.is_set() and self._loop.started and not self._loop.alive():
             return "the node loop exited"
         return self.dead or self.model.health()
 
     def _answers_pings(self) -> bool:
-        return getattr(self, "_thread", None) is None or self.health() is None  # still starting: answer
+        return not hasattr(self, "_stop") or self.health() is None  # still starting: answer
 
     def _observe(self, room, decision, at) -> None:
         if decision.dst != decision.src and room.terminal:
@@ -327,7 +334,7 @@ class KVManager:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._loop.leave(self)
         self.peers.close()
         self.senders.close()
         self.side_channel.close()

@@ -26,7 +26,9 @@ _RECORD = object()  # an inbox entry that journals a record row, outside the mac
 
 class Node:
     def __init__(self, node_id: str, machine: TransferMachine, journal: Journal | None, interpreter: Any,
-                 clock: Any, deadlines: Mapping[str, float]):
+                 clock: Any, deadlines: Mapping[str, float], wakeup: threading.Event | None = None):
+        """``wakeup``: set whenever an event is queued; a loop that steps several nodes (``control/node_loop.py``)
+        gives them one."""
         missing = set(machine.timer_states) - set(deadlines)
         if missing:
             raise ValueError(f"{machine.role} deadlines missing for timers {sorted(missing)}")
@@ -46,7 +48,12 @@ class Node:
         self.observers: list[Observer] = []
         self.dropped_unknown_room = 0
         self._inbox: deque[tuple[int, str, dict, float]] = deque()
-        self.wakeup = threading.Event()
+        self.wakeup = wakeup if wakeup is not None else threading.Event()
+
+    @property
+    def pending(self) -> bool:
+        """Whether anything is queued for the next step."""
+        return bool(self._inbox)
 
     def submit(self, room: int, trigger: str, payload: dict | None = None, at: float | None = None) -> None:
         """Queue an event for the next step. Thread-safe."""

@@ -1,0 +1,163 @@
+"""``NodeLoop``: one thread steps the nodes of ``--role pd``; a handoff's messages are decided where they land.
+
+The first tests drive the loop with members whose steps relay a token between them, the way a READY from P's step
+lands in D's inbox and D's PULLED in P's. The idle wake is set to a minute: a relay the loop lost (a message queued
+for a member that had already stepped in that pass, and the shared wakeup cleared by another member's step) would
+wait that minute and fail the test's few seconds. The last test runs two real ``KVManager``s on one loop and a real
+handoff between them (``pool`` backend, in-process messages): every transition of both rooms is decided on that one
+thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from node_sockets import node_sockets
+from pool_admission import pool_admission
+
+from fsm_pd.control import KVManager, node_loop
+from fsm_pd.control.node_loop import NodeLoop
+from fsm_pd.kernels import KVLayout
+from fsm_pd.machines import KVPoll
+from fsm_pd.transport import generate_secret
+
+
+class _Inbox:
+    def __init__(self, wakeup: threading.Event) -> None:
+        self.items, self.wakeup = deque(), wakeup
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.items)
+
+    def put(self, item) -> None:
+        self.items.append(item)
+        self.wakeup.set()
+
+
+class Relay:
+    """A member whose step takes each token and hands it, one hop shorter, to its peer, then clears the shared wakeup
+    as ``Node.step`` does before it reads its inbox: the hand-over stands for a message from another thread that
+    reached the peer, which had already stepped in this pass, just before this member's step cleared the wakeup."""
+
+    def __init__(self, loop: NodeLoop, name: str) -> None:
+        self.name, self.node, self.peer = name, _Inbox(loop.wakeup), None
+        self.stepped, self.kept_alive, self.stopped = [], 0, False
+        self.done = threading.Event()
+
+    def active(self) -> bool:
+        return not self.stopped
+
+    def step_once(self) -> None:
+        while self.node.items:
+            hops = self.node.items.popleft()
+            self.stepped.append((hops, threading.current_thread().name))
+            if hops:
+                self.peer.node.put(hops - 1)
+            else:
+                self.done.set()
+        self.node.wakeup.clear()
+
+    def keep_alive(self) -> None:
+        self.kept_alive += 1
+
+
+@pytest.fixture
+def slow_idle(monkeypatch):
+    monkeypatch.setattr(node_loop, "IDLE_WAKE_S", 60.0)
+
+
+def pair(loop: NodeLoop) -> tuple[Relay, Relay]:
+    p, d = Relay(loop, "p"), Relay(loop, "d")
+    p.peer, d.peer = d, p
+    loop.join(p)
+    loop.join(d)
+    return p, d
+
+
+@pytest.mark.parametrize("first", ["p", "d"])
+def test_a_token_relayed_between_two_members_is_decided_within_one_wake(slow_idle, first):
+    loop = NodeLoop("pd")
+    p, d = pair(loop)
+    try:
+        time.sleep(0.05)  # the thread has taken its first wake and waits again
+        (p if first == "p" else d).node.put(9)  # 10 steps, each handing over to the other member
+        done = p.done if first == "d" else d.done
+        assert done.wait(5), f"the relay stalled: {p.stepped} {d.stepped}"
+        assert {name for _, name in p.stepped + d.stepped} == {"fsm-loop[pd]"}
+    finally:
+        loop.leave(p)
+        loop.leave(d)
+
+
+def test_a_stopped_member_is_skipped_and_the_other_goes_on(slow_idle):
+    loop = NodeLoop("pd")
+    p, d = pair(loop)
+    try:
+        p.stopped = True
+        d.node.put(0)
+        assert d.done.wait(5)
+        p.node.put(0)
+        time.sleep(0.2)
+        assert p.stepped == [] and not p.done.is_set()
+    finally:
+        loop.leave(p)
+        loop.leave(d)
+
+
+def test_the_thread_stops_with_the_last_member_and_not_before():
+    loop = NodeLoop("pd")
+    p, d = pair(loop)
+    loop.leave(p)
+    assert loop.alive()
+    d.node.put(0)
+    assert d.done.wait(5)
+    loop.leave(d)
+    assert not loop.alive()
+    assert d.kept_alive >= 1
+
+
+def test_two_managers_on_one_loop_decide_both_sides_of_a_handoff_on_its_thread(tmp_path):
+    """Real managers, real journals, in-process messages (``InProcessSenders``), the ``fake`` data plane."""
+    loop, secret = NodeLoop("pd"), generate_secret()
+    heard: list[tuple[str, str, str]] = []
+
+    def watch(role):
+        return lambda room, decision, at: heard.append((role, decision.dst, threading.current_thread().name))
+
+    common = dict(layout=LAYOUT, secret=secret, backend="fake", loop=loop, in_process=True)
+    p = KVManager(role="prefill", node_id="p0", journal=str(tmp_path / "p.db"), pool=_pool(1),
+                  observers=[watch("prefill")], **common, **node_sockets(tmp_path, "p"))
+    d = KVManager(role="decode", node_id="d0", journal=str(tmp_path / "d.db"), pool=_pool(0),
+                  admission=pool_admission(LAYOUT.num_pages), observers=[watch("decode")], **common,
+                  **node_sockets(tmp_path, "d"))
+    try:
+        assert p.node.wakeup is d.node.wakeup is loop.wakeup
+        assert [t.name for t in threading.enumerate() if t.name.startswith("fsm-loop")] == ["fsm-loop[pd]"]
+        p.add_sender(1, [3, 4])
+        d.add_receiver(1, page_count=2, prefill_addr=p.side_channel.address)
+        p.kv_ready(1, first_token=7)
+        assert d.wait(1, 10) == KVPoll.Success and p.wait(1, 10) == KVPoll.Success
+        assert {(role, dst) for role, dst, _ in heard} >= {("prefill", "Success"), ("decode", "Success")}
+        assert {name for *_, name in heard} == {"fsm-loop[pd]"}
+        p.close()
+        assert loop.alive() and d.health() is None  # the other member keeps the loop
+    finally:
+        d.close()
+        if p.active():
+            p.close()
+    assert not loop.alive()
+
+
+LAYOUT = KVLayout(num_layers=1, num_pages=16, page_size=4, kv_heads=1, head_dim=8)
+
+
+def _pool(seed):
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.standard_normal(LAYOUT.layer_shape, dtype=np.float32))
+                 for _ in range(LAYOUT.num_layers))
