@@ -133,12 +133,12 @@ def build_engines(args: argparse.Namespace, models: dict, links: str, pages: tup
     secret = generate_secret()
     Path(args.journal_dir).mkdir(parents=True, exist_ok=True)
     backend = pd_backend(args)
-    loop = NodeLoop("pd")
     shared = None
     if backend == "pool":
         shared = SharedPool(models["prefill"], num_pages=sum(pages), page_size=args.page_size,
                             chunked_prefill_size=args.chunked_prefill_size,
                             prefill_chunk_steps=args.prefill_chunk_steps)
+    loop = shared.node_loop if shared is not None else NodeLoop("pd")
 
     def node(role: str, num_pages: int) -> dict:
         deadlines = {t: getattr(args, t) for t in DEADLINE_FLAGS

@@ -1,13 +1,15 @@
-"""``NodeLoop``: the thread that steps nodes: a node process's one, or both of ``--role pd``'s on one thread.
+"""``NodeLoop``: what steps nodes: a node process's one, or both of ``--role pd``'s, on one thread and one lock.
 
-A node's rooms change only in ``Node.step``, on its loop thread. A process that runs both roles (``--role pd``)
-gives both managers one loop: a message one node hands the other (``InProcessSenders``) lands in the other's inbox
-and is decided on the same thread in the same wake, so a handoff's PREPARE, READY, PULLED and their transitions
-cost no thread hop. With a loop each, every hop waited for the interpreter's lock, which the model thread holds
-while it steps (up to ``sys.getswitchinterval()``, 5 ms, a hop): P's handoff took 18-24 ms at p50 under 16 streams
-on the chip (docs/tpu.md).
+A node's rooms change only in ``Node.step``, and a loop's steps run under its lock: on the loop's own thread, or on a
+thread that calls ``run_pending`` while the lock is free. A process that runs both roles (``--role pd``) gives both
+managers one loop: a message one node hands the other (``InProcessSenders``) lands in the other's inbox and is
+decided in the same pass, so a handoff's READY, PULLED and their transitions cost no thread hop. With the shared
+pool, the model thread runs the pass after each engine step: P's ``kv_ready``, which the step submitted, runs to
+both rooms' Success before the next step, with no thread to wake. With a loop each, every hop waited for the
+interpreter's lock, which the model thread holds while it steps (up to ``sys.getswitchinterval()``, 5 ms, a hop):
+P's handoff took 18-24 ms at p50 under 16 streams on the chip (docs/tpu.md).
 
-A wake steps every member until none has anything queued; a member whose node stopped (its journal could not be
+A pass steps every member until none has anything queued; a member whose node stopped (its journal could not be
 written) is skipped, the others go on. The thread stops when the last member leaves.
 """
 
@@ -60,20 +62,35 @@ class NodeLoop:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def run_pending(self) -> bool:
+        """Decide what is queued now, on the caller's thread, unless a step runs elsewhere (then that one will):
+        the model thread of ``--role pd`` calls this after each engine step, so a handoff its step started (P's
+        ``kv_ready``) runs to both rooms' Success before the next step, with no thread to wake. True if it ran."""
+        if not self._stepping.acquire(blocking=False):
+            return False
+        try:
+            self._pass(keep_alive=False)
+        finally:
+            self._stepping.release()
+        return True
+
     def _run(self) -> None:
         while not self._stop.is_set():
             self.wakeup.wait(IDLE_WAKE_S)
             with self._stepping:
-                members = [m for m in self._members if m.active()]
-                # Node.step clears the shared wakeup before it reads its own inbox: a message one member queued
-                # for another after that other stepped is found here, not lost until the next idle wake
-                while members:
-                    for member in members:
-                        if member.active():
-                            member.step_once()
-                    if not any(m.active() and m.node.pending for m in members):
-                        break
-                for member in members:
-                    if member.active():
-                        member.keep_alive()
+                self._pass(keep_alive=True)
+
+    def _pass(self, keep_alive: bool) -> None:
+        members = [m for m in self._members if m.active()]
+        # Node.step clears the shared wakeup before it reads its own inbox: a message one member queued for another
+        # after that other stepped is found here, not lost until the next idle wake
+        while members:
+            for member in members:
+                if member.active():
+                    member.step_once()
+            if not any(m.active() and m.node.pending for m in members):
+                break
+        for member in members if keep_alive else ():
+            if member.active():
+                member.keep_alive()
 

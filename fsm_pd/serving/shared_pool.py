@@ -4,7 +4,8 @@ One KV pool and one model thread, one page allocator (each engine keys its rooms
 step budget and one step loop. Each step of that loop runs the decode engine's step first (its running batch, its
 admissions) and then the prefill engine's, whose chunk the shared ``StepBudget`` sizes by what a decode step costs
 while streams decode: a prefill burst delays a stream's next token by at most about ``chunk_steps`` decode steps,
-as on a colocated node. A handoff between the two moves page ownership (backend ``pool``, ``control/pool_kv.py``).
+as on a colocated node. A handoff between the two moves page ownership (backend ``pool``, ``control/pool_kv.py``),
+decided on this thread right after the step that finished the prompt (``NodeLoop.run_pending``).
 
 Why one loop rather than two engines with their own threads: on one TensorCore the two halves never run at once, so
 splitting them adds no compute; two model threads only contend for the chip and the interpreter lock, and neither
@@ -17,6 +18,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from fsm_pd.control.node_loop import NodeLoop
 from fsm_pd.kvpool.pages import PageAllocator
 from fsm_pd.model.model_thread import ModelThread
 from fsm_pd.scheduling.step_budget import StepBudget
@@ -36,6 +38,9 @@ class SharedPool:
         self.allocator = PageAllocator(num_pages)
         self.budget = StepBudget(chunked_prefill_size, prefill_chunk_steps)
         self.decoding: Callable[[], bool] = lambda: False  # the decode engine says whether streams run
+        # both engines' KV managers are stepped by it; their rooms' events queued by a step are decided right after
+        # it, on this thread (``NodeLoop.run_pending``): a handoff waits for no other thread
+        self.node_loop = NodeLoop(name)
         self._members: dict[str, Member] = {}
         self._driver = StepDriver(self.model_thread, self._step, name=f"{name} scheduler")
 
@@ -70,6 +75,7 @@ class SharedPool:
                 more = member.step() or more
             except Exception:  # one engine's failed step must not starve the other of its steps
                 log.exception("the %s engine's step failed", role)
+            self.node_loop.run_pending()
         return more
 
 

@@ -95,6 +95,35 @@ def test_a_token_relayed_between_two_members_is_decided_within_one_wake(slow_idl
         loop.leave(d)
 
 
+def test_run_pending_decides_a_relay_on_the_callers_thread_unless_a_step_runs_elsewhere(slow_idle):
+    """The model thread of ``--role pd`` calls ``run_pending`` after each engine step: a handoff its step started
+    runs to its end there. While another thread steps, it returns at once (that step will find the events)."""
+    loop = NodeLoop("pd")
+    p, d = pair(loop)
+    try:
+        time.sleep(0.05)  # the loop's thread waits on its (one-minute) idle wake
+        loop._stepping.acquire()  # as if the loop's thread were stepping
+        try:
+            p.node.put(5)
+            outcome: list[bool] = []
+            elsewhere = threading.Thread(target=lambda: outcome.append(loop.run_pending()), name="model[pd]")
+            elsewhere.start()
+            elsewhere.join(5)
+            assert outcome == [False] and p.stepped == []
+        finally:
+            loop._stepping.release()
+        p.node.items.clear()
+        p.node.wakeup.clear()
+        time.sleep(0.05)
+        p.node.items.append(5)  # queued without a wakeup: only run_pending can find it
+        assert loop.run_pending() is True
+        assert d.done.is_set()
+        assert {name for _, name in p.stepped + d.stepped} == {threading.current_thread().name}
+    finally:
+        loop.leave(p)
+        loop.leave(d)
+
+
 def test_a_stopped_member_is_skipped_and_the_other_goes_on(slow_idle):
     loop = NodeLoop("pd")
     p, d = pair(loop)
