@@ -206,6 +206,8 @@ def main(argv=None) -> int:
                                  num_heads=2 * args.kv_heads, head_dim=args.head_dim)
     params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_chip),
                           random_params(config, seed=1, std=0.1))
+    # from here on nothing runs: Pallas's Mosaic lowering reads the default device to know which TPU it compiles for
+    jax.config.update("jax_default_device", chip)
     row_lanes = 2 * args.kv_heads * args.head_dim
     page_bytes = pool_format.page_bytes((PAGE_SIZE, row_lanes), dtype, on_chip)
     sizes = [int(n) for n in args.pages.split(",")]
