@@ -98,15 +98,18 @@ def pool_on(platform: str):
     return [SimpleNamespace(sharding=SimpleNamespace(device_set=[SimpleNamespace(platform=platform)]))]
 
 
-def test_the_tpu_kernels_run_where_the_environment_asks_and_they_can(monkeypatch):
+def test_the_tpu_kernels_are_a_tpu_pools_default_where_they_can_run(monkeypatch):
     monkeypatch.delenv(attention.ATTENTION_ENV, raising=False)
-    # not the chip's default until chip_parity has checked them there (kernels_for)
-    assert attention.kernels_for(pool_on("tpu"), 64) == attention.kernels_for(pool_on("cpu"), 64) == "jnp"
-    monkeypatch.setenv(attention.ATTENTION_ENV, "jnp")
+    assert attention.kernels_for(pool_on("tpu"), 64) == attention.kernels_for(pool_on("tpu"), 128) == "tpu"
+    assert attention.kernels_for(pool_on("tpu"), 96) == "jnp"  # a head_dim the kernel does not take
+    assert attention.kernels_for(pool_on("cpu"), 64) == "jnp"
+    monkeypatch.setenv(attention.ATTENTION_ENV, "")  # set but empty: the default
+    assert attention.kernels_for(pool_on("tpu"), 64) == "tpu"
+    monkeypatch.setenv(attention.ATTENTION_ENV, "jnp")  # asked for: jnp on a TPU too
     assert attention.kernels_for(pool_on("tpu"), 64) == "jnp"
     monkeypatch.setenv(attention.ATTENTION_ENV, "tpu")
     assert attention.kernels_for(pool_on("tpu"), 64) == attention.kernels_for(pool_on("tpu"), 128) == "tpu"
-    assert attention.kernels_for(pool_on("tpu"), 96) == "jnp"  # a head_dim the kernel does not take
+    assert attention.kernels_for(pool_on("tpu"), 96) == "jnp"
     assert attention.kernels_for(pool_on("cpu"), 64) == "jnp"  # asked for, but no chip: jnp
     monkeypatch.setenv(attention.ATTENTION_ENV, "interpret")
     assert attention.kernels_for(pool_on("cpu"), 64) == "interpret"
@@ -114,16 +117,3 @@ def test_the_tpu_kernels_run_where_the_environment_asks_and_they_can(monkeypatch
     monkeypatch.setenv(attention.ATTENTION_ENV, "pallas")
     with pytest.raises(ValueError, match="FSM_PD_ATTENTION"):
         attention.kernels_for(pool_on("tpu"), 64)
-
-
-def test_a_block_is_one_run_where_the_pages_it_uses_are_consecutive():
-    """What the kernel fetches in a few DMAs instead of a DMA a page: decided per work item before the kernel, from
-    the pages below the row's length only (the table's padding past them is anything)."""
-    tables = jnp.asarray([[7, 8, 9, 10, 3, 4, 0, 0],  # block 0 a run; block 1 a run of the 2 pages in use
-                          [5, 9, 6, 7, 0, 0, 0, 0],  # block 0 broken at its second page
-                          [20, 21, 2, 0, 0, 0, 0, 0]], jnp.int32)  # a run over its 2 pages in use, not past them
-    kv_lens = jnp.asarray([6 * 16, 4 * 16, 2 * 16 - 5], jnp.int32)
-    rows, firsts, _, count = decode_attention._work(kv_lens, 4 * 16, 6)
-    runs = decode_attention.consecutive_blocks(tables, kv_lens, rows, firsts, 4, 16)
-    items = [(int(r), int(f), int(x)) for r, f, x in zip(rows, firsts, runs, strict=True)][: int(count[0])]
-    assert items == [(0, 0, 1), (0, 1, 1), (1, 0, 0), (2, 0, 1)]
