@@ -6,6 +6,7 @@ pool, or is refused by the compiler (the ``--role pd`` failure: "Ran out of memo
     pip install --target /tmp/libtpu 'libtpu==0.0.42.*'    # the TPU compiler of jax 0.10.2 (about 700 MB)
     PYTHONPATH=$PYTHONPATH:/tmp/libtpu python bench/tpu_compile.py [--layers 13] [--pages 64,4096] [--shapes 8x1]
         [--pd [--hbm-gib 15.75]] [--baseline] [--json PATH]
+    PYTHONPATH=$PYTHONPATH:/tmp/libtpu python bench/tpu_compile.py --trace-costs --smollm2   # start-up's Python side
 
 libtpu compiles for a described chip without opening one (``jax.experimental.topologies``), so what XLA does to a
 program on the chip (layouts, copies, memory) can be read on a CPU-only machine; the figures are the chip's own
@@ -44,6 +45,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from fsm_pd.cli.serve_pd import pool_budget  # noqa: E402
 from fsm_pd.kernels import jnp_copy, pool_format  # noqa: E402
+from fsm_pd.model import compiles  # noqa: E402
+from fsm_pd.model.attention import ATTENTION_ENV, kernels_for  # noqa: E402
 from fsm_pd.model.decoder import forward_group  # noqa: E402
 from fsm_pd.model.params import random_params  # noqa: E402
 from fsm_pd.model.programs import ForwardPrograms  # noqa: E402
@@ -183,6 +186,47 @@ def problems(rows: list[dict], layer_bytes: int) -> list[str]:
     return found
 
 
+def program_kind(name: str) -> str:
+    """``forward 8x1 ...`` is decode, ``forward 2x64 ...`` prefill; else the program's name without its shape."""
+    if name.startswith("forward "):
+        return "decode" if name.split()[1].endswith("x1") else "prefill"
+    return name.rsplit(" ", 1)[0]
+
+
+def trace_costs(config, params, pool, shapes, kernels: str) -> dict[str, compiles.KindCost]:
+    """The serving programs compiled from cold (jax's caches cleared) with ``kernels``' attention: per kind, what
+    tracing, lowering and the backend cost (``compiles``'s counters, the ones a node reports)."""
+    os.environ[ATTENTION_ENV] = kernels
+    print(f"{ATTENTION_ENV}={kernels}: the programs' attention is {kernels_for(pool, config.head_dim)}", flush=True)
+    jax.clear_caches()
+    compiles.install()
+    before = compiles.costs()
+    for name, make in serving_programs(config, params, pool, shapes):
+        with compiles.preparing(program_kind(name)):
+            make()
+    spent = {}
+    for kind, cost in compiles.costs().items():
+        was = before.get(kind, compiles.KindCost())
+        spent[kind] = compiles.KindCost(**{field: getattr(cost, field) - getattr(was, field) for field in vars(cost)})
+    return {kind: cost for kind, cost in spent.items() if cost.programs}
+
+
+def print_trace_costs(costs: dict[str, dict[str, compiles.KindCost]]) -> None:
+    jnp_costs, tpu_costs = costs["jnp"], costs["tpu"]
+    python = lambda cost: cost.trace_s + cost.lower_s  # noqa: E731
+    print("seconds per kind of program; tpu/jnp: of trace + lower; backend: libtpu's compile on this CPU, jnp / tpu")
+    print(f"{'kind':14s} {'programs':>8s}  {'jnp trace':>9s} {'lower':>6s}  {'tpu trace':>9s} {'lower':>6s}  "
+          f"{'tpu/jnp':>7s}")
+    for kind in sorted(set(jnp_costs) | set(tpu_costs)):
+        j, t = jnp_costs.get(kind, compiles.KindCost()), tpu_costs.get(kind, compiles.KindCost())
+        ratio = f"{python(t) / python(j):6.1f}x" if python(j) else "     -"
+        print(f"{kind:14s} {t.programs:8d}  {j.trace_s:9.2f} {j.lower_s:6.2f}  {t.trace_s:9.2f} {t.lower_s:6.2f}  "
+              f"{ratio}   backend {j.backend_s:.1f} / {t.backend_s:.1f}", flush=True)
+    total = lambda kinds: sum(python(cost) for cost in kinds.values())  # noqa: E731
+    print(f"all: jnp {total(jnp_costs):.2f} s, tpu {total(tpu_costs):.2f} s of tracing and lowering "
+          f"({total(tpu_costs) / total(jnp_costs):.1f}x)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=13)
@@ -194,18 +238,27 @@ def main(argv=None) -> int:
     parser.add_argument("--pd", action="store_true", help="the large pool: --role pd's on a v5e (tiny, bfloat16)")
     parser.add_argument("--hbm-gib", type=float, default=15.75, help="--pd: the chip's free memory (GiB)")
     parser.add_argument("--baseline", action="store_true", help="also a group compiled in XLA's default layout")
+    parser.add_argument("--heads", type=int, help="query heads (default: twice --kv-heads)")
+    parser.add_argument("--smollm2", action="store_true",
+                        help="SmolLM2-135M's shape: 30 layers, 9 heads, 3 KV heads of 64, bfloat16")
+    parser.add_argument("--trace-costs", action="store_true",
+                        help="print tracing and lowering seconds per kind, jnp attention against the TPU kernels")
     parser.add_argument("--topology", default="v5e:1x1")
     parser.add_argument("--json", help="write the rows and problems here")
     args = parser.parse_args(argv)
+    if args.smollm2:
+        args.layers, args.heads, args.kv_heads, args.head_dim, args.dtype = 30, 9, 3, 64, "bfloat16"
 
     chip = chip_device(args.topology)
     on_chip = jax.sharding.SingleDeviceSharding(chip)
     dtype = "bfloat16" if args.pd else args.dtype
     config, _, _ = tiny_model_parts(dtype)
     config = dataclasses.replace(config, num_layers=args.layers, num_kv_heads=args.kv_heads,
-                                 num_heads=2 * args.kv_heads, head_dim=args.head_dim)
+                                 num_heads=args.heads or 2 * args.kv_heads, head_dim=args.head_dim)
     params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_chip),
                           random_params(config, seed=1, std=0.1))
+    # from here on nothing runs: Pallas's Mosaic lowering reads the default device to know which TPU it compiles for
+    jax.config.update("jax_default_device", chip)
     row_lanes = 2 * args.kv_heads * args.head_dim
     page_bytes = pool_format.page_bytes((PAGE_SIZE, row_lanes), dtype, on_chip)
     sizes = [int(n) for n in args.pages.split(",")]
@@ -214,6 +267,12 @@ def main(argv=None) -> int:
     shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
     print(f"{chip.device_kind}: {args.layers} layers, pool rows of {row_lanes} {dtype} ({page_bytes} B a page and "
           f"layer on the chip), pools of {' and '.join(map(str, sizes))} pages, shapes {args.shapes}", flush=True)
+
+    if args.trace_costs:
+        pool = tuple(jax.ShapeDtypeStruct((sizes[0], PAGE_SIZE, row_lanes), jnp.dtype(dtype), sharding=on_chip)
+                     for _ in range(args.layers))
+        print_trace_costs({kernels: trace_costs(config, params, pool, shapes, kernels) for kernels in ("jnp", "tpu")})
+        return 0
 
     rows = []
     for pages in sizes:

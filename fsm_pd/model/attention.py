@@ -116,24 +116,27 @@ Kernels = Literal["jnp", "tpu", "interpret"]
 
 
 def kernels_for(pool, head_dim: int) -> Kernels:
-    """Which attention code a pool gets: jnp, unless ``FSM_PD_ATTENTION`` asks for ``tpu`` (the TPU kernels:
-    ``decode_attention``, ``kernels.kv_write``, on a pool on TPU devices whose ``head_dim`` they take, 64 or a
-    multiple of 128; jnp elsewhere) or ``interpret`` (the TPU kernels in Pallas's interpret mode, any device: slow,
-    for tests). The TPU kernels are not yet the chip's default: decode attention alone ran 2.7 to 4.5 times faster
-    than jnp there at batch 64 (``docs/tpu.md``), but no whole model has yet decoded through them on the chip, and
-    ``bench/chip_parity.py`` must show their answers first (its fused KV write was never read back there)."""
+    """Which attention code a pool gets: on a pool on TPU devices whose ``head_dim`` the TPU kernels take (64 or a
+    multiple of 128), the TPU kernels (``decode_attention``, ``kernels.kv_write``); jnp elsewhere.
+    ``FSM_PD_ATTENTION`` overrides: ``jnp`` keeps the jnp path on a TPU too, ``tpu`` is the default's rule, and
+    ``interpret`` runs the TPU kernels in Pallas's interpret mode on any device (slow, for tests). The kernels are the
+    chip's default since they matched the float32 CPU reference there as jnp does (``bench/chip_parity.py``, SmolLM2's
+    shape: 127 of 128 greedy steps, the other a near tie, on both), decoded SmolLM2 2.2x faster at batch 64
+    (``docs/tpu.md``, "Fifth round"), and their decode programs trace in about a second
+    (``bench/tpu_compile.py --trace-costs``)."""
     forced = os.environ.get(ATTENTION_ENV)
     if forced not in (None, "", "jnp", "tpu", "interpret"):
         raise ValueError(f"{ATTENTION_ENV}={forced!r}: use jnp, tpu or interpret")
-    if forced in (None, "", "jnp"):
+    if forced == "jnp":
         return "jnp"
-    from fsm_pd.model import decode_attention  # Pallas: 0.3 s of a start that never uses it (imported here only)
+    on_tpu = next(iter(pool[0].sharding.device_set)).platform == "tpu"
+    if forced != "interpret" and not on_tpu:
+        return "jnp"  # Pallas: 0.3 s of a start that never uses it (imported below only)
+    from fsm_pd.model import decode_attention
 
     if not decode_attention.supported(head_dim):
         return "jnp"
-    if forced == "interpret":
-        return forced
-    return "tpu" if next(iter(pool[0].sharding.device_set)).platform == "tpu" else "jnp"
+    return "interpret" if forced == "interpret" else "tpu"
 
 
 def paged_attention(q, k, v, layer_pool, page_tables, starts, lengths, *, kernels: Kernels = "jnp"):

@@ -15,7 +15,10 @@ How it works:
   is fetched ``BUFFERS - 1`` items ahead of the one computed, across rows too (a DMA's latency is microseconds). Only
   pages below a row's length are fetched: the cost follows the batch's context, never the pool or the table width.
   A block whose pages are one run of the pool is fetched in a few DMAs (its length in powers of two), others a DMA
-  a page.
+  a page, in a loop. Which blocks are runs is worked out before the kernel, in XLA, for the whole batch.
+- **Few lines of kernel**: the kernel is traced and lowered with every program that holds it, on every start (the
+  compile cache keeps compiled programs, not traces), so its fetches are loops, not one ``pl.when`` per page: written
+  out page by page, SmolLM2's 64-page blocks cost its decode programs seconds of tracing.
 - **Every query head of a row is one matrix row** (``rows``: ``heads`` padded to the sublane tile). Per KV head the
   queries are zero outside that head's rows, so ``sum_h q_h . K_h`` puts each row's own head's scores in one
   ``[rows, tokens]`` block: the softmax runs once for all heads on full vector registers (a head of SmolLM2 has 3
@@ -71,7 +74,7 @@ def _sublanes(dtype) -> int:
     return 8 * (4 // jnp.dtype(dtype).itemsize)
 
 
-def _kernel(kv_lens, writes, tables, work_rows, work_blocks, num_blocks, total,  # scalar prefetch (SMEM)
+def _kernel(kv_lens, writes, tables, work_rows, work_blocks, one_run, num_blocks, total,  # scalar prefetch (SMEM)
             q_ref, new_ref, pool_in, o_ref, pool_out,  # inputs, outputs
             buf, sems, write_sem, m_ref, l_ref, acc_ref,  # scratch
             *, pages_per_block: int, chunk_pages: int, head_dim: int, pair: bool, group: int):
@@ -85,39 +88,34 @@ def _kernel(kv_lens, writes, tables, work_rows, work_blocks, num_blocks, total, 
     precision = jax.lax.Precision.HIGHEST if buf.dtype == jnp.float32 else None
     dot = partial(jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
 
-    def copies(g, slot):
-        """Item ``g``'s DMAs: ``(contiguous, [(size, run copy)], [(valid, page copy)])``. Where the block's pages in
-        use are one run of the pool (a prompt's pages mostly are: the allocator hands them out in order), the run
-        goes in one DMA per set bit of its length; otherwise a DMA a page."""
+    def each(g, slot, action):
+        """``action`` on each of item ``g``'s DMAs. Where the block's pages in use are one run of the pool
+        (``one_run``, decided before the kernel: a prompt's pages mostly are, the allocator hands them out in order),
+        the run goes in one DMA per set bit of its length; otherwise a DMA a page, in a loop over the pages in use.
+        Both are written once, not once per page: the kernel is traced and lowered with every program that holds it
+        (a block of 64 pages written out page by page cost SmolLM2's decode programs seconds of tracing)."""
         r, first = work_rows[g], work_blocks[g] * pages_per_block
         used = jnp.minimum(pages_per_block, (kv_lens[r] + page_size - 1) // page_size - first)
-        column = lambda j: jnp.minimum(first + j, width - 1)  # noqa: E731
-        start_page = tables[r, column(0)]
-        contiguous = jnp.bool_(True)
-        for j in range(1, pages_per_block):
-            contiguous = contiguous & ((j >= used) | (tables[r, column(j)] == start_page + j))
-        runs, size = [], 1 << (pages_per_block.bit_length() - 1)
-        while size:  # the run's length in binary: a piece of each set bit's size, after the larger ones
-            offset = used // (2 * size) * (2 * size)
-            runs.append((used & size, pltpu.make_async_copy(
-                pool_in.at[pl.ds(start_page + offset, size)], buf.at[slot, pl.ds(offset, size)], sems.at[slot])))
-            size //= 2
-        pages = [(j < used, pltpu.make_async_copy(pool_in.at[tables[r, column(j)]], buf.at[slot, j], sems.at[slot]))
-                 for j in range(pages_per_block)]
-        return contiguous, runs, pages
+        start_page = tables[r, jnp.minimum(first, width - 1)]
 
-    def each(g, slot, action):
-        contiguous, runs, pages = copies(g, slot)
-
-        @pl.when(contiguous)
+        @pl.when(one_run[g] != 0)
         def _runs():
-            for bit, copy in runs:
-                pl.when(bit != 0)(lambda copy=copy: action(copy))
+            size = 1 << (pages_per_block.bit_length() - 1)
+            while size:  # the run's length in binary: a piece of each set bit's size, after the larger ones
+                offset = used // (2 * size) * (2 * size)
+                copy = pltpu.make_async_copy(pool_in.at[pl.ds(start_page + offset, size)],
+                                             buf.at[slot, pl.ds(offset, size)], sems.at[slot])
+                pl.when((used & size) != 0)(lambda copy=copy: action(copy))
+                size //= 2
 
-        @pl.when(jnp.logical_not(contiguous))
+        @pl.when(one_run[g] == 0)
         def _pages():
-            for valid, copy in pages:
-                pl.when(valid)(lambda copy=copy: action(copy))
+            def page(j, carry):
+                column = jnp.minimum(first + j, width - 1)
+                action(pltpu.make_async_copy(pool_in.at[tables[r, column]], buf.at[slot, j], sems.at[slot]))
+                return carry
+
+            jax.lax.fori_loop(0, used, page, 0)
 
     start = lambda g: each(g, g % BUFFERS, lambda copy: copy.start())  # noqa: E731
     wait = lambda g: each(g, g % BUFFERS, lambda copy: copy.wait())  # noqa: E731
@@ -125,8 +123,8 @@ def _kernel(kv_lens, writes, tables, work_rows, work_blocks, num_blocks, total, 
     count = total[0]
     buf[...] = jnp.zeros(buf.shape, buf.dtype)  # see the module's last paragraph
     o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)  # rows with no context (padding) stay zero
-    for ahead in range(BUFFERS - 1):
-        pl.when(ahead < count)(lambda ahead=ahead: start(ahead))
+    # the first items' fetches, in a loop: each ``start`` written out is traced and lowered again
+    jax.lax.fori_loop(0, jnp.minimum(count, BUFFERS - 1), lambda g, carry: (start(g), carry)[1], 0)
     row_ids = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
     head_rows = [(row_ids >= h * group) & (row_ids < (h + 1) * group) for h in range(kv_heads)]
 
@@ -217,6 +215,19 @@ def _work(kv_lens, tokens: int, slots: int):
     return rows, firsts, blocks.astype(jnp.int32), ends[-1:].astype(jnp.int32)
 
 
+def consecutive_blocks(tables, kv_lens, rows, firsts, pages_per_block: int, page_size: int):
+    """Per work item, 1 where the pages its block uses (those below its row's length) are consecutive in the pool,
+    ``p, p + 1, ...``: the kernel fetches them in a few DMAs. Elementwise over the page tables, blocks as rows."""
+    b, width = tables.shape
+    blocks = -(-width // pages_per_block)
+    grid = jnp.pad(tables, ((0, 0), (0, blocks * pages_per_block - width))).reshape(b, blocks, pages_per_block)
+    column = jnp.arange(blocks * pages_per_block, dtype=jnp.int32).reshape(blocks, pages_per_block)
+    in_use = column[None] < ((kv_lens + page_size - 1) // page_size)[:, None, None]
+    j = jnp.arange(pages_per_block, dtype=jnp.int32)
+    one_run = jnp.all(~in_use | (grid == grid[:, :, :1] + j), axis=2)  # [b, blocks]
+    return one_run.reshape(-1)[rows * blocks + jnp.minimum(firsts, blocks - 1)].astype(jnp.int32)
+
+
 def query_rows(q, kv_heads: int, q_lanes: int, dtype):
     """``q: [B, 1, H, D]`` as the kernel's ``[B, KVH, rows, q_lanes]``: for KV head ``h``, the rows of its query heads
     (``h * G`` to ``(h + 1) * G - 1``) hold their queries in lanes ``[0, D)``, scaled by ``D**-0.5``; all else 0."""
@@ -254,7 +265,9 @@ def decode_step(q, k, v, layer_pool, page_tables, starts, lengths, *, pages_per_
         chunk_pages -= 1
     kv_lens = (starts + lengths).astype(jnp.int32)
     writes = (lengths > 0).astype(jnp.int32)
+    tables = page_tables.astype(jnp.int32)
     rows, firsts, blocks, count = _work(kv_lens, per_block * page_size, b * -(-width // per_block))
+    runs = consecutive_blocks(tables, kv_lens, rows, firsts, per_block, page_size)
     queries = query_rows(q, kv_heads, q_lanes, layer_pool.dtype)  # [B, KVH, R, q_lanes]
     r = queries.shape[2]
     new_rows = jnp.stack([k[:, 0], v[:, 0]], axis=2).reshape(b, 1, lanes).astype(layer_pool.dtype)
@@ -266,7 +279,7 @@ def decode_step(q, k, v, layer_pool, page_tables, starts, lengths, *, pages_per_
         out_shape=(jax.ShapeDtypeStruct((b, r, q_lanes), jnp.float32),
                    jax.ShapeDtypeStruct(layer_pool.shape, layer_pool.dtype)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=7,
+            num_scalar_prefetch=8,
             grid=(1,),
             in_specs=[whole(queries.shape), whole(new_rows.shape), anywhere],
             out_specs=[whole((b, r, q_lanes)), anywhere],
@@ -279,9 +292,9 @@ def decode_step(q, k, v, layer_pool, page_tables, starts, lengths, *, pages_per_
                 pltpu.VMEM((r, q_lanes), jnp.float32),
             ],
         ),
-        input_output_aliases={9: 1},  # the pool: after the 7 scalar operands, the queries and the new rows
+        input_output_aliases={10: 1},  # the pool: after the 8 scalar operands, the queries and the new rows
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=_VMEM_LIMIT),
         interpret=pltpu.InterpretParams() if interpret else False,
-    )(kv_lens, writes, page_tables.astype(jnp.int32), rows, firsts, blocks, count, queries, new_rows, layer_pool)
+    )(kv_lens, writes, tables, rows, firsts, runs, blocks, count, queries, new_rows, layer_pool)
     values = out[:, :heads, q_lanes - dim:]  # [B, H, D]: V's lanes
     return values.reshape(b, 1, heads, dim).astype(q.dtype), layer_pool

@@ -98,15 +98,18 @@ def pool_on(platform: str):
     return [SimpleNamespace(sharding=SimpleNamespace(device_set=[SimpleNamespace(platform=platform)]))]
 
 
-def test_the_tpu_kernels_run_where_the_environment_asks_and_they_can(monkeypatch):
+def test_the_tpu_kernels_are_a_tpu_pools_default_where_they_can_run(monkeypatch):
     monkeypatch.delenv(attention.ATTENTION_ENV, raising=False)
-    # not the chip's default until chip_parity has checked them there (kernels_for)
-    assert attention.kernels_for(pool_on("tpu"), 64) == attention.kernels_for(pool_on("cpu"), 64) == "jnp"
-    monkeypatch.setenv(attention.ATTENTION_ENV, "jnp")
+    assert attention.kernels_for(pool_on("tpu"), 64) == attention.kernels_for(pool_on("tpu"), 128) == "tpu"
+    assert attention.kernels_for(pool_on("tpu"), 96) == "jnp"  # a head_dim the kernel does not take
+    assert attention.kernels_for(pool_on("cpu"), 64) == "jnp"
+    monkeypatch.setenv(attention.ATTENTION_ENV, "")  # set but empty: the default
+    assert attention.kernels_for(pool_on("tpu"), 64) == "tpu"
+    monkeypatch.setenv(attention.ATTENTION_ENV, "jnp")  # asked for: jnp on a TPU too
     assert attention.kernels_for(pool_on("tpu"), 64) == "jnp"
     monkeypatch.setenv(attention.ATTENTION_ENV, "tpu")
     assert attention.kernels_for(pool_on("tpu"), 64) == attention.kernels_for(pool_on("tpu"), 128) == "tpu"
-    assert attention.kernels_for(pool_on("tpu"), 96) == "jnp"  # a head_dim the kernel does not take
+    assert attention.kernels_for(pool_on("tpu"), 96) == "jnp"
     assert attention.kernels_for(pool_on("cpu"), 64) == "jnp"  # asked for, but no chip: jnp
     monkeypatch.setenv(attention.ATTENTION_ENV, "interpret")
     assert attention.kernels_for(pool_on("cpu"), 64) == "interpret"

@@ -58,3 +58,20 @@ def test_the_pd_pool_of_a_v5e_compiles_where_the_default_layout_is_refused(tmp_p
     pd = {row["program"]: row for row in report["rows"] if row["pages"] == report["pages"][-1]}
     assert pd["forward 1x64"]["error"] is None and pd["forward 1x64"]["temp_bytes"] < MIB
     assert "RESOURCE_EXHAUSTED" in pd["baseline 1x64 group of 2"]["error"]
+
+
+def test_trace_costs_lower_the_tpu_kernels_for_the_chip_beside_the_jnp_baseline(tmp_path):
+    """``--trace-costs``: the same programs with each attention, the TPU kernels lowered by Mosaic for the v5e."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ[TPU_AOT_SITE_ENV]}", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "tpu_compile.py"), "--trace-costs", "--layers", "1",
+                           "--heads", "9", "--kv-heads", "3", "--head-dim", "64", "--dtype", "bfloat16",
+                           "--shapes", "1x1"], env=env, capture_output=True, text=True, timeout=600)
+    output = done.stdout + done.stderr[-3000:]
+    assert done.returncode == 0, output
+    assert "FSM_PD_ATTENTION=jnp: the programs' attention is jnp" in output
+    assert "FSM_PD_ATTENTION=tpu: the programs' attention is tpu" in output
+    # per kind: programs (one layer: a forward shape is one program), jnp trace and lower, tpu trace and lower,
+    # their ratio, the backend's seconds
+    rows = {line[:14].strip(): line[14:].split() for line in done.stdout.splitlines() if "   backend " in line}
+    assert set(rows) == {"decode", "decode loop", "page scatter"}, output
+    assert rows["decode"][0] == "1" and float(rows["decode"][4]) > 0 and rows["decode"][5].endswith("x"), output
