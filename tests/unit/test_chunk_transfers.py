@@ -75,10 +75,14 @@ def events(path, trigger):
 
 def publish_between_chunks(p) -> None:
     """Make every chunk's publish job run before the next chunk computes, as on a model slower than the tiny one:
-    the step that reported a chunk waits until the node loop queued that chunk's job on the model thread (ahead of
-    the next step, which is queued when this one returns)."""
+    the step that reported a chunk waits until the node loop took the chunk's event and queued its job on the model
+    thread (ahead of the next step, which is queued when this one returns), or the room ended. It waits on what the
+    loop did, not on the room's state as the step found it: the room is still WaitingForInput until the loop takes
+    the first chunk's event, and a wait that ended there let a loaded machine compute the whole prompt before the
+    loop ran, so that READY went out after the last chunk."""
     effects, queued = p.manager.effects, threading.Semaphore(0)
     submit = effects.model.submit
+    ended = (None, KVPoll.Success, KVPoll.Failed)  # None: the room is gone
 
     def counted(job):
         future = submit(job)
@@ -86,11 +90,12 @@ def publish_between_chunks(p) -> None:
         return future
 
     effects.model = type("Counted", (), {"submit": staticmethod(counted)})()
+
     def waiting(report):
         def reported(room, *args, **kw):
             report(room, *args, **kw)
             # a room that ended meanwhile ignores the chunk: no job comes
-            while not queued.acquire(timeout=0.01) and p.manager.poll(room) == KVPoll.Transferring:
+            while not queued.acquire(timeout=0.01) and p.manager.poll(room) not in ended:
                 pass
         return reported
 

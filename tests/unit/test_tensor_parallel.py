@@ -5,12 +5,10 @@ interpreter (jax fixes its CPU device count when it first creates the CPU client
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from device_count_run import run_checks
 from real_parts import TCP
 
 from fsm_pd.kernels.layout import PAD_HEAD, KVLayout, kv_slot_heads
@@ -23,9 +21,7 @@ CHECKS = Path(__file__).parent / "tp_mesh" / "tp_model_check.py"
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_model_on_a_four_device_mesh():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CHECKS)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=CHECKS.parents[3])
+    result = run_checks(CHECKS, 4, cwd=CHECKS.parents[3], timeout=900)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
 
