@@ -201,16 +201,17 @@ def settle(t: load_targets.Target, args, state: dict, record: dict, label: str) 
     --background-timeout of the wait's start is warned of, and the bench goes on."""
     say(state, f"{t.name} ({label} start): pid {t.proc.pid}")
     record["health_s"] = load_targets.wait_health(t, args.ready_timeout)
+    said = f"{t.name} ({label} start): /health 200 at {record['health_s']:.1f} s"
     if label == "measured":
         first = request_body(chat(PHASE_TAGS["probe"] + 9, 8, 9), 4, stream=False)
         record["first_answer_s"] = load_targets.wait_first_answer(t, first, args.ready_timeout)
         record["refused_first_chats"] = t.refused_first_chats
+        said += f", first answer at {record['first_answer_s']:.1f} s"
+    say(state, f"{said}; waiting for its background compile")
     record["background_done_s"], record["background"] = load_targets.wait_background(t, args.background_timeout)
-    answer = f", first answer at {record['first_answer_s']:.1f} s" if "first_answer_s" in record else ""
     done = record["background_done_s"]
-    said = f"background compile done at {done:.1f} s" if done is not None else "background compile NOT done"
-    say(state, f"{t.name} ({label} start): /health 200 at {record['health_s']:.1f} s{answer}, {said} "
-               f"({load_report.background(record['background'])})")
+    say(state, f"{t.name} ({label} start): background compile " + (f"done at {done:.1f} s" if done is not None else
+        "NOT done") + f" ({load_report.background(record['background'])})")
     if done is None:
         warn(state, f"{t.name} ({label} start): its background compile had not finished after "
                     f"--background-timeout ({args.background_timeout:.0f} s): what it still compiles lands in "
