@@ -54,7 +54,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = str(Path(__file__).resolve().parent)
+if HERE not in sys.path:  # run as a script; a test that imports it has appended it (never first: it would shadow)
+    sys.path.insert(0, HERE)
 import load_client  # noqa: E402 - beside this script
 import load_report  # noqa: E402
 import load_targets  # noqa: E402
