@@ -1,27 +1,39 @@
 """Load bench: a colocated node against ``--role pd`` (policies auto, always, never) under streamed chats, over unix
-sockets, so that it runs on a host that allows no TCP socket (a TPU VM; issue 48, point 7).
+sockets, so that it runs on a host that allows no TCP socket (a TPU VM; issue 48, point 7), warm and steady.
 
 Each target is started alone, one after the other (one process at a time may hold the chip), from the same --model,
-on a unix socket under --uds-dir (--tcp: on 127.0.0.1 instead); this bench waits for ``/health`` 200 and for its first
-answered chat (both timed from the process's start: time to ready), warms it with one wave of every mix, then sends
-each mix's --requests streamed chats (``/v1/chat/completions``, greedy, ``ignore_eos``), --streams at a time:
+on a unix socket under --uds-dir (--tcp: on 127.0.0.1 instead), twice: a first start fills the compile cache and the
+converted-model cache (``FSM_PD_COMPILE_CACHE``, ``FSM_PD_MODEL_CACHE``, under --uds-dir's ``caches``, one pair for
+the run as a user has one), and is stopped once its background compile ended; the measured start then finds them
+full, as a user's second start does (--cold: one start only, on empty caches of its own). Of each start it prints the
+seconds from the process's start to ``/health`` 200, to the first answered chat (measured start) and to the end of
+its background compile, which ``/server_info`` tells (``startup.background_compile``; ``--role pd``: both engines',
+``engines_startup``): nothing is sent to a measured start before that end, so that no program compiles under load.
+Then one wave of every mix, and --runs measured runs (default 2; 1 with --quick), each sending every mix's
+--requests streamed chats (``/v1/chat/completions``, greedy, ``ignore_eos``), --streams at a time:
 
 - prefill-heavy: prompts of about --long-tokens (900) tokens, 16 new tokens each;
 - decode-heavy: prompts of about --short-tokens (30), 128 new;
 - mixed: every third prompt long, the rest short, 48 new.
 
-Prompts are digits behind a unique tag, sized for the model's tokenizer from the server's own counts
-(``load_mixes.py``); every answer's ``usage`` must show the planned prompt tokens and exactly max_tokens new ones.
+Prompts are digits behind a tag unique to the request (no prefix is shared, not even between runs), sized for the
+model's tokenizer from the server's own counts (``load_mixes.py``); every answer's ``usage`` must show the planned
+prompt tokens and exactly max_tokens new ones.
 
-Per target and mix it reports output tok/s, req/s, TTFT and TPOT at p50 and p90, and goodput: requests per second
-that met the SLO, which is derived from isolated latencies measured first on the colocated node (one stream, medians,
-per mix and prompt kind): TTFT <= --ttft-scale (5) x the isolated TTFT and TPOT <= --tpot-scale (2) x the isolated
-TPOT. Each pd target's figures are also given as ratios of colocated's, measured in the same run. It prints markdown
-tables and writes --json PATH. It exits 1 when a request went unanswered or a token count was wrong.
+Per target, mix and run it reports output tok/s, req/s, TTFT and TPOT at p50 and p90, and goodput: requests per
+second that met the SLO, which is derived from isolated latencies measured first on the colocated node (one stream,
+medians, per mix and prompt kind): TTFT <= --ttft-scale (5) x the isolated TTFT and TPOT <= --tpot-scale (2) x the
+isolated TPOT; over two runs or more, each figure's median over the runs too. Each pd target's figures are given as
+ratios of colocated's median, measured in the same run. Then the SLO, each start's times, the routes, the programs
+compiled during the warm-up wave and during each run (a WARNING, loud, where a measured run compiled any), and the pd
+targets' handoffs as ``fsm-pd replay`` reads them from their journals. It prints progress lines as it goes (on
+stderr, with the seconds since it began), markdown tables at the end, and writes --json PATH. It exits 1 when a
+request went unanswered or a token count was wrong.
 
     python bench/load.py [--model tiny|smollm2|PATH.gguf] [--targets colocated,pd-auto,pd-always,pd-never]
-                         [--mixes prefill-heavy,decode-heavy,mixed] [--requests 48] [--streams 16] [--json PATH]
-    python bench/load.py --quick          # the tiny model, 16 requests per mix: about a minute on a CPU
+                         [--mixes prefill-heavy,decode-heavy,mixed] [--requests 48] [--streams 16] [--runs 2]
+                         [--cold] [--uds-dir DIR] [--json PATH]
+    python bench/load.py --quick          # the tiny model, 16 requests per mix, one run: a minute or two on a CPU
 
 The processes it starts are stopped by PID (SIGTERM, then SIGKILL after a minute), on Ctrl-C and errors too.
 """
@@ -34,17 +46,27 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = str(Path(__file__).resolve().parent)
+if HERE not in sys.path:  # run as a script; a test that imports it has appended it (never first: it would shadow)
+    sys.path.insert(0, HERE)
 import load_client  # noqa: E402 - beside this script
+import load_report  # noqa: E402
 import load_targets  # noqa: E402
-from load_mixes import LONG, MIXES, SHORT, PromptPlan, chat, isolated_slo, ratios, request_body, summary  # noqa: E402
+from load_mixes import LONG, MIXES, SHORT, PromptPlan, chat, isolated_slo, median_of_runs, request_body, summary  # noqa: E402
 
-err = Console(stderr=True)
-PHASE_TAGS = {"probe": 0, "warm": 100_000, "isolated": 200_000, "load": 300_000}  # tag ranges, one per phase
+err = Console(stderr=True, soft_wrap=True)  # a progress line is one line, in a log too
+# tag ranges, one per phase (and per run of the load: 300_000 + 100_000 x run), 10_000 per mix; six digits in all
+PHASE_TAGS = {"probe": 0, "warm": 100_000, "isolated": 200_000, "load": 300_000}
+MAX_RUNS = 7
+MAX_REQUESTS = 10_000
 PROMPT_TOLERANCE = 2  # tokens an answer's prompt_tokens may differ from the plan (a tokenizer that groups digits)
 PROBE_DIGITS = 200
 
@@ -58,6 +80,15 @@ def parse_args(argv):
     parser.add_argument("--requests", type=int, default=None, help="requests per mix and target (default 48; 16 "
                                                                    "with --quick)")
     parser.add_argument("--streams", type=int, default=16, help="requests in flight at a time (default 16)")
+    parser.add_argument("--runs", type=int, default=None,
+                        help=f"measured runs of every mix on each target's one measured start, each row printed "
+                             f"with the median's (default 2; 1 with --quick; at most {MAX_RUNS})")
+    parser.add_argument("--cold", action="store_true",
+                        help="start each target once, on empty caches, instead of once to fill the caches and again "
+                             "to measure")
+    parser.add_argument("--background-timeout", type=float, default=300,
+                        help="seconds a start may take, after ready, to finish its background compile before the "
+                             "bench goes on without it, with a warning (default 300)")
     parser.add_argument("--isolated", type=int, default=None,
                         help="requests per mix and prompt kind sent one at a time for the SLO (default 5; 2 with "
                              "--quick)")
@@ -69,7 +100,8 @@ def parse_args(argv):
     parser.add_argument("--quick", action="store_true", help="the tiny model and fewer requests (CI)")
     parser.add_argument("--tcp", action="store_true", help="serve on 127.0.0.1 ports instead of unix sockets")
     parser.add_argument("--uds-dir", type=Path, default=None,
-                        help="where the sockets, logs and journals go (default: a temporary directory, removed)")
+                        help="where the sockets, logs, journals and caches go (default: a temporary directory, "
+                             "removed); a directory an earlier run left makes its fill starts short")
     parser.add_argument("--node-arg", action="append", default=[], metavar="ARG",
                         help="one more argument for every target's fsm-pd serve, repeatable "
                              "(--node-arg=--dtype=bfloat16)")
@@ -81,6 +113,10 @@ def parse_args(argv):
         parser.error("--quick runs the tiny model")
     args.requests = args.requests or (16 if args.quick else 48)
     args.isolated = args.isolated or (2 if args.quick else 5)
+    args.runs = args.runs or (1 if args.quick else 2)
+    if not 1 <= args.runs <= MAX_RUNS or not 1 <= args.requests <= MAX_REQUESTS:
+        parser.error(f"--runs goes from 1 to {MAX_RUNS}, --requests from 1 to {MAX_REQUESTS} (a request's tag has six "
+                     "digits)")
     args.targets = [t for t in args.targets.split(",") if t]
     args.mixes = [m for m in args.mixes.split(",") if m]
     for name, known in (("targets", load_targets.TARGETS), ("mixes", MIXES)):
@@ -101,10 +137,11 @@ def plan_prompts(url: str, lengths: dict) -> PromptPlan:
     return PromptPlan(counts[0], (counts[1] - counts[0]) / PROBE_DIGITS, lengths)
 
 
-def requests_for(phase: str, mix_name: str, count: int, plan: PromptPlan) -> list[tuple[str, dict]]:
-    """``count`` requests of a mix, the same on every target; tags unique per phase and mix (no shared prefix)."""
+def requests_for(phase: str, mix_name: str, count: int, plan: PromptPlan, run: int = 0) -> list[tuple[str, dict]]:
+    """``count`` requests of a mix, the same on every target; tags unique per phase, run and mix (no shared prefix:
+    a later run would find an earlier one's prompts in the prefix cache)."""
     mix = MIXES[mix_name]
-    base = PHASE_TAGS[phase] + list(MIXES).index(mix_name) * 10_000
+    base = PHASE_TAGS[phase] + run * 100_000 + list(MIXES).index(mix_name) * 10_000
     return [(kind, request_body(chat(base + i, plan.digits(kind), base + i), mix.max_tokens))
             for i, kind in enumerate(mix.kinds(count))]
 
@@ -134,28 +171,99 @@ def check(records: list[dict], mix_name: str, plan: PromptPlan, where: str) -> l
     return problems
 
 
-def run_target(t: load_targets.Target, args, state: dict, result: dict) -> None:
-    """Start, time to ready, warm, (isolated latencies, once), the mixes: the target's figures go into ``result`` as
-    they come (a failure halfway keeps what came before). ``state`` carries the prompt plan and the SLO from the
-    first target that made them, and the problems found."""
+def say(state: dict, line: str) -> None:
+    """A progress line, with the seconds since the bench began (a chip run has a budget to keep)."""
+    err.print(f"[{time.monotonic() - state['began']:5.0f} s] {line}", highlight=False, markup=False)
+
+
+def warn(state: dict, warning: str) -> None:
+    state["warnings"].append(warning)
+    err.print(f"[bold red]WARNING: {escape(warning)}[/bold red]", highlight=False)
+
+
+@contextmanager
+def running(t: load_targets.Target, record: dict, state: dict) -> Iterator[None]:
+    """Start ``t`` and stop it by its PID when the block ends (errors and Ctrl-C too): its pid, exit status and the
+    seconds the stop took go into ``record``; a node drains and exits 0 on SIGTERM, anything else is a problem."""
     load_targets.start(t)
-    result |= {"argv": t.argv[1:], "pid": t.proc.pid}
-    err.print(f"{t.name}: started, pid {t.proc.pid}")
-    result["health_s"] = load_targets.wait_health(t, args.ready_timeout)
-    first = request_body(chat(PHASE_TAGS["probe"] + 9, 8, 9), 4, stream=False)
-    result["first_answer_s"] = load_targets.wait_first_answer(t, first, args.ready_timeout)
-    result["refused_first_chats"] = t.refused_first_chats
-    err.print(f"{t.name}: /health 200 at {result['health_s']:.1f} s, first answer at {result['first_answer_s']:.1f} s")
+    record |= {"argv": t.argv[1:], "pid": t.proc.pid}
+    try:
+        yield
+    finally:
+        clock, alive = time.monotonic(), t.proc.poll() is None
+        record["exit_code"] = load_targets.stop(t)
+        record["stop_s"] = time.monotonic() - clock
+        if alive and record["exit_code"] != 0:
+            state["problems"].append(f"{t.name} exited with {record['exit_code']} on SIGTERM:\n{t.log_tail()}")
+
+
+def settle(t: load_targets.Target, args, state: dict, record: dict, label: str) -> None:
+    """A started target to steady serving: ``/health`` 200, (measured start) its first answered chat, then the end of
+    its background compile, each timed from the process's start. A compile that has not ended within
+    --background-timeout of the wait's start is warned of, and the bench goes on."""
+    say(state, f"{t.name} ({label} start): pid {t.proc.pid}")
+    record["health_s"] = load_targets.wait_health(t, args.ready_timeout)
+    said = f"{t.name} ({label} start): /health 200 at {record['health_s']:.1f} s"
+    if label == "measured":
+        first = request_body(chat(PHASE_TAGS["probe"] + 9, 8, 9), 4, stream=False)
+        record["first_answer_s"] = load_targets.wait_first_answer(t, first, args.ready_timeout)
+        record["refused_first_chats"] = t.refused_first_chats
+        said += f", first answer at {record['first_answer_s']:.1f} s"
+    say(state, f"{said}; waiting for its background compile")
+    record["background_done_s"], record["background"] = load_targets.wait_background(t, args.background_timeout)
+    done = record["background_done_s"]
+    say(state, f"{t.name} ({label} start): background compile " + (f"done at {done:.1f} s" if done is not None else
+        "NOT done") + f" ({load_report.background(record['background'])})")
+    if done is None:
+        warn(state, f"{t.name} ({label} start): its background compile had not finished after "
+                    f"--background-timeout ({args.background_timeout:.0f} s): what it still compiles lands in "
+                    f"{'the load' if label == 'measured' else 'the measured start'}")
+
+
+def run_target(name: str, args, run_dir: Path, state: dict, result: dict) -> None:
+    """Unless --cold, a first start that fills the caches and is stopped once its background compile ended (none
+    where an earlier run in this --uds-dir filled them for the same model and node arguments); then the measured start
+    on those caches: time to ready, warm-up wave, (isolated latencies, once), --runs runs of the mixes. The target's
+    figures go into ``result`` as they come (a failure halfway keeps what came before). ``state`` carries the prompt
+    plan and the SLO from the first target that made them, the problems and the warnings."""
+    make = partial(load_targets.target, name, args.model, run_dir, args.tcp, tuple(args.node_arg))
+    caches = run_dir / "caches" if not args.cold else Path(tempfile.mkdtemp(prefix=f"{name}-cold-", dir=run_dir))
+    filled, what = caches / f"filled-{name}.json", json.dumps({"model": args.model, "node_args": args.node_arg})
+    if not args.cold and filled.exists() and filled.read_text() == what:
+        say(state, f"{name}: the caches in {caches} were filled for it by an earlier run: no fill start")
+    elif not args.cold:
+        fill = make(caches=caches, start="fill")
+        record = result["fill_start"] = {}
+        with running(fill, record, state):
+            settle(fill, args, state, record, "fill")
+        say(state, f"{name} (fill start): stopped in {record['stop_s']:.1f} s")
+        if record["exit_code"] == 0 and record["background_done_s"] is not None:
+            filled.write_text(what)
+    t = make(caches=caches)
+    try:
+        with running(t, result, state):
+            settle(t, args, state, result, "measured")
+            measure(t, args, state, result)
+    finally:
+        if name.startswith("pd-"):
+            result["handoffs"] = load_targets.handoffs(load_targets.journals(run_dir, name))
+
+
+def measure(t: load_targets.Target, args, state: dict, result: dict) -> None:
+    """On the settled measured start: the warm-up wave, the isolated latencies (first target only), the runs."""
     if state.get("plan") is None:
         state["plan"] = plan_prompts(t.url, {LONG: args.long_tokens, SHORT: args.short_tokens})
-        err.print(f"prompt plan: {state['plan']}")
+        say(state, f"prompt plan: {state['plan']}")
     plan = state["plan"]
-    clock = time.monotonic()
-    for mix in args.mixes:  # one wave of each mix: its batch shapes compile here, not during the load
+    clock, before = time.monotonic(), load_targets.compiles(t.url)
+    for mix in args.mixes:  # one wave of each mix: the first batch of each shape is not in the figures
         records, _ = load_client.closed_loop(t.url, requests_for("warm", mix, min(args.streams, args.requests), plan),
                                              args.streams, args.request_timeout)
         state["problems"] += check(records, mix, plan, f"{t.name} warm-up")
     result["warm_s"], clock = time.monotonic() - clock, time.monotonic()
+    result["compiled_during_warmup"] = load_targets.compiled_since(before, load_targets.compiles(t.url))
+    say(state, f"{t.name}: warm-up wave in {result['warm_s']:.1f} s (compiled during it: serving, background "
+               f"{load_report.compiled(result['compiled_during_warmup'])})")
     if state.get("slo") is None:
         slo = {}
         for mix in args.mixes:
@@ -165,96 +273,27 @@ def run_target(t: load_targets.Target, args, state: dict, result: dict) -> None:
             slo[mix] = isolated_slo(records, args.ttft_scale, args.tpot_scale)
         state["slo"], state["slo_from"] = slo, t.name
         result["isolated_s"] = time.monotonic() - clock
-    before = load_targets.compiles(t.url)
-    result["mixes"] = {}
+        say(state, f"{t.name}: isolated latencies for the SLO in {result['isolated_s']:.1f} s")
+    result["runs"], result["mixes"] = [], {}
+    for run in range(args.runs):
+        before = load_targets.compiles(t.url)
+        this: dict = {"mixes": {}}
+        result["runs"].append(this)
+        for mix in args.mixes:
+            records, took = load_client.closed_loop(t.url, requests_for("load", mix, args.requests, plan, run),
+                                                    args.streams, args.request_timeout)
+            state["problems"] += check(records, mix, plan, f"{t.name} run {run + 1}")
+            this["mixes"][mix] = summary(records, took, state["slo"][mix]) | {"records": records}
+            say(state, f"{t.name} run {run + 1}/{args.runs} {mix}: {this['mixes'][mix]['output_tok_s']:.0f} output "
+                       f"tok/s in {took:.1f} s")
+        after = load_targets.compiles(t.url)
+        this["compiled_during_load"] = grown = load_targets.compiled_since(before, after)
+        result["compiles"] = after
+        if any(grown.values()):
+            warn(state, f"{t.name} compiled programs during measured run {run + 1} (serving, background: "
+                        f"{load_report.compiled(grown)}): its figures include compiles, not steady serving")
     for mix in args.mixes:
-        records, took = load_client.closed_loop(t.url, requests_for("load", mix, args.requests, plan),
-                                                args.streams, args.request_timeout)
-        state["problems"] += check(records, mix, plan, t.name)
-        result["mixes"][mix] = summary(records, took, state["slo"][mix]) | {"records": records}
-        err.print(f"{t.name} {mix}: {result['mixes'][mix]['output_tok_s']:.0f} output tok/s")
-    after = load_targets.compiles(t.url)
-    result["compiles"], result["compiled_during_load"] = after, load_targets.compiled_since(before, after)
-
-
-def ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.1f}"
-
-
-def seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
-
-
-def times(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
-
-
-def markdown(report: dict) -> str:
-    lines = [f"model {report['model']}, {report['streams']} streams, {report['requests']} requests per mix, "
-             f"over {'TCP' if report['tcp'] else 'unix sockets'}; SLO from {report['slo_from']} alone: "
-             f"TTFT <= {report['ttft_scale']:g}x, TPOT <= {report['tpot_scale']:g}x the isolated median", "",
-             "| target | mix | output tok/s | req/s | TTFT p50 / p90 (ms) | TPOT p50 / p90 (ms) | goodput req/s "
-             "(met) | tok/s vs colocated | goodput vs colocated | TPOT p90 vs colocated |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for name, result in report["targets"].items():
-        for mix, s in result.get("mixes", {}).items():
-            r = report["ratios"].get(name, {}).get(mix, {})
-            lines.append(f"| {name} | {mix} | {s['output_tok_s']:.0f} | {s['req_s']:.2f} | {ms(s['ttft_p50_s'])} / "
-                         f"{ms(s['ttft_p90_s'])} | {ms(s['tpot_p50_s'])} / {ms(s['tpot_p90_s'])} | "
-                         f"{s.get('goodput_req_s', 0):.2f} ({s.get('slo_met', 0)}/{s['requests']}) | "
-                         f"{times(r.get('output_tok_s'))} | {times(r.get('goodput'))} | {times(r.get('tpot_p90'))} |")
-    lines += ["", "| mix | kind | isolated TTFT (ms) | isolated TPOT (ms) | SLO TTFT / TPOT (ms) |",
-              "| --- | --- | ---: | ---: | ---: |"]
-    for mix, kinds in report["slo"].items():
-        for kind, k in kinds.items():
-            lines.append(f"| {mix} | {kind} | {ms(k['isolated_ttft_s'])} | {ms(k['isolated_tpot_s'])} | "
-                         f"{ms(k['ttft_s'])} / {ms(k['tpot_s'])} |")
-    lines += ["", "| target | /health 200 (s) | first answer (s) | chats refused before it | routes "
-                  "(all mixes) | compiled during the load: serving, background | exit |",
-              "| --- | ---: | ---: | ---: | --- | ---: | ---: |"]
-    for name, result in report["targets"].items():
-        routes: dict[str, int] = {}
-        for s in result.get("mixes", {}).values():
-            for route, n in s["routes"].items():
-                routes[route] = routes.get(route, 0) + n
-        lines.append(f"| {name} | {seconds(result.get('health_s'))} | {seconds(result.get('first_answer_s'))} | "
-                     f"{len(result.get('refused_first_chats', []))} | "
-                     f"{', '.join(f'{k} {v}' for k, v in sorted(routes.items()))} | "
-                     f"{during(result, 'serving')}, {during(result, 'background')} | {result.get('exit_code')} |")
-    lines += handoff_lines(report)
-    return "\n".join(lines)
-
-
-def handoff_lines(report: dict) -> list[str]:
-    """The pd targets' handoffs, from replay of their journals: the prefill side's xfer is the whole handoff."""
-    rows = [(name, r["handoffs"]) for name, r in report["targets"].items() if r.get("handoffs")]
-    if not rows:
-        return []
-    lines = ["", "| target | rooms (Success both sides) | replay | P xfer p50 / p90 / max (ms) "
-             "| D xfer p50 / p90 / max (ms) |", "| --- | ---: | --- | ---: | ---: |"]
-    for name, h in rows:
-        if "error" in h:
-            lines.append(f"| {name} | - | {h['error']} | - | - |")
-            continue
-        sides = [" / ".join(f"{h[k][q]:.2f}" for q in ("p50", "p90", "max")) if k in h else "-"
-                 for k in ("prefill_xfer_ms", "decode_xfer_ms")]
-        lines.append(f"| {name} | {h['rooms']} ({h['success']}) | {'ok' if h['consistent'] else 'DIVERGED'} | "
-                     f"{sides[0]} | {sides[1]} |")
-    return lines
-
-
-def during(result: dict, phase: str) -> str:
-    if "compiled_during_load" not in result:
-        return "-"
-    return f"{sum(p.get(phase, 0) for p in result['compiled_during_load'].values()):.0f}"
-
-
-def with_ratios(report: dict) -> dict:
-    base = report["targets"].get("colocated", {}).get("mixes", {})
-    report["ratios"] = {name: {mix: ratios(s, base[mix]) for mix, s in result.get("mixes", {}).items()
-                               if mix in base}
-                        for name, result in report["targets"].items() if name != "colocated" and base}
-    return report
+        result["mixes"][mix] = median_of_runs([run["mixes"][mix] for run in result["runs"]])
 
 
 def _interrupt(signum, frame):
@@ -264,45 +303,38 @@ def _interrupt(signum, frame):
 def main(argv=None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)  # stop the nodes through the finally below, as on Ctrl-C
-    state: dict = {"problems": []}
+    state: dict = {"problems": [], "warnings": [], "began": time.monotonic()}
     report: dict = {"command": ["bench/load.py", *(sys.argv[1:] if argv is None else argv)], "model": args.model,
-                    "streams": args.streams, "requests": args.requests, "tcp": args.tcp, "ttft_scale": args.ttft_scale,
-                    "tpot_scale": args.tpot_scale, "targets": {}}
+                    "streams": args.streams, "requests": args.requests, "runs": args.runs, "cold": args.cold,
+                    "tcp": args.tcp, "ttft_scale": args.ttft_scale, "tpot_scale": args.tpot_scale, "targets": {}}
     # colocated first when asked for: the SLO comes from its isolated latencies
     order = sorted(args.targets, key=lambda name: name != "colocated")
+    interrupted = False
     with tempfile.TemporaryDirectory(prefix="fsm-pd-load-") as scratch:
-        run_dir = args.uds_dir or Path(scratch)
+        run_dir = (args.uds_dir or Path(scratch)).resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
-        started = time.monotonic()
-        interrupted = False
         for name in order:
-            t = load_targets.target(name, args.model, run_dir.resolve(), args.tcp, tuple(args.node_arg))
             result = report["targets"][name] = {}
             try:
-                run_target(t, args, state, result)
+                run_target(name, args, run_dir, state, result)
             except KeyboardInterrupt:
                 interrupted = True
+                break
             except Exception as error:  # noqa: BLE001 - the next target still runs; the report says what failed
                 state["problems"].append(f"{name}: {type(error).__name__}: {error}")
-            finally:
-                clock, running = time.monotonic(), t.proc is not None and t.proc.poll() is None
-                result["exit_code"] = load_targets.stop(t)
-                result["stop_s"] = time.monotonic() - clock
-                if name.startswith("pd-"):
-                    result["handoffs"] = load_targets.handoffs(load_targets.journals(run_dir.resolve(), name))
-            if running and result["exit_code"] != 0:  # a node drains and exits 0 on SIGTERM
-                state["problems"].append(f"{name} exited with {result['exit_code']} on SIGTERM:\n{t.log_tail()}")
-            if interrupted:
-                break
-        report["seconds"] = time.monotonic() - started
+        report["seconds"] = time.monotonic() - state["began"]
     plan = state.get("plan")
     report |= {"slo": state.get("slo") or {}, "slo_from": state.get("slo_from"), "problems": state["problems"],
+               "warnings": state["warnings"],
                "prompt_plan": None if plan is None else {"overhead": plan.overhead, "per_digit": plan.per_digit,
                                                          "tokens": {k: plan.expected_tokens(k) for k in plan.lengths}}}
-    with_ratios(report)
-    print(markdown(report))
+    load_report.with_ratios(report)
+    print(load_report.markdown(report))
     for problem in state["problems"]:
-        err.print(f"[red]problem:[/red] {problem}", markup=True, highlight=False)
+        err.print(f"[red]problem:[/red] {escape(problem)}", highlight=False)
+    for warning in state["warnings"]:  # again at the end, where a reader of the run's tail sees them
+        err.print(f"[bold red]WARNING: {escape(warning)}[/bold red]", highlight=False)
+    err.print(f"done in {report['seconds']:.0f} s", highlight=False)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     if interrupted:

@@ -6,7 +6,8 @@ the finish, over the tokens after the first (``usage.completion_tokens`` - 1). T
 assistant's role, no text), which fsm-pd sends only once the first token exists (``api/streaming.py``), so it times
 the first token even where text is held back: a stream sends no text while it ends in a byte cut mid-character,
 which the tiny model's random bytes often do for dozens of tokens (SmolLM2's tokens are whole characters nearly
-always). The token counts are the server's own (``stream_options.include_usage``), and the route is the
+always). The token counts are the server's own (``stream_options.include_usage``; the prompt's tokens served from the
+prefix cache too, ``prompt_tokens_details.cached_tokens``), and the route is the
 ``x-fsm-pd-route`` header (``pd`` or ``local``: where ``--role pd``'s router sent it). A request is answered (``ok``)
 when it got 200, no error event, a finish and its usage.
 """
@@ -32,7 +33,7 @@ def client(timeout_s: float, streams: int) -> httpx.AsyncClient:
 
 async def stream_chat(http: httpx.AsyncClient, url: str, kind: str, body: dict) -> dict:
     record = {"kind": kind, "ok": False, "status": 0, "error": "", "route": "", "ttft_s": None, "tpot_s": None,
-              "e2e_s": None, "prompt_tokens": 0, "completion_tokens": 0, "finish_reason": None}
+              "e2e_s": None, "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0, "finish_reason": None}
     sent = time.perf_counter()
     first = last = None
     usage = None
@@ -64,6 +65,7 @@ async def stream_chat(http: httpx.AsyncClient, url: str, kind: str, body: dict) 
     if usage:
         record["prompt_tokens"] = usage.get("prompt_tokens", 0)
         record["completion_tokens"] = usage.get("completion_tokens", 0)
+        record["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     if first is not None and last is not None:
         record["ttft_s"] = first - sent
         tokens = record["completion_tokens"]

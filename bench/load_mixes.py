@@ -151,3 +151,25 @@ def ratios(target: dict, base: dict) -> dict:
             "goodput": ratio(target.get("goodput_req_s"), base.get("goodput_req_s")),
             "tpot_p90": ratio(target["tpot_p90_s"], base["tpot_p90_s"]),
             "ttft_p90": ratio(target["ttft_p90_s"], base["ttft_p90_s"])}
+
+
+# the figures a mix's median over runs gives, each the median of the runs' own (a run's p90 is its own)
+MEDIAN_FIGURES = ("seconds", "output_tokens", "output_tok_s", "req_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s",
+                  "tpot_p90_s", "slo_met", "attainment", "goodput_req_s")
+
+
+def median_of_runs(runs: list[dict]) -> dict:
+    """One mix on one target over its runs (``summary`` each, of the same requests): each figure's median over the
+    runs that have it, the requests of a run and the fewest any run answered, and where all runs were routed."""
+    out: dict = {"runs": len(runs), "requests": max(r["requests"] for r in runs),
+                 "answered": min(r["answered"] for r in runs), "routes": {}}
+    for name in MEDIAN_FIGURES:
+        values = [r[name] for r in runs if r.get(name) is not None]
+        if values:
+            out[name] = statistics.median(values)
+        elif any(name in r for r in runs):
+            out[name] = None
+    for r in runs:
+        for route, n in r["routes"].items():
+            out["routes"][route] = out["routes"].get(route, 0) + n
+    return out

@@ -2,16 +2,21 @@
 
 A target is one ``fsm-pd serve`` process: ``colocated`` (one node) or ``pd-POLICY`` (``--role pd``: prefill engine,
 decode engine and router in one process, with ``--pd-policy POLICY``). It serves on a unix socket under the run's
-directory (``--uds``), or on a free TCP port of 127.0.0.1. Its time to ready is read twice from the process's start:
-when ``/health`` first answers 200, and when the first chat, sent right after, is answered (a chat refused in
-between is recorded with its status and retried). The process is stopped by its PID: SIGTERM, a wait for it to
-drain and exit, then SIGKILL. ``compiles`` reads how many programs it compiled, per engine and phase, so that the
-bench can tell which it compiled under load.
+directory (``--uds``), or on a free TCP port of 127.0.0.1, with the compile cache and the converted-model cache
+(``FSM_PD_COMPILE_CACHE``, ``FSM_PD_MODEL_CACHE``) in a directory the bench names: a ``fill`` start of a target
+fills them and is stopped, the ``measured`` start after it finds them full, as a user's second start does. Its time
+to ready is read from the process's start: when ``/health`` first answers 200, when the first chat, sent right after,
+is answered (a chat refused in between is recorded with its status and retried), and when ``/server_info`` says its
+background compile is done (``background_compile`` in its ``startup``; for ``--role pd``, in both engines'). The
+process is stopped by its PID: SIGTERM, a wait for it to drain and exit, then SIGKILL. ``compiles`` reads how many
+programs it compiled, per engine and phase, so that the bench can tell which it compiled under load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import signal
 import statistics
@@ -40,6 +45,7 @@ class Target:
     argv: list[str]
     url: str  # the base URL the client takes: http://127.0.0.1:PORT or unix_http's form of unix:PATH
     log: Path
+    caches: Path | None = None  # FSM_PD_COMPILE_CACHE and FSM_PD_MODEL_CACHE go under it; None: the user's own
     proc: subprocess.Popen | None = None
     started: float = 0.0  # time.monotonic() just before the process was started
     refused_first_chats: list = field(default_factory=list)
@@ -51,24 +57,34 @@ class Target:
             return ""
 
 
-def target(name: str, model: str, run_dir: Path, tcp: bool = False, node_args: tuple[str, ...] = ()) -> Target:
-    """``name`` (a key of ``TARGETS``) as a command, not yet started."""
+def target(name: str, model: str, run_dir: Path, tcp: bool = False, node_args: tuple[str, ...] = (),
+           caches: Path | None = None, start: str = "measured") -> Target:
+    """``name`` (a key of ``TARGETS``) as a command, not yet started. ``start``: ``measured``, or ``fill`` (the start
+    that fills ``caches``), whose socket, log and journals are its own (``NAME-fill.*``)."""
+    files = name if start == "measured" else f"{name}-{start}"
     argv = [sys.executable, "-m", "fsm_pd.cli", "serve", *TARGETS[name], "--model", model]
     if tcp:
         port = free_port()
         argv += ["--host", "127.0.0.1", "--port", str(port)]
         url = f"http://127.0.0.1:{port}"
     else:
-        sock = run_dir / f"{name}.sock"
+        sock = run_dir / f"{files}.sock"
         argv += ["--uds", str(sock)]
         url = unix_http.http_url(unix_address(str(sock)))
     if name.startswith("pd-"):
-        argv += ["--journal-dir", str(journals(run_dir, name))]
-    return Target(name, [*argv, *node_args], url, run_dir / f"{name}.log")
+        argv += ["--journal-dir", str(journals(run_dir, files))]
+    return Target(name, [*argv, *node_args], url, run_dir / f"{files}.log", caches)
 
 
 def journals(run_dir: Path, name: str) -> Path:
     return run_dir / f"{name}-journals"
+
+
+def cache_env(caches: Path | None) -> dict:
+    """The environment of a node whose compile cache and converted-model cache are under ``caches``."""
+    if caches is None:
+        return dict(os.environ)
+    return {**os.environ, "FSM_PD_COMPILE_CACHE": str(caches / "jax"), "FSM_PD_MODEL_CACHE": str(caches / "models")}
 
 
 def handoffs(journal_dir: Path) -> dict | None:
@@ -102,7 +118,7 @@ def start(t: Target) -> None:
     with open(t.log, "w") as out:
         t.started = time.monotonic()
         t.proc = subprocess.Popen(t.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  cwd=t.log.parent, start_new_session=True)
+                                  cwd=t.log.parent, env=cache_env(t.caches), start_new_session=True)
 
 
 def wait_health(t: Target, timeout_s: float) -> float:
@@ -140,6 +156,36 @@ def wait_first_answer(t: Target, body: dict, timeout_s: float) -> float:
                                           "reason": failure[1]})
             time.sleep(0.5)
     raise TimeoutError(f"{t.name}: no chat answered within {timeout_s:.0f} s:\n{t.log_tail()}")
+
+
+def background_state(info: dict) -> dict:
+    """Each engine's background compile as ``/server_info`` tells it: ``{engine: None (not ready yet), "running", or
+    what it compiled ({"programs", "seconds", "demanded"}, or {"skipped": True})}``; a node's under ``node``,
+    ``--role pd``'s per engine (``engines_startup``: prefill, decode)."""
+    engines = info.get("engines_startup") or {"node": info.get("startup")}
+    return {engine: (startup or {}).get("background_compile") for engine, startup in engines.items()}
+
+
+def background_done(state: dict) -> bool:
+    return bool(state) and all(isinstance(report, dict) for report in state.values())
+
+
+def wait_background(t: Target, timeout_s: float) -> tuple[float | None, dict]:
+    """Wait until every engine of the started target says its background compile is done: the seconds from the
+    start to then (None when ``timeout_s`` passed first) and the last ``background_state``."""
+    deadline = time.monotonic() + timeout_s
+    state: dict = {}
+    with unix_http.client(timeout=10) as http:
+        while True:
+            if t.proc.poll() is not None:
+                raise RuntimeError(f"{t.name} exited with {t.proc.returncode}:\n{t.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError):  # a busy node: ask again
+                state = background_state(http.get(t.url + "/server_info").json())
+            if background_done(state):
+                return time.monotonic() - t.started, state
+            if time.monotonic() >= deadline:
+                return None, state
+            time.sleep(0.25)
 
 
 def stop(t: Target, grace_s: float = STOP_GRACE_S) -> int | None:

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "load.py"
 REQUESTS = 6
+RUNS = 2
 NEW_TOKENS = {"prefill-heavy": 16, "decode-heavy": 128, "mixed": 48}  # the issue's mixes
 LONG_TOKENS = 900
 
@@ -30,44 +32,38 @@ def alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_quick_run_answers_every_request_with_its_tokens_and_ratios(tmp_path):
     out = tmp_path / "load.json"
     run = subprocess.run([sys.executable, str(BENCH), "--quick", "--targets", "colocated,pd-always", "--requests",
-                          str(REQUESTS), "--streams", "4", "--isolated", "1", "--uds-dir", str(tmp_path / "run"),
-                          "--json", str(out)], capture_output=True, text=True, timeout=220, cwd=tmp_path)
+                          str(REQUESTS), "--streams", "4", "--isolated", "1", "--runs", str(RUNS), "--uds-dir",
+                          str(tmp_path / "run"), "--json", str(out)], capture_output=True, text=True, timeout=280,
+                         cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["problems"] == []
+    assert report["problems"] == [] and report["runs"] == RUNS
     assert list(report["targets"]) == ["colocated", "pd-always"]
     short = report["prompt_plan"]["tokens"]["short"]
     assert 30 <= short <= 40, short  # the tiny model's chat template alone is 35 tokens: no digits then
+    engines = {"colocated": {"node"}, "pd-always": {"prefill", "decode"}}
     for name, result in report["targets"].items():
-        assert result["exit_code"] == 0 and not alive(result["pid"]), name
-        assert 0 < result["health_s"] <= result["first_answer_s"], name
-        for mix, figures in result["mixes"].items():
-            records = figures["records"]
-            assert len(records) == figures["requests"] == figures["answered"] == REQUESTS, (name, mix)
-            assert all(r["ok"] for r in records), (name, mix)
-            assert [r["completion_tokens"] for r in records] == [NEW_TOKENS[mix]] * REQUESTS, (name, mix)
-            kinds = ["long"] * REQUESTS if mix == "prefill-heavy" else (
-                ["short"] * REQUESTS if mix == "decode-heavy" else ["long", "short", "short"] * (REQUESTS // 3))
-            assert [r["kind"] for r in records] == kinds, (name, mix)
-            want = [LONG_TOKENS if kind == "long" else short for kind in kinds]
-            assert [r["prompt_tokens"] for r in records] == want, (name, mix)
-            assert figures["output_tokens"] == NEW_TOKENS[mix] * REQUESTS
-            assert figures["output_tok_s"] == pytest.approx(figures["output_tokens"] / figures["seconds"])
-            assert figures["req_s"] == pytest.approx(REQUESTS / figures["seconds"])
-            for r in records:  # the first token, then one gap per later token, within the request's own time
-                assert r["ttft_s"] > 0 and r["tpot_s"] > 0, (name, mix, r)
-                assert r["ttft_s"] + r["tpot_s"] * (r["completion_tokens"] - 1) <= r["e2e_s"] + 1e-6, (name, mix, r)
-            assert 0 < figures["ttft_p50_s"] <= figures["ttft_p90_s"] < figures["seconds"]
-            assert 0 < figures["tpot_p50_s"] <= figures["tpot_p90_s"]
-            met = sum(r["ttft_s"] <= report["slo"][mix][r["kind"]]["ttft_s"]
-                      and r["tpot_s"] <= report["slo"][mix][r["kind"]]["tpot_s"] for r in records)
-            assert figures["slo_met"] == met and figures["goodput_req_s"] == pytest.approx(met / figures["seconds"])
-            # --pd-policy always: every request through the prefill engine; the colocated node has no router
-            assert figures["routes"] == ({"pd": REQUESTS} if name == "pd-always" else {"-": REQUESTS}), (name, mix)
+        fill = result["fill_start"]
+        for start in (fill, result):  # both starts stopped, each after /server_info said its engines' compile ended
+            assert start["exit_code"] == 0 and not alive(start["pid"]), name
+            assert set(start["background"]) == engines[name], start["background"]
+            assert all(isinstance(r, dict) for r in start["background"].values()), start["background"]
+            assert 0 < start["health_s"] <= start["background_done_s"], name
+        assert fill["pid"] != result["pid"] and "--uds" in fill["argv"]
+        assert fill["argv"][fill["argv"].index("--uds") + 1] != result["argv"][result["argv"].index("--uds") + 1]
+        assert 0 < result["health_s"] <= result["first_answer_s"] <= result["background_done_s"], name
+        assert len(result["runs"]) == RUNS
+        for mix, median in result["mixes"].items():
+            runs = [run["mixes"][mix] for run in result["runs"]]
+            for figures in runs:
+                check_figures(report, name, mix, figures)
+            for figure in ("output_tok_s", "req_s", "ttft_p90_s", "tpot_p90_s", "goodput_req_s"):
+                assert median[figure] == pytest.approx(statistics.median(r[figure] for r in runs)), (name, figure)
+            assert median["requests"] == REQUESTS and median["runs"] == RUNS
     base = report["targets"]["colocated"]["mixes"]
     for mix, ratios in report["ratios"]["pd-always"].items():
         pd = report["targets"]["pd-always"]["mixes"][mix]
@@ -79,8 +75,41 @@ def test_quick_run_answers_every_request_with_its_tokens_and_ratios(tmp_path):
     assert sorted(report["ratios"]["pd-always"]) == sorted(NEW_TOKENS)
     table = run.stdout
     for mix in NEW_TOKENS:
-        tok_s = f"| pd-always | {mix} | {report['targets']['pd-always']['mixes'][mix]['output_tok_s']:.0f} |"
-        assert tok_s in table and f"{report['ratios']['pd-always'][mix]['output_tok_s']:.2f}x" in table
+        for i, each in enumerate(report["targets"]["pd-always"]["runs"], 1):
+            assert f"| pd-always | {mix} | {i} | {each['mixes'][mix]['output_tok_s']:.0f} |" in table
+        tok_s = report["targets"]["pd-always"]["mixes"][mix]["output_tok_s"]
+        assert f"| pd-always | {mix} | **median** | {tok_s:.0f} |" in table
+        assert f"{report['ratios']['pd-always'][mix]['output_tok_s']:.2f}x |" in table
+    assert re.search(r"\| colocated \| fill \| [0-9.]+ \| - \| 0 \| [0-9.]+ \| node skipped \| 0 \|", table)
+
+
+def check_figures(report: dict, name: str, mix: str, figures: dict) -> None:
+    """One run of a mix on a target: every request answered with its tokens, the figures its records give."""
+    records = figures["records"]
+    assert len(records) == figures["requests"] == figures["answered"] == REQUESTS, (name, mix)
+    assert all(r["ok"] for r in records), (name, mix)
+    assert [r["completion_tokens"] for r in records] == [NEW_TOKENS[mix]] * REQUESTS, (name, mix)
+    kinds = ["long"] * REQUESTS if mix == "prefill-heavy" else (
+        ["short"] * REQUESTS if mix == "decode-heavy" else ["long", "short", "short"] * (REQUESTS // 3))
+    assert [r["kind"] for r in records] == kinds, (name, mix)
+    short = report["prompt_plan"]["tokens"]["short"]
+    want = [LONG_TOKENS if kind == "long" else short for kind in kinds]
+    assert [r["prompt_tokens"] for r in records] == want, (name, mix)
+    # no prompt shares a first page with one sent before, on this run or an earlier one (the tags differ)
+    assert [r["cached_tokens"] for r in records] == [0] * REQUESTS, (name, mix)
+    assert figures["output_tokens"] == NEW_TOKENS[mix] * REQUESTS
+    assert figures["output_tok_s"] == pytest.approx(figures["output_tokens"] / figures["seconds"])
+    assert figures["req_s"] == pytest.approx(REQUESTS / figures["seconds"])
+    for r in records:  # the first token, then one gap per later token, within the request's own time
+        assert r["ttft_s"] > 0 and r["tpot_s"] > 0, (name, mix, r)
+        assert r["ttft_s"] + r["tpot_s"] * (r["completion_tokens"] - 1) <= r["e2e_s"] + 1e-6, (name, mix, r)
+    assert 0 < figures["ttft_p50_s"] <= figures["ttft_p90_s"] < figures["seconds"]
+    assert 0 < figures["tpot_p50_s"] <= figures["tpot_p90_s"]
+    met = sum(r["ttft_s"] <= report["slo"][mix][r["kind"]]["ttft_s"]
+              and r["tpot_s"] <= report["slo"][mix][r["kind"]]["tpot_s"] for r in records)
+    assert figures["slo_met"] == met and figures["goodput_req_s"] == pytest.approx(met / figures["seconds"])
+    # --pd-policy always: every request through the prefill engine; the colocated node has no router
+    assert figures["routes"] == ({"pd": REQUESTS} if name == "pd-always" else {"-": REQUESTS}), (name, mix)
 
 
 @pytest.mark.slow
@@ -91,13 +120,14 @@ def test_stopped_halfway_it_stops_the_node_it_started(tmp_path):
                               "--uds-dir", str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, cwd=tmp_path)
     try:
-        pid = None
-        for line in bench.stderr:  # "colocated: started, pid N", then its first answer
-            found = re.search(r"started, pid (\d+)", line)
-            pid = int(found.group(1)) if found else pid
+        pids = {}
+        for line in bench.stderr:  # "colocated (fill start): pid N", its stop, the measured start, its first answer
+            found = re.search(r"\((\w+) start\): pid (\d+)", line)
+            pids |= {found.group(1): int(found.group(2))} if found else {}
             if "first answer" in line:
                 break
-        assert pid is not None and alive(pid)
+        assert set(pids) == {"fill", "measured"} and not alive(pids["fill"]) and alive(pids["measured"])
+        pid = pids["measured"]
         bench.send_signal(signal.SIGTERM)  # the node answered its first chat: the bench is warming it up
         bench.communicate(timeout=90)
         assert bench.returncode == 130

@@ -1,0 +1,99 @@
+"""bench/load.py's warm, repeated runs, piece by piece: when a start's background compile is done (read from what a
+node's ``Startup`` puts in ``/server_info``), the median of a mix over its runs, each run's prompts distinct from
+every other run's, and the tables: a row per run, the median row with its ratios to colocated's median, the starts,
+and the warnings in bold."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+# appended, not put first: a bench module must never shadow an installed package for the rest of the run
+sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))
+import load  # noqa: E402
+import load_report  # noqa: E402
+from load_mixes import MIXES, PromptPlan, median_of_runs  # noqa: E402
+from load_targets import background_done, background_state  # noqa: E402
+
+from fsm_pd.serving.startup import Startup  # noqa: E402
+
+REPORT = {"programs": 24, "seconds": 27.5, "demanded": 0}
+
+
+def test_a_node_s_background_compile_is_done_once_its_startup_says_what_it_compiled():
+    startup = Startup(started_at=0.0)
+    info = {"startup": startup.status()}
+    assert background_state(info) == {"node": None} and not background_done(background_state(info))  # starting
+    startup.mark_ready()
+    assert background_state({"startup": startup.status()}) == {"node": "running"}
+    assert not background_done(background_state({"startup": startup.status()}))
+    startup.background_done(REPORT)
+    assert background_state({"startup": startup.status()}) == {"node": REPORT}
+    assert background_done(background_state({"startup": startup.status()}))
+
+
+def test_role_pd_is_done_when_both_engines_are():
+    """``--role pd``'s router puts each engine's start-up under ``engines_startup`` (``cli/serve_pd.py``); the
+    process's ``startup`` is the prefill engine's, which ends first: it alone does not say the process is done."""
+    prefill, decode = Startup(started_at=0.0, ready=True), Startup(started_at=0.0, ready=True)
+    prefill.background_done(REPORT)
+
+    def info():
+        return {"startup": prefill.status(), "engines_startup": {"prefill": prefill.status(),
+                                                                  "decode": decode.status()}}
+
+    assert background_state(info()) == {"prefill": REPORT, "decode": "running"}
+    assert not background_done(background_state(info()))
+    decode.background_done({"skipped": True})
+    assert background_done(background_state(info()))
+    assert load_report.background(background_state(info())) == "prefill 24 in 27.5 s, decode skipped"
+    assert not background_done({})
+
+
+def summary(tok_s: float, tpot_p90: float | None, met: int) -> dict:
+    return {"requests": 8, "answered": 8, "seconds": 2.0, "output_tokens": tok_s * 2, "output_tok_s": tok_s,
+            "req_s": 4.0, "ttft_p50_s": 0.1, "ttft_p90_s": 0.2, "tpot_p50_s": 0.01, "tpot_p90_s": tpot_p90,
+            "slo_met": met, "attainment": met / 8, "goodput_req_s": met / 2.0, "routes": {"pd": 8}}
+
+
+def test_the_median_of_runs_is_each_figure_s_median():
+    runs = [summary(100, 0.02, 8), summary(400, None, 2), summary(200, 0.05, 6)]  # means differ from medians
+    median = median_of_runs(runs)
+    assert median["output_tok_s"] == 200 and median["slo_met"] == 6 and median["goodput_req_s"] == 3.0
+    assert median["tpot_p90_s"] == pytest.approx(statistics.median([0.02, 0.05]))  # the runs that have one
+    assert median["runs"] == 3 and median["requests"] == 8 and median["routes"] == {"pd": 24}
+
+
+def test_every_run_sends_prompts_no_other_run_or_phase_sent():
+    plan = PromptPlan(overhead=20, per_digit=1.0, lengths={"long": 900, "short": 30})
+    tags = [body["messages"][0]["content"] for mix in MIXES for run in range(load.MAX_RUNS)
+            for _, body in load.requests_for("load", mix, 50, plan, run)]
+    tags += [body["messages"][0]["content"] for mix in MIXES for _, body in load.requests_for("warm", mix, 50, plan)]
+    tags += [body["messages"][0]["content"] for mix in MIXES for _, body in load.isolated_requests(mix, 5, plan)]
+    assert len(set(tags)) == len(tags) and {len(t) for t in tags} == {6}  # and each tag costs the same tokens
+
+
+def test_the_table_has_a_row_per_run_and_the_median_row_with_its_ratios():
+    colocated = [summary(100, 0.02, 8), summary(300, 0.02, 8)]
+    pd = [summary(150, 0.03, 4), summary(210, 0.05, 6)]
+    report = {"model": "tiny", "streams": 4, "requests": 8, "runs": 2, "cold": False, "tcp": False,
+              "ttft_scale": 5, "tpot_scale": 2, "slo_from": "colocated", "slo": {},
+              "warnings": ["pd-always compiled programs during measured run 2"], "targets": {}}
+    for name, runs in (("colocated", colocated), ("pd-always", pd)):
+        report["targets"][name] = {
+            "pid": 1, "health_s": 5.0, "first_answer_s": 5.5, "background_done_s": 9.0,
+            "background": {"node": REPORT}, "exit_code": 0, "runs": [{"mixes": {"mixed": r}} for r in runs],
+            "mixes": {"mixed": median_of_runs(runs)}}
+    report["targets"]["colocated"]["fill_start"] = {"pid": 2, "health_s": 30.0, "background_done_s": 60.0,
+                                                    "background": {"node": "running"}, "exit_code": 0}
+    table = load_report.markdown(load_report.with_ratios(report))
+    assert "| pd-always | mixed | 1 | 150 | 4.00 |" in table and "| 0.75x |" in table  # run 1 against the median
+    assert "| pd-always | mixed | 2 | 210 | 4.00 |" in table and "| 1.05x |" in table
+    median_row = next(line for line in table.splitlines() if line.startswith("| pd-always | mixed | **median** | 180"))
+    assert "| 0.90x | 0.62x | 2.00x |" in median_row  # 180/200 tok/s, goodput 2.5/4, TPOT p90 0.04/0.02
+    assert "| colocated | fill | 30.0 | - | 0 | 60.0 | node NOT DONE (running) | 0 |" in table
+    assert "| colocated | measured | 5.0 | 5.5 | 0 | 9.0 | node 24 in 27.5 s | 0 |" in table
+    assert "**WARNING: pd-always compiled programs during measured run 2**" in table
