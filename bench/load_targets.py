@@ -97,12 +97,13 @@ def handoffs(journal_dir: Path) -> dict | None:
     return report
 
 
-def start(t: Target) -> None:
+def start(t: Target, env: dict | None = None) -> None:
+    """``env``: the process's environment (default this one's): a baseline checkout's ``PYTHONPATH``, say."""
     # a session of its own: a Ctrl-C at the terminal reaches the bench alone, which then stops the node gracefully
     with open(t.log, "w") as out:
         t.started = time.monotonic()
         t.proc = subprocess.Popen(t.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  cwd=t.log.parent, start_new_session=True)
+                                  cwd=t.log.parent, start_new_session=True, env=env)
 
 
 def wait_health(t: Target, timeout_s: float) -> float:

@@ -357,9 +357,7 @@ def _sampler_thunks(batch: int, vocab: int, sharding) -> dict:
     table = spec((batch, vocab), jnp.float32)
     return {
         "greedy": lambda: sampling.greedy_tokens.lower(logits).compile(),
-        "sample": lambda: sampling.sample_tokens.lower(
-            logits, rows(jnp.float32), rows(jnp.float32), rows(jnp.int32), rows(jnp.float32), rows(jnp.uint32),
-            rows(jnp.int32)).compile(),
+        "sample": lambda: sampling.sample_tokens.lower(logits, spec((batch, sampling.ROW_PARAMS), jnp.int32)).compile(),
         "adjust": lambda: sampling.adjust_logits.lower(
             logits, table, rows(jnp.float32), rows(jnp.float32), rows(jnp.float32), table).compile(),
         "mask": lambda: sampling.mask_logits.lower(logits, spec((batch, (vocab + 31) // 32), jnp.int32)).compile(),
