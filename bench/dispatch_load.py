@@ -16,9 +16,11 @@ decode loop times it (``forward``: its calls and its waits on the device), the n
 time of the phase a step, less the model's: the scheduler, sampling, detokenizing, streaming, HTTP, the interpreter's
 lock), and the process's CPU time a token (every thread: the model thread's host work, the event loop's, compiles).
 Medians over rounds, and each K's ratio to the first K's, same run. The machine is shared: read the load averages.
+``--baseline REF``: every K runs on the code of git revision REF (or of the checkout in directory REF) too, the
+rounds taking turns, and the ratios are to REF's first K.
 
     python bench/dispatch_load.py [--model tiny] [--steps 1,8] [--rounds 2] [--waves 3] [--streams 16] [--no-steady]
-                                [--run-dir DIR] [--json PATH]
+                                [--baseline REF] [--run-dir DIR] [--json PATH]
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import load_client  # noqa: E402 - beside this script
 import load_targets  # noqa: E402
 from load_mixes import chat, percentile, request_body  # noqa: E402
+from startup import checkout, python_path  # noqa: E402
 
 from fsm_pd.net import unix_http
 
@@ -86,7 +89,8 @@ def phase(t: load_targets.Target, args, tag: int, waves: int) -> dict:
     steps = after["decode_steps"] - info["decode_steps"]
     forward = after["decode_phase_seconds"]["forward"] - info["decode_phase_seconds"]["forward"]
     tpot = [r["tpot_s"] for r in records]
-    return {"tok_s": tokens / seconds, "tpot_p50_ms": percentile(tpot, 50) * 1000,
+    return {"tok_s": tokens / seconds, "ttft_p50_ms": percentile([r["ttft_s"] for r in records], 50) * 1000,
+            "tpot_p50_ms": percentile(tpot, 50) * 1000,
             "tpot_p90_ms": percentile(tpot, 90) * 1000, "steps": steps,
             "dispatches": after["decode_dispatches"] - info["decode_dispatches"],
             "model_ms_per_step": forward / steps * 1000 if steps else None,
@@ -95,10 +99,11 @@ def phase(t: load_targets.Target, args, tag: int, waves: int) -> dict:
             "compiled": {phase: n for phases in during.values() for phase, n in phases.items()}}
 
 
-def run_node(k: int, args, run_dir: Path, tag: int) -> dict:
+def run_node(k: int, args, run_dir: Path, tag: int, code: Path | None = None) -> dict:
+    """``code``: a checkout whose fsm_pd the node runs (the baseline); None: this one."""
     t = load_targets.target("colocated", args.model, run_dir, node_args=(f"--decode-steps-per-dispatch={k}",
                                                                          *args.node_arg))
-    load_targets.start(t)
+    load_targets.start(t, None if code is None else {**os.environ, "PYTHONPATH": python_path(code)})
     try:
         result = {"ready_s": load_targets.wait_health(t, args.ready_timeout)}
         for wave in range(args.waves):
@@ -119,24 +124,26 @@ def median(rounds: list[dict], where: str, key: str) -> float | None:
 
 
 def table(report: dict) -> str:
-    base = report["steps"][0]
-    lines = ["| K | phase | output tok/s | TPOT p50 / p90 (ms) | steps | dispatches | model ms / step | "
-             f"rest ms / step | CPU ms / token | compiled meanwhile (bg, serving) | tok/s vs K={base} | "
-             f"TPOT p50 vs K={base} |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    base = report["labels"][0]
+    lines = ["| K | phase | output tok/s | TTFT p50 (ms) | TPOT p50 / p90 (ms) | steps | dispatches | "
+             "model ms / step | rest ms / step | CPU ms / token | compiled meanwhile (bg, serving) | "
+             f"tok/s vs K={base} | TPOT p50 vs K={base} |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     phases = [*(f"fresh {w + 1}" for w in range(report["waves"])), *([] if report["no_steady"] else ["steady"])]
-    for k in report["steps"]:
-        rounds = report["runs"][str(k)]
+    for k in report["labels"]:
+        rounds = report["runs"][k]
         for where in phases:
-            m = {key: median(rounds, where, key) for key in ("tok_s", "tpot_p50_ms", "tpot_p90_ms", "steps",
+            m = {key: median(rounds, where, key) for key in ("tok_s", "ttft_p50_ms", "tpot_p50_ms", "tpot_p90_ms",
+                                                             "steps",
                                                              "dispatches", "model_ms_per_step", "rest_ms_per_step",
                                                              "cpu_ms_per_token")}
-            b = {key: median(report["runs"][str(base)], where, key) for key in ("tok_s", "tpot_p50_ms")}
+            b = {key: median(report["runs"][base], where, key) for key in ("tok_s", "tpot_p50_ms")}
             compiled = [r[where]["compiled"] for r in rounds]
             bg = statistics.median(c.get("background", 0) for c in compiled)
             serving = max(c.get("serving", 0) for c in compiled)
-            lines.append(f"| {k} | {where} | {fmt(m['tok_s'], '.0f')} | {fmt(m['tpot_p50_ms'], '.1f')} / "
+            lines.append(f"| {k} | {where} | {fmt(m['tok_s'], '.0f')} | {fmt(m['ttft_p50_ms'], '.0f')} | "
+                         f"{fmt(m['tpot_p50_ms'], '.1f')} / "
                          f"{fmt(m['tpot_p90_ms'], '.1f')} | {fmt(m['steps'], '.0f')} | {fmt(m['dispatches'], '.0f')} | "
                          f"{fmt(m['model_ms_per_step'], '.2f')} | {fmt(m['rest_ms_per_step'], '.2f')} | "
                          f"{fmt(m['cpu_ms_per_token'], '.3f')} | {bg:.0f}, {serving:.0f} | "
@@ -161,21 +168,26 @@ def main(argv=None) -> int:
     parser.add_argument("--request-timeout", type=float, default=600)
     parser.add_argument("--run-dir", type=Path, default=None,
                         help="where the sockets and the nodes' logs go (default: a temporary directory, removed)")
+    parser.add_argument("--baseline", metavar="REF", default=None,
+                        help="run every K on the code of git revision REF (or the checkout in directory REF) too")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     steps = [int(k) for k in args.steps.split(",") if k]
-    report = {"model": args.model, "steps": steps, "streams": args.streams, "waves": args.waves,
-              "no_steady": args.no_steady,
-              "new_tokens": NEW_TOKENS, "load_average_before": os.getloadavg()[0],
-              "runs": {str(k): [] for k in steps}}
     with tempfile.TemporaryDirectory(prefix="fsm-pd-dispatch-") as scratch:
+        codes = {**({args.baseline: checkout(args.baseline, Path(scratch))} if args.baseline else {}), "": None}
+        runs = [(k, ref) for ref in codes for k in steps]  # the baseline's first: the ratios are to its first K
+        label = lambda k, ref: f"{k} @{ref}" if ref else str(k)  # noqa: E731
+        report = {"model": args.model, "steps": steps, "baseline": args.baseline, "streams": args.streams,
+                  "waves": args.waves, "no_steady": args.no_steady, "labels": [label(k, ref) for k, ref in runs],
+                  "new_tokens": NEW_TOKENS, "load_average_before": os.getloadavg()[0],
+                  "runs": {label(k, ref): [] for k, ref in runs}}
         for n in range(args.rounds):
-            for k in steps:
-                err.print(f"round {n + 1}/{args.rounds}: K={k}")
-                run_dir = (args.run_dir or Path(scratch)) / f"k{k}-round{n + 1}"
+            for k, ref in runs:
+                err.print(f"round {n + 1}/{args.rounds}: K={label(k, ref)}")
+                run_dir = (args.run_dir or Path(scratch)) / f"k{k}{'-base' if ref else ''}-round{n + 1}"
                 run_dir.mkdir(parents=True, exist_ok=True)
-                result = run_node(k, args, run_dir.resolve(), 400_000 + n * 10_000)
-                report["runs"][str(k)].append(result)
+                result = run_node(k, args, run_dir.resolve(), 400_000 + n * 10_000, codes[ref])
+                report["runs"][label(k, ref)].append(result)
                 err.print({where: {key: round(v, 2) for key, v in figures.items() if isinstance(v, float)}
                            for where, figures in result.items() if isinstance(figures, dict)})
     report["load_average_after"] = os.getloadavg()[0]

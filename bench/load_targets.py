@@ -80,11 +80,13 @@ def journals(run_dir: Path, name: str) -> Path:
     return run_dir / f"{name}-journals"
 
 
-def cache_env(caches: Path | None) -> dict:
-    """The environment of a node whose compile cache and converted-model cache are under ``caches``."""
+def cache_env(caches: Path | None, env: dict | None = None) -> dict:
+    """The environment ``env`` (default this process's) of a node whose compile cache and converted-model cache are
+    under ``caches``."""
+    env = dict(os.environ if env is None else env)
     if caches is None:
-        return dict(os.environ)
-    return {**os.environ, "FSM_PD_COMPILE_CACHE": str(caches / "jax"), "FSM_PD_MODEL_CACHE": str(caches / "models")}
+        return env
+    return {**env, "FSM_PD_COMPILE_CACHE": str(caches / "jax"), "FSM_PD_MODEL_CACHE": str(caches / "models")}
 
 
 def handoffs(journal_dir: Path) -> dict | None:
@@ -113,12 +115,13 @@ def handoffs(journal_dir: Path) -> dict | None:
     return report
 
 
-def start(t: Target) -> None:
+def start(t: Target, env: dict | None = None) -> None:
+    """``env``: the process's environment (default this one's): a baseline checkout's ``PYTHONPATH``, say."""
     # a session of its own: a Ctrl-C at the terminal reaches the bench alone, which then stops the node gracefully
     with open(t.log, "w") as out:
         t.started = time.monotonic()
         t.proc = subprocess.Popen(t.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  cwd=t.log.parent, env=cache_env(t.caches), start_new_session=True)
+                                  cwd=t.log.parent, env=cache_env(t.caches, env), start_new_session=True)
 
 
 def wait_health(t: Target, timeout_s: float) -> float:

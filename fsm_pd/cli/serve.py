@@ -228,6 +228,7 @@ def prepare_programs(starts: dict, skip: bool, busy, weights=lambda: None) -> No
     ready at once, then compile the rest in the background while no request is in flight (``busy``). A failure here
     leaves a process that can never serve: it exits 1."""
     from fsm_pd.model import compiles
+    from fsm_pd.runtime.gc_policy import freeze_survivors
     from fsm_pd.serving.warmup import compile_rest, warm_up
 
     log = logging.getLogger("fsm_pd.serve")
@@ -240,6 +241,7 @@ def prepare_programs(starts: dict, skip: bool, busy, weights=lambda: None) -> No
         weights()
         compiles.serving()
         costs = {kind: {**vars(cost), "seconds": round(cost.seconds, 3)} for kind, cost in compiles.costs().items()}
+        freeze_survivors()  # the ready set's programs live as long as the node: out of the full collections' way
         for startup in starts.values():
             startup.mark_ready(costs)
         phases = first.status()["phases"]
@@ -259,6 +261,8 @@ def prepare_programs(starts: dict, skip: bool, busy, weights=lambda: None) -> No
                 if pending:
                     engine, startup = pending.pop(0)
                     compile_rest(engine, busy=busy, on_done=lambda r, s=startup: next_rest(r, s))
+                elif done is not None:
+                    freeze_survivors()  # and so do the background's
 
             next_rest()
     except BaseException as exc:  # noqa: BLE001 - whatever it was, the process cannot serve: say so and exit

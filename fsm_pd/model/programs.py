@@ -133,6 +133,21 @@ def placement_key(sharding: jax.sharding.Sharding):
     return sharding
 
 
+# What one call of a forward program costs beside its rows' tokens, in tokens: a decode step is bound by reading
+# the weights, whatever its rows (SmolLM2 on a TPU v5e, jnp: 2.0 ms a call and 0.16 ms a row, from bench/tpu.py's
+# 3.36 ms at batch 8 and 12.49 ms at 64; with the TPU kernels 0.06 ms a row). So a 16-row decode batch runs padded
+# up to the node's largest decode program (one call) rather than as 16 single-row calls, and 2 rows run row by row
+# rather than padded to 64.
+CALL_TOKENS = 16
+
+
+def call_cost(batch: int, shape: tuple[int, int]) -> int:
+    """The cost of ``batch`` rows on the compiled ``shape``, in tokens: ``ceil(batch / rows)`` calls, each of
+    ``rows * tokens`` padded tokens and ``CALL_TOKENS``."""
+    rows, tokens = shape
+    return -(-batch // rows) * (CALL_TOKENS + rows * tokens)
+
+
 _SHARED: dict = {}
 _SHARED_LOCK = threading.Lock()
 
@@ -269,14 +284,13 @@ class ForwardPrograms:
         return program(params, hidden, next_ids)
 
     def cover(self, batch: int, tokens: int) -> tuple[int, int] | None:
-        """The compiled shape that runs a ``[batch, tokens]`` call soonest, or None when none can: one that holds it
-        whole with the fewest padded tokens, else the one with the most rows (fewest calls) among those long enough."""
+        """The compiled shape that runs a ``[batch, tokens]`` call soonest, or None when none can: of those long
+        enough, the one whose calls (``batch`` rows padded up, or split into calls of its rows) cost least, a call
+        costing its padded tokens and ``CALL_TOKENS`` more (``call_cost``); ties go to fewer padded tokens."""
         with self._lock:
             long_enough = [shape for shape in self._programs if shape[1] >= tokens]
-        whole = [shape for shape in long_enough if shape[0] >= batch]
-        if whole:
-            return min(whole, key=lambda shape: (shape[0] * shape[1], shape[1]))
-        return max(long_enough, key=lambda shape: (shape[0], -shape[1]), default=None)
+        return min(long_enough, key=lambda shape: (call_cost(batch, shape), shape[0] * shape[1], shape[1]),
+                   default=None)
 
     def __call__(self, params, pool, tokens, starts, lengths, page_tables):
         program = self._programs.get(tokens.shape)

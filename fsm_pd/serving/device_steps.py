@@ -28,9 +28,9 @@ from fsm_pd.model.multi_step import MAX_STOP_IDS, StepRow, pack
 from fsm_pd.serving.sequence import Sequence
 
 STEPS_ENV = "FSM_PD_DECODE_STEPS_PER_DISPATCH"
-# On an accelerator: 1 until bench/chip_parity.py has checked the multi-step path's answers on the chip and
-# bench/tpu.py timed it there (neither has run yet); then 8 (tpu-inference runs 10; 8 keeps a joining request's
-# wait for the dispatch in flight short). --decode-steps-per-dispatch 8 turns it on meanwhile.
+# On an accelerator: 1 until the chip has weighed a joining request's wait for the dispatch in flight (up to K - 1
+# steps of its TTFT) against the host time K=8 saves (docs/serving.md, "Default"; the answers agree on the chip,
+# bench/chip_parity.py); then 8 (tpu-inference runs 10). --decode-steps-per-dispatch 8 turns it on meanwhile.
 ACCELERATOR_STEPS = 1
 # On the CPU the host's share of a step is small beside the model's (docs/serving.md, "Several decode steps a
 # dispatch"): a step at a time, as before.

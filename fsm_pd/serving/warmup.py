@@ -5,8 +5,9 @@ A program compiled while serving stalls the request that needed it (seconds on C
 batched with it. Compiling everything first stalls the start instead (minutes for SmolLM2 on 2 cores). So a node
 prepares, before it answers ``/health``, its *ready set* (``WarmupPlan.ready_forward``):
 
-- the forward passes that *cover* every other (``programs.ForwardPrograms.cover``): the longest single-row prefill
-  and the single-row decode step, so any batch runs, padded up or row by row, until its own shape is compiled;
+- the forward passes that *cover* every other (``programs.ForwardPrograms.cover``): the longest single-row prefill,
+  the single-row decode step and the largest decode batch, so any batch runs, padded up or row by row, until its own
+  shape is compiled;
 - the samplers at one row and at the largest batch bucket (a batch between pads up to the largest,
   ``sampling.sampling_rows``), and the prompt-logprob programs;
 - the page kernels a transfer runs: on a pool on one CPU device, a decode node's one-layer scatter of every page
@@ -81,16 +82,19 @@ class WarmupPlan:
 
     @property
     def ready_forward(self) -> list[tuple[int, int]]:
-        """The forward shapes that cover every other one (``ForwardPrograms.cover``): the single-row decode step and
-        the longest single-row prefill. A prefill step of any batch runs row by row on the latter, a decode batch on
-        the former, until the background compile reaches their own shapes. And the single-row prefill of a short prompt
-        (``SHORT_PROMPT_TOKENS``): every node prefills those, a decode node the ones the router serves whole on it
-        (``--pd-policy auto``, the default); a chat turn's prompt padded to the longest would cost 0.8 s (SmolLM2,
+        """The forward shapes that cover every other one (``ForwardPrograms.cover``): the single-row decode step, the
+        largest decode batch and the longest single-row prefill. A prefill step of any batch runs row by row on the
+        latter, a decode batch row by row on the single row or padded up to the largest (whichever ``call_cost``
+        says is cheaper: a 16-row batch as one call of 64 rows, not 16 calls; on the chip 16 single-row calls made
+        a 36 ms TPOT), until the background compile reaches their own shapes. And the single-row prefill of a short
+        prompt (``SHORT_PROMPT_TOKENS``): every node prefills those, a decode node the ones the router serves whole
+        on it (``--pd-policy auto``, the default); a chat turn's prompt padded to the longest would cost 0.8 s (SmolLM2,
         512 tokens) instead of 0.1 s."""
         decode = [shape for shape in self.forward if shape[1] == 1]
         prefill = [shape for shape in self.forward if shape[1] > 1 and shape[0] == 1]
         short = [shape for shape in prefill if shape[1] == input_buckets.token_bucket(self.short_prompt)]
-        return sorted({*decode[:1], *([max(prefill)] if prefill else []), *(short if self.short_prompt else [])})
+        return sorted({*decode[:1], *decode[-1:], *([max(prefill)] if prefill else []),
+                       *(short if self.short_prompt else [])})
 
     @property
     def background_forward(self) -> list[tuple[int, int]]:
@@ -353,9 +357,7 @@ def _sampler_thunks(batch: int, vocab: int, sharding) -> dict:
     table = spec((batch, vocab), jnp.float32)
     return {
         "greedy": lambda: sampling.greedy_tokens.lower(logits).compile(),
-        "sample": lambda: sampling.sample_tokens.lower(
-            logits, rows(jnp.float32), rows(jnp.float32), rows(jnp.int32), rows(jnp.float32), rows(jnp.uint32),
-            rows(jnp.int32)).compile(),
+        "sample": lambda: sampling.sample_tokens.lower(logits, spec((batch, sampling.ROW_PARAMS), jnp.int32)).compile(),
         "adjust": lambda: sampling.adjust_logits.lower(
             logits, table, rows(jnp.float32), rows(jnp.float32), rows(jnp.float32), table).compile(),
         "mask": lambda: sampling.mask_logits.lower(logits, spec((batch, (vocab + 31) // 32), jnp.int32)).compile(),

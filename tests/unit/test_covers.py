@@ -90,6 +90,19 @@ def test_cover_prefers_one_call_with_the_fewest_padded_tokens(model):
     assert programs.cover(2, 100) is None
 
 
+def test_a_decode_batch_runs_padded_up_to_the_largest_decode_program_where_one_call_costs_less(model):
+    """A ready node holds the single-row decode and the largest decode batch (``warmup.WarmupPlan.ready_forward``):
+    a wide batch runs as one padded call, not one call a row (a decode call costs about the same at any rows); a
+    batch of a few rows runs row by row rather than padded to 64."""
+    pool = model.make_pool(model.make_kv_layout(64, 16))
+    programs = ForwardPrograms(model.config, model.params, pool)
+    for shape in [(1, 1), (64, 1), (1, 512)]:
+        programs.compile(*shape)
+    assert programs.cover(16, 1) == (64, 1)
+    assert programs.cover(6, 1) == (64, 1)
+    assert programs.cover(2, 1) == (1, 1)
+
+
 def test_a_sampler_batch_pads_up_to_a_prepared_bucket(monkeypatch):
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(size=(4, 300)).astype(np.float32))

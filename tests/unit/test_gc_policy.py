@@ -6,7 +6,7 @@ import gc
 import threading
 import weakref
 
-from fsm_pd.runtime.gc_policy import start_full_collections
+from fsm_pd.runtime.gc_policy import freeze_survivors, start_full_collections
 
 
 class _Cyclic:
@@ -29,3 +29,21 @@ def test_cycles_are_freed_although_young_collections_never_run():
         if stop is not None:
             stop.set()
         gc.set_threshold(*previous)
+
+
+def test_freeze_survivors_frees_cycles_and_takes_what_lives_out_of_the_full_passes():
+    freed = threading.Event()
+    garbage = _Cyclic()
+    garbage.me = garbage
+    weakref.finalize(garbage, freed.set)
+    del garbage
+    survivors = [_Cyclic() for _ in range(500)]  # a node's programs and caches, made after start-up's freeze
+    ids = {id(x) for x in survivors}
+    try:
+        assert sum(id(o) in ids for o in gc.get_objects()) == len(survivors)
+        assert freeze_survivors() >= len(survivors)
+        assert freed.is_set(), "the cycle was frozen instead of freed"
+        # a full collection walks only the generations: the frozen survivors are in none of them
+        assert not any(id(o) in ids for o in gc.get_objects())
+    finally:
+        gc.unfreeze()

@@ -129,12 +129,12 @@ def test_the_ready_set_compiles_side_by_side_on_the_warm_up_threads(monkeypatch)
 
 @pytest.mark.slow
 def test_a_node_ready_on_its_ready_set_serves_every_shape_without_compiling():
-    """Warm-up prepares only the ready set (the single-row decode, the longest and a short single-row prefill,
-    the samplers, the logprob programs); every batch and prompt length the schedulers then form runs on them, padded
-    up or row by row, and compiles nothing. Once the background compile has run, every shape is there, and greedy
-    answers are the same on their own shapes. (Served one by one: a row's logits move in the last bits with the
-    batch it runs in, which flips the random tiny model's near-ties; a padded row computes exactly what it does on
-    its own shape.)
+    """Warm-up prepares only the ready set (the single-row and the largest decode, the longest and a short
+    single-row prefill, the samplers, the logprob programs); every batch and prompt length the schedulers then form
+    runs on them, padded up or row by row, and compiles nothing. Once the background compile has run, every shape is
+    there, and greedy answers are the same on their own shapes. (Served one by one: a row's logits move in the last
+    bits with the batch it runs in, which flips the random tiny model's near-ties; a padded row computes exactly what
+    it does on its own shape.)
     """
     pages = 80  # a pool size no other test uses: its programs (shared per process and pool shape) start empty
     # Batches of up to 2 prompts and 4 streams, chunks of 128 tokens: 10 forward shapes and 3 sampler buckets to
@@ -148,9 +148,10 @@ def test_a_node_ready_on_its_ready_set_serves_every_shape_without_compiling():
         assert len(plan.forward) == 10 and plan.sample_batches == [1, 2, 4]
         report = warm_up(engine, progress=False)
         programs = engine.model.programs(engine.model_thread.pool)
-        # the single-row decode, the longest single-row prefill, and a short prompt's (a colocated node prefills)
-        assert report["forward_shapes"] == len(plan.ready_forward) == 3
-        assert programs.shapes == set(plan.ready_forward) == {(1, 1), (1, SHORT_PROMPT_TOKENS), (1, chunk)}
+        # the single-row decode, the largest decode batch, the longest single-row prefill, and a short prompt's (a
+        # colocated node prefills)
+        assert report["forward_shapes"] == len(plan.ready_forward) == 4
+        assert programs.shapes == set(plan.ready_forward) == {(1, 1), (4, 1), (1, SHORT_PROMPT_TOKENS), (1, chunk)}
         before = sum(compiles.counts().values())
         _serve(engine, _requests())
         greedy = _serve(engine, _requests(greedy_only=True)[:7], one_by_one=True)
