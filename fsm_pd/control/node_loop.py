@@ -4,8 +4,9 @@ A node's rooms change only in ``Node.step``, and a loop's steps run under its lo
 thread that calls ``run_pending`` while the lock is free. A process that runs both roles (``--role pd``) gives both
 managers one loop: a message one node hands the other (``InProcessSenders``) lands in the other's inbox and is
 decided in the same pass, so a handoff's READY, PULLED and their transitions cost no thread hop. With the shared
-pool, the model thread runs the pass after each engine step: P's ``kv_ready``, which the step submitted, runs to
-both rooms' Success before the next step, with no thread to wake. With a loop each, every hop waited for the
+pool, the model thread holds the loop through each step of its engines and runs the pass after each engine step:
+P's ``kv_ready``, which the step submitted, runs to both rooms' Success before the next step, with no thread to
+wake. With a loop each, every hop waited for the
 interpreter's lock, which the model thread holds while it steps (up to ``sys.getswitchinterval()``, 5 ms, a hop):
 P's handoff took 18-24 ms at p50 under 16 streams on the chip (docs/tpu.md).
 
@@ -16,6 +17,8 @@ written) is skipped, the others go on. The thread stops when the last member lea
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 IDLE_WAKE_S = 0.05  # an idle loop still wakes this often: each member's journal keep-alive
@@ -61,6 +64,15 @@ class NodeLoop:
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Hold the loop's lock for a while (an engine step of ``--role pd``'s model thread): its own thread steps
+        nothing meanwhile, and what was queued is decided by the holder (``run_pending``), not raced for. A submit
+        wakes the loop's thread at once; without this it took each handoff the model thread's step had just started
+        and ran it while the model thread ran on, the two trading the interpreter's lock every 5 ms."""
+        with self._stepping:
+            yield
 
     def run_pending(self) -> bool:
         """Decide what is queued now, on the caller's thread, unless a step runs elsewhere (then that one will):

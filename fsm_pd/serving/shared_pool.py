@@ -38,8 +38,8 @@ class SharedPool:
         self.allocator = PageAllocator(num_pages)
         self.budget = StepBudget(chunked_prefill_size, prefill_chunk_steps)
         self.decoding: Callable[[], bool] = lambda: False  # the decode engine says whether streams run
-        # both engines' KV managers are stepped by it; their rooms' events queued by a step are decided right after
-        # it, on this thread (``NodeLoop.run_pending``): a handoff waits for no other thread
+        # both engines' KV managers are stepped by it; a step holds it, and what the step queued is decided right
+        # after it, on this thread (``NodeLoop.held``, ``run_pending``): a handoff waits for no other thread
         self.node_loop = NodeLoop(name)
         self._members: dict[str, Member] = {}
         self._driver = StepDriver(self.model_thread, self._step, name=f"{name} scheduler")
@@ -67,15 +67,16 @@ class SharedPool:
 
     def _step(self) -> bool:
         more = False
-        for role in ORDER:
-            member = self._members.get(role)
-            if member is None or not member.started or member.closed:
-                continue
-            try:
-                more = member.step() or more
-            except Exception:  # one engine's failed step must not starve the other of its steps
-                log.exception("the %s engine's step failed", role)
-            self.node_loop.run_pending()
+        with self.node_loop.held():
+            for role in ORDER:
+                member = self._members.get(role)
+                if member is None or not member.started or member.closed:
+                    continue
+                try:
+                    more = member.step() or more
+                except Exception:  # one engine's failed step must not starve the other of its steps
+                    log.exception("the %s engine's step failed", role)
+                self.node_loop.run_pending()
         return more
 
 

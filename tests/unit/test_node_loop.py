@@ -124,6 +124,24 @@ def test_run_pending_decides_a_relay_on_the_callers_thread_unless_a_step_runs_el
         loop.leave(d)
 
 
+def test_while_a_thread_holds_the_loop_its_own_thread_takes_nothing_and_the_holder_decides_it():
+    """``--role pd``'s model thread holds the loop through an engine step: a submit wakes the loop's thread at once,
+    which would otherwise take the handoff the step just started and run it beside the model thread."""
+    loop = NodeLoop("pd")
+    p, d = pair(loop)
+    try:
+        with loop.held():
+            p.node.put(3)  # wakes the loop's thread
+            time.sleep(0.2)
+            assert p.stepped == [] and d.stepped == []
+            assert loop.run_pending() is True
+        assert d.done.is_set()
+        assert {name for _, name in p.stepped + d.stepped} == {threading.current_thread().name}
+    finally:
+        loop.leave(p)
+        loop.leave(d)
+
+
 def test_a_stopped_member_is_skipped_and_the_other_goes_on(slow_idle):
     loop = NodeLoop("pd")
     p, d = pair(loop)
