@@ -132,8 +132,12 @@ def test_while_a_thread_holds_the_loop_its_own_thread_takes_nothing_and_the_hold
     try:
         with loop.held():
             p.node.put(3)  # wakes the loop's thread
-            time.sleep(0.2)
-            assert p.stepped == [] and d.stepped == []
+            # any other thread that would step now finds the loop held (the loop's own takes the same lock)
+            outcome: list[bool] = []
+            other = threading.Thread(target=lambda: outcome.append(loop.run_pending()), name="other")
+            other.start()
+            other.join(5)
+            assert outcome == [False]
             assert loop.run_pending() is True
         assert d.done.is_set()
         assert {name for _, name in p.stepped + d.stepped} == {threading.current_thread().name}
@@ -150,7 +154,9 @@ def test_a_stopped_member_is_skipped_and_the_other_goes_on(slow_idle):
         d.node.put(0)
         assert d.done.wait(5)
         p.node.put(0)
-        time.sleep(0.2)
+        d.done = threading.Event()
+        d.node.put(0)  # queued after p's token: the pass that takes it would have stepped p first, were p active
+        assert d.done.wait(5)
         assert p.stepped == [] and not p.done.is_set()
     finally:
         loop.leave(p)
