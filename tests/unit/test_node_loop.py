@@ -95,26 +95,13 @@ def test_a_token_relayed_between_two_members_is_decided_within_one_wake(slow_idl
         loop.leave(d)
 
 
-def test_run_pending_decides_a_relay_on_the_callers_thread_unless_a_step_runs_elsewhere(slow_idle):
+def test_run_pending_decides_what_is_queued_on_the_callers_thread(slow_idle):
     """The model thread of ``--role pd`` calls ``run_pending`` after each engine step: a handoff its step started
-    runs to its end there. While another thread steps, it returns at once (that step will find the events)."""
+    runs to its end there, found without a wakeup."""
     loop = NodeLoop("pd")
     p, d = pair(loop)
     try:
-        time.sleep(0.05)  # the loop's thread waits on its (one-minute) idle wake
-        loop._stepping.acquire()  # as if the loop's thread were stepping
-        try:
-            p.node.put(5)
-            outcome: list[bool] = []
-            elsewhere = threading.Thread(target=lambda: outcome.append(loop.run_pending()), name="model[pd]")
-            elsewhere.start()
-            elsewhere.join(5)
-            assert outcome == [False] and p.stepped == []
-        finally:
-            loop._stepping.release()
-        p.node.items.clear()
-        p.node.wakeup.clear()
-        time.sleep(0.05)
+        time.sleep(0.05)  # the loop's thread has taken its first wake and waits on its (one-minute) idle wake
         p.node.items.append(5)  # queued without a wakeup: only run_pending can find it
         assert loop.run_pending() is True
         assert d.done.is_set()
@@ -124,20 +111,25 @@ def test_run_pending_decides_a_relay_on_the_callers_thread_unless_a_step_runs_el
         loop.leave(d)
 
 
-def test_while_a_thread_holds_the_loop_its_own_thread_takes_nothing_and_the_holder_decides_it():
+def run_pending_elsewhere(loop: NodeLoop) -> bool:
+    """``loop.run_pending()`` on another thread: whether it could step."""
+    outcome: list[bool] = []
+    other = threading.Thread(target=lambda: outcome.append(loop.run_pending()), name="other")
+    other.start()
+    other.join(5)
+    return outcome == [True]
+
+
+def test_while_a_thread_holds_the_loop_no_other_steps_and_the_holder_decides_it():
     """``--role pd``'s model thread holds the loop through an engine step: a submit wakes the loop's thread at once,
-    which would otherwise take the handoff the step just started and run it beside the model thread."""
+    which would otherwise take the handoff the step just started and run it beside the model thread. Any other
+    thread that would step meanwhile, the loop's own included (it takes the same lock), finds the loop held."""
     loop = NodeLoop("pd")
     p, d = pair(loop)
     try:
         with loop.held():
             p.node.put(3)  # wakes the loop's thread
-            # any other thread that would step now finds the loop held (the loop's own takes the same lock)
-            outcome: list[bool] = []
-            other = threading.Thread(target=lambda: outcome.append(loop.run_pending()), name="other")
-            other.start()
-            other.join(5)
-            assert outcome == [False]
+            assert not run_pending_elsewhere(loop)
             assert loop.run_pending() is True
         assert d.done.is_set()
         assert {name for _, name in p.stepped + d.stepped} == {threading.current_thread().name}
