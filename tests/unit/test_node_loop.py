@@ -80,35 +80,35 @@ def pair(loop: NodeLoop) -> tuple[Relay, Relay]:
     return p, d
 
 
-@pytest.mark.parametrize("first", ["p", "d"])
-def test_a_token_relayed_between_two_members_is_decided_within_one_wake(slow_idle, first):
+@pytest.fixture
+def relays():
+    """A loop of two relays; both leave it when the test ends."""
     loop = NodeLoop("pd")
     p, d = pair(loop)
-    try:
-        time.sleep(0.05)  # the thread has taken its first wake and waits again
-        (p if first == "p" else d).node.put(9)  # 10 steps, each handing over to the other member
-        done = p.done if first == "d" else d.done
-        assert done.wait(5), f"the relay stalled: {p.stepped} {d.stepped}"
-        assert {name for _, name in p.stepped + d.stepped} == {"fsm-loop[pd]"}
-    finally:
-        loop.leave(p)
-        loop.leave(d)
+    yield loop, p, d
+    loop.leave(p)
+    loop.leave(d)
 
 
-def test_run_pending_decides_what_is_queued_on_the_callers_thread(slow_idle):
+@pytest.mark.parametrize("first", ["p", "d"])
+def test_a_token_relayed_between_two_members_is_decided_within_one_wake(slow_idle, first, relays):
+    loop, p, d = relays
+    time.sleep(0.05)  # the thread has taken its first wake and waits again
+    (p if first == "p" else d).node.put(9)  # 10 steps, each handing over to the other member
+    done = p.done if first == "d" else d.done
+    assert done.wait(5), f"the relay stalled: {p.stepped} {d.stepped}"
+    assert {name for _, name in p.stepped + d.stepped} == {"fsm-loop[pd]"}
+
+
+def test_run_pending_decides_what_is_queued_on_the_callers_thread(slow_idle, relays):
     """The model thread of ``--role pd`` calls ``run_pending`` after each engine step: a handoff its step started
     runs to its end there, found without a wakeup."""
-    loop = NodeLoop("pd")
-    p, d = pair(loop)
-    try:
-        time.sleep(0.05)  # the loop's thread has taken its first wake and waits on its (one-minute) idle wake
-        p.node.items.append(5)  # queued without a wakeup: only run_pending can find it
-        assert loop.run_pending() is True
-        assert d.done.is_set()
-        assert {name for _, name in p.stepped + d.stepped} == {threading.current_thread().name}
-    finally:
-        loop.leave(p)
-        loop.leave(d)
+    loop, p, d = relays
+    time.sleep(0.05)  # the loop's thread has taken its first wake and waits on its (one-minute) idle wake
+    p.node.items.append(5)  # queued without a wakeup: only run_pending can find it
+    assert loop.run_pending() is True
+    assert d.done.is_set()
+    assert {name for _, name in p.stepped + d.stepped} == {threading.current_thread().name}
 
 
 def run_pending_elsewhere(loop: NodeLoop) -> bool:
@@ -120,39 +120,29 @@ def run_pending_elsewhere(loop: NodeLoop) -> bool:
     return outcome == [True]
 
 
-def test_while_a_thread_holds_the_loop_no_other_steps_and_the_holder_decides_it():
+def test_while_a_thread_holds_the_loop_no_other_steps_and_the_holder_decides_it(relays):
     """``--role pd``'s model thread holds the loop through an engine step: a submit wakes the loop's thread at once,
     which would otherwise take the handoff the step just started and run it beside the model thread. Any other
     thread that would step meanwhile, the loop's own included (it takes the same lock), finds the loop held."""
-    loop = NodeLoop("pd")
-    p, d = pair(loop)
-    try:
-        with loop.held():
-            p.node.put(3)  # wakes the loop's thread
-            assert not run_pending_elsewhere(loop)
-            assert loop.run_pending() is True
-        assert d.done.is_set()
-        assert {name for _, name in p.stepped + d.stepped} == {threading.current_thread().name}
-    finally:
-        loop.leave(p)
-        loop.leave(d)
+    loop, p, d = relays
+    with loop.held():
+        p.node.put(3)  # wakes the loop's thread
+        assert not run_pending_elsewhere(loop)
+        assert loop.run_pending() is True
+    assert d.done.is_set()
+    assert {name for _, name in p.stepped + d.stepped} == {threading.current_thread().name}
 
 
-def test_a_stopped_member_is_skipped_and_the_other_goes_on(slow_idle):
-    loop = NodeLoop("pd")
-    p, d = pair(loop)
-    try:
-        p.stopped = True
-        d.node.put(0)
-        assert d.done.wait(5)
-        p.node.put(0)
-        d.done = threading.Event()
-        d.node.put(0)  # queued after p's token: the pass that takes it would have stepped p first, were p active
-        assert d.done.wait(5)
-        assert p.stepped == [] and not p.done.is_set()
-    finally:
-        loop.leave(p)
-        loop.leave(d)
+def test_a_stopped_member_is_skipped_and_the_other_goes_on(slow_idle, relays):
+    loop, p, d = relays
+    p.stopped = True
+    d.node.put(0)
+    assert d.done.wait(5)
+    p.node.put(0)
+    d.done = threading.Event()
+    d.node.put(0)  # queued after p's token: the pass that takes it would have stepped p first, were p active
+    assert d.done.wait(5)
+    assert p.stepped == [] and not p.done.is_set()
 
 
 def test_the_thread_stops_with_the_last_member_and_not_before():
