@@ -72,7 +72,7 @@ class EngineCore:
         self.phases = RequestPhases(self.registry, self.role, name)
         self.arrivals: deque[Sequence] = deque()  # appended by submit (any thread), taken by _step (model thread)
         self._driver = (StepDriver(self.model_thread, self._step, name=f"{name} scheduler") if shared is None
-                        else shared.member(self.role, self._step))
+                        else shared.member(self.role, self._step, engine=self))
         self.model_thread.on_death.append(self._cannot_serve)
 
     # --- any thread ---

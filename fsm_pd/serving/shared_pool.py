@@ -44,12 +44,16 @@ class SharedPool:
         self._members: dict[str, Member] = {}
         self._driver = StepDriver(self.model_thread, self._step, name=f"{name} scheduler")
 
-    def member(self, role: str, step: Callable[[], bool]) -> Member:
+    def member(self, role: str, step: Callable[[], bool], engine: Any = None) -> Member:
         """The step driver an engine of ``role`` uses: its kicks reach the one loop, which runs its ``step``."""
         if role not in ORDER or role in self._members:
             raise ValueError(f"a shared pool takes one engine of each role {ORDER}, not another {role!r}")
-        member = self._members[role] = Member(self, step)
+        member = self._members[role] = Member(self, step, engine)
         return member
+
+    def engines(self) -> list[Any]:
+        """The engines that share this pool (their warm-ups plan one set of programs between them)."""
+        return [m.engine for m in self._members.values() if m.engine is not None]
 
     def kick(self) -> None:
         self._driver.kick()
@@ -83,8 +87,8 @@ class SharedPool:
 class Member:
     """What ``StepDriver`` is to an engine of its own, for an engine of a ``SharedPool``."""
 
-    def __init__(self, pool: SharedPool, step: Callable[[], bool]) -> None:
-        self._pool, self.step = pool, step
+    def __init__(self, pool: SharedPool, step: Callable[[], bool], engine: Any = None) -> None:
+        self._pool, self.step, self.engine = pool, step, engine
         self.started = self.closed = False
 
     def start(self) -> None:

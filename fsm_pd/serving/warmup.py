@@ -127,7 +127,7 @@ def plan_for(engine) -> WarmupPlan:
     hash_buckets = prompt_buckets if _hashes_on_device(engine) else []
     if engine.role == "prefill" and not getattr(engine, "serves_local", False):
         return WarmupPlan(prefill_shapes(engine.max_prefill_batch, engine.chunked_prefill_size),
-                          _powers(engine.max_prefill_batch),
+                          sample_batches(engine),
                           gather_buckets=prompt_buckets if _copies_pages(engine) else [],
                           hash_buckets=hash_buckets, short_prompt=SHORT_PROMPT_TOKENS)
     # prefills here: a colocated node's prompts, and both nodes' recomputes (retracted requests, failed transfers)
@@ -138,7 +138,7 @@ def plan_for(engine) -> WarmupPlan:
         limits.append((engine.recompute.max_batch, engine.recompute.max_tokens))
     forward = {shape for batch, tokens in limits for shape in prefill_shapes(batch, tokens)}
     forward |= set(decode_shapes(engine.max_running))
-    plan = WarmupPlan(sorted(forward), _powers(max(engine.max_running, *(batch for batch, _ in limits))),
+    plan = WarmupPlan(sorted(forward), sample_batches(engine),
                       hash_buckets=hash_buckets, short_prompt=SHORT_PROMPT_TOKENS)
     loops = engine.model.programs(engine.model_thread.pool).steps
     if engine.loop.steps_per_dispatch > 1 and loops is not None:
@@ -149,6 +149,28 @@ def plan_for(engine) -> WarmupPlan:
     if _copies_pages(engine) and engine.role == "prefill":
         plan.gather_buckets = prompt_buckets
     return plan
+
+
+def sample_batches(engine) -> list[int]:
+    """The sampler's batch buckets of ``engine``: every power of two up to the most rows it samples at once. Engines
+    that share a pool (``--role pd``) share one set, the largest either needs: the samplers are the same programs for
+    both, so a prefill engine's batch of 8 pads up to the decode engine's 64 until the background compiles 8, and the
+    process compiles the samplers a colocated node does (on the chip, 12 sampler programs before ready had taken 25 s
+    of compile against a colocated node's 8 and 15 s)."""
+    shared = getattr(engine, "shared", None)
+    engines = (shared.engines() if shared is not None else None) or [engine]
+    return _powers(max(_most_sampled_rows(e) for e in engines))
+
+
+def _most_sampled_rows(engine) -> int:
+    if engine.role == "prefill" and not getattr(engine, "serves_local", False):
+        return engine.max_prefill_batch
+    limits = [engine.loop.max_recompute_batch, engine.max_running]
+    if engine.role in ("colocated", "prefill"):
+        limits.append(engine.max_prefill_batch)
+    if engine.role != "colocated":
+        limits.append(engine.recompute.max_batch)
+    return max(limits)
 
 
 def _copies_pages(engine) -> bool:
