@@ -3,7 +3,7 @@ what its configuration can form in the background.
 
 A program compiled while serving stalls the request that needed it (seconds on CPU for SmolLM2) and every request
 batched with it. Compiling everything first stalls the start instead (minutes for SmolLM2 on 2 cores). So a node
-prepares, before it answers ``/health``, its *ready set* (``WarmupPlan.ready_forward``):
+prepares, before it answers ``/health``, its *ready set* (``warmup_plan.py``: ``WarmupPlan.ready_forward``):
 
 - the forward passes that *cover* every other (``programs.ForwardPrograms.cover``): the longest single-row prefill,
   the single-row decode step and the largest decode batch, so any batch runs, padded up or row by row, until its own
@@ -38,7 +38,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from functools import partial
 
 import jax
@@ -46,14 +45,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsm_pd.control.overlap import layer_group
-from fsm_pd.kernels import bucket_sizes, cpu_copy, gather_pages, kv_hash, resolve_impl, scatter_layers, scatter_pages
+from fsm_pd.kernels import cpu_copy, gather_pages, kv_hash, resolve_impl, scatter_layers, scatter_pages
 from fsm_pd.kernels.placement import pool_placement
-from fsm_pd.kvpool.pages import pages_for
-from fsm_pd.model import compile_demand, compiles, input_buckets, sampling
+from fsm_pd.model import compile_demand, compiles, sampling
 from fsm_pd.model.decoder import LOGPROB_ROWS, MAX_TOP_LOGPROBS, next_token_logprobs
-from fsm_pd.model.programs import decode_shapes, prefill_shapes
 from fsm_pd.runtime.switch_interval import brief_turns
 from fsm_pd.serving.startup import Startup
+from fsm_pd.serving.warmup_plan import WarmupPlan, kind_of, plan_for
 
 log = logging.getLogger(__name__)
 
@@ -63,137 +61,6 @@ log = logging.getLogger(__name__)
 # cores, 2 (more threads only contend for the lock).
 COMPILE_THREADS = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                else os.cpu_count() or 1))
-SHORT_PROMPT_TOKENS = 64  # a first chat turn's prompt: its prefill is in every node's ready set
-
-
-@dataclass
-class WarmupPlan:
-    """What one node compiles: forward shapes, sampler batch buckets, and page buckets of its transfer kernels."""
-
-    forward: list[tuple[int, int]]
-    sample_batches: list[int]
-    scatter_buckets: list[int] = field(default_factory=list)  # a decode node's
-    gather_buckets: list[int] = field(default_factory=list)  # a prefill node's
-    hash_buckets: list[int] = field(default_factory=list)  # a node whose KV checksum is the device hash
-    short_prompt: int = 0  # the single-row prefill of this many tokens too (0: none)
-    # several decode steps a dispatch: (batch bucket, page-table width) of each program, and the steps it holds
-    step_loops: list[tuple[int, int]] = field(default_factory=list)
-    steps_per_dispatch: int = 1
-
-    @property
-    def ready_forward(self) -> list[tuple[int, int]]:
-        """The forward shapes that cover every other one (``ForwardPrograms.cover``): the single-row decode step, the
-        largest decode batch and the longest single-row prefill. A prefill step of any batch runs row by row on the
-        latter, a decode batch row by row on the single row or padded up to the largest (whichever ``call_cost``
-        says is cheaper: a 16-row batch as one call of 64 rows, not 16 calls; on the chip 16 single-row calls made
-        a 36 ms TPOT), until the background compile reaches their own shapes. And the single-row prefill of a short
-        prompt (``SHORT_PROMPT_TOKENS``): every node prefills those, a decode node the ones the router serves whole
-        on it (``--pd-policy auto``, the default); a chat turn's prompt padded to the longest would cost 0.8 s (SmolLM2,
-        512 tokens) instead of 0.1 s."""
-        decode = [shape for shape in self.forward if shape[1] == 1]
-        prefill = [shape for shape in self.forward if shape[1] > 1 and shape[0] == 1]
-        short = [shape for shape in prefill if shape[1] == input_buckets.token_bucket(self.short_prompt)]
-        return sorted({*decode[:1], *decode[-1:], *([max(prefill)] if prefill else []),
-                       *(short if self.short_prompt else [])})
-
-    @property
-    def background_forward(self) -> list[tuple[int, int]]:
-        """The other forward shapes, cheapest first: the small batches and short prompts most requests form."""
-        ready = set(self.ready_forward)
-        return sorted((shape for shape in self.forward if shape not in ready), key=lambda s: (s[0] * s[1], s[1]))
-
-    @property
-    def ready_samples(self) -> list[int]:
-        """Sampler batch buckets prepared before ready: one row (most steps of a lightly loaded node) and the
-        largest, which every other pads up to (``sampling.sampling_rows``) until the background prepares it."""
-        return sorted({self.sample_batches[0], self.sample_batches[-1]})
-
-    @property
-    def background_samples(self) -> list[int]:
-        return [b for b in self.sample_batches if b not in self.ready_samples]
-
-    @property
-    def steps(self) -> int:
-        """Steps before the node is ready."""
-        return (len(self.ready_forward) + len(self.ready_samples) + 1 + len(self.scatter_buckets)
-                + len(self.gather_buckets) + len(self.hash_buckets))
-
-
-def plan_for(engine) -> WarmupPlan:
-    """The plan of a prefill, decode or colocated engine, from the limits its schedulers batch by."""
-    max_prompt = engine.max_context - 1
-    prompt_buckets = bucket_sizes(pages_for(max_prompt, engine.page_size))
-    # both sides of a handoff hash the room's pages (kernels/kv_hash.py) where the pool is on an accelerator
-    hash_buckets = prompt_buckets if _hashes_on_device(engine) else []
-    if engine.role == "prefill" and not getattr(engine, "serves_local", False):
-        return WarmupPlan(prefill_shapes(engine.max_prefill_batch, engine.chunked_prefill_size),
-                          sample_batches(engine),
-                          gather_buckets=prompt_buckets if _copies_pages(engine) else [],
-                          hash_buckets=hash_buckets, short_prompt=SHORT_PROMPT_TOKENS)
-    # prefills here: a colocated node's prompts, and both nodes' recomputes (retracted requests, failed transfers)
-    limits = [(engine.loop.max_recompute_batch, engine.loop.max_recompute_tokens)]
-    if engine.role in ("colocated", "prefill"):  # a prefill node that serves requests whole (--serve-local) too
-        limits.append((engine.max_prefill_batch, engine.chunked_prefill_size))
-    if engine.role != "colocated":
-        limits.append((engine.recompute.max_batch, engine.recompute.max_tokens))
-    forward = {shape for batch, tokens in limits for shape in prefill_shapes(batch, tokens)}
-    forward |= set(decode_shapes(engine.max_running))
-    plan = WarmupPlan(sorted(forward), sample_batches(engine),
-                      hash_buckets=hash_buckets, short_prompt=SHORT_PROMPT_TOKENS)
-    loops = engine.model.programs(engine.model_thread.pool).steps
-    if engine.loop.steps_per_dispatch > 1 and loops is not None:
-        plan.steps_per_dispatch = engine.loop.steps_per_dispatch
-        plan.step_loops = [(batch, width) for batch in _powers(engine.max_running) for width in loops.widths]
-    if _copies_pages(engine) and engine.role == "decode":
-        plan.scatter_buckets = prompt_buckets
-    if _copies_pages(engine) and engine.role == "prefill":
-        plan.gather_buckets = prompt_buckets
-    return plan
-
-
-def sample_batches(engine) -> list[int]:
-    """The sampler's batch buckets of ``engine``: every power of two up to the most rows it samples at once. Engines
-    that share a pool (``--role pd``) share one set, the largest either needs: the samplers are the same programs for
-    both, so a prefill engine's batch of 8 pads up to the decode engine's 64 until the background compiles 8, and the
-    process compiles the samplers a colocated node does (on the chip, 12 sampler programs before ready had taken 25 s
-    of compile against a colocated node's 8 and 15 s)."""
-    shared = getattr(engine, "shared", None)
-    engines = (shared.engines() if shared is not None else None) or [engine]
-    return _powers(max(_most_sampled_rows(e) for e in engines))
-
-
-def _most_sampled_rows(engine) -> int:
-    if engine.role == "prefill" and not getattr(engine, "serves_local", False):
-        return engine.max_prefill_batch
-    limits = [engine.loop.max_recompute_batch, engine.max_running]
-    if engine.role in ("colocated", "prefill"):
-        limits.append(engine.max_prefill_batch)
-    if engine.role != "colocated":
-        limits.append(engine.recompute.max_batch)
-    return max(limits)
-
-
-def _copies_pages(engine) -> bool:
-    """Whether this PD node's handoffs copy pages (every backend but ``pool``, which hands ownership over)."""
-    manager = getattr(engine, "manager", None)
-    return manager is None or manager.backend.name != "pool"
-
-
-def _hashes_on_device(engine) -> bool:
-    """Whether this PD node checksums its handoffs with the device hash (its pool on an accelerator, or
-    ``FSM_PD_KV_CHECKSUM_ALGORITHM``): a program per page bucket, which must not compile on a request's path."""
-    effects = getattr(getattr(engine, "manager", None), "effects", None)
-    return bool(effects is not None and effects.kv_checksum and effects.kv.checksum_algorithm == kv_hash.ALGORITHM)
-
-
-def _powers(limit: int) -> list[int]:
-    return sorted({b for b, _ in decode_shapes(limit)})
-
-
-def _kind(shape: tuple[int, int]) -> str:
-    return "decode" if shape[1] == 1 else "prefill"
-
-
 def warm_up(engine, *, progress: bool = True, startup: Startup | None = None) -> dict:
     """Prepare the ready set of ``plan_for(engine)``; returns what it did and how long it took. Call before
     serving, then ``compile_rest`` for the other forward shapes.
@@ -231,7 +98,8 @@ def warm_up(engine, *, progress: bool = True, startup: Startup | None = None) ->
                 return run
 
             def forward(shape: tuple[int, int]) -> None:
-                step(f"forward {shape[0]}x{shape[1]}", lambda: programs.compile(*shape, run=side_by_side(_kind(shape))))
+                step(f"forward {shape[0]}x{shape[1]}",
+                     lambda: programs.compile(*shape, run=side_by_side(kind_of(shape))))
 
             def samplers() -> None:  # compiled for where the forward passes leave their logits
                 sharding = side_by_side("decode")({"at": programs.logits_sharding})["at"]  # the head at one row
@@ -304,7 +172,7 @@ def compile_rest(engine, *, busy: Callable[[], bool] = lambda: False, on_done=la
              for batch, width in plan.step_loops]
     jobs += [("kernels", 1, lambda: False, partial(cpu_copy.prepare_scatter, pool, rows, layers))
              for rows in whole_scatters for layers in sorted({len(pool), group})]
-    jobs += [(_kind(shape), 1, partial(_has, programs, shape), partial(programs.compile, *shape))
+    jobs += [(kind_of(shape), 1, partial(_has, programs, shape), partial(programs.compile, *shape))
              for shape in plan.background_forward]
 
     def idle() -> bool:

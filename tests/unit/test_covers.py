@@ -91,7 +91,7 @@ def test_cover_prefers_one_call_with_the_fewest_padded_tokens(model):
 
 
 def test_a_decode_batch_runs_padded_up_to_the_largest_decode_program_where_one_call_costs_less(model):
-    """A ready node holds the single-row decode and the largest decode batch (``warmup.WarmupPlan.ready_forward``):
+    """A ready node holds the single-row decode and the largest decode batch (``warmup_plan.WarmupPlan.ready_forward``):
     a wide batch runs as one padded call, not one call a row (a decode call costs about the same at any rows); a
     batch of a few rows runs row by row rather than padded to 64."""
     pool = model.make_pool(model.make_kv_layout(64, 16))

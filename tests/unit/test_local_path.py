@@ -16,7 +16,7 @@ from fsm_pd.serving.collect import generate
 from fsm_pd.serving.decode_engine import DecodeEngine
 from fsm_pd.serving.prefill_engine import PrefillEngine
 from fsm_pd.serving.types import Bootstrap, EngineError
-from fsm_pd.serving.warmup import SHORT_PROMPT_TOKENS, plan_for
+from fsm_pd.serving.warmup_plan import SHORT_PROMPT_TOKENS, plan_for
 from fsm_pd.store import read_journal
 
 # two computations of the model compared (logits, greedy tokens): float32 products at full precision on a TPU

@@ -1,6 +1,6 @@
-"""The sampler's batch buckets a warm-up plans (``warmup.sample_batches``): an engine's own, or, for the two engines of
-``--role pd`` that share one pool, one set for both, so the process compiles the samplers once. On the chip the two
-plans had made 12 sampler programs before ready (25 s of compile) where a colocated node makes 8 (15 s)."""
+"""The sampler's batch buckets a warm-up plans (``warmup_plan.sample_batches``): an engine's own, or, for the two
+engines of ``--role pd`` that share one pool, one set for both, so the process compiles the samplers once. On the chip
+the two plans had made 12 sampler programs before ready (25 s of compile) where a colocated node makes 8 (15 s)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from fsm_pd.model.loader import load_model
 from fsm_pd.serving.shared_pool import SharedPool
-from fsm_pd.serving.warmup import WarmupPlan, sample_batches
+from fsm_pd.serving.warmup_plan import WarmupPlan, sample_batches
 
 
 def prefill(shared=None):

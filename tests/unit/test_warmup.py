@@ -26,7 +26,8 @@ from fsm_pd.serving.collect import generate
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.sequence import Sequence
 from fsm_pd.serving.types import GenerateRequest, RequestStream
-from fsm_pd.serving.warmup import SHORT_PROMPT_TOKENS, compile_rest, plan_for, warm_up
+from fsm_pd.serving.warmup import compile_rest, warm_up
+from fsm_pd.serving.warmup_plan import SHORT_PROMPT_TOKENS, plan_for
 
 # two computations of the model compared (logits, greedy tokens): float32 products at full precision on a TPU
 # too (tests/on_chip.py)
