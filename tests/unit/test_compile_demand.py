@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
-import time
 
 import pytest
+from polling import until
 
 from fsm_pd.model import compile_demand, compiles, sampling
 from fsm_pd.model.sampling import SamplingParams
@@ -56,15 +56,6 @@ def _serve(engine, requests) -> list[list[int]]:
     return [[out.token_id for out in outs] for outs in asyncio.run(asyncio.wait_for(serve_all(), 120))]
 
 
-def _until(condition, timeout: float = 120.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_busy_node_compiles_first_what_its_batches_ran_without(monkeypatch):
@@ -99,7 +90,8 @@ def test_a_busy_node_compiles_first_what_its_batches_ran_without(monkeypatch):
         _serve(engine, _requests(4))
         assert compiles.counts()["serving"] == serving_before, f"compiled while serving: {list(compiles.late)}"
         assert engine.loop.dispatches == 0  # a step at a time: its several-steps program was not there
-        assert _until(lambda: loop_shape in loops.shapes), f"the batch's several-steps program: {compiled}"
+        assert until(lambda: loop_shape in loops.shapes, timeout_s=120), \
+            f"the batch's several-steps program: {compiled}"
         assert (4, 1) in programs.shapes and sampling.is_prepared(4)
         order = [entry for entry in compiled if entry in (("forward", (4, 1)), ("loop", loop_shape))]
         assert order == [("forward", (4, 1)), ("loop", loop_shape)], compiled

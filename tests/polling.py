@@ -1,4 +1,4 @@
-"""Bounded polling for the in-process engine tests (their ``model`` fixture is in ``conftest.py``)."""
+"""Bounded polling for tests that wait on a condition another thread makes true."""
 
 from __future__ import annotations
 
