@@ -16,7 +16,7 @@ A request goes through:
    while one waits to resume.
 
 When the transfer fails on this node after it reserved the request's pages (a pull or scatter that failed, a
-deadline that passed), ``on_transfer_failure`` decides: ``recompute`` (the default) prefills the prompt here, as the
+deadline that passed, the prefill node found dead), ``on_transfer_failure`` decides: ``recompute`` (the default) prefills the prompt here, as the
 colocated engine does, samples the first token with the request's seed at step 0 and decodes on, so the client gets
 the answer an undisturbed run gives (greedy: identical); ``fail`` ends the request with the transfer's error (500,
 502 when the prefill node failed it: ``common.transfer_failure_status``). The room still ends Failed in the journal
@@ -179,8 +179,8 @@ class DecodeEngine(LocalPath, PDEngine):
 
     def _detail(self, room, decision, at) -> Any:
         if decision.dst == "Failed":
-            # recomputed: a failure this node saw itself (its pull or scatter failed, a deadline passed) once it
-            # held pages; a peer's abort or death means the prefill leg failed too, and the router moves on
+            # recomputed: a failure this node saw itself (its pull or scatter failed, a deadline passed, its prefill
+            # node died) once it held pages; a live peer's abort means the prefill leg failed too: the router moves on
             # explained: a deadline that ended the room named with what it waited for (machines/deadlines.py)
             explained = explain_failure("decode", room.reason, room.ctx.get("deadlines"))
             # an entry the prefill node failed: its leg failed too, and a router computes the prompt elsewhere

@@ -57,7 +57,11 @@ from fsm_pd.store.roles import RECOMPUTE_ROLE  # the journal role of a recompute
 log = logging.getLogger(__name__)
 
 ON_TRANSFER_FAILURE = ("recompute", "fail")
-RECOMPUTED_TRIGGERS = frozenset({"error", "timeout"})  # the decode room's own failures (not abort, peer_*)
+# the decode room's failures it recomputes: its own (a pull or scatter that failed, a deadline that passed) and its
+# prefill node's death (heartbeats), whatever state the room was in: a READY lost with the dead process left it in
+# WaitingForInput, and a 5xx then made the router retry the prompt on a fleet that may have no prefill node left.
+# Not an abort: the prefill node is alive and failed the room itself (its leg fails too, the router retries it).
+RECOMPUTED_TRIGGERS = frozenset({"error", "timeout", "peer_failed"})
 
 # ``Node.record``: (role, room, trigger, dst, event, reason)
 Record = Callable[[str, int, str, str, dict, "str | None"], None]

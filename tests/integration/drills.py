@@ -13,7 +13,7 @@ import signal
 import time
 
 import httpx
-from fault_rig import DEADLINE_S, Rig, generate
+from fault_rig import DEADLINE_S, Rig, generate, info
 from load_mix import LoadMix, Outcome
 
 WORKERS = 32
@@ -76,6 +76,7 @@ def stop_and_continue(rig: Rig, role: str, *, seconds: float = 20.0, workers: in
     """SIGSTOP ``role`` under load for ``seconds``, then SIGCONT: every request ends by its deadline meanwhile."""
     node = rig.p if role == "prefill" else rig.d
     rig.warm_up()
+    recomputes = info(rig.d.url)["recomputes"]
     with LoadMix(rig.router, workers=workers, timeout=seconds + 40) as load:
         load.wait_ok(workers, 120)
         stopped = time.monotonic()
@@ -97,6 +98,8 @@ def stop_and_continue(rig: Rig, role: str, *, seconds: float = 20.0, workers: in
         "overlapping_results": _counts(during),
         "longest_request_s": round(max((o.seconds for o in outcomes), default=0.0), 2),
         "continue_to_first_success_s": round(recovery, 2),
+        # requests whose prefill node stopped while the decode node held their pages: it prefilled them itself
+        "decode_recomputes": info(rig.d.url)["recomputes"] - recomputes,
     }
     rig.p.wait_baseline()
     rig.d.wait_baseline()

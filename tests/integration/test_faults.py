@@ -49,7 +49,10 @@ def test_prefill_crashes_before_the_transfer(rig):
     r.faults_on()
     outcome = generate(r.router, "crash before the gather")
     assert_clean(outcome)
-    assert not outcome.ok and r.p.proc.wait(timeout=10) == 70  # fault injection's exit status
+    # the router fails the request when it sees the prefill leg break first (one attempt: the rig's
+    # --retry-policy); when the decode's heartbeats find the prefill dead first, the decode recomputes the prompt
+    assert not outcome.ok or outcome.body["meta_info"].get("kv_recompute"), outcome
+    assert r.p.proc.wait(timeout=10) == 70  # fault injection's exit status
     r.d.wait_baseline()  # the decode's heartbeat failed its room and freed its pages
     r.faults_off()
     r.p.restart()

@@ -35,11 +35,16 @@ def test_a_node_stopped_past_every_deadline_under_load(rig, role):
     figures = stop_and_continue(rig(), role, seconds=stop_s)
     print(figures)
     _no_hang(figures)
-    # Stopped prefill: every request ends by its deadlines (a decode that recomputed does not wait for it). Stopped
-    # decode: a stream it was already sending stalls with it, the KV being there, and ends once it runs again.
+    # Stopped prefill: every request ends by its deadlines (a decode that recomputed does not wait for it), those
+    # whose pages the decode node held by then answered from its own prefill (its heartbeats found the prefill
+    # dead), the rest with an error. Stopped decode: a stream it was already sending stalls with it, the KV being
+    # there, and ends once it runs again.
     bound = REQUEST_BOUND_S if role == "prefill" else stop_s + 8
     assert figures["longest_request_s"] <= bound, figures
-    assert figures["overlapping_results"]["error"] > 0, figures
+    if role == "prefill":
+        assert figures["decode_recomputes"] > 0 or figures["overlapping_results"]["error"] > 0, figures
+    else:
+        assert figures["overlapping_results"]["error"] > 0, figures
 
 
 def test_bad_input_gets_4xx_and_hurts_nobody(rig):

@@ -146,9 +146,14 @@ def test_fail_policy_fails_the_request(model, tmp_path):
         p.close()
 
 
-def test_a_room_its_prefill_node_failed_answers_502_with_the_reason(model, tmp_path):
-    """The peer's failure is not this node's: 502 (the router retries it like any 5xx), and the message says why."""
-    p, d = make_pair(model, tmp_path, "fail")
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_room_whose_prefill_node_died_answers_502_or_is_recomputed(model, tmp_path, policy):
+    """The prefill node found dead while the room waits for its READY (a READY lost with the dead process leaves it
+    there): ``fail`` answers 502 with the reason (the peer's failure, not this node's: the router retries it like any
+    5xx); ``recompute`` prefills the prompt here and answers what an undisturbed run gives, since a retry may find no
+    prefill node left to go to (the killed-prefill drill on a loaded host)."""
+    p, d = make_pair(model, tmp_path, policy)
+    want = ids_of(run(both(p, d, pd_request(p, "undisturbed", PROMPTS[1], max_new_tokens=4)))[1])
     req = pd_request(p, "peer-dies", PROMPTS[1], max_new_tokens=4)
     room = req.bootstrap.room
     release = hold_model_thread(p)  # P cannot prefill: D's room waits in WaitingForInput for its READY
@@ -167,8 +172,15 @@ def test_a_room_its_prefill_node_failed_answers_502_with_the_reason(model, tmp_p
 
     try:
         on_d, _ = run(scenario())
-        assert isinstance(on_d, EngineError) and on_d.status == 502, on_d
-        assert f"peer failed: {died}" in str(on_d)
+        if policy == "fail":
+            assert isinstance(on_d, EngineError) and on_d.status == 502, on_d
+            assert f"peer failed: {died}" in str(on_d)
+            assert d.info()["recomputes"] == 0
+        else:
+            assert ids_of(on_d) == want, on_d
+            assert f"peer failed: {died}" in on_d[-1].meta["kv_recompute"]["reason"]
+            assert d.info()["recomputes"] == 1
+        assert final_rows(d.manager.journal.url, {room})[room].dst == "Failed"  # the room's own end stays the same
         assert_idle(p, d)
     finally:
         release.set()
