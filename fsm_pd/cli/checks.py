@@ -124,7 +124,7 @@ def journal_url_problem(url: str) -> str | None:
 def _pd_problems(args: argparse.Namespace):
     """``--role pd``: its engines' links run over unix sockets (so a backend must run on one), one split of the
     devices for both, and the journals' directory."""
-    from fsm_pd.cli.flags import pd_backend
+    from fsm_pd.cli.pd_flags import pd_backend
     from fsm_pd.net.unix_sockets import check_unix_backend
 
     split = args.prefill_devices is not None or args.decode_devices is not None

@@ -2,18 +2,20 @@
 flags ``launch`` shares, and the rooms' deadline flags with what a room waits for under each. Jax-free, and the
 packages a role's help needs are imported only when its parser is built, so ``--help`` stays quick.
 
-Every value is checked as it is parsed (``port``, ``at_least``, ``seconds``), and a refused one ends the command with
-one line, ``fsm-pd serve: error: ...``, status 2 (``one_line_errors``), before anything loads; what parsing cannot
-see (a port already taken, a path that cannot be written) ``serve_checks.py`` finds next, still before the model.
+Every value is checked as it is parsed (``flag_values.py``: ``port``, ``at_least``, ``seconds``), and a refused one
+ends the command with one line, ``fsm-pd serve: error: ...``, status 2 (``one_line_errors``), before anything loads;
+what parsing cannot see (a port already taken, a path that cannot be written) ``checks.py`` finds next, still before
+the model. ``--role pd``'s own flags are in ``pd_flags.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
+from fsm_pd.cli.flag_values import at_least, one_line_errors, port, positive_int, seconds, steps, transfer_backend
+from fsm_pd.cli.pd_flags import add_pd_flags
 from fsm_pd.net.body_limit import byte_count
 from fsm_pd.net.http_protocol import add_read_timeout_flags
 
@@ -97,69 +99,6 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 DEADLINE_FLAGS = {"bootstrap": "FSM_PD_BOOTSTRAP_TIMEOUT", "admission": "FSM_PD_ADMISSION_TIMEOUT",
                   "waiting": "FSM_PD_WAITING_TIMEOUT", "pull_hold": "FSM_PD_PULL_HOLD_TIMEOUT",
                   "transfer": "FSM_PD_TRANSFER_TIMEOUT"}
-
-
-def at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer of at least ``low``."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-
-    parse.__name__ = f"integer of at least {low}"
-    return parse
-
-
-positive_int = at_least(1)
-
-
-def port(text: str) -> int:
-    """An argparse type: a TCP port, 0 to 65535 (0: any free one)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a TCP port, 0 to 65535, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port, 0 to 65535, got {value}")
-    return value
-
-
-def seconds(*, zero: bool = False) -> Callable[[str], float]:
-    """An argparse type: a finite number of seconds, above 0 (or at least 0 with ``zero``)."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
-        if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
-            raise argparse.ArgumentTypeError(f"must be {'at least 0' if zero else 'above 0'} seconds, got {text}")
-        return value
-
-    parse.__name__ = "seconds"
-    return parse
-
-
-def transfer_backend(text: str) -> str:
-    """An argparse type: the name of a transfer backend, built in or a plugin's (``fsm_pd.transfer_backends``): an
-    unknown one ends the command here, before any backend, model or node is started."""
-    from fsm_pd.transport.backends.registry import backend_names  # jax-free: naming backends imports none of them
-
-    known = backend_names()
-    if text not in known:
-        raise argparse.ArgumentTypeError(f"unknown transfer backend {text!r} (known: {', '.join(known)})")
-    return text
-
-
-def one_line_errors(parser: argparse.ArgumentParser, prog: str = "fsm-pd serve") -> argparse.ArgumentParser:
-    """``parser`` with argparse's errors as one line, ``PROG: error: MESSAGE``, exit status 2, without the usage
-    (a node's takes thirty lines, and the line that matters would scroll away)."""
-    parser.prog = prog
-    parser.error = lambda message: parser.exit(2, f"{prog}: error: {message}\n")  # type: ignore[method-assign]
-    return parser
 
 
 # A prefill and a decode node default to HTTP ports of their own, so that they and the router started by hand on one
@@ -364,91 +303,6 @@ def add_deadline_flags(parser: argparse.ArgumentParser, sides: Sequence[str]) ->
                             metavar="S",
                             help=f"seconds a room may wait {waits}; then it fails and its request ends with an error "
                                  f"naming this deadline (default: ${env}, else {defaults}; docs/operations.md, Waits)")
-
-
-# the router's --pd-policy modes and --local-prefill-max-tokens default (router/policy.py: MODES,
-# DEFAULT_LOCAL_PREFILL_MAX_TOKENS), written here because importing the router package imports its app, too heavy
-# for a command line that must fail in a second (tests/unit/test_serve_flag_checks.py holds them equal)
-PD_POLICIES = ("auto", "always", "never")
-DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 256
-
-
-def pd_backend(args: argparse.Namespace) -> str:
-    """``--role pd``'s transfer backend: the one asked for, else ``pool`` (one pool on one set of devices) or, with
-    the roles on devices of their own, ``device``."""
-    if args.transfer_backend is not None:
-        return args.transfer_backend
-    return "device" if args.prefill_devices is not None or args.decode_devices is not None else "pool"
-
-
-DEFAULT_PD_STARTUP_WAIT_S = 300.0  # a cold start on a TPU v5e took 73-102 s to ready (docs/tpu.md)
-
-
-def add_pd_flags(parser: argparse.ArgumentParser) -> None:
-    """``--role pd``'s own: how the device's memory is split between the two engines' KV pools, and the router's
-    policy."""
-    pools = parser.add_argument_group(
-        "the KV pools (both engines share the devices and the weights, loaded once)",
-        "With --transfer-backend pool (the default) both engines share one pool of the two sizes added up; with "
-        "another backend each has its own. On an accelerator, by default they take KV_SHARE of the device memory "
-        "left free once the weights are loaded, split by --prefill-pool-share; on a CPU each share is 512 pages (the "
-        "nodes' --num-pages default). --prefill-pages / --decode-pages set a share outright.")
-    pools.add_argument("--prefill-pages", type=at_least(2), default=None, metavar="N",
-                       help="the prefill engine's pool in pages, the padding page included (it holds a prompt's KV "
-                            "only until the decode engine has taken it)")
-    pools.add_argument("--decode-pages", type=at_least(2), default=None, metavar="N",
-                       help="the decode engine's pool in pages (it holds every running request's whole context)")
-    pools.add_argument("--prefill-pool-share", type=share, default=0.25, metavar="F",
-                       help="on an accelerator, the prefill pool's share of the memory both pools take, the rest the "
-                            "decode pool's: above 0, below 1 (default 0.25)")
-    pools.add_argument("--kv-memory-fraction", type=share, default=0.8, metavar="KV_SHARE",
-                       help="on an accelerator, the share of the device memory left after the weights that the two "
-                            "pools take together, the rest kept for activations and programs: above 0, below 1 "
-                            "(default 0.8)")
-    split = parser.add_argument_group(
-        "P and D on devices of their own (tpu-inference's one-host layout: a chip for prefill, a chip for decode)",
-        "Without these both engines run on the first device (one pool: --transfer-backend pool). With them, the "
-        "prefill engine takes the first N devices and the decode engine the next M, each with its own copy of the "
-        "weights and its own pool, and a handoff copies the request's pages device to device (--transfer-backend "
-        "device). One device a role for now.")
-    split.add_argument("--prefill-devices", type=at_least(1), default=None, metavar="N",
-                       help="devices of the prefill engine (with --decode-devices)")
-    split.add_argument("--decode-devices", type=at_least(1), default=None, metavar="M",
-                       help="devices of the decode engine (with --prefill-devices)")
-    parser.add_argument("--startup-wait-secs", type=seconds(), default=DEFAULT_PD_STARTUP_WAIT_S, metavar="S",
-                        help="a request that arrives while the process starts (both engines compile) waits this long "
-                             "for it to be ready, then is served; past it, 503 starting (default "
-                             f"{DEFAULT_PD_STARTUP_WAIT_S:g}; /health is 503 starting until ready)")
-    router = parser.add_argument_group("the built-in router in front of the two engines (fsm-pd serve --role router)")
-    router.add_argument("--pd-policy", choices=PD_POLICIES, default="auto",
-                        help="which requests go through the prefill engine: auto (default): prompts over "
-                             "--local-prefill-max-tokens, the rest are prefilled by the decode engine itself; always: "
-                             "every request (each a handoff); never: none")
-    router.add_argument("--local-prefill-max-tokens", type=at_least(0), default=DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
-                        help="with auto: prompts of at most this many tokens are prefilled on the decode engine "
-                             f"(default {DEFAULT_LOCAL_PREFILL_MAX_TOKENS})")
-
-
-def share(text: str) -> float:
-    """A fraction strictly between 0 and 1."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number between 0 and 1, got {text!r}") from None
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"must be above 0 and below 1, got {text}")
-    return value
-
-
-def steps(text: str) -> float:
-    """--prefill-chunk-steps: a finite number, at least 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
-    return value
 
 
 def split_role(argv: Sequence[str]) -> tuple[str | None, list[str]]:

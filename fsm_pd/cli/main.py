@@ -9,8 +9,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from fsm_pd.cli.pd_flags import PD_POLICIES  # the router's --pd-policy, jax- and fastapi-free
+
 EXIT_OK, EXIT_UNREADABLE, EXIT_DIVERGED = 0, 2, 3
-PD_POLICIES = ("auto", "always", "never")  # the router's --pd-policy (router/policy.py MODES, which loads fastapi)
 EXIT_PIPE_CLOSED = 141  # what a shell reports for a process SIGPIPE ended: the reader went away (replay ... | head)
 
 
@@ -158,7 +159,8 @@ def router_extra(args: argparse.Namespace) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fsm_pd.cli.flags import add_model_flags, one_line_errors, port, positive_int, transfer_backend
+    from fsm_pd.cli.flag_values import one_line_errors, port, positive_int, transfer_backend
+    from fsm_pd.cli.flags import add_model_flags
     from fsm_pd.net.body_limit import byte_count
 
     parser = argparse.ArgumentParser(

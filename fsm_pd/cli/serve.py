@@ -17,12 +17,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fsm_pd.cli.checks import listener_problem, node_problem
+from fsm_pd.cli.flag_values import one_line_errors
 from fsm_pd.cli.flags import (
     DEADLINE_FLAGS,
     ROLES,
     SERVE_HELP,
     node_parser,
-    one_line_errors,
     role_parser,
     split_role,
 )

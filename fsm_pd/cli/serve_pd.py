@@ -30,7 +30,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-from fsm_pd.cli.flags import DEADLINE_FLAGS, pd_backend
+from fsm_pd.cli.flags import DEADLINE_FLAGS
+from fsm_pd.cli.pd_flags import pd_backend
 from fsm_pd.net.unix_sockets import UnixPathError, check_path, remove_listener_files, unix_address
 from fsm_pd.runtime.process_exit import exit_now, on_exit
 

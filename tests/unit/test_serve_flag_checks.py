@@ -121,7 +121,7 @@ def test_launch_on_a_taken_port_starts_nothing(taken, tmp_path):
 
 
 def test_role_pd_offers_the_routers_policies_and_default():
-    from fsm_pd.cli import flags as serve_flags
+    from fsm_pd.cli import pd_flags as serve_flags
     from fsm_pd.router import policy
 
     assert serve_flags.PD_POLICIES == policy.MODES
