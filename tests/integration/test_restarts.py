@@ -25,7 +25,9 @@ def test_a_node_killed_and_restarted_under_load(rig, role):
     _no_hang(figures)
     assert figures["in_flight_at_kill"] > 0, figures
     assert figures["in_flight_max_end_s"] <= 10, figures  # every request the dead node held ended, with an error
-    assert figures["health_to_first_success_s"] <= 5, figures  # the new instance is used at once
+    # the new instance is used at once: well inside the router's 10 s cooldown of an ejected worker (a router that
+    # waited it out could not answer sooner), with room for one request among 32 streams on a loaded 2-core host
+    assert figures["health_to_first_success_s"] <= 8, figures
 
 
 @pytest.mark.slow
