@@ -37,20 +37,12 @@ from fsm_pd.net.body_limit import ROUTER_FALLBACK_BYTES, BodySizeLimit, byte_cou
 from fsm_pd.net.http_protocol import add_read_timeout_flags, read_timeouts_from_args
 from fsm_pd.net.unix_sockets import UnixPathError, check_path, is_unix
 from fsm_pd.router.cache_aware import CacheAwareSettings
-from fsm_pd.router.core import (
-    DEFAULT_BREAKER,
-    DEFAULT_RETRY,
-    DEFAULT_STARTUP_WAIT_S,
-    GENERATION_PATHS,
-    RETRY_POLICIES,
-    PDRouter,
-    PrefillWorker,
-    RetrySettings,
-)
+from fsm_pd.router.core import DEFAULT_BREAKER, DEFAULT_STARTUP_WAIT_S, GENERATION_PATHS, PDRouter, PrefillWorker
 from fsm_pd.router.fleet import POLICIES, BreakerSettings
 from fsm_pd.router.legs import DEFAULT_DEADLINES, RouterDeadlines
 from fsm_pd.router.metrics import RouterMetrics, RouterMetricsMiddleware
 from fsm_pd.router.policy import DEFAULT_LOCAL_PREFILL_MAX_TOKENS, MODES, PolicySettings
+from fsm_pd.router.retries import DEFAULT_RETRY, RETRY_POLICIES, RetrySettings
 from fsm_pd.router.routes import install_router_routes
 
 log = logging.getLogger(__name__)

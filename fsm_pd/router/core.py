@@ -29,7 +29,7 @@ from fsm_pd.api.tasks import cancel_and_wait
 from fsm_pd.net.unix_http import async_client, http_url
 from fsm_pd.router.attempts import Attempts, Failure, Started, error_message, needs_prefill_body
 from fsm_pd.router.cache_aware import CacheAwareSettings, routing_key
-from fsm_pd.router.fleet import BreakerSettings, Fleet, HealthChecker, RetryBudget, Worker
+from fsm_pd.router.fleet import BreakerSettings, Fleet, HealthChecker, Worker
 from fsm_pd.router.legs import (
     DEFAULT_DEADLINES,
     DONE,
@@ -44,14 +44,13 @@ from fsm_pd.router.merge import check_bootstrap, merge_json, merge_sse, prefill_
 from fsm_pd.router.metrics import RouterMetrics
 from fsm_pd.router.migrate import Progress, can_migrate, node_failure
 from fsm_pd.router.policy import PolicySettings, PrefillIdleWatch, Route, RouteInput, decide, prompt_tokens
+from fsm_pd.router.retries import DEFAULT_RETRY, RETRY_POLICIES, RetryBudget, RetrySettings, Tries, retry_backoff
 from fsm_pd.router.routes import RunningRequests
 
 log = logging.getLogger(__name__)
 
 GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 PROBE_TIMEOUT_S = 45.0  # health and info probes; longer than a worker's own /health_generate limit (30 s)
-RETRY_POLICIES = ("retry", "fail")
-RETRY_BACKOFF_S, RETRY_BACKOFF_MAX_S = 0.05, 1.0  # before the n-th retry: 50 ms x 2^(n-1), at most 1 s
 DEFAULT_STARTUP_WAIT_S = 60.0  # a request that finds every worker of a role starting waits this long for one
 
 
@@ -61,16 +60,7 @@ class PrefillWorker:
     bootstrap_port: int | str | None  # None: decode uses its own default (SGLang's "null"); "unix:PATH": a socket
 
 
-@dataclass(frozen=True, slots=True)
-class RetrySettings:
-    policy: str = "retry"  # "fail": every failure goes to the client as it came (today's sglang-router-like PD)
-    max_retries: int = 2  # per request: retries before the first token, and migrations of a stream, together
-    budget_ratio: float = 0.2  # router-wide: retries <= this x requests over the window ...
-    budget_min_per_s: float = 10.0  # ... but never fewer than this many per second (Linkerd's default)
-    budget_window_s: float = 10.0
-
-
-DEFAULT_RETRY, DEFAULT_BREAKER = RetrySettings(), BreakerSettings()
+DEFAULT_BREAKER = BreakerSettings()
 
 
 def _unreachable(side: str, url: str, err: Exception) -> Response:
@@ -415,28 +405,6 @@ class PDRouter:
         healthy = all(isinstance(r, int) and r < 300 for r in results)
         return JSONResponse({"healthy": healthy, "workers": dict(zip(urls, results, strict=True))},
                             status_code=200 if healthy else 503)
-
-
-def retry_backoff(retry: int) -> float:
-    """Seconds to wait before a request's ``retry``-th retry, longer after each (sglang-router's schedule: 50 ms,
-    doubling): a worker that just failed gets a moment for its health check to tell whether it is gone, and a
-    failing fleet is not hammered (a dead prefill was tried 3 times within 30 ms)."""
-    return min(RETRY_BACKOFF_S * 2 ** (retry - 1), RETRY_BACKOFF_MAX_S) if retry > 0 else 0.0
-
-
-@dataclass
-class Tries:
-    """One request's retries and migrations, together."""
-
-    max_retries: int
-    used: int = 0
-    free: int = 0  # retries after a refused connection: they use no try (each took a worker out)
-    first: str = ""  # what went wrong first (a drain that aborted the stream), when later attempts fail otherwise
-    last: str = ""
-
-    @property
-    def left(self) -> int:
-        return self.max_retries - self.used
 
 
 def _error_event(status: int, message: str) -> bytes:

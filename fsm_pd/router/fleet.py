@@ -24,7 +24,6 @@ the breaker, the picker and the retry budget are unit-tested with a fake one.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import random
@@ -221,46 +220,6 @@ class Fleet:
 
     def all(self) -> list[Worker]:
         return self.workers["prefill"] + self.workers["decode"]
-
-
-class RetryBudget:
-    """Retries allowed over the last ``window_s``: at most ``ratio`` x the requests that arrived in it, and never
-    fewer than ``min_per_s`` x ``window_s``."""
-
-    def __init__(self, ratio: float = 0.2, min_per_s: float = 10.0, window_s: float = 10.0,
-                 clock: Clock = time.monotonic):
-        if ratio < 0 or min_per_s < 0 or window_s <= 0:
-            raise ValueError("the retry budget's ratio and floor must not be negative, its window positive")
-        self.ratio, self.min_per_s, self.window_s, self.clock = ratio, min_per_s, window_s, clock
-        self._requests: collections.deque[float] = collections.deque()
-        self._retries: collections.deque[float] = collections.deque()
-
-    def _trim(self, now: float) -> None:
-        for times in (self._requests, self._retries):
-            while times and times[0] <= now - self.window_s:
-                times.popleft()
-
-    def request(self) -> None:
-        """A client request arrived."""
-        now = self.clock()
-        self._trim(now)
-        self._requests.append(now)
-
-    def allowed(self) -> float:
-        return max(self.min_per_s * self.window_s, self.ratio * len(self._requests))
-
-    def try_retry(self) -> bool:
-        """Spend one retry if the budget has one left."""
-        now = self.clock()
-        self._trim(now)
-        if len(self._retries) + 1 > self.allowed():
-            return False
-        self._retries.append(now)
-        return True
-
-    def describe(self) -> str:
-        return (f"{len(self._retries)} retries in the last {self.window_s:g} s, allowed {self.allowed():g} "
-                f"(max({self.ratio:g} x {len(self._requests)} requests, {self.min_per_s:g}/s))")
 
 
 OUT_CHECK_INTERVAL_S = 0.5  # the check interval while a worker is out: a ready node is taken back within 0.5 s

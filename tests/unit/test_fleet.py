@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from fsm_pd.router.fleet import BreakerSettings, Fleet, RetryBudget, Worker
+from fsm_pd.router.fleet import BreakerSettings, Fleet, Worker
+from fsm_pd.router.retries import RetryBudget
 
 
 class Clock:
@@ -180,7 +181,7 @@ def test_a_refused_connection_takes_even_the_last_worker_out_at_once_and_its_fir
 
 
 def test_retries_back_off_doubling_up_to_a_bound():
-    from fsm_pd.router.core import RETRY_BACKOFF_MAX_S, retry_backoff
+    from fsm_pd.router.retries import RETRY_BACKOFF_MAX_S, retry_backoff
 
     assert [retry_backoff(n) for n in range(4)] == [0.0, 0.05, 0.1, 0.2]
     assert retry_backoff(30) == RETRY_BACKOFF_MAX_S == 1.0
