@@ -9,7 +9,8 @@ rest on a background thread while it serves (``serving/warmup.py``). So there ar
 - ``serving``: compiled because a request needed it now. That request, and its batch, waited: it must stay 0.
 
 ``/metrics`` exports ``fsm_pd_compiles_total{phase}``, and per kind of program (``preparing``) the seconds spent
-tracing, lowering and in the backend, with how many programs came from the compile cache.
+tracing, lowering and in the backend, with how many programs came from the compile cache, and how many were loaded
+whole as serialized executables (``executables.py``: no trace, lowering or compile; ``loaded``).
 
 JAX reports these through ``jax.monitoring`` on the thread that compiles, which is how a kind and a phase set on
 that thread (``preparing``) reach the counts. Its listeners are process-wide, so this module is too.
@@ -53,10 +54,12 @@ class KindCost:
     trace_s: float = 0.0
     lower_s: float = 0.0
     backend_s: float = 0.0  # XLA's compile, or the compile cache's load
+    from_executable: int = 0  # loaded as serialized executables (``executables.py``), counted in ``programs``
+    load_s: float = 0.0  # reading and loading those
 
     @property
     def seconds(self) -> float:
-        return self.trace_s + self.lower_s + self.backend_s
+        return self.trace_s + self.lower_s + self.backend_s + self.load_s
 
 
 _kinds: dict[str, KindCost] = {}
@@ -104,6 +107,18 @@ def _on_duration(event: str, seconds: float, fun_name: str = "?", **_) -> None:
         log.warning("compiled %s while serving (%.2f s)", fun_name, seconds)
 
 
+def loaded(seconds: float) -> None:
+    """A program of this thread's kind was loaded as a serialized executable in ``seconds``: JAX reports nothing for
+    it, so it is counted here, in the phase it would have compiled in."""
+    kind = getattr(_local, "kind", None) or "other"
+    with _lock:
+        cost = _kinds.setdefault(kind, KindCost())
+        cost.programs += 1
+        cost.from_executable += 1
+        cost.load_s += seconds
+        _counts[getattr(_local, "phase", None) or _phase] += 1
+
+
 @contextmanager
 def preparing(kind: str, *, background: bool = False) -> Iterator[None]:
     """Attribute the programs this thread loads inside to ``kind``, and with ``background`` to the background phase
@@ -147,13 +162,15 @@ class CompileCollector:
         yield family
         seconds = CounterMetricFamily("fsm_pd_program_prepare_seconds", "Seconds this process spent preparing "
                                       "programs, per kind and step (trace, lower, backend: XLA's compile or the "
-                                      "compile cache's load)", labels=["kind", "step"])
+                                      "compile cache's load; load: a serialized executable's)", labels=["kind", "step"])
         programs = CounterMetricFamily("fsm_pd_programs", "Programs this process prepared, per kind and source "
-                                       "(compiled, or loaded from the compile cache)", labels=["kind", "source"])
+                                       "(compiled, loaded from the compile cache, or loaded as a serialized executable)",
+                                       labels=["kind", "source"])
         for kind, cost in costs().items():
-            for step in ("trace", "lower", "backend"):
+            for step in ("trace", "lower", "backend", "load"):
                 seconds.add_metric([kind, step], getattr(cost, f"{step}_s"))
             programs.add_metric([kind, "cache"], cost.from_cache)
-            programs.add_metric([kind, "compiled"], cost.programs - cost.from_cache)
+            programs.add_metric([kind, "executable"], cost.from_executable)
+            programs.add_metric([kind, "compiled"], cost.programs - cost.from_cache - cost.from_executable)
         yield seconds
         yield programs

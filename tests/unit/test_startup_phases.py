@@ -1,6 +1,7 @@
 """A node started from a GGUF file, as a process on a unix socket, cold then warm on the same caches: it names each
 start-up phase (the device and the weights on threads of their own), answers its first request once ready, and on
-the warm start loads every program of its ready set from the compile cache. The same for ``--role pd``, whose
+the warm start loads every program of its ready set from the compile cache, its forward passes as the serialized
+executables the cold start wrote (``model/executables.py``), tracing none of them. The same for ``--role pd``, whose
 ``/server_info`` and ``/metrics`` carry the process's start-up as a node's do (``bench/startup.py --roles pd``)."""
 
 from __future__ import annotations
@@ -80,6 +81,12 @@ def test_a_node_names_its_phases_answers_once_ready_and_loads_every_program_from
     assert warm["answer"]["text"] == cold["answer"]["text"]
     kinds = warm["startup"]["programs_before_ready"]
     assert kinds and sum(k["programs"] for k in kinds.values()) >= 10, kinds
-    compiled = {kind: k["programs"] - k["from_cache"] for kind, k in kinds.items()}
+    compiled = {kind: k["programs"] - k["from_cache"] - k["from_executable"] for kind, k in kinds.items()}
     assert not any(compiled.values()), f"compiled on a warm start instead of loading from the cache: {compiled}"
-    assert not any(k["from_cache"] for k in cold["startup"]["programs_before_ready"].values())
+    assert not any(k["from_cache"] + k["from_executable"] for k in cold["startup"]["programs_before_ready"].values())
+    # the forward passes and the logprob programs loaded whole as the executables the cold start wrote: not one traced
+    forward = {kind: kinds[kind] for kind in ("decode", "prefill", "logprobs") if kind in kinds}
+    assert {"decode", "prefill"} <= set(forward), kinds
+    assert all(k["from_executable"] == k["programs"] > 0 and k["trace_s"] == k["lower_s"] == 0
+               for k in forward.values()), forward
+    assert list((tmp_path / "jax" / "executables").glob("*.exe")), "the cold start wrote them"

@@ -1,0 +1,107 @@
+"""Serialized executables (``model/executables.py``): a program compiled ahead is written once and loaded back by
+the same key; another key (an XLA flag, a static argument) or a damaged entry is compiled, never loaded; the cache
+follows JAX's compile cache and has an off switch. In one process jit's own caches hide whether a second lowering
+traced, so these count loads (``compiles.loaded``); that a warm start traces none of its ready set's forward programs
+is ``test_startup_phases.py``'s, on a served node in a fresh process."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from fsm_pd.model import compiles, executables
+
+
+def scaled_sum(x, *, scale: int):
+    return (x * scale).sum()
+
+
+_scaled_sum = jax.jit(scaled_sum, static_argnames=("scale",))
+ARG = jax.ShapeDtypeStruct((7,), jnp.float32)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """JAX's compile cache directory pointed at ``tmp_path`` for this test (the setting only: nothing compiles
+    through JAX's cache here unless it was already on), restored after."""
+    monkeypatch.delenv(executables.ENV, raising=False)
+    was = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    yield tmp_path / "executables"
+    jax.config.update("jax_compilation_cache_dir", was)
+
+
+def _loaded() -> int:
+    return sum(cost.from_executable for cost in compiles.costs().values())
+
+
+def _run(program) -> float:
+    return float(program(jnp.arange(7.0)))
+
+
+def test_a_program_is_written_once_then_loaded_without_a_trace(cache_dir):
+    first = executables.compiled(_scaled_sum, ARG, scale=3)
+    assert _run(first) == 63.0
+    entries = sorted(cache_dir.iterdir())
+    assert len(entries) == 1
+    before = _loaded()
+    again = executables.compiled(_scaled_sum, ARG, scale=3)
+    assert _run(again) == 63.0 and again is not first
+    assert _loaded() == before + 1
+    assert sorted(cache_dir.iterdir()) == entries, "nothing new written"
+
+
+def test_another_static_argument_or_xla_flag_is_another_program(cache_dir, monkeypatch):
+    executables.compiled(_scaled_sum, ARG, scale=3)
+    before = _loaded()
+    assert _run(executables.compiled(_scaled_sum, ARG, scale=5)) == 105.0
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true")  # a flag this process never reads again
+    assert _run(executables.compiled(_scaled_sum, ARG, scale=3)) == 63.0
+    assert _loaded() == before, "neither was loaded"
+    assert len(list(cache_dir.iterdir())) == 3
+
+
+@pytest.mark.parametrize("damage", ["torn", "another program's", "flipped byte"])
+def test_a_damaged_entry_is_compiled_over_and_logged(cache_dir, caplog, damage):
+    executables.compiled(_scaled_sum, ARG, scale=3)
+    (entry,) = cache_dir.iterdir()
+    blob = entry.read_bytes()
+    if damage == "torn":
+        entry.write_bytes(blob[: len(blob) // 2])
+    elif damage == "another program's":
+        executables.compiled(_scaled_sum, ARG, scale=5)
+        other = next(p for p in cache_dir.iterdir() if p != entry)
+        entry.write_bytes(other.read_bytes())
+    else:
+        flipped = bytearray(blob)
+        flipped[len(blob) * 3 // 4] ^= 0xFF  # inside the executable's bytes
+        entry.write_bytes(bytes(flipped))
+    before = _loaded()
+    with caplog.at_level(logging.WARNING, logger=executables.__name__):
+        program = executables.compiled(_scaled_sum, ARG, scale=3)
+    assert _run(program) == 63.0, "the right program, compiled"
+    assert _loaded() == before and "ignoring" in caplog.text
+    assert _run(executables.compiled(_scaled_sum, ARG, scale=3)) == 63.0
+    assert _loaded() == before + 1, "written anew, whole: loaded the next time"
+
+
+def test_off_with_the_switch_or_without_the_compile_cache(cache_dir, monkeypatch):
+    assert executables.directory() == cache_dir
+    monkeypatch.setenv(executables.ENV, "off")
+    assert executables.directory() is None
+    assert _run(executables.compiled(_scaled_sum, ARG, scale=3)) == 63.0
+    assert not cache_dir.exists()
+    monkeypatch.delenv(executables.ENV)
+    jax.config.update("jax_compilation_cache_dir", None)
+    assert executables.directory() is None
+
+
+def test_the_key_names_the_code_and_the_argument_placements(cache_dir):
+    key = executables.program_key(_scaled_sum, (ARG,), {"scale": 3})
+    assert f"code {executables.code_hash()}" in key and "scaled_sum" in key
+    placed = jax.ShapeDtypeStruct((7,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    assert executables.program_key(_scaled_sum, (placed,), {"scale": 3}) != key
+    assert executables.program_key(_scaled_sum, (jax.ShapeDtypeStruct((7,), jnp.int32),), {"scale": 3}) != key
