@@ -7,8 +7,9 @@ On the model a user gets (SmolLM2 unless --model), with the defaults a user gets
    first run left (warm). For each run: the time from the process's start to ready (``/health`` 200) and to the end
    of its first answer, each start-up phase (``fsm_pd_startup_seconds``: imports, device, model, weights, engine,
    programs; the device and the weights on threads of their own, beside the others), and per kind of program how
-   many it prepared, how many came from the compile cache, and the seconds spent tracing, lowering and in the
-   backend (``fsm_pd_program_prepare_seconds``, ``fsm_pd_programs``);
+   many it prepared, how many came from the compile cache and how many were loaded as serialized executables
+   (``model/executables.py``), and the seconds spent tracing, lowering, in the backend and loading executables
+   (``fsm_pd_program_prepare_seconds``, ``fsm_pd_programs``);
 2. ``fsm-pd launch`` (1 prefill, 1 decode, the router), cold then warm: the seconds from the command to the first
    answer it prints, as a newcomer sees them.
 
@@ -216,13 +217,17 @@ def node_table(results: dict) -> Table:
 
 
 def kinds_table(results: dict) -> Table:
-    table = Table(title="programs prepared before ready, per kind (count, from cache; seconds)")
-    for column in ("code", "role", "cache", "kind", "programs", "from cache", "trace", "lower", "backend"):
+    table = Table(title="programs prepared before ready, per kind (count, from the compile cache, loaded as "
+                        "serialized executables; seconds)")
+    for column in ("code", "role", "cache", "kind", "programs", "from cache", "executables", "trace", "lower",
+                   "backend", "load"):
         table.add_column(column, justify="left" if column in ("code", "role", "cache", "kind") else "right")
     for (code, role, cache), r in results.items():
-        for kind, k in sorted(r["kinds"].items()):
+        for kind, k in sorted(r["kinds"].items()):  # a baseline without serialized executables has no such figures
             table.add_row(code, role, cache, kind, str(k["programs"]), str(k["from_cache"]),
-                          *(f"{k[f'{step}_s']:.2f}" for step in ("trace", "lower", "backend")))
+                          str(k.get("from_executable", "-")),
+                          *(f"{k[f'{step}_s']:.2f}" if f"{step}_s" in k else "-"
+                            for step in ("trace", "lower", "backend", "load")))
     return table
 
 
@@ -287,6 +292,12 @@ def report(runs: dict, args: argparse.Namespace) -> None:
                 base = statistics.median(r["ready_s"] for r in runs[(args.baseline, role, cache)])
                 what = "first answer" if role == "launch" else "ready"
                 ratios.append(f"{role} {cache} {what} {this:.1f} s against {base:.1f} s: {this / base:.2f}x")
+                phase = [statistics.median(r["phases"]["programs"] for r in rs if "programs" in r.get("phases", {}))
+                         for rs in (found, runs[(args.baseline, role, cache)])
+                         if any("programs" in r.get("phases", {}) for r in rs)]
+                if len(phase) == 2:  # what serialized executables save is here: the ready set's programs
+                    ratios.append(f"{role} {cache} programs phase {phase[0]:.1f} s against {phase[1]:.1f} s: "
+                                  f"{phase[0] / phase[1]:.2f}x")
         console.print(f"this code against {args.baseline} (medians): " + "; ".join(ratios))
     if args.json:
         print(json.dumps({"nodes": {"/".join(key): r for key, r in nodes.items()},

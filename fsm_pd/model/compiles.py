@@ -164,7 +164,8 @@ class CompileCollector:
                                       "programs, per kind and step (trace, lower, backend: XLA's compile or the "
                                       "compile cache's load; load: a serialized executable's)", labels=["kind", "step"])
         programs = CounterMetricFamily("fsm_pd_programs", "Programs this process prepared, per kind and source "
-                                       "(compiled, loaded from the compile cache, or loaded as a serialized executable)",
+                                       "(compiled, loaded from the compile cache, or loaded as a serialized "
+                                       "executable)",
                                        labels=["kind", "source"])
         for kind, cost in costs().items():
             for step in ("trace", "lower", "backend", "load"):
