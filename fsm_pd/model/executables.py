@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import os
-import pickle
 import tempfile
 import threading
 import time
@@ -69,7 +69,7 @@ def compiled(jitted, *args, **static) -> jax.stages.Compiled:
     key = program_key(jitted, args, static)
     path = folder / f"{hashlib.sha256(key.encode()).hexdigest()}.exe"
     began = time.perf_counter()
-    program = _load(path, key)
+    program = _load(path, key, jax.tree.structure((args, {})))
     if program is not None:
         compiles.loaded(time.perf_counter() - began)
         return program
@@ -121,7 +121,8 @@ def code_hash() -> str:
     return digest.hexdigest()
 
 
-def _load(path: Path, key: str) -> jax.stages.Compiled | None:
+def _load(path: Path, key: str, in_tree) -> jax.stages.Compiled | None:
+    """The entry at ``path``, loaded, or None where there is none or it is not this key's whole (logged)."""
     try:
         blob = path.read_bytes()
     except FileNotFoundError:
@@ -130,28 +131,34 @@ def _load(path: Path, key: str) -> jax.stages.Compiled | None:
         log.warning("executable cache: cannot read %s (%s); compiling", path.name, exc)
         return None
     try:
-        entry = pickle.loads(blob)
-        if entry["key"] != key:
+        line, _, rest = blob.partition(b"\n")
+        header = json.loads(line)
+        if header.get("key") != key:
             raise ValueError("it was written for another program")
-        if hashlib.sha256(entry["executable"]).hexdigest() != entry["digest"]:
+        if hashlib.sha256(rest).hexdigest() != header["digest"]:
             raise ValueError("its executable does not match its digest")
-        serialized, in_tree, out_tree = pickle.loads(entry["executable"])
-        return serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
+        split = header["out_tree"]
+        out_tree = jax.tree_util.PyTreeDef.deserialize_using_proto(jax.tree_util.default_registry, rest[:split])
+        return serialize_executable.deserialize_and_load(rest[split:], in_tree, out_tree)
     except Exception as exc:  # noqa: BLE001 - a bad entry costs a compile, never the start
         log.warning("executable cache: ignoring %s (%s: %s); compiling", path.name, type(exc).__name__, exc)
         return None
 
 
 def _save(path: Path, key: str, program: jax.stages.Compiled) -> None:
+    """Write ``program`` at ``path``: a JSON line (its key, a digest of the rest, where the rest splits), its output
+    tree (``PyTreeDef``'s own encoding), its executable. Its input tree is the key's arguments', made again on load."""
     try:
-        executable = pickle.dumps(serialize_executable.serialize(program))
-        blob = pickle.dumps({"key": key, "digest": hashlib.sha256(executable).hexdigest(), "executable": executable})
+        executable, _, out_tree = serialize_executable.serialize(program)
+        tree = out_tree.serialize_using_proto()
+        rest = tree + executable
+        header = json.dumps({"key": key, "digest": hashlib.sha256(rest).hexdigest(), "out_tree": len(tree)})
         with _writing:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
             try:
                 with os.fdopen(fd, "wb") as out:
-                    out.write(blob)
+                    out.write(header.encode() + b"\n" + rest)
                 os.replace(temporary, path)  # atomic: a reader sees the old entry, none, or this one whole
             except BaseException:
                 Path(temporary).unlink(missing_ok=True)
