@@ -16,6 +16,13 @@ edited checkout never loads a stale executable. An entry holds its key's text, c
 executable; a torn, corrupt or mismatched entry is logged and compiled over, never fatal. Writes are atomic (a
 temporary file, renamed).
 
+What is written must be whole. XLA:CPU (jaxlib 0.10.2) serializes a program it *loaded* (from JAX's compile cache,
+or from here) without its object code: such an entry loads, and its first call fails ("Function iota_add_fusion not
+found") after it has taken the donated KV pool, which is lost with it. So only a program XLA compiled in this process
+is written; one JAX's compile cache handed back is not (the store fills on a start that compiles it). And on the CPU
+an entry whose executable holds no object code is refused before it loads, and the program compiled over
+(``compiles.refused``): a loaded program cannot be tried once before it serves, as its first call donates the pool.
+
 The entries live in ``executables/`` of JAX's compile cache directory, and only while that cache is on;
 ``FSM_PD_EXECUTABLE_CACHE=off`` turns this off alone. Like the compile cache, the directory must be trusted: loading
 an executable runs what it holds.
@@ -41,9 +48,11 @@ from fsm_pd.model import compiles
 log = logging.getLogger(__name__)
 
 ENV = "FSM_PD_EXECUTABLE_CACHE"
-FORMAT = 1  # of an entry; a new one makes every old entry a miss
+FORMAT = 2  # of an entry; a new one makes every old entry a miss (1: written from loaded programs too)
 # the environment variables that change what a program compiles to
 FLAG_VARIABLES = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "FSM_PD_ATTENTION", "FSM_PD_LAYERS_PER_PROGRAM")
+# where an XLA:CPU executable holds its kernels: object files, one or more
+OBJECT_CODE = b"\x7fELF"
 # the packages whose code builds programs: an edit to any of their modules is a new key
 PROGRAM_CODE = (Path(__file__).resolve().parent, Path(__file__).resolve().parent.parent / "kernels")
 
@@ -62,7 +71,9 @@ def directory() -> Path | None:
 def compiled(jitted, *args, **static) -> jax.stages.Compiled:
     """``jitted.lower(*args, **static).compile()``, or the executable an earlier process wrote for the same key.
     ``args`` are ``jax.ShapeDtypeStruct``s (or arrays), ``static`` the static arguments. A program loaded here is
-    counted as ``executable`` (``compiles.loaded``): JAX reports no trace, lowering or compile for it."""
+    counted as ``executable`` (``compiles.loaded``): JAX reports no trace, lowering or compile for it. A program
+    compiled here is written for the next process, unless JAX's compile cache handed it back (the module's
+    docstring)."""
     folder = directory()
     if folder is None:
         return jitted.lower(*args, **static).compile()
@@ -73,9 +84,25 @@ def compiled(jitted, *args, **static) -> jax.stages.Compiled:
     if program is not None:
         compiles.loaded(time.perf_counter() - began)
         return program
-    program = jitted.lower(*args, **static).compile()
-    _save(path, key, program)
+    program, from_cache = compiles.from_compile_cache(lambda: jitted.lower(*args, **static).compile())
+    if from_cache:  # loaded, not compiled: its serialization may lack its code (the docstring)
+        _not_written(path)
+    else:
+        _save(path, key, program)
     return program
+
+
+_told = threading.Event()
+
+
+def _not_written(path: Path) -> None:
+    """Say once a process that a program JAX's compile cache loaded is not written here; each one at debug."""
+    if _told.is_set():
+        log.debug("executable cache: %s came from the compile cache: not written", path.name)
+        return
+    _told.set()
+    log.info("executable cache: programs JAX's compile cache loaded are not written here (a loaded program may "
+             "serialize without its code); they are when a start compiles them (first: %s)", path.name)
 
 
 def program_key(jitted, args: tuple, static: dict) -> str:
@@ -129,6 +156,7 @@ def _load(path: Path, key: str, in_tree) -> jax.stages.Compiled | None:
         return None
     except OSError as exc:
         log.warning("executable cache: cannot read %s (%s); compiling", path.name, exc)
+        compiles.refused()
         return None
     try:
         line, _, rest = blob.partition(b"\n")
@@ -138,10 +166,13 @@ def _load(path: Path, key: str, in_tree) -> jax.stages.Compiled | None:
         if hashlib.sha256(rest).hexdigest() != header["digest"]:
             raise ValueError("its executable does not match its digest")
         split = header["out_tree"]
+        if jax.default_backend() == "cpu" and OBJECT_CODE not in rest[split:]:
+            raise ValueError("it holds no object code: its first call would fail, and take the KV pool with it")
         out_tree = jax.tree_util.PyTreeDef.deserialize_using_proto(jax.tree_util.default_registry, rest[:split])
         return serialize_executable.deserialize_and_load(rest[split:], in_tree, out_tree)
     except Exception as exc:  # noqa: BLE001 - a bad entry costs a compile, never the start
         log.warning("executable cache: ignoring %s (%s: %s); compiling", path.name, type(exc).__name__, exc)
+        compiles.refused()
         return None
 
 

@@ -1,16 +1,25 @@
 """Serialized executables (``model/executables.py``): a program compiled ahead is written once and loaded back by
 the same key; another key (an XLA flag, a static argument) or a damaged entry is compiled, never loaded; the cache
-follows JAX's compile cache and has an off switch. In one process jit's own caches hide whether a second lowering
+follows JAX's compile cache and has an off switch. A program JAX's compile
+cache handed back is not written (XLA:CPU serializes it without its code), and an entry without object code, which
+loads but cannot run, is refused and compiled over. In one process jit's own caches hide whether a second lowering
 traced, so these count loads (``compiles.loaded``); that a warm start traces none of its ready set's forward programs
 is ``test_startup_phases.py``'s, on a served node in a fresh process."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.experimental import serialize_executable
 
 from fsm_pd.model import compiles, executables
 
@@ -105,3 +114,67 @@ def test_the_key_names_the_code_and_the_argument_placements(cache_dir):
     placed = jax.ShapeDtypeStruct((7,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     assert executables.program_key(_scaled_sum, (placed,), {"scale": 3}) != key
     assert executables.program_key(_scaled_sum, (jax.ShapeDtypeStruct((7,), jnp.int32),), {"scale": 3}) != key
+
+
+def _what_a_loaded_program_serializes_to(entry) -> bytes:
+    """The entry an earlier version wrote when JAX's compile cache handed a program back: this key and a right
+    digest, and the executable as XLA:CPU serializes a program it loaded (no object code)."""
+    line, _, rest = entry.read_bytes().partition(b"\n")
+    header = json.loads(line)
+    tree = rest[: header["out_tree"]]
+    out_tree = jax.tree_util.PyTreeDef.deserialize_using_proto(jax.tree_util.default_registry, tree)
+    loaded = serialize_executable.deserialize_and_load(rest[header["out_tree"]:], jax.tree.structure(((ARG,), {})),
+                                                       out_tree)
+    executable = serialize_executable.serialize(loaded)[0]
+    assert executables.OBJECT_CODE in rest and executables.OBJECT_CODE not in executable, "XLA:CPU as of this writing"
+    header["digest"] = hashlib.sha256(tree + executable).hexdigest()
+    return json.dumps(header).encode() + b"\n" + tree + executable
+
+
+def test_an_entry_that_loads_but_cannot_run_is_refused_and_compiled_over(cache_dir, caplog):
+    """Loaded, it would fail its first call ("Function ... not found"), and in a node take the donated KV pool with
+    it; refused, the program compiles and runs right."""
+    executables.compiled(_scaled_sum, ARG, scale=3)
+    (entry,) = cache_dir.iterdir()
+    entry.write_bytes(_what_a_loaded_program_serializes_to(entry))
+    before = _loaded(), sum(cost.refused for cost in compiles.costs().values())
+    with caplog.at_level(logging.WARNING, logger=executables.__name__):
+        program = executables.compiled(_scaled_sum, ARG, scale=3)
+    assert _run(program) == 63.0
+    assert _loaded() == before[0] and "holds no object code" in caplog.text
+    assert sum(cost.refused for cost in compiles.costs().values()) == before[1] + 1, "counted"
+
+
+# In a fresh process, with JAX's compile cache on: a cold start compiles one program twice at once (the one-row head,
+# for the samplers' placement and for the decode step); the second compile is the compile cache's load.
+TWICE = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp
+    from fsm_pd.model import compiles, executables
+    from fsm_pd.runtime import compile_cache
+    compile_cache.enable(sys.argv[1])
+    scaled_sum = jax.jit(lambda x, *, scale: (x * scale).sum(), static_argnames=("scale",))
+    arg = jax.ShapeDtypeStruct((7,), jnp.float32)
+    folder = executables.directory()
+    first = executables.compiled(scaled_sum, arg, scale=3)
+    written = {p.name: executables.OBJECT_CODE in p.read_bytes() for p in folder.iterdir()}
+    for p in folder.iterdir():
+        p.unlink()
+    jax.clear_caches()
+    again = executables.compiled(scaled_sum, arg, scale=3)
+    print(json.dumps({"first": written, "again": [p.name for p in folder.iterdir()],
+                      "from_cache": sum(c.from_cache for c in compiles.costs().values()),
+                      "runs": [float(p(jnp.arange(7.0))) for p in (first, again)]}))
+""")
+
+
+@pytest.mark.timeout(120)
+def test_a_program_the_compile_cache_handed_back_is_not_written(tmp_path):
+    done = subprocess.run([sys.executable, "-c", TWICE, str(tmp_path / "jax")], capture_output=True, text=True,
+                          timeout=110, env={**os.environ, executables.ENV: "on"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert list(out["first"].values()) == [True], "the compiled program is written, with its code"
+    assert out["from_cache"] == 1, "the second compile was the compile cache's load"
+    assert out["again"] == [], "and it is not written"
+    assert out["runs"] == [63.0, 63.0]
