@@ -45,7 +45,7 @@ _lock = threading.Lock()
 _counts = dict.fromkeys(PHASES, 0)
 _phase = "startup"
 _installed = False
-# .kind, .phase: set by ``preparing``; .hit: the program being compiled came from cache; .last_hit: the last one did
+# .kind, .phase: set by ``preparing``; .hit: the program being compiled came from cache; .fresh: XLA compiled the last
 _local = threading.local()
 late: deque[str] = deque(maxlen=64)  # the names of the last programs compiled while serving
 
@@ -104,7 +104,7 @@ def _on_duration(event: str, seconds: float, fun_name: str = "?", **_) -> None:
         cost.backend_s += seconds
         cost.programs += 1
         cost.from_cache += bool(getattr(_local, "hit", False))
-        _local.last_hit, _local.hit = bool(getattr(_local, "hit", False)), False
+        _local.fresh, _local.hit = not getattr(_local, "hit", False), False
         phase = getattr(_local, "phase", None) or _phase
         _counts[phase] += 1
         if phase == "serving":
@@ -133,13 +133,14 @@ def refused() -> None:
         _kinds.setdefault(kind, KindCost()).refused += 1
 
 
-def from_compile_cache(compile: Callable[[], T]) -> tuple[T, bool]:
-    """``compile()``'s program, and whether JAX's compile cache loaded it rather than XLA compiling it (counting is
-    installed first: JAX says so through ``jax.monitoring``, on the compiling thread)."""
+def compiled_here(compile: Callable[[], T]) -> tuple[T, bool]:
+    """``compile()``'s program, and whether XLA compiled it in this call: not when JAX's compile cache loaded it,
+    nor when jit's own memory handed back one compiled or loaded before (JAX reports nothing then). Counting is
+    installed first: JAX reports a compile through ``jax.monitoring``, on the compiling thread."""
     install()
-    _local.last_hit = False
+    _local.fresh = False
     program = compile()
-    return program, _local.last_hit
+    return program, _local.fresh
 
 
 @contextmanager

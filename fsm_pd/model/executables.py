@@ -18,9 +18,10 @@ temporary file, renamed).
 
 What is written must be whole. XLA:CPU (jaxlib 0.10.2) serializes a program it *loaded* (from JAX's compile cache,
 or from here) without its object code: such an entry loads, and its first call fails ("Function iota_add_fusion not
-found") after it has taken the donated KV pool, which is lost with it. So only a program XLA compiled in this process
-is written; one JAX's compile cache handed back is not (the store fills on a start that compiles it). And on the CPU
-an entry whose executable holds no object code is refused before it loads, and the program compiled over
+found") after it has taken the donated KV pool, which is lost with it. So a program is written only where XLA
+compiled it in that very call (``compiles.compiled_here``); one JAX's compile cache loaded, or jit's own memory handed
+back (a start asks for the one-row decode program twice), is not: the store fills on a start that compiles it. On
+the CPU an entry whose executable holds no object code is refused before it loads, and the program compiled over
 (``compiles.refused``): a loaded program cannot be tried once before it serves, as its first call donates the pool.
 
 The entries live in ``executables/`` of JAX's compile cache directory, and only while that cache is on;
@@ -84,11 +85,11 @@ def compiled(jitted, *args, **static) -> jax.stages.Compiled:
     if program is not None:
         compiles.loaded(time.perf_counter() - began)
         return program
-    program, from_cache = compiles.from_compile_cache(lambda: jitted.lower(*args, **static).compile())
-    if from_cache:  # loaded, not compiled: its serialization may lack its code (the docstring)
-        _not_written(path)
-    else:
+    program, fresh = compiles.compiled_here(lambda: jitted.lower(*args, **static).compile())
+    if fresh:
         _save(path, key, program)
+    else:  # loaded, not compiled here: its serialization may lack its code (the docstring)
+        _not_written(path)
     return program
 
 
@@ -96,13 +97,14 @@ _told = threading.Event()
 
 
 def _not_written(path: Path) -> None:
-    """Say once a process that a program JAX's compile cache loaded is not written here; each one at debug."""
+    """Say once a process that a program XLA did not compile here is not written; each one at debug."""
     if _told.is_set():
-        log.debug("executable cache: %s came from the compile cache: not written", path.name)
+        log.debug("executable cache: %s was loaded, not compiled here: not written", path.name)
         return
     _told.set()
-    log.info("executable cache: programs JAX's compile cache loaded are not written here (a loaded program may "
-             "serialize without its code); they are when a start compiles them (first: %s)", path.name)
+    log.info("executable cache: programs loaded from JAX's compile cache (or handed back by jit's own) are not "
+             "written here, as a loaded program may serialize without its code; a start that compiles them writes "
+             "them (first: %s)", path.name)
 
 
 def program_key(jitted, args: tuple, static: dict) -> str:
@@ -149,7 +151,8 @@ def code_hash() -> str:
 
 
 def _load(path: Path, key: str, in_tree) -> jax.stages.Compiled | None:
-    """The entry at ``path``, loaded, or None where there is none or it is not this key's whole (logged)."""
+    """The entry at ``path``, loaded, or None where there is none or it is not this key's whole (logged, counted and
+    removed)."""
     try:
         blob = path.read_bytes()
     except FileNotFoundError:
@@ -173,6 +176,7 @@ def _load(path: Path, key: str, in_tree) -> jax.stages.Compiled | None:
     except Exception as exc:  # noqa: BLE001 - a bad entry costs a compile, never the start
         log.warning("executable cache: ignoring %s (%s: %s); compiling", path.name, type(exc).__name__, exc)
         compiles.refused()
+        path.unlink(missing_ok=True)  # the compile may not write it again (``compiled``): refused once, not each start
         return None
 
 
