@@ -24,9 +24,10 @@ back (a start asks for the one-row decode program twice), is not: the store fill
 the CPU an entry whose executable holds no object code is refused before it loads, and the program compiled over
 (``compiles.refused``): a loaded program cannot be tried once before it serves, as its first call donates the pool.
 
-The entries live in ``executables/`` of JAX's compile cache directory, and only while that cache is on;
-``FSM_PD_EXECUTABLE_CACHE=off`` turns this off alone. Like the compile cache, the directory must be trusted: loading
-an executable runs what it holds.
+The entries live in ``executables/`` of JAX's compile cache directory, and only while that cache is on. On by
+default on an accelerator and off on the CPU, where little is traced and XLA's serialization drops what it loaded;
+``FSM_PD_EXECUTABLE_CACHE=on`` or ``off`` decides. Like the compile cache, the directory must be trusted: loading an
+executable runs what it holds.
 """
 
 from __future__ import annotations
@@ -62,8 +63,11 @@ _writing = threading.Lock()  # one write at a time: a few threads compile side b
 
 def directory() -> Path | None:
     """Where executables are written: ``executables/`` in JAX's compile cache directory; None while that cache is
-    off, or with ``FSM_PD_EXECUTABLE_CACHE=off``."""
-    if os.environ.get(ENV, "").strip().lower() in ("off", "0", "false", "no"):
+    off, with ``FSM_PD_EXECUTABLE_CACHE=off``, and on the CPU backend unless ``FSM_PD_EXECUTABLE_CACHE=on``."""
+    switch = os.environ.get(ENV, "").strip().lower()
+    if switch in ("off", "0", "false", "no"):
+        return None
+    if switch not in ("on", "1", "true", "yes") and jax.default_backend() == "cpu":
         return None
     cache = jax.config.jax_compilation_cache_dir
     return Path(cache) / "executables" if cache else None

@@ -1,6 +1,6 @@
 """Serialized executables (``model/executables.py``): a program compiled ahead is written once and loaded back by
 the same key; another key (an XLA flag, a static argument) or a damaged entry is compiled, never loaded; the cache
-follows JAX's compile cache and has an off switch. A program JAX's compile
+follows JAX's compile cache, is off on the CPU unless switched on, and has an off switch. A program JAX's compile
 cache handed back is not written (XLA:CPU serializes it without its code), and an entry without object code, which
 loads but cannot run, is refused and compiled over. In one process jit's own caches hide whether a second lowering
 traced, so these count loads (``compiles.loaded``); that a warm start traces none of its ready set's forward programs
@@ -39,8 +39,8 @@ _salts = itertools.count((os.getpid() % 20000) * 100_000)  # int32; each process
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     """JAX's compile cache directory pointed at ``tmp_path`` for this test (the setting only: JAX keeps the cache it
-    opened first), restored after."""
-    monkeypatch.delenv(executables.ENV, raising=False)
+    opened first), restored after; the executable store switched on (off by default on the CPU)."""
+    monkeypatch.setenv(executables.ENV, "on")
     was = jax.config.jax_compilation_cache_dir
     jax.config.update("jax_compilation_cache_dir", str(tmp_path))
     yield tmp_path / "executables"
@@ -120,13 +120,15 @@ def _compiled_over(entry, caplog, salt: int, said: str) -> None:
     assert _loaded() == before[0] + 1, "written anew, whole: loaded the next time"
 
 
-def test_off_with_the_switch_or_without_the_compile_cache(cache_dir, monkeypatch, salt):
+def test_off_with_the_switch_on_the_cpu_by_default_or_without_the_compile_cache(cache_dir, monkeypatch, salt):
     assert executables.directory() == cache_dir
     monkeypatch.setenv(executables.ENV, "off")
     assert executables.directory() is None
     assert _run(executables.compiled(_scaled_sum, ARG, scale=3, salt=salt)) == 63.0
     assert not cache_dir.exists()
     monkeypatch.delenv(executables.ENV)
+    assert jax.default_backend() == "cpu" and executables.directory() is None, "off on the CPU unless switched on"
+    monkeypatch.setenv(executables.ENV, "on")
     jax.config.update("jax_compilation_cache_dir", None)
     assert executables.directory() is None
 
