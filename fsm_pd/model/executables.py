@@ -77,8 +77,8 @@ def compiled(jitted, *args, **static) -> jax.stages.Compiled:
     """``jitted.lower(*args, **static).compile()``, or the executable an earlier process wrote for the same key.
     ``args`` are ``jax.ShapeDtypeStruct``s (or arrays), ``static`` the static arguments. A program loaded here is
     counted as ``executable`` (``compiles.loaded``): JAX reports no trace, lowering or compile for it. A program
-    compiled here is written for the next process, unless JAX's compile cache handed it back (the module's
-    docstring)."""
+    XLA compiled in this call is written for the next process; one JAX's compile cache or jit's memory handed back
+    is not (the module's docstring)."""
     folder = directory()
     if folder is None:
         return jitted.lower(*args, **static).compile()
