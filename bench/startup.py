@@ -7,8 +7,9 @@ On the model a user gets (SmolLM2 unless --model), with the defaults a user gets
    first run left (warm). For each run: the time from the process's start to ready (``/health`` 200) and to the end
    of its first answer, each start-up phase (``fsm_pd_startup_seconds``: imports, device, model, weights, engine,
    programs; the device and the weights on threads of their own, beside the others), and per kind of program how
-   many it prepared, how many came from the compile cache, and the seconds spent tracing, lowering and in the
-   backend (``fsm_pd_program_prepare_seconds``, ``fsm_pd_programs``);
+   many it prepared, how many came from the compile cache and how many were loaded as serialized executables
+   (``model/executables.py``), and the seconds spent tracing, lowering, in the backend and loading executables
+   (``fsm_pd_program_prepare_seconds``, ``fsm_pd_programs``);
 2. ``fsm-pd launch`` (1 prefill, 1 decode, the router), cold then warm: the seconds from the command to the first
    answer it prints, as a newcomer sees them.
 
@@ -19,12 +20,18 @@ tokens, 8 at a time) while its background compile still runs. The serving compil
 (``fsm_pd_compiles_total{phase="serving"}``, read after all that) are printed too, and must be 0.
 
     python bench/startup.py [--model smollm2] [--roles colocated,decode,pd] [--no-launch] [--no-burst] [--repeat N]
-                            [--json] [--baseline REF] [--uds]
+                            [--warm N] [--json] [--baseline REF | --against-env NAME=VALUE] [--uds] [--logs DIR]
 
 ``--uds``: every node and launch serve over unix sockets (``--uds``), as on a TPU host, which allows no TCP socket.
 ``--baseline REF``: every run is made on the code of git revision REF (or of a checkout in the directory REF) too,
 right after this code's (on a shared, loaded machine both see about the same load), and the medians' ratios are
-printed. ``--repeat N``: N runs of each (role, cache) and launch; the tables show the median run.
+printed. ``--against-env NAME=VALUE``: the same, on this code with the environment variable set (for instance
+``FSM_PD_EXECUTABLE_CACHE=off``). ``--repeat N``: N runs of each (role, cache) and launch; the tables show the median
+run. ``--warm N``: N warm starts after each cold one, on its caches (default 1). ``--logs DIR``: every node's log is
+kept there (a node that fails shows its log's end either way).
+
+Every warm start's first answer must be its cold start's, word for word (greedy decoding), and every variant's the
+same: the bench says so, or names the runs that differ and exits 1.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -79,9 +87,9 @@ ANSWERS = ("colocated", "pd")  # the roles that answer a request alone
 
 
 def run_node(role: str, model: str, caches: Path, tmp: Path, uds: bool = False, with_burst: bool = True,
-             code: Path = REPO) -> dict:
-    """Start one node of the checkout ``code``, wait for ready, ask it one question (a colocated or pd node), read its
-    metrics, stop it."""
+             code: Path = REPO, extra_env: dict | None = None, keep_log: Path | None = None) -> dict:
+    """Start one node of the checkout ``code`` (with ``extra_env`` set), wait for ready, ask it one question (a
+    colocated or pd node), read its metrics, stop it; its log is copied to ``keep_log``."""
     port = free_port() if not uds else time.monotonic_ns() % 10**9  # a name for its files; no port then
     where = str(tmp / f"{role}-{port}.sock") if uds else port
     argv = [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", role, "--model", model,
@@ -94,7 +102,7 @@ def run_node(role: str, model: str, caches: Path, tmp: Path, uds: bool = False, 
         argv += ["--bootstrap-port", str(free_port())]
     env = {**os.environ, **secret_env(generate_secret()), "FSM_PD_COMPILE_CACHE": str(caches / "jax"),
            "FSM_PD_MODEL_CACHE": str(caches / "models"),
-           "PYTHONPATH": python_path(code)}
+           "PYTHONPATH": python_path(code), **(extra_env or {})}
     log = tmp / f"{role}-{port}.log"
     client = client_for(where)
     started = time.time()
@@ -105,8 +113,11 @@ def run_node(role: str, model: str, caches: Path, tmp: Path, uds: bool = False, 
         result = {"ready_s": ready - started}
         if role in ANSWERS:
             response = client.post("/generate", json=QUESTION, timeout=300)
-            response.raise_for_status()
+            if response.status_code != 200:
+                raise RuntimeError(f"the first answer was {response.status_code}: {response.text[:300]}\n"
+                                   f"{_tail(log)}")
             result["first_answer_s"] = time.time() - started
+            result["answer"] = response.json().get("output_ids")
             if with_burst:
                 result["burst_s"] = burst(client)
         text = client.get("/metrics", timeout=10).text
@@ -126,6 +137,17 @@ def run_node(role: str, model: str, caches: Path, tmp: Path, uds: bool = False, 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        if keep_log is not None:
+            keep_log.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(log, keep_log)
+
+
+def _tail(log: Path, lines: int = 40) -> str:
+    """The end of a node's log, for an error that must not lose it with the temporary directory."""
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(its log {log} cannot be read: {exc})"
 
 
 def burst(client: httpx.Client, requests: int = 16, at_once: int = 8) -> float:
@@ -146,14 +168,14 @@ def _wait_ready(client: httpx.Client, proc: subprocess.Popen, log: Path, timeout
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the node exited with {proc.returncode}; see {log}")
+            raise RuntimeError(f"the node exited with {proc.returncode}; the end of its log:\n{_tail(log)}")
         try:
             if client.get("/health", timeout=2).status_code == 200:
                 return time.time()
         except httpx.HTTPError:
             pass
         time.sleep(0.05)
-    raise RuntimeError(f"not ready within {timeout} s; see {log}")
+    raise RuntimeError(f"not ready within {timeout} s; the end of its log:\n{_tail(log)}")
 
 
 def run_launch(model: str, caches: Path, tmp: Path, code: Path | None = None, uds: bool = False) -> float:
@@ -216,13 +238,17 @@ def node_table(results: dict) -> Table:
 
 
 def kinds_table(results: dict) -> Table:
-    table = Table(title="programs prepared before ready, per kind (count, from cache; seconds)")
-    for column in ("code", "role", "cache", "kind", "programs", "from cache", "trace", "lower", "backend"):
+    table = Table(title="programs prepared before ready, per kind (count, from the compile cache, loaded as "
+                        "serialized executables, executables refused and compiled over; seconds)")
+    for column in ("code", "role", "cache", "kind", "programs", "from cache", "executables", "refused", "trace",
+                   "lower", "backend", "load"):
         table.add_column(column, justify="left" if column in ("code", "role", "cache", "kind") else "right")
     for (code, role, cache), r in results.items():
-        for kind, k in sorted(r["kinds"].items()):
+        for kind, k in sorted(r["kinds"].items()):  # a baseline without serialized executables has no such figures
             table.add_row(code, role, cache, kind, str(k["programs"]), str(k["from_cache"]),
-                          *(f"{k[f'{step}_s']:.2f}" for step in ("trace", "lower", "backend")))
+                          str(k.get("from_executable", "-")), str(k.get("refused", "-")),
+                          *(f"{k[f'{step}_s']:.2f}" if f"{step}_s" in k else "-"
+                            for step in ("trace", "lower", "backend", "load")))
     return table
 
 
@@ -241,28 +267,57 @@ def main() -> int:
                         help="also time every node and fsm-pd launch, cold and warm, on git revision REF (or a "
                              "directory holding another checkout), each run beside this code's (so both see the "
                              "same load); ratios of the medians are printed")
+    parser.add_argument("--against-env", metavar="NAME=VALUE",
+                        help="as --baseline, on this code with the environment variable NAME set to VALUE")
+    parser.add_argument("--warm", type=int, default=1, help="warm starts after each cold one (default 1)")
+    parser.add_argument("--logs", type=Path, help="keep every node's log in this directory")
     args = parser.parse_args()
+    if args.baseline and args.against_env:
+        parser.error("--baseline or --against-env, not both")
+    if args.against_env and "=" not in args.against_env:
+        parser.error("--against-env takes NAME=VALUE")
+    args.other = args.baseline or args.against_env
     with tempfile.TemporaryDirectory(prefix="fsm-pd-startup-") as tmp_name:
         tmp = Path(tmp_name)
-        codes = {"this": REPO, **({args.baseline: checkout(args.baseline, tmp)} if args.baseline else {})}
+        codes = {"this": (REPO, {})}  # name: (checkout, environment added)
+        if args.baseline:
+            codes[args.baseline] = (checkout(args.baseline, tmp), {})
+        if args.against_env:
+            codes[args.against_env] = (REPO, dict([args.against_env.split("=", 1)]))
         runs: dict = {}  # (code, role, cache): each run's figures
         for i in range(args.repeat):
             for role in [r for r in args.roles.split(",") if r]:  # --roles '': launch only
-                for k, (name, code) in enumerate(codes.items()):
-                    caches = tmp / f"caches-{role}-{i}-{k}"  # a cold run's empty caches, then its warm run's
-                    for cache in ("cold", "warm"):
+                for k, (name, (code, extra)) in enumerate(codes.items()):
+                    caches = tmp / f"caches-{role}-{i}-{k}"  # a cold run's empty caches, then its warm runs'
+                    for j, cache in enumerate(["cold", *["warm"] * args.warm]):
                         err.print(f"{role} ({name}), {cache}, run {i + 1} of {args.repeat}")
-                        runs.setdefault((name, role, cache), []).append(
-                            run_node(role, args.model, caches, tmp, uds=args.uds, with_burst=args.burst, code=code))
+                        keep = args.logs / f"{role}-{k}-{i}-{j}-{cache}.log" if args.logs else None
+                        figures = run_node(role, args.model, caches, tmp, uds=args.uds, with_burst=args.burst,
+                                           code=code, extra_env=extra, keep_log=keep)
+                        runs.setdefault((name, role, cache), []).append({**figures, "run": i})
             if args.launch:
-                for k, (name, code) in enumerate(codes.items()):
+                for k, (name, (code, _)) in enumerate(codes.items()):
                     caches = tmp / f"caches-launch-{i}-{k}"
                     for cache in ("cold", "warm"):
                         err.print(f"fsm-pd launch ({name}), {cache}, run {i + 1} of {args.repeat}")
                         runs.setdefault((name, "launch", cache), []).append(
                             {"ready_s": run_launch(args.model, caches, tmp, code=code, uds=args.uds)})
     report(runs, args)
-    return 0
+    return 0 if same_answers(runs) else 1
+
+
+def same_answers(runs: dict) -> bool:
+    """Whether every node's first answer is the same (each warm start's its cold start's, each variant's this
+    code's): printed either way."""
+    answers = {(code, role, cache, r["run"], n): r["answer"] for (code, role, cache), found in runs.items()
+               for n, r in enumerate(found) if "answer" in r}
+    differ = [f"{code} {role} {cache} run {run + 1} ({n + 1}): {answer}" for (code, role, cache, run, n), answer
+              in answers.items() if answer != answers.get(("this", role, "cold", 0, 0))]
+    if differ:
+        err.print("[red]answers differ from this code's first cold start:[/red] " + "; ".join(differ))
+    elif answers:
+        err.print(f"answers: all {len(answers)} first answers the same as their role's first cold start")
+    return not differ
 
 
 def report(runs: dict, args: argparse.Namespace) -> None:
@@ -279,15 +334,21 @@ def report(runs: dict, args: argparse.Namespace) -> None:
     for (code, cache), found in launches.items():
         console.print(f"fsm-pd launch ({code}), {cache}: first answer {statistics.median(found):.1f} s after the "
                       f"command (median; each run: {found})")
-    if args.baseline:
+    if args.other:
         ratios = []
         for (code, role, cache), found in runs.items():
-            if code == "this" and (args.baseline, role, cache) in runs:
+            if code == "this" and (args.other, role, cache) in runs:
                 this = statistics.median(r["ready_s"] for r in found)
-                base = statistics.median(r["ready_s"] for r in runs[(args.baseline, role, cache)])
+                base = statistics.median(r["ready_s"] for r in runs[(args.other, role, cache)])
                 what = "first answer" if role == "launch" else "ready"
                 ratios.append(f"{role} {cache} {what} {this:.1f} s against {base:.1f} s: {this / base:.2f}x")
-        console.print(f"this code against {args.baseline} (medians): " + "; ".join(ratios))
+                phase = [statistics.median(r["phases"]["programs"] for r in rs if "programs" in r.get("phases", {}))
+                         for rs in (found, runs[(args.other, role, cache)])
+                         if any("programs" in r.get("phases", {}) for r in rs)]
+                if len(phase) == 2:  # what serialized executables save is here: the ready set's programs
+                    ratios.append(f"{role} {cache} programs phase {phase[0]:.1f} s against {phase[1]:.1f} s: "
+                                  f"{phase[0] / phase[1]:.2f}x")
+        console.print(f"this code against {args.other} (medians): " + "; ".join(ratios))
     if args.json:
         print(json.dumps({"nodes": {"/".join(key): r for key, r in nodes.items()},
                           "launch": {f"{code}/{cache}": found for (code, cache), found in launches.items()}},

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsm_pd.kernels.pool_format import PoolJit
-from fsm_pd.model import compile_demand
+from fsm_pd.model import compile_demand, executables
 from fsm_pd.model.attention import block_pages
 from fsm_pd.model.config import ModelConfig
 from fsm_pd.model.decoder import embed_tokens, final_logits, forward_group, top_params
@@ -171,8 +171,8 @@ class StepPrograms:
         if program is not None:
             return program
         packed = jax.ShapeDtypeStruct((batch, HEAD + MAX_STOP_IDS + width), jnp.int32, sharding=self.inputs)
-        program = _decode_steps.lower(self._params, self._pool, packed, config=self.config, kernels=self.kernels,
-                                      max_steps=max_steps).compile()
+        program = executables.compiled(_decode_steps, self._params, self._pool, packed, config=self.config,
+                                       kernels=self.kernels, max_steps=max_steps)
         with self._lock:
             return self._programs.setdefault(key, program)
 

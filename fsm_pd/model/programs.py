@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsm_pd.kernels.pool_format import PoolJit, abstract_pool
-from fsm_pd.model import compile_demand, input_buckets
+from fsm_pd.model import compile_demand, executables, input_buckets
 from fsm_pd.model.attention import kernels_for
 from fsm_pd.model.config import ModelConfig
 from fsm_pd.model.decoder import (
@@ -226,24 +226,26 @@ class ForwardPrograms:
         rows = (ints(batch), ints(batch), ints(batch, self.width))  # starts, lengths, page tables
         packed = ints(batch, tokens + 2 + self.width)
         if len(self.groups) == 1 and self.tp is None:
-            whole = run({"whole": lambda: _whole.lower(self._params, self._pool, packed, config=self.config,
-                                                       kernels=self.kernels, tokens=tokens).compile()})["whole"]
+            whole = run({"whole": lambda: executables.compiled(_whole, self._params, self._pool, packed,
+                                                               config=self.config, kernels=self.kernels,
+                                                               tokens=tokens)})["whole"]
             with self._lock:
                 return self._programs.setdefault((batch, tokens), OneProgram(whole, self._inputs))
 
         def group(first: int, count: int) -> jax.stages.Compiled:
             layers, pools = self._params["layers"][first:first + count], self._pool[first:first + count]
-            lowered = (_group.lower(layers, pools, hidden, *rows, config=self.config, kernels=self.kernels)
-                       if self.tp is None
-                       else group_sharded.lower(layers, pools, hidden, *rows, tp=self.tp))
-            return lowered.compile()
+            if self.tp is None:
+                return executables.compiled(_group, layers, pools, hidden, *rows, config=self.config,
+                                            kernels=self.kernels)
+            return executables.compiled(group_sharded, layers, pools, hidden, *rows, tp=self.tp)
 
         sizes = {count: first for first, count in reversed(self.groups)}  # each size once, at its first group
         compiled = run({  # the groups first: they take the longest
             **{("group", count): (lambda first=first, count=count: group(first, count))
                for count, first in sizes.items()},
-            "head": lambda: _head.lower(top_params(self._params), hidden, ints(batch), config=self.config).compile(),
-            "embed": lambda: _embed.lower(self._params["embed"], packed, tokens=tokens).compile(),
+            "head": lambda: executables.compiled(_head, top_params(self._params), hidden, ints(batch),
+                                                 config=self.config),
+            "embed": lambda: executables.compiled(_embed, self._params["embed"], packed, tokens=tokens),
         })
         program = LayeredForward(
             embed=compiled["embed"],
@@ -263,16 +265,17 @@ class ForwardPrograms:
         hidden = jax.ShapeDtypeStruct((1, 1, self.config.hidden_size), self._params["embed"].dtype,
                                       sharding=self._inputs)
         lengths = jax.ShapeDtypeStruct((1,), jnp.int32, sharding=self._inputs)
-        return _head.lower(top_params(self._params), hidden, lengths, config=self.config).compile() \
-            .output_shardings[0]
+        return executables.compiled(_head, top_params(self._params), hidden, lengths,
+                                    config=self.config).output_shardings[0]
 
     def compile_logprobs(self, top_k: int) -> None:
         """Compile ``decoder.next_token_logprobs`` for ``top_k`` ahead (prompt logprobs: one shape per ``top_k``)."""
         if top_k in self._logprobs:
             return
         hidden = jax.ShapeDtypeStruct((LOGPROB_ROWS, self.config.hidden_size), jnp.float32)
-        program = next_token_logprobs.lower(self._params, hidden, jax.ShapeDtypeStruct((LOGPROB_ROWS,), jnp.int32),
-                                            config=self.config, top_k=top_k).compile()
+        program = executables.compiled(next_token_logprobs, self._params, hidden,
+                                       jax.ShapeDtypeStruct((LOGPROB_ROWS,), jnp.int32), config=self.config,
+                                       top_k=top_k)
         with self._lock:
             self._logprobs.setdefault(top_k, program)
 

@@ -1,12 +1,17 @@
 """A node started from a GGUF file, as a process on a unix socket, cold then warm on the same caches: it names each
 start-up phase (the device and the weights on threads of their own), answers its first request once ready, and on
-the warm start loads every program of its ready set from the compile cache. The same for ``--role pd``, whose
-``/server_info`` and ``/metrics`` carry the process's start-up as a node's do (``bench/startup.py --roles pd``)."""
+the warm start loads every program of its ready set from the compile cache, its forward passes as the serialized
+executables the cold start wrote (``model/executables.py``, switched on: it is off on the CPU by default), tracing
+none of them. The same for ``--role pd``, whose ``/server_info`` and ``/metrics`` carry the process's start-up as a
+node's do (``bench/startup.py --roles pd``). A colocated node started again on its compile cache alone (the
+executables gone) answers the same and writes no executable the compile cache handed it (XLA:CPU would write it
+without its code)."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -15,6 +20,7 @@ import httpx
 import pytest
 from test_gguf_loader import gguf_tensors, small_config, write_gguf
 
+from fsm_pd.model import executables
 from fsm_pd.model.params import random_params
 
 PHASES = {"imports", "device", "model", "weights", "engine", "programs"}
@@ -68,7 +74,7 @@ def test_a_node_names_its_phases_answers_once_ready_and_loads_every_program_from
     config = small_config()
     gguf = write_gguf(tmp_path / "m.gguf", config, gguf_tensors(config, random_params(config, seed=7, std=0.5)))
     env = {**os.environ, "FSM_PD_COMPILE_CACHE": str(tmp_path / "jax"), "FSM_PD_MODEL_CACHE": str(tmp_path / "models"),
-           "FSM_PD_SKIP_SERVER_WARMUP": "0"}
+           "FSM_PD_SKIP_SERVER_WARMUP": "0", "FSM_PD_EXECUTABLE_CACHE": "on"}
     cold = _start(role, gguf, tmp_path, env, "cold")
     warm = _start(role, gguf, tmp_path, env, "warm")
     for run in (cold, warm):
@@ -80,6 +86,21 @@ def test_a_node_names_its_phases_answers_once_ready_and_loads_every_program_from
     assert warm["answer"]["text"] == cold["answer"]["text"]
     kinds = warm["startup"]["programs_before_ready"]
     assert kinds and sum(k["programs"] for k in kinds.values()) >= 10, kinds
-    compiled = {kind: k["programs"] - k["from_cache"] for kind, k in kinds.items()}
+    compiled = {kind: k["programs"] - k["from_cache"] - k["from_executable"] for kind, k in kinds.items()}
     assert not any(compiled.values()), f"compiled on a warm start instead of loading from the cache: {compiled}"
-    assert not any(k["from_cache"] for k in cold["startup"]["programs_before_ready"].values())
+    assert not any(k["from_cache"] + k["from_executable"] for k in cold["startup"]["programs_before_ready"].values())
+    # the forward passes and the logprob programs loaded whole as the executables the cold start wrote: not one traced
+    forward = {kind: kinds[kind] for kind in ("decode", "prefill", "logprobs") if kind in kinds}
+    assert {"decode", "prefill"} <= set(forward), kinds
+    assert all(k["from_executable"] == k["programs"] > 0 and k["trace_s"] == k["lower_s"] == 0
+               for k in forward.values()), forward
+    assert list((tmp_path / "jax" / "executables").glob("*.exe")), "the cold start wrote them"
+    if role != "colocated":
+        return
+    shutil.rmtree(tmp_path / "jax" / "executables")
+    again = _start(role, gguf, tmp_path, env, "again")
+    assert again["answer"]["text"] == cold["answer"]["text"]
+    kinds = again["startup"]["programs_before_ready"]
+    assert sum(k["from_cache"] for k in kinds.values()) >= 10 and not any(k["from_executable"] for k in kinds.values())
+    written = list((tmp_path / "jax" / "executables").glob("*.exe"))
+    assert all(executables.OBJECT_CODE in entry.read_bytes() for entry in written), "none from the compile cache"
