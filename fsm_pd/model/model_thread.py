@@ -6,7 +6,8 @@ Scatter runs after it, and pages can never be handed to another request while a 
 
 A job that raises fails its own future and the thread goes on. Some failures leave nothing to go on with: the
 process is out of memory, a job raised something that is not an ``Exception`` (``SystemExit``, ``KeyboardInterrupt``),
-or the pool's buffers were lost (a failed call that had donated them). Then the thread is *dead*: ``dead`` says why,
+or the pool's buffers were lost (a failed call that had donated them, whether the job raised or contained the failure
+and returned). Then the thread is *dead*: ``dead`` says why,
 every queued and later job fails at once with ``ModelThreadDead``, and the ``on_death`` callbacks run (the engine
 fails its requests, ``/health`` turns 503). A dead model thread is not restarted: its pool can no longer be trusted.
 
@@ -120,12 +121,23 @@ class ModelThread:
                     return
             else:
                 future.set_result(result)
+                # a job may contain a failure (one request's, ``serving/isolate.py``) whose call had donated the
+                # pool: the job returns, and every later job would fail on the deleted buffers while /health says
+                # 200. The layers are donated first to last, so the ends tell: two checks a job, not one a layer.
+                if (reason := self._lost(_ends(_arrays(self.pool)), "a failure the job contained")) is not None:
+                    self._die(reason)
+                    return
 
     def _fatal(self, exc: BaseException) -> str | None:
         if not isinstance(exc, Exception) or isinstance(exc, MemoryError):
             return f"a job raised {type(exc).__name__}: {exc}"
-        if lost := [i for i, array in enumerate(_arrays(self.pool)) if _deleted(array)]:
-            return f"the KV pool was lost (layers {lost[:4]} deleted) after {type(exc).__name__}: {exc}"
+        return self._lost(list(enumerate(_arrays(self.pool))), f"{type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def _lost(arrays: list[tuple[int, Any]], after: str) -> str | None:
+        """Why the pool can no longer serve, if any of ``arrays`` (index, array) was deleted."""
+        if lost := [i for i, array in arrays if _deleted(array)]:
+            return f"the KV pool was lost (layers {lost[:4]} deleted) after {after}"
         return None
 
     def _die(self, reason: str) -> None:
@@ -159,6 +171,11 @@ def _arrays(pool: Any) -> list:
     if isinstance(pool, (tuple, list)):
         return [a for item in pool for a in _arrays(item)]
     return [] if pool is None else [pool]
+
+
+def _ends(arrays: list) -> list[tuple[int, Any]]:
+    """The first and the last of ``arrays``, with their indices."""
+    return [(i, arrays[i]) for i in sorted({0, len(arrays) - 1})] if arrays else []
 
 
 def _deleted(array: Any) -> bool:

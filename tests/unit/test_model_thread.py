@@ -80,6 +80,34 @@ def test_a_lost_pool_kills_the_thread(thread):
     assert reason is not None and "KV pool was lost" in reason and "layers [1]" in reason
 
 
+def test_a_pool_lost_by_a_failure_the_job_contained_kills_the_thread(thread):
+    """A decode step runs each request alone when the batch fails (``serving/isolate.py``) and returns; if the failed
+    call had donated the pool, every later step would fail on its deleted buffers while /health said 200."""
+    heard = []
+    thread.on_death.append(heard.append)
+    thread.pool = (jnp.zeros(4), jnp.ones(4), jnp.ones(4))
+
+    def donated_then_isolated(owner):
+        owner.pool[0].delete()  # the failed batched call took the pool; the job caught it and answered 500s
+        return ["500 for each request"]
+
+    assert thread.call(donated_then_isolated, timeout=30) == ["500 for each request"]
+    deadline = time.monotonic() + 30
+    while thread.health() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    reason = thread.health()
+    assert reason is not None and "KV pool was lost" in reason and "contained" in reason, reason
+    assert heard == [reason]
+    with pytest.raises(ModelThreadDead):
+        thread.submit(lambda _: None).result(30)
+
+
+def test_a_job_that_returns_with_the_pool_whole_leaves_the_thread_serving(thread):
+    thread.pool = (jnp.zeros(4), jnp.ones(4))
+    assert thread.call(lambda owner: len(owner.pool), timeout=30) == 2
+    assert thread.health() is None and thread.call(lambda _: 7, timeout=30) == 7
+
+
 def test_close_cancels_queued_jobs():
     thread = ModelThread()
     release = blocked(thread)
