@@ -13,7 +13,8 @@ call waited for):
   size, on a pool of --pages 16-token pages' worth of tokens; ``vs_jnp``: the jnp step's time over this one's, at the
   same page size. At the platform's default page size also on a pool --pool-factor times larger (the step must not
   grow with the pool);
-- prefill of 512 and 2,048 tokens (one row), per attention, at the default page size;
+- prefill of 512 and 2,048 tokens (one row), per attention, at the default page size (where --page-sizes leaves it
+  out: the first of them; so do the two below);
 - the time a token at batch 1 and 64 (--step-batches) with several decode steps a dispatch (``model/multi_step.py``,
   K = --steps-per-dispatch) against a step at a time as the decode loop takes it on the host (``decode`` and a
   greedy ``sample``, the tokens read back to feed the next step), and against the multi-step program at K = 1;
@@ -167,16 +168,16 @@ def decode_sweep(model: LoadedModel, args, bandwidth: float, weight_bytes: int, 
     return out
 
 
-def steps_figures(model: LoadedModel, batches, context: int, steps: int) -> dict:
+def steps_figures(model: LoadedModel, batches, context: int, steps: int, page_size: int) -> dict:
     """Milliseconds a token at each batch: a step at a time through the host (``decode`` + ``sample``, greedy), the
     multi-step program at K = 1, and at K = ``steps``; every row at ``context`` tokens (each dispatch rewrites the
-    same positions, so the context stays put)."""
-    return {batch: steps_at(model, batch, context, steps) for batch in batches}
+    same positions, so the context stays put), in pages of ``page_size``."""
+    return {batch: steps_at(model, batch, context, steps, page_size) for batch in batches}
 
 
-def steps_at(model: LoadedModel, batch: int, context: int, steps: int) -> dict:
-    per_row = -(-(context + steps + 1) // PAGE_SIZE)
-    state = {"pool": model.make_pool(model.make_kv_layout(2 + batch * per_row, PAGE_SIZE))}
+def steps_at(model: LoadedModel, batch: int, context: int, steps: int, page_size: int) -> dict:
+    per_row = -(-(context + steps + 1) // page_size)
+    state = {"pool": model.make_pool(model.make_kv_layout(2 + batch * per_row, page_size))}
     tables = 1 + np.arange(batch * per_row, dtype=np.int32).reshape(batch, per_row)
     tokens, positions = np.ones(batch, np.int32), np.full(batch, context, np.int32)
     greedy = [SamplingParams(temperature=0.0)] * batch
@@ -332,7 +333,7 @@ def main(argv=None) -> int:
             sections.append(("copies", copy_figures, (model, args.copy_pages, bandwidth, device, prefill_page,
                                                       plain_mib)))
             steps_k = 4 if args.quick else args.steps_per_dispatch
-            sections.append(("steps", steps_figures, (model, step_batches, args.context, steps_k)))
+            sections.append(("steps", steps_figures, (model, step_batches, args.context, steps_k, prefill_page)))
             for section, run, run_args in sections:
                 try:
                     figures[section] = run(*run_args)
