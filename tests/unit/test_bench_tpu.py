@@ -79,3 +79,12 @@ def test_parity_quick_run_finds_the_chunked_batched_path_equal_to_the_whole_prom
                 assert figures.get("rel_err_max", 0) < 1e-3, (key, figures)
             else:  # bf16 on an accelerator against the float32 reference: only near-ties may differ
                 assert figures["differ"] == 0, (key, figures)
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+def test_the_decode_pool_holds_the_largest_batch_at_every_page_size(page_size):
+    """bench/tpu.py's defaults (--pages 2185, --context 512, batches up to 64): every batch is measured, none is
+    skipped for want of pages, at each page size the chip compares; the pool is never smaller than --pages."""
+    pages = tpu.decode_pool(2185, page_size, [1, 8, 64], 512)
+    assert 1 + 64 * -(-513 // page_size) <= pages
+    assert pages >= tpu.pages_of(2185, page_size)
