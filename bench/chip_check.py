@@ -126,7 +126,8 @@ def brief(name: str, record: dict) -> str:
         failed = len(figures.get("failures", [])) + len(figures.get("running", []))
         return f"{figures.get('tests', 0)} tests: {counts}" + (f"; {failed} not passed (below)" if failed else "")
     if name == "parity":
-        return "; ".join(f"{model} {mode}: {f.get('agree', '?')}/{f.get('steps', '?')} agree, "
+        return "; ".join(f"{model} {mode} ({f.get('kernels', '?')}): {f.get('agree', '?')}/"
+                         f"{f.get('steps', f.get('tokens', '?'))} agree, "
                          f"{f.get('differ', '?')} differ" if "error" not in f else f"{model} {mode}: {f['error']}"
                          for model, modes in figures.get("models", {}).items() for mode, f in modes.items())
     if name == "tpu":

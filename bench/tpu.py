@@ -10,10 +10,11 @@ call waited for):
 
 - the decode step at each of --batches, every row at --context tokens, for each attention (``FSM_PD_ATTENTION``:
   ``jnp``, and ``tpu``, the TPU kernels: ``model/decode_attention.py``; off a TPU that is jnp again) and each page
-  size, on a pool of --pages 16-token pages' worth of tokens; ``vs_jnp``: the jnp step's time over this one's, at the
-  same page size. At the platform's default page size also on a pool --pool-factor times larger (the step must not
-  grow with the pool);
-- prefill of 512 and 2,048 tokens (one row), per attention, at the default page size;
+  size, on a pool of --pages 16-token pages' worth of tokens (more where the largest batch's rows need it:
+  ``decode_pool``); ``vs_jnp``: the jnp step's time over this one's, at the same page size. At the platform's
+  default page size also on a pool --pool-factor times larger (the step must not grow with the pool);
+- prefill of 512 and 2,048 tokens (one row), per attention, at the default page size (where --page-sizes leaves it
+  out: the first of them; so do the two below);
 - the time a token at batch 1 and 64 (--step-batches) with several decode steps a dispatch (``model/multi_step.py``,
   K = --steps-per-dispatch) against a step at a time as the decode loop takes it on the host (``decode`` and a
   greedy ``sample``, the tokens read back to feed the next step), and against the multi-step program at K = 1;
@@ -138,6 +139,13 @@ def pages_of(tokens_in_16s: int, page_size: int) -> int:
     return 1 + -(-(tokens_in_16s - 1) * PAGE_SIZE // page_size)
 
 
+def decode_pool(tokens_in_16s: int, page_size: int, batches, context: int) -> int:
+    """``pages_of``, or more where the largest batch's rows would not fit: each row rounds its ``context + 1`` tokens
+    up to whole pages, so at 64 and 128 tokens a page 64 rows of 513 need more than 2,185 16-token pages hold (9 and
+    5 pages a row: 577 and 321 pages, against 547 and 274), and the figure that decides the page size went missing."""
+    return max(pages_of(tokens_in_16s, page_size), 1 + max(batches) * -(-(context + 1) // page_size))
+
+
 def with_attention(model: LoadedModel, mode: str) -> LoadedModel:
     """``model`` (the same weights) with no programs yet: the attention is chosen when programs are made."""
     os.environ[ATTENTION_ENV] = mode
@@ -148,7 +156,7 @@ def decode_sweep(model: LoadedModel, args, bandwidth: float, weight_bytes: int, 
     """``{"MODE/pageP/poolN": {batch: figures}}``, with ``vs_jnp`` beside each non-jnp figure."""
     out = {}
     for page_size in args.page_sizes:
-        pools = [pages_of(args.pages, page_size)]
+        pools = [decode_pool(args.pages, page_size, args.batches, args.context)]
         if page_size == default and args.pool_factor > 1:
             pools.append(pages_of(args.pages * args.pool_factor, page_size))
         for pages in pools:
@@ -167,16 +175,16 @@ def decode_sweep(model: LoadedModel, args, bandwidth: float, weight_bytes: int, 
     return out
 
 
-def steps_figures(model: LoadedModel, batches, context: int, steps: int) -> dict:
+def steps_figures(model: LoadedModel, batches, context: int, steps: int, page_size: int) -> dict:
     """Milliseconds a token at each batch: a step at a time through the host (``decode`` + ``sample``, greedy), the
     multi-step program at K = 1, and at K = ``steps``; every row at ``context`` tokens (each dispatch rewrites the
-    same positions, so the context stays put)."""
-    return {batch: steps_at(model, batch, context, steps) for batch in batches}
+    same positions, so the context stays put), in pages of ``page_size``."""
+    return {batch: steps_at(model, batch, context, steps, page_size) for batch in batches}
 
 
-def steps_at(model: LoadedModel, batch: int, context: int, steps: int) -> dict:
-    per_row = -(-(context + steps + 1) // PAGE_SIZE)
-    state = {"pool": model.make_pool(model.make_kv_layout(2 + batch * per_row, PAGE_SIZE))}
+def steps_at(model: LoadedModel, batch: int, context: int, steps: int, page_size: int) -> dict:
+    per_row = -(-(context + steps + 1) // page_size)
+    state = {"pool": model.make_pool(model.make_kv_layout(2 + batch * per_row, page_size))}
     tables = 1 + np.arange(batch * per_row, dtype=np.int32).reshape(batch, per_row)
     tokens, positions = np.ones(batch, np.int32), np.full(batch, context, np.int32)
     greedy = [SamplingParams(temperature=0.0)] * batch
@@ -332,7 +340,7 @@ def main(argv=None) -> int:
             sections.append(("copies", copy_figures, (model, args.copy_pages, bandwidth, device, prefill_page,
                                                       plain_mib)))
             steps_k = 4 if args.quick else args.steps_per_dispatch
-            sections.append(("steps", steps_figures, (model, step_batches, args.context, steps_k)))
+            sections.append(("steps", steps_figures, (model, step_batches, args.context, steps_k, prefill_page)))
             for section, run, run_args in sections:
                 try:
                     figures[section] = run(*run_args)

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 # appended, not put first: a bench module must never shadow an installed package for the rest of the run
@@ -57,17 +58,33 @@ def test_quick_run_reports_each_figure_against_its_roofline(tmp_path):
 
 
 def test_parity_quick_run_finds_the_chunked_batched_path_equal_to_the_whole_prompt_reference(tmp_path):
-    """bench/chip_parity.py on this machine (--quick, jnp): a child process computes the float32 reference; this one
-    prefills in two chunks and decodes the prompts as one ragged batch. On a CPU in float32 they must agree at every
-    step, else the chunked or batched path changed the math."""
+    """bench/chip_parity.py on this machine (--quick): a child process computes the float32 reference; this one
+    prefills in two chunks and decodes the prompts as one ragged batch, step by step and several steps a dispatch,
+    in 64-token pages (a TPU pool's candidate), with jnp and with the TPU kernels (interpret mode off a TPU), which
+    must really run: --quick's model has a head_dim they take. On a CPU in float32 they must agree at every step,
+    else the chunked or batched path, or a kernel at that page size, changed the math."""
     import chip_parity
 
     out = tmp_path / "parity.json"
-    assert chip_parity.main(["--quick", "--modes", "jnp", "--json", str(out)]) == 0
+    kernels = "tpu" if jax.default_backend() == "tpu" else "interpret"
+    assert chip_parity.main(["--quick", "--modes", f"jnp,{kernels}", "--page-sizes", "64", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    figures = report["models"]["tiny"]["jnp"]
-    if report["device"].startswith("cpu"):
-        assert figures["steps"] == figures["agree"] > 0, figures
-        assert figures["rel_err_max"] < 1e-3
-    else:  # bf16 on an accelerator against the float32 reference: only near-ties may differ
-        assert figures["differ"] == 0, figures
+    for mode in ("jnp", kernels):
+        for key in (mode, f"{mode}/multi-step"):
+            figures = report["models"]["quick-64"][key]
+            assert figures["kernels"] == mode, (key, figures)  # the attention asked for is the one that ran
+            checked = figures["steps"] if "steps" in figures else figures["tokens"]
+            if report["device"].startswith("cpu"):
+                assert checked == figures["agree"] > 0, (key, figures)
+                assert figures.get("rel_err_max", 0) < 1e-3, (key, figures)
+            else:  # bf16 on an accelerator against the float32 reference: only near-ties may differ
+                assert figures["differ"] == 0, (key, figures)
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+def test_the_decode_pool_holds_the_largest_batch_at_every_page_size(page_size):
+    """bench/tpu.py's defaults (--pages 2185, --context 512, batches up to 64): every batch is measured, none is
+    skipped for want of pages, at each page size the chip compares; the pool is never smaller than --pages."""
+    pages = tpu.decode_pool(2185, page_size, [1, 8, 64], 512)
+    assert 1 + 64 * -(-513 // page_size) <= pages
+    assert pages >= tpu.pages_of(2185, page_size)

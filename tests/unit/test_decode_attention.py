@@ -6,8 +6,11 @@ wrong page, a missed wait or a stale buffer shows here too. One batch holds ever
 whose only position is its new token, rows spanning several blocks (small blocks here, so a few pages make many) and
 several chunks, a block whose pages are one run of the pool (fetched in power-of-two pieces) and rows whose pages lie
 scattered (a DMA a page), a new token that opens a page, one in the second tile of its page, and a padding row (no
-context: zeros, nothing written). The pool must come out as the jnp path leaves it, but for page 0 (the reserved pad
-page, which the jnp path writes padding into and the kernel must never touch).
+context: zeros, nothing written), and a row inside its first page. The batch is laid out in pages, so it means the
+same at 16, 64 and 128 tokens a page (the sizes a TPU pool is measured at, ``kernels/layout.py``'s ``PAGE_SIZES``),
+with small blocks (every block boundary crossed) and with the blocks the chip sizes itself. The pool must come out as
+the jnp path leaves it, but for page 0 (the reserved pad page, which the jnp path writes padding into and the kernel
+must never touch).
 """
 
 from __future__ import annotations
@@ -28,14 +31,19 @@ SHAPES = {  # head_dim: (heads, kv_heads): SmolLM2's grouping (K||V share a 128-
     128: (4, 2),
 }
 PAGE_SIZE = 16
-PAGES_PER_BLOCK = 2  # 32 positions a block: a row of 100 positions is 4 blocks
-CHUNK_TOKENS = 16  # one page a chunk: a block is 2 chunks
+PAGE_SIZES = (16, 64, 128)  # a TPU pool's candidates (docs/tpu.md, "Page size")
+PAGES_PER_BLOCK = 2  # small blocks: a row of 6 pages and some is 4 blocks
+CHUNK_TOKENS = 16  # a page a chunk (a chunk is never less than a page): a block is 2 chunks
+BLOCKS = {"small-blocks": (PAGES_PER_BLOCK, CHUNK_TOKENS), "chip-blocks": (None, decode_attention.CHUNK_TOKENS)}
 
 
 def ragged_batch(rng, page_size: int, num_pages: int, width: int):
     """``(starts, lengths, tables)`` of the batch described above; pages drawn without repeats from ``1..``."""
-    starts = [0, 100, 47, 0, 64, 49]  # the new token's position (= context before it)
-    lengths = [1, 1, 1, 0, 1, 1]  # row 3 is padding
+    p = page_size
+    # the new token's position (= context before it): alone; 6 pages and some (one run of the pool); the last row of
+    # a page; padding; opening a page; the second 8-row tile of a page; inside the first page
+    starts = [0, 6 * p + 4, 3 * p - 1, 0, 4 * p, p + 9, 5]
+    lengths = [1, 1, 1, 0, 1, 1, 1]
     need = [-(-(start + length) // page_size) for start, length in zip(starts, lengths, strict=True)]
     run = list(range(num_pages - need[1], num_pages))  # row 1: one run of the pool, as the allocator mostly gives
     free = list(rng.permutation(np.arange(1, num_pages - need[1])))  # the others: scattered
@@ -48,10 +56,10 @@ def ragged_batch(rng, page_size: int, num_pages: int, width: int):
     return np.asarray(starts, np.int32), np.asarray(lengths, np.int32), tables
 
 
-def run_both(head_dim: int, dtype, page_size: int = PAGE_SIZE, seed: int = 0):
+def run_both(head_dim: int, dtype, page_size: int = PAGE_SIZE, seed: int = 0, blocks: str = "small-blocks"):
     heads, kv_heads = SHAPES[head_dim]
     rng = np.random.default_rng(seed)
-    num_pages, width = 64, 8
+    num_pages, width = 32, 8
     starts, lengths, tables = ragged_batch(rng, page_size, num_pages, width)
     lanes = 2 * kv_heads * head_dim
     pool = jnp.asarray(rng.normal(size=(num_pages, page_size, lanes)), dtype)
@@ -60,17 +68,20 @@ def run_both(head_dim: int, dtype, page_size: int = PAGE_SIZE, seed: int = 0):
     args = (jnp.asarray(tables), jnp.asarray(starts), jnp.asarray(lengths))
     before = np.asarray(pool, np.float32)
     want, want_pool = attention.paged_attention(q, k, v, pool.copy(), *args, kernels="jnp")
+    pages_per_block, chunk_tokens = BLOCKS[blocks]
     got, got_pool = decode_attention.decode_step(q, k, v, pool.copy(), *args,
-                                                 pages_per_block=PAGES_PER_BLOCK, chunk_tokens=CHUNK_TOKENS,
+                                                 pages_per_block=pages_per_block, chunk_tokens=chunk_tokens,
                                                  interpret=INTERPRET)
     real = lengths > 0
     return (np.asarray(got, np.float32)[real], np.asarray(want, np.float32)[real], np.asarray(got_pool, np.float32),
             np.asarray(want_pool, np.float32), before, np.asarray(got, np.float32)[~real])
 
 
+@pytest.mark.parametrize("blocks", sorted(BLOCKS))
+@pytest.mark.parametrize("page_size", PAGE_SIZES, ids=lambda p: f"page-{p}")
 @pytest.mark.parametrize("head_dim", sorted(SHAPES), ids=lambda d: f"head_dim-{d}")
-def test_decode_step_equals_the_jnp_path_on_a_ragged_batch(head_dim):
-    got, want, got_pool, want_pool, before, padding = run_both(head_dim, jnp.float32)
+def test_decode_step_equals_the_jnp_path_on_a_ragged_batch(head_dim, page_size, blocks):
+    got, want, got_pool, want_pool, before, padding = run_both(head_dim, jnp.float32, page_size, blocks=blocks)
     tolerance = 2e-2 if ON_TPU else 1e-5  # the chip multiplies float32 in bfloat16 passes unless told otherwise
     np.testing.assert_allclose(got, want, atol=tolerance, rtol=tolerance)
     np.testing.assert_array_equal(got_pool[1:], want_pool[1:])  # the new rows, where the jnp path put them
@@ -91,6 +102,20 @@ def test_blocks_follow_the_bytes_and_stay_powers_of_two():
     assert decode_attention.default_pages_per_block(16, 4096, 2) == 32  # 128 KiB pages: 4 MiB
     assert decode_attention.default_pages_per_block(128, 4096, 2) == 4
     assert decode_attention.default_pages_per_block(128, 384, 2, block_bytes=1 << 20) == 8  # 10.7 -> 8
+    assert decode_attention.default_pages_per_block(64, 384, 2) == 64  # SmolLM2 at 64-token pages: 48 KiB each
+    assert decode_attention.default_pages_per_block(128, 384, 2) == 32  # 96 KiB pages: 42.7 -> 32
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES, ids=lambda p: f"page-{p}")
+def test_the_blocks_in_vmem_stay_within_the_limit_at_every_page_size(page_size):
+    """A block holds at most ``BLOCK_BYTES`` of KV whatever the page size, so the ``BUFFERS`` blocks in VMEM fit
+    the kernel's VMEM limit with room for the queries and the chunk's scores (a chunk is at most ``CHUNK_TOKENS``)."""
+    for lanes in (384, 512, 4096):  # SmolLM2's rows, the tests' head_dim 128, the 1.7B shape's
+        for itemsize in (2, 4):
+            pages = decode_attention.default_pages_per_block(page_size, lanes, itemsize)
+            block = pages * page_size * lanes * itemsize
+            assert block <= decode_attention.BLOCK_BYTES, (lanes, itemsize, pages)
+            assert decode_attention.BUFFERS * block <= decode_attention._VMEM_LIMIT // 2
 
 
 def pool_on(platform: str):

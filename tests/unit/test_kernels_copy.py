@@ -140,6 +140,24 @@ def test_bfloat16_pool(impl):
     np.testing.assert_array_equal(np.asarray(updated[1]), reference_scatter(pool, np.asarray(staging), [5, 3, 4])[1])
 
 
+@pytest.mark.parametrize("lanes", [384, 512], ids=lambda n: f"lanes-{n}")  # SmolLM2's rows; head_dim 128, 2 KV heads
+@pytest.mark.parametrize("page_size", [16, 64, 128], ids=lambda p: f"page-{p}")  # a TPU pool's candidates
+@pytest.mark.parametrize("impl", ["jnp", "pallas"])  # what a TPU pool's handoff runs ("pallas": its auto)
+def test_a_handoff_round_trip_at_a_tpu_pools_page_sizes(impl, page_size, lanes):
+    """Pages of the real shapes, in bfloat16 as on a chip: gathered (a run and scattered pages, padded to the bucket)
+    and scattered into another pool's pages, each page whole and only those."""
+    rng = np.random.default_rng(page_size + lanes)
+    src, dst = (rng.normal(size=(2, 10, page_size, lanes)).astype(jnp.bfloat16) for _ in range(2))
+    ids, into = [3, 4, 5, 9, 1], [8, 2, 6, 7, 1]  # 5 pages: a bucket of 8 rows
+    staging = gather_pages(to_device(list(src)), ids, impl=impl)
+    assert staging.shape == (2, page_bucket(len(ids)), page_size, lanes)
+    np.testing.assert_array_equal(np.asarray(staging)[:, :len(ids)], reference_gather(list(src), ids))
+    updated = scatter_pages(to_device(list(dst)), staging, into, impl=impl)
+    want = reference_scatter(list(dst), np.asarray(staging), into)
+    for layer in range(2):
+        np.testing.assert_array_equal(np.asarray(updated[layer]), want[layer])
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_scatter_donates_the_pool(impl):
     pool = to_device(numbered_pool(2, 6))

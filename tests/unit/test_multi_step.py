@@ -165,19 +165,21 @@ def test_page_tables_are_as_wide_as_the_batch_needs():
         pack([StepRow(1, 0, 1, list(range(1, 18)))], 1, 16, 1, 272)
 
 
+@pytest.mark.parametrize("page_size", [16, 64, 128], ids=lambda p: f"page-{p}")  # a TPU pool's candidates
 @pytest.mark.parametrize("head_dim, heads, kv_heads", [(64, 9, 3), (128, 4, 2)], ids=["head_dim-64", "head_dim-128"])
-def test_the_tpu_kernels_run_inside_the_loop(monkeypatch, head_dim, heads, kv_heads):
+def test_the_tpu_kernels_run_inside_the_loop(monkeypatch, head_dim, heads, kv_heads, page_size):
     """``FSM_PD_ATTENTION``'s kernels (the KV write by pages, the Pallas decode attention; interpret mode off a TPU)
-    inside the loop give the jnp path's tokens: a ragged batch of two rows and a padding row, eight steps."""
+    inside the loop give the jnp path's tokens: a ragged batch of two rows (one inside its first page, one 21 tokens
+    past a page's end) and a padding row, eight steps, at each page size a TPU pool may get."""
     config = dataclasses.replace(tiny_config(), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                                  hidden_size=128, num_layers=1)
     params = random_params(config, seed=5, std=0.1)
-    prompts, tables = [[7, 8, 9, 10, 11], list(range(20, 41))], [[3, 4], [5, 6, 7]]
+    prompts, tables = [[7, 8, 9, 10, 11], list(range(20, 41 + page_size))], [[3, 4], [5, 6, 7]]
     out = {}
     for kernels in ("jnp", "tpu" if jax.default_backend() == "tpu" else "interpret"):
         monkeypatch.setenv("FSM_PD_ATTENTION", kernels)
         model = LoadedModel(f"kernels-{kernels}", config, params, ByteTokenizer(vocab_size=config.vocab_size))
-        pool = model.make_pool(model.make_kv_layout(16, 16))
+        pool = model.make_pool(model.make_kv_layout(16, page_size))
         assert model.programs(pool).kernels == kernels
         firsts = []
         for prompt, table in zip(prompts, tables, strict=True):

@@ -5,7 +5,9 @@ On a TPU they run natively; elsewhere in Pallas's TPU interpret mode, which simu
 CPU, so a wrong page, a missed wait or a stale buffer shows here too. Each case runs the same calls through
 ``decoder.forward_paged`` twice, once per kernel set, and compares the logits and the pools: prefill, a second chunk
 of a prompt (start > 0, its first page partly written), a prefix hit (new rows after pages another request wrote),
-decode steps of a batch with a padding row, for head_dim 64 (a head's K and V share a 128-lane group) and 128.
+decode steps of a batch with a padding row, for head_dim 64 (a head's K and V share a 128-lane group) and 128, at
+16, 64 and 128 tokens a page (a TPU pool's candidates: ``kernels/layout.py``'s ``PAGE_SIZES``; the calls are laid out
+in pages, so each size sees the same cases).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ pytestmark = [pytest.mark.chip, pytest.mark.usefixtures("full_precision")]  # ch
 
 ON_TPU = jax.default_backend() == "tpu"
 KERNELS = "tpu" if ON_TPU else "interpret"
-PAGE_SIZE = 16
+PAGE_SIZES = (16, 64, 128)
 # On the CPU both paths are float32 to the last bits but for summation order. On a TPU the two differ by how the
 # chip multiplies float32 outside the attention (one bfloat16 pass by default, in both runs alike) and inside it
 # (the Pallas kernel and XLA's einsum); a wrong page, row or block still moves a logit by far more than this.
@@ -49,18 +51,18 @@ def model(request):
     return config, random_params(config, seed=5, std=0.1)
 
 
-def fresh_pool(config, num_pages=24):
+def fresh_pool(config, page_size, num_pages=24):
     device = jax.devices()[0]
-    shape = (num_pages, PAGE_SIZE, 2 * config.num_kv_heads * config.head_dim)
+    shape = (num_pages, page_size, 2 * config.num_kv_heads * config.head_dim)
     return tuple(jax.device_put(jnp.zeros(shape, jnp.float32), device) for _ in range(config.num_layers))
 
 
-def run_both(config, params, calls):
+def run_both(config, params, calls, page_size):
     """Run ``calls`` (``(tokens, starts, lengths, tables)`` each, host arrays) through both kernel sets from empty
     pools; returns each set's logits per call and final pool."""
     out = {}
     for kernels in ("jnp", KERNELS):
-        pool, logits = fresh_pool(config), []
+        pool, logits = fresh_pool(config, page_size), []
         forward = partial(decoder.forward_paged, config=config, kernels=kernels)
         for tokens, starts, lengths, tables in calls:
             step_logits, pool, _ = forward(params, pool, *(jnp.asarray(a, jnp.int32) for a in
@@ -85,24 +87,27 @@ def table(*pages, width=8):
     return list(pages) + [0] * (width - len(pages))
 
 
-def test_prefill_chunks_prefix_hits_and_decode_match_jnp(model):
+@pytest.mark.parametrize("page_size", PAGE_SIZES, ids=lambda p: f"page-{p}")
+def test_prefill_chunks_prefix_hits_and_decode_match_jnp(model, page_size):
     config, params = model
+    p, half, quarter = page_size, page_size // 2, page_size // 4
     rng = np.random.default_rng(0)
-    prompt = rng.integers(1, 250, size=40).tolist()
-    a_pages, b_pages = [7, 3, 12], [7, 3, 19, 5]  # b shares a's first two pages: a prefix hit of 32 tokens
+    prompt = rng.integers(1, 250, size=2 * p + half).tolist()
+    a_pages, b_pages = [7, 3, 12], [7, 3, 19, 5]  # b shares a's first two pages: a prefix hit of 2 pages
     calls = [
-        # a's first chunk (24 tokens: page 7 whole, page 3 half) and b's would-be rows padded out
-        ([prompt[:24], [0] * 24], [0, 0], [24, 0], [table(*a_pages), table()]),
-        # a's second chunk starts mid-page 3 and ends in page 12
-        ([prompt[24:40] + [0] * 8], [24], [16], [table(*a_pages)]),
-        # b: after the prefix hit (32 tokens in pages 7, 3), 20 new tokens into pages 19 and 5
-        ([rng.integers(1, 250, size=20).tolist() + [0] * 12], [32], [20], [table(*b_pages)]),
+        # a's first chunk (a page and a half: page 7 whole, page 3 half) and b's would-be rows padded out
+        ([prompt[:p + half], [0] * (p + half)], [0, 0], [p + half, 0], [table(*a_pages), table()]),
+        # a's second chunk starts mid-page 3 and ends mid-page 12
+        ([prompt[p + half:] + [0] * half], [p + half], [p], [table(*a_pages)]),
+        # b: after the prefix hit (2 pages: 7, 3), a page and a quarter of new tokens into pages 19 and 5
+        ([rng.integers(1, 250, size=p + quarter).tolist() + [0] * (p - quarter)], [2 * p], [p + quarter],
+         [table(*b_pages)]),
     ]
     decode_rows = [[int(rng.integers(1, 250))] for _ in range(2)]
-    for step in range(3):  # a at 40.., b at 52..; a padding row rides along
-        calls.append((decode_rows + [[0]], [40 + step, 52 + step, 0], [1, 1, 0],
+    for step in range(3):  # a at 2.5 pages.., b at 3.25 pages..; a padding row rides along
+        calls.append((decode_rows + [[0]], [2 * p + half + step, 3 * p + quarter + step, 0], [1, 1, 0],
                       [table(*a_pages), table(*b_pages), table()]))
-    assert_same(run_both(config, params, calls), [[0], [0], [0]] + [[0, 1]] * 3)
+    assert_same(run_both(config, params, calls, page_size), [[0], [0], [0]] + [[0, 1]] * 3)
 
 
 def test_the_write_touches_only_the_pages_its_tokens_land_in():
