@@ -35,7 +35,7 @@ from fsm_pd.api.context import ApiContext
 from fsm_pd.api.metrics import ApiMetrics
 from fsm_pd.api.requests import new_rid
 from fsm_pd.api.runner import RequestRun
-from fsm_pd.model.sampling import SamplingParams
+from fsm_pd.model.sampling_params import SamplingParams
 from fsm_pd.serving.types import GenerateRequest
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ from fsm_pd.api.schemas import (
 )
 from fsm_pd.api.tools import ToolPlan, forced_grammar, plan_tools, tool_dicts
 from fsm_pd.model.grammar import GrammarSpec
-from fsm_pd.model.sampling import SamplingParams
+from fsm_pd.model.sampling_params import SamplingParams
 from fsm_pd.net.unix_sockets import is_unix
 from fsm_pd.serving.types import Bootstrap, GenerateRequest
 

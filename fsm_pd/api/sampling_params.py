@@ -8,9 +8,8 @@ from typing import TYPE_CHECKING
 
 from fsm_pd.api.errors import ApiError
 from fsm_pd.api.request_checks import check_token_ids
-from fsm_pd.model.decoder import MAX_TOP_LOGPROBS
 from fsm_pd.model.grammar import grammar_of
-from fsm_pd.model.sampling import SamplingParams
+from fsm_pd.model.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
     from fsm_pd.api.request_checks import NodeIdentity

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fsm_pd.model.sampling import MAX_SEED, MAX_TOP_K
+from fsm_pd.model.sampling_params import MAX_SEED, MAX_TOP_K
 from fsm_pd.store.limits import MAX_ROOM
 
 StopField = str | list[str] | None

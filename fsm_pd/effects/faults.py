@@ -1,9 +1,13 @@
 """Fault injection for drills and end-to-end fault tests: off unless ``FSM_PD_FAULT_*`` variables are set.
 
-``FaultConfig.from_env()`` reads them once, when a node's effect handlers are built; ``Faults`` holds the hooks the
-handlers consult. Every injected failure becomes an ``error`` event whose reason contains ``injected fault: <stage>
-failed`` after the handler's own words (``local error: pull failed: injected fault: ...``), so ``fsm-pd replay``
-tells drills from real failures. Variables (probabilities are in [0, 1], per attempt):
+``FaultConfig.from_env()`` reads them when a node's effect handlers are built; ``Faults`` holds the hooks the
+handlers consult. ``FSM_PD_FAULT_FILE`` names a file of ``FSM_PD_FAULT_NAME=value`` lines that are read over the
+environment's, and again whenever the file changes: a drill changes the faults of a running node, which a restart
+would otherwise cost (the end-to-end fault tests run several faults on one set of servers that way).
+
+Every injected failure becomes an ``error`` event whose reason contains ``injected fault: <stage> failed`` after
+the handler's own words (``local error: pull failed: injected fault: ...``), so ``fsm-pd replay`` tells drills
+from real failures. Variables (probabilities are in [0, 1], per attempt):
 
 | variable | effect |
 | --- | --- |
@@ -17,9 +21,12 @@ tells drills from real failures. Variables (probabilities are in [0, 1], per att
 | ``FSM_PD_FAULT_CRASH_AT`` | ``os._exit`` the process the first time it reaches that point (``CRASH_POINTS``) |
 | ``FSM_PD_FAULT_SEED`` | seed of the dice, for repeatable drills |
 | ``FSM_PD_FAULT_PAUSE_FILE`` | nothing is injected while this file exists (warm up first; end a drill live) |
+| ``FSM_PD_FAULT_FILE`` | more of the variables above, one ``NAME=value`` a line (``#`` comments), over the
+  environment's; read again when the file changes (replace it whole: write another, rename it over this one) |
 
 An unknown ``FSM_PD_FAULT_*`` variable, a probability outside [0, 1] or an unknown crash point is an error at start:
-a misspelt drill must not silently run fault-free.
+a misspelt drill must not silently run fault-free. A fault file that goes bad while the node runs is logged as an
+error and the faults stay what they were.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fsm_pd.effects.ports import OnProgress
@@ -58,6 +66,7 @@ _KNOWN = {
     "CRASH_AT",
     "SEED",
     "PAUSE_FILE",
+    "FILE",
 }
 
 
@@ -77,10 +86,16 @@ class FaultConfig:
     crash_at: str | None = None
     seed: int | None = None
     pause_file: str | None = None
+    file: str | None = None
+    # the environment's settings (names without the prefix), which a changed fault file is read over again
+    environment: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> FaultConfig:
-        found = {k[len(PREFIX) :]: v.strip() for k, v in environ.items() if k.startswith(PREFIX)}
+        given = {k[len(PREFIX) :]: v.strip() for k, v in environ.items() if k.startswith(PREFIX)}
+        found = dict(given)
+        if given.get("FILE"):
+            found.update(read_fault_file(given["FILE"]))
         unknown = sorted(set(found) - _KNOWN)
         if unknown:
             raise ValueError(
@@ -115,7 +130,13 @@ class FaultConfig:
             crash_at=crash,
             seed=seed,
             pause_file=found.get("PAUSE_FILE") or None,
+            file=found.get("FILE") or None,
+            environment=given,
         )
+
+    def reread(self) -> FaultConfig:
+        """The settings again: the environment's, and the fault file's as it is now."""
+        return FaultConfig.from_env({PREFIX + k: v for k, v in self.environment.items()})
 
     @property
     def enabled(self) -> bool:
@@ -138,6 +159,36 @@ class FaultConfig:
         if self.crash_at:
             out["crash_at"] = self.crash_at
         return out
+
+
+def read_fault_file(path: str) -> dict[str, str]:
+    """A fault file's settings (names without the prefix); none while it does not exist."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return {}
+    found = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, equals, value = line.partition("=")
+        name = name.strip()
+        if not equals or not name.startswith(PREFIX) or name[len(PREFIX) :] in ("FILE", "PAUSE_FILE"):
+            raise ValueError(f"{PREFIX}FILE {path}, line {number}: not a {PREFIX}NAME=value setting: {line!r}")
+        found[name[len(PREFIX) :]] = value.strip()
+    return found
+
+
+def _file_stamp(path: str | None) -> tuple | None:
+    """What tells a changed fault file from the one read: its inode, size and time of change; None if absent."""
+    if path is None:
+        return None
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
 def _probability(found: Mapping[str, str], name: str, default: float = 0.0) -> float:
@@ -172,16 +223,36 @@ class Faults:
     def __init__(
         self, config: FaultConfig | None = None, *, role: str = "prefill", exit: Callable[[int], None] = os._exit
     ):
-        self.config = config if config is not None else FaultConfig()
         self.role = role
-        self.injected: Counter[str] = Counter()  # what was injected so far: stage, drop:KIND, delay:KIND
-        self._rng = random.Random(self.config.seed)
+        self.injected: Counter[str] = Counter()  # what was injected so far (stage, drop:KIND, delay:KIND), ever
         self._lock = threading.Lock()
         self._exit = exit
-        if self.config.crash_at and self.config.crash_at not in CRASH_POINTS[role]:
-            log.warning("%sCRASH_AT=%s is not a %s point: it never fires here", PREFIX, self.config.crash_at, role)
-        if self.config.enabled:
-            log.warning("fault injection is ON for this %s node: %s", role, self.config.describe())
+        self._use(config if config is not None else FaultConfig())
+        self._stamp = _file_stamp(self._config.file)
+
+    def _use(self, config: FaultConfig) -> None:
+        self._config, self._rng = config, random.Random(config.seed)
+        if config.crash_at and config.crash_at not in CRASH_POINTS[self.role]:
+            log.warning("%sCRASH_AT=%s is not a %s point: it never fires here", PREFIX, config.crash_at, self.role)
+        if config.enabled:
+            log.warning("fault injection is ON for this %s node: %s", self.role, config.describe())
+
+    @property
+    def config(self) -> FaultConfig:
+        """The settings in force: read again first if the fault file changed since they were read."""
+        if self._config.file is not None and _file_stamp(self._config.file) != self._stamp:
+            with self._lock:
+                stamp = _file_stamp(self._config.file)
+                if stamp != self._stamp:
+                    self._stamp = stamp
+                    try:
+                        self._use(self._config.reread())
+                        log.warning("fault settings read again from %s: %s", self._config.file,
+                                    self._config.describe() or "none")
+                    except ValueError as exc:  # a drill's typo: say so, and keep what was in force
+                        log.error("fault file %s not taken, the faults stay %s: %s", self._config.file,
+                                  self._config.describe() or "none", exc)
+        return self._config
 
     @property
     def paused(self) -> bool:

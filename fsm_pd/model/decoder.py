@@ -24,6 +24,7 @@ from fsm_pd.model import input_buckets
 from fsm_pd.model.attention import Kernels, block_pages, paged_attention, reference_attention
 from fsm_pd.model.config import ModelConfig
 from fsm_pd.model.rope import apply_rope, inverse_frequencies
+from fsm_pd.model.sampling_params import MAX_TOP_LOGPROBS
 
 # Incremented while tracing, i.e. once per compiled program: lets tests and the server see recompiles.
 TRACE_COUNTS: collections.Counter[str] = collections.Counter()
@@ -204,9 +205,6 @@ class PrefillResult:
     # Per prompt position, its ``k`` most likely tokens as ``(logprob, token_id)``, best first; None at the first
     # position. Only for prompts that asked for ``k > 0``.
     token_top_logprobs: list | None = None
-
-
-MAX_TOP_LOGPROBS = 20  # as SGLang and OpenAI; prefill always computes this many, so one compiled variant serves all k
 
 
 def prefill_batch(

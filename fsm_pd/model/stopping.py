@@ -10,7 +10,7 @@ from enum import StrEnum
 
 from fsm_pd.model.detokenize import IncrementalText
 from fsm_pd.model.grammar import new_state
-from fsm_pd.model.sampling import SamplingParams
+from fsm_pd.model.sampling_params import SamplingParams
 from fsm_pd.model.tokenizer import Tokenizer
 
 

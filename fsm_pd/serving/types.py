@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from fsm_pd.model.sampling import SamplingParams
+from fsm_pd.model.sampling_params import SamplingParams
 from fsm_pd.net.unix_sockets import is_unix
 from fsm_pd.transport.addresses import with_port
 

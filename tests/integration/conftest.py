@@ -41,3 +41,34 @@ def rig(tmp_path):
     yield make
     for r in made:
         r.stop()
+
+
+@pytest.fixture(scope="module")
+def _module_rigs():
+    made: dict = {}
+    yield made
+    for r in made.values():
+        r.stop()
+
+
+@pytest.fixture
+def shared_rig(_module_rigs, tmp_path_factory):
+    """``shared_rig(**kwargs)``: the module's fault rig made with these arguments (``fault_rig.Rig``), started by the
+    first test that asks for it and handed to the next ones while it is whole (``Rig.reusable``; else another is
+    started), paused and without faults (``Rig.set_faults``). Each test warms it up first, which takes the baselines
+    and the failed rooms so far that ``Rig.failures`` leaves out. Stopped at the module's end."""
+    from fault_rig import Rig
+
+    def get(**kwargs) -> Rig:
+        key = repr(sorted(kwargs.items()))
+        found = _module_rigs.get(key)
+        if found is not None and not found.reusable():
+            _module_rigs.pop(key).stop()
+            found = None
+        if found is None:
+            found = _module_rigs[key] = Rig(tmp_path_factory.mktemp("rig"), **kwargs)
+        found.faults_off()
+        found.set_faults()
+        return found
+
+    return get

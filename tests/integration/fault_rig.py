@@ -2,6 +2,10 @@
 processes, with short deadlines and heartbeats from the ``FSM_PD_*`` environment and fault injection behind a pause
 file; plus the one-request client the fault tests and drills use. ``test_faults.py``, ``test_restarts.py`` (through
 ``drills.py``) and ``bench/fault_drill.py`` build on it.
+
+Each node reads its faults from a fault file (``FSM_PD_FAULT_FILE``) that ``set_faults`` rewrites while it runs, so one
+rig serves fault after fault (the ``shared_rig`` fixture of ``conftest.py``): a node start, an import of jax and the
+first compiles each, is what a rig costs.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from dataclasses import dataclass
 
 import httpx
 from processes import PAGE_SIZE, Cluster, free_port
+
+from fsm_pd.effects.faults import FaultConfig
 
 DEADLINE_S = 4.0  # every deadline of both nodes
 ENV = {
@@ -74,13 +80,16 @@ class Rig:
         self.pause.touch()
         self.warm_failures: set = set()
         base = {**self.cluster.env, **ENV, "FSM_PD_FAULT_PAUSE_FILE": str(self.pause)}
-        self.envs = {"prefill": {**base, **(prefill_env or {})}, "decode": {**base, **(decode_env or {})}}
+        self.fault_files = {role: tmp_path / f"{role}-faults" for role in ("prefill", "decode")}
+        self.envs = {role: {**base, "FSM_PD_FAULT_FILE": str(self.fault_files[role]), **(env or {})}
+                     for role, env in (("prefill", prefill_env), ("decode", decode_env))}
         self.boot = free_port()
         try:
             self.p, self.d = self.nodes(("prefill", "--bootstrap-port", str(self.boot)), ("decode",))
             # one attempt per request: the fault tests count each fault's rooms and reasons on the nodes, which a
             # retry (another room, docs/fleet.md) would add to
             self.router = self.cluster.router(self.p.url, self.boot, self.d.url, "--retry-policy", "fail")
+            self.router_proc = self.cluster.procs[-1]
         except BaseException:  # nobody else holds this rig yet: stop what it started before it failed
             self.cluster.stop()
             raise
@@ -109,6 +118,31 @@ class Rig:
             assert want + f"{float(node.baseline['pages_free'])}" in text, text
             assert "fsm_pd_open_transfer_entries" in text and "fsm_pd_rooms_open" in text
         self.warm_failures = {(r["role"], r["room"]) for r in self.replay() if r["final"] == "Failed"}
+
+    def set_faults(self, prefill: dict[str, str] | None = None, decode: dict[str, str] | None = None) -> None:
+        """Each node's faults from now on (``FSM_PD_FAULT_*`` settings; none for a role not given), over what its
+        environment sets, once each node reports them (its ``/server_info`` reads a changed fault file)."""
+        for node, settings in ((self.p, prefill or {}), (self.d, decode or {})):
+            path = self.fault_files[node.role]
+            new = path.with_suffix(".new")
+            new.write_text("".join(f"{name}={value}\n" for name, value in settings.items()))
+            new.replace(path)  # whole, at once: the node never reads half a file
+            want = FaultConfig.from_env({**self.envs[node.role], **settings}).describe()
+            assert info(node.url)["faults"] == want, (node.role, info(node.url)["faults"], want)
+
+    def reusable(self) -> bool:
+        """Every process alive and healthy, and both nodes idle (within the longest a room lasts), for another test."""
+        procs = [self.p.proc, self.d.proc, self.router_proc]
+        urls = [self.p.url, self.d.url, self.router]
+        try:
+            if any(proc.poll() is not None for proc in procs) or any(
+                    httpx.get(url + "/health", timeout=5).status_code != 200 for url in urls):
+                return False
+            self.p.wait_idle(REQUEST_BOUND_S)
+            self.d.wait_idle(REQUEST_BOUND_S)
+        except (httpx.HTTPError, AssertionError):
+            return False
+        return True
 
     def faults_on(self) -> None:
         self.pause.unlink()

@@ -5,9 +5,11 @@ For each fault: every request ends (a full answer or a clean HTTP error) within 
 servers stay healthy, a follow-up request succeeds, the leak counters of ``/server_info`` return to their baseline,
 and ``fsm-pd replay`` on the journals exits 0 and names each failure's reason.
 
-Faults are injected with ``FSM_PD_FAULT_*`` (``fsm_pd/effects/faults.py``); each node starts with its pause file
-present, so the warm-up (and the kernels' compilation) runs fault-free, and the follow-up runs after the pause file
-is back, on the same servers.
+Faults are injected with ``FSM_PD_FAULT_*`` (``fsm_pd/effects/faults.py``), written into each node's fault file while
+it runs (``Rig.set_faults``): the tests share one rig (``shared_rig``; the slow decode has its own, for its shorter
+transfer deadline), each with the faults it sets, and a node killed by one test is restarted by it. The pause file is
+present until a test turns its faults on, so the warm-up (and the kernels' compilation) runs fault-free, and the
+follow-up runs after the pause file is back, on the same servers.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ def in_background(fn, *args):
 # --- prefill killed before, during and after a transfer ---
 
 
-def test_prefill_crashes_before_the_transfer(rig):
-    r = rig(prefill_env={"FSM_PD_FAULT_CRASH_AT": "before_gather"})
+def test_prefill_crashes_before_the_transfer(shared_rig):
+    r = shared_rig()
+    r.set_faults(prefill={"FSM_PD_FAULT_CRASH_AT": "before_gather"})
     r.warm_up()
     r.faults_on()
     outcome = generate(r.router, "crash before the gather")
@@ -63,8 +66,9 @@ def test_prefill_crashes_before_the_transfer(rig):
     assert len(failures["decode"]) == 1 and any(w in failures["decode"][0] for w in DECODE_LOST_PREFILL)
 
 
-def test_prefill_sigkilled_during_the_transfer(rig):
-    r = rig(decode_env={"FSM_PD_FAULT_PULL_DELAY_S": "1.5"})  # a pull slow enough to kill the prefill during it
+def test_prefill_sigkilled_during_the_transfer(shared_rig):
+    r = shared_rig()
+    r.set_faults(decode={"FSM_PD_FAULT_PULL_DELAY_S": "1.5"})  # a pull slow enough to kill the prefill during it
     r.warm_up()
     r.faults_on()
     pending = in_background(generate, r.router, "killed while pulled from")
@@ -85,8 +89,9 @@ def test_prefill_sigkilled_during_the_transfer(rig):
     assert any(w in failures["decode"][0] for w in DECODE_LOST_PREFILL)
 
 
-def test_prefill_crashes_after_the_transfer(rig):
-    r = rig(prefill_env={"FSM_PD_FAULT_CRASH_AT": "after_pulled"})
+def test_prefill_crashes_after_the_transfer(shared_rig):
+    r = shared_rig()
+    r.set_faults(prefill={"FSM_PD_FAULT_CRASH_AT": "after_pulled"})
     r.warm_up()
     r.faults_on()
     outcome = generate(r.router, "crash after PULLED")
@@ -102,8 +107,9 @@ def test_prefill_crashes_after_the_transfer(rig):
 # --- decode killed while pulling ---
 
 
-def test_decode_sigkilled_while_pulling(rig):
-    r = rig(decode_env={"FSM_PD_FAULT_PULL_DELAY_S": "1.5"})
+def test_decode_sigkilled_while_pulling(shared_rig):
+    r = shared_rig()
+    r.set_faults(decode={"FSM_PD_FAULT_PULL_DELAY_S": "1.5"})
     r.warm_up()
     r.faults_on()
     pending = in_background(generate, r.router, "decode dies mid-pull")
@@ -125,8 +131,8 @@ def test_decode_sigkilled_while_pulling(rig):
 # --- the bootstrap server down ---
 
 
-def test_bootstrap_server_down(rig):
-    r = rig()
+def test_bootstrap_server_down(shared_rig):
+    r = shared_rig()
     r.warm_up()
     dead = free_port()  # nothing listens there: the bootstrap server is down
     port = free_port()
@@ -173,17 +179,19 @@ def test_bootstrap_server_down(rig):
 
 
 @pytest.mark.slow
-def test_side_channel_drops_30_percent_of_messages(rig):
+def test_side_channel_drops_30_percent_of_messages(shared_rig):
     drop = {"FSM_PD_FAULT_DROP_MESSAGE": "0.3", "FSM_PD_FAULT_SEED": "1"}
-    r = rig(prefill_env=drop, decode_env=drop)
+    r = shared_rig()
+    r.set_faults(prefill=drop, decode=drop)
     r.warm_up()
+    before = info(r.p.url)["faults_injected"], info(r.d.url)["faults_injected"]  # the rig's earlier tests'
     r.faults_on()
     with ThreadPoolExecutor(8) as pool:
         outcomes = list(pool.map(lambda i: generate(r.router, PROMPTS[i % len(PROMPTS)] + str(i)), range(24)))
     for outcome in outcomes:
         assert_clean(outcome)
     dropped = info(r.p.url)["faults_injected"], info(r.d.url)["faults_injected"]
-    assert sum(dropped[0].values()) + sum(dropped[1].values()) > 0
+    assert sum(dropped[0].values()) + sum(dropped[1].values()) > sum(before[0].values()) + sum(before[1].values())
     r.check_recovered()
     failed = r.failures()
     reasons = set(failed["prefill"]) | set(failed["decode"])
@@ -207,10 +215,11 @@ def test_side_channel_drops_30_percent_of_messages(rig):
 # --- a decode too slow for its deadline ---
 
 
-def test_decode_too_slow_for_its_transfer_deadline(rig):
+def test_decode_too_slow_for_its_transfer_deadline(shared_rig):
     # the decode's own transfer deadline, shorter than the prefill's pull_hold, is what ends the room; the decode
     # node then prefills the prompt itself (--on-transfer-failure recompute, the default) and answers
-    r = rig(decode_env={"FSM_PD_FAULT_PULL_DELAY_S": str(DEADLINE_S + 2), "FSM_PD_TRANSFER_TIMEOUT": "2"})
+    r = shared_rig(decode_env={"FSM_PD_TRANSFER_TIMEOUT": "2"})
+    r.set_faults(decode={"FSM_PD_FAULT_PULL_DELAY_S": str(DEADLINE_S + 2)})
     r.warm_up()
     r.faults_on()
     outcome = generate(r.router, "slow decode")
@@ -225,8 +234,8 @@ def test_decode_too_slow_for_its_transfer_deadline(rig):
 # --- a client that goes away mid-stream ---
 
 
-def test_client_aborts_mid_stream(rig):
-    r = rig()
+def test_client_aborts_mid_stream(shared_rig):
+    r = shared_rig()
     r.warm_up()
     before = info(r.d.url)["tokens_generated"]
     body = {
@@ -257,11 +266,12 @@ def _known_reason(reason: str) -> bool:
 
 # one rate: 5 % ran the same paths as 12 % and could pass with nothing injected (9 s of the suite's time)
 @pytest.mark.parametrize("rate", [0.12])
-def test_random_transfer_failures_under_64_concurrent_requests(rig, rate):
+def test_random_transfer_failures_under_64_concurrent_requests(shared_rig, rate):
     per_stage = 1 - (1 - rate) ** 0.25  # four stages (gather, publish, pull, scatter): about `rate` per transfer
     p = {"FSM_PD_FAULT_GATHER": f"{per_stage:.5f}", "FSM_PD_FAULT_PUBLISH": f"{per_stage:.5f}"}
     d = {"FSM_PD_FAULT_PULL": f"{per_stage:.5f}", "FSM_PD_FAULT_SCATTER": f"{per_stage:.5f}"}
-    r = rig(prefill_env=p, decode_env=d)
+    r = shared_rig()
+    r.set_faults(prefill=p, decode=d)
     r.warm_up(concurrency=64)
     r.faults_on()
     with ThreadPoolExecutor(64) as pool:

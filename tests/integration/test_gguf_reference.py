@@ -31,12 +31,22 @@ def ours():
 
 @pytest.fixture(scope="module")
 def reference():
+    import functools
+    from unittest import mock
+
+    import gguf
     import torch  # here, not at the top: a worker that collects this module without running it skips the import
     import transformers
 
     path = resolve_named_model("smollm2")
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    # transformers reads the file's header into a GGUFReader three times (config, weights, tokenizer) and builds
+    # gguf's tensor name map once per module of the model (397 times): 20 of the 30 s the loads took, for the same
+    # answers each time. Each is made once here; what transformers does with them is unchanged.
+    with mock.patch.object(gguf, "GGUFReader", functools.cache(gguf.GGUFReader)), \
+            mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
+        model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                  dtype=torch.float32)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return model.eval(), tokenizer
 
 

@@ -1,7 +1,8 @@
 """Issue 11's "done means" on real processes: 32 concurrent mixed (streamed and whole, /generate and chat) requests
 through the built-in router while a node is SIGKILLed and restarted at the same address and ports, or SIGSTOPped past
 every deadline (12 s; the drill bench's 20 s proves nothing more and cost 16 s of the suite); and bad input sent beside
-ordinary requests. The drills themselves are in ``drills.py``.
+ordinary requests. The drills themselves are in ``drills.py``. They share one rig (``shared_rig``): each warms it up
+first, and the killed node's restart is the drill's own.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ def _no_hang(figures: dict) -> None:
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_a_node_killed_and_restarted_under_load(rig, role):
-    figures = kill_and_restart(rig(), role)
+def test_a_node_killed_and_restarted_under_load(shared_rig, role):
+    figures = kill_and_restart(shared_rig(), role)
     print(figures)
     _no_hang(figures)
     assert figures["in_flight_at_kill"] > 0, figures
@@ -32,9 +33,9 @@ def test_a_node_killed_and_restarted_under_load(rig, role):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_a_node_stopped_past_every_deadline_under_load(rig, role):
+def test_a_node_stopped_past_every_deadline_under_load(shared_rig, role):
     stop_s = 3 * DEADLINE_S  # past every deadline a room can meet on either side (bench/fault_drill.py stops 20 s)
-    figures = stop_and_continue(rig(), role, seconds=stop_s)
+    figures = stop_and_continue(shared_rig(), role, seconds=stop_s)
     print(figures)
     _no_hang(figures)
     # Stopped prefill: every request ends by its deadlines (a decode that recomputed does not wait for it), those
@@ -49,8 +50,8 @@ def test_a_node_stopped_past_every_deadline_under_load(rig, role):
         assert figures["overlapping_results"]["error"] > 0, figures
 
 
-def test_bad_input_gets_4xx_and_hurts_nobody(rig):
-    figures = bad_input(rig())
+def test_bad_input_gets_4xx_and_hurts_nobody(shared_rig):
+    figures = bad_input(shared_rig())
     print(figures)
     statuses = figures["statuses"]
     assert figures["error"] == 0 and figures["hung"] == 0 and figures["silent"] == 0, figures

@@ -159,3 +159,40 @@ def test_pause_file_turns_every_hook_off(tmp_path):
     assert faults.message("READY") is None and faults.pull_delay_s == 3.0
     faults.crash("before_pull")
     assert exits == [CRASH_EXIT_CODE]
+
+
+def _replace(path, text: str) -> None:
+    """Write the fault file whole, as a drill does: another file renamed over it."""
+    new = path.with_suffix(".new")
+    new.write_text(text)
+    new.replace(path)
+
+
+def test_a_fault_file_is_read_over_the_environment_and_again_when_it_changes(tmp_path, caplog):
+    path = tmp_path / "faults"
+    env = {"FSM_PD_FAULT_FILE": str(path), "FSM_PD_FAULT_GATHER": "1", "FSM_PD_FAULT_SEED": "5"}
+    faults = Faults(FaultConfig.from_env(env))  # no file yet: the environment's settings alone
+    with pytest.raises(InjectedFault):
+        faults.check("gather")
+    _replace(path, "# a drill\nFSM_PD_FAULT_GATHER = 0\nFSM_PD_FAULT_PUBLISH=1\n")
+    faults.check("gather")  # the file's 0 over the environment's 1
+    with pytest.raises(InjectedFault, match=r"FSM_PD_FAULT_PUBLISH=1\)$"):
+        faults.check("publish")
+    assert faults.config.seed == 5 and faults.config.describe() == {"fail_publish": 1.0}
+    _replace(path, "FSM_PD_FAULT_CRASH_AT=after_publish\nFSM_PD_FAULT_PULL_DELAY_S=2\n")
+    assert faults.config.describe() == {"fail_gather": 1.0, "pull_delay_s": 2.0, "crash_at": "after_publish"}
+    _replace(path, "FSM_PD_FAULT_PULL_DELAY_S=soon\n")  # a typo while it runs: said, and nothing changes
+    assert faults.pull_delay_s == 2.0
+    assert "not taken" in caplog.text and "number of seconds" in caplog.text
+    path.unlink()  # gone: the environment's settings again
+    assert faults.config.describe() == {"fail_gather": 1.0} and faults.counters() == {"gather": 1, "publish": 1}
+
+
+@pytest.mark.parametrize("text, words", [("FSM_PD_FAULT_PULL=2\n", "probability in [0, 1]"),
+                                         ("PULL=1\n", "line 1: not a FSM_PD_FAULT_NAME=value"),
+                                         ("FSM_PD_FAULT_PAUSE_FILE=/x\n", "not a FSM_PD_FAULT_NAME=value")])
+def test_a_bad_fault_file_is_an_error_at_start(tmp_path, text, words):
+    path = tmp_path / "faults"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        FaultConfig.from_env({"FSM_PD_FAULT_FILE": str(path)})
