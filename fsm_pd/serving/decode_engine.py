@@ -16,15 +16,15 @@ A request goes through:
    while one waits to resume.
 
 When the transfer fails on this node after it reserved the request's pages (a pull or scatter that failed, a
-deadline that passed, the prefill node found dead), ``on_transfer_failure`` decides: ``recompute`` (the default) prefills the prompt here, as the
-colocated engine does, samples the first token with the request's seed at step 0 and decodes on, so the client gets
-the answer an undisturbed run gives (greedy: identical); ``fail`` ends the request with the transfer's error (500,
-502 when the prefill node failed it: ``common.transfer_failure_status``). The room still ends Failed in the journal
-with its reason; the recompute is journaled beside it (a ``recompute`` row, ``recompute.py``), logged with the room
-and request id,
-counted (``recomputes``, ``fsm_pd_transfer_recomputes_total``) and named in the answer's ``meta_info.kv_recompute``.
-A recomputed request's pages are held under the key ``-(room + 1)``, never a room id, so the failed room's own
-``FreePages`` cannot free them. See ``serving.md``.
+deadline that passed, the prefill node found dead), ``on_transfer_failure`` decides: ``recompute`` (the default)
+prefills the prompt here, as the colocated engine does, samples the first token with the request's seed at step 0
+and decodes on, so the client gets the answer an undisturbed run gives (greedy: identical); ``fail`` ends the
+request with the transfer's error (500, 502 when the prefill node failed it: ``common.transfer_failure_status``).
+The room still ends Failed in the journal with its reason; the recompute is journaled beside it (a ``recompute``
+row, ``recompute.py``), logged with the room and request id, counted (``recomputes``,
+``fsm_pd_transfer_recomputes_total``) and named in the answer's ``meta_info.kv_recompute``. A recomputed request's
+pages are held under the key ``-(room + 1)``, never a room id, so the failed room's own ``FreePages`` cannot free
+them. See ``serving.md``.
 
 A request the router sends here whole (``fsm_pd_route`` local: its policy found the prompt not worth a prefill node)
 has no room: it joins the recompute's queue and prefill, then the decode loop (``local_path.py``).
