@@ -4,23 +4,14 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
 import httpx
 import pytest
+from polling import until
 from real_parts import TCP
 from stub_engine import stub_server
 
 from fsm_pd.serving.types import EngineError
-
-
-def wait_until(predicate, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 @pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/v1/chat/completions"])
@@ -113,7 +104,7 @@ def test_client_disconnect_aborts_the_request(path, body):
             assert b"data: " in _read_until(sock, b"data: ")
         sock.close()
         rid = engine.submitted[0].rid
-        assert wait_until(lambda: rid in engine.aborted), "the request was not aborted"
+        assert until(lambda: rid in engine.aborted), "the request was not aborted"
         assert engine.live == []
 
 
@@ -123,7 +114,7 @@ def test_client_disconnect_while_the_engine_is_silent_aborts():
         sock = _raw_post(url, "/generate", {"text": "a", "stream": True})
         assert engine.wait_submitted(1)
         sock.close()
-        assert wait_until(lambda: engine.aborted == [engine.submitted[0].rid])
+        assert until(lambda: engine.aborted == [engine.submitted[0].rid])
 
 
 @TCP
@@ -132,7 +123,7 @@ def test_finished_requests_are_not_aborted():
         for stream in (False, True):
             assert httpx.post(url + "/generate", json={"text": "a", "stream": stream}).status_code == 200
         # a handler closes its run before its response ends, and is counted once it returned: both runs closed by then
-        assert wait_until(lambda: counted(url, "200") == 2)
+        assert until(lambda: counted(url, "200") == 2)
         assert engine.aborted == []
 
 

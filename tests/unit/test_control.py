@@ -6,12 +6,11 @@ Two KVManagers talk over the real side channel on 127.0.0.1 (unix sockets on a h
 
 from __future__ import annotations
 
-import time
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from node_sockets import node_sockets
+from polling import until
 from pool_admission import pool_admission
 from prometheus_client import generate_latest
 
@@ -72,13 +71,13 @@ def test_sglang_facades_drive_a_chunked_transfer(pair, tmp_path):
     d.resolver = lambda ctx: {"prefill_addr": p.side_channel.address, "peer": "p0"}
     receiver.init(prefill_dp_rank=0)
     receiver.send_metadata([9, 10, 11])
-    assert _until(lambda: p.poll(5) == KVPoll.WaitingForInput)  # PREPARE is in: P's KV is all the transfer waits for
+    assert until(lambda: p.poll(5) == KVPoll.WaitingForInput)  # PREPARE is in: P's KV is all the transfer waits for
     sender.init(3)
     sender.send([4])
     # Two pages are still missing: nothing may move yet. A room made now is queued behind whatever that send
     # submitted; once P's loop has it, a premature start would show.
     p.add_sender(6, [1])
-    assert _until(lambda: p.poll(6) is not None)
+    assert until(lambda: p.poll(6) is not None)
     assert p.poll(5) == KVPoll.WaitingForInput
     sender.send([7, 8], first_token=42)
     assert d.wait(5, 10) == KVPoll.Success and p.wait(5, 10) == KVPoll.Success
@@ -90,18 +89,18 @@ def test_sglang_facades_drive_a_chunked_transfer(pair, tmp_path):
     sender.clear()
     receiver.clear()
     # a clear is queued to the node's loop like an event (rooms change only there)
-    assert _until(lambda: p.poll(5) is None and d.poll(5) is None) and freed == []
+    assert until(lambda: p.poll(5) is None and d.poll(5) is None) and freed == []
 
 
 def test_decode_abort_reaches_prefill_and_frees_pages(pair):
     p, d = pair()
     p.add_sender(1, [3, 4])
     d.add_receiver(1, page_count=2, prefill_addr=p.side_channel.address)
-    assert _until(lambda: p.poll(1) == KVPoll.WaitingForInput)
+    assert until(lambda: p.poll(1) == KVPoll.WaitingForInput)
     d.abort(1, "client went away")
     assert p.wait(1, 5) == KVPoll.Failed and d.wait(1, 5) == KVPoll.Failed
     assert p.reason(1) == "aborted by peer: client went away"
-    assert _until(lambda: d.counters()["pages_reserved"] == 0)
+    assert until(lambda: d.counters()["pages_reserved"] == 0)
     with pytest.raises(KVTransferError, match="client went away"):
         KVReceiver(d, None, 1).failure_exception()
 
@@ -110,7 +109,7 @@ def test_prefill_abort_reaches_decode(pair):
     p, d = pair()
     p.add_sender(2, [3])
     d.add_receiver(2, page_count=1, prefill_addr=p.side_channel.address)
-    assert _until(lambda: d.poll(2) == KVPoll.WaitingForInput and p.poll(2) == KVPoll.WaitingForInput)
+    assert until(lambda: d.poll(2) == KVPoll.WaitingForInput and p.poll(2) == KVPoll.WaitingForInput)
     p.abort(2, "prefill out of memory")
     assert d.wait(2, 5) == KVPoll.Failed
     assert d.reason(2) == "aborted by peer: prefill out of memory"
@@ -119,7 +118,7 @@ def test_prefill_abort_reaches_decode(pair):
 def test_prepare_that_beats_the_request_to_prefill_is_kept(pair):
     p, d = pair()
     d.add_receiver(3, page_count=1, prefill_addr=p.side_channel.address)
-    assert _until(lambda: p.core.early_rooms() == 1)  # PREPARE reached the prefill node before it knows room 3
+    assert until(lambda: p.core.early_rooms() == 1)  # PREPARE reached the prefill node before it knows room 3
     assert p.poll(3) is None
     p.add_sender(3, [5])
     p.kv_ready(3)
@@ -152,7 +151,7 @@ def test_metrics_count_transitions_and_failures(pair):
     assert 'fsm_pd_failures_total{node="p0",reason="bootstrap timeout",role="prefill"} 1.0' in text
     assert 'fsm_pd_rooms{node="p0",role="prefill",state="Failed"} 1.0' in text
     p.clear(1)  # queued to the loop
-    assert _until(lambda: 'state="Failed"} 0.0' in generate_latest(p.metrics.registry).decode())
+    assert until(lambda: 'state="Failed"} 0.0' in generate_latest(p.metrics.registry).decode())
 
 
 def test_deadline_configuration(monkeypatch):
@@ -165,15 +164,6 @@ def test_deadline_configuration(monkeypatch):
         resolve_deadlines("prefill", {"transfer": 1})
     with pytest.raises(ValueError, match="positive"):
         resolve_deadlines("decode", {"transfer": 0})
-
-
-def _until(predicate, timeout=5.0) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 
@@ -229,11 +219,11 @@ def test_a_send_to_a_dead_peer_blocks_neither_the_loop_nor_other_peers():
     assert not channel.waited_out, "the node loop waited for a send to a dead peer"
     try:
         assert channel.blocked.wait(10)
-        assert _until(lambda: ("tcp://live:1", "ABORT 3") in channel.sent, 10)  # while the dead peer still blocks
+        assert until(lambda: ("tcp://live:1", "ABORT 3") in channel.sent, 10)  # while the dead peer still blocks
     finally:
         channel.release.set()
     # ABORT is best effort: a dead peer's deadlines end its side, so nothing more happens to the rooms
-    assert _until(lambda: senders.pending() == 0)
+    assert until(lambda: senders.pending() == 0)
     assert node.step() == 0
     senders.close()
 

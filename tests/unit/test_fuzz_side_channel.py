@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import zmq
 from node_sockets import node_sockets
+from polling import until
 from pool_admission import pool_admission
 
 from fsm_pd.control import KVManager
@@ -42,15 +43,6 @@ def pool(seed: int):
     rng = np.random.default_rng(seed)
     return tuple(jnp.asarray(rng.standard_normal(LAYOUT.layer_shape, dtype=np.float32))
                  for _ in range(LAYOUT.num_layers))
-
-
-def until(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def journal_rows(path) -> int:
@@ -161,7 +153,7 @@ def test_garbage_frames_for_live_rooms_change_nothing_and_the_rooms_still_comple
             sent[name] = len(frames) + 1  # every garbage frame and the replay
         for name, manager in (("p", p), ("d", d)):
             assert until(lambda m=manager, n=name: sum(m.side_channel.dropped.values()) - dropped_before[n]
-                         >= sent[n], timeout=30), (name, manager.side_channel.dropped)
+                         >= sent[n], timeout_s=30), (name, manager.side_channel.dropped)
             counts = manager.side_channel.dropped
             assert sum(counts.values()) - dropped_before[name] == sent[name], counts
             assert counts["replayed"] >= 1 and counts["bad_mac"] > 0 and counts["stale"] > 0, counts

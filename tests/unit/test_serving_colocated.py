@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from polling import until
 
 from fsm_pd.model.decoder import forward_reference
 from fsm_pd.model.loader import LoadedModel, load_model
@@ -49,15 +49,6 @@ def ids_of(outs) -> list[int]:
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 120))
-
-
-def until(predicate, timeout=10.0) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def idle(engine) -> bool:
