@@ -20,7 +20,8 @@ What is written must be whole. XLA:CPU (jaxlib 0.10.2) serializes a program it *
 or from here) without its object code: such an entry loads, and its first call fails ("Function iota_add_fusion not
 found") after it has taken the donated KV pool, which is lost with it. So a program is written only where XLA
 compiled it in that very call (``compiles.compiled_here``); one JAX's compile cache loaded, or jit's own memory handed
-back (a start asks for the one-row decode program twice), is not: the store fills on a start that compiles it. On
+back, is not: the store fills on a start that compiles it. A program asked for again while this process holds it
+(a start asks for the one-row decode program twice) is the one it holds, never a reload of the entry it just wrote. On
 the CPU an entry whose executable holds no object code is refused before it loads, and the program compiled over
 (``compiles.refused``): a loaded program cannot be tried once before it serves, as its first call donates the pool.
 
@@ -40,6 +41,7 @@ import os
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import jax
@@ -59,6 +61,12 @@ OBJECT_CODE = b"\x7fELF"
 PROGRAM_CODE = (Path(__file__).resolve().parent, Path(__file__).resolve().parent.parent / "kernels")
 
 _writing = threading.Lock()  # one write at a time: a few threads compile side by side
+# this process's programs by key, while something holds them: a start asks for some programs twice (the one-row
+# decode program), and a second ask gets the first's, as jit's own memory would hand it back, never a reload of
+# what this process just wrote
+_held: weakref.WeakValueDictionary[str, jax.stages.Compiled] = weakref.WeakValueDictionary()
+_asking: dict[str, threading.Lock] = {}  # one compile or load per key at a time; the rest wait and share it
+_asking_lock = threading.Lock()
 
 
 def directory() -> Path | None:
@@ -83,6 +91,16 @@ def compiled(jitted, *args, **static) -> jax.stages.Compiled:
     if folder is None:
         return jitted.lower(*args, **static).compile()
     key = program_key(jitted, args, static)
+    with _asking_lock:
+        asking = _asking.setdefault(key, threading.Lock())
+    with asking:
+        program = _held.get(key)
+        if program is None:
+            program = _held[key] = _compiled_or_loaded(jitted, args, static, folder, key)
+        return program
+
+
+def _compiled_or_loaded(jitted, args: tuple, static: dict, folder: Path, key: str) -> jax.stages.Compiled:
     path = folder / f"{hashlib.sha256(key.encode()).hexdigest()}.exe"
     began = time.perf_counter()
     program = _load(path, key, jax.tree.structure((args, {})))
@@ -162,7 +180,7 @@ def _load(path: Path, key: str, in_tree) -> jax.stages.Compiled | None:
     except FileNotFoundError:
         return None
     except OSError as exc:
-        log.warning("executable cache: cannot read %s (%s); compiling", path.name, exc)
+        log.warning("executable cache: cannot read %s (%s); compiling", path.name, str(exc))
         compiles.refused()
         return None
     try:
@@ -178,7 +196,9 @@ def _load(path: Path, key: str, in_tree) -> jax.stages.Compiled | None:
         out_tree = jax.tree_util.PyTreeDef.deserialize_using_proto(jax.tree_util.default_registry, rest[:split])
         return serialize_executable.deserialize_and_load(rest[split:], in_tree, out_tree)
     except Exception as exc:  # noqa: BLE001 - a bad entry costs a compile, never the start
-        log.warning("executable cache: ignoring %s (%s: %s); compiling", path.name, type(exc).__name__, exc)
+        # the text, not the exception: a kept log record would keep its traceback's frames, and with them the program
+        # the caller holds in ``_held`` (a test's caplog did)
+        log.warning("executable cache: ignoring %s (%s: %s); compiling", path.name, type(exc).__name__, str(exc))
         compiles.refused()
         path.unlink(missing_ok=True)  # the compile may not write it again (``compiled``): refused once, not each start
         return None
@@ -203,4 +223,4 @@ def _save(path: Path, key: str, program: jax.stages.Compiled) -> None:
                 Path(temporary).unlink(missing_ok=True)
                 raise
     except Exception as exc:  # noqa: BLE001 - not written: the next start compiles it again
-        log.warning("executable cache: cannot write %s (%s: %s)", path.name, type(exc).__name__, exc)
+        log.warning("executable cache: cannot write %s (%s: %s)", path.name, type(exc).__name__, str(exc))

@@ -88,7 +88,9 @@ def test_a_node_names_its_phases_answers_once_ready_and_loads_every_program_from
     assert kinds and sum(k["programs"] for k in kinds.values()) >= 10, kinds
     compiled = {kind: k["programs"] - k["from_cache"] - k["from_executable"] for kind, k in kinds.items()}
     assert not any(compiled.values()), f"compiled on a warm start instead of loading from the cache: {compiled}"
-    assert not any(k["from_cache"] + k["from_executable"] for k in cold["startup"]["programs_before_ready"].values())
+    cold_kinds = cold["startup"]["programs_before_ready"]
+    assert not any(k["from_cache"] + k["from_executable"] for k in cold_kinds.values()), {
+        kind: (k["from_cache"], k["from_executable"], k["programs"]) for kind, k in cold_kinds.items()}
     # the forward passes and the logprob programs loaded whole as the executables the cold start wrote: not one traced
     forward = {kind: kinds[kind] for kind in ("decode", "prefill", "logprobs") if kind in kinds}
     assert {"decode", "prefill"} <= set(forward), kinds
