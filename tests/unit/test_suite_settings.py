@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import ssl
 import subprocess
 import sys
 from pathlib import Path
@@ -214,3 +215,14 @@ def test_long(request):
 def test_short(request):
     record("ran", request.module.__name__)
 '''
+
+
+def test_httpx_clients_of_a_test_process_share_one_ssl_context_unless_they_ask_for_their_own():
+    from httpx._transports import default
+    from httpx_ssl import share_one_ssl_context
+
+    assert share_one_ssl_context()  # conftest did it already: a second call changes nothing and says so
+    assert default.create_ssl_context() is default.create_ssl_context()
+    own = default.create_ssl_context(verify=False)
+    assert own is not default.create_ssl_context() and own.verify_mode == ssl.CERT_NONE
+    assert default.create_ssl_context().verify_mode == ssl.CERT_REQUIRED  # the default still verifies
