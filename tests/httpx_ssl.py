@@ -6,7 +6,8 @@ thousands of those (a node's /health polled while it starts, the fault rig's one
 read in loops), all over plain HTTP on loopback, where the context is never used: three integration modules made
 976 of them. ``share_one_ssl_context`` has httpx make the default one once and hand it to every client that asks
 for the default; a client given its own settings (``verify=False``, a context of its own) gets what it asked for.
-Only the processes that run tests call it (``conftest.py``); the servers they start are left as they are.
+Only the processes that run tests call it (``conftest.py``); the servers they start are left as they are. A test of
+how many contexts the code makes (``test_probe_memory.py``) has httpx make one per client again (``unshared``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ def share_one_ssl_context() -> bool:
             return made_once()
         return make(verify=verify, cert=cert, trust_env=trust_env)
 
-    create_ssl_context.shared = True
+    create_ssl_context.shared, create_ssl_context.original = True, make
     default.create_ssl_context = create_ssl_context
     return True
+
+
+def unshared(monkeypatch) -> None:
+    """For this test: httpx makes an SSL context per client again, as in a process that does not run tests."""
+    from httpx._transports import default
+
+    monkeypatch.setattr(default, "create_ssl_context",
+                        getattr(default.create_ssl_context, "original", default.create_ssl_context))
