@@ -69,7 +69,8 @@ def test_reads_its_level_and_a_childs():
 def run_suite(tmp_path: Path, tests: str, *args: str, **env: str) -> tuple[int, str]:
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     (tmp_path / "tests").mkdir(exist_ok=True)
-    for helper in ("conftest.py", "real_parts.py", "on_chip.py", "node_sockets.py", "suite_log.py", "xla_flags.py"):
+    for helper in ("conftest.py", "real_parts.py", "on_chip.py", "node_sockets.py", "suite_log.py", "xla_flags.py",
+                   "httpx_ssl.py"):
         shutil.copy(ROOT / "tests" / helper, tmp_path / "tests" / helper)
     (tmp_path / "tests" / "test_throwaway.py").write_text(tests)
     # only the plugins under test (pyproject's addopts name xdist's --dist): the others this environment installs
