@@ -17,7 +17,8 @@ the others run at the same time on pytest-xdist workers with ``JAX_PLATFORMS=cpu
 (``on_chip.py``). On a CPU machine they change nothing. ``FSM_PD_SUITE_LOG`` names a file that records the run as it
 goes (``suite_log.py``), ``FSM_PD_SUITE_COMPILE_CACHE`` a persistent compile cache for the run. On a CPU, XLA
 compiles with its cheapest settings in the processes that run tests, and with cheaper ones that cost nothing at run time
-in the processes tests start (``xla_flags.py``).
+in the processes tests start (``xla_flags.py``). The httpx clients of a process that runs tests share one SSL context
+(``httpx_ssl.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import on_chip  # noqa: E402 - after the path above
 import suite_log  # noqa: E402
 import xla_flags  # noqa: E402
+from httpx_ssl import share_one_ssl_context  # noqa: E402
 from node_sockets import allow_the_fake_backend  # noqa: E402
 from real_parts import RealParts  # noqa: E402
 
@@ -48,6 +50,7 @@ SUITE_COMPILE_CACHE = "FSM_PD_SUITE_COMPILE_CACHE"
 
 register_backend("fake", "fake_backend:FakeTransferBackend", replace=True)
 allow_the_fake_backend()  # where this host has no TCP, engines on unix sockets use it too (node_sockets.py)
+share_one_ssl_context()  # not one per httpx.get() a test sends: 26 ms of CPU each, thousands a run (httpx_ssl.py)
 
 # Every node a test starts (fsm-pd serve / launch without --model) serves the built-in tiny model, not SmolLM2.
 os.environ["FSM_PD_MODEL"] = "tiny"

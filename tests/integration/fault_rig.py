@@ -209,12 +209,12 @@ class Node:
             if not any(idle.values()) or time.time() > deadline:
                 assert not any(idle.values()), f"{self.role} not idle: {leaks}"
                 return leaks
-            time.sleep(0.2)
+            time.sleep(0.05)
 
     def wait_baseline(self, timeout: float = 3 * DEADLINE_S + 10) -> None:
         deadline = time.time() + timeout
         while (leaks := self.leaks()) != self.baseline and time.time() < deadline:
-            time.sleep(0.2)
+            time.sleep(0.05)
         assert leaks == self.baseline, f"{self.role} leaks: {leaks} != baseline {self.baseline}"
 
     def wait_state(self, state: str, timeout: float = 20) -> None:

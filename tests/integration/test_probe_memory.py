@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import ssl
 
+from httpx_ssl import unshared
 from stub_engine import stub_server
 
 from fsm_pd.bootstrap.client import check_health
 
 
 def test_heartbeat_probes_build_no_tls_context_each(monkeypatch):
+    unshared(monkeypatch)  # the suite's processes share one context (tests/httpx_ssl.py): a node's do not
     built = []
     real = ssl.create_default_context
     monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: built.append(1) or real(*a, **k))

@@ -5,6 +5,7 @@ spaces across tokens), and it decodes a bounded number of ids a token, not all o
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -56,12 +57,19 @@ def _smollm2():
     return tokenizer_from_gguf(open_gguf(path), path=str(path))
 
 
-TOKENIZERS = {"bytes": ByteTokenizer(vocab_size=272), "sentencepiece": _sentencepiece(), "wordpiece": _wordpiece(),
-              "smollm2": _smollm2()}
+MAKERS = {"bytes": lambda: ByteTokenizer(vocab_size=272), "sentencepiece": _sentencepiece, "wordpiece": _wordpiece,
+          "smollm2": _smollm2}
+
+
+@functools.cache
+def tokenizer_of(name: str):
+    """Made when a test first asks, not when the module is collected: SmolLM2's takes 4 s of CPU to read from its GGUF,
+    which every pytest-xdist worker paid at collection, whether it ran this module or not."""
+    return MAKERS[name]()
 
 
 def _ids(name: str):
-    tokenizer = TOKENIZERS[name]
+    tokenizer = tokenizer_of(name)
     if name == "bytes":  # UTF-8 of 1 to 4 bytes, cut anywhere, stray continuation bytes, and the special ids
         pieces = st.one_of(st.text(max_size=3).map(lambda t: list(t.encode())), st.lists(st.integers(0, 271),
                                                                                        max_size=3))
@@ -69,9 +77,9 @@ def _ids(name: str):
     return st.lists(st.integers(0, tokenizer.vocab_size - 1), max_size=60)
 
 
-@pytest.mark.parametrize("name", list(TOKENIZERS))
+@pytest.mark.parametrize("name", list(MAKERS))
 def test_at_every_length_the_text_is_what_decoding_every_id_gives(name):
-    tokenizer = TOKENIZERS[name]
+    tokenizer = tokenizer_of(name)
     if tokenizer is None:
         pytest.skip("SmolLM2's package is not installed")
 
@@ -86,7 +94,7 @@ def test_at_every_length_the_text_is_what_decoding_every_id_gives(name):
 
 
 def test_ids_that_shrink_are_decoded_again():
-    tokenizer = TOKENIZERS["sentencepiece"]
+    tokenizer = tokenizer_of("sentencepiece")
     text = IncrementalText(tokenizer)
     ids = [1, 2, 3, 5, 1, 6, 7, 8]
     for n in range(len(ids) + 1):
@@ -96,7 +104,7 @@ def test_ids_that_shrink_are_decoded_again():
 
 @pytest.mark.parametrize("name", ["bytes", "smollm2"])
 def test_a_long_answer_decodes_a_few_ids_a_token(name):
-    inner = TOKENIZERS[name]
+    inner = tokenizer_of(name)
     if inner is None:
         pytest.skip("SmolLM2's package is not installed")
     prose = "Où est la gare? 東京は大きい。 The quick brown fox jumps over the lazy dog. " * 40

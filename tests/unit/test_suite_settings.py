@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import ssl
 import subprocess
 import sys
 from pathlib import Path
@@ -68,7 +69,8 @@ def test_reads_its_level_and_a_childs():
 def run_suite(tmp_path: Path, tests: str, *args: str, **env: str) -> tuple[int, str]:
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     (tmp_path / "tests").mkdir(exist_ok=True)
-    for helper in ("conftest.py", "real_parts.py", "on_chip.py", "node_sockets.py", "suite_log.py", "xla_flags.py"):
+    for helper in ("conftest.py", "real_parts.py", "on_chip.py", "node_sockets.py", "suite_log.py", "xla_flags.py",
+                   "httpx_ssl.py"):
         shutil.copy(ROOT / "tests" / helper, tmp_path / "tests" / helper)
     (tmp_path / "tests" / "test_throwaway.py").write_text(tests)
     # only the plugins under test (pyproject's addopts name xdist's --dist): the others this environment installs
@@ -214,3 +216,14 @@ def test_long(request):
 def test_short(request):
     record("ran", request.module.__name__)
 '''
+
+
+def test_httpx_clients_of_a_test_process_share_one_ssl_context_unless_they_ask_for_their_own():
+    from httpx._transports import default
+    from httpx_ssl import share_one_ssl_context
+
+    assert share_one_ssl_context()  # conftest did it already: a second call changes nothing and says so
+    assert default.create_ssl_context() is default.create_ssl_context()
+    own = default.create_ssl_context(verify=False)
+    assert own is not default.create_ssl_context() and own.verify_mode == ssl.CERT_NONE
+    assert default.create_ssl_context().verify_mode == ssl.CERT_REQUIRED  # the default still verifies
