@@ -44,9 +44,9 @@ class Cluster:
     def launch(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
         """Start ``argv`` without waiting for it (several processes start faster side by side); ``env`` defaults to
         the cluster's."""
-        log = open(self.tmp / f"{name}.log", "w")  # noqa: SIM115 - the child writes to it
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env or self.env,
-                                stdin=subprocess.DEVNULL)
+        with open(self.tmp / f"{name}.log", "w") as log:  # the child writes through its own copy of the descriptor
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env or self.env,
+                                    stdin=subprocess.DEVNULL)
         self.procs.append(proc)
         return proc
 
