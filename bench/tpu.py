@@ -12,7 +12,8 @@ call waited for):
   ``jnp``, and ``tpu``, the TPU kernels: ``model/decode_attention.py``; off a TPU that is jnp again) and each page
   size, on a pool of --pages 16-token pages' worth of tokens (more where the largest batch's rows need it:
   ``decode_pool``); ``vs_jnp``: the jnp step's time over this one's, at the same page size. At the platform's
-  default page size also on a pool --pool-factor times larger (the step must not grow with the pool);
+  default page size also on a pool --pool-factor times larger (the step must not grow with the pool; on the largest
+  that fits 0.8 of the memory left, where that is less: ``fitting_pool``);
 - prefill of 512 and 2,048 tokens (one row), per attention, at the default page size (where --page-sizes leaves it
   out: the first of them; so do the two below);
 - the time a token at batch 1 and 64 (--step-batches) with several decode steps a dispatch (``model/multi_step.py``,
@@ -44,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fsm_pd.cli.serve_pd import pool_budget
 from fsm_pd.kernels import gather_pages, resolve_impl, scatter_pages
 from fsm_pd.kernels.layout import default_page_size
 from fsm_pd.model.attention import ATTENTION_ENV
@@ -146,6 +148,17 @@ def decode_pool(tokens_in_16s: int, page_size: int, batches, context: int) -> in
     return max(pages_of(tokens_in_16s, page_size), 1 + max(batches) * -(-(context + 1) // page_size))
 
 
+def fitting_pool(model: LoadedModel, pages: int, page_size: int, device: jax.Device, share: float = 0.8) -> int:
+    """``pages``, or as many as ``share`` of ``device``'s free memory holds where that is fewer (the 1.7B shape's
+    4x pool, 16 GB, ran out of the v5e's 15.7 GiB): the larger pool's step is still measured, on the largest pool
+    that fits. A device that reports no memory (a CPU) gets ``pages``."""
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if not stats or "bytes_limit" not in stats:
+        return pages
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    return min(pages, pool_budget(free, model.page_bytes_on_device(page_size), share))
+
+
 def with_attention(model: LoadedModel, mode: str) -> LoadedModel:
     """``model`` (the same weights) with no programs yet: the attention is chosen when programs are made."""
     os.environ[ATTENTION_ENV] = mode
@@ -158,7 +171,13 @@ def decode_sweep(model: LoadedModel, args, bandwidth: float, weight_bytes: int, 
     for page_size in args.page_sizes:
         pools = [decode_pool(args.pages, page_size, args.batches, args.context)]
         if page_size == default and args.pool_factor > 1:
-            pools.append(pages_of(args.pages * args.pool_factor, page_size))
+            wanted = pages_of(args.pages * args.pool_factor, page_size)
+            larger = fitting_pool(model, wanted, page_size, jax.devices()[0])
+            if larger < wanted:
+                print(f"{model.name}: the {args.pool_factor}x pool ({wanted} pages) does not fit the memory left: "
+                      f"{larger} pages", flush=True)
+            if larger > pools[0]:
+                pools.append(larger)
         for pages in pools:
             for mode in args.attention:
                 key = f"{mode}/page{page_size}/pool{pages}"
