@@ -36,7 +36,7 @@ fastest run, and the ceiling ratio is also given best to best: on a machine that
 disturbed runs compare better than medians do. ``D cpu`` and ``P cpu`` are the
 mean CPU time per run of each process, all threads counted (including the small request and release messages): on a
 machine with few cores they say why a path is as fast as it is. The consumer (this process) spawns the producer as
-``bench/transfer.py --serve`` and drives it with JSON lines on its stdin. Set ``FSM_PD_BENCH_HANG_DUMP=<seconds>`` to
+``bench/transfer_producer.py`` and drives it with JSON lines on its stdin. Set ``FSM_PD_BENCH_HANG_DUMP=<seconds>`` to
 dump all stacks and exit if a run hangs.
 """
 
@@ -50,222 +50,28 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
-from functools import partial
 
 import numpy as np
-
-if os.environ.get("FSM_PD_BENCH_HANG_DUMP"):
-    import faulthandler
-
-    faulthandler.dump_traceback_later(float(os.environ["FSM_PD_BENCH_HANG_DUMP"]), exit=True)
-
-PAGE_SIZE, KV_HEADS, HEAD_DIM = 16, 8, 128  # one page of one layer = 128 KiB of float32
-
-
-def layer_arrays(mib: int, layers: int, seed: int = 0) -> list[np.ndarray]:
-    n = (mib << 20) // 4 // layers
-    rng = np.random.default_rng(seed)
-    return [rng.standard_normal(n, dtype=np.float32) for _ in range(layers)]
-
-
-def kv_layout(mib: int, layers: int, tp: int = 1):
-    from fsm_pd.kernels import KVLayout
-
-    pages = (mib << 20) // (layers * PAGE_SIZE * 2 * KV_HEADS * HEAD_DIM * 4)
-    layout = KVLayout(
-        num_layers=layers, num_pages=2 * pages + 1, page_size=PAGE_SIZE, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-        shard_axis="tp" if tp > 1 else None, tp=tp,
-    )
-    return layout, pages
-
-
-def split_pool(pool: tuple, layout):
-    """``pool`` split over the first ``layout.tp`` devices on its KV-head axis (KV_HEADS divides every tp used
-    here, so the values do not move: slot i holds head i)."""
-    import jax
-    from jax.sharding import Mesh, NamedSharding
-
-    if layout.tp == 1:
-        return pool
-    sharding = NamedSharding(Mesh(np.array(jax.devices()[: layout.tp]), ("tp",)), layout.pool_spec())
-    return tuple(jax.device_put(layer, sharding) for layer in pool)
-
-
-def reshard_pairs(text: str) -> list[tuple[int, int]]:
-    return [tuple(int(n) for n in pair.split(":")) for pair in text.split(",") if pair]
-
-
-def host_devices(args: argparse.Namespace) -> None:
-    """Virtual CPU devices for the largest split, asked for before this process imports jax."""
-    sizes = [n for pair in reshard_pairs(args.reshard) for n in pair]
-    if sizes and max(sizes) > 1:
-        from fsm_pd.cli.serve import ask_for_host_devices
-
-        ask_for_host_devices(max(sizes))
-
-
-def page_ids(layout, pages: int, seed: int) -> np.ndarray:
-    """Scattered (not contiguous) page ids, as after a while of allocation."""
-    return np.random.default_rng(seed).permutation(np.arange(1, layout.num_pages))[:pages].astype(np.int32)
-
-
-def make_pool(layout, seed: int):
-    import jax
-
-    rng = np.random.default_rng(seed)
-    return tuple(
-        jax.device_put(rng.standard_normal(layout.layer_shape, dtype=np.float32)) for _ in range(layout.num_layers)
-    )
-
-
-def server_config(opts: dict):
-    """The jax transfer-server settings of the ``jax`` backend options (both baselines share that server)."""
-    import dataclasses
-
-    from fsm_pd.transport.backends.jax_api import ServerConfig
-
-    names = {f.name for f in dataclasses.fields(ServerConfig)}
-    return ServerConfig(**{k: v for k, v in opts.get("jax", {}).items() if k in names})
-
-
-# ---------------------------------------------------------------- producer process (P)
-
-
-def serve(args: argparse.Namespace) -> None:
-    host_devices(args)
-    import jax
-
-    from fsm_pd.control.jax_kv import JaxKV
-    from fsm_pd.effects.checksums import trailer_words
-    from fsm_pd.kernels import gather_pages
-    from fsm_pd.model.model_thread import ModelThread
-    from fsm_pd.transport.backends import create_backend, new_uuid
-    from fsm_pd.transport.backends.jax_api import shared_server
-    from fsm_pd.transport.reshard import piece_uuid, plan_between
-
-    opts = json.loads(args.backend_opts)
-    backends = {name: create_backend(name, **opts.get(name, {})) for name in args.backends.split(",")}
-    raw_server = shared_server(server_config(opts))  # the same server (and config) as the jax backend's
-    arrays: dict[int, list] = {}
-    pools: dict[int, tuple] = {}
-    models: dict[int, ModelThread] = {}  # P's pool per size, owned as in a prefill node once a handoff used it
-    split_pools: dict[tuple[int, int], tuple] = {}
-    tcp_payload = np.empty(0, np.uint8)
-    listener = socket.create_server(("127.0.0.1", 0))
-
-    def tcp_loop() -> None:
-        while True:  # one connection per payload size
-            conn, _ = listener.accept()
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            while header := conn.recv(8):
-                conn.sendall(memoryview(tcp_payload)[: int.from_bytes(header, "little")])
-            conn.close()
-
-    threading.Thread(target=tcp_loop, daemon=True).start()
-    addresses = {n: b.address for n, b in backends.items()}
-    send({"tcp_port": listener.getsockname()[1], "raw_jax": raw_server.address(), "addresses": addresses})
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        op, mib = cmd["op"], cmd.get("mib")
-        if op == "setup":
-            arrays[mib] = [jax.device_put(a) for a in layer_arrays(mib, args.layers)]
-            layout, _ = kv_layout(mib, args.layers)
-            pools[mib] = make_pool(layout, seed=1)
-            tcp_payload = np.concatenate([np.asarray(a).view(np.uint8) for a in arrays[mib]])
-            jax.block_until_ready((arrays[mib], pools[mib]))
-            send({"ok": True})
-        elif op == "raw_publish":
-            uuid = new_uuid()
-            raw_server.await_pull(uuid, arrays[mib])
-            send({"uuid": uuid})
-        elif op == "publish":
-            uuid = new_uuid()
-            backends[cmd["backend"]].publish(uuid, arrays[mib], 60.0)
-            send({"uuid": uuid})
-        elif op == "gather_publish":
-            layout, pages = kv_layout(mib, args.layers)
-            staging = gather_pages(pools[mib], page_ids(layout, pages, seed=2), layout=layout)
-            uuid = new_uuid()
-            backends[cmd["backend"]].publish(uuid, [staging], 60.0)  # publish waits for nothing: pull does
-            send({"uuid": uuid})
-        elif op == "stream_publish":  # what the prefill handler does on its model thread: JaxKV's overlapped path
-            layout, pages = kv_layout(mib, args.layers)
-            uuid = new_uuid()
-            if mib not in models:
-                models[mib] = ModelThread(pools[mib], name="bench-prefill-model")
-            owner = models[mib]
-            backend, ids = backends[cmd["backend"]], page_ids(layout, pages, seed=2).tolist()
-            kv = JaxKV(layout, owner, progressive=True)
-            if cmd.get("from_pages", True):
-                publish = kv.publish_while_gathering
-            else:
-                publish = partial(gather_layers_and_publish, layout=layout)
-
-            checksum = bool(cmd.get("checksum"))
-
-            def job(owner, publish=publish, uuid=uuid, ids=ids, kv=kv, layout=layout, backend=backend,
-                    checksum=checksum) -> None:
-                # the handler's order: publish (READY goes at once), then the checksum of the pages as this job
-                # leaves them, on a helper thread while the data streams, published as the entry after the data
-                publish(owner, transfer=backend, uuid=uuid, pages=ids, hold_timeout_s=60.0,
-                        on_published=lambda rows: send({"uuid": uuid}))  # D pulls at once
-                if checksum:
-                    def done(sums, uuid=uuid, backend=backend, kv=kv, layers=layout.num_layers) -> None:
-                        words = trailer_words(0, [sums[0]], layers)
-                        backend.publish(piece_uuid(uuid, 1), (kv.trailer(words),), 60.0)
-
-                    kv.checksum_later(owner, ids, plan_between(layout.to_dict(), layout.to_dict()), done)
-
-            owner.call(job)
-        elif op == "reshard_publish":  # what the prefill handler does when D's split differs from ours
-            from types import SimpleNamespace
-
-            from fsm_pd.control.jax_kv import JaxKV
-            from fsm_pd.transport.reshard import piece_uuid, plan_reshard
-
-            layout, pages = kv_layout(mib, args.layers, cmd["src_tp"])
-            if (mib, layout.tp) not in split_pools:  # the same pool, split once: a prefill node's pool stays put
-                split_pools[(mib, layout.tp)] = split_pool(pools[mib], layout)
-            holder = SimpleNamespace(pool=split_pools[(mib, layout.tp)])
-            plan = plan_reshard(KV_HEADS, cmd["src_tp"], cmd["dst_tp"])
-            pieces = JaxKV(layout, holder, progressive=False).gather(holder, page_ids(layout, pages, seed=2).tolist(),
-                                                                     plan)
-            uuid = new_uuid()
-            for index, piece in enumerate(pieces):
-                backends[cmd["backend"]].publish(piece_uuid(uuid, index), [piece], 60.0)
-            send({"uuid": uuid})
-        elif op == "release":
-            from fsm_pd.transport.reshard import piece_uuid
-
-            for index in range(cmd.get("pieces", 1)):
-                backends[cmd["backend"]].release(piece_uuid(cmd["uuid"], index))
-            send({"ok": True})
-        elif op == "exit":
-            break
-    for backend in backends.values():
-        backend.close()
-
-
-def gather_layers_and_publish(owner, *, transfer, uuid, pages, hold_timeout_s, on_published, layout) -> None:
-    """JaxKV's overlapped publish for a backend that cannot send from the pages: gather layer by layer."""
-    from fsm_pd.control.overlap import publish_while_gathering
-
-    publish_while_gathering(transfer, uuid, owner.pool, pages, layout, hold_timeout_s, on_published)
-
-
-def send(obj: dict) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
-# ---------------------------------------------------------------- consumer process (D) and the report
+from transfer_setup import (
+    HEAD_DIM,
+    KV_HEADS,
+    PAGE_SIZE,
+    host_devices,
+    kv_layout,
+    layer_arrays,
+    make_pool,
+    page_ids,
+    reshard_pairs,
+    server_config,
+    split_pool,
+)
 
 
 class Producer:
     def __init__(self, args: argparse.Namespace) -> None:
-        cmd = [sys.executable, os.path.abspath(__file__), "--serve", "--layers", str(args.layers)]
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transfer_producer.py")
+        cmd = [sys.executable, script, "--layers", str(args.layers)]
         cmd += ["--backends", args.backends, "--backend-opts", args.backend_opts, "--reshard", args.reshard]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.hello = self.recv()
@@ -525,11 +331,7 @@ def main() -> None:
     parser.add_argument("--backend-opts", default="{}", help='JSON options per backend, e.g. {"zmq": {"window": 4}}')
     parser.add_argument("--reshard", default="2:1", metavar="P:D[,P:D]",
                         help="tensor-parallel splits for the +reshard rows (virtual CPU devices; '' for none)")
-    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.serve:
-        serve(args)
-        return
     page_mib = args.layers * PAGE_SIZE * 2 * KV_HEADS * HEAD_DIM * 4 / (1 << 20)  # one page of every layer
     if any(int(s) < page_mib for s in args.sizes.split(",")):
         parser.error(f"--sizes: each size must be at least {page_mib:g} MiB, one page of each of the {args.layers} "
