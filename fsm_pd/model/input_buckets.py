@@ -33,7 +33,7 @@ def batch_bucket(n: int) -> int:
 def prefill_fits(batch: int, tokens: int, max_tokens: int) -> bool:
     """Whether a prefill of ``batch`` prompts padded to ``tokens`` each fits a budget of ``max_tokens`` padded
     tokens; one prompt always fits (the context bounds it). Schedulers batch by this rule and warm-up compiles by it
-    (``programs.prefill_shapes``): the padded shape, not the real tokens, is what a program costs and what selects
+    (``forward_shapes.prefill_shapes``): the padded shape, not the real tokens, is what a program costs and what selects
     it."""
     return batch_bucket(batch) == 1 or batch_bucket(batch) * token_bucket(tokens) <= token_bucket(max_tokens)
 

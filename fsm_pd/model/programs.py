@@ -2,7 +2,7 @@
 
 ``jax.jit`` compiles a program the first time a shape is called; on a serving node that is a request that waits
 seconds, and late compiles grow the process (``docs/serving.md``). So a node compiles ahead, from the shapes its
-configuration can form (``prefill_shapes``, ``decode_shapes``), and calls the compiled executables directly.
+configuration can form (``forward_shapes.py``), and calls the compiled executables directly.
 ``jax.stages.Compiled`` is not put back into ``jit``'s cache, which is why the model's wrappers take the
 executor (``ForwardPrograms``) rather than relying on ``forward_paged``'s own cache.
 
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsm_pd.kernels.pool_format import PoolJit, abstract_pool
-from fsm_pd.model import compile_demand, executables, input_buckets
+from fsm_pd.model import compile_demand, executables
 from fsm_pd.model.attention import kernels_for
 from fsm_pd.model.config import ModelConfig
 from fsm_pd.model.decoder import (
@@ -47,12 +47,14 @@ from fsm_pd.model.decoder import (
     table_width,
     top_params,
 )
+from fsm_pd.model.forward_shapes import call_cost, layer_groups
 from fsm_pd.model.multi_step import StepPrograms
 from fsm_pd.model.tensor_parallel import TensorParallel, group_sharded
 
-# Layers per program, roughly (``layer_groups``). At least the model's depth makes the whole forward pass one
-# program, the embedding and the head inside (``OneProgram``): on a TPU v5e that took SmolLM2's step at batch 1 from
-# 2.7 ms to 1.7 ms through the node's call, but its programs then cost a cold start 54 s to compile (docs/tpu.md).
+# Layers per program, roughly (``forward_shapes.layer_groups``). At least the model's depth makes the whole forward
+# pass one program, the embedding and the head inside (``OneProgram``): on a TPU v5e that took SmolLM2's step at batch
+# 1 from 2.7 ms to 1.7 ms through the node's call, but its programs then cost a cold start 54 s to compile
+# (docs/tpu.md).
 LAYERS_PER_PROGRAM = int(os.environ.get("FSM_PD_LAYERS_PER_PROGRAM", "6"))
 
 def embed_step(embed, packed, *, tokens: int):
@@ -79,49 +81,6 @@ _group = PoolJit(forward_group, pool="pools", results=lambda pools: (None, pools
 _head = jax.jit(final_logits, static_argnames=("config",))
 
 
-def prefill_shapes(max_batch: int, max_tokens: int) -> list[tuple[int, int]]:
-    """Every (batch bucket, token bucket) a prefill step can form: up to ``max_batch`` chunks whose padded size stays
-    within ``max_tokens`` (``input_buckets.prefill_fits``; a longer prompt is prefilled in chunks of at most that)."""
-    shapes = []
-    for batch in _powers_up_to(input_buckets.batch_bucket(max_batch)):
-        for tokens in _powers_up_to(input_buckets.token_bucket(max_tokens), start=input_buckets.MIN_TOKEN_BUCKET):
-            if input_buckets.prefill_fits(batch, tokens, max_tokens):
-                shapes.append((batch, tokens))
-    return shapes
-
-
-def decode_shapes(max_running: int) -> list[tuple[int, int]]:
-    """Every (batch bucket, 1) a decode step of up to ``max_running`` sequences can form."""
-    return [(batch, 1) for batch in _powers_up_to(input_buckets.batch_bucket(max_running))]
-
-
-def layer_groups(num_layers: int, target: int) -> list[tuple[int, int]]:
-    """``(first layer, count)`` of each group a forward pass runs as one program call, in order.
-
-    Groups of one size where the depth allows it (a divisor of ``num_layers`` near ``target``: SmolLM2's 30 layers
-    are 5 groups of 6), so one program serves every group; otherwise near-equal groups, of two sizes at most."""
-    target = max(1, target)
-    sizes = [d for d in range(max(1, target // 2), 2 * target + 1) if num_layers % d == 0]
-    if sizes:
-        size = min(sizes, key=lambda d: (abs(d - target), -d))
-        return [(first, size) for first in range(0, num_layers, size)]
-    count = -(-num_layers // target)
-    base, extra = divmod(num_layers, count)
-    groups, first = [], 0
-    for size in [base] * (count - extra) + [base + 1] * extra:
-        groups.append((first, size))
-        first += size
-    return groups
-
-
-def _powers_up_to(limit: int, start: int = 1) -> list[int]:
-    out, value = [], start
-    while value <= limit:
-        out.append(value)
-        value *= 2
-    return out
-
-
 def placement_key(sharding: jax.sharding.Sharding):
     """One key for equivalent placements: a program returns ``P(None, None, 'tp')`` for a pool placed as
     ``P(None, None, 'tp', None)``, and the two must not look like two pools (a second set of programs)."""
@@ -131,21 +90,6 @@ def placement_key(sharding: jax.sharding.Sharding):
             spec.pop()
         return (sharding.mesh, tuple(spec), sharding.memory_kind)
     return sharding
-
-
-# What one call of a forward program costs beside its rows' tokens, in tokens: a decode step is bound by reading
-# the weights, whatever its rows (SmolLM2 on a TPU v5e, jnp: 2.0 ms a call and 0.16 ms a row, from bench/tpu.py's
-# 3.36 ms at batch 8 and 12.49 ms at 64; with the TPU kernels 0.06 ms a row). So a 16-row decode batch runs padded
-# up to the node's largest decode program (one call) rather than as 16 single-row calls, and 2 rows run row by row
-# rather than padded to 64.
-CALL_TOKENS = 16
-
-
-def call_cost(batch: int, shape: tuple[int, int]) -> int:
-    """The cost of ``batch`` rows on the compiled ``shape``, in tokens: ``ceil(batch / rows)`` calls, each of
-    ``rows * tokens`` padded tokens and ``CALL_TOKENS``."""
-    rows, tokens = shape
-    return -(-batch // rows) * (CALL_TOKENS + rows * tokens)
 
 
 _SHARED: dict = {}
@@ -289,7 +233,8 @@ class ForwardPrograms:
     def cover(self, batch: int, tokens: int) -> tuple[int, int] | None:
         """The compiled shape that runs a ``[batch, tokens]`` call soonest, or None when none can: of those long
         enough, the one whose calls (``batch`` rows padded up, or split into calls of its rows) cost least, a call
-        costing its padded tokens and ``CALL_TOKENS`` more (``call_cost``); ties go to fewer padded tokens."""
+        costing its padded tokens and ``CALL_TOKENS`` more (``forward_shapes.call_cost``); ties go to fewer padded
+        tokens."""
         with self._lock:
             long_enough = [shape for shape in self._programs if shape[1] >= tokens]
         return min(long_enough, key=lambda shape: (call_cost(batch, shape), shape[0] * shape[1], shape[1]),

@@ -17,7 +17,7 @@ a 16-token one 4). With no stream decoding the budget is the token budget, as be
 Rules it keeps:
 
 - The budget is a power of two between ``MIN_TOKEN_BUCKET`` (a step always makes progress) and the token budget, so
-  every shape a step forms with it is one the warm-up compiles for the token budget (``programs.prefill_shapes``):
+  every shape a step forms with it is one the warm-up compiles for the token budget (``forward_shapes.prefill_shapes``):
   no request waits on a compile.
 - It never cuts below the *floor*: the size up to which doubling a chunk costs less than ``DOUBLING_COST`` times as
   much. Below it a step is bound by reading the weights, not by its tokens (SmolLM2 on 2 cores: 16 tokens 64 ms,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from fsm_pd.kernels import bucket_sizes, kv_hash
 from fsm_pd.kvpool.pages import pages_for
 from fsm_pd.model import input_buckets
-from fsm_pd.model.programs import decode_shapes, prefill_shapes
+from fsm_pd.model.forward_shapes import decode_shapes, prefill_shapes
 
 SHORT_PROMPT_TOKENS = 64  # a first chat turn's prompt: its prefill is in every node's ready set
 

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from fsm_pd.model import decoder
+from fsm_pd.model.forward_shapes import layer_groups
 from fsm_pd.model.params import random_params
-from fsm_pd.model.programs import ForwardPrograms, layer_groups
+from fsm_pd.model.programs import ForwardPrograms
 from fsm_pd.model.tiny import tiny_config
 
 # two computations of the model compared (logits, greedy tokens): float32 products at full precision on a TPU

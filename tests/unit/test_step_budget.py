@@ -13,9 +13,9 @@ from node_sockets import node_sockets
 from test_serving_colocated import PAGE_SIZE, PAGES, request, run
 from test_serving_pd import pd_request, through_pd
 
+from fsm_pd.model.forward_shapes import prefill_shapes
 from fsm_pd.model.input_buckets import batch_bucket, token_bucket
 from fsm_pd.model.loader import load_model
-from fsm_pd.model.programs import prefill_shapes
 from fsm_pd.scheduling.page_admission import plan_chunks
 from fsm_pd.scheduling.step_budget import WINDOW, StepBudget
 from fsm_pd.serving.colocated_engine import ColocatedEngine

@@ -32,7 +32,8 @@ PAGE_SIZE = 16
 
 @pytest.fixture(scope="module", params=[2, 13], ids=["2-layers", "13-layers"])
 def tiny(request):
-    """The tiny model (one group of layers), and one as deep as 3 groups of two sizes (``programs.layer_groups``)."""
+    """The tiny model (one group of layers), and one as deep as 3 groups of two sizes
+    (``forward_shapes.layer_groups``)."""
     config, params, _ = tiny_model_parts()
     if request.param != config.num_layers:
         config = dataclasses.replace(config, num_layers=request.param)

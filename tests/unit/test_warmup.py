@@ -16,9 +16,9 @@ from jax._src import monitoring
 
 from fsm_pd.kvpool.pages import PageAllocator
 from fsm_pd.model import compiles, input_buckets
+from fsm_pd.model.forward_shapes import prefill_shapes
 from fsm_pd.model.grammar import GrammarSpec
 from fsm_pd.model.loader import load_model
-from fsm_pd.model.programs import prefill_shapes
 from fsm_pd.model.sampling import SamplingParams
 from fsm_pd.scheduling.page_admission import plan_chunks, take_prefill_batch
 from fsm_pd.serving import warmup

@@ -65,7 +65,7 @@ CASES = {
     "tiny 4/2": (lambda: LoadedModel("tiny", *tiny_model_parts()), (2, 4)),
     "smollm2-shaped 9/3": (lambda: random_llama(9, 3), (2, 3, 4)),
     "qwen3-style 6/2, qk-norm and bias": (lambda: random_llama(6, 2, qk_norm=True, bias=True), (4,)),
-    # 13 layers: the forward pass runs as groups of 4, 4 and 5 layers (programs.layer_groups), each split
+    # 13 layers: the forward pass runs as groups of 4, 4 and 5 layers (forward_shapes.layer_groups), each split
     "smollm2-shaped 9/3, 13 layers": (lambda: random_llama(9, 3, layers=13), (2,)),
 }
 
