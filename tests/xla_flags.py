@@ -11,6 +11,8 @@ a tiny forward pass compiled in 0.7 CPU-s instead of 2.7. Its programs run slowe
 The nodes, routers and checks a test starts run programs far more than they compile them (the nodes share a
 persistent compile cache), so they get ``CHEAP_COMPILE`` instead: the same at LLVM -O1, whose programs ran as fast as
 under XLA's defaults here (SmolLM2's prefill and decode: 1.22 CPU-s against 1.25), for a third less compile time.
+Except the nodes a test starts to watch them compile (``for_cold_starts``: a warm-up on an empty cache, then a few
+requests), which get ``FAST_COMPILE`` too.
 
 XLA reads ``XLA_FLAGS`` once per process, when jax first compiles, which is how one process can hold one set while its
 children inherit the other (``use_fast_compile``). The arithmetic stays IEEE's under both (no fast math), and the
@@ -56,6 +58,16 @@ def use_fast_compile(environ=os.environ, *, chip_possible: bool, runs_tests: boo
         jax.jit(lambda x: x + 1)(0)  # XLA parses XLA_FLAGS at its first compile, once for the process
     environ["XLA_FLAGS"] = children
     return here
+
+
+def for_cold_starts(flags: str | None = None) -> str:
+    """``XLA_FLAGS`` for a node a test starts to watch it compile its programs (its warm-up on, an empty compile cache)
+    and then sends a few requests: ``FAST_COMPILE`` where the processes tests start have ``CHEAP_COMPILE`` (the CPU;
+    such a node compiles far more than it runs: a decode node's ready set, about 2 s instead of 5), else ``flags`` (by
+    default this process's) as they are. The node still starts on a compile of its own: a test that watches the start
+    sees the same phases, shorter."""
+    flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+    return flags.replace(CHEAP_COMPILE, FAST_COMPILE) if CHEAP_COMPILE in flags else flags
 
 
 def with_host_devices(count: int) -> str:

@@ -156,9 +156,10 @@ def by_request(results: list[dict]) -> dict:
 
 
 
-def start_fleet(cluster: Cluster, router: str = "builtin") -> tuple[str, list[str], list[str], dict]:
-    """2 prefill + 2 decode nodes and a router (``builtin`` or ``sglang``): (router URL, prefill URLs, decode URLs,
-    node URL -> its process)."""
+def start_fleet(cluster: Cluster, router: str = "builtin", builtin_flags: tuple[str, ...] = ()
+                ) -> tuple[str, list[str], list[str], dict]:
+    """2 prefill + 2 decode nodes and a router (``builtin`` or ``sglang``; ``builtin_flags``: more flags for the
+    built-in one): (router URL, prefill URLs, decode URLs, node URL -> its process)."""
     # fault_rig's heartbeats (a dead peer fails its rooms within ~1 s), but 15 s room deadlines: after a kill the
     # survivors take twice the load and compile new batch shapes, which 2 busy cores can take seconds to do
     cluster.env = {**cluster.env, **ENV, **{k: "15" for k in ENV if k.endswith("_TIMEOUT")},
@@ -171,7 +172,8 @@ def start_fleet(cluster: Cluster, router: str = "builtin") -> tuple[str, list[st
     port = free_port()
     if router == "builtin":
         argv = [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", "router", "--port", str(port),
-                "--health-check-interval-secs", "0.5", "--health-check-timeout-secs", "2", "--pd-policy", "always"]
+                "--health-check-interval-secs", "0.5", "--health-check-timeout-secs", "2", "--pd-policy", "always",
+                *builtin_flags]
     else:  # sglang-router 0.3.2 with its defaults for retries and breakers, health checks as often as ours
         argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
                 "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),

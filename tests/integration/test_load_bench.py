@@ -15,12 +15,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from xla_flags import for_cold_starts
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "load.py"
 REQUESTS = 6
 RUNS = 2
 NEW_TOKENS = {"prefill-heavy": 16, "decode-heavy": 128, "mixed": 48}  # the issue's mixes
 LONG_TOKENS = 900
+# The bench's nodes start on empty caches and compile most of what they run during its warm-up wave (the suite skips
+# their start-up warm-up): XLA's cheapest compiles there (on the CPU), as they compile more than they run here
+COLD_NODES = {**os.environ, "XLA_FLAGS": for_cold_starts()}
 
 
 def alive(pid: int) -> bool:
@@ -38,7 +42,7 @@ def test_quick_run_answers_every_request_with_its_tokens_and_ratios(tmp_path):
     run = subprocess.run([sys.executable, str(BENCH), "--quick", "--targets", "colocated,pd-always", "--requests",
                           str(REQUESTS), "--streams", "4", "--isolated", "1", "--runs", str(RUNS), "--uds-dir",
                           str(tmp_path / "run"), "--json", str(out)], capture_output=True, text=True, timeout=280,
-                         cwd=tmp_path)
+                         cwd=tmp_path, env=COLD_NODES)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["problems"] == [] and report["runs"] == RUNS
@@ -118,7 +122,7 @@ def test_stopped_halfway_it_stops_the_node_it_started(tmp_path):
     """SIGTERM to the bench while its first node serves: the bench stops that node (by its PID) and exits 130."""
     bench = subprocess.Popen([sys.executable, str(BENCH), "--quick", "--targets", "colocated", "--requests", "400",
                               "--uds-dir", str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, cwd=tmp_path)
+                             text=True, cwd=tmp_path, env=COLD_NODES)
     try:
         pids = {}
         for line in bench.stderr:  # "colocated (fill start): pid N", its stop, the measured start, its first answer

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from xla_flags import for_cold_starts
 
 from fsm_pd.net import unix_http
 from fsm_pd.net.unix_sockets import unix_address
@@ -64,9 +65,10 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
 @pytest.mark.slow
 def test_a_chat_sent_at_the_first_accept_is_answered_and_sigterm_drains(tmp_path):
     # the warm-up on (the suite skips it) and no compile cache: the engines compile every program before they are
-    # ready, so the first accept comes well before that
+    # ready, so the first accept comes well before that; XLA's cheapest compiles (on the CPU), as the process compiles
+    # far more than it runs
     url, sock, proc = start(tmp_path, "--pd-policy", "always", "--compile-cache", "off",
-                            env={"FSM_PD_SKIP_SERVER_WARMUP": "0"})
+                            env={"FSM_PD_SKIP_SERVER_WARMUP": "0", "XLA_FLAGS": for_cold_starts()})
     log = tmp_path / "pd.log"
     try:
         with unix_http.client(timeout=180) as client:

@@ -12,13 +12,16 @@ import httpx
 import pytest
 from processes import Cluster, free_port
 from real_parts import SGLANG_ROUTER
+from xla_flags import for_cold_starts
 
 BODY = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
 
 
 def warm_up_env(cluster: Cluster, tmp_path) -> None:
-    # warm-up on, and an empty compile cache: the node compiles its ready set, which leaves a window to watch
-    cluster.env |= {"FSM_PD_SKIP_SERVER_WARMUP": "0", "FSM_PD_COMPILE_CACHE": str(tmp_path / "jax")}
+    # warm-up on, and an empty compile cache: the node compiles its ready set, which leaves a window to watch; XLA's
+    # cheapest compiles (on the CPU), as the nodes here compile far more than they run
+    cluster.env |= {"FSM_PD_SKIP_SERVER_WARMUP": "0", "FSM_PD_COMPILE_CACHE": str(tmp_path / "jax"),
+                    "XLA_FLAGS": for_cold_starts(cluster.env.get("XLA_FLAGS", ""))}
 
 
 def metric(url: str, name: str) -> float:

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from xla_flags import CHEAP_COMPILE
+from xla_flags import CHEAP_COMPILE, FAST_COMPILE, for_cold_starts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,6 +108,16 @@ def test_on_a_cpu_tests_compile_at_o0_and_the_processes_they_start_at_o1(tmp_pat
     assert levels("-n", "1") == f"here [0] child [1] {children}"
     assert levels(FSM_PD_SUITE_COMPILE_CACHE=str(tmp_path / "jax")) == f"here [1] child [1] {children}"
     assert levels(FSM_PD_SUITE_XLA_DEFAULTS="1") == f"here [3] child [3] flags [{given}]"
+
+
+def test_nodes_watched_compiling_get_o0_where_the_suite_gave_o1():
+    """xla_flags.for_cold_starts: the processes tests start have CHEAP_COMPILE (-O1) on a CPU; a node a test starts to
+    watch it compile gets FAST_COMPILE (-O0) instead, beside the flags the run was given; flags the suite did not set
+    (a chip host's, FSM_PD_SUITE_XLA_DEFAULTS=1) stay as they are."""
+    given = "--xla_force_host_platform_device_count=3"
+    assert for_cold_starts(f"{given} {CHEAP_COMPILE}") == f"{given} {FAST_COMPILE}"
+    assert for_cold_starts(given) == given
+    assert for_cold_starts("") == ""
 
 
 def test_real_part_skips_are_reported_and_fail_nothing_by_default(tmp_path):
