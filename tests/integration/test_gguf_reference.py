@@ -9,6 +9,8 @@ whole units. Greedy chat answers must be the same tokens.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from real_parts import REFERENCE, SMOLLM2
@@ -31,7 +33,6 @@ def ours():
 
 @pytest.fixture(scope="module")
 def reference():
-    import functools
     from unittest import mock
 
     import gguf
@@ -48,6 +49,14 @@ def reference():
                                                                   dtype=torch.float32)
         tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def hf_generated(reference):
+    """transformers' greedy tokens and logits for a prompt, generated once per prompt and step count: the first
+    question is asked by two tests, and the same call gives the same answer."""
+    hf_model, _ = reference
+    return functools.cache(lambda ids, steps: hf_greedy(hf_model, list(ids), steps))
 
 
 def chat_ids(model, question: str) -> list[int]:
@@ -99,22 +108,20 @@ def test_tokenizer_and_chat_template_match_transformers(ours, reference):
         "<|im_start|><|im_end|>")
 
 
-def test_logits_match_transformers_on_the_real_model(ours, reference):
-    hf_model, _ = reference
+def test_logits_match_transformers_on_the_real_model(ours, hf_generated):
     ids = chat_ids(ours, QUESTIONS[0])
-    hf_tokens, hf_logits = hf_greedy(hf_model, ids, MAX_NEW)
+    hf_tokens, hf_logits = hf_generated(tuple(ids), MAX_NEW)
     # Teacher-forced on the reference's tokens, so a near-tie cannot derail the comparison after it.
     _, our_logits = fsm_greedy(ours, ids, len(hf_tokens), forced=hf_tokens)
     assert np.abs(hf_logits).max() > 5  # real logits, not a degenerate model
     np.testing.assert_allclose(our_logits, hf_logits, atol=ATOL, rtol=RTOL)
 
 
-def test_greedy_chat_answers_match_transformers(ours, reference):
-    hf_model, hf_tok = reference
+def test_greedy_chat_answers_match_transformers(ours, hf_generated):
     answers = {}
     for question in QUESTIONS:
         ids = chat_ids(ours, question)
-        hf_tokens, _ = hf_greedy(hf_model, ids, MAX_NEW)
+        hf_tokens, _ = hf_generated(tuple(ids), MAX_NEW)
         our_tokens, _ = fsm_greedy(ours, ids, MAX_NEW)
         assert our_tokens == hf_tokens, question
         answers[question] = ours.tokenizer.decode(our_tokens)
