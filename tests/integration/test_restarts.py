@@ -25,7 +25,11 @@ def test_a_node_killed_and_restarted_under_load(shared_rig, role):
     print(figures)
     _no_hang(figures)
     assert figures["in_flight_at_kill"] > 0, figures
-    assert figures["in_flight_max_end_s"] <= 10, figures  # every request the dead node held ended, with an error
+    # every request the dead node held ended within a request's bound: with an error, or (a prefill killed) answered
+    # after the decode node's heartbeats found it dead and it recomputed the request (``peer_failed``), a whole
+    # generation on a loaded host (19.7 s once, with two more test runs beside the suite, against 10 s asserted here
+    # when they all failed fast)
+    assert figures["in_flight_max_end_s"] <= REQUEST_BOUND_S, figures
     # the new instance is used at once: well inside the router's 10 s cooldown of an ejected worker (a router that
     # waited it out could not answer sooner), with room for one request among 32 streams on a loaded 2-core host
     assert figures["health_to_first_success_s"] <= 8, figures
