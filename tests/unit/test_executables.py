@@ -41,12 +41,16 @@ _salts = itertools.count((os.getpid() % 20000) * 100_000)  # int32; each process
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     """JAX's compile cache directory pointed at ``tmp_path`` for this test (the setting only: JAX keeps the cache it
-    opened first), restored after; the executable store switched on (off by default on the CPU)."""
+    opened first), restored after; the executable store switched on (off by default on the CPU). Nothing compiled
+    here is written into a compile cache the suite shares (``tests/on_tpu.sh`` turns one on): a program compiled
+    again after ``jax.clear_caches()`` must be compiled, as in a later process, not handed back by that cache."""
     monkeypatch.setenv(executables.ENV, "on")
-    was = jax.config.jax_compilation_cache_dir
+    was = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
     jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
     yield tmp_path / "executables"
-    jax.config.update("jax_compilation_cache_dir", was)
+    jax.config.update("jax_compilation_cache_dir", was[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", was[1])
 
 
 @pytest.fixture
