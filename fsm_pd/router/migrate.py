@@ -16,7 +16,9 @@ penalties and structured output count the earlier tokens, and ``usage`` counts t
 token. The sampling step goes on from the earlier tokens' count with the same seed, so a sampled continuation draws
 as the undisturbed stream would have (its logits may differ in the last bits: one prefill over the earlier tokens
 against a step each; the tests check greedy output). ``/generate``'s chunks are cumulative, so they need nothing
-more; a chat stream's continuation does not repeat the role chunk.
+more; a chat stream's continuation does not repeat the role chunk. A stream that broke before any of its events
+reached the client (its node died after its 200, before or within its first event: the chat's role chunk) is no
+continuation: the body goes again as the client sent it, and the client gets the whole stream, its head included.
 
 What does not migrate: streams with logprobs (the earlier tokens' logprobs and the prompt's were the failed
 attempt's), and several choices or prompts in one stream (``n`` > 1, a batch).
@@ -61,11 +63,13 @@ class Progress:
         self.ids: list[int] = []
         self.seed: int | None = None
         self.finished = False
+        self.relayed = False  # an event went to the client (a chat's role chunk carries no ids)
 
     def relay(self, line: str) -> str:
         """One SSE line of the decode stream, as the client must see it (the progress field taken out)."""
         if not line.startswith("data:") or line[5:].strip() == "[DONE]":
             return line
+        self.relayed = True
         try:
             chunk = json.loads(line[5:])
         except ValueError:
@@ -82,7 +86,10 @@ class Progress:
         return "data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
 
     def continued(self, body: dict) -> dict:
-        """The request that continues the stream on another pair."""
+        """The request that continues the stream on another pair: the client's own body while the client has
+        nothing of it (a resumed chat stream leaves out its role chunk)."""
+        if not self.relayed:
+            return body
         return {**body, "fsm_pd_resume": {"output_ids": list(self.ids), "seed": self.seed}}
 
 

@@ -166,6 +166,29 @@ def test_a_broken_chat_stream_continues_with_one_role_chunk_and_every_token_once
     assert usage["completion_tokens"] == 8 and usage["prompt_tokens"] == len(decode.submitted[0].input_ids) - 3
 
 
+CHAT_HEAD = b"data: " + json.dumps({"id": "chatcmpl-c-2", "object": "chat.completion.chunk", "model": "stub",
+                                      "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                   "finish_reason": None}]}).encode() + b"\n\n"
+
+
+@pytest.mark.parametrize("sent", ["nothing", "half_the_head", "the_head"])
+def test_a_chat_stream_cut_before_its_first_token_reaches_its_client_with_one_role_chunk(sent):
+    """A decode killed after its 200 and before the role chunk reached the client (or its first token, after it):
+    the stream goes on elsewhere, and the client gets the role chunk once (seen in a fleet run: a SIGKILLed decode,
+    a continuation without a role chunk)."""
+    cut = {"nothing": b"", "half_the_head": CHAT_HEAD[:40], "the_head": CHAT_HEAD}[sent]
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "rid": "c-2", "max_tokens": 4,
+            "temperature": 0}
+    r, decode, _ = migrated(SSE_HEAD + (chunk(cut) if cut else b""), "/v1/chat/completions", body)
+    events = [json.loads(x) for x in sse_data(r.text)[:-1]]
+    assert all("error" not in e for e in events), r.text
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    assert sum("role" in d for d in deltas) == 1, r.text
+    assert deltas[0]["role"] == "assistant", r.text
+    assert "".join(d.get("content") or "" for d in deltas) == " hel"
+    assert decode.submitted[0].generated_before == []
+
+
 def draining_node() -> FastAPI:
     """A decode node in drain, as the router's health checks see it: /health 503 ``{"status": "draining"}``."""
     app = FastAPI()

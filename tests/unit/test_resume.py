@@ -1,7 +1,8 @@
 """A migrated stream, node side: a node given ``fsm_pd_resume`` (the ids a broken stream carried) continues it so
 that what the client has plus what follows equals the undisturbed stream. The tiny model on a colocated engine
 behind the real app (127.0.0.1, or a unix socket on a host without TCP); the router's own bookkeeping
-(``router.migrate.Progress``) reads the chunks, and the stream is cut after every chunk in turn.
+(``router.migrate.Progress``) reads the chunks, and the stream is cut before its first chunk and after every chunk
+in turn.
 
 The tiny model's tokenizer is byte-level and its greedy bytes are mostly not UTF-8, which a stream holds back to the
 end; a logit bias keeps it to lowercase letters and spaces, so every token is a chunk. The stop-string case puts a
@@ -101,8 +102,9 @@ def test_a_stream_resumed_after_any_chunk_equals_the_undisturbed_one(url, case):
     assert len(set(expected[0])) > 3, "one letter over and over: the test would prove little"
     content = [i for i, line in enumerate(whole) if "fsm_pd_progress" in line]
     assert len(content) >= 3, whole
-    for cut in content[:-1]:  # after the chunk at ``cut``; the last one finishes the stream
-        got = client_view(cut_and_resume(url, path, body, cut + 1), path)
+    # cut after no line, after the chat's role chunk, after each content chunk; the last one finishes the stream
+    for cut in range(content[-1]):
+        got = client_view(cut_and_resume(url, path, body, cut), path)
         assert got == expected, (cut, got, expected)
 
 

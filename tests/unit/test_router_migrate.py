@@ -71,6 +71,15 @@ def test_the_continued_request_is_the_clients_with_the_ids_so_far():
     assert "fsm_pd_resume" not in body  # the client's body is untouched
 
 
+def test_a_stream_the_client_has_nothing_of_goes_again_as_the_client_sent_it():
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "rid": "r", "max_tokens": 10}
+    progress = Progress()
+    progress.relay("")  # not an event: the client still has nothing, and a resume would leave out the role chunk
+    assert progress.continued(body) == body
+    progress.relay(data({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}))
+    assert progress.continued(body) == {**body, "fsm_pd_resume": {"output_ids": [], "seed": None}}  # it has the head
+
+
 def test_other_lines_pass_unchanged():
     progress = Progress()
     for line in ("", ": keep-alive", "data: [DONE]", 'data: {"error": {"message": "x"}}', "data: not json"):
