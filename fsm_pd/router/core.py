@@ -176,7 +176,7 @@ class PDRouter:
 
     async def _serve(self, path: str, body: dict, request: Request) -> Response:
         headers = self._headers(request)
-        migrating = can_migrate(path, body) and self.retry.policy == "retry"
+        migrating = can_migrate(path, body) and self.retry.policy == "retry" and self.retry.migrate
         if migrating:  # the decode node's chunks then say which tokens they carry
             headers[PROGRESS_HEADER] = "1"
         deadline = asyncio.get_running_loop().time() + self.request_timeout_s

@@ -25,6 +25,9 @@ class RetrySettings:
     budget_ratio: float = 0.2  # router-wide: retries <= this x requests over the window ...
     budget_min_per_s: float = 10.0  # ... but never fewer than this many per second (Linkerd's default)
     budget_window_s: float = 10.0
+    # a stream whose decode breaks off continues on another pair (``migrate.py``); that costs a JSON decode and
+    # encode of every event on the router's loop, for nothing where no other decode worker exists (``--role pd``)
+    migrate: bool = True
 
 
 DEFAULT_RETRY = RetrySettings()

@@ -23,6 +23,7 @@ class RawWorker:
     url: str = ""
     requests: list[bytes] = field(default_factory=list)  # the request lines of the scripted requests
     requests_bodies: list[bytes] = field(default_factory=list)  # and their bodies
+    requests_heads: list[bytes] = field(default_factory=list)  # and their whole heads (the request line, headers)
     hung_up: threading.Event = field(default_factory=threading.Event)  # the router closed a held connection
 
 
@@ -64,6 +65,7 @@ def raw_worker(reply: bytes, *, then_close: bool = False, hold_s: float | None =
             head, _, body = request.partition(b"\r\n\r\n")
             worker.requests.append(head.split(b"\r\n", 1)[0])
             worker.requests_bodies.append(body)
+            worker.requests_heads.append(head)
             conn.sendall(reply)
             if not then_close:
                 while conn.recv(65536):

@@ -21,6 +21,7 @@ from test_router import pd_cluster, sse_data
 from test_router_failures import SSE_HEAD, chunk
 
 from fsm_pd.api import AppServer, create_app
+from fsm_pd.api.streaming import PROGRESS_HEADER
 from fsm_pd.router import create_router_app
 from fsm_pd.router.app import RetrySettings
 from fsm_pd.router.policy import CLASSIC_PD
@@ -123,6 +124,30 @@ def migrated(reply: bytes, path: str, body: dict) -> tuple[httpx.Response, StubE
 def sse_event(doc: dict, ids: list[int]) -> bytes:
     """An event as a node sends it to a router that asked for progress."""
     return chunk(b"data: " + json.dumps({**doc, "fsm_pd_progress": {"ids": ids, "seed": 11}}).encode() + b"\n\n")
+
+
+def test_with_migration_off_a_broken_stream_ends_with_its_error_and_the_decode_is_not_asked_for_progress():
+    """``RetrySettings(migrate=False)`` (``--role pd``'s router: its one decode engine has no other to move to): the
+    router relays the decode's bytes as they come, so it asks for no progress field and moves nothing."""
+    prefill, decode = StubEngine(role="prefill"), StubEngine(role="decode")
+    reply = SSE_HEAD + chunk(b'data: {"text": "h", "output_ids": [104], "meta_info": {"finish_reason": null}}\n\n')
+    body = {"text": "hi", "stream": True, "rid": "s-0", "sampling_params": {"max_new_tokens": 5, "temperature": 0}}
+    with contextlib.ExitStack() as stack:
+        dying = stack.enter_context(raw_worker(reply, then_close=True))
+        p = stack.enter_context(AppServer(create_app(prefill, prefill.tokenizer, bootstrap_port=9000)))
+        d = stack.enter_context(AppServer(create_app(decode, decode.tokenizer)))
+        router = stack.enter_context(AppServer(create_router_app(
+            [(p.url, 9000)], [dying.url, d.url], pd_policy=CLASSIC_PD, retry=RetrySettings(migrate=False))))
+        r = httpx.post(router.url + "/generate", json=body, timeout=20)
+        migrations = counter(router.url, "fsm_pd_router_migrations_total")
+        # the stream the dying decode began, byte for byte, then the router's error and [DONE]
+        events = sse_data(r.text)
+        assert migrations == {} and decode.submitted == [] and len(dying.requests) == 1, (migrations, r.text)
+        assert events[0] == '{"text": "h", "output_ids": [104], "meta_info": {"finish_reason": null}}', r.text
+        assert json.loads(events[1])["error"]["code"] == 502 and events[-1] == "[DONE]", r.text
+    prefill.close()
+    decode.close()
+    assert PROGRESS_HEADER.lower().encode() not in dying.requests_heads[0].lower(), dying.requests_heads[0]
 
 
 def test_a_broken_generate_stream_continues_on_another_decode():
