@@ -14,8 +14,9 @@ import pytest
 sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))
 import tpu  # noqa: E402
 
-# device programs: on a TPU host they run in the process that holds the chip (tests/on_tpu.sh)
-pytestmark = pytest.mark.chip
+# Not marked ``chip``: on a TPU host these run on the suite's CPU workers (tests/on_tpu.sh), and the chip runs both
+# benches as the chip check's own parts (``tpu`` and ``parity``, bench/chip_check.py) right after the suite. Run in
+# the chip's one process too, they held 46 s of its 370 (r9), the half that bounds the suite's time there.
 
 
 def test_quick_run_reports_each_figure_against_its_roofline(tmp_path):
