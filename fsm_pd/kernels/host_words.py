@@ -126,8 +126,9 @@ class HostCopy:
         go once it is there."""
         with self._lock:
             if self._host is None:
-                host = np.asarray(self._device)
-                self._host = host.view(self.dtype).reshape(self.shape) if self.words else np.ascontiguousarray(host)
+                # row-major whatever order the runtime hands it in (a v5e gave some arrays column-major: converted.py)
+                host = np.ascontiguousarray(np.asarray(self._device))
+                self._host = host.view(self.dtype).reshape(self.shape) if self.words else host
                 self._device = None
             return self._host
 
