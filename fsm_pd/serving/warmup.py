@@ -16,9 +16,11 @@ prepares, before it answers ``/health``, its *ready set* (``warmup_plan.py``: ``
 
 All of these but the page kernels are compiled ahead from shapes alone, side by side on ``COMPILE_THREADS`` threads,
 while the weights still load (``warm_up``). Then a background thread (``compile_rest``) prepares the rest: the other
-sampler buckets (run once on zeros), on a pool on one CPU device the whole-pool scatters, the programs of several
-decode steps a dispatch (``model/multi_step.py``, where the node runs more than one: every batch bucket at every
-page-table width; until one is there its batch decodes a step at a time), and every other forward shape the
+sampler buckets (run once on zeros), on a pool on one CPU device the whole-pool scatters, on a pool on one
+accelerator with a zmq or tcp backend a handoff's copies between the device and the host as words, one a page bucket
+(``kernels/host_words.py``; plain copies until then), the programs of several decode steps a dispatch
+(``model/multi_step.py``, where the node runs more than one: every batch bucket at every page-table width; until one
+is there its batch decodes a step at a time), and every other forward shape the
 schedulers can form (``plan_for``: a prefill node's, a colocated node's and a decode node's recomputes, within their
 chunked-prefill budgets; decode at every batch bucket up to ``max_running``), cheapest first, at a lower CPU
 priority, each program once no request is in flight or ``IDLE_WAIT_S`` has passed. The scatters and forward passes
@@ -45,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsm_pd.control.overlap import layer_group
-from fsm_pd.kernels import cpu_copy, gather_pages, kv_hash, resolve_impl, scatter_layers, scatter_pages
+from fsm_pd.kernels import cpu_copy, gather_pages, host_words, kv_hash, resolve_impl, scatter_layers, scatter_pages
 from fsm_pd.kernels.placement import pool_placement
 from fsm_pd.model import compile_demand, compiles, sampling
 from fsm_pd.model.decoder import LOGPROB_ROWS, MAX_TOP_LOGPROBS, next_token_logprobs
@@ -145,8 +147,9 @@ READY_GRACE_S = 1.0
 def compile_rest(engine, *, busy: Callable[[], bool] = lambda: False, on_done=lambda report: None,
                  stop: threading.Event | None = None) -> threading.Thread:
     """Start a thread that prepares what ``warm_up`` left out, at a lower CPU priority than serving (on Linux a
-    thread has its own nice value): the other sampler buckets, the whole-pool scatters (``cpu_copy.prepare_scatter``)
-    and the other forward shapes, cheapest first. No request waits on it: until a program is there, its work runs
+    thread has its own nice value): the other sampler buckets, the whole-pool scatters (``cpu_copy.prepare_scatter``),
+    a handoff's copies as words between an accelerator and the host (``host_word_jobs``) and the other forward
+    shapes, cheapest first. No request waits on it: until a program is there, its work runs
     on one that covers it. Each program of the plan waits until ``busy()`` is False (at most ``IDLE_WAIT_S``):
     tracing holds the interpreter's lock, which a nice value does not share out, so it goes where requests are not.
     What requests ran without meanwhile (``compile_demand.py``) goes first and waits for nothing: its batches pay
@@ -172,6 +175,7 @@ def compile_rest(engine, *, busy: Callable[[], bool] = lambda: False, on_done=la
              for batch, width in plan.step_loops]
     jobs += [("kernels", 1, lambda: False, partial(cpu_copy.prepare_scatter, pool, rows, layers))
              for rows in whole_scatters for layers in sorted({len(pool), group})]
+    jobs += host_word_jobs(engine, plan, pool)
     jobs += [(kind_of(shape), 1, partial(_has, programs, shape), partial(programs.compile, *shape))
              for shape in plan.background_forward]
 
@@ -224,6 +228,25 @@ def compile_rest(engine, *, busy: Callable[[], bool] = lambda: False, on_done=la
     thread = threading.Thread(target=run, name="background-compile", daemon=True)
     thread.start()
     return thread
+
+
+def host_word_jobs(engine, plan: WarmupPlan, pool) -> list[tuple]:
+    """``compile_rest``'s jobs for the programs that copy a handoff's staging array between the device and the host
+    as 32-bit words (``kernels/host_words.py``), one a page bucket: a prefill node's to the host, a decode node's back.
+    Only where the backend streams host bytes (zmq, tcp) and the pool is on one accelerator device; until a bucket's
+    program is there, its handoffs copy the plain way."""
+    backend = getattr(getattr(engine, "manager", None), "backend", None)
+    sharding = pool[0].sharding
+    if not getattr(backend, "progressive", False) or not host_words.pays_on(sharding):
+        return []
+    dtype = engine.layout.dtype
+    jobs = []
+    buckets = [(rows, True) for rows in plan.gather_buckets] + [(rows, False) for rows in plan.scatter_buckets]
+    for rows, down in buckets:
+        shape = engine.layout.staging_shape(rows)
+        jobs.append(("kernels", 1, partial(host_words.is_prepared, shape, dtype, sharding, down=down, up=not down),
+                     partial(host_words.prepare, shape, dtype, sharding, down=down, up=not down)))
+    return jobs
 
 
 def _has(programs, shape) -> bool:

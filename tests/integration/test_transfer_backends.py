@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import jax
@@ -25,6 +26,7 @@ import numpy as np
 import pytest
 from xla_flags import with_host_devices
 
+from fsm_pd.kernels import host_words
 from fsm_pd.transport.backends import (
     TransferBackend,
     TransferError,
@@ -33,6 +35,7 @@ from fsm_pd.transport.backends import (
     create_backend,
     new_uuid,
 )
+from fsm_pd.transport.backends.spec import default_sharding
 
 HERE = Path(__file__).parent
 _spec = importlib.util.spec_from_file_location("transfer_producer", HERE / "transfer_producer.py")
@@ -408,6 +411,41 @@ def test_producer_killed_mid_transfer(backend):
         assert isinstance(err, TransferTimeout | TransferFailed), err
         # A killed peer closes its sockets: both backends notice that before the pull's deadline.
         assert time.monotonic() - begin < timeout_s, err
+
+
+# Staging-like arrays, and one of rows that are not whole 512-byte rows of words (copied plainly either way)
+WORDS = ([[2, 4, 16, 96], [2, 4, 16, 64], [7, 16, 33]], ["bfloat16", "float32", "bfloat16"])
+
+
+@pytest.mark.parametrize("backend", PROGRESSIVE)
+@pytest.mark.parametrize("words_on", ["producer", "consumer"])
+def test_a_node_copying_words_and_one_copying_plainly_exchange_the_same_bytes(backend, words_on):
+    """Either end may copy staging between device and host as 32-bit words (``kernels/host_words.py``, prepared on
+    an accelerator, here on the CPU); the bytes on the wire are the same, so a node that copies words talks to one
+    that does not, either way round."""
+    shapes, dtypes = WORDS
+    producer = Producer(backend)
+    try:
+        with create_backend(backend) as consumer:
+            if words_on == "producer":
+                prepared = producer.call(op="prepare_words", shapes=shapes, dtypes=dtypes, down=True, up=False)
+                assert prepared["prepared"] == [True, True, False]
+            else:
+                assert [host_words.prepare(shape, dtype, default_sharding(), down=False, up=True)
+                        for shape, dtype in zip(shapes, dtypes, strict=True)] == [True, True, False]
+            before = Counter(host_words.copies)
+            uuid = producer.publish(7, shapes, dtypes)
+            assert_bytes_equal(consumer.pull(producer.address, uuid, specs(shapes, dtypes), 20),
+                               make_arrays(7, shapes, dtypes))
+            producer.call(op="release", uuid=uuid)
+            sent, landed = producer.call(op="copies")["copies"], Counter(host_words.copies) - before
+        if words_on == "producer":
+            assert sent == {"down_words": 2, "down_plain": 1} and landed == {"up_plain": 3}, (sent, landed)
+        else:
+            assert sent == {"down_plain": 3} and landed == {"up_words": 2, "up_plain": 1}, (sent, landed)
+    finally:
+        producer.close()
+        host_words.forget()
 
 
 def test_device_pull_hands_over_the_published_arrays_without_a_copy():

@@ -10,6 +10,9 @@ Prints ``{"address": ...}`` once ready, then answers one JSON line per command l
     {"op": "fail", "uuid": u, "reason": "..."}  {"op": "release", "uuid": u}  -> {"ok": true}
     {"op": "open"} -> {"count": n, "nbytes": b}          {"op": "exit"}
     {"op": "parked"} -> {"uuids": [...] or null}         # uuids pulls wait for, unpublished (null: cannot tell)
+    {"op": "prepare_words", "shapes": [[2, 4, 16, 96]], "dtypes": ["bfloat16"], "down": true, "up": false}
+        -> {"prepared": [bool, ...]}   # copy these arrays as 32-bit words (kernels/host_words.py), as on a TPU
+    {"op": "copies"} -> {"copies": {"down_words": n, ...}}   # host_words.copies: how each copy went
     {"op": "pull", "address": a, "uuid": u, "seed": 1, "shapes": [[4, 8]], "dtypes": ["float32"], "timeout_s": 20}
         -> {"equal": bool}      # this process as the consumer: pulls and compares with make_arrays(seed, ...)
 
@@ -78,6 +81,16 @@ def main() -> None:
             elif op == "parked":
                 parked = backend.parked_pulls()
                 reply({"uuids": None if parked is None else sorted(parked)})
+            elif op == "prepare_words":
+                from fsm_pd.kernels import host_words
+                from fsm_pd.transport.backends.spec import default_sharding
+
+                reply({"prepared": [host_words.prepare(shape, dtype, default_sharding(), down=cmd["down"], up=cmd["up"])
+                                    for shape, dtype in zip(cmd["shapes"], cmd["dtypes"], strict=True)]})
+            elif op == "copies":
+                from fsm_pd.kernels import host_words
+
+                reply({"copies": dict(host_words.copies)})
             elif op == "pull":
                 want = make_arrays(cmd["seed"], cmd["shapes"], cmd["dtypes"])
                 got = backend.pull(cmd["address"], cmd["uuid"], [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in want],

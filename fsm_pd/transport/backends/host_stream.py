@@ -1,9 +1,11 @@
 """The two ends of a host-byte stream, shared by the backends that move staging arrays as plain bytes (zmq, tcp).
 
-P side, ``HostEntry``: what a hold keeps alive (the published arrays, or the host array still being filled), its
-layout digest, and the bytes to send. D side, ``Landing``: checks P's header against the spec, lands the bytes in
-aligned host arrays in order, reports progress and ``device_put``s every array as soon as its last byte is in (on
-CPU, that aliases the host array instead of copying it).
+P side, ``HostEntry``: what a hold keeps alive (the published arrays' copies to the host, or the host array still
+being filled), its layout digest, and the bytes to send. D side, ``Landing``: checks P's header against the spec,
+lands the bytes in aligned host arrays in order, reports progress and puts every array on the device as soon as its
+last byte is in (on CPU, ``device_put`` aliases the host array instead of copying it). Both copies between device
+and host go as 32-bit words where a program for the array is prepared (``kernels/host_words.py``: on an
+accelerator, where a TPU's bfloat16 tiles cost the host a reordering); the bytes are the same either way.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsm_pd.kernels.host_blocks import HostBlocks
+from fsm_pd.kernels.host_words import HostCopy, to_device
 from fsm_pd.transport.addresses import with_host
 from fsm_pd.transport.backends.base import OnProgress, PageSource, StagingProgress, TransferFailed, check_uuid
 from fsm_pd.transport.backends.holds import HoldingBackend, HoldTable
@@ -35,7 +38,8 @@ from fsm_pd.transport.backends.timers import scheduler
 
 @dataclass(eq=False)
 class HostEntry:
-    """A published entry: the staging arrays (or the one host array being filled) and their host bytes."""
+    """A published entry: the staging arrays' copies to the host (or the one host array being filled) and their host
+    bytes."""
 
     shapes: list[tuple[tuple[int, ...], object]]
     sizes: list[int]
@@ -48,12 +52,11 @@ class HostEntry:
 
     @classmethod
     def of(cls, arrays: tuple[jax.Array, ...]) -> HostEntry:
-        for arr in arrays:  # start device-to-host copies now so that streaming does not wait for them
-            arr.copy_to_host_async()
+        copies = tuple(HostCopy(arr) for arr in arrays)  # started now, so that streaming does not wait for them
         keys = array_keys(arrays, count_shards=False)
         shapes = [(tuple(a.shape), a.dtype) for a in arrays]
         sizes = [a.nbytes for a in arrays]
-        return cls(shapes, sizes, layout_digest(keys), summarize(keys), arrays, [None] * len(arrays))
+        return cls(shapes, sizes, layout_digest(keys), summarize(keys), copies, [None] * len(arrays))
 
     @classmethod
     def filling(cls, progress: StagingProgress) -> HostEntry:
@@ -76,7 +79,7 @@ class HostEntry:
     def host_bytes(self, index: int) -> memoryview:
         view = self._host[index]
         if view is None:  # zero-copy on CPU; one host copy per array on accelerators
-            host = np.ascontiguousarray(np.asarray(self._sources[index]))
+            host = self._sources[index].result()
             view = self._host[index] = memoryview(host.reshape(-1).view(np.uint8))
         return view
 
@@ -139,11 +142,11 @@ class Landing:
         self._advance_past_full()
 
     def _advance_past_full(self) -> None:
-        """``device_put`` every array whose last byte is in, so host-to-device overlaps the rest."""
+        """Put every array whose last byte is in on the device, so host-to-device overlaps the rest."""
         while self.index < len(self.host) and self.offset == len(self.flat[self.index]):
             index = self.index
             try:
-                self.placed.append(jax.device_put(self.host[index], self.want[index].sharding))
+                self.placed.append(to_device(self.host[index], self.want[index].sharding))
             except Exception as exc:  # noqa: BLE001 - e.g. out of device memory on this node
                 raise TransferFailed(f"transfer {self.uuid}: could not place array {index}: {exc}", "local") from exc
             self.index += 1

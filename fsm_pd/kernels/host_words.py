@@ -1,0 +1,159 @@
+"""KV staging bytes between a device and the host as 32-bit words, 128 to a row: the layout a TPU copies fastest.
+
+A TPU keeps a bfloat16 array in tiles whose 32-bit words pair values of two rows, so its copy to the host comes out
+in the device's order and is put back in row-major order on the way (and the reverse on the way in). An array of
+``uint32[n, 128]`` lies in tiles of 8 whole rows of 128 words, which in row-major order are the bytes as they stand.
+On the TPU v5e (round r9, 90 MiB of SmolLM2's KV) the words reached the host at 0.50 GB/s against 0.32, and the
+device at 8.9 GB/s against 5.1 (``bench/host_copy.py``). The words hold the array's row-major bytes exactly, so the
+bytes on the wire are unchanged: a node that copies words talks to one that does not, either way round.
+
+How the words are made matters as much. The obvious way, a bitcast of ``bfloat16[n, 2]`` to ``uint32[n]``, puts a
+dimension of 2 in the TPU's 128 lanes: for those 90 MiB XLA planned a 12 GB temporary and touched 25 GB (libtpu's
+own plan for a described v5e; the chip took 36.6 ms). Here each 16-bit half is picked out by a strided slice and
+shifted into its place (XLA's plan: 0.75 GB touched, one array's worth of temporary), and the way back lays the two
+halves side by side along the rows of the transposed words (1.1 GB, one array's worth).
+
+Each direction is one program per staging shape, dtype and device, compiled ahead (``prepare``; a node's background
+compile prepares every page bucket of its handoffs, ``serving/warmup.py``) and never on a request's path: until an
+array's program is there, it is copied the plain way. ``pays_on`` says where preparing is worth it: one device that
+is not a CPU. On a CPU, NumPy reads a device array in place and ``device_put`` aliases an aligned host array, so
+words would only add a copy. Only arrays of whole 512-byte rows (``fits``) are copied as words.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+LANES = 128  # a TPU tile's width: 128 words of 32 bits
+ROW_BYTES = 4 * LANES
+_UNSIGNED = {2: jnp.uint16, 4: jnp.uint32}  # the element widths a word holds whole: two halves, or one
+
+# (shape, dtype name, device) -> the compiled program of each direction
+_down: dict[tuple, jax.stages.Compiled] = {}
+_up: dict[tuple, jax.stages.Compiled] = {}
+# copies made each way: "down_words", "down_plain", "up_words", "up_plain" (what tests and benches read)
+copies: Counter[str] = Counter()
+
+
+def fits(shape: Sequence[int], dtype: Any) -> bool:
+    """Whether an array of ``shape`` and ``dtype`` is whole rows of 128 words of 16- or 32-bit elements (on a
+    little-endian host: a word's low half is then the first of its two elements)."""
+    itemsize = np.dtype(dtype).itemsize
+    nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+    return sys.byteorder == "little" and itemsize in _UNSIGNED and nbytes > 0 and nbytes % ROW_BYTES == 0
+
+
+def pays_on(sharding: Any) -> bool:
+    """Whether arrays placed by ``sharding`` are worth preparing programs for: one accelerator device."""
+    return _device(sharding) is not None and _device(sharding).platform != "cpu"
+
+
+def to_words(x: jax.Array) -> jax.Array:
+    """``x``'s row-major bytes as ``uint32[n, 128]`` (traced: call it inside ``jax.jit``, or through ``prepare``)."""
+    unsigned = jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize])
+    if x.dtype.itemsize == 4:
+        return unsigned.reshape(-1, LANES)
+    pairs = unsigned.reshape(-1, 2 * LANES)
+    low, high = pairs[:, 0::2].astype(jnp.uint32), pairs[:, 1::2].astype(jnp.uint32)
+    return low | (high << 16)
+
+
+def from_words(words: jax.Array, shape: Sequence[int], dtype: Any) -> jax.Array:
+    """The array of ``shape`` and ``dtype`` whose row-major bytes are ``words`` (traced, as ``to_words``)."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize == 4:
+        return jax.lax.bitcast_convert_type(words, dtype).reshape(shape)
+    low, high = (words & 0xFFFF).astype(jnp.uint16).T, (words >> 16).astype(jnp.uint16).T
+    # row 2k + h of the stacked [128, 2, n] is half h of word column k: transposed back, the halves side by side
+    pairs = jnp.stack([low, high], axis=1).reshape(2 * LANES, -1).T
+    return jax.lax.bitcast_convert_type(pairs, dtype).reshape(shape)
+
+
+def prepare(shape: Sequence[int], dtype: Any, sharding: Any, *, down: bool = True, up: bool = True) -> bool:
+    """Compile, ahead and from shapes alone (any thread may call it), the programs that copy arrays of ``shape`` and
+    ``dtype`` on ``sharding``'s one device to the host as words (``down``) and back (``up``); from then on
+    ``HostCopy`` and ``to_device`` use them. False, compiling nothing, where the array does not fit or the sharding
+    is not one device."""
+    key = _key(shape, dtype, sharding)
+    if key is None:
+        return False
+    placed = SingleDeviceSharding(key[2])
+    n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize // ROW_BYTES
+    if down and key not in _down:
+        _down[key] = jax.jit(to_words).lower(jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=placed)).compile()
+    if up and key not in _up:
+        unpack = jax.jit(from_words, static_argnums=(1, 2))
+        _up[key] = unpack.lower(jax.ShapeDtypeStruct((n, LANES), jnp.uint32, sharding=placed), tuple(shape),
+                                jnp.dtype(dtype)).compile()
+    return True
+
+
+def is_prepared(shape: Sequence[int], dtype: Any, sharding: Any, *, down: bool = True, up: bool = True) -> bool:
+    key = _key(shape, dtype, sharding)
+    return key is not None and (not down or key in _down) and (not up or key in _up)
+
+
+def forget() -> None:
+    """Drop every prepared program (tests: back to the plain way)."""
+    _down.clear()
+    _up.clear()
+
+
+class HostCopy:
+    """One device array's copy to the host, started at once (as words where its program is prepared), read once."""
+
+    def __init__(self, array: jax.Array) -> None:
+        self.shape, self.dtype, self.nbytes = tuple(array.shape), np.dtype(array.dtype), int(array.nbytes)
+        program = _down.get(_key(array.shape, array.dtype, array.sharding))
+        self.words = program is not None
+        copies["down_words" if self.words else "down_plain"] += 1
+        self._device: jax.Array | None = program(array) if self.words else array
+        self._device.copy_to_host_async()  # the copy runs while the caller does other things
+        self._host: np.ndarray | None = None
+        self._lock = threading.Lock()
+
+    def result(self) -> np.ndarray:
+        """The array on the host, row-major, in its own shape and dtype (waits for the copy); the device array is let
+        go once it is there."""
+        with self._lock:
+            if self._host is None:
+                # row-major whatever order the runtime hands it in (a v5e gave some arrays column-major: converted.py)
+                host = np.ascontiguousarray(np.asarray(self._device))
+                self._host = host.view(self.dtype).reshape(self.shape) if self.words else host
+                self._device = None
+            return self._host
+
+
+def to_device(host: np.ndarray, sharding: Any) -> jax.Array:
+    """``host`` (a C-contiguous array) placed by ``sharding``: its bytes go up as words where the program is
+    prepared, and the device turns them back into ``host``'s shape and dtype."""
+    program = _up.get(_key(host.shape, host.dtype, sharding))
+    if program is None:
+        copies["up_plain"] += 1
+        return jax.device_put(host, sharding)
+    copies["up_words"] += 1
+    words = host.reshape(-1).view(np.uint32).reshape(-1, LANES)
+    return program(jax.device_put(words, SingleDeviceSharding(_device(sharding))))
+
+
+def _device(sharding: Any):
+    """The one device of a single-device sharding in device memory, else None."""
+    if not isinstance(sharding, SingleDeviceSharding) or sharding.memory_kind not in (None, "device"):
+        return None
+    return next(iter(sharding.device_set))
+
+
+def _key(shape: Sequence[int], dtype: Any, sharding: Any) -> tuple | None:
+    device = _device(sharding)
+    if device is None or not fits(shape, dtype):
+        return None
+    return tuple(shape), np.dtype(dtype).name, device
