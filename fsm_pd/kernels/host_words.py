@@ -3,8 +3,10 @@
 A TPU keeps a bfloat16 array in tiles whose 32-bit words pair values of two rows, so its copy to the host comes out
 in the device's order and is put back in row-major order on the way (and the reverse on the way in). An array of
 ``uint32[n, 128]`` lies in tiles of 8 whole rows of 128 words, which in row-major order are the bytes as they stand.
-On the TPU v5e (round r9, 90 MiB of SmolLM2's KV) the words reached the host at 0.50 GB/s against 0.32, and the
-device at 8.9 GB/s against 5.1 (``bench/host_copy.py``). The words hold the array's row-major bytes exactly, so the
+On the TPU v5e (round r9, 90 MiB of SmolLM2's KV) words already made reached the host at 0.50 GB/s against 0.32,
+and the device at 8.9 GB/s against 5.1 (``bench/host_copy.py``: the copies alone; these conversions, and so the
+copies as served, are not yet timed on a chip). ``FSM_PD_HOST_WORDS=off`` turns them off; a program that fails
+(out of device memory, say) falls back to the plain copy. The words hold the array's row-major bytes exactly, so the
 bytes on the wire are unchanged: a node that copies words talks to one that does not, either way round.
 
 How the words are made matters as much. The obvious way, a bitcast of ``bfloat16[n, 2]`` to ``uint32[n]``, puts a
@@ -22,6 +24,8 @@ words would only add a copy. Only arrays of whole 512-byte rows (``fits``) are c
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 import threading
 from collections import Counter
@@ -33,6 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
+log = logging.getLogger(__name__)
+
+ENV = "FSM_PD_HOST_WORDS"  # "off": every copy the plain way (nothing is prepared); a chip round compares both
 LANES = 128  # a TPU tile's width: 128 words of 32 bits
 ROW_BYTES = 4 * LANES
 _UNSIGNED = {2: jnp.uint16, 4: jnp.uint32}  # the element widths a word holds whole: two halves, or one
@@ -40,8 +47,30 @@ _UNSIGNED = {2: jnp.uint16, 4: jnp.uint32}  # the element widths a word holds wh
 # (shape, dtype name, device) -> the compiled program of each direction
 _down: dict[tuple, jax.stages.Compiled] = {}
 _up: dict[tuple, jax.stages.Compiled] = {}
-# copies made each way: "down_words", "down_plain", "up_words", "up_plain" (what tests and benches read)
+# copies made each way: "down_words", "down_plain", "up_words", "up_plain", and "down_fallback", "up_fallback" for
+# a words program that failed (what tests and benches read); counted from the model thread and the pull threads
 copies: Counter[str] = Counter()
+_counting = threading.Lock()
+_told_fallback = threading.Event()
+
+
+def enabled() -> bool:
+    """Whether programs are prepared at all (``FSM_PD_HOST_WORDS=off``: never, so every copy goes the plain way)."""
+    return os.environ.get(ENV, "on").strip().lower() not in ("off", "0", "false", "no")
+
+
+def _count(kind: str) -> None:
+    with _counting:
+        copies[kind] += 1
+
+
+def _fell_back(kind: str, exc: Exception) -> None:
+    """A words program failed (out of device memory beside a full pool, say): this copy goes the plain way, which
+    needs no second array on the device; said once a process, counted every time."""
+    _count(kind)
+    if not _told_fallback.is_set():
+        _told_fallback.set()
+        log.warning("host copy as words failed (%s: %s); copying the plain way", type(exc).__name__, exc)
 
 
 def fits(shape: Sequence[int], dtype: Any) -> bool:
@@ -84,7 +113,7 @@ def prepare(shape: Sequence[int], dtype: Any, sharding: Any, *, down: bool = Tru
     ``HostCopy`` and ``to_device`` use them. False, compiling nothing, where the array does not fit or the sharding
     is not one device."""
     key = _key(shape, dtype, sharding)
-    if key is None:
+    if key is None or not enabled():
         return False
     placed = SingleDeviceSharding(key[2])
     n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize // ROW_BYTES
@@ -114,9 +143,15 @@ class HostCopy:
     def __init__(self, array: jax.Array) -> None:
         self.shape, self.dtype, self.nbytes = tuple(array.shape), np.dtype(array.dtype), int(array.nbytes)
         program = _down.get(_key(array.shape, array.dtype, array.sharding))
+        self._device: jax.Array | None = array
+        if program is not None:
+            try:
+                self._device = program(array)
+            except Exception as exc:  # noqa: BLE001 - the plain copy of the same array still works
+                _fell_back("down_fallback", exc)
+                program = None
         self.words = program is not None
-        copies["down_words" if self.words else "down_plain"] += 1
-        self._device: jax.Array | None = program(array) if self.words else array
+        _count("down_words" if self.words else "down_plain")
         self._device.copy_to_host_async()  # the copy runs while the caller does other things
         self._host: np.ndarray | None = None
         self._lock = threading.Lock()
@@ -137,12 +172,17 @@ def to_device(host: np.ndarray, sharding: Any) -> jax.Array:
     """``host`` (a C-contiguous array) placed by ``sharding``: its bytes go up as words where the program is
     prepared, and the device turns them back into ``host``'s shape and dtype."""
     program = _up.get(_key(host.shape, host.dtype, sharding))
-    if program is None:
-        copies["up_plain"] += 1
-        return jax.device_put(host, sharding)
-    copies["up_words"] += 1
-    words = host.reshape(-1).view(np.uint32).reshape(-1, LANES)
-    return program(jax.device_put(words, SingleDeviceSharding(_device(sharding))))
+    if program is not None:
+        words = host.reshape(-1).view(np.uint32).reshape(-1, LANES)
+        try:
+            placed = program(jax.device_put(words, SingleDeviceSharding(_device(sharding))))
+        except Exception as exc:  # noqa: BLE001 - the plain copy of the same bytes still works
+            _fell_back("up_fallback", exc)
+        else:
+            _count("up_words")
+            return placed
+    _count("up_plain")
+    return jax.device_put(host, sharding)
 
 
 def _device(sharding: Any):

@@ -138,6 +138,7 @@ def create_router_app(prefill: Sequence[PrefillWorker | tuple[str, int | None] |
     async def server_info() -> dict:
         pd.ensure_health_checks()
         return {"router": "fsm-pd", "policy": policy, "retry_policy": retry.policy, "max_retries": retry.max_retries,
+                "migrate": retry.migrate,  # whether a broken stream continues on another pair
                 "retry_budget": pd.budget.describe(),
                 "prefill": [w.describe() for w in pd.fleet.workers["prefill"]],
                 "decode": [w.describe() for w in pd.fleet.workers["decode"]],

@@ -237,7 +237,7 @@ def host_word_jobs(engine, plan: WarmupPlan, pool) -> list[tuple]:
     program is there, its handoffs copy the plain way."""
     backend = getattr(getattr(engine, "manager", None), "backend", None)
     sharding = pool[0].sharding
-    if not getattr(backend, "progressive", False) or not host_words.pays_on(sharding):
+    if not getattr(backend, "progressive", False) or not host_words.pays_on(sharding) or not host_words.enabled():
         return []
     dtype = engine.layout.dtype
     jobs = []

@@ -140,3 +140,46 @@ def test_the_background_compile_prepares_a_handoffs_copies_where_they_pay(monkey
         shape = layout.staging_shape(rows)
         assert host_words.is_prepared(shape, "bfloat16", DEVICE, down=down, up=not down)
         assert not host_words.is_prepared(shape, "bfloat16", DEVICE, down=not down, up=down)
+
+
+def test_a_jit_output_goes_down_as_words_with_its_bytes():
+    """What a prefill node publishes is a program's output (the gather), not an array put there from the host."""
+    shape, dtype = (2, 4, 16, 96), jnp.bfloat16
+    host = any_bits(shape, dtype, seed=4)
+    made = jax.jit(lambda x: x[::-1])(jax.device_put(host, DEVICE))
+    # against the plain copy of the same output: XLA:CPU at the suite's cheap settings rewrites some NaN payloads in
+    # a bfloat16 reversal, so the output's bytes need not be the host array's
+    expected = np.asarray(made).tobytes()
+    assert host_words.prepare(shape, dtype, DEVICE, up=False)
+    copy = host_words.HostCopy(made)
+    assert copy.words and copy.result().tobytes() == expected
+
+
+def test_a_failing_words_program_falls_back_to_the_plain_copy_counted(caplog):
+    shape, dtype = (3, 1, 16, 64), jnp.float32
+    host = any_bits(shape, dtype, seed=5)
+    assert host_words.prepare(shape, dtype, DEVICE)
+    key = host_words._key(shape, dtype, DEVICE)
+
+    def fails(*_):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory (a test's)")
+
+    host_words._down[key] = host_words._up[key] = fails
+    before = Counter(host_words.copies)
+    down = host_words.HostCopy(jax.device_put(host, DEVICE))
+    up = host_words.to_device(host, DEVICE)
+    assert Counter(host_words.copies) - before == {"down_fallback": 1, "down_plain": 1, "up_fallback": 1,
+                                                   "up_plain": 1}
+    assert not down.words and down.result().tobytes() == host.tobytes()
+    assert np.asarray(up).tobytes() == host.tobytes() and up.sharding == DEVICE
+
+
+def test_the_switch_off_prepares_nothing_and_the_background_compile_adds_no_job(monkeypatch):
+    monkeypatch.setenv(host_words.ENV, "off")
+    shape, dtype = (2, 4, 16, 96), jnp.bfloat16
+    assert not host_words.prepare(shape, dtype, DEVICE) and not host_words.is_prepared(shape, dtype, DEVICE)
+    layout = KVLayout(num_layers=2, num_pages=64, page_size=16, kv_heads=2, head_dim=16, dtype="bfloat16")
+    pool = [jax.ShapeDtypeStruct(layout.layer_shape, jnp.bfloat16, sharding=DEVICE)] * layout.num_layers
+    monkeypatch.setattr(host_words, "pays_on", lambda sharding: True)
+    engine = SimpleNamespace(layout=layout, manager=SimpleNamespace(backend=SimpleNamespace(progressive=True)))
+    assert warmup.host_word_jobs(engine, WarmupPlan([], [1], gather_buckets=[1, 2], scatter_buckets=[]), pool) == []
