@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from fsm_pd.api.outputs import RequestState
-from fsm_pd.api.tasks import cancel_and_wait
 from fsm_pd.serving.types import Engine, EngineError, GenerateRequest, RequestStream, TokenOutput
 from fsm_pd.store.causes import REQUEST_CLOSED
 
@@ -88,7 +87,6 @@ class RequestRun:
         self.state = RequestState(request, tokenizer, hide_output=hide_output)
         self._http = http_request
         self._stream = RequestStream(request.rid)
-        self._outputs = aiter(self._stream)
         self._disconnect: asyncio.Task | None = None
         self._closed = False
         self._ended_by_engine = False
@@ -145,38 +143,41 @@ class RequestRun:
     async def _next_output(self) -> TokenOutput | None:
         if self.state.finished:
             return None
-        if (out := self.next_ready()) is not None:  # here already: no task, no wait, no timer
+        if (out := self.next_ready()) is not None:  # here already: no wait, no timer
             return out
         if self._failed is not None:
             raise self._failed
-        waits = set()
-        if self._http is not None:  # else an internal request (a health probe): nobody to go away
-            if self._disconnect is None:
-                self._disconnect = asyncio.ensure_future(wait_disconnect(self._http))
-            waits.add(self._disconnect)
+        if self._http is not None and self._disconnect is None:  # else an internal request (a health probe)
+            self._disconnect = asyncio.ensure_future(wait_disconnect(self._http))  # one task a request, not a token
         first = self._outputs_seen == 0
         limit = self._first_by - asyncio.get_running_loop().time() if first else self._wait.idle_s
-        pending = asyncio.ensure_future(anext(self._outputs))
+        # one future the next output, the client's going away and the deadline each resolve: no task a token
+        arrival = self._stream.arrival()
+
+        def wake(_: object = None) -> None:
+            if not arrival.done():
+                arrival.set_result(None)
+
+        timer = asyncio.get_running_loop().call_later(max(0.0, limit), wake)
+        if self._disconnect is not None:
+            self._disconnect.add_done_callback(wake)
         try:
-            done, _ = await asyncio.wait({pending, *waits}, timeout=max(0.0, limit),
-                                         return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # cancelled (a stream whose client left): the read must not outlive us unheard
-            _abandon(pending)
+            await arrival
+        finally:
+            timer.cancel()
+            if self._disconnect is not None:
+                self._disconnect.remove_done_callback(wake)
+        try:
+            out = self._stream.take_ready()  # what came first wins: an output here is the client's
+        except BaseException:
+            self._outputs_seen += 1
             raise
-        if pending not in done:
-            # a read that ended meanwhile (the last output, or the request's error) is moot: the client is gone, or
-            # the deadline passed first
-            await cancel_and_wait(pending, what=f"the read of request {self.rid}",
-                                  expected=(StopAsyncIteration, EngineError))
-            if done:
-                raise ClientDisconnected(self.rid)
-            raise self._deadline_passed(first)
-        self._outputs_seen += 1
-        try:
-            out = pending.result()
-        except StopAsyncIteration:
-            out = None
-        return self._add(out)
+        if out is not None:
+            self._outputs_seen += 1
+            return self._add(out)
+        if self._disconnect is not None and self._disconnect.done():
+            raise ClientDisconnected(self.rid)
+        raise self._deadline_passed(first)
 
     def _deadline_passed(self, first: bool) -> DeadlinePassed:
         name = FIRST_TOKEN if first else TOKEN_IDLE

@@ -159,6 +159,9 @@ class CountingLoop:
     def is_closed(self) -> bool:
         return self.loop.is_closed()
 
+    def create_future(self) -> asyncio.Future:  # the reader's wait for the next push
+        return self.loop.create_future()
+
 
 def test_a_dispatchs_tokens_of_a_request_wake_its_reader_once(engines):
     """The tokens a dispatch brings a request are pushed together: one wake-up of the event loop for them (then

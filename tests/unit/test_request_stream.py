@@ -37,3 +37,36 @@ def test_other_errors_still_raise():
 
     with pytest.raises(RuntimeError, match="something else"):
         RequestStream("r", Broken()).push(TokenOutput(1))
+
+
+def test_a_waiting_reader_gets_pushes_from_another_thread_in_order_and_a_cancelled_wait_loses_nothing():
+    """The reader waits on a future the next push resolves (``arrival``), not a task: a wait cut short (a deadline,
+    a client gone) leaves what comes later queued, and an error pushed after outputs comes after them."""
+    import threading
+
+    async def read() -> tuple[list[int], str]:
+        stream = RequestStream("r")
+        waiting = stream.arrival()
+        waiting.cancel()  # a wait cut short before anything came
+        threading.Thread(target=lambda: (stream.push(TokenOutput(1)), stream.push_many([TokenOutput(2),
+                                                                                       TokenOutput(3)]),
+                                         stream.push(EngineError("aborted", 499)))).start()
+        got = []
+        try:
+            async for out in stream:
+                got.append(out.token_id)
+        except EngineError as err:
+            return got, str(err)
+        return got, "no error"
+
+    assert asyncio.run(read()) == ([1, 2, 3], "aborted")
+
+
+def test_an_arrival_is_done_at_once_when_an_output_is_already_here():
+    async def ready() -> bool:
+        stream = RequestStream("r")
+        stream.push(TokenOutput(5))
+        await asyncio.sleep(0)  # the push lands on this loop
+        return stream.arrival().done() and stream.take_ready().token_id == 5 and stream.take_ready() is None
+
+    assert asyncio.run(ready())
