@@ -91,8 +91,9 @@ class RequestStream:
     """Token outputs of one request, pushed from any thread, read with ``async for`` on the loop that made it.
 
     A reader that waits gets a future (``arrival``) that the next push resolves, not a task: a stream is read once
-    per token, and a task and ``asyncio.wait`` per token held the event loop about 43 us against 16 (a loop beside
-    the model thread, 16 streams at a time, pays that per streamed token)."""
+    per token, and with a task and ``asyncio.wait`` a token ``RequestRun.next_output`` held the event loop 65-84 us
+    a token against 33-41 now (``bench/token_wait.py``, each commit back to back), on the loop the model thread
+    shares the interpreter with."""
 
     def __init__(self, rid: str, loop: asyncio.AbstractEventLoop | None = None):
         self.rid = rid
