@@ -109,28 +109,58 @@ def make_model(name: str, dtype: str, quick: bool, smollm2: str = "smollm2") -> 
     return LoadedModel(name, config, random_params(config, seed=0, std=0.02), ByteTokenizer(vocab_size=272)), "random"
 
 
+def decode_rows(batch: int, per_row: int, context: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Page tables, tokens and positions of ``batch`` rows at ``context`` tokens each, ``per_row`` pages apiece: the
+    rows' pages one after the other from page 1."""
+    tables = 1 + np.arange(batch * per_row, dtype=np.int32).reshape(batch, per_row)
+    return tables, np.ones(batch, np.int32), np.full(batch, context, np.int32)
+
+
+def node_step(model: LoadedModel, state: dict, tables, tokens, positions):
+    """A decode step as a node calls it (``LoadedModel.decode``): the pool in ``state`` donated, the one it returns
+    kept there."""
+    def step():
+        logits, state["pool"] = model.decode(state["pool"], tokens, positions, tables)
+        return logits
+
+    return step
+
+
+def multi_step_dispatch(model: LoadedModel, state: dict, tables, context: int, steps: int):
+    """A dispatch of the several-steps program (``model/multi_step.py``, K = ``steps``, greedy) over ``tables``'
+    rows at ``context`` tokens, its tokens read back; each dispatch rewrites the same positions, so the context stays
+    put."""
+    batch, per_row = tables.shape
+    loops = model.programs(state["pool"]).steps
+    rows = [StepRow(1, context, steps, tables[r].tolist()) for r in range(batch)]
+    packed = pack(rows, batch_bucket(batch), loops.width_for(per_row), steps, model.config.vocab_size)
+
+    def dispatch():
+        out_tokens, state["pool"] = loops.run(model.params, state["pool"], packed, steps)
+        return np.asarray(out_tokens)
+
+    return dispatch
+
+
+def step_bytes(config: ModelConfig, weight_bytes: int, batch: int, context: int) -> int:
+    """Bytes a decode step must read (its roofline): the weights, and ``batch`` rows' KV of ``context + 1`` tokens."""
+    kv_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * jnp.dtype(config.dtype).itemsize
+    return weight_bytes + batch * (context + 1) * kv_token
+
+
 def decode_figures(model: LoadedModel, pages: int, page_size: int, batches, context: int, bandwidth: float,
                    weight_bytes: int):
-    config = model.config
     pool = model.make_pool(model.make_kv_layout(pages, page_size))
     per_row = -(-(context + 1) // page_size)
-    kv_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * jnp.dtype(config.dtype).itemsize
     out = {}
     for batch in batches:
         if 1 + batch * per_row > pages:
             out[batch] = {"skipped": f"{batch} rows of {context} tokens need {batch * per_row} pages"}
             continue
-        tables = 1 + np.arange(batch * per_row, dtype=np.int32).reshape(batch, per_row)
-        tokens, positions = np.ones(batch, np.int32), np.full(batch, context, np.int32)
         state = {"pool": pool}
-
-        def step(state=state, tables=tables, tokens=tokens, positions=positions):
-            logits, state["pool"] = model.decode(state["pool"], tokens, positions, tables)
-            return logits
-
-        seconds = timed(step, 20)
+        seconds = timed(node_step(model, state, *decode_rows(batch, per_row, context)), 20)
         pool = state["pool"]
-        roof = (weight_bytes + batch * (context + 1) * kv_token) / bandwidth
+        roof = step_bytes(model.config, weight_bytes, batch, context) / bandwidth
         out[batch] = {"step_ms": ms(seconds), "roofline_ms": ms(roof),
                       "share": float(f"{roof / seconds:.3g}"), "tokens_per_s": round(batch / seconds, 1)}
     return out
@@ -204,8 +234,7 @@ def steps_figures(model: LoadedModel, batches, context: int, steps: int, page_si
 def steps_at(model: LoadedModel, batch: int, context: int, steps: int, page_size: int) -> dict:
     per_row = -(-(context + steps + 1) // page_size)
     state = {"pool": model.make_pool(model.make_kv_layout(2 + batch * per_row, page_size))}
-    tables = 1 + np.arange(batch * per_row, dtype=np.int32).reshape(batch, per_row)
-    tokens, positions = np.ones(batch, np.int32), np.full(batch, context, np.int32)
+    tables, tokens, positions = decode_rows(batch, per_row, context)
     greedy = [SamplingParams(temperature=0.0)] * batch
 
     def host_step():
@@ -213,15 +242,8 @@ def steps_at(model: LoadedModel, batch: int, context: int, steps: int, page_size
         return sample(logits, greedy, [0] * batch, [0] * batch)  # a host array: the step's tokens read back
 
     figures = {"host_step_ms": ms(timed(host_step, 20))}
-    loops = model.programs(state["pool"]).steps
     for k in sorted({1, steps}):
-        rows = [StepRow(1, context, k, tables[r].tolist()) for r in range(batch)]
-        packed = pack(rows, batch_bucket(batch), loops.width_for(per_row), k, model.config.vocab_size)
-
-        def dispatch(packed=packed, k=k):
-            out_tokens, state["pool"] = loops.run(model.params, state["pool"], packed, k)
-            return np.asarray(out_tokens)
-
+        dispatch = multi_step_dispatch(model, state, tables, context, k)
         figures[f"k{k}_ms_per_token"] = ms(timed(dispatch, max(5, 40 // k)) / k)
     figures["speedup_vs_host_step"] = round(figures["host_step_ms"] / figures[f"k{steps}_ms_per_token"], 2)
     return figures
