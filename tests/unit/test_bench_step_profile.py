@@ -108,8 +108,10 @@ def test_a_tpu_trace_is_read_from_its_device_plane_with_nested_ops_counted_once(
     assert f["idle_between_programs_ms"] == pytest.approx(0.002)
     assert f["idle_inside_programs_ms"] == pytest.approx(0.0035)  # 13 us of programs, 9.5 busy
     assert f["programs"] == 2
-    kinds = {kind: c["us"] for kind, c in f["categories"].items()}
-    assert kinds == {"attention kernel / custom call": 4, "matmul": 2, "copies/transposes": 1, "other": 2.5}
+    kinds = {kind: (c["count"], c["us"]) for kind, c in f["categories"].items()}
+    assert kinds == {"attention kernel / custom call": (1, 4), "matmul": (1, 2), "copies/transposes": (1, 1),
+                     "other": (2, 2.5)}
+    assert f["ops"] == 5
     assert f["from_hlo"] == pytest.approx(9 / 9.5, abs=1e-3)  # all but the op no HLO names
     top = {(o["op"], o["module"]): (o["category"], o["us"], o["count"]) for o in f["top_ops"]}
     assert top[("while.1", "jit_forward_group")] == ("other", 2, 1)
