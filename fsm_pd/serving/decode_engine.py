@@ -124,6 +124,7 @@ class DecodeEngine(LocalPath, PDEngine):
         self.budget = shared.budget if shared is not None else StepBudget(CHUNKED_PREFILL_SIZE, prefill_chunk_steps)
         if shared is not None:
             shared.decoding = lambda: bool(self.loop.running)
+        self._shared = shared
         self._clock = clock
         self.recompute = TransferRecompute(self.model, self.model_thread, self.allocator, self.page_size,
                                            enabled=on_transfer_failure == "recompute",
@@ -217,11 +218,13 @@ class DecodeEngine(LocalPath, PDEngine):
 
     def _first_token_waiting(self) -> bool:
         """A transfer under way (its scatter would wait for a long decode dispatch), a recompute or a request sent
-        whole under way, or one that waits and has room to start."""
+        whole under way, or one that waits and has room to start; in a shared pool, a prompt the prefill engine has
+        yet to prefill (its chunk runs on the same device right after this engine's dispatch)."""
         in_transfer = len(self.rooms) - len(self.prealloc.waiting)
         room = len(self.loop.running) + in_transfer < self.max_running
         return (in_transfer > 0 or bool(self.recompute.chunking) or bool(self.arrivals)
-                or room and (bool(self.prealloc.waiting) or bool(self.recompute.waiting)))
+                or room and (bool(self.prealloc.waiting) or bool(self.recompute.waiting))
+                or (self._shared is not None and self._shared.prefill_waiting()))
 
     def _gone(self, seq: Sequence) -> bool:
         """A request waiting for pages that ended meanwhile (``_on_room`` answers it)."""

@@ -96,6 +96,8 @@ class PrefillEngine(LocalPath, PDEngine):
         # the decode engine's that shares this pool and step loop (and then this budget too)
         self.budget = (shared.budget if shared is not None
                        else StepBudget(chunked_prefill_size, prefill_chunk_steps if serve_local else 0))
+        if shared is not None:
+            shared.prefill_waiting = self._prompts_waiting
         self._clock = clock
         self.prefill_executor = prefill_step  # the model executor port: runs one step's chunks (forward.py)
         if serve_local:
@@ -220,8 +222,11 @@ class PrefillEngine(LocalPath, PDEngine):
     def _first_token_waiting(self) -> bool:
         """Prompts to prefill here (PD rooms', or requests served whole): they would wait for a long decode
         dispatch."""
-        return (bool(self.arrivals) or bool(self._to_prefill) or bool(self._chunking) or bool(self.recompute.waiting)
-                or bool(self.recompute.chunking))
+        return self._prompts_waiting() or bool(self.recompute.waiting) or bool(self.recompute.chunking)
+
+    def _prompts_waiting(self) -> bool:
+        """PD rooms' prompts not yet prefilled (what a shared pool's decode engine asks: ``prefill_waiting``)."""
+        return bool(self.arrivals) or bool(self._to_prefill) or bool(self._chunking)
 
     def _finish_local(self, seq: Sequence) -> None:
         """A request served whole here ended (or was cancelled): its pages go back."""

@@ -38,6 +38,9 @@ class SharedPool:
         self.allocator = PageAllocator(num_pages)
         self.budget = StepBudget(chunked_prefill_size, prefill_chunk_steps)
         self.decoding: Callable[[], bool] = lambda: False  # the decode engine says whether streams run
+        # the prefill engine says whether a prompt waits for its prefill: the decode engine's dispatches then run one
+        # step each, so that prefill never queues behind K steps on the device (``DecodeLoop``, several a dispatch)
+        self.prefill_waiting: Callable[[], bool] = lambda: False
         # both engines' KV managers are stepped by it; a step holds it, and what the step queued is decided right
         # after it, on this thread (``NodeLoop.held``, ``run_pending``): a handoff waits for no other thread
         self.node_loop = NodeLoop(name)
