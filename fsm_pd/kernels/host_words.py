@@ -3,17 +3,26 @@
 A TPU keeps a bfloat16 array in tiles whose 32-bit words pair values of two rows, so its copy to the host comes out
 in the device's order and is put back in row-major order on the way (and the reverse on the way in). An array of
 ``uint32[n, 128]`` lies in tiles of 8 whole rows of 128 words, which in row-major order are the bytes as they stand.
-On the TPU v5e (round r9, 90 MiB of SmolLM2's KV) words already made reached the host at 0.50 GB/s against 0.32,
-and the device at 8.9 GB/s against 5.1 (``bench/host_copy.py``: the copies alone; these conversions, and so the
-copies as served, are not yet timed on a chip). ``FSM_PD_HOST_WORDS=off`` turns them off; a program that fails
-(out of device memory, say) falls back to the plain copy. The words hold the array's row-major bytes exactly, so the
-bytes on the wire are unchanged: a node that copies words talks to one that does not, either way round.
+On the TPU v5e (round r10, 90 MiB of SmolLM2's KV, ``bench/host_copy.py``) the copies as served, conversions
+included, reached the host at 0.50 GB/s against 0.32 and the device at 7.4 GB/s against 5.3 (before ``same_bits``,
+below). ``FSM_PD_HOST_WORDS=off`` turns them off; a program that fails (out of device memory, say) falls back to the
+plain copy. The words hold the array's row-major bytes exactly, so the bytes on the wire are unchanged: a node that
+copies words talks to one that does not, either way round.
 
 How the words are made matters as much. The obvious way, a bitcast of ``bfloat16[n, 2]`` to ``uint32[n]``, puts a
 dimension of 2 in the TPU's 128 lanes: for those 90 MiB XLA planned a 12 GB temporary and touched 25 GB (libtpu's
 own plan for a described v5e; the chip took 36.6 ms). Here each 16-bit half is picked out by a strided slice and
 shifted into its place (XLA's plan: 0.75 GB touched, one array's worth of temporary), and the way back lays the two
 halves side by side along the rows of the transposed words (1.1 GB, one array's worth).
+
+Every bit must survive, NaN payloads included, and on a TPU XLA cannot reinterpret a ``bfloat16`` array as integers
+for free: its bitcast-convert is an op of its own there, which turned signalling NaNs into the quiet 0x7FC0 on the
+chip (round r10: the 16-bit cases of ``tests/unit/test_host_words.py``, random bits). So on a TPU the bits of a
+16-bit array change type by one DMA from HBM to HBM (``same_bits``, a Pallas kernel: a DMA moves bytes and reads
+none as a number), and every other op of both programs works on unsigned integers; libtpu's plan for a described
+v5e shows no other op that reads or writes the float type (``bench/words_plan.py``, checked by
+``tests/unit/test_words_plan.py``). The DMA costs a read and a write of the array in HBM, a fraction of a
+millisecond for 90 MiB against the copy to the host's 180 ms. 32-bit floats keep XLA's bitcast, exact on the chip.
 
 Each direction is one program per staging shape, dtype and device, compiled ahead (``prepare``; a node's background
 compile prepares every page bucket of its handoffs, ``serving/warmup.py``) and never on a request's path: until an
@@ -30,11 +39,14 @@ import sys
 import threading
 from collections import Counter
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import SingleDeviceSharding
 
 log = logging.getLogger(__name__)
@@ -75,10 +87,13 @@ def _fell_back(kind: str, exc: Exception) -> None:
 
 def fits(shape: Sequence[int], dtype: Any) -> bool:
     """Whether an array of ``shape`` and ``dtype`` is whole rows of 128 words of 16- or 32-bit elements (on a
-    little-endian host: a word's low half is then the first of its two elements)."""
+    little-endian host: a word's low half is then the first of its two elements), in 2 dimensions or more and not
+    ``float16``: on a TPU ``same_bits`` keeps a 16-bit array's bits by a Pallas kernel, which takes no 1-D array
+    and no ``float16`` there."""
     itemsize = np.dtype(dtype).itemsize
     nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
-    return sys.byteorder == "little" and itemsize in _UNSIGNED and nbytes > 0 and nbytes % ROW_BYTES == 0
+    return (sys.byteorder == "little" and itemsize in _UNSIGNED and np.dtype(dtype) != np.float16
+            and len(shape) >= 2 and nbytes > 0 and nbytes % ROW_BYTES == 0)
 
 
 def pays_on(sharding: Any) -> bool:
@@ -86,9 +101,36 @@ def pays_on(sharding: Any) -> bool:
     return _device(sharding) is not None and _device(sharding).platform != "cpu"
 
 
+def _copy_bytes(source, target, done) -> None:
+    # the target seen as the source's dtype: a DMA moves bytes, and nothing on the way reads them as numbers
+    copy = pltpu.make_async_copy(source, target.bitcast(source.dtype), done)
+    copy.start()
+    copy.wait()
+
+
+def _bytes_as_dma(x: jax.Array, dtype: Any) -> jax.Array:
+    """``x``'s bytes in a new array of ``dtype`` (as wide), by one DMA from HBM to HBM."""
+    anywhere = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(_copy_bytes, out_shape=jax.ShapeDtypeStruct(x.shape, dtype), in_specs=[anywhere],
+                          out_specs=anywhere, scratch_shapes=[pltpu.SemaphoreType.DMA(())])(x)
+
+
+def same_bits(x: jax.Array, dtype: Any) -> jax.Array:
+    """``x`` reinterpreted as ``dtype`` of the same width, every bit kept (traced). On a TPU a 16-bit array's bits
+    are copied by a DMA: XLA's bitcast-convert of ``bfloat16`` is an op of its own there, which quiets NaN payloads
+    (the chip, round r10); elsewhere, and for 32-bit elements (exact on the chip too), XLA's bitcast."""
+    dtype = jnp.dtype(dtype)
+    if x.dtype == dtype:
+        return x
+    bitcast = partial(jax.lax.bitcast_convert_type, new_dtype=dtype)
+    if x.dtype.itemsize != 2:
+        return bitcast(x)
+    return jax.lax.platform_dependent(x, tpu=partial(_bytes_as_dma, dtype=dtype), default=bitcast)
+
+
 def to_words(x: jax.Array) -> jax.Array:
     """``x``'s row-major bytes as ``uint32[n, 128]`` (traced: call it inside ``jax.jit``, or through ``prepare``)."""
-    unsigned = jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize])
+    unsigned = same_bits(x, _UNSIGNED[x.dtype.itemsize])
     if x.dtype.itemsize == 4:
         return unsigned.reshape(-1, LANES)
     pairs = unsigned.reshape(-1, 2 * LANES)
@@ -100,11 +142,12 @@ def from_words(words: jax.Array, shape: Sequence[int], dtype: Any) -> jax.Array:
     """The array of ``shape`` and ``dtype`` whose row-major bytes are ``words`` (traced, as ``to_words``)."""
     dtype = jnp.dtype(dtype)
     if dtype.itemsize == 4:
-        return jax.lax.bitcast_convert_type(words, dtype).reshape(shape)
+        return same_bits(words.reshape(shape), dtype)
     low, high = (words & 0xFFFF).astype(jnp.uint16).T, (words >> 16).astype(jnp.uint16).T
     # row 2k + h of the stacked [128, 2, n] is half h of word column k: transposed back, the halves side by side
     pairs = jnp.stack([low, high], axis=1).reshape(2 * LANES, -1).T
-    return jax.lax.bitcast_convert_type(pairs, dtype).reshape(shape)
+    # every move above and the reshape are of integers; only the last step sees the dtype
+    return same_bits(pairs.reshape(shape), dtype)
 
 
 def prepare(shape: Sequence[int], dtype: Any, sharding: Any, *, down: bool = True, up: bool = True) -> bool:

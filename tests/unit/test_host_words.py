@@ -1,8 +1,10 @@
 """kernels/host_words.py: a staging array between the device and the host as ``uint32[n, 128]`` words carries exactly
-the bytes of the plain copy, both ways, for 16- and 32-bit arrays; arrays that are not whole 512-byte rows, and arrays
-with no prepared program, are copied the plain way; and a node's background compile prepares the programs of its
-handoffs' page buckets only where they pay (one accelerator device, a backend that streams host bytes). On a TPU host
-(``tests/on_tpu.sh``) these run on the chip, whose bfloat16 tiles are what the words are for."""
+the bytes of the plain copy, both ways, for 16- and 32-bit arrays of random bits that hold signalling and quiet NaNs
+with payloads and subnormals (what the chip's bitcast-convert of bfloat16 changed, round r10); arrays that are not
+whole 512-byte rows, 1-D or float16, and arrays with no prepared program, are copied the plain way; and a node's
+background compile prepares the programs of its handoffs' page buckets only where they pay (one accelerator device, a
+backend that streams host bytes). On a TPU host (``tests/on_tpu.sh``) these run on the chip, whose bfloat16 tiles are
+what the words are for, and the 16-bit cases there run the DMA that keeps the bits (``host_words.same_bits``)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from fsm_pd.serving.warmup_plan import WarmupPlan
 pytestmark = pytest.mark.chip  # tests/on_tpu.sh: on the chip
 
 DEVICE = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # the default device: a TPU's on the chip
-WHOLE_ROWS = [(2, 4, 16, 96), (3, 1, 16, 64), (1, 2, 8, 128), (256,)]  # staging shapes, and one flat row pair
+WHOLE_ROWS = [(2, 4, 16, 96), (3, 1, 16, 64), (1, 2, 8, 128), (2, 128)]  # staging shapes, and a row or two
 NOT_WHOLE = [(7, 16, 33), (3, 5, 7)]  # 7,392 and 210 bytes in bfloat16, 14,784 and 420 in float32: not 512-byte rows
 
 
@@ -32,11 +34,21 @@ def _no_programs():
     host_words.forget()
 
 
+# bit patterns an op that reads floats may change (the chip's bitcast-convert of bfloat16 made the signalling NaN
+# 0x7FBF the quiet 0x7FC0, round r10): signalling and quiet NaNs with payloads, both signs, subnormals, -0, infinity
+SPECIAL = {2: [0x7FBF, 0xFFAE, 0x7F81, 0x7FC1, 0xFFFF, 0x0001, 0x8001, 0x007F, 0x8000, 0x7F80],
+           4: [0x7F800001, 0xFFBFFFFF, 0x7FC00001, 0x00000001, 0x807FFFFF, 0x80000000, 0xFF800000]}
+
+
 def any_bits(shape, dtype, seed: int = 0) -> np.ndarray:
-    """A host array of random bit patterns (NaNs, infinities, -0 and subnormals among them): compare bytes."""
+    """A host array of random bit patterns, the special ones above first (every array holds each of them, whatever
+    its size and seed): compare bytes."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape)) * dtype.itemsize
-    return np.frombuffer(np.random.default_rng(seed).bytes(nbytes), np.uint8).view(dtype).reshape(shape)
+    bits = np.frombuffer(np.random.default_rng(seed).bytes(nbytes), np.uint8).view(f"u{dtype.itemsize}").copy()
+    special = SPECIAL[dtype.itemsize]
+    bits[:len(special)] = special
+    return bits.view(dtype).reshape(shape)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -85,12 +97,16 @@ def test_an_array_of_partial_rows_is_never_words_and_is_copied_plainly(shape, dt
 
 
 def test_only_16_and_32_bit_arrays_on_one_device_memory_get_programs():
-    assert not host_words.fits((512,), jnp.int8) and host_words.fits((256,), jnp.bfloat16)
+    assert not host_words.fits((2, 256), jnp.int8) and host_words.fits((2, 128), jnp.bfloat16)
     assert not host_words.fits((0, 128), jnp.float32)
-    assert not host_words.prepare((256,), jnp.bfloat16, None)
+    # one dimension, or float16: a TPU could not keep a 16-bit array's bits (Pallas takes neither there)
+    assert not host_words.fits((256,), jnp.bfloat16) and not host_words.fits((128,), jnp.float32)
+    assert not host_words.fits((2, 128), jnp.float16) and host_words.fits((2, 128), jnp.uint16)
+    assert not host_words.prepare((2, 128), jnp.bfloat16, None)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
-    assert not host_words.prepare((256,), jnp.bfloat16, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    assert not host_words.is_prepared((256,), jnp.bfloat16, DEVICE)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    assert not host_words.prepare((2, 128), jnp.bfloat16, replicated)
+    assert not host_words.is_prepared((2, 128), jnp.bfloat16, DEVICE)
 
 
 def test_a_direction_is_prepared_alone_and_the_other_stays_plain():
