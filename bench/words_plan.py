@@ -30,6 +30,7 @@ from unittest import mock  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from tpu_compile import chip_device  # noqa: E402  (bench/: the described chip's one device)
 
 from fsm_pd.kernels import host_words  # noqa: E402
 
@@ -37,14 +38,6 @@ FLOAT_TYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}  # HLO's 
 MOVES_NOTHING = {"parameter", "bitcast", "get-tuple-element", "tuple", "fusion", "constant"}  # a fusion: its ops are
 KERNEL = "tpu_custom_call"  # a Pallas kernel's custom-call target
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = \(?([a-z]+\d*)\[.*?\]\S* ([\w-]+)\((.*)$")
-
-
-def chip_device(topology: str):
-    from jax.experimental import topologies
-
-    return topologies.get_topology_desc(topology_name=topology, platform="tpu", chip_config_name="default",
-                                        chips_per_host_bounds=(1, 1, 1), num_slices=1,
-                                        wrap=(False, False, False)).devices[0]
 
 
 def float_ops(text: str, hlo_type: str) -> tuple[list[str], int]:
