@@ -105,6 +105,8 @@ class PassThrough(Response):
                 await send({"type": "http.response.body", "body": ending, "more_body": False})
         finally:
             await self._close()  # the app sees a disconnect if it has not ended; the decode's slot is released
+        if self.background is not None:  # FastAPI's background tasks run after the answer, as for any response
+            await self.background()
 
     async def _watched(self, client: _Client, receive) -> object:
         """Run the stream until it ends; what to send last (b"" after a whole stream), or ``_LEFT``."""
