@@ -26,6 +26,7 @@ from fsm_pd.api.requests import new_rid
 from fsm_pd.api.runner import wait_disconnect
 from fsm_pd.api.streaming import PROGRESS_HEADER, RECOMPUTED_HEADER, ROUTE_HEADERS
 from fsm_pd.api.tasks import cancel_and_wait
+from fsm_pd.net.asgi_transport import PASS_TO
 from fsm_pd.net.unix_http import async_client, http_url
 from fsm_pd.router.attempts import Attempts, Failure, Started, error_message, needs_prefill_body
 from fsm_pd.router.cache_aware import CacheAwareSettings, routing_key
@@ -43,6 +44,7 @@ from fsm_pd.router.legs import (
 from fsm_pd.router.merge import check_bootstrap, merge_json, merge_sse, prefill_input_logprobs
 from fsm_pd.router.metrics import RouterMetrics
 from fsm_pd.router.migrate import Progress, can_migrate, node_failure
+from fsm_pd.router.passthrough import PassThrough
 from fsm_pd.router.policy import PolicySettings, PrefillIdleWatch, Route, RouteInput, decide, prompt_tokens
 from fsm_pd.router.retries import DEFAULT_RETRY, RETRY_POLICIES, RetryBudget, RetrySettings, Tries, retry_backoff
 from fsm_pd.router.routes import RunningRequests
@@ -200,6 +202,11 @@ class PDRouter:
                             media_type=media_type, headers=route)
         if migrating:
             stream = self._migrating(path, body, headers, deadline, tries, started)
+        elif not merge and (pass_to := d_resp.extensions.get(PASS_TO)) is not None:  # an engine of this process
+            return PassThrough(pass_to, status_code=d_resp.status_code, media_type=media_type, headers=route,
+                               worker_url=started.worker.url, deadline=deadline, timeout_s=self.request_timeout_s,
+                               lost=started.worker.lost, idle_s=self.deadlines.stream_idle_s,
+                               expired=self.metrics.deadline_expired, close=started.close)
         else:
             source = merge_sse(until(d_resp.aiter_lines(), deadline), p_logprobs) if merge else d_resp.aiter_raw()
             stream = self._closing(relay(source, d_resp, started.worker.url, deadline, self.request_timeout_s,

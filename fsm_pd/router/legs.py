@@ -317,12 +317,43 @@ async def until(items: AsyncIterator[T], deadline: float, lost: asyncio.Event | 
             watcher.cancel()
 
 
+def deadline_message(timeout_s: float) -> str:
+    return f"the stream did not finish within the request deadline of {timeout_s:g} s ({DEADLINE_FLAGS['request']})"
+
+
+def lost_message(worker_url: str) -> str:
+    return f"decode worker {worker_url} failed its health checks mid-stream (dead, stopped or hung)"
+
+
+def broke_off_message(worker_url: str, err: Exception) -> str:
+    return f"decode worker {worker_url} broke off its stream: {type(err).__name__}: {err}"
+
+
+def no_done_message(worker_url: str) -> str:
+    return f"decode worker {worker_url} ended its stream without [DONE]"
+
+
+def ends_with_done(tail: bytes) -> bool:
+    return tail.rstrip().endswith(b"data: [DONE]")
+
+
+def stream_end(problem: tuple[int, str], finish: FinishWatch, worker_url: str) -> bytes:
+    """What ends a relayed stream that broke (``problem``: the status and message of its error event): ``[DONE]``
+    alone when its finish went out already, else an error event and ``[DONE]``."""
+    if finish.finished:  # the last token and its finish reason went out: only [DONE] is missing
+        log.info("stream from %s ended after its finish: %s", worker_url, problem[1])
+        return DONE
+    log.warning("stream from %s ended early: %s", worker_url, problem[1])
+    return b"data: " + json.dumps(error_body(*problem), separators=(",", ":")).encode() + b"\n\n" + DONE
+
+
 async def relay(source: AsyncIterator[bytes], response: httpx.Response, worker_url: str, deadline: float,
                 timeout_s: float, lost: asyncio.Event | None = None, idle_s: float | None = None,
                 expired: Callable[[str], None] | None = None) -> AsyncIterator[bytes]:
     """Pass an event stream through; if it breaks, stalls past the deadline or ``idle_s`` between chunks, its worker
     is ejected as unhealthy (``lost``) or it ends without ``[DONE]``, finish it with an error event and ``[DONE]``
-    so the client always learns how its request ended. ``expired(name)`` counts a deadline that ended it."""
+    so the client always learns how its request ended. ``expired(name)`` counts a deadline that ended it.
+    (A stream of an engine of this process goes to the client without this generator: ``passthrough.py``.)"""
     tail, finish = b"", FinishWatch()
     try:
         try:
@@ -335,24 +366,17 @@ async def relay(source: AsyncIterator[bytes], response: httpx.Response, worker_u
             if expired is not None:
                 expired("stream_idle")
         except TimeoutError:
-            problem = 504, (f"the stream did not finish within the request deadline of {timeout_s:g} s "
-                            f"({DEADLINE_FLAGS['request']})")
+            problem = 504, deadline_message(timeout_s)
             if expired is not None:
                 expired("request")
         except WorkerLost:
-            problem = 502, f"decode worker {worker_url} failed its health checks mid-stream (dead, stopped or hung)"
+            problem = 502, lost_message(worker_url)
         except httpx.HTTPError as err:
-            problem = 502, f"decode worker {worker_url} broke off its stream: {type(err).__name__}: {err}"
+            problem = 502, broke_off_message(worker_url, err)
         else:
-            if tail.rstrip().endswith(b"data: [DONE]"):
+            if ends_with_done(tail):
                 return
-            problem = 502, f"decode worker {worker_url} ended its stream without [DONE]"
-        if finish.finished:  # the last token and its finish reason went out: only [DONE] is missing
-            log.info("stream from %s ended after its finish: %s", worker_url, problem[1])
-            yield DONE
-            return
-        log.warning("stream from %s ended early: %s", worker_url, problem[1])
-        yield b"data: " + json.dumps(error_body(*problem), separators=(",", ":")).encode() + b"\n\n"
-        yield DONE
+            problem = 502, no_done_message(worker_url)
+        yield stream_end(problem, finish, worker_url)
     finally:
         await response.aclose()
