@@ -29,9 +29,17 @@ def test_a_prompt_the_prefill_engine_holds_makes_the_decode_engines_next_dispatc
     assert decode.loop.steps_per_dispatch == 8
     assert not decode.loop.first_token_waiting()
     # a prompt that reached the prefill engine before its decode half reached the decode engine: no decode room
-    # tells the decode side of it; only the shared pool does
-    for queue in (prefill.arrivals, prefill._to_prefill, prefill._chunking):
+    # tells the decode side of it; only the shared pool does. Asked on the model thread, where the engines' steps
+    # run, so no step takes the stand-in prompt meanwhile.
+
+    def asked_with_a_prompt_in(queue) -> tuple[bool, bool]:
         queue.append(object())
-        assert decode.loop.first_token_waiting()
-        queue.clear()
-        assert not decode.loop.first_token_waiting()
+        try:
+            with_prompt = decode.loop.first_token_waiting()
+        finally:
+            queue.clear()
+        return with_prompt, decode.loop.first_token_waiting()
+
+    for queue in (prefill.arrivals, prefill._to_prefill, prefill._chunking):
+        asked = prefill.model_thread.submit(lambda _owner, q=queue: asked_with_a_prompt_in(q))
+        assert asked.result(30) == (True, False)
