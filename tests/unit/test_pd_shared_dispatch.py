@@ -32,7 +32,8 @@ def test_a_prompt_the_prefill_engine_holds_makes_the_decode_engines_next_dispatc
     # tells the decode side of it; only the shared pool does. Asked on the model thread, where the engines' steps
     # run, so no step takes the stand-in prompt meanwhile.
 
-    def asked_with_a_prompt_in(queue) -> tuple[bool, bool]:
+    def asked_with_a_prompt_in(name: str) -> tuple[bool, bool]:
+        queue = getattr(prefill, name)  # read here: a step replaces the list of prompts being chunked
         queue.append(object())
         try:
             with_prompt = decode.loop.first_token_waiting()
@@ -40,6 +41,6 @@ def test_a_prompt_the_prefill_engine_holds_makes_the_decode_engines_next_dispatc
             queue.clear()
         return with_prompt, decode.loop.first_token_waiting()
 
-    for queue in (prefill.arrivals, prefill._to_prefill, prefill._chunking):
-        asked = prefill.model_thread.submit(lambda _owner, q=queue: asked_with_a_prompt_in(q))
+    for name in ("arrivals", "_to_prefill", "_chunking"):
+        asked = prefill.model_thread.submit(lambda _owner, n=name: asked_with_a_prompt_in(n))
         assert asked.result(30) == (True, False)
