@@ -45,8 +45,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import SingleDeviceSharding
 
 log = logging.getLogger(__name__)
@@ -103,6 +101,8 @@ def pays_on(sharding: Any) -> bool:
 
 def _copy_bytes(source, target, done) -> None:
     # the target seen as the source's dtype: a DMA moves bytes, and nothing on the way reads them as numbers
+    from jax.experimental.pallas import tpu as pltpu
+
     copy = pltpu.make_async_copy(source, target.bitcast(source.dtype), done)
     copy.start()
     copy.wait()
@@ -110,6 +110,11 @@ def _copy_bytes(source, target, done) -> None:
 
 def _bytes_as_dma(x: jax.Array, dtype: Any) -> jax.Array:
     """``x``'s bytes in a new array of ``dtype`` (as wide), by one DMA from HBM to HBM."""
+    # Pallas loads here, when a program is traced: a node's start imports this module but must not load Pallas
+    # (tests/unit/test_startup_imports.py)
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
     anywhere = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(_copy_bytes, out_shape=jax.ShapeDtypeStruct(x.shape, dtype), in_specs=[anywhere],
                           out_specs=anywhere, scratch_shapes=[pltpu.SemaphoreType.DMA(())])(x)
