@@ -27,10 +27,7 @@ from __future__ import annotations
 
 import os
 
-# before jax loads: compile for a described chip, never open one; and tell libtpu what it is, to spare its warnings
-for _name, _value in (("JAX_PLATFORMS", "cpu"), ("TPU_ACCELERATOR_TYPE", "v5litepod-1"),
-                      ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_SKIP_MDS_QUERY", "1")):
-    os.environ.setdefault(_name, _value)
+import compile_only  # noqa: E402,F401  (bench/: before jax loads, a described chip's settings)
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402

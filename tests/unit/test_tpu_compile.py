@@ -27,7 +27,9 @@ def run_tool(tmp_path, *args: str) -> tuple[int, dict, str]:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ[TPU_AOT_SITE_ENV]}", "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "tpu_compile.py"), *args, "--json", str(out)],
                           env=env, capture_output=True, text=True, timeout=600)
-    return done.returncode, json.loads(out.read_text()), done.stdout + done.stderr[-3000:]
+    output = done.stdout + done.stderr[-3000:]
+    assert out.is_file(), output
+    return done.returncode, json.loads(out.read_text()), output
 
 
 def test_the_13_layer_step_keeps_the_pool_row_major_where_the_default_layout_copies_it(tmp_path):

@@ -30,6 +30,7 @@ def test_a_16_bit_staging_array_is_never_read_as_floats_on_its_way_to_words_and_
                            "--dtypes", "bfloat16", "--baseline", "--json", str(out)],
                           env=env, capture_output=True, text=True, timeout=600)
     output = done.stdout + done.stderr[-3000:]
+    assert out.is_file(), output
     report = json.loads(out.read_text())
     assert done.returncode == 0 and report["problems"] == [], output
     serving = [row for row in report["rows"] if row["program"] == "serving"]
@@ -41,3 +42,15 @@ def test_a_16_bit_staging_array_is_never_read_as_floats_on_its_way_to_words_and_
     for row in (row for row in report["rows"] if row["program"] == "baseline"):
         convert = "bitcast-convert(bf16)->u16" if row["direction"] == "down" else "bitcast-convert(u16)->bf16"
         assert convert in row["float_ops"] and row["kernels"] == 0, row
+
+
+def test_two_compile_only_tools_run_at_once(tmp_path):
+    """libtpu takes a one-process lock at load, chip or no chip: the tools waive it (``bench/compile_only.py``), or
+    the second of two at once fails, as test_tpu_compile beside this test did under pytest-xdist."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ[TPU_AOT_SITE_ENV]}", "JAX_PLATFORMS": "cpu"}
+    runs = [subprocess.Popen([sys.executable, str(ROOT / "bench" / "words_plan.py"), "--shapes", "3x1x16x64",
+                              "--dtypes", "bfloat16", "--json", str(tmp_path / f"rows{n}.json")],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in range(2)]
+    outputs = [run.communicate(timeout=600)[0] for run in runs]
+    for n, (run, output) in enumerate(zip(runs, outputs)):
+        assert run.returncode == 0 and (tmp_path / f"rows{n}.json").is_file(), output[-3000:]
