@@ -25,29 +25,27 @@ in the same run; its rows are shown, never failed on. Why the pin: ``fsm_pd/kern
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
 import os
+import re
+import sys
+from collections.abc import Callable
+from functools import partial
 
-import compile_only  # noqa: E402,F401  (bench/: before jax loads, a described chip's settings)
+import compile_only  # noqa: F401  (bench/: before jax loads, a described chip's settings)
+import jax
+import jax.numpy as jnp
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import re  # noqa: E402
-import sys  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from functools import partial  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from fsm_pd.cli.serve_pd import pool_budget  # noqa: E402
-from fsm_pd.kernels import jnp_copy, pool_format  # noqa: E402
-from fsm_pd.model import compiles  # noqa: E402
-from fsm_pd.model.attention import ATTENTION_ENV, kernels_for  # noqa: E402
-from fsm_pd.model.decoder import forward_group  # noqa: E402
-from fsm_pd.model.params import random_params  # noqa: E402
-from fsm_pd.model.programs import ForwardPrograms  # noqa: E402
-from fsm_pd.model.tiny import tiny_model_parts  # noqa: E402
+from fsm_pd.cli.serve_pd import pool_budget
+from fsm_pd.kernels import jnp_copy, pool_format
+from fsm_pd.model import compiles
+from fsm_pd.model.attention import ATTENTION_ENV, kernels_for
+from fsm_pd.model.decoder import forward_group
+from fsm_pd.model.params import random_params
+from fsm_pd.model.programs import ForwardPrograms
+from fsm_pd.model.tiny import tiny_model_parts
 
 PAGE_SIZE = 16
 KV_MEMORY_FRACTION = 0.8  # --role pd's default share of the free device memory for its pools

@@ -14,20 +14,19 @@ on. 1-D shapes are not compiled here (Pallas asks the local device, a CPU, for a
 
 from __future__ import annotations
 
-import compile_only  # noqa: E402,F401  (bench/: before jax loads, a described chip's settings)
+import argparse
+import json
+import re
+from contextlib import contextmanager
+from unittest import mock
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import re  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
-from unittest import mock  # noqa: E402
+import compile_only  # noqa: F401  (bench/: before jax loads, a described chip's settings)
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tpu_compile import chip_device  # (bench/: the described chip's one device)
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from tpu_compile import chip_device  # noqa: E402  (bench/: the described chip's one device)
-
-from fsm_pd.kernels import host_words  # noqa: E402
+from fsm_pd.kernels import host_words
 
 FLOAT_TYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}  # HLO's names of the dtypes
 MOVES_NOTHING = {"parameter", "bitcast", "get-tuple-element", "tuple", "fusion", "constant"}  # a fusion: its ops are

@@ -52,5 +52,5 @@ def test_two_compile_only_tools_run_at_once(tmp_path):
                               "--dtypes", "bfloat16", "--json", str(tmp_path / f"rows{n}.json")],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in range(2)]
     outputs = [run.communicate(timeout=600)[0] for run in runs]
-    for n, (run, output) in enumerate(zip(runs, outputs)):
+    for n, (run, output) in enumerate(zip(runs, outputs, strict=True)):
         assert run.returncode == 0 and (tmp_path / f"rows{n}.json").is_file(), output[-3000:]
