@@ -141,7 +141,7 @@ class KVManager:
             machine = RECEIVER
         self._loop = loop if loop is not None else NodeLoop(node_id)
         self.node = Node(node_id, machine, self.journal, self.effects.interpreter(), self.clock, self.deadlines,
-                         wakeup=self._loop.wakeup)
+                         wakeup=self._loop.wakeup, commit_by_loop=self._loop.commit_per_pass)
         self.core = NodeCore(self.node, layout.to_dict())
         self.metrics = NodeMetrics(self.node)
         self.metrics.backend.labels(role, node_id, self.backend.name).set(1)
@@ -168,6 +168,9 @@ class KVManager:
 
     def step_once(self) -> None:
         self._guarded(self.node.step)
+
+    def commit(self) -> None:
+        self._guarded(self.journal.flush)  # the loop's end of a pass (``NodeLoop(commit_per_pass=True)``)
 
     def keep_alive(self) -> None:
         self._guarded(self.journal.keep_alive)  # a database server that went away fails the node even when idle

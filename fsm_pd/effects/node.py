@@ -26,9 +26,12 @@ _RECORD = object()  # an inbox entry that journals a record row, outside the mac
 
 class Node:
     def __init__(self, node_id: str, machine: TransferMachine, journal: Journal | None, interpreter: Any,
-                 clock: Any, deadlines: Mapping[str, float], wakeup: threading.Event | None = None):
+                 clock: Any, deadlines: Mapping[str, float], wakeup: threading.Event | None = None,
+                 commit_by_loop: bool = False):
         """``wakeup``: set whenever an event is queued; a loop that steps several nodes (``control/node_loop.py``)
-        gives them one."""
+        gives them one. ``commit_by_loop``: a step buffers its rows and runs their effects, and the loop commits
+        them at the end of its pass (``NodeLoop(commit_per_pass=True)``: only where every effect stays in the
+        process); a step that fails a room still commits before its effects, since its client hears of it."""
         missing = set(machine.timer_states) - set(deadlines)
         if missing:
             raise ValueError(f"{machine.role} deadlines missing for timers {sorted(missing)}")
@@ -49,6 +52,7 @@ class Node:
         self.dropped_unknown_room = 0
         self._inbox: deque[tuple[int, str, dict, float]] = deque()
         self.wakeup = wakeup if wakeup is not None else threading.Event()
+        self.commit_by_loop = commit_by_loop
 
     @property
     def pending(self) -> bool:
@@ -114,7 +118,8 @@ class Node:
             batch.append((room, decision, at))
         if self.journal is not None and rows:
             self.journal.add_rows(rows)
-            self.journal.flush()
+            if not self.commit_by_loop or any(d.dst == "Failed" != d.src for _, d, _ in batch):
+                self.journal.flush()
         run, states, reasons = self.interpreter.run, self.states, self.reasons
         for room, decision, _ in batch:
             if decision.effects:

@@ -43,7 +43,8 @@ class SharedPool:
         self.prefill_waiting: Callable[[], bool] = lambda: False
         # both engines' KV managers are stepped by it; a step holds it, and what the step queued is decided right
         # after it, on this thread (``NodeLoop.held``, ``run_pending``): a handoff waits for no other thread
-        self.node_loop = NodeLoop(name)
+        # nothing their steps do leaves the process before the step's end: one commit per journal a step
+        self.node_loop = NodeLoop(name, commit_per_pass=True)
         self._members: dict[str, Member] = {}
         self._driver = StepDriver(self.model_thread, self._step, name=f"{name} scheduler")
 

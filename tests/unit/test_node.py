@@ -46,6 +46,25 @@ def test_effects_run_only_after_their_transition_is_committed(tmp_path):
     assert seen_by_handler == [[(1, 0, "create"), (1, 1, "kv_ready"), (1, 2, "metadata_received")]]
 
 
+def test_a_node_whose_loop_commits_still_commits_a_failure_before_its_effects(tmp_path):
+    """``commit_by_loop`` (``--role pd`` on one pool): a step's rows wait for the loop's commit, except where the
+    step fails a room: its client hears of that at once, so the row is committed before the effects run."""
+    path = tmp_path / "p.db"
+    seen_by_handler = []
+    interp = EffectInterpreter({Send: lambda *a: seen_by_handler.append(("send", committed_rows(path))),
+                                ReleaseStaging: lambda *a: seen_by_handler.append(("release", committed_rows(path)))})
+    node = Node("p", SENDER, Journal(path), interp, VirtualClock(), SENDER_DEADLINES, commit_by_loop=True)
+    node.create(1, {"layout": LAYOUT})
+    node.submit(1, "metadata_received", {"peer_layout": LAYOUT})
+    node.step()
+    assert node.rooms[1].state == "WaitingForInput"
+    assert committed_rows(path) == [] and node.journal.pending == 2  # left for the loop
+    node.submit(1, "error", {"blame": "local", "reason": "aborted"})
+    node.step()
+    assert node.rooms[1].state == "Failed"  # and its ABORT went to the peer only once all three rows were committed
+    assert seen_by_handler == [("send", [(1, 0, "create"), (1, 1, "metadata_received"), (1, 2, "error")])]
+
+
 def test_handler_failures_become_error_events_with_blame(tmp_path):
     def unreachable(node, room, effect):
         raise EffectError("bootstrap server unreachable", blame="remote")

@@ -10,6 +10,7 @@ thread.
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 from collections import deque
@@ -24,6 +25,7 @@ from fsm_pd.control import KVManager, node_loop
 from fsm_pd.control.node_loop import NodeLoop
 from fsm_pd.kernels import KVLayout
 from fsm_pd.machines import KVPoll
+from fsm_pd.store import read_journal, replay
 from fsm_pd.transport import generate_secret
 
 
@@ -187,6 +189,59 @@ def test_two_managers_on_one_loop_decide_both_sides_of_a_handoff_on_its_thread(t
         if p.active():
             p.close()
     assert not loop.alive()
+
+
+def committed(path) -> int:
+    """Rows another reader finds in the journal file now."""
+    conn = sqlite3.connect(path)
+    try:
+        return conn.execute("SELECT count(*) FROM transitions").fetchone()[0]
+    finally:
+        conn.close()
+
+
+def test_a_loop_that_commits_per_pass_commits_a_whole_handoff_once_per_journal_at_the_end_of_the_step(tmp_path):
+    """The shared pool's loop (``commit_per_pass``): the bootstrap, decided on the loop's thread, is committed at the
+    end of its passes; the handoff that the model thread's step started, decided in its ``run_pending`` inside
+    ``held``, is in neither journal's file until ``held`` ends, and then whole, one commit a
+    journal; the replay reads both sides to Success. (The ``fake`` data plane pulls on a worker thread: the test
+    holds the loop until that pull's event is decided too, as ``pool``'s own pull, taken in the pass, needs not.)"""
+    loop, secret = NodeLoop("pd", commit_per_pass=True), generate_secret()
+    common = dict(layout=LAYOUT, secret=secret, backend="fake", loop=loop, in_process=True)
+    paths = {role: tmp_path / f"{role}.db" for role in ("p", "d")}
+    p = KVManager(role="prefill", node_id="p0", journal=str(paths["p"]), pool=_pool(1), **common,
+                  **node_sockets(tmp_path, "p"))
+    d = KVManager(role="decode", node_id="d0", journal=str(paths["d"]), pool=_pool(0),
+                  admission=pool_admission(LAYOUT.num_pages), **common, **node_sockets(tmp_path, "d"))
+    try:
+        def run_until(state: str) -> None:  # what the fake backend's threads hand back is decided here
+            deadline = time.monotonic() + 10
+            while not (p.node.states.get(1) == d.node.states.get(1) == state):
+                assert time.monotonic() < deadline, (p.node.states, d.node.states)
+                loop.run_pending()
+                time.sleep(0.001)
+
+        p.add_sender(1, [3, 4])  # the bootstrap, on the loop's own thread: each pass commits at its end
+        d.add_receiver(1, page_count=2, prefill_addr=p.side_channel.address)
+        deadline = time.monotonic() + 10
+        while not (p.node.states.get(1) == d.node.states.get(1) == "WaitingForInput"
+                   and p.journal.pending == d.journal.pending == 0):
+            assert time.monotonic() < deadline, (p.node.states, d.node.states, p.journal.pending, d.journal.pending)
+            time.sleep(0.01)
+        managers = {"p": p, "d": d}
+        before = {role: (committed(path), managers[role].journal.commits) for role, path in paths.items()}
+        with loop.held():  # the model thread's step that finished the prompt
+            p.kv_ready(1, first_token=7)
+            run_until("Success")
+            assert {role: committed(path) for role, path in paths.items()} == {r: b[0] for r, b in before.items()}
+        for role, m in (("p", p), ("d", d)):
+            assert committed(paths[role]) > before[role][0] and m.journal.pending == 0
+            assert m.journal.commits == before[role][1] + 1, role
+    finally:
+        d.close()
+        p.close()
+    result = replay([*read_journal(paths["p"]), *read_journal(paths["d"])])
+    assert result.consistent and {r.final for r in result.rooms} == {"Success"}
 
 
 LAYOUT = KVLayout(num_layers=1, num_pages=16, page_size=4, kv_heads=1, head_dim=8)
