@@ -28,6 +28,8 @@ from typing import Any, ClassVar, Final
 
 import msgpack
 
+from fsm_pd.runtime.random_bits import random_bits
+
 _U64_LIMIT: Final = 1 << 64
 MAX_INSTANCE_CHARS: Final = 64
 
@@ -287,7 +289,7 @@ def decode_body(type_byte: int, body: bytes) -> Message:
 
 
 def new_nonce() -> int:
-    return secrets.randbits(63)
+    return random_bits(63)  # the OS's randomness in batches: no system call on the node loop (runtime/random_bits)
 
 
 def new_instance_id(rng: random.Random | None = None) -> str:

@@ -17,12 +17,13 @@ True``: ``tcp``), take a ``PageSource`` (``publish_pages``).
 
 from __future__ import annotations
 
-import secrets
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
+
+from fsm_pd.runtime.random_bits import random_bits
 
 if TYPE_CHECKING:  # annotations only: naming a backend must not import jax (the registry resolves lazily)
     import jax
@@ -38,7 +39,7 @@ UUID_BITS = 63
 def new_uuid() -> int:
     """A fresh transfer id in ``[1, 2**63)``; 0 is never issued so that it can mean "none" in messages."""
     while True:
-        value = secrets.randbits(UUID_BITS)
+        value = random_bits(UUID_BITS)  # the OS's randomness in batches (runtime/random_bits.py)
         if value:
             return value
 
