@@ -31,6 +31,12 @@ Rules it keeps:
 - Until a decode step has been seen, or a prefill cost at all, it cannot know: it allows the smallest chunk, which
   teaches it a first cost at little harm to the streams. (On a colocated node the first prompt prefills with
   nothing decoding, at the token budget, so it has a cost by the time a second prompt joins.)
+- A size seen only a few times (fewer than ``TRUSTED_SAMPLES``) is taken to cost at most what the next smaller size
+  seen costs, in proportion to its tokens. Its few samples may all come from one bad moment, and while streams decode
+  it is not run again to correct them: on ``--role pd`` (CPU, tiny model) the 512-token size kept the 42.6 ms of one
+  step taken under contention while 256 tokens cost 6.3, and the rule, beside streams of 3.4 ms steps, then took two
+  68-token prompts a step out of sixteen waiting (its time to first token 3-4x a colocated node's, where 512 tokens
+  cost 6.8 ms). With the cap the size is run again and its own samples decide once there are enough of them.
 - The expected cost of a size never seen is read off the line between the two nearest sizes seen, or in proportion
   to the nearest (below the smallest). Above the largest seen it cannot be estimated (at small sizes the cost is
   mostly fixed, so any line through them overestimates, and the rule would stay at the smallest chunk for good): the
@@ -59,6 +65,8 @@ DOUBLING_COST = 1.5  # the floor: the largest size whose double cost less than t
 # A size above every size seen is tried once when twice the largest seen's cost is within this many allowances. A
 # chunk twice the size costs at most twice as much, so that one step exceeds the bound by at most half.
 TRY_SLACK = 1.5
+# A size seen fewer times than this costs at most in proportion to the next smaller size seen (``prefill_seconds``).
+TRUSTED_SAMPLES = 4
 
 
 class StepBudget:
@@ -92,8 +100,16 @@ class StepBudget:
 
     @property
     def prefill_seconds(self) -> dict[int, float]:
-        """The cost of each padded size seen."""
-        return {tokens: min(times) for tokens, times in sorted(self._prefill.items())}
+        """The cost of each padded size seen; a size seen fewer than ``TRUSTED_SAMPLES`` times costs at most the
+        next smaller size's cost in proportion to its tokens."""
+        costs: dict[int, float] = {}
+        smaller = None
+        for tokens, times in sorted(self._prefill.items()):
+            cost = min(times)
+            if smaller is not None and len(times) < TRUSTED_SAMPLES:
+                cost = min(cost, costs[smaller] * tokens / smaller)
+            costs[tokens], smaller = cost, tokens
+        return costs
 
     @property
     def decode_seconds(self) -> float | None:

@@ -17,7 +17,7 @@ from fsm_pd.model.forward_shapes import prefill_shapes
 from fsm_pd.model.input_buckets import batch_bucket, token_bucket
 from fsm_pd.model.loader import load_model
 from fsm_pd.scheduling.page_admission import plan_chunks
-from fsm_pd.scheduling.step_budget import WINDOW, StepBudget
+from fsm_pd.scheduling.step_budget import TRUSTED_SAMPLES, WINDOW, StepBudget
 from fsm_pd.serving.colocated_engine import ColocatedEngine
 from fsm_pd.serving.decode_engine import DecodeEngine
 from fsm_pd.serving.forward import prefill_step
@@ -107,6 +107,23 @@ def test_one_slow_step_does_not_shrink_the_chunks_but_a_lasting_load_does():
     for _ in range(WINDOW):
         steps.observe_prefill(64, 1.0)
     assert steps.tokens(decoding=True) == 32  # 64 costs 1 s now: 32 (86 ms) is what fits
+
+
+def test_a_size_seen_once_slow_is_run_again_and_its_own_samples_decide_once_there_are_enough():
+    """``--role pd`` on a loaded CPU: 512 tokens kept the 42.6 ms of the one step counted, under contention, while
+    256 cost 6.3 ms; beside 3.4 ms decode steps (13.6 ms allowed) the rule took 256 tokens a step for good. Capped in
+    proportion to 256, 512 is expected at 12.6 ms and run; if it really costs 42.6, its samples say so."""
+    steps = learnt({128: 0.0030, 256: 0.0063}, 0.0034)
+    for _ in range(TRUSTED_SAMPLES):  # the sizes in use: sampled again and again
+        steps.observe_prefill(256, 0.0063)
+    steps.observe_prefill(512, 0.050)  # its first run: not counted
+    steps.observe_prefill(512, 0.0426)  # one step under contention
+    assert steps.expected(512) == pytest.approx(2 * 0.0063)
+    assert steps.tokens(decoding=True) == 512
+    for _ in range(TRUSTED_SAMPLES - 1):  # it really is that slow
+        steps.observe_prefill(512, 0.0426)
+    assert steps.expected(512) == pytest.approx(0.0426)
+    assert steps.tokens(decoding=True) == 256
 
 
 @dataclasses.dataclass
