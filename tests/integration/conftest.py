@@ -13,17 +13,58 @@ def model():
     return load_model("tiny")
 
 
-@pytest.fixture(scope="module")
-def pd_urls(tmp_path_factory, request):
-    """One per test module: a PD pair behind the built-in router (and the real sglang-router when installed) beside a
-    colocated node, ``processes.pd_beside_colocated``'s ``{"colocated", "router", "decode", "sglang-router"?}``."""
-    from processes import Cluster, pd_beside_colocated
+class _SharedPD:
+    """The test process's one PD cluster (``processes.pd_beside_colocated``), started by the first module that asks
+    for it and handed to the next ones while it is whole; stopped at the session's end."""
 
-    cluster = Cluster(tmp_path_factory.mktemp(request.module.__name__.rpartition(".")[2]))
-    try:
-        yield pd_beside_colocated(cluster)
-    finally:
-        cluster.stop()
+    def __init__(self, tmp_path_factory):
+        self.tmp_path_factory, self.cluster, self.urls = tmp_path_factory, None, None
+
+    def get(self) -> dict[str, str]:
+        if self.cluster is not None and not self._whole():
+            self.stop()  # a module broke it (a process gone, or not answering): the next one gets a new cluster
+        if self.cluster is None:
+            from processes import Cluster, pd_beside_colocated
+
+            self.cluster = Cluster(self.tmp_path_factory.mktemp("shared-pd"))
+            try:
+                self.urls = pd_beside_colocated(self.cluster)
+            except BaseException:
+                self.stop()
+                raise
+        return self.urls
+
+    def _whole(self) -> bool:
+        import httpx
+
+        try:
+            return all(proc.poll() is None for proc in self.cluster.procs) and all(
+                httpx.get(url + "/health", timeout=10).status_code == 200 for url in self.urls.values())
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
+        self.cluster = self.urls = None
+
+
+@pytest.fixture(scope="session")
+def _shared_pd(tmp_path_factory):
+    shared = _SharedPD(tmp_path_factory)
+    yield shared
+    shared.stop()
+
+
+@pytest.fixture(scope="module")
+def pd_urls(_shared_pd):
+    """A PD pair behind the built-in router (and the real sglang-router when installed) beside a colocated node,
+    ``processes.pd_beside_colocated``'s ``{"colocated", "router", "decode", "sglang-router"?}``: one cluster for
+    every module of this test process that asks for it (3 to 5 node starts and their first compiles less for each
+    module after the first). Only for tests that need no fresh one: they send requests and compare answers, and
+    change nothing a later module would see (no drain, no node stopped, no counter read as an absolute). A module
+    that leaves it broken costs the next one a new cluster, not its tests."""
+    return dict(_shared_pd.get())
 
 
 @pytest.fixture

@@ -2,7 +2,8 @@
 sglang-router, next to a colocated node: prompt logprobs counted once, sampling parameters that need state on the
 decode side (penalties count the first token, which the prefill sampled), fan-out (``n``, batches), ``echo``.
 
-One cluster per module (processes started here, stopped by PID); everything on 127.0.0.1.
+The test process's shared PD cluster (``conftest.pd_urls``: processes started there, stopped by PID); everything on
+127.0.0.1.
 """
 
 from __future__ import annotations

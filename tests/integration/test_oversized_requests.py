@@ -21,7 +21,7 @@ import time
 
 import httpx
 import pytest
-from processes import Cluster, free_port, pd_beside_colocated, wait_health
+from processes import Cluster, free_port, wait_health
 
 TOTAL = 20_000_000
 BOUND_S = 1.0
@@ -29,16 +29,16 @@ STREAMED = 400
 
 
 @pytest.fixture(scope="module")
-def targets(tmp_path_factory):
-    """``{"router", "colocated", "pd"}`` -> base URL: a PD pair behind the built-in router beside a colocated node,
-    and a ``--role pd`` process with its API on a TCP port."""
+def targets(tmp_path_factory, pd_urls):
+    """``{"router", "colocated", "pd"}`` -> base URL: the test process's shared PD pair behind the built-in router
+    beside a colocated node (``conftest.pd_urls``: a refused body changes nothing there), and a ``--role pd`` process
+    with its API on a TCP port."""
     cluster = Cluster(tmp_path_factory.mktemp("oversized"))
     try:
         port = free_port()
         pd = cluster.launch("pd", [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", "pd", "--port", str(port),
                                    "--page-size", "16", "--journal-dir", str(cluster.tmp / "pd-journals")])
-        found = pd_beside_colocated(cluster)
-        found["pd"] = f"http://127.0.0.1:{port}"
+        found = {**pd_urls, "pd": f"http://127.0.0.1:{port}"}
         wait_health(found["pd"], pd)
         yield found
     finally:

@@ -3,7 +3,8 @@ prefill node masks the first token with the request's grammar, the decode node r
 body and advances it with READY's first token before its first step. Greedy output under a JSON schema parses and
 validates; a regex request matches; OpenAI's response_format json_schema does too.
 
-One cluster per module (processes started here, stopped by PID); everything on 127.0.0.1.
+The test process's shared PD cluster (``conftest.pd_urls``: processes started there, stopped by PID); everything on
+127.0.0.1.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import re
 import httpx
 import jsonschema
 import pytest
-from processes import Cluster, post_ok
+from processes import post_ok
 
 TIMEOUT_S = 180
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -26,13 +27,9 @@ GREEDY = {"temperature": 0, "max_new_tokens": 120}
 
 
 @pytest.fixture(scope="module")
-def urls(tmp_path_factory):
-    cluster = Cluster(tmp_path_factory.mktemp("structured"))
-    try:
-        p, boot, d, colocated = cluster.pd("zmq", ("colocated",))
-        yield {"colocated": colocated, "router": cluster.router(p, boot, d)}
-    finally:
-        cluster.stop()
+def urls(pd_urls):
+    """The test process's shared PD cluster (``conftest.pd_urls``): these tests only send requests and compare."""
+    return pd_urls
 
 
 def generate(url: str, body: dict) -> dict | list:

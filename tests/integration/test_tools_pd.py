@@ -13,7 +13,6 @@ import json
 
 import httpx
 import pytest
-from test_pd_serving import Cluster
 
 TIMEOUT_S = 180
 PICK = {"type": "function", "function": {"name": "pick", "description": "Pick a digit", "parameters": {
@@ -22,13 +21,9 @@ PICK = {"type": "function", "function": {"name": "pick", "description": "Pick a 
 
 
 @pytest.fixture(scope="module")
-def urls(tmp_path_factory):
-    cluster = Cluster(tmp_path_factory.mktemp("tools-pd"))
-    try:
-        p, boot, d, colocated = cluster.pd("zmq", ("colocated",))
-        yield {"router": cluster.router(p, boot, d), "colocated": colocated}
-    finally:
-        cluster.stop()
+def urls(pd_urls):
+    """The test process's shared PD cluster (``conftest.pd_urls``): these tests only send requests and compare."""
+    return pd_urls
 
 
 def chat(url: str, **extra) -> dict:

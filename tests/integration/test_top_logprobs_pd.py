@@ -2,7 +2,8 @@
 colocated node: SGLang's ``input_top_logprobs``/``output_top_logprobs``, OpenAI's ``top_logprobs`` in completions
 and chat, and lm-eval's ``local-completions`` loglikelihood request (``echo``, ``logprobs: 1``, ``max_tokens: 0``).
 
-One cluster per module (processes started here, stopped by PID); everything on 127.0.0.1.
+The test process's shared PD cluster (``conftest.pd_urls``: processes started there, stopped by PID); everything on
+127.0.0.1.
 """
 
 from __future__ import annotations
