@@ -59,11 +59,11 @@ def _shared_pd(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pd_urls(_shared_pd):
     """A PD pair behind the built-in router (and the real sglang-router when installed) beside a colocated node,
-    ``processes.pd_beside_colocated``'s ``{"colocated", "router", "decode", "sglang-router"?}``: one cluster for
-    every module of this test process that asks for it (3 to 5 node starts and their first compiles less for each
-    module after the first). Only for tests that need no fresh one: they send requests and compare answers, and
-    change nothing a later module would see (no drain, no node stopped, no counter read as an absolute). A module
-    that leaves it broken costs the next one a new cluster, not its tests."""
+    ``processes.pd_beside_colocated``'s ``{"colocated", "router", "prefill", "decode", "sglang-router"?}``: one
+    cluster for every module of this test process that asks for it (3 to 5 node starts and their first compiles less
+    for each module after the first). Only for tests that need no fresh one: they send requests and compare answers,
+    and change nothing a later module would see (no drain, no node stopped, no counter read as an absolute, nothing
+    left running). A module that leaves it broken costs the next one a new cluster, not its tests."""
     return dict(_shared_pd.get())
 
 

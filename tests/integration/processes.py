@@ -104,9 +104,10 @@ class Cluster:
 
 def pd_beside_colocated(cluster: Cluster, backend: str = "zmq") -> dict[str, str]:
     """A PD pair behind the built-in router (and behind the real sglang-router when that package is installed), and a
-    colocated node to compare with: ``{"colocated", "router", "decode", "sglang-router"?}`` -> base URL."""
+    colocated node to compare with: ``{"colocated", "router", "prefill", "decode", "sglang-router"?}`` -> base
+    URL."""
     p, boot, d, colocated = cluster.pd(backend, ("colocated",))
-    found = {"colocated": colocated, "router": cluster.router(p, boot, d), "decode": d}
+    found = {"colocated": colocated, "router": cluster.router(p, boot, d), "prefill": p, "decode": d}
     try:
         import sglang_router  # noqa: F401
     except ImportError:

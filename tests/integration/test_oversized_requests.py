@@ -23,6 +23,9 @@ import httpx
 import pytest
 from processes import Cluster, free_port, wait_health
 
+# one xdist worker runs every module on the shared PD cluster (conftest.pd_urls), so that a run starts it once
+pytestmark = pytest.mark.xdist_group("shared-pd")
+
 TOTAL = 20_000_000
 BOUND_S = 1.0
 STREAMED = 400

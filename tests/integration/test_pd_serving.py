@@ -7,15 +7,17 @@ for each transfer backend), and the real sglang-router and the openai client mus
 
 from __future__ import annotations
 
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from processes import PAGE_SIZE, Cluster, free_port
+from processes import PAGE_SIZE, Cluster
 from real_parts import SGLANG_ROUTER
 
 from fsm_pd.store import read_journal, replay
+
+# one xdist worker runs every module on the shared PD cluster (conftest.pd_urls), so that a run starts it once
+pytestmark = pytest.mark.xdist_group("shared-pd")
 
 # shorter than a page, about one page, just over, and many pages (the tiny model's tokenizer is byte-level)
 PROMPTS = ["Hi", "a" * (PAGE_SIZE - 1), "b" * PAGE_SIZE, "c" * (PAGE_SIZE + 1), "The quick brown fox " * 6,
@@ -32,15 +34,12 @@ def cluster(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def colocated(tmp_path_factory):
-    """The module's one colocated node, what every PD setup is compared with: its URL and its greedy answers to
-    ``PROMPTS``, asked once (they depend on no transfer backend)."""
-    c = Cluster(tmp_path_factory.mktemp("colocated"))
-    try:
-        url = c.serve("colocated")
-        yield url, all_greedy(url)
-    finally:
-        c.stop()
+def colocated(pd_urls):
+    """The colocated node every PD setup is compared with (the test process's shared cluster's, ``conftest.pd_urls``:
+    a greedy answer depends on nothing it served before): its URL and its greedy answers to ``PROMPTS``, asked once
+    (they depend on no transfer backend)."""
+    url = pd_urls["colocated"]
+    return url, all_greedy(url)
 
 
 def greedy(url: str, prompt: str) -> list[int]:
@@ -71,15 +70,10 @@ def test_pd_answers_equal_colocated_answers(cluster, colocated, backend):
 
 
 @SGLANG_ROUTER
-def test_real_sglang_router_and_openai_client(cluster, colocated):
+def test_real_sglang_router_and_openai_client(pd_urls, colocated):
     openai = pytest.importorskip("openai")
     colocated, _ = colocated
-    p, boot, d = cluster.pd("zmq")
-    port = free_port()
-    router = cluster.start("sglang-router", [
-        sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", p, str(boot),
-        "--decode", d, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-        "--prometheus-port", str(free_port()), "--policy", "random"], f"http://127.0.0.1:{port}")
+    router = pd_urls["sglang-router"]  # in front of the shared cluster's zmq pair (``processes.pd_beside_colocated``)
     prompt = "The quick brown fox"
     assert greedy(router, prompt) == greedy(colocated, prompt)
 

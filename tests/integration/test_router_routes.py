@@ -2,7 +2,8 @@
 behind the built-in router. /abort_request reaches the workers that hold the request, /flush_cache every worker,
 /tokenize, /detokenize, /get_load, /v1/models/{id} and the router's own /metrics answer as SGLang's do.
 
-One cluster per module (processes started here, stopped by PID); everything on 127.0.0.1.
+The test process's shared PD cluster (``conftest.pd_urls``: processes started there, stopped by PID); everything on
+127.0.0.1.
 """
 
 from __future__ import annotations
@@ -13,20 +14,19 @@ import time
 
 import httpx
 import pytest
-from test_pd_serving import Cluster
+
+# one xdist worker runs every module on the shared PD cluster (conftest.pd_urls), so that a run starts it once
+pytestmark = pytest.mark.xdist_group("shared-pd")
 
 TIMEOUT_S = 180
 
 
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory):
-    """(router URL, prefill URL, decode URL)."""
-    cluster = Cluster(tmp_path_factory.mktemp("router-routes"))
-    try:
-        p, boot, d = cluster.pd("zmq")
-        yield cluster.router(p, boot, d), p, d
-    finally:
-        cluster.stop()
+def pd(pd_urls):
+    """(router URL, prefill URL, decode URL): the test process's shared PD cluster (``conftest.pd_urls``). These tests
+    hold nothing across it: they read the router's counters as growth, abort what they start and wait until the
+    decode node has dropped it, and a flushed cache is only an empty one."""
+    return pd_urls["router"], pd_urls["prefill"], pd_urls["decode"]
 
 
 def metric(text: str, name: str, **labels) -> float:

@@ -17,6 +17,9 @@ import jsonschema
 import pytest
 from processes import post_ok
 
+# one xdist worker runs every module on the shared PD cluster (conftest.pd_urls), so that a run starts it once
+pytestmark = pytest.mark.xdist_group("shared-pd")
+
 TIMEOUT_S = 180
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120},

@@ -14,6 +14,9 @@ import json
 import httpx
 import pytest
 
+# one xdist worker runs every module on the shared PD cluster (conftest.pd_urls), so that a run starts it once
+pytestmark = pytest.mark.xdist_group("shared-pd")
+
 TIMEOUT_S = 180
 PICK = {"type": "function", "function": {"name": "pick", "description": "Pick a digit", "parameters": {
     "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],

@@ -12,6 +12,9 @@ import httpx
 import pytest
 from processes import post_ok, routers
 
+# one xdist worker runs every module on the shared PD cluster (conftest.pd_urls), so that a run starts it once
+pytestmark = pytest.mark.xdist_group("shared-pd")
+
 TIMEOUT_S = 180
 K = 3
 
