@@ -84,8 +84,8 @@ def rig(tmp_path):
         r.stop()
 
 
-@pytest.fixture(scope="module")
-def _module_rigs():
+@pytest.fixture(scope="session")
+def _rigs():
     made: dict = {}
     yield made
     for r in made.values():
@@ -93,21 +93,22 @@ def _module_rigs():
 
 
 @pytest.fixture
-def shared_rig(_module_rigs, tmp_path_factory):
-    """``shared_rig(**kwargs)``: the module's fault rig made with these arguments (``fault_rig.Rig``), started by the
-    first test that asks for it and handed to the next ones while it is whole (``Rig.reusable``; else another is
-    started), paused and without faults (``Rig.set_faults``). Each test warms it up first, which takes the baselines
-    and the failed rooms so far that ``Rig.failures`` leaves out. Stopped at the module's end."""
+def shared_rig(_rigs, tmp_path_factory):
+    """``shared_rig(**kwargs)``: the test process's fault rig made with these arguments (``fault_rig.Rig``), started
+    by the first test that asks for it and handed to the next ones, of its module or another (``test_faults.py`` and
+    ``test_restarts.py``, one xdist group), while it is whole (``Rig.reusable``; else another is started), paused and
+    without faults (``Rig.set_faults``). Each test warms it up first, which takes the baselines and the failed rooms
+    so far that ``Rig.failures`` leaves out. Stopped at the session's end."""
     from fault_rig import Rig
 
     def get(**kwargs) -> Rig:
         key = repr(sorted(kwargs.items()))
-        found = _module_rigs.get(key)
+        found = _rigs.get(key)
         if found is not None and not found.reusable():
-            _module_rigs.pop(key).stop()
+            _rigs.pop(key).stop()
             found = None
         if found is None:
-            found = _module_rigs[key] = Rig(tmp_path_factory.mktemp("rig"), **kwargs)
+            found = _rigs[key] = Rig(tmp_path_factory.mktemp("rig"), **kwargs)
         found.faults_off()
         found.set_faults()
         return found

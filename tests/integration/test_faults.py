@@ -30,6 +30,9 @@ from processes import PAGE_SIZE, Cluster, free_port
 from fsm_pd.effects.decode import RECOMPUTE_NOTE
 from fsm_pd.store.causes import REQUEST_CLOSED
 
+# one xdist worker runs this module and test_restarts.py, which share their fault rig (conftest.shared_rig)
+pytestmark = pytest.mark.xdist_group("fault-rig")
+
 # how a decode room ends when its prefill node dies: the router cancels the decode leg, the pull fails, the heartbeat
 DECODE_LOST_PREFILL = (REQUEST_CLOSED, "pull failed", "pull timed out", "transfer timeout",
                        "missed 2 heartbeats")

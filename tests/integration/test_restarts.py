@@ -1,8 +1,8 @@
 """Issue 11's "done means" on real processes: 32 concurrent mixed (streamed and whole, /generate and chat) requests
 through the built-in router while a node is SIGKILLed and restarted at the same address and ports, or SIGSTOPped past
 every deadline (12 s; the drill bench's 20 s proves nothing more and cost 16 s of the suite); and bad input sent beside
-ordinary requests. The drills themselves are in ``drills.py``. They share one rig (``shared_rig``): each warms it up
-first, and the killed node's restart is the drill's own.
+ordinary requests. The drills themselves are in ``drills.py``. They share one rig (``shared_rig``, with
+``test_faults.py``): each warms it up first, and the killed node's restart is the drill's own.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import pytest
 from drills import bad_input, kill_and_restart, stop_and_continue
 from fault_rig import DEADLINE_S, REQUEST_BOUND_S
 
-# The acceptance drills of issue 11: about two minutes together on two idle cores.
-pytestmark = pytest.mark.timeout(600)
+# The acceptance drills of issue 11: about two minutes together on two idle cores. One xdist worker runs this module
+# and test_faults.py, which share their fault rig (conftest.shared_rig).
+pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("fault-rig")]
 
 
 def _no_hang(figures: dict) -> None:
