@@ -67,6 +67,24 @@ def pd_urls(_shared_pd):
     return dict(_shared_pd.get())
 
 
+@pytest.fixture(scope="session")
+def smollm2_reference(tmp_path_factory):
+    """A colocated SmolLM2 node with its prefix cache off, and its greedy chat answers to
+    ``test_smollm2_serving.QUESTIONS`` (``chat``'s ``(text, tokens)``): the reference both SmolLM2 serving modules
+    compare with (``test_smollm2_serving.py``, ``test_tp_smollm2.py``, one xdist group), started and asked once a
+    test process. Greedy answers depend on nothing the node served before, and without its cache every later
+    question is prefilled whole."""
+    from processes import Cluster
+    from test_smollm2_serving import MODEL, QUESTIONS, chat
+
+    cluster = Cluster(tmp_path_factory.mktemp("smollm2-reference"))
+    try:
+        url = cluster.serve("colocated", "--disable-radix-cache", *MODEL)
+        yield url, [chat(url, q) for q in QUESTIONS]
+    finally:
+        cluster.stop()
+
+
 @pytest.fixture
 def rig(tmp_path):
     """``rig(**kwargs)`` starts a fault rig (``fault_rig.Rig``: prefill, decode and router processes); every rig a

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from greedy_ties import split_at_a_tie, tiny_prompt_ids
-from test_pd_serving import PAGE_SIZE, Cluster, free_port
+from processes import PAGE_SIZE, Cluster, free_port
 
 STREAMS, NEW_TOKENS = 40, 256
 PROMPTS = [f"stream {i}: the quick brown fox" for i in range(STREAMS)]  # 29 or 30 bytes: 2 pages of 16

