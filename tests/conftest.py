@@ -18,7 +18,8 @@ the others run at the same time on pytest-xdist workers with ``JAX_PLATFORMS=cpu
 goes (``suite_log.py``), ``FSM_PD_SUITE_COMPILE_CACHE`` a persistent compile cache for the run. On a CPU, XLA
 compiles with its cheapest settings in the processes that run tests, and with cheaper ones that cost nothing at run time
 in the processes tests start (``xla_flags.py``). The httpx clients of a process that runs tests share one SSL context
-(``httpx_ssl.py``).
+(``httpx_ssl.py``). fsm-pd's bytecode is written once, before any test, so that the processes tests start read it
+even where ``PYTHONDONTWRITEBYTECODE`` is set (``bytecode.py``).
 """
 
 from __future__ import annotations
@@ -33,13 +34,15 @@ import pytest
 # file, outside the package.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import on_chip  # noqa: E402 - after the path above
+import bytecode  # noqa: E402 - after the path above
+import on_chip  # noqa: E402
 import suite_log  # noqa: E402
 import xla_flags  # noqa: E402
 from httpx_ssl import share_one_ssl_context  # noqa: E402
 from node_sockets import allow_the_fake_backend  # noqa: E402
 from real_parts import RealParts  # noqa: E402
 
+import fsm_pd  # noqa: E402
 from fsm_pd.runtime import compile_cache  # noqa: E402
 from fsm_pd.transport.backends import register_backend  # noqa: E402
 
@@ -73,6 +76,8 @@ def pytest_configure(config):
     # The record is this run's alone: taken out of the environment, so that a pytest a test starts (the suite's own
     # tests run throwaway suites) does not write its tests into it. Under xdist the controller writes it, from the
     # workers' reports, and the workers it starts next never see it.
+    if not hasattr(config, "workerinput"):  # before xdist starts its workers: every process after it reads it
+        bytecode.compile_package(Path(fsm_pd.__file__).parent)
     log = os.environ.pop(suite_log.ENV, None)
     if log and not hasattr(config, "workerinput"):
         config.pluginmanager.register(suite_log.SuiteLog(log, Path(log).stem), "fsm-pd-suite-log")

@@ -19,7 +19,7 @@ import suite_log
 
 ROOT = Path(__file__).resolve().parents[2]
 HELPERS = ("conftest.py", "real_parts.py", "on_chip.py", "node_sockets.py", "suite_log.py", "xla_flags.py",
-           "httpx_ssl.py", "on_tpu.sh")
+           "httpx_ssl.py", "bytecode.py", "on_tpu.sh")
 
 OUTCOMES = '''
 import time

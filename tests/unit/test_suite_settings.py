@@ -70,7 +70,7 @@ def run_suite(tmp_path: Path, tests: str, *args: str, **env: str) -> tuple[int, 
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     (tmp_path / "tests").mkdir(exist_ok=True)
     for helper in ("conftest.py", "real_parts.py", "on_chip.py", "node_sockets.py", "suite_log.py", "xla_flags.py",
-                   "httpx_ssl.py"):
+                   "httpx_ssl.py", "bytecode.py"):
         shutil.copy(ROOT / "tests" / helper, tmp_path / "tests" / helper)
     (tmp_path / "tests" / "test_throwaway.py").write_text(tests)
     # only the plugins under test (pyproject's addopts name xdist's --dist): the others this environment installs
@@ -237,3 +237,33 @@ def test_httpx_clients_of_a_test_process_share_one_ssl_context_unless_they_ask_f
     own = default.create_ssl_context(verify=False)
     assert own is not default.create_ssl_context() and own.verify_mode == ssl.CERT_NONE
     assert default.create_ssl_context().verify_mode == ssl.CERT_REQUIRED  # the default still verifies
+
+
+def test_processes_tests_start_read_the_bytecode_written_once_even_where_none_is_written(tmp_path):
+    """bytecode.compile_package: a package's modules compiled once, then read (not compiled) by a fresh interpreter
+    that writes no bytecode (PYTHONDONTWRITEBYTECODE, as these machines set); an edited module is compiled from its
+    source again; and the tests' own run wrote fsm-pd's (conftest.py)."""
+    from bytecode import compile_package
+
+    import fsm_pd
+
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "mod.py").write_text("VALUE = 1\n")
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": str(tmp_path)}
+
+    def loads() -> str:  # python -v names where each module's code object came from
+        done = subprocess.run([sys.executable, "-v", "-c", "import pkg.mod; print(pkg.mod.VALUE)"], env=env,
+                              capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        found = [line for line in done.stderr.splitlines() if "pkg" in line and "code object from" in line]
+        return done.stdout.strip() + " " + " ".join("pyc" if ".pyc" in line else "source" for line in found)
+
+    assert loads() == "1 source source" and not (package / "__pycache__").exists()  # nothing written, each time
+    assert compile_package(package)
+    assert loads() == "1 pyc pyc"
+    (package / "mod.py").write_text("VALUE = 22\n")  # another size: the bytecode no longer matches its source
+    assert loads() == "22 pyc source"
+    compiled = Path(fsm_pd.__file__).parent / "__pycache__"
+    assert any(compiled.glob("__init__.*.pyc")), "the run did not write fsm-pd's bytecode"
