@@ -29,6 +29,7 @@ from test_router_retries import sse_event
 
 from fsm_pd.api import AppServer, create_app
 from fsm_pd.api.runner import WaitDeadlines
+from fsm_pd.effects.faults import FaultConfig
 from fsm_pd.router import create_router_app
 from fsm_pd.router.legs import RouterDeadlines
 from fsm_pd.router.policy import CLASSIC_PD, PolicySettings
@@ -225,52 +226,83 @@ STALLS = {
 }
 
 
+@pytest.fixture(scope="module")
+def stalls(tmp_path_factory):
+    """A prefill node and a decode node (each stall's deadline set by its flag, ``DEADLINE_S``; no recompute) behind
+    the router, one pair for both stalls: each node rereads its faults from a file (``FSM_PD_FAULT_FILE``), and none
+    is injected while the pause file exists. ``(cluster, router URL, pause file, {role: (node URL, fault file)})``."""
+    tmp = tmp_path_factory.mktemp("stalls")
+    cluster = Cluster(tmp)
+    try:
+        pause = tmp / "faults-paused"
+        pause.touch()
+        files = {role: tmp / f"{role}-faults" for role in ("prefill", "decode")}
+        env = {role: {**cluster.env, "FSM_PD_FAULT_PAUSE_FILE": str(pause), "FSM_PD_FAULT_FILE": str(files[role])}
+               for role in files}
+        boot = str(free_port())
+        flags = [arg for stall in sorted(STALLS) for arg in (f"--{STALLS[stall].timer}-timeout", str(DEADLINE_S))]
+        (p, _), (d, _) = started = [
+            cluster.launch_node("prefill", "--bootstrap-port", boot, env=env["prefill"]),
+            cluster.launch_node("decode", *flags, "--on-transfer-failure", "fail", env=env["decode"])]
+        cluster.healthy(started)
+        router = cluster.router(p, int(boot), d, "--retry-policy", "fail")
+        yield cluster, router, pause, {"prefill": (p, files["prefill"]), "decode": (d, files["decode"])}
+    finally:
+        cluster.stop()
+
+
+def set_faults(nodes: dict, faults: dict[str, dict]) -> None:
+    """Each node's faults from now on (none for a role not given), once its ``/server_info`` reports them."""
+    for role, (url, path) in nodes.items():
+        settings = faults.get(role, {})
+        new = path.with_suffix(".new")
+        new.write_text("".join(f"{name}={value}\n" for name, value in settings.items()))
+        new.replace(path)  # whole, at once: the node never reads half a file
+        want = FaultConfig.from_env({"FSM_PD_FAULT_FILE": str(path), **settings}).describe()
+        assert wait_until(lambda u=url, w=want: httpx.get(u + "/server_info", timeout=10).json()[
+            "internal_states"][0]["faults"] == w), role
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("stall", sorted(STALLS))
-def test_a_room_that_never_reaches_success_fails_naming_its_deadline_and_replay_names_it(stall, tmp_path):
+def test_a_room_that_never_reaches_success_fails_naming_its_deadline_and_replay_names_it(stall, stalls):
     """Fault injection keeps the decode node's room from Success until its deadline (3 s by the flag); without
     recompute the request fails, and the client's error and replay both name that deadline, what the room waited for
-    in which state, its length and the flag and variable that set it."""
+    in which state, its length and the flag and variable that set it. Both stalls on one pair of nodes (``stalls``),
+    whose decode node has both deadlines' flags: each stall meets its own."""
+    cluster, router, pause, nodes = stalls
     stall = STALLS[stall]
     flag = f"--{stall.timer}-timeout"
     env_var = f"FSM_PD_{stall.timer.upper()}_TIMEOUT"
-    cluster = Cluster(tmp_path)
+    rid = f"stalled-{stall.timer}"
+    pause.touch()  # the warm-up request runs fault-free
+    set_faults(nodes, {"prefill": stall.prefill_faults, "decode": stall.decode_faults})
+    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    assert httpx.post(router + "/generate", json=body, timeout=120).status_code == 200  # compiled and warm
+    pause.unlink()
     try:
-        pause = tmp_path / "faults-paused"
-        pause.touch()  # the warm-up request runs fault-free
-        paused = {**cluster.env, "FSM_PD_FAULT_PAUSE_FILE": str(pause)}
-        boot = str(free_port())
-        (p, _), (d, _) = started = [
-            cluster.launch_node("prefill", "--bootstrap-port", boot, env={**paused, **stall.prefill_faults}),
-            cluster.launch_node("decode", flag, str(DEADLINE_S), "--on-transfer-failure", "fail",
-                                env={**paused, **stall.decode_faults})]
-        cluster.healthy(started)
-        router = cluster.router(p, int(boot), d, "--retry-policy", "fail")
-        body = {"text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
-        assert httpx.post(router + "/generate", json=body, timeout=120).status_code == 200  # compiled and warm
-        pause.unlink()
         began = time.monotonic()
-        r = httpx.post(router + "/generate", json={**body, "rid": "stalled"}, timeout=CLIENT_TIMEOUT_S)
+        r = httpx.post(router + "/generate", json={**body, "rid": rid}, timeout=CLIENT_TIMEOUT_S)
         took = time.monotonic() - began
-        assert r.status_code in (502, 504), r.text
-        message = r.json()["error"]["message"]
-        # the decode's own failure (504, with the length), or the prefill's, aborted by it (502): whichever leg's
-        # answer reached the router first; both name the decode's deadline and what the room waited for
-        assert ("the decode node waited" in message and f"in {stall.state} for {stall.waits_for}" in message
-                and f"its {stall.timer} deadline ({flag} / ${env_var})" in message), message
-        assert DEADLINE_S <= took < DEADLINE_S + SLACK_S + 5, took
-        journals = [str(next(tmp_path.glob(f"{role}-*.db"))) for role in ("prefill", "decode")]
-        out = subprocess.run([sys.executable, "-m", "fsm_pd.cli", "replay", *journals, "--request", "stalled",
-                              "--format", "json"], capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
-        sides = [s for a in json.loads(out.stdout)["attempts"] for s in a["sides"]]
-        assert [s["deadline"] for s in sides if s["role"] == "decode"] == [{
-            "timer": stall.timer, "state": stall.state, "seconds": DEADLINE_S, "flag": flag, "env": env_var,
-            "waits_for": stall.waits_for,
-            "explained": f"the decode node waited {DEADLINE_S:g} s in {stall.state} for {stall.waits_for}: its "
-                         f"{stall.timer} deadline ({flag} / ${env_var})"}]
     finally:
-        cluster.stop()
+        pause.touch()
+    assert r.status_code in (502, 504), r.text
+    message = r.json()["error"]["message"]
+    # the decode's own failure (504, with the length), or the prefill's, aborted by it (502): whichever leg's
+    # answer reached the router first; both name the decode's deadline and what the room waited for
+    assert ("the decode node waited" in message and f"in {stall.state} for {stall.waits_for}" in message
+            and f"its {stall.timer} deadline ({flag} / ${env_var})" in message), message
+    assert DEADLINE_S <= took < DEADLINE_S + SLACK_S + 5, took
+    journals = [str(next(cluster.tmp.glob(f"{role}-*.db"))) for role in ("prefill", "decode")]
+    out = subprocess.run([sys.executable, "-m", "fsm_pd.cli", "replay", *journals, "--request", rid,
+                          "--format", "json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    sides = [s for a in json.loads(out.stdout)["attempts"] for s in a["sides"]]
+    assert [s["deadline"] for s in sides if s["role"] == "decode"] == [{
+        "timer": stall.timer, "state": stall.state, "seconds": DEADLINE_S, "flag": flag, "env": env_var,
+        "waits_for": stall.waits_for,
+        "explained": f"the decode node waited {DEADLINE_S:g} s in {stall.state} for {stall.waits_for}: its "
+                     f"{stall.timer} deadline ({flag} / ${env_var})"}]
 
 
 def free_port() -> int:
