@@ -111,28 +111,38 @@ SETUPS = {"pool": ("pool", [], {}), "device": ("device", ["--transfer-backend", 
                           {"XLA_FLAGS": with_host_devices(2)})}
 
 
+@pytest.fixture(scope="module")
+def colocated_answers(tmp_path_factory) -> list[list[int]]:
+    """A colocated node's greedy answers to ``prompts(REQUESTS)``, what every setup must give: asked once for the
+    module (they depend on no setup of the PD process)."""
+    tmp = tmp_path_factory.mktemp("colocated")
+    url, proc = start(tmp, "colocated", "--role", "colocated")
+    try:
+        with unix_http.client(timeout=180) as client, ThreadPoolExecutor(4) as pool:
+            wait_healthy(client, url, proc, tmp / "colocated.log")
+            return list(pool.map(lambda ids: greedy(client, url, ids)[0], prompts(REQUESTS)))
+    finally:
+        stop(proc)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("setup", list(SETUPS))
-def test_pd_in_one_process_answers_as_colocated(tmp_path, setup):
+def test_pd_in_one_process_answers_as_colocated(tmp_path, setup, colocated_answers):
     backend, flags, env = SETUPS[setup]
     journals = tmp_path / "journals"
     pd_url, pd = start(tmp_path, "pd", "--role", "pd", "--pd-policy", "always", "--journal-dir", str(journals),
                        "--prefill-pages", "300", "--decode-pages", "400", *flags, env=env)
-    colocated_url, colocated = start(tmp_path, "colocated", "--role", "colocated")
-    asked = prompts(REQUESTS)
+    asked, want = prompts(REQUESTS), colocated_answers
     try:
         with unix_http.client(timeout=180) as client:
             wait_healthy(client, pd_url, pd, tmp_path / "pd.log")
-            wait_healthy(client, colocated_url, colocated, tmp_path / "colocated.log")
             with ThreadPoolExecutor(4) as pool:
-                want = list(pool.map(lambda ids: greedy(client, colocated_url, ids)[0], asked))
                 got = list(pool.map(lambda ids: greedy(client, pd_url, ids), asked))
             metrics = settled(client, pd_url)
             # its one decode engine has no other to move a stream to: the router relays the engine's bytes
             assert client.get(pd_url + "/server_info").json()["migrate"] is False
     finally:
         assert stop(pd) == 0, (tmp_path / "pd.log").read_text()[-3000:]
-        stop(colocated)
 
     assert [route for _, route in got] == ["pd"] * REQUESTS, "--pd-policy always sends every request through prefill"
     assert [ids for ids, _ in got] == want
