@@ -265,6 +265,6 @@ def test_processes_tests_start_read_the_bytecode_written_once_even_where_none_is
     assert loads() == "1 pyc pyc"
     (package / "mod.py").write_text("VALUE = 22\n")  # another size: the bytecode no longer matches its source
     assert loads() == "22 pyc source"
-    package = Path(fsm_pd.__file__).parent
-    if os.access(package, os.W_OK):  # a read-only checkout is left as it is (bytecode.py)
-        assert any((package / "__pycache__").glob("__init__.*.pyc")), "the run did not write fsm-pd's bytecode"
+    ours = Path(fsm_pd.__file__).parent
+    if os.access(ours, os.W_OK):  # a read-only checkout is left as it is (bytecode.py)
+        assert any((ours / "__pycache__").glob("__init__.*.pyc")), "the run did not write fsm-pd's bytecode"
