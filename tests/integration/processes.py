@@ -1,12 +1,15 @@
 """Server processes a test (or a bench) starts on 127.0.0.1 and stops by PID: ``Cluster`` runs ``fsm-pd serve`` nodes
-and the built-in router with a shared side-channel secret, each logging to a file beside its journal. No pytest
-here, so that ``bench/`` scripts can use it after the README's install alone.
+and the built-in router with a shared side-channel secret, each logging to a file beside its journal. Every process a
+test starts dies with the process that started it (``dies_with_parent``), however that one ends. No pytest here, so
+that ``bench/`` scripts can use it after the README's install alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,6 +20,28 @@ from fsm_pd.cli.launch import free_port
 from fsm_pd.transport import generate_secret, secret_env
 
 PAGE_SIZE = 16
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def dies_with_parent(sig: int = signal.SIGKILL):
+    """A ``preexec_fn`` for ``subprocess.Popen``: the child gets ``sig`` when the thread that starts it ends, so that no
+    server outlives a test process killed before its teardown ran (a pytest-xdist worker SIGKILLed, a run stopped by
+    ``timeout``: the orphans kept their ports, and the next run failed on them). Linux's parent-death signal survives
+    ``exec`` (``ip netns exec``, ``unshare`` pass it on) but follows the starting *thread*: start long-lived children
+    from the test's own thread, not from a pool's. SIGKILL by default (a SIGSTOPped node dies too); SIGTERM for a
+    process that stops its own children on it (``fsm-pd launch``: its nodes, each in a group of its own, would stay).
+    None where the kernel has no such signal: the children are stopped by PID at teardown, as before."""
+    if sys.platform != "linux":
+        return None
+    prctl, parent = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()  # looked up before the fork
+
+    def arm() -> None:
+        if prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+        if os.getppid() != parent:  # the parent died before the signal was armed: nobody would send it
+            os.kill(os.getpid(), sig)
+
+    return arm
 
 
 def wait_health(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -46,7 +71,7 @@ class Cluster:
         the cluster's."""
         with open(self.tmp / f"{name}.log", "w") as log:  # the child writes through its own copy of the descriptor
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env or self.env,
-                                    stdin=subprocess.DEVNULL)
+                                    stdin=subprocess.DEVNULL, preexec_fn=dies_with_parent())
         self.procs.append(proc)
         return proc
 

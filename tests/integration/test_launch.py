@@ -13,6 +13,7 @@ import time
 
 import httpx
 import psutil
+from processes import dies_with_parent
 
 from fsm_pd.cli.launch import free_port
 from fsm_pd.store import read_journal, replay
@@ -24,16 +25,19 @@ def listening(port: int) -> bool:
 
 
 def started(args: list[str], **popen) -> tuple[subprocess.Popen, list[str], threading.Thread]:
-    """``fsm-pd launch ARGS``, the lines it prints and the thread that reads them, once it says it is serving."""
+    """``fsm-pd launch ARGS``, the lines it prints and the thread that reads them, once it says it is serving. It
+    gets SIGTERM when this process ends (``dies_with_parent``), and then stops the nodes it started, as on a test's
+    own SIGTERM: SIGKILL would leave them running, each in a process group of its own."""
     proc = subprocess.Popen([sys.executable, "-m", "fsm_pd.cli", "launch", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **popen)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=dies_with_parent(signal.SIGTERM), **popen)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
     deadline = time.time() + 300
     while not any("fsm-pd is serving" in line for line in lines):
         if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
+            proc.terminate()  # launch stops the nodes it started so far (SIGKILL would leave them running)
+            proc.wait(timeout=60)
             raise AssertionError("launch did not say it is serving:\n" + "".join(lines))
         time.sleep(0.3)
     return proc, lines, reader
