@@ -18,6 +18,8 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from processes import dies_with_parent
+
 CLONE_NEWNET = 0x40000000
 NETNS_DIR = Path("/var/run/netns")
 
@@ -80,7 +82,8 @@ class Fabric:
     def run(self, host: str, argv: list[str], *, log: Path, env: dict[str, str]) -> subprocess.Popen:
         with open(log, "w") as out:
             proc = subprocess.Popen(["ip", "netns", "exec", f"{self.prefix}-{host}", *argv], stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    preexec_fn=dies_with_parent())  # ip netns exec execs argv: it keeps the signal
         self.procs.append(proc)
         return proc
 

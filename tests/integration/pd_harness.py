@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import dies_with_parent
 
 from fsm_pd.kernels import KVLayout
 from fsm_pd.store import read_journal, replay
@@ -82,7 +83,8 @@ class NodeProcess:
 
     def _spawn(self):
         """Start the process and return: the nodes of a test start side by side, and ``info`` waits for this one."""
-        self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=self.env)
+        self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=self.env,
+                                     preexec_fn=dies_with_parent())
         self._info = None
 
     @property

@@ -20,6 +20,8 @@ import subprocess
 import tempfile
 import time
 
+from processes import dies_with_parent
+
 from fsm_pd.cli.launch import free_port
 
 PROGRAMS = ("initdb", "postgres")
@@ -87,7 +89,8 @@ class PostgresServer:
             self.proc = subprocess.Popen(
                 [os.path.join(self.bin, "postgres"), "-D", self.data, "-p", str(self.port), "-k", self.dir,
                  "-c", "listen_addresses=127.0.0.1", "-c", f"fsync={'on' if self.fsync else 'off'}"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.dir, **self._user)
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.dir, **self._user,
+                preexec_fn=dies_with_parent(signal.SIGQUIT))  # postgres' immediate shutdown: its backends too
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:

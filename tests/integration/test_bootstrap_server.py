@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from processes import dies_with_parent
 
 from fsm_pd.bootstrap import (
     BootstrapError,
@@ -465,7 +466,8 @@ def test_resolve_of_an_unknown_rank_fails_at_once(make_server, waits):
 def test_standalone_server_process_serves_register_and_resolve(tmp_path):
     env = {**os.environ, "FSM_PD_BOOTSTRAP_TOKEN": "proc-token"}
     proc = subprocess.Popen([sys.executable, "-m", "fsm_pd.bootstrap", "--port", "0", "--log-level", "WARNING"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=dies_with_parent())
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 30.0)
         assert ready, "the server printed no URL within 30s"

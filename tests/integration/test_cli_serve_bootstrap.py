@@ -7,13 +7,14 @@ import subprocess
 import sys
 
 import httpx
+from processes import dies_with_parent
 
 from fsm_pd.bootstrap import RankRegistration, register_prefill_rank, resolve_prefill
 
 
 def test_standalone_bootstrap_server_serves_and_stops_on_sigterm():
     proc = subprocess.Popen([sys.executable, "-m", "fsm_pd.cli", "serve", "--role", "bootstrap", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=dies_with_parent())
     try:
         url = proc.stdout.readline().strip()
         assert url.startswith("http://127.0.0.1:")
@@ -31,7 +32,7 @@ def test_standalone_bootstrap_server_on_a_unix_socket(tmp_path_factory):
     removes the socket when it stops."""
     path = tmp_path_factory.mktemp("b") / "bootstrap.sock"
     proc = subprocess.Popen([sys.executable, "-m", "fsm_pd.cli", "serve", "--role", "bootstrap", "--uds", str(path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=dies_with_parent())
     try:
         url = proc.stdout.readline().strip()
         assert url == f"unix:{path}"

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from fault_rig import DEADLINE_S, ENV, PROMPTS, assert_clean, generate, info
-from processes import PAGE_SIZE, Cluster, free_port
+from processes import PAGE_SIZE, Cluster, dies_with_parent, free_port
 
 from fsm_pd.effects.decode import RECOMPUTE_NOTE
 from fsm_pd.store.causes import REQUEST_CLOSED
@@ -373,7 +373,8 @@ def test_prefill_and_decode_in_two_network_namespaces(namespaces, tmp_path):
             ]
             log = open(tmp_path / f"{role}.log", "w")  # noqa: SIM115 - the child writes to it
             cluster.procs.append(
-                subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=cluster.env, stdin=subprocess.DEVNULL)
+                subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=cluster.env, stdin=subprocess.DEVNULL,
+                                 preexec_fn=dies_with_parent())
             )
         # the router runs in the decode's namespace: it reaches the prefill over the veth pair, like the decode
         router_port = 30103
@@ -419,7 +420,8 @@ def test_prefill_and_decode_in_two_network_namespaces(namespaces, tmp_path):
         log = open(tmp_path / "router.log", "w")  # noqa: SIM115
         cluster.procs.append(
             subprocess.Popen(
-                [*in_d, *router], stdout=log, stderr=subprocess.STDOUT, env=cluster.env, stdin=subprocess.DEVNULL
+                [*in_d, *router], stdout=log, stderr=subprocess.STDOUT, env=cluster.env, stdin=subprocess.DEVNULL,
+                preexec_fn=dies_with_parent(),
             )
         )
         router_url = f"http://{ADDRS[1]}:{router_port}"

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from processes import dies_with_parent
 
 from fsm_pd.control import KVManager
 from fsm_pd.kernels import KVLayout
@@ -35,7 +36,7 @@ ROUNDS = 5
 
 def start_writer(path: Path, durability: str, seed: int) -> tuple[subprocess.Popen, dict]:
     proc = subprocess.Popen([sys.executable, str(WRITER), str(path), durability, str(seed)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=dies_with_parent())
     line = proc.stdout.readline()
     if not line:
         proc.kill()

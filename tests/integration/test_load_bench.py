@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from processes import dies_with_parent
 from xla_flags import for_cold_starts
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "load.py"
@@ -42,7 +43,7 @@ def test_quick_run_answers_every_request_with_its_tokens_and_ratios(tmp_path):
     run = subprocess.run([sys.executable, str(BENCH), "--quick", "--targets", "colocated,pd-always", "--requests",
                           str(REQUESTS), "--streams", "4", "--isolated", "1", "--runs", str(RUNS), "--uds-dir",
                           str(tmp_path / "run"), "--json", str(out)], capture_output=True, text=True, timeout=280,
-                         cwd=tmp_path, env=COLD_NODES)
+                         cwd=tmp_path, env=COLD_NODES, preexec_fn=dies_with_parent(signal.SIGTERM))  # its nodes too
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["problems"] == [] and report["runs"] == RUNS
@@ -122,7 +123,8 @@ def test_stopped_halfway_it_stops_the_node_it_started(tmp_path):
     """SIGTERM to the bench while its first node serves: the bench stops that node (by its PID) and exits 130."""
     bench = subprocess.Popen([sys.executable, str(BENCH), "--quick", "--targets", "colocated", "--requests", "400",
                               "--uds-dir", str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, cwd=tmp_path, env=COLD_NODES)
+                             text=True, cwd=tmp_path, env=COLD_NODES,
+                             preexec_fn=dies_with_parent(signal.SIGTERM))  # the bench stops its node on SIGTERM
     try:
         pids = {}
         for line in bench.stderr:  # "colocated (fill start): pid N", its stop, the measured start, its first answer

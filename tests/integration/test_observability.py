@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from processes import Cluster, free_port
+from processes import Cluster, dies_with_parent, free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from fsm_pd.store import read_journal
@@ -194,7 +194,8 @@ def test_a_real_prometheus_runs_every_dashboard_query(cluster, tmp_path):
     api = f"http://127.0.0.1:{port}"
     with open(tmp_path / "prometheus.log", "w") as log:
         proc = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                                 f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+                                 f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=dies_with_parent())
     try:
         def query(expr: str) -> list:
             r = httpx.get(api + "/api/v1/query", params={"query": expr}, timeout=10)

@@ -4,10 +4,12 @@ on, holding their ports, until a later run failed on one (``processes.dies_with_
 
 A throwaway Python process stands in for the test process: it starts a node as the suite does (``processes.Cluster``)
 and ``fsm-pd launch`` as ``test_launch.py`` does, says their PIDs (and those of the nodes launch started, its
-grandchildren), and waits. The test SIGKILLs it and watches every one of them end."""
+grandchildren), and waits. The test SIGKILLs it and watches every one of them end. And every ``subprocess.Popen`` of
+the tests is given its parent-death signal."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import signal
@@ -20,6 +22,7 @@ import psutil
 from processes import dies_with_parent
 
 HERE = Path(__file__).resolve().parent
+TESTS = HERE.parent
 GONE_WITHIN_S = 10.0  # the node dies with it; launch, told by SIGTERM, stops its idle nodes in about a second or two
 
 STAND_IN = """
@@ -77,3 +80,14 @@ def test_the_servers_a_killed_test_process_started_end_with_it(tmp_path):
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
+
+def test_every_process_the_tests_start_to_run_beside_them_dies_with_them():
+    """A ``subprocess.Popen`` runs beside the test; ``subprocess.run`` waits for its child, which its ``timeout`` ends
+    (a fresh ``fsm-pd`` CLI, ``ip``): the Popens are the servers."""
+    bare = []
+    for path in sorted([*TESTS.glob("integration/*.py"), *TESTS.glob("deploy/*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "Popen" and \
+                    not any(k.arg == "preexec_fn" for k in node.keywords):
+                bare.append(f"{path.relative_to(TESTS)}:{node.lineno}")
+    assert not bare, f"started without processes.dies_with_parent: {bare}"

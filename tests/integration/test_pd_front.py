@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import dies_with_parent
 from xla_flags import for_cold_starts
 
 from fsm_pd.net import unix_http
@@ -33,7 +34,7 @@ def start(tmp: Path, *argv: str, env: dict | None = None) -> tuple[str, Path, su
     proc = subprocess.Popen([sys.executable, "-m", "fsm_pd.cli", "serve", "--role", "pd", "--uds", str(sock),
                              "--journal-dir", str(tmp / "journals"), "--prefill-pages", "64", "--decode-pages", "128",
                              *argv], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=tmp,
-                            env={**os.environ, "FSM_PD_MODEL": "tiny", **(env or {})})
+                            env={**os.environ, "FSM_PD_MODEL": "tiny", **(env or {})}, preexec_fn=dies_with_parent())
     return unix_http.http_url(unix_address(str(sock))), sock, proc
 
 

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from processes import dies_with_parent
 from prometheus_client.parser import text_string_to_metric_families
 from xla_flags import with_host_devices
 
@@ -48,7 +49,8 @@ def start(tmp: Path, name: str, *argv: str, env: dict | None = None) -> tuple[st
     env = {**os.environ, "FSM_PD_MODEL": "tiny", **(env or {})}
     log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 - the child writes to it
     proc = subprocess.Popen([sys.executable, "-m", "fsm_pd.cli", "serve", *argv, "--uds", str(sock)],
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=tmp)
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=tmp,
+                            preexec_fn=dies_with_parent())
     return unix_http.http_url(unix_address(str(sock))), proc
 
 

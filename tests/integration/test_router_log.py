@@ -12,6 +12,7 @@ import time
 
 import httpx
 from polling import until
+from processes import dies_with_parent
 from stub_engine import StubEngine
 
 from fsm_pd.api import AppServer, create_app
@@ -29,7 +30,7 @@ def test_the_router_s_log_lines_carry_their_time_and_health_checks_write_none(tm
         router = subprocess.Popen(
             [sys.executable, "-m", "fsm_pd.cli", "serve", "--role", "router", "--port", str(port), "--prefill", p.url,
              "9000", "--decode", d.url, "--health-check-interval-secs", "0.2"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=dies_with_parent())
         try:
             url = f"http://127.0.0.1:{port}"
             assert until(lambda: _ready(url), timeout_s=120)

@@ -29,7 +29,7 @@ import httpx
 import openai
 import pytest
 from polling import until
-from processes import free_port, wait_health
+from processes import dies_with_parent, free_port, wait_health
 from stub_engine import StubEngine, stub_server
 
 import fsm_pd
@@ -157,7 +157,7 @@ def test_api_key_guards_every_route_of_the_router():
 def bootstrap_process(*args: str, env: dict | None = None):
     proc = subprocess.Popen([sys.executable, "-m", "fsm_pd.cli", "serve", "--role", "bootstrap", "--port", "0", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, **(env or {})}, preexec_fn=dies_with_parent())
     try:
         url = proc.stdout.readline().strip()
         assert url.startswith("http://127.0.0.1:"), proc.stderr.read()[-2000:]
@@ -411,7 +411,8 @@ def serve_process(role: str, port: int, tmp_path: Path, *extra: str):
     log = open(tmp_path / f"{role}.log", "w")  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "-m", "fsm_pd.cli", "serve", "--role", role, "--port", str(port),
                              "--num-pages", "64", "--log-level", "warning", *extra],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
+                            preexec_fn=dies_with_parent())
     try:
         wait_health(f"http://127.0.0.1:{port}", proc, timeout=180)
         yield proc

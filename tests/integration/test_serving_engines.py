@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import dies_with_parent
 
 from fsm_pd.model.loader import load_model
 from fsm_pd.model.sampling import SamplingParams
@@ -37,6 +38,7 @@ class PrefillProcess:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            preexec_fn=dies_with_parent(),
         )
         self.hello = json.loads(self.proc.stdout.readline())
         self.answers: dict[str, dict] = {}

@@ -17,6 +17,7 @@ import time
 
 import httpx
 import pytest
+from processes import dies_with_parent
 from real_parts import SGLANG_ROUTER
 from stub_engine import DECODE_LOGPROB, PREFILL_LOGPROB, stub_server
 
@@ -43,7 +44,7 @@ def smg(tmp_path_factory):
              "--prefill", p_url, str(BOOTSTRAP_PORT), "--decode", d_url, "--host", "127.0.0.1", "--port", str(port),
              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--policy", "random",
              "--disable-retries", "--request-timeout-secs", str(REQUEST_TIMEOUT_S)],
-            env=env, stdout=log_file, stderr=subprocess.STDOUT)
+            env=env, stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=dies_with_parent())
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 60

@@ -15,6 +15,7 @@ import time
 import msgpack
 import pytest
 import zmq
+from processes import dies_with_parent
 
 from fsm_pd.cli.launch import free_port
 from fsm_pd.kernels.layout import KVLayout
@@ -149,7 +150,8 @@ print("closed", flush=True)
 def test_a_peer_in_another_process_gets_the_secret_from_env_and_answers(make_channel):
     env = {**os.environ, **secret_env(SECRET)}
     child = subprocess.Popen(
-        [sys.executable, "-c", ECHO_PEER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", ECHO_PEER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        preexec_fn=dies_with_parent(),
     )
     try:
         ready, _, _ = select.select([child.stdout], [], [], 30)

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from processes import dies_with_parent
 from xla_flags import with_host_devices
 
 from fsm_pd.kernels import host_words
@@ -62,6 +63,7 @@ class Producer:
             stdout=subprocess.PIPE,
             text=True,
             env=env,
+            preexec_fn=dies_with_parent(),
         )
         self._lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()

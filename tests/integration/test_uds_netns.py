@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from processes import dies_with_parent
 
 from fsm_pd.store import read_journal, replay
 
@@ -55,7 +56,7 @@ def cluster(tmp_path_factory):
     # unshare execs the command: the PID is launch's own
     proc = subprocess.Popen(["unshare", "--net", sys.executable, "-m", "fsm_pd.cli", "launch", "--uds", str(sockets),
                              "--journal-dir", str(journals)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, preexec_fn=dies_with_parent(signal.SIGTERM))  # launch then stops its nodes
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
