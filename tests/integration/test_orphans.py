@@ -53,6 +53,13 @@ def alive(pid: int) -> bool:
         return False
 
 
+def command(pid: int) -> list[str]:
+    try:
+        return psutil.Process(pid).cmdline()
+    except psutil.NoSuchProcess:  # it ended after all
+        return []
+
+
 def test_the_servers_a_killed_test_process_started_end_with_it(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     stand_in = subprocess.Popen([sys.executable, "-c", STAND_IN, str(tmp_path)], stdout=subprocess.PIPE, text=True,
@@ -70,7 +77,7 @@ def test_the_servers_a_killed_test_process_started_end_with_it(tmp_path):
         deadline = time.monotonic() + GONE_WITHIN_S
         while any(alive(pid) for pid in started) and time.monotonic() < deadline:
             time.sleep(0.1)
-        left = {pid: psutil.Process(pid).cmdline() for pid in started if alive(pid)}
+        left = {pid: command(pid) for pid in started if alive(pid)}
         assert not left, f"still running {GONE_WITHIN_S} s after their test process was SIGKILLed: {left}"
     finally:
         if stand_in.poll() is None:
