@@ -26,9 +26,11 @@ medians, per mix and prompt kind): TTFT <= --ttft-scale (5) x the isolated TTFT 
 isolated TPOT; over two runs or more, each figure's median over the runs too. Each pd target's figures are given as
 ratios of colocated's median, measured in the same run. Then the SLO, each start's times, the routes, the programs
 compiled during the warm-up wave and during each run (a WARNING, loud, where a measured run compiled any), and the pd
-targets' handoffs as ``fsm-pd replay`` reads them from their journals. It prints progress lines as it goes (on
-stderr, with the seconds since it began), markdown tables at the end, and writes --json PATH. It exits 1 when a
-request went unanswered or a token count was wrong.
+targets' handoffs as ``fsm-pd replay`` reads them from their journals, and each target's prefill budget at its end
+(``/server_info``'s ``prefill_budget``: the decode step's cost and each prefill size's, which bound its prefill steps
+beside the decoding streams). It prints progress lines as it goes (on stderr, with the seconds since it began),
+markdown tables at the end, and writes --json PATH. It exits 1 when a request went unanswered or a token count was
+wrong.
 
     python bench/load.py [--model tiny|smollm2|PATH.gguf] [--targets colocated,pd-auto,pd-always,pd-never]
                          [--mixes prefill-heavy,decode-heavy,mixed] [--requests 48] [--streams 16] [--runs 2]
@@ -294,6 +296,7 @@ def measure(t: load_targets.Target, args, state: dict, result: dict) -> None:
                         f"{load_report.compiled(grown)}): its figures include compiles, not steady serving")
     for mix in args.mixes:
         result["mixes"][mix] = median_of_runs([run["mixes"][mix] for run in result["runs"]])
+    result["prefill_budget"] = load_targets.prefill_budget(t.url)
 
 
 def _interrupt(signum, frame):

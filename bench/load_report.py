@@ -72,6 +72,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| {name} | {', '.join(f'{k} {v}' for k, v in sorted(routes.items()))} | "
                      f"{compiled(result.get('compiled_during_warmup'))} | {per_run} |")
     lines += handoff_lines(report)
+    lines += budget_lines(report)
     if report.get("warnings"):
         lines += ["", *(f"**WARNING: {warning}**" for warning in report["warnings"])]
     return "\n".join(lines)
@@ -123,6 +124,21 @@ def handoff_lines(report: dict) -> list[str]:
                  for k in ("prefill_xfer_ms", "decode_xfer_ms")]
         lines.append(f"| {name} | {h['rooms']} ({h['success']}) | {'ok' if h['consistent'] else 'DIVERGED'} | "
                      f"{sides[0]} | {sides[1]} |")
+    return lines
+
+
+def budget_lines(report: dict) -> list[str]:
+    """Each target's prefill budget at its end (``StepBudget.state``): what bounded its prefill steps beside the
+    decoding streams, the first thing to read where a target's TTFT falls behind."""
+    rows = [(name, r["prefill_budget"]) for name, r in report["targets"].items() if r.get("prefill_budget")]
+    if not rows:
+        return []
+    lines = ["", "| target | decode step (ms) | prefill step (ms) by padded tokens (times timed) | steps cut |",
+             "| --- | ---: | --- | ---: |"]
+    for name, b in rows:
+        sizes = ", ".join(f"{t}: {ms:.1f} ({b['prefill_samples'].get(t, 0)})" for t, ms in b["prefill_ms"].items())
+        decode = "-" if b["decode_ms"] is None else f"{b['decode_ms']:.1f}"
+        lines.append(f"| {name} | {decode} | {sizes or '-'} | {b['cut_steps']} |")
     return lines
 
 

@@ -232,6 +232,20 @@ def compiles(url: str) -> dict:
         return {}
 
 
+def prefill_budget(url: str) -> dict | None:
+    """The prefill budget's state (``StepBudget.state``, ``/server_info``'s ``prefill_budget``): the node's own, or
+    for ``--role pd`` its prefill engine's (the decode engine shares it). None when it cannot be read."""
+    try:
+        with unix_http.client(timeout=10) as http:
+            info = http.get(url + "/server_info").json()
+            if "prefill_budget" in info:
+                return info["prefill_budget"]
+            workers = [worker["url"] for worker in info.get("prefill") or ()]
+            return http.get(workers[0] + "/server_info").json().get("prefill_budget") if workers else None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
 def compiled_since(before: dict, after: dict) -> dict:
     """Programs compiled between two ``compiles`` readings, per engine and phase (0s left out)."""
     grown = {engine: {phase: n - before.get(engine, {}).get(phase, 0) for phase, n in phases.items()}

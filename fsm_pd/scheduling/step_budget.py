@@ -162,6 +162,15 @@ class StepBudget:
             size *= 2
         return size
 
+    def state(self) -> dict:
+        """What the rule knows now, for ``/server_info`` (``prefill_budget``): the decode step's cost, each padded
+        size's expected cost and how many times it was timed, and the prefill steps cut."""
+        decode = self.decode_seconds
+        return {"chunk_steps": self.chunk_steps, "decode_ms": None if decode is None else round(decode * 1000, 3),
+                "prefill_ms": {str(t): round(s * 1000, 3) for t, s in self.prefill_seconds.items()},
+                "prefill_samples": {str(t): len(times) for t, times in sorted(self._prefill.items())},
+                "cut_steps": self.cut_steps}
+
     def describe(self) -> str:
         if not self.enabled:
             return f"prefill steps bounded by {self.token_budget} padded tokens only"

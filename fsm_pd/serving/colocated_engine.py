@@ -93,7 +93,8 @@ class ColocatedEngine(EngineCore):
         return {**super().info(), "requests_waiting": len(self._waiting) + len(self.arrivals),
                 "requests_prefilling": len(self._chunking),
                 "requests_running": len(self.loop.running), "tokens_generated": self.loop.tokens_generated,
-                "prefill_steps_cut": self.budget.cut_steps, **self.loop.counters()}
+                "prefill_steps_cut": self.budget.cut_steps, "prefill_budget": self.budget.state(),
+                **self.loop.counters()}
 
     # --- the model thread ---
     def _step(self) -> bool:

@@ -164,7 +164,7 @@ class DecodeEngine(LocalPath, PDEngine):
         queue = self.prealloc.queue(time.monotonic())
         return {**queue, "transfer_queue": len(self.rooms) - queue["prealloc_queue"],
                 "requests_running": len(self.loop.running), "tokens_generated": self.loop.tokens_generated,
-                **self.loop.counters(), **self.recompute.counters()}
+                "prefill_budget": self.budget.state(), **self.loop.counters(), **self.recompute.counters()}
 
     def _role_leaks(self, counters: dict) -> dict:
         return {"pulled_awaiting_scatter": counters["pulled_awaiting_scatter"],

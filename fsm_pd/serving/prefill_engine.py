@@ -160,7 +160,8 @@ class PrefillEngine(LocalPath, PDEngine):
         local = {"requests_running": len(self.loop.running), "local_waiting": len(self.recompute.waiting),
                  **self.recompute.local} if self.serves_local else {}
         return {"bootstrap_queue": len(self.rooms) - waiting - chunking - in_flight, "prefill_queue": waiting,
-                "prefilling": chunking, "in_flight": in_flight, "bootstrap_url": self.bootstrap_url, **local}
+                "prefilling": chunking, "in_flight": in_flight, "bootstrap_url": self.bootstrap_url,
+                "prefill_budget": self.budget.state(), **local}
 
     def _role_leaks(self, counters: dict) -> dict:
         return {"staging_buffers_held": counters["staging_buffers_held"]}

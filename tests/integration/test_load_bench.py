@@ -62,6 +62,10 @@ def test_quick_run_answers_every_request_with_its_tokens_and_ratios(tmp_path):
         assert fill["argv"][fill["argv"].index("--uds") + 1] != result["argv"][result["argv"].index("--uds") + 1]
         assert 0 < result["health_s"] <= result["first_answer_s"] <= result["background_done_s"], name
         assert len(result["runs"]) == RUNS
+        # the prefill budget at the end: both targets timed their decode steps and some prefill sizes, and say so
+        budget = result["prefill_budget"]
+        assert budget["decode_ms"] > 0 and budget["prefill_ms"] and set(budget["prefill_ms"]) == set(
+            budget["prefill_samples"]), (name, budget)
         for mix, median in result["mixes"].items():
             runs = [run["mixes"][mix] for run in result["runs"]]
             for figures in runs:
@@ -85,6 +89,8 @@ def test_quick_run_answers_every_request_with_its_tokens_and_ratios(tmp_path):
         tok_s = report["targets"]["pd-always"]["mixes"][mix]["output_tok_s"]
         assert f"| pd-always | {mix} | **median** | {tok_s:.0f} |" in table
         assert f"{report['ratios']['pd-always'][mix]['output_tok_s']:.2f}x |" in table
+    for name, result in report["targets"].items():
+        assert re.search(rf"\| {name} \| {result['prefill_budget']['decode_ms']:.1f} \| [0-9]+: ", table), name
     assert re.search(r"\| colocated \| fill \| [0-9.]+ \| - \| 0 \| [0-9.]+ \| node skipped \| 0 \|", table)
 
 

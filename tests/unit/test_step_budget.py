@@ -126,6 +126,14 @@ def test_a_size_seen_once_slow_is_run_again_and_its_own_samples_decide_once_ther
     assert steps.tokens(decoding=True) == 256
 
 
+def test_its_state_says_what_it_knows_for_server_info():
+    steps = learnt({64: 0.105, 128: 0.173}, 0.030)
+    steps.cut_steps = 3
+    assert steps.state() == {"chunk_steps": 4.0, "decode_ms": 30.0, "prefill_ms": {"64": 105.0, "128": 173.0},
+                             "prefill_samples": {"64": 1, "128": 1}, "cut_steps": 3}
+    assert StepBudget(512).state()["decode_ms"] is None
+
+
 @dataclasses.dataclass
 class Prompt:
     prompt_len: int
