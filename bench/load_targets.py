@@ -235,14 +235,17 @@ def compiles(url: str) -> dict:
 def prefill_budget(url: str) -> dict | None:
     """The prefill budget's state (``StepBudget.state``, ``/server_info``'s ``prefill_budget``): the node's own, or
     for ``--role pd`` its prefill engine's (the decode engine shares it). None when it cannot be read."""
+    def engine_state(info: dict) -> dict | None:  # a node's engine fields: SGLang's internal_states
+        return (info.get("internal_states") or [{}])[0].get("prefill_budget")
+
     try:
         with unix_http.client(timeout=10) as http:
             info = http.get(url + "/server_info").json()
-            if "prefill_budget" in info:
-                return info["prefill_budget"]
+            if "internal_states" in info:
+                return engine_state(info)
             workers = [worker["url"] for worker in info.get("prefill") or ()]
-            return http.get(workers[0] + "/server_info").json().get("prefill_budget") if workers else None
-    except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError):
+            return engine_state(http.get(workers[0] + "/server_info").json()) if workers else None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError, AttributeError):
         return None
 
 
