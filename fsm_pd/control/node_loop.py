@@ -8,7 +8,7 @@ pool, the model thread holds the loop through each step of its engines and runs 
 P's ``kv_ready``, which the step submitted, runs to both rooms' Success before the next step, with no thread to
 wake. With a loop each, every hop waited for the interpreter's lock, which the model thread holds while it steps
 (up to ``sys.getswitchinterval()``, 5 ms, a hop): P's handoff took 18-24 ms at p50 under 16 streams on the chip
-(docs/tpu.md, "Fifth round"); on a loaded CPU, 12.8 ms against 1.9 with the loop held (tiny model, pd-always).
+(docs/tpu-rounds.md, "Fifth round"); on a loaded CPU, 12.8 ms against 1.9 with the loop held (tiny model, pd-always).
 
 A pass steps every member until none has anything queued; a member whose node stopped (its journal could not be
 written) is skipped, the others go on. The thread stops when the last member leaves.

@@ -27,10 +27,11 @@ PAD_PAGE = 0
 PAD_HEAD = -1  # in ``kv_slot_heads``: a padding slot, all zeros, that no query reads
 
 # Tokens per page a pool gets unless told otherwise (``--page-size``), by the platform of its devices. On a TPU v5e
-# the decode kernel (``model/decode_attention.py``) was never the slowest at 64, of 16, 64 and 128 (``docs/tpu.md``,
-# "Page size"): larger pages mean fewer DMAs, but round each sequence up further. 64 becomes the chip's default once
-# a whole node's step has been measured at each size there (``bench/tpu.py --page-sizes``), the kernel being the
-# chip's default attention now (``attention.kernels_for``); until then every platform keeps 16 (``model.md``).
+# the decode kernel (``model/decode_attention.py``) was never the slowest at 64, of 16, 64 and 128
+# (``docs/tpu-rounds.md``, "Page size"): larger pages mean fewer DMAs, but round each sequence up further. 64 becomes
+# the chip's default once a whole node's step has been measured at each size there (``bench/tpu.py --page-sizes``),
+# the kernel being the chip's default attention now (``attention.kernels_for``); until then every platform keeps 16
+# (``model.md``).
 # A prefill and a decode node must agree on it: the handoff refuses a peer whose page size differs.
 PAGE_SIZES: dict[str, int] = {}  # platform -> its own default, where it differs
 DEFAULT_PAGE_SIZE = 16

@@ -122,7 +122,7 @@ def kernels_for(pool, head_dim: int) -> Kernels:
     ``interpret`` runs the TPU kernels in Pallas's interpret mode on any device (slow, for tests). The kernels are the
     chip's default since they matched the float32 CPU reference there as jnp does (``bench/chip_parity.py``, SmolLM2's
     shape: 127 of 128 greedy steps, the other a near tie, on both; the multi-step loop 112 of 112), and decoded
-    SmolLM2 2.89x faster than jnp at batch 64 and 1.33x at batch 8, the same at batch 1 (``docs/tpu.md``, "Sixth
+    SmolLM2 2.89x faster than jnp at batch 64 and 1.33x at batch 8, the same at batch 1 (``docs/tpu-rounds.md``, "Sixth
     round"). Their cost: about a second of tracing per decode program at every start (the persistent cache keeps
     compiled programs, not traces): a warm colocated SmolLM2 node was ready in 18.4 s against jnp's 12.9."""
     forced = os.environ.get(ATTENTION_ENV)

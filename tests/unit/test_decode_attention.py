@@ -31,7 +31,7 @@ SHAPES = {  # head_dim: (heads, kv_heads): SmolLM2's grouping (K||V share a 128-
     128: (4, 2),
 }
 PAGE_SIZE = 16
-PAGE_SIZES = (16, 64, 128)  # a TPU pool's candidates (docs/tpu.md, "Page size")
+PAGE_SIZES = (16, 64, 128)  # a TPU pool's candidates (docs/tpu-rounds.md, "Page size")
 PAGES_PER_BLOCK = 2  # small blocks: a row of 6 pages and some is 4 blocks
 CHUNK_TOKENS = 16  # a page a chunk (a chunk is never less than a page): a block is 2 chunks
 BLOCKS = {"small-blocks": (PAGES_PER_BLOCK, CHUNK_TOKENS), "chip-blocks": (None, decode_attention.CHUNK_TOKENS)}
