@@ -216,6 +216,13 @@ def _compiles_on(http, url: str) -> dict | None:
     return found
 
 
+def _engine_url(router_info: dict) -> str | None:
+    """An engine of a ``--role pd`` process, from its router's ``/server_info``: the prefill engine's (the decode
+    engine shares its pool, its budget and the process's compile counter); None for anything else."""
+    workers = [worker["url"] for role in ("prefill", "decode") for worker in router_info.get(role) or ()]
+    return workers[0] if workers else None
+
+
 def compiles(url: str) -> dict:
     """``fsm_pd_compiles_total`` by phase (startup, background, serving): the node's own, or, where the process is
     ``--role pd`` and its /metrics are the router's, the process's as an engine behind it shows it
@@ -225,9 +232,8 @@ def compiles(url: str) -> dict:
             own = _compiles_on(http, url)
             if own is not None:
                 return {"node": own}
-            info = http.get(url + "/server_info").json()
-            workers = [worker["url"] for role in ("prefill", "decode") for worker in info.get(role) or ()]
-            return {"process": _compiles_on(http, workers[0]) or {}} if workers else {}
+            engine = _engine_url(http.get(url + "/server_info").json())
+            return {"process": _compiles_on(http, engine) or {}} if engine else {}
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return {}
 
@@ -243,8 +249,8 @@ def prefill_budget(url: str) -> dict | None:
             info = http.get(url + "/server_info").json()
             if "internal_states" in info:
                 return engine_state(info)
-            workers = [worker["url"] for worker in info.get("prefill") or ()]
-            return engine_state(http.get(workers[0] + "/server_info").json()) if workers else None
+            engine = _engine_url(info)
+            return engine_state(http.get(engine + "/server_info").json()) if engine else None
     except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError, AttributeError):
         return None
 

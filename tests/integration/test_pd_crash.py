@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from test_pd_front import CHAT, first_accept, start, stop
+from test_pd_front import CHAT, start, stop, until_ready
 
 from fsm_pd.net import unix_http
 from fsm_pd.store import read_journal, replay
@@ -51,11 +51,7 @@ def test_a_pd_process_killed_under_load_has_journaled_every_answer_it_gave(tmp_p
     url, sock, proc = start(tmp_path, "--pd-policy", "always")
     try:
         with unix_http.client(timeout=120) as client:
-            first_accept(client, url, sock, proc)
-            deadline = time.monotonic() + 120
-            while client.get(url + "/health").status_code != 200:
-                assert time.monotonic() < deadline, "never ready"
-                time.sleep(0.1)
+            until_ready(client, url, sock, proc)
             threads, answers = chats(client, url, ANSWERED)
             for thread in threads:
                 thread.join(120)

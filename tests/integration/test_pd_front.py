@@ -53,6 +53,15 @@ def first_accept(client, url: str, sock: Path, proc: subprocess.Popen, timeout_s
     raise TimeoutError("the socket never accepted")
 
 
+def until_ready(client, url: str, sock: Path, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Return once the process accepts and ``/health`` says 200."""
+    first_accept(client, url, sock, proc)
+    deadline = time.monotonic() + timeout_s
+    while client.get(url + "/health").status_code != 200:
+        assert time.monotonic() < deadline, "never ready"
+        time.sleep(0.1)
+
+
 def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> int:
     if proc.poll() is None:
         proc.send_signal(sig)
@@ -119,11 +128,7 @@ def test_a_crashed_role_turns_health_and_livez_503_within_5s(tmp_path):
     url, sock, proc = start(tmp_path, "--pd-policy", "always", env={"FSM_PD_FAULT_CRASH_AT": "before_scatter"})
     try:
         with unix_http.client(timeout=60) as client:
-            first_accept(client, url, sock, proc)
-            deadline = time.monotonic() + 120
-            while client.get(url + "/health").status_code != 200:
-                assert time.monotonic() < deadline, "never ready"
-                time.sleep(0.1)
+            until_ready(client, url, sock, proc)
             answer = client.post(url + "/v1/chat/completions", json=CHAT, timeout=60)
             crashed_at = time.monotonic()
             assert answer.status_code >= 500, answer.text  # the decode role died under it
