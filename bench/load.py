@@ -77,7 +77,8 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny", help="tiny (default), smollm2, or a .gguf file or HF directory")
     parser.add_argument("--targets", default=",".join(load_targets.TARGETS),
-                        help=f"comma-separated, run in this order (default {','.join(load_targets.TARGETS)})")
+                        help=f"comma-separated, run in this order (default {','.join(load_targets.TARGETS)}); "
+                             "NAME+kN: that server at N decode steps a dispatch (colocated+k8)")
     parser.add_argument("--mixes", default=",".join(MIXES), help=f"comma-separated (default {','.join(MIXES)})")
     parser.add_argument("--requests", type=int, default=None, help="requests per mix and target (default 48; 16 "
                                                                    "with --quick)")
@@ -121,8 +122,9 @@ def parse_args(argv):
                      "digits)")
     args.targets = [t for t in args.targets.split(",") if t]
     args.mixes = [m for m in args.mixes.split(",") if m]
-    for name, known in (("targets", load_targets.TARGETS), ("mixes", MIXES)):
-        unknown = [v for v in getattr(args, name) if v not in known]
+    for name, known, is_known in (("targets", list(load_targets.TARGETS) + ["NAME+kN"], load_targets.known),
+                                  ("mixes", MIXES, MIXES.__contains__)):
+        unknown = [v for v in getattr(args, name) if not is_known(v)]
         if unknown:
             parser.error(f"unknown {name}: {', '.join(unknown)} (known: {', '.join(known)})")
     return args

@@ -36,6 +36,7 @@ TARGETS = {"colocated": ["--role", "colocated"],
            "pd-auto": ["--role", "pd", "--pd-policy", "auto"],
            "pd-always": ["--role", "pd", "--pd-policy", "always"],
            "pd-never": ["--role", "pd", "--pd-policy", "never"]}
+STEPS_SUFFIX = re.compile(r"\+k([1-9][0-9]*)$")  # "colocated+k8": the target at 8 decode steps a dispatch
 STOP_GRACE_S = 60  # a node drains for at most --drain-timeout-secs (default 30) after SIGTERM, then exits
 
 
@@ -57,12 +58,23 @@ class Target:
             return ""
 
 
+def known(name: str) -> bool:
+    """A key of ``TARGETS``, or one with ``+kN``: the same server at N decode steps a dispatch."""
+    return STEPS_SUFFIX.sub("", name) in TARGETS
+
+
+def serve_args(name: str) -> list[str]:
+    steps = STEPS_SUFFIX.search(name)
+    base = TARGETS[STEPS_SUFFIX.sub("", name)]
+    return [*base, "--decode-steps-per-dispatch", steps.group(1)] if steps else list(base)
+
+
 def target(name: str, model: str, run_dir: Path, tcp: bool = False, node_args: tuple[str, ...] = (),
            caches: Path | None = None, start: str = "measured") -> Target:
-    """``name`` (a key of ``TARGETS``) as a command, not yet started. ``start``: ``measured``, or ``fill`` (the start
-    that fills ``caches``), whose socket, log and journals are its own (``NAME-fill.*``)."""
+    """``name`` (``known``) as a command, not yet started. ``start``: ``measured``, or ``fill`` (the start that fills
+    ``caches``), whose socket, log and journals are its own (``NAME-fill.*``)."""
     files = name if start == "measured" else f"{name}-{start}"
-    argv = [sys.executable, "-m", "fsm_pd.cli", "serve", *TARGETS[name], "--model", model]
+    argv = [sys.executable, "-m", "fsm_pd.cli", "serve", *serve_args(name), "--model", model]
     if tcp:
         port = free_port()
         argv += ["--host", "127.0.0.1", "--port", str(port)]
