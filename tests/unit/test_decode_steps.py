@@ -220,9 +220,14 @@ class EmissionStamped(RequestStream):
 
 def test_a_request_that_arrives_mid_run_is_not_held_behind_long_dispatches(model):
     """A stream decodes K steps a dispatch; a 70-token prompt joins it, prefilled in 16-token chunks between decode
-    steps. From its arrival to its first token every dispatch runs one step, so its chunks never wait for K."""
+    steps. From its arrival to its first token every dispatch runs one step, so its chunks never wait for K. The
+    prefill budget learns a decode step's cost from those one-step dispatches only: a dispatch of K steps, shared
+    out per token, is not what a step beside a chunk costs."""
     engine = ColocatedEngine(model, num_pages=PAGES, page_size=PAGE_SIZE, chunked_prefill_size=16,
                              decode_steps_per_dispatch=K)
+    observed = []
+    observe = engine.budget.observe_decode
+    engine.budget.observe_decode = lambda seconds: (observed.append(seconds), observe(seconds))
 
     async def scene():
         stream = RequestStream("running")
@@ -254,6 +259,8 @@ def test_a_request_that_arrives_mid_run_is_not_held_behind_long_dispatches(model
     after = [steps for at, steps in dispatches if at > first]
     assert K in before and K in after  # the stream ran K steps a dispatch when nothing waited
     assert len(meanwhile) >= 3 and set(meanwhile) == {1}, meanwhile  # one step between the prompt's chunks
+    single = sum(1 for _, steps in dispatches if steps == 1)
+    assert 0 < len(observed) <= single < len(dispatches), (observed, dispatches)
 
 
 def test_a_decode_node_dispatching_several_steps_answers_as_a_colocated_one(engines, model, tmp_path):
