@@ -152,7 +152,11 @@ class StepPrograms:
     def __init__(self, config: ModelConfig, params, pool, full_width: int, kernels: str, inputs):
         self.config, self.kernels, self.inputs = config, kernels, inputs
         self._params, self._pool = params, pool  # shapes only (``jax.ShapeDtypeStruct``)
-        self.widths = table_widths(full_width, pool[0].shape[1])
+        # The TPU kernel fetches only the pages below a row's length, so a wider table costs its bytes on the way
+        # over and no device time: one width there. Each width was a program per batch bucket, and on a v5e each of
+        # SmolLM2's took ~15 s to compile: 5 widths x 7 buckets kept a node compiling for minutes under load (r11).
+        # The jnp path gathers whole blocks up to the table's width: there the narrow tables pay.
+        self.widths = table_widths(full_width, pool[0].shape[1]) if kernels == "jnp" else [full_width]
         self._programs: dict[tuple[int, int, int], jax.stages.Compiled] = {}
         self._lock = threading.Lock()
 

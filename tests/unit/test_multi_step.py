@@ -165,6 +165,21 @@ def test_page_tables_are_as_wide_as_the_batch_needs():
         pack([StepRow(1, 0, 1, list(range(1, 18)))], 1, 16, 1, 272)
 
 
+@pytest.mark.parametrize("kernels", ["jnp", "interpret"])
+def test_the_tpu_kernels_take_one_table_width(monkeypatch, kernels):
+    """The TPU decode kernel reads a row's pages up to its length whatever the table's width: one program a batch
+    bucket there, where jnp gathers up to the width and gets several."""
+    monkeypatch.setenv("FSM_PD_ATTENTION", kernels)
+    config = dataclasses.replace(tiny_config(), num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=128,
+                                 num_layers=1)
+    model = LoadedModel("widths", config, random_params(config, seed=1), ByteTokenizer(vocab_size=config.vocab_size))
+    programs = model.programs(model.make_pool(model.make_kv_layout(130, 16)))
+    assert programs.kernels == kernels
+    full = programs.width
+    assert programs.steps.widths == (table_widths(full, 16) if kernels == "jnp" else [full])
+    assert len(table_widths(full, 16)) > 1
+
+
 @pytest.mark.parametrize("page_size", [16, 64, 128], ids=lambda p: f"page-{p}")  # a TPU pool's candidates
 @pytest.mark.parametrize("head_dim, heads, kv_heads", [(64, 9, 3), (128, 4, 2)], ids=["head_dim-64", "head_dim-128"])
 def test_the_tpu_kernels_run_inside_the_loop(monkeypatch, head_dim, heads, kv_heads, page_size):
