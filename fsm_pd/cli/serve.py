@@ -244,9 +244,10 @@ def prepare_programs(starts: dict, skip: bool, busy, weights=lambda: None) -> No
         freeze_survivors()  # the ready set's programs live as long as the node: out of the full collections' way
         for startup in starts.values():
             startup.mark_ready(costs)
-        phases = first.status()["phases"]
+        phases, spans = first.status()["phases"], first.timeline()
         log.info("ready %.1f s after the process started (%s%s)", first.ready_after,
-                 ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()),
+                 ", ".join(f"{name} {seconds:.1f} s [{spans[name][0]:.1f}-{spans[name][1]:.1f}]"
+                           for name, seconds in phases.items()),
                  "; the device and the weights on threads of their own, beside the others" if "model" in phases
                  else "; the device on a thread of its own, beside the imports")
         if skip:

@@ -230,8 +230,9 @@ def run_pd(args: argparse.Namespace, opening, reading) -> int:
         for engine in engines:
             attach_from_args(engine.manager.journal, args)
         decode_startup = Startup(startup.started_at)
+        spans = startup.timeline()
         for name, seconds in startup.status()["phases"].items():  # the process's imports, weights and engines
-            decode_startup.record(name, seconds)
+            decode_startup.record(name, seconds, startup.started_at + spans[name][0])
         starts = dict(zip(engines, (startup, decode_startup), strict=True))
         local_apps = {}
         for engine, its_startup in starts.items():

@@ -28,6 +28,7 @@ class DeviceOpening:
 
     def __init__(self) -> None:
         self.seconds: float | None = None
+        self.began = time.time()
         self._done = threading.Event()
         threading.Thread(target=self._open, name="open-devices", daemon=True).start()
 
@@ -75,12 +76,12 @@ def start_model(args: argparse.Namespace, startup, opening: DeviceOpening, readi
     from fsm_pd.model.loader import load_model
 
     platform = jax.default_backend()  # waits for the devices
-    startup.record("device", opening.wait() or 0.0)
+    startup.record("device", opening.wait() or 0.0, opening.began)
     args.page_size = resolve_page_size(args.page_size, platform)
     dtype = resolve_dtype(args.dtype, platform)
     if reading is not None:
         model = reading.model()
-        startup.record("model", reading.seconds.get("model", 0.0))
+        startup.record("model", reading.seconds.get("model", 0.0), reading.began)
         if reading.dtype == dtype:
             return model
         logging.getLogger("fsm_pd.serve").warning(
@@ -103,4 +104,4 @@ def weights_in(model, startups, reading) -> None:
         print(f"fsm-pd serve: cannot load model {reading.spec!r}: {exc}", file=sys.stderr)
         exit_now(2)
     for startup in startups:
-        startup.record("weights", reading.seconds.get("weights", 0.0))
+        startup.record("weights", reading.seconds.get("weights", 0.0), reading.began)

@@ -47,6 +47,7 @@ class ModelMeanwhile:
         self._parts: Future = Future()  # (name, config, tokenizer)
         self._weights: Future = Future()  # the parameter tree, on the device
         self._started = time.monotonic()
+        self.began = time.time()  # the same instant, on the clock start-up timelines use
         self._thread = threading.Thread(target=self._run, name="weights", daemon=True)
         self._thread.start()
 

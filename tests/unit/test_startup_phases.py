@@ -82,7 +82,15 @@ def test_a_node_names_its_phases_answers_once_ready_and_loads_every_program_from
         assert startup["status"] == "ready" and set(startup["phases"]) >= PHASES, startup
         assert 'fsm_pd_startup_seconds{phase="weights"}' in run["metrics"]
         said = re.search(r"ready [0-9.]+ s after the process started \(([^;)]*)", run["log"])
-        assert said and {part.rsplit(" ", 2)[0] for part in said.group(1).split(", ")} >= PHASES, run["log"]
+        assert said and {part.split(" ")[0] for part in said.group(1).split(", ")} >= PHASES, run["log"]
+        # each phase's span on the process's clock: the threads' phases overlap the main thread's
+        spans, ready = startup["timeline"], startup["ready_after_s"]
+        assert set(spans) == set(startup["phases"]), spans
+        assert all(0 <= a <= b <= ready + 0.05 for name, (a, b) in spans.items() if name != "first_request"), spans
+        assert all(b - a >= startup["phases"][name] - 0.05 for name, (a, b) in spans.items()), spans
+        # the device and the model's threads start with the process, before the engine is built
+        assert spans["imports"][0] == 0 and all(spans[name][0] <= spans["engine"][0]
+                                                for name in ("device", "model", "weights")), spans
     assert warm["answer"]["text"] == cold["answer"]["text"]
     kinds = warm["startup"]["programs_before_ready"]
     assert kinds and sum(k["programs"] for k in kinds.values()) >= 10, kinds
