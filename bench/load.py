@@ -28,9 +28,10 @@ ratios of colocated's median, measured in the same run. Then the SLO, each start
 compiled during the warm-up wave and during each run (a WARNING, loud, where a measured run compiled any), and the pd
 targets' handoffs as ``fsm-pd replay`` reads them from their journals, and each target's prefill budget at its end
 (``/server_info``'s ``prefill_budget``: the decode step's cost and each prefill size's, which bound its prefill steps
-beside the decoding streams). It prints progress lines as it goes (on stderr, with the seconds since it began),
-markdown tables at the end, and writes --json PATH. It exits 1 when a request went unanswered or a token count was
-wrong.
+beside the decoding streams), and where the first run's TTFT went: each server phase's mean per request beside the
+client's mean TTFT (``load_phases.py``). It prints progress lines as it goes (on stderr, with the seconds since it
+began), markdown tables at the end, and writes --json PATH. It exits 1 when a request went unanswered or a token
+count was wrong.
 
     python bench/load.py [--model tiny|smollm2|PATH.gguf] [--targets colocated,pd-auto,pd-always,pd-never]
                          [--mixes prefill-heavy,decode-heavy,mixed] [--requests 48] [--streams 16] [--runs 2]
@@ -60,6 +61,7 @@ HERE = str(Path(__file__).resolve().parent)
 if HERE not in sys.path:  # run as a script; a test that imports it has appended it (never first: it would shadow)
     sys.path.insert(0, HERE)
 import load_client  # noqa: E402 - beside this script
+import load_phases  # noqa: E402
 import load_report  # noqa: E402
 import load_targets  # noqa: E402
 from load_mixes import LONG, MIXES, SHORT, PromptPlan, chat, isolated_slo, median_of_runs, request_body, summary  # noqa: E402
@@ -284,10 +286,14 @@ def measure(t: load_targets.Target, args, state: dict, result: dict) -> None:
         this: dict = {"mixes": {}}
         result["runs"].append(this)
         for mix in args.mixes:
+            phases = load_phases.read(t.url)
             records, took = load_client.closed_loop(t.url, requests_for("load", mix, args.requests, plan, run),
                                                     args.streams, args.request_timeout)
             state["problems"] += check(records, mix, plan, f"{t.name} run {run + 1}")
-            this["mixes"][mix] = summary(records, took, state["slo"][mix]) | {"records": records}
+            ttfts = [r["ttft_s"] for r in records if r["ttft_s"] is not None]
+            this["mixes"][mix] = summary(records, took, state["slo"][mix]) | {
+                "records": records, "phases_ms": load_phases.means_ms(phases, load_phases.read(t.url)),
+                "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else None}
             say(state, f"{t.name} run {run + 1}/{args.runs} {mix}: {this['mixes'][mix]['output_tok_s']:.0f} output "
                        f"tok/s in {took:.1f} s")
         after = load_targets.compiles(t.url)

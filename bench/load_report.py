@@ -9,6 +9,7 @@ every warning (a program compiled during a measured run, a background compile th
 
 from __future__ import annotations
 
+import load_phases
 from load_mixes import ratios
 
 
@@ -73,6 +74,7 @@ def markdown(report: dict) -> str:
                      f"{compiled(result.get('compiled_during_warmup'))} | {per_run} |")
     lines += handoff_lines(report)
     lines += budget_lines(report)
+    lines += load_phases.lines(report)
     if report.get("warnings"):
         lines += ["", *(f"**WARNING: {warning}**" for warning in report["warnings"])]
     return "\n".join(lines)

@@ -97,3 +97,26 @@ def test_the_table_has_a_row_per_run_and_the_median_row_with_its_ratios():
     assert "| colocated | fill | 30.0 | - | 0 | 60.0 | node NOT DONE (running) | 0 |" in table
     assert "| colocated | measured | 5.0 | 5.5 | 0 | 9.0 | node 24 in 27.5 s | 0 |" in table
     assert "**WARNING: pd-always compiled programs during measured run 2**" in table
+
+
+def test_the_servers_phases_of_a_run_are_their_means_per_request_over_that_run_only():
+    """``load_phases`` reads what the engines' own histograms (``RequestPhases``) export: each phase's mean over the
+    requests between two readings, by role, and a row per target and mix beside the client's mean TTFT."""
+    import load_phases
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from fsm_pd.serving.request_phases import RequestPhases
+
+    registries = CollectorRegistry(), CollectorRegistry()  # each engine its own; a pd process shows both
+    prefill, decode = RequestPhases(registries[0], "prefill", "prefill-0"), RequestPhases(registries[1], "decode",
+                                                                                          "decode-0")
+    metrics = lambda: load_phases.parse("".join(generate_latest(r).decode() for r in registries))  # noqa: E731
+    prefill.observe("queue", 1.0)  # before the run: not in its means
+    before = metrics()
+    for seconds in (0.010, 0.030):
+        prefill.observe("queue", seconds)
+        decode.observe("first_token", 2 * seconds)
+    means = load_phases.means_ms(before, metrics())
+    assert means == {"P queue": 20.0, "D first_token": 40.0}
+    report = {"targets": {"pd-always": {"runs": [{"mixes": {"mixed": {"phases_ms": means, "ttft_mean_s": 0.0625}}}]}}}
+    assert "| pd-always | mixed | 62.5 | P queue 20.0, D first_token 40.0 |" in load_phases.lines(report)
