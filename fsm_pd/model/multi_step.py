@@ -33,6 +33,7 @@ from fsm_pd.model import compile_demand, executables
 from fsm_pd.model.attention import block_pages
 from fsm_pd.model.config import ModelConfig
 from fsm_pd.model.decoder import embed_tokens, final_logits, forward_group, top_params
+from fsm_pd.model.input_buckets import batch_bucket
 from fsm_pd.model.sampling import sample_row
 
 MAX_STOP_IDS = 8  # stop tokens a row carries on the device (EOS and stop_token_ids); more: the host checks them
@@ -163,6 +164,21 @@ class StepPrograms:
     @property
     def shapes(self) -> set[tuple[int, int, int]]:
         return set(self._programs)
+
+    def batch_for(self, rows: int, most: int) -> int:
+        """The batch a dispatch of ``rows`` runs at, of a node that runs ``most`` at once: the next power of two on
+        jnp; on the TPU kernels the next power of four (and ``most``'s bucket at the top). There a padding row costs
+        next to nothing (the matmuls' time is the weights', the kernel skips a row of no context), and each bucket
+        is a program of ~15 s to compile on a v5e: 1, 4, 16, 64 instead of 1, 2, 4, ..., 64."""
+        bucket = batch_bucket(rows)
+        if self.kernels == "jnp":
+            return bucket
+        exponent = bucket.bit_length() - 1  # bucket = 2 ** exponent
+        return min(batch_bucket(most), 4 ** ((exponent + 1) // 2))
+
+    def batches(self, most: int) -> list[int]:
+        """Every batch ``batch_for`` gives for up to ``most`` rows."""
+        return sorted({self.batch_for(rows, most) for rows in range(1, batch_bucket(most) + 1)})
 
     def width_for(self, pages: int) -> int:
         """The narrowest width that holds ``pages`` columns."""

@@ -76,7 +76,7 @@ class ColocatedEngine(EngineCore):
                                headroom_pages=self.headroom_pages, max_recompute_batch=max_prefill_batch,
                                max_recompute_tokens=chunked_prefill_size, cache=self.cache,
                                steps_per_dispatch=steps_per_dispatch(decode_steps_per_dispatch, self.model_thread.pool),
-                               first_token_waiting=self._first_token_waiting)
+                               first_token_waiting=self._first_token_waiting, max_running=max_running)
         self._waiting: deque[Sequence] = deque()  # the model thread's: arrivals waiting for their prefill
         self._chunking: list[Sequence] = []  # pages reserved, prompt partly prefilled: the next chunks go first
         self._keys = itertools.count(1)

@@ -111,7 +111,7 @@ class DecodeEngine(LocalPath, PDEngine):
         self.loop = DecodeLoop(self.model, self.model_thread, self.allocator, self.page_size, release=self._finish,
                                headroom_pages=self.headroom_pages, cache=self.cache,
                                steps_per_dispatch=steps_per_dispatch(decode_steps_per_dispatch, self.model_thread.pool),
-                               first_token_waiting=self._first_token_waiting)
+                               first_token_waiting=self._first_token_waiting, max_running=max_running)
         # the pre-allocation queue, the simulation's too: pages go to a room's transfer when they fit
         self.prealloc = Preallocation(self.allocator, self.page_size, headroom=self.headroom_pages,
                                       grant=self.manager.give_pages, cache=self.cache, kick=self._driver.kick)

@@ -61,13 +61,16 @@ class DecodeLoop:
         cache: PrefixCache | None = None,
         steps_per_dispatch: int = 1,
         first_token_waiting: Callable[[], bool] = lambda: False,
+        max_running: int = 64,
     ):
         """``steps_per_dispatch``: decode steps one dispatch may run (1: a step at a time, the host sampling each
-        token); ``first_token_waiting()``: whether a request waits for its first token (then one step a dispatch)."""
+        token); ``first_token_waiting()``: whether a request waits for its first token (then one step a dispatch);
+        ``max_running``: the most sequences the engine runs at once (the dispatches' batch buckets go up to it)."""
         if steps_per_dispatch < 1:
             raise ValueError(f"steps_per_dispatch must be at least 1, got {steps_per_dispatch}")
         self.model = model
         self.model_thread = model_thread
+        self.max_running = max_running
         self.allocator = allocator
         self.page_size = page_size
         self.release = release  # returns a finished, failed or cancelled sequence's pages (model thread)
@@ -180,7 +183,8 @@ class DecodeLoop:
         compiled yet, or it failed to start): the batch then takes a step on the host."""
         started = time.perf_counter()
         try:
-            pending = dispatch(self.model, self.model_thread, batch, steps, self.steps_per_dispatch, self.page_size)
+            pending = dispatch(self.model, self.model_thread, batch, steps, self.steps_per_dispatch, self.page_size,
+                               self.max_running)
         except Exception:  # the host step runs each request alone if the batch fails again there
             log.exception("a dispatch of %d decode steps for %d requests failed to start; one step on the host",
                           steps, len(batch))

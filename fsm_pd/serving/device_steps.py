@@ -21,7 +21,6 @@ import jax
 import numpy as np
 
 from fsm_pd.kvpool.pages import pages_for
-from fsm_pd.model.input_buckets import batch_bucket
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.model.model_thread import ModelThread
 from fsm_pd.model.multi_step import MAX_STOP_IDS, StepRow, pack
@@ -89,7 +88,7 @@ class Dispatch:
 
 
 def dispatch(model: LoadedModel, owner: ModelThread, batch: list[Sequence], steps: int, max_steps: int,
-             page_size: int) -> Dispatch | None:
+             page_size: int, max_running: int) -> Dispatch | None:
     """Start up to ``steps`` decode steps of ``batch`` (every row samples on the device, each holds the pages its
     steps need, up to what it holds) on the model thread; None where the program for its shape is not compiled yet
     and something is compiling it (a serving node's warm-up): the caller decodes a step at a time meanwhile."""
@@ -106,7 +105,7 @@ def dispatch(model: LoadedModel, owner: ModelThread, batch: list[Sequence], step
         rows.append(StepRow(seq.last_token, seq.next_position, budget, seq.pages[:used], seed=seq.request.seed,
                             step=seq.step, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                             min_p=params.min_p, stop_ids=tuple(sorted(seq.checker.stop_ids))))
-    shape = loops.find(batch_bucket(len(rows)), loops.width_for(widest), max_steps,
+    shape = loops.find(loops.batch_for(len(rows), max_running), loops.width_for(widest), max_steps,
                        compile_missing=not programs.covers)
     if shape is None:
         return None

@@ -108,7 +108,7 @@ class PrefillEngine(LocalPath, PDEngine):
                                    release=self._finish_local, headroom_pages=headroom, cache=self.cache,
                                    steps_per_dispatch=steps_per_dispatch(decode_steps_per_dispatch,
                                                                          self.model_thread.pool),
-                                   first_token_waiting=self._first_token_waiting)
+                                   first_token_waiting=self._first_token_waiting, max_running=max_running)
             self.recompute = TransferRecompute(self.model, self.model_thread, self.allocator, self.page_size,
                                                enabled=False, headroom_pages=headroom, budget=self.budget, clock=clock)
             self._init_local()

@@ -92,7 +92,7 @@ def plan_for(engine) -> WarmupPlan:
     loops = engine.model.programs(engine.model_thread.pool).steps
     if engine.loop.steps_per_dispatch > 1 and loops is not None:
         plan.steps_per_dispatch = engine.loop.steps_per_dispatch
-        plan.step_loops = [(batch, width) for batch in _powers(engine.max_running) for width in loops.widths]
+        plan.step_loops = [(batch, width) for batch in loops.batches(engine.max_running) for width in loops.widths]
     if _copies_pages(engine) and engine.role == "decode":
         plan.scatter_buckets = prompt_buckets
     if _copies_pages(engine) and engine.role == "prefill":

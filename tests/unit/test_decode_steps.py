@@ -288,3 +288,33 @@ def test_a_decode_node_dispatching_several_steps_answers_as_a_colocated_one(engi
     finally:
         d.close()
         p.close()
+
+
+def test_on_the_tpu_kernels_a_dispatch_pads_its_batch_to_the_next_power_of_four(monkeypatch):
+    """The TPU kernels (interpret mode off a TPU) inside the served loop: five ragged rows run as one dispatch of the
+    16-row program (the loops' batch buckets are 4x apart there: ``StepPrograms.batch_for``), and answer as a step
+    at a time on the same kernels."""
+    import dataclasses
+
+    from fsm_pd.model.loader import LoadedModel
+    from fsm_pd.model.params import random_params
+    from fsm_pd.model.tiny import tiny_config
+    from fsm_pd.model.tokenizer import ByteTokenizer
+
+    monkeypatch.setenv("FSM_PD_ATTENTION", "interpret")
+    config = dataclasses.replace(tiny_config(), num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=128,
+                                 num_layers=1)
+    kernel_model = LoadedModel("kernels", config, random_params(config, seed=3, std=0.1),
+                               ByteTokenizer(vocab_size=config.vocab_size))
+    one = ColocatedEngine(kernel_model, num_pages=40, page_size=16, decode_steps_per_dispatch=1)
+    several = ColocatedEngine(kernel_model, num_pages=40, page_size=16, decode_steps_per_dispatch=4)
+    made = [request(f"k{i}", list(range(5 + i, 9 + 3 * i)), max_new_tokens=6 + i, ignore_eos=True) for i in range(5)]
+    try:
+        want = answers(one, made)
+        got, steps, dispatches = steps_run(several, made)
+        loops = kernel_model.programs(several.model_thread.pool).steps
+    finally:
+        one.close()
+        several.close()
+    assert loops.kernels == "interpret" and got == want and dispatches < steps
+    assert {batch for batch, _, _ in loops.shapes} <= {1, 4, 16} and (16, loops.widths[0], 4) in loops.shapes

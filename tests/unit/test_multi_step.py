@@ -166,9 +166,9 @@ def test_page_tables_are_as_wide_as_the_batch_needs():
 
 
 @pytest.mark.parametrize("kernels", ["jnp", "interpret"])
-def test_the_tpu_kernels_take_one_table_width(monkeypatch, kernels):
-    """The TPU decode kernel reads a row's pages up to its length whatever the table's width: one program a batch
-    bucket there, where jnp gathers up to the width and gets several."""
+def test_the_tpu_kernels_take_one_table_width_and_batches_four_apart(monkeypatch, kernels):
+    """The TPU decode kernel reads a row's pages up to its length whatever the table's width, and skips a padding
+    row: one width there, batch buckets 4x apart; jnp gathers up to the width and pays for every row."""
     monkeypatch.setenv("FSM_PD_ATTENTION", kernels)
     config = dataclasses.replace(tiny_config(), num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=128,
                                  num_layers=1)
@@ -178,6 +178,12 @@ def test_the_tpu_kernels_take_one_table_width(monkeypatch, kernels):
     full = programs.width
     assert programs.steps.widths == (table_widths(full, 16) if kernels == "jnp" else [full])
     assert len(table_widths(full, 16)) > 1
+    # the batch buckets too: each a program; a padding row costs the kernels next to nothing
+    loops = programs.steps
+    assert loops.batches(64) == ([1, 2, 4, 8, 16, 32, 64] if kernels == "jnp" else [1, 4, 16, 64])
+    assert loops.batches(128)[-1] == 128 and loops.batches(2) == ([1, 2] if kernels == "jnp" else [1, 2])
+    assert [loops.batch_for(rows, 64) for rows in (1, 2, 3, 5, 16, 17, 64)] == (
+        [1, 2, 4, 8, 16, 32, 64] if kernels == "jnp" else [1, 4, 4, 16, 16, 64, 64])
 
 
 @pytest.mark.parametrize("page_size", [16, 64, 128], ids=lambda p: f"page-{p}")  # a TPU pool's candidates
