@@ -35,6 +35,7 @@ from fsm_pd.store.database import (  # noqa: F401 - DURABILITY is re-exported
     journal_url,
     ping,
 )
+from fsm_pd.store.room_filter import RoomFilter
 from fsm_pd.store.schema import (
     COLUMNS,
     SCHEMA_VERSION,
@@ -136,6 +137,11 @@ class Journal:
             transitions.c.node == bindparam("node"), transitions.c.role == bindparam("role"),
             transitions.c.room == bindparam("room")).compile(dialect=self.engine.dialect))
         self._pending: list[tuple] = []
+        # what has_room may skip the database for (room_filter.py): made at its first question, fed by every row
+        self._rooms: RoomFilter | None = None
+        self._rooms_lock = threading.Lock()
+        self._rooms_held = str(select(transitions.c.node, transitions.c.role, transitions.c.room).distinct()
+                               .compile(dialect=dialect))
         # A flush writes through a driver connection of the engine's pool: through SQLAlchemy's connection and
         # transaction wrappers it cost about 0.2 ms of Python besides the database's work, a fifth of a simulated
         # request (``bench/sim_scale.py``) and time on a node's loop between steps. A SQLite file's connection is
@@ -154,11 +160,18 @@ class Journal:
     def add(self, node: str, role: str, room: int, version: int, trigger: str, src: str, dst: str,
             payload: str, at: float) -> None:
         """Buffer one row; ``payload`` is already JSON text."""
-        self._pending.append((node, role, room, version, trigger, src, dst, payload, at))
+        with self._rooms_lock:
+            self._pending.append((node, role, room, version, trigger, src, dst, payload, at))
+            if self._rooms is not None:
+                self._rooms.add(node, role, room)
 
     def add_rows(self, rows: list[tuple]) -> None:
         """Buffer ready-made row tuples in ``COLUMNS`` order (the node loop's batch)."""
-        self._pending.extend(rows)
+        with self._rooms_lock:
+            self._pending.extend(rows)
+            if self._rooms is not None:
+                for row in rows:
+                    self._rooms.add(row[0], row[1], row[2])
 
     def has_room(self, node: str, role: str, room: int) -> bool:
         """Whether ``node`` ever journaled ``room`` in ``role``, counting rows buffered but not yet flushed.
@@ -166,6 +179,11 @@ class Journal:
         Callable from any thread: it reads through its own pooled connection (WAL lets it run beside the writer),
         and the unique (room, role, node, version) index answers it without a scan.
         """
+        with self._rooms_lock:
+            if self._rooms is None:  # rows not yet flushed are counted here, later ones by add
+                self._rooms = RoomFilter(self._held_rooms, list(self._pending))
+            elif not self._rooms.maybe(node, role, room):
+                return False
         node_col, role_col, room_col = 0, 1, 2
         for row in self._pending:  # the writer swaps the list on flush; iterating the old one is safe
             if row[room_col] == room and row[node_col] == node and row[role_col] == role:
@@ -182,6 +200,16 @@ class Journal:
         except (SQLAlchemyError, self.engine.dialect.dbapi.Error) as exc:
             raise JournalError(f"journal {self.name} read failed: {getattr(exc, 'orig', None) or exc}") from exc
         return found is not None
+
+    def _held_rooms(self) -> list[tuple[str, str, int]]:
+        """Every (node, role, room) in the database (``RoomFilter``'s thread)."""
+        conn = self.engine.raw_connection()
+        try:
+            cursor = conn.cursor()
+            cursor.execute(self._rooms_held)
+            return [(node, role, int(room)) for node, role, room in cursor.fetchall()]
+        finally:
+            conn.close()
 
     @property
     def pending(self) -> int:
