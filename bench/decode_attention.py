@@ -93,9 +93,10 @@ def step_program(kernels: str, **settings):
     return jax.jit(run, donate_argnums=(0,))
 
 
-def settings_of(args, page_size: int, lanes: int, itemsize: int, width: int):
-    """``(label, R, block argument, chunk argument, decode_step's settings)`` for each kernel setting asked for."""
-    for rows in args.rows_per_item:
+def settings_of(args, page_size: int, lanes: int, itemsize: int, width: int, batch: int):
+    """``(label, R, block argument, chunk argument, decode_step's settings)`` for each kernel setting asked for (R at
+    most the batch, as ``decode_step`` takes it)."""
+    for rows in (min(rows, batch) for rows in args.rows_per_item):
         for kib in args.block_kib:
             for chunk in args.chunks:
                 per_block = None if kib is None else decode_attention.default_pages_per_block(
@@ -125,7 +126,8 @@ def measure(name, page_size, contexts, args, dtype, bandwidth, kernels):
     row = {"layers": layers, "roofline_ms": round(1e3 * roof, 4), "jnp_ms": round(1e3 * jnp_s, 4),
            "jnp_share": float(f"{roof / jnp_s:.3g}"), "kernel": {}}
     one_row, seen = {}, {}  # (block, chunk arguments) -> R = 1's seconds; label -> seconds
-    for label, rows, kib, chunk, settings in settings_of(args, page_size, lanes, itemsize, rest[3].shape[1]):
+    width, batch = rest[3].shape[1], len(contexts)
+    for label, rows, kib, chunk, settings in settings_of(args, page_size, lanes, itemsize, width, batch):
         if label in seen:  # two arguments that come to the same setting: timed once
             if rows == 1 and seen[label] is not None:
                 one_row[kib, chunk] = seen[label]

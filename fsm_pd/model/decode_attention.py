@@ -275,8 +275,8 @@ def decode_step(q, k, v, layer_pool, page_tables, starts, lengths, *, pages_per_
     ``layer_pool: [N, page_size, 2 * KVH * D]`` through ``page_tables: [B, W]``, and attend ``q: [B, 1, H, D]`` over
     each row's positions ``[0, starts + lengths)``. Returns ``([B, 1, H, D], the pool written in place)``. Rows with
     no context (padding: ``starts + lengths`` 0) return zeros and write nothing. ``rows_per_item`` (default
-    ``ROWS_PER_ITEM``): rows a work item attends to at once; ``pages_per_block``, ``chunk_tokens``: a row's block and
-    chunk (default ``block_settings``'s)."""
+    ``ROWS_PER_ITEM``; at most ``B``): rows a work item attends to at once; ``pages_per_block``, ``chunk_tokens``: a
+    row's block and chunk (default ``block_settings``'s)."""
     b, _, heads, dim = q.shape
     _, page_size, lanes = layer_pool.shape
     kv_heads = lanes // (2 * dim)
@@ -287,7 +287,7 @@ def decode_step(q, k, v, layer_pool, page_tables, starts, lengths, *, pages_per_
                          f"got {page_size} rows of {layer_pool.dtype}")
     pair = dim % _LANES != 0
     q_lanes = 2 * dim if pair else dim
-    n = rows_per_item or ROWS_PER_ITEM
+    n = min(rows_per_item or ROWS_PER_ITEM, b)  # a batch of fewer rows: no padding rows computed
     per_block, chunk_pages = block_settings(page_size, lanes, layer_pool.dtype.itemsize, page_tables.shape[1], n,
                                             pages_per_block, chunk_tokens)
     kv_lens = (starts + lengths).astype(jnp.int32)

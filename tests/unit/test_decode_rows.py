@@ -107,3 +107,23 @@ def test_several_rows_an_item_share_the_vmem_one_row_an_item_had():
     assert decode_attention.block_settings(16, 384, 2, 4096, 8) == (64, 8)
     with pytest.raises(ValueError, match="rows_per_item"):
         decode_attention.block_settings(16, 384, 2, 40, 0)
+
+
+def test_a_batch_smaller_than_rows_per_item_takes_that_many_rows_an_item():
+    """Two rows at R = 8: an item of 2 rows (6 padding rows would be computed for nothing), the jnp path's answer."""
+    heads, kv_heads = SHAPES[64]
+    rng = np.random.default_rng(2)
+    pool = jnp.asarray(rng.normal(size=(8, 16, 2 * kv_heads * 64)), jnp.float32)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 1, n, 64)), jnp.float32) for n in (heads, kv_heads, kv_heads))
+    args = (jnp.asarray([[3, 5, 0], [6, 0, 0]], jnp.int32), jnp.asarray([20, 4], jnp.int32),
+            jnp.asarray([1, 1], jnp.int32))
+    want, want_pool = attention.paged_attention(q, k, v, pool.copy(), *args, kernels="jnp")
+    step = lambda rows: decode_attention.decode_step(q, k, v, pool.copy(), *args, rows_per_item=rows,  # noqa: E731
+                                                     interpret=not ON_TPU)
+    got, got_pool = step(8)
+    tolerance = 2e-2 if ON_TPU else 1e-5
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=tolerance, rtol=tolerance)
+    np.testing.assert_array_equal(np.asarray(got_pool)[1:], np.asarray(want_pool)[1:])
+    traced = lambda rows: decode_attention.decode_step.trace(  # noqa: E731
+        q, k, v, pool, *args, rows_per_item=rows, interpret=not ON_TPU).jaxpr
+    assert str(traced(8)) == str(traced(2)) != str(traced(1))
