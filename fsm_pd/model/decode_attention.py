@@ -35,6 +35,40 @@ How it works:
 
 The VMEM buffers are zeroed once per call, so a position past a row's context reads a finite value (its weight is 0,
 and ``0 * x`` is NaN only for an infinite or NaN ``x``).
+
+Several rows an item (``rows_per_item`` R, ``decode_rows.py``; ``ROWS_PER_ITEM`` is serving's, R = 1 is the above):
+
+- **Why**: on a v5e (round r10, ``bench/step_profile.py``) SmolLM2's kernel took 79 us a layer at batch 64 for
+  25.2 MB of KV, 39% of HBM bandwidth: 1.2 us a row where its bytes take 0.5. An item is a chain (the DMA's wait,
+  ``q . K``, max, exp and sum, ``p . V``, the output), each step waiting on the one before, and items run one after
+  another, so the vector and matrix units sit idle through every step's latency. R rows an item are R chains with
+  nothing between them: a Python loop in one loop body, no ``pl.when`` or loop per row (the compiler schedules
+  within straight-line code, so a branch per row would fence each chain off again), and every row's running state
+  read before any is written (a store would order the next row's loads after it). One chain's waits fill with the
+  others' work, leaving the units' throughput or the bytes as the bound.
+- **Groups, not a flat list**: an item is R consecutive rows at one block index, in lockstep: a group has as many
+  items as its longest row has blocks, an item as many chunks as its longest row needs there, and shorter rows sit
+  those out masked. R of the flat list's (row, block) items at a time, each block's softmax merged into its row's
+  afterwards (split-K), would balance rows of mixed lengths, but the merges go through per-row state at a dynamic
+  index, a chain again at every item's end, and R = 1 would no longer be r10's kernel. At SmolLM2's contexts a row
+  is one block (64 pages: 1,024 tokens at 16-token pages), where groups lose nothing; grouping rows by length (a
+  sort a step, shared by all layers) waits until a mixed batch (``bench/decode_attention.py --tails``) shows a cost.
+- **Smaller chunks**: at R = 1, 1,024 positions a chunk beat 128 to 512 (``CHUNK_TOKENS``), each chunk being a chain
+  paid in latency. With R chains side by side that latency hides, so a chunk is ``CHUNK_TOKENS / R`` positions: the
+  R rows' scores together fill the registers one row's 1,024 did, and a row computes to the next 128 positions past
+  its context at R = 8, not the next 1,024 (a 513-token row: 640 positions instead of 1,024).
+- **Blocks share ``ITEM_BYTES``** (R blocks an item, ``BUFFERS`` items in VMEM): SmolLM2 keeps 64-page blocks (768
+  KiB a row); the 1.7B shape's halve to 2 MiB at R = 8.
+- **Finite page by page**: zeroing every buffer once a call, as R = 1 does, is R times the stores (18 MiB at R = 8
+  for SmolLM2: ~4,600 vector stores a layer, microseconds); a page that a row's chunks read but that was never
+  fetched for it is zeroed instead, the first time, once a call (``decode_rows``).
+- **What stays per row**: the DMA descriptors (a few for a run of the pool, one a page otherwise) and the KV
+  write-back are scalar work in loops of their own, paid for each row whatever R; per item (the waits, the loop's
+  step, the state's start and output) is shared by R rows. A larger R amortizes more, but holds more VMEM and
+  lengthens the kernel (R chains in its body: SmolLM2's ``decode_step`` traced and lowered for a TPU in about 0.4 s
+  at R = 1 and 0.65 s at R = 8, on a 2-core CPU, a cost every decode program pays at every start).
+- **Batch 1** runs R = 1 (R is at most the batch): one row is one chain whatever R. Splitting a long row's blocks
+  over chains (the split-K above) would be the way to hide its latency.
 """
 
 from __future__ import annotations
