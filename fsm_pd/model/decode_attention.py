@@ -35,6 +35,40 @@ How it works:
 
 The VMEM buffers are zeroed once per call, so a position past a row's context reads a finite value (its weight is 0,
 and ``0 * x`` is NaN only for an infinite or NaN ``x``).
+
+Several rows an item (``rows_per_item`` R, ``decode_rows.py``; ``ROWS_PER_ITEM`` is serving's, R = 1 is the above):
+
+- **Why**: on a v5e (round r10, ``bench/step_profile.py``) SmolLM2's kernel took 79 us a layer at batch 64 for
+  25.2 MB of KV, 39% of HBM bandwidth: 1.2 us a row where its bytes take 0.5. An item is a chain (the DMA's wait,
+  ``q . K``, max, exp and sum, ``p . V``, the output), each step waiting on the one before, and items run one after
+  another, so the vector and matrix units sit idle through every step's latency. R rows an item are R chains with
+  nothing between them: a Python loop in one loop body, no ``pl.when`` or loop per row (the compiler schedules
+  within straight-line code, so a branch per row would fence each chain off again), and every row's running state
+  read before any is written (a store would order the next row's loads after it). One chain's waits fill with the
+  others' work, leaving the units' throughput or the bytes as the bound.
+- **Groups, not a flat list**: an item is R consecutive rows at one block index, in lockstep: a group has as many
+  items as its longest row has blocks, an item as many chunks as its longest row needs there, and shorter rows sit
+  those out masked. R of the flat list's (row, block) items at a time, each block's softmax merged into its row's
+  afterwards (split-K), would balance rows of mixed lengths, but the merges go through per-row state at a dynamic
+  index, a chain again at every item's end, and R = 1 would no longer be r10's kernel. At SmolLM2's contexts a row
+  is one block (64 pages: 1,024 tokens at 16-token pages), where groups lose nothing; grouping rows by length (a
+  sort a step, shared by all layers) waits until a mixed batch (``bench/decode_attention.py --tails``) shows a cost.
+- **Smaller chunks**: at R = 1, 1,024 positions a chunk beat 128 to 512 (``CHUNK_TOKENS``), each chunk being a chain
+  paid in latency. With R chains side by side that latency hides, so a chunk is ``CHUNK_TOKENS / R`` positions: the
+  R rows' scores together fill the registers one row's 1,024 did, and a row computes to the next 128 positions past
+  its context at R = 8, not the next 1,024 (a 513-token row: 640 positions instead of 1,024).
+- **Blocks share ``ITEM_BYTES``** (R blocks an item, ``BUFFERS`` items in VMEM): SmolLM2 keeps 64-page blocks (768
+  KiB a row); the 1.7B shape's halve to 2 MiB at R = 8.
+- **Finite page by page**: zeroing every buffer once a call, as R = 1 does, is R times the stores (18 MiB at R = 8
+  for SmolLM2: ~4,600 vector stores a layer, microseconds); a page that a row's chunks read but that was never
+  fetched for it is zeroed instead, the first time, once a call (``decode_rows``).
+- **What stays per row**: the DMA descriptors (a few for a run of the pool, one a page otherwise) and the KV
+  write-back are scalar work in loops of their own, paid for each row whatever R; per item (the waits, the loop's
+  step, the state's start and output) is shared by R rows. A larger R amortizes more, but holds more VMEM and
+  lengthens the kernel (R chains in its body: SmolLM2's ``decode_step`` traced and lowered for a TPU in about 0.4 s
+  at R = 1 and 0.65 s at R = 8, on a 2-core CPU, a cost every decode program pays at every start).
+- **Batch 1** runs R = 1 (R is at most the batch): one row is one chain whatever R. Splitting a long row's blocks
+  over chains (the split-K above) would be the way to hide its latency.
 """
 
 from __future__ import annotations
@@ -57,6 +91,10 @@ BLOCK_BYTES = 4 << 20  # KV bytes a block fetches at most (3 blocks in VMEM, of 
 MAX_PAGES_PER_BLOCK = 64
 CHUNK_TOKENS = 1024  # positions computed at a time: a block's chunks past the row's context are skipped
 _VMEM_LIMIT = 96 * 1024 * 1024  # of a v5e's 128 MiB: the buffers plus the batch's queries and outputs
+# Rows a work item attends to at once (``decode_rows.py``; the docstring's last part says why). 1: one row an item,
+# as measured through round r10. Read when a program is traced.
+ROWS_PER_ITEM = 1
+ITEM_BYTES = 16 << 20  # several rows an item: KV bytes an item fetches at most (BUFFERS items in VMEM)
 
 
 def supported(head_dim: int) -> bool:
@@ -69,9 +107,54 @@ def default_pages_per_block(page_size: int, lanes: int, itemsize: int, block_byt
     return 1 << (pages.bit_length() - 1)
 
 
+def block_settings(page_size: int, lanes: int, itemsize: int, width: int, rows_per_item: int = 1,
+                   pages_per_block: int | None = None, chunk_tokens: int | None = None) -> tuple[int, int]:
+    """``(pages a row's block fetches, pages computed at a time)``; ``None``: the defaults for ``rows_per_item``.
+    Several rows an item share ``ITEM_BYTES`` and compute ``CHUNK_TOKENS`` positions at a time between them (the
+    module's docstring says why)."""
+    if rows_per_item < 1:
+        raise ValueError(f"rows_per_item must be 1 or more, got {rows_per_item}")
+    block_bytes = BLOCK_BYTES if rows_per_item == 1 else min(BLOCK_BYTES, ITEM_BYTES // rows_per_item)
+    per_block = min(width, pages_per_block or default_pages_per_block(page_size, lanes, itemsize, block_bytes))
+    chunk_pages = max(1, min(per_block, (chunk_tokens or CHUNK_TOKENS // rows_per_item) // page_size))
+    while per_block % chunk_pages:
+        chunk_pages -= 1
+    return per_block, chunk_pages
+
+
 def _sublanes(dtype) -> int:
     """Rows of one (sublane) tile: 8 for 32-bit values, 16 for bfloat16."""
     return 8 * (4 // jnp.dtype(dtype).itemsize)
+
+
+def block_copies(action, pool, into, sem, tables, row, first, used, one_run, run_index, pages_per_block: int):
+    """``action`` (start or wait) on each DMA that brings pages ``first .. first + used - 1`` of ``row``'s table from
+    ``pool`` to ``into(index)`` (``index``: a page, or a ``pl.ds`` of pages, of the block's buffer). Where those pages
+    are one run of the pool (``one_run[run_index]``, decided before the kernel: a prompt's pages mostly are, the
+    allocator hands them out in order), the run goes in one DMA per set bit of its length; otherwise a DMA a page, in a
+    loop over the pages in use. Both are written once, not once per page: the kernel is traced and lowered with every
+    program that holds it (a block of 64 pages written out page by page cost SmolLM2's decode programs seconds of
+    tracing). ``used`` is 0 (no DMA) or more."""
+    width = tables.shape[1]
+    start_page = tables[row, jnp.minimum(first, width - 1)]
+
+    @pl.when(one_run[run_index] != 0)
+    def _runs():
+        size = 1 << (pages_per_block.bit_length() - 1)
+        while size:  # the run's length in binary: a piece of each set bit's size, after the larger ones
+            offset = used // (2 * size) * (2 * size)
+            copy = pltpu.make_async_copy(pool.at[pl.ds(start_page + offset, size)], into(pl.ds(offset, size)), sem)
+            pl.when((used & size) != 0)(lambda copy=copy: action(copy))
+            size //= 2
+
+    @pl.when(one_run[run_index] == 0)
+    def _pages():
+        def page(j, carry):
+            column = jnp.minimum(first + j, width - 1)
+            action(pltpu.make_async_copy(pool.at[tables[row, column]], into(j), sem))
+            return carry
+
+        jax.lax.fori_loop(0, used, page, 0)
 
 
 def _kernel(kv_lens, writes, tables, work_rows, work_blocks, one_run, num_blocks, total,  # scalar prefetch (SMEM)
@@ -79,7 +162,6 @@ def _kernel(kv_lens, writes, tables, work_rows, work_blocks, one_run, num_blocks
             buf, sems, write_sem, m_ref, l_ref, acc_ref,  # scratch
             *, pages_per_block: int, chunk_pages: int, head_dim: int, pair: bool, group: int):
     _, page_size, lanes = pool_in.shape
-    width = tables.shape[1]
     kv_heads = q_ref.shape[1]
     rows, q_lanes = q_ref.shape[2], q_ref.shape[3]
     chunk = chunk_pages * page_size
@@ -89,33 +171,11 @@ def _kernel(kv_lens, writes, tables, work_rows, work_blocks, one_run, num_blocks
     dot = partial(jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
 
     def each(g, slot, action):
-        """``action`` on each of item ``g``'s DMAs. Where the block's pages in use are one run of the pool
-        (``one_run``, decided before the kernel: a prompt's pages mostly are, the allocator hands them out in order),
-        the run goes in one DMA per set bit of its length; otherwise a DMA a page, in a loop over the pages in use.
-        Both are written once, not once per page: the kernel is traced and lowered with every program that holds it
-        (a block of 64 pages written out page by page cost SmolLM2's decode programs seconds of tracing)."""
+        """``action`` on each of item ``g``'s DMAs (``block_copies``)."""
         r, first = work_rows[g], work_blocks[g] * pages_per_block
         used = jnp.minimum(pages_per_block, (kv_lens[r] + page_size - 1) // page_size - first)
-        start_page = tables[r, jnp.minimum(first, width - 1)]
-
-        @pl.when(one_run[g] != 0)
-        def _runs():
-            size = 1 << (pages_per_block.bit_length() - 1)
-            while size:  # the run's length in binary: a piece of each set bit's size, after the larger ones
-                offset = used // (2 * size) * (2 * size)
-                copy = pltpu.make_async_copy(pool_in.at[pl.ds(start_page + offset, size)],
-                                             buf.at[slot, pl.ds(offset, size)], sems.at[slot])
-                pl.when((used & size) != 0)(lambda copy=copy: action(copy))
-                size //= 2
-
-        @pl.when(one_run[g] == 0)
-        def _pages():
-            def page(j, carry):
-                column = jnp.minimum(first + j, width - 1)
-                action(pltpu.make_async_copy(pool_in.at[tables[r, column]], buf.at[slot, j], sems.at[slot]))
-                return carry
-
-            jax.lax.fori_loop(0, used, page, 0)
+        block_copies(action, pool_in, lambda index: buf.at[slot, index], sems.at[slot], tables, r, first, used,
+                     one_run, g, pages_per_block)
 
     start = lambda g: each(g, g % BUFFERS, lambda copy: copy.start())  # noqa: E731
     wait = lambda g: each(g, g % BUFFERS, lambda copy: copy.wait())  # noqa: E731
@@ -241,13 +301,16 @@ def query_rows(q, kv_heads: int, q_lanes: int, dtype):
     return jnp.where(mine[None, :, :, None], padded[:, None], jnp.zeros((), dtype))
 
 
-@partial(jax.jit, static_argnames=("pages_per_block", "chunk_tokens", "interpret"), donate_argnames=("layer_pool",))
+@partial(jax.jit, static_argnames=("pages_per_block", "chunk_tokens", "rows_per_item", "interpret"),
+         donate_argnames=("layer_pool",))
 def decode_step(q, k, v, layer_pool, page_tables, starts, lengths, *, pages_per_block: int | None = None,
-                chunk_tokens: int = CHUNK_TOKENS, interpret: bool = False):
+                chunk_tokens: int | None = None, rows_per_item: int | None = None, interpret: bool = False):
     """Store the new token's K/V (``k, v: [B, 1, KVH, D]``, at position ``starts[b]`` where ``lengths[b]`` is 1) in
     ``layer_pool: [N, page_size, 2 * KVH * D]`` through ``page_tables: [B, W]``, and attend ``q: [B, 1, H, D]`` over
     each row's positions ``[0, starts + lengths)``. Returns ``([B, 1, H, D], the pool written in place)``. Rows with
-    no context (padding: ``starts + lengths`` 0) return zeros and write nothing."""
+    no context (padding: ``starts + lengths`` 0) return zeros and write nothing. ``rows_per_item`` (default
+    ``ROWS_PER_ITEM``; at most ``B``): rows a work item attends to at once; ``pages_per_block``, ``chunk_tokens``: a
+    row's block and chunk (default ``block_settings``'s)."""
     b, _, heads, dim = q.shape
     _, page_size, lanes = layer_pool.shape
     kv_heads = lanes // (2 * dim)
@@ -258,24 +321,46 @@ def decode_step(q, k, v, layer_pool, page_tables, starts, lengths, *, pages_per_
                          f"got {page_size} rows of {layer_pool.dtype}")
     pair = dim % _LANES != 0
     q_lanes = 2 * dim if pair else dim
-    width = page_tables.shape[1]
-    per_block = min(width, pages_per_block or default_pages_per_block(page_size, lanes, layer_pool.dtype.itemsize))
-    chunk_pages = max(1, min(per_block, chunk_tokens // page_size))
-    while per_block % chunk_pages:
-        chunk_pages -= 1
+    n = min(rows_per_item or ROWS_PER_ITEM, b)  # a batch of fewer rows: no padding rows computed
+    per_block, chunk_pages = block_settings(page_size, lanes, layer_pool.dtype.itemsize, page_tables.shape[1], n,
+                                            pages_per_block, chunk_tokens)
     kv_lens = (starts + lengths).astype(jnp.int32)
     writes = (lengths > 0).astype(jnp.int32)
     tables = page_tables.astype(jnp.int32)
+    settings = dict(pages_per_block=per_block, chunk_pages=chunk_pages, head_dim=dim, pair=pair,
+                    group=heads // kv_heads)
+    if n == 1:
+        out, layer_pool = _one_row_an_item(q, k, v, layer_pool, kv_lens, writes, tables, q_lanes, interpret, settings)
+    else:
+        from fsm_pd.model import decode_rows  # imports this module
+
+        out, layer_pool = decode_rows.attend(q, k, v, layer_pool, kv_lens, writes, tables, rows_per_item=n,
+                                             q_lanes=q_lanes, interpret=interpret, **settings)
+    values = out[:, :heads, q_lanes - dim:]  # [B, H, D]: V's lanes
+    return values.reshape(b, 1, heads, dim).astype(q.dtype), layer_pool
+
+
+def new_rows_of(k, v, dtype):
+    """``k, v: [B, 1, KVH, D]`` as the pool's rows ``[B, 1, 2 * KVH * D]`` (``K0, V0, K1, V1, ...``)."""
+    b, _, kv_heads, dim = k.shape
+    return jnp.stack([k[:, 0], v[:, 0]], axis=2).reshape(b, 1, 2 * kv_heads * dim).astype(dtype)
+
+
+def _one_row_an_item(q, k, v, layer_pool, kv_lens, writes, tables, q_lanes, interpret, settings):
+    b, _, heads, dim = q.shape
+    _, page_size, lanes = layer_pool.shape
+    kv_heads = lanes // (2 * dim)
+    width = tables.shape[1]
+    per_block = settings["pages_per_block"]
     rows, firsts, blocks, count = _work(kv_lens, per_block * page_size, b * -(-width // per_block))
     runs = consecutive_blocks(tables, kv_lens, rows, firsts, per_block, page_size)
     queries = query_rows(q, kv_heads, q_lanes, layer_pool.dtype)  # [B, KVH, R, q_lanes]
     r = queries.shape[2]
-    new_rows = jnp.stack([k[:, 0], v[:, 0]], axis=2).reshape(b, 1, lanes).astype(layer_pool.dtype)
+    new_rows = new_rows_of(k, v, layer_pool.dtype)
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     anywhere = pl.BlockSpec(memory_space=pl.ANY)
-    out, layer_pool = pl.pallas_call(
-        partial(_kernel, pages_per_block=per_block, chunk_pages=chunk_pages, head_dim=dim, pair=pair,
-                group=heads // kv_heads),
+    return pl.pallas_call(
+        partial(_kernel, **settings),
         out_shape=(jax.ShapeDtypeStruct((b, r, q_lanes), jnp.float32),
                    jax.ShapeDtypeStruct(layer_pool.shape, layer_pool.dtype)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -296,5 +381,3 @@ def decode_step(q, k, v, layer_pool, page_tables, starts, lengths, *, pages_per_
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=_VMEM_LIMIT),
         interpret=pltpu.InterpretParams() if interpret else False,
     )(kv_lens, writes, tables, rows, firsts, runs, blocks, count, queries, new_rows, layer_pool)
-    values = out[:, :heads, q_lanes - dim:]  # [B, H, D]: V's lanes
-    return values.reshape(b, 1, heads, dim).astype(q.dtype), layer_pool
