@@ -16,6 +16,9 @@
 #   run (all done, the limit, SIGINT or SIGTERM from outside), it ends with the summary read from those records: the
 #   counts, every failure with its message, the tests still running when it was cut, the 15 slowest tests; also
 #   written there as summary.md and summary.json.
+# - Each test's record holds the programs its process compiled while it ran, by name (FSM_PD_SUITE_COMPILES, default
+#   `names`; tests/suite_compiles.py): on the chip most of a test's time is compiling. compiles.txt there has them
+#   per file, and the tests that compiled most (`python3 tests/suite_compiles.py chip.jsonl`).
 # - Such a host may allow no TCP socket, not even on loopback. The in-process PD engines then serve over unix sockets
 #   (tests/node_sockets.py); the tests that need TCP skip with their reason, counted as the real part tcp-loopback
 #   ("real parts: tcp-loopback ran N, skipped M" in each run's log; tests/real_parts.py).
@@ -36,6 +39,7 @@ mapfile -t chip_files < <(grep -rl --include='test_*.py' 'mark\.chip' "${paths[@
 out="${FSM_PD_SUITE_OUT:-$(mktemp -d /tmp/fsm-pd-suite.XXXXXX)}"
 mkdir -p "$out"
 rm -f "$out"/chip.jsonl "$out"/cpu.jsonl
+export FSM_PD_SUITE_COMPILES="${FSM_PD_SUITE_COMPILES:-names}"
 export FSM_PD_SUITE_COMPILE_CACHE="${FSM_PD_SUITE_COMPILE_CACHE:-${FSM_PD_COMPILE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/fsm-pd/jax}}"
 
 # pyproject's addopts name pytest-xdist's --dist options, which pytest refuses where xdist is not installed (a TPU
@@ -74,6 +78,7 @@ done_in() { local n; n=$(grep -c '"event": "result"' "$1" 2>/dev/null); echo "${
 summarize() {
     echo "tests/on_tpu.sh: $SECONDS s; the runs' output: $out/chip.log, $out/cpu.log"
     grep -h "^jax: \|^real parts: " "$out/chip.log" "$out/cpu.log" 2>/dev/null | sed 's/^/  /'
+    python3 tests/suite_compiles.py "$out/chip.jsonl" "$out/cpu.jsonl" --tests 30 >"$out/compiles.txt" 2>&1
     python3 tests/suite_log.py "$out/chip.jsonl" "$out/cpu.jsonl" --markdown "$out/summary.md" \
         --json "$out/summary.json"
 }
