@@ -16,17 +16,43 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from fsm_pd.runtime.switch_interval import brief_turns
+
 T = TypeVar("T")
 
-# about what the chip's process has to itself beside the CPU half's 8 workers on a 13-core host; on 2 cores more
-# threads only wait for each other
-THREADS = max(1, min(6, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+ENV = "FSM_PD_SUITE_SIDE_BY_SIDE"  # threads to use, where the default (below) is not wanted
 
 
-def side_by_side(thunks: list[Callable[[], T]], threads: int = THREADS) -> list[T]:
-    """Each thunk's result, in order, run on up to ``threads`` threads at once; the first failure is raised."""
-    if len(thunks) <= 1 or threads <= 1:
+def threads() -> int:
+    """Up to 6: about what the chip's process has to itself beside the CPU half's 8 workers on a 13-core host. On
+    this project's loaded 2-core machines they gain nothing and cost nothing (test_layer_groups: 9.4 s, against 8.6
+    to 9.0 one after the other), which keeps the chip's path tried on the CPU. ``FSM_PD_SUITE_SIDE_BY_SIDE=N`` sets
+    N (1: one after the other)."""
+    if os.environ.get(ENV):
+        return max(1, int(os.environ[ENV]))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(6, cores))
+
+
+def side_by_side(thunks: list[Callable[[], T]], workers: int | None = None) -> list[T]:
+    """Each thunk's result, in order, run on up to ``workers`` threads at once (default ``threads()``); the first
+    failure is raised. The interpreter's lock changes hands in brief turns meanwhile: a thread back from XLA's
+    compile waits for it while another traces, up to 5 ms a turn by default (``fsm_pd/runtime/switch_interval.py``;
+    without them test_layer_groups took 14 to 19 s on 2 cores)."""
+    workers = threads() if workers is None else workers
+    if len(thunks) <= 1 or workers <= 1:
         return [thunk() for thunk in thunks]
-    with ThreadPoolExecutor(min(threads, len(thunks)), thread_name_prefix="side-by-side") as workers:
-        futures = [workers.submit(thunk) for thunk in thunks]
+    with brief_turns(), ThreadPoolExecutor(min(workers, len(thunks)), thread_name_prefix="side-by-side") as pool:
+        futures = [pool.submit(thunk) for thunk in thunks]
         return [future.result() for future in futures]
+
+
+def each_program(thunks: dict) -> dict:
+    """``ForwardPrograms.compile``'s ``run``: a forward shape's programs (each group size, the head, the embedding)
+    side by side, as a node's warm-up compiles them."""
+    return dict(zip(thunks, side_by_side(list(thunks.values())), strict=True))
+
+
+def forward_shapes(programs, shapes) -> list:
+    """``programs.compile`` of each ``(batch, tokens)`` in ``shapes``, all their programs side by side."""
+    return side_by_side([lambda shape=shape: programs.compile(*shape, run=each_program) for shape in shapes])
