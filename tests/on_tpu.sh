@@ -7,6 +7,9 @@
 #   it, and the processes its tests start run jax on the CPU (tests/on_chip.py). The other tests run meanwhile on
 #   pytest-xdist workers (FSM_PD_SUITE_WORKERS, default 8 of the host's 13 cores) with JAX_PLATFORMS=cpu, so that
 #   none of them, nor any process they start, opens the chip. Without pytest-xdist they run in one CPU process.
+#   The CPU half runs at nice 10 (FSM_PD_SUITE_CPU_NICE), it and every process it starts: the chip half is the
+#   longer (on a v5e host the CPU half ended after about 170 s, the chip half ran on for 3 minutes more), and while
+#   both ran the chip's process, compiling on the host's cores, competed with 8 workers and their nodes for them.
 # - One persistent compile cache for both runs and the nodes their tests start (FSM_PD_SUITE_COMPILE_CACHE, default
 #   $FSM_PD_COMPILE_CACHE, else the nodes' own default ~/.cache/fsm-pd/jax): a program is compiled once per run,
 #   and a second run on the same host reads it back.
@@ -33,6 +36,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 limit="${FSM_PD_SUITE_LIMIT:-330}"
 workers="${FSM_PD_SUITE_WORKERS:-8}"
+cpu_nice="${FSM_PD_SUITE_CPU_NICE:-10}"
 read -ra paths <<<"${FSM_PD_SUITE_PATHS:-tests/unit tests/property}"
 mapfile -t chip_files < <(grep -rl --include='test_*.py' 'mark\.chip' "${paths[@]}" 2>/dev/null | sort)
 (( ${#chip_files[@]} )) || chip_files=("${paths[@]}")  # none: the run collects what the CPU's does, and selects none
@@ -55,7 +59,7 @@ SECONDS=0
 FSM_PD_SUITE_LOG="$out/chip.jsonl" timeout -s INT -k 20 "$limit" \
     python3 -m pytest "${common[@]}" "$@" -m chip "${chip_files[@]}" >"$out/chip.log" 2>&1 &
 chip=$!
-JAX_PLATFORMS=cpu FSM_PD_SUITE_LOG="$out/cpu.jsonl" timeout -s INT -k 20 "$limit" \
+JAX_PLATFORMS=cpu FSM_PD_SUITE_LOG="$out/cpu.jsonl" timeout -s INT -k 20 "$limit" nice -n "$cpu_nice" \
     python3 -m pytest "${common[@]}" "${spread[@]}" "$@" -m "not chip" "${paths[@]}" >"$out/cpu.log" 2>&1 &
 cpu=$!
 chip_status="" cpu_status=""
