@@ -120,8 +120,9 @@ def test_prefill_chunks_prefix_hits_and_decode_match_jnp(model, page_size):
         ([prompt[:p + half], [0] * (p + half)], [0, 0], [p + half, 0], [table(*a_pages), table()]),
         # a's second chunk starts mid-page 3 and ends mid-page 12
         ([prompt[p + half:] + [0] * half], [p + half], [p], [table(*a_pages)]),
-        # b: after the prefix hit (2 pages: 7, 3), a page and a quarter of new tokens into pages 19 and 5
-        ([rng.integers(1, 250, size=p + quarter).tolist() + [0] * (p - quarter)], [2 * p], [p + quarter],
+        # b: after the prefix hit (2 pages: 7, 3), a page and a quarter of new tokens into pages 19 and 5, padded as
+        # long as a's second chunk: one program for both (on a chip each program of a kernel set is seconds)
+        ([rng.integers(1, 250, size=p + quarter).tolist() + [0] * (half - quarter)], [2 * p], [p + quarter],
          [table(*b_pages)]),
     ]
     decode_rows = [[int(rng.integers(1, 250))] for _ in range(2)]
