@@ -121,6 +121,28 @@ def full_precision():
         yield
 
 
+@pytest.fixture(autouse=True)
+def _demands_stay_with_their_test():
+    """What a serving process keeps process-wide stays with the test that made it: the sampler batch buckets marked
+    prepared (``sampling._prepared``: a later test's batch was padded up to another test's buckets) and the programs
+    requests ran without (``compile_demand``: a later test's background compile compiled them, for engines long gone:
+    20 sampler programs, of vocabularies of four other tests, in one test_warmup test of the chip half)."""
+    sampling = sys.modules.get("fsm_pd.model.sampling")
+    prepared = set(sampling._prepared) if sampling is not None else None
+    yield
+    sampling = sys.modules.get("fsm_pd.model.sampling")
+    if sampling is not None:
+        sampling._prepared.clear()
+        sampling._prepared.update(prepared or ())
+    demand = sys.modules.get("fsm_pd.model.compile_demand")
+    if demand is not None:
+        with demand._lock:
+            for queue in demand._queues:
+                queue.clear()
+            demand._noted.clear()
+            demand._wanted.clear()
+
+
 def _group(item: pytest.Item) -> str:
     """The test's xdist group: the one it names, else its module."""
     mark = item.get_closest_marker("xdist_group")
