@@ -15,7 +15,8 @@ the device) run in one process, which takes the chip before any test runs and wh
 the others run at the same time on pytest-xdist workers with ``JAX_PLATFORMS=cpu``. The fixtures ``cpu_default`` and
 ``full_precision`` are for tests of what only a CPU does and for tests that compare float32 results
 (``on_chip.py``). On a CPU machine they change nothing. ``FSM_PD_SUITE_LOG`` names a file that records the run as it
-goes (``suite_log.py``), ``FSM_PD_SUITE_COMPILE_CACHE`` a persistent compile cache for the run. On a CPU, XLA
+goes (``suite_log.py``), ``FSM_PD_SUITE_COMPILES=1`` adds each test's compiles to it (``suite_compiles.py``),
+``FSM_PD_SUITE_COMPILE_CACHE`` a persistent compile cache for the run. On a CPU, XLA
 compiles with its cheapest settings in the processes that run tests, and with cheaper ones that cost nothing at run time
 in the processes tests start (``xla_flags.py``). The httpx clients of a process that runs tests share one SSL context
 (``httpx_ssl.py``). fsm-pd's bytecode is written once, before any test, so that the processes tests start read it
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bytecode  # noqa: E402 - after the path above
 import on_chip  # noqa: E402
+import suite_compiles  # noqa: E402
 import suite_log  # noqa: E402
 import xla_flags  # noqa: E402
 from httpx_ssl import share_one_ssl_context  # noqa: E402
@@ -92,6 +94,9 @@ def pytest_configure(config):
         os.environ[compile_cache.ENV] = cache
     if runs_tests:
         config.stash[_CHIP] = on_chip.take_the_chip()
+        if os.environ.get(suite_compiles.ENV):  # after the chip is taken: the counter starts jax
+            counter = suite_compiles.CompileCounter(names=os.environ[suite_compiles.ENV] == "names")
+            config.pluginmanager.register(counter, "fsm-pd-suite-compiles")
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -114,6 +119,28 @@ def full_precision():
     pytest.mark.usefixtures("full_precision")``, which puts it before the module's own fixtures."""
     with on_chip.full_precision():
         yield
+
+
+@pytest.fixture(autouse=True)
+def _demands_stay_with_their_test():
+    """What a serving process keeps process-wide stays with the test that made it: the sampler batch buckets marked
+    prepared (``sampling._prepared``: a later test's batch was padded up to another test's buckets) and the programs
+    requests ran without (``compile_demand``: a later test's background compile compiled them, for engines long gone:
+    20 sampler programs, of vocabularies of four other tests, in one test_warmup test of the chip half)."""
+    sampling = sys.modules.get("fsm_pd.model.sampling")
+    prepared = set(sampling._prepared) if sampling is not None else None
+    yield
+    sampling = sys.modules.get("fsm_pd.model.sampling")
+    if sampling is not None:
+        sampling._prepared.clear()
+        sampling._prepared.update(prepared or ())
+    demand = sys.modules.get("fsm_pd.model.compile_demand")
+    if demand is not None:
+        with demand._lock:
+            for queue in demand._queues:
+                queue.clear()
+            demand._noted.clear()
+            demand._wanted.clear()
 
 
 def _group(item: pytest.Item) -> str:

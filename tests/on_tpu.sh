@@ -7,6 +7,9 @@
 #   it, and the processes its tests start run jax on the CPU (tests/on_chip.py). The other tests run meanwhile on
 #   pytest-xdist workers (FSM_PD_SUITE_WORKERS, default 8 of the host's 13 cores) with JAX_PLATFORMS=cpu, so that
 #   none of them, nor any process they start, opens the chip. Without pytest-xdist they run in one CPU process.
+#   The CPU half runs at nice 10 (FSM_PD_SUITE_CPU_NICE), it and every process it starts: the chip half is the
+#   longer (on a v5e host the CPU half ended after about 170 s, the chip half ran on for 3 minutes more), and while
+#   both ran the chip's process, compiling on the host's cores, competed with 8 workers and their nodes for them.
 # - One persistent compile cache for both runs and the nodes their tests start (FSM_PD_SUITE_COMPILE_CACHE, default
 #   $FSM_PD_COMPILE_CACHE, else the nodes' own default ~/.cache/fsm-pd/jax): a program is compiled once per run,
 #   and a second run on the same host reads it back.
@@ -16,6 +19,9 @@
 #   run (all done, the limit, SIGINT or SIGTERM from outside), it ends with the summary read from those records: the
 #   counts, every failure with its message, the tests still running when it was cut, the 15 slowest tests; also
 #   written there as summary.md and summary.json.
+# - Each test's record holds the programs its process compiled while it ran, by name (FSM_PD_SUITE_COMPILES, default
+#   `names`; tests/suite_compiles.py): on the chip most of a test's time is compiling. compiles.txt there has them
+#   per file, and the tests that compiled most (`python3 tests/suite_compiles.py chip.jsonl`).
 # - Such a host may allow no TCP socket, not even on loopback. The in-process PD engines then serve over unix sockets
 #   (tests/node_sockets.py); the tests that need TCP skip with their reason, counted as the real part tcp-loopback
 #   ("real parts: tcp-loopback ran N, skipped M" in each run's log; tests/real_parts.py).
@@ -30,12 +36,14 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 limit="${FSM_PD_SUITE_LIMIT:-330}"
 workers="${FSM_PD_SUITE_WORKERS:-8}"
+cpu_nice="${FSM_PD_SUITE_CPU_NICE:-10}"
 read -ra paths <<<"${FSM_PD_SUITE_PATHS:-tests/unit tests/property}"
 mapfile -t chip_files < <(grep -rl --include='test_*.py' 'mark\.chip' "${paths[@]}" 2>/dev/null | sort)
 (( ${#chip_files[@]} )) || chip_files=("${paths[@]}")  # none: the run collects what the CPU's does, and selects none
 out="${FSM_PD_SUITE_OUT:-$(mktemp -d /tmp/fsm-pd-suite.XXXXXX)}"
 mkdir -p "$out"
 rm -f "$out"/chip.jsonl "$out"/cpu.jsonl
+export FSM_PD_SUITE_COMPILES="${FSM_PD_SUITE_COMPILES:-names}"
 export FSM_PD_SUITE_COMPILE_CACHE="${FSM_PD_SUITE_COMPILE_CACHE:-${FSM_PD_COMPILE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/fsm-pd/jax}}"
 
 # pyproject's addopts name pytest-xdist's --dist options, which pytest refuses where xdist is not installed (a TPU
@@ -51,7 +59,7 @@ SECONDS=0
 FSM_PD_SUITE_LOG="$out/chip.jsonl" timeout -s INT -k 20 "$limit" \
     python3 -m pytest "${common[@]}" "$@" -m chip "${chip_files[@]}" >"$out/chip.log" 2>&1 &
 chip=$!
-JAX_PLATFORMS=cpu FSM_PD_SUITE_LOG="$out/cpu.jsonl" timeout -s INT -k 20 "$limit" \
+JAX_PLATFORMS=cpu FSM_PD_SUITE_LOG="$out/cpu.jsonl" timeout -s INT -k 20 "$limit" nice -n "$cpu_nice" \
     python3 -m pytest "${common[@]}" "${spread[@]}" "$@" -m "not chip" "${paths[@]}" >"$out/cpu.log" 2>&1 &
 cpu=$!
 chip_status="" cpu_status=""
@@ -74,6 +82,7 @@ done_in() { local n; n=$(grep -c '"event": "result"' "$1" 2>/dev/null); echo "${
 summarize() {
     echo "tests/on_tpu.sh: $SECONDS s; the runs' output: $out/chip.log, $out/cpu.log"
     grep -h "^jax: \|^real parts: " "$out/chip.log" "$out/cpu.log" 2>/dev/null | sed 's/^/  /'
+    python3 tests/suite_compiles.py "$out/chip.jsonl" "$out/cpu.jsonl" --tests 30 >"$out/compiles.txt" 2>&1
     python3 tests/suite_log.py "$out/chip.jsonl" "$out/cpu.jsonl" --markdown "$out/summary.md" \
         --json "$out/summary.json"
 }

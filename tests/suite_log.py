@@ -10,7 +10,8 @@ it at once:
 - ``{"event": "start", "nodeid": ..., "t": ...}`` when a test starts (with xdist, when a worker says so);
 - ``{"event": "result", "nodeid": ..., "outcome": ..., "seconds": ..., "message": ...}`` when a test is done: its
   outcome as pytest's summary counts it (passed, failed, error, skipped, xfailed, xpassed), its setup, call and
-  teardown seconds together, and for a failure the first line of its error;
+  teardown seconds together, and for a failure the first line of its error; where ``FSM_PD_SUITE_COMPILES`` is set,
+  also the programs the test compiled (``compiles``: ``suite_compiles.py``);
 - ``{"event": "finish", "exitstatus": ...}`` when the session ends (absent: the run was cut short).
 
 Under pytest-xdist the controller writes the file: workers' reports reach it through the same hooks.
@@ -27,6 +28,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+import suite_compiles
 
 ENV = "FSM_PD_SUITE_LOG"
 OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed", "interrupted")
@@ -56,6 +59,9 @@ class SuiteLog:
     def pytest_runtest_logreport(self, report) -> None:
         test = self.tests.setdefault(_plain(report.nodeid), {"seconds": 0.0, "outcome": None, "message": ""})
         test["seconds"] += report.duration
+        for name, spent in report.user_properties:  # the compiles of each phase (suite_compiles.py)
+            if name == "compiles":
+                test["compiles"] = suite_compiles.add(test.get("compiles"), spent)
         category = _category(report)
         if category in ("failed", "error", "xpassed") or (category and test["outcome"] is None):
             test["outcome"] = category
@@ -67,8 +73,9 @@ class SuiteLog:
         test = self.tests.pop(nodeid, None)
         self.started.pop(nodeid, None)
         if test is not None:
+            extra = {"compiles": suite_compiles.rounded(test["compiles"])} if "compiles" in test else {}
             self.write(event="result", nodeid=nodeid, outcome=test["outcome"] or "passed",
-                       seconds=round(test["seconds"], 3), message=test["message"])
+                       seconds=round(test["seconds"], 3), message=test["message"], **extra)
 
     def pytest_sessionfinish(self, session, exitstatus) -> None:
         for nodeid, began in list(self.started.items()):  # begun, never finished: Ctrl-C, or a worker that died
@@ -148,12 +155,17 @@ def summary(record: dict, slowest: int = 15, now: float | None = None) -> dict:
         for nodeid, started in run["running"].items():
             running.append({"nodeid": nodeid, "run": run["name"], "seconds": round(now - started, 1)})
     durations.sort(reverse=True)
+    compiled = {}  # per run, where its tests were counted (FSM_PD_SUITE_COMPILES): all its tests' compiles
+    for run in record["runs"]:
+        for result in run["results"].values():
+            if "compiles" in result:
+                compiled[run["name"]] = suite_compiles.add(compiled.get(run["name"]), result["compiles"])
     cut = [run["name"] for run in record["runs"] if run["finished"] is None]
     # exit status 5: that run collected nothing (a -k for the other run's tests), fine where the other ran tests
     ok = not failures and not running and not cut and any(run["results"] for run in record["runs"]) \
         and all(run["finished"] in (0, 5) for run in record["runs"])
     return {"counts": counts, "tests": sum(counts.values()), "failures": failures, "running": running,
-            "cut_short": cut, "ok": ok,
+            "cut_short": cut, "ok": ok, "compiles": {name: suite_compiles.rounded(c) for name, c in compiled.items()},
             "runs": {run["name"]: {"tests": len(run["results"]), "exitstatus": run["finished"]}
                      for run in record["runs"]},
             "slowest": [{"seconds": s, "nodeid": n, "run": r} for s, n, r in durations[:slowest]]}
@@ -169,6 +181,10 @@ def text(report: dict) -> str:
         lines.append(f"{failure['outcome'].upper()} [{failure['run']}] {failure['nodeid']} - {failure['message']}")
     for test in report["running"]:
         lines.append(f"STILL RUNNING when cut [{test['run']}] {test['nodeid']} ({test['seconds']} s)")
+    for name, c in report.get("compiles", {}).items():
+        lines.append(f"compiles [{name}]: {c['programs']} programs ({c['cached']} from the compile cache), "
+                     f"{c['loaded']} executables loaded; trace {c['trace_s']:.1f} s, lower {c['lower_s']:.1f} s, "
+                     f"backend {c['backend_s']:.1f} s (per file: tests/suite_compiles.py)")
     if report["slowest"]:
         lines.append(f"slowest {len(report['slowest'])}:")
         lines += [f"  {t['seconds']:8.2f} s  [{t['run']}] {t['nodeid']}" for t in report["slowest"]]

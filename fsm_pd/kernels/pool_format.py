@@ -50,8 +50,15 @@ def abstract_pool(pool: Sequence) -> tuple[jax.ShapeDtypeStruct, ...]:
 
 def zeros(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding, layers: int) -> tuple[jax.Array, ...]:
     """A zeroed pool of ``layers`` arrays of ``shape``, row-major and committed to ``sharding``."""
-    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool_format(sharding))
+    make = _zeros(tuple(shape), jnp.dtype(dtype), sharding)
     return tuple(make() for _ in range(layers))
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding):
+    # one program per pool shape and placement, kept: a jit made per pool was traced, lowered and looked up in the
+    # compile cache again for every engine a process made (the suite's chip half: about 80 of its programs)
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool_format(sharding))
 
 
 PAGES_MEASURED = 64  # pages of the array whose compiled size ``page_bytes`` divides (a whole number of tiles)

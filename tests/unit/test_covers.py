@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from side_by_side import forward_shapes
 
 from fsm_pd.kernels import cpu_copy
 from fsm_pd.kernels.layout import KVLayout
@@ -39,8 +40,7 @@ def greedy(model, compiled: list[tuple[int, int]], steps: int = 4) -> tuple[list
     pool = model.make_pool(model.make_kv_layout(64, 16))
     programs = ForwardPrograms(model.config, model.params, pool)  # its own: not the process's shared one
     programs.covers = True
-    for shape in compiled:
-        programs.compile(*shape)
+    forward_shapes(programs, compiled)  # side by side (tests/side_by_side.py)
     compiles.install()
     before = sum(compiles.counts().values())
     out = decoder.prefill_batch(model.config, model.params, pool, PROMPTS, PAGES, forward=programs)
@@ -81,8 +81,7 @@ def test_cover_prefers_one_call_with_the_fewest_padded_tokens(model):
     pool = model.make_pool(model.make_kv_layout(64, 16))
     programs = ForwardPrograms(model.config, model.params, pool)
     assert programs.cover(1, 1) is None  # nothing compiled: the call compiles its own
-    for shape in [(1, 1), (1, 64), (4, 16), (8, 1)]:
-        programs.compile(*shape)
+    forward_shapes(programs, [(1, 1), (1, 64), (4, 16), (8, 1)])
     assert programs.cover(2, 16) == (4, 16)
     assert programs.cover(1, 20) == (1, 64)
     assert programs.cover(3, 1) == (8, 1)
@@ -96,8 +95,7 @@ def test_a_decode_batch_runs_padded_up_to_the_largest_decode_program_where_one_c
     batch of a few rows runs row by row rather than padded to 64."""
     pool = model.make_pool(model.make_kv_layout(64, 16))
     programs = ForwardPrograms(model.config, model.params, pool)
-    for shape in [(1, 1), (64, 1), (1, 512)]:
-        programs.compile(*shape)
+    forward_shapes(programs, [(1, 1), (64, 1), (1, 512)])
     assert programs.cover(16, 1) == (64, 1)
     assert programs.cover(6, 1) == (64, 1)
     assert programs.cover(2, 1) == (1, 1)
@@ -105,7 +103,9 @@ def test_a_decode_batch_runs_padded_up_to_the_largest_decode_program_where_one_c
 
 def test_a_sampler_batch_pads_up_to_a_prepared_bucket(monkeypatch):
     rng = np.random.default_rng(0)
-    logits = jnp.asarray(rng.normal(size=(4, 300)).astype(np.float32))
+    # the tiny model's vocabulary: its engines' sampler programs, compiled by the tests before in this process, serve
+    # it too (on a chip a sampler program is ~2 s of compile)
+    logits = jnp.asarray(rng.normal(size=(4, 272)).astype(np.float32))
     params = [SamplingParams(temperature=0.8, top_p=0.9)] * 3
     monkeypatch.setattr(sampling, "_prepared", set())
     own = sampling.sample(logits, params, [1, 2, 3], [0, 0, 0])

@@ -35,7 +35,12 @@ pytestmark = pytest.mark.chip
 IMPLS = ["jnp", "pallas", "cpu"]
 PAGE_SHAPE = (2, 32)  # page_size, 2*kv_heads*head_dim: tiny, the kernels never look inside a page
 
-jit_settings = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# 25 examples a test on the CPU, 10 on a chip: there each example's pool shape and page bucket is a program compiled
+# anew (0.2 s or so: the jnp and pallas cases of these three tests drew ~100 programs, 19 s of this file's 33 on a
+# v5e), and a wrong offset or a missed DMA wait shows on any of them. The CPU's run draws all 25 of each
+# implementation, Pallas's interpret mode simulating the DMAs and their waits.
+EXAMPLES = 25 if jax.default_backend() == "cpu" else 10
+jit_settings = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def numbered_pool(num_layers: int, num_pages: int, offset: float = 0.0) -> list[np.ndarray]:
@@ -63,7 +68,15 @@ def to_device(pool: list[np.ndarray]) -> tuple[jax.Array, ...]:
     (``kernels/pool_format.py`` pins its results' layout, which takes a placement): else the first scatter would
     hand the next call a committed pool, one more program."""
     device = next(iter(jnp.zeros(()).devices()))  # jax's default device now: the CPU under cpu_default
-    return tuple(jax.device_put(jnp.asarray(layer), device) for layer in pool)  # a buffer of its own: donatable
+    # a buffer of its own, which XLA allocated: donatable (one ``jax.device_put`` copied from the host was not
+    # always reused by the scatter that took it, test_scatter_donates_the_pool found)
+    return tuple(jax.device_put(jnp.asarray(layer), device) for layer in pool)
+
+
+def staged(staging: np.ndarray) -> jax.Array:
+    """``staging`` on jax's default device, uncommitted as ``jnp.asarray`` leaves it, in a buffer of its own (the
+    reference reads the host array after), without a program of its shape."""
+    return jax.device_put(staging, may_alias=False)
 
 
 @pytest.fixture(autouse=True)
@@ -105,7 +118,7 @@ def test_scatter_matches_numpy_and_never_writes_padding_rows(impl, case):
     rows = page_bucket(len(ids))
     staging = -np.stack(numbered_pool(num_layers, rows, offset=1.0))
     staging[:, len(ids) :] = np.nan  # padding rows: if any lands in the pool (page 0 included), equality fails
-    updated = scatter_pages(to_device(pool), jnp.asarray(staging), ids, impl=impl)
+    updated = scatter_pages(to_device(pool), staged(staging), ids, impl=impl)
     expected = reference_scatter(pool, staging, ids)
     assert len(updated) == num_layers
     for got, want in zip(updated, expected, strict=True):
@@ -256,7 +269,7 @@ def test_cpu_scatter_loop_stops_at_the_page_count():
     staging = np.full((1, 4, *PAGE_SHAPE), np.nan, np.float32)
     staging[0, 0] = -1.0
     updated = cpu_copy.scatter_loop(
-        to_device(pool), jnp.asarray(staging), np.array([2, 0, 0, 0], np.int32), np.int32(1)
+        to_device(pool), staged(staging), np.array([2, 0, 0, 0], np.int32), np.int32(1)
     )
     expected = pool[0].copy()
     expected[2] = -1.0
@@ -301,7 +314,7 @@ def test_scatter_layers_writes_only_its_layers(impl, start, count):
     pool, source = numbered_pool(4, 9), numbered_pool(4, 9, offset=1e6)
     ids = [7, 2, 5]
     staging = reference_gather(source, [1, 2, 3, 4])  # 4 rows: one padding row past the 3 pages
-    updated = scatter_layers(to_device(pool), start, jnp.asarray(staging[start : start + count]), ids, impl=impl)
+    updated = scatter_layers(to_device(pool), start, staged(staging[start : start + count]), ids, impl=impl)
     expected = reference_scatter(pool, staging, ids)
     for layer in range(4):
         want = expected[layer] if start <= layer < start + count else pool[layer]

@@ -9,6 +9,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from side_by_side import forward_shapes, side_by_side
 
 from fsm_pd.model import decoder
 from fsm_pd.model.forward_shapes import layer_groups
@@ -76,8 +77,10 @@ def test_the_groups_compute_what_the_whole_model_program_does(deep, layers_per_p
     config, params = deep
     programs = ForwardPrograms(config, params, pool_of(config), layers_per_program=layers_per_program)
     assert [count for _, count in programs.groups] == ([4, 4, 5] if layers_per_program == 6 else [13])
-    whole_logits, whole_pool = run(config, params, forward=None)
-    grouped_logits, grouped_pool = run(config, params, forward=programs)
+    # the whole-model program and the groups' side by side: on the chip each is seconds of compile
+    (whole_logits, whole_pool), (grouped_logits, grouped_pool) = side_by_side([
+        lambda: run(config, params, forward=None),
+        lambda: (forward_shapes(programs, [(1, 64), (1, 1)]), run(config, params, forward=programs))[1]])
     assert {(1, 1), (1, 64)} <= programs.shapes
     for whole, grouped in zip(whole_logits, grouped_logits, strict=True):
         np.testing.assert_allclose(grouped, whole, atol=2e-5, rtol=1e-5)

@@ -12,15 +12,14 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from node_sockets import node_sockets
+from reference_model import greedy
 from test_serving_colocated import ids_of, request, run
 from test_serving_pd import assert_idle, pd_request, through_pd
 
 from fsm_pd.model.attention import ATTENTION_ENV
-from fsm_pd.model.decoder import forward_reference
 from fsm_pd.model.loader import LoadedModel
 from fsm_pd.model.params import random_params
 from fsm_pd.model.tiny import tiny_config
@@ -51,18 +50,9 @@ def prompts_for(page_size: int) -> list[list[int]]:
     return [rng.integers(1, 250, size=n).tolist() for n in (5, page_size + 21)]
 
 
-def reference(model, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """Greedy tokens of the full-sequence forward pass (no pool, no kernels), and each one's logprob."""
-    tokens, logprobs = list(prompt), []
-    for _ in range(NEW_TOKENS):
-        logits = forward_reference(model.params, jnp.asarray(tokens, jnp.int32), config=model.config)
-        tokens.append(int(np.argmax(np.asarray(logits[-1]))))
-        logprobs.append(float(jax.nn.log_softmax(logits[-1])[tokens[-1]]))
-    return tokens[len(prompt):], logprobs
-
-
 def assert_answers(outs, model, prompt: list[int]) -> None:
-    tokens, logprobs = reference(model, prompt)
+    # greedy tokens of the full-sequence forward pass (no pool, no kernels), and each one's logprob
+    tokens, logprobs = greedy(model.params, prompt, NEW_TOKENS, config=model.config)
     assert ids_of(outs) == tokens, len(prompt)
     np.testing.assert_allclose([o.logprob for o in outs], logprobs, atol=TOLERANCE, err_msg=f"{len(prompt)} tokens")
 

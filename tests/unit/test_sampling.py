@@ -48,30 +48,40 @@ def test_same_seed_and_step_give_the_same_token_whatever_the_batch():
     assert len(set(alone)) > 1
 
 
+# The statistical tests below sample batches of ROWS, each checking its first ``rows``: one sampler program for the
+# three (on a chip each took about 2 s to compile). A row's token depends on its own logits, seed and step alone
+# (``test_same_seed_and_step_give_the_same_token_whatever_the_batch``), so those rows are what a batch of ``rows``
+# draws.
+ROWS = 1024
+
+
+def sample_rows(rows: int, logits: np.ndarray, params: SamplingParams, seed: int) -> np.ndarray:
+    """``rows`` tokens, row ``i`` at step ``i``, of ``logits`` (``[V]``: every row's) sampled in a batch of ROWS."""
+    batch = np.tile(np.asarray(logits, np.float32), (ROWS, 1))
+    return np.asarray(sample(batch, [params] * ROWS, seeds=[seed] * ROWS, steps=list(range(ROWS))))[:rows]
+
+
 def test_different_steps_explore_different_tokens():
-    logits = jnp.zeros((64, VOCAB))  # uniform: every token equally likely
-    got = sample(logits, [SamplingParams(seed=3)] * 64, seeds=[3] * 64, steps=list(range(64)))
+    got = sample_rows(64, np.zeros(VOCAB), SamplingParams(seed=3), seed=3)  # uniform: every token equally likely
     assert len(set(got.tolist())) > 20
 
 
 def test_top_k_and_top_p_restrict_the_support():
     rows = 256
     base = np.asarray(random_logits(1, seed=5))[0]
-    logits = jnp.asarray(np.tile(base, (rows, 1)))
     ranked = np.argsort(-base)
-    top3 = sample(logits, [SamplingParams(top_k=3, seed=1)] * rows, seeds=[1] * rows, steps=list(range(rows)))
+    top3 = sample_rows(rows, base, SamplingParams(top_k=3, seed=1), seed=1)
     assert set(top3.tolist()) <= set(ranked[:3].tolist())
     assert len(set(top3.tolist())) >= 2
     probs = np.exp(base - base.max()) / np.exp(base - base.max()).sum()
     nucleus = int(np.searchsorted(np.cumsum(probs[ranked]), 0.8) + 1)  # tokens needed to reach 0.8 of the mass
-    top_p = sample(logits, [SamplingParams(top_p=0.8, seed=2)] * rows, seeds=[2] * rows, steps=list(range(rows)))
+    top_p = sample_rows(rows, base, SamplingParams(top_p=0.8, seed=2), seed=2)
     assert set(top_p.tolist()) <= set(ranked[:nucleus].tolist())
 
 
 def test_temperature_sampling_follows_the_softmax():
-    rows = 1024
-    logits = jnp.tile(jnp.log(jnp.asarray([0.6, 0.3, 0.1] + [1e-9] * (VOCAB - 3))), (rows, 1))
-    got = sample(logits, [SamplingParams(temperature=1.0)] * rows, seeds=[9] * rows, steps=list(range(rows)))
+    rows = ROWS
+    got = sample_rows(rows, np.log([0.6, 0.3, 0.1] + [1e-9] * (VOCAB - 3)), SamplingParams(temperature=1.0), seed=9)
     freq = np.bincount(got, minlength=3)[:3] / rows
     np.testing.assert_allclose(freq, [0.6, 0.3, 0.1], atol=0.05)  # binomial sd <= 0.016 at n=1024
 

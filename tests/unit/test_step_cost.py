@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import SingleDeviceSharding
+from side_by_side import each_program, forward_shapes, side_by_side
 
 from fsm_pd.kernels import pool_format
 from fsm_pd.model import decoder
@@ -48,16 +49,18 @@ def pool_of(config, num_pages):
 
 
 def compiled_step(config, params, num_pages, batch, tokens):
-    """The programs a serving node runs for this shape (``ForwardPrograms``), over a pool of ``num_pages``."""
+    """The programs a serving node runs for this shape (``ForwardPrograms``), over a pool of ``num_pages``: compiled
+    side by side, as a node's warm-up does (tests/side_by_side.py)."""
     pool = pool_of(config, num_pages)
-    return pool, ForwardPrograms(config, params, pool).compile(batch, tokens)
+    return pool, ForwardPrograms(config, params, pool).compile(batch, tokens, run=each_program)
 
 
 @pytest.mark.parametrize("batch, tokens", [(1, 1), (8, 1), (2, 64)], ids=["decode-1", "decode-8", "prefill-2x64"])
 def test_compiled_step_holds_nothing_the_size_of_the_pool(tiny, batch, tokens):
     config, params = tiny
-    small_pool, small = compiled_step(config, params, 64, batch, tokens)
-    big_pool, big = compiled_step(config, params, 4096, batch, tokens)
+    # the two pools' programs side by side: on the chip each 13-layer set is seconds of compile
+    (small_pool, small), (big_pool, big) = side_by_side(
+        [lambda pages=pages: compiled_step(config, params, pages, batch, tokens) for pages in (64, 4096)])
     small_temp, big_temp = small.memory_analysis().temp_size_in_bytes, big.memory_analysis().temp_size_in_bytes
     layer = big_pool[0].nbytes
     # 64x the pages: the step's scratch memory must not follow (a copied layer alone would add 16 MiB here). Only the
@@ -74,9 +77,12 @@ def test_compiled_step_holds_nothing_the_size_of_the_pool(tiny, batch, tokens):
 
 def test_a_step_consumes_its_pool_in_place(tiny):
     config, params = tiny
-    pool = pool_of(config, 512)
+    # 4,096 pages, as the big pool above: its single-row decode step is that test's, loaded, not compiled again (on
+    # a TPU XLA's default layout for these 64-lane rows is not row-major from 128 pages up, as at 512)
+    pool = pool_of(config, 4096)
     pages = [[1, 2, 3, 4]]
     programs = ForwardPrograms(config, params, pool)
+    forward_shapes(programs, [(1, 64), (1, 1)])  # the prefill's and the decode step's, side by side
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "Some donated buffers were not usable" would be raised here
         result = decoder.prefill(config, params, pool, list(range(1, 40)), pages[0], forward=programs)

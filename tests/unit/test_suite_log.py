@@ -15,11 +15,12 @@ import sys
 import time
 from pathlib import Path
 
+import suite_compiles
 import suite_log
 
 ROOT = Path(__file__).resolve().parents[2]
-HELPERS = ("conftest.py", "real_parts.py", "on_chip.py", "node_sockets.py", "suite_log.py", "xla_flags.py",
-           "httpx_ssl.py", "bytecode.py", "on_tpu.sh")
+HELPERS = ("conftest.py", "real_parts.py", "on_chip.py", "node_sockets.py", "suite_log.py", "suite_compiles.py",
+           "xla_flags.py", "httpx_ssl.py", "bytecode.py", "on_tpu.sh")
 
 OUTCOMES = '''
 import time
@@ -121,6 +122,43 @@ def test_a_pytest_a_test_starts_writes_nothing_into_the_run_s_record(tmp_path):
         assert [e.get("nodeid") for e in events if e["event"] == "result"] == [
             "tests/unit/test_nested.py::test_starts_a_pytest_of_its_own"], (name, events)
         assert [e["event"] for e in events if e["event"] in ("session", "finish")] == ["session", "finish"], name
+
+
+COMPILES = '''
+import jax
+
+def test_compiles_two_programs():
+    jax.jit(lambda x: x + 1)(1)
+    jax.jit(lambda x: x * 2)(1.5)
+
+def test_compiles_nothing():
+    pass
+'''
+
+
+def test_each_test_s_compiles_are_recorded_with_it_in_one_process_and_on_workers(tmp_path):
+    """FSM_PD_SUITE_COMPILES=1: each test's result carries the programs its process compiled while it ran
+    (suite_compiles.py), counted where the test ran and written by the run's record."""
+    root = throwaway(tmp_path, {"test_compiles.py": COMPILES})
+    for name, spread in (("serial", []), ("workers", ["-n", "2"])):
+        log = tmp_path / f"{name}.jsonl"
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *PLUGINS, *spread,
+                               "tests/unit"], cwd=root, env=environ(FSM_PD_SUITE_LOG=str(log),
+                                                                    FSM_PD_SUITE_COMPILES="names"),
+                              capture_output=True, text=True, timeout=120)
+        assert "2 passed" in done.stdout, done.stdout + done.stderr
+        results = {e["nodeid"].rsplit("::")[-1]: e for e in map(json.loads, log.read_text().splitlines())
+                   if e["event"] == "result"}
+        spent = results["test_compiles_two_programs"]["compiles"]
+        assert spent["programs"] == 2 and spent["cached"] == 0 and spent["backend_s"] > 0, (name, spent)
+        assert [n.split()[0] for n in spent["names"]] == ["jit(<lambda>)"] * 2
+        assert "compiles" not in results["test_compiles_nothing"], name
+        report = suite_log.summary(suite_log.read([log]))
+        assert report["compiles"][name]["programs"] == 2
+        assert f"compiles [{name}]: 2 programs (0 from the compile cache)" in suite_log.text(report)
+        files, tests = suite_compiles.per_file([log])
+        assert files["tests/unit/test_compiles.py"]["programs"] == 2 and len(tests) == 1
+        assert "tests/unit/test_compiles.py (2)" in suite_compiles.table(files, tests)
 
 
 def test_a_run_cut_mid_test_names_the_test_it_was_running(tmp_path):

@@ -7,12 +7,15 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import sys
+import threading
 from types import SimpleNamespace
 
 import jax
 import on_chip
 import pytest
 import real_parts
+import side_by_side
 
 
 def test_tcp_is_missing_where_no_inet_socket_opens_or_loopback_does_not_connect(monkeypatch):
@@ -120,3 +123,28 @@ def test_a_module_at_full_precision_gets_programs_of_its_own(monkeypatch):
         full = model.programs(pool)
         assert full is model.programs(pool) and full is load_model("tiny").programs(pool)  # shared as before
     assert full is not default and model.programs(pool) is default
+
+
+def test_side_by_side_runs_at_once_keeps_the_order_and_raises_a_failure(monkeypatch):
+    """``tests/side_by_side.py``: what the chip half compiles side by side comes back in order, as if one after the
+    other, in brief turns of the interpreter's lock meanwhile; with 1 thread it all runs here."""
+    monkeypatch.setenv(side_by_side.ENV, "3")
+    together = threading.Barrier(3, timeout=30)  # passed only by three thunks running at once
+    turns = []
+
+    def thunk(i):
+        together.wait()
+        turns.append(sys.getswitchinterval())
+        return i
+
+    interval = sys.getswitchinterval()
+    assert side_by_side.side_by_side([lambda i=i: thunk(i) for i in range(3)]) == [0, 1, 2]
+    assert max(turns) < interval and sys.getswitchinterval() == interval
+
+    def fails():
+        raise ValueError("the second failed")
+
+    with pytest.raises(ValueError, match="the second failed"):
+        side_by_side.side_by_side([lambda: 1, fails, lambda: 3])
+    monkeypatch.setenv(side_by_side.ENV, "1")
+    assert side_by_side.side_by_side([threading.current_thread] * 2) == [threading.current_thread()] * 2

@@ -8,13 +8,12 @@ import asyncio
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference_model import reference_logits
 from test_serving_colocated import PAGE_SIZE, PAGES, request, run
 from test_serving_pd import pd, pd_request, through_pd  # noqa: F401 (pd is a fixture)
 
-from fsm_pd.model import decoder
 from fsm_pd.model.loader import load_model
 from fsm_pd.serving import top_logprobs
 from fsm_pd.serving.collect import generate
@@ -47,8 +46,7 @@ def engine(model):
 
 def reference_log_softmax(model, ids) -> np.ndarray:
     """``[len(ids), V]``: row ``i`` is the distribution of the token after ``ids[: i + 1]``."""
-    logits = np.asarray(decoder.forward_reference(model.params, jnp.asarray(ids, jnp.int32), config=model.config),
-                        dtype=np.float64)
+    logits = reference_logits(model.params, ids, config=model.config).astype(np.float64)
     logits -= logits.max(axis=-1, keepdims=True)
     return logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from side_by_side import side_by_side
 
 from fsm_pd.kernels.kv_write import pages_spanned, touched_pages
 from fsm_pd.model import decoder
@@ -51,21 +52,41 @@ def model(request):
     return config, random_params(config, seed=5, std=0.1)
 
 
-def fresh_pool(config, page_size, num_pages=24):
+NUM_PAGES = 24
+
+
+def fresh_pool(config, page_size, num_pages=NUM_PAGES):
     device = jax.devices()[0]
     shape = (num_pages, page_size, 2 * config.num_kv_heads * config.head_dim)
     return tuple(jax.device_put(jnp.zeros(shape, jnp.float32), device) for _ in range(config.num_layers))
 
 
+def compile_ahead(config, params, calls, page_size):
+    """The programs ``run_both`` runs (each kernel set at each call's shape), compiled side by side
+    (tests/side_by_side.py): on a chip each takes a second or more to compile, most of this module's time. Each is then
+    in ``forward_paged``'s own cache, where the calls find it."""
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    rows = 2 * config.num_kv_heads * config.head_dim
+    pool = tuple(jax.ShapeDtypeStruct((NUM_PAGES, page_size, rows), jnp.float32, sharding=device)
+                 for _ in range(config.num_layers))  # as ``fresh_pool`` makes it, and as each call returns it
+    shapes = sorted({tuple(np.shape(a) for a in call) for call in calls})
+    ints = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731 - host arrays: placed by the call
+    side_by_side([lambda kernels=kernels, shape=shape: decoder.forward_paged.lower(
+        params, pool, *map(ints, shape), config=config, kernels=kernels).compile()
+        for kernels in ("jnp", KERNELS) for shape in shapes])
+
+
 def run_both(config, params, calls, page_size):
     """Run ``calls`` (``(tokens, starts, lengths, tables)`` each, host arrays) through both kernel sets from empty
     pools; returns each set's logits per call and final pool."""
+    compile_ahead(config, params, calls, page_size)
     out = {}
     for kernels in ("jnp", KERNELS):
         pool, logits = fresh_pool(config, page_size), []
         forward = partial(decoder.forward_paged, config=config, kernels=kernels)
         for tokens, starts, lengths, tables in calls:
-            step_logits, pool, _ = forward(params, pool, *(jnp.asarray(a, jnp.int32) for a in
+            # host arrays, as jit takes them (``jnp.asarray`` of a list compiles a program of its shape)
+            step_logits, pool, _ = forward(params, pool, *(np.asarray(a, np.int32) for a in
                                                            (tokens, starts, lengths, tables)))
             logits.append(np.asarray(step_logits))
         out[kernels] = logits, [np.asarray(layer) for layer in pool]
@@ -99,8 +120,9 @@ def test_prefill_chunks_prefix_hits_and_decode_match_jnp(model, page_size):
         ([prompt[:p + half], [0] * (p + half)], [0, 0], [p + half, 0], [table(*a_pages), table()]),
         # a's second chunk starts mid-page 3 and ends mid-page 12
         ([prompt[p + half:] + [0] * half], [p + half], [p], [table(*a_pages)]),
-        # b: after the prefix hit (2 pages: 7, 3), a page and a quarter of new tokens into pages 19 and 5
-        ([rng.integers(1, 250, size=p + quarter).tolist() + [0] * (p - quarter)], [2 * p], [p + quarter],
+        # b: after the prefix hit (2 pages: 7, 3), a page and a quarter of new tokens into pages 19 and 5, padded as
+        # long as a's second chunk: one program for both (on a chip each program of a kernel set is seconds)
+        ([rng.integers(1, 250, size=p + quarter).tolist() + [0] * (half - quarter)], [2 * p], [p + quarter],
          [table(*b_pages)]),
     ]
     decode_rows = [[int(rng.integers(1, 250))] for _ in range(2)]
@@ -112,6 +134,8 @@ def test_prefill_chunks_prefix_hits_and_decode_match_jnp(model, page_size):
 
 def test_the_write_touches_only_the_pages_its_tokens_land_in():
     tables = jnp.asarray([[4, 9, 2, 0], [6, 0, 0, 0]], jnp.int32)
-    pages = touched_pages(tables, jnp.asarray([14, 3], jnp.int32), jnp.asarray([5, 0], jnp.int32), 5, 8)
+    # under jit, as the kernels run it: op by op it was 14 programs, each compiled for the chip
+    touched = jax.jit(touched_pages, static_argnums=(3, 4))
+    pages = touched(tables, jnp.asarray([14, 3], jnp.int32), jnp.asarray([5, 0], jnp.int32), 5, 8)
     assert pages_spanned(5, 8) == 2
     assert np.asarray(pages).tolist() == [[9, 2], [0, 0]]  # positions 14..18: pages 1 and 2; row 1 writes nothing
