@@ -220,8 +220,10 @@ def test_in_a_file_without_chip_tests():
 def on_tpu(tmp_path: Path, *, limit: int, stop=None) -> tuple[int, str]:
     root = throwaway(tmp_path, {"test_split.py": ON_TPU, "test_cpu_only.py": CPU_ONLY})
     out = tmp_path / "out"
+    # the CPU half at this run's own priority (on_tpu.sh's nice 10 is for a TPU host, where the chip half is the
+    # longer): beside this machine's other tests a niced CPU half would wait longer for the 15 s limit below
     env = environ(FSM_PD_SUITE_LIMIT=str(limit), FSM_PD_SUITE_WORKERS="2", FSM_PD_SUITE_OUT=str(out),
-                  FSM_PD_SUITE_COMPILE_CACHE=str(tmp_path / "jax"), FSM_PD_SUITE_NO_CHIP="1")
+                  FSM_PD_SUITE_COMPILE_CACHE=str(tmp_path / "jax"), FSM_PD_SUITE_NO_CHIP="1", FSM_PD_SUITE_CPU_NICE="0")
     env.pop("JAX_PLATFORMS", None)  # the chip half as on_tpu.sh starts it; the chip itself stays the outer run's
     run = subprocess.Popen(["bash", "tests/on_tpu.sh", *PLUGINS], cwd=root, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
