@@ -70,7 +70,7 @@ def run_suite(tmp_path: Path, tests: str, *args: str, **env: str) -> tuple[int, 
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     (tmp_path / "tests").mkdir(exist_ok=True)
     for helper in ("conftest.py", "real_parts.py", "on_chip.py", "node_sockets.py", "suite_log.py", "xla_flags.py",
-                   "httpx_ssl.py", "bytecode.py"):
+                   "httpx_ssl.py", "bytecode.py", "suite_compiles.py"):
         shutil.copy(ROOT / "tests" / helper, tmp_path / "tests" / helper)
     (tmp_path / "tests" / "test_throwaway.py").write_text(tests)
     # only the plugins under test (pyproject's addopts name xdist's --dist): the others this environment installs
