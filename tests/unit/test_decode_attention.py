@@ -44,6 +44,12 @@ def ragged_batch(rng, page_size: int, num_pages: int, width: int):
     # a page; padding; opening a page; the second 8-row tile of a page; inside the first page
     starts = [0, 6 * p + 4, 3 * p - 1, 0, 4 * p, p + 9, 5]
     lengths = [1, 1, 1, 0, 1, 1, 1]
+    return page_tables(rng, starts, lengths, page_size, num_pages, width)
+
+
+def page_tables(rng, starts: list[int], lengths: list[int], page_size: int, num_pages: int, width: int):
+    """``(starts, lengths, tables)``: each row's pages for its context, row 1's one run at the pool's end, the
+    others' drawn without repeats from ``1..`` (page 0, the pad page, never)."""
     need = [-(-(start + length) // page_size) for start, length in zip(starts, lengths, strict=True)]
     run = list(range(num_pages - need[1], num_pages))  # row 1: one run of the pool, as the allocator mostly gives
     free = list(rng.permutation(np.arange(1, num_pages - need[1])))  # the others: scattered

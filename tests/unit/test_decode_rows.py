@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_decode_attention import page_tables
 
 from fsm_pd.model import attention, decode_attention
 
@@ -33,16 +34,7 @@ def ragged_batch(rng, page_size: int):
     p = page_size
     starts = [0, 6 * p + 4, 3 * p - 1, 0, 4 * p, p + 9, 5, 2 * p + 3, 0, 0, 9 * p + 2]
     lengths = [1, 1, 1, 0, 1, 1, 1, 0, 0, 0, 1]
-    need = [-(-(start + length) // p) for start, length in zip(starts, lengths, strict=True)]
-    run = list(range(NUM_PAGES - need[1], NUM_PAGES))
-    free = list(rng.permutation(np.arange(1, NUM_PAGES - need[1])))
-    tables = np.zeros((len(starts), WIDTH), np.int32)
-    for row, pages in enumerate(need):
-        if row == 1:
-            tables[row, :pages] = run
-        else:
-            tables[row, :pages], free = free[:pages], free[pages:]
-    return np.asarray(starts, np.int32), np.asarray(lengths, np.int32), tables
+    return page_tables(rng, starts, lengths, page_size, NUM_PAGES, WIDTH)
 
 
 def check(rows_per_item: int, head_dim: int, dtype, page_size: int, pages_per_block: int | None = 2,
