@@ -170,8 +170,7 @@ class Journal:
         with self._rooms_lock:
             self._pending.extend(rows)
             if self._rooms is not None:
-                for row in rows:
-                    self._rooms.add(row[0], row[1], row[2])
+                self._rooms.add_many(row[:3] for row in rows)
 
     def has_room(self, node: str, role: str, room: int) -> bool:
         """Whether ``node`` ever journaled ``room`` in ``role``, counting rows buffered but not yet flushed.
