@@ -62,6 +62,11 @@ os.environ["FSM_PD_MODEL"] = "tiny"
 # ... and starts serving without its warm-up (seconds per node start; a test sends a few shapes). The warm-up's own
 # tests turn it back on (tests/unit/test_warmup.py, tests/integration/test_warmup_serving.py).
 os.environ["FSM_PD_SKIP_SERVER_WARMUP"] = "1"
+# ... and its engines decode a step a dispatch unless a test asks for more (the default on an accelerator is 8,
+# serving/device_steps.py): on the chip each 8-step loop program is ~15 s of compiling, which every engine a chip test
+# builds would start in the background. The several-steps path has its own tests, which ask for K (test_decode_steps,
+# test_pd_shared_dispatch, test_warmup), and the chip check runs it at the default (chip_parity, the load bench).
+os.environ.setdefault("FSM_PD_DECODE_STEPS_PER_DISPATCH", "1")
 
 
 def pytest_configure(config):

@@ -251,8 +251,8 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                                  "on the device (docs/serving.md, Several decode steps a dispatch): one step a "
                                  "dispatch while a request waits for its first token, and for batches with logprobs, "
                                  "a grammar or penalties (a prefill node: the requests it serves whole); default "
-                                 "$FSM_PD_DECODE_STEPS_PER_DISPATCH, else 1 (8 is the candidate on an accelerator: "
-                                 "its device time is measured on a chip, its serving load not yet)")
+                                 "$FSM_PD_DECODE_STEPS_PER_DISPATCH, else 8 on an accelerator (on a TPU v5e: "
+                                 "1.2-3.3x the output tok/s of 1 under 16 streams) and 1 on a CPU")
     if role in ("prefill", "colocated", "pd"):
         from fsm_pd.scheduling.page_admission import CHUNKED_PREFILL_SIZE  # jax-free: the help stays quick
 

@@ -27,12 +27,11 @@ from fsm_pd.model.multi_step import MAX_STOP_IDS, StepRow, pack
 from fsm_pd.serving.sequence import Sequence
 
 STEPS_ENV = "FSM_PD_DECODE_STEPS_PER_DISPATCH"
-# On an accelerator: 1 until the chip has served at 8 (docs/serving.md, "Default"). The device's side is measured: on
-# a TPU v5e a SmolLM2 token cost 0.89 ms at batch 1 and 3.35 ms at batch 64 at 8 steps a dispatch, against 2.54 and
-# 4.29 ms a step at a time, whose device sat idle 2.1 of its 2.5 ms between the step's seven programs
-# (bench/step_profile.py, round r10); a serving load at 8 (bench/dispatch_load.py --steps 1,8) has not yet finished
-# on a chip. --decode-steps-per-dispatch 8 turns it on meanwhile.
-ACCELERATOR_STEPS = 1
+# On an accelerator: 8. Served on a TPU v5e (SmolLM2 from its GGUF, 16 streams, warm, round r12: bench/load.py
+# --targets colocated+k8,colocated), 8 steps a dispatch gave 1.17 / 3.29 / 1.90x the output tok/s of one step at a
+# time on prefill-heavy / decode-heavy / mixed (5,873 tok/s decode-heavy, TPOT p50 1.8 ms against 7.1), at the same
+# TTFT, and the same /health time warm (12.0 s against 12.1); its loop programs compile in the background.
+ACCELERATOR_STEPS = 8
 # On the CPU the host's share of a step is small beside the model's (docs/serving.md, "Several decode steps a
 # dispatch"): a step at a time, as before.
 CPU_STEPS = 1
