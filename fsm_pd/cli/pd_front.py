@@ -57,7 +57,7 @@ class PDFront:
         self.app, self.engines, self.startups = app, list(engines), list(startups)
         self.startup_wait_s = startup_wait_s
         both = BothEngines(self.engines)
-        # the drain's "startup" is the prefill engine's: both are marked ready together (serve_pd.prepare_both)
+        # the drain's "startup" is the prefill engine's: both are marked ready together (serve.prepare_programs)
         self.drain = Drain(both, both, timeout_s=drain_timeout_s, registry=registry, startup=self.startups[0])
         self.gate = DrainGate(app, self.drain)
 
