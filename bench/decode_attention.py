@@ -2,20 +2,18 @@
 in the same call) against the jnp path (XLA's scatter, then ``attention.attend_pages``), in one run. One process.
 
     python bench/decode_attention.py [--models smollm2-135m,qwen3-1.7b-shape] [--page-sizes 16,64,128]
-        [--batches 1,8,64] [--context 512] [--tails 128,1024] [--width 64] [--rows-per-item 1,8]
-        [--block-kib auto,512] [--chunks auto,256] [--scattered] [--json out.json]
+        [--batches 1,8,64] [--context 512] [--tails 128,1024] [--width 64] [--block-kib auto,512]
+        [--chunks auto,256] [--scattered] [--json out.json]
 
 Per model shape, page size, batch and layout: a pool of every layer holding ``batch`` rows of ``--context`` tokens
-(``--tails T``: a second batch per T, its rows alternately ``--context`` and T tokens, so that every group of rows
-an item holds is mixed), their pages in order or shuffled over the pool (``--scattered``), the page tables
-``--width`` columns wide or the longest row's pages (to a multiple of 8) where more, one decode token per row; the
-step's attention (all layers, one jitted program, the pool donated) timed as the median of ``--repeat`` calls,
-against its roofline (the KV in use read once at HBM bandwidth: 819 GB/s on a v5e) and the jnp path's time. Each
-kernel setting (``--rows-per-item``: rows a work item attends to; ``--block-kib``: KV bytes a row's block fetches;
-``--chunks``: positions computed at a time; ``auto``: ``decode_attention.block_settings``'s for that R) is checked
-against the jnp path's output first (``max_err``, relative to the output's largest value). ``vs_R1``: the time of
-R = 1 at the same block and chunk arguments over this setting's (R = 1 is round r10's kernel, the same lowering).
-A table on stdout, every figure in ``--json``. ``--quick``: small shapes (CI, on a CPU in interpret mode).
+(``--tails T``: a second batch per T, its rows alternately ``--context`` and T tokens), their pages in order or
+shuffled over the pool (``--scattered``), the page tables ``--width`` columns wide or the longest row's pages (to a
+multiple of 8) where more, one decode token per row; the step's attention (all layers, one jitted program, the pool
+donated) timed as the median of ``--repeat`` calls, against its roofline (the KV in use read once at HBM bandwidth:
+819 GB/s on a v5e) and the jnp path's time. Each kernel setting (``--block-kib``: KV bytes a row's block fetches;
+``--chunks``: positions computed at a time; ``auto``: ``decode_attention.block_settings``'s) is checked against the
+jnp path's output first (``max_err``, relative to the output's largest value). A table on stdout, every figure in
+``--json``. ``--quick``: small shapes (CI, on a CPU in interpret mode).
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ SHAPES = {  # heads, kv heads, head_dim, layers
     "qwen3-1.7b-shape": (16, 8, 128, 28),
 }
 HBM = {"TPU v5 lite": 819e9, "TPU v5e": 819e9}
-COLUMNS = ("case", "setting", "ms", "us/layer", "share", "vs_jnp", "vs_R1", "max_err")
+COLUMNS = ("case", "setting", "ms", "us/layer", "share", "vs_jnp", "max_err")
 
 
 def timed(fn, repeat: int = 10) -> float:
@@ -91,18 +89,16 @@ def step_program(kernels: str, **settings):
     return jax.jit(run, donate_argnums=(0,))
 
 
-def settings_of(args, page_size: int, lanes: int, itemsize: int, width: int, batch: int):
-    """``(label, R, block argument, chunk argument, decode_step's settings)`` for each kernel setting asked for (R at
-    most the batch, as ``decode_step`` takes it)."""
-    for rows in (min(rows, batch) for rows in args.rows_per_item):
-        for kib in args.block_kib:
-            for chunk in args.chunks:
-                per_block = None if kib is None else decode_attention.default_pages_per_block(
-                    page_size, lanes, itemsize, kib << 10)
-                per_block, chunk_pages = decode_attention.block_settings(page_size, lanes, itemsize, width, rows,
-                                                                         per_block, chunk)
-                yield (f"R{rows} {per_block}p/{chunk_pages * page_size}t", rows, kib, chunk,
-                       {"rows_per_item": rows, "pages_per_block": per_block, "chunk_tokens": chunk_pages * page_size})
+def settings_of(args, page_size: int, lanes: int, itemsize: int, width: int):
+    """``(label, decode_step's settings)`` for each kernel setting asked for."""
+    for kib in args.block_kib:
+        for chunk in args.chunks:
+            per_block = None if kib is None else decode_attention.default_pages_per_block(
+                page_size, lanes, itemsize, kib << 10)
+            per_block, chunk_pages = decode_attention.block_settings(page_size, lanes, itemsize, width, per_block,
+                                                                     chunk)
+            yield (f"{per_block}p/{chunk_pages * page_size}t",
+                   {"pages_per_block": per_block, "chunk_tokens": chunk_pages * page_size})
 
 
 def measure(name, page_size, contexts, args, dtype, bandwidth, kernels):
@@ -123,29 +119,19 @@ def measure(name, page_size, contexts, args, dtype, bandwidth, kernels):
     jnp_s = timed(lambda: call(jnp_program), args.repeat)
     row = {"layers": layers, "width": int(rest[3].shape[1]), "roofline_ms": round(1e3 * roof, 4),
            "jnp_ms": round(1e3 * jnp_s, 4), "jnp_share": float(f"{roof / jnp_s:.3g}"), "kernel": {}}
-    one_row, seen = {}, {}  # (block, chunk arguments) -> R = 1's seconds; label -> seconds
-    width, batch = rest[3].shape[1], len(contexts)
-    for label, rows, kib, chunk, settings in settings_of(args, page_size, lanes, itemsize, width, batch):
-        if label in seen:  # two arguments that come to the same setting: timed once
-            if rows == 1 and seen[label] is not None:
-                one_row[kib, chunk] = seen[label]
+    for label, settings in settings_of(args, page_size, lanes, itemsize, rest[3].shape[1]):
+        if label in row["kernel"]:  # two arguments that come to the same setting: timed once
             continue
-        seen[label] = None
         try:
             program = step_program(kernels, **settings)
             # every call writes the same rows again, so the pool holds what the jnp path left there
             got = np.asarray(call(program), np.float32)
             seconds = timed(lambda program=program: call(program), args.repeat)
             err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-9))
-            seen[label] = seconds
-            if rows == 1:
-                one_row[kib, chunk] = seconds
-            figures = {"ms": round(1e3 * seconds, 4), "us_per_layer": round(1e6 * seconds / layers, 2),
-                       "share": float(f"{roof / seconds:.3g}"), "vs_jnp": round(jnp_s / seconds, 2),
-                       "max_err": float(f"{err:.2e}")}
-            if (kib, chunk) in one_row:
-                figures["vs_R1"] = round(one_row[kib, chunk] / seconds, 3)
-            row["kernel"][label] = figures
+            row["kernel"][label] = {
+                "ms": round(1e3 * seconds, 4), "us_per_layer": round(1e6 * seconds / layers, 2),
+                "share": float(f"{roof / seconds:.3g}"), "vs_jnp": round(jnp_s / seconds, 2),
+                "max_err": float(f"{err:.2e}")}
         except Exception as exc:  # noqa: BLE001 - one failed setting must not lose the others
             row["kernel"][label] = {"error": f"{type(exc).__name__}: {exc}"[:600]}
     return row
@@ -157,14 +143,13 @@ def table_lines(case: str, row: dict) -> list[str]:
         return [f"{case:<40} error: {row['error']}"]
     layers = row["layers"]
     lines = [f"{case:<40} {'jnp':<16} {row['jnp_ms']:>9.3f} {1e3 * row['jnp_ms'] / layers:>9.1f} "
-             f"{row['jnp_share']:>6.3g} {'':>7} {'':>7} {'':>8}  (roofline {row['roofline_ms']:.3f} ms)"]
+             f"{row['jnp_share']:>6.3g} {'':>7} {'':>8}  (roofline {row['roofline_ms']:.3f} ms)"]
     for label, fig in row["kernel"].items():
         if "error" in fig:
             lines.append(f"{case:<40} {label:<16} error: {fig['error'][:200]}")
             continue
-        vs_one = f"{fig['vs_R1']:.3f}" if "vs_R1" in fig else "-"
         lines.append(f"{case:<40} {label:<16} {fig['ms']:>9.3f} {fig['us_per_layer']:>9.1f} {fig['share']:>6.3g} "
-                     f"{fig['vs_jnp']:>7.2f} {vs_one:>7} {fig['max_err']:>8.1e}")
+                     f"{fig['vs_jnp']:>7.2f} {fig['max_err']:>8.1e}")
     return lines
 
 
@@ -180,9 +165,8 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--tails", default="", help="T,...: a batch per T, its rows alternately --context and T")
     parser.add_argument("--width", type=int, default=None, help="page-table columns, at least")
-    parser.add_argument("--rows-per-item", default="1,8", help="R,...: rows a work item attends to")
-    parser.add_argument("--block-kib", default="auto", help="KiB a row's block fetches, or auto (per R)")
-    parser.add_argument("--chunks", default="auto", help="positions computed at a time, or auto (per R)")
+    parser.add_argument("--block-kib", default="auto", help="KiB a row's block fetches, or auto")
+    parser.add_argument("--chunks", default="auto", help="positions computed at a time, or auto")
     parser.add_argument("--scattered", action="store_true", help="each row's pages shuffled over the pool")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on an accelerator, float32 on a CPU")
@@ -195,7 +179,6 @@ def main(argv=None) -> int:
     if args.quick:
         args.models, args.page_sizes, args.batches, args.context, args.repeat = "smollm2-135m", "16", "3", 40, 2
         args.tails = args.tails and "10"
-    args.rows_per_item = numbers(args.rows_per_item)
     args.block_kib, args.chunks = numbers(args.block_kib, auto=True), numbers(args.chunks, auto=True)
     bandwidth = HBM.get(device.device_kind, 819e9)
     report = {"device": f"{device.platform}: {device.device_kind}", "dtype": dtype, "kernels": kernels,
@@ -203,7 +186,7 @@ def main(argv=None) -> int:
               "figures": {}}
     print(json.dumps({k: v for k, v in report.items() if k != "figures"}), flush=True)
     print(f"{COLUMNS[0]:<40} {COLUMNS[1]:<16} {COLUMNS[2]:>9} {COLUMNS[3]:>9} {COLUMNS[4]:>6} {COLUMNS[5]:>7} "
-          f"{COLUMNS[6]:>7} {COLUMNS[7]:>8}", flush=True)
+          f"{COLUMNS[6]:>8}", flush=True)
     os.environ.pop(attention.ATTENTION_ENV, None)
     layouts = [[args.context]] + [[args.context, tail] for tail in (numbers(args.tails) if args.tails else [])]
     for name in args.models.split(","):

@@ -36,39 +36,10 @@ How it works:
 The VMEM buffers are zeroed once per call, so a position past a row's context reads a finite value (its weight is 0,
 and ``0 * x`` is NaN only for an infinite or NaN ``x``).
 
-Several rows an item (``rows_per_item`` R, ``decode_rows.py``; ``ROWS_PER_ITEM`` is serving's, R = 1 is the above):
-
-- **Why**: on a v5e (round r10, ``bench/step_profile.py``) SmolLM2's kernel took 79 us a layer at batch 64 for
-  25.2 MB of KV, 39% of HBM bandwidth: 1.2 us a row where its bytes take 0.5. An item is a chain (the DMA's wait,
-  ``q . K``, max, exp and sum, ``p . V``, the output), each step waiting on the one before, and items run one after
-  another, so the vector and matrix units sit idle through every step's latency. R rows an item are R chains with
-  nothing between them: a Python loop in one loop body, no ``pl.when`` or loop per row (the compiler schedules
-  within straight-line code, so a branch per row would fence each chain off again), and every row's running state
-  read before any is written (a store would order the next row's loads after it). One chain's waits fill with the
-  others' work, leaving the units' throughput or the bytes as the bound.
-- **Groups, not a flat list**: an item is R consecutive rows at one block index, in lockstep: a group has as many
-  items as its longest row has blocks, an item as many chunks as its longest row needs there, and shorter rows sit
-  those out masked. R of the flat list's (row, block) items at a time, each block's softmax merged into its row's
-  afterwards (split-K), would balance rows of mixed lengths, but the merges go through per-row state at a dynamic
-  index, a chain again at every item's end, and R = 1 would no longer be r10's kernel. At SmolLM2's contexts a row
-  is one block (64 pages: 1,024 tokens at 16-token pages), where groups lose nothing; grouping rows by length (a
-  sort a step, shared by all layers) waits until a mixed batch (``bench/decode_attention.py --tails``) shows a cost.
-- **Smaller chunks**: at R = 1, 1,024 positions a chunk beat 128 to 512 (``CHUNK_TOKENS``), each chunk being a chain
-  paid in latency. With R chains side by side that latency hides, so a chunk is ``CHUNK_TOKENS / R`` positions: the
-  R rows' scores together fill the registers one row's 1,024 did, and a row computes to the next 128 positions past
-  its context at R = 8, not the next 1,024 (a 513-token row: 640 positions instead of 1,024).
-- **Blocks share ``ITEM_BYTES``** (R blocks an item, ``BUFFERS`` items in VMEM): SmolLM2 keeps 64-page blocks (768
-  KiB a row); the 1.7B shape's halve to 2 MiB at R = 8.
-- **Finite page by page**: zeroing every buffer once a call, as R = 1 does, is R times the stores (18 MiB at R = 8
-  for SmolLM2: ~4,600 vector stores a layer, microseconds); a page that a row's chunks read but that was never
-  fetched for it is zeroed instead, the first time, once a call (``decode_rows``).
-- **What stays per row**: the DMA descriptors (a few for a run of the pool, one a page otherwise) and the KV
-  write-back are scalar work in loops of their own, paid for each row whatever R; per item (the waits, the loop's
-  step, the state's start and output) is shared by R rows. A larger R amortizes more, but holds more VMEM and
-  lengthens the kernel (R chains in its body: SmolLM2's ``decode_step`` traced and lowered for a TPU in about 0.4 s
-  at R = 1 and 0.65 s at R = 8, on a 2-core CPU, a cost every decode program pays at every start).
-- **Batch 1** runs R = 1 (R is at most the batch): one row is one chain whatever R. Splitting a long row's blocks
-  over chains (the split-K above) would be the way to hide its latency.
+One row an item stays. Several rows a work item (R rows' chains side by side in one loop body, their blocks fetched
+together) were built and measured on a v5e (2026-12-07, ``bench/decode_attention.py``, bfloat16, SmolLM2's shape at
+16-token pages, batch 64 of 512-token rows, chunks of 1,024 / R positions): R = 2, 4 and 8 ran at 0.89, 0.83 and
+0.69 times R = 1's speed (3.7, 4.0 and 4.8 ms for the 30 layers against 3.3), so they were removed.
 """
 
 from __future__ import annotations
@@ -91,10 +62,6 @@ BLOCK_BYTES = 4 << 20  # KV bytes a block fetches at most (3 blocks in VMEM, of 
 MAX_PAGES_PER_BLOCK = 64
 CHUNK_TOKENS = 1024  # positions computed at a time: a block's chunks past the row's context are skipped
 _VMEM_LIMIT = 96 * 1024 * 1024  # of a v5e's 128 MiB: the buffers plus the batch's queries and outputs
-# Rows a work item attends to at once (``decode_rows.py``; the docstring's last part says why). 1: one row an item,
-# as measured through round r10. Read when a program is traced.
-ROWS_PER_ITEM = 1
-ITEM_BYTES = 16 << 20  # several rows an item: KV bytes an item fetches at most (BUFFERS items in VMEM)
 
 
 def supported(head_dim: int) -> bool:
@@ -107,16 +74,12 @@ def default_pages_per_block(page_size: int, lanes: int, itemsize: int, block_byt
     return 1 << (pages.bit_length() - 1)
 
 
-def block_settings(page_size: int, lanes: int, itemsize: int, width: int, rows_per_item: int = 1,
-                   pages_per_block: int | None = None, chunk_tokens: int | None = None) -> tuple[int, int]:
-    """``(pages a row's block fetches, pages computed at a time)``; ``None``: the defaults for ``rows_per_item``.
-    Several rows an item share ``ITEM_BYTES`` and compute ``CHUNK_TOKENS`` positions at a time between them (the
-    module's docstring says why)."""
-    if rows_per_item < 1:
-        raise ValueError(f"rows_per_item must be 1 or more, got {rows_per_item}")
-    block_bytes = BLOCK_BYTES if rows_per_item == 1 else min(BLOCK_BYTES, ITEM_BYTES // rows_per_item)
-    per_block = min(width, pages_per_block or default_pages_per_block(page_size, lanes, itemsize, block_bytes))
-    chunk_pages = max(1, min(per_block, (chunk_tokens or CHUNK_TOKENS // rows_per_item) // page_size))
+def block_settings(page_size: int, lanes: int, itemsize: int, width: int, pages_per_block: int | None = None,
+                   chunk_tokens: int | None = None) -> tuple[int, int]:
+    """``(pages a row's block fetches, pages computed at a time)`` for a table ``width`` pages wide; ``None``: the
+    defaults (``BLOCK_BYTES``, ``CHUNK_TOKENS``). A chunk is at least a page and divides the block."""
+    per_block = min(width, pages_per_block or default_pages_per_block(page_size, lanes, itemsize))
+    chunk_pages = max(1, min(per_block, (chunk_tokens or CHUNK_TOKENS) // page_size))
     while per_block % chunk_pages:
         chunk_pages -= 1
     return per_block, chunk_pages
@@ -301,16 +264,14 @@ def query_rows(q, kv_heads: int, q_lanes: int, dtype):
     return jnp.where(mine[None, :, :, None], padded[:, None], jnp.zeros((), dtype))
 
 
-@partial(jax.jit, static_argnames=("pages_per_block", "chunk_tokens", "rows_per_item", "interpret"),
-         donate_argnames=("layer_pool",))
+@partial(jax.jit, static_argnames=("pages_per_block", "chunk_tokens", "interpret"), donate_argnames=("layer_pool",))
 def decode_step(q, k, v, layer_pool, page_tables, starts, lengths, *, pages_per_block: int | None = None,
-                chunk_tokens: int | None = None, rows_per_item: int | None = None, interpret: bool = False):
+                chunk_tokens: int | None = None, interpret: bool = False):
     """Store the new token's K/V (``k, v: [B, 1, KVH, D]``, at position ``starts[b]`` where ``lengths[b]`` is 1) in
     ``layer_pool: [N, page_size, 2 * KVH * D]`` through ``page_tables: [B, W]``, and attend ``q: [B, 1, H, D]`` over
     each row's positions ``[0, starts + lengths)``. Returns ``([B, 1, H, D], the pool written in place)``. Rows with
-    no context (padding: ``starts + lengths`` 0) return zeros and write nothing. ``rows_per_item`` (default
-    ``ROWS_PER_ITEM``; at most ``B``): rows a work item attends to at once; ``pages_per_block``, ``chunk_tokens``: a
-    row's block and chunk (default ``block_settings``'s)."""
+    no context (padding: ``starts + lengths`` 0) return zeros and write nothing. ``pages_per_block``,
+    ``chunk_tokens``: a row's block and chunk (default ``block_settings``'s)."""
     b, _, heads, dim = q.shape
     _, page_size, lanes = layer_pool.shape
     kv_heads = lanes // (2 * dim)
@@ -321,21 +282,14 @@ def decode_step(q, k, v, layer_pool, page_tables, starts, lengths, *, pages_per_
                          f"got {page_size} rows of {layer_pool.dtype}")
     pair = dim % _LANES != 0
     q_lanes = 2 * dim if pair else dim
-    n = min(rows_per_item or ROWS_PER_ITEM, b)  # a batch of fewer rows: no padding rows computed
-    per_block, chunk_pages = block_settings(page_size, lanes, layer_pool.dtype.itemsize, page_tables.shape[1], n,
+    per_block, chunk_pages = block_settings(page_size, lanes, layer_pool.dtype.itemsize, page_tables.shape[1],
                                             pages_per_block, chunk_tokens)
     kv_lens = (starts + lengths).astype(jnp.int32)
     writes = (lengths > 0).astype(jnp.int32)
     tables = page_tables.astype(jnp.int32)
     settings = dict(pages_per_block=per_block, chunk_pages=chunk_pages, head_dim=dim, pair=pair,
                     group=heads // kv_heads)
-    if n == 1:
-        out, layer_pool = _one_row_an_item(q, k, v, layer_pool, kv_lens, writes, tables, q_lanes, interpret, settings)
-    else:
-        from fsm_pd.model import decode_rows  # imports this module
-
-        out, layer_pool = decode_rows.attend(q, k, v, layer_pool, kv_lens, writes, tables, rows_per_item=n,
-                                             q_lanes=q_lanes, interpret=interpret, **settings)
+    out, layer_pool = _attend(q, k, v, layer_pool, kv_lens, writes, tables, q_lanes, interpret, settings)
     values = out[:, :heads, q_lanes - dim:]  # [B, H, D]: V's lanes
     return values.reshape(b, 1, heads, dim).astype(q.dtype), layer_pool
 
@@ -346,7 +300,7 @@ def new_rows_of(k, v, dtype):
     return jnp.stack([k[:, 0], v[:, 0]], axis=2).reshape(b, 1, 2 * kv_heads * dim).astype(dtype)
 
 
-def _one_row_an_item(q, k, v, layer_pool, kv_lens, writes, tables, q_lanes, interpret, settings):
+def _attend(q, k, v, layer_pool, kv_lens, writes, tables, q_lanes, interpret, settings):
     b, _, heads, dim = q.shape
     _, page_size, lanes = layer_pool.shape
     kv_heads = lanes // (2 * dim)

@@ -10,7 +10,8 @@ context: zeros, nothing written), and a row inside its first page. The batch is 
 same at 16, 64 and 128 tokens a page (the sizes a TPU pool is measured at, ``kernels/layout.py``'s ``PAGE_SIZES``),
 with small blocks (every block boundary crossed) and with the blocks the chip sizes itself. The pool must come out as
 the jnp path leaves it, but for page 0 (the reserved pad page, which the jnp path writes padding into and the kernel
-must never touch).
+must never touch). A second, wider batch of 11 rows adds what the first lacks: a row that attends without writing
+(a context, length 0), padding rows in a run, and a row of 10 pages (5 small blocks) among them.
 """
 
 from __future__ import annotations
@@ -47,6 +48,18 @@ def ragged_batch(rng, page_size: int, num_pages: int, width: int):
     return page_tables(rng, starts, lengths, page_size, num_pages, width)
 
 
+def wider_batch(rng, page_size: int, num_pages: int, width: int):
+    """``(starts, lengths, tables)``: the first batch's rows, then a row that attends without writing (its context
+    ``2p + 3``, length 0), two padding rows and a row of 10 pages; for 40 pages and tables 12 wide."""
+    p = page_size
+    starts = [0, 6 * p + 4, 3 * p - 1, 0, 4 * p, p + 9, 5, 2 * p + 3, 0, 0, 9 * p + 2]
+    lengths = [1, 1, 1, 0, 1, 1, 1, 0, 0, 0, 1]
+    return page_tables(rng, starts, lengths, page_size, num_pages, width)
+
+
+BATCHES = {"seven-rows": (ragged_batch, 32, 8), "eleven-rows": (wider_batch, 40, 12)}  # batch, pages, width
+
+
 def page_tables(rng, starts: list[int], lengths: list[int], page_size: int, num_pages: int, width: int):
     """``(starts, lengths, tables)``: each row's pages for its context, row 1's one run at the pool's end, the
     others' drawn without repeats from ``1..`` (page 0, the pad page, never)."""
@@ -62,11 +75,12 @@ def page_tables(rng, starts: list[int], lengths: list[int], page_size: int, num_
     return np.asarray(starts, np.int32), np.asarray(lengths, np.int32), tables
 
 
-def run_both(head_dim: int, dtype, page_size: int = PAGE_SIZE, seed: int = 0, blocks: str = "small-blocks"):
+def run_both(head_dim: int, dtype, page_size: int = PAGE_SIZE, seed: int = 0, blocks: str = "small-blocks",
+             batch: str = "seven-rows"):
     heads, kv_heads = SHAPES[head_dim]
     rng = np.random.default_rng(seed)
-    num_pages, width = 32, 8
-    starts, lengths, tables = ragged_batch(rng, page_size, num_pages, width)
+    rows_of, num_pages, width = BATCHES[batch]
+    starts, lengths, tables = rows_of(rng, page_size, num_pages, width)
     lanes = 2 * kv_heads * head_dim
     pool = jnp.asarray(rng.normal(size=(num_pages, page_size, lanes)), dtype)
     b = len(starts)
@@ -78,9 +92,10 @@ def run_both(head_dim: int, dtype, page_size: int = PAGE_SIZE, seed: int = 0, bl
     got, got_pool = decode_attention.decode_step(q, k, v, pool.copy(), *args,
                                                  pages_per_block=pages_per_block, chunk_tokens=chunk_tokens,
                                                  interpret=INTERPRET)
-    real = lengths > 0
-    return (np.asarray(got, np.float32)[real], np.asarray(want, np.float32)[real], np.asarray(got_pool, np.float32),
-            np.asarray(want_pool, np.float32), before, np.asarray(got, np.float32)[~real])
+    context = starts + lengths > 0  # a row of length 0 after a context attends (and writes nothing)
+    return (np.asarray(got, np.float32)[context], np.asarray(want, np.float32)[context],
+            np.asarray(got_pool, np.float32), np.asarray(want_pool, np.float32), before,
+            np.asarray(got, np.float32)[~context])
 
 
 @pytest.mark.parametrize("blocks", sorted(BLOCKS))
@@ -101,6 +116,43 @@ def test_decode_step_in_bfloat16_writes_the_second_tile_of_a_page():
     np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)  # bf16 products in the kernel, float32 in jnp
     np.testing.assert_array_equal(got_pool[1:], want_pool[1:])
     np.testing.assert_array_equal(got_pool[0], before[0])
+
+
+@pytest.mark.parametrize("head_dim", sorted(SHAPES), ids=lambda d: f"head_dim-{d}")
+def test_decode_step_equals_the_jnp_path_on_the_wider_batch(head_dim):
+    """Small blocks (2 pages) and a page a chunk: the 10-page row is 5 blocks of 2 chunks."""
+    got, want, got_pool, want_pool, before, padding = run_both(head_dim, jnp.float32, batch="eleven-rows")
+    tolerance = 2e-2 if ON_TPU else 1e-5
+    np.testing.assert_allclose(got, want, atol=tolerance, rtol=tolerance)
+    np.testing.assert_array_equal(got_pool[1:], want_pool[1:])  # no row written but those of length 1
+    np.testing.assert_array_equal(got_pool[0], before[0])
+    assert not padding.any()
+
+
+@pytest.mark.parametrize("head_dim", sorted(SHAPES), ids=lambda d: f"head_dim-{d}")
+def test_decode_step_in_bfloat16_on_the_wider_batch(head_dim):
+    """32-token pages, as the bfloat16 case above: 2-page blocks, a page (32 tokens) a chunk."""
+    got, want, got_pool, want_pool, before, padding = run_both(head_dim, jnp.bfloat16, page_size=32, seed=1,
+                                                               batch="eleven-rows")
+    np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)
+    np.testing.assert_array_equal(got_pool[1:], want_pool[1:])
+    np.testing.assert_array_equal(got_pool[0], before[0])
+    assert not padding.any()
+
+
+def test_block_settings_default_to_the_bytes_and_chunk_tokens_within_the_table():
+    """``block_settings``: ``default_pages_per_block``'s blocks and ``CHUNK_TOKENS`` positions a chunk unless told,
+    a block no wider than the table, a chunk at least a page and a divisor of the block."""
+    for page_size in PAGE_SIZES:
+        for lanes in (384, 512, 4096):
+            for itemsize in (2, 4):
+                per_block = decode_attention.default_pages_per_block(page_size, lanes, itemsize)
+                assert decode_attention.block_settings(page_size, lanes, itemsize, 4096) == (
+                    per_block, max(1, min(per_block, decode_attention.CHUNK_TOKENS // page_size)))
+    assert decode_attention.block_settings(16, 384, 2, 40) == (40, 40)  # SmolLM2: the table's 40 pages, not 64
+    assert decode_attention.block_settings(16, 384, 2, 40, pages_per_block=2, chunk_tokens=16) == (2, 1)
+    assert decode_attention.block_settings(32, 384, 2, 40, pages_per_block=2, chunk_tokens=16) == (2, 1)  # a page
+    assert decode_attention.block_settings(16, 384, 2, 40, chunk_tokens=48) == (40, 2)  # 3 pages: not a divisor
 
 
 def test_blocks_follow_the_bytes_and_stay_powers_of_two():
