@@ -183,7 +183,6 @@ def run_pd(args: argparse.Namespace, opening, reading) -> int:
     from fsm_pd.serving.startup import Startup
 
     startup = Startup()  # the prefill engine's, timed from the process's start; the decode engine's shares it
-    from fsm_pd.api import create_app
     from fsm_pd.api.drain import ABORT_GRACE_S, DrainingServer
     from fsm_pd.api.runner import WaitDeadlines
     from fsm_pd.cli.pd_front import PDFront
@@ -234,13 +233,13 @@ def run_pd(args: argparse.Namespace, opening, reading) -> int:
         for name, seconds in startup.status()["phases"].items():  # the process's imports, weights and engines
             decode_startup.record(name, seconds, startup.started_at + spans[name][0])
         starts = dict(zip(engines, (startup, decode_startup), strict=True))
-        local_apps = {}
-        for engine, its_startup in starts.items():
-            app = local_apps[engine.manager.uds] = create_app(engine, model.tokenizer, api_key=args.api_key,
-                             model_name=args.served_model_name or args.model, model_path=args.model,
-                             drain_timeout_s=args.drain_timeout_secs, startup=its_startup, wait=wait,
-                             max_body_bytes=args.max_request_bytes)
-            servers.append(AppServer(app, uds=engine.manager.uds, log_level="warning",
+        local_apps = engine_apps({engine.manager.uds: (engine, its_startup) for engine, its_startup in starts.items()},
+                                 model.tokenizer, api_key=args.api_key,
+                                 model_name=args.served_model_name or args.model, model_path=args.model,
+                                 drain_timeout_s=args.drain_timeout_secs, wait=wait,
+                                 max_body_bytes=args.max_request_bytes)
+        for uds, app in local_apps.items():
+            servers.append(AppServer(app, uds=uds, log_level="warning",
                                      read_timeouts=read_timeouts_from_args(args)).start())
         prefill, decode = engines
         bootstrap = unix_address(os.path.join(links, "prefill.bootstrap.sock"))
@@ -284,6 +283,17 @@ def run_pd(args: argparse.Namespace, opening, reading) -> int:
     log.info("stopped cleanly")
     exit_now(0)
     return 0
+
+
+def engine_apps(engines: dict, tokenizer, **options) -> dict:
+    """Each engine's HTTP app, by the key it comes with (its unix socket): ``engines`` maps it to the engine and its
+    ``Startup``; ``options`` are ``create_app``'s. The apps share one ``SharedEncodes`` of ``tokenizer``: the router
+    sends a PD request's same prompt to both, which encodes it once (``api/shared_encodes.py``)."""
+    from fsm_pd.api import create_app
+    from fsm_pd.api.shared_encodes import SharedEncodes
+
+    shared = SharedEncodes(tokenizer)
+    return {key: create_app(engine, shared, startup=startup, **options) for key, (engine, startup) in engines.items()}
 
 
 class EngineFamilies:
