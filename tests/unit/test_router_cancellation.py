@@ -73,3 +73,28 @@ def test_a_client_leaving_during_the_wind_down_cancels_the_request_and_gets_no_r
     status, calls = asyncio.run(asyncio.wait_for(scenario(), 30))
     assert status == 499
     assert sorted(calls) == ["d0", "p0"], calls  # the first attempt only: p1 never got the retry, not even later
+
+
+def test_a_request_is_served_in_the_task_that_dispatched_it():
+    """No task of its own for the request: each task handed over is a turn of the event loop before the client hears
+    of its answer (``PDRouter.dispatch``)."""
+
+    async def scenario() -> tuple[asyncio.Task, asyncio.Task | None]:
+        router = PDRouter([PrefillWorker("http://p0", 8998)], ["http://d0"], policy="round_robin",
+                          health_interval_s=60, pd_policy=CLASSIC_PD)
+        served_in: list[asyncio.Task | None] = []
+
+        async def serve(path, body, request):
+            served_in.append(asyncio.current_task())
+            return httpx.Response(200)
+
+        router._serve = serve
+        try:
+            await router.dispatch("/generate", {"text": "hi", "rid": "here-1"}, LeavingClient(asyncio.Event()))
+            return asyncio.current_task(), served_in[0]
+        finally:
+            router._health_task.cancel()
+            await router.client.aclose()
+
+    mine, served = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert served is mine
