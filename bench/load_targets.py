@@ -35,7 +35,11 @@ from fsm_pd.net.unix_sockets import unix_address
 TARGETS = {"colocated": ["--role", "colocated"],
            "pd-auto": ["--role", "pd", "--pd-policy", "auto"],
            "pd-always": ["--role", "pd", "--pd-policy", "always"],
-           "pd-never": ["--role", "pd", "--pd-policy", "never"]}
+           "pd-never": ["--role", "pd", "--pd-policy", "never"],
+           # the same, with a node's app over both engines instead of the built-in router (cli/pd_pair.py)
+           "pd-auto-direct": ["--role", "pd", "--pd-policy", "auto", "--pd-front", "direct"],
+           "pd-always-direct": ["--role", "pd", "--pd-policy", "always", "--pd-front", "direct"],
+           "pd-never-direct": ["--role", "pd", "--pd-policy", "never", "--pd-front", "direct"]}
 STEPS_SUFFIX = re.compile(r"\+k([1-9][0-9]*)$")  # "colocated+k8": the target at 8 decode steps a dispatch
 STOP_GRACE_S = 60  # a node drains for at most --drain-timeout-secs (default 30) after SIGTERM, then exits
 
@@ -177,7 +181,9 @@ def background_state(info: dict) -> dict:
     """Each engine's background compile as ``/server_info`` tells it: ``{engine: None (not ready yet), "running", or
     what it compiled ({"programs", "seconds", "demanded"}, or {"skipped": True})}``; a node's under ``node``,
     ``--role pd``'s per engine (``engines_startup``: prefill, decode)."""
-    engines = info.get("engines_startup") or {"node": info.get("startup")}
+    # --pd-front direct: the pair's own info, the app's engine's, is where they are (cli/pd_pair.py)
+    pair = (info.get("internal_states") or [{}])[0] or {}
+    engines = info.get("engines_startup") or pair.get("engines_startup") or {"node": info.get("startup")}
     return {engine: (startup or {}).get("background_compile") for engine, startup in engines.items()}
 
 

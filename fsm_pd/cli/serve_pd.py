@@ -233,35 +233,41 @@ def run_pd(args: argparse.Namespace, opening, reading) -> int:
         for name, seconds in startup.status()["phases"].items():  # the process's imports, weights and engines
             decode_startup.record(name, seconds, startup.started_at + spans[name][0])
         starts = dict(zip(engines, (startup, decode_startup), strict=True))
-        local_apps = engine_apps({engine.manager.uds: (engine, its_startup) for engine, its_startup in starts.items()},
-                                 model.tokenizer, api_key=args.api_key,
-                                 model_name=args.served_model_name or args.model, model_path=args.model,
-                                 drain_timeout_s=args.drain_timeout_secs, wait=wait,
-                                 max_body_bytes=args.max_request_bytes)
-        for uds, app in local_apps.items():
-            servers.append(AppServer(app, uds=uds, log_level="warning",
-                                     read_timeouts=read_timeouts_from_args(args)).start())
-        prefill, decode = engines
         bootstrap = unix_address(os.path.join(links, "prefill.bootstrap.sock"))
-        # its engines are this process's own: no slow health check ejects one (a dead one makes /health 503, and
-        # the front refuses requests), and a request reaches the router only once both are ready; a stream its one
-        # decode engine breaks has no other to move to, so the router relays the engine's bytes as they come
-        # rather than parsing every event for a migration (issue 48: 15% of the interpreter's time under load)
-        router = create_router_app(
-            [PrefillWorker(servers[0].url, bootstrap)], [servers[1].url], api_key=args.api_key,
-            pd_policy=PolicySettings(args.pd_policy, args.local_prefill_max_tokens),
-            health_interval_s=1.0, health_timeout_s=OWN_HEALTH_TIMEOUT_S,
-            breaker=BreakerSettings(health_failures=NEVER, request_failures=NEVER), retry=RetrySettings(migrate=False),
-            startup_wait_s=args.startup_wait_secs, local_apps=local_apps,
-            max_body_bytes=args.max_request_bytes,  # None: the engines' limit (their /health)
-            server_info_extra=lambda: {"startup": startup.status(), "engines_startup": {
-                engine.role: its_startup.status() for engine, its_startup in starts.items()}})
-        registry = router.state.metrics.registry
+
+        def info_extra() -> dict:
+            return {"startup": startup.status(),
+                    "engines_startup": {engine.role: its.status() for engine, its in starts.items()}}
+
+        if args.pd_front == "direct":
+            app, registry = direct_app(args, engines, model.tokenizer, bootstrap, startup, wait, info_extra)
+        else:
+            local_apps = engine_apps({engine.manager.uds: (engine, its) for engine, its in starts.items()},
+                                     model.tokenizer, api_key=args.api_key,
+                                     model_name=args.served_model_name or args.model, model_path=args.model,
+                                     drain_timeout_s=args.drain_timeout_secs, wait=wait,
+                                     max_body_bytes=args.max_request_bytes)
+            for uds, engine_app in local_apps.items():
+                servers.append(AppServer(engine_app, uds=uds, log_level="warning",
+                                         read_timeouts=read_timeouts_from_args(args)).start())
+            # its engines are this process's own: no slow health check ejects one (a dead one makes /health 503,
+            # and the front refuses requests), and a request reaches the router only once both are ready; a stream
+            # its one decode engine breaks has no other to move to, so the router relays the engine's bytes as they
+            # come rather than parsing every event for a migration (issue 48: 15% of the interpreter's time)
+            app = create_router_app(
+                [PrefillWorker(servers[0].url, bootstrap)], [servers[1].url], api_key=args.api_key,
+                pd_policy=PolicySettings(args.pd_policy, args.local_prefill_max_tokens),
+                health_interval_s=1.0, health_timeout_s=OWN_HEALTH_TIMEOUT_S,
+                breaker=BreakerSettings(health_failures=NEVER, request_failures=NEVER),
+                retry=RetrySettings(migrate=False), startup_wait_s=args.startup_wait_secs, local_apps=local_apps,
+                max_body_bytes=args.max_request_bytes,  # None: the engines' limit (their /health)
+                server_info_extra=info_extra)
+            registry = app.state.metrics.registry
         registry.register(EngineFamilies([r for engine in engines for r in engine.registries]))
         registry.register(StartupCollector(startup))  # the process's start-up, as a node's /metrics has it
         registry.register(CompileCollector())
-        front = PDFront(router, engines, list(starts.values()), drain_timeout_s=args.drain_timeout_secs,
-                        startup_wait_s=args.startup_wait_secs, registry=router.state.metrics.registry)
+        front = PDFront(app, engines, list(starts.values()), drain_timeout_s=args.drain_timeout_secs,
+                        startup_wait_s=args.startup_wait_secs, registry=registry)
         apply_serving_gc_policy()
         threading.Thread(target=prepare_programs, args=(starts, args.skip_server_warmup,
                                                         lambda: front.drain.in_flight > 0,
@@ -294,6 +300,24 @@ def engine_apps(engines: dict, tokenizer, **options) -> dict:
 
     shared = SharedEncodes(tokenizer)
     return {key: create_app(engine, shared, startup=startup, **options) for key, (engine, startup) in engines.items()}
+
+
+def direct_app(args: argparse.Namespace, engines, tokenizer, bootstrap: str, startup, wait, info_extra):
+    """``--pd-front direct``: a node's app over both engines (``cli/pd_pair.py``), and the registry its
+    ``/metrics`` shows beside the app's own."""
+    from prometheus_client import CollectorRegistry
+
+    from fsm_pd.api import create_app
+    from fsm_pd.cli.pd_pair import PDPair
+    from fsm_pd.router.policy import PolicySettings
+
+    pair = PDPair(*engines, PolicySettings(args.pd_policy, args.local_prefill_max_tokens), bootstrap,
+                  info_extra=info_extra)
+    registry = CollectorRegistry(auto_describe=True)
+    app = create_app(pair, tokenizer, api_key=args.api_key, model_name=args.served_model_name or args.model,
+                     model_path=args.model, drain_timeout_s=args.drain_timeout_secs, startup=startup, wait=wait,
+                     max_body_bytes=args.max_request_bytes, registries=[registry])
+    return app, registry
 
 
 class EngineFamilies:
