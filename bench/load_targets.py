@@ -36,10 +36,10 @@ TARGETS = {"colocated": ["--role", "colocated"],
            "pd-auto": ["--role", "pd", "--pd-policy", "auto"],
            "pd-always": ["--role", "pd", "--pd-policy", "always"],
            "pd-never": ["--role", "pd", "--pd-policy", "never"],
-           # the same, with a node's app over both engines instead of the built-in router (cli/pd_pair.py)
-           "pd-auto-direct": ["--role", "pd", "--pd-policy", "auto", "--pd-front", "direct"],
-           "pd-always-direct": ["--role", "pd", "--pd-policy", "always", "--pd-front", "direct"],
-           "pd-never-direct": ["--role", "pd", "--pd-policy", "never", "--pd-front", "direct"]}
+           # the same, with the built-in router in front instead of a node's app over both (cli/pd_pair.py)
+           "pd-auto-router": ["--role", "pd", "--pd-policy", "auto", "--pd-front", "router"],
+           "pd-always-router": ["--role", "pd", "--pd-policy", "always", "--pd-front", "router"],
+           "pd-never-router": ["--role", "pd", "--pd-policy", "never", "--pd-front", "router"]}
 STEPS_SUFFIX = re.compile(r"\+k([1-9][0-9]*)$")  # "colocated+k8": the target at 8 decode steps a dispatch
 STOP_GRACE_S = 60  # a node drains for at most --drain-timeout-secs (default 30) after SIGTERM, then exits
 
@@ -260,7 +260,8 @@ def prefill_budget(url: str) -> dict | None:
     """The prefill budget's state (``StepBudget.state``, ``/server_info``'s ``prefill_budget``): the node's own, or
     for ``--role pd`` its prefill engine's (the decode engine shares it). None when it cannot be read."""
     def engine_state(info: dict) -> dict | None:  # a node's engine fields: SGLang's internal_states
-        return (info.get("internal_states") or [{}])[0].get("prefill_budget")
+        state = (info.get("internal_states") or [{}])[0]  # --pd-front direct: the pair's, each engine's under it
+        return state.get("prefill_budget") or state.get("engines", {}).get("prefill", {}).get("prefill_budget")
 
     try:
         with unix_http.client(timeout=10) as http:

@@ -1,12 +1,12 @@
-"""The public face of ``fsm-pd serve --role pd``: the router's app behind the process's start-up, health and drain.
+"""The public face of ``fsm-pd serve --role pd``: its app behind the process's start-up, health and drain.
 
-A node puts its engine behind a gate (``api/drain.py``); this puts the built-in router, and so both engines behind
-it, behind the same rules, for the one process:
+A node puts its engine behind a gate (``api/drain.py``); this puts the process's app (a node's app over both engines,
+``pd_pair.py``, or the built-in router) and so both engines behind the same rules, for the one process:
 
 - ``/health`` answers 503 ``starting`` (with each engine's phase and progress) until both engines can serve, and 503
   once either has died (its model thread or its KV manager's loop). ``/livez`` (and the router's ``/liveness``) is
   503 once an engine died: a restart is the cure. ``/startupz`` is 503 until ready. ``/readiness`` is 503 while
-  starting, draining or dead, else the router's own answer.
+  starting, draining or dead, else the app's own answer.
 - A generation request that arrives while the process starts waits for readiness, at most ``--startup-wait-secs``,
   and is then served (on a TPU a cold start compiles for a minute or more; a request sent the moment the socket
   accepts must not be lost).
@@ -50,7 +50,7 @@ class BothEngines:
 
 
 class PDFront:
-    """Pure ASGI around the router's app (module doc)."""
+    """Pure ASGI around the process's app (module doc)."""
 
     def __init__(self, app: Any, engines: Sequence[Any], startups: Sequence[Startup], *, drain_timeout_s: float,
                  startup_wait_s: float, registry: Any = None) -> None:
@@ -96,7 +96,7 @@ class PDFront:
         await self.gate(scope, receive, send)  # a node's: counts requests in and out, refuses them while draining
 
     async def _answer(self, path: str, method: str) -> Any:
-        """This gate's own answer to a request, or None to let the router answer it."""
+        """This gate's own answer to a request, or None to let the app answer it."""
         if path in ("/livez", "/liveness"):
             reason = self.dead()
             return self.unhealthy(reason) if reason else JSONResponse({"status": "alive"})

@@ -1,4 +1,5 @@
-"""``PDPair``: ``--role pd``'s two engines as one, for a node's HTTP app in front of them (``--pd-front direct``).
+"""``PDPair``: ``--role pd``'s two engines as one, for a node's HTTP app in front of them (``--pd-front direct``,
+the default).
 
 Behind the built-in router (``--pd-front router``), a PD request of the one process crossed three apps: the router's,
 then the prefill engine's and the decode engine's (in process, ``net/asgi_transport.py``), each with its middleware,

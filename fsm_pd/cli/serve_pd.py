@@ -1,16 +1,20 @@
-"""``fsm-pd serve --role pd``: a prefill engine, a decode engine and the built-in router in one process.
+"""``fsm-pd serve --role pd``: a prefill engine and a decode engine in one process, behind one HTTP API.
 
-A TPU VM lets one process at a time hold the chip, so PD there cannot be two processes. This runs the same parts a
+A TPU VM lets one process at a time hold the chip, so PD there cannot be two processes. This runs the same engines a
 PD cluster runs, unchanged, in one process: ``PrefillEngine`` (with its bootstrap server) and ``DecodeEngine``, each
-with its own KV pool, model thread, KV manager, state machines and journal (``DIR/prefill-0.db``, ``DIR/decode-0.db``,
-read by ``fsm-pd replay`` as two nodes' journals), and the router in front with its ``--pd-policy``. The router's
-HTTP API is the process's public one (``--port`` or ``--uds``).
+with its own KV manager, state machines and journal (``DIR/prefill-0.db``, ``DIR/decode-0.db``, read by ``fsm-pd
+replay`` as two nodes' journals). On one set of devices they share one KV pool, model thread and step loop
+(``serving/shared_pool.py``), and a handoff moves page ownership (backend ``pool``); with a device each
+(``--prefill-devices``/``--decode-devices``) each has its own pool and a handoff copies device to device.
 
-The links between the parts are the ones between processes, over unix sockets in a private directory made at start
-and removed at exit: the router reaches the engines' HTTP APIs and the bootstrap server there, and the engines' side
-channels and (for ``tcp``/``zmq``) transfer servers listen there. So the process opens no TCP socket unless its own
-API is on ``--port``. The KV itself moves through the ``device`` backend by default: the decode engine takes the
-prefill engine's staging arrays where they are, on the device (``transport/backends/device_backend.py``).
+In front (``--pd-front``): by default a node's app whose engine is the pair (``cli/pd_pair.py``: a request planned
+once, submitted to both engines with a new room and its ``--pd-policy`` route); or the built-in router, which reaches
+each engine's own app in process (``net/asgi_transport.py``). Either is behind ``PDFront`` (``pd_front.py``: start-up,
+health, drain), and is the process's public API (``--port`` or ``--uds``).
+
+The engines' side channels, bootstrap server and (for ``tcp``/``zmq``) transfer servers listen on unix sockets in a
+private directory made at start and removed at exit, so the process opens no TCP socket unless its own API is on
+``--port``.
 
 The weights are loaded once: both engines take the same ``LoadedModel`` (its parameters are read-only; only pools
 are donated, and each engine has its own). They load on a thread of their own while the engines are built and their

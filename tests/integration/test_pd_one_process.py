@@ -1,11 +1,11 @@
-"""``fsm-pd serve --role pd``: a prefill engine, a decode engine and the router (or, ``--pd-front direct``, a node's app
-over both) in one real process, on unix sockets only (as on a TPU host, where one process holds the chip and no TCP
-socket opens). By default (backend ``pool``) the
-two engines share one KV pool and a handoff moves page ownership: ``/metrics`` counts each transfer with 0 bytes and
-the prompt's pages adopted. With ``--transfer-backend device`` each engine has its own pool and the KV is handed over
-as arrays on the device: ``/metrics`` counts one transfer of the KV's bytes, checksum verified, per request. Either
-way the greedy answers must equal a colocated node's for the same prompts, and every handoff must be a room that
-ended Success on both sides of its journals and replays consistently.
+"""``fsm-pd serve --role pd``: a prefill engine, a decode engine and a node's app over both (or, ``--pd-front router``,
+the built-in router) in one real process, on unix sockets only (as on a TPU host, where one process holds the chip
+and no TCP socket opens). By default (backend ``pool``) the two engines share one KV pool and a handoff moves page
+ownership: ``/metrics`` counts each transfer with 0 bytes and the prompt's pages adopted. With ``--transfer-backend
+device`` each engine has its own pool and the KV is handed over as arrays on the device: ``/metrics`` counts one
+transfer of the KV's bytes, checksum verified, per request. Either way the greedy answers must equal a colocated
+node's for the same prompts, and every handoff must be a room that ended Success on both sides of its journals and
+replays consistently.
 
 The issue asks for 32 requests of 8 to 900 tokens; the suite sends ``FSM_PD_ONE_PROCESS_REQUESTS`` of them (default
 8, to stay within the suite's time), and the same test runs 32 by hand with that variable set.
@@ -110,8 +110,8 @@ def stop(proc: subprocess.Popen) -> int:
 
 # (backend, its flags, the process's environment): one pool; a pool each on one device; a device each
 SETUPS = {"pool": ("pool", [], {}), "device": ("device", ["--transfer-backend", "device"], {}),
-          # a node's app over both engines instead of the built-in router (cli/pd_pair.py)
-          "pool-direct": ("pool", ["--pd-front", "direct"], {}),
+          # the built-in router in front instead of a node's app over both engines (cli/pd_pair.py, the default)
+          "pool-router": ("pool", ["--pd-front", "router"], {}),
           "two-devices": ("device", ["--prefill-devices", "1", "--decode-devices", "1"],
                           {"XLA_FLAGS": with_host_devices(2)})}
 
@@ -145,7 +145,7 @@ def test_pd_in_one_process_answers_as_colocated(tmp_path, setup, colocated_answe
                 got = list(pool.map(lambda ids: greedy(client, pd_url, ids), asked))
             metrics = settled(client, pd_url)
             info = client.get(pd_url + "/server_info").json()
-            if "--pd-front" in flags:  # the pair is the app's engine: its routes counted there
+            if "--pd-front" not in flags:  # the pair is the app's engine: its routes counted there
                 assert info["internal_states"][0]["routed"] == {"pd": REQUESTS, "local": 0}
             else:  # its one decode engine has no other to move a stream to: the router relays the engine's bytes
                 assert info["migrate"] is False
