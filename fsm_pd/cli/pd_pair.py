@@ -98,6 +98,16 @@ class PDPair:
                 return f"the {engine.role} engine cannot serve: {reason}"
         return None
 
+    def collect(self):
+        """``/metrics``: the requests by path, as the built-in router counts its attempts (the same family)."""
+        from prometheus_client.core import CounterMetricFamily
+
+        family = CounterMetricFamily("fsm_pd_router_routed", "Requests by path: pd (through the prefill engine) or "
+                                     "local (the decode engine prefilled the prompt itself)", labels=["path"])
+        for path, n in self.routed.items():
+            family.add_metric([path], n)
+        yield family
+
     def info(self) -> dict:
         decode = self.decode.info()
         out = {"role": "pd", "transfer_backend": decode.get("transfer_backend"), "routed": dict(self.routed),

@@ -318,6 +318,7 @@ def direct_app(args: argparse.Namespace, engines, tokenizer, bootstrap: str, sta
     pair = PDPair(*engines, PolicySettings(args.pd_policy, args.local_prefill_max_tokens), bootstrap,
                   info_extra=info_extra)
     registry = CollectorRegistry(auto_describe=True)
+    registry.register(pair)  # its requests by path
     app = create_app(pair, tokenizer, api_key=args.api_key, model_name=args.served_model_name or args.model,
                      model_path=args.model, drain_timeout_s=args.drain_timeout_secs, startup=startup, wait=wait,
                      max_body_bytes=args.max_request_bytes, registries=[registry])

@@ -161,6 +161,7 @@ def test_pd_in_one_process_answers_as_colocated(tmp_path, setup, colocated_answe
     assert result.consistent, [d.describe() for d in result.divergences]
     assert len(result.rooms) == 2 * REQUESTS and {r.final for r in result.rooms} == {"Success"}
 
+    assert samples(metrics, "fsm_pd_router_routed_total")[(("path", "pd"),)] == REQUESTS  # either front counts
     used = samples(metrics, "fsm_pd_transfer_backend")
     assert used == {(("backend", backend), ("node", side), ("role", side.split("-")[0])): 1.0
                     for side in ("prefill-0", "decode-0")}

@@ -57,6 +57,9 @@ def test_a_pd_request_goes_to_both_engines_with_one_new_room_and_its_route():
     assert dec.route == pre.route == {"path": "pd", "reason": "300 prompt tokens > 256"}
     assert (pre.stream, dec.input_ids, dec.seed) == (False, list(range(3, 303)), 7)
     assert p.routed == {"pd": 2, "local": 0}
+    (family,) = p.collect()  # /metrics: the router's family
+    assert family.name == "fsm_pd_router_routed"
+    assert {s.labels["path"]: s.value for s in family.samples if s.name.endswith("_total")} == {"pd": 2, "local": 0}
 
 
 @pytest.mark.parametrize(("mode", "tokens", "path"), [("auto", 256, "local"), ("never", 900, "local"),
