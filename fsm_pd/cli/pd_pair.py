@@ -98,6 +98,15 @@ class PDPair:
                 return f"the {engine.role} engine cannot serve: {reason}"
         return None
 
+    def health_fields(self) -> dict:
+        """``/health``'s fields: the decode engine's pre-allocation queue."""
+        return self.decode.health_fields()
+
+    def flush_cache(self) -> tuple[bool, str]:
+        """SGLang's ``/flush_cache`` on both engines: flushed only if both were."""
+        results = [(engine.role, *engine.flush_cache()) for engine in self.engines]
+        return all(ok for _, ok, _ in results), "; ".join(f"{role}: {message}" for role, _, message in results)
+
     def collect(self):
         """``/metrics``: the requests by path, as the built-in router counts its attempts (the same family)."""
         from prometheus_client.core import CounterMetricFamily

@@ -37,6 +37,9 @@ class Recording:
     def info(self):
         return {"role": self.role, "transfer_backend": "pool"}
 
+    def flush_cache(self):
+        return (self.role == "decode" or not self.refuse), f"{self.role} flushed"
+
 
 def request(rid: str, tokens: int) -> GenerateRequest:
     return GenerateRequest(rid, list(range(3, 3 + tokens)), SamplingParams(temperature=0.0, max_new_tokens=4), seed=7)
@@ -85,3 +88,10 @@ def test_an_abort_reaches_both_engines():
     p = pair("always")
     assert p.abort("gone") is True
     assert p.prefill.aborted == p.decode.aborted == [("gone", None)]
+
+
+def test_a_cache_flush_is_both_engines_and_succeeds_only_if_both_do():
+    assert pair("always").flush_cache() == (True, "prefill: prefill flushed; decode: decode flushed")
+    p = pair("always")
+    p.prefill.refuse = True
+    assert p.flush_cache()[0] is False
