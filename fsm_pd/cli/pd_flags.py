@@ -61,7 +61,8 @@ def add_pd_flags(parser: argparse.ArgumentParser) -> None:
                         help="a request that arrives while the process starts (both engines compile) waits this long "
                              "for it to be ready, then is served; past it, 503 starting (default "
                              f"{DEFAULT_PD_STARTUP_WAIT_S:g}; /health is 503 starting until ready)")
-    router = parser.add_argument_group("the built-in router in front of the two engines (fsm-pd serve --role router)")
+    router = parser.add_argument_group("in front of the two engines: a node's app over both (default), or the built-in "
+                                       "router (fsm-pd serve --role router's); either routes by --pd-policy")
     router.add_argument("--pd-front", choices=PD_FRONTS, default="direct",
                         help="what serves the process's HTTP API: direct (default): a node's app over both engines, "
                              "which plans a request once and submits it to each engine itself (cli/pd_pair.py); "
