@@ -92,6 +92,9 @@ def serve_main(argv: Sequence[str]) -> int:
     from fsm_pd.net.http_server import log_to_stderr
 
     log_to_stderr(args.log_level)
+    from fsm_pd.runtime.stack_samples import start_from_env
+
+    start_from_env()  # FSM_PD_STACK_SAMPLES=PATH: where this process's threads spend their time
     if args.log_level != "debug":
         quiet_absent_backends()
     if args.tp > 1:
