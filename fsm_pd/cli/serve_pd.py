@@ -296,14 +296,12 @@ def run_pd(args: argparse.Namespace, opening, reading) -> int:
 
 
 def engine_apps(engines: dict, tokenizer, **options) -> dict:
-    """Each engine's HTTP app, by the key it comes with (its unix socket): ``engines`` maps it to the engine and its
-    ``Startup``; ``options`` are ``create_app``'s. The apps share one ``SharedEncodes`` of ``tokenizer``: the router
-    sends a PD request's same prompt to both, which encodes it once (``api/shared_encodes.py``)."""
+    """``--pd-front router``: each engine's HTTP app, by the key it comes with (its unix socket): ``engines`` maps it
+    to the engine and its ``Startup``; ``options`` are ``create_app``'s."""
     from fsm_pd.api import create_app
-    from fsm_pd.api.shared_encodes import SharedEncodes
 
-    shared = SharedEncodes(tokenizer)
-    return {key: create_app(engine, shared, startup=startup, **options) for key, (engine, startup) in engines.items()}
+    return {key: create_app(engine, tokenizer, startup=startup, **options)
+            for key, (engine, startup) in engines.items()}
 
 
 def direct_app(args: argparse.Namespace, engines, tokenizer, bootstrap: str, startup, wait, info_extra):
