@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from functools import partial
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -53,3 +55,36 @@ def _report(task: asyncio.Future, what: str, expected: tuple[type[BaseException]
     err = task.exception()  # retrieved either way: asyncio never reports it as "never retrieved"
     if err is not None and not isinstance(err, expected):
         log.warning("%s ended with %s: %s", what, type(err).__name__, err, exc_info=err)
+
+
+LEFT = object()  # what ``unless_left`` returns when the client left first
+
+
+async def unless_left(work: Awaitable[Any], left: Awaitable[None], what: str) -> Any:
+    """``work``'s result, awaited in this task rather than a task of its own; ``LEFT`` if ``left`` (a client's
+    disconnect) ends first, which cancels the work where it stands. A task handed over costs a turn of the event loop
+    each way, and under load a turn can wait up to 5 ms for the interpreter's lock (issue 48: a pd request's first
+    token took ~7 turns to reach its client, a colocated one's 2). A cancellation from elsewhere propagates."""
+    me = asyncio.current_task()
+    gone = asyncio.ensure_future(left)
+    state = {"left": False, "ended": False}
+
+    def on_leaving(task: asyncio.Future) -> None:
+        # (a callback already queued when the work ended runs after it: this task has moved on by then)
+        if not state["ended"] and not task.cancelled() and task.exception() is None:
+            state["left"] = True
+            me.cancel()
+
+    gone.add_done_callback(on_leaving)
+    try:
+        result = await work
+    except asyncio.CancelledError:
+        if state["left"] and me.uncancel() == 0:  # cancelled by the leaving alone, not from outside too
+            return LEFT
+        raise
+    finally:
+        state["ended"] = True
+        cancel_soon(gone, what=what)
+    if state["left"]:  # the work ended before the cancellation took: its result goes (to a client that is gone)
+        me.uncancel()
+    return result

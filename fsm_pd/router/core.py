@@ -25,7 +25,7 @@ from fsm_pd.api.errors import error_body, error_response, with_rid
 from fsm_pd.api.requests import new_rid
 from fsm_pd.api.runner import wait_disconnect
 from fsm_pd.api.streaming import PROGRESS_HEADER, RECOMPUTED_HEADER, ROUTE_HEADERS
-from fsm_pd.api.tasks import cancel_and_wait, cancel_soon
+from fsm_pd.api.tasks import LEFT, cancel_and_wait, unless_left
 from fsm_pd.net.asgi_transport import PASS_TO
 from fsm_pd.net.unix_http import async_client, http_url
 from fsm_pd.router.attempts import Attempts, Failure, Started, error_message, needs_prefill_body
@@ -166,33 +166,10 @@ class PDRouter:
         await self.first_checks()
         if body.get("rid") is None:  # one rid on every leg of every attempt (meta_info.id shows it)
             body = {**body, "rid": new_rid()}
-        # _serve runs in this task, not one of its own that this one waits for: each task handed over is a turn of
-        # the event loop, and under load a turn can wait for the interpreter's lock (up to 5 ms; issue 48: a pd
-        # request's first token took ~7 turns to reach its client, a colocated one's 2). The client's leaving
-        # cancels this task instead, and the cancellation is turned into a 499 here.
-        me = asyncio.current_task()
-        left = ended = False
-
-        def on_leaving(task: asyncio.Future) -> None:
-            nonlocal left
-            # (a callback already queued when the answer came runs after it: this task has moved on by then)
-            if not ended and not task.cancelled() and task.exception() is None:
-                left = True
-                me.cancel()
-
-        gone = asyncio.ensure_future(wait_disconnect(request))
-        gone.add_done_callback(on_leaving)
-        try:
-            response = await self._serve(path, body, request)
-        except asyncio.CancelledError:
-            if left and me.uncancel() == 0:  # cancelled by the client's leaving alone, not from outside too
-                return Response(status_code=499)
-            raise
-        finally:
-            ended = True
-            cancel_soon(gone, what=f"the disconnect watch of request {body['rid']} on {path}")
-        if left:  # the answer was there before the cancellation took: the answer goes (and finds the client gone)
-            me.uncancel()
+        response = await unless_left(self._serve(path, body, request), wait_disconnect(request),
+                                     what=f"the disconnect watch of request {body['rid']} on {path}")
+        if response is LEFT:
+            return Response(status_code=499)
         return with_rid(response, body["rid"])  # a failed request's error names it, for fsm-pd replay --request
 
     async def _serve(self, path: str, body: dict, request: Request) -> Response:
