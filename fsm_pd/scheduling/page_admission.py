@@ -36,8 +36,10 @@ Sequence = Any  # anything with key, prompt_len, pages, meta and queued_at: type
 CHUNKED_PREFILL_SIZE = 512
 
 
-def admits(allocator: PageAllocator, need: int, headroom: int) -> bool:
-    if allocator.reserved_pages == 0:
+def admits(allocator: PageAllocator, need: int, headroom: int, *, always: bool = False) -> bool:
+    """``need`` pages fit with ``headroom`` to spare; on a pool nobody holds pages of, any that fit (the headroom is
+    for what the holders grow by), unless ``always``."""
+    if allocator.reserved_pages == 0 and not always:
         return need <= allocator.free_pages
     return need + headroom <= allocator.free_pages
 
@@ -76,12 +78,12 @@ def plan_chunks(admitted: Iterable[Any], *, max_batch: int, budget: int, planned
 
 
 def locked_if_it_fits(cache: PrefixCache | None, allocator: PageAllocator, prefix: Match, need: int,
-                      headroom: int) -> bool:
+                      headroom: int, *, always: bool = False) -> bool:
     """Lock a request's matched prefix, then see whether the ``need`` pages it lacks fit: locked first, because the
     prefix's own unlocked pages count as evictable and are not there to evict for it. Unlocked again if not."""
     if cache is not None:
         cache.lock(prefix)
-    if admits(allocator, need, headroom):
+    if admits(allocator, need, headroom, always=always):
         return True
     if cache is not None:
         cache.unlock(prefix)
@@ -99,6 +101,7 @@ def take_prefill_batch(
     drop: Callable[[Sequence], bool],
     cache: PrefixCache | None = None,
     planned: Iterable[Chunk] = (),
+    headroom_always: bool = False,
 ) -> list[Sequence]:
     """Pop up to ``max_batch`` prompts (their first chunks within ``max_tokens`` padded tokens in all:
     ``prefill_fits``; always at least one) off the head of ``queue`` and reserve their pages. ``drop(seq)``
@@ -109,6 +112,7 @@ def take_prefill_batch(
     and becomes its first pages (``seq.prefix``); only the rest is reserved, and only the rest counts against the
     token budget. A request that asked for its prompt's logprobs computes the whole prompt. ``planned``: chunks this
     step already runs (of prompts admitted before), which the new prompts' first chunks must fit beside.
+    ``headroom_always``: the headroom holds on an idle pool too (``admits``).
     """
     planned = list(planned)
     batch: list[Sequence] = []
@@ -125,7 +129,7 @@ def take_prefill_batch(
         if not prefill_fits(len(planned) + len(batch) + 1, max(longest, computed), max_tokens):
             break
         need = pages_for(seq.prompt_len, page_size) - len(prefix.pages)
-        if not locked_if_it_fits(cache, allocator, prefix, need, headroom):
+        if not locked_if_it_fits(cache, allocator, prefix, need, headroom, always=headroom_always):
             break
         try:
             new = allocator.reserve(seq.key, need)

@@ -124,6 +124,7 @@ class DecodeEngine(LocalPath, PDEngine):
         self.budget = shared.budget if shared is not None else StepBudget(CHUNKED_PREFILL_SIZE, prefill_chunk_steps)
         if shared is not None:
             shared.decoding = lambda: bool(self.loop.running)
+            shared.decode_headroom = self.headroom_pages
         self._shared = shared
         self._clock = clock
         self.recompute = TransferRecompute(self.model, self.model_thread, self.allocator, self.page_size,

@@ -3,7 +3,9 @@
 A request goes through three queues, as in SGLang's prefill node:
 
 1. bootstrap: ``add_sender`` at once; the request waits until the decode node's PREPARE arrives (the sender room
-   reaches WaitingForInput), so prefill work is only spent on requests a decode node has pages for;
+   reaches WaitingForInput), so prefill work is only spent on requests a decode node has pages for (on one pool
+   with the decode engine, ``--role pd``, its prompt is prefilled meanwhile and only its handoff waits:
+   ``early_prefill.py``);
 2. prefill: on the model thread, in batches of prompts that fit the free pages; the first token is sampled with
    the request's seed at step 0 (``max_new_tokens`` is 1 here) and handed over with ``kv_ready``;
    A prompt of several chunks starts its handoff after its first chunk (``kv_first_chunk``: READY goes out) and
@@ -50,6 +52,7 @@ from fsm_pd.scheduling.step_budget import DEFAULT_CHUNK_STEPS, StepBudget
 from fsm_pd.serving.common import ENDED, transfer_failure_status
 from fsm_pd.serving.decode_loop import DecodeLoop
 from fsm_pd.serving.device_steps import steps_per_dispatch
+from fsm_pd.serving.early_prefill import EarlyPrefill
 from fsm_pd.serving.forward import FirstToken, input_logprobs_to_wire, prefill_step
 from fsm_pd.serving.isolate import run_isolating
 from fsm_pd.serving.local_path import LocalPath
@@ -96,6 +99,8 @@ class PrefillEngine(LocalPath, PDEngine):
         # the decode engine's that shares this pool and step loop (and then this budget too)
         self.budget = (shared.budget if shared is not None
                        else StepBudget(chunked_prefill_size, prefill_chunk_steps if serve_local else 0))
+        # on one pool a prompt is prefilled before its PREPARE, its handoff waits for it (early_prefill.py)
+        self.early = EarlyPrefill(self.page_size, lambda: shared.decode_headroom) if shared is not None else None
         if shared is not None:
             shared.prefill_waiting = self._prompts_waiting
         self._clock = clock
@@ -159,9 +164,11 @@ class PrefillEngine(LocalPath, PDEngine):
         in_flight, waiting, chunking = len(self._in_flight), len(self._to_prefill), len(self._chunking)
         local = {"requests_running": len(self.loop.running), "local_waiting": len(self.recompute.waiting),
                  **self.recompute.local} if self.serves_local else {}
-        return {"bootstrap_queue": len(self.rooms) - waiting - chunking - in_flight, "prefill_queue": waiting,
+        early = {} if self.early is None else self.early.info()
+        waiting += early.get("early_queue", 0)
+        return {"bootstrap_queue": max(0, len(self.rooms) - waiting - chunking - in_flight), "prefill_queue": waiting,
                 "prefilling": chunking, "in_flight": in_flight, "bootstrap_url": self.bootstrap_url,
-                "prefill_budget": self.budget.state(), **local}
+                "prefill_budget": self.budget.state(), **early, **local}
 
     def _role_leaks(self, counters: dict) -> dict:
         return {"staging_buffers_held": counters["staging_buffers_held"]}
@@ -183,7 +190,10 @@ class PrefillEngine(LocalPath, PDEngine):
     def _step(self) -> bool:
         arrived = self._take_arrivals()
         if self.serves_local:
-            self._take_local(arrived)
+            arrived = self._take_local(arrived)
+        if self.early is not None:
+            for seq in arrived:
+                self.early.arrived(seq)
         for event in self._take_room_events():
             self._on_room(*event)
         # a prompt whose room ended mid-prefill is dropped: _on_room freed its pages
@@ -197,6 +207,13 @@ class PrefillEngine(LocalPath, PDEngine):
                                       drop=self._gone, cache=self.cache, planned=chunks)
         self._chunking += admitted
         chunks = plan_chunks(admitted, max_batch=self.max_prefill_batch, budget=budget, planned=chunks)
+        if self.early is not None and len(chunks) < self.max_prefill_batch:
+            early = take_prefill_batch(self.early.queue, self.allocator, self.page_size,
+                                       max_batch=self.max_prefill_batch - len(chunks), max_tokens=budget,
+                                       headroom=self.early.headroom(), drop=self._prepared_or_gone, planned=chunks,
+                                       headroom_always=True)
+            self._chunking += early
+            chunks = plan_chunks(early, max_batch=self.max_prefill_batch, budget=budget, planned=chunks)
         if chunks:
             if budget < self.chunked_prefill_size:
                 self.budget.cut_steps += 1
@@ -227,7 +244,12 @@ class PrefillEngine(LocalPath, PDEngine):
 
     def _prompts_waiting(self) -> bool:
         """PD rooms' prompts not yet prefilled (what a shared pool's decode engine asks: ``prefill_waiting``)."""
-        return bool(self.arrivals) or bool(self._to_prefill) or bool(self._chunking)
+        return (bool(self.arrivals) or bool(self._to_prefill) or bool(self._chunking)
+                or (self.early is not None and self.early.waiting()))
+
+    def _prepared_or_gone(self, seq: Sequence) -> bool:
+        """An early prompt whose PREPARE came first: it moved to the prefill queue (``_on_room``)."""
+        return not self.early.unprepared(seq.key) or self._gone(seq)
 
     def _finish_local(self, seq: Sequence) -> None:
         """A request served whole here ended (or was cancelled): its pages go back."""
@@ -243,10 +265,19 @@ class PrefillEngine(LocalPath, PDEngine):
         reason, timing = detail
         seq = self.rooms.get(room)
         if state == "WaitingForInput":
+            if self.early is not None and self.early.prepared(room):
+                if seq is not None and not seq.cancelled:
+                    if room in self._in_flight:  # prefilled already: the handoff starts now
+                        self._hand_over(seq, self._in_flight[room])
+                    elif seq not in self._chunking:  # still queued: first in line now, from its arrival on
+                        self._to_prefill.append(seq)
+                return
             if seq is not None and not seq.cancelled:
                 seq.queued_at = time.monotonic()
                 self._to_prefill.append(seq)
             return
+        if self.early is not None:
+            self.early.ended(room)
         self.rooms.pop(room, None)
         self._streaming.discard(room)
         first = self._in_flight.pop(room, None)
@@ -288,15 +319,21 @@ class PrefillEngine(LocalPath, PDEngine):
                 self._streaming.discard(seq.key)
                 self.manager.kv_chunk(seq.key, final_pages=len(seq.pages), first_token=first.token_id)
                 continue
-            self.manager.kv_ready(
-                seq.key,
-                pages=seq.pages,
-                first_token=first.token_id,
-                first_logprob=first.logprob,
-                input_logprobs=input_logprobs_to_wire(first.input_logprobs),
-                top_logprobs=top_logprobs_to_wire(first.top_logprobs, first.input_top_logprobs),
-                cached_tokens=seq.prefix.tokens,
-            )
+            if self.early is not None and self.early.unprepared(seq.key):
+                continue  # prefilled before its PREPARE: the handoff waits for it (_on_room)
+            self._hand_over(seq, first)
+
+    def _hand_over(self, seq: Sequence, first: FirstToken) -> None:
+        """The prompt's KV is done and the decode side has prepared: READY (the machine's ``kv_ready``)."""
+        self.manager.kv_ready(
+            seq.key,
+            pages=seq.pages,
+            first_token=first.token_id,
+            first_logprob=first.logprob,
+            input_logprobs=input_logprobs_to_wire(first.input_logprobs),
+            top_logprobs=top_logprobs_to_wire(first.top_logprobs, first.input_top_logprobs),
+            cached_tokens=seq.prefix.tokens,
+        )
 
     def _chunk_done(self, seq: Sequence) -> None:
         """A chunk that is not the prompt's last ran: start or advance the room's chunk-by-chunk handoff."""

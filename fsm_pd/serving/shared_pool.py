@@ -41,6 +41,9 @@ class SharedPool:
         # the prefill engine says whether a prompt waits for its prefill: the decode engine's dispatches then run one
         # step each, so that prefill never queues behind K steps on the device (``DecodeLoop``, several a dispatch)
         self.prefill_waiting: Callable[[], bool] = lambda: False
+        # the pages the decode engine keeps free when it reserves a prompt's: a prompt the prefill engine computes
+        # before its PREPARE leaves them free too (``early_prefill.py``)
+        self.decode_headroom = 0
         # both engines' KV managers are stepped by it; a step holds it, and what the step queued is decided right
         # after it, on this thread (``NodeLoop.held``, ``run_pending``): a handoff waits for no other thread
         # nothing their steps do leaves the process before the step's end: one commit per journal a step
