@@ -191,6 +191,50 @@ def test_two_managers_on_one_loop_decide_both_sides_of_a_handoff_on_its_thread(t
     assert not loop.alive()
 
 
+class Buffering(Relay):
+    """A relay whose steps buffer a row each and whose ``commit`` writes what is buffered, as a journal under
+    ``commit_per_pass`` does; a commit on the loop's own thread first waits for ``slow`` (a slow disk)."""
+
+    def __init__(self, loop: NodeLoop, name: str) -> None:
+        super().__init__(loop, name)
+        self.buffered = self.written = 0
+        self.slow, self.in_commit = threading.Event(), threading.Event()
+
+    def step_once(self) -> None:
+        self.buffered += len(self.node.items)
+        super().step_once()
+
+    def commit(self) -> None:
+        if threading.current_thread().name.startswith("fsm-loop") and self.buffered:
+            self.in_commit.set()
+            self.slow.wait(10)
+        self.written, self.buffered = self.written + self.buffered, 0
+
+
+def test_the_loop_thread_commits_outside_the_lock_and_a_holder_first_commits_what_it_buffered(slow_idle):
+    """The shared pool's loop: a pass of the loop's own thread (a bootstrap, say) is committed after it lets go of
+    the lock, so the model thread's next step does not wait for that commit; and that step, once it holds the loop,
+    commits what the pass buffered before anything it does can leave the process."""
+    loop = NodeLoop("pd", commit_per_pass=True)
+    member = Buffering(loop, "p")
+    member.peer = member
+    loop.join(member)
+    try:
+        member.node.put(0)  # a message from another thread: the loop's thread steps it, then commits slowly
+        assert member.in_commit.wait(10)
+        with loop.held():  # the model thread's step: the lock is free, and the row is written before it goes on
+            assert member.written == 1 and member.buffered == 0
+        member.slow.set()
+        member.slow, member.in_commit = threading.Event(), threading.Event()
+        member.node.put(0)
+        assert member.in_commit.wait(10)
+        assert loop.run_pending()  # nor does a pass of the model thread wait for that commit
+        member.slow.set()
+    finally:
+        member.slow.set()
+        loop.leave(member)
+
+
 def committed(path) -> int:
     """Rows another reader finds in the journal file now."""
     conn = sqlite3.connect(path)
@@ -228,6 +272,8 @@ def test_a_loop_that_commits_per_pass_commits_a_whole_handoff_once_per_journal_a
                    and p.journal.pending == d.journal.pending == 0):
             assert time.monotonic() < deadline, (p.node.states, d.node.states, p.journal.pending, d.journal.pending)
             time.sleep(0.01)
+        with loop.held():  # the loop's thread commits after its pass: a holder waits for a commit under way
+            pass
         managers = {"p": p, "d": d}
         before = {role: (committed(path), managers[role].journal.commits) for role, path in paths.items()}
         with loop.held():  # the model thread's step that finished the prompt
