@@ -217,7 +217,7 @@ def node_parser(role: str) -> argparse.ArgumentParser:
                                  f"(default {durable}"
                                  + ("; both engines of --role pd live and die with one process" if role == "pd" else "")
                                  + ")")
-        from fsm_pd.store.retention import add_retention_flags
+        from fsm_pd.store.retention_flags import add_retention_flags
 
         add_retention_flags(parser)  # --journal-keep, --journal-max-rows, --journal-archive-dir
         if role != "pd":  # the engines of one process share a secret drawn at start

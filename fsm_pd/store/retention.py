@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,28 +30,15 @@ from sqlalchemy.engine import make_url
 
 from fsm_pd.store.journal import Journal
 from fsm_pd.store.reader import ARCHIVE_KEY
+from fsm_pd.store.retention_flags import DEFAULT_MAX_ROWS
 from fsm_pd.store.schema import journal_meta, rooms, transitions
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KEEP = "7d"
-DEFAULT_MAX_ROWS = 2_000_000  # about 600 MB of SQLite at ~290 bytes a row
 CHUNK = 300  # rooms per (room, role, node) IN (...) list
 # Even over the row cap, a room stays this long after it ended: a late message for it (a duplicate PULLED) is still
 # journaled, as ignored, and that row must land beside the room's others, not alone in the live journal.
 MIN_AGE_S = 600.0
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def parse_duration(text: str) -> float | None:
-    """'7d', '12h', '30m', '90s' or plain seconds; '0' or 'off' disables (None)."""
-    text = text.strip().lower()
-    if text in ("0", "off", "none"):
-        return None
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd]?)", text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"expected a duration like 7d, 12h, 30m or 3600, got {text!r}")
-    return float(match.group(1)) * _UNITS[match.group(2) or "s"]
 
 
 @dataclass
@@ -164,19 +150,6 @@ def _write_archive(path: Path, durability: str, room_rows: list[dict], transitio
                 conn.execute(insert(transitions), transition_rows)  # seq kept: commit order survives the move
     finally:
         archive.engine.dispose()
-
-
-def add_retention_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--journal-keep", type=parse_duration, default=parse_duration(DEFAULT_KEEP), metavar="AGE",
-                        help="finished rooms older than AGE leave the live journal for monthly archive files "
-                             "(NAME.archive-YYYY-MM.db) that fsm-pd replay reads with it; open rooms always stay. "
-                             f"7d, 12h, 30m or seconds; 0 turns age-based archiving off (default {DEFAULT_KEEP})")
-    parser.add_argument("--journal-max-rows", type=int, default=DEFAULT_MAX_ROWS, metavar="N",
-                        help="above N rows in the live journal the oldest finished rooms are archived whatever "
-                             f"their age; 0 for no cap (default {DEFAULT_MAX_ROWS:,}, about 600 MB)")
-    parser.add_argument("--journal-archive-dir", default=None, metavar="DIR",
-                        help="where archives go (default: beside the journal file; a journal URL without it is "
-                             "not archived)")
 
 
 def attach_from_args(journal: Journal, args: argparse.Namespace) -> Retention | None:
