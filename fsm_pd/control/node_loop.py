@@ -19,13 +19,14 @@ end of ``held`` when the pass ran inside it (the model thread's step): a handoff
 commit before, cost one commit per journal. The loop's own thread commits after it lets go of the lock, and ``held``
 first commits whatever is still buffered (a flush under way on the other thread holds the journal's write lock, so
 it waits for that one): the model thread's step waits for no commit it does not need (on the chip it waited for
-the loop thread's commits about 7% of its busy time, round r13's stack samples). Each commit hands the interpreter's lock to another thread that wants
-it (the driver releases it around SQLite's work), and the model thread waited for it back up to the switch interval,
-5 ms, a commit: P's handoff took 3.0-3.4 ms at p50 on a loaded CPU and 3.3 ms on the chip. It is safe where every
-effect of every member stays in the process and dies with it (``--role pd`` on one pool: the pages, the peer, the
-decode batch): a crash before the commit loses rows whose effects are lost with them, and no token of a room the
-journal does not hold leaves before the commit, since the model thread's next step waits for it. What does leave
-at once, a room's failure told to its client, is committed at once (``Node.step``).
+the loop thread's commits about 7% of its busy time, round r13's stack samples). Each commit hands the interpreter's
+lock to another thread that wants it (the driver releases it around SQLite's work), and the model thread waited for
+it back up to the switch interval, 5 ms, a commit: P's handoff took 3.0-3.4 ms at p50 on a loaded CPU and 3.3 ms on
+the chip. It is safe where every effect of every member stays in the process and dies with it (``--role pd`` on one
+pool: the pages, the peer, the decode batch): a crash before the commit loses rows whose effects are lost with them,
+and no token of a room the journal does not hold leaves before the commit, since the model thread's next step waits
+for it, and a first token streamed mid-step is preceded by a ``commit`` of its own (``DecodeEngine.react``). What
+does leave at once, a room's failure told to its client, is committed at once (``Node.step``).
 """
 
 from __future__ import annotations
@@ -134,6 +135,11 @@ class NodeLoop:
         for member in members if keep_alive else ():
             if member.active():
                 member.keep_alive()
+
+    def commit(self) -> None:
+        """Commit every member's buffered rows now (the holder of the loop, before an effect that leaves the process:
+        a shared pool's decode engine streaming a first token mid-step)."""
+        self._commit()
 
     def _commit(self) -> None:
         if self.commit_per_pass:

@@ -125,6 +125,7 @@ class DecodeEngine(LocalPath, PDEngine):
         if shared is not None:
             shared.decoding = lambda: bool(self.loop.running)
             shared.decode_headroom = self.headroom_pages
+            self._driver.react = self.react
         self._shared = shared
         self._clock = clock
         self.recompute = TransferRecompute(self.model, self.model_thread, self.allocator, self.page_size,
@@ -200,6 +201,18 @@ class DecodeEngine(LocalPath, PDEngine):
     def _on_release(self, room: int) -> None:
         """The manager frees a room (it failed, or ``finish``): return its pages, admit whoever waits for them."""
         self.prealloc.release(room)
+
+    def react(self) -> bool:
+        """The rooms' events, and nothing more (a shared pool's loop calls it after each pass): a handoff that just
+        ended streams its first token now, not after the prefill engine's step. Its rows are committed first, as
+        before any first token (``NodeLoop.commit``). True if it took any event."""
+        if not self.room_events:
+            return False
+        self._shared.node_loop.commit()
+        events = self._take_room_events()
+        for event in events:
+            self._on_room(*event)
+        return bool(events)
 
     def _step(self) -> bool:
         self.prealloc.waiting.extend(self._take_local(self._take_arrivals()))

@@ -103,6 +103,7 @@ class PrefillEngine(LocalPath, PDEngine):
         self.early = EarlyPrefill(self.page_size, lambda: shared.decode_headroom) if shared is not None else None
         if shared is not None:
             shared.prefill_waiting = self._prompts_waiting
+            self._driver.react = self.react
         self._clock = clock
         self.prefill_executor = prefill_step  # the model executor port: runs one step's chunks (forward.py)
         if serve_local:
@@ -187,15 +188,22 @@ class PrefillEngine(LocalPath, PDEngine):
         return reason, timing
 
     # --- the model thread ---
-    def _step(self) -> bool:
+    def react(self) -> bool:
+        """Take the arrivals and the rooms' events, and nothing more (a shared pool's loop calls it after each pass:
+        a prompt prefilled early whose PREPARE just came starts its handoff now); True if it took any event."""
         arrived = self._take_arrivals()
         if self.serves_local:
             arrived = self._take_local(arrived)
         if self.early is not None:
             for seq in arrived:
                 self.early.arrived(seq)
-        for event in self._take_room_events():
+        events = self._take_room_events()
+        for event in events:
             self._on_room(*event)
+        return bool(events)
+
+    def _step(self) -> bool:
+        self.react()
         # a prompt whose room ended mid-prefill is dropped: _on_room freed its pages
         self._chunking = [s for s in self._chunking if not self._gone(s)]
         decoding = (self.serves_local and bool(self.loop.running)) or (self.shared is not None and

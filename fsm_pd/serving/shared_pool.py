@@ -5,7 +5,10 @@ step budget and one step loop. Each step of that loop runs the decode engine's s
 admissions) and then the prefill engine's, whose chunk the shared ``StepBudget`` sizes by what a decode step costs
 while streams decode: a prefill burst delays a stream's next token by at most about ``chunk_steps`` decode steps,
 as on a colocated node. A handoff between the two moves page ownership (backend ``pool``, ``control/pool_kv.py``),
-decided on this thread right after the step that finished the prompt (``NodeLoop.run_pending``).
+decided on this thread right after the step that finished the prompt (``NodeLoop.run_pending``). After each pass,
+the engines take the rooms' events it decided (``_react``): a prompt the prefill engine computed before its PREPARE
+(``early_prefill.py``) starts its handoff as soon as PREPARE lands, and the decode engine streams the first token of
+a handoff that ended, instead of each waiting for its engine's next step.
 
 Why one loop rather than two engines with their own threads: on one TensorCore the two halves never run at once, so
 splitting them adds no compute; two model threads only contend for the chip and the interpreter lock, and neither
@@ -88,7 +91,23 @@ class SharedPool:
                 except Exception:  # one engine's failed step must not starve the other of its steps
                     log.exception("the %s engine's step failed", role)
                 self.node_loop.run_pending()
+                self._react()
         return more
+
+    def _react(self) -> None:
+        """Room events the last pass decided, taken at once by an engine that reacts to them without a step: the
+        prefill engine starts the handoff of a prompt it prefilled before its PREPARE the moment PREPARE lands in
+        the pass after the decode engine's step, not in its own step after that (``PrefillEngine.react``)."""
+        for role, member in self._members.items():
+            if member.react is None or not member.started or member.closed:
+                continue
+            try:
+                reacted = member.react()
+            except Exception:
+                log.exception("the %s engine's reaction to its rooms failed", role)
+                continue
+            if reacted:
+                self.node_loop.run_pending()
 
 
 class Member:
@@ -97,6 +116,9 @@ class Member:
     def __init__(self, pool: SharedPool, step: Callable[[], bool], engine: Any = None) -> None:
         self._pool, self.step, self.engine = pool, step, engine
         self.started = self.closed = False
+        # taken after each pass of the loop: the engine's room events, acted on at once; True if it handed anything
+        # to the loop (``SharedPool._react``)
+        self.react: Callable[[], bool] | None = None
 
     def start(self) -> None:
         """The engine is whole: its steps may run (the loop starts with the first member)."""

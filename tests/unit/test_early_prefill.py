@@ -6,6 +6,7 @@ when the test says, as a slow decode admission would leave it."""
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 from dataclasses import replace
@@ -98,3 +99,40 @@ def test_prompts_are_taken_early_only_while_the_decode_engine_can_still_reserve_
         assert answer.done.wait(30)
         assert len(answer.items) == 3 and not any(isinstance(i, BaseException) for i in answer.items)
     until(lambda: prefill.allocator.reserved_pages == 0)
+
+
+def test_a_prompt_prefilled_early_is_handed_over_when_its_prepare_lands_without_another_prefill_step(engines):
+    """The loop's pass after the decode engine's step lands PREPARE; the prefill engine reacts to it there
+    (``SharedPool._react``), not in its next step: here it takes no step at all after the prompt is done."""
+    prefill, decode = engines
+    for_prefill, for_decode = halves(prefill, 301, 18)
+    prefill.submit(for_prefill, Collected())
+    until(lambda: 301 in prefill._in_flight)
+    prefill._driver.step = lambda: False  # the shared loop's member: no more prefill steps
+    answer = Collected()
+    decode.submit(for_decode, answer)
+    assert answer.done.wait(30)
+    assert [type(i).__name__ for i in answer.items] == ["TokenOutput"] * 3
+
+
+def test_a_first_token_goes_out_only_once_its_rooms_success_is_committed(engines, tmp_path):
+    """The decode engine streams a handoff's first token in the same step of the loop (``DecodeEngine.react``), before
+    the step's end commits: it commits first, so no token leaves for a room the journal does not hold at Success."""
+    prefill, decode = engines
+    journal = tmp_path / "j" / "decode-0.db"
+
+    class Checked(Collected):
+        def push_many(self, items):
+            if not self.items:  # the first token: its room's Success is in the file already
+                with sqlite3.connect(journal) as conn:
+                    self.success_rows = conn.execute("SELECT count(*) FROM transitions WHERE room = 401 AND "
+                                                     "dst = 'Success'").fetchone()[0]
+            super().push_many(items)
+
+    for_prefill, for_decode = halves(prefill, 401, 18)
+    prefill.submit(for_prefill, Collected())
+    until(lambda: 401 in prefill._in_flight)
+    answer = Checked()
+    decode.submit(for_decode, answer)
+    assert answer.done.wait(30)
+    assert answer.success_rows == 1
