@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fsm_pd.cli.serve_pd import pool_budget
+from fsm_pd.cli.pool_sizes import pool_budget
 from fsm_pd.kernels import gather_pages, resolve_impl, scatter_pages
 from fsm_pd.kernels.layout import default_page_size
 from fsm_pd.model.attention import ATTENTION_ENV

@@ -17,7 +17,7 @@ program), the several-steps decode loop (``multi_step.StepPrograms``) and the pa
 (``page_copy.scatter_pages``'s jnp path: Pallas's needs rows of whole 128 lanes, which are row-major anyway).
 
 ``--pd``: the large pool is the one ``fsm-pd serve --role pd`` makes on a v5e with ``--hbm-gib`` free (the tiny model
-in bfloat16, pages of 16, ``--kv-memory-fraction`` 0.8: ``serve_pd.pool_budget`` at the bytes a page takes there,
+in bfloat16, pages of 16, ``--kv-memory-fraction`` 0.8: ``pool_sizes.pool_budget`` at the bytes a page takes there,
 ``kernels/pool_format.page_bytes``). ``--baseline``: beside the serving programs, a group of layers compiled as it was
 before the pool's layout was pinned (plain ``jax.jit``, the pool in XLA's default layout), to show what the pin saves
 in the same run; its rows are shown, never failed on. Why the pin: ``fsm_pd/kernels/pool_format.py``, docs/tpu.md.
@@ -38,7 +38,7 @@ import compile_only  # noqa: F401  (bench/: before jax loads, a described chip's
 import jax
 import jax.numpy as jnp
 
-from fsm_pd.cli.serve_pd import pool_budget
+from fsm_pd.cli.pool_sizes import pool_budget
 from fsm_pd.kernels import jnp_copy, pool_format
 from fsm_pd.model import compiles
 from fsm_pd.model.attention import ATTENTION_ENV, kernels_for

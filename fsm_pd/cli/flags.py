@@ -14,7 +14,16 @@ import argparse
 import os
 from collections.abc import Sequence
 
-from fsm_pd.cli.flag_values import at_least, one_line_errors, port, positive_int, seconds, steps, transfer_backend
+from fsm_pd.cli.flag_values import (
+    at_least,
+    one_line_errors,
+    port,
+    positive_int,
+    seconds,
+    share,
+    steps,
+    transfer_backend,
+)
 from fsm_pd.cli.pd_flags import add_pd_flags
 from fsm_pd.net.body_limit import byte_count
 from fsm_pd.net.http_protocol import add_read_timeout_flags
@@ -130,11 +139,17 @@ def node_parser(role: str) -> argparse.ArgumentParser:
     if role == "pd":
         add_pd_flags(parser)
     else:
-        parser.add_argument("--num-pages", type=at_least(2), default=512,
-                            help="KV pool pages, page 0 (the padding page) included: at least 2 (default 512)")
+        parser.add_argument("--num-pages", type=at_least(2), default=None,
+                            help="KV pool pages, page 0 (the padding page) included: at least 2 (default: on an "
+                                 "accelerator, --kv-memory-fraction of the memory the weights leave free; on a CPU, "
+                                 "or over several devices (--tp), 512)")
+        parser.add_argument("--kv-memory-fraction", type=share, default=0.8, metavar="KV_SHARE",
+                            help="without --num-pages, on an accelerator: the share of the device memory left after "
+                                 "the weights that the KV pool takes, the rest kept for activations and programs: "
+                                 "above 0, below 1 (default 0.8)")
     parser.add_argument("--page-size", type=positive_int, default=None,
-                        help="tokens per KV page (default: 16 on a CPU, 64 on a TPU; a prefill and a decode node must "
-                             "agree: fsm-pd launch gives every node this host's)")
+                        help="tokens per KV page (default 16, kernels/layout.py says why; a prefill and a decode "
+                             "node must agree: fsm-pd launch gives every node this host's)")
     parser.add_argument("--tp", "--tp-size", "--tensor-parallel-size", type=positive_int, default=1, dest="tp",
                         metavar="N",
                         help="run the model SPMD over N devices (tensor parallelism: heads, MLP and KV pool split; "

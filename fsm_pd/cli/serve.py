@@ -187,7 +187,7 @@ def run_node(args: argparse.Namespace, opening, reading) -> int:
 
     try:
         with startup.phase("engine"):
-            engine = build_engine(args, model)
+            engine = build_engine(args, model, reading)
     except TcpRefused as exc:  # a host that allows no TCP: say so, where libzmq would have aborted the process
         print(f"fsm-pd serve: {exc}", file=sys.stderr)
         return 2
@@ -288,8 +288,14 @@ def node_secret(args: argparse.Namespace) -> bytes | None:
     return parse_secret(args.side_channel_secret) if args.side_channel_secret else secret_from_env()
 
 
-def build_engine(args: argparse.Namespace, model):
-    sizes = {"num_pages": args.num_pages, "page_size": args.page_size}
+def build_engine(args: argparse.Namespace, model, reading=None):
+    """The role's engine on ``model``; its pool's size from ``--num-pages``, or from the device's free memory
+    (``pool_sizes.node_pages``; ``reading``: the model being read, whose weights may still be on their way)."""
+    from fsm_pd.cli.pool_sizes import node_pages
+
+    num_pages, how = node_pages(args, model, reading)
+    logging.getLogger("fsm_pd.serve").info("KV pool: %d pages of %d tokens (%s)", num_pages, args.page_size, how)
+    sizes = {"num_pages": num_pages, "page_size": args.page_size}
     if args.role == "colocated":
         from fsm_pd.serving.colocated_engine import ColocatedEngine
 

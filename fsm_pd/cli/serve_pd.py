@@ -36,12 +36,12 @@ from pathlib import Path
 
 from fsm_pd.cli.flags import DEADLINE_FLAGS
 from fsm_pd.cli.pd_flags import pd_backend
+from fsm_pd.cli.pool_sizes import CPU_POOL_PAGES, free_bytes, free_granules, pool_budget
 from fsm_pd.net.unix_sockets import UnixPathError, check_path, remove_listener_files, unix_address
 from fsm_pd.runtime.process_exit import exit_now, on_exit
 
 log = logging.getLogger("fsm_pd.serve")
 
-CPU_POOL_PAGES = 512  # each engine's pool on a CPU: the nodes' --num-pages default
 OWN_HEALTH_TIMEOUT_S = 30.0  # the router's health checks of this process's engines: a busy model thread is no fault
 NEVER = 1 << 30  # failures it takes to eject an engine of this process: never (there is no other to send to)
 NODE_IDS = {"prefill": "prefill-0", "decode": "decode-0"}
@@ -80,12 +80,12 @@ def pool_pages(args: argparse.Namespace, models: dict, reading=None) -> tuple[in
     # as the device stores a page: narrow rows padded to whole lanes (the tiny model's twice its values' bytes)
     page_bytes = models["prefill"].page_bytes_on_device(args.page_size)
     if models["decode"].device not in (None, device):  # each role's pool on its own device: all of its free memory
-        budgets = [pool_budget(_free_bytes(models[role].device), page_bytes, args.kv_memory_fraction)
+        budgets = [pool_budget(free_bytes(models[role].device), page_bytes, args.kv_memory_fraction)
                    for role in ("prefill", "decode")]
         return (prefill or max(2, budgets[0]), decode or max(2, budgets[1]),
                 f"{device.platform}: {args.kv_memory_fraction:g} of each role's device's free memory")
     free = free_granules(reading.free_bytes(device) if reading is not None and reading.handed is models["prefill"]
-                         else _free_bytes(device))
+                         else free_bytes(device))
     budget = pool_budget(free, page_bytes, args.kv_memory_fraction)
     if prefill is None and decode is None:
         prefill = max(2, int(budget * args.prefill_pool_share))
@@ -97,31 +97,6 @@ def pool_pages(args: argparse.Namespace, models: dict, reading=None) -> tuple[in
     how = (f"{device.platform}: {args.kv_memory_fraction:g} of {free / 2**30:.2f} GiB free after the weights, "
            f"{args.prefill_pool_share:g} of it to prefill ({page_bytes} bytes a page)")
     return prefill, decode, how
-
-
-FREE_GRANULE_BYTES = 256 * 2**20
-
-
-def free_granules(free_bytes: int) -> int:
-    """``free_bytes`` rounded down to whole 256 MiB: the pool's size, and so every program's shape and its entry in
-    the compile cache, must not move with a few MiB. The free memory read before the weights are on the device is
-    their size from their shapes; read after, what they took, padded to the chip's tiles: which one a start reads
-    depends on how soon its weights arrived. Unrounded, a warm ``--role pd`` on the chip compiled 4 programs again,
-    as many as touch the pool (about 12 s of its 19.7 s to ready), where a colocated node, whose pool has a fixed
-    size, loaded every one from the cache."""
-    return free_bytes // FREE_GRANULE_BYTES * FREE_GRANULE_BYTES
-
-
-def pool_budget(free_bytes: int, page_bytes: int, fraction: float) -> int:
-    """Pages the pools of a device with ``free_bytes`` free may take together (``--kv-memory-fraction``), at
-    ``page_bytes`` a page as the device stores it (``LoadedModel.page_bytes_on_device``); ``bench/tpu_compile.py
-    --pd`` compiles the programs of a pool this size for a v5e."""
-    return int(free_bytes * fraction) // page_bytes
-
-
-def _free_bytes(device) -> int:
-    stats = device.memory_stats()
-    return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
 
 
 def private_dir() -> str:

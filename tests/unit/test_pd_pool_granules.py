@@ -1,5 +1,5 @@
 """``--role pd``'s pools on an accelerator keep their size when the free memory moves by a few MiB
-(``serve_pd.free_granules``): their size is every program's shape, and a warm start must find each in the compile
+(``pool_sizes.free_granules``): their size is every program's shape, and a warm start must find each in the compile
 cache. On the chip a warm start read the free memory after its weights had arrived, padded to the chip's tiles, where
 the cold one had read their size from their shapes, and compiled the pool's 4 programs again."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from fsm_pd.cli.serve_pd import FREE_GRANULE_BYTES, pool_pages
+from fsm_pd.cli.pool_sizes import FREE_GRANULE_BYTES
+from fsm_pd.cli.serve_pd import pool_pages
 
 GiB, MiB = 2**30, 2**20
 
