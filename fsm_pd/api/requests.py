@@ -14,7 +14,6 @@ every copy meets its partner and samples deterministically.
 from __future__ import annotations
 
 import hashlib
-import uuid
 from dataclasses import dataclass, replace
 
 from starlette.concurrency import run_in_threadpool
@@ -41,6 +40,7 @@ from fsm_pd.api.tools import ToolPlan, forced_grammar, plan_tools, tool_dicts
 from fsm_pd.model.grammar import GrammarSpec
 from fsm_pd.model.sampling_params import SamplingParams
 from fsm_pd.net.unix_sockets import is_unix
+from fsm_pd.runtime.random_bits import random_bits
 from fsm_pd.serving.types import Bootstrap, GenerateRequest
 
 GENERATE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
@@ -49,7 +49,10 @@ PD_ROLES = ("prefill", "decode")
 
 
 def new_rid() -> str:
-    return uuid.uuid4().hex
+    """32 random hex digits, as ``uuid4().hex`` gave, from the process's batch of the OS's randomness: each
+    ``uuid4`` read ``os.urandom``, and on the TPU host that read and the one for the seed held a request's planning
+    about 3 ms (the thread let go of the interpreter's lock and waited to get it back; round r13's stack samples)."""
+    return f"{random_bits(64):016x}{random_bits(64):016x}"
 
 
 def resolve_bootstrap(node: NodeIdentity, host: str | None, port: int | None, room: int | None,

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import math
 import numbers
-import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from fsm_pd.runtime.random_bits import random_bits
 
 if TYPE_CHECKING:
     from fsm_pd.model.grammar import GrammarSpec
@@ -89,7 +90,7 @@ class SamplingParams:
 
     def resolved_seed(self) -> int:
         """The seed to record with the request; drawn once, so every later step and node uses the same one."""
-        return self.seed if self.seed is not None else secrets.randbits(31)
+        return self.seed if self.seed is not None else random_bits(31)  # the batch: no system call (random_bits.py)
 
 
 def _is_int(value) -> bool:

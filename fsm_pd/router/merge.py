@@ -9,17 +9,17 @@ as sglang-router and mini_lb merge them.
 from __future__ import annotations
 
 import json
-import secrets
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
 from fsm_pd.net.unix_sockets import is_unix
+from fsm_pd.runtime.random_bits import random_bits
 
 ROOM_BITS = 63  # SGLang's rooms are random non-negative int64s
 
 
 def new_room() -> int:
-    return secrets.randbits(ROOM_BITS)
+    return random_bits(ROOM_BITS)  # from the process's batch: no system call a request (runtime/random_bits.py)
 
 
 def bootstrap_host(url: str) -> str:

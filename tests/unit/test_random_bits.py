@@ -60,3 +60,19 @@ def test_a_forked_child_never_hands_out_its_parents_next_values():
     """In a process of its own, without jax's threads (a fork beside them may deadlock)."""
     done = subprocess.run([sys.executable, "-c", FORKED], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.split() == ["shared", "0"], done.stdout + done.stderr
+
+
+def test_a_requests_id_seed_and_room_come_from_the_batch(monkeypatch):
+    """Each read of ``os.urandom`` lets go of the interpreter's lock; on the TPU host the request id's ``uuid4`` and
+    the seed's ``secrets.randbits`` held each request's planning about 3 ms (round r13). They draw from the batch."""
+    from fsm_pd.api.requests import new_rid
+    from fsm_pd.model.sampling_params import SamplingParams
+    from fsm_pd.router.merge import new_room
+
+    drawn = []
+    batch = rb.RandomBits()
+    monkeypatch.setattr(rb, "_shared", batch)
+    monkeypatch.setattr(batch, "bits", lambda n, draw=batch.bits: drawn.append(n) or draw(n))
+    rid, seed, room = new_rid(), SamplingParams().resolved_seed(), new_room()
+    assert drawn == [64, 64, 31, 63]
+    assert len(rid) == 32 and int(rid, 16) >= 0 and 0 <= seed < 2**31 and 0 <= room < 2**63
