@@ -100,7 +100,7 @@ def openai_router(ctx: ApiContext) -> APIRouter:
 
     @router.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: CompletionBody, request: Request) -> Response:
-        plan = await build_plan(from_completion, ctx.node, ctx.tokenizer, body, request)
+        plan = await build_plan(from_completion, ctx.node, ctx.tokenizer, body)
         echo = bool(body.echo)
         if echo and plan.stream:
             raise ApiError(400, "echo=true is served on whole answers only (stream=false)")
@@ -147,7 +147,7 @@ def openai_router(ctx: ApiContext) -> APIRouter:
 
     @router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionBody, request: Request) -> Response:
-        plan = await build_plan(from_chat, ctx.node, ctx.tokenizer, body, request)
+        plan = await build_plan(from_chat, ctx.node, ctx.tokenizer, body)
 
         def message(state: RequestState) -> tuple[dict, str | None]:
             text, reason = state.text(), openai_finish_reason(state.finish_reason)

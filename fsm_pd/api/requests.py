@@ -79,21 +79,10 @@ def resolve_bootstrap(node: NodeIdentity, host: str | None, port: int | None, ro
     return Bootstrap(host=host, port=port, room=room)
 
 
-# A body up to this size is planned on the event loop: rendering and tokenizing it takes well under a millisecond,
-# less than the hop to a worker thread and back, which hands the interpreter's lock over twice and waits to get it
-# back each time (on the TPU host, 64 chats sent at once waited 0.54 s on average before their engine saw them,
-# round r13).
-INLINE_PLAN_BYTES = 8192
-
-
-async def build_plan(make_plan, node: NodeIdentity, tokenizer, body, request=None) -> Plan:
-    """``make_plan(node, tokenizer, body)`` (``from_generate``, ``from_completion``, ``from_chat``): on the event loop
-    for a body of at most ``INLINE_PLAN_BYTES`` (``request``'s Content-Length), else on a worker thread: rendering
-    and tokenizing a prompt of up to the body limit takes time the event loop's other requests (streams, health
-    checks) must not wait for."""
-    size = request.headers.get("content-length") if request is not None else None
-    if size is not None and size.isdigit() and int(size) <= INLINE_PLAN_BYTES:
-        return make_plan(node, tokenizer, body)
+async def build_plan(make_plan, node: NodeIdentity, tokenizer, body) -> Plan:
+    """``make_plan(node, tokenizer, body)`` (``from_generate``, ``from_completion``, ``from_chat``) on a worker
+    thread: rendering and tokenizing a prompt of up to the body limit takes time the event loop's other requests
+    (streams, health checks) must not wait for."""
     return await run_in_threadpool(make_plan, node, tokenizer, body)
 
 

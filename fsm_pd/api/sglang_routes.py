@@ -48,7 +48,7 @@ def sglang_router(ctx: ApiContext) -> APIRouter:
         """SGLang's /generate: ``{"text", "output_ids", "meta_info"}``; streamed, every chunk carries the whole
         text and ids so far (SGLang's default). A batch (``text``/``input_ids`` as a list) or ``n > 1``: a list of
         such answers, prompt-major."""
-        plan = await build_plan(from_generate, ctx.node, ctx.tokenizer, body, request)
+        plan = await build_plan(from_generate, ctx.node, ctx.tokenizer, body)
         if not plan.single and plan.stream:  # each chunk names its answer by "index", prompt-major (as SGLang's)
             return await stream_plan(ctx, plan, request, lambda i, state, out: [state.sglang_response() | {"index": i}])
         if not plan.single:  # a batch or n > 1: a list of answers, prompt-major (as SGLang's)
