@@ -26,7 +26,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from fsm_pd.kvpool.pages import pages_for
+from fsm_pd.kvpool.pages import PageAllocator, pages_for
+from fsm_pd.scheduling.page_admission import admits
 from fsm_pd.serving.sequence import Sequence
 
 
@@ -53,9 +54,13 @@ class EarlyPrefill:
         """Its PREPARE has not arrived: a prompt prefilled early waits for it before ``kv_ready``."""
         return room in self._unprepared
 
-    def waiting(self) -> bool:
-        """A prompt here may still be prefilled early (one since prepared is dropped at its turn)."""
-        return any(seq.key in self._unprepared for seq in self.queue)
+    def waiting(self, allocator: PageAllocator) -> bool:
+        """A prompt here that may be prefilled early now: unprepared, and its pages fit beside the headroom. One the
+        pool has no room for waits for its PREPARE, and meanwhile does not hold the decode engine to one step a
+        dispatch (``SharedPool.prefill_waiting``)."""
+        headroom = self.headroom()
+        return any(seq.key in self._unprepared and admits(allocator, pages_for(seq.prompt_len, self.page_size),
+                                                           headroom, always=True) for seq in self.queue)
 
     def headroom(self) -> int:
         """Pages an early prompt must leave free (module docstring)."""

@@ -253,7 +253,7 @@ class PrefillEngine(LocalPath, PDEngine):
     def _prompts_waiting(self) -> bool:
         """PD rooms' prompts not yet prefilled (what a shared pool's decode engine asks: ``prefill_waiting``)."""
         return (bool(self.arrivals) or bool(self._to_prefill) or bool(self._chunking)
-                or (self.early is not None and self.early.waiting()))
+                or (self.early is not None and self.early.waiting(self.allocator)))
 
     def _prepared_or_gone(self, seq: Sequence) -> bool:
         """An early prompt whose PREPARE came first: it moved to the prefill queue (``_on_room``)."""

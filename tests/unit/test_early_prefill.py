@@ -92,6 +92,8 @@ def test_prompts_are_taken_early_only_while_the_decode_engine_can_still_reserve_
     time.sleep(0.3)  # steps go on: the third stays queued
     assert sorted(prefill._in_flight) == [201, 202]
     assert prefill.info()["early_queue"] == 1
+    # the third, which the pool has no room for yet, does not hold the decode engine to one step a dispatch
+    assert prefill.model_thread.submit(lambda _owner: prefill._prompts_waiting()).result(30) is False
     answers = [Collected() for _ in pairs]
     for (_, for_decode), answer in zip(pairs, answers, strict=True):
         decode.submit(for_decode, answer)
