@@ -40,6 +40,13 @@ def free_bytes(device) -> int:
     return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
 
 
+def free_after_weights(device, model: Any, reading: Any = None) -> int:
+    """The device's free memory in whole granules once ``model``'s weights are on it: read now, or, while they are on
+    their way (``reading``, ``meanwhile.py``), what they will leave."""
+    return free_granules(reading.free_bytes(device) if reading is not None and reading.handed is model
+                         else free_bytes(device))
+
+
 def node_pages(args: argparse.Namespace, model: Any, reading: Any = None) -> tuple[int, str]:
     """(pages, how they were chosen) for a node's pool: ``--num-pages`` when given; else on one accelerator device,
     ``--kv-memory-fraction`` of what the weights leave free (``reading``: the model being read, ``meanwhile.py``:
@@ -54,8 +61,7 @@ def node_pages(args: argparse.Namespace, model: Any, reading: Any = None) -> tup
     stats = device.memory_stats() if device.platform != "cpu" else None
     if not stats or "bytes_limit" not in stats:
         return CPU_POOL_PAGES, f"{device.platform}: the default size"
-    free = free_granules(reading.free_bytes(device) if reading is not None and reading.handed is model
-                         else free_bytes(device))
+    free = free_after_weights(device, model, reading)
     page_bytes = model.page_bytes_on_device(args.page_size)
     pages = max(2, pool_budget(free, page_bytes, args.kv_memory_fraction))
     return pages, (f"{device.platform}: {args.kv_memory_fraction:g} of {free / 2**30:.2f} GiB free after the "

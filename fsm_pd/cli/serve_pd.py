@@ -36,7 +36,7 @@ from pathlib import Path
 
 from fsm_pd.cli.flags import DEADLINE_FLAGS
 from fsm_pd.cli.pd_flags import pd_backend
-from fsm_pd.cli.pool_sizes import CPU_POOL_PAGES, free_bytes, free_granules, pool_budget
+from fsm_pd.cli.pool_sizes import CPU_POOL_PAGES, free_after_weights, free_bytes, pool_budget
 from fsm_pd.net.unix_sockets import UnixPathError, check_path, remove_listener_files, unix_address
 from fsm_pd.runtime.process_exit import exit_now, on_exit
 
@@ -84,8 +84,7 @@ def pool_pages(args: argparse.Namespace, models: dict, reading=None) -> tuple[in
                    for role in ("prefill", "decode")]
         return (prefill or max(2, budgets[0]), decode or max(2, budgets[1]),
                 f"{device.platform}: {args.kv_memory_fraction:g} of each role's device's free memory")
-    free = free_granules(reading.free_bytes(device) if reading is not None and reading.handed is models["prefill"]
-                         else free_bytes(device))
+    free = free_after_weights(device, models["prefill"], reading)
     budget = pool_budget(free, page_bytes, args.kv_memory_fraction)
     if prefill is None and decode is None:
         prefill = max(2, int(budget * args.prefill_pool_share))

@@ -91,13 +91,13 @@ class NodeLoop:
         with self._stepping:
             outer, self._holding = self._holding, True
             if not outer:  # what the loop's thread buffered (it commits after letting go): before this step's effects
-                self._commit()
+                self.commit()
             try:
                 yield
             finally:
                 self._holding = outer
                 if not outer:
-                    self._commit()
+                    self.commit()
 
     def run_pending(self) -> bool:
         """Decide what is queued now, on the caller's thread, unless a step runs elsewhere (then that one will):
@@ -118,7 +118,7 @@ class NodeLoop:
                 self._pass(keep_alive=True, commit=not self.commit_per_pass)
             # the commit outside the lock: a step of the model thread waits for no commit of ours, only for one it
             # needs (``held`` commits what is still buffered; a flush under way holds the journal's write lock)
-            self._commit()
+            self.commit()
 
     def _pass(self, keep_alive: bool, commit: bool = True) -> None:
         members = [m for m in self._members if m.active()]
@@ -131,17 +131,15 @@ class NodeLoop:
             if not any(m.active() and m.node.pending for m in members):
                 break
         if commit and not self._holding:
-            self._commit()
+            self.commit()
         for member in members if keep_alive else ():
             if member.active():
                 member.keep_alive()
 
     def commit(self) -> None:
-        """Commit every member's buffered rows now (the holder of the loop, before an effect that leaves the process:
-        a shared pool's decode engine streaming a first token mid-step)."""
-        self._commit()
-
-    def _commit(self) -> None:
+        """Commit every member's buffered rows now (``commit_per_pass`` only): at the ends of passes and ``held``,
+        and by the holder before an effect that leaves the process (a shared pool's decode engine streaming a first
+        token mid-step)."""
         if self.commit_per_pass:
             for member in list(self._members):  # a copy: the loop's thread commits outside the lock
                 if member.active():
