@@ -185,6 +185,12 @@ def main(argv=None) -> int:
         limits[name.strip()] = float(seconds)
     out = args.out.resolve()
     chosen = args.parts.split(",")
+    if str(ROOT) not in sys.path:
+        sys.path.append(str(ROOT))
+    from fsm_pd.cli.flags import expected_platform
+    from fsm_pd.runtime.tpu_host_buffer import ask_for_buffer
+
+    ask_for_buffer(expected_platform())  # every part opens the chip with the host buffer a node asks for
     report = check(out, [p for p in parts(out, limits) if p.name in chosen])
     print((out / "check.md").read_text())
     return 0 if all(r["status"] in ("ok", "missing") for r in report["parts"].values()) else 1

@@ -44,6 +44,9 @@ out="${FSM_PD_SUITE_OUT:-$(mktemp -d /tmp/fsm-pd-suite.XXXXXX)}"
 mkdir -p "$out"
 rm -f "$out"/chip.jsonl "$out"/cpu.jsonl
 export FSM_PD_SUITE_COMPILES="${FSM_PD_SUITE_COMPILES:-names}"
+# the chip's process opens it with the host buffer a node asks for (fsm_pd/runtime/tpu_host_buffer.py): libtpu's
+# default of 4 GiB took 5 s of the open
+export TPU_PREMAPPED_BUFFER_SIZE="${TPU_PREMAPPED_BUFFER_SIZE:-$(python3 -c 'from fsm_pd.runtime.tpu_host_buffer import DEFAULT_BYTES; print(DEFAULT_BYTES)')}"
 export FSM_PD_SUITE_COMPILE_CACHE="${FSM_PD_SUITE_COMPILE_CACHE:-${FSM_PD_COMPILE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/fsm-pd/jax}}"
 
 # pyproject's addopts name pytest-xdist's --dist options, which pytest refuses where xdist is not installed (a TPU

@@ -45,6 +45,19 @@ def ask_for_host_devices(tp: int, environ=os.environ) -> None:
         logging.getLogger("fsm_pd.serve").warning("jax was imported before --tp could ask for %d host devices", tp)
 
 
+def ask_for_small_host_buffer() -> None:
+    """Before jax opens a TPU: libtpu's host buffer at ``tpu_host_buffer.DEFAULT_BYTES`` unless the environment names
+    a size (its default of 4 GiB took 5.2 s of the chip's open on the v5e host, which holds every thread of the
+    start meanwhile)."""
+    from fsm_pd.cli.flags import expected_platform
+    from fsm_pd.runtime.tpu_host_buffer import SIZE_ENV, ask_for_buffer
+
+    asked = ask_for_buffer(expected_platform())
+    if asked is not None:
+        logging.getLogger("fsm_pd.serve").info("libtpu's premapped host buffer: %d MiB (%s; set it to choose)",
+                                               asked >> 20, SIZE_ENV)
+
+
 def serve_main(argv: Sequence[str]) -> int:
     """Parse and check the command line of ``--role``'s process, all before anything heavy is imported: a refused
     value, a port already taken or a path that cannot be written ends it in a second with one line and status 2
@@ -99,6 +112,7 @@ def serve_main(argv: Sequence[str]) -> int:
         quiet_absent_backends()
     if args.tp > 1:
         ask_for_host_devices(args.tp)
+    ask_for_small_host_buffer()
     from fsm_pd.cli.side_by_side import DeviceOpening, read_model_meanwhile
 
     opening = DeviceOpening()
