@@ -103,8 +103,12 @@ class RealClock:
 
     def call_at(self, when: float, callback: Callable[[], None]) -> int:
         with self._cv:
+            earliest = self._timers.next_time()
             handle = self._timers.push(when, callback)
-            self._cv.notify()
+            # a wake costs the arming thread the interpreter's lock (the timer thread takes it to look): wake it only
+            # when this timer is due before every pending one, else it already wakes in time
+            if earliest is None or when < earliest:
+                self._cv.notify()
         return handle
 
     def cancel(self, handle: int) -> None:

@@ -51,11 +51,13 @@ class DeadlineScheduler:
         """Run ``fn`` on the scheduler thread at monotonic time ``when`` unless cancelled first."""
         handle = TimerHandle(when, fn)
         with self._cond:
+            earliest = self._heap[0][0] if self._heap else None
             heapq.heappush(self._heap, (when, next(self._seq), handle))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            elif earliest is None or when < earliest:  # else the thread already wakes by the earliest's time
+                self._cond.notify()
         return handle
 
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> TimerHandle:
