@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from fsm_pd.model.sampling_params import SamplingParams
 from fsm_pd.net.unix_sockets import is_unix
+from fsm_pd.serving.loop_mail import mail_for
 from fsm_pd.transport.addresses import with_port
 
 
@@ -98,6 +99,7 @@ class RequestStream:
     def __init__(self, rid: str, loop: asyncio.AbstractEventLoop | None = None):
         self.rid = rid
         self._loop = loop or asyncio.get_running_loop()
+        self._mail = mail_for(self._loop)  # the loop's wakes, shared with every other stream on it (loop_mail.py)
         self._items: collections.deque[TokenOutput | BaseException] = collections.deque()
         self._waiter: asyncio.Future | None = None
 
@@ -106,8 +108,8 @@ class RequestStream:
         self._call(self._put_all, (item,))
 
     def push_many(self, items: list[TokenOutput]) -> None:
-        """Thread-safe: several outputs in order (a dispatch's tokens of one request), with one wake-up of the
-        reader's loop instead of one each."""
+        """Thread-safe: several outputs in order (a dispatch's tokens of one request), as one call on the reader's
+        loop."""
         if items:
             self._call(self._put_all, items)
 
@@ -139,7 +141,7 @@ class RequestStream:
 
     def _call(self, callback, item) -> None:
         try:
-            self._loop.call_soon_threadsafe(callback, item)
+            self._mail.post(callback, item)
         except RuntimeError:  # the reader's loop is closed (its server stopped): nobody is left to tell
             if not self._loop.is_closed():
                 raise
