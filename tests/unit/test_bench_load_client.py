@@ -71,3 +71,38 @@ def test_a_stream_without_its_end_is_not_an_answer(script, error):
 def test_a_refused_request_keeps_its_status_and_reason():
     record = run([], status=503)
     assert not record["ok"] and record["status"] == 503 and "no_healthy_decode" in record["error"]
+
+
+def test_each_stream_has_a_connection_of_its_own(monkeypatch):
+    # A pool shared by the streams hands requests that start together the same idle connection, and all but one go
+    # round again (encode/httpcore#822): up to a second each under 64 streams. So no client ever carries two
+    # requests at a time, and every stream gets one.
+    import load_client
+
+    in_flight: dict[int, int] = {}
+    most: dict[int, int] = {}
+
+    def make(timeout_s: float, *_) -> httpx.AsyncClient:  # (*_: a shared client was made with the streams)
+        index = len(most)
+        in_flight[index] = most[index] = 0
+
+        async def handler(request: httpx.Request) -> httpx.Response:
+            in_flight[index] += 1
+            most[index] = max(most[index], in_flight[index])
+
+            async def body():
+                try:
+                    await asyncio.sleep(0.01)  # the streams overlap
+                    for step in (HEAD, text("ab", "length"), USAGE, "[DONE]"):
+                        yield f"data: {step if step == '[DONE]' else json.dumps(step)}\n\n".encode()
+                finally:
+                    in_flight[index] -= 1
+
+            return httpx.Response(200, content=body())
+
+        return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+    monkeypatch.setattr(load_client, "client", make)
+    records, _ = load_client.closed_loop("http://node", [("short", {"stream": True})] * 12, streams=4)
+    assert len(records) == 12 and all(r["ok"] for r in records)
+    assert len(most) == 4 and set(most.values()) == {1}

@@ -4,6 +4,7 @@ stale file replaced and a live one refused, and the TCP probe that turns libzmq'
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import socket
@@ -185,6 +186,29 @@ def test_a_client_finds_a_socket_it_reached_before_without_a_system_call(short_d
         assert stats == []
     with unix_http.client(timeout=10) as client, pytest.raises(httpx.ConnectError):
         client.get(http_url(f"unix:{path}") + "/health")  # the server is gone: its file too
+
+
+def test_a_client_given_an_ssl_context_makes_none_for_its_sockets(short_dir, monkeypatch):
+    """Every httpx transport loads the CA bundle for an SSL context of its own unless given one (several ms of
+    CPU); a client's ``verify`` reaches its sockets' transports, so a bench that makes a client a stream shares one."""
+    import ssl
+
+    from fsm_pd.net import unix_http
+
+    path = str(short_dir / "v.sock")
+    context = ssl.create_default_context()
+    loads = []  # httpx makes its contexts with ssl.create_default_context (its CA file, or $SSL_CERT_FILE's)
+    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: loads.append(1) or context)
+    app = FastAPI()
+    app.get("/health")(lambda: {"ok": True})
+
+    async def get() -> httpx.Response:
+        async with unix_http.async_client(timeout=10, verify=context) as client:
+            return await client.get(http_url(f"unix:{path}") + "/health")
+
+    with AppServer(app, uds=path):
+        assert asyncio.run(get()).json() == {"ok": True}
+    assert loads == []  # neither the client nor its socket's transport loaded the bundle
 
 
 def test_the_router_names_a_unix_bootstrap_server_in_bootstrap_host():
