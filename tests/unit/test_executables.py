@@ -153,6 +153,13 @@ def test_off_with_the_switch_on_the_cpu_by_default_or_without_the_compile_cache(
     monkeypatch.delenv(executables.ENV)
     assert jax.default_backend() == "cpu" and executables.directory() is None, "off on the CPU unless switched on"
     monkeypatch.setenv(executables.ENV, "on")
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)  # the cache off with its directory still named
+    try:
+        assert executables.directory() is None
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+    assert executables.directory() == cache_dir
     jax.config.update("jax_compilation_cache_dir", None)
     assert executables.directory() is None
 
