@@ -47,7 +47,7 @@ def ask_for_host_devices(tp: int, environ=os.environ) -> None:
 
 def ask_for_small_host_buffer() -> None:
     """Before jax opens a TPU: libtpu's host buffer at ``tpu_host_buffer.DEFAULT_BYTES`` unless the environment names
-    a size (its default of 4 GiB took 5.2 s of the chip's open on the v5e host, which holds every thread of the
+    a size (its default of 4 GiB took 5.7 s to open on the v5e host, 1 GiB 2.6 s; the open holds every thread of the
     start meanwhile)."""
     from fsm_pd.cli.flags import expected_platform
     from fsm_pd.runtime.tpu_host_buffer import SIZE_ENV, ask_for_buffer
