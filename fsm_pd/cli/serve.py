@@ -45,7 +45,7 @@ def ask_for_host_devices(tp: int, environ=os.environ) -> None:
         logging.getLogger("fsm_pd.serve").warning("jax was imported before --tp could ask for %d host devices", tp)
 
 
-def ask_for_small_host_buffer() -> None:
+def ask_for_host_buffer() -> None:
     """Before jax opens a TPU: libtpu's host buffer at ``tpu_host_buffer.DEFAULT_BYTES`` unless the environment names
     a size (its default of 4 GiB took 5.7 s to open on the v5e host, 1 GiB 2.6 s; the open holds every thread of the
     start meanwhile)."""
@@ -112,7 +112,7 @@ def serve_main(argv: Sequence[str]) -> int:
         quiet_absent_backends()
     if args.tp > 1:
         ask_for_host_devices(args.tp)
-    ask_for_small_host_buffer()
+    ask_for_host_buffer()
     from fsm_pd.cli.side_by_side import DeviceOpening, read_model_meanwhile
 
     opening = DeviceOpening()

@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 import threading
 from collections.abc import Callable
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 
 class LoopMail:

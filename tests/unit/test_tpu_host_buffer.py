@@ -31,7 +31,7 @@ def test_serve_asks_before_the_open_where_jax_will_start_on_a_tpu(monkeypatch, c
     monkeypatch.setenv("JAX_PLATFORMS", "tpu")
     monkeypatch.delenv(SIZE_ENV, raising=False)
     with caplog.at_level(logging.INFO, logger="fsm_pd.serve"):
-        serve.ask_for_small_host_buffer()
+        serve.ask_for_host_buffer()
     import os
 
     assert os.environ[SIZE_ENV] == str(DEFAULT_BYTES)
@@ -41,7 +41,7 @@ def test_serve_asks_before_the_open_where_jax_will_start_on_a_tpu(monkeypatch, c
 def test_serve_leaves_a_cpu_start_alone(monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.delenv(SIZE_ENV, raising=False)
-    serve.ask_for_small_host_buffer()
+    serve.ask_for_host_buffer()
     import os
 
     assert SIZE_ENV not in os.environ
