@@ -45,14 +45,23 @@ def ask_for_host_devices(tp: int, environ=os.environ) -> None:
         logging.getLogger("fsm_pd.serve").warning("jax was imported before --tp could ask for %d host devices", tp)
 
 
-def ask_for_host_buffer() -> None:
-    """Before jax opens a TPU: libtpu's host buffer at ``tpu_host_buffer.DEFAULT_BYTES`` unless the environment names
-    a size (its default of 4 GiB took 5.7 s to open on the v5e host, 1 GiB 2.6 s; the open holds every thread of the
-    start meanwhile)."""
-    from fsm_pd.cli.flags import expected_platform
+def ask_for_host_buffer(args: argparse.Namespace, role: str) -> None:
+    """Before jax opens a TPU: libtpu's host buffer sized for what this node copies through it, unless the environment
+    names a size (``runtime/tpu_host_buffer.py``: libtpu's default of 4 GiB took 5.7 s to open on the v5e host, 1 GiB
+    2.6 s, 256 MiB 1.2 s; the open holds every thread of the start meanwhile). A colocated or pd node copies only its
+    weights; a prefill or decode node may stage KV through the host too, so it takes the default."""
+    from fsm_pd.cli.flags import expected_platform, resolve_dtype
     from fsm_pd.runtime.tpu_host_buffer import SIZE_ENV, ask_for_buffer
 
-    asked = ask_for_buffer(expected_platform())
+    def largest_bytes() -> int | None:
+        if role not in ("colocated", "pd"):
+            return None
+        from fsm_pd.model.shapes_on_disk import largest_array
+
+        elements = largest_array(args.model)
+        return None if elements is None else elements * (4 if resolve_dtype(args.dtype, "tpu") == "float32" else 2)
+
+    asked = ask_for_buffer(expected_platform(), largest_bytes=largest_bytes)
     if asked is not None:
         logging.getLogger("fsm_pd.serve").info("libtpu's premapped host buffer: %d MiB (%s; set it to choose)",
                                                asked >> 20, SIZE_ENV)
@@ -112,7 +121,7 @@ def serve_main(argv: Sequence[str]) -> int:
         quiet_absent_backends()
     if args.tp > 1:
         ask_for_host_devices(args.tp)
-    ask_for_host_buffer()
+    ask_for_host_buffer(args, role)
     from fsm_pd.cli.side_by_side import DeviceOpening, read_model_meanwhile
 
     opening = DeviceOpening()

@@ -16,11 +16,15 @@ What the size costs and gives, on the v5e host (``python3 bench/host_buffer.py``
 | 256 MiB | 1.18 s | 0.27 GB/s | 2.37 ms | 0.92 GB/s |
 | 64 MiB | 1.34 s | 0.27 GB/s | 2.84 ms | 0.34 GB/s |
 
-A copy larger than the buffer goes 20x slower, so the size must hold the largest array a node moves: a model's
-weights go up one array at a time (SmolLM2's largest is 57 MB; Qwen3-1.7B's embedding 622 MB), a handoff staged
-through the host (``tcp``, ``zmq``) moves a request's pages. So a node asks for ``DEFAULT_BYTES`` (1 GiB: 3.2 s off
-the open, no copy slower) unless the environment already names a size: a user's own ``TPU_PREMAPPED_BUFFER_SIZE``
-always wins (a model with a larger array: name one that holds it; a small model on a tight start: 256 MiB).
+A copy larger than the buffer goes 20x slower, so the size must hold the largest array a node moves through it: the
+weights, which go up one array at a time (SmolLM2's largest, its embedding, is 54 MiB in bfloat16; Qwen3-1.7B's
+622 MB), and on a prefill or decode node whose handoff stages through the host (``tcp``, ``zmq``) a request's KV,
+which grows with its length. So a colocated or ``--role pd`` node, whose KV never leaves the device, asks for the
+smallest power of two from 256 MiB up that holds its largest weight with a quarter to spare (``buffer_for``: 256 MiB
+for SmolLM2, its size at the load of round r14), read from the model's file headers before the open
+(``model/shapes_on_disk.py``); any other node, or one whose model's shapes cannot be read so, asks for
+``DEFAULT_BYTES`` (1 GiB: 3.2 s off the open, no copy slower). A user's own ``TPU_PREMAPPED_BUFFER_SIZE`` always
+wins.
 """
 
 from __future__ import annotations
@@ -29,12 +33,25 @@ import os
 
 SIZE_ENV = "TPU_PREMAPPED_BUFFER_SIZE"
 DEFAULT_BYTES = 1 << 30
+MIN_BYTES = 256 << 20  # below it the open is no quicker (1.18 s at 256 MiB, 1.34 at 64) and 64 MiB copies slow down
 
 
-def ask_for_buffer(platform: str, environ=os.environ) -> int | None:
-    """Set ``TPU_PREMAPPED_BUFFER_SIZE`` to ``DEFAULT_BYTES`` where jax will open a TPU and nobody chose a size; the
-    bytes asked for, else None. Must run before jax starts its backend (libtpu reads it once, at the open)."""
+def buffer_for(largest_bytes: int | None) -> int:
+    """The buffer for a node whose largest copy is ``largest_bytes`` (None: not known, ``DEFAULT_BYTES``)."""
+    if largest_bytes is None:
+        return DEFAULT_BYTES
+    size = MIN_BYTES
+    while size < largest_bytes * 5 // 4:
+        size *= 2
+    return size
+
+
+def ask_for_buffer(platform: str, environ=os.environ, largest_bytes=lambda: None) -> int | None:
+    """Set ``TPU_PREMAPPED_BUFFER_SIZE`` where jax will open a TPU and nobody chose a size, to ``buffer_for`` the
+    node's largest copy (``largest_bytes()``: called only then, since it reads the model's headers); the bytes asked
+    for, else None. Must run before jax starts its backend (libtpu reads it once, at the open)."""
     if platform != "tpu" or environ.get(SIZE_ENV):
         return None
-    environ[SIZE_ENV] = str(DEFAULT_BYTES)
-    return DEFAULT_BYTES
+    size = buffer_for(largest_bytes())
+    environ[SIZE_ENV] = str(size)
+    return size
