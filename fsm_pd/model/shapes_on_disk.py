@@ -54,7 +54,9 @@ def _largest_in_gguf(path: Path) -> int | None:
     with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
         if data[:4] != GGUF_MAGIC:
             raise ValueError(f"{path} is not a GGUF file")
-        tensors, entries = struct.unpack_from("<QQ", data, 8)
+        version, tensors, entries = struct.unpack_from("<IQQ", data, 4)
+        if version not in (2, 3):  # version 1 counted in 32 bits; a big-endian file reads as a huge version
+            raise ValueError(f"{path}: GGUF version {version} is not read here")
         at = 24
         for _ in range(entries):
             at = _skip_string(data, at)  # the key

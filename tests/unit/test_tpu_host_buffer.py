@@ -78,6 +78,9 @@ def test_a_model_whose_headers_cannot_be_read_says_none(tmp_path):
     truncated = _gguf(tmp_path / "t.gguf", {"w": (8, 8)}, {})
     truncated.write_bytes(truncated.read_bytes()[:-24])  # into its shape
     assert largest_array(str(truncated)) is None
+    old = _gguf(tmp_path / "v1.gguf", {"w": (8, 8)}, {})
+    old.write_bytes(old.read_bytes()[:4] + struct.pack("<I", 1) + old.read_bytes()[8:])  # version 1: 32-bit counts
+    assert largest_array(str(old)) is None
 
 
 @SMOLLM2
