@@ -354,6 +354,9 @@ def test_the_abort_of_a_failed_attempt_that_comes_first_refuses_its_late_leg_and
         r = httpx.post(url + "/generate", json={"text": "hi", "rid": "client-1",
                                                 "sampling_params": {"max_new_tokens": 3}}, timeout=20)
         assert r.status_code == 200 and r.json()["text"] == " he", r.text
+        # the retry's prefill leg runs beside its decode leg, and the stub decode answers without waiting for it: the
+        # answer can come back before the good prefill's app has submitted (seen once in a whole run on 2 busy cores)
+        assert until(lambda: good.submitted, timeout_s=5), "the retry never reached the good prefill"
         retry_room = good.submitted[0].bootstrap.room
         # the late leg was refused when it came (it was not left waiting for a room its prefill never opened), and
         # only the retry ran on the decode
