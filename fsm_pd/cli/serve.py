@@ -48,13 +48,15 @@ def ask_for_host_devices(tp: int, environ=os.environ) -> None:
 def ask_for_host_buffer(args: argparse.Namespace, role: str) -> None:
     """Before jax opens a TPU: libtpu's host buffer sized for what this node copies through it, unless the environment
     names a size (``runtime/tpu_host_buffer.py``: libtpu's default of 4 GiB took 5.7 s to open on the v5e host, 1 GiB
-    2.6 s, 256 MiB 1.2 s; the open holds every thread of the start meanwhile). A colocated or pd node copies only its
-    weights; a prefill or decode node may stage KV through the host too, so it takes the default."""
+    2.6 s, 256 MiB 1.2 s; the open holds every thread of the start meanwhile). A colocated node, or a pd node whose
+    handoff keeps the KV on the devices (``pool``, ``device``), copies only its weights; any other node may stage KV
+    through the host too, so it takes the default."""
     from fsm_pd.cli.flags import expected_platform, resolve_dtype
+    from fsm_pd.cli.pd_flags import pd_backend
     from fsm_pd.runtime.tpu_host_buffer import SIZE_ENV, ask_for_buffer
 
     def largest_bytes() -> int | None:
-        if role not in ("colocated", "pd"):
+        if not (role == "colocated" or (role == "pd" and pd_backend(args) in ("pool", "device"))):
             return None
         from fsm_pd.model.shapes_on_disk import largest_array
 

@@ -89,13 +89,16 @@ def test_smollm2s_largest_array_is_its_embedding():
     assert buffer_for(largest_array("smollm2") * 2) == MIN_BYTES
 
 
-@pytest.mark.parametrize("role, expected", [("colocated", MIN_BYTES), ("pd", MIN_BYTES), ("prefill", DEFAULT_BYTES),
-                                            ("decode", DEFAULT_BYTES)])
-def test_serve_sizes_the_buffer_by_what_the_role_copies(monkeypatch, caplog, tmp_path, role, expected):
+@pytest.mark.parametrize("role, extra, expected", [
+    ("colocated", [], MIN_BYTES), ("pd", [], MIN_BYTES), ("pd", ["--prefill-devices", "1", "--decode-devices", "1"],
+                                                            MIN_BYTES),
+    ("pd", ["--transfer-backend", "zmq"], DEFAULT_BYTES),  # its handoff stages KV through the host
+    ("prefill", [], DEFAULT_BYTES), ("decode", [], DEFAULT_BYTES)])
+def test_serve_sizes_the_buffer_by_what_the_role_copies(monkeypatch, caplog, tmp_path, role, extra, expected):
     model = _gguf(tmp_path / "m.gguf", {"token_embd.weight": (576, 49152)}, {})
     monkeypatch.setenv("JAX_PLATFORMS", "tpu")
     monkeypatch.delenv(SIZE_ENV, raising=False)
-    args = serve.node_parser(role).parse_args(["--role", role, "--model", str(model)])
+    args = serve.node_parser(role).parse_args(["--role", role, "--model", str(model), *extra])
     with caplog.at_level(logging.INFO, logger="fsm_pd.serve"):
         serve.ask_for_host_buffer(args, role)
     assert os.environ[SIZE_ENV] == str(expected)
