@@ -19,7 +19,8 @@ What the size costs and gives, on the v5e host (``python3 bench/host_buffer.py``
 A copy larger than the buffer goes 20x slower, so the size must hold the largest array a node moves through it: the
 weights, which go up one array at a time (SmolLM2's largest, its embedding, is 54 MiB in bfloat16; Qwen3-1.7B's
 622 MB), and on a prefill or decode node whose handoff stages through the host (``tcp``, ``zmq``) a request's KV,
-which grows with its length. So a colocated or ``--role pd`` node, whose KV never leaves the device, asks for the
+which grows with its length. So a colocated node, or a ``--role pd`` node whose handoff keeps the KV on the devices
+(``pool``, ``device``), asks for the
 smallest power of two from 256 MiB up that holds its largest weight with a quarter to spare (``buffer_for``: 256 MiB
 for SmolLM2, its size at the load of round r14), read from the model's file headers before the open
 (``model/shapes_on_disk.py``); any other node, or one whose model's shapes cannot be read so, asks for

@@ -2,7 +2,8 @@
 
 The model thread hands each request's tokens to the event loop that streams them (``RequestStream.push``). With a
 ``call_soon_threadsafe`` per push, every push wrote the loop's self-pipe: the loop's thread woke, took the
-interpreter's lock, and the model thread waited to get it back, up to the switch interval (5 ms) a push. On a CPU
+interpreter's lock, and the model thread waited to get it back until the loop let go of it (its next system call,
+or the switch interval, 5 ms). On a CPU
 (tiny model, ``--role pd``, one stream) a push held the model thread 0.93 ms, more than its decode step; a step of
 64 streams pushed 64 times. Here a push only queues its call, and wakes the loop only if no wake is already on its
 way: the calls of one step reach the loop with one wake, in the order they were made.
