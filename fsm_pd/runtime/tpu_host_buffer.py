@@ -20,12 +20,11 @@ A copy larger than the buffer goes 20x slower, so the size must hold the largest
 weights, which go up one array at a time (SmolLM2's largest, its embedding, is 54 MiB in bfloat16; Qwen3-1.7B's
 622 MB), and on a prefill or decode node whose handoff stages through the host (``tcp``, ``zmq``) a request's KV,
 which grows with its length. So a colocated node, or a ``--role pd`` node whose handoff keeps the KV on the devices
-(``pool``, ``device``), asks for the
-smallest power of two from 256 MiB up that holds its largest weight with a quarter to spare (``buffer_for``: 256 MiB
-for SmolLM2, its size at the load of round r14), read from the model's file headers before the open
-(``model/shapes_on_disk.py``); any other node, or one whose model's shapes cannot be read so, asks for
-``DEFAULT_BYTES`` (1 GiB: 3.2 s off the open, no copy slower). A user's own ``TPU_PREMAPPED_BUFFER_SIZE`` always
-wins.
+(``pool``, ``device``), asks for the smallest power of two from 256 MiB up that holds its largest weight with a
+quarter to spare (``buffer_for``: 256 MiB for SmolLM2, its size at the load of round r14), read from the model's file
+headers before the open (``model/shapes_on_disk.py``); any other node, or one whose model's shapes cannot be read
+so, asks for ``DEFAULT_BYTES`` (1 GiB: 3.2 s off the open, no copy slower). A user's own
+``TPU_PREMAPPED_BUFFER_SIZE`` always wins.
 """
 
 from __future__ import annotations
