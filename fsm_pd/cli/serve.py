@@ -190,16 +190,10 @@ def run_node(args: argparse.Namespace, opening, reading) -> int:
     from fsm_pd.serving.startup import Startup
 
     startup = Startup()  # timed from the process's start: the interpreter and the imports below count
-    from fsm_pd.api import create_app
-    from fsm_pd.api.drain import serve_draining
     from fsm_pd.cli.side_by_side import start_model, weights_in
     from fsm_pd.model import compiles
-    from fsm_pd.runtime.gc_policy import apply_serving_gc_policy
 
     startup.record("imports", startup.since_start())
-    from fsm_pd.api.runner import WaitDeadlines
-
-    wait = WaitDeadlines(args.first_token_timeout_secs, args.token_idle_timeout_secs)  # positive: serve_flags
     compiles.install()
     try:
         model = start_model(args, startup, opening, reading)
@@ -225,20 +219,35 @@ def run_node(args: argparse.Namespace, opening, reading) -> int:
             engine.close()
             print(f"fsm-pd serve: {exc}", file=sys.stderr)
             return 2
+    from fsm_pd.net.unix_sockets import remove_listener_files
+
+    on_exit(remove_listener_files)  # a failed start-up ends the process at once: --uds's socket file goes too
+    # The programs are prepared from here on, while this thread imports and builds the HTTP app: on a TPU the
+    # server's imports (fastapi's models, mostly) came after the chip's open and held ready back by a second.
+    # Ready waits for the app as for the weights.
+    app_built = threading.Event()
+
+    def before_ready() -> None:
+        weights_in(model, [startup], reading)
+        app_built.wait()
+
+    threading.Thread(target=prepare_programs, args=({engine: startup}, args.skip_server_warmup,
+                                                    lambda: app_built.is_set() and app.state.drain.in_flight > 0,
+                                                    before_ready),
+                     name="start-up", daemon=True).start()
+    with startup.phase("imports"):
+        from fsm_pd.api import create_app
+        from fsm_pd.api.drain import serve_draining
+        from fsm_pd.api.runner import WaitDeadlines
+        from fsm_pd.runtime.gc_policy import apply_serving_gc_policy
+    wait = WaitDeadlines(args.first_token_timeout_secs, args.token_idle_timeout_secs)  # positive: serve_flags
     app = create_app(engine, model.tokenizer, api_key=args.api_key, model_name=args.served_model_name or args.model,
                      model_path=args.model,
                      bootstrap_port=None if args.uds else getattr(args, "bootstrap_port", None),
                      drain_timeout_s=args.drain_timeout_secs, startup=startup, wait=wait,
                      max_body_bytes=args.max_request_bytes)
     apply_serving_gc_policy()
-    from fsm_pd.net.unix_sockets import remove_listener_files
-
-    on_exit(remove_listener_files)  # a failed start-up ends the process at once: --uds's socket file goes too
-    # HTTP answers from here on (probes see the progress); requests are taken once the programs are prepared
-    threading.Thread(target=prepare_programs, args=({engine: startup}, args.skip_server_warmup,
-                                                    lambda: app.state.drain.in_flight > 0,
-                                                    lambda: weights_in(model, [startup], reading)),
-                     name="start-up", daemon=True).start()
+    app_built.set()
     try:
         serve_draining(app, args.host, args.port, log_level=args.log_level,
                        read_timeouts=read_timeouts_from_args(args), uds=args.uds)
@@ -249,10 +258,11 @@ def run_node(args: argparse.Namespace, opening, reading) -> int:
     exit_now(0)
 
 
-def prepare_programs(starts: dict, skip: bool, busy, weights=lambda: None) -> None:
+def prepare_programs(starts: dict, skip: bool, busy, before_ready=lambda: None) -> None:
     """The start-up thread of a node (``starts``: {engine: its ``Startup``}) or of ``--role pd`` (both engines, which
     share one pool and so one set of programs: the second warm-up finds the first's): prepare the programs any
-    request needs (``warmup.warm_up``), wait for the weights (``weights()``: they load meanwhile), mark every engine
+    request needs (``warmup.warm_up``), wait for what else ready needs (``before_ready()``: the weights, which load
+    meanwhile, and the app that serves, which the main thread builds meanwhile), mark every engine
     ready at once, then compile the rest in the background while no request is in flight (``busy``). A failure here
     leaves a process that can never serve: it exits 1."""
     from fsm_pd.model import compiles
@@ -266,7 +276,7 @@ def prepare_programs(starts: dict, skip: bool, busy, weights=lambda: None) -> No
             for engine, startup in starts.items():
                 with startup.phase("programs"):
                     warm_up(engine, progress=True, startup=startup)
-        weights()
+        before_ready()
         compiles.serving()
         costs = {kind: {**vars(cost), "seconds": round(cost.seconds, 3)} for kind, cost in compiles.costs().items()}
         freeze_survivors()  # the ready set's programs live as long as the node: out of the full collections' way

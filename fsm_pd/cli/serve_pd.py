@@ -161,26 +161,12 @@ def run_pd(args: argparse.Namespace, opening, reading) -> int:
     from fsm_pd.serving.startup import Startup
 
     startup = Startup()  # the prefill engine's, timed from the process's start; the decode engine's shares it
-    from fsm_pd.api.drain import ABORT_GRACE_S, DrainingServer
-    from fsm_pd.api.runner import WaitDeadlines
-    from fsm_pd.cli.pd_front import PDFront
     from fsm_pd.cli.serve import prepare_programs
     from fsm_pd.cli.side_by_side import start_model, weights_in
     from fsm_pd.model import compiles
-    from fsm_pd.model.compiles import CompileCollector
-    from fsm_pd.net.http_protocol import read_timeouts_from_args
-    from fsm_pd.net.http_server import AppServer, _uvicorn_config, run
-    from fsm_pd.router.app import create_router_app
-    from fsm_pd.router.core import PrefillWorker
-    from fsm_pd.router.fleet import BreakerSettings
-    from fsm_pd.router.policy import PolicySettings
-    from fsm_pd.router.retries import RetrySettings
-    from fsm_pd.runtime.gc_policy import apply_serving_gc_policy
-    from fsm_pd.serving.startup import StartupCollector
     from fsm_pd.store.retention import attach_from_args
 
     startup.record("imports", startup.since_start())
-    wait = WaitDeadlines(args.first_token_timeout_secs, args.token_idle_timeout_secs)
     compiles.install()
     try:
         model = start_model(args, startup, opening, reading)
@@ -211,6 +197,33 @@ def run_pd(args: argparse.Namespace, opening, reading) -> int:
         for name, seconds in startup.status()["phases"].items():  # the process's imports, weights and engines
             decode_startup.record(name, seconds, startup.started_at + spans[name][0])
         starts = dict(zip(engines, (startup, decode_startup), strict=True))
+        # the programs are prepared from here on, while this thread imports and builds the front (as a node's,
+        # serve.run_node); ready waits for the front as for the weights
+        front_built = threading.Event()
+
+        def before_ready() -> None:
+            weights_in(model, list(starts.values()), reading)
+            front_built.wait()
+
+        threading.Thread(target=prepare_programs, args=(starts, args.skip_server_warmup,
+                                                        lambda: front_built.is_set() and front.drain.in_flight > 0,
+                                                        before_ready),
+                         name="start-up", daemon=True).start()
+        with startup.phase("imports"):
+            from fsm_pd.api.drain import ABORT_GRACE_S, DrainingServer
+            from fsm_pd.api.runner import WaitDeadlines
+            from fsm_pd.cli.pd_front import PDFront
+            from fsm_pd.model.compiles import CompileCollector
+            from fsm_pd.net.http_protocol import read_timeouts_from_args
+            from fsm_pd.net.http_server import AppServer, _uvicorn_config, run
+            from fsm_pd.router.app import create_router_app
+            from fsm_pd.router.core import PrefillWorker
+            from fsm_pd.router.fleet import BreakerSettings
+            from fsm_pd.router.policy import PolicySettings
+            from fsm_pd.router.retries import RetrySettings
+            from fsm_pd.runtime.gc_policy import apply_serving_gc_policy
+            from fsm_pd.serving.startup import StartupCollector
+        wait = WaitDeadlines(args.first_token_timeout_secs, args.token_idle_timeout_secs)
         bootstrap = unix_address(os.path.join(links, "prefill.bootstrap.sock"))
 
         def info_extra() -> dict:
@@ -247,10 +260,7 @@ def run_pd(args: argparse.Namespace, opening, reading) -> int:
         front = PDFront(app, engines, list(starts.values()), drain_timeout_s=args.drain_timeout_secs,
                         startup_wait_s=args.startup_wait_secs, registry=registry)
         apply_serving_gc_policy()
-        threading.Thread(target=prepare_programs, args=(starts, args.skip_server_warmup,
-                                                        lambda: front.drain.in_flight > 0,
-                                                        lambda: weights_in(model, list(starts.values()), reading)),
-                         name="start-up", daemon=True).start()
+        front_built.set()
         log.info("serving prefill and decode in one process (%s transfers; links in %s; journals in %s)",
                  pd_backend(args), links, args.journal_dir)
         config = _uvicorn_config(front, args.log_level, read_timeouts_from_args(args),

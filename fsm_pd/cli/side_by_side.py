@@ -2,10 +2,10 @@
 
 ``fsm-pd serve`` starts two threads as soon as its command line is checked: one opens jax's devices
 (``DeviceOpening``: 6 to 15 s for a TPU), the other reads the model (``model/meanwhile.py``: a GGUF model's config
-and tokenizer first, then its weights into host arrays and onto the device once it is open), while the main thread
-imports the server. The main thread then takes the model with its weights to come (``start_model``), builds the
-engine and prepares the ready set from the weights' shapes; the start-up thread waits for the weights
-(``weights_in``) just before it marks the node ready. Each part's seconds are a start-up phase: ``device``,
+and tokenizer first, then its weights into host arrays and onto the device once it is open). The main thread takes
+the model with its weights to come (``start_model``), builds the engine, starts preparing the ready set from the
+weights' shapes on the start-up thread, and imports and builds the HTTP app beside it; the start-up thread waits for
+the weights (``weights_in``) and the app just before it marks the node ready. Each part's seconds are a start-up phase: ``device``,
 ``model``, ``weights`` (``serving/startup.py``).
 """
 

@@ -114,3 +114,24 @@ def test_a_node_names_its_phases_answers_once_ready_and_loads_every_program_from
     assert sum(k["from_cache"] for k in kinds.values()) >= 10 and not any(k["from_executable"] for k in kinds.values())
     written = list((tmp_path / "jax" / "executables").glob("*.exe"))
     assert all(executables.OBJECT_CODE in entry.read_bytes() for entry in written), "none from the compile cache"
+
+
+@pytest.mark.timeout(300)
+def test_weights_found_broken_after_the_node_listens_end_it_with_status_2_and_leave_no_socket(tmp_path):
+    """The ready set is prepared beside the server's imports, and ready waits for the weights: a GGUF file whose
+    config reads but whose tensors do not (one is missing) fails once the programs are compiled, after the node
+    listens (a cold compile of the ready set takes seconds, the app a second). The process then ends with its one
+    line and status 2, its ``--uds`` socket file gone."""
+    config = small_config()
+    tensors = gguf_tensors(config, random_params(config, seed=7, std=0.5))
+    gguf = write_gguf(tmp_path / "m.gguf", config, tensors, skip={"blk.1.ffn_gate.weight"})
+    sock = tmp_path / "node.sock"
+    env = {**os.environ, "FSM_PD_COMPILE_CACHE": str(tmp_path / "jax"), "FSM_PD_MODEL_CACHE": str(tmp_path / "models"),
+           "FSM_PD_SKIP_SERVER_WARMUP": "0"}
+    result = subprocess.run([sys.executable, "-m", "fsm_pd.cli", "serve", "--role", "colocated", "--model", str(gguf),
+                             "--uds", str(sock), "--num-pages", "64"], env=env, cwd=tmp_path, capture_output=True,
+                            text=True, timeout=240, stdin=subprocess.DEVNULL)
+    out = result.stdout + result.stderr
+    assert result.returncode == 2 and "cannot load model" in out and "blk.1.ffn_gate.weight" in out, out[-3000:]
+    assert f"serving HTTP on unix socket {sock}" in out, out[-3000:]  # it listened before the weights failed it
+    assert not sock.exists()
