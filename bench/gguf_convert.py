@@ -1,0 +1,85 @@
+"""A GGUF file's cold conversion, phase by phase: what a node's first start spends before it can compile and serve.
+
+    python bench/gguf_convert.py [--model smollm2|FILE.gguf] [--dtype bfloat16] [--repeats 5] [--json]
+
+Each repeat is a fresh process (imports already paid, the file in the page cache) that runs what ``load_gguf`` runs
+on an empty cache: ``open`` (the header and metadata), ``config``, ``tokenizer``, ``params`` (dequantize and cast)
+and ``save`` (the converted entry, into a temporary directory). ``model`` (open + config + tokenizer) is what a node
+waits for before it can build its engine and compile (``model/meanwhile.py``). Figures are medians over the
+repeats; the machine's cores are shared, so one run alone says little.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PHASES = ("open", "config", "tokenizer", "params", "save")
+
+
+def one_conversion(model: str, dtype: str) -> dict[str, float]:
+    """Seconds per phase of one conversion in this process."""
+    from fsm_pd.model import converted
+    from fsm_pd.model.gguf_file import config_from_gguf, load_gguf_params, open_gguf
+    from fsm_pd.model.gguf_tokenizer import tokenizer_from_gguf
+    from fsm_pd.model.loader import gguf_source
+
+    path, _ = gguf_source(model)
+    seconds, mark = {}, time.perf_counter()
+
+    def lap(phase: str) -> None:
+        nonlocal mark
+        now = time.perf_counter()
+        seconds[phase], mark = now - mark, now
+
+    reader = open_gguf(path)
+    lap("open")
+    config = config_from_gguf(reader, dtype=dtype, path=str(path))
+    lap("config")
+    tokenizer = tokenizer_from_gguf(reader, path=str(path))
+    lap("tokenizer")
+    params = load_gguf_params(reader, config, path=str(path))
+    lap("params")
+    with tempfile.TemporaryDirectory() as root:
+        converted.save(converted.entry_dir(Path(root), path, dtype), config, params, tokenizer)
+        lap("save")
+    return seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2", help="a named model or a .gguf file")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", action="store_true", help="print the medians as JSON")
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a repeat's own process
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one_conversion(args.model, args.dtype)))
+        return 0
+    runs = []
+    for _ in range(args.repeats):
+        out = subprocess.run([sys.executable, __file__, "--one", "--model", args.model, "--dtype", args.dtype],
+                             check=True, capture_output=True, text=True).stdout
+        runs.append(json.loads(out.splitlines()[-1]))
+    medians = {phase: statistics.median(run[phase] for run in runs) for phase in PHASES}
+    medians["model"] = statistics.median(run["open"] + run["config"] + run["tokenizer"] for run in runs)
+    medians["total"] = statistics.median(sum(run[p] for p in PHASES) for run in runs)
+    if args.json:
+        print(json.dumps({"model": args.model, "dtype": args.dtype, "repeats": args.repeats, "median_s": medians,
+                          "runs": runs}))
+    else:
+        print(f"{args.model} -> {args.dtype}, medians of {args.repeats} runs (s):")
+        for phase, value in medians.items():
+            print(f"  {phase:<10} {value:6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
