@@ -1,8 +1,8 @@
 """GGUF files (llama.cpp's format) to a ``ModelConfig`` and the engine's parameter tree.
 
-The ``gguf`` package (llama.cpp's own reader) parses the file and dequantizes blocks; this module maps its metadata
-(``llama.*``, ``qwen2.*``, ``qwen3.*`` keys) onto the config and its tensor names onto the tree. Two things differ
-from an HF checkpoint:
+``gguf_reader.GGUFFile`` parses the file (the ``gguf`` package's own reader took seconds over a vocabulary) and the
+``gguf`` package dequantizes blocks; this module maps the metadata (``llama.*``, ``qwen2.*``, ``qwen3.*`` keys) onto the
+config and the tensor names onto the tree. Two things differ from an HF checkpoint:
 
 - llama.cpp's converter reorders the rows of Llama's Q and K projections so that each head's rotary pairs sit next
   to each other (its RoPE rotates adjacent elements; HF's rotates the two halves of a head). ``unpermute_rotary``
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsm_pd.model.config import ModelConfig, RopeScaling, UnsupportedModelError
+from fsm_pd.model.gguf_reader import GGUFFile
 from fsm_pd.model.params import check_params, layer_shapes, top_shapes
 from fsm_pd.model.weights import CheckpointError
 
@@ -48,30 +49,24 @@ class GGUFError(CheckpointError):
     """The GGUF file is unreadable, truncated, or holds a tensor this loader cannot use."""
 
 
-def open_gguf(path: Path):
-    """A ``gguf.GGUFReader`` over ``path`` (memory-mapped: tensors are read when dequantized)."""
-    import gguf
-
+def open_gguf(path: Path) -> GGUFFile:
+    """The header, metadata and tensor table of ``path`` (memory-mapped: tensors are read when dequantized)."""
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} not found")
     try:
-        return gguf.GGUFReader(str(path))
-    except Exception as err:  # the reader raises ValueError, struct or index errors on bad or short files
+        return GGUFFile(path)
+    except (OSError, ValueError) as err:  # GGUFFormatError is a ValueError, as are mmap's own refusals
         raise GGUFError(f"{path} is not a readable GGUF file: {type(err).__name__}: {err}") from err
 
 
-def field(reader, key: str, default=None):
+def field(reader: GGUFFile, key: str, default=None):
     """The value of metadata ``key`` (a scalar, a string or a list), ``default`` when absent."""
-    entry = reader.fields.get(key)
-    if entry is None:
-        return default
-    try:
-        return entry.contents()
-    except Exception as err:
-        raise GGUFError(f"metadata {key!r} cannot be read: {err}") from err
+    if key in reader.unreadable:
+        raise GGUFError(f"metadata {key!r} cannot be read: {reader.unreadable[key]}")
+    return reader.metadata.get(key, default)
 
 
-def config_from_gguf(reader, *, dtype: str = "float32", path: str = "") -> ModelConfig:
+def config_from_gguf(reader: GGUFFile, *, dtype: str = "float32", path: str = "") -> ModelConfig:
     """Map ``general.architecture`` and its ``ARCH.*`` keys onto a ``ModelConfig``."""
     arch = field(reader, "general.architecture")
     if arch not in FAMILY_BY_ARCH:
@@ -156,7 +151,7 @@ def dequantize(tensor) -> np.ndarray:
     if kind not in SUPPORTED_TYPES:
         raise GGUFError(f"tensor {tensor.name!r} has type {kind}, which this loader does not dequantize; "
                         f"supported: {', '.join(SUPPORTED_TYPES)}")
-    expected = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    expected = tuple(reversed(tensor.shape))
     try:
         values = quants.dequantize(tensor.data, tensor.tensor_type)
     except Exception as err:
@@ -166,7 +161,7 @@ def dequantize(tensor) -> np.ndarray:
     return values.astype(np.float32, copy=False)
 
 
-def load_gguf_params(reader, config: ModelConfig, *, path: str = "",
+def load_gguf_params(reader: GGUFFile, config: ModelConfig, *, path: str = "",
                      on_tensor: Callable[[str], None] | None = None) -> dict:
     """Dequantize the tensors ``config`` needs into the parameter tree of host arrays, cast to ``config.dtype``.
 
