@@ -3,10 +3,11 @@
     python bench/gguf_convert.py [--model smollm2|FILE.gguf] [--dtype bfloat16] [--repeats 5] [--json]
 
 Each repeat is a fresh process (imports already paid, the file in the page cache) that runs what ``load_gguf`` runs
-on an empty cache: ``open`` (the header and metadata), ``config``, ``tokenizer``, ``params`` (dequantize and cast)
-and ``save`` (the converted entry, into a temporary directory). ``model`` (open + config + tokenizer) is what a node
-waits for before it can build its engine and compile (``model/meanwhile.py``). Figures are medians over the
-repeats; the machine's cores are shared, so one run alone says little.
+on an empty cache: ``open`` (the header and metadata), ``config``, ``tokenizer``, ``params`` (dequantize and cast),
+``save`` (the converted entry, into a temporary directory) and ``place`` (``jax.device_put`` of the host tree onto
+JAX's first device, waited for: this machine's, so a CPU's copy, not a TPU's transfer). ``model`` (open + config +
+tokenizer) is what a node waits for before it can build its engine and compile (``model/meanwhile.py``). Figures are
+medians over the repeats; the machine's cores are shared, so one run alone says little.
 """
 
 from __future__ import annotations
@@ -20,17 +21,20 @@ import tempfile
 import time
 from pathlib import Path
 
-PHASES = ("open", "config", "tokenizer", "params", "save")
+PHASES = ("open", "config", "tokenizer", "params", "save", "place")
 
 
 def one_conversion(model: str, dtype: str) -> dict[str, float]:
     """Seconds per phase of one conversion in this process."""
+    import jax
+
     from fsm_pd.model import converted
     from fsm_pd.model.gguf_file import config_from_gguf, load_gguf_params, open_gguf
     from fsm_pd.model.gguf_tokenizer import tokenizer_from_gguf
     from fsm_pd.model.loader import gguf_source
 
     path, _ = gguf_source(model)
+    jax.devices()  # the backend's start is no part of the conversion
     seconds, mark = {}, time.perf_counter()
 
     def lap(phase: str) -> None:
@@ -49,6 +53,8 @@ def one_conversion(model: str, dtype: str) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as root:
         converted.save(converted.entry_dir(Path(root), path, dtype), config, params, tokenizer)
         lap("save")
+    jax.block_until_ready(jax.device_put(params))
+    lap("place")
     return seconds
 
 
