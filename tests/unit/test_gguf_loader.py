@@ -133,6 +133,16 @@ def test_parameters_come_back_exactly_with_qk_rows_unpermuted(made):
             np.testing.assert_array_equal(loaded["layers"][i][name], value, err_msg=f"layers[{i}].{name}")
 
 
+def test_host_parameters_are_row_major(made):
+    """As a converted entry reads them back: a transposed view would be copied by the save and the transfer."""
+    from fsm_pd.model.gguf_file import load_gguf_params, open_gguf
+
+    config, _, path = made
+    params = load_gguf_params(open_gguf(path), config)
+    leaves = [params[n] for n in params if n != "layers"] + [v for layer in params["layers"] for v in layer.values()]
+    assert all(leaf.flags.c_contiguous for leaf in leaves)
+
+
 def test_unpermute_inverts_llama_cpp_order():
     weight = np.arange(4 * 8 * 3, dtype=np.float32).reshape(32, 3)
     np.testing.assert_array_equal(unpermute_rotary(llama_cpp_order(weight, 4), 4), weight)
