@@ -1,9 +1,9 @@
 """GGUF files (llama.cpp's format), read by the project itself: the header, the metadata and the tensor table.
 
 ``gguf.GGUFReader`` builds a numpy view for every element of every metadata array, and SmolLM2's file holds 49,152
-tokens and about 48,000 merges: opening it took 5.7 s on 2 CPU cores, on the path to every cold start. Here an array
-of numbers is one ``numpy.frombuffer`` and an array of strings one tight loop, and the file opens in tens of
-milliseconds (``docs/model.md``). The values are those ``ReaderField.contents()`` gives (Python ints, floats, bools,
+tokens and 48,900 merges: opening it took about 6 s on 2 CPU cores, on the path to every cold start. Here an array
+of numbers is one ``numpy.frombuffer`` and an array of strings one tight loop, and the file opens in about 0.1 s
+(``docs/model.md``). The values are those ``ReaderField.contents()`` gives (Python ints, floats, bools,
 strings, lists; nested arrays flattened, as it does); the tensors are read-only numpy views of the memory-mapped
 file, shaped as ``GGUFReader`` shapes them, so ``gguf.quants.dequantize`` (still the library's) takes them as they are.
 
@@ -195,8 +195,10 @@ def read_layout(data, *, values: bool = True) -> Layout:
         dims = walk.u32(f"{name}'s dimension count")
         shape = struct.unpack_from(f"<{dims}Q", data, walk.take(8 * dims, f"{name}'s shape"))
         table.append(TableEntry(name, shape, walk.u32(f"{name}'s type"), walk.u64(f"{name}'s offset")))
-    if len({entry.name for entry in table}) < len(table):
-        raise GGUFFormatError("a tensor name appears twice")
+    names = [entry.name for entry in table]
+    if len(set(names)) < len(names):
+        twice = next(name for i, name in enumerate(names) if name in names[:i])
+        raise GGUFFormatError(f"tensor name {twice!r} appears twice")
     return Layout(version, metadata, kinds, unreadable, table, walk.at)
 
 

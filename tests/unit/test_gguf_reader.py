@@ -156,6 +156,17 @@ def test_malformed_headers_are_refused(tmp_path, entries, version, message):
         open_gguf(path)
 
 
+def test_a_tensor_name_twice_is_refused(tmp_path):
+    path = write(tmp_path / "m.gguf", tensors=[("w", np.zeros(4, np.float32), None)])
+    whole = bytearray(path.read_bytes())
+    table = read_layout(bytes(whole)).table_end - (8 + 1 + 4 + 8 + 4 + 8)  # one entry: name, dims, shape, type, offset
+    entry = whole[table:table + 33]
+    whole[8:16] = struct.pack("<Q", 2)  # two tensors, the second the first again
+    path.write_bytes(bytes(whole[:table + 33]) + entry + bytes(whole[table + 33:]))
+    with pytest.raises(GGUFFormatError, match="tensor name 'w' appears twice"):
+        GGUFFile(path)
+
+
 def test_bad_magic_and_too_short(tmp_path):
     (tmp_path / "magic.gguf").write_bytes(b"GGML" + bytes(64))
     with pytest.raises(GGUFFormatError, match="magic b'GGML'"):
