@@ -99,13 +99,12 @@ def load_vocab(name: str):
         tokenizer = tiny_model_parts()[2]
         raw = [bytes([i]) for i in range(256)] + [b""] * (tokenizer.vocab_size - 256)
         return tokenizer, raw, set(range(256, tokenizer.vocab_size))
-    from gguf import GGUFReader
-
+    from fsm_pd.model.gguf_file import open_gguf
     from fsm_pd.model.gguf_tokenizer import tokenizer_from_gguf
     from fsm_pd.model.loader import NAMED_MODELS, resolve_named_model
 
     assert name in NAMED_MODELS
-    tokenizer = tokenizer_from_gguf(GGUFReader(resolve_named_model(name)))
+    tokenizer = tokenizer_from_gguf(open_gguf(resolve_named_model(name)))
     inner, decoder = tokenizer._inner, _byte_decoder()
     specials = {i for i in range(tokenizer.vocab_size)
                 if inner.decode([i], skip_special_tokens=True) == "" and inner.id_to_token(i).startswith("<")}

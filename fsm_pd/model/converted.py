@@ -1,10 +1,10 @@
 """A GGUF model converted once: later starts read the parameter tree back from a safetensors file.
 
-Reading SmolLM2's GGUF file costs about 7 s on 2 CPU cores, every start: the gguf library parses the whole
-vocabulary field by field (about 5 s) and dequantizes every tensor (about 3 s). A restarted node does the same work
-again for the same answer. So the first load writes what it built (the parameter tree, the config, the tokenizer)
-to ``$FSM_PD_MODEL_CACHE`` (default ``~/.cache/fsm-pd/models``; ``off`` disables it), and a later load of the same
-file reads that instead (``docs/serving.md`` has the figures).
+Converting SmolLM2's GGUF file costs about 2 s on 2 CPU cores, every start (7 to 10 s while the ``gguf`` package's
+reader parsed the vocabulary; ``docs/model.md``): dequantizing, casting and laying out every tensor. A restarted node
+does the same work again for the same answer. So the first load writes what it built (the parameter tree, the config,
+the tokenizer) to ``$FSM_PD_MODEL_CACHE`` (default ``~/.cache/fsm-pd/models``; ``off`` disables it), and a later load
+of the same file reads that instead (``docs/serving.md`` has the figures).
 
 An entry holds the parameters as the node runs them: in the serving dtype (bfloat16 on an accelerator, stored as its
 16-bit patterns, which safetensors' NumPy side knows no name for) and in the tree's own layout (fused, transposed).

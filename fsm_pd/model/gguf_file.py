@@ -1,8 +1,8 @@
 """GGUF files (llama.cpp's format) to a ``ModelConfig`` and the engine's parameter tree.
 
-The ``gguf`` package (llama.cpp's own reader) parses the file and dequantizes blocks; this module maps its metadata
-(``llama.*``, ``qwen2.*``, ``qwen3.*`` keys) onto the config and its tensor names onto the tree. Two things differ
-from an HF checkpoint:
+``gguf_reader.GGUFFile`` parses the file (the ``gguf`` package's own reader took seconds over a vocabulary) and the
+``gguf`` package dequantizes blocks; this module maps the metadata (``llama.*``, ``qwen2.*``, ``qwen3.*`` keys) onto the
+config and the tensor names onto the tree. Two things differ from an HF checkpoint:
 
 - llama.cpp's converter reorders the rows of Llama's Q and K projections so that each head's rotary pairs sit next
   to each other (its RoPE rotates adjacent elements; HF's rotates the two halves of a head). ``unpermute_rotary``
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsm_pd.model.config import ModelConfig, RopeScaling, UnsupportedModelError
+from fsm_pd.model.gguf_reader import GGUFFile
 from fsm_pd.model.params import check_params, layer_shapes, top_shapes
 from fsm_pd.model.weights import CheckpointError
 
@@ -27,6 +28,7 @@ from fsm_pd.model.weights import CheckpointError
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 FAMILY_BY_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_VALUES_AT_ONCE = 1 << 17  # a slice dequantized at once: 512 KiB of float32, about a core's L2
 
 # param name -> (GGUF names under blk.{i}., concatenated in this order)
 _LAYER_TENSORS = {
@@ -48,30 +50,24 @@ class GGUFError(CheckpointError):
     """The GGUF file is unreadable, truncated, or holds a tensor this loader cannot use."""
 
 
-def open_gguf(path: Path):
-    """A ``gguf.GGUFReader`` over ``path`` (memory-mapped: tensors are read when dequantized)."""
-    import gguf
-
+def open_gguf(path: Path) -> GGUFFile:
+    """The header, metadata and tensor table of ``path`` (memory-mapped: tensors are read when dequantized)."""
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} not found")
     try:
-        return gguf.GGUFReader(str(path))
-    except Exception as err:  # the reader raises ValueError, struct or index errors on bad or short files
+        return GGUFFile(path)
+    except (OSError, ValueError) as err:  # GGUFFormatError is a ValueError, as are mmap's own refusals
         raise GGUFError(f"{path} is not a readable GGUF file: {type(err).__name__}: {err}") from err
 
 
-def field(reader, key: str, default=None):
+def field(reader: GGUFFile, key: str, default=None):
     """The value of metadata ``key`` (a scalar, a string or a list), ``default`` when absent."""
-    entry = reader.fields.get(key)
-    if entry is None:
-        return default
-    try:
-        return entry.contents()
-    except Exception as err:
-        raise GGUFError(f"metadata {key!r} cannot be read: {err}") from err
+    if key in reader.unreadable:
+        raise GGUFError(f"metadata {key!r} cannot be read: {reader.unreadable[key]}")
+    return reader.metadata.get(key, default)
 
 
-def config_from_gguf(reader, *, dtype: str = "float32", path: str = "") -> ModelConfig:
+def config_from_gguf(reader: GGUFFile, *, dtype: str = "float32", path: str = "") -> ModelConfig:
     """Map ``general.architecture`` and its ``ARCH.*`` keys onto a ``ModelConfig``."""
     arch = field(reader, "general.architecture")
     if arch not in FAMILY_BY_ARCH:
@@ -148,25 +144,44 @@ def tensor_plan(config: ModelConfig) -> Iterator[tuple[tuple, tuple[str, ...]]]:
             yield ("layers", i, name), tuple(f"blk.{i}.{n}" for n in _LAYER_TENSORS[name])
 
 
-def dequantize(tensor) -> np.ndarray:
-    """One reader tensor as float32 in numpy order (HF's ``[out, in]``), checked against its declared shape."""
-    from gguf import quants
-
+def dequantize(tensor, dtype=np.float32) -> np.ndarray:
+    """One reader tensor in numpy order (HF's ``[out, in]``), checked against its declared shape: the float32 values
+    ``gguf.quants`` gives, cast to ``dtype``."""
     kind = tensor.tensor_type.name
     if kind not in SUPPORTED_TYPES:
         raise GGUFError(f"tensor {tensor.name!r} has type {kind}, which this loader does not dequantize; "
                         f"supported: {', '.join(SUPPORTED_TYPES)}")
-    expected = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    expected = tuple(reversed(tensor.shape))
     try:
-        values = quants.dequantize(tensor.data, tensor.tensor_type)
+        values = _dequantize(tensor.data, kind, np.dtype(dtype))
     except Exception as err:
         raise GGUFError(f"tensor {tensor.name!r} ({kind}) cannot be dequantized: {err}") from err
     if values.shape != expected:
         raise GGUFError(f"tensor {tensor.name!r} ({kind}) holds shape {values.shape}, its header says {expected}")
-    return values.astype(np.float32, copy=False)
+    return values
 
 
-def load_gguf_params(reader, config: ModelConfig, *, path: str = "",
+def _dequantize(data: np.ndarray, kind: str, dtype: np.dtype) -> np.ndarray:
+    """``gguf.quants.dequantize(data)`` cast to ``dtype``, the same bits, in slices of rows: the library dequantizes
+    16 rows per call of its block code, and those calls' overhead was most of SmolLM2's conversion (2.2 s for its
+    tensors, 0.9 s in slices of about ``_VALUES_AT_ONCE`` values); a slice is cast while it is in the cache. A block's
+    values depend on that block alone, so how the rows are sliced changes no bit."""
+    from gguf import quants
+
+    if kind == "F32":
+        return data.astype(dtype, copy=False)  # to float32: the file's own bytes, mapped
+    rows = data.reshape(-1, data.shape[-1])
+    blocks = None if kind == "F16" else getattr(quants, kind)  # the library's class of the format, named after it
+    width = rows.shape[1] if blocks is None else rows.shape[1] // blocks.type_size * blocks.block_size
+    out = np.empty((len(rows), width), dtype)
+    step = max(1, _VALUES_AT_ONCE // width)
+    for start in range(0, len(rows), step):
+        part = rows[start:start + step]
+        out[start:start + step] = part.astype(np.float32) if blocks is None else blocks.dequantize_rows(part)
+    return out.reshape(*data.shape[:-1], width)
+
+
+def load_gguf_params(reader: GGUFFile, config: ModelConfig, *, path: str = "",
                      on_tensor: Callable[[str], None] | None = None) -> dict:
     """Dequantize the tensors ``config`` needs into the parameter tree of host arrays, cast to ``config.dtype``.
 
@@ -181,12 +196,13 @@ def load_gguf_params(reader, config: ModelConfig, *, path: str = "",
     # Only llama.cpp's Llama converter reorders Q/K rows (HF rotates halves, llama.cpp adjacent pairs).
     permuted = config.family == "llama"
     heads_of = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
+    dtype = jnp.dtype(config.dtype)
 
     params: dict = {"layers": [{} for _ in range(config.num_layers)]}
     for tree_path, names in plan:
         parts = []
         for name in names:
-            value = dequantize(by_name[name])
+            value = dequantize(by_name[name], dtype)
             role = name.split(".")[-2]
             if permuted and role in heads_of:
                 value = unpermute_rotary(value, heads_of[role])
@@ -197,7 +213,9 @@ def load_gguf_params(reader, config: ModelConfig, *, path: str = "",
         node = params
         for key in tree_path[:-1]:
             node = node[key]
-        node[tree_path[-1]] = host.astype(jnp.dtype(config.dtype), copy=False)  # on the host: the caller places it
+        # row-major, as a converted entry reads back: a transposed view is copied again by ``converted.save`` and
+        # by the transfer to the device (0.36 s for SmolLM2's to a CPU, 0.09 s row-major), so once here instead
+        node[tree_path[-1]] = np.ascontiguousarray(host)  # on the host: the caller places it
     try:
         check_params(config, params)
     except ValueError as err:

@@ -7,12 +7,15 @@ byte-level BPE vocabulary. Loading it must give back exactly the parameters it w
 
 from __future__ import annotations
 
-import gguf  # a dependency of fsm-pd (its GGUF reader)
+import gguf  # a dependency of fsm-pd (its writer and block formats)
 import numpy as np
 import pytest
+from real_parts import SMOLLM2
 
+from fsm_pd.model import gguf_file
 from fsm_pd.model.config import ModelConfig, UnsupportedModelError
-from fsm_pd.model.gguf_file import GGUFError, unpermute_rotary
+from fsm_pd.model.gguf_file import SUPPORTED_TYPES, GGUFError, dequantize, unpermute_rotary
+from fsm_pd.model.gguf_reader import Tensor
 from fsm_pd.model.loader import load_model
 from fsm_pd.model.params import random_params
 
@@ -130,6 +133,16 @@ def test_parameters_come_back_exactly_with_qk_rows_unpermuted(made):
             np.testing.assert_array_equal(loaded["layers"][i][name], value, err_msg=f"layers[{i}].{name}")
 
 
+def test_host_parameters_are_row_major(made):
+    """As a converted entry reads them back: a transposed view would be copied by the save and the transfer."""
+    from fsm_pd.model.gguf_file import load_gguf_params, open_gguf
+
+    config, _, path = made
+    params = load_gguf_params(open_gguf(path), config)
+    leaves = [params[n] for n in params if n != "layers"] + [v for layer in params["layers"] for v in layer.values()]
+    assert all(leaf.flags.c_contiguous for leaf in leaves)
+
+
 def test_unpermute_inverts_llama_cpp_order():
     weight = np.arange(4 * 8 * 3, dtype=np.float32).reshape(32, 3)
     np.testing.assert_array_equal(unpermute_rotary(llama_cpp_order(weight, 4), 4), weight)
@@ -220,3 +233,81 @@ def test_unsupported_architecture_and_tokenizer(tmp_path):
         load_model(str(write_gguf(tmp_path / "a.gguf", config, tensors, arch="gpt2")))
     with pytest.raises(UnsupportedModelError, match="tokenizer 'llama'"):
         load_model(str(write_gguf(tmp_path / "t.gguf", config, tensors, tokenizer="llama")))
+
+
+def random_tensor(kind: gguf.GGMLQuantizationType, rows: int, width: int, seed: int = 0) -> Tensor:
+    """A reader tensor of ``rows`` x ``width`` values whose bytes are random: NaNs, infinities and subnormals among
+    its scales and values, so the check below compares every bit, payloads too."""
+    block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    raw = np.random.default_rng(seed).integers(0, 256, (rows, width // block * block_bytes), dtype=np.uint8)
+    data = {"F32": raw.view(np.float32), "F16": raw.view(np.float16)}.get(kind.name, raw)
+    return Tensor("t", (width, rows), kind, data, 0)
+
+
+NAN_CASTS = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NaNs by design
+
+
+@NAN_CASTS
+@pytest.mark.parametrize("kind", SUPPORTED_TYPES)
+@pytest.mark.parametrize("values_at_once", [None, 3700])  # the default slices; 7 rows a slice, the last of 5
+def test_dequantizing_in_slices_gives_the_librarys_bits(monkeypatch, kind, values_at_once):
+    import ml_dtypes
+
+    kind = gguf.GGMLQuantizationType[kind]
+    if values_at_once is not None:
+        monkeypatch.setattr(gguf_file, "_VALUES_AT_ONCE", values_at_once)
+    tensor = random_tensor(kind, rows=600, width=512)
+    expected = gguf.quants.dequantize(tensor.data, kind).astype(np.float32, copy=False)
+    got = dequantize(tensor)
+    assert got.dtype == np.float32 and got.shape == (600, 512)
+    assert got.view(np.uint32).tobytes() == expected.view(np.uint32).tobytes()
+    as_bf16 = dequantize(tensor, ml_dtypes.bfloat16)
+    assert as_bf16.view(np.uint16).tobytes() == expected.astype(ml_dtypes.bfloat16).view(np.uint16).tobytes()
+
+
+@NAN_CASTS
+def test_every_16_bit_pattern_casts_to_bfloat16_as_through_float32():
+    """F16 and BF16 tensors are cast to bfloat16 a slice at a time: each of their 65,536 bit patterns (NaNs among
+    them) lands on the bits that a whole float32 copy, cast, gives."""
+    import ml_dtypes
+
+    patterns = np.arange(1 << 16, dtype=np.uint16).reshape(256, 256)
+    for kind, values in ((gguf.GGMLQuantizationType.F16, patterns.view(np.float16)),
+                         (gguf.GGMLQuantizationType.BF16, patterns.view(np.uint8))):
+        tensor = Tensor("t", (256, 256), kind, values, 0)
+        expected = gguf.quants.dequantize(values, kind).astype(ml_dtypes.bfloat16)
+        assert dequantize(tensor, ml_dtypes.bfloat16).view(np.uint16).tobytes() == expected.view(np.uint16).tobytes()
+
+
+def test_bfloat16_parameters_are_the_float32_ones_cast(tmp_path):
+    """Loading in bfloat16 casts each tensor as it is dequantized; the tree is the float32 load's, cast, bit for bit,
+    whatever the tensors' types."""
+    config = small_config()
+    tensors = gguf_tensors(config, random_params(config, seed=5))
+    Q = gguf.GGMLQuantizationType
+    qtypes = {"blk.0.ffn_gate.weight": Q.Q8_0, "blk.0.attn_q.weight": Q.Q4_1, "blk.1.attn_v.weight": Q.F16,
+              "blk.1.ffn_up.weight": Q.Q5_0, "token_embd.weight": Q.BF16}
+    path = str(write_gguf(tmp_path / "q.gguf", config, tensors, qtypes=qtypes))
+    assert_bfloat16_is_float32_cast(load_model(path).params, load_model(path, dtype="bfloat16").params)
+
+
+@SMOLLM2
+def test_smollm2_in_bfloat16_is_its_float32_cast():
+    from fsm_pd.model.gguf_file import config_from_gguf, load_gguf_params, open_gguf
+    from fsm_pd.model.specs import resolve_named_model
+
+    reader = open_gguf(resolve_named_model("smollm2"))
+    as_f32, as_bf16 = (load_gguf_params(reader, config_from_gguf(reader, dtype=d)) for d in ("float32", "bfloat16"))
+    assert_bfloat16_is_float32_cast(as_f32, as_bf16)
+
+
+def assert_bfloat16_is_float32_cast(as_f32: dict, as_bf16: dict) -> None:
+    import ml_dtypes
+
+    pairs = [(name, as_f32[name], as_bf16[name]) for name in as_f32 if name != "layers"]
+    pairs += [(f"layers[{i}].{name}", value, as_bf16["layers"][i][name])
+              for i, layer in enumerate(as_f32["layers"]) for name, value in layer.items()]
+    for name, f32, bf16 in pairs:
+        assert bf16.dtype == ml_dtypes.bfloat16 and bf16.shape == f32.shape, name
+        cast = np.ascontiguousarray(np.asarray(f32).astype(ml_dtypes.bfloat16))
+        assert np.ascontiguousarray(bf16).view(np.uint16).tobytes() == cast.view(np.uint16).tobytes(), name
