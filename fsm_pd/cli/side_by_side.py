@@ -5,8 +5,8 @@
 and tokenizer first, then its weights into host arrays and onto the device once it is open). The main thread takes
 the model with its weights to come (``start_model``), builds the engine, starts preparing the ready set from the
 weights' shapes on the start-up thread, and imports and builds the HTTP app beside it; the start-up thread waits for
-the weights (``weights_in``) and the app just before it marks the node ready. Each part's seconds are a start-up phase: ``device``,
-``model``, ``weights`` (``serving/startup.py``).
+the weights (``weights_in``) and the app just before it marks the node ready. Each part's seconds are a start-up
+phase: ``device``, ``model``, ``weights`` (``serving/startup.py``).
 """
 
 from __future__ import annotations
