@@ -167,7 +167,8 @@ class Journal:
                 self._rooms.add(node, role, room)
 
     def add_rows(self, rows: list[tuple]) -> None:
-        """Buffer ready-made row tuples in ``COLUMNS`` order (the node loop's batch)."""
+        """Buffer ready-made row tuples in ``COLUMNS`` order (the node loop's batch). A row's payload is its JSON
+        text, or a callable that returns it, called when the rows are written (``Node.step``'s, below)."""
         with self._rooms_lock:
             self._pending.extend(rows)
             if self._rooms is not None:
@@ -231,6 +232,7 @@ class Journal:
         rows, self._pending = self._pending, []
         if not rows:
             return 0
+        rows = [row if type(row[7]) is str else (*row[:7], row[7](), row[8]) for row in rows]
         opened, closed = _room_changes(rows)
         dbapi = self.engine.dialect.dbapi
         try:
