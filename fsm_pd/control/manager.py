@@ -171,9 +171,11 @@ class KVManager:
 
     def commit(self) -> None:
         self._guarded(self.journal.flush)  # the loop's end of a pass (``NodeLoop(commit_per_pass=True)``)
+        self.metrics.settle()  # what the pass's decisions owe /metrics, after them (metrics.py)
 
     def keep_alive(self) -> None:
         self._guarded(self.journal.keep_alive)  # a database server that went away fails the node even when idle
+        self.metrics.settle()
 
     def _guarded(self, work: Callable[[], Any]) -> None:
         try:
