@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -95,6 +96,7 @@ class RealClock:
         self._timers = TimerHeap()
         self._cv = threading.Condition()
         self._closed = False
+        self._wakes_at = math.inf  # when the thread looks at the heap next, by its own reckoning (under ``_cv``)
         self._thread = threading.Thread(target=self._run, name="fsm-pd-timers", daemon=True)
         self._thread.start()
 
@@ -103,11 +105,12 @@ class RealClock:
 
     def call_at(self, when: float, callback: Callable[[], None]) -> int:
         with self._cv:
-            earliest = self._timers.next_time()
             handle = self._timers.push(when, callback)
             # a wake costs the arming thread the interpreter's lock (the timer thread takes it to look): wake it only
-            # when this timer is due before every pending one, else it already wakes in time
-            if earliest is None or when < earliest:
+            # for a timer due before it looks anyway. Not "before every pending one": a room's deadline is cancelled
+            # as the next is armed, so that woke the thread at nearly every arm, three times a --role pd handoff
+            if when < self._wakes_at:
+                self._wakes_at = when
                 self._cv.notify()
         return handle
 
@@ -128,6 +131,7 @@ class RealClock:
                     when = self._timers.next_time()
                     if when is not None and when <= time.time():
                         break
+                    self._wakes_at = math.inf if when is None else when
                     self._cv.wait(None if when is None else when - time.time())
                 if self._closed:
                     return

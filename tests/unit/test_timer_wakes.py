@@ -41,6 +41,26 @@ def test_real_clock_wakes_its_thread_only_for_a_new_earliest_timer(monkeypatch):
         clock.close()
 
 
+def test_real_clock_is_not_woken_for_a_deadline_armed_as_the_one_before_it_is_cancelled(monkeypatch):
+    """A room's life: each state's deadline cancelled as the next is armed. The thread already wakes by the cancelled
+    one's time, so a later deadline needs no wake, though no other timer is pending."""
+    monkeypatch.setattr(threading, "Condition", CountingCondition)
+    clock = RealClock()
+    counting = clock._cv
+    try:
+        now = time.time()
+        clock.cancel(clock.call_at(now + 300, lambda: None))
+        assert counting.notified == 1
+        for i in range(1, 20):  # bootstrap, waiting, transfer...: every one after the first, none pending beside it
+            clock.cancel(clock.call_at(now + 300 + i, lambda: None))
+        assert counting.notified == 1
+        fired = threading.Event()
+        clock.call_at(time.time() + 0.05, fired.set)
+        assert counting.notified == 2 and fired.wait(2)
+    finally:
+        clock.close()
+
+
 def test_real_clock_fires_a_later_timer_after_the_earlier_was_cancelled():
     clock = RealClock()
     try:
