@@ -42,8 +42,8 @@ def test_real_clock_wakes_its_thread_only_for_a_new_earliest_timer(monkeypatch):
 
 
 def test_real_clock_is_not_woken_for_a_deadline_armed_as_the_one_before_it_is_cancelled(monkeypatch):
-    """A room's life: each state's deadline cancelled as the next is armed. The thread already wakes by the cancelled
-    one's time, so a later deadline needs no wake, though no other timer is pending."""
+    """A room's life: each state's deadline cancelled as the next is armed, the thread free to look in between (it
+    drops the cancelled ones). It still sleeps until their time, so a deadline due after it wakes nobody."""
     monkeypatch.setattr(threading, "Condition", CountingCondition)
     clock = RealClock()
     counting = clock._cv
@@ -52,6 +52,7 @@ def test_real_clock_is_not_woken_for_a_deadline_armed_as_the_one_before_it_is_ca
         clock.cancel(clock.call_at(now + 300, lambda: None))
         assert counting.notified == 1
         for i in range(1, 20):  # bootstrap, waiting, transfer...: every one after the first, none pending beside it
+            time.sleep(0.005)  # the thread looks, and finds only cancelled timers
             clock.cancel(clock.call_at(now + 300 + i, lambda: None))
         assert counting.notified == 1
         fired = threading.Event()
@@ -59,6 +60,23 @@ def test_real_clock_is_not_woken_for_a_deadline_armed_as_the_one_before_it_is_ca
         assert counting.notified == 2 and fired.wait(2)
     finally:
         clock.close()
+
+
+def test_deadline_scheduler_is_not_woken_for_a_hold_published_after_the_last_was_released():
+    """A handoff's hold: published, then released (its deadline cancelled) before the thread comes to look. The
+    next hold, due later, wakes nobody."""
+    scheduler = DeadlineScheduler(name="fsm-pd-deadlines[test]")
+    scheduler._cond = counting = CountingCondition()
+    scheduler.call_later(300, lambda: None).cancel()  # starts the thread
+    time.sleep(0.05)
+    before = counting.notified
+    for i in range(1, 20):
+        scheduler.call_later(300 + i, lambda: None).cancel()
+        time.sleep(0.005)  # the thread looks, and finds only cancelled deadlines
+    assert counting.notified == before
+    fired = threading.Event()
+    scheduler.call_later(0.05, fired.set)
+    assert counting.notified == before + 1 and fired.wait(2)
 
 
 def test_real_clock_fires_a_later_timer_after_the_earlier_was_cancelled():
