@@ -114,3 +114,15 @@ def test_deadline_scheduler_fires_after_a_cancelled_head():
     scheduler.call_later(0.15, fired.set)
     head.cancel()
     assert fired.wait(2)
+
+
+def test_deadline_scheduler_sweeps_the_cancelled_deadlines_it_no_longer_wakes_for():
+    """Its thread sleeps past cancelled deadlines, so they are swept out as the heap grows: released holds do not
+    stay a hold's timeout each. A live deadline still fires."""
+    scheduler = DeadlineScheduler(name="fsm-pd-deadlines[test]")
+    for i in range(5000):
+        scheduler.call_later(300 + i * 1e-4, lambda: None).cancel()
+    fired = threading.Event()
+    scheduler.call_later(0.05, fired.set)
+    assert len(scheduler._heap) < 2048 and scheduler.pending() == 1
+    assert fired.wait(2)

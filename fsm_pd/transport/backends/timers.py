@@ -35,6 +35,9 @@ def _noop() -> None:
     pass
 
 
+SWEEP_MIN = 1024  # heap entries before cancelled ones are swept out (then twice what is left)
+
+
 class DeadlineScheduler:
     def __init__(self, name: str = "fsm-pd-deadlines") -> None:
         self._name = name
@@ -44,6 +47,9 @@ class DeadlineScheduler:
         self._thread: threading.Thread | None = None
         self._wakes_at = math.inf  # when the thread looks at the heap next, by its own reckoning (under ``_cond``)
         self._dropped_until = -math.inf  # the latest deadline of a cancelled handle dropped before it was due
+        # the thread now sleeps past cancelled deadlines (``_run``), so a heap this long is swept of them at the next
+        # push: a hold is nearly always released long before its expiry, and each would stay a minute otherwise
+        self._sweep_at = SWEEP_MIN
 
     @staticmethod
     def now() -> float:
@@ -55,6 +61,8 @@ class DeadlineScheduler:
         handle = TimerHandle(when, fn)
         with self._cond:
             heapq.heappush(self._heap, (when, next(self._seq), handle))
+            if len(self._heap) >= self._sweep_at:
+                self._sweep()
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
@@ -62,6 +70,18 @@ class DeadlineScheduler:
                 self._wakes_at = when
                 self._cond.notify()
         return handle
+
+    def _sweep(self) -> None:
+        """Under ``_cond``: drop the cancelled handles, wherever they are in the heap."""
+        kept = []
+        for entry in self._heap:
+            if entry[2].cancelled:
+                self._dropped_until = max(self._dropped_until, entry[0])
+            else:
+                kept.append(entry)
+        heapq.heapify(kept)
+        self._heap = kept
+        self._sweep_at = max(SWEEP_MIN, 2 * len(kept))
 
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> TimerHandle:
         return self.call_at(time.monotonic() + delay_s, fn)
