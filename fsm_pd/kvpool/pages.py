@@ -209,7 +209,7 @@ class PageAllocator:
         with self._lock:
             owner = self._owner
             if not (pages and sender in self._held and len(set(pages)) == len(pages)
-                    and all(owner.get(p) == sender for p in pages)):
+                    and list(map(owner.get, pages)).count(sender) == len(pages)):
                 now = self._holder_of(pages, "handed over")  # raises if nobody holds them (freed meanwhile)
                 raise PageOwnershipError(f"the pages room {sender!r} handed over ({sorted(pages)[:8]}...) are room "
                                          f"{now!r}'s now: freed and reused meanwhile")
@@ -237,7 +237,7 @@ class PageAllocator:
             raise PageOwnershipError(f"pages to be {what} must be distinct and at least one: {pages[:8]}")
         owner = self._owner
         room = owner.get(pages[0])
-        if room is not None and all(owner.get(p) == room for p in pages):
+        if room is not None and list(map(owner.get, pages)).count(room) == len(pages):
             return room
         raise PageOwnershipError(f"no room holds all of the pages to be {what} ({sorted(wanted)[:8]}...): freed "
                                  "or reused meanwhile")
