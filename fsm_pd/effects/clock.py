@@ -103,7 +103,10 @@ class RealClock:
 
     def __init__(self):
         self._timers = TimerHeap()
-        self._cv = threading.Condition()
+        # a plain lock, taken directly where nothing is notified (``cancel``): a Condition's own enter and exit are
+        # Python calls, and a --role pd handoff cancels four deadlines and arms two
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._closed = False
         self._wakes_at = math.inf  # when the thread looks at the heap next, by its own reckoning (under ``_cv``)
         self._thread = threading.Thread(target=self._run, name="fsm-pd-timers", daemon=True)
@@ -113,7 +116,7 @@ class RealClock:
         return time.time()
 
     def call_at(self, when: float, callback: Callable[[], None]) -> int:
-        with self._cv:
+        with self._lock:
             handle = self._timers.push(when, callback)
             # a wake costs the arming thread the interpreter's lock (the timer thread takes it to look): wake it only
             # for a timer due before it looks anyway. Not "before every pending one": a room's deadline is cancelled
@@ -125,7 +128,7 @@ class RealClock:
         return handle
 
     def cancel(self, handle: int) -> None:
-        with self._cv:
+        with self._lock:
             self._timers.cancel(handle)
 
     def close(self) -> None:
