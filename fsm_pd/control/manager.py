@@ -146,6 +146,7 @@ class KVManager:
         self.metrics = NodeMetrics(self.node)
         self.metrics.backend.labels(role, node_id, self.backend.name).set(1)
         self._ended = threading.Condition()
+        self._waiting = 0  # threads in ``wait``: a room's end is announced only to them (the loop's step pays it)
         self.node.observers.append(self._observe)
         # before recovery and the loop's start: the rooms a restart fails are decided on the loop's first step, and
         # an observer added after that (an engine's, when the constructor returned) never heard they ended
@@ -171,9 +172,11 @@ class KVManager:
 
     def commit(self) -> None:
         self._guarded(self.journal.flush)  # the loop's end of a pass (``NodeLoop(commit_per_pass=True)``)
+        self.metrics.settle()  # what the pass's decisions owe /metrics, after them (metrics.py)
 
     def keep_alive(self) -> None:
         self._guarded(self.journal.keep_alive)  # a database server that went away fails the node even when idle
+        self.metrics.settle()
 
     def _guarded(self, work: Callable[[], Any]) -> None:
         try:
@@ -215,7 +218,8 @@ class KVManager:
         return not hasattr(self, "_stop") or self.health() is None  # still starting: answer
 
     def _observe(self, room, decision, at) -> None:
-        if decision.dst != decision.src and room.terminal:
+        # ``_waiting`` read after the state was published: a waiter that found it not yet terminal is counted by now
+        if self._waiting and decision.dst != decision.src and room.terminal:
             with self._ended:
                 self._ended.notify_all()
 
@@ -315,8 +319,12 @@ class KVManager:
     def wait(self, room: int, timeout: float) -> KVPoll | None:
         """Block until the room is terminal or ``timeout`` passes; returns its state then."""
         with self._ended:
-            self._ended.wait_for(lambda: (s := self.node.poll(room)) is not None and s.name in ("Success", "Failed"),
-                                 timeout)
+            self._waiting += 1
+            try:
+                self._ended.wait_for(lambda: (s := self.node.poll(room)) is not None
+                                     and s.name in ("Success", "Failed"), timeout)
+            finally:
+                self._waiting -= 1
         return self.node.poll(room)
 
     def clear(self, room: int) -> None:

@@ -3,10 +3,19 @@ line of each failed room (``failure_log.py``).
 
 Each manager has its own ``CollectorRegistry`` so that several nodes can live in one process (tests, ``launch``);
 the HTTP layer serves ``generate_latest(metrics.registry)`` on ``/metrics``.
+
+The observer runs on the thread that decides the rooms, inside the step: under ``--role pd`` that is a handoff's own
+path on the model thread, where each Prometheus update takes a lock and a successful room's end made eight of them
+(a sixth of a handoff's Python, cProfile). So it keeps only what must be known in the step (each room's phases, which
+the engine reads as the room ends, and a failure's log line and counters) and queues the rest, which ``settle``
+applies: at the loop's commit or idle wake (``KVManager.commit``, ``keep_alive``), before any read of the registry
+(a collector registered ahead of the metrics), and whenever the queue grows long. A scrape sees every decision made
+before it, as before.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -18,6 +27,7 @@ from fsm_pd.effects.checksums import OUTCOMES as CHECKSUM_OUTCOMES
 from fsm_pd.machines.states import STATE_NAMES
 
 # seconds from the transfer's start to its end, on each side: P published -> PULLED, D READY -> scattered
+OWED_LIMIT = 4096  # decisions whose updates wait for ``settle``, at most: a node nobody scrapes keeps no backlog
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 36, 2))  # 1 KiB .. 32 GiB
 TRANSFER_START = {"prefill": "published", "decode": "kv_published"}
@@ -38,6 +48,8 @@ LEAK_GAUGES = {
 class NodeMetrics:
     def __init__(self, node, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
+        self._owed: deque[tuple] = deque()  # (trigger, dst, detail, ended) per decision, for ``settle``
+        self.registry.register(_Settling(self))  # ahead of the metrics: every read of the registry settles first
         role = self.role = node.role
         labels = {"role": role, "node": node.node_id}
         self.rooms = Gauge("fsm_pd_rooms", "Rooms by state", ["role", "node", "state"], registry=self.registry)
@@ -101,33 +113,77 @@ class NodeMetrics:
 
     def observe(self, room, decision, at: float) -> None:
         seconds = self.phases.observe(room, decision, at)
+        trigger = decision.trigger
         if decision.ignored is not None:
-            self._child(self.ignored, decision.trigger).inc()
+            self._owe(trigger, None, None, None)
             return
-        self._child(self.transitions, decision.trigger, decision.dst).inc()
-        if decision.trigger == TRANSFER_START[self.role]:
+        if trigger == TRANSFER_START[self.role]:
             self._started[room.room] = at
-        if decision.trigger == "pulled":
-            self._transfer_bytes.observe(float(room.ctx.get("bytes", 0)))
-        if decision.trigger == "scattered" and room.ctx.get("kv_checksum_check") in self._checksum:
-            self._checksum[room.ctx["kv_checksum_check"]].inc()
-        if decision.trigger == "scattered" and room.ctx.get("adopted_pages"):
-            self._adopted.inc(int(room.ctx["adopted_pages"]))
+        detail = ended = None
+        if trigger == "pulled":
+            detail = float(room.ctx.get("bytes", 0))
+        elif trigger == "scattered":  # read now: the room's context changes with its later events
+            detail = (room.ctx.get("kv_checksum_check"), room.ctx.get("adopted_pages"))
         if decision.dst in ("Success", "Failed") and decision.src != decision.dst:
             started = self._started.pop(room.room, None)
             if decision.dst == "Success":
-                if started is not None:
-                    self._transfer_seconds.observe(max(0.0, at - started))
-                for phase, value in (seconds or {}).items():
-                    self._phase[phase].observe(value)
-                self._success.inc()
-            if decision.dst == "Failed":
+                ended = (None if started is None else max(0.0, at - started), seconds)
+            else:
                 self._child(self.failures, _reason_label(decision.reason)).inc()
-                cls = reason_class(decision.trigger, decision.reason)
+                cls = reason_class(trigger, decision.reason)
                 self._failed[cls].inc()
                 if cls == "kv_checksum_mismatch" and self._checksum:
                     self._checksum["mismatch"].inc()
                 log_failed_room(self._node, room, decision, cls)
+        self._owe(trigger, decision.dst, detail, ended)
+
+    def _owe(self, *update) -> None:
+        self._owed.append(update)
+        if len(self._owed) > OWED_LIMIT:
+            self.settle()
+
+    def settle(self) -> None:
+        """Apply the updates ``observe`` queued (any thread; two at once each take their own)."""
+        owed = self._owed
+        while owed:
+            try:
+                trigger, dst, detail, ended = owed.popleft()
+            except IndexError:  # another thread took the last one
+                return
+            if dst is None:
+                self._child(self.ignored, trigger).inc()
+                continue
+            self._child(self.transitions, trigger, dst).inc()
+            if trigger == "pulled":
+                self._transfer_bytes.observe(detail)
+            elif trigger == "scattered":
+                check, adopted = detail
+                if check in self._checksum:
+                    self._checksum[check].inc()
+                if adopted:
+                    self._adopted.inc(int(adopted))
+            if ended is not None:
+                transfer_s, seconds = ended
+                if transfer_s is not None:
+                    self._transfer_seconds.observe(transfer_s)
+                for phase, value in (seconds or {}).items():
+                    self._phase[phase].observe(value)
+                self._success.inc()
+
+
+class _Settling:
+    """Registered ahead of the node's metrics: a read of the registry (a scrape, ``get_sample_value``) first applies
+    the updates still queued (``NodeMetrics.settle``), so it sees every decision made before it."""
+
+    def __init__(self, metrics: NodeMetrics):
+        self.metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        self.metrics.settle()
+        return []
 
 
 class _LeakCollector:

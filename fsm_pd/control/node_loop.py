@@ -44,7 +44,7 @@ class NodeLoop:
         self.name = name
         self.commit_per_pass = commit_per_pass  # members' nodes leave their commits to the loop (module docstring)
         self._holding = False  # inside ``held``: its end commits the passes run within it
-        self.wakeup = threading.Event()  # every member's node sets it (``Node(wakeup=...)``)
+        self.wakeup = Wakeup()  # every member's node sets it (``Node(wakeup=...)``)
         self._members: list[Any] = []
         self._stepping = threading.RLock()  # held while a member steps: leaving waits for its step to end
         self._thread: threading.Thread | None = None
@@ -60,7 +60,7 @@ class NodeLoop:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=f"fsm-loop[{self.name}]", daemon=True)
                 self._thread.start()
-        self.wakeup.set()
+        self.wakeup.wake()
 
     def leave(self, member: Any, timeout: float = 5.0) -> None:
         """``member`` is stepped no more once this returns; the thread stops with the last member."""
@@ -70,7 +70,7 @@ class NodeLoop:
             last = not self._members
         if last:
             self._stop.set()
-            self.wakeup.set()
+            self.wakeup.wake()
             thread = self._thread
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout=timeout)
@@ -91,12 +91,18 @@ class NodeLoop:
         with self._stepping:
             outer, self._holding = self._holding, True
             if not outer:  # what the loop's thread buffered (it commits after letting go): before this step's effects
+                self.wakeup.hushed = True
                 self.commit()
             try:
                 yield
             finally:
                 self._holding = outer
                 if not outer:
+                    self.wakeup.hushed = False
+                    # queued by another thread while hushed, and after the holder's last pass: the loop's thread
+                    # takes it now (a submit after this line wakes it itself)
+                    if any(m.active() and m.node.pending for m in list(self._members)):
+                        self.wakeup.set()
                     self.commit()
 
     def run_pending(self) -> bool:
@@ -126,8 +132,12 @@ class NodeLoop:
         # after that other stepped is found here, not lost until the next idle wake
         while members:
             for member in members:
-                if member.active():
+                # what a member's own handlers reported during its step (a gather's ``published``, a pull taken at
+                # once) is decided before the next member's turn: a pass per hop cost every other member an empty step
+                while member.active():
                     member.step_once()
+                    if not member.node.pending:
+                        break
             if not any(m.active() and m.node.pending for m in members):
                 break
         if commit and not self._holding:
@@ -145,3 +155,35 @@ class NodeLoop:
                 if member.active():
                     member.commit()
 
+
+class Wakeup:
+    """The loop thread's wake-up, a ``threading.Event`` (``set``, ``is_set``, ``clear``, ``wait``) that is hushed while
+    a thread holds the loop (``NodeLoop.held``). Every ``Node.submit`` sets it, so a handoff decided on the model
+    thread inside ``held`` woke the loop's thread five times for nothing: it could only wait for the lock, and each
+    wake cost the holder the interpreter's lock at its next release and then the lock's hand-over back, and an empty
+    pass once the step let go. Hushed, it reads as set, so a submit skips it; what another thread queues meanwhile is
+    decided by the holder's next pass, or woken for when ``held`` ends."""
+
+    __slots__ = ("_event", "hushed")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.hushed = False
+
+    def is_set(self) -> bool:
+        return self.hushed or self._event.is_set()
+
+    def set(self) -> None:
+        if not self.hushed:
+            self._event.set()
+
+    def wake(self) -> None:
+        """Set, hushed or not (a member joins or the loop stops)."""
+        self._event.set()
+
+    def clear(self) -> None:
+        if self._event.is_set():
+            self._event.clear()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._event.wait(timeout)

@@ -49,6 +49,11 @@ class SharedPoolKV(JaxKV):
         return False  # no byte moves, so there is nothing to sum: ownership is the guard (module doc)
 
     # --- decode ---
+    def pull_spec(self, page_count: int, piece: Any = None) -> tuple[None]:
+        """Nothing to shape-check: the ``pool`` backend's pull returns P's page list, never an array. A jax
+        ``ShapeDtypeStruct`` built for every pull anyway was a tenth of D's share of a handoff."""
+        return (None,)
+
     def scatter(self, owner: Any, pieces: tuple, pages: list[int], stream: Any, plan: ReshardPlan) -> list[int]:
         """Adopt the pages P's room holds in place of ``pages`` (what D reserved for them); returns the adopted."""
         (handoff,) = pieces

@@ -54,16 +54,22 @@ class ThreadedPuller:
 
 class LocalPuller(ThreadedPuller):
     """A ``pool`` backend's pulls (two engines of one process): one whose entry is already settled, published or
-    ended, cannot block, so it is taken at once on the caller's thread; any other still waits on a worker."""
+    ended, cannot block, so it is taken at once on the caller's thread (``pull_settled``); any other still waits on
+    a worker."""
 
     def pull(self, address: str, uuid: int, page_count: int, timeout_s: float, *, done: ResultDone,
              on_progress: OnProgress | None = None, delay_s: float = 0.0, piece: Any = None) -> None:
-        if delay_s or not self.backend.settled(address, uuid):
-            super().pull(address, uuid, page_count, timeout_s, done=done, on_progress=on_progress, piece=piece,
-                         delay_s=delay_s)
-            return
-        spec = self.spec_for(page_count, piece)
-        _call(done, lambda: self.backend.pull(address, uuid, spec, timeout_s, on_progress=on_progress)[0])
+        if not delay_s:
+            try:
+                settled = self.backend.pull_settled(address, uuid)
+            except Exception as exc:  # noqa: BLE001 - the pull's own error, reported as a worker's would be
+                _report(done, None, exc)
+                return
+            if settled is not None:
+                _report(done, settled[0], None)
+                return
+        super().pull(address, uuid, page_count, timeout_s, done=done, on_progress=on_progress, piece=piece,
+                     delay_s=delay_s)
 
 
 class ThreadedResolver:

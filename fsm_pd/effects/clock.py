@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +23,7 @@ class TimerHeap:
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._cancelled: set[int] = set()
         self._ids = itertools.count()
+        self.dropped_until = -math.inf  # the latest time of a cancelled entry dropped before it was due
 
     def push(self, when: float, callback: Callable[[], None]) -> int:
         handle = next(self._ids)
@@ -31,13 +33,21 @@ class TimerHeap:
     def cancel(self, handle: int) -> None:
         self._cancelled.add(handle)
         if len(self._cancelled) > 64 and 2 * len(self._cancelled) > len(self._heap):
-            self._heap = [entry for entry in self._heap if entry[1] not in self._cancelled]
-            heapq.heapify(self._heap)
+            kept = []
+            for entry in self._heap:
+                if entry[1] in self._cancelled:
+                    self.dropped_until = max(self.dropped_until, entry[0])
+                else:
+                    kept.append(entry)
+            heapq.heapify(kept)
+            self._heap = kept
             self._cancelled.clear()
 
     def next_time(self) -> float | None:
         while self._heap and self._heap[0][1] in self._cancelled:
-            self._cancelled.discard(heapq.heappop(self._heap)[1])
+            when, handle, _ = heapq.heappop(self._heap)
+            self._cancelled.discard(handle)
+            self.dropped_until = max(self.dropped_until, when)
         return self._heap[0][0] if self._heap else None
 
     def pop_due(self, now: float) -> list[Callable[[], None]]:
@@ -93,8 +103,12 @@ class RealClock:
 
     def __init__(self):
         self._timers = TimerHeap()
-        self._cv = threading.Condition()
+        # a plain lock, taken directly where nothing is notified (``cancel``): a Condition's own enter and exit are
+        # Python calls, and a --role pd handoff cancels four deadlines and arms two
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._closed = False
+        self._wakes_at = math.inf  # when the thread looks at the heap next, by its own reckoning (under ``_cv``)
         self._thread = threading.Thread(target=self._run, name="fsm-pd-timers", daemon=True)
         self._thread.start()
 
@@ -102,17 +116,19 @@ class RealClock:
         return time.time()
 
     def call_at(self, when: float, callback: Callable[[], None]) -> int:
-        with self._cv:
-            earliest = self._timers.next_time()
+        with self._lock:
             handle = self._timers.push(when, callback)
             # a wake costs the arming thread the interpreter's lock (the timer thread takes it to look): wake it only
-            # when this timer is due before every pending one, else it already wakes in time
-            if earliest is None or when < earliest:
+            # for a timer due before it looks anyway. Not "before every pending one": a room's deadline is cancelled
+            # as the next is armed, so that woke the thread at nearly every arm, three times a --role pd handoff
+            # (with the thread sleeping until the cancelled ones' time, ``_run``)
+            if when < self._wakes_at:
+                self._wakes_at = when
                 self._cv.notify()
         return handle
 
     def cancel(self, handle: int) -> None:
-        with self._cv:
+        with self._lock:
             self._timers.cancel(handle)
 
     def close(self) -> None:
@@ -125,10 +141,15 @@ class RealClock:
         while True:
             with self._cv:
                 while not self._closed:
-                    when = self._timers.next_time()
-                    if when is not None and when <= time.time():
+                    when, now = self._timers.next_time(), time.time()
+                    if when is not None and when <= now:
                         break
-                    self._cv.wait(None if when is None else when - time.time())
+                    if when is None and self._timers.dropped_until > now:
+                        # only cancelled timers were left: look again by the latest one's time anyway, rather than
+                        # sleep until woken, so that a deadline armed due after it wakes nobody
+                        when = self._timers.dropped_until
+                    self._wakes_at = math.inf if when is None else when
+                    self._cv.wait(None if when is None else when - now)
                 if self._closed:
                     return
                 due = self._timers.pop_due(time.time())

@@ -232,6 +232,9 @@ class Faults:
 
     def _use(self, config: FaultConfig) -> None:
         self._config, self._rng = config, random.Random(config.seed)
+        # nothing set and no file to set anything later: every hook answers at once. A --role pd handoff passes
+        # about thirty of them (each a property or two and a roll) on the model thread
+        self.off = not config.enabled and config.file is None
         if config.crash_at and config.crash_at not in CRASH_POINTS[self.role]:
             log.warning("%sCRASH_AT=%s is not a %s point: it never fires here", PREFIX, config.crash_at, self.role)
         if config.enabled:
@@ -270,6 +273,8 @@ class Faults:
 
     def check(self, stage: str) -> None:
         """Raise ``InjectedFault`` with probability ``FSM_PD_FAULT_<STAGE>``."""
+        if self.off:
+            return
         p = self.config.stages.get(stage, 0.0)
         if self._roll(p):
             self._count(stage)
@@ -277,6 +282,8 @@ class Faults:
 
     def message(self, kind: str) -> float | None:
         """For an outgoing message: None to drop it, else the seconds to hold it back (0: send now)."""
+        if self.off:
+            return 0.0
         c = self.config
         if kind not in c.messages:
             return 0.0
@@ -297,15 +304,15 @@ class Faults:
 
     @property
     def pull_delay_s(self) -> float:
-        return 0.0 if self.paused else self.config.pull_delay_s
+        return 0.0 if self.off or self.paused else self.config.pull_delay_s
 
     def corrupting(self) -> Corruption | None:
         """For one pulled KV entry: with probability ``FSM_PD_FAULT_CORRUPT_PULL``, its ``Corruption``."""
-        return Corruption(self) if self._roll(self.config.corrupt_pull) else None
+        return None if self.off else Corruption(self) if self._roll(self.config.corrupt_pull) else None
 
     def crash(self, point: str) -> None:
         """Exit at once, without cleanup (like SIGKILL), if ``FSM_PD_FAULT_CRASH_AT`` names ``point``."""
-        if self.config.crash_at != point or self.paused:
+        if self.off or self.config.crash_at != point or self.paused:
             return
         self._count(f"crash:{point}")
         message = f"fault injection: crashing the {self.role} process at {point} ({PREFIX}CRASH_AT)\n"

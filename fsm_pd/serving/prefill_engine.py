@@ -227,11 +227,12 @@ class PrefillEngine(LocalPath, PDEngine):
                 self.budget.cut_steps += 1
             started = self._clock()
             self._prefill(chunks)
+            handing_over = self._hand_over_now()
             if self.budget.enabled:  # a step of chunks that all go on samples nothing: wait for its pass here
                 with contextlib.suppress(RuntimeError):  # a pool a failed step left deleted: the next step says so
                     jax.block_until_ready(self.model_thread.pool)
                 self.budget.observe_prefill(batch_bucket(len(chunks)) * token_bucket(max(c.length for c in chunks)),
-                                            self._clock() - started)
+                                            self._clock() - started - handing_over)
         # more prompts may fit now; if none fit, a room ending frees pages and kicks us again
         busy = bool(self._chunking) or (bool(chunks) and bool(self._to_prefill))
         if self.serves_local:  # the requests served whole here: their prefill, then one decode step for all
@@ -330,6 +331,17 @@ class PrefillEngine(LocalPath, PDEngine):
             if self.early is not None and self.early.unprepared(seq.key):
                 continue  # prefilled before its PREPARE: the handoff waits for it (_on_room)
             self._hand_over(seq, first)
+
+    def _hand_over_now(self) -> float:
+        """A shared pool's handoffs this step's prompts started (their ``kv_ready``), decided now rather than after
+        the step: the wait for the device below lets go of the interpreter's lock, which a busy event loop then held
+        for up to its switch interval while P's rooms sat in Transferring (and their pages in no one's hands). The
+        seconds it took, which the prefill budget does not count as the step's (it counted no handoff before)."""
+        if self.shared is None:
+            return 0.0
+        started = self._clock()
+        self.shared.node_loop.run_pending()
+        return self._clock() - started
 
     def _hand_over(self, seq: Sequence, first: FirstToken) -> None:
         """The prompt's KV is done and the decode side has prepared: READY (the machine's ``kv_ready``)."""

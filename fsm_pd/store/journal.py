@@ -137,7 +137,8 @@ class Journal:
             transitions.c.node == bindparam("node"), transitions.c.role == bindparam("role"),
             transitions.c.room == bindparam("room")).compile(dialect=self.engine.dialect))
         self._pending: list[tuple] = []
-        # what has_room may skip the database for (room_filter.py): made at its first question, fed by every row
+        # what has_room may skip the database for (room_filter.py): made at its first question, fed by every room's
+        # first row (a room is journaled from version 0; the database and the rows buffered then hold the older ones)
         self._rooms: RoomFilter | None = None
         self._rooms_lock = threading.Lock()
         self._rooms_held = str(select(transitions.c.node, transitions.c.role, transitions.c.room).distinct()
@@ -162,15 +163,20 @@ class Journal:
         """Buffer one row; ``payload`` is already JSON text."""
         with self._rooms_lock:
             self._pending.append((node, role, room, version, trigger, src, dst, payload, at))
-            if self._rooms is not None:
+            if self._rooms is not None and version == 0:
                 self._rooms.add(node, role, room)
 
     def add_rows(self, rows: list[tuple]) -> None:
-        """Buffer ready-made row tuples in ``COLUMNS`` order (the node loop's batch)."""
+        """Buffer ready-made row tuples in ``COLUMNS`` order (the node loop's batch). A row's payload is its JSON
+        text, or a callable that returns it, called when the rows are written (``Node.step``'s, below)."""
         with self._rooms_lock:
             self._pending.extend(rows)
             if self._rooms is not None:
-                self._rooms.add_many(row[:3] for row in rows)
+                # a room's first row (version 0) names it: its later rows would set the same bits again, 6 us a row
+                # on the thread that steps the rooms (a handoff's five on the model thread of --role pd)
+                keys = [row[:3] for row in rows if row[3] == 0]
+                if keys:
+                    self._rooms.add_many(keys)
 
     def has_room(self, node: str, role: str, room: int) -> bool:
         """Whether ``node`` ever journaled ``room`` in ``role``, counting rows buffered but not yet flushed.
@@ -226,6 +232,7 @@ class Journal:
         rows, self._pending = self._pending, []
         if not rows:
             return 0
+        rows = [row if type(row[7]) is str else (*row[:7], row[7](), row[8]) for row in rows]
         opened, closed = _room_changes(rows)
         dbapi = self.engine.dialect.dbapi
         try:

@@ -133,6 +133,46 @@ _CHECKS: Final[dict[str, Callable[[Any], Any]]] = {
 }
 
 
+# What a value of a common annotation must be to pass its check unchanged, as an expression over ``v``: a class's
+# checks are compiled once into one function (``_checker``) that tests these inline and calls the check only for a
+# value that fails them (to normalise it or raise) or for an annotation without one. Building a message called
+# ``fields()`` and one function per field, and a READY has 24: it took 32 us to build, 18 with the calls kept and 10
+# with this, and under --role pd each handoff builds two on the model thread, its caches cold from the forward pass.
+_PASSES: Final[dict[str, str]] = {
+    "int": "type(v) is int and 0 <= v < _U64_LIMIT",
+    "str": "type(v) is str",
+    "bool": "type(v) is bool",
+    "float": "type(v) is float",
+    "float | None": "v is None or type(v) is float",
+    "str | None": "v is None or type(v) is str",
+    "list[float] | None": "v is None",
+    "list[list[int]] | None": "v is None",
+}
+_CHECKERS: dict[type, Callable[[Any], None]] = {}
+
+
+def _checker(cls: type) -> Callable[[Any], None]:
+    lines = ["def check(self):"]
+    for f in fields(cls):
+        lines.append(f"    v = self.{f.name}")
+        call = f"_normalise(self, {f.name!r}, _CHECKS[{f.type!r}], v)"
+        passes = _PASSES.get(f.type)
+        lines.append(f"    if not ({passes}): {call}" if passes else f"    {call}")
+    scope = {"_U64_LIMIT": _U64_LIMIT, "_CHECKS": _CHECKS, "_normalise": _normalise}
+    exec("\n".join(lines), scope)  # noqa: S102 - our own text, from the class's annotations and _PASSES
+    check = _CHECKERS[cls] = scope["check"]
+    return check
+
+
+def _normalise(msg: Any, name: str, check: Callable[[Any], Any], value: Any) -> None:
+    try:
+        normalised = check(value)
+    except MalformedMessage as exc:
+        raise MalformedMessage(f"{type(msg).__name__}.{name}: {exc}") from None
+    if normalised is not value:
+        object.__setattr__(msg, name, normalised)
+
+
 # -- the messages ---------------------------------------------------------------------------------------------------
 
 
@@ -150,12 +190,7 @@ class _Message:
     sent_at: float  # sender's wall clock, seconds since the epoch
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            try:
-                normalised = _CHECKS[f.type](getattr(self, f.name))
-            except MalformedMessage as exc:
-                raise MalformedMessage(f"{type(self).__name__}.{f.name}: {exc}") from None
-            object.__setattr__(self, f.name, normalised)
+        (_CHECKERS.get(type(self)) or _checker(type(self)))(self)
         if not math.isfinite(self.sent_at):
             raise MalformedMessage(f"{type(self).__name__}.sent_at must be finite")
         if not 0 < len(self.instance) <= MAX_INSTANCE_CHARS:

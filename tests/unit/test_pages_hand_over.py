@@ -15,11 +15,14 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from fsm_pd.kvpool.pages import OutOfPages, PageAllocator, PageOwnershipError
 
 
-def accounted(allocator: PageAllocator) -> None:
-    """Every usable page is free or held by exactly one room, once."""
+def accounted(allocator: PageAllocator, cached: list[int] = ()) -> None:
+    """Every usable page is free, held by exactly one room or ``cached`` (adopted by a prefix cache), once; and the
+    index that answers who holds a page (``_owner``, what ``holder`` and ``hand_over`` ask) names that room for every
+    held page, and no other page."""
     held = [page for pages in allocator._held.values() for page in pages]
-    everything = held + list(allocator._free)
+    everything = held + list(allocator._free) + list(cached)
     assert sorted(everything) == list(range(1, allocator.num_pages)), "a page held twice, or lost"
+    assert allocator._owner == {page: room for room, pages in allocator._held.items() for page in pages}
 
 
 def test_views_key_each_roles_rooms_apart():
@@ -84,6 +87,7 @@ class SharedPool(RuleBasedStateMachine):
         self.shared = PageAllocator(6)  # small: freed pages come back soon, to other rooms
         self.views = {"prefill": self.shared.view("prefill"), "decode": self.shared.view("decode")}
         self.sent: dict[int, list[int]] = {}  # room -> the page list P published (what D's pull will carry)
+        self.cached: list[int] = []  # pages a prefix cache adopted from rooms (``adopt``), until it releases them
 
     @rule(role=st.sampled_from(["prefill", "decode"]), room=st.integers(0, 5), count=st.integers(1, 3))
     def reserve(self, role, room, count):
@@ -120,9 +124,21 @@ class SharedPool(RuleBasedStateMachine):
         assert set(pages) <= set(self.views["decode"].pages_of(room))
         del self.sent[room]
 
+    @rule(role=st.sampled_from(["prefill", "decode"]), room=st.integers(0, 5))
+    def cache_takes(self, role, room):
+        """A prefix cache adopts a room's first page (it leaves the room, and comes back only by ``release``)."""
+        pages = self.views[role].pages_of(room)[:1]
+        self.views[role].adopt(room, pages)
+        self.cached += pages
+
+    @rule()
+    def cache_releases(self):
+        self.shared.release(self.cached)
+        self.cached = []
+
     @invariant()
     def every_page_once(self):
-        accounted(self.shared)
+        accounted(self.shared, self.cached)
 
 
 TestSharedPool = SharedPool.TestCase

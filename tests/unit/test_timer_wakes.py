@@ -41,6 +41,44 @@ def test_real_clock_wakes_its_thread_only_for_a_new_earliest_timer(monkeypatch):
         clock.close()
 
 
+def test_real_clock_is_not_woken_for_a_deadline_armed_as_the_one_before_it_is_cancelled(monkeypatch):
+    """A room's life: each state's deadline cancelled as the next is armed, the thread free to look in between (it
+    drops the cancelled ones). It still sleeps until their time, so a deadline due after it wakes nobody."""
+    monkeypatch.setattr(threading, "Condition", CountingCondition)
+    clock = RealClock()
+    counting = clock._cv
+    try:
+        now = time.time()
+        clock.cancel(clock.call_at(now + 300, lambda: None))
+        assert counting.notified == 1
+        for i in range(1, 20):  # bootstrap, waiting, transfer...: every one after the first, none pending beside it
+            time.sleep(0.005)  # the thread looks, and finds only cancelled timers
+            clock.cancel(clock.call_at(now + 300 + i, lambda: None))
+        assert counting.notified == 1
+        fired = threading.Event()
+        clock.call_at(time.time() + 0.05, fired.set)
+        assert counting.notified == 2 and fired.wait(2)
+    finally:
+        clock.close()
+
+
+def test_deadline_scheduler_is_not_woken_for_a_hold_published_after_the_last_was_released():
+    """A handoff's hold: published, then released (its deadline cancelled) before the thread comes to look. The
+    next hold, due later, wakes nobody."""
+    scheduler = DeadlineScheduler(name="fsm-pd-deadlines[test]")
+    scheduler._cond = counting = CountingCondition()
+    scheduler.call_later(300, lambda: None).cancel()  # starts the thread
+    time.sleep(0.05)
+    before = counting.notified
+    for i in range(1, 20):
+        scheduler.call_later(300 + i, lambda: None).cancel()
+        time.sleep(0.005)  # the thread looks, and finds only cancelled deadlines
+    assert counting.notified == before
+    fired = threading.Event()
+    scheduler.call_later(0.05, fired.set)
+    assert counting.notified == before + 1 and fired.wait(2)
+
+
 def test_real_clock_fires_a_later_timer_after_the_earlier_was_cancelled():
     clock = RealClock()
     try:
@@ -75,4 +113,16 @@ def test_deadline_scheduler_fires_after_a_cancelled_head():
     fired = threading.Event()
     scheduler.call_later(0.15, fired.set)
     head.cancel()
+    assert fired.wait(2)
+
+
+def test_deadline_scheduler_sweeps_the_cancelled_deadlines_it_no_longer_wakes_for():
+    """Its thread sleeps past cancelled deadlines, so they are swept out as the heap grows: released holds do not
+    stay a hold's timeout each. A live deadline still fires."""
+    scheduler = DeadlineScheduler(name="fsm-pd-deadlines[test]")
+    for i in range(5000):
+        scheduler.call_later(300 + i * 1e-4, lambda: None).cancel()
+    fired = threading.Event()
+    scheduler.call_later(0.05, fired.set)
+    assert len(scheduler._heap) < 2048 and scheduler.pending() == 1
     assert fired.wait(2)

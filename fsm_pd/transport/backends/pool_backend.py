@@ -44,26 +44,33 @@ class PoolHandoffBackend(DeviceTransferBackend):
             self._holds.publish(uuid, 0, hold_timeout_s, lambda _deadline: handoffs)
             self._changed.notify_all()
 
-    def settled(self, address: str, uuid: int) -> bool:
-        """Whether a pull of ``uuid`` from ``address`` would return (or fail) at once: published, ended, or no node."""
-        node = node_at(address)
-        if not isinstance(node, PoolHandoffBackend):
-            return True
+    def pull_settled(self, address: str, uuid: int) -> tuple[PageHandoff, ...] | None:
+        """``pull``'s outcome where it comes at once, in one look: the entry of a published ``uuid`` (its one
+        delivery), or the error of an ended one or of no such node; None where ``pull`` would wait for the publish.
+        (It asked whether the entry was settled, then pulled: the node, its lock and the hold looked up twice.)"""
+        check_uuid(uuid)
+        node = self._node(address)
         with node._changed:
-            try:
-                return node._published(uuid) is not None
-            except TransferFailed:
-                return True
+            if node._published(uuid) is None:
+                return None
+            published = node._take(uuid, 0.0)
+        with self._changed:
+            self.pulls += 1
+        return published
 
     def pull(self, address: str, uuid: int, spec, timeout_s: float,
              on_progress: OnProgress | None = None) -> tuple[PageHandoff, ...]:
         deadline = time.monotonic() + timeout_s
         check_uuid(uuid)
+        published = self._node(address)._take(uuid, deadline)
+        with self._changed:
+            self.pulls += 1
+        return published
+
+    @staticmethod
+    def _node(address: str) -> PoolHandoffBackend:
         node = node_at(address)
         if node is None or not isinstance(node, PoolHandoffBackend):
             raise TransferFailed(f"no pool handoff node at {address!r} (the pool backend hands pages over only "
                                  "between engines of one process that share one pool)")
-        published = node._take(uuid, deadline)
-        with self._changed:
-            self.pulls += 1
-        return published
+        return node

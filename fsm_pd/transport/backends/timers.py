@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +35,9 @@ def _noop() -> None:
     pass
 
 
+SWEEP_MIN = 1024  # heap entries before cancelled ones are swept out (then twice what is left)
+
+
 class DeadlineScheduler:
     def __init__(self, name: str = "fsm-pd-deadlines") -> None:
         self._name = name
@@ -41,6 +45,11 @@ class DeadlineScheduler:
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._wakes_at = math.inf  # when the thread looks at the heap next, by its own reckoning (under ``_cond``)
+        self._dropped_until = -math.inf  # the latest deadline of a cancelled handle dropped before it was due
+        # the thread now sleeps past cancelled deadlines (``_run``), so a heap this long is swept of them at the next
+        # push: a hold is nearly always released long before its expiry, and each would stay a minute otherwise
+        self._sweep_at = SWEEP_MIN
 
     @staticmethod
     def now() -> float:
@@ -51,14 +60,28 @@ class DeadlineScheduler:
         """Run ``fn`` on the scheduler thread at monotonic time ``when`` unless cancelled first."""
         handle = TimerHandle(when, fn)
         with self._cond:
-            earliest = self._heap[0][0] if self._heap else None
             heapq.heappush(self._heap, (when, next(self._seq), handle))
+            if len(self._heap) >= self._sweep_at:
+                self._sweep()
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
-            elif earliest is None or when < earliest:  # else the thread already wakes by the earliest's time
+            elif when < self._wakes_at:  # else the thread looks in time already
+                self._wakes_at = when
                 self._cond.notify()
         return handle
+
+    def _sweep(self) -> None:
+        """Under ``_cond``: drop the cancelled handles, wherever they are in the heap."""
+        kept = []
+        for entry in self._heap:
+            if entry[2].cancelled:
+                self._dropped_until = max(self._dropped_until, entry[0])
+            else:
+                kept.append(entry)
+        heapq.heapify(kept)
+        self._heap = kept
+        self._sweep_at = max(SWEEP_MIN, 2 * len(kept))
 
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> TimerHandle:
         return self.call_at(time.monotonic() + delay_s, fn)
@@ -72,12 +95,17 @@ class DeadlineScheduler:
             with self._cond:
                 while True:
                     while self._heap and self._heap[0][2].cancelled:
-                        heapq.heappop(self._heap)
+                        self._dropped_until = max(self._dropped_until, heapq.heappop(self._heap)[0])
                     now = time.monotonic()
                     if self._heap and self._heap[0][0] <= now:
                         handle = heapq.heappop(self._heap)[2]
                         break
-                    self._cond.wait(self._heap[0][0] - now if self._heap else None)
+                    # with only cancelled deadlines left, look again by the latest one's time anyway rather than
+                    # sleep until woken: a hold published after it then wakes nobody (each handoff woke it, as its
+                    # hold was released before the thread came to look)
+                    when = self._heap[0][0] if self._heap else self._dropped_until
+                    self._wakes_at = when if when > now else math.inf
+                    self._cond.wait(when - now if when > now else None)
             if handle.cancelled:
                 continue
             try:
