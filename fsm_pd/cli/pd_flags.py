@@ -23,6 +23,20 @@ def pd_backend(args: argparse.Namespace) -> str:
     return "device" if args.prefill_devices is not None or args.decode_devices is not None else "pool"
 
 
+def local_prefill_max_tokens(args: argparse.Namespace, max_context: int) -> int:
+    """``--pd-policy auto``'s threshold: the one asked for; else, where both engines share one pool, every prompt
+    the model takes (``max_context``); else the router's default.
+
+    On one pool the two routes run the same prefill in the same steps of one loop, and the handoff route adds its
+    own work (a room on each side, their transitions and journal rows): on a TPU v5e the handoff route served
+    0.94x and 0.91x of the local one's output at 2,000- and 4,000-token prompts, 0.92x at 900 (``docs/tpu.md``,
+    rounds 14 and 15), with a decode TPOT p90 no better. The 256 of the router's default was measured between two
+    processes, each with a core of its own (``router/policy.py``)."""
+    if args.local_prefill_max_tokens is not None:
+        return args.local_prefill_max_tokens
+    return max_context if pd_backend(args) == "pool" else DEFAULT_LOCAL_PREFILL_MAX_TOKENS
+
+
 DEFAULT_PD_STARTUP_WAIT_S = 300.0  # a cold start on a TPU v5e took 73-102 s to ready (docs/tpu.md)
 
 
@@ -73,6 +87,8 @@ def add_pd_flags(parser: argparse.ArgumentParser) -> None:
                         help="which requests go through the prefill engine: auto (default): prompts over "
                              "--local-prefill-max-tokens, the rest are prefilled by the decode engine itself; always: "
                              "every request (each a handoff); never: none")
-    router.add_argument("--local-prefill-max-tokens", type=at_least(0), default=DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
+    router.add_argument("--local-prefill-max-tokens", type=at_least(0), default=None,
                         help="with auto: prompts of at most this many tokens are prefilled on the decode engine "
-                             f"(default {DEFAULT_LOCAL_PREFILL_MAX_TOKENS})")
+                             "(default: every prompt where both engines share one pool, --transfer-backend pool, "
+                             "since there the handoff only adds its own cost; "
+                             f"{DEFAULT_LOCAL_PREFILL_MAX_TOKENS} with the roles on devices of their own)")

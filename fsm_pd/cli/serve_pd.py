@@ -35,7 +35,7 @@ import threading
 from pathlib import Path
 
 from fsm_pd.cli.flags import DEADLINE_FLAGS
-from fsm_pd.cli.pd_flags import pd_backend
+from fsm_pd.cli.pd_flags import local_prefill_max_tokens, pd_backend
 from fsm_pd.cli.pool_sizes import CPU_POOL_PAGES, free_after_weights, free_bytes, pool_budget
 from fsm_pd.net.unix_sockets import UnixPathError, check_path, remove_listener_files, unix_address
 from fsm_pd.runtime.process_exit import exit_now, on_exit
@@ -247,7 +247,7 @@ def run_pd(args: argparse.Namespace, opening, reading) -> int:
             # come rather than parsing every event for a migration (issue 48: 15% of the interpreter's time)
             app = create_router_app(
                 [PrefillWorker(servers[0].url, bootstrap)], [servers[1].url], api_key=args.api_key,
-                pd_policy=PolicySettings(args.pd_policy, args.local_prefill_max_tokens),
+                pd_policy=PolicySettings(args.pd_policy, local_prefill_max_tokens(args, engines[1].max_context)),
                 health_interval_s=1.0, health_timeout_s=OWN_HEALTH_TIMEOUT_S,
                 breaker=BreakerSettings(health_failures=NEVER, request_failures=NEVER),
                 retry=RetrySettings(migrate=False), startup_wait_s=args.startup_wait_secs, local_apps=local_apps,
@@ -297,8 +297,8 @@ def direct_app(args: argparse.Namespace, engines, tokenizer, bootstrap: str, sta
     from fsm_pd.cli.pd_pair import PDPair
     from fsm_pd.router.policy import PolicySettings
 
-    pair = PDPair(*engines, PolicySettings(args.pd_policy, args.local_prefill_max_tokens), bootstrap,
-                  info_extra=info_extra)
+    policy = PolicySettings(args.pd_policy, local_prefill_max_tokens(args, engines[1].max_context))
+    pair = PDPair(*engines, policy, bootstrap, info_extra=info_extra)
     registry = CollectorRegistry(auto_describe=True)
     registry.register(pair)  # its requests by path
     app = create_app(pair, tokenizer, api_key=args.api_key, model_name=args.served_model_name or args.model,
