@@ -26,8 +26,8 @@ from fsm_pd.control.phases import PHASE_NAMES, REASON_CLASSES, PhaseClock, reaso
 from fsm_pd.effects.checksums import OUTCOMES as CHECKSUM_OUTCOMES
 from fsm_pd.machines.states import STATE_NAMES
 
-# seconds from the transfer's start to its end, on each side: P published -> PULLED, D READY -> scattered
 OWED_LIMIT = 4096  # decisions whose updates wait for ``settle``, at most: a node nobody scrapes keeps no backlog
+# seconds from the transfer's start to its end, on each side: P published -> PULLED, D READY -> scattered
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 36, 2))  # 1 KiB .. 32 GiB
 TRANSFER_START = {"prefill": "published", "decode": "kv_published"}

@@ -91,8 +91,8 @@ class NodeLoop:
         with self._stepping:
             outer, self._holding = self._holding, True
             if not outer:  # what the loop's thread buffered (it commits after letting go): before this step's effects
-                self.wakeup.hushed = True
                 self.commit()
+                self.wakeup.hushed = True
             try:
                 yield
             finally:

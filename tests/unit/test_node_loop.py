@@ -135,6 +135,29 @@ def test_while_a_thread_holds_the_loop_no_other_steps_and_the_holder_decides_it(
     assert {name for _, name in p.stepped + d.stepped} == {threading.current_thread().name}
 
 
+def test_a_holder_wakes_no_loop_thread_and_what_another_thread_queued_meanwhile_is_not_lost(slow_idle, relays):
+    """While a thread holds the loop its wakeup is hushed (``node_loop.Wakeup``): the relay the holder decides wakes
+    the loop's thread for nothing (it makes no pass, so no keep-alive), where each submit woke it to wait for the lock.
+    A token another thread queues after the holder's last pass is woken for as ``held`` ends, not left to the idle
+    wake (a minute here)."""
+    loop, p, d = relays
+    time.sleep(0.05)  # the thread has taken its first wake and waits on its idle wake
+    passes = p.kept_alive
+    with loop.held():
+        p.node.put(3)
+        assert loop.run_pending() is True
+    time.sleep(0.2)
+    assert d.done.is_set() and p.kept_alive == passes, "the loop's thread was woken for a relay the holder decided"
+    d.done = threading.Event()
+    with loop.held():
+        loop.run_pending()
+        other = threading.Thread(target=lambda: p.node.put(1), name="other")
+        other.start()
+        other.join(5)
+    assert d.done.wait(5), "a token queued while the loop was held waited for the idle wake"
+    assert d.stepped[-1][1] == "fsm-loop[pd]"
+
+
 def test_a_stopped_member_is_skipped_and_the_other_goes_on(slow_idle, relays):
     loop, p, d = relays
     p.stopped = True
