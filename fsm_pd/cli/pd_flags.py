@@ -29,7 +29,7 @@ def local_prefill_max_tokens(args: argparse.Namespace, max_context: int) -> int:
 
     On one pool the two routes run the same prefill in the same steps of one loop, and the handoff route adds its
     own work (a room on each side, their transitions and journal rows): on a TPU v5e the handoff route served
-    0.94x and 0.91x of the local one's output at 2,000- and 4,000-token prompts, 0.92x at 900 (``docs/tpu.md``,
+    0.94x and 0.91x of the local one's output at 2,000- and 4,000-token prompts, 0.90x at 900 (``docs/tpu.md``,
     rounds 14 and 15), with a decode TPOT p90 no better. The 256 of the router's default was measured between two
     processes, each with a core of its own (``router/policy.py``)."""
     if args.local_prefill_max_tokens is not None:
