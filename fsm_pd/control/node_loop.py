@@ -128,6 +128,11 @@ class NodeLoop:
 
     def _pass(self, keep_alive: bool, commit: bool = True) -> None:
         members = [m for m in self._members if m.active()]
+        if not members:
+            # only a member's step clears the wakeup: with every member stopped (a journal that failed) the thread
+            # would find it set and spin; cleared here, then looked again, so a member that joined meanwhile is seen
+            self.wakeup.clear()
+            members = [m for m in self._members if m.active()]
         # Node.step clears the shared wakeup before it reads its own inbox: a message one member queued for another
         # after that other stepped is found here, not lost until the next idle wake
         while members:

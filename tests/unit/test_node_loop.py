@@ -320,3 +320,19 @@ def _pool(seed):
     rng = np.random.default_rng(seed)
     return tuple(jnp.asarray(rng.standard_normal(LAYOUT.layer_shape, dtype=np.float32))
                  for _ in range(LAYOUT.num_layers))
+
+
+def test_a_loop_whose_members_all_stopped_sleeps_instead_of_spinning(slow_idle, relays):
+    """Only a member's step clears the shared wakeup: with every member stopped, a message still queued for one sets
+    it, and the thread must not find it set pass after pass (it spun at 100% of a core)."""
+    loop, p, d = relays
+    passes = []
+    real_pass = loop._pass
+    loop._pass = lambda *args, **kwargs: (passes.append(1), real_pass(*args, **kwargs))
+    p.stopped = d.stopped = True
+    p.node.put(0)  # sets the wakeup; no active member steps
+    time.sleep(0.3)
+    assert len(passes) <= 2, f"{len(passes)} passes in 0.3 s with no member to step"
+    d.stopped = False
+    d.node.put(0)  # an active member is still woken for
+    assert d.done.wait(5)
