@@ -226,14 +226,9 @@ def run_node(args: argparse.Namespace, opening, reading) -> int:
     # server's imports (fastapi's models, mostly) came after the chip's open and held ready back by a second.
     # Ready waits for the app as for the weights.
     app_built = threading.Event()
-
-    def before_ready() -> None:
-        weights_in(model, [startup], reading)
-        app_built.wait()
-
     threading.Thread(target=prepare_programs, args=({engine: startup}, args.skip_server_warmup,
                                                     lambda: app_built.is_set() and app.state.drain.in_flight > 0,
-                                                    before_ready),
+                                                    lambda: weights_in(model, [startup], reading), app_built),
                      name="start-up", daemon=True).start()
     with startup.phase("imports"):
         from fsm_pd.api import create_app
@@ -258,11 +253,12 @@ def run_node(args: argparse.Namespace, opening, reading) -> int:
     exit_now(0)
 
 
-def prepare_programs(starts: dict, skip: bool, busy, before_ready=lambda: None) -> None:
+def prepare_programs(starts: dict, skip: bool, busy, weights=lambda: None, app_built: threading.Event | None = None
+                     ) -> None:
     """The start-up thread of a node (``starts``: {engine: its ``Startup``}) or of ``--role pd`` (both engines, which
     share one pool and so one set of programs: the second warm-up finds the first's): prepare the programs any
-    request needs (``warmup.warm_up``), wait for what else ready needs (``before_ready()``: the weights, which load
-    meanwhile, and the app that serves, which the main thread builds meanwhile), mark every engine
+    request needs (``warmup.warm_up``), wait for the weights (``weights()``: they load meanwhile) and for the app
+    that will serve (``app_built``: the main thread imports and builds it meanwhile), mark every engine
     ready at once, then compile the rest in the background while no request is in flight (``busy``). A failure here
     leaves a process that can never serve: it exits 1."""
     from fsm_pd.model import compiles
@@ -276,7 +272,9 @@ def prepare_programs(starts: dict, skip: bool, busy, before_ready=lambda: None) 
             for engine, startup in starts.items():
                 with startup.phase("programs"):
                     warm_up(engine, progress=True, startup=startup)
-        before_ready()
+        weights()
+        if app_built is not None:
+            app_built.wait()
         compiles.serving()
         costs = {kind: {**vars(cost), "seconds": round(cost.seconds, 3)} for kind, cost in compiles.costs().items()}
         freeze_survivors()  # the ready set's programs live as long as the node: out of the full collections' way

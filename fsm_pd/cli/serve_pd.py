@@ -200,14 +200,10 @@ def run_pd(args: argparse.Namespace, opening, reading) -> int:
         # the programs are prepared from here on, while this thread imports and builds the front (as a node's,
         # serve.run_node); ready waits for the front as for the weights
         front_built = threading.Event()
-
-        def before_ready() -> None:
-            weights_in(model, list(starts.values()), reading)
-            front_built.wait()
-
         threading.Thread(target=prepare_programs, args=(starts, args.skip_server_warmup,
                                                         lambda: front_built.is_set() and front.drain.in_flight > 0,
-                                                        before_ready),
+                                                        lambda: weights_in(model, list(starts.values()), reading),
+                                                        front_built),
                          name="start-up", daemon=True).start()
         with startup.phase("imports"):
             from fsm_pd.api.drain import ABORT_GRACE_S, DrainingServer
