@@ -19,11 +19,16 @@ import time
 import httpx
 import pytest
 from test_gguf_loader import gguf_tensors, small_config, write_gguf
+from xla_flags import for_cold_starts
 
 from fsm_pd.model import executables
 from fsm_pd.model.params import random_params
 
 PHASES = {"imports", "device", "model", "weights", "engine", "programs"}
+# Every node here starts on an empty compile cache and compiles its ready set, then answers one request: XLA's
+# cheapest compiles (-O0 on the CPU, ``xla_flags.for_cold_starts``). The warm starts read the cold one's programs all
+# the same (same flags, same cache keys).
+COLD_START_FLAGS = for_cold_starts()
 
 
 def _client(sock) -> httpx.Client:
@@ -74,7 +79,7 @@ def test_a_node_names_its_phases_answers_once_ready_and_loads_every_program_from
     config = small_config()
     gguf = write_gguf(tmp_path / "m.gguf", config, gguf_tensors(config, random_params(config, seed=7, std=0.5)))
     env = {**os.environ, "FSM_PD_COMPILE_CACHE": str(tmp_path / "jax"), "FSM_PD_MODEL_CACHE": str(tmp_path / "models"),
-           "FSM_PD_SKIP_SERVER_WARMUP": "0", "FSM_PD_EXECUTABLE_CACHE": "on"}
+           "FSM_PD_SKIP_SERVER_WARMUP": "0", "FSM_PD_EXECUTABLE_CACHE": "on", "XLA_FLAGS": COLD_START_FLAGS}
     cold = _start(role, gguf, tmp_path, env, "cold")
     warm = _start(role, gguf, tmp_path, env, "warm")
     for run in (cold, warm):
@@ -127,7 +132,7 @@ def test_weights_found_broken_after_the_node_listens_end_it_with_status_2_and_le
     gguf = write_gguf(tmp_path / "m.gguf", config, tensors, skip={"blk.1.ffn_gate.weight"})
     sock = tmp_path / "node.sock"
     env = {**os.environ, "FSM_PD_COMPILE_CACHE": str(tmp_path / "jax"), "FSM_PD_MODEL_CACHE": str(tmp_path / "models"),
-           "FSM_PD_SKIP_SERVER_WARMUP": "0"}
+           "FSM_PD_SKIP_SERVER_WARMUP": "0", "XLA_FLAGS": COLD_START_FLAGS}
     result = subprocess.run([sys.executable, "-m", "fsm_pd.cli", "serve", "--role", "colocated", "--model", str(gguf),
                              "--uds", str(sock), "--num-pages", "64"], env=env, cwd=tmp_path, capture_output=True,
                             text=True, timeout=240, stdin=subprocess.DEVNULL)
