@@ -9,11 +9,14 @@ import re
 import httpx
 import pytest
 from processes import Cluster, free_port
+from xla_flags import for_cold_starts
 
 from fsm_pd.kernels.kv_checksum import ALGORITHM_ENV
 from fsm_pd.kernels.kv_hash import ALGORITHM as DEVICE_HASH
 
-WARMUP = {"FSM_PD_SKIP_SERVER_WARMUP": "0"}
+# The warm-up on, and XLA's cheapest compiles (-O0 on the CPU, ``xla_flags.for_cold_starts``): each node compiles its
+# whole ready set and then answers six requests, so it compiles far more than it runs.
+WARMUP = {"FSM_PD_SKIP_SERVER_WARMUP": "0", "XLA_FLAGS": for_cold_starts()}
 
 
 def compiles(url: str) -> dict[str, float]:
