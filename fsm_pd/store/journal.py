@@ -137,6 +137,7 @@ class Journal:
             transitions.c.node == bindparam("node"), transitions.c.role == bindparam("role"),
             transitions.c.room == bindparam("room")).compile(dialect=self.engine.dialect))
         self._pending: list[tuple] = []
+        self._flushing: list[tuple] = []  # the rows a flush is committing (``_flush``)
         # what has_room may skip the database for (room_filter.py): made at its first question, fed by every room's
         # first row (a room is journaled from version 0; the database and the rows buffered then hold the older ones)
         self._rooms: RoomFilter | None = None
@@ -190,7 +191,9 @@ class Journal:
             elif not self._rooms.maybe(node, role, room):
                 return False
         node_col, role_col, room_col = 0, 1, 2
-        for row in self._pending:  # the writer swaps the list on flush; iterating the old one is safe
+        # the writer swaps the list on flush, and keeps the rows it commits in ``_flushing`` until they are in: a
+        # reader between the two finds them there (iterating a list swapped out is safe)
+        for row in (*self._flushing, *self._pending):
             if row[room_col] == room and row[node_col] == node and row[role_col] == role:
                 return True
         try:
@@ -229,9 +232,17 @@ class Journal:
             return self._flush()
 
     def _flush(self) -> int:
-        rows, self._pending = self._pending, []
+        with self._rooms_lock:  # a row added on another thread while the list is swapped lands in one or the other
+            rows, self._pending = self._pending, []
+            self._flushing = rows  # until committed, ``has_room`` finds them here
         if not rows:
             return 0
+        try:
+            return self._write(rows)
+        finally:
+            self._flushing = []
+
+    def _write(self, rows: list[tuple]) -> int:
         rows = [row if type(row[7]) is str else (*row[:7], row[7](), row[8]) for row in rows]
         opened, closed = _room_changes(rows)
         dbapi = self.engine.dialect.dbapi

@@ -119,7 +119,8 @@ def test_a_prompt_prefilled_early_is_handed_over_when_its_prepare_lands_without_
 
 def test_a_first_token_goes_out_only_once_its_rooms_success_is_committed(engines, tmp_path):
     """The decode engine streams a handoff's first token in the same step of the loop (``DecodeEngine.react``), before
-    the step's end commits: it commits first, so no token leaves for a room the journal does not hold at Success."""
+    the step's end commits: to a stream that hands it to its reader at once it commits first, so no token leaves for
+    a room the journal does not hold at Success."""
     prefill, decode = engines
     journal = tmp_path / "j" / "decode-0.db"
 
@@ -138,3 +139,53 @@ def test_a_first_token_goes_out_only_once_its_rooms_success_is_committed(engines
     decode.submit(for_decode, answer)
     assert answer.done.wait(30)
     assert answer.success_rows == 1
+
+
+def test_a_first_token_reaches_its_reader_only_once_its_rooms_success_is_committed(engines, tmp_path):
+    """A served request's stream (``RequestStream``, read on an event loop): the model thread pushes the handoff's
+    first token without waiting for the commit, which runs on the committer's thread, and the token reaches the
+    reader only after it (``SharedPool.outputs_after_commit``: an output barrier the commit releases). The journal's
+    writes are slowed down (a slow disk), so that a token let out before the commit would surely be read first."""
+    import asyncio
+
+    from fsm_pd.serving.types import RequestStream
+
+    prefill, decode = engines
+    journal = tmp_path / "j" / "decode-0.db"
+    write = decode.manager.journal._write
+
+    def slow_write(rows):
+        time.sleep(0.2)
+        return write(rows)
+
+    decode.manager.journal._write = slow_write
+    loop = asyncio.new_event_loop()
+    serving = threading.Thread(target=loop.run_forever, daemon=True)
+    serving.start()
+
+    async def read(stream: RequestStream) -> tuple[int, list]:
+        success_rows, tokens = None, []
+        async for item in stream:
+            if success_rows is None:  # the first token: its room's Success is in the file already
+                with sqlite3.connect(journal) as conn:
+                    success_rows = conn.execute("SELECT count(*) FROM transitions WHERE room = 402 AND "
+                                                "dst = 'Success'").fetchone()[0]
+            tokens.append(item.token_id)
+        return success_rows, tokens
+
+    try:
+        for_prefill, for_decode = halves(prefill, 402, 18)
+        prefill.submit(for_prefill, Collected())
+        until(lambda: 402 in prefill._in_flight)
+        stream = asyncio.run_coroutine_threadsafe(_stream_on_loop(RequestStream, "r402"), loop).result(10)
+        reading = asyncio.run_coroutine_threadsafe(read(stream), loop)
+        decode.submit(for_decode, stream)
+        success_rows, tokens = reading.result(30)
+        assert success_rows == 1 and len(tokens) == 3
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        serving.join(5)
+
+
+async def _stream_on_loop(make, rid):
+    return make(rid)

@@ -88,3 +88,45 @@ def test_a_closed_loop_refuses_as_call_soon_threadsafe_does():
         mail.post(print, "nobody reads this")
     stream = RequestStream("r", loop=loop)  # a stream of a stopped server: its push is dropped, not raised
     stream.push(TokenOutput(token_id=1))
+
+
+def test_a_barrier_holds_the_calls_posted_after_it_until_released_from_another_thread():
+    """The shared pool's output barrier: calls posted before it run, those after it wait (with no wake of the loop
+    for them) until another thread (the journal's committer) releases it, and then run in their order; a second
+    barrier released first holds nothing back past the first."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        mail, seen = mail_for(loop), []
+
+        async def settle():
+            for _ in range(5):
+                await asyncio.sleep(0)
+
+        mail.post(seen.append, "before")
+        first = mail.barrier()
+        mail.post(seen.append, "a")
+        second = mail.barrier()
+        mail.post(seen.append, "b")
+        await settle()
+        assert seen == ["before"]
+        wakes = mail.wakes
+        mail.post(seen.append, "c")  # held anyway: no wake for it
+        await settle()
+        assert seen == ["before"] and mail.wakes == wakes
+        released = threading.Thread(target=second.release)
+        released.start()
+        released.join()
+        await settle()
+        assert seen == ["before"]  # the first barrier still holds everything after it
+        threading.Thread(target=first.release).start()
+        for _ in range(100):
+            await asyncio.sleep(0.001)
+            if len(seen) == 4:
+                break
+        assert seen == ["before", "a", "b", "c"]
+        first.release()  # twice: nothing changes
+        mail.post(seen.append, "d")
+        await settle()
+        assert seen[-1] == "d"
+
+    asyncio.run(main())
