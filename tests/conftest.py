@@ -20,7 +20,8 @@ goes (``suite_log.py``), ``FSM_PD_SUITE_COMPILES=1`` adds each test's compiles t
 compiles with its cheapest settings in the processes that run tests, and with cheaper ones that cost nothing at run time
 in the processes tests start (``xla_flags.py``). The httpx clients of a process that runs tests share one SSL context
 (``httpx_ssl.py``). fsm-pd's bytecode is written once, before any test, so that the processes tests start read it
-even where ``PYTHONDONTWRITEBYTECODE`` is set (``bytecode.py``).
+even where ``PYTHONDONTWRITEBYTECODE`` is set, and the test modules' while they are collected, for the next run
+(``bytecode.py``).
 """
 
 from __future__ import annotations
@@ -154,6 +155,14 @@ def _group(item: pytest.Item) -> str:
     if mark is None:
         return item.nodeid.split("::")[0]
     return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
+    """The test modules' bytecode, as pytest's assertion rewriting made it, is written where PYTHONDONTWRITEBYTECODE
+    is set too, for the next run's collection to read (``bytecode.py``)."""
+    with bytecode.written_while():
+        return (yield)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the tests' ids
