@@ -14,25 +14,27 @@ A pass steps every member until none has anything queued; a member whose node st
 written) is skipped, the others go on. The thread stops when the last member leaves.
 
 ``commit_per_pass`` (the shared pool's loop): a member's node journals its steps' rows without committing them
-(``Node(commit_by_loop=True)``) and the loop commits each member's journal once a pass: the loop's own thread after
-it lets go of the lock, and a pass run inside ``held`` (the model thread's step) on a thread of its own
-(``committer.py``) once ``held`` ends: a handoff's six transitions, each its own commit before, cost one commit per
-journal, and the model thread waits for none (on the chip its commits were a tenth of its busy time, round r16).
-It is safe where every effect of every member stays in the process and dies with it (``--role pd`` on one pool: the
-pages, the peer, the decode batch): a crash before the commit loses rows whose effects are lost with them. What
-leaves the process waits for the commit: a first token that a handoff decided is streamed behind an output barrier
-that the commit releases (``commit_soon``, ``SharedPool.outputs_after_commit``), and a room's failure told to its
-client is committed at once (``Node.step``).
+(``Node(commit_by_loop=True)``) and the loop commits each member's journal once, at the end of its pass, or at the
+end of ``held`` when the pass ran inside it (the model thread's step): a handoff's six transitions, each its own
+commit before, cost one commit per journal. The loop's own thread commits after it lets go of the lock, and ``held``
+first commits whatever is still buffered (a flush under way on the other thread holds the journal's write lock, so
+it waits for that one): the model thread's step waits for no commit it does not need (on the chip it waited for
+the loop thread's commits about 7% of its busy time, round r13's stack samples). Each commit hands the interpreter's
+lock to another thread that wants it (the driver releases it around SQLite's work), and the model thread waited for
+it back up to the switch interval, 5 ms, a commit: P's handoff took 3.0-3.4 ms at p50 on a loaded CPU and 3.3 ms on
+the chip. It is safe where every effect of every member stays in the process and dies with it (``--role pd`` on one
+pool: the pages, the peer, the decode batch): a crash before the commit loses rows whose effects are lost with them,
+and no token of a room the journal does not hold leaves before the commit, since the model thread's next step waits
+for it, and a first token streamed mid-step is preceded by a ``commit`` of its own (``DecodeEngine.react``). What
+does leave at once, a room's failure told to its client, is committed at once (``Node.step``).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
-
-from fsm_pd.control.committer import Committer
 
 IDLE_WAKE_S = 0.05  # an idle loop still wakes this often: each member's journal keep-alive
 
@@ -47,8 +49,6 @@ class NodeLoop:
         self._stepping = threading.RLock()  # held while a member steps: leaving waits for its step to end
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        # the commits of the passes run inside ``held`` (commit_per_pass), off the holder's thread
-        self._committer = Committer(self.commit, name) if commit_per_pass else None
 
     def join(self, member: Any) -> None:
         """Step ``member`` from now on: it has ``node`` (a ``Node`` made with this loop's ``wakeup``, and
@@ -71,8 +71,6 @@ class NodeLoop:
         if last:
             self._stop.set()
             self.wakeup.wake()
-            if self._committer is not None:
-                self._committer.close(timeout)
             thread = self._thread
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout=timeout)
@@ -92,7 +90,8 @@ class NodeLoop:
         and ran it while the model thread ran on, the two trading the interpreter's lock every 5 ms."""
         with self._stepping:
             outer, self._holding = self._holding, True
-            if not outer:
+            if not outer:  # what the loop's thread buffered (it commits after letting go): before this step's effects
+                self.commit()
                 self.wakeup.hushed = True
             try:
                 yield
@@ -104,7 +103,7 @@ class NodeLoop:
                     # takes it now (a submit after this line wakes it itself)
                     if any(m.active() and m.node.pending for m in list(self._members)):
                         self.wakeup.set()
-                    self.commit_soon()
+                    self.commit()
 
     def run_pending(self) -> bool:
         """Decide what is queued now, on the caller's thread, unless a step runs elsewhere (then that one will):
@@ -123,7 +122,8 @@ class NodeLoop:
             self.wakeup.wait(IDLE_WAKE_S)
             with self._stepping:
                 self._pass(keep_alive=True, commit=not self.commit_per_pass)
-            # the commit outside the lock: a step of the model thread waits for no commit of ours
+            # the commit outside the lock: a step of the model thread waits for no commit of ours, only for one it
+            # needs (``held`` commits what is still buffered; a flush under way holds the journal's write lock)
             self.commit()
 
     def _pass(self, keep_alive: bool, commit: bool = True) -> None:
@@ -151,20 +151,10 @@ class NodeLoop:
             if member.active():
                 member.keep_alive()
 
-    def commit_soon(self, then: Callable[[], None] | None = None) -> None:
-        """Commit every member's buffered rows (``commit_per_pass`` only), on the committer's thread, and then call
-        ``then``: the end of ``held``, and an output barrier's release (``SharedPool.outputs_after_commit``). Without
-        a committer (a loop of its own rows), now, on this thread."""
-        if self._committer is not None:
-            self._committer.soon(then)
-            return
-        self.commit()
-        if then is not None:
-            then()
-
     def commit(self) -> None:
-        """Commit every member's buffered rows now (``commit_per_pass`` only): at the ends of the loop thread's
-        passes, and on the committer's thread."""
+        """Commit every member's buffered rows now (``commit_per_pass`` only): at the ends of passes and ``held``,
+        and by the holder before an effect that leaves the process (a shared pool's decode engine streaming a first
+        token mid-step)."""
         if self.commit_per_pass:
             for member in list(self._members):  # a copy: the loop's thread commits outside the lock
                 if member.active():

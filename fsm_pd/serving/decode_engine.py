@@ -204,26 +204,19 @@ class DecodeEngine(LocalPath, PDEngine):
 
     def react(self) -> bool:
         """The rooms' events, and nothing more (a shared pool's loop calls it after each pass): a handoff that just
-        ended streams its first token now, not after the prefill engine's step. True if it took any event."""
+        ended streams its first token now, not after the prefill engine's step. Its rows are committed first, as
+        before any first token (``NodeLoop.commit``). True if it took any event."""
         if not self.room_events:
             return False
-        events = self._room_events_committed_first()
+        self._shared.node_loop.commit()
+        events = self._take_room_events()
         for event in events:
             self._on_room(*event)
         return bool(events)
 
-    def _room_events_committed_first(self) -> list:
-        """The rooms' events; in a shared pool, what their requests stream from now on waits for the rows journaled
-        so far to be committed, as every first token waits for its handoff's rows (``outputs_after_commit``)."""
-        events = self._take_room_events()
-        if events and self._shared is not None:
-            self._shared.outputs_after_commit(seq.stream for room, _, _ in events
-                                              if (seq := self.rooms.get(room)) is not None)
-        return events
-
     def _step(self) -> bool:
         self.prealloc.waiting.extend(self._take_local(self._take_arrivals()))
-        for event in self._room_events_committed_first():
+        for event in self._take_room_events():
             self._on_room(*event)
         if not self.loop.resuming:  # retracted requests take the pages first, as for new ones
             self.recompute.prefill(self.max_running - len(self.loop.running), self.loop.add, self._finish,

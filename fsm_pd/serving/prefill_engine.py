@@ -198,9 +198,6 @@ class PrefillEngine(LocalPath, PDEngine):
             for seq in arrived:
                 self.early.arrived(seq)
         events = self._take_room_events()
-        if events and self.shared is not None:  # this leg's answer waits for its room's rows, as D's first token
-            self.shared.outputs_after_commit(seq.stream for room, _, _ in events
-                                             if (seq := self.rooms.get(room)) is not None)
         for event in events:
             self._on_room(*event)
         return bool(events)

@@ -18,7 +18,7 @@ could bound the other's steps (issue 48: 0.24-0.35x a colocated node's throughpu
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from fsm_pd.control.node_loop import NodeLoop
@@ -67,23 +67,6 @@ class SharedPool:
 
     def kick(self) -> None:
         self._driver.kick()
-
-    def outputs_after_commit(self, streams: Iterable[Any]) -> None:
-        """What is pushed to ``streams`` from now on reaches their readers once the rows journaled so far are
-        committed: a handoff's first token waits for its rooms' rows, which are committed off this thread
-        (``committer.py``), while the thread goes on to its next step. Model thread (a step's room events)."""
-        mails, direct = {}, False
-        for stream in streams:
-            mail = getattr(stream, "mail", None)
-            if mail is None:  # a stream that hands its outputs to its reader at once (no loop between): commit now
-                direct = True
-            else:
-                mails[id(mail)] = mail
-        if direct:
-            self.node_loop.commit()
-        if mails:
-            barriers = [mail.barrier() for mail in mails.values()]
-            self.node_loop.commit_soon(lambda: [barrier.release() for barrier in barriers])
 
     def close_member(self) -> bool:
         """True once every member has closed: then the model thread may stop."""

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from fsm_pd.model.sampling_params import SamplingParams
 from fsm_pd.net.unix_sockets import is_unix
-from fsm_pd.serving.loop_mail import LoopMail, mail_for
+from fsm_pd.serving.loop_mail import mail_for
 from fsm_pd.transport.addresses import with_port
 
 
@@ -102,11 +102,6 @@ class RequestStream:
         self._mail = mail_for(self._loop)  # the loop's wakes, shared with every other stream on it (loop_mail.py)
         self._items: collections.deque[TokenOutput | BaseException] = collections.deque()
         self._waiter: asyncio.Future | None = None
-
-    @property
-    def mail(self) -> LoopMail:
-        """The calls into the reader's loop this stream's outputs ride on (a barrier there holds them back)."""
-        return self._mail
 
     def push(self, item: TokenOutput | BaseException) -> None:
         """Thread-safe: an output, or the exception that ends the request (an ``EngineError``)."""

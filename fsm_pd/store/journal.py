@@ -187,7 +187,7 @@ class Journal:
         """
         with self._rooms_lock:
             if self._rooms is None:  # rows not yet flushed are counted here, later ones by add
-                self._rooms = RoomFilter(self._held_rooms, list(self._pending))
+                self._rooms = RoomFilter(self._held_rooms, [*self._flushing, *self._pending])
             elif not self._rooms.maybe(node, role, room):
                 return False
         node_col, role_col, room_col = 0, 1, 2

@@ -119,8 +119,7 @@ def test_a_prompt_prefilled_early_is_handed_over_when_its_prepare_lands_without_
 
 def test_a_first_token_goes_out_only_once_its_rooms_success_is_committed(engines, tmp_path):
     """The decode engine streams a handoff's first token in the same step of the loop (``DecodeEngine.react``), before
-    the step's end commits: to a stream that hands it to its reader at once it commits first, so no token leaves for
-    a room the journal does not hold at Success."""
+    the step's end commits: it commits first, so no token leaves for a room the journal does not hold at Success."""
     prefill, decode = engines
     journal = tmp_path / "j" / "decode-0.db"
 
@@ -142,10 +141,9 @@ def test_a_first_token_goes_out_only_once_its_rooms_success_is_committed(engines
 
 
 def test_a_first_token_reaches_its_reader_only_once_its_rooms_success_is_committed(engines, tmp_path):
-    """A served request's stream (``RequestStream``, read on an event loop): the model thread pushes the handoff's
-    first token without waiting for the commit, which runs on the committer's thread, and the token reaches the
-    reader only after it (``SharedPool.outputs_after_commit``: an output barrier the commit releases). The journal's
-    writes are slowed down (a slow disk), so that a token let out before the commit would surely be read first."""
+    """A served request's stream (``RequestStream``, read on an event loop, as the server reads it): the handoff's
+    first token reaches the reader only once its room's Success is in the journal's file. The journal's writes are
+    slowed down (a slow disk), so that a token let out before the commit would surely be read first."""
     import asyncio
 
     from fsm_pd.serving.types import RequestStream

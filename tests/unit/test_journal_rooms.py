@@ -100,3 +100,31 @@ def test_the_filter_keeps_what_was_added_while_it_read_the_database():
     assert rooms.ready.wait(10)
     assert all(rooms.maybe("n", "decode", room) for room in (1, 2, 3))
     assert sum(rooms.maybe("n", "decode", room) for room in range(100, 10_100)) < 50  # ~0 at this fill
+
+
+def test_rows_a_flush_is_writing_are_found_and_rows_added_meanwhile_are_kept(tmp_path):
+    """A flush takes the buffered rows, then writes them (slowly here: a slow disk). Meanwhile another thread asks for
+    a room of those rows, which are neither buffered nor in the file yet: they are found. A row added meanwhile
+    stays buffered for the next flush."""
+    journal = Journal(tmp_path / "j.db")
+    write, writing, go_on = journal._write, threading.Event(), threading.Event()
+
+    def slow_write(rows):
+        writing.set()
+        assert go_on.wait(10)
+        return write(rows)
+
+    journal._write = slow_write
+    _create_row(journal, "d0", "decode", 11)
+    flushing = threading.Thread(target=journal.flush)
+    flushing.start()
+    try:
+        assert writing.wait(10)
+        assert journal.has_room("d0", "decode", 11)  # taken by the flush, not in the file yet
+        _create_row(journal, "d0", "decode", 12)  # added while it writes
+    finally:
+        go_on.set()
+        flushing.join(10)
+    assert journal.pending == 1 and journal.flush() == 1
+    assert journal.has_room("d0", "decode", 11) and journal.has_room("d0", "decode", 12)
+    journal.close()

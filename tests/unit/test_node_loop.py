@@ -216,14 +216,12 @@ def test_two_managers_on_one_loop_decide_both_sides_of_a_handoff_on_its_thread(t
 
 class Buffering(Relay):
     """A relay whose steps buffer a row each and whose ``commit`` writes what is buffered, as a journal under
-    ``commit_per_pass`` does; a commit on the loop's own thread first waits for ``slow`` (a slow disk). It notes the
-    thread of every commit that wrote rows."""
+    ``commit_per_pass`` does; a commit on the loop's own thread first waits for ``slow`` (a slow disk)."""
 
     def __init__(self, loop: NodeLoop, name: str) -> None:
         super().__init__(loop, name)
         self.buffered = self.written = 0
         self.slow, self.in_commit = threading.Event(), threading.Event()
-        self.committed_on: list[str] = []
 
     def step_once(self) -> None:
         self.buffered += len(self.node.items)
@@ -233,23 +231,13 @@ class Buffering(Relay):
         if threading.current_thread().name.startswith("fsm-loop") and self.buffered:
             self.in_commit.set()
             self.slow.wait(10)
-        if self.buffered:
-            self.committed_on.append(threading.current_thread().name)
         self.written, self.buffered = self.written + self.buffered, 0
 
 
-def _until(condition, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.001)
-
-
-def test_no_commit_runs_on_a_holders_thread_and_what_waits_for_one_runs_after_it(slow_idle):
+def test_the_loop_thread_commits_outside_the_lock_and_a_holder_first_commits_what_it_buffered(slow_idle):
     """The shared pool's loop: a pass of the loop's own thread (a bootstrap, say) is committed after it lets go of
-    the lock, so the model thread's next step does not wait for that commit; the step commits nothing on its own
-    thread either: the rows of its passes are committed on the committer's thread once ``held`` ends, and what the
-    step asked to run after a commit (an output barrier's release) runs there, after the rows are written."""
+    the lock, so the model thread's next step does not wait for that commit; and that step, once it holds the loop,
+    commits what the pass buffered before anything it does can leave the process."""
     loop = NodeLoop("pd", commit_per_pass=True)
     member = Buffering(loop, "p")
     member.peer = member
@@ -257,16 +245,13 @@ def test_no_commit_runs_on_a_holders_thread_and_what_waits_for_one_runs_after_it
     try:
         member.node.put(0)  # a message from another thread: the loop's thread steps it, then commits slowly
         assert member.in_commit.wait(10)
-        with loop.held():  # the model thread's step: the lock is free, and it waits for no commit
-            assert member.written == 0
-            member.node.put(0)
-            assert loop.run_pending()  # its own pass: buffered, not written here
-            after = []
-            loop.commit_soon(lambda: after.append((member.written, threading.current_thread().name)))
-        assert member.committed_on == []  # nothing written on the holder's thread
-        _until(lambda: after, "the call after the commit never ran")
-        assert after == [(2, "journal-commit[pd]")]  # both rows were written before it ran
-        assert member.committed_on == ["journal-commit[pd]"]
+        with loop.held():  # the model thread's step: the lock is free, and the row is written before it goes on
+            assert member.written == 1 and member.buffered == 0
+        member.slow.set()
+        member.slow, member.in_commit = threading.Event(), threading.Event()
+        member.node.put(0)
+        assert member.in_commit.wait(10)
+        assert loop.run_pending()  # nor does a pass of the model thread wait for that commit
         member.slow.set()
     finally:
         member.slow.set()
@@ -285,8 +270,8 @@ def committed(path) -> int:
 def test_a_loop_that_commits_per_pass_commits_a_whole_handoff_once_per_journal_at_the_end_of_the_step(tmp_path):
     """The shared pool's loop (``commit_per_pass``): the bootstrap, decided on the loop's thread, is committed at the
     end of its passes; the handoff that the model thread's step started, decided in its ``run_pending`` inside
-    ``held``, is in neither journal's file until ``held`` ends, and then whole, one commit a journal (on the
-    committer's thread); the replay reads both sides to Success. (The ``fake`` data plane pulls on a worker thread: the test
+    ``held``, is in neither journal's file until ``held`` ends, and then whole, one commit a
+    journal; the replay reads both sides to Success. (The ``fake`` data plane pulls on a worker thread: the test
     holds the loop until that pull's event is decided too, as ``pool``'s own pull, taken in the pass, needs not.)"""
     loop, secret = NodeLoop("pd", commit_per_pass=True), generate_secret()
     common = dict(layout=LAYOUT, secret=secret, backend="fake", loop=loop, in_process=True)
@@ -318,9 +303,8 @@ def test_a_loop_that_commits_per_pass_commits_a_whole_handoff_once_per_journal_a
             p.kv_ready(1, first_token=7)
             run_until("Success")
             assert {role: committed(path) for role, path in paths.items()} == {r: b[0] for r, b in before.items()}
-        for role, m in (("p", p), ("d", d)):  # committed off the holder's thread, once held ended
-            _until(lambda role=role, m=m: committed(paths[role]) > before[role][0] and m.journal.pending == 0,
-                   f"{role}'s handoff rows were never committed")
+        for role, m in (("p", p), ("d", d)):
+            assert committed(paths[role]) > before[role][0] and m.journal.pending == 0
             assert m.journal.commits == before[role][1] + 1, role
     finally:
         d.close()
