@@ -111,6 +111,12 @@ def private_dir() -> str:
     raise UnixPathError("no directory short enough for the engines' unix sockets (set TMPDIR to a short path)")
 
 
+def import_engines() -> None:
+    """What ``build_engines`` imports; its own imports then find the modules, or wait for the one under way."""
+    import fsm_pd.serving.decode_engine  # noqa: F401
+    import fsm_pd.serving.prefill_engine  # noqa: F401
+
+
 def build_engines(args: argparse.Namespace, models: dict, links: str, pages: tuple[int, int]):
     """The two engines, on unix sockets in ``links``, journaling into ``--journal-dir``; they share a secret. With
     the ``pool`` backend they share one pool of ``sum(pages)`` pages and one step loop too (``SharedPool``). Their
@@ -168,6 +174,11 @@ def run_pd(args: argparse.Namespace, opening, reading) -> int:
 
     startup.record("imports", startup.since_start())
     compiles.install()
+    # the engines' modules import on a thread while this one waits for the devices to open (a TPU v5e's open took
+    # 3.7 s in round r16), instead of after it, on the way to ready: they were most of the 2.1 s engine phase there
+    # (fastapi for the bootstrap server, SQLAlchemy for the journals, the machines, zmq: 1.3 of build_engines' 1.9 s
+    # on a CPU, by cProfile)
+    threading.Thread(target=import_engines, name="engine-imports", daemon=True).start()
     try:
         model = start_model(args, startup, opening, reading)
     except (FileNotFoundError, ValueError) as exc:
