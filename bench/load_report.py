@@ -116,15 +116,16 @@ def handoff_lines(report: dict) -> list[str]:
     rows = [(name, r["handoffs"]) for name, r in report["targets"].items() if r.get("handoffs")]
     if not rows:
         return []
-    lines = ["", "| target | rooms (Success both sides) | replay | P xfer p50 / p90 / max (ms) "
-             "| D xfer p50 / p90 / max (ms) |", "| --- | ---: | --- | ---: | ---: |"]
+    lines = ["", "| target | rooms (Success both sides) | served whole | replay | P xfer p50 / p90 / max (ms) "
+             "| D xfer p50 / p90 / max (ms) |", "| --- | ---: | ---: | --- | ---: | ---: |"]
     for name, h in rows:
         if "error" in h:
-            lines.append(f"| {name} | - | {h['error']} | - | - |")
+            lines.append(f"| {name} | - | - | {h['error']} | - | - |")
             continue
         sides = [" / ".join(f"{h[k][q]:.2f}" for q in ("p50", "p90", "max")) if k in h else "-"
                  for k in ("prefill_xfer_ms", "decode_xfer_ms")]
-        lines.append(f"| {name} | {h['rooms']} ({h['success']}) | {'ok' if h['consistent'] else 'DIVERGED'} | "
+        lines.append(f"| {name} | {h['rooms']} ({h['success']}) | {h.get('local', 0)} | "
+                     f"{'ok' if h['consistent'] else 'DIVERGED'} | "
                      f"{sides[0]} | {sides[1]} |")
     return lines
 

@@ -106,8 +106,9 @@ def cache_env(caches: Path | None, env: dict | None = None) -> dict:
 
 
 def handoffs(journal_dir: Path) -> dict | None:
-    """What ``fsm-pd replay`` tells of a pd target's handoffs, read from its journals once it stopped: rooms, how
-    many ended Success on both sides, and the time each side spent in Transferring (``xfer`` in replay's table),
+    """What ``fsm-pd replay`` tells of a pd target's handoffs, read from its journals once it stopped: rooms (a
+    request served whole, ``--pd-policy`` auto's local route, is counted apart: ``local``), how many ended Success on
+    both sides, and the time each side spent in Transferring (``xfer`` in replay's table),
     milliseconds at p50, p90 and max. The prefill side's is the whole handoff: from its KV ready to D's PULLED."""
     files = sorted(str(f) for f in journal_dir.glob("*.db"))
     if not files:
@@ -117,9 +118,13 @@ def handoffs(journal_dir: Path) -> dict | None:
     if out.returncode not in (0, 3):
         return {"error": out.stderr.strip()[-300:]}
     rooms: dict[int, dict[str, dict]] = {}
+    local = 0
     for side in json.loads(out.stdout)["rooms"]:
+        if side["role"] not in ("prefill", "decode"):  # a record of a request served whole (role local), no handoff
+            local += 1
+            continue
         rooms.setdefault(side["room"], {})[side["role"]] = side
-    report: dict = {"rooms": len(rooms), "consistent": out.returncode == 0,
+    report: dict = {"rooms": len(rooms), "local": local, "consistent": out.returncode == 0,
                     "success": sum(all(s["final"] == "Success" for s in r.values()) and len(r) == 2
                                    for r in rooms.values())}
     for role in ("prefill", "decode"):

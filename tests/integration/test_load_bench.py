@@ -82,6 +82,11 @@ def test_quick_run_answers_every_request_with_its_tokens_and_ratios(tmp_path):
         if base[mix]["goodput_req_s"]:
             assert ratios["goodput"] == pytest.approx(pd["goodput_req_s"] / base[mix]["goodput_req_s"])
     assert sorted(report["ratios"]["pd-always"]) == sorted(NEW_TOKENS)
+    # every request of the measured start (the isolated ones, the warm-up wave, the runs) was a handoff that ended
+    # Success on both sides, and replay agrees with the journals; none was served whole
+    handoffs = report["targets"]["pd-always"]["handoffs"]
+    assert handoffs["consistent"] and handoffs["local"] == 0
+    assert handoffs["rooms"] == handoffs["success"] >= RUNS * REQUESTS * len(NEW_TOKENS), handoffs
     table = run.stdout
     for mix in NEW_TOKENS:
         for i, each in enumerate(report["targets"]["pd-always"]["runs"], 1):

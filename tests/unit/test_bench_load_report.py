@@ -120,3 +120,30 @@ def test_the_servers_phases_of_a_run_are_their_means_per_request_over_that_run_o
     assert means == {"P queue": 20.0, "D first_token": 40.0}
     report = {"targets": {"pd-always": {"runs": [{"mixes": {"mixed": {"phases_ms": means, "ttft_mean_s": 0.0625}}}]}}}
     assert "| pd-always | mixed | 62.5 | P queue 20.0, D first_token 40.0 |" in load_phases.lines(report)
+
+
+def test_handoffs_count_transfer_rooms_and_requests_served_whole_apart(tmp_path, monkeypatch):
+    """What replay reads of a pd target's journals: a room with both sides is a handoff (Success on both, or not);
+    a request served whole (auto's local route) leaves only a record of role ``local``, counted apart, never as a
+    room without its Success (r16's table showed auto's 337 local requests as "337 rooms (0 Success)")."""
+    import json
+    import subprocess
+
+    import load_targets
+
+    (tmp_path / "prefill-0.db").touch()
+    sides = [
+        {"room": 1, "role": "prefill", "final": "Success", "time_in_state": {"Transferring": 0.0004}},
+        {"room": 1, "role": "decode", "final": "Success", "time_in_state": {"Transferring": 0.0002}},
+        {"room": 2, "role": "prefill", "final": "Failed", "time_in_state": {}},
+        {"room": 2, "role": "decode", "final": "Failed", "time_in_state": {}},
+        {"room": 3, "role": "local", "final": "Success", "time_in_state": {}},
+        {"room": 4, "role": "local", "final": "Success", "time_in_state": {}},
+    ]
+    monkeypatch.setattr(load_targets.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a[0], 0, stdout=json.dumps({"rooms": sides}), stderr=""))
+    report = load_targets.handoffs(tmp_path)
+    assert (report["rooms"], report["success"], report["local"], report["consistent"]) == (2, 1, 2, True)
+    assert report["prefill_xfer_ms"]["n"] == 1 and report["prefill_xfer_ms"]["p50"] == pytest.approx(0.4)
+    line = load_report.handoff_lines({"targets": {"pd-auto": {"handoffs": report}}})[-1]
+    assert line.startswith("| pd-auto | 2 (1) | 2 | ok | 0.40 / 0.40 / 0.40 | 0.20 / 0.20 / 0.20 |"), line
