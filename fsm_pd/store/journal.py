@@ -191,9 +191,9 @@ class Journal:
             elif not self._rooms.maybe(node, role, room):
                 return False
         node_col, role_col, room_col = 0, 1, 2
-        # the writer swaps the list on flush, and keeps the rows it commits in ``_flushing`` until they are in: a
-        # reader between the two finds them there (iterating a list swapped out is safe)
-        for row in (*self._flushing, *self._pending):
+        # the writer swaps the list on flush, and keeps the rows it commits in ``_flushing`` until they are in: read
+        # in the order rows move (buffered, being written, in the file), so a row moving meanwhile is found once
+        for row in (*self._pending, *self._flushing):
             if row[room_col] == room and row[node_col] == node and row[role_col] == role:
                 return True
         try:
