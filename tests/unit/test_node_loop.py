@@ -267,12 +267,15 @@ def committed(path) -> int:
         conn.close()
 
 
-def test_a_loop_that_commits_per_pass_commits_a_whole_handoff_once_per_journal_at_the_end_of_the_step(tmp_path):
+def test_a_loop_that_commits_per_pass_commits_a_whole_handoff_once_per_journal_at_the_end_of_the_step(tmp_path,
+                                                                                                     slow_idle):
     """The shared pool's loop (``commit_per_pass``): the bootstrap, decided on the loop's thread, is committed at the
     end of its passes; the handoff that the model thread's step started, decided in its ``run_pending`` inside
-    ``held``, is in neither journal's file until ``held`` ends, and then whole, one commit a
-    journal; the replay reads both sides to Success. (The ``fake`` data plane pulls on a worker thread: the test
-    holds the loop until that pull's event is decided too, as ``pool``'s own pull, taken in the pass, needs not.)"""
+    ``held``, is in neither journal's file until ``held`` ends, and then whole, one commit a journal; the replay
+    reads both sides to Success. (The ``fake`` data plane pulls on a worker thread: the test holds the loop until
+    that pull's event is decided too, as ``pool``'s own pull, taken in the pass, needs not.) The loop's idle wake is
+    a minute (``slow_idle``): an idle pass that took the lock just before the step held it commits after letting go,
+    and would commit the step's rows early (a loaded machine's suite saw it once: 3 rows in P's file mid-step)."""
     loop, secret = NodeLoop("pd", commit_per_pass=True), generate_secret()
     common = dict(layout=LAYOUT, secret=secret, backend="fake", loop=loop, in_process=True)
     paths = {role: tmp_path / f"{role}.db" for role in ("p", "d")}
