@@ -151,6 +151,7 @@ def wait_ready(nodes: list[Child], deadline: float, console: Console) -> dict[st
                                    f"; see {waiting[0].log}")
             for child in list(waiting):
                 ready, status = health(child)
+                status = one_status(status)
                 task = tasks[child.name]
                 if ready:
                     done = bars.tasks[task].total or 1
@@ -163,6 +164,21 @@ def wait_ready(nodes: list[Child], deadline: float, console: Console) -> dict[st
                     bars.update(task, description=status.get("phase", "starting"))
             time.sleep(0.25)
     return {c.name: startup_phases(c) for c in nodes}
+
+
+def one_status(status: dict) -> dict:
+    """A node's start-up status as ``/health`` says it; a ``--role pd`` process's, which has one per engine
+    (``engines``), as one: the programs of both, and the phase of the first engine that is not done."""
+    engines = [s for s in (status.get("engines") or {}).values() if isinstance(s, dict)]
+    if not engines:
+        return status
+    progress = [s["progress"] for s in engines if s.get("progress")]
+    phase = next((s.get("phase") for s in engines if s.get("status") != "ready" and s.get("phase")), "starting")
+    out = {"phase": phase}
+    if progress:
+        out["progress"] = {"step": next((p.get("step", "") for p in progress if p["done"] < p["total"]), phase),
+                           "done": sum(p["done"] for p in progress), "total": sum(p["total"] for p in progress)}
+    return out
 
 
 def startup_phases(child: Child) -> dict:

@@ -30,6 +30,8 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 
+from fsm_pd.cli import launch_layout
+
 # the processes: started, watched, stopped (``free_port``, ``Child``, ``stop``, ``wait_healthy`` and ``exit_cause``
 # are also used from here by the tests and benches)
 from fsm_pd.cli.children import (  # noqa: F401
@@ -223,7 +225,10 @@ def how_to_reach(router: str, model: str) -> list[str]:
 def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, journal_dir: Path,
            extra: list[str], console: Console, warmup: bool = True, prefill_tp: int = 1, decode_tp: int = 1,
            router_extra: Sequence[str] = (), uds: Path | None = None, prefill_extra: Sequence[str] = (),
-           decode_extra: Sequence[str] = ()) -> int:
+           decode_extra: Sequence[str] = (), layout: str = "auto", role_args: Sequence[str] = ()) -> int:
+    """``backend``: the nodes' transfer backend, None for the default (tcp between nodes; one ``--role pd`` process's
+    own, ``pool``). ``layout``: ``launch_layout.LAYOUTS``; ``role_args``: the flags given for one role or the router
+    alone (``--prefill-arg``, ``--decode-arg``, ``--router-arg``), which one process cannot take."""
     started = time.time()
     # launch's own flags first: planning picks the nodes' free TCP ports (unless --uds), which a host without TCP
     # refuses, and a missing model must not be blamed on that
@@ -231,13 +236,23 @@ def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, jo
     if error is not None:
         print(f"fsm-pd launch: error: {error}", file=sys.stderr)  # one line, whatever the terminal's width
         return 2
-    children = plan(prefill, decode, port, model, backend, journal_dir, extra, prefill_tp, decode_tp, router_extra,
-                    uds, prefill_extra, decode_extra)
+    try:
+        layout = launch_layout.choose(layout, accelerator_host(),
+                                      launch_layout.one_process_problem(prefill, decode, prefill_tp, decode_tp,
+                                                                        role_args))
+    except ValueError as exc:
+        print(f"fsm-pd launch: error: {exc}", file=sys.stderr)
+        return 2
+    if layout == "pd":
+        children = [launch_layout.plan_one_process(port, model, backend, journal_dir, extra, router_extra, uds)]
+    else:
+        children = plan(prefill, decode, port, model, backend or "tcp", journal_dir, extra, prefill_tp, decode_tp,
+                        router_extra, uds, prefill_extra, decode_extra)
     # the router's parser comes with the router's imports (0.9 s): checked only when it is given flags to check
-    error = check_sockets(children) or check_commands(children if router_extra else children[:-1])
-    if error is None and uds is not None:
+    error = check_sockets(children) or check_commands(children if router_extra or layout == "pd" else children[:-1])
+    if error is None and uds is not None and layout == "nodes":
         try:
-            check_unix_backend(backend)
+            check_unix_backend(backend or "tcp")
         except ValueError as exc:
             error = str(exc)
     if error is not None:
@@ -247,7 +262,8 @@ def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, jo
     if uds is not None:
         uds.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **secret_env(generate_secret())}
-    nodes, router_child = children[:-1], children[-1]
+    # one process: it is the cluster's front and its only node (what the router's death means, it means)
+    nodes, router_child = (children, children[0]) if layout == "pd" else (children[:-1], children[-1])
     signals = StopSignals()  # Ctrl-C, SIGTERM, SIGHUP: the first stops the cluster (each node drains), the next hurry
     signals.install()
     chip = chip_holder(children) if accelerator_host() else None
@@ -257,23 +273,31 @@ def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, jo
                 for child in children:  # the router too: it sends nothing to a node until that node is ready
                     start(child, env if chip is None or child is chip else {**env, "JAX_PLATFORMS": "cpu"})
             status.stop()  # the nodes' progress bars take the terminal meanwhile
-            console.print(f"starting {', '.join(c.name for c in nodes)} ({model}; logs in {journal_dir})")
+            how = ("one process, a prefill and a decode engine on this host's devices; --layout nodes: a "
+                   "process per node" if layout == "pd" else ", ".join(c.name for c in nodes))
+            console.print(f"starting {how} ({model}; logs in {journal_dir})", soft_wrap=True, highlight=False)
             phases = wait_ready(nodes, time.time() + HEALTH_TIMEOUT_S, console)
             for name, times in phases.items():
                 console.print(f"  {name} ready: " + ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds
                                                              in times.items()), highlight=False)
             status.start()
-            status.update(f"waiting for the router ({router_child.url}) to take the nodes in")
-            wait_admitted(router_child, {"prefill": prefill, "decode": decode}, time.time() + HEALTH_TIMEOUT_S)
+            if layout == "nodes":
+                status.update(f"waiting for the router ({router_child.url}) to take the nodes in")
+                wait_admitted(router_child, {"prefill": prefill, "decode": decode}, time.time() + HEALTH_TIMEOUT_S)
             router = router_child.url
             if warmup:
                 status.update(f"asking {WARMUP_QUESTION!r} through the router")
                 answer = warm_up(router, model)
                 console.print(f"{WARMUP_QUESTION} -> {answer!r}  (first answer {time.time() - started:.1f} s "
                               "after the command)", soft_wrap=True, markup=False, highlight=False)
-        console.print(f"[bold green]fsm-pd is serving {model} at {router}[/] "
-                      f"({prefill} prefill, {decode} decode, {backend} transfers; journals and logs in {journal_dir})")
-        if not any(arg.startswith("--pd-policy") for arg in router_extra):
+        if layout == "pd":
+            console.print(f"[bold green]fsm-pd is serving {model} at {router}[/] (one --role pd process: a prefill "
+                          f"and a decode engine on this host's devices, {backend or 'pool'} handoffs; journals "
+                          f"and log in {journal_dir}; --layout nodes: a process per node)")
+        else:
+            console.print(f"[bold green]fsm-pd is serving {model} at {router}[/] ({prefill} prefill, {decode} decode, "
+                          f"{backend or 'tcp'} transfers; journals and logs in {journal_dir})")
+        if layout == "nodes" and not any(arg.startswith("--pd-policy") for arg in router_extra):
             console.print("  the router hands a prompt to a prefill node only where that pays: a long one goes "
                           "through prefill and decode, a short one is served whole on a decode node (--pd-policy "
                           "auto; each answer's X-FSM-PD-Route and X-FSM-PD-Route-Reason headers say which, and why, "
@@ -288,9 +312,12 @@ def launch(*, prefill: int, decode: int, port: int, model: str, backend: str, jo
         while True:
             time.sleep(0.5)
             if router_child.proc.poll() is not None:
-                console.print(f"[bold red]the router exited with {router_child.proc.returncode}; stopping the "
+                what = "the router" if layout == "nodes" else "the --role pd process"
+                console.print(f"[bold red]{what} exited with {router_child.proc.returncode}; stopping the "
                               f"cluster (see {router_child.log})[/]")
                 return 1
+            if layout == "pd":
+                continue
             left = survivors(nodes, reported, console, needed)
             if not all(left[role] for role in needed):
                 role = next(r for r in needed if not left[r])

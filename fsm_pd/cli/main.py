@@ -148,7 +148,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
                   backend=args.transfer_backend, journal_dir=Path(args.journal_dir), extra=[*extra, *limit],
                   console=Console(), warmup=args.warmup, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
                   router_extra=[*limit, *router_extra(args)], uds=Path(args.uds) if args.uds else None,
-                  prefill_extra=args.prefill_arg, decode_extra=args.decode_arg)
+                  prefill_extra=args.prefill_arg, decode_extra=args.decode_arg, layout=args.layout,
+                  role_args=[*args.prefill_arg, *args.decode_arg, *args.router_arg])
 
 
 def router_extra(args: argparse.Namespace) -> list[str]:
@@ -161,6 +162,7 @@ def router_extra(args: argparse.Namespace) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     from fsm_pd.cli.flag_values import one_line_errors, port, positive_int, transfer_backend
     from fsm_pd.cli.flags import add_model_flags
+    from fsm_pd.cli.launch_layout import LAYOUTS
     from fsm_pd.net.body_limit import byte_count
 
     parser = argparse.ArgumentParser(
@@ -233,8 +235,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "DIR/router.sock http://localhost/v1/chat/completions ...; docs/operations.md, Serving "
                              "over unix sockets). Only the tcp and zmq transfer backends run over unix sockets")
     add_model_flags(launch)
-    launch.add_argument("--transfer-backend", type=transfer_backend, default="tcp",
-                        help="tcp | zmq | jax | a registered plugin (default tcp)")
+    launch.add_argument("--transfer-backend", type=transfer_backend, default=None,
+                        help="tcp | zmq | jax | a registered plugin (default tcp between nodes; one --role pd "
+                             "process, --layout pd: its own, pool)")
+    launch.add_argument("--layout", choices=LAYOUTS, default="auto",
+                        help="nodes: a process per node and the router; pd: one `fsm-pd serve --role pd` process, a "
+                             "prefill and a decode engine sharing the devices, one KV pool and handoffs that move "
+                             "page ownership, listening where the router would (1 prefill, 1 decode, --tp 1, flags "
+                             "through --node-arg only); auto (default): pd on a host whose accelerator one process at "
+                             "a time may hold (a TPU's) when the cluster fits it, else nodes (docs/operations.md)")
     launch.add_argument("--prefill-tp", type=positive_int, default=1, metavar="N",
                         help="each prefill node's --tp: its model split over N devices (default 1)")
     launch.add_argument("--decode-tp", type=positive_int, default=1, metavar="N",

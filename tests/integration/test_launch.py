@@ -143,3 +143,32 @@ def test_one_ctrl_c_drains_every_node_and_a_running_stream_ends_whole(tmp_path):
         assert "again: exiting at once" not in log, log[-2000:]
     assert not listening(port)
 
+
+
+def test_launch_as_one_pd_process_serves_hands_off_and_stops(tmp_path):
+    """``--layout pd`` (the default where one process holds a host's accelerator, a TPU's: ``launch_layout.py``): one
+    ``fsm-pd serve --role pd`` process in the router's place, on ``DIR/router.sock``, its engines' journals under the
+    nodes' names; ``--pd-policy always`` sends every request through a handoff."""
+    sockets, journals = tmp_path / "s", tmp_path / "cluster"
+    proc, lines, reader = started(["--layout", "pd", "--model", "tiny", "--pd-policy", "always", "--uds",
+                                   str(sockets), "--journal-dir", str(journals)])
+    client = httpx.Client(transport=httpx.HTTPTransport(uds=str(sockets / "router.sock")))
+    try:
+        answer = client.post("http://localhost/generate", timeout=120, json={
+            "input_ids": [20 + i % 230 for i in range(40)],
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}).json()
+        assert len(answer["output_ids"]) == 6 and answer["meta_info"]["pd_route"]["path"] == "pd", answer
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        reader.join(10)
+    out = "".join(lines)
+    assert proc.returncode == 0, out
+    assert "one process, a prefill and a decode engine" in out and "What is the capital of France? -> " in out
+    assert f"curl --unix-socket {sockets / 'router.sock'} " in out  # how to reach it: where the router would be
+    assert sorted(p.name for p in journals.glob("*.db")) == ["decode-0.db", "prefill-0.db"]
+    assert not (sockets / "router.sock").exists()
+    result = replay(read_journal(journals / "prefill-0.db") + read_journal(journals / "decode-0.db"))
+    # the warm-up question and the request above: each a handoff, both sides Success
+    assert result.consistent and [r.final for r in result.rooms] == ["Success"] * 4
+    assert sorted(r.role for r in result.rooms) == ["decode", "decode", "prefill", "prefill"]

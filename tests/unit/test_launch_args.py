@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from real_parts import TCP
 
 from fsm_pd.cli.flags import accelerator_host, resolve_dtype, resolve_page_size
@@ -147,3 +148,38 @@ def test_launch_takes_the_router_s_pd_policy_itself():
     args = build_parser().parse_args(["launch", "--pd-policy", "never", "--router-arg=--pd-policy=always"])
     assert router_extra(args) == ["--pd-policy=never", "--pd-policy=always"]
     assert router_extra(build_parser().parse_args(["launch"])) == []
+
+
+def test_where_one_process_holds_the_accelerator_the_default_cluster_is_one_pd_process():
+    from fsm_pd.cli.launch_layout import choose, one_process_problem, plan_one_process
+
+    fits = one_process_problem(1, 1, 1, 1, [])
+    assert fits is None
+    assert choose("auto", True, fits) == "pd" and choose("auto", False, fits) == "nodes"
+    assert choose("nodes", True, fits) == "nodes" and choose("pd", False, fits) == "pd"
+    for problem, said in ((one_process_problem(2, 1, 1, 1, []), "--prefill 2 --decode 1"),
+                          (one_process_problem(1, 1, 1, 2, []), "--tp 1"),
+                          (one_process_problem(1, 1, 1, 1, ["--router-arg=--policy=cache_aware"]), "--node-arg")):
+        assert said in problem
+        assert choose("auto", True, problem) == "nodes"  # a cluster one process cannot be stays nodes
+        with pytest.raises(ValueError, match=f"--layout pd: one process cannot run this cluster: .*{said}"):
+            choose("pd", True, problem)
+    child = plan_one_process(30000, "tiny", None, Path("/tmp/j"), ["--kv-checksum", "on"], ["--pd-policy=always"],
+                             Path("/run/fsm"))
+    assert child.argv[child.argv.index("--role") + 1] == "pd" and "--transfer-backend" not in child.argv  # pool
+    assert child.argv[child.argv.index("--uds") + 1] == "/run/fsm/router.sock" and "--pd-policy=always" in child.argv
+    assert child.argv[child.argv.index("--journal-dir") + 1] == "/tmp/j"
+    assert check_commands([child]) is None  # every flag it passes, --role pd takes
+
+
+def test_a_pd_process_s_start_up_shows_as_one_node_s():
+    from fsm_pd.cli.children import one_status
+
+    node = {"status": "starting", "phase": "programs", "progress": {"done": 3, "total": 9, "step": "decode"}}
+    assert one_status(node) is node
+    both = {"status": "starting", "engines": {
+        "prefill": {"status": "starting", "phase": "programs", "progress": {"done": 6, "total": 6, "step": "x"}},
+        "decode": {"status": "starting", "phase": "programs", "progress": {"done": 2, "total": 8, "step": "decode 8"}}}}
+    assert one_status(both) == {"phase": "programs", "progress": {"step": "decode 8", "done": 8, "total": 14}}
+    assert one_status({"status": "starting", "engines": {"prefill": {"status": "starting", "phase": "weights"},
+                                                         "decode": {"status": "starting"}}}) == {"phase": "weights"}
