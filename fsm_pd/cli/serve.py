@@ -253,14 +253,17 @@ def run_node(args: argparse.Namespace, opening, reading) -> int:
     exit_now(0)
 
 
-def prepare_programs(starts: dict, skip: bool, busy, weights=lambda: None, app_built: threading.Event | None = None
-                     ) -> None:
+def prepare_programs(starts: dict, skip: bool, busy, weights=lambda: None, app_built: threading.Event | None = None,
+                     more=None) -> None:
     """The start-up thread of a node (``starts``: {engine: its ``Startup``}) or of ``--role pd`` (both engines, which
     share one pool and so one set of programs: the second warm-up finds the first's): prepare the programs any
     request needs (``warmup.warm_up``), wait for the weights (``weights()``: they load meanwhile) and for the app
     that will serve (``app_built``: the main thread imports and builds it meanwhile), mark every engine
-    ready at once, then compile the rest in the background while no request is in flight (``busy``). A failure here
-    leaves a process that can never serve: it exits 1."""
+    ready at once, then compile the rest in the background while no request is in flight (``busy``). ``more``: a
+    call that waits for engines still being built and returns them the same way, warmed up after those of
+    ``starts`` (``--role pd`` starts this thread once its decode engine exists and builds the prefill engine
+    meanwhile); the first of them is the process's, whose start-up the log line tells. A failure here leaves a
+    process that can never serve: it exits 1."""
     from fsm_pd.model import compiles
     from fsm_pd.runtime.gc_policy import freeze_survivors
     from fsm_pd.serving.warmup import compile_rest, warm_up
@@ -272,6 +275,13 @@ def prepare_programs(starts: dict, skip: bool, busy, weights=lambda: None, app_b
             for engine, startup in starts.items():
                 with startup.phase("programs"):
                     warm_up(engine, progress=True, startup=startup)
+        if more is not None:
+            later = more()
+            first = next(iter(later.values()), first)
+            for engine, startup in later.items() if not skip else ():
+                with startup.phase("programs"):
+                    warm_up(engine, progress=True, startup=startup)
+            starts = {**later, **starts}
         weights()
         if app_built is not None:
             app_built.wait()

@@ -62,8 +62,10 @@ class SharedPool:
         return member
 
     def engines(self) -> list[Any]:
-        """The engines that share this pool (their warm-ups plan one set of programs between them)."""
-        return [m.engine for m in self._members.values() if m.engine is not None]
+        """The engines that share this pool and are whole (started): their warm-ups plan one set of programs between
+        them. ``--role pd`` warms the decode engine's programs up while it builds the prefill engine, half built
+        meanwhile."""
+        return [m.engine for m in tuple(self._members.values()) if m.engine is not None and m.started]
 
     def kick(self) -> None:
         self._driver.kick()

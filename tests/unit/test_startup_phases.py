@@ -61,7 +61,9 @@ def _start(role: str, gguf, tmp_path, env: dict, name: str) -> dict:
             answer = client.post("/generate", json={"input_ids": [5, 6, 7, 8],
                                                     "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
             assert answer.status_code == 200, answer.text
-            return {"answer": answer.json(), "startup": client.get("/server_info").json()["startup"],
+            info = client.get("/server_info").json()
+            return {"answer": answer.json(), "startup": info["startup"],
+                    "engines": info["internal_states"][0].get("engines_startup"),
                     "metrics": client.get("/metrics").text, "log": log.read_text()}
     finally:
         proc.terminate()
@@ -96,6 +98,9 @@ def test_a_node_names_its_phases_answers_once_ready_and_loads_every_program_from
         # the device and the model's threads start with the process, before the engine is built
         assert spans["imports"][0] == 0 and all(spans[name][0] <= spans["engine"][0]
                                                 for name in ("device", "model", "weights")), spans
+        if role == "pd":  # the decode engine's programs are prepared while the prefill engine is built
+            decode = run["engines"]["decode"]["timeline"]
+            assert decode["programs"][0] < spans["engine"][1] <= decode["programs"][1], (decode, spans)
     assert warm["answer"]["text"] == cold["answer"]["text"]
     kinds = warm["startup"]["programs_before_ready"]
     assert kinds and sum(k["programs"] for k in kinds.values()) >= 10, kinds
