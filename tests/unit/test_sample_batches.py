@@ -37,8 +37,11 @@ def test_engines_of_their_own_plan_their_own_buckets():
 
 def test_two_engines_sharing_a_pool_plan_one_set_and_so_the_same_ready_samplers(pool):
     p, d = prefill(pool), decode(pool)
-    pool.member("prefill", lambda: False, engine=p)
-    pool.member("decode", lambda: False, engine=d)
+    pool.member("prefill", lambda: False, engine=p).start()
+    decoding = pool.member("decode", lambda: False, engine=d)
+    # an engine counts once it is whole (started): --role pd warms one up while it builds the other
+    assert sample_batches(p) == [1, 2, 4, 8]
+    decoding.start()
     assert sample_batches(p) == sample_batches(d) == [1, 2, 4, 8, 16, 32, 64]
     ready = [WarmupPlan([], sample_batches(e)).ready_samples for e in (p, d)]
     assert ready == [[1, 64], [1, 64]]  # 2 buckets before ready between them, not 3 ({1, 8} and {1, 64})
