@@ -49,7 +49,7 @@ import numpy as np
 from fsm_pd.control.overlap import layer_group
 from fsm_pd.kernels import cpu_copy, gather_pages, host_words, kv_hash, resolve_impl, scatter_layers, scatter_pages
 from fsm_pd.kernels.placement import pool_placement
-from fsm_pd.model import compile_demand, compiles, sampling
+from fsm_pd.model import compile_demand, compiles, executables, sampling
 from fsm_pd.model.decoder import LOGPROB_ROWS, MAX_TOP_LOGPROBS, next_token_logprobs
 from fsm_pd.runtime.switch_interval import brief_turns
 from fsm_pd.serving.startup import Startup
@@ -259,21 +259,29 @@ def _lower_priority() -> None:
 
 
 def _sampler_thunks(batch: int, vocab: int, sharding) -> dict:
-    """The four sampling programs at ``batch`` rows, each lowered and compiled ahead from shapes: the logits placed
-    where the forward passes leave them, the other inputs host arrays, as ``sampling.sample`` passes them. A program
-    compiled so is in jit's own cache too: the first call of that shape compiles nothing."""
+    """The four sampling programs at ``batch`` rows, each compiled ahead from shapes, or loaded as the executable an
+    earlier start wrote (``executables.compiled``): the logits placed where the forward passes leave them, the other
+    inputs host arrays, as ``sampling.sample`` passes them; ``sampling.sample`` runs them from then on
+    (``sampling.hold``)."""
     def spec(shape, dtype, placed=None):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=placed)
 
     logits = spec((batch, vocab), jnp.float32, sharding)
     rows = lambda dtype: spec((batch,), dtype)  # noqa: E731
     table = spec((batch, vocab), jnp.float32)
+
+    def held(jitted, *args):
+        def prepare():
+            program = executables.compiled(jitted, logits, *args)
+            sampling.hold(jitted.__name__, batch, program)
+            return program
+        return prepare
+
     return {
-        "greedy": lambda: sampling.greedy_tokens.lower(logits).compile(),
-        "sample": lambda: sampling.sample_tokens.lower(logits, spec((batch, sampling.ROW_PARAMS), jnp.int32)).compile(),
-        "adjust": lambda: sampling.adjust_logits.lower(
-            logits, table, rows(jnp.float32), rows(jnp.float32), rows(jnp.float32), table).compile(),
-        "mask": lambda: sampling.mask_logits.lower(logits, spec((batch, (vocab + 31) // 32), jnp.int32)).compile(),
+        "greedy": held(sampling.greedy_tokens),
+        "sample": held(sampling.sample_tokens, spec((batch, sampling.ROW_PARAMS), jnp.int32)),
+        "adjust": held(sampling.adjust_logits, table, rows(jnp.float32), rows(jnp.float32), rows(jnp.float32), table),
+        "mask": held(sampling.mask_logits, spec((batch, (vocab + 31) // 32), jnp.int32)),
     }
 
 
