@@ -109,9 +109,10 @@ def test_a_node_names_its_phases_answers_once_ready_and_loads_every_program_from
     cold_kinds = cold["startup"]["programs_before_ready"]
     assert not any(k["from_cache"] + k["from_executable"] for k in cold_kinds.values()), {
         kind: (k["from_cache"], k["from_executable"], k["programs"]) for kind, k in cold_kinds.items()}
-    # the forward passes and the logprob programs loaded whole as the executables the cold start wrote: not one traced
-    forward = {kind: kinds[kind] for kind in ("decode", "prefill", "logprobs") if kind in kinds}
-    assert {"decode", "prefill"} <= set(forward), kinds
+    # the forward passes, the samplers and the logprob programs loaded whole as the executables the cold start wrote:
+    # not one traced
+    forward = {kind: kinds[kind] for kind in ("decode", "prefill", "sampling", "logprobs") if kind in kinds}
+    assert {"decode", "prefill", "sampling"} <= set(forward), kinds
     assert all(k["from_executable"] == k["programs"] > 0 and k["trace_s"] == k["lower_s"] == 0
                for k in forward.values()), forward
     assert list((tmp_path / "jax" / "executables").glob("*.exe")), "the cold start wrote them"
