@@ -152,10 +152,10 @@ def check_commands(children: Sequence[Child]) -> str | None:
 
 
 def chip_holder(children: Sequence[Child]) -> Child:
-    """The one process that gets the accelerator on a host where one process at a time can hold it (a TPU's): the
-    first decode node, which serves every short prompt whole and every stream's tokens; the others run on the host's
-    CPU cores (``JAX_PLATFORMS=cpu``)."""
-    return next(child for child in children if child.name.startswith("decode-"))
+    """The one process that gets the accelerator on a host where one process at a time can hold it (a TPU's): a
+    ``--role pd`` process alone (``launch_layout.py``), else the first decode node, which serves every short prompt
+    whole and every stream's tokens; the others run on the host's CPU cores (``JAX_PLATFORMS=cpu``)."""
+    return next(child for child in children if child.name == launch_layout.PD_NAME or child.name.startswith("decode-"))
 
 
 def launch_problem(port: int, journal_dir: Path, uds: Path | None, model: str) -> str | None:

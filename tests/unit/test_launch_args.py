@@ -170,6 +170,7 @@ def test_where_one_process_holds_the_accelerator_the_default_cluster_is_one_pd_p
     assert child.argv[child.argv.index("--uds") + 1] == "/run/fsm/router.sock" and "--pd-policy=always" in child.argv
     assert child.argv[child.argv.index("--journal-dir") + 1] == "/tmp/j"
     assert check_commands([child]) is None  # every flag it passes, --role pd takes
+    assert chip_holder([child]) is child  # on a TPU host, the accelerator is its
 
 
 def test_a_pd_process_s_start_up_shows_as_one_node_s():
