@@ -1,4 +1,11 @@
-"""Fixtures shared by the integration tests."""
+"""Fixtures shared by the integration tests.
+
+The processes a session-scoped fixture holds for a group of tests (``pd_urls``' cluster, the fault rigs of
+``shared_rig``, ``smollm2_reference``'s node) are stopped as soon as the next test this process runs does not use
+them (``pytest_runtest_teardown`` below), not at the session's end: idle, a node still takes 1 to 2 % of a core
+(its heartbeats and loops), and the fault rigs and the shared cluster, 10 processes, sat idle for most of a run on
+the worker that had used them. Each is started again should a later test ask for it.
+"""
 
 from __future__ import annotations
 
@@ -51,7 +58,7 @@ class _SharedPD:
 
 @pytest.fixture(scope="session")
 def _shared_pd(tmp_path_factory):
-    shared = _SharedPD(tmp_path_factory)
+    shared = _live["_shared_pd"] = _SharedPD(tmp_path_factory)
     yield shared
     shared.stop()
 
@@ -67,22 +74,47 @@ def pd_urls(_shared_pd):
     return dict(_shared_pd.get())
 
 
+class _SmolLM2Reference:
+    """``smollm2_reference``'s node and answers, started and asked on first use (again after ``stop``)."""
+
+    def __init__(self, tmp_path_factory):
+        self.tmp_path_factory, self.cluster, self.answers = tmp_path_factory, None, None
+
+    def get(self) -> tuple[str, list]:
+        if self.answers is None:
+            from processes import Cluster
+            from test_smollm2_serving import MODEL, QUESTIONS, chat
+
+            self.cluster = Cluster(self.tmp_path_factory.mktemp("smollm2-reference"))
+            try:
+                url = self.cluster.serve("colocated", "--disable-radix-cache", *MODEL)
+                self.answers = url, [chat(url, q) for q in QUESTIONS]
+            except BaseException:
+                self.stop()
+                raise
+        return self.answers
+
+    def stop(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
+        self.cluster = self.answers = None
+
+
 @pytest.fixture(scope="session")
-def smollm2_reference(tmp_path_factory):
+def _smollm2_reference(tmp_path_factory):
+    reference = _live["_smollm2_reference"] = _SmolLM2Reference(tmp_path_factory)
+    yield reference
+    reference.stop()
+
+
+@pytest.fixture
+def smollm2_reference(_smollm2_reference):
     """A colocated SmolLM2 node with its prefix cache off, and its greedy chat answers to
     ``test_smollm2_serving.QUESTIONS`` (``chat``'s ``(text, tokens)``): the reference both SmolLM2 serving modules
     compare with (``test_smollm2_serving.py``, ``test_tp_smollm2.py``, one xdist group), started and asked once a
     test process. Greedy answers depend on nothing the node served before, and without its cache every later
     question is prefilled whole."""
-    from processes import Cluster
-    from test_smollm2_serving import MODEL, QUESTIONS, chat
-
-    cluster = Cluster(tmp_path_factory.mktemp("smollm2-reference"))
-    try:
-        url = cluster.serve("colocated", "--disable-radix-cache", *MODEL)
-        yield url, [chat(url, q) for q in QUESTIONS]
-    finally:
-        cluster.stop()
+    return _smollm2_reference.get()
 
 
 @pytest.fixture
@@ -102,12 +134,20 @@ def rig(tmp_path):
         r.stop()
 
 
+class _Rigs(dict):
+    """``shared_rig``'s rigs by their arguments."""
+
+    def stop(self) -> None:
+        for r in self.values():
+            r.stop()
+        self.clear()
+
+
 @pytest.fixture(scope="session")
 def _rigs():
-    made: dict = {}
+    made = _live["_rigs"] = _Rigs()
     yield made
-    for r in made.values():
-        r.stop()
+    made.stop()
 
 
 @pytest.fixture
@@ -132,3 +172,34 @@ def shared_rig(_rigs, tmp_path_factory):
         return found
 
     return get
+
+
+# The session fixtures above whose processes stop early: fixture name -> what holds them (a ``stop()``; a later
+# ``get`` starts them again)
+_live: dict[str, object] = {}
+_run_order: dict[str, int] = {}  # a run without xdist: each test's place in the run
+
+
+def _used_later(name: str, session: pytest.Session, nextitem: pytest.Item | None) -> bool:
+    """Whether a test this process runs after the current one uses fixture ``name``. An xdist worker runs whole
+    groups (tests/conftest.py), and the tests of one shared fixture are one group (``shared-pd``, ``fault-rig``,
+    ``smollm2``): the next test tells. A run without xdist runs ``session.items`` in order: any test after it tells."""
+    if nextitem is None:
+        return False
+    if hasattr(session.config, "workerinput"):
+        return name in nextitem.fixturenames
+    if not _run_order:
+        _run_order.update((item.nodeid, i) for i, item in enumerate(session.items))
+    start = _run_order.get(nextitem.nodeid, 0)
+    return any(name in item.fixturenames for item in session.items[start:])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """After a test's own teardown: stop the shared processes no test after it in this process uses."""
+    try:
+        return (yield)
+    finally:
+        for name, held in _live.items():
+            if name in item.fixturenames and not _used_later(name, item.session, nextitem):
+                held.stop()
