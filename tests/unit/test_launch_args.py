@@ -65,13 +65,15 @@ def test_launch_exits_2_with_the_error_and_starts_nothing(tmp_path):
     assert not journals.exists()  # nothing started: no journal directory, no logs
 
 
-def test_launch_uds_names_a_socket_path_too_long_before_anything_starts(tmp_path):
+@pytest.mark.parametrize("layout, first", [("nodes", "prefill-0"), ("pd", "pd")])
+def test_launch_uds_names_a_socket_path_too_long_before_anything_starts(tmp_path, layout, first):
+    """Each layout names its first process's socket (the layout given: on a TPU host ``auto`` is ``pd``)."""
     journals, sockets = tmp_path / "cluster", tmp_path / ("d" * 90)
     result = subprocess.run([sys.executable, "-m", "fsm_pd.cli", "launch", "--journal-dir", str(journals),
-                             "--uds", str(sockets)], capture_output=True, text=True, timeout=120)
+                             "--uds", str(sockets), "--layout", layout], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
     said = result.stderr.strip()
-    assert "\n" not in said and said.startswith("fsm-pd launch: error: prefill-0: --uds: ") and "sun_path" in said
+    assert "\n" not in said and said.startswith(f"fsm-pd launch: error: {first}: --uds: ") and "sun_path" in said
     assert not journals.exists() and not sockets.exists()
 
 
