@@ -281,6 +281,9 @@ def prepare_programs(starts: dict, skip: bool, busy, weights=lambda: None, app_b
             for engine, startup in later.items() if not skip else ():
                 with startup.phase("programs"):
                     warm_up(engine, progress=True, startup=startup)
+            for startup in starts.values():  # the earlier warm-ups, most of the work: the process's phase too
+                if (span := startup.timeline().get("programs")) is not None:
+                    first.record("programs", startup.status()["phases"]["programs"], startup.started_at + span[0])
             starts = {**later, **starts}
         weights()
         if app_built is not None:

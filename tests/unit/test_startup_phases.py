@@ -101,6 +101,10 @@ def test_a_node_names_its_phases_answers_once_ready_and_loads_every_program_from
         if role == "pd":  # the decode engine's programs are prepared while the prefill engine is built
             decode = run["engines"]["decode"]["timeline"]
             assert decode["programs"][0] < spans["engine"][1] <= decode["programs"][1], (decode, spans)
+            # and the process's programs phase (its log line, /metrics) counts that warm-up, not the prefill
+            # engine's alone, which finds nearly everything prepared
+            assert spans["programs"][0] <= decode["programs"][0] and startup["phases"]["programs"] >= \
+                run["engines"]["decode"]["phases"]["programs"], (startup, run["engines"]["decode"])
     assert warm["answer"]["text"] == cold["answer"]["text"]
     kinds = warm["startup"]["programs_before_ready"]
     assert kinds and sum(k["programs"] for k in kinds.values()) >= 10, kinds
