@@ -281,6 +281,7 @@ def measure(t: load_targets.Target, args, state: dict, result: dict) -> None:
         result["isolated_s"] = time.monotonic() - clock
         say(state, f"{t.name}: isolated latencies for the SLO in {result['isolated_s']:.1f} s")
     result["runs"], result["mixes"] = [], {}
+    loop_before = load_targets.step_loop(t.url)
     for run in range(args.runs):
         before = load_targets.compiles(t.url)
         this: dict = {"mixes": {}}
@@ -305,6 +306,7 @@ def measure(t: load_targets.Target, args, state: dict, result: dict) -> None:
     for mix in args.mixes:
         result["mixes"][mix] = median_of_runs([run["mixes"][mix] for run in result["runs"]])
     result["prefill_budget"] = load_targets.prefill_budget(t.url)
+    result["step_loop"] = load_targets.step_loop_since(loop_before, load_targets.step_loop(t.url))
 
 
 def _interrupt(signum, frame):

@@ -74,6 +74,7 @@ def markdown(report: dict) -> str:
                      f"{compiled(result.get('compiled_during_warmup'))} | {per_run} |")
     lines += handoff_lines(report)
     lines += budget_lines(report)
+    lines += step_loop_lines(report)
     lines += load_phases.lines(report)
     if report.get("warnings"):
         lines += ["", *(f"**WARNING: {warning}**" for warning in report["warnings"])]
@@ -142,6 +143,23 @@ def budget_lines(report: dict) -> list[str]:
         sizes = ", ".join(f"{t}: {ms:.1f} ({b['prefill_samples'].get(t, 0)})" for t, ms in b["prefill_ms"].items())
         decode = "-" if b["decode_ms"] is None else f"{b['decode_ms']:.1f}"
         lines.append(f"| {name} | {decode} | {sizes or '-'} | {b['cut_steps']} |")
+    return lines
+
+
+def step_loop_lines(report: dict) -> list[str]:
+    """Each target's step loop over its measured runs (``StepDriver.timing``): its steps, and the gaps between them,
+    after a step that asked for more (a wait behind the model thread's other jobs) and after one that had nothing
+    left (idle until a kick). Two schedulers whose steps cost the same but whose output differs differ here."""
+    rows = [(name, r["step_loop"]) for name, r in report["targets"].items() if r.get("step_loop")]
+    if not rows:
+        return []
+    lines = ["", "| target | steps | step (ms, mean) | waits after a step asking for more: n, mean / max (ms) | "
+                 "idle between steps (s) |", "| --- | ---: | ---: | --- | ---: |"]
+    for name, t in rows:
+        step = 1e3 * t["busy_s"] / t["steps"] if t["steps"] else 0.0
+        wait = 1e3 * t["waited_s"] / t["waits"] if t["waits"] else 0.0
+        lines.append(f"| {name} | {t['steps']} | {step:.2f} | {t['waits']}, {wait:.2f} / "
+                     f"{1e3 * t['waited_max_s']:.2f} | {t['idle_s']:.2f} |")
     return lines
 
 

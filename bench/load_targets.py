@@ -264,9 +264,29 @@ def compiles(url: str) -> dict:
 def prefill_budget(url: str) -> dict | None:
     """The prefill budget's state (``StepBudget.state``, ``/server_info``'s ``prefill_budget``): the node's own, or
     for ``--role pd`` its prefill engine's (the decode engine shares it). None when it cannot be read."""
+    return engine_field(url, "prefill_budget")
+
+
+def step_loop(url: str) -> dict | None:
+    """The scheduler's step loop so far (``StepDriver.timing``, ``/server_info``'s ``step_loop``): the node's, or for
+    ``--role pd`` its engines' one loop. None when it cannot be read."""
+    return engine_field(url, "step_loop")
+
+
+def step_loop_since(before: dict | None, after: dict | None) -> dict | None:
+    """What the step loop did between two readings: sums as differences (the longest wait is the run's own only
+    where it grew)."""
+    if not before or not after:
+        return None
+    grown = {key: round(after[key] - before[key], 6) for key in after if key != "waited_max_s"}
+    return grown | {"waited_max_s": after["waited_max_s"]}
+
+
+def engine_field(url: str, key: str) -> dict | None:
+    """A field of the engine's ``/server_info``: the node's own, or for ``--role pd`` its prefill engine's."""
     def engine_state(info: dict) -> dict | None:  # a node's engine fields: SGLang's internal_states
         state = (info.get("internal_states") or [{}])[0]  # --pd-front direct: the pair's, each engine's under it
-        return state.get("prefill_budget") or state.get("engines", {}).get("prefill", {}).get("prefill_budget")
+        return state.get(key) or state.get("engines", {}).get("prefill", {}).get(key)
 
     try:
         with unix_http.client(timeout=10) as http:

@@ -117,7 +117,7 @@ class EngineCore:
         return {"role": self.role, "model": self.model_name, "max_context": self.max_context,
                 "page_size": self.page_size, "tp_size": self.model.tp_size, "pages_free": self.allocator.free_pages,
                 "pages_reserved": self.allocator.reserved_pages, "pages_cached": self.allocator.cached_pages,
-                "requests_live": len(self.requests), **self.prefill_counters()}
+                "requests_live": len(self.requests), "step_loop": self._driver.timing(), **self.prefill_counters()}
 
     def prefill_counters(self) -> dict:
         return {**self.prefill_tokens, **(self.cache.counters() if self.cache is not None else {})}

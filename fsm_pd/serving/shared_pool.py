@@ -137,3 +137,6 @@ class Member:
     @property
     def steps(self) -> int:
         return self._pool.steps
+
+    def timing(self) -> dict:
+        return self._pool._driver.timing()

@@ -66,6 +66,10 @@ def test_quick_run_answers_every_request_with_its_tokens_and_ratios(tmp_path):
         budget = result["prefill_budget"]
         assert budget["decode_ms"] > 0 and budget["prefill_ms"] and set(budget["prefill_ms"]) == set(
             budget["prefill_samples"]), (name, budget)
+        # the step loop over the measured runs alone: its steps ran, and every gap is one kind or the other
+        loop = result["step_loop"]
+        assert loop["steps"] > 0 and loop["busy_s"] > 0 and loop["waits"] < loop["steps"], (name, loop)
+        assert loop["waited_s"] >= 0 and loop["idle_s"] >= 0, loop
         for mix, median in result["mixes"].items():
             runs = [run["mixes"][mix] for run in result["runs"]]
             for figures in runs:
@@ -96,6 +100,7 @@ def test_quick_run_answers_every_request_with_its_tokens_and_ratios(tmp_path):
         assert f"{report['ratios']['pd-always'][mix]['output_tok_s']:.2f}x |" in table
     for name, result in report["targets"].items():
         assert re.search(rf"\| {name} \| {result['prefill_budget']['decode_ms']:.1f} \| [0-9]+: ", table), name
+        assert f"| {name} | {result['step_loop']['steps']} | " in table, name
     assert re.search(r"\| colocated \| fill \| [0-9.]+ \| - \| 0 \| [0-9.]+ \| node skipped \| 0 \|", table)
 
 
