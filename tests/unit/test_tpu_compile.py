@@ -14,9 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from real_parts import LIBTPU, TPU_AOT_SITE_ENV
 
-pytestmark = LIBTPU
+# slow: 12 to 56 s each under -n 2 (a compile-only chip's programs in a process of their own); a module without a slow
+# test is handed to a worker in the run's last part, and this one was the run's last 80 s, the other worker idle
+pytestmark = [LIBTPU, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 2**20
