@@ -1,5 +1,8 @@
 """``fsm-pd launch``: a whole local PD cluster with one command.
 
+(On a host whose accelerator one process at a time may hold, a TPU's, the default cluster is one ``fsm-pd serve
+--role pd`` process in the router's place instead: ``launch_layout.py``. What follows is the layout of nodes.)
+
 Starts N prefill nodes (each with its bootstrap server) and M decode nodes at once (they load the model side by side),
 then the built-in router, every one a ``fsm-pd serve`` child process on 127.0.0.1 (or, with ``uds``, on unix sockets
 in one directory and no TCP at all) sharing a freshly generated side-channel secret, and waits until each answers
