@@ -9,6 +9,8 @@ the worker that had used them. Each is started again should a later test ask for
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from fsm_pd.model.loader import load_model
@@ -177,21 +179,31 @@ def shared_rig(_rigs, tmp_path_factory):
 # The session fixtures above whose processes stop early: fixture name -> what holds them (a ``stop()``; a later
 # ``get`` starts them again)
 _live: dict[str, object] = {}
-_run_order: dict[str, int] = {}  # a run without xdist: each test's place in the run
+_places: dict[str, int] = {}  # each test's place in session.items
 
 
-def _used_later(name: str, session: pytest.Session, nextitem: pytest.Item | None) -> bool:
-    """Whether a test this process runs after the current one uses fixture ``name``. An xdist worker runs whole
-    groups (tests/conftest.py), and the tests of one shared fixture are one group (``shared-pd``, ``fault-rig``,
-    ``smollm2``): the next test tells. A run without xdist runs ``session.items`` in order: any test after it tells."""
+def _group(item: pytest.Item) -> str | None:
+    mark = item.get_closest_marker("xdist_group")
+    return None if mark is None else str(mark.args[0] if mark.args else mark.kwargs.get("name"))
+
+
+def _used_later(name: str, item: pytest.Item, nextitem: pytest.Item | None) -> bool:
+    """Whether a test this process runs after ``item`` uses fixture ``name``. A run without xdist runs
+    ``session.items`` in order: any test after it tells. An xdist worker runs whole groups (tests/conftest.py), each
+    in ``session.items``' order, and the tests of one shared fixture are one group (``shared-pd``, ``fault-rig``,
+    ``smollm2``): the rest of its group tells (``fault-rig`` has a test without the rig between its two modules)."""
     if nextitem is None:
         return False
-    if hasattr(session.config, "workerinput"):
-        return name in nextitem.fixturenames
-    if not _run_order:
-        _run_order.update((item.nodeid, i) for i, item in enumerate(session.items))
-    start = _run_order.get(nextitem.nodeid, 0)
-    return any(name in item.fixturenames for item in session.items[start:])
+    if name in nextitem.fixturenames:
+        return True
+    items = item.session.items
+    if not _places:
+        _places.update((test.nodeid, i) for i, test in enumerate(items))
+    later = items[_places.get(item.nodeid, len(items)) + 1:]
+    if hasattr(item.config, "workerinput"):
+        group = _group(item)
+        later = itertools.takewhile(lambda test: _group(test) == group, later)
+    return any(name in test.fixturenames for test in later)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -201,5 +213,5 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
         return (yield)
     finally:
         for name, held in _live.items():
-            if name in item.fixturenames and not _used_later(name, item.session, nextitem):
+            if name in item.fixturenames and not _used_later(name, item, nextitem):
                 held.stop()
