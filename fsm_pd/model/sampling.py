@@ -15,6 +15,7 @@ requests share its batch, on the batch bucket, or on which node (prefill or deco
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -142,24 +143,25 @@ def penalty_inputs(params: Sequence[SamplingParams], histories: Sequence[Sequenc
     return counts, bias
 
 
-# The sampling programs a warm-up prepared ahead (``hold``), by (program, batch rows): compiled from shapes, or loaded
-# as the executables an earlier start wrote (``executables.compiled``: on a TPU v5e, tracing and lowering the eight
-# programs took 1.8 s of the interpreter on every warm start, round r17). ``sample`` calls them, not the jitted
-# functions, whose own cache a loaded program does not fill.
-_held: dict[tuple[str, int], jax.stages.Compiled] = {}
+# The sampling programs a warm-up prepared ahead (``hold``), by (program, batch rows, where the logits are): compiled
+# from shapes, or loaded as the executables an earlier start wrote (``executables.compiled``: on a TPU v5e, tracing
+# and lowering the eight programs took 1.8 s of the interpreter on every warm start, round r17). ``sample`` calls
+# them, not the jitted functions, whose own cache a loaded program does not fill. Where the logits are is part of the
+# key: ``--role pd`` with a device for each role warms up a set of samplers on each device.
+_held: dict[tuple[str, int, Any], jax.stages.Compiled] = {}
 
 
-def hold(name: str, batch: int, program: jax.stages.Compiled) -> None:
+def hold(name: str, batch: int, placed: Any, program: jax.stages.Compiled) -> None:
     """``program`` runs ``name`` (``greedy_tokens``, ``sample_tokens``, ``adjust_logits``, ``mask_logits``) at
-    ``batch`` rows from now on."""
-    _held[(name, batch)] = program
+    ``batch`` rows on logits placed by ``placed`` (a sharding) from now on."""
+    _held[(name, batch, placed)] = program
 
 
 def _run(jitted, *args):
-    """``jitted(*args)`` on the program held for its batch, or jitted where none is. A held program checks its
-    arguments before it runs anything (the samplers donate nothing): one placed or typed otherwise than it was
-    compiled for (a logits array on another device) runs jitted instead, and that program is let go."""
-    key = (jitted.__name__, args[0].shape[0])
+    """``jitted(*args)`` on the program held for its batch and its logits' placement, or jitted where none is. A held
+    program checks its arguments before it runs anything (the samplers donate nothing): one typed otherwise than it
+    was compiled for runs jitted instead, and that program is let go."""
+    key = (jitted.__name__, args[0].shape[0], getattr(args[0], "sharding", None))
     program = _held.get(key)
     if program is not None:
         try:

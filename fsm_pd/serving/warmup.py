@@ -273,7 +273,7 @@ def _sampler_thunks(batch: int, vocab: int, sharding) -> dict:
     def held(jitted, *args):
         def prepare():
             program = executables.compiled(jitted, logits, *args)
-            sampling.hold(jitted.__name__, batch, program)
+            sampling.hold(jitted.__name__, batch, sharding, program)
             return program
         return prepare
 

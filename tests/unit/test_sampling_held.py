@@ -26,11 +26,11 @@ def held():
     calls: dict[str, int] = {}
     for prepare in _sampler_thunks(ROWS, VOCAB, placed).values():
         prepare()
-    for (name, batch), program in list(sampling._held.items()):
+    for (name, batch, where), program in list(sampling._held.items()):
         def counted(*args, program=program, name=name):
             calls[name] = calls.get(name, 0) + 1
             return program(*args)
-        sampling.hold(name, batch, counted)
+        sampling.hold(name, batch, where, counted)
     yield calls, placed
     sampling._held.clear()
     sampling._held.update(saved)
@@ -56,5 +56,18 @@ def test_a_held_program_that_cannot_take_the_arguments_runs_jitted_and_is_let_go
     logits = jax.device_put(np.random.RandomState(1).randn(ROWS, VOCAB).astype(jnp.bfloat16), placed)  # not float32
     greedy = sampling.sample(logits, [SamplingParams(temperature=0)] * ROWS, [0] * ROWS, [0] * ROWS)
     assert greedy.tolist() == np.asarray(jnp.argmax(logits, axis=-1)).tolist()
-    assert calls == {"greedy_tokens": 1} and ("greedy_tokens", ROWS) not in sampling._held
-    assert ("sample_tokens", ROWS) in sampling._held  # the others are kept
+    assert calls == {"greedy_tokens": 1} and ("greedy_tokens", ROWS, placed) not in sampling._held
+    assert ("sample_tokens", ROWS, placed) in sampling._held  # the others are kept
+
+
+def test_logits_placed_elsewhere_run_on_programs_of_their_own_placement_and_leave_these_held(held):
+    """``--role pd`` with a device for each role warms up samplers on each: logits of one device never run (or let
+    go of) the programs held for another's. One CPU device here: the same device, placed by another kind of
+    sharding, is another key."""
+    calls, placed = held
+    device = jax.devices()[0]
+    elsewhere = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array([device]), ("x",)), jax.sharding.PartitionSpec())
+    logits = jax.device_put(np.random.RandomState(2).randn(ROWS, VOCAB).astype(np.float32), elsewhere)
+    greedy = sampling.sample(logits, [SamplingParams(temperature=0)] * ROWS, [0] * ROWS, [0] * ROWS)
+    assert greedy.tolist() == np.asarray(jnp.argmax(logits, axis=-1)).tolist()
+    assert calls == {} and ("greedy_tokens", ROWS, placed) in sampling._held
