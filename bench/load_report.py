@@ -158,8 +158,9 @@ def step_loop_lines(report: dict) -> list[str]:
     for name, t in rows:
         step = 1e3 * t["busy_s"] / t["steps"] if t["steps"] else 0.0
         wait = 1e3 * t["waited_s"] / t["waits"] if t["waits"] else 0.0
-        lines.append(f"| {name} | {t['steps']} | {step:.2f} | {t['waits']}, {wait:.2f} / "
-                     f"{1e3 * t['waited_max_s']:.2f} | {t['idle_s']:.2f} |")
+        longest = "-" if t["waited_max_s"] is None else f"{1e3 * t['waited_max_s']:.2f}"  # not above an earlier one
+        lines.append(f"| {name} | {t['steps']} | {step:.2f} | {t['waits']}, {wait:.2f} / {longest} | "
+                     f"{t['idle_s']:.2f} |")
     return lines
 
 

@@ -274,12 +274,13 @@ def step_loop(url: str) -> dict | None:
 
 
 def step_loop_since(before: dict | None, after: dict | None) -> dict | None:
-    """What the step loop did between two readings: sums as differences (the longest wait is the run's own only
-    where it grew)."""
+    """What the step loop did between two readings: sums as differences. The longest wait is the process's so far,
+    so it is the runs' own only where it grew; else None (no wait of theirs was longer than an earlier one)."""
     if not before or not after:
         return None
     grown = {key: round(after[key] - before[key], 6) for key in after if key != "waited_max_s"}
-    return grown | {"waited_max_s": after["waited_max_s"]}
+    longest = after["waited_max_s"] if after["waited_max_s"] > before["waited_max_s"] else None
+    return grown | {"waited_max_s": longest}
 
 
 def engine_field(url: str, key: str) -> dict | None:

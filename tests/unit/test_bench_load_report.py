@@ -16,7 +16,7 @@ sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))
 import load  # noqa: E402
 import load_report  # noqa: E402
 from load_mixes import MIXES, PromptPlan, median_of_runs  # noqa: E402
-from load_targets import background_done, background_state  # noqa: E402
+from load_targets import background_done, background_state, step_loop_since  # noqa: E402
 
 from fsm_pd.serving.startup import Startup  # noqa: E402
 
@@ -147,3 +147,14 @@ def test_handoffs_count_transfer_rooms_and_requests_served_whole_apart(tmp_path,
     assert report["prefill_xfer_ms"]["n"] == 1 and report["prefill_xfer_ms"]["p50"] == pytest.approx(0.4)
     line = load_report.handoff_lines({"targets": {"pd-auto": {"handoffs": report}}})[-1]
     assert line.startswith("| pd-auto | 2 (1) | 2 | ok | 0.40 / 0.40 / 0.40 | 0.20 / 0.20 / 0.20 |"), line
+
+
+def test_the_step_loop_of_the_runs_is_the_difference_of_two_readings_and_its_longest_wait_only_where_it_grew():
+    before = {"steps": 5, "busy_s": 1.0, "waits": 4, "waited_s": 0.1, "waited_max_s": 0.05, "idle_s": 2.0}
+    after = {"steps": 9, "busy_s": 1.5, "waits": 7, "waited_s": 0.25, "waited_max_s": 0.05, "idle_s": 2.5}
+    runs = step_loop_since(before, after)
+    assert runs == {"steps": 4, "busy_s": 0.5, "waits": 3, "waited_s": 0.15, "idle_s": 0.5, "waited_max_s": None}
+    assert step_loop_since(before, {**after, "waited_max_s": 0.08})["waited_max_s"] == 0.08
+    assert step_loop_since(None, after) is None
+    table = "\n".join(load_report.step_loop_lines({"targets": {"pd-auto": {"step_loop": runs}}}))
+    assert "| pd-auto | 4 | 125.00 | 3, 50.00 / - | 0.50 |" in table
